@@ -1,0 +1,1 @@
+"""kvroute's actors: one actor a module, each with one ``run(task_status)`` entry point."""

@@ -1,0 +1,118 @@
+"""Parsing and formatting of ``host:port`` targets (pure).
+
+Rules (review-lessons §17): an explicit port is honoured, a bare host takes the
+default port, anything ambiguous is an error naming the input. IPv6 hosts are
+bracketed when a target is formed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
+
+
+class TargetError(ValueError):
+    """A malformed ``host:port`` entry; the message names the entry."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class HostPort:
+    host: str  # bare host: IPv6 without brackets
+    port: int
+
+    @property
+    def is_ipv6(self) -> bool:
+        return ":" in self.host
+
+    def __str__(self) -> str:
+        return format_target(self.host, self.port)
+
+
+def format_target(host: str, port: int) -> str:
+    """``host:port``, with IPv6 hosts bracketed."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def _check_port(text: str, entry: str) -> int:
+    if not text.isdigit():
+        raise TargetError(f"bad port {text!r} in target {entry!r}")
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise TargetError(f"port {port} out of range 1..65535 in target {entry!r}")
+    return port
+
+
+def _check_host(host: str, entry: str) -> str:
+    if not host:
+        raise TargetError(f"empty host in target {entry!r}")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if not _HOSTNAME.match(host):
+        raise TargetError(f"bad host {host!r} in target {entry!r}")
+    return host.rstrip(".").lower()
+
+
+def parse_target(entry: str, default_port: int | None = None) -> HostPort:
+    """Parse one ``host[:port]`` entry.
+
+    ``[v6]:port`` and ``[v6]`` are accepted; a bare IPv6 address without brackets
+    is accepted only when no port could be meant (it parses as an address).
+    """
+    text = entry.strip()
+    if not text:
+        raise TargetError("empty target entry")
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise TargetError(f"unclosed '[' in target {entry!r}")
+        host = text[1:end]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError as exc:
+            raise TargetError(f"bad IPv6 address {host!r} in target {entry!r}") from exc
+        rest = text[end + 1 :]
+        if rest == "":
+            port_text = None
+        elif rest.startswith(":"):
+            port_text = rest[1:]
+        else:
+            raise TargetError(f"unexpected {rest!r} after ']' in target {entry!r}")
+        host = str(ipaddress.IPv6Address(host))
+    elif text.count(":") > 1:
+        # Unbracketed IPv6: only a full address with no port is unambiguous.
+        try:
+            host = str(ipaddress.IPv6Address(text))
+        except ValueError as exc:
+            raise TargetError(f"ambiguous target {entry!r}: bracket IPv6 hosts as [addr]:port") from exc
+        port_text = None
+    else:
+        host, sep, port_text_raw = text.partition(":")
+        port_text = port_text_raw if sep else None
+        host = _check_host(host, entry)
+    if port_text is None:
+        if default_port is None:
+            raise TargetError(f"target {entry!r} has no port and there is no default port")
+        return HostPort(host, default_port)
+    return HostPort(host, _check_port(port_text, entry))
+
+
+def parse_target_list(text: str, default_port: int | None = None) -> tuple[HostPort, ...]:
+    """Parse a comma-separated list; every bad entry is reported at once; duplicates are dropped."""
+    entries = [e for e in (part.strip() for part in text.split(",")) if e]
+    seen: dict[HostPort, None] = {}
+    errors: list[str] = []
+    for entry in entries:
+        try:
+            seen.setdefault(parse_target(entry, default_port))
+        except TargetError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise TargetError("; ".join(errors))
+    return tuple(seen)

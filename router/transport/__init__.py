@@ -1,0 +1,1 @@
+"""Transport ports and adapters: how actors reach remote services."""

@@ -1,0 +1,49 @@
+"""In-memory adapter: a fake network carrying bytes between clients and server handlers.
+
+Used with ``trio.testing.MockClock`` (real sockets and autojump do not mix). A
+handler is the same server-side code the gRPC sim servers run; faults (delay,
+hang) are trio sleeps, so they run on virtual time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from router.transport.errors import PeerAbort, Unavailable, status_to_error
+
+Handler = Callable[[str, bytes], Awaitable[bytes]]
+
+
+class MemoryNetwork:
+    """``RawRpc`` over a dict of target → handler. An unknown target is a dead peer (Unavailable)."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+        self.calls: dict[tuple[str, str], int] = {}  # (target, method) → count, for tests and benches
+
+    def serve(self, target: str, handler: Handler) -> None:
+        self._handlers[target] = handler
+
+    def stop(self, target: str) -> None:
+        self._handlers.pop(target, None)
+
+    def call_count(self, target: str | None = None, method_path: str | None = None) -> int:
+        return sum(
+            n
+            for (t, m), n in self.calls.items()
+            if (target is None or t == target) and (method_path is None or m == method_path)
+        )
+
+    async def call(self, target: str, method_path: str, request: bytes) -> bytes:
+        key = (target, method_path)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        handler = self._handlers.get(target)
+        if handler is None:
+            raise Unavailable(target, "connection refused (no server at this target)")
+        try:
+            return await handler(method_path, request)
+        except PeerAbort as abort:
+            raise status_to_error(target, abort.status, abort.details) from abort
+
+    def invalidate(self, target: str) -> None:
+        """Nothing is cached per target in memory."""

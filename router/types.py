@@ -1,0 +1,279 @@
+"""The shared vocabulary: immutable values passed between actors and adapters.
+
+Everything here is a frozen value; nothing does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from router.targets import format_target
+
+
+class Role(enum.Enum):
+    PREFILL = "PREFILL"
+    PDFUSION = "PDFUSION"
+    DECODE = "DECODE"
+    VIT = "VIT"
+    FRONTEND = "FRONTEND"
+    UNKNOWN = "UNKNOWN"
+
+    @classmethod
+    def parse(cls, reported: str) -> Role:
+        """Map an engine's reported role ("RoleType.PREFILL" or "PREFILL") to a Role; unknown → UNKNOWN."""
+        name = reported.strip().rpartition(".")[2].upper()
+        try:
+            return cls(name)
+        except ValueError:
+            return cls.UNKNOWN
+
+
+class KvCacheGroupMode(enum.Enum):
+    UNSPECIFIED = 0
+    FULL_ATTENTION_ONLY = 1
+    WITH_MAMBA = 2
+
+
+class QueryType(enum.Enum):
+    """KVCM query types (values are the wire enum numbers)."""
+
+    UNSPECIFIED = 0
+    BATCH_GET = 1
+    PREFIX_MATCH = 2
+    REVERSE_ROLL_SW_MATCH = 3
+    PREFIX_MATCH_WITH_MAMBA = 4
+
+
+class EngineGeneration(enum.Enum):
+    """Which worker-status decoder a deployment uses (wire-contract §2)."""
+
+    K = "K"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerAddr:
+    """A worker as discovery knows it: ``ip:http_port``, plus derived ports."""
+
+    ip: str
+    http_port: int
+    grpc_port: int
+    status_port: int
+
+    @classmethod
+    def from_http(cls, ip: str, http_port: int, grpc_port_offset: int = 1, status_port: int | None = None) -> WorkerAddr:
+        grpc_port = http_port + grpc_port_offset
+        return cls(ip, http_port, grpc_port, grpc_port if status_port is None else status_port)
+
+    @property
+    def http_target(self) -> str:
+        """The worker's KVCM identity (``host_ip_port``)."""
+        return format_target(self.ip, self.http_port)
+
+    @property
+    def grpc_target(self) -> str:
+        return format_target(self.ip, self.grpc_port)
+
+    @property
+    def status_target(self) -> str:
+        return format_target(self.ip, self.status_port)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInfo:
+    """One task a worker reports. Optional fields keep presence: None means absent, not 0."""
+
+    request_id: str
+    input_length: int
+    prefix_length: int
+    is_waiting: bool
+    remaining_prefill_tokens: int | None = None
+    completed_prefill_tokens: int | None = None
+
+    @property
+    def uncached_tokens(self) -> int:
+        """Prefill tokens this task still costs the worker (selection.md §2.3)."""
+        if not self.is_waiting and self.remaining_prefill_tokens is not None:
+            return max(0, self.remaining_prefill_tokens)
+        return max(0, self.input_length - min(self.input_length, self.prefix_length))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One decoded worker-status reply, whatever the engine generation."""
+
+    role: Role
+    role_reported: str
+    alive: bool
+    status_version: int
+    latest_finished_version: int
+    waiting: tuple[TaskInfo, ...] = ()
+    running: tuple[TaskInfo, ...] = ()
+    waiting_query_len: int = 0
+    running_query_len: int = 0
+    available_concurrency: int = 0
+    step_latency_ms: float = 0.0
+    # None = not reported by the engine (never 0 standing for a real value).
+    block_size: int | None = None
+    lookahead_tokens: int | None = None
+    kv_cache_group_mode: KvCacheGroupMode = KvCacheGroupMode.UNSPECIFIED
+    available_kv_cache: int | None = None
+    total_kv_cache: int | None = None
+
+    @property
+    def waiting_count(self) -> int:
+        return max(self.waiting_query_len, len(self.waiting))
+
+    @property
+    def outstanding_uncached_tokens(self) -> int:
+        return sum(t.uncached_tokens for t in self.waiting) + sum(t.uncached_tokens for t in self.running)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderEndpoint:
+    node_id: str
+    host: str
+    port: int
+
+    @property
+    def target(self) -> str:
+        return format_target(self.host, self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    """A valid GetClusterInfo answer. ``leader`` is None when no leader is elected yet."""
+
+    self_node_id: str
+    leader: LeaderEndpoint | None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheQuery:
+    instance_id: str
+    query_type: QueryType
+    block_keys: tuple[int, ...]
+    trace_id: str = ""
+    p2p_host_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HostMatch:
+    """One host of a GetHostCacheState answer (``host_ip_port`` is ``ip:http_port``)."""
+
+    host_ip_port: str
+    local: int
+    p2p_fetch: int = 0
+    p2p_total: int = 0
+
+    def effective_blocks(self, p2p_hit_discount: float) -> float:
+        return self.local + max(0, self.p2p_total - self.local) * max(0.0, p2p_hit_discount)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheState:
+    hosts: tuple[HostMatch, ...]
+
+
+class RouteSource(enum.Enum):
+    KVCM = "kvcm"
+    SHADOW = "shadow"
+    DOMAIN = "domain"
+    NONE = "none"
+
+
+class Reason(enum.Enum):
+    """Why a decision went where it went. Values double as metric label values."""
+
+    # Scorer reasons (selection.md §2), verbatim from the reference scheduler.
+    CACHE_LEADER = "CACHE_LEADER"
+    SHORTEST_TTFT = "SHORTEST_TTFT"
+    SHORTEST_TTFT_LOW_CACHE_HIT = "SHORTEST_TTFT_LOW_CACHE_HIT"
+    SHORTEST_TTFT_OUTSTANDING_GUARD = "SHORTEST_TTFT_OUTSTANDING_GUARD"
+    SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK = "SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK"
+    CACHE_AFFINITY_FALLBACK = "CACHE_AFFINITY_FALLBACK"
+    SHORTEST_TTFT_FALLBACK = "SHORTEST_TTFT_FALLBACK"
+    # Fallback reasons.
+    BREAKER_OPEN = "breaker_open"
+    NO_LEADER = "no_leader"
+    KVCM_ERROR = "kvcm_error"
+    NO_POSITIVE_MATCH = "no_positive_match"
+    NO_CANDIDATES = "no_candidates"
+    DEADLINE = "deadline"
+    OVERLOADED = "overloaded"
+    FEATURE_OFF = "feature_off"
+    BAD_REQUEST = "bad_request"
+    NO_WORKERS = "no_workers"
+
+
+class DropReason(enum.Enum):
+    """Why a candidate was dropped before scoring (metric label values)."""
+
+    NOT_ALIVE = "not_alive"
+    NO_STATUS = "no_status"
+    EJECTED = "ejected"
+    ROLE_NOT_ROUTED = "role_not_routed"
+    QUEUE_FULL = "queue_full"
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    LOOKAHEAD_MISMATCH = "lookahead_mismatch"
+    UNKNOWN_HOST = "unknown_host"
+    MALFORMED_HOST = "malformed_host"
+    PROBE_SKIPPED = "probe_skipped"
+    PROBE_FAILED = "probe_failed"
+
+
+class KeyFamily(enum.Enum):
+    RTP = "rtp"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+class BadRequest(ValueError):
+    """A malformed route request; the message names the field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field_name = field_name
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a frontend asks. Either ``token_ids`` or ``block_cache_keys`` (used as given)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] | None = None
+    block_cache_keys: tuple[int, ...] | None = None
+    block_size: int | None = None
+    seq_len: int | None = None
+    budget_ms: float | None = None  # remaining TTFT budget
+    deadline: float | None = None  # absolute trio deadline (alternative to budget_ms)
+    roles: tuple[Role, ...] | None = None  # None: the deployment's roles
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateExplain:
+    """One candidate as the decision saw it (for explain and /debug/decisions)."""
+
+    target: str
+    source: str  # "hot" | "cold" | "shadow"
+    local_blocks: int
+    hit_tokens: int
+    work_tokens: int | None
+    role: str | None
+    dropped: str | None  # DropReason value, or None if scored
+    chosen: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    request_id: str
+    worker: WorkerAddr | None
+    role: Role | None
+    route_source: RouteSource
+    reason: Reason
+    hit_tokens: int = 0
+    local_blocks: int = 0
+    elapsed_ms: float = 0.0
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    candidates: tuple[CandidateExplain, ...] = ()
+    error: str | None = None  # a clear message for route_source=none or bad_request

@@ -1,0 +1,1 @@
+"""Wire formats: generated protobuf modules (built from proto/ at install), pinned paths, decoders."""

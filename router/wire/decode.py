@@ -1,0 +1,176 @@
+"""Encode requests and decode replies of the upstream services (pure).
+
+Every decoder turns bytes into our typed values or raises ``GarbledReply`` naming
+the field that broke the wire contract, or ``RemoteError``/``NotLeader`` for an
+application error code. Both transport adapters use these functions, so the
+in-memory and gRPC paths decode identically.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from router.transport.errors import GarbledReply, NotLeader, RemoteError
+from router.types import (
+    CacheQuery,
+    CacheState,
+    ClusterInfo,
+    EngineGeneration,
+    HostMatch,
+    KvCacheGroupMode,
+    LeaderEndpoint,
+    Role,
+    TaskInfo,
+    WorkerStatus,
+)
+from router.wire import engine_status_pb2 as engine_pb
+from router.wire import kvcm_meta_pb2 as kvcm_pb
+
+_OK = kvcm_pb.OK
+_NOT_LEADER = kvcm_pb.SERVER_NOT_LEADER
+
+
+def _parse(message_type: type, data: bytes, target: str, what: str) -> object:
+    msg = message_type()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as exc:
+        raise GarbledReply(target, f"{what}: undecodable reply ({exc})") from exc
+    return msg
+
+
+def _check_header(header_holder: object, target: str, what: str) -> None:
+    """Raise unless ``header.status.code`` is OK."""
+    if not header_holder.HasField("header"):  # type: ignore[attr-defined]
+        raise GarbledReply(target, f"{what}.header: missing")
+    status = header_holder.header.status  # type: ignore[attr-defined]
+    code = int(status.code)
+    if code == _OK:
+        return
+    name = kvcm_pb.ErrorCode.Name(code) if code in kvcm_pb.ErrorCode.values() else f"CODE_{code}"
+    if code == _NOT_LEADER:
+        raise NotLeader(target, status.message, code, name)
+    raise RemoteError(target, status.message, code, name)
+
+
+# --- KVCM: GetClusterInfo --------------------------------------------------------------
+
+
+def encode_cluster_info_request(instance_id: str, trace_id: str = "") -> bytes:
+    return kvcm_pb.GetClusterInfoRequest(trace_id=trace_id, instance_id=instance_id).SerializeToString()
+
+
+def decode_cluster_info(data: bytes, target: str) -> ClusterInfo:
+    """Accept a leader only when status is OK, the endpoint is present, the host non-blank and the port valid.
+
+    OK with no leader endpoint and an empty leader id is "no leader elected yet".
+    """
+    msg = _parse(kvcm_pb.GetClusterInfoResponse, data, target, "GetClusterInfoResponse")
+    assert isinstance(msg, kvcm_pb.GetClusterInfoResponse)
+    _check_header(msg, target, "GetClusterInfoResponse")
+    if not msg.HasField("leader_endpoint"):
+        if msg.leader_node_id:
+            raise GarbledReply(target, "GetClusterInfoResponse.leader_endpoint: missing for a named leader")
+        return ClusterInfo(self_node_id=msg.self_node_id, leader=None)
+    ep = msg.leader_endpoint
+    host = ep.host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise GarbledReply(target, "GetClusterInfoResponse.leader_endpoint.host: blank")
+    if not 1 <= ep.meta_rpc_port <= 65535:
+        raise GarbledReply(
+            target, f"GetClusterInfoResponse.leader_endpoint.meta_rpc_port: {ep.meta_rpc_port} not in 1..65535"
+        )
+    node_id = ep.node_id or msg.leader_node_id
+    return ClusterInfo(self_node_id=msg.self_node_id, leader=LeaderEndpoint(node_id, host, ep.meta_rpc_port))
+
+
+# --- KVCM: GetHostCacheState -----------------------------------------------------------
+
+
+def encode_cache_query(query: CacheQuery) -> bytes:
+    return kvcm_pb.GetHostCacheStateRequest(
+        trace_id=query.trace_id,
+        instance_id=query.instance_id,
+        query_type=query.query_type.value,
+        block_cache_keys=query.block_keys,
+        p2p_host_count=query.p2p_host_count,
+    ).SerializeToString()
+
+
+def decode_cache_state(data: bytes, target: str) -> CacheState:
+    """Blank hosts are skipped; a duplicate host keeps its last entry; negative counts are garbled."""
+    msg = _parse(kvcm_pb.GetHostCacheStateResponse, data, target, "GetHostCacheStateResponse")
+    assert isinstance(msg, kvcm_pb.GetHostCacheStateResponse)
+    _check_header(msg, target, "GetHostCacheStateResponse")
+    hosts: dict[str, HostMatch] = {}
+    for i, h in enumerate(msg.hosts):
+        name = h.host_ip_port.strip()
+        if not name:
+            continue
+        if h.local < 0 or h.p2p_1_fetch < 0 or h.p2p_1_total_match < 0:
+            raise GarbledReply(target, f"GetHostCacheStateResponse.hosts[{i}]: negative block count")
+        hosts.pop(name, None)
+        hosts[name] = HostMatch(name, h.local, h.p2p_1_fetch, max(h.p2p_1_total_match, h.local))
+    return CacheState(hosts=tuple(hosts.values()))
+
+
+# --- Engine: GetWorkerStatus -----------------------------------------------------------
+
+
+def encode_status_version(latest_finished_version: int) -> bytes:
+    return engine_pb.StatusVersionPB(
+        latest_cache_version=-1, latest_finished_version=latest_finished_version
+    ).SerializeToString()
+
+
+def _task_k(t: engine_pb.TaskInfoPB) -> TaskInfo:
+    return TaskInfo(
+        request_id=t.request_id,
+        input_length=t.input_length,
+        prefix_length=t.prefix_length,
+        is_waiting=t.is_waiting,
+        remaining_prefill_tokens=t.remaining_prefill_tokens if t.HasField("remaining_prefill_tokens") else None,
+        completed_prefill_tokens=t.completed_prefill_tokens if t.HasField("completed_prefill_tokens") else None,
+    )
+
+
+def _decode_generation_k(data: bytes, target: str) -> WorkerStatus:
+    msg = _parse(engine_pb.WorkerStatusPB, data, target, "WorkerStatusPB")
+    assert isinstance(msg, engine_pb.WorkerStatusPB)
+    tasks = [_task_k(t) for t in msg.running_task_info]
+    for i, t in enumerate(tasks):
+        if t.input_length < 0 or t.prefix_length < 0:
+            raise GarbledReply(target, f"WorkerStatusPB.running_task_info[{i}]: negative length")
+    try:
+        mode = KvCacheGroupMode(msg.kv_cache_group_mode)
+    except ValueError:
+        mode = KvCacheGroupMode.UNSPECIFIED
+    reported_block = msg.block_size if msg.block_size > 0 else None
+    return WorkerStatus(
+        role=Role.parse(msg.role),
+        role_reported=msg.role,
+        alive=msg.alive,
+        status_version=msg.status_version,
+        latest_finished_version=msg.latest_finished_version,
+        waiting=tuple(t for t in tasks if t.is_waiting),
+        running=tuple(t for t in tasks if not t.is_waiting),
+        waiting_query_len=msg.waiting_query_len,
+        running_query_len=msg.running_query_len,
+        available_concurrency=msg.available_concurrency,
+        step_latency_ms=msg.step_latency_ms,
+        block_size=reported_block,
+        # Lookahead is meaningful only from an engine that reports its block geometry at all.
+        lookahead_tokens=msg.block_hash_lookahead_tokens if reported_block is not None else None,
+        kv_cache_group_mode=mode,
+        available_kv_cache=msg.available_kv_cache if msg.total_kv_cache > 0 else None,
+        total_kv_cache=msg.total_kv_cache if msg.total_kv_cache > 0 else None,
+    )
+
+
+def decode_worker_status(data: bytes, target: str, generation: EngineGeneration = EngineGeneration.K) -> WorkerStatus:
+    """Decode a WorkerStatusPB with the deployment's decoder (generation K today)."""
+    if generation is EngineGeneration.K:
+        return _decode_generation_k(data, target)
+    raise ValueError(f"no decoder for engine generation {generation}")  # pragma: no cover - enum is exhaustive
