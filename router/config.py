@@ -1,0 +1,141 @@
+"""Configuration values: one dataclass per actor, each field's default defined once, here.
+
+The settings table (flags, environment variables, TOML, validation, help) is
+generated from these dataclasses; no other module repeats a default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.types import EngineGeneration, KeyFamily, QueryType, Role
+
+KVCM_DEFAULT_PORT = 6381
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelPoolConfig:
+    max_channels: int = 256
+    idle_expiry_s: float = 60.0
+    keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 10_000
+    max_message_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    # KVCM bootstrap targets: static list, file (one entry per line or comma-separated), DNS name.
+    kvcm_bootstrap: str = ""
+    kvcm_bootstrap_file: str = ""
+    kvcm_bootstrap_dns: str = ""
+    kvcm_port: int = KVCM_DEFAULT_PORT
+    # Workers: ip:http_port entries.
+    workers: str = ""
+    workers_file: str = ""
+    workers_dns: str = ""
+    worker_http_port: int = 0  # default http port for bare hosts and DNS answers; 0 = an explicit port is required
+    worker_grpc_port_offset: int = 1  # grpc port = http port + offset
+    worker_status_port: int = 0  # 0 = the grpc port
+    refresh_interval_s: float = 5.0
+    stale_after_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderConfig:
+    instance_id: str = ""
+    refresh_interval_s: float = 10.0
+    max_staleness_s: float = 30.0
+    lookup_timeout_s: float = 0.5
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failure_threshold: int = 5
+    window_s: float = 10.0
+    window_min_calls: int = 20
+    failure_rate: float = 0.5
+    cooldown_s: float = 1.0
+    cooldown_max_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProberConfig:
+    inflight_cap: int = 64
+    rate_per_s: float = 2000.0
+    rate_burst: int = 64
+    fresh_ttl_s: float = 0.05
+    max_status_age_s: float = 3.0
+    probe_timeout_s: float = 0.2
+    eject_after_failures: int = 3
+    eject_base_s: float = 30.0
+    eject_max_s: float = 300.0
+    max_ejected_fraction: float = 0.5
+    max_tracked_workers: int = 4096
+    inbox_size: int = 1024
+    engine_generation: EngineGeneration = EngineGeneration.K
+
+
+@dataclass(frozen=True, slots=True)
+class ScorerConfig:
+    prefill_queue_size_threshold: int = 1024
+    p2p_hit_discount: float = 0.2
+    max_extra_work_tokens: int = 0
+    min_hit_rate: float = 5.0
+    outstanding_uncached_tokens_threshold: int = 0
+    hot_set_size: int = 8
+    cold_set_size: int = 2
+    seed: int = 0
+    max_tracked_workers: int = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowConfig:
+    ttl_s: float = 300.0
+    capacity_blocks: int = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentConfig:
+    """What the deployment's engines and KVCM namespace look like."""
+
+    roles: tuple[Role, ...] = (Role.PREFILL,)
+    block_size: int = 64
+    lookahead_tokens: int = 0
+    key_family: KeyFamily = KeyFamily.RTP
+    query_type: QueryType = QueryType.PREFIX_MATCH
+    kvcm_instance_id: str = ""
+    p2p_host_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    kvcm_fallback: bool = True
+    inbox_size: int = 1024
+    budget_cap_ms: float = 50.0
+    reserve_fraction: float = 0.1
+    reserve_min_ms: float = 1.0
+    kvcm_query_timeout_ms: float = 500.0
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    inbox_size: int = 4096
+    decision_ring_size: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class KvrouteConfig:
+    """The whole effective configuration."""
+
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    leader: LeaderConfig = field(default_factory=LeaderConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    prober: ProberConfig = field(default_factory=ProberConfig)
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)
+    channel_pool: ChannelPoolConfig = field(default_factory=ChannelPoolConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
