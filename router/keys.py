@@ -1,0 +1,248 @@
+"""Block cache keys for a prompt (pure): the three families of selection.md §1.
+
+A prompt of N tokens and block size ``bs`` has floor(N / bs) keys (for ``sglang``
+with lookahead 1, floor((N - 1) / bs): its logical length is N - 1). An incomplete
+tail block has no key. Keys are signed 64-bit integers.
+
+- ``rtp``: the engine's rolling hash, carried across blocks.
+- ``vllm``: sha256 over canonical CBOR ``[parent digest, [tokens], null]``, chained.
+- ``sglang``: sha256 over ``parent digest ‖ tokens as uint32 little-endian``, chained.
+
+Every function converts its tokens to a list at most once (review-lessons §20).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import assert_never
+
+from router.types import KeyFamily
+
+_MASK64 = (1 << 64) - 1
+_SIGN64 = 1 << 63
+_GOLDEN = 0x9E3779B97F4A7C15
+_RTP_OFFSET = (_GOLDEN - (1 << 31)) & _MASK64
+_INT32_MIN = -(1 << 31)
+_INT32_MAX = (1 << 31) - 1
+
+# CBOR (RFC 8949) major types, pre-shifted into the initial byte.
+_CBOR_UINT = 0x00
+_CBOR_NEGINT = 0x20
+_CBOR_BYTES = 0x40
+_CBOR_TEXT = 0x60
+_CBOR_ARRAY = 0x80
+_CBOR_NULL = b"\xf6"
+
+_PACK_U8 = struct.Struct(">BB").pack
+_PACK_U16 = struct.Struct(">BH").pack
+_PACK_U32 = struct.Struct(">BI").pack
+_PACK_U64 = struct.Struct(">BQ").pack
+_UNPACK_I64 = struct.Struct(">q").unpack_from
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    """The initial byte(s) of a CBOR item: major type plus its argument in minimal width."""
+    if value < 24:
+        return bytes((major | value,))
+    if value < 0x100:
+        return _PACK_U8(major | 24, value)
+    if value < 0x10000:
+        return _PACK_U16(major | 25, value)
+    if value < 0x100000000:
+        return _PACK_U32(major | 26, value)
+    return _PACK_U64(major | 27, value)
+
+
+def _cbor_int(value: int) -> bytes:
+    if value >= 0:
+        if value > _MASK64:
+            raise ValueError(f"tokens: token id {value} does not fit in 64 bits")
+        return _cbor_head(_CBOR_UINT, value)
+    if value < -(1 << 64):
+        raise ValueError(f"tokens: token id {value} does not fit in 64 bits")
+    return _cbor_head(_CBOR_NEGINT, -1 - value)
+
+
+def _as_list(tokens: Sequence[int]) -> Sequence[int]:
+    """The tokens as an indexable sequence, copying only when they are neither a list nor a tuple."""
+    return tokens if isinstance(tokens, list | tuple) else list(tokens)
+
+
+def _check_geometry(block_size: int, lookahead: int) -> None:
+    if block_size <= 0:
+        raise ValueError(f"block_size: must be positive, got {block_size}")
+    if lookahead < 0:
+        raise ValueError(f"lookahead: must be >= 0, got {lookahead}")
+
+
+# --- rtp -----------------------------------------------------------------------------
+
+
+def rtp_keys(tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """The engine's rolling hash: one state across all blocks; key_i is the state after block i."""
+    _check_geometry(block_size, 0)
+    toks = _as_list(tokens)
+    n_blocks = len(toks) // block_size
+    if n_blocks == 0:
+        return ()
+    end = n_blocks * block_size
+    if min(toks) < _INT32_MIN or max(toks) > _INT32_MAX:
+        # Truncate to signed 32 bits once, up front, so the hot loop is the same for every input.
+        toks = [((t & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for t in toks[:end]]
+    # Hot loop, 7 integer ops per token. The state is kept offset as g = h + 2**63, which lies in
+    # [0, 2**64): then h >> 32 == (g >> 32) - 2**31 and h << 12 == (g << 12) - 2**75 exactly, and
+    # h ^ x == g ^ x ^ 2**63 (mod 2**64), so the engine's step
+    #     h ^= v + GOLDEN + (h << 12) + (h >> 32)
+    # becomes g = (g ^ (v + offset + (g << 12) + (g >> 32))) mod 2**64, with the constants folded
+    # into offset = GOLDEN - 2**31 (mod 2**64). Bits above 64 never reach the low 64 bits of +, ^
+    # and <<, so one mask per token suffices, and the key is h = g - 2**63.
+    offset, mask, sign = _RTP_OFFSET, _MASK64, _SIGN64
+    keys: list[int] = []
+    g = sign
+    for start in range(0, end, block_size):
+        for t in toks[start : start + block_size]:
+            g = (g ^ (t + offset + (g << 12) + (g >> 32))) & mask
+        keys.append(g - sign)
+    return tuple(keys)
+
+
+# --- vllm ----------------------------------------------------------------------------
+
+NONE_HASH: bytes = hashlib.sha256(_cbor_head(_CBOR_TEXT, 1) + b"0").digest()
+"""The seed digest: sha256 of the CBOR text string "0"."""
+
+_CBOR_DIGEST_HEAD = _cbor_head(_CBOR_BYTES, 32)
+_CBOR_TRIPLE_HEAD = _cbor_head(_CBOR_ARRAY, 3)
+
+
+def vllm_block_cbor(parent_digest: bytes, block_tokens: Sequence[int]) -> bytes:
+    """Canonical CBOR of ``[parent_digest, [block_tokens...], null]`` — the bytes a vLLM block hash covers."""
+    if len(parent_digest) != 32:
+        raise ValueError(f"parent_digest: must be 32 bytes, got {len(parent_digest)}")
+    return b"".join(
+        (
+            _CBOR_TRIPLE_HEAD,
+            _CBOR_DIGEST_HEAD,
+            parent_digest,
+            _cbor_head(_CBOR_ARRAY, len(block_tokens)),
+            *_encode_tokens(block_tokens),
+            _CBOR_NULL,
+        )
+    )
+
+
+def _encode_tokens(toks: Sequence[int]) -> list[bytes]:
+    """Each token's CBOR integer encoding, computed once (blocks overlap when there is lookahead)."""
+    out: list[bytes] = []
+    append = out.append
+    # Largest widths first: ids of a >64K vocabulary mostly need 4 bytes, so most tokens take one test.
+    for t in toks:
+        if t >= 0x10000:
+            append(_PACK_U32(0x1A, t) if t < 0x100000000 else _cbor_int(t))
+        elif t >= 0x100:
+            append(_PACK_U16(0x19, t))
+        elif t >= 24:
+            append(_PACK_U8(0x18, t))
+        elif t >= 0:
+            append(bytes((t,)))
+        else:
+            append(_cbor_int(t))
+    return out
+
+
+def vllm_keys(tokens: Sequence[int], block_size: int, lookahead: int = 0) -> tuple[int, ...]:
+    """vLLM's chained sha256 over canonical CBOR; key_i = last 8 bytes of digest_i, big-endian, signed.
+
+    With lookahead L, block i also covers up to L following tokens (those that exist);
+    the stride stays ``block_size`` and the key count stays floor(N / block_size).
+    """
+    _check_geometry(block_size, lookahead)
+    toks = _as_list(tokens)
+    n = len(toks)
+    n_blocks = n // block_size
+    if n_blocks == 0:
+        return ()
+    covered = min(n, n_blocks * block_size + lookahead)
+    encoded = _encode_tokens(toks[:covered])
+    sha256 = hashlib.sha256
+    full = block_size + lookahead
+    full_head = _cbor_head(_CBOR_ARRAY, full)
+    keys: list[int] = []
+    digest = NONE_HASH
+    for start in range(0, n_blocks * block_size, block_size):
+        stop = min(start + full, n)
+        # Only the last blocks can be cut short by the end of the prompt.
+        array_head = full_head if stop - start == full else _cbor_head(_CBOR_ARRAY, stop - start)
+        digest = sha256(
+            b"".join(
+                (_CBOR_TRIPLE_HEAD, _CBOR_DIGEST_HEAD, digest, array_head, *encoded[start:stop], _CBOR_NULL)
+            )
+        ).digest()
+        keys.append(_UNPACK_I64(digest, 24)[0])
+    return tuple(keys)
+
+
+# --- sglang --------------------------------------------------------------------------
+
+
+def sglang_keys(tokens: Sequence[int], block_size: int, lookahead: int = 0) -> tuple[int, ...]:
+    """SGLang's page hash: sha256(parent ‖ uint32-LE tokens), chained; key = first 8 bytes, BE, signed.
+
+    With lookahead 1 (EAGLE bigrams) logical token i is the pair (t_i, t_{i+1}), so the
+    logical length is N - 1 and a page of ``block_size`` logical tokens hashes 2·block_size ids.
+    """
+    _check_geometry(block_size, lookahead)
+    if lookahead > 1:
+        raise ValueError(f"lookahead: the sglang family supports only 0 or 1, got {lookahead}")
+    toks = _as_list(tokens)
+    logical = len(toks) - lookahead
+    n_pages = max(0, logical) // block_size
+    if n_pages == 0:
+        return ()
+    used = n_pages * block_size
+    ids = toks[: used + lookahead]
+    if min(ids) < 0 or max(ids) > 0xFFFFFFFF:
+        raise ValueError("tokens: the sglang family hashes token ids as uint32; got one outside 0..2**32-1")
+    if lookahead:
+        # Interleave (t_i, t_{i+1}) for each logical position i.
+        flat = [0] * (2 * used)
+        flat[0::2] = ids[:used]
+        flat[1::2] = ids[1 : used + 1]
+        ids = flat
+    width = 4 * block_size * (1 + lookahead)
+    data = struct.pack(f"<{len(ids)}I", *ids)
+    sha256 = hashlib.sha256
+    keys: list[int] = []
+    parent = b""
+    for offset in range(0, len(data), width):
+        parent = sha256(parent + data[offset : offset + width]).digest()
+        keys.append(_UNPACK_I64(parent, 0)[0])
+    return tuple(keys)
+
+
+# --- dispatch ------------------------------------------------------------------------
+
+
+def block_keys(
+    tokens: Sequence[int], block_size: int, family: KeyFamily, lookahead: int = 0
+) -> tuple[int, ...]:
+    """The block keys of ``tokens`` in the deployment's family.
+
+    Raises ValueError naming the parameter: ``block_size`` ≤ 0, ``lookahead`` < 0,
+    ``lookahead`` > 1 for sglang, ``lookahead`` ≠ 0 for rtp (it has none), or a token
+    id the family cannot encode (``tokens``).
+    """
+    match family:
+        case KeyFamily.RTP:
+            if lookahead != 0:
+                _check_geometry(block_size, lookahead)
+                raise ValueError(f"lookahead: the rtp family has no lookahead, got {lookahead}")
+            return rtp_keys(tokens, block_size)
+        case KeyFamily.VLLM:
+            return vllm_keys(tokens, block_size, lookahead)
+        case KeyFamily.SGLANG:
+            return sglang_keys(tokens, block_size, lookahead)
+        case _:
+            assert_never(family)
