@@ -11,7 +11,10 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$"
+)
+_NUMERIC_DOTTED = re.compile(r"^[0-9.]+$")
 
 
 class TargetError(ValueError):
@@ -39,7 +42,8 @@ def format_target(host: str, port: int) -> str:
 
 
 def _check_port(text: str, entry: str) -> int:
-    if not text.isdigit():
+    # isascii: str.isdigit() also accepts "²" and other non-ASCII digits.
+    if not (text.isascii() and text.isdigit()):
         raise TargetError(f"bad port {text!r} in target {entry!r}")
     port = int(text)
     if not 1 <= port <= 65535:
@@ -54,9 +58,20 @@ def _check_host(host: str, entry: str) -> str:
         return str(ipaddress.ip_address(host))
     except ValueError:
         pass
+    if _NUMERIC_DOTTED.match(host):
+        # "1.2.3" or "010.0.0.1" would reach a resolver as some other IPv4 address (inet_aton forms).
+        raise TargetError(f"bad IPv4 address {host!r} in target {entry!r}")
     if not _HOSTNAME.match(host):
         raise TargetError(f"bad host {host!r} in target {entry!r}")
     return host.rstrip(".").lower()
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_target(entry: str, default_port: int | None = None) -> HostPort:
@@ -86,11 +101,15 @@ def parse_target(entry: str, default_port: int | None = None) -> HostPort:
             raise TargetError(f"unexpected {rest!r} after ']' in target {entry!r}")
         host = str(ipaddress.IPv6Address(host))
     elif text.count(":") > 1:
-        # Unbracketed IPv6: only a full address with no port is unambiguous.
+        # Unbracketed IPv6: only an address that cannot also be read as addr:port is unambiguous
+        # ("fe80::1:8080" is an address, and also fe80::1 port 8080).
         try:
             host = str(ipaddress.IPv6Address(text))
         except ValueError as exc:
             raise TargetError(f"ambiguous target {entry!r}: bracket IPv6 hosts as [addr]:port") from exc
+        head, _, tail = text.rpartition(":")
+        if tail.isascii() and tail.isdigit() and _is_ipv6(head):
+            raise TargetError(f"ambiguous target {entry!r}: bracket IPv6 hosts as [addr]:port")
         port_text = None
     else:
         host, sep, port_text_raw = text.partition(":")
@@ -99,6 +118,8 @@ def parse_target(entry: str, default_port: int | None = None) -> HostPort:
     if port_text is None:
         if default_port is None:
             raise TargetError(f"target {entry!r} has no port and there is no default port")
+        if not 1 <= default_port <= 65535:
+            raise TargetError(f"default port {default_port} out of range 1..65535 for target {entry!r}")
         return HostPort(host, default_port)
     return HostPort(host, _check_port(port_text, entry))
 

@@ -1,0 +1,137 @@
+"""host:port parsing (router/targets.py): review-lessons §17 — explicit ports honoured, ambiguity rejected."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from router.targets import HostPort, TargetError, format_target, parse_target, parse_target_list
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ("10.0.0.1:7000", HostPort("10.0.0.1", 7000)),
+        ("kvcm-0.svc.local:6390", HostPort("kvcm-0.svc.local", 6390)),
+        ("  host:1  ", HostPort("host", 1)),
+        ("host:65535", HostPort("host", 65535)),
+        ("[::1]:8080", HostPort("::1", 8080)),
+        ("[2001:DB8:0:0::1]:443", HostPort("2001:db8::1", 443)),
+    ],
+)
+def test_explicit_port_is_honoured_even_with_a_default(entry: str, expected: HostPort) -> None:
+    assert parse_target(entry, default_port=6381) == expected
+    assert parse_target(entry) == expected
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ("10.0.0.1", HostPort("10.0.0.1", 6381)),
+        ("KVCM.Example.COM.", HostPort("kvcm.example.com", 6381)),
+        ("localhost", HostPort("localhost", 6381)),
+        ("[fe80::1]", HostPort("fe80::1", 6381)),
+        ("::1", HostPort("::1", 6381)),
+        ("2001:db8::1", HostPort("2001:db8::1", 6381)),
+    ],
+)
+def test_bare_host_takes_the_default_port(entry: str, expected: HostPort) -> None:
+    assert parse_target(entry, default_port=6381) == expected
+
+
+def test_bare_host_without_a_default_port_is_an_error_naming_it() -> None:
+    with pytest.raises(TargetError, match=r"'kvcm-0'.*no port"):
+        parse_target("kvcm-0")
+
+
+def test_default_port_out_of_range_is_rejected() -> None:
+    with pytest.raises(TargetError, match="default port 0"):
+        parse_target("kvcm-0", default_port=0)
+    with pytest.raises(TargetError, match="default port 65536"):
+        parse_target("kvcm-0", default_port=65536)
+
+
+@pytest.mark.parametrize(
+    ("port", "accepted"),
+    [("0", False), ("1", True), ("65535", True), ("65536", False), ("99999999999999999999", False)],
+)
+def test_port_range_both_bounds(port: str, accepted: bool) -> None:
+    entry = f"host:{port}"
+    if accepted:
+        assert parse_target(entry).port == int(port)
+    else:
+        with pytest.raises(TargetError, match=re.escape(f"out of range 1..65535 in target '{entry}'")):
+            parse_target(entry)
+
+
+@pytest.mark.parametrize(
+    ("entry", "fragment"),
+    [
+        # An unbracketed IPv6 that also reads as addr:port: is 8080 a port or the last group?
+        ("fe80::1:8080", "ambiguous target 'fe80::1:8080'"),
+        ("::1:80", "ambiguous target '::1:80'"),
+        # Unbracketed IPv6 with a port glued on that does not even parse.
+        ("2001:db8::1::80", "ambiguous target '2001:db8::1::80'"),
+        ("host:80:90", "ambiguous target 'host:80:90'"),
+        # Numeric dotted names a resolver would read as some other IPv4 address.
+        ("1.2.3:80", "bad IPv4 address '1.2.3'"),
+        ("010.0.0.1:80", "bad IPv4 address '010.0.0.1'"),
+        ("256.1.1.1", "bad IPv4 address '256.1.1.1'"),
+        ("host:", "bad port '' in target 'host:'"),
+        ("host:http", "bad port 'http' in target 'host:http'"),
+        ("host:+80", "bad port '+80'"),
+        ("host: 80", "bad port ' 80'"),
+        ("host:８０", "bad port '８０'"),  # fullwidth digits
+        ("host:²", "bad port '²'"),  # str.isdigit() accepts it, int() does not
+        (":80", "empty host in target ':80'"),
+        ("bad_host!:80", "bad host 'bad_host!'"),
+        ("[::1", "unclosed '[' in target '[::1'"),
+        ("[1.2.3.4]:80", "bad IPv6 address '1.2.3.4'"),
+        ("[::1]80", "unexpected '80' after ']'"),
+        ("[::1]:", "bad port ''"),
+        ("", "empty target entry"),
+    ],
+)
+def test_bad_entries_are_rejected_naming_the_entry(entry: str, fragment: str) -> None:
+    with pytest.raises(TargetError, match=re.escape(fragment)):
+        parse_target(entry, default_port=6381)
+
+
+def test_format_target_brackets_ipv6_only() -> None:
+    assert format_target("10.0.0.1", 80) == "10.0.0.1:80"
+    assert format_target("::1", 80) == "[::1]:80"
+    assert format_target("[::1]", 80) == "[::1]:80"
+    assert str(HostPort("2001:db8::1", 443)) == "[2001:db8::1]:443"
+    assert HostPort("2001:db8::1", 443).is_ipv6
+    assert not HostPort("10.0.0.1", 443).is_ipv6
+
+
+@pytest.mark.parametrize("entry", ["10.0.0.1:7000", "[::1]:8080", "[2001:db8::1]:443", "kvcm-0.local:6381"])
+def test_parse_format_round_trip(entry: str) -> None:
+    assert str(parse_target(entry)) == entry
+
+
+def test_list_keeps_order_honours_ports_and_applies_default() -> None:
+    parsed = parse_target_list("b:1, a, [::1]:9, [::2]", default_port=6381)
+    assert parsed == (HostPort("b", 1), HostPort("a", 6381), HostPort("::1", 9), HostPort("::2", 6381))
+
+
+def test_list_drops_duplicates_after_normalisation() -> None:
+    parsed = parse_target_list("A:1,a:1,a.:1,[::1]:5,[0:0::1]:5,a,a:6381,a:2", default_port=6381)
+    assert parsed == (HostPort("a", 1), HostPort("::1", 5), HostPort("a", 6381), HostPort("a", 2))
+
+
+def test_list_skips_empty_entries() -> None:
+    assert parse_target_list(" a:1 ,, ,b:2,", default_port=None) == (HostPort("a", 1), HostPort("b", 2))
+    assert parse_target_list("") == ()
+
+
+def test_list_reports_every_bad_entry_at_once() -> None:
+    with pytest.raises(TargetError) as info:
+        parse_target_list("good:1, bad:0, fe80::1:80, also bad:x, fine, :5", default_port=None)
+    message = str(info.value)
+    for fragment in ("'bad:0'", "'fe80::1:80'", "'also bad:x'", "'fine' has no port", "':5'"):
+        assert fragment in message
+    assert "good" not in message
+    assert message.count(";") == 4  # five problems, one per entry
