@@ -62,18 +62,18 @@ class BreakerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ProberConfig:
+    # One global probe budget for the process: RPCs in flight, and a token bucket (probes/s, burst).
     inflight_cap: int = 64
     rate_per_s: float = 2000.0
     rate_burst: int = 64
-    fresh_ttl_s: float = 0.05
-    max_status_age_s: float = 3.0
-    probe_timeout_s: float = 0.2
-    eject_after_failures: int = 3
-    eject_base_s: float = 30.0
-    eject_max_s: float = 300.0
-    max_ejected_fraction: float = 0.5
-    max_tracked_workers: int = 4096
-    inbox_size: int = 1024
+    fresh_ttl_s: float = 0.05  # a status younger than this is used without an RPC
+    max_status_age_s: float = 3.0  # a last good status older than this: the worker is unknown for scoring
+    probe_timeout_s: float = 0.2  # bounds a started RPC, whoever still waits for it
+    eject_after_failures: int = 3  # consecutive probe failures that eject a worker
+    eject_base_s: float = 30.0  # the n-th ejection lasts base × n ...
+    eject_max_s: float = 300.0  # ... capped here
+    max_ejected_fraction: float = 0.5  # of the tracked workers, at once
+    max_tracked_workers: int = 4096  # status-cache entries (LRU) and, equally, probes pending at once
     engine_generation: EngineGeneration = EngineGeneration.K
 
 

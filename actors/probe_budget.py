@@ -1,0 +1,102 @@
+"""Pure policy for the WorkerProber: the probe rate budget and outlier ejection.
+
+No I/O and no clock reads: every function takes the time it needs. The prober
+(actors/worker_prober.py) owns the state and passes ``trio.current_time()`` in.
+"""
+
+from __future__ import annotations
+
+import math
+
+from router.config import ProberConfig
+
+
+class TokenBucket:
+    """A token bucket that hands out *reservations*: "your token is ready at time t".
+
+    Tokens accrue at ``rate_per_s`` up to ``burst``. ``reserve`` takes one token
+    now, going into debt when the bucket is empty; the debt fixes when the token
+    becomes usable, so waiting for it is one ``sleep_until``, never a poll. A
+    reservation that would be ready only after the caller's deadline is refused
+    and costs nothing. Over any window of length w at most ``burst + rate × w``
+    reservations become ready, and an unused reservation is given back with
+    ``refund``.
+    """
+
+    def __init__(self, rate_per_s: float, burst: int, now: float) -> None:
+        if rate_per_s <= 0:
+            raise ValueError(f"rate_per_s: must be > 0, got {rate_per_s}")
+        if burst < 1:
+            raise ValueError(f"burst: must be >= 1, got {burst}")
+        self._rate = rate_per_s
+        self._burst = float(burst)
+        self._tokens = float(burst)  # negative = reserved ahead (debt)
+        self._updated = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._updated:
+            self._tokens = min(self._burst, self._tokens + (now - self._updated) * self._rate)
+            self._updated = now
+
+    def tokens(self, now: float) -> float:
+        """Tokens available at ``now``; negative when tokens are already reserved ahead."""
+        self._refill(now)
+        return self._tokens
+
+    def reserve(self, now: float, deadline: float) -> float | None:
+        """Take one token; return when it is usable (>= now), or None if that is after ``deadline``."""
+        self._refill(now)
+        self._tokens -= 1.0
+        if self._tokens >= 0.0:
+            return now
+        ready_at = now + (-self._tokens) / self._rate
+        if ready_at > deadline:
+            self._tokens += 1.0
+            return None
+        return ready_at
+
+    def refund(self, now: float) -> None:
+        """Give back one reserved token that was not used."""
+        self._refill(now)
+        self._tokens = min(self._burst, self._tokens + 1.0)
+
+
+def ejection_duration_s(times_ejected: int, base_s: float, max_s: float) -> float:
+    """Envoy-style: the n-th ejection lasts base × n, capped at max."""
+    return min(base_s * max(1, times_ejected), max_s)
+
+
+def decayed_ejection_count(times_ejected: int, healthy_for_s: float, base_s: float) -> int:
+    """Forget one past ejection per ``base_s`` a worker stayed out of ejection (Envoy decrements its
+    multiplier the same way), so a worker that flapped once long ago starts again from base × 1."""
+    if healthy_for_s <= 0.0:
+        return times_ejected
+    return max(0, times_ejected - math.floor(healthy_for_s / base_s))
+
+
+def ejection_allowed(ejected_now: int, known_workers: int, max_fraction: float) -> bool:
+    """True when one more ejection keeps ejected workers within ``max_fraction`` of the known ones."""
+    return ejected_now + 1 <= math.floor(max_fraction * known_workers + 1e-9)
+
+
+def prober_config_problems(config: ProberConfig) -> list[str]:
+    """Every invalid ProberConfig field, each message naming the field (empty list = valid)."""
+    problems: list[str] = []
+
+    def need(ok: bool, name: str, rule: str, value: object) -> None:
+        if not ok:
+            problems.append(f"prober.{name}: must be {rule}, got {value!r}")
+
+    c = config
+    need(c.inflight_cap >= 1, "inflight_cap", ">= 1", c.inflight_cap)
+    need(c.rate_per_s > 0, "rate_per_s", "> 0", c.rate_per_s)
+    need(c.rate_burst >= 1, "rate_burst", ">= 1", c.rate_burst)
+    need(c.fresh_ttl_s >= 0, "fresh_ttl_s", ">= 0", c.fresh_ttl_s)
+    need(c.max_status_age_s >= c.fresh_ttl_s, "max_status_age_s", ">= fresh_ttl_s", c.max_status_age_s)
+    need(c.probe_timeout_s > 0, "probe_timeout_s", "> 0", c.probe_timeout_s)
+    need(c.eject_after_failures >= 1, "eject_after_failures", ">= 1", c.eject_after_failures)
+    need(c.eject_base_s > 0, "eject_base_s", "> 0", c.eject_base_s)
+    need(c.eject_max_s >= c.eject_base_s, "eject_max_s", ">= eject_base_s", c.eject_max_s)
+    need(0.0 <= c.max_ejected_fraction <= 1.0, "max_ejected_fraction", "in [0, 1]", c.max_ejected_fraction)
+    need(c.max_tracked_workers >= 1, "max_tracked_workers", ">= 1", c.max_tracked_workers)
+    return problems
