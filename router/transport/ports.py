@@ -6,9 +6,26 @@ scope, and the gRPC adapter passes the remaining time as the RPC's ``timeout=``.
 
 from __future__ import annotations
 
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Protocol, TypeVar
 
 from router.types import CacheQuery, CacheState, ClusterInfo, WorkerStatus
+
+ChannelT_co = TypeVar("ChannelT_co", covariant=True)
+
+
+class ChannelLeaser(Protocol[ChannelT_co]):
+    """What the gRPC adapter needs from the channel pool (actors.channel_pool.ChannelPool).
+
+    ``lease`` never awaits: entering yields the target's channel, which stays open until
+    the lease is released; it raises ``router.targets.TargetError`` naming a malformed target.
+    """
+
+    def lease(self, target: str) -> AbstractContextManager[ChannelT_co]: ...
+
+    def invalidate(self, target: str, channel: object | None = None) -> None:
+        """Drop ``target``'s channel after a transport failure (only if it is still ``channel``, if given)."""
+        ...
 
 
 class RawRpc(Protocol):
