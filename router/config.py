@@ -42,7 +42,6 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True, slots=True)
 class LeaderConfig:
-    instance_id: str = ""
     refresh_interval_s: float = 10.0
     max_staleness_s: float = 30.0
     lookup_timeout_s: float = 0.5
@@ -123,6 +122,20 @@ class RouterConfig:
 class MetricsConfig:
     inbox_size: int = 4096
     decision_ring_size: int = 1024
+    shadow_agreement_window: int = 1000  # comparisons averaged into kvroute_shadow_agreement_ratio
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """The process: listeners, logging, shutdown."""
+
+    grpc_listen: str = "127.0.0.1:50051"
+    debug_listen: str = "127.0.0.1:0"
+    log_level: str = "INFO"
+    log_format: str = "text"
+    log_aggregate_interval_s: float = 60.0
+    log_max_keys: int = 1024
+    drain_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +152,4 @@ class KvrouteConfig:
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     channel_pool: ChannelPoolConfig = field(default_factory=ChannelPoolConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
