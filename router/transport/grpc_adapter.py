@@ -50,7 +50,7 @@ def open_channel(target: str, config: ChannelPoolConfig) -> grpc.Channel:
 def remaining_timeout() -> float | None:
     """Seconds left before the caller's trio deadline; None when there is none."""
     deadline = trio.current_effective_deadline()
-    if math.isinf(deadline):
+    if deadline == math.inf:  # -inf (already cancelled) is an expired deadline, not "none"
         return None
     return deadline - trio.current_time()
 

@@ -1,0 +1,326 @@
+"""GrpcRawRpc against real gRPC servers on 127.0.0.1:0, with the REAL clock (never MockClock here).
+
+Each test bounds itself with ``trio.fail_after(10)``. The servers are the real server helper
+(router.transport.grpc_server) with handlers that play the remote peer.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+import trio
+
+from actors.channel_pool import ChannelPool
+from router.config import ChannelPoolConfig
+from router.transport.errors import (
+    DeadlineExceeded,
+    PeerAbort,
+    RemoteError,
+    RpcStatus,
+    TransportError,
+    Unavailable,
+)
+from router.transport.grpc_adapter import GrpcRawRpc, channel_options, remaining_timeout
+from router.transport.grpc_server import GrpcServer, start_grpc_server
+
+ECHO = "/kvroute.test.Peer/Echo"
+REMAINING = "/kvroute.test.Peer/Remaining"
+HANG = "/kvroute.test.Peer/Hang"
+ABORT = "/kvroute.test.Peer/Abort"
+DENY = "/kvroute.test.Peer/Deny"
+CRASH = "/kvroute.test.Peer/Crash"
+FLAKY = "/kvroute.test.Peer/Flaky"
+
+
+class Peer:
+    """The remote peer's behaviour and what it observed (handlers run on server threads)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: dict[str, int] = {}
+        self.hang_started = threading.Event()
+        self.hang_ended = threading.Event()
+        self.hang_ended_at = 0.0
+
+    def count(self, path: str) -> None:
+        with self.lock:
+            self.calls[path] = self.calls.get(path, 0) + 1
+
+    def echo(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self.count(ECHO)
+        return request
+
+    def remaining(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        return repr(context.time_remaining()).encode()
+
+    def hang(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        def on_termination() -> None:
+            self.hang_ended_at = time.monotonic()
+            self.hang_ended.set()
+
+        context.add_callback(on_termination)
+        self.hang_started.set()
+        self.hang_ended.wait(10)
+        return b""
+
+    def abort(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        raise PeerAbort(RpcStatus[request.decode()], "scripted")
+
+    def deny(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "not you")
+
+    def crash(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        raise RuntimeError("handler bug")
+
+    def flaky(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self.count(FLAKY)
+        if self.calls[FLAKY] == 1:
+            raise PeerAbort(RpcStatus.UNAVAILABLE, "first attempt fails")
+        return request
+
+
+@pytest.fixture
+def peer() -> Iterator[tuple[Peer, GrpcServer]]:
+    state = Peer()
+    routes = {
+        ECHO: state.echo,
+        REMAINING: state.remaining,
+        HANG: state.hang,
+        ABORT: state.abort,
+        DENY: state.deny,
+        CRASH: state.crash,
+        FLAKY: state.flaky,
+    }
+    server = start_grpc_server(routes)
+    yield state, server
+    server.stop()
+
+
+@pytest.fixture
+async def pool(nursery: trio.Nursery) -> AsyncIterator[ChannelPool[grpc.Channel]]:
+    channels = ChannelPool(ChannelPoolConfig())
+    await nursery.start(channels.run)
+    yield channels
+    await channels.aclose()
+
+
+def dead_target() -> str:
+    """A loopback port nobody listens on: bind, read the port, close."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"127.0.0.1:{port}"
+
+
+async def test_round_trip_carries_raw_bytes(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    state, server = peer
+    rpc = GrpcRawRpc(pool)
+    with trio.fail_after(10):
+        payload = bytes(range(256)) * 4
+        assert await rpc.call(server.target, ECHO, payload) == payload
+        assert await rpc.call(server.target, ECHO, b"") == b""
+    assert state.calls[ECHO] == 2
+    assert pool.snapshot().opened == 1
+    assert pool.snapshot().leased == 0
+
+
+async def test_concurrent_calls_share_one_channel(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    _, server = peer
+    rpc = GrpcRawRpc(pool)
+    replies: dict[int, bytes] = {}
+
+    async def one(i: int) -> None:
+        replies[i] = await rpc.call(server.target, ECHO, str(i).encode())
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for i in range(50):
+                nursery.start_soon(one, i)
+    assert replies == {i: str(i).encode() for i in range(50)}
+    assert pool.snapshot().opened == 1
+
+
+async def test_timeout_passed_is_the_callers_remaining_deadline(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    assert remaining_timeout() is None  # no scope: no timeout is passed
+    _, server = peer
+    rpc = GrpcRawRpc(pool)
+    with trio.fail_after(10):
+        # Half the budget spent first: the server must see the remaining half, not the budget.
+        # C-core deadlines have millisecond resolution and round up, hence the 2 ms allowance.
+        with trio.move_on_after(1.0):
+            await trio.sleep(0.5)
+            seen = float(await rpc.call(server.target, REMAINING, b""))
+        assert 0.25 < seen <= 0.5 + 0.002
+        seen = float(await rpc.call(server.target, REMAINING, b""))
+        assert 5.0 < seen <= 10.0  # the outer fail_after(10) alone
+
+
+async def test_expired_deadline_raises_without_sending(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    state, server = peer
+    rpc = GrpcRawRpc(pool)
+    with trio.fail_after(10):
+        with pytest.raises(DeadlineExceeded), trio.CancelScope(deadline=trio.current_time() - 0.001):
+            await rpc.call(server.target, ECHO, b"x")
+    assert state.calls.get(ECHO, 0) == 0
+    assert pool.snapshot().opened == 0
+
+
+async def test_deadline_during_the_call(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    """Both outcomes are acceptable: gRPC's DEADLINE_EXCEEDED (timeout= is the same instant as the
+    caller's deadline) or the caller's own scope cancelled first — observed here every time, as
+    C-core rounds its deadline up to the millisecond. Either way the server sees the call end."""
+    state, server = peer
+    rpc = GrpcRawRpc(pool)
+    outcome = "none"
+    with trio.fail_after(10):
+        with trio.move_on_after(0.2) as scope:
+            try:
+                await rpc.call(server.target, HANG, b"")
+            except DeadlineExceeded:
+                outcome = "deadline_exceeded"
+        if scope.cancelled_caught:
+            outcome = "scope_cancelled"
+        assert outcome in {"deadline_exceeded", "scope_cancelled"}
+        assert await trio.to_thread.run_sync(state.hang_ended.wait, 5)
+    assert pool.snapshot().leased == 0
+    assert pool.snapshot().size == 1  # a deadline says nothing about the channel: kept
+
+
+async def test_dead_port_is_unavailable_and_invalidates_the_channel(pool: ChannelPool[grpc.Channel]) -> None:
+    target = dead_target()
+    rpc = GrpcRawRpc(pool)
+    with trio.fail_after(10):
+        with pytest.raises(Unavailable) as info:
+            await rpc.call(target, ECHO, b"x")
+    assert info.value.target == target
+    snap = pool.snapshot()
+    assert (snap.size, snap.opened, snap.evicted["invalidated"]) == (0, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("path", "request_bytes", "error", "code_name"),
+    [
+        (ABORT, b"NOT_FOUND", RemoteError, "grpc:NOT_FOUND"),
+        (ABORT, b"INVALID_ARGUMENT", RemoteError, "grpc:INVALID_ARGUMENT"),
+        (ABORT, b"RESOURCE_EXHAUSTED", RemoteError, "grpc:RESOURCE_EXHAUSTED"),
+        (ABORT, b"UNAVAILABLE", Unavailable, None),
+        (ABORT, b"DEADLINE_EXCEEDED", DeadlineExceeded, None),
+        (DENY, b"", RemoteError, "grpc:UNKNOWN"),  # a code RpcStatus does not name: kept in the detail
+        (CRASH, b"", RemoteError, "grpc:UNKNOWN"),
+        ("/kvroute.test.Peer/Missing", b"", RemoteError, "grpc:UNIMPLEMENTED"),
+    ],
+)
+async def test_server_status_codes_map_to_our_errors(
+    peer: tuple[Peer, GrpcServer],
+    pool: ChannelPool[grpc.Channel],
+    path: str,
+    request_bytes: bytes,
+    error: type[TransportError],
+    code_name: str | None,
+) -> None:
+    _, server = peer
+    rpc = GrpcRawRpc(pool)
+    with trio.fail_after(10):
+        with pytest.raises(TransportError) as info:
+            await rpc.call(server.target, path, request_bytes)
+    assert type(info.value) is error
+    assert info.value.target == server.target
+    if code_name is not None:
+        assert isinstance(info.value, RemoteError)
+        assert info.value.code_name == code_name
+    if path == DENY:
+        assert "PERMISSION_DENIED: not you" in info.value.detail
+    # Only UNAVAILABLE drops the channel.
+    assert pool.snapshot().evicted["invalidated"] == (1 if error is Unavailable else 0)
+
+
+async def test_cancelling_the_scope_cancels_the_rpc_at_the_server(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    state, server = peer
+    rpc = GrpcRawRpc(pool)
+    scope = trio.CancelScope()
+
+    async def caller() -> None:
+        with scope:
+            await rpc.call(server.target, HANG, b"")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            assert await trio.to_thread.run_sync(state.hang_started.wait, 5)
+            cancelled_at = time.monotonic()
+            scope.cancel()
+        assert scope.cancelled_caught
+        assert await trio.to_thread.run_sync(state.hang_ended.wait, 5)
+    gap = state.hang_ended_at - cancelled_at
+    assert 0 < gap < 0.05, (
+        f"server saw the cancellation {gap * 1000:.1f} ms after the trio scope was cancelled"
+    )
+    assert pool.snapshot().leased == 0
+
+
+# A retry policy as a resolver could deliver it: UNAVAILABLE retried up to 3 attempts.
+_RETRYING_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "kvroute.test.Peer"}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.01s",
+                    "maxBackoff": "0.05s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+@pytest.mark.parametrize("retries_disabled", [True, False])
+async def test_grpc_retries_are_disabled_on_our_channels(
+    peer: tuple[Peer, GrpcServer], nursery: trio.Nursery, retries_disabled: bool
+) -> None:
+    """Our options make a retry policy inert; the control (our options minus enable_retries=0)
+    shows the same policy does retry, so the test can fail."""
+    state, server = peer
+    config = ChannelPoolConfig()
+    options = [
+        option for option in channel_options(config) if retries_disabled or option[0] != "grpc.enable_retries"
+    ]
+
+    def factory(target: str) -> grpc.Channel:
+        return grpc.insecure_channel(
+            target, options=[*options, ("grpc.service_config", _RETRYING_SERVICE_CONFIG)]
+        )
+
+    channels = ChannelPool(config, factory)
+    await nursery.start(channels.run)
+    rpc = GrpcRawRpc(channels)
+    with trio.fail_after(10):
+        if retries_disabled:
+            with pytest.raises(Unavailable):
+                await rpc.call(server.target, FLAKY, b"x")
+            assert state.calls[FLAKY] == 1
+        else:
+            assert await rpc.call(server.target, FLAKY, b"x") == b"x"
+            assert state.calls[FLAKY] == 2
+    await channels.aclose()
