@@ -36,27 +36,36 @@ class DiscoveryConfig:
     worker_http_port: int = 0  # default http port for bare hosts and DNS answers; 0 = an explicit port is required
     worker_grpc_port_offset: int = 1  # grpc port = http port + offset
     worker_status_port: int = 0  # 0 = the grpc port
-    refresh_interval_s: float = 5.0
-    stale_after_s: float = 60.0
+    refresh_interval_s: float = 5.0  # each source (file, DNS) is re-read this often
+    stale_after_s: float = 60.0  # an empty or failed source keeps its last good entries this long, then empty
+    refresh_timeout_s: float = 2.0  # bounds one source refresh (a DNS lookup, a file read); over it = failed
+    max_entries: int = 10_000  # per source; a longer answer is a failed refresh (bounds per-worker maps)
 
 
 @dataclass(frozen=True, slots=True)
 class LeaderConfig:
     refresh_interval_s: float = 10.0
     max_staleness_s: float = 30.0
-    lookup_timeout_s: float = 0.5
+    lookup_timeout_s: float = 0.5  # bounds one round of concurrent GetClusterInfo calls
+    # Failed lookups: the n-th consecutive failure waits initial × 2^(n-1) + uniform(0, jitter), capped at max.
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 5.0
+    backoff_jitter_s: float = 0.05
+    no_leader_retry_s: float = 0.2  # "no leader elected yet" is retried this soon (not a failure, no backoff)
 
 
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
-    failure_threshold: int = 5
+    failure_threshold: int = 5  # consecutive failures that open the breaker
+    # ... or a failure rate >= failure_rate over the last window_s (at least window_min_calls calls),
+    # counted in window_buckets ring buckets (so memory is bounded whatever the call rate).
     window_s: float = 10.0
     window_min_calls: int = 20
     failure_rate: float = 0.5
-    cooldown_s: float = 1.0
-    cooldown_max_s: float = 30.0
+    window_buckets: int = 10
+    cooldown_s: float = 1.0  # OPEN lasts cooldown_s × 2^(re-opens since last closed) ...
+    cooldown_max_s: float = 30.0  # ... capped here
+    trial_timeout_s: float = 5.0  # a half-open trial never reported back counts as failed after this
 
 
 @dataclass(frozen=True, slots=True)
