@@ -8,8 +8,11 @@ in-memory and gRPC paths decode identically.
 
 from __future__ import annotations
 
+from typing import assert_never, cast
+
 from google.protobuf.message import DecodeError
 
+from router.targets import TargetError, format_target, parse_target
 from router.transport.errors import GarbledReply, NotLeader, RemoteError
 from router.types import (
     CacheQuery,
@@ -80,10 +83,18 @@ def decode_cluster_info(data: bytes, target: str) -> ClusterInfo:
         raise GarbledReply(target, "GetClusterInfoResponse.leader_endpoint.host: blank")
     if not 1 <= ep.meta_rpc_port <= 65535:
         raise GarbledReply(
-            target, f"GetClusterInfoResponse.leader_endpoint.meta_rpc_port: {ep.meta_rpc_port} not in 1..65535"
+            target,
+            f"GetClusterInfoResponse.leader_endpoint.meta_rpc_port: {ep.meta_rpc_port} not in 1..65535",
         )
+    # A malformed host is the reply's fault: fail here, not later as a TargetError in the channel pool.
+    try:
+        leader = parse_target(format_target(host, ep.meta_rpc_port))
+    except TargetError as exc:
+        raise GarbledReply(target, f"GetClusterInfoResponse.leader_endpoint.host: {exc}") from exc
     node_id = ep.node_id or msg.leader_node_id
-    return ClusterInfo(self_node_id=msg.self_node_id, leader=LeaderEndpoint(node_id, host, ep.meta_rpc_port))
+    return ClusterInfo(
+        self_node_id=msg.self_node_id, leader=LeaderEndpoint(node_id, leader.host, leader.port)
+    )
 
 
 # --- KVCM: GetHostCacheState -----------------------------------------------------------
@@ -93,7 +104,7 @@ def encode_cache_query(query: CacheQuery) -> bytes:
     return kvcm_pb.GetHostCacheStateRequest(
         trace_id=query.trace_id,
         instance_id=query.instance_id,
-        query_type=query.query_type.value,
+        query_type=cast(kvcm_pb.QueryType, query.query_type.value),
         block_cache_keys=query.block_keys,
         p2p_host_count=query.p2p_host_count,
     ).SerializeToString()
@@ -131,8 +142,12 @@ def _task_k(t: engine_pb.TaskInfoPB) -> TaskInfo:
         input_length=t.input_length,
         prefix_length=t.prefix_length,
         is_waiting=t.is_waiting,
-        remaining_prefill_tokens=t.remaining_prefill_tokens if t.HasField("remaining_prefill_tokens") else None,
-        completed_prefill_tokens=t.completed_prefill_tokens if t.HasField("completed_prefill_tokens") else None,
+        remaining_prefill_tokens=(
+            t.remaining_prefill_tokens if t.HasField("remaining_prefill_tokens") else None
+        ),
+        completed_prefill_tokens=(
+            t.completed_prefill_tokens if t.HasField("completed_prefill_tokens") else None
+        ),
     )
 
 
@@ -147,6 +162,12 @@ def _decode_generation_k(data: bytes, target: str) -> WorkerStatus:
         mode = KvCacheGroupMode(msg.kv_cache_group_mode)
     except ValueError:
         mode = KvCacheGroupMode.UNSPECIFIED
+    for name, value in (
+        ("block_size", msg.block_size),
+        ("block_hash_lookahead_tokens", msg.block_hash_lookahead_tokens),
+    ):
+        if value < 0:
+            raise GarbledReply(target, f"WorkerStatusPB.{name}: negative ({value})")
     reported_block = msg.block_size if msg.block_size > 0 else None
     return WorkerStatus(
         role=Role.parse(msg.role),
@@ -169,8 +190,12 @@ def _decode_generation_k(data: bytes, target: str) -> WorkerStatus:
     )
 
 
-def decode_worker_status(data: bytes, target: str, generation: EngineGeneration = EngineGeneration.K) -> WorkerStatus:
+def decode_worker_status(
+    data: bytes, target: str, generation: EngineGeneration = EngineGeneration.K
+) -> WorkerStatus:
     """Decode a WorkerStatusPB with the deployment's decoder (generation K today)."""
-    if generation is EngineGeneration.K:
-        return _decode_generation_k(data, target)
-    raise ValueError(f"no decoder for engine generation {generation}")  # pragma: no cover - enum is exhaustive
+    match generation:
+        case EngineGeneration.K:
+            return _decode_generation_k(data, target)
+        case _:
+            assert_never(generation)

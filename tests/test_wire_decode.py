@@ -1,0 +1,371 @@
+"""router/wire/decode.py: replies built with our real generated messages, decoded into our typed values."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import pytest
+
+from router.transport.errors import GarbledReply, NotLeader, RemoteError
+from router.types import CacheQuery, HostMatch, KvCacheGroupMode, LeaderEndpoint, QueryType, Role
+from router.wire import engine_status_pb2 as engine_pb
+from router.wire import kvcm_meta_pb2 as kvcm_pb
+from router.wire.decode import (
+    decode_cache_state,
+    decode_cluster_info,
+    decode_worker_status,
+    encode_cache_query,
+    encode_cluster_info_request,
+    encode_status_version,
+)
+
+PEER = "10.9.9.9:6381"
+GARBAGE = b"\xff\xfe garbage \x00\x01"
+
+
+def cluster_reply(
+    *,
+    code: int = kvcm_pb.OK,
+    message: str = "",
+    leader_node_id: str = "n1",
+    endpoint: kvcm_pb.MetaNodeEndpoint | None = None,
+) -> bytes:
+    reply = kvcm_pb.GetClusterInfoResponse(
+        header=kvcm_pb.CommonResponseHeader(
+            status=kvcm_pb.Status(code=cast(kvcm_pb.ErrorCode, code), message=message)
+        ),
+        self_node_id="self",
+        leader_node_id=leader_node_id,
+    )
+    if endpoint is not None:
+        reply.leader_endpoint.CopyFrom(endpoint)
+    return reply.SerializeToString()
+
+
+def endpoint(host: str = "10.0.0.5", port: int = 6381, node_id: str = "n1") -> kvcm_pb.MetaNodeEndpoint:
+    return kvcm_pb.MetaNodeEndpoint(node_id=node_id, host=host, meta_rpc_port=port, meta_http_port=6382)
+
+
+# --- GetClusterInfo ------------------------------------------------------------------------------
+
+
+def test_cluster_info_request_round_trips() -> None:
+    request = kvcm_pb.GetClusterInfoRequest.FromString(encode_cluster_info_request("ns_16", trace_id="t1"))
+    assert (request.instance_id, request.trace_id) == ("ns_16", "t1")
+
+
+def test_valid_leader() -> None:
+    info = decode_cluster_info(cluster_reply(endpoint=endpoint()), PEER)
+    assert info.self_node_id == "self"
+    assert info.leader == LeaderEndpoint("n1", "10.0.0.5", 6381)
+    assert info.leader.target == "10.0.0.5:6381"
+
+
+def test_leader_node_id_falls_back_to_the_replys_leader_id() -> None:
+    info = decode_cluster_info(cluster_reply(leader_node_id="n7", endpoint=endpoint(node_id="")), PEER)
+    assert info.leader is not None and info.leader.node_id == "n7"
+
+
+def test_no_leader_elected_is_a_valid_answer_not_an_error() -> None:
+    info = decode_cluster_info(cluster_reply(leader_node_id=""), PEER)
+    assert info.leader is None
+    assert info.self_node_id == "self"
+
+
+def test_named_leader_without_endpoint_is_garbled() -> None:
+    with pytest.raises(GarbledReply, match="leader_endpoint: missing") as info:
+        decode_cluster_info(cluster_reply(leader_node_id="n1"), PEER)
+    assert info.value.target == PEER
+
+
+@pytest.mark.parametrize("host", ["", "   ", "[]"])
+def test_blank_leader_host_is_garbled(host: str) -> None:
+    with pytest.raises(GarbledReply, match=r"leader_endpoint\.host: blank"):
+        decode_cluster_info(cluster_reply(endpoint=endpoint(host=host)), PEER)
+
+
+@pytest.mark.parametrize("host", ["bad host", "kvcm:6381", "1.2.3", "[::1"])
+def test_malformed_leader_host_is_garbled(host: str) -> None:
+    with pytest.raises(GarbledReply, match=r"leader_endpoint\.host: ") as info:
+        decode_cluster_info(cluster_reply(endpoint=endpoint(host=host)), PEER)
+    assert host in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("port", "valid"), [(0, False), (1, True), (65535, True), (65536, False), (-1, False)]
+)
+def test_leader_port_range_both_bounds(port: int, valid: bool) -> None:
+    reply = cluster_reply(endpoint=endpoint(port=port))
+    if valid:
+        info = decode_cluster_info(reply, PEER)
+        assert info.leader is not None and info.leader.port == port
+    else:
+        with pytest.raises(GarbledReply, match=f"meta_rpc_port: {port} not in 1..65535"):
+            decode_cluster_info(reply, PEER)
+
+
+@pytest.mark.parametrize(
+    ("host", "bare", "target"),
+    [
+        ("::1", "::1", "[::1]:6381"),
+        ("[2001:db8::1]", "2001:db8::1", "[2001:db8::1]:6381"),
+        ("2001:DB8:0::1", "2001:db8::1", "[2001:db8::1]:6381"),
+        (" Kvcm-0.Local ", "kvcm-0.local", "kvcm-0.local:6381"),
+    ],
+)
+def test_leader_host_is_normalised_and_ipv6_bracketed_in_the_target(
+    host: str, bare: str, target: str
+) -> None:
+    info = decode_cluster_info(cluster_reply(endpoint=endpoint(host=host)), PEER)
+    assert info.leader is not None
+    assert (info.leader.host, info.leader.target) == (bare, target)
+
+
+@pytest.mark.parametrize(
+    ("code", "name"),
+    [
+        (kvcm_pb.SERVICE_NOT_READY, "SERVICE_NOT_READY"),
+        (kvcm_pb.INTERNAL_ERROR, "INTERNAL_ERROR"),
+        (kvcm_pb.UNSPECIFIED, "UNSPECIFIED"),
+        (kvcm_pb.INSTANCE_NOT_EXIST, "INSTANCE_NOT_EXIST"),
+        (4242, "CODE_4242"),
+    ],
+)
+def test_non_ok_codes_are_remote_errors(code: int, name: str) -> None:
+    with pytest.raises(RemoteError) as info:
+        decode_cluster_info(cluster_reply(code=code, message="why", endpoint=endpoint()), PEER)
+    assert not isinstance(info.value, NotLeader)
+    assert (info.value.code, info.value.code_name, info.value.target) == (code, name, PEER)
+    assert "why" in str(info.value)
+
+
+def test_server_not_leader_is_not_leader() -> None:
+    with pytest.raises(NotLeader) as info:
+        decode_cluster_info(cluster_reply(code=kvcm_pb.SERVER_NOT_LEADER, endpoint=endpoint()), PEER)
+    assert (info.value.code, info.value.code_name) == (9, "SERVER_NOT_LEADER")
+    assert info.value.kind == "not_leader"
+
+
+def test_missing_header_is_garbled() -> None:
+    reply = kvcm_pb.GetClusterInfoResponse(self_node_id="s", leader_endpoint=endpoint()).SerializeToString()
+    with pytest.raises(GarbledReply, match=r"GetClusterInfoResponse\.header: missing"):
+        decode_cluster_info(reply, PEER)
+
+
+def test_cluster_info_garbage_is_garbled_naming_the_message() -> None:
+    with pytest.raises(GarbledReply, match="GetClusterInfoResponse: undecodable") as info:
+        decode_cluster_info(GARBAGE, PEER)
+    assert info.value.target == PEER
+    assert info.value.kind == "garbled"
+
+
+# --- GetHostCacheState ---------------------------------------------------------------------------
+
+
+def cache_reply(*hosts: tuple[str, int, int, int], code: int = kvcm_pb.OK) -> bytes:
+    reply = kvcm_pb.GetHostCacheStateResponse(
+        header=kvcm_pb.CommonResponseHeader(
+            status=kvcm_pb.Status(code=cast(kvcm_pb.ErrorCode, code), message="m")
+        )
+    )
+    for host, local, fetch, total in hosts:
+        reply.hosts.add(host_ip_port=host, local=local, p2p_1_fetch=fetch, p2p_1_total_match=total)
+    return reply.SerializeToString()
+
+
+def test_cache_query_encodes_every_field() -> None:
+    keys = (1, -2, 1 << 62, -(1 << 63))
+    query = CacheQuery("deploy_16", QueryType.PREFIX_MATCH_WITH_MAMBA, keys, trace_id="r1", p2p_host_count=3)
+    data = encode_cache_query(query)
+    request = kvcm_pb.GetHostCacheStateRequest.FromString(data)
+    assert request.instance_id == "deploy_16"
+    assert request.trace_id == "r1"
+    assert request.query_type == kvcm_pb.QT_PREFIX_MATCH_WITH_MAMBA
+    assert tuple(request.block_cache_keys) == keys
+    assert request.p2p_host_count == 3
+    assert list(request.medium) == []  # empty = all media
+    assert b"\x22" in data  # field 4, wire type 2: the keys are packed
+
+
+def test_cache_state_values() -> None:
+    state = decode_cache_state(cache_reply(("10.0.0.1:8000", 3, 2, 5), ("[::1]:8000", 1, 0, 1)), PEER)
+    assert state.hosts == (HostMatch("10.0.0.1:8000", 3, 2, 5), HostMatch("[::1]:8000", 1, 0, 1))
+
+
+def test_cache_state_blank_hosts_are_skipped() -> None:
+    state = decode_cache_state(cache_reply(("", 9, 0, 9), ("  ", 9, 0, 9), ("a:1", 2, 0, 2)), PEER)
+    assert [h.host_ip_port for h in state.hosts] == ["a:1"]
+
+
+def test_cache_state_duplicate_host_keeps_the_last_entry() -> None:
+    state = decode_cache_state(cache_reply(("a:1", 5, 0, 5), ("b:1", 1, 0, 1), ("a:1", 2, 1, 3)), PEER)
+    assert set(state.hosts) == {HostMatch("b:1", 1, 0, 1), HostMatch("a:1", 2, 1, 3)}
+    assert len(state.hosts) == 2
+
+
+def test_cache_state_total_below_local_means_not_evaluated() -> None:
+    """An older server leaves p2p_1_total_match unset (0) for hosts it did not evaluate: total = local."""
+    state = decode_cache_state(cache_reply(("a:1", 4, 0, 0)), PEER)
+    assert state.hosts == (HostMatch("a:1", 4, 0, 4),)
+
+
+@pytest.mark.parametrize("counts", [(-1, 0, 0), (1, -1, 1), (1, 0, -1)])
+def test_cache_state_negative_counts_are_garbled(counts: tuple[int, int, int]) -> None:
+    with pytest.raises(GarbledReply, match=r"hosts\[1\]: negative"):
+        decode_cache_state(cache_reply(("ok:1", 1, 0, 1), ("bad:1", *counts)), PEER)
+
+
+def test_cache_state_not_leader_and_other_codes() -> None:
+    with pytest.raises(NotLeader):
+        decode_cache_state(cache_reply(code=kvcm_pb.SERVER_NOT_LEADER), PEER)
+    with pytest.raises(RemoteError) as info:
+        decode_cache_state(cache_reply(code=kvcm_pb.INSTANCE_NOT_EXIST), PEER)
+    assert not isinstance(info.value, NotLeader)
+    assert info.value.code_name == "INSTANCE_NOT_EXIST"
+
+
+def test_cache_state_garbage_is_garbled_naming_the_message() -> None:
+    with pytest.raises(GarbledReply, match="GetHostCacheStateResponse: undecodable"):
+        decode_cache_state(GARBAGE, PEER)
+
+
+def test_cache_state_missing_header_is_garbled() -> None:
+    data = kvcm_pb.GetHostCacheStateResponse(hosts=[kvcm_pb.HostCacheMatch(host_ip_port="a:1", local=1)])
+    with pytest.raises(GarbledReply, match=r"GetHostCacheStateResponse\.header: missing"):
+        decode_cache_state(data.SerializeToString(), PEER)
+
+
+# --- GetWorkerStatus -----------------------------------------------------------------------------
+
+WORKER = "10.0.0.1:8001"
+
+
+def status_reply(**fields: object) -> engine_pb.WorkerStatusPB:
+    base: dict[str, object] = {"role": "RoleType.PREFILL", "alive": True, "status_version": 3}
+    base.update(fields)
+    return engine_pb.WorkerStatusPB(**base)  # type: ignore[arg-type]
+
+
+def test_status_version_request() -> None:
+    request = engine_pb.StatusVersionPB.FromString(encode_status_version(17))
+    assert (request.latest_cache_version, request.latest_finished_version) == (-1, 17)
+
+
+def test_worker_status_scalars() -> None:
+    reply = status_reply(
+        latest_finished_version=12,
+        waiting_query_len=4,
+        running_query_len=2,
+        available_concurrency=6,
+        step_latency_ms=1.5,
+        block_size=64,
+        block_hash_lookahead_tokens=1,
+        kv_cache_group_mode=engine_pb.KV_CACHE_GROUP_MODE_WITH_MAMBA,
+        available_kv_cache=100,
+        total_kv_cache=400,
+    )
+    status = decode_worker_status(reply.SerializeToString(), WORKER)
+    assert (status.role, status.role_reported, status.alive) == (Role.PREFILL, "RoleType.PREFILL", True)
+    assert (status.status_version, status.latest_finished_version) == (3, 12)
+    assert (status.waiting_query_len, status.running_query_len, status.available_concurrency) == (4, 2, 6)
+    assert status.step_latency_ms == 1.5
+    assert (status.block_size, status.lookahead_tokens) == (64, 1)
+    assert status.kv_cache_group_mode is KvCacheGroupMode.WITH_MAMBA
+    assert (status.available_kv_cache, status.total_kv_cache) == (100, 400)
+
+
+def test_block_size_zero_means_not_reported() -> None:
+    """A stock generation-K engine leaves block_size unset: None, never 0 standing for a size."""
+    status = decode_worker_status(status_reply(block_hash_lookahead_tokens=1).SerializeToString(), WORKER)
+    assert status.block_size is None
+    assert status.lookahead_tokens is None
+    assert status.total_kv_cache is None and status.available_kv_cache is None
+
+
+def test_reported_block_size_with_zero_lookahead_is_a_real_zero() -> None:
+    status = decode_worker_status(status_reply(block_size=16).SerializeToString(), WORKER)
+    assert (status.block_size, status.lookahead_tokens) == (16, 0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"block_size": -16}, "block_size"),
+        ({"block_size": 16, "block_hash_lookahead_tokens": -1}, "lookahead"),
+    ],
+)
+def test_negative_geometry_is_garbled(fields: dict[str, int], name: str) -> None:
+    with pytest.raises(GarbledReply, match=f"WorkerStatusPB.*{name}.*negative"):
+        decode_worker_status(status_reply(**fields).SerializeToString(), WORKER)
+
+
+def test_tasks_split_by_is_waiting_with_optional_presence_kept() -> None:
+    reply = status_reply()
+    reply.running_task_info.add(request_id="w1", input_length=100, prefix_length=20, is_waiting=True)
+    running_zero = reply.running_task_info.add(request_id="r-zero", input_length=500, prefix_length=100)
+    running_zero.remaining_prefill_tokens = 0
+    running_zero.completed_prefill_tokens = 400
+    reply.running_task_info.add(request_id="r-absent", input_length=500, prefix_length=100)
+    reply.running_task_info.add(request_id="w2", input_length=50, prefix_length=80, is_waiting=True)
+    reply.finished_task_list.add(request_id="done", input_length=999)
+
+    status = decode_worker_status(reply.SerializeToString(), WORKER)
+
+    assert [t.request_id for t in status.waiting] == ["w1", "w2"]
+    assert [t.request_id for t in status.running] == ["r-zero", "r-absent"]
+    assert all(t.is_waiting for t in status.waiting)
+    assert not any(t.is_waiting for t in status.running)
+    zero, absent = status.running
+    assert (zero.remaining_prefill_tokens, zero.completed_prefill_tokens) == (0, 400)
+    assert (absent.remaining_prefill_tokens, absent.completed_prefill_tokens) == (None, None)
+    # Present 0 means nothing left; absent falls back to input - prefix (selection.md §2.3).
+    assert [t.uncached_tokens for t in status.running] == [0, 400]
+    assert [t.uncached_tokens for t in status.waiting] == [80, 0]
+    assert status.outstanding_uncached_tokens == 480
+    assert status.waiting_count == 2
+
+
+@pytest.mark.parametrize(
+    ("reported", "role"),
+    [
+        ("RoleType.PREFILL", Role.PREFILL),
+        ("RoleType.PDFUSION", Role.PDFUSION),
+        ("RoleType.DECODE", Role.DECODE),
+        ("RoleType.VIT", Role.VIT),
+        ("RoleType.FRONTEND", Role.FRONTEND),
+        ("RoleType.UNKNOWN", Role.UNKNOWN),
+        ("decode", Role.DECODE),
+        ("RoleType.SOMETHING_NEW", Role.UNKNOWN),
+        ("", Role.UNKNOWN),
+    ],
+)
+def test_roles(reported: str, role: Role) -> None:
+    status = decode_worker_status(status_reply(role=reported).SerializeToString(), WORKER)
+    assert status.role is role
+    assert status.role_reported == reported
+
+
+def test_unknown_group_mode_is_unspecified() -> None:
+    reply = status_reply(kv_cache_group_mode=7)
+    assert decode_worker_status(reply.SerializeToString(), WORKER).kv_cache_group_mode is (
+        KvCacheGroupMode.UNSPECIFIED
+    )
+
+
+def test_negative_task_length_is_garbled_naming_the_task() -> None:
+    reply = status_reply()
+    reply.running_task_info.add(request_id="ok", input_length=1)
+    reply.running_task_info.add(request_id="bad", input_length=-1)
+    with pytest.raises(GarbledReply, match=r"WorkerStatusPB.running_task_info\[1\]: negative"):
+        decode_worker_status(reply.SerializeToString(), WORKER)
+
+
+def test_worker_status_garbage_is_garbled_naming_the_message() -> None:
+    with pytest.raises(GarbledReply, match="WorkerStatusPB: undecodable") as info:
+        decode_worker_status(GARBAGE, WORKER)
+    assert info.value.target == WORKER
+
+
+def test_status_version_zero_is_passed_through_for_the_prober_to_ignore() -> None:
+    status = decode_worker_status(status_reply(status_version=0).SerializeToString(), WORKER)
+    assert status.status_version == 0
