@@ -20,7 +20,7 @@ class TokenBucket:
     reservation that would be ready only after the caller's deadline is refused
     and costs nothing. Over any window of length w at most ``burst + rate × w``
     reservations become ready, and an unused reservation is given back with
-    ``refund``.
+    ``refund``. Created with ``now=-inf`` it is full at whatever time it is first used.
     """
 
     def __init__(self, rate_per_s: float, burst: int, now: float) -> None:

@@ -1,0 +1,474 @@
+"""WorkerProber: worker statuses for requests, under one global probe budget.
+
+A request calls ``probe(workers, deadline)``, which returns at once a
+``ProbeHandle`` holding the fresh cached statuses and receiving every other
+result as it completes; the request waits on it under its own cancel scope and
+decides with what it has (an "anytime" decision).
+
+Design (review-lessons §4, §12; wire-contract §2, §3):
+
+- **State and tasks.** The prober has no inbox: ``probe``, ``cached``,
+  ``is_routable``, ``retain`` and ``snapshot`` are synchronous, non-awaiting
+  methods, so under trio each is atomic; probe tasks touch the state only in
+  synchronous sections between their awaits. Probe tasks run in the prober's
+  own nursery (started by ``run``), never in a request's, so a request that
+  leaves does not cancel a probe others wait for.
+- **Budget, acquired within the request's deadline.** A probe first reserves a
+  token from the rate bucket: if the token would be ready only after the
+  deadline, the probe is skipped at once (``no_budget``); otherwise it sleeps
+  until the token (one ``sleep_until``) and then takes an in-flight slot
+  (``trio.CapacityLimiter``, FIFO), both under a cancel scope whose deadline is
+  the latest deadline among the requests waiting for that worker. If that
+  passes first, the token is refunded and the probe is skipped
+  (``no_budget``): nothing waits for budget past its requesters' deadlines.
+- **A started RPC is bounded by ``probe_timeout_s`` only**, not by the waiting
+  requests' deadlines: a slow or black-holed worker must still accrue failures
+  (and be ejected) when every request's budget is shorter than the probe
+  timeout, and a late answer refreshes the cache for the next request. It holds
+  its in-flight slot at most ``probe_timeout_s``.
+- **Coalescing.** At most one probe per worker is pending; a request for a worker
+  with a pending probe joins it (extending the budget deadline to its own if
+  later) and gets the same result; its own deadline bounds only its own wait.
+- **Status cache.** A valid status younger than ``fresh_ttl_s`` is answered
+  without an RPC. The ``latest_finished_version`` of the last valid status is
+  sent on the next probe. A reply with ``status_version == 0`` carries no status:
+  it is counted and changes nothing (neither success nor failure). The cache is
+  an LRU of at most ``max_tracked_workers`` entries, pruned by ``retain``.
+- **Ejection (Envoy-style).** ``eject_after_failures`` consecutive failures
+  (transport errors, or no answer within ``probe_timeout_s``) eject a worker for
+  ``eject_base_s × n`` (n = its ejections, decayed by one per ``eject_base_s``
+  spent out of ejection), capped at ``eject_max_s``, while at most
+  ``max_ejected_fraction`` of the tracked workers are ejected. **An ejected
+  worker is not probed**: requests get ``skipped(ejected)`` at once. When its
+  ejection ends it is on probation: the next request probes it; a valid status
+  readmits it, one more failure ejects it again (n + 1).
+- **Usable status** (``cached``): the last valid status, younger than
+  ``max_status_age_s`` (older = unknown for scoring), the worker not ejected and
+  its last probe not failed (any RPC error marks the worker not usable until a
+  valid status, as in the reference scheduler). **Routable** (``is_routable``):
+  has had a valid status once and is not ejected; a new worker is not routable
+  until its first valid status.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from actors.probe_budget import (
+    TokenBucket,
+    decayed_ejection_count,
+    ejection_allowed,
+    ejection_duration_s,
+    prober_config_problems,
+)
+from router.config import ProberConfig
+from router.transport.errors import TransportError
+from router.transport.ports import WorkerStatusTransport
+from router.types import WorkerAddr, WorkerStatus
+
+_NEVER = float("-inf")
+PROBE_TIMEOUT_KIND = "probe_timeout"  # failure kind when a started RPC outlives probe_timeout_s
+
+
+class ProbeOutcome(enum.Enum):
+    OK = "ok"  # a valid status (fresh from the cache, or just probed)
+    NO_STATUS = "no_status"  # the worker answered with status_version 0
+    FAILED = "failed"  # transport error or no answer within probe_timeout_s; see error_kind
+    SKIPPED = "skipped"  # no probe was made for this request; see skip_reason
+
+
+class SkipReason(enum.Enum):
+    """Values double as metric labels (``kvroute_probe_skipped_total{reason}``)."""
+
+    NO_BUDGET = "no_budget"  # no token or in-flight slot before the deadline
+    EJECTED = "ejected"
+    DEADLINE = "deadline"  # the deadline had passed, or came while the RPC was in flight
+    STOPPED = "stopped"  # the prober is not running (e.g. being restarted)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    worker: WorkerAddr
+    outcome: ProbeOutcome
+    status: WorkerStatus | None = None  # set exactly when outcome is OK
+    from_cache: bool = False  # OK without an RPC for this request
+    observed_at: float | None = None  # trio time the status was received
+    error_kind: str | None = None  # TransportError.kind or PROBE_TIMEOUT_KIND, when FAILED
+    skip_reason: SkipReason | None = None  # when SKIPPED
+
+    def age_s(self, now: float) -> float | None:
+        return None if self.observed_at is None else now - self.observed_at
+
+
+class _Phase(enum.Enum):
+    BUDGET = "budget"  # waiting for a token or an in-flight slot
+    RPC = "rpc"
+
+
+@dataclass(eq=False, slots=True)
+class _WorkerState:
+    status: WorkerStatus | None = None  # last valid status (status_version != 0)
+    status_at: float = _NEVER
+    latest_finished_version: int = -1  # echoed on the next probe
+    consecutive_failures: int = 0
+    times_ejected: int = 0
+    ejected_until: float = _NEVER
+    flight: _Flight | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Flight:
+    """One pending probe of one worker, shared by every request waiting for it."""
+
+    worker: WorkerAddr
+    state: _WorkerState
+    token_at: float
+    budget_scope: trio.CancelScope  # deadline = the latest deadline among waiters
+    waiters: list[ProbeHandle] = field(default_factory=list)
+    phase: _Phase = _Phase.BUDGET
+
+
+class ProbeHandle:
+    """One request's probes: results in hand now, the rest arriving as they complete.
+
+    Wait under your own cancel scope (``async for result in handle`` or
+    ``await handle.wait_all()``), then read ``results()``. Waiting never extends
+    the request's deadline; nothing is queued for the request past it.
+    """
+
+    def __init__(self, workers: tuple[WorkerAddr, ...], deadline: float) -> None:
+        self.workers = workers
+        self.deadline = deadline
+        self._delivered: dict[WorkerAddr, ProbeResult] = {}
+        self._flights: dict[WorkerAddr, _Flight] = {}
+        # Each worker delivers exactly once, so a buffer of len(workers) never fills.
+        self._send, self._receive = trio.open_memory_channel[ProbeResult](len(workers))
+        self._all_done = trio.Event()
+        if not workers:
+            self._close()
+
+    @property
+    def pending(self) -> int:
+        return len(self.workers) - len(self._delivered)
+
+    def __aiter__(self) -> AsyncIterator[ProbeResult]:
+        """Every result (those in hand at once first), ending when none is pending."""
+        return self._receive
+
+    async def wait_all(self) -> None:
+        """Return when every worker has a result; bound it with the caller's cancel scope."""
+        await self._all_done.wait()
+
+    def results(self) -> tuple[ProbeResult, ...]:
+        """One result per requested worker, in request order. A probe still pending counts as
+        skipped: ``no_budget`` if it is waiting for budget, ``deadline`` if its RPC is in flight."""
+        out: list[ProbeResult] = []
+        for worker in self.workers:
+            result = self._delivered.get(worker)
+            if result is None:
+                flight = self._flights[worker]
+                reason = SkipReason.NO_BUDGET if flight.phase is _Phase.BUDGET else SkipReason.DEADLINE
+                result = ProbeResult(worker, ProbeOutcome.SKIPPED, skip_reason=reason)
+            out.append(result)
+        return tuple(out)
+
+    def statuses(self) -> dict[WorkerAddr, WorkerStatus]:
+        """The valid statuses in hand now (fresh cache hits and probes answered so far)."""
+        return {w: r.status for w, r in self._delivered.items() if r.status is not None}
+
+    def _attach(self, flight: _Flight) -> None:
+        self._flights[flight.worker] = flight
+        flight.waiters.append(self)
+
+    def _deliver(self, result: ProbeResult) -> None:
+        self._delivered[result.worker] = result
+        self._flights.pop(result.worker, None)
+        self._send.send_nowait(result)
+        if len(self._delivered) == len(self.workers):
+            self._close()
+
+    def _close(self) -> None:
+        self._send.close()
+        self._all_done.set()
+
+
+@dataclass(frozen=True, slots=True)
+class ProberHealth:
+    """The prober's health snapshot (debug endpoint and metrics)."""
+
+    running: bool
+    inflight: int  # RPCs in flight now
+    peak_inflight: int
+    inflight_cap: int
+    waiting_for_budget: int  # pending probes that have no in-flight slot yet
+    budget_tokens: float  # rate-bucket tokens now; negative = reserved ahead by waiting probes
+    tracked_workers: int  # status-cache entries
+    cache_hits: int  # lookups answered from a fresh status, no RPC
+    cache_misses: int  # lookups that needed a probe: probes_started + coalesced
+    probes_started: int  # probes this prober started (each makes at most one RPC)
+    coalesced: int  # lookups that joined a pending probe
+    cache_hit_ratio: float  # cache_hits / (cache_hits + cache_misses)
+    probes_ok: int
+    probes_failed: int
+    probes_no_status: int  # replies with status_version 0 (ignored)
+    failed_by_kind: dict[str, int]
+    skipped: dict[str, int]  # per requested worker, by SkipReason value
+    ejected_until: dict[str, float]  # status target → trio time the ejection ends
+
+
+class WorkerProber:
+    """Probes worker statuses for requests under one global budget (see the module docstring)."""
+
+    def __init__(self, config: ProberConfig, transport: WorkerStatusTransport) -> None:
+        problems = prober_config_problems(config)
+        if problems:
+            raise ValueError("invalid prober config: " + "; ".join(problems))
+        self._config = config
+        self._transport = transport
+        self._limiter = trio.CapacityLimiter(config.inflight_cap)
+        # Created full: its first refill, at whatever trio time, tops it up to the burst.
+        self._bucket = TokenBucket(config.rate_per_s, config.rate_burst, now=float("-inf"))
+        self._nursery: trio.Nursery | None = None
+        self._workers: OrderedDict[WorkerAddr, _WorkerState] = OrderedDict()  # LRU, bounded
+        self._ejected: dict[WorkerAddr, float] = {}  # tracked workers only → ejection end
+        self._pending_probes = 0
+        self._peak_inflight = 0
+        self._cache_hits = 0
+        self._probes_started = 0
+        self._coalesced = 0
+        self._probes_ok = 0
+        self._probes_no_status = 0
+        self._failed_by_kind: dict[str, int] = {}
+        self._skipped: dict[SkipReason, int] = dict.fromkeys(SkipReason, 0)
+
+    async def run(self, *, task_status: trio.TaskStatus[WorkerProber] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the probe tasks' nursery until cancelled. The cache and ejections survive a restart."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started(self)
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+
+    # --- request path (synchronous: atomic under trio) ------------------------------------
+
+    def probe(self, workers: Sequence[WorkerAddr], deadline: float) -> ProbeHandle:
+        """Start (or join) probes for ``workers``; return at once.
+
+        ``deadline`` is an absolute trio time: budget is acquired only before it
+        (pass the time by which a result is still useful to the decision).
+        Duplicates in ``workers`` are probed once.
+        """
+        now = trio.current_time()
+        handle = ProbeHandle(tuple(dict.fromkeys(workers)), deadline)
+        for worker in handle.workers:
+            result = self._lookup(worker, handle, now)
+            if result is not None:
+                handle._deliver(result)
+        return handle
+
+    def cached(self, worker: WorkerAddr) -> WorkerStatus | None:
+        """The worker's status if usable for scoring now (see the module docstring), else None."""
+        state = self._workers.get(worker)
+        if state is None or state.status is None or state.consecutive_failures:
+            return None
+        now = trio.current_time()
+        if state.ejected_until > now or now - state.status_at >= self._config.max_status_age_s:
+            return None
+        return state.status
+
+    def is_routable(self, worker: WorkerAddr) -> bool:
+        """Has had a valid status once and is not ejected."""
+        state = self._workers.get(worker)
+        return state is not None and state.status is not None and state.ejected_until <= trio.current_time()
+
+    def retain(self, workers: Collection[WorkerAddr]) -> None:
+        """Forget every worker not in ``workers`` (call on discovery changes)."""
+        keep = workers if isinstance(workers, set | frozenset) else set(workers)
+        for worker in [w for w in self._workers if w not in keep]:
+            self._forget(worker)
+
+    def snapshot(self) -> ProberHealth:
+        now = trio.current_time()
+        self._prune_ejections(now)
+        misses = self._probes_started + self._coalesced
+        lookups = self._cache_hits + misses
+        inflight = self._limiter.borrowed_tokens
+        return ProberHealth(
+            running=self._nursery is not None,
+            inflight=inflight,
+            peak_inflight=self._peak_inflight,
+            inflight_cap=self._config.inflight_cap,
+            waiting_for_budget=self._pending_probes - inflight,
+            budget_tokens=self._bucket.tokens(now),
+            tracked_workers=len(self._workers),
+            cache_hits=self._cache_hits,
+            cache_misses=misses,
+            probes_started=self._probes_started,
+            coalesced=self._coalesced,
+            cache_hit_ratio=self._cache_hits / lookups if lookups else 0.0,
+            probes_ok=self._probes_ok,
+            probes_failed=sum(self._failed_by_kind.values()),
+            probes_no_status=self._probes_no_status,
+            failed_by_kind=dict(self._failed_by_kind),
+            skipped={reason.value: n for reason, n in self._skipped.items()},
+            ejected_until={w.status_target: until for w, until in self._ejected.items()},
+        )
+
+    def _lookup(self, worker: WorkerAddr, handle: ProbeHandle, now: float) -> ProbeResult | None:
+        """A result known now, or None after attaching ``handle`` to a (new or pending) probe."""
+        state = self._touch(worker)
+        if (
+            state.status is not None
+            and not state.consecutive_failures
+            and now - state.status_at < self._config.fresh_ttl_s
+        ):
+            self._cache_hits += 1
+            return ProbeResult(
+                worker, ProbeOutcome.OK, state.status, from_cache=True, observed_at=state.status_at
+            )
+        if state.ejected_until > now:
+            return self._skip(worker, SkipReason.EJECTED)
+        flight = state.flight
+        if flight is not None:
+            self._coalesced += 1
+            if flight.phase is _Phase.BUDGET and handle.deadline > flight.budget_scope.deadline:
+                flight.budget_scope.deadline = handle.deadline
+            handle._attach(flight)
+            return None
+        if self._nursery is None:
+            return self._skip(worker, SkipReason.STOPPED)
+        if handle.deadline <= now:
+            return self._skip(worker, SkipReason.DEADLINE)
+        if self._pending_probes >= self._config.max_tracked_workers:
+            return self._skip(worker, SkipReason.NO_BUDGET)
+        token_at = self._bucket.reserve(now, handle.deadline)
+        if token_at is None:
+            return self._skip(worker, SkipReason.NO_BUDGET)
+        flight = _Flight(worker, state, token_at, trio.CancelScope(deadline=handle.deadline))
+        state.flight = flight
+        handle._attach(flight)
+        self._probes_started += 1
+        self._pending_probes += 1
+        self._nursery.start_soon(self._fly, flight)
+        return None
+
+    def _skip(self, worker: WorkerAddr, reason: SkipReason) -> ProbeResult:
+        self._skipped[reason] += 1
+        return ProbeResult(worker, ProbeOutcome.SKIPPED, skip_reason=reason)
+
+    def _touch(self, worker: WorkerAddr) -> _WorkerState:
+        state = self._workers.get(worker)
+        if state is None:
+            state = self._workers[worker] = _WorkerState()
+            while len(self._workers) > self._config.max_tracked_workers:
+                self._forget(next(iter(self._workers)))
+        else:
+            self._workers.move_to_end(worker)
+        return state
+
+    def _forget(self, worker: WorkerAddr) -> None:
+        # A pending probe of a forgotten worker still completes, updating only its orphaned state.
+        del self._workers[worker]
+        self._ejected.pop(worker, None)
+
+    # --- probe tasks ------------------------------------------------------------------------
+
+    async def _fly(self, flight: _Flight) -> None:
+        try:
+            have_slot = False
+            with flight.budget_scope:
+                await trio.sleep_until(flight.token_at)
+                await self._limiter.acquire()
+                have_slot = True
+            if not have_slot:
+                self._bucket.refund(trio.current_time())
+                self._finish(flight, self._outcome_skipped(flight, SkipReason.NO_BUDGET))
+                return
+            try:
+                flight.phase = _Phase.RPC
+                self._peak_inflight = max(self._peak_inflight, self._limiter.borrowed_tokens)
+                status, error_kind = await self._call(flight)
+            finally:
+                self._limiter.release()
+            if status is not None:
+                self._finish(flight, self._record_status(flight, status))
+            else:
+                self._finish(flight, self._record_failure(flight, error_kind))
+        finally:
+            self._pending_probes -= 1
+            if flight.state.flight is flight:
+                flight.state.flight = None
+
+    async def _call(self, flight: _Flight) -> tuple[WorkerStatus | None, str]:
+        """The RPC, bounded by probe_timeout_s alone (see the module docstring)."""
+        with trio.move_on_after(self._config.probe_timeout_s):
+            try:
+                return (
+                    await self._transport.get_worker_status(
+                        flight.worker.status_target, flight.state.latest_finished_version
+                    ),
+                    "",
+                )
+            except TransportError as exc:
+                return None, exc.kind
+        return None, PROBE_TIMEOUT_KIND
+
+    # --- state updates (synchronous) ------------------------------------------------------
+
+    def _outcome_skipped(self, flight: _Flight, reason: SkipReason) -> ProbeResult:
+        self._skipped[reason] += len(flight.waiters)
+        return ProbeResult(flight.worker, ProbeOutcome.SKIPPED, skip_reason=reason)
+
+    def _record_status(self, flight: _Flight, status: WorkerStatus) -> ProbeResult:
+        if status.status_version == 0:
+            self._probes_no_status += 1
+            return ProbeResult(flight.worker, ProbeOutcome.NO_STATUS)
+        now = trio.current_time()
+        state = flight.state
+        state.status = status
+        state.status_at = now
+        state.latest_finished_version = status.latest_finished_version
+        state.consecutive_failures = 0
+        self._probes_ok += 1
+        return ProbeResult(flight.worker, ProbeOutcome.OK, status, observed_at=now)
+
+    def _record_failure(self, flight: _Flight, kind: str) -> ProbeResult:
+        state = flight.state
+        state.consecutive_failures += 1
+        self._failed_by_kind[kind] = self._failed_by_kind.get(kind, 0) + 1
+        if state.consecutive_failures >= self._config.eject_after_failures:
+            self._eject(flight.worker, state)
+        return ProbeResult(flight.worker, ProbeOutcome.FAILED, error_kind=kind)
+
+    def _eject(self, worker: WorkerAddr, state: _WorkerState) -> None:
+        if self._workers.get(worker) is not state:
+            return  # forgotten while its probe was pending
+        now = trio.current_time()
+        self._prune_ejections(now)
+        if not ejection_allowed(len(self._ejected), len(self._workers), self._config.max_ejected_fraction):
+            return  # over the cap: keeps failing, stays unusable (cached() is None), and retries ejection
+        healthy_for = now - state.ejected_until if state.times_ejected else 0.0
+        n = decayed_ejection_count(state.times_ejected, healthy_for, self._config.eject_base_s) + 1
+        state.times_ejected = n
+        state.ejected_until = now + ejection_duration_s(
+            n, self._config.eject_base_s, self._config.eject_max_s
+        )
+        self._ejected[worker] = state.ejected_until
+
+    def _prune_ejections(self, now: float) -> None:
+        for worker in [w for w, until in self._ejected.items() if until <= now]:
+            del self._ejected[worker]
+
+    def _finish(self, flight: _Flight, result: ProbeResult) -> None:
+        if flight.state.flight is flight:
+            flight.state.flight = None  # the next request starts a new probe
+        for handle in flight.waiters:
+            handle._deliver(result)
+        flight.waiters.clear()

@@ -1,0 +1,493 @@
+"""WorkerProber under MockClock over the in-memory network (issue 3, required tests 5, 6 and 8).
+
+Only the worker peers are fake: handlers written here decode the real
+StatusVersionPB request and encode real WorkerStatusPB replies; the prober talks
+to them through the real WorkerStatusClient over MemoryNetwork.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+
+import pytest
+import trio
+import trio.testing
+from trio.testing import MockClock
+
+from actors.worker_prober import PROBE_TIMEOUT_KIND, ProbeOutcome, ProbeResult, SkipReason, WorkerProber
+from router.config import ProberConfig
+from router.transport.clients import WorkerStatusClient
+from router.transport.errors import PeerAbort, RpcStatus
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import WorkerAddr
+from router.wire import engine_status_pb2 as engine_pb
+from router.wire import paths
+
+
+class FakeWorkers:
+    """The worker peers: one handler per target, counting concurrent handler executions."""
+
+    def __init__(self, net: MemoryNetwork, latency_s: float = 0.0) -> None:
+        self.net = net
+        self.latency_s = latency_s
+        self.active = 0
+        self.peak = 0
+        self.rpc_starts: list[float] = []
+        self.echoed: dict[str, list[int]] = {}  # target → latest_finished_version sent, in order
+        self.failing: set[str] = set()
+        self.hanging: set[str] = set()
+        self.version_zero: set[str] = set()
+        self._versions: dict[str, int] = {}
+
+    def add(self, worker: WorkerAddr) -> WorkerAddr:
+        self.net.serve(worker.status_target, functools.partial(self._handle, worker.status_target))
+        return worker
+
+    def rpcs(self, worker: WorkerAddr | None = None) -> int:
+        return self.net.call_count(None if worker is None else worker.status_target, paths.WORKER_GET_STATUS)
+
+    async def _handle(self, target: str, method_path: str, request: bytes) -> bytes:
+        assert method_path == paths.WORKER_GET_STATUS
+        version_request = engine_pb.StatusVersionPB()
+        version_request.ParseFromString(request)
+        assert version_request.latest_cache_version == -1
+        self.echoed.setdefault(target, []).append(version_request.latest_finished_version)
+        self.rpc_starts.append(trio.current_time())
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            if target in self.hanging:
+                await trio.sleep_forever()
+            await trio.sleep(self.latency_s)
+            if target in self.failing:
+                raise PeerAbort(RpcStatus.UNAVAILABLE, "worker down")
+            if target in self.version_zero:
+                return engine_pb.WorkerStatusPB(role="RoleType.PREFILL", alive=True).SerializeToString()
+            version = self._versions[target] = self._versions.get(target, 0) + 1
+            return engine_pb.WorkerStatusPB(
+                role="RoleType.PREFILL",
+                alive=True,
+                status_version=version,
+                latest_finished_version=100 + version,
+                waiting_query_len=version,
+            ).SerializeToString()
+        finally:
+            self.active -= 1
+
+
+def workers(n: int) -> list[WorkerAddr]:
+    return [WorkerAddr.from_http(f"10.0.{i // 200}.{i % 200 + 1}", 8000) for i in range(n)]
+
+
+async def start_prober(nursery: trio.Nursery, fake: FakeWorkers, **overrides: object) -> WorkerProber:
+    config = dataclasses.replace(ProberConfig(), **overrides)  # type: ignore[arg-type]
+    prober: WorkerProber = await nursery.start(WorkerProber(config, WorkerStatusClient(fake.net)).run)
+    return prober
+
+
+def by_outcome(results: tuple[ProbeResult, ...]) -> dict[object, int]:
+    counts: dict[object, int] = {}
+    for r in results:
+        key: object = r.skip_reason if r.outcome is ProbeOutcome.SKIPPED else r.outcome
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+# --- required test 5: the global budget ---------------------------------------------------------
+
+
+async def test_inflight_cap_is_exact_at_the_server(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.01)
+    fleet = [fake.add(w) for w in workers(200)]
+    prober = await start_prober(nursery, fake, inflight_cap=16, rate_per_s=1e6, rate_burst=1000)
+    start = trio.current_time()
+    handle = prober.probe(fleet, deadline=start + 10.0)
+    await handle.wait_all()
+    assert by_outcome(handle.results()) == {ProbeOutcome.OK: 200}
+    assert fake.rpcs() == 200
+    assert fake.peak == 16  # both bounds: never above the cap, and the cap is actually used
+    assert prober.snapshot().peak_inflight == 16
+    # 200 probes in waves of 16 at 10 ms each: ceil(200 / 16) = 13 waves, not serial, not all at once.
+    assert trio.current_time() - start == pytest.approx(0.13)
+
+
+async def test_requests_waiting_for_budget_are_skipped_at_their_deadline(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.01)
+    fleet = [fake.add(w) for w in workers(200)]
+    prober = await start_prober(nursery, fake, inflight_cap=16, rate_per_s=1e6, rate_burst=1000)
+    start = trio.current_time()
+    deadline = start + 0.025
+    handles = [prober.probe(fleet[i::4], deadline) for i in range(4)]  # 4 requests, 50 workers each
+    for handle in handles:
+        with trio.move_on_at(deadline):
+            await handle.wait_all()
+        assert trio.current_time() == deadline  # on time, not later
+    results = tuple(r for h in handles for r in h.results())
+    # Waves start at 0, 10 and 20 ms: 32 answered, 16 RPCs in flight at 25 ms, 152 never got a slot.
+    assert by_outcome(results) == {
+        ProbeOutcome.OK: 32,
+        SkipReason.DEADLINE: 16,
+        SkipReason.NO_BUDGET: 152,
+    }
+    await trio.sleep(1.0)
+    assert fake.rpcs() == 48
+    assert max(fake.rpc_starts) < deadline  # nothing started for a request past its deadline
+    health = prober.snapshot()
+    assert health.skipped[SkipReason.NO_BUDGET.value] == 152
+    assert (health.inflight, health.waiting_for_budget, health.probes_ok) == (0, 0, 48)
+    assert health.budget_tokens == 1000  # the 152 unused tokens were refunded
+
+
+async def test_rate_budget_over_a_window(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(600)]
+    rate, burst = 1000.0, 10
+    prober = await start_prober(nursery, fake, inflight_cap=1000, rate_per_s=rate, rate_burst=burst)
+    start = trio.current_time()
+    handle = prober.probe(fleet, deadline=start + 0.2005)  # off the 0.2 s token boundary
+    # Tokens that could only be ready after the deadline are refused at once, not waited for.
+    assert handle.pending == burst + 200
+    assert prober.snapshot().skipped[SkipReason.NO_BUDGET.value] == 600 - burst - 200
+    await handle.wait_all()
+    assert fake.rpcs() == burst + 200
+    times = sorted(t - start for t in fake.rpc_starts)
+    for t in times:
+        # Started by time t: at most burst + rate × t (the budget holds), at least one fewer (it is used).
+        started = bisect.bisect_right(times, t)
+        assert burst + rate * t - 1 - 1e-6 <= started <= burst + rate * t + 1e-6
+    for i in range(0, len(times), 7):
+        for j in range(i, len(times), 5):
+            assert j - i + 1 <= burst + rate * (times[j] - times[i]) + 1e-6
+
+
+async def test_tokens_of_probes_that_never_started_are_refunded(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.01)
+    fleet = [fake.add(w) for w in workers(5)]
+    prober = await start_prober(nursery, fake, inflight_cap=1, rate_per_s=10.0, rate_burst=5)
+    handle = prober.probe(fleet, trio.current_time() + 0.005)
+    assert prober.snapshot().budget_tokens == 0.0
+    with trio.move_on_at(handle.deadline):
+        await handle.wait_all()
+    await trio.testing.wait_all_tasks_blocked()
+    # One probe holds the slot; the four that never got it gave their tokens back (plus 5 ms of refill).
+    assert prober.snapshot().budget_tokens == pytest.approx(4.05)
+    assert fake.rpcs() == 1
+
+
+# --- required test 6: coalescing and the status cache --------------------------------------------
+
+
+async def test_concurrent_requests_for_one_stale_worker_share_one_rpc(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.005)
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start_prober(nursery, fake)
+    primer = prober.probe([worker], trio.current_time() + 1.0)
+    await primer.wait_all()
+    await trio.sleep(0.1)  # the status is now stale (older than fresh_ttl_s)
+    before = prober.snapshot()
+    got: list[ProbeResult] = []
+
+    async def request() -> None:
+        handle = prober.probe([worker], trio.current_time() + 0.05)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        got.extend(handle.results())
+
+    async with trio.open_nursery() as requests:
+        for _ in range(100):
+            requests.start_soon(request)
+    assert fake.rpcs(worker) == 2  # the primer's and exactly one for the 100 requests
+    assert len(got) == 100
+    assert all(r.outcome is ProbeOutcome.OK and not r.from_cache for r in got)
+    assert len({id(r.status) for r in got}) == 1
+    wave = prober.snapshot()
+    assert wave.probes_started - before.probes_started == 1
+    assert wave.coalesced - before.coalesced == 99
+    # A second wave within the freshness TTL: answered from the cache, no RPC at all.
+    got.clear()
+    async with trio.open_nursery() as requests:
+        for _ in range(100):
+            requests.start_soon(request)
+    assert fake.rpcs(worker) == 2
+    assert all(r.from_cache for r in got)
+    after = prober.snapshot()
+    hits = after.cache_hits - before.cache_hits
+    lookups = hits + after.cache_misses - before.cache_misses
+    print(
+        f"test 6: 200 requests, 1 RPC; cache hit ratio {hits / lookups:.2f} (hits {hits} / lookups {lookups})"
+    )
+    assert (hits, lookups) == (100, 200)
+
+
+async def test_coalesced_probe_outlives_its_first_requester(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """The first requester leaves at its deadline; a later one with a longer deadline still gets the
+    answer from the same probe, started once budget frees up."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.02)
+    blocker, worker = [fake.add(w) for w in workers(2)]
+    prober = await start_prober(nursery, fake, inflight_cap=1)
+    now = trio.current_time()
+    prober.probe([blocker], now + 1.0)  # holds the only in-flight slot from 0 to 20 ms
+    await trio.sleep(0.001)
+    first = prober.probe([worker], now + 0.005)
+    second = prober.probe([worker], now + 0.1)
+    with trio.move_on_at(first.deadline):
+        await first.wait_all()
+    assert first.results()[0].skip_reason is SkipReason.NO_BUDGET
+    with trio.move_on_at(second.deadline):
+        await second.wait_all()
+    assert trio.current_time() == pytest.approx(now + 0.04)
+    assert second.results()[0].outcome is ProbeOutcome.OK
+    assert fake.rpcs(worker) == 1
+
+
+async def test_fresh_cache_hit_issues_no_rpc(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.05)
+    first = prober.probe([worker], trio.current_time() + 1.0)
+    await first.wait_all()
+    answered_at = trio.current_time()
+    await trio.sleep(0.049)
+    hit = prober.probe([worker], trio.current_time() + 1.0)
+    assert hit.pending == 0  # in hand at once
+    (result,) = hit.results()
+    assert result.from_cache and result.status is first.results()[0].status
+    assert result.age_s(trio.current_time()) == pytest.approx(0.049)
+    assert result.observed_at == answered_at
+    assert fake.rpcs(worker) == 1
+    await trio.sleep(0.001)  # now 50 ms old: no longer fresh
+    miss = prober.probe([worker], trio.current_time() + 1.0)
+    assert miss.pending == 1
+    await miss.wait_all()
+    assert fake.rpcs(worker) == 2
+    assert not miss.results()[0].from_cache
+
+
+async def test_latest_finished_version_is_echoed(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.0)
+    for _ in range(3):
+        await prober.probe([worker], trio.current_time() + 1.0).wait_all()
+    fake.version_zero.add(worker.status_target)  # a reply without a status must not reset it
+    await prober.probe([worker], trio.current_time() + 1.0).wait_all()
+    fake.version_zero.clear()
+    await prober.probe([worker], trio.current_time() + 1.0).wait_all()
+    assert fake.echoed[worker.status_target] == [-1, 101, 102, 103, 103]
+
+
+async def test_status_version_zero_is_ignored_not_a_failure(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    (worker,) = [fake.add(w) for w in workers(1)]
+    fake.version_zero.add(worker.status_target)
+    prober = await start_prober(nursery, fake, eject_after_failures=1)
+    for _ in range(5):
+        handle = prober.probe([worker], trio.current_time() + 1.0)
+        await handle.wait_all()
+        assert handle.results()[0].outcome is ProbeOutcome.NO_STATUS
+        assert handle.results()[0].status is None
+    assert prober.cached(worker) is None
+    assert not prober.is_routable(worker)  # a new worker waits for its first valid status
+    health = prober.snapshot()
+    assert (health.probes_no_status, health.probes_failed, health.probes_ok) == (5, 0, 0)
+    assert health.ejected_until == {}
+    fake.version_zero.clear()
+    await prober.probe([worker], trio.current_time() + 1.0).wait_all()
+    assert prober.is_routable(worker)
+    status = prober.cached(worker)
+    assert status is not None and status.status_version == 1
+
+
+async def test_status_cache_is_bounded_lru(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(20)]
+    prober = await start_prober(nursery, fake, max_tracked_workers=8)
+    for worker in fleet:
+        await prober.probe([worker], trio.current_time() + 1.0).wait_all()
+        assert prober.snapshot().tracked_workers <= 8
+    assert prober.snapshot().tracked_workers == 8
+    assert [w for w in fleet if prober.cached(w) is not None] == fleet[-8:]
+    # A lookup refreshes recency: fleet[12] survives the next eviction, fleet[13] does not.
+    prober.probe([fleet[12]], trio.current_time() + 1.0)
+    await prober.probe([fake.add(workers(21)[20])], trio.current_time() + 1.0).wait_all()
+    assert prober.cached(fleet[12]) is not None
+    assert prober.cached(fleet[13]) is None
+
+
+async def test_retain_prunes_dropped_workers(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(6)]
+    prober = await start_prober(nursery, fake, eject_after_failures=1)
+    await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+    fake.failing.add(fleet[0].status_target)
+    await trio.sleep(0.1)
+    await prober.probe([fleet[0]], trio.current_time() + 1.0).wait_all()
+    assert list(prober.snapshot().ejected_until) == [fleet[0].status_target]
+    prober.retain(frozenset(fleet[3:]))
+    health = prober.snapshot()
+    assert health.tracked_workers == 3
+    assert health.ejected_until == {}
+    assert [w for w in fleet if prober.is_routable(w)] == fleet[3:]
+
+
+# --- required test 8: failure accrual and ejection -----------------------------------------------
+
+
+async def probe_one(prober: WorkerProber, worker: WorkerAddr) -> ProbeResult:
+    handle = prober.probe([worker], trio.current_time() + 1.0)
+    await handle.wait_all()
+    (result,) = handle.results()
+    return result
+
+
+async def test_flapping_worker_is_ejected_and_readmitted_per_backoff(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(4)]
+    flappy = fleet[0]
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.0, eject_base_s=30.0, eject_max_s=300.0)
+    await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+
+    async def fail_until_ejected() -> float:
+        fake.failing.add(flappy.status_target)
+        for _ in range(2):
+            assert (await probe_one(prober, flappy)).error_kind == "unavailable"
+            assert prober.is_routable(flappy) and prober.cached(flappy) is None
+        assert (await probe_one(prober, flappy)).outcome is ProbeOutcome.FAILED
+        return trio.current_time()
+
+    async def ejected_until(ejected_at: float, duration: float) -> None:
+        assert prober.snapshot().ejected_until == {flappy.status_target: ejected_at + duration}
+        rpcs = fake.rpcs(flappy)
+        await trio.sleep_until(ejected_at + duration - 0.001)
+        result = await probe_one(prober, flappy)
+        assert result.skip_reason is SkipReason.EJECTED
+        assert fake.rpcs(flappy) == rpcs  # an ejected worker is not probed
+        assert not prober.is_routable(flappy) and prober.cached(flappy) is None
+        await trio.sleep_until(ejected_at + duration)
+        assert prober.snapshot().ejected_until == {}
+        assert prober.cached(flappy) is None  # on probation until a valid status
+
+    async def readmit() -> None:
+        fake.failing.discard(flappy.status_target)
+        assert (await probe_one(prober, flappy)).outcome is ProbeOutcome.OK
+        assert prober.is_routable(flappy) and prober.cached(flappy) is not None
+
+    await ejected_until(await fail_until_ejected(), 30.0)  # 1st ejection: base × 1
+    await readmit()
+    await ejected_until(await fail_until_ejected(), 60.0)  # 2nd: base × 2
+    fake.failing.add(flappy.status_target)
+    assert (await probe_one(prober, flappy)).outcome is ProbeOutcome.FAILED  # probation: one failure
+    await ejected_until(trio.current_time(), 90.0)  # 3rd: base × 3
+    await readmit()
+    await trio.sleep(65.0)  # two base periods out of ejection forgive two past ejections
+    await ejected_until(await fail_until_ejected(), 60.0)
+    assert prober.snapshot().failed_by_kind == {"unavailable": 10}
+
+
+async def test_never_more_than_the_cap_ejected(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(10)]
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.0, max_ejected_fraction=0.5)
+    await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+    fake.failing.update(w.status_target for w in fleet)
+    peak = 0
+    for _ in range(10):
+        await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+        peak = max(peak, len(prober.snapshot().ejected_until))
+        await trio.sleep(1.0)
+    assert peak == 5  # both bounds: the cap is reached and never passed
+    ejected = {w for w in fleet if not prober.is_routable(w)}
+    assert len(ejected) == 5
+    # The failing workers kept in service stay routable but carry no usable status.
+    assert all(prober.cached(w) is None for w in fleet)
+    # When the ejections end, the others get their turn — still within the cap.
+    await trio.sleep(30.0)
+    assert prober.snapshot().ejected_until == {}
+    now = trio.current_time()
+    await prober.probe(fleet, now + 1.0).wait_all()
+    again = prober.snapshot().ejected_until
+    assert len(again) == 5
+    for w in fleet:
+        if w.status_target in again:  # a second ejection lasts twice as long as a first
+            assert again[w.status_target] == now + (60.0 if w in ejected else 30.0)
+
+
+async def test_hanging_worker_is_ejected_even_with_short_request_deadlines(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A started RPC runs to probe_timeout_s, whoever waits, so a black hole still accrues failures."""
+    fake = FakeWorkers(MemoryNetwork())
+    worker, other = [fake.add(w) for w in workers(2)]
+    prober = await start_prober(nursery, fake, probe_timeout_s=0.2)
+    await prober.probe([worker, other], trio.current_time() + 1.0).wait_all()
+    fake.hanging.add(worker.status_target)
+    for _ in range(3):
+        await trio.sleep(0.1)
+        handle = prober.probe([worker], trio.current_time() + 0.01)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        assert handle.results()[0].skip_reason is SkipReason.DEADLINE
+        await trio.sleep(0.2)
+    assert prober.snapshot().failed_by_kind == {PROBE_TIMEOUT_KIND: 3}
+    assert not prober.is_routable(worker)
+    assert fake.rpcs(worker) == 4
+
+
+async def test_new_and_stale_workers_are_not_usable(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start_prober(nursery, fake, max_status_age_s=3.0)
+    assert not prober.is_routable(worker) and prober.cached(worker) is None
+    await prober.probe([worker], trio.current_time() + 1.0).wait_all()
+    assert prober.cached(worker) is not None
+    await trio.sleep(2.999)
+    assert prober.cached(worker) is not None
+    await trio.sleep(0.001)
+    assert prober.cached(worker) is None  # older than max_status_age_s: unknown for scoring
+    assert prober.is_routable(worker)
+
+
+async def test_probe_before_run_or_after_deadline_is_skipped(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net))
+    assert prober.probe([worker], trio.current_time() + 1.0).results()[0].skip_reason is SkipReason.STOPPED
+    await nursery.start(prober.run)
+    handle = prober.probe([worker, worker], trio.current_time())
+    assert handle.workers == (worker,)
+    assert handle.results()[0].skip_reason is SkipReason.DEADLINE
+    assert fake.rpcs() == 0
+
+
+def test_bad_config_is_rejected_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"prober\.inflight_cap"):
+        WorkerProber(ProberConfig(inflight_cap=0), WorkerStatusClient(MemoryNetwork()))
+
+
+async def test_results_stream_as_they_complete(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(4)]
+    prober = await start_prober(nursery, fake)
+    await prober.probe(fleet[:1], trio.current_time() + 1.0).wait_all()
+    fake.latency_s = 0.01
+    handle = prober.probe(fleet, trio.current_time() + 1.0)
+    assert list(handle.statuses()) == [fleet[0]]  # the fresh one is in hand at once
+    arrivals: list[tuple[WorkerAddr, bool]] = [(r.worker, r.from_cache) async for r in handle]
+    assert arrivals[0] == (fleet[0], True)
+    assert sorted(w.ip for w, _ in arrivals[1:]) == sorted(w.ip for w in fleet[1:])
