@@ -1,0 +1,192 @@
+"""Packaging (review-lessons §6): the installed distribution is complete, importable, and inert on import.
+
+Works for a regular install (CI: ``pip install '.[test]'`` from a clean clone — the
+distribution's file list is the truth) and for an editable install (developers — the
+installed package directories are walked). Imports run in a fresh interpreter whose
+working directory is empty, so only the installed ``router``/``actors`` can be found.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import Distribution, distribution
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+DIST_NAME = "kvroute"
+PACKAGES = ("router", "actors")
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def is_editable(dist: Distribution) -> bool:
+    direct_url = dist.read_text("direct_url.json")
+    return bool(direct_url and json.loads(direct_url).get("dir_info", {}).get("editable"))
+
+
+def installed_python_files(dist: Distribution) -> dict[PurePosixPath, Path]:
+    """Installed ``router``/``actors`` .py files: package-relative path → file on disk."""
+    listed = {
+        PurePosixPath(str(f)): Path(str(dist.locate_file(f)))
+        for f in dist.files or ()
+        if f.parts[0] in PACKAGES and f.suffix == ".py"
+    }
+    if listed:
+        return listed
+    assert is_editable(dist), f"{DIST_NAME} lists no {PACKAGES} files and is not an editable install"
+    found: dict[PurePosixPath, Path] = {}
+    for package in PACKAGES:
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.submodule_search_locations, f"{package} is not an installed package"
+        for location in spec.submodule_search_locations:
+            base = Path(location)
+            for path in base.rglob("*.py"):
+                found[PurePosixPath(package, *path.relative_to(base).parts)] = path
+    return found
+
+
+def source_python_files() -> set[PurePosixPath]:
+    return {
+        PurePosixPath(p.relative_to(SOURCE_ROOT).as_posix())
+        for package in PACKAGES
+        for p in (SOURCE_ROOT / package).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+
+
+def module_name(relative: PurePosixPath) -> str:
+    parts = relative.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@pytest.fixture(scope="module")
+def dist() -> Distribution:
+    return distribution(DIST_NAME)
+
+
+@pytest.fixture(scope="module")
+def installed(dist: Distribution) -> dict[PurePosixPath, Path]:
+    return installed_python_files(dist)
+
+
+def test_distribution_metadata(dist: Distribution) -> None:
+    assert dist.metadata["Name"] == DIST_NAME
+    assert set(dist.metadata["Requires-Python"].split(",")) == {">=3.11", "<3.14"}
+    assert [ep.value for ep in dist.entry_points if ep.name == "kvroute"] == ["router.cli:main"]
+
+
+def test_every_source_module_is_in_the_installed_distribution(installed: dict[PurePosixPath, Path]) -> None:
+    """A sub-package left out of the build's file list is missing here (with a wheel install)."""
+    missing = sorted(str(p) for p in source_python_files() - set(installed))
+    assert not missing, f"in the source tree but not installed: {missing}"
+
+
+def test_every_source_package_directory_is_a_regular_package() -> None:
+    """packages.find only ships directories with __init__.py; an editable install would hide the hole."""
+    holes = sorted(
+        str(d.relative_to(SOURCE_ROOT))
+        for package in PACKAGES
+        for d in [SOURCE_ROOT / package, *(SOURCE_ROOT / package).rglob("*")]
+        if d.is_dir()
+        and "__pycache__" not in d.parts
+        and any(d.glob("*.py"))
+        and not (d / "__init__.py").is_file()
+    )
+    assert not holes, f"directories with modules but no __init__.py: {holes}"
+
+
+def test_generated_protobuf_modules_are_installed(installed: dict[PurePosixPath, Path]) -> None:
+    protos = sorted((SOURCE_ROOT / "proto").glob("*.proto"))
+    assert protos, "no .proto sources"
+    for proto in protos:
+        assert PurePosixPath("router", "wire", f"{proto.stem}_pb2.py") in installed, proto.name
+    for package in PACKAGES:
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.origin is not None
+        assert (Path(spec.origin).parent / "py.typed").is_file(), f"{package}/py.typed not installed"
+
+
+def test_modules_are_imported_from_the_installed_distribution(
+    dist: Distribution, installed: dict[PurePosixPath, Path]
+) -> None:
+    for package in PACKAGES:
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.origin is not None
+        assert Path(spec.origin).resolve() == installed[PurePosixPath(package, "__init__.py")].resolve()
+        if not is_editable(dist):
+            # A regular install must not be shadowed by the source tree.
+            assert not Path(spec.origin).resolve().is_relative_to(SOURCE_ROOT), spec.origin
+
+
+IMPORT_ALL = textwrap.dedent(
+    """
+    import importlib, json, sys, threading, traceback
+    import psutil
+
+    errors = {}
+    for name in sys.argv[1:]:
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            errors[name] = traceback.format_exc()
+    process = psutil.Process()
+    print(json.dumps({
+        "errors": errors,
+        "files": {name: sys.modules[name].__file__ for name in sys.argv[1:] if name in sys.modules},
+        "threads": [t.name for t in threading.enumerate()],
+        "children": len(process.children(recursive=True)),
+        "connections": len(process.net_connections(kind="all")),
+    }))
+    """
+)
+
+
+def test_every_installed_module_imports_and_starts_nothing(
+    installed: dict[PurePosixPath, Path], tmp_path: Path
+) -> None:
+    names = sorted({module_name(p) for p in installed})
+    assert "router.cli" in names
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, *names],
+        cwd=tmp_path,  # nothing importable here: the installed package is the only `router`
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["errors"] == {}, "\n".join(report["errors"].values())
+    assert {Path(f).resolve() for f in report["files"].values()} == {p.resolve() for p in installed.values()}
+    assert report["threads"] == ["MainThread"]
+    assert report["children"] == 0
+    assert report["connections"] == 0
+
+
+def test_cli_subcommands_are_installed_and_importing_the_cli_starts_nothing(tmp_path: Path) -> None:
+    """`kvroute --help` resolves every subcommand module of the installed CLI and exits at once."""
+    exe = shutil.which("kvroute", path=str(Path(sys.executable).parent))
+    assert exe is not None, "console script 'kvroute' not installed beside this interpreter"
+    result = subprocess.run(
+        [exe, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: kvroute")
+
+
+def test_generated_code_is_not_tracked_by_git() -> None:
+    if not (SOURCE_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed")
+    tracked = subprocess.run(
+        [git, "ls-files", "-z"], cwd=SOURCE_ROOT, capture_output=True, check=True, timeout=30
+    ).stdout.decode()
+    generated = [f for f in tracked.split("\0") if "_pb2" in PurePosixPath(f).name]
+    assert generated == [], f"generated protobuf code is committed: {generated}"
