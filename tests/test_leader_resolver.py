@@ -1,0 +1,655 @@
+"""LeaderResolver under MockClock(autojump) with the in-memory network.
+
+Only the remote KVCM peers are faked (handlers that speak the wire bytes); the resolver,
+the typed client, the decoders and the breaker are the real ones. RPCs are counted at the
+network (``MemoryNetwork.call_count``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable
+
+import pytest
+import trio
+import trio.testing
+
+from actors.breaker import Admission, BreakerState
+from actors.leader_resolver import (
+    LeaderResolver,
+    LeaderState,
+    LeaderUnavailable,
+    UnavailableReason,
+    validate_leader_config,
+)
+from router.config import BreakerConfig, LeaderConfig
+from router.transport.clients import KvcmClient
+from router.transport.errors import (
+    DeadlineExceeded,
+    GarbledReply,
+    NotLeader,
+    PeerAbort,
+    RemoteError,
+    RpcStatus,
+    TransportError,
+    Unavailable,
+)
+from router.transport.memory_adapter import Handler, MemoryNetwork
+from router.types import CacheQuery, QueryType
+from router.wire import kvcm_meta_pb2 as kvcm_pb
+from router.wire import paths
+
+NODES = ("10.0.0.1:6381", "10.0.0.2:6381", "10.0.0.3:6381")
+LEADER_CFG = LeaderConfig(
+    refresh_interval_s=10.0,
+    max_staleness_s=30.0,
+    lookup_timeout_s=0.5,
+    backoff_initial_s=0.05,
+    backoff_max_s=5.0,
+    backoff_jitter_s=0.05,
+    no_leader_retry_s=0.2,
+)
+BREAKER_CFG = BreakerConfig(failure_threshold=5, cooldown_s=1.0, cooldown_max_s=30.0)
+INSTANCE = "deploy_64"
+
+
+def cluster_info_reply(leader: str | None, self_node: str = "n", code: int = kvcm_pb.OK) -> bytes:
+    reply = kvcm_pb.GetClusterInfoResponse(self_node_id=self_node)
+    reply.header.status.code = code  # type: ignore[assignment]
+    if leader is not None:
+        host, _, port = leader.rpartition(":")
+        reply.leader_node_id = f"node-{leader}"
+        reply.leader_endpoint.node_id = f"node-{leader}"
+        reply.leader_endpoint.host = host
+        reply.leader_endpoint.meta_rpc_port = int(port)
+    return reply.SerializeToString()
+
+
+def cache_state_reply(code: int = kvcm_pb.OK) -> bytes:
+    reply = kvcm_pb.GetHostCacheStateResponse()
+    reply.header.status.code = code  # type: ignore[assignment]
+    return reply.SerializeToString()
+
+
+class FakeKvcm:
+    """The remote KVCM replicas: any node answers GetClusterInfo with the cluster's current leader.
+
+    ``delay`` per node (virtual time), ``hang`` nodes never answer (and record being cancelled),
+    ``no_leader`` makes every node answer "no leader elected".
+    """
+
+    def __init__(self, network: MemoryNetwork, nodes: tuple[str, ...] = NODES) -> None:
+        self.nodes = nodes
+        self.leader: str | None = nodes[0]
+        self.delay: dict[str, float] = {}
+        self.hang: set[str] = set()
+        self.cancelled: list[str] = []
+        self.query_code = kvcm_pb.OK
+        self.query_hang = False
+        self.instance_ids: list[str] = []
+        for node in nodes:
+            network.serve(node, functools.partial(self._handle, node))
+
+    async def _handle(self, node: str, method: str, request: bytes) -> bytes:
+        if method == paths.KVCM_GET_CLUSTER_INFO:
+            self.instance_ids.append(kvcm_pb.GetClusterInfoRequest.FromString(request).instance_id)
+        try:
+            if node in self.hang:
+                await trio.sleep_forever()
+            await trio.sleep(self.delay.get(node, 0.0))
+            if method == paths.KVCM_GET_CLUSTER_INFO:
+                return cluster_info_reply(self.leader, node)
+            assert method == paths.KVCM_GET_HOST_CACHE_STATE
+            if self.query_hang:
+                await trio.sleep_forever()
+            if node != self.leader:
+                return cache_state_reply(kvcm_pb.SERVER_NOT_LEADER)
+            return cache_state_reply(self.query_code)
+        except trio.Cancelled:
+            self.cancelled.append(node)
+            raise
+
+
+def cluster_info_calls(network: MemoryNetwork, target: str | None = None) -> int:
+    return network.call_count(target, paths.KVCM_GET_CLUSTER_INFO)
+
+
+async def start_resolver(
+    nursery: trio.Nursery,
+    network: MemoryNetwork,
+    bootstrap: Callable[[], tuple[str, ...]] = lambda: NODES,
+    config: LeaderConfig = LEADER_CFG,
+    breaker: BreakerConfig = BREAKER_CFG,
+) -> LeaderResolver:
+    resolver = LeaderResolver(config, breaker, KvcmClient(network), bootstrap, instance_id=INSTANCE)
+    await nursery.start(resolver.run)
+    return resolver
+
+
+async def timed_leader(resolver: LeaderResolver) -> tuple[float, str | UnavailableReason]:
+    """(trio seconds spent, leader target or failure reason)."""
+    start = trio.current_time()
+    try:
+        target: str | UnavailableReason = (await resolver.leader()).target
+    except LeaderUnavailable as exc:
+        target = exc.reason
+    return trio.current_time() - start, target
+
+
+# --- required test 1: all bootstrap targets dead at start --------------------------------------
+
+
+async def test_dead_bootstrap_first_lookup_fails_then_backoff_is_free(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()  # no server at any bootstrap target: connection refused
+    resolver = await start_resolver(nursery, network)
+    with trio.fail_after(0.05):  # the request's own deadline
+        elapsed, outcome = await timed_leader(resolver)
+    assert outcome in (UnavailableReason.FAILED, UnavailableReason.BACKING_OFF)
+    assert elapsed < 0.05
+    assert cluster_info_calls(network) == len(NODES)  # exactly one concurrent round
+    assert all(cluster_info_calls(network, t) == 1 for t in NODES)
+
+    for _ in range(1000):
+        elapsed, outcome = await timed_leader(resolver)
+        assert outcome is UnavailableReason.BACKING_OFF
+        assert elapsed < 0.001
+    assert cluster_info_calls(network) == len(NODES)  # zero RPCs while backing off
+    snap = resolver.snapshot()
+    assert snap.state is LeaderState.BACKING_OFF
+    assert snap.consecutive_failures == 1
+    assert snap.fast_failures_total >= 1000
+    assert snap.last_error is not None and all(t in snap.last_error for t in NODES)
+
+
+async def test_blackholed_bootstrap_caller_leaves_at_its_deadline_then_fast_fail(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.hang = set(NODES)  # accept, never answer
+    resolver = await start_resolver(nursery, network)
+    start = trio.current_time()
+    with trio.move_on_after(0.02) as request_scope:
+        await resolver.leader()
+    assert request_scope.cancelled_caught
+    assert trio.current_time() - start == pytest.approx(0.02)  # its own deadline, not the lookup's
+    assert resolver.snapshot().state is LeaderState.RESOLVING
+
+    # The shared lookup is bounded by lookup_timeout_s, then the failure is cached.
+    await trio.sleep(LEADER_CFG.lookup_timeout_s)
+    assert sorted(kvcm.cancelled) == sorted(NODES)
+    assert resolver.snapshot().state is LeaderState.BACKING_OFF
+    calls = cluster_info_calls(network)
+    assert calls == len(NODES)
+    for _ in range(1000):
+        elapsed, outcome = await timed_leader(resolver)
+        assert outcome is UnavailableReason.BACKING_OFF
+        assert elapsed < 0.001
+    assert cluster_info_calls(network) == calls
+
+
+async def test_backoff_grows_with_jitter_and_recovers_in_background(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    rounds: list[float] = []
+
+    async def refusing(method: str, request: bytes) -> bytes:
+        rounds.append(trio.current_time())
+        raise PeerAbort(RpcStatus.UNAVAILABLE, "down")
+
+    network.serve(NODES[0], refusing)
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: NODES[:1])
+    await trio.sleep(20.0)
+    gaps = [b - a for a, b in itertools.pairwise(rounds)]
+    assert len(gaps) >= 8
+    for n, gap in enumerate(gaps, start=1):
+        base = min(LEADER_CFG.backoff_initial_s * 2 ** (n - 1), LEADER_CFG.backoff_max_s)
+        ceiling = min(base + LEADER_CFG.backoff_jitter_s, LEADER_CFG.backoff_max_s)
+        assert base - 1e-9 <= gap <= ceiling + 1e-9, n
+    assert gaps[-1] == pytest.approx(LEADER_CFG.backoff_max_s)  # capped
+    assert resolver.snapshot().consecutive_failures == len(rounds)
+
+    # KVCM comes back: the background retry finds the leader without any request waiting.
+    kvcm = FakeKvcm(network, NODES[:1])
+    await trio.sleep(LEADER_CFG.backoff_max_s + LEADER_CFG.backoff_jitter_s)
+    snap = resolver.snapshot()
+    assert snap.state is LeaderState.LEADER
+    assert snap.leader_target == kvcm.leader
+    assert snap.consecutive_failures == 0
+    elapsed, outcome = await timed_leader(resolver)
+    assert (elapsed, outcome) == (0.0, NODES[0])
+
+
+# --- required test 2: leader moves ---------------------------------------------------------------
+
+
+async def test_not_leader_invalidates_and_next_request_finds_new_leader_in_one_round(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    for node in NODES:
+        kvcm.delay[node] = 0.001
+    resolver = await start_resolver(nursery, network)
+    assert (await resolver.leader()).target == NODES[0]
+    assert kvcm.instance_ids == [INSTANCE] * len(NODES)
+    before = cluster_info_calls(network)
+
+    kvcm.leader = NODES[2]  # election: the leader moves
+    client = KvcmClient(network)
+    query = CacheQuery(INSTANCE, QueryType.PREFIX_MATCH, (1, 2, 3))
+    with pytest.raises(NotLeader) as info:
+        await client.get_host_cache_state(NODES[0], query)
+    resolver.report_failure(NODES[0], info.value)
+
+    elapsed, outcome = await timed_leader(resolver)
+    assert outcome == NODES[2]
+    assert elapsed == pytest.approx(0.001)  # one round: the fastest valid answer's RTT
+    assert cluster_info_calls(network) - before == len(NODES)  # exactly one concurrent round
+    await client.get_host_cache_state(NODES[2], query)  # the new leader answers
+    snap = resolver.snapshot()
+    assert (snap.leader_changes_total, snap.invalidations_total) == (2, 1)
+
+    # A late report about the old leader is stale: no invalidation, no RPC.
+    resolver.report_failure(NODES[0], info.value)
+    await trio.testing.wait_all_tasks_blocked()
+    assert cluster_info_calls(network) - before == len(NODES)
+    assert (await resolver.leader()).target == NODES[2]
+
+
+@pytest.mark.parametrize(
+    ("error", "invalidates"),
+    [
+        (NotLeader(NODES[0], "moved", kvcm_pb.SERVER_NOT_LEADER, "SERVER_NOT_LEADER"), True),
+        (Unavailable(NODES[0], "reset"), True),
+        (DeadlineExceeded(NODES[0], "slow"), True),
+        (RemoteError(NODES[0], "boom", kvcm_pb.INTERNAL_ERROR, "INTERNAL_ERROR"), False),
+        (GarbledReply(NODES[0], "hosts[0]: negative"), False),
+    ],
+)
+async def test_which_query_errors_invalidate_the_leader(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, error: TransportError, invalidates: bool
+) -> None:
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    resolver = await start_resolver(nursery, network)
+    await resolver.leader()
+    before = cluster_info_calls(network)
+    resolver.report_failure(NODES[0], error)
+    await trio.testing.wait_all_tasks_blocked()
+    assert cluster_info_calls(network) - before == (len(NODES) if invalidates else 0)
+    assert resolver.snapshot().invalidations_total == int(invalidates)
+
+
+# --- required test 3: single flight ------------------------------------------------------------
+
+
+async def test_thousand_concurrent_callers_share_one_lookup(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    for node in NODES:
+        kvcm.delay[node] = 0.005
+    resolver = await start_resolver(nursery, network)
+    results: list[str] = []
+
+    async def caller() -> None:
+        with trio.fail_after(0.05):
+            results.append((await resolver.leader()).target)
+
+    async with trio.open_nursery() as callers:
+        for _ in range(1000):
+            callers.start_soon(caller)
+    assert results == [NODES[0]] * 1000
+    assert [cluster_info_calls(network, t) for t in NODES] == [1, 1, 1]
+
+    # The same after an invalidation: one more call per bootstrap target, whatever the crowd.
+    kvcm.leader = NODES[1]
+    resolver.report_failure(NODES[0], Unavailable(NODES[0], "reset"))
+    results.clear()
+    async with trio.open_nursery() as callers:
+        for _ in range(1000):
+            callers.start_soon(caller)
+    assert results == [NODES[1]] * 1000
+    assert [cluster_info_calls(network, t) for t in NODES] == [2, 2, 2]
+    assert resolver.snapshot().lookups_total == 2
+
+
+async def test_a_cancelled_waiter_does_not_cancel_the_shared_lookup(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network, NODES[:1])
+    kvcm.delay[NODES[0]] = 0.010
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: NODES[:1])
+    outcomes: dict[str, object] = {}
+
+    async def impatient() -> None:
+        with trio.move_on_after(0.002) as scope:
+            await resolver.leader()
+        outcomes["impatient"] = scope.cancelled_caught
+
+    async def patient() -> None:
+        with trio.fail_after(0.05):
+            outcomes["patient"] = (await resolver.leader()).target
+
+    async with trio.open_nursery() as callers:
+        callers.start_soon(impatient)
+        callers.start_soon(patient)
+    assert outcomes == {"impatient": True, "patient": NODES[0]}
+    assert cluster_info_calls(network) == 1
+    assert kvcm.cancelled == []  # the call the impatient caller gave up on ran to completion
+
+
+# --- required test 4: one hanging bootstrap target ------------------------------------------------
+
+
+async def test_hanging_target_does_not_delay_the_good_one(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network, NODES[:2])
+    kvcm.hang = {NODES[0]}
+    kvcm.delay[NODES[1]] = 0.003  # the good node's RTT
+    kvcm.leader = NODES[1]
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: NODES[:2])
+    elapsed, outcome = await timed_leader(resolver)
+    assert outcome == NODES[1]
+    assert elapsed == pytest.approx(0.003)  # the good one's RTT ...
+    assert elapsed < LEADER_CFG.lookup_timeout_s  # ... not the slow one's timeout
+    await trio.testing.wait_all_tasks_blocked()
+    assert kvcm.cancelled == [NODES[0]]  # the loser was cancelled
+    snap = resolver.snapshot()
+    assert snap.last_lookup_s == pytest.approx(0.003)
+    assert snap.state is LeaderState.LEADER
+
+
+# --- no leader elected -----------------------------------------------------------------------
+
+
+async def test_no_leader_is_its_own_state_and_retried_soon(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.leader = None
+    resolver = await start_resolver(nursery, network)
+    elapsed, outcome = await timed_leader(resolver)
+    assert outcome is UnavailableReason.NO_LEADER
+    snap = resolver.snapshot()
+    assert snap.state is LeaderState.NO_LEADER
+    assert snap.consecutive_failures == 0  # not a failure
+    assert snap.last_error is None
+    assert cluster_info_calls(network) == len(NODES)
+    for _ in range(100):  # fails fast, zero RPCs, until the short retry
+        elapsed, outcome = await timed_leader(resolver)
+        assert (outcome, elapsed) == (UnavailableReason.NO_LEADER, 0.0)
+    assert cluster_info_calls(network) == len(NODES)
+
+    kvcm.leader = NODES[1]  # elected
+    await trio.sleep(LEADER_CFG.no_leader_retry_s + 0.001)
+    assert cluster_info_calls(network) == 2 * len(NODES)  # exactly one retry round, no backoff
+    assert (await resolver.leader()).target == NODES[1]
+
+
+async def test_a_named_leader_beats_a_node_that_knows_none(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    network.serve(NODES[0], _fixed_reply(cluster_info_reply(None), delay=0.001))
+    network.serve(NODES[1], _fixed_reply(cluster_info_reply(NODES[1]), delay=0.004))
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: NODES[:2])
+    elapsed, outcome = await timed_leader(resolver)
+    assert outcome == NODES[1]
+    assert elapsed == pytest.approx(0.004)
+
+
+def _fixed_reply(reply: bytes, delay: float = 0.0) -> Handler:
+    async def handler(method: str, request: bytes) -> bytes:
+        await trio.sleep(delay)
+        return reply
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    "bad_reply",
+    [
+        cluster_info_reply(NODES[1], code=kvcm_pb.SERVICE_NOT_READY),
+        cluster_info_reply(NODES[1], code=kvcm_pb.INTERNAL_ERROR),
+        cluster_info_reply("bad-host:0"),  # port out of range
+        b"\xff\xff\xff",  # undecodable
+    ],
+)
+async def test_invalid_answers_are_failures_not_leaders(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, bad_reply: bytes
+) -> None:
+    network = MemoryNetwork()
+    network.serve(NODES[0], _fixed_reply(bad_reply))
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: NODES[:1])
+    _, outcome = await timed_leader(resolver)
+    assert outcome in (UnavailableReason.FAILED, UnavailableReason.BACKING_OFF)
+    snap = resolver.snapshot()
+    assert snap.state is LeaderState.BACKING_OFF
+    assert snap.last_error is not None and NODES[0] in snap.last_error
+
+
+# --- steady state and staleness --------------------------------------------------------------
+
+
+async def test_background_refresh_means_requests_never_wait(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    for node in NODES:
+        kvcm.delay[node] = 0.002
+    resolver = await start_resolver(nursery, network)
+    await resolver.leader()
+    start = trio.current_time()
+    waits: list[float] = []
+    while trio.current_time() - start < 35.0:
+        if trio.current_time() - start > 25.0:
+            kvcm.leader = NODES[1]  # noticed by the background refresh at t=30
+        elapsed, outcome = await timed_leader(resolver)
+        waits.append(elapsed)
+        assert outcome in (NODES[0], NODES[1])
+        await trio.sleep(0.1)
+    assert max(waits) == 0.0
+    assert cluster_info_calls(network) == 4 * len(NODES)  # start + refreshes at 10, 20, 30 s
+    snap = resolver.snapshot()
+    assert snap.leader_target == NODES[1]
+    assert snap.leader_changes_total == 2
+    assert snap.age_s is not None and 0.0 <= snap.age_s < 5.1
+
+
+async def test_failed_refresh_keeps_leader_until_max_staleness(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    resolver = await start_resolver(nursery, network)
+    await resolver.leader()
+    confirmed = trio.current_time()
+    for node in NODES:
+        network.stop(node)  # the whole KVCM cluster goes away
+    await trio.sleep_until(confirmed + LEADER_CFG.max_staleness_s - 0.001)
+    snap = resolver.snapshot()
+    assert snap.consecutive_failures >= 3  # refreshes failed ...
+    assert snap.state is LeaderState.LEADER  # ... and the last leader is still served
+    assert (await resolver.leader()).target == NODES[0]
+    await trio.sleep_until(confirmed + LEADER_CFG.max_staleness_s + 0.001)
+    elapsed, outcome = await timed_leader(resolver)
+    assert (outcome, elapsed) == (UnavailableReason.BACKING_OFF, 0.0)
+    assert resolver.snapshot().state is LeaderState.BACKING_OFF
+
+
+async def test_no_bootstrap_fails_fast_without_rpc(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    targets: tuple[str, ...] = ()
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: targets)
+    elapsed, outcome = await timed_leader(resolver)
+    assert (outcome, elapsed) == (UnavailableReason.NO_BOOTSTRAP, 0.0)
+    assert network.call_count() == 0
+    targets = NODES  # discovery finds the cluster: the background retry picks it up
+    await trio.sleep(LEADER_CFG.backoff_max_s + LEADER_CFG.backoff_jitter_s)
+    assert (await resolver.leader()).target == NODES[0]
+
+
+async def test_waiters_are_released_when_the_resolver_stops(autojump_clock: trio.testing.MockClock) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.hang = set(NODES)
+    outcomes: list[tuple[float, UnavailableReason | str]] = []
+
+    async def waiter(resolver: LeaderResolver) -> None:
+        with trio.fail_after(10):
+            outcomes.append(await timed_leader(resolver))
+
+    # The service nursery is nested inside the callers' one: cancelling it stops only the resolver.
+    async with trio.open_nursery() as callers, trio.open_nursery() as service:
+        resolver = await start_resolver(service, network)
+        for _ in range(10):
+            callers.start_soon(waiter, resolver)
+        await trio.sleep(0.01)
+        service.cancel_scope.cancel()  # shutdown during the lookup
+    assert outcomes == [(0.01, UnavailableReason.FAILED)] * 10  # released at once, not at their deadline
+
+
+async def test_snapshot_states(autojump_clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.delay[NODES[0]] = kvcm.delay[NODES[1]] = kvcm.delay[NODES[2]] = 0.01
+    resolver = LeaderResolver(
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE
+    )
+    assert resolver.snapshot().state is LeaderState.UNKNOWN
+    await nursery.start(resolver.run)
+    await trio.sleep(0.005)
+    assert resolver.snapshot().state is LeaderState.RESOLVING
+    await trio.sleep(0.01)
+    snap = resolver.snapshot()
+    assert (snap.state, snap.leader_target, snap.leader_node_id) == (
+        LeaderState.LEADER,
+        NODES[0],
+        f"node-{NODES[0]}",
+    )
+    assert snap.next_attempt_at == pytest.approx(trio.current_time() - 0.005 + LEADER_CFG.refresh_interval_s)
+    assert snap.breaker.state is BreakerState.CLOSED
+
+
+def test_config_validation_names_every_bad_field() -> None:
+    bad = LeaderConfig(
+        refresh_interval_s=0.0,
+        max_staleness_s=-1.0,
+        lookup_timeout_s=0.0,
+        backoff_initial_s=0.0,
+        backoff_max_s=-1.0,
+        backoff_jitter_s=-0.1,
+        no_leader_retry_s=0.0,
+    )
+    with pytest.raises(ValueError) as info:
+        validate_leader_config(bad)
+    for field in dataclasses.fields(LeaderConfig):
+        assert field.name in str(info.value)
+    validate_leader_config(LeaderConfig())
+
+
+# --- required test 7 (resolver level): the breaker in front of KVCM queries -------------------------
+
+
+async def query_kvcm(resolver: LeaderResolver, client: KvcmClient) -> str:
+    """What a request does with KVCM (the Router's stage, reduced): admit → leader → query → record."""
+    admission = resolver.admit()
+    if admission is Admission.REJECT:
+        return "breaker_open"
+    trial = admission is Admission.TRIAL
+    leader = await resolver.leader()
+    try:
+        await client.get_host_cache_state(leader.target, CacheQuery(INSTANCE, QueryType.PREFIX_MATCH, (1, 2)))
+    except TransportError as exc:
+        resolver.record_kvcm(exc, trial=trial)
+        resolver.report_failure(leader.target, exc)
+        return exc.kind
+    except trio.Cancelled:
+        if trial:
+            resolver.release_kvcm_trial()
+        raise
+    resolver.record_kvcm(None, trial=trial)
+    return "ok"
+
+
+async def test_breaker_open_costs_no_rpc_and_no_time(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.query_code = kvcm_pb.INTERNAL_ERROR
+    resolver = await start_resolver(nursery, network)
+    client = KvcmClient(network)
+    outcomes = [await query_kvcm(resolver, client) for _ in range(BREAKER_CFG.failure_threshold)]
+    assert outcomes == ["remote_error"] * BREAKER_CFG.failure_threshold
+    assert resolver.snapshot().breaker.state is BreakerState.OPEN
+
+    rpcs = network.call_count()
+    for _ in range(1000):
+        start = trio.current_time()
+        assert await query_kvcm(resolver, client) == "breaker_open"
+        assert trio.current_time() - start < 0.001
+    assert network.call_count() == rpcs  # OPEN: no RPC at all
+    assert resolver.snapshot().breaker.rejected_total == 1000
+
+    # Cooldown over: exactly one trial; KVCM healthy again → closed.
+    kvcm.query_code = kvcm_pb.OK
+    await trio.sleep(BREAKER_CFG.cooldown_s)
+    assert resolver.admit() is Admission.TRIAL
+    assert resolver.admit() is Admission.REJECT
+    resolver.release_kvcm_trial()
+    assert await query_kvcm(resolver, client) == "ok"
+    assert resolver.snapshot().breaker.state is BreakerState.CLOSED
+    assert await query_kvcm(resolver, client) == "ok"
+
+
+async def test_business_outcomes_never_open_the_breaker(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    FakeKvcm(network)  # answers OK with no hosts: "no positive match"
+    resolver = await start_resolver(nursery, network)
+    client = KvcmClient(network)
+    for _ in range(100):
+        assert await query_kvcm(resolver, client) == "ok"
+    assert resolver.snapshot().breaker.state is BreakerState.CLOSED
+
+
+async def test_trial_cancelled_by_request_deadline_releases_the_slot(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.query_code = kvcm_pb.INTERNAL_ERROR
+    resolver = await start_resolver(nursery, network)
+    client = KvcmClient(network)
+    for _ in range(BREAKER_CFG.failure_threshold):
+        await query_kvcm(resolver, client)
+    await trio.sleep(BREAKER_CFG.cooldown_s)
+    kvcm.query_hang = True
+    with trio.move_on_after(0.01) as request_scope:  # the trial's request runs out of time
+        await query_kvcm(resolver, client)
+    assert request_scope.cancelled_caught
+    snap = resolver.snapshot().breaker
+    assert (snap.state, snap.trial_started_at) == (BreakerState.HALF_OPEN, None)
+    # Not stuck: the next request is the new trial at once.
+    kvcm.query_hang = False
+    kvcm.query_code = kvcm_pb.OK
+    assert await query_kvcm(resolver, client) == "ok"
+    assert resolver.snapshot().breaker.state is BreakerState.CLOSED
