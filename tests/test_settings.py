@@ -1,0 +1,412 @@
+"""The settings table: generated from the config dataclasses; all sources; all problems at once; fail-soft."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+import pytest
+
+from router import settings
+from router.config import KvrouteConfig
+from router.settings import (
+    BY_NAME,
+    SETTINGS,
+    Kind,
+    SourceKind,
+    add_arguments,
+    assess,
+    load_config,
+    load_from_args,
+    redacted,
+)
+from router.types import KeyFamily, QueryType, Role
+
+# A configuration on which everything validates, as flags.
+GOOD = {
+    "kvcm_bootstrap": "10.0.0.1:6381,10.0.0.2",
+    "kvcm_instance_id": "llama_64",
+    "workers": "10.1.0.1:8000,10.1.0.2:8000",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvroute-test")
+    add_arguments(parser)
+    return parser
+
+
+def _names(problems: typing.Iterable[settings.Problem]) -> set[tuple[str, ...]]:
+    return {p.settings for p in problems}
+
+
+# --- the definition walk ----------------------------------------------------------------------
+
+
+def test_every_setting_has_flag_env_help_and_a_valid_or_required_default() -> None:
+    for s in SETTINGS:
+        assert s.flag == "--" + s.name.replace("_", "-")
+        assert s.env == "KVROUTE_" + s.name.upper()
+        assert s.help.strip(), f"{s.toml_key}: add its help text to router/settings.py _SPECS"
+        assert s.env in s.help_text() and s.toml_key in s.help_text()
+        if s.required_when is None:
+            assert s.validate(s.default) == [], s.toml_key
+        else:
+            assert BY_NAME[s.required_when].kind is Kind.BOOL
+            assert f"required when --{s.required_when.replace('_', '-')} is on" in s.help_text()
+        # The default survives its own text form (what --help shows is what would be parsed).
+        assert s.parse_text(s.format(s.default)) == s.default, s.toml_key
+
+
+def test_every_config_field_is_exactly_one_setting_with_the_dataclass_default() -> None:
+    hints = typing.get_type_hints(KvrouteConfig)
+    fields = [
+        (section.name, f.name, getattr(hints[section.name](), f.name))
+        for section in dataclasses.fields(KvrouteConfig)
+        for f in dataclasses.fields(hints[section.name])
+    ]
+    assert len(SETTINGS) == len(fields)
+    for section, field, default in fields:
+        matching = [s for s in SETTINGS if (s.section, s.field) == (section, field)]
+        assert len(matching) == 1, f"{section}.{field}"
+        assert matching[0].default == default
+    assert load_config({}, {}).config == KvrouteConfig()
+
+
+def test_names_flags_and_env_vars_never_collide() -> None:
+    for attribute in ("name", "flag", "env", "toml_key"):
+        values = [getattr(s, attribute) for s in SETTINGS]
+        assert len(values) == len(set(values)), attribute
+    assert "--config" not in {s.flag for s in SETTINGS}
+
+
+def test_pinned_operator_names() -> None:
+    pinned = {
+        "--kvcm-bootstrap": "discovery.kvcm_bootstrap",
+        "--kvcm-instance-id": "deployment.kvcm_instance_id",
+        "--workers": "discovery.workers",
+        "--block-size": "deployment.block_size",
+        "--key-family": "deployment.key_family",
+        "--query-type": "deployment.query_type",
+        "--roles": "deployment.roles",
+        "--budget-cap-ms": "router.budget_cap_ms",
+        "--grpc-listen": "serve.grpc_listen",
+        "--kvcm-fallback": "router.kvcm_fallback",
+        "--debug-listen": "serve.debug_listen",
+        "--log-level": "serve.log_level",
+        "--log-format": "serve.log_format",
+        "--prober-inflight-cap": "prober.inflight_cap",
+    }
+    by_flag = {s.flag: s.toml_key for s in SETTINGS}
+    for flag, key in pinned.items():
+        assert by_flag[flag] == key
+    assert BY_NAME["kvcm_bootstrap"].env == "KVROUTE_KVCM_BOOTSTRAP"
+    assert BY_NAME["debug_listen"].default == "127.0.0.1:0"
+    # One KVCM instance id setting, not two.
+    assert [s.toml_key for s in SETTINGS if "instance_id" in s.field] == ["deployment.kvcm_instance_id"]
+
+
+# --- sources and parsing ----------------------------------------------------------------------
+
+
+def test_precedence_defaults_file_env_flags_and_the_source_of_each(tmp_path: Path) -> None:
+    toml = tmp_path / "kv.toml"
+    toml.write_text(
+        '[deployment]\nblock_size = 32\nkvcm_instance_id = "from_file"\n'
+        '[prober]\ninflight_cap = 16\n[discovery]\nworkers = "10.0.0.9:80"\n'
+    )
+    env = {"KVROUTE_BLOCK_SIZE": "48", "KVROUTE_PROBER_INFLIGHT_CAP": "8"}
+    loaded = load_config({"block_size": "128"}, env, str(toml))
+    c = loaded.config
+    assert c.deployment.block_size == 128  # flag beats env beats file
+    assert c.prober.inflight_cap == 8  # env beats file
+    assert c.deployment.kvcm_instance_id == "from_file"
+    assert c.discovery.workers == "10.0.0.9:80"
+    assert c.scorer.hot_set_size == KvrouteConfig().scorer.hot_set_size
+    assert loaded.sources["block_size"] == settings.Origin(SourceKind.FLAG, "--block-size")
+    assert loaded.sources["prober_inflight_cap"] == settings.Origin(
+        SourceKind.ENV, "KVROUTE_PROBER_INFLIGHT_CAP"
+    )
+    assert loaded.sources["kvcm_instance_id"].kind is SourceKind.FILE
+    assert str(toml) in str(loaded.sources["kvcm_instance_id"])
+    assert loaded.sources["scorer_hot_set_size"] is settings.DEFAULT_ORIGIN
+    assert loaded.config_path == str(toml)
+
+
+def test_config_path_from_env_when_no_flag(tmp_path: Path) -> None:
+    toml = tmp_path / "kv.toml"
+    toml.write_text("[deployment]\nblock_size = 16\n")
+    loaded = load_config({}, {"KVROUTE_CONFIG": str(toml)})
+    assert loaded.config.deployment.block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("word", "value"),
+    [
+        ("true", True),
+        ("1", True),
+        ("YES", True),
+        ("on", True),
+        ("false", False),
+        ("0", False),
+        ("no", False),
+        ("Off", False),
+    ],
+)
+def test_boolean_words(word: str, value: bool) -> None:
+    assert load_config({"kvcm_fallback": word}, {}).config.router.kvcm_fallback is value
+    assert load_config({}, {"KVROUTE_KVCM_FALLBACK": word}).config.router.kvcm_fallback is value
+
+
+def test_boolean_garbage_is_rejected_naming_flag_and_env() -> None:
+    loaded = load_config({}, {"KVROUTE_KVCM_FALLBACK": "maybe"})
+    assert [str(p) for p in loaded.errors if p.settings == ("kvcm_fallback",)] == [
+        "--kvcm-fallback (KVROUTE_KVCM_FALLBACK): expected true/false/1/0/yes/no/on/off, got 'maybe' "
+        "(from env KVROUTE_KVCM_FALLBACK)"
+    ]
+
+
+def test_bare_boolean_flag_means_true_and_argparse_keeps_text_for_load_config() -> None:
+    args = _parser().parse_args(["--kvcm-fallback", "--block-size", "x"])
+    assert args.kvcm_fallback == "true"
+    loaded = load_from_args(args, env={})
+    assert loaded.config.router.kvcm_fallback is True
+    assert ("block_size",) in _names(loaded.errors)  # argparse did not stop at the bad value
+
+
+def test_enums_and_tuples() -> None:
+    loaded = load_config(
+        {"query_type": "prefix-with-mamba", "key_family": "VLLM", "roles": "pdfusion, PREFILL,PDFUSION"}, {}
+    )
+    d = loaded.config.deployment
+    assert d.query_type is QueryType.PREFIX_MATCH_WITH_MAMBA
+    assert d.key_family is KeyFamily.VLLM
+    assert d.roles == (Role.PDFUSION, Role.PREFILL)
+    assert load_config({"query_type": "prefix"}, {}).config.deployment.query_type is QueryType.PREFIX_MATCH
+    bad = load_config({"query_type": "batch", "roles": "PREFILL,DECODE", "key_family": "md5"}, {})
+    messages = {p.settings: p.message for p in bad.errors}
+    assert messages[("query_type",)].startswith("expected prefix|prefix-with-mamba, got 'batch'")
+    assert messages[("roles",)].startswith("expected PREFILL|PDFUSION (comma list), got 'DECODE'")
+    assert messages[("key_family",)].startswith("expected rtp|vllm|sglang, got 'md5'")
+    assert ("roles",) in _names(load_config({"roles": ""}, {}).errors)  # empty list: must not be empty
+
+
+def test_toml_natives_lists_and_type_errors(tmp_path: Path) -> None:
+    toml = tmp_path / "kv.toml"
+    toml.write_text(
+        '[deployment]\nroles = ["PREFILL", "PDFUSION"]\nblock_size = "64"\n'
+        "[router]\nkvcm_fallback = false\nbudget_cap_ms = 20\n"
+        '[prober]\ninflight_cap = true\nrate_per_s = "fast"\n'
+        "[nosuch]\nx = 1\n[scorer]\nhot_set = 3\n"
+    )
+    loaded = load_config({}, {}, str(toml))
+    c = loaded.config
+    assert c.deployment.roles == (Role.PREFILL, Role.PDFUSION)
+    assert c.deployment.block_size == 64
+    assert c.router.kvcm_fallback is False
+    assert c.router.budget_cap_ms == 20.0
+    assert isinstance(c.router.budget_cap_ms, float)
+    errors = [str(p) for p in loaded.errors]
+    assert any(
+        e.startswith("--prober-inflight-cap (KVROUTE_PROBER_INFLIGHT_CAP): expected an integer")
+        for e in errors
+    )
+    assert any(
+        e.startswith("--prober-rate-per-s (KVROUTE_PROBER_RATE_PER_S): expected a number") for e in errors
+    )
+    assert any("unknown setting" in e and "[nosuch] x" in e for e in errors)
+    assert any("unknown setting" in e and "[scorer] hot_set" in e for e in errors)
+    assert len(errors) == 4
+
+
+def test_unreadable_and_malformed_files_are_problems_not_crashes(tmp_path: Path) -> None:
+    missing = load_config({}, {}, str(tmp_path / "absent.toml"))
+    assert any("cannot read the file" in str(p) for p in missing.fatal_errors)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[deployment\nblock_size = ")
+    assert any("not valid TOML" in str(p) for p in load_config({}, {}, str(broken)).fatal_errors)
+
+
+def test_unknown_kvroute_env_vars_are_warned_about() -> None:
+    loaded = load_config(
+        {}, {"KVROUTE_BLOK_SIZE": "64", "HOME": "/root", **{"KVROUTE_WORKERS": "1.1.1.1:80"}}
+    )
+    assert loaded.warnings == ("environment variable KVROUTE_BLOK_SIZE is not a kvroute setting (ignored)",)
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def test_a_good_config_has_no_problems() -> None:
+    loaded = load_config(GOOD, {})
+    assert loaded.errors == ()
+    assert loaded.effective == loaded.config
+    assert loaded.effective.router.kvcm_fallback is True
+
+
+def test_every_problem_is_reported_at_once_naming_flag_and_env() -> None:
+    flags = {
+        **GOOD,
+        "block_size": "0",
+        "budget_cap_ms": "-5",
+        "kvcm_bootstrap": "10.0.0.1:99999,bad host",
+        "debug_listen": "127.0.0.1",
+        "log_format": "xml",
+    }
+    env = {"KVROUTE_PROBER_INFLIGHT_CAP": "0", "KVROUTE_BREAKER_FAILURE_RATE": "1.5"}
+    loaded = load_config(flags, env)
+    assert _names(loaded.errors) == {
+        ("block_size",),
+        ("budget_cap_ms",),
+        ("kvcm_bootstrap",),
+        ("debug_listen",),
+        ("log_format",),
+        ("prober_inflight_cap",),
+        ("breaker_failure_rate",),
+        ("router_reserve_min_ms", "budget_cap_ms"),
+    }
+    for problem in loaded.errors:
+        for name in problem.settings:
+            assert BY_NAME[name].flag in str(problem) and BY_NAME[name].env in str(problem)
+    text = {p.settings: str(p) for p in loaded.errors}
+    assert (
+        text[("block_size",)]
+        == "--block-size (KVROUTE_BLOCK_SIZE): must be > 0, got 0 (from flag --block-size)"
+    )
+    assert "out of range" in text[("kvcm_bootstrap",)] and "bad host" in text[("kvcm_bootstrap",)]
+    assert "(from env KVROUTE_BREAKER_FAILURE_RATE)" in text[("breaker_failure_rate",)]
+
+
+def test_cross_field_checks() -> None:
+    loaded = load_config(
+        {
+            **GOOD,
+            "workers": "10.1.0.1",
+            "leader_backoff_initial_s": "9",
+            "grpc_listen": "127.0.0.1:7000",
+            "debug_listen": "127.0.0.1:7000",
+            "key_family": "sglang",
+            "lookahead_tokens": "2",
+        },
+        {},
+    )
+    text = {p.settings: str(p) for p in loaded.errors}
+    assert set(text) == {
+        ("workers",),
+        ("leader_backoff_initial_s", "leader_backoff_max_s"),
+        ("grpc_listen", "debug_listen"),
+        ("key_family", "lookahead_tokens"),
+    }
+    assert "set --worker-http-port" in text[("workers",)]
+    with_port = load_config({**GOOD, "workers": "10.1.0.1", "worker_http_port": "8000"}, {})
+    assert with_port.errors == ()
+    # Port 0 on both listeners is fine: the OS picks two ports.
+    assert load_config({**GOOD, "grpc_listen": "127.0.0.1:0"}, {}).errors == ()
+
+
+def test_required_when_on_is_checked_only_then() -> None:
+    off = load_config({"kvcm_fallback": "off", "workers": "10.1.0.1:80"}, {})
+    assert off.errors == ()
+    on = load_config({"workers": "10.1.0.1:80"}, {})
+    assert _names(on.errors) == {
+        ("kvcm_bootstrap", "kvcm_bootstrap_file", "kvcm_bootstrap_dns"),
+        ("kvcm_instance_id",),
+    }
+    assert all(p.fallback for p in on.errors)
+    assert (
+        load_config(
+            {"workers": "10.1.0.1:80", "kvcm_bootstrap_dns": "kvcm.svc", "kvcm_instance_id": "x"}, {}
+        ).errors
+        == ()
+    )
+
+
+def test_fail_soft_invalid_fallback_part_turns_the_fallback_off_and_keeps_defaults() -> None:
+    loaded = load_config(
+        {**GOOD, "block_size": "0", "prober_inflight_cap": "-3", "workers": "10.1.0.1:80"}, {}
+    )
+    assert loaded.fatal_errors == ()
+    assert _names(loaded.fallback_errors) == {("block_size",), ("prober_inflight_cap",)}
+    assert loaded.fallback_disabled_by_errors
+    assert loaded.config.deployment.block_size == 0  # as given
+    eff = loaded.effective
+    assert eff.router.kvcm_fallback is False
+    assert eff.deployment.block_size == KvrouteConfig().deployment.block_size
+    assert eff.prober.inflight_cap == KvrouteConfig().prober.inflight_cap
+    assert eff.discovery.workers == "10.1.0.1:80"  # the main path is untouched
+    assert settings.validate(eff) == []  # nothing invalid reaches an actor
+
+
+def test_main_path_problems_are_fatal_not_fail_soft() -> None:
+    loaded = load_config({**GOOD, "workers": "nonsense:port", "metrics_inbox_size": "0"}, {})
+    assert _names(loaded.fatal_errors) == {("workers",), ("metrics_inbox_size",)}
+    assert loaded.fallback_errors == ()
+    assert loaded.effective.router.kvcm_fallback is True
+
+
+# --- views ------------------------------------------------------------------------------------
+
+
+def test_redacted_view_is_json_and_masks_secret_named_fields() -> None:
+    view = redacted(load_config(GOOD, {}).effective)
+    assert json.loads(json.dumps(view)) == view
+    assert view["deployment"]["roles"] == ["PREFILL"]
+    assert view["deployment"]["query_type"] == "prefix"
+    assert view["deployment"]["lookahead_tokens"] == 0  # "tokens" is not "token"
+    assert view["discovery"]["kvcm_bootstrap"] == GOOD["kvcm_bootstrap"]
+    assert settings.is_secret_field("auth_token") and settings.is_secret_field("kvcm_password")
+    assert not settings.is_secret_field("max_extra_work_tokens")
+
+
+def test_debug_config_view_lists_problems_and_sources() -> None:
+    loaded = load_config({**GOOD, "block_size": "0"}, {"KVROUTE_BUDGET_CAP_MS": "40"})
+    view = settings.debug_config_view(loaded)
+    assert view["kvcm_fallback_disabled_by_errors"] is True
+    assert view["errors"] == [
+        "--block-size (KVROUTE_BLOCK_SIZE): must be > 0, got 0 (from flag --block-size)"
+    ]
+    sources = view["sources"]
+    assert isinstance(sources, dict)
+    assert sources["router.budget_cap_ms"] == "env KVROUTE_BUDGET_CAP_MS"
+    assert sources["scorer.seed"] == "default"
+    json.dumps(view)
+
+
+def test_help_is_generated_from_the_table() -> None:
+    text = " ".join(_parser().format_help().split())
+    for s in SETTINGS:
+        assert s.flag in text
+    assert "[required when --kvcm-fallback is on]" in text
+    assert "KVROUTE_PROBER_INFLIGHT_CAP" in text
+
+
+def test_assessment_says_what_will_and_will_not_work() -> None:
+    loaded = load_config({"kvcm_bootstrap": "10.0.0.1", "kvcm_instance_id": "ns", "block_size": "64"}, {})
+    verdict = assess(loaded, path_exists=lambda _: True)
+    assert (
+        "KVCM fallback on, but no worker discovery source (--workers, --workers-file, --workers-dns): "
+        "cold candidates and domain fallback unavailable"
+    ) in verdict.will_not_work
+    assert (
+        "block size from --block-size=64 (flag --block-size): "
+        "workers that report another block size will be excluded"
+    ) in verdict.works
+
+    broken = load_config(
+        {**GOOD, "kvcm_instance_id": "", "workers_file": "/nope", "debug_listen": "0.0.0.0:9"}, {}
+    )
+    verdict = assess(broken, path_exists=lambda _: False)
+    assert verdict.will_not_work[0].startswith("KVCM fallback requested but DISABLED: 1 problem(s)")
+    assert any(line.startswith("--workers-file /nope does not exist") for line in verdict.will_not_work)
+    assert any("binds 0.0.0.0, not loopback" in line for line in verdict.will_not_work)
+    assert not any(line.startswith("KVCM fallback on") for line in verdict.works)
+
+    off = assess(load_config({**GOOD, "kvcm_fallback": "no"}, {}), path_exists=lambda _: True)
+    assert off.works[0] == (
+        "KVCM fallback off (--kvcm-fallback=false (flag --kvcm-fallback)): "
+        "every request is routed by domain (discovery)"
+    )
+    assert off.will_not_work == ()
