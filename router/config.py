@@ -94,8 +94,9 @@ class ScorerConfig:
     outstanding_uncached_tokens_threshold: int = 0
     hot_set_size: int = 8
     cold_set_size: int = 2
-    seed: int = 0
-    max_tracked_workers: int = 4096
+    seed: int = 0  # seeds the RNG that breaks exact ties (after least-recently-selected)
+    max_tracked_workers: int = 4096  # selection ledger: workers with a last-selected time / pre-charge
+    max_pending_charges: int = 256  # per worker; beyond it the two oldest charges are merged
 
 
 @dataclass(frozen=True, slots=True)
