@@ -110,6 +110,7 @@ class CallStats:
 
     def __init__(self, methods: frozenset[str]) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._calls = dict.fromkeys(methods, 0)
         self._in_flight = dict.fromkeys(methods, 0)
         self._peak = dict.fromkeys(methods, 0)
@@ -120,10 +121,21 @@ class CallStats:
             n = self._in_flight[method_path] + 1
             self._in_flight[method_path] = n
             self._peak[method_path] = max(self._peak[method_path], n)
+            self._changed.notify_all()
 
     def end(self, method_path: str) -> None:
         with self._lock:
             self._in_flight[method_path] -= 1
+            self._changed.notify_all()
+
+    def wait_in_flight(self, method_path: str, count: int, timeout_s: float) -> bool:
+        """Block until ``count`` calls of ``method_path`` are in flight; False on timeout.
+
+        For tests of real servers (run it in ``trio.to_thread.run_sync``): e.g. a hung call
+        has reached the server (count 1), or its handler saw the caller go away (count 0).
+        """
+        with self._lock:
+            return self._changed.wait_for(lambda: self._in_flight[method_path] == count, timeout_s)
 
     def get(self, method_path: str) -> MethodStats:
         with self._lock:
