@@ -387,6 +387,11 @@ class WorkerProber:
                 await trio.sleep_until(flight.token_at)
                 await self._limiter.acquire()
                 have_slot = True
+                # A slot handed over as the deadline passes still arrives (trio's acquire does not
+                # checkpoint after parking): a probe must not start past its requesters' deadlines.
+                if trio.current_time() >= flight.budget_scope.deadline:
+                    self._limiter.release()
+                    have_slot = False
             if not have_slot:
                 self._bucket.refund(trio.current_time())
                 self._finish(flight, self._outcome_skipped(flight, SkipReason.NO_BUDGET))
