@@ -13,6 +13,7 @@ from collections.abc import Sequence
 # name → (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim-cluster": ("router.sim.cluster_cli", "run simulated KVCM replicas and workers on loopback"),
+    "check-config": ("router.check_config_cli", "show the effective configuration, its sources and problems"),
 }
 
 

@@ -1,0 +1,111 @@
+"""``kvroute check-config``: every problem at once, with sources and a plain verdict; exit status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.cli import main
+
+BROKEN_TOML = """
+[deployment]
+block_size = 0
+query_type = "prefix-with-mamba"
+[discovery]
+kvcm_bootstrap = "10.0.0.1:6381,[::1"
+workers = "10.1.0.1:8000"
+[prober]
+inflight_cap = -1
+[serve]
+log_format = "yaml"
+"""
+
+
+@pytest.fixture(autouse=True)
+def _no_kvroute_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-process runs read os.environ: start each from no KVROUTE_* variable."""
+    for name in list(os.environ):
+        if name.startswith("KVROUTE_"):
+            monkeypatch.delenv(name)
+
+
+def test_broken_config_lists_every_problem_and_exits_nonzero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "broken.toml"
+    config.write_text(BROKEN_TOML)
+    code = main(["check-config", "--config", str(config), "--budget-cap-ms", "abc"])
+    out = capsys.readouterr().out
+    assert code == 1
+    errors = [line.strip() for line in out.splitlines() if line.startswith("  x ")]
+    assert len(errors) == 6
+    expected_starts = [
+        "x --budget-cap-ms (KVROUTE_BUDGET_CAP_MS): expected a number, got 'abc' (from flag --budget-cap-ms)",
+        "x --block-size (KVROUTE_BLOCK_SIZE): must be > 0, got 0 (from config file",
+        "x --prober-inflight-cap (KVROUTE_PROBER_INFLIGHT_CAP): must be > 0, got -1",
+        "x --log-format (KVROUTE_LOG_FORMAT): must be one of text|json, got 'yaml'",
+        "x --kvcm-instance-id (KVROUTE_KVCM_INSTANCE_ID): required when --kvcm-fallback is on",
+        "x --kvcm-bootstrap (KVROUTE_KVCM_BOOTSTRAP): unclosed '[' in target '[::1'",
+    ]
+    for start in expected_starts:
+        assert sum(line.startswith(start) for line in errors) == 1, start
+    assert "errors (6):" in out
+    assert "result: 6 error(s); 2 outside the KVCM fallback: kvroute will not start" in out
+    assert "KVCM fallback requested but DISABLED: 4 problem(s) in its settings" in out
+    # Sources: a value from the file names the file and key.
+    assert "--query-type" in out and f"config file {config} [deployment] query_type" in out
+
+
+def test_good_config_prints_sources_and_verdict_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "check-config",
+        "--kvcm-bootstrap=10.0.0.1,10.0.0.2:7000",
+        "--kvcm-instance-id=llama_64",
+        "--workers=10.1.0.1:8000",
+        "--block-size=64",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "result: OK" in out
+    assert (
+        "  + block size from --block-size=64 (flag --block-size): workers that report another block size"
+        in out
+    )
+    assert (
+        "  + KVCM fallback on: leader from --kvcm-bootstrap=10.0.0.1,10.0.0.2:7000 (flag --kvcm-bootstrap)"
+        in out
+    )
+    block_line = next(line for line in out.splitlines() if line.strip().startswith("--block-size "))
+    assert block_line.split()[1:] == ["64", "flag", "--block-size"]
+    assert "errors" not in out
+
+
+def test_subprocess_with_env_and_flags(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env.update(
+        {"KVROUTE_KVCM_FALLBACK": "perhaps", "KVROUTE_WORKERS": "10.1.0.1", "KVROUTE_SCORER_SEED": "-1"}
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "router.cli", "check-config", "--debug-listen", "localhost"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    errors = [line.strip() for line in result.stdout.splitlines() if line.startswith("  x ")]
+    assert [e.split(":")[0] for e in errors] == [
+        "x --kvcm-fallback (KVROUTE_KVCM_FALLBACK)",
+        "x --scorer-seed (KVROUTE_SCORER_SEED)",
+        "x --debug-listen (KVROUTE_DEBUG_LISTEN)",
+        "x --kvcm-bootstrap (KVROUTE_KVCM_BOOTSTRAP) / --kvcm-bootstrap-file (KVROUTE_KVCM_BOOTSTRAP_FILE) / "
+        "--kvcm-bootstrap-dns (KVROUTE_KVCM_BOOTSTRAP_DNS)",
+        "x --kvcm-instance-id (KVROUTE_KVCM_INSTANCE_ID)",
+        "x --workers (KVROUTE_WORKERS)",
+    ]
+    assert "(from env KVROUTE_KVCM_FALLBACK)" in errors[0]
