@@ -1,0 +1,228 @@
+"""Logging: standard ``logging`` with key=value context, text or JSON lines, and hot-path helpers.
+
+- ``logger.warning("probe failed", extra=ctx(target=t, reason="probe_failed"))`` attaches structured
+  context; the text format appends ``target=… reason=…``, the JSON format adds the keys.
+- :class:`AggregatingLogger` is for warnings that can fire per request: the first occurrence of a
+  reason in an interval is logged with its context, the rest are only counted, and the count is logged
+  once the interval is over ("312 no_positive_match in the last 60 s").
+- :class:`OncePerKeyLogger` logs one message per key (e.g. one contract mismatch per worker).
+
+Reason keys are the metric label values (enum members are logged by their value). Both helpers keep
+bounded maps and take time as an argument (the trio clock), so they are deterministic under MockClock.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TextIO
+
+import trio
+
+CONTEXT_ATTR = "kvroute_context"
+_BASE_KEYS = frozenset({"ts", "level", "logger", "msg", "exc"})
+
+
+def ctx(**fields: object) -> dict[str, object]:
+    """The ``extra=`` of a log call carrying key=value context."""
+    return {CONTEXT_ATTR: fields}
+
+
+def _context(record: logging.LogRecord) -> Mapping[str, object]:
+    fields = record.__dict__.get(CONTEXT_ATTR)
+    return fields if isinstance(fields, Mapping) else {}
+
+
+def _plain(value: object) -> object:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _text_value(value: object) -> str:
+    text = str(_plain(value))
+    if text and not any(c.isspace() or c in '="' for c in text):
+        return text
+    return json.dumps(text)
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    # Wall-clock time for the reader; policy never reads it.
+    seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{seconds}.{int(record.msecs):03d}Z"
+
+
+class TextFormatter(logging.Formatter):
+    """``2025-01-02T03:04:05.678Z WARNING actors.worker_prober: probe failed target=10.0.0.1:8001``"""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"{_timestamp(record)} {record.levelname} {record.name}: {record.getMessage()}"
+        fields = _context(record)
+        if fields:
+            line += " " + " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, the context keys, and exc when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": _timestamp(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in _context(record).items():
+            out[f"ctx_{key}" if key in _BASE_KEYS else key] = _plain(value)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class _KvrouteHandler(logging.StreamHandler[TextIO]):
+    """Marks the handler setup_logging installed, so a second call replaces it instead of adding one."""
+
+
+def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> logging.Handler:
+    """Configure the root logger: ``level`` DEBUG..CRITICAL, ``fmt`` text|json; returns the handler."""
+    numeric = logging.getLevelNamesMapping().get(level.upper())
+    if numeric is None:
+        raise ValueError(f"--log-level: unknown level {level!r}")
+    formatters: dict[str, logging.Formatter] = {"text": TextFormatter(), "json": JsonFormatter()}
+    if fmt not in formatters:
+        raise ValueError(f"--log-format: expected text|json, got {fmt!r}")
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _KvrouteHandler)]:
+        root.removeHandler(old)
+    handler = _KvrouteHandler(sys.stderr if stream is None else stream)
+    handler.setFormatter(formatters[fmt])
+    root.addHandler(handler)
+    root.setLevel(numeric)
+    return handler
+
+
+def _key(reason: str | enum.Enum) -> str:
+    return str(reason.value) if isinstance(reason, enum.Enum) else reason
+
+
+@dataclass(slots=True)
+class _Window:
+    start: float
+    count: int  # occurrences in the window, the logged first one included
+
+
+class AggregatingLogger:
+    """Rate-limited, aggregated warnings keyed by reason.
+
+    Per key: the first occurrence in an interval is logged at once (with its context); later ones in
+    the same interval are counted; when the interval is over the total is logged once
+    ("312 no_positive_match in the last 60 s"). :meth:`flush` logs the totals that are due; :meth:`run`
+    does it on time in the background. At most ``max_keys`` keys are tracked: the least recently
+    started window is flushed early to make room. All methods except run are synchronous and do not
+    await, so calls from any task are atomic under trio's cooperative scheduling.
+    """
+
+    def __init__(
+        self, logger: logging.Logger, interval_s: float, max_keys: int, level: int = logging.WARNING
+    ) -> None:
+        if interval_s <= 0 or max_keys < 1:
+            raise ValueError("AggregatingLogger: interval_s must be > 0 and max_keys >= 1")
+        self._logger = logger
+        self._interval = interval_s
+        self._max_keys = max_keys
+        self._level = level
+        self._windows: OrderedDict[str, _Window] = OrderedDict()
+        self._due_changed = trio.Event()
+
+    def note(self, reason: str | enum.Enum, now: float, message: str = "", **context: object) -> None:
+        """One occurrence of ``reason`` at trio time ``now``."""
+        key = _key(reason)
+        window = self._windows.get(key)
+        if window is not None and now < window.start + self._interval:
+            window.count += 1
+            if window.count == 2:
+                self._due_changed.set()  # this window now has a total to log when it ends
+            return
+        if window is not None:
+            self._emit_total(key, window, now)
+            del self._windows[key]
+        elif len(self._windows) >= self._max_keys:
+            oldest_key, oldest = self._windows.popitem(last=False)
+            self._emit_total(oldest_key, oldest, now)
+        self._windows[key] = _Window(now, 1)
+        text = f"{key}: {message}" if message else key
+        self._logger.log(self._level, text, extra=ctx(reason=key, **context))
+
+    def flush(self, now: float) -> None:
+        """Log the totals of every window that has ended by ``now`` and forget those windows."""
+        for key, window in list(self._windows.items()):
+            if now >= window.start + self._interval:
+                self._emit_total(key, window, now)
+                del self._windows[key]
+
+    def next_due(self) -> float | None:
+        """When the next total is due (None: nothing to log)."""
+        ends = [w.start + self._interval for w in self._windows.values() if w.count > 1]
+        return min(ends) if ends else None
+
+    @property
+    def tracked_keys(self) -> int:
+        return len(self._windows)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Log each total when its window ends (sleeps until the next one is due; never polls)."""
+        task_status.started()
+        while True:
+            self._due_changed = trio.Event()
+            due = self.next_due()
+            # Wake when the earliest total is due, or when a window gets a total that may be due earlier.
+            with trio.move_on_at(math.inf if due is None else due):
+                await self._due_changed.wait()
+            self.flush(trio.current_time())
+
+    def _emit_total(self, key: str, window: _Window, now: float) -> None:
+        if window.count > 1:
+            seconds = min(now - window.start, self._interval)
+            self._logger.log(
+                self._level,
+                "%d %s in the last %.0f s",
+                window.count,
+                key,
+                seconds,
+                extra=ctx(reason=key, count=window.count),
+            )
+
+
+class OncePerKeyLogger:
+    """Logs a message once per key (e.g. per worker). Bounded: beyond ``max_keys`` the oldest key is
+    forgotten and could be logged once more."""
+
+    def __init__(self, logger: logging.Logger, max_keys: int, level: int = logging.WARNING) -> None:
+        if max_keys < 1:
+            raise ValueError("OncePerKeyLogger: max_keys must be >= 1")
+        self._logger = logger
+        self._max_keys = max_keys
+        self._level = level
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def log(self, key: str, message: str, **context: object) -> bool:
+        """Log ``message`` unless ``key`` was already logged; True when it was logged now."""
+        if key in self._seen:
+            return False
+        if len(self._seen) >= self._max_keys:
+            self._seen.popitem(last=False)
+        self._seen[key] = None
+        self._logger.log(self._level, message, extra=ctx(key=key, **context))
+        return True
+
+    @property
+    def tracked_keys(self) -> int:
+        return len(self._seen)

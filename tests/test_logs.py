@@ -1,0 +1,190 @@
+"""Logging: key=value context in text and JSON, aggregated hot-path warnings, once-per-key messages."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+import trio
+import trio.testing
+
+from router.logs import AggregatingLogger, OncePerKeyLogger, ctx, setup_logging
+from router.types import Reason
+
+
+class ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @property
+    def messages(self) -> list[str]:
+        return [r.getMessage() for r in self.records]
+
+
+@pytest.fixture
+def captured() -> Iterator[tuple[logging.Logger, ListHandler]]:
+    logger = logging.getLogger("kvroute.test.logs")
+    handler = ListHandler()
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    yield logger, handler
+    logger.removeHandler(handler)
+
+
+@pytest.fixture
+def restore_root() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_text_format_appends_context(restore_root: None) -> None:
+    stream = io.StringIO()
+    setup_logging("info", "text", stream)
+    log = logging.getLogger("kvroute.test.text")
+    log.debug("hidden at INFO")
+    log.warning("probe failed", extra=ctx(target="10.0.0.1:8001", reason=Reason.KVCM_ERROR, note="two words"))
+    (line,) = stream.getvalue().splitlines()
+    assert line.endswith(
+        'WARNING kvroute.test.text: probe failed target=10.0.0.1:8001 reason=kvcm_error note="two words"'
+    )
+    assert line[:4].isdigit() and line[19:24].startswith(".")
+
+
+def test_json_format_is_one_object_per_line_with_context_and_exception(restore_root: None) -> None:
+    stream = io.StringIO()
+    setup_logging("DEBUG", "json", stream)
+    log = logging.getLogger("kvroute.test.json")
+    log.debug("decided", extra=ctx(request_id="r1", reason=Reason.NO_POSITIVE_MATCH, msg="clash"))
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        log.exception("crashed", extra=ctx(actor="prober"))
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert {k: first[k] for k in ("level", "logger", "msg", "request_id", "reason", "ctx_msg")} == {
+        "level": "DEBUG",
+        "logger": "kvroute.test.json",
+        "msg": "decided",
+        "request_id": "r1",
+        "reason": "no_positive_match",
+        "ctx_msg": "clash",
+    }
+    assert first["ts"].endswith("Z")
+    assert second["actor"] == "prober" and "RuntimeError: boom" in second["exc"]
+
+
+def test_setup_logging_replaces_its_own_handler_and_rejects_bad_values(restore_root: None) -> None:
+    root = logging.getLogger()
+    before = len(root.handlers)
+    setup_logging("INFO", "text", io.StringIO())
+    setup_logging("WARNING", "json", io.StringIO())
+    assert len(root.handlers) == before + 1
+    assert root.level == logging.WARNING
+    with pytest.raises(ValueError, match="--log-level"):
+        setup_logging("LOUD", "text")
+    with pytest.raises(ValueError, match="--log-format"):
+        setup_logging("INFO", "xml")
+
+
+def test_aggregation_logs_first_then_the_total_once_per_interval(
+    captured: tuple[logging.Logger, ListHandler],
+) -> None:
+    logger, handler = captured
+    agg = AggregatingLogger(logger, interval_s=60.0, max_keys=16)
+    agg.note(Reason.NO_POSITIVE_MATCH, 0.0, "KVCM matched no worker", request_id="r0")
+    for i in range(311):
+        agg.note(Reason.NO_POSITIVE_MATCH, 0.1 + i * 0.1, request_id=f"r{i + 1}")
+    agg.note("breaker_open", 5.0)
+    assert handler.messages == ["no_positive_match: KVCM matched no worker", "breaker_open"]
+    assert handler.records[0].__dict__["kvroute_context"] == {
+        "reason": "no_positive_match",
+        "request_id": "r0",
+    }
+    assert agg.next_due() == 60.0
+    agg.flush(59.9)
+    assert len(handler.messages) == 2
+    agg.flush(60.0)
+    assert handler.messages[2:] == ["312 no_positive_match in the last 60 s"]
+    agg.flush(65.0)  # breaker_open happened once: no total line
+    assert len(handler.messages) == 3
+    assert agg.tracked_keys == 0
+    agg.note(Reason.NO_POSITIVE_MATCH, 61.0)
+    assert handler.messages[3:] == ["no_positive_match"]
+
+
+def test_a_late_occurrence_closes_the_old_window_itself(captured: tuple[logging.Logger, ListHandler]) -> None:
+    logger, handler = captured
+    agg = AggregatingLogger(logger, interval_s=10.0, max_keys=16)
+    for t in (0.0, 1.0, 2.0):
+        agg.note("deadline", t)
+    agg.note("deadline", 15.0)  # no flush happened in between
+    assert handler.messages == ["deadline", "3 deadline in the last 10 s", "deadline"]
+
+
+def test_key_bound_flushes_the_oldest_window_early(captured: tuple[logging.Logger, ListHandler]) -> None:
+    logger, handler = captured
+    agg = AggregatingLogger(logger, interval_s=60.0, max_keys=2)
+    agg.note("a", 0.0)
+    agg.note("a", 1.0)
+    agg.note("b", 2.0)
+    agg.note("c", 3.0)  # evicts "a", whose total is logged now
+    assert handler.messages == ["a", "b", "2 a in the last 3 s", "c"]
+    assert agg.tracked_keys == 2
+
+
+async def test_run_logs_each_total_when_due(
+    autojump_clock: trio.testing.MockClock, captured: tuple[logging.Logger, ListHandler]
+) -> None:
+    logger, handler = captured
+    agg = AggregatingLogger(logger, interval_s=60.0, max_keys=16)
+    logged_at: dict[str, float] = {}
+
+    class Stamp(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged_at[record.getMessage()] = trio.current_time()
+
+    stamp = Stamp()
+    logger.addHandler(stamp)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agg.run)
+            start = trio.current_time()
+            agg.note("a", start)
+            await trio.sleep(20)
+            agg.note("b", start + 20)
+            agg.note("b", start + 20)
+            await trio.sleep(5)
+            agg.note("a", start + 25)  # "a" now has a total due at start+60, before "b"'s at start+80
+            await trio.sleep(100)
+            nursery.cancel_scope.cancel()
+    finally:
+        logger.removeHandler(stamp)
+    assert handler.messages == ["a", "b", "2 a in the last 60 s", "2 b in the last 60 s"]
+    assert logged_at["2 a in the last 60 s"] == pytest.approx(start + 60)
+    assert logged_at["2 b in the last 60 s"] == pytest.approx(start + 80)
+
+
+def test_once_per_key(captured: tuple[logging.Logger, ListHandler]) -> None:
+    logger, handler = captured
+    once = OncePerKeyLogger(logger, max_keys=2)
+    assert once.log("10.0.0.1:8000", "block size 16 reported, 64 configured", reason="block_size_mismatch")
+    assert not once.log("10.0.0.1:8000", "block size 16 reported, 64 configured")
+    assert once.log("10.0.0.2:8000", "lookahead 1 reported, 0 configured")
+    assert handler.messages == ["block size 16 reported, 64 configured", "lookahead 1 reported, 0 configured"]
+    assert handler.records[0].__dict__["kvroute_context"] == {
+        "key": "10.0.0.1:8000",
+        "reason": "block_size_mismatch",
+    }
+    once.log("10.0.0.3:8000", "x")  # bound 2: the oldest key is forgotten
+    assert once.tracked_keys == 2
+    assert once.log("10.0.0.1:8000", "again")
