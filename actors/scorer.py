@@ -377,16 +377,6 @@ class SelectionLedger:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def last_selected(self, worker: str) -> float:
-        """When ``worker`` (its http target) was last selected; ``-inf`` if never (or forgotten)."""
-        entry = self._entries.get(worker)
-        return _NEVER if entry is None else entry.last_selected
-
-    def pending_tokens(self, worker: str, status_taken_at: float) -> int:
-        """Uncached tokens dispatched to ``worker`` at or after ``status_taken_at`` (read-only)."""
-        entry = self._entries.get(worker)
-        return 0 if entry is None else entry.pending(status_taken_at)
-
     def view(self, worker: str, status_taken_at: float) -> tuple[int, float]:
         """(pending tokens since ``status_taken_at``, last-selected time) in one lookup."""
         entry = self._entries.get(worker)
@@ -423,7 +413,10 @@ class SelectionLedger:
 
 @dataclass(frozen=True, slots=True)
 class ObservedStatus:
-    """A worker status and the (trio) time it was taken — the probe's send time, ideally.
+    """A worker status and the (trio) time it was taken (the prober's ``observed_at``).
+
+    A status clears the pre-charges made before ``taken_at``; the probe's send time would be
+    the exact cut, its receive time also clears a dispatch made while the probe was in flight.
 
     Build one per status received and reuse it for every decision while it is fresh: the
     outstanding uncached tokens (a sum over the worker's tasks) are computed once, here.
