@@ -1,0 +1,459 @@
+"""Discovery actor: KVCM bootstrap targets and worker addresses, as immutable snapshots.
+
+Request paths call ``workers()`` / ``kvcm_bootstrap()``: a read of the current snapshot,
+never a wait. A background task per source refreshes it every ``refresh_interval_s``:
+- static: the configured list (validated at construction, every bad entry reported at
+  once); ``set_static_workers`` replaces it at runtime (operators, tests, the demo);
+- file: re-read when its (mtime, size, inode) changes; stat and read run in a worker
+  thread (``trio.to_thread.run_sync``, abandoned on timeout), never on the event loop;
+- DNS: A/AAAA answers via ``trio.socket.getaddrinfo`` (a thread, or trio's custom
+  resolver hook), with the name's explicit port or the default port.
+Each refresh is bounded by ``refresh_timeout_s``. A source whose refresh fails or comes
+back empty keeps its last good entries until ``stale_after_s`` after they were last good,
+then drops to empty (counted). The published snapshot is the union of all sources.
+
+Ports (review-lessons §17): an explicit port is honoured; a bare host takes the default
+(``kvcm_port`` for KVCM, ``worker_http_port`` for workers — if that is 0, a bare worker
+host is an error naming the entry). A worker's gRPC port is http + ``worker_grpc_port_offset``;
+its status port is ``worker_status_port`` or the gRPC port.
+
+State is mutated only in synchronous, non-awaiting methods (trio is cooperative, so each
+is atomic); the refresh tasks await I/O and then apply their result in one such call.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import trio
+
+from router.config import DiscoveryConfig
+from router.targets import HostPort, TargetError, parse_target, parse_target_list
+from router.types import WorkerAddr
+
+
+class DiscoveryConfigError(ValueError):
+    """Bad discovery configuration; ``problems`` lists every one, each naming its field and entry."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("discovery config: " + "; ".join(problems))
+        self.problems = tuple(problems)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """The known workers at one moment. Immutable; a new version replaces it when the set changes."""
+
+    workers: tuple[WorkerAddr, ...]
+    version: int
+    taken_at: float  # trio time it was published
+    by_http_target: Mapping[str, WorkerAddr]  # read-only; keys are ``ip:http_port`` (KVCM's host_ip_port)
+
+    @classmethod
+    def of(cls, workers: tuple[WorkerAddr, ...], version: int, taken_at: float) -> WorkerSnapshot:
+        return cls(workers, version, taken_at, MappingProxyType({w.http_target: w for w in workers}))
+
+
+class SourceKind(enum.Enum):
+    STATIC = "static"
+    FILE = "file"
+    DNS = "dns"
+
+
+class ListKind(enum.Enum):
+    KVCM = "kvcm"
+    WORKERS = "workers"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceHealth:
+    name: str  # e.g. "workers.file"
+    origin: str  # the path, the DNS name, or "config" for a static list
+    entries: int  # currently contributed to the snapshot
+    last_good_at: float | None
+    last_refresh_at: float | None
+    last_error: str | None
+    refreshes_total: int
+    failures_total: int
+    empty_total: int
+    stale_expiries_total: int  # times the last good entries expired and the source went empty
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoverySnapshot:
+    """Health of discovery, for the debug endpoint and metrics."""
+
+    workers: int
+    workers_version: int
+    workers_taken_at: float
+    kvcm_bootstrap: tuple[str, ...]
+    generation: int  # bumps on every published change (workers or KVCM)
+    sources: tuple[SourceHealth, ...]
+
+
+class _RefreshFailed(Exception):
+    """A source could not be read; the message says why, naming the bad entries."""
+
+
+# --- pure parsing --------------------------------------------------------------------------
+
+
+def parse_entries(text: str, default_port: int | None, what: str, max_entries: int) -> tuple[HostPort, ...]:
+    """Entries separated by commas or newlines; ``#`` starts a comment. All errors reported at once.
+
+    Whitespace inside an entry is an error, not a separator ("kvcm one" is a typo, not two hosts).
+    """
+    joined = ",".join(line.partition("#")[0] for line in text.splitlines())
+    try:
+        entries = parse_target_list(joined, default_port)
+    except TargetError as exc:
+        hint = "" if default_port is not None else " (no default port: set worker_http_port)"
+        raise _RefreshFailed(f"{what}: {exc}{hint}") from exc
+    if len(entries) > max_entries:
+        raise _RefreshFailed(f"{what}: {len(entries)} entries, more than max_entries={max_entries}")
+    return entries
+
+
+def to_workers(entries: tuple[HostPort, ...], config: DiscoveryConfig, what: str) -> tuple[WorkerAddr, ...]:
+    """``ip:http_port`` entries as workers, with derived gRPC and status ports checked."""
+    status_port = config.worker_status_port or None
+    workers: list[WorkerAddr] = []
+    bad: list[str] = []
+    for hp in entries:
+        worker = WorkerAddr.from_http(hp.host, hp.port, config.worker_grpc_port_offset, status_port)
+        if not 1 <= worker.grpc_port <= 65535:
+            bad.append(f"{hp}: grpc port {worker.grpc_port} (http + worker_grpc_port_offset) out of 1..65535")
+        else:
+            workers.append(worker)
+    if bad:
+        raise _RefreshFailed(f"{what}: " + "; ".join(bad))
+    return tuple(workers)
+
+
+def _dns_name(text: str, default_port: int | None, field: str) -> HostPort:
+    try:
+        return parse_target(text, default_port)
+    except TargetError as exc:
+        hint = "" if default_port is not None else " (no default port: set worker_http_port or name:port)"
+        raise _RefreshFailed(f"{field}: {exc}{hint}") from exc
+
+
+def _file_signature_and_text(
+    path: str, last: tuple[int, int, int] | None
+) -> tuple[tuple[int, int, int], str | None]:
+    """Runs in a worker thread: (signature, text), text None when the signature is unchanged."""
+    st = os.stat(path)
+    signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+    if signature == last:
+        return signature, None
+    with open(path, encoding="utf-8") as f:
+        return signature, f.read()
+
+
+# --- sources ---------------------------------------------------------------------------------
+
+
+class _Source:
+    """One source of entries and its last good result (mutated by Discovery's synchronous methods)."""
+
+    def __init__(
+        self, list_kind: ListKind, kind: SourceKind, origin: str, dns_target: HostPort | None = None
+    ) -> None:
+        self.list_kind = list_kind
+        self.kind = kind
+        self.origin = origin
+        self.dns_target = dns_target  # DNS: the name to resolve and the port to apply
+        self.entries: tuple[HostPort, ...] = ()
+        self.last_good_at: float | None = None
+        self.last_refresh_at: float | None = None
+        self.last_error: str | None = None
+        self.refreshes_total = 0
+        self.failures_total = 0
+        self.empty_total = 0
+        self.stale_expiries_total = 0
+        # static: the configured entries; file: the last read's signature and parse outcome.
+        self.static_entries: tuple[HostPort, ...] = ()
+        self.file_signature: tuple[int, int, int] | None = None
+        self.file_outcome: tuple[HostPort, ...] | str = ()
+        # One thread per file at a time: a read stuck in the kernel (abandoned at the refresh
+        # timeout) holds its token, so a hung file costs at most one thread and delays only itself.
+        self.file_limiter = trio.CapacityLimiter(1)
+
+    @property
+    def name(self) -> str:
+        return f"{self.list_kind.value}.{self.kind.value}"
+
+    def health(self) -> SourceHealth:
+        return SourceHealth(
+            name=self.name,
+            origin=self.origin,
+            entries=len(self.entries),
+            last_good_at=self.last_good_at,
+            last_refresh_at=self.last_refresh_at,
+            last_error=self.last_error,
+            refreshes_total=self.refreshes_total,
+            failures_total=self.failures_total,
+            empty_total=self.empty_total,
+            stale_expiries_total=self.stale_expiries_total,
+        )
+
+
+class Discovery:
+    """Construct inside a trio run (the first snapshot is stamped with ``trio.current_time()``)."""
+
+    def __init__(self, config: DiscoveryConfig) -> None:
+        self._config = config
+        problems = _validate(config)
+        self._kvcm_default = config.kvcm_port
+        self._worker_default = config.worker_http_port or None
+        self._sources: list[_Source] = []
+        self._kvcm_static = self._add(ListKind.KVCM, SourceKind.STATIC, "config")
+        self._workers_static = self._add(ListKind.WORKERS, SourceKind.STATIC, "config")
+        try:
+            self._kvcm_static.static_entries = parse_entries(
+                config.kvcm_bootstrap, self._kvcm_default, "kvcm_bootstrap", config.max_entries
+            )
+        except _RefreshFailed as exc:
+            problems.append(str(exc))
+        try:
+            self._workers_static.static_entries = self._parse_workers(config.workers, "workers")
+        except _RefreshFailed as exc:
+            problems.append(str(exc))
+        for list_kind, field, name, default in (
+            (ListKind.KVCM, "kvcm_bootstrap_dns", config.kvcm_bootstrap_dns, self._kvcm_default),
+            (ListKind.WORKERS, "workers_dns", config.workers_dns, self._worker_default),
+        ):
+            if name:
+                try:
+                    target = _dns_name(name, default, field)
+                except _RefreshFailed as exc:
+                    problems.append(str(exc))
+                else:
+                    self._add(list_kind, SourceKind.DNS, name, target)
+        if config.kvcm_bootstrap_file:
+            self._add(ListKind.KVCM, SourceKind.FILE, config.kvcm_bootstrap_file)
+        if config.workers_file:
+            self._add(ListKind.WORKERS, SourceKind.FILE, config.workers_file)
+        if problems:
+            raise DiscoveryConfigError(problems)
+
+        self._generation = 0
+        self._changed = trio.Event()
+        self._kvcm: tuple[str, ...] = ()
+        self._workers = WorkerSnapshot.of((), 0, trio.current_time())
+        now = trio.current_time()
+        for source in (self._kvcm_static, self._workers_static):
+            self._apply(source, source.static_entries, None, now)
+
+    # --- request path: immutable snapshots, no waiting -----------------------------------------
+
+    def workers(self) -> WorkerSnapshot:
+        return self._workers
+
+    def kvcm_bootstrap(self) -> tuple[str, ...]:
+        return self._kvcm
+
+    def snapshot(self) -> DiscoverySnapshot:
+        return DiscoverySnapshot(
+            workers=len(self._workers.workers),
+            workers_version=self._workers.version,
+            workers_taken_at=self._workers.taken_at,
+            kvcm_bootstrap=self._kvcm,
+            generation=self._generation,
+            sources=tuple(s.health() for s in self._sources),
+        )
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    async def wait_for_change(self, generation: int) -> int:
+        """Wait (within the caller's cancel scope) until a change after ``generation`` is published."""
+        while self._generation == generation:
+            await self._changed.wait()
+        return self._generation
+
+    def set_static_workers(self, entries: str) -> None:
+        """Replace the static worker list now (validated; raises DiscoveryConfigError naming bad entries).
+
+        Empty counts as an empty refresh: the last good entries stay until ``stale_after_s``.
+        """
+        try:
+            parsed = self._parse_workers(entries, "workers")
+        except _RefreshFailed as exc:
+            raise DiscoveryConfigError([str(exc)]) from exc
+        self._workers_static.static_entries = parsed
+        self._apply(self._workers_static, parsed, None, trio.current_time())
+
+    # --- background ----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Refresh every source once (so the first snapshot is complete), report started, keep refreshing."""
+        async with trio.open_nursery() as first_round:
+            for source in self._sources:
+                first_round.start_soon(self._refresh, source)
+        task_status.started()
+        async with trio.open_nursery() as loops:
+            for source in self._sources:
+                loops.start_soon(self._refresh_loop, source)
+
+    async def _refresh_loop(self, source: _Source) -> None:
+        while True:
+            await trio.sleep(self._config.refresh_interval_s)
+            await self._refresh(source)
+
+    async def _refresh(self, source: _Source) -> None:
+        entries: tuple[HostPort, ...] = ()
+        error: str | None = None
+        with trio.move_on_after(self._config.refresh_timeout_s) as timeout:
+            try:
+                entries = await self._fetch(source)
+            except _RefreshFailed as exc:
+                error = str(exc)
+        if timeout.cancelled_caught:
+            limit = self._config.refresh_timeout_s
+            error = f"{source.name} {source.origin}: no answer within refresh_timeout_s={limit}"
+        self._apply(source, entries, error, trio.current_time())
+
+    async def _fetch(self, source: _Source) -> tuple[HostPort, ...]:
+        if source.kind is SourceKind.STATIC:
+            return source.static_entries
+        if source.kind is SourceKind.FILE:
+            return await self._fetch_file(source)
+        return await self._fetch_dns(source)
+
+    async def _fetch_file(self, source: _Source) -> tuple[HostPort, ...]:
+        try:
+            signature, text = await trio.to_thread.run_sync(
+                functools.partial(_file_signature_and_text, source.origin, source.file_signature),
+                abandon_on_cancel=True,
+                limiter=source.file_limiter,
+            )
+        except (OSError, UnicodeDecodeError) as exc:
+            source.file_signature = None
+            raise _RefreshFailed(f"{source.name} {source.origin}: {exc}") from exc
+        if text is not None:  # changed: parse once and keep the outcome until the next change
+            source.file_signature = signature
+            try:
+                source.file_outcome = self._parse(source, text)
+            except _RefreshFailed as exc:
+                source.file_outcome = str(exc)
+        if isinstance(source.file_outcome, str):
+            raise _RefreshFailed(source.file_outcome)
+        return source.file_outcome
+
+    async def _fetch_dns(self, source: _Source) -> tuple[HostPort, ...]:
+        name = source.dns_target
+        assert name is not None  # set for every DNS source
+        try:
+            answers = await trio.socket.getaddrinfo(name.host, name.port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise _RefreshFailed(f"{source.name} {source.origin}: {exc}") from exc
+        addresses = sorted(
+            {ipaddress.ip_address(str(sockaddr[0]).partition("%")[0]) for *_, sockaddr in answers},
+            key=lambda a: (a.version, a.packed),
+        )
+        if len(addresses) > self._config.max_entries:
+            raise _RefreshFailed(
+                f"{source.name} {source.origin}: {len(addresses)} addresses, "
+                f"more than max_entries={self._config.max_entries}"
+            )
+        entries = tuple(HostPort(str(a), name.port) for a in addresses)
+        if source.list_kind is ListKind.WORKERS:
+            to_workers(entries, self._config, f"{source.name} {source.origin}")
+        return entries
+
+    # --- state (synchronous, atomic) -------------------------------------------------------------
+
+    def _add(
+        self, list_kind: ListKind, kind: SourceKind, origin: str, dns_target: HostPort | None = None
+    ) -> _Source:
+        source = _Source(list_kind, kind, origin, dns_target)
+        self._sources.append(source)
+        return source
+
+    def _parse_workers(self, text: str, what: str) -> tuple[HostPort, ...]:
+        entries = parse_entries(text, self._worker_default, what, self._config.max_entries)
+        to_workers(entries, self._config, what)
+        return entries
+
+    def _parse(self, source: _Source, text: str) -> tuple[HostPort, ...]:
+        what = f"{source.name} {source.origin}"
+        if source.list_kind is ListKind.WORKERS:
+            return self._parse_workers(text, what)
+        return parse_entries(text, self._kvcm_default, what, self._config.max_entries)
+
+    def _apply(self, source: _Source, entries: tuple[HostPort, ...], error: str | None, now: float) -> None:
+        source.refreshes_total += 1
+        source.last_refresh_at = now
+        if error is None and entries:
+            source.entries = entries
+            source.last_good_at = now
+            source.last_error = None
+        else:
+            if error is not None:
+                source.failures_total += 1
+                source.last_error = error
+            else:
+                source.empty_total += 1
+            last_good = source.last_good_at
+            if source.entries and last_good is not None and now - last_good > self._config.stale_after_s:
+                source.entries = ()
+                source.stale_expiries_total += 1
+        self._publish(now)
+
+    def _publish(self, now: float) -> None:
+        kvcm: dict[str, None] = {}
+        workers: dict[str, WorkerAddr] = {}
+        status_port = self._config.worker_status_port or None
+        for source in self._sources:
+            for hp in source.entries:
+                if source.list_kind is ListKind.KVCM:
+                    kvcm.setdefault(str(hp))
+                else:
+                    worker = WorkerAddr.from_http(
+                        hp.host, hp.port, self._config.worker_grpc_port_offset, status_port
+                    )
+                    workers.setdefault(worker.http_target, worker)
+        changed = False
+        if tuple(kvcm) != self._kvcm:
+            self._kvcm = tuple(kvcm)
+            changed = True
+        if tuple(workers.values()) != self._workers.workers:
+            self._workers = WorkerSnapshot.of(tuple(workers.values()), self._workers.version + 1, now)
+            changed = True
+        if changed:
+            self._generation += 1
+            self._changed.set()
+            self._changed = trio.Event()
+
+
+def _validate(config: DiscoveryConfig) -> list[str]:
+    """Problems with the numeric settings (entry lists are checked where they are parsed)."""
+    problems: list[str] = []
+    if not 1 <= config.kvcm_port <= 65535:
+        problems.append(f"kvcm_port: {config.kvcm_port} not in 1..65535")
+    if not 0 <= config.worker_http_port <= 65535:
+        problems.append(
+            f"worker_http_port: {config.worker_http_port} not in 0..65535 (0 = explicit ports only)"
+        )
+    if not 0 <= config.worker_status_port <= 65535:
+        problems.append(
+            f"worker_status_port: {config.worker_status_port} not in 0..65535 (0 = the grpc port)"
+        )
+    if not config.refresh_interval_s > 0:
+        problems.append(f"refresh_interval_s: must be > 0, got {config.refresh_interval_s}")
+    if not config.stale_after_s >= 0:
+        problems.append(f"stale_after_s: must be >= 0, got {config.stale_after_s}")
+    if not config.refresh_timeout_s > 0:
+        problems.append(f"refresh_timeout_s: must be > 0, got {config.refresh_timeout_s}")
+    if config.max_entries < 1:
+        problems.append(f"max_entries: must be >= 1, got {config.max_entries}")
+    return problems

@@ -1,0 +1,398 @@
+"""Discovery: static lists, file and DNS sources, stale handling, and that nothing blocks the loop.
+
+Static and DNS tests run under MockClock(autojump) with trio's custom hostname resolver
+hook standing in for the DNS server (in-trio, no threads). File tests and the real
+"localhost" lookup do real I/O in worker threads, so they use the real clock with an
+absolute ``trio.fail_after`` and wait on published changes, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from actors.discovery import Discovery, DiscoveryConfigError, WorkerSnapshot
+from router.config import KVCM_DEFAULT_PORT, DiscoveryConfig
+from router.types import WorkerAddr
+
+CFG = DiscoveryConfig(refresh_interval_s=1.0, stale_after_s=5.0, refresh_timeout_s=0.5, worker_http_port=8080)
+
+
+def http_targets(snapshot: WorkerSnapshot) -> list[str]:
+    return [w.http_target for w in snapshot.workers]
+
+
+# --- static lists -------------------------------------------------------------------------------
+
+
+async def test_static_lists_honour_explicit_ports_and_default_bare_hosts() -> None:
+    d = Discovery(
+        dataclasses.replace(
+            CFG,
+            kvcm_bootstrap="10.0.0.1, 10.0.0.2:7000, [fd00::1]",
+            workers="10.1.0.1:9000,10.1.0.2,[fd00::2]:9100",
+        )
+    )
+    assert d.kvcm_bootstrap() == (
+        f"10.0.0.1:{KVCM_DEFAULT_PORT}",
+        "10.0.0.2:7000",
+        f"[fd00::1]:{KVCM_DEFAULT_PORT}",
+    )
+    snap = d.workers()
+    assert http_targets(snap) == ["10.1.0.1:9000", "10.1.0.2:8080", "[fd00::2]:9100"]
+    assert snap.workers[0] == WorkerAddr("10.1.0.1", 9000, 9001, 9001)  # grpc = http + 1, status = grpc
+    assert snap.by_http_target["[fd00::2]:9100"].grpc_target == "[fd00::2]:9101"
+    assert snap.version == 1
+    with pytest.raises(TypeError):
+        snap.by_http_target["x"] = snap.workers[0]  # type: ignore[index]
+
+
+async def test_port_overrides_per_deployment() -> None:
+    d = Discovery(
+        dataclasses.replace(CFG, workers="10.1.0.1:9000", worker_grpc_port_offset=10, worker_status_port=7777)
+    )
+    assert d.workers().workers == (WorkerAddr("10.1.0.1", 9000, 9010, 7777),)
+
+
+async def test_bad_entries_are_all_named_at_once() -> None:
+    bad = dataclasses.replace(
+        CFG,
+        worker_http_port=0,
+        kvcm_bootstrap="10.0.0.1:6381,kvcm one:6381",
+        workers="10.1.0.1:9000,10.1.0.2,10.1.0.3:99999,[fd00::1",
+        refresh_interval_s=0.0,
+    )
+    with pytest.raises(DiscoveryConfigError) as info:
+        Discovery(bad)
+    message = str(info.value)
+    for named in ("kvcm one", "10.1.0.2", "99999", "[fd00::1", "refresh_interval_s", "worker_http_port"):
+        assert named in message, named
+    assert "10.1.0.1:9000" not in message  # good entries are not blamed
+    assert len(info.value.problems) == 3  # kvcm_bootstrap, workers, refresh_interval_s
+
+
+async def test_worker_grpc_port_out_of_range_is_named() -> None:
+    with pytest.raises(DiscoveryConfigError, match=r"10\.1\.0\.9:65535: grpc port 65536"):
+        Discovery(dataclasses.replace(CFG, workers="10.1.0.1:9000,10.1.0.9:65535"))
+
+
+async def test_dns_name_without_port_needs_a_default() -> None:
+    with pytest.raises(DiscoveryConfigError, match="workers_dns"):
+        Discovery(dataclasses.replace(CFG, worker_http_port=0, workers_dns="workers.example"))
+    Discovery(dataclasses.replace(CFG, worker_http_port=0, workers_dns="workers.example:9000"))
+
+
+async def test_set_static_workers_replaces_and_validates(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    d = Discovery(dataclasses.replace(CFG, workers="10.1.0.1,10.1.0.2"))
+    await nursery.start(d.run)
+    generation = d.generation
+    d.set_static_workers("10.1.0.3:9000")
+    assert http_targets(d.workers()) == ["10.1.0.3:9000"]
+    assert d.workers().version == 2
+    assert await d.wait_for_change(generation) == generation + 1
+    with pytest.raises(DiscoveryConfigError, match="bad_host!"):
+        d.set_static_workers("10.1.0.4,bad_host!")
+    assert http_targets(d.workers()) == ["10.1.0.3:9000"]  # a rejected list changes nothing
+
+
+async def test_empty_refresh_keeps_last_snapshot_until_stale(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    d = Discovery(dataclasses.replace(CFG, workers="10.1.0.1,10.1.0.2"))
+    await nursery.start(d.run)
+    start = trio.current_time()
+    before = d.workers()
+    d.set_static_workers("")  # the source now answers empty
+    assert d.workers() is before  # same snapshot: nothing published
+    await trio.sleep_until(start + CFG.stale_after_s - 0.01)
+    assert d.workers() is before
+    with trio.fail_after(2 * CFG.stale_after_s):
+        await d.wait_for_change(d.generation)
+    # Dropped at the first refresh after stale_after_s (refreshes run every second).
+    assert trio.current_time() - start == pytest.approx(CFG.stale_after_s + CFG.refresh_interval_s, abs=0.02)
+    assert d.workers().workers == ()
+    static = next(s for s in d.snapshot().sources if s.name == "workers.static")
+    assert static.stale_expiries_total == 1
+    assert static.empty_total >= 5
+
+
+# --- DNS (a fake DNS server through trio's resolver hook) --------------------------------------------
+
+
+class FakeDns(trio.abc.HostnameResolver):
+    """Only the DNS server is fake: trio.socket.getaddrinfo calls this for non-numeric names."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[str]] = {}
+        self.fail = False
+        self.hang = False
+        self.calls = 0
+
+    async def getaddrinfo(  # type: ignore[override]
+        self,
+        host: bytes | None,
+        port: bytes | str | int | None,
+        family: int = 0,
+        type: int = 0,
+        proto: int = 0,
+        flags: int = 0,
+    ) -> list[
+        tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int] | tuple[str, int, int, int]]
+    ]:
+        self.calls += 1
+        if self.hang:
+            await trio.sleep_forever()
+        await trio.lowlevel.checkpoint()
+        if self.fail:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        assert host is not None and isinstance(port, int)
+        out: list[
+            tuple[
+                socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int] | tuple[str, int, int, int]
+            ]
+        ] = []
+        for ip in self.answers.get(host.decode(), []):
+            if ":" in ip:
+                out.append((socket.AF_INET6, socket.SOCK_STREAM, 6, "", (ip, port, 0, 0)))
+            else:
+                out.append((socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)))
+        return out
+
+    async def getnameinfo(
+        self, sockaddr: tuple[str, int] | tuple[str, int, int, int], flags: int
+    ) -> tuple[str, str]:
+        raise NotImplementedError
+
+
+@pytest.fixture
+async def fake_dns() -> FakeDns:
+    dns = FakeDns()
+    trio.socket.set_custom_hostname_resolver(dns)  # a RunVar: scoped to this test's trio run
+    return dns
+
+
+async def test_dns_answers_with_default_and_explicit_ports(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
+) -> None:
+    fake_dns.answers["kvcm.example"] = ["10.0.0.2", "10.0.0.1", "10.0.0.1"]
+    fake_dns.answers["workers.example"] = ["fd00::7", "10.1.0.1"]
+    d = Discovery(
+        dataclasses.replace(CFG, kvcm_bootstrap_dns="kvcm.example", workers_dns="workers.example:9000")
+    )
+    await nursery.start(d.run)  # the first round completes before started()
+    assert d.kvcm_bootstrap() == (f"10.0.0.1:{KVCM_DEFAULT_PORT}", f"10.0.0.2:{KVCM_DEFAULT_PORT}")
+    assert http_targets(d.workers()) == ["10.1.0.1:9000", "[fd00::7]:9000"]
+
+    generation = d.generation
+    fake_dns.answers["workers.example"] = ["10.1.0.5"]
+    with trio.fail_after(CFG.refresh_interval_s + 0.01):
+        await d.wait_for_change(generation)
+    assert http_targets(d.workers()) == ["10.1.0.5:9000"]
+
+
+async def test_dns_failure_keeps_last_answer_until_stale(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
+) -> None:
+    fake_dns.answers["workers.example"] = ["10.1.0.1", "10.1.0.2"]
+    d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example"))
+    await nursery.start(d.run)
+    good_at = trio.current_time()
+    assert len(d.workers().workers) == 2
+    fake_dns.fail = True
+    await trio.sleep_until(good_at + CFG.stale_after_s + 0.5)
+    assert len(d.workers().workers) == 2  # failing for 5.5 s, but last good is not older than 5 s at 5.0
+    with trio.fail_after(CFG.refresh_interval_s):
+        await d.wait_for_change(d.generation)
+    assert d.workers().workers == ()
+    dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
+    assert dns.stale_expiries_total == 1
+    assert dns.failures_total == 6
+    assert dns.last_error is not None and "workers.example" in dns.last_error
+
+    fake_dns.fail = False  # recovers: picked up at the next refresh
+    with trio.fail_after(CFG.refresh_interval_s + 0.01):
+        await d.wait_for_change(d.generation)
+    assert len(d.workers().workers) == 2
+
+
+async def test_hanging_dns_times_out_and_never_stalls_readers(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
+) -> None:
+    fake_dns.hang = True
+    d = Discovery(dataclasses.replace(CFG, workers="10.1.0.1", workers_dns="workers.example"))
+    start = trio.current_time()
+    await nursery.start(d.run)
+    # The first round waited for the DNS source only up to refresh_timeout_s.
+    assert trio.current_time() - start == pytest.approx(CFG.refresh_timeout_s)
+    assert http_targets(d.workers()) == ["10.1.0.1:8080"]
+    dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
+    assert dns.failures_total == 1
+    assert dns.last_error is not None and "refresh_timeout_s" in dns.last_error
+
+
+async def test_dns_answer_over_max_entries_is_a_failed_refresh(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
+) -> None:
+    fake_dns.answers["workers.example"] = [f"10.1.0.{i}" for i in range(1, 6)]
+    d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example", max_entries=4))
+    await nursery.start(d.run)
+    assert d.workers().workers == ()
+    dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
+    assert dns.last_error is not None and "max_entries=4" in dns.last_error
+
+
+async def test_real_dns_localhost() -> None:
+    with trio.fail_after(10):
+        d = Discovery(dataclasses.replace(CFG, workers_dns="localhost", kvcm_bootstrap_dns="localhost:7001"))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)
+            assert "127.0.0.1:7001" in d.kvcm_bootstrap()
+            assert "127.0.0.1:8080" in http_targets(d.workers())
+            assert all(t.startswith(("127.", "[::1]")) for t in http_targets(d.workers()))
+            nursery.cancel_scope.cancel()
+
+
+# --- files (real I/O in threads: real clock) ----------------------------------------------------------
+
+
+def write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic, new inode: the change is always visible
+
+
+async def test_file_changes_are_picked_up(tmp_path: Path) -> None:
+    workers = tmp_path / "workers.txt"
+    kvcm = tmp_path / "kvcm.txt"
+    write(workers, "# fleet\n10.1.0.1:9000\n10.1.0.2  # bare host: default port\n")
+    write(kvcm, "10.0.0.1,10.0.0.2:7000\n")
+    cfg = dataclasses.replace(
+        CFG, refresh_interval_s=0.01, workers_file=str(workers), kvcm_bootstrap_file=str(kvcm)
+    )
+    with trio.fail_after(10):
+        d = Discovery(cfg)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)
+            assert http_targets(d.workers()) == ["10.1.0.1:9000", "10.1.0.2:8080"]
+            assert d.kvcm_bootstrap() == (f"10.0.0.1:{KVCM_DEFAULT_PORT}", "10.0.0.2:7000")
+
+            generation = d.generation
+            write(workers, "10.1.0.3:9000, 10.1.0.1:9000\n")
+            await d.wait_for_change(generation)
+            assert http_targets(d.workers()) == ["10.1.0.3:9000", "10.1.0.1:9000"]
+
+            generation = d.generation
+            write(kvcm, "10.0.0.9\n")
+            await d.wait_for_change(generation)
+            assert d.kvcm_bootstrap() == (f"10.0.0.9:{KVCM_DEFAULT_PORT}",)
+            nursery.cancel_scope.cancel()
+
+
+async def test_bad_file_keeps_last_good_until_stale_and_names_the_entry(tmp_path: Path) -> None:
+    workers = tmp_path / "workers.txt"
+    write(workers, "10.1.0.1:9000\n")
+    stale = 0.3
+    cfg = dataclasses.replace(
+        CFG, refresh_interval_s=0.01, stale_after_s=stale, worker_http_port=0, workers_file=str(workers)
+    )
+    with trio.fail_after(10):
+        d = Discovery(cfg)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)
+            assert http_targets(d.workers()) == ["10.1.0.1:9000"]
+            generation = d.generation
+            written_at = trio.current_time()
+            write(workers, "10.1.0.1:9000\n10.1.0.2\n")  # no port, and no default port
+            await d.wait_for_change(generation)
+            # The last good list was kept until it went stale (a lower bound: robust under load).
+            assert trio.current_time() - written_at >= stale - cfg.refresh_interval_s
+            assert d.workers().workers == ()
+            source = next(s for s in d.snapshot().sources if s.name == "workers.file")
+            assert source.stale_expiries_total == 1
+            assert source.last_error is not None
+            assert "10.1.0.2" in source.last_error and "worker_http_port" in source.last_error
+
+            generation = d.generation
+            write(workers, "10.1.0.2:9000\n")
+            await d.wait_for_change(generation)
+            assert http_targets(d.workers()) == ["10.1.0.2:9000"]
+            nursery.cancel_scope.cancel()
+
+
+async def test_missing_file_is_a_failed_refresh_until_it_appears(tmp_path: Path) -> None:
+    workers = tmp_path / "workers.txt"
+    cfg = dataclasses.replace(CFG, refresh_interval_s=0.01, workers_file=str(workers))
+    with trio.fail_after(10):
+        d = Discovery(cfg)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)  # the first round has run
+            assert d.workers().workers == ()
+            source = next(s for s in d.snapshot().sources if s.name == "workers.file")
+            assert source.failures_total == 1
+            assert source.last_error is not None and str(workers) in source.last_error
+            generation = d.generation
+            write(workers, "10.1.0.7\n")
+            await d.wait_for_change(generation)
+            assert http_targets(d.workers()) == ["10.1.0.7:8080"]
+            nursery.cancel_scope.cancel()
+
+
+def _unblock_fifo(fifo: Path) -> None:
+    """Open the FIFO's write end once, so a reader blocked in open() sees EOF and its thread ends."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader is waiting
+        return
+    os.close(fd)
+
+
+async def test_a_blocked_file_read_never_blocks_the_event_loop(tmp_path: Path) -> None:
+    """review-lessons §1: a read stuck in the kernel (a FIFO with no writer) runs off the loop thread.
+
+    An observer task runs while the read is stuck and well before the refresh times out.
+    Were the read on the loop thread, nothing else could run until the safety timer
+    unblocked the FIFO, and the observer would run only then, with the round's end.
+    """
+    fifo = tmp_path / "workers.fifo"
+    os.mkfifo(fifo)
+    safety = threading.Timer(8.0, _unblock_fifo, (fifo,))  # turns a regression into a failure, not a hang
+    safety.start()
+    timeout = 0.5
+    try:
+        cfg = dataclasses.replace(
+            CFG, workers="10.1.0.1:9000", workers_file=str(fifo), refresh_timeout_s=timeout
+        )
+        with trio.fail_after(10):
+            d = Discovery(cfg)
+            observed: list[tuple[float, list[str]]] = []
+
+            async def observer() -> None:
+                await trio.sleep(0.05)  # the read has started by now
+                observed.append((trio.current_time(), http_targets(d.workers())))
+
+            async with trio.open_nursery() as nursery:
+                start = trio.current_time()
+                nursery.start_soon(observer)
+                await nursery.start(d.run)  # the first round waits for the FIFO up to refresh_timeout_s
+                round_done = trio.current_time()
+                assert round_done - start >= timeout
+                assert len(observed) == 1
+                observed_at, targets = observed[0]
+                assert targets == ["10.1.0.1:9000"]
+                assert round_done - observed_at > timeout / 2  # it ran while the read was stuck
+                source = next(s for s in d.snapshot().sources if s.name == "workers.file")
+                assert source.failures_total == 1
+                assert source.last_error is not None and "refresh_timeout_s" in source.last_error
+                nursery.cancel_scope.cancel()
+    finally:
+        safety.cancel()
+        _unblock_fifo(fifo)
