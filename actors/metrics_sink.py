@@ -1,0 +1,315 @@
+"""MetricsSink actor: telemetry events in, a Prometheus registry and a ring of recent decisions out.
+
+Producers call :meth:`MetricsSink.emit` — synchronous, never waits: ``send_nowait`` on a bounded
+inbox; when it is full the event is dropped and counted (``kvroute_metrics_events_dropped_total``).
+:meth:`MetricsSink.run` is the only task that applies events to the counters, histograms and the
+decision ring, so that state has one owner.
+
+Gauges that mirror another actor's state (probes in flight, ejected workers, pool size, breaker
+state, inbox depths) are not pushed: the owner registers a snapshot callable with
+:meth:`MetricsSink.register_gauge_source` and it is read at scrape time.
+
+The registry is the sink's own ``CollectorRegistry``, never prometheus_client's global one, so two
+routers in one process (tests, the demo) do not share counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import assert_never
+
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.config import MetricsConfig
+from router.types import RouteDecision
+
+logger = logging.getLogger(__name__)
+
+# Stage labels of kvroute_route_duration_seconds; a stage name outside this set is recorded as "other"
+# (label values stay bounded whatever a producer sends).
+STAGES = ("keys", "leader", "cache_query", "plan", "probe", "score", "total")
+# Sub-millisecond to the 50 ms budget cap and a little past it.
+DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+# Gauges read at scrape time from registered sources: name → (help, label names).
+SOURCE_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
+    "kvroute_kvcm_breaker_state": ("KVCM circuit breaker state: 0 closed, 1 half-open, 2 open", ()),
+    "kvroute_probe_inflight": ("Worker-status probes in flight", ()),
+    "kvroute_workers_ejected": ("Workers currently ejected by outlier detection", ()),
+    "kvroute_channel_pool_channels": ("gRPC channels held by the channel pool", ()),
+    "kvroute_inbox_depth": ("Messages waiting in an actor's inbox", ("actor",)),
+}
+BREAKER_STATE_VALUES: Mapping[str, float] = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+
+
+# --- events (small frozen values; producers build them, only run() reads them) -------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionMade:
+    """A routing decision: counted by route_source/reason, its stage_ms and elapsed_ms observed,
+    every candidate with a ``dropped`` reason counted, and the decision kept in the ring."""
+
+    decision: RouteDecision
+
+
+@dataclass(frozen=True, slots=True)
+class KvcmRequest:
+    method: str  # "GetClusterInfo" | "GetHostCacheState"
+    outcome: str  # "ok", "not_leader", "unavailable", "deadline", "garbled", "remote_error", ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSkipped:
+    reason: str  # e.g. "deadline", "ejected", "budget"
+    n: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StatusCacheHits:
+    n: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderChanged:
+    target: str | None  # the new leader, None when it was lost
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelEvicted:
+    reason: str  # "lru" | "idle" | "invalidated" | "shutdown"
+    n: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowAgreement:
+    """One shadow-vs-KVCM comparison: 1.0 full agreement, 0.0 none."""
+
+    ratio: float
+
+
+MetricEvent = (
+    DecisionMade
+    | KvcmRequest
+    | ProbeSkipped
+    | StatusCacheHits
+    | LeaderChanged
+    | ChannelEvicted
+    | ShadowAgreement
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRecord:
+    decision: RouteDecision
+    at: float  # trio time the sink recorded it
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSinkSnapshot:
+    inbox_depth: int
+    inbox_capacity: int
+    inbox_peak: int
+    processed: int
+    dropped: int
+    decisions_kept: int
+    gauge_sources: int
+    last_leader: str | None
+
+
+class _SourceGauges(Collector):
+    """Reads the registered snapshot callables at scrape time."""
+
+    def __init__(self) -> None:
+        self.sources: dict[tuple[str, tuple[str, ...]], Callable[[], float]] = {}
+        self.failed: set[tuple[str, tuple[str, ...]]] = set()  # bounded by sources: logged once each
+
+    def describe(self) -> Iterator[Metric]:
+        for name, (help_text, labels) in SOURCE_GAUGES.items():
+            yield GaugeMetricFamily(name, help_text, labels=labels)
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            name: GaugeMetricFamily(name, help_text, labels=labels)
+            for name, (help_text, labels) in SOURCE_GAUGES.items()
+        }
+        for key, read in self.sources.items():
+            name, label_values = key
+            try:
+                value = float(read())
+            except Exception:  # a broken snapshot must not break the scrape; say so once
+                if key not in self.failed:
+                    self.failed.add(key)
+                    logger.exception(
+                        "gauge source %s%s failed; its sample is left out", name, list(label_values)
+                    )
+                continue
+            families[name].add_metric(list(label_values), value)
+        yield from families.values()
+
+
+class MetricsSink:
+    def __init__(self, config: MetricsConfig) -> None:
+        if config.inbox_size < 1 or config.decision_ring_size < 1 or config.shadow_agreement_window < 1:
+            raise ValueError(
+                "metrics.inbox_size, decision_ring_size and shadow_agreement_window must be >= 1"
+            )
+        self._config = config
+        self._send, self._receive = trio.open_memory_channel[MetricEvent](config.inbox_size)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._dropped = Counter(
+            "kvroute_metrics_events_dropped", "Telemetry events dropped: inbox full", registry=r
+        )
+        self._decisions = Counter(
+            "kvroute_route_decisions", "Routing decisions", ("route_source", "reason"), registry=r
+        )
+        self._duration = Histogram(
+            "kvroute_route_duration_seconds",
+            "Time spent per routing stage (total = the whole decision)",
+            ("stage",),
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self._kvcm_requests = Counter(
+            "kvroute_kvcm_requests", "KVCM RPCs by outcome", ("method", "outcome"), registry=r
+        )
+        self._leader_changes = Counter("kvroute_kvcm_leader_changes", "KVCM leader changes seen", registry=r)
+        self._probe_skipped = Counter(
+            "kvroute_probe_skipped", "Worker probes skipped", ("reason",), registry=r
+        )
+        self._cache_hits = Counter(
+            "kvroute_worker_status_cache_hits", "Worker statuses served from the status cache", registry=r
+        )
+        self._evictions = Counter(
+            "kvroute_channel_pool_evictions", "gRPC channels evicted from the pool", ("reason",), registry=r
+        )
+        self._candidates_dropped = Counter(
+            "kvroute_candidates_dropped", "Candidates dropped before scoring", ("reason",), registry=r
+        )
+        self._shadow_comparisons = Counter(
+            "kvroute_shadow_comparisons", "Shadow-index predictions compared with KVCM answers", registry=r
+        )
+        self._shadow_ratio = Gauge(
+            "kvroute_shadow_agreement_ratio",
+            "Mean agreement of the shadow index with KVCM over the last comparisons",
+            registry=r,
+        )
+        self._gauges = _SourceGauges()
+        r.register(self._gauges)
+        self.register_gauge_source("kvroute_inbox_depth", self.inbox_depth, actor="metrics_sink")
+        # Owned by run() (mutated only there, or in synchronous non-awaiting methods).
+        self._ring: deque[DecisionRecord] = deque(maxlen=config.decision_ring_size)
+        self._agreements: deque[float] = deque(maxlen=config.shadow_agreement_window)
+        self._agreement_sum = 0.0
+        self._processed = 0
+        self._dropped_count = 0
+        self._peak = 0
+        self._last_leader: str | None = None
+
+    # --- producers (any task; synchronous, never waits) ---
+
+    def emit(self, event: MetricEvent) -> None:
+        """Queue ``event`` without waiting; when the inbox is full (or closed) drop and count it."""
+        try:
+            self._send.send_nowait(event)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self._dropped_count += 1
+            self._dropped.inc()
+
+    def register_gauge_source(self, name: str, read: Callable[[], float], **labels: str) -> None:
+        """Read ``read()`` at every scrape as gauge ``name`` (one of SOURCE_GAUGES) with ``labels``.
+
+        Registering the same name and labels again replaces the source (an actor restarted by the
+        supervisor re-registers). ``read`` runs in the scraping task: it must be cheap and not await.
+        """
+        if name not in SOURCE_GAUGES:
+            raise ValueError(f"unknown source gauge {name!r}; known: {', '.join(SOURCE_GAUGES)}")
+        label_names = SOURCE_GAUGES[name][1]
+        if set(labels) != set(label_names):
+            raise ValueError(f"gauge {name} takes labels {list(label_names)}, got {sorted(labels)}")
+        key = (name, tuple(labels[n] for n in label_names))
+        self._gauges.sources[key] = read
+        self._gauges.failed.discard(key)
+
+    # --- readers (debug endpoint) ---
+
+    def recent_decisions(self, limit: int) -> list[DecisionRecord]:
+        """The last ``limit`` decisions, newest first."""
+        if limit < 1:
+            return []
+        return [self._ring[-i] for i in range(1, min(limit, len(self._ring)) + 1)]
+
+    def inbox_depth(self) -> int:
+        return self._send.statistics().current_buffer_used
+
+    def snapshot(self) -> MetricsSinkSnapshot:
+        return MetricsSinkSnapshot(
+            inbox_depth=self.inbox_depth(),
+            inbox_capacity=self._config.inbox_size,
+            inbox_peak=self._peak,
+            processed=self._processed,
+            dropped=self._dropped_count,
+            decisions_kept=len(self._ring),
+            gauge_sources=len(self._gauges.sources),
+            last_leader=self._last_leader,
+        )
+
+    # --- the owner task ---
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Apply events until cancelled. May be started again after a crash: the inbox and state persist."""
+        task_status.started()
+        while True:
+            event = await self._receive.receive()
+            # Single consumer: between two receives the buffer only grows, so its largest size is
+            # seen here (this event plus what is still queued) — producers pay nothing for the peak.
+            self._peak = max(self._peak, self._receive.statistics().current_buffer_used + 1)
+            self._apply(event)
+            self._processed += 1
+
+    def _apply(self, event: MetricEvent) -> None:
+        match event:
+            case DecisionMade(decision):
+                self._record_decision(decision)
+            case KvcmRequest(method, outcome):
+                self._kvcm_requests.labels(method=method, outcome=outcome).inc()
+            case ProbeSkipped(reason, n):
+                self._probe_skipped.labels(reason=reason).inc(n)
+            case StatusCacheHits(n):
+                self._cache_hits.inc(n)
+            case LeaderChanged(target):
+                self._last_leader = target
+                self._leader_changes.inc()
+            case ChannelEvicted(reason, n):
+                self._evictions.labels(reason=reason).inc(n)
+            case ShadowAgreement(ratio):
+                self._record_agreement(ratio)
+            case _:
+                assert_never(event)
+
+    def _record_decision(self, d: RouteDecision) -> None:
+        self._decisions.labels(route_source=d.route_source.value, reason=d.reason.value).inc()
+        for stage, ms in d.stage_ms.items():
+            self._duration.labels(stage=stage if stage in STAGES else "other").observe(ms / 1000.0)
+        if "total" not in d.stage_ms:
+            self._duration.labels(stage="total").observe(d.elapsed_ms / 1000.0)
+        for candidate in d.candidates:
+            if candidate.dropped is not None:
+                self._candidates_dropped.labels(reason=candidate.dropped).inc()
+        self._ring.append(DecisionRecord(d, trio.current_time()))
+
+    def _record_agreement(self, ratio: float) -> None:
+        ratio = min(1.0, max(0.0, ratio))
+        if len(self._agreements) == self._agreements.maxlen:
+            self._agreement_sum -= self._agreements[0]
+        self._agreements.append(ratio)
+        self._agreement_sum += ratio
+        self._shadow_comparisons.inc()
+        self._shadow_ratio.set(min(1.0, max(0.0, self._agreement_sum / len(self._agreements))))

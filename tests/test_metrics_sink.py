@@ -1,0 +1,257 @@
+"""MetricsSink: exact counts after scripted event sequences, drops when full, scrape-time gauges, the ring."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+from prometheus_client import generate_latest
+
+from actors.metrics_sink import (
+    ChannelEvicted,
+    DecisionMade,
+    KvcmRequest,
+    LeaderChanged,
+    MetricsSink,
+    ProbeSkipped,
+    ShadowAgreement,
+    StatusCacheHits,
+)
+from router.config import MetricsConfig
+from router.types import CandidateExplain, Reason, Role, RouteDecision, RouteSource, WorkerAddr
+
+W1 = WorkerAddr.from_http("10.0.0.1", 8000)
+
+
+def decision(
+    n: int,
+    source: RouteSource = RouteSource.KVCM,
+    reason: Reason = Reason.CACHE_LEADER,
+    stage_ms: dict[str, float] | None = None,
+    dropped: tuple[str, ...] = (),
+    elapsed_ms: float = 3.0,
+) -> RouteDecision:
+    candidates = tuple(
+        CandidateExplain(f"10.0.0.{i + 2}:8000", "hot", 0, 0, None, None, dropped=reason_word)
+        for i, reason_word in enumerate(dropped)
+    )
+    return RouteDecision(
+        request_id=f"r{n}",
+        worker=W1,
+        role=Role.PREFILL,
+        route_source=source,
+        reason=reason,
+        elapsed_ms=elapsed_ms,
+        stage_ms=stage_ms if stage_ms is not None else {},
+        candidates=candidates,
+    )
+
+
+def sample(sink: MetricsSink, name: str, **labels: str) -> float | None:
+    return sink.registry.get_sample_value(name, labels)
+
+
+async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.MockClock) -> None:
+    sink = MetricsSink(MetricsConfig(inbox_size=64))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        sink.emit(
+            DecisionMade(
+                decision(
+                    1,
+                    stage_ms={"keys": 0.05, "leader": 0.2, "cache_query": 2.0, "probe": 7.0, "score": 0.08},
+                    dropped=("block_size_mismatch", "not_alive", "block_size_mismatch"),
+                    elapsed_ms=9.5,
+                )
+            )
+        )
+        sink.emit(DecisionMade(decision(2, RouteSource.DOMAIN, Reason.BREAKER_OPEN, {"total": 0.3})))
+        sink.emit(DecisionMade(decision(3, RouteSource.DOMAIN, Reason.BREAKER_OPEN, {"mystery": 1.0})))
+        sink.emit(DecisionMade(decision(4, RouteSource.SHADOW, Reason.KVCM_ERROR)))
+        for outcome in ("ok", "ok", "not_leader"):
+            sink.emit(KvcmRequest("GetHostCacheState", outcome))
+        sink.emit(KvcmRequest("GetClusterInfo", "unavailable"))
+        sink.emit(ProbeSkipped("deadline", 3))
+        sink.emit(ProbeSkipped("deadline"))
+        sink.emit(ProbeSkipped("ejected", 2))
+        sink.emit(StatusCacheHits(5))
+        sink.emit(StatusCacheHits())
+        sink.emit(LeaderChanged("10.0.0.9:6381"))
+        sink.emit(LeaderChanged(None))
+        sink.emit(ChannelEvicted("lru"))
+        sink.emit(ChannelEvicted("idle", 4))
+        for ratio in (1.0, 0.0, 1.0, 1.0):
+            sink.emit(ShadowAgreement(ratio))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+
+    decisions = "kvroute_route_decisions_total"
+    assert sample(sink, decisions, route_source="kvcm", reason="CACHE_LEADER") == 1
+    assert sample(sink, decisions, route_source="domain", reason="breaker_open") == 2
+    assert sample(sink, decisions, route_source="shadow", reason="kvcm_error") == 1
+    assert sample(sink, decisions, route_source="kvcm", reason="SHORTEST_TTFT") is None
+
+    hist = "kvroute_route_duration_seconds"
+    for stage in ("keys", "leader", "cache_query", "probe", "score"):
+        assert sample(sink, f"{hist}_count", stage=stage) == 1, stage
+    assert sample(sink, f"{hist}_bucket", stage="keys", le="0.0001") == 1  # 50 µs
+    assert sample(sink, f"{hist}_bucket", stage="leader", le="0.0001") == 0  # 200 µs
+    assert sample(sink, f"{hist}_bucket", stage="leader", le="0.00025") == 1
+    assert sample(sink, f"{hist}_bucket", stage="probe", le="0.005") == 0
+    assert sample(sink, f"{hist}_bucket", stage="probe", le="0.01") == 1
+    # total: elapsed_ms of decisions 1, 3, 4 (no "total" stage) + the explicit total of decision 2.
+    assert sample(sink, f"{hist}_count", stage="total") == 4
+    assert sample(sink, f"{hist}_sum", stage="total") == pytest.approx((9.5 + 0.3 + 3.0 + 3.0) / 1000)
+    assert sample(sink, f"{hist}_count", stage="other") == 1  # an unknown stage name stays bounded
+
+    assert sample(sink, "kvroute_candidates_dropped_total", reason="block_size_mismatch") == 2
+    assert sample(sink, "kvroute_candidates_dropped_total", reason="not_alive") == 1
+    kvcm = "kvroute_kvcm_requests_total"
+    assert sample(sink, kvcm, method="GetHostCacheState", outcome="ok") == 2
+    assert sample(sink, kvcm, method="GetHostCacheState", outcome="not_leader") == 1
+    assert sample(sink, kvcm, method="GetClusterInfo", outcome="unavailable") == 1
+    assert sample(sink, "kvroute_probe_skipped_total", reason="deadline") == 4
+    assert sample(sink, "kvroute_probe_skipped_total", reason="ejected") == 2
+    assert sample(sink, "kvroute_worker_status_cache_hits_total") == 6
+    assert sample(sink, "kvroute_kvcm_leader_changes_total") == 2
+    assert sample(sink, "kvroute_channel_pool_evictions_total", reason="lru") == 1
+    assert sample(sink, "kvroute_channel_pool_evictions_total", reason="idle") == 4
+    assert sample(sink, "kvroute_shadow_agreement_ratio") == 0.75
+    assert sample(sink, "kvroute_shadow_comparisons_total") == 4
+    assert sample(sink, "kvroute_metrics_events_dropped_total") == 0
+    snap = sink.snapshot()
+    assert (snap.processed, snap.dropped, snap.last_leader, snap.decisions_kept) == (23, 0, None, 4)
+
+
+async def test_full_inbox_drops_and_counts_and_never_waits(autojump_clock: trio.testing.MockClock) -> None:
+    sink = MetricsSink(MetricsConfig(inbox_size=4))
+    start = trio.current_time()
+    for n in range(10):  # no consumer yet: 4 fit, 6 are dropped
+        sink.emit(DecisionMade(decision(n)))
+    assert trio.current_time() == start
+    assert sample(sink, "kvroute_metrics_events_dropped_total") == 6
+    assert sink.inbox_depth() == 4
+    assert sample(sink, "kvroute_inbox_depth", actor="metrics_sink") == 4  # read at scrape time
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sample(sink, "kvroute_route_decisions_total", route_source="kvcm", reason="CACHE_LEADER") == 4
+        assert [r.decision.request_id for r in sink.recent_decisions(10)] == ["r3", "r2", "r1", "r0"]
+        # The consumer is waiting now: one more event is handed over, not dropped.
+        sink.emit(StatusCacheHits())
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    snap = sink.snapshot()
+    assert (snap.processed, snap.dropped, snap.inbox_peak, snap.inbox_depth, snap.inbox_capacity) == (
+        5,
+        6,
+        4,
+        0,
+        4,
+    )
+    assert sample(sink, "kvroute_metrics_events_dropped_total") == 6
+    assert sample(sink, "kvroute_inbox_depth", actor="metrics_sink") == 0
+
+
+async def test_run_can_be_restarted_and_keeps_its_state(autojump_clock: trio.testing.MockClock) -> None:
+    sink = MetricsSink(MetricsConfig(inbox_size=8))
+    for _ in range(2):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            sink.emit(StatusCacheHits(2))
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        sink.emit(StatusCacheHits(1))  # queued while no run() is alive; the next run applies it
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert sample(sink, "kvroute_worker_status_cache_hits_total") == 6
+
+
+async def test_decision_ring_is_bounded_newest_first(autojump_clock: trio.testing.MockClock) -> None:
+    sink = MetricsSink(MetricsConfig(inbox_size=16, decision_ring_size=3))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for n in range(5):
+            sink.emit(DecisionMade(decision(n)))
+            await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    records = sink.recent_decisions(10)
+    assert [r.decision.request_id for r in records] == ["r4", "r3", "r2"]
+    assert records[0].at - records[1].at == 1.0
+    assert [r.decision.request_id for r in sink.recent_decisions(2)] == ["r4", "r3"]
+    assert sink.recent_decisions(0) == []
+
+
+async def test_shadow_agreement_is_a_sliding_window(autojump_clock: trio.testing.MockClock) -> None:
+    sink = MetricsSink(MetricsConfig(shadow_agreement_window=2))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        sink.emit(ShadowAgreement(1.0))
+        sink.emit(ShadowAgreement(0.0))
+        await trio.testing.wait_all_tasks_blocked()
+        assert sample(sink, "kvroute_shadow_agreement_ratio") == 0.5
+        sink.emit(ShadowAgreement(0.0))
+        await trio.testing.wait_all_tasks_blocked()
+        assert sample(sink, "kvroute_shadow_agreement_ratio") == 0.0
+        sink.emit(ShadowAgreement(7.0))  # clamped to 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert sample(sink, "kvroute_shadow_agreement_ratio") == 0.5
+        nursery.cancel_scope.cancel()
+
+
+def test_gauge_sources_are_read_at_scrape_time() -> None:
+    sink = MetricsSink(MetricsConfig())
+    state = {"inflight": 3, "ejected": 1}
+    sink.register_gauge_source("kvroute_probe_inflight", lambda: state["inflight"])
+    sink.register_gauge_source("kvroute_workers_ejected", lambda: state["ejected"])
+    sink.register_gauge_source("kvroute_inbox_depth", lambda: 7, actor="router")
+    sink.register_gauge_source("kvroute_kvcm_breaker_state", lambda: 2)
+    assert sample(sink, "kvroute_probe_inflight") == 3
+    state["inflight"] = 16
+    assert sample(sink, "kvroute_probe_inflight") == 16
+    assert sample(sink, "kvroute_inbox_depth", actor="router") == 7
+    assert sample(sink, "kvroute_inbox_depth", actor="metrics_sink") == 0
+    # Re-registering (an actor restarted) replaces the source.
+    sink.register_gauge_source("kvroute_workers_ejected", lambda: 0)
+    assert sample(sink, "kvroute_workers_ejected") == 0
+    assert sink.snapshot().gauge_sources == 5
+    assert sample(sink, "kvroute_channel_pool_channels") is None  # declared, no source yet
+    assert b"# TYPE kvroute_channel_pool_channels gauge" in generate_latest(sink.registry)
+
+
+def test_a_failing_gauge_source_is_left_out_of_the_scrape() -> None:
+    sink = MetricsSink(MetricsConfig())
+
+    def broken() -> float:
+        raise RuntimeError("snapshot failed")
+
+    sink.register_gauge_source("kvroute_channel_pool_channels", broken)
+    sink.register_gauge_source("kvroute_probe_inflight", lambda: 1)
+    text = generate_latest(sink.registry).decode()
+    assert "kvroute_probe_inflight 1.0" in text
+    assert "\nkvroute_channel_pool_channels " not in text
+
+
+def test_gauge_registration_rejects_unknown_names_and_labels() -> None:
+    sink = MetricsSink(MetricsConfig())
+    for name, labels in (
+        ("kvroute_nope", {}),
+        ("kvroute_inbox_depth", {}),
+        ("kvroute_probe_inflight", {"actor": "x"}),
+    ):
+        try:
+            sink.register_gauge_source(name, lambda: 0, **labels)
+        except ValueError as exc:
+            assert name in str(exc)
+        else:
+            raise AssertionError(f"{name} {labels} accepted")
+
+
+def test_registries_are_per_sink() -> None:
+    a, b = MetricsSink(MetricsConfig(inbox_size=1)), MetricsSink(MetricsConfig(inbox_size=1))
+    a.emit(StatusCacheHits())
+    a.emit(StatusCacheHits())  # dropped: full
+    assert sample(a, "kvroute_metrics_events_dropped_total") == 1
+    assert sample(b, "kvroute_metrics_events_dropped_total") == 0
