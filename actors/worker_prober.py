@@ -157,7 +157,7 @@ class ProbeHandle:
         return len(self.workers) - len(self._delivered)
 
     def __aiter__(self) -> AsyncIterator[ProbeResult]:
-        """Every result (those in hand at once first), ending when none is pending."""
+        """Every result (those in hand at once first), ending when none is pending. One consumer."""
         return self._receive
 
     async def wait_all(self) -> None:
