@@ -120,7 +120,7 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
     assert sample(sink, "kvroute_shadow_comparisons_total") == 4
     assert sample(sink, "kvroute_metrics_events_dropped_total") == 0
     snap = sink.snapshot()
-    assert (snap.processed, snap.dropped, snap.last_leader, snap.decisions_kept) == (23, 0, None, 4)
+    assert (snap.processed, snap.dropped, snap.last_leader, snap.decisions_kept) == (21, 0, None, 4)
 
 
 async def test_full_inbox_drops_and_counts_and_never_waits(autojump_clock: trio.testing.MockClock) -> None:
