@@ -185,8 +185,9 @@ def _coprime_stride(draw: int, n: int) -> int:
 
 def _cold_walk(
     fleet: Fleet, seed: bytes, count: int, taken: set[int], ejected: Collection[WorkerAddr]
-) -> list[int]:
-    """Indices of up to ``count`` fleet workers not taken (by id) nor ejected, in per-request order.
+) -> list[tuple[WorkerAddr, int]]:
+    """Up to ``count`` fleet workers (with their indices) not taken (by id) nor ejected, in
+    per-request order.
 
     The seed PR ranked every worker by sha256(request id, namespace, target), which costs
     O(fleet) per request. Here the request seed picks a start index and a stride coprime
@@ -201,11 +202,11 @@ def _cold_walk(
         return []
     index = int.from_bytes(seed[0:8], "big") % n
     stride = _coprime_stride(int.from_bytes(seed[8:16], "big"), n)
-    picked: list[int] = []
+    picked: list[tuple[WorkerAddr, int]] = []
     for _ in range(n):
         worker = workers[index]
         if id(worker) not in taken and not (ejected and worker in ejected):
-            picked.append(index)
+            picked.append((worker, index))
             taken.add(id(worker))
             if len(picked) == count:
                 break
@@ -289,14 +290,14 @@ def plan_candidates(
         hot.extend(tied[:keep])
         taken.difference_update(id(c.worker) for c in tied[keep:])
 
-    cold_indices = _cold_walk(fleet, seed, config.cold_set_size, taken, ejected)
+    cold_picks = _cold_walk(fleet, seed, config.cold_set_size, taken, ejected)
     cold: list[Candidate] = []
-    if cold_indices:
+    if cold_picks:
         by_host = {h.host_ip_port: h for h in reversed(hosts)}  # the first entry per host wins
         targets = fleet.targets
         cold = [
-            Candidate(fleet.workers[i], targets[i], by_host.get(targets[i]), CandidateSource.COLD)
-            for i in cold_indices
+            Candidate(worker, targets[i], by_host.get(targets[i]), CandidateSource.COLD)
+            for worker, i in cold_picks
         ]
     return CandidatePlan(tuple(hot) + tuple(cold), tuple(dropped))
 
