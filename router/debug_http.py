@@ -1,0 +1,226 @@
+"""The debug HTTP endpoint: a small hand-written ASGI app served by hypercorn on trio.
+
+Routes (GET only; anything else 405, unknown paths 404):
+
+- ``/healthz``            200 while the process runs.
+- ``/readyz``             200 when the router can route, else 503; the body says why (and lists any
+                          configuration problems that turned the KVCM fallback off).
+- ``/metrics``            Prometheus exposition of the MetricsSink's registry (OpenMetrics on request).
+- ``/debug/actors``       JSON per actor, from the supervisor's :class:`DebugSources`.
+- ``/debug/decisions``    the last N decisions with their explanation (``?limit=N``, default 20).
+- ``/debug/config``       the effective configuration, each value's source, the problems; redacted.
+
+Binds 127.0.0.1 by default; port 0 picks a free port, and the bound address is logged and handed to
+the starter through ``task_status``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import math
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from typing import Any, Protocol
+from urllib.parse import parse_qs
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+from prometheus_client.exposition import choose_encoder
+
+from actors.metrics_sink import DecisionRecord, MetricsSink
+from router.logs import ctx
+from router.settings import LoadedConfig, debug_config_view, parse_listen
+from router.targets import HostPort, parse_target
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+DEFAULT_DECISIONS_LIMIT = 20
+_TEXT = "text/plain; charset=utf-8"
+_JSON = "application/json"
+
+
+class DebugSources(Protocol):
+    """What the supervisor provides to the endpoint. Both methods are synchronous and cheap."""
+
+    def ready(self) -> tuple[bool, str]:
+        """(can the router route now, why or why not) — e.g. (False, "discovery has no worker")."""
+        ...
+
+    def actors(self) -> Mapping[str, Mapping[str, object]]:
+        """Per actor: state, inbox depth / capacity / peak, last error and when, restarts, uptime,
+        and its own health snapshot (dataclasses and enums are fine: they are JSON-encoded here)."""
+        ...
+
+
+def to_jsonable(value: object) -> object:
+    """A JSON-ready copy: dataclasses → dicts, enums → values, sequences → lists, inf/nan → strings."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, enum.Enum):
+        return to_jsonable(value.value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k if isinstance(k, str) else str(to_jsonable(k)): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | deque):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted((to_jsonable(v) for v in value), key=str)
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def decision_entries(records: Sequence[DecisionRecord], now: float) -> list[object]:
+    """Decisions as JSON entries, newest first, each with its age in seconds (trio clock)."""
+    return [{"age_s": round(now - r.at, 6), "decision": to_jsonable(r.decision)} for r in records]
+
+
+class _BadRequest(Exception):
+    pass
+
+
+class DebugApp:
+    """The ASGI application (HTTP and lifespan scopes)."""
+
+    def __init__(self, sources: DebugSources, sink: MetricsSink, loaded: LoadedConfig) -> None:
+        self._sources = sources
+        self._sink = sink
+        self._loaded = loaded
+        self._routes: dict[str, Callable[[Scope], tuple[int, str, bytes]]] = {
+            "/healthz": self._healthz,
+            "/readyz": self._readyz,
+            "/metrics": self._metrics,
+            "/debug/actors": self._actors,
+            "/debug/decisions": self._decisions,
+            "/debug/config": self._config,
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        route = self._routes.get(scope["path"])
+        headers: list[tuple[bytes, bytes]] = []
+        if route is None:
+            status, content_type, body = 404, _TEXT, f"no such path: {scope['path']}\n".encode()
+        elif scope["method"] != "GET":
+            status, content_type, body = (
+                405,
+                _TEXT,
+                f"method {scope['method']} not allowed; use GET\n".encode(),
+            )
+            headers.append((b"allow", b"GET"))
+        else:
+            try:
+                status, content_type, body = route(scope)
+            except _BadRequest as exc:
+                status, content_type, body = 400, _TEXT, f"{exc}\n".encode()
+            except Exception as exc:  # a broken source must not take the endpoint down
+                logger.exception("debug endpoint %s failed", scope["path"], extra=ctx(target=scope["path"]))
+                status, content_type, body = (
+                    500,
+                    _TEXT,
+                    f"internal error: {type(exc).__name__}: {exc}\n".encode(),
+                )
+        headers += [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _healthz(self, scope: Scope) -> tuple[int, str, bytes]:
+        return 200, _TEXT, b"ok\n"
+
+    def _readyz(self, scope: Scope) -> tuple[int, str, bytes]:
+        ready, why = self._sources.ready()
+        lines = [f"{'ready' if ready else 'not ready'}: {why}"]
+        if self._loaded.fallback_disabled_by_errors:
+            lines.append("KVCM fallback disabled by configuration problems (routing by domain):")
+            lines += [f"  - {p}" for p in self._loaded.fallback_errors]
+        if self._loaded.fatal_errors:
+            lines.append("configuration problems:")
+            lines += [f"  - {p}" for p in self._loaded.fatal_errors]
+        return (200 if ready else 503), _TEXT, ("\n".join(lines) + "\n").encode()
+
+    def _metrics(self, scope: Scope) -> tuple[int, str, bytes]:
+        accept = ", ".join(
+            value.decode("latin-1") for name, value in scope.get("headers", ()) if name.lower() == b"accept"
+        )
+        encoder, content_type = choose_encoder(accept)
+        return 200, content_type, encoder(self._sink.registry)
+
+    def _actors(self, scope: Scope) -> tuple[int, str, bytes]:
+        return _json(self._sources.actors())
+
+    def _decisions(self, scope: Scope) -> tuple[int, str, bytes]:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        limit = DEFAULT_DECISIONS_LIMIT
+        if "limit" in query:
+            text = query["limit"][-1]
+            if not text.isdigit() or int(text) < 1:
+                raise _BadRequest(f"limit: must be a positive integer, got {text!r}")
+            limit = int(text)
+        records = self._sink.recent_decisions(limit)
+        return _json(
+            {
+                "limit": limit,
+                "count": len(records),
+                "decisions": decision_entries(records, trio.current_time()),
+            }
+        )
+
+    def _config(self, scope: Scope) -> tuple[int, str, bytes]:
+        return _json(debug_config_view(self._loaded))
+
+
+def _json(value: object) -> tuple[int, str, bytes]:
+    return 200, _JSON, (json.dumps(to_jsonable(value), indent=2) + "\n").encode()
+
+
+class DebugServer:
+    """Serves :class:`DebugApp` on ``listen`` (HOST:PORT; port 0 = a free port) until cancelled."""
+
+    def __init__(self, sources: DebugSources, sink: MetricsSink, loaded: LoadedConfig, listen: str) -> None:
+        parse_listen(listen)  # a bad address fails here, naming the input, not inside hypercorn
+        self.app = DebugApp(sources, sink, loaded)
+        self._listen = listen
+        self.bound: HostPort | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:
+        """Bind, report the bound address through ``task_status.started(HostPort)``, serve until cancelled."""
+        config = hypercorn.config.Config()
+        config.bind = [self._listen]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup
+        config.include_server_header = False
+
+        async def serve(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+            # hypercorn types scopes as TypedDicts; the app takes the same messages as plain mappings.
+            await hypercorn.trio.serve(self.app, config, task_status=task_status)  # type: ignore[arg-type]
+
+        async with trio.open_nursery() as nursery:
+            binds: list[str] = await nursery.start(serve)
+            self.bound = parse_target(binds[0].partition("://")[2])
+            logger.info("debug HTTP listening on http://%s", self.bound, extra=ctx(target=str(self.bound)))
+            task_status.started(self.bound)

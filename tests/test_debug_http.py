@@ -1,0 +1,239 @@
+"""The debug HTTP endpoint against a real hypercorn server on 127.0.0.1:0 with a real HTTP client."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from prometheus_client.parser import text_string_to_metric_families
+
+from actors.metrics_sink import DecisionMade, MetricsSink
+from router.config import MetricsConfig
+from router.debug_http import DebugServer, to_jsonable
+from router.settings import LoadedConfig, load_config
+from router.targets import TargetError
+from router.types import CandidateExplain, Reason, Role, RouteDecision, RouteSource, WorkerAddr
+
+GOOD = {"kvcm_bootstrap": "10.0.0.1", "kvcm_instance_id": "ns", "workers": "10.1.0.1:8000"}
+
+
+class Breaker(enum.Enum):
+    OPEN = "open"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaderHealth:
+    target: str | None
+    breaker: Breaker
+    next_attempt: float
+
+
+class Sources:
+    """The supervisor's side of the DebugSources protocol, scripted by the test."""
+
+    def __init__(self) -> None:
+        self.is_ready = (True, "leader 10.0.0.1:6381 known; 1 worker discovered")
+        self.fail_actors = False
+
+    def ready(self) -> tuple[bool, str]:
+        return self.is_ready
+
+    def actors(self) -> Mapping[str, Mapping[str, object]]:
+        if self.fail_actors:
+            raise RuntimeError("snapshot exploded")
+        return {
+            "leader_resolver": {
+                "state": "running",
+                "restarts": 1,
+                "last_error": None,
+                "health": LeaderHealth(None, Breaker.OPEN, math.inf),
+            }
+        }
+
+
+def decision(n: int) -> RouteDecision:
+    return RouteDecision(
+        request_id=f"r{n}",
+        worker=WorkerAddr.from_http("10.1.0.1", 8000),
+        role=Role.PREFILL,
+        route_source=RouteSource.KVCM,
+        reason=Reason.CACHE_LEADER,
+        hit_tokens=128,
+        local_blocks=2,
+        elapsed_ms=1.5,
+        stage_ms={"probe": 1.0},
+        candidates=(CandidateExplain("10.1.0.1:8000", "hot", 2, 128, 40, "PREFILL", None, chosen=True),),
+    )
+
+
+@asynccontextmanager
+async def serving(
+    sources: Sources, sink: MetricsSink, loaded: LoadedConfig
+) -> AsyncIterator[tuple[httpx.AsyncClient, DebugServer]]:
+    server = DebugServer(sources, sink, loaded, "127.0.0.1:0")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        bound = await nursery.start(server.run)
+        async with httpx.AsyncClient(base_url=f"http://{bound}", trust_env=False) as client:
+            yield client, server
+        nursery.cancel_scope.cancel()
+
+
+async def test_binds_a_free_loopback_port_and_serves_health() -> None:
+    with trio.fail_after(10):
+        sources = Sources()
+        async with serving(sources, MetricsSink(MetricsConfig()), load_config(GOOD, {})) as (client, server):
+            assert server.bound is not None
+            assert server.bound.host == "127.0.0.1" and server.bound.port > 0
+            health = await client.get("/healthz")
+            assert (health.status_code, health.text) == (200, "ok\n")
+            ready = await client.get("/readyz")
+            assert (ready.status_code, ready.text) == (
+                200,
+                "ready: leader 10.0.0.1:6381 known; 1 worker discovered\n",
+            )
+            sources.is_ready = (False, "discovery has no worker")
+            not_ready = await client.get("/readyz")
+            assert (not_ready.status_code, not_ready.text) == (503, "not ready: discovery has no worker\n")
+
+
+async def test_readyz_and_config_report_a_fallback_disabled_by_configuration() -> None:
+    loaded = load_config({**GOOD, "block_size": "0", "kvcm_instance_id": ""}, {})
+    with trio.fail_after(10):
+        async with serving(Sources(), MetricsSink(MetricsConfig()), loaded) as (client, _):
+            ready = await client.get("/readyz")
+            assert ready.status_code == 200
+            assert ready.text.splitlines() == [
+                "ready: leader 10.0.0.1:6381 known; 1 worker discovered",
+                "KVCM fallback disabled by configuration problems (routing by domain):",
+                "  - --block-size (KVROUTE_BLOCK_SIZE): must be > 0, got 0 (from flag --block-size)",
+                "  - --kvcm-instance-id (KVROUTE_KVCM_INSTANCE_ID): required when --kvcm-fallback is on",
+            ]
+            config = await client.get("/debug/config")
+            assert config.headers["content-type"] == "application/json"
+            body = config.json()
+            assert body["kvcm_fallback_disabled_by_errors"] is True
+            assert body["effective"]["router"]["kvcm_fallback"] is False
+            assert body["effective"]["deployment"]["block_size"] == 64
+            assert body["sources"]["deployment.block_size"] == "flag --block-size"
+            assert len(body["errors"]) == 2
+
+
+async def test_metrics_scrape_parses_and_moves_with_events() -> None:
+    sink = MetricsSink(MetricsConfig())
+    sink.register_gauge_source("kvroute_probe_inflight", lambda: 3)
+    with trio.fail_after(10):
+        async with serving(Sources(), sink, load_config(GOOD, {})) as (client, _):
+            for n in range(3):
+                sink.emit(DecisionMade(decision(n)))
+            await trio.testing.wait_all_tasks_blocked()
+            scrape = await client.get("/metrics")
+            assert scrape.status_code == 200
+            assert scrape.headers["content-type"].startswith("text/plain; version=")
+            families = {f.name: f for f in text_string_to_metric_families(scrape.text)}
+            decisions = {
+                (s.labels["route_source"], s.labels["reason"]): s.value
+                for s in families["kvroute_route_decisions"].samples
+                if s.name == "kvroute_route_decisions_total"
+            }
+            assert decisions == {("kvcm", "CACHE_LEADER"): 3.0}
+            assert [s.value for s in families["kvroute_probe_inflight"].samples] == [3.0]
+            probe_count = [
+                s.value
+                for s in families["kvroute_route_duration_seconds"].samples
+                if s.name.endswith("_count") and s.labels["stage"] == "probe"
+            ]
+            assert probe_count == [3.0]
+            sink.emit(DecisionMade(decision(3)))
+            await trio.testing.wait_all_tasks_blocked()
+            again = await client.get("/metrics")
+            assert (
+                'kvroute_route_decisions_total{reason="CACHE_LEADER",route_source="kvcm"} 4.0' in again.text
+            )
+            om = await client.get(
+                "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}
+            )
+            assert om.headers["content-type"].startswith("application/openmetrics-text")
+            assert om.text.endswith("# EOF\n")
+
+
+async def test_debug_actors_and_decisions() -> None:
+    sink = MetricsSink(MetricsConfig(decision_ring_size=3))
+    with trio.fail_after(10):
+        async with serving(Sources(), sink, load_config(GOOD, {})) as (client, _):
+            actors = (await client.get("/debug/actors")).json()
+            assert actors == {
+                "leader_resolver": {
+                    "state": "running",
+                    "restarts": 1,
+                    "last_error": None,
+                    "health": {"target": None, "breaker": "open", "next_attempt": "inf"},
+                }
+            }
+            for n in range(5):
+                sink.emit(DecisionMade(decision(n)))
+            await trio.testing.wait_all_tasks_blocked()
+            body = (await client.get("/debug/decisions", params={"limit": "2"})).json()
+            assert (body["limit"], body["count"]) == (2, 2)
+            assert [d["decision"]["request_id"] for d in body["decisions"]] == ["r4", "r3"]
+            first = body["decisions"][0]
+            assert first["age_s"] >= 0
+            assert first["decision"]["worker"] == {
+                "ip": "10.1.0.1",
+                "http_port": 8000,
+                "grpc_port": 8001,
+                "status_port": 8001,
+            }
+            assert first["decision"]["candidates"][0]["chosen"] is True
+            assert first["decision"]["route_source"] == "kvcm"
+            everything = (await client.get("/debug/decisions")).json()
+            assert everything["count"] == 3  # the ring holds 3
+            for bad in ("abc", "0", "-1", ""):
+                response = await client.get("/debug/decisions", params={"limit": bad})
+                assert response.status_code == 400
+                assert response.text == f"limit: must be a positive integer, got {bad!r}\n"
+
+
+async def test_unknown_paths_other_methods_and_failing_sources() -> None:
+    sources = Sources()
+    with trio.fail_after(10):
+        async with serving(sources, MetricsSink(MetricsConfig()), load_config(GOOD, {})) as (client, _):
+            missing = await client.get("/debug/nope")
+            assert (missing.status_code, missing.text) == (404, "no such path: /debug/nope\n")
+            post = await client.post("/healthz", content=b"x")
+            assert post.status_code == 405 and post.headers["allow"] == "GET"
+            assert (await client.delete("/metrics")).status_code == 405
+            sources.fail_actors = True
+            broken = await client.get("/debug/actors")
+            assert broken.status_code == 500 and "snapshot exploded" in broken.text
+            assert (await client.get("/healthz")).status_code == 200  # still serving
+
+
+def test_bad_listen_address_is_rejected_before_serving() -> None:
+    with pytest.raises(TargetError, match="HOST:PORT"):
+        DebugServer(Sources(), MetricsSink(MetricsConfig()), load_config(GOOD, {}), "8080")
+
+
+def test_to_jsonable() -> None:
+    value = {
+        Role.PREFILL: (1, 2.5, float("nan"), -math.inf),
+        "set": frozenset({"b", "a"}),
+        "bytes": b"\x01\xff",
+        7: LeaderHealth("10.0.0.1:6381", Breaker.OPEN, 1.0),
+    }
+    out = to_jsonable(value)
+    assert out == {
+        "PREFILL": [1, 2.5, "nan", "-inf"],
+        "set": ["a", "b"],
+        "bytes": "01ff",
+        "7": {"target": "10.0.0.1:6381", "breaker": "open", "next_attempt": 1.0},
+    }
+    json.dumps(out, allow_nan=False)
