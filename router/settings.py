@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import enum
 import ipaddress
+import logging
 import math
 import os
 import tomllib
@@ -1089,3 +1090,33 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
             "(listed below)"
         )
     return Assessment(tuple(works), tuple(broken))
+
+
+def log_startup_report(
+    loaded: LoadedConfig, log: logging.Logger, path_exists: Callable[[str], bool] = os.path.exists
+) -> None:
+    """What a starting process logs about its configuration (lesson §16).
+
+    One ERROR record listing every problem in the KVCM fallback settings when they turned the fallback
+    off, one ERROR record listing the problems outside it (the caller should not start), a WARNING per
+    ignored KVROUTE_* variable and per thing that will not work, and INFO for what will.
+    """
+    if loaded.fallback_errors:
+        log.error(
+            "KVCM fallback disabled, routing by domain: %d configuration problem(s): %s",
+            len(loaded.fallback_errors),
+            "; ".join(str(p) for p in loaded.fallback_errors),
+        )
+    if loaded.fatal_errors:
+        log.error(
+            "%d configuration problem(s): %s",
+            len(loaded.fatal_errors),
+            "; ".join(str(p) for p in loaded.fatal_errors),
+        )
+    for warning in loaded.warnings:
+        log.warning("%s", warning)
+    verdict = assess(loaded, path_exists)
+    for line in verdict.will_not_work:
+        log.warning("will not work: %s", line)
+    for line in verdict.works:
+        log.info("%s", line)

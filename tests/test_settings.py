@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import typing
 from pathlib import Path
 
@@ -410,3 +411,24 @@ def test_assessment_says_what_will_and_will_not_work() -> None:
         "every request is routed by domain (discovery)"
     )
     assert off.will_not_work == ()
+
+
+def test_startup_report_logs_one_error_for_the_fallback_problems(caplog: pytest.LogCaptureFixture) -> None:
+    loaded = load_config({**GOOD, "block_size": "0", "kvcm_instance_id": ""}, {"KVROUTE_NOPE": "1"})
+    log = logging.getLogger("kvroute.test.settings")
+    with caplog.at_level(logging.INFO, logger=log.name):
+        settings.log_startup_report(loaded, log, path_exists=lambda _: True)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [
+        "KVCM fallback disabled, routing by domain: 2 configuration problem(s): "
+        "--block-size (KVROUTE_BLOCK_SIZE): must be > 0, got 0 (from flag --block-size); "
+        "--kvcm-instance-id (KVROUTE_KVCM_INSTANCE_ID): required when --kvcm-fallback is on"
+    ]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings[0] == "environment variable KVROUTE_NOPE is not a kvroute setting (ignored)"
+    assert warnings[1].startswith("will not work: KVCM fallback requested but DISABLED")
+    assert any(
+        r.getMessage().startswith("workers from --workers=")
+        for r in caplog.records
+        if r.levelno == logging.INFO
+    )
