@@ -1,0 +1,244 @@
+"""gRPC-from-trio bridge cost: unary echo over loopback to a server in a separate process.
+
+Rows, measured in the same run and interleaved over rounds:
+  sync stub         plain blocking grpcio calls (sequential) and .future() with a window
+                    of in-flight calls (concurrent) — no trio: the floor
+  future bridge     kvroute's GrpcRawRpc: ChannelPool lease + sync stub .future() whose
+                    done-callback wakes trio via the trio token
+  future (no pool)  the same bridge on a bare channel: what the pool lease costs
+  aio/trio-asyncio  grpc.aio called from trio through trio-asyncio
+
+Per row: sequential latency p50/p99 (ms) and concurrent throughput (calls/s) with
+``--concurrency`` calls in flight. Bounded: about 45 s with the defaults on 2 cores.
+
+Run: ``python bench/bench_grpc_bridge.py [--calls N] [--concurrent-calls N] [--concurrency C] [--rounds R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import grpc.aio
+import trio
+import trio_asyncio
+
+from actors.channel_pool import ChannelPool
+from router.config import ChannelPoolConfig
+from router.transport.grpc_adapter import GrpcRawRpc, channel_options, wait_future
+from router.transport.grpc_server import start_grpc_server
+
+ECHO = "/kvroute.bench.Echo/Echo"
+PAYLOAD = bytes(range(100))
+CALL_TIMEOUT_S = 10.0
+Call = Callable[[], Awaitable[bytes]]
+
+
+def serve() -> None:
+    """Child process: serve the echo method, print the port, exit when stdin closes."""
+    server = start_grpc_server({ECHO: lambda request, context: request}, max_workers=16)
+    print(server.port, flush=True)
+    sys.stdin.read()
+    server.stop()
+
+
+class Result:
+    def __init__(self) -> None:
+        self.latencies_ms: list[float] = []
+        self.calls = 0
+        self.seconds = 0.0
+
+    def p(self, q: float) -> float:
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ---- the floor: plain grpcio, no trio ----
+
+
+def sync_stub(target: str, calls: int, concurrent_calls: int, concurrency: int, result: Result) -> None:
+    channel = grpc.insecure_channel(target, options=channel_options(ChannelPoolConfig()))
+    stub = channel.unary_unary(ECHO, None, None)
+    for _ in range(calls // 10):  # warm-up
+        stub(PAYLOAD, timeout=CALL_TIMEOUT_S)
+    for _ in range(calls):
+        start = time.perf_counter()
+        stub(PAYLOAD, timeout=CALL_TIMEOUT_S)
+        result.latencies_ms.append((time.perf_counter() - start) * 1e3)
+
+    # Concurrent: keep `concurrency` futures in flight; a completion frees a slot for the next call.
+    slots = threading.BoundedSemaphore(concurrency)
+    futures: list[grpc.Future[bytes]] = []
+
+    def on_done(future: grpc.Future[bytes]) -> None:
+        slots.release()
+
+    start = time.perf_counter()
+    for _ in range(concurrent_calls):
+        slots.acquire()
+        in_flight = stub.future(PAYLOAD, timeout=CALL_TIMEOUT_S)
+        in_flight.add_done_callback(on_done)
+        futures.append(in_flight)
+    for done in futures:
+        done.result()
+    result.seconds += time.perf_counter() - start
+    result.calls += concurrent_calls
+    channel.close()
+
+
+# ---- trio rows: one harness, the call differs ----
+
+
+async def measure(call: Call, calls: int, concurrent_calls: int, concurrency: int, result: Result) -> None:
+    with trio.fail_after(300):  # every call carries a deadline, as in production
+        for _ in range(calls // 10):
+            await call()
+        for _ in range(calls):
+            start = time.perf_counter()
+            await call()
+            result.latencies_ms.append((time.perf_counter() - start) * 1e3)
+
+        async def worker(n: int) -> None:
+            for _ in range(n):
+                await call()
+
+        share, extra = divmod(concurrent_calls, concurrency)
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(concurrency):
+                nursery.start_soon(worker, share + (1 if i < extra else 0))
+        result.seconds += time.perf_counter() - start
+        result.calls += concurrent_calls
+
+
+async def future_bridge(
+    target: str, calls: int, concurrent_calls: int, concurrency: int, result: Result
+) -> None:
+    pool = ChannelPool(ChannelPoolConfig())
+    rpc = GrpcRawRpc(pool)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        await measure(lambda: rpc.call(target, ECHO, PAYLOAD), calls, concurrent_calls, concurrency, result)
+        await pool.aclose()
+
+
+async def future_no_pool(
+    target: str, calls: int, concurrent_calls: int, concurrency: int, result: Result
+) -> None:
+    channel = grpc.insecure_channel(target, options=channel_options(ChannelPoolConfig()))
+    stub = channel.unary_unary(ECHO, None, None)
+
+    async def call() -> bytes:
+        deadline = trio.current_effective_deadline()
+        future = stub.future(PAYLOAD, timeout=deadline - trio.current_time())
+        await wait_future(future)
+        reply: bytes = future.result()
+        return reply
+
+    await measure(call, calls, concurrent_calls, concurrency, result)
+    channel.close()
+
+
+async def aio_trio_asyncio(
+    target: str, calls: int, concurrent_calls: int, concurrency: int, result: Result
+) -> None:
+    async with trio_asyncio.open_loop():
+        # grpc.aio objects must be created and used on the asyncio loop.
+        async def open_channel() -> grpc.aio.Channel:
+            return grpc.aio.insecure_channel(target, options=channel_options(ChannelPoolConfig()))
+
+        channel = await trio_asyncio.aio_as_trio(open_channel)()
+        stub = channel.unary_unary(ECHO, None, None)
+
+        async def aio_call(seconds_left: float) -> bytes:
+            reply: bytes = await stub(PAYLOAD, timeout=seconds_left)
+            return reply
+
+        bridged = trio_asyncio.aio_as_trio(aio_call)
+
+        async def call() -> bytes:
+            reply: bytes = await bridged(trio.current_effective_deadline() - trio.current_time())
+            return reply
+
+        await measure(call, calls, concurrent_calls, concurrency, result)
+        await trio_asyncio.aio_as_trio(channel.close)()
+
+
+ROWS = (
+    "sync stub (floor)",
+    "future bridge (GrpcRawRpc)",
+    "future bridge, no pool",
+    "grpc.aio via trio-asyncio",
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--calls", type=int, default=1500, help="sequential calls per row per round")
+    parser.add_argument(
+        "--concurrent-calls", type=int, default=3000, help="calls per row per round, concurrent"
+    )
+    parser.add_argument("--concurrency", type=int, default=64, help="calls in flight in the concurrent part")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; rows are interleaved within each")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve()
+        return
+    for flag, value in (
+        ("--calls", args.calls),
+        ("--concurrent-calls", args.concurrent_calls),
+        ("--concurrency", args.concurrency),
+        ("--rounds", args.rounds),
+    ):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        target = f"127.0.0.1:{int(server.stdout.readline())}"
+        results = {row: Result() for row in ROWS}
+        sizes = (args.calls, args.concurrent_calls, args.concurrency)
+        began = time.perf_counter()
+        for _ in range(args.rounds):
+            sync_stub(target, *sizes, results[ROWS[0]])
+            trio.run(future_bridge, target, *sizes, results[ROWS[1]])
+            trio.run(future_no_pool, target, *sizes, results[ROWS[2]])
+            trio.run(aio_trio_asyncio, target, *sizes, results[ROWS[3]])
+        elapsed = time.perf_counter() - began
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        server.wait(timeout=10)
+
+    floor = results[ROWS[0]]
+    print(
+        f"loopback unary echo ({len(PAYLOAD)} B), server in a separate process; {args.rounds} rounds × "
+        f"{args.calls} sequential + {args.concurrent_calls} concurrent calls (in flight: {args.concurrency}) "
+        f"per row; {elapsed:.0f} s"
+    )
+    print()
+    print("| bridge | seq p50 ms | seq p99 ms | p50 vs floor | concurrent calls/s | vs floor |")
+    print("|---|---:|---:|---:|---:|---:|")
+    floor_rate = floor.calls / floor.seconds
+    for row in ROWS:
+        r = results[row]
+        rate = r.calls / r.seconds
+        print(
+            f"| {row} | {r.p(0.5):.3f} | {r.p(0.99):.3f} | {r.p(0.5) / floor.p(0.5):.2f}× "
+            f"| {rate:,.0f} | {rate / floor_rate:.2f}× |"
+        )
+
+
+if __name__ == "__main__":
+    main()
