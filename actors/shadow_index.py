@@ -1,0 +1,269 @@
+"""The shadow index: a router-local, approximate prefix index ("local standby", issue 4).
+
+Each routing decision records (worker, the request's block keys): that worker will have
+prefilled those blocks. When KVCM cannot be asked, :meth:`ShadowIndex.match` answers like
+KVCM would — per worker, the length of its contiguous stored prefix of the query's keys —
+as ``HostMatch`` values, so the same candidate plan and Scorer consume it. When both are
+available, :func:`agreement` measures how well the shadow predicts KVCM.
+
+Design (pure core, time passed in, memory bounded):
+
+- **Records, not blocks.** A record is one (worker, keys) pair; recording the same prompt
+  for the same worker again refreshes it. Records are an LRU bounded by the total number
+  of blocks they hold (``capacity_blocks``) and expire ``ttl_s`` after they were last
+  recorded. Records share the caller's keys tuple; nothing is copied per block.
+- **Sparse index.** Block keys are chained hashes (selection.md §1): key ``i`` stands
+  for the whole prefix up to block ``i``, so two key sequences agree on a prefix exactly
+  up to the first position where they differ, and that position can be found by
+  bisection. Only positions 0, 1, 3, 7, … (2^j − 1) are indexed, mapping key → {worker:
+  its most recent record holding that key there}: recording costs O(log n), not O(n).
+- **Match.** Walking the indexed positions deepest first, every worker holding the
+  query's key at position p has a common prefix of at least p + 1 blocks; its length is
+  then found by bisection against that worker's most recent such record. A worker with
+  several records that diverge between two indexed positions is measured against the
+  most recent one (that is the approximation). Workers come out longest first, and a
+  ``limit`` stops the walk once that many are found — exactly the top ``limit``.
+
+:class:`ShadowIndexActor` owns an index: records arrive through a bounded inbox
+(``record_nowait``: never blocks, drops are counted) and are applied by its ``run`` task;
+``match`` is a synchronous read (no await, so it is atomic on trio's thread).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from router.config import ShadowConfig
+from router.types import HostMatch
+
+_RecordKey = tuple[str, int]  # (worker, the record's last key): one record per prompt per worker
+
+
+def _indexed_positions(length: int) -> Iterator[int]:
+    """0, 1, 3, 7, … below ``length``."""
+    position = 0
+    while position < length:
+        yield position
+        position = 2 * position + 1
+
+
+def _common_prefix(query: Sequence[int], keys: Sequence[int], at_least: int) -> int:
+    """Blocks shared by two chained key sequences known to agree on their first ``at_least``."""
+    low, high = at_least, min(len(query), len(keys))  # invariant: agree up to low, not beyond high
+    while low < high:
+        middle = (low + high + 1) // 2
+        if query[middle - 1] == keys[middle - 1]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+class _Record:
+    __slots__ = ("keys", "recorded_at", "worker")
+
+    def __init__(self, worker: str, keys: tuple[int, ...], recorded_at: float) -> None:
+        self.worker = worker
+        self.keys = keys
+        self.recorded_at = recorded_at
+
+
+class ShadowIndex:
+    """The pure index. Not thread-safe; one owner mutates it (see ShadowIndexActor)."""
+
+    def __init__(self, ttl_s: float, capacity_blocks: int) -> None:
+        problems = []
+        if not (ttl_s > 0 and math.isfinite(ttl_s)):
+            problems.append(f"ttl_s: must be a positive number of seconds, got {ttl_s}")
+        if capacity_blocks < 1:
+            problems.append(f"capacity_blocks: must be >= 1, got {capacity_blocks}")
+        if problems:
+            raise ValueError("invalid shadow index configuration: " + "; ".join(problems))
+        self.ttl_s = ttl_s
+        self.capacity_blocks = capacity_blocks
+        self._records: OrderedDict[_RecordKey, _Record] = OrderedDict()  # least recently recorded first
+        self._index: dict[int, dict[str, _RecordKey]] = {}
+        self._blocks = 0
+
+    @property
+    def blocks(self) -> int:
+        """Blocks held by live records (never above ``capacity_blocks``)."""
+        return self._blocks
+
+    @property
+    def records(self) -> int:
+        return len(self._records)
+
+    @property
+    def indexed_keys(self) -> int:
+        return len(self._index)
+
+    def record(self, worker: str, keys: Sequence[int], now: float) -> None:
+        """``worker`` now holds the prefix ``keys`` (as of ``now``). A prompt longer than the
+        whole capacity keeps its first ``capacity_blocks`` blocks."""
+        self.expire(now)
+        if not keys:
+            return
+        kept = tuple(keys[: self.capacity_blocks])
+        record_key = (worker, kept[-1])
+        old = self._records.pop(record_key, None)
+        if old is not None:
+            self._forget(record_key, old)
+        record = _Record(worker, kept, now)
+        self._records[record_key] = record
+        self._blocks += len(kept)
+        for position in _indexed_positions(len(kept)):
+            self._index.setdefault(kept[position], {})[worker] = record_key
+        while self._blocks > self.capacity_blocks:
+            self._evict_oldest()
+
+    def expire(self, now: float) -> None:
+        """Drop the records last recorded more than ``ttl_s`` before ``now``."""
+        horizon = now - self.ttl_s
+        while self._records:
+            oldest = next(iter(self._records.values()))
+            if oldest.recorded_at >= horizon:
+                break
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        self._forget(*self._records.popitem(last=False))
+
+    def _forget(self, record_key: _RecordKey, record: _Record) -> None:
+        """Account for a record just removed from ``_records`` and drop its index entries."""
+        self._blocks -= len(record.keys)
+        for position in _indexed_positions(len(record.keys)):
+            key = record.keys[position]
+            holders = self._index.get(key)
+            # A newer record of the same worker holding this key owns the entry now; an older
+            # one cannot exist (it would have been evicted first).
+            if holders is not None and holders.get(record.worker) == record_key:
+                del holders[record.worker]
+                if not holders:
+                    del self._index[key]
+
+    def match(self, keys: Sequence[int], now: float, limit: int | None = None) -> tuple[HostMatch, ...]:
+        """Per worker, its contiguous stored prefix of ``keys`` in blocks, longest first (read-only).
+
+        Records older than ``ttl_s`` at ``now`` do not count. With ``limit``, the walk stops
+        once at least ``limit`` workers are found: every worker left out holds strictly fewer
+        blocks than every one returned.
+        """
+        horizon = now - self.ttl_s
+        found: dict[str, int] = {}
+        positions = list(_indexed_positions(len(keys)))
+        for position in reversed(positions):
+            if limit is not None and len(found) >= limit:
+                break  # every worker not found yet holds at most `position + 1` blocks: fewer
+            holders = self._index.get(keys[position])
+            if not holders:
+                continue
+            for worker, record_key in holders.items():
+                if worker in found:
+                    continue
+                record = self._records[record_key]
+                if record.recorded_at < horizon:
+                    continue  # expired (its older records too); not yet purged
+                if position < len(record.keys) and record.keys[position] == keys[position]:
+                    found[worker] = _common_prefix(keys, record.keys, position + 1)
+        ordered = sorted(found.items(), key=lambda item: -item[1])
+        return tuple(HostMatch(worker, local) for worker, local in ordered)
+
+
+def _top_hosts(hosts: Sequence[HostMatch], k: int) -> set[str]:
+    """Hosts whose ``local`` is at least the k-th largest positive ``local`` (ties included)."""
+    positive = sorted((h.local for h in hosts if h.local >= 1), reverse=True)
+    if not positive:
+        return set()
+    cut = positive[min(k, len(positive)) - 1]
+    return {h.host_ip_port for h in hosts if h.local >= cut}
+
+
+def agreement(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[HostMatch], k: int = 1) -> float:
+    """How well the shadow's answer predicts KVCM's for one query, in [0, 1].
+
+    Defined as the Jaccard overlap of the two top-k sets: the hosts whose matched prefix
+    (``local`` ≥ 1) is at least the k-th longest, ties included, so neither answer's order
+    nor any host name decides membership. With k = 1 it asks "do both name the same best
+    holders?". 1.0 when both answers have no positive host; 0.0 when only one has.
+    """
+    if k < 1:
+        raise ValueError(f"k: must be >= 1, got {k}")
+    kvcm_top, shadow_top = _top_hosts(kvcm_hosts, k), _top_hosts(shadow_hosts, k)
+    union = kvcm_top | shadow_top
+    if not union:
+        return 1.0
+    return len(kvcm_top & shadow_top) / len(union)
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowHealth:
+    records: int
+    blocks: int
+    capacity_blocks: int
+    indexed_keys: int
+    inbox_depth: int
+    inbox_capacity: int
+    applied: int  # records applied since start
+    dropped: int  # records dropped because the inbox was full
+
+
+@dataclass(frozen=True, slots=True)
+class _Recorded:
+    worker: str
+    keys: Sequence[int]
+    now: float
+
+
+class ShadowIndexActor:
+    """Owns a ShadowIndex: records in through a bounded inbox, matches read synchronously.
+
+    Only the ``run`` task mutates the index. ``match`` and ``health`` never await, so on
+    trio's single thread they read a consistent index between two applied records.
+    """
+
+    def __init__(self, config: ShadowConfig) -> None:
+        if config.inbox_size < 1:
+            raise ValueError(f"inbox_size: must be >= 1, got {config.inbox_size}")
+        self.index = ShadowIndex(config.ttl_s, config.capacity_blocks)
+        self._send, self._receive = trio.open_memory_channel[_Recorded](config.inbox_size)
+        self._inbox_size = config.inbox_size
+        self._applied = 0
+        self._dropped = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Apply records as they arrive, until cancelled."""
+        task_status.started()
+        async for message in self._receive:
+            self.index.record(message.worker, message.keys, message.now)
+            self._applied += 1
+
+    def record_nowait(self, worker: str, keys: Sequence[int], now: float) -> bool:
+        """Queue a record (``worker``'s http target, the request's keys, trio time of the
+        decision); never blocks. False (and counted) when the inbox is full."""
+        try:
+            self._send.send_nowait(_Recorded(worker, keys, now))
+        except trio.WouldBlock:
+            self._dropped += 1
+            return False
+        return True
+
+    def match(self, keys: Sequence[int], now: float, limit: int | None = None) -> tuple[HostMatch, ...]:
+        return self.index.match(keys, now, limit)
+
+    def health(self) -> ShadowHealth:
+        return ShadowHealth(
+            records=self.index.records,
+            blocks=self.index.blocks,
+            capacity_blocks=self.index.capacity_blocks,
+            indexed_keys=self.index.indexed_keys,
+            inbox_depth=self._receive.statistics().current_buffer_used,
+            inbox_capacity=self._inbox_size,
+            applied=self._applied,
+            dropped=self._dropped,
+        )

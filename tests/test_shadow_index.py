@@ -1,0 +1,273 @@
+"""The shadow index (actors/shadow_index.py): prefix matching like KVCM, TTL, capacity (LRU),
+agreement, and its owner actor's bounded inbox."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from actors.scorer import CandidateSource, Fleet, plan_candidates
+from actors.shadow_index import ShadowIndex, ShadowIndexActor, agreement
+from router.config import ScorerConfig, ShadowConfig
+from router.keys import block_keys
+from router.types import HostMatch, KeyFamily, WorkerAddr
+
+W1, W2, W3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+def chained(tokens: Sequence[int]) -> tuple[int, ...]:
+    """Block keys of one-token blocks, chained like every key family (rtp, bs 1)."""
+    return tuple(block_keys(tuple(tokens), 1, KeyFamily.RTP, 0))
+
+
+def exact_prefix(query: Sequence[int], keys: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(query), len(keys)) and query[n] == keys[n]:
+        n += 1
+    return n
+
+
+PROMPT = chained(range(100))
+
+
+def test_match_reports_each_workers_contiguous_prefix_longest_first() -> None:
+    index = ShadowIndex(300.0, 10_000)
+    index.record(W1, PROMPT[:10], now=1.0)
+    index.record(W2, PROMPT[:4], now=1.0)
+    index.record(W3, chained([7, 8, 9]), now=1.0)  # another prompt: no common first block
+    assert index.match(PROMPT[:20], now=2.0) == (HostMatch(W1, 10), HostMatch(W2, 4))
+    assert index.match(PROMPT[:3], now=2.0) == (HostMatch(W1, 3), HostMatch(W2, 3))
+    assert index.match(chained([1, 2]), now=2.0) == ()
+    assert index.match((), now=2.0) == ()
+
+
+def test_match_finds_every_length_exactly_with_one_record_per_worker() -> None:
+    index = ShadowIndex(300.0, 100_000)
+    for length in range(1, 100):
+        index.record(f"10.1.0.{length}:8000", PROMPT[:length], now=1.0)
+    found = dict((m.host_ip_port, m.local) for m in index.match(PROMPT, now=1.0))
+    assert found == {f"10.1.0.{length}:8000": length for length in range(1, 100)}
+
+
+@st.composite
+def prompt_forest(draw: st.DrawFn) -> list[tuple[str, tuple[int, ...]]]:
+    """Records of prompts that share prefixes (a random tree of token sequences)."""
+    prompts: list[tuple[int, ...]] = [()]
+    records: list[tuple[str, tuple[int, ...]]] = []
+    for _ in range(draw(st.integers(1, 12))):
+        parent = draw(st.sampled_from(prompts))
+        tail = tuple(draw(st.lists(st.integers(0, 3), min_size=1, max_size=40)))
+        prompt = parent + tail
+        prompts.append(prompt)
+        records.append((f"10.2.0.{draw(st.integers(1, 5))}:8000", chained(prompt)))
+    return records
+
+
+@given(prompt_forest(), st.lists(st.integers(0, 3), max_size=80), st.integers(0, 11))
+def test_match_agrees_with_a_brute_force_index(
+    records: list[tuple[str, tuple[int, ...]]], query_tail: list[int], base: int
+) -> None:
+    index = ShadowIndex(300.0, 1_000_000)
+    for t, (worker, keys) in enumerate(records):
+        index.record(worker, keys, now=float(t))
+    # Query: a recorded prompt (or none) extended by a random tail.
+    query = (records[base % len(records)][1] + chained(query_tail))[: 40 + base * 7]
+    exact: dict[str, int] = {}
+    for worker, keys in records:
+        exact[worker] = max(exact.get(worker, 0), exact_prefix(query, keys))
+    expected = {w: n for w, n in exact.items() if n >= 1}
+    got = {m.host_ip_port: m.local for m in index.match(query, now=float(len(records)))}
+    assert set(got) == set(expected)  # exactly the workers holding the first block
+    for worker, n in got.items():
+        # Measured against one record: exact, or (with several diverging records) more than half.
+        assert expected[worker] / 2 < n <= expected[worker]
+    single = {w for w in expected if sum(1 for rw, _ in records if rw == w) == 1}
+    for worker in single:
+        assert got[worker] == expected[worker]
+
+
+@given(prompt_forest(), st.integers(1, 6))
+def test_limit_returns_exactly_the_longest(records: list[tuple[str, tuple[int, ...]]], limit: int) -> None:
+    index = ShadowIndex(300.0, 1_000_000)
+    for t, (worker, keys) in enumerate(records):
+        index.record(worker, keys, now=float(t))
+    query = max((keys for _, keys in records), key=len)
+    full = index.match(query, now=100.0)
+    top = index.match(query, now=100.0, limit=limit)
+    assert len(top) >= min(limit, len(full))
+    assert set(top) <= set(full)
+    left_out = [m.local for m in full if m not in top]
+    assert all(m.local > n for m in top for n in left_out)
+
+
+def test_limit_stops_the_walk_early() -> None:
+    index = ShadowIndex(300.0, 10_000)
+    for i, length in enumerate((99, 50, 20, 5, 1)):
+        index.record(f"10.5.0.{i}:8000", PROMPT[:length], now=1.0)
+    assert [m.local for m in index.match(PROMPT, now=1.0)] == [99, 50, 20, 5, 1]
+    assert [m.local for m in index.match(PROMPT, now=1.0, limit=2)] == [99, 50]
+    assert [m.local for m in index.match(PROMPT, now=1.0, limit=3)] == [99, 50, 20]
+
+
+# --- TTL and capacity --------------------------------------------------------------------------
+
+
+def test_ttl_expiry_and_refresh() -> None:
+    index = ShadowIndex(300.0, 10_000)
+    index.record(W1, PROMPT[:8], now=0.0)
+    index.record(W2, PROMPT[:8], now=100.0)
+    assert {m.host_ip_port for m in index.match(PROMPT, now=299.9)} == {W1, W2}
+    assert {m.host_ip_port for m in index.match(PROMPT, now=300.1)} == {W2}  # W1 expired (not yet purged)
+    assert index.records == 2
+    index.record(W2, PROMPT[:8], now=350.0)  # refresh W2; purges W1
+    assert index.records == 1 and index.blocks == 8
+    assert {m.host_ip_port for m in index.match(PROMPT, now=649.9)} == {W2}
+    assert index.match(PROMPT, now=650.1) == ()
+    index.expire(now=651.0)
+    assert (index.records, index.blocks, index.indexed_keys) == (0, 0, 0)
+
+
+def test_capacity_evicts_least_recently_recorded() -> None:
+    index = ShadowIndex(300.0, 100)
+    a, b, c = chained([1] * 40), chained([2] * 40), chained([3] * 40)
+    index.record(W1, a, now=1.0)
+    index.record(W2, b, now=2.0)
+    index.record(W1, a, now=3.0)  # touch a: b is now the least recent
+    index.record(W3, c, now=4.0)
+    assert index.blocks == 80 and index.records == 2
+    assert index.match(b, now=5.0) == ()
+    assert index.match(a, now=5.0) == (HostMatch(W1, 40),)
+    assert index.match(c, now=5.0) == (HostMatch(W3, 40),)
+
+
+def test_a_prompt_longer_than_the_capacity_keeps_its_head() -> None:
+    index = ShadowIndex(300.0, 30)
+    index.record(W1, PROMPT, now=1.0)
+    assert index.blocks == 30
+    assert index.match(PROMPT, now=1.0) == (HostMatch(W1, 30),)
+
+
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 5), st.integers(1, 60)), max_size=60))
+def test_memory_stays_bounded_and_the_index_never_leaks(ops: list[tuple[int, int, int]]) -> None:
+    index = ShadowIndex(50.0, 120)
+    live: dict[tuple[str, int], tuple[int, ...]] = {}
+    for t, (worker_id, prompt_id, length) in enumerate(ops):
+        keys = chained([prompt_id] * 3 + list(range(length)))
+        index.record(f"10.3.0.{worker_id}:8000", keys, now=float(t * 7))
+        assert index.blocks <= 120
+        live[(f"10.3.0.{worker_id}:8000", keys[-1])] = keys
+    # Every indexed key belongs to a live record, so the index is bounded by the records.
+    assert index.indexed_keys <= sum(len(k).bit_length() for k in live.values())
+    index.expire(now=1e9)
+    assert (index.records, index.blocks, index.indexed_keys) == (0, 0, 0)
+
+
+def test_bad_configuration_names_every_field() -> None:
+    with pytest.raises(ValueError, match=r"ttl_s.*capacity_blocks"):
+        ShadowIndex(0.0, 0)
+    with pytest.raises(ValueError, match="inbox_size"):
+        ShadowIndexActor(ShadowConfig(inbox_size=0))
+
+
+# --- agreement --------------------------------------------------------------------------------
+
+
+def hosts(**locals_: int) -> tuple[HostMatch, ...]:
+    return tuple(HostMatch(f"{name}:1", local) for name, local in locals_.items())
+
+
+@pytest.mark.parametrize(
+    ("kvcm", "shadow", "k", "expected"),
+    [
+        (hosts(a=9, b=3), hosts(a=5, c=1), 1, 1.0),  # same best holder, lengths may differ
+        (hosts(a=9, b=3), hosts(b=5), 1, 0.0),
+        (hosts(a=9, b=9), hosts(a=4), 1, 0.5),  # a tie counts both
+        (hosts(a=9, b=3, c=1), hosts(b=8, a=2, d=1), 2, 1.0),
+        (hosts(a=9, b=3, c=1), hosts(a=8, d=2), 2, 1 / 3),
+        (hosts(), hosts(), 1, 1.0),
+        (hosts(a=0), hosts(), 1, 1.0),  # no positive match on either side
+        (hosts(a=3), hosts(), 1, 0.0),
+        (hosts(), hosts(a=3), 1, 0.0),
+    ],
+)
+def test_agreement(
+    kvcm: tuple[HostMatch, ...], shadow: tuple[HostMatch, ...], k: int, expected: float
+) -> None:
+    assert agreement(kvcm, shadow, k) == pytest.approx(expected)
+    assert agreement(tuple(reversed(kvcm)), tuple(reversed(shadow)), k) == pytest.approx(expected)
+
+
+def test_agreement_rejects_bad_k() -> None:
+    with pytest.raises(ValueError, match="k"):
+        agreement((), (), 0)
+
+
+# --- the shadow answer feeds the same plan ------------------------------------------------------
+
+
+def test_shadow_answer_becomes_the_hot_set() -> None:
+    workers = [WorkerAddr.from_http(f"10.0.0.{i}", 8000) for i in range(1, 6)]
+    index = ShadowIndex(300.0, 10_000)
+    index.record(workers[0].http_target, PROMPT[:50], now=1.0)
+    index.record(workers[2].http_target, PROMPT[:70], now=1.0)
+    plan = plan_candidates(
+        index.match(PROMPT, now=2.0),
+        Fleet.of(workers),
+        request_id="r",
+        namespace="ns",
+        config=ScorerConfig(),
+        hot_source=CandidateSource.SHADOW,
+    )
+    hot = [
+        (c.worker, c.match.local if c.match else None)
+        for c in plan.candidates
+        if c.source is CandidateSource.SHADOW
+    ]
+    assert hot == [(workers[2], 70), (workers[0], 50)]
+
+
+# --- the owner actor ----------------------------------------------------------------------------
+
+
+async def test_actor_applies_records_and_answers_matches() -> None:
+    actor = ShadowIndexActor(ShadowConfig(inbox_size=8))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        assert actor.record_nowait(W1, PROMPT[:12], now=1.0)
+        assert actor.match(PROMPT, now=1.0) == ()  # not applied yet: the actor's task applies it
+        await trio.testing.wait_all_tasks_blocked()
+        assert actor.match(PROMPT, now=2.0) == (HostMatch(W1, 12),)
+        health = actor.health()
+        assert (health.applied, health.dropped, health.records, health.blocks, health.inbox_depth) == (
+            1,
+            0,
+            1,
+            12,
+            0,
+        )
+        nursery.cancel_scope.cancel()
+
+
+async def test_actor_inbox_is_bounded_and_drops_are_counted() -> None:
+    actor = ShadowIndexActor(ShadowConfig(inbox_size=4))
+    accepted = [actor.record_nowait(f"10.4.0.{i}:8000", PROMPT[: i + 1], now=1.0) for i in range(10)]
+    assert accepted == [True] * 4 + [False] * 6
+    assert (actor.health().inbox_depth, actor.health().inbox_capacity, actor.health().dropped) == (4, 4, 6)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (actor.health().applied, actor.health().inbox_depth, actor.index.records) == (4, 0, 4)
+        nursery.cancel_scope.cancel()
+
+
+def test_record_key_sequence_is_not_copied_for_tuples() -> None:
+    """Records share the caller's keys tuple (memory is per record, not per block copy)."""
+    index = ShadowIndex(300.0, 1000)
+    keys = PROMPT[:40]
+    index.record(W1, keys, now=1.0)
+    assert next(iter(index._records.values())).keys is keys
