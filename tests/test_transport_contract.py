@@ -1,0 +1,297 @@
+"""One contract suite, two adapters: what a client sees from the simulated peers must not depend on
+the transport.
+
+- ``memory``: MemoryNetwork + the sim's in-memory handlers, under MockClock(autojump_threshold=0).
+- ``grpc``: the sim's real gRPC servers on 127.0.0.1:0 + GrpcRawRpc over the ChannelPool, with
+  the real clock.
+
+Autojump and real sockets never meet: the ``clock`` fixture is a MockClock only for ``memory``.
+Every test body runs under an absolute ``trio.fail_after(10)`` (virtual seconds in memory).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+import trio
+import trio.testing
+
+from actors.channel_pool import ChannelPool
+from router.config import ChannelPoolConfig
+from router.sim.cluster import SimCluster, SimClusterAddresses
+from router.sim.faults import CallStats, Garble
+from router.sim.kvcm import KvcmFaults
+from router.sim.worker import WorkerFaults, WorkerSpec
+from router.transport.clients import KvcmClient, WorkerStatusClient
+from router.transport.errors import DeadlineExceeded, GarbledReply, NotLeader, RemoteError, Unavailable
+from router.transport.grpc_adapter import GrpcRawRpc
+from router.transport.memory_adapter import MemoryNetwork
+from router.transport.ports import RawRpc
+from router.types import CacheQuery, HostMatch, QueryType, Role
+from router.wire import kvcm_meta_pb2 as kvcm_pb
+from router.wire import paths
+
+KEYS = tuple(range(1000, 1016))
+INSTANCE = "demo_64"
+LIMIT_S = 10  # absolute bound per test
+
+
+@dataclass
+class Harness:
+    adapter: str
+    cluster: SimCluster
+    addresses: SimClusterAddresses
+    rpc: RawRpc
+    kvcm: KvcmClient
+    status: WorkerStatusClient
+    refused_target: str  # nothing answers here
+
+    def node(self, i: int) -> tuple[str, str]:
+        return self.addresses.kvcm_nodes[i]
+
+    def query(self, p2p_host_count: int = 0) -> CacheQuery:
+        return CacheQuery(
+            INSTANCE, QueryType.PREFIX_MATCH, KEYS, trace_id="t-1", p2p_host_count=p2p_host_count
+        )
+
+    async def until_in_flight(self, stats: CallStats, method_path: str, count: int) -> None:
+        """Wait until the server holds ``count`` calls of ``method_path`` (without polling)."""
+        if self.adapter == "memory":
+            await trio.testing.wait_all_tasks_blocked()
+            assert stats.get(method_path).in_flight == count
+        else:
+            assert await trio.to_thread.run_sync(stats.wait_in_flight, method_path, count, 5.0)
+
+
+@pytest.fixture(params=["memory", "grpc"])
+def adapter(request: pytest.FixtureRequest) -> str:
+    param: str = request.param
+    return param
+
+
+@pytest.fixture
+def clock(adapter: str) -> trio.testing.MockClock | None:
+    """pytest-trio runs a test on the Clock among its arguments: MockClock in memory only."""
+    return trio.testing.MockClock(autojump_threshold=0) if adapter == "memory" else None
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A loopback port bound but not listening: connections to it are refused for the whole test."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+async def harness(adapter: str, nursery: trio.Nursery, refusing_port: int) -> AsyncIterator[Harness]:
+    cluster = SimCluster(
+        [WorkerSpec(prefill_tokens_per_s=1000.0), WorkerSpec(role="RoleType.PDFUSION", block_size=None)],
+        kvcm_replicas=3,
+        instance_id=INSTANCE,
+    )
+    if adapter == "memory":
+        network = MemoryNetwork()
+        addresses = cluster.serve_memory(network)
+        rpc: RawRpc = network
+        yield Harness(
+            adapter, cluster, addresses, rpc, KvcmClient(rpc), WorkerStatusClient(rpc), "127.9.9.9:1"
+        )
+        return
+    addresses = await nursery.start(cluster.serve_grpc)
+    pool = ChannelPool(ChannelPoolConfig())
+    await nursery.start(pool.run)
+    rpc = GrpcRawRpc(pool)
+    refused = f"127.0.0.1:{refusing_port}"
+    yield Harness(adapter, cluster, addresses, rpc, KvcmClient(rpc), WorkerStatusClient(rpc), refused)
+    await pool.aclose()
+
+
+# ---- GetClusterInfo ----
+
+
+async def test_cluster_info_names_the_leader_from_every_replica(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        leader_node, leader_target = harness.node(0)
+        for node, target in harness.addresses.kvcm_nodes:
+            info = await harness.kvcm.get_cluster_info(target, INSTANCE)
+            assert info.self_node_id == node
+            assert info.leader is not None
+            assert (info.leader.node_id, info.leader.target) == (leader_node, leader_target)
+
+
+async def test_cluster_info_without_a_leader(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        node1, target1 = harness.node(1)
+        harness.cluster.kvcm.set_faults(node1, KvcmFaults(no_leader_elected=True))
+        assert (await harness.kvcm.get_cluster_info(target1, INSTANCE)).leader is None
+        assert (await harness.kvcm.get_cluster_info(harness.node(2)[1], INSTANCE)).leader is not None
+        harness.cluster.kvcm.set_leader(None)
+        assert (await harness.kvcm.get_cluster_info(harness.node(0)[1], INSTANCE)).leader is None
+
+
+# ---- GetHostCacheState ----
+
+
+async def test_cache_state_matches(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        w0, w1 = (w.http_target for w in harness.addresses.workers)
+        harness.cluster.run_prefill(0, "seed-0", KEYS, 16 * 64, trio.current_time())
+        harness.cluster.run_prefill(1, "seed-1", KEYS[:5], 5 * 64, trio.current_time())
+        leader = harness.node(0)[1]
+        state = await harness.kvcm.get_host_cache_state(leader, harness.query())
+        assert state.hosts == (HostMatch(w0, 16, 0, 16), HostMatch(w1, 5, 0, 5))
+        state = await harness.kvcm.get_host_cache_state(leader, harness.query(p2p_host_count=2))
+        assert state.hosts == (HostMatch(w0, 16, 0, 16), HostMatch(w1, 5, 11, 16))
+        other = CacheQuery(INSTANCE, QueryType.PREFIX_MATCH, (1, 2, 3))
+        assert (await harness.kvcm.get_host_cache_state(leader, other)).hosts == ()
+
+
+async def test_follower_says_not_leader_until_it_leads(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        node1, follower = harness.node(1)
+        with pytest.raises(NotLeader) as caught:
+            await harness.kvcm.get_host_cache_state(follower, harness.query())
+        assert caught.value.code == kvcm_pb.SERVER_NOT_LEADER and caught.value.target == follower
+        harness.cluster.kvcm.set_leader(node1)
+        assert (await harness.kvcm.get_host_cache_state(follower, harness.query())).hosts == ()
+        with pytest.raises(NotLeader):
+            await harness.kvcm.get_host_cache_state(harness.node(0)[1], harness.query())
+
+
+async def test_error_code_is_a_remote_error(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        node, target = harness.node(0)
+        harness.cluster.kvcm.set_faults(node, KvcmFaults(error_code=kvcm_pb.INTERNAL_ERROR))
+        with pytest.raises(RemoteError) as caught:
+            await harness.kvcm.get_host_cache_state(target, harness.query())
+        assert not isinstance(caught.value, NotLeader)
+        assert (caught.value.code, caught.value.code_name) == (kvcm_pb.INTERNAL_ERROR, "INTERNAL_ERROR")
+        with pytest.raises(RemoteError, match="INTERNAL_ERROR"):
+            await harness.kvcm.get_cluster_info(target, INSTANCE)
+
+
+@pytest.mark.parametrize("garble", list(Garble))
+async def test_garbled_reply(clock: object, harness: Harness, garble: Garble) -> None:
+    with trio.fail_after(LIMIT_S):
+        node, target = harness.node(0)
+        harness.cluster.kvcm.set_faults(node, KvcmFaults(garbled=garble))
+        with pytest.raises(GarbledReply):
+            await harness.kvcm.get_cluster_info(target, INSTANCE)
+        with pytest.raises(GarbledReply):
+            await harness.kvcm.get_host_cache_state(target, harness.query())
+        harness.cluster.workers[0].set_faults(WorkerFaults(garbled=garble))
+        with pytest.raises(GarbledReply):
+            await harness.status.get_worker_status(harness.addresses.workers[0].status_target, -1)
+
+
+async def test_dead_peer_is_unavailable(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        node, target = harness.node(0)
+        harness.cluster.kvcm.set_faults(node, KvcmFaults(dead=True))
+        with pytest.raises(Unavailable):
+            await harness.kvcm.get_cluster_info(target, INSTANCE)
+        harness.cluster.workers[1].set_faults(WorkerFaults(dead=True))
+        with pytest.raises(Unavailable):
+            await harness.status.get_worker_status(harness.addresses.workers[1].status_target, -1)
+        with pytest.raises(Unavailable):
+            await harness.kvcm.get_cluster_info(harness.refused_target, INSTANCE)
+        harness.cluster.kvcm.clear_faults()
+        assert (await harness.kvcm.get_cluster_info(target, INSTANCE)).leader is not None
+
+
+async def test_unknown_method_is_unimplemented(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        with pytest.raises(RemoteError) as caught:
+            await harness.rpc.call(harness.node(0)[1], paths.WORKER_GET_STATUS, b"")
+        assert caught.value.code_name == "grpc:UNIMPLEMENTED"
+
+
+# ---- delays and hangs against the caller's deadline ----
+
+
+async def test_delay_is_observed(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        node, target = harness.node(0)
+        harness.cluster.kvcm.set_faults(node, KvcmFaults(delay_s=0.2))
+        start = trio.current_time()
+        await harness.kvcm.get_host_cache_state(target, harness.query())
+        elapsed = trio.current_time() - start
+        assert elapsed >= 0.2
+        if harness.adapter == "memory":
+            assert elapsed == pytest.approx(0.2)
+
+
+async def test_hang_ends_at_the_callers_deadline(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        node, target = harness.node(0)
+        harness.cluster.kvcm.set_faults(node, KvcmFaults(hang=True))
+        stats = harness.cluster.kvcm.stats(node)
+        budget = 0.3
+        start = trio.current_time()
+        deadline_error = False
+        with trio.move_on_after(budget) as scope:
+            try:
+                await harness.kvcm.get_host_cache_state(target, harness.query())
+            except DeadlineExceeded:
+                deadline_error = True  # gRPC's own timeout (= the remaining deadline) fired first
+        elapsed = trio.current_time() - start
+        assert scope.cancelled_caught or deadline_error
+        assert elapsed >= budget - 0.01
+        # At the deadline, not later: exact on virtual time; a loaded 2-core machine gets slack.
+        assert elapsed <= budget + (0.0 if harness.adapter == "memory" else 0.5)
+        # The server saw the caller go away: the hung handler ended although the fault is still on.
+        await harness.until_in_flight(stats, paths.KVCM_GET_HOST_CACHE_STATE, 0)
+        assert harness.cluster.kvcm.faults(node).hang
+
+
+async def test_hang_is_answered_when_the_fault_clears(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        node, target = harness.node(0)
+        harness.cluster.run_prefill(0, "seed", KEYS, 16 * 64, trio.current_time())
+        harness.cluster.kvcm.set_faults(node, KvcmFaults(hang=True))
+        stats = harness.cluster.kvcm.stats(node)
+        answers = []
+
+        async def query() -> None:
+            answers.append(await harness.kvcm.get_host_cache_state(target, harness.query()))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(query)
+            await harness.until_in_flight(stats, paths.KVCM_GET_HOST_CACHE_STATE, 1)
+            assert answers == []
+            harness.cluster.kvcm.clear_faults()
+        assert [s.hosts for s in answers] == [
+            (HostMatch(harness.addresses.workers[0].http_target, 16, 0, 16),)
+        ]
+
+
+# ---- GetWorkerStatus ----
+
+
+async def test_worker_status_decodes(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        prefill, pdfusion = harness.addresses.workers
+        worker = harness.cluster.workers[0]
+        now = trio.current_time()
+        worker.submit("r-1", 4000, 1000, now)  # 3 s of prefill at 1000 tokens/s
+        worker.submit("r-2", 500, 0, now)
+        status = await harness.status.get_worker_status(prefill.status_target, -1)
+        assert status.role is Role.PREFILL and status.role_reported == "RoleType.PREFILL"
+        assert status.alive and status.status_version == worker.status_version > 1
+        assert [t.request_id for t in status.running] == ["r-1"]
+        assert [(t.request_id, t.input_length, t.prefix_length) for t in status.waiting] == [("r-2", 500, 0)]
+        remaining = status.running[0].remaining_prefill_tokens
+        assert remaining is not None and 0 < remaining <= 3000
+        assert status.block_size == 64
+
+        other = await harness.status.get_worker_status(pdfusion.status_target, -1)
+        assert other.role is Role.PDFUSION and other.block_size is None
+        assert (other.running, other.waiting) == ((), ())
+
+        harness.cluster.workers[1].set_faults(WorkerFaults(status_version_zero=True, not_alive=True))
+        other = await harness.status.get_worker_status(pdfusion.status_target, -1)
+        assert (other.status_version, other.alive) == (0, False)
