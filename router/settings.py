@@ -458,7 +458,7 @@ _SPECS: dict[str, _Spec] = {
         "The KVCM leader is re-resolved in the background this often", _POS, metavar="SECONDS"
     ),
     "leader.max_staleness_s": _Spec(
-        "A known leader is kept this long after refreshes start failing", _NONNEG, metavar="SECONDS"
+        "A known leader is kept this long after refreshes start failing", _POS, metavar="SECONDS"
     ),
     "leader.lookup_timeout_s": _Spec(
         "Bound on one round of concurrent GetClusterInfo calls", _POS, metavar="SECONDS"
@@ -526,6 +526,7 @@ _SPECS: dict[str, _Spec] = {
     # shadow
     "shadow.ttl_s": _Spec("Shadow index entries live this long", _POS, metavar="SECONDS"),
     "shadow.capacity_blocks": _Spec("Shadow index capacity in blocks (LRU)", _POS),
+    "shadow.inbox_size": _Spec("ShadowIndex inbox; records beyond it are dropped and counted", _POS),
     # channel pool
     "channel_pool.max_channels": _Spec("Most gRPC channels kept open (LRU)", _POS),
     "channel_pool.idle_expiry_s": _Spec("An idle gRPC channel is closed after this", _POS, metavar="SECONDS"),
@@ -736,9 +737,16 @@ def _cross_checks(c: KvrouteConfig) -> Iterator[_CrossProblem]:
             yield ("kvcm_instance_id",), "required when --kvcm-fallback is on", True
     if d.kvcm_bootstrap:
         try:
-            parse_target_list(d.kvcm_bootstrap, default_port=d.kvcm_port)
+            entries = parse_target_list(d.kvcm_bootstrap, default_port=d.kvcm_port)
         except TargetError as exc:
             yield ("kvcm_bootstrap",), str(exc), True
+        else:
+            if len(entries) > d.max_entries:
+                yield (
+                    ("kvcm_bootstrap", "discovery_max_entries"),
+                    f"{len(entries)} entries, above the maximum",
+                    True,
+                )
     if d.kvcm_bootstrap_dns:
         try:
             parse_target(d.kvcm_bootstrap_dns, default_port=d.kvcm_port)
@@ -748,9 +756,16 @@ def _cross_checks(c: KvrouteConfig) -> Iterator[_CrossProblem]:
     hint = "" if worker_port else " (or set --worker-http-port for entries without a port)"
     if d.workers:
         try:
-            parse_target_list(d.workers, default_port=worker_port)
+            workers = parse_target_list(d.workers, default_port=worker_port)
         except TargetError as exc:
             yield ("workers",), f"{exc}{hint}", False
+        else:
+            if len(workers) > d.max_entries:
+                yield (
+                    ("workers", "discovery_max_entries"),
+                    f"{len(workers)} entries, above the maximum",
+                    False,
+                )
     if d.workers_dns:
         try:
             parse_target(d.workers_dns, default_port=worker_port)
@@ -921,14 +936,26 @@ def _assemble(values: Mapping[str, object]) -> KvrouteConfig:
 
 
 def _fail_soft(config: KvrouteConfig, problems: Iterable[Problem]) -> KvrouteConfig:
-    """Invalid fallback settings go back to their (valid) defaults and the fallback is switched off."""
-    fallback_problems = [p for p in problems if p.fallback]
-    if not fallback_problems:
+    """Invalid fallback settings go back to their (valid) defaults and the fallback is switched off.
+
+    Only settings of the fallback part are reset: a main-path setting named in the same problem
+    (e.g. --discovery-max-entries beside --kvcm-bootstrap) keeps its value.
+    """
+    if not any(p.fallback for p in problems):
         return config
-    bad = {name for p in fallback_problems for name in p.settings}
-    values = {s.name: (s.default if s.name in bad else _get(config, s.name)) for s in SETTINGS}
+    values = {s.name: _get(config, s.name) for s in SETTINGS}
     values["kvcm_fallback"] = False
-    return _assemble(values)
+    reset: set[str] = set()
+    # A reset can expose a new conflict (fresh TTL back to its default, above a small given max age):
+    # repeat until no fallback setting is left in a problem. Each round resets at least one more.
+    while True:
+        bad = {name for p in problems if p.fallback for name in p.settings if BY_NAME[name].fallback_part}
+        if bad <= reset:
+            return _assemble(values)
+        reset |= bad
+        for name in bad:
+            values[name] = BY_NAME[name].default
+        problems = validate(_assemble(values))
 
 
 # ---------------------------------------------------------------------------------------------

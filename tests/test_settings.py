@@ -10,6 +10,10 @@ import typing
 from pathlib import Path
 
 import pytest
+import trio
+from hypothesis import example, given
+from hypothesis import settings as settings_profile
+from hypothesis import strategies as st
 
 from router import settings
 from router.config import KvrouteConfig
@@ -304,6 +308,16 @@ def test_cross_field_checks() -> None:
     assert "set --worker-http-port" in text[("workers",)]
     with_port = load_config({**GOOD, "workers": "10.1.0.1", "worker_http_port": "8000"}, {})
     assert with_port.errors == ()
+    too_many = load_config({**GOOD, "discovery_max_entries": "1"}, {})
+    assert _names(too_many.errors) == {
+        ("kvcm_bootstrap", "discovery_max_entries"),
+        ("workers", "discovery_max_entries"),
+    }
+    # Fail-soft resets the fallback setting only; the main-path limit keeps its given value.
+    boot_only = load_config({**GOOD, "workers": "10.1.0.1:80", "discovery_max_entries": "1"}, {})
+    assert _names(boot_only.errors) == {("kvcm_bootstrap", "discovery_max_entries")}
+    assert boot_only.effective.discovery.max_entries == 1
+    assert boot_only.effective.discovery.kvcm_bootstrap == ""
     # Port 0 on both listeners is fine: the OS picks two ports.
     assert load_config({**GOOD, "grpc_listen": "127.0.0.1:0"}, {}).errors == ()
 
@@ -432,3 +446,53 @@ def test_startup_report_logs_one_error_for_the_fallback_problems(caplog: pytest.
         for r in caplog.records
         if r.levelno == logging.INFO
     )
+
+
+# --- the settings are at least as strict as the actors ---------------------------------------
+
+
+def _edge_values(s: settings.Setting) -> list[object]:
+    if s.kind is Kind.INT:
+        assert isinstance(s.default, int)
+        return [-1, 0, 1, 2, s.default, s.default * 2 + 1]
+    assert isinstance(s.default, float)
+    return [-1.0, 0.0, 0.001, 0.5, 1.0, s.default, s.default * 3]
+
+
+_CHECKED_SECTIONS = ("leader", "breaker", "prober", "scorer", "discovery")
+
+
+_OPERATOR_VALUES = st.fixed_dictionaries(
+    {},
+    optional={
+        s.name: st.sampled_from(_edge_values(s))
+        for s in SETTINGS
+        if s.section in _CHECKED_SECTIONS and s.kind in (Kind.INT, Kind.FLOAT)
+    },
+)
+
+
+@settings_profile(max_examples=300, deadline=None)
+@given(_OPERATOR_VALUES)
+@example({"prober_fresh_ttl_s": -1.0, "prober_max_status_age_s": 0.001})  # a reset exposes a conflict
+def test_an_effective_config_never_makes_an_actor_reject_it(values: dict[str, object]) -> None:
+    """Whatever the operator gives, the fail-soft effective config passes every actor's own check."""
+    from actors.breaker import validate_breaker_config
+    from actors.discovery import Discovery
+    from actors.leader_resolver import validate_leader_config
+    from actors.probe_budget import prober_config_problems
+    from actors.scorer import check_scorer_config
+
+    loaded = load_config({**GOOD, **values}, {})
+    if loaded.fatal_errors:
+        return  # kvroute refuses to start; nothing reaches an actor
+    eff = loaded.effective
+    validate_leader_config(eff.leader)
+    validate_breaker_config(eff.breaker)
+    assert prober_config_problems(eff.prober) == []
+    assert check_scorer_config(eff.scorer) == []
+
+    async def start_discovery() -> None:
+        Discovery(eff.discovery)  # raises DiscoveryConfigError on what it cannot use
+
+    trio.run(start_discovery)
