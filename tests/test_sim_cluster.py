@@ -1,0 +1,184 @@
+"""SimCluster façade, seeded traffic, and ``kvroute sim-cluster`` queried by a plain grpc client."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import grpc
+import pytest
+import trio
+import trio.testing
+
+from router.keys import block_keys
+from router.sim.cluster import SimCluster
+from router.sim.traffic import TrafficSpec, TrafficStats, run_traffic, seed_prefixes, system_prompt
+from router.sim.worker import WorkerSpec
+from router.transport.clients import KvcmClient, WorkerStatusClient
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import CacheQuery, HostMatch, KeyFamily, QueryType, WorkerAddr
+from router.wire import decode, paths
+
+KEYS = tuple(range(50, 60))
+
+
+def test_memory_addresses_follow_the_conventions() -> None:
+    cluster = SimCluster(3, kvcm_replicas=2)
+    addresses = cluster.serve_memory(MemoryNetwork())
+    assert addresses.kvcm_targets == ("127.0.1.1:6381", "127.0.1.2:6381")
+    assert addresses.leader == "kvcm-0"
+    assert addresses.workers == tuple(WorkerAddr.from_http(f"127.1.0.{i}", 8000) for i in (1, 2, 3))
+    assert addresses.workers[0].status_target == "127.1.0.1:8001"
+    assert addresses.kvcm_bootstrap == "127.0.1.1:6381,127.0.1.2:6381"
+    assert addresses.workers_arg == "127.1.0.1:8000,127.1.0.2:8000,127.1.0.3:8000"
+    assert json.loads(addresses.dumps())["workers"][2]["status_target"] == "127.1.0.3:8001"
+    with pytest.raises(RuntimeError, match="already served"):
+        cluster.serve_memory(MemoryNetwork())
+
+
+def test_run_prefill_hits_the_cache_and_records_the_prompt() -> None:
+    cluster = SimCluster([WorkerSpec(prefill_tokens_per_s=1000.0, kv_capacity_blocks=12)] * 2, block_size=10)
+    cluster.serve_memory(MemoryNetwork())
+    first = cluster.run_prefill(0, "a", KEYS, 105, 0.0)
+    assert (first.cached_tokens, first.local_blocks, first.evicted_blocks) == (0, 0, 0)
+    assert first.ttft_s == pytest.approx(0.105)
+    host0 = cluster.worker_addr(0).http_target
+    second = cluster.run_prefill(host0, "b", KEYS, 105, 1.0)
+    assert (second.cached_tokens, second.local_blocks) == (100, 10)
+    assert second.ttft_s == pytest.approx(0.005)
+    third = cluster.run_prefill(0, "c", tuple(range(200, 205)), 50, 2.0)
+    assert third.evicted_blocks == 3  # 15 blocks into a 12-block LRU
+    assert cluster.kvcm.match(KEYS) == (HostMatch(host0, 7, 0, 7),)
+    with pytest.raises(ValueError, match="worker"):
+        cluster.run_prefill("10.0.0.1:1", "d", KEYS, 10, 3.0)
+
+
+def test_unserved_cluster_and_bad_sizes() -> None:
+    with pytest.raises(RuntimeError, match="not served"):
+        _ = SimCluster(1).addresses
+    with pytest.raises(ValueError, match="workers"):
+        SimCluster([])
+    with pytest.raises(ValueError, match="kvcm_replicas"):
+        SimCluster(1, kvcm_replicas=0)
+
+
+def test_seeded_prefixes_match_for_their_holders() -> None:
+    cluster = SimCluster(4)
+    cluster.serve_memory(MemoryNetwork())
+    spec = TrafficSpec(groups=3, system_prompt_tokens=256, holders_per_group=2, seed=7)
+    seeded = seed_prefixes(cluster, spec)
+    assert [s.group for s in seeded] == [0, 1, 2]
+    for prefix in seeded:
+        keys = block_keys(system_prompt(prefix.group, 256), cluster.block_size, KeyFamily.RTP)
+        assert prefix.block_keys == keys and len(keys) == 4
+        assert len(prefix.workers) == 2
+        assert {h.host_ip_port: h.local for h in cluster.kvcm.match(keys)} == dict.fromkeys(prefix.workers, 4)
+
+
+async def test_traffic_loads_workers_and_caches(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(3)
+    network = MemoryNetwork()
+    addresses = cluster.serve_memory(network)
+    spec = TrafficSpec(groups=2, system_prompt_tokens=512, rate_per_s=100.0, seed=3)
+    seed_prefixes(cluster, spec)
+    stats = TrafficStats()
+    with trio.move_on_after(1.0):
+        await run_traffic(cluster, spec, stats)
+    assert stats.sent > 50 and stats.rejected == 0
+    assert sum(w.requests_submitted for w in cluster.workers) == stats.sent
+    keys = block_keys(system_prompt(0, 512), cluster.block_size, KeyFamily.RTP)
+    state = await KvcmClient(network).get_host_cache_state(
+        addresses.kvcm_targets[0], CacheQuery("", QueryType.PREFIX_MATCH, keys)
+    )
+    assert state.hosts and all(h.local == len(keys) for h in state.hosts)
+    status = await WorkerStatusClient(network).get_worker_status(addresses.workers[0].status_target, -1)
+    assert status.status_version > 1
+
+
+async def test_grpc_serving_stops_cleanly_on_cancel() -> None:
+    with trio.fail_after(10):
+        cluster = SimCluster(2, kvcm_replicas=2)
+        async with trio.open_nursery() as nursery:
+            addresses = await nursery.start(cluster.serve_grpc)
+            nursery.cancel_scope.cancel()
+        # Every server is stopped: a fresh plain client is refused.
+        reply = await trio.to_thread.run_sync(
+            _plain_call, addresses.kvcm_targets[0], paths.KVCM_GET_CLUSTER_INFO, b""
+        )
+        assert reply == grpc.StatusCode.UNAVAILABLE
+
+
+def _plain_call(target: str, method_path: str, request: bytes) -> Any:
+    """A plain grpcio client call on a pinned path; returns the reply bytes or the failure code."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return channel.unary_unary(method_path, None, None)(request, timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
+def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        assert selector.select(timeout_s), "sim-cluster printed nothing in time"
+    return proc.stdout.readline()
+
+
+def _start_cli(*extra: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "router.cli", "sim-cluster", "--workers", "2", "--print-json", *extra]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_cli_is_queried_by_a_plain_grpc_client_and_exits_0_on_sigterm() -> None:
+    proc = _start_cli("--duration", "60", "--groups", "1")
+    try:
+        document = json.loads(_read_line(proc, 30))
+        leader = next(n["target"] for n in document["kvcm_nodes"] if n["node_id"] == document["kvcm_leader"])
+        assert leader in document["kvcm_bootstrap"] and len(document["kvcm_bootstrap"]) == 3
+
+        info = decode.decode_cluster_info(
+            _plain_call(leader, paths.KVCM_GET_CLUSTER_INFO, decode.encode_cluster_info_request("")), leader
+        )
+        assert info.leader is not None and info.leader.target == leader
+
+        seeded = document["seeded_prefixes"][0]
+        query = CacheQuery("", QueryType.PREFIX_MATCH, tuple(seeded["block_keys"]))
+        raw = _plain_call(leader, paths.KVCM_GET_HOST_CACHE_STATE, decode.encode_cache_query(query))
+        state = decode.decode_cache_state(raw, leader)
+        assert {h.host_ip_port: h.local for h in state.hosts} == dict.fromkeys(
+            seeded["workers"], len(seeded["block_keys"])
+        )
+
+        worker = document["workers"][0]
+        raw = _plain_call(worker["status_target"], paths.WORKER_GET_STATUS, decode.encode_status_version(-1))
+        status = decode.decode_worker_status(raw, worker["status_target"])
+        assert status.alive and status.status_version >= 1
+        assert worker["grpc_port"] == worker["http_port"] + 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr.decode()
+
+
+def test_cli_stops_by_itself_after_duration() -> None:
+    proc = _start_cli("--duration", "0.5", "--no-seed")
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr.decode()
+    document = json.loads(stdout.splitlines()[0])
+    assert document["seeded_prefixes"] == [] and len(document["workers"]) == 2
+
+
+def test_cli_rejects_bad_flags_naming_them() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "router.cli", "sim-cluster", "--kvcm-replicas", "0"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert b"--kvcm-replicas" in result.stderr
