@@ -27,7 +27,7 @@ from router.transport.errors import (
     Unavailable,
 )
 from router.transport.grpc_adapter import GrpcRawRpc, channel_options, remaining_timeout
-from router.transport.grpc_server import GrpcServer, start_grpc_server
+from router.transport.grpc_server import GrpcServer, method_handlers, serve_grpc, start_grpc_server
 
 ECHO = "/kvroute.test.Peer/Echo"
 REMAINING = "/kvroute.test.Peer/Remaining"
@@ -130,6 +130,27 @@ async def test_round_trip_carries_raw_bytes(
     assert state.calls[ECHO] == 2
     assert pool.snapshot().opened == 1
     assert pool.snapshot().leased == 0
+
+
+async def test_serve_grpc_reports_its_address_and_stops_when_cancelled(
+    pool: ChannelPool[grpc.Channel],
+) -> None:
+    rpc = GrpcRawRpc(pool)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            server: GrpcServer = await nursery.start(serve_grpc, {ECHO: Peer().echo})
+            assert server.host == "127.0.0.1"
+            assert server.port > 0
+            assert await rpc.call(server.target, ECHO, b"up") == b"up"
+            nursery.cancel_scope.cancel()
+        with pytest.raises(Unavailable):
+            await rpc.call(server.target, ECHO, b"down")
+
+
+@pytest.mark.parametrize("path", ["Peer/Echo", "/Echo", "/a.Peer/Echo/extra"])
+def test_method_paths_must_be_full(path: str) -> None:
+    with pytest.raises(ValueError, match="is not a full"):
+        method_handlers({path: Peer().echo})
 
 
 async def test_concurrent_calls_share_one_channel(
