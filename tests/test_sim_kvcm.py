@@ -428,3 +428,11 @@ async def test_memory_unknown_method_is_unimplemented(autojump_clock: trio.testi
     network.serve("kvcm", memory_handler(cluster.replica("n0")))
     with pytest.raises(RemoteError, match="UNIMPLEMENTED"):
         await network.call("kvcm", paths.WORKER_GET_STATUS, b"")
+
+
+def test_cluster_clear_worker_empties_its_cache() -> None:
+    cluster = _cluster()
+    assert cluster.local_prefix(A, KEYS) == 4
+    cluster.clear_worker(A)
+    assert cluster.local_prefix(A, KEYS) == 0
+    assert decode.decode_cache_state(_state(cluster, "n0"), "n0").hosts == ()

@@ -61,10 +61,6 @@ class SimKvcmIndex:
     def workers(self) -> tuple[str, ...]:
         return tuple(self._stored)
 
-    def capacity(self, host: str) -> int:
-        self._require(host)
-        return self._capacity[host]
-
     def stored_blocks(self, host: str) -> int:
         return len(self._require(host))
 

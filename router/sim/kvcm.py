@@ -176,11 +176,8 @@ class SimKvcmCluster:
         with self._lock:
             self._index.add_worker(host, capacity_blocks)
 
-    def remove_worker(self, host: str) -> None:
-        with self._lock:
-            self._index.remove_worker(host)
-
     def clear_worker(self, host: str) -> None:
+        """Drop every block ``host`` stores (a restarted engine has a cold cache)."""
         with self._lock:
             self._index.clear_worker(host)
 
@@ -196,10 +193,6 @@ class SimKvcmCluster:
     def match(self, keys: Sequence[int], p2p_host_count: int = 0) -> tuple[HostMatch, ...]:
         with self._lock:
             return self._index.match(keys, p2p_host_count)
-
-    def stored_blocks(self, host: str) -> int:
-        with self._lock:
-            return self._index.stored_blocks(host)
 
     # ---- serving (called by the servers through KvcmReplica) ----
 
