@@ -123,6 +123,8 @@ class SimKvcmIndex:
         contiguous = set(first)  # workers holding keys[0 : i]
         for i in range(1, len(keys)):
             holding = holders.get(keys[i], _NOBODY)
+            if contiguous <= holding:  # the common case: nobody drops out; no new set
+                continue
             still = contiguous & holding  # iterates the smaller set
             if len(still) != len(contiguous):
                 for host in contiguous - still:
@@ -148,10 +150,11 @@ class SimKvcmIndex:
         while j < n:
             key = keys[j]
             if key not in mine:
-                still = peers & self._holders.get(key, _NOBODY)
-                if not still:
-                    break
-                peers = still
+                holding = self._holders.get(key, _NOBODY)
+                if not peers <= holding:
+                    peers = peers & holding
+                    if not peers:
+                        break
                 fetched += 1
             j += 1
         return fetched, j
