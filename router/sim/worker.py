@@ -128,10 +128,11 @@ class _Finished:
 
 
 class SimWorker:
-    """One simulated engine worker; identity ``host`` is its ``ip:http_port``."""
+    """One simulated engine worker. ``name`` labels it in messages; its address (and KVCM identity)
+    is given by whoever serves it (``SimCluster``)."""
 
-    def __init__(self, host: str, spec: WorkerSpec | None = None) -> None:
-        self.host = host
+    def __init__(self, name: str, spec: WorkerSpec | None = None) -> None:
+        self.name = name
         self.spec = WorkerSpec() if spec is None else spec
         self._lock = threading.Lock()
         self._changes = ChangeNotifier()
@@ -160,7 +161,7 @@ class SimWorker:
         with self._lock:
             now = self._advance_locked(now)
             if len(self._tasks) >= self.spec.max_tasks:
-                raise SimWorkerOverloaded(f"{self.host}: {len(self._tasks)} tasks queued (max_tasks)")
+                raise SimWorkerOverloaded(f"{self.name}: {len(self._tasks)} tasks queued (max_tasks)")
             uncached = max(1, input_tokens - cached_tokens)
             start = max(now, self._busy_until)
             finish = start + uncached / self.spec.prefill_tokens_per_s
@@ -238,7 +239,7 @@ class SimWorker:
         with self._lock:
             faults = self._faults
         if not faults.reachable(now):
-            return CallPlan.dead(f"worker {self.host} is down")
+            return CallPlan.dead(f"worker {self.name} is down")
         if faults.hang:
             return CallPlan(hang=True)
         return CallPlan(delay_s=faults.delay_s)
