@@ -6,8 +6,8 @@ or reads a clock:
 - :func:`plan_candidates` turns a cache answer (KVCM's, or the shadow index's) and an
   indexed discovery snapshot (:class:`Fleet`) into the candidates to probe and score.
 - :func:`score` applies the filters, hit, work, orders, guard, gate and bound of §2 and
-  returns a :class:`Selection` (chosen worker, reason, per-candidate explanation, drop
-  counts by reason, and the §2.7 claim order).
+  returns a :class:`Selection` (chosen worker, reason, hit, drop counts by reason; the
+  per-candidate explanation and the §2.7 claim order are built on demand).
 - :class:`SelectionLedger` holds the only state the policy needs between decisions: each
   worker's last-selected time and its local pre-charge, bounded (LRU over workers).
 
@@ -16,8 +16,8 @@ so on trio's single thread two decisions can never interleave: scoring a request
 recording its selection happen atomically, and the next decision sees the pre-charge.
 That is how the reference scheduler's claim by compare-and-set (§2.7) is adapted here:
 the claim cannot fail, because nobody else can take the worker between scoring and
-recording. The §2.7 spread order is still computed and returned
-(:attr:`Selection.alternates`) for a caller that cannot use the chosen worker.
+recording. The §2.7 spread order is still available (:meth:`Selection.alternates`) for a
+caller that cannot use the chosen worker.
 """
 
 from __future__ import annotations
@@ -253,12 +253,17 @@ def plan_candidates(
     taken: set[int] = set()  # ids of fleet workers already planned (fleet objects are unique)
     dropped: list[CandidateExplain] = []
 
+    by_target = fleet.by_http_target
+
     def admit(match: HostMatch) -> Candidate | None:
-        resolved = _resolve_host(match.host_ip_port, fleet)
-        if isinstance(resolved, DropReason):
-            dropped.append(_drop_explain(match, hot_source, resolved))
-            return None
-        worker, target = resolved
+        target = match.host_ip_port
+        worker = by_target.get(target)
+        if worker is None:  # not the canonical spelling, or not a discovered worker
+            resolved = _resolve_host(target, fleet)
+            if isinstance(resolved, DropReason):
+                dropped.append(_drop_explain(match, hot_source, resolved))
+                return None
+            worker, target = resolved
         if ejected and worker in ejected:
             dropped.append(_drop_explain(match, hot_source, DropReason.EJECTED))
             return None
@@ -426,9 +431,11 @@ class ObservedStatus:
     status: WorkerStatus
     taken_at: float
     outstanding_uncached_tokens: int = field(init=False)
+    waiting_count: int = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "outstanding_uncached_tokens", self.status.outstanding_uncached_tokens)
+        object.__setattr__(self, "waiting_count", self.status.waiting_count)
 
 
 class ScoreSheet:
@@ -597,10 +604,14 @@ def score(
             plan_drop = DropReason(explained.dropped)
             drop_totals[plan_drop] = drop_totals.get(plan_drop, 0) + 1
 
+    view = ledger.view
     # (target, index, work, last-selected, hit) of each candidate that passes the filters (§2.1).
     passed: list[tuple[str, int, int, float, int]] = []
     for index, (worker, target, match, _) in enumerate(candidates):
-        hit = hits[index] = hit_tokens(match, block_size, seq_len, discount)
+        if match is not None and match.p2p_total <= match.local and block_size > 0:
+            hit = hits[index] = min(seq_len, match.local * block_size) if match.local > 0 else 0
+        else:
+            hit = hits[index] = hit_tokens(match, block_size, seq_len, discount)
         observed = observed_by_index[index] = statuses.get(worker)
         drop: DropReason | None = None
         if observed is None:
@@ -611,7 +622,7 @@ def score(
                 drop = DropReason.NOT_ALIVE
             elif status.role not in roles:
                 drop = DropReason.ROLE_NOT_ROUTED
-            elif status.waiting_count >= queue_threshold:
+            elif observed.waiting_count >= queue_threshold:
                 drop = DropReason.QUEUE_FULL
             elif status.block_size is not None and status.block_size != block_size:
                 drop = DropReason.BLOCK_SIZE_MISMATCH
@@ -623,7 +634,7 @@ def score(
                 drop = DropReason.LOOKAHEAD_MISMATCH
         if drop is None:
             assert observed is not None
-            pending, last_selected = ledger.view(target, observed.taken_at)
+            pending, last_selected = view(target, observed.taken_at)
             work = works[index] = observed.outstanding_uncached_tokens + pending + (seq_len - hit)
             passed.append((target, index, work, last_selected, hit))
         else:
@@ -743,6 +754,23 @@ class Scorer:
         self._tie_rng = random.Random(config.seed)
         # Contract mismatches are logged once per worker (bounded like the ledger).
         self._warned: OrderedDict[str, None] = OrderedDict()
+        self._observed: OrderedDict[WorkerAddr, ObservedStatus] = OrderedDict()  # least recently new first
+
+    def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
+        """The scoring view of a status in hand, reused while the same status is passed again.
+
+        A cached status is scored by many decisions; summing its tasks once per status (not
+        once per decision) is most of a decision's cost saved. Bounded by max_tracked_workers.
+        """
+        cached = self._observed.get(worker)
+        if cached is not None and cached.status is status and cached.taken_at == taken_at:
+            return cached
+        fresh = ObservedStatus(status, taken_at)
+        self._observed.pop(worker, None)
+        self._observed[worker] = fresh
+        if len(self._observed) > self.config.max_tracked_workers:
+            self._observed.popitem(last=False)
+        return fresh
 
     def decide(
         self,

@@ -768,3 +768,18 @@ def test_scorer_rejects_bad_config_naming_every_field() -> None:
 def test_negative_seq_len_is_rejected() -> None:
     with pytest.raises(ValueError, match="seq_len"):
         run(WORKED_PLAN, WORKED_STATUSES, seq_len=-1)
+
+
+def test_observe_reuses_the_view_of_an_unchanged_status_and_is_bounded() -> None:
+    scorer = Scorer(replace(ScorerConfig(), max_tracked_workers=2), DeploymentConfig(block_size=BS))
+    a, b, c = addr(1), addr(2), addr(3)
+    st_a = status(7000)
+    first = scorer.observe(a, st_a, 1.0)
+    assert first.outstanding_uncached_tokens == 7000
+    assert scorer.observe(a, st_a, 1.0) is first  # same status object, same time: reused
+    assert scorer.observe(a, st_a, 2.0) is not first  # taken again: a new view
+    assert scorer.observe(a, status(7000), 2.0).status is not st_a  # a new status object
+    scorer.observe(b, status(0), 1.0)
+    scorer.observe(c, status(0), 1.0)  # over the bound: a (least recently new) is forgotten
+    kept = scorer.observe(b, scorer._observed[b].status, 1.0)
+    assert kept is scorer._observed[b] and len(scorer._observed) == 2 and a not in scorer._observed
