@@ -17,7 +17,7 @@ import trio.testing
 from router.keys import block_keys
 from router.sim.cluster import SimCluster
 from router.sim.traffic import TrafficSpec, TrafficStats, run_traffic, seed_prefixes, system_prompt
-from router.sim.worker import WorkerSpec
+from router.sim.worker import WorkerFaults, WorkerSpec
 from router.transport.clients import KvcmClient, WorkerStatusClient
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import CacheQuery, HostMatch, KeyFamily, QueryType, WorkerAddr
@@ -182,3 +182,23 @@ def test_cli_rejects_bad_flags_naming_them() -> None:
     )
     assert result.returncode == 2
     assert b"--kvcm-replicas" in result.stderr
+
+
+async def test_fleet_stats_count_peak_concurrency_across_workers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(6)
+    network = MemoryNetwork()
+    addresses = cluster.serve_memory(network)
+    client = WorkerStatusClient(network)
+    for worker in cluster.workers:
+        worker.set_faults(WorkerFaults(delay_s=0.1))
+    async with trio.open_nursery() as nursery:
+        for addr in addresses.workers[:4]:
+            for _ in range(2):
+                nursery.start_soon(client.get_worker_status, addr.status_target, -1)
+    fleet = cluster.worker_fleet_stats.get(paths.WORKER_GET_STATUS)
+    assert (fleet.calls, fleet.in_flight, fleet.peak_in_flight) == (8, 0, 8)
+    one = cluster.workers[0].stats.get(paths.WORKER_GET_STATUS)
+    assert (one.calls, one.peak_in_flight) == (2, 2)
+    assert cluster.workers[5].stats.get(paths.WORKER_GET_STATUS).calls == 0

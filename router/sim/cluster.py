@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import trio
 
 from router.config import KVCM_DEFAULT_PORT, DeploymentConfig
+from router.sim.faults import CallStats
 from router.sim.grpc_server import Clock, serve_endpoint
 from router.sim.kvcm import SimKvcmCluster
 from router.sim.memory_server import memory_handler
-from router.sim.worker import SimWorker, WorkerSpec
+from router.sim.worker import WORKER_METHODS, SimWorker, WorkerSpec
 from router.targets import format_target
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import WorkerAddr
@@ -122,7 +123,12 @@ class SimCluster:
             followers_answer_queries=followers_answer_queries,
             instance_id=instance_id,
         )
-        self.workers = tuple(SimWorker(f"worker-{i}", spec) for i, spec in enumerate(specs))
+        # Every worker's calls, counted together (e.g. peak probe concurrency across the fleet).
+        self.worker_fleet_stats = CallStats(WORKER_METHODS)
+        self.workers = tuple(
+            SimWorker(f"worker-{i}", spec, fleet_stats=self.worker_fleet_stats)
+            for i, spec in enumerate(specs)
+        )
         self._addrs: tuple[WorkerAddr, ...] = ()
         self._by_host: dict[str, int] = {}
         self._addresses: SimClusterAddresses | None = None

@@ -106,9 +106,14 @@ class MethodStats:
 
 
 class CallStats:
-    """Calls served per method path, with in-flight and peak in-flight counts (for tests and benches)."""
+    """Calls served per method path, with in-flight and peak in-flight counts (for tests and benches).
 
-    def __init__(self, methods: frozenset[str]) -> None:
+    With a ``parent``, every call is also counted there: e.g. one ``CallStats`` for a whole
+    fleet of workers gives the peak concurrency across all of them.
+    """
+
+    def __init__(self, methods: frozenset[str], parent: CallStats | None = None) -> None:
+        self._parent = parent
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._calls = dict.fromkeys(methods, 0)
@@ -122,11 +127,15 @@ class CallStats:
             self._in_flight[method_path] = n
             self._peak[method_path] = max(self._peak[method_path], n)
             self._changed.notify_all()
+        if self._parent is not None:
+            self._parent.begin(method_path)
 
     def end(self, method_path: str) -> None:
         with self._lock:
             self._in_flight[method_path] -= 1
             self._changed.notify_all()
+        if self._parent is not None:
+            self._parent.end(method_path)
 
     def wait_in_flight(self, method_path: str, count: int, timeout_s: float) -> bool:
         """Block until ``count`` calls of ``method_path`` are in flight; False on timeout.

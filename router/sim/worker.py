@@ -131,12 +131,15 @@ class SimWorker:
     """One simulated engine worker. ``name`` labels it in messages; its address (and KVCM identity)
     is given by whoever serves it (``SimCluster``)."""
 
-    def __init__(self, name: str, spec: WorkerSpec | None = None) -> None:
+    def __init__(
+        self, name: str, spec: WorkerSpec | None = None, *, fleet_stats: CallStats | None = None
+    ) -> None:
+        """``fleet_stats``: a ``CallStats`` shared by several workers, also counting this one's calls."""
         self.name = name
         self.spec = WorkerSpec() if spec is None else spec
         self._lock = threading.Lock()
         self._changes = ChangeNotifier()
-        self._stats = CallStats(WORKER_METHODS)
+        self._stats = CallStats(WORKER_METHODS, parent=fleet_stats)
         self._faults = NO_WORKER_FAULTS
         self._now = -math.inf
         self._tasks: deque[_Task] = deque()  # FIFO; the head is running
