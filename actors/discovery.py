@@ -412,15 +412,12 @@ class Discovery:
     def _publish(self, now: float) -> None:
         kvcm: dict[str, None] = {}
         workers: dict[str, WorkerAddr] = {}
-        status_port = self._config.worker_status_port or None
         for source in self._sources:
-            for hp in source.entries:
-                if source.list_kind is ListKind.KVCM:
+            if source.list_kind is ListKind.KVCM:
+                for hp in source.entries:
                     kvcm.setdefault(str(hp))
-                else:
-                    worker = WorkerAddr.from_http(
-                        hp.host, hp.port, self._config.worker_grpc_port_offset, status_port
-                    )
+            else:
+                for worker in to_workers(source.entries, self._config, source.name):
                     workers.setdefault(worker.http_target, worker)
         changed = False
         if tuple(kvcm) != self._kvcm:

@@ -27,8 +27,9 @@ between awaits; trio is cooperative, so each of those is atomic. All policy time
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import tenacity
 import trio
@@ -82,6 +83,7 @@ class LeaderSnapshot:
     last_error_at: float | None
     last_lookup_s: float | None  # duration of the last lookup round
     lookups_total: int
+    lookups_by_trigger: Mapping[str, int]  # by Trigger value
     lookup_rpcs_total: int
     leader_changes_total: int
     invalidations_total: int
@@ -109,19 +111,23 @@ class _Round:
         self.errors: dict[str, str] = {}
 
 
+class Trigger(enum.Enum):
+    """Why a lookup ran (snapshot label)."""
+
+    SCHEDULED = "scheduled"  # start-up, refresh before expiry, retry after backoff or "no leader"
+    REQUEST = "request"  # a caller needed a leader and none was cached
+    INVALIDATED = "invalidated"  # a query said the cached leader is wrong
+
+
 class _Attempt:
     """One single-flight lookup: callers wait on ``done``; ``result`` is set before it fires."""
 
-    __slots__ = ("done", "result")
+    __slots__ = ("done", "result", "trigger")
 
-    def __init__(self) -> None:
+    def __init__(self, trigger: Trigger) -> None:
+        self.trigger = trigger
         self.done = trio.Event()
         self.result: _LookupResult | None = None
-
-
-class _Wake(enum.Enum):
-    REQUEST = "request"  # a caller needs a leader now
-    INVALIDATED = "invalidated"  # a query said the cached leader is wrong
 
 
 def validate_leader_config(config: LeaderConfig) -> None:
@@ -171,8 +177,9 @@ class LeaderResolver:
             multiplier=config.backoff_initial_s, max=config.backoff_max_s, jitter=config.backoff_jitter_s
         )
         self._retry_state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
-        # Capacity 1: a wake-up carries no data, so a second one while one is pending is merged.
-        self._wake_send, self._wake_receive = trio.open_memory_channel[_Wake](1)
+        # The inbox: wake-ups for run(), which then reads the attempt to perform. Capacity 1: a
+        # wake-up carries no data, so a second one while one is pending is merged (and counted).
+        self._wake_send, self._wake_receive = trio.open_memory_channel[None](1)
 
         self._leader: LeaderEndpoint | None = None
         self._confirmed_at = 0.0  # trio time the cached leader was last confirmed
@@ -184,6 +191,7 @@ class LeaderResolver:
         self._last_error_at: float | None = None
         self._last_lookup_s: float | None = None
         self._lookups_total = 0
+        self._lookups_by_trigger = dict.fromkeys((t.value for t in Trigger), 0)
         self._lookup_rpcs_total = 0
         self._leader_changes_total = 0
         self._invalidations_total = 0
@@ -204,7 +212,7 @@ class LeaderResolver:
             raise self._fail_fast(UnavailableReason.BACKING_OFF, self._last_error or "lookups failing")
         if self._no_leader:
             raise self._fail_fast(UnavailableReason.NO_LEADER, "the KVCM cluster has no leader elected")
-        attempt = self._ensure_attempt(_Wake.REQUEST)
+        attempt = self._ensure_attempt(Trigger.REQUEST)
         await attempt.done.wait()
         result = attempt.result
         assert result is not None  # set before done fires
@@ -232,7 +240,7 @@ class LeaderResolver:
         self._leader = None
         self._invalidations_total += 1
         if self._consecutive_failures == 0:
-            self._ensure_attempt(_Wake.INVALIDATED)
+            self._ensure_attempt(Trigger.INVALIDATED)
         # While backing off, run() retries at the scheduled time; requests fail fast until then.
 
     def admit(self) -> Admission:
@@ -270,6 +278,7 @@ class LeaderResolver:
             last_error_at=self._last_error_at,
             last_lookup_s=self._last_lookup_s,
             lookups_total=self._lookups_total,
+            lookups_by_trigger=MappingProxyType(dict(self._lookups_by_trigger)),
             lookup_rpcs_total=self._lookup_rpcs_total,
             leader_changes_total=self._leader_changes_total,
             invalidations_total=self._invalidations_total,
@@ -292,7 +301,7 @@ class LeaderResolver:
                 if attempt is None:
                     if trio.current_time() < self._next_due(trio.current_time()):
                         continue  # a wake-up whose lookup already ran
-                    attempt = self._attempt = _Attempt()
+                    attempt = self._attempt = _Attempt(Trigger.SCHEDULED)
             await self._perform(attempt)
 
     async def _perform(self, attempt: _Attempt) -> None:
@@ -305,6 +314,7 @@ class LeaderResolver:
             now = trio.current_time()
             self._last_lookup_s = now - started
             self._apply(result, now)
+            self._lookups_by_trigger[attempt.trigger.value] += 1
             attempt.result = result
             self._attempt = None
             attempt.done.set()
@@ -388,12 +398,12 @@ class LeaderResolver:
             return LeaderState.RESOLVING
         return LeaderState.UNKNOWN
 
-    def _ensure_attempt(self, why: _Wake) -> _Attempt:
+    def _ensure_attempt(self, trigger: Trigger) -> _Attempt:
         attempt = self._attempt
         if attempt is None:
-            attempt = self._attempt = _Attempt()
+            attempt = self._attempt = _Attempt(trigger)
             try:
-                self._wake_send.send_nowait(why)
+                self._wake_send.send_nowait(None)
             except trio.WouldBlock:
                 self._wakes_coalesced_total += 1  # run() is already due to wake and will see the attempt
         return attempt

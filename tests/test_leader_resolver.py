@@ -254,6 +254,8 @@ async def test_not_leader_invalidates_and_next_request_finds_new_leader_in_one_r
     await client.get_host_cache_state(NODES[2], query)  # the new leader answers
     snap = resolver.snapshot()
     assert (snap.leader_changes_total, snap.invalidations_total) == (2, 1)
+    assert snap.lookups_by_trigger["invalidated"] == 1
+    assert sum(snap.lookups_by_trigger.values()) == snap.lookups_total == 2
 
     # A late report about the old leader is stale: no invalidation, no RPC.
     resolver.report_failure(NODES[0], info.value)
@@ -464,6 +466,7 @@ async def test_background_refresh_means_requests_never_wait(
     assert max(waits) == 0.0
     assert cluster_info_calls(network) == 4 * len(NODES)  # start + refreshes at 10, 20, 30 s
     snap = resolver.snapshot()
+    assert snap.lookups_by_trigger["scheduled"] >= 3  # the refreshes ran on their own
     assert snap.leader_target == NODES[1]
     assert snap.leader_changes_total == 2
     assert snap.age_s is not None and 0.0 <= snap.age_s < 5.1
