@@ -275,13 +275,18 @@ class WorkerProber:
 
     def cached(self, worker: WorkerAddr) -> WorkerStatus | None:
         """The worker's status if usable for scoring now (see the module docstring), else None."""
+        observed = self.cached_observed(worker)
+        return None if observed is None else observed[0]
+
+    def cached_observed(self, worker: WorkerAddr) -> tuple[WorkerStatus, float] | None:
+        """Like :meth:`cached`, with the trio time the status was received (for pre-charge clearing)."""
         state = self._workers.get(worker)
         if state is None or state.status is None or state.consecutive_failures:
             return None
         now = trio.current_time()
         if state.ejected_until > now or now - state.status_at >= self._config.max_status_age_s:
             return None
-        return state.status
+        return state.status, state.status_at
 
     def is_routable(self, worker: WorkerAddr) -> bool:
         """Has had a valid status once and is not ejected."""

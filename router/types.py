@@ -61,7 +61,9 @@ class WorkerAddr:
     status_port: int
 
     @classmethod
-    def from_http(cls, ip: str, http_port: int, grpc_port_offset: int = 1, status_port: int | None = None) -> WorkerAddr:
+    def from_http(
+        cls, ip: str, http_port: int, grpc_port_offset: int = 1, status_port: int | None = None
+    ) -> WorkerAddr:
         grpc_port = http_port + grpc_port_offset
         return cls(ip, http_port, grpc_port, grpc_port if status_port is None else status_port)
 
@@ -204,6 +206,7 @@ class Reason(enum.Enum):
     FEATURE_OFF = "feature_off"
     BAD_REQUEST = "bad_request"
     NO_WORKERS = "no_workers"
+    INTERNAL_ERROR = "internal_error"
 
 
 class DropReason(enum.Enum):

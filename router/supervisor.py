@@ -1,0 +1,323 @@
+"""The supervisor: the actor topology, wired in one place.
+
+    frontend ─route()─▶ RouterActor ─┬─ LeaderResolver (leader cache, single-flight lookups, KVCM breaker)
+                                      ├─ KvcmClient ──▶ RawRpc (GrpcRawRpc over ChannelPool | MemoryNetwork)
+                                      ├─ WorkerProber (status cache, coalescing, global probe budget) ─▶ RawRpc
+                                      ├─ Scorer (pure CacheAffinityFirst + selection ledger)
+                                      ├─ ShadowIndexActor (write-on-route prefix index)
+                                      └─ Discovery (immutable worker / bootstrap snapshots)
+    every actor ─emit()─▶ MetricsSink ─▶ prometheus registry ─▶ DebugServer (/metrics, /debug/*)
+
+Long-lived actors run in the service nursery under ``_supervised``: a crash after start-up is
+recorded (restarts, last error) and the actor is restarted with backoff, while the router keeps
+answering with what remains (at worst domain fallback). A crash during start-up is fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import trio
+
+from actors.breaker import BreakerState
+from actors.channel_pool import ChannelPool
+from actors.discovery import Discovery
+from actors.leader_resolver import LeaderResolver, LeaderState
+from actors.metrics_sink import BREAKER_STATE_VALUES, MetricsSink
+from actors.router_actor import RouterActor
+from actors.scorer import Scorer
+from actors.shadow_index import ShadowIndexActor
+from actors.worker_prober import WorkerProber
+from router.config import KvrouteConfig
+from router.settings import LoadedConfig
+from router.targets import HostPort
+from router.transport.clients import KvcmClient, WorkerStatusClient
+from router.transport.grpc_adapter import GrpcRawRpc
+from router.transport.ports import RawRpc
+from router.types import RouteDecision, RouteRequest
+
+log = logging.getLogger(__name__)
+
+RESTART_BACKOFF_INITIAL_S = 0.05
+RESTART_BACKOFF_MAX_S = 5.0
+
+RunFn = Callable[..., Awaitable[None]]
+
+
+@dataclass(slots=True)
+class ActorRecord:
+    """What the supervisor knows of one actor (for /debug/actors)."""
+
+    name: str
+    state: str = "starting"
+    started_at: float = 0.0
+    restarts: int = 0
+    last_error: str | None = None
+    last_error_at: float | None = None
+    snapshot: Callable[[], object] | None = field(default=None, repr=False)
+    inbox: Callable[[], Mapping[str, int]] | None = field(default=None, repr=False)
+
+    def view(self, now: float) -> dict[str, object]:
+        out: dict[str, object] = {
+            "state": self.state,
+            "uptime_s": round(now - self.started_at, 3) if self.state == "running" else 0.0,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+        }
+        if self.inbox is not None:
+            out["inbox"] = dict(self.inbox())
+        if self.snapshot is not None:
+            out["health"] = self.snapshot()
+        return out
+
+
+class Supervisor:
+    """Starts every actor in one service nursery and restarts crashed ones with backoff."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self.records: dict[str, ActorRecord] = {}
+
+    async def start(
+        self,
+        name: str,
+        run: RunFn,
+        *,
+        snapshot: Callable[[], object] | None = None,
+        inbox: Callable[[], Mapping[str, int]] | None = None,
+    ) -> Any:
+        record = ActorRecord(name, snapshot=snapshot, inbox=inbox)
+        self.records[name] = record
+        return await self._nursery.start(partial(self._supervised, record, run))
+
+    async def _supervised(
+        self, record: ActorRecord, run: RunFn, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        first: trio.TaskStatus[Any] | None = task_status
+        backoff = RESTART_BACKOFF_INITIAL_S
+        while True:
+            crashed: BaseException | None = None
+            try:
+                async with trio.open_nursery() as inner:
+                    value = await inner.start(run)
+                    record.state = "running"
+                    record.started_at = trio.current_time()
+                    if first is not None:
+                        first.started(value)
+                        first = None
+                    backoff = RESTART_BACKOFF_INITIAL_S
+            except* Exception as group:
+                if first is not None:
+                    raise  # a failure during start-up is a configuration or environment error: fatal
+                crashed = group
+            if crashed is None:
+                record.state = "stopped"
+                return
+            record.restarts += 1
+            record.state = "restarting"
+            record.last_error = (
+                repr(crashed.exceptions[0]) if isinstance(crashed, BaseExceptionGroup) else repr(crashed)
+            )
+            record.last_error_at = trio.current_time()
+            log.error(
+                "actor crashed; restarting actor=%s error=%s backoff_s=%.3f",
+                record.name,
+                record.last_error,
+                backoff,
+            )
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
+
+    def views(self) -> dict[str, dict[str, object]]:
+        now = trio.current_time()
+        return {name: record.view(now) for name, record in self.records.items()}
+
+
+class RouterHandle:
+    """What a frontend holds: ``await handle.route(request)``; plus operator views."""
+
+    def __init__(
+        self,
+        *,
+        router: RouterActor,
+        supervisor: Supervisor,
+        discovery: Discovery,
+        resolver: LeaderResolver | None,
+        prober: WorkerProber,
+        metrics: MetricsSink,
+        config: KvrouteConfig,
+        loaded: LoadedConfig | None,
+        pool: ChannelPool[Any] | None,
+    ) -> None:
+        self._router = router
+        self._supervisor = supervisor
+        self._discovery = discovery
+        self._resolver = resolver
+        self._prober = prober
+        self._metrics = metrics
+        self._pool = pool
+        self.config = config
+        self.loaded = loaded
+        self.debug_address: HostPort | None = None
+
+    async def route(self, request: RouteRequest) -> RouteDecision:
+        return await self._router.route(request)
+
+    @property
+    def metrics(self) -> MetricsSink:
+        return self._metrics
+
+    def discovery(self) -> Discovery:
+        return self._discovery
+
+    def leader_resolver(self) -> LeaderResolver | None:
+        return self._resolver
+
+    def prober(self) -> WorkerProber:
+        return self._prober
+
+    def router_actor(self) -> RouterActor:
+        return self._router
+
+    def actors_health(self) -> dict[str, dict[str, object]]:
+        return self._supervisor.views()
+
+    # DebugSources
+    def actors(self) -> Mapping[str, Mapping[str, object]]:
+        return self.actors_health()
+
+    def ready(self) -> tuple[bool, str]:
+        """Routable when discovery has workers and, with the fallback on, a leader is known or the
+        breaker is deliberately open (domain fallback then answers at once)."""
+        if not self._discovery.workers().workers:
+            return False, "discovery has no worker"
+        if self._resolver is None:
+            return True, "domain routing (KVCM fallback off)"
+        snap = self._resolver.snapshot()
+        if snap.state is LeaderState.LEADER:
+            return True, f"leader {snap.leader_target}"
+        if snap.breaker.state is BreakerState.OPEN:
+            return True, "KVCM breaker open: domain fallback answers"
+        return False, f"no KVCM leader yet (state {snap.state.value}; last error {snap.last_error})"
+
+
+@asynccontextmanager
+async def open_router(
+    config: KvrouteConfig,
+    *,
+    rpc: RawRpc | None = None,
+    loaded: LoadedConfig | None = None,
+    debug_http: bool = False,
+) -> AsyncIterator[RouterHandle]:
+    """Start the whole topology; yield a handle; on exit cancel the actors and close every channel.
+
+    ``rpc`` None → real gRPC (ChannelPool + GrpcRawRpc); pass a MemoryNetwork for in-memory peers.
+    """
+    async with trio.open_nursery() as services:
+        supervisor = Supervisor(services)
+        pool: ChannelPool[Any] | None = None
+        if rpc is None:
+            pool = ChannelPool(config.channel_pool)
+            await supervisor.start("channel_pool", pool.run, snapshot=pool.snapshot)
+            rpc = GrpcRawRpc(pool)
+
+        metrics = MetricsSink(config.metrics)
+        await supervisor.start(
+            "metrics_sink",
+            metrics.run,
+            snapshot=metrics.snapshot,
+            inbox=lambda: {"depth": metrics.inbox_depth(), "capacity": config.metrics.inbox_size},
+        )
+
+        discovery = Discovery(config.discovery)
+        await supervisor.start("discovery", discovery.run, snapshot=discovery.snapshot)
+
+        resolver: LeaderResolver | None = None
+        kvcm: KvcmClient | None = None
+        if config.router.kvcm_fallback:
+            kvcm = KvcmClient(rpc)
+            resolver = LeaderResolver(
+                config.leader,
+                config.breaker,
+                kvcm,
+                discovery.kvcm_bootstrap,
+                instance_id=config.deployment.kvcm_instance_id,
+            )
+            await supervisor.start("leader_resolver", resolver.run, snapshot=resolver.snapshot)
+
+        prober = WorkerProber(config.prober, WorkerStatusClient(rpc, config.prober.engine_generation))
+        await supervisor.start("worker_prober", prober.run, snapshot=prober.snapshot)
+
+        shadow = ShadowIndexActor(config.shadow)
+        await supervisor.start("shadow_index", shadow.run, snapshot=shadow.health)
+
+        scorer = Scorer(config.scorer, config.deployment)
+        router = RouterActor(
+            config,
+            discovery=discovery,
+            resolver=resolver,
+            kvcm=kvcm,
+            prober=prober,
+            scorer=scorer,
+            shadow=shadow,
+            metrics=metrics,
+        )
+        await supervisor.start(
+            "router",
+            router.run,
+            snapshot=router.health,
+            inbox=lambda: {"depth": router.inbox_depth(), "capacity": config.router.inbox_size},
+        )
+
+        _register_gauges(metrics, resolver, prober, pool, router, shadow)
+        handle = RouterHandle(
+            router=router,
+            supervisor=supervisor,
+            discovery=discovery,
+            resolver=resolver,
+            prober=prober,
+            metrics=metrics,
+            config=config,
+            loaded=loaded,
+            pool=pool,
+        )
+        if debug_http:
+            from router.debug_http import DebugServer  # upper module: imported only when serving HTTP
+            from router.settings import load_config
+
+            server = DebugServer(handle, metrics, loaded or load_config({}, {}), config.serve.debug_listen)
+            handle.debug_address = await supervisor.start("debug_http", server.run)
+        try:
+            yield handle
+        finally:
+            services.cancel_scope.cancel()
+
+
+def _register_gauges(
+    metrics: MetricsSink,
+    resolver: LeaderResolver | None,
+    prober: WorkerProber,
+    pool: ChannelPool[Any] | None,
+    router: RouterActor,
+    shadow: ShadowIndexActor,
+) -> None:
+    if resolver is not None:
+        metrics.register_gauge_source(
+            "kvroute_kvcm_breaker_state",
+            lambda: BREAKER_STATE_VALUES[resolver.snapshot().breaker.state.value],
+        )
+    metrics.register_gauge_source("kvroute_probe_inflight", lambda: float(prober.snapshot().inflight))
+    metrics.register_gauge_source("kvroute_workers_ejected", lambda: float(len(prober.snapshot().ejected_until)))
+    if pool is not None:
+        metrics.register_gauge_source("kvroute_channel_pool_channels", lambda: float(pool.snapshot().size))
+    metrics.register_gauge_source("kvroute_inbox_depth", lambda: float(router.inbox_depth()), actor="router")
+    metrics.register_gauge_source("kvroute_inbox_depth", lambda: float(metrics.inbox_depth()), actor="metrics_sink")
+    metrics.register_gauge_source(
+        "kvroute_inbox_depth", lambda: float(shadow.health().inbox_depth), actor="shadow_index"
+    )
