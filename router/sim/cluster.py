@@ -110,7 +110,8 @@ class SimCluster:
         followers_answer_queries: bool = False,
         instance_id: str = "",
     ) -> None:
-        specs = [WorkerSpec()] * workers if isinstance(workers, int) else list(workers)
+        # Workers given by count report the simulation's block size (a real fleet agrees with itself).
+        specs = [WorkerSpec(block_size=block_size)] * workers if isinstance(workers, int) else list(workers)
         if not specs:
             raise ValueError("workers: at least one worker is required")
         if kvcm_replicas < 1:
@@ -126,8 +127,7 @@ class SimCluster:
         # Every worker's calls, counted together (e.g. peak probe concurrency across the fleet).
         self.worker_fleet_stats = CallStats(WORKER_METHODS)
         self.workers = tuple(
-            SimWorker(f"worker-{i}", spec, fleet_stats=self.worker_fleet_stats)
-            for i, spec in enumerate(specs)
+            SimWorker(f"worker-{i}", spec, fleet_stats=self.worker_fleet_stats) for i, spec in enumerate(specs)
         )
         self._addrs: tuple[WorkerAddr, ...] = ()
         self._by_host: dict[str, int] = {}

@@ -1,0 +1,289 @@
+"""The routing pipeline end to end under MockClock with in-memory peers (SimCluster on a MemoryNetwork).
+
+Only the remote peers are simulated; every actor, the deadline logic and the decoders are real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+import trio
+import trio.testing
+
+from router.api import open_router
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, ProberConfig, RouterConfig
+from router.keys import block_keys
+from router.sim.cluster import SimCluster
+from router.sim.kvcm import KvcmFaults
+from router.sim.worker import WorkerFaults, WorkerSpec
+from router.supervisor import RouterHandle
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import KeyFamily, Reason, Role, RouteRequest, RouteSource
+
+BLOCK = 16
+PROMPT = tuple(range(1000, 1000 + 8 * BLOCK))  # 8 blocks
+KEYS = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
+
+
+def make_config(cluster_addrs_bootstrap: str, workers: str, **router_kw: object) -> KvrouteConfig:
+    deployment_roles = router_kw.pop("roles", (Role.PREFILL,))
+    return KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, roles=deployment_roles),  # type: ignore[arg-type]
+        router=RouterConfig(**router_kw),  # type: ignore[arg-type]
+        discovery=DiscoveryConfig(kvcm_bootstrap=cluster_addrs_bootstrap, workers=workers),
+    )
+
+
+@asynccontextmanager
+async def routed(
+    cluster: SimCluster, **router_kw: object
+) -> AsyncIterator[tuple[RouterHandle, MemoryNetwork, KvrouteConfig]]:
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, **router_kw)
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.move_on_after(1):
+            await resolver.leader()
+        yield handle, network, config
+
+
+def seed(cluster: SimCluster, worker: int, blocks: int) -> None:
+    cluster.kvcm.record_prefill(cluster.worker_addr(worker).http_target, KEYS[:blocks])
+
+
+async def test_kvcm_routes_to_the_cache_holder(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+        decision = await handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.KVCM
+        assert decision.reason is Reason.CACHE_LEADER
+        assert decision.worker == cluster.worker_addr(2)
+        assert decision.local_blocks == 8
+        assert decision.hit_tokens == len(PROMPT)
+        assert decision.role is Role.PREFILL
+        assert {"keys", "leader", "cache_query", "plan", "probe", "score", "total"} <= set(decision.stage_ms)
+        assert decision.elapsed_ms <= 50
+
+
+async def test_every_decision_within_deadline_when_kvcm_hangs(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster, budget_cap_ms=50.0) as (handle, _, _):
+        seed(cluster, 1, 8)
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+        decisions = []
+        for i in range(8):
+            start = trio.current_time()
+            d = await handle.route(RouteRequest(f"h{i}", token_ids=PROMPT, budget_ms=20))
+            decisions.append((trio.current_time() - start, d))
+        for took, d in decisions:
+            assert took <= 0.020 + 1e-9
+            assert d.worker is not None
+            assert d.route_source in (RouteSource.DOMAIN, RouteSource.SHADOW)
+        first = decisions[0][1]
+        assert first.reason is Reason.DEADLINE
+        # After the breaker opens, requests skip KVCM at once (no time spent).
+        last_took, last = decisions[-1]
+        assert last.reason is Reason.BREAKER_OPEN or last.route_source is RouteSource.SHADOW
+        assert last_took < 0.005
+
+
+async def test_kvcm_slow_answers_within_budget(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 3, 8)
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.030))
+        start = trio.current_time()
+        d = await handle.route(RouteRequest("slow", token_ids=PROMPT, budget_ms=10))
+        assert trio.current_time() - start <= 0.010 + 1e-9
+        assert d.reason is Reason.DEADLINE
+        assert d.route_source is RouteSource.DOMAIN
+        # A budget that covers the delay gets the affinity answer.
+        d2 = await handle.route(RouteRequest("slow2", token_ids=PROMPT, budget_ms=45))
+        assert d2.route_source is RouteSource.KVCM and d2.worker == cluster.worker_addr(3)
+
+
+async def test_all_workers_slow_decides_at_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 0, 8)
+        for w in cluster.workers:
+            w.set_faults(WorkerFaults(delay_s=0.5))
+        start = trio.current_time()
+        d = await handle.route(RouteRequest("ws", token_ids=PROMPT, budget_ms=20))
+        assert trio.current_time() - start <= 0.020 + 1e-9
+        assert d.worker is not None
+        assert d.route_source is RouteSource.DOMAIN
+        assert d.reason is Reason.NO_CANDIDATES
+
+
+async def test_leader_lost_mid_request(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+        old = cluster.kvcm.leader
+        assert old is not None
+        new = next(n for n in cluster.kvcm.node_ids if n != old)
+        cluster.kvcm.set_leader(new)  # the old leader now answers SERVER_NOT_LEADER
+        d = await handle.route(RouteRequest("moved", token_ids=PROMPT, budget_ms=20))
+        assert d.reason is Reason.KVCM_ERROR
+        assert d.route_source in (RouteSource.DOMAIN, RouteSource.SHADOW)
+        assert d.elapsed_ms <= 20
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.fail_after(1):
+            await resolver.leader()
+        d2 = await handle.route(RouteRequest("moved2", token_ids=PROMPT, budget_ms=20))
+        assert d2.route_source is RouteSource.KVCM and d2.worker == cluster.worker_addr(2)
+
+
+async def test_anytime_decision_uses_the_answers_in_hand(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        for i, delay in enumerate((0.001, 0.002, 0.003, 0.100)):
+            seed(cluster, i, 8 - i)  # every worker is a hot candidate
+            cluster.workers[i].set_faults(WorkerFaults(delay_s=delay))
+        d = await handle.route(RouteRequest("any", token_ids=PROMPT, budget_ms=10))
+        assert d.elapsed_ms <= 10
+        assert d.route_source is RouteSource.KVCM
+        scored = [c for c in d.candidates if c.dropped is None]
+        dropped = {c.target: c.dropped for c in d.candidates if c.dropped is not None}
+        assert len(scored) == 3
+        assert dropped == {cluster.worker_addr(3).http_target: "probe_skipped"}
+        assert d.worker == cluster.worker_addr(0)
+
+
+async def test_pdfusion_only_deployment_never_gets_prefill(autojump_clock: trio.testing.MockClock) -> None:
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2 + [
+        WorkerSpec(role="RoleType.PDFUSION", block_size=BLOCK)
+    ] * 2
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PDFUSION,)) as (handle, _, _):
+        seed(cluster, 0, 8)  # the best cache holder is a PREFILL worker
+        seed(cluster, 2, 4)
+        for i in range(20):
+            d = await handle.route(RouteRequest(f"p{i}", token_ids=PROMPT, budget_ms=20))
+            assert d.worker is not None
+            if d.route_source is RouteSource.KVCM:
+                assert d.role is Role.PDFUSION
+                assert d.worker in (cluster.worker_addr(2), cluster.worker_addr(3))
+            dropped_roles = [c for c in d.candidates if c.dropped == "role_not_routed"]
+            if d.route_source is RouteSource.KVCM:
+                assert all(c.target != d.worker.http_target for c in dropped_roles)
+
+
+async def test_mixed_deployment_reports_the_workers_real_role(autojump_clock: trio.testing.MockClock) -> None:
+    specs = [
+        WorkerSpec(role="RoleType.PDFUSION", block_size=BLOCK),
+        WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK),
+    ]
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PREFILL, Role.PDFUSION)) as (handle, _, _):
+        seed(cluster, 0, 8)
+        d = await handle.route(RouteRequest("mixed", token_ids=PROMPT, budget_ms=20))
+        assert d.route_source is RouteSource.KVCM
+        assert d.worker == cluster.worker_addr(0) and d.role is Role.PDFUSION
+
+
+async def test_feature_off_is_plain_domain_routing(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, kvcm_fallback=False)
+    seed(cluster, 1, 8)
+    async with open_router(config, rpc=network) as handle:
+        assert handle.leader_resolver() is None
+        chosen = []
+        for i in range(200):
+            d = await handle.route(RouteRequest(f"off{i}", token_ids=PROMPT, budget_ms=20))
+            assert d.route_source is RouteSource.DOMAIN and d.reason is Reason.FEATURE_OFF
+            chosen.append(d.worker)
+        # No RPC of any kind: not to KVCM, not to a worker.
+        assert network.call_count() == 0
+        counts = {w: chosen.count(w) for w in set(chosen)}
+        assert len(counts) == 4 and min(counts.values()) >= 25  # uniform random over discovery
+
+
+async def test_overloaded_inbox_answers_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, inbox_size=1) as (handle, _, _):
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.010))
+        seed(cluster, 0, 8)
+        results = []
+
+        async def one(i: int) -> None:
+            start = trio.current_time()
+            d = await handle.route(RouteRequest(f"o{i}", token_ids=PROMPT, budget_ms=40))
+            results.append((trio.current_time() - start, d))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(one, i)
+        overloaded = [(t, d) for t, d in results if d.reason is Reason.OVERLOADED]
+        assert 1 <= len(overloaded) <= 9
+        assert all(t == 0 and d.route_source is RouteSource.DOMAIN for t, d in overloaded)
+        assert len(results) == 10
+
+
+async def test_bad_request_still_gets_an_answer(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        d = await handle.route(RouteRequest("bad", token_ids=PROMPT, block_cache_keys=KEYS))
+        assert d.reason is Reason.BAD_REQUEST and d.route_source is RouteSource.DOMAIN
+        assert d.worker is not None and d.error is not None and "token_ids" in d.error
+        d = await handle.route(RouteRequest("bad2", block_cache_keys=(2**63,), block_size=16))
+        assert d.reason is Reason.BAD_REQUEST and d.error is not None and "block_cache_keys" in d.error
+        d = await handle.route(RouteRequest("bad3", token_ids=PROMPT, roles=(Role.DECODE,)))
+        assert d.reason is Reason.BAD_REQUEST and d.error is not None and "roles" in d.error
+
+
+async def test_caller_keys_pass_through(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, network, _):
+        seed(cluster, 1, 8)
+        d = await handle.route(RouteRequest("keys", block_cache_keys=KEYS, block_size=BLOCK, budget_ms=20))
+        assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(1)
+        assert d.hit_tokens == 8 * BLOCK
+
+
+async def test_no_workers_is_route_source_none(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=1, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, "")
+    async with open_router(config, rpc=network) as handle:
+        d = await handle.route(RouteRequest("none", token_ids=PROMPT, budget_ms=10))
+        assert d.route_source is RouteSource.NONE and d.worker is None
+        assert d.error is not None and "discovery" in d.error
+        assert handle.ready() == (False, "discovery has no worker")
+
+
+async def test_burst_spreads_with_precharge(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, config):
+        for i in range(4):
+            seed(cluster, i, 8)
+        config2 = replace(config.prober)
+        assert isinstance(config2, ProberConfig)
+        chosen = []
+        async with trio.open_nursery() as nursery:
+
+            async def one(i: int) -> None:
+                d = await handle.route(RouteRequest(f"b{i}", token_ids=PROMPT, budget_ms=40))
+                chosen.append(d.worker)
+
+            for i in range(200):
+                nursery.start_soon(one, i)
+        counts = {w: chosen.count(w) for w in set(chosen)}
+        assert len(counts) == 4
+        assert max(counts.values()) <= 80 and min(counts.values()) >= 20
