@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import trio
 import trio.testing
 
 from router.api import open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, ProberConfig, RouterConfig
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
 from router.sim.cluster import SimCluster
 from router.sim.kvcm import KvcmFaults
@@ -249,7 +248,7 @@ async def test_bad_request_still_gets_an_answer(autojump_clock: trio.testing.Moc
 
 async def test_caller_keys_pass_through(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster) as (handle, network, _):
+    async with routed(cluster) as (handle, _, _):
         seed(cluster, 1, 8)
         d = await handle.route(RouteRequest("keys", block_cache_keys=KEYS, block_size=BLOCK, budget_ms=20))
         assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(1)
@@ -270,11 +269,9 @@ async def test_no_workers_is_route_source_none(autojump_clock: trio.testing.Mock
 
 async def test_burst_spreads_with_precharge(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster) as (handle, _, config):
+    async with routed(cluster) as (handle, _, _):
         for i in range(4):
             seed(cluster, i, 8)
-        config2 = replace(config.prober)
-        assert isinstance(config2, ProberConfig)
         chosen = []
         async with trio.open_nursery() as nursery:
 
