@@ -563,6 +563,11 @@ _SPECS: dict[str, _Spec] = {
     "serve.drain_timeout_s": _Spec(
         "On SIGTERM/SIGINT, in-flight requests get this long to finish", _NONNEG, metavar="SECONDS"
     ),
+    "serve.grpc_max_workers": _Spec(
+        "kvroute serve: Route handler threads, and the most Route calls in flight "
+        "(beyond it a call is refused at once with RESOURCE_EXHAUSTED)",
+        _POS,
+    ),
 }
 
 
