@@ -151,3 +151,10 @@ class CallStats:
             return MethodStats(
                 self._calls[method_path], self._in_flight[method_path], self._peak[method_path]
             )
+
+    def reset(self) -> None:
+        """Zero the counts and peaks (in-flight counts stay: those calls are still running)."""
+        with self._lock:
+            for method in self._calls:
+                self._calls[method] = 0
+                self._peak[method] = self._in_flight[method]
