@@ -97,9 +97,7 @@ class ChannelPool(Generic[ChannelT]):
     """LRU of channels with a size cap and idle expiry (trio clock). Implements ``ChannelLeaser``."""
 
     @overload
-    def __init__(
-        self: ChannelPool[grpc.Channel], config: ChannelPoolConfig, factory: None = None
-    ) -> None: ...
+    def __init__(self: ChannelPool[grpc.Channel], config: ChannelPoolConfig, factory: None = None) -> None: ...
 
     @overload
     def __init__(self, config: ChannelPoolConfig, factory: Callable[[str], ChannelT]) -> None: ...
@@ -229,20 +227,22 @@ class ChannelPool(Generic[ChannelT]):
             self._evict(entry, EvictReason.IDLE)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Close evicted channels and sweep idle ones until ``aclose()``; ending closes the pool."""
-        try:
-            task_status.started()
-            while True:
-                with trio.move_on_at(self._next_sweep_at):
-                    try:
-                        channel = await self._close_recv.receive()
-                    except trio.EndOfChannel:
-                        return
-                    self._close_now(channel)
-                    continue
-                self._sweep(trio.current_time())
-        finally:
-            self._shutdown()
+        """Close evicted channels and sweep idle ones until ``aclose()``.
+
+        A crash or cancellation of this task leaves the channels in place (the supervisor
+        restarts it and the map survives); only ``aclose()`` — called by the owner at
+        shutdown — closes the pool.
+        """
+        task_status.started()
+        while True:
+            with trio.move_on_at(self._next_sweep_at):
+                try:
+                    channel = await self._close_recv.receive()
+                except trio.EndOfChannel:
+                    return
+                self._close_now(channel)
+                continue
+            self._sweep(trio.current_time())
 
     def _shutdown(self) -> None:
         if self._closed:

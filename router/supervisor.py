@@ -61,6 +61,7 @@ class ActorRecord:
     last_error_at: float | None = None
     snapshot: Callable[[], object] | None = field(default=None, repr=False)
     inbox: Callable[[], Mapping[str, int]] | None = field(default=None, repr=False)
+    nursery: trio.Nursery | None = field(default=None, repr=False)  # the running incarnation's
 
     def view(self, now: float) -> dict[str, object]:
         out: dict[str, object] = {
@@ -105,6 +106,7 @@ class Supervisor:
             crashed: BaseException | None = None
             try:
                 async with trio.open_nursery() as inner:
+                    record.nursery = inner
                     value = await inner.start(run)
                     record.state = "running"
                     record.started_at = trio.current_time()
@@ -116,6 +118,7 @@ class Supervisor:
                 if first is not None:
                     raise  # a failure during start-up is a configuration or environment error: fatal
                 crashed = group
+            record.nursery = None
             if crashed is None:
                 record.state = "stopped"
                 return
@@ -134,9 +137,25 @@ class Supervisor:
             await trio.sleep(backoff)
             backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
 
+    def inject_crash(self, name: str) -> None:
+        """Crash a running actor as a bug would (chaos tests, the demo's scenarios): the supervisor
+        sees the failure, records it and restarts the actor with backoff."""
+        record = self.records[name]
+        if record.nursery is None:
+            raise RuntimeError(f"actor {name!r} is not running (state {record.state})")
+        record.nursery.start_soon(_crash, name)
+
     def views(self) -> dict[str, dict[str, object]]:
         now = trio.current_time()
         return {name: record.view(now) for name, record in self.records.items()}
+
+
+class InjectedCrash(Exception):
+    """Raised inside an actor's task tree by :meth:`Supervisor.inject_crash`."""
+
+
+async def _crash(name: str) -> None:
+    raise InjectedCrash(f"injected crash of actor {name!r}")
 
 
 class RouterHandle:
@@ -187,6 +206,10 @@ class RouterHandle:
 
     def actors_health(self) -> dict[str, dict[str, object]]:
         return self._supervisor.views()
+
+    @property
+    def supervisor(self) -> Supervisor:
+        return self._supervisor
 
     # DebugSources
     def actors(self) -> Mapping[str, Mapping[str, object]]:
@@ -297,6 +320,9 @@ async def open_router(
             yield handle
         finally:
             services.cancel_scope.cancel()
+            if pool is not None:
+                with trio.CancelScope(shield=True):
+                    await pool.aclose()  # every channel closed, leased ones when their lease returns
 
 
 def _register_gauges(

@@ -1,0 +1,83 @@
+"""Way in #1 (trio, in process) over REAL loopback gRPC to SimKvcm + SimWorkers, with the debug endpoint.
+
+Real clock, servers on 127.0.0.1:0, an absolute trio.fail_after per test; never MockClock here.
+"""
+
+from __future__ import annotations
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.api import open_router
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
+from router.keys import block_keys
+from router.sim.cluster import SimCluster
+from router.sim.kvcm import KvcmFaults
+from router.types import KeyFamily, Reason, RouteRequest, RouteSource
+
+BLOCK = 16
+PROMPT = tuple(range(500, 500 + 8 * BLOCK))
+
+
+def _decisions_total(text: str) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvroute_route_decisions":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[(sample.labels["route_source"], sample.labels["reason"])] = sample.value
+    return out
+
+
+async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> None:
+    with trio.fail_after(20):
+        cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+        config = KvrouteConfig(
+            deployment=DeploymentConfig(block_size=BLOCK),
+            discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        )
+        async with open_router(config, debug_http=True) as handle:
+            resolver = handle.leader_resolver()
+            assert resolver is not None
+            await resolver.leader()
+            assert handle.debug_address is not None
+            base = f"http://{handle.debug_address}"
+            async with httpx.AsyncClient(base_url=base) as http:
+                assert (await http.get("/readyz")).status_code == 200
+                decisions = [
+                    await handle.route(RouteRequest(f"g{i}", token_ids=PROMPT, budget_ms=200)) for i in range(5)
+                ]
+                assert all(d.route_source is RouteSource.KVCM for d in decisions)
+                assert decisions[0].worker == cluster.worker_addr(2)
+                assert decisions[0].reason is Reason.CACHE_LEADER
+                await trio.sleep(0.05)  # let the metrics sink drain its inbox (real clock)
+                metrics = (await http.get("/metrics")).text
+                counted = sum(v for (src, _), v in _decisions_total(metrics).items() if src == "kvcm")
+                assert counted == 5
+                actors = (await http.get("/debug/actors")).json()
+                expected = {"channel_pool", "metrics_sink", "discovery", "leader_resolver", "worker_prober"}
+                assert expected | {"shadow_index", "router", "debug_http"} == set(actors)
+                assert {a["state"] for a in actors.values()} == {"running"}
+                recent = (await http.get("/debug/decisions", params={"limit": 3})).json()
+                assert len(recent["decisions"] if isinstance(recent, dict) else recent) == 3
+
+                # A crashed channel pool restarts with its channels intact; routing goes on.
+                handle.supervisor.inject_crash("channel_pool")
+                await trio.sleep(0.2)
+                d = await handle.route(RouteRequest("after-crash", token_ids=PROMPT, budget_ms=200))
+                assert d.route_source is RouteSource.KVCM
+                assert handle.actors_health()["channel_pool"]["restarts"] == 1
+
+                # KVCM leader blackholed: answers stay within budget and fall back.
+                leader = cluster.kvcm.leader
+                assert leader is not None
+                cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+                for i in range(3):
+                    start = trio.current_time()
+                    d = await handle.route(RouteRequest(f"bh{i}", token_ids=PROMPT, budget_ms=30))
+                    assert trio.current_time() - start < 0.030 + 0.010  # deadline + scheduling slack
+                    assert d.route_source in (RouteSource.DOMAIN, RouteSource.SHADOW)
+                cluster.kvcm.clear_faults()

@@ -1,0 +1,57 @@
+"""Supervision: each actor crashed once is recorded and restarted, and decisions keep coming in time.
+
+MockClock + MemoryNetwork (in-memory SimCluster); the crash is raised inside the actor's own task tree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from router.api import open_router
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
+from router.keys import block_keys
+from router.sim.cluster import SimCluster
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import KeyFamily, RouteRequest, RouteSource
+
+BLOCK = 16
+PROMPT = tuple(range(4 * BLOCK))
+ACTORS = ("metrics_sink", "discovery", "leader_resolver", "worker_prober", "shadow_index", "router")
+
+
+@pytest.mark.parametrize("actor", ACTORS)
+async def test_crashed_actor_restarts_and_routing_continues(actor: str, autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.fail_after(1):
+            await resolver.leader()
+        assert handle.actors_health()[actor]["state"] == "running"
+        handle.supervisor.inject_crash(actor)
+        sources = []
+        for i in range(40):
+            start = trio.current_time()
+            decision = await handle.route(RouteRequest(f"{actor}-{i}", token_ids=PROMPT, budget_ms=20))
+            # deadline + the route() grace at most, and always a worker.
+            assert trio.current_time() - start <= 0.020 + 0.002 + 1e-9
+            assert decision.worker is not None
+            sources.append(decision.route_source)
+            await trio.sleep(0.01)
+        view = handle.actors_health()[actor]
+        assert view["restarts"] == 1
+        assert view["state"] == "running"
+        assert "injected crash" in str(view["last_error"])
+        # Back to cache-aware routing once the actor is up again.
+        assert sources[-1] is RouteSource.KVCM
+        others = {name: v["restarts"] for name, v in handle.actors_health().items() if name != actor}
+        assert set(others.values()) == {0}
