@@ -108,6 +108,7 @@ class ChannelPool(Generic[ChannelT]):
         if not config.idle_expiry_s > 0:
             raise ValueError(f"channel_pool.idle_expiry_s must be > 0, got {config.idle_expiry_s}")
         self._config = config
+        self._evict_listener: Callable[[EvictReason], None] | None = None
         # Without a factory ChannelT is grpc.Channel (first overload).
         self._factory: Callable[[str], ChannelT] = factory or functools.partial(open_channel, config=config)  # type: ignore[assignment]
         # parse_target costs ~10 µs; live targets number at most max_channels, so a cache that size hits.
@@ -182,10 +183,16 @@ class ChannelPool(Generic[ChannelT]):
             entry.last_used = trio.current_time()
             self._entries.move_to_end(entry.key)
 
+    def on_evict(self, listener: Callable[[EvictReason], None]) -> None:
+        """Tell ``listener`` (synchronous, non-blocking — e.g. a metrics emit) of every eviction."""
+        self._evict_listener = listener
+
     def _evict(self, entry: _Entry[ChannelT], reason: EvictReason) -> None:
         del self._entries[entry.key]
         entry.evicted = True
         self._evicted[reason] += 1
+        if self._evict_listener is not None:
+            self._evict_listener(reason)
         if entry.leases:
             self._draining += 1
         else:

@@ -223,6 +223,7 @@ class RouterActor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the inbox; each request is its own task in the handler nursery."""
         async with trio.open_nursery() as handlers:
+            handlers.start_soon(self._warn.run)  # flushes aggregated hot-path warnings when due
             task_status.started()
             async for job in self._receive:
                 handlers.start_soon(self._handle, job)

@@ -28,7 +28,7 @@ from actors.breaker import BreakerState
 from actors.channel_pool import ChannelPool
 from actors.discovery import Discovery
 from actors.leader_resolver import LeaderResolver, LeaderState
-from actors.metrics_sink import BREAKER_STATE_VALUES, MetricsSink
+from actors.metrics_sink import BREAKER_STATE_VALUES, ChannelEvicted, MetricsSink
 from actors.router_actor import RouterActor
 from actors.scorer import Scorer
 from actors.shadow_index import ShadowIndexActor
@@ -244,12 +244,6 @@ async def open_router(
     """
     async with trio.open_nursery() as services:
         supervisor = Supervisor(services)
-        pool: ChannelPool[Any] | None = None
-        if rpc is None:
-            pool = ChannelPool(config.channel_pool)
-            await supervisor.start("channel_pool", pool.run, snapshot=pool.snapshot)
-            rpc = GrpcRawRpc(pool)
-
         metrics = MetricsSink(config.metrics)
         await supervisor.start(
             "metrics_sink",
@@ -257,6 +251,13 @@ async def open_router(
             snapshot=metrics.snapshot,
             inbox=lambda: {"depth": metrics.inbox_depth(), "capacity": config.metrics.inbox_size},
         )
+
+        pool: ChannelPool[Any] | None = None
+        if rpc is None:
+            pool = ChannelPool(config.channel_pool)
+            pool.on_evict(lambda reason: metrics.emit(ChannelEvicted(reason.value)))
+            await supervisor.start("channel_pool", pool.run, snapshot=pool.snapshot)
+            rpc = GrpcRawRpc(pool)
 
         discovery = Discovery(config.discovery)
         await supervisor.start("discovery", discovery.run, snapshot=discovery.snapshot)
