@@ -1,0 +1,350 @@
+"""The gRPC way in: ``kvroute.v1.Router/Route`` and the standard gRPC health service.
+
+A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen``:
+
+- Route calls arrive on grpc's handler threads (at most ``--grpc-max-workers`` at once; a call
+  beyond that is refused with RESOURCE_EXHAUSTED, never queued). Each is decoded, handed to the
+  trio thread with ``TrioToken.run_sync_soon`` and runs there as a task; the handler thread waits
+  for its decision no longer than the call's deadline: the client's gRPC deadline and the routing
+  deadline (min(budget, ``--budget-cap-ms``)) plus a short slack.
+- The client's gRPC deadline, when shorter than the budget, becomes the routing deadline.
+- A bad request ends with INVALID_ARGUMENT and a message naming the field; a decision with
+  ``route_source=none`` (no worker known) is returned as is, with its error in the trailing
+  metadata ``kvroute-error``.
+- Health (``grpc.health.v1.Health``, service "" and "kvroute.v1.Router"): SERVING while the router
+  is ready (asked at each Check), NOT_SERVING while it is not and from the start of a drain on.
+
+``run()`` serves until :meth:`Sidecar.drain` is called — then it stops accepting calls, lets the
+calls in flight finish within ``--drain-timeout-s`` and returns — or until it is cancelled (then it
+stops at once).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+import trio
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from router.api import RouterHandle
+from router.config import KvrouteConfig
+from router.logs import ctx
+from router.settings import parse_listen
+from router.targets import HostPort, format_target
+from router.transport.errors import PeerAbort, RpcStatus
+from router.transport.grpc_server import method_handlers
+from router.types import BadRequest, Reason, Role, RouteDecision, RouteRequest, RouteSource
+from router.wire import router_v1_pb2
+from router.wire.paths import ROUTER_ROUTE
+
+log = logging.getLogger(__name__)
+
+ROUTER_SERVICE = "kvroute.v1.Router"
+ERROR_METADATA_KEY = "kvroute-error"
+# The router answers at most a few ms after a request's deadline; a handler thread waits this much
+# longer before it reports DEADLINE_EXCEEDED (only a stuck trio thread gets there).
+ANSWER_SLACK_S = 0.05
+_HEALTH_SERVICES = ("", ROUTER_SERVICE)
+_ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
+
+# --- conversion (pure) ---------------------------------------------------------------------------
+
+
+def _role(name: str) -> Role:
+    try:
+        role = Role(name.strip().upper())
+    except ValueError:
+        role = Role.UNKNOWN
+    if role is Role.UNKNOWN:
+        raise BadRequest("roles", f"unknown role {name!r} (known: {_ROLE_NAMES})")
+    return role
+
+
+def request_from_proto(message: router_v1_pb2.RouteRequest) -> RouteRequest:
+    """The router's request for a ``kvroute.v1.RouteRequest``; raises BadRequest naming the field.
+
+    proto3 cannot tell an unset scalar from 0: block_size, seq_len and budget_ms 0 mean "not given"
+    (budget: use the cap), and an empty token_ids / block_cache_keys list is not given. Everything
+    else (exactly one of the two lists, block size, roles the deployment routes) is checked by the
+    router, which answers reason=bad_request with an error naming the field.
+    """
+    return RouteRequest(
+        request_id=message.request_id,
+        token_ids=tuple(message.token_ids) or None,
+        block_cache_keys=tuple(message.block_cache_keys) or None,
+        block_size=message.block_size or None,
+        seq_len=message.seq_len or None,
+        budget_ms=float(message.budget_ms) or None,
+        roles=tuple(_role(name) for name in message.roles) or None,
+    )
+
+
+def decision_to_proto(decision: RouteDecision) -> router_v1_pb2.RouteDecision:
+    worker = decision.worker
+    return router_v1_pb2.RouteDecision(
+        request_id=decision.request_id,
+        ip=worker.ip if worker is not None else "",
+        http_port=worker.http_port if worker is not None else 0,
+        grpc_port=worker.grpc_port if worker is not None else 0,
+        role=decision.role.value if decision.role is not None else "",
+        route_source=decision.route_source.value,
+        reason=decision.reason.value,
+        hit_tokens=decision.hit_tokens,
+        local_blocks=decision.local_blocks,
+        elapsed_ms=decision.elapsed_ms,
+    )
+
+
+# --- the server ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarStats:
+    """Route calls by how they ended (counted when the handler returns) and those still in flight."""
+
+    answered: int  # a decision was sent
+    invalid: int  # INVALID_ARGUMENT
+    unavailable: int  # refused: the sidecar was stopping or the router had stopped (not routed)
+    timed_out: int  # DEADLINE_EXCEEDED: no decision before the call's deadline
+    failed: int  # INTERNAL: the router raised
+    in_flight: int
+
+
+_OUTCOME_BY_STATUS = {
+    RpcStatus.INVALID_ARGUMENT: "invalid",
+    RpcStatus.UNAVAILABLE: "unavailable",
+    RpcStatus.DEADLINE_EXCEEDED: "timed_out",
+}
+
+
+class _Counters:
+    """Outcome counts, written by grpc handler threads (hence the lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed"), 0)
+
+    def enter(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+
+    def leave(self, outcome: str) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            self._ended[outcome] += 1
+
+    def snapshot(self) -> SidecarStats:
+        with self._lock:
+            return SidecarStats(in_flight=self._in_flight, **self._ended)
+
+
+class _Stopped(Exception):
+    """The sidecar stopped before the call could be routed."""
+
+
+def _settle(answer: concurrent.futures.Future[RouteDecision], outcome: RouteDecision | Exception) -> None:
+    # A handler that gave up cancelled the future first: then nobody waits and the outcome is dropped.
+    if answer.set_running_or_notify_cancel():
+        if isinstance(outcome, Exception):
+            answer.set_exception(outcome)
+        else:
+            answer.set_result(outcome)
+
+
+class _RouterHealth(health.HealthServicer):
+    """The standard health service; a Check of "" or the Router asks the router whether it is ready."""
+
+    def __init__(self, ready: Callable[[], bool]) -> None:
+        super().__init__()
+        self._ready = ready  # called on grpc threads
+        self.set_serving(False)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in _HEALTH_SERVICES:
+            self.set(service, status)  # ignored once a drain began (enter_graceful_shutdown)
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if request.service in _HEALTH_SERVICES:
+            self.set_serving(self._ready())
+        return super().Check(request, context)
+
+
+class Sidecar:
+    """Serves ``handle`` over gRPC; see the module docstring. ``run`` is the actor's one entry point."""
+
+    def __init__(self, handle: RouterHandle, config: KvrouteConfig) -> None:
+        self._handle = handle
+        self._serve = config.serve
+        self._listen = parse_listen(config.serve.grpc_listen)  # a bad address fails here, naming it
+        self._cap_s = config.router.budget_cap_ms / 1000.0
+        self._counters = _Counters()
+        self._health = _RouterHealth(self._ready_from_thread)
+        # Set once in run() before serving; read by handler threads.
+        self._token: trio.lowlevel.TrioToken | None = None
+        # Owned by the trio thread (run() and the callbacks it runs).
+        self._calls: trio.Nursery | None = None
+        self._draining = False
+        self._drain_requested = trio.Event()
+        self.bound: HostPort | None = None
+
+    def stats(self) -> SidecarStats:
+        return self._counters.snapshot()
+
+    def drain(self) -> None:
+        """Stop accepting calls and finish those in flight (within --drain-timeout-s); run() then returns.
+
+        Call from the trio thread.
+        """
+        self._draining = True
+        self._drain_requested.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        workers = self._serve.grpc_max_workers
+        executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvroute-sidecar")
+        server = grpc.server(
+            executor,
+            handlers=[method_handlers({ROUTER_ROUTE: self._route_rpc})],
+            # Refuse at once beyond the thread pool: a queued call would wait past its deadline.
+            maximum_concurrent_rpcs=workers,
+            options=[("grpc.so_reuseport", 0)],
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            port = server.add_insecure_port(format_target(self._listen.host, self._listen.port))
+        except RuntimeError as exc:
+            executor.shutdown(wait=False)
+            raise OSError(f"--grpc-listen: cannot bind {self._serve.grpc_listen}: {exc}") from exc
+        try:
+            async with trio.open_nursery() as calls:
+                self._calls = calls
+                server.start()
+                self.bound = HostPort(self._listen.host, port)
+                self._health.set_serving(self._ready_now())
+                log.info("Route gRPC service listening on %s", self.bound, extra=ctx(target=str(self.bound)))
+                task_status.started(self.bound)
+                await self._drain_requested.wait()
+                await self._drain_server(server)
+                # Leaving the nursery waits for routing tasks whose callers gave up (each ends by its deadline).
+        finally:
+            self._calls = None
+            server.stop(grace=None)  # after a drain: nothing left; when cancelled: ends every call now
+            executor.shutdown(wait=False)
+
+    async def _drain_server(self, server: grpc.Server) -> None:
+        self._health.enter_graceful_shutdown()
+        grace = self._serve.drain_timeout_s
+        before = self.stats()
+        log.info("draining: %d Route call(s) in flight, up to %g s", before.in_flight, grace, extra=ctx(reason="drain"))
+        stopped = server.stop(grace=grace)  # refuses new calls at once; cancels what is left after grace
+        # grpc sets the event when the last call has ended or the grace has passed.
+        await trio.to_thread.run_sync(stopped.wait, abandon_on_cancel=True)
+        after = self.stats()
+        log.info(
+            "drained: %d answered while draining, %d still in flight at the drain deadline",
+            after.answered - before.answered,
+            after.in_flight,
+            extra=ctx(reason="drain"),
+        )
+
+    # --- grpc handler threads ------------------------------------------------------------------------
+
+    def _route_rpc(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        self._counters.enter()
+        outcome = "answered"
+        try:
+            return self._route_call(data, context)
+        except PeerAbort as abort:
+            outcome = _OUTCOME_BY_STATUS.get(abort.status, "failed")
+            raise
+        finally:
+            self._counters.leave(outcome)
+
+    def _route_call(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        message = router_v1_pb2.RouteRequest()
+        try:
+            message.ParseFromString(data)
+            request = request_from_proto(message)
+        except DecodeError as exc:
+            raise PeerAbort(RpcStatus.INVALID_ARGUMENT, f"request: not a kvroute.v1.RouteRequest ({exc})") from None
+        except BadRequest as exc:
+            raise PeerAbort(RpcStatus.INVALID_ARGUMENT, str(exc)) from None
+        remaining = context.time_remaining()
+        client_s = max(0.0, remaining) if remaining is not None and math.isfinite(remaining) else None
+        budget_s = request.budget_ms / 1000.0 if request.budget_ms is not None else math.inf
+        wait_s = min(budget_s, self._cap_s) + ANSWER_SLACK_S
+        if client_s is not None:
+            wait_s = min(wait_s, client_s)
+        answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
+        token = self._token
+        try:
+            if token is None:
+                raise _Stopped
+            token.run_sync_soon(self._spawn, request, client_s, answer)
+            decision = answer.result(timeout=wait_s)
+        except (trio.RunFinishedError, _Stopped):
+            raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is shutting down: request not routed") from None
+        except concurrent.futures.TimeoutError:
+            answer.cancel()
+            raise PeerAbort(RpcStatus.DEADLINE_EXCEEDED, f"no decision within {wait_s * 1000:.1f} ms") from None
+        except Exception as exc:
+            raise PeerAbort(RpcStatus.INTERNAL, f"router error: {exc!r}") from exc
+        if decision.reason is Reason.BAD_REQUEST:
+            raise PeerAbort(RpcStatus.INVALID_ARGUMENT, decision.error or "bad request")
+        if decision.route_source is RouteSource.NONE and decision.error:
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, decision.error),))
+        return decision_to_proto(decision).SerializeToString()
+
+    def _ready_from_thread(self) -> bool:
+        token = self._token
+        if token is None:
+            return False
+        try:
+            return trio.from_thread.run_sync(self._ready_now, trio_token=token)
+        except trio.RunFinishedError:
+            return False
+
+    # --- the trio thread -------------------------------------------------------------------------------
+
+    def _ready_now(self) -> bool:
+        return not self._draining and self._handle.ready()[0]
+
+    def _spawn(
+        self, request: RouteRequest, client_s: float | None, answer: concurrent.futures.Future[RouteDecision]
+    ) -> None:
+        # Runs in the trio thread (run_sync_soon).
+        calls = self._calls
+        if calls is None:
+            _settle(answer, _Stopped())
+            return
+        if client_s is not None:
+            # A client deadline shorter than the budget becomes the routing deadline (the router
+            # still caps it at --budget-cap-ms); an absolute deadline replaces the budget.
+            budget_s = request.budget_ms / 1000.0 if request.budget_ms is not None else math.inf
+            request = replace(request, deadline=trio.current_time() + min(client_s, budget_s))
+        calls.start_soon(self._call, request, answer)
+
+    async def _call(self, request: RouteRequest, answer: concurrent.futures.Future[RouteDecision]) -> None:
+        settled = False
+        try:
+            try:
+                decision = await self._handle.route(request)
+            except Exception as exc:  # the caller gets the router's error; the sidecar keeps serving
+                _settle(answer, exc)
+            else:
+                _settle(answer, decision)
+            settled = True
+        finally:
+            if not settled:  # cancelled (the sidecar stopped at once): the handler answers UNAVAILABLE
+                _settle(answer, _Stopped())

@@ -1,0 +1,275 @@
+"""Way in #3, the gRPC sidecar, end to end: a plain grpcio client → Sidecar → router → SimCluster.
+
+Everything is real loopback gRPC with the real clock (an absolute trio.fail_after per test); the
+client runs its blocking calls on worker threads, like a frontend process would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import trio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.api import RouterHandle, open_router
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig, ServeConfig
+from router.keys import block_keys
+from router.sidecar import ROUTER_SERVICE, Sidecar, decision_to_proto, request_from_proto
+from router.sim.cluster import SimCluster
+from router.sim.kvcm import KvcmFaults
+from router.types import BadRequest, KeyFamily, Reason, Role, RouteDecision, RouteSource, WorkerAddr
+from router.wire import router_v1_pb2
+from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
+
+BLOCK = 16
+PROMPT = tuple(range(7000, 7000 + 8 * BLOCK))
+CLIENT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Rig:
+    cluster: SimCluster
+    handle: RouterHandle
+    sidecar: Sidecar
+    channel: grpc.Channel
+
+    def route(self, request: router_v1_pb2.RouteRequest, timeout: float = CLIENT_TIMEOUT_S) -> object:
+        """One blocking Route call (run it on a thread); returns the decision or the grpc.RpcError."""
+        call = self.channel.unary_unary(
+            ROUTER_ROUTE,
+            request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
+            response_deserializer=router_v1_pb2.RouteDecision.FromString,
+        )
+        try:
+            reply: router_v1_pb2.RouteDecision = call(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            return exc
+        return reply
+
+    def health(self, service: str) -> int:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        status: int = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=CLIENT_TIMEOUT_S).status
+        return status
+
+
+@asynccontextmanager
+async def rig(nursery: trio.Nursery, *, serve: ServeConfig | None = None) -> AsyncIterator[Rig]:
+    cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
+    addrs = await nursery.start(cluster.serve_grpc)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        router=RouterConfig(budget_cap_ms=1000.0),
+        serve=serve or ServeConfig(grpc_listen="127.0.0.1:0"),
+    )
+    async with open_router(config) as handle, trio.open_nursery() as inner:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        await resolver.leader()  # warm: the router is ready
+        sidecar = Sidecar(handle, config)
+        bound = await inner.start(sidecar.run)
+        channel = grpc.insecure_channel(str(bound), options=[("grpc.enable_retries", 0)])
+        try:
+            yield Rig(cluster, handle, sidecar, channel)
+        finally:
+            channel.close()
+            inner.cancel_scope.cancel()
+
+
+def _status(outcome: object) -> grpc.StatusCode:
+    assert isinstance(outcome, grpc.RpcError), f"expected an error, got {outcome!r}"
+    code: grpc.StatusCode = outcome.code()
+    return code
+
+
+def _details(outcome: object) -> str:
+    assert isinstance(outcome, grpc.RpcError)
+    return outcome.details() or ""
+
+
+async def _in_thread(fn: Callable[[], object]) -> object:
+    return await trio.to_thread.run_sync(fn)
+
+
+async def test_route_returns_kvcm_decision_for_seeded_prefix_and_health_serving(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            holder = r.cluster.worker_addr(2)
+            r.cluster.kvcm.record_prefill(holder.http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+            assert await _in_thread(lambda: r.health("")) == health_pb2.HealthCheckResponse.SERVING
+            assert await _in_thread(lambda: r.health(ROUTER_SERVICE)) == health_pb2.HealthCheckResponse.SERVING
+
+            request = router_v1_pb2.RouteRequest(request_id="seeded", token_ids=PROMPT, budget_ms=500)
+            reply = await _in_thread(lambda: r.route(request))
+            assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            assert reply.request_id == "seeded"
+            assert (reply.route_source, reply.reason) == ("kvcm", "CACHE_LEADER")
+            assert (reply.ip, reply.http_port, reply.grpc_port) == (holder.ip, holder.http_port, holder.grpc_port)
+            assert reply.role == "PREFILL"
+            assert (reply.local_blocks, reply.hit_tokens) == (8, 8 * BLOCK)
+            assert 0 < reply.elapsed_ms < 500
+
+            # Caller keys are used as given: the same prefix by its keys lands on the same holder.
+            keys = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
+            by_keys = router_v1_pb2.RouteRequest(request_id="keys", block_cache_keys=keys, budget_ms=500)
+            reply = await _in_thread(lambda: r.route(by_keys))
+            assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            assert (reply.route_source, reply.ip, reply.http_port) == ("kvcm", holder.ip, holder.http_port)
+            assert r.sidecar.stats().answered == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"token_ids": [1, 2, 3], "block_cache_keys": [4, 5]}, "token_ids"),  # both given
+        ({}, "token_ids"),  # neither given
+        ({"token_ids": [1] * 40, "roles": ["PREFILL", "MANAGER"]}, "roles"),  # unknown role name
+        ({"token_ids": [1] * 40, "roles": ["DECODE"]}, "roles"),  # a role this deployment does not route
+        ({"request_id": "", "token_ids": [1] * 40}, "request_id"),
+        ({"block_cache_keys": [4, 5], "block_size": 0, "seq_len": 7}, None),  # 0 = not given: accepted
+    ],
+)
+async def test_bad_request_is_invalid_argument_naming_the_field(
+    nursery: trio.Nursery, fields: dict[str, object], named: str | None
+) -> None:
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            request = router_v1_pb2.RouteRequest(**{"request_id": "bad", **fields})  # type: ignore[arg-type]
+            outcome = await _in_thread(lambda: r.route(request))
+            if named is None:
+                assert isinstance(outcome, router_v1_pb2.RouteDecision), outcome
+                return
+            assert _status(outcome) is grpc.StatusCode.INVALID_ARGUMENT
+            assert _details(outcome).startswith(f"{named}:"), _details(outcome)
+            assert r.sidecar.stats().invalid == 1
+            assert r.sidecar.stats().answered == 0
+
+
+async def test_undecodable_request_is_invalid_argument(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            raw = r.channel.unary_unary(ROUTER_ROUTE, request_serializer=None, response_deserializer=None)
+
+            def call() -> object:
+                try:
+                    return raw(b"\x0a\x7f", timeout=CLIENT_TIMEOUT_S)
+                except grpc.RpcError as exc:
+                    return exc
+
+            outcome = await _in_thread(call)
+            assert _status(outcome) is grpc.StatusCode.INVALID_ARGUMENT
+            assert _details(outcome).startswith("request:")
+
+
+async def test_client_deadline_shorter_than_budget_bounds_the_decision(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            leader = r.cluster.kvcm.leader
+            assert leader is not None
+            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+            # Budget 1 s but a 300 ms client deadline: the router decides (without KVCM) before the
+            # client gives up, so the client gets an answer instead of DEADLINE_EXCEEDED.
+            request = router_v1_pb2.RouteRequest(request_id="short", token_ids=PROMPT, budget_ms=1000)
+            reply = await _in_thread(lambda: r.route(request, timeout=0.3))
+            assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            assert reply.route_source in ("domain", "shadow")
+            assert reply.elapsed_ms < 300
+            r.cluster.kvcm.clear_faults()
+
+
+async def test_thread_pool_bound_refuses_the_call_beyond_it(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        async with rig(nursery, serve=ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2)) as r:
+            leader = r.cluster.kvcm.leader
+            assert leader is not None
+            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))  # each call lasts ~its budget
+            stats = r.cluster.kvcm.stats(leader)
+            slow = router_v1_pb2.RouteRequest(request_id="slow", token_ids=PROMPT, budget_ms=1000)
+            outcomes: list[object] = []
+
+            async def one() -> None:
+                outcomes.append(await _in_thread(lambda: r.route(slow)))
+
+            async with trio.open_nursery() as clients:
+                clients.start_soon(one)
+                clients.start_soon(one)
+                # Both calls hold a handler thread (their KVCM queries hang); a third is refused at once.
+                reached = await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 2, 5.0))
+                assert reached
+                third = await _in_thread(lambda: r.route(slow))
+                assert _status(third) is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert len(outcomes) == 2
+            assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in outcomes), outcomes
+            r.cluster.kvcm.clear_faults()
+
+
+async def test_drain_finishes_in_flight_calls_then_refuses(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            leader = r.cluster.kvcm.leader
+            assert leader is not None
+            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+            stats = r.cluster.kvcm.stats(leader)
+            slow = router_v1_pb2.RouteRequest(request_id="in-flight", token_ids=PROMPT, budget_ms=400)
+            outcomes: list[object] = []
+
+            async def one() -> None:
+                outcomes.append(await _in_thread(lambda: r.route(slow)))
+
+            async with trio.open_nursery() as clients:
+                clients.start_soon(one)
+                assert await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 1, 5.0))
+                assert r.sidecar.stats().in_flight == 1
+                r.sidecar.drain()
+            # The call in flight when the drain began got its decision ...
+            assert len(outcomes) == 1
+            assert isinstance(outcomes[0], router_v1_pb2.RouteDecision), outcomes
+            # ... and a call after it is refused (not routed), never left hanging.
+            late = await _in_thread(lambda: r.route(slow, timeout=2.0))
+            assert _status(late) is grpc.StatusCode.UNAVAILABLE
+            final = r.sidecar.stats()
+            assert (final.answered, final.in_flight, final.timed_out) == (1, 0, 0)
+            r.cluster.kvcm.clear_faults()
+
+
+def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None:
+    message = router_v1_pb2.RouteRequest(request_id="x", token_ids=[1, 2], roles=["pdfusion"])
+    request = request_from_proto(message)
+    assert request.token_ids == (1, 2)
+    assert request.block_cache_keys is None
+    assert (request.block_size, request.seq_len, request.budget_ms) == (None, None, None)
+    assert request.roles == (Role.PDFUSION,)
+    full = request_from_proto(
+        router_v1_pb2.RouteRequest(request_id="y", block_cache_keys=[9], block_size=32, seq_len=20, budget_ms=7)
+    )
+    assert (full.block_cache_keys, full.block_size, full.seq_len, full.budget_ms) == ((9,), 32, 20, 7.0)
+    for bad in ("UNKNOWN", "nope", ""):
+        with pytest.raises(BadRequest) as info:
+            request_from_proto(router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=[bad]))
+        assert info.value.field_name == "roles"
+
+
+def test_decision_conversion_keeps_every_field() -> None:
+    decision = RouteDecision(
+        request_id="d",
+        worker=WorkerAddr.from_http("10.0.0.7", 8000),
+        role=Role.PDFUSION,
+        route_source=RouteSource.SHADOW,
+        reason=Reason.SHORTEST_TTFT,
+        hit_tokens=128,
+        local_blocks=2,
+        elapsed_ms=1.25,
+    )
+    message = decision_to_proto(decision)
+    assert (message.ip, message.http_port, message.grpc_port) == ("10.0.0.7", 8000, 8001)
+    assert (message.role, message.route_source, message.reason) == ("PDFUSION", "shadow", "SHORTEST_TTFT")
+    assert (message.hit_tokens, message.local_blocks, message.elapsed_ms) == (128, 2, 1.25)
+    nowhere = decision_to_proto(
+        dataclasses.replace(decision, worker=None, role=None, route_source=RouteSource.NONE, reason=Reason.NO_WORKERS)
+    )
+    assert (nowhere.ip, nowhere.http_port, nowhere.role, nowhere.route_source) == ("", 0, "", "none")
