@@ -1,0 +1,107 @@
+"""The bench's output: one row per figure, its target verdict, the printed table and the JSON document."""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class Verdict(enum.Enum):
+    MET = "met"
+    MISSED = "MISSED"
+    NO_TARGET = "-"
+    NOT_RUN = "not run"
+
+
+def at_most(value: float, limit: float) -> Verdict:
+    return Verdict.MET if value <= limit else Verdict.MISSED
+
+
+def at_least(value: float, limit: float) -> Verdict:
+    return Verdict.MET if value >= limit else Verdict.MISSED
+
+
+def all_met(verdicts: Sequence[Verdict]) -> Verdict:
+    return Verdict.MET if all(v is Verdict.MET for v in verdicts) else Verdict.MISSED
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """One row of the table: what was measured, the result, the target and whether it was met."""
+
+    key: str  # "P1", "P2 warm", "soak", ...
+    measured: str
+    result: str
+    target: str
+    verdict: Verdict
+    data: Mapping[str, object] = field(default_factory=dict)  # every number behind the row, for the JSON
+
+    @classmethod
+    def not_run(cls, key: str, measured: str, target: str, why: str) -> Figure:
+        return cls(key, measured, f"not run: {why}", target, Verdict.NOT_RUN, {"not_run": why})
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "key": self.key,
+            "measured": self.measured,
+            "result": self.result,
+            "target": self.target,
+            "verdict": self.verdict.value,
+            "data": dict(self.data),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRow:
+    """One function's share of a profiled pass (cProfile)."""
+
+    function: str
+    calls: int
+    own_s: float  # time in the function itself
+    cumulative_s: float
+
+    def to_json(self) -> dict[str, object]:
+        return {"function": self.function, "calls": self.calls, "own_s": self.own_s, "cum_s": self.cumulative_s}
+
+
+@dataclass(slots=True)
+class BenchReport:
+    meta: dict[str, object]
+    figures: list[Figure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # printed under the table
+    profiles: dict[str, tuple[ProfileRow, ...]] = field(default_factory=dict)  # by figure key
+
+    def table(self) -> str:
+        header = ("figure", "measured", "result", "target", "verdict")
+        rows = [header] + [(f.key, f.measured, f.result, f.target or "-", f.verdict.value) for f in self.figures]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |" for row in rows]
+        lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        return "\n".join(lines)
+
+    def render(self) -> str:
+        parts = [self.table()]
+        if self.notes:
+            parts.append("\n".join(f"- {note}" for note in self.notes))
+        for key, rows in self.profiles.items():
+            lines = [f"profile of {key} (cProfile, top own time):"]
+            lines += [
+                f"  {r.own_s * 1e3:9.1f} ms own {r.cumulative_s * 1e3:9.1f} ms cum {r.calls:>9} calls  {r.function}"
+                for r in rows
+            ]
+            parts.append("\n".join(lines))
+        return "\n\n".join(parts)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "meta": self.meta,
+            "figures": [f.to_json() for f in self.figures],
+            "notes": list(self.notes),
+            "profiles": {key: [r.to_json() for r in rows] for key, rows in self.profiles.items()},
+        }
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n", encoding="utf-8")
