@@ -1,0 +1,236 @@
+"""The asyncio way in: the trio router runs in its own thread; asyncio code awaits its decisions.
+
+    async with AsyncioRouterHost(config) as host:
+        decision = await host.route(request)
+
+``start()`` starts one thread running ``trio.run``, opens the router there (``open_router``) and
+returns once it is ready (or raises what opening it raised). ``route()`` may be awaited from any
+asyncio event loop in any thread, concurrently. ``stop()`` refuses new calls, lets the calls already
+submitted finish (each ends by its own routing deadline), closes the router and joins the thread.
+
+Bridge (measured by ``bench/bench_asyncio_bridge.py``, 2 shared cores): each call is handed to
+trio with ``TrioToken.run_sync_soon``, runs as a task in the host's call nursery, and completes an
+asyncio future with ``loop.call_soon_threadsafe`` — about 105 µs p50 per sequential call and
+21,000 calls/s with 2,000 in flight, against 220 µs and 5,700 calls/s for
+``loop.run_in_executor(trio.from_thread.run)``, which also parks an executor thread per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from types import TracebackType
+from typing import Any
+
+import trio
+
+from router.api import RouterHandle, open_router
+from router.config import KvrouteConfig
+from router.settings import LoadedConfig
+from router.targets import HostPort
+from router.types import RouteDecision, RouteRequest
+
+
+class HostStopped(RuntimeError):
+    """The host is not running (never started, stopping, stopped, or its router crashed)."""
+
+
+def _sole_error(exc: BaseException) -> BaseException:
+    """The one error inside nested single-member exception groups (trio's nurseries wrap errors)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _settle(future: asyncio.Future[Any], outcome: object, failed: bool) -> None:
+    # Runs on the future's loop. A caller that gave up (cancelled) has a done future: drop the outcome.
+    if future.done():
+        return
+    if failed:
+        assert isinstance(outcome, BaseException)
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], outcome: object, failed: bool) -> None:
+    """Complete ``future`` on its own loop, from any thread; a closed loop has nobody waiting."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_settle, future, outcome, failed)
+
+
+class AsyncioRouterHost:
+    """A trio router in a dedicated thread, for asyncio programs. Start and stop it from one loop."""
+
+    def __init__(self, config: KvrouteConfig, *, loaded: LoadedConfig | None = None, debug_http: bool = False) -> None:
+        self._config = config
+        self._loaded = loaded
+        self._debug_http = debug_http
+        self._thread: threading.Thread | None = None
+        self._finished: asyncio.Future[None] | None = None
+        # Set by the trio thread before start() returns; cleared by stop() (asyncio side) so that no
+        # new call is submitted once stopping began.
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._handle: RouterHandle | None = None
+        # Owned by the trio thread (touched only in callbacks it runs and in its tasks).
+        self._calls: trio.Nursery | None = None
+        self._closing = False
+        self._stop_requested: trio.Event | None = None
+
+    # --- lifecycle (asyncio side) -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the router thread and wait until the router is open; raises what opening raised."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncioRouterHost.start: already started")
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+        self._finished = loop.create_future()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(loop, ready, self._finished), name="kvroute-router", daemon=True
+        )
+        self._thread.start()
+        try:
+            await asyncio.shield(ready)
+        except asyncio.CancelledError:
+            # Let the opening finish, then close it: the thread must not outlive a cancelled start().
+            with contextlib.suppress(Exception):
+                await ready
+            await self._shut_down()
+            raise
+        except Exception:
+            with contextlib.suppress(Exception):  # the same error, reported on ``finished`` too
+                await self._shut_down()  # opening failed: the thread is ending by itself
+            raise
+
+    async def stop(self) -> None:
+        """Refuse new calls, finish the submitted ones, close the router, join the thread. Idempotent.
+
+        Re-raises an error the router crashed with after it started.
+        """
+        if self._thread is None:
+            return
+        await self._shut_down()
+
+    async def _shut_down(self) -> None:
+        thread, finished, token = self._thread, self._finished, self._token
+        assert thread is not None and finished is not None
+        self._token = None
+        if token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._begin_stop)
+        try:
+            # Shielded: a cancelled stop() must not cancel the future the thread reports its end on.
+            await asyncio.shield(finished)
+        finally:
+            if finished.done():
+                thread.join()  # its last act was reporting ``finished``: returns at once
+
+    async def __aenter__(self) -> AsyncioRouterHost:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    # --- the request path (asyncio side) --------------------------------------------------------------
+
+    @property
+    def debug_address(self) -> HostPort | None:
+        """Where the debug HTTP endpoint listens (None when it was not started)."""
+        if self._handle is None:
+            raise HostStopped("the router host is not started")
+        return self._handle.debug_address
+
+    async def route(self, request: RouteRequest) -> RouteDecision:
+        """The router's decision for ``request``; cancelling the await cancels the routing task."""
+        token = self._token
+        if token is None:
+            raise HostStopped("the router host is not running")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[RouteDecision] = loop.create_future()
+        scope = trio.CancelScope()  # cancelled from this side through the trio token only
+        try:
+            token.run_sync_soon(self._spawn, request, scope, loop, future)
+        except trio.RunFinishedError:
+            raise HostStopped("the router host has stopped") from None
+        try:
+            return await future
+        except asyncio.CancelledError:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(scope.cancel)
+            raise
+
+    # --- the trio thread --------------------------------------------------------------------------
+
+    def _thread_main(
+        self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None], finished: asyncio.Future[None]
+    ) -> None:
+        try:
+            trio.run(self._trio_main, loop, ready)
+        except BaseException as exc:
+            # Before ready: start() raises it. After: stop() re-raises it.
+            error = _sole_error(exc)
+            _deliver(loop, ready, error, True)
+            _deliver(loop, finished, error, True)
+        else:
+            _deliver(loop, ready, HostStopped("the router stopped while starting"), True)
+            _deliver(loop, finished, None, False)
+
+    async def _trio_main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None]) -> None:
+        self._stop_requested = trio.Event()
+        async with (
+            open_router(self._config, loaded=self._loaded, debug_http=self._debug_http) as handle,
+            trio.open_nursery() as calls,
+        ):
+            self._handle = handle
+            self._calls = calls
+            self._token = trio.lowlevel.current_trio_token()
+            _deliver(loop, ready, None, False)
+            await self._stop_requested.wait()
+            # Leaving the nursery waits for the calls already accepted; _closing refuses later ones.
+
+    def _begin_stop(self) -> None:
+        # Runs in the trio thread (run_sync_soon): synchronous, so atomic with _spawn.
+        self._closing = True
+        if self._stop_requested is not None:
+            self._stop_requested.set()
+
+    def _spawn(
+        self,
+        request: RouteRequest,
+        scope: trio.CancelScope,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[RouteDecision],
+    ) -> None:
+        # Runs in the trio thread (run_sync_soon), in submission order.
+        calls, handle = self._calls, self._handle
+        if self._closing or calls is None or handle is None:
+            _deliver(loop, future, HostStopped("the router host is stopping"), True)
+            return
+        calls.start_soon(self._call, handle, request, scope, loop, future)
+
+    @staticmethod
+    async def _call(
+        handle: RouterHandle,
+        request: RouteRequest,
+        scope: trio.CancelScope,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[RouteDecision],
+    ) -> None:
+        delivered = False
+        try:
+            with scope:
+                try:
+                    decision = await handle.route(request)
+                except Exception as exc:  # the caller gets the router's error; the host keeps serving
+                    _deliver(loop, future, exc, True)
+                else:
+                    _deliver(loop, future, decision, False)
+                delivered = True
+        finally:
+            if not delivered:  # cancelled: by its caller (who no longer waits) or by a crashing router
+                _deliver(loop, future, HostStopped("the route call was cancelled"), True)

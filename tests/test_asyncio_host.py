@@ -1,0 +1,165 @@
+"""Way in #2, the asyncio host, from real asyncio programs against SimCluster over loopback gRPC.
+
+The cluster is served from the test's trio run (real clock, absolute trio.fail_after); each asyncio
+program runs with ``asyncio.run`` on a worker thread (``trio.to_thread``), the way a frontend's
+event loop would run beside kvroute's trio thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import trio
+
+from router.asyncio_host import AsyncioRouterHost, HostStopped
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
+from router.keys import block_keys
+from router.sim.cluster import SimCluster, SimClusterAddresses
+from router.sim.kvcm import KvcmFaults
+from router.types import KeyFamily, Reason, RouteDecision, RouteRequest, RouteSource
+
+BLOCK = 16
+PROMPT = tuple(range(3000, 3000 + 6 * BLOCK))
+
+
+def _config(addrs: SimClusterAddresses) -> KvrouteConfig:
+    return KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        router=RouterConfig(budget_cap_ms=1000.0),
+    )
+
+
+def _threads() -> set[threading.Thread]:
+    """Live threads, except the simulated peers' gRPC handler pools (they grow on demand)."""
+    return {t for t in threading.enumerate() if not t.name.startswith("kvroute-grpc-server")}
+
+
+async def _run_asyncio(program: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``program`` as its own asyncio program (asyncio.run) on a thread."""
+    await trio.to_thread.run_sync(lambda: asyncio.run(program()))
+
+
+async def _seeded_cluster(nursery: trio.Nursery) -> tuple[SimCluster, SimClusterAddresses]:
+    cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
+    addrs = await nursery.start(cluster.serve_grpc)
+    cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+    return cluster, addrs
+
+
+async def test_asyncio_program_routes_concurrently_and_leaves_no_thread(nursery: trio.Nursery) -> None:
+    with trio.fail_after(20):
+        cluster, addrs = await _seeded_cluster(nursery)
+        holder = cluster.worker_addr(1)
+        decisions: list[RouteDecision] = []
+        threads: list[set[threading.Thread]] = []  # before start, while running, after stop
+
+        async def program() -> None:
+            threads.append(_threads())
+            async with AsyncioRouterHost(_config(addrs)) as host:
+                threads.append(_threads())
+                decisions.append(await host.route(RouteRequest("first", token_ids=PROMPT, budget_ms=500)))
+                decisions.extend(
+                    await asyncio.gather(
+                        *(host.route(RouteRequest(f"r{i}", token_ids=PROMPT, budget_ms=500)) for i in range(50))
+                    )
+                )
+            threads.append(_threads())
+
+        await _run_asyncio(program)
+        assert [d.request_id for d in decisions] == ["first"] + [f"r{i}" for i in range(50)]
+        assert all(isinstance(d, RouteDecision) and d.route_source is RouteSource.KVCM for d in decisions)
+        # The first request finds the seeded holder by cache affinity (the burst after it may spread).
+        assert decisions[0].worker == holder
+        assert decisions[0].reason is Reason.CACHE_LEADER
+        baseline, during, after = threads
+        assert {t.name for t in during - baseline} >= {"kvroute-router"}  # the router's thread ran ...
+        assert after == baseline  # ... and nothing of it is left
+
+
+async def test_route_from_another_event_loop_thread(nursery: trio.Nursery) -> None:
+    """route() is thread-safe: a second asyncio loop in another thread shares the same host."""
+    with trio.fail_after(20):
+        _cluster, addrs = await _seeded_cluster(nursery)
+        from_other_loop: list[RouteDecision] = []
+
+        async def program() -> None:
+            async with AsyncioRouterHost(_config(addrs)) as host:
+
+                async def other() -> None:
+                    from_other_loop.extend(
+                        await asyncio.gather(
+                            *(host.route(RouteRequest(f"o{i}", token_ids=PROMPT, budget_ms=500)) for i in range(10))
+                        )
+                    )
+
+                other_thread = threading.Thread(target=lambda: asyncio.run(other()))
+                other_thread.start()
+                mine = await asyncio.gather(
+                    *(host.route(RouteRequest(f"m{i}", token_ids=PROMPT, budget_ms=500)) for i in range(10))
+                )
+                await asyncio.get_running_loop().run_in_executor(None, other_thread.join)
+                assert [d.request_id for d in mine] == [f"m{i}" for i in range(10)]
+
+        await _run_asyncio(program)
+        assert [d.request_id for d in from_other_loop] == [f"o{i}" for i in range(10)]
+        assert all(d.route_source is RouteSource.KVCM for d in from_other_loop)
+
+
+async def test_cancelled_call_and_calls_around_start_and_stop(nursery: trio.Nursery) -> None:
+    with trio.fail_after(20):
+        cluster, addrs = await _seeded_cluster(nursery)
+        outcomes: dict[str, object] = {}
+
+        async def program() -> None:
+            host = AsyncioRouterHost(_config(addrs))
+            with pytest.raises(HostStopped):
+                await host.route(RouteRequest("early", token_ids=PROMPT))
+            await host.start()
+            leader = cluster.kvcm.leader
+            assert leader is not None
+            cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+            # A caller that gives up cancels its routing task; the host keeps serving.
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(host.route(RouteRequest("gave-up", token_ids=PROMPT, budget_ms=1000)), 0.05)
+            cluster.kvcm.clear_faults()
+            outcomes["after"] = await host.route(RouteRequest("after", token_ids=PROMPT, budget_ms=500))
+            # Calls already submitted when stop() begins are answered; later calls are refused.
+            pending = asyncio.ensure_future(host.route(RouteRequest("pending", token_ids=PROMPT, budget_ms=500)))
+            await asyncio.sleep(0)  # let it submit
+            await host.stop()
+            outcomes["pending"] = await pending
+            with pytest.raises(HostStopped):
+                await host.route(RouteRequest("late", token_ids=PROMPT))
+            await host.stop()  # idempotent
+
+        await _run_asyncio(program)
+        after, pending = outcomes["after"], outcomes["pending"]
+        assert isinstance(after, RouteDecision) and after.route_source is RouteSource.KVCM
+        assert isinstance(pending, RouteDecision) and pending.request_id == "pending"
+
+
+async def test_start_failure_is_raised_and_leaves_no_thread() -> None:
+    with trio.fail_after(20):
+        raised: list[BaseException] = []
+        counts: list[int] = []
+
+        async def program() -> None:
+            counts.append(len(_threads()))
+            host = AsyncioRouterHost(KvrouteConfig(discovery=DiscoveryConfig(workers="10.0.0.1:notaport")))
+            try:
+                await host.start()
+            except Exception as exc:
+                raised.append(exc)
+            counts.append(len(_threads()))
+            with pytest.raises(HostStopped):
+                await host.route(RouteRequest("x", token_ids=(1, 2, 3)))
+
+        await _run_asyncio(program)
+        assert len(raised) == 1
+        assert "notaport" in str(raised[0])
+        assert counts[0] == counts[1]
