@@ -1,0 +1,17 @@
+"""``kvroute demo``: an embedded cluster, the policy comparison and the fault scenarios.
+
+Reusable pieces (e.g. for ``kvroute bench``):
+
+- ``workload``: ``WorkloadSpec`` / ``build_workload(spec) -> Workload`` — seeded shared-prefix
+  groups, multi-turn sessions, Poisson arrivals, Zipf popularity; each ``DemoRequest`` carries
+  its tokens and block keys.
+- ``policies``: the baselines (``baseline_policies(seed)``; each ``choose(keys, view) -> int``
+  over a ``ClusterView``) and the policy names.
+- ``runner``: ``ClusterSpec``, ``run_baseline(policy, workload, cluster_spec)`` (sync, in-memory),
+  ``open_kvroute(cluster, workload_spec, ...)`` (a served SimCluster plus the real router over
+  loopback gRPC) and ``run_kvroute(setup, clock, workload)``; both return a ``PolicyRun``.
+- ``report``: ``summarize(run) -> PolicySummary``, ``format_table``, ``check_targets``,
+  ``results_json`` / ``write_results`` / ``write_chart``.
+- ``scenarios``: ``SCENARIOS``, ``run_scenario(scenario, scale=...)``, ``run_scenarios(...)``.
+- ``cli``: the ``kvroute demo`` subcommand.
+"""

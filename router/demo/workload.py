@@ -1,0 +1,222 @@
+"""The demo's workload: seeded, reproducible requests on a simulated timeline (pure: no I/O, no clock).
+
+Shape (after the common generated-shared-prefix benchmark):
+
+- ``groups`` shared system prompts of ``system_prompt_tokens`` tokens; ``groups ×
+  prompts_per_group`` conversations, each opening with its group's system prompt and a
+  fresh ``question_tokens``-token question. A conversation's group is drawn from a Zipf
+  distribution (weight of the group of rank r ∝ 1 / r^zipf_s), so a few groups are hot.
+- Multi-turn sessions: with probability ``multi_turn_fraction`` a conversation has
+  ``turns`` turns; turn k+1's prompt is turn k's prompt + its answer (``output_tokens``
+  fresh tokens) + a new question, so a later turn *extends* the earlier prompt.
+- Arrivals: conversations start as a Poisson process at ``rate_per_s / mean turns``; a
+  follow-up turn arrives an exponential think time (mean ``think_time_s``) after the
+  previous turn. The overall request rate is therefore about ``rate_per_s``.
+
+Token ids: group g's system prompt is ``g · 1,000,000 + i``; question and answer tokens
+are fresh ids from ``groups · 1,000,000`` upward, unique across the workload (so only
+system prompts and a session's own history are shared). All ids fit in 31 bits, so every
+key family encodes them unchanged.
+
+The same ``WorkloadSpec`` (seed included) always yields the same requests, so every
+policy of the comparison sees identical arrivals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from router.config import DeploymentConfig
+from router.keys import block_keys
+from router.types import KeyFamily
+
+GROUP_STRIDE = 1_000_000  # token ids per group's system prompt range
+_MAX_TOKEN_ID = 2**31 - 1
+_DEPLOYMENT = DeploymentConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """Parameters of one workload. The defaults are the scaled-down one-minute run (see ``full_size``)."""
+
+    groups: int = 32
+    prompts_per_group: int = 24
+    system_prompt_tokens: int = 1024
+    question_tokens: int = 128
+    output_tokens: int = 256
+    multi_turn_fraction: float = 0.3
+    turns: int = 3
+    think_time_s: float = 2.0
+    rate_per_s: float = 300.0
+    zipf_s: float = 1.0
+    block_size: int = _DEPLOYMENT.block_size
+    key_family: KeyFamily = _DEPLOYMENT.key_family
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, low, value in (
+            ("groups", 1, self.groups),
+            ("prompts_per_group", 1, self.prompts_per_group),
+            ("system_prompt_tokens", 1, self.system_prompt_tokens),
+            ("question_tokens", 1, self.question_tokens),
+            ("output_tokens", 0, self.output_tokens),
+            ("turns", 1, self.turns),
+            ("block_size", 1, self.block_size),
+        ):
+            if value < low:
+                raise ValueError(f"{name}: must be >= {low}, got {value}")
+        if self.system_prompt_tokens > GROUP_STRIDE:
+            raise ValueError(f"system_prompt_tokens: must be <= {GROUP_STRIDE}, got {self.system_prompt_tokens}")
+        if not 0.0 <= self.multi_turn_fraction <= 1.0:
+            raise ValueError(f"multi_turn_fraction: must be in 0..1, got {self.multi_turn_fraction}")
+        for name, number in (
+            ("think_time_s", self.think_time_s),
+            ("rate_per_s", self.rate_per_s),
+        ):
+            if not (math.isfinite(number) and number > 0):
+                raise ValueError(f"{name}: must be a finite number > 0, got {number}")
+        if not (math.isfinite(self.zipf_s) and self.zipf_s >= 0):
+            raise ValueError(f"zipf_s: must be a finite number >= 0, got {self.zipf_s}")
+
+    @classmethod
+    def full_size(cls) -> WorkloadSpec:
+        """The benchmark's own defaults: 64 groups × 16 prompts, 2,048-token system prompt, 128/256.
+
+        Prompts are about twice as long as the scaled default's, so the arrival rate is halved to
+        keep the prefill demand on the cluster comparable.
+        """
+        scaled = cls()
+        return replace(
+            scaled, groups=64, prompts_per_group=16, system_prompt_tokens=2048, rate_per_s=scaled.rate_per_s / 2
+        )
+
+    @property
+    def conversations(self) -> int:
+        return self.groups * self.prompts_per_group
+
+    @property
+    def mean_turns(self) -> float:
+        return 1.0 + self.multi_turn_fraction * (self.turns - 1)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "groups": self.groups,
+            "prompts_per_group": self.prompts_per_group,
+            "system_prompt_tokens": self.system_prompt_tokens,
+            "question_tokens": self.question_tokens,
+            "output_tokens": self.output_tokens,
+            "multi_turn_fraction": self.multi_turn_fraction,
+            "turns": self.turns,
+            "think_time_s": self.think_time_s,
+            "rate_per_s": self.rate_per_s,
+            "zipf_s": self.zipf_s,
+            "block_size": self.block_size,
+            "key_family": self.key_family.value,
+            "seed": self.seed,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DemoRequest:
+    """One request of the workload: its arrival on the simulated timeline, its prompt and block keys."""
+
+    request_id: str
+    arrival_s: float
+    group: int
+    session: int
+    turn: int  # 0 for a conversation's first prompt
+    tokens: tuple[int, ...]
+    keys: tuple[int, ...]
+
+    @property
+    def input_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    spec: WorkloadSpec
+    requests: tuple[DemoRequest, ...]  # in arrival order
+
+    @property
+    def duration_s(self) -> float:
+        """Simulated time from 0 to the last arrival."""
+        return self.requests[-1].arrival_s if self.requests else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        """The spec plus the realised shape (for demo-results.json)."""
+        n = len(self.requests)
+        return {
+            "spec": self.spec.to_json(),
+            "requests": n,
+            "conversations": self.spec.conversations,
+            "follow_up_turns": sum(1 for r in self.requests if r.turn > 0),
+            "mean_input_tokens": round(sum(r.input_tokens for r in self.requests) / n, 1) if n else 0.0,
+            "simulated_duration_s": round(self.duration_s, 3),
+            "conversations_per_group": list(group_counts(self.requests, self.spec.groups)),
+        }
+
+
+def zipf_weights(n: int, s: float) -> tuple[float, ...]:
+    """Normalised Zipf weights for ranks 1..n: w_r ∝ 1 / r^s (s = 0 is uniform)."""
+    if n < 1:
+        raise ValueError(f"n: must be >= 1, got {n}")
+    raw = [1.0 / (rank**s) for rank in range(1, n + 1)]
+    total = sum(raw)
+    return tuple(w / total for w in raw)
+
+
+def system_prompt(group: int, tokens: int) -> range:
+    """Group ``group``'s shared system prompt: token ids ``group · GROUP_STRIDE + 0..tokens-1``."""
+    return range(group * GROUP_STRIDE, group * GROUP_STRIDE + tokens)
+
+
+def build_workload(spec: WorkloadSpec) -> Workload:
+    """Every request of ``spec``, sorted by arrival (ties by request id). Deterministic for a spec."""
+    rng = random.Random(spec.seed)
+    cumulative = list(itertools.accumulate(zipf_weights(spec.groups, spec.zipf_s)))
+    groups = range(spec.groups)
+    start_rate = spec.rate_per_s / spec.mean_turns
+    fresh = itertools.count(spec.groups * GROUP_STRIDE)
+    requests: list[DemoRequest] = []
+    started_at = 0.0
+    for session in range(spec.conversations):
+        started_at += rng.expovariate(start_rate)
+        group = rng.choices(groups, cum_weights=cumulative)[0]
+        turns = spec.turns if rng.random() < spec.multi_turn_fraction else 1
+        prompt = list(system_prompt(group, spec.system_prompt_tokens))
+        arrival = started_at
+        for turn in range(turns):
+            if turn > 0:
+                prompt.extend(itertools.islice(fresh, spec.output_tokens))  # the previous turn's answer
+                arrival += rng.expovariate(1.0 / spec.think_time_s)
+            prompt.extend(itertools.islice(fresh, spec.question_tokens))
+            tokens = tuple(prompt)
+            requests.append(
+                DemoRequest(
+                    request_id=f"s{session:05d}-t{turn}",
+                    arrival_s=arrival,
+                    group=group,
+                    session=session,
+                    turn=turn,
+                    tokens=tokens,
+                    keys=block_keys(tokens, spec.block_size, spec.key_family),
+                )
+            )
+    if next(fresh) > _MAX_TOKEN_ID:
+        raise ValueError("workload: more fresh tokens than 31-bit token ids allow; use fewer or shorter prompts")
+    requests.sort(key=lambda r: (r.arrival_s, r.request_id))
+    return Workload(spec, tuple(requests))
+
+
+def group_counts(requests: Sequence[DemoRequest], groups: int) -> tuple[int, ...]:
+    """Conversations per group (first turns only): the realised popularity."""
+    counts = [0] * groups
+    for request in requests:
+        if request.turn == 0:
+            counts[request.group] += 1
+    return tuple(counts)
