@@ -73,6 +73,7 @@ class BenchReport:
     figures: list[Figure] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # printed under the table
     profiles: dict[str, tuple[ProfileRow, ...]] = field(default_factory=dict)  # by figure key
+    tables: dict[str, str] = field(default_factory=dict)  # further tables a figure comes with, by title
 
     def table(self) -> str:
         header = ("figure", "measured", "result", "target", "verdict")
@@ -86,6 +87,7 @@ class BenchReport:
         parts = [self.table()]
         if self.notes:
             parts.append("\n".join(f"- {note}" for note in self.notes))
+        parts += [f"{title}:\n{table}" for title, table in self.tables.items()]
         for key, rows in self.profiles.items():
             lines = [f"profile of {key} (cProfile, top own time):"]
             lines += [
@@ -101,6 +103,7 @@ class BenchReport:
             "figures": [f.to_json() for f in self.figures],
             "notes": list(self.notes),
             "profiles": {key: [r.to_json() for r in rows] for key, rows in self.profiles.items()},
+            "tables": dict(self.tables),
         }
 
     def write(self, path: Path) -> None:
