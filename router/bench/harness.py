@@ -119,6 +119,9 @@ class Outcomes:
     def add(self, decision: RouteDecision) -> None:
         self.counts[f"{decision.route_source.value}/{decision.reason.value}"] += 1
 
+    def merge(self, other: Outcomes) -> None:
+        self.counts.update(other.counts)
+
     def fraction_from(self, source: str) -> float:
         total = sum(self.counts.values())
         return sum(n for key, n in self.counts.items() if key.startswith(source + "/")) / total if total else 0.0

@@ -43,7 +43,7 @@ class _Row:
 
     def add(self, latencies: list[float], outcomes: Outcomes) -> None:
         self.latencies_ms += latencies
-        self.outcomes.counts.update(outcomes.counts)
+        self.outcomes.merge(outcomes)
 
 
 async def _measure(

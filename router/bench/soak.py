@@ -114,7 +114,7 @@ async def _soak(shape: ClusterShape, requests_total: int, concurrency: int) -> S
             step = min(chunk, measured - done)
             elapsed, got = await concurrent(router, requests, step, concurrency)
             seconds += elapsed
-            outcomes.counts.update(got.counts)
+            outcomes.merge(got)
             done += step
             samples.append(process.memory_info().rss / 2**20)
         end = _read(process)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -50,7 +50,7 @@ class _Run:
     probes_started: int = 0
     skipped_no_budget: int = 0
     cache_hit_ratio: float = 0.0
-    outcomes: Outcomes | None = None
+    outcomes: Outcomes = field(default_factory=Outcomes.empty)
 
     @property
     def rate(self) -> float:
@@ -64,7 +64,7 @@ class _Run:
             "probes_started_per_s": self.probes_started / self.seconds,
             "probes_skipped_no_budget": self.skipped_no_budget,
             "status_cache_hit_ratio": self.cache_hit_ratio,
-            "outcomes": self.outcomes.to_json() if self.outcomes else {},
+            "outcomes": self.outcomes.to_json(),
         }
 
     def budget_note(self) -> str:
@@ -90,10 +90,7 @@ async def _drive(router: RouterHandle, requests: Requests, count: int, concurren
     hits = after.cache_hits - before.cache_hits
     lookups = hits + (after.cache_misses - before.cache_misses)
     into.cache_hit_ratio = hits / lookups if lookups else 0.0
-    if into.outcomes is None:
-        into.outcomes = outcomes
-    else:
-        into.outcomes.counts.update(outcomes.counts)
+    into.outcomes.merge(outcomes)
 
 
 RunCheck = Callable[["_Run"], bool]
@@ -132,7 +129,7 @@ async def _memory_run(shape: ClusterShape, sizes: ThroughputSizes) -> tuple[_Run
 def _rate_row(
     key: str, measured: str, run: _Run, extra: str, target: str, verdict: Verdict, data: dict[str, object]
 ) -> Figure:
-    kvcm = run.outcomes.fraction_from("kvcm") if run.outcomes else 0.0
+    kvcm = run.outcomes.fraction_from("kvcm")
     return Figure(
         key,
         measured,
