@@ -14,6 +14,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim-cluster": ("router.sim.cluster_cli", "run simulated KVCM replicas and workers on loopback"),
     "check-config": ("router.check_config_cli", "show the effective configuration, its sources and problems"),
+    "demo": ("router.demo.cli", "compare routing policies on an embedded cluster, or run fault scenarios"),
 }
 
 
