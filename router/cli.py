@@ -14,6 +14,9 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim-cluster": ("router.sim.cluster_cli", "run simulated KVCM replicas and workers on loopback"),
     "check-config": ("router.check_config_cli", "show the effective configuration, its sources and problems"),
+    "serve": ("router.serve_cli", "serve the router over gRPC (kvroute.v1 Router/Route + health) with debug HTTP"),
+    "route": ("router.route_cli", "route one request in process and print the decision"),
+    "explain": ("router.explain_cli", "route one request and explain every candidate: hit, work, why it won or lost"),
     "demo": ("router.demo.cli", "compare routing policies on an embedded cluster, or run fault scenarios"),
 }
 

@@ -149,6 +149,7 @@ class ServeConfig:
     log_aggregate_interval_s: float = 60.0
     log_max_keys: int = 1024
     drain_timeout_s: float = 5.0
+    drain_lame_duck_s: float = 0.5  # first part of the drain: new calls refused, nothing stopped yet
     grpc_max_workers: int = 64  # sidecar handler threads; also the most Route calls in flight (more: refused)
 
 

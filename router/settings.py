@@ -563,6 +563,13 @@ _SPECS: dict[str, _Spec] = {
     "serve.drain_timeout_s": _Spec(
         "On SIGTERM/SIGINT, in-flight requests get this long to finish", _NONNEG, metavar="SECONDS"
     ),
+    "serve.drain_lame_duck_s": _Spec(
+        "First part of the drain: health says NOT_SERVING and new Route calls are refused (UNAVAILABLE, "
+        "not routed) while the server still runs, so no call is cut off when it stops (capped by "
+        "--drain-timeout-s)",
+        _NONNEG,
+        metavar="SECONDS",
+    ),
     "serve.grpc_max_workers": _Spec(
         "kvroute serve: Route handler threads, and the most Route calls in flight "
         "(beyond it a call is refused at once with RESOURCE_EXHAUSTED)",

@@ -14,9 +14,11 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
 - Health (``grpc.health.v1.Health``, service "" and "kvroute.v1.Router"): SERVING while the router
   is ready (asked at each Check), NOT_SERVING while it is not and from the start of a drain on.
 
-``run()`` serves until :meth:`Sidecar.drain` is called — then it stops accepting calls, lets the
-calls in flight finish within ``--drain-timeout-s`` and returns — or until it is cancelled (then it
-stops at once).
+``run()`` serves until :meth:`Sidecar.drain` is called or it is cancelled (then it stops at once).
+A drain lasts at most ``--drain-timeout-s``: health turns NOT_SERVING and new calls are refused with
+UNAVAILABLE (not routed) for ``--drain-lame-duck-s`` while grpc keeps running, so calls it already
+accepted still reach a handler; then grpc stops (refusing at the transport) and the calls in flight
+get the rest of the drain deadline to finish.
 """
 
 from __future__ import annotations
@@ -245,15 +247,27 @@ class Sidecar:
     async def _drain_server(self, server: grpc.Server) -> None:
         self._health.enter_graceful_shutdown()
         grace = self._serve.drain_timeout_s
+        lame_duck = min(self._serve.drain_lame_duck_s, grace)
         before = self.stats()
-        log.info("draining: %d Route call(s) in flight, up to %g s", before.in_flight, grace, extra=ctx(reason="drain"))
-        stopped = server.stop(grace=grace)  # refuses new calls at once; cancels what is left after grace
+        log.info(
+            "draining: %d Route call(s) in flight; refusing new calls for %g s, then stopping within %g s",
+            before.in_flight,
+            lame_duck,
+            grace,
+            extra=ctx(reason="drain"),
+        )
+        # Lame duck: the server still matches every call that reached it and handlers refuse new ones
+        # (UNAVAILABLE, not routed). Stopping grpc at once would cancel calls it had accepted but not yet
+        # handed to a handler thread: those clients would not know whether they were routed.
+        await trio.sleep(lame_duck)
+        stopped = server.stop(grace=grace - lame_duck)  # cancels what is left after the grace
         # grpc sets the event when the last call has ended or the grace has passed.
         await trio.to_thread.run_sync(stopped.wait, abandon_on_cancel=True)
         after = self.stats()
         log.info(
-            "drained: %d answered while draining, %d still in flight at the drain deadline",
+            "drained: %d answered and %d refused while draining, %d still in flight at the drain deadline",
             after.answered - before.answered,
+            after.unavailable - before.unavailable,
             after.in_flight,
             extra=ctx(reason="drain"),
         )
@@ -272,6 +286,8 @@ class Sidecar:
             self._counters.leave(outcome)
 
     def _route_call(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        if self._draining:  # written by the trio thread; a call racing the flip is routed normally
+            raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is draining: request not routed")
         message = router_v1_pb2.RouteRequest()
         try:
             message.ParseFromString(data)

@@ -1,0 +1,102 @@
+"""``kvroute explain``: route one request like ``kvroute route`` and show every candidate and why.
+
+Same input and exit status as ``kvroute route``. The table lists each candidate the decision
+considered: where it came from (KVCM's hot set, discovery's cold picks, the shadow index), its role,
+cached blocks, hit and work in tokens, and its outcome: WON (with the decision's reason), dropped
+(with the drop reason), or why it lost against the winner in the order the reason used.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from router.route_cli import configure_input, run_command
+from router.types import CandidateExplain, Reason, RouteDecision
+
+# Reasons whose winner is the first in TTFT order (least work); the others follow the cache-leader
+# order (most hit, then least work) — selection.md §2.
+_TTFT_ORDER = frozenset(
+    {
+        Reason.SHORTEST_TTFT,
+        Reason.SHORTEST_TTFT_LOW_CACHE_HIT,
+        Reason.SHORTEST_TTFT_OUTSTANDING_GUARD,
+        Reason.SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK,
+        Reason.SHORTEST_TTFT_FALLBACK,
+    }
+)
+_TIE = "lost a tie: spread to the least recently selected worker (then a seeded random choice)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    configure_input(parser)
+
+
+def outcome(candidate: CandidateExplain, winner: CandidateExplain | None, reason: Reason) -> str:
+    """Why ``candidate`` won, was dropped, or lost to ``winner`` (pure)."""
+    if candidate.chosen:
+        return f"WON: {reason.value}"
+    if candidate.dropped is not None:
+        return f"dropped: {candidate.dropped}"
+    if winner is None or winner.work_tokens is None or candidate.work_tokens is None:
+        return "scored, not chosen"
+    more_work = candidate.work_tokens > winner.work_tokens
+    work = f"more work ({candidate.work_tokens} > {winner.work_tokens} tokens)"
+    if reason in _TTFT_ORDER:
+        if more_work:
+            return f"lost: {work}"
+        if candidate.work_tokens == winner.work_tokens:
+            return _TIE
+        return "not chosen: less work, but the guard or a concurrent claim ruled it out"
+    if candidate.hit_tokens < winner.hit_tokens:
+        return f"lost: smaller hit ({candidate.hit_tokens} < {winner.hit_tokens} tokens)"
+    if candidate.hit_tokens == winner.hit_tokens:
+        if more_work:
+            return f"lost: same hit, {work}"
+        if candidate.work_tokens == winner.work_tokens:
+            return _TIE
+    return "not chosen: its extra work was over --scorer-max-extra-work-tokens, or a concurrent claim took it"
+
+
+def render_table(decision: RouteDecision) -> str:
+    """The decision summary, its stage timings, and one row per candidate (pure)."""
+    if decision.worker is not None:
+        role = decision.role.value if decision.role is not None else "?"
+        target = f"{decision.worker.http_target} ({role})"
+    else:
+        target = f"no worker ({decision.error or 'nothing to route to'})"
+    lines = [
+        f"request {decision.request_id}: {decision.route_source.value} / {decision.reason.value} -> {target}",
+        f"hit {decision.hit_tokens} tokens ({decision.local_blocks} blocks) in {decision.elapsed_ms:.2f} ms",
+    ]
+    if decision.stage_ms:
+        lines.append("stages: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in decision.stage_ms.items()))
+    if decision.error and decision.worker is not None:
+        lines.append(f"note: {decision.error}")
+    lines.append("")
+    if not decision.candidates:
+        lines.append(f"no candidates were scored: {decision.route_source.value} routing ({decision.reason.value})")
+        return "\n".join(lines)
+    winner = next((c for c in decision.candidates if c.chosen), None)
+    header = ("worker", "from", "role", "blocks", "hit", "work", "outcome")
+    rows = [
+        (
+            c.target,
+            c.source,
+            c.role or "-",
+            str(c.local_blocks),
+            str(c.hit_tokens) if c.dropped is None else "-",
+            "-" if c.work_tokens is None else str(c.work_tokens),
+            outcome(c, winner, decision.reason),
+        )
+        for c in decision.candidates
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header) - 1)]
+    numeric = {3, 4, 5}
+    for row in (header, *rows):
+        cells = [row[i].rjust(w) if i in numeric else row[i].ljust(w) for i, w in enumerate(widths)]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_command(args, "explain", lambda decision, _args: render_table(decision))

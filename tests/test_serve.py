@@ -1,0 +1,222 @@
+"""``kvroute serve`` as a real process: addresses printed, debug HTTP up, graceful SIGTERM under load.
+
+The simulated cluster runs in the test's trio run (real clock, loopback gRPC, absolute
+trio.fail_after); ``kvroute serve`` runs as a subprocess; clients are plain grpcio clients on threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import httpx
+import trio
+
+from router.keys import block_keys
+from router.sim.cluster import SimCluster, SimClusterAddresses
+from router.sim.kvcm import KvcmFaults
+from router.types import KeyFamily
+from router.wire import router_v1_pb2
+from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
+
+BLOCK = 16
+PROMPT = tuple(range(5000, 5000 + 8 * BLOCK))
+CLIENTS = 8
+ANSWERED_BEFORE_SIGTERM = 40
+BUDGET_MS = 2000
+MAX_CALLS_PER_CLIENT = 5000  # a bound: clients normally stop at the first refusal after SIGTERM
+_ADDRESSES = re.compile(r"Route gRPC on (\S+), debug HTTP on http://(\S+)")
+_SUMMARY = re.compile(
+    r"answered=(\d+) invalid=(\d+) refused=(\d+) timed_out=(\d+) failed=(\d+) cut_at_drain_deadline=(\d+)"
+)
+_DRAINING = re.compile(r"draining: (\d+) Route call\(s\) in flight")
+
+
+def _serve_command(addrs: SimClusterAddresses, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "router.cli",
+        "serve",
+        "--grpc-listen=127.0.0.1:0",
+        "--debug-listen=127.0.0.1:0",
+        f"--kvcm-bootstrap={addrs.kvcm_bootstrap}",
+        f"--workers={addrs.workers_arg}",
+        "--kvcm-instance-id=test",
+        f"--block-size={BLOCK}",
+        *extra,
+    ]
+
+
+async def _read_line(stream: trio.abc.ReceiveStream) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = await stream.receive_some(4096)
+        assert chunk, f"kvroute serve closed stdout before printing its addresses: {data!r}"
+        data += chunk
+    return data.decode()
+
+
+class Load:
+    """Client threads calling Route back to back until refused (or told to stop)."""
+
+    def __init__(self, target: str) -> None:
+        self._target = target
+        self._lock = threading.Lock()
+        self.answered: list[router_v1_pb2.RouteDecision] = []
+        self.failures: list[grpc.StatusCode] = []
+        self.details: list[str] = []
+        self.warmed = threading.Event()
+        self.stop = threading.Event()
+
+    def client(self, index: int) -> None:
+        with grpc.insecure_channel(self._target, options=[("grpc.enable_retries", 0)]) as channel:
+            call = channel.unary_unary(
+                ROUTER_ROUTE,
+                request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
+                response_deserializer=router_v1_pb2.RouteDecision.FromString,
+            )
+            for n in itertools.islice(itertools.count(), MAX_CALLS_PER_CLIENT):
+                if self.stop.is_set():
+                    return
+                request = router_v1_pb2.RouteRequest(request_id=f"c{index}-{n}", token_ids=PROMPT, budget_ms=BUDGET_MS)
+                try:
+                    reply = call(request, timeout=10.0)
+                except grpc.RpcError as exc:
+                    with self._lock:
+                        self.failures.append(exc.code())
+                        self.details.append(f"{exc.code()} {exc.details()}")
+                    return
+                with self._lock:
+                    self.answered.append(reply)
+                    if len(self.answered) >= ANSWERED_BEFORE_SIGTERM:
+                        self.warmed.set()
+
+
+async def _stop_process(proc: trio.Process) -> None:
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
+async def test_sigterm_under_load_drains_every_request_and_exits_0(nursery: trio.Nursery, tmp_path: Path) -> None:
+    with trio.fail_after(40):
+        cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        cluster.kvcm.record_prefill(cluster.worker_addr(0).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        kvcm_calls = cluster.kvcm.stats(leader)
+        stderr_path = tmp_path / "serve.stderr"
+        with stderr_path.open("wb") as stderr:
+            proc = await trio.lowlevel.open_process(
+                _serve_command(
+                    addrs,
+                    f"--budget-cap-ms={BUDGET_MS}",
+                    f"--router-kvcm-query-timeout-ms={BUDGET_MS}",
+                    "--drain-timeout-s=10",
+                ),
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+            )
+        load: Load | None = None
+        try:
+            assert proc.stdout is not None
+            found = _ADDRESSES.search(await _read_line(proc.stdout))
+            assert found, "kvroute serve did not print its addresses"
+            grpc_target, debug_target = found.groups()
+            async with httpx.AsyncClient() as http:
+                assert (await http.get(f"http://{debug_target}/healthz")).status_code == 200
+
+            load = Load(grpc_target)
+            async with trio.open_nursery() as clients:
+                for i in range(CLIENTS):
+                    clients.start_soon(trio.to_thread.run_sync, load.client, i)
+                assert await trio.to_thread.run_sync(load.warmed.wait, 20.0)
+                # Now KVCM stops answering: each client's next call waits in the router until its
+                # reserve (~90 % of BUDGET_MS), so all of them are in flight when SIGTERM comes.
+                cluster.kvcm.set_faults(leader, KvcmFaults(hang=True, methods=frozenset({KVCM_GET_HOST_CACHE_STATE})))
+                all_hung = await trio.to_thread.run_sync(
+                    kvcm_calls.wait_in_flight, KVCM_GET_HOST_CACHE_STATE, CLIENTS, 10.0
+                )
+                assert all_hung
+                proc.send_signal(signal.SIGTERM)
+                returncode = await proc.wait()
+            # Every client ran until the server refused it.
+        finally:
+            if load is not None:
+                load.stop.set()
+            await _stop_process(proc)
+        log = stderr_path.read_text()
+        assert returncode == 0, log
+        assert load is not None
+        # The drain began with every client's call in flight ...
+        draining = _DRAINING.search(log)
+        assert draining, log
+        assert int(draining.group(1)) == CLIENTS
+        # ... and no request was lost: each was answered with a decision or refused (UNAVAILABLE: not
+        # routed, safe to send elsewhere) — never cut off, timed out or cancelled.
+        assert set(load.failures) == {grpc.StatusCode.UNAVAILABLE}, load.details
+        assert len(load.failures) == CLIENTS
+        assert len(load.answered) >= ANSWERED_BEFORE_SIGTERM + CLIENTS
+        assert all(d.route_source in ("kvcm", "shadow", "domain") and d.ip for d in load.answered)
+        summary = _SUMMARY.search(log)
+        assert summary, log
+        answered, invalid, refused, timed_out, failed, cut = map(int, summary.groups())
+        assert answered == len(load.answered)  # the server answered exactly what the clients received
+        assert (invalid, timed_out, failed, cut) == (0, 0, 0, 0)
+        assert refused <= CLIENTS  # refused while draining; the others found the server gone
+
+
+async def _run_to_end(command: Sequence[str], signum: signal.Signals | None = None) -> tuple[int, str, str]:
+    proc = await trio.lowlevel.open_process(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = ""
+        if signum is not None:
+            first = await _read_line(proc.stdout)
+            proc.send_signal(signum)
+        stdout = first + (await _read_all(proc.stdout))
+        stderr = await _read_all(proc.stderr)
+        return await proc.wait(), stdout, stderr
+    finally:
+        await _stop_process(proc)
+
+
+async def _read_all(stream: trio.abc.ReceiveStream) -> str:
+    chunks = []
+    while chunk := await stream.receive_some(65536):
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
+async def test_fatal_configuration_lists_every_problem_and_exits_2() -> None:
+    with trio.fail_after(30):
+        code, stdout, stderr = await _run_to_end(
+            [sys.executable, "-m", "router.cli", "serve", "--grpc-listen=nowhere", "--budget-cap-ms=-5"]
+        )
+    assert code == 2, stderr
+    assert stdout == ""
+    assert "--grpc-listen" in stderr and "--budget-cap-ms" in stderr
+    assert "not starting" in stderr
+
+
+async def test_fallback_only_problems_start_with_fallback_off_and_sigint_exits_0(nursery: trio.Nursery) -> None:
+    with trio.fail_after(30):
+        cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        # A negative leader refresh interval is a KVCM-fallback problem: kvroute starts, routing by domain.
+        command = [*_serve_command(addrs), "--leader-refresh-interval-s=-1"]
+        code, stdout, stderr = await _run_to_end(command, signal.SIGINT)
+    assert code == 0, stderr
+    assert _ADDRESSES.search(stdout), stdout
+    fallback_errors = [line for line in stderr.splitlines() if "KVCM fallback disabled" in line]
+    assert len(fallback_errors) == 1, stderr
+    assert "--leader-refresh-interval-s" in fallback_errors[0]
