@@ -8,25 +8,43 @@ gRPC's C threads does not show, and time the thread sleeps in epoll shows as ``p
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
+import sys
+import sysconfig
 from pathlib import PurePath
 from types import TracebackType
 
+import router
 from router.bench.results import ProfileRow
 
 TOP_FUNCTIONS = 12
-_ANCHORS = ("site-packages", "main")  # show paths from the package root: trio/_core/_run.py, router/keys.py
+# Paths are shown from their import root (trio/_core/_run.py, router/keys.py, contextlib.py): the
+# longest of these directories a file lies under is cut off.
+_ROOTS = sorted(
+    {
+        os.path.abspath(path)
+        for path in (
+            *sys.path,
+            sysconfig.get_paths()["stdlib"],
+            sysconfig.get_paths()["purelib"],
+            str(PurePath(router.__file__).parent.parent),
+        )
+        if path
+    },
+    key=len,
+    reverse=True,
+)
 
 
 def _name(file: str, line: int, function: str) -> str:
     if file == "~":  # a builtin
         return function
-    parts = PurePath(file).parts
-    for anchor in _ANCHORS:
-        if anchor in parts:
-            parts = parts[len(parts) - parts[::-1].index(anchor) :]
+    for root in _ROOTS:
+        if file.startswith(root + os.sep):
+            file = file[len(root) + 1 :]
             break
-    return f"{'/'.join(parts)}:{line}({function})"
+    return f"{file}:{line}({function})"
 
 
 class WindowProfile:
