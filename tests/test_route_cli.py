@@ -1,0 +1,131 @@
+"""``kvroute route`` and ``kvroute explain`` as subprocesses against ``kvroute sim-cluster`` in a subprocess.
+
+The cluster prints one JSON line with its addresses and the seeded prefixes (token ids are
+``first_token .. first_token + tokens - 1``; block keys in the default family); the commands are
+pointed at it with the operator flags.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.wire import router_v1_pb2
+
+CLI = [sys.executable, "-m", "router.cli"]
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, Any]]:
+    command = [*CLI, "sim-cluster", "--workers", "4", "--kvcm-replicas", "2", "--groups", "2", "--print-json"]
+    proc = subprocess.Popen([*command, "--duration", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ)
+            assert selector.select(30), "sim-cluster printed nothing in time"
+        document: dict[str, Any] = json.loads(proc.stdout.readline())
+        yield document
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+
+
+def _operator_flags(document: dict[str, Any]) -> list[str]:
+    return [
+        "--kvcm-bootstrap",
+        ",".join(document["kvcm_bootstrap"]),
+        "--workers",
+        ",".join(w["host_ip_port"] for w in document["workers"]),
+        "--kvcm-instance-id",
+        "test",
+    ]
+
+
+def _tokens(prefix: dict[str, Any]) -> str:
+    return ",".join(str(prefix["first_token"] + i) for i in range(prefix["tokens"]))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+
+
+def test_route_json_prints_the_kvcm_decision_for_a_seeded_prefix(cluster: dict[str, Any]) -> None:
+    prefix = cluster["seeded_prefixes"][0]
+    result = _run("route", *_operator_flags(cluster), "--tokens", _tokens(prefix), "--request-id", "r1", "--json")
+    assert result.returncode == 0, result.stderr
+    decision = json.loads(result.stdout)
+    proto_fields = {f.name for f in router_v1_pb2.RouteDecision.DESCRIPTOR.fields}
+    assert proto_fields | {"stage_ms", "error", "candidates"} == set(decision)
+    assert (decision["request_id"], decision["route_source"], decision["reason"]) == ("r1", "kvcm", "CACHE_LEADER")
+    assert f"{decision['ip']}:{decision['http_port']}" in prefix["workers"]
+    assert decision["grpc_port"] == decision["http_port"] + 1
+    assert (decision["local_blocks"], decision["hit_tokens"]) == (len(prefix["block_keys"]), prefix["tokens"])
+    assert decision["error"] is None
+    chosen = [c for c in decision["candidates"] if c["chosen"]]
+    assert [c["target"] for c in chosen] == [f"{decision['ip']}:{decision['http_port']}"]
+    # Every seeded holder was a hot candidate with the whole prefix cached.
+    hot = {c["target"]: c["local_blocks"] for c in decision["candidates"] if c["source"] == "hot"}
+    assert hot == dict.fromkeys(prefix["workers"], len(prefix["block_keys"]))
+
+
+def test_route_by_keys_file_and_plain_output(cluster: dict[str, Any], tmp_path: Path) -> None:
+    prefix = cluster["seeded_prefixes"][1]
+    keys = ",".join(str(k) for k in prefix["block_keys"])
+    result = _run("route", *_operator_flags(cluster), "--keys", keys)
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip()
+    assert line.startswith("kvroute-cli: kvcm CACHE_LEADER -> ")
+    assert line.split(" -> ")[1].split(" ")[0] in prefix["workers"]
+
+    tokens_file = tmp_path / "prompt.txt"
+    tokens_file.write_text(_tokens(prefix).replace(",", "\n"))
+    result = _run("route", *_operator_flags(cluster), "--tokens-file", str(tokens_file), "--json")
+    assert result.returncode == 0, result.stderr
+    assert f"{json.loads(result.stdout)['ip']}:{json.loads(result.stdout)['http_port']}" in prefix["workers"]
+
+
+def test_explain_prints_every_candidate_and_why(cluster: dict[str, Any]) -> None:
+    prefix = cluster["seeded_prefixes"][0]
+    result = _run("explain", *_operator_flags(cluster), "--tokens", _tokens(prefix))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("request kvroute-cli: kvcm / CACHE_LEADER -> ")
+    header = next(i for i, line in enumerate(lines) if line.startswith("worker"))
+    assert lines[header].split() == ["worker", "from", "role", "blocks", "hit", "work", "outcome"]
+    rows = {line.split()[0]: line for line in lines[header + 1 :]}
+    winners = [target for target, row in rows.items() if "WON: CACHE_LEADER" in row]
+    assert len(winners) == 1 and winners[0] in prefix["workers"]
+    for holder in prefix["workers"]:
+        assert rows[holder].split()[1:5] == ["hot", "PREFILL", str(len(prefix["block_keys"])), str(prefix["tokens"])]
+    # The cold picks hold nothing of the prefix and lose on hit.
+    cold = [row for row in rows.values() if row.split()[1] == "cold"]
+    assert cold and all("lost: smaller hit (0 <" in row for row in cold)
+
+
+def test_bad_input_and_fatal_configuration_exit_2_naming_the_flag() -> None:
+    result = _run("route", "--workers", "127.0.0.1:9", "--kvcm-fallback", "false", "--tokens", "1,two,3")
+    assert result.returncode == 2
+    assert "--tokens: entry 2 ('two') is not an integer" in result.stderr
+    result = _run("explain", "--budget-cap-ms", "-5", "--grpc-listen", "nowhere", "--keys", "1")
+    assert result.returncode == 2
+    assert "--budget-cap-ms" in result.stderr and "--grpc-listen" in result.stderr
+    assert result.stdout == ""
+
+
+def test_no_worker_known_prints_route_source_none_and_exits_1() -> None:
+    result = _run("route", "--kvcm-fallback", "false", "--tokens", "1,2,3", "--json", "--warmup-ms", "0")
+    assert result.returncode == 1, result.stderr
+    decision = json.loads(result.stdout)
+    assert (decision["route_source"], decision["ip"]) == ("none", "")
+    assert "no worker" in decision["error"]
+    assert "not routed" in result.stderr
