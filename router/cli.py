@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "route": ("router.route_cli", "route one request in process and print the decision"),
     "explain": ("router.explain_cli", "route one request and explain every candidate: hit, work, why it won or lost"),
     "demo": ("router.demo.cli", "compare routing policies on an embedded cluster, or run fault scenarios"),
+    "bench": ("router.bench.cli", "measure decision CPU, latency, throughput, outage cost, quality and a soak"),
 }
 
 

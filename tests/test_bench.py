@@ -1,0 +1,102 @@
+"""``kvroute bench`` smoke test: a tiny configuration runs end to end and reports every figure.
+
+It checks the shape of the table and of the JSON (rows, keys, verdict words, numbers
+present), that the simulator child process is gone afterwards and that the CPU affinity
+is given back — never the speed: targets are the benchmark's business, not CI's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from router.cli import main
+
+QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,soak"
+EXPECTED_ROWS = [
+    "P1",
+    "P6",
+    "P2 warm",
+    "P2 cold",
+    "P3 gRPC",
+    "P3 memory",
+    "P4 query blackholed",
+    "P4 KVCM blackholed",
+    "P4 KVCM dead",
+    "P5",
+    "soak",
+]
+VERDICTS = {"met", "MISSED", "-"}
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    """The cells of the main table's body rows (after the header and its rule)."""
+    lines = stdout.split("\n\n", 1)[0].splitlines()
+    assert lines[0].startswith("| figure") and set(lines[1]) <= {"|", "-"}
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "nested" / "bench.json"
+    affinity = os.sched_getaffinity(0)
+
+    assert main(["bench", "--quick", "--only", QUICK_FIGURES, "--out", str(out)]) == 0
+
+    assert psutil.Process().children(recursive=True) == []  # the simulator child was stopped
+    assert os.sched_getaffinity(0) == affinity  # the CPU pinning was undone
+    document = json.loads(out.read_text(encoding="utf-8"))
+    figures = document["figures"]
+    assert [f["key"] for f in figures] == EXPECTED_ROWS
+    for figure in figures:
+        assert figure["verdict"] in VERDICTS, figure
+        assert figure["measured"] and figure["result"] and figure["data"], figure
+    by_key = {f["key"]: f for f in figures}
+    # Numbers the table is built from are in the JSON, in range.
+    assert 0 < by_key["P1"]["data"]["p50"] <= by_key["P1"]["data"]["p99"]
+    assert by_key["P2 warm"]["data"]["ratio_p50"] > 0
+    assert by_key["P2 warm"]["data"]["floor"]["pair_ms"]["n"] == by_key["P2 warm"]["data"]["route"]["n"]
+    assert by_key["P3 gRPC"]["data"]["raw_calls_per_s"] and by_key["P3 gRPC"]["data"]["decisions_per_s"] > 0
+    assert by_key["P4 query blackholed"]["data"]["detected_by"] == "breaker open"
+    assert by_key["P5"]["data"]["hit_rate_of_oracle"] > 0
+    assert {p["policy"] for p in by_key["P5"]["data"]["policies"]} >= {"kvroute", "oracle", "least-loaded"}
+    soak = by_key["soak"]["data"]
+    assert soak["requests"] == 2_000 and soak["warm_up"] == 1_000
+    assert sum(soak["outcomes"].values()) == soak["requests"] - soak["warm_up"]
+    assert soak["end"]["live_tasks"] > 0 and soak["end"]["open_fds"] > 0
+    assert set(document["meta"]["seconds"]) >= {"P1/P6", "P2", "P3 gRPC", "P3 memory", "P4", "P5", "soak", "total"}
+
+    printed = capsys.readouterr().out
+    rows = _table_rows(printed)
+    assert [row[0] for row in rows] == EXPECTED_ROWS
+    assert [row[4] for row in rows] == [f["verdict"] for f in figures]
+    assert "P5 policy table (the demo's):" in printed
+
+
+def test_soak_alone_runs_only_the_soak(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    assert main(["bench", "--soak", "300", "--out", str(out)]) == 0
+    document = json.loads(out.read_text(encoding="utf-8"))
+    assert [f["key"] for f in document["figures"]] == ["soak"]
+    data = document["figures"][0]["data"]
+    assert (data["requests"], data["warm_up"]) == (300, 150)  # at most half of N warms up
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["--only", "P1,P9"], "unknown figure 'P9'"),
+        (["--soak", "0"], "must be >= 1, got 0"),
+        (["--soak", "lots"], "'lots' is not an integer"),
+    ],
+)
+def test_bad_flags_are_named(argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert complaint in capsys.readouterr().err
