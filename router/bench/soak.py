@@ -18,13 +18,16 @@ import psutil
 import trio
 
 from router.api import RouterHandle, open_router
-from router.bench.harness import ClusterShape, Outcomes, Requests, concurrent, prime, router_config
+from router.bench.harness import ClusterShape, ClusterView, Outcomes, Requests, concurrent, prime, router_config
 from router.bench.results import BenchReport, Figure, at_most
+from router.transport.memory_adapter import MemoryNetwork
 
 SOAK_TARGET_RSS_GROWTH_MB = 20.0
 UNIQUE_TAIL_KEYS = 8
 MIN_WARM_UP = 1_000
 SAMPLES = 10  # RSS read this many times over the measured part
+SLOWEST_RATE = 50.0  # decisions/s: the soak's deadline allows N at this rate ...
+STARTUP_ALLOWANCE_S = 60.0  # ... plus this
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +101,18 @@ class SoakResult:
 
 
 async def _soak(shape: ClusterShape, requests_total: int, concurrency: int) -> SoakResult:
-    process = psutil.Process()
     warm_up = max(min(MIN_WARM_UP, requests_total // 2), requests_total // 10)
     measured = requests_total - warm_up
     _, network, view = shape.in_memory()
+    # Bounded: a soak slower than SLOWEST_RATE decisions/s is broken, not slow.
+    with trio.fail_after(STARTUP_ALLOWANCE_S + requests_total / SLOWEST_RATE):
+        return await _soak_router(view, network, requests_total, warm_up, measured, concurrency)
+
+
+async def _soak_router(
+    view: ClusterView, network: MemoryNetwork, requests_total: int, warm_up: int, measured: int, concurrency: int
+) -> SoakResult:
+    process = psutil.Process()
     async with open_router(router_config(view, status_ttl_s=None), rpc=network) as router:
         requests = Requests(view, "soak", unique_tail=UNIQUE_TAIL_KEYS)
         await prime(router, requests, 0)
