@@ -7,12 +7,14 @@ real clock, each bounded by ``trio.fail_after``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -36,7 +38,7 @@ from router.demo.report import (
     summarize,
 )
 from router.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
-from router.demo.workload import GROUP_STRIDE, WorkloadSpec, build_workload, system_prompt, zipf_weights
+from router.demo.workload import GROUP_STRIDE, DemoRequest, WorkloadSpec, build_workload, system_prompt, zipf_weights
 from router.keys import block_keys
 from router.types import HostMatch
 
@@ -87,7 +89,7 @@ def test_workload_shape_prompts_and_keys() -> None:
 
 
 def test_multi_turn_sessions_extend_earlier_prompts() -> None:
-    sessions: dict[int, list] = {}  # type: ignore[type-arg]
+    sessions: dict[int, list[DemoRequest]] = {}
     for r in build_workload(SMALL).requests:
         sessions.setdefault(r.session, []).append(r)
     multi = [turns for turns in sessions.values() if len(turns) > 1]
@@ -97,7 +99,7 @@ def test_multi_turn_sessions_extend_earlier_prompts() -> None:
     for turns in multi:
         turns.sort(key=lambda r: r.turn)
         assert [r.turn for r in turns] == list(range(SMALL.turns))
-        for earlier, later in zip(turns, turns[1:], strict=False):
+        for earlier, later in itertools.pairwise(turns):
             assert later.arrival_s > earlier.arrival_s
             assert later.tokens[: earlier.input_tokens] == earlier.tokens
             assert later.input_tokens == earlier.input_tokens + SMALL.output_tokens + SMALL.question_tokens
@@ -122,7 +124,7 @@ def test_arrivals_run_at_the_configured_rate() -> None:
     workload = build_workload(spec)
     rate = len(workload.requests) / workload.duration_s
     assert 36.0 <= rate <= 44.0
-    gaps = [b.arrival_s - a.arrival_s for a, b in zip(workload.requests, workload.requests[1:], strict=False)]
+    gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(workload.requests)]
     mean = sum(gaps) / len(gaps)
     # Exponential gaps: the standard deviation is about the mean (a fixed-rate clock would give 0).
     sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
@@ -140,8 +142,9 @@ def test_full_size_is_the_benchmark_shape() -> None:
     [("groups", 0), ("turns", 0), ("rate_per_s", 0.0), ("multi_turn_fraction", 1.5), ("zipf_s", -1.0)],
 )
 def test_bad_workload_parameters_name_the_field(field: str, value: float) -> None:
+    changes: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=field):
-        replace(SMALL, **{field: value})
+        replace(SMALL, **changes)
 
 
 # ---- baseline policies (pure) --------------------------------------------------------------------------
@@ -332,3 +335,17 @@ async def test_tiny_demo_run_prints_the_table_and_writes_json_and_png(
     assert {t["target"].split()[0] for t in results["targets"]} >= {"hit", "mean", "p99"}
     assert (tmp_path / CHART_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(BASELINE_NAMES) < set(POLICY_NAMES)
+
+
+def test_flags_apply_over_the_presets() -> None:
+    parser = argparse.ArgumentParser()
+    demo_cli.configure(parser)
+    workload, cluster = demo_cli.specs_from_args(parser.parse_args(["--rate", "12.5", "--sim-workers", "3"]))
+    assert (workload.rate_per_s, cluster.workers) == (12.5, 3)
+    assert workload.groups == WorkloadSpec().groups and cluster.kv_capacity_blocks == ClusterSpec().kv_capacity_blocks
+    workload, cluster = demo_cli.specs_from_args(parser.parse_args(["--full-size", "--key-family", "vllm"]))
+    assert replace(workload, key_family=WorkloadSpec().key_family) == WorkloadSpec.full_size()
+    assert workload.key_family.value == "vllm"
+    assert cluster == ClusterSpec.full_size()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rate", "0"])

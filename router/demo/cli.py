@@ -17,7 +17,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import TextIO
@@ -37,8 +37,10 @@ from router.demo.report import (
 from router.demo.runner import (
     COMPARISON_SETTINGS,
     ClusterSpec,
+    DemoConfigError,
     PolicyRun,
     SimClock,
+    check_router_settings,
     kvroute_cluster,
     open_kvroute,
     run_baseline,
@@ -83,21 +85,57 @@ def _policies(text: str) -> tuple[str, ...]:
     return names
 
 
+# Workload and cluster flags: (flag, spec field, parser, metavar, help). Defaults come from the presets.
+_WORKLOAD_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] = (
+    ("--groups", "groups", _number(int, 1), "N", "shared-system-prompt groups"),
+    ("--prompts-per-group", "prompts_per_group", _number(int, 1), "N", "conversations = groups x this"),
+    ("--system-prompt-tokens", "system_prompt_tokens", _number(int, 1), "N", "tokens per system prompt"),
+    ("--question-tokens", "question_tokens", _number(int, 1), "N", "tokens per question"),
+    ("--output-tokens", "output_tokens", _number(int, 0), "N", "tokens per answer (extends the next turn)"),
+    ("--multi-turn-fraction", "multi_turn_fraction", _number(float, 0.0), "F", "share of multi-turn conversations"),
+    ("--turns", "turns", _number(int, 1), "N", "turns of a multi-turn conversation"),
+    ("--think-time-s", "think_time_s", _number(float, 0.0, above=True), "F", "mean gap between turns (s)"),
+    ("--rate", "rate_per_s", _number(float, 0.0, above=True), "F", "mean arrivals per simulated second"),
+    ("--zipf-s", "zipf_s", _number(float, 0.0), "F", "Zipf exponent of group popularity (0 = uniform)"),
+    ("--seed", "seed", _number(int, 0), "N", "workload and baseline seed"),
+    ("--block-size", "block_size", _number(int, 1), "N", "tokens per KV block"),
+    ("--key-family", "key_family", KeyFamily, "FAMILY", "block key family: " + "|".join(f.value for f in KeyFamily)),
+)
+_CLUSTER_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] = (
+    ("--sim-workers", "workers", _number(int, 1), "N", "simulated workers"),
+    ("--kvcm-replicas", "kvcm_replicas", _number(int, 1), "N", "KVCM replicas (the first leads)"),
+    ("--prefill-tokens-per-s", "prefill_tokens_per_s", _number(float, 0.0, above=True), "F", "prefill per worker"),
+    ("--kv-capacity-blocks", "kv_capacity_blocks", _number(int, 1), "N", "KV capacity per worker (blocks, LRU)"),
+)
+
+
+def _preset_help(text: str, scaled: object, full: object) -> str:
+    def word(value: object) -> str:
+        return value.value if isinstance(value, KeyFamily) else f"{value:g}" if isinstance(value, float) else str(value)
+
+    defaults = word(scaled) if scaled == full else f"{word(scaled)}; --full-size {word(full)}"
+    return f"{text} (default {defaults})"
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scenario",
         choices=(*scenarios.SCENARIO_NAMES, "all"),
         default=None,
-        help="run a fault scenario (or all of them) instead of the policy comparison; exit 1 on any FAIL",
+        metavar="NAME",
+        help="run a fault scenario instead of the policy comparison; exit 1 on any FAIL. NAME: all, "
+        + ", ".join(scenarios.SCENARIO_NAMES),
     )
     parser.add_argument(
         "--scenario-scale",
         type=_number(float, 0.0, above=True),
         default=1.0,
         metavar="F",
-        help="multiply every scenario phase by F (e.g. 0.5 for CI)",
+        help="multiply every scenario phase by F (default 1; e.g. 0.4 for CI)",
     )
-    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="where demo-results.json and the PNG go")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"where the JSON and PNG go (default {DEFAULT_OUT})"
+    )
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     parser.add_argument(
         "--policies",
@@ -117,64 +155,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level",
         default="ERROR",
+        metavar="LEVEL",
         help="level of the router's logs on stderr (default ERROR; WARNING shows its aggregated fallback warnings)",
     )
-
     w = parser.add_argument_group("workload (defaults: the scaled one-minute run; --full-size for the benchmark's)")
     w.add_argument(
         "--full-size",
         action="store_true",
         help="64 groups x 16 prompts, 2,048-token system prompts (and a cluster sized for them)",
     )
-    w.add_argument("--groups", type=_number(int, 1), help="shared-system-prompt groups")
-    w.add_argument("--prompts-per-group", type=_number(int, 1), help="conversations = groups x this")
-    w.add_argument("--system-prompt-tokens", type=_number(int, 1), help="tokens per system prompt")
-    w.add_argument("--question-tokens", type=_number(int, 1), help="tokens per question")
-    w.add_argument("--output-tokens", type=_number(int, 0), help="tokens per answer (extends the next turn)")
-    w.add_argument("--multi-turn-fraction", type=_number(float, 0.0), help="share of conversations with --turns turns")
-    w.add_argument("--turns", type=_number(int, 1), help="turns of a multi-turn conversation")
-    w.add_argument("--think-time-s", type=_number(float, 0.0, above=True), help="mean gap between turns (s)")
-    w.add_argument("--rate", type=_number(float, 0.0, above=True), help="mean arrivals per simulated second")
-    w.add_argument("--zipf-s", type=_number(float, 0.0), help="Zipf exponent of group popularity (0 = uniform)")
-    w.add_argument("--seed", type=_number(int, 0), help="workload and baseline seed")
-    w.add_argument("--block-size", type=_number(int, 1), help="tokens per KV block")
-    w.add_argument("--key-family", choices=[f.value for f in KeyFamily], help="block key family")
-
+    scaled_w, full_w = asdict(WorkloadSpec()), asdict(WorkloadSpec.full_size())
+    for flag, name, parse, metavar, text in _WORKLOAD_FLAGS:
+        help_text = _preset_help(text, scaled_w[name], full_w[name])
+        w.add_argument(flag, dest=name, type=parse, metavar=metavar, help=help_text)
     c = parser.add_argument_group("simulated cluster")
-    c.add_argument("--sim-workers", type=_number(int, 1), help="simulated workers (default 8)")
-    c.add_argument("--kvcm-replicas", type=_number(int, 1), help="KVCM replicas (default 3, the first leads)")
-    c.add_argument("--prefill-tokens-per-s", type=_number(float, 0.0, above=True), help="prefill throughput per worker")
-    c.add_argument("--kv-capacity-blocks", type=_number(int, 1), help="KV cache capacity per worker (blocks, LRU)")
+    scaled_c, full_c = asdict(ClusterSpec()), asdict(ClusterSpec.full_size())
+    for flag, name, parse, metavar, text in _CLUSTER_FLAGS:
+        help_text = _preset_help(text, scaled_c[name], full_c[name])
+        c.add_argument(flag, dest=f"cluster_{name}", type=parse, metavar=metavar, help=help_text)
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, ClusterSpec]:
     """The preset (scaled or ``--full-size``) with every given flag applied; ValueError names a bad one."""
     workload = WorkloadSpec.full_size() if args.full_size else WorkloadSpec()
     cluster = ClusterSpec.full_size() if args.full_size else ClusterSpec()
-    workload_flags = {
-        "groups": args.groups,
-        "prompts_per_group": args.prompts_per_group,
-        "system_prompt_tokens": args.system_prompt_tokens,
-        "question_tokens": args.question_tokens,
-        "output_tokens": args.output_tokens,
-        "multi_turn_fraction": args.multi_turn_fraction,
-        "turns": args.turns,
-        "think_time_s": args.think_time_s,
-        "rate_per_s": args.rate,
-        "zipf_s": args.zipf_s,
-        "seed": args.seed,
-        "block_size": args.block_size,
-        "key_family": None if args.key_family is None else KeyFamily(args.key_family),
-    }
+    given = vars(args)
+    workload_flags = {name: given[name] for _, name, *_ in _WORKLOAD_FLAGS if given[name] is not None}
     cluster_flags = {
-        "workers": args.sim_workers,
-        "kvcm_replicas": args.kvcm_replicas,
-        "prefill_tokens_per_s": args.prefill_tokens_per_s,
-        "kv_capacity_blocks": args.kv_capacity_blocks,
+        name: given[f"cluster_{name}"] for _, name, *_ in _CLUSTER_FLAGS if given[f"cluster_{name}"] is not None
     }
-    workload = replace(workload, **{k: v for k, v in workload_flags.items() if v is not None})
-    cluster = replace(cluster, **{k: v for k, v in cluster_flags.items() if v is not None})
-    return workload, cluster
+    return replace(workload, **workload_flags), replace(cluster, **cluster_flags)
 
 
 class ProgressLine:
@@ -248,6 +258,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
     overrides: dict[str, object] = dict(args.router_setting)
+    try:
+        check_router_settings(workload_spec, dict(COMPARISON_SETTINGS) | overrides)
+    except DemoConfigError as exc:
+        print(f"kvroute demo: error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"workload: {workload_spec.conversations} conversations over {workload_spec.groups} groups, "
         f"~{workload_spec.rate_per_s:g} requests/s (simulated), seed {workload_spec.seed}; "

@@ -231,15 +231,21 @@ class DemoConfigError(ValueError):
     """The router settings built for the demo do not validate (the message lists every problem)."""
 
 
-def router_settings(addresses: SimClusterAddresses, workload: WorkloadSpec) -> dict[str, object]:
-    """The settings pointing a router at a served sim cluster (setting name → value)."""
+def router_settings(kvcm_bootstrap: str, workers: str, workload: WorkloadSpec) -> dict[str, object]:
+    """The settings pointing a router at a sim cluster's addresses (setting name → value)."""
     return {
-        "kvcm_bootstrap": addresses.kvcm_bootstrap,
-        "workers": addresses.workers_arg,
+        "kvcm_bootstrap": kvcm_bootstrap,
+        "workers": workers,
         "block_size": workload.block_size,
         "key_family": workload.key_family,
         "kvcm_instance_id": DEMO_INSTANCE_ID,
     }
+
+
+def check_router_settings(workload: WorkloadSpec, extra_settings: Mapping[str, object]) -> None:
+    """Validate ``extra_settings`` before anything is served (placeholder addresses); raise
+    ``DemoConfigError`` listing every problem, so a bad override fails fast and clearly."""
+    load_router_config(router_settings("127.0.0.1:1", "127.0.0.1:1", workload) | dict(extra_settings))
 
 
 def load_router_config(settings: Mapping[str, object], *, strict: bool = True) -> LoadedConfig:
@@ -281,7 +287,8 @@ async def open_kvroute(
     """
     async with trio.open_nursery() as nursery:
         addresses: SimClusterAddresses = await nursery.start(partial(cluster.serve_grpc, clock=clock))
-        settings = router_settings(addresses, workload) | dict(extra_settings or {})
+        settings = router_settings(addresses.kvcm_bootstrap, addresses.workers_arg, workload)
+        settings |= dict(extra_settings or {})
         loaded = load_router_config(settings, strict=strict)
         async with open_router(loaded.effective, loaded=loaded, debug_http=debug_http) as handle:
             yield KvrouteSetup(cluster, addresses, handle, loaded)
