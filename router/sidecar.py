@@ -2,8 +2,9 @@
 
 A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen``:
 
-- Route calls arrive on grpc's handler threads (at most ``--grpc-max-workers`` at once; a call
-  beyond that is refused with RESOURCE_EXHAUSTED, never queued). Each is decoded, handed to the
+- Route calls arrive on grpc's handler threads (at most ``--grpc-max-workers`` calls at once,
+  health calls and Watch streams included; a call beyond that is refused with RESOURCE_EXHAUSTED,
+  never queued). Each is decoded, handed to the
   trio thread with ``TrioToken.run_sync_soon`` and runs there as a task; the handler thread waits
   for its decision no longer than the call's deadline: the client's gRPC deadline and the routing
   deadline (min(budget, ``--budget-cap-ms``)) plus a short slack.

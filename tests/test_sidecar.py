@@ -7,7 +7,7 @@ client runs its blocking calls on worker threads, like a frontend process would.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -22,6 +22,7 @@ from router.keys import block_keys
 from router.sidecar import ROUTER_SERVICE, Sidecar, decision_to_proto, request_from_proto
 from router.sim.cluster import SimCluster
 from router.sim.kvcm import KvcmFaults
+from router.targets import HostPort
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteDecision, RouteSource, WorkerAddr
 from router.wire import router_v1_pb2
 from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
@@ -37,6 +38,7 @@ class Rig:
     handle: RouterHandle
     sidecar: Sidecar
     channel: grpc.Channel
+    stopped: trio.Event  # set when sidecar.run() has returned
 
     def route(self, request: router_v1_pb2.RouteRequest, timeout: float = CLIENT_TIMEOUT_S) -> object:
         """One blocking Route call (run it on a thread); returns the decision or the grpc.RpcError."""
@@ -72,10 +74,16 @@ async def rig(nursery: trio.Nursery, *, serve: ServeConfig | None = None) -> Asy
         assert resolver is not None
         await resolver.leader()  # warm: the router is ready
         sidecar = Sidecar(handle, config)
-        bound = await inner.start(sidecar.run)
+        stopped = trio.Event()
+
+        async def run_sidecar(*, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:
+            await sidecar.run(task_status=task_status)
+            stopped.set()
+
+        bound = await inner.start(run_sidecar)
         channel = grpc.insecure_channel(str(bound), options=[("grpc.enable_retries", 0)])
         try:
-            yield Rig(cluster, handle, sidecar, channel)
+            yield Rig(cluster, handle, sidecar, channel, stopped)
         finally:
             channel.close()
             inner.cancel_scope.cancel()
@@ -208,33 +216,66 @@ async def test_thread_pool_bound_refuses_the_call_beyond_it(nursery: trio.Nurser
             r.cluster.kvcm.clear_faults()
 
 
-async def test_drain_finishes_in_flight_calls_then_refuses(nursery: trio.Nursery) -> None:
+async def _drain_with_one_call_in_flight(r: Rig, body: Callable[[], Awaitable[None]]) -> object:
+    """Start a call that waits in the router (KVCM hangs), drain, run ``body``; the call's outcome."""
+    leader = r.cluster.kvcm.leader
+    assert leader is not None
+    r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+    stats = r.cluster.kvcm.stats(leader)
+    slow = router_v1_pb2.RouteRequest(request_id="in-flight", token_ids=PROMPT, budget_ms=400)
+    outcomes: list[object] = []
+
+    async def one() -> None:
+        outcomes.append(await _in_thread(lambda: r.route(slow)))
+
+    async with trio.open_nursery() as clients:
+        clients.start_soon(one)
+        assert await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 1, 5.0))
+        assert r.sidecar.stats().in_flight == 1
+        r.sidecar.drain()
+        await body()
+    r.cluster.kvcm.clear_faults()
+    assert len(outcomes) == 1
+    return outcomes[0]
+
+
+async def test_drain_lame_duck_refuses_new_calls_and_says_not_serving(nursery: trio.Nursery) -> None:
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=5.0, drain_timeout_s=10.0)
     with trio.fail_after(15):
-        async with rig(nursery) as r:
-            leader = r.cluster.kvcm.leader
-            assert leader is not None
-            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
-            stats = r.cluster.kvcm.stats(leader)
-            slow = router_v1_pb2.RouteRequest(request_id="in-flight", token_ids=PROMPT, budget_ms=400)
-            outcomes: list[object] = []
+        async with rig(nursery, serve=serve) as r:
+            refused: list[object] = []
 
-            async def one() -> None:
-                outcomes.append(await _in_thread(lambda: r.route(slow)))
+            async def during_lame_duck() -> None:
+                assert await _in_thread(lambda: r.health("")) == health_pb2.HealthCheckResponse.NOT_SERVING
+                late = router_v1_pb2.RouteRequest(request_id="late", token_ids=PROMPT)
+                refused.append(await _in_thread(lambda: r.route(late)))
 
-            async with trio.open_nursery() as clients:
-                clients.start_soon(one)
-                assert await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 1, 5.0))
-                assert r.sidecar.stats().in_flight == 1
-                r.sidecar.drain()
-            # The call in flight when the drain began got its decision ...
-            assert len(outcomes) == 1
-            assert isinstance(outcomes[0], router_v1_pb2.RouteDecision), outcomes
-            # ... and a call after it is refused (not routed), never left hanging.
-            late = await _in_thread(lambda: r.route(slow, timeout=2.0))
+            in_flight = await _drain_with_one_call_in_flight(r, during_lame_duck)
+            # The call in flight when the drain began got its decision; the new one was refused
+            # (not routed, so safe to send elsewhere).
+            assert isinstance(in_flight, router_v1_pb2.RouteDecision), in_flight
+            assert _status(refused[0]) is grpc.StatusCode.UNAVAILABLE
+            assert "draining" in _details(refused[0])
+            final = r.sidecar.stats()
+            assert (final.answered, final.unavailable, final.in_flight, final.timed_out) == (1, 1, 0, 0)
+            assert not r.stopped.is_set()  # still within the lame duck
+
+
+async def test_drain_stops_the_server_once_calls_are_done(nursery: trio.Nursery) -> None:
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.0)
+    with trio.fail_after(15):
+        async with rig(nursery, serve=serve) as r:
+
+            async def nothing() -> None:
+                pass
+
+            in_flight = await _drain_with_one_call_in_flight(r, nothing)
+            assert isinstance(in_flight, router_v1_pb2.RouteDecision), in_flight
+            await r.stopped.wait()  # run() returned by itself after the drain
+            late = await _in_thread(lambda: r.route(router_v1_pb2.RouteRequest(request_id="late", token_ids=PROMPT)))
             assert _status(late) is grpc.StatusCode.UNAVAILABLE
             final = r.sidecar.stats()
             assert (final.answered, final.in_flight, final.timed_out) == (1, 0, 0)
-            r.cluster.kvcm.clear_faults()
 
 
 def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None:
