@@ -18,7 +18,7 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import trio
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         stats = trio.run(_serve, loaded)
     except* OSError as group:  # a listen address in use or not assignable
-        bind_errors.extend(group.exceptions)
+        bind_errors.extend(_leaves(group))
     if bind_errors:
         for error in bind_errors:
             print(f"kvroute serve: {error}", file=sys.stderr)
@@ -65,6 +65,15 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return EXIT_OK
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    """The errors inside (nested) exception groups."""
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
 
 
 async def _next_signal(signals: AsyncIterator[int]) -> int:

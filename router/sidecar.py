@@ -4,10 +4,10 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
 
 - Route calls arrive on grpc's handler threads (at most ``--grpc-max-workers`` calls at once,
   health calls and Watch streams included; a call beyond that is refused with RESOURCE_EXHAUSTED,
-  never queued). Each is decoded, handed to the
-  trio thread with ``TrioToken.run_sync_soon`` and runs there as a task; the handler thread waits
-  for its decision no longer than the call's deadline: the client's gRPC deadline and the routing
-  deadline (min(budget, ``--budget-cap-ms``)) plus a short slack.
+  never queued). Each is decoded, handed to the trio thread with ``TrioToken.run_sync_soon`` and
+  runs there as a task; the handler thread waits for its decision no longer than the call's
+  deadline: the client's gRPC deadline and the routing deadline (min(budget, ``--budget-cap-ms``))
+  plus a short slack. (``trio.from_thread.run`` could not bound that wait.)
 - The client's gRPC deadline, when shorter than the budget, becomes the routing deadline.
 - A bad request ends with INVALID_ARGUMENT and a message naming the field; a decision with
   ``route_source=none`` (no worker known) is returned as is, with its error in the trailing

@@ -39,12 +39,12 @@ _SUMMARY = re.compile(
 _DRAINING = re.compile(r"draining: (\d+) Route call\(s\) in flight")
 
 
+CLI_SERVE = [sys.executable, "-m", "router.cli", "serve"]
+
+
 def _serve_command(addrs: SimClusterAddresses, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "router.cli",
-        "serve",
+        *CLI_SERVE,
         "--grpc-listen=127.0.0.1:0",
         "--debug-listen=127.0.0.1:0",
         f"--kvcm-bootstrap={addrs.kvcm_bootstrap}",
@@ -199,9 +199,7 @@ async def _read_all(stream: trio.abc.ReceiveStream) -> str:
 
 async def test_fatal_configuration_lists_every_problem_and_exits_2() -> None:
     with trio.fail_after(30):
-        code, stdout, stderr = await _run_to_end(
-            [sys.executable, "-m", "router.cli", "serve", "--grpc-listen=nowhere", "--budget-cap-ms=-5"]
-        )
+        code, stdout, stderr = await _run_to_end([*CLI_SERVE, "--grpc-listen=nowhere", "--budget-cap-ms=-5"])
     assert code == 2, stderr
     assert stdout == ""
     assert "--grpc-listen" in stderr and "--budget-cap-ms" in stderr
@@ -220,3 +218,22 @@ async def test_fallback_only_problems_start_with_fallback_off_and_sigint_exits_0
     fallback_errors = [line for line in stderr.splitlines() if "KVCM fallback disabled" in line]
     assert len(fallback_errors) == 1, stderr
     assert "--leader-refresh-interval-s" in fallback_errors[0]
+
+
+async def test_grpc_listen_in_use_exits_1_naming_the_flag() -> None:
+    with trio.fail_after(30):
+        with trio.socket.socket() as taken:
+            await taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            command = [
+                *CLI_SERVE,
+                f"--grpc-listen=127.0.0.1:{port}",
+                "--debug-listen=127.0.0.1:0",
+                "--workers=127.0.0.1:9",
+                "--kvcm-fallback=false",
+            ]
+            code, stdout, stderr = await _run_to_end(command)
+    assert code == 1, stderr
+    assert stdout == ""  # never announced an address
+    assert f"--grpc-listen: cannot bind 127.0.0.1:{port}" in stderr
