@@ -171,7 +171,6 @@ def _kill_leader(ctx: ScenarioContext) -> None:
     new = next(node for node in kvcm.node_ids if node != old)
     kvcm.set_faults(old, KvcmFaults(dead=True))
     kvcm.set_leader(new)  # the surviving replicas elect a new leader at once
-    ctx.notes["killed"] = old
 
 
 def _revive_leader(ctx: ScenarioContext) -> None:
@@ -548,17 +547,31 @@ def evaluate(scenario: Scenario, ctx: ScenarioContext, outcomes: Sequence[Outcom
             )
         )
     recovery = None if timeline.recovered_at is None else timeline.recovered_at - cleared
+    recovered = recovery is not None and recovery <= scenario.recovery_s
     checks.append(
         Check(
             "recovery",
-            recovery is not None and recovery <= scenario.recovery_s,
+            recovered,
             f"{scenario.recovery_what} {_seconds(recovery)} after the clear (limit {scenario.recovery_s:g} s); "
-            f"after: {_mix([o for o in outcomes if o.started >= cleared])}",
+            f"after: {_mix([o for o in outcomes if o.started >= cleared])}"
+            + ("" if recovered else f"; at the end: {_kvcm_state(ctx)}"),
         )
     )
     if scenario.extra_checks is not None:
         checks += scenario.extra_checks(ctx, outcomes, injected, cleared)
     return checks
+
+
+def _kvcm_state(ctx: ScenarioContext) -> str:
+    """The router's KVCM control state, to tell why routing did not come back."""
+    resolver = ctx.router().leader_resolver()
+    if resolver is None:
+        return "KVCM fallback off"
+    snap = resolver.snapshot()
+    return (
+        f"leader {snap.state.value} {snap.leader_target or ''}, breaker {snap.breaker.state.value} "
+        f"(opened {snap.breaker.opened_total}x), last error {snap.last_error}"
+    )
 
 
 def _seconds(value: float | None) -> str:
