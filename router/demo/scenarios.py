@@ -564,7 +564,9 @@ def evaluate(scenario: Scenario, ctx: ScenarioContext, outcomes: Sequence[Outcom
 
 def _kvcm_state(ctx: ScenarioContext) -> str:
     """The router's KVCM control state, to tell why routing did not come back."""
-    resolver = ctx.router().leader_resolver()
+    if ctx.setup is None:
+        return "router not open"
+    resolver = ctx.setup.handle.leader_resolver()
     if resolver is None:
         return "KVCM fallback off"
     snap = resolver.snapshot()
