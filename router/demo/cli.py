@@ -40,8 +40,8 @@ from router.demo.runner import (
     DemoConfigError,
     PolicyRun,
     SimClock,
+    build_cluster,
     check_router_settings,
-    kvroute_cluster,
     open_kvroute,
     run_baseline,
     run_kvroute,
@@ -226,7 +226,7 @@ async def compare(
     clock = SimClock()
     settings = dict(COMPARISON_SETTINGS) | router_overrides
     async with open_kvroute(
-        kvroute_cluster(cluster_spec, workload),
+        build_cluster(cluster_spec, workload),
         workload.spec,
         clock=clock.now,
         extra_settings=settings,

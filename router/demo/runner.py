@@ -38,6 +38,7 @@ from router.settings import LoadedConfig, load_config
 from router.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
 from router.sim.grpc_server import Clock
 from router.sim.worker import WorkerSpec
+from router.transport.memory_adapter import MemoryNetwork
 from router.types import HostMatch
 
 DEMO_INSTANCE_ID = "kvroute-demo"
@@ -88,15 +89,17 @@ class ClusterSpec:
         }
 
 
-def build_cluster(spec: ClusterSpec, workload: WorkloadSpec, *, max_tasks: int = WorkerSpec().max_tasks) -> SimCluster:
-    """A fresh cluster whose workers report the workload's block size (so the router keeps them)."""
+def build_cluster(spec: ClusterSpec, workload: Workload) -> SimCluster:
+    """A fresh cluster for replaying ``workload``: its workers report the workload's block size (so
+    the router keeps them), and a queue bound no replay can reach (every request fits one queue)."""
+    block_size = workload.spec.block_size
     worker = WorkerSpec(
         prefill_tokens_per_s=spec.prefill_tokens_per_s,
-        block_size=workload.block_size,
+        block_size=block_size,
         kv_capacity_blocks=spec.kv_capacity_blocks,
-        max_tasks=max_tasks,
+        max_tasks=max(WorkerSpec().max_tasks, len(workload.requests)),
     )
-    return SimCluster([worker] * spec.workers, spec.kvcm_replicas, block_size=workload.block_size)
+    return SimCluster([worker] * spec.workers, spec.kvcm_replicas, block_size=block_size)
 
 
 class SimClock:
@@ -185,18 +188,12 @@ class _Tally:
         return PolicyRun(self.policy, tuple(self.records), tuple(w.prefill_tokens_submitted for w in cluster.workers))
 
 
-def _max_tasks(workload: Workload) -> int:
-    """A queue bound no replay can reach: every request of the workload fits one worker's queue."""
-    return max(WorkerSpec().max_tasks, len(workload.requests))
-
-
 def run_baseline(
     policy: Policy, workload: Workload, cluster_spec: ClusterSpec, progress: Progress | None = None
 ) -> PolicyRun:
     """Replay ``workload`` with a baseline ``policy`` on a fresh in-memory cluster (synchronous, CPU only)."""
-    from router.transport.memory_adapter import MemoryNetwork  # only to give the sim workers addresses
-
-    cluster = build_cluster(cluster_spec, workload.spec, max_tasks=_max_tasks(workload))
+    cluster = build_cluster(cluster_spec, workload)
+    # Served on a throwaway in-memory network only to give the workers their addresses.
     hosts = tuple(addr.http_target for addr in cluster.serve_memory(MemoryNetwork()).workers)
     tally = _Tally(policy.name, len(workload.requests), progress)
     for request in workload.requests:
@@ -330,8 +327,3 @@ async def run_kvroute(
         worker = cluster.worker_index(decision.worker.http_target)
         tally.add(_prefill(cluster, request, worker, decision_s, source, reason))
     return tally.finish(cluster)
-
-
-def kvroute_cluster(cluster_spec: ClusterSpec, workload: Workload) -> SimCluster:
-    """The fresh cluster for the kvroute run (same shape as the baselines')."""
-    return build_cluster(cluster_spec, workload.spec, max_tasks=_max_tasks(workload))
