@@ -7,9 +7,11 @@ Reusable pieces (e.g. for ``kvroute bench``):
   its tokens and block keys.
 - ``policies``: the baselines (``baseline_policies(seed)``; each ``choose(keys, view) -> int``
   over a ``ClusterView``) and the policy names.
-- ``runner``: ``ClusterSpec``, ``run_baseline(policy, workload, cluster_spec)`` (sync, in-memory),
-  ``open_kvroute(cluster, workload_spec, ...)`` (a served SimCluster plus the real router over
-  loopback gRPC) and ``run_kvroute(setup, clock, workload)``; both return a ``PolicyRun``.
+- ``runner``: ``ClusterSpec``, ``build_cluster(cluster_spec, workload)`` (a fresh SimCluster),
+  ``run_baseline(policy, workload, cluster_spec)`` (sync, in-memory), ``open_kvroute(cluster,
+  workload_spec, clock=..., extra_settings=...)`` (the cluster served over loopback gRPC plus the
+  real router on it) and ``run_kvroute(setup, sim_clock, workload)``; runs return a ``PolicyRun``.
+  See the runner's docstring for how the simulated clock and real-time RPCs fit together.
 - ``report``: ``summarize(run) -> PolicySummary``, ``format_table``, ``check_targets``,
   ``results_json`` / ``write_results`` / ``write_chart``.
 - ``scenarios``: ``SCENARIOS``, ``run_scenario(scenario, scale=...)``, ``run_scenarios(...)``.
