@@ -241,7 +241,33 @@ async def open_router(
     """Start the whole topology; yield a handle; on exit cancel the actors and close every channel.
 
     ``rpc`` None → real gRPC (ChannelPool + GrpcRawRpc); pass a MemoryNetwork for in-memory peers.
+    A single failure (a start-up error such as a bad ``--workers`` entry, or the body's own
+    exception) comes out as itself, not wrapped in an ExceptionGroup.
     """
+    try:
+        async with _topology(config, rpc=rpc, loaded=loaded, debug_http=debug_http) as handle:
+            yield handle
+    except BaseExceptionGroup as group:
+        single = _single_exception(group)
+        if single is None:
+            raise
+        raise single from None
+
+
+def _single_exception(group: BaseExceptionGroup[BaseException]) -> Exception | None:
+    """The one ordinary exception a (nested) group holds, or None."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) != 1:
+            return None
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, Exception) else None
+
+
+@asynccontextmanager
+async def _topology(
+    config: KvrouteConfig, *, rpc: RawRpc | None, loaded: LoadedConfig | None, debug_http: bool
+) -> AsyncIterator[RouterHandle]:
     async with trio.open_nursery() as services:
         supervisor = Supervisor(services)
         metrics = MetricsSink(config.metrics)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import httpx
 import trio
+import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.api import open_router
@@ -53,7 +54,7 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
                 assert all(d.route_source is RouteSource.KVCM for d in decisions)
                 assert decisions[0].worker == cluster.worker_addr(2)
                 assert decisions[0].reason is Reason.CACHE_LEADER
-                await trio.sleep(0.05)  # let the metrics sink drain its inbox (real clock)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)  # the metrics sink has drained
                 metrics = (await http.get("/metrics")).text
                 counted = sum(v for (src, _), v in _decisions_total(metrics).items() if src == "kvcm")
                 assert counted == 5
@@ -78,6 +79,7 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
                 for i in range(3):
                     start = trio.current_time()
                     d = await handle.route(RouteRequest(f"bh{i}", token_ids=PROMPT, budget_ms=30))
-                    assert trio.current_time() - start < 0.030 + 0.010  # deadline + scheduling slack
+                    # The hang never answers; the decision comes at the deadline (+ slack for a loaded machine).
+                    assert trio.current_time() - start < 0.030 + 0.100
                     assert d.route_source in (RouteSource.DOMAIN, RouteSource.SHADOW)
                 cluster.kvcm.clear_faults()
