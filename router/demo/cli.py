@@ -276,6 +276,11 @@ def run(args: argparse.Namespace) -> int:
     checks = check_targets(summaries)
     print()
     print(format_table(summaries))
+    print(
+        "(TTFT: simulated from each worker's queue and uncached tokens. Decision latency: real; for kvroute\n"
+        " the whole route() over loopback gRPC - KVCM query and fresh status probes every decision - to\n"
+        " simulators sharing this process; kvroute bench measures it against a separate simulator process.)"
+    )
     if checks:
         print()
         for check in checks:

@@ -112,7 +112,11 @@ def source_mix(summary: PolicySummary) -> str:
     total = sum(summary.route_sources.values())
     if not total:
         return NO_SOURCE
-    return " ".join(f"{source} {100 * n / total:.0f}%" for source, n in summary.route_sources.items())
+    return " ".join(f"{source} {_percent(n / total)}" for source, n in summary.route_sources.items())
+
+
+def _percent(share: float) -> str:
+    return "<1%" if 0 < share < 0.005 else f"{100 * share:.0f}%"
 
 
 _COLUMNS = (
