@@ -299,7 +299,8 @@ class LeaderResolver:
                     await self._wake_receive.receive()
                 attempt = self._attempt
                 if attempt is None:
-                    if trio.current_time() < self._next_due(trio.current_time()):
+                    now = trio.current_time()  # read once: two reads on a real clock always differ
+                    if now < self._next_due(now):
                         continue  # a wake-up whose lookup already ran
                     attempt = self._attempt = _Attempt(Trigger.SCHEDULED)
             await self._perform(attempt)

@@ -16,6 +16,7 @@ from router.keys import block_keys
 from router.sim.cluster import SimCluster
 from router.sim.kvcm import KvcmFaults
 from router.types import KeyFamily, Reason, RouteRequest, RouteSource
+from router.wire import paths
 
 BLOCK = 16
 PROMPT = tuple(range(500, 500 + 8 * BLOCK))
@@ -83,3 +84,23 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
                     assert trio.current_time() - start < 0.030 + 0.100
                     assert d.route_source in (RouteSource.DOMAIN, RouteSource.SHADOW)
                 cluster.kvcm.clear_faults()
+
+
+async def test_leader_is_resolved_in_the_background_before_any_request(nursery: trio.Nursery) -> None:
+    """Regression: on a real clock the resolver's loop compared two clock reads and spun without ever
+    looking up until a request asked; readiness stayed false on an idle router."""
+    with trio.fail_after(10):
+        cluster = SimCluster(workers=2, kvcm_replicas=3, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        config = KvrouteConfig(
+            deployment=DeploymentConfig(block_size=BLOCK),
+            discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        )
+        async with open_router(config) as handle:
+            await trio.sleep(0.5)  # no request, no leader() call
+            ready, why = handle.ready()
+            assert ready, why
+            calls = sum(
+                cluster.kvcm.stats(node).get(paths.KVCM_GET_CLUSTER_INFO).calls for node in cluster.kvcm.node_ids
+            )
+            assert 1 <= calls <= 3  # one concurrent round over the bootstrap targets, not a storm
