@@ -409,6 +409,7 @@ class RouterActor:
             namespace=self._deployment.kvcm_instance_id,
             config=self._config.scorer,
             hot_source=CandidateSource.HOT if source is RouteSource.KVCM else CandidateSource.SHADOW,
+            ejected=self._prober.ejected(),  # an ejected holder takes no hot slot
         )
         stages["plan"] = _ms(trio.current_time() - t)
 

@@ -293,6 +293,11 @@ class WorkerProber:
         state = self._workers.get(worker)
         return state is not None and state.status is not None and state.ejected_until <= trio.current_time()
 
+    def ejected(self) -> Collection[WorkerAddr]:
+        """The workers ejected now (a live read-only view, for the candidate plan to skip)."""
+        self._prune_ejections(trio.current_time())
+        return self._ejected.keys()
+
     def retain(self, workers: Collection[WorkerAddr]) -> None:
         """Forget every worker not in ``workers`` (call on discovery changes)."""
         keep = workers if isinstance(workers, set | frozenset) else set(workers)
@@ -335,9 +340,7 @@ class WorkerProber:
             and now - state.status_at < self._config.fresh_ttl_s
         ):
             self._cache_hits += 1
-            return ProbeResult(
-                worker, ProbeOutcome.OK, state.status, from_cache=True, observed_at=state.status_at
-            )
+            return ProbeResult(worker, ProbeOutcome.OK, state.status, from_cache=True, observed_at=state.status_at)
         if state.ejected_until > now:
             return self._skip(worker, SkipReason.EJECTED)
         flight = state.flight
@@ -475,9 +478,7 @@ class WorkerProber:
         healthy_for = now - state.ejected_until if state.times_ejected else 0.0
         n = decayed_ejection_count(state.times_ejected, healthy_for, self._config.eject_base_s) + 1
         state.times_ejected = n
-        state.ejected_until = now + ejection_duration_s(
-            n, self._config.eject_base_s, self._config.eject_max_s
-        )
+        state.ejected_until = now + ejection_duration_s(n, self._config.eject_base_s, self._config.eject_max_s)
         self._ejected[worker] = state.ejected_until
 
     def _prune_ejections(self, now: float) -> None:

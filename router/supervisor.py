@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_INITIAL_S = 0.05
 RESTART_BACKOFF_MAX_S = 5.0
+RESTART_STABLE_S = 30.0  # an incarnation that lived this long resets the backoff
 
 RunFn = Callable[..., Awaitable[None]]
 
@@ -113,7 +114,6 @@ class Supervisor:
                     if first is not None:
                         first.started(value)
                         first = None
-                    backoff = RESTART_BACKOFF_INITIAL_S
             except* Exception as group:
                 if first is not None:
                     raise  # a failure during start-up is a configuration or environment error: fatal
@@ -122,6 +122,8 @@ class Supervisor:
             if crashed is None:
                 record.state = "stopped"
                 return
+            if trio.current_time() - record.started_at > RESTART_STABLE_S:
+                backoff = RESTART_BACKOFF_INITIAL_S  # it had run stably: a fresh failure, not a crash loop
             record.restarts += 1
             record.state = "restarting"
             record.last_error = (
@@ -227,7 +229,10 @@ class RouterHandle:
             return True, f"leader {snap.leader_target}"
         if snap.breaker.state is BreakerState.OPEN:
             return True, "KVCM breaker open: domain fallback answers"
-        return False, f"no KVCM leader yet (state {snap.state.value}; last error {snap.last_error})"
+        if snap.state in (LeaderState.BACKING_OFF, LeaderState.NO_LEADER):
+            # Lookups fail fast while backing off: every request gets domain fallback at once.
+            return True, f"no KVCM leader ({snap.state.value}; last error {snap.last_error}): domain fallback answers"
+        return False, f"KVCM leader not resolved yet (state {snap.state.value})"
 
 
 @asynccontextmanager

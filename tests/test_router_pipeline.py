@@ -284,3 +284,22 @@ async def test_burst_spreads_with_precharge(autojump_clock: trio.testing.MockClo
         counts = {w: chosen.count(w) for w in set(chosen)}
         assert len(counts) == 4
         assert max(counts.values()) <= 80 and min(counts.values()) >= 20
+
+
+async def test_bootstrap_dead_at_start_is_ready_for_domain_routing(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    for target in addrs.kvcm_targets:
+        network.stop(target)  # every bootstrap target refuses
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg)
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)  # the first lookup round fails in the background
+        ready, why = handle.ready()
+        assert ready and "domain fallback" in why
+        before = network.call_count()
+        start = trio.current_time()
+        d = await handle.route(RouteRequest("dead", token_ids=PROMPT, budget_ms=20))
+        assert trio.current_time() - start == 0  # backing off: no RPC, no wait
+        assert network.call_count() == before
+        assert d.route_source is RouteSource.DOMAIN and d.reason is Reason.KVCM_ERROR
