@@ -199,13 +199,14 @@ def _workers_all(faults: WorkerFaults) -> Hook:
 
 
 _FLAPPER = 3
-_FLAP_PERIOD_S = 0.2
+_FLAP_PERIOD_S = 0.25  # each phase; long enough for the 3 failed probes that eject a worker
 
 
 def _flap(ctx: ScenarioContext) -> None:
     worker = ctx.cluster.workers[_FLAPPER]
     ctx.notes["flapper"] = ctx.cluster.worker_addr(_FLAPPER).http_target
-    worker.set_faults(WorkerFaults(flap_period_s=_FLAP_PERIOD_S, flap_origin_s=trio.current_time()))
+    # Origin one period back: the first phase is a down phase, so even a shortened fault has one.
+    worker.set_faults(WorkerFaults(flap_period_s=_FLAP_PERIOD_S, flap_origin_s=trio.current_time() - _FLAP_PERIOD_S))
 
 
 def _stop_flapping(ctx: ScenarioContext) -> None:
