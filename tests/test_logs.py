@@ -85,10 +85,13 @@ def test_json_format_is_one_object_per_line_with_context_and_exception(restore_r
 
 def test_setup_logging_replaces_its_own_handler_and_rejects_bad_values(restore_root: None) -> None:
     root = logging.getLogger()
-    before = len(root.handlers)
+    # Another test in the same process may have called setup_logging already: count the others.
+    others = [h for h in root.handlers if type(h).__name__ != "_KvrouteHandler"]
     setup_logging("INFO", "text", io.StringIO())
     setup_logging("WARNING", "json", io.StringIO())
-    assert len(root.handlers) == before + 1
+    ours = [h for h in root.handlers if type(h).__name__ == "_KvrouteHandler"]
+    assert len(ours) == 1
+    assert [h for h in root.handlers if h not in ours] == others
     assert root.level == logging.WARNING
     with pytest.raises(ValueError, match="--log-level"):
         setup_logging("LOUD", "text")
