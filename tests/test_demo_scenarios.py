@@ -25,12 +25,17 @@ from router.demo.scenarios import (
 from router.sim.cluster import SimCluster
 
 CI_SCALE = 0.4  # phases at 40 %: warm-up 0.4 s, fault 0.6 s
+# The simulators run in this process on gRPC threads and contend with the router for the GIL, so on a
+# loaded 2-core CI machine an answer can land some ms past its deadline for reasons outside the router.
+# Exact deadline adherence is asserted under MockClock (tests/test_router_pipeline.py); here the check
+# still catches a router that waits out a fault (a hang costs the whole budget and more).
+CI_DEADLINE_SLACK_MS = 30.0
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=SCENARIO_NAMES)
 async def test_scenario_passes_shortened(scenario: Scenario) -> None:
     with trio.fail_after(15):
-        result = await run_scenario(scenario, scale=CI_SCALE)
+        result = await run_scenario(scenario, scale=CI_SCALE, deadline_slack_ms=CI_DEADLINE_SLACK_MS)
     report = "\n".join(check.line() for check in result.checks)
     assert result.passed, f"{result.name}:\n{report}"
     assert {"answered", "deadline"} <= {check.name for check in result.checks}

@@ -499,7 +499,13 @@ class Timeline:
     recovered_at: float | None  # start of the first recovery streak after the clear
 
 
-def evaluate(scenario: Scenario, ctx: ScenarioContext, outcomes: Sequence[Outcome], timeline: Timeline) -> list[Check]:
+def evaluate(
+    scenario: Scenario,
+    ctx: ScenarioContext,
+    outcomes: Sequence[Outcome],
+    timeline: Timeline,
+    deadline_slack_ms: float = DEADLINE_SLACK_MS,
+) -> list[Check]:
     """The invariants of the module docstring, from the recorded outcomes. A decision belongs to the
     phase in which it was answered (one started just before the injection may already see the fault)."""
     started, injected, cleared = timeline.started, timeline.injected, timeline.cleared
@@ -515,8 +521,8 @@ def evaluate(scenario: Scenario, ctx: ScenarioContext, outcomes: Sequence[Outcom
         ),
         Check(
             "deadline",
-            worst <= DEADLINE_SLACK_MS,
-            f"latest answer {worst:+.1f} ms vs its deadline (limit +{DEADLINE_SLACK_MS:g} ms)",
+            worst <= deadline_slack_ms,
+            f"latest answer {worst:+.1f} ms vs its deadline (limit +{deadline_slack_ms:g} ms)",
         ),
     ]
     if not scenario.kvcm_routed:
@@ -581,7 +587,9 @@ def _seconds(value: float | None) -> str:
     return "never" if value is None else f"{max(0.0, value):.2f} s"
 
 
-async def run_scenario(scenario: Scenario, *, scale: float = 1.0) -> ScenarioResult:
+async def run_scenario(
+    scenario: Scenario, *, scale: float = 1.0, deadline_slack_ms: float = DEADLINE_SLACK_MS
+) -> ScenarioResult:
     """Run one scenario on a fresh cluster and router; the phases last ``scale`` × their defaults."""
     spec = _SCENARIO_WORKLOAD
     requests = build_workload(spec).requests
@@ -613,7 +621,7 @@ async def run_scenario(scenario: Scenario, *, scale: float = 1.0) -> ScenarioRes
                 await traffic.recovered.wait()
             stop.set()
         timeline = Timeline(started, injected, cleared, traffic.recovered_at)
-        checks = evaluate(scenario, ctx, traffic.outcomes, timeline)
+        checks = evaluate(scenario, ctx, traffic.outcomes, timeline, deadline_slack_ms)
     return ScenarioResult(scenario.name, tuple(checks), len(traffic.outcomes), trio.current_time() - began)
 
 
