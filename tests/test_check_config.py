@@ -90,7 +90,7 @@ def test_subprocess_with_env_and_flags(tmp_path: Path) -> None:
         {"KVROUTE_KVCM_FALLBACK": "perhaps", "KVROUTE_WORKERS": "10.1.0.1", "KVROUTE_SCORER_SEED": "-1"}
     )
     result = subprocess.run(
-        [sys.executable, "-m", "router.cli", "check-config", "--debug-listen", "localhost"],
+        [sys.executable, "-P", "-m", "router.cli", "check-config", "--debug-listen", "localhost"],
         env=env,
         capture_output=True,
         text=True,

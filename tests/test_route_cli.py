@@ -20,7 +20,7 @@ import pytest
 
 from router.wire import router_v1_pb2
 
-CLI = [sys.executable, "-m", "router.cli"]
+CLI = [sys.executable, "-P", "-m", "router.cli"]
 TIMEOUT_S = 60
 
 

@@ -39,7 +39,7 @@ _SUMMARY = re.compile(
 _DRAINING = re.compile(r"draining: (\d+) Route call\(s\) in flight")
 
 
-CLI_SERVE = [sys.executable, "-m", "router.cli", "serve"]
+CLI_SERVE = [sys.executable, "-P", "-m", "router.cli", "serve"]
 
 
 def _serve_command(addrs: SimClusterAddresses, *extra: str) -> list[str]:

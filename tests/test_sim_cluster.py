@@ -106,9 +106,7 @@ async def test_grpc_serving_stops_cleanly_on_cancel() -> None:
             addresses = await nursery.start(cluster.serve_grpc)
             nursery.cancel_scope.cancel()
         # Every server is stopped: a fresh plain client is refused.
-        reply = await trio.to_thread.run_sync(
-            _plain_call, addresses.kvcm_targets[0], paths.KVCM_GET_CLUSTER_INFO, b""
-        )
+        reply = await trio.to_thread.run_sync(_plain_call, addresses.kvcm_targets[0], paths.KVCM_GET_CLUSTER_INFO, b"")
         assert reply == grpc.StatusCode.UNAVAILABLE
 
 
@@ -130,7 +128,7 @@ def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
 
 
 def _start_cli(*extra: str) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "router.cli", "sim-cluster", "--workers", "2", "--print-json", *extra]
+    command = [sys.executable, "-P", "-m", "router.cli", "sim-cluster", "--workers", "2", "--print-json", *extra]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -175,7 +173,7 @@ def test_cli_stops_by_itself_after_duration() -> None:
 
 def test_cli_rejects_bad_flags_naming_them() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "router.cli", "sim-cluster", "--kvcm-replicas", "0"],
+        [sys.executable, "-P", "-m", "router.cli", "sim-cluster", "--kvcm-replicas", "0"],
         capture_output=True,
         timeout=60,
         check=False,

@@ -38,6 +38,7 @@ class SimProcess:
 def _command(shape: ClusterShape, duration_s: float) -> list[str]:
     return [
         sys.executable,
+        "-P",  # never import a source checkout from the working directory: the installed package
         "-m",
         "router.cli",
         "sim-cluster",
