@@ -28,8 +28,8 @@ CI_SCALE = 0.4  # phases at 40 %: warm-up 0.4 s, fault 0.6 s
 # The simulators run in this process on gRPC threads and contend with the router for the GIL, so on a
 # loaded 2-core CI machine an answer can land some ms past its deadline for reasons outside the router.
 # Exact deadline adherence is asserted under MockClock (tests/test_router_pipeline.py); here the check
-# still catches a router that waits out a fault (a hang costs the whole budget and more).
-CI_DEADLINE_SLACK_MS = 30.0
+# still catches a router that waits out a fault (KVCM query timeout 500 ms; a hang never answers).
+CI_DEADLINE_SLACK_MS = 100.0
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=SCENARIO_NAMES)
