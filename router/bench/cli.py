@@ -1,9 +1,14 @@
 """``kvroute bench``: P1–P6 and the soak of issue 6, printed as one table and written as JSON.
 
 Every ratio is measured side by side in the same run. Targets are reported (met /
-MISSED), never asserted; where one is missed, a cProfile pass of the same work lists the
-top costs under the table. The simulators for P2/P3 run in a child process started with
-``kvroute sim-cluster --print-json`` and always stopped at the end.
+MISSED), never asserted; where a CPU-bound one (P1, P2, P3, P6) is missed, a cProfile
+window of the same work lists the top costs under the table.
+
+Where things run: the simulators for P2/P3 in a child process (``kvroute sim-cluster
+--print-json``, always stopped at the end); P4 in this process over loopback gRPC, so its
+fault knobs can be switched directly; P3 (memory), P5's baselines and the soak in memory.
+This process is pinned to one CPU for the run (the child gets the others), so "one core"
+holds for the router and for the raw client it is compared with.
 """
 
 from __future__ import annotations

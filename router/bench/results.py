@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +22,6 @@ def at_most(value: float, limit: float) -> Verdict:
 
 def at_least(value: float, limit: float) -> Verdict:
     return Verdict.MET if value >= limit else Verdict.MISSED
-
-
-def all_met(verdicts: Sequence[Verdict]) -> Verdict:
-    return Verdict.MET if all(v is Verdict.MET for v in verdicts) else Verdict.MISSED
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,12 +49,17 @@ class _Run:
     seconds: float = 0.0
     probes_started: int = 0
     skipped_no_budget: int = 0
-    cache_hit_ratio: float = 0.0
+    status_hits: int = 0  # status lookups answered from the prober's cache
+    status_lookups: int = 0
     outcomes: Outcomes = field(default_factory=Outcomes.empty)
 
     @property
     def rate(self) -> float:
         return self.decisions / self.seconds
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.status_hits / self.status_lookups if self.status_lookups else 0.0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -88,12 +93,12 @@ async def _drive(router: RouterHandle, requests: Requests, count: int, concurren
     into.probes_started += after.probes_started - before.probes_started
     into.skipped_no_budget += after.skipped.get("no_budget", 0) - before.skipped.get("no_budget", 0)
     hits = after.cache_hits - before.cache_hits
-    lookups = hits + (after.cache_misses - before.cache_misses)
-    into.cache_hit_ratio = hits / lookups if lookups else 0.0
+    into.status_hits += hits
+    into.status_lookups += hits + after.cache_misses - before.cache_misses
     into.outcomes.merge(outcomes)
 
 
-RunCheck = Callable[["_Run"], bool]
+RunCheck = Callable[[_Run], bool]
 
 
 async def _router_run(
@@ -174,6 +179,7 @@ def measure_grpc(report: BenchReport, view: ClusterView, raw: RawClient, sizes: 
     def missed(run: _Run) -> bool:
         return run.rate / statistics.fmean(raw_rates) < P3_GRPC_TARGET_RATIO
 
+    raw.warm_up(sizes.warm_up)
     run, profile = trio.run(_router_run, view, None, sizes, raw_round, missed)
     raw_rate = statistics.fmean(raw_rates)
     ratio = run.rate / raw_rate
