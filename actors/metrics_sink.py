@@ -45,6 +45,7 @@ SOURCE_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "kvroute_channel_pool_channels": ("gRPC channels held by the channel pool", ()),
     "kvroute_inbox_depth": ("Messages waiting in an actor's inbox", ("actor",)),
 }
+DRAIN_BATCH = 32  # events applied per scheduling round at most (about 1 ms of work)
 BREAKER_STATE_VALUES: Mapping[str, float] = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
 
@@ -95,13 +96,7 @@ class ShadowAgreement:
 
 
 MetricEvent = (
-    DecisionMade
-    | KvcmRequest
-    | ProbeSkipped
-    | StatusCacheHits
-    | LeaderChanged
-    | ChannelEvicted
-    | ShadowAgreement
+    DecisionMade | KvcmRequest | ProbeSkipped | StatusCacheHits | LeaderChanged | ChannelEvicted | ShadowAgreement
 )
 
 
@@ -146,9 +141,7 @@ class _SourceGauges(Collector):
             except Exception:  # a broken snapshot must not break the scrape; say so once
                 if key not in self.failed:
                     self.failed.add(key)
-                    logger.exception(
-                        "gauge source %s%s failed; its sample is left out", name, list(label_values)
-                    )
+                    logger.exception("gauge source %s%s failed; its sample is left out", name, list(label_values))
                 continue
             families[name].add_metric(list(label_values), value)
         yield from families.values()
@@ -157,16 +150,12 @@ class _SourceGauges(Collector):
 class MetricsSink:
     def __init__(self, config: MetricsConfig) -> None:
         if config.inbox_size < 1 or config.decision_ring_size < 1 or config.shadow_agreement_window < 1:
-            raise ValueError(
-                "metrics.inbox_size, decision_ring_size and shadow_agreement_window must be >= 1"
-            )
+            raise ValueError("metrics.inbox_size, decision_ring_size and shadow_agreement_window must be >= 1")
         self._config = config
         self._send, self._receive = trio.open_memory_channel[MetricEvent](config.inbox_size)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self._dropped = Counter(
-            "kvroute_metrics_events_dropped", "Telemetry events dropped: inbox full", registry=r
-        )
+        self._dropped = Counter("kvroute_metrics_events_dropped", "Telemetry events dropped: inbox full", registry=r)
         self._decisions = Counter(
             "kvroute_route_decisions", "Routing decisions", ("route_source", "reason"), registry=r
         )
@@ -181,9 +170,7 @@ class MetricsSink:
             "kvroute_kvcm_requests", "KVCM RPCs by outcome", ("method", "outcome"), registry=r
         )
         self._leader_changes = Counter("kvroute_kvcm_leader_changes", "KVCM leader changes seen", registry=r)
-        self._probe_skipped = Counter(
-            "kvroute_probe_skipped", "Worker probes skipped", ("reason",), registry=r
-        )
+        self._probe_skipped = Counter("kvroute_probe_skipped", "Worker probes skipped", ("reason",), registry=r)
         self._cache_hits = Counter(
             "kvroute_worker_status_cache_hits", "Worker statuses served from the status cache", registry=r
         )
@@ -277,6 +264,15 @@ class MetricsSink:
             self._peak = max(self._peak, self._receive.statistics().current_buffer_used + 1)
             self._apply(event)
             self._processed += 1
+            # Drain a bounded batch per scheduling round: one event per round cannot keep up with
+            # routers emitting several per decision, and an unbounded batch would hold the loop.
+            for _ in range(DRAIN_BATCH - 1):
+                try:
+                    event = self._receive.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                self._apply(event)
+                self._processed += 1
 
     def _apply(self, event: MetricEvent) -> None:
         match event:
