@@ -1,4 +1,4 @@
-"""The ``kvroute`` command. Each subcommand lives in its own module, imported only when used.
+"""The ``kvroute`` command. Each subcommand lives in its own module, listed in COMMANDS.
 
 A subcommand module defines ``configure(parser)`` and ``run(args) -> int``.
 """
