@@ -2,8 +2,8 @@
 
 Each registered worker (identity ``ip:http_port``, the ``HostCacheMatch.host_ip_port``)
 stores block keys in an LRU of fixed capacity (blocks). A query walks the prompt's keys
-once, keeping the set of workers whose stored prefix is still contiguous, so its cost is
-the sum of the reported local matches (plus P2P extensions), not workers × keys: a
+once per worker that holds its first block (in C, against that worker's own store), so its
+cost is the sum of the reported local matches (plus P2P extensions), not workers × keys: a
 10,000-block prompt against 1,000 workers touches only the workers that hold block 0.
 
 P2P (wire-contract §1): the top ``p2p_host_count`` hosts by ``local`` (ties by host string)
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import takewhile
 
 from router.types import HostMatch
 
@@ -115,26 +116,12 @@ class SimKvcmIndex:
     def _local_matches(self, keys: Sequence[int]) -> dict[str, int]:
         if not keys:
             return {}
-        holders = self._holders
-        first = holders.get(keys[0])
+        first = self._holders.get(keys[0])
         if not first:
             return {}
-        local: dict[str, int] = {}
-        contiguous = set(first)  # workers holding keys[0 : i]
-        for i in range(1, len(keys)):
-            holding = holders.get(keys[i], _NOBODY)
-            if contiguous <= holding:  # the common case: nobody drops out; no new set
-                continue
-            still = contiguous & holding  # iterates the smaller set
-            if len(still) != len(contiguous):
-                for host in contiguous - still:
-                    local[host] = i
-                if not still:
-                    return local
-                contiguous = still
-        for host in contiguous:
-            local[host] = len(keys)
-        return local
+        # Only a holder of block 0 can match; each one's prefix is measured against its own store
+        # with ``takewhile`` over the dict's ``__contains__``, which runs in C (no Python per key).
+        return {host: len(list(takewhile(self._stored[host].__contains__, keys))) for host in first}
 
     def _p2p_extension(self, host: str, local: int, keys: Sequence[int]) -> tuple[int, int]:
         """(p2p_1_fetch, p2p_1_total_match) for ``host`` whose contiguous prefix is ``local``."""
