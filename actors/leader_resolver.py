@@ -200,11 +200,17 @@ class LeaderResolver:
 
     # --- request path ------------------------------------------------------------------
 
+    def cached_leader(self) -> LeaderEndpoint | None:
+        """The leader if :meth:`leader` would return it at once (known and not too stale), else None."""
+        cached = self._leader
+        if cached is not None and trio.current_time() - self._confirmed_at <= self._config.max_staleness_s:
+            return cached
+        return None
+
     async def leader(self) -> LeaderEndpoint:
         """The KVCM leader, or ``LeaderUnavailable``. Waits only within the caller's cancel scope."""
-        now = trio.current_time()
-        cached = self._leader
-        if cached is not None and now - self._confirmed_at <= self._config.max_staleness_s:
+        cached = self.cached_leader()
+        if cached is not None:
             return cached
         if not self._bootstrap():
             raise self._fail_fast(UnavailableReason.NO_BOOTSTRAP, "no KVCM bootstrap target is known")

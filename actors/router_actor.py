@@ -336,16 +336,17 @@ class RouterActor:
             return (), Reason.BREAKER_OPEN
         trial = admission is Admission.TRIAL
         t = trio.current_time()
-        leader = None
-        with trio.move_on_at(decide_at):
-            try:
-                leader = await resolver.leader()
-            except LeaderUnavailable as exc:
-                if trial:
-                    resolver.release_kvcm_trial()
-                stages["leader"] = _ms(trio.current_time() - t)
-                no_leader = exc.reason in (UnavailableReason.NO_LEADER, UnavailableReason.NO_BOOTSTRAP)
-                return (), Reason.NO_LEADER if no_leader else Reason.KVCM_ERROR
+        leader = resolver.cached_leader()  # the common case: known, no wait and no scope needed
+        if leader is None:
+            with trio.move_on_at(decide_at):
+                try:
+                    leader = await resolver.leader()
+                except LeaderUnavailable as exc:
+                    if trial:
+                        resolver.release_kvcm_trial()
+                    stages["leader"] = _ms(trio.current_time() - t)
+                    no_leader = exc.reason in (UnavailableReason.NO_LEADER, UnavailableReason.NO_BOOTSTRAP)
+                    return (), Reason.NO_LEADER if no_leader else Reason.KVCM_ERROR
         stages["leader"] = _ms(trio.current_time() - t)
         if leader is None:
             if trial:
@@ -415,8 +416,9 @@ class RouterActor:
 
         t = trio.current_time()
         handle = self._prober.probe([c.worker for c in plan.candidates], decide_at)
-        with trio.move_on_at(decide_at):
-            await handle.wait_all()
+        if handle.pending:  # all fresh from the cache (the warm case): nothing to wait for
+            with trio.move_on_at(decide_at):
+                await handle.wait_all()
         statuses: dict[WorkerAddr, ObservedStatus] = {}
         missing: dict[WorkerAddr, DropReason] = {}
         cache_hits = 0

@@ -146,11 +146,12 @@ class ProbeHandle:
         self.deadline = deadline
         self._delivered: dict[WorkerAddr, ProbeResult] = {}
         self._flights: dict[WorkerAddr, _Flight] = {}
-        # Each worker delivers exactly once, so a buffer of len(workers) never fills.
-        self._send, self._receive = trio.open_memory_channel[ProbeResult](len(workers))
+        # Made on first iteration only: most requests just wait_all(), and a channel per request
+        # is measurable on the hot path.
+        self._send: trio.MemorySendChannel[ProbeResult] | None = None
         self._all_done = trio.Event()
         if not workers:
-            self._close()
+            self._all_done.set()
 
     @property
     def pending(self) -> int:
@@ -158,7 +159,14 @@ class ProbeHandle:
 
     def __aiter__(self) -> AsyncIterator[ProbeResult]:
         """Every result (those in hand at once first), ending when none is pending. One consumer."""
-        return self._receive
+        assert self._send is None, "a ProbeHandle has one consumer"
+        # Each worker delivers exactly once, so a buffer of len(workers) never fills.
+        self._send, receive = trio.open_memory_channel[ProbeResult](max(1, len(self.workers)))
+        for result in self._delivered.values():  # in delivery order
+            self._send.send_nowait(result)
+        if self._all_done.is_set():
+            self._send.close()
+        return receive
 
     async def wait_all(self) -> None:
         """Return when every worker has a result; bound it with the caller's cancel scope."""
@@ -188,13 +196,12 @@ class ProbeHandle:
     def _deliver(self, result: ProbeResult) -> None:
         self._delivered[result.worker] = result
         self._flights.pop(result.worker, None)
-        self._send.send_nowait(result)
+        if self._send is not None:
+            self._send.send_nowait(result)
         if len(self._delivered) == len(self.workers):
-            self._close()
-
-    def _close(self) -> None:
-        self._send.close()
-        self._all_done.set()
+            if self._send is not None:
+                self._send.close()
+            self._all_done.set()
 
 
 @dataclass(frozen=True, slots=True)

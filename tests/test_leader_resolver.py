@@ -478,6 +478,7 @@ async def test_failed_refresh_keeps_leader_until_max_staleness(
     network = MemoryNetwork()
     FakeKvcm(network)
     resolver = await start_resolver(nursery, network)
+    assert resolver.cached_leader() is None  # nothing looked up yet: the router must wait
     await resolver.leader()
     confirmed = trio.current_time()
     for node in NODES:
@@ -487,7 +488,10 @@ async def test_failed_refresh_keeps_leader_until_max_staleness(
     assert snap.consecutive_failures >= 3  # refreshes failed ...
     assert snap.state is LeaderState.LEADER  # ... and the last leader is still served
     assert (await resolver.leader()).target == NODES[0]
+    cached = resolver.cached_leader()  # the router's no-wait path agrees with leader()
+    assert cached is not None and cached.target == NODES[0]
     await trio.sleep_until(confirmed + LEADER_CFG.max_staleness_s + 0.001)
+    assert resolver.cached_leader() is None
     elapsed, outcome = await timed_leader(resolver)
     assert (outcome, elapsed) == (UnavailableReason.BACKING_OFF, 0.0)
     assert resolver.snapshot().state is LeaderState.BACKING_OFF
