@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 import trio
+import trio.testing
 
 from actors.channel_pool import ChannelPool
 from router.config import ChannelPoolConfig
@@ -221,6 +222,31 @@ async def test_deadline_during_the_call(
         assert await trio.to_thread.run_sync(state.hang_ended.wait, 5)
     assert pool.snapshot().leased == 0
     assert pool.snapshot().size == 1  # a deadline says nothing about the channel: kept
+
+
+async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    """The deadline passes while another task blocks the trio thread (as a GC pause does) and the
+    reply arrives meanwhile: the caller gets the reply, not a cancellation that would count the
+    peer as failed for the router's own stall."""
+    state, server = peer
+    rpc = GrpcRawRpc(pool)
+    reply: bytes | None = None
+    with trio.fail_after(10):
+        assert await rpc.call(server.target, ECHO, b"warm") == b"warm"  # connection up first
+
+        async def caller() -> None:
+            nonlocal reply
+            with trio.move_on_after(0.2):
+                reply = await rpc.call(server.target, ECHO, b"kept")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            await trio.testing.wait_all_tasks_blocked()  # the call is sent; its reply not yet taken in
+            time.sleep(0.5)  # noqa: ASYNC251 — the stall itself: the loop runs nothing; the echo arrives meanwhile
+    assert reply == b"kept"
+    assert state.calls[ECHO] == 2
 
 
 async def test_dead_port_is_unavailable_and_invalidates_the_channel(pool: ChannelPool[grpc.Channel]) -> None:
