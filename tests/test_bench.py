@@ -61,6 +61,8 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
     assert 0 < by_key["P1"]["data"]["p50"] <= by_key["P1"]["data"]["p99"]
     assert by_key["P2 warm"]["data"]["ratio_p50"] > 0
     assert by_key["P2 warm"]["data"]["floor"]["pair_ms"]["n"] == by_key["P2 warm"]["data"]["route"]["n"]
+    fanout = by_key["P2 cold"]["data"]["raw_fanout"]  # the raw client doing a cold route's RPCs
+    assert fanout["probes"] >= 1 and fanout["ms"]["n"] == by_key["P2 cold"]["data"]["route"]["n"]
     assert by_key["P3 gRPC"]["data"]["raw_calls_per_s"] and by_key["P3 gRPC"]["data"]["decisions_per_s"] > 0
     assert by_key["P4 query blackholed"]["data"]["detected_by"] == "breaker open"
     assert by_key["P5"]["data"]["hit_rate_of_oracle"] > 0

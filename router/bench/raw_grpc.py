@@ -3,6 +3,8 @@
 - ``floor``: one bare GetHostCacheState RTT (to the KVCM leader, with a seeded prompt's
   keys) followed by one bare GetWorkerStatus RTT (to a worker), sequentially: what a
   route with one cache query and one probe round cannot beat.
+- ``fanout``: the same query, then one bare GetWorkerStatus to each of N workers at once —
+  the RPCs a cold route makes when it probes N candidates (context for P2 cold, not its floor);
 - ``concurrent_rate``: GetHostCacheState calls per second with a window of calls in
   flight (``.future()``; a completion frees a slot): what a warm-cache route issues per
   decision, at the concurrency the router is driven with.
@@ -86,6 +88,22 @@ class RawClient:
             self._workers[i % len(self._workers)](self._status_request, timeout=CALL_TIMEOUT_S)
             into.cache_query_ms.append((middle - start) * 1e3)
             into.worker_status_ms.append((time.perf_counter() - middle) * 1e3)
+
+    def fanout(self, calls: int, width: int, into: list[float]) -> None:
+        """``calls`` times: one bare GetHostCacheState, then ``width`` bare GetWorkerStatus calls to
+        distinct workers at once (the work of a cold route that probes ``width`` candidates);
+        wall-clock ms of each, appended to ``into``."""
+        width = max(1, min(width, len(self._workers)))
+        for i in range(calls):
+            start = time.perf_counter()
+            self._kvcm(self._queries[i % len(self._queries)], timeout=CALL_TIMEOUT_S)
+            probes = [
+                self._workers[(i + j) % len(self._workers)].future(self._status_request, timeout=CALL_TIMEOUT_S)
+                for j in range(width)
+            ]
+            for probe in probes:
+                probe.result()
+            into.append((time.perf_counter() - start) * 1e3)
 
     def concurrent_rate(self, calls: int, concurrency: int) -> float:
         """GetHostCacheState calls/s with ``concurrency`` in flight."""
