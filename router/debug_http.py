@@ -216,11 +216,24 @@ class DebugServer:
         config.include_server_header = False
 
         async def serve(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-            # hypercorn types scopes as TypedDicts; the app takes the same messages as plain mappings.
-            await hypercorn.trio.serve(self.app, config, task_status=task_status)  # type: ignore[arg-type]
+            try:
+                # hypercorn types scopes as TypedDicts; the app takes the same messages as plain mappings.
+                await hypercorn.trio.serve(self.app, config, task_status=task_status)  # type: ignore[arg-type]
+            except* OSError as group:
+                if self.bound is not None:  # serving already: not a bind error
+                    raise
+                first = _first_leaf(group)
+                raise OSError(f"--debug-listen: cannot bind {self._listen}: {first}") from first
 
         async with trio.open_nursery() as nursery:
             binds: list[str] = await nursery.start(serve)
             self.bound = parse_target(binds[0].partition("://")[2])
             logger.info("debug HTTP listening on http://%s", self.bound, extra=ctx(target=str(self.bound)))
             task_status.started(self.bound)
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    """The first error inside (nested) exception groups."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import pytest
 import trio
 
 from router.keys import block_keys
@@ -220,20 +221,21 @@ async def test_fallback_only_problems_start_with_fallback_off_and_sigint_exits_0
     assert "--leader-refresh-interval-s" in fallback_errors[0]
 
 
-async def test_grpc_listen_in_use_exits_1_naming_the_flag() -> None:
+@pytest.mark.parametrize("flag", ["--grpc-listen", "--debug-listen"])
+async def test_listen_address_in_use_exits_1_naming_the_flag(flag: str) -> None:
     with trio.fail_after(30):
         with trio.socket.socket() as taken:
             await taken.bind(("127.0.0.1", 0))
             taken.listen()
             port = taken.getsockname()[1]
+            listen = {"--grpc-listen": "127.0.0.1:0", "--debug-listen": "127.0.0.1:0", flag: f"127.0.0.1:{port}"}
             command = [
                 *CLI_SERVE,
-                f"--grpc-listen=127.0.0.1:{port}",
-                "--debug-listen=127.0.0.1:0",
+                *(f"{name}={value}" for name, value in listen.items()),
                 "--workers=127.0.0.1:9",
                 "--kvcm-fallback=false",
             ]
             code, stdout, stderr = await _run_to_end(command)
     assert code == 1, stderr
     assert stdout == ""  # never announced an address
-    assert f"--grpc-listen: cannot bind 127.0.0.1:{port}" in stderr
+    assert f"{flag}: cannot bind 127.0.0.1:{port}" in stderr
