@@ -87,11 +87,15 @@ class PreparedRequest:
     roles: tuple[Role, ...]
 
 
-def prepare_request(request: RouteRequest, deployment: DeploymentConfig) -> PreparedRequest:
+def prepare_request(
+    request: RouteRequest, deployment: DeploymentConfig, *, hash_tokens: bool = True
+) -> PreparedRequest:
     """Validate ``request`` and compute its block keys (pure). Raise BadRequest naming the field.
 
     Caller keys are used exactly as given (no re-hashing); tokens are hashed with the deployment's
-    family, block size and lookahead — the one source of the key geometry.
+    family, block size and lookahead — the one source of the key geometry. ``hash_tokens=False``
+    (KVCM fallback off: nothing uses keys) skips hashing, a few ms of CPU for a long prompt, and
+    gives no keys.
     """
     if not request.request_id:
         raise BadRequest("request_id", "must not be empty")
@@ -128,7 +132,11 @@ def prepare_request(request: RouteRequest, deployment: DeploymentConfig) -> Prep
             )
         block_size = deployment.block_size
         try:
-            keys = block_keys(tokens, block_size, deployment.key_family, deployment.lookahead_tokens)
+            keys = (
+                block_keys(tokens, block_size, deployment.key_family, deployment.lookahead_tokens)
+                if hash_tokens
+                else ()
+            )
         except ValueError as exc:
             raise BadRequest("token_ids", str(exc)) from exc
         seq_len = request.seq_len if request.seq_len is not None else len(tokens)
@@ -301,7 +309,7 @@ class RouterActor:
         request = job.request
         t = trio.current_time()
         try:
-            prepared = prepare_request(request, self._deployment)
+            prepared = prepare_request(request, self._deployment, hash_tokens=self._kvcm_enabled)
         except BadRequest as exc:
             return self._domain(request, None, Reason.BAD_REQUEST, job.received_at, stages, error=str(exc))
         stages["keys"] = _ms(trio.current_time() - t)

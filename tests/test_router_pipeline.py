@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
+import pytest
 import trio
 import trio.testing
 
+from actors.router_actor import prepare_request
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, MetricsConfig, RouterConfig
 from router.keys import block_keys
@@ -20,7 +22,7 @@ from router.sim.kvcm import KvcmFaults
 from router.sim.worker import WorkerFaults, WorkerSpec
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import KeyFamily, Reason, Role, RouteRequest, RouteSource
+from router.types import BadRequest, KeyFamily, Reason, Role, RouteRequest, RouteSource
 
 BLOCK = 16
 PROMPT = tuple(range(1000, 1000 + 8 * BLOCK))  # 8 blocks
@@ -213,6 +215,19 @@ async def test_feature_off_is_plain_domain_routing(autojump_clock: trio.testing.
         assert network.call_count() == 0
         counts = {w: chosen.count(w) for w in set(chosen)}
         assert len(counts) == 4 and min(counts.values()) >= 25  # uniform random over discovery
+
+
+def test_feature_off_does_not_hash_token_ids() -> None:
+    """Nothing uses keys with the fallback off, so a long prompt costs no hashing; the request is
+    still validated and its length still counts (seq_len feeds the domain pre-charge)."""
+    deployment = replace(DeploymentConfig(), block_size=BLOCK)
+    request = RouteRequest("off", token_ids=PROMPT)
+    hashed = prepare_request(request, deployment)
+    skipped = prepare_request(request, deployment, hash_tokens=False)
+    assert hashed.keys and skipped.keys == ()
+    assert skipped.seq_len == hashed.seq_len == len(PROMPT)
+    with pytest.raises(BadRequest, match="token_ids"):
+        prepare_request(RouteRequest("off", token_ids=()), deployment, hash_tokens=False)
 
 
 async def test_overloaded_inbox_answers_at_once(autojump_clock: trio.testing.MockClock) -> None:
