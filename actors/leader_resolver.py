@@ -35,6 +35,7 @@ import tenacity
 import trio
 
 from actors.breaker import Admission, BreakerSnapshot, KvcmBreaker
+from actors.metrics_sink import KvcmRequest, MetricsSink
 from router.config import BreakerConfig, LeaderConfig
 from router.transport.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
 from router.transport.ports import KvcmTransport
@@ -163,11 +164,14 @@ class LeaderResolver:
         bootstrap: Callable[[], tuple[str, ...]],
         *,
         instance_id: str,
+        metrics: MetricsSink | None = None,
     ) -> None:
         """``bootstrap`` returns the current KVCM targets (Discovery.kvcm_bootstrap); ``instance_id`` is the
-        deployment's KVCM namespace (DeploymentConfig.kvcm_instance_id), sent in GetClusterInfo."""
+        deployment's KVCM namespace (DeploymentConfig.kvcm_instance_id), sent in GetClusterInfo;
+        ``metrics`` receives one KvcmRequest("GetClusterInfo", outcome) per call made."""
         validate_leader_config(config)
         self._config = config
+        self._metrics = metrics
         self._instance_id = instance_id
         self._transport = transport
         self._bootstrap = bootstrap
@@ -349,12 +353,21 @@ class LeaderResolver:
             info = await self._transport.get_cluster_info(target, self._instance_id)
         except TransportError as exc:
             found.errors[target] = f"{exc.kind}: {exc.detail}"
+            self._count(exc.kind)
             return
+        except trio.Cancelled:
+            self._count("cancelled")  # another target answered first, or the round timed out
+            raise
+        self._count("ok" if info.leader is not None else "no_leader")
         if info.leader is None:
             found.no_leader_from.append(target)
         elif found.leader is None:
             found.leader = info.leader
             round_scope.cancel()  # first valid leader wins; the other calls are cancelled
+
+    def _count(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.emit(KvcmRequest("GetClusterInfo", outcome))
 
     # --- state (synchronous, atomic) ---------------------------------------------------------
 

@@ -63,7 +63,7 @@ class DecisionMade:
 @dataclass(frozen=True, slots=True)
 class KvcmRequest:
     method: str  # "GetClusterInfo" | "GetHostCacheState"
-    outcome: str  # "ok", "not_leader", "unavailable", "deadline", "garbled", "remote_error", ...
+    outcome: str  # "ok", "not_leader", "unavailable", "deadline", "garbled", "remote_error", "no_leader", ...
 
 
 @dataclass(frozen=True, slots=True)

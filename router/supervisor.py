@@ -303,6 +303,7 @@ async def _topology(
                 kvcm,
                 discovery.kvcm_bootstrap,
                 instance_id=config.deployment.kvcm_instance_id,
+                metrics=metrics,
             )
             await supervisor.start("leader_resolver", resolver.run, snapshot=resolver.snapshot)
 

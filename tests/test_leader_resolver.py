@@ -24,7 +24,8 @@ from actors.leader_resolver import (
     UnavailableReason,
     validate_leader_config,
 )
-from router.config import BreakerConfig, LeaderConfig
+from actors.metrics_sink import MetricsSink
+from router.config import BreakerConfig, LeaderConfig, MetricsConfig
 from router.transport.clients import KvcmClient
 from router.transport.errors import (
     DeadlineExceeded,
@@ -163,6 +164,30 @@ async def test_dead_bootstrap_first_lookup_fails_then_backoff_is_free(
     assert snap.consecutive_failures == 1
     assert snap.fast_failures_total >= 1000
     assert snap.last_error is not None and all(t in snap.last_error for t in NODES)
+
+
+async def test_every_cluster_info_call_is_counted_by_outcome(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    fake = FakeKvcm(network)
+    network.stop(NODES[2])  # one bootstrap target refuses connections
+    fake.delay[NODES[1]] = 0.01  # answers after the leader's own answer won the round
+    sink = MetricsSink(MetricsConfig(inbox_size=64))
+    await nursery.start(sink.run)
+    resolver = LeaderResolver(
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, metrics=sink
+    )
+    await nursery.start(resolver.run)
+    assert (await resolver.leader()).target == NODES[0]
+    await trio.testing.wait_all_tasks_blocked()
+    counted = {
+        outcome: sink.registry.get_sample_value(
+            "kvroute_kvcm_requests_total", {"method": "GetClusterInfo", "outcome": outcome}
+        )
+        for outcome in ("ok", "unavailable", "cancelled")
+    }
+    assert counted == {"ok": 1.0, "unavailable": 1.0, "cancelled": 1.0}
 
 
 async def test_blackholed_bootstrap_caller_leaves_at_its_deadline_then_fast_fail(
