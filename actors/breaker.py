@@ -81,6 +81,8 @@ def validate_breaker_config(config: BreakerConfig) -> None:
         )
     if not config.trial_timeout_s > 0:
         problems.append(f"trial_timeout_s: must be > 0, got {config.trial_timeout_s}")
+    if not config.slow_query_ms >= 0:
+        problems.append(f"slow_query_ms: must be >= 0, got {config.slow_query_ms}")
     if problems:
         raise ValueError("breaker config: " + "; ".join(problems))
 

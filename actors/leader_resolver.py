@@ -88,6 +88,7 @@ class LeaderSnapshot:
     lookup_rpcs_total: int
     leader_changes_total: int
     invalidations_total: int
+    queries_cut_short_total: int  # queries cut off by a tight request budget: not judged by the breaker
     fast_failures_total: int  # leader() calls answered LeaderUnavailable without waiting
     wakes_coalesced_total: int  # wake-ups merged into one already pending
     breaker: BreakerSnapshot
@@ -176,6 +177,7 @@ class LeaderResolver:
         self._transport = transport
         self._bootstrap = bootstrap
         self._breaker = KvcmBreaker(breaker_config)
+        self._breaker_config = breaker_config
         # tenacity computes the delay; we only feed it the attempt number (its own clock is unused).
         self._backoff = tenacity.wait_exponential_jitter(
             multiplier=config.backoff_initial_s, max=config.backoff_max_s, jitter=config.backoff_jitter_s
@@ -199,6 +201,7 @@ class LeaderResolver:
         self._lookup_rpcs_total = 0
         self._leader_changes_total = 0
         self._invalidations_total = 0
+        self._cut_short_total = 0
         self._fast_failures_total = 0
         self._wakes_coalesced_total = 0
 
@@ -257,18 +260,26 @@ class LeaderResolver:
         """May this request call KVCM? REJECT costs nothing: fall back at once."""
         return self._breaker.admit(trio.current_time())
 
-    def record_kvcm(self, error: TransportError | None, *, trial: bool) -> None:
+    def record_kvcm(self, error: TransportError | None, *, trial: bool, given_s: float) -> bool:
         """Record a KVCM call admitted by ``admit``: None for any decoded answer, else its error.
 
         The caller decides: a business outcome ("no positive match") is None; a transport
         failure, an error code or a deadline expiry (also a call cut off by the request's
-        deadline while waiting for KVCM) is the error.
+        deadline while waiting for KVCM) is the error. ``given_s`` is how long the call was
+        allowed. A deadline expiry with less than ``slow_query_ms`` allowed is not judged (a
+        trial slot is released): returns False, and the caller should not blame the leader.
         """
         now = trio.current_time()
         if error is None:
             self._breaker.record_success(now, trial)
+        elif isinstance(error, DeadlineExceeded) and given_s * 1000.0 < self._breaker_config.slow_query_ms:
+            self._cut_short_total += 1
+            if trial:
+                self._breaker.release_trial()
+            return False
         else:
             self._breaker.record_failure(now, trial)
+        return True
 
     def release_kvcm_trial(self) -> None:
         """The admitted trial never reached KVCM (the request was cancelled first): free the slot."""
@@ -292,6 +303,7 @@ class LeaderResolver:
             lookup_rpcs_total=self._lookup_rpcs_total,
             leader_changes_total=self._leader_changes_total,
             invalidations_total=self._invalidations_total,
+            queries_cut_short_total=self._cut_short_total,
             fast_failures_total=self._fast_failures_total,
             wakes_coalesced_total=self._wakes_coalesced_total,
             breaker=self._breaker.snapshot(now),

@@ -383,9 +383,10 @@ class RouterActor:
         stages["cache_query"] = _ms(trio.current_time() - t)
         if state is None and error is None:
             error = DeadlineExceeded(leader.target, "GetHostCacheState did not answer within the request's budget")
-        resolver.record_kvcm(error, trial=trial)
+        judged = resolver.record_kvcm(error, trial=trial, given_s=query_deadline - t)
         if error is not None:
-            resolver.report_failure(leader.target, error)
+            if judged:  # a query cut short by a tight budget does not make the leader suspect
+                resolver.report_failure(leader.target, error)
             self._metrics.emit(KvcmRequest("GetHostCacheState", error.kind))
             return (), Reason.DEADLINE if isinstance(error, DeadlineExceeded) else Reason.KVCM_ERROR
         assert state is not None

@@ -95,7 +95,7 @@ async def main(calls: int, targets: int) -> None:
         print(_row("leader() backing off", trio_us, wall_us, dead.call_count() - before))
 
         for _ in range(BreakerConfig().failure_threshold):
-            backing_off.record_kvcm(Unavailable("x", "down"), trial=False)
+            backing_off.record_kvcm(Unavailable("x", "down"), trial=False, given_s=0.5)
 
         async def rejected() -> None:
             assert backing_off.admit() is Admission.REJECT

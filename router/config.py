@@ -66,6 +66,9 @@ class BreakerConfig:
     cooldown_s: float = 1.0  # OPEN lasts cooldown_s × 2^(re-opens since last closed) ...
     cooldown_max_s: float = 30.0  # ... capped here
     trial_timeout_s: float = 5.0  # a half-open trial never reported back counts as failed after this
+    # A query the request's own deadline cut off before KVCM had this long is not judged (neither a
+    # failure nor a success, and the leader is kept): a tight budget says nothing about KVCM.
+    slow_query_ms: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -484,6 +484,11 @@ _SPECS: dict[str, _Spec] = {
     "breaker.trial_timeout_s": _Spec(
         "A half-open trial not reported back by then counts as failed", _POS, metavar="SECONDS"
     ),
+    "breaker.slow_query_ms": _Spec(
+        "A query cut off by its request's deadline counts as a KVCM failure only if it had this long",
+        _NONNEG,
+        metavar="MS",
+    ),
     # prober
     "prober.inflight_cap": _Spec("Most worker-status probes in flight in the process", _POS),
     "prober.rate_per_s": _Spec("Probe rate budget (token bucket refill per second)", _POS),

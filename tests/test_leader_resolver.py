@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable
 
 import pytest
@@ -609,14 +610,14 @@ async def query_kvcm(resolver: LeaderResolver, client: KvcmClient) -> str:
     try:
         await client.get_host_cache_state(leader.target, CacheQuery(INSTANCE, QueryType.PREFIX_MATCH, (1, 2)))
     except TransportError as exc:
-        resolver.record_kvcm(exc, trial=trial)
+        resolver.record_kvcm(exc, trial=trial, given_s=math.inf)
         resolver.report_failure(leader.target, exc)
         return exc.kind
     except trio.Cancelled:
         if trial:
             resolver.release_kvcm_trial()
         raise
-    resolver.record_kvcm(None, trial=trial)
+    resolver.record_kvcm(None, trial=trial, given_s=math.inf)
     return "ok"
 
 
@@ -685,3 +686,25 @@ async def test_trial_cancelled_by_request_deadline_releases_the_slot(
     kvcm.query_code = kvcm_pb.OK
     assert await query_kvcm(resolver, client) == "ok"
     assert resolver.snapshot().breaker.state is BreakerState.CLOSED
+
+
+async def test_a_cut_short_trial_is_not_judged_and_frees_its_slot(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.query_code = kvcm_pb.INTERNAL_ERROR
+    resolver = await start_resolver(nursery, network)
+    client = KvcmClient(network)
+    for _ in range(BREAKER_CFG.failure_threshold):
+        await query_kvcm(resolver, client)
+    await trio.sleep(BREAKER_CFG.cooldown_s)
+    assert resolver.admit() is Admission.TRIAL
+    slow = BREAKER_CFG.slow_query_ms / 1000.0
+    cut = DeadlineExceeded(NODES[0], "cut off by the request's deadline")
+    assert resolver.record_kvcm(cut, trial=True, given_s=slow / 2) is False  # not judged ...
+    assert resolver.snapshot().breaker.state is BreakerState.HALF_OPEN
+    assert resolver.admit() is Admission.TRIAL  # ... and the trial slot is free again
+    assert resolver.record_kvcm(cut, trial=True, given_s=slow) is True  # had long enough: a failure
+    assert resolver.snapshot().breaker.state is BreakerState.OPEN
+    assert resolver.snapshot().queries_cut_short_total == 1

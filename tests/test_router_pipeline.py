@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+from actors.breaker import BreakerState
 from actors.router_actor import prepare_request
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, MetricsConfig, RouterConfig
@@ -97,6 +98,32 @@ async def test_every_decision_within_deadline_when_kvcm_hangs(autojump_clock: tr
         last_took, last = decisions[-1]
         assert last.reason is Reason.BREAKER_OPEN or last.route_source is RouteSource.SHADOW
         assert last_took < 0.005
+
+
+async def test_queries_cut_short_by_tight_budgets_do_not_open_the_breaker(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """KVCM answers in 8 ms; requests with 5 ms budgets cannot wait for it. That says nothing about
+    KVCM: the breaker stays closed and the leader is kept, so requests with room still get its answer."""
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster, budget_cap_ms=50.0) as (handle, _, config):
+        seed(cluster, 1, 8)
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.008))
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        for i in range(4 * config.breaker.failure_threshold):
+            start = trio.current_time()
+            d = await handle.route(RouteRequest(f"tight{i}", token_ids=PROMPT, budget_ms=5))
+            assert trio.current_time() - start <= 0.005 + 1e-9
+            assert d.route_source is not RouteSource.KVCM and d.worker is not None
+        snap = resolver.snapshot()
+        assert snap.breaker.state is BreakerState.CLOSED and snap.breaker.window_failures == 0
+        assert snap.invalidations_total == 0
+        assert snap.queries_cut_short_total == 4 * config.breaker.failure_threshold
+        d = await handle.route(RouteRequest("roomy", token_ids=PROMPT, budget_ms=30))
+        assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(1)
 
 
 async def test_kvcm_slow_answers_within_budget(autojump_clock: trio.testing.MockClock) -> None:
