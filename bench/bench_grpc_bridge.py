@@ -7,6 +7,9 @@ Rows, measured in the same run and interleaved over rounds:
                     done-callback wakes trio via the trio token
   future (no pool)  the same bridge on a bare channel: what the pool lease costs
   aio/trio-asyncio  grpc.aio called from trio through trio-asyncio
+  to_thread         the blocking call in trio.to_thread (not cancellable at the server)
+  thread pool       persistent threads, each consuming a single-threaded unary-stream call
+                    (cancellable from trio): no per-call thread start, one handoff instead
 
 Per row: sequential latency p50/p99 (ms) and concurrent throughput (calls/s) with
 ``--concurrency`` calls in flight. Bounded: about 45 s with the defaults on 2 cores.
@@ -17,6 +20,8 @@ Run: ``python bench/bench_grpc_bridge.py [--calls N] [--concurrent-calls N] [--c
 from __future__ import annotations
 
 import argparse
+import contextlib
+import queue
 import subprocess
 import sys
 import threading
@@ -25,6 +30,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import grpc.aio
+import grpc.experimental
 import trio
 import trio_asyncio
 
@@ -169,11 +175,103 @@ async def aio_trio_asyncio(
         await trio_asyncio.aio_as_trio(channel.close)()
 
 
+async def blocking_to_thread(
+    target: str, calls: int, concurrent_calls: int, concurrency: int, result: Result
+) -> None:
+    channel = grpc.insecure_channel(target, options=channel_options(ChannelPoolConfig()))
+    stub = channel.unary_unary(ECHO, None, None)
+    limiter = trio.CapacityLimiter(concurrency)
+
+    async def call() -> bytes:
+        seconds_left = trio.current_effective_deadline() - trio.current_time()
+        reply: bytes = await trio.to_thread.run_sync(
+            lambda: stub(PAYLOAD, timeout=seconds_left), limiter=limiter
+        )
+        return reply
+
+    await measure(call, calls, concurrent_calls, concurrency, result)
+    channel.close()
+
+
+class _RpcThreads:
+    """Persistent threads taking jobs from one queue; a new one only when none is idle (capped)."""
+
+    def __init__(self, cap: int) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = 0
+        self._cap = cap
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle == 0 and self._threads < self._cap:
+                self._threads += 1
+                threading.Thread(target=self._loop, daemon=True).start()
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        for _ in range(self._threads):
+            self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            job = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+            if job is None:
+                return
+            job()
+
+
+async def thread_pool(target: str, calls: int, concurrent_calls: int, concurrency: int, result: Result) -> None:
+    single_threaded = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
+    channel = grpc.insecure_channel(target, options=[*channel_options(ChannelPoolConfig()), single_threaded])
+    stub = channel.unary_stream(ECHO, None, None)  # a unary method answers a one-message stream
+    threads = _RpcThreads(concurrency)
+    token = trio.lowlevel.current_trio_token()
+
+    async def call() -> bytes:
+        responses = stub(PAYLOAD, timeout=trio.current_effective_deadline() - trio.current_time())
+        task = trio.lowlevel.current_task()
+        replies: list[bytes] = []
+        waiting = True
+
+        def wake() -> None:
+            if waiting:
+                trio.lowlevel.reschedule(task)
+
+        def job() -> None:
+            with contextlib.suppress(grpc.RpcError):
+                replies.extend(responses)
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(wake)
+
+        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            nonlocal waiting
+            waiting = False
+            responses.cancel()  # type: ignore[no-untyped-call]
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        threads.submit(job)
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        (reply,) = replies
+        return reply
+
+    await measure(call, calls, concurrent_calls, concurrency, result)
+    threads.close()
+    channel.close()
+
+
 ROWS = (
     "sync stub (floor)",
     "future bridge (GrpcRawRpc)",
     "future bridge, no pool",
     "grpc.aio via trio-asyncio",
+    "blocking call in trio.to_thread",
+    "persistent threads, single-threaded stream",
 )
 
 
@@ -215,6 +313,8 @@ def main() -> None:
             trio.run(future_bridge, target, *sizes, results[ROWS[1]])
             trio.run(future_no_pool, target, *sizes, results[ROWS[2]])
             trio.run(aio_trio_asyncio, target, *sizes, results[ROWS[3]])
+            trio.run(blocking_to_thread, target, *sizes, results[ROWS[4]])
+            trio.run(thread_pool, target, *sizes, results[ROWS[5]])
         elapsed = time.perf_counter() - began
     finally:
         if server.stdin is not None:

@@ -24,9 +24,11 @@ def _stacks(path: Path) -> list[tuple[list[str], int]]:
         if not line.strip():
             continue
         stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
+        if not count.isdigit():
             raise SystemExit(f"{path}:{number}: not a py-spy raw line (want 'frame;...;frame COUNT')")
-        stacks.append(([_LOCATION.sub("", frame) for frame in stack.split(";")], int(count)))
+        # py-spy writes an empty stack for a thread sampled outside any Python frame.
+        frames = [_LOCATION.sub("", frame) for frame in stack.split(";")] if stack.strip() else ["(no Python frame)"]
+        stacks.append((frames, int(count)))
     return stacks
 
 

@@ -37,14 +37,16 @@ def test_spy_summary_shares_and_callees(tmp_path: Path) -> None:
     raw.write_text(
         "main (a.py:1);route (r.py:5);encode (d.py:9) 30\n"
         "main (a.py:1);route (r.py:5);score (s.py:2) 10\n"
-        "main (a.py:1);idle (t.py:3) 60\n"
+        "main (a.py:1);idle (t.py:3) 50\n"
+        " 10\n"  # a thread sampled outside any Python frame
     )
     result = _run("spy_summary.py", str(raw), "--under", "route")
     assert result.returncode == 0, result.stderr
     lines = [line.strip() for line in result.stdout.splitlines()]
     assert "100 samples" in lines[0]
     assert "40.0 %  route" in lines  # inclusive
-    assert "60.0 %  idle" in lines  # own
+    assert "50.0 %  idle" in lines  # own
+    assert "10.0 %  (no Python frame)" in lines
     under = lines[lines.index("under route:") + 1 :]
     assert under[:2] == ["30.0 %  encode", "10.0 %  score"]
 

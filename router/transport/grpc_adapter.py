@@ -3,9 +3,10 @@
 Bridge (measured in bench/bench_grpc_bridge.py, see docs/design.md): the sync stub's
 ``.future()``, whose done-callback wakes the waiting trio task through the trio token
 (``run_sync_soon``); a trio cancellation cancels the future, which cancels the RPC at the
-server — unless the reply is already in (then it is kept; see ``wait_future``). Against
-grpc.aio inside trio-asyncio it had the lower p50 latency and the higher concurrent
-throughput in every run here (its p99 was the noisier of the two), and it needs no second
+server — unless the reply is already in (then it is kept; see ``wait_future``). It kept the
+raw client's concurrent throughput where grpc.aio inside trio-asyncio, a blocking call in
+``trio.to_thread`` and persistent threads consuming single-threaded streams each lost a
+quarter or more (their sequential latency was within ±0.1 ms of it), and it needs no second
 event loop.
 
 Every call passes ``timeout=`` equal to the caller's remaining trio deadline (Python gRPC
