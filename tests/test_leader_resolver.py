@@ -664,9 +664,8 @@ async def test_business_outcomes_never_open_the_breaker(
     assert resolver.snapshot().breaker.state is BreakerState.CLOSED
 
 
-async def test_trial_cancelled_by_request_deadline_releases_the_slot(
-    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
-) -> None:
+async def half_open_breaker(nursery: trio.Nursery) -> tuple[FakeKvcm, LeaderResolver, KvcmClient]:
+    """KVCM failing until the breaker opens, then its cooldown waited out: the next admit is the trial."""
     network = MemoryNetwork()
     kvcm = FakeKvcm(network)
     kvcm.query_code = kvcm_pb.INTERNAL_ERROR
@@ -675,6 +674,13 @@ async def test_trial_cancelled_by_request_deadline_releases_the_slot(
     for _ in range(BREAKER_CFG.failure_threshold):
         await query_kvcm(resolver, client)
     await trio.sleep(BREAKER_CFG.cooldown_s)
+    return kvcm, resolver, client
+
+
+async def test_trial_cancelled_by_request_deadline_releases_the_slot(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    kvcm, resolver, client = await half_open_breaker(nursery)
     kvcm.query_hang = True
     with trio.move_on_after(0.01) as request_scope:  # the trial's request runs out of time
         await query_kvcm(resolver, client)
@@ -691,14 +697,7 @@ async def test_trial_cancelled_by_request_deadline_releases_the_slot(
 async def test_a_cut_short_trial_is_not_judged_and_frees_its_slot(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
-    network = MemoryNetwork()
-    kvcm = FakeKvcm(network)
-    kvcm.query_code = kvcm_pb.INTERNAL_ERROR
-    resolver = await start_resolver(nursery, network)
-    client = KvcmClient(network)
-    for _ in range(BREAKER_CFG.failure_threshold):
-        await query_kvcm(resolver, client)
-    await trio.sleep(BREAKER_CFG.cooldown_s)
+    _, resolver, _ = await half_open_breaker(nursery)
     assert resolver.admit() is Admission.TRIAL
     slow = BREAKER_CFG.slow_query_ms / 1000.0
     cut = DeadlineExceeded(NODES[0], "cut off by the request's deadline")
