@@ -78,6 +78,11 @@ class StatusCacheHits:
 
 
 @dataclass(frozen=True, slots=True)
+class ShadowRecordDropped:
+    """A decision's record did not fit in the shadow index's inbox (the index misses it)."""
+
+
+@dataclass(frozen=True, slots=True)
 class LeaderChanged:
     target: str | None  # the new leader, None when it was lost
 
@@ -96,7 +101,14 @@ class ShadowAgreement:
 
 
 MetricEvent = (
-    DecisionMade | KvcmRequest | ProbeSkipped | StatusCacheHits | LeaderChanged | ChannelEvicted | ShadowAgreement
+    DecisionMade
+    | KvcmRequest
+    | ProbeSkipped
+    | StatusCacheHits
+    | LeaderChanged
+    | ChannelEvicted
+    | ShadowAgreement
+    | ShadowRecordDropped
 )
 
 
@@ -173,6 +185,9 @@ class MetricsSink:
         self._probe_skipped = Counter("kvroute_probe_skipped", "Worker probes skipped", ("reason",), registry=r)
         self._cache_hits = Counter(
             "kvroute_worker_status_cache_hits", "Worker statuses served from the status cache", registry=r
+        )
+        self._shadow_dropped = Counter(
+            "kvroute_shadow_records_dropped", "Decisions the shadow index missed (its inbox was full)", registry=r
         )
         self._evictions = Counter(
             "kvroute_channel_pool_evictions", "gRPC channels evicted from the pool", ("reason",), registry=r
@@ -291,6 +306,8 @@ class MetricsSink:
                 self._evictions.labels(reason=reason).inc(n)
             case ShadowAgreement(ratio):
                 self._record_agreement(ratio)
+            case ShadowRecordDropped():
+                self._shadow_dropped.inc()
             case _:
                 assert_never(event)
 

@@ -37,6 +37,7 @@ from actors.metrics_sink import (
     MetricsSink,
     ProbeSkipped,
     ShadowAgreement,
+    ShadowRecordDropped,
     StatusCacheHits,
 )
 from actors.scorer import CandidateSource, Fleet, ObservedStatus, Scorer, plan_candidates
@@ -466,7 +467,7 @@ class RouterActor:
         stages["score"] = _ms(trio.current_time() - t)
         if selection.worker is None:
             return self._domain(request, prepared, failure or Reason.NO_CANDIDATES, job.received_at, stages)
-        self._shadow.record_nowait(selection.worker.http_target, prepared.keys, t)
+        self._record_shadow(selection.worker, prepared.keys, t)
         return self._finish(
             request,
             job.received_at,
@@ -479,6 +480,10 @@ class RouterActor:
             local_blocks=selection.local_blocks,
             candidates=selection.explain(),
         )
+
+    def _record_shadow(self, worker: WorkerAddr, keys: Sequence[int], now: float) -> None:
+        if not self._shadow.record_nowait(worker.http_target, keys, now):
+            self._metrics.emit(ShadowRecordDropped())
 
     # -- domain fallback -------------------------------------------------------------------------
 
@@ -529,7 +534,7 @@ class RouterActor:
         if prepared is not None:
             self._scorer.record(worker, prepared.seq_len, trio.current_time())
             if self._kvcm_enabled:
-                self._shadow.record_nowait(worker.http_target, prepared.keys, trio.current_time())
+                self._record_shadow(worker, prepared.keys, trio.current_time())
         return self._finish(
             request,
             received_at,

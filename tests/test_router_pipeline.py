@@ -15,8 +15,16 @@ import trio.testing
 
 from actors.breaker import BreakerState
 from actors.router_actor import prepare_request
+from actors.shadow_index import ShadowHealth
 from router.api import open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, MetricsConfig, RouterConfig
+from router.config import (
+    DeploymentConfig,
+    DiscoveryConfig,
+    KvrouteConfig,
+    MetricsConfig,
+    RouterConfig,
+    ShadowConfig,
+)
 from router.keys import block_keys
 from router.sim.cluster import SimCluster
 from router.sim.kvcm import KvcmFaults
@@ -255,6 +263,26 @@ def test_feature_off_does_not_hash_token_ids() -> None:
     assert skipped.seq_len == hashed.seq_len == len(PROMPT)
     with pytest.raises(BadRequest, match="token_ids"):
         prepare_request(RouteRequest("off", token_ids=()), deployment, hash_tokens=False)
+
+
+async def test_records_the_shadow_index_cannot_take_are_counted(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = replace(
+        make_config(addrs.kvcm_bootstrap, addrs.workers_arg), shadow=replace(ShadowConfig(), inbox_size=1)
+    )
+    seed(cluster, 1, 8)
+    async with open_router(config, rpc=network) as handle:
+        async with trio.open_nursery() as burst:  # decisions land together; the shadow inbox holds one
+            for i in range(8):
+                burst.start_soon(handle.route, RouteRequest(f"burst{i}", token_ids=PROMPT, budget_ms=50))
+        await trio.testing.wait_all_tasks_blocked()
+        health = handle.actors()["shadow_index"]["health"]
+        assert isinstance(health, ShadowHealth)
+        assert health.dropped >= 1
+        counted = handle.metrics.registry.get_sample_value("kvroute_shadow_records_dropped_total")
+        assert counted == health.dropped
 
 
 async def test_overloaded_inbox_answers_at_once(autojump_clock: trio.testing.MockClock) -> None:
