@@ -167,6 +167,14 @@ class _Reply:
     decision: RouteDecision | None = None
 
 
+@dataclass(slots=True)
+class _KvcmAnswer:
+    """What KVCM answered a request, kept for the shadow-agreement metric computed after the reply."""
+
+    hosts: tuple[HostMatch, ...] | None = None  # positive hosts; None when KVCM gave no answer
+    keys: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class _Job:
     request: RouteRequest
@@ -282,10 +290,11 @@ class RouterActor:
     async def _handle(self, job: _Job) -> None:
         self._in_flight += 1
         stages: dict[str, float] = {}
+        answer = _KvcmAnswer()
         decision: RouteDecision | None = None
         try:
             with trio.CancelScope(deadline=job.deadline):
-                decision = await self._pipeline(job, stages)
+                decision = await self._pipeline(job, stages, answer)
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
             log.exception("route pipeline failed request_id=%s", job.request.request_id)
@@ -305,8 +314,13 @@ class RouterActor:
         job.reply.event.set()
         self._handled += 1
         self._metrics.emit(DecisionMade(decision))
+        if answer.hosts is not None:
+            # Observability only, so after the reply: no await since the decision, so the shadow
+            # index has not yet applied this request's own record.
+            shadow_view = self._shadow.match(answer.keys, trio.current_time(), limit=self._config.scorer.hot_set_size)
+            self._metrics.emit(ShadowAgreement(agreement(answer.hosts, shadow_view)))
 
-    async def _pipeline(self, job: _Job, stages: dict[str, float]) -> RouteDecision:
+    async def _pipeline(self, job: _Job, stages: dict[str, float], answer: _KvcmAnswer) -> RouteDecision:
         request = job.request
         t = trio.current_time()
         try:
@@ -321,7 +335,7 @@ class RouterActor:
         reserve = max(self._config.router.reserve_min_ms / 1000.0, self._config.router.reserve_fraction * budget)
         decide_at = job.deadline - reserve
 
-        hosts, failure = await self._query_kvcm(request, prepared, decide_at, stages)
+        hosts, failure = await self._query_kvcm(request, prepared, decide_at, stages, answer)
         source = RouteSource.KVCM
         if failure is not None:
             now = trio.current_time()
@@ -333,7 +347,12 @@ class RouterActor:
         return await self._score(job, prepared, hosts, source, failure, decide_at, stages)
 
     async def _query_kvcm(
-        self, request: RouteRequest, prepared: PreparedRequest, decide_at: float, stages: dict[str, float]
+        self,
+        request: RouteRequest,
+        prepared: PreparedRequest,
+        decide_at: float,
+        stages: dict[str, float],
+        answer: _KvcmAnswer,
     ) -> tuple[tuple[HostMatch, ...], Reason | None]:
         """The KVCM answer's hosts, or the reason KVCM could not help this request."""
         resolver, kvcm = self._resolver, self._kvcm
@@ -393,9 +412,7 @@ class RouterActor:
         assert state is not None
         positive = tuple(h for h in state.hosts if h.local >= 1 or h.p2p_total >= 1)
         self._metrics.emit(KvcmRequest("GetHostCacheState", "ok" if positive else "no_positive_match"))
-        now = trio.current_time()
-        shadow_view = self._shadow.match(prepared.keys, now, limit=self._config.scorer.hot_set_size)
-        self._metrics.emit(ShadowAgreement(agreement(positive, shadow_view)))
+        answer.hosts, answer.keys = positive, prepared.keys
         if not positive:
             return (), Reason.NO_POSITIVE_MATCH
         return positive, None

@@ -84,6 +84,23 @@ async def test_kvcm_routes_to_the_cache_holder(autojump_clock: trio.testing.Mock
         assert decision.elapsed_ms <= 50
 
 
+async def test_shadow_agreement_is_measured_before_the_decision_is_learned(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Each KVCM answer is compared with the shadow index as it stood before that decision: the first
+    request finds the shadow empty (0.0), the next four find the first one's record (1.0 each)."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+        for i in range(5):
+            d = await handle.route(RouteRequest(f"a{i}", token_ids=PROMPT, budget_ms=50))
+            assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(2)
+        await trio.testing.wait_all_tasks_blocked()
+        registry = handle.metrics.registry
+        assert registry.get_sample_value("kvroute_shadow_comparisons_total") == 5
+        assert registry.get_sample_value("kvroute_shadow_agreement_ratio") == 0.8
+
+
 async def test_every_decision_within_deadline_when_kvcm_hangs(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
     async with routed(cluster, budget_cap_ms=50.0) as (handle, _, _):
