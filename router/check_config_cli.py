@@ -56,7 +56,7 @@ def render(loaded: LoadedConfig, verdict: Assessment) -> str:
         lines += ["", "warnings:"] + [f"  ! {w}" for w in loaded.warnings]
     if loaded.errors:
         lines += ["", f"errors ({len(loaded.errors)}):"]
-        lines += [f"  x {p}{'  [KVCM fallback]' if p.fallback else ''}" for p in loaded.errors]
+        lines += [p.listed() for p in loaded.errors]
         fatal = len(loaded.fatal_errors)
         lines += [
             "",

@@ -144,7 +144,7 @@ def decide(args: argparse.Namespace, command: str) -> RouteDecision | int:
     if loaded.fatal_errors:
         print(f"kvroute {command}: {len(loaded.errors)} configuration problem(s):", file=sys.stderr)
         for problem in loaded.errors:
-            print(f"  x {problem}{'  [KVCM fallback]' if problem.fallback else ''}", file=sys.stderr)
+            print(problem.listed(), file=sys.stderr)
         return EXIT_USAGE
     serve = loaded.effective.serve
     # Unless a log level is asked for, only problems reach the terminal: the decision is the output.

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if loaded.fatal_errors:
         print(f"kvroute serve: {len(loaded.errors)} configuration problem(s), not starting:", file=sys.stderr)
         for problem in loaded.errors:
-            print(f"  x {problem}{'  [KVCM fallback]' if problem.fallback else ''}", file=sys.stderr)
+            print(problem.listed(), file=sys.stderr)
         return EXIT_CONFIG
     serve = loaded.effective.serve
     setup_logging(serve.log_level, serve.log_format)

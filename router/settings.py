@@ -699,6 +699,10 @@ class Problem:
         where = " / ".join(BY_NAME[name].where for name in self.settings)
         return f"{where}: {self.message}" if where else self.message
 
+    def listed(self) -> str:
+        """The problem as a line of the CLIs' error lists."""
+        return f"  x {self}{'  [KVCM fallback]' if self.fallback else ''}"
+
 
 @dataclass(frozen=True, slots=True)
 class LoadedConfig:
