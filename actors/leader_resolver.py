@@ -210,7 +210,7 @@ class LeaderResolver:
     def cached_leader(self) -> LeaderEndpoint | None:
         """The leader if :meth:`leader` would return it at once (known and not too stale), else None."""
         cached = self._leader
-        if cached is not None and trio.current_time() - self._confirmed_at <= self._config.max_staleness_s:
+        if cached is not None and self._usable(trio.current_time()):
             return cached
         return None
 
