@@ -38,6 +38,7 @@ import trio
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from actors.router_actor import request_deadline
 from router.api import RouterHandle
 from router.config import KvrouteConfig
 from router.logs import ctx
@@ -190,7 +191,7 @@ class Sidecar:
         self._handle = handle
         self._serve = config.serve
         self._listen = parse_listen(config.serve.grpc_listen)  # a bad address fails here, naming it
-        self._cap_s = config.router.budget_cap_ms / 1000.0
+        self._cap_ms = config.router.budget_cap_ms
         self._counters = _Counters()
         self._health = _RouterHealth(self._ready_from_thread)
         # Set once in run() before serving; read by handler threads.
@@ -299,8 +300,8 @@ class Sidecar:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, str(exc)) from None
         remaining = context.time_remaining()
         client_s = max(0.0, remaining) if remaining is not None and math.isfinite(remaining) else None
-        budget_s = request.budget_ms / 1000.0 if request.budget_ms is not None else math.inf
-        wait_s = min(budget_s, self._cap_s) + ANSWER_SLACK_S
+        # The router's own deadline (min(budget, cap)), measured from now, plus the slack.
+        wait_s = request_deadline(request, 0.0, self._cap_ms) + ANSWER_SLACK_S
         if client_s is not None:
             wait_s = min(wait_s, client_s)
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
@@ -346,10 +347,10 @@ class Sidecar:
             _settle(answer, _Stopped())
             return
         if client_s is not None:
-            # A client deadline shorter than the budget becomes the routing deadline (the router
-            # still caps it at --budget-cap-ms); an absolute deadline replaces the budget.
-            budget_s = request.budget_ms / 1000.0 if request.budget_ms is not None else math.inf
-            request = replace(request, deadline=trio.current_time() + min(client_s, budget_s))
+            # A client deadline shorter than min(budget, --budget-cap-ms) becomes the routing
+            # deadline, passed as an absolute deadline (which replaces the budget).
+            now = trio.current_time()
+            request = replace(request, deadline=min(now + client_s, request_deadline(request, now, self._cap_ms)))
         calls.start_soon(self._call, request, answer)
 
     async def _call(self, request: RouteRequest, answer: concurrent.futures.Future[RouteDecision]) -> None:
