@@ -14,7 +14,6 @@ holds for the router and for the raw client it is compared with.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import platform
 import sys
 import time
@@ -22,13 +21,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from router.bench import decision_cpu, latency, outage, soak, throughput
+from router.bench import decision_cpu, latency, outage, quality, soak, throughput
 from router.bench.cpus import Placement, pinned_bench_process
 from router.bench.harness import ClusterShape
 from router.bench.latency import LatencySizes
 from router.bench.outage import OutageSizes
 from router.bench.raw_grpc import RawClient
-from router.bench.results import BenchReport, Figure
+from router.bench.results import BenchReport
 from router.bench.simproc import sim_process
 from router.bench.throughput import ThroughputSizes
 
@@ -115,16 +114,6 @@ def _selected(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(FIGURES)
 
 
-def _quality(report: BenchReport, *, quick: bool) -> None:
-    """P5 runs the demo's comparison; imported only when asked for (it loads the whole demo)."""
-    if importlib.util.find_spec("router.demo") is None:
-        report.figures.append(
-            Figure.not_run("P5", "demo policy comparison", "≥ 95 % of oracle hit rate", "demo module missing")
-        )
-        return
-    from router.bench import quality
-
-    quality.measure(report, quick=quick)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,7 +176,7 @@ def _measure(
     if "P4" in selected:
         timed("P4", lambda: outage.measure(report, shape, sizes.outage))
     if "P5" in selected:
-        timed("P5", lambda: _quality(report, quick=args.quick))
+        timed("P5", lambda: quality.measure(report, quick=args.quick))
     if "soak" in selected:
         requests = sizes.soak_requests if args.soak is None else args.soak
         concurrency = sizes.throughput_memory.concurrency

@@ -13,7 +13,6 @@ class Verdict(enum.Enum):
     MET = "met"
     MISSED = "MISSED"
     NO_TARGET = "-"
-    NOT_RUN = "not run"
 
 
 def at_most(value: float, limit: float) -> Verdict:
@@ -34,10 +33,6 @@ class Figure:
     target: str
     verdict: Verdict
     data: Mapping[str, object] = field(default_factory=dict)  # every number behind the row, for the JSON
-
-    @classmethod
-    def not_run(cls, key: str, measured: str, target: str, why: str) -> Figure:
-        return cls(key, measured, f"not run: {why}", target, Verdict.NOT_RUN, {"not_run": why})
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, ``q`` in 0..1, of a non-empty sample."""
-    if not samples:
-        raise ValueError("percentile: no samples")
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+from router.demo.report import percentile  # the one nearest-rank definition (the demo's table uses it too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +21,12 @@ class Summary:
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> Summary:
+        if not samples:
+            raise ValueError("Summary.of: no samples")
         return cls(
             n=len(samples),
-            p50=percentile(samples, 0.5),
-            p99=percentile(samples, 0.99),
+            p50=percentile(samples, 50),
+            p99=percentile(samples, 99),
             mean=statistics.fmean(samples),
             max=max(samples),
         )
