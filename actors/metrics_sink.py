@@ -27,13 +27,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.config import MetricsConfig
-from router.types import RouteDecision
+from router.types import Reason, RouteDecision, RouteSource, SourceOutcome, Stage
 
 logger = logging.getLogger(__name__)
 
-# Stage labels of kvroute_route_duration_seconds; a stage name outside this set is recorded as "other"
-# (label values stay bounded whatever a producer sends).
-STAGES = ("keys", "leader", "cache_query", "plan", "probe", "score", "total")
 # Sub-millisecond to the 50 ms budget cap and a little past it.
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
@@ -178,6 +175,12 @@ class MetricsSink:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self._source_outcomes = Counter(
+            "kvroute_source_outcomes",
+            "What each source of the chain did with a request (reason: why it fell through or ended)",
+            ("source", "outcome", "reason"),
+            registry=r,
+        )
         self._kvcm_requests = Counter(
             "kvroute_kvcm_requests", "KVCM RPCs by outcome", ("method", "outcome"), registry=r
         )
@@ -204,7 +207,8 @@ class MetricsSink:
             registry=r,
         )
         # Children per label set, looked up once: labels() costs ~5 µs, the sink's hot loop runs per decision.
-        self._stage_durations = {stage: self._duration.labels(stage=stage) for stage in (*STAGES, "other")}
+        self._stage_durations = {stage: self._duration.labels(stage=stage.value) for stage in Stage}
+        self._source_counts: dict[tuple[RouteSource, SourceOutcome, Reason | None], Counter] = {}
         self._decision_counts: dict[tuple[str, str], Counter] = {}
         self._dropped_counts: dict[str, Counter] = {}
         self._gauges = _SourceGauges()
@@ -317,11 +321,21 @@ class MetricsSink:
         if counter is None:
             counter = self._decision_counts[key] = self._decisions.labels(route_source=key[0], reason=key[1])
         counter.inc()
-        other = self._stage_durations["other"]
+        durations = self._stage_durations
         for stage, ms in d.stage_ms.items():
-            self._stage_durations.get(stage, other).observe(ms / 1000.0)
-        if "total" not in d.stage_ms:
-            self._stage_durations["total"].observe(d.elapsed_ms / 1000.0)
+            durations[stage].observe(ms / 1000.0)
+        if Stage.TOTAL not in d.stage_ms:
+            durations[Stage.TOTAL].observe(d.elapsed_ms / 1000.0)
+        for step in d.sources:
+            step_key = (step.source, step.outcome, step.reason)
+            steps = self._source_counts.get(step_key)
+            if steps is None:
+                steps = self._source_counts[step_key] = self._source_outcomes.labels(
+                    source=step.source.value,
+                    outcome=step.outcome.value,
+                    reason="" if step.reason is None else step.reason.value,
+                )
+            steps.inc()
         for candidate in d.candidates:
             if candidate.dropped is not None:
                 dropped = self._dropped_counts.get(candidate.dropped)

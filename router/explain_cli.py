@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from router.route_cli import configure_input, run_command
-from router.types import CandidateExplain, Reason, RouteDecision
+from router.types import CandidateExplain, Reason, RouteDecision, SourceStep
 
 # Reasons whose winner is the first in TTFT order (least work); the others follow the cache-leader
 # order (most hit, then least work) — selection.md §2.
@@ -68,6 +68,8 @@ def render_table(decision: RouteDecision) -> str:
         f"request {decision.request_id}: {decision.route_source.value} / {decision.reason.value} -> {target}",
         f"hit {decision.hit_tokens} tokens ({decision.local_blocks} blocks) in {decision.elapsed_ms:.2f} ms",
     ]
+    if decision.sources:
+        lines.append("chain: " + " -> ".join(_step(step) for step in decision.sources))
     if decision.stage_ms:
         lines.append("stages: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in decision.stage_ms.items()))
     if decision.error and decision.worker is not None:
@@ -100,3 +102,9 @@ def render_table(decision: RouteDecision) -> str:
 
 def run(args: argparse.Namespace) -> int:
     return run_command(args, "explain", lambda decision, _args: render_table(decision))
+
+
+def _step(step: SourceStep) -> str:
+    """One source's part, e.g. ``kvcm fell_through (breaker_open) 0.02 ms``."""
+    why = "" if step.reason is None else f" ({step.reason.value})"
+    return f"{step.source.value} {step.outcome.value}{why} {step.elapsed_ms:.2f} ms"

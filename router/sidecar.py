@@ -38,10 +38,10 @@ import trio
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from actors.router_actor import request_deadline
 from router.api import RouterHandle
 from router.config import KvrouteConfig
 from router.logs import ctx
+from router.request import request_deadline
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
 from router.transport.errors import PeerAbort, RpcStatus

@@ -1,11 +1,13 @@
 """The supervisor: the actor topology, wired in one place.
 
-    frontend ─route()─▶ RouterActor ─┬─ LeaderResolver (leader cache, single-flight lookups, KVCM breaker)
-                                      ├─ KvcmClient ──▶ RawRpc (GrpcRawRpc over ChannelPool | MemoryNetwork)
-                                      ├─ WorkerProber (status cache, coalescing, global probe budget) ─▶ RawRpc
-                                      ├─ Scorer (pure CacheAffinityFirst + selection ledger)
-                                      ├─ ShadowIndexActor (write-on-route prefix index)
-                                      └─ Discovery (immutable worker / bootstrap snapshots)
+    frontend ─route()─▶ RouterActor (admission cap; the request runs in the caller's task)
+                          │  chain:  KvcmSource ──▶ ShadowSource ──▶ DomainSource
+                          │            │  │            │               └─ FleetView (Discovery snapshot)
+                          │            │  └────────────┴─ CandidateScoring ─┬─ WorkerProber ─▶ RawRpc
+                          │            │                                    └─ Scorer (owns CacheAffinityFirst)
+                          │            ├─ LeaderResolver (leader cache, single-flight lookups, KVCM breaker)
+                          │            └─ KvcmClient ─▶ RawRpc (GrpcRawRpc over ChannelPool | MemoryNetwork)
+                          └─ ShadowIndexActor (write-on-route prefix index, read by ShadowSource)
     every actor ─emit()─▶ MetricsSink ─▶ prometheus registry ─▶ DebugServer (/metrics, /debug/*)
 
 Long-lived actors run in the service nursery under ``_supervised``: a crash after start-up is
@@ -32,8 +34,15 @@ from actors.metrics_sink import BREAKER_STATE_VALUES, ChannelEvicted, MetricsSin
 from actors.router_actor import RouterActor
 from actors.scorer import Scorer
 from actors.shadow_index import ShadowIndexActor
+from actors.sources.base import FleetView, Source
+from actors.sources.domain import DomainSource
+from actors.sources.kvcm import KvcmSource
+from actors.sources.scoring import CandidateScoring
+from actors.sources.shadow import ShadowSource
 from actors.worker_prober import WorkerProber
 from router.config import KvrouteConfig
+from router.logs import AggregatingLogger
+from router.policy.cache_affinity import CacheAffinityFirst
 from router.settings import LoadedConfig
 from router.targets import HostPort
 from router.transport.clients import KvcmClient, WorkerStatusClient
@@ -42,6 +51,7 @@ from router.transport.ports import RawRpc
 from router.types import RouteDecision, RouteRequest
 
 log = logging.getLogger(__name__)
+log_router = logging.getLogger("actors.router_actor")  # the chain's aggregated warnings keep the router's logger
 
 RESTART_BACKOFF_INITIAL_S = 0.05
 RESTART_BACKOFF_MAX_S = 5.0
@@ -313,23 +323,29 @@ async def _topology(
         shadow = ShadowIndexActor(config.shadow)
         await supervisor.start("shadow_index", shadow.run, snapshot=shadow.health)
 
-        scorer = Scorer(config.scorer, config.deployment)
-        router = RouterActor(
-            config,
-            discovery=discovery,
-            resolver=resolver,
-            kvcm=kvcm,
-            prober=prober,
-            scorer=scorer,
-            shadow=shadow,
-            metrics=metrics,
+        scorer = Scorer(
+            CacheAffinityFirst(config.scorer, config.deployment),
+            inbox_size=config.router.inbox_size,
+            max_warned_workers=config.scorer.max_tracked_workers,
         )
-        await supervisor.start(
-            "router",
-            router.run,
-            snapshot=router.health,
-            inbox=lambda: {"depth": router.inbox_depth(), "capacity": config.router.inbox_size},
+        await supervisor.start("scorer", scorer.run, snapshot=scorer.health)
+
+        # The chain of sources, in the order a request asks them; the domain source ends every chain.
+        fleet = FleetView(discovery, prober)
+        warn = AggregatingLogger(
+            log_router, interval_s=config.serve.log_aggregate_interval_s, max_keys=config.serve.log_max_keys
         )
+        domain = DomainSource(config, fleet=fleet, prober=prober, scorer=scorer, avoid_unroutable=resolver is not None)
+        chain: list[Source] = []
+        if resolver is not None and kvcm is not None:
+            scoring = CandidateScoring(scorer=scorer, prober=prober, fleet=fleet, metrics=metrics)
+            chain.append(
+                KvcmSource(config, resolver=resolver, kvcm=kvcm, scoring=scoring, shadow=shadow, metrics=metrics)
+            )
+            chain.append(ShadowSource(config, shadow=shadow, scoring=scoring, metrics=metrics, warn=warn))
+        chain.append(domain)
+        router = RouterActor(config, chain=chain, domain=domain, metrics=metrics, warn=warn)
+        await supervisor.start("router", router.run, snapshot=router.health)
 
         _register_gauges(metrics, resolver, prober, pool, router, shadow)
         handle = RouterHandle(
@@ -375,8 +391,7 @@ def _register_gauges(
     metrics.register_gauge_source("kvroute_workers_ejected", lambda: float(len(prober.snapshot().ejected_until)))
     if pool is not None:
         metrics.register_gauge_source("kvroute_channel_pool_channels", lambda: float(pool.snapshot().size))
-    metrics.register_gauge_source("kvroute_inbox_depth", lambda: float(router.inbox_depth()), actor="router")
-    metrics.register_gauge_source("kvroute_inbox_depth", lambda: float(metrics.inbox_depth()), actor="metrics_sink")
+    metrics.register_gauge_source("kvroute_inbox_depth", lambda: float(router.in_flight()), actor="router")
     metrics.register_gauge_source(
         "kvroute_inbox_depth", lambda: float(shadow.health().inbox_depth), actor="shadow_index"
     )

@@ -184,6 +184,28 @@ class RouteSource(enum.Enum):
     NONE = "none"
 
 
+class Stage(enum.StrEnum):
+    """A timed stage of a request: the keys of ``RouteDecision.stage_ms`` and the ``stage`` label of
+    the route-duration metric. One enum for both, so an unknown stage cannot exist."""
+
+    KEYS = "keys"
+    LEADER = "leader"
+    CACHE_QUERY = "cache_query"
+    PLAN = "plan"
+    PROBE = "probe"
+    SCORE = "score"
+    TOTAL = "total"
+
+
+class SourceOutcome(enum.Enum):
+    """What one source of the chain did with a request."""
+
+    ANSWERED = "answered"  # it chose the worker
+    FELL_THROUGH = "fell_through"  # it could not help; the next source was asked
+    ENDED = "ended"  # it ended the request with an error (no later source is asked)
+    SKIPPED = "skipped"  # not asked: what an earlier source found makes it moot
+
+
 class Reason(enum.Enum):
     """Why a decision went where it went. Values double as metric label values."""
 
@@ -268,6 +290,16 @@ class CandidateExplain:
 
 
 @dataclass(frozen=True, slots=True)
+class SourceStep:
+    """One source's part in a decision: what it did, why, and the time it took."""
+
+    source: RouteSource
+    outcome: SourceOutcome
+    reason: Reason | None  # why it fell through or ended; the pick's reason when it answered
+    elapsed_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class RouteDecision:
     request_id: str
     worker: WorkerAddr | None
@@ -277,6 +309,7 @@ class RouteDecision:
     hit_tokens: int = 0
     local_blocks: int = 0
     elapsed_ms: float = 0.0
-    stage_ms: dict[str, float] = field(default_factory=dict)
+    stage_ms: dict[Stage, float] = field(default_factory=dict)
     candidates: tuple[CandidateExplain, ...] = ()
     error: str | None = None  # a clear message for route_source=none or bad_request
+    sources: tuple[SourceStep, ...] = ()  # the chain as this request walked it, in order

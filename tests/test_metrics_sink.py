@@ -18,7 +18,17 @@ from actors.metrics_sink import (
     StatusCacheHits,
 )
 from router.config import MetricsConfig
-from router.types import CandidateExplain, Reason, Role, RouteDecision, RouteSource, WorkerAddr
+from router.types import (
+    CandidateExplain,
+    Reason,
+    Role,
+    RouteDecision,
+    RouteSource,
+    SourceOutcome,
+    SourceStep,
+    Stage,
+    WorkerAddr,
+)
 
 W1 = WorkerAddr.from_http("10.0.0.1", 8000)
 
@@ -27,9 +37,10 @@ def decision(
     n: int,
     source: RouteSource = RouteSource.KVCM,
     reason: Reason = Reason.CACHE_LEADER,
-    stage_ms: dict[str, float] | None = None,
+    stage_ms: dict[Stage, float] | None = None,
     dropped: tuple[str, ...] = (),
     elapsed_ms: float = 3.0,
+    sources: tuple[SourceStep, ...] = (),
 ) -> RouteDecision:
     candidates = tuple(
         CandidateExplain(f"10.0.0.{i + 2}:8000", "hot", 0, 0, None, None, dropped=reason_word)
@@ -44,6 +55,7 @@ def decision(
         elapsed_ms=elapsed_ms,
         stage_ms=stage_ms if stage_ms is not None else {},
         candidates=candidates,
+        sources=sources,
     )
 
 
@@ -59,15 +71,25 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
             DecisionMade(
                 decision(
                     1,
-                    stage_ms={"keys": 0.05, "leader": 0.2, "cache_query": 2.0, "probe": 7.0, "score": 0.08},
+                    stage_ms={
+                        Stage.KEYS: 0.05,
+                        Stage.LEADER: 0.2,
+                        Stage.CACHE_QUERY: 2.0,
+                        Stage.PROBE: 7.0,
+                        Stage.SCORE: 0.08,
+                    },
                     dropped=("block_size_mismatch", "not_alive", "block_size_mismatch"),
                     elapsed_ms=9.5,
                 )
             )
         )
-        sink.emit(DecisionMade(decision(2, RouteSource.DOMAIN, Reason.BREAKER_OPEN, {"total": 0.3})))
-        sink.emit(DecisionMade(decision(3, RouteSource.DOMAIN, Reason.BREAKER_OPEN, {"mystery": 1.0})))
-        sink.emit(DecisionMade(decision(4, RouteSource.SHADOW, Reason.KVCM_ERROR)))
+        sink.emit(DecisionMade(decision(2, RouteSource.DOMAIN, Reason.BREAKER_OPEN, {Stage.TOTAL: 0.3})))
+        sink.emit(DecisionMade(decision(3, RouteSource.DOMAIN, Reason.BREAKER_OPEN)))
+        chain = (
+            SourceStep(RouteSource.KVCM, SourceOutcome.FELL_THROUGH, Reason.KVCM_ERROR, 1.0),
+            SourceStep(RouteSource.SHADOW, SourceOutcome.ANSWERED, Reason.CACHE_LEADER, 2.0),
+        )
+        sink.emit(DecisionMade(decision(4, RouteSource.SHADOW, Reason.KVCM_ERROR, sources=chain)))
         for outcome in ("ok", "ok", "not_leader"):
             sink.emit(KvcmRequest("GetHostCacheState", outcome))
         sink.emit(KvcmRequest("GetClusterInfo", "unavailable"))
@@ -102,7 +124,12 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
     # total: elapsed_ms of decisions 1, 3, 4 (no "total" stage) + the explicit total of decision 2.
     assert sample(sink, f"{hist}_count", stage="total") == 4
     assert sample(sink, f"{hist}_sum", stage="total") == pytest.approx((9.5 + 0.3 + 3.0 + 3.0) / 1000)
-    assert sample(sink, f"{hist}_count", stage="other") == 1  # an unknown stage name stays bounded
+    assert {stage.value for stage in Stage} == {"keys", "leader", "cache_query", "plan", "probe", "score", "total"}
+
+    steps = "kvroute_source_outcomes_total"
+    assert sample(sink, steps, source="kvcm", outcome="fell_through", reason="kvcm_error") == 1
+    assert sample(sink, steps, source="shadow", outcome="answered", reason="CACHE_LEADER") == 1
+    assert sample(sink, steps, source="domain", outcome="answered", reason="breaker_open") is None
 
     assert sample(sink, "kvroute_candidates_dropped_total", reason="block_size_mismatch") == 2
     assert sample(sink, "kvroute_candidates_dropped_total", reason="not_alive") == 1

@@ -1,4 +1,4 @@
-"""The candidate plan (actors/scorer.py plan_candidates, selection.md §3)."""
+"""The candidate plan (router/policy/plan.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.scorer import CandidatePlan, CandidateSource, Fleet, plan_candidates
 from router.config import ScorerConfig
+from router.policy.plan import CandidatePlan, CandidateSource, Fleet, plan_candidates
 from router.types import HostMatch, WorkerAddr
 
 

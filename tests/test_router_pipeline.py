@@ -5,6 +5,7 @@ Only the remote peers are simulated; every actor, the deadline logic and the dec
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -14,8 +15,10 @@ import trio
 import trio.testing
 
 from actors.breaker import BreakerState
-from actors.router_actor import prepare_request
-from actors.shadow_index import ShadowHealth
+from actors.metrics_sink import MetricsSink
+from actors.shadow_index import ShadowIndexActor
+from actors.sources.base import RequestContext
+from actors.sources.shadow import ShadowSource
 from router.api import open_router
 from router.config import (
     DeploymentConfig,
@@ -26,12 +29,23 @@ from router.config import (
     ShadowConfig,
 )
 from router.keys import block_keys
+from router.logs import AggregatingLogger
+from router.request import prepare_request
 from router.sim.cluster import SimCluster
 from router.sim.kvcm import KvcmFaults
 from router.sim.worker import WorkerFaults, WorkerSpec
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import BadRequest, KeyFamily, Reason, Role, RouteRequest, RouteSource
+from router.types import (
+    BadRequest,
+    KeyFamily,
+    Reason,
+    Role,
+    RouteDecision,
+    RouteRequest,
+    RouteSource,
+    WorkerAddr,
+)
 
 BLOCK = 16
 PROMPT = tuple(range(1000, 1000 + 8 * BLOCK))  # 8 blocks
@@ -283,23 +297,23 @@ def test_feature_off_does_not_hash_token_ids() -> None:
 
 
 async def test_records_the_shadow_index_cannot_take_are_counted(autojump_clock: trio.testing.MockClock) -> None:
-    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    network = MemoryNetwork()
-    addrs = cluster.serve_memory(network)
-    config = replace(
-        make_config(addrs.kvcm_bootstrap, addrs.workers_arg), shadow=replace(ShadowConfig(), inbox_size=1)
-    )
-    seed(cluster, 1, 8)
-    async with open_router(config, rpc=network) as handle:
-        async with trio.open_nursery() as burst:  # decisions land together; the shadow inbox holds one
-            for i in range(8):
-                burst.start_soon(handle.route, RouteRequest(f"burst{i}", token_ids=PROMPT, budget_ms=50))
+    shadow = ShadowIndexActor(replace(ShadowConfig(), inbox_size=1))  # not running: its inbox holds one record
+    sink = MetricsSink(MetricsConfig())
+    source = ShadowSource(
+        KvrouteConfig(), shadow=shadow, scoring=None, metrics=sink, warn=AggregatingLogger(logging.getLogger("t"), interval_s=60.0, max_keys=8)
+    )  # type: ignore[arg-type]
+    prepared = prepare_request(RouteRequest("r", token_ids=PROMPT), DeploymentConfig(block_size=BLOCK))
+    ctx = RequestContext(RouteRequest("r", token_ids=PROMPT), prepared, 0.0, 0.05, 0.045)
+    worker = WorkerAddr.from_http("10.0.0.1", 8000)
+    answered = RouteDecision("r", worker, Role.PREFILL, RouteSource.DOMAIN, Reason.BREAKER_OPEN)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for _ in range(4):  # write-on-route after each reply: the first fits, three are dropped
+            source.after_reply(ctx, answered)
         await trio.testing.wait_all_tasks_blocked()
-        health = handle.actors()["shadow_index"]["health"]
-        assert isinstance(health, ShadowHealth)
-        assert health.dropped >= 1
-        counted = handle.metrics.registry.get_sample_value("kvroute_shadow_records_dropped_total")
-        assert counted == health.dropped
+        nursery.cancel_scope.cancel()
+    assert shadow.health().dropped == 3
+    assert sink.registry.get_sample_value("kvroute_shadow_records_dropped_total") == 3
 
 
 async def test_overloaded_inbox_answers_at_once(autojump_clock: trio.testing.MockClock) -> None:
@@ -360,7 +374,7 @@ async def test_no_workers_is_route_source_none(autojump_clock: trio.testing.Mock
 
 async def test_burst_spreads_with_precharge(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster, metrics_inbox=64) as (handle, _, _):
+    async with routed(cluster, metrics_inbox=256) as (handle, _, _):
         for i in range(4):
             seed(cluster, i, 8)
         chosen = []

@@ -1,9 +1,8 @@
-"""CacheAffinityFirst (actors/scorer.py): selection.md §2 worked examples, exact rounding,
+"""CacheAffinityFirst (router/policy/cache_affinity.py): the reference scheduler's worked examples, exact rounding,
 filters, reasons, tie-breaks, pre-charge and the selection ledger."""
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 from collections import Counter
@@ -14,20 +13,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.scorer import (
-    Candidate,
-    CandidatePlan,
-    CandidateSource,
+from router.config import DeploymentConfig, ScorerConfig
+from router.policy.cache_affinity import (
+    CacheAffinityFirst,
     ObservedStatus,
-    Scorer,
     Selection,
-    SelectionLedger,
-    check_scorer_config,
     hit_tokens,
     round_half_up,
     score,
 )
-from router.config import DeploymentConfig, ScorerConfig
+from router.policy.cache_affinity import problems as policy_problems
+from router.policy.ledger import SelectionLedger
+from router.policy.plan import Candidate, CandidatePlan, CandidateSource
 from router.types import (
     CandidateExplain,
     DropReason,
@@ -474,7 +471,7 @@ def test_exact_ties_are_not_broken_by_address() -> None:
 def test_least_recently_selected_wins_an_exact_work_tie() -> None:
     a, b, c = addr(1), addr(2), addr(3)
     plan = plan_of((a, 10), (b, 10), (c, 10))
-    scorer = Scorer(ScorerConfig(), DeploymentConfig(block_size=BS))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=BS))
     chosen = []
     for step in range(9):
         now = float(step)
@@ -613,7 +610,7 @@ def test_leader_chosen_whenever_within_bound_and_gate(scenario: Scenario, seed: 
 def test_selection_pre_charges_until_a_newer_status_arrives() -> None:
     a, b = addr(1), addr(2)
     plan = plan_of((a, 16), (b, 15))
-    scorer = Scorer(replace(ScorerConfig(), max_extra_work_tokens=0), DeploymentConfig(block_size=BS))
+    scorer = CacheAffinityFirst(replace(ScorerConfig(), max_extra_work_tokens=0), DeploymentConfig(block_size=BS))
     first = scorer.decide(
         plan, observed({a: status(0), b: status(0)}, taken_at=0.0), seq_len=SEQ, block_size=BS, now=1.0
     )
@@ -685,7 +682,7 @@ def test_burst_sharing_one_prefix_spreads_once_pre_charge_makes_workers_comparab
     seq_len, block = 8000, 16
     plan = plan_of(*((w, 375 if w == holder else None) for w in workers))
     statuses = observed({w: status(0) for w in workers}, taken_at=0.0)
-    scorer = Scorer(ScorerConfig(), DeploymentConfig(block_size=block))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=block))
     counts: Counter[WorkerAddr | None] = Counter()
     for i in range(1000):
         selection = scorer.decide(plan, statuses, seq_len=seq_len, block_size=block, now=1.0 + i * 1e-4)
@@ -700,50 +697,37 @@ def test_burst_over_equal_holders_spreads_evenly() -> None:
     workers = [addr(i) for i in range(4)]
     plan = plan_of(*((w, 100) for w in workers))
     statuses = observed({w: status(0) for w in workers}, taken_at=0.0)
-    scorer = Scorer(ScorerConfig(), DeploymentConfig(block_size=16))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=16))
     counts = Counter(
         scorer.decide(plan, statuses, seq_len=4000, block_size=16, now=1.0 + i).worker for i in range(1000)
     )
     assert sorted(counts.values()) == [250, 250, 250, 250]
 
 
-# --- the Scorer owner ---------------------------------------------------------------------------
+# --- the policy object ---------------------------------------------------------------------------
 
 
-def test_scorer_logs_a_contract_mismatch_once_per_worker(caplog: pytest.LogCaptureFixture) -> None:
-    a, b = addr(1), addr(2)
-    plan = plan_of((a, 20), (b, None))
-    statuses = observed({a: status(0, block_size=64), b: status(0)})
-    scorer = Scorer(ScorerConfig(), DeploymentConfig(block_size=BS))
-    with caplog.at_level(logging.WARNING, logger="actors.scorer"):
-        for t in range(5):
-            sel = scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=float(t))
-            assert dict(sel.drop_counts) == {DropReason.BLOCK_SIZE_MISMATCH: 1}
-    messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 1 and a.http_target in messages[0] and "block_size_mismatch" in messages[0]
-
-
-def test_scorer_record_charges_fallback_dispatches() -> None:
+def test_policy_record_charges_fallback_dispatches() -> None:
     a, b = addr(1), addr(2)
     plan = plan_of((a, None), (b, None))
-    scorer = Scorer(ScorerConfig(), DeploymentConfig(block_size=BS))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=BS))
     scorer.record(a, 5000, now=1.0)  # e.g. a domain-fallback dispatch
     sel = scorer.decide(plan, observed({a: status(0), b: status(0)}), seq_len=SEQ, block_size=BS, now=2.0)
     assert sel.worker == b
 
 
-def test_scorer_roles_default_to_the_deployments_and_can_be_overridden() -> None:
+def test_policy_roles_default_to_the_deployments_and_can_be_overridden() -> None:
     a = addr(1)
     plan = plan_of((a, 5))
     statuses = observed({a: status(0, role=Role.PDFUSION)})
-    scorer = Scorer(ScorerConfig(), DeploymentConfig(roles=(Role.PREFILL,), block_size=BS))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(roles=(Role.PREFILL,), block_size=BS))
     assert scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0).worker is None
     assert (
         scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0, roles=(Role.PDFUSION,)).worker == a
     )
 
 
-def test_scorer_rejects_bad_config_naming_every_field() -> None:
+def test_policy_rejects_bad_config_naming_every_field() -> None:
     bad = replace(
         ScorerConfig(),
         prefill_queue_size_threshold=0,
@@ -751,7 +735,7 @@ def test_scorer_rejects_bad_config_naming_every_field() -> None:
         hot_set_size=-1,
         max_pending_charges=0,
     )
-    problems = check_scorer_config(bad)
+    problems = policy_problems(bad)
     assert [p.split(":")[0] for p in problems] == [
         "prefill_queue_size_threshold",
         "p2p_hit_discount",
@@ -759,10 +743,10 @@ def test_scorer_rejects_bad_config_naming_every_field() -> None:
         "max_pending_charges",
     ]
     with pytest.raises(ValueError, match=r"prefill_queue_size_threshold.*max_pending_charges"):
-        Scorer(bad, DeploymentConfig())
+        CacheAffinityFirst(bad, DeploymentConfig())
     with pytest.raises(ValueError, match="roles"):
-        Scorer(ScorerConfig(), DeploymentConfig(roles=()))
-    assert check_scorer_config(ScorerConfig()) == []
+        CacheAffinityFirst(ScorerConfig(), DeploymentConfig(roles=()))
+    assert policy_problems(ScorerConfig()) == []
 
 
 def test_negative_seq_len_is_rejected() -> None:
@@ -771,7 +755,7 @@ def test_negative_seq_len_is_rejected() -> None:
 
 
 def test_observe_reuses_the_view_of_an_unchanged_status_and_is_bounded() -> None:
-    scorer = Scorer(replace(ScorerConfig(), max_tracked_workers=2), DeploymentConfig(block_size=BS))
+    scorer = CacheAffinityFirst(replace(ScorerConfig(), max_tracked_workers=2), DeploymentConfig(block_size=BS))
     a, b, c = addr(1), addr(2), addr(3)
     st_a = status(7000)
     first = scorer.observe(a, st_a, 1.0)

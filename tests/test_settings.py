@@ -481,7 +481,7 @@ def test_an_effective_config_never_makes_an_actor_reject_it(values: dict[str, ob
     from actors.discovery import Discovery
     from actors.leader_resolver import validate_leader_config
     from actors.probe_budget import prober_config_problems
-    from actors.scorer import check_scorer_config
+    from router.policy.cache_affinity import problems as check_scorer_config
 
     loaded = load_config({**GOOD, **values}, {})
     if loaded.fatal_errors:

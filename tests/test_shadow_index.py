@@ -11,10 +11,10 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.scorer import CandidateSource, Fleet, plan_candidates
 from actors.shadow_index import ShadowIndex, ShadowIndexActor, agreement
 from router.config import ScorerConfig, ShadowConfig
 from router.keys import block_keys
+from router.policy.plan import CandidateSource, Fleet, plan_candidates
 from router.types import HostMatch, KeyFamily, WorkerAddr
 
 W1, W2, W3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"

@@ -20,11 +20,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 
-from actors.scorer import CandidatePlan, Fleet, Scorer, Selection, plan_candidates
 from router.bench.profiling import WindowProfile
 from router.bench.results import BenchReport, Figure, Verdict, at_most
 from router.bench.stats import Summary
 from router.config import DeploymentConfig, ScorerConfig
+from router.policy.cache_affinity import CacheAffinityFirst, Selection
+from router.policy.plan import CandidatePlan, Fleet, plan_candidates
 from router.types import HostMatch, Role, TaskInfo, WorkerAddr, WorkerStatus
 
 PROMPT_TOKENS = 8192
@@ -67,7 +68,7 @@ class Case:
         self.n_workers, self.candidates = n_workers, min(hot + cold, n_workers)
         self.fleet = Fleet.of(workers)
         self.config = replace(ScorerConfig(), hot_set_size=hot, cold_set_size=cold, seed=seed)
-        self.scorer = Scorer(self.config, replace(DeploymentConfig(), block_size=BLOCK_SIZE))
+        self.scorer = CacheAffinityFirst(self.config, replace(DeploymentConfig(), block_size=BLOCK_SIZE))
         self.cache = {w: make_status(rng) for w in workers}  # the prober's warm cache
         holders = rng.sample(workers, min(hot, n_workers))
         self.hosts = tuple(HostMatch(w.http_target, local=rng.randrange(1, N_KEYS + 1)) for w in holders)

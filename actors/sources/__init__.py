@@ -1,0 +1,1 @@
+"""The chain of sources a request walks: each answers, falls through with a reason, or ends it."""

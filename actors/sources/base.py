@@ -1,0 +1,130 @@
+"""What a source of the chain is, and what a request carries along it.
+
+A request walks the chain in order. Each source gets the request's context and the time it may
+spend (its window, a deadline that only ever shortens the request's own), and returns one of:
+
+- :class:`Answered` — it chose the worker; the chain stops;
+- :class:`FellThrough` — it could not help, with the reason; the next source is asked;
+- :class:`Ended` — it ended the request with an error (no worker); the chain stops.
+
+The last source of every chain is the domain fallback, which always answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from actors.discovery import Discovery
+from actors.worker_prober import WorkerProber
+from router.policy.plan import Fleet
+from router.request import PreparedRequest
+from router.types import (
+    CandidateExplain,
+    HostMatch,
+    Reason,
+    Role,
+    RouteDecision,
+    RouteRequest,
+    RouteSource,
+    Stage,
+    WorkerAddr,
+)
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One request on its way along the chain; owned by the request's task.
+
+    ``decide_at`` is when waiting stops so the decision itself fits before ``deadline``.
+    ``cache_hosts`` is the positive part of the answer a cache source got (None: no cache
+    answered; empty: it answered that nobody holds the prefix). A later source reads it to know
+    whether it must stand in for the cache.
+    """
+
+    request: RouteRequest
+    prepared: PreparedRequest
+    received_at: float
+    deadline: float
+    decide_at: float
+    stages: dict[Stage, float] = field(default_factory=dict)
+    cache_hosts: tuple[HostMatch, ...] | None = None
+    fallthrough: Reason | None = None  # the first reason the chain fell through with
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    worker: WorkerAddr
+    role: Role
+    reason: Reason
+    hit_tokens: int = 0
+    local_blocks: int = 0
+    candidates: tuple[CandidateExplain, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FellThrough:
+    reason: Reason
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    reason: Reason
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """Not attempted: what an earlier source found makes this one moot."""
+
+
+SourceResult = Answered | FellThrough | Ended | Skipped
+
+
+class Source(Protocol):
+    """One link of the chain."""
+
+    kind: RouteSource  # the decision's route_source when this source answers
+    needs_keys: bool  # whether it uses the request's block keys (hashing is skipped when none does)
+
+    def window(self, ctx: RequestContext) -> float:
+        """The deadline of this source's attempt (trio time), at most ``ctx.deadline``."""
+        ...
+
+    async def attempt(self, ctx: RequestContext) -> SourceResult: ...
+
+    def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
+        """Work that must not delay the answer (observability, write-on-route); no awaits."""
+        ...
+
+
+class FleetView:
+    """The discovery snapshot indexed for planning, rebuilt only when discovery publishes anew.
+
+    Shared by the sources of one router; rebuilding also tells the prober which workers to keep.
+    """
+
+    __slots__ = ("_discovery", "_fleet", "_prober", "_version")
+
+    def __init__(self, discovery: Discovery, prober: WorkerProber) -> None:
+        self._discovery = discovery
+        self._prober = prober
+        self._version = -1
+        self._fleet = Fleet.of(())
+
+    def current(self) -> Fleet:
+        snapshot = self._discovery.workers()
+        if snapshot.version != self._version:
+            self._fleet = Fleet.of(snapshot.workers)
+            self._version = snapshot.version
+            self._prober.retain(snapshot.workers)
+        return self._fleet
+
+    def workers(self) -> Sequence[WorkerAddr]:
+        return self.current().workers
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1000.0

@@ -1,0 +1,131 @@
+"""The KVCM source: ask the KV Cache Manager's leader which workers hold the prompt's prefix,
+then plan, probe and score those holders.
+
+Admission goes through the KVCM breaker (open: fall through at once). The leader comes from the
+resolver's cache without waiting in the common case; otherwise the lookup waits at most until
+``decide_at``. The query is bounded by ``kvcm_query_timeout_ms`` and ``decide_at``, whichever is
+first. Every failure falls through with its reason, so the next source (the shadow index) can
+stand in without spending the rest of the budget.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from actors.breaker import Admission
+from actors.leader_resolver import LeaderResolver, LeaderUnavailable, UnavailableReason
+from actors.metrics_sink import KvcmRequest, LeaderChanged, MetricsSink, ShadowAgreement
+from actors.shadow_index import ShadowIndexActor, agreement
+from actors.sources.base import FellThrough, RequestContext, SourceResult, ms
+from actors.sources.scoring import CandidateScoring
+from router.config import KvrouteConfig
+from router.policy.plan import CandidateSource
+from router.transport.errors import DeadlineExceeded, TransportError
+from router.transport.ports import KvcmTransport
+from router.types import CacheQuery, CacheState, HostMatch, Reason, RouteDecision, RouteSource, Stage
+
+
+class KvcmSource:
+    kind = RouteSource.KVCM
+    needs_keys = True
+
+    def __init__(
+        self,
+        config: KvrouteConfig,
+        *,
+        resolver: LeaderResolver,
+        kvcm: KvcmTransport,
+        scoring: CandidateScoring,
+        shadow: ShadowIndexActor,
+        metrics: MetricsSink,
+    ) -> None:
+        self._deployment = config.deployment
+        self._query_timeout_s = config.router.kvcm_query_timeout_ms / 1000.0
+        self._hot_set_size = config.scorer.hot_set_size
+        self._resolver = resolver
+        self._kvcm = kvcm
+        self._scoring = scoring
+        self._shadow = shadow
+        self._metrics = metrics
+        self._last_leader: str | None = None
+
+    def window(self, ctx: RequestContext) -> float:
+        return ctx.deadline  # it stops waiting at decide_at by itself, and decides in the reserve
+
+    async def attempt(self, ctx: RequestContext) -> SourceResult:
+        hosts = await self._query(ctx)
+        if isinstance(hosts, FellThrough):
+            return hosts
+        ctx.cache_hosts = hosts
+        return await self._scoring.choose(ctx, hosts, CandidateSource.HOT)
+
+    def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
+        if ctx.cache_hosts is None:
+            return
+        # How well the shadow index would have answered: no await since the decision, so the shadow
+        # index has not yet applied this request's own record.
+        shadow_view = self._shadow.match(ctx.prepared.keys, trio.current_time(), limit=self._hot_set_size)
+        self._metrics.emit(ShadowAgreement(agreement(ctx.cache_hosts, shadow_view)))
+
+    async def _query(self, ctx: RequestContext) -> tuple[HostMatch, ...] | FellThrough:
+        """KVCM's positive hosts, or why KVCM could not help this request."""
+        resolver = self._resolver
+        if not ctx.prepared.keys:
+            return FellThrough(Reason.NO_POSITIVE_MATCH)
+        admission = resolver.admit()
+        if admission is Admission.REJECT:
+            return FellThrough(Reason.BREAKER_OPEN)
+        trial = admission is Admission.TRIAL
+        t = trio.current_time()
+        leader = resolver.cached_leader()  # the common case: known, no wait and no scope needed
+        if leader is None:
+            with trio.move_on_at(ctx.decide_at):
+                try:
+                    leader = await resolver.leader()
+                except LeaderUnavailable as exc:
+                    if trial:
+                        resolver.release_kvcm_trial()
+                    ctx.stages[Stage.LEADER] = ms(trio.current_time() - t)
+                    no_leader = exc.reason in (UnavailableReason.NO_LEADER, UnavailableReason.NO_BOOTSTRAP)
+                    return FellThrough(Reason.NO_LEADER if no_leader else Reason.KVCM_ERROR)
+        ctx.stages[Stage.LEADER] = ms(trio.current_time() - t)
+        if leader is None:
+            if trial:
+                resolver.release_kvcm_trial()
+            return FellThrough(Reason.DEADLINE)
+        if leader.target != self._last_leader:
+            self._last_leader = leader.target
+            self._metrics.emit(LeaderChanged(leader.target))
+
+        t = trio.current_time()
+        query = CacheQuery(
+            instance_id=self._deployment.kvcm_instance_id,
+            query_type=self._deployment.query_type,
+            block_keys=ctx.prepared.keys,
+            trace_id=ctx.request.request_id,
+            p2p_host_count=self._deployment.p2p_host_count,
+        )
+        query_deadline = min(ctx.decide_at, t + self._query_timeout_s)
+        error: TransportError | None = None
+        state: CacheState | None = None
+        with trio.move_on_at(query_deadline):
+            try:
+                state = await self._kvcm.get_host_cache_state(leader.target, query)
+            except TransportError as exc:
+                error = exc
+        ctx.stages[Stage.CACHE_QUERY] = ms(trio.current_time() - t)
+        if state is None and error is None:
+            error = DeadlineExceeded(leader.target, "GetHostCacheState did not answer within the request's budget")
+        judged = resolver.record_kvcm(error, trial=trial, given_s=query_deadline - t)
+        if error is not None:
+            if judged:  # a query cut short by a tight budget does not make the leader suspect
+                resolver.report_failure(leader.target, error)
+            self._metrics.emit(KvcmRequest("GetHostCacheState", error.kind))
+            return FellThrough(Reason.DEADLINE if isinstance(error, DeadlineExceeded) else Reason.KVCM_ERROR)
+        assert state is not None
+        positive = tuple(h for h in state.hosts if h.local >= 1 or h.p2p_total >= 1)
+        self._metrics.emit(KvcmRequest("GetHostCacheState", "ok" if positive else "no_positive_match"))
+        if not positive:
+            ctx.cache_hosts = ()
+            return FellThrough(Reason.NO_POSITIVE_MATCH)
+        return positive

@@ -1,0 +1,101 @@
+"""Plan, probe and score the candidates of a cache answer: the shared work of the cache sources.
+
+The policy (owned by the Scorer actor) plans the candidates; the WorkerProber brings their
+statuses under the one global probe budget until ``decide_at``; the Scorer decides with what
+arrived. Every stage is timed into the request's ``stage_ms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+
+from actors.metrics_sink import MetricsSink, ProbeSkipped, StatusCacheHits
+from actors.scorer import DecideRequest, Scorer
+from actors.sources.base import Answered, FellThrough, FleetView, RequestContext, SourceResult, ms
+from actors.worker_prober import ProbeOutcome, SkipReason, WorkerProber
+from router.policy.plan import CandidateSource
+from router.types import DropReason, HostMatch, Reason, Stage, WorkerAddr, WorkerStatus
+
+_SKIP_DROPS = {
+    SkipReason.EJECTED: DropReason.EJECTED,
+    SkipReason.NO_BUDGET: DropReason.PROBE_SKIPPED,
+    SkipReason.DEADLINE: DropReason.PROBE_SKIPPED,
+    SkipReason.STOPPED: DropReason.PROBE_SKIPPED,
+}
+
+
+class CandidateScoring:
+    def __init__(self, *, scorer: Scorer, prober: WorkerProber, fleet: FleetView, metrics: MetricsSink) -> None:
+        self._scorer = scorer
+        self._prober = prober
+        self._fleet = fleet
+        self._metrics = metrics
+
+    async def choose(self, ctx: RequestContext, hosts: Sequence[HostMatch], source: CandidateSource) -> SourceResult:
+        """The chosen worker for ``hosts``, or a fall-through with NO_CANDIDATES."""
+        prepared = ctx.prepared
+        t = trio.current_time()
+        plan = self._scorer.plan(
+            hosts,
+            self._fleet.current(),
+            request_id=ctx.request.request_id,
+            source=source,
+            ejected=self._prober.ejected(),  # an ejected holder takes no hot slot
+        )
+        ctx.stages[Stage.PLAN] = ms(trio.current_time() - t)
+
+        t = trio.current_time()
+        handle = self._prober.probe([c.worker for c in plan.candidates], ctx.decide_at)
+        if handle.pending:  # all fresh from the cache (the warm case): nothing to wait for
+            with trio.move_on_at(ctx.decide_at):
+                await handle.wait_all()
+        statuses: dict[WorkerAddr, tuple[WorkerStatus, float]] = {}
+        missing: dict[WorkerAddr, DropReason] = {}
+        cache_hits = 0
+        skipped: dict[str, int] = {}
+        for result in handle.results():
+            worker = result.worker
+            if result.status is not None and result.observed_at is not None:
+                cache_hits += result.from_cache
+                statuses[worker] = (result.status, result.observed_at)
+                continue
+            if result.outcome is ProbeOutcome.SKIPPED and result.skip_reason is not None:
+                skipped[result.skip_reason.value] = skipped.get(result.skip_reason.value, 0) + 1
+            observed = self._prober.cached_observed(worker)  # an older, still usable status in hand
+            if observed is not None:
+                statuses[worker] = observed
+            elif result.outcome is ProbeOutcome.SKIPPED and result.skip_reason is not None:
+                missing[worker] = _SKIP_DROPS[result.skip_reason]
+            elif result.outcome is ProbeOutcome.FAILED:
+                missing[worker] = DropReason.PROBE_FAILED
+        if cache_hits:
+            self._metrics.emit(StatusCacheHits(cache_hits))
+        for reason, n in skipped.items():
+            self._metrics.emit(ProbeSkipped(reason, n))
+        ctx.stages[Stage.PROBE] = ms(trio.current_time() - t)
+
+        t = trio.current_time()
+        selection = await self._scorer.decide(
+            DecideRequest(
+                plan=plan,
+                statuses=statuses,
+                missing=missing,
+                seq_len=prepared.seq_len,
+                block_size=prepared.block_size,
+                roles=prepared.roles,
+                now=t,
+            )
+        )
+        ctx.stages[Stage.SCORE] = ms(trio.current_time() - t)
+        if selection.worker is None or selection.role is None:
+            return FellThrough(Reason.NO_CANDIDATES)
+        return Answered(
+            worker=selection.worker,
+            role=selection.role,
+            reason=selection.reason,
+            hit_tokens=selection.hit_tokens,
+            local_blocks=selection.local_blocks,
+            candidates=selection.explain(),
+        )

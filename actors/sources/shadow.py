@@ -1,0 +1,59 @@
+"""The shadow source: when no cache source named a holder of the prompt's prefix, the router-local
+shadow index (what this router itself sent where) stands in for KVCM's answer.
+
+It also keeps the index: every decision with a worker records (worker, keys) after the reply
+(write-on-route), through the index actor's bounded inbox; a dropped record is counted.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from actors.metrics_sink import MetricsSink, ShadowRecordDropped
+from actors.shadow_index import ShadowIndexActor
+from actors.sources.base import FellThrough, RequestContext, Skipped, SourceResult
+from actors.sources.scoring import CandidateScoring
+from router.config import KvrouteConfig
+from router.logs import AggregatingLogger
+from router.policy.plan import CandidateSource
+from router.types import Reason, RouteDecision, RouteSource
+
+
+class ShadowSource:
+    kind = RouteSource.SHADOW
+    needs_keys = True
+
+    def __init__(
+        self,
+        config: KvrouteConfig,
+        *,
+        shadow: ShadowIndexActor,
+        scoring: CandidateScoring,
+        metrics: MetricsSink,
+        warn: AggregatingLogger,
+    ) -> None:
+        self._hot_set_size = config.scorer.hot_set_size
+        self._shadow = shadow
+        self._scoring = scoring
+        self._metrics = metrics
+        self._warn = warn
+
+    def window(self, ctx: RequestContext) -> float:
+        return ctx.deadline
+
+    async def attempt(self, ctx: RequestContext) -> SourceResult:
+        if ctx.cache_hosts:
+            return Skipped()  # a cache source named holders; standing in for it would only repeat it
+        now = trio.current_time()
+        hosts = self._shadow.match(ctx.prepared.keys, now, limit=self._hot_set_size)
+        if not hosts:
+            why = ctx.fallthrough or Reason.NO_POSITIVE_MATCH
+            self._warn.note(why.value, now)  # aggregated: the cache path failing is not one line per request
+            return FellThrough(why)
+        return await self._scoring.choose(ctx, hosts, CandidateSource.SHADOW)
+
+    def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
+        if decision.worker is None or decision.reason is Reason.BAD_REQUEST:
+            return
+        if not self._shadow.record_nowait(decision.worker.http_target, ctx.prepared.keys, trio.current_time()):
+            self._metrics.emit(ShadowRecordDropped())

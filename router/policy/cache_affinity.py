@@ -1,0 +1,544 @@
+"""CacheAffinityFirst: the reference scheduler's selection over one candidate plan.
+
+Pure: values in, values out; time is passed in. The steps, each its own function:
+
+- filters (:func:`filter_candidate`): alive, a routed role, queue below the threshold, the key
+  geometry (block size, lookahead) the request's keys were made with;
+- hit and work (:func:`hit_tokens`, :func:`work_tokens`): the cached prefix a worker would reuse,
+  and the uncached tokens it would have to prefill before this request's first token
+  (its outstanding tasks, the ledger's pre-charge, this request's uncached part);
+- orders (:func:`orders`): shortest-TTFT order (work, last selected, tie draw) and leader order
+  (most hit first, then the same);
+- guard, gate and bound (:func:`choose`): the outstanding-tokens guard, the minimum-hit gate,
+  and the extra-work bound the cache leader may cost over the shortest;
+- choose: the preferred worker and the reason, then the ledger records it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from router.config import DeploymentConfig, ScorerConfig
+from router.policy.base import PolicyHealth
+from router.policy.ledger import SelectionLedger
+from router.policy.plan import Candidate, CandidatePlan, CandidateSource, Fleet, effective_blocks, plan_candidates
+from router.types import CandidateExplain, DropReason, HostMatch, Reason, Role, WorkerAddr, WorkerStatus
+
+
+def round_half_up(x: float) -> int:
+    """Java's ``Math.round`` on a double: floor(x + 1/2), computed exactly.
+
+    With ``x = num / den`` exactly (every finite double is a ratio of integers),
+    floor(x + 1/2) = floor((2·num + den) / (2·den)) in integer arithmetic — so
+    0.49999999999999994 rounds to 0, where ``math.floor(x + 0.5)`` would give 1.
+    """
+    num, den = x.as_integer_ratio()
+    return (2 * num + den) // (2 * den)
+
+
+def hit_tokens(match: HostMatch | None, block_size: int, seq_len: int, p2p_hit_discount: float) -> int:
+    """``round_half_up(effective blocks × block_size)`` capped at ``seq_len``; 0 without a match."""
+    if match is None or block_size <= 0:
+        return 0
+    effective = effective_blocks(match, p2p_hit_discount)
+    if effective <= 0:
+        return 0
+    if isinstance(effective, int):  # no P2P extension: the product is an exact integer
+        return min(seq_len, effective * block_size)
+    return min(seq_len, round_half_up(effective * block_size))
+
+
+def work_tokens(observed: ObservedStatus, pending_charge: int, seq_len: int, hit: int) -> int:
+    """Tokens the worker must prefill before this request's first one: its outstanding uncached
+    tokens, what the ledger charged it since its status was taken, and this request's uncached part."""
+    return observed.outstanding_uncached_tokens + pending_charge + (seq_len - hit)
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedStatus:
+    """A worker status and the (trio) time it was taken (the prober's ``observed_at``).
+
+    A status clears the pre-charges made before ``taken_at``; the probe's send time would be
+    the exact cut, its receive time also clears a dispatch made while the probe was in flight.
+
+    Build one per status received and reuse it for every decision while it is fresh: the
+    outstanding uncached tokens (a sum over the worker's tasks) are computed once, here.
+    """
+
+    status: WorkerStatus
+    taken_at: float
+    outstanding_uncached_tokens: int = field(init=False)
+    waiting_count: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "outstanding_uncached_tokens", self.status.outstanding_uncached_tokens)
+        object.__setattr__(self, "waiting_count", self.status.waiting_count)
+
+
+class ScoreSheet:
+    """What one decision saw, kept so the explanation and the claim order can be built on
+    demand: building them for every decision would cost more than the decision itself."""
+
+    __slots__ = ("_chosen", "_claim", "_drops", "_hits", "_observed", "_plan", "_works")
+
+    def __init__(
+        self,
+        plan: CandidatePlan,
+        hits: list[int],
+        works: list[int | None],
+        drops: list[DropReason | None],
+        observed: list[ObservedStatus | None],
+        chosen: int | None,
+        claim: Callable[[], tuple[tuple[WorkerAddr, Reason], ...]],
+    ) -> None:
+        self._plan = plan
+        self._hits = hits
+        self._works = works
+        self._drops = drops
+        self._observed = observed
+        self._chosen = chosen
+        self._claim = claim
+
+    def explain(self) -> tuple[CandidateExplain, ...]:
+        """Every candidate (plan drops first): hit, work, role, drop reason, which was chosen."""
+        rows = list(self._plan.dropped)
+        for index, candidate in enumerate(self._plan.candidates):
+            observed = self._observed[index]
+            drop = self._drops[index]
+            rows.append(
+                CandidateExplain(
+                    target=candidate.target,
+                    source=candidate.source.value,
+                    local_blocks=0 if candidate.match is None else candidate.match.local,
+                    hit_tokens=self._hits[index],
+                    work_tokens=self._works[index],
+                    role=None if observed is None else observed.status.role.value,
+                    dropped=None if drop is None else drop.value,
+                    chosen=index == self._chosen,
+                )
+            )
+        return tuple(rows)
+
+    def alternates(self) -> tuple[tuple[WorkerAddr, Reason], ...]:
+        """The claim order after the chosen worker, each with the reason it would carry."""
+        return self._claim()
+
+    @property
+    def chosen_index(self) -> int:
+        """Index in the plan's candidates of the chosen worker (only when one was chosen)."""
+        if self._chosen is None:
+            raise LookupError("no candidate was chosen")
+        return self._chosen
+
+    @property
+    def drops(self) -> Sequence[DropReason | None]:
+        """Per plan candidate: why it was dropped, or None if it was scored."""
+        return self._drops
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The policy's decision for one request.
+
+    ``worker`` is None (reason NO_CANDIDATES) when no candidate passed the filters.
+    ``drop_counts`` counts dropped candidates by reason, plan drops included.
+    """
+
+    worker: WorkerAddr | None
+    role: Role | None
+    reason: Reason
+    hit_tokens: int
+    local_blocks: int
+    work_tokens: int
+    uncached_tokens: int  # seq_len − hit of the chosen worker: its pre-charge
+    status_taken_at: float | None
+    drop_counts: tuple[tuple[DropReason, int], ...]
+    sheet: ScoreSheet = field(repr=False, compare=False)
+
+    def explain(self) -> tuple[CandidateExplain, ...]:
+        return self.sheet.explain()
+
+    def alternates(self) -> tuple[tuple[WorkerAddr, Reason], ...]:
+        return self.sheet.alternates()
+
+
+# --- filters ---------------------------------------------------------------------------------
+
+
+def filter_candidate(
+    observed: ObservedStatus,
+    *,
+    roles: Collection[Role],
+    queue_threshold: int,
+    block_size: int,
+    lookahead_tokens: int | None,
+) -> DropReason | None:
+    """Why a candidate with a status in hand cannot take the request, or None if it can.
+
+    A worker that does not report its block size or lookahead (None) is accepted.
+    """
+    status = observed.status
+    if not status.alive:
+        return DropReason.NOT_ALIVE
+    if status.role not in roles:
+        return DropReason.ROLE_NOT_ROUTED
+    if observed.waiting_count >= queue_threshold:
+        return DropReason.QUEUE_FULL
+    if status.block_size is not None and status.block_size != block_size:
+        return DropReason.BLOCK_SIZE_MISMATCH
+    if (
+        lookahead_tokens is not None
+        and status.lookahead_tokens is not None
+        and status.lookahead_tokens != lookahead_tokens
+    ):
+        return DropReason.LOOKAHEAD_MISMATCH
+    return None
+
+
+# --- orders ----------------------------------------------------------------------------------
+
+
+class Passed(NamedTuple):
+    """A candidate that passed the filters: (target, plan index, work, last selected, hit)."""
+
+    target: str
+    at: int
+    work: int
+    last_selected: float
+    hit: int
+
+
+TtftRow = tuple[int, float, float, int]  # (work, last selected, tie draw, index)
+LeaderRow = tuple[int, int, float, float, int]  # (−hit, work, last selected, tie draw, index)
+
+
+def orders(passed: list[Passed], tie_rng: random.Random) -> tuple[list[TtftRow], list[LeaderRow]]:
+    """Shortest-TTFT order and cache-leader order over the passed candidates.
+
+    Exact ties on (work, last selected) are broken by draws from ``tie_rng`` handed out in
+    target order (targets are unique), so the result does not depend on the order the
+    candidates came in.
+    """
+    passed.sort()
+    ttft_order: list[TtftRow] = []
+    leader_order: list[LeaderRow] = []
+    for _, index, work, last_selected, hit in passed:
+        tie = tie_rng.random()
+        ttft_order.append((work, last_selected, tie, index))
+        leader_order.append((-hit, work, last_selected, tie, index))
+    ttft_order.sort()
+    leader_order.sort()
+    return ttft_order, leader_order
+
+
+# --- guard, gate, bound: choose ----------------------------------------------------------------
+
+
+def choose(
+    ttft_order: list[TtftRow],
+    leader_order: list[LeaderRow],
+    hits: list[int],
+    *,
+    seq_len: int,
+    config: ScorerConfig,
+) -> tuple[int, Reason, list[TtftRow]]:
+    """(preferred plan index, reason, the guard-eligible rows) from the two orders.
+
+    Guard: candidates whose work exceeds the outstanding-tokens threshold are not eligible for
+    the shortest pick (if none is eligible, the shortest overall with a *_FALLBACK reason).
+    Gate: a leader whose hit is below ``min_hit_rate`` % of the prompt does not lead.
+    Bound: the leader wins when it costs at most ``max_extra_work_tokens`` more than the shortest.
+    """
+    threshold = config.outstanding_uncached_tokens_threshold
+    eligible = ttft_order if threshold <= 0 else [row for row in ttft_order if row[0] <= threshold]
+    shortest = eligible[0] if eligible else None
+    _, leader_work, _, _, leader_index = leader_order[0]
+    if shortest is None:
+        return ttft_order[0][3], Reason.SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK, eligible
+    if config.min_hit_rate > 0 and (seq_len <= 0 or hits[leader_index] * 100 / seq_len < config.min_hit_rate):
+        return shortest[3], Reason.SHORTEST_TTFT_LOW_CACHE_HIT, eligible
+    if threshold > 0 and leader_work > threshold:
+        return shortest[3], Reason.SHORTEST_TTFT_OUTSTANDING_GUARD, eligible
+    if leader_work - shortest[0] <= max(0, config.max_extra_work_tokens):
+        return leader_index, Reason.CACHE_LEADER, eligible
+    return shortest[3], Reason.SHORTEST_TTFT, eligible
+
+
+def claim_order(
+    candidates: tuple[Candidate, ...],
+    preferred: int,
+    eligible: list[TtftRow],
+    hits: list[int],
+    leader_order: list[LeaderRow],
+    ttft_order: list[TtftRow],
+    max_extra: int,
+) -> tuple[tuple[WorkerAddr, Reason], ...]:
+    """The order to try after the preferred worker, for a caller that cannot use it:
+    affinity-tolerant eligible workers (hit above the shortest's, extra work within the bound)
+    in leader order, then the shortest, then the rest in TTFT order."""
+    order: list[tuple[WorkerAddr, Reason]] = []
+    seen = {preferred}
+    shortest = eligible[0] if eligible else None
+    if shortest is not None:
+        eligible_indices = frozenset(row[3] for row in eligible)
+        shortest_work, shortest_index = shortest[0], shortest[3]
+        shortest_hit = hits[shortest_index]
+        for neg_hit, work, _, _, index in leader_order:
+            if (
+                index not in seen
+                and index in eligible_indices
+                and -neg_hit > shortest_hit
+                and work - shortest_work <= max_extra
+            ):
+                seen.add(index)
+                order.append((candidates[index].worker, Reason.CACHE_AFFINITY_FALLBACK))
+        if shortest_index not in seen:
+            seen.add(shortest_index)
+            order.append((candidates[shortest_index].worker, Reason.SHORTEST_TTFT_FALLBACK))
+    for _, _, _, index in ttft_order:
+        if index not in seen:
+            seen.add(index)
+            order.append((candidates[index].worker, Reason.SHORTEST_TTFT_FALLBACK))
+    return tuple(order)
+
+
+# --- one decision ------------------------------------------------------------------------------
+
+
+def score(
+    plan: CandidatePlan,
+    statuses: Mapping[WorkerAddr, ObservedStatus],
+    ledger: SelectionLedger,
+    *,
+    config: ScorerConfig,
+    roles: Collection[Role],
+    seq_len: int,
+    block_size: int,
+    lookahead_tokens: int | None,
+    tie_rng: random.Random,
+    missing: Mapping[WorkerAddr, DropReason] | None = None,
+) -> Selection:
+    """CacheAffinityFirst over one plan. Reads the ledger; changes nothing but ``tie_rng``'s state.
+
+    ``statuses`` holds the routable statuses the caller has (dead and ejected workers should
+    be absent); a candidate without one is dropped with ``missing[worker]`` (default
+    NO_STATUS). ``block_size``/``lookahead_tokens`` are those the request's keys were made
+    with (``lookahead_tokens`` None: unknown, not checked). ``work`` includes the ledger's
+    pre-charge, in the orders and in the outstanding guard alike.
+    """
+    if seq_len < 0:
+        raise ValueError(f"seq_len: must be >= 0, got {seq_len}")
+    discount = config.p2p_hit_discount
+    queue_threshold = config.prefill_queue_size_threshold
+    candidates = plan.candidates
+    n = len(candidates)
+    hits = [0] * n
+    works: list[int | None] = [None] * n
+    drops: list[DropReason | None] = [None] * n
+    observed_by_index: list[ObservedStatus | None] = [None] * n
+    drop_totals: dict[DropReason, int] = {}
+    for explained in plan.dropped:
+        if explained.dropped is not None:
+            plan_drop = DropReason(explained.dropped)
+            drop_totals[plan_drop] = drop_totals.get(plan_drop, 0) + 1
+
+    view = ledger.view
+    passed: list[Passed] = []
+    for index, (worker, target, match, _) in enumerate(candidates):
+        hit = hits[index] = hit_tokens(match, block_size, seq_len, discount)
+        observed = observed_by_index[index] = statuses.get(worker)
+        drop: DropReason | None
+        if observed is None:
+            drop = DropReason.NO_STATUS if missing is None else missing.get(worker, DropReason.NO_STATUS)
+        else:
+            drop = filter_candidate(
+                observed,
+                roles=roles,
+                queue_threshold=queue_threshold,
+                block_size=block_size,
+                lookahead_tokens=lookahead_tokens,
+            )
+        if drop is None:
+            assert observed is not None
+            pending, last_selected = view(target, observed.taken_at)
+            work = works[index] = work_tokens(observed, pending, seq_len, hit)
+            passed.append(Passed(target, index, work, last_selected, hit))
+        else:
+            drops[index] = drop
+            drop_totals[drop] = drop_totals.get(drop, 0) + 1
+    drop_counts = tuple(sorted(drop_totals.items(), key=lambda item: item[0].value))
+
+    if not passed:
+        return Selection(
+            worker=None,
+            role=None,
+            reason=Reason.NO_CANDIDATES,
+            hit_tokens=0,
+            local_blocks=0,
+            work_tokens=0,
+            uncached_tokens=0,
+            status_taken_at=None,
+            drop_counts=drop_counts,
+            sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, None, tuple),
+        )
+
+    ttft_order, leader_order = orders(passed, tie_rng)
+    preferred, reason, eligible = choose(ttft_order, leader_order, hits, seq_len=seq_len, config=config)
+    max_extra = max(0, config.max_extra_work_tokens)
+
+    def claim() -> tuple[tuple[WorkerAddr, Reason], ...]:
+        return claim_order(candidates, preferred, eligible, hits, leader_order, ttft_order, max_extra)
+
+    chosen = candidates[preferred]
+    chosen_observed = observed_by_index[preferred]
+    chosen_work = works[preferred]
+    assert chosen_observed is not None and chosen_work is not None
+    return Selection(
+        worker=chosen.worker,
+        role=chosen_observed.status.role,
+        reason=reason,
+        hit_tokens=hits[preferred],
+        local_blocks=0 if chosen.match is None else chosen.match.local,
+        work_tokens=chosen_work,
+        uncached_tokens=seq_len - hits[preferred],
+        status_taken_at=chosen_observed.taken_at,
+        drop_counts=drop_counts,
+        sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, preferred, claim),
+    )
+
+
+def problems(config: ScorerConfig) -> list[str]:
+    """Every problem with the policy's settings, each naming its field (empty when valid)."""
+    out: list[str] = []
+    if config.prefill_queue_size_threshold < 1:
+        out.append(f"prefill_queue_size_threshold: must be >= 1, got {config.prefill_queue_size_threshold}")
+    for name, value in (("p2p_hit_discount", config.p2p_hit_discount), ("min_hit_rate", config.min_hit_rate)):
+        if not math.isfinite(value):
+            out.append(f"{name}: must be a finite number, got {value}")
+    if config.hot_set_size < 0:
+        out.append(f"hot_set_size: must be >= 0, got {config.hot_set_size}")
+    if config.cold_set_size < 0:
+        out.append(f"cold_set_size: must be >= 0, got {config.cold_set_size}")
+    if config.hot_set_size + config.cold_set_size < 1:
+        out.append("hot_set_size, cold_set_size: at least one candidate must be planned")
+    if config.max_tracked_workers < 1:
+        out.append(f"max_tracked_workers: must be >= 1, got {config.max_tracked_workers}")
+    if config.max_pending_charges < 1:
+        out.append(f"max_pending_charges: must be >= 1, got {config.max_pending_charges}")
+    return out
+
+
+CONTRACT_DROPS = frozenset({DropReason.BLOCK_SIZE_MISMATCH, DropReason.LOOKAHEAD_MISMATCH})
+
+
+class CacheAffinityFirst:
+    """The production policy: its selection ledger, tie-break RNG and per-status scoring views.
+
+    It holds state but does no I/O and reads no clock; the Scorer actor owns the one instance
+    and is the only caller, so a selection is recorded before any other decision is scored.
+    """
+
+    name = "cache_affinity_first"
+
+    def __init__(self, config: ScorerConfig, deployment: DeploymentConfig) -> None:
+        found = problems(config)
+        if not deployment.roles:
+            found.append("roles: the deployment routes to no role")
+        if found:
+            raise ValueError("invalid scorer configuration: " + "; ".join(found))
+        self.config = config
+        self.deployment = deployment
+        self.ledger = SelectionLedger(config.max_tracked_workers, config.max_pending_charges)
+        self._tie_rng = random.Random(config.seed)
+        self._observed: OrderedDict[WorkerAddr, ObservedStatus] = OrderedDict()  # least recently new first
+
+    def plan(
+        self,
+        hosts: Sequence[HostMatch],
+        fleet: Fleet,
+        *,
+        request_id: str,
+        source: CandidateSource,
+        ejected: Collection[WorkerAddr],
+    ) -> CandidatePlan:
+        return plan_candidates(
+            hosts,
+            fleet,
+            request_id=request_id,
+            namespace=self.deployment.kvcm_instance_id,
+            config=self.config,
+            hot_source=source,
+            ejected=ejected,
+        )
+
+    def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
+        """The scoring view of a status in hand, reused while the same status is passed again.
+
+        A cached status is scored by many decisions; summing its tasks once per status (not
+        once per decision) saves most of a decision's cost. Bounded by max_tracked_workers.
+        """
+        cached = self._observed.get(worker)
+        if cached is not None and cached.status is status and cached.taken_at == taken_at:
+            return cached
+        fresh = ObservedStatus(status, taken_at)
+        self._observed.pop(worker, None)
+        self._observed[worker] = fresh
+        if len(self._observed) > self.config.max_tracked_workers:
+            self._observed.popitem(last=False)
+        return fresh
+
+    def decide(
+        self,
+        plan: CandidatePlan,
+        statuses: Mapping[WorkerAddr, ObservedStatus],
+        *,
+        seq_len: int,
+        block_size: int,
+        now: float,
+        roles: Collection[Role] | None = None,
+        missing: Mapping[WorkerAddr, DropReason] | None = None,
+    ) -> Selection:
+        """Score ``plan`` and record the selection at ``now``.
+
+        ``block_size`` is the one the request's keys were made with; the deployment's
+        lookahead is the keys' lookahead. ``roles`` defaults to the deployment's.
+        """
+        selection = score(
+            plan,
+            statuses,
+            self.ledger,
+            config=self.config,
+            roles=self.deployment.roles if roles is None else roles,
+            seq_len=seq_len,
+            block_size=block_size,
+            lookahead_tokens=self.deployment.lookahead_tokens,
+            tie_rng=self._tie_rng,
+            missing=missing,
+        )
+        if selection.worker is not None:
+            self.ledger.record(
+                plan.candidates[selection.sheet.chosen_index].target,
+                selection.uncached_tokens,
+                now,
+                status_taken_at=selection.status_taken_at,
+            )
+        return selection
+
+    def record(
+        self, worker: WorkerAddr, uncached_tokens: int, now: float, status_taken_at: float | None = None
+    ) -> None:
+        """Charge a dispatch the policy did not decide (shadow or domain fallback) to the ledger."""
+        self.ledger.record(worker.http_target, uncached_tokens, now, status_taken_at)
+
+    def health(self) -> PolicyHealth:
+        return PolicyHealth(
+            policy=self.name,
+            tracked_workers=len(self.ledger),
+            pending_charges=self.ledger.pending_charges(),
+            observed_statuses=len(self._observed),
+        )

@@ -1,0 +1,122 @@
+"""The selection ledger: each worker's last-selected time and local pre-charge, bounded.
+
+Pure state with time passed in; it belongs to the policy, which belongs to the Scorer actor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict
+
+NEVER = -math.inf  # last-selected time of a worker never selected: sorts first (preferred)
+
+
+class _LedgerEntry:
+    """One worker's last-selected time and charges.
+
+    Charges are kept as parallel lists of times and running totals, live from ``head``:
+    ``cums[i]`` is every token charged up to and including charge ``i``, ``base`` the total
+    of the charges a status has cleared, ``total`` of all. So the pending tokens since ``t``
+    are ``total`` minus the running total just before the first charge made at or after
+    ``t`` — one bisection, however many charges a stale status has let pile up.
+    """
+
+    __slots__ = ("base", "cums", "head", "last_selected", "times", "total")
+
+    def __init__(self) -> None:
+        self.last_selected = NEVER
+        self.times: list[float] = []
+        self.cums: list[int] = []
+        self.head = 0
+        self.base = 0
+        self.total = 0
+
+    def live(self) -> int:
+        """Charges whose time is still kept (not cleared by a status nor forgotten)."""
+        return len(self.times) - self.head
+
+    def pending(self, since: float) -> int:
+        k = bisect.bisect_left(self.times, since, self.head)
+        return self.total - (self.base if k == self.head else self.cums[k - 1])
+
+    def clear_before(self, since: float) -> None:
+        k = bisect.bisect_left(self.times, since, self.head)
+        if k > self.head:
+            self.base = self.cums[k - 1]
+            self.head = k
+
+    def charge(self, now: float, tokens: int, max_charges: int) -> None:
+        if self.times and now < self.times[-1]:
+            now = self.times[-1]  # keep times sorted if a caller's clock steps back
+        self.total += tokens
+        self.times.append(now)
+        self.cums.append(self.total)
+        if len(self.times) - self.head > max_charges:
+            # Forget the oldest charge's time but not its tokens (base is unchanged): they
+            # now clear only with the next charge, so they stay counted a little longer —
+            # over-estimating load spreads more; it never piles on.
+            self.head += 1
+        if self.head > max_charges:
+            del self.times[: self.head]
+            del self.cums[: self.head]
+            self.head = 0
+
+
+class SelectionLedger:
+    """Per-worker last-selected time and local pre-charge, bounded (LRU over workers).
+
+    Pre-charge rule: a charge carries the time it was made; a status taken at ``t`` already
+    reflects the dispatches made before ``t``, so it clears the charges made before ``t``
+    and only charges made at or after ``t`` are added to that status's work. Statuses of a
+    worker only get newer (the prober's cache moves forward); a status older than one already
+    recorded with is charged only what remains (charges made before the newest are gone).
+
+    A worker evicted from the ledger is treated as never selected and uncharged.
+    """
+
+    def __init__(self, max_tracked_workers: int, max_pending_charges: int) -> None:
+        if max_tracked_workers < 1:
+            raise ValueError(f"max_tracked_workers: must be >= 1, got {max_tracked_workers}")
+        if max_pending_charges < 1:
+            raise ValueError(f"max_pending_charges: must be >= 1, got {max_pending_charges}")
+        self._max_workers = max_tracked_workers
+        self._max_charges = max_pending_charges
+        self._entries: OrderedDict[str, _LedgerEntry] = OrderedDict()  # by worker http target
+        self._pending_charges = 0  # live charges over every entry, kept as entries change
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def view(self, worker: str, status_taken_at: float) -> tuple[int, float]:
+        """(pending tokens since ``status_taken_at``, last-selected time) in one lookup."""
+        entry = self._entries.get(worker)
+        if entry is None:
+            return 0, NEVER
+        return entry.pending(status_taken_at), entry.last_selected
+
+    def record(self, worker: str, uncached_tokens: int, now: float, status_taken_at: float | None = None) -> None:
+        """Charge ``uncached_tokens`` to ``worker`` (its http target) at ``now``; mark it
+        selected at ``now``.
+
+        ``status_taken_at`` (the status the selection was made with, if any) clears the
+        charges made before it.
+        """
+        entry = self._entries.get(worker)
+        if entry is None:
+            entry = self._entries[worker] = _LedgerEntry()
+            if len(self._entries) > self._max_workers:
+                _, evicted = self._entries.popitem(last=False)
+                self._pending_charges -= evicted.live()
+        else:
+            self._entries.move_to_end(worker)
+        before = entry.live()
+        if status_taken_at is not None:
+            entry.clear_before(status_taken_at)
+        entry.charge(now, max(0, uncached_tokens), self._max_charges)
+        entry.last_selected = max(entry.last_selected, now)
+        self._pending_charges += entry.live() - before
+
+    def pending_charges(self) -> int:
+        """Charges not yet cleared by a status, over every tracked worker."""
+        return self._pending_charges

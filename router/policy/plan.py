@@ -1,0 +1,275 @@
+"""The candidate plan: a cache answer and a discovery snapshot in, the workers to probe and score out.
+
+Pure: values in, values out; no I/O, no clock.
+
+Hot set: the answer's hosts with ``local ≥ 1`` or ``p2p_total ≥ 1``, best effective blocks first,
+mapped to discovered workers, one per gRPC target, at most ``hot_set_size``. Where hosts tie
+exactly at that cut, a per-request rank decides who is in (never the address, never the answer's
+order). Unknown, malformed and ejected hosts are dropped and reported; they take no hot slot.
+
+Cold set: ``cold_set_size`` discovered workers not in the hot set and not ejected, in a
+reproducible per-request order, so idle workers are found and load spreads.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from router.config import ScorerConfig
+from router.targets import TargetError, format_target, parse_target
+from router.types import CandidateExplain, DropReason, HostMatch, WorkerAddr
+
+
+def effective_blocks(match: HostMatch, p2p_hit_discount: float) -> float:
+    """Local blocks plus the P2P-only blocks weighted by the discount: the one formula for a match's value.
+
+    Computed in doubles in the reference scheduler's order; with no P2P extension (or no
+    discount) it is exactly ``local``.
+    """
+    local = match.local
+    if match.p2p_total <= local or p2p_hit_discount <= 0:
+        return local
+    return local + (match.p2p_total - local) * p2p_hit_discount
+
+
+class CandidateSource(enum.Enum):
+    """How a candidate entered the plan (the values are CandidateExplain.source)."""
+
+    HOT = "hot"  # from KVCM's answer
+    SHADOW = "shadow"  # from the router-local shadow index's answer
+    COLD = "cold"  # from discovery, for spread and to find idle workers
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """An indexed discovery snapshot: build it once per snapshot, read it per decision in O(1).
+
+    ``workers`` is in canonical order (by HTTP target, one worker per gRPC target) with
+    ``targets[i] == workers[i].http_target``, so the per-request cold order depends only on
+    the request and the set of workers, never on the order discovery listed them in.
+    """
+
+    workers: Sequence[WorkerAddr]
+    targets: Sequence[str]
+    by_http_target: Mapping[str, WorkerAddr]
+
+    @classmethod
+    def of(cls, workers: Iterable[WorkerAddr]) -> Fleet:
+        by_grpc: dict[str, WorkerAddr] = {}
+        for worker in sorted(workers, key=lambda w: (w.http_target, w.grpc_target, w.status_target)):
+            by_grpc.setdefault(worker.grpc_target, worker)
+        ordered = tuple(by_grpc.values())
+        targets = tuple(w.http_target for w in ordered)
+        return cls(ordered, targets, dict(zip(targets, ordered, strict=True)))
+
+
+class Candidate(NamedTuple):
+    worker: WorkerAddr
+    target: str  # worker.http_target (its KVCM identity), computed once
+    match: HostMatch | None  # the cache answer's match for this worker, whichever set it came through
+    source: CandidateSource
+
+
+@dataclass(frozen=True, slots=True)
+class CandidatePlan:
+    """Candidates to probe and score, each worker once: the hot set (best first), then the
+    cold set (in draw order)."""
+
+    candidates: tuple[Candidate, ...]
+    dropped: tuple[CandidateExplain, ...] = ()  # cache-answer hosts that could not become candidates
+
+
+def request_seed(request_id: str, namespace: str) -> bytes:
+    """sha256 over the request id and the KVCM namespace: the per-request source of cold order."""
+    rid = request_id.encode()
+    return hashlib.sha256(len(rid).to_bytes(4, "big") + rid + namespace.encode()).digest()
+
+
+def _target_rank(seed: bytes, target: str) -> bytes:
+    """A per-request pseudo-random rank of one target: sha256(request seed ‖ target)."""
+    return hashlib.sha256(seed + target.encode()).digest()[:8]
+
+
+def _resolve_host(host_ip_port: str, fleet: Fleet) -> tuple[WorkerAddr, str] | DropReason:
+    """Map a cache answer's ``host_ip_port`` to a discovered worker and its canonical target.
+
+    A host that discovery does not list is dropped (UNKNOWN_HOST) rather than synthesised
+    from a port convention: discovery decides which workers belong to the deployment (and
+    their roles); KVCM may still remember a worker that left, or list another deployment's.
+    """
+    worker = fleet.by_http_target.get(host_ip_port)
+    if worker is not None:
+        return worker, host_ip_port
+    try:
+        parsed = parse_target(host_ip_port)
+    except TargetError:
+        return DropReason.MALFORMED_HOST
+    target = format_target(parsed.host, parsed.port)
+    worker = fleet.by_http_target.get(target)
+    return DropReason.UNKNOWN_HOST if worker is None else (worker, target)
+
+
+def _drop_explain(match: HostMatch, source: CandidateSource, reason: DropReason) -> CandidateExplain:
+    return CandidateExplain(
+        target=match.host_ip_port,
+        source=source.value,
+        local_blocks=match.local,
+        hit_tokens=0,
+        work_tokens=None,
+        role=None,
+        dropped=reason.value,
+    )
+
+
+def _coprime_stride(draw: int, n: int) -> int:
+    """A stride in [1, n) coprime with n (so stepping by it visits every index once); 1 when n ≤ 2."""
+    if n <= 2:
+        return 1
+    stride = draw % (n - 1) + 1
+    # Stops by itself: 1 is coprime with every n, and at most n - 1 strides are tried.
+    for _ in range(n - 1):
+        if math.gcd(stride, n) == 1:
+            return stride
+        stride = stride % (n - 1) + 1
+    return 1
+
+
+def _cold_walk(
+    fleet: Fleet, seed: bytes, count: int, taken: set[int], ejected: Collection[WorkerAddr]
+) -> list[tuple[WorkerAddr, int]]:
+    """Up to ``count`` fleet workers (with their indices) not taken (by id) nor ejected, in
+    per-request order.
+
+    Ranking every worker per request would cost O(fleet). Here the request seed picks a start
+    index and a stride coprime with the fleet size; stepping visits distinct workers, so the
+    walk examines ``count`` + (hot or ejected workers met on the way) entries, whatever the
+    fleet size. Every worker is equally likely to come first, and the order is reproducible
+    per request (a function of request id, namespace and the fleet's targets).
+    """
+    workers = fleet.workers
+    n = len(workers)
+    if count <= 0 or n == 0:
+        return []
+    index = int.from_bytes(seed[0:8], "big") % n
+    stride = _coprime_stride(int.from_bytes(seed[8:16], "big"), n)
+    picked: list[tuple[WorkerAddr, int]] = []
+    for _ in range(n):
+        worker = workers[index]
+        if id(worker) not in taken and not (ejected and worker in ejected):
+            picked.append((worker, index))
+            taken.add(id(worker))
+            if len(picked) == count:
+                break
+        index = (index + stride) % n
+    return picked
+
+
+class _HotSetBuilder:
+    """Maps ranked cache-answer hosts to planned candidates, each fleet worker at most once."""
+
+    __slots__ = ("_ejected", "_fleet", "_source", "dropped", "taken")
+
+    def __init__(self, fleet: Fleet, source: CandidateSource, ejected: Collection[WorkerAddr]) -> None:
+        self._fleet = fleet
+        self._source = source
+        self._ejected = ejected
+        self.taken: set[int] = set()  # ids of fleet workers already planned (fleet objects are unique)
+        self.dropped: list[CandidateExplain] = []
+
+    def admit(self, match: HostMatch) -> Candidate | None:
+        """The candidate for ``match``, or None (dropped and reported, or a worker already planned)."""
+        target = match.host_ip_port
+        worker = self._fleet.by_http_target.get(target)
+        if worker is None:  # not the canonical spelling, or not a discovered worker
+            resolved = _resolve_host(target, self._fleet)
+            if isinstance(resolved, DropReason):
+                self.dropped.append(_drop_explain(match, self._source, resolved))
+                return None
+            worker, target = resolved
+        if self._ejected and worker in self._ejected:
+            self.dropped.append(_drop_explain(match, self._source, DropReason.EJECTED))
+            return None
+        if id(worker) in self.taken:
+            return None  # a second entry for a worker already planned (by gRPC target)
+        self.taken.add(id(worker))
+        return Candidate(worker, target, match, self._source)
+
+    def release(self, candidates: Iterable[Candidate]) -> None:
+        self.taken.difference_update(id(c.worker) for c in candidates)
+
+
+def _rank_hosts(hosts: Sequence[HostMatch], p2p_hit_discount: float) -> list[tuple[float, int, int]]:
+    """(−effective blocks, −local, answer index) of each positive host, best first."""
+    ranked = [
+        (-effective_blocks(h, p2p_hit_discount), -h.local, i)
+        for i, h in enumerate(hosts)
+        if h.local >= 1 or h.p2p_total >= 1
+    ]
+    ranked.sort()  # the answer index breaks no tie that matters: exact ties at the cut are re-ranked
+    return ranked
+
+
+def _hot_set(
+    hosts: Sequence[HostMatch], ranked: list[tuple[float, int, int]], slots: int, seed: bytes, builder: _HotSetBuilder
+) -> list[Candidate]:
+    hot: list[Candidate] = []
+    hot_keys: list[tuple[float, int]] = []
+    position = 0
+    while position < len(ranked) and len(hot) < slots:
+        neg_eff, neg_local, i = ranked[position]
+        position += 1
+        candidate = builder.admit(hosts[i])
+        if candidate is not None:
+            hot.append(candidate)
+            hot_keys.append((neg_eff, neg_local))
+    if not hot or position >= len(ranked) or ranked[position][:2] != hot_keys[-1]:
+        return hot
+    # Exact tie across the cut: rank the whole tied group per request.
+    cut_key = hot_keys[-1]
+    tied = [c for c, key in zip(hot, hot_keys, strict=True) if key == cut_key]
+    del hot[len(hot) - len(tied) :]
+    while position < len(ranked) and ranked[position][:2] == cut_key:
+        candidate = builder.admit(hosts[ranked[position][2]])
+        position += 1
+        if candidate is not None:
+            tied.append(candidate)
+    tied.sort(key=lambda c: _target_rank(seed, c.target))
+    keep = slots - len(hot)
+    hot.extend(tied[:keep])
+    builder.release(tied[keep:])
+    return hot
+
+
+def plan_candidates(
+    hosts: Sequence[HostMatch],
+    fleet: Fleet,
+    *,
+    request_id: str,
+    namespace: str,
+    config: ScorerConfig,
+    hot_source: CandidateSource = CandidateSource.HOT,
+    ejected: Collection[WorkerAddr] = frozenset(),
+) -> CandidatePlan:
+    """The hot set then the cold set (see the module docstring).
+
+    A cold worker that the answer also lists keeps its match. Cost: O(m log m) for an answer
+    of m hosts, plus O(cold + skipped) fleet entries.
+    """
+    seed = request_seed(request_id, namespace)
+    builder = _HotSetBuilder(fleet, hot_source, ejected)
+    ranked = _rank_hosts(hosts, max(0.0, config.p2p_hit_discount))
+    hot = _hot_set(hosts, ranked, max(0, config.hot_set_size), seed, builder)
+    cold_picks = _cold_walk(fleet, seed, config.cold_set_size, builder.taken, ejected)
+    cold: list[Candidate] = []
+    if cold_picks:
+        by_host = {h.host_ip_port: h for h in reversed(hosts)}  # the first entry per host wins
+        targets = fleet.targets
+        cold = [
+            Candidate(worker, targets[i], by_host.get(targets[i]), CandidateSource.COLD) for worker, i in cold_picks
+        ]
+    return CandidatePlan(tuple(hot) + tuple(cold), tuple(builder.dropped))

@@ -1,0 +1,146 @@
+"""The Scorer actor: it owns the policy, decides through its inbox, charges fallbacks, publishes health."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+
+import pytest
+import trio
+import trio.testing
+
+from actors.scorer import DecideRequest, Scorer, ScorerUnavailable
+from router.config import DeploymentConfig, ScorerConfig
+from router.policy.cache_affinity import CacheAffinityFirst
+from router.policy.plan import Candidate, CandidatePlan, CandidateSource
+from router.types import DropReason, HostMatch, Reason, Role, TaskInfo, WorkerAddr, WorkerStatus
+
+BS = 16
+SEQ = 1600
+
+
+def addr(i: int) -> WorkerAddr:
+    return WorkerAddr.from_http(f"10.0.0.{i}", 8000)
+
+
+def status(queued: int = 0, *, block_size: int | None = None) -> WorkerStatus:
+    tasks = (TaskInfo("q", input_length=queued, prefix_length=0, is_waiting=True),) if queued else ()
+    return WorkerStatus(
+        role=Role.PREFILL,
+        role_reported="RoleType.PREFILL",
+        alive=True,
+        status_version=1,
+        latest_finished_version=0,
+        waiting=tasks,
+        block_size=block_size,
+    )
+
+
+def plan_of(*rows: tuple[WorkerAddr, int | None]) -> CandidatePlan:
+    return CandidatePlan(
+        tuple(
+            Candidate(
+                w,
+                w.http_target,
+                None if local is None else HostMatch(w.http_target, local),
+                CandidateSource.COLD if local is None else CandidateSource.HOT,
+            )
+            for w, local in rows
+        )
+    )
+
+
+def request(
+    plan: CandidatePlan, statuses: Mapping[WorkerAddr, WorkerStatus], now: float, *, seq_len: int = SEQ
+) -> DecideRequest:
+    return DecideRequest(
+        plan=plan,
+        statuses={w: (s, 0.0) for w, s in statuses.items()},
+        missing={},
+        seq_len=seq_len,
+        block_size=BS,
+        roles=(Role.PREFILL,),
+        now=now,
+    )
+
+
+def make_scorer(inbox: int = 8, **scorer_fields: object) -> Scorer:
+    config = replace(ScorerConfig(), **scorer_fields)  # type: ignore[arg-type]
+    return Scorer(CacheAffinityFirst(config, DeploymentConfig(block_size=BS)), inbox_size=inbox, max_warned_workers=64)
+
+
+async def test_decisions_are_recorded_so_the_next_one_sees_the_precharge(nursery: trio.Nursery) -> None:
+    scorer = make_scorer(max_extra_work_tokens=0)
+    await nursery.start(scorer.run)
+    a, b = addr(1), addr(2)
+    plan = plan_of((a, 10), (b, 10))  # equal hits: the shortest work wins each time
+    first = await scorer.decide(request(plan, {a: status(), b: status()}, now=1.0))
+    second = await scorer.decide(request(plan, {a: status(), b: status()}, now=1.1))
+    assert {first.worker, second.worker} == {a, b}  # the first pick's pre-charge sent the second elsewhere
+    health = scorer.health()
+    assert (health.decisions, health.policy.tracked_workers, health.policy.pending_charges) == (2, 2, 2)
+    assert health.policy.policy == "cache_affinity_first"
+
+
+async def test_record_nowait_charges_a_fallback_dispatch(nursery: trio.Nursery) -> None:
+    scorer = make_scorer()
+    await nursery.start(scorer.run)
+    a, b = addr(1), addr(2)
+    assert scorer.record_nowait(a, 5000, now=1.0)  # e.g. a domain-fallback dispatch
+    selection = await scorer.decide(request(plan_of((a, None), (b, None)), {a: status(), b: status()}, now=2.0))
+    assert selection.worker == b
+    assert scorer.health().records == 1
+
+
+async def test_a_full_inbox_drops_and_counts_records() -> None:
+    scorer = make_scorer(inbox=2)  # not running: nothing drains the inbox
+    assert [scorer.record_nowait(addr(1), 10, now=0.0) for _ in range(4)] == [True, True, False, False]
+    assert scorer.health().records_dropped == 2
+
+
+async def test_a_failing_decision_is_reported_to_its_caller_and_the_scorer_keeps_serving(
+    nursery: trio.Nursery,
+) -> None:
+    scorer = make_scorer()
+    await nursery.start(scorer.run)
+    a = addr(1)
+    plan = plan_of((a, 10))
+    with pytest.raises(ScorerUnavailable, match="seq_len"):
+        await scorer.decide(request(plan, {a: status()}, now=1.0, seq_len=-1))
+    assert (await scorer.decide(request(plan, {a: status()}, now=1.0))).worker == a
+    health = scorer.health()
+    assert (health.errors, health.decisions) == (1, 1)
+    assert health.last_error is not None and "seq_len" in health.last_error
+
+
+async def test_a_caller_that_left_before_its_turn_is_not_decided_or_recorded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    scorer = make_scorer()
+    a = addr(1)
+    plan = plan_of((a, 10))
+    async with trio.open_nursery() as nursery:
+        with trio.move_on_after(0.01):  # the Scorer is not running yet: this caller gives up
+            await scorer.decide(request(plan, {a: status()}, now=0.0))
+        await nursery.start(scorer.run)
+        selection = await scorer.decide(request(plan, {a: status()}, now=1.0))
+        nursery.cancel_scope.cancel()
+    health = scorer.health()
+    assert (health.abandoned, health.decisions, health.policy.pending_charges) == (1, 1, 1)
+    assert selection.reason is Reason.CACHE_LEADER
+
+
+async def test_a_contract_mismatch_is_logged_once_per_worker(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    scorer = make_scorer()
+    await nursery.start(scorer.run)
+    a, b = addr(1), addr(2)
+    plan = plan_of((a, 20), (b, None))
+    with caplog.at_level(logging.WARNING, logger="actors.scorer"):
+        for t in range(5):
+            selection = await scorer.decide(request(plan, {a: status(block_size=64), b: status()}, now=float(t)))
+            assert dict(selection.drop_counts) == {DropReason.BLOCK_SIZE_MISMATCH: 1}
+    messages = [r.getMessage() for r in caplog.records if r.name == "actors.scorer"]
+    assert len(messages) == 1 and a.http_target in messages[0] and "block_size_mismatch" in messages[0]
