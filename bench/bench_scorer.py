@@ -2,7 +2,7 @@
 
 Run: ``python bench/bench_scorer.py [--repeats R] [--seed S]``.
 
-The cases and what one timed decision does are defined in ``router.bench.decision_cpu``
+The cases and what one timed decision does are defined in ``kvroute_sim.bench.decision_cpu``
 (shared with ``kvroute bench``, which reports the same P1/P6 rows in its table).
 
 Also shown here, not part of P1: building the explanation table (only for explain/debug),
@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 
 from actors.shadow_index import ShadowIndex
-from router.bench.decision_cpu import N_KEYS, PROMPT_TOKENS, decision_cases, run_interleaved
-from router.bench.stats import Summary
+from kvroute_sim.bench.decision_cpu import N_KEYS, PROMPT_TOKENS, decision_cases, run_interleaved
+from kvroute_sim.bench.stats import Summary
 from router.config import ShadowConfig
 
 

@@ -17,11 +17,11 @@ import time
 import grpc
 import trio
 
+from kvroute_sim.sim.cluster import SimCluster
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, ServeConfig
 from router.keys import block_keys
 from router.sidecar import Sidecar
-from router.sim.cluster import SimCluster
 from router.types import KeyFamily
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE

@@ -14,10 +14,10 @@ import statistics
 
 import trio
 
+from kvroute_sim.sim.cluster import SimCluster
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
 from router.keys import block_keys
-from router.sim.cluster import SimCluster
 from router.types import KeyFamily, RouteRequest
 
 BLOCK = 16

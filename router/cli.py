@@ -12,13 +12,13 @@ from collections.abc import Sequence
 
 # name → (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "sim-cluster": ("router.sim.cluster_cli", "run simulated KVCM replicas and workers on loopback"),
+    "sim-cluster": ("kvroute_sim.sim.cluster_cli", "run simulated KVCM replicas and workers on loopback"),
     "check-config": ("router.check_config_cli", "show the effective configuration, its sources and problems"),
     "serve": ("router.serve_cli", "serve the router over gRPC (kvroute.v1 Router/Route + health) with debug HTTP"),
     "route": ("router.route_cli", "route one request in process and print the decision"),
     "explain": ("router.explain_cli", "route one request and explain every candidate: hit, work, why it won or lost"),
-    "demo": ("router.demo.cli", "compare routing policies on an embedded cluster, or run fault scenarios"),
-    "bench": ("router.bench.cli", "measure decision CPU, latency, throughput, outage cost, quality and a soak"),
+    "demo": ("kvroute_sim.demo.cli", "compare routing policies on an embedded cluster, or run fault scenarios"),
+    "bench": ("kvroute_sim.bench.cli", "measure decision CPU, latency, throughput, outage cost, quality and a soak"),
 }
 
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import trio
 
-from router.demo import cli as demo_cli
-from router.demo.scenarios import (
+from kvroute_sim.demo import cli as demo_cli
+from kvroute_sim.demo.scenarios import (
     BUDGET_MS,
     SCENARIO_NAMES,
     SCENARIOS,
@@ -24,7 +24,7 @@ from router.demo.scenarios import (
     run_scenario,
     run_scenarios,
 )
-from router.sim.cluster import SimCluster
+from kvroute_sim.sim.cluster import SimCluster
 
 CI_SCALE = 0.4  # phases at 40 %: warm-up 0.4 s, fault 0.6 s
 # The simulators run in this process on gRPC threads and contend with the router for the GIL, so on a

@@ -16,6 +16,9 @@ import trio.testing
 from actors.breaker import BreakerState
 from actors.router_actor import prepare_request
 from actors.shadow_index import ShadowHealth
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.api import open_router
 from router.config import (
     DeploymentConfig,
@@ -26,9 +29,6 @@ from router.config import (
     ShadowConfig,
 )
 from router.keys import block_keys
-from router.sim.cluster import SimCluster
-from router.sim.kvcm import KvcmFaults
-from router.sim.worker import WorkerFaults, WorkerSpec
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteRequest, RouteSource

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import trio
 
+from kvroute_sim.bench.harness import WARM_TTL_S, ClusterView, Outcomes, Requests, prime, router_config, sequential
+from kvroute_sim.bench.profiling import WindowProfile
+from kvroute_sim.bench.raw_grpc import FloorSamples, RawClient
+from kvroute_sim.bench.results import BenchReport, Figure, at_most
+from kvroute_sim.bench.stats import Summary
 from router.api import open_router
-from router.bench.harness import WARM_TTL_S, ClusterView, Outcomes, Requests, prime, router_config, sequential
-from router.bench.profiling import WindowProfile
-from router.bench.raw_grpc import FloorSamples, RawClient
-from router.bench.results import BenchReport, Figure, at_most
-from router.bench.stats import Summary
 
 P2_TARGET_RATIO = 1.3
 FIGURE_TIMEOUT_S = 600.0

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import trio
 
-from router.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
-from router.sim.traffic import SeededPrefix, TrafficSpec, TrafficStats, run_traffic, seed_prefixes
-from router.sim.worker import WorkerSpec
+from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
+from kvroute_sim.sim.traffic import SeededPrefix, TrafficSpec, TrafficStats, run_traffic, seed_prefixes
+from kvroute_sim.sim.worker import WorkerSpec
 from router.types import KeyFamily, Role
 
 _WORKER = WorkerSpec()

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO
 
-from router.bench.harness import ClusterShape, ClusterView
+from kvroute_sim.bench.harness import ClusterShape, ClusterView
 from router.types import WorkerAddr
 
 STARTUP_TIMEOUT_S = 60.0

@@ -16,7 +16,7 @@ from pathlib import PurePath
 from types import TracebackType
 
 import router
-from router.bench.results import ProfileRow
+from kvroute_sim.bench.results import ProfileRow
 
 TOP_FUNCTIONS = 12
 # Paths are shown from their import root (trio/_core/_run.py, router/keys.py, contextlib.py): the

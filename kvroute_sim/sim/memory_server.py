@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import trio
 
-from router.sim.faults import CallPlan, SimEndpoint
+from kvroute_sim.sim.faults import CallPlan, SimEndpoint
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.memory_adapter import Handler
 

@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.sim.codec import parse_request
-from router.sim.faults import (
+from kvroute_sim.sim.codec import parse_request
+from kvroute_sim.sim.faults import (
     ANSWER_NOW,
     UNDECODABLE_REPLY,
     CallPlan,
@@ -28,7 +28,7 @@ from router.sim.faults import (
     Garble,
     SimEndpoint,
 )
-from router.sim.index import SimKvcmIndex
+from kvroute_sim.sim.index import SimKvcmIndex
 from router.transport.errors import PeerAbort, RpcStatus
 from router.types import HostMatch, LeaderEndpoint
 from router.wire import kvcm_meta_pb2 as kvcm_pb

@@ -37,14 +37,14 @@ from typing import TextIO
 
 import trio
 
+from kvroute_sim.demo.runner import KvrouteSetup, open_kvroute, route_request
+from kvroute_sim.demo.workload import DemoRequest, WorkloadSpec, build_workload, system_prompt
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.faults import Garble
+from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.worker import NO_WORKER_FAULTS, WorkerFaults, WorkerSpec
 from router.api import RouterHandle
-from router.demo.runner import KvrouteSetup, open_kvroute, route_request
-from router.demo.workload import DemoRequest, WorkloadSpec, build_workload, system_prompt
 from router.keys import block_keys
-from router.sim.cluster import SimCluster
-from router.sim.faults import Garble
-from router.sim.kvcm import KvcmFaults
-from router.sim.worker import NO_WORKER_FAULTS, WorkerFaults, WorkerSpec
 from router.types import RouteSource
 
 RATE_PER_S = 50.0

@@ -24,9 +24,9 @@ from typing import TextIO
 
 import trio
 
-from router.demo import scenarios
-from router.demo.policies import KVROUTE, POLICY_NAMES, baseline_policies
-from router.demo.report import (
+from kvroute_sim.demo import scenarios
+from kvroute_sim.demo.policies import KVROUTE, POLICY_NAMES, baseline_policies
+from kvroute_sim.demo.report import (
     check_targets,
     format_table,
     results_json,
@@ -34,7 +34,7 @@ from router.demo.report import (
     write_chart,
     write_results,
 )
-from router.demo.runner import (
+from kvroute_sim.demo.runner import (
     COMPARISON_SETTINGS,
     ClusterSpec,
     DemoConfigError,
@@ -46,7 +46,7 @@ from router.demo.runner import (
     run_baseline,
     run_kvroute,
 )
-from router.demo.workload import Workload, WorkloadSpec, build_workload
+from kvroute_sim.demo.workload import Workload, WorkloadSpec, build_workload
 from router.logs import setup_logging
 from router.settings import BY_NAME
 from router.types import KeyFamily

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import trio
 
+from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes, Requests, concurrent, prime, router_config
+from kvroute_sim.bench.profiling import WindowProfile
+from kvroute_sim.bench.raw_grpc import RawClient
+from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_least
 from router.api import RouterHandle, open_router
-from router.bench.harness import ClusterShape, ClusterView, Outcomes, Requests, concurrent, prime, router_config
-from router.bench.profiling import WindowProfile
-from router.bench.raw_grpc import RawClient
-from router.bench.results import BenchReport, Figure, Verdict, at_least
 from router.config import ProberConfig
 from router.transport.ports import RawRpc
 
@@ -162,7 +162,7 @@ def measure_memory(report: BenchReport, shape: ClusterShape, sizes: ThroughputSi
     )
     if profile is not None:
         report.profiles["P3 memory"] = profile.top()
-        sim_share = profile.cumulative_s("router/sim/memory_server.py", "handle") / profile.busy_s()
+        sim_share = profile.cumulative_s("kvroute_sim/sim/memory_server.py", "handle") / profile.busy_s()
         report.notes.append(
             f"P3 memory: the simulated KVCM and workers run on the same trio thread; in the profiled window "
             f"their handlers took {sim_share:.0%} of its busy CPU (the router alone: ≈ "

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import psutil
 import trio
 
+from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes, Requests, concurrent, prime, router_config
+from kvroute_sim.bench.results import BenchReport, Figure, at_most
 from router.api import RouterHandle, open_router
-from router.bench.harness import ClusterShape, ClusterView, Outcomes, Requests, concurrent, prime, router_config
-from router.bench.results import BenchReport, Figure, at_most
 from router.transport.memory_adapter import MemoryNetwork
 
 SOAK_TARGET_RSS_GROWTH_MB = 20.0

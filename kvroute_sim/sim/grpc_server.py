@@ -27,7 +27,7 @@ from collections.abc import Callable
 import grpc
 import trio
 
-from router.sim.faults import CallPlan, SimEndpoint
+from kvroute_sim.sim.faults import CallPlan, SimEndpoint
 from router.transport.grpc_server import GrpcServer, UnaryBytesHandler, start_grpc_server
 
 Clock = Callable[[], float]

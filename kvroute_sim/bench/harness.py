@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 
 import trio
 
+from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
+from kvroute_sim.sim.traffic import TrafficSpec, seed_prefixes
+from kvroute_sim.sim.worker import WorkerSpec
 from router.api import RouteDecision, RouteRequest, RouterHandle
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, ProberConfig
-from router.sim.cluster import SimCluster, SimClusterAddresses
-from router.sim.traffic import TrafficSpec, seed_prefixes
-from router.sim.worker import WorkerSpec
 from router.transport.memory_adapter import MemoryNetwork
 
 WARM_TTL_S = 600.0  # "warm": a status probed once stays fresh for the whole figure

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.demo.report import percentile  # the one nearest-rank definition (the demo's table uses it too)
+from kvroute_sim.demo.report import percentile  # the one nearest-rank definition (the demo's table uses it too)
 
 
 @dataclass(frozen=True, slots=True)

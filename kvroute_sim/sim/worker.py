@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvroute_sim.sim.codec import parse_request
+from kvroute_sim.sim.faults import UNDECODABLE_REPLY, CallPlan, CallStats, ChangeNotifier, Garble
 from router.config import DeploymentConfig
-from router.sim.codec import parse_request
-from router.sim.faults import UNDECODABLE_REPLY, CallPlan, CallStats, ChangeNotifier, Garble
 from router.types import KvCacheGroupMode
 from router.wire import engine_status_pb2 as engine_pb
 from router.wire import paths

@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.demo.policies import KVROUTE, LEAST_LOADED, MAX_LOCAL_AFFINITY, ORACLE, RANDOM, ROUND_ROBIN
-from router.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun
-from router.demo.workload import Workload
+from kvroute_sim.demo.policies import KVROUTE, LEAST_LOADED, MAX_LOCAL_AFFINITY, ORACLE, RANDOM, ROUND_ROBIN
+from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun
+from kvroute_sim.demo.workload import Workload
 
 RESULTS_FILE = "demo-results.json"
 CHART_FILE = "demo-chart.png"

@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from actors.scorer import CandidatePlan, Fleet, Scorer, Selection, plan_candidates
-from router.bench.profiling import WindowProfile
-from router.bench.results import BenchReport, Figure, Verdict, at_most
-from router.bench.stats import Summary
+from kvroute_sim.bench.profiling import WindowProfile
+from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_most
+from kvroute_sim.bench.stats import Summary
 from router.config import DeploymentConfig, ScorerConfig
 from router.types import HostMatch, Role, TaskInfo, WorkerAddr, WorkerStatus
 

@@ -21,15 +21,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from router.bench import decision_cpu, latency, outage, quality, soak, throughput
-from router.bench.cpus import Placement, pinned_bench_process
-from router.bench.harness import ClusterShape
-from router.bench.latency import LatencySizes
-from router.bench.outage import OutageSizes
-from router.bench.raw_grpc import RawClient
-from router.bench.results import BenchReport
-from router.bench.simproc import sim_process
-from router.bench.throughput import ThroughputSizes
+from kvroute_sim.bench import decision_cpu, latency, outage, quality, soak, throughput
+from kvroute_sim.bench.cpus import Placement, pinned_bench_process
+from kvroute_sim.bench.harness import ClusterShape
+from kvroute_sim.bench.latency import LatencySizes
+from kvroute_sim.bench.outage import OutageSizes
+from kvroute_sim.bench.raw_grpc import RawClient
+from kvroute_sim.bench.results import BenchReport
+from kvroute_sim.bench.simproc import sim_process
+from kvroute_sim.bench.throughput import ThroughputSizes
 
 FIGURES = ("P1", "P2", "P3", "P4", "P5", "P6", "soak")
 DEFAULT_OUT = "bench-results.json"

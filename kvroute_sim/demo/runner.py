@@ -31,13 +31,13 @@ from functools import partial
 
 import trio
 
+from kvroute_sim.demo.policies import KVROUTE, ClusterView, Policy
+from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec
+from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
+from kvroute_sim.sim.grpc_server import Clock
+from kvroute_sim.sim.worker import WorkerSpec
 from router.api import RouteRequest, RouterHandle, open_router
-from router.demo.policies import KVROUTE, ClusterView, Policy
-from router.demo.workload import DemoRequest, Workload, WorkloadSpec
 from router.settings import LoadedConfig, load_config
-from router.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
-from router.sim.grpc_server import Clock
-from router.sim.worker import WorkerSpec
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import HostMatch
 

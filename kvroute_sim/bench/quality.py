@@ -1,6 +1,6 @@
 """P5: routing quality — the demo's policy comparison, kvroute's hit rate as a fraction of the oracle's.
 
-Calls the demo's own runner (``router.demo``): the same seeded workload replayed through the
+Calls the demo's own runner (``kvroute_sim.demo``): the same seeded workload replayed through the
 real router over loopback gRPC and through every baseline; the demo's target checks decide
 the verdict. The full bench uses the demo's default (one-minute) workload; ``--quick`` a
 scaled-down one with the KV capacity scaled alike (so capacity still falls short of the
@@ -14,12 +14,12 @@ from dataclasses import replace
 
 import trio
 
-from router.bench.results import BenchReport, Figure, Verdict
-from router.demo.cli import compare
-from router.demo.policies import KVROUTE, ORACLE, POLICY_NAMES
-from router.demo.report import check_targets, format_table, summarize
-from router.demo.runner import ClusterSpec
-from router.demo.workload import WorkloadSpec, build_workload
+from kvroute_sim.bench.results import BenchReport, Figure, Verdict
+from kvroute_sim.demo.cli import compare
+from kvroute_sim.demo.policies import KVROUTE, ORACLE, POLICY_NAMES
+from kvroute_sim.demo.report import check_targets, format_table, summarize
+from kvroute_sim.demo.runner import ClusterSpec
+from kvroute_sim.demo.workload import WorkloadSpec, build_workload
 
 QUICK_SCALE = 4  # --quick: a quarter of the groups, and of the capacity per worker
 # The demo also reports "mean TTFT below the oracle's": a bound it shows, not one of the issue's targets.

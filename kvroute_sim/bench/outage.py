@@ -24,11 +24,11 @@ import trio
 
 from actors.breaker import BreakerState
 from actors.leader_resolver import LeaderResolver, LeaderState
+from kvroute_sim.bench.harness import WARM_TTL_S, ClusterShape, Outcomes, Requests, prime, router_config, sequential
+from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_most
+from kvroute_sim.bench.stats import Summary
+from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
-from router.bench.harness import WARM_TTL_S, ClusterShape, Outcomes, Requests, prime, router_config, sequential
-from router.bench.results import BenchReport, Figure, Verdict, at_most
-from router.bench.stats import Summary
-from router.sim.kvcm import KvcmFaults
 from router.wire import paths
 
 P4_TARGET_ADDED_P99_MS = 0.5

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import trio
 
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.worker import SimWorkerOverloaded
 from router.config import DeploymentConfig
 from router.keys import block_keys
-from router.sim.cluster import SimCluster
-from router.sim.worker import SimWorkerOverloaded
 from router.types import KeyFamily
 
 _GROUP_STRIDE = 1_000_000

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import trio
 
+from kvroute_sim.sim.faults import CallStats
+from kvroute_sim.sim.grpc_server import Clock, serve_endpoint
+from kvroute_sim.sim.kvcm import SimKvcmCluster
+from kvroute_sim.sim.memory_server import memory_handler
+from kvroute_sim.sim.worker import WORKER_METHODS, SimWorker, WorkerSpec
 from router.config import KVCM_DEFAULT_PORT, DeploymentConfig
-from router.sim.faults import CallStats
-from router.sim.grpc_server import Clock, serve_endpoint
-from router.sim.kvcm import SimKvcmCluster
-from router.sim.memory_server import memory_handler
-from router.sim.worker import WORKER_METHODS, SimWorker, WorkerSpec
 from router.targets import format_target
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import WorkerAddr
