@@ -34,7 +34,6 @@ from kvroute_sim.demo.report import (
     RESULTS_FILE,
     PolicySummary,
     check_targets,
-    percentile,
     summarize,
 )
 from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
@@ -46,6 +45,7 @@ from kvroute_sim.demo.workload import (
     system_prompt,
     zipf_weights,
 )
+from kvroute_sim.stats import percentile
 from router.keys import block_keys
 from router.types import HostMatch
 

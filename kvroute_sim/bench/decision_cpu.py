@@ -23,7 +23,7 @@ from dataclasses import replace
 from actors.scorer import CandidatePlan, Fleet, Scorer, Selection, plan_candidates
 from kvroute_sim.bench.profiling import WindowProfile
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_most
-from kvroute_sim.bench.stats import Summary
+from kvroute_sim.stats import Summary
 from router.config import DeploymentConfig, ScorerConfig
 from router.types import HostMatch, Role, TaskInfo, WorkerAddr, WorkerStatus
 

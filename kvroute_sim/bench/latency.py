@@ -24,7 +24,7 @@ from kvroute_sim.bench.harness import WARM_TTL_S, ClusterView, Outcomes, Request
 from kvroute_sim.bench.profiling import WindowProfile
 from kvroute_sim.bench.raw_grpc import FloorSamples, RawClient
 from kvroute_sim.bench.results import BenchReport, Figure, at_most
-from kvroute_sim.bench.stats import Summary
+from kvroute_sim.stats import Summary
 from router.api import open_router
 
 P2_TARGET_RATIO = 1.3

@@ -26,8 +26,8 @@ from actors.breaker import BreakerState
 from actors.leader_resolver import LeaderResolver, LeaderState
 from kvroute_sim.bench.harness import WARM_TTL_S, ClusterShape, Outcomes, Requests, prime, router_config, sequential
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_most
-from kvroute_sim.bench.stats import Summary
 from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.stats import Summary
 from router.api import open_router
 from router.wire import paths
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvroute_sim.bench.simproc import SimProcess
-from kvroute_sim.bench.stats import Summary
+from kvroute_sim.stats import Summary
 from router.config import ChannelPoolConfig, DeploymentConfig
 from router.transport.grpc_adapter import channel_options
 from router.types import CacheQuery

@@ -22,6 +22,7 @@ from pathlib import Path
 from kvroute_sim.demo.policies import KVROUTE, LEAST_LOADED, MAX_LOCAL_AFFINITY, ORACLE, RANDOM, ROUND_ROBIN
 from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun
 from kvroute_sim.demo.workload import Workload
+from kvroute_sim.stats import percentile
 
 RESULTS_FILE = "demo-results.json"
 CHART_FILE = "demo-chart.png"
@@ -30,17 +31,6 @@ CHART_FILE = "demo-chart.png"
 HIT_RATE_OF_ORACLE_MIN = 0.95
 P99_OF_LEAST_LOADED_MAX = 1.1
 NON_ORACLE_BASELINES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, MAX_LOCAL_AFFINITY)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100) of ``values``; NaN when empty."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"q: must be in 0..100, got {q}")
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 @dataclass(frozen=True, slots=True)

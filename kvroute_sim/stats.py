@@ -1,12 +1,25 @@
-"""Sample summaries shared by every figure: nearest-rank percentiles, one definition."""
+"""Sample statistics for the demo, ``kvroute bench`` and the ``bench/`` scripts: one definition.
+
+Percentiles are nearest-rank: the printed p99 is a value that was measured, never an interpolation.
+"""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute_sim.demo.report import percentile  # the one nearest-rank definition (the demo's table uses it too)
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of ``values``; NaN when empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q: must be in 0..100, got {q}")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
 
 
 @dataclass(frozen=True, slots=True)
