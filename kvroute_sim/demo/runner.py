@@ -276,18 +276,24 @@ async def open_kvroute(
     extra_settings: Mapping[str, object] | None = None,
     debug_http: bool = False,
     strict: bool = True,
+    network: MemoryNetwork | None = None,
 ) -> AsyncIterator[KvrouteSetup]:
     """Serve ``cluster`` over loopback gRPC (reading ``clock``; default the trio clock) and open the
     real router on it (``open_router(..., rpc=None)``: ChannelPool + gRPC) for the block's duration.
 
+    With ``network``, the cluster is served on that in-memory network instead and the router calls it
+    (``rpc=network``; the sims read trio time, so a MockClock drives everything).
     ``extra_settings`` override the generated ones (setting name → value, validated).
     """
     async with trio.open_nursery() as nursery:
-        addresses: SimClusterAddresses = await nursery.start(partial(cluster.serve_grpc, clock=clock))
+        if network is None:
+            addresses: SimClusterAddresses = await nursery.start(partial(cluster.serve_grpc, clock=clock))
+        else:
+            addresses = cluster.serve_memory(network)
         settings = router_settings(addresses.kvcm_bootstrap, addresses.workers_arg, workload)
         settings |= dict(extra_settings or {})
         loaded = load_router_config(settings, strict=strict)
-        async with open_router(loaded.effective, loaded=loaded, debug_http=debug_http) as handle:
+        async with open_router(loaded.effective, rpc=network, loaded=loaded, debug_http=debug_http) as handle:
             yield KvrouteSetup(cluster, addresses, handle, loaded)
         nursery.cancel_scope.cancel()
 

@@ -45,6 +45,7 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from kvroute_sim.sim.worker import NO_WORKER_FAULTS, WorkerFaults, WorkerSpec
 from router.api import RouterHandle
 from router.keys import block_keys
+from router.transport.memory_adapter import MemoryNetwork
 from router.types import RouteSource
 
 RATE_PER_S = 50.0
@@ -589,9 +590,17 @@ def _seconds(value: float | None) -> str:
 
 
 async def run_scenario(
-    scenario: Scenario, *, scale: float = 1.0, deadline_slack_ms: float = DEADLINE_SLACK_MS
+    scenario: Scenario,
+    *,
+    scale: float = 1.0,
+    deadline_slack_ms: float = DEADLINE_SLACK_MS,
+    network: MemoryNetwork | None = None,
 ) -> ScenarioResult:
-    """Run one scenario on a fresh cluster and router; the phases last ``scale`` × their defaults."""
+    """Run one scenario on a fresh cluster and router; the phases last ``scale`` × their defaults.
+
+    By default over loopback gRPC; with ``network``, the cluster and the router meet on that
+    in-memory network (for runs under a MockClock).
+    """
     spec = _SCENARIO_WORKLOAD
     requests = build_workload(spec).requests
     cluster = SimCluster([WorkerSpec(block_size=spec.block_size)] * SCENARIO_WORKERS, block_size=spec.block_size)
@@ -600,7 +609,9 @@ async def run_scenario(
     began = trio.current_time()
     if scenario.at_start:
         scenario.inject(ctx)
-    async with open_kvroute(cluster, spec, extra_settings=settings, strict=scenario.strict_config) as setup:
+    async with open_kvroute(
+        cluster, spec, extra_settings=settings, strict=scenario.strict_config, network=network
+    ) as setup:
         ctx.setup = setup
         _seed_prefixes(cluster, spec)
         traffic = _Traffic(ctx, scenario, requests)
@@ -626,8 +637,14 @@ async def run_scenario(
     return ScenarioResult(scenario.name, tuple(checks), len(traffic.outcomes), trio.current_time() - began)
 
 
-def run_scenarios(names: Sequence[str], *, scale: float, out: TextIO) -> int:
-    """Run ``names`` one after another; print each PASS/FAIL with its checks; 0 if all passed, else 1."""
+def run_scenarios(
+    names: Sequence[str], *, scale: float, out: TextIO, clock: trio.abc.Clock | None = None, in_memory: bool = False
+) -> int:
+    """Run ``names`` one after another; print each PASS/FAIL with its checks; 0 if all passed, else 1.
+
+    The command runs them on the real clock over loopback gRPC; ``clock`` and ``in_memory`` are for
+    running the same command path under a MockClock on in-memory transports.
+    """
     print(
         f"scenarios at {RATE_PER_S:g} requests/s, budget {BUDGET_MS:g} ms, phase scale {scale:g}; "
         "router settings: " + ", ".join(f"{k}={v}" for k, v in SCENARIO_SETTINGS.items()),
@@ -639,7 +656,8 @@ def run_scenarios(names: Sequence[str], *, scale: float, out: TextIO) -> int:
         scenario = _BY_NAME[name]
         # The previous scenario's garbage is collected now, not in a GC pass inside this one's checks.
         gc.collect()
-        result = trio.run(partial(run_scenario, scenario, scale=scale))
+        network = MemoryNetwork() if in_memory else None
+        result = trio.run(partial(run_scenario, scenario, scale=scale, network=network), clock=clock)
         results.append(result)
         print(
             f"{'PASS' if result.passed else 'FAIL'} {name}: {scenario.summary} "
