@@ -1,4 +1,4 @@
-"""``kvroute bench``: P1–P6 and the soak of issue 6, printed as one table and written as JSON.
+"""``kvroute bench``: P1–P6 and the soak, printed as one table and written as JSON.
 
 Every ratio is measured side by side in the same run. Targets are reported (met /
 MISSED), never asserted; where a CPU-bound one (P1, P2, P3, P6) is missed, a cProfile

@@ -22,7 +22,7 @@ from kvroute_sim.demo.runner import ClusterSpec
 from kvroute_sim.demo.workload import WorkloadSpec, build_workload
 
 QUICK_SCALE = 4  # --quick: a quarter of the groups, and of the capacity per worker
-# The demo also reports "mean TTFT below the oracle's": a bound it shows, not one of the targets.
+# The demo also reports "mean TTFT below the oracle's": a bound it shows, not one of the P5 targets.
 _NOT_A_TARGET = "mean TTFT below the oracle"
 
 

@@ -9,8 +9,8 @@ baseline is deterministic for its seed, so a rerun reproduces its choices exactl
 - ``least-loaded``: the least outstanding prefill work (uncached tokens still queued);
   exact ties by a seeded random choice.
 - ``max-local-affinity``: the seed's first version — the largest KVCM local match, ties by
-  address (the lowest ``ip:port`` string: the hot-spotting tie-break of review-lessons
-  §13); with no positive match, a random worker (domain fallback).
+  address (the lowest ``ip:port`` string, a tie-break that sends every tie to one worker and
+  hot-spots it); with no positive match, a random worker (domain fallback).
 - ``oracle``: knows every worker's cache exactly: the longest cached prefix, then the
   least outstanding work, then a seeded random choice.
 

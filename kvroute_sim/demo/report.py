@@ -27,7 +27,7 @@ from kvroute_sim.stats import percentile
 RESULTS_FILE = "demo-results.json"
 CHART_FILE = "demo-chart.png"
 
-# Targets of the issue (P5): kvroute vs the baselines on the same arrivals.
+# The demo's targets (P5): kvroute vs the baselines on the same arrivals.
 HIT_RATE_OF_ORACLE_MIN = 0.95
 P99_OF_LEAST_LOADED_MAX = 1.1
 NON_ORACLE_BASELINES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, MAX_LOCAL_AFFINITY)

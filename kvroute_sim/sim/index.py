@@ -6,7 +6,7 @@ once per worker that holds its first block (in C, against that worker's own stor
 cost is the sum of the reported local matches (plus P2P extensions), not workers × keys: a
 10,000-block prompt against 1,000 workers touches only the workers that hold block 0.
 
-P2P (wire-contract §1): the top ``p2p_host_count`` hosts by ``local`` (ties by host string)
+P2P, as the real KVCM scores it: the top ``p2p_host_count`` hosts by ``local`` (ties by host string)
 are evaluated. For such a host, block ``local`` is its first miss; a peer that holds it
 can supply it, and the contiguous prefix extends while each next block is held by the
 host or by that same single peer. ``p2p_1_total_match`` is the longest such prefix over

@@ -1,6 +1,6 @@
 """SimKvcmCluster: KVCM meta-service replicas sharing one prefix index (core: no I/O, time passed in).
 
-Semantics (wire-contract §1): any replica answers GetClusterInfo (OK + the leader's
+Semantics (as the real KVCM behaves): any replica answers GetClusterInfo (OK + the leader's
 endpoint, or OK with no leader when none is elected); GetHostCacheState is answered by
 the leader, while followers answer SERVER_NOT_LEADER (or answer the query too, when
 ``followers_answer_queries`` is set — both behaviours exist upstream). With no leader
