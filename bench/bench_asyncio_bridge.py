@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from kvroute_sim.stats import percentile
 from router.asyncio_host import AsyncioRouterHost
 from router.config import DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.types import RouteRequest
@@ -99,11 +100,10 @@ async def measure(call: Call, calls: int, concurrency: int) -> tuple[float, floa
         start = time.perf_counter()
         await call(i)
         latencies.append((time.perf_counter() - start) * 1e6)
-    latencies.sort()
     start = time.perf_counter()
     await asyncio.gather(*(call(i) for i in range(concurrency)))
     rate = concurrency / (time.perf_counter() - start)
-    return latencies[len(latencies) // 2], latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], rate
+    return percentile(latencies, 50), percentile(latencies, 99), rate
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -129,6 +129,7 @@ async def main(args: argparse.Namespace) -> None:
         pool.shutdown()
     print(f"{'bridge':32s} {'p50 µs':>8s} {'p99 µs':>8s} {'calls/s @' + str(args.concurrency):>14s}")
     for name, results in rows.items():
+        # Each column is the median over the rounds of that round's figure (its nearest-rank p50/p99).
         p50 = statistics.median(r[0] for r in results)
         p99 = statistics.median(r[1] for r in results)
         rate = statistics.median(r[2] for r in results)

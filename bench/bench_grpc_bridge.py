@@ -35,6 +35,7 @@ import trio
 import trio_asyncio
 
 from actors.channel_pool import ChannelPool
+from kvroute_sim.stats import percentile
 from router.config import ChannelPoolConfig
 from router.transport.grpc_adapter import GrpcRawRpc, channel_options, wait_future
 from router.transport.grpc_server import start_grpc_server
@@ -60,8 +61,8 @@ class Result:
         self.seconds = 0.0
 
     def p(self, q: float) -> float:
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        """Nearest-rank percentile, ``q`` in 0..1."""
+        return percentile(self.latencies_ms, q * 100)
 
 
 # ---- the floor: plain grpcio, no trio ----

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
+from kvroute_sim.stats import percentile
 from router.keys import block_keys
 from router.types import KeyFamily
 
@@ -48,10 +48,9 @@ def main() -> None:
     print(f"{'family':<8} {'lookahead':>9} {'keys':>5} {'p50 µs':>9} {'p99 µs':>9} {'min µs':>9}")
     for family, lookahead in CASES:
         n_keys = len(block_keys(tokens, args.block_size, family, lookahead))  # also warms up
-        samples = sorted(measure_us(tokens, args.block_size, family, lookahead, args.repeats))
-        p50 = statistics.median(samples)
-        p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
-        print(f"{family.value:<8} {lookahead:>9} {n_keys:>5} {p50:>9.0f} {p99:>9.0f} {samples[0]:>9.0f}")
+        samples = measure_us(tokens, args.block_size, family, lookahead, args.repeats)
+        p50, p99 = percentile(samples, 50), percentile(samples, 99)
+        print(f"{family.value:<8} {lookahead:>9} {n_keys:>5} {p50:>9.0f} {p99:>9.0f} {min(samples):>9.0f}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Run: ``python bench/bench_leader.py [--calls N] [--targets T]``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 
@@ -20,16 +19,12 @@ import trio
 
 from actors.breaker import Admission
 from actors.leader_resolver import LeaderResolver, LeaderUnavailable
+from kvroute_sim.stats import percentile
 from router.config import BreakerConfig, LeaderConfig
 from router.transport.clients import KvcmClient
 from router.transport.errors import Unavailable
 from router.transport.memory_adapter import MemoryNetwork
 from router.wire import kvcm_meta_pb2 as kvcm_pb
-
-
-def _pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _measure(call: Callable[[], Awaitable[None]], calls: int) -> tuple[list[float], list[float]]:
@@ -46,8 +41,8 @@ async def _measure(call: Callable[[], Awaitable[None]], calls: int) -> tuple[lis
 
 def _row(name: str, trio_us: list[float], wall_us: list[float], rpcs: int) -> str:
     return (
-        f"{name:<24} trio µs/call p50 {statistics.median(trio_us):7.2f} max {max(trio_us):7.2f} | "
-        f"wall µs/call p50 {statistics.median(wall_us):6.2f} p99 {_pct(wall_us, 0.99):6.2f} "
+        f"{name:<24} trio µs/call p50 {percentile(trio_us, 50):7.2f} max {max(trio_us):7.2f} | "
+        f"wall µs/call p50 {percentile(wall_us, 50):6.2f} p99 {percentile(wall_us, 99):6.2f} "
         f"max {max(wall_us):7.2f} | RPCs {rpcs}"
     )
 

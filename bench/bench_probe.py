@@ -27,6 +27,7 @@ import trio
 
 from actors.channel_pool import ChannelPool
 from actors.worker_prober import ProbeOutcome, WorkerProber
+from kvroute_sim.stats import percentile
 from router.config import ChannelPoolConfig, ProberConfig
 from router.transport.clients import WorkerStatusClient
 from router.transport.grpc_adapter import GrpcRawRpc
@@ -34,11 +35,6 @@ from router.types import WorkerAddr
 from router.wire import decode, paths
 
 BENCH_DEADLINE_S = 300.0
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def timed(count: int, once: Callable[[int], Awaitable[None]]) -> list[float]:
@@ -151,7 +147,7 @@ def main() -> int:
     print(f"{'row':<32} {'p50':>9} {'p99':>9}   (n, unit)")
     for name, samples, unit in rows:
         scale = 1e3 if unit == "ms" else 1e6
-        p50, p99 = percentile(samples, 0.5) * scale, percentile(samples, 0.99) * scale
+        p50, p99 = percentile(samples, 50) * scale, percentile(samples, 99) * scale
         print(f"{name:<32} {p50:>9.3f} {p99:>9.3f}   ({len(samples)}, {unit})")
     return 0
 

@@ -2,7 +2,7 @@
 
 Run: ``python bench/bench_scorer.py [--repeats R] [--seed S]``.
 
-The cases and what one timed decision does are defined in ``router.bench.decision_cpu``
+The cases and what one timed decision does are defined in ``kvroute_sim.bench.decision_cpu``
 (shared with ``kvroute bench``, which reports the same P1/P6 rows in its table).
 
 Also shown here, not part of P1: building the explanation table (only for explain/debug),
@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from collections.abc import Callable
 
 from actors.shadow_index import ShadowIndex
-from router.bench.decision_cpu import N_KEYS, PROMPT_TOKENS, decision_cases, run_interleaved
-from router.bench.stats import Summary
+from kvroute_sim.bench.decision_cpu import N_KEYS, PROMPT_TOKENS, decision_cases, run_interleaved
+from kvroute_sim.stats import Summary, percentile
 from router.config import ShadowConfig
 
 
@@ -45,14 +44,14 @@ def main() -> None:
     for name, case in cases.items():
         summary = Summary.of(case.samples)
         print(f"{name:<10} {case.n_workers:>7} {case.candidates:>10} {summary.p50:>8.1f} {summary.p99:>8.1f}")
-    ratio = statistics.median(cases["P6-1000"].samples) / statistics.median(cases["P6-8"].samples)
+    ratio = percentile(cases["P6-1000"].samples, 50) / percentile(cases["P6-8"].samples, 50)
     print(f"P6 p50 ratio, 1,000 / 8 workers: {ratio:.2f} (target <= 1.20)")
 
     p1 = cases["P1"]
     assert p1.last is not None
     selection = p1.last[1]
     explain = timed(selection.explain, 2000)
-    print(f"explain table, 16 candidates (explain/debug only): p50 {statistics.median(explain):.1f} µs")
+    print(f"explain table, 16 candidates (explain/debug only): p50 {percentile(explain, 50):.1f} µs")
 
     rng = random.Random(args.seed)
     shadow = ShadowIndex(ShadowConfig().ttl_s, ShadowConfig().capacity_blocks)
@@ -62,8 +61,8 @@ def main() -> None:
     record = timed(lambda: shadow.record("10.0.0.1:8000", prompts[-1], now=2.0), 2000)
     match = timed(lambda: shadow.match(prompts[-1], now=2.0, limit=p1.config.hot_set_size), 2000)
     print(
-        f"shadow index, {N_KEYS} keys: record p50 {statistics.median(record):.1f} µs, "
-        f"match p50 {statistics.median(match):.1f} µs"
+        f"shadow index, {N_KEYS} keys: record p50 {percentile(record, 50):.1f} µs, "
+        f"match p50 {percentile(match, 50):.1f} µs"
     )
 
 

@@ -17,11 +17,12 @@ import time
 import grpc
 import trio
 
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.stats import percentile
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, ServeConfig
 from router.keys import block_keys
 from router.sidecar import Sidecar
-from router.sim.cluster import SimCluster
 from router.types import KeyFamily
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
@@ -45,11 +46,6 @@ def client_calls(target: str, calls: int) -> tuple[list[float], list[float]]:
             observed.append((time.perf_counter() - start) * 1000)
             inside.append(reply.elapsed_ms)
     return observed, inside
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def main(calls: int) -> None:
@@ -76,7 +72,7 @@ async def main(calls: int) -> None:
     print(f"{calls} sequential Route calls, 32-block prompt, KVCM hit, warm")
     for name, values in (("client Route", observed), ("router elapsed_ms", inside), ("sidecar + grpc", overhead)):
         print(
-            f"{name:18s} p50 {pct(values, 0.5):6.3f} ms  p99 {pct(values, 0.99):6.3f} ms  "
+            f"{name:18s} p50 {percentile(values, 50):6.3f} ms  p99 {percentile(values, 99):6.3f} ms  "
             f"mean {statistics.fmean(values):6.3f} ms"
         )
 

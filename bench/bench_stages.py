@@ -14,19 +14,15 @@ import statistics
 
 import trio
 
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.stats import percentile
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
 from router.keys import block_keys
-from router.sim.cluster import SimCluster
 from router.types import KeyFamily, RouteRequest
 
 BLOCK = 16
 STAGES = ("keys", "leader", "cache_query", "plan", "probe", "score", "total")
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _main(requests: int, workers: int) -> None:
@@ -62,7 +58,7 @@ async def _main(requests: int, workers: int) -> None:
                 for stage, values in per_stage.items():
                     if values:
                         print(
-                            f"{stage:<12}{_pct(values, 0.5):>10.3f}{_pct(values, 0.99):>10.3f}"
+                            f"{stage:<12}{percentile(values, 50):>10.3f}{percentile(values, 99):>10.3f}"
                             f"{statistics.fmean(values):>10.3f}"
                         )
         nursery.cancel_scope.cancel()

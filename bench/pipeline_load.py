@@ -19,9 +19,9 @@ import time
 
 import trio
 
+from kvroute_sim.bench.harness import ClusterShape, ClusterView, Requests, concurrent, prime, router_config
+from kvroute_sim.bench.simproc import sim_process
 from router.api import open_router
-from router.bench.harness import ClusterShape, ClusterView, Requests, concurrent, prime, router_config
-from router.bench.simproc import sim_process
 from router.transport.ports import RawRpc
 
 WARM_UP = 500

@@ -2,7 +2,7 @@
 
 Lower modules (types, transport, wire, keys, config, targets) form the shared
 vocabulary; ``actors`` builds on them; the upper modules (supervisor, api, cli,
-sidecar, sim, ...) wire the actors together. Nothing is imported eagerly here so
+sidecar, ...) wire the actors together. Nothing is imported eagerly here so
 the layering stays one-way.
 """
 

@@ -21,44 +21,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from functools import partial
 from types import TracebackType
-from typing import Any
 
+import outcome
 import trio
 
 from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
+from router.exception_groups import sole_leaf
 from router.settings import LoadedConfig
 from router.targets import HostPort
+from router.thread_bridge import deliver_outcome, settle_on_loop
 from router.types import RouteDecision, RouteRequest
 
 
 class HostStopped(RuntimeError):
     """The host is not running (never started, stopping, stopped, or its router crashed)."""
-
-
-def _sole_error(exc: BaseException) -> BaseException:
-    """The one error inside nested single-member exception groups (trio's nurseries wrap errors)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
-def _settle(future: asyncio.Future[Any], outcome: object, failed: bool) -> None:
-    # Runs on the future's loop. A caller that gave up (cancelled) has a done future: drop the outcome.
-    if future.done():
-        return
-    if failed:
-        assert isinstance(outcome, BaseException)
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], outcome: object, failed: bool) -> None:
-    """Complete ``future`` on its own loop, from any thread; a closed loop has nobody waiting."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_settle, future, outcome, failed)
 
 
 class AsyncioRouterHost:
@@ -174,12 +153,13 @@ class AsyncioRouterHost:
             trio.run(self._trio_main, loop, ready)
         except BaseException as exc:
             # Before ready: start() raises it. After: stop() re-raises it.
-            error = _sole_error(exc)
-            _deliver(loop, ready, error, True)
-            _deliver(loop, finished, error, True)
+            sole = sole_leaf(exc)
+            error = outcome.Error(exc if sole is None else sole)
+            settle_on_loop(loop, ready, error)
+            settle_on_loop(loop, finished, error)
         else:
-            _deliver(loop, ready, HostStopped("the router stopped while starting"), True)
-            _deliver(loop, finished, None, False)
+            settle_on_loop(loop, ready, outcome.Error(HostStopped("the router stopped while starting")))
+            settle_on_loop(loop, finished, outcome.Value(None))
 
     async def _trio_main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None]) -> None:
         self._stop_requested = trio.Event()
@@ -190,7 +170,7 @@ class AsyncioRouterHost:
             self._handle = handle
             self._calls = calls
             self._token = trio.lowlevel.current_trio_token()
-            _deliver(loop, ready, None, False)
+            settle_on_loop(loop, ready, outcome.Value(None))
             await self._stop_requested.wait()
             # Leaving the nursery waits for the calls already accepted; _closing refuses later ones.
 
@@ -210,7 +190,7 @@ class AsyncioRouterHost:
         # Runs in the trio thread (run_sync_soon), in submission order.
         calls, handle = self._calls, self._handle
         if self._closing or calls is None or handle is None:
-            _deliver(loop, future, HostStopped("the router host is stopping"), True)
+            settle_on_loop(loop, future, outcome.Error(HostStopped("the router host is stopping")))
             return
         calls.start_soon(self._call, handle, request, scope, loop, future)
 
@@ -222,16 +202,10 @@ class AsyncioRouterHost:
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[RouteDecision],
     ) -> None:
-        delivered = False
-        try:
-            with scope:
-                try:
-                    decision = await handle.route(request)
-                except Exception as exc:  # the caller gets the router's error; the host keeps serving
-                    _deliver(loop, future, exc, True)
-                else:
-                    _deliver(loop, future, decision, False)
-                delivered = True
-        finally:
-            if not delivered:  # cancelled: by its caller (who no longer waits) or by a crashing router
-                _deliver(loop, future, HostStopped("the route call was cancelled"), True)
+        # Cancelled by its caller (who no longer waits) or by a crashing router: HostStopped.
+        with scope:
+            await deliver_outcome(
+                partial(handle.route, request),
+                partial(settle_on_loop, loop, future),
+                HostStopped("the route call was cancelled"),
+            )

@@ -32,6 +32,7 @@ import trio
 from prometheus_client.exposition import choose_encoder
 
 from actors.metrics_sink import DecisionRecord, MetricsSink
+from router.exception_groups import leaves
 from router.logs import ctx
 from router.settings import LoadedConfig, debug_config_view, parse_listen
 from router.targets import HostPort, parse_target
@@ -222,7 +223,7 @@ class DebugServer:
             except* OSError as group:
                 if self.bound is not None:  # serving already: not a bind error
                     raise
-                first = _first_leaf(group)
+                first = leaves(group)[0]
                 raise OSError(f"--debug-listen: cannot bind {self._listen}: {first}") from first
 
         async with trio.open_nursery() as nursery:
@@ -230,10 +231,3 @@ class DebugServer:
             self.bound = parse_target(binds[0].partition("://")[2])
             logger.info("debug HTTP listening on http://%s", self.bound, extra=ctx(target=str(self.bound)))
             task_status.started(self.bound)
-
-
-def _first_leaf(error: BaseException) -> BaseException:
-    """The first error inside (nested) exception groups."""
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error

@@ -18,11 +18,12 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import trio
 
 from router.api import open_router
+from router.exception_groups import leaves
 from router.logs import ctx, setup_logging
 from router.settings import LoadedConfig, add_arguments, load_from_args, log_startup_report
 from router.sidecar import Sidecar, SidecarStats
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         stats = trio.run(_serve, loaded)
     except* OSError as group:  # a listen address in use or not assignable
-        bind_errors.extend(_leaves(group))
+        bind_errors.extend(leaves(group))
     if bind_errors:
         for error in bind_errors:
             print(f"kvroute serve: {error}", file=sys.stderr)
@@ -65,15 +66,6 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return EXIT_OK
-
-
-def _leaves(error: BaseException) -> Iterator[BaseException]:
-    """The errors inside (nested) exception groups."""
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield error
 
 
 async def _next_signal(signals: AsyncIterator[int]) -> int:

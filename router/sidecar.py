@@ -31,12 +31,14 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import grpc
 import trio
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from outcome import Error
 
 from router.api import RouterHandle
 from router.config import KvrouteConfig
@@ -44,6 +46,7 @@ from router.logs import ctx
 from router.request import request_deadline
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
+from router.thread_bridge import deliver_outcome, settle
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import method_handlers
 from router.types import BadRequest, Reason, Role, RouteDecision, RouteRequest, RouteSource
@@ -154,15 +157,6 @@ class _Counters:
 
 class _Stopped(Exception):
     """The sidecar stopped before the call could be routed."""
-
-
-def _settle(answer: concurrent.futures.Future[RouteDecision], outcome: RouteDecision | Exception) -> None:
-    # A handler that gave up cancelled the future first: then nobody waits and the outcome is dropped.
-    if answer.set_running_or_notify_cancel():
-        if isinstance(outcome, Exception):
-            answer.set_exception(outcome)
-        else:
-            answer.set_result(outcome)
 
 
 class _RouterHealth(health.HealthServicer):
@@ -344,7 +338,7 @@ class Sidecar:
         # Runs in the trio thread (run_sync_soon).
         calls = self._calls
         if calls is None:
-            _settle(answer, _Stopped())
+            settle(answer, Error(_Stopped()))
             return
         if client_s is not None:
             # A client deadline shorter than min(budget, --budget-cap-ms) becomes the routing
@@ -354,15 +348,5 @@ class Sidecar:
         calls.start_soon(self._call, request, answer)
 
     async def _call(self, request: RouteRequest, answer: concurrent.futures.Future[RouteDecision]) -> None:
-        settled = False
-        try:
-            try:
-                decision = await self._handle.route(request)
-            except Exception as exc:  # the caller gets the router's error; the sidecar keeps serving
-                _settle(answer, exc)
-            else:
-                _settle(answer, decision)
-            settled = True
-        finally:
-            if not settled:  # cancelled (the sidecar stopped at once): the handler answers UNAVAILABLE
-                _settle(answer, _Stopped())
+        # Cancelled (the sidecar stopped at once): _Stopped, and the handler answers UNAVAILABLE.
+        await deliver_outcome(partial(self._handle.route, request), partial(settle, answer), _Stopped())

@@ -41,6 +41,7 @@ from actors.sources.scoring import CandidateScoring
 from actors.sources.shadow import ShadowSource
 from actors.worker_prober import WorkerProber
 from router.config import KvrouteConfig
+from router.exception_groups import leaves, sole_leaf
 from router.logs import AggregatingLogger
 from router.policy.cache_affinity import CacheAffinityFirst
 from router.settings import LoadedConfig
@@ -136,9 +137,7 @@ class Supervisor:
                 backoff = RESTART_BACKOFF_INITIAL_S  # it had run stably: a fresh failure, not a crash loop
             record.restarts += 1
             record.state = "restarting"
-            record.last_error = (
-                repr(crashed.exceptions[0]) if isinstance(crashed, BaseExceptionGroup) else repr(crashed)
-            )
+            record.last_error = repr(leaves(crashed)[0])
             record.last_error_at = trio.current_time()
             log.error(
                 "actor crashed; restarting actor=%s error=%s backoff_s=%.3f",
@@ -271,12 +270,8 @@ async def open_router(
 
 def _single_exception(group: BaseExceptionGroup[BaseException]) -> Exception | None:
     """The one ordinary exception a (nested) group holds, or None."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        if len(exc.exceptions) != 1:
-            return None
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, Exception) else None
+    leaf = sole_leaf(group)
+    return leaf if isinstance(leaf, Exception) else None
 
 
 @asynccontextmanager

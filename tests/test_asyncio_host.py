@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import trio
 
+from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
+from kvroute_sim.sim.kvcm import KvcmFaults
 from router.asyncio_host import AsyncioRouterHost, HostStopped
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
-from router.sim.cluster import SimCluster, SimClusterAddresses
-from router.sim.kvcm import KvcmFaults
 from router.types import KeyFamily, Reason, RouteDecision, RouteRequest, RouteSource
 
 BLOCK = 16

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import trio
 
-from router.demo import cli as demo_cli
-from router.demo.policies import (
+from kvroute_sim.demo import cli as demo_cli
+from kvroute_sim.demo.policies import (
     BASELINE_NAMES,
     POLICY_NAMES,
     LeastLoadedPolicy,
@@ -29,16 +29,23 @@ from router.demo.policies import (
     RandomPolicy,
     RoundRobinPolicy,
 )
-from router.demo.report import (
+from kvroute_sim.demo.report import (
     CHART_FILE,
     RESULTS_FILE,
     PolicySummary,
     check_targets,
-    percentile,
     summarize,
 )
-from router.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
-from router.demo.workload import GROUP_STRIDE, DemoRequest, WorkloadSpec, build_workload, system_prompt, zipf_weights
+from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
+from kvroute_sim.demo.workload import (
+    GROUP_STRIDE,
+    DemoRequest,
+    WorkloadSpec,
+    build_workload,
+    system_prompt,
+    zipf_weights,
+)
+from kvroute_sim.stats import percentile
 from router.keys import block_keys
 from router.types import HostMatch
 

@@ -1,18 +1,24 @@
-"""kvroute demo --scenario: every fault scenario, shortened, passes over real loopback gRPC (real clock);
-the invariant checks themselves catch a lost request, a late answer, a missing switch and no recovery."""
+"""kvroute demo --scenario: the fault scenarios and their invariant checks.
+
+The invariants themselves (no request lost, none past its deadline, which sources answer before,
+during and after the fault, recovery within the stated limit) are asserted under a MockClock with
+the simulators and the router on an in-memory network: there they hold to the millisecond whatever
+the machine is doing. Over real loopback gRPC (real clock) the test only checks liveness — every
+request gets a worker — because shares and milliseconds there depend on how busy the machine is.
+The command (``kvroute demo --scenario all``) keeps its strict checks on the real clock.
+"""
 
 from __future__ import annotations
 
-import argparse
 import gc
 import io
 from collections.abc import Iterator
 
 import pytest
 import trio
+import trio.testing
 
-from router.demo import cli as demo_cli
-from router.demo.scenarios import (
+from kvroute_sim.demo.scenarios import (
     BUDGET_MS,
     SCENARIO_NAMES,
     SCENARIOS,
@@ -24,35 +30,59 @@ from router.demo.scenarios import (
     run_scenario,
     run_scenarios,
 )
-from router.sim.cluster import SimCluster
+from kvroute_sim.sim.cluster import SimCluster
+from router.transport.memory_adapter import MemoryNetwork
 
-CI_SCALE = 0.4  # phases at 40 %: warm-up 0.4 s, fault 0.6 s
-# The simulators run in this process on gRPC threads and contend with the router for the GIL, so on a
-# loaded 2-core CI machine an answer can land some ms past its deadline for reasons outside the router.
-# Exact deadline adherence is asserted under MockClock (tests/test_router_pipeline.py); here the check
-# still catches a router that waits out a fault (KVCM query timeout 500 ms; a hang never answers).
-CI_DEADLINE_SLACK_MS = 100.0
+# Over real gRPC: phases at 40 % (warm-up 0.4 s, fault 0.6 s), and a few scenarios that cover the
+# peers gRPC must survive: a dead leader, a hanging KVCM, slow worker probes.
+REAL_CLOCK_SCALE = 0.4
+REAL_CLOCK_SCENARIOS = ("leader-killed", "kvcm-blackhole", "workers-slow")
+
+
+def _expected_checks(scenario: Scenario) -> set[str]:
+    names = {"answered", "deadline"}
+    if scenario.kvcm_routed:
+        names |= {"switch" if scenario.switches else "during", "recovery"}
+        if not scenario.at_start:
+            names.add("before")
+        if scenario.heal_s is not None:
+            names.add("heal")
+    return names
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=SCENARIO_NAMES)
+async def test_scenario_invariants_hold_under_the_mock_clock(
+    scenario: Scenario, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Full-length phases, no deadline slack: every answer within its deadline, exact shares."""
+    with trio.fail_after(120):
+        result = await run_scenario(scenario, scale=1.0, deadline_slack_ms=0.0, network=MemoryNetwork())
+    report = "\n".join(check.line() for check in result.checks)
+    assert result.passed, f"{result.name}:\n{report}"
+    assert _expected_checks(scenario) <= {check.name for check in result.checks}, report
+    assert result.requests > 0
 
 
 @pytest.fixture
 def quiet_heap() -> Iterator[None]:
     """Collect and freeze what earlier tests left on the heap, so a full GC pass over the whole
-    suite's garbage does not land inside a scenario's deadline check (seen: +121 ms in CI)."""
+    suite's garbage does not stall a real-clock scenario for a whole phase."""
     gc.collect()
     gc.freeze()
     yield
     gc.unfreeze()
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=SCENARIO_NAMES)
+@pytest.mark.parametrize("name", REAL_CLOCK_SCENARIOS)
 @pytest.mark.usefixtures("quiet_heap")
-async def test_scenario_passes_shortened(scenario: Scenario) -> None:
-    with trio.fail_after(15):
-        result = await run_scenario(scenario, scale=CI_SCALE, deadline_slack_ms=CI_DEADLINE_SLACK_MS)
-    report = "\n".join(check.line() for check in result.checks)
-    assert result.passed, f"{result.name}:\n{report}"
-    assert {"answered", "deadline"} <= {check.name for check in result.checks}
+async def test_scenario_over_real_grpc_answers_every_request(name: str) -> None:
+    """Liveness only: no request lost (each answered with a worker, at most 1 s past its deadline)."""
+    scenario = next(s for s in SCENARIOS if s.name == name)
+    with trio.fail_after(30):
+        result = await run_scenario(scenario, scale=REAL_CLOCK_SCALE)
+    checks = {check.name: check for check in result.checks}
     assert result.requests > 0
+    assert checks["answered"].ok, checks["answered"].line()
 
 
 def test_every_issue_scenario_exists() -> None:
@@ -70,20 +100,18 @@ def test_every_issue_scenario_exists() -> None:
     )
 
 
-async def test_scenario_command_prints_pass_and_exits_zero() -> None:
-    parser = argparse.ArgumentParser(prog="kvroute demo")
-    demo_cli.configure(parser)
-    args = parser.parse_args(["--scenario", "config-invalid", "--scenario-scale", str(CI_SCALE)])
-    assert args.scenario == "config-invalid"
+def test_scenario_command_prints_each_result_and_exits_zero_when_all_pass() -> None:
+    """The command's path (run_scenarios: one trio.run per scenario, printing), on the mock clock."""
     out = io.StringIO()
-    with trio.fail_after(15):
-        code = await trio.to_thread.run_sync(
-            lambda: run_scenarios([args.scenario], scale=args.scenario_scale, out=out), abandon_on_cancel=True
-        )
+    names = ["config-invalid", "kvcm-garbled"]
+    code = run_scenarios(
+        names, scale=REAL_CLOCK_SCALE, out=out, clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True
+    )
     text = out.getvalue()
     assert code == 0, text
     assert "PASS config-invalid" in text
-    assert "1 of 1 scenarios passed" in text
+    assert "PASS kvcm-garbled" in text
+    assert "2 of 2 scenarios passed" in text
 
 
 # ---- the checks on synthetic outcomes (pure) -------------------------------------------------------------

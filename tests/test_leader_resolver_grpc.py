@@ -20,9 +20,9 @@ import trio
 
 from actors.channel_pool import ChannelPool
 from actors.leader_resolver import LeaderResolver, LeaderState, LeaderUnavailable, UnavailableReason
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
 from router.config import BreakerConfig, ChannelPoolConfig, LeaderConfig
-from router.sim.cluster import SimCluster
-from router.sim.kvcm import KvcmFaults
 from router.transport.clients import KvcmClient
 from router.transport.errors import NotLeader
 from router.transport.grpc_adapter import GrpcRawRpc

@@ -1,15 +1,17 @@
-"""Packaging (review-lessons §6): the installed distribution is complete, importable, and inert on import.
+"""Packaging: the installed distribution is complete, importable, and inert on import; the product
+(``router``, ``actors``) needs neither the simulator package (``kvroute_sim``) nor the ``demo`` extra.
 
 Works for a regular install (CI: ``pip install '.[test]'`` from a clean clone — the
 distribution's file list is the truth) and for an editable install (developers — the
 installed package directories are walked). Imports run in a fresh interpreter whose
-working directory is empty, so only the installed ``router``/``actors`` can be found.
+working directory is empty, so only the installed packages can be found.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -19,8 +21,15 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from router.cli import COMMANDS
+
 DIST_NAME = "kvroute"
-PACKAGES = ("router", "actors")
+PACKAGES = ("router", "actors", "kvroute_sim")
+PRODUCT = ("router", "actors")
+SIMULATOR = "kvroute_sim"
+# Top-level modules of the demo extra's distributions (matplotlib, psutil, trio-asyncio).
+DEMO_EXTRA_MODULES = ("matplotlib", "psutil", "trio_asyncio")
+FORBIDDEN_FOR_PRODUCT = (SIMULATOR, *DEMO_EXTRA_MODULES)
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,7 +39,7 @@ def is_editable(dist: Distribution) -> bool:
 
 
 def installed_python_files(dist: Distribution) -> dict[PurePosixPath, Path]:
-    """Installed ``router``/``actors`` .py files: package-relative path → file on disk."""
+    """Installed .py files of PACKAGES: package-relative path → file on disk."""
     listed = {
         PurePosixPath(str(f)): Path(str(dist.locate_file(f)))
         for f in dist.files or ()
@@ -80,6 +89,27 @@ def test_distribution_metadata(dist: Distribution) -> None:
     assert [ep.value for ep in dist.entry_points if ep.name == "kvroute"] == ["router.cli:main"]
 
 
+def requirement_names(dist: Distribution, extra: str | None) -> set[str]:
+    """Distribution names required without a marker (extra=None) or by ``extra``."""
+    names: set[str] = set()
+    for line in dist.requires or ():
+        requirement, _, marker = line.partition(";")
+        wanted = not marker.strip() if extra is None else f'extra == "{extra}"' in marker
+        if wanted:
+            names.add(re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-"))
+    return names
+
+
+def test_a_plain_install_pulls_no_simulator_dependencies(dist: Distribution) -> None:
+    """``pip install kvroute`` (no extras) installs the router's runtime dependencies only."""
+    runtime = requirement_names(dist, None)
+    assert {"grpcio", "trio", "hypercorn", "prometheus-client"} <= runtime
+    assert runtime.isdisjoint({"matplotlib", "psutil", "trio-asyncio"}), runtime
+    assert {"matplotlib", "psutil", "trio-asyncio"} <= requirement_names(dist, "demo")
+    # The test extra runs the simulator tests, so it installs the demo extra too.
+    assert DIST_NAME in requirement_names(dist, "test")
+
+
 def test_every_source_module_is_in_the_installed_distribution(installed: dict[PurePosixPath, Path]) -> None:
     """A sub-package left out of the build's file list is missing here (with a wheel install)."""
     missing = sorted(str(p) for p in source_python_files() - set(installed))
@@ -124,17 +154,25 @@ def test_modules_are_imported_from_the_installed_distribution(
 IMPORT_ALL = textwrap.dedent(
     """
     import importlib, json, sys, threading, traceback
-    import psutil
 
     errors = {}
-    for name in sys.argv[1:]:
-        try:
-            importlib.import_module(name)
-        except BaseException:
-            errors[name] = traceback.format_exc()
+    def import_all(names):
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                errors[name] = traceback.format_exc()
+
+    names = sys.argv[1:]
+    import_all([n for n in names if n.split(".")[0] in PRODUCT])
+    loaded_by_product = sorted({n.split(".")[0] for n in sys.modules} & set(FORBIDDEN_FOR_PRODUCT))
+    import_all([n for n in names if n.split(".")[0] not in PRODUCT])
+    import psutil
+
     process = psutil.Process()
     print(json.dumps({
         "errors": errors,
+        "loaded_by_product": loaded_by_product,
         "files": {name: sys.modules[name].__file__ for name in sys.argv[1:] if name in sys.modules},
         "threads": [t.name for t in threading.enumerate()],
         "children": len(process.children(recursive=True)),
@@ -148,9 +186,10 @@ def test_every_installed_module_imports_and_starts_nothing(
     installed: dict[PurePosixPath, Path], tmp_path: Path
 ) -> None:
     names = sorted({module_name(p) for p in installed})
-    assert "router.cli" in names
+    assert {"router.cli", "kvroute_sim.demo.cli"} <= set(names)
+    script = f"PRODUCT = {PRODUCT!r}\nFORBIDDEN_FOR_PRODUCT = {FORBIDDEN_FOR_PRODUCT!r}\n{IMPORT_ALL}"
     result = subprocess.run(
-        [sys.executable, "-c", IMPORT_ALL, *names],
+        [sys.executable, "-c", script, *names],
         cwd=tmp_path,  # nothing importable here: the installed package is the only `router`
         capture_output=True,
         text=True,
@@ -160,19 +199,56 @@ def test_every_installed_module_imports_and_starts_nothing(
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["errors"] == {}, "\n".join(report["errors"].values())
+    assert report["loaded_by_product"] == [], "the product imports simulator code or the demo extra"
     assert {Path(f).resolve() for f in report["files"].values()} == {p.resolve() for p in installed.values()}
     assert report["threads"] == ["MainThread"]
     assert report["children"] == 0
     assert report["connections"] == 0
 
 
-def test_cli_subcommands_are_installed_and_importing_the_cli_starts_nothing(tmp_path: Path) -> None:
-    """`kvroute --help` resolves every subcommand module of the installed CLI and exits at once."""
+def test_cli_subcommands_are_installed(tmp_path: Path) -> None:
+    """Every subcommand's module is installed and ``kvroute <command> --help`` exits at once."""
     exe = shutil.which("kvroute", path=str(Path(sys.executable).parent))
     assert exe is not None, "console script 'kvroute' not installed beside this interpreter"
     result = subprocess.run([exe, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: kvroute")
+    for name, command in COMMANDS.items():
+        assert importlib.util.find_spec(command.module) is not None, command.module
+        result = subprocess.run(
+            [exe, name, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"usage: kvroute {name}")
+
+
+HELP_THEN_MODULES = textwrap.dedent(
+    """
+    import json, sys
+    from router.cli import main
+    try:
+        main(sys.argv[1:])
+    except SystemExit:
+        pass
+    print(json.dumps(sorted({n.split(".")[0] for n in sys.modules})))
+    """
+)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["route", "--help"], ["serve", "--help"]])
+def test_the_product_cli_imports_no_simulator_code(argv: list[str], tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", HELP_THEN_MODULES, *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
+    assert "router" in loaded
+    assert loaded.isdisjoint(FORBIDDEN_FOR_PRODUCT), sorted(loaded & set(FORBIDDEN_FOR_PRODUCT))
 
 
 def test_generated_code_is_not_tracked_by_git() -> None:

@@ -10,11 +10,11 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
 from router.keys import block_keys
-from router.sim.cluster import SimCluster
-from router.sim.kvcm import KvcmFaults
 from router.types import KeyFamily, Reason, RouteRequest, RouteSource
 from router.wire import paths
 

@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import trio
@@ -19,6 +20,9 @@ from actors.metrics_sink import MetricsSink
 from actors.shadow_index import ShadowIndexActor
 from actors.sources.base import RequestContext
 from actors.sources.shadow import ShadowSource
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.api import open_router
 from router.config import (
     DeploymentConfig,
@@ -31,9 +35,6 @@ from router.config import (
 from router.keys import block_keys
 from router.logs import AggregatingLogger
 from router.request import prepare_request
-from router.sim.cluster import SimCluster
-from router.sim.kvcm import KvcmFaults
-from router.sim.worker import WorkerFaults, WorkerSpec
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
@@ -299,9 +300,9 @@ def test_feature_off_does_not_hash_token_ids() -> None:
 async def test_records_the_shadow_index_cannot_take_are_counted(autojump_clock: trio.testing.MockClock) -> None:
     shadow = ShadowIndexActor(replace(ShadowConfig(), inbox_size=1))  # not running: its inbox holds one record
     sink = MetricsSink(MetricsConfig())
-    source = ShadowSource(
-        KvrouteConfig(), shadow=shadow, scoring=None, metrics=sink, warn=AggregatingLogger(logging.getLogger("t"), interval_s=60.0, max_keys=8)
-    )  # type: ignore[arg-type]
+    warn = AggregatingLogger(logging.getLogger("t"), interval_s=60.0, max_keys=8)
+    scoring: Any = None  # the shadow's write-on-route never scores
+    source = ShadowSource(KvrouteConfig(), shadow=shadow, scoring=scoring, metrics=sink, warn=warn)
     prepared = prepare_request(RouteRequest("r", token_ids=PROMPT), DeploymentConfig(block_size=BLOCK))
     ctx = RequestContext(RouteRequest("r", token_ids=PROMPT), prepared, 0.0, 0.05, 0.045)
     worker = WorkerAddr.from_http("10.0.0.1", 8000)

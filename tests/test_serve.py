@@ -20,9 +20,9 @@ import httpx
 import pytest
 import trio
 
+from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
+from kvroute_sim.sim.kvcm import KvcmFaults
 from router.keys import block_keys
-from router.sim.cluster import SimCluster, SimClusterAddresses
-from router.sim.kvcm import KvcmFaults
 from router.types import KeyFamily
 from router.wire import router_v1_pb2
 from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE

@@ -16,12 +16,12 @@ import pytest
 import trio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import RouterHandle, open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig, ServeConfig
 from router.keys import block_keys
 from router.sidecar import ROUTER_SERVICE, Sidecar, decision_to_proto, request_from_proto
-from router.sim.cluster import SimCluster
-from router.sim.kvcm import KvcmFaults
 from router.targets import HostPort
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteDecision, RouteSource, WorkerAddr
 from router.wire import router_v1_pb2

@@ -14,10 +14,10 @@ import pytest
 import trio
 import trio.testing
 
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.traffic import TrafficSpec, TrafficStats, run_traffic, seed_prefixes, system_prompt
+from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.keys import block_keys
-from router.sim.cluster import SimCluster
-from router.sim.traffic import TrafficSpec, TrafficStats, run_traffic, seed_prefixes, system_prompt
-from router.sim.worker import WorkerFaults, WorkerSpec
 from router.transport.clients import KvcmClient, WorkerStatusClient
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import CacheQuery, HostMatch, KeyFamily, QueryType, WorkerAddr

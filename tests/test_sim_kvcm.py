@@ -12,10 +12,10 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.sim.faults import Garble, MethodStats
-from router.sim.index import SimKvcmIndex
-from router.sim.kvcm import KvcmFaults, SimKvcmCluster
-from router.sim.memory_server import memory_handler
+from kvroute_sim.sim.faults import Garble, MethodStats
+from kvroute_sim.sim.index import SimKvcmIndex
+from kvroute_sim.sim.kvcm import KvcmFaults, SimKvcmCluster
+from kvroute_sim.sim.memory_server import memory_handler
 from router.transport.clients import KvcmClient
 from router.transport.errors import GarbledReply, NotLeader, RemoteError, RpcStatus
 from router.transport.memory_adapter import MemoryNetwork

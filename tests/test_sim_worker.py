@@ -9,9 +9,9 @@ import pytest
 import trio
 import trio.testing
 
-from router.sim.faults import Garble
-from router.sim.memory_server import memory_handler
-from router.sim.worker import SimWorker, SimWorkerOverloaded, WorkerFaults, WorkerSpec
+from kvroute_sim.sim.faults import Garble
+from kvroute_sim.sim.memory_server import memory_handler
+from kvroute_sim.sim.worker import SimWorker, SimWorkerOverloaded, WorkerFaults, WorkerSpec
 from router.transport.clients import WorkerStatusClient
 from router.transport.errors import GarbledReply, RpcStatus, Unavailable
 from router.transport.memory_adapter import MemoryNetwork

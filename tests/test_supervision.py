@@ -9,10 +9,10 @@ import pytest
 import trio
 import trio.testing
 
+from kvroute_sim.sim.cluster import SimCluster
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
 from router.keys import block_keys
-from router.sim.cluster import SimCluster
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import KeyFamily, RouteRequest, RouteSource
 

@@ -20,11 +20,11 @@ import trio
 import trio.testing
 
 from actors.channel_pool import ChannelPool
+from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
+from kvroute_sim.sim.faults import CallStats, Garble
+from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.config import ChannelPoolConfig
-from router.sim.cluster import SimCluster, SimClusterAddresses
-from router.sim.faults import CallStats, Garble
-from router.sim.kvcm import KvcmFaults
-from router.sim.worker import WorkerFaults, WorkerSpec
 from router.transport.clients import KvcmClient, WorkerStatusClient
 from router.transport.errors import DeadlineExceeded, GarbledReply, NotLeader, RemoteError, Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc

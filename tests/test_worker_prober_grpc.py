@@ -17,10 +17,10 @@ import trio
 
 from actors.channel_pool import ChannelPool
 from actors.worker_prober import ProbeOutcome, SkipReason, WorkerProber
+from kvroute_sim.sim.faults import CallPlan, CallStats
+from kvroute_sim.sim.grpc_server import serve_endpoint
+from kvroute_sim.sim.worker import WORKER_METHODS, SimWorker, WorkerFaults
 from router.config import ChannelPoolConfig, ProberConfig
-from router.sim.faults import CallPlan, CallStats
-from router.sim.grpc_server import serve_endpoint
-from router.sim.worker import WORKER_METHODS, SimWorker, WorkerFaults
 from router.transport.clients import WorkerStatusClient
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.types import WorkerAddr

@@ -1,0 +1,184 @@
+"""``kvroute bench``: P1–P6 and the soak, printed as one table and written as JSON.
+
+Every ratio is measured side by side in the same run. Targets are reported (met /
+MISSED), never asserted; where a CPU-bound one (P1, P2, P3, P6) is missed, a cProfile
+window of the same work lists the top costs under the table.
+
+Where things run: the simulators for P2/P3 in a child process (``kvroute sim-cluster
+--print-json``, always stopped at the end); P4 in this process over loopback gRPC, so its
+fault knobs can be switched directly; P3 (memory), P5's baselines and the soak in memory.
+This process is pinned to one CPU for the run (the child gets the others), so "one core"
+holds for the router and for the raw client it is compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvroute_sim.bench import decision_cpu, latency, outage, quality, soak, throughput
+from kvroute_sim.bench.cpus import Placement, pinned_bench_process
+from kvroute_sim.bench.harness import ClusterShape
+from kvroute_sim.bench.latency import LatencySizes
+from kvroute_sim.bench.outage import OutageSizes
+from kvroute_sim.bench.raw_grpc import RawClient
+from kvroute_sim.bench.results import BenchReport
+from kvroute_sim.bench.simproc import sim_process
+from kvroute_sim.bench.throughput import ThroughputSizes
+
+FIGURES = ("P1", "P2", "P3", "P4", "P5", "P6", "soak")
+DEFAULT_OUT = "bench-results.json"
+FULL_SOAK = 1_000_000  # ``--soak`` without N
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    decision_repeats: int  # P1/P6: recorded decisions per case
+    latency: LatencySizes
+    throughput_memory: ThroughputSizes
+    throughput_grpc: ThroughputSizes
+    outage: OutageSizes
+    soak_requests: int  # the default run's soak (``--soak N`` overrides)
+    child_duration_s: float  # the simulator child exits by itself after this long
+
+
+FULL = Sizes(
+    decision_repeats=20_000,
+    latency=LatencySizes(rounds=3, routes_per_round=600, warm_up=200),
+    throughput_memory=ThroughputSizes(rounds=3, decisions_per_round=10_000, concurrency=8, warm_up=500),
+    throughput_grpc=ThroughputSizes(rounds=3, decisions_per_round=3_000, concurrency=8, warm_up=500),
+    outage=OutageSizes(healthy=1_000, outage=2_000, detect_max=100, warm_up=100),
+    soak_requests=50_000,
+    child_duration_s=900.0,
+)
+QUICK = Sizes(
+    decision_repeats=1_000,
+    latency=LatencySizes(rounds=1, routes_per_round=100, warm_up=20),
+    throughput_memory=ThroughputSizes(rounds=1, decisions_per_round=1_000, concurrency=8, warm_up=50),
+    throughput_grpc=ThroughputSizes(rounds=1, decisions_per_round=300, concurrency=8, warm_up=50),
+    outage=OutageSizes(healthy=100, outage=200, detect_max=100, warm_up=20),
+    soak_requests=2_000,
+    child_duration_s=300.0,
+)
+
+
+def _figure_list(text: str) -> frozenset[str]:
+    by_lower = {f.lower(): f for f in FIGURES}
+    chosen = set()
+    for entry in (e.strip() for e in text.split(",")):
+        if entry.lower() not in by_lower:
+            raise argparse.ArgumentTypeError(f"unknown figure {entry!r} (choose from {','.join(FIGURES)})")
+        chosen.add(by_lower[entry.lower()])
+    return frozenset(chosen)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="CI-sized run (seconds); the figures are noisier")
+    parser.add_argument(
+        "--only", type=_figure_list, default=None, metavar="P1,P3,...", help=f"run only these ({','.join(FIGURES)})"
+    )
+    parser.add_argument(
+        "--soak",
+        type=_positive_int,
+        nargs="?",
+        const=FULL_SOAK,
+        default=None,
+        metavar="N",
+        help=f"soak with N requests (default {FULL_SOAK:,}; in-memory transports); without --only, runs only "
+        f"the soak (the default run soaks {FULL.soak_requests:,})",
+    )
+    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=f"JSON results (default {DEFAULT_OUT})")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the decision-CPU cases")
+
+
+def _selected(args: argparse.Namespace) -> frozenset[str]:
+    if args.only is not None:
+        return frozenset(args.only)
+    if args.soak is not None:
+        return frozenset({"soak"})
+    return frozenset(FIGURES)
+
+
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = QUICK if args.quick else FULL
+    selected = _selected(args)
+    with pinned_bench_process() as placement:
+        report = BenchReport(
+            meta={
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "python": platform.python_version(),
+                "machine": platform.machine(),
+                "quick": args.quick,
+                "figures": sorted(selected),
+                "cpu_placement": placement.describe(),
+                "sizes": asdict(sizes),
+            },
+            notes=[f"CPU placement: {placement.describe()}"],
+        )
+        _measure(report, selected, sizes, placement, args)
+    print(report.render())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report.write(args.out)
+    print(f"\nresults written to {args.out}")
+    return 0
+
+
+def _measure(
+    report: BenchReport, selected: frozenset[str], sizes: Sizes, placement: Placement, args: argparse.Namespace
+) -> None:
+    """Each selected figure in turn (the raw floor before the router rows it is compared with)."""
+    shape = ClusterShape()
+    seconds: dict[str, float] = {}
+    report.meta["seconds"] = seconds
+
+    def timed(name: str, step: Callable[[], None]) -> None:
+        began = time.perf_counter()
+        step()
+        seconds[name] = round(time.perf_counter() - began, 1)
+        print(f"kvroute bench: {name} done in {seconds[name]:.1f} s", file=sys.stderr, flush=True)
+
+    if selected & {"P1", "P6"}:
+        timed(
+            "P1/P6",
+            lambda: decision_cpu.measure(
+                report, p1="P1" in selected, p6="P6" in selected, repeats=sizes.decision_repeats, seed=args.seed
+            ),
+        )
+    if "P2" in selected or "P3" in selected:
+        with sim_process(shape, sizes.child_duration_s, placement.child) as sim:
+            raw = RawClient(sim)
+            try:
+                if "P2" in selected:
+                    timed("P2", lambda: latency.measure(report, sim.view, raw, sizes.latency))
+                if "P3" in selected:
+                    timed("P3 gRPC", lambda: throughput.measure_grpc(report, sim.view, raw, sizes.throughput_grpc))
+            finally:
+                raw.close()
+    if "P3" in selected:
+        timed("P3 memory", lambda: throughput.measure_memory(report, shape, sizes.throughput_memory))
+    if "P4" in selected:
+        timed("P4", lambda: outage.measure(report, shape, sizes.outage))
+    if "P5" in selected:
+        timed("P5", lambda: quality.measure(report, quick=args.quick))
+    if "soak" in selected:
+        requests = sizes.soak_requests if args.soak is None else args.soak
+        concurrency = sizes.throughput_memory.concurrency
+        timed("soak", lambda: soak.measure(report, shape, requests, concurrency, default=args.soak is None))
+    seconds["total"] = round(sum(seconds.values()), 1)

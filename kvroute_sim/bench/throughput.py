@@ -1,0 +1,199 @@
+"""P3: decisions/s through the full actor pipeline with a warm status cache, on one core.
+
+Two rows, each with the default configuration (status freshness 50 ms, so the cache stays
+warm under load and a worker is re-probed about 20 times a second):
+
+- in memory: SimCluster served on a MemoryNetwork in this process, real clock — the
+  pipeline's own overhead (the simulators' handlers run on the same trio thread);
+- loopback gRPC: the simulators in the separate process; compared with the raw grpcio
+  client's concurrent GetHostCacheState throughput (what a warm route issues per
+  decision) at the same number of calls in flight, measured in the same run, interleaved.
+
+The prober's rate budget (2,000 probes/s by default) is reported: probes started per
+second and probes skipped for want of budget during the measured window.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes, Requests, concurrent, prime, router_config
+from kvroute_sim.bench.profiling import WindowProfile
+from kvroute_sim.bench.raw_grpc import RawClient
+from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_least
+from router.api import RouterHandle, open_router
+from router.config import ProberConfig
+from router.transport.ports import RawRpc
+
+P3_MEMORY_TARGET = 3000.0
+P3_GRPC_TARGET_RATIO = 0.8
+FIGURE_TIMEOUT_S = 600.0
+BUDGET_NEAR = 0.9  # a probe rate at 90 % of the rate budget counts as binding
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputSizes:
+    rounds: int
+    decisions_per_round: int  # per row and round
+    concurrency: int  # routes (and raw calls) in flight
+    warm_up: int
+
+
+@dataclass(slots=True)
+class _Run:
+    decisions: int = 0
+    seconds: float = 0.0
+    probes_started: int = 0
+    skipped_no_budget: int = 0
+    status_hits: int = 0  # status lookups answered from the prober's cache
+    status_lookups: int = 0
+    outcomes: Outcomes = field(default_factory=Outcomes.empty)
+
+    @property
+    def rate(self) -> float:
+        return self.decisions / self.seconds
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.status_hits / self.status_lookups if self.status_lookups else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "decisions": self.decisions,
+            "seconds": self.seconds,
+            "decisions_per_s": self.rate,
+            "probes_started_per_s": self.probes_started / self.seconds,
+            "probes_skipped_no_budget": self.skipped_no_budget,
+            "status_cache_hit_ratio": self.cache_hit_ratio,
+            "outcomes": self.outcomes.to_json(),
+        }
+
+    def budget_note(self) -> str:
+        budget = ProberConfig().rate_per_s
+        probes = self.probes_started / self.seconds
+        # Binding: the rate nears the budget, or more than 1 % of the probes were refused budget.
+        binding = probes >= BUDGET_NEAR * budget or self.skipped_no_budget > 0.01 * max(1, self.probes_started)
+        return (
+            f"probe rate {probes:,.0f}/s of the {budget:,.0f}/s budget ({'BINDING' if binding else 'not binding'}; "
+            f"{self.skipped_no_budget} probes skipped for want of budget)"
+        )
+
+
+async def _drive(router: RouterHandle, requests: Requests, count: int, concurrency: int, into: _Run) -> None:
+    """One measured window: decisions, time and the prober's counters over it."""
+    before = router.prober().snapshot()
+    seconds, outcomes = await concurrent(router, requests, count, concurrency)
+    after = router.prober().snapshot()
+    into.decisions += count
+    into.seconds += seconds
+    into.probes_started += after.probes_started - before.probes_started
+    into.skipped_no_budget += after.skipped.get("no_budget", 0) - before.skipped.get("no_budget", 0)
+    hits = after.cache_hits - before.cache_hits
+    into.status_hits += hits
+    into.status_lookups += hits + after.cache_misses - before.cache_misses
+    into.outcomes.merge(outcomes)
+
+
+RunCheck = Callable[[_Run], bool]
+
+
+async def _router_run(
+    view: ClusterView,
+    rpc: RawRpc | None,
+    sizes: ThroughputSizes,
+    between_rounds: Callable[[], None] | None,
+    missed: RunCheck,
+) -> tuple[_Run, WindowProfile | None]:
+    """The measured rounds; then, if ``missed(run)``, one more (half) window under cProfile."""
+    run = _Run()
+    profile: WindowProfile | None = None
+    with trio.fail_after(FIGURE_TIMEOUT_S):
+        async with open_router(router_config(view, status_ttl_s=None), rpc=rpc) as router:
+            requests = Requests(view, "p3")
+            await prime(router, requests, sizes.warm_up)
+            for _ in range(sizes.rounds):
+                if between_rounds is not None:
+                    await trio.to_thread.run_sync(between_rounds)
+                await _drive(router, requests, sizes.decisions_per_round, sizes.concurrency, run)
+            if missed(run):
+                profile = WindowProfile()
+                with profile:
+                    await concurrent(router, requests, max(1, sizes.decisions_per_round // 2), sizes.concurrency)
+    return run, profile
+
+
+async def _memory_run(shape: ClusterShape, sizes: ThroughputSizes) -> tuple[_Run, WindowProfile | None]:
+    _, network, view = shape.in_memory()
+    return await _router_run(view, network, sizes, None, lambda run: run.rate < P3_MEMORY_TARGET)
+
+
+def _rate_row(
+    key: str, measured: str, run: _Run, extra: str, target: str, verdict: Verdict, data: dict[str, object]
+) -> Figure:
+    kvcm = run.outcomes.fraction_from("kvcm")
+    return Figure(
+        key,
+        measured,
+        f"{run.rate:,.0f} decisions/s{extra}; {kvcm:.0%} via kvcm; status hit ratio "
+        f"{run.cache_hit_ratio:.3f}; {run.budget_note()}",
+        target,
+        verdict,
+        {**run.to_json(), **data},
+    )
+
+
+def measure_memory(report: BenchReport, shape: ClusterShape, sizes: ThroughputSizes) -> None:
+    run, profile = trio.run(_memory_run, shape, sizes)
+    verdict = at_least(run.rate, P3_MEMORY_TARGET)
+    report.figures.append(
+        _rate_row(
+            "P3 memory",
+            f"decisions/s, full actor pipeline, in-memory transports, {sizes.concurrency} in flight, one core",
+            run,
+            "",
+            f"≥ {P3_MEMORY_TARGET:,.0f}/s",
+            verdict,
+            {"concurrency": sizes.concurrency},
+        )
+    )
+    if profile is not None:
+        report.profiles["P3 memory"] = profile.top()
+        sim_share = profile.cumulative_s("kvroute_sim/sim/memory_server.py", "handle") / profile.busy_s()
+        report.notes.append(
+            f"P3 memory: the simulated KVCM and workers run on the same trio thread; in the profiled window "
+            f"their handlers took {sim_share:.0%} of its busy CPU (the router alone: ≈ "
+            f"{run.rate / (1 - sim_share):,.0f} decisions/s)."
+        )
+
+
+def measure_grpc(report: BenchReport, view: ClusterView, raw: RawClient, sizes: ThroughputSizes) -> None:
+    raw_rates: list[float] = []
+
+    def raw_round() -> None:
+        raw_rates.append(raw.concurrent_rate(sizes.decisions_per_round, sizes.concurrency))
+
+    def missed(run: _Run) -> bool:
+        return run.rate / statistics.fmean(raw_rates) < P3_GRPC_TARGET_RATIO
+
+    raw.warm_up(sizes.warm_up)
+    run, profile = trio.run(_router_run, view, None, sizes, raw_round, missed)
+    raw_rate = statistics.fmean(raw_rates)
+    ratio = run.rate / raw_rate
+    report.figures.append(
+        _rate_row(
+            "P3 gRPC",
+            f"decisions/s over loopback gRPC (sims in a separate process), {sizes.concurrency} in flight, "
+            "vs raw concurrent GetHostCacheState calls/s",
+            run,
+            f" vs raw {raw_rate:,.0f} calls/s → {ratio:.2f}×",
+            f"≥ {P3_GRPC_TARGET_RATIO}× raw",
+            at_least(ratio, P3_GRPC_TARGET_RATIO),
+            {"concurrency": sizes.concurrency, "raw_calls_per_s": raw_rates, "ratio": ratio},
+        )
+    )
+    if profile is not None:
+        report.profiles["P3 gRPC"] = profile.top()

@@ -1,0 +1,294 @@
+"""``kvroute demo``: the policy comparison on an embedded cluster, or a fault scenario (``--scenario``).
+
+Comparison: builds the workload, serves a fresh SimCluster (3 KVCM replicas, N workers) over
+loopback gRPC, opens the real router on it with its debug endpoint (address printed), replays
+the workload through kvroute, then replays the same arrivals with every baseline on fresh
+in-memory clusters; prints live progress, the table and the targets; writes
+``demo-results.json`` and ``demo-chart.png`` to ``--out``. Exit 0 (2 on bad flags).
+
+The demo's flags are its own (``--sim-workers``, not ``--workers``); router settings can be
+overridden with ``--router-setting NAME=VALUE`` (the names of ``kvroute check-config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from functools import partial
+from pathlib import Path
+from typing import TextIO
+
+import trio
+
+from kvroute_sim.demo import scenarios
+from kvroute_sim.demo.policies import KVROUTE, POLICY_NAMES, baseline_policies
+from kvroute_sim.demo.report import (
+    check_targets,
+    format_table,
+    results_json,
+    summarize,
+    write_chart,
+    write_results,
+)
+from kvroute_sim.demo.runner import (
+    COMPARISON_SETTINGS,
+    ClusterSpec,
+    DemoConfigError,
+    PolicyRun,
+    SimClock,
+    build_cluster,
+    check_router_settings,
+    open_kvroute,
+    run_baseline,
+    run_kvroute,
+)
+from kvroute_sim.demo.workload import Workload, WorkloadSpec, build_workload
+from router.logs import setup_logging
+from router.settings import BY_NAME
+from router.types import KeyFamily
+
+DEFAULT_OUT = "demo-out"
+
+
+def _number(kind: type[int] | type[float], minimum: float, *, above: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {minimum}, got {text}")
+        return value
+
+    return parse
+
+
+def _setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    name = name.strip().replace("-", "_").removeprefix("__")
+    if not sep or name not in BY_NAME:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME=VALUE with a router setting name (see kvroute check-config --help)"
+        )
+    return name, value
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown policies {unknown}; choose from {','.join(POLICY_NAMES)}")
+    return names
+
+
+# Workload and cluster flags: (flag, spec field, parser, metavar, help). Defaults come from the presets.
+_WORKLOAD_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] = (
+    ("--groups", "groups", _number(int, 1), "N", "shared-system-prompt groups"),
+    ("--prompts-per-group", "prompts_per_group", _number(int, 1), "N", "conversations = groups x this"),
+    ("--system-prompt-tokens", "system_prompt_tokens", _number(int, 1), "N", "tokens per system prompt"),
+    ("--question-tokens", "question_tokens", _number(int, 1), "N", "tokens per question"),
+    ("--output-tokens", "output_tokens", _number(int, 0), "N", "tokens per answer (extends the next turn)"),
+    ("--multi-turn-fraction", "multi_turn_fraction", _number(float, 0.0), "F", "share of multi-turn conversations"),
+    ("--turns", "turns", _number(int, 1), "N", "turns of a multi-turn conversation"),
+    ("--think-time-s", "think_time_s", _number(float, 0.0, above=True), "F", "mean gap between turns (s)"),
+    ("--rate", "rate_per_s", _number(float, 0.0, above=True), "F", "mean arrivals per simulated second"),
+    ("--zipf-s", "zipf_s", _number(float, 0.0), "F", "Zipf exponent of group popularity (0 = uniform)"),
+    ("--seed", "seed", _number(int, 0), "N", "workload and baseline seed"),
+    ("--block-size", "block_size", _number(int, 1), "N", "tokens per KV block"),
+    ("--key-family", "key_family", KeyFamily, "FAMILY", "block key family: " + "|".join(f.value for f in KeyFamily)),
+)
+_CLUSTER_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] = (
+    ("--sim-workers", "workers", _number(int, 1), "N", "simulated workers"),
+    ("--kvcm-replicas", "kvcm_replicas", _number(int, 1), "N", "KVCM replicas (the first leads)"),
+    ("--prefill-tokens-per-s", "prefill_tokens_per_s", _number(float, 0.0, above=True), "F", "prefill per worker"),
+    ("--kv-capacity-blocks", "kv_capacity_blocks", _number(int, 1), "N", "KV capacity per worker (blocks, LRU)"),
+)
+
+
+def _preset_help(text: str, scaled: object, full: object) -> str:
+    def word(value: object) -> str:
+        return value.value if isinstance(value, KeyFamily) else f"{value:g}" if isinstance(value, float) else str(value)
+
+    defaults = word(scaled) if scaled == full else f"{word(scaled)}; --full-size {word(full)}"
+    return f"{text} (default {defaults})"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--scenario",
+        choices=(*scenarios.SCENARIO_NAMES, "all"),
+        default=None,
+        metavar="NAME",
+        help="run a fault scenario instead of the policy comparison; exit 1 on any FAIL. NAME: all, "
+        + ", ".join(scenarios.SCENARIO_NAMES),
+    )
+    parser.add_argument(
+        "--scenario-scale",
+        type=_number(float, 0.0, above=True),
+        default=1.0,
+        metavar="F",
+        help="multiply every scenario phase by F (default 1; e.g. 0.4 for CI)",
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"where the JSON and PNG go (default {DEFAULT_OUT})"
+    )
+    parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
+    parser.add_argument(
+        "--policies",
+        type=_policies,
+        default=POLICY_NAMES,
+        metavar="LIST",
+        help=f"policies to compare (default all: {','.join(POLICY_NAMES)})",
+    )
+    parser.add_argument(
+        "--router-setting",
+        type=_setting,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one router setting (repeatable), e.g. scorer_max_extra_work_tokens=512",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="ERROR",
+        metavar="LEVEL",
+        help="level of the router's logs on stderr (default ERROR; WARNING shows its aggregated fallback warnings)",
+    )
+    w = parser.add_argument_group("workload (defaults: the scaled one-minute run; --full-size for the benchmark's)")
+    w.add_argument(
+        "--full-size",
+        action="store_true",
+        help="64 groups x 16 prompts, 2,048-token system prompts (and a cluster sized for them)",
+    )
+    scaled_w, full_w = asdict(WorkloadSpec()), asdict(WorkloadSpec.full_size())
+    for flag, name, parse, metavar, text in _WORKLOAD_FLAGS:
+        help_text = _preset_help(text, scaled_w[name], full_w[name])
+        w.add_argument(flag, dest=name, type=parse, metavar=metavar, help=help_text)
+    c = parser.add_argument_group("simulated cluster")
+    scaled_c, full_c = asdict(ClusterSpec()), asdict(ClusterSpec.full_size())
+    for flag, name, parse, metavar, text in _CLUSTER_FLAGS:
+        help_text = _preset_help(text, scaled_c[name], full_c[name])
+        c.add_argument(flag, dest=f"cluster_{name}", type=parse, metavar=metavar, help=help_text)
+
+
+def specs_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, ClusterSpec]:
+    """The preset (scaled or ``--full-size``) with every given flag applied; ValueError names a bad one."""
+    workload = WorkloadSpec.full_size() if args.full_size else WorkloadSpec()
+    cluster = ClusterSpec.full_size() if args.full_size else ClusterSpec()
+    given = vars(args)
+    workload_flags = {name: given[name] for _, name, *_ in _WORKLOAD_FLAGS if given[name] is not None}
+    cluster_flags = {
+        name: given[f"cluster_{name}"] for _, name, *_ in _CLUSTER_FLAGS if given[f"cluster_{name}"] is not None
+    }
+    return replace(workload, **workload_flags), replace(cluster, **cluster_flags)
+
+
+class ProgressLine:
+    """Live progress: one updating line on a terminal; otherwise a line at most every
+    ``PLAIN_INTERVAL_S`` of wall time per policy, plus its last one."""
+
+    PLAIN_INTERVAL_S = 2.0
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._tty = stream.isatty()
+        self._printed_at: dict[str, float] = {}
+
+    def __call__(self, policy: str, done: int, total: int, hit_rate: float) -> None:
+        text = f"[{policy}] {done}/{total} requests, hit rate so far {hit_rate:.1%}"
+        if self._tty:
+            self._stream.write("\r" + text.ljust(64) + ("\n" if done == total else ""))
+        else:
+            now = time.monotonic()  # display pacing only, not policy time
+            if done < total and now - self._printed_at.get(policy, -math.inf) < self.PLAIN_INTERVAL_S:
+                return
+            self._printed_at[policy] = now
+            self._stream.write(text + "\n")
+        self._stream.flush()
+
+
+async def compare(
+    workload: Workload,
+    cluster_spec: ClusterSpec,
+    policies: Sequence[str],
+    *,
+    router_overrides: dict[str, object],
+    out: TextIO,
+) -> tuple[PolicyRun, ...]:
+    """Every selected policy over ``workload``: kvroute through the real router first (its debug
+    endpoint up and printed for the whole run), then the baselines, each in a worker thread."""
+    progress = ProgressLine(out)
+    runs: list[PolicyRun] = []
+    clock = SimClock()
+    settings = dict(COMPARISON_SETTINGS) | router_overrides
+    async with open_kvroute(
+        build_cluster(cluster_spec, workload),
+        workload.spec,
+        clock=clock.now,
+        extra_settings=settings,
+        debug_http=True,
+    ) as setup:
+        print(f"debug endpoint: http://{setup.handle.debug_address}/debug/actors (also /metrics)", file=out)
+        print(f"kvcm bootstrap: {setup.addresses.kvcm_bootstrap}", file=out, flush=True)
+        if KVROUTE in policies:
+            runs.append(await run_kvroute(setup, clock, workload, progress))
+        for policy in baseline_policies(workload.spec.seed):
+            if policy.name in policies:
+                runs.append(await trio.to_thread.run_sync(run_baseline, policy, workload, cluster_spec, progress))
+    order = {name: i for i, name in enumerate(POLICY_NAMES)}
+    return tuple(sorted(runs, key=lambda r: order[r.policy]))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        setup_logging(args.log_level, "text")
+    except ValueError as exc:
+        print(f"kvroute demo: error: {exc}", file=sys.stderr)
+        return 2
+    if args.scenario is not None:
+        names = scenarios.SCENARIO_NAMES if args.scenario == "all" else (args.scenario,)
+        return scenarios.run_scenarios(names, scale=args.scenario_scale, out=sys.stdout)
+    try:
+        workload_spec, cluster_spec = specs_from_args(args)
+    except ValueError as exc:
+        print(f"kvroute demo: error: {exc}", file=sys.stderr)
+        return 2
+    overrides: dict[str, object] = dict(args.router_setting)
+    try:
+        check_router_settings(workload_spec, dict(COMPARISON_SETTINGS) | overrides)
+    except DemoConfigError as exc:
+        print(f"kvroute demo: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"workload: {workload_spec.conversations} conversations over {workload_spec.groups} groups, "
+        f"~{workload_spec.rate_per_s:g} requests/s (simulated), seed {workload_spec.seed}; "
+        f"cluster: {cluster_spec.workers} workers, {cluster_spec.kvcm_replicas} KVCM replicas",
+        flush=True,
+    )
+    workload = build_workload(workload_spec)
+    print(f"{len(workload.requests)} requests over {workload.duration_s:.1f} simulated seconds", flush=True)
+    runs = trio.run(partial(compare, workload, cluster_spec, args.policies, router_overrides=overrides, out=sys.stdout))
+    summaries = [summarize(r) for r in runs]
+    checks = check_targets(summaries)
+    print()
+    print(format_table(summaries))
+    print(
+        "(TTFT: simulated from each worker's queue and uncached tokens. Decision latency: real; for kvroute\n"
+        " the whole route() over loopback gRPC - KVCM query and fresh status probes every decision - to\n"
+        " simulators sharing this process; kvroute bench measures it against a separate simulator process.)"
+    )
+    if checks:
+        print()
+        for check in checks:
+            print(check.line())
+    out_dir = Path(args.out)
+    settings = {k: str(v) for k, v in (dict(COMPARISON_SETTINGS) | overrides).items()}
+    path = write_results(out_dir, results_json(workload, cluster_spec, summaries, checks, settings))
+    print(f"\nwrote {path}")
+    if not args.no_chart:
+        print(f"wrote {write_chart(out_dir, summaries)}")
+    return 0

@@ -1,0 +1,676 @@
+"""Fault scenarios: ``kvroute demo --scenario NAME`` (or ``all``) — inject, clear, check invariants.
+
+Each scenario serves a fresh SimCluster over loopback gRPC (the sims read the real trio
+clock), opens the real router on it, and sends steady traffic (``RATE_PER_S`` requests/s,
+each its own task, budget ``BUDGET_MS``). Every group's system prompt is pre-stored at two
+workers, so a healthy router answers from KVCM from the first request. Timeline (phases
+multiplied by ``--scenario-scale``):
+
+    warm-up (WARM_S) ─ fault injected ─ FAULT_S ─ fault cleared ─ until recovered (≤ recovery limit)
+
+After the clear, traffic stops once ``RECOVERED_STREAK`` consecutive decisions came from
+KVCM (or at the recovery limit). Invariants, each printed PASS/FAIL:
+
+- answered: no request lost (every ``route()`` returned a decision, with a worker), and
+  none later than its deadline + ``DEADLINE_SLACK_MS``;
+- before: the second half of the warm-up is routed from KVCM (≥ ``SHARE``);
+- during: the fault moves decisions off KVCM to the expected sources (shadow/domain), or,
+  for faults kvroute must absorb, KVCM keeps ≥ ``SHARE`` of them; where the router should
+  heal before the clear (a new leader), KVCM is back within the stated time;
+- recovery: after the clear, KVCM routing is back within the scenario's stated limit
+  (derived from the scenario router settings below: breaker cooldown, lookup backoff,
+  ejection time).
+
+Scenario router settings (``SCENARIO_SETTINGS``) shorten the recovery timers so each
+scenario takes a few seconds; they are printed with the results.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TextIO
+
+import trio
+
+from kvroute_sim.demo.runner import KvrouteSetup, open_kvroute, route_request
+from kvroute_sim.demo.workload import DemoRequest, WorkloadSpec, build_workload, system_prompt
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.faults import Garble
+from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.worker import NO_WORKER_FAULTS, WorkerFaults, WorkerSpec
+from router.api import RouterHandle
+from router.keys import block_keys
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import RouteSource
+
+RATE_PER_S = 50.0
+BUDGET_MS = 50.0
+DEADLINE_SLACK_MS = 5.0
+WARM_S = 1.0
+FAULT_S = 1.5
+RECOVERED_STREAK = 10  # consecutive KVCM decisions after the clear that count as recovered
+SHARE = 0.9  # "routed from KVCM" means at least this share of a window's decisions
+LOST_AFTER_S = 1.0  # a route() call still unanswered this long after its deadline is lost
+SCENARIO_WORKERS = 8
+HOLDERS_PER_GROUP = 2
+
+SCENARIO_SETTINGS: dict[str, object] = {
+    "breaker_cooldown_s": 0.2,
+    "breaker_cooldown_max_s": 1.0,
+    "leader_backoff_max_s": 0.5,
+    "prober_max_status_age_s": 0.3,
+    "prober_eject_base_s": 0.3,
+    "prober_eject_max_s": 1.0,
+}
+# Recovery limits, from the settings above (plus one lookup or probe round of slack).
+_BREAKER_RECOVERY_S = 2.0  # cooldown_max 1.0 s + leader backoff 0.5 s + trial
+_LEADER_RECOVERY_S = 1.0  # one invalidation and one lookup round
+_EJECTION_RECOVERY_S = 2.0  # ejection ≤ 1.0 s + status age 0.3 s + probes
+_BACKOFF_RECOVERY_S = 1.5  # lookup backoff ≤ 0.5 s + jitter + one lookup round
+
+_SCENARIO_WORKLOAD = WorkloadSpec(
+    groups=8, prompts_per_group=128, system_prompt_tokens=512, question_tokens=64, multi_turn_fraction=0.0
+)
+_HALF_TICK_S = 0.5 / RATE_PER_S  # faults switch between two sends, not on one
+_FALLBACK_SOURCES = frozenset({RouteSource.SHADOW.value, RouteSource.DOMAIN.value})
+_KVCM = RouteSource.KVCM.value
+_BROKEN_BOOTSTRAP = "127.0.0.1:99999"  # port out of range: a fallback-only problem
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request of a scenario run (times are trio times, real clock)."""
+
+    index: int
+    started: float = math.nan  # just before route() was called
+    ended: float = math.nan  # when route() returned (or gave up as lost)
+    elapsed_ms: float = math.nan
+    source: str = ""
+    reason: str = ""
+    worker: str | None = None
+    lost: str | None = None  # why it counts as lost
+
+    @property
+    def done(self) -> bool:
+        return not math.isnan(self.ended)
+
+
+@dataclass(slots=True)
+class ScenarioContext:
+    """What a scenario's inject/clear/observe hooks act on. ``setup`` is None before the router opens."""
+
+    cluster: SimCluster
+    setup: KvrouteSetup | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def opened(self) -> KvrouteSetup:
+        if self.setup is None:
+            raise RuntimeError("the router is not open yet")
+        return self.setup
+
+    def router(self) -> RouterHandle:
+        return self.opened().handle
+
+
+Hook = Callable[[ScenarioContext], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"  {'ok  ' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    summary: str
+    inject: Hook
+    clear: Hook
+    switches: bool  # True: the fault must move decisions off KVCM (to shadow/domain)
+    recovery_s: float  # KVCM routing back within this after the clear
+    heal_s: float | None = None  # KVCM routing back within this after the injection, before the clear
+    at_start: bool = False  # injected before the router opens (no warm-up)
+    observe: Callable[[ScenarioContext, Outcome], None] | None = None
+    extra_checks: Callable[[ScenarioContext, Sequence[Outcome], float, float], list[Check]] | None = None
+    recovered_by: Callable[[ScenarioContext, Outcome], bool] = lambda ctx, outcome: outcome.source == _KVCM
+    recovery_streak: int = RECOVERED_STREAK  # consecutive decisions showing recovered_by
+    recovery_what: str = "kvcm routing back"
+    settings: dict[str, object] = field(default_factory=dict)
+    strict_config: bool = True  # False: the settings may have problems (fail-soft applies)
+    kvcm_routed: bool = True  # False: no KVCM routing is expected at all (the phase checks are skipped)
+
+
+# ---- the faults ------------------------------------------------------------------------------------
+
+
+def _kvcm_all(faults: KvcmFaults) -> Hook:
+    def apply(ctx: ScenarioContext) -> None:
+        for node in ctx.cluster.kvcm.node_ids:
+            ctx.cluster.kvcm.set_faults(node, faults)
+
+    return apply
+
+
+def _kvcm_clear(ctx: ScenarioContext) -> None:
+    ctx.cluster.kvcm.clear_faults()
+
+
+def _kill_leader(ctx: ScenarioContext) -> None:
+    kvcm = ctx.cluster.kvcm
+    old = kvcm.leader
+    assert old is not None
+    new = next(node for node in kvcm.node_ids if node != old)
+    kvcm.set_faults(old, KvcmFaults(dead=True))
+    kvcm.set_leader(new)  # the surviving replicas elect a new leader at once
+
+
+def _revive_leader(ctx: ScenarioContext) -> None:
+    ctx.cluster.kvcm.clear_faults()  # the old leader comes back as a follower
+
+
+def _move_leader(ctx: ScenarioContext) -> None:
+    kvcm = ctx.cluster.kvcm
+    old = kvcm.leader
+    assert old is not None
+    new = next(node for node in kvcm.node_ids if node != old)
+    ctx.notes["moved_from"] = old
+    kvcm.set_leader(new)  # the old leader now answers SERVER_NOT_LEADER
+
+
+def _move_leader_back(ctx: ScenarioContext) -> None:
+    ctx.cluster.kvcm.set_leader(ctx.notes["moved_from"])
+
+
+def _workers_all(faults: WorkerFaults) -> Hook:
+    def apply(ctx: ScenarioContext) -> None:
+        for worker in ctx.cluster.workers:
+            worker.set_faults(faults)
+
+    return apply
+
+
+_FLAPPER = 3
+_FLAP_PERIOD_S = 0.25  # each phase; long enough for the 3 failed probes that eject a worker
+
+
+def _flap(ctx: ScenarioContext) -> None:
+    worker = ctx.cluster.workers[_FLAPPER]
+    ctx.notes["flapper"] = ctx.cluster.worker_addr(_FLAPPER).http_target
+    # Origin one period back: the first phase is a down phase, so even a shortened fault has one.
+    worker.set_faults(WorkerFaults(flap_period_s=_FLAP_PERIOD_S, flap_origin_s=trio.current_time() - _FLAP_PERIOD_S))
+
+
+def _stop_flapping(ctx: ScenarioContext) -> None:
+    ctx.cluster.workers[_FLAPPER].set_faults(NO_WORKER_FAULTS)
+
+
+def _observe_flapper(ctx: ScenarioContext, outcome: Outcome) -> None:
+    target = ctx.cluster.worker_addr(_FLAPPER).status_target
+    if target in ctx.router().prober().snapshot().ejected_until:
+        ctx.counts["ejected_seen"] += 1
+    if outcome.worker == ctx.notes.get("flapper") and not ctx.cluster.workers[_FLAPPER].reachable(outcome.started):
+        ctx.counts["routed_while_down"] += 1
+
+
+def _flapper_checks(ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float) -> list[Check]:
+    flapper = ctx.notes.get("flapper")
+    during = [o for o in outcomes if injected <= o.ended < cleared and o.worker is not None]
+    return [
+        Check(
+            "ejected",
+            ctx.counts["ejected_seen"] > 0,
+            f"the flapping worker {flapper} seen ejected after {ctx.counts['ejected_seen']} decisions; "
+            f"routed to it while down: {ctx.counts['routed_while_down']} of {len(during)} decisions",
+        ),
+    ]
+
+
+def _empty_discovery(ctx: ScenarioContext) -> None:
+    ctx.router().discovery().set_static_workers("")
+
+
+def _restore_discovery(ctx: ScenarioContext) -> None:
+    ctx.router().discovery().set_static_workers(ctx.opened().addresses.workers_arg)
+
+
+def _nothing(ctx: ScenarioContext) -> None:
+    """config-invalid has no fault to switch: the configuration is broken from the start."""
+
+
+def _config_checks(ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float) -> list[Check]:
+    loaded = ctx.opened().loaded
+    errors = [str(p) for p in loaded.fallback_errors]
+    named = any("--kvcm-bootstrap" in e and "KVROUTE_KVCM_BOOTSTRAP" in e for e in errors)
+    ready, why = ctx.router().ready()
+    feature_off = [o for o in outcomes if o.source == RouteSource.DOMAIN.value and o.reason == "feature_off"]
+    return [
+        Check(
+            "fail-soft",
+            loaded.fallback_disabled_by_errors
+            and not loaded.fatal_errors
+            and not loaded.effective.router.kvcm_fallback,
+            f"fallback disabled by {len(errors)} error(s), no fatal error: {'; '.join(errors)}",
+        ),
+        Check("clear error", named, "the error names --kvcm-bootstrap and KVROUTE_KVCM_BOOTSTRAP"),
+        Check("ready", ready, f"/readyz: {why}"),
+        Check(
+            "domain routing",
+            len(feature_off) == len(outcomes) > 0,
+            f"{len(feature_off)} of {len(outcomes)} decisions domain/feature_off",
+        ),
+    ]
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "leader-killed",
+        "the KVCM leader dies and another replica takes over; the dead one comes back as a follower",
+        _kill_leader,
+        _revive_leader,
+        switches=True,
+        heal_s=_LEADER_RECOVERY_S,
+        recovery_s=_LEADER_RECOVERY_S,
+    ),
+    Scenario(
+        "leader-moves",
+        "leadership moves (the old leader answers SERVER_NOT_LEADER), then moves back",
+        _move_leader,
+        _move_leader_back,
+        switches=True,
+        heal_s=_LEADER_RECOVERY_S,
+        recovery_s=_LEADER_RECOVERY_S,
+    ),
+    Scenario(
+        "kvcm-blackhole",
+        "every KVCM replica accepts calls and never answers",
+        _kvcm_all(KvcmFaults(hang=True)),
+        _kvcm_clear,
+        switches=True,
+        recovery_s=_BREAKER_RECOVERY_S,
+    ),
+    Scenario(
+        "kvcm-slow",
+        f"every KVCM replica answers after {1.6 * BUDGET_MS:.0f} ms (above the {BUDGET_MS:.0f} ms budget)",
+        _kvcm_all(KvcmFaults(delay_s=1.6 * BUDGET_MS / 1000.0)),
+        _kvcm_clear,
+        switches=True,
+        recovery_s=_BREAKER_RECOVERY_S,
+    ),
+    Scenario(
+        "kvcm-garbled",
+        "every KVCM replica answers undecodable bytes",
+        _kvcm_all(KvcmFaults(garbled=Garble.UNDECODABLE)),
+        _kvcm_clear,
+        switches=True,
+        recovery_s=_BREAKER_RECOVERY_S,
+    ),
+    Scenario(
+        "workers-slow",
+        "every worker answers status probes after 300 ms (beyond the probe timeout)",
+        _workers_all(WorkerFaults(delay_s=0.3)),
+        _workers_all(NO_WORKER_FAULTS),
+        switches=True,
+        recovery_s=_EJECTION_RECOVERY_S,
+    ),
+    Scenario(
+        "worker-flapping",
+        f"one worker is unreachable every other {_FLAP_PERIOD_S:g} s; the others carry KVCM routing",
+        _flap,
+        _stop_flapping,
+        switches=False,
+        recovery_s=_EJECTION_RECOVERY_S,
+        observe=_observe_flapper,
+        extra_checks=_flapper_checks,
+        recovered_by=lambda ctx, outcome: outcome.worker == ctx.notes.get("flapper"),
+        recovery_streak=1,
+        recovery_what="the flapping worker readmitted (routed to)",
+    ),
+    Scenario(
+        "discovery-empty",
+        "worker discovery turns empty; the last good snapshot is kept (stale timeout 60 s)",
+        _empty_discovery,
+        _restore_discovery,
+        switches=False,
+        recovery_s=_LEADER_RECOVERY_S,
+    ),
+    Scenario(
+        "bootstrap-dead-at-start",
+        "every KVCM bootstrap target is down when the router starts, back later",
+        _kvcm_all(KvcmFaults(dead=True)),
+        _kvcm_clear,
+        switches=True,
+        recovery_s=_BACKOFF_RECOVERY_S,
+        at_start=True,
+    ),
+    Scenario(
+        "config-invalid",
+        f"the KVCM fallback config is broken (--kvcm-bootstrap {_BROKEN_BOOTSTRAP}): fallback off, domain routing",
+        _nothing,
+        _nothing,
+        switches=False,
+        recovery_s=0.0,
+        extra_checks=_config_checks,
+        settings={"kvcm_bootstrap": _BROKEN_BOOTSTRAP},
+        strict_config=False,
+        kvcm_routed=False,
+    ),
+)
+SCENARIO_NAMES = tuple(s.name for s in SCENARIOS)
+_BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+# ---- running one -----------------------------------------------------------------------------------
+
+
+def _seed_prefixes(cluster: SimCluster, spec: WorkloadSpec) -> None:
+    """Store every group's system prompt at ``HOLDERS_PER_GROUP`` workers (round robin)."""
+    n = len(cluster.workers)
+    for group in range(spec.groups):
+        keys = block_keys(list(system_prompt(group, spec.system_prompt_tokens)), spec.block_size, spec.key_family)
+        for k in range(HOLDERS_PER_GROUP):
+            cluster.kvcm.record_prefill(cluster.worker_addr((group * HOLDERS_PER_GROUP + k) % n).http_target, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioResult:
+    name: str
+    checks: tuple[Check, ...]
+    requests: int
+    duration_s: float
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+
+class _Traffic:
+    """Steady requests, each its own task; records outcomes and notices recovery after the clear."""
+
+    def __init__(self, ctx: ScenarioContext, scenario: Scenario, requests: Sequence[DemoRequest]) -> None:
+        self._ctx = ctx
+        self._scenario = scenario
+        self._requests = requests
+        self.outcomes: list[Outcome] = []
+        self.cleared_at = math.inf
+        self.recovered_at: float | None = None
+        self.recovered = trio.Event()
+        self._next = 0  # first outcome after the clear not yet walked for the recovery streak
+        self._streak_start: float | None = None
+        self._streak = 0
+
+    async def send(self, stop: trio.Event) -> None:
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for i in range(len(self._requests)):
+                with trio.move_on_at(start + i / RATE_PER_S):
+                    await stop.wait()
+                if stop.is_set():
+                    break
+                outcome = Outcome(i)
+                self.outcomes.append(outcome)
+                nursery.start_soon(self._one, outcome)
+
+    async def _one(self, outcome: Outcome) -> None:
+        request = self._requests[outcome.index]
+        block_size = _SCENARIO_WORKLOAD.block_size
+        decision = None
+        route = route_request(request, block_size, BUDGET_MS)
+        outcome.started = trio.current_time()
+        with trio.move_on_after(BUDGET_MS / 1000.0 + LOST_AFTER_S):
+            decision = await self._ctx.router().route(route)
+        end = outcome.ended = trio.current_time()
+        if decision is None:
+            outcome.lost = f"no answer {LOST_AFTER_S:g} s after its deadline"
+        else:
+            outcome.elapsed_ms = (end - outcome.started) * 1000.0
+            outcome.source, outcome.reason = decision.route_source.value, decision.reason.value
+            if decision.worker is None:
+                outcome.lost = f"answered without a worker: {decision.error}"
+            else:
+                outcome.worker = decision.worker.http_target
+                worker = self._ctx.cluster.worker_index(outcome.worker)
+                self._ctx.cluster.run_prefill(worker, request.request_id, request.keys, request.input_tokens, end)
+        if self._scenario.observe is not None:
+            self._scenario.observe(self._ctx, outcome)
+        self._walk_recovery()
+
+    def _walk_recovery(self) -> None:
+        """Advance over finished requests started after the clear, in send order; a streak of the
+        scenario's recovery signal means recovered, from the streak's first request."""
+        scenario = self._scenario
+        while self._next < len(self.outcomes) and not self.recovered.is_set():
+            outcome = self.outcomes[self._next]
+            if not outcome.done:
+                return
+            self._next += 1
+            if outcome.started < self.cleared_at:
+                continue
+            if scenario.recovered_by(self._ctx, outcome):
+                if self._streak == 0:
+                    self._streak_start = outcome.started
+                self._streak += 1
+                if self._streak >= scenario.recovery_streak:
+                    self.recovered_at = self._streak_start
+                    self.recovered.set()
+            else:
+                self._streak = 0
+
+
+def _share(outcomes: Sequence[Outcome], source: str) -> float:
+    return sum(1 for o in outcomes if o.source == source) / len(outcomes) if outcomes else math.nan
+
+
+def _mix(outcomes: Sequence[Outcome]) -> str:
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        key = o.source or "lost"
+        counts[key] = counts.get(key, 0) + 1
+    total = len(outcomes)
+    return ", ".join(f"{k} {100 * n / total:.0f}%" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+
+
+def _heal_time(outcomes: Sequence[Outcome], since: float) -> float | None:
+    """Earliest end ≥ ``since`` of a KVCM decision from which on ≥ SHARE of the decisions are KVCM."""
+    window = sorted((o for o in outcomes if o.ended >= since), key=lambda o: o.ended)
+    kvcm_after = sum(1 for o in window if o.source == _KVCM)
+    for i, o in enumerate(window):
+        if o.source == _KVCM and kvcm_after / (len(window) - i) >= SHARE:
+            return o.ended - since
+        kvcm_after -= o.source == _KVCM
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """When a scenario's phases began (trio times) and when recovery was first seen."""
+
+    started: float  # traffic began
+    injected: float
+    cleared: float
+    recovered_at: float | None  # start of the first recovery streak after the clear
+
+
+def evaluate(
+    scenario: Scenario,
+    ctx: ScenarioContext,
+    outcomes: Sequence[Outcome],
+    timeline: Timeline,
+    deadline_slack_ms: float = DEADLINE_SLACK_MS,
+) -> list[Check]:
+    """The invariants of the module docstring, from the recorded outcomes. A decision belongs to the
+    phase in which it was answered (one started just before the injection may already see the fault)."""
+    started, injected, cleared = timeline.started, timeline.injected, timeline.cleared
+    lost = [o for o in outcomes if o.lost is not None]
+    overshoots = [o.elapsed_ms - BUDGET_MS for o in outcomes if o.lost is None]
+    worst = max(overshoots, default=0.0)
+    checks = [
+        Check(
+            "answered",
+            bool(outcomes) and not lost,
+            f"{len(outcomes) - len(lost)} of {len(outcomes)} answered with a worker"
+            + (f"; first lost: {lost[0].lost}" if lost else ""),
+        ),
+        Check(
+            "deadline",
+            worst <= deadline_slack_ms,
+            f"latest answer {worst:+.1f} ms vs its deadline (limit +{deadline_slack_ms:g} ms)",
+        ),
+    ]
+    if not scenario.kvcm_routed:
+        return checks + (scenario.extra_checks(ctx, outcomes, injected, cleared) if scenario.extra_checks else [])
+    if not scenario.at_start:
+        before = [o for o in outcomes if started + (injected - started) / 2 <= o.ended < injected]
+        checks.append(Check("before", _share(before, _KVCM) >= SHARE, f"{_mix(before)} (kvcm >= {SHARE:.0%} expected)"))
+    during = [o for o in outcomes if injected <= o.ended < cleared]
+    if scenario.switches:
+        off = [o for o in during if o.source != _KVCM]
+        unexpected = sorted({o.source for o in off} - _FALLBACK_SOURCES)
+        checks.append(
+            Check(
+                "switch",
+                bool(off) and not unexpected,
+                f"{_mix(during)} (kvcm -> shadow/domain expected"
+                + (f"; unexpected {unexpected})" if unexpected else ")"),
+            )
+        )
+    else:
+        checks.append(Check("during", _share(during, _KVCM) >= SHARE, f"{_mix(during)} (kvcm >= {SHARE:.0%} expected)"))
+    if scenario.heal_s is not None:
+        healed = _heal_time(during, injected)
+        checks.append(
+            Check(
+                "heal",
+                healed is not None and healed <= scenario.heal_s,
+                f"kvcm back {_seconds(healed)} after the fault, before the clear (limit {scenario.heal_s:g} s)",
+            )
+        )
+    recovery = None if timeline.recovered_at is None else timeline.recovered_at - cleared
+    recovered = recovery is not None and recovery <= scenario.recovery_s
+    checks.append(
+        Check(
+            "recovery",
+            recovered,
+            f"{scenario.recovery_what} {_seconds(recovery)} after the clear (limit {scenario.recovery_s:g} s); "
+            f"after: {_mix([o for o in outcomes if o.started >= cleared])}"
+            + ("" if recovered else f"; at the end: {_kvcm_state(ctx)}"),
+        )
+    )
+    if scenario.extra_checks is not None:
+        checks += scenario.extra_checks(ctx, outcomes, injected, cleared)
+    return checks
+
+
+def _kvcm_state(ctx: ScenarioContext) -> str:
+    """The router's KVCM control state, to tell why routing did not come back."""
+    if ctx.setup is None:
+        return "router not open"
+    resolver = ctx.setup.handle.leader_resolver()
+    if resolver is None:
+        return "KVCM fallback off"
+    snap = resolver.snapshot()
+    return (
+        f"leader {snap.state.value} {snap.leader_target or ''}, breaker {snap.breaker.state.value} "
+        f"(opened {snap.breaker.opened_total}x), last error {snap.last_error}"
+    )
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{max(0.0, value):.2f} s"
+
+
+async def run_scenario(
+    scenario: Scenario,
+    *,
+    scale: float = 1.0,
+    deadline_slack_ms: float = DEADLINE_SLACK_MS,
+    network: MemoryNetwork | None = None,
+) -> ScenarioResult:
+    """Run one scenario on a fresh cluster and router; the phases last ``scale`` × their defaults.
+
+    By default over loopback gRPC; with ``network``, the cluster and the router meet on that
+    in-memory network (for runs under a MockClock).
+    """
+    spec = _SCENARIO_WORKLOAD
+    requests = build_workload(spec).requests
+    cluster = SimCluster([WorkerSpec(block_size=spec.block_size)] * SCENARIO_WORKERS, block_size=spec.block_size)
+    ctx = ScenarioContext(cluster)
+    settings = SCENARIO_SETTINGS | scenario.settings
+    began = trio.current_time()
+    if scenario.at_start:
+        scenario.inject(ctx)
+    async with open_kvroute(
+        cluster, spec, extra_settings=settings, strict=scenario.strict_config, network=network
+    ) as setup:
+        ctx.setup = setup
+        _seed_prefixes(cluster, spec)
+        traffic = _Traffic(ctx, scenario, requests)
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            started = trio.current_time()
+            nursery.start_soon(traffic.send, stop)
+            if scenario.at_start:
+                injected = started
+            else:
+                await trio.sleep_until(started + WARM_S * scale + _HALF_TICK_S)
+                injected = trio.current_time()
+                scenario.inject(ctx)
+            await trio.sleep_until(injected + FAULT_S * scale)
+            cleared = trio.current_time()
+            traffic.cleared_at = cleared
+            scenario.clear(ctx)
+            with trio.move_on_after(scenario.recovery_s + RECOVERED_STREAK / RATE_PER_S + 0.1):
+                await traffic.recovered.wait()
+            stop.set()
+        timeline = Timeline(started, injected, cleared, traffic.recovered_at)
+        checks = evaluate(scenario, ctx, traffic.outcomes, timeline, deadline_slack_ms)
+    return ScenarioResult(scenario.name, tuple(checks), len(traffic.outcomes), trio.current_time() - began)
+
+
+def run_scenarios(
+    names: Sequence[str], *, scale: float, out: TextIO, clock: trio.abc.Clock | None = None, in_memory: bool = False
+) -> int:
+    """Run ``names`` one after another; print each PASS/FAIL with its checks; 0 if all passed, else 1.
+
+    The command runs them on the real clock over loopback gRPC; ``clock`` and ``in_memory`` are for
+    running the same command path under a MockClock on in-memory transports.
+    """
+    print(
+        f"scenarios at {RATE_PER_S:g} requests/s, budget {BUDGET_MS:g} ms, phase scale {scale:g}; "
+        "router settings: " + ", ".join(f"{k}={v}" for k, v in SCENARIO_SETTINGS.items()),
+        file=out,
+        flush=True,
+    )
+    results = []
+    for name in names:
+        scenario = _BY_NAME[name]
+        # The previous scenario's garbage is collected now, not in a GC pass inside this one's checks.
+        gc.collect()
+        network = MemoryNetwork() if in_memory else None
+        result = trio.run(partial(run_scenario, scenario, scale=scale, network=network), clock=clock)
+        results.append(result)
+        print(
+            f"{'PASS' if result.passed else 'FAIL'} {name}: {scenario.summary} "
+            f"({result.requests} requests, {result.duration_s:.1f} s)",
+            file=out,
+        )
+        for check in result.checks:
+            print(check.line(), file=out)
+        out.flush()
+    failed = [r.name for r in results if not r.passed]
+    print(
+        f"{len(results) - len(failed)} of {len(results)} scenarios passed"
+        + (f"; FAILED: {', '.join(failed)}" if failed else ""),
+        file=out,
+    )
+    return 1 if failed else 0

@@ -1,5 +1,0 @@
-"""``kvroute bench``: the performance figures of issue 6 (P1–P6 and the soak), measured side by side.
-
-Each figure lives in its own module; ``router.bench.cli`` runs them in order, prints one
-table and writes every number to ``bench-results.json``.
-"""

@@ -1,0 +1,64 @@
+"""Answering a caller that waits in another thread for work done in the trio thread.
+
+The caller holds a future (``concurrent.futures`` for gRPC's handler threads, ``asyncio`` for an
+asyncio loop); the trio side produces exactly one outcome for it. A caller that gave up first
+(cancelled its future) is not waiting any more, so its outcome is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import outcome
+
+T = TypeVar("T")
+
+
+def settle(future: concurrent.futures.Future[T] | asyncio.Future[T], result: outcome.Outcome[T]) -> None:
+    """Complete ``future`` with ``result`` unless its waiter cancelled it first.
+
+    A ``concurrent.futures`` future may be settled from any thread; an asyncio future only on its
+    own loop (``settle_on_loop`` gets there from another thread).
+    """
+    if isinstance(future, concurrent.futures.Future):
+        if not future.set_running_or_notify_cancel():  # atomic with a cancel from the waiting thread
+            return
+    elif future.done():
+        return
+    if isinstance(result, outcome.Value):
+        future.set_result(result.value)
+    else:
+        assert isinstance(result, outcome.Error)
+        future.set_exception(result.error)
+
+
+def settle_on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], result: outcome.Outcome[T]) -> None:
+    """``settle`` an asyncio future on its own loop, from any thread; a closed loop has nobody waiting."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(settle, future, result)
+
+
+async def deliver_outcome(
+    call: Callable[[], Awaitable[T]], deliver: Callable[[outcome.Outcome[T]], None], cancelled: Exception
+) -> None:
+    """Await ``call`` and hand its outcome to ``deliver`` exactly once.
+
+    The caller gets the call's value or its error (an ``Exception``; the trio side keeps serving);
+    if this task is cancelled first, it gets ``cancelled`` and the cancellation goes on.
+    """
+    delivered = False
+    try:
+        try:
+            value = await call()
+        except Exception as exc:
+            deliver(outcome.Error(exc))
+        else:
+            deliver(outcome.Value(value))
+        delivered = True
+    finally:
+        if not delivered:
+            deliver(outcome.Error(cancelled))

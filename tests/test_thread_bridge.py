@@ -1,0 +1,89 @@
+"""Exception-group leaves and the one-outcome hand-off to a future another thread waits on."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import outcome
+import trio
+import trio.testing
+
+from router.exception_groups import leaves, sole_leaf
+from router.thread_bridge import deliver_outcome, settle
+
+
+def test_leaves_flatten_nested_groups_in_order() -> None:
+    a, b, c = ValueError("a"), KeyError("b"), OSError("c")
+    nested = BaseExceptionGroup("outer", [ExceptionGroup("inner", [a, b]), c])
+    assert leaves(nested) == [a, b, c]
+    assert leaves(a) == [a]
+
+
+def test_sole_leaf_is_the_one_error_or_none() -> None:
+    a = ValueError("a")
+    assert sole_leaf(BaseExceptionGroup("x", [ExceptionGroup("y", [a])])) is a
+    assert sole_leaf(a) is a
+    assert sole_leaf(ExceptionGroup("two", [a, KeyError("b")])) is None
+
+
+def test_settle_a_concurrent_future_with_a_value_or_an_error() -> None:
+    value: concurrent.futures.Future[int] = concurrent.futures.Future()
+    settle(value, outcome.Value(7))
+    assert value.result(timeout=0) == 7
+    failed: concurrent.futures.Future[int] = concurrent.futures.Future()
+    error = RuntimeError("boom")
+    settle(failed, outcome.Error(error))
+    assert failed.exception(timeout=0) is error
+
+
+def test_settle_drops_the_outcome_when_the_waiter_cancelled_first() -> None:
+    gone: concurrent.futures.Future[int] = concurrent.futures.Future()
+    assert gone.cancel()
+    settle(gone, outcome.Value(7))  # no InvalidStateError: nobody waits
+    assert gone.cancelled()
+
+    loop = asyncio.new_event_loop()
+    try:
+        future: asyncio.Future[int] = loop.create_future()
+        future.cancel()
+        settle(future, outcome.Value(7))
+        assert future.cancelled()
+        answered: asyncio.Future[int] = loop.create_future()
+        settle(answered, outcome.Value(3))
+        assert answered.result() == 3
+    finally:
+        loop.close()
+
+
+async def test_deliver_outcome_hands_over_the_value_or_the_error_once() -> None:
+    got: list[outcome.Outcome[int]] = []
+
+    async def seven() -> int:
+        return 7
+
+    async def broken() -> int:
+        raise ValueError("bad")
+
+    await deliver_outcome(seven, got.append, RuntimeError("cancelled"))
+    await deliver_outcome(broken, got.append, RuntimeError("cancelled"))
+    assert len(got) == 2
+    assert got[0] == outcome.Value(7)
+    assert isinstance(got[1], outcome.Error) and isinstance(got[1].error, ValueError)
+
+
+async def test_a_cancelled_delivery_hands_over_the_cancelled_error_and_stays_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    got: list[outcome.Outcome[int]] = []
+    stopped = RuntimeError("stopped")
+
+    async def never() -> int:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    with trio.move_on_after(1) as scope:
+        await deliver_outcome(never, got.append, stopped)
+    assert scope.cancelled_caught
+    assert len(got) == 1 and isinstance(got[0], outcome.Error) and got[0].error is stopped
+
