@@ -102,6 +102,10 @@ class _RefreshFailed(Exception):
     """A source could not be read; the message says why, naming the bad entries."""
 
 
+class _TooManyEntries(_RefreshFailed):
+    """A source listed more than max_entries."""
+
+
 # --- pure parsing --------------------------------------------------------------------------
 
 
@@ -114,10 +118,10 @@ def parse_entries(text: str, default_port: int | None, what: str, max_entries: i
     try:
         entries = parse_target_list(joined, default_port)
     except TargetError as exc:
-        hint = "" if default_port is not None else " (no default port: set worker_http_port)"
+        hint = "" if default_port is not None else " (or set worker_http_port for entries without a port)"
         raise _RefreshFailed(f"{what}: {exc}{hint}") from exc
     if len(entries) > max_entries:
-        raise _RefreshFailed(f"{what}: {len(entries)} entries, more than max_entries={max_entries}")
+        raise _TooManyEntries(f"{what}: {len(entries)} entries, more than max_entries={max_entries}")
     return entries
 
 
@@ -141,7 +145,7 @@ def _dns_name(text: str, default_port: int | None, field: str) -> HostPort:
     try:
         return parse_target(text, default_port)
     except TargetError as exc:
-        hint = "" if default_port is not None else " (no default port: set worker_http_port or name:port)"
+        hint = "" if default_port is not None else " (give name:port, or set worker_http_port)"
         raise _RefreshFailed(f"{field}: {exc}{hint}") from exc
 
 
@@ -462,6 +466,8 @@ def discovery_problems(config: DiscoveryConfig) -> list[Problem]:
             continue
         try:
             parse()
+        except _TooManyEntries as exc:
+            problems.append(Problem((name, "max_entries"), str(exc).removeprefix(f"{name}: ")))
         except _RefreshFailed as exc:
             problems.append(Problem((name,), str(exc).removeprefix(f"{name}: ")))
     return problems

@@ -100,12 +100,13 @@ def test_subprocess_with_env_and_flags(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     errors = [line.strip() for line in result.stdout.splitlines() if line.startswith("  x ")]
     assert [e.split(":")[0] for e in errors] == [
+        # a value that does not parse, then one setting's problems in table order, then joint ones
         "x --kvcm-fallback (KVROUTE_KVCM_FALLBACK)",
+        "x --kvcm-instance-id (KVROUTE_KVCM_INSTANCE_ID)",
+        "x --workers (KVROUTE_WORKERS)",
         "x --scorer-seed (KVROUTE_SCORER_SEED)",
         "x --debug-listen (KVROUTE_DEBUG_LISTEN)",
         "x --kvcm-bootstrap (KVROUTE_KVCM_BOOTSTRAP) / --kvcm-bootstrap-file (KVROUTE_KVCM_BOOTSTRAP_FILE) / "
         "--kvcm-bootstrap-dns (KVROUTE_KVCM_BOOTSTRAP_DNS)",
-        "x --kvcm-instance-id (KVROUTE_KVCM_INSTANCE_ID)",
-        "x --workers (KVROUTE_WORKERS)",
     ]
     assert "(from env KVROUTE_KVCM_FALLBACK)" in errors[0]

@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _names(problems: typing.Iterable[settings.Problem]) -> set[tuple[str, ...]]:
+def _names(problems: typing.Iterable[settings.SettingProblem]) -> set[tuple[str, ...]]:
     return {p.settings for p in problems}
 
 
@@ -477,20 +477,25 @@ _OPERATOR_VALUES = st.fixed_dictionaries(
 @example({"prober_fresh_ttl_s": -1.0, "prober_max_status_age_s": 0.001})  # a reset exposes a conflict
 def test_an_effective_config_never_makes_an_actor_reject_it(values: dict[str, object]) -> None:
     """Whatever the operator gives, the fail-soft effective config passes every actor's own check."""
-    from actors.breaker import validate_breaker_config
+    from actors.breaker import KvcmBreaker
+    from actors.channel_pool import ChannelPool
     from actors.discovery import Discovery
-    from actors.leader_resolver import validate_leader_config
-    from actors.probe_budget import prober_config_problems
-    from actors.scorer import check_scorer_config
+    from actors.leader_resolver import leader_problems
+    from actors.probe_budget import prober_problems
+    from actors.scorer import Scorer
+    from actors.shadow_index import ShadowIndexActor
 
     loaded = load_config({**GOOD, **values}, {})
     if loaded.fatal_errors:
         return  # kvroute refuses to start; nothing reaches an actor
     eff = loaded.effective
-    validate_leader_config(eff.leader)
-    validate_breaker_config(eff.breaker)
-    assert prober_config_problems(eff.prober) == []
-    assert check_scorer_config(eff.scorer) == []
+    # The constructors refuse through the same checks the settings layer collected.
+    KvcmBreaker(eff.breaker)
+    ShadowIndexActor(eff.shadow)
+    ChannelPool(eff.channel_pool, lambda target: target)
+    Scorer(eff.scorer, eff.deployment)
+    assert leader_problems(eff.leader) == []
+    assert prober_problems(eff.prober) == []
 
     async def start_discovery() -> None:
         Discovery(eff.discovery)  # raises DiscoveryConfigError on what it cannot use
