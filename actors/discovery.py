@@ -426,6 +426,9 @@ class Discovery:
             self._changed = trio.Event()
 
 
+_WORKER_PORTS = ("worker_http_port", "worker_grpc_port_offset", "worker_status_port")
+
+
 def discovery_problems(config: DiscoveryConfig) -> list[Problem]:
     """Every reason discovery cannot work with ``config``: ranges, and the static lists and DNS names
     parsed exactly as the running actor parses them (every bad entry named at once)."""
@@ -438,9 +441,7 @@ def discovery_problems(config: DiscoveryConfig) -> list[Problem]:
                 f"({config.refresh_interval_s} s)",
             )
         )
-    parsed_with = {"kvcm_port", "worker_http_port", "worker_grpc_port_offset", "worker_status_port", "max_entries"}
-    if any(parsed_with & set(p.fields) for p in problems):
-        return problems  # the lists below are parsed with these numbers
+    out_of_range = {name for p in problems for name in p.fields}
     worker_port = config.worker_http_port or None
     c = config
     checks: tuple[tuple[str, str, Callable[[], object]], ...] = (
@@ -462,7 +463,9 @@ def discovery_problems(config: DiscoveryConfig) -> list[Problem]:
         ("workers_dns", c.workers_dns, lambda: _dns_name(c.workers_dns, worker_port, "workers_dns")),
     )
     for name, given, parse in checks:
-        if not given:
+        # Each list is parsed with its port settings and max_entries: only when those are valid.
+        inputs = {"max_entries", "kvcm_port"} if name.startswith("kvcm") else {"max_entries", *_WORKER_PORTS}
+        if not given or inputs & out_of_range:
             continue
         try:
             parse()

@@ -110,3 +110,24 @@ def test_subprocess_with_env_and_flags(tmp_path: Path) -> None:
         "--kvcm-bootstrap-dns (KVROUTE_KVCM_BOOTSTRAP_DNS)",
     ]
     assert "(from env KVROUTE_KVCM_FALLBACK)" in errors[0]
+
+
+def test_non_utf8_config_file_is_a_listed_problem_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "latin1.toml"
+    config.write_bytes("[deployment]\nkvcm_instance_id = 'café'\n".encode("latin-1"))
+    assert main(["check-config", "--config", str(config)]) == 1  # not a UnicodeDecodeError traceback
+    out = capsys.readouterr().out
+    assert f"  x --config {config}: not UTF-8 text" in out
+    assert "kvroute will not start" in out
+
+
+def test_check_config_refuses_what_serve_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    # The worker's gRPC port would be 65536: discovery refuses it when serve starts, so check-config must.
+    code = main(["check-config", "--kvcm-fallback", "off", "--workers", "10.1.0.1:65535"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "x --workers (KVROUTE_WORKERS): 10.1.0.1:65535: grpc port 65536" in out
+    assert "(http + --worker-grpc-port-offset)" in out
+    assert "result: OK" not in out

@@ -166,9 +166,15 @@ def resolve_config(
 
     config = _assemble(values)
     problems.extend(validate(config, sources))
+    effective = _fail_soft(config, problems)
+    if effective is not config:
+        # Resetting the fallback part can expose a problem the given values hid (a list parsed only
+        # once its port is valid): what would stop kvroute must be listed too.
+        listed = {p.settings for p in problems}
+        problems.extend(p for p in validate(effective, sources) if not p.fallback and p.settings not in listed)
     return LoadedConfig(
         config=config,
-        effective=_fail_soft(config, problems),
+        effective=effective,
         sources=sources,
         errors=tuple(problems),
         warnings=tuple(warnings),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.config import KvrouteConfig
+from router.logs import LOG_FORMATS, LOG_LEVELS
 from router.problems import Range, range_of
 from router.targets import HostPort, TargetError, parse_target
 from router.types import QueryType, Role
@@ -29,8 +30,6 @@ CONFIG_ENV = "KVROUTE_CONFIG"  # the TOML file, when --config is not given
 _TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 _FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 _SECRET_WORDS = frozenset({"secret", "token", "password", "passwd", "credential", "apikey"})
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-LOG_FORMATS = ("text", "json")
 
 # Sections whose settings carry no section prefix (their field names are already the operator's words).
 _UNPREFIXED_SECTIONS = frozenset({"deployment", "serve"})
