@@ -15,6 +15,7 @@ The package, by what each part does:
 
 from __future__ import annotations
 
+from router.logs import LOG_FORMATS, LOG_LEVELS
 from router.settings.assess import Assessment, assess, log_startup_report
 from router.settings.cli_args import add_arguments, load_or_report
 from router.settings.load import (
@@ -34,8 +35,6 @@ from router.settings.table import (
     CONFIG_ENV,
     DEFAULT_ORIGIN,
     ENV_PREFIX,
-    LOG_FORMATS,
-    LOG_LEVELS,
     SECTIONS,
     SETTINGS,
     Check,
