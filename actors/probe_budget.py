@@ -83,12 +83,12 @@ def ejection_allowed(ejected_now: int, known_workers: int, max_fraction: float) 
 def prober_problems(config: ProberConfig) -> list[Problem]:
     """Every reason the prober cannot work with ``config`` (empty when it can)."""
     problems = range_problems(config)
-    if config.fresh_ttl_s >= config.max_status_age_s:
+    if config.fresh_ttl_s > config.max_status_age_s:
         # A status fresh enough to skip a probe must still be young enough to score with.
         problems.append(
             Problem(
                 ("fresh_ttl_s", "max_status_age_s"),
-                f"the freshness TTL ({config.fresh_ttl_s} s) must be shorter than the max status age "
+                f"the freshness TTL ({config.fresh_ttl_s} s) is above the max status age "
                 f"({config.max_status_age_s} s)",
             )
         )

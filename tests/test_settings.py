@@ -57,7 +57,7 @@ def test_every_setting_has_flag_env_help_and_a_valid_or_required_default() -> No
     for s in SETTINGS:
         assert s.flag == "--" + s.name.replace("_", "-")
         assert s.env == "KVROUTE_" + s.name.upper()
-        assert s.help.strip(), f"{s.toml_key}: add its help text to router/settings.py _SPECS"
+        assert s.help.strip(), f"{s.toml_key}: add its help text to router/settings/table.py _SPECS"
         assert s.env in s.help_text() and s.toml_key in s.help_text()
         if s.required_when is None:
             assert s.validate(s.default) == [], s.toml_key
@@ -590,14 +590,18 @@ def test_key_geometry_the_family_cannot_hash_is_refused_up_front() -> None:
     assert load_config({**GOOD, "lookahead_tokens": "1", "key_family": "vllm"}, {}).errors == ()
 
 
-def test_prober_freshness_must_be_shorter_than_the_max_age_for_settings_and_prober_alike() -> None:
+def test_prober_freshness_within_the_max_age_is_one_rule_for_settings_and_prober() -> None:
     from actors.probe_budget import prober_problems
     from actors.worker_prober import WorkerProber
     from router.config import ProberConfig
 
+    # Equal is allowed by both (the settings layer used to refuse what the prober accepted).
     equal = {"prober_fresh_ttl_s": "3", "prober_max_status_age_s": "3"}
-    assert ("prober_fresh_ttl_s", "prober_max_status_age_s") in _names(load_config({**GOOD, **equal}, {}).errors)
-    config = ProberConfig(fresh_ttl_s=3.0, max_status_age_s=3.0)
+    assert load_config({**GOOD, **equal}, {}).errors == ()
+    assert prober_problems(ProberConfig(fresh_ttl_s=3.0, max_status_age_s=3.0)) == []
+    above = {"prober_fresh_ttl_s": "3.5", "prober_max_status_age_s": "3"}
+    assert _names(load_config({**GOOD, **above}, {}).errors) == {("prober_fresh_ttl_s", "prober_max_status_age_s")}
+    config = ProberConfig(fresh_ttl_s=3.5, max_status_age_s=3.0)
     assert [p.fields for p in prober_problems(config)] == [("fresh_ttl_s", "max_status_age_s")]
     with pytest.raises(ValueError, match=r"prober\.fresh_ttl_s, prober\.max_status_age_s"):
         WorkerProber(config, transport=None)  # type: ignore[arg-type]  # refused before the transport is used

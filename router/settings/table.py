@@ -454,7 +454,6 @@ _SPECS: dict[str, _Spec] = {
     "prober.eject_max_s": _Spec("Longest ejection", metavar="SECONDS"),
     "prober.max_ejected_fraction": _Spec("Most of the known workers ejected at once"),
     "prober.max_tracked_workers": _Spec("Bound on per-worker prober state"),
-    "prober.inbox_size": _Spec("WorkerProber inbox"),
     "prober.engine_generation": _Spec("Worker-status decoder generation (engine version family)"),
     # scorer
     "scorer.prefill_queue_size_threshold": _Spec(
@@ -595,6 +594,9 @@ def _build_table() -> tuple[Setting, ...]:
                 )
             )
     _check_unique(settings)
+    unknown = set(_SPECS) - {s.toml_key for s in settings}
+    if unknown:
+        raise RuntimeError(f"_SPECS describes no field of KvrouteConfig: {sorted(unknown)}")
     return tuple(settings)
 
 
