@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from router.config import BreakerConfig
+from router.problems import Problem, range_problems, refuse
 
 
 class BreakerState(enum.Enum):
@@ -60,31 +61,16 @@ class BreakerSnapshot:
     trial_timeouts_total: int
 
 
-def validate_breaker_config(config: BreakerConfig) -> None:
-    """Raise ValueError listing every bad field at once."""
-    problems: list[str] = []
-    if config.failure_threshold < 1:
-        problems.append(f"failure_threshold: must be >= 1, got {config.failure_threshold}")
-    if not config.window_s > 0:
-        problems.append(f"window_s: must be > 0, got {config.window_s}")
-    if config.window_min_calls < 1:
-        problems.append(f"window_min_calls: must be >= 1, got {config.window_min_calls}")
-    if not 0 < config.failure_rate <= 1:
-        problems.append(f"failure_rate: must be in (0, 1], got {config.failure_rate}")
-    if config.window_buckets < 1:
-        problems.append(f"window_buckets: must be >= 1, got {config.window_buckets}")
-    if not config.cooldown_s > 0:
-        problems.append(f"cooldown_s: must be > 0, got {config.cooldown_s}")
-    if not config.cooldown_max_s >= config.cooldown_s:
+def breaker_problems(config: BreakerConfig) -> list[Problem]:
+    """Every reason the breaker cannot work with ``config`` (empty when it can)."""
+    problems = range_problems(config)
+    if config.cooldown_s > config.cooldown_max_s:
         problems.append(
-            f"cooldown_max_s: must be >= cooldown_s ({config.cooldown_s}), got {config.cooldown_max_s}"
+            Problem(
+                ("cooldown_s", "cooldown_max_s"), f"{config.cooldown_s} is above the maximum {config.cooldown_max_s}"
+            )
         )
-    if not config.trial_timeout_s > 0:
-        problems.append(f"trial_timeout_s: must be > 0, got {config.trial_timeout_s}")
-    if not config.slow_query_ms >= 0:
-        problems.append(f"slow_query_ms: must be >= 0, got {config.slow_query_ms}")
-    if problems:
-        raise ValueError("breaker config: " + "; ".join(problems))
+    return problems
 
 
 class _Window:
@@ -132,7 +118,7 @@ class KvcmBreaker:
     """The breaker's state. Every method is synchronous and takes the time it needs."""
 
     def __init__(self, config: BreakerConfig) -> None:
-        validate_breaker_config(config)
+        refuse("breaker", breaker_problems(config))
         self._config = config
         self._state = BreakerState.CLOSED
         self._consecutive_failures = 0

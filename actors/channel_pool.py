@@ -26,6 +26,7 @@ import grpc
 import trio
 
 from router.config import ChannelPoolConfig
+from router.problems import Problem, range_problems, refuse
 from router.targets import parse_target
 from router.transport.grpc_adapter import open_channel
 
@@ -93,6 +94,11 @@ class _Lease(Generic[ChannelT]):
         self._pool._release(self._entry)
 
 
+def channel_pool_problems(config: ChannelPoolConfig) -> list[Problem]:
+    """Every reason the pool cannot work with ``config`` (empty when it can)."""
+    return range_problems(config)
+
+
 class ChannelPool(Generic[ChannelT]):
     """LRU of channels with a size cap and idle expiry (trio clock). Implements ``ChannelLeaser``."""
 
@@ -103,10 +109,7 @@ class ChannelPool(Generic[ChannelT]):
     def __init__(self, config: ChannelPoolConfig, factory: Callable[[str], ChannelT]) -> None: ...
 
     def __init__(self, config: ChannelPoolConfig, factory: Callable[[str], ChannelT] | None = None) -> None:
-        if config.max_channels < 1:
-            raise ValueError(f"channel_pool.max_channels must be >= 1, got {config.max_channels}")
-        if not config.idle_expiry_s > 0:
-            raise ValueError(f"channel_pool.idle_expiry_s must be > 0, got {config.idle_expiry_s}")
+        refuse("channel_pool", channel_pool_problems(config))
         self._config = config
         self._evict_listener: Callable[[EvictReason], None] | None = None
         # Without a factory ChannelT is grpc.Channel (first overload).

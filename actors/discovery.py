@@ -28,23 +28,23 @@ import functools
 import ipaddress
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import trio
 
 from router.config import DiscoveryConfig
+from router.problems import ConfigError, Problem, range_problems
 from router.targets import HostPort, TargetError, parse_target, parse_target_list
 from router.types import WorkerAddr
 
 
-class DiscoveryConfigError(ValueError):
+class DiscoveryConfigError(ConfigError):
     """Bad discovery configuration; ``problems`` lists every one, each naming its field and entry."""
 
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("discovery config: " + "; ".join(problems))
-        self.problems = tuple(problems)
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        super().__init__("discovery", problems)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +102,10 @@ class _RefreshFailed(Exception):
     """A source could not be read; the message says why, naming the bad entries."""
 
 
+class _TooManyEntries(_RefreshFailed):
+    """A source listed more than max_entries."""
+
+
 # --- pure parsing --------------------------------------------------------------------------
 
 
@@ -114,10 +118,10 @@ def parse_entries(text: str, default_port: int | None, what: str, max_entries: i
     try:
         entries = parse_target_list(joined, default_port)
     except TargetError as exc:
-        hint = "" if default_port is not None else " (no default port: set worker_http_port)"
+        hint = "" if default_port is not None else " (or set worker_http_port for entries without a port)"
         raise _RefreshFailed(f"{what}: {exc}{hint}") from exc
     if len(entries) > max_entries:
-        raise _RefreshFailed(f"{what}: {len(entries)} entries, more than max_entries={max_entries}")
+        raise _TooManyEntries(f"{what}: {len(entries)} entries, more than max_entries={max_entries}")
     return entries
 
 
@@ -141,7 +145,7 @@ def _dns_name(text: str, default_port: int | None, field: str) -> HostPort:
     try:
         return parse_target(text, default_port)
     except TargetError as exc:
-        hint = "" if default_port is not None else " (no default port: set worker_http_port or name:port)"
+        hint = "" if default_port is not None else " (give name:port, or set worker_http_port)"
         raise _RefreshFailed(f"{field}: {exc}{hint}") from exc
 
 
@@ -210,39 +214,29 @@ class Discovery:
 
     def __init__(self, config: DiscoveryConfig) -> None:
         self._config = config
-        problems = _validate(config)
+        problems = discovery_problems(config)
+        if problems:
+            raise DiscoveryConfigError(problems)
         self._kvcm_default = config.kvcm_port
         self._worker_default = config.worker_http_port or None
         self._sources: list[_Source] = []
         self._kvcm_static = self._add(ListKind.KVCM, SourceKind.STATIC, "config")
         self._workers_static = self._add(ListKind.WORKERS, SourceKind.STATIC, "config")
-        try:
-            self._kvcm_static.static_entries = parse_entries(
-                config.kvcm_bootstrap, self._kvcm_default, "kvcm_bootstrap", config.max_entries
-            )
-        except _RefreshFailed as exc:
-            problems.append(str(exc))
-        try:
-            self._workers_static.static_entries = self._parse_workers(config.workers, "workers")
-        except _RefreshFailed as exc:
-            problems.append(str(exc))
+        # Valid (checked above): parsing cannot fail.
+        self._kvcm_static.static_entries = parse_entries(
+            config.kvcm_bootstrap, self._kvcm_default, "kvcm_bootstrap", config.max_entries
+        )
+        self._workers_static.static_entries = self._parse_workers(config.workers, "workers")
         for list_kind, field, name, default in (
             (ListKind.KVCM, "kvcm_bootstrap_dns", config.kvcm_bootstrap_dns, self._kvcm_default),
             (ListKind.WORKERS, "workers_dns", config.workers_dns, self._worker_default),
         ):
             if name:
-                try:
-                    target = _dns_name(name, default, field)
-                except _RefreshFailed as exc:
-                    problems.append(str(exc))
-                else:
-                    self._add(list_kind, SourceKind.DNS, name, target)
+                self._add(list_kind, SourceKind.DNS, name, _dns_name(name, default, field))
         if config.kvcm_bootstrap_file:
             self._add(ListKind.KVCM, SourceKind.FILE, config.kvcm_bootstrap_file)
         if config.workers_file:
             self._add(ListKind.WORKERS, SourceKind.FILE, config.workers_file)
-        if problems:
-            raise DiscoveryConfigError(problems)
 
         self._generation = 0
         self._changed = trio.Event()
@@ -288,7 +282,7 @@ class Discovery:
         try:
             parsed = self._parse_workers(entries, "workers")
         except _RefreshFailed as exc:
-            raise DiscoveryConfigError([str(exc)]) from exc
+            raise DiscoveryConfigError([Problem(("workers",), str(exc).removeprefix("workers: "))]) from exc
         self._workers_static.static_entries = parsed
         self._apply(self._workers_static, parsed, None, trio.current_time())
 
@@ -432,25 +426,51 @@ class Discovery:
             self._changed = trio.Event()
 
 
-def _validate(config: DiscoveryConfig) -> list[str]:
-    """Problems with the numeric settings (entry lists are checked where they are parsed)."""
-    problems: list[str] = []
-    if not 1 <= config.kvcm_port <= 65535:
-        problems.append(f"kvcm_port: {config.kvcm_port} not in 1..65535")
-    if not 0 <= config.worker_http_port <= 65535:
+_WORKER_PORTS = ("worker_http_port", "worker_grpc_port_offset", "worker_status_port")
+
+
+def discovery_problems(config: DiscoveryConfig) -> list[Problem]:
+    """Every reason discovery cannot work with ``config``: ranges, and the static lists and DNS names
+    parsed exactly as the running actor parses them (every bad entry named at once)."""
+    problems = range_problems(config)
+    if config.stale_after_s < config.refresh_interval_s:
         problems.append(
-            f"worker_http_port: {config.worker_http_port} not in 0..65535 (0 = explicit ports only)"
+            Problem(
+                ("stale_after_s", "refresh_interval_s"),
+                f"the stale timeout ({config.stale_after_s} s) is shorter than the refresh interval "
+                f"({config.refresh_interval_s} s)",
+            )
         )
-    if not 0 <= config.worker_status_port <= 65535:
-        problems.append(
-            f"worker_status_port: {config.worker_status_port} not in 0..65535 (0 = the grpc port)"
-        )
-    if not config.refresh_interval_s > 0:
-        problems.append(f"refresh_interval_s: must be > 0, got {config.refresh_interval_s}")
-    if not config.stale_after_s >= 0:
-        problems.append(f"stale_after_s: must be >= 0, got {config.stale_after_s}")
-    if not config.refresh_timeout_s > 0:
-        problems.append(f"refresh_timeout_s: must be > 0, got {config.refresh_timeout_s}")
-    if config.max_entries < 1:
-        problems.append(f"max_entries: must be >= 1, got {config.max_entries}")
+    out_of_range = {name for p in problems for name in p.fields}
+    worker_port = config.worker_http_port or None
+    c = config
+    checks: tuple[tuple[str, str, Callable[[], object]], ...] = (
+        (
+            "kvcm_bootstrap",
+            c.kvcm_bootstrap,
+            lambda: parse_entries(c.kvcm_bootstrap, c.kvcm_port, "kvcm_bootstrap", c.max_entries),
+        ),
+        (
+            "workers",
+            c.workers,
+            lambda: to_workers(parse_entries(c.workers, worker_port, "workers", c.max_entries), c, "workers"),
+        ),
+        (
+            "kvcm_bootstrap_dns",
+            c.kvcm_bootstrap_dns,
+            lambda: _dns_name(c.kvcm_bootstrap_dns, c.kvcm_port, "kvcm_bootstrap_dns"),
+        ),
+        ("workers_dns", c.workers_dns, lambda: _dns_name(c.workers_dns, worker_port, "workers_dns")),
+    )
+    for name, given, parse in checks:
+        # Each list is parsed with its port settings and max_entries: only when those are valid.
+        inputs = {"max_entries", "kvcm_port"} if name.startswith("kvcm") else {"max_entries", *_WORKER_PORTS}
+        if not given or inputs & out_of_range:
+            continue
+        try:
+            parse()
+        except _TooManyEntries as exc:
+            problems.append(Problem((name, "max_entries"), str(exc).removeprefix(f"{name}: ")))
+        except _RefreshFailed as exc:
+            problems.append(Problem((name,), str(exc).removeprefix(f"{name}: ")))
     return problems

@@ -37,6 +37,7 @@ import trio
 from actors.breaker import Admission, BreakerSnapshot, KvcmBreaker
 from actors.metrics_sink import KvcmRequest, MetricsSink
 from router.config import BreakerConfig, LeaderConfig
+from router.problems import Problem, range_problems, refuse
 from router.transport.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
 from router.transport.ports import KvcmTransport
 from router.types import LeaderEndpoint
@@ -132,28 +133,17 @@ class _Attempt:
         self.result: _LookupResult | None = None
 
 
-def validate_leader_config(config: LeaderConfig) -> None:
-    """Raise ValueError listing every bad field at once."""
-    problems: list[str] = []
-    positive = (
-        ("refresh_interval_s", config.refresh_interval_s),
-        ("max_staleness_s", config.max_staleness_s),
-        ("lookup_timeout_s", config.lookup_timeout_s),
-        ("backoff_initial_s", config.backoff_initial_s),
-        ("no_leader_retry_s", config.no_leader_retry_s),
-    )
-    for name, value in positive:
-        if not value > 0:
-            problems.append(f"{name}: must be > 0, got {value}")
-    if not config.backoff_max_s >= config.backoff_initial_s:
+def leader_problems(config: LeaderConfig) -> list[Problem]:
+    """Every reason the resolver cannot work with ``config`` (empty when it can)."""
+    problems = range_problems(config)
+    if config.backoff_initial_s > config.backoff_max_s:
         problems.append(
-            f"backoff_max_s: must be >= backoff_initial_s ({config.backoff_initial_s}), "
-            f"got {config.backoff_max_s}"
+            Problem(
+                ("backoff_initial_s", "backoff_max_s"),
+                f"{config.backoff_initial_s} is above the maximum {config.backoff_max_s}",
+            )
         )
-    if not config.backoff_jitter_s >= 0:
-        problems.append(f"backoff_jitter_s: must be >= 0, got {config.backoff_jitter_s}")
-    if problems:
-        raise ValueError("leader config: " + "; ".join(problems))
+    return problems
 
 
 class LeaderResolver:
@@ -170,7 +160,7 @@ class LeaderResolver:
         """``bootstrap`` returns the current KVCM targets (Discovery.kvcm_bootstrap); ``instance_id`` is the
         deployment's KVCM namespace (DeploymentConfig.kvcm_instance_id), sent in GetClusterInfo;
         ``metrics`` receives one KvcmRequest("GetClusterInfo", outcome) per call made."""
-        validate_leader_config(config)
+        refuse("leader", leader_problems(config))
         self._config = config
         self._metrics = metrics
         self._instance_id = instance_id

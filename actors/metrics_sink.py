@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.config import MetricsConfig
+from router.problems import Problem, range_problems, refuse
 from router.types import Reason, RouteDecision, RouteSource, SourceOutcome, Stage
 
 logger = logging.getLogger(__name__)
@@ -156,10 +157,14 @@ class _SourceGauges(Collector):
         yield from families.values()
 
 
+def metrics_problems(config: MetricsConfig) -> list[Problem]:
+    """Every reason the sink cannot work with ``config`` (empty when it can)."""
+    return range_problems(config)
+
+
 class MetricsSink:
     def __init__(self, config: MetricsConfig) -> None:
-        if config.inbox_size < 1 or config.decision_ring_size < 1 or config.shadow_agreement_window < 1:
-            raise ValueError("metrics.inbox_size, decision_ring_size and shadow_agreement_window must be >= 1")
+        refuse("metrics", metrics_problems(config))
         self._config = config
         self._send, self._receive = trio.open_memory_channel[MetricEvent](config.inbox_size)
         self.registry = CollectorRegistry(auto_describe=True)

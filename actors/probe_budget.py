@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from router.config import ProberConfig
+from router.problems import Problem, range_problems
 
 
 class TokenBucket:
@@ -79,24 +80,22 @@ def ejection_allowed(ejected_now: int, known_workers: int, max_fraction: float) 
     return ejected_now + 1 <= math.floor(max_fraction * known_workers + 1e-9)
 
 
-def prober_config_problems(config: ProberConfig) -> list[str]:
-    """Every invalid ProberConfig field, each message naming the field (empty list = valid)."""
-    problems: list[str] = []
-
-    def need(ok: bool, name: str, rule: str, value: object) -> None:
-        if not ok:
-            problems.append(f"prober.{name}: must be {rule}, got {value!r}")
-
-    c = config
-    need(c.inflight_cap >= 1, "inflight_cap", ">= 1", c.inflight_cap)
-    need(c.rate_per_s > 0, "rate_per_s", "> 0", c.rate_per_s)
-    need(c.rate_burst >= 1, "rate_burst", ">= 1", c.rate_burst)
-    need(c.fresh_ttl_s >= 0, "fresh_ttl_s", ">= 0", c.fresh_ttl_s)
-    need(c.max_status_age_s >= c.fresh_ttl_s, "max_status_age_s", ">= fresh_ttl_s", c.max_status_age_s)
-    need(c.probe_timeout_s > 0, "probe_timeout_s", "> 0", c.probe_timeout_s)
-    need(c.eject_after_failures >= 1, "eject_after_failures", ">= 1", c.eject_after_failures)
-    need(c.eject_base_s > 0, "eject_base_s", "> 0", c.eject_base_s)
-    need(c.eject_max_s >= c.eject_base_s, "eject_max_s", ">= eject_base_s", c.eject_max_s)
-    need(0.0 <= c.max_ejected_fraction <= 1.0, "max_ejected_fraction", "in [0, 1]", c.max_ejected_fraction)
-    need(c.max_tracked_workers >= 1, "max_tracked_workers", ">= 1", c.max_tracked_workers)
+def prober_problems(config: ProberConfig) -> list[Problem]:
+    """Every reason the prober cannot work with ``config`` (empty when it can)."""
+    problems = range_problems(config)
+    if config.fresh_ttl_s > config.max_status_age_s:
+        # A status fresh enough to skip a probe must still be young enough to score with.
+        problems.append(
+            Problem(
+                ("fresh_ttl_s", "max_status_age_s"),
+                f"the freshness TTL ({config.fresh_ttl_s} s) is above the max status age "
+                f"({config.max_status_age_s} s)",
+            )
+        )
+    if config.eject_base_s > config.eject_max_s:
+        problems.append(
+            Problem(
+                ("eject_base_s", "eject_max_s"), f"{config.eject_base_s} is above the maximum {config.eject_max_s}"
+            )
+        )
     return problems

@@ -31,7 +31,6 @@ Design (pure core, time passed in, memory bounded):
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 import trio
 
 from router.config import ShadowConfig
+from router.problems import Problem, range_problems, refuse
 from router.types import HostMatch
 
 _RecordKey = tuple[str, int]  # (worker, the record's last key): one record per prompt per worker
@@ -73,17 +73,16 @@ class _Record:
         self.recorded_at = recorded_at
 
 
+def shadow_problems(config: ShadowConfig) -> list[Problem]:
+    """Every reason the shadow index cannot work with ``config`` (empty when it can)."""
+    return range_problems(config)
+
+
 class ShadowIndex:
     """The pure index. Not thread-safe; one owner mutates it (see ShadowIndexActor)."""
 
     def __init__(self, ttl_s: float, capacity_blocks: int) -> None:
-        problems = []
-        if not (ttl_s > 0 and math.isfinite(ttl_s)):
-            problems.append(f"ttl_s: must be a positive number of seconds, got {ttl_s}")
-        if capacity_blocks < 1:
-            problems.append(f"capacity_blocks: must be >= 1, got {capacity_blocks}")
-        if problems:
-            raise ValueError("invalid shadow index configuration: " + "; ".join(problems))
+        refuse("shadow", shadow_problems(ShadowConfig(ttl_s=ttl_s, capacity_blocks=capacity_blocks)))
         self.ttl_s = ttl_s
         self.capacity_blocks = capacity_blocks
         self._records: OrderedDict[_RecordKey, _Record] = OrderedDict()  # least recently recorded first
@@ -228,8 +227,7 @@ class ShadowIndexActor:
     """
 
     def __init__(self, config: ShadowConfig) -> None:
-        if config.inbox_size < 1:
-            raise ValueError(f"inbox_size: must be >= 1, got {config.inbox_size}")
+        refuse("shadow", shadow_problems(config))
         self.index = ShadowIndex(config.ttl_s, config.capacity_blocks)
         self._send, self._receive = trio.open_memory_channel[_Recorded](config.inbox_size)
         self._inbox_size = config.inbox_size

@@ -64,9 +64,10 @@ from actors.probe_budget import (
     decayed_ejection_count,
     ejection_allowed,
     ejection_duration_s,
-    prober_config_problems,
+    prober_problems,
 )
 from router.config import ProberConfig
+from router.problems import refuse
 from router.transport.errors import TransportError
 from router.transport.ports import WorkerStatusTransport
 from router.types import WorkerAddr, WorkerStatus
@@ -232,9 +233,7 @@ class WorkerProber:
     """Probes worker statuses for requests under one global budget (see the module docstring)."""
 
     def __init__(self, config: ProberConfig, transport: WorkerStatusTransport) -> None:
-        problems = prober_config_problems(config)
-        if problems:
-            raise ValueError("invalid prober config: " + "; ".join(problems))
+        refuse("prober", prober_problems(config))
         self._config = config
         self._transport = transport
         self._limiter = trio.CapacityLimiter(config.inflight_cap)

@@ -1,25 +1,30 @@
-"""Configuration values: one dataclass per actor, each field's default defined once, here.
+"""Configuration values: one dataclass per actor, each field's default and numeric range defined once, here.
 
-The settings table (flags, environment variables, TOML, validation, help) is
-generated from these dataclasses; no other module repeats a default.
+The settings table (flags, environment variables, TOML, help) is generated from these dataclasses;
+no other module repeats a default or a range. ``bounded(default, low, high)`` declares the range
+(every number has an upper bound: a value no deployment means is refused, naming its flag); the
+components' ``*_problems`` functions and the settings layer both check it through
+``router.problems.range_problems``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.problems import bounded
 from router.types import EngineGeneration, KeyFamily, QueryType, Role
 
 KVCM_DEFAULT_PORT = 6381
+_GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC sizes are signed 32-bit
 
 
 @dataclass(frozen=True, slots=True)
 class ChannelPoolConfig:
-    max_channels: int = 256
-    idle_expiry_s: float = 60.0
-    keepalive_time_ms: int = 30_000
-    keepalive_timeout_ms: int = 10_000
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_channels: int = bounded(256, 0, 100_000, low_open=True)
+    idle_expiry_s: float = bounded(60.0, 0, 86_400, low_open=True)
+    keepalive_time_ms: int = bounded(30_000, 0, 3_600_000, low_open=True)
+    keepalive_timeout_ms: int = bounded(10_000, 0, 600_000, low_open=True)
+    max_message_bytes: int = bounded(16 * 1024 * 1024, 0, _GRPC_MAX_MESSAGE_BYTES, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,87 +33,99 @@ class DiscoveryConfig:
     kvcm_bootstrap: str = ""
     kvcm_bootstrap_file: str = ""
     kvcm_bootstrap_dns: str = ""
-    kvcm_port: int = KVCM_DEFAULT_PORT
+    kvcm_port: int = bounded(KVCM_DEFAULT_PORT, 1, 65_535)
     # Workers: ip:http_port entries.
     workers: str = ""
     workers_file: str = ""
     workers_dns: str = ""
-    worker_http_port: int = 0  # default http port for bare hosts and DNS answers; 0 = an explicit port is required
-    worker_grpc_port_offset: int = 1  # grpc port = http port + offset
-    worker_status_port: int = 0  # 0 = the grpc port
-    refresh_interval_s: float = 5.0  # each source (file, DNS) is re-read this often
-    stale_after_s: float = 60.0  # an empty or failed source keeps its last good entries this long, then empty
-    refresh_timeout_s: float = 2.0  # bounds one source refresh (a DNS lookup, a file read); over it = failed
-    max_entries: int = 10_000  # per source; a longer answer is a failed refresh (bounds per-worker maps)
+    # default http port for bare hosts and DNS answers; 0 = an explicit port is required
+    worker_http_port: int = bounded(0, 0, 65_535)
+    worker_grpc_port_offset: int = bounded(1, -65_535, 65_535)  # grpc port = http port + offset
+    worker_status_port: int = bounded(0, 0, 65_535)  # 0 = the grpc port
+    refresh_interval_s: float = bounded(5.0, 0, 86_400, low_open=True)  # each source (file, DNS) is re-read this often
+    # an empty or failed source keeps its last good entries this long, then empty
+    stale_after_s: float = bounded(60.0, 0, 604_800, low_open=True)
+    # bounds one source refresh (a DNS lookup, a file read); over it = failed
+    refresh_timeout_s: float = bounded(2.0, 0, 3600, low_open=True)
+    # per source; a longer answer is a failed refresh (bounds per-worker maps)
+    max_entries: int = bounded(10_000, 0, 1_000_000, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
 class LeaderConfig:
-    refresh_interval_s: float = 10.0
-    max_staleness_s: float = 30.0
-    lookup_timeout_s: float = 0.5  # bounds one round of concurrent GetClusterInfo calls
+    refresh_interval_s: float = bounded(10.0, 0, 3600, low_open=True)
+    max_staleness_s: float = bounded(30.0, 0, 86_400, low_open=True)
+    lookup_timeout_s: float = bounded(0.5, 0, 60, low_open=True)  # bounds one round of concurrent GetClusterInfo calls
     # Failed lookups: the n-th consecutive failure waits initial × 2^(n-1) + uniform(0, jitter), capped at max.
-    backoff_initial_s: float = 0.05
-    backoff_max_s: float = 5.0
-    backoff_jitter_s: float = 0.05
-    no_leader_retry_s: float = 0.2  # "no leader elected yet" is retried this soon (not a failure, no backoff)
+    backoff_initial_s: float = bounded(0.05, 0, 3600, low_open=True)
+    backoff_max_s: float = bounded(5.0, 0, 3600, low_open=True)
+    backoff_jitter_s: float = bounded(0.05, 0, 60)
+    # "no leader elected yet" is retried this soon (not a failure, no backoff)
+    no_leader_retry_s: float = bounded(0.2, 0, 60, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
-    failure_threshold: int = 5  # consecutive failures that open the breaker
+    failure_threshold: int = bounded(5, 0, 1_000_000_000, low_open=True)  # consecutive failures that open the breaker
     # ... or a failure rate >= failure_rate over the last window_s (at least window_min_calls calls),
     # counted in window_buckets ring buckets (so memory is bounded whatever the call rate).
-    window_s: float = 10.0
-    window_min_calls: int = 20
-    failure_rate: float = 0.5
-    window_buckets: int = 10
-    cooldown_s: float = 1.0  # OPEN lasts cooldown_s × 2^(re-opens since last closed) ...
-    cooldown_max_s: float = 30.0  # ... capped here
-    trial_timeout_s: float = 5.0  # a half-open trial never reported back counts as failed after this
+    window_s: float = bounded(10.0, 0, 3600, low_open=True)
+    window_min_calls: int = bounded(20, 0, 1_000_000_000, low_open=True)
+    failure_rate: float = bounded(0.5, 0, 1, low_open=True)
+    window_buckets: int = bounded(10, 0, 1000, low_open=True)
+    # OPEN lasts cooldown_s × 2^(re-opens since last closed) ...
+    cooldown_s: float = bounded(1.0, 0, 3600, low_open=True)
+    cooldown_max_s: float = bounded(30.0, 0, 86_400, low_open=True)  # ... capped here
+    # a half-open trial never reported back counts as failed after this
+    trial_timeout_s: float = bounded(5.0, 0, 600, low_open=True)
     # A query the request's own deadline cut off before KVCM had this long is not judged (neither a
     # failure nor a success, and the leader is kept): a tight budget says nothing about KVCM.
-    slow_query_ms: float = 10.0
+    slow_query_ms: float = bounded(10.0, 0, 60_000)
 
 
 @dataclass(frozen=True, slots=True)
 class ProberConfig:
     # One global probe budget for the process: RPCs in flight, and a token bucket (probes/s, burst).
-    inflight_cap: int = 64
-    rate_per_s: float = 2000.0
-    rate_burst: int = 64
-    fresh_ttl_s: float = 0.05  # a status younger than this is used without an RPC
-    max_status_age_s: float = 3.0  # a last good status older than this: the worker is unknown for scoring
-    probe_timeout_s: float = 0.2  # bounds a started RPC, whoever still waits for it
-    eject_after_failures: int = 3  # consecutive probe failures that eject a worker
-    eject_base_s: float = 30.0  # the n-th ejection lasts base × n ...
-    eject_max_s: float = 300.0  # ... capped here
-    max_ejected_fraction: float = 0.5  # of the tracked workers, at once
-    max_tracked_workers: int = 4096  # status-cache entries (LRU) and, equally, probes pending at once
+    inflight_cap: int = bounded(64, 0, 100_000, low_open=True)
+    rate_per_s: float = bounded(2000.0, 0, 1_000_000, low_open=True)
+    rate_burst: int = bounded(64, 0, 1_000_000, low_open=True)
+    fresh_ttl_s: float = bounded(0.05, 0, 3600)  # a status younger than this is used without an RPC
+    # a last good status older than this: the worker is unknown for scoring
+    max_status_age_s: float = bounded(3.0, 0, 86_400, low_open=True)
+    probe_timeout_s: float = bounded(0.2, 0, 60, low_open=True)  # bounds a started RPC, whoever still waits for it
+    eject_after_failures: int = bounded(3, 0, 1000, low_open=True)  # consecutive probe failures that eject a worker
+    eject_base_s: float = bounded(30.0, 0, 86_400, low_open=True)  # the n-th ejection lasts base × n ...
+    eject_max_s: float = bounded(300.0, 0, 604_800, low_open=True)  # ... capped here
+    max_ejected_fraction: float = bounded(0.5, 0, 1)  # of the tracked workers, at once
+    # status-cache entries (LRU) and, equally, probes pending at once
+    max_tracked_workers: int = bounded(4096, 0, 1_000_000, low_open=True)
     engine_generation: EngineGeneration = EngineGeneration.K
 
 
 @dataclass(frozen=True, slots=True)
 class ScorerConfig:
-    prefill_queue_size_threshold: int = 1024
-    p2p_hit_discount: float = 0.2
-    max_extra_work_tokens: int = 0
-    min_hit_rate: float = 5.0
-    outstanding_uncached_tokens_threshold: int = 0
-    hot_set_size: int = 8
-    cold_set_size: int = 2
-    seed: int = 0  # seeds the RNG that breaks exact ties (after least-recently-selected)
-    max_tracked_workers: int = 4096  # selection ledger: workers with a last-selected time / pre-charge
-    max_pending_charges: int = 256  # per worker; beyond it the two oldest charges are merged
+    prefill_queue_size_threshold: int = bounded(1024, 0, 10_000_000, low_open=True)
+    p2p_hit_discount: float = bounded(0.2, 0, 1)
+    max_extra_work_tokens: int = bounded(0, 0, 1_000_000_000)
+    min_hit_rate: float = bounded(5.0, 0, 100)
+    outstanding_uncached_tokens_threshold: int = bounded(0, 0, 1_000_000_000)
+    hot_set_size: int = bounded(8, 0, 1024, low_open=True)
+    cold_set_size: int = bounded(2, 0, 1024)
+    seed: int = bounded(0, 0, 2**63 - 1)  # seeds the RNG that breaks exact ties (after least-recently-selected)
+    # selection ledger: workers with a last-selected time / pre-charge
+    max_tracked_workers: int = bounded(4096, 0, 1_000_000, low_open=True)
+    max_pending_charges: int = bounded(256, 2, 100_000)  # per worker; beyond it the two oldest charges are merged
 
 
 @dataclass(frozen=True, slots=True)
 class ShadowConfig:
-    ttl_s: float = 300.0  # a record is forgotten this long after it was last recorded
+    # a record is forgotten this long after it was last recorded
+    ttl_s: float = bounded(300.0, 0, 604_800, low_open=True)
     # Blocks held by all records together (LRU). Measured: ~50 bytes per block for 512-block
     # prompts, ~145 for 16-block ones, so at most ~19 MB at this default.
-    capacity_blocks: int = 131_072
-    inbox_size: int = 1024  # records waiting to be applied; beyond it they are dropped (counted)
+    capacity_blocks: int = bounded(131_072, 0, 100_000_000, low_open=True)
+    # records waiting to be applied; beyond it they are dropped (counted)
+    inbox_size: int = bounded(1024, 0, 1_000_000, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,29 +133,30 @@ class DeploymentConfig:
     """What the deployment's engines and KVCM namespace look like."""
 
     roles: tuple[Role, ...] = (Role.PREFILL,)
-    block_size: int = 64
-    lookahead_tokens: int = 0
+    block_size: int = bounded(64, 0, 65_536, low_open=True)
+    lookahead_tokens: int = bounded(0, 0, 65_536)
     key_family: KeyFamily = KeyFamily.RTP
     query_type: QueryType = QueryType.PREFIX_MATCH
     kvcm_instance_id: str = ""
-    p2p_host_count: int = 0
+    p2p_host_count: int = bounded(0, 0, 10_000)
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     kvcm_fallback: bool = True
-    inbox_size: int = 1024
-    budget_cap_ms: float = 50.0
-    reserve_fraction: float = 0.1
-    reserve_min_ms: float = 1.0
-    kvcm_query_timeout_ms: float = 500.0
+    inbox_size: int = bounded(1024, 0, 1_000_000, low_open=True)
+    budget_cap_ms: float = bounded(50.0, 0, 600_000, low_open=True)
+    reserve_fraction: float = bounded(0.1, 0, 1, high_open=True)
+    reserve_min_ms: float = bounded(1.0, 0, 600_000)
+    kvcm_query_timeout_ms: float = bounded(500.0, 0, 600_000, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
 class MetricsConfig:
-    inbox_size: int = 4096
-    decision_ring_size: int = 1024
-    shadow_agreement_window: int = 1000  # comparisons averaged into kvroute_shadow_agreement_ratio
+    inbox_size: int = bounded(4096, 0, 1_000_000, low_open=True)
+    decision_ring_size: int = bounded(1024, 0, 1_000_000, low_open=True)
+    # comparisons averaged into kvroute_shadow_agreement_ratio
+    shadow_agreement_window: int = bounded(1000, 0, 1_000_000, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,11 +167,12 @@ class ServeConfig:
     debug_listen: str = "127.0.0.1:0"
     log_level: str = "INFO"
     log_format: str = "text"
-    log_aggregate_interval_s: float = 60.0
-    log_max_keys: int = 1024
-    drain_timeout_s: float = 5.0
-    drain_lame_duck_s: float = 0.5  # first part of the drain: new calls refused, nothing stopped yet
-    grpc_max_workers: int = 64  # sidecar handler threads; also the most Route calls in flight (more: refused)
+    log_aggregate_interval_s: float = bounded(60.0, 0, 86_400, low_open=True)
+    log_max_keys: int = bounded(1024, 0, 1_000_000, low_open=True)
+    drain_timeout_s: float = bounded(5.0, 0, 3600)
+    drain_lame_duck_s: float = bounded(0.5, 0, 3600)  # first part of the drain: new calls refused, nothing stopped yet
+    # sidecar handler threads; also the most Route calls in flight (more: refused)
+    grpc_max_workers: int = bounded(64, 0, 10_000, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)

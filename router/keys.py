@@ -18,6 +18,7 @@ import struct
 from collections.abc import Sequence
 from typing import assert_never
 
+from router.problems import Problem
 from router.types import KeyFamily
 
 _MASK64 = (1 << 64) - 1
@@ -223,6 +224,26 @@ def sglang_keys(tokens: Sequence[int], block_size: int, lookahead: int = 0) -> t
 
 
 # --- dispatch ------------------------------------------------------------------------
+
+
+def geometry_problems(block_size: int, family: KeyFamily, lookahead: int) -> list[Problem]:
+    """Why ``family`` cannot make keys for this block size and lookahead (empty when it can).
+
+    Named by the deployment config's fields (``block_size``, ``key_family``, ``lookahead_tokens``).
+    """
+    problems: list[Problem] = []
+    if block_size <= 0:
+        problems.append(Problem(("block_size",), f"must be > 0, got {block_size}"))
+    if lookahead < 0:
+        problems.append(Problem(("lookahead_tokens",), f"must be >= 0, got {lookahead}"))
+    elif family is KeyFamily.SGLANG and lookahead > 1:
+        problems.append(
+            Problem(("key_family", "lookahead_tokens"), "the sglang key family supports lookahead 0 or 1 only")
+        )
+    elif family is KeyFamily.RTP and lookahead != 0:
+        problems.append(Problem(("key_family", "lookahead_tokens"), "the rtp key family has no lookahead (use 0)"))
+    return problems
+
 
 
 def block_keys(

@@ -91,14 +91,18 @@ class _KvrouteHandler(logging.StreamHandler[TextIO]):
     """Marks the handler setup_logging installed, so a second call replaces it instead of adding one."""
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # any case
+LOG_FORMATS = ("text", "json")
+
+
 def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> logging.Handler:
-    """Configure the root logger: ``level`` DEBUG..CRITICAL, ``fmt`` text|json; returns the handler."""
-    numeric = logging.getLevelNamesMapping().get(level.upper())
-    if numeric is None:
-        raise ValueError(f"--log-level: unknown level {level!r}")
+    """Configure the root logger: ``level`` one of LOG_LEVELS, ``fmt`` one of LOG_FORMATS; returns the handler."""
+    if level.upper() not in LOG_LEVELS:
+        raise ValueError(f"--log-level: expected {'|'.join(LOG_LEVELS)}, got {level!r}")
+    numeric = logging.getLevelNamesMapping()[level.upper()]
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"--log-format: expected {'|'.join(LOG_FORMATS)}, got {fmt!r}")
     formatters: dict[str, logging.Formatter] = {"text": TextFormatter(), "json": JsonFormatter()}
-    if fmt not in formatters:
-        raise ValueError(f"--log-format: expected text|json, got {fmt!r}")
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _KvrouteHandler)]:
         root.removeHandler(old)

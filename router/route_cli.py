@@ -30,7 +30,7 @@ from google.protobuf.json_format import MessageToDict
 from actors.leader_resolver import LeaderUnavailable
 from router.api import RouterHandle, open_router
 from router.logs import setup_logging
-from router.settings import LoadedConfig, SourceKind, add_arguments, load_from_args, log_startup_report
+from router.settings import LoadedConfig, SourceKind, add_arguments, load_or_report, log_startup_report
 from router.sidecar import decision_to_proto
 from router.types import Reason, RouteDecision, RouteRequest, RouteSource
 
@@ -140,11 +140,8 @@ async def _route_once(loaded: LoadedConfig, request: RouteRequest, warmup_s: flo
 
 def decide(args: argparse.Namespace, command: str) -> RouteDecision | int:
     """Load the configuration, route the request once; an exit status instead when that is impossible."""
-    loaded = load_from_args(args)
-    if loaded.fatal_errors:
-        print(f"kvroute {command}: {len(loaded.errors)} configuration problem(s):", file=sys.stderr)
-        for problem in loaded.errors:
-            print(problem.listed(), file=sys.stderr)
+    loaded = load_or_report(args, command)
+    if loaded is None:
         return EXIT_USAGE
     serve = loaded.effective.serve
     # Unless a log level is asked for, only problems reach the terminal: the decision is the output.

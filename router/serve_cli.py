@@ -25,7 +25,7 @@ import trio
 from router.api import open_router
 from router.exception_groups import leaves
 from router.logs import ctx, setup_logging
-from router.settings import LoadedConfig, add_arguments, load_from_args, log_startup_report
+from router.settings import LoadedConfig, add_arguments, load_or_report, log_startup_report
 from router.sidecar import Sidecar, SidecarStats
 
 log = logging.getLogger("kvroute.serve")
@@ -40,11 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded = load_from_args(args)
-    if loaded.fatal_errors:
-        print(f"kvroute serve: {len(loaded.errors)} configuration problem(s), not starting:", file=sys.stderr)
-        for problem in loaded.errors:
-            print(problem.listed(), file=sys.stderr)
+    loaded = load_or_report(args, "serve")
+    if loaded is None:
         return EXIT_CONFIG
     serve = loaded.effective.serve
     setup_logging(serve.log_level, serve.log_format)

@@ -100,12 +100,34 @@ def test_subprocess_with_env_and_flags(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     errors = [line.strip() for line in result.stdout.splitlines() if line.startswith("  x ")]
     assert [e.split(":")[0] for e in errors] == [
+        # a value that does not parse, then one setting's problems in table order, then joint ones
         "x --kvcm-fallback (KVROUTE_KVCM_FALLBACK)",
+        "x --kvcm-instance-id (KVROUTE_KVCM_INSTANCE_ID)",
+        "x --workers (KVROUTE_WORKERS)",
         "x --scorer-seed (KVROUTE_SCORER_SEED)",
         "x --debug-listen (KVROUTE_DEBUG_LISTEN)",
         "x --kvcm-bootstrap (KVROUTE_KVCM_BOOTSTRAP) / --kvcm-bootstrap-file (KVROUTE_KVCM_BOOTSTRAP_FILE) / "
         "--kvcm-bootstrap-dns (KVROUTE_KVCM_BOOTSTRAP_DNS)",
-        "x --kvcm-instance-id (KVROUTE_KVCM_INSTANCE_ID)",
-        "x --workers (KVROUTE_WORKERS)",
     ]
     assert "(from env KVROUTE_KVCM_FALLBACK)" in errors[0]
+
+
+def test_non_utf8_config_file_is_a_listed_problem_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "latin1.toml"
+    config.write_bytes("[deployment]\nkvcm_instance_id = 'café'\n".encode("latin-1"))
+    assert main(["check-config", "--config", str(config)]) == 1  # not a UnicodeDecodeError traceback
+    out = capsys.readouterr().out
+    assert f"  x --config {config}: not UTF-8 text" in out
+    assert "kvroute will not start" in out
+
+
+def test_check_config_refuses_what_serve_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    # The worker's gRPC port would be 65536: discovery refuses it when serve starts, so check-config must.
+    code = main(["check-config", "--kvcm-fallback", "off", "--workers", "10.1.0.1:65535"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "x --workers (KVROUTE_WORKERS): 10.1.0.1:65535: grpc port 65536" in out
+    assert "(http + --worker-grpc-port-offset)" in out
+    assert "result: OK" not in out

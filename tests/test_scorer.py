@@ -21,10 +21,11 @@ from router.policy.cache_affinity import (
     hit_tokens,
     round_half_up,
     score,
+    scorer_problems,
 )
-from router.policy.cache_affinity import problems as policy_problems
 from router.policy.ledger import SelectionLedger
 from router.policy.plan import Candidate, CandidatePlan, CandidateSource
+from router.problems import ConfigError
 from router.types import (
     CandidateExplain,
     DropReason,
@@ -732,21 +733,23 @@ def test_policy_rejects_bad_config_naming_every_field() -> None:
         ScorerConfig(),
         prefill_queue_size_threshold=0,
         p2p_hit_discount=math.nan,
-        hot_set_size=-1,
+        hot_set_size=0,
+        cold_set_size=0,
         max_pending_charges=0,
     )
-    problems = policy_problems(bad)
-    assert [p.split(":")[0] for p in problems] == [
-        "prefill_queue_size_threshold",
-        "p2p_hit_discount",
-        "hot_set_size",
-        "max_pending_charges",
+    problems = scorer_problems(bad)
+    assert [p.fields for p in problems] == [
+        ("prefill_queue_size_threshold",),
+        ("p2p_hit_discount",),
+        ("hot_set_size",),
+        ("max_pending_charges",),
+        ("hot_set_size", "cold_set_size"),
     ]
-    with pytest.raises(ValueError, match=r"prefill_queue_size_threshold.*max_pending_charges"):
+    with pytest.raises(ConfigError, match=r"scorer.prefill_queue_size_threshold.*scorer.max_pending_charges"):
         CacheAffinityFirst(bad, DeploymentConfig())
-    with pytest.raises(ValueError, match="roles"):
+    with pytest.raises(ConfigError, match="roles"):
         CacheAffinityFirst(ScorerConfig(), DeploymentConfig(roles=()))
-    assert policy_problems(ScorerConfig()) == []
+    assert scorer_problems(ScorerConfig()) == []
 
 
 def test_negative_seq_len_is_rejected() -> None:

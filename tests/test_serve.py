@@ -207,6 +207,17 @@ async def test_fatal_configuration_lists_every_problem_and_exits_2() -> None:
     assert "not starting" in stderr
 
 
+async def test_unreadable_config_file_is_listed_and_exits_2(tmp_path: Path) -> None:
+    config = tmp_path / "latin1.toml"
+    config.write_bytes("[deployment]\nkvcm_instance_id = 'café'\n".encode("latin-1"))
+    with trio.fail_after(30):
+        code, stdout, stderr = await _run_to_end([*CLI_SERVE, "--config", str(config)])
+    assert code == 2, stderr  # the documented configuration status, not a traceback's 1
+    assert stdout == ""
+    assert f"--config {config}: not UTF-8 text" in stderr
+    assert "Traceback" not in stderr
+
+
 async def test_fallback_only_problems_start_with_fallback_off_and_sigint_exits_0(nursery: trio.Nursery) -> None:
     with trio.fail_after(30):
         cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import typing
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from router.settings import (
     BY_NAME,
     SETTINGS,
     Kind,
+    Setting,
     SourceKind,
     add_arguments,
     assess,
@@ -44,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _names(problems: typing.Iterable[settings.Problem]) -> set[tuple[str, ...]]:
+def _names(problems: typing.Iterable[settings.SettingProblem]) -> set[tuple[str, ...]]:
     return {p.settings for p in problems}
 
 
@@ -55,7 +57,7 @@ def test_every_setting_has_flag_env_help_and_a_valid_or_required_default() -> No
     for s in SETTINGS:
         assert s.flag == "--" + s.name.replace("_", "-")
         assert s.env == "KVROUTE_" + s.name.upper()
-        assert s.help.strip(), f"{s.toml_key}: add its help text to router/settings.py _SPECS"
+        assert s.help.strip(), f"{s.toml_key}: add its help text to router/settings/table.py _SPECS"
         assert s.env in s.help_text() and s.toml_key in s.help_text()
         if s.required_when is None:
             assert s.validate(s.default) == [], s.toml_key
@@ -477,22 +479,139 @@ _OPERATOR_VALUES = st.fixed_dictionaries(
 @example({"prober_fresh_ttl_s": -1.0, "prober_max_status_age_s": 0.001})  # a reset exposes a conflict
 def test_an_effective_config_never_makes_an_actor_reject_it(values: dict[str, object]) -> None:
     """Whatever the operator gives, the fail-soft effective config passes every actor's own check."""
-    from actors.breaker import validate_breaker_config
+    from actors.breaker import KvcmBreaker
+    from actors.channel_pool import ChannelPool
     from actors.discovery import Discovery
-    from actors.leader_resolver import validate_leader_config
-    from actors.probe_budget import prober_config_problems
-    from router.policy.cache_affinity import problems as check_scorer_config
+    from actors.leader_resolver import leader_problems
+    from actors.probe_budget import prober_problems
+    from actors.shadow_index import ShadowIndexActor
+    from router.policy.cache_affinity import CacheAffinityFirst
 
     loaded = load_config({**GOOD, **values}, {})
     if loaded.fatal_errors:
         return  # kvroute refuses to start; nothing reaches an actor
     eff = loaded.effective
-    validate_leader_config(eff.leader)
-    validate_breaker_config(eff.breaker)
-    assert prober_config_problems(eff.prober) == []
-    assert check_scorer_config(eff.scorer) == []
+    # The constructors refuse through the same checks the settings layer collected.
+    KvcmBreaker(eff.breaker)
+    ShadowIndexActor(eff.shadow)
+    ChannelPool(eff.channel_pool, lambda target: target)
+    CacheAffinityFirst(eff.scorer, eff.deployment)
+    assert leader_problems(eff.leader) == []
+    assert prober_problems(eff.prober) == []
 
     async def start_discovery() -> None:
         Discovery(eff.discovery)  # raises DiscoveryConfigError on what it cannot use
 
     trio.run(start_discovery)
+
+
+# --- one validation, bounded values, files that cannot crash -------------------------------------
+
+
+def test_non_utf8_oversized_and_directory_files_are_problems_naming_the_file(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("[deployment]\nkvcm_instance_id = 'café'\n".encode("latin-1"))
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (settings.MAX_CONFIG_FILE_BYTES + 1))
+    for path, why in ((latin1, "not UTF-8 text"), (big, "larger than"), (tmp_path, "cannot read the file")):
+        loaded = load_config({}, {}, str(path))  # never raises
+        file_problems = [str(p) for p in loaded.fatal_errors if p.settings == ()]
+        assert len(file_problems) == 1, file_problems
+        assert file_problems[0].startswith(f"--config {path}: {why}"), file_problems[0]
+
+
+def test_resolve_config_is_pure_and_load_config_is_it_over_the_file_read(tmp_path: Path) -> None:
+    # No file is opened: the path is only a name for the sources.
+    given = settings.ConfigFile("/nonexistent/kv.toml", {"deployment": {"block_size": 32}})
+    loaded = settings.resolve_config(given, {"KVROUTE_LOOKAHEAD_TOKENS": "0"}, {"budget_cap_ms": "20"})
+    assert loaded.config.deployment.block_size == 32
+    assert str(loaded.sources["block_size"]) == "config file /nonexistent/kv.toml [deployment] block_size"
+    assert loaded.config_path == "/nonexistent/kv.toml"
+    toml = tmp_path / "kv.toml"
+    toml.write_text("[deployment]\nblock_size = 32\n")
+    read = settings.read_config_file(str(toml))
+    assert load_config({}, {}, str(toml)) == settings.resolve_config(read, {}, {})
+    assert load_config({}, {"KVROUTE_CONFIG": str(toml)}).config.deployment.block_size == 32
+
+
+_NUMERIC = [s for s in SETTINGS if s.kind in (Kind.INT, Kind.FLOAT)]
+
+
+@pytest.mark.parametrize("setting", _NUMERIC, ids=[s.name for s in _NUMERIC])
+def test_every_numeric_setting_is_bounded_above_and_refused_beyond_naming_its_flag(setting: Setting) -> None:
+    assert setting.range is not None and math.isfinite(setting.range.high)
+    assert f"Range: {setting.range}." in setting.help_text()
+    beyond = setting.range.high + 1
+    loaded = load_config({**GOOD, setting.name: str(int(beyond) if setting.kind is Kind.INT else beyond)}, {})
+    [problem] = [p for p in loaded.errors if p.settings == (setting.name,)]
+    assert str(problem).startswith(f"{setting.flag} ({setting.env}): must be <")
+
+
+def test_grpc_max_workers_beyond_its_bound_stops_serve() -> None:
+    loaded = load_config({**GOOD, "grpc_max_workers": "99999999999"}, {})
+    assert [str(p) for p in loaded.fatal_errors] == [
+        "--grpc-max-workers (KVROUTE_GRPC_MAX_WORKERS): must be <= 10000, got 99999999999 "
+        "(from flag --grpc-max-workers)"
+    ]
+
+
+def test_every_section_is_checked_by_its_own_rules() -> None:
+    assert set(settings.SECTION_PROBLEMS) == set(settings.SECTIONS)
+
+
+@pytest.mark.parametrize(
+    ("workers", "refused"),
+    [
+        ("10.1.0.1:65535", True),  # its gRPC port (http + 1) does not exist
+        ("10.1.0.1:80\n10.1.0.2:80  # two workers, one per line", False),  # as in a workers file
+        ("10.1.0.1:80,not an address:80", True),
+    ],
+)
+def test_settings_refuse_exactly_the_worker_lists_discovery_refuses(workers: str, refused: bool) -> None:
+    from actors.discovery import Discovery, DiscoveryConfigError
+
+    loaded = load_config({"kvcm_fallback": "off", "workers": workers}, {})
+
+    async def construct() -> bool:
+        try:
+            Discovery(loaded.config.discovery)
+        except DiscoveryConfigError:
+            return True
+        return False
+
+    assert trio.run(construct) is refused
+    assert bool(loaded.fatal_errors) is refused
+
+
+def test_key_geometry_the_family_cannot_hash_is_refused_up_front() -> None:
+    # rtp keys have no lookahead: before, this started and every request that sent token ids failed.
+    loaded = load_config({**GOOD, "lookahead_tokens": "1"}, {})
+    assert _names(loaded.errors) == {("key_family", "lookahead_tokens")}
+    assert load_config({**GOOD, "lookahead_tokens": "1", "key_family": "vllm"}, {}).errors == ()
+
+
+def test_prober_freshness_within_the_max_age_is_one_rule_for_settings_and_prober() -> None:
+    from actors.probe_budget import prober_problems
+    from actors.worker_prober import WorkerProber
+    from router.config import ProberConfig
+
+    # Equal is allowed by both (the settings layer used to refuse what the prober accepted).
+    equal = {"prober_fresh_ttl_s": "3", "prober_max_status_age_s": "3"}
+    assert load_config({**GOOD, **equal}, {}).errors == ()
+    assert prober_problems(ProberConfig(fresh_ttl_s=3.0, max_status_age_s=3.0)) == []
+    above = {"prober_fresh_ttl_s": "3.5", "prober_max_status_age_s": "3"}
+    assert _names(load_config({**GOOD, **above}, {}).errors) == {("prober_fresh_ttl_s", "prober_max_status_age_s")}
+    config = ProberConfig(fresh_ttl_s=3.5, max_status_age_s=3.0)
+    assert [p.fields for p in prober_problems(config)] == [("fresh_ttl_s", "max_status_age_s")]
+    with pytest.raises(ValueError, match=r"prober\.fresh_ttl_s, prober\.max_status_age_s"):
+        WorkerProber(config, transport=None)  # type: ignore[arg-type]  # refused before the transport is used
+
+
+def test_load_or_report_lists_what_stops_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _parser().parse_args(["--metrics-inbox-size", "0", "--kvcm-fallback", "off"])
+    assert settings.load_or_report(args, "route", env={}) is None
+    err = capsys.readouterr().err
+    assert err.startswith("kvroute route: 1 configuration problem(s), not starting:\n")
+    assert "  x --metrics-inbox-size (KVROUTE_METRICS_INBOX_SIZE): must be > 0, got 0" in err
+    ok = settings.load_or_report(_parser().parse_args(["--kvcm-fallback", "off"]), "route", env={})
+    assert ok is not None and ok.errors == ()

@@ -16,7 +16,6 @@ Pure: values in, values out; time is passed in. The steps, each its own function
 
 from __future__ import annotations
 
-import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -27,6 +26,7 @@ from router.config import DeploymentConfig, ScorerConfig
 from router.policy.base import PolicyHealth
 from router.policy.ledger import SelectionLedger
 from router.policy.plan import Candidate, CandidatePlan, CandidateSource, Fleet, effective_blocks, plan_candidates
+from router.problems import Problem, range_problems, refuse
 from router.types import CandidateExplain, DropReason, HostMatch, Reason, Role, WorkerAddr, WorkerStatus
 
 
@@ -412,25 +412,12 @@ def score(
     )
 
 
-def problems(config: ScorerConfig) -> list[str]:
-    """Every problem with the policy's settings, each naming its field (empty when valid)."""
-    out: list[str] = []
-    if config.prefill_queue_size_threshold < 1:
-        out.append(f"prefill_queue_size_threshold: must be >= 1, got {config.prefill_queue_size_threshold}")
-    for name, value in (("p2p_hit_discount", config.p2p_hit_discount), ("min_hit_rate", config.min_hit_rate)):
-        if not math.isfinite(value):
-            out.append(f"{name}: must be a finite number, got {value}")
-    if config.hot_set_size < 0:
-        out.append(f"hot_set_size: must be >= 0, got {config.hot_set_size}")
-    if config.cold_set_size < 0:
-        out.append(f"cold_set_size: must be >= 0, got {config.cold_set_size}")
+def scorer_problems(config: ScorerConfig) -> list[Problem]:
+    """Every problem with the policy's settings, naming the fields (empty when valid)."""
+    found = range_problems(config)
     if config.hot_set_size + config.cold_set_size < 1:
-        out.append("hot_set_size, cold_set_size: at least one candidate must be planned")
-    if config.max_tracked_workers < 1:
-        out.append(f"max_tracked_workers: must be >= 1, got {config.max_tracked_workers}")
-    if config.max_pending_charges < 1:
-        out.append(f"max_pending_charges: must be >= 1, got {config.max_pending_charges}")
-    return out
+        found.append(Problem(("hot_set_size", "cold_set_size"), "at least one candidate must be planned"))
+    return found
 
 
 CONTRACT_DROPS = frozenset({DropReason.BLOCK_SIZE_MISMATCH, DropReason.LOOKAHEAD_MISMATCH})
@@ -446,11 +433,9 @@ class CacheAffinityFirst:
     name = "cache_affinity_first"
 
     def __init__(self, config: ScorerConfig, deployment: DeploymentConfig) -> None:
-        found = problems(config)
+        refuse("scorer", scorer_problems(config))
         if not deployment.roles:
-            found.append("roles: the deployment routes to no role")
-        if found:
-            raise ValueError("invalid scorer configuration: " + "; ".join(found))
+            refuse("deployment", [Problem(("roles",), "the deployment routes to no role")])
         self.config = config
         self.deployment = deployment
         self.ledger = SelectionLedger(config.max_tracked_workers, config.max_pending_charges)

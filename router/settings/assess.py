@@ -1,0 +1,153 @@
+"""The operator's view of a configuration: what will and will not work, and the startup log report."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.settings.load import LoadedConfig
+from router.settings.table import (
+    BOOTSTRAP_SETTINGS,
+    BY_NAME,
+    WORKER_SOURCE_SETTINGS,
+    SourceKind,
+    parse_listen,
+    value_of,
+)
+from router.targets import TargetError
+
+
+@dataclass(frozen=True, slots=True)
+class Assessment:
+    works: tuple[str, ...]
+    will_not_work: tuple[str, ...]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.exists) -> Assessment:
+    """Plain sentences on what will and will not work with the effective configuration."""
+    c = loaded.effective
+    src = loaded.sources
+    works: list[str] = []
+    broken: list[str] = []
+
+    def said(name: str) -> str:
+        s = BY_NAME[name]
+        origin = src[name]
+        where = "default" if origin.kind is SourceKind.DEFAULT else str(origin)
+        return f"{s.flag}={s.format(value_of(c, name))} ({where})"
+
+    worker_sources = [n for n in WORKER_SOURCE_SETTINGS if value_of(c, n)]
+    if loaded.fallback_disabled_by_errors:
+        broken.append(
+            f"KVCM fallback requested but DISABLED: {len(loaded.fallback_errors)} problem(s) in its settings "
+            "(listed below); every request is routed by domain (discovery)"
+        )
+    if c.router.kvcm_fallback:
+        boot = [said(n) for n in BOOTSTRAP_SETTINGS if value_of(c, n)]
+        works.append(
+            f"KVCM fallback on: leader from {', '.join(boot)}; namespace {c.deployment.kvcm_instance_id!r}; "
+            f"query type {BY_NAME['query_type'].format(c.deployment.query_type)}"
+        )
+        works.append(
+            f"block size from {said('block_size')}: workers that report another block size will be excluded"
+        )
+        if c.deployment.lookahead_tokens:
+            works.append(
+                f"lookahead from {said('lookahead_tokens')}: workers that report another will be excluded"
+            )
+        works.append(
+            f"token ids are hashed with the {BY_NAME['key_family'].format(c.deployment.key_family)} "
+            "key family; caller-supplied block keys are used as given"
+        )
+        works.append(
+            f"shadow index keeps affinity through a KVCM outage (entries live {c.shadow.ttl_s:g} s, "
+            f"up to {c.shadow.capacity_blocks} blocks)"
+        )
+        if not worker_sources:
+            broken.append(
+                "KVCM fallback on, but no worker discovery source (--workers, --workers-file, "
+                "--workers-dns): cold candidates and domain fallback unavailable"
+            )
+    elif not loaded.fallback_disabled_by_errors:
+        works.append(
+            f"KVCM fallback off ({said('kvcm_fallback')}): every request is routed by domain (discovery)"
+        )
+    if worker_sources:
+        works.append("workers from " + ", ".join(said(n) for n in worker_sources))
+    else:
+        broken.append(
+            "no worker discovery source: no request can be routed (decisions have route_source=none), "
+            "/readyz reports not ready"
+        )
+    for name in ("workers_file", "kvcm_bootstrap_file"):
+        path = value_of(c, name)
+        if path and not path_exists(path):
+            broken.append(
+                f"{BY_NAME[name].flag} {path} does not exist: that source stays empty until it appears"
+            )
+    roles = BY_NAME["roles"].format(c.deployment.roles)
+    works.append(
+        f"routes to roles {roles}; workers reporting another role are dropped (counted as role_not_routed)"
+    )
+    works.append(f"each request is decided within min(its budget, {said('budget_cap_ms')})")
+    try:
+        debug = parse_listen(c.serve.debug_listen)
+    except TargetError:
+        debug = None
+    if debug is not None:
+        port = "a free port chosen at start (logged)" if debug.port == 0 else f"port {debug.port}"
+        works.append(f"debug HTTP (/healthz /readyz /metrics /debug/*) on {debug.host}, {port}")
+        if not _is_loopback(debug.host):
+            broken.append(
+                f"debug HTTP binds {debug.host}, not loopback: /metrics and /debug/* are reachable "
+                "from the network"
+            )
+    works.append(f"logs at {c.serve.log_level.upper()} as {c.serve.log_format}")
+    if loaded.fatal_errors:
+        broken.append(
+            f"kvroute will not start: {len(loaded.fatal_errors)} problem(s) outside the KVCM fallback "
+            "(listed below)"
+        )
+    return Assessment(tuple(works), tuple(broken))
+
+
+def log_startup_report(
+    loaded: LoadedConfig, log: logging.Logger, path_exists: Callable[[str], bool] = os.path.exists
+) -> None:
+    """What a starting process logs about its configuration.
+
+    One ERROR record listing every problem in the KVCM fallback settings when they turned the fallback
+    off, one ERROR record listing the problems outside it (the caller should not start), a WARNING per
+    ignored KVROUTE_* variable and per thing that will not work, and INFO for what will.
+    """
+    if loaded.fallback_errors:
+        log.error(
+            "KVCM fallback disabled, routing by domain: %d configuration problem(s): %s",
+            len(loaded.fallback_errors),
+            "; ".join(str(p) for p in loaded.fallback_errors),
+        )
+    if loaded.fatal_errors:
+        log.error(
+            "%d configuration problem(s): %s",
+            len(loaded.fatal_errors),
+            "; ".join(str(p) for p in loaded.fatal_errors),
+        )
+    for warning in loaded.warnings:
+        log.warning("%s", warning)
+    verdict = assess(loaded, path_exists)
+    for line in verdict.will_not_work:
+        log.warning("will not work: %s", line)
+    for line in verdict.works:
+        log.info("%s", line)

@@ -1,0 +1,235 @@
+"""Loading: defaults < TOML file < environment < command line, with the origin of every value.
+
+:func:`resolve_config` is pure (the file's parsed contents, the environment and the flags in, a
+:class:`LoadedConfig` out); :func:`read_config_file` is the one piece of I/O, and :func:`load_config`
+/ :func:`load_from_args` read the file and resolve. Nothing here raises on bad input: an unreadable
+file, a bad value or a broken rule is a problem in ``errors``. Fail-soft: problems confined to the
+KVCM fallback part turn the fallback off in :attr:`LoadedConfig.effective` (domain routing) instead
+of stopping the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+import typing
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.config import KvrouteConfig
+from router.settings.table import (
+    BY_NAME,
+    BY_TOML_KEY,
+    CONFIG_ENV,
+    DEFAULT_ORIGIN,
+    ENV_PREFIX,
+    SECTIONS,
+    SETTINGS,
+    Origin,
+    Setting,
+    SettingValueError,
+    SourceKind,
+    value_of,
+)
+from router.settings.validate import SettingProblem, validate
+
+# A settings file is a few kilobytes; anything far larger is not one (and is not read into memory).
+MAX_CONFIG_FILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedConfig:
+    config: KvrouteConfig  # as given (may hold invalid values when there are errors)
+    effective: KvrouteConfig  # fail-soft: invalid fallback settings → defaults and kvcm_fallback off
+    sources: Mapping[str, Origin]  # setting name → where its value came from
+    errors: tuple[SettingProblem, ...]
+    warnings: tuple[str, ...]
+    config_path: str | None
+
+    @property
+    def fallback_errors(self) -> tuple[SettingProblem, ...]:
+        return tuple(p for p in self.errors if p.fallback)
+
+    @property
+    def fatal_errors(self) -> tuple[SettingProblem, ...]:
+        """Problems outside the KVCM fallback: kvroute cannot start with them."""
+        return tuple(p for p in self.errors if not p.fallback)
+
+    @property
+    def fallback_disabled_by_errors(self) -> bool:
+        return self.config.router.kvcm_fallback and bool(self.fallback_errors)
+
+    def value(self, name: str) -> object:
+        """The effective value of a setting by name."""
+        return value_of(self.effective, name)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFile:
+    """A TOML settings file as read: its tables, or why it could not be used (then ``tables`` is empty)."""
+
+    path: str
+    tables: Mapping[str, object]
+    problems: tuple[SettingProblem, ...] = ()
+
+
+def read_config_file(path: str) -> ConfigFile:
+    """Read and parse ``path`` (I/O). Never raises: whatever makes it unusable is a problem naming it."""
+
+    def unusable(why: str) -> ConfigFile:
+        return ConfigFile(path, {}, (SettingProblem((), f"--config {path}: {why}", False),))
+
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(MAX_CONFIG_FILE_BYTES + 1)
+    except OSError as exc:
+        return unusable(f"cannot read the file: {exc.strerror or exc}")
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        return unusable(f"larger than {MAX_CONFIG_FILE_BYTES} bytes: not a settings file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return unusable(f"not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 1]!r}); TOML files are UTF-8")
+    try:
+        return ConfigFile(path, tomllib.loads(text))
+    except tomllib.TOMLDecodeError as exc:
+        return unusable(f"not valid TOML: {exc}")
+
+
+def config_path(flags: Mapping[str, object], env: Mapping[str, str]) -> str | None:
+    """The settings file to read: ``--config``, else ``KVROUTE_CONFIG``, else none."""
+    given = flags.get("config")
+    return given if isinstance(given, str) and given else env.get(CONFIG_ENV) or None
+
+
+def _toml_values(path: str, data: Mapping[str, object]) -> Iterator[tuple[Setting | None, object, str]]:
+    """(setting or None if unknown, value, "file [section] key") for every key of the file."""
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            yield (
+                None,
+                table,
+                f"{path}: top-level key {section!r} (settings live in [section] tables: "
+                f"{', '.join(SECTIONS)})",
+            )
+            continue
+        for key, value in table.items():
+            yield BY_TOML_KEY.get(f"{section}.{key}"), value, f"{path} [{section}] {key}"
+
+
+def _from(origin: Origin) -> str:
+    return "the default" if origin.kind is SourceKind.DEFAULT else f"from {origin}"
+
+
+def resolve_config(
+    file: ConfigFile | None,
+    env: Mapping[str, str],
+    flags: Mapping[str, object],
+) -> LoadedConfig:
+    """Pure: the configuration from defaults < ``file`` < ``env`` < ``flags``, validated.
+
+    ``flags`` maps setting name → value (text as on the command line, or a value of the setting's
+    type); None or absent means not given. Every problem is in ``errors``.
+    """
+    values: dict[str, object] = {s.name: s.default for s in SETTINGS}
+    sources: dict[str, Origin] = {s.name: DEFAULT_ORIGIN for s in SETTINGS}
+    problems: list[SettingProblem] = []
+    warnings: list[str] = []
+
+    def take(s: Setting, raw: object, origin: Origin) -> None:
+        try:
+            values[s.name] = s.parse_value(raw)
+            sources[s.name] = origin
+        except SettingValueError as exc:
+            problems.append(SettingProblem((s.name,), f"{exc} ({_from(origin)})", s.fallback_part))
+
+    if file is not None:
+        problems.extend(file.problems)
+        for setting, value, where in _toml_values(file.path, file.tables):
+            if setting is None:
+                problems.append(SettingProblem((), f"unknown setting {where}", False))
+            else:
+                take(setting, value, Origin(SourceKind.FILE, where))
+    for s in SETTINGS:
+        if s.env in env:
+            take(s, env[s.env], Origin(SourceKind.ENV, s.env))
+    known_env = {s.env for s in SETTINGS} | {CONFIG_ENV}
+    for name in sorted(env):
+        if name.startswith(ENV_PREFIX) and name not in known_env:
+            warnings.append(f"environment variable {name} is not a kvroute setting (ignored)")
+    for s in SETTINGS:
+        raw = flags.get(s.name)
+        if raw is not None:
+            take(s, raw, Origin(SourceKind.FLAG, s.flag))
+
+    config = _assemble(values)
+    problems.extend(validate(config, sources))
+    effective = _fail_soft(config, problems)
+    if effective is not config:
+        # Resetting the fallback part can expose a problem the given values hid (a list parsed only
+        # once its port is valid): what would stop kvroute must be listed too.
+        listed = {p.settings for p in problems}
+        problems.extend(p for p in validate(effective, sources) if not p.fallback and p.settings not in listed)
+    return LoadedConfig(
+        config=config,
+        effective=effective,
+        sources=sources,
+        errors=tuple(problems),
+        warnings=tuple(warnings),
+        config_path=None if file is None else file.path,
+    )
+
+
+def load_config(
+    cli: argparse.Namespace | Mapping[str, object],
+    env: Mapping[str, str],
+    toml_path: str | None = None,
+) -> LoadedConfig:
+    """Read the settings file (I/O) and :func:`resolve_config` it with ``env`` and ``cli``.
+
+    ``cli`` is an argparse namespace made by :func:`~router.settings.add_arguments`, or a mapping of
+    setting name → value. ``toml_path`` None falls back to ``--config`` in ``cli``, then
+    ``env["KVROUTE_CONFIG"]``. Never raises on bad input: every problem is in ``errors``.
+    """
+    flags = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli)
+    path = toml_path if toml_path is not None else config_path(flags, env)
+    return resolve_config(read_config_file(path) if path else None, env, flags)
+
+
+def load_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LoadedConfig:
+    """load_config for a namespace made by add_arguments (``--config`` included); env: os.environ."""
+    return load_config(args, os.environ if env is None else env)
+
+
+def _assemble(values: Mapping[str, object]) -> KvrouteConfig:
+    hints = typing.get_type_hints(KvrouteConfig)
+    sections: dict[str, Any] = {}
+    for section in SECTIONS:
+        fields = {s.field: values[s.name] for s in SETTINGS if s.section == section}
+        sections[section] = hints[section](**fields)
+    return KvrouteConfig(**sections)
+
+
+def _fail_soft(config: KvrouteConfig, problems: Iterable[SettingProblem]) -> KvrouteConfig:
+    """Invalid fallback settings go back to their (valid) defaults and the fallback is switched off.
+
+    Only settings of the fallback part are reset: a main-path setting named in the same problem
+    (e.g. --discovery-max-entries beside --kvcm-bootstrap) keeps its value.
+    """
+    if not any(p.fallback for p in problems):
+        return config
+    values = {s.name: value_of(config, s.name) for s in SETTINGS}
+    values["kvcm_fallback"] = False
+    reset: set[str] = set()
+    # A reset can expose a new conflict (fresh TTL back to its default, above a small given max age):
+    # repeat until no fallback setting is left in a problem. Each round resets at least one more.
+    while True:
+        bad = {name for p in problems if p.fallback for name in p.settings if BY_NAME[name].fallback_part}
+        if bad <= reset:
+            return _assemble(values)
+        reset |= bad
+        for name in bad:
+            values[name] = BY_NAME[name].default
+        problems = validate(_assemble(values))

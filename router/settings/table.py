@@ -1,0 +1,636 @@
+"""The settings table: one definition per setting, generated from the dataclasses in ``router/config.py``.
+
+Every field of every section of :class:`~router.config.KvrouteConfig` is one :class:`Setting`: its
+default and numeric range are read from the dataclass (never restated here), its type from the
+annotation; this module adds only what the dataclass cannot say — the help text, the checks on the
+form of a text value, whether the setting belongs to the KVCM fallback, and whether it is required
+when that feature is on. The command-line flags (``--block-size``), environment variables
+(``KVROUTE_BLOCK_SIZE``), TOML keys (``[deployment] block_size``), ``--help`` and the check-config
+report are all generated from the table. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.config import KvrouteConfig
+from router.logs import LOG_FORMATS, LOG_LEVELS
+from router.problems import Range, range_of
+from router.targets import HostPort, TargetError, parse_target
+from router.types import QueryType, Role
+
+ENV_PREFIX = "KVROUTE_"
+CONFIG_ENV = "KVROUTE_CONFIG"  # the TOML file, when --config is not given
+
+_TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
+_FALSE_WORDS = frozenset({"false", "0", "no", "off"})
+_SECRET_WORDS = frozenset({"secret", "token", "password", "passwd", "credential", "apikey"})
+
+# Sections whose settings carry no section prefix (their field names are already the operator's words).
+_UNPREFIXED_SECTIONS = frozenset({"deployment", "serve"})
+# Sections used only by the KVCM fallback; the rest are the main path unless a field says otherwise.
+_FALLBACK_SECTIONS = frozenset({"leader", "breaker", "prober", "scorer", "shadow", "channel_pool"})
+
+
+class Kind(enum.Enum):
+    """How a setting's text is parsed (derived from the dataclass annotation)."""
+
+    INT = "int"
+    FLOAT = "float"
+    BOOL = "bool"
+    STR = "str"
+    ENUM = "enum"
+    ENUM_TUPLE = "enum_tuple"
+
+
+class SourceKind(enum.Enum):
+    DEFAULT = "default"
+    FILE = "config file"
+    ENV = "environment"
+    FLAG = "command line"
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where an effective value came from."""
+
+    kind: SourceKind
+    where: str = ""  # the file and key, the env var, or the flag
+
+    def __str__(self) -> str:
+        if self.kind is SourceKind.DEFAULT:
+            return "default"
+        if self.kind is SourceKind.FILE:
+            return f"config file {self.where}"
+        if self.kind is SourceKind.ENV:
+            return f"env {self.where}"
+        return f"flag {self.where}"
+
+
+DEFAULT_ORIGIN = Origin(SourceKind.DEFAULT)
+
+Check = Callable[[Any], str | None]
+
+
+class SettingValueError(ValueError):
+    """A value that cannot be parsed for a setting (the message says what was expected)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One setting: everything the flag, env var, TOML key, help and validation are generated from."""
+
+    name: str  # e.g. "prober_inflight_cap"
+    section: str  # KvrouteConfig field, e.g. "prober"
+    field: str  # field of the section's dataclass, e.g. "inflight_cap"
+    kind: Kind
+    default: object  # read from the dataclass
+    help: str
+    checks: tuple[Check, ...]  # the form of a text value; numeric ranges are ``range``
+    range: Range | None  # every INT and FLOAT setting has one (declared with the default)
+    choices: Mapping[str, enum.Enum] | None  # word → member, for ENUM and ENUM_TUPLE
+    required_when: str | None  # name of the bool setting that makes this one required
+    fallback_part: bool  # only the KVCM fallback uses it (invalid → fallback off, not a crash)
+    secret: bool
+    metavar: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def toml_key(self) -> str:
+        return f"{self.section}.{self.field}"
+
+    @property
+    def where(self) -> str:
+        """How an operator names this setting in a message."""
+        return f"{self.flag} ({self.env})"
+
+    def parse_text(self, text: str) -> object:
+        """Parse a flag or environment value; raises SettingValueError saying what was expected."""
+        raw = text.strip()
+        if self.kind is Kind.INT:
+            try:
+                return int(raw, 10)
+            except ValueError:
+                raise SettingValueError(f"expected an integer, got {text!r}") from None
+        if self.kind is Kind.FLOAT:
+            try:
+                return float(raw)
+            except ValueError:
+                raise SettingValueError(f"expected a number, got {text!r}") from None
+        if self.kind is Kind.BOOL:
+            word = raw.lower()
+            if word in _TRUE_WORDS:
+                return True
+            if word in _FALSE_WORDS:
+                return False
+            raise SettingValueError(f"expected true/false/1/0/yes/no/on/off, got {text!r}")
+        if self.kind is Kind.STR:
+            return raw
+        if self.kind is Kind.ENUM:
+            return self._member(raw)
+        members: dict[enum.Enum, None] = {}
+        for part in raw.split(","):
+            if part.strip():
+                members.setdefault(self._member(part.strip()))
+        return tuple(members)
+
+    def parse_value(self, value: object) -> object:
+        """Parse a TOML (or programmatic) value: text goes through parse_text, natives are type-checked."""
+        if isinstance(value, str):
+            return self.parse_text(value)
+        if self.kind is Kind.BOOL and isinstance(value, bool):
+            return value
+        if self.kind is Kind.INT and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if self.kind is Kind.FLOAT and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if self.kind is Kind.ENUM:
+            return self._known(value)
+        if self.kind is Kind.ENUM_TUPLE and isinstance(value, list | tuple):
+            members: dict[object, None] = {}
+            for item in value:
+                members.setdefault(self._member(item.strip()) if isinstance(item, str) else self._known(item))
+            return tuple(members)
+        raise SettingValueError(f"expected {self._expected()}, got {value!r}")
+
+    def format(self, value: object) -> str:
+        """The text that parse_text turns back into ``value``."""
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, enum.Enum):
+            return self._word(value)
+        if isinstance(value, tuple):
+            return ",".join(self.format(v) for v in value)
+        return str(value)
+
+    def jsonable(self, value: object) -> object:
+        if isinstance(value, enum.Enum):
+            return self._word(value)
+        if isinstance(value, tuple):
+            return [self.jsonable(v) for v in value]
+        return value
+
+    def validate(self, value: object) -> list[str]:
+        """Pure: the problems with the form of ``value`` (empty when valid); ranges are checked per section."""
+        problems = []
+        for check in self.checks:
+            problem = check(value)
+            if problem is not None:
+                problems.append(problem)
+        return problems
+
+    def help_text(self) -> str:
+        parts = [self.help.rstrip(".") + "."]
+        if self.choices is not None:
+            parts.append(
+                f"One of: {' | '.join(self.choices)}"
+                + (" (comma list)." if self.kind is Kind.ENUM_TUPLE else ".")
+            )
+        if self.range is not None:
+            parts.append(f"Range: {self.range}.")
+        if self.required_when is not None:
+            parts.append(f"[required when --{self.required_when.replace('_', '-')} is on]")
+        if self.fallback_part:
+            parts.append("[KVCM fallback]")
+        default = self.format(self.default)
+        parts.append(f"Default: {default if default else '(empty)'}; env {self.env}; TOML {self.toml_key}.")
+        return " ".join(parts)
+
+    def _word(self, member: enum.Enum) -> str:
+        if self.choices is not None:
+            for word, candidate in self.choices.items():
+                if candidate is member:
+                    return word
+        return str(member.value)
+
+    def _member(self, word: str) -> enum.Enum:
+        if self.choices is not None:
+            for choice, member in self.choices.items():
+                if choice.lower() == word.lower():
+                    return member
+        raise SettingValueError(f"expected {self._expected()}, got {word!r}")
+
+    def _known(self, value: object) -> enum.Enum:
+        for member in (self.choices or {}).values():
+            if member is value:
+                return member
+        raise SettingValueError(f"expected {self._expected()}, got {value!r}")
+
+    def _expected(self) -> str:
+        if self.choices is not None:
+            return "|".join(self.choices) + (" (comma list)" if self.kind is Kind.ENUM_TUPLE else "")
+        return {
+            Kind.INT: "an integer",
+            Kind.FLOAT: "a number",
+            Kind.BOOL: "true/false",
+            Kind.STR: "a string",
+        }[self.kind]
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: pure, value in, problem text (or None) out.
+
+
+def _one_of(words: tuple[str, ...], *, ignore_case: bool = False) -> Check:
+    def check(value: str) -> str | None:
+        ok = value.upper() in words if ignore_case else value in words
+        return None if ok else f"must be one of {'|'.join(words)}, got {value!r}"
+
+    return check
+
+
+def _non_empty(value: tuple[object, ...] | str) -> str | None:
+    return None if value else "must not be empty"
+
+
+def parse_listen(text: str) -> HostPort:
+    """``HOST:PORT`` to listen on; port 0 asks the OS for a free port. Raises TargetError naming the input."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host:
+        raise TargetError(f"listen address {text!r} must be HOST:PORT (port 0 = any free port)")
+    if port == "0":
+        return HostPort(parse_target(f"{host}:1").host, 0)
+    return parse_target(text)
+
+
+def _listen(value: str) -> str | None:
+    try:
+        parse_listen(value)
+    except TargetError as exc:
+        return str(exc)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# What the dataclasses cannot say, per field ("section.field"). Defaults are NOT here.
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    help: str
+    checks: tuple[Check, ...] = ()  # the form of text values; numeric ranges live with the defaults
+    short: bool = False  # the setting's name is the field's name, without the section prefix
+    fallback: bool | None = None  # None: decided by the section
+    required_when: str | None = None
+    choices: Mapping[str, enum.Enum] | None = None
+    metavar: str | None = None
+
+
+_TARGETS = "HOST:PORT[,...]"
+
+_SPECS: dict[str, _Spec] = {
+    # deployment
+    "deployment.roles": _Spec(
+        "Worker roles this deployment routes to; a worker reporting another role is dropped",
+        (_non_empty,),
+        choices={"PREFILL": Role.PREFILL, "PDFUSION": Role.PDFUSION},
+        fallback=False,
+        metavar="PREFILL[,PDFUSION]",
+    ),
+    "deployment.block_size": _Spec(
+        "Tokens per KV block (keys are computed with it; workers reporting another are excluded)"
+    ),
+    "deployment.lookahead_tokens": _Spec("Lookahead tokens of the engine's block keys"),
+    "deployment.key_family": _Spec(
+        "Block-key family used to hash token ids (caller-supplied keys are used as given)"
+    ),
+    "deployment.query_type": _Spec(
+        "KVCM GetHostCacheState query type",
+        choices={"prefix": QueryType.PREFIX_MATCH, "prefix-with-mamba": QueryType.PREFIX_MATCH_WITH_MAMBA},
+    ),
+    "deployment.kvcm_instance_id": _Spec(
+        "KVCM instance id (the namespace, conventionally <deployment>_<block_size>)",
+        required_when="kvcm_fallback",
+        metavar="ID",
+    ),
+    "deployment.p2p_host_count": _Spec(
+        "KVCM p2p_host_count asked per query (0 = local matches only)"
+    ),
+    # router
+    "router.kvcm_fallback": _Spec(
+        "Route by KVCM cache affinity (off: plain domain routing)", short=True, fallback=False
+    ),
+    "router.inbox_size": _Spec(
+        "Router inbox; when full, route() answers at once with domain fallback (overloaded)"
+    ),
+    "router.budget_cap_ms": _Spec(
+        "Cap on one request's routing deadline: deadline = now + min(budget, cap)",
+        short=True,
+        metavar="MS",
+    ),
+    "router.reserve_fraction": _Spec(
+        "Share of the deadline kept to decide with what is in hand",
+        fallback=True,
+    ),
+    "router.reserve_min_ms": _Spec("Least time kept to decide, in ms", fallback=True, metavar="MS"),
+    "router.kvcm_query_timeout_ms": _Spec(
+        "Cap on one GetHostCacheState call, in ms", fallback=True, metavar="MS"
+    ),
+    # discovery
+    "discovery.kvcm_bootstrap": _Spec(
+        "KVCM bootstrap targets, a bare host takes --kvcm-port; one bootstrap source is needed",
+        short=True,
+        fallback=True,
+        required_when="kvcm_fallback",
+        metavar=_TARGETS,
+    ),
+    "discovery.kvcm_bootstrap_file": _Spec(
+        "File of KVCM bootstrap targets (one per line or comma-separated), re-read when it changes",
+        short=True,
+        fallback=True,
+        required_when="kvcm_fallback",
+        metavar="FILE",
+    ),
+    "discovery.kvcm_bootstrap_dns": _Spec(
+        "DNS name (HOST[:PORT]) whose A/AAAA records are the KVCM bootstrap targets",
+        short=True,
+        fallback=True,
+        required_when="kvcm_fallback",
+        metavar="HOST[:PORT]",
+    ),
+    "discovery.kvcm_port": _Spec(
+        "Port for bootstrap entries given without one",
+        short=True,
+        fallback=True,
+        metavar="PORT",
+    ),
+    "discovery.workers": _Spec(
+        "Static worker list, ip:http_port entries", short=True, metavar="IP:HTTP_PORT[,...]"
+    ),
+    "discovery.workers_file": _Spec(
+        "File of worker entries (ip:http_port), re-read when it changes", short=True, metavar="FILE"
+    ),
+    "discovery.workers_dns": _Spec(
+        "DNS name (HOST[:PORT]) whose A/AAAA records are the workers", short=True, metavar="HOST[:PORT]"
+    ),
+    "discovery.worker_http_port": _Spec(
+        "HTTP port for worker entries and DNS answers without one (0 = entries must give a port)",
+        short=True,
+        metavar="PORT",
+    ),
+    "discovery.worker_grpc_port_offset": _Spec(
+        "A worker's gRPC port = its HTTP port + this", short=True, metavar="N"
+    ),
+    "discovery.worker_status_port": _Spec(
+        "Port of GetWorkerStatus (0 = the worker's gRPC port)",
+        short=True,
+        fallback=True,
+        metavar="PORT",
+    ),
+    "discovery.refresh_interval_s": _Spec(
+        "Each discovery source (file, DNS) is re-read this often", metavar="SECONDS"
+    ),
+    "discovery.stale_after_s": _Spec(
+        "A failed or empty source keeps its last good entries this long", metavar="SECONDS"
+    ),
+    "discovery.refresh_timeout_s": _Spec(
+        "Bound on one source refresh (a DNS lookup, a file read)", metavar="SECONDS"
+    ),
+    "discovery.max_entries": _Spec(
+        "Most entries one source may list (a longer answer is a failed refresh)"
+    ),
+    # leader
+    "leader.refresh_interval_s": _Spec(
+        "The KVCM leader is re-resolved in the background this often", metavar="SECONDS"
+    ),
+    "leader.max_staleness_s": _Spec(
+        "A known leader is kept this long after refreshes start failing", metavar="SECONDS"
+    ),
+    "leader.lookup_timeout_s": _Spec(
+        "Bound on one round of concurrent GetClusterInfo calls", metavar="SECONDS"
+    ),
+    "leader.backoff_initial_s": _Spec(
+        "First wait after a failed leader lookup (doubles per failure)", metavar="SECONDS"
+    ),
+    "leader.backoff_max_s": _Spec("Longest wait between failed leader lookups", metavar="SECONDS"),
+    "leader.backoff_jitter_s": _Spec("Random extra wait added to each backoff", metavar="SECONDS"),
+    "leader.no_leader_retry_s": _Spec(
+        "Retry delay when KVCM says no leader is elected yet", metavar="SECONDS"
+    ),
+    # breaker
+    "breaker.failure_threshold": _Spec("Consecutive KVCM failures that open the breaker"),
+    "breaker.window_s": _Spec("Sliding window for the failure-rate trigger", metavar="SECONDS"),
+    "breaker.window_min_calls": _Spec("Calls needed in the window before the failure rate counts"),
+    "breaker.failure_rate": _Spec(
+        "Failure rate over the window that opens the breaker"
+    ),
+    "breaker.window_buckets": _Spec("Buckets the window is counted in"),
+    "breaker.cooldown_s": _Spec("First OPEN period (doubles per re-open)", metavar="SECONDS"),
+    "breaker.cooldown_max_s": _Spec("Longest OPEN period", metavar="SECONDS"),
+    "breaker.trial_timeout_s": _Spec(
+        "A half-open trial not reported back by then counts as failed", metavar="SECONDS"
+    ),
+    "breaker.slow_query_ms": _Spec(
+        "A query cut off by its request's deadline counts as a KVCM failure only if it had this long",
+        metavar="MS",
+    ),
+    # prober
+    "prober.inflight_cap": _Spec("Most worker-status probes in flight in the process"),
+    "prober.rate_per_s": _Spec("Probe rate budget (token bucket refill per second)"),
+    "prober.rate_burst": _Spec("Probe token bucket size"),
+    "prober.fresh_ttl_s": _Spec(
+        "A worker status younger than this is used without a probe", metavar="SECONDS"
+    ),
+    "prober.max_status_age_s": _Spec(
+        "A worker whose last good status is older is treated as unknown", metavar="SECONDS"
+    ),
+    "prober.probe_timeout_s": _Spec("Cap on one GetWorkerStatus call", metavar="SECONDS"),
+    "prober.eject_after_failures": _Spec("Consecutive probe failures that eject a worker"),
+    "prober.eject_base_s": _Spec("Ejection time per ejection count (base x n)", metavar="SECONDS"),
+    "prober.eject_max_s": _Spec("Longest ejection", metavar="SECONDS"),
+    "prober.max_ejected_fraction": _Spec("Most of the known workers ejected at once"),
+    "prober.max_tracked_workers": _Spec("Bound on per-worker prober state"),
+    "prober.engine_generation": _Spec("Worker-status decoder generation (engine version family)"),
+    # scorer
+    "scorer.prefill_queue_size_threshold": _Spec(
+        "Workers with this many waiting tasks or more are dropped"
+    ),
+    "scorer.p2p_hit_discount": _Spec("Weight of p2p-only blocks in the effective hit"),
+    "scorer.max_extra_work_tokens": _Spec(
+        "Extra work (tokens) the cache leader may have over the shortest"
+    ),
+    "scorer.min_hit_rate": _Spec(
+        "Leader hit below this percent of the prompt turns affinity off (0 = no gate)"
+    ),
+    "scorer.outstanding_uncached_tokens_threshold": _Spec(
+        "Outstanding-work guard in tokens (0 = off)"
+    ),
+    "scorer.hot_set_size": _Spec("Candidates taken from KVCM's answer (top by effective blocks)"),
+    "scorer.cold_set_size": _Spec("Extra candidates taken from discovery per request"),
+    "scorer.seed": _Spec("Seed of the RNG that breaks exact ties"),
+    "scorer.max_tracked_workers": _Spec("Bound on the selection ledger (last-selected, pre-charge)"),
+    "scorer.max_pending_charges": _Spec(
+        "Pre-charges kept per worker (older ones are merged)"
+    ),
+    # shadow
+    "shadow.ttl_s": _Spec("Shadow index entries live this long", metavar="SECONDS"),
+    "shadow.capacity_blocks": _Spec("Shadow index capacity in blocks (LRU)"),
+    "shadow.inbox_size": _Spec("ShadowIndex inbox; records beyond it are dropped and counted"),
+    # channel pool
+    "channel_pool.max_channels": _Spec("Most gRPC channels kept open (LRU)"),
+    "channel_pool.idle_expiry_s": _Spec("An idle gRPC channel is closed after this", metavar="SECONDS"),
+    "channel_pool.keepalive_time_ms": _Spec("gRPC keepalive ping interval", metavar="MS"),
+    "channel_pool.keepalive_timeout_ms": _Spec("gRPC keepalive ping timeout", metavar="MS"),
+    "channel_pool.max_message_bytes": _Spec("gRPC max message size"),
+    # metrics
+    "metrics.inbox_size": _Spec("MetricsSink inbox; events beyond it are dropped and counted"),
+    "metrics.decision_ring_size": _Spec("Decisions kept for /debug/decisions"),
+    "metrics.shadow_agreement_window": _Spec(
+        "Shadow-vs-KVCM comparisons averaged into the agreement ratio"
+    ),
+    # serve
+    "serve.grpc_listen": _Spec(
+        "kvroute serve: HOST:PORT of the Route gRPC service (port 0 = any free port)",
+        (_listen,),
+        metavar="HOST:PORT",
+    ),
+    "serve.debug_listen": _Spec(
+        "HOST:PORT of the debug HTTP endpoint (port 0 = any free port, logged)",
+        (_listen,),
+        metavar="HOST:PORT",
+    ),
+    "serve.log_level": _Spec(
+        "Log level", (_one_of(LOG_LEVELS, ignore_case=True),), metavar="|".join(LOG_LEVELS)
+    ),
+    "serve.log_format": _Spec("Log line format", (_one_of(LOG_FORMATS),), metavar="|".join(LOG_FORMATS)),
+    "serve.log_aggregate_interval_s": _Spec(
+        "Hot-path warnings are aggregated and logged at most once per this", metavar="SECONDS"
+    ),
+    "serve.log_max_keys": _Spec(
+        "Bound on distinct keys the aggregating and once-per-key loggers remember"
+    ),
+    "serve.drain_timeout_s": _Spec(
+        "On SIGTERM/SIGINT, in-flight requests get this long to finish", metavar="SECONDS"
+    ),
+    "serve.drain_lame_duck_s": _Spec(
+        "First part of the drain: health says NOT_SERVING and new Route calls are refused (UNAVAILABLE, "
+        "not routed) while the server still runs, so no call is cut off when it stops (capped by "
+        "--drain-timeout-s)",
+        metavar="SECONDS",
+    ),
+    "serve.grpc_max_workers": _Spec(
+        "kvroute serve: Route handler threads, and the most Route calls in flight "
+        "(beyond it a call is refused at once with RESOURCE_EXHAUSTED)",
+    ),
+}
+
+
+def _kind_of(annotation: object, where: str) -> tuple[Kind, type[enum.Enum] | None]:
+    if annotation is bool:
+        return Kind.BOOL, None
+    if annotation is int:
+        return Kind.INT, None
+    if annotation is float:
+        return Kind.FLOAT, None
+    if annotation is str:
+        return Kind.STR, None
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return Kind.ENUM, annotation
+    if typing.get_origin(annotation) is tuple:
+        args = typing.get_args(annotation)
+        if (
+            len(args) == 2
+            and args[1] is Ellipsis
+            and isinstance(args[0], type)
+            and issubclass(args[0], enum.Enum)
+        ):
+            return Kind.ENUM_TUPLE, args[0]
+    raise TypeError(
+        f"{where}: settings support bool, int, float, str, enums and tuple[Enum, ...], not {annotation!r}"
+    )
+
+
+def _build_table() -> tuple[Setting, ...]:
+    settings: list[Setting] = []
+    top_hints = typing.get_type_hints(KvrouteConfig)
+    for section_field in dataclasses.fields(KvrouteConfig):
+        section = section_field.name
+        section_cls = top_hints[section]
+        hints = typing.get_type_hints(section_cls)
+        defaults = section_cls()
+        for f in dataclasses.fields(section_cls):
+            key = f"{section}.{f.name}"
+            spec = _SPECS.get(key, _Spec(""))
+            kind, enum_cls = _kind_of(hints[f.name], key)
+            choices = spec.choices
+            if choices is None and enum_cls is not None:
+                choices = {str(m.value): m for m in enum_cls}
+            declared = range_of(f)
+            if kind in (Kind.INT, Kind.FLOAT) and declared is None:
+                raise TypeError(f"{key}: a numeric setting needs a range (bounded() in router/config.py)")
+            unprefixed = spec.short or section in _UNPREFIXED_SECTIONS
+            fallback = spec.fallback
+            if fallback is None:
+                fallback = section in _FALLBACK_SECTIONS or section == "deployment"
+            settings.append(
+                Setting(
+                    name=f.name if unprefixed else f"{section}_{f.name}",
+                    section=section,
+                    field=f.name,
+                    kind=kind,
+                    default=getattr(defaults, f.name),
+                    help=spec.help,
+                    checks=spec.checks,
+                    range=declared,
+                    choices=choices,
+                    required_when=spec.required_when,
+                    fallback_part=fallback,
+                    secret=is_secret_field(f.name),
+                    metavar=spec.metavar or _default_metavar(kind, choices),
+                )
+            )
+    _check_unique(settings)
+    unknown = set(_SPECS) - {s.toml_key for s in settings}
+    if unknown:
+        raise RuntimeError(f"_SPECS describes no field of KvrouteConfig: {sorted(unknown)}")
+    return tuple(settings)
+
+
+def is_secret_field(name: str) -> bool:
+    """A field is secret when a word of its name says so (``auth_token`` is; ``lookahead_tokens`` is not)."""
+    return bool(_SECRET_WORDS & set(name.lower().split("_")))
+
+
+def _default_metavar(kind: Kind, choices: Mapping[str, enum.Enum] | None) -> str:
+    if choices is not None:
+        words = "|".join(choices)
+        return f"{words}[,...]" if kind is Kind.ENUM_TUPLE else words
+    return {Kind.INT: "N", Kind.FLOAT: "X", Kind.BOOL: "BOOL", Kind.STR: "TEXT"}[kind]
+
+
+def _check_unique(settings: list[Setting]) -> None:
+    seen: dict[str, str] = {}
+    for s in settings:
+        for ident in (s.name, s.flag, s.env):
+            if ident in seen:
+                raise RuntimeError(f"setting {s.toml_key} collides with {seen[ident]} on {ident!r}")
+            seen[ident] = s.toml_key
+
+
+SETTINGS: tuple[Setting, ...] = _build_table()
+BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
+BY_TOML_KEY: Mapping[str, Setting] = {s.toml_key: s for s in SETTINGS}
+SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(KvrouteConfig))
+BOOTSTRAP_SETTINGS = ("kvcm_bootstrap", "kvcm_bootstrap_file", "kvcm_bootstrap_dns")
+WORKER_SOURCE_SETTINGS = ("workers", "workers_file", "workers_dns")
+
+
+def value_of(config: KvrouteConfig, name: str) -> Any:
+    """The value of the setting ``name`` in ``config``."""
+    s = BY_NAME[name]
+    return getattr(getattr(config, s.section), s.field)
+

@@ -1,0 +1,146 @@
+"""Validation: every problem with a whole configuration at once, each naming its flag and env var.
+
+Pure. The rules are not written here: each section is checked by its component's own
+``*_problems`` function (the one its constructor refuses with), sections without a component by
+their declared ranges, then the few rules that join sections. This module only renders them in the
+operator's words (flag, environment variable, where the value came from) and says which problems
+are confined to the KVCM fallback (fail-soft) and which stop kvroute.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from actors.breaker import breaker_problems
+from actors.channel_pool import channel_pool_problems
+from actors.discovery import discovery_problems
+from actors.leader_resolver import leader_problems
+from actors.metrics_sink import metrics_problems
+from actors.probe_budget import prober_problems
+from actors.shadow_index import shadow_problems
+from router.config import DeploymentConfig, KvrouteConfig
+from router.keys import geometry_problems
+from router.policy.cache_affinity import scorer_problems
+from router.problems import Problem, range_problems
+from router.settings.table import (
+    BOOTSTRAP_SETTINGS,
+    BY_NAME,
+    BY_TOML_KEY,
+    DEFAULT_ORIGIN,
+    SETTINGS,
+    Origin,
+    SourceKind,
+    parse_listen,
+    value_of,
+)
+from router.targets import TargetError
+
+
+@dataclass(frozen=True, slots=True)
+class SettingProblem:
+    """One configuration problem, naming every setting involved by flag and env var."""
+
+    settings: tuple[str, ...]  # setting names; empty for file-level problems
+    message: str
+    fallback: bool  # confined to the KVCM fallback part
+
+    def __str__(self) -> str:
+        where = " / ".join(BY_NAME[name].where for name in self.settings)
+        return f"{where}: {self.message}" if where else self.message
+
+    def listed(self) -> str:
+        """The problem as a line of the CLIs' error lists."""
+        return f"  x {self}{'  [KVCM fallback]' if self.fallback else ''}"
+
+
+def _deployment_problems(config: DeploymentConfig) -> list[Problem]:
+    problems = range_problems(config)
+    if not problems:
+        problems += geometry_problems(config.block_size, config.key_family, config.lookahead_tokens)
+    return problems
+
+
+# Each section's rules: its component's own check, or its declared ranges when no component of this
+# layer has one (the router actor's and the process's settings).
+SECTION_PROBLEMS: Mapping[str, Callable[[Any], list[Problem]]] = {
+    "deployment": _deployment_problems,
+    "router": range_problems,
+    "discovery": discovery_problems,
+    "leader": leader_problems,
+    "breaker": breaker_problems,
+    "prober": prober_problems,
+    "scorer": scorer_problems,
+    "shadow": shadow_problems,
+    "channel_pool": channel_pool_problems,
+    "metrics": metrics_problems,
+    "serve": range_problems,
+}
+
+
+def _from(origin: Origin) -> str:
+    return "the default" if origin.kind is SourceKind.DEFAULT else f"from {origin}"
+
+
+def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
+    """Rules that join sections (or the process's own settings): (setting names, message)."""
+    d = c.discovery
+    if c.router.kvcm_fallback:
+        if not (d.kvcm_bootstrap or d.kvcm_bootstrap_file or d.kvcm_bootstrap_dns):
+            yield BOOTSTRAP_SETTINGS, "a KVCM bootstrap source is required when --kvcm-fallback is on (set one of them)"
+        if not c.deployment.kvcm_instance_id:
+            yield ("kvcm_instance_id",), "required when --kvcm-fallback is on"
+    if c.router.reserve_min_ms >= c.router.budget_cap_ms:
+        yield (
+            ("router_reserve_min_ms", "budget_cap_ms"),
+            f"the decision reserve ({c.router.reserve_min_ms} ms) leaves nothing of the budget cap "
+            f"({c.router.budget_cap_ms} ms)",
+        )
+    try:
+        grpc, debug = parse_listen(c.serve.grpc_listen), parse_listen(c.serve.debug_listen)
+    except TargetError:
+        return  # reported by the per-setting check
+    if grpc.port != 0 and grpc == debug:
+        yield ("grpc_listen", "debug_listen"), f"both listen on {grpc}"
+
+
+def _in_flags(section: str, message: str) -> str:
+    """``message`` with the section's field names (those with an underscore: no plain words) as flags."""
+    return _FIELD_WORD.sub(
+        lambda m: BY_TOML_KEY[f"{section}.{m[0]}"].flag if f"{section}.{m[0]}" in BY_TOML_KEY else m[0], message
+    )
+
+
+_FIELD_WORD = re.compile(r"\b[a-z0-9]+(?:_[a-z0-9]+)+\b")
+
+
+def _problem(names: tuple[str, ...], message: str) -> SettingProblem:
+    # Confined to the fallback when any setting involved is a fallback part: switching the fallback
+    # off (and its settings back to their defaults) removes the problem.
+    return SettingProblem(names, message, any(BY_NAME[name].fallback_part for name in names))
+
+
+def validate(config: KvrouteConfig, sources: Mapping[str, Origin] | None = None) -> list[SettingProblem]:
+    """Pure: every problem with ``config`` at once (each value's form, each section's rules, joint rules).
+
+    This is the whole of what ``serve`` checks before it starts: check-config runs exactly this.
+    """
+    origins = sources or {}
+    problems: list[SettingProblem] = []
+    for s in SETTINGS:
+        for message in s.validate(value_of(config, s.name)):
+            problems.append(_problem((s.name,), f"{message} ({_from(origins.get(s.name, DEFAULT_ORIGIN))})"))
+    for section, rules in SECTION_PROBLEMS.items():
+        for found in rules(getattr(config, section)):
+            names = tuple(BY_TOML_KEY[f"{section}.{name}"].name for name in found.fields)
+            message = _in_flags(section, found.message)
+            if len(names) == 1:
+                message += f" ({_from(origins.get(names[0], DEFAULT_ORIGIN))})"
+            problems.append(_problem(names, message))
+    for names, message in _joint_problems(config):
+        problems.append(_problem(names, message))
+    # One setting's problems first, in table order; then those joining settings, as found.
+    order = {s.name: i for i, s in enumerate(SETTINGS)}
+    return sorted(problems, key=lambda p: order[p.settings[0]] if len(p.settings) == 1 else len(order))
