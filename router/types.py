@@ -280,3 +280,17 @@ class RouteDecision:
     stage_ms: dict[str, float] = field(default_factory=dict)
     candidates: tuple[CandidateExplain, ...] = ()
     error: str | None = None  # a clear message for route_source=none or bad_request
+
+
+@dataclass(frozen=True, slots=True)
+class RoleAddr:
+    """One role's worker in an answer (prefill/decode separation names one per role)."""
+
+    role: Role
+    ip: str
+    http_port: int
+    grpc_port: int
+
+    @property
+    def http_target(self) -> str:
+        return format_target(self.ip, self.http_port)
