@@ -90,7 +90,7 @@ class MasterInfo:
 
 
 def parse_master_role(reported: str, field: str, target: str) -> Role:
-    """"PREFILL", "RoleType.PREFILL", "ROLE_TYPE_PREFILL"; empty means PDFUSION."""
+    """ "PREFILL", "RoleType.PREFILL", "ROLE_TYPE_PREFILL"; empty means PDFUSION."""
     name = reported.strip().rpartition(".")[2].upper().removeprefix("ROLE_TYPE_")
     if not name:
         return Role.PDFUSION
@@ -187,7 +187,8 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
     ip = _str_field(entry, "server_ip", f"{field}.server_ip", target)
     if not ip:
         raise GarbledReply(target, f"{field}.server_ip: missing or empty")
-    http_port = _port(_int_field(entry, "http_port", f"{field}.http_port", target, optional=False), f"{field}.http_port", target)
+    raw_http = _int_field(entry, "http_port", f"{field}.http_port", target, optional=False)
+    http_port = _port(raw_http, f"{field}.http_port", target)
     grpc = _int_field(entry, "grpc_port", f"{field}.grpc_port", target, optional=True)
     grpc_port = http_port + 1 if not grpc else _port(grpc, f"{field}.grpc_port", target)
     return RoleAddr(role, ip, http_port, grpc_port)
