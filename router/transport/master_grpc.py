@@ -47,6 +47,8 @@ class GrpcMasterTransport:
         self._leaser = leaser
         self._rpc = GrpcRawRpc(leaser)
         self._info = info
+        # grpc cancels a call whose future is garbage-collected: unawaited Cancels are held here until done.
+        self._pending_cancels: set[grpc.Future[bytes]] = set()
 
     async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
         target = grpc_target(host)
@@ -72,4 +74,7 @@ class GrpcMasterTransport:
         request = encode_cancel_pb(request_id, deadline_exceeded)
         # Best effort by definition: a closed pool or a broken channel only means no Cancel is sent.
         with contextlib.suppress(Exception), self._leaser.lease(target) as channel:
-            channel.unary_unary(paths.MASTER_CANCEL, None, None).future(request, timeout=CANCEL_TIMEOUT_S)
+            future = channel.unary_unary(paths.MASTER_CANCEL, None, None).future(request, timeout=CANCEL_TIMEOUT_S)
+            self._pending_cancels.add(future)
+            # On a grpc thread; set.discard is atomic.
+            future.add_done_callback(self._pending_cancels.discard)
