@@ -20,15 +20,15 @@ import hashlib
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import hypercorn.config
 import hypercorn.trio
 import trio
 
-from router.debug_http import Message, Receive, Scope, Send
 from router.master_config import MASTER_GRPC_PORT_OFFSET
 from router.sim.faults import UNDECODABLE_REPLY, CallStats
 from router.targets import format_target
@@ -54,6 +54,11 @@ from router.wire.master import (
 )
 
 logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 Decide = Callable[[MasterScheduleRequest], Sequence[RoleAddr]]
 """The routing policy: the workers to name (one per role) for a request; none → 8400."""
