@@ -1,4 +1,5 @@
-"""Drift: our descriptors against ../shared/spec/wire_contract.json (issue 2 §2 test b).
+"""Drift: our descriptors against ../shared/spec/wire_contract.json (issue 2 §2 test b), and the
+central scheduler's against tests/data/master_flexlb_contract.json (same notation).
 
 Every message, field (name, number, type, label), reserved number, enum value and method
 path in the contract must match ours exactly — and ours must have nothing the contract lacks.
@@ -16,7 +17,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor_pb2 import FieldDescriptorProto
 
-from router.wire import engine_status_pb2, kvcm_meta_pb2, paths
+from router.wire import engine_status_pb2, kvcm_meta_pb2, master_flexlb_pb2, paths
 
 # The repository's parent holds shared/ (CI copies it beside the fresh clone).
 CONTRACT_PATH = Path(__file__).resolve().parents[2] / "shared" / "spec" / "wire_contract.json"
@@ -24,16 +25,25 @@ CONTRACT_PATH = Path(__file__).resolve().parents[2] / "shared" / "spec" / "wire_
 if not CONTRACT_PATH.is_file():
     pytest.skip(f"wire contract not found at {CONTRACT_PATH}", allow_module_level=True)
 
+MASTER_CONTRACT_PATH = Path(__file__).resolve().parent / "data" / "master_flexlb_contract.json"
+
 CONTRACT: dict[str, Any] = json.loads(CONTRACT_PATH.read_text(encoding="utf-8"))
+CONTRACT["flexlb"] = json.loads(MASTER_CONTRACT_PATH.read_text(encoding="utf-8"))
 
 # contract section → our generated module
-SECTIONS: dict[str, ModuleType] = {"kvcm": kvcm_meta_pb2, "engine_generation_k": engine_status_pb2}
+SECTIONS: dict[str, ModuleType] = {
+    "kvcm": kvcm_meta_pb2,
+    "engine_generation_k": engine_status_pb2,
+    "flexlb": master_flexlb_pb2,
+}
 
 # contract method name → our pinned path constant
 PINNED_PATHS: dict[str, str] = {
     "GetClusterInfo": paths.KVCM_GET_CLUSTER_INFO,
     "GetHostCacheState": paths.KVCM_GET_HOST_CACHE_STATE,
     "GetWorkerStatus": paths.WORKER_GET_STATUS,
+    "Schedule": paths.MASTER_SCHEDULE,
+    "Cancel": paths.MASTER_CANCEL,
 }
 
 SCALAR_NAMES = {
