@@ -208,6 +208,7 @@ class SimMaster:
         self._elected = elected
         self.queue_length = queue_length
         self.schedules = 0  # schedule requests answered with workers, all replicas
+        self._schedules_lock = threading.Lock()  # gRPC handler threads count too
 
     # --- knobs --------------------------------------------------------------------------
 
@@ -239,7 +240,8 @@ class SimMaster:
         addrs = list(self._decide(request))
         if not addrs:
             return CODE_NO_AVAILABLE_WORKER, "no available worker", ()
-        self.schedules += 1
+        with self._schedules_lock:
+            self.schedules += 1
         return 200, "", addrs
 
     def _fault_code(self, faults: MasterFaults) -> tuple[int, str] | None:
