@@ -313,3 +313,17 @@ class RouteDecision:
     candidates: tuple[CandidateExplain, ...] = ()
     error: str | None = None  # a clear message for route_source=none or bad_request
     sources: tuple[SourceStep, ...] = ()  # the chain as this request walked it, in order
+
+
+@dataclass(frozen=True, slots=True)
+class RoleAddr:
+    """One role's worker in an answer (prefill/decode separation names one per role)."""
+
+    role: Role
+    ip: str
+    http_port: int
+    grpc_port: int
+
+    @property
+    def http_target(self) -> str:
+        return format_target(self.ip, self.http_port)

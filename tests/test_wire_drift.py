@@ -1,4 +1,5 @@
-"""Drift: our descriptors against the wire contract, a copy of which lives in tests/data/.
+"""Drift: our descriptors against the wire contract (a copy of which lives in tests/data/), and the
+central scheduler's against tests/data/master_flexlb_contract.json (same notation).
 
 Every message, field (name, number, type, label), reserved number, enum value and method
 path in the contract must match ours exactly — and ours must have nothing the contract lacks.
@@ -18,22 +19,31 @@ import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor_pb2 import FieldDescriptorProto
 
-from router.wire import engine_status_pb2, kvcm_meta_pb2, paths
+from router.wire import engine_status_pb2, kvcm_meta_pb2, master_flexlb_pb2, paths
 
 CONTRACT_PATH = Path(__file__).resolve().parent / "data" / "wire_contract.json"
 # The repository's parent may hold shared/ (CI copies it beside the fresh clone).
 SHARED_CONTRACT_PATH = Path(__file__).resolve().parents[2] / "shared" / "spec" / "wire_contract.json"
 
+MASTER_CONTRACT_PATH = Path(__file__).resolve().parent / "data" / "master_flexlb_contract.json"
+
 CONTRACT: dict[str, Any] = json.loads(CONTRACT_PATH.read_text(encoding="utf-8"))
+CONTRACT["flexlb"] = json.loads(MASTER_CONTRACT_PATH.read_text(encoding="utf-8"))
 
 # contract section → our generated module
-SECTIONS: dict[str, ModuleType] = {"kvcm": kvcm_meta_pb2, "engine_generation_k": engine_status_pb2}
+SECTIONS: dict[str, ModuleType] = {
+    "kvcm": kvcm_meta_pb2,
+    "engine_generation_k": engine_status_pb2,
+    "flexlb": master_flexlb_pb2,
+}
 
 # contract method name → our pinned path constant
 PINNED_PATHS: dict[str, str] = {
     "GetClusterInfo": paths.KVCM_GET_CLUSTER_INFO,
     "GetHostCacheState": paths.KVCM_GET_HOST_CACHE_STATE,
     "GetWorkerStatus": paths.WORKER_GET_STATUS,
+    "Schedule": paths.MASTER_SCHEDULE,
+    "Cancel": paths.MASTER_CANCEL,
 }
 
 SCALAR_NAMES = {
@@ -79,7 +89,8 @@ def section_params(key: str) -> list[tuple[str, str]]:
 def test_the_copy_is_the_shared_contract_where_that_is_present() -> None:
     if SHARED_CONTRACT_PATH.is_file():
         shared = json.loads(SHARED_CONTRACT_PATH.read_text(encoding="utf-8"))
-        assert shared == CONTRACT, f"tests/data/wire_contract.json differs from {SHARED_CONTRACT_PATH}: copy it again"
+        copy = json.loads(CONTRACT_PATH.read_text(encoding="utf-8"))
+        assert shared == copy, f"tests/data/wire_contract.json differs from {SHARED_CONTRACT_PATH}: copy it again"
 
 
 def test_contract_sections_are_the_ones_we_check() -> None:

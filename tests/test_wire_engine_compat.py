@@ -1,4 +1,5 @@
-"""Our protos beside the engine's own package-less module (issue 2 §2 tests a and c).
+"""Our protos beside the engine's and the central scheduler's own package-less modules (issue 2 §2
+tests a and c).
 
 (a) collision: the engine's generated module registers root-level names (StatusVersionPB,
     WorkerStatusPB, TaskInfoPB, KvCacheGroupModePB, RpcService) in the default descriptor
@@ -28,13 +29,18 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from router.types import Role
-from router.wire import engine_status_pb2, kvcm_meta_pb2, router_v1_pb2
+from router.types import Role, RoleAddr
+from router.wire import engine_status_pb2, kvcm_meta_pb2, master_flexlb_pb2, router_v1_pb2
 from router.wire.decode import decode_worker_status, encode_status_version
+from router.wire.master import MasterRouted, MasterScheduleRequest, decode_schedule_pb, encode_schedule_pb
 
 ENGINE_PROTO = Path(__file__).resolve().parent / "data" / "engine_model_rpc_service.proto"
 ENGINE_FILE_NAME = "model_rpc_service.proto"  # what the engine's own module registers
 ENGINE_ROOT_NAMES = ("StatusVersionPB", "WorkerStatusPB", "TaskInfoPB")
+FLEXLB_PROTO = Path(__file__).resolve().parent / "data" / "flexlb_service.proto"
+FLEXLB_FILE_NAME = "flexlb_service.proto"
+FLEXLB_ROOT_NAMES = ("FlexlbScheduleRequestPB", "FlexlbScheduleResponsePB", "FlexlbServerStatusPB")
+OUR_MODULES = (kvcm_meta_pb2, engine_status_pb2, router_v1_pb2, master_flexlb_pb2)
 
 
 def compile_proto(proto: Path, file_name: str, out_dir: Path) -> Path:
@@ -94,7 +100,7 @@ def test_ours_and_the_engines_coexist_in_the_default_pool(engine: ModuleType) ->
     assert pool.FindServiceByName("RpcService").methods_by_name["GetWorkerStatus"].input_type.full_name == (
         "StatusVersionPB"
     )
-    for module in (kvcm_meta_pb2, engine_status_pb2, router_v1_pb2):
+    for module in OUR_MODULES:
         assert module.DESCRIPTOR.package.startswith("kvroute."), module.DESCRIPTOR.name
         assert pool.FindFileByName(module.DESCRIPTOR.name) is module.DESCRIPTOR
 
@@ -107,7 +113,7 @@ def test_engine_first_then_all_of_ours_in_a_fresh_process(engine_pb2_path: Path,
         spec = importlib.util.spec_from_file_location("model_rpc_service_pb2", {str(engine_pb2_path)!r})
         engine = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(engine)
-        from router.wire import kvcm_meta_pb2, engine_status_pb2, router_v1_pb2, decode
+        from router.wire import kvcm_meta_pb2, engine_status_pb2, router_v1_pb2, master_flexlb_pb2, decode
         from google.protobuf import descriptor_pool
         pool = descriptor_pool.Default()
         assert pool.FindMessageTypeByName("WorkerStatusPB").file.name == {ENGINE_FILE_NAME!r}
@@ -158,6 +164,10 @@ def populate(message: Message, salt: int) -> None:
 def scalar_value(field: FieldDescriptor, seed: int) -> object:
     if field.type == FieldDescriptor.TYPE_STRING:
         return f"{field.name}-{seed}"
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return f"{field.name}-{seed}".encode()
+    if field.type == FieldDescriptor.TYPE_UINT32:
+        return seed
     if field.type == FieldDescriptor.TYPE_BOOL:
         return True
     if field.type == FieldDescriptor.TYPE_DOUBLE:
@@ -258,3 +268,75 @@ def test_our_decoder_reads_the_engines_bytes(engine: ModuleType) -> None:
 def test_our_status_request_reads_as_the_engines(engine: ModuleType) -> None:
     theirs = engine.StatusVersionPB.FromString(encode_status_version(41))
     assert (theirs.latest_cache_version, theirs.latest_finished_version) == (-1, 41)
+
+
+# --- the central scheduler's package-less module ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flexlb_pb2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_proto(FLEXLB_PROTO, FLEXLB_FILE_NAME, tmp_path_factory.mktemp("flexlb_gen"))
+
+
+@pytest.fixture(scope="module")
+def flexlb(flexlb_pb2_path: Path) -> ModuleType:
+    return load_module(flexlb_pb2_path)
+
+
+def test_ours_and_the_schedulers_coexist_in_the_default_pool(flexlb: ModuleType) -> None:
+    assert flexlb.DESCRIPTOR.package == ""
+    pool = descriptor_pool.Default()
+    for name in FLEXLB_ROOT_NAMES:
+        theirs = pool.FindMessageTypeByName(name)
+        assert theirs.file.name == FLEXLB_FILE_NAME
+        ours = pool.FindMessageTypeByName(f"kvroute.master.v1.{name}")
+        assert ours.file.name == master_flexlb_pb2.DESCRIPTOR.name
+    assert pool.FindServiceByName("FlexlbService").file.name == FLEXLB_FILE_NAME
+    assert pool.FindServiceByName("kvroute.master.v1.FlexlbService").file.name == "master_flexlb.proto"
+
+
+def test_scheduler_first_then_all_of_ours_in_a_fresh_process(flexlb_pb2_path: Path, tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("flexlb_service_pb2", {str(flexlb_pb2_path)!r})
+        flexlb = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(flexlb)
+        from router.wire import kvcm_meta_pb2, engine_status_pb2, router_v1_pb2, master_flexlb_pb2, master
+        from google.protobuf import descriptor_pool
+        pool = descriptor_pool.Default()
+        assert pool.FindServiceByName("FlexlbService").file.name == {FLEXLB_FILE_NAME!r}
+        assert pool.FindMessageTypeByName("kvroute.master.v1.FlexlbScheduleResponsePB").file.name == (
+            "master_flexlb.proto"
+        )
+        print("coexist-ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "coexist-ok"
+
+
+@pytest.mark.parametrize("name", ["FlexlbScheduleRequestPB", "FlexlbServerStatusPB", "FlexlbScheduleResponsePB"])
+def test_scheduler_messages_survive_ours_to_theirs_and_back(flexlb: ModuleType, name: str) -> None:
+    ours = getattr(master_flexlb_pb2, name)()
+    populate(ours, salt=3)
+    theirs = getattr(flexlb, name).FromString(ours.SerializeToString())
+    again = getattr(master_flexlb_pb2, name).FromString(theirs.SerializeToString())
+    assert field_values(again) == field_values(ours)
+
+
+def test_their_request_reads_ours_and_their_extra_reply_fields_are_ignored(flexlb: ModuleType) -> None:
+    request = MasterScheduleRequest("123", (1, 2), 16, 32, None, 1000, 5)
+    theirs = flexlb.FlexlbScheduleRequestPB.FromString(encode_schedule_pb(request))
+    assert (theirs.request_id, list(theirs.block_cache_keys), theirs.cache_key_block_size) == (123, [1, 2], 16)
+    reply = flexlb.FlexlbScheduleResponsePB(success=True, code=200, real_master_host="10.0.0.9:7001", queue_length=1)
+    reply.server_status.add(role="ROLE_TYPE_PREFILL", server_ip="10.0.0.1", http_port=8000, grpc_port=8001)
+    reply.lifecycle.request_id = 123
+    reply.lifecycle.state = 2
+    reply.lifecycle.batch_id = 77
+    assert decode_schedule_pb(reply.SerializeToString(), "10.0.0.9:7003") == MasterRouted(
+        (RoleAddr(Role.PREFILL, "10.0.0.1", 8000, 8001),), "10.0.0.9:7001", 1
+    )

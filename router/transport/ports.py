@@ -1,4 +1,5 @@
-"""The ports actors depend on. Adapters: gRPC (grpc_adapter) and in-memory (memory_adapter).
+"""The ports actors depend on. Adapters: gRPC (grpc_adapter) and in-memory (memory_adapter); the
+scheduler's: master_http, master_grpc and master_memory.
 
 Deadlines are never arguments: every call is bounded by the caller's trio cancel
 scope, and the gRPC adapter passes the remaining time as the RPC's ``timeout=``.
@@ -10,6 +11,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol, TypeVar
 
 from router.types import CacheQuery, CacheState, ClusterInfo, WorkerStatus
+from router.wire.master import MasterInfo, MasterReply, MasterScheduleRequest
 
 ChannelT_co = TypeVar("ChannelT_co", covariant=True)
 
@@ -48,3 +50,22 @@ class KvcmTransport(Protocol):
 
 class WorkerStatusTransport(Protocol):
     async def get_worker_status(self, target: str, latest_finished_version: int) -> WorkerStatus: ...
+
+
+class MasterTransport(Protocol):
+    """The central scheduler, addressed by a replica's HTTP address (``host:port``).
+
+    ``schedule`` returns a ``MasterReply`` for every answer given in the scheduler's protocol
+    (routed, 8600 fallback, a business error code) and raises a ``TransportError`` when the
+    attempt got no usable reply (refused, reset, the caller's deadline, a garbled or non-JSON body).
+    """
+
+    async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply: ...
+
+    async def master_info(self, host: str) -> MasterInfo:
+        """``POST /rtp_llm/master/info``; raises a ``TransportError`` unless it is a success."""
+        ...
+
+    async def cancel(self, host: str, request_id: str) -> None:
+        """Best effort: tell the scheduler a request is abandoned (gRPC only; HTTP's disconnect says it)."""
+        ...

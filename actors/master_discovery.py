@@ -1,0 +1,232 @@
+"""MasterDiscovery actor: which configured scheduler replica is the master, and which the slave.
+
+``run`` polls every configured host's ``POST /rtp_llm/master/info`` concurrently, once per
+``discovery_interval_s`` (each poll bounded by ``discovery_timeout_s``), and publishes an
+immutable ``MasterDiscoverySnapshot``. Request paths read ``snapshot()`` (or ``master()`` /
+``slave()``) synchronously and never wait for discovery.
+
+- A host is unhealthy after ``discovery_failure_threshold`` consecutive failed polls, healthy
+  again after one success. An unhealthy host leaves the snapshot's host list once
+  ``discovery_drop_after_s`` has passed since its last success (or since start); it is still
+  polled, so it comes back when it answers.
+- Master: the first healthy host, lowest IP first, whose address a healthy host reports as
+  ``real_master_host``; else the previous master if it is not unhealthy; else the lowest-IP
+  healthy host. Slave: the lowest-IP healthy host that is not the master.
+- ``poll_now()`` asks for an early round (e.g. after the master failed a request); requests
+  arriving while one is pending are merged.
+
+State is owned by ``run`` (its poll tasks write only their own host's record, between awaits);
+the published snapshot is replaced, never mutated. Time is ``trio.current_time()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+from dataclasses import dataclass
+
+import trio
+
+from router.master_config import MasterConfig, problems
+from router.targets import HostPort, TargetError, parse_target
+from router.transport.errors import TransportError
+from router.transport.ports import MasterTransport
+from router.wire.master import MasterInfo
+
+
+@dataclass(frozen=True, slots=True)
+class MasterHostHealth:
+    host: str  # as configured
+    healthy: bool
+    consecutive_failures: int
+    last_success_at: float | None
+    last_error: str | None
+    last_error_at: float | None
+    reported_master: str | None  # real_master_host of its last answer
+    queue_length: int | None  # of its last answer
+
+
+@dataclass(frozen=True, slots=True)
+class MasterDiscoverySnapshot:
+    hosts: tuple[MasterHostHealth, ...]  # configured hosts not dropped, lowest IP first
+    master: str | None  # a configured host, or None when no master is known
+    slave: str | None
+    queue_length: int | None  # the master's last reported queue length
+    last_error: str | None  # the latest failed poll, "host: error"
+    rounds_total: int
+    polls_failed_total: int
+    master_changes_total: int
+    version: int  # bumped on every publish
+
+
+EMPTY_SNAPSHOT = MasterDiscoverySnapshot((), None, None, None, None, 0, 0, 0, 0)
+
+
+def ip_order(host: str) -> tuple[int, int, str, int]:
+    """Sort key: IPs numerically (v4 before v6), then names; then the port."""
+    target = parse_target(host)
+    try:
+        ip = ipaddress.ip_address(target.host)
+    except ValueError:
+        return (9, 0, target.host, target.port)
+    return (ip.version, int(ip), "", target.port)
+
+
+def _same_address(a: HostPort, reported: str | None) -> bool:
+    if not reported:
+        return False
+    try:
+        return parse_target(reported) == a
+    except TargetError:
+        return False
+
+
+class _Host:
+    """One host's record, written by its poll task and read by ``_publish``."""
+
+    __slots__ = (
+        "address",
+        "consecutive_failures",
+        "host",
+        "info",
+        "last_error",
+        "last_error_at",
+        "last_success_at",
+        "order",
+    )
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.address = parse_target(host)
+        self.order = ip_order(host)
+        self.consecutive_failures = 0
+        self.last_success_at: float | None = None
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None
+        self.info: MasterInfo | None = None
+
+
+class MasterDiscovery:
+    def __init__(self, config: MasterConfig, transport: MasterTransport) -> None:
+        found = problems(config)
+        if found:
+            raise ValueError("master config: " + "; ".join(f"{name}: {message}" for name, message in found))
+        self._config = config
+        self._transport = transport
+        self._hosts = sorted((_Host(h) for h in config.hosts), key=lambda h: h.order)
+        self._started_at = 0.0
+        self._master: _Host | None = None
+        self._snapshot = EMPTY_SNAPSHOT
+        self._rounds_total = 0
+        self._polls_failed_total = 0
+        self._master_changes_total = 0
+        self._last_error: str | None = None
+        # The inbox: requests for an early round. Capacity 1: a second one while one is pending adds nothing.
+        self._wake_send, self._wake_receive = trio.open_memory_channel[None](1)
+
+    # --- readers (synchronous, never wait) ------------------------------------------------
+
+    def snapshot(self) -> MasterDiscoverySnapshot:
+        return self._snapshot
+
+    def master(self) -> str | None:
+        return self._snapshot.master
+
+    def slave(self) -> str | None:
+        return self._snapshot.slave
+
+    def poll_now(self) -> None:
+        """Ask for an early round; never blocks."""
+        with contextlib.suppress(trio.WouldBlock):  # one is pending already
+            self._wake_send.send_nowait(None)
+
+    # --- the actor -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Poll rounds forever; ``started`` after the first round, so a master is known at start."""
+        self._started_at = trio.current_time()
+        await self._round()
+        task_status.started()
+        while True:
+            next_at = trio.current_time() + self._config.discovery_interval_s
+            with trio.move_on_at(next_at):
+                await self._wake_receive.receive()
+            await self._round()
+
+    async def _round(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for host in self._hosts:
+                nursery.start_soon(self._poll, host)
+        self._rounds_total += 1
+        self._publish(trio.current_time())
+
+    async def _poll(self, host: _Host) -> None:
+        error: str | None = None
+        with trio.move_on_after(self._config.discovery_timeout_s) as scope:
+            try:
+                info = await self._transport.master_info(host.host)
+            except TransportError as exc:
+                error = f"{exc.kind}: {exc.detail}"
+        now = trio.current_time()
+        if scope.cancelled_caught:
+            error = f"timeout: no master/info answer within {self._config.discovery_timeout_s} s"
+        if error is None:
+            host.info = info
+            host.consecutive_failures = 0
+            host.last_success_at = now
+            return
+        host.consecutive_failures += 1
+        host.last_error = error
+        host.last_error_at = now
+        self._polls_failed_total += 1
+        self._last_error = f"{host.host}: {error}"
+
+    def _healthy(self, host: _Host) -> bool:
+        return host.last_success_at is not None and (
+            host.consecutive_failures < self._config.discovery_failure_threshold
+        )
+
+    def _publish(self, now: float) -> None:
+        healthy = [h for h in self._hosts if self._healthy(h)]
+        named = {h.info.real_master_host for h in healthy if h.info is not None and h.info.real_master_host}
+        master = next((h for h in healthy if any(_same_address(h.address, n) for n in named)), None)
+        if master is None and self._master is not None and self._healthy(self._master):
+            master = self._master
+        if master is None and healthy:
+            master = healthy[0]
+        if master is not self._master:
+            self._master_changes_total += 1
+            self._master = master
+        slave = next((h for h in healthy if h is not master), None)
+        listed = tuple(self._health(h) for h in self._hosts if self._listed(h, now))
+        self._snapshot = MasterDiscoverySnapshot(
+            hosts=listed,
+            master=None if master is None else master.host,
+            slave=None if slave is None else slave.host,
+            queue_length=None if master is None or master.info is None else master.info.queue_length,
+            last_error=self._last_error,
+            rounds_total=self._rounds_total,
+            polls_failed_total=self._polls_failed_total,
+            master_changes_total=self._master_changes_total,
+            version=self._snapshot.version + 1,
+        )
+
+    def _listed(self, host: _Host, now: float) -> bool:
+        if self._healthy(host):
+            return True
+        since = self._started_at if host.last_success_at is None else host.last_success_at
+        return now - since < self._config.discovery_drop_after_s
+
+    def _health(self, host: _Host) -> MasterHostHealth:
+        info = host.info
+        return MasterHostHealth(
+            host=host.host,
+            healthy=self._healthy(host),
+            consecutive_failures=host.consecutive_failures,
+            last_success_at=host.last_success_at,
+            last_error=host.last_error,
+            last_error_at=host.last_error_at,
+            reported_master=None if info is None else info.real_master_host,
+            queue_length=None if info is None else info.queue_length,
+        )
+

@@ -1,0 +1,80 @@
+"""gRPC adapter of ``MasterTransport``: ``/FlexlbService/Schedule`` on the scheduler's HTTP port + 2.
+
+Calls go through ``GrpcRawRpc`` (the future bridge and the channel pool), so the caller's trio
+deadline is the RPC's ``timeout=`` and cancelling the caller's scope cancels the RPC. A schedule
+call that is abandoned (cancelled, or past its deadline) is followed by a best-effort
+``/FlexlbService/Cancel`` that nobody waits for. The gRPC API has no master/info: discovery
+goes through the HTTP adapter given as ``info``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+import trio
+
+from router.master_config import MASTER_GRPC_PORT_OFFSET
+from router.targets import TargetError, format_target, parse_target
+from router.transport.errors import DeadlineExceeded, Unavailable
+from router.transport.grpc_adapter import GrpcRawRpc
+from router.transport.ports import ChannelLeaser, MasterTransport
+from router.wire import paths
+from router.wire.master import (
+    MasterInfo,
+    MasterReply,
+    MasterScheduleRequest,
+    decode_schedule_pb,
+    encode_cancel_pb,
+    encode_schedule_pb,
+)
+
+# How long an unawaited best-effort Cancel may take before gRPC gives up on it.
+CANCEL_TIMEOUT_S = 1.0
+
+
+def grpc_target(host: str) -> str:
+    """The scheduler's gRPC address for its HTTP address ``host``."""
+    try:
+        target = parse_target(host)
+    except TargetError as exc:
+        raise Unavailable(host, f"not a HOST:PORT scheduler address ({exc})") from exc
+    return format_target(target.host, target.port + MASTER_GRPC_PORT_OFFSET)
+
+
+class GrpcMasterTransport:
+    def __init__(self, leaser: ChannelLeaser[grpc.Channel], info: MasterTransport) -> None:
+        self._leaser = leaser
+        self._rpc = GrpcRawRpc(leaser)
+        self._info = info
+        # grpc cancels a call whose future is garbage-collected: unawaited Cancels are held here until done.
+        self._pending_cancels: set[grpc.Future[bytes]] = set()
+
+    async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
+        target = grpc_target(host)
+        try:
+            reply = await self._rpc.call(target, paths.MASTER_SCHEDULE, encode_schedule_pb(request))
+        except trio.Cancelled:
+            self._cancel_nowait(target, request.request_id, deadline_exceeded=False)
+            raise
+        except DeadlineExceeded:
+            self._cancel_nowait(target, request.request_id, deadline_exceeded=True)
+            raise
+        return decode_schedule_pb(reply, target)
+
+    async def master_info(self, host: str) -> MasterInfo:
+        return await self._info.master_info(host)
+
+    async def cancel(self, host: str, request_id: str) -> None:
+        target = grpc_target(host)
+        await self._rpc.call(target, paths.MASTER_CANCEL, encode_cancel_pb(request_id, deadline_exceeded=False))
+
+    def _cancel_nowait(self, target: str, request_id: str, *, deadline_exceeded: bool) -> None:
+        """Send Cancel without waiting (we may be inside a cancelled scope): fire and forget."""
+        request = encode_cancel_pb(request_id, deadline_exceeded)
+        # Best effort by definition: a closed pool or a broken channel only means no Cancel is sent.
+        with contextlib.suppress(Exception), self._leaser.lease(target) as channel:
+            future = channel.unary_unary(paths.MASTER_CANCEL, None, None).future(request, timeout=CANCEL_TIMEOUT_S)
+            self._pending_cancels.add(future)
+            # On a grpc thread; set.discard is atomic.
+            future.add_done_callback(self._pending_cancels.discard)

@@ -1,0 +1,87 @@
+"""HTTP JSON adapter of ``MasterTransport``: one httpx.AsyncClient on trio (through anyio/httpcore).
+
+One client serves every scheduler host, with a bounded keep-alive pool. It has no timeouts of
+its own: the caller's trio cancel scope bounds each call, and cancelling it closes the
+request's connection, so the scheduler sees the disconnect (and drops a queued request).
+Close it with ``aclose()`` or use it as an async context manager.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import httpx
+
+from router.master_config import MasterConfig
+from router.targets import TargetError, parse_target
+from router.transport.errors import DeadlineExceeded, TransportError, Unavailable
+from router.wire import paths
+from router.wire.master import (
+    MasterInfo,
+    MasterReply,
+    MasterScheduleRequest,
+    decode_info_json,
+    decode_schedule_json,
+    encode_schedule_json,
+)
+
+_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+
+
+def http_base(host: str) -> str:
+    """``http://host:port`` for a configured scheduler address; raises ``Unavailable`` naming a bad one."""
+    try:
+        return f"http://{parse_target(host)}"
+    except TargetError as exc:
+        raise Unavailable(host, f"not a HOST:PORT scheduler address ({exc})") from exc
+
+
+def _transport_error(host: str, error: httpx.HTTPError) -> TransportError:
+    if isinstance(error, httpx.TimeoutException):
+        return DeadlineExceeded(host, f"{type(error).__name__}: {error}")
+    if isinstance(error, httpx.ConnectError):
+        return Unavailable(host, f"connection failed: {error}")
+    # Reset, closed without a reply, protocol violations: no usable reply.
+    return Unavailable(host, f"{type(error).__name__}: {error}")
+
+
+class HttpMasterTransport:
+    def __init__(self, config: MasterConfig) -> None:
+        limits = httpx.Limits(
+            max_connections=config.http_max_connections,
+            max_keepalive_connections=config.http_max_connections,
+            keepalive_expiry=config.http_keepalive_expiry_s,
+        )
+        # timeout=None: the caller's trio deadline is the only bound; trust_env=False: no proxies
+        # from the environment between us and the scheduler.
+        self._client = httpx.AsyncClient(limits=limits, timeout=None, trust_env=False, headers=_HEADERS)
+
+    async def __aenter__(self) -> HttpMasterTransport:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _post(self, host: str, path: str, body: bytes) -> tuple[int, bytes]:
+        url = http_base(host) + path
+        try:
+            response = await self._client.post(url, content=body)
+        except httpx.HTTPError as exc:
+            raise _transport_error(host, exc) from exc
+        return response.status_code, response.content
+
+    async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
+        status, body = await self._post(host, paths.MASTER_HTTP_SCHEDULE, encode_schedule_json(request))
+        return decode_schedule_json(status, body, host)
+
+    async def master_info(self, host: str) -> MasterInfo:
+        status, body = await self._post(host, paths.MASTER_HTTP_INFO, b"{}")
+        return decode_info_json(status, body, host)
+
+    async def cancel(self, host: str, request_id: str) -> None:
+        """Nothing to send: cancelling a ``schedule`` call closes its connection, which cancels it."""

@@ -1,0 +1,429 @@
+"""The central scheduler ("master"): request and reply values, and their codecs (pure, no I/O).
+
+``schedule()`` on any ``MasterTransport`` returns a ``MasterReply`` for every answer the
+scheduler gave in its own protocol — routed, an explicit fallback (8600) or a business
+error code — and raises a ``TransportError`` for every attempt that got no usable reply
+(refused, reset, timeout, a 200 whose body is not JSON, a non-JSON 5xx, a broken field).
+What to do with each is the caller's policy; the decoders only state facts.
+
+Both directions are here (client encode/decode, server decode/encode) so the simulated
+scheduler speaks exactly what the adapters read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from router.transport.errors import GarbledReply, RemoteError
+from router.types import Role, RoleAddr
+from router.wire import master_flexlb_pb2 as flexlb_pb
+
+CODE_OK = 200
+CODE_NO_AVAILABLE_WORKER = 8400  # also the code of a per-role failure that names none
+CODE_INVALID_REQUEST = 8406
+CODE_FALLBACK = 8600  # "route by yourself"
+DEFAULT_GENERATE_TIMEOUT_MS = 3_600_000
+# Roles a scheduler may name in an answer.
+MASTER_ROLES = (Role.PDFUSION, Role.DECODE, Role.PREFILL, Role.VIT)
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class MasterScheduleRequest:
+    """One schedule call. ``block_size`` is required when ``block_cache_keys`` is non-empty."""
+
+    request_id: str
+    block_cache_keys: tuple[int, ...] = ()
+    block_size: int | None = None
+    seq_len: int = 0
+    input_ids: tuple[int, ...] | None = None  # only when there are no keys; HTTP only
+    generate_timeout_ms: int = DEFAULT_GENERATE_TIMEOUT_MS
+    request_time_ms: int = 0  # epoch ms when the frontend received the request
+
+
+@dataclass(frozen=True, slots=True)
+class MasterRouted:
+    """The scheduler named a worker per role, in its order (roles it did not name are absent)."""
+
+    role_addrs: tuple[RoleAddr, ...]
+    real_master_host: str | None
+    queue_length: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class MasterFallback:
+    """Code 8600: the scheduler asks the frontend to route by itself."""
+
+    message: str
+    http_status: int | None  # None over gRPC
+    code: int = CODE_FALLBACK
+
+
+@dataclass(frozen=True, slots=True)
+class MasterBusinessError:
+    """Any other error code (8400, 8402-8406, 8502-8504, unknown codes): the request fails with it."""
+
+    code: int
+    message: str
+    http_status: int | None  # None over gRPC
+
+
+MasterReply = MasterRouted | MasterFallback | MasterBusinessError
+
+
+@dataclass(frozen=True, slots=True)
+class MasterInfo:
+    """A ``/rtp_llm/master/info`` answer: which replica the scheduler replicas elected."""
+
+    real_master_host: str | None
+    queue_length: int | None
+    pod_ip: str | None = None
+    instance_ip: str | None = None
+
+
+# --- roles and ids ------------------------------------------------------------------------
+
+
+def parse_master_role(reported: str, field: str, target: str) -> Role:
+    """ "PREFILL", "RoleType.PREFILL", "ROLE_TYPE_PREFILL"; empty means PDFUSION."""
+    name = reported.strip().rpartition(".")[2].upper().removeprefix("ROLE_TYPE_")
+    if not name:
+        return Role.PDFUSION
+    try:
+        role = Role(name)
+    except ValueError:
+        role = Role.UNKNOWN
+    if role not in MASTER_ROLES:
+        raise GarbledReply(target, f"{field}: unknown role {reported!r}")
+    return role
+
+
+def grpc_request_id(request_id: str) -> int:
+    """The gRPC API's int64 request id: the id itself if it is a non-negative int64, else a stable hash."""
+    text = request_id.strip()
+    if text.isascii() and text.isdigit() and int(text) <= _INT64_MAX:
+        return int(text)
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & _INT64_MAX
+
+
+# --- HTTP JSON: client side ---------------------------------------------------------------
+
+
+def encode_schedule_json(request: MasterScheduleRequest) -> bytes:
+    body: dict[str, object] = {
+        "request_id": request.request_id,
+        "block_cache_keys": list(request.block_cache_keys),
+        "seq_len": request.seq_len,
+        "generate_timeout": request.generate_timeout_ms,
+        "request_time_ms": request.request_time_ms,
+    }
+    if request.block_size is not None:
+        body["block_size"] = request.block_size
+    if request.input_ids is not None:
+        body["input_ids"] = list(request.input_ids)
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _json_object(status: int, body: bytes, target: str, what: str) -> dict[str, object] | None:
+    """The body as a JSON object; None when it is not JSON at all."""
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(value, dict):
+        raise GarbledReply(target, f"{what}: HTTP {status} body is JSON but not an object")
+    return value
+
+
+def _not_json(status: int, body: bytes, target: str, what: str) -> Exception:
+    snippet = body[:120].decode("utf-8", "replace")
+    if status == 200:
+        return GarbledReply(target, f"{what}: HTTP 200 body is not JSON: {snippet!r}")
+    return RemoteError(target, f"{what}: body is not JSON: {snippet!r}", status, f"http:{status}")
+
+
+def _int_field(obj: Mapping[str, object], key: str, field: str, target: str, *, optional: bool) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        if optional:
+            return None
+        raise GarbledReply(target, f"{field}: missing")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GarbledReply(target, f"{field}: expected an integer, got {value!r}")
+    return value
+
+
+def _str_field(obj: Mapping[str, object], key: str, field: str, target: str) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise GarbledReply(target, f"{field}: expected a string, got {value!r}")
+    return value
+
+
+def _port(value: int | None, field: str, target: str) -> int:
+    if value is None or not 1 <= value <= 65535:
+        raise GarbledReply(target, f"{field}: port out of range 1..65535, got {value!r}")
+    return value
+
+
+def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | MasterBusinessError:
+    field = f"server_status[{index}]"
+    if not isinstance(entry, dict):
+        raise GarbledReply(target, f"{field}: expected an object, got {entry!r}")
+    if entry.get("success") is False:
+        # A role the scheduler could not route fails the whole answer with that role's code.
+        code = _int_field(entry, "code", f"{field}.code", target, optional=True)
+        message = _str_field(entry, "message", f"{field}.message", target) or ""
+        return MasterBusinessError(code or CODE_NO_AVAILABLE_WORKER, message, None)
+    role = parse_master_role(_str_field(entry, "role", f"{field}.role", target) or "", f"{field}.role", target)
+    ip = _str_field(entry, "server_ip", f"{field}.server_ip", target)
+    if not ip:
+        raise GarbledReply(target, f"{field}.server_ip: missing or empty")
+    raw_http = _int_field(entry, "http_port", f"{field}.http_port", target, optional=False)
+    http_port = _port(raw_http, f"{field}.http_port", target)
+    grpc = _int_field(entry, "grpc_port", f"{field}.grpc_port", target, optional=True)
+    grpc_port = http_port + 1 if not grpc else _port(grpc, f"{field}.grpc_port", target)
+    return RoleAddr(role, ip, http_port, grpc_port)
+
+
+def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
+    """An HTTP reply of ``POST /rtp_llm/schedule`` → ``MasterReply``; raises for no usable reply."""
+    what = "schedule"
+    obj = _json_object(status, body, target, what)
+    if obj is None:
+        raise _not_json(status, body, target, what)
+    code = _int_field(obj, "code", "code", target, optional=True)
+    success = obj.get("success")
+    if code is None:
+        if success is not True:
+            raise GarbledReply(target, f"code: missing in an HTTP {status} reply that is not a success")
+        code = CODE_OK
+    message = _str_field(obj, "error_message", "error_message", target) or ""
+    if code == CODE_FALLBACK:
+        return MasterFallback(message, status)
+    if code != CODE_OK:
+        return MasterBusinessError(code, message, status)
+    if status != 200:
+        raise RemoteError(target, f"{what}: code 200 in an HTTP {status} reply", status, f"http:{status}")
+    entries = obj.get("server_status") or []
+    if not isinstance(entries, list):
+        raise GarbledReply(target, f"server_status: expected a list, got {entries!r}")
+    addrs: list[RoleAddr] = []
+    for i, entry in enumerate(entries):
+        decoded = _role_addr_json(entry, i, target)
+        if isinstance(decoded, MasterBusinessError):
+            return MasterBusinessError(decoded.code, decoded.message, status)
+        addrs.append(decoded)
+    return MasterRouted(
+        tuple(addrs),
+        _str_field(obj, "real_master_host", "real_master_host", target) or None,
+        _int_field(obj, "queue_length", "queue_length", target, optional=True),
+    )
+
+
+def decode_info_json(status: int, body: bytes, target: str) -> MasterInfo:
+    """An HTTP reply of ``POST /rtp_llm/master/info``; raises unless it is a 200 success."""
+    what = "master/info"
+    obj = _json_object(status, body, target, what)
+    if obj is None:
+        raise _not_json(status, body, target, what)
+    if status != 200 or obj.get("success") is False:
+        code = _int_field(obj, "code", "code", target, optional=True) or status
+        message = _str_field(obj, "error_message", "error_message", target) or ""
+        raise RemoteError(target, f"{what}: {message}", code, f"http:{status}")
+    return MasterInfo(
+        _str_field(obj, "real_master_host", "real_master_host", target) or None,
+        _int_field(obj, "queue_length", "queue_length", target, optional=True),
+        _str_field(obj, "pod_ip", "pod_ip", target),
+        _str_field(obj, "instance_ip", "instance_ip", target),
+    )
+
+
+# --- HTTP JSON: server side (the simulated scheduler) --------------------------------------
+
+
+class BadScheduleRequest(ValueError):
+    """A schedule body the scheduler rejects with 8406; the message names the field."""
+
+
+def parse_schedule_json(body: bytes) -> MasterScheduleRequest:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadScheduleRequest(f"body: not JSON ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise BadScheduleRequest("body: not a JSON object")
+    raw_id = obj.get("request_id")
+    if isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or not str(raw_id).strip():
+        raise BadScheduleRequest("request_id: required, non-blank")
+    keys = _int_list(obj.get("block_cache_keys"), "block_cache_keys")
+    block_size = obj.get("block_size")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
+        raise BadScheduleRequest(f"block_size: expected an integer, got {block_size!r}")
+    if keys and not block_size:
+        raise BadScheduleRequest("block_size: required when block_cache_keys is non-empty")
+    ids = obj.get("input_ids")
+    return MasterScheduleRequest(
+        request_id=str(raw_id),
+        block_cache_keys=keys,
+        block_size=block_size,
+        seq_len=_int_or(obj.get("seq_len"), 0, "seq_len"),
+        input_ids=None if ids is None else _int_list(ids, "input_ids"),
+        generate_timeout_ms=_int_or(obj.get("generate_timeout"), DEFAULT_GENERATE_TIMEOUT_MS, "generate_timeout"),
+        request_time_ms=_int_or(obj.get("request_time_ms"), 0, "request_time_ms"),
+    )
+
+
+def _int_list(value: object, field: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise BadScheduleRequest(f"{field}: expected a list of integers")
+    return tuple(value)
+
+
+def _int_or(value: object, default: int, field: str) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadScheduleRequest(f"{field}: expected an integer, got {value!r}")
+    return value
+
+
+def routed_json(
+    role_addrs: Sequence[RoleAddr], real_master_host: str | None, queue_length: int | None, request_id: str
+) -> bytes:
+    statuses = [
+        {
+            "role": a.role.value,
+            "server_ip": a.ip,
+            "http_port": a.http_port,
+            "grpc_port": a.grpc_port,
+            "debug_info": None,
+            "request_id": request_id,
+            "success": True,
+            "code": CODE_OK,
+            "message": None,
+        }
+        for a in role_addrs
+    ]
+    reply = {
+        "success": True,
+        "code": CODE_OK,
+        "server_status": statuses,
+        "real_master_host": real_master_host,
+        "queue_length": queue_length,
+    }
+    return json.dumps(reply).encode()
+
+
+def error_json(code: int, message: str) -> bytes:
+    return json.dumps({"success": False, "code": code, "error_message": message}).encode()
+
+
+def info_json(real_master_host: str | None, queue_length: int, pod_ip: str) -> bytes:
+    reply = {
+        "success": True,
+        "code": CODE_OK,
+        "real_master_host": real_master_host,
+        "pod_ip": pod_ip,
+        "instance_ip": pod_ip,
+        "queue_length": queue_length,
+    }
+    return json.dumps(reply).encode()
+
+
+# --- gRPC ------------------------------------------------------------------------------------
+
+
+def encode_schedule_pb(request: MasterScheduleRequest) -> bytes:
+    message = flexlb_pb.FlexlbScheduleRequestPB(
+        request_id=grpc_request_id(request.request_id),
+        block_cache_keys=request.block_cache_keys,
+        seq_len=request.seq_len,
+        generate_timeout=request.generate_timeout_ms,
+        request_time_ms=request.request_time_ms,
+        cache_key_block_size=request.block_size or 0,
+        forward_hop=0,
+    )
+    return message.SerializeToString()
+
+
+def encode_cancel_pb(request_id: str, deadline_exceeded: bool) -> bytes:
+    reason = flexlb_pb.DEADLINE_EXCEEDED if deadline_exceeded else flexlb_pb.CLIENT_CANCELLED
+    return flexlb_pb.FlexlbCancelRequestPB(request_id=grpc_request_id(request_id), reason=reason).SerializeToString()
+
+
+def decode_schedule_pb(data: bytes, target: str) -> MasterReply:
+    reply = flexlb_pb.FlexlbScheduleResponsePB()
+    try:
+        reply.ParseFromString(data)
+    except DecodeError as exc:
+        raise GarbledReply(target, f"schedule: undecodable reply ({exc})") from exc
+    code = reply.code or (CODE_OK if reply.success else 0)
+    if code == CODE_FALLBACK:
+        return MasterFallback(reply.error_message, None)
+    if code != CODE_OK:
+        return MasterBusinessError(code, reply.error_message, None)
+    addrs: list[RoleAddr] = []
+    for i, entry in enumerate(reply.server_status):
+        field = f"server_status[{i}]"
+        if not entry.server_ip:
+            raise GarbledReply(target, f"{field}.server_ip: missing or empty")
+        http_port = _port(entry.http_port, f"{field}.http_port", target)
+        grpc_port = http_port + 1 if not entry.grpc_port else _port(entry.grpc_port, f"{field}.grpc_port", target)
+        role = parse_master_role(entry.role, f"{field}.role", target)
+        addrs.append(RoleAddr(role, entry.server_ip, http_port, grpc_port))
+    return MasterRouted(tuple(addrs), reply.real_master_host or None, reply.queue_length)
+
+
+def parse_schedule_pb(data: bytes) -> tuple[int, MasterScheduleRequest]:
+    """Server side: (the int64 id, the request with that id as its string id)."""
+    message = flexlb_pb.FlexlbScheduleRequestPB()
+    try:
+        message.ParseFromString(data)
+    except DecodeError as exc:
+        raise BadScheduleRequest(f"body: undecodable ({exc})") from exc
+    keys = tuple(message.block_cache_keys)
+    if keys and message.cache_key_block_size <= 0:
+        raise BadScheduleRequest("cache_key_block_size: required when block_cache_keys is non-empty")
+    request = MasterScheduleRequest(
+        request_id=str(message.request_id),
+        block_cache_keys=keys,
+        block_size=message.cache_key_block_size or None,
+        seq_len=message.seq_len,
+        generate_timeout_ms=message.generate_timeout or DEFAULT_GENERATE_TIMEOUT_MS,
+        request_time_ms=message.request_time_ms,
+    )
+    return message.request_id, request
+
+
+def parse_cancel_pb(data: bytes) -> tuple[int, bool]:
+    """Server side: (the int64 id, whether the reason is a deadline)."""
+    message = flexlb_pb.FlexlbCancelRequestPB()
+    try:
+        message.ParseFromString(data)
+    except DecodeError as exc:
+        raise BadScheduleRequest(f"body: undecodable ({exc})") from exc
+    return message.request_id, message.reason == flexlb_pb.DEADLINE_EXCEEDED
+
+
+def routed_pb(role_addrs: Sequence[RoleAddr], real_master_host: str | None, queue_length: int) -> bytes:
+    reply = flexlb_pb.FlexlbScheduleResponsePB(
+        success=True, code=CODE_OK, real_master_host=real_master_host or "", queue_length=queue_length
+    )
+    for a in role_addrs:
+        reply.server_status.add(role=a.role.value, server_ip=a.ip, http_port=a.http_port, grpc_port=a.grpc_port)
+    return reply.SerializeToString()
+
+
+def error_pb(code: int, message: str) -> bytes:
+    return flexlb_pb.FlexlbScheduleResponsePB(success=False, code=code, error_message=message).SerializeToString()

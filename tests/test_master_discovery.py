@@ -1,0 +1,187 @@
+"""MasterDiscovery under MockClock with the in-memory transport and SimMaster's replicas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import trio
+import trio.testing
+
+from actors.master_discovery import MasterDiscovery, ip_order
+from kvroute_sim.sim.master import MasterFaults, SimMaster
+from router.master_config import MasterConfig
+from router.transport.master_memory import MemoryMasterNetwork
+from router.wire import paths
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+@dataclass
+class Setup:
+    sim: SimMaster
+    network: MemoryMasterNetwork
+    discovery: MasterDiscovery
+    hosts: tuple[str, ...]  # by replica index: 10.77.0.1, .2, .3 (already lowest IP first)
+
+
+async def start(nursery: trio.Nursery, *, elected: int = 0, replicas: int = 3, **config: object) -> Setup:
+    sim = SimMaster(replicas=replicas, elected=elected, queue_length=5)
+    network = MemoryMasterNetwork()
+    addresses = sim.serve_memory(network)
+    # Listed out of IP order, to check the ordering is discovery's.
+    discovery = MasterDiscovery(MasterConfig(hosts=tuple(reversed(addresses.hosts)), **config), network)  # type: ignore[arg-type]
+    await nursery.start(discovery.run)
+    return Setup(sim, network, discovery, addresses.hosts)
+
+
+async def rounds(n: int) -> None:
+    """Let ``n`` more discovery rounds run (default interval 1 s; polls answer at once in memory)."""
+    await trio.sleep(n * 1.0)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_the_elected_replica_is_master_and_the_lowest_other_is_slave(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    s = await start(nursery, elected=2)
+    snap = s.discovery.snapshot()
+    assert (snap.master, snap.slave, snap.queue_length) == (s.hosts[2], s.hosts[0], 5)
+    assert [h.host for h in snap.hosts] == list(s.hosts)
+    assert all(h.healthy and h.reported_master == s.hosts[2] for h in snap.hosts)
+    s.sim.elect(1)
+    s.sim.queue_length = 9
+    await rounds(1)
+    snap = s.discovery.snapshot()
+    assert (snap.master, snap.slave, snap.queue_length) == (s.hosts[1], s.hosts[0], 9)
+    assert snap.master_changes_total == 2
+
+
+async def test_polls_every_host_once_per_interval(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    s = await start(nursery)
+    await rounds(3)
+    for host in s.hosts:
+        assert s.network.call_count(host, paths.MASTER_HTTP_INFO) == 4
+    assert s.discovery.snapshot().rounds_total == 4
+
+
+async def test_unhealthy_after_two_failures_then_master_moves(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    s = await start(nursery, elected=0)
+    s.network.stop(s.hosts[0])
+    await rounds(1)
+    snap = s.discovery.snapshot()
+    assert snap.master == s.hosts[0]  # one failure: still healthy
+    assert snap.hosts[0].consecutive_failures == 1 and snap.hosts[0].healthy
+    await rounds(1)
+    snap = s.discovery.snapshot()
+    assert not snap.hosts[0].healthy and snap.hosts[0].last_error is not None
+    assert "unavailable" in (snap.last_error or "")
+    # The others still name replica 0, which is unhealthy: the lowest-IP healthy host takes over.
+    assert (snap.master, snap.slave) == (s.hosts[1], s.hosts[2])
+
+
+async def test_a_hanging_host_times_out(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    s = await start(nursery, elected=1)
+    s.sim.set_faults(1, MasterFaults(hang=True))
+    # Rounds at 1.0 and 2.5 s each end at the poll timeout (0.5 s); the next starts an interval later.
+    await trio.sleep(3.2)
+    snap = s.discovery.snapshot()
+    assert snap.rounds_total == 3
+    assert not snap.hosts[1].healthy
+    assert "timeout" in (snap.hosts[1].last_error or "")
+    assert snap.hosts[1].last_error_at == pytest.approx(3.0)
+    assert (snap.master, snap.slave) == (s.hosts[0], s.hosts[2])
+
+
+async def test_previous_master_kept_when_nobody_names_a_healthy_one(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    s = await start(nursery, elected=1)
+    s.sim.elect(0)
+    s.network.stop(s.hosts[0])  # the newly named master is down
+    await rounds(2)
+    snap = s.discovery.snapshot()
+    assert snap.master == s.hosts[1]  # the previous master, still healthy, not the lowest IP
+    assert snap.slave == s.hosts[2]
+
+
+async def test_unhealthy_host_dropped_after_drop_after_then_back(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    s = await start(nursery, elected=0, discovery_drop_after_s=5.0)
+    refused_at = trio.current_time()
+    s.sim.set_faults(2, MasterFaults(refuse=True))
+    await rounds(4)
+    assert s.hosts[2] in [h.host for h in s.discovery.snapshot().hosts]
+    await rounds(2)
+    assert trio.current_time() - refused_at >= 5.0
+    assert [h.host for h in s.discovery.snapshot().hosts] == list(s.hosts[:2])
+    s.sim.clear_faults()
+    await rounds(1)
+    snap = s.discovery.snapshot()
+    assert [h.host for h in snap.hosts] == list(s.hosts)
+    assert snap.hosts[2].healthy
+
+
+async def test_no_healthy_host_means_no_master(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    s = await start(nursery, replicas=2)
+    for host in s.hosts:
+        s.network.stop(host)
+    await rounds(2)
+    snap = s.discovery.snapshot()
+    assert (snap.master, snap.slave, snap.queue_length) == (None, None, None)
+
+
+async def test_garbled_info_counts_as_a_failure(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    s = await start(nursery, elected=0)
+    s.sim.set_faults(0, MasterFaults(garbled=True))
+    await rounds(2)
+    snap = s.discovery.snapshot()
+    assert not snap.hosts[0].healthy and "garbled" in (snap.hosts[0].last_error or "")
+    assert snap.master == s.hosts[1]
+
+
+async def test_poll_now_runs_an_early_round_and_merges_requests(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    s = await start(nursery)
+    for _ in range(5):
+        s.discovery.poll_now()
+    await trio.testing.wait_all_tasks_blocked()
+    assert trio.current_time() == 0.0
+    # The first round; the early round the first request woke; one more pending behind it for the other four.
+    assert s.discovery.snapshot().rounds_total == 3
+
+
+async def test_readers_never_wait(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    s = await start(nursery, elected=0)
+    s.sim.set_faults(0, MasterFaults(hang=True))
+    s.discovery.poll_now()
+    await trio.testing.wait_all_tasks_blocked()  # a round is in flight, stuck on the hung host
+    before = trio.current_time()
+    assert s.discovery.master() == s.hosts[0]
+    assert s.discovery.slave() == s.hosts[1]
+    assert trio.current_time() == before
+
+
+def test_ip_order_is_numeric() -> None:
+    hosts = ["10.0.0.10:7001", "10.0.0.2:7001", "10.0.0.2:7000", "[::1]:7001", "sched.local:7001"]
+    assert sorted(hosts, key=ip_order) == [
+        "10.0.0.2:7000",
+        "10.0.0.2:7001",
+        "10.0.0.10:7001",
+        "[::1]:7001",
+        "sched.local:7001",
+    ]
+
+
+def test_bad_config_is_rejected_naming_the_fields() -> None:
+    with pytest.raises(ValueError, match="hosts") as caught:
+        MasterDiscovery(MasterConfig(hosts=("nope:x",), discovery_timeout_s=0), MemoryMasterNetwork())
+    assert "discovery_timeout_s" in str(caught.value)
+

@@ -1,0 +1,327 @@
+"""One contract suite, three adapters of MasterTransport, against SimMaster.
+
+- ``memory``: MemoryMasterNetwork + SimMaster.serve_memory, under MockClock(autojump_threshold=0).
+- ``http``: SimMaster's real replicas on 127.0.0.1:0 + HttpMasterTransport, real clock.
+- ``grpc``: the same replicas (gRPC on HTTP + 2) + GrpcMasterTransport over the ChannelPool, real clock.
+
+Every test body runs under ``trio.fail_after(LIMIT_S)`` (virtual seconds in memory).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+import trio
+import trio.testing
+
+from actors.channel_pool import ChannelPool
+from kvroute_sim.sim.master import MasterFaults, SimMaster, SimMasterAddresses, SimMasterReplica
+from router.config import ChannelPoolConfig
+from router.master_config import MasterConfig
+from router.transport.errors import DeadlineExceeded, GarbledReply, RemoteError, TransportError, Unavailable
+from router.transport.master_grpc import GrpcMasterTransport
+from router.transport.master_http import HttpMasterTransport
+from router.transport.master_memory import MemoryMasterNetwork
+from router.transport.ports import MasterTransport
+from router.types import Role, RoleAddr
+from router.wire import paths
+from router.wire.master import (
+    MasterBusinessError,
+    MasterFallback,
+    MasterRouted,
+    MasterScheduleRequest,
+    grpc_request_id,
+)
+
+LIMIT_S = 10
+PREFILL = RoleAddr(Role.PREFILL, "10.0.0.1", 8000, 8001)
+DECODE = RoleAddr(Role.DECODE, "10.0.0.2", 9000, 9001)
+REQUEST = MasterScheduleRequest("req-1", (11, 12, 13), 64, 192)
+
+
+@dataclass
+class Harness:
+    adapter: str
+    sim: SimMaster
+    addresses: SimMasterAddresses
+    transport: MasterTransport
+    refused_host: str
+
+    def host(self, i: int) -> str:
+        return self.addresses.hosts[i]
+
+    @property
+    def schedule_path(self) -> str:
+        return paths.MASTER_SCHEDULE if self.adapter == "grpc" else paths.MASTER_HTTP_SCHEDULE
+
+    async def until_in_flight(self, replica: SimMasterReplica, count: int) -> None:
+        """Wait (without polling) until ``replica`` holds ``count`` schedule calls."""
+        if self.adapter == "memory":
+            await trio.testing.wait_all_tasks_blocked()
+            assert replica.stats.get(self.schedule_path).in_flight == count
+        else:
+            assert await trio.to_thread.run_sync(replica.stats.wait_in_flight, self.schedule_path, count, 5.0)
+
+    async def set_refusing(self, index: int, faults: MasterFaults) -> None:
+        self.sim.set_faults(index, faults)
+        if self.adapter != "memory":
+            await self.sim.replicas[index].wait_listening(False)
+
+    async def clear(self) -> None:
+        self.sim.clear_faults()
+        if self.adapter != "memory":
+            for replica in self.sim.replicas:
+                await replica.wait_listening(True)
+
+
+@pytest.fixture(params=["memory", "http", "grpc"])
+def adapter(request: pytest.FixtureRequest) -> str:
+    param: str = request.param
+    return param
+
+
+@pytest.fixture
+def clock(adapter: str) -> trio.testing.MockClock | None:
+    return trio.testing.MockClock(autojump_threshold=0) if adapter == "memory" else None
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A loopback port bound but not listening: connections to it are refused."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+async def harness(adapter: str, nursery: trio.Nursery, refusing_port: int) -> AsyncIterator[Harness]:
+    sim = SimMaster([PREFILL, DECODE], replicas=3, elected=1, queue_length=7)
+    if adapter == "memory":
+        network = MemoryMasterNetwork()
+        yield Harness(adapter, sim, sim.serve_memory(network), network, "10.99.0.1:7001")
+        return
+    addresses = await nursery.start(sim.run)
+    refused = f"127.0.0.1:{refusing_port - 2}" if adapter == "grpc" else f"127.0.0.1:{refusing_port}"
+    async with HttpMasterTransport(MasterConfig()) as http:
+        if adapter == "http":
+            yield Harness(adapter, sim, addresses, http, refused)
+        else:
+            pool = ChannelPool(ChannelPoolConfig())
+            await nursery.start(pool.run)
+            yield Harness(adapter, sim, addresses, GrpcMasterTransport(pool, http), refused)
+            await pool.aclose()
+
+
+# ---- answers ----
+
+
+async def test_routed_names_every_role_and_the_elected_master(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        for i in range(3):
+            reply = await harness.transport.schedule(harness.host(i), REQUEST)
+            assert reply == MasterRouted((DECODE, PREFILL), harness.host(1), 7)
+        assert harness.sim.schedules == 3
+
+
+async def test_single_role_and_default_grpc_port(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        fused = RoleAddr(Role.PDFUSION, "10.0.0.3", 8100, 8101)
+        harness.sim.set_decide(lambda request: [fused])
+        reply = await harness.transport.schedule(harness.host(0), MasterScheduleRequest("no-keys", seq_len=10))
+        assert isinstance(reply, MasterRouted) and reply.role_addrs == (fused,)
+
+
+async def test_fallback_8600(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        harness.sim.set_faults(0, MasterFaults(fallback=True))
+        reply = await harness.transport.schedule(harness.host(0), REQUEST)
+        assert isinstance(reply, MasterFallback) and reply.code == 8600
+        assert reply.http_status == (None if harness.adapter == "grpc" else 500)
+
+
+@pytest.mark.parametrize("code", [8400, 8402, 8403, 8404, 8405, 8406, 8502, 8503, 8504, 9999])
+async def test_business_error_codes(clock: object, harness: Harness, code: int) -> None:
+    with trio.fail_after(LIMIT_S):
+        harness.sim.set_faults(2, MasterFaults(business_error=code))
+        reply = await harness.transport.schedule(harness.host(2), REQUEST)
+        assert isinstance(reply, MasterBusinessError)
+        assert reply.code == code and str(code) in reply.message
+
+
+async def test_no_worker_is_8400(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        harness.sim.set_decide(lambda request: [])
+        reply = await harness.transport.schedule(harness.host(0), REQUEST)
+        assert isinstance(reply, MasterBusinessError) and reply.code == 8400
+
+
+async def test_invalid_request_is_8406(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        bad = MasterScheduleRequest("no-block-size", (1, 2), None, 128)
+        reply = await harness.transport.schedule(harness.host(0), bad)
+        assert isinstance(reply, MasterBusinessError) and reply.code == 8406
+        assert "block_size" in reply.message
+
+
+async def test_master_info_from_every_replica_names_the_elected_one(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        for i in range(3):
+            info = await harness.transport.master_info(harness.host(i))
+            assert (info.real_master_host, info.queue_length) == (harness.host(1), 7)
+        harness.sim.elect(2)
+        harness.sim.queue_length = 50
+        info = await harness.transport.master_info(harness.host(0))
+        assert (info.real_master_host, info.queue_length) == (harness.host(2), 50)
+
+
+# ---- no usable reply: exceptions ----
+
+
+async def test_garbled_body_is_garbled(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        harness.sim.set_faults(0, MasterFaults(garbled=True))
+        with pytest.raises(GarbledReply):
+            await harness.transport.schedule(harness.host(0), REQUEST)
+        if harness.adapter != "grpc":  # gRPC's master_info goes over HTTP as well
+            with pytest.raises(GarbledReply):
+                await harness.transport.master_info(harness.host(0))
+
+
+async def test_plain_text_500_is_a_remote_error(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        harness.sim.set_faults(0, MasterFaults(server_error=True))
+        with pytest.raises(RemoteError) as caught:
+            await harness.transport.schedule(harness.host(0), REQUEST)
+        assert caught.value.code_name == ("grpc:INTERNAL" if harness.adapter == "grpc" else "http:500")
+
+
+async def test_refused_is_unavailable_and_recovers(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        with pytest.raises(Unavailable):
+            await harness.transport.schedule(harness.refused_host, REQUEST)
+        await harness.set_refusing(0, MasterFaults(refuse=True))
+        with pytest.raises(Unavailable):
+            await harness.transport.schedule(harness.host(0), REQUEST)
+        with pytest.raises(Unavailable):
+            await harness.transport.master_info(harness.host(0))
+        await harness.clear()
+        assert isinstance(await harness.transport.schedule(harness.host(0), REQUEST), MasterRouted)
+
+
+async def test_flapping_alternates_refusing_and_answering(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        period = 0.5 if harness.adapter == "memory" else 1.0
+        replica = harness.sim.replicas[0]
+        harness.sim.set_faults(0, MasterFaults(flapping_period_s=period))
+        outcomes: list[str] = []
+        for _ in range(2):
+            if harness.adapter == "memory":
+                await trio.sleep(period)
+            else:
+                await replica.wait_listening(False)
+            with pytest.raises(Unavailable):
+                await harness.transport.schedule(harness.host(0), REQUEST)
+            outcomes.append("refused")
+            if harness.adapter == "memory":
+                await trio.sleep(period)
+            else:
+                await replica.wait_listening(True)
+            assert isinstance(await harness.transport.schedule(harness.host(0), REQUEST), MasterRouted)
+            outcomes.append("routed")
+        assert outcomes == ["refused", "routed"] * 2
+
+
+async def test_bad_host_is_unavailable_naming_it(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S), pytest.raises(Unavailable, match="no-port"):
+        await harness.transport.schedule("no-port", REQUEST)
+
+
+# ---- time ----
+
+
+async def test_slow_is_observed(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        harness.sim.set_faults(0, MasterFaults(slow_ms=200))
+        start = trio.current_time()
+        assert isinstance(await harness.transport.schedule(harness.host(0), REQUEST), MasterRouted)
+        elapsed = trio.current_time() - start
+        assert elapsed >= 0.2
+        if harness.adapter == "memory":
+            assert elapsed == pytest.approx(0.2)
+
+
+async def test_hang_ends_at_the_callers_deadline_and_the_server_sees_it(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        replica = harness.sim.replicas[0]
+        harness.sim.set_faults(0, MasterFaults(hang=True))
+        budget = 0.3
+        start = trio.current_time()
+        deadline_error = False
+        with trio.move_on_after(budget) as scope:
+            try:
+                await harness.transport.schedule(harness.host(0), REQUEST)
+            except DeadlineExceeded:
+                deadline_error = True  # gRPC's own timeout (= the remaining deadline) fired first
+        elapsed = trio.current_time() - start
+        assert scope.cancelled_caught or deadline_error
+        assert elapsed >= budget - 0.01
+        assert elapsed <= budget + (0.0 if harness.adapter == "memory" else 0.5)
+        # The server saw the caller go away: the hung call ended although the fault is still on.
+        await harness.until_in_flight(replica, 0)
+        assert replica.faults.hang
+        if harness.adapter == "http":
+            assert replica.disconnects == 1
+        if harness.adapter == "grpc":  # the abandoned call is followed by a best-effort Cancel
+            assert await trio.to_thread.run_sync(replica.wait_cancels, 1, 5.0)
+            assert replica.cancels[0][0] == grpc_request_id(REQUEST.request_id)
+
+
+async def test_hang_is_answered_when_the_fault_clears(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        replica = harness.sim.replicas[0]
+        harness.sim.set_faults(0, MasterFaults(hang=True))
+        replies = []
+
+        async def schedule() -> None:
+            replies.append(await harness.transport.schedule(harness.host(0), REQUEST))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(schedule)
+            await harness.until_in_flight(replica, 1)
+            assert replies == []
+            harness.sim.clear_faults()
+        assert replies == [MasterRouted((DECODE, PREFILL), harness.host(1), 7)]
+
+
+# ---- cancel and connections ----
+
+
+async def test_cancel_is_best_effort(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        await harness.transport.cancel(harness.host(0), "42")
+        if harness.adapter == "grpc":
+            assert harness.sim.replicas[0].cancels == [(42, False)]
+        else:
+            assert harness.sim.replicas[0].cancels == []
+
+
+async def test_http_keeps_one_connection_alive(clock: object, harness: Harness) -> None:
+    if harness.adapter != "http":
+        pytest.skip("connection reuse is the HTTP adapter's")
+    with trio.fail_after(LIMIT_S):
+        for _ in range(5):
+            await harness.transport.schedule(harness.host(0), REQUEST)
+            await harness.transport.master_info(harness.host(0))
+        assert len(harness.sim.replicas[0].http_clients) == 1
+
+
+async def test_every_failure_is_a_transport_error(clock: object, harness: Harness) -> None:
+    """What the caller sends to the slave and then KVCM: one exception type, whatever the adapter."""
+    with trio.fail_after(LIMIT_S):
+        for faults in (MasterFaults(garbled=True), MasterFaults(server_error=True)):
+            harness.sim.set_faults(0, faults)
+            with pytest.raises(TransportError):
+                await harness.transport.schedule(harness.host(0), REQUEST)

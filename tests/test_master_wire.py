@@ -1,0 +1,275 @@
+"""The scheduler's codecs (pure) and MasterConfig's validator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.master_config import MasterConfig, MasterProtocol, problems
+from router.transport.errors import GarbledReply, RemoteError
+from router.types import Role, RoleAddr
+from router.wire import master_flexlb_pb2 as flexlb_pb
+from router.wire.master import (
+    BadScheduleRequest,
+    MasterBusinessError,
+    MasterFallback,
+    MasterInfo,
+    MasterRouted,
+    MasterScheduleRequest,
+    decode_info_json,
+    decode_schedule_json,
+    decode_schedule_pb,
+    encode_cancel_pb,
+    encode_schedule_json,
+    encode_schedule_pb,
+    grpc_request_id,
+    parse_cancel_pb,
+    parse_schedule_json,
+    parse_schedule_pb,
+)
+
+HOST = "10.1.0.1:7001"
+
+
+def body(**fields: object) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def status(
+    role: object = "PREFILL", ip: object = "10.0.0.1", http: object = 8000, **extra: object
+) -> dict[str, object]:
+    return {"role": role, "server_ip": ip, "http_port": http, **extra}
+
+
+# ---- routed ----
+
+
+@pytest.mark.parametrize(
+    ("reported", "role"),
+    [
+        ("PREFILL", Role.PREFILL),
+        ("RoleType.PREFILL", Role.PREFILL),
+        ("ROLE_TYPE_PREFILL", Role.PREFILL),
+        ("decode", Role.DECODE),
+        ("ROLE_TYPE_VIT", Role.VIT),
+        ("", Role.PDFUSION),
+        (None, Role.PDFUSION),
+    ],
+)
+def test_role_spellings(reported: str | None, role: Role) -> None:
+    reply = decode_schedule_json(200, body(success=True, code=200, server_status=[status(reported)]), HOST)
+    assert isinstance(reply, MasterRouted) and reply.role_addrs[0].role is role
+
+
+def test_grpc_port_is_http_plus_one_when_absent_or_zero() -> None:
+    entries = [status(http=8000), status(http=8100, grpc_port=None), status(http=8200, grpc_port=0),
+               status(http=8300, grpc_port=9999)]
+    reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
+    assert isinstance(reply, MasterRouted)
+    assert [a.grpc_port for a in reply.role_addrs] == [8001, 8101, 8201, 9999]
+
+
+def test_routed_keeps_order_master_and_queue_length() -> None:
+    entries = [status("DECODE", "10.0.0.2", 9000), status("PREFILL", "10.0.0.1", 8000)]
+    reply = decode_schedule_json(
+        200, body(success=True, code=200, server_status=entries, real_master_host="1.2.3.4:7001", queue_length=3), HOST
+    )
+    assert reply == MasterRouted(
+        (RoleAddr(Role.DECODE, "10.0.0.2", 9000, 9001), RoleAddr(Role.PREFILL, "10.0.0.1", 8000, 8001)),
+        "1.2.3.4:7001",
+        3,
+    )
+
+
+def test_success_without_code_and_null_optionals() -> None:
+    reply = decode_schedule_json(200, body(success=True, server_status=[], real_master_host=None), HOST)
+    assert reply == MasterRouted((), None, None)
+
+
+def test_a_failed_role_entry_fails_the_answer_with_its_code() -> None:
+    entries = [status("DECODE"), {"role": "PREFILL", "success": False, "code": 8402, "message": "no prefill"}]
+    reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
+    assert reply == MasterBusinessError(8402, "no prefill", 200)
+
+
+# ---- fallback and business errors ----
+
+
+def test_8600_is_a_fallback_whatever_the_http_status() -> None:
+    for http_status in (500, 200):
+        reply = decode_schedule_json(http_status, body(success=False, code=8600, error_message="FALLBACK"), HOST)
+        assert reply == MasterFallback("FALLBACK", http_status)
+
+
+@pytest.mark.parametrize(("http_status", "code"), [(500, 8400), (400, 8406), (503, 8502), (500, 8503), (500, 7777)])
+def test_business_errors(http_status: int, code: int) -> None:
+    reply = decode_schedule_json(http_status, body(success=False, code=code, error_message="why"), HOST)
+    assert reply == MasterBusinessError(code, "why", http_status)
+
+
+# ---- no usable reply ----
+
+
+def test_200_not_json_is_garbled() -> None:
+    with pytest.raises(GarbledReply, match="not JSON"):
+        decode_schedule_json(200, b"<html>", HOST)
+
+
+def test_5xx_not_json_is_a_remote_error() -> None:
+    with pytest.raises(RemoteError) as caught:
+        decode_schedule_json(500, b"java.lang.NullPointerException", HOST)
+    assert (caught.value.code, caught.value.code_name) == (500, "http:500")
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        (b"[1, 2]", "not an object"),
+        (body(success=False, error_message="x"), "code"),
+        (body(success=True, code=200, server_status="x"), "server_status"),
+        (body(success=True, code=200, server_status=["x"]), "server_status[0]"),
+        (body(success=True, code=200, server_status=[status(ip="")]), "server_status[0].server_ip"),
+        (body(success=True, code=200, server_status=[status(http=0)]), "server_status[0].http_port"),
+        (body(success=True, code=200, server_status=[status(http="80")]), "server_status[0].http_port"),
+        (body(success=True, code=200, server_status=[status(http=None)]), "server_status[0].http_port"),
+        (body(success=True, code=200, server_status=[status(grpc_port=70000)]), "server_status[0].grpc_port"),
+        (body(success=True, code=200, server_status=[status("FRONTEND")]), "server_status[0].role"),
+        (body(success=True, code=200, server_status=[], queue_length="many"), "queue_length"),
+        (body(success=True, code="200"), "code"),
+    ],
+)
+def test_broken_fields_are_garbled_naming_the_field(payload: bytes, field: str) -> None:
+    with pytest.raises(GarbledReply, match=field.replace("[", r"\[").replace("]", r"\]")):
+        decode_schedule_json(200, payload, HOST)
+
+
+def test_code_200_under_a_5xx_is_not_routed() -> None:
+    with pytest.raises(RemoteError):
+        decode_schedule_json(503, body(success=True, code=200, server_status=[]), HOST)
+
+
+# ---- master/info ----
+
+
+def test_info_decodes() -> None:
+    reply = body(success=True, code=200, real_master_host="10.1.0.2:7001", pod_ip="10.1.0.1", queue_length=4)
+    assert decode_info_json(200, reply, HOST) == MasterInfo("10.1.0.2:7001", 4, "10.1.0.1", None)
+
+
+def test_info_failure_and_garbage() -> None:
+    with pytest.raises(RemoteError):
+        decode_info_json(500, body(success=False, code=8400, error_message="x"), HOST)
+    with pytest.raises(GarbledReply):
+        decode_info_json(200, b"nope", HOST)
+
+
+# ---- request encoding, both protocols ----
+
+
+def test_json_request_fields() -> None:
+    request = MasterScheduleRequest("r-1", (1, -2), 64, 128, None, 5000, 1_700_000_000_000)
+    assert json.loads(encode_schedule_json(request)) == {
+        "request_id": "r-1",
+        "block_cache_keys": [1, -2],
+        "block_size": 64,
+        "seq_len": 128,
+        "generate_timeout": 5000,
+        "request_time_ms": 1_700_000_000_000,
+    }
+    with_ids = MasterScheduleRequest("r-2", seq_len=3, input_ids=(5, 6, 7))
+    sent = json.loads(encode_schedule_json(with_ids))
+    assert sent["input_ids"] == [5, 6, 7] and "block_size" not in sent
+    assert parse_schedule_json(encode_schedule_json(with_ids)) == with_ids
+
+
+def test_server_side_rejects_keys_without_block_size() -> None:
+    with pytest.raises(BadScheduleRequest, match="block_size"):
+        parse_schedule_json(body(request_id="x", block_cache_keys=[1]))
+    with pytest.raises(BadScheduleRequest, match="request_id"):
+        parse_schedule_json(body(request_id=" "))
+    assert parse_schedule_json(body(request_id=42)).request_id == "42"
+
+
+@given(st.text(min_size=1, max_size=40))
+def test_grpc_request_id_is_a_stable_non_negative_int64(request_id: str) -> None:
+    value = grpc_request_id(request_id)
+    assert 0 <= value < 2**63 and value == grpc_request_id(request_id)
+
+
+def test_grpc_request_id_keeps_numeric_ids() -> None:
+    assert grpc_request_id("12345") == 12345
+    assert grpc_request_id(str(2**63)) != 2**63
+
+
+def test_grpc_request_fields() -> None:
+    request = MasterScheduleRequest("77", (1, 2, 3), 16, 48, None, 9000, 123)
+    sent = flexlb_pb.FlexlbScheduleRequestPB.FromString(encode_schedule_pb(request))
+    assert (sent.request_id, list(sent.block_cache_keys), sent.cache_key_block_size) == (77, [1, 2, 3], 16)
+    assert (sent.seq_len, sent.generate_timeout, sent.request_time_ms, sent.forward_hop) == (48, 9000, 123, 0)
+    number, parsed = parse_schedule_pb(encode_schedule_pb(request))
+    assert number == 77 and parsed == request
+
+
+def test_grpc_reply_decoding() -> None:
+    reply = flexlb_pb.FlexlbScheduleResponsePB(success=True, code=200, real_master_host="", queue_length=2)
+    reply.server_status.add(role="RoleType.DECODE", server_ip="10.0.0.2", http_port=9000)
+    reply.server_status.add(role="", server_ip="10.0.0.3", http_port=9100, grpc_port=9200)
+    assert decode_schedule_pb(reply.SerializeToString(), HOST) == MasterRouted(
+        (RoleAddr(Role.DECODE, "10.0.0.2", 9000, 9001), RoleAddr(Role.PDFUSION, "10.0.0.3", 9100, 9200)), None, 2
+    )
+    error = flexlb_pb.FlexlbScheduleResponsePB(success=False, code=8503, error_message="queue timeout")
+    assert decode_schedule_pb(error.SerializeToString(), HOST) == MasterBusinessError(8503, "queue timeout", None)
+    with pytest.raises(GarbledReply):
+        decode_schedule_pb(b"\x0a\x7f", HOST)
+    broken = flexlb_pb.FlexlbScheduleResponsePB(success=True, code=200)
+    broken.server_status.add(role="PREFILL", server_ip="10.0.0.1", http_port=0)
+    with pytest.raises(GarbledReply, match=r"server_status\[0\].http_port"):
+        decode_schedule_pb(broken.SerializeToString(), HOST)
+
+
+def test_grpc_cancel_reason() -> None:
+    assert parse_cancel_pb(encode_cancel_pb("9", deadline_exceeded=True)) == (9, True)
+    assert parse_cancel_pb(encode_cancel_pb("9", deadline_exceeded=False)) == (9, False)
+
+
+# ---- MasterConfig ----
+
+
+def test_default_config_is_valid_and_off() -> None:
+    config = MasterConfig()
+    assert problems(config) == []
+    assert (config.hosts, config.protocol, config.transport_timeout_ms) == ((), MasterProtocol.HTTP, 200.0)
+    assert (config.discovery_interval_s, config.discovery_timeout_s) == (1.0, 0.5)
+    assert (config.discovery_failure_threshold, config.discovery_drop_after_s) == (2, 30.0)
+    assert config.queue_length_reject_threshold == 0
+
+
+def test_problems_name_every_bad_field() -> None:
+    config = MasterConfig(
+        hosts=("10.0.0.1:7001", "10.0.0.1:7001", "bad host", "10.0.0.2:65534"),
+        transport_timeout_ms=0,
+        discovery_interval_s=-1,
+        discovery_timeout_s=0,
+        discovery_failure_threshold=0,
+        discovery_drop_after_s=0,
+        queue_length_reject_threshold=-5,
+        http_max_connections=0,
+    )
+    found = problems(config)
+    fields = [name for name, _ in found]
+    assert fields.count("hosts") == 3
+    assert set(fields) == {
+        "hosts",
+        "transport_timeout_ms",
+        "discovery_interval_s",
+        "discovery_timeout_s",
+        "discovery_failure_threshold",
+        "discovery_drop_after_s",
+        "queue_length_reject_threshold",
+        "http_max_connections",
+    }
+    messages = " | ".join(message for _, message in found)
+    assert "listed twice" in messages and "'bad host'" in messages and "65534" in messages
