@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import trio
 
-from router.master_config import MasterConfig, problems
+from router.config import MasterConfig
+from router.master_config import master_hosts, master_problems
+from router.problems import refuse
 from router.targets import HostPort, TargetError, parse_target
 from router.transport.errors import TransportError
 from router.transport.ports import MasterTransport
@@ -108,12 +110,10 @@ class _Host:
 
 class MasterDiscovery:
     def __init__(self, config: MasterConfig, transport: MasterTransport) -> None:
-        found = problems(config)
-        if found:
-            raise ValueError("master config: " + "; ".join(f"{name}: {message}" for name, message in found))
+        refuse("master", master_problems(config))
         self._config = config
         self._transport = transport
-        self._hosts = sorted((_Host(h) for h in config.hosts), key=lambda h: h.order)
+        self._hosts = sorted((_Host(h) for h in master_hosts(config)), key=lambda h: h.order)
         self._started_at = 0.0
         self._master: _Host | None = None
         self._snapshot = EMPTY_SNAPSHOT

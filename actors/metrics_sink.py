@@ -38,6 +38,8 @@ DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 # Gauges read at scrape time from registered sources: name → (help, label names).
 SOURCE_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "kvroute_kvcm_breaker_state": ("KVCM circuit breaker state: 0 closed, 1 half-open, 2 open", ()),
+    "kvroute_master_breaker_state": ("Master circuit breaker state: 0 closed, 1 half-open, 2 open", ()),
+    "kvroute_master_queue_length": ("The master's last reported queue length (-1: unknown)", ()),
     "kvroute_probe_inflight": ("Worker-status probes in flight", ()),
     "kvroute_workers_ejected": ("Workers currently ejected by outlier detection", ()),
     "kvroute_channel_pool_channels": ("gRPC channels held by the channel pool", ()),
@@ -81,6 +83,14 @@ class ShadowRecordDropped:
 
 
 @dataclass(frozen=True, slots=True)
+class MasterRequest:
+    """One step of the master source: routed, fallback, business_error, no_master, breaker_open,
+    no_time, or a transport error kind (unavailable, deadline, garbled, remote_error)."""
+
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True)
 class LeaderChanged:
     target: str | None  # the new leader, None when it was lost
 
@@ -101,6 +111,7 @@ class ShadowAgreement:
 MetricEvent = (
     DecisionMade
     | KvcmRequest
+    | MasterRequest
     | ProbeSkipped
     | StatusCacheHits
     | LeaderChanged
@@ -185,6 +196,9 @@ class MetricsSink:
             "What each source of the chain did with a request (reason: why it fell through or ended)",
             ("source", "outcome", "reason"),
             registry=r,
+        )
+        self._master_requests = Counter(
+            "kvroute_master_requests", "Master source outcomes and transport errors", ("outcome",), registry=r
         )
         self._kvcm_requests = Counter(
             "kvroute_kvcm_requests", "KVCM RPCs by outcome", ("method", "outcome"), registry=r
@@ -304,6 +318,8 @@ class MetricsSink:
                 self._record_decision(decision)
             case KvcmRequest(method, outcome):
                 self._kvcm_requests.labels(method=method, outcome=outcome).inc()
+            case MasterRequest(outcome):
+                self._master_requests.labels(outcome=outcome).inc()
             case ProbeSkipped(reason, n):
                 self._probe_skipped.labels(reason=reason).inc(n)
             case StatusCacheHits(n):

@@ -43,6 +43,7 @@ from router.request import PreparedRequest, prepare_request, request_deadline
 from router.types import (
     BadRequest,
     Reason,
+    RoleAddr,
     RouteDecision,
     RouteRequest,
     RouteSource,
@@ -191,7 +192,11 @@ class RouterActor:
             decide_at=deadline - reserve,
             stages=stages,
         )
+        skip_to_last = False
         for source in self._chain:
+            if skip_to_last and source is not self._chain[-1]:
+                steps.append(SourceStep(source.kind, SourceOutcome.SKIPPED, None, 0.0))
+                continue
             started = trio.current_time()
             with trio.CancelScope(deadline=min(deadline, source.window(ctx))) as window:
                 result: SourceResult = await source.attempt(ctx)
@@ -205,6 +210,7 @@ class RouterActor:
                 steps.append(SourceStep(source.kind, SourceOutcome.FELL_THROUGH, result.reason, elapsed))
                 if ctx.fallthrough is None:
                     ctx.fallthrough = result.reason
+                skip_to_last = skip_to_last or result.to_last
                 continue
             if isinstance(result, Ended):
                 steps.append(SourceStep(source.kind, SourceOutcome.ENDED, result.reason, elapsed))
@@ -253,6 +259,7 @@ class RouterActor:
                 stage_ms=stages,
                 error=result.error,
                 sources=steps,
+                error_code=result.code,
             )
         assert source is not None
         return RouteDecision(
@@ -268,6 +275,8 @@ class RouterActor:
             candidates=result.candidates,
             error=result.error,
             sources=steps,
+            role_addrs=result.role_addrs
+            or (RoleAddr(result.role, result.worker.ip, result.worker.http_port, result.worker.grpc_port),),
         )
 
     def _emit(self, decision: RouteDecision) -> RouteDecision:

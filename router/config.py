@@ -9,6 +9,7 @@ components' ``*_problems`` functions and the settings layer both check it throug
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from router.problems import bounded
@@ -175,6 +176,39 @@ class ServeConfig:
     grpc_max_workers: int = bounded(64, 0, 10_000, low_open=True)
 
 
+# The scheduler's gRPC API listens on its HTTP port + this.
+MASTER_GRPC_PORT_OFFSET = 2
+
+
+class MasterProtocol(enum.Enum):
+    HTTP = "http"
+    GRPC = "grpc"
+
+
+@dataclass(frozen=True, slots=True)
+class MasterConfig:
+    """The central scheduler ("master") client. No hosts: no master source (the chain starts at KVCM)."""
+
+    hosts: str = ""  # the scheduler replicas' HTTP addresses, HOST:PORT[,...]
+    protocol: MasterProtocol = MasterProtocol.HTTP
+    # Bounds one schedule attempt window (master, then the slave inside the same window); the request's
+    # own deadline, less the time kept for the sources after the master, may cut it shorter.
+    transport_timeout_ms: float = bounded(200.0, 0, 60_000, low_open=True)
+    # Kept for the sources after the master (KVCM, shadow) when the master cannot answer.
+    later_sources_ms: float = bounded(20.0, 0, 60_000)
+    # Background discovery of master and slave through every host's master/info.
+    discovery_interval_s: float = bounded(1.0, 0, 3600, low_open=True)
+    discovery_timeout_s: float = bounded(0.5, 0, 600, low_open=True)  # bounds one poll of one host
+    discovery_failure_threshold: int = bounded(2, 0, 1000, low_open=True)  # consecutive failed polls: unhealthy
+    discovery_drop_after_s: float = bounded(30.0, 0, 86_400, low_open=True)  # unhealthy this long: forgotten
+    # A known queue_length above this rejects requests up front (error 429); 0 = off.
+    queue_length_reject_threshold: int = bounded(0, 0, 1_000_000_000)
+    # HTTP client pool (one client for all hosts): connections kept and their idle expiry (below common
+    # server idle timeouts, so a pooled connection is not reused just as the server drops it).
+    http_max_connections: int = bounded(64, 0, 10_000, low_open=True)
+    http_keepalive_expiry_s: float = bounded(4.0, 0, 3600, low_open=True)
+
+
 @dataclass(frozen=True, slots=True)
 class KvrouteConfig:
     """The whole effective configuration."""
@@ -190,3 +224,5 @@ class KvrouteConfig:
     channel_pool: ChannelPoolConfig = field(default_factory=ChannelPoolConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    master: MasterConfig = field(default_factory=MasterConfig)
+    master_breaker: BreakerConfig = field(default_factory=BreakerConfig)

@@ -108,6 +108,12 @@ def decision_to_proto(decision: RouteDecision) -> router_v1_pb2.RouteDecision:
         hit_tokens=decision.hit_tokens,
         local_blocks=decision.local_blocks,
         elapsed_ms=decision.elapsed_ms,
+        role_addrs=[
+            router_v1_pb2.RoleAddr(role=a.role.value, ip=a.ip, http_port=a.http_port, grpc_port=a.grpc_port)
+            for a in decision.role_addrs
+        ],
+        error_code=decision.error_code,
+        error_message=decision.error or "" if decision.error_code else "",
     )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -30,6 +30,7 @@ from actors.breaker import BreakerState
 from actors.channel_pool import ChannelPool
 from actors.discovery import Discovery
 from actors.leader_resolver import LeaderResolver, LeaderState
+from actors.master_discovery import MasterDiscovery
 from actors.metrics_sink import BREAKER_STATE_VALUES, ChannelEvicted, MetricsSink
 from actors.router_actor import RouterActor
 from actors.scorer import Scorer
@@ -37,18 +38,22 @@ from actors.shadow_index import ShadowIndexActor
 from actors.sources.base import FleetView, Source
 from actors.sources.domain import DomainSource
 from actors.sources.kvcm import KvcmSource
+from actors.sources.master import MasterSource
 from actors.sources.scoring import CandidateScoring
 from actors.sources.shadow import ShadowSource
 from actors.worker_prober import WorkerProber
-from router.config import KvrouteConfig
+from router.config import KvrouteConfig, MasterProtocol
 from router.exception_groups import leaves, sole_leaf
 from router.logs import AggregatingLogger
+from router.master_config import master_hosts
 from router.policy.cache_affinity import CacheAffinityFirst
 from router.settings import LoadedConfig
 from router.targets import HostPort
 from router.transport.clients import KvcmClient, WorkerStatusClient
 from router.transport.grpc_adapter import GrpcRawRpc
-from router.transport.ports import RawRpc
+from router.transport.master_grpc import GrpcMasterTransport
+from router.transport.master_http import HttpMasterTransport
+from router.transport.ports import MasterTransport, RawRpc
 from router.types import RouteDecision, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -249,17 +254,20 @@ async def open_router(
     config: KvrouteConfig,
     *,
     rpc: RawRpc | None = None,
+    master: MasterTransport | None = None,
     loaded: LoadedConfig | None = None,
     debug_http: bool = False,
 ) -> AsyncIterator[RouterHandle]:
     """Start the whole topology; yield a handle; on exit cancel the actors and close every channel.
 
     ``rpc`` None → real gRPC (ChannelPool + GrpcRawRpc); pass a MemoryNetwork for in-memory peers.
+    ``master`` None → the scheduler transport ``--master-protocol`` names (when ``--master-hosts`` is
+    set); pass a MemoryMasterNetwork for in-memory schedulers.
     A single failure (a start-up error such as a bad ``--workers`` entry, or the body's own
     exception) comes out as itself, not wrapped in an ExceptionGroup.
     """
     try:
-        async with _topology(config, rpc=rpc, loaded=loaded, debug_http=debug_http) as handle:
+        async with _topology(config, rpc=rpc, master=master, loaded=loaded, debug_http=debug_http) as handle:
             yield handle
     except BaseExceptionGroup as group:
         single = _single_exception(group)
@@ -276,9 +284,14 @@ def _single_exception(group: BaseExceptionGroup[BaseException]) -> Exception | N
 
 @asynccontextmanager
 async def _topology(
-    config: KvrouteConfig, *, rpc: RawRpc | None, loaded: LoadedConfig | None, debug_http: bool
+    config: KvrouteConfig,
+    *,
+    rpc: RawRpc | None,
+    master: MasterTransport | None,
+    loaded: LoadedConfig | None,
+    debug_http: bool,
 ) -> AsyncIterator[RouterHandle]:
-    async with trio.open_nursery() as services:
+    async with AsyncExitStack() as stack, trio.open_nursery() as services:
         supervisor = Supervisor(services)
         metrics = MetricsSink(config.metrics)
         await supervisor.start(
@@ -332,6 +345,26 @@ async def _topology(
         )
         domain = DomainSource(config, fleet=fleet, prober=prober, scorer=scorer, avoid_unroutable=resolver is not None)
         chain: list[Source] = []
+        master_source: MasterSource | None = None
+        hosts = master_hosts(config.master)
+        if hosts:
+            if master is None:
+                http = await stack.enter_async_context(HttpMasterTransport(config.master))
+                grpc_wanted = config.master.protocol is MasterProtocol.GRPC
+                if grpc_wanted and pool is None:
+                    raise ValueError("--master-protocol grpc needs real gRPC channels (no in-memory network)")
+                master = GrpcMasterTransport(pool, info=http) if grpc_wanted and pool is not None else http
+            master_discovery = MasterDiscovery(config.master, master)
+            master_source = MasterSource(
+                config,
+                discovery=master_discovery,
+                transport=master,
+                domain=domain,
+                metrics=metrics,
+                later_sources=resolver is not None,
+            )
+            await supervisor.start("master_client", master_discovery.run, snapshot=master_source.health)
+            chain.append(master_source)
         if resolver is not None and kvcm is not None:
             scoring = CandidateScoring(scorer=scorer, prober=prober, fleet=fleet, metrics=metrics)
             chain.append(
@@ -342,7 +375,7 @@ async def _topology(
         router = RouterActor(config, chain=chain, domain=domain, metrics=metrics, warn=warn)
         await supervisor.start("router", router.run, snapshot=router.health)
 
-        _register_gauges(metrics, resolver, prober, pool, router, shadow)
+        _register_gauges(metrics, resolver, prober, pool, router, shadow, master_source)
         handle = RouterHandle(
             router=router,
             supervisor=supervisor,
@@ -376,7 +409,13 @@ def _register_gauges(
     pool: ChannelPool[Any] | None,
     router: RouterActor,
     shadow: ShadowIndexActor,
+    master: MasterSource | None,
 ) -> None:
+    if master is not None:
+        metrics.register_gauge_source(
+            "kvroute_master_breaker_state", lambda: BREAKER_STATE_VALUES[master.breaker_state().value]
+        )
+        metrics.register_gauge_source("kvroute_master_queue_length", lambda: float(master.queue_length()))
     if resolver is not None:
         metrics.register_gauge_source(
             "kvroute_kvcm_breaker_state",

@@ -178,6 +178,7 @@ class CacheState:
 
 
 class RouteSource(enum.Enum):
+    MASTER = "master"
     KVCM = "kvcm"
     SHADOW = "shadow"
     DOMAIN = "domain"
@@ -217,7 +218,15 @@ class Reason(enum.Enum):
     SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK = "SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK"
     CACHE_AFFINITY_FALLBACK = "CACHE_AFFINITY_FALLBACK"
     SHORTEST_TTFT_FALLBACK = "SHORTEST_TTFT_FALLBACK"
+    # The central scheduler ("master") chose.
+    MASTER = "master"
     # Fallback reasons.
+    NO_MASTER = "no_master"  # no scheduler host is known healthy: not a connection failure
+    MASTER_UNAVAILABLE = "master_unavailable"  # master (and slave) gave no usable reply in the window
+    MASTER_BREAKER_OPEN = "master_breaker_open"
+    MASTER_FALLBACK = "master_fallback"  # the scheduler asked the frontend to route by itself (8600)
+    MASTER_ERROR = "master_error"  # a business error from the scheduler: the request fails with its code
+    MASTER_QUEUE_FULL = "master_queue_full"  # the master's queue is over the threshold: rejected up front
     BREAKER_OPEN = "breaker_open"
     NO_LEADER = "no_leader"
     KVCM_ERROR = "kvcm_error"
@@ -313,6 +322,8 @@ class RouteDecision:
     candidates: tuple[CandidateExplain, ...] = ()
     error: str | None = None  # a clear message for route_source=none or bad_request
     sources: tuple[SourceStep, ...] = ()  # the chain as this request walked it, in order
+    role_addrs: tuple[RoleAddr, ...] = ()  # one worker per role the answer needs (the master's, as given)
+    error_code: int = 0  # the scheduler's error code when the request fails with it (0: none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import trio.testing
 
 from actors.master_discovery import MasterDiscovery, ip_order
 from kvroute_sim.sim.master import MasterFaults, SimMaster
-from router.master_config import MasterConfig
+from router.config import MasterConfig
 from router.transport.master_memory import MemoryMasterNetwork
 from router.wire import paths
 
@@ -33,7 +33,7 @@ async def start(nursery: trio.Nursery, *, elected: int = 0, replicas: int = 3, *
     network = MemoryMasterNetwork()
     addresses = sim.serve_memory(network)
     # Listed out of IP order, to check the ordering is discovery's.
-    discovery = MasterDiscovery(MasterConfig(hosts=tuple(reversed(addresses.hosts)), **config), network)  # type: ignore[arg-type]
+    discovery = MasterDiscovery(MasterConfig(hosts=",".join(reversed(addresses.hosts)), **config), network)  # type: ignore[arg-type]
     await nursery.start(discovery.run)
     return Setup(sim, network, discovery, addresses.hosts)
 
@@ -182,6 +182,6 @@ def test_ip_order_is_numeric() -> None:
 
 def test_bad_config_is_rejected_naming_the_fields() -> None:
     with pytest.raises(ValueError, match="hosts") as caught:
-        MasterDiscovery(MasterConfig(hosts=("nope:x",), discovery_timeout_s=0), MemoryMasterNetwork())
+        MasterDiscovery(MasterConfig(hosts="nope:x", discovery_timeout_s=0), MemoryMasterNetwork())
     assert "discovery_timeout_s" in str(caught.value)
 

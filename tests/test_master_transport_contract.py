@@ -19,8 +19,7 @@ import trio.testing
 
 from actors.channel_pool import ChannelPool
 from kvroute_sim.sim.master import MasterFaults, SimMaster, SimMasterAddresses, SimMasterReplica
-from router.config import ChannelPoolConfig
-from router.master_config import MasterConfig
+from router.config import ChannelPoolConfig, MasterConfig
 from router.transport.errors import DeadlineExceeded, GarbledReply, RemoteError, TransportError, Unavailable
 from router.transport.master_grpc import GrpcMasterTransport
 from router.transport.master_http import HttpMasterTransport

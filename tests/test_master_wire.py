@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.master_config import MasterConfig, MasterProtocol, problems
+from router.config import MasterConfig, MasterProtocol
+from router.master_config import master_hosts, master_problems
 from router.transport.errors import GarbledReply, RemoteError
 from router.types import Role, RoleAddr
 from router.wire import master_flexlb_pb2 as flexlb_pb
@@ -240,8 +241,8 @@ def test_grpc_cancel_reason() -> None:
 
 def test_default_config_is_valid_and_off() -> None:
     config = MasterConfig()
-    assert problems(config) == []
-    assert (config.hosts, config.protocol, config.transport_timeout_ms) == ((), MasterProtocol.HTTP, 200.0)
+    assert master_problems(config) == []
+    assert (master_hosts(config), config.protocol, config.transport_timeout_ms) == ((), MasterProtocol.HTTP, 200.0)
     assert (config.discovery_interval_s, config.discovery_timeout_s) == (1.0, 0.5)
     assert (config.discovery_failure_threshold, config.discovery_drop_after_s) == (2, 30.0)
     assert config.queue_length_reject_threshold == 0
@@ -249,7 +250,7 @@ def test_default_config_is_valid_and_off() -> None:
 
 def test_problems_name_every_bad_field() -> None:
     config = MasterConfig(
-        hosts=("10.0.0.1:7001", "10.0.0.1:7001", "bad host", "10.0.0.2:65534"),
+        hosts="10.0.0.1:7001, 10.0.0.1:7001,bad host,10.0.0.2:65534",
         transport_timeout_ms=0,
         discovery_interval_s=-1,
         discovery_timeout_s=0,
@@ -258,8 +259,8 @@ def test_problems_name_every_bad_field() -> None:
         queue_length_reject_threshold=-5,
         http_max_connections=0,
     )
-    found = problems(config)
-    fields = [name for name, _ in found]
+    found = master_problems(config)
+    fields = [name for p in found for name in p.fields]
     assert fields.count("hosts") == 3
     assert set(fields) == {
         "hosts",
@@ -271,5 +272,5 @@ def test_problems_name_every_bad_field() -> None:
         "queue_length_reject_threshold",
         "http_max_connections",
     }
-    messages = " | ".join(message for _, message in found)
+    messages = " | ".join(p.message for p in found)
     assert "listed twice" in messages and "'bad host'" in messages and "65534" in messages

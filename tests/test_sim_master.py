@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from kvroute_sim.sim.master import MasterFaults, SimMaster, pick_from
-from router.master_config import MasterConfig
+from router.config import MasterConfig
 from router.transport.errors import Unavailable
 from router.transport.master_http import HttpMasterTransport
 from router.types import Role, RoleAddr

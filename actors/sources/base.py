@@ -25,6 +25,7 @@ from router.types import (
     HostMatch,
     Reason,
     Role,
+    RoleAddr,
     RouteDecision,
     RouteRequest,
     RouteSource,
@@ -62,17 +63,20 @@ class Answered:
     local_blocks: int = 0
     candidates: tuple[CandidateExplain, ...] = ()
     error: str | None = None
+    role_addrs: tuple[RoleAddr, ...] = ()  # empty: the chosen worker under its role
 
 
 @dataclass(frozen=True, slots=True)
 class FellThrough:
     reason: Reason
+    to_last: bool = False  # skip the sources in between: only the last (domain) may answer
 
 
 @dataclass(frozen=True, slots=True)
 class Ended:
     reason: Reason
     error: str
+    code: int = 0  # an upstream error code the request fails with (0: none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ import hypercorn.trio
 import trio
 
 from kvroute_sim.sim.faults import UNDECODABLE_REPLY, CallStats
-from router.master_config import MASTER_GRPC_PORT_OFFSET
+from router.config import MASTER_GRPC_PORT_OFFSET
 from router.targets import format_target
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import GrpcServer, UnaryBytesHandler, start_grpc_server

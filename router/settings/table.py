@@ -526,6 +526,40 @@ _SPECS: dict[str, _Spec] = {
         "kvroute serve: Route handler threads, and the most Route calls in flight "
         "(beyond it a call is refused at once with RESOURCE_EXHAUSTED)",
     ),
+    # master (the central scheduler, asked first when hosts are given)
+    "master.hosts": _Spec(
+        "Central scheduler replicas' HTTP addresses; empty: no master, the chain starts at KVCM",
+        metavar=_TARGETS,
+    ),
+    "master.protocol": _Spec("The scheduler API: http (JSON, POST /rtp_llm/schedule) or grpc (HTTP port + 2)"),
+    "master.transport_timeout_ms": _Spec(
+        "Longest window of one request's master attempt (master, then the slave once, inside it)", metavar="MS"
+    ),
+    "master.later_sources_ms": _Spec(
+        "Time of the request's budget kept for the sources after the master (KVCM, shadow)", metavar="MS"
+    ),
+    "master.discovery_interval_s": _Spec("How often every scheduler host's master/info is polled", metavar="SECONDS"),
+    "master.discovery_timeout_s": _Spec("Bound on one master/info poll of one host", metavar="SECONDS"),
+    "master.discovery_failure_threshold": _Spec("Consecutive failed polls that mark a scheduler host unhealthy"),
+    "master.discovery_drop_after_s": _Spec(
+        "An unhealthy scheduler host is forgotten this long after its last success", metavar="SECONDS"
+    ),
+    "master.queue_length_reject_threshold": _Spec(
+        "Reject requests up front (error 429) while the master's queue_length exceeds this; 0 = off"
+    ),
+    "master.http_max_connections": _Spec("Connections the scheduler HTTP client keeps (all hosts together)"),
+    "master.http_keepalive_expiry_s": _Spec("Idle time after which a pooled scheduler connection is closed"),
+    "master_breaker.failure_threshold": _Spec("Consecutive master transport failures that open its breaker"),
+    "master_breaker.window_s": _Spec("Sliding window for the master breaker's failure rate", metavar="SECONDS"),
+    "master_breaker.window_min_calls": _Spec("Calls needed in the window before the master failure rate counts"),
+    "master_breaker.failure_rate": _Spec("Master transport failure rate in the window that opens its breaker"),
+    "master_breaker.window_buckets": _Spec("Buckets the master breaker's window is counted in"),
+    "master_breaker.cooldown_s": _Spec("First OPEN period of the master breaker (doubles per re-open)"),
+    "master_breaker.cooldown_max_s": _Spec("Longest OPEN period of the master breaker"),
+    "master_breaker.trial_timeout_s": _Spec("A master half-open trial never reported back counts as failed after this"),
+    "master_breaker.slow_query_ms": _Spec(
+        "A master attempt the request's own deadline cut off before it had this long is not judged", metavar="MS"
+    ),
 }
 
 

@@ -23,6 +23,7 @@ from actors.probe_budget import prober_problems
 from actors.shadow_index import shadow_problems
 from router.config import DeploymentConfig, KvrouteConfig
 from router.keys import geometry_problems
+from router.master_config import master_problems
 from router.policy.cache_affinity import scorer_problems
 from router.problems import Problem, range_problems
 from router.settings.table import (
@@ -77,6 +78,8 @@ SECTION_PROBLEMS: Mapping[str, Callable[[Any], list[Problem]]] = {
     "channel_pool": channel_pool_problems,
     "metrics": metrics_problems,
     "serve": range_problems,
+    "master": master_problems,
+    "master_breaker": breaker_problems,
 }
 
 

@@ -14,7 +14,7 @@ import contextlib
 import grpc
 import trio
 
-from router.master_config import MASTER_GRPC_PORT_OFFSET
+from router.config import MASTER_GRPC_PORT_OFFSET
 from router.targets import TargetError, format_target, parse_target
 from router.transport.errors import DeadlineExceeded, Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc

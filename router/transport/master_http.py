@@ -12,7 +12,7 @@ from types import TracebackType
 
 import httpx
 
-from router.master_config import MasterConfig
+from router.config import MasterConfig
 from router.targets import TargetError, parse_target
 from router.transport.errors import DeadlineExceeded, TransportError, Unavailable
 from router.wire import paths

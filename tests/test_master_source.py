@@ -1,0 +1,191 @@
+"""The master source at the head of the chain, under MockClock with in-memory schedulers, KVCM and workers.
+
+Only the remote peers are simulated (SimMaster on a MemoryMasterNetwork, SimCluster on a MemoryNetwork);
+discovery, the breaker, the chain and every other actor are real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+import pytest
+import trio
+import trio.testing
+
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.master import MasterFaults, SimMaster
+from router.api import open_router
+from router.config import BreakerConfig, DeploymentConfig, DiscoveryConfig, KvrouteConfig, MasterConfig, RouterConfig
+from router.keys import block_keys
+from router.supervisor import RouterHandle
+from router.transport.master_memory import MemoryMasterNetwork
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import KeyFamily, Reason, Role, RoleAddr, RouteRequest, RouteSource, SourceOutcome
+from router.wire import paths
+
+BLOCK = 16
+PROMPT = tuple(range(1000, 1000 + 8 * BLOCK))
+KEYS = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
+
+
+@dataclass
+class Rig:
+    handle: RouterHandle
+    cluster: SimCluster
+    master: SimMaster
+    network: MemoryNetwork
+    masters: MemoryMasterNetwork
+
+    def kvcm_queries(self) -> int:
+        return self.network.call_count(method_path=paths.KVCM_GET_HOST_CACHE_STATE)
+
+    async def route(self, rid: str, budget_ms: float = 50) -> object:
+        return await self.handle.route(RouteRequest(rid, token_ids=PROMPT, budget_ms=budget_ms))
+
+
+@asynccontextmanager
+async def rig(*, kvcm_fallback: bool = True, replicas: int = 2, **master_kw: object) -> AsyncIterator[Rig]:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
+    decode = RoleAddr(Role.DECODE, "10.9.9.9", 9000, 9001)
+    prefill = cluster.worker_addr(1)
+    master = SimMaster(
+        [RoleAddr(Role.PREFILL, prefill.ip, prefill.http_port, prefill.grpc_port), decode], replicas=replicas
+    )
+    masters = MemoryMasterNetwork()
+    hosts = master.serve_memory(masters)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, roles=(Role.PREFILL,)),
+        router=RouterConfig(kvcm_fallback=kvcm_fallback),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        master=replace(MasterConfig(hosts=",".join(hosts.hosts)), **master_kw),  # type: ignore[arg-type]
+        master_breaker=replace(BreakerConfig(), failure_threshold=3, cooldown_s=1.0),
+    )
+    async with open_router(config, rpc=network, master=masters) as handle:
+        resolver = handle.leader_resolver()
+        if resolver is not None:
+            with trio.move_on_after(1):
+                await resolver.leader()
+        yield Rig(handle, cluster, master, network, masters)
+
+
+async def test_a_routed_answer_is_the_masters_and_kvcm_is_not_asked(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig() as r:
+        before = r.kvcm_queries()
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.MASTER and decision.reason is Reason.MASTER
+        assert decision.worker == r.cluster.worker_addr(1) and decision.role is Role.PREFILL
+        by_role = {a.role: a for a in decision.role_addrs}  # as the master gave them, in its order
+        assert set(by_role) == {Role.PREFILL, Role.DECODE} and by_role[Role.DECODE].ip == "10.9.9.9"
+        assert [(s.source, s.outcome) for s in decision.sources] == [(RouteSource.MASTER, SourceOutcome.ANSWERED)]
+        assert r.kvcm_queries() == before
+
+
+async def test_8600_routes_by_domain_without_asking_kvcm(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig() as r:
+        r.master.set_faults(0, MasterFaults(fallback=True))
+        before = r.kvcm_queries()
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.DOMAIN and decision.reason is Reason.MASTER_FALLBACK
+        assert [s.outcome for s in decision.sources] == [
+            SourceOutcome.FELL_THROUGH,
+            SourceOutcome.SKIPPED,
+            SourceOutcome.SKIPPED,
+            SourceOutcome.ANSWERED,
+        ]
+        assert r.kvcm_queries() == before
+
+
+async def test_a_business_error_ends_the_request_with_its_code(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig() as r:
+        r.master.set_faults(0, MasterFaults(business_error=8402))
+        before = r.kvcm_queries()
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.worker is None and decision.route_source is RouteSource.NONE
+        assert (decision.reason, decision.error_code) == (Reason.MASTER_ERROR, 8402)
+        assert decision.error is not None and "8402" in decision.error
+        assert r.kvcm_queries() == before
+
+
+async def test_a_refused_master_tries_the_slave_in_the_same_window(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig() as r:
+        r.masters.stop(r.master.addresses().elected)  # refuses: the slave answers
+        start = trio.current_time()
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.MASTER
+        assert r.masters.call_count(r.master.addresses().hosts[1], paths.MASTER_HTTP_SCHEDULE) == 1
+        assert trio.current_time() - start < 0.001
+
+
+async def test_refused_master_and_slave_fall_to_kvcm_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig() as r:
+        for host in r.master.addresses().hosts:
+            r.masters.stop(host)
+        start = trio.current_time()
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.KVCM and decision.worker == r.cluster.worker_addr(2)
+        assert decision.sources[0].reason is Reason.MASTER_UNAVAILABLE
+        assert trio.current_time() - start < 0.005
+
+
+async def test_a_hanging_master_costs_its_window_until_the_breaker_opens(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig(replicas=1, transport_timeout_ms=10) as r:
+        r.master.set_faults(0, MasterFaults(hang=True))
+        waits = []
+        for i in range(6):
+            start = trio.current_time()
+            decision = await r.handle.route(RouteRequest(f"h{i}", token_ids=PROMPT, budget_ms=50))
+            waits.append(trio.current_time() - start)
+            assert decision.route_source is RouteSource.KVCM  # the KVCM path kept its time
+            assert trio.current_time() - start <= 0.050
+        assert all(w == pytest.approx(0.010) for w in waits[:3])  # the threshold's worth of requests pay the window
+        assert all(w < 0.002 for w in waits[3:])  # then nothing: the breaker is open
+        assert r.handle.actors()["master_client"]["health"].breaker.state.value == "open"  # type: ignore[union-attr]
+
+
+async def test_the_master_window_leaves_the_later_sources_their_time(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig(replicas=1, transport_timeout_ms=200, later_sources_ms=20) as r:
+        r.master.set_faults(0, MasterFaults(hang=True))
+        start = trio.current_time()
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=30))
+        assert decision.route_source is RouteSource.KVCM
+        assert decision.sources[0].elapsed_ms == pytest.approx(10.0, abs=0.5)  # 30 ms budget − 20 ms kept
+        assert trio.current_time() - start <= 0.030
+
+
+async def test_with_the_kvcm_fallback_off_a_failing_master_means_domain(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig(kvcm_fallback=False) as r:
+        for host in r.master.addresses().hosts:
+            r.masters.stop(host)
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.DOMAIN and decision.reason is Reason.MASTER_UNAVAILABLE
+        assert [s.source for s in decision.sources] == [RouteSource.MASTER, RouteSource.DOMAIN]
+        assert r.kvcm_queries() == 0
+
+
+async def test_no_master_known_is_its_own_outcome(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig() as r:
+        for host in r.master.addresses().hosts:
+            r.masters.stop(host)
+        await trio.sleep(5)  # discovery marks every host unhealthy
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.sources[0].reason is Reason.NO_MASTER
+        assert decision.route_source is RouteSource.KVCM
+        sample = r.handle.metrics.registry.get_sample_value("kvroute_master_requests_total", {"outcome": "no_master"})
+        assert sample == 1
+
+
+async def test_without_master_hosts_the_chain_starts_at_kvcm(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig(hosts="") as r:
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.KVCM
+        assert [s.source for s in decision.sources] == [RouteSource.KVCM]
+        assert "master_client" not in r.handle.actors()
