@@ -36,11 +36,13 @@ from actors.sources.base import (
     SourceResult,
     ms,
 )
+from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
 from router.config import KvrouteConfig
 from router.logs import AggregatingLogger
 from router.request import PreparedRequest, prepare_request, request_deadline
 from router.types import (
+    COMPANION_ROLES,
     BadRequest,
     Reason,
     RoleAddr,
@@ -74,6 +76,7 @@ class RouterActor:
         *,
         chain: Sequence[Source],
         domain: DomainSource,
+        companions: CompanionPicker,
         metrics: MetricsSink,
         warn: AggregatingLogger,
     ) -> None:
@@ -83,7 +86,9 @@ class RouterActor:
         self._deployment = config.deployment
         self._chain = tuple(chain)
         self._domain = domain
+        self._companions = companions
         self._needs_keys = any(source.needs_keys for source in chain)
+        self._deployment_companions = tuple(r for r in config.deployment.roles if r in COMPANION_ROLES)
         self._metrics = metrics
         self._warn = warn
         self._limiter = trio.CapacityLimiter(config.router.inbox_size)
@@ -214,9 +219,9 @@ class RouterActor:
                 continue
             if isinstance(result, Ended):
                 steps.append(SourceStep(source.kind, SourceOutcome.ENDED, result.reason, elapsed))
-                return ctx, self._decision(request, received_at, stages, tuple(steps), None, result)
+                return ctx, self._decision(request, received_at, stages, tuple(steps), None, result, prepared)
             steps.append(SourceStep(source.kind, SourceOutcome.ANSWERED, result.reason, elapsed))
-            return ctx, self._decision(request, received_at, stages, tuple(steps), source.kind, result)
+            return ctx, self._decision(request, received_at, stages, tuple(steps), source.kind, result, prepared)
         raise AssertionError("the domain source always answers or ends the request")  # pragma: no cover
 
     # -- answers ------------------------------------------------------------------------------------
@@ -235,7 +240,7 @@ class RouterActor:
         """The domain source's answer outside the chain (bad request, overloaded, deadline, bug)."""
         result = self._domain.pick(prepared, reason, error)
         source = RouteSource.DOMAIN if isinstance(result, Answered) else None
-        return self._decision(request, received_at, stages, steps, source, result)
+        return self._decision(request, received_at, stages, steps, source, result, prepared)
 
     def _decision(
         self,
@@ -245,6 +250,7 @@ class RouterActor:
         steps: tuple[SourceStep, ...],
         source: RouteSource | None,
         result: Answered | Ended,
+        prepared: PreparedRequest | None,
     ) -> RouteDecision:
         elapsed = ms(trio.current_time() - received_at)
         stages[Stage.TOTAL] = elapsed
@@ -262,6 +268,12 @@ class RouterActor:
                 error_code=result.code,
             )
         assert source is not None
+        role_addrs = result.role_addrs or (
+            RoleAddr(result.role, result.worker.ip, result.worker.http_port, result.worker.grpc_port),
+        )
+        companions = prepared.companions if prepared is not None else self._deployment_companions
+        if companions:
+            role_addrs = self._companions.fill(role_addrs, companions)
         return RouteDecision(
             request_id=request.request_id,
             worker=result.worker,
@@ -275,8 +287,7 @@ class RouterActor:
             candidates=result.candidates,
             error=result.error,
             sources=steps,
-            role_addrs=result.role_addrs
-            or (RoleAddr(result.role, result.worker.ip, result.worker.http_port, result.worker.grpc_port),),
+            role_addrs=role_addrs,
         )
 
     def _emit(self, decision: RouteDecision) -> RouteDecision:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from router.config import DeploymentConfig
 from router.keys import block_keys
-from router.types import BadRequest, Role, RouteRequest
+from router.types import COMPANION_ROLES, PREFILL_CAPABLE_ROLES, BadRequest, Role, RouteRequest
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -20,7 +20,8 @@ class PreparedRequest:
     keys: tuple[int, ...]
     block_size: int
     seq_len: int
-    roles: tuple[Role, ...]
+    roles: tuple[Role, ...]  # the prefill-capable roles the pick may take
+    companions: tuple[Role, ...] = ()  # roles that get one more address each (decode, vit)
 
 
 def prepare_request(
@@ -49,6 +50,9 @@ def prepare_request(
     foreign = [r.value for r in roles if r not in deployment.roles]
     if foreign:
         raise BadRequest("roles", f"{','.join(foreign)} not routed by this deployment ({_names(deployment.roles)})")
+    prefill_roles = tuple(r for r in roles if r in PREFILL_CAPABLE_ROLES)
+    if not prefill_roles:
+        raise BadRequest("roles", "name a prefill-capable role (PREFILL or PDFUSION) beside any companion role")
     if request.block_cache_keys is not None:
         keys = tuple(request.block_cache_keys)
         block_size = request.block_size if request.block_size is not None else deployment.block_size
@@ -76,7 +80,10 @@ def prepare_request(
         except ValueError as exc:
             raise BadRequest("token_ids", str(exc)) from exc
         seq_len = request.seq_len if request.seq_len is not None else len(tokens)
-    return PreparedRequest(keys=keys, block_size=block_size, seq_len=seq_len, roles=tuple(roles))
+    companions = tuple(r for r in roles if r in COMPANION_ROLES)
+    return PreparedRequest(
+        keys=keys, block_size=block_size, seq_len=seq_len, roles=prefill_roles, companions=companions
+    )
 
 
 def _names(roles: Sequence[Role]) -> str:

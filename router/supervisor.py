@@ -36,6 +36,7 @@ from actors.router_actor import RouterActor
 from actors.scorer import Scorer
 from actors.shadow_index import ShadowIndexActor
 from actors.sources.base import FleetView, Source
+from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
 from actors.sources.kvcm import KvcmSource
 from actors.sources.master import MasterSource
@@ -372,7 +373,8 @@ async def _topology(
             )
             chain.append(ShadowSource(config, shadow=shadow, scoring=scoring, metrics=metrics, warn=warn))
         chain.append(domain)
-        router = RouterActor(config, chain=chain, domain=domain, metrics=metrics, warn=warn)
+        companions = CompanionPicker(config, fleet=fleet, prober=prober)
+        router = RouterActor(config, chain=chain, domain=domain, companions=companions, metrics=metrics, warn=warn)
         await supervisor.start("router", router.run, snapshot=router.health)
 
         _register_gauges(metrics, resolver, prober, pool, router, shadow, master_source)

@@ -29,6 +29,12 @@ class Role(enum.Enum):
             return cls.UNKNOWN
 
 
+# Roles that take a prompt's prefill: alternatives for the cache-aware pick.
+PREFILL_CAPABLE_ROLES = frozenset({Role.PREFILL, Role.PDFUSION})
+# Roles an answer needs beside the prefill worker (prefill/decode separation): one address each.
+COMPANION_ROLES = frozenset({Role.DECODE, Role.VIT})
+
+
 class KvCacheGroupMode(enum.Enum):
     UNSPECIFIED = 0
     FULL_ATTENTION_ONLY = 1

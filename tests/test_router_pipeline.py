@@ -414,3 +414,30 @@ async def test_bootstrap_dead_at_start_is_ready_for_domain_routing(autojump_cloc
         assert trio.current_time() - start == 0  # backing off: no RPC, no wait
         assert network.call_count() == before
         assert d.route_source is RouteSource.DOMAIN and d.reason is Reason.KVCM_ERROR
+
+
+async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_pick(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 3 + [
+        WorkerSpec(role="RoleType.DECODE", block_size=BLOCK)
+    ] * 2
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PREFILL, Role.DECODE)) as (handle, _, _):
+        seed(cluster, 1, 8)
+        decode_workers = {cluster.worker_addr(3), cluster.worker_addr(4)}
+        prober = handle.prober()
+        for _ in range(20):  # statuses arrive as probes are made; the decode workers are known once probed
+            handle.prober().probe(list(decode_workers), trio.current_time() + 0.05)
+            await trio.sleep(0.01)
+            if all(prober.cached(w) is not None for w in decode_workers):
+                break
+        decision = await handle.route(RouteRequest("pd1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.KVCM and decision.worker == cluster.worker_addr(1)
+        roles = {a.role: a for a in decision.role_addrs}
+        assert set(roles) == {Role.PREFILL, Role.DECODE}
+        decode = roles[Role.DECODE]
+        assert (decode.ip, decode.http_port) in {(w.ip, w.http_port) for w in decode_workers}
+        # A request may not ask for a companion role alone.
+        bad = await handle.route(RouteRequest("pd2", token_ids=PROMPT, budget_ms=50, roles=(Role.DECODE,)))
+        assert bad.reason is Reason.BAD_REQUEST and bad.error is not None and "prefill-capable" in bad.error

@@ -193,10 +193,13 @@ def test_enums_and_tuples() -> None:
     assert d.key_family is KeyFamily.VLLM
     assert d.roles == (Role.PDFUSION, Role.PREFILL)
     assert load_config({"query_type": "prefix"}, {}).config.deployment.query_type is QueryType.PREFIX_MATCH
-    bad = load_config({"query_type": "batch", "roles": "PREFILL,DECODE", "key_family": "md5"}, {})
+    assert load_config({"roles": "PREFILL,DECODE"}, {}).config.deployment.roles == (Role.PREFILL, Role.DECODE)
+    bad = load_config({"query_type": "batch", "roles": "PREFILL,GPU", "key_family": "md5"}, {})
     messages = {p.settings: p.message for p in bad.errors}
     assert messages[("query_type",)].startswith("expected prefix|prefix-with-mamba, got 'batch'")
-    assert messages[("roles",)].startswith("expected PREFILL|PDFUSION (comma list), got 'DECODE'")
+    assert messages[("roles",)].startswith("expected PREFILL|PDFUSION|DECODE|VIT (comma list), got 'GPU'")
+    decode_only = {p.settings: p.message for p in load_config({"roles": "DECODE"}, {}).errors}
+    assert "prefill-capable" in decode_only[("roles",)]
     assert messages[("key_family",)].startswith("expected rtp|vllm|sglang, got 'md5'")
     assert ("roles",) in _names(load_config({"roles": ""}, {}).errors)  # empty list: must not be empty
 

@@ -27,7 +27,16 @@ from router.policy.base import PolicyHealth
 from router.policy.ledger import SelectionLedger
 from router.policy.plan import Candidate, CandidatePlan, CandidateSource, Fleet, effective_blocks, plan_candidates
 from router.problems import Problem, range_problems, refuse
-from router.types import CandidateExplain, DropReason, HostMatch, Reason, Role, WorkerAddr, WorkerStatus
+from router.types import (
+    PREFILL_CAPABLE_ROLES,
+    CandidateExplain,
+    DropReason,
+    HostMatch,
+    Reason,
+    Role,
+    WorkerAddr,
+    WorkerStatus,
+)
 
 
 def round_half_up(x: float) -> int:
@@ -439,6 +448,7 @@ class CacheAffinityFirst:
         self.config = config
         self.deployment = deployment
         self.ledger = SelectionLedger(config.max_tracked_workers, config.max_pending_charges)
+        self._prefill_roles = tuple(r for r in deployment.roles if r in PREFILL_CAPABLE_ROLES)
         self._tie_rng = random.Random(config.seed)
         self._observed: OrderedDict[WorkerAddr, ObservedStatus] = OrderedDict()  # least recently new first
 
@@ -498,7 +508,7 @@ class CacheAffinityFirst:
             statuses,
             self.ledger,
             config=self.config,
-            roles=self.deployment.roles if roles is None else roles,
+            roles=self._prefill_roles if roles is None else roles,
             seq_len=seq_len,
             block_size=block_size,
             lookahead_tokens=self.deployment.lookahead_tokens,

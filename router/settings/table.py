@@ -295,11 +295,12 @@ _TARGETS = "HOST:PORT[,...]"
 _SPECS: dict[str, _Spec] = {
     # deployment
     "deployment.roles": _Spec(
-        "Worker roles this deployment routes to; a worker reporting another role is dropped",
+        "Roles every answer needs: prefill-capable ones (PREFILL, PDFUSION) are alternatives for the "
+        "cache-aware pick; DECODE and VIT each get one more address (prefill/decode separation: PREFILL,DECODE)",
         (_non_empty,),
-        choices={"PREFILL": Role.PREFILL, "PDFUSION": Role.PDFUSION},
+        choices={"PREFILL": Role.PREFILL, "PDFUSION": Role.PDFUSION, "DECODE": Role.DECODE, "VIT": Role.VIT},
         fallback=False,
-        metavar="PREFILL[,PDFUSION]",
+        metavar="PREFILL[,PDFUSION][,DECODE][,VIT]",
     ),
     "deployment.block_size": _Spec(
         "Tokens per KV block (keys are computed with it; workers reporting another are excluded)"

@@ -38,6 +38,7 @@ from router.settings.table import (
     value_of,
 )
 from router.targets import TargetError
+from router.types import PREFILL_CAPABLE_ROLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,8 @@ class SettingProblem:
 
 def _deployment_problems(config: DeploymentConfig) -> list[Problem]:
     problems = range_problems(config)
+    if config.roles and not any(r in PREFILL_CAPABLE_ROLES for r in config.roles):
+        problems.append(Problem(("roles",), "name a prefill-capable role (PREFILL or PDFUSION) beside DECODE/VIT"))
     if not problems:
         problems += geometry_problems(config.block_size, config.key_family, config.lookahead_tokens)
     return problems
