@@ -91,7 +91,7 @@ class RouterActor:
         self._deployment_companions = tuple(r for r in config.deployment.roles if r in COMPANION_ROLES)
         self._metrics = metrics
         self._warn = warn
-        self._limiter = trio.CapacityLimiter(config.router.inbox_size)
+        self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
         self._reserve_min_s = config.router.reserve_min_ms / 1000.0
         self._reserve_fraction = config.router.reserve_fraction
         self._peak = 0

@@ -145,7 +145,7 @@ class DeploymentConfig:
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     kvcm_fallback: bool = True
-    inbox_size: int = bounded(1024, 0, 1_000_000, low_open=True)
+    max_in_flight: int = bounded(256, 0, 100_000, low_open=True)  # admission cap; beyond it: overloaded at once
     budget_cap_ms: float = bounded(50.0, 0, 600_000, low_open=True)
     reserve_fraction: float = bounded(0.1, 0, 1, high_open=True)
     reserve_min_ms: float = bounded(1.0, 0, 600_000)

@@ -334,7 +334,7 @@ async def _topology(
 
         scorer = Scorer(
             CacheAffinityFirst(config.scorer, config.deployment),
-            inbox_size=config.router.inbox_size,
+            inbox_size=2 * config.router.max_in_flight,  # a decision and a fallback record per request at most
             max_warned_workers=config.scorer.max_tracked_workers,
         )
         await supervisor.start("scorer", scorer.run, snapshot=scorer.health)

@@ -317,9 +317,9 @@ async def test_records_the_shadow_index_cannot_take_are_counted(autojump_clock: 
     assert sink.registry.get_sample_value("kvroute_shadow_records_dropped_total") == 3
 
 
-async def test_overloaded_inbox_answers_at_once(autojump_clock: trio.testing.MockClock) -> None:
+async def test_over_the_admission_cap_answers_at_once(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster, inbox_size=1) as (handle, _, _):
+    async with routed(cluster, max_in_flight=1) as (handle, _, _):
         leader = cluster.kvcm.leader
         assert leader is not None
         cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.010))

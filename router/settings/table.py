@@ -325,8 +325,8 @@ _SPECS: dict[str, _Spec] = {
     "router.kvcm_fallback": _Spec(
         "Route by KVCM cache affinity (off: plain domain routing)", short=True, fallback=False
     ),
-    "router.inbox_size": _Spec(
-        "Router inbox; when full, route() answers at once with domain fallback (overloaded)"
+    "router.max_in_flight": _Spec(
+        "Requests routed at once; beyond it route() answers at once with domain fallback (overloaded)"
     ),
     "router.budget_cap_ms": _Spec(
         "Cap on one request's routing deadline: deadline = now + min(budget, cap)",
