@@ -189,3 +189,15 @@ async def test_without_master_hosts_the_chain_starts_at_kvcm(autojump_clock: tri
         assert decision.route_source is RouteSource.KVCM
         assert [s.source for s in decision.sources] == [RouteSource.KVCM]
         assert "master_client" not in r.handle.actors()
+
+
+async def test_a_crashed_master_client_restarts_and_requests_keep_their_answers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig() as r:
+        r.handle.supervisor.inject_crash("master_client")
+        await trio.sleep(1)  # past the restart backoff
+        view = r.handle.actors()["master_client"]
+        assert (view["state"], view["restarts"]) == ("running", 1)
+        decision = await r.handle.route(RouteRequest("after", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.MASTER
