@@ -12,7 +12,7 @@ Each refresh is bounded by ``refresh_timeout_s``. A source whose refresh fails o
 back empty keeps its last good entries until ``stale_after_s`` after they were last good,
 then drops to empty (counted). The published snapshot is the union of all sources.
 
-Ports (review-lessons §17): an explicit port is honoured; a bare host takes the default
+Ports: an explicit port is honoured; a bare host takes the default
 (``kvcm_port`` for KVCM, ``worker_http_port`` for workers — if that is 0, a bare worker
 host is an error naming the entry). A worker's gRPC port is http + ``worker_grpc_port_offset``;
 its status port is ``worker_status_port`` or the gRPC port.

@@ -1,4 +1,4 @@
-"""The shadow index: a router-local, approximate prefix index ("local standby", issue 4).
+"""The shadow index: a router-local, approximate prefix index (a local standby for KVCM).
 
 Each routing decision records (worker, the request's block keys): that worker will have
 prefilled those blocks. When KVCM cannot be asked, :meth:`ShadowIndex.match` answers like
@@ -12,7 +12,7 @@ Design (pure core, time passed in, memory bounded):
   for the same worker again refreshes it. Records are an LRU bounded by the total number
   of blocks they hold (``capacity_blocks``) and expire ``ttl_s`` after they were last
   recorded. Records share the caller's keys tuple; nothing is copied per block.
-- **Sparse index.** Block keys are chained hashes (selection.md §1): key ``i`` stands
+- **Sparse index.** Block keys are chained hashes: key ``i`` stands
   for the whole prefix up to block ``i``, so two key sequences agree on a prefix exactly
   up to the first position where they differ, and that position can be found by
   bisection. Only positions 0, 1, 3, 7, … (2^j − 1) are indexed, mapping key → {worker:

@@ -8,12 +8,10 @@ returns once it is ready (or raises what opening it raised). ``route()`` may be 
 asyncio event loop in any thread, concurrently. ``stop()`` refuses new calls, lets the calls already
 submitted finish (each ends by its own routing deadline), closes the router and joins the thread.
 
-Bridge (measured by ``bench/bench_asyncio_bridge.py``, 2 shared cores): each call is handed to
-trio with ``TrioToken.run_sync_soon``, runs as a task in the host's call nursery, and completes an
-asyncio future with ``loop.call_soon_threadsafe`` — about 96 µs p50 per sequential call and 22,000
-calls/s with 2,000 in flight, against 191 µs and 5,600 calls/s for
-``loop.run_in_executor(trio.from_thread.run)``, which also parks an executor thread per call. A
-whole ``route()`` through the host (domain routing, no RPC) measured 239 µs p50, 7,300 calls/s.
+Bridge: each call is handed to trio with ``TrioToken.run_sync_soon``, runs as a task in the host's
+call nursery, and completes an asyncio future with ``loop.call_soon_threadsafe``. That beat
+``loop.run_in_executor(trio.from_thread.run)``, which also parks an executor thread per call
+(``bench/bench_asyncio_bridge.py`` measures both; docs/design.md §9 has the figures).
 """
 
 from __future__ import annotations

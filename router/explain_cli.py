@@ -14,7 +14,7 @@ from router.route_cli import configure_input, run_command
 from router.types import CandidateExplain, Reason, RouteDecision, SourceStep
 
 # Reasons whose winner is the first in TTFT order (least work); the others follow the cache-leader
-# order (most hit, then least work) — selection.md §2.
+# order (most hit, then least work) — the policy's leader order.
 _TTFT_ORDER = frozenset(
     {
         Reason.SHORTEST_TTFT,

@@ -1,4 +1,4 @@
-"""Block cache keys for a prompt (pure): the three families of selection.md §1.
+"""Block cache keys for a prompt (pure): the three block-key families.
 
 A prompt of N tokens and block size ``bs`` has floor(N / bs) keys (for ``sglang``
 with lookahead 1, floor((N - 1) / bs): its logical length is N - 1). An incomplete
@@ -8,7 +8,7 @@ tail block has no key. Keys are signed 64-bit integers.
 - ``vllm``: sha256 over canonical CBOR ``[parent digest, [tokens], null]``, chained.
 - ``sglang``: sha256 over ``parent digest ‖ tokens as uint32 little-endian``, chained.
 
-Every function converts its tokens to a list at most once (review-lessons §20).
+Every function converts its tokens to a list at most once (hashing is the per-request hot path).
 """
 
 from __future__ import annotations

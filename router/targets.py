@@ -1,6 +1,6 @@
 """Parsing and formatting of ``host:port`` targets (pure).
 
-Rules (review-lessons §17): an explicit port is honoured, a bare host takes the
+Rules: an explicit port is honoured, a bare host takes the
 default port, anything ambiguous is an error naming the input. IPv6 hosts are
 bracketed when a target is formed.
 """

@@ -52,7 +52,7 @@ class QueryType(enum.Enum):
 
 
 class EngineGeneration(enum.Enum):
-    """Which worker-status decoder a deployment uses (wire-contract §2)."""
+    """Which worker-status decoder a deployment uses (engine generations differ in their status message)."""
 
     K = "K"
 
@@ -100,7 +100,7 @@ class TaskInfo:
 
     @property
     def uncached_tokens(self) -> int:
-        """Prefill tokens this task still costs the worker (selection.md §2.3)."""
+        """Prefill tokens this task still costs the worker (its uncached part, or what remains of it)."""
         if not self.is_waiting and self.remaining_prefill_tokens is not None:
             return max(0, self.remaining_prefill_tokens)
         return max(0, self.input_length - min(self.input_length, self.prefix_length))
@@ -216,7 +216,7 @@ class SourceOutcome(enum.Enum):
 class Reason(enum.Enum):
     """Why a decision went where it went. Values double as metric label values."""
 
-    # Scorer reasons (selection.md §2), verbatim from the reference scheduler.
+    # Scorer reasons, verbatim from the reference scheduler.
     CACHE_LEADER = "CACHE_LEADER"
     SHORTEST_TTFT = "SHORTEST_TTFT"
     SHORTEST_TTFT_LOW_CACHE_HIT = "SHORTEST_TTFT_LOW_CACHE_HIT"

@@ -34,7 +34,7 @@ _STATUS_BY_CODE = {
 
 def channel_options(config: ChannelPoolConfig) -> list[tuple[str, int]]:
     return [
-        ("grpc.enable_retries", 0),  # one retry owner: our code (trio-practices §3)
+        ("grpc.enable_retries", 0),  # one retry owner: our code (grpc would multiply our attempts)
         # A channel opened after invalidate() must not inherit the dead one's subchannel and its
         # reconnect backoff from grpc's process-wide subchannel pool.
         ("grpc.use_local_subchannel_pool", 1),
