@@ -38,6 +38,7 @@ from actors.sources.base import (
 )
 from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
+from router.admission import AdmissionEstimate, AdmissionView
 from router.config import KvrouteConfig
 from router.logs import AggregatingLogger
 from router.request import PreparedRequest, prepare_request, request_deadline
@@ -67,6 +68,7 @@ class RouterHealth:
     deadline_fallbacks: int  # requests whose deadline passed inside the chain: domain answered
     internal_errors: int
     chain: tuple[str, ...]  # the sources, in the order a request asks them
+    admission: AdmissionView
 
 
 class RouterActor:
@@ -92,6 +94,8 @@ class RouterActor:
         self._metrics = metrics
         self._warn = warn
         self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
+        self._estimate = AdmissionEstimate(config.router)
+        self._lag_interval_s = config.router.lag_probe_interval_ms / 1000.0
         self._reserve_min_s = config.router.reserve_min_ms / 1000.0
         self._reserve_fraction = config.router.reserve_fraction
         self._peak = 0
@@ -103,14 +107,27 @@ class RouterActor:
     # -- entry points --------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The router's own task flushes aggregated hot-path warnings; requests run in their callers' tasks."""
-        task_status.started()
-        await self._warn.run()
+        """The router's own tasks measure the loop's lag and flush aggregated warnings; requests run in
+        their callers' tasks."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._warn.run)
+            nursery.start_soon(self._measure_lag)
+            task_status.started()
+
+    async def _measure_lag(self) -> None:
+        """How late a timer fires is how long a due task waits for the loop: feed the admission estimate."""
+        while True:
+            due = trio.current_time() + self._lag_interval_s
+            await trio.sleep_until(due)
+            self._estimate.observe_lag(trio.current_time() - due)
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
         now = trio.current_time()
         deadline = request_deadline(request, now, self._config.router.budget_cap_ms)
+        if not self._estimate.admits(deadline - now):  # it would be answered late: answer now
+            self._overloaded += 1
+            return self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
         ticket = object()  # the limiter's borrower: one per request
         try:
             self._limiter.acquire_on_behalf_of_nowait(ticket)
@@ -134,6 +151,7 @@ class RouterActor:
             deadline_fallbacks=self._deadline_fallbacks,
             internal_errors=self._internal_errors,
             chain=tuple(source.kind.value for source in self._chain),
+            admission=self._estimate.view(),
         )
 
     def in_flight(self) -> int:
@@ -167,6 +185,8 @@ class RouterActor:
             decision = self._fallback(request, None, Reason.DEADLINE, received_at, stages, tuple(steps))
             ctx = None
         self._handled += 1
+        own_ms = stages.get(Stage.KEYS, 0.0) + stages.get(Stage.PLAN, 0.0) + stages.get(Stage.SCORE, 0.0)
+        self._estimate.observe_own(own_ms / 1000.0)
         self._emit(decision)
         if ctx is not None:
             for source in self._chain:

@@ -150,6 +150,10 @@ class RouterConfig:
     reserve_fraction: float = bounded(0.1, 0, 1, high_open=True)
     reserve_min_ms: float = bounded(1.0, 0, 600_000)
     kvcm_query_timeout_ms: float = bounded(500.0, 0, 600_000, low_open=True)
+    # Weight the admission estimate's averages keep per new sample (router/admission.py).
+    admission_decay: float = bounded(0.9, 0, 1, high_open=True)
+    # How often the routing loop's lag is measured (a timer's lateness), in ms.
+    lag_probe_interval_ms: float = bounded(10.0, 0, 10_000, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -338,6 +338,11 @@ _SPECS: dict[str, _Spec] = {
         fallback=True,
     ),
     "router.reserve_min_ms": _Spec("Least time kept to decide, in ms", fallback=True, metavar="MS"),
+    "router.admission_decay": _Spec(
+        "Weight the admission estimate (own time and loop lag per request, averaged) keeps per sample; "
+        "a request whose remaining budget is below the estimate is answered at once (overloaded)"
+    ),
+    "router.lag_probe_interval_ms": _Spec("How often the routing loop's lag is measured", metavar="MS"),
     "router.kvcm_query_timeout_ms": _Spec(
         "Cap on one GetHostCacheState call, in ms", fallback=True, metavar="MS"
     ),

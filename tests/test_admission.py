@@ -1,0 +1,62 @@
+"""Admission by expected cost: a request the router could only answer late is answered at once."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import trio
+import trio.testing
+
+from kvroute_sim.sim.cluster import SimCluster
+from router.admission import AdmissionEstimate
+from router.api import open_router
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import Reason, RouteRequest, RouteSource
+
+BLOCK = 16
+PROMPT = tuple(range(4 * BLOCK))
+
+
+def test_the_estimate_follows_a_sustained_lag_and_shrugs_off_one_stall() -> None:
+    estimate = AdmissionEstimate(RouterConfig())
+    assert estimate.admits(0.0)  # nothing known yet: nothing shed
+    estimate.observe_lag(0.040)  # one 40 ms stall
+    assert estimate.expected_s() < 0.005
+    for _ in range(30):  # a saturated loop: every timer 20 ms late
+        estimate.observe_lag(0.020)
+    assert 0.018 < estimate.expected_s() < 0.020
+    assert not estimate.admits(0.010) and estimate.admits(0.030)
+    for _ in range(60):
+        estimate.observe_lag(0.0)
+        estimate.observe_own(0.0002)
+    assert estimate.admits(0.001)
+    view = estimate.view()
+    assert view.expected_s == view.own_s + view.lag_s
+
+
+async def test_a_saturated_loop_sheds_at_admission_and_recovers(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        router=replace(RouterConfig(), lag_probe_interval_ms=5.0),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)
+        for _ in range(40):  # the loop runs 30 ms late at every turn: a stall with no checkpoint
+            autojump_clock.jump(0.030)
+            await trio.sleep(0.005)
+        assert handle.router_actor().health().admission.lag_s > 0.010
+        start = trio.current_time()
+        shed = await handle.route(RouteRequest("late", token_ids=PROMPT, budget_ms=8))
+        assert (shed.reason, shed.route_source) == (Reason.OVERLOADED, RouteSource.DOMAIN)
+        assert trio.current_time() == start  # answered at admission: no hashing, query or probe
+        roomy = await handle.route(RouteRequest("roomy", token_ids=PROMPT, budget_ms=50))
+        assert roomy.reason is not Reason.OVERLOADED  # a budget that covers the lag is still routed
+        await trio.sleep(1.0)  # the loop is on time again: the estimate decays
+        again = await handle.route(RouteRequest("again", token_ids=PROMPT, budget_ms=8))
+        assert again.reason is not Reason.OVERLOADED
+        assert handle.router_actor().health().admission.lag_s < 0.001
