@@ -49,6 +49,7 @@ from router.targets import HostPort
 from router.transport.clients import KvcmClient, WorkerStatusClient
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.ports import RawRpc
+from router.transport.tls import channel_credentials
 from router.types import RouteDecision, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -290,7 +291,8 @@ async def _topology(
 
         pool: ChannelPool[Any] | None = None
         if rpc is None:
-            pool = ChannelPool(config.channel_pool)
+            credentials = await trio.to_thread.run_sync(channel_credentials, config.upstream_tls)  # reads files
+            pool = ChannelPool(config.channel_pool, credentials=credentials)
             pool.on_evict(lambda reason: metrics.emit(ChannelEvicted(reason.value)))
             await supervisor.start("channel_pool", pool.run, snapshot=pool.snapshot)
             rpc = GrpcRawRpc(pool)
