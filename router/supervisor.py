@@ -360,7 +360,14 @@ async def _topology(
             from router.debug_http import DebugServer  # upper module: imported only when serving HTTP
             from router.settings import load_config
 
-            server = DebugServer(handle, metrics, loaded or load_config({}, {}), config.serve.debug_listen)
+            server = DebugServer(
+                handle,
+                metrics,
+                loaded or load_config({}, {}),
+                config.serve.debug_listen,
+                token=config.serve.debug_token,
+                token_file=config.serve.debug_token_file,
+            )
             handle.debug_address = await supervisor.start("debug_http", server.run)
         try:
             yield handle

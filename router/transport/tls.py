@@ -80,23 +80,27 @@ def upstream_tls_problems(config: UpstreamTlsConfig, unusable: Unusable | None =
     return _pair_problems(config.cert, config.key) + _file_problems(paths, frozenset({"key"}), unusable)
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as file:
-        return file.read(MAX_PEM_BYTES)
+def _read(path: str, setting: str) -> bytes:
+    """The file's bytes; an OSError names the setting (``section.field``), and a key's path is not repeated."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(MAX_PEM_BYTES)
+    except OSError as exc:
+        shown = "" if setting.endswith(".key") else f" {path}"
+        raise OSError(f"{setting}:{shown} cannot read the file: {exc.strerror or exc}") from None
 
 
-def _read_optional(path: str) -> bytes | None:
-    return _read(path) if path else None
+def _read_optional(path: str, setting: str) -> bytes | None:
+    return _read(path, setting) if path else None
 
 
 def server_credentials(config: GrpcTlsConfig) -> grpc.ServerCredentials | None:
     """The sidecar's server credentials (None: plaintext). Reads the files; raises OSError."""
     if not config.cert:
         return None
-    ca = _read_optional(config.client_ca)
-    return grpc.ssl_server_credentials(
-        [(_read(config.key), _read(config.cert))], root_certificates=ca, require_client_auth=ca is not None
-    )
+    ca = _read_optional(config.client_ca, "grpc_tls.client_ca")
+    pair = (_read(config.key, "grpc_tls.key"), _read(config.cert, "grpc_tls.cert"))
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
 def channel_credentials(config: UpstreamTlsConfig) -> grpc.ChannelCredentials | None:
@@ -104,9 +108,9 @@ def channel_credentials(config: UpstreamTlsConfig) -> grpc.ChannelCredentials | 
     if not config.enabled:
         return None
     return grpc.ssl_channel_credentials(
-        root_certificates=_read_optional(config.ca),  # None: grpc's default roots
-        private_key=_read_optional(config.key),
-        certificate_chain=_read_optional(config.cert),
+        root_certificates=_read_optional(config.ca, "upstream_tls.ca"),  # None: grpc's default roots
+        private_key=_read_optional(config.key, "upstream_tls.key"),
+        certificate_chain=_read_optional(config.cert, "upstream_tls.cert"),
     )
 
 
