@@ -86,7 +86,7 @@ def _read(path: str, setting: str) -> bytes:
         with open(path, "rb") as file:
             return file.read(MAX_PEM_BYTES)
     except OSError as exc:
-        shown = "" if setting.endswith(".key") else f" {path}"
+        shown = "" if setting.endswith(".key") else f" {path}:"
         raise OSError(f"{setting}:{shown} cannot read the file: {exc.strerror or exc}") from None
 
 
