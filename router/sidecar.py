@@ -213,7 +213,9 @@ class Sidecar:
 
     async def run(self, *, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
-        credentials = await trio.to_thread.run_sync(server_credentials, self._tls)  # reads the PEM files
+        credentials = None
+        if self._tls.cert:  # reading the PEM files is I/O: off the trio thread
+            credentials = await trio.to_thread.run_sync(server_credentials, self._tls)
         workers = self._serve.grpc_max_workers
         executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvroute-sidecar")
         server = grpc.server(

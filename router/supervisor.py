@@ -291,7 +291,9 @@ async def _topology(
 
         pool: ChannelPool[Any] | None = None
         if rpc is None:
-            credentials = await trio.to_thread.run_sync(channel_credentials, config.upstream_tls)  # reads files
+            credentials = None
+            if config.upstream_tls.enabled:  # reading the PEM files is I/O: off the trio thread
+                credentials = await trio.to_thread.run_sync(channel_credentials, config.upstream_tls)
             pool = ChannelPool(config.channel_pool, credentials=credentials)
             pool.on_evict(lambda reason: metrics.emit(ChannelEvicted(reason.value)))
             await supervisor.start("channel_pool", pool.run, snapshot=pool.snapshot)
