@@ -103,17 +103,32 @@ class ChannelPool(Generic[ChannelT]):
     """LRU of channels with a size cap and idle expiry (trio clock). Implements ``ChannelLeaser``."""
 
     @overload
-    def __init__(self: ChannelPool[grpc.Channel], config: ChannelPoolConfig, factory: None = None) -> None: ...
+    def __init__(
+        self: ChannelPool[grpc.Channel],
+        config: ChannelPoolConfig,
+        factory: None = None,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None: ...
 
     @overload
     def __init__(self, config: ChannelPoolConfig, factory: Callable[[str], ChannelT]) -> None: ...
 
-    def __init__(self, config: ChannelPoolConfig, factory: Callable[[str], ChannelT] | None = None) -> None:
+    def __init__(
+        self,
+        config: ChannelPoolConfig,
+        factory: Callable[[str], ChannelT] | None = None,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """Without ``factory``, real gRPC channels: TLS with ``credentials``, plaintext without."""
         refuse("channel_pool", channel_pool_problems(config))
         self._config = config
         self._evict_listener: Callable[[EvictReason], None] | None = None
         # Without a factory ChannelT is grpc.Channel (first overload).
-        self._factory: Callable[[str], ChannelT] = factory or functools.partial(open_channel, config=config)  # type: ignore[assignment]
+        self._factory: Callable[[str], ChannelT] = factory or functools.partial(  # type: ignore[assignment]
+            open_channel, config=config, credentials=credentials
+        )
         # parse_target costs ~10 µs; live targets number at most max_channels, so a cache that size hits.
         self._normalise = functools.lru_cache(maxsize=config.max_channels)(_normalise)
         self._entries: OrderedDict[str, _Entry[ChannelT]] = OrderedDict()  # LRU first

@@ -18,6 +18,7 @@ from router.settings import (
     assess,
     load_from_args,
 )
+from router.targets import redact_userinfo
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +36,10 @@ def render(loaded: LoadedConfig, verdict: Assessment) -> str:
     for s in SETTINGS:
         given = getattr(getattr(loaded.config, s.section), s.field)
         value = getattr(getattr(loaded.effective, s.section), s.field)
-        text = "<redacted>" if s.secret and value else s.format(value)
+        text = s.shown_text(value)
         source = str(loaded.sources[s.name])
         if given != value:
-            shown = "<redacted>" if s.secret else repr(s.format(given))
+            shown = repr(s.shown_text(given))
             source += f"; {shown} not used: the KVCM fallback settings have problems"
         rows.append((s.section, s.flag, text or "(empty)", source))
     flag_width = max(len(row[1]) for row in rows)
@@ -70,7 +71,8 @@ def render(loaded: LoadedConfig, verdict: Assessment) -> str:
         ]
     else:
         lines += ["", "result: OK"]
-    return "\n".join(lines) + "\n"
+    # Every value above is redacted; the free text (the assessment, warnings) may quote an address too.
+    return redact_userinfo("\n".join(lines)) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -178,6 +178,31 @@ class ServeConfig:
     drain_lame_duck_s: float = bounded(0.5, 0, 3600)  # first part of the drain: new calls refused, nothing stopped yet
     # sidecar handler threads; also the most Route calls in flight (more: refused)
     grpc_max_workers: int = bounded(64, 0, 10_000, low_open=True)
+    # Bearer token every debug path but /healthz requires (empty: none); given directly or read from a file.
+    debug_token: str = ""
+    debug_token_file: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcTlsConfig:
+    """TLS of the sidecar's gRPC server. No certificate: plaintext."""
+
+    cert: str = ""  # PEM server certificate chain
+    key: str = ""  # PEM private key of ``cert``
+    client_ca: str = ""  # PEM CA bundle; set: clients must present a certificate it signed (mTLS)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTlsConfig:
+    """TLS of kvroute's own connections (KVCM, workers, the master). Nothing set: plaintext."""
+
+    ca: str = ""  # PEM CA bundle the servers' certificates are checked against (empty: the system's)
+    cert: str = ""  # PEM client certificate chain presented to servers that ask for one
+    key: str = ""  # PEM private key of ``cert``
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca or self.cert)
 
 
 # The scheduler's gRPC API listens on its HTTP port + this.
@@ -230,3 +255,5 @@ class KvrouteConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     master: MasterConfig = field(default_factory=MasterConfig)
     master_breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    grpc_tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)
+    upstream_tls: UpstreamTlsConfig = field(default_factory=UpstreamTlsConfig)

@@ -11,13 +11,16 @@ Routes (GET only; anything else 405, unknown paths 404):
 - ``/debug/config``       the effective configuration, each value's source, the problems; redacted.
 
 Binds 127.0.0.1 by default; port 0 picks a free port, and the bound address is logged and handed to
-the starter through ``task_status``.
+the starter through ``task_status``. With a bearer token (``--debug-token`` or ``--debug-token-file``)
+every path except ``/healthz`` answers 401 unless the request carries ``Authorization: Bearer <token>``
+(compared in constant time). Addresses' userinfo is redacted in /readyz, /debug/actors and /debug/config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import hmac
 import json
 import logging
 import math
@@ -34,8 +37,8 @@ from prometheus_client.exposition import choose_encoder
 from actors.metrics_sink import DecisionRecord, MetricsSink
 from router.exception_groups import leaves
 from router.logs import ctx
-from router.settings import LoadedConfig, debug_config_view, parse_listen
-from router.targets import HostPort, parse_target
+from router.settings import LoadedConfig, debug_config_view, parse_listen, read_token_file
+from router.targets import HostPort, parse_target, redact_userinfo
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +98,11 @@ class _BadRequest(Exception):
 class DebugApp:
     """The ASGI application (HTTP and lifespan scopes)."""
 
-    def __init__(self, sources: DebugSources, sink: MetricsSink, loaded: LoadedConfig) -> None:
+    def __init__(self, sources: DebugSources, sink: MetricsSink, loaded: LoadedConfig, token: str = "") -> None:
         self._sources = sources
         self._sink = sink
         self._loaded = loaded
+        self._token = token.encode("ascii") if token else None  # None: no token asked for
         self._routes: dict[str, Callable[[Scope], tuple[int, str, bytes]]] = {
             "/healthz": self._healthz,
             "/readyz": self._readyz,
@@ -116,7 +120,10 @@ class DebugApp:
             return
         route = self._routes.get(scope["path"])
         headers: list[tuple[bytes, bytes]] = []
-        if route is None:
+        if not self._authorized(scope):
+            status, content_type, body = 401, _TEXT, b"unauthorized: send Authorization: Bearer <token>\n"
+            headers.append((b"www-authenticate", b'Bearer realm="kvroute debug"'))
+        elif route is None:
             status, content_type, body = 404, _TEXT, f"no such path: {scope['path']}\n".encode()
         elif scope["method"] != "GET":
             status, content_type, body = (
@@ -141,6 +148,17 @@ class DebugApp:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
+    def _authorized(self, scope: Scope) -> bool:
+        """Without a token, or for /healthz (liveness probes carry none): yes. Else the bearer token must match."""
+        if self._token is None or scope["path"] == "/healthz":
+            return True
+        for name, value in scope.get("headers", ()):
+            if name.lower() == b"authorization":
+                scheme, _, given = bytes(value).partition(b" ")
+                # compare_digest: the time taken does not tell how much of the token was right.
+                return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._token)
+        return False
+
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
@@ -162,7 +180,7 @@ class DebugApp:
         if self._loaded.fatal_errors:
             lines.append("configuration problems:")
             lines += [f"  - {p}" for p in self._loaded.fatal_errors]
-        return (200 if ready else 503), _TEXT, ("\n".join(lines) + "\n").encode()
+        return (200 if ready else 503), _TEXT, redact_userinfo("\n".join(lines) + "\n").encode()
 
     def _metrics(self, scope: Scope) -> tuple[int, str, bytes]:
         accept = ", ".join(
@@ -172,7 +190,7 @@ class DebugApp:
         return 200, content_type, encoder(self._sink.registry)
 
     def _actors(self, scope: Scope) -> tuple[int, str, bytes]:
-        return _json(self._sources.actors())
+        return _json(self._sources.actors(), redact=True)  # last errors may quote a configured address
 
     def _decisions(self, scope: Scope) -> tuple[int, str, bytes]:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
@@ -195,21 +213,37 @@ class DebugApp:
         return _json(debug_config_view(self._loaded))
 
 
-def _json(value: object) -> tuple[int, str, bytes]:
-    return 200, _JSON, (json.dumps(to_jsonable(value), indent=2) + "\n").encode()
+def _json(value: object, *, redact: bool = False) -> tuple[int, str, bytes]:
+    text = json.dumps(to_jsonable(value), indent=2) + "\n"
+    return 200, _JSON, (redact_userinfo(text) if redact else text).encode()
 
 
 class DebugServer:
     """Serves :class:`DebugApp` on ``listen`` (HOST:PORT; port 0 = a free port) until cancelled."""
 
-    def __init__(self, sources: DebugSources, sink: MetricsSink, loaded: LoadedConfig, listen: str) -> None:
+    def __init__(
+        self,
+        sources: DebugSources,
+        sink: MetricsSink,
+        loaded: LoadedConfig,
+        listen: str,
+        *,
+        token: str = "",
+        token_file: str = "",
+    ) -> None:
         parse_listen(listen)  # a bad address fails here, naming the input, not inside hypercorn
-        self.app = DebugApp(sources, sink, loaded)
+        self._sources, self._sink, self._loaded = sources, sink, loaded
+        self._token, self._token_file = token, token_file
+        self.app = DebugApp(sources, sink, loaded, token)
         self._listen = listen
         self.bound: HostPort | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the bound address through ``task_status.started(HostPort)``, serve until cancelled."""
+        if self._token_file:
+            # Read at start (not at construction): the token file may be written by the same deployment step.
+            token = await trio.to_thread.run_sync(read_token_file, self._token_file)
+            self.app = DebugApp(self._sources, self._sink, self._loaded, token)
         config = hypercorn.config.Config()
         config.bind = [self._listen]
         config.accesslog = None

@@ -7,6 +7,9 @@
   once the interval is over ("312 no_positive_match in the last 60 s").
 - :class:`OncePerKeyLogger` logs one message per key (e.g. one contract mismatch per worker).
 
+Both formats replace the userinfo of any address in a line (``user:password@host`` →
+``<redacted>@host``), whichever message or context value carried it.
+
 Reason keys are the metric label values (enum members are logged by their value). Both helpers keep
 bounded maps and take time as an argument (the trio clock), so they are deterministic under MockClock.
 """
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import trio
+
+from router.targets import redact_userinfo
 
 CONTEXT_ATTR = "kvroute_context"
 _BASE_KEYS = frozenset({"ts", "level", "logger", "msg", "exc"})
@@ -67,7 +72,7 @@ class TextFormatter(logging.Formatter):
             line += " " + " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        return redact_userinfo(line)  # an address's credentials never reach the log
 
 
 class JsonFormatter(logging.Formatter):
@@ -84,7 +89,7 @@ class JsonFormatter(logging.Formatter):
             out[f"ctx_{key}" if key in _BASE_KEYS else key] = _plain(value)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return redact_userinfo(json.dumps(out, default=str))  # an address's credentials never reach the log
 
 
 class _KvrouteHandler(logging.StreamHandler[TextIO]):

@@ -12,6 +12,8 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
 - A bad request ends with INVALID_ARGUMENT and a message naming the field; a decision with
   ``route_source=none`` (no worker known) is returned as is, with its error in the trailing
   metadata ``kvroute-error``.
+- TLS with ``--grpc-tls-cert``/``--grpc-tls-key`` (plaintext without); with ``--grpc-tls-client-ca``
+  every client must present a certificate that CA signed (mTLS), health calls included.
 - Health (``grpc.health.v1.Health``, service "" and "kvroute.v1.Router"): SERVING while the router
   is ready (asked at each Check), NOT_SERVING while it is not and from the start of a drain on.
 
@@ -49,6 +51,7 @@ from router.targets import HostPort, format_target
 from router.thread_bridge import deliver_outcome, settle
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import method_handlers
+from router.transport.tls import server_credentials
 from router.types import BadRequest, Reason, Role, RouteDecision, RouteRequest, RouteSource
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
@@ -190,6 +193,7 @@ class Sidecar:
     def __init__(self, handle: RouterHandle, config: KvrouteConfig) -> None:
         self._handle = handle
         self._serve = config.serve
+        self._tls = config.grpc_tls
         self._listen = parse_listen(config.serve.grpc_listen)  # a bad address fails here, naming it
         self._cap_ms = config.router.budget_cap_ms
         self._counters = _Counters()
@@ -215,6 +219,9 @@ class Sidecar:
 
     async def run(self, *, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
+        credentials = None
+        if self._tls.cert:  # reading the PEM files is I/O: off the trio thread
+            credentials = await trio.to_thread.run_sync(server_credentials, self._tls)
         workers = self._serve.grpc_max_workers
         executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvroute-sidecar")
         server = grpc.server(
@@ -226,7 +233,11 @@ class Sidecar:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
-            port = server.add_insecure_port(format_target(self._listen.host, self._listen.port))
+            address = format_target(self._listen.host, self._listen.port)
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             executor.shutdown(wait=False)
             raise OSError(f"--grpc-listen: cannot bind {self._serve.grpc_listen}: {exc}") from exc
@@ -236,7 +247,12 @@ class Sidecar:
                 server.start()
                 self.bound = HostPort(self._listen.host, port)
                 self._health.set_serving(self._ready_now())
-                log.info("Route gRPC service listening on %s", self.bound, extra=ctx(target=str(self.bound)))
+                log.info(
+                    "Route gRPC service listening on %s (%s)",
+                    self.bound,
+                    "plaintext" if credentials is None else "mTLS" if self._tls.client_ca else "TLS",
+                    extra=ctx(target=str(self.bound)),
+                )
                 task_status.started(self.bound)
                 await self._drain_requested.wait()
                 await self._drain_server(server)

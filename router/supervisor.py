@@ -55,6 +55,7 @@ from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.master_grpc import GrpcMasterTransport
 from router.transport.master_http import HttpMasterTransport
 from router.transport.ports import MasterTransport, RawRpc
+from router.transport.tls import channel_credentials, client_ssl_context
 from router.types import RouteDecision, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -304,7 +305,10 @@ async def _topology(
 
         pool: ChannelPool[Any] | None = None
         if rpc is None:
-            pool = ChannelPool(config.channel_pool)
+            credentials = None
+            if config.upstream_tls.enabled:  # reading the PEM files is I/O: off the trio thread
+                credentials = await trio.to_thread.run_sync(channel_credentials, config.upstream_tls)
+            pool = ChannelPool(config.channel_pool, credentials=credentials)
             pool.on_evict(lambda reason: metrics.emit(ChannelEvicted(reason.value)))
             await supervisor.start("channel_pool", pool.run, snapshot=pool.snapshot)
             rpc = GrpcRawRpc(pool)
@@ -350,7 +354,10 @@ async def _topology(
         hosts = master_hosts(config.master)
         if hosts:
             if master is None:
-                http = await stack.enter_async_context(HttpMasterTransport(config.master))
+                tls = None
+                if config.upstream_tls.enabled:  # reading the PEM files is I/O: off the trio thread
+                    tls = await trio.to_thread.run_sync(client_ssl_context, config.upstream_tls)
+                http = await stack.enter_async_context(HttpMasterTransport(config.master, tls))
                 grpc_wanted = config.master.protocol is MasterProtocol.GRPC
                 if grpc_wanted and pool is None:
                     raise ValueError("--master-protocol grpc needs real gRPC channels (no in-memory network)")
@@ -393,7 +400,14 @@ async def _topology(
             from router.debug_http import DebugServer  # upper module: imported only when serving HTTP
             from router.settings import load_config
 
-            server = DebugServer(handle, metrics, loaded or load_config({}, {}), config.serve.debug_listen)
+            server = DebugServer(
+                handle,
+                metrics,
+                loaded or load_config({}, {}),
+                config.serve.debug_listen,
+                token=config.serve.debug_token,
+                token_file=config.serve.debug_token_file,
+            )
             handle.debug_address = await supervisor.start("debug_http", server.run)
         try:
             yield handle

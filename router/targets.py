@@ -15,6 +15,10 @@ _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$"
 )
 _NUMERIC_DOTTED = re.compile(r"^[0-9.]+$")
+# ``user:password@`` before a host, with or without a scheme: everything back to a delimiter that
+# cannot be part of an address written in text (space, quote, comma, '=', brackets) is userinfo.
+_USERINFO = re.compile(r"""(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?[^\s@,;'"`<>()\[\]{}=]+@(?=[^\s@])""")
+REDACTED = "<redacted>"
 
 
 class TargetError(ValueError):
@@ -72,6 +76,15 @@ def _is_ipv6(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def redact_userinfo(text: str) -> str:
+    """``text`` with the userinfo of every address in it replaced: ``admin:s3cr3t@10.0.0.1:80`` →
+    ``<redacted>@10.0.0.1:80``. Whatever prints an address or a message that may quote one (a bad
+    entry, a peer's error) passes it through this first."""
+    if "@" not in text:
+        return text
+    return _USERINFO.sub(lambda m: f"{m['scheme'] or ''}{REDACTED}@", text)
 
 
 def parse_target(entry: str, default_port: int | None = None) -> HostPort:

@@ -93,11 +93,17 @@ async def serve_endpoint(
     host: str = "127.0.0.1",
     port: int = 0,
     max_threads: int = 8,
+    credentials: grpc.ServerCredentials | None = None,
     task_status: trio.TaskStatus[GrpcServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``endpoint`` until cancelled: ``server = await nursery.start(serve_endpoint, endpoint)``."""
+    """Serve ``endpoint`` until cancelled: ``server = await nursery.start(serve_endpoint, endpoint)``.
+
+    With ``credentials`` (``grpc.ssl_server_credentials``) it serves TLS, else plaintext.
+    """
     routes = grpc_routes(endpoint, clock or trio.lowlevel.current_clock().current_time)
-    start = functools.partial(start_grpc_server, routes, host=host, port=port, max_workers=max_threads)
+    start = functools.partial(
+        start_grpc_server, routes, host=host, port=port, max_workers=max_threads, credentials=credentials
+    )
     # Not abandoned on cancel: the server is always returned, and stopped below.
     server = await trio.to_thread.run_sync(start)
     try:

@@ -19,13 +19,16 @@ from router.logs import LOG_FORMATS, LOG_LEVELS
 from router.settings.assess import Assessment, assess, log_startup_report
 from router.settings.cli_args import add_arguments, load_or_report
 from router.settings.load import (
+    FILE_CHECKS,
     MAX_CONFIG_FILE_BYTES,
     ConfigFile,
     LoadedConfig,
+    TokenFileError,
     config_path,
     load_config,
     load_from_args,
     read_config_file,
+    read_token_file,
     resolve_config,
 )
 from router.settings.redact import debug_config_view, redacted
@@ -47,7 +50,7 @@ from router.settings.table import (
     parse_listen,
     value_of,
 )
-from router.settings.validate import SECTION_PROBLEMS, SettingProblem, validate
+from router.settings.validate import SECTION_PROBLEMS, FileChecks, SettingProblem, validate
 
 __all__ = [
     "BY_NAME",
@@ -55,6 +58,7 @@ __all__ = [
     "CONFIG_ENV",
     "DEFAULT_ORIGIN",
     "ENV_PREFIX",
+    "FILE_CHECKS",
     "LOG_FORMATS",
     "LOG_LEVELS",
     "MAX_CONFIG_FILE_BYTES",
@@ -64,6 +68,7 @@ __all__ = [
     "Assessment",
     "Check",
     "ConfigFile",
+    "FileChecks",
     "Kind",
     "LoadedConfig",
     "Origin",
@@ -71,6 +76,7 @@ __all__ = [
     "SettingProblem",
     "SettingValueError",
     "SourceKind",
+    "TokenFileError",
     "add_arguments",
     "assess",
     "config_path",
@@ -82,6 +88,7 @@ __all__ = [
     "log_startup_report",
     "parse_listen",
     "read_config_file",
+    "read_token_file",
     "redacted",
     "resolve_config",
     "validate",

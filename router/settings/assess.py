@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.config import KvrouteConfig
 from router.settings.load import LoadedConfig
 from router.settings.table import (
     BOOTSTRAP_SETTINGS,
@@ -17,7 +18,7 @@ from router.settings.table import (
     parse_listen,
     value_of,
 )
-from router.targets import TargetError
+from router.targets import TargetError, redact_userinfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
         s = BY_NAME[name]
         origin = src[name]
         where = "default" if origin.kind is SourceKind.DEFAULT else str(origin)
-        return f"{s.flag}={s.format(value_of(c, name))} ({where})"
+        return f"{s.flag}={s.shown_text(value_of(c, name))} ({where})"
 
     worker_sources = [n for n in WORKER_SOURCE_SETTINGS if value_of(c, n)]
     if loaded.fallback_disabled_by_errors:
@@ -95,7 +96,7 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
         path = value_of(c, name)
         if path and not path_exists(path):
             broken.append(
-                f"{BY_NAME[name].flag} {path} does not exist: that source stays empty until it appears"
+                f"{BY_NAME[name].flag} {redact_userinfo(path)} does not exist: that source stays empty until it appears"
             )
     roles = BY_NAME["roles"].format(c.deployment.roles)
     works.append(
@@ -110,10 +111,23 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
         port = "a free port chosen at start (logged)" if debug.port == 0 else f"port {debug.port}"
         works.append(f"debug HTTP (/healthz /readyz /metrics /debug/*) on {debug.host}, {port}")
         if not _is_loopback(debug.host):
-            broken.append(
-                f"debug HTTP binds {debug.host}, not loopback: /metrics and /debug/* are reachable "
-                "from the network"
-            )
+            if c.serve.debug_token or c.serve.debug_token_file:
+                works.append(f"debug HTTP binds {debug.host}: every path but /healthz requires the bearer token")
+            else:
+                broken.append(
+                    f"debug HTTP binds {debug.host}, not loopback, without --debug-token(-file): /metrics and "
+                    "/debug/* are reachable from the network by anyone"
+                )
+    works += _tls_lines(c)
+    try:
+        grpc = parse_listen(c.serve.grpc_listen)
+    except TargetError:
+        grpc = None
+    if grpc is not None and not _is_loopback(grpc.host) and not c.grpc_tls.cert:
+        broken.append(
+            f"kvroute serve's Route gRPC listens on {grpc.host}, not loopback, without TLS (--grpc-tls-cert, "
+            "--grpc-tls-key): requests and answers cross the network in plaintext"
+        )
     works.append(f"logs at {c.serve.log_level.upper()} as {c.serve.log_format}")
     if loaded.fatal_errors:
         broken.append(
@@ -121,6 +135,24 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
             "(listed below)"
         )
     return Assessment(tuple(works), tuple(broken))
+
+
+def _tls_lines(c: KvrouteConfig) -> list[str]:
+    lines: list[str] = []
+    if c.grpc_tls.cert:
+        lines.append(
+            "kvroute serve's Route gRPC uses TLS"
+            + (" and requires client certificates (mTLS)" if c.grpc_tls.client_ca else "")
+        )
+    if c.upstream_tls.enabled:
+        lines.append(
+            "connections to KVCM, workers and the master use TLS (servers checked against "
+            + ("--upstream-tls-ca" if c.upstream_tls.ca else "the system's CA bundle")
+            + (", client certificate presented)" if c.upstream_tls.cert else ")")
+        )
+    else:
+        lines.append("connections to KVCM, workers and the master are plaintext (no --upstream-tls-ca)")
+    return lines
 
 
 def log_startup_report(
@@ -145,9 +177,9 @@ def log_startup_report(
             "; ".join(str(p) for p in loaded.fatal_errors),
         )
     for warning in loaded.warnings:
-        log.warning("%s", warning)
+        log.warning("%s", redact_userinfo(warning))
     verdict = assess(loaded, path_exists)
     for line in verdict.will_not_work:
-        log.warning("will not work: %s", line)
+        log.warning("will not work: %s", redact_userinfo(line))
     for line in verdict.works:
-        log.info("%s", line)
+        log.info("%s", redact_userinfo(line))

@@ -33,10 +33,50 @@ from router.settings.table import (
     SourceKind,
     value_of,
 )
-from router.settings.validate import SettingProblem, validate
+from router.settings.validate import FileChecks, SettingProblem, validate
+from router.transport.tls import pem_file_problem
 
 # A settings file is a few kilobytes; anything far larger is not one (and is not read into memory).
 MAX_CONFIG_FILE_BYTES = 1 << 20
+
+
+# A bearer token is a line of text; a larger file is not a token file (and is not read into memory).
+MAX_TOKEN_FILE_BYTES = 4096
+
+
+class TokenFileError(ValueError):
+    """The debug token file cannot be used; the message says why (never the token)."""
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path`` (surrounding whitespace stripped). Reads the file; raises TokenFileError."""
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as exc:
+        raise TokenFileError(f"cannot read the file: {exc.strerror or exc}") from None
+    if len(raw) > MAX_TOKEN_FILE_BYTES:
+        raise TokenFileError(f"larger than {MAX_TOKEN_FILE_BYTES} bytes: not a token file")
+    try:
+        token = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise TokenFileError("the token must be printable ASCII") from None
+    if not token or not all("!" <= c <= "~" for c in token):
+        raise TokenFileError("must hold one token: printable ASCII without spaces")
+    return token
+
+
+def token_file_problem(path: str) -> str | None:
+    """Why ``path`` is not a usable token file (None when it is). Reads the file."""
+    try:
+        read_token_file(path)
+    except TokenFileError as exc:
+        return str(exc)
+    return None
+
+
+# What a configuration loaded to run with is checked against: the files it names exist and fit.
+FILE_CHECKS = FileChecks(pem=pem_file_problem, token=token_file_problem)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +167,13 @@ def resolve_config(
     file: ConfigFile | None,
     env: Mapping[str, str],
     flags: Mapping[str, object],
+    files: FileChecks | None = None,
 ) -> LoadedConfig:
     """Pure: the configuration from defaults < ``file`` < ``env`` < ``flags``, validated.
 
     ``flags`` maps setting name → value (text as on the command line, or a value of the setting's
-    type); None or absent means not given. Every problem is in ``errors``.
+    type); None or absent means not given. ``files`` checks the files the settings name (see
+    :func:`~router.settings.validate.validate`). Every problem is in ``errors``.
     """
     values: dict[str, object] = {s.name: s.default for s in SETTINGS}
     sources: dict[str, Origin] = {s.name: DEFAULT_ORIGIN for s in SETTINGS}
@@ -165,13 +207,15 @@ def resolve_config(
             take(s, raw, Origin(SourceKind.FLAG, s.flag))
 
     config = _assemble(values)
-    problems.extend(validate(config, sources))
+    problems.extend(validate(config, sources, files))
     effective = _fail_soft(config, problems)
     if effective is not config:
         # Resetting the fallback part can expose a problem the given values hid (a list parsed only
         # once its port is valid): what would stop kvroute must be listed too.
         listed = {p.settings for p in problems}
-        problems.extend(p for p in validate(effective, sources) if not p.fallback and p.settings not in listed)
+        problems.extend(
+            p for p in validate(effective, sources, files) if not p.fallback and p.settings not in listed
+        )
     return LoadedConfig(
         config=config,
         effective=effective,
@@ -191,11 +235,12 @@ def load_config(
 
     ``cli`` is an argparse namespace made by :func:`~router.settings.add_arguments`, or a mapping of
     setting name → value. ``toml_path`` None falls back to ``--config`` in ``cli``, then
-    ``env["KVROUTE_CONFIG"]``. Never raises on bad input: every problem is in ``errors``.
+    ``env["KVROUTE_CONFIG"]``. The files the settings name (TLS, the debug token) are checked too.
+    Never raises on bad input: every problem is in ``errors``.
     """
     flags = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli)
     path = toml_path if toml_path is not None else config_path(flags, env)
-    return resolve_config(read_config_file(path) if path else None, env, flags)
+    return resolve_config(read_config_file(path) if path else None, env, flags, FILE_CHECKS)
 
 
 def load_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LoadedConfig:

@@ -1,18 +1,24 @@
-"""What is shown of a configuration: redacted values, their sources, and the problems."""
+"""What is shown of a configuration: redacted values, their sources, and the problems.
+
+Two rules, for every view (``/debug/config``, check-config, the log): a secret setting (the TLS
+private keys, the debug token; any setting named like a secret) shows as ``<redacted>`` when set, and
+the userinfo of an address (``user:password@host``) shows as ``<redacted>@host`` in every value and
+message.
+"""
 
 from __future__ import annotations
 
 from router.config import KvrouteConfig
 from router.settings.load import LoadedConfig
 from router.settings.table import SECTIONS, SETTINGS, value_of
+from router.targets import redact_userinfo
 
 
 def redacted(config: KvrouteConfig) -> dict[str, dict[str, object]]:
-    """The config as JSON-ready ``{section: {field: value}}``; fields named like secrets are masked."""
+    """The config as JSON-ready ``{section: {field: value}}``, every value as ``Setting.shown`` gives it."""
     out: dict[str, dict[str, object]] = {section: {} for section in SECTIONS}
     for s in SETTINGS:
-        value = value_of(config, s.name)
-        out[s.section][s.field] = "<redacted>" if s.secret and value else s.jsonable(value)
+        out[s.section][s.field] = s.shown(value_of(config, s.name))
     return out
 
 
@@ -24,5 +30,5 @@ def debug_config_view(loaded: LoadedConfig) -> dict[str, object]:
         "sources": {s.toml_key: str(loaded.sources[s.name]) for s in SETTINGS},
         "kvcm_fallback_disabled_by_errors": loaded.fallback_disabled_by_errors,
         "errors": [str(p) for p in loaded.errors],
-        "warnings": list(loaded.warnings),
+        "warnings": [redact_userinfo(w) for w in loaded.warnings],
     }

@@ -21,7 +21,7 @@ from typing import Any
 from router.config import KvrouteConfig
 from router.logs import LOG_FORMATS, LOG_LEVELS
 from router.problems import Range, range_of
-from router.targets import HostPort, TargetError, parse_target
+from router.targets import REDACTED, HostPort, TargetError, parse_target, redact_userinfo
 from router.types import QueryType, Role
 
 ENV_PREFIX = "KVROUTE_"
@@ -182,6 +182,19 @@ class Setting:
             return [self.jsonable(v) for v in value]
         return value
 
+    def shown(self, value: object) -> object:
+        """``value`` as it may be shown (JSON-ready): a set secret masked, the userinfo of addresses removed."""
+        if self.secret and value:
+            return REDACTED
+        plain = self.jsonable(value)
+        return redact_userinfo(plain) if isinstance(plain, str) else plain
+
+    def shown_text(self, value: object) -> str:
+        """``value`` as text (what the flag would take), redacted like :meth:`shown`."""
+        if self.secret and value:
+            return REDACTED
+        return redact_userinfo(self.format(value))
+
     def validate(self, value: object) -> list[str]:
         """Pure: the problems with the form of ``value`` (empty when valid); ranges are checked per section."""
         problems = []
@@ -257,6 +270,13 @@ def _non_empty(value: tuple[object, ...] | str) -> str | None:
     return None if value else "must not be empty"
 
 
+def _header_token(value: str) -> str | None:
+    # The value itself is never repeated: it is a secret.
+    if all("!" <= c <= "~" for c in value):
+        return None
+    return "must be printable ASCII without spaces (it is sent in an HTTP header)"
+
+
 def parse_listen(text: str) -> HostPort:
     """``HOST:PORT`` to listen on; port 0 asks the OS for a free port. Raises TargetError naming the input."""
     host, sep, port = text.strip().rpartition(":")
@@ -288,6 +308,7 @@ class _Spec:
     required_when: str | None = None
     choices: Mapping[str, enum.Enum] | None = None
     metavar: str | None = None
+    secret: bool = False  # shown as <redacted> (fields named like a secret are, whatever this says)
 
 
 _TARGETS = "HOST:PORT[,...]"
@@ -566,6 +587,40 @@ _SPECS: dict[str, _Spec] = {
     "master_breaker.slow_query_ms": _Spec(
         "A master attempt the request's own deadline cut off before it had this long is not judged", metavar="MS"
     ),
+    # security: the debug endpoint's token, the sidecar's TLS, the clients' TLS
+    "serve.debug_token": _Spec(
+        "Bearer token every debug path except /healthz requires (Authorization: Bearer TOKEN; empty = none); "
+        "prefer --debug-token-file or the environment: a flag is visible to other local users",
+        (_header_token,),
+        metavar="TOKEN",
+        secret=True,
+    ),
+    "serve.debug_token_file": _Spec(
+        "File holding the debug bearer token (surrounding whitespace ignored); instead of --debug-token",
+        metavar="FILE",
+        secret=True,
+    ),
+    "grpc_tls.cert": _Spec(
+        "kvroute serve: PEM certificate chain of the Route gRPC server; set (with --grpc-tls-key) = TLS, "
+        "empty = plaintext",
+        metavar="FILE",
+    ),
+    "grpc_tls.key": _Spec("kvroute serve: PEM private key of --grpc-tls-cert", metavar="FILE", secret=True),
+    "grpc_tls.client_ca": _Spec(
+        "kvroute serve: PEM CA bundle; set = clients must present a certificate it signed (mTLS)",
+        metavar="FILE",
+    ),
+    "upstream_tls.ca": _Spec(
+        "PEM CA bundle that KVCM's, the workers' and the master's certificates are checked against; "
+        "set (or --upstream-tls-cert set) = kvroute's own connections use TLS, empty = plaintext",
+        metavar="FILE",
+    ),
+    "upstream_tls.cert": _Spec(
+        "PEM client certificate chain kvroute presents to KVCM, workers and the master (mTLS); "
+        "without --upstream-tls-ca the system's CA bundle checks the servers",
+        metavar="FILE",
+    ),
+    "upstream_tls.key": _Spec("PEM private key of --upstream-tls-cert", metavar="FILE", secret=True),
 }
 
 
@@ -629,7 +684,7 @@ def _build_table() -> tuple[Setting, ...]:
                     choices=choices,
                     required_when=spec.required_when,
                     fallback_part=fallback,
-                    secret=is_secret_field(f.name),
+                    secret=spec.secret or is_secret_field(f.name),
                     metavar=spec.metavar or _default_metavar(kind, choices),
                 )
             )

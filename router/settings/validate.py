@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from actors.breaker import breaker_problems
@@ -37,7 +38,8 @@ from router.settings.table import (
     parse_listen,
     value_of,
 )
-from router.targets import TargetError
+from router.targets import TargetError, redact_userinfo
+from router.transport.tls import Unusable, grpc_tls_problems, upstream_tls_problems
 from router.types import PREFILL_CAPABLE_ROLES
 
 
@@ -50,8 +52,9 @@ class SettingProblem:
     fallback: bool  # confined to the KVCM fallback part
 
     def __str__(self) -> str:
+        # A message may quote the value it refuses: an address's credentials never reach the reader.
         where = " / ".join(BY_NAME[name].where for name in self.settings)
-        return f"{where}: {self.message}" if where else self.message
+        return redact_userinfo(f"{where}: {self.message}" if where else self.message)
 
     def listed(self) -> str:
         """The problem as a line of the CLIs' error lists."""
@@ -83,7 +86,27 @@ SECTION_PROBLEMS: Mapping[str, Callable[[Any], list[Problem]]] = {
     "serve": range_problems,
     "master": master_problems,
     "master_breaker": breaker_problems,
+    "grpc_tls": grpc_tls_problems,
+    "upstream_tls": upstream_tls_problems,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class FileChecks:
+    """How validation asks whether a named file can be used (I/O, passed in by the loaders)."""
+
+    pem: Unusable  # a TLS certificate, key or CA bundle
+    token: Unusable  # the debug token file
+
+
+def _section_rules(files: FileChecks | None) -> Mapping[str, Callable[[Any], list[Problem]]]:
+    if files is None:
+        return SECTION_PROBLEMS
+    return {
+        **SECTION_PROBLEMS,
+        "grpc_tls": partial(grpc_tls_problems, unusable=files.pem),
+        "upstream_tls": partial(upstream_tls_problems, unusable=files.pem),
+    }
 
 
 def _from(origin: Origin) -> str:
@@ -112,6 +135,15 @@ def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
         yield ("grpc_listen", "debug_listen"), f"both listen on {grpc}"
 
 
+def _token_problems(c: KvrouteConfig, files: FileChecks | None) -> Iterator[tuple[tuple[str, ...], str]]:
+    if c.serve.debug_token and c.serve.debug_token_file:
+        yield ("debug_token", "debug_token_file"), "give the debug token one way, not both"
+    if files is not None and c.serve.debug_token_file:
+        why = files.token(c.serve.debug_token_file)
+        if why is not None:
+            yield ("debug_token_file",), why
+
+
 def _in_flags(section: str, message: str) -> str:
     """``message`` with the section's field names (those with an underscore: no plain words) as flags."""
     return _FIELD_WORD.sub(
@@ -128,24 +160,28 @@ def _problem(names: tuple[str, ...], message: str) -> SettingProblem:
     return SettingProblem(names, message, any(BY_NAME[name].fallback_part for name in names))
 
 
-def validate(config: KvrouteConfig, sources: Mapping[str, Origin] | None = None) -> list[SettingProblem]:
+def validate(
+    config: KvrouteConfig, sources: Mapping[str, Origin] | None = None, files: FileChecks | None = None
+) -> list[SettingProblem]:
     """Pure: every problem with ``config`` at once (each value's form, each section's rules, joint rules).
 
-    This is the whole of what ``serve`` checks before it starts: check-config runs exactly this.
+    ``files`` answers whether the named files (TLS, the debug token) can be used; without it only
+    the settings' shape is checked. This is the whole of what ``serve`` checks before it starts:
+    check-config runs exactly this, with the same ``files``.
     """
     origins = sources or {}
     problems: list[SettingProblem] = []
     for s in SETTINGS:
         for message in s.validate(value_of(config, s.name)):
             problems.append(_problem((s.name,), f"{message} ({_from(origins.get(s.name, DEFAULT_ORIGIN))})"))
-    for section, rules in SECTION_PROBLEMS.items():
+    for section, rules in _section_rules(files).items():
         for found in rules(getattr(config, section)):
             names = tuple(BY_TOML_KEY[f"{section}.{name}"].name for name in found.fields)
             message = _in_flags(section, found.message)
             if len(names) == 1:
                 message += f" ({_from(origins.get(names[0], DEFAULT_ORIGIN))})"
             problems.append(_problem(names, message))
-    for names, message in _joint_problems(config):
+    for names, message in (*_joint_problems(config), *_token_problems(config, files)):
         problems.append(_problem(names, message))
     # One setting's problems first, in table order; then those joining settings, as found.
     order = {s.name: i for i, s in enumerate(SETTINGS)}

@@ -45,8 +45,12 @@ def channel_options(config: ChannelPoolConfig) -> list[tuple[str, int]]:
     ]
 
 
-def open_channel(target: str, config: ChannelPoolConfig) -> grpc.Channel:
-    """The channel pool's default factory: an insecure channel with our options."""
+def open_channel(
+    target: str, config: ChannelPoolConfig, credentials: grpc.ChannelCredentials | None = None
+) -> grpc.Channel:
+    """The channel pool's factory: a channel with our options, TLS with ``credentials``, else plaintext."""
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=channel_options(config))
     return grpc.insecure_channel(target, options=channel_options(config))
 
 

@@ -79,14 +79,23 @@ class GrpcServer:
 
 
 def start_grpc_server(
-    routes: Mapping[str, UnaryBytesHandler], *, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16
+    routes: Mapping[str, UnaryBytesHandler],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 16,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> GrpcServer:
-    """Bind ``host:port`` (0 = any free port) and start serving ``routes``."""
+    """Bind ``host:port`` (0 = any free port) and start serving ``routes`` (TLS with ``credentials``)."""
     executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvroute-grpc-server")
     # so_reuseport off: a second server must not silently share an explicit port.
     server = grpc.server(executor, handlers=[method_handlers(routes)], options=[("grpc.so_reuseport", 0)])
+    address = format_target(host, port)
     try:
-        bound = server.add_insecure_port(format_target(host, port))
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         executor.shutdown(wait=False)
         raise OSError(f"cannot bind gRPC server to {format_target(host, port)}: {exc}") from exc

@@ -4,7 +4,8 @@ Calls go through ``GrpcRawRpc`` (the future bridge and the channel pool), so the
 deadline is the RPC's ``timeout=`` and cancelling the caller's scope cancels the RPC. A schedule
 call that is abandoned (cancelled, or past its deadline) is followed by a best-effort
 ``/FlexlbService/Cancel`` that nobody waits for. The gRPC API has no master/info: discovery
-goes through the HTTP adapter given as ``info``.
+goes through the HTTP adapter given as ``info``. TLS is the leaser's: a ChannelPool built with
+channel credentials (``router.transport.tls.channel_credentials``) opens secure channels.
 """
 
 from __future__ import annotations

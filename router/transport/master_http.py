@@ -3,11 +3,14 @@
 One client serves every scheduler host, with a bounded keep-alive pool. It has no timeouts of
 its own: the caller's trio cancel scope bounds each call, and cancelling it closes the
 request's connection, so the scheduler sees the disconnect (and drops a queued request).
-Close it with ``aclose()`` or use it as an async context manager.
+Close it with ``aclose()`` or use it as an async context manager. Given an SSL context (see
+``router.transport.tls.client_ssl_context``), it speaks HTTPS to every host and checks their
+certificates with it; without one, plain HTTP.
 """
 
 from __future__ import annotations
 
+import ssl
 from types import TracebackType
 
 import httpx
@@ -28,10 +31,10 @@ from router.wire.master import (
 _HEADERS = {"content-type": "application/json", "accept": "application/json"}
 
 
-def http_base(host: str) -> str:
-    """``http://host:port`` for a configured scheduler address; raises ``Unavailable`` naming a bad one."""
+def http_base(host: str, scheme: str = "http") -> str:
+    """``scheme://host:port`` for a configured scheduler address; raises ``Unavailable`` naming a bad one."""
     try:
-        return f"http://{parse_target(host)}"
+        return f"{scheme}://{parse_target(host)}"
     except TargetError as exc:
         raise Unavailable(host, f"not a HOST:PORT scheduler address ({exc})") from exc
 
@@ -46,7 +49,7 @@ def _transport_error(host: str, error: httpx.HTTPError) -> TransportError:
 
 
 class HttpMasterTransport:
-    def __init__(self, config: MasterConfig) -> None:
+    def __init__(self, config: MasterConfig, tls: ssl.SSLContext | None = None) -> None:
         limits = httpx.Limits(
             max_connections=config.http_max_connections,
             max_keepalive_connections=config.http_max_connections,
@@ -54,7 +57,10 @@ class HttpMasterTransport:
         )
         # timeout=None: the caller's trio deadline is the only bound; trust_env=False: no proxies
         # from the environment between us and the scheduler.
-        self._client = httpx.AsyncClient(limits=limits, timeout=None, trust_env=False, headers=_HEADERS)
+        self._scheme = "https" if tls is not None else "http"
+        self._client = httpx.AsyncClient(
+            limits=limits, timeout=None, trust_env=False, headers=_HEADERS, verify=tls if tls is not None else True
+        )
 
     async def __aenter__(self) -> HttpMasterTransport:
         return self
@@ -68,7 +74,7 @@ class HttpMasterTransport:
         await self._client.aclose()
 
     async def _post(self, host: str, path: str, body: bytes) -> tuple[int, bytes]:
-        url = http_base(host) + path
+        url = http_base(host, self._scheme) + path
         try:
             response = await self._client.post(url, content=body)
         except httpx.HTTPError as exc:

@@ -1,0 +1,124 @@
+"""TLS for every connection kvroute makes or accepts: the settings' rules and the credentials built from them.
+
+Two sections of the configuration: ``grpc_tls`` (the sidecar's gRPC server: certificate and key,
+and with a client CA, client certificates required = mTLS) and ``upstream_tls`` (kvroute's clients to
+KVCM, workers and the master: a CA bundle, and optionally a client certificate). Nothing set means
+plaintext.
+
+:func:`grpc_tls_problems` and :func:`upstream_tls_problems` are pure: whether a file can be used is
+asked of the ``unusable`` function passed in (the settings layer passes :func:`pem_file_problem`
+when it loads a configuration to serve with; without it only the shape of the settings is checked).
+The builders read the files (blocking I/O: call them in a worker thread from trio).
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Callable
+
+import grpc
+
+from router.config import GrpcTlsConfig, UpstreamTlsConfig
+from router.problems import Problem
+
+# Why a file cannot be used (None: it can); e.g. pem_file_problem.
+Unusable = Callable[[str], str | None]
+
+# PEM bundles are kilobytes; anything far larger is not one (and is not read into memory).
+MAX_PEM_BYTES = 1 << 20
+_PEM_BEGIN = b"-----BEGIN "
+
+
+def pem_file_problem(path: str) -> str | None:
+    """Why ``path`` is not a readable PEM file (None when it is). Reads the file."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_PEM_BYTES + 1)
+    except OSError as exc:
+        return f"cannot read the file: {exc.strerror or exc}"
+    if len(data) > MAX_PEM_BYTES:
+        return f"larger than {MAX_PEM_BYTES} bytes: not a PEM file"
+    if _PEM_BEGIN not in data:
+        return "not a PEM file (no '-----BEGIN' line)"
+    return None
+
+
+def _pair_problems(cert: str, key: str) -> list[Problem]:
+    if key and not cert:
+        return [Problem(("key", "cert"), "a private key without its certificate: set the certificate too")]
+    if cert and not key:
+        return [Problem(("cert", "key"), "a certificate without its private key: set the key too")]
+    return []
+
+
+def _file_problems(paths: dict[str, str], secret: frozenset[str], unusable: Unusable | None) -> list[Problem]:
+    if unusable is None:
+        return []
+    problems: list[Problem] = []
+    for name, path in paths.items():
+        why = unusable(path) if path else None
+        if why is not None:
+            # The path of a secret is not repeated (the operator knows what was given).
+            problems.append(Problem((name,), why if name in secret else f"{path}: {why}"))
+    return problems
+
+
+def grpc_tls_problems(config: GrpcTlsConfig, unusable: Unusable | None = None) -> list[Problem]:
+    """Every reason the sidecar's server cannot use ``config`` (empty: it can, or it is off)."""
+    problems = _pair_problems(config.cert, config.key)
+    if config.client_ca and not config.cert:
+        problems.append(
+            Problem(("client_ca", "cert"), "client certificates can only be required over TLS: set cert and key")
+        )
+    paths = {"cert": config.cert, "key": config.key, "client_ca": config.client_ca}
+    return problems + _file_problems(paths, frozenset({"key"}), unusable)
+
+
+def upstream_tls_problems(config: UpstreamTlsConfig, unusable: Unusable | None = None) -> list[Problem]:
+    """Every reason kvroute's clients cannot use ``config`` (empty: they can, or it is off)."""
+    paths = {"ca": config.ca, "cert": config.cert, "key": config.key}
+    return _pair_problems(config.cert, config.key) + _file_problems(paths, frozenset({"key"}), unusable)
+
+
+def _read(path: str, setting: str) -> bytes:
+    """The file's bytes; an OSError names the setting (``section.field``), and a key's path is not repeated."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(MAX_PEM_BYTES)
+    except OSError as exc:
+        shown = "" if setting.endswith(".key") else f" {path}:"
+        raise OSError(f"{setting}:{shown} cannot read the file: {exc.strerror or exc}") from None
+
+
+def _read_optional(path: str, setting: str) -> bytes | None:
+    return _read(path, setting) if path else None
+
+
+def server_credentials(config: GrpcTlsConfig) -> grpc.ServerCredentials | None:
+    """The sidecar's server credentials (None: plaintext). Reads the files; raises OSError."""
+    if not config.cert:
+        return None
+    ca = _read_optional(config.client_ca, "grpc_tls.client_ca")
+    pair = (_read(config.key, "grpc_tls.key"), _read(config.cert, "grpc_tls.cert"))
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials(config: UpstreamTlsConfig) -> grpc.ChannelCredentials | None:
+    """Credentials for kvroute's gRPC channels (None: plaintext). Reads the files; raises OSError."""
+    if not config.enabled:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_optional(config.ca, "upstream_tls.ca"),  # None: grpc's default roots
+        private_key=_read_optional(config.key, "upstream_tls.key"),
+        certificate_chain=_read_optional(config.cert, "upstream_tls.cert"),
+    )
+
+
+def client_ssl_context(config: UpstreamTlsConfig) -> ssl.SSLContext | None:
+    """An SSL context for kvroute's HTTP clients (None: plaintext). Reads the files; raises OSError/SSLError."""
+    if not config.enabled:
+        return None
+    context = ssl.create_default_context(cafile=config.ca or None)
+    if config.cert:
+        context.load_cert_chain(config.cert, config.key)
+    return context

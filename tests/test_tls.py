@@ -1,0 +1,283 @@
+"""TLS on every connection kvroute makes or accepts, against real servers on 127.0.0.1 with the real clock.
+
+Certificates come from a throwaway CA made in each test (trustme). The sidecar's Route service with
+TLS and with mTLS, kvroute's gRPC channels (ChannelPool credentials) to a simulated worker served over
+TLS, and the master's HTTP client to an HTTPS server; each also fails the way it must without TLS.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import hypercorn.config
+import hypercorn.trio
+import pytest
+import trio
+import trustme
+
+from actors.channel_pool import ChannelPool
+from kvroute_sim.sim.grpc_server import serve_endpoint
+from kvroute_sim.sim.worker import SimWorker
+from router.api import open_router
+from router.config import (
+    ChannelPoolConfig,
+    DiscoveryConfig,
+    GrpcTlsConfig,
+    KvrouteConfig,
+    RouterConfig,
+    ServeConfig,
+    UpstreamTlsConfig,
+)
+from router.master_config import MasterConfig
+from router.sidecar import Sidecar
+from router.targets import HostPort
+from router.transport.clients import WorkerStatusClient
+from router.transport.errors import Unavailable
+from router.transport.grpc_adapter import GrpcRawRpc
+from router.transport.master_http import HttpMasterTransport
+from router.transport.tls import channel_credentials, client_ssl_context, server_credentials
+from router.wire import router_v1_pb2
+from router.wire.paths import ROUTER_ROUTE
+
+TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Pki:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all as PEM files."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path  # a CA that signed none of them
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("kvroute-client@example.test")
+
+    def write(name: str, data: bytes) -> Path:
+        path = tmp_path / name
+        path.write_bytes(data)
+        return path
+
+    return Pki(
+        ca=write("ca.pem", ca.cert_pem.bytes()),
+        server_cert=write("server.pem", b"".join(p.bytes() for p in server.cert_chain_pems)),
+        server_key=write("server.key", server.private_key_pem.bytes()),
+        client_cert=write("client.pem", b"".join(p.bytes() for p in client.cert_chain_pems)),
+        client_key=write("client.key", client.private_key_pem.bytes()),
+        other_ca=write("other-ca.pem", trustme.CA().cert_pem.bytes()),
+    )
+
+
+# ---- the sidecar's server ------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def sidecar(tls: GrpcTlsConfig) -> AsyncIterator[HostPort]:
+    # Domain routing to a listed worker: a Route call is answered without any peer.
+    config = KvrouteConfig(
+        router=RouterConfig(kvcm_fallback=False, budget_cap_ms=1000.0),
+        discovery=DiscoveryConfig(workers="127.0.0.1:18000"),
+        serve=ServeConfig(grpc_listen="127.0.0.1:0"),
+        grpc_tls=tls,
+    )
+    async with open_router(config) as handle, trio.open_nursery() as nursery:
+        bound: HostPort = await nursery.start(Sidecar(handle, config).run)
+        yield bound
+        nursery.cancel_scope.cancel()
+
+
+def route_once(channel: grpc.Channel) -> router_v1_pb2.RouteDecision | grpc.RpcError:
+    """One blocking Route call (run on a thread): the decision, or the call's error."""
+    call = channel.unary_unary(
+        ROUTER_ROUTE,
+        request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
+        response_deserializer=router_v1_pb2.RouteDecision.FromString,
+    )
+    try:
+        reply: router_v1_pb2.RouteDecision = call(
+            router_v1_pb2.RouteRequest(request_id="tls", token_ids=list(range(64))), timeout=TIMEOUT_S
+        )
+    except grpc.RpcError as exc:
+        return exc
+    return reply
+
+
+def client_credentials(pki: Pki, *, with_cert: bool) -> grpc.ChannelCredentials:
+    if not with_cert:
+        return grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+    return grpc.ssl_channel_credentials(
+        root_certificates=pki.ca.read_bytes(),
+        private_key=pki.client_key.read_bytes(),
+        certificate_chain=pki.client_cert.read_bytes(),
+    )
+
+
+async def call_with(target: HostPort, credentials: grpc.ChannelCredentials | None) -> object:
+    def call() -> object:
+        if credentials is None:
+            channel = grpc.insecure_channel(str(target))
+        else:
+            channel = grpc.secure_channel(str(target), credentials)
+        with channel:
+            return route_once(channel)
+
+    return await trio.to_thread.run_sync(call)
+
+
+def assert_refused(outcome: object) -> None:
+    assert isinstance(outcome, grpc.RpcError), f"expected the call to fail, got {outcome!r}"
+    assert outcome.code() is grpc.StatusCode.UNAVAILABLE, outcome
+
+
+async def test_sidecar_with_a_certificate_answers_tls_clients_and_refuses_plaintext(pki: Pki) -> None:
+    with trio.fail_after(20):
+        async with sidecar(GrpcTlsConfig(cert=str(pki.server_cert), key=str(pki.server_key))) as bound:
+            answered = await call_with(bound, client_credentials(pki, with_cert=False))
+            assert isinstance(answered, router_v1_pb2.RouteDecision), answered
+            assert (answered.request_id, answered.http_port) == ("tls", 18000)
+            assert_refused(await call_with(bound, None))
+
+
+async def test_sidecar_with_a_client_ca_requires_a_client_certificate(pki: Pki) -> None:
+    tls = GrpcTlsConfig(cert=str(pki.server_cert), key=str(pki.server_key), client_ca=str(pki.ca))
+    with trio.fail_after(20):
+        async with sidecar(tls) as bound:
+            answered = await call_with(bound, client_credentials(pki, with_cert=True))
+            assert isinstance(answered, router_v1_pb2.RouteDecision), answered
+            assert_refused(await call_with(bound, client_credentials(pki, with_cert=False)))
+            assert_refused(await call_with(bound, None))
+
+
+async def test_sidecar_without_tls_settings_stays_plaintext(pki: Pki) -> None:
+    with trio.fail_after(20):
+        async with sidecar(GrpcTlsConfig()) as bound:
+            answered = await call_with(bound, None)
+            assert isinstance(answered, router_v1_pb2.RouteDecision), answered
+            assert_refused(await call_with(bound, client_credentials(pki, with_cert=False)))
+
+
+def test_server_credentials_name_the_setting_of_a_missing_file(pki: Pki, tmp_path: Path) -> None:
+    with pytest.raises(OSError, match=r"^grpc_tls\.cert: .*nope\.pem: cannot read the file"):
+        server_credentials(GrpcTlsConfig(cert=str(tmp_path / "nope.pem"), key=str(pki.server_key)))
+    # A key's path is a secret's: named by its setting only.
+    with pytest.raises(OSError, match=r"^grpc_tls\.key: cannot read the file") as refused:
+        server_credentials(GrpcTlsConfig(cert=str(pki.server_cert), key=str(tmp_path / "hidden.key")))
+    assert "hidden" not in str(refused.value)
+
+
+# ---- kvroute's gRPC channels ---------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def tls_worker(pki: Pki, *, client_ca: bool = False) -> AsyncIterator[str]:
+    """A SimWorker served over TLS; yields its status target."""
+    ca = pki.ca.read_bytes() if client_ca else None
+    credentials = grpc.ssl_server_credentials(
+        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(
+            functools.partial(serve_endpoint, SimWorker("tls-worker"), credentials=credentials)
+        )
+        yield server.target
+        nursery.cancel_scope.cancel()
+
+
+async def probe_through_pool(target: str, upstream: UpstreamTlsConfig) -> object:
+    """One GetWorkerStatus through a ChannelPool built as the supervisor builds it; the status or the error."""
+    credentials = await trio.to_thread.run_sync(channel_credentials, upstream)
+    pool = ChannelPool(ChannelPoolConfig(), credentials=credentials)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        try:
+            with trio.fail_after(TIMEOUT_S):
+                return await WorkerStatusClient(GrpcRawRpc(pool)).get_worker_status(target, 0)
+        except Unavailable as exc:
+            return exc
+        finally:
+            await pool.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_upstream_channels_reach_a_tls_server_with_the_ca_and_fail_without(pki: Pki) -> None:
+    with trio.fail_after(20):
+        async with tls_worker(pki) as target:
+            status = await probe_through_pool(target, UpstreamTlsConfig(ca=str(pki.ca)))
+            assert not isinstance(status, Exception), status
+            assert isinstance(await probe_through_pool(target, UpstreamTlsConfig()), Unavailable)
+            # TLS, but the server's certificate is not signed by the CA given.
+            assert isinstance(await probe_through_pool(target, UpstreamTlsConfig(ca=str(pki.other_ca))), Unavailable)
+
+
+async def test_upstream_client_certificate_is_presented_to_a_server_that_requires_one(pki: Pki) -> None:
+    with trio.fail_after(20):
+        async with tls_worker(pki, client_ca=True) as target:
+            with_cert = UpstreamTlsConfig(ca=str(pki.ca), cert=str(pki.client_cert), key=str(pki.client_key))
+            status = await probe_through_pool(target, with_cert)
+            assert not isinstance(status, Exception), status
+            assert isinstance(await probe_through_pool(target, UpstreamTlsConfig(ca=str(pki.ca))), Unavailable)
+
+
+# ---- the master's HTTP client ----------------------------------------------------------------------
+
+
+Message = dict[str, Any]
+
+
+async def _info_app(
+    scope: Message, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
+) -> None:
+    """A scheduler stand-in: every request is answered with a master/info naming no master yet."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body = b'{"master": "", "slave": "", "queue_length": 0}'
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@asynccontextmanager
+async def https_server(pki: Pki) -> AsyncIterator[str]:
+    config = hypercorn.config.Config()
+    config.bind = ["127.0.0.1:0"]
+    config.certfile = str(pki.server_cert)
+    config.keyfile = str(pki.server_key)
+    config.accesslog = None
+    async with trio.open_nursery() as nursery:
+        serve = functools.partial(hypercorn.trio.serve, _info_app, config)  # type: ignore[arg-type]
+        binds: list[str] = await nursery.start(serve)
+        yield binds[0].partition("://")[2]
+        nursery.cancel_scope.cancel()
+
+
+async def test_master_http_client_speaks_https_with_the_ca_and_fails_without(pki: Pki) -> None:
+    with trio.fail_after(20):
+        async with https_server(pki) as host:
+            context = client_ssl_context(UpstreamTlsConfig(ca=str(pki.ca)))
+            async with HttpMasterTransport(MasterConfig(), context) as tls:
+                info = await tls.master_info(host)
+            assert info is not None
+            async with HttpMasterTransport(MasterConfig()) as plain:
+                with pytest.raises(Unavailable):
+                    await plain.master_info(host)
+            wrong = client_ssl_context(UpstreamTlsConfig(ca=str(pki.other_ca)))
+            async with HttpMasterTransport(MasterConfig(), wrong) as untrusted:
+                with pytest.raises(Unavailable):  # the server answers others: this is the handshake
+                    await untrusted.master_info(host)
