@@ -22,6 +22,7 @@ from actors.sources.base import RequestContext
 from actors.sources.shadow import ShadowSource
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.memory_server import memory_handler
 from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.api import open_router
 from router.config import (
@@ -419,3 +420,78 @@ async def test_bootstrap_dead_at_start_is_ready_for_domain_routing(autojump_cloc
         assert trio.current_time() - start == 0  # backing off: no RPC, no wait
         assert network.call_count() == before
         assert d.route_source is RouteSource.DOMAIN and d.reason is Reason.KVCM_ERROR
+
+
+# --- readiness and routing tell the truth about workers ------------------------------------------
+
+
+async def test_every_worker_dead_is_no_candidates_and_not_ready(autojump_clock: trio.testing.MockClock) -> None:
+    """Closed ports everywhere: no decision names a dead worker, and readiness says why."""
+    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, health_interval_s=1.0) as (handle, network, _):
+        await trio.sleep(1.0)  # the background health probes have heard from every worker
+        assert handle.ready()[0]
+        for i in range(3):
+            network.stop(cluster.worker_addr(i).status_target)
+        await trio.sleep(2.0)
+        ready, why = handle.ready()
+        assert not ready
+        assert why.startswith("no routable worker: none of the 3 discovered workers can be reached")
+        assert "--route-blind" in why
+        seed(cluster, 0, 8)
+        for i in range(5):
+            d = await handle.route(RouteRequest(f"dead{i}", token_ids=PROMPT, budget_ms=20))
+            assert d.worker is None and d.route_source is RouteSource.NONE
+            assert d.reason is Reason.NO_CANDIDATES
+            assert d.error is not None and "no routable worker" in d.error
+        d = await handle.route(RouteRequest("bad", token_ids=PROMPT, roles=(Role.DECODE,)))
+        assert d.reason is Reason.BAD_REQUEST and d.error is not None and "roles" in d.error
+        for i in range(3):  # back: the next good health probe readmits each
+            network.serve(cluster.worker_addr(i).status_target, memory_handler(cluster.workers[i]))
+        await trio.sleep(2.0)  # heard from within the last interval are not due: at most two intervals
+        assert handle.ready()[0]
+        d = await handle.route(RouteRequest("back", token_ids=PROMPT, budget_ms=20))
+        assert d.worker is not None
+
+
+async def test_feature_off_avoids_dead_workers_found_by_health_probes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, kvcm_fallback=False, health_interval_s=1.0)
+    async with open_router(config, rpc=network) as handle:
+        dead = cluster.worker_addr(1)
+        network.stop(dead.status_target)
+        await trio.sleep(1.5)
+        before = network.call_count()
+        chosen = [(await handle.route(RouteRequest(f"off{i}", token_ids=PROMPT))).worker for i in range(100)]
+        assert network.call_count() == before  # nothing probed on the request path
+        assert dead not in chosen and len(set(chosen)) == 3
+        assert handle.ready() == (True, "domain routing (KVCM fallback off)")
+
+
+async def test_unprobed_workers_are_routed_to_at_start(autojump_clock: trio.testing.MockClock) -> None:
+    """Before any probe nothing says a worker is down: it is routable and the router is ready."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, kvcm_fallback=False)
+    async with open_router(config, rpc=network) as handle:
+        assert handle.ready()[0]
+        d = await handle.route(RouteRequest("early", token_ids=PROMPT))
+        assert d.worker is not None and d.route_source is RouteSource.DOMAIN
+
+
+async def test_route_blind_routes_to_dead_workers_and_stays_ready(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, health_interval_s=1.0, route_blind=True) as (handle, network, _):
+        for i in range(2):
+            network.stop(cluster.worker_addr(i).status_target)
+        await trio.sleep(2.0)
+        prober = handle.prober()
+        assert not any(prober.is_routable(cluster.worker_addr(i)) for i in range(2))
+        assert handle.ready()[0]
+        d = await handle.route(RouteRequest("blind", token_ids=PROMPT, budget_ms=20))
+        assert d.route_source is RouteSource.DOMAIN and d.worker is not None
