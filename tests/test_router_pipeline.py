@@ -47,6 +47,7 @@ from router.types import (
     RouteDecision,
     RouteRequest,
     RouteSource,
+    Stage,
     WorkerAddr,
 )
 
@@ -495,3 +496,46 @@ async def test_route_blind_routes_to_dead_workers_and_stays_ready(autojump_clock
         assert handle.ready()[0]
         d = await handle.route(RouteRequest("blind", token_ids=PROMPT, budget_ms=20))
         assert d.route_source is RouteSource.DOMAIN and d.worker is not None
+
+
+async def test_kvcm_freeze_opens_the_breaker_through_leader_waits(autojump_clock: trio.testing.MockClock) -> None:
+    """KVCM frozen: the first query times out and invalidates the leader; the requests that then
+    wait for a lookup that cannot succeed count as KVCM failures, so the breaker opens and later
+    requests no longer wait for the leader."""
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 0, 8)
+        for node in cluster.kvcm.node_ids:
+            cluster.kvcm.set_faults(node, KvcmFaults(hang=True))
+        decisions = []
+        for i in range(12):  # 12 × 30 ms: well within one lookup round (lookup_timeout_s 0.5 s)
+            decisions.append(await handle.route(RouteRequest(f"frozen{i}", token_ids=PROMPT, budget_ms=30)))
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        snap = resolver.snapshot()
+        assert snap.breaker.state is BreakerState.OPEN
+        assert snap.leader_misses_total == 4  # with the timed-out query, the failure threshold (5)
+        waited = [d for d in decisions if Stage.LEADER in d.stage_ms and d.stage_ms[Stage.LEADER] > 0]
+        assert [d.reason for d in waited] == [Reason.DEADLINE] * 4
+        for d in decisions[5:]:  # the KVCM source falls through at once: no leader wait
+            assert d.sources[0].reason is Reason.BREAKER_OPEN and Stage.LEADER not in d.stage_ms
+        assert all(d.elapsed_ms == 0 for d in decisions[5:])
+
+
+async def test_leader_waits_cut_short_by_tight_budgets_are_not_judged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 0, 8)
+        for node in cluster.kvcm.node_ids:
+            cluster.kvcm.set_faults(node, KvcmFaults(hang=True))
+        await handle.route(RouteRequest("first", token_ids=PROMPT, budget_ms=30))  # invalidates the leader
+        for i in range(10):  # 5 ms budgets: each wait is allowed less than slow_query_ms (10 ms)
+            d = await handle.route(RouteRequest(f"tight{i}", token_ids=PROMPT, budget_ms=5))
+            assert d.reason is Reason.DEADLINE
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        snap = resolver.snapshot()
+        assert snap.breaker.state is BreakerState.CLOSED and snap.leader_misses_total == 0
+        assert snap.queries_cut_short_total == 10
