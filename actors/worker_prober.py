@@ -53,8 +53,11 @@ Design (review-lessons §4, §12; wire-contract §2, §3):
   ``max_status_age_s`` (older = unknown for scoring), the worker not ejected and
   its last probe not failed (any RPC error marks the worker not usable until a
   valid status, as in the reference scheduler). **Routable** (``is_routable``):
-  not known to be unreachable, i.e. not ejected and its last probe did not
-  fail. A worker never probed is routable: nothing says it is down.
+  not known to be unreachable, i.e. not ejected and its last probe was not
+  refused (``unavailable``: a closed port, a reset). A worker never probed is
+  routable: nothing says it is down; nor is one whose status probe was slow
+  (``probe_timeout``) or garbled, which is unusable for scoring but may well
+  serve, until repeated failures eject it.
 - **Background health probes** (with a ``fleet`` and ``health_interval_s`` > 0):
   every interval the next ``health_max_probes`` discovered workers not heard
   from for an interval are probed, taking only the rate tokens already in the
@@ -81,7 +84,7 @@ from actors.probe_budget import (
 )
 from router.config import ProberConfig
 from router.problems import refuse
-from router.transport.errors import TransportError
+from router.transport.errors import TransportError, Unavailable
 from router.transport.ports import WorkerStatusTransport
 from router.types import Role, WorkerAddr, WorkerStatus
 
@@ -131,6 +134,7 @@ class _WorkerState:
     latest_finished_version: int = -1  # echoed on the next probe
     checked_at: float = _NEVER  # the last probe's end: an answer or a failure
     last_error: str = ""  # the last failure's kind
+    unreachable: bool = False  # the last probe was refused: known unreachable until a good probe
     consecutive_failures: int = 0
     times_ejected: int = 0
     ejected_until: float = _NEVER
@@ -328,7 +332,7 @@ class WorkerProber:
         return state.status, state.status_at
 
     def is_routable(self, worker: WorkerAddr, roles: Collection[Role] | None = None) -> bool:
-        """Not known to be unreachable (not ejected, last probe not failed) and, with ``roles``,
+        """Not known to be unreachable (not ejected, last probe not refused) and, with ``roles``,
         not known to serve another role. A worker never probed is routable."""
         return self._routable(self._workers.get(worker), roles, trio.current_time())
 
@@ -349,7 +353,7 @@ class WorkerProber:
                 continue  # unreachable: a never-probed worker is routable
             if state.ejected_until > now:
                 ejected += 1
-            elif state.consecutive_failures:
+            elif state.unreachable:
                 failing += 1
             else:
                 other_role += 1
@@ -359,7 +363,7 @@ class WorkerProber:
         if ejected:
             parts.append(f"{ejected} ejected")
         if failing:
-            parts.append(f"{failing} failing probes")
+            parts.append(f"{failing} refusing probes")
         if other_role:
             parts.append(f"{other_role} reporting a role not routed")
         detail = ", ".join(parts) + (f"; last errors: {', '.join(sorted(kinds))}" if kinds else "")
@@ -411,7 +415,7 @@ class WorkerProber:
     def _routable(state: _WorkerState | None, roles: Collection[Role] | None, now: float) -> bool:
         if state is None:
             return True
-        if state.consecutive_failures or state.ejected_until > now:
+        if state.unreachable or state.ejected_until > now:
             return False
         return roles is None or state.status is None or state.status.role in roles
 
@@ -584,6 +588,7 @@ class WorkerProber:
         state.status_at = now
         state.latest_finished_version = status.latest_finished_version
         state.consecutive_failures = 0
+        state.unreachable = False
         if self._workers.get(flight.worker) is state:
             self._failing.discard(flight.worker)
         self._probes_ok += 1
@@ -595,6 +600,7 @@ class WorkerProber:
         state.consecutive_failures += 1
         state.checked_at = now
         state.last_error = kind
+        state.unreachable = kind == Unavailable.kind
         self._failed_by_kind[kind] = self._failed_by_kind.get(kind, 0) + 1
         worker = flight.worker
         if state.consecutive_failures >= self._config.eject_after_failures and self._workers.get(worker) is state:

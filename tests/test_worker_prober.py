@@ -365,7 +365,7 @@ async def test_flapping_worker_is_ejected_and_readmitted_per_backoff(
         fake.failing.add(flappy.status_target)
         for _ in range(2):
             assert (await probe_one(prober, flappy)).error_kind == "unavailable"
-            assert not prober.is_routable(flappy) and prober.cached(flappy) is None  # last probe failed
+            assert not prober.is_routable(flappy) and prober.cached(flappy) is None  # last probe refused
         assert (await probe_one(prober, flappy)).outcome is ProbeOutcome.FAILED
         return trio.current_time()
 
@@ -451,12 +451,12 @@ async def test_collective_failure_ejects_nobody_and_readmits_on_the_first_good_p
     health = prober.snapshot()
     assert health.collective_failure and health.collective_failures == 1
     assert health.ejected_until == {}
-    assert not any(prober.is_routable(w) for w in fleet)  # all known to be down meanwhile
+    assert not any(prober.cached(w) for w in fleet)  # unusable for scoring meanwhile
     fake.hanging.clear()
     handle = prober.probe(fleet, trio.current_time() + 1.0)
     await handle.wait_all()
     assert by_outcome(handle.results()) == {ProbeOutcome.OK: 8}
-    assert all(prober.is_routable(w) for w in fleet)
+    assert all(prober.is_routable(w) and prober.cached(w) is not None for w in fleet)
     health = prober.snapshot()
     assert not health.collective_failure and health.failing == 0
     # An outlier after the event is ejected for base × 1: the collective event's ejections were given back.
@@ -483,7 +483,7 @@ async def test_background_health_probes_find_dead_workers_without_requests(
     await trio.sleep(2.0)
     assert [w for w in fleet if not prober.is_routable(w)] == fleet[:2]
     assert prober.unroutable_reason(fleet[:2], (Role.PREFILL,)) == (
-        "no routable worker: none of the 2 discovered workers can be reached (2 failing probes; last errors: "
+        "no routable worker: none of the 2 discovered workers can be reached (2 refusing probes; last errors: "
         "unavailable)"
     )
     assert prober.unroutable_reason(fleet, (Role.PREFILL,)) is None

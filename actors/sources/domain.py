@@ -56,7 +56,7 @@ class DomainSource:
     def pick(self, prepared: PreparedRequest | None, reason: Reason, error: str | None = None) -> Answered | Ended:
         """A random routable worker, synchronously (no await: usable when no time is left).
 
-        A worker the prober knows to be unreachable (ejected, or its last probe failed) or to
+        A worker the prober knows to be unreachable (ejected, or its last probe refused) or to
         serve none of the request's roles is not drawn; what the prober knows comes from its
         cache (request probes and background health probes), never from a probe made here. With
         none left the request ends ``no_candidates`` naming why, unless the operator chose to

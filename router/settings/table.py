@@ -471,7 +471,7 @@ _SPECS: dict[str, _Spec] = {
         fallback=False,
     ),
     "router.route_blind": _Spec(
-        "Route to workers known to be unreachable (ejected or failing probes) instead of answering "
+        "Route to workers known to be unreachable (ejected, or refusing probes) instead of answering "
         "no_candidates, and stay ready when none is reachable",
         short=True,
         fallback=False,
