@@ -7,7 +7,8 @@ Request path (never queues, never waits beyond the caller's own deadline):
   start-up, or after an invalidation) it joins the one in-flight lookup and waits on its
   Event inside the caller's cancel scope: there is no lock to queue behind, and a caller
   that gives up does not cancel the lookup for the others.
-- ``admit()`` / ``record_kvcm()`` / ``release_kvcm_trial()`` drive the KVCM breaker.
+- ``admit()`` / ``record_kvcm()`` / ``record_leader_miss()`` / ``release_kvcm_trial()`` drive
+  the KVCM breaker; a leader a request waited for and did not get is a KVCM failure.
 - ``report_failure()`` invalidates the leader after SERVER_NOT_LEADER, UNAVAILABLE or
   DEADLINE_EXCEEDED from a query and wakes the background task (bounded inbox, send_nowait).
 
@@ -64,11 +65,14 @@ class UnavailableReason(enum.Enum):
 class LeaderUnavailable(Exception):
     """No usable KVCM leader; ``reason`` says why (its value doubles as a metric label)."""
 
-    def __init__(self, reason: UnavailableReason, detail: str, retry_at: float | None = None) -> None:
+    def __init__(
+        self, reason: UnavailableReason, detail: str, retry_at: float | None = None, *, waited: bool = False
+    ) -> None:
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
         self.retry_at = retry_at  # trio time of the next lookup, when one is scheduled
+        self.waited = waited  # the caller waited for a lookup that found no leader (not a fast failure)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +93,8 @@ class LeaderSnapshot:
     lookup_rpcs_total: int
     leader_changes_total: int
     invalidations_total: int
-    queries_cut_short_total: int  # queries cut off by a tight request budget: not judged by the breaker
+    queries_cut_short_total: int  # queries and leader waits cut off by a tight request budget: not judged
+    leader_misses_total: int  # requests that waited for a leader and found none: breaker failures
     fast_failures_total: int  # leader() calls answered LeaderUnavailable without waiting
     wakes_coalesced_total: int  # wake-ups merged into one already pending
     breaker: BreakerSnapshot
@@ -192,6 +197,7 @@ class LeaderResolver:
         self._leader_changes_total = 0
         self._invalidations_total = 0
         self._cut_short_total = 0
+        self._leader_misses_total = 0
         self._fast_failures_total = 0
         self._wakes_coalesced_total = 0
 
@@ -223,10 +229,13 @@ class LeaderResolver:
             return result.leader
         if result.no_leader:
             raise LeaderUnavailable(
-                UnavailableReason.NO_LEADER, "the KVCM cluster has no leader elected", self._next_attempt_at
+                UnavailableReason.NO_LEADER,
+                "the KVCM cluster has no leader elected",
+                self._next_attempt_at,
+                waited=True,
             )
         raise LeaderUnavailable(
-            UnavailableReason.FAILED, result.error or "lookup failed", self._next_attempt_at
+            UnavailableReason.FAILED, result.error or "lookup failed", self._next_attempt_at, waited=True
         )
 
     def report_failure(self, target: str, error: TransportError) -> None:
@@ -271,6 +280,28 @@ class LeaderResolver:
             self._breaker.record_failure(now, trial)
         return True
 
+    def record_leader_miss(self, failure: LeaderUnavailable | None, *, trial: bool, given_s: float) -> bool:
+        """Record a request admitted by ``admit`` that found no leader: ``failure`` is what
+        :meth:`leader` raised, None when the request's own deadline ended the wait.
+
+        A leader that cannot be found is a KVCM failure for the breaker, so a KVCM that does not
+        answer opens it and later requests stop waiting for lookups: a lookup the caller waited
+        for that found none, or a wait the request's deadline ended after at least
+        ``slow_query_ms`` (``given_s`` is how long the wait was allowed). Not judged (the trial
+        slot is released): a fast failure, which cost the request nothing (backing off, no
+        bootstrap target), and a wait cut short by a tight budget. Returns whether it judged.
+        """
+        now = trio.current_time()
+        if failure is None and given_s * 1000.0 < self._breaker_config.slow_query_ms:
+            self._cut_short_total += 1
+        elif failure is None or failure.waited:
+            self._leader_misses_total += 1
+            self._breaker.record_failure(now, trial)
+            return True
+        if trial:
+            self._breaker.release_trial()
+        return False
+
     def release_kvcm_trial(self) -> None:
         """The admitted trial never reached KVCM (the request was cancelled first): free the slot."""
         self._breaker.release_trial()
@@ -294,6 +325,7 @@ class LeaderResolver:
             leader_changes_total=self._leader_changes_total,
             invalidations_total=self._invalidations_total,
             queries_cut_short_total=self._cut_short_total,
+            leader_misses_total=self._leader_misses_total,
             fast_failures_total=self._fast_failures_total,
             wakes_coalesced_total=self._wakes_coalesced_total,
             breaker=self._breaker.snapshot(now),

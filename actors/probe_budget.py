@@ -75,9 +75,25 @@ def decayed_ejection_count(times_ejected: int, healthy_for_s: float, base_s: flo
     return max(0, times_ejected - math.floor(healthy_for_s / base_s))
 
 
+def ejection_cap(known_workers: int, max_fraction: float) -> int:
+    """Most workers ejected at once: ``floor(max_fraction × known)``, but at least one when two or
+    more are known, as Envoy ejects at least one host whatever its percentage (with 10 % and a
+    fleet of 4, an outlier could otherwise never be ejected). A lone worker is never ejected: with
+    no healthy peer it is no outlier. ``max_fraction`` 0 turns ejection off."""
+    if max_fraction <= 0.0 or known_workers < 2:
+        return 0
+    return max(1, math.floor(max_fraction * known_workers + 1e-9))
+
+
 def ejection_allowed(ejected_now: int, known_workers: int, max_fraction: float) -> bool:
-    """True when one more ejection keeps ejected workers within ``max_fraction`` of the known ones."""
-    return ejected_now + 1 <= math.floor(max_fraction * known_workers + 1e-9)
+    """True when one more ejection stays within :func:`ejection_cap`."""
+    return ejected_now < ejection_cap(known_workers, max_fraction)
+
+
+def collective_failure(failing: int, known_workers: int, max_fraction: float) -> bool:
+    """More workers failing than may be ejected: a shared cause (a network partition, a frozen
+    fleet), not outliers. Ejecting them would keep healthy workers out long after the cause ends."""
+    return failing > ejection_cap(known_workers, max_fraction)
 
 
 def prober_problems(config: ProberConfig) -> list[Problem]:

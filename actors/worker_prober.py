@@ -34,33 +34,49 @@ Design (review-lessons §4, §12; wire-contract §2, §3):
   sent on the next probe. A reply with ``status_version == 0`` carries no status:
   it is counted and changes nothing (neither success nor failure). The cache is
   an LRU of at most ``max_tracked_workers`` entries, pruned by ``retain``.
-- **Ejection (Envoy-style).** ``eject_after_failures`` consecutive failures
-  (transport errors, or no answer within ``probe_timeout_s``) eject a worker for
+- **Ejection (Envoy-style, for outliers only).** ``eject_after_failures``
+  consecutive failures (transport errors, or no answer within
+  ``probe_timeout_s``) make a worker *failing*; a failing worker is ejected for
   ``eject_base_s × n`` (n = its ejections, decayed by one per ``eject_base_s``
   spent out of ejection), capped at ``eject_max_s``, while at most
-  ``max_ejected_fraction`` of the tracked workers are ejected. **An ejected
-  worker is not probed**: requests get ``skipped(ejected)`` at once. When its
-  ejection ends it is on probation: the next request probes it; a valid status
-  readmits it, one more failure ejects it again (n + 1).
+  ``ejection_cap`` workers (``max_ejected_fraction`` of the tracked ones, at
+  least one when two or more are tracked) are ejected. **An ejected worker is
+  not probed**: requests get ``skipped(ejected)`` at once. When its ejection
+  ends it is on probation: the next probe decides; a valid status readmits it,
+  one more failure ejects it again (n + 1).
+- **Collective failure.** More failing workers than the cap is a shared cause,
+  not outliers: nobody is ejected while it lasts, and the ejections in force
+  end at once (their count is given back), so every failing worker is probed
+  and readmitted by its first good probe instead of staying out for
+  ``eject_base_s`` after the cause has gone.
 - **Usable status** (``cached``): the last valid status, younger than
   ``max_status_age_s`` (older = unknown for scoring), the worker not ejected and
   its last probe not failed (any RPC error marks the worker not usable until a
   valid status, as in the reference scheduler). **Routable** (``is_routable``):
-  has had a valid status once and is not ejected; a new worker is not routable
-  until its first valid status.
+  not known to be unreachable, i.e. not ejected and its last probe was not
+  refused (``unavailable``: a closed port, a reset). A worker never probed is
+  routable: nothing says it is down; nor is one whose status probe was slow
+  (``probe_timeout``) or garbled, which is unusable for scoring but may well
+  serve, until repeated failures eject it.
+- **Background health probes** (with a ``fleet`` and ``health_interval_s`` > 0):
+  every interval the next ``health_max_probes`` discovered workers not heard
+  from for an interval are probed, taking only the rate tokens already in the
+  bucket, so routability is known in domain routing too and never costs a
+  request a probe.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import trio
 
 from actors.probe_budget import (
     TokenBucket,
+    collective_failure,
     decayed_ejection_count,
     ejection_allowed,
     ejection_duration_s,
@@ -68,9 +84,9 @@ from actors.probe_budget import (
 )
 from router.config import ProberConfig
 from router.problems import refuse
-from router.transport.errors import TransportError
+from router.transport.errors import TransportError, Unavailable
 from router.transport.ports import WorkerStatusTransport
-from router.types import WorkerAddr, WorkerStatus
+from router.types import Role, WorkerAddr, WorkerStatus
 
 _NEVER = float("-inf")
 PROBE_TIMEOUT_KIND = "probe_timeout"  # failure kind when a started RPC outlives probe_timeout_s
@@ -116,6 +132,9 @@ class _WorkerState:
     status: WorkerStatus | None = None  # last valid status (status_version != 0)
     status_at: float = _NEVER
     latest_finished_version: int = -1  # echoed on the next probe
+    checked_at: float = _NEVER  # the last probe's end: an answer or a failure
+    last_error: str = ""  # the last failure's kind
+    unreachable: bool = False  # the last probe was refused: known unreachable until a good probe
     consecutive_failures: int = 0
     times_ejected: int = 0
     ejected_until: float = _NEVER
@@ -227,21 +246,37 @@ class ProberHealth:
     failed_by_kind: dict[str, int]
     skipped: dict[str, int]  # per requested worker, by SkipReason value
     ejected_until: dict[str, float]  # status target → trio time the ejection ends
+    failing: int  # tracked workers with eject_after_failures or more consecutive failures
+    collective_failure: bool  # more failing than may be ejected: nobody is ejected now
+    collective_failures: int  # collective failures seen (each ended the ejections in force)
+    health_probes: int  # background health probes started
 
 
 class WorkerProber:
     """Probes worker statuses for requests under one global budget (see the module docstring)."""
 
-    def __init__(self, config: ProberConfig, transport: WorkerStatusTransport) -> None:
+    def __init__(
+        self,
+        config: ProberConfig,
+        transport: WorkerStatusTransport,
+        *,
+        fleet: Callable[[], Sequence[WorkerAddr]] | None = None,
+    ) -> None:
+        """``fleet`` returns the discovered workers (the background health probes' subjects)."""
         refuse("prober", prober_problems(config))
         self._config = config
         self._transport = transport
+        self._fleet = fleet
         self._limiter = trio.CapacityLimiter(config.inflight_cap)
         # Created full: its first refill, at whatever trio time, tops it up to the burst.
         self._bucket = TokenBucket(config.rate_per_s, config.rate_burst, now=float("-inf"))
         self._nursery: trio.Nursery | None = None
         self._workers: OrderedDict[WorkerAddr, _WorkerState] = OrderedDict()  # LRU, bounded
         self._ejected: dict[WorkerAddr, float] = {}  # tracked workers only → ejection end
+        self._failing: set[WorkerAddr] = set()  # tracked workers at eject_after_failures or more
+        self._collective_failures = 0
+        self._health_probes = 0
+        self._health_cursor = 0
         self._pending_probes = 0
         self._peak_inflight = 0
         self._cache_hits = 0
@@ -258,6 +293,8 @@ class WorkerProber:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started(self)
+                if self._fleet is not None and self._config.health_interval_s > 0:
+                    await self._health_loop(self._fleet, self._config.health_interval_s)
                 await trio.sleep_forever()
         finally:
             self._nursery = None
@@ -294,10 +331,43 @@ class WorkerProber:
             return None
         return state.status, state.status_at
 
-    def is_routable(self, worker: WorkerAddr) -> bool:
-        """Has had a valid status once and is not ejected."""
-        state = self._workers.get(worker)
-        return state is not None and state.status is not None and state.ejected_until <= trio.current_time()
+    def is_routable(self, worker: WorkerAddr, roles: Collection[Role] | None = None) -> bool:
+        """Not known to be unreachable (not ejected, last probe not refused) and, with ``roles``,
+        not known to serve another role. A worker never probed is routable."""
+        return self._routable(self._workers.get(worker), roles, trio.current_time())
+
+    def unroutable_reason(self, workers: Sequence[WorkerAddr], roles: Collection[Role]) -> str | None:
+        """None when one of ``workers`` is routable for ``roles``; else why none is.
+
+        Stops at the first routable worker, so it costs a full scan only when most are down.
+        """
+        now = trio.current_time()
+        states = self._workers
+        if any(self._routable(states.get(w), roles, now) for w in workers):
+            return None
+        ejected = failing = other_role = 0
+        kinds: set[str] = set()
+        for worker in workers:
+            state = states.get(worker)
+            if state is None:
+                continue  # unreachable: a never-probed worker is routable
+            if state.ejected_until > now:
+                ejected += 1
+            elif state.unreachable:
+                failing += 1
+            else:
+                other_role += 1
+                continue
+            kinds.add(state.last_error)
+        parts = []
+        if ejected:
+            parts.append(f"{ejected} ejected")
+        if failing:
+            parts.append(f"{failing} refusing probes")
+        if other_role:
+            parts.append(f"{other_role} reporting a role not routed")
+        detail = ", ".join(parts) + (f"; last errors: {', '.join(sorted(kinds))}" if kinds else "")
+        return f"no routable worker: none of the {len(workers)} discovered workers can be reached ({detail})"
 
     def ejected(self) -> Collection[WorkerAddr]:
         """The workers ejected now (a live read-only view, for the candidate plan to skip)."""
@@ -335,7 +405,22 @@ class WorkerProber:
             failed_by_kind=dict(self._failed_by_kind),
             skipped={reason.value: n for reason, n in self._skipped.items()},
             ejected_until={w.status_target: until for w, until in self._ejected.items()},
+            failing=len(self._failing),
+            collective_failure=self._collective(),
+            collective_failures=self._collective_failures,
+            health_probes=self._health_probes,
         )
+
+    @staticmethod
+    def _routable(state: _WorkerState | None, roles: Collection[Role] | None, now: float) -> bool:
+        if state is None:
+            return True
+        if state.unreachable or state.ejected_until > now:
+            return False
+        return roles is None or state.status is None or state.status.role in roles
+
+    def _collective(self) -> bool:
+        return collective_failure(len(self._failing), len(self._workers), self._config.max_ejected_fraction)
 
     def _lookup(self, worker: WorkerAddr, handle: ProbeHandle, now: float) -> ProbeResult | None:
         """A result known now, or None after attaching ``handle`` to a (new or pending) probe."""
@@ -391,6 +476,45 @@ class WorkerProber:
         # A pending probe of a forgotten worker still completes, updating only its orphaned state.
         del self._workers[worker]
         self._ejected.pop(worker, None)
+        self._failing.discard(worker)
+
+    # --- background health probes -------------------------------------------------------------
+
+    async def _health_loop(self, fleet: Callable[[], Sequence[WorkerAddr]], interval_s: float) -> None:
+        """One sweep per interval, for as long as the prober runs."""
+        while True:
+            self._health_sweep(fleet(), trio.current_time())
+            await trio.sleep(interval_s)
+
+    def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> None:
+        """Probe the next few workers not heard from for an interval (round robin over the fleet).
+
+        Bounded whatever the fleet's size: it looks at most at ``8 × health_max_probes`` workers,
+        probes at most ``health_max_probes``, and takes only tokens already in the bucket, so it
+        never makes requests' probes wait for budget.
+        """
+        n = len(workers)
+        if not n:
+            return
+        limit = min(self._config.health_max_probes, int(self._bucket.tokens(now)))
+        look = min(n, 8 * self._config.health_max_probes)
+        start = self._health_cursor % n
+        due: list[WorkerAddr] = []
+        looked = 0
+        while looked < look and len(due) < limit:
+            worker = workers[(start + looked) % n]
+            looked += 1
+            state = self._workers.get(worker)
+            if state is None or (
+                state.flight is None
+                and state.ejected_until <= now
+                and now - state.checked_at >= self._config.health_interval_s
+            ):
+                due.append(worker)
+        self._health_cursor = (start + looked) % n
+        if due:
+            self._health_probes += len(due)
+            self.probe(due, now + self._config.probe_timeout_s)  # results land in the cache
 
     # --- probe tasks ------------------------------------------------------------------------
 
@@ -454,30 +578,52 @@ class WorkerProber:
         return ProbeResult(flight.worker, ProbeOutcome.SKIPPED, skip_reason=reason)
 
     def _record_status(self, flight: _Flight, status: WorkerStatus) -> ProbeResult:
+        now = trio.current_time()
+        state = flight.state
+        state.checked_at = now  # it answered: reachable, whatever the answer
         if status.status_version == 0:
             self._probes_no_status += 1
             return ProbeResult(flight.worker, ProbeOutcome.NO_STATUS)
-        now = trio.current_time()
-        state = flight.state
         state.status = status
         state.status_at = now
         state.latest_finished_version = status.latest_finished_version
         state.consecutive_failures = 0
+        state.unreachable = False
+        if self._workers.get(flight.worker) is state:
+            self._failing.discard(flight.worker)
         self._probes_ok += 1
         return ProbeResult(flight.worker, ProbeOutcome.OK, status, observed_at=now)
 
     def _record_failure(self, flight: _Flight, kind: str) -> ProbeResult:
         state = flight.state
-        state.consecutive_failures += 1
-        self._failed_by_kind[kind] = self._failed_by_kind.get(kind, 0) + 1
-        if state.consecutive_failures >= self._config.eject_after_failures:
-            self._eject(flight.worker, state)
-        return ProbeResult(flight.worker, ProbeOutcome.FAILED, error_kind=kind)
-
-    def _eject(self, worker: WorkerAddr, state: _WorkerState) -> None:
-        if self._workers.get(worker) is not state:
-            return  # forgotten while its probe was pending
         now = trio.current_time()
+        state.consecutive_failures += 1
+        state.checked_at = now
+        state.last_error = kind
+        state.unreachable = kind == Unavailable.kind
+        self._failed_by_kind[kind] = self._failed_by_kind.get(kind, 0) + 1
+        worker = flight.worker
+        if state.consecutive_failures >= self._config.eject_after_failures and self._workers.get(worker) is state:
+            was_collective = self._collective()
+            self._failing.add(worker)
+            if self._collective():
+                if not was_collective:
+                    self._collective_failures += 1
+                self._end_ejections(now)
+            else:
+                self._eject(worker, state, now)
+        return ProbeResult(worker, ProbeOutcome.FAILED, error_kind=kind)
+
+    def _end_ejections(self, now: float) -> None:
+        """A collective failure: the ejections in force were its first signs, not outliers. End
+        them now and give their count back; each worker stays unroutable until a good probe."""
+        for worker in self._ejected:
+            state = self._workers[worker]
+            state.ejected_until = now
+            state.times_ejected = max(0, state.times_ejected - 1)
+        self._ejected.clear()
+
+    def _eject(self, worker: WorkerAddr, state: _WorkerState, now: float) -> None:
         self._prune_ejections(now)
         if not ejection_allowed(len(self._ejected), len(self._workers), self._config.max_ejected_fraction):
             return  # over the cap: keeps failing, stays unusable (cached() is None), and retries ejection

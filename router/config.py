@@ -97,10 +97,17 @@ class ProberConfig:
     eject_after_failures: int = bounded(3, 0, 1000, low_open=True)  # consecutive probe failures that eject a worker
     eject_base_s: float = bounded(30.0, 0, 86_400, low_open=True)  # the n-th ejection lasts base × n ...
     eject_max_s: float = bounded(300.0, 0, 604_800, low_open=True)  # ... capped here
-    max_ejected_fraction: float = bounded(0.5, 0, 1)  # of the tracked workers, at once
+    # Of the tracked workers, at once; at least one when two or more are tracked (0 = never eject).
+    # More workers failing than that is a collective failure, not outliers: nobody is ejected.
+    max_ejected_fraction: float = bounded(0.1, 0, 1)
     # status-cache entries (LRU) and, equally, probes pending at once
     max_tracked_workers: int = bounded(4096, 0, 1_000_000, low_open=True)
     engine_generation: EngineGeneration = EngineGeneration.K
+    # Background health probes of discovered workers, so routability is known without probing on
+    # the request path: every interval, up to health_max_probes workers not heard from for an
+    # interval, taking only rate tokens already in the bucket (0 = no background probes).
+    health_interval_s: float = bounded(1.0, 0, 3600)
+    health_max_probes: int = bounded(64, 0, 100_000, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +161,8 @@ class RouterConfig:
     admission_decay: float = bounded(0.9, 0, 1, high_open=True)
     # How often the routing loop's lag is measured (a timer's lateness), in ms.
     lag_probe_interval_ms: float = bounded(10.0, 0, 10_000, low_open=True)
+    # Route to workers known to be unreachable rather than answer no_candidates (and stay ready).
+    route_blind: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from actors.scorer import Scorer
 from actors.shadow_index import ShadowIndexActor
 from actors.sources.base import FleetView, Source
 from actors.sources.companions import CompanionPicker
-from actors.sources.domain import DomainSource
+from actors.sources.domain import ROUTE_BLIND_HINT, DomainSource
 from actors.sources.kvcm import KvcmSource
 from actors.sources.master import MasterSource
 from actors.sources.scoring import CandidateScoring
@@ -234,10 +234,16 @@ class RouterHandle:
         return self.actors_health()
 
     def ready(self) -> tuple[bool, str]:
-        """Routable when discovery has workers and, with the fallback on, a leader is known or the
-        breaker is deliberately open (domain fallback then answers at once)."""
-        if not self._discovery.workers().workers:
+        """Routable when discovery has workers, one of them of a routed role is not known to be
+        unreachable (unless the operator routes blind), and, with the fallback on, a leader is known
+        or the breaker is deliberately open (domain fallback then answers at once)."""
+        workers = self._discovery.workers().workers
+        if not workers:
             return False, "discovery has no worker"
+        if not self.config.router.route_blind:
+            unroutable = self._prober.unroutable_reason(workers, self.config.deployment.roles)
+            if unroutable is not None:
+                return False, f"{unroutable}; {ROUTE_BLIND_HINT}"
         if self._resolver is None:
             return True, "domain routing (KVCM fallback off)"
         snap = self._resolver.snapshot()
@@ -330,7 +336,11 @@ async def _topology(
             )
             await supervisor.start("leader_resolver", resolver.run, snapshot=resolver.snapshot)
 
-        prober = WorkerProber(config.prober, WorkerStatusClient(rpc, config.prober.engine_generation))
+        prober = WorkerProber(
+            config.prober,
+            WorkerStatusClient(rpc, config.prober.engine_generation),
+            fleet=lambda: discovery.workers().workers,  # the background health probes' subjects
+        )
         await supervisor.start("worker_prober", prober.run, snapshot=prober.snapshot)
 
         shadow = ShadowIndexActor(config.shadow)
@@ -348,7 +358,7 @@ async def _topology(
         warn = AggregatingLogger(
             log_router, interval_s=config.serve.log_aggregate_interval_s, max_keys=config.serve.log_max_keys
         )
-        domain = DomainSource(config, fleet=fleet, prober=prober, scorer=scorer, avoid_unroutable=resolver is not None)
+        domain = DomainSource(config, fleet=fleet, prober=prober, scorer=scorer)
         chain: list[Source] = []
         master_source: MasterSource | None = None
         hosts = master_hosts(config.master)

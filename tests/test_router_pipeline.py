@@ -22,6 +22,7 @@ from actors.sources.base import RequestContext
 from actors.sources.shadow import ShadowSource
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.memory_server import memory_handler
 from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.api import open_router
 from router.config import (
@@ -29,6 +30,7 @@ from router.config import (
     DiscoveryConfig,
     KvrouteConfig,
     MetricsConfig,
+    ProberConfig,
     RouterConfig,
     ShadowConfig,
 )
@@ -45,6 +47,7 @@ from router.types import (
     RouteDecision,
     RouteRequest,
     RouteSource,
+    Stage,
     WorkerAddr,
 )
 
@@ -55,10 +58,14 @@ KEYS = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
 
 def make_config(cluster_addrs_bootstrap: str, workers: str, **router_kw: object) -> KvrouteConfig:
     deployment_roles = router_kw.pop("roles", (Role.PREFILL,))
+    health_interval_s = router_kw.pop("health_interval_s", 0.0)
     return KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, roles=deployment_roles),  # type: ignore[arg-type]
         router=RouterConfig(**router_kw),  # type: ignore[arg-type]
         discovery=DiscoveryConfig(kvcm_bootstrap=cluster_addrs_bootstrap, workers=workers),
+        # The request path's own probes are under test: background health probes (which warm the
+        # status cache) are off unless a test asks for them.
+        prober=ProberConfig(health_interval_s=health_interval_s),  # type: ignore[arg-type]
     )
 
 
@@ -441,3 +448,121 @@ async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_
         # A request may not ask for a companion role alone.
         bad = await handle.route(RouteRequest("pd2", token_ids=PROMPT, budget_ms=50, roles=(Role.DECODE,)))
         assert bad.reason is Reason.BAD_REQUEST and bad.error is not None and "prefill-capable" in bad.error
+
+
+# --- readiness and routing tell the truth about workers ------------------------------------------
+
+
+async def test_every_worker_dead_is_no_candidates_and_not_ready(autojump_clock: trio.testing.MockClock) -> None:
+    """Closed ports everywhere: no decision names a dead worker, and readiness says why."""
+    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, health_interval_s=1.0) as (handle, network, _):
+        await trio.sleep(1.0)  # the background health probes have heard from every worker
+        assert handle.ready()[0]
+        for i in range(3):
+            network.stop(cluster.worker_addr(i).status_target)
+        await trio.sleep(2.0)
+        ready, why = handle.ready()
+        assert not ready
+        assert why.startswith("no routable worker: none of the 3 discovered workers can be reached")
+        assert "--route-blind" in why
+        seed(cluster, 0, 8)
+        for i in range(5):
+            d = await handle.route(RouteRequest(f"dead{i}", token_ids=PROMPT, budget_ms=20))
+            assert d.worker is None and d.route_source is RouteSource.NONE
+            assert d.reason is Reason.NO_CANDIDATES
+            assert d.error is not None and "no routable worker" in d.error
+        d = await handle.route(RouteRequest("bad", token_ids=PROMPT, roles=(Role.DECODE,)))
+        assert d.reason is Reason.BAD_REQUEST and d.error is not None and "roles" in d.error
+        for i in range(3):  # back: the next good health probe readmits each
+            network.serve(cluster.worker_addr(i).status_target, memory_handler(cluster.workers[i]))
+        await trio.sleep(2.0)  # heard from within the last interval are not due: at most two intervals
+        assert handle.ready()[0]
+        d = await handle.route(RouteRequest("back", token_ids=PROMPT, budget_ms=20))
+        assert d.worker is not None
+
+
+async def test_feature_off_avoids_dead_workers_found_by_health_probes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, kvcm_fallback=False, health_interval_s=1.0)
+    async with open_router(config, rpc=network) as handle:
+        dead = cluster.worker_addr(1)
+        network.stop(dead.status_target)
+        await trio.sleep(1.5)
+        before = network.call_count()
+        chosen = [(await handle.route(RouteRequest(f"off{i}", token_ids=PROMPT))).worker for i in range(100)]
+        assert network.call_count() == before  # nothing probed on the request path
+        assert dead not in chosen and len(set(chosen)) == 3
+        assert handle.ready() == (True, "domain routing (KVCM fallback off)")
+
+
+async def test_unprobed_workers_are_routed_to_at_start(autojump_clock: trio.testing.MockClock) -> None:
+    """Before any probe nothing says a worker is down: it is routable and the router is ready."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, kvcm_fallback=False)
+    async with open_router(config, rpc=network) as handle:
+        assert handle.ready()[0]
+        d = await handle.route(RouteRequest("early", token_ids=PROMPT))
+        assert d.worker is not None and d.route_source is RouteSource.DOMAIN
+
+
+async def test_route_blind_routes_to_dead_workers_and_stays_ready(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, health_interval_s=1.0, route_blind=True) as (handle, network, _):
+        for i in range(2):
+            network.stop(cluster.worker_addr(i).status_target)
+        await trio.sleep(2.0)
+        prober = handle.prober()
+        assert not any(prober.is_routable(cluster.worker_addr(i)) for i in range(2))
+        assert handle.ready()[0]
+        d = await handle.route(RouteRequest("blind", token_ids=PROMPT, budget_ms=20))
+        assert d.route_source is RouteSource.DOMAIN and d.worker is not None
+
+
+async def test_kvcm_freeze_opens_the_breaker_through_leader_waits(autojump_clock: trio.testing.MockClock) -> None:
+    """KVCM frozen: the first query times out and invalidates the leader; the requests that then
+    wait for a lookup that cannot succeed count as KVCM failures, so the breaker opens and later
+    requests no longer wait for the leader."""
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 0, 8)
+        for node in cluster.kvcm.node_ids:
+            cluster.kvcm.set_faults(node, KvcmFaults(hang=True))
+        decisions = []
+        for i in range(12):  # 12 × 30 ms: well within one lookup round (lookup_timeout_s 0.5 s)
+            decisions.append(await handle.route(RouteRequest(f"frozen{i}", token_ids=PROMPT, budget_ms=30)))
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        snap = resolver.snapshot()
+        assert snap.breaker.state is BreakerState.OPEN
+        assert snap.leader_misses_total == 4  # with the timed-out query, the failure threshold (5)
+        waited = [d for d in decisions if Stage.LEADER in d.stage_ms and d.stage_ms[Stage.LEADER] > 0]
+        assert [d.reason for d in waited] == [Reason.DEADLINE] * 4
+        for d in decisions[5:]:  # the KVCM source falls through at once: no leader wait
+            assert d.sources[0].reason is Reason.BREAKER_OPEN and Stage.LEADER not in d.stage_ms
+        assert all(d.elapsed_ms == 0 for d in decisions[5:])
+
+
+async def test_leader_waits_cut_short_by_tight_budgets_are_not_judged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 0, 8)
+        for node in cluster.kvcm.node_ids:
+            cluster.kvcm.set_faults(node, KvcmFaults(hang=True))
+        await handle.route(RouteRequest("first", token_ids=PROMPT, budget_ms=30))  # invalidates the leader
+        for i in range(10):  # 5 ms budgets: each wait is allowed less than slow_query_ms (10 ms)
+            d = await handle.route(RouteRequest(f"tight{i}", token_ids=PROMPT, budget_ms=5))
+            assert d.reason is Reason.DEADLINE
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        snap = resolver.snapshot()
+        assert snap.breaker.state is BreakerState.CLOSED and snap.leader_misses_total == 0
+        assert snap.queries_cut_short_total == 10

@@ -86,9 +86,10 @@ def pki(tmp_path: Path) -> Pki:
 
 @asynccontextmanager
 async def sidecar(tls: GrpcTlsConfig) -> AsyncIterator[HostPort]:
-    # Domain routing to a listed worker: a Route call is answered without any peer.
+    # Domain routing to a listed worker that does not exist: route blind, so a Route call is answered
+    # without any peer.
     config = KvrouteConfig(
-        router=RouterConfig(kvcm_fallback=False, budget_cap_ms=1000.0),
+        router=RouterConfig(kvcm_fallback=False, budget_cap_ms=1000.0, route_blind=True),
         discovery=DiscoveryConfig(workers="127.0.0.1:18000"),
         serve=ServeConfig(grpc_listen="127.0.0.1:0"),
         grpc_tls=tls,

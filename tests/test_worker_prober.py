@@ -21,7 +21,7 @@ from router.config import ProberConfig
 from router.transport.clients import WorkerStatusClient
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import WorkerAddr
+from router.types import Role, WorkerAddr
 from router.wire import engine_status_pb2 as engine_pb
 from router.wire import paths
 
@@ -299,7 +299,7 @@ async def test_status_version_zero_is_ignored_not_a_failure(
         assert handle.results()[0].outcome is ProbeOutcome.NO_STATUS
         assert handle.results()[0].status is None
     assert prober.cached(worker) is None
-    assert not prober.is_routable(worker)  # a new worker waits for its first valid status
+    assert prober.is_routable(worker)  # it answers: nothing says it is down
     health = prober.snapshot()
     assert (health.probes_no_status, health.probes_failed, health.probes_ok) == (5, 0, 0)
     assert health.ejected_until == {}
@@ -339,7 +339,7 @@ async def test_retain_prunes_dropped_workers(nursery: trio.Nursery, autojump_clo
     health = prober.snapshot()
     assert health.tracked_workers == 3
     assert health.ejected_until == {}
-    assert [w for w in fleet if prober.is_routable(w)] == fleet[3:]
+    assert prober.is_routable(fleet[0])  # forgotten: nothing is known against it any more
 
 
 # --- required test 8: failure accrual and ejection -----------------------------------------------
@@ -365,7 +365,7 @@ async def test_flapping_worker_is_ejected_and_readmitted_per_backoff(
         fake.failing.add(flappy.status_target)
         for _ in range(2):
             assert (await probe_one(prober, flappy)).error_kind == "unavailable"
-            assert prober.is_routable(flappy) and prober.cached(flappy) is None
+            assert not prober.is_routable(flappy) and prober.cached(flappy) is None  # last probe refused
         assert (await probe_one(prober, flappy)).outcome is ProbeOutcome.FAILED
         return trio.current_time()
 
@@ -398,32 +398,114 @@ async def test_flapping_worker_is_ejected_and_readmitted_per_backoff(
     assert prober.snapshot().failed_by_kind == {"unavailable": 10}
 
 
-async def test_never_more_than_the_cap_ejected(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+async def test_outliers_are_ejected_up_to_the_cap(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
     fake = FakeWorkers(MemoryNetwork())
     fleet = [fake.add(w) for w in workers(10)]
-    prober = await start_prober(nursery, fake, fresh_ttl_s=0.0, max_ejected_fraction=0.5)
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.0, max_ejected_fraction=0.3)
     await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
-    fake.failing.update(w.status_target for w in fleet)
-    peak = 0
-    for _ in range(10):
+    outliers = fleet[:3]  # exactly the cap (floor(0.3 × 10)): outliers, not a collective failure
+    fake.failing.update(w.status_target for w in outliers)
+    for _ in range(3):
         await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
-        peak = max(peak, len(prober.snapshot().ejected_until))
         await trio.sleep(1.0)
-    assert peak == 5  # both bounds: the cap is reached and never passed
-    ejected = {w for w in fleet if not prober.is_routable(w)}
-    assert len(ejected) == 5
-    # The failing workers kept in service stay routable but carry no usable status.
-    assert all(prober.cached(w) is None for w in fleet)
-    # When the ejections end, the others get their turn — still within the cap.
-    await trio.sleep(30.0)
+    health = prober.snapshot()
+    assert set(health.ejected_until) == {w.status_target for w in outliers}
+    assert not health.collective_failure and health.collective_failures == 0
+    assert [w for w in fleet if not prober.is_routable(w)] == outliers
+    rpcs = fake.rpcs()
+    await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+    assert fake.rpcs() - rpcs == 7  # the ejected ones are not probed
+
+
+async def test_one_outlier_may_be_ejected_from_a_small_fleet(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """10 % of 4 workers rounds down to none; at least one may still be ejected (as Envoy does)."""
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(4)]
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.0)
     assert prober.snapshot().ejected_until == {}
-    now = trio.current_time()
-    await prober.probe(fleet, now + 1.0).wait_all()
-    again = prober.snapshot().ejected_until
-    assert len(again) == 5
-    for w in fleet:
-        if w.status_target in again:  # a second ejection lasts twice as long as a first
-            assert again[w.status_target] == now + (60.0 if w in ejected else 30.0)
+    fake.failing.add(fleet[0].status_target)
+    for _ in range(3):
+        await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+    assert list(prober.snapshot().ejected_until) == [fleet[0].status_target]
+
+
+async def test_collective_failure_ejects_nobody_and_readmits_on_the_first_good_probe(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """The whole fleet frozen for 8 s, then back: nobody stays out after the cause has gone.
+
+    With half the fleet ejectable, the first failing workers are ejected before the failure shows
+    itself as collective; those ejections end when it does.
+    """
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(8)]
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.0, max_ejected_fraction=0.5, probe_timeout_s=0.2)
+    await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+    fake.hanging.update(w.status_target for w in fleet)
+    frozen_until = trio.current_time() + 8.0
+    while trio.current_time() < frozen_until:
+        await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+        await trio.sleep(0.5)
+    health = prober.snapshot()
+    assert health.collective_failure and health.collective_failures == 1
+    assert health.ejected_until == {}
+    assert not any(prober.cached(w) for w in fleet)  # unusable for scoring meanwhile
+    fake.hanging.clear()
+    handle = prober.probe(fleet, trio.current_time() + 1.0)
+    await handle.wait_all()
+    assert by_outcome(handle.results()) == {ProbeOutcome.OK: 8}
+    assert all(prober.is_routable(w) and prober.cached(w) is not None for w in fleet)
+    health = prober.snapshot()
+    assert not health.collective_failure and health.failing == 0
+    # An outlier after the event is ejected for base × 1: the collective event's ejections were given back.
+    fake.failing.add(fleet[0].status_target)
+    for _ in range(3):
+        await prober.probe([fleet[0]], trio.current_time() + 1.0).wait_all()
+    assert prober.snapshot().ejected_until == {fleet[0].status_target: trio.current_time() + 30.0}
+
+
+async def test_background_health_probes_find_dead_workers_without_requests(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(6)]
+    config = dataclasses.replace(ProberConfig(), health_interval_s=1.0, health_max_probes=4)
+    prober = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    await trio.sleep(0.5)
+    assert fake.rpcs() == 4  # the first sweep: at most health_max_probes
+    await trio.sleep(1.0)  # the second goes on round robin: every worker heard from
+    assert fake.rpcs() == 8 and all(fake.rpcs(w) >= 1 for w in fleet)
+    assert all(prober.cached(w) is not None for w in fleet)
+    fake.failing.update(w.status_target for w in fleet[:2])
+    await trio.sleep(2.0)
+    assert [w for w in fleet if not prober.is_routable(w)] == fleet[:2]
+    assert prober.unroutable_reason(fleet[:2], (Role.PREFILL,)) == (
+        "no routable worker: none of the 2 discovered workers can be reached (2 refusing probes; last errors: "
+        "unavailable)"
+    )
+    assert prober.unroutable_reason(fleet, (Role.PREFILL,)) is None
+    # Bounded by health_max_probes per interval, whatever the fleet size.
+    before = fake.rpcs()
+    await trio.sleep(10.0)
+    assert fake.rpcs() - before == 4 * 10 and prober.snapshot().health_probes == fake.rpcs()
+
+
+async def test_background_health_probes_take_only_tokens_in_the_bucket(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(50)]
+    config = dataclasses.replace(
+        ProberConfig(), health_interval_s=1.0, health_max_probes=64, rate_per_s=5.0, rate_burst=4
+    )
+    prober = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    await trio.testing.wait_all_tasks_blocked()
+    assert fake.rpcs() == 4  # the burst, not a debt requests would wait behind
+    assert prober.snapshot().budget_tokens == 0
 
 
 async def test_hanging_worker_is_ejected_even_with_short_request_deadlines(
@@ -451,7 +533,8 @@ async def test_new_and_stale_workers_are_not_usable(nursery: trio.Nursery, autoj
     fake = FakeWorkers(MemoryNetwork())
     (worker,) = [fake.add(w) for w in workers(1)]
     prober = await start_prober(nursery, fake, max_status_age_s=3.0)
-    assert not prober.is_routable(worker) and prober.cached(worker) is None
+    assert prober.cached(worker) is None
+    assert prober.is_routable(worker)  # never probed: not known to be down, so routable
     await prober.probe([worker], trio.current_time() + 1.0).wait_all()
     assert prober.cached(worker) is not None
     await trio.sleep(2.999)

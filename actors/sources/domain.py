@@ -1,13 +1,15 @@
 """The domain source: a random routable worker from discovery, what a frontend without kvroute does.
 
-It always answers (or ends the request with ``no_workers`` when discovery has none), so it is the
-last link of every chain, and the router's own answer when a request cannot walk the chain at
-all (bad request, overloaded, deadline, internal error).
+It always answers, or ends the request with ``no_workers`` (discovery has none) or
+``no_candidates`` (every discovered worker is known to be unreachable), so it is the last link of
+every chain, and the router's own answer when a request cannot walk the chain at all (bad
+request, overloaded, deadline, internal error).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import trio
 
@@ -16,9 +18,11 @@ from actors.sources.base import Answered, Ended, FleetView, RequestContext, Sour
 from actors.worker_prober import WorkerProber
 from router.config import KvrouteConfig
 from router.request import PreparedRequest
-from router.types import Reason, Role, RouteDecision, RouteSource
+from router.types import PREFILL_CAPABLE_ROLES, Reason, Role, RouteDecision, RouteSource, WorkerAddr
 
-_REDRAWS = 3  # bounded redraws for a routable worker before taking the draw as it is
+_REDRAWS = 3  # random draws for a routable worker before scanning the fleet for one
+
+ROUTE_BLIND_HINT = "--route-blind routes to them anyway"
 
 
 class DomainSource:
@@ -32,13 +36,12 @@ class DomainSource:
         fleet: FleetView,
         prober: WorkerProber,
         scorer: Scorer,
-        avoid_unroutable: bool,
     ) -> None:
-        self._roles = config.deployment.roles
+        self._roles = tuple(r for r in config.deployment.roles if r in PREFILL_CAPABLE_ROLES)
         self._fleet = fleet
         self._prober = prober
         self._scorer = scorer
-        self._avoid_unroutable = avoid_unroutable
+        self._route_blind = config.router.route_blind
         self._rng = random.Random(config.scorer.seed)
 
     def window(self, ctx: RequestContext) -> float:
@@ -51,24 +54,53 @@ class DomainSource:
         return None
 
     def pick(self, prepared: PreparedRequest | None, reason: Reason, error: str | None = None) -> Answered | Ended:
-        """A random healthy worker, synchronously (no await: usable when no time is left).
+        """A random routable worker, synchronously (no await: usable when no time is left).
 
-        With ``avoid_unroutable`` (the KVCM fallback on), a worker the prober knows to be ejected
-        or failing is skipped (a few bounded redraws); without it the draw is plain uniform,
-        exactly as a frontend without kvroute draws.
+        A worker the prober knows to be unreachable (ejected, or its last probe refused) or to
+        serve none of the request's roles is not drawn; what the prober knows comes from its
+        cache (request probes and background health probes), never from a probe made here. With
+        none left the request ends ``no_candidates`` naming why, unless the operator chose to
+        route blind (then the draw is plain uniform).
         """
         workers = self._fleet.workers()
         if not workers:
             return Ended(Reason.NO_WORKERS, error or "discovery has no worker: nothing to route to")
-        worker = workers[self._rng.randrange(len(workers))]
-        if self._avoid_unroutable:
-            for _ in range(_REDRAWS):
-                if self._prober.is_routable(worker):
-                    break
-                worker = workers[self._rng.randrange(len(workers))]
-        status = self._prober.cached(worker)
         roles: tuple[Role, ...] = prepared.roles if prepared is not None else self._roles
+        worker = self._draw(workers, roles)
+        if worker is None:
+            why = f"{self._prober.unroutable_reason(workers, roles) or 'no routable worker'}; {ROUTE_BLIND_HINT}"
+            if reason is Reason.BAD_REQUEST:
+                return Ended(reason, f"{error}; {why}")  # the caller's mistake comes first
+            return Ended(Reason.NO_CANDIDATES, f"{why} (after {reason.value}{f': {error}' if error else ''})")
+        status = self._prober.cached(worker)
         role = status.role if status is not None and status.role in roles else roles[0]
         if prepared is not None:
             self._scorer.record_nowait(worker, prepared.seq_len, trio.current_time())
         return Answered(worker=worker, role=role, reason=reason, error=error)
+
+    def _draw(self, workers: Sequence[WorkerAddr], roles: tuple[Role, ...]) -> WorkerAddr | None:
+        """A uniformly drawn worker that is routable and reports one of ``roles``.
+
+        A worker the prober has no status for yet (start-up) is routable but its role is unknown:
+        it is taken only when no worker known to serve the roles is found, so the answer's role
+        label is what the worker reported whenever the prober knows it. A few random draws first,
+        then a scan from a random start (only when most of the fleet is down or unknown).
+        """
+        if self._route_blind:
+            return workers[self._rng.randrange(len(workers))]
+        unknown: WorkerAddr | None = None
+        n = len(workers)
+        for _ in range(_REDRAWS + 1):
+            worker = workers[self._rng.randrange(n)]
+            if self._prober.is_routable(worker, roles):
+                if self._prober.cached(worker) is not None:
+                    return worker
+                unknown = unknown or worker
+        start = self._rng.randrange(n)
+        for i in range(n):
+            worker = workers[(start + i) % n]
+            if self._prober.is_routable(worker, roles):
+                if self._prober.cached(worker) is not None:
+                    return worker
+                unknown = unknown or worker
+        return unknown

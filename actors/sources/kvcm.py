@@ -79,20 +79,23 @@ class KvcmSource:
         t = trio.current_time()
         leader = resolver.cached_leader()  # the common case: known, no wait and no scope needed
         if leader is None:
+            failure: LeaderUnavailable | None = None
             with trio.move_on_at(ctx.decide_at):
                 try:
                     leader = await resolver.leader()
                 except LeaderUnavailable as exc:
-                    if trial:
-                        resolver.release_kvcm_trial()
-                    ctx.stages[Stage.LEADER] = ms(trio.current_time() - t)
-                    no_leader = exc.reason in (UnavailableReason.NO_LEADER, UnavailableReason.NO_BOOTSTRAP)
-                    return FellThrough(Reason.NO_LEADER if no_leader else Reason.KVCM_ERROR)
+                    failure = exc
+            ctx.stages[Stage.LEADER] = ms(trio.current_time() - t)
+            if leader is None:
+                # A leader not found is a KVCM failure for the breaker (a fast failure and a wait a
+                # tight budget cut short are not judged), so a KVCM that stops answering opens it
+                # and later requests stop paying the wait.
+                resolver.record_leader_miss(failure, trial=trial, given_s=ctx.decide_at - t)
+                if failure is None:
+                    return FellThrough(Reason.DEADLINE)
+                no_leader = failure.reason in (UnavailableReason.NO_LEADER, UnavailableReason.NO_BOOTSTRAP)
+                return FellThrough(Reason.NO_LEADER if no_leader else Reason.KVCM_ERROR)
         ctx.stages[Stage.LEADER] = ms(trio.current_time() - t)
-        if leader is None:
-            if trial:
-                resolver.release_kvcm_trial()
-            return FellThrough(Reason.DEADLINE)
         if leader.target != self._last_leader:
             self._last_leader = leader.target
             self._metrics.emit(LeaderChanged(leader.target))

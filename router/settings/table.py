@@ -479,9 +479,30 @@ _SPECS: dict[str, _Spec] = {
     "prober.eject_after_failures": _Spec("Consecutive probe failures that eject a worker"),
     "prober.eject_base_s": _Spec("Ejection time per ejection count (base x n)", metavar="SECONDS"),
     "prober.eject_max_s": _Spec("Longest ejection", metavar="SECONDS"),
-    "prober.max_ejected_fraction": _Spec("Most of the known workers ejected at once"),
     "prober.max_tracked_workers": _Spec("Bound on per-worker prober state"),
     "prober.engine_generation": _Spec("Worker-status decoder generation (engine version family)"),
+    # readiness and routability: what is known about workers, and what is done when none can be reached
+    "prober.max_ejected_fraction": _Spec(
+        "Most of the known workers ejected at once (at least one when two or more are known; 0 = never); "
+        "more workers failing than that is a collective failure: nobody is ejected, and each is "
+        "readmitted on its first good probe"
+    ),
+    "prober.health_interval_s": _Spec(
+        "Background health probes of discovered workers run this often, so a dead worker is known "
+        "without probing on the request path (0 = off)",
+        fallback=False,
+        metavar="SECONDS",
+    ),
+    "prober.health_max_probes": _Spec(
+        "Most background health probes per interval (the workers heard from longest ago first)",
+        fallback=False,
+    ),
+    "router.route_blind": _Spec(
+        "Route to workers known to be unreachable (ejected, or refusing probes) instead of answering "
+        "no_candidates, and stay ready when none is reachable",
+        short=True,
+        fallback=False,
+    ),
     # scorer
     "scorer.prefill_queue_size_threshold": _Spec(
         "Workers with this many waiting tasks or more are dropped"

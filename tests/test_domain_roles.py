@@ -1,0 +1,63 @@
+"""The domain fallback keeps to the deployment's roles on mixed fleets, and labels a worker with the role it
+reported (hypothesis over fleets; MockClock with in-memory workers, every actor real)."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.worker import WorkerSpec
+from router.api import open_router
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, ProberConfig, RouterConfig
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import Role, RouteRequest, RouteSource
+
+BLOCK = 16
+ROLES = {Role.PREFILL: "RoleType.PREFILL", Role.PDFUSION: "RoleType.PDFUSION", Role.DECODE: "RoleType.DECODE"}
+
+
+def _route_all(fleet: list[Role], deployment: tuple[Role, ...], seed: int) -> list[tuple[Role | None, Role | None]]:
+    """(reported role of the chosen worker, label in the answer) for domain answers after start-up."""
+    cluster = SimCluster(
+        workers=[WorkerSpec(role=ROLES[r], block_size=BLOCK) for r in fleet], kvcm_replicas=1, block_size=BLOCK
+    )
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    reported = {cluster.worker_addr(i): fleet[i] for i in range(len(fleet))}
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, roles=deployment),
+        router=RouterConfig(kvcm_fallback=False),
+        discovery=DiscoveryConfig(workers=addrs.workers_arg),
+        prober=ProberConfig(health_interval_s=0.5),
+    )
+    out: list[tuple[Role | None, Role | None]] = []
+
+    async def main() -> None:
+        async with open_router(config, rpc=network) as handle:
+            await trio.sleep(2.0)  # background health probes have heard from every worker
+            for i in range(12):
+                d = await handle.route(RouteRequest(f"r{seed}-{i}", token_ids=tuple(range(64)), budget_ms=20))
+                assert d.route_source in (RouteSource.DOMAIN, RouteSource.NONE)
+                out.append((None if d.worker is None else reported[d.worker], d.role))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return out
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    fleet=st.lists(st.sampled_from([Role.PREFILL, Role.PDFUSION, Role.DECODE]), min_size=1, max_size=8),
+    deployment=st.sampled_from([(Role.PDFUSION,), (Role.PREFILL,), (Role.PREFILL, Role.DECODE)]),
+    seed=st.integers(0, 1000),
+)
+def test_domain_answers_never_name_a_foreign_role(fleet: list[Role], deployment: tuple[Role, ...], seed: int) -> None:
+    prefill_roles = {r for r in deployment if r in (Role.PREFILL, Role.PDFUSION)}
+    for reported, label in _route_all(fleet, deployment, seed):
+        if reported is None:  # no worker of the deployment's prefill roles in the fleet: no answer
+            assert not prefill_roles & set(fleet)
+            continue
+        assert reported in prefill_roles  # never a foreign role (a decode worker is no prefill pick)
+        assert label is reported  # labelled with the role it reported
