@@ -55,7 +55,7 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
                 assert all(d.route_source is RouteSource.KVCM for d in decisions)
                 assert decisions[0].worker == cluster.worker_addr(2)
                 assert decisions[0].reason is Reason.CACHE_LEADER
-                await trio.testing.wait_all_tasks_blocked(cushion=0.002)  # the metrics sink has drained (the router's lag timer ticks every 10 ms)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.002)  # sink drained; lag timer ticks every 10 ms
                 metrics = (await http.get("/metrics")).text
                 counted = sum(v for (src, _), v in _decisions_total(metrics).items() if src == "kvcm")
                 assert counted == 5
