@@ -201,3 +201,15 @@ async def test_a_crashed_master_client_restarts_and_requests_keep_their_answers(
         assert (view["state"], view["restarts"]) == ("running", 1)
         decision = await r.handle.route(RouteRequest("after", token_ids=PROMPT, budget_ms=50))
         assert decision.route_source is RouteSource.MASTER
+
+
+async def test_a_queue_over_the_threshold_rejects_up_front_with_429(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig(queue_length_reject_threshold=100) as r:
+        r.master.queue_length = 500
+        await trio.sleep(2)  # discovery's next round reads the new queue length
+        before = r.masters.call_count(path=paths.MASTER_HTTP_SCHEDULE)
+        decision = await r.handle.route(RouteRequest("q", token_ids=PROMPT, budget_ms=50))
+        assert (decision.reason, decision.error_code, decision.worker) == (Reason.MASTER_QUEUE_FULL, 429, None)
+        assert r.masters.call_count(path=paths.MASTER_HTTP_SCHEDULE) == before  # rejected before any call
+        gauge = r.handle.metrics.registry.get_sample_value("kvroute_master_queue_length")
+        assert gauge == 500
