@@ -84,7 +84,7 @@ def _check_geometry(block_size: int, lookahead: int) -> None:
 
 def rtp_keys(tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
     """The engine's rolling hash: one state across all blocks; key_i is the state after block i."""
-    return _joined(rtp_key_slices(tokens, block_size, 0))
+    return join_slices(rtp_key_slices(tokens, block_size, 0))
 
 
 def rtp_key_slices(tokens: Sequence[int], block_size: int, slice_blocks: int) -> Iterator[tuple[int, ...]]:
@@ -164,7 +164,7 @@ def vllm_keys(tokens: Sequence[int], block_size: int, lookahead: int = 0) -> tup
     With lookahead L, block i also covers up to L following tokens (those that exist);
     the stride stays ``block_size`` and the key count stays floor(N / block_size).
     """
-    return _joined(vllm_key_slices(tokens, block_size, lookahead, 0))
+    return join_slices(vllm_key_slices(tokens, block_size, lookahead, 0))
 
 
 def vllm_key_slices(
@@ -213,7 +213,7 @@ def sglang_keys(tokens: Sequence[int], block_size: int, lookahead: int = 0) -> t
     With lookahead 1 (EAGLE bigrams) logical token i is the pair (t_i, t_{i+1}), so the
     logical length is N - 1 and a page of ``block_size`` logical tokens hashes 2·block_size ids.
     """
-    return _joined(sglang_key_slices(tokens, block_size, lookahead, 0))
+    return join_slices(sglang_key_slices(tokens, block_size, lookahead, 0))
 
 
 def sglang_key_slices(
@@ -257,7 +257,8 @@ def _slices(n_blocks: int, slice_blocks: int) -> Iterator[tuple[int, int]]:
         yield first, min(n_blocks, first + step)
 
 
-def _joined(slices: Iterator[tuple[int, ...]]) -> tuple[int, ...]:
+def join_slices(slices: Iterator[tuple[int, ...]]) -> tuple[int, ...]:
+    """Consecutive slices of keys as one tuple (the one slice itself when there is only one)."""
     first = next(slices, ())
     rest = tuple(slices)
     return first if not rest else first + tuple(itertools.chain.from_iterable(rest))
@@ -295,7 +296,7 @@ def block_keys(
     ``lookahead`` > 1 for sglang, ``lookahead`` ≠ 0 for rtp (it has none), or a token
     id the family cannot encode (``tokens``).
     """
-    return _joined(block_key_slices(tokens, block_size, family, lookahead, 0))
+    return join_slices(block_key_slices(tokens, block_size, family, lookahead, 0))
 
 
 def block_key_slices(
