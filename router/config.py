@@ -172,7 +172,7 @@ class MetricsConfig:
     inbox_size: int = bounded(4096, 0, 1_000_000, low_open=True)
     decision_ring_size: int = bounded(1024, 0, 1_000_000, low_open=True)
     # What one kept decision may hold: longer ids and errors are cut (with a marker), extra candidates dropped.
-    decision_text_chars: int = bounded(256, 16, 65_536)
+    decision_text_chars: int = bounded(256, 32, 65_536)
     decision_max_candidates: int = bounded(32, 0, 4096)
     # /debug/decisions stops adding decisions beyond this many bytes of JSON (and says it did).
     decisions_body_max_bytes: int = bounded(4 * 1024 * 1024, 4096, 1024 * 1024 * 1024)
