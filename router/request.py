@@ -222,6 +222,15 @@ def _names(roles: Sequence[Role]) -> str:
     return ",".join(r.value for r in roles)
 
 
+def caller_deadline(now: float, remaining_s: float, sent_at: float, arrived_at: float) -> float:
+    """A caller's deadline on the trio clock (``now``), for a call that had ``remaining_s`` left when
+    another thread sent it on at ``sent_at`` and reached the trio thread at ``arrived_at`` (both
+    ``time.monotonic()``): the wait for the trio thread is already spent. The router keeps its reply
+    margin before it.
+    """
+    return now + remaining_s - max(0.0, arrived_at - sent_at)
+
+
 def request_deadline(request: RouteRequest, now: float, cap_ms: float, reply_margin_ms: float = 0.0) -> float:
     """When the router must have decided: ``now + min(budget, cap)``, and ``reply_margin_ms`` before the
     caller's absolute deadline when it gave one (that margin is the time the answer needs to reach it).

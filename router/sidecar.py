@@ -48,7 +48,7 @@ from outcome import Error
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
-from router.request import check_bounds, quoted, request_deadline
+from router.request import caller_deadline, check_bounds, quoted, request_deadline
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
 from router.thread_bridge import deliver_outcome, settle
@@ -122,14 +122,6 @@ def decision_to_proto(decision: RouteDecision) -> router_v1_pb2.RouteDecision:
         local_blocks=decision.local_blocks,
         elapsed_ms=decision.elapsed_ms,
     )
-
-
-def client_deadline(now: float, client_s: float, sent_at: float, arrived_at: float) -> float:
-    """The client's deadline on the trio clock (``now``), for a call that had ``client_s`` left when a
-    handler thread sent it on at ``sent_at`` and reached the trio thread at ``arrived_at`` (both
-    ``time.monotonic()``): the hop's wait is already spent. The router keeps its reply margin before it.
-    """
-    return now + client_s - max(0.0, arrived_at - sent_at)
 
 
 # --- the server ----------------------------------------------------------------------------------------
@@ -369,7 +361,7 @@ class Sidecar:
             settle(answer, Error(_Stopped()))
             return
         if client_s is not None:
-            deadline = client_deadline(trio.current_time(), client_s, sent_at, time.monotonic())
+            deadline = caller_deadline(trio.current_time(), client_s, sent_at, time.monotonic())
             request = replace(request, deadline=deadline)
         calls.start_soon(self._call, request, answer)
 

@@ -28,7 +28,8 @@ from router.config import (
     ServeConfig,
 )
 from router.keys import block_keys
-from router.sidecar import ROUTER_SERVICE, Sidecar, client_deadline, decision_to_proto, request_from_proto
+from router.request import caller_deadline
+from router.sidecar import ROUTER_SERVICE, Sidecar, decision_to_proto, request_from_proto
 from router.targets import HostPort
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteDecision, RouteSource, WorkerAddr
 from router.wire import router_v1_pb2
@@ -315,9 +316,9 @@ def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None
 
 def test_the_client_deadline_counts_the_wait_to_reach_the_trio_thread() -> None:
     # 5 ms left when the handler sent the call on; it reached the trio thread 2 ms later.
-    assert client_deadline(100.0, 0.005, sent_at=7.0, arrived_at=7.002) == pytest.approx(100.003)
+    assert caller_deadline(100.0, 0.005, sent_at=7.0, arrived_at=7.002) == pytest.approx(100.003)
     # Clocks that seem to go backwards never lengthen the deadline.
-    assert client_deadline(100.0, 0.005, sent_at=7.0, arrived_at=6.9) == pytest.approx(100.005)
+    assert caller_deadline(100.0, 0.005, sent_at=7.0, arrived_at=6.9) == pytest.approx(100.005)
 
 
 def test_a_huge_role_name_is_quoted_cut_short() -> None:
