@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import assert_never
 
 import trio
@@ -55,7 +55,8 @@ BREAKER_STATE_VALUES: Mapping[str, float] = {"closed": 0.0, "half_open": 1.0, "o
 @dataclass(frozen=True, slots=True)
 class DecisionMade:
     """A routing decision: counted by route_source/reason, its stage_ms and elapsed_ms observed,
-    every candidate with a ``dropped`` reason counted, and the decision kept in the ring."""
+    every candidate with a ``dropped`` reason counted, and the decision kept in the ring (cut to
+    bounded size: see :func:`retained_decision`)."""
 
     decision: RouteDecision
 
@@ -125,6 +126,38 @@ MetricEvent = (
 class DecisionRecord:
     decision: RouteDecision
     at: float  # trio time the sink recorded it
+
+
+def cut_text(text: str, limit: int) -> str:
+    """``text`` when it has at most ``limit`` characters, else its start and a marker saying how long it was."""
+    if len(text) <= limit:
+        return text
+    marker = f"…[cut: {len(text)} chars]"
+    return text[: max(0, limit - len(marker))] + marker
+
+
+def retained_decision(d: RouteDecision, text_chars: int, max_candidates: int) -> RouteDecision:
+    """What the ring keeps of a decision: its request_id and error cut to ``text_chars`` characters
+    (marked), at most ``max_candidates`` candidates (the chosen one always among them). Pure; the
+    decision itself when nothing is over a bound."""
+    over_id = len(d.request_id) > text_chars
+    over_error = d.error is not None and len(d.error) > text_chars
+    over_candidates = len(d.candidates) > max_candidates
+    if not (over_id or over_error or over_candidates):
+        return d
+    candidates = d.candidates
+    if over_candidates:
+        kept = list(candidates[:max_candidates])
+        chosen = next((c for c in candidates[max_candidates:] if c.chosen), None)
+        if chosen is not None and kept:
+            kept[-1] = chosen
+        candidates = tuple(kept)
+    return replace(
+        d,
+        request_id=cut_text(d.request_id, text_chars),
+        error=None if d.error is None else cut_text(d.error, text_chars),
+        candidates=candidates,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +274,10 @@ class MetricsSink:
         self._dropped_count = 0
         self._peak = 0
         self._last_leader: str | None = None
+
+    @property
+    def config(self) -> MetricsConfig:
+        return self._config
 
     # --- producers (any task; synchronous, never waits) ---
 
@@ -365,7 +402,8 @@ class MetricsSink:
                         reason=candidate.dropped
                     )
                 dropped.inc()
-        self._ring.append(DecisionRecord(d, trio.current_time()))
+        kept = retained_decision(d, self._config.decision_text_chars, self._config.decision_max_candidates)
+        self._ring.append(DecisionRecord(kept, trio.current_time()))
 
     def _record_agreement(self, ratio: float) -> None:
         ratio = min(1.0, max(0.0, ratio))

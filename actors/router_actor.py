@@ -40,8 +40,16 @@ from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
 from router.admission import AdmissionEstimate, AdmissionView
 from router.config import KvrouteConfig
+from router.keys import join_slices
 from router.logs import AggregatingLogger
-from router.request import PreparedRequest, prepare_request, request_deadline
+from router.request import (
+    CheckedRequest,
+    PreparedRequest,
+    check_request,
+    is_sliced,
+    key_slices,
+    request_deadline,
+)
 from router.types import (
     COMPANION_ROLES,
     BadRequest,
@@ -86,6 +94,7 @@ class RouterActor:
             raise ValueError("chain: the domain source must be the last source of the chain")
         self._config = config
         self._deployment = config.deployment
+        self._limits = config.limits
         self._chain = tuple(chain)
         self._domain = domain
         self._companions = companions
@@ -124,8 +133,10 @@ class RouterActor:
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
         now = trio.current_time()
-        deadline = request_deadline(request, now, self._config.router.budget_cap_ms)
-        if not self._estimate.admits(deadline - now):  # it would be answered late: answer now
+        router = self._config.router
+        deadline = request_deadline(request, now, router.budget_cap_ms, router.reply_margin_ms)
+        remaining = deadline - now
+        if remaining > 0 and not self._estimate.admits(remaining):  # it would be answered late: answer now
             self._overloaded += 1
             return self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
         ticket = object()  # the limiter's borrower: one per request
@@ -203,7 +214,8 @@ class RouterActor:
     ) -> tuple[RequestContext | None, RouteDecision]:
         t = trio.current_time()
         try:
-            prepared = prepare_request(request, self._deployment, hash_tokens=self._needs_keys)
+            checked = check_request(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
+            prepared = checked.with_keys(await self._keys(checked))
         except BadRequest as exc:
             return None, self._fallback(request, None, Reason.BAD_REQUEST, received_at, stages, (), error=str(exc))
         stages[Stage.KEYS] = ms(trio.current_time() - t)
@@ -243,6 +255,20 @@ class RouterActor:
             steps.append(SourceStep(source.kind, SourceOutcome.ANSWERED, result.reason, elapsed))
             return ctx, self._decision(request, received_at, stages, tuple(steps), source.kind, result, prepared)
         raise AssertionError("the domain source always answers or ends the request")  # pragma: no cover
+
+    async def _keys(self, checked: CheckedRequest) -> tuple[int, ...]:
+        """The request's block keys. A long prompt is hashed in slices with a checkpoint after each:
+        other requests run in between, and the request's cancel scope (its deadline, or its caller
+        giving up) stops the hashing there. A short one is hashed at once, without an await."""
+        slice_tokens = self._limits.hash_slice_tokens
+        slices = key_slices(checked, slice_tokens)
+        if not is_sliced(checked, slice_tokens):
+            return join_slices(slices)
+        parts: list[tuple[int, ...]] = []
+        for part in slices:
+            parts.append(part)
+            await trio.lowlevel.checkpoint()
+        return join_slices(iter(parts))
 
     # -- answers ------------------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
+from dataclasses import replace
 from functools import partial
 from types import TracebackType
 
@@ -28,6 +30,7 @@ import trio
 from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
 from router.exception_groups import sole_leaf
+from router.request import caller_deadline
 from router.settings import LoadedConfig
 from router.targets import HostPort
 from router.thread_bridge import deliver_outcome, settle_on_loop
@@ -123,16 +126,22 @@ class AsyncioRouterHost:
             raise HostStopped("the router host is not started")
         return self._handle.debug_address
 
-    async def route(self, request: RouteRequest) -> RouteDecision:
-        """The router's decision for ``request``; cancelling the await cancels the routing task."""
+    async def route(self, request: RouteRequest, *, deadline: float | None = None) -> RouteDecision:
+        """The router's decision for ``request``; cancelling the await cancels the routing task.
+
+        ``deadline`` is when this caller needs the answer, on its own loop's clock (``loop.time()``):
+        the router decides ``--reply-margin-ms`` before it, leaving that for the way back to this loop.
+        (``request.deadline``, by contrast, is on the trio thread's clock.)
+        """
         token = self._token
         if token is None:
             raise HostStopped("the router host is not running")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[RouteDecision] = loop.create_future()
         scope = trio.CancelScope()  # cancelled from this side through the trio token only
+        remaining_s = None if deadline is None else deadline - loop.time()
         try:
-            token.run_sync_soon(self._spawn, request, scope, loop, future)
+            token.run_sync_soon(self._spawn, request, remaining_s, time.monotonic(), scope, loop, future)
         except trio.RunFinishedError:
             raise HostStopped("the router host has stopped") from None
         try:
@@ -181,6 +190,8 @@ class AsyncioRouterHost:
     def _spawn(
         self,
         request: RouteRequest,
+        remaining_s: float | None,
+        sent_at: float,
         scope: trio.CancelScope,
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[RouteDecision],
@@ -190,6 +201,11 @@ class AsyncioRouterHost:
         if self._closing or calls is None or handle is None:
             settle_on_loop(loop, future, outcome.Error(HostStopped("the router host is stopping")))
             return
+        if remaining_s is not None:
+            deadline = caller_deadline(trio.current_time(), remaining_s, sent_at, time.monotonic())
+            if request.deadline is not None:
+                deadline = min(deadline, request.deadline)
+            request = replace(request, deadline=deadline)
         calls.start_soon(self._call, handle, request, scope, loop, future)
 
     @staticmethod

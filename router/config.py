@@ -163,12 +163,33 @@ class RouterConfig:
     lag_probe_interval_ms: float = bounded(10.0, 0, 10_000, low_open=True)
     # Route to workers known to be unreachable rather than answer no_candidates (and stay ready).
     route_blind: bool = False
+    # Kept free before an absolute (caller's) deadline to send the answer back: the router decides
+    # this much earlier than the deadline it was given, so the answer arrives in time.
+    reply_margin_ms: float = bounded(1.0, 0, 60_000)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """The largest request the router takes; beyond a bound it is refused, naming the field and the bound."""
+
+    max_prompt_tokens: int = bounded(262_144, 0, 16_777_216, low_open=True)  # token_ids, and seq_len
+    max_block_keys: int = bounded(16_384, 0, 16_777_216, low_open=True)  # block_cache_keys
+    max_roles: int = bounded(8, 0, 64, low_open=True)
+    max_request_id_bytes: int = bounded(256, 0, 65_536, low_open=True)  # UTF-8
+    # A longer prompt is hashed in slices of this many tokens, other requests running between two
+    # slices and the request's deadline checked; a shorter one is hashed at once.
+    hash_slice_tokens: int = bounded(2048, 0, 16_777_216, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
 class MetricsConfig:
     inbox_size: int = bounded(4096, 0, 1_000_000, low_open=True)
     decision_ring_size: int = bounded(1024, 0, 1_000_000, low_open=True)
+    # What one kept decision may hold: longer ids and errors are cut (with a marker), extra candidates dropped.
+    decision_text_chars: int = bounded(256, 32, 65_536)
+    decision_max_candidates: int = bounded(32, 0, 4096)
+    # /debug/decisions stops adding decisions beyond this many bytes of JSON (and says it did).
+    decisions_body_max_bytes: int = bounded(4 * 1024 * 1024, 4096, 1024 * 1024 * 1024)
     # comparisons averaged into kvroute_shadow_agreement_ratio
     shadow_agreement_window: int = bounded(1000, 0, 1_000_000, low_open=True)
 
@@ -253,6 +274,7 @@ class KvrouteConfig:
 
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     leader: LeaderConfig = field(default_factory=LeaderConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)

@@ -7,7 +7,10 @@ Routes (GET only; anything else 405, unknown paths 404):
                           configuration problems that turned the KVCM fallback off).
 - ``/metrics``            Prometheus exposition of the MetricsSink's registry (OpenMetrics on request).
 - ``/debug/actors``       JSON per actor, from the supervisor's :class:`DebugSources`.
-- ``/debug/decisions``    the last N decisions with their explanation (``?limit=N``, default 20).
+- ``/debug/decisions``    the last N decisions with their explanation (``?limit=N``, default 20),
+                          newest first, up to ``--metrics-decisions-body-max-bytes`` of JSON
+                          (``truncated`` says when decisions were left out). Serialised in pieces
+                          of a few decisions with a checkpoint between two, so routing runs in between.
 - ``/debug/config``       the effective configuration, each value's source, the problems; redacted.
 
 Binds 127.0.0.1 by default; port 0 picks a free port, and the bound address is logged and handed to
@@ -48,6 +51,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DEFAULT_DECISIONS_LIMIT = 20
+# Decisions serialised between two checkpoints (a few hundred µs of the routing thread at most).
+DECISIONS_PER_PIECE = 8
+Answer = tuple[int, str, bytes]  # status, content type, body
 _TEXT = "text/plain; charset=utf-8"
 _JSON = "application/json"
 
@@ -86,9 +92,33 @@ def to_jsonable(value: object) -> object:
     return str(value)
 
 
-def decision_entries(records: Sequence[DecisionRecord], now: float) -> list[object]:
-    """Decisions as JSON entries, newest first, each with its age in seconds (trio clock)."""
-    return [{"age_s": round(now - r.at, 6), "decision": to_jsonable(r.decision)} for r in records]
+def decision_entry(record: DecisionRecord, now: float) -> object:
+    """A decision as a JSON entry, with its age in seconds (trio clock)."""
+    return {"age_s": round(now - record.at, 6), "decision": to_jsonable(record.decision)}
+
+
+async def decisions_body(records: Sequence[DecisionRecord], now: float, limit: int, max_bytes: int) -> bytes:
+    """The /debug/decisions JSON for ``records`` (newest first), at most about ``max_bytes`` long.
+
+    Each decision is serialised on its own, a checkpoint after every few: the records are immutable,
+    so the decisions recorded meanwhile change nothing, and the routing thread is held for one
+    piece at a time. Decisions that would take the body past ``max_bytes`` are left out
+    (``truncated``).
+    """
+    entries: list[str] = []
+    size = 0
+    truncated = False
+    for index, record in enumerate(records):
+        if index and index % DECISIONS_PER_PIECE == 0:
+            await trio.lowlevel.checkpoint()
+        text = json.dumps(decision_entry(record, now), indent=2)
+        size += len(text) + 2
+        if size > max_bytes:
+            truncated = True
+            break
+        entries.append(text)
+    head = json.dumps({"limit": limit, "count": len(entries), "truncated": truncated})[:-1]
+    return (head + ', "decisions": [\n' + ",\n".join(entries) + "\n]}\n").encode()
 
 
 class _BadRequest(Exception):
@@ -103,7 +133,7 @@ class DebugApp:
         self._sink = sink
         self._loaded = loaded
         self._token = token.encode("ascii") if token else None  # None: no token asked for
-        self._routes: dict[str, Callable[[Scope], tuple[int, str, bytes]]] = {
+        self._routes: dict[str, Callable[[Scope], Answer | Awaitable[Answer]]] = {
             "/healthz": self._healthz,
             "/readyz": self._readyz,
             "/metrics": self._metrics,
@@ -134,7 +164,8 @@ class DebugApp:
             headers.append((b"allow", b"GET"))
         else:
             try:
-                status, content_type, body = route(scope)
+                answer = route(scope)
+                status, content_type, body = answer if isinstance(answer, tuple) else await answer
             except _BadRequest as exc:
                 status, content_type, body = 400, _TEXT, f"{exc}\n".encode()
             except Exception as exc:  # a broken source must not take the endpoint down
@@ -192,22 +223,18 @@ class DebugApp:
     def _actors(self, scope: Scope) -> tuple[int, str, bytes]:
         return _json(self._sources.actors(), redact=True)  # last errors may quote a configured address
 
-    def _decisions(self, scope: Scope) -> tuple[int, str, bytes]:
+    async def _decisions(self, scope: Scope) -> Answer:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
         limit = DEFAULT_DECISIONS_LIMIT
         if "limit" in query:
             text = query["limit"][-1]
             if not text.isdigit() or int(text) < 1:
-                raise _BadRequest(f"limit: must be a positive integer, got {text!r}")
+                raise _BadRequest(f"limit: must be a positive integer, got {text[:40]!r}")
             limit = int(text)
+        # A snapshot of references (the ring holds at most its size): cheap, and nothing awaits before it.
         records = self._sink.recent_decisions(limit)
-        return _json(
-            {
-                "limit": limit,
-                "count": len(records),
-                "decisions": decision_entries(records, trio.current_time()),
-            }
-        )
+        body = await decisions_body(records, trio.current_time(), limit, self._sink.config.decisions_body_max_bytes)
+        return 200, _JSON, body
 
     def _config(self, scope: Scope) -> tuple[int, str, bytes]:
         return _json(debug_config_view(self._loaded))

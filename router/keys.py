@@ -14,8 +14,9 @@ Every function converts its tokens to a list at most once (hashing is the per-re
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import assert_never
 
 from router.problems import Problem
@@ -83,15 +84,14 @@ def _check_geometry(block_size: int, lookahead: int) -> None:
 
 def rtp_keys(tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
     """The engine's rolling hash: one state across all blocks; key_i is the state after block i."""
+    return join_slices(rtp_key_slices(tokens, block_size, 0))
+
+
+def rtp_key_slices(tokens: Sequence[int], block_size: int, slice_blocks: int) -> Iterator[tuple[int, ...]]:
+    """:func:`rtp_keys` in slices of ``slice_blocks`` blocks (0: one slice), the state carried between them."""
     _check_geometry(block_size, 0)
     toks = _as_list(tokens)
     n_blocks = len(toks) // block_size
-    if n_blocks == 0:
-        return ()
-    end = n_blocks * block_size
-    if min(toks) < _INT32_MIN or max(toks) > _INT32_MAX:
-        # Truncate to signed 32 bits once, up front, so the hot loop is the same for every input.
-        toks = [((t & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for t in toks[:end]]
     # Hot loop, 7 integer ops per token. The state is kept offset as g = h + 2**63, which lies in
     # [0, 2**64): then h >> 32 == (g >> 32) - 2**31 and h << 12 == (g << 12) - 2**75 exactly, and
     # h ^ x == g ^ x ^ 2**63 (mod 2**64), so the engine's step
@@ -100,13 +100,18 @@ def rtp_keys(tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
     # into offset = GOLDEN - 2**31 (mod 2**64). Bits above 64 never reach the low 64 bits of +, ^
     # and <<, so one mask per token suffices, and the key is h = g - 2**63.
     offset, mask, sign = _RTP_OFFSET, _MASK64, _SIGN64
-    keys: list[int] = []
     g = sign
-    for start in range(0, end, block_size):
-        for t in toks[start : start + block_size]:
-            g = (g ^ (t + offset + (g << 12) + (g >> 32))) & mask
-        keys.append(g - sign)
-    return tuple(keys)
+    for first, stop in _slices(n_blocks, slice_blocks):
+        part = toks[first * block_size : stop * block_size]
+        if min(part) < _INT32_MIN or max(part) > _INT32_MAX:
+            # Truncate to signed 32 bits once, up front, so the hot loop is the same for every input.
+            part = [((t & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for t in part]
+        keys: list[int] = []
+        for start in range(0, len(part), block_size):
+            for t in part[start : start + block_size]:
+                g = (g ^ (t + offset + (g << 12) + (g >> 32))) & mask
+            keys.append(g - sign)
+        yield tuple(keys)
 
 
 # --- vllm ----------------------------------------------------------------------------
@@ -159,30 +164,44 @@ def vllm_keys(tokens: Sequence[int], block_size: int, lookahead: int = 0) -> tup
     With lookahead L, block i also covers up to L following tokens (those that exist);
     the stride stays ``block_size`` and the key count stays floor(N / block_size).
     """
+    return join_slices(vllm_key_slices(tokens, block_size, lookahead, 0))
+
+
+def vllm_key_slices(
+    tokens: Sequence[int], block_size: int, lookahead: int, slice_blocks: int
+) -> Iterator[tuple[int, ...]]:
+    """:func:`vllm_keys` in slices of ``slice_blocks`` blocks (0: one slice), the digest carried between them."""
     _check_geometry(block_size, lookahead)
     toks = _as_list(tokens)
     n = len(toks)
     n_blocks = n // block_size
-    if n_blocks == 0:
-        return ()
-    covered = min(n, n_blocks * block_size + lookahead)
-    encoded = _encode_tokens(toks[:covered])
     sha256 = hashlib.sha256
     full = block_size + lookahead
     full_head = _cbor_head(_CBOR_ARRAY, full)
-    keys: list[int] = []
     digest = NONE_HASH
-    for start in range(0, n_blocks * block_size, block_size):
-        stop = min(start + full, n)
-        # Only the last blocks can be cut short by the end of the prompt.
-        array_head = full_head if stop - start == full else _cbor_head(_CBOR_ARRAY, stop - start)
-        digest = sha256(
-            b"".join(
-                (_CBOR_TRIPLE_HEAD, _CBOR_DIGEST_HEAD, digest, array_head, *encoded[start:stop], _CBOR_NULL)
-            )
-        ).digest()
-        keys.append(_UNPACK_I64(digest, 24)[0])
-    return tuple(keys)
+    for first, stop in _slices(n_blocks, slice_blocks):
+        base = first * block_size
+        # A slice's last block also covers up to ``lookahead`` tokens of the next one.
+        encoded = _encode_tokens(toks[base : min(n, stop * block_size + lookahead)])
+        keys: list[int] = []
+        for start in range(base, stop * block_size, block_size):
+            end = min(start + full, n)
+            # Only the last blocks can be cut short by the end of the prompt.
+            array_head = full_head if end - start == full else _cbor_head(_CBOR_ARRAY, end - start)
+            digest = sha256(
+                b"".join(
+                    (
+                        _CBOR_TRIPLE_HEAD,
+                        _CBOR_DIGEST_HEAD,
+                        digest,
+                        array_head,
+                        *encoded[start - base : end - base],
+                        _CBOR_NULL,
+                    )
+                )
+            ).digest()
+            keys.append(_UNPACK_I64(digest, 24)[0])
+        yield tuple(keys)
 
 
 # --- sglang --------------------------------------------------------------------------
@@ -194,33 +213,55 @@ def sglang_keys(tokens: Sequence[int], block_size: int, lookahead: int = 0) -> t
     With lookahead 1 (EAGLE bigrams) logical token i is the pair (t_i, t_{i+1}), so the
     logical length is N - 1 and a page of ``block_size`` logical tokens hashes 2·block_size ids.
     """
+    return join_slices(sglang_key_slices(tokens, block_size, lookahead, 0))
+
+
+def sglang_key_slices(
+    tokens: Sequence[int], block_size: int, lookahead: int, slice_blocks: int
+) -> Iterator[tuple[int, ...]]:
+    """:func:`sglang_keys` in slices of ``slice_blocks`` pages (0: one slice), the parent carried between them."""
     _check_geometry(block_size, lookahead)
     if lookahead > 1:
         raise ValueError(f"lookahead: the sglang family supports only 0 or 1, got {lookahead}")
     toks = _as_list(tokens)
-    logical = len(toks) - lookahead
-    n_pages = max(0, logical) // block_size
-    if n_pages == 0:
-        return ()
-    used = n_pages * block_size
-    ids = toks[: used + lookahead]
-    if min(ids) < 0 or max(ids) > 0xFFFFFFFF:
-        raise ValueError("tokens: the sglang family hashes token ids as uint32; got one outside 0..2**32-1")
-    if lookahead:
-        # Interleave (t_i, t_{i+1}) for each logical position i.
-        flat = [0] * (2 * used)
-        flat[0::2] = ids[:used]
-        flat[1::2] = ids[1 : used + 1]
-        ids = flat
+    n_pages = max(0, len(toks) - lookahead) // block_size
     width = 4 * block_size * (1 + lookahead)
-    data = struct.pack(f"<{len(ids)}I", *ids)
     sha256 = hashlib.sha256
-    keys: list[int] = []
     parent = b""
-    for offset in range(0, len(data), width):
-        parent = sha256(parent + data[offset : offset + width]).digest()
-        keys.append(_UNPACK_I64(parent, 0)[0])
-    return tuple(keys)
+    for first, stop in _slices(n_pages, slice_blocks):
+        begin, used = first * block_size, stop * block_size
+        ids = toks[begin : used + lookahead]
+        if min(ids) < 0 or max(ids) > 0xFFFFFFFF:
+            raise ValueError("tokens: the sglang family hashes token ids as uint32; got one outside 0..2**32-1")
+        if lookahead:
+            # Interleave (t_i, t_{i+1}) for each logical position i.
+            flat = [0] * (2 * (used - begin))
+            flat[0::2] = ids[: used - begin]
+            flat[1::2] = ids[1:]
+            ids = flat
+        data = struct.pack(f"<{len(ids)}I", *ids)
+        keys: list[int] = []
+        for offset in range(0, len(data), width):
+            parent = sha256(parent + data[offset : offset + width]).digest()
+            keys.append(_UNPACK_I64(parent, 0)[0])
+        yield tuple(keys)
+
+
+# --- slicing ---------------------------------------------------------------------------
+
+
+def _slices(n_blocks: int, slice_blocks: int) -> Iterator[tuple[int, int]]:
+    """``[first, stop)`` block ranges of at most ``slice_blocks`` blocks (0: all in one) covering ``n_blocks``."""
+    step = slice_blocks if slice_blocks > 0 else max(1, n_blocks)
+    for first in range(0, n_blocks, step):
+        yield first, min(n_blocks, first + step)
+
+
+def join_slices(slices: Iterator[tuple[int, ...]]) -> tuple[int, ...]:
+    """Consecutive slices of keys as one tuple (the one slice itself when there is only one)."""
+    first = next(slices, ())
+    rest = tuple(slices)
+    return first if not rest else first + tuple(itertools.chain.from_iterable(rest))
 
 
 # --- dispatch ------------------------------------------------------------------------
@@ -255,15 +296,28 @@ def block_keys(
     ``lookahead`` > 1 for sglang, ``lookahead`` ≠ 0 for rtp (it has none), or a token
     id the family cannot encode (``tokens``).
     """
+    return join_slices(block_key_slices(tokens, block_size, family, lookahead, 0))
+
+
+def block_key_slices(
+    tokens: Sequence[int], block_size: int, family: KeyFamily, lookahead: int, slice_blocks: int
+) -> Iterator[tuple[int, ...]]:
+    """:func:`block_keys` as consecutive slices of at most ``slice_blocks`` keys each (0: one slice).
+
+    The chained state is carried from one slice to the next, so the slices joined are exactly
+    ``block_keys``; a caller can stop between two slices and lose nothing but the rest. The
+    errors of :func:`block_keys` are raised by the first ``next()`` for geometry, and by the
+    slice that holds a token the family cannot encode.
+    """
     match family:
         case KeyFamily.RTP:
             if lookahead != 0:
                 _check_geometry(block_size, lookahead)
                 raise ValueError(f"lookahead: the rtp family has no lookahead, got {lookahead}")
-            return rtp_keys(tokens, block_size)
+            return rtp_key_slices(tokens, block_size, slice_blocks)
         case KeyFamily.VLLM:
-            return vllm_keys(tokens, block_size, lookahead)
+            return vllm_key_slices(tokens, block_size, lookahead, slice_blocks)
         case KeyFamily.SGLANG:
-            return sglang_keys(tokens, block_size, lookahead)
+            return sglang_key_slices(tokens, block_size, lookahead, slice_blocks)
         case _:
             assert_never(family)

@@ -1,16 +1,26 @@
-"""A route request validated and keyed, and its deadline: pure functions of values (time passed in)."""
+"""A route request validated and keyed, and its deadline: pure functions of values (time passed in).
+
+Validation and hashing are separate steps so that a long prompt can be hashed in slices:
+
+    checked = check_request(request, deployment, limits)      # every bound and rule; no hashing
+    keys = join_slices(key_slices(checked, limits.hash_slice_tokens))  # the caller may pause between slices
+    prepared = checked.with_keys(keys)
+
+:func:`prepare_request` does the three at once.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from router.config import DeploymentConfig
-from router.keys import block_keys
-from router.types import COMPANION_ROLES, PREFILL_CAPABLE_ROLES, BadRequest, Role, RouteRequest
+from router.config import DeploymentConfig, LimitsConfig
+from router.keys import block_key_slices, join_slices
+from router.types import COMPANION_ROLES, PREFILL_CAPABLE_ROLES, BadRequest, KeyFamily, Role, RouteRequest
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_QUOTED_CHARS = 40  # of a client's text quoted back in an error
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,16 +34,71 @@ class PreparedRequest:
     companions: tuple[Role, ...] = ()  # roles that get one more address each (decode, vit)
 
 
-def prepare_request(
-    request: RouteRequest, deployment: DeploymentConfig, *, hash_tokens: bool = True
-) -> PreparedRequest:
-    """Validate ``request`` and compute its block keys (pure). Raise BadRequest naming the field.
+@dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A request that passed every check; its token ids, if they are to be hashed, are not yet."""
 
-    Caller keys are used exactly as given (no re-hashing); tokens are hashed with the deployment's
-    family, block size and lookahead — the one source of the key geometry. ``hash_tokens=False``
-    (KVCM fallback off: nothing uses keys) skips hashing, a few ms of CPU for a long prompt, and
-    gives no keys.
+    tokens: Sequence[int]  # to hash; empty when keys were given or nothing uses keys
+    keys: tuple[int, ...]  # the caller's keys (empty when tokens are to be hashed)
+    block_size: int
+    seq_len: int
+    roles: tuple[Role, ...]  # the prefill-capable roles the pick may take
+    companions: tuple[Role, ...]  # roles that get one more address each (decode, vit)
+    family: KeyFamily
+    lookahead: int
+
+    def with_keys(self, keys: tuple[int, ...]) -> PreparedRequest:
+        return PreparedRequest(
+            keys=keys, block_size=self.block_size, seq_len=self.seq_len, roles=self.roles, companions=self.companions
+        )
+
+
+def check_bounds(limits: LimitsConfig, *, request_id: str, n_tokens: int, n_keys: int, n_roles: int) -> None:
+    """Raise BadRequest naming the field and its bound when a request is larger than ``limits`` allow.
+
+    Takes sizes only (O(1) but for the request_id's UTF-8 length), so a transport can refuse an
+    oversized request before converting it.
     """
+    if n_tokens > limits.max_prompt_tokens:
+        raise BadRequest(
+            "token_ids",
+            f"{n_tokens} token ids, more than the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)",
+        )
+    if n_keys > limits.max_block_keys:
+        raise BadRequest(
+            "block_cache_keys", f"{n_keys} keys, more than the limit of {limits.max_block_keys} (--max-block-keys)"
+        )
+    if n_roles > limits.max_roles:
+        raise BadRequest("roles", f"{n_roles} roles, more than the limit of {limits.max_roles} (--max-roles)")
+    limit = limits.max_request_id_bytes
+    # A character is at least one UTF-8 byte: a long id is refused without encoding it.
+    if len(request_id) > limit or len(request_id.encode("utf-8", "surrogatepass")) > limit:
+        raise BadRequest("request_id", f"longer than the limit of {limit} UTF-8 bytes (--max-request-id-bytes)")
+
+
+def quoted(text: str) -> str:
+    """A client's text for an error message: repr, cut to a few dozen characters."""
+    return repr(text) if len(text) <= _QUOTED_CHARS else f"{text[:_QUOTED_CHARS]!r}… ({len(text)} chars)"
+
+
+def check_request(
+    request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig, *, hash_tokens: bool = True
+) -> CheckedRequest:
+    """Validate ``request`` against the deployment and ``limits`` (pure). Raise BadRequest naming the field.
+
+    Caller keys are used exactly as given (no re-hashing); tokens are to be hashed with the
+    deployment's family, block size and lookahead — the one source of the key geometry.
+    ``hash_tokens=False`` (KVCM fallback off: nothing uses keys) leaves nothing to hash.
+    seq_len, when given, must be the prompt's length: with token ids, their count; with keys, at
+    least the tokens the keys' blocks cover; never more than ``max_prompt_tokens``.
+    """
+    check_bounds(
+        limits,
+        request_id=request.request_id,
+        n_tokens=0 if request.token_ids is None else len(request.token_ids),
+        n_keys=0 if request.block_cache_keys is None else len(request.block_cache_keys),
+        n_roles=0 if request.roles is None else len(request.roles),
+    )
     if not request.request_id:
         raise BadRequest("request_id", "must not be empty")
     has_tokens = request.token_ids is not None
@@ -42,8 +107,17 @@ def prepare_request(
         raise BadRequest("token_ids", "give exactly one of token_ids or block_cache_keys")
     if request.block_size is not None and request.block_size <= 0:
         raise BadRequest("block_size", f"must be positive, got {request.block_size}")
+    if request.block_size is not None and request.block_size > limits.max_prompt_tokens:
+        raise BadRequest(
+            "block_size",
+            f"{request.block_size} is more than the limit of {limits.max_prompt_tokens} tokens (--max-prompt-tokens)",
+        )
     if request.seq_len is not None and request.seq_len < 0:
         raise BadRequest("seq_len", f"must not be negative, got {request.seq_len}")
+    if request.seq_len is not None and request.seq_len > limits.max_prompt_tokens:
+        raise BadRequest(
+            "seq_len", f"{request.seq_len} is more than the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)"
+        )
     if request.budget_ms is not None and not math.isfinite(request.budget_ms):
         raise BadRequest("budget_ms", f"must be finite, got {request.budget_ms}")
     roles = deployment.roles if not request.roles else request.roles
@@ -53,16 +127,33 @@ def prepare_request(
     prefill_roles = tuple(r for r in roles if r in PREFILL_CAPABLE_ROLES)
     if not prefill_roles:
         raise BadRequest("roles", "name a prefill-capable role (PREFILL or PDFUSION) beside any companion role")
+    tokens: Sequence[int] = ()
+    keys: tuple[int, ...] = ()
     if request.block_cache_keys is not None:
         keys = tuple(request.block_cache_keys)
         block_size = request.block_size if request.block_size is not None else deployment.block_size
         if keys and (min(keys) < _INT64_MIN or max(keys) > _INT64_MAX):
             raise BadRequest("block_cache_keys", "every key must be a signed 64-bit integer")
-        seq_len = request.seq_len if request.seq_len is not None else len(keys) * block_size
+        covered = len(keys) * block_size
+        if request.seq_len is None:
+            if covered > limits.max_prompt_tokens:
+                raise BadRequest(
+                    "block_cache_keys",
+                    f"{len(keys)} keys of {block_size} tokens cover {covered} tokens, more than the limit of "
+                    f"{limits.max_prompt_tokens} (--max-prompt-tokens)",
+                )
+            seq_len = covered
+        elif request.seq_len < covered:
+            raise BadRequest(
+                "seq_len",
+                f"{request.seq_len} is shorter than the {covered} tokens the {len(keys)} keys of "
+                f"{block_size} tokens cover",
+            )
+        else:
+            seq_len = request.seq_len
     else:
         assert request.token_ids is not None
-        tokens = request.token_ids
-        if not tokens:
+        if not request.token_ids:
             raise BadRequest("token_ids", "must not be empty")
         if request.block_size is not None and request.block_size != deployment.block_size:
             raise BadRequest(
@@ -71,30 +162,90 @@ def prepare_request(
                 "which token ids are hashed with; send block_cache_keys to use another",
             )
         block_size = deployment.block_size
-        try:
-            keys = (
-                block_keys(tokens, block_size, deployment.key_family, deployment.lookahead_tokens)
-                if hash_tokens
-                else ()
+        if request.seq_len is not None and request.seq_len != len(request.token_ids):
+            raise BadRequest(
+                "seq_len",
+                f"{request.seq_len} differs from the {len(request.token_ids)} token ids given (leave it out "
+                "to use their count)",
             )
+        seq_len = len(request.token_ids)
+        if hash_tokens:
+            tokens = request.token_ids
+    return CheckedRequest(
+        tokens=tokens,
+        keys=keys,
+        block_size=block_size,
+        seq_len=seq_len,
+        roles=prefill_roles,
+        companions=tuple(r for r in roles if r in COMPANION_ROLES),
+        family=deployment.key_family,
+        lookahead=deployment.lookahead_tokens,
+    )
+
+
+def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int, ...]]:
+    """The request's block keys in consecutive slices of about ``slice_tokens`` tokens (pure).
+
+    The caller's keys, or no keys, are one slice; token ids are hashed lazily, one slice per
+    ``next()``, so a caller may pause (or stop) between two. Raises BadRequest("token_ids") for a
+    token id the key family cannot encode, from the slice that holds it.
+    """
+    if not checked.tokens:
+        yield checked.keys
+        return
+    slice_blocks = max(1, slice_tokens // checked.block_size)
+    slices = block_key_slices(checked.tokens, checked.block_size, checked.family, checked.lookahead, slice_blocks)
+    while True:
+        try:
+            part = next(slices, None)
         except ValueError as exc:
             raise BadRequest("token_ids", str(exc)) from exc
-        seq_len = request.seq_len if request.seq_len is not None else len(tokens)
-    companions = tuple(r for r in roles if r in COMPANION_ROLES)
-    return PreparedRequest(
-        keys=keys, block_size=block_size, seq_len=seq_len, roles=prefill_roles, companions=companions
-    )
+        if part is None:
+            return
+        yield part
+
+
+def is_sliced(checked: CheckedRequest, slice_tokens: int) -> bool:
+    """Whether hashing ``checked`` takes more than one slice (a caller pauses between slices only then)."""
+    return len(checked.tokens) > slice_tokens
+
+
+def prepare_request(
+    request: RouteRequest,
+    deployment: DeploymentConfig,
+    limits: LimitsConfig | None = None,
+    *,
+    hash_tokens: bool = True,
+) -> PreparedRequest:
+    """Validate ``request`` and compute its block keys at once (pure). Raise BadRequest naming the field.
+
+    ``limits`` None: the default bounds.
+    """
+    limits = LimitsConfig() if limits is None else limits
+    checked = check_request(request, deployment, limits, hash_tokens=hash_tokens)
+    return checked.with_keys(join_slices(key_slices(checked, max(1, len(checked.tokens)))))
 
 
 def _names(roles: Sequence[Role]) -> str:
     return ",".join(r.value for r in roles)
 
 
-def request_deadline(request: RouteRequest, now: float, cap_ms: float) -> float:
-    """``now + min(budget, cap)``; an absolute deadline counts as a budget. Never later than the cap."""
-    cap = now + cap_ms / 1000.0
-    if request.deadline is not None:
-        return min(request.deadline, cap)
+def caller_deadline(now: float, remaining_s: float, sent_at: float, arrived_at: float) -> float:
+    """A caller's deadline on the trio clock (``now``), for a call that had ``remaining_s`` left when
+    another thread sent it on at ``sent_at`` and reached the trio thread at ``arrived_at`` (both
+    ``time.monotonic()``): the wait for the trio thread is already spent. The router keeps its reply
+    margin before it.
+    """
+    return now + remaining_s - max(0.0, arrived_at - sent_at)
+
+
+def request_deadline(request: RouteRequest, now: float, cap_ms: float, reply_margin_ms: float = 0.0) -> float:
+    """When the router must have decided: ``now + min(budget, cap)``, and ``reply_margin_ms`` before the
+    caller's absolute deadline when it gave one (that margin is the time the answer needs to reach it).
+    """
+    deadline = now + cap_ms / 1000.0
     if request.budget_ms is not None and math.isfinite(request.budget_ms):
-        return min(now + max(0.0, request.budget_ms) / 1000.0, cap)
-    return cap
+        deadline = min(deadline, now + max(0.0, request.budget_ms) / 1000.0)
+    if request.deadline is not None:
+        deadline = min(deadline, request.deadline - reply_margin_ms / 1000.0)
+    return deadline

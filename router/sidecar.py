@@ -8,7 +8,11 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
   runs there as a task; the handler thread waits for its decision no longer than the call's
   deadline: the client's gRPC deadline and the routing deadline (min(budget, ``--budget-cap-ms``))
   plus a short slack. (``trio.from_thread.run`` could not bound that wait.)
-- The client's gRPC deadline, when shorter than the budget, becomes the routing deadline.
+- The client's gRPC deadline is the caller's deadline: the router decides ``--reply-margin-ms``
+  before it (and by min(budget, cap) at the latest), keeping that margin to send the answer. The
+  time a call waited to reach the trio thread is counted against it.
+- A request larger than the ``limits`` settings allow is refused from its sizes, before it is
+  converted or reaches the trio thread, with INVALID_ARGUMENT naming the field and the bound.
 - A bad request ends with INVALID_ARGUMENT and a message naming the field; a decision with
   ``route_source=none`` (no worker known) is returned as is, with its error in the trailing
   metadata ``kvroute-error``.
@@ -30,6 +34,7 @@ import concurrent.futures
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -43,9 +48,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from outcome import Error
 
 from router.api import RouterHandle
-from router.config import KvrouteConfig
+from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
-from router.request import request_deadline
+from router.request import caller_deadline, check_bounds, quoted, request_deadline
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
 from router.thread_bridge import deliver_outcome, settle
@@ -75,18 +80,26 @@ def _role(name: str) -> Role:
     except ValueError:
         role = Role.UNKNOWN
     if role is Role.UNKNOWN:
-        raise BadRequest("roles", f"unknown role {name!r} (known: {_ROLE_NAMES})")
+        raise BadRequest("roles", f"unknown role {quoted(name)} (known: {_ROLE_NAMES})")
     return role
 
 
-def request_from_proto(message: router_v1_pb2.RouteRequest) -> RouteRequest:
+def request_from_proto(message: router_v1_pb2.RouteRequest, limits: LimitsConfig) -> RouteRequest:
     """The router's request for a ``kvroute.v1.RouteRequest``; raises BadRequest naming the field.
 
+    A request larger than ``limits`` is refused from its sizes before anything is converted.
     proto3 cannot tell an unset scalar from 0: block_size, seq_len and budget_ms 0 mean "not given"
     (budget: use the cap), and an empty token_ids / block_cache_keys list is not given. Everything
-    else (exactly one of the two lists, block size, roles the deployment routes) is checked by the
-    router, which answers reason=bad_request with an error naming the field.
+    else (exactly one of the two lists, block size, seq_len, roles the deployment routes) is checked
+    by the router, which answers reason=bad_request with an error naming the field.
     """
+    check_bounds(
+        limits,
+        request_id=message.request_id,
+        n_tokens=len(message.token_ids),
+        n_keys=len(message.block_cache_keys),
+        n_roles=len(message.roles),
+    )
     return RouteRequest(
         request_id=message.request_id,
         token_ids=tuple(message.token_ids) or None,
@@ -196,6 +209,8 @@ class Sidecar:
         self._tls = config.grpc_tls
         self._listen = parse_listen(config.serve.grpc_listen)  # a bad address fails here, naming it
         self._cap_ms = config.router.budget_cap_ms
+        self._reply_margin_ms = config.router.reply_margin_ms
+        self._limits = config.limits
         self._counters = _Counters()
         self._health = _RouterHealth(self._ready_from_thread)
         # Set once in run() before serving; read by handler threads.
@@ -309,12 +324,13 @@ class Sidecar:
         message = router_v1_pb2.RouteRequest()
         try:
             message.ParseFromString(data)
-            request = request_from_proto(message)
+            request = request_from_proto(message, self._limits)
         except DecodeError as exc:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, f"request: not a kvroute.v1.RouteRequest ({exc})") from None
         except BadRequest as exc:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, str(exc)) from None
         remaining = context.time_remaining()
+        sent_at = time.monotonic()
         client_s = max(0.0, remaining) if remaining is not None and math.isfinite(remaining) else None
         # The router's own deadline (min(budget, cap)), measured from now, plus the slack.
         wait_s = request_deadline(request, 0.0, self._cap_ms) + ANSWER_SLACK_S
@@ -325,7 +341,7 @@ class Sidecar:
         try:
             if token is None:
                 raise _Stopped
-            token.run_sync_soon(self._spawn, request, client_s, answer)
+            token.run_sync_soon(self._spawn, request, client_s, sent_at, answer)
             decision = answer.result(timeout=wait_s)
         except (trio.RunFinishedError, _Stopped):
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is shutting down: request not routed") from None
@@ -355,7 +371,11 @@ class Sidecar:
         return not self._draining and self._handle.ready()[0]
 
     def _spawn(
-        self, request: RouteRequest, client_s: float | None, answer: concurrent.futures.Future[RouteDecision]
+        self,
+        request: RouteRequest,
+        client_s: float | None,
+        sent_at: float,
+        answer: concurrent.futures.Future[RouteDecision],
     ) -> None:
         # Runs in the trio thread (run_sync_soon).
         calls = self._calls
@@ -363,10 +383,8 @@ class Sidecar:
             settle(answer, Error(_Stopped()))
             return
         if client_s is not None:
-            # A client deadline shorter than min(budget, --budget-cap-ms) becomes the routing
-            # deadline, passed as an absolute deadline (which replaces the budget).
-            now = trio.current_time()
-            request = replace(request, deadline=min(now + client_s, request_deadline(request, now, self._cap_ms)))
+            deadline = caller_deadline(trio.current_time(), client_s, sent_at, time.monotonic())
+            request = replace(request, deadline=deadline)
         calls.start_soon(self._call, request, answer)
 
     async def _call(self, request: RouteRequest, answer: concurrent.futures.Future[RouteDecision]) -> None:

@@ -286,7 +286,7 @@ class RouteRequest:
     block_size: int | None = None
     seq_len: int | None = None
     budget_ms: float | None = None  # remaining TTFT budget
-    deadline: float | None = None  # absolute trio deadline (alternative to budget_ms)
+    deadline: float | None = None  # absolute trio deadline for the answer (with budget_ms: the earlier one)
     roles: tuple[Role, ...] | None = None  # None: the deployment's roles
 
 

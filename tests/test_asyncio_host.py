@@ -81,6 +81,28 @@ async def test_asyncio_program_routes_concurrently_and_leaves_no_thread(nursery:
         assert after == baseline  # ... and nothing of it is left
 
 
+async def test_a_deadline_on_the_callers_loop_clock_bounds_the_decision(nursery: trio.Nursery) -> None:
+    """The caller's own deadline reaches the router: one already past is answered at once by the
+    deadline fallback (not by KVCM, which would have answered within the budget)."""
+    with trio.fail_after(20):
+        _cluster, addrs = await _seeded_cluster(nursery)
+        decisions: list[RouteDecision] = []
+
+        async def program() -> None:
+            async with AsyncioRouterHost(_config(addrs)) as host:
+                request = RouteRequest("warm", token_ids=PROMPT, budget_ms=500)
+                decisions.append(await host.route(request))
+                now = asyncio.get_running_loop().time()
+                request = RouteRequest("late", token_ids=PROMPT, budget_ms=500)
+                decisions.append(await host.route(request, deadline=now - 1.0))
+
+        await _run_asyncio(program)
+        warm, late = decisions
+        assert warm.route_source is RouteSource.KVCM
+        assert (late.route_source, late.reason) == (RouteSource.DOMAIN, Reason.DEADLINE)
+        assert late.worker is not None
+
+
 async def test_route_from_another_event_loop_thread(nursery: trio.Nursery) -> None:
     """route() is thread-safe: a second asyncio loop in another thread shares the same host."""
     with trio.fail_after(20):

@@ -8,6 +8,7 @@ import json
 import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -15,9 +16,9 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.metrics_sink import DecisionMade, MetricsSink
+from actors.metrics_sink import DecisionMade, DecisionRecord, MetricsSink
 from router.config import MetricsConfig
-from router.debug_http import DebugServer, to_jsonable
+from router.debug_http import DECISIONS_PER_PIECE, DebugServer, decisions_body, to_jsonable
 from router.settings import LoadedConfig, load_config
 from router.targets import TargetError
 from router.types import CandidateExplain, Reason, Role, RouteDecision, RouteSource, WorkerAddr
@@ -237,3 +238,59 @@ def test_to_jsonable() -> None:
         "7": {"target": "10.0.0.1:6381", "breaker": "open", "next_attempt": 1.0},
     }
     json.dumps(out, allow_nan=False)
+
+
+# --- /debug/decisions: bounded, and serialised in pieces ------------------------------------------
+
+
+def _record(n: int, request_id: str | None = None) -> DecisionRecord:
+    return DecisionRecord(replace(decision(n), request_id=request_id or f"r{n}"), at=0.0)
+
+
+async def test_decisions_are_serialised_in_pieces_with_routing_running_between() -> None:
+    records = [_record(n) for n in range(1024)]
+    ticks = 0
+    done = False
+
+    async def routing() -> None:  # stands for any other task of the routing thread
+        nonlocal ticks
+        while not done:
+            await trio.lowlevel.checkpoint()
+            ticks += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(routing)
+        await trio.lowlevel.checkpoint()
+        before = ticks
+        body = await decisions_body(records, 0.0, 1024, 64 * 1024 * 1024)
+        during = ticks - before
+        done = True
+    parsed = json.loads(body)
+    assert (parsed["count"], parsed["truncated"]) == (1024, False)
+    assert [d["decision"]["request_id"] for d in parsed["decisions"][:2]] == ["r0", "r1"]
+    # The other task ran between every two pieces: the serialisation never held the thread throughout.
+    assert during >= 1024 // DECISIONS_PER_PIECE // 2
+
+
+async def test_decisions_body_stops_at_its_byte_bound_and_says_so() -> None:
+    records = [_record(n, request_id="x" * 200) for n in range(100)]
+    body = await decisions_body(records, 0.0, 100, 8192)
+    parsed = json.loads(body)
+    assert parsed["truncated"] is True and 0 < parsed["count"] < 100
+    assert len(body) <= 8192 + 100  # the bound, plus the envelope
+
+
+async def test_a_huge_request_id_is_kept_cut_in_the_ring_and_served_bounded() -> None:
+    sink = MetricsSink(MetricsConfig(decision_ring_size=4))
+    with trio.fail_after(10):
+        async with serving(Sources(), sink, load_config(GOOD, {})) as (client, _):
+            for n in range(4):
+                sink.emit(DecisionMade(replace(decision(n), request_id="i" * 4_000_000)))
+            await trio.testing.wait_all_tasks_blocked()
+            kept = sink.recent_decisions(4)
+            assert all(len(r.decision.request_id) <= MetricsConfig().decision_text_chars for r in kept)
+            response = await client.get("/debug/decisions", params={"limit": "1024"})
+            assert response.status_code == 200
+            assert len(response.content) < 16_000
+            request_id = response.json()["decisions"][0]["decision"]["request_id"]
+            assert request_id.startswith("iii") and request_id.endswith("[cut: 4000000 chars]")

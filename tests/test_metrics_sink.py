@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import trio
 import trio.testing
@@ -16,6 +18,8 @@ from actors.metrics_sink import (
     ProbeSkipped,
     ShadowAgreement,
     StatusCacheHits,
+    cut_text,
+    retained_decision,
 )
 from router.config import MetricsConfig
 from router.types import (
@@ -282,3 +286,39 @@ def test_registries_are_per_sink() -> None:
     a.emit(StatusCacheHits())  # dropped: full
     assert sample(a, "kvroute_metrics_events_dropped_total") == 1
     assert sample(b, "kvroute_metrics_events_dropped_total") == 0
+
+
+# --- what the ring keeps -----------------------------------------------------------------------------
+
+
+def test_cut_text_keeps_short_text_and_marks_what_it_cut() -> None:
+    assert cut_text("abc", 32) == "abc"
+    cut = cut_text("x" * 1000, 32)
+    assert len(cut) == 32 and cut.endswith("…[cut: 1000 chars]") and cut.startswith("xxxx")
+
+
+def test_retained_decision_cuts_ids_and_errors_and_caps_candidates_keeping_the_chosen() -> None:
+    d = decision(1, dropped=("busy",) * 40)
+    chosen = replace(d.candidates[-1], dropped=None, chosen=True)
+    d = replace(d, request_id="i" * 10_000, error="e" * 10_000, candidates=(*d.candidates[:-1], chosen))
+    kept = retained_decision(d, text_chars=64, max_candidates=8)
+    assert len(kept.request_id) == 64 and kept.request_id.endswith("[cut: 10000 chars]")
+    assert kept.error is not None and len(kept.error) == 64
+    assert len(kept.candidates) == 8 and kept.candidates[-1] is chosen
+    small = decision(2)
+    assert retained_decision(small, text_chars=64, max_candidates=8) is small  # nothing over a bound: no copy
+
+
+async def test_the_ring_keeps_decisions_cut_to_their_bounds(autojump_clock: trio.testing.MockClock) -> None:
+    sink = MetricsSink(MetricsConfig(decision_ring_size=2, decision_text_chars=100, decision_max_candidates=3))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sink.run)
+        huge = replace(decision(1, dropped=("busy",) * 50), request_id="i" * 4_000_000)
+        sink.emit(DecisionMade(huge))
+        await trio.testing.wait_all_tasks_blocked()
+        [record] = sink.recent_decisions(1)
+        assert len(record.decision.request_id) == 100
+        assert len(record.decision.candidates) == 3
+        # Every candidate was still counted before the ring cut them.
+        assert sink.registry.get_sample_value("kvroute_candidates_dropped_total", {"reason": "busy"}) == 50
+        nursery.cancel_scope.cancel()

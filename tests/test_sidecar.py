@@ -19,8 +19,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import RouterHandle, open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig, ServeConfig
+from router.config import (
+    DeploymentConfig,
+    DiscoveryConfig,
+    KvrouteConfig,
+    LimitsConfig,
+    RouterConfig,
+    ServeConfig,
+)
 from router.keys import block_keys
+from router.request import caller_deadline
 from router.sidecar import ROUTER_SERVICE, Sidecar, decision_to_proto, request_from_proto
 from router.targets import HostPort
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteDecision, RouteSource, WorkerAddr
@@ -28,6 +36,7 @@ from router.wire import router_v1_pb2
 from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
 
 BLOCK = 16
+LIMITS = LimitsConfig()
 PROMPT = tuple(range(7000, 7000 + 8 * BLOCK))
 CLIENT_TIMEOUT_S = 5.0
 
@@ -139,7 +148,16 @@ async def test_route_returns_kvcm_decision_for_seeded_prefix_and_health_serving(
         ({"token_ids": [1] * 40, "roles": ["PREFILL", "MANAGER"]}, "roles"),  # unknown role name
         ({"token_ids": [1] * 40, "roles": ["DECODE"]}, "roles"),  # a role this deployment does not route
         ({"request_id": "", "token_ids": [1] * 40}, "request_id"),
-        ({"block_cache_keys": [4, 5], "block_size": 0, "seq_len": 7}, None),  # 0 = not given: accepted
+        ({"block_cache_keys": [4, 5], "block_size": 0, "seq_len": 40}, None),  # 0 = not given: accepted
+        # Beyond a bound (the defaults): refused from the sizes, naming the field and the bound.
+        ({"request_id": "r" * 257, "token_ids": [1] * 40}, "request_id"),
+        ({"token_ids": [1] * 262_145}, "token_ids"),
+        ({"block_cache_keys": [1] * 16_385}, "block_cache_keys"),
+        ({"token_ids": [1] * 40, "roles": ["PREFILL"] * 9}, "roles"),
+        # seq_len must be the prompt's length.
+        ({"token_ids": [1] * 1024, "seq_len": 5}, "seq_len"),
+        ({"token_ids": [1] * 40, "seq_len": 2**32 - 1}, "seq_len"),
+        ({"block_cache_keys": [4, 5], "seq_len": 5}, "seq_len"),
     ],
 )
 async def test_bad_request_is_invalid_argument_naming_the_field(
@@ -280,19 +298,53 @@ async def test_drain_stops_the_server_once_calls_are_done(nursery: trio.Nursery)
 
 def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None:
     message = router_v1_pb2.RouteRequest(request_id="x", token_ids=[1, 2], roles=["pdfusion"])
-    request = request_from_proto(message)
+    request = request_from_proto(message, LIMITS)
     assert request.token_ids == (1, 2)
     assert request.block_cache_keys is None
     assert (request.block_size, request.seq_len, request.budget_ms) == (None, None, None)
     assert request.roles == (Role.PDFUSION,)
     full = request_from_proto(
-        router_v1_pb2.RouteRequest(request_id="y", block_cache_keys=[9], block_size=32, seq_len=20, budget_ms=7)
+        router_v1_pb2.RouteRequest(request_id="y", block_cache_keys=[9], block_size=32, seq_len=20, budget_ms=7),
+        LIMITS,
     )
     assert (full.block_cache_keys, full.block_size, full.seq_len, full.budget_ms) == ((9,), 32, 20, 7.0)
     for bad in ("UNKNOWN", "nope", ""):
         with pytest.raises(BadRequest) as info:
-            request_from_proto(router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=[bad]))
+            request_from_proto(router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=[bad]), LIMITS)
         assert info.value.field_name == "roles"
+
+
+def test_the_client_deadline_counts_the_wait_to_reach_the_trio_thread() -> None:
+    # 5 ms left when the handler sent the call on; it reached the trio thread 2 ms later.
+    assert caller_deadline(100.0, 0.005, sent_at=7.0, arrived_at=7.002) == pytest.approx(100.003)
+    # Clocks that seem to go backwards never lengthen the deadline.
+    assert caller_deadline(100.0, 0.005, sent_at=7.0, arrived_at=6.9) == pytest.approx(100.005)
+
+
+def test_a_huge_role_name_is_quoted_cut_short() -> None:
+    with pytest.raises(BadRequest) as info:
+        request_from_proto(router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=["X" * 100_000]), LIMITS)
+    assert info.value.field_name == "roles"
+    assert len(str(info.value)) < 200 and "100000 chars" in str(info.value)
+
+
+def test_oversized_fields_are_refused_from_their_sizes_naming_the_bound() -> None:
+    limits = LimitsConfig(max_prompt_tokens=4, max_block_keys=2, max_roles=1, max_request_id_bytes=3)
+    cases = [
+        (router_v1_pb2.RouteRequest(request_id="abcd", token_ids=[1]), "request_id", "--max-request-id-bytes"),
+        # Bytes, not characters: two 2-byte characters are 4 bytes.
+        (router_v1_pb2.RouteRequest(request_id="éé", token_ids=[1]), "request_id", "3 UTF-8 bytes"),
+        (router_v1_pb2.RouteRequest(request_id="a", token_ids=[1] * 5), "token_ids", "limit of 4"),
+        (router_v1_pb2.RouteRequest(request_id="a", block_cache_keys=[1] * 3), "block_cache_keys", "limit of 2"),
+        (router_v1_pb2.RouteRequest(request_id="a", token_ids=[1], roles=["PREFILL"] * 2), "roles", "--max-roles"),
+    ]
+    for message, field, says in cases:
+        with pytest.raises(BadRequest) as info:
+            request_from_proto(message, limits)
+        assert info.value.field_name == field
+        assert says in str(info.value), str(info.value)
+    at_the_bounds = router_v1_pb2.RouteRequest(request_id="abc", token_ids=[1] * 4, roles=["PREFILL"])
+    assert request_from_proto(at_the_bounds, limits).token_ids == (1, 1, 1, 1)
 
 
 def test_decision_conversion_keeps_every_field() -> None:

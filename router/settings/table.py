@@ -32,7 +32,7 @@ _FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 _SECRET_WORDS = frozenset({"secret", "token", "password", "passwd", "credential", "apikey"})
 
 # Sections whose settings carry no section prefix (their field names are already the operator's words).
-_UNPREFIXED_SECTIONS = frozenset({"deployment", "serve"})
+_UNPREFIXED_SECTIONS = frozenset({"deployment", "serve", "limits"})
 # Sections used only by the KVCM fallback; the rest are the main path unless a field says otherwise.
 _FALLBACK_SECTIONS = frozenset({"leader", "breaker", "prober", "scorer", "shadow", "channel_pool"})
 
@@ -366,6 +366,33 @@ _SPECS: dict[str, _Spec] = {
     "router.lag_probe_interval_ms": _Spec("How often the routing loop's lag is measured", metavar="MS"),
     "router.kvcm_query_timeout_ms": _Spec(
         "Cap on one GetHostCacheState call, in ms", fallback=True, metavar="MS"
+    ),
+    # request bounds, the reply margin, what a kept decision holds
+    "limits.max_prompt_tokens": _Spec(
+        "Most token ids one request may carry; seq_len may not exceed it either (beyond: INVALID_ARGUMENT)"
+    ),
+    "limits.max_block_keys": _Spec("Most block_cache_keys one request may carry (beyond: INVALID_ARGUMENT)"),
+    "limits.max_roles": _Spec("Most roles one request may name (beyond: INVALID_ARGUMENT)"),
+    "limits.max_request_id_bytes": _Spec(
+        "Longest request_id in UTF-8 bytes (beyond: INVALID_ARGUMENT)", metavar="BYTES"
+    ),
+    "limits.hash_slice_tokens": _Spec(
+        "A longer prompt is hashed in slices of this many tokens, other requests running in between and "
+        "the request's deadline checked after each; a shorter one is hashed at once"
+    ),
+    "router.reply_margin_ms": _Spec(
+        "Time kept before a caller's own deadline (gRPC deadline, absolute deadline) to send the answer: "
+        "the router decides this much earlier",
+        short=True,
+        metavar="MS",
+    ),
+    "metrics.decision_text_chars": _Spec(
+        "A kept decision's request_id and error are cut to this many characters (marked as cut)"
+    ),
+    "metrics.decision_max_candidates": _Spec("Candidates kept per decision for /debug/decisions"),
+    "metrics.decisions_body_max_bytes": _Spec(
+        "/debug/decisions adds no more decisions beyond this many bytes of JSON (and says so)",
+        metavar="BYTES",
     ),
     # discovery
     "discovery.kvcm_bootstrap": _Spec(

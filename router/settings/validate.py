@@ -75,6 +75,7 @@ def _deployment_problems(config: DeploymentConfig) -> list[Problem]:
 SECTION_PROBLEMS: Mapping[str, Callable[[Any], list[Problem]]] = {
     "deployment": _deployment_problems,
     "router": range_problems,
+    "limits": range_problems,
     "discovery": discovery_problems,
     "leader": leader_problems,
     "breaker": breaker_problems,

@@ -1,0 +1,274 @@
+"""Hostile-but-legal requests: the bounds on every variable field, seq_len against the prompt, the reply
+margin, and long prompts hashed in slices that neither hold up other requests nor outlive their own.
+
+The pure rules are tested as functions; the slicing through the real router under MockClock with an
+in-memory cluster. A long prompt's progress is observed through the token tuple itself: hashing reads
+it one slice at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import SupportsIndex, overload
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
+from router.api import open_router
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LimitsConfig, RouterConfig
+from router.keys import block_key_slices, block_keys, join_slices
+from router.request import check_request, is_sliced, key_slices, prepare_request, request_deadline
+from router.supervisor import RouterHandle
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import BadRequest, KeyFamily, Reason, Role, RouteRequest
+
+BLOCK = 16
+DEPLOYMENT = DeploymentConfig(block_size=BLOCK)
+LIMITS = LimitsConfig()
+MAX_PROMPT = tuple(range(LIMITS.max_prompt_tokens))
+SLICES_OF_MAX_PROMPT = LIMITS.max_prompt_tokens // LIMITS.hash_slice_tokens
+
+
+def refused(request: RouteRequest, limits: LimitsConfig = LIMITS) -> BadRequest:
+    with pytest.raises(BadRequest) as info:
+        prepare_request(request, DEPLOYMENT, limits)
+    return info.value
+
+
+# --- bounds ----------------------------------------------------------------------------------------
+
+
+def test_the_largest_legal_request_is_accepted_and_one_more_is_refused_naming_the_bound() -> None:
+    assert len(prepare_request(RouteRequest("r", token_ids=MAX_PROMPT), DEPLOYMENT).keys) == len(MAX_PROMPT) // BLOCK
+    over = refused(RouteRequest("r", token_ids=(*MAX_PROMPT, 1)))
+    assert over.field_name == "token_ids"
+    assert "262144" in str(over) and "--max-prompt-tokens" in str(over)
+
+    keys = tuple(range(LIMITS.max_block_keys))
+    assert prepare_request(RouteRequest("r", block_cache_keys=keys), DEPLOYMENT).keys == keys
+    assert refused(RouteRequest("r", block_cache_keys=(*keys, 1))).field_name == "block_cache_keys"
+
+    roles = (Role.PREFILL,) * LIMITS.max_roles
+    assert prepare_request(RouteRequest("r", token_ids=(1,), roles=roles), DEPLOYMENT).roles == roles
+    assert refused(RouteRequest("r", token_ids=(1,), roles=(*roles, Role.PREFILL))).field_name == "roles"
+
+    rid = "x" * LIMITS.max_request_id_bytes
+    assert prepare_request(RouteRequest(rid, token_ids=(1,)), DEPLOYMENT).seq_len == 1
+    long_id = refused(RouteRequest(rid + "x", token_ids=(1,)))
+    assert long_id.field_name == "request_id" and "256 UTF-8 bytes" in str(long_id)
+    assert rid not in str(long_id)  # the id is not echoed back
+
+
+def test_request_id_is_measured_in_utf8_bytes() -> None:
+    limits = LimitsConfig(max_request_id_bytes=4)
+    assert prepare_request(RouteRequest("éé", token_ids=(1,)), DEPLOYMENT, limits).seq_len == 1
+    assert refused(RouteRequest("éée", token_ids=(1,)), limits).field_name == "request_id"
+    assert refused(RouteRequest("\ud800\ud800", token_ids=(1,)), limits).field_name == "request_id"  # lone surrogates
+
+
+def test_keys_may_not_cover_more_than_the_longest_prompt() -> None:
+    limits = LimitsConfig(max_prompt_tokens=64)
+    assert prepare_request(RouteRequest("r", block_cache_keys=(1, 2), block_size=32), DEPLOYMENT, limits).seq_len == 64
+    assert refused(RouteRequest("r", block_cache_keys=(1, 2, 3), block_size=32), limits).field_name == (
+        "block_cache_keys"
+    )
+    assert refused(RouteRequest("r", block_cache_keys=(1,), block_size=65), limits).field_name == "block_size"
+
+
+# --- seq_len -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        RouteRequest("r", token_ids=tuple(range(1024)), seq_len=5),
+        RouteRequest("r", token_ids=tuple(range(1024)), seq_len=1025),
+        RouteRequest("r", token_ids=tuple(range(1024)), seq_len=2**32 - 1),
+        RouteRequest("r", block_cache_keys=tuple(range(64)), seq_len=5),  # 64 keys cover 1,024 tokens
+        RouteRequest("r", block_cache_keys=tuple(range(64)), seq_len=2**32 - 1),
+    ],
+)
+def test_a_seq_len_the_prompt_contradicts_is_refused(request_: RouteRequest) -> None:
+    assert refused(request_).field_name == "seq_len"
+
+
+def test_seq_len_agreeing_with_the_prompt_is_taken() -> None:
+    tokens = tuple(range(1024))
+    assert prepare_request(RouteRequest("r", token_ids=tokens, seq_len=1024), DEPLOYMENT).seq_len == 1024
+    assert prepare_request(RouteRequest("r", token_ids=tokens), DEPLOYMENT).seq_len == 1024
+    keys = tuple(range(64))
+    # With keys, a tail shorter than a block (or blocks without keys) may follow.
+    assert prepare_request(RouteRequest("r", block_cache_keys=keys, seq_len=1030), DEPLOYMENT).seq_len == 1030
+    assert prepare_request(RouteRequest("r", block_cache_keys=keys), DEPLOYMENT).seq_len == 1024
+
+
+# --- slices ------------------------------------------------------------------------------------------
+
+FAMILIES = [(KeyFamily.RTP, 0), (KeyFamily.VLLM, 0), (KeyFamily.VLLM, 3), (KeyFamily.SGLANG, 0), (KeyFamily.SGLANG, 1)]
+
+
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    st.integers(1, 9),
+    st.integers(1, 7),
+    st.sampled_from(FAMILIES),
+)
+def test_slices_joined_are_the_keys(
+    tokens: list[int], block_size: int, slice_blocks: int, family: tuple[KeyFamily, int]
+) -> None:
+    kind, lookahead = family
+    slices = list(block_key_slices(tokens, block_size, kind, lookahead, slice_blocks))
+    assert all(len(part) <= slice_blocks for part in slices)
+    assert join_slices(iter(slices)) == block_keys(tokens, block_size, kind, lookahead)
+
+
+def test_a_short_prompt_is_one_slice_and_a_long_one_many() -> None:
+    short = check_request(RouteRequest("r", token_ids=tuple(range(LIMITS.hash_slice_tokens))), DEPLOYMENT, LIMITS)
+    assert not is_sliced(short, LIMITS.hash_slice_tokens)
+    assert len(list(key_slices(short, LIMITS.hash_slice_tokens))) == 1
+    long = check_request(RouteRequest("r", token_ids=MAX_PROMPT), DEPLOYMENT, LIMITS)
+    assert is_sliced(long, LIMITS.hash_slice_tokens)
+    assert len(list(key_slices(long, LIMITS.hash_slice_tokens))) == SLICES_OF_MAX_PROMPT
+
+
+def test_a_token_the_family_cannot_encode_is_refused_from_its_slice() -> None:
+    deployment = DeploymentConfig(block_size=BLOCK, key_family=KeyFamily.SGLANG)
+    tokens = (*range(4 * BLOCK), -1, *range(BLOCK))
+    checked = check_request(RouteRequest("r", token_ids=tokens), deployment, LIMITS)
+    slices = key_slices(checked, BLOCK)
+    assert len(next(slices)) == 1  # the first slice is fine
+    with pytest.raises(BadRequest) as info:
+        list(slices)
+    assert info.value.field_name == "token_ids"
+
+
+# --- the reply margin ----------------------------------------------------------------------------------
+
+
+def test_the_router_decides_the_reply_margin_before_an_absolute_deadline() -> None:
+    request = RouteRequest("r", token_ids=(1,), deadline=10.020)
+    assert request_deadline(request, 10.0, 50.0, reply_margin_ms=1.0) == pytest.approx(10.019)
+    # A budget or the cap that ends earlier still wins; the margin is not taken from them.
+    assert request_deadline(RouteRequest("r", budget_ms=5, deadline=10.020), 10.0, 50.0, 1.0) == pytest.approx(10.005)
+    assert request_deadline(RouteRequest("r", budget_ms=5), 10.0, 50.0, 1.0) == pytest.approx(10.005)
+    assert request_deadline(RouteRequest("r", deadline=11.0), 10.0, 50.0, 1.0) == pytest.approx(10.050)
+
+
+async def test_a_caller_deadline_is_answered_a_margin_early(autojump_clock: trio.testing.MockClock) -> None:
+    """KVCM hangs: the decision comes by deadline − margin, not by the deadline."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, reply_margin_ms=3.0) as handle:
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+        start = trio.current_time()
+        decision = await handle.route(RouteRequest("r", token_ids=tuple(range(64)), deadline=start + 0.020))
+        assert decision.worker is not None
+        # Decided by deadline − margin (17 ms; the decision's own reserve comes off that too), where
+        # without the margin it would have been 18 ms: deadline − reserve.
+        assert trio.current_time() - start <= 0.017 + 1e-9
+
+
+# --- slicing in the router ------------------------------------------------------------------------------
+
+
+class CountedTokens(tuple[int, ...]):
+    """Token ids that count the slices read from them: hashing reads one slice of tokens per slice of keys."""
+
+    slices_read: int
+
+    def __new__(cls, tokens: tuple[int, ...]) -> CountedTokens:
+        made = super().__new__(cls, tokens)
+        made.slices_read = 0
+        return made
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, index: SupportsIndex | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            self.slices_read += 1
+        return super().__getitem__(index)
+
+
+@asynccontextmanager
+async def routed(cluster: SimCluster, **router_kw: float) -> AsyncIterator[RouterHandle]:
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DEPLOYMENT,
+        router=RouterConfig(**router_kw),  # type: ignore[arg-type]
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.move_on_after(1):
+            await resolver.leader()
+        # One request first: leader, channels and statuses are warm.
+        await handle.route(RouteRequest("warm", token_ids=tuple(range(64)), budget_ms=50))
+        yield handle
+
+
+async def test_a_maximal_request_does_not_hold_up_a_normal_one(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as handle, trio.open_nursery() as nursery:
+        tokens = CountedTokens(MAX_PROMPT)
+        nursery.start_soon(handle.route, RouteRequest("huge", token_ids=tokens, budget_ms=50))
+        while tokens.slices_read == 0:  # the huge request is hashing
+            await trio.lowlevel.checkpoint()
+        start = trio.current_time()
+        normal = await handle.route(RouteRequest("normal", token_ids=tuple(range(256)), budget_ms=20))
+        # Answered while the huge request is still hashing, within its own deadline, not by the fallback.
+        assert 0 < tokens.slices_read < SLICES_OF_MAX_PROMPT
+        assert normal.worker is not None and normal.reason is not Reason.DEADLINE
+        assert trio.current_time() - start <= 0.020
+
+
+async def test_a_cancelled_long_request_stops_hashing(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as handle:
+        tokens = CountedTokens(MAX_PROMPT)
+        async with trio.open_nursery() as nursery:
+            caller = trio.CancelScope()
+
+            async def abandoned() -> None:
+                with caller:
+                    await handle.route(RouteRequest("abandoned", token_ids=tokens, budget_ms=50))
+
+            nursery.start_soon(abandoned)
+            while tokens.slices_read < 3:
+                await trio.lowlevel.checkpoint()
+            caller.cancel()
+        stopped_at = tokens.slices_read
+        await trio.testing.wait_all_tasks_blocked()
+        assert stopped_at < SLICES_OF_MAX_PROMPT
+        assert tokens.slices_read == stopped_at
+
+
+async def test_a_long_request_past_its_deadline_stops_hashing_and_is_answered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as handle, trio.open_nursery() as nursery:
+        tokens = CountedTokens(MAX_PROMPT)
+        decisions = []
+
+        async def late() -> None:
+            decisions.append(await handle.route(RouteRequest("late", token_ids=tokens, budget_ms=10)))
+
+        nursery.start_soon(late)
+        while tokens.slices_read < 3:
+            await trio.lowlevel.checkpoint()
+        autojump_clock.jump(0.011)  # the hashing took the whole budget
+        await trio.testing.wait_all_tasks_blocked()
+        assert tokens.slices_read < SLICES_OF_MAX_PROMPT
+        [decision] = decisions
+        assert decision.reason is Reason.DEADLINE and decision.worker is not None
