@@ -150,6 +150,11 @@ class RouterConfig:
     reserve_fraction: float = bounded(0.1, 0, 1, high_open=True)
     reserve_min_ms: float = bounded(1.0, 0, 600_000)
     kvcm_query_timeout_ms: float = bounded(500.0, 0, 600_000, low_open=True)
+    # The decision log: every decision's inputs, framed, rotated; "" = off.
+    decision_log: str = ""
+    decision_log_max_bytes: int = bounded(64 * 1024 * 1024, 4096, 2**40)  # one file; then it rotates
+    decision_log_files: int = bounded(4, 1, 1000)  # files kept (PATH, PATH.1, ...): the bound is their product
+    decision_log_inbox_size: int = bounded(4096, 0, 1_000_000, low_open=True)  # beyond it: dropped, counted
 
 
 @dataclass(frozen=True, slots=True)
