@@ -173,6 +173,7 @@ class DecisionLog:
         writer = self._writer
         await trio.to_thread.run_sync(writer.open)
         task_status.started()
+        batch: list[DecisionRecord] = []
         try:
             async for first in self._receive:
                 batch = [first]
@@ -182,8 +183,18 @@ class DecisionLog:
                     except trio.WouldBlock:
                         break
                 await trio.to_thread.run_sync(writer.write, batch)
+                batch = []
         finally:
+            # Stopping (shutdown or a restart): the batch in hand (a cancellation can come before its
+            # thread starts) and whatever is queued are written before the file closes.
+            while True:
+                try:
+                    batch.append(self._receive.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
             with trio.CancelScope(shield=True):
+                if batch:
+                    await trio.to_thread.run_sync(writer.write, batch)
                 await trio.to_thread.run_sync(writer.close)
 
     def health(self) -> DecisionLogHealth:

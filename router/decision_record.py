@@ -102,7 +102,9 @@ class ScoringRecord:
     ejected: tuple[str, ...]
     probes: tuple[ProbeRecord, ...] = ()
     decided: float = 0.0
-    # per candidate that passed the filters, in draw order: (target, pending charge, last selected or None, tie)
+    # Per candidate that passed the filters, in tie-draw order: (target, pending charge, last-selected trio
+    # time or None (never), tie draw). The last-selected time stays absolute: only its order among the
+    # candidates matters, and an absolute time keeps that order exactly.
     ledger: tuple[tuple[str, int, float | None, float], ...] = ()
 
 

@@ -120,7 +120,7 @@ class CandidateScoring:
                     ),
                     decided=t - r,
                     ledger=tuple(
-                        (target, pending, None if last == NEVER else last - r, tie)
+                        (target, pending, None if last == NEVER else last, tie)
                         for target, pending, last, tie in ledger_view
                     ),
                 )
