@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import trio
 
+from actors.decision_log import DecisionLog
 from actors.metrics_sink import DecisionMade, MetricsSink
 from actors.sources.base import (
     Answered,
@@ -40,6 +41,7 @@ from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
 from router.admission import AdmissionEstimate, AdmissionView
 from router.config import KvrouteConfig
+from router.decision_record import DecisionRecord
 from router.keys import join_slices
 from router.logs import AggregatingLogger
 from router.request import (
@@ -89,6 +91,7 @@ class RouterActor:
         companions: CompanionPicker,
         metrics: MetricsSink,
         warn: AggregatingLogger,
+        decision_log: DecisionLog | None = None,
     ) -> None:
         if not chain or chain[-1] is not domain:
             raise ValueError("chain: the domain source must be the last source of the chain")
@@ -102,6 +105,7 @@ class RouterActor:
         self._deployment_companions = tuple(r for r in config.deployment.roles if r in COMPANION_ROLES)
         self._metrics = metrics
         self._warn = warn
+        self._decision_log = decision_log
         self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
         self._estimate = AdmissionEstimate(config.router)
         self._lag_interval_s = config.router.lag_probe_interval_ms / 1000.0
@@ -144,7 +148,10 @@ class RouterActor:
             self._limiter.acquire_on_behalf_of_nowait(ticket)
         except trio.WouldBlock:
             self._overloaded += 1
-            return self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
+            decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
+            if self._decision_log is not None:
+                self._decision_log.submit(DecisionRecord(request, now, deadline, overloaded=True, decision=decision))
+            return decision
         try:
             self._peak = max(self._peak, int(self._limiter.borrowed_tokens))
             decision = await self._handle(request, now, deadline)
@@ -175,9 +182,10 @@ class RouterActor:
         steps: list[SourceStep] = []
         ctx: RequestContext | None = None
         decision: RouteDecision | None = None
+        record = None if self._decision_log is None else DecisionRecord(request, received_at, deadline)
         try:
             with trio.CancelScope(deadline=deadline):
-                ctx, decision = await self._walk(request, received_at, deadline, stages, steps)
+                ctx, decision = await self._walk(request, received_at, deadline, stages, steps, record=record)
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
             log.exception("route pipeline failed request_id=%s", request.request_id)
@@ -202,6 +210,9 @@ class RouterActor:
         if ctx is not None:
             for source in self._chain:
                 source.after_reply(ctx, decision)
+        if record is not None and self._decision_log is not None:
+            record.decision = decision
+            self._decision_log.submit(record)
         return decision
 
     async def _walk(
@@ -211,6 +222,8 @@ class RouterActor:
         deadline: float,
         stages: dict[Stage, float],
         steps: list[SourceStep],
+        *,
+        record: DecisionRecord | None = None,
     ) -> tuple[RequestContext | None, RouteDecision]:
         t = trio.current_time()
         try:
@@ -228,6 +241,7 @@ class RouterActor:
             deadline=deadline,
             decide_at=deadline - reserve,
             stages=stages,
+            record=record,
         )
         skip_to_last = False
         for source in self._chain:

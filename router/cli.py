@@ -37,6 +37,9 @@ COMMANDS: dict[str, Command] = {
     "explain": Command(
         "router.explain_cli", "route one request and explain every candidate: hit, work, why it won or lost"
     ),
+    "replay": Command(
+        "router.replay_cli", "re-run a decision log's decisions (or what-if other settings) and compare them"
+    ),
     "demo": Command(
         "kvroute_sim.demo.cli", "compare routing policies on an embedded cluster, or run fault scenarios", extra="demo"
     ),

@@ -166,6 +166,11 @@ class RouterConfig:
     # Kept free before an absolute (caller's) deadline to send the answer back: the router decides
     # this much earlier than the deadline it was given, so the answer arrives in time.
     reply_margin_ms: float = bounded(1.0, 0, 60_000)
+    # The decision log: every decision's inputs, framed, rotated; "" = off.
+    decision_log: str = ""
+    decision_log_max_bytes: int = bounded(64 * 1024 * 1024, 4096, 2**40)  # one file; then it rotates
+    decision_log_files: int = bounded(4, 1, 1000)  # files kept (PATH, PATH.1, ...): the bound is their product
+    decision_log_inbox_size: int = bounded(4096, 0, 1_000_000, low_open=True)  # beyond it: dropped, counted
 
 
 @dataclass(frozen=True, slots=True)

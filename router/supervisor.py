@@ -28,6 +28,7 @@ import trio
 
 from actors.breaker import BreakerState
 from actors.channel_pool import ChannelPool
+from actors.decision_log import DecisionLog
 from actors.discovery import Discovery
 from actors.leader_resolver import LeaderResolver, LeaderState
 from actors.master_discovery import MasterDiscovery
@@ -44,11 +45,13 @@ from actors.sources.scoring import CandidateScoring
 from actors.sources.shadow import ShadowSource
 from actors.worker_prober import WorkerProber
 from router.config import KvrouteConfig, MasterProtocol
+from router.decision_record import FORMAT_VERSION
 from router.exception_groups import leaves, sole_leaf
 from router.logs import AggregatingLogger
 from router.master_config import master_hosts
 from router.policy.cache_affinity import CacheAffinityFirst
 from router.settings import LoadedConfig
+from router.settings.redact import config_digest, non_default_settings
 from router.targets import HostPort
 from router.transport.clients import KvcmClient, WorkerStatusClient
 from router.transport.grpc_adapter import GrpcRawRpc
@@ -391,7 +394,19 @@ async def _topology(
             chain.append(ShadowSource(config, shadow=shadow, scoring=scoring, metrics=metrics, warn=warn))
         chain.append(domain)
         companions = CompanionPicker(config, fleet=fleet, prober=prober)
-        router = RouterActor(config, chain=chain, domain=domain, companions=companions, metrics=metrics, warn=warn)
+        decision_log: DecisionLog | None = None
+        if config.router.decision_log:
+            decision_log = DecisionLog(config.router, decision_log_header(config))
+            await supervisor.start("decision_log", decision_log.run, snapshot=decision_log.health)
+        router = RouterActor(
+            config,
+            chain=chain,
+            domain=domain,
+            companions=companions,
+            metrics=metrics,
+            warn=warn,
+            decision_log=decision_log,
+        )
         await supervisor.start("router", router.run, snapshot=router.health)
 
         _register_gauges(metrics, resolver, prober, pool, router, shadow, master_source)
@@ -426,6 +441,16 @@ async def _topology(
             if pool is not None:
                 with trio.CancelScope(shield=True):
                     await pool.aclose()  # every channel closed, leased ones when their lease returns
+
+
+def decision_log_header(config: KvrouteConfig) -> dict[str, object]:
+    """A decision log file's header: the format, the configuration (digest and non-default settings), the seed."""
+    return {
+        "v": FORMAT_VERSION,
+        "digest": config_digest(config),
+        "seed": config.scorer.seed,
+        "settings": non_default_settings(config),
+    }
 
 
 def _register_gauges(

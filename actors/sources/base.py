@@ -18,6 +18,7 @@ from typing import Protocol
 
 from actors.discovery import Discovery
 from actors.worker_prober import WorkerProber
+from router.decision_record import DecisionRecord, SourceAnswer
 from router.policy.plan import Fleet
 from router.request import PreparedRequest
 from router.types import (
@@ -52,6 +53,11 @@ class RequestContext:
     stages: dict[Stage, float] = field(default_factory=dict)
     cache_hosts: tuple[HostMatch, ...] | None = None
     fallthrough: Reason | None = None  # the first reason the chain fell through with
+    record: DecisionRecord | None = None  # filled by the sources when the decision log is on
+
+    def __post_init__(self) -> None:
+        if self.record is not None:
+            self.record.prepared = self.prepared
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +134,18 @@ class FleetView:
 
     def workers(self) -> Sequence[WorkerAddr]:
         return self.current().workers
+
+
+def recorded_answer(record: DecisionRecord, started: float, arrived: float, result: SourceResult) -> SourceAnswer:
+    """An opaque source's result as the decision log keeps it (times relative to the request's receipt)."""
+    r = record.received_at
+    if isinstance(result, Answered):
+        return SourceAnswer(started - r, arrived - r, "answered", result.reason, role_addrs=result.role_addrs)
+    if isinstance(result, FellThrough):
+        return SourceAnswer(started - r, arrived - r, "fell_through", result.reason, to_last=result.to_last)
+    if isinstance(result, Ended):
+        return SourceAnswer(started - r, arrived - r, "ended", result.reason, error=result.error, code=result.code)
+    return SourceAnswer(started - r, arrived - r, "skipped", Reason.FEATURE_OFF)
 
 
 def ms(seconds: float) -> float:

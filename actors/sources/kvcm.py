@@ -19,6 +19,7 @@ from actors.shadow_index import ShadowIndexActor, agreement
 from actors.sources.base import FellThrough, RequestContext, SourceResult, ms
 from actors.sources.scoring import CandidateScoring
 from router.config import KvrouteConfig
+from router.decision_record import KvcmAnswer
 from router.policy.plan import CandidateSource
 from router.transport.errors import DeadlineExceeded, TransportError
 from router.transport.ports import KvcmTransport
@@ -53,7 +54,13 @@ class KvcmSource:
         return ctx.deadline  # it stops waiting at decide_at by itself, and decides in the reserve
 
     async def attempt(self, ctx: RequestContext) -> SourceResult:
+        started = trio.current_time()
         hosts = await self._query(ctx)
+        if ctx.record is not None:
+            r = ctx.record.received_at
+            answered = ctx.cache_hosts if isinstance(hosts, FellThrough) else hosts
+            why = hosts.reason if isinstance(hosts, FellThrough) else None
+            ctx.record.kvcm = KvcmAnswer(started - r, trio.current_time() - r, answered, why)
         if isinstance(hosts, FellThrough):
             return hosts
         ctx.cache_hosts = hosts

@@ -24,7 +24,7 @@ import trio
 from actors.breaker import Admission, BreakerSnapshot, BreakerState, KvcmBreaker
 from actors.master_discovery import MasterDiscovery, MasterDiscoverySnapshot
 from actors.metrics_sink import MasterRequest, MetricsSink
-from actors.sources.base import Answered, Ended, FellThrough, RequestContext, SourceResult
+from actors.sources.base import Answered, Ended, FellThrough, RequestContext, SourceResult, recorded_answer
 from actors.sources.domain import DomainSource
 from router.config import KvrouteConfig
 from router.transport.errors import DeadlineExceeded, TransportError
@@ -103,7 +103,10 @@ class MasterSource:
 
     async def attempt(self, ctx: RequestContext) -> SourceResult:
         self._requests += 1
+        started = trio.current_time()
         result = await self._attempt(ctx)
+        if ctx.record is not None:
+            ctx.record.master = recorded_answer(ctx.record, started, trio.current_time(), result)
         if isinstance(result, Answered):
             self._routed += 1
         elif isinstance(result, FellThrough):

@@ -15,6 +15,8 @@ from actors.metrics_sink import MetricsSink, ProbeSkipped, StatusCacheHits
 from actors.scorer import DecideRequest, Scorer
 from actors.sources.base import Answered, FellThrough, FleetView, RequestContext, SourceResult, ms
 from actors.worker_prober import ProbeOutcome, SkipReason, WorkerProber
+from router.decision_record import ProbeRecord, ScoringRecord
+from router.policy.ledger import NEVER
 from router.policy.plan import CandidateSource
 from router.types import DropReason, HostMatch, Reason, Stage, WorkerAddr, WorkerStatus
 
@@ -37,18 +39,26 @@ class CandidateScoring:
         """The chosen worker for ``hosts``, or a fall-through with NO_CANDIDATES."""
         prepared = ctx.prepared
         t = trio.current_time()
+        fleet = self._fleet.current()
+        ejected = self._prober.ejected()
         plan = self._scorer.plan(
             hosts,
-            self._fleet.current(),
+            fleet,
             request_id=ctx.request.request_id,
             source=source,
-            ejected=self._prober.ejected(),  # an ejected holder takes no hot slot
+            ejected=ejected,  # an ejected holder takes no hot slot
         )
         ctx.stages[Stage.PLAN] = ms(trio.current_time() - t)
 
         t = trio.current_time()
         handle = self._prober.probe([c.worker for c in plan.candidates], ctx.decide_at)
-        if handle.pending:  # all fresh from the cache (the warm case): nothing to wait for
+        arrivals: dict[WorkerAddr, float] | None = None
+        if ctx.record is not None:  # the decision log wants each result's arrival time
+            arrivals = {}
+            with trio.move_on_at(ctx.decide_at):
+                async for arrived in handle:
+                    arrivals[arrived.worker] = trio.current_time() - ctx.record.received_at
+        elif handle.pending:  # all fresh from the cache (the warm case): nothing to wait for
             with trio.move_on_at(ctx.decide_at):
                 await handle.wait_all()
         statuses: dict[WorkerAddr, tuple[WorkerStatus, float]] = {}
@@ -89,6 +99,32 @@ class CandidateScoring:
             )
         )
         ctx.stages[Stage.SCORE] = ms(trio.current_time() - t)
+        if ctx.record is not None and arrivals is not None:
+            r = ctx.record.received_at
+            ledger_view = selection.sheet.ledger_view()
+            ctx.record.scorings.append(
+                ScoringRecord(
+                    source=source,
+                    hosts=tuple(hosts),
+                    fleet=fleet,
+                    ejected=tuple(w.http_target for w in ejected),
+                    probes=tuple(
+                        ProbeRecord(
+                            c.target,
+                            arrivals.get(c.worker),
+                            statuses[c.worker][0] if c.worker in statuses else None,
+                            statuses[c.worker][1] - r if c.worker in statuses else None,
+                            missing.get(c.worker),
+                        )
+                        for c in plan.candidates
+                    ),
+                    decided=t - r,
+                    ledger=tuple(
+                        (target, pending, None if last == NEVER else last, tie)
+                        for target, pending, last, tie in ledger_view
+                    ),
+                )
+            )
         if selection.worker is None or selection.role is None:
             return FellThrough(Reason.NO_CANDIDATES)
         return Answered(

@@ -46,6 +46,8 @@ class ShadowSource:
             return Skipped()  # a cache source named holders; standing in for it would only repeat it
         now = trio.current_time()
         hosts = self._shadow.match(ctx.prepared.keys, now, limit=self._hot_set_size)
+        if ctx.record is not None:
+            ctx.record.shadow_hosts = tuple(hosts)
         if not hosts:
             why = ctx.fallthrough or Reason.NO_POSITIVE_MATCH
             self._warn.note(why.value, now)  # aggregated: the cache path failing is not one line per request

@@ -93,7 +93,7 @@ class ScoreSheet:
     """What one decision saw, kept so the explanation and the claim order can be built on
     demand: building them for every decision would cost more than the decision itself."""
 
-    __slots__ = ("_chosen", "_claim", "_drops", "_hits", "_observed", "_plan", "_works")
+    __slots__ = ("_chosen", "_claim", "_drops", "_hits", "_observed", "_plan", "_seq_len", "_ttft", "_works")
 
     def __init__(
         self,
@@ -104,8 +104,12 @@ class ScoreSheet:
         observed: list[ObservedStatus | None],
         chosen: int | None,
         claim: Callable[[], tuple[tuple[WorkerAddr, Reason], ...]],
+        ttft: Sequence[TtftRow] = (),
+        seq_len: int = 0,
     ) -> None:
         self._plan = plan
+        self._ttft = ttft
+        self._seq_len = seq_len
         self._hits = hits
         self._works = works
         self._drops = drops
@@ -136,6 +140,18 @@ class ScoreSheet:
     def alternates(self) -> tuple[tuple[WorkerAddr, Reason], ...]:
         """The claim order after the chosen worker, each with the reason it would carry."""
         return self._claim()
+
+    def ledger_view(self) -> tuple[tuple[str, int, float, float], ...]:
+        """The ledger as this decision read it, per candidate that passed the filters, in tie-draw
+        order (by target): (target, pending charge, last-selected time, tie draw). Work is
+        outstanding + pending + uncached, so the pending charge is recovered from it."""
+        rows = []
+        for _, last_selected, tie, index in sorted(self._ttft, key=lambda row: self._plan.candidates[row[3]].target):
+            observed, work = self._observed[index], self._works[index]
+            assert observed is not None and work is not None
+            pending = work - observed.outstanding_uncached_tokens - (self._seq_len - self._hits[index])
+            rows.append((self._plan.candidates[index].target, pending, last_selected, tie))
+        return tuple(rows)
 
     @property
     def chosen_index(self) -> int:
@@ -417,7 +433,7 @@ def score(
         uncached_tokens=seq_len - hits[preferred],
         status_taken_at=chosen_observed.taken_at,
         drop_counts=drop_counts,
-        sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, preferred, claim),
+        sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, preferred, claim, ttft_order, seq_len),
     )
 
 
@@ -441,15 +457,25 @@ class CacheAffinityFirst:
 
     name = "cache_affinity_first"
 
-    def __init__(self, config: ScorerConfig, deployment: DeploymentConfig) -> None:
+    def __init__(
+        self,
+        config: ScorerConfig,
+        deployment: DeploymentConfig,
+        *,
+        tie_rng: random.Random | None = None,
+        ledger: SelectionLedger | None = None,
+    ) -> None:
         refuse("scorer", scorer_problems(config))
         if not deployment.roles:
             refuse("deployment", [Problem(("roles",), "the deployment routes to no role")])
         self.config = config
         self.deployment = deployment
-        self.ledger = SelectionLedger(config.max_tracked_workers, config.max_pending_charges)
+        # A replay hands in the recorded ledger view and tie draws instead of fresh ones.
+        self.ledger = (
+            SelectionLedger(config.max_tracked_workers, config.max_pending_charges) if ledger is None else ledger
+        )
         self._prefill_roles = tuple(r for r in deployment.roles if r in PREFILL_CAPABLE_ROLES)
-        self._tie_rng = random.Random(config.seed)
+        self._tie_rng = random.Random(config.seed) if tie_rng is None else tie_rng
         self._observed: OrderedDict[WorkerAddr, ObservedStatus] = OrderedDict()  # least recently new first
 
     def plan(

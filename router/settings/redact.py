@@ -8,6 +8,9 @@ message.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from router.config import KvrouteConfig
 from router.settings.load import LoadedConfig
 from router.settings.table import SECTIONS, SETTINGS, value_of
@@ -32,3 +35,19 @@ def debug_config_view(loaded: LoadedConfig) -> dict[str, object]:
         "errors": [str(p) for p in loaded.errors],
         "warnings": [redact_userinfo(w) for w in loaded.warnings],
     }
+
+
+def non_default_settings(config: KvrouteConfig) -> dict[str, str]:
+    """Setting name → text (as on the command line) for every setting not at its default; secrets masked."""
+    out: dict[str, str] = {}
+    for s in SETTINGS:
+        value = value_of(config, s.name)
+        if value != s.default:
+            out[s.name] = "<redacted>" if s.secret else s.format(value)
+    return out
+
+
+def config_digest(config: KvrouteConfig) -> str:
+    """A short digest of every setting's value: two configurations that decide alike share it."""
+    text = json.dumps({s.name: s.format(value_of(config, s.name)) for s in SETTINGS}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

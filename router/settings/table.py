@@ -394,6 +394,20 @@ _SPECS: dict[str, _Spec] = {
         "/debug/decisions adds no more decisions beyond this many bytes of JSON (and says so)",
         metavar="BYTES",
     ),
+    "router.decision_log": _Spec(
+        "Append every decision's inputs to this file (framed, rotated; read by kvroute replay); empty = off",
+        short=True,
+        metavar="PATH",
+    ),
+    "router.decision_log_max_bytes": _Spec(
+        "Size at which the decision log rotates (PATH -> PATH.1 -> ...)", short=True, metavar="BYTES"
+    ),
+    "router.decision_log_files": _Spec(
+        "Decision log files kept, the current one included (disk use <= files x max bytes)", short=True
+    ),
+    "router.decision_log_inbox_size": _Spec(
+        "Decisions waiting to be written; beyond it they are dropped and counted", short=True
+    ),
     # discovery
     "discovery.kvcm_bootstrap": _Spec(
         "KVCM bootstrap targets, a bare host takes --kvcm-port; one bootstrap source is needed",

@@ -1,0 +1,309 @@
+"""The decision record: what one routing decision was made from, and the framed log it is written to.
+
+A :class:`DecisionRecord` rides along one request (``RequestContext.record``) when the decision log
+is on. The sources fill it with what they were answered and when; the router adds the decision and
+hands it to the log actor after the reply. Encoding happens in the log actor's writer thread, so
+the request pays for a few attribute writes only.
+
+The log (format version 1) is a file that starts with :data:`MAGIC` and continues with frames::
+
+    u32 payload length | u8 kind | u32 crc32(payload) | payload (UTF-8 JSON object)
+
+Kinds: ``H`` header (format version, configuration digest and its non-default settings, seed),
+``F`` fleet (the discovered workers, written before the first decision that planned on them), ``D``
+decision. Times in a decision are seconds relative to the request's receipt (``t``, the one
+absolute trio time), so the log is compact and a replay can put each answer back where it arrived.
+Pure apart from :func:`read_frames`, which reads a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.policy.plan import CandidateSource, Fleet
+from router.request import PreparedRequest
+from router.types import (
+    DropReason,
+    HostMatch,
+    Reason,
+    Role,
+    RoleAddr,
+    RouteDecision,
+    RouteRequest,
+    WorkerAddr,
+    WorkerStatus,
+)
+
+FORMAT_VERSION = 1
+MAGIC = b"KVRDLOG" + bytes([FORMAT_VERSION])
+FRAME_HEAD = struct.Struct(">IBI")  # payload length, kind, crc32 of the payload
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+KIND_HEADER = ord("H")
+KIND_FLEET = ord("F")
+KIND_DECISION = ord("D")
+KEYS_INLINE_MAX = 16  # longer key lists are recorded as a digest plus their length
+
+
+# --- what the sources fill in ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SourceAnswer:
+    """An opaque source's answer (the master's): when it was asked, when it answered, what it said.
+
+    ``kind`` is ``answered`` | ``fell_through`` | ``ended``; the other fields as the result carried them."""
+
+    started: float
+    arrived: float
+    kind: str
+    reason: Reason
+    to_last: bool = False
+    error: str | None = None
+    code: int = 0
+    role_addrs: tuple[RoleAddr, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KvcmAnswer:
+    """KVCM's part: ``hosts`` are the positive hosts (None: KVCM gave none, ``reason`` says why)."""
+
+    started: float
+    arrived: float
+    hosts: tuple[HostMatch, ...] | None
+    reason: Reason | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRecord:
+    """One planned candidate's status as the decision got it.
+
+    ``arrived``: when its probe result came (None: not before waiting stopped). ``status`` and
+    ``taken`` (the status's trio time, relative): the status scored with, possibly an older cached
+    one; ``missing``: why it had none (None with no status: the policy's default)."""
+
+    target: str
+    arrived: float | None
+    status: WorkerStatus | None
+    taken: float | None
+    missing: DropReason | None
+
+
+@dataclass(slots=True)
+class ScoringRecord:
+    source: CandidateSource
+    hosts: tuple[HostMatch, ...]
+    fleet: Fleet
+    ejected: tuple[str, ...]
+    probes: tuple[ProbeRecord, ...] = ()
+    decided: float = 0.0
+    # Per candidate that passed the filters, in tie-draw order: (target, pending charge, last-selected trio
+    # time or None (never), tie draw). The last-selected time stays absolute: only its order among the
+    # candidates matters, and an absolute time keeps that order exactly.
+    ledger: tuple[tuple[str, int, float | None, float], ...] = ()
+
+
+@dataclass(slots=True)
+class DecisionRecord:
+    request: RouteRequest
+    received_at: float
+    deadline: float = 0.0
+    prepared: PreparedRequest | None = None
+    overloaded: bool = False
+    master: SourceAnswer | None = None
+    kvcm: KvcmAnswer | None = None
+    shadow_hosts: tuple[HostMatch, ...] | None = None
+    scorings: list[ScoringRecord] = field(default_factory=list)
+    decision: RouteDecision | None = None
+
+
+# --- encoding (the log actor's thread) -----------------------------------------------------------
+
+
+def frame(kind: int, payload: Mapping[str, Any]) -> bytes:
+    body = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+    return FRAME_HEAD.pack(len(body), kind, zlib.crc32(body)) + body
+
+
+def _hosts(hosts: Sequence[HostMatch]) -> list[list[Any]]:
+    return [[h.host_ip_port, h.local, h.p2p_fetch, h.p2p_total] for h in hosts]
+
+
+def _status(s: WorkerStatus) -> list[Any]:
+    return [
+        s.role.value, int(s.alive), s.waiting_count, s.outstanding_uncached_tokens, s.block_size, s.lookahead_tokens
+    ]
+
+
+def _addrs(addrs: Sequence[RoleAddr]) -> list[list[Any]]:
+    return [[a.role.value, a.ip, a.http_port, a.grpc_port] for a in addrs]
+
+
+def keys_field(keys: Sequence[int]) -> list[int] | str:
+    """The keys as given when short, else ``sha256-prefix:length``."""
+    if len(keys) <= KEYS_INLINE_MAX:
+        return list(keys)
+    digest = hashlib.sha256(b"".join(k.to_bytes(8, "big", signed=True) for k in keys)).hexdigest()[:16]
+    return f"{digest}:{len(keys)}"
+
+
+def _rel(value: float | None, base: float) -> float | None:
+    return None if value is None else value - base
+
+
+def encode_decision(record: DecisionRecord, fleet_id: int | None) -> dict[str, Any]:
+    """A decision frame's payload (short keys: the log holds one of these per request)."""
+    r = record.received_at
+    req = record.request
+    out: dict[str, Any] = {"id": req.request_id, "t": r}
+    if req.budget_ms is not None:
+        out["b"] = req.budget_ms
+    if req.deadline is not None:
+        out["dl"] = req.deadline - r
+    if req.roles is not None:
+        out["ro"] = [role.value for role in req.roles]
+    prepared = record.prepared
+    if prepared is not None:
+        out["k"] = keys_field(prepared.keys)
+        out["sl"] = prepared.seq_len
+        out["bs"] = prepared.block_size
+    if record.overloaded:
+        out["ov"] = 1
+    if record.master is not None:
+        m = record.master
+        out["m"] = [m.started, m.arrived, m.kind, m.reason.value, int(m.to_last), m.error, m.code, _addrs(m.role_addrs)]
+    if record.kvcm is not None:
+        k = record.kvcm
+        out["kv"] = [k.started, k.arrived, None if k.hosts is None else _hosts(k.hosts), k.reason and k.reason.value]
+    if record.shadow_hosts is not None:
+        out["sh"] = _hosts(record.shadow_hosts)
+    if record.scorings:
+        out["f"] = fleet_id
+        out["sc"] = [
+            {
+                "s": sc.source.value,
+                "h": _hosts(sc.hosts),
+                "ej": list(sc.ejected),
+                "p": [
+                    [p.target, p.arrived, None if p.status is None else _status(p.status), p.taken,
+                     p.missing and p.missing.value]
+                    for p in sc.probes
+                ],
+                "at": sc.decided,
+                "lv": [list(row) for row in sc.ledger],
+            }
+            for sc in record.scorings
+        ]
+    d = record.decision
+    if d is not None:
+        out["d"] = decision_fields(d)
+    return out
+
+
+def decision_fields(d: RouteDecision) -> dict[str, Any]:
+    """What "identical" compares: worker, role addresses, reason, source chain, candidate scores
+    (plus the hit the decision predicts, which the what-if reports)."""
+    return {
+        "w": None if d.worker is None else d.worker.http_target,
+        "r": d.reason.value,
+        "rs": d.route_source.value,
+        "ra": _addrs(d.role_addrs),
+        "ch": [[s.source.value, s.outcome.value, None if s.reason is None else s.reason.value] for s in d.sources],
+        "c": [
+            [c.target, c.source, c.local_blocks, c.hit_tokens, c.work_tokens, c.role, c.dropped, int(c.chosen)]
+            for c in d.candidates
+        ],
+        "hit": d.hit_tokens,
+        "ec": d.error_code,
+    }
+
+
+def encode_fleet(fleet_id: int, fleet: Fleet) -> dict[str, Any]:
+    return {"f": fleet_id, "w": [[w.ip, w.http_port, w.grpc_port, w.status_port] for w in fleet.workers]}
+
+
+def relative(record: DecisionRecord, at: float) -> float:
+    """``at`` as the log stores it: seconds after the request was received."""
+    return at - record.received_at
+
+
+def relative_or_none(record: DecisionRecord, at: float | None) -> float | None:
+    return _rel(at, record.received_at)
+
+
+# --- decoding ------------------------------------------------------------------------------------
+
+
+class LogFormatError(ValueError):
+    """The log cannot be read from ``offset`` on; the message says what was found there."""
+
+    def __init__(self, path: str, offset: int, message: str) -> None:
+        super().__init__(f"{path}: byte offset {offset}: {message}")
+        self.path = path
+        self.offset = offset
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    offset: int
+    kind: int
+    payload: dict[str, Any]
+
+
+def read_frames(path: str) -> Iterator[Frame]:
+    """Every frame of one log file, in order. Raises :class:`LogFormatError` naming the byte offset of
+    the first thing that is not a whole, intact frame (truncation, a bad checksum, non-JSON)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as exc:
+        raise LogFormatError(path, 0, f"cannot read the file: {exc.strerror or exc}") from None
+    yield from parse_frames(path, data)
+
+
+def parse_frames(path: str, data: bytes) -> Iterator[Frame]:
+    if len(data) < len(MAGIC) or data[: len(MAGIC) - 1] != MAGIC[:-1]:
+        raise LogFormatError(path, 0, "not a kvroute decision log (no KVRDLOG header)")
+    if data[len(MAGIC) - 1] != FORMAT_VERSION:
+        raise LogFormatError(path, len(MAGIC) - 1, f"format version {data[len(MAGIC) - 1]}, this kvroute reads 1")
+    offset = len(MAGIC)
+    while offset < len(data):
+        if len(data) - offset < FRAME_HEAD.size:
+            have = len(data) - offset
+            raise LogFormatError(path, offset, f"truncated frame header ({have} of {FRAME_HEAD.size} bytes)")
+        length, kind, crc = FRAME_HEAD.unpack_from(data, offset)
+        if kind not in (KIND_HEADER, KIND_FLEET, KIND_DECISION):
+            raise LogFormatError(path, offset, f"unknown frame kind {kind}")
+        if length > MAX_FRAME_BYTES:
+            raise LogFormatError(path, offset, f"frame length {length} is over {MAX_FRAME_BYTES}")
+        start = offset + FRAME_HEAD.size
+        body = data[start : start + length]
+        if len(body) < length:
+            raise LogFormatError(path, offset, f"truncated frame ({len(body)} of {length} payload bytes)")
+        if zlib.crc32(body) != crc:
+            raise LogFormatError(path, offset, "frame checksum mismatch (corrupted)")
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            raise LogFormatError(path, offset, f"frame payload is not JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise LogFormatError(path, offset, "frame payload is not a JSON object")
+        yield Frame(offset, kind, payload)
+        offset = start + length
+
+
+def decode_hosts(raw: Sequence[Sequence[Any]]) -> tuple[HostMatch, ...]:
+    return tuple(HostMatch(str(h[0]), int(h[1]), int(h[2]), int(h[3])) for h in raw)
+
+
+def decode_addrs(raw: Sequence[Sequence[Any]]) -> tuple[RoleAddr, ...]:
+    return tuple(RoleAddr(Role(a[0]), str(a[1]), int(a[2]), int(a[3])) for a in raw)
+
+
+def decode_fleet(payload: Mapping[str, Any]) -> Fleet:
+    return Fleet.of(WorkerAddr(str(w[0]), int(w[1]), int(w[2]), int(w[3])) for w in payload["w"])

@@ -1,0 +1,663 @@
+"""Replay: re-run recorded decisions through the real router chain and the real policy on MockClock.
+
+Each recorded decision runs alone in its own ``trio.run`` on a fresh :class:`trio.testing.MockClock`
+jumped to the request's recorded receipt time, so every relative time lands exactly where it was.
+The real :class:`~actors.router_actor.RouterActor` walks the chain (admission, windows, fall-through,
+the reason carried to the domain answer, role addresses); each source is a replay source that lets
+its recorded answer arrive at its recorded time inside the window the configuration gives it now:
+
+- master and KVCM: the recorded answer at its recorded time, or nothing if the window ends first
+  (then the source's own window reason: ``master_unavailable``, ``deadline``);
+- shadow: the recorded index match (the index's state is not replayed, its answer is);
+- scoring: a fresh :class:`~router.policy.cache_affinity.CacheAffinityFirst` plans from the
+  recorded cache answer and fleet, the recorded probe results arrive at their times until
+  ``decide_at``, and it decides with the ledger view and tie draws the recorded decision read;
+- domain: the worker the recorded decision drew (its RNG is shared by all requests, so the draw
+  is an input, not something to recompute).
+
+The ledger is reproduced per decision from its recorded view, not by replaying the ledger's history:
+a decision's view depends on the order the Scorer's inbox served concurrent requests and on the
+statuses each was made with, which the log records as the view itself. So each decision replays
+exactly on its own, even from a log whose older files rotation deleted. A what-if run
+(``overrides``) therefore changes each decision in isolation; a changed pick does not feed back into
+the next decision's ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+import trio.testing
+
+from actors.metrics_sink import MetricsSink
+from actors.router_actor import RouterActor
+from actors.sources.base import (
+    Answered,
+    Ended,
+    FellThrough,
+    RequestContext,
+    Skipped,
+    Source,
+    SourceResult,
+)
+from actors.sources.companions import CompanionPicker
+from actors.sources.domain import DomainSource
+from router.config import KvrouteConfig
+from router.decision_record import (
+    KIND_DECISION,
+    KIND_FLEET,
+    KIND_HEADER,
+    LogFormatError,
+    decision_fields,
+    decode_addrs,
+    decode_fleet,
+    decode_hosts,
+    read_frames,
+)
+from router.logs import AggregatingLogger
+from router.master_config import master_hosts
+from router.policy.cache_affinity import CacheAffinityFirst, ObservedStatus
+from router.policy.ledger import NEVER, SelectionLedger
+from router.policy.plan import CandidateSource, Fleet
+from router.request import PreparedRequest
+from router.settings import resolve_config
+from router.settings.redact import config_digest
+from router.settings.validate import SettingProblem
+from router.types import (
+    DropReason,
+    HostMatch,
+    Reason,
+    Role,
+    RoleAddr,
+    RouteDecision,
+    RouteRequest,
+    RouteSource,
+    TaskInfo,
+    WorkerAddr,
+    WorkerStatus,
+)
+
+log = logging.getLogger(__name__)
+
+_IMMEDIATE_MASTER = frozenset({Reason.NO_MASTER, Reason.MASTER_BREAKER_OPEN, Reason.MASTER_QUEUE_FULL})
+
+
+# --- the recorded cases --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedProbe:
+    arrived: float | None
+    status: WorkerStatus | None
+    taken: float | None
+    missing: DropReason | None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedScoring:
+    source: CandidateSource
+    fleet: Fleet
+    ejected: tuple[str, ...]
+    probes: Mapping[str, RecordedProbe]
+    ledger: Mapping[str, tuple[int, float]]  # target → (pending charge, last selected)
+    ties: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedAnswer:
+    started: float
+    arrived: float
+    result: SourceResult
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedKvcm:
+    arrived: float
+    hosts: tuple[HostMatch, ...] | None
+    reason: Reason | None
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One recorded decision, decoded: its inputs and what it decided (``expected``)."""
+
+    path: str
+    offset: int
+    request_id: str
+    received_at: float
+    request: RouteRequest
+    overloaded: bool
+    master: RecordedAnswer | None
+    kvcm: RecordedKvcm | None
+    shadow_hosts: tuple[HostMatch, ...] | None
+    scorings: tuple[RecordedScoring, ...]
+    fleet: Fleet | None  # the last fleet the log described before this decision
+    expected: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedLog:
+    settings: Mapping[str, str]
+    digest: str
+    seed: int
+    cases: tuple[Case, ...]
+
+
+def load_log(paths: Sequence[str]) -> RecordedLog:
+    """Every decision of the log files, in order. Raises LogFormatError naming the file and byte offset."""
+    settings: Mapping[str, str] | None = None
+    digest = ""
+    seed = 0
+    cases: list[Case] = []
+    for path in paths:
+        fleets: dict[int, Fleet] = {}
+        last_fleet: Fleet | None = None
+        seen_header = False
+        for frame in read_frames(path):
+            try:
+                if frame.kind == KIND_HEADER:
+                    header = frame.payload
+                    if header.get("v") != 1:
+                        raise LogFormatError(path, frame.offset, f"header format version {header.get('v')!r}")
+                    given = {str(k): str(v) for k, v in dict(header["settings"]).items()}
+                    if settings is not None and str(header["digest"]) != digest:
+                        why = "recorded with another configuration than the files before"
+                        raise LogFormatError(path, frame.offset, why)
+                    settings, digest, seed = given, str(header["digest"]), int(header["seed"])
+                    seen_header = True
+                elif not seen_header:
+                    raise LogFormatError(path, frame.offset, "a frame before the header")
+                elif frame.kind == KIND_FLEET:
+                    last_fleet = fleets[int(frame.payload["f"])] = decode_fleet(frame.payload)
+                elif frame.kind == KIND_DECISION:
+                    cases.append(_case(path, frame.offset, frame.payload, fleets, last_fleet))
+            except LogFormatError:
+                raise
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                why = f"malformed frame payload ({type(exc).__name__}: {exc})"
+                raise LogFormatError(path, frame.offset, why) from None
+        if not seen_header:
+            raise LogFormatError(path, 8, "no header frame")
+    assert settings is not None or not paths
+    return RecordedLog(settings or {}, digest, seed, tuple(cases))
+
+
+def _status(raw: Sequence[Any]) -> WorkerStatus:
+    """A status with exactly the fields scoring reads (role, alive, queue, outstanding work, geometry)."""
+    role = Role(raw[0])
+    outstanding = int(raw[3])
+    running = (TaskInfo("recorded", outstanding, 0, False),) if outstanding else ()
+    return WorkerStatus(
+        role=role,
+        role_reported=role.value,
+        alive=bool(raw[1]),
+        status_version=1,
+        latest_finished_version=0,
+        running=running,
+        waiting_query_len=int(raw[2]),
+        block_size=None if raw[4] is None else int(raw[4]),
+        lookahead_tokens=None if raw[5] is None else int(raw[5]),
+    )
+
+
+def _answer(raw: Sequence[Any]) -> RecordedAnswer:
+    started, arrived, kind, reason = float(raw[0]), float(raw[1]), str(raw[2]), Reason(raw[3])
+    result: SourceResult
+    if kind == "answered":
+        addrs = decode_addrs(raw[7])
+        first = addrs[0]
+        worker = WorkerAddr(first.ip, first.http_port, first.grpc_port, first.grpc_port)
+        result = Answered(worker=worker, role=first.role, reason=reason, role_addrs=addrs)
+    elif kind == "fell_through":
+        result = FellThrough(reason, to_last=bool(raw[4]))
+    elif kind == "ended":
+        result = Ended(reason, str(raw[5]), int(raw[6]))
+    else:
+        result = Skipped()
+    return RecordedAnswer(started, arrived, result)
+
+
+def _keys(raw: Any) -> tuple[int, ...]:
+    if isinstance(raw, list):
+        return tuple(int(k) for k in raw)
+    _, _, length = str(raw).rpartition(":")
+    return (0,) * int(length)  # long keys are recorded as a digest: only their count matters to replay
+
+
+def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fleet], fleet: Fleet | None) -> Case:
+    received = float(p["t"])
+    roles = None if "ro" not in p else tuple(Role(r) for r in p["ro"])
+    deadline = None if "dl" not in p else received + float(p["dl"])
+    budget = None if "b" not in p else float(p["b"])
+    if "k" in p:
+        request = RouteRequest(
+            str(p["id"]),
+            block_cache_keys=_keys(p["k"]),
+            block_size=int(p["bs"]),
+            seq_len=int(p["sl"]),
+            budget_ms=budget,
+            deadline=deadline,
+            roles=roles,
+        )
+    else:  # refused before it had keys (bad request) or never admitted (overloaded)
+        request = RouteRequest(str(p["id"]), budget_ms=budget, deadline=deadline, roles=roles)
+    kvcm = None
+    if "kv" in p:
+        raw = p["kv"]
+        kvcm = RecordedKvcm(
+            float(raw[1]), None if raw[2] is None else decode_hosts(raw[2]), None if raw[3] is None else Reason(raw[3])
+        )
+    scorings = []
+    for sc in p.get("sc", ()):
+        scoring_fleet = fleets[int(p["f"])]
+        probes = {
+            str(row[0]): RecordedProbe(
+                None if row[1] is None else float(row[1]),
+                None if row[2] is None else _status(row[2]),
+                None if row[3] is None else float(row[3]),
+                None if row[4] is None else DropReason(row[4]),
+            )
+            for row in sc["p"]
+        }
+        ledger = {
+            str(row[0]): (int(row[1]), NEVER if row[2] is None else float(row[2])) for row in sc["lv"]
+        }
+        scorings.append(
+            RecordedScoring(
+                CandidateSource(sc["s"]),
+                scoring_fleet,
+                tuple(str(t) for t in sc["ej"]),
+                probes,
+                ledger,
+                tuple(float(row[3]) for row in sc["lv"]),
+            )
+        )
+        fleet = scoring_fleet
+    expected = dict(p["d"])
+    return Case(
+        path=path,
+        offset=offset,
+        request_id=str(p["id"]),
+        received_at=received,
+        request=request,
+        overloaded=bool(p.get("ov", 0)),
+        master=None if "m" not in p else _answer(p["m"]),
+        kvcm=kvcm,
+        shadow_hosts=None if "sh" not in p else decode_hosts(p["sh"]),
+        scorings=tuple(scorings),
+        fleet=fleet,
+        expected=expected,
+    )
+
+
+# --- the replay parts ------------------------------------------------------------------------------
+
+
+class RecordedLedger(SelectionLedger):
+    """The ledger as the recorded decision read it; recording into it changes nothing."""
+
+    def __init__(self, view: Mapping[str, tuple[int, float]]) -> None:
+        super().__init__(1, 2)
+        self._view = view
+
+    def view(self, worker: str, status_taken_at: float) -> tuple[int, float]:
+        return self._view.get(worker, (0, NEVER))
+
+    def record(self, worker: str, uncached_tokens: int, now: float, status_taken_at: float | None = None) -> None:
+        return None
+
+
+class RecordedTies(random.Random):
+    """The recorded tie draws in order; beyond them (a what-if scoring more candidates), seeded draws."""
+
+    def __init__(self, ties: Sequence[float], seed: int) -> None:
+        super().__init__(seed)
+        self._ties = list(ties)
+        self._next = 0
+
+    def random(self) -> float:
+        if self._next < len(self._ties):
+            self._next += 1
+            return self._ties[self._next - 1]
+        return super().random()
+
+
+@dataclass(slots=True)
+class _Current:
+    case: Case | None = None
+    scorings_used: int = 0
+
+    def get(self) -> Case:
+        assert self.case is not None
+        return self.case
+
+
+class _ReplayScoring:
+    def __init__(self, config: KvrouteConfig, current: _Current) -> None:
+        self._config = config
+        self._current = current
+
+    async def choose(self, ctx: RequestContext, hosts: Sequence[HostMatch], source: CandidateSource) -> SourceResult:
+        case = self._current.get()
+        recorded = next((s for s in case.scorings if s.source is source), None)
+        fleet = recorded.fleet if recorded is not None else case.fleet or Fleet.of(())
+        policy = CacheAffinityFirst(
+            self._config.scorer,
+            self._config.deployment,
+            tie_rng=RecordedTies(() if recorded is None else recorded.ties, self._config.scorer.seed),
+            ledger=RecordedLedger({} if recorded is None else recorded.ledger),
+        )
+        known = fleet.by_http_target
+        ejected = [] if recorded is None else [known[t] for t in recorded.ejected if t in known]
+        plan = policy.plan(hosts, fleet, request_id=ctx.request.request_id, source=source, ejected=ejected)
+        probes: Mapping[str, RecordedProbe] = {} if recorded is None else recorded.probes
+        r = case.received_at
+        in_time = [
+            r + p.arrived
+            for c in plan.candidates
+            if (p := probes.get(c.target)) is not None and p.arrived is not None and r + p.arrived <= ctx.decide_at
+        ]
+        if in_time:  # the recorded results arrive at their times; waiting ends at decide_at at the latest
+            with trio.move_on_at(ctx.decide_at):
+                await trio.sleep_until(max(in_time))
+        statuses: dict[WorkerAddr, ObservedStatus] = {}
+        missing: dict[WorkerAddr, DropReason] = {}
+        for c in plan.candidates:
+            p = probes.get(c.target)
+            if p is None or (p.arrived is not None and r + p.arrived > ctx.decide_at):
+                missing[c.worker] = DropReason.PROBE_SKIPPED  # not in hand by decide_at (what-if)
+            elif p.status is not None and p.taken is not None:
+                statuses[c.worker] = policy.observe(c.worker, p.status, r + p.taken)
+            elif p.missing is not None:
+                missing[c.worker] = p.missing
+        prepared = ctx.prepared
+        selection = policy.decide(
+            plan,
+            statuses,
+            seq_len=prepared.seq_len,
+            block_size=prepared.block_size,
+            now=trio.current_time(),
+            roles=prepared.roles,
+            missing=missing,
+        )
+        if selection.worker is None or selection.role is None:
+            return FellThrough(Reason.NO_CANDIDATES)
+        return Answered(
+            worker=selection.worker,
+            role=selection.role,
+            reason=selection.reason,
+            hit_tokens=selection.hit_tokens,
+            local_blocks=selection.local_blocks,
+            candidates=selection.explain(),
+        )
+
+
+class _ReplayMaster:
+    kind = RouteSource.MASTER
+    needs_keys = False
+
+    def __init__(self, config: KvrouteConfig, current: _Current, *, later_sources: bool) -> None:
+        self._timeout_s = config.master.transport_timeout_ms / 1000.0
+        self._later_s = config.master.later_sources_ms / 1000.0 if later_sources else 0.0
+        self._roles = config.deployment.roles
+        self._current = current
+
+    def window(self, ctx: RequestContext) -> float:
+        return ctx.deadline
+
+    def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
+        return None
+
+    async def attempt(self, ctx: RequestContext) -> SourceResult:
+        case = self._current.get()
+        recorded = case.master
+        if recorded is None:  # the request's deadline ended it before the master answered
+            await trio.sleep_forever()
+            raise AssertionError("unreachable")  # pragma: no cover
+        result = recorded.result
+        if isinstance(result, Answered):  # the worker is the first address of a routed role, as the master source picks
+            pick = next((a for a in result.role_addrs if a.role in self._roles), result.role_addrs[0])
+            worker = WorkerAddr(pick.ip, pick.http_port, pick.grpc_port, pick.grpc_port)
+            result = Answered(worker=worker, role=pick.role, reason=result.reason, role_addrs=result.role_addrs)
+        if isinstance(result, FellThrough | Ended) and result.reason in _IMMEDIATE_MASTER:
+            return result
+        now = trio.current_time()
+        end = min(now + self._timeout_s, ctx.deadline - self._later_s)
+        if end <= now:
+            return FellThrough(Reason.DEADLINE)
+        with trio.move_on_at(end):
+            await trio.sleep_until(case.received_at + recorded.arrived)
+            return result
+        return FellThrough(Reason.MASTER_UNAVAILABLE)
+
+
+class _ReplayKvcm:
+    kind = RouteSource.KVCM
+    needs_keys = True
+
+    def __init__(self, config: KvrouteConfig, current: _Current, scoring: _ReplayScoring) -> None:
+        self._query_timeout_s = config.router.kvcm_query_timeout_ms / 1000.0
+        self._current = current
+        self._scoring = scoring
+
+    def window(self, ctx: RequestContext) -> float:
+        return ctx.deadline
+
+    def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
+        return None
+
+    async def attempt(self, ctx: RequestContext) -> SourceResult:
+        case = self._current.get()
+        recorded = case.kvcm
+        if not ctx.prepared.keys:
+            return FellThrough(Reason.NO_POSITIVE_MATCH)
+        if recorded is None:
+            await trio.sleep_forever()
+            raise AssertionError("unreachable")  # pragma: no cover
+        end = min(ctx.decide_at, trio.current_time() + self._query_timeout_s)
+        arrived = False
+        with trio.move_on_at(end):
+            await trio.sleep_until(case.received_at + recorded.arrived)
+            arrived = True
+        if not arrived:
+            return FellThrough(Reason.DEADLINE)
+        if recorded.hosts is None or not recorded.hosts:
+            ctx.cache_hosts = recorded.hosts
+            return FellThrough(recorded.reason or Reason.NO_POSITIVE_MATCH)
+        ctx.cache_hosts = recorded.hosts
+        return await self._scoring.choose(ctx, recorded.hosts, CandidateSource.HOT)
+
+
+class _ReplayShadow:
+    kind = RouteSource.SHADOW
+    needs_keys = True
+
+    def __init__(self, current: _Current, scoring: _ReplayScoring) -> None:
+        self._current = current
+        self._scoring = scoring
+
+    def window(self, ctx: RequestContext) -> float:
+        return ctx.deadline
+
+    def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
+        return None
+
+    async def attempt(self, ctx: RequestContext) -> SourceResult:
+        if ctx.cache_hosts:
+            return Skipped()
+        hosts = self._current.get().shadow_hosts or ()
+        if not hosts:
+            return FellThrough(ctx.fallthrough or Reason.NO_POSITIVE_MATCH)
+        return await self._scoring.choose(ctx, hosts, CandidateSource.SHADOW)
+
+
+class _ReplayDomain(DomainSource):
+    """The recorded draw: the worker the recorded decision's domain answer named."""
+
+    def __init__(self, config: KvrouteConfig, current: _Current) -> None:  # no super(): no fleet, prober, RNG
+        self._roles = config.deployment.roles
+        self._current = current
+
+    def pick(self, prepared: PreparedRequest | None, reason: Reason, error: str | None = None) -> Answered | Ended:
+        case = self._current.get()
+        expected = case.expected
+        if expected["rs"] == RouteSource.NONE.value and expected["r"] == Reason.NO_WORKERS.value:
+            return Ended(Reason.NO_WORKERS, error or "discovery has no worker: nothing to route to")
+        roles: tuple[Role, ...] = prepared.roles if prepared is not None else self._roles
+        addrs = decode_addrs(expected["ra"])
+        if expected["rs"] == RouteSource.DOMAIN.value and addrs:
+            first = addrs[0]
+            fleet_worker = None if case.fleet is None else case.fleet.by_http_target.get(first.http_target)
+            worker = fleet_worker or WorkerAddr(first.ip, first.http_port, first.grpc_port, first.grpc_port)
+            return Answered(worker=worker, role=first.role, reason=reason, error=error)
+        if case.fleet is not None and case.fleet.workers:  # what-if only: the recording drew no domain worker
+            return Answered(worker=case.fleet.workers[0], role=roles[0], reason=reason, error=error)
+        return Ended(Reason.NO_WORKERS, "the recording names no worker to stand in for a domain draw")
+
+
+class _ReplayCompanions(CompanionPicker):
+    def __init__(self, current: _Current) -> None:  # no super(): companions come from the recording
+        self._current = current
+
+    def fill(self, given: tuple[RoleAddr, ...], companions: Sequence[Role]) -> tuple[RoleAddr, ...]:
+        missing = [role for role in companions if all(a.role is not role for a in given)]
+        recorded = decode_addrs(self._current.get().expected["ra"])
+        return given + tuple(a for a in recorded if a.role in missing and a not in given)
+
+
+class _ReplayRouter(RouterActor):
+    async def route_overloaded(self, request: RouteRequest) -> RouteDecision:
+        """Route with every admission token held, as when the recorded request found none."""
+        holders = [object() for _ in range(int(self._limiter.total_tokens))]
+        for holder in holders:
+            self._limiter.acquire_on_behalf_of_nowait(holder)
+        try:
+            return await self.route(request)
+        finally:
+            for holder in holders:
+                self._limiter.release_on_behalf_of(holder)
+
+
+# --- the engine ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    case: Case
+    replayed: Mapping[str, Any]
+
+    @property
+    def identical(self) -> bool:
+        return dict(self.case.expected) == dict(self.replayed)
+
+
+def normalized(decision: RouteDecision) -> dict[str, Any]:
+    """The decision's compared fields as the log stores them (JSON types)."""
+    loaded: dict[str, Any] = json.loads(json.dumps(decision_fields(decision)))
+    return loaded
+
+
+class ReplayEngine:
+    def __init__(self, config: KvrouteConfig) -> None:
+        self.config = config
+        self._metrics = MetricsSink(config.metrics)  # the router emits into it; nothing reads it here
+
+    def replay(self, case: Case) -> Outcome:
+        clock = trio.testing.MockClock(autojump_threshold=0)
+        decision = trio.run(self._one, case, clock, clock=clock)
+        return Outcome(case, normalized(decision))
+
+    def replay_all(self, cases: Iterable[Case]) -> list[Outcome]:
+        return [self.replay(case) for case in cases]
+
+    async def _one(self, case: Case, clock: trio.testing.MockClock) -> RouteDecision:
+        config = self.config
+        clock.jump(max(0.0, case.received_at - trio.current_time()))
+        current = _Current(case)
+        scoring = _ReplayScoring(config, current)
+        domain = _ReplayDomain(config, current)
+        chain: list[Source] = []
+        if master_hosts(config.master):
+            chain.append(_ReplayMaster(config, current, later_sources=config.router.kvcm_fallback))
+        if config.router.kvcm_fallback:
+            chain.append(_ReplayKvcm(config, current, scoring))
+            chain.append(_ReplayShadow(current, scoring))
+        chain.append(domain)
+        warn = AggregatingLogger(log, interval_s=math.inf, max_keys=16)
+        router = _ReplayRouter(
+            config, chain=chain, domain=domain, companions=_ReplayCompanions(current), metrics=self._metrics, warn=warn
+        )
+        if case.overloaded:
+            return await router.route_overloaded(case.request)
+        return await router.route(case.request)
+
+
+# --- configuration and the what-if ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    config: KvrouteConfig
+    problems: tuple[SettingProblem, ...]
+    digest_matches: bool
+
+
+def replay_config(recorded: RecordedLog, overrides: Mapping[str, str]) -> ReplayConfig:
+    """The recorded configuration (its non-default settings over this kvroute's defaults), then ``overrides``."""
+    base = resolve_config(None, {}, dict(recorded.settings))
+    loaded = resolve_config(None, {}, {**recorded.settings, **overrides})
+    return ReplayConfig(loaded.effective, loaded.fatal_errors, config_digest(base.config) == recorded.digest)
+
+
+@dataclass(slots=True)
+class WhatIf:
+    """How the decisions change under other settings."""
+
+    total: int = 0
+    changed: int = 0
+    transitions: dict[tuple[str, str], int] = field(default_factory=dict)  # (route/reason before, after) → n
+    workers_changed: int = 0
+    hit_delta: int = 0  # predicted cache-hit tokens, after − before
+    work_delta: int = 0  # the chosen worker's work tokens, after − before
+
+    def add(self, outcome: Outcome) -> None:
+        before, after = outcome.case.expected, outcome.replayed
+        self.total += 1
+        if outcome.identical:
+            return
+        self.changed += 1
+        key = (f"{before['rs']}/{before['r']}", f"{after['rs']}/{after['r']}")
+        self.transitions[key] = self.transitions.get(key, 0) + 1
+        self.workers_changed += before["w"] != after["w"]
+        self.hit_delta += int(after["hit"]) - int(before["hit"])
+        self.work_delta += chosen_work(after) - chosen_work(before)
+
+
+def chosen_work(fields: Mapping[str, Any]) -> int:
+    """The chosen candidate's work tokens (0 when no candidate was scored and chosen)."""
+    for row in fields["c"]:
+        if row[7] and row[4] is not None:
+            return int(row[4])
+    return 0
+
+
+def difference(outcome: Outcome) -> str:
+    """What differs, in a few words: ``worker a -> b; reason x -> y``."""
+    before, after = outcome.case.expected, outcome.replayed
+    names = {"w": "worker", "r": "reason", "rs": "source", "ra": "role addrs", "ch": "chain", "c": "candidates"}
+    parts = []
+    for key, name in names.items():
+        if before.get(key) != after.get(key):
+            if key in ("w", "r", "rs"):
+                parts.append(f"{name} {before.get(key)} -> {after.get(key)}")
+            else:
+                parts.append(f"{name} differ")
+    return "; ".join(parts) or "other fields differ"
+

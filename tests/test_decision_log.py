@@ -1,0 +1,275 @@
+"""The decision log and replay: record MockClock runs of the whole router (in-memory peers), replay them.
+
+Recording runs every actor for real against SimCluster/SimMaster; replay re-runs each decision through
+the real router chain and policy from the log alone, and must come out identical.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.master import MasterFaults, SimMaster
+from kvroute_sim.sim.worker import WorkerFaults
+from router.api import open_router
+from router.cli import main
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, MasterConfig, RouterConfig
+from router.decision_record import MAGIC, LogFormatError
+from router.keys import block_keys
+from router.replay import ReplayEngine, load_log, replay_config
+from router.supervisor import RouterHandle
+from router.transport.master_memory import MemoryMasterNetwork
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteRequest, RouteSource
+
+BLOCK = 16
+PROMPT = tuple(range(1000, 1000 + 8 * BLOCK))
+OTHER = tuple(range(5000, 5000 + 8 * BLOCK))
+UNSEEN = tuple(range(9000, 9000 + 8 * BLOCK))
+KEYS = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
+T = TypeVar("T")
+
+
+def _config(addrs_bootstrap: str, workers: str, log: Path, **router_kw: object) -> KvrouteConfig:
+    return KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, roles=(Role.PREFILL,), kvcm_instance_id="ns"),
+        router=RouterConfig(decision_log=str(log), **router_kw),  # type: ignore[arg-type]
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs_bootstrap, workers=workers),
+    )
+
+
+@asynccontextmanager
+async def cluster_router(
+    log: Path, workers: int = 4, **router_kw: object
+) -> AsyncIterator[tuple[RouterHandle, SimCluster]]:
+    cluster = SimCluster(workers=workers, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = _config(addrs.kvcm_bootstrap, addrs.workers_arg, log, **router_kw)
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.move_on_after(1):
+            await resolver.leader()
+        yield handle, cluster
+
+
+async def record_cache_run(log: Path) -> list[RouteDecision]:
+    """Every cache-path source and fallback reason: KVCM leader and shortest-TTFT picks, the shadow
+    index standing in, domain answers for no_positive_match / deadline / bad_request / overloaded,
+    probes cut off at decide_at, no_candidates."""
+    decisions: list[RouteDecision] = []
+    async with cluster_router(log, max_in_flight=2) as (handle, cluster):
+        cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
+        route = handle.route
+        for i in range(4):  # cache leader, then pre-charges spread the burst
+            decisions.append(await route(RouteRequest(f"leader{i}", token_ids=PROMPT, budget_ms=50)))
+        decisions.append(await route(RouteRequest("cold", token_ids=OTHER, budget_ms=50)))  # no_positive_match
+        decisions.append(await route(RouteRequest("bad", budget_ms=50)))  # bad_request
+        decisions.append(await route(RouteRequest("keys", block_cache_keys=(1, 2, 3), block_size=BLOCK)))
+        cluster.workers[1].set_faults(WorkerFaults(delay_s=0.5))  # its probe misses decide_at
+        decisions.append(await route(RouteRequest("slow-worker", token_ids=PROMPT, budget_ms=50)))
+        cluster.workers[1].set_faults(WorkerFaults())
+        leader = cluster.kvcm.leader
+        cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))  # deadline: the shadow index stands in
+        decisions.append(await route(RouteRequest("hang", token_ids=PROMPT, budget_ms=50)))
+        decisions.append(await route(RouteRequest("hang-unseen", token_ids=UNSEEN, budget_ms=20)))
+        cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.010))
+        async with trio.open_nursery() as nursery:  # three at once over a cap of two: one is overloaded
+
+            async def one(rid: str) -> None:
+                decisions.append(await route(RouteRequest(rid, token_ids=PROMPT, budget_ms=50)))
+
+            for rid in ("burst0", "burst1", "burst2"):
+                nursery.start_soon(one, rid)
+        cluster.kvcm.set_faults(leader, KvcmFaults())
+        for w in cluster.workers:
+            w.set_faults(WorkerFaults(not_alive=True))
+        await trio.sleep(1)  # past the fresh status TTL: the next probes see not_alive
+        decisions.append(await route(RouteRequest("none-alive", token_ids=PROMPT, budget_ms=50)))
+        long_keys = tuple(range(100, 140))  # recorded as a digest and a length
+        decisions.append(await route(RouteRequest("long", block_cache_keys=long_keys, block_size=BLOCK)))
+    return decisions
+
+
+async def record_master_run(log: Path) -> list[RouteDecision]:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
+    prefill = cluster.worker_addr(1)
+    decode = RoleAddr(Role.DECODE, "10.9.9.9", 9000, 9001)
+    master = SimMaster([RoleAddr(Role.PREFILL, prefill.ip, prefill.http_port, prefill.grpc_port), decode], replicas=1)
+    masters = MemoryMasterNetwork()
+    hosts = master.serve_memory(masters)
+    config = replace(
+        _config(addrs.kvcm_bootstrap, addrs.workers_arg, log),
+        master=MasterConfig(hosts=",".join(hosts.hosts)),
+    )
+    decisions: list[RouteDecision] = []
+    async with open_router(config, rpc=network, master=masters) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.move_on_after(1):
+            await resolver.leader()
+        route = handle.route
+        decisions.append(await route(RouteRequest("m-routed", token_ids=PROMPT, budget_ms=50)))
+        for faults, rid in (
+            (MasterFaults(fallback=True), "m-8600"),
+            (MasterFaults(business_error=8402), "m-error"),
+            (MasterFaults(hang=True), "m-hang"),
+            (MasterFaults(slow_ms=5), "m-slow"),
+        ):
+            master.set_faults(0, faults)
+            decisions.append(await route(RouteRequest(rid, token_ids=PROMPT, budget_ms=50)))
+    return decisions
+
+
+def on_mock_clock(record: Callable[[Path], Awaitable[T]], log: Path) -> T:
+    """Record in its own trio run (replay starts a trio run per decision, so it cannot run inside one)."""
+    return trio.run(record, log, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def replay_all(*logs: Path, overrides: dict[str, str] | None = None) -> tuple[int, int]:
+    recorded = load_log([str(p) for p in logs])
+    setup = replay_config(recorded, overrides or {})
+    assert not setup.problems and setup.digest_matches
+    outcomes = ReplayEngine(setup.config).replay_all(recorded.cases)
+    return sum(o.identical for o in outcomes), len(outcomes)
+
+
+def test_a_recorded_cache_run_replays_identically(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.log"
+    decisions = on_mock_clock(record_cache_run, log)
+    by_reason = {(d.route_source, d.reason) for d in decisions}
+    assert {
+        (RouteSource.KVCM, Reason.CACHE_LEADER),
+        (RouteSource.SHADOW, Reason.CACHE_LEADER),
+        (RouteSource.DOMAIN, Reason.NO_POSITIVE_MATCH),
+        (RouteSource.DOMAIN, Reason.BAD_REQUEST),
+        (RouteSource.DOMAIN, Reason.OVERLOADED),
+        (RouteSource.DOMAIN, Reason.DEADLINE),
+        (RouteSource.DOMAIN, Reason.NO_CANDIDATES),
+    } <= by_reason, by_reason
+    identical, total = replay_all(log)
+    assert (identical, total) == (len(decisions), len(decisions))
+
+
+def test_a_recorded_master_run_replays_identically(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.log"
+    decisions = on_mock_clock(record_master_run, log)
+    reasons = {d.reason for d in decisions}
+    assert {Reason.MASTER, Reason.MASTER_FALLBACK, Reason.MASTER_ERROR} <= reasons
+    assert any(s.reason is Reason.MASTER_UNAVAILABLE for d in decisions for s in d.sources)
+    assert replay_all(log) == (len(decisions), len(decisions))
+
+
+def test_the_replay_command_reports_and_exits_by_identity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "decisions.log"
+    decisions = on_mock_clock(record_cache_run, log)
+    assert main(["replay", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == f"{len(decisions)} of {len(decisions)} decisions identical"
+    # What-if: no minimum hit gate and a generous extra-work bound: the cache leader keeps more requests.
+    assert main(["replay", str(log), "--router-setting", "scorer_max_extra_work_tokens=100000"]) == 0
+    out = capsys.readouterr().out
+    assert "what-if scorer_max_extra_work_tokens=100000" in out and "decisions change" in out
+    assert main(["replay", str(log), "--router-setting", "no_such_setting=1"]) == 2
+    assert "no_such_setting" in capsys.readouterr().err
+
+
+def test_a_what_if_changes_decisions(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.log"
+    on_mock_clock(record_cache_run, log)
+    identical, total = replay_all(log, overrides={"kvcm_fallback": "false"})
+    assert identical < total  # every cache decision becomes a domain one
+
+
+def test_corrupted_and_truncated_logs_name_the_byte_offset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "decisions.log"
+    on_mock_clock(record_cache_run, log)
+    data = log.read_bytes()
+    truncated = tmp_path / "truncated.log"
+    truncated.write_bytes(data[:-7])
+    with pytest.raises(LogFormatError, match="byte offset") as caught:
+        load_log([str(truncated)])
+    assert 0 < caught.value.offset < len(data)
+    flipped = bytearray(data)
+    flipped[len(MAGIC) + 20] ^= 0xFF  # inside the header frame's payload
+    corrupted = tmp_path / "corrupted.log"
+    corrupted.write_bytes(bytes(flipped))
+    with pytest.raises(LogFormatError, match=f"byte offset {len(MAGIC)}: frame checksum mismatch"):
+        load_log([str(corrupted)])
+    not_a_log = tmp_path / "other.log"
+    not_a_log.write_bytes(b"hello world, not a log")
+    assert main(["replay", str(not_a_log)]) == 2
+    err = capsys.readouterr().err
+    assert "byte offset 0" in err and "Traceback" not in err
+    huge = tmp_path / "huge.log"
+    huge.write_bytes(MAGIC + struct.pack(">IBI", 2**31, ord("D"), 0))
+    assert main(["replay", str(huge)]) == 2
+    assert f"byte offset {len(MAGIC)}" in capsys.readouterr().err
+
+
+def test_rotation_keeps_the_size_bound_and_each_file_replays(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.log"
+    max_bytes, files = 8192, 3
+
+    async def record(log: Path) -> None:
+        async with cluster_router(log, decision_log_max_bytes=max_bytes, decision_log_files=files) as (handle, cluster):
+            cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
+            for i in range(120):
+                await handle.route(RouteRequest(f"r{i}", token_ids=PROMPT, budget_ms=50))
+                await trio.sleep(0.01)
+
+    on_mock_clock(record, log)
+    kept = sorted(p for p in tmp_path.iterdir() if p.name.startswith("decisions.log"))
+    assert [p.name for p in kept] == ["decisions.log", "decisions.log.1", "decisions.log.2"]
+    assert all(os.path.getsize(p) <= max_bytes for p in kept)
+    for path in kept:  # every file carries its header (and its fleet): each replays on its own
+        identical, total = replay_all(path)
+        assert identical == total > 0
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    budgets=st.lists(st.sampled_from([5.0, 12.0, 30.0, 50.0]), min_size=1, max_size=6),
+    delays=st.lists(st.sampled_from([0.0, 0.002, 0.02, 0.2]), min_size=4, max_size=4),
+    kvcm_delay=st.sampled_from([0.0, 0.004, 0.03]),
+    blocks=st.integers(min_value=0, max_value=8),
+)
+def test_replay_is_deterministic_for_any_recorded_run(
+    tmp_path_factory: pytest.TempPathFactory, budgets: list[float], delays: list[float], kvcm_delay: float, blocks: int
+) -> None:
+    log = tmp_path_factory.mktemp("prop") / "decisions.log"
+
+    async def record(log: Path) -> int:
+        async with cluster_router(log) as (handle, cluster):
+            if blocks:
+                cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, KEYS[:blocks])
+            for worker, delay in zip(cluster.workers, delays, strict=True):
+                worker.set_faults(WorkerFaults(delay_s=delay))
+            cluster.kvcm.set_faults(cluster.kvcm.leader, KvcmFaults(delay_s=kvcm_delay))
+            for i, budget in enumerate(budgets):
+                await handle.route(RouteRequest(f"p{i}", token_ids=PROMPT, budget_ms=budget))
+        return len(budgets)
+
+    n = on_mock_clock(record, log)
+    first = replay_all(log)
+    assert first == (n, n)
+    assert replay_all(log) == first
