@@ -25,7 +25,7 @@ from kvroute_sim.demo.policies import (
     POLICY_NAMES,
     LeastLoadedPolicy,
     MaxLocalAffinityPolicy,
-    OraclePolicy,
+    MaxHitPolicy,
     RandomPolicy,
     RoundRobinPolicy,
 )
@@ -212,8 +212,8 @@ def test_max_local_affinity_breaks_ties_by_address_and_falls_back_to_random() ->
     assert policy.choose(KEYS, Stranger(HOSTS, [0] * 4, [0] * 4)) == 1  # a host outside the fleet is ignored
 
 
-def test_oracle_takes_the_longest_cache_then_the_least_work() -> None:
-    policy = OraclePolicy(0)
+def test_max_hit_takes_the_longest_cache_then_the_least_work() -> None:
+    policy = MaxHitPolicy(0)
     assert policy.choose(KEYS, StaticView(HOSTS, [100, 0, 50, 0], [6, 2, 6, 0])) == 2
     assert policy.choose(KEYS, StaticView(HOSTS, [100, 0, 50, 7], [0, 0, 0, 0])) == 1
     tied = StaticView(HOSTS, [3, 3, 9, 3], [4, 4, 4, 1])
@@ -223,8 +223,8 @@ def test_oracle_takes_the_longest_cache_then_the_least_work() -> None:
 def test_baselines_replay_identically_on_fresh_clusters() -> None:
     workload = build_workload(replace(SMALL, prompts_per_group=10))
     cluster = ClusterSpec(workers=4, kv_capacity_blocks=64)
-    first = run_baseline(OraclePolicy(3), workload, cluster)
-    again = run_baseline(OraclePolicy(3), workload, cluster)
+    first = run_baseline(MaxHitPolicy(3), workload, cluster)
+    again = run_baseline(MaxHitPolicy(3), workload, cluster)
     strip = [(r.worker, r.cached_tokens, r.ttft_s) for r in first.records]
     assert strip == [(r.worker, r.cached_tokens, r.ttft_s) for r in again.records]
     assert first.worker_prefill_tokens == again.worker_prefill_tokens

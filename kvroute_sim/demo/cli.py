@@ -25,7 +25,8 @@ from typing import TextIO
 import trio
 
 from kvroute_sim.demo import scenarios
-from kvroute_sim.demo.policies import KVROUTE, POLICY_NAMES, baseline_policies
+from kvroute_sim.demo.lineup import KVROUTE, lineup_baselines
+from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
 from kvroute_sim.demo.report import (
     check_targets,
     format_table,
@@ -236,7 +237,7 @@ async def compare(
         print(f"kvcm bootstrap: {setup.addresses.kvcm_bootstrap}", file=out, flush=True)
         if KVROUTE in policies:
             runs.append(await run_kvroute(setup, clock, workload, progress))
-        for policy in baseline_policies(workload.spec.seed):
+        for policy in lineup_baselines(workload.spec.seed, workload.spec.block_size):
             if policy.name in policies:
                 runs.append(await trio.to_thread.run_sync(run_baseline, policy, workload, cluster_spec, progress))
     order = {name: i for i, name in enumerate(POLICY_NAMES)}
