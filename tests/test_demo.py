@@ -20,12 +20,12 @@ import pytest
 import trio
 
 from kvroute_sim.demo import cli as demo_cli
+from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
 from kvroute_sim.demo.policies import (
     BASELINE_NAMES,
-    POLICY_NAMES,
     LeastLoadedPolicy,
+    MaxHitPolicy,
     MaxLocalAffinityPolicy,
-    OraclePolicy,
     RandomPolicy,
     RoundRobinPolicy,
 )
@@ -212,8 +212,8 @@ def test_max_local_affinity_breaks_ties_by_address_and_falls_back_to_random() ->
     assert policy.choose(KEYS, Stranger(HOSTS, [0] * 4, [0] * 4)) == 1  # a host outside the fleet is ignored
 
 
-def test_oracle_takes_the_longest_cache_then_the_least_work() -> None:
-    policy = OraclePolicy(0)
+def test_max_hit_takes_the_longest_cache_then_the_least_work() -> None:
+    policy = MaxHitPolicy(0)
     assert policy.choose(KEYS, StaticView(HOSTS, [100, 0, 50, 0], [6, 2, 6, 0])) == 2
     assert policy.choose(KEYS, StaticView(HOSTS, [100, 0, 50, 7], [0, 0, 0, 0])) == 1
     tied = StaticView(HOSTS, [3, 3, 9, 3], [4, 4, 4, 1])
@@ -223,8 +223,8 @@ def test_oracle_takes_the_longest_cache_then_the_least_work() -> None:
 def test_baselines_replay_identically_on_fresh_clusters() -> None:
     workload = build_workload(replace(SMALL, prompts_per_group=10))
     cluster = ClusterSpec(workers=4, kv_capacity_blocks=64)
-    first = run_baseline(OraclePolicy(3), workload, cluster)
-    again = run_baseline(OraclePolicy(3), workload, cluster)
+    first = run_baseline(MaxHitPolicy(3), workload, cluster)
+    again = run_baseline(MaxHitPolicy(3), workload, cluster)
     strip = [(r.worker, r.cached_tokens, r.ttft_s) for r in first.records]
     assert strip == [(r.worker, r.cached_tokens, r.ttft_s) for r in again.records]
     assert first.worker_prefill_tokens == again.worker_prefill_tokens
@@ -276,12 +276,13 @@ def test_targets_met_and_missed() -> None:
     baselines = [
         _summary("random", 0.5, 90.0, 400.0),
         _summary("least-loaded", 0.5, 40.0, 100.0),
-        _summary("oracle", 0.8, 20.0, 100.0),
+        _summary("max-hit", 0.8, 30.0, 300.0),
+        _summary("oracle", 0.78, 20.0, 100.0),
     ]
     good = check_targets([_summary("kvroute", 0.77, 18.0, 109.0), *baselines])
-    assert [c.met for c in good] == [True, True, True, True]
-    bad = check_targets([_summary("kvroute", 0.75, 41.0, 111.0), *baselines])
-    assert [c.met for c in bad] == [False, False, False, False]
+    assert [c.met for c in good] == [True, True, True, True, True]
+    bad = check_targets([_summary("kvroute", 0.75, 41.0, 131.0), *baselines])
+    assert [c.met for c in bad] == [False, False, False, False, False]
     assert check_targets(baselines) == ()  # no kvroute run: nothing to judge
 
 

@@ -16,14 +16,16 @@ import trio
 
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.demo.cli import compare
-from kvroute_sim.demo.policies import KVROUTE, ORACLE, POLICY_NAMES
+from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
+from kvroute_sim.demo.lineup import MAX_HIT
+from kvroute_sim.demo.policies import KVROUTE
 from kvroute_sim.demo.report import check_targets, format_table, summarize
 from kvroute_sim.demo.runner import ClusterSpec
 from kvroute_sim.demo.workload import WorkloadSpec, build_workload
 
 QUICK_SCALE = 4  # --quick: a quarter of the groups, and of the capacity per worker
-# The demo also reports "mean TTFT below the oracle's": a bound it shows, not one of the P5 targets.
-_NOT_A_TARGET = "mean TTFT below the oracle"
+# The demo also reports kvroute against the TTFT oracle: a ceiling it shows, not one of the P5 targets.
+_NOT_A_TARGET = "the TTFT oracle"
 
 
 def _specs(quick: bool) -> tuple[WorkloadSpec, ClusterSpec]:
@@ -41,17 +43,17 @@ def measure(report: BenchReport, *, quick: bool) -> None:
     summaries = [summarize(run) for run in runs]
     by_name = {s.policy: s for s in summaries}
     checks = check_targets(summaries)
-    targets = [c for c in checks if not c.target.startswith(_NOT_A_TARGET)]
-    kv, oracle = by_name[KVROUTE], by_name[ORACLE]
+    targets = [c for c in checks if _NOT_A_TARGET not in c.target]
+    kv, oracle = by_name[KVROUTE], by_name[MAX_HIT]
     fraction = kv.hit_rate / oracle.hit_rate
     report.figures.append(
         Figure(
             "P5",
             f"demo policy comparison, {len(workload.requests):,} requests, {cluster_spec.workers} workers: "
-            "kvroute's hit rate / the oracle's; TTFT vs the baselines",
-            f"{fraction:.1%} of the oracle's hit rate ({kv.hit_rate:.1%} vs {oracle.hit_rate:.1%}); "
+            "kvroute's hit rate / max-hit's; TTFT vs the baselines",
+            f"{fraction:.1%} of max-hit's hit rate ({kv.hit_rate:.1%} vs {oracle.hit_rate:.1%}); "
             + "; ".join(f"{'met' if c.met else 'MISSED'}: {c.target} ({c.detail})" for c in targets),
-            "≥ 95 % of oracle hit rate; mean TTFT < every baseline; p99 ≤ 1.1× least-loaded",
+            "≥ 95 % of max-hit's hit rate; mean TTFT < every baseline; p99 ≤ 1.1× least-loaded",
             Verdict.MET if targets and all(c.met for c in targets) else Verdict.MISSED,
             {
                 "hit_rate_of_oracle": fraction,

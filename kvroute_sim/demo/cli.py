@@ -25,7 +25,9 @@ from typing import TextIO
 import trio
 
 from kvroute_sim.demo import scenarios
-from kvroute_sim.demo.policies import KVROUTE, POLICY_NAMES, baseline_policies
+from kvroute_sim.demo.evidence_cli import configure_evidence, evidence_requested, run_evidence
+from kvroute_sim.demo.lineup import KVROUTE, lineup_baselines
+from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
 from kvroute_sim.demo.report import (
     check_targets,
     format_table,
@@ -106,6 +108,8 @@ _CLUSTER_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] =
     ("--kvcm-replicas", "kvcm_replicas", _number(int, 1), "N", "KVCM replicas (the first leads)"),
     ("--prefill-tokens-per-s", "prefill_tokens_per_s", _number(float, 0.0, above=True), "F", "prefill per worker"),
     ("--kv-capacity-blocks", "kv_capacity_blocks", _number(int, 1), "N", "KV capacity per worker (blocks, LRU)"),
+    ("--decode-tokens-per-s", "decode_tokens_per_s", _number(float, 0.0, above=True), "F", "decode speed per sequence"),
+    ("--running-kv-blocks", "running_kv_blocks", _number(int, 1), "N", "running requests' KV per worker (blocks)"),
 )
 
 
@@ -173,6 +177,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for flag, name, parse, metavar, text in _CLUSTER_FLAGS:
         help_text = _preset_help(text, scaled_c[name], full_c[name])
         c.add_argument(flag, dest=f"cluster_{name}", type=parse, metavar=metavar, help=help_text)
+    configure_evidence(parser)
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, ClusterSpec]:
@@ -236,7 +241,7 @@ async def compare(
         print(f"kvcm bootstrap: {setup.addresses.kvcm_bootstrap}", file=out, flush=True)
         if KVROUTE in policies:
             runs.append(await run_kvroute(setup, clock, workload, progress))
-        for policy in baseline_policies(workload.spec.seed):
+        for policy in lineup_baselines(workload.spec.seed, workload.spec.block_size):
             if policy.name in policies:
                 runs.append(await trio.to_thread.run_sync(run_baseline, policy, workload, cluster_spec, progress))
     order = {name: i for i, name in enumerate(POLICY_NAMES)}
@@ -252,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
     if args.scenario is not None:
         names = scenarios.SCENARIO_NAMES if args.scenario == "all" else (args.scenario,)
         return scenarios.run_scenarios(names, scale=args.scenario_scale, out=sys.stdout)
+    if evidence_requested(args):
+        return run_evidence(args)
     try:
         workload_spec, cluster_spec = specs_from_args(args)
     except ValueError as exc:

@@ -11,8 +11,11 @@ baseline is deterministic for its seed, so a rerun reproduces its choices exactl
 - ``max-local-affinity``: the seed's first version — the largest KVCM local match, ties by
   address (the lowest ``ip:port`` string, a tie-break that sends every tie to one worker and
   hot-spots it); with no positive match, a random worker (domain fallback).
-- ``oracle``: knows every worker's cache exactly: the longest cached prefix, then the
-  least outstanding work, then a seeded random choice.
+- ``max-hit``: knows every worker's cache exactly: the longest cached prefix, then the
+  least outstanding work, then a seeded random choice. It maximises hits, not TTFT.
+
+The request-aware baselines (the TTFT oracle, the SGLang router's cache-aware policy,
+power-of-two choices) and the full line-up are in ``lineup``.
 
 kvroute itself is not here: it routes through the real router (``runner.run_kvroute``).
 """
@@ -30,8 +33,8 @@ RANDOM = "random"
 ROUND_ROBIN = "round-robin"
 LEAST_LOADED = "least-loaded"
 MAX_LOCAL_AFFINITY = "max-local-affinity"
-ORACLE = "oracle"
-BASELINE_NAMES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, MAX_LOCAL_AFFINITY, ORACLE)
+MAX_HIT = "max-hit"
+BASELINE_NAMES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, MAX_LOCAL_AFFINITY, MAX_HIT)
 POLICY_NAMES = (KVROUTE, *BASELINE_NAMES)
 
 
@@ -118,8 +121,8 @@ class MaxLocalAffinityPolicy:
         return index[best[1]]
 
 
-class OraclePolicy:
-    name = ORACLE
+class MaxHitPolicy:
+    name = MAX_HIT
 
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(seed)
@@ -141,5 +144,5 @@ def baseline_policies(seed: int) -> tuple[Policy, ...]:
         RoundRobinPolicy(),
         LeastLoadedPolicy(seed),
         MaxLocalAffinityPolicy(seed),
-        OraclePolicy(seed),
+        MaxHitPolicy(seed),
     )

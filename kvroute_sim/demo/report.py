@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute_sim.demo.policies import KVROUTE, LEAST_LOADED, MAX_LOCAL_AFFINITY, ORACLE, RANDOM, ROUND_ROBIN
+from kvroute_sim.demo.lineup import MAX_HIT, ORACLE, PRACTICAL_BASELINES
+from kvroute_sim.demo.policies import KVROUTE, LEAST_LOADED
 from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun
 from kvroute_sim.demo.workload import Workload
 from kvroute_sim.stats import percentile
@@ -28,9 +29,10 @@ RESULTS_FILE = "demo-results.json"
 CHART_FILE = "demo-chart.png"
 
 # The demo's targets (P5): kvroute vs the baselines on the same arrivals.
-HIT_RATE_OF_ORACLE_MIN = 0.95
+HIT_RATE_OF_MAX_HIT_MIN = 0.95
 P99_OF_LEAST_LOADED_MAX = 1.1
-NON_ORACLE_BASELINES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, MAX_LOCAL_AFFINITY)
+MEAN_OF_ORACLE_MAX = 1.15  # kvroute's mean TTFT / the TTFT oracle's
+P99_OF_ORACLE_MAX = 1.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,17 +174,17 @@ def check_targets(summaries: Sequence[PolicySummary]) -> tuple[TargetCheck, ...]
     if kv is None:
         return ()
     checks = []
-    oracle = by_name.get(ORACLE)
-    if oracle is not None:
-        ratio = kv.hit_rate / oracle.hit_rate if oracle.hit_rate > 0 else math.nan
+    max_hit = by_name.get(MAX_HIT)
+    if max_hit is not None:
+        ratio = kv.hit_rate / max_hit.hit_rate if max_hit.hit_rate > 0 else math.nan
         checks.append(
             TargetCheck(
-                f"hit rate >= {HIT_RATE_OF_ORACLE_MIN:.0%} of the oracle's",
-                math.isfinite(ratio) and ratio >= HIT_RATE_OF_ORACLE_MIN,
-                f"{100 * kv.hit_rate:.1f}% vs {100 * oracle.hit_rate:.1f}% = {ratio:.1%} of the oracle",
+                f"hit rate >= {HIT_RATE_OF_MAX_HIT_MIN:.0%} of max-hit's",
+                math.isfinite(ratio) and ratio >= HIT_RATE_OF_MAX_HIT_MIN,
+                f"{100 * kv.hit_rate:.1f}% vs {100 * max_hit.hit_rate:.1f}% = {ratio:.1%} of max-hit",
             )
         )
-    others = [by_name[name] for name in NON_ORACLE_BASELINES if name in by_name]
+    others = [by_name[name] for name in PRACTICAL_BASELINES if name in by_name]
     if others:
         best = min(others, key=lambda s: s.ttft_mean_ms)
         checks.append(
@@ -192,14 +194,19 @@ def check_targets(summaries: Sequence[PolicySummary]) -> tuple[TargetCheck, ...]
                 f"{kv.ttft_mean_ms:.1f} ms vs the best baseline {best.policy} {best.ttft_mean_ms:.1f} ms",
             )
         )
+    oracle = by_name.get(ORACLE)
     if oracle is not None:
-        checks.append(
-            TargetCheck(
-                "mean TTFT below the oracle's (a bound, not a baseline)",
-                kv.ttft_mean_ms < oracle.ttft_mean_ms,
-                f"{kv.ttft_mean_ms:.1f} ms vs {oracle.ttft_mean_ms:.1f} ms",
+        for what, limit, mine, theirs in (
+            ("mean", MEAN_OF_ORACLE_MAX, kv.ttft_mean_ms, oracle.ttft_mean_ms),
+            ("p99", P99_OF_ORACLE_MAX, kv.ttft_p99_ms, oracle.ttft_p99_ms),
+        ):
+            checks.append(
+                TargetCheck(
+                    f"{what} TTFT <= {limit}x the TTFT oracle's",
+                    mine <= limit * theirs,
+                    f"{mine:.1f} ms vs {theirs:.1f} ms ({mine / theirs:.2f}x)",
+                )
             )
-        )
     least = by_name.get(LEAST_LOADED)
     if least is not None:
         limit = P99_OF_LEAST_LOADED_MAX * least.ttft_p99_ms

@@ -31,7 +31,8 @@ from functools import partial
 
 import trio
 
-from kvroute_sim.demo.policies import KVROUTE, ClusterView, Policy
+from kvroute_sim.demo.policies import KVROUTE, Policy
+from kvroute_sim.demo.request_view import RequestPolicy
 from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec
 from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
 from kvroute_sim.sim.grpc_server import Clock
@@ -61,6 +62,8 @@ class ClusterSpec:
     # Per worker: below the default workload's shared prefixes (32 groups x 16 blocks = 512), so a
     # policy spreading every group over every worker thrashes, while affinity keeps its groups.
     kv_capacity_blocks: int = 384
+    decode_tokens_per_s: float = WorkerSpec().decode_tokens_per_s
+    running_kv_blocks: int | None = WorkerSpec().running_kv_blocks  # per worker; None: unbounded
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -72,6 +75,10 @@ class ClusterSpec:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if not (math.isfinite(self.prefill_tokens_per_s) and self.prefill_tokens_per_s > 0):
             raise ValueError(f"prefill_tokens_per_s: must be > 0, got {self.prefill_tokens_per_s}")
+        if not (math.isfinite(self.decode_tokens_per_s) and self.decode_tokens_per_s > 0):
+            raise ValueError(f"decode_tokens_per_s: must be > 0, got {self.decode_tokens_per_s}")
+        if self.running_kv_blocks is not None and self.running_kv_blocks < 1:
+            raise ValueError(f"running_kv_blocks: must be >= 1, got {self.running_kv_blocks}")
 
     @classmethod
     def full_size(cls) -> ClusterSpec:
@@ -86,6 +93,8 @@ class ClusterSpec:
             "kvcm_replicas": self.kvcm_replicas,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "kv_capacity_blocks": self.kv_capacity_blocks,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "running_kv_blocks": self.running_kv_blocks,
         }
 
 
@@ -98,6 +107,9 @@ def build_cluster(spec: ClusterSpec, workload: Workload) -> SimCluster:
         block_size=block_size,
         kv_capacity_blocks=spec.kv_capacity_blocks,
         max_tasks=max(WorkerSpec().max_tasks, len(workload.requests)),
+        decode_tokens_per_s=spec.decode_tokens_per_s,
+        running_kv_blocks=spec.running_kv_blocks,
+        kv_block_tokens=block_size,
     )
     return SimCluster([worker] * spec.workers, spec.kvcm_replicas, block_size=block_size)
 
@@ -120,12 +132,31 @@ class SimClock:
 
 
 class SimClusterView:
-    """A ``ClusterView`` of a served ``SimCluster`` at simulated time ``now``."""
+    """A ``ClusterView`` of a served ``SimCluster`` at simulated time ``now``; with ``request``, also
+    the exact look-ahead the request-aware baselines use (``request_view.RequestView``)."""
 
-    def __init__(self, cluster: SimCluster, hosts: Sequence[str], now: float) -> None:
+    def __init__(
+        self, cluster: SimCluster, hosts: Sequence[str], now: float, request: DemoRequest | None = None
+    ) -> None:
         self._cluster = cluster
         self._hosts = hosts
         self._now = now
+        self._request = request
+
+    @property
+    def request(self) -> DemoRequest:
+        if self._request is None:
+            raise RuntimeError("this view was taken without a request")
+        return self._request
+
+    def ttft_if_routed(self, worker: int) -> float:
+        """The exact simulated TTFT of the request on ``worker`` now (nothing changes)."""
+        r = self.request
+        return self._cluster.ttft_if_routed(worker, r.keys, r.input_tokens, self._now, r.output_tokens)
+
+    def requests_in_flight(self, worker: int) -> int:
+        """Requests routed to ``worker`` and not finished (queued, in prefill or decoding)."""
+        return self._cluster.workers[worker].in_flight(self._now)
 
     @property
     def hosts(self) -> Sequence[str]:
@@ -189,7 +220,7 @@ class _Tally:
 
 
 def run_baseline(
-    policy: Policy, workload: Workload, cluster_spec: ClusterSpec, progress: Progress | None = None
+    policy: Policy | RequestPolicy, workload: Workload, cluster_spec: ClusterSpec, progress: Progress | None = None
 ) -> PolicyRun:
     """Replay ``workload`` with a baseline ``policy`` on a fresh in-memory cluster (synchronous, CPU only)."""
     cluster = build_cluster(cluster_spec, workload)
@@ -197,7 +228,7 @@ def run_baseline(
     hosts = tuple(addr.http_target for addr in cluster.serve_memory(MemoryNetwork()).workers)
     tally = _Tally(policy.name, len(workload.requests), progress)
     for request in workload.requests:
-        view: ClusterView = SimClusterView(cluster, hosts, request.arrival_s)
+        view = SimClusterView(cluster, hosts, request.arrival_s, request)
         started = time.perf_counter()  # measures the policy's own cost; not policy time
         worker = policy.choose(request.keys, view)
         decision_s = time.perf_counter() - started
@@ -208,7 +239,9 @@ def run_baseline(
 def _prefill(
     cluster: SimCluster, request: DemoRequest, worker: int, decision_s: float, source: str, reason: str
 ) -> RequestRecord:
-    outcome = cluster.run_prefill(worker, request.request_id, request.keys, request.input_tokens, request.arrival_s)
+    outcome = cluster.run_prefill(
+        worker, request.request_id, request.keys, request.input_tokens, request.arrival_s, request.output_tokens
+    )
     return RequestRecord(
         request.request_id,
         worker,

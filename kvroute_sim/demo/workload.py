@@ -122,7 +122,11 @@ class WorkloadSpec:
 
 @dataclass(frozen=True, slots=True)
 class DemoRequest:
-    """One request of the workload: its arrival on the simulated timeline, its prompt and block keys."""
+    """One request of the workload: its arrival on the simulated timeline, its prompt and block keys.
+
+    ``tokens`` is empty when only the block keys are known (a replayed trace); ``input_tokens``
+    is the prompt's length either way, ``output_tokens`` the answer it decodes.
+    """
 
     request_id: str
     arrival_s: float
@@ -131,10 +135,8 @@ class DemoRequest:
     turn: int  # 0 for a conversation's first prompt
     tokens: tuple[int, ...]
     keys: tuple[int, ...]
-
-    @property
-    def input_tokens(self) -> int:
-        return len(self.tokens)
+    input_tokens: int
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +207,8 @@ def build_workload(spec: WorkloadSpec) -> Workload:
                     turn=turn,
                     tokens=tokens,
                     keys=block_keys(tokens, spec.block_size, spec.key_family),
+                    input_tokens=len(tokens),
+                    output_tokens=spec.output_tokens,
                 )
             )
     if next(fresh) > _MAX_TOKEN_ID:

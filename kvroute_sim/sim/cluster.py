@@ -214,14 +214,29 @@ class SimCluster:
         return self._addrs[index]
 
     def run_prefill(
-        self, worker: int | str, request_id: str, keys: Sequence[int], input_tokens: int, now: float
+        self,
+        worker: int | str,
+        request_id: str,
+        keys: Sequence[int],
+        input_tokens: int,
+        now: float,
+        output_tokens: int = 0,
     ) -> PrefillOutcome:
         """A request routed to ``worker`` at ``now``: its cached prefix per the index, its simulated
         TTFT from the worker's queue, then its keys stored at the worker (as KVCM learns of a prefill).
+        ``output_tokens``: its decode, which holds the worker's running KV after the prefill.
         """
         host = self.worker_addr(worker).http_target
         local = self.kvcm.local_prefix(host, keys)
         cached = min(local * self.block_size, input_tokens)
-        ttft = self.workers[self.worker_index(worker)].submit(request_id, input_tokens, cached, now)
+        ttft = self.workers[self.worker_index(worker)].submit(request_id, input_tokens, cached, now, output_tokens)
         evicted = self.kvcm.record_prefill(host, keys)
         return PrefillOutcome(ttft, cached, local, evicted)
+
+    def ttft_if_routed(
+        self, worker: int | str, keys: Sequence[int], input_tokens: int, now: float, output_tokens: int = 0
+    ) -> float:
+        """The TTFT ``run_prefill`` would give at ``now`` on ``worker``, changing nothing (exact)."""
+        host = self.worker_addr(worker).http_target
+        cached = min(self.kvcm.local_prefix(host, keys) * self.block_size, input_tokens)
+        return self.workers[self.worker_index(worker)].ttft_if_submitted(input_tokens, cached, now, output_tokens)

@@ -4,7 +4,19 @@ Model: one FIFO prefill queue served at ``prefill_tokens_per_s``. A request cost
 uncached tokens (input − cached; a fully cached prompt still recomputes its last token,
 as engines do to produce logits). Its simulated TTFT is the queue wait plus its own
 prefill time. The head of the queue is running (``remaining_prefill_tokens`` shrinks
-with time); the rest are waiting. ``status_version`` starts at 1 and increases on every
+with time); the rest are waiting.
+
+Decode and held KV: after its prefill a request with ``output_tokens`` decodes for
+``output_tokens / decode_tokens_per_s`` seconds (each sequence decodes at that speed,
+batched with the others). From the start of its prefill to the end of its decode it holds
+``ceil((input + output) / kv_block_tokens)`` blocks of the worker's running KV pool
+(``running_kv_blocks``; None: unbounded). A request whose blocks do not fit waits at the
+head of the queue until enough running requests end (FIFO, no overtaking), which is how a
+worker full of long decodes queues new prompts. A request larger than the whole pool runs
+alone. Decoding requests are reported as running tasks with nothing left to prefill and
+finish when their decode ends; with ``output_tokens`` 0 a request finishes with its prefill.
+
+``status_version`` starts at 1 and increases on every
 change (a task queued, started or finished); each finished task gets the version of its
 finish, and a reply lists the finished tasks newer than the caller's
 ``latest_finished_version`` (the last ``finished_kept`` are remembered).
@@ -15,6 +27,8 @@ treated as the latest seen). Thread safety: public methods take the worker's loc
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import threading
 from collections import deque
@@ -56,10 +70,19 @@ class WorkerSpec:
     max_tasks: int = 4096
     finished_kept: int = 256
     step_latency_ms: float = 10.0
+    decode_tokens_per_s: float = 40.0  # per sequence
+    running_kv_blocks: int | None = None  # KV pool of running requests, in blocks; None: unbounded
+    kv_block_tokens: int = _DEPLOYMENT.block_size  # tokens per block of the running KV pool
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.prefill_tokens_per_s) and self.prefill_tokens_per_s > 0):
-            raise ValueError(f"prefill_tokens_per_s: must be > 0, got {self.prefill_tokens_per_s}")
+        for name, rate in (
+            ("prefill_tokens_per_s", self.prefill_tokens_per_s),
+            ("decode_tokens_per_s", self.decode_tokens_per_s),
+        ):
+            if not (math.isfinite(rate) and rate > 0):
+                raise ValueError(f"{name}: must be > 0, got {rate}")
+        if self.running_kv_blocks is not None and self.running_kv_blocks < 1:
+            raise ValueError(f"running_kv_blocks: must be >= 1 or None (unbounded), got {self.running_kv_blocks}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1 or None (not reported), got {self.block_size}")
         if self.lookahead_tokens < 0:
@@ -68,6 +91,7 @@ class WorkerSpec:
             ("kv_capacity_blocks", self.kv_capacity_blocks),
             ("max_tasks", self.max_tasks),
             ("finished_kept", self.finished_kept),
+            ("kv_block_tokens", self.kv_block_tokens),
         ):
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
@@ -118,7 +142,20 @@ class _Task:
     uncached: int
     enqueued_at: float
     start_at: float
+    finish_at: float  # prefill done (the first token)
+    release_at: float  # decode done: the task leaves and frees its KV
+    kv_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTask:
+    """When a request submitted now would start and end its prefill and free its KV."""
+
+    uncached: int
+    start_at: float
     finish_at: float
+    release_at: float
+    kv_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +179,9 @@ class SimWorker:
         self._stats = CallStats(WORKER_METHODS, parent=fleet_stats)
         self._faults = NO_WORKER_FAULTS
         self._now = -math.inf
-        self._tasks: deque[_Task] = deque()  # FIFO; the head is running
+        self._tasks: deque[_Task] = deque()  # FIFO prefill queue; the head is running
+        self._decoding: list[tuple[float, int, _Task]] = []  # heap by release time (then submit order)
+        self._serial = 0
         self._busy_until = -math.inf
         self._version = 1
         self._running: str | None = None
@@ -153,28 +192,42 @@ class SimWorker:
 
     # ---- the simulation ----
 
-    def submit(self, request_id: str, input_tokens: int, cached_tokens: int, now: float) -> float:
+    def submit(
+        self, request_id: str, input_tokens: int, cached_tokens: int, now: float, output_tokens: int = 0
+    ) -> float:
         """Queue a request at ``now``; returns its simulated TTFT in seconds (queue wait + own prefill)."""
-        if input_tokens < 1:
-            raise ValueError(f"input_tokens: must be >= 1, got {input_tokens}")
-        if not 0 <= cached_tokens <= input_tokens:
-            raise ValueError(
-                f"cached_tokens: must be in 0..input_tokens ({input_tokens}), got {cached_tokens}"
-            )
+        _check_lengths(input_tokens, cached_tokens, output_tokens)
         with self._lock:
             now = self._advance_locked(now)
-            if len(self._tasks) >= self.spec.max_tasks:
-                raise SimWorkerOverloaded(f"{self.name}: {len(self._tasks)} tasks queued (max_tasks)")
-            uncached = max(1, input_tokens - cached_tokens)
-            start = max(now, self._busy_until)
-            finish = start + uncached / self.spec.prefill_tokens_per_s
-            self._busy_until = finish
-            self._tasks.append(_Task(request_id, input_tokens, cached_tokens, uncached, now, start, finish))
+            if self._in_flight_locked() >= self.spec.max_tasks:
+                raise SimWorkerOverloaded(f"{self.name}: {self._in_flight_locked()} tasks queued (max_tasks)")
+            plan = self._plan_locked(input_tokens, cached_tokens, output_tokens, now)
+            self._busy_until = plan.finish_at
+            self._tasks.append(
+                _Task(
+                    request_id,
+                    input_tokens,
+                    cached_tokens,
+                    plan.uncached,
+                    now,
+                    plan.start_at,
+                    plan.finish_at,
+                    plan.release_at,
+                    plan.kv_blocks,
+                )
+            )
             self._version += 1
             self._requests += 1
-            self._prefill_tokens += uncached
+            self._prefill_tokens += plan.uncached
             self._advance_locked(now)
-        return finish - now
+        return plan.finish_at - now
+
+    def ttft_if_submitted(self, input_tokens: int, cached_tokens: int, now: float, output_tokens: int = 0) -> float:
+        """The TTFT ``submit`` would return at ``now``, without submitting (an exact look-ahead)."""
+        _check_lengths(input_tokens, cached_tokens, output_tokens)
+        with self._lock:
+            now = self._advance_locked(now)
+            return self._plan_locked(input_tokens, cached_tokens, output_tokens, now).finish_at - now
 
     def advance(self, now: float) -> None:
         """Retire the work finished by ``now``."""
@@ -188,9 +241,24 @@ class SimWorker:
             return sum(self._remaining(t, now) for t in self._tasks)
 
     def queue_length(self, now: float) -> int:
+        """Requests queued or in prefill at ``now`` (decoding ones not counted)."""
         with self._lock:
             self._advance_locked(now)
             return len(self._tasks)
+
+    def in_flight(self, now: float) -> int:
+        """Requests not finished at ``now``: queued, in prefill or decoding."""
+        with self._lock:
+            self._advance_locked(now)
+            return self._in_flight_locked()
+
+    def held_kv_blocks(self, now: float) -> int:
+        """Running-pool blocks held at ``now`` by requests whose prefill has started."""
+        with self._lock:
+            now = self._advance_locked(now)
+            return sum(t.kv_blocks for t in self._tasks if t.start_at <= now) + sum(
+                t.kv_blocks for _, _, t in self._decoding
+            )
 
     @property
     def status_version(self) -> int:
@@ -272,9 +340,22 @@ class SimWorker:
     def _advance_locked(self, now: float) -> float:
         now = max(now, self._now)
         self._now = now
-        tasks = self._tasks
-        while tasks and tasks[0].finish_at <= now:
-            task = tasks.popleft()
+        tasks, decoding = self._tasks, self._decoding
+        # Retire prefills and decodes in time order, so finished versions follow finish times.
+        while True:
+            prefill_at = tasks[0].finish_at if tasks else math.inf
+            decode_at = decoding[0][0] if decoding else math.inf
+            if min(prefill_at, decode_at) > now:
+                break
+            if prefill_at <= decode_at:
+                task = tasks.popleft()
+                if task.release_at > task.finish_at:
+                    self._serial += 1
+                    heapq.heappush(decoding, (task.release_at, self._serial, task))
+                    self._version += 1
+                    continue
+            else:
+                task = heapq.heappop(decoding)[2]
             self._version += 1
             self._finished.append(_Finished(self._version, task))
             self._latest_finished_version = self._version
@@ -285,6 +366,32 @@ class SimWorker:
                 self._version += 1
         return now
 
+    def _in_flight_locked(self) -> int:
+        return len(self._tasks) + len(self._decoding)
+
+    def _plan_locked(self, input_tokens: int, cached_tokens: int, output_tokens: int, now: float) -> PlannedTask:
+        spec = self.spec
+        uncached = max(1, input_tokens - cached_tokens)
+        kv_blocks = -(-(input_tokens + output_tokens) // spec.kv_block_tokens)
+        start = max(now, self._busy_until)
+        if spec.running_kv_blocks is not None:
+            # Every task ahead has started by ``start``; it holds its blocks until its release.
+            need = min(kv_blocks, spec.running_kv_blocks)
+            releases = sorted(
+                (t.release_at, t.kv_blocks)
+                for t in itertools.chain(self._tasks, (entry[2] for entry in self._decoding))
+                if t.release_at > start
+            )
+            held = sum(blocks for _, blocks in releases)
+            for release_at, blocks in releases:
+                if held + need <= spec.running_kv_blocks:
+                    break
+                held -= blocks
+                start = max(start, release_at)
+        finish = start + uncached / spec.prefill_tokens_per_s
+        release = finish + output_tokens / spec.decode_tokens_per_s
+        return PlannedTask(uncached, start, finish, release, kv_blocks)
+
     def _remaining(self, task: _Task, now: float) -> int:
         if task.start_at > now:
             return task.uncached
@@ -294,7 +401,7 @@ class SimWorker:
         spec = self.spec
         reply = engine_pb.WorkerStatusPB(
             role=spec.role,
-            available_concurrency=max(0, spec.max_tasks - len(self._tasks)),
+            available_concurrency=max(0, spec.max_tasks - self._in_flight_locked()),
             step_latency_ms=spec.step_latency_ms,
             iterate_count=self._version,
             dp_size=1,
@@ -323,8 +430,20 @@ class SimWorker:
                 remaining = self._remaining(task, now)
                 info.remaining_prefill_tokens = remaining
                 info.completed_prefill_tokens = task.uncached - remaining
+        for _, _, task in sorted(self._decoding):
+            info = reply.running_task_info.add(
+                request_id=task.request_id,
+                input_length=task.input_length,
+                prefix_length=task.cached,
+                prefix_length_valid=True,
+                is_waiting=False,
+                waiting_time_ms=round((task.start_at - task.enqueued_at) * 1000),
+            )
+            if spec.report_remaining_prefill:
+                info.remaining_prefill_tokens = 0
+                info.completed_prefill_tokens = task.uncached
         reply.waiting_query_len = waiting
-        reply.running_query_len = len(self._tasks) - waiting
+        reply.running_query_len = self._in_flight_locked() - waiting
         for done in self._finished:
             if done.version > latest_finished_version:
                 reply.finished_task_list.add(
@@ -335,3 +454,12 @@ class SimWorker:
                     end_time_ms=round(done.task.finish_at * 1000),
                 )
         return reply
+
+
+def _check_lengths(input_tokens: int, cached_tokens: int, output_tokens: int) -> None:
+    if input_tokens < 1:
+        raise ValueError(f"input_tokens: must be >= 1, got {input_tokens}")
+    if not 0 <= cached_tokens <= input_tokens:
+        raise ValueError(f"cached_tokens: must be in 0..input_tokens ({input_tokens}), got {cached_tokens}")
+    if output_tokens < 0:
+        raise ValueError(f"output_tokens: must be >= 0, got {output_tokens}")

@@ -1,0 +1,57 @@
+"""Every policy the comparison runs, in table order, and the baselines that need the request.
+
+kvroute (through the real router), then the baselines: ``policies``' simple ones, ``power-of-two``
+(two workers drawn at random, the one with less outstanding prefill work; ties to the first drawn),
+the SGLang router's cache-aware policy (``sglang_baseline``) and the TTFT oracle (``oracle``), the
+ceiling, last.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvroute_sim.demo.oracle import ORACLE, TtftOraclePolicy
+from kvroute_sim.demo.policies import (
+    BASELINE_NAMES,
+    KVROUTE,
+    LEAST_LOADED,
+    MAX_HIT,
+    MAX_LOCAL_AFFINITY,
+    RANDOM,
+    ROUND_ROBIN,
+    Policy,
+    baseline_policies,
+)
+from kvroute_sim.demo.request_view import RequestPolicy, RequestView
+from kvroute_sim.demo.sglang_baseline import SGLANG_CACHE_AWARE, SglangCacheAwarePolicy
+
+POWER_OF_TWO = "power-of-two"
+LINEUP_BASELINES = (*BASELINE_NAMES, POWER_OF_TWO, SGLANG_CACHE_AWARE, ORACLE)
+LINEUP = (KVROUTE, *LINEUP_BASELINES)
+# The baselines kvroute must beat (the oracle is a ceiling, max-hit a hit-rate bound).
+PRACTICAL_BASELINES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, POWER_OF_TWO, MAX_LOCAL_AFFINITY, SGLANG_CACHE_AWARE)
+__all__ = ["KVROUTE", "LINEUP", "LINEUP_BASELINES", "MAX_HIT", "ORACLE", "POWER_OF_TWO", "PRACTICAL_BASELINES"]
+
+
+class PowerOfTwoChoicesPolicy:
+    name = POWER_OF_TWO
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, keys: object, view: RequestView) -> int:
+        n = len(view.hosts)
+        if n == 1:
+            return 0
+        first, second = self._rng.sample(range(n), 2)
+        return second if view.outstanding_tokens(second) < view.outstanding_tokens(first) else first
+
+
+def lineup_baselines(seed: int, block_size: int) -> tuple[Policy | RequestPolicy, ...]:
+    """One fresh instance of every baseline, in ``LINEUP_BASELINES`` order."""
+    return (
+        *baseline_policies(seed),
+        PowerOfTwoChoicesPolicy(seed),
+        SglangCacheAwarePolicy(block_size),
+        TtftOraclePolicy(seed),
+    )

@@ -1,0 +1,156 @@
+"""Trace format and generator, the decode/KV worker model, the TTFT oracle, the SGLang baseline, the ladder."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvroute_sim.demo import cli as demo_cli
+from kvroute_sim.demo.ladder import goodput, run_ladder
+from kvroute_sim.demo.lineup import LINEUP_BASELINES, ORACLE, lineup_baselines
+from kvroute_sim.demo.oracle import TtftOraclePolicy
+from kvroute_sim.demo.report import summarize
+from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
+from kvroute_sim.demo.sglang_baseline import ApproxRadixTree
+from kvroute_sim.demo.trace import (
+    TRACE_BLOCK_TOKENS,
+    TraceFormatError,
+    TraceGenSpec,
+    generate_trace,
+    offered_load,
+    read_trace,
+    scale_arrivals,
+    trace_workload,
+    write_trace,
+)
+from kvroute_sim.sim.worker import SimWorker, WorkerSpec
+
+SMALL_TRACE = TraceGenSpec(sessions=40, groups=4, seed=3)
+
+
+def test_generated_trace_has_the_format_and_the_shapes(tmp_path: Path) -> None:
+    records = generate_trace(SMALL_TRACE)
+    assert records == generate_trace(SMALL_TRACE)  # seeded
+    path = write_trace(tmp_path / "t.jsonl", records)
+    assert read_trace(path) == records
+    for r in records:
+        assert len(r.hash_ids) == -(-r.input_length // TRACE_BLOCK_TOKENS)
+        assert r.input_length <= SMALL_TRACE.max_input_tokens
+    assert [r.timestamp_ms for r in records] == sorted(r.timestamp_ms for r in records)
+    # Shared system prompts: some first block is used by requests of different sessions.
+    firsts = [r.hash_ids[0] for r in records]
+    assert len(set(firsts)) < len(firsts)
+    # Multi-turn: some prompt extends an earlier one by more than its first block.
+    extends = any(
+        later.hash_ids[: len(earlier.hash_ids) - 1] == earlier.hash_ids[:-1] and len(earlier.hash_ids) > 2
+        for earlier, later in itertools.combinations(records, 2)
+        if len(later.hash_ids) > len(earlier.hash_ids)
+    )
+    assert extends
+    long_tail = generate_trace(replace(SMALL_TRACE, sessions=400))
+    assert max(r.input_length for r in long_tail) > 30_000
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("not json", "not JSON"),
+        ('{"timestamp": -1, "input_length": 1, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": "x", "hash_ids": [1]}', "output_length"),
+    ],
+)
+def test_bad_trace_lines_name_the_line_and_field(tmp_path: Path, line: str, field: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    good = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [7]}'
+    path.write_text(good + "\n\n" + line + "\n")
+    with pytest.raises(TraceFormatError, match=f"bad.jsonl line 3: .*{field}"):
+        read_trace(path)
+
+
+def test_trace_workload_speedup_limit_and_load(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", generate_trace(SMALL_TRACE))
+    records = read_trace(path, limit=10)
+    assert len(records) == 10
+    slow, fast = trace_workload(records), trace_workload(records, speedup=4.0)
+    assert fast.requests[-1].arrival_s == pytest.approx(slow.requests[-1].arrival_s / 4)
+    assert slow.requests[0].keys == records[0].hash_ids and slow.requests[0].tokens == ()
+    load = offered_load(slow, 2, 10_000.0)
+    assert offered_load(scale_arrivals(slow, 3.0), 2, 10_000.0) == pytest.approx(3 * load)
+
+
+def test_decode_holds_running_kv_and_queues_the_next_prompt() -> None:
+    worker = SimWorker(
+        "w",
+        WorkerSpec(prefill_tokens_per_s=1000.0, decode_tokens_per_s=10.0, running_kv_blocks=10, kv_block_tokens=100),
+    )
+    # 500 + 100 tokens = 6 blocks, held from 0 to 0.5 s prefill + 10 s decode.
+    assert worker.submit("a", 500, 0, 0.0, output_tokens=100) == pytest.approx(0.5)
+    assert worker.held_kv_blocks(1.0) == 6
+    assert worker.in_flight(1.0) == 1 and worker.queue_length(1.0) == 0
+    # 5 more blocks do not fit before "a" ends at 10.5 s: the prefill waits for it.
+    assert worker.ttft_if_submitted(400, 0, 1.0, output_tokens=100) == pytest.approx(10.5 + 0.4 - 1.0)
+    assert worker.submit("b", 400, 0, 1.0, output_tokens=100) == pytest.approx(9.9)
+    assert worker.in_flight(10.6) == 1
+    unbounded = SimWorker("u", WorkerSpec(prefill_tokens_per_s=1000.0))
+    unbounded.submit("a", 500, 0, 0.0, output_tokens=100)
+    assert unbounded.submit("b", 400, 0, 1.0, output_tokens=100) == pytest.approx(0.4)
+
+
+def test_sglang_tree_matches_the_longest_routed_prefix() -> None:
+    tree = ApproxRadixTree()
+    tree.insert((1, 2, 3, 4), 0)
+    tree.insert((1, 2, 9), 1)
+    assert tree.match((1, 2, 3, 4, 5)) == (4, 0)
+    assert tree.match((1, 2, 9, 9)) == (3, 1)
+    assert tree.match((1, 2)) == (2, 1)  # both hold it: the most recently chosen
+    assert tree.match((7,)) == (0, None)
+
+
+def test_every_baseline_replays_and_the_oracle_is_deterministic() -> None:
+    records = generate_trace(SMALL_TRACE)
+    workload = scale_arrivals(trace_workload(records), 20.0)
+    cluster = ClusterSpec(workers=3, kv_capacity_blocks=400, running_kv_blocks=400)
+    runs = {p.name: run_baseline(p, workload, cluster) for p in lineup_baselines(1, TRACE_BLOCK_TOKENS)}
+    assert set(runs) == set(LINEUP_BASELINES)
+    for run in runs.values():
+        assert summarize(run).requests == len(workload.requests)
+    again = run_baseline(TtftOraclePolicy(1), workload, cluster)
+    assert [r.worker for r in again.records] == [r.worker for r in runs[ORACLE].records]
+
+
+def test_goodput_counts_requests_within_the_slo() -> None:
+    def rec(worker: int, ttft_s: float) -> RequestRecord:
+        return RequestRecord("r", worker, 10, 0, ttft_s, 0.0, "-", "-")
+
+    run = PolicyRun("x", (rec(0, 0.05), rec(1, 0.2), rec(-1, float("nan")), rec(0, 0.1)), (1, 1))
+    assert goodput(run, 100.0) == 0.5
+
+
+def test_ladder_runs_baselines_at_each_load() -> None:
+    workload = trace_workload(generate_trace(replace(SMALL_TRACE, sessions=15)))
+    rungs = run_ladder(
+        workload, ClusterSpec(workers=2), ("least-loaded", ORACLE), loads=(0.3, 0.9), slo_ms=500.0, router_settings={}
+    )
+    assert [r.load for r in rungs] == [0.3, 0.9]
+    for rung in rungs:
+        assert [e.summary.policy for e in rung.entries] == ["least-loaded", ORACLE]
+        assert json.loads(json.dumps(rung.to_json()))["policies"][0]["goodput"] is not None
+
+
+def test_trace_flags_generate_and_reject_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    demo_cli.configure(parser)
+    out = tmp_path / "g.jsonl"
+    assert demo_cli.run(parser.parse_args(["--trace-generate", str(out), "--trace-generate-sessions", "5"])) == 0
+    assert read_trace(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    assert demo_cli.run(parser.parse_args(["--trace", str(bad)])) == 2
+    assert "bad.jsonl line 1" in capsys.readouterr().err
