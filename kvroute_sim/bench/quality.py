@@ -15,8 +15,8 @@ from dataclasses import replace
 import trio
 
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
+from kvroute_sim.demo.baselines import KVROUTE, ORACLE, POLICY_NAMES
 from kvroute_sim.demo.cli import compare
-from kvroute_sim.demo.policies import KVROUTE, ORACLE, POLICY_NAMES
 from kvroute_sim.demo.report import check_targets, format_table, summarize
 from kvroute_sim.demo.runner import ClusterSpec
 from kvroute_sim.demo.workload import WorkloadSpec, build_workload

@@ -25,7 +25,7 @@ from typing import TextIO
 import trio
 
 from kvroute_sim.demo import scenarios
-from kvroute_sim.demo.policies import KVROUTE, POLICY_NAMES, baseline_policies
+from kvroute_sim.demo.baselines import KVROUTE, POLICY_NAMES, baseline_pickers
 from kvroute_sim.demo.report import (
     check_targets,
     format_table,
@@ -236,7 +236,7 @@ async def compare(
         print(f"kvcm bootstrap: {setup.addresses.kvcm_bootstrap}", file=out, flush=True)
         if KVROUTE in policies:
             runs.append(await run_kvroute(setup, clock, workload, progress))
-        for policy in baseline_policies(workload.spec.seed):
+        for policy in baseline_pickers(workload.spec.seed):
             if policy.name in policies:
                 runs.append(await trio.to_thread.run_sync(run_baseline, policy, workload, cluster_spec, progress))
     order = {name: i for i, name in enumerate(POLICY_NAMES)}

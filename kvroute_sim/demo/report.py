@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute_sim.demo.policies import KVROUTE, LEAST_LOADED, MAX_LOCAL_AFFINITY, ORACLE, RANDOM, ROUND_ROBIN
+from kvroute_sim.demo.baselines import KVROUTE, LEAST_LOADED, MAX_LOCAL_AFFINITY, ORACLE, RANDOM, ROUND_ROBIN
 from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun
 from kvroute_sim.demo.workload import Workload
 from kvroute_sim.stats import percentile

@@ -31,7 +31,7 @@ from functools import partial
 
 import trio
 
-from kvroute_sim.demo.policies import KVROUTE, ClusterView, Policy
+from kvroute_sim.demo.baselines import KVROUTE, BaselinePicker, ClusterView
 from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec
 from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
 from kvroute_sim.sim.grpc_server import Clock
@@ -189,7 +189,7 @@ class _Tally:
 
 
 def run_baseline(
-    policy: Policy, workload: Workload, cluster_spec: ClusterSpec, progress: Progress | None = None
+    policy: BaselinePicker, workload: Workload, cluster_spec: ClusterSpec, progress: Progress | None = None
 ) -> PolicyRun:
     """Replay ``workload`` with a baseline ``policy`` on a fresh in-memory cluster (synchronous, CPU only)."""
     cluster = build_cluster(cluster_spec, workload)
