@@ -15,6 +15,9 @@ Reusable pieces (e.g. for ``kvroute bench``):
   See the runner's docstring for how the simulated clock and real-time RPCs fit together.
 - ``report``: ``summarize(run) -> PolicySummary``, ``format_table``, ``check_targets``,
   ``results_json`` / ``write_results`` / ``write_chart``.
-- ``scenarios``: ``SCENARIOS``, ``run_scenario(scenario, scale=...)``, ``run_scenarios(...)``.
+- ``scenarios``: ``SCENARIOS``, ``run_scenario(scenario, scale=...)``, ``run_scenarios(...)``;
+  the ``master-*`` ones serve a SimMaster (``open_kvroute(..., master=...)``).
+- ``master_outage``: ``run_master_outage(workload, cluster_spec)`` — the scheduler healthy, down with
+  the KVCM path, down with the KVCM fallback off (domain) — its table, JSON and chart.
 - ``cli``: the ``kvroute demo`` subcommand.
 """
