@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     settings = {k: str(v) for k, v in (dict(COMPARISON_SETTINGS) | overrides).items()}
     payload = results_json(workload, cluster_spec, summaries, checks, settings)
-    outage = None if args.no_master else _master_outage(workload, cluster_spec)
+    outage = None if args.no_master else _master_outage(workload, cluster_spec, overrides)
     if outage is not None:
         payload["master_outage"] = outage_json(outage, OutageWindow.of(workload))
     path = write_results(out_dir, payload)
@@ -315,10 +315,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _master_outage(workload: Workload, cluster_spec: ClusterSpec) -> tuple[OutageResult, ...]:
+def _master_outage(
+    workload: Workload, cluster_spec: ClusterSpec, overrides: dict[str, object]
+) -> tuple[OutageResult, ...]:
     """The master-outage comparison, printed: the scheduler healthy, down with the KVCM path, down without."""
     print("\nmaster-outage comparison (a SimMaster in front of the same cluster; in memory, simulated time):")
-    results = run_master_outage(workload, cluster_spec, ProgressLine(sys.stdout))
+    results = run_master_outage(workload, cluster_spec, ProgressLine(sys.stdout), overrides)
     print()
     print(format_outage_table(results, OutageWindow.of(workload)))
     print(

@@ -99,13 +99,18 @@ class OutageResult:
 
 
 async def run_arm(
-    arm: str, workload: Workload, cluster_spec: ClusterSpec, progress: Progress | None = None
+    arm: str,
+    workload: Workload,
+    cluster_spec: ClusterSpec,
+    progress: Progress | None = None,
+    router_overrides: Mapping[str, object] | None = None,
 ) -> tuple[PolicyRun, PolicyRun]:
     """Replay ``workload`` for one arm on in-memory transports; the trio clock must be a MockClock
-    (the replay sleeps until each arrival). Returns (the whole run, the outage window's requests)."""
+    (the replay sleeps until each arrival). Returns (the whole run, the outage window's requests).
+    ``router_overrides`` apply to every arm, under the arm's own setting."""
     cluster = build_cluster(cluster_spec, workload)
     master = SimMaster(replicas=MASTER_REPLICAS, decide=cluster_decide(cluster, trio.current_time))
-    settings = dict(COMPARISON_SETTINGS) | dict(_ARM_SETTINGS[arm])
+    settings = dict(COMPARISON_SETTINGS) | dict(router_overrides or {}) | dict(_ARM_SETTINGS[arm])
     window = OutageWindow.of(workload)
     outage = arm != MASTER_HEALTHY
     records: list[RequestRecord] = []
@@ -154,13 +159,16 @@ async def run_arm(
 
 
 def run_master_outage(
-    workload: Workload, cluster_spec: ClusterSpec, progress: Progress | None = None
+    workload: Workload,
+    cluster_spec: ClusterSpec,
+    progress: Progress | None = None,
+    router_overrides: Mapping[str, object] | None = None,
 ) -> tuple[OutageResult, ...]:
     """Every arm, each in its own ``trio.run`` under a fresh ``MockClock`` (call from outside trio)."""
     results = []
     for arm in ARMS:
         whole, during = trio.run(
-            partial(run_arm, arm, workload, cluster_spec, progress),
+            partial(run_arm, arm, workload, cluster_spec, progress, router_overrides),
             clock=trio.testing.MockClock(autojump_threshold=0),
         )
         results.append(OutageResult(arm, summarize(during), summarize(whole).route_sources))
