@@ -50,8 +50,8 @@ OUTAGE_START = 1 / 3  # of the workload's requests, in arrival order
 OUTAGE_END = 2 / 3
 
 MASTER_HEALTHY = "master healthy"
-KVROUTE_KVCM_PATH = "kvroute (master down: KVCM path)"
-PRE_CHANGE = "pre-change (master down: domain)"
+KVROUTE_KVCM_PATH = "master down: kvroute KVCM path"
+PRE_CHANGE = "master down: pre-change domain"
 ARMS = (MASTER_HEALTHY, KVROUTE_KVCM_PATH, PRE_CHANGE)
 _ARM_SETTINGS: Mapping[str, Mapping[str, object]] = {
     MASTER_HEALTHY: {},
