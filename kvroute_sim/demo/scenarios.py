@@ -618,11 +618,11 @@ class _Traffic:
             outcome.elapsed_ms = (end - outcome.started) * 1000.0
             outcome.source, outcome.reason = decision.route_source.value, decision.reason.value
             outcome.error_code = decision.error_code
-            if decision.worker is None and (self._scenario.error_code in (None, 0) or not decision.error_code):
+            # The scheduler's business error, passed on, is an answer: the frontend fails the request with it.
+            passed_on = self._scenario.error_code is not None and decision.error_code != 0
+            if decision.worker is None and not passed_on:
                 outcome.lost = f"answered without a worker: {decision.error}"
-            elif decision.worker is None:
-                pass  # the scheduler's business error, passed on: the frontend fails the request
-            else:
+            elif decision.worker is not None:
                 outcome.worker = decision.worker.http_target
                 worker = self._ctx.cluster.worker_index(outcome.worker)
                 self._ctx.cluster.run_prefill(worker, request.request_id, request.keys, request.input_tokens, end)
