@@ -20,15 +20,15 @@ import pytest
 import trio
 
 from kvroute_sim.demo import cli as demo_cli
-from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
-from kvroute_sim.demo.policies import (
+from kvroute_sim.demo.baselines import (
     BASELINE_NAMES,
-    LeastLoadedPolicy,
-    MaxHitPolicy,
-    MaxLocalAffinityPolicy,
-    RandomPolicy,
-    RoundRobinPolicy,
+    LeastLoadedBaseline,
+    MaxHitBaseline,
+    MaxLocalAffinityBaseline,
+    RandomBaseline,
+    RoundRobinBaseline,
 )
+from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
 from kvroute_sim.demo.report import (
     CHART_FILE,
     RESULTS_FILE,
@@ -181,23 +181,23 @@ KEYS = (1, 2, 3)
 
 def test_random_and_round_robin() -> None:
     view = StaticView(HOSTS, [0, 0, 0, 0], [0, 0, 0, 0])
-    picks = [RandomPolicy(1).choose(KEYS, view) for _ in range(3)]
-    assert picks == [RandomPolicy(1).choose(KEYS, view) for _ in range(3)]  # seeded
-    policy = RandomPolicy(2)
+    picks = [RandomBaseline(1).choose(KEYS, view) for _ in range(3)]
+    assert picks == [RandomBaseline(1).choose(KEYS, view) for _ in range(3)]  # seeded
+    policy = RandomBaseline(2)
     assert set(Counter(policy.choose(KEYS, view) for _ in range(400))) == {0, 1, 2, 3}
-    rr = RoundRobinPolicy()
+    rr = RoundRobinBaseline()
     assert [rr.choose(KEYS, view) for _ in range(6)] == [0, 1, 2, 3, 0, 1]
 
 
 def test_least_loaded_takes_the_least_work_and_spreads_exact_ties() -> None:
-    policy = LeastLoadedPolicy(0)
+    policy = LeastLoadedBaseline(0)
     assert policy.choose(KEYS, StaticView(HOSTS, [500, 20, 300, 21], [9, 0, 0, 0])) == 1
     tied = StaticView(HOSTS, [10, 5, 7, 5], [0, 0, 0, 0])
     assert set(Counter(policy.choose(KEYS, tied) for _ in range(200))) == {1, 3}
 
 
 def test_max_local_affinity_breaks_ties_by_address_and_falls_back_to_random() -> None:
-    policy = MaxLocalAffinityPolicy(0)
+    policy = MaxLocalAffinityBaseline(0)
     # Workers 0 (10.0.0.3) and 2 (10.0.0.2) tie on 5 blocks: the lower address wins, load is ignored.
     view = StaticView(HOSTS, [0, 0, 900, 0], [5, 1, 5, 0])
     assert {policy.choose(KEYS, view) for _ in range(50)} == {2}
@@ -213,7 +213,7 @@ def test_max_local_affinity_breaks_ties_by_address_and_falls_back_to_random() ->
 
 
 def test_max_hit_takes_the_longest_cache_then_the_least_work() -> None:
-    policy = MaxHitPolicy(0)
+    policy = MaxHitBaseline(0)
     assert policy.choose(KEYS, StaticView(HOSTS, [100, 0, 50, 0], [6, 2, 6, 0])) == 2
     assert policy.choose(KEYS, StaticView(HOSTS, [100, 0, 50, 7], [0, 0, 0, 0])) == 1
     tied = StaticView(HOSTS, [3, 3, 9, 3], [4, 4, 4, 1])
@@ -223,14 +223,14 @@ def test_max_hit_takes_the_longest_cache_then_the_least_work() -> None:
 def test_baselines_replay_identically_on_fresh_clusters() -> None:
     workload = build_workload(replace(SMALL, prompts_per_group=10))
     cluster = ClusterSpec(workers=4, kv_capacity_blocks=64)
-    first = run_baseline(MaxHitPolicy(3), workload, cluster)
-    again = run_baseline(MaxHitPolicy(3), workload, cluster)
+    first = run_baseline(MaxHitBaseline(3), workload, cluster)
+    again = run_baseline(MaxHitBaseline(3), workload, cluster)
     strip = [(r.worker, r.cached_tokens, r.ttft_s) for r in first.records]
     assert strip == [(r.worker, r.cached_tokens, r.ttft_s) for r in again.records]
     assert first.worker_prefill_tokens == again.worker_prefill_tokens
     assert sum(first.worker_prefill_tokens) == sum(max(1, r.input_tokens - r.cached_tokens) for r in first.records)
     # The oracle sees what a random policy cannot: a higher hit rate on the same arrivals.
-    rand = run_baseline(RandomPolicy(3), workload, cluster)
+    rand = run_baseline(RandomBaseline(3), workload, cluster)
     assert summarize(first).hit_rate > summarize(rand).hit_rate
 
 

@@ -13,7 +13,7 @@ import pytest
 from kvroute_sim.demo import cli as demo_cli
 from kvroute_sim.demo.ladder import goodput, run_ladder
 from kvroute_sim.demo.lineup import LINEUP_BASELINES, ORACLE, lineup_baselines
-from kvroute_sim.demo.oracle import TtftOraclePolicy
+from kvroute_sim.demo.oracle import TtftOracleBaseline
 from kvroute_sim.demo.report import summarize
 from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
 from kvroute_sim.demo.sglang_baseline import ApproxRadixTree
@@ -121,7 +121,7 @@ def test_every_baseline_replays_and_the_oracle_is_deterministic() -> None:
     assert set(runs) == set(LINEUP_BASELINES)
     for run in runs.values():
         assert summarize(run).requests == len(workload.requests)
-    again = run_baseline(TtftOraclePolicy(1), workload, cluster)
+    again = run_baseline(TtftOracleBaseline(1), workload, cluster)
     assert [r.worker for r in again.records] == [r.worker for r in runs[ORACLE].records]
 
 

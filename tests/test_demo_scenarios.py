@@ -34,13 +34,21 @@ from kvroute_sim.sim.cluster import SimCluster
 from router.transport.memory_adapter import MemoryNetwork
 
 # Over real gRPC: phases at 40 % (warm-up 0.4 s, fault 0.6 s), and a few scenarios that cover the
-# peers gRPC must survive: a dead leader, a hanging KVCM, slow worker probes.
+# peers gRPC must survive: a dead leader, a hanging KVCM, slow worker probes; and a scheduler that
+# hangs over real HTTP.
 REAL_CLOCK_SCALE = 0.4
-REAL_CLOCK_SCENARIOS = ("leader-killed", "kvcm-blackhole", "workers-slow")
+REAL_CLOCK_SCENARIOS = ("leader-killed", "kvcm-blackhole", "workers-slow", "master-hang")
+
+
+_MASTER_EXTRA_CHECKS = {
+    "master-hang": {"hang cost"},
+    "master-fallback": {"kvcm not asked"},
+    "master-business-error": {"error code", "kvcm not asked"},
+}
 
 
 def _expected_checks(scenario: Scenario) -> set[str]:
-    names = {"answered", "deadline"}
+    names = {"answered", "deadline"} | _MASTER_EXTRA_CHECKS.get(scenario.name, set())
     if scenario.kvcm_routed:
         names |= {"switch" if scenario.switches else "during", "recovery"}
         if not scenario.at_start:
@@ -97,7 +105,14 @@ def test_every_issue_scenario_exists() -> None:
         "discovery-empty",
         "bootstrap-dead-at-start",
         "config-invalid",
+        "master-down",
+        "master-hang",
+        "master-fallback",
+        "master-business-error",
+        "master-flapping",
+        "master-and-kvcm-down",
     )
+    assert all(s.master and s.healthy_source == "master" for s in SCENARIOS if s.name.startswith("master-"))
 
 
 def test_scenario_command_prints_each_result_and_exits_zero_when_all_pass() -> None:
@@ -168,3 +183,43 @@ def test_checks_fail_on_loss_lateness_no_switch_and_no_recovery() -> None:
     for i in range(30, 50):
         late_before[i] = _outcome(i, i * 0.02, "domain")
     assert _run(late_before, 2.02)["before"] is False
+
+
+def _master_run(name: str, outcomes: list[Outcome], kvcm_queries: tuple[int, int] = (0, 0)) -> dict[str, bool]:
+    scenario = next(s for s in SCENARIOS if s.name == name)
+    ctx = ScenarioContext(SimCluster(2))
+    ctx.counts["kvcm_queries_at_injection"], ctx.counts["kvcm_queries_at_clear"] = kvcm_queries
+    checks = evaluate(scenario, ctx, outcomes, Timeline(0.0, 1.0, 2.0, 2.02))
+    return {c.name: c.ok for c in checks}
+
+
+def _master_pattern(during: str, code: int = 0) -> list[Outcome]:
+    before = [_outcome(i, i * 0.02, "master") for i in range(50)]
+    fault = [_outcome(50 + i, 1.0 + 0.02 * (i + 1), during) for i in range(45)]
+    for o in fault:
+        o.error_code = code
+        if code:
+            o.worker = None
+    after = [_outcome(100 + i, 2.0 + 0.02 * (i + 1), "master") for i in range(20)]
+    return before + fault + after
+
+
+def test_master_checks_read_master_as_healthy_and_the_named_sources_as_expected() -> None:
+    assert all(_master_run("master-down", _master_pattern("kvcm")).values())
+    assert _master_run("master-down", _master_pattern("domain"))["switch"] is False  # not the KVCM path
+    kvcm_pattern = [_outcome(o.index, o.started, "kvcm") for o in _master_pattern("kvcm")]
+    checks = _master_run("master-down", kvcm_pattern)
+    assert checks["before"] is False  # KVCM before the fault: the master was not asked first
+
+
+def test_master_fallback_and_business_error_fail_when_kvcm_was_asked() -> None:
+    assert all(_master_run("master-fallback", _master_pattern("domain")).values())
+    assert _master_run("master-fallback", _master_pattern("domain"), (3, 4))["kvcm not asked"] is False
+    checks = _master_run("master-business-error", _master_pattern("none", code=8400))
+    assert all(checks.values()), checks
+    assert _master_run("master-business-error", _master_pattern("none", code=8503))["error code"] is False
+    # Without the scheduler's code, an answer without a worker is a lost request.
+    unexplained = _master_pattern("none", code=8400)
+    unexplained[60].error_code = 0
+    unexplained[60].lost = "answered without a worker: none"
+    assert _master_run("master-business-error", unexplained)["answered"] is False

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -171,6 +172,41 @@ def test_cli_stops_by_itself_after_duration() -> None:
     assert document["seeded_prefixes"] == [] and len(document["workers"]) == 2
 
 
+def test_cli_serves_the_master_routing_to_a_prefix_holder() -> None:
+    proc = _start_cli("--duration", "60", "--groups", "1", "--holders-per-group", "1", "--master-replicas", "2")
+    try:
+        document = json.loads(_read_line(proc, 30))
+        hosts = document["master_hosts"]
+        assert len(hosts) == 2 and document["master_elected"] == hosts[0]
+        seeded = document["seeded_prefixes"][0]
+        body = {"request_id": "r1", "block_cache_keys": seeded["block_keys"], "block_size": 64, "seq_len": 640}
+        with httpx.Client(trust_env=False, timeout=10) as client:
+            info = client.post(f"http://{hosts[1]}/rtp_llm/master/info", json={}).json()
+            assert info["real_master_host"] == hosts[0]
+            reply = client.post(f"http://{hosts[0]}/rtp_llm/schedule", json=body).json()
+        assert reply["success"] is True
+        [status] = reply["server_status"]
+        assert [f"{status['server_ip']}:{status['http_port']}"] == seeded["workers"]  # the holder, all idle
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr.decode()
+
+
+def test_cli_prints_ready_to_paste_flags_with_and_without_a_master() -> None:
+    command = [sys.executable, "-P", "-m", "router.cli", "sim-cluster", "--workers", "2", "--duration", "0.5"]
+    with_master = subprocess.run([*command, "--master-replicas", "1"], capture_output=True, timeout=60, check=False)
+    assert with_master.returncode == 0, with_master.stderr.decode()
+    lines = with_master.stdout.decode().splitlines()
+    [master_line] = [line for line in lines if line.startswith("--master-hosts ")]
+    assert master_line.startswith("--master-hosts 127.0.0.1:") and "," not in master_line
+    assert any(line.startswith("--kvcm-bootstrap ") for line in lines)
+    assert any(line.startswith("--workers ") for line in lines)
+    without = subprocess.run([*command, "--master-replicas", "0"], capture_output=True, timeout=60, check=False)
+    assert without.returncode == 0, without.stderr.decode()
+    assert "--master-hosts" not in without.stdout.decode() and "master " not in without.stdout.decode()
+
+
 def test_cli_rejects_bad_flags_naming_them() -> None:
     result = subprocess.run(
         [sys.executable, "-P", "-m", "router.cli", "sim-cluster", "--kvcm-replicas", "0"],
@@ -180,6 +216,13 @@ def test_cli_rejects_bad_flags_naming_them() -> None:
     )
     assert result.returncode == 2
     assert b"--kvcm-replicas" in result.stderr
+    negative = subprocess.run(
+        [sys.executable, "-P", "-m", "router.cli", "sim-cluster", "--master-replicas", "-1"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert negative.returncode == 2 and b"--master-replicas" in negative.stderr
 
 
 async def test_fleet_stats_count_peak_concurrency_across_workers(

@@ -16,9 +16,8 @@ import trio
 
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.demo.cli import compare
+from kvroute_sim.demo.lineup import KVROUTE, MAX_HIT
 from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
-from kvroute_sim.demo.lineup import MAX_HIT
-from kvroute_sim.demo.policies import KVROUTE
 from kvroute_sim.demo.report import check_targets, format_table, summarize
 from kvroute_sim.demo.runner import ClusterSpec
 from kvroute_sim.demo.workload import WorkloadSpec, build_workload

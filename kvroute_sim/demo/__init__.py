@@ -5,8 +5,9 @@ Reusable pieces (e.g. for ``kvroute bench``):
 - ``workload``: ``WorkloadSpec`` / ``build_workload(spec) -> Workload`` — seeded shared-prefix
   groups, multi-turn sessions, Poisson arrivals, Zipf popularity; each ``DemoRequest`` carries
   its tokens and block keys.
-- ``policies``: the baselines (``baseline_policies(seed)``; each ``choose(keys, view) -> int``
-  over a ``ClusterView``) and the policy names.
+- ``baselines``: the baseline pickers the comparison measures kvroute against (not router
+  policies; ``baseline_pickers(seed)``, each a ``BaselinePicker`` whose ``choose(keys, view) -> int``
+  reads a ``ClusterView``) and the compared names.
 - ``runner``: ``ClusterSpec``, ``build_cluster(cluster_spec, workload)`` (a fresh SimCluster),
   ``run_baseline(policy, workload, cluster_spec)`` (sync, in-memory), ``open_kvroute(cluster,
   workload_spec, clock=..., extra_settings=...)`` (the cluster served over loopback gRPC plus the
@@ -14,6 +15,9 @@ Reusable pieces (e.g. for ``kvroute bench``):
   See the runner's docstring for how the simulated clock and real-time RPCs fit together.
 - ``report``: ``summarize(run) -> PolicySummary``, ``format_table``, ``check_targets``,
   ``results_json`` / ``write_results`` / ``write_chart``.
-- ``scenarios``: ``SCENARIOS``, ``run_scenario(scenario, scale=...)``, ``run_scenarios(...)``.
+- ``scenarios``: ``SCENARIOS``, ``run_scenario(scenario, scale=...)``, ``run_scenarios(...)``;
+  the ``master-*`` ones serve a SimMaster (``open_kvroute(..., master=...)``).
+- ``master_outage``: ``run_master_outage(workload, cluster_spec)`` — the scheduler healthy, down with
+  the KVCM path, down with the KVCM fallback off (domain) — its table, JSON and chart.
 - ``cli``: the ``kvroute demo`` subcommand.
 """

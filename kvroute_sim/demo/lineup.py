@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import random
 
-from kvroute_sim.demo.oracle import ORACLE, TtftOraclePolicy
-from kvroute_sim.demo.policies import (
+from kvroute_sim.demo.baselines import (
     BASELINE_NAMES,
     KVROUTE,
     LEAST_LOADED,
@@ -19,11 +18,12 @@ from kvroute_sim.demo.policies import (
     MAX_LOCAL_AFFINITY,
     RANDOM,
     ROUND_ROBIN,
-    Policy,
-    baseline_policies,
+    BaselinePicker,
+    baseline_pickers,
 )
-from kvroute_sim.demo.request_view import RequestPolicy, RequestView
-from kvroute_sim.demo.sglang_baseline import SGLANG_CACHE_AWARE, SglangCacheAwarePolicy
+from kvroute_sim.demo.oracle import ORACLE, TtftOracleBaseline
+from kvroute_sim.demo.request_view import RequestBaselinePicker, RequestView
+from kvroute_sim.demo.sglang_baseline import SGLANG_CACHE_AWARE, SglangCacheAwareBaseline
 
 POWER_OF_TWO = "power-of-two"
 LINEUP_BASELINES = (*BASELINE_NAMES, POWER_OF_TWO, SGLANG_CACHE_AWARE, ORACLE)
@@ -33,7 +33,7 @@ PRACTICAL_BASELINES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, POWER_OF_TWO, MAX_LOCA
 __all__ = ["KVROUTE", "LINEUP", "LINEUP_BASELINES", "MAX_HIT", "ORACLE", "POWER_OF_TWO", "PRACTICAL_BASELINES"]
 
 
-class PowerOfTwoChoicesPolicy:
+class PowerOfTwoBaseline:
     name = POWER_OF_TWO
 
     def __init__(self, seed: int) -> None:
@@ -47,11 +47,11 @@ class PowerOfTwoChoicesPolicy:
         return second if view.outstanding_tokens(second) < view.outstanding_tokens(first) else first
 
 
-def lineup_baselines(seed: int, block_size: int) -> tuple[Policy | RequestPolicy, ...]:
+def lineup_baselines(seed: int, block_size: int) -> tuple[BaselinePicker | RequestBaselinePicker, ...]:
     """One fresh instance of every baseline, in ``LINEUP_BASELINES`` order."""
     return (
-        *baseline_policies(seed),
-        PowerOfTwoChoicesPolicy(seed),
-        SglangCacheAwarePolicy(block_size),
-        TtftOraclePolicy(seed),
+        *baseline_pickers(seed),
+        PowerOfTwoBaseline(seed),
+        SglangCacheAwareBaseline(block_size),
+        TtftOracleBaseline(seed),
     )

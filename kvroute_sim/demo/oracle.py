@@ -19,7 +19,7 @@ ORACLE = "oracle"
 _TIE_S = 1e-9
 
 
-class TtftOraclePolicy:
+class TtftOracleBaseline:
     name = ORACLE
 
     def __init__(self, seed: int) -> None:

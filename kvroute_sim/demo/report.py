@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvroute_sim.demo.baselines import KVROUTE, LEAST_LOADED
 from kvroute_sim.demo.lineup import MAX_HIT, ORACLE, PRACTICAL_BASELINES
-from kvroute_sim.demo.policies import KVROUTE, LEAST_LOADED
 from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun
 from kvroute_sim.demo.workload import Workload
 from kvroute_sim.stats import percentile

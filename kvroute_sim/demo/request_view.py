@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvroute_sim.demo.policies import ClusterView
+from kvroute_sim.demo.baselines import ClusterView
 from kvroute_sim.demo.workload import DemoRequest
 
 
@@ -28,7 +28,7 @@ class RequestView(ClusterView, Protocol):
         ...
 
 
-class RequestPolicy(Protocol):
+class RequestBaselinePicker(Protocol):
     """A baseline that needs the request itself (its prompt, its exact cost on each worker)."""
 
     @property

@@ -31,14 +31,16 @@ from functools import partial
 
 import trio
 
-from kvroute_sim.demo.policies import KVROUTE, Policy
-from kvroute_sim.demo.request_view import RequestPolicy
+from kvroute_sim.demo.baselines import KVROUTE, BaselinePicker
+from kvroute_sim.demo.request_view import RequestBaselinePicker
 from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec
 from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
 from kvroute_sim.sim.grpc_server import Clock
+from kvroute_sim.sim.master import SimMaster, SimMasterAddresses
 from kvroute_sim.sim.worker import WorkerSpec
 from router.api import RouteRequest, RouterHandle, open_router
 from router.settings import LoadedConfig, load_config
+from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import HostMatch
 
@@ -220,7 +222,10 @@ class _Tally:
 
 
 def run_baseline(
-    policy: Policy | RequestPolicy, workload: Workload, cluster_spec: ClusterSpec, progress: Progress | None = None
+    policy: BaselinePicker | RequestBaselinePicker,
+    workload: Workload,
+    cluster_spec: ClusterSpec,
+    progress: Progress | None = None,
 ) -> PolicyRun:
     """Replay ``workload`` with a baseline ``policy`` on a fresh in-memory cluster (synchronous, CPU only)."""
     cluster = build_cluster(cluster_spec, workload)
@@ -298,6 +303,8 @@ class KvrouteSetup:
     addresses: SimClusterAddresses
     handle: RouterHandle
     loaded: LoadedConfig
+    master: SimMaster | None = None  # the scheduler the router asks first, when the demo serves one
+    master_addresses: SimMasterAddresses | None = None
 
 
 @asynccontextmanager
@@ -310,12 +317,15 @@ async def open_kvroute(
     debug_http: bool = False,
     strict: bool = True,
     network: MemoryNetwork | None = None,
+    master: SimMaster | None = None,
 ) -> AsyncIterator[KvrouteSetup]:
     """Serve ``cluster`` over loopback gRPC (reading ``clock``; default the trio clock) and open the
     real router on it (``open_router(..., rpc=None)``: ChannelPool + gRPC) for the block's duration.
 
     With ``network``, the cluster is served on that in-memory network instead and the router calls it
     (``rpc=network``; the sims read trio time, so a MockClock drives everything).
+    With ``master``, that scheduler is served too (its real HTTP and gRPC servers on loopback, or with
+    ``network`` on an in-memory scheduler network) and the router's ``master_hosts`` name its replicas.
     ``extra_settings`` override the generated ones (setting name → value, validated).
     """
     async with trio.open_nursery() as nursery:
@@ -323,11 +333,23 @@ async def open_kvroute(
             addresses: SimClusterAddresses = await nursery.start(partial(cluster.serve_grpc, clock=clock))
         else:
             addresses = cluster.serve_memory(network)
+        master_addresses: SimMasterAddresses | None = None
+        master_network: MemoryMasterNetwork | None = None
+        if master is not None:
+            if network is None:
+                master_addresses = await nursery.start(master.run)
+            else:
+                master_network = MemoryMasterNetwork()
+                master_addresses = master.serve_memory(master_network)
         settings = router_settings(addresses.kvcm_bootstrap, addresses.workers_arg, workload)
+        if master_addresses is not None:
+            settings["master_hosts"] = ",".join(master_addresses.hosts)
         settings |= dict(extra_settings or {})
         loaded = load_router_config(settings, strict=strict)
-        async with open_router(loaded.effective, rpc=network, loaded=loaded, debug_http=debug_http) as handle:
-            yield KvrouteSetup(cluster, addresses, handle, loaded)
+        async with open_router(
+            loaded.effective, rpc=network, master=master_network, loaded=loaded, debug_http=debug_http
+        ) as handle:
+            yield KvrouteSetup(cluster, addresses, handle, loaded, master, master_addresses)
         nursery.cancel_scope.cancel()
 
 

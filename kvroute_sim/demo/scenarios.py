@@ -23,6 +23,13 @@ KVCM (or at the recovery limit). Invariants, each printed PASS/FAIL:
 
 Scenario router settings (``SCENARIO_SETTINGS``) shorten the recovery timers so each
 scenario takes a few seconds; they are printed with the results.
+
+The ``master-*`` scenarios serve a SimMaster too (``MASTER_REPLICAS`` replicas routing with the
+cluster's exact knowledge) and the router asks it first, so healthy routing is ``master``: the
+phase checks above read "master" where they say KVCM, the fault moves decisions to the sources
+the scenario names (the KVCM path, domain, or the scheduler's error code), and recovery is the
+master answering again. An 8600 or a business error must not query KVCM at all (counted at the
+simulated KVCM). ``MASTER_SETTINGS`` shorten the scheduler's discovery and breaker timers.
 """
 
 from __future__ import annotations
@@ -40,13 +47,16 @@ import trio
 from kvroute_sim.demo.runner import KvrouteSetup, open_kvroute, route_request
 from kvroute_sim.demo.workload import DemoRequest, WorkloadSpec, build_workload, system_prompt
 from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.cluster_master import cluster_decide
 from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.master import MasterFaults, SimMaster
 from kvroute_sim.sim.worker import NO_WORKER_FAULTS, WorkerFaults, WorkerSpec
 from router.api import RouterHandle
 from router.keys import block_keys
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import RouteSource
+from router.wire import paths
 
 RATE_PER_S = 50.0
 BUDGET_MS = 50.0
@@ -73,12 +83,25 @@ _LEADER_RECOVERY_S = 1.0  # one invalidation and one lookup round
 _EJECTION_RECOVERY_S = 2.0  # ejection ≤ 1.0 s + status age 0.3 s + probes
 _BACKOFF_RECOVERY_S = 1.5  # lookup backoff ≤ 0.5 s + jitter + one lookup round
 
+MASTER_REPLICAS = 3
+MASTER_SETTINGS: dict[str, object] = {
+    "master_discovery_interval_s": 0.1,
+    "master_discovery_timeout_s": 0.05,
+    "master_breaker_cooldown_s": 0.2,
+    "master_breaker_cooldown_max_s": 1.0,
+}
+# Master recovery: discovery sees the master again within one poll (0.1 s + 0.05 s timeout), and
+# its breaker's open period ends within cooldown_max (1.0 s), then one half-open trial.
+_MASTER_RECOVERY_S = 1.5
+_BUSINESS_ERROR = 8400  # NO_AVAILABLE_WORKER
+
 _SCENARIO_WORKLOAD = WorkloadSpec(
     groups=8, prompts_per_group=128, system_prompt_tokens=512, question_tokens=64, multi_turn_fraction=0.0
 )
 _HALF_TICK_S = 0.5 / RATE_PER_S  # faults switch between two sends, not on one
 _FALLBACK_SOURCES = frozenset({RouteSource.SHADOW.value, RouteSource.DOMAIN.value})
 _KVCM = RouteSource.KVCM.value
+_MASTER = RouteSource.MASTER.value
 _BROKEN_BOOTSTRAP = "127.0.0.1:99999"  # port out of range: a fallback-only problem
 
 
@@ -93,6 +116,7 @@ class Outcome:
     source: str = ""
     reason: str = ""
     worker: str | None = None
+    error_code: int = 0  # the scheduler's error code the request ended with (0: none)
     lost: str | None = None  # why it counts as lost
 
     @property
@@ -149,6 +173,10 @@ class Scenario:
     settings: dict[str, object] = field(default_factory=dict)
     strict_config: bool = True  # False: the settings may have problems (fail-soft applies)
     kvcm_routed: bool = True  # False: no KVCM routing is expected at all (the phase checks are skipped)
+    master: bool = False  # True: a SimMaster is served and asked first
+    healthy_source: str = _KVCM  # the source of healthy routing (before the fault, after recovery)
+    during_sources: frozenset[str] = _FALLBACK_SOURCES  # switches=True: where the fault may move decisions
+    error_code: int | None = None  # an answer without a worker carrying this code is expected, not lost
 
 
 # ---- the faults ------------------------------------------------------------------------------------
@@ -272,6 +300,159 @@ def _config_checks(ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: 
     ]
 
 
+# ---- master faults ---------------------------------------------------------------------------------
+
+
+def _master_all(faults: MasterFaults) -> Hook:
+    def apply(ctx: ScenarioContext) -> None:
+        master = ctx.opened().master
+        assert master is not None  # master scenarios serve one
+        for index in range(len(master.replicas)):
+            master.set_faults(index, faults)
+
+    return apply
+
+
+def _master_clear(ctx: ScenarioContext) -> None:
+    master = ctx.opened().master
+    assert master is not None
+    master.clear_faults()
+
+
+def _master_and_kvcm_down(ctx: ScenarioContext) -> None:
+    _master_all(MasterFaults(refuse=True))(ctx)
+    _kvcm_all(KvcmFaults(dead=True))(ctx)
+
+
+def _master_and_kvcm_back(ctx: ScenarioContext) -> None:
+    _kvcm_clear(ctx)
+    _master_clear(ctx)
+
+
+def _kvcm_queries(cluster: SimCluster) -> int:
+    """GetHostCacheState calls the simulated KVCM replicas received so far."""
+    return sum(cluster.kvcm.stats(node).get(paths.KVCM_GET_HOST_CACHE_STATE).calls for node in cluster.kvcm.node_ids)
+
+
+def _kvcm_not_asked(ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float) -> list[Check]:
+    asked = ctx.counts["kvcm_queries_at_clear"] - ctx.counts["kvcm_queries_at_injection"]
+    return [Check("kvcm not asked", asked == 0, f"{asked} KVCM cache queries while the master answered the fault")]
+
+
+def _error_code_checks(
+    ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float
+) -> list[Check]:
+    failed = [o for o in outcomes if injected <= o.ended < cleared and o.source == RouteSource.NONE.value]
+    codes = Counter(o.error_code for o in failed)
+    return [
+        Check(
+            "error code",
+            bool(failed) and set(codes) == {_BUSINESS_ERROR},
+            f"{len(failed)} requests ended with the scheduler's code: {dict(codes)} ({_BUSINESS_ERROR} expected)",
+        ),
+        *_kvcm_not_asked(ctx, outcomes, injected, cleared),
+    ]
+
+
+def _hang_cost_checks(
+    ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float
+) -> list[Check]:
+    """A hanging master costs its window to at most the breaker's threshold of requests (plus the few
+    already waiting when it opens), then nothing: later requests take the KVCM path without waiting."""
+    config = ctx.opened().handle.config
+    window_ms = min(config.master.transport_timeout_ms, BUDGET_MS - config.master.later_sources_ms)
+    threshold = config.master_breaker.failure_threshold
+    in_flight = math.ceil(window_ms / 1000.0 * RATE_PER_S)
+    during = [o for o in outcomes if injected <= o.started < cleared and o.lost is None]
+    waited = [o for o in during if o.elapsed_ms >= window_ms]
+    last_wait = max((o.started for o in waited), default=injected)
+    after = [o for o in during if o.started > last_wait]
+    return [
+        Check(
+            "hang cost",
+            len(waited) <= threshold + in_flight and bool(after),
+            f"{len(waited)} of {len(during)} requests waited the {window_ms:g} ms master window "
+            f"(limit: breaker threshold {threshold} + {in_flight} in flight); the {len(after)} after them "
+            f"took at most {max((o.elapsed_ms for o in after), default=math.nan):.1f} ms",
+        )
+    ]
+
+
+def _master_scenario(
+    name: str,
+    summary: str,
+    inject: Hook,
+    during: frozenset[str],
+    *,
+    clear: Hook = _master_clear,
+    switches: bool = True,
+    extra_checks: Callable[[ScenarioContext, Sequence[Outcome], float, float], list[Check]] | None = None,
+    error_code: int | None = None,
+) -> Scenario:
+    return Scenario(
+        name,
+        summary,
+        inject,
+        clear,
+        switches=switches,
+        recovery_s=_MASTER_RECOVERY_S,
+        extra_checks=extra_checks,
+        recovered_by=lambda ctx, outcome: outcome.source == _MASTER,
+        recovery_what="master routing back",
+        master=True,
+        healthy_source=_MASTER,
+        during_sources=during,
+        error_code=error_code,
+    )
+
+
+_MASTER_FLAP_PERIOD_S = 0.25
+
+MASTER_SCENARIOS: tuple[Scenario, ...] = (
+    _master_scenario(
+        "master-down",
+        "every scheduler replica refuses connections; the KVCM path routes at once",
+        _master_all(MasterFaults(refuse=True)),
+        frozenset({_KVCM}),
+    ),
+    _master_scenario(
+        "master-hang",
+        "every scheduler replica accepts and never answers; the KVCM path keeps its time, the breaker opens",
+        _master_all(MasterFaults(hang=True)),
+        frozenset({_KVCM}),
+        extra_checks=_hang_cost_checks,
+    ),
+    _master_scenario(
+        "master-fallback",
+        "the scheduler answers 8600 (route it yourself): domain routing, KVCM not asked",
+        _master_all(MasterFaults(fallback=True)),
+        frozenset({RouteSource.DOMAIN.value}),
+        extra_checks=_kvcm_not_asked,
+    ),
+    _master_scenario(
+        "master-business-error",
+        f"the scheduler answers {_BUSINESS_ERROR}: requests end with that code, KVCM not asked",
+        _master_all(MasterFaults(business_error=_BUSINESS_ERROR)),
+        frozenset({RouteSource.NONE.value}),
+        extra_checks=_error_code_checks,
+        error_code=_BUSINESS_ERROR,
+    ),
+    _master_scenario(
+        "master-flapping",
+        f"every scheduler replica refuses every other {_MASTER_FLAP_PERIOD_S:g} s; master and the KVCM path alternate",
+        _master_all(MasterFaults(flapping_period_s=_MASTER_FLAP_PERIOD_S)),
+        frozenset({_KVCM}),
+    ),
+    _master_scenario(
+        "master-and-kvcm-down",
+        "the scheduler refuses and every KVCM replica is dead: shadow/domain routing",
+        _master_and_kvcm_down,
+        _FALLBACK_SOURCES,
+        clear=_master_and_kvcm_back,
+    ),
+)
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "leader-killed",
@@ -365,6 +546,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         strict_config=False,
         kvcm_routed=False,
     ),
+    *MASTER_SCENARIOS,
 )
 SCENARIO_NAMES = tuple(s.name for s in SCENARIOS)
 _BY_NAME = {s.name: s for s in SCENARIOS}
@@ -435,9 +617,12 @@ class _Traffic:
         else:
             outcome.elapsed_ms = (end - outcome.started) * 1000.0
             outcome.source, outcome.reason = decision.route_source.value, decision.reason.value
-            if decision.worker is None:
+            outcome.error_code = decision.error_code
+            # The scheduler's business error, passed on, is an answer: the frontend fails the request with it.
+            passed_on = self._scenario.error_code is not None and decision.error_code != 0
+            if decision.worker is None and not passed_on:
                 outcome.lost = f"answered without a worker: {decision.error}"
-            else:
+            elif decision.worker is not None:
                 outcome.worker = decision.worker.http_target
                 worker = self._ctx.cluster.worker_index(outcome.worker)
                 self._ctx.cluster.run_prefill(worker, request.request_id, request.keys, request.input_tokens, end)
@@ -519,6 +704,7 @@ def evaluate(
             "answered",
             bool(outcomes) and not lost,
             f"{len(outcomes) - len(lost)} of {len(outcomes)} answered with a worker"
+            + (" or the scheduler's error code" if scenario.error_code else "")
             + (f"; first lost: {lost[0].lost}" if lost else ""),
         ),
         Check(
@@ -529,23 +715,28 @@ def evaluate(
     ]
     if not scenario.kvcm_routed:
         return checks + (scenario.extra_checks(ctx, outcomes, injected, cleared) if scenario.extra_checks else [])
+    healthy = scenario.healthy_source
     if not scenario.at_start:
         before = [o for o in outcomes if started + (injected - started) / 2 <= o.ended < injected]
-        checks.append(Check("before", _share(before, _KVCM) >= SHARE, f"{_mix(before)} (kvcm >= {SHARE:.0%} expected)"))
+        checks.append(
+            Check("before", _share(before, healthy) >= SHARE, f"{_mix(before)} ({healthy} >= {SHARE:.0%} expected)")
+        )
     during = [o for o in outcomes if injected <= o.ended < cleared]
     if scenario.switches:
-        off = [o for o in during if o.source != _KVCM]
-        unexpected = sorted({o.source for o in off} - _FALLBACK_SOURCES)
+        off = [o for o in during if o.source != healthy]
+        unexpected = sorted({o.source for o in off} - scenario.during_sources)
         checks.append(
             Check(
                 "switch",
                 bool(off) and not unexpected,
-                f"{_mix(during)} (kvcm -> shadow/domain expected"
+                f"{_mix(during)} ({healthy} -> {'/'.join(sorted(scenario.during_sources))} expected"
                 + (f"; unexpected {unexpected})" if unexpected else ")"),
             )
         )
     else:
-        checks.append(Check("during", _share(during, _KVCM) >= SHARE, f"{_mix(during)} (kvcm >= {SHARE:.0%} expected)"))
+        checks.append(
+            Check("during", _share(during, healthy) >= SHARE, f"{_mix(during)} ({healthy} >= {SHARE:.0%} expected)")
+        )
     if scenario.heal_s is not None:
         healed = _heal_time(during, injected)
         checks.append(
@@ -575,6 +766,8 @@ def _kvcm_state(ctx: ScenarioContext) -> str:
     """The router's KVCM control state, to tell why routing did not come back."""
     if ctx.setup is None:
         return "router not open"
+    if ctx.setup.master is not None:
+        return f"master client {ctx.setup.handle.actors_health().get('master_client')}"
     resolver = ctx.setup.handle.leader_resolver()
     if resolver is None:
         return "KVCM fallback off"
@@ -605,12 +798,18 @@ async def run_scenario(
     requests = build_workload(spec).requests
     cluster = SimCluster([WorkerSpec(block_size=spec.block_size)] * SCENARIO_WORKERS, block_size=spec.block_size)
     ctx = ScenarioContext(cluster)
-    settings = SCENARIO_SETTINGS | scenario.settings
+    settings = SCENARIO_SETTINGS | (MASTER_SETTINGS if scenario.master else {}) | scenario.settings
+    master = None
+    if scenario.master:
+        # The scheduler reads the clock the sims read (the trio clock; safe from gRPC handler threads).
+        master = SimMaster(
+            replicas=MASTER_REPLICAS, decide=cluster_decide(cluster, trio.lowlevel.current_clock().current_time)
+        )
     began = trio.current_time()
     if scenario.at_start:
         scenario.inject(ctx)
     async with open_kvroute(
-        cluster, spec, extra_settings=settings, strict=scenario.strict_config, network=network
+        cluster, spec, extra_settings=settings, strict=scenario.strict_config, network=network, master=master
     ) as setup:
         ctx.setup = setup
         _seed_prefixes(cluster, spec)
@@ -625,8 +824,10 @@ async def run_scenario(
                 await trio.sleep_until(started + WARM_S * scale + _HALF_TICK_S)
                 injected = trio.current_time()
                 scenario.inject(ctx)
+            ctx.counts["kvcm_queries_at_injection"] = _kvcm_queries(cluster)
             await trio.sleep_until(injected + FAULT_S * scale)
             cleared = trio.current_time()
+            ctx.counts["kvcm_queries_at_clear"] = _kvcm_queries(cluster)
             traffic.cleared_at = cleared
             scenario.clear(ctx)
             with trio.move_on_after(scenario.recovery_s + RECOVERED_STREAK / RATE_PER_S + 0.1):
@@ -652,6 +853,7 @@ def run_scenarios(
         flush=True,
     )
     results = []
+    printed_master = False
     for name in names:
         scenario = _BY_NAME[name]
         # The previous scenario's garbage is collected now, not in a GC pass inside this one's checks.
@@ -659,6 +861,10 @@ def run_scenarios(
         network = MemoryNetwork() if in_memory else None
         result = trio.run(partial(run_scenario, scenario, scale=scale, network=network), clock=clock)
         results.append(result)
+        if scenario.master and not printed_master:
+            printed_master = True
+            master_settings = ", ".join(f"{k}={v}" for k, v in MASTER_SETTINGS.items())
+            print(f"master scenarios' router settings: {master_settings}", file=out)
         print(
             f"{'PASS' if result.passed else 'FAIL'} {name}: {scenario.summary} "
             f"({result.requests} requests, {result.duration_s:.1f} s)",

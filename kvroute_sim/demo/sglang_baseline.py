@@ -94,7 +94,7 @@ class ApproxRadixTree:
             node = child
 
 
-class SglangCacheAwarePolicy:
+class SglangCacheAwareBaseline:
     name = SGLANG_CACHE_AWARE
 
     def __init__(

@@ -1,4 +1,8 @@
-"""``kvroute sim-cluster``: simulated KVCM replicas and workers as real gRPC servers on loopback.
+"""``kvroute sim-cluster``: simulated KVCM replicas, workers and scheduler replicas on loopback.
+
+KVCM replicas and workers are gRPC servers; the scheduler (``SimMaster``, ``--master-replicas``,
+0 = none) serves HTTP JSON and gRPC (HTTP port + 2) and routes with the cluster's exact cache
+and queue knowledge (``cluster_decide``).
 
 Prints where everything listens (human-readable lines, or one JSON line with
 ``--print-json``), pre-seeds cached prefixes so a query returns matches, optionally
@@ -18,12 +22,15 @@ from collections.abc import Callable
 import trio
 
 from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
+from kvroute_sim.sim.cluster_master import cluster_decide
+from kvroute_sim.sim.master import SimMaster, SimMasterAddresses
 from kvroute_sim.sim.traffic import SeededPrefix, TrafficSpec, TrafficStats, run_traffic, seed_prefixes
 from kvroute_sim.sim.worker import WorkerSpec
 from router.types import KeyFamily, Role
 
 _WORKER = WorkerSpec()
 _TRAFFIC = TrafficSpec()
+DEFAULT_MASTER_REPLICAS = 3
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:
@@ -65,6 +72,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_at_least(1),
         default=DEFAULT_KVCM_REPLICAS,
         help="KVCM replicas (kvcm-0 leads)",
+    )
+    parser.add_argument(
+        "--master-replicas",
+        type=_at_least(0),
+        default=DEFAULT_MASTER_REPLICAS,
+        help="simulated scheduler replicas, the first elected (HTTP + gRPC on HTTP port + 2); 0 = none",
     )
     parser.add_argument(
         "--duration",
@@ -181,8 +194,14 @@ async def _serve(cluster: SimCluster, traffic: TrafficSpec, args: argparse.Names
             addresses = await nursery.start(
                 functools.partial(cluster.serve_grpc, host=args.host, max_threads=args.max_threads)
             )
+            master: SimMasterAddresses | None = None
+            if args.master_replicas > 0:
+                # The handlers read the same clock the cluster's servers do (safe off the trio thread).
+                decide = cluster_decide(cluster, trio.lowlevel.current_clock().current_time)
+                sim_master = SimMaster(replicas=args.master_replicas, decide=decide)
+                master = await nursery.start(functools.partial(sim_master.run, host=args.host))
             seeded = () if args.no_seed else seed_prefixes(cluster, traffic)
-            _print_addresses(addresses, seeded, args.print_json)
+            _print_addresses(addresses, master, seeded, args.print_json)
             nursery.start_soon(run_traffic, cluster, traffic, stats)
             with trio.move_on_after(math.inf if args.duration is None else args.duration):
                 async for signum in signals:
@@ -197,10 +216,17 @@ async def _serve(cluster: SimCluster, traffic: TrafficSpec, args: argparse.Names
         )
 
 
-def _print_addresses(addresses: SimClusterAddresses, seeded: tuple[SeededPrefix, ...], as_json: bool) -> None:
+def _print_addresses(
+    addresses: SimClusterAddresses,
+    master: SimMasterAddresses | None,
+    seeded: tuple[SeededPrefix, ...],
+    as_json: bool,
+) -> None:
     if as_json:
         document = addresses.to_json()
         document["seeded_prefixes"] = [s.to_json() for s in seeded]
+        document["master_hosts"] = list(master.hosts) if master is not None else []
+        document["master_elected"] = master.elected if master is not None else None
         print(json.dumps(document, sort_keys=True), flush=True)
         return
     for node, target in addresses.kvcm_nodes:
@@ -208,9 +234,15 @@ def _print_addresses(addresses: SimClusterAddresses, seeded: tuple[SeededPrefix,
         print(f"kvcm {node} {target} {role}")
     for worker in addresses.workers:
         print(f"worker {worker.http_target} status={worker.status_target}")
+    if master is not None:
+        for host, grpc_target in zip(master.hosts, master.grpc_targets, strict=True):
+            role = "elected" if host == master.elected else "replica"
+            print(f"master {host} grpc={grpc_target} {role}")
     for prefix in seeded:
         print(
             f"seeded group={prefix.group} blocks={len(prefix.block_keys)} workers={','.join(prefix.workers)}"
         )
     print(f"--kvcm-bootstrap {addresses.kvcm_bootstrap}")
     print(f"--workers {addresses.workers_arg}", flush=True)
+    if master is not None:
+        print(f"--master-hosts {','.join(master.hosts)}", flush=True)

@@ -1,4 +1,6 @@
-"""Baseline routing policies for the comparison (pure: values in, a worker index out).
+"""Baseline pickers for the comparison (pure: values in, a worker index out).
+
+These are what kvroute is measured against, not policies of the router (``router.policy``).
 
 Each baseline sees the cluster through a :class:`ClusterView` taken at the request's
 arrival on the simulated timeline, and returns the index of the worker to use. Every
@@ -59,8 +61,8 @@ class ClusterView(Protocol):
         ...
 
 
-class Policy(Protocol):
-    """A routing policy: ``choose`` returns a worker index for a request's block keys."""
+class BaselinePicker(Protocol):
+    """A baseline picker: ``choose`` returns a worker index for a request's block keys."""
 
     @property
     def name(self) -> str: ...
@@ -68,7 +70,7 @@ class Policy(Protocol):
     def choose(self, keys: Sequence[int], view: ClusterView) -> int: ...
 
 
-class RandomPolicy:
+class RandomBaseline:
     name = RANDOM
 
     def __init__(self, seed: int) -> None:
@@ -78,7 +80,7 @@ class RandomPolicy:
         return self._rng.randrange(len(view.hosts))
 
 
-class RoundRobinPolicy:
+class RoundRobinBaseline:
     name = ROUND_ROBIN
 
     def __init__(self) -> None:
@@ -90,7 +92,7 @@ class RoundRobinPolicy:
         return worker
 
 
-class LeastLoadedPolicy:
+class LeastLoadedBaseline:
     name = LEAST_LOADED
 
     def __init__(self, seed: int) -> None:
@@ -102,7 +104,7 @@ class LeastLoadedPolicy:
         return self._rng.choice([i for i, load in enumerate(loads) if load == least])
 
 
-class MaxLocalAffinityPolicy:
+class MaxLocalAffinityBaseline:
     name = MAX_LOCAL_AFFINITY
 
     def __init__(self, seed: int) -> None:
@@ -121,7 +123,7 @@ class MaxLocalAffinityPolicy:
         return index[best[1]]
 
 
-class MaxHitPolicy:
+class MaxHitBaseline:
     name = MAX_HIT
 
     def __init__(self, seed: int) -> None:
@@ -137,12 +139,12 @@ class MaxHitPolicy:
         return self._rng.choice([i for i in holders if loads[i] == least])
 
 
-def baseline_policies(seed: int) -> tuple[Policy, ...]:
+def baseline_pickers(seed: int) -> tuple[BaselinePicker, ...]:
     """One fresh instance of every baseline, in ``BASELINE_NAMES`` order."""
     return (
-        RandomPolicy(seed),
-        RoundRobinPolicy(),
-        LeastLoadedPolicy(seed),
-        MaxLocalAffinityPolicy(seed),
-        MaxHitPolicy(seed),
+        RandomBaseline(seed),
+        RoundRobinBaseline(),
+        LeastLoadedBaseline(seed),
+        MaxLocalAffinityBaseline(seed),
+        MaxHitBaseline(seed),
     )

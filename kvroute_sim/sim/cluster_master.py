@@ -1,0 +1,62 @@
+"""A SimMaster that schedules like a good central scheduler: with the SimCluster's exact knowledge.
+
+``cluster_decide(cluster, clock)`` is a ``Decide`` for :class:`SimMaster`: for every role the
+cluster's workers report, the reachable worker with the least cost at ``clock()``, where
+
+- a prefill-capable role (PREFILL, PDFUSION) costs the request's uncached prefill tokens on
+  that worker (its exact cached prefix in the KVCM sim's index) plus the worker's queued tokens;
+- a companion role (DECODE, VIT) costs its queued tokens.
+
+Ties go to the lowest worker index, so the same cluster state always gives the same answer.
+No reachable worker of a role: that role is left out (no worker at all: the master answers 8400).
+
+``clock`` is what "now" means to the workers' queues: the trio clock the sims read, or the demo's
+simulated clock. ``decide`` may run on a gRPC handler thread, so ``clock`` must be safe to call there
+(the cluster's own reads are locked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.master import Decide
+from router.types import Role, RoleAddr
+from router.wire.master import MASTER_ROLES, MasterScheduleRequest
+
+PREFILL_CAPABLE = frozenset({Role.PREFILL, Role.PDFUSION})
+
+
+def cluster_decide(cluster: SimCluster, clock: Callable[[], float]) -> Decide:
+    """A deterministic ``Decide`` minimising (uncached prefill tokens + queued tokens) per role."""
+    roles = [Role.parse(worker.spec.role) for worker in cluster.workers]
+
+    def decide(request: MasterScheduleRequest) -> Sequence[RoleAddr]:
+        now = clock()
+        addrs = cluster.addresses.workers
+        chosen: list[RoleAddr] = []
+        for role in MASTER_ROLES:
+            best: tuple[int, int] | None = None  # (cost, worker index)
+            for index, worker in enumerate(cluster.workers):
+                if roles[index] is not role or not worker.reachable(now):
+                    continue
+                cost = worker.outstanding_tokens(now)
+                if role in PREFILL_CAPABLE:
+                    cost += uncached_tokens(cluster, addrs[index].http_target, request)
+                if best is None or (cost, index) < best:
+                    best = (cost, index)
+            if best is not None:
+                addr = addrs[best[1]]
+                chosen.append(RoleAddr(role, addr.ip, addr.http_port, addr.grpc_port))
+        return chosen
+
+    return decide
+
+
+def uncached_tokens(cluster: SimCluster, host: str, request: MasterScheduleRequest) -> int:
+    """The request's prompt tokens ``host`` has not cached (its exact prefix in the index)."""
+    seq_len = max(request.seq_len, len(request.block_cache_keys) * cluster.block_size)
+    if not request.block_cache_keys:
+        return seq_len
+    cached = cluster.kvcm.local_prefix(host, request.block_cache_keys) * cluster.block_size
+    return max(0, seq_len - cached)
