@@ -113,9 +113,17 @@ class Scorer:
         return self._policy.plan(hosts, fleet, request_id=request_id, source=source, ejected=ejected)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve the inbox, one message at a time, until cancelled."""
+        """Serve the inbox until cancelled: drain what is queued without yielding between messages (each
+        is short and bounded, and nothing can add to the inbox meanwhile), publish the health snapshot
+        once per batch, then wait for the next message."""
         task_status.started()
-        async for message in self._receive:
+        receive = self._receive
+        while True:
+            try:
+                message = receive.receive_nowait()
+            except trio.WouldBlock:
+                self._health = self._snapshot()
+                message = await receive.receive()
             if isinstance(message, _Record):
                 self._policy.record(message.worker, message.uncached_tokens, message.now)
                 self._records += 1
@@ -123,7 +131,6 @@ class Scorer:
                 self._abandoned += 1
             else:
                 self._decide(message)
-            self._health = self._snapshot()
 
     async def decide(self, request: DecideRequest) -> Selection:
         """The policy's selection for ``request``, recorded in its ledger.
@@ -134,7 +141,10 @@ class Scorer:
         """
         message = _Decision(request)
         try:
-            await self._send.send(message)
+            try:
+                self._send.send_nowait(message)  # the common case: room in the inbox, no extra schedule point
+            except trio.WouldBlock:
+                await self._send.send(message)
             await message.event.wait()
         except BaseException:
             message.abandoned = True

@@ -382,7 +382,9 @@ async def test_no_workers_is_route_source_none(autojump_clock: trio.testing.Mock
 
 async def test_burst_spreads_with_precharge(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster, metrics_inbox=256) as (handle, _, _):
+    # The Scorer decides what is queued in one batch, so up to all 200 decisions (several events each) can
+    # land in one scheduling round: the inbox holds a round's events and the sink drains them in batches.
+    async with routed(cluster, metrics_inbox=1024) as (handle, _, _):
         for i in range(4):
             seed(cluster, i, 8)
         chosen = []
