@@ -67,6 +67,8 @@ from router.types import (
 
 log = logging.getLogger(__name__)
 
+_HASH_REST_RATIO = 1.0  # a long prompt's hashing takes at most half of the routing thread
+
 
 @dataclass(frozen=True, slots=True)
 class RouterHealth:
@@ -107,6 +109,7 @@ class RouterActor:
         self._warn = warn
         self._decision_log = decision_log
         self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
+        self._long_hashing = trio.CapacityLimiter(1)
         self._estimate = AdmissionEstimate(config.router)
         self._lag_interval_s = config.router.lag_probe_interval_ms / 1000.0
         self._reserve_min_s = config.router.reserve_min_ms / 1000.0
@@ -273,15 +276,22 @@ class RouterActor:
     async def _keys(self, checked: CheckedRequest) -> tuple[int, ...]:
         """The request's block keys. A long prompt is hashed in slices with a checkpoint after each:
         other requests run in between, and the request's cancel scope (its deadline, or its caller
-        giving up) stops the hashing there. A short one is hashed at once, without an await."""
+        giving up) stops the hashing there. One long prompt is hashed at a time (the others wait their
+        turn under their own deadlines), so at most one slice of hashing runs per scheduling round
+        however many long prompts arrive. A short one is hashed at once, without an await."""
         slice_tokens = self._limits.hash_slice_tokens
         slices = key_slices(checked, slice_tokens)
         if not is_sliced(checked, slice_tokens):
             return join_slices(slices)
         parts: list[tuple[int, ...]] = []
-        for part in slices:
-            parts.append(part)
-            await trio.lowlevel.checkpoint()
+        async with self._long_hashing:
+            started = trio.current_time()
+            for part in slices:
+                parts.append(part)
+                # Rest as long as the slice took: the routing thread then blocks in its I/O wait, which
+                # also hands the GIL to the threads delivering other requests' RPC replies.
+                await trio.sleep((trio.current_time() - started) * _HASH_REST_RATIO)
+                started = trio.current_time()
         return join_slices(iter(parts))
 
     # -- answers ------------------------------------------------------------------------------------

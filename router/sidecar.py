@@ -211,6 +211,9 @@ class Sidecar:
         self._cap_ms = config.router.budget_cap_ms
         self._reply_margin_ms = config.router.reply_margin_ms
         self._limits = config.limits
+        self._large_requests = threading.Semaphore(1)
+        # A request carrying more than a hash slice's worth of ids (8 bytes each at most) is large.
+        self._large_request_bytes = 8 * config.limits.hash_slice_tokens
         self._counters = _Counters()
         self._health = _RouterHealth(self._ready_from_thread)
         # Set once in run() before serving; read by handler threads.
@@ -323,8 +326,21 @@ class Sidecar:
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is draining: request not routed")
         message = router_v1_pb2.RouteRequest()
         try:
-            message.ParseFromString(data)
-            request = request_from_proto(message, self._limits)
+            if len(data) > self._large_request_bytes:
+                # Parsing and converting a large request holds the GIL for milliseconds: one handler
+                # thread at a time does it, so the routing thread keeps its share of the GIL however
+                # many large requests arrive. The others wait (without the GIL) within their deadline.
+                wait_s = context.time_remaining()
+                if not self._large_requests.acquire(timeout=-1 if wait_s is None else max(0.0, wait_s)):
+                    raise PeerAbort(RpcStatus.DEADLINE_EXCEEDED, "a large request waited its whole deadline to be read")
+                try:
+                    message.ParseFromString(data)
+                    request = request_from_proto(message, self._limits)
+                finally:
+                    self._large_requests.release()
+            else:
+                message.ParseFromString(data)
+                request = request_from_proto(message, self._limits)
         except DecodeError as exc:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, f"request: not a kvroute.v1.RouteRequest ({exc})") from None
         except BadRequest as exc:

@@ -4,9 +4,9 @@ Pure: values in, values out; time is passed in. The steps, each its own function
 
 - filters (:func:`filter_candidate`): alive, a routed role, queue below the threshold, the key
   geometry (block size, lookahead) the request's keys were made with;
-- hit and work (:func:`hit_tokens`, :func:`work_tokens`): the cached prefix a worker would reuse,
-  and the uncached tokens it would have to prefill before this request's first token
-  (its outstanding tasks, the ledger's pre-charge, this request's uncached part);
+- hit and work: the cached prefix a worker would reuse (:func:`hit_tokens`), and the uncached
+  tokens it would have to prefill before this request's first token: its outstanding uncached
+  tokens + the ledger's pre-charge since its status was taken + (seq_len − hit);
 - orders (:func:`orders`): shortest-TTFT order (work, last selected, tie draw) and leader order
   (most hit first, then the same);
 - guard, gate and bound (:func:`choose`): the outstanding-tokens guard, the minimum-hit gate,
@@ -20,7 +20,6 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from router.config import DeploymentConfig, ScorerConfig
 from router.policy.base import PolicyHealth
@@ -60,12 +59,6 @@ def hit_tokens(match: HostMatch | None, block_size: int, seq_len: int, p2p_hit_d
     if isinstance(effective, int):  # no P2P extension: the product is an exact integer
         return min(seq_len, effective * block_size)
     return min(seq_len, round_half_up(effective * block_size))
-
-
-def work_tokens(observed: ObservedStatus, pending_charge: int, seq_len: int, hit: int) -> int:
-    """Tokens the worker must prefill before this request's first one: its outstanding uncached
-    tokens, what the ledger charged it since its status was taken, and this request's uncached part."""
-    return observed.outstanding_uncached_tokens + pending_charge + (seq_len - hit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,21 +221,12 @@ def filter_candidate(
 # --- orders ----------------------------------------------------------------------------------
 
 
-class Passed(NamedTuple):
-    """A candidate that passed the filters: (target, plan index, work, last selected, hit)."""
-
-    target: str
-    at: int
-    work: int
-    last_selected: float
-    hit: int
-
-
+PassedRow = tuple[str, int, int, float, int]  # a candidate that passed: (target, plan index, work, last selected, hit)
 TtftRow = tuple[int, float, float, int]  # (work, last selected, tie draw, index)
 LeaderRow = tuple[int, int, float, float, int]  # (−hit, work, last selected, tie draw, index)
 
 
-def orders(passed: list[Passed], tie_rng: random.Random) -> tuple[list[TtftRow], list[LeaderRow]]:
+def orders(passed: list[PassedRow], tie_rng: random.Random) -> tuple[list[TtftRow], list[LeaderRow]]:
     """Shortest-TTFT order and cache-leader order over the passed candidates.
 
     Exact ties on (work, last selected) are broken by draws from ``tie_rng`` handed out in
@@ -373,9 +357,17 @@ def score(
             drop_totals[plan_drop] = drop_totals.get(plan_drop, 0) + 1
 
     view = ledger.view
-    passed: list[Passed] = []
+    passed: list[PassedRow] = []
+    # The loop runs once per candidate per decision: the common cases of hit_tokens (no P2P extension)
+    # and work_tokens are inlined; the functions above state the rules.
     for index, (worker, target, match, _) in enumerate(candidates):
-        hit = hits[index] = hit_tokens(match, block_size, seq_len, discount)
+        if match is None or block_size <= 0:
+            hit = 0
+        elif match.p2p_total <= match.local:
+            hit = min(seq_len, match.local * block_size) if match.local > 0 else 0
+        else:
+            hit = hit_tokens(match, block_size, seq_len, discount)
+        hits[index] = hit
         observed = observed_by_index[index] = statuses.get(worker)
         drop: DropReason | None
         if observed is None:
@@ -391,8 +383,8 @@ def score(
         if drop is None:
             assert observed is not None
             pending, last_selected = view(target, observed.taken_at)
-            work = works[index] = work_tokens(observed, pending, seq_len, hit)
-            passed.append(Passed(target, index, work, last_selected, hit))
+            work = works[index] = observed.outstanding_uncached_tokens + pending + (seq_len - hit)
+            passed.append((target, index, work, last_selected, hit))
         else:
             drops[index] = drop
             drop_totals[drop] = drop_totals.get(drop, 0) + 1
