@@ -68,6 +68,7 @@ ERROR_METADATA_KEY = "kvroute-error"
 # The router answers at most a few ms after a request's deadline; a handler thread waits this much
 # longer before it reports DEADLINE_EXCEEDED (only a stuck trio thread gets there).
 ANSWER_SLACK_S = 0.05
+PATH_COST_DECAY = 0.9  # weight the own-path estimate keeps per call (a few calls follow a change)
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
 _ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
 
@@ -212,6 +213,7 @@ class Sidecar:
         self._reply_margin_ms = config.router.reply_margin_ms
         self._limits = config.limits
         self._large_requests = threading.Semaphore(1)
+        self._path_cost_s = 0.0  # running estimate of the sidecar's own path per call
         # A request carrying more than a hash slice's worth of ids (8 bytes each at most) is large.
         self._large_request_bytes = 8 * config.limits.hash_slice_tokens
         self._counters = _Counters()
@@ -226,6 +228,10 @@ class Sidecar:
 
     def stats(self) -> SidecarStats:
         return self._counters.snapshot()
+
+    def path_cost_ms(self) -> float:
+        """The running estimate of this sidecar's own path per call (taken off each client deadline)."""
+        return self._path_cost_s * 1000.0
 
     def drain(self) -> None:
         """Stop accepting calls and finish those in flight (within --drain-timeout-s); run() then returns.
@@ -347,11 +353,16 @@ class Sidecar:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, str(exc)) from None
         remaining = context.time_remaining()
         sent_at = time.monotonic()
-        client_s = max(0.0, remaining) if remaining is not None and math.isfinite(remaining) else None
+        # The client's deadline less what this sidecar's own path (hand-off to the trio thread, the
+        # answer's way back, serialising and sending it) has been costing: decided that much earlier,
+        # the answer reaches the client in time. The router keeps --reply-margin-ms on top.
+        client_s = (
+            max(0.0, remaining - self._path_cost_s) if remaining is not None and math.isfinite(remaining) else None
+        )
         # The router's own deadline (min(budget, cap)), measured from now, plus the slack.
         wait_s = request_deadline(request, 0.0, self._cap_ms) + ANSWER_SLACK_S
-        if client_s is not None:
-            wait_s = min(wait_s, client_s)
+        if remaining is not None and math.isfinite(remaining):
+            wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
         token = self._token
         try:
@@ -370,7 +381,14 @@ class Sidecar:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, decision.error or "bad request")
         if decision.route_source is RouteSource.NONE and decision.error:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, decision.error),))
-        return decision_to_proto(decision).SerializeToString()
+        reply = decision_to_proto(decision).SerializeToString()
+        self._observe_path_cost(time.monotonic() - sent_at - decision.elapsed_ms / 1000.0)
+        return reply
+
+    def _observe_path_cost(self, seconds: float) -> None:
+        """Fold one call's own-path cost into the running estimate (handler threads write it; a float
+        assignment is atomic, and a lost update only delays the estimate by a call)."""
+        self._path_cost_s = PATH_COST_DECAY * self._path_cost_s + (1 - PATH_COST_DECAY) * max(0.0, seconds)
 
     def _ready_from_thread(self) -> bool:
         token = self._token

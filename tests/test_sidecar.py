@@ -366,3 +366,22 @@ def test_decision_conversion_keeps_every_field() -> None:
         dataclasses.replace(decision, worker=None, role=None, route_source=RouteSource.NONE, reason=Reason.NO_WORKERS)
     )
     assert (nowhere.ip, nowhere.http_port, nowhere.role, nowhere.route_source) == ("", 0, "", "none")
+
+
+async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlier(nursery: trio.Nursery) -> None:
+    """Every answered call measures what the sidecar's own path cost beyond the routing itself; a client
+    deadline is shortened by that estimate before the router gets it (structural: no timing bound)."""
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            assert r.sidecar.path_cost_ms() == 0.0
+            request = router_v1_pb2.RouteRequest(request_id="cost", token_ids=PROMPT, budget_ms=100)
+            for _ in range(5):
+                reply = await _in_thread(lambda: r.route(request, timeout=5.0))
+                assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            learned = r.sidecar.path_cost_ms()
+            assert learned > 0.0  # the hand-offs between threads are never free
+            # A client deadline shorter than the learned cost leaves the router nothing: it decides at once.
+            r.sidecar._path_cost_s = 10.0  # an estimate larger than any deadline below
+            reply = await _in_thread(lambda: r.route(request, timeout=5.0))
+            assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            assert reply.reason == "deadline"
