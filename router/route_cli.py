@@ -165,13 +165,23 @@ def exit_status(decision: RouteDecision) -> int:
 
 
 def decision_json(decision: RouteDecision) -> dict[str, object]:
-    """The kvroute.v1.RouteDecision fields (every one, zero values included), plus stages, error, candidates."""
+    """The kvroute.v1.RouteDecision fields (every one, zero values included), plus stages, error, candidates
+    and the chain of sources as the request walked it."""
     out: dict[str, object] = MessageToDict(
         decision_to_proto(decision), preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     out["stage_ms"] = dict(decision.stage_ms)
     out["error"] = decision.error
     out["candidates"] = [dataclasses.asdict(c) for c in decision.candidates]
+    out["sources"] = [
+        {
+            "source": step.source.value,
+            "outcome": step.outcome.value,
+            "reason": None if step.reason is None else step.reason.value,
+            "elapsed_ms": step.elapsed_ms,
+        }
+        for step in decision.sources
+    ]
     return out
 
 

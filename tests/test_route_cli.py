@@ -65,7 +65,8 @@ def test_route_json_prints_the_kvcm_decision_for_a_seeded_prefix(cluster: dict[s
     assert result.returncode == 0, result.stderr
     decision = json.loads(result.stdout)
     proto_fields = {f.name for f in router_v1_pb2.RouteDecision.DESCRIPTOR.fields}
-    assert proto_fields | {"stage_ms", "error", "candidates"} == set(decision)
+    assert proto_fields | {"stage_ms", "error", "candidates", "sources"} == set(decision)
+    assert [s["source"] for s in decision["sources"]] == ["kvcm"] and decision["sources"][0]["outcome"] == "answered"
     assert (decision["request_id"], decision["route_source"], decision["reason"]) == ("r1", "kvcm", "CACHE_LEADER")
     assert f"{decision['ip']}:{decision['http_port']}" in prefix["workers"]
     assert decision["grpc_port"] == decision["http_port"] + 1
