@@ -92,6 +92,15 @@ class MasterRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class HitObserved:
+    """A decision's predicted hit (tokens) against the prefix its worker reported for the request."""
+
+    route_source: str
+    predicted: int
+    actual: int
+
+
+@dataclass(frozen=True, slots=True)
 class LeaderChanged:
     target: str | None  # the new leader, None when it was lost
 
@@ -113,6 +122,7 @@ MetricEvent = (
     DecisionMade
     | KvcmRequest
     | MasterRequest
+    | HitObserved
     | ProbeSkipped
     | StatusCacheHits
     | LeaderChanged
@@ -228,6 +238,26 @@ class MetricsSink:
             "kvroute_source_outcomes",
             "What each source of the chain did with a request (reason: why it fell through or ended)",
             ("source", "outcome", "reason"),
+            registry=r,
+        )
+        self._hit_ratio = Histogram(
+            "kvroute_hit_actual_over_predicted",
+            "The prefix a worker reported for a routed request / the hit the router predicted",
+            ("route_source",),
+            buckets=(0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0),
+            registry=r,
+        )
+        self._hit_error = Histogram(
+            "kvroute_hit_error_tokens",
+            "|reported prefix − predicted hit| in tokens",
+            ("route_source",),
+            buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
+            registry=r,
+        )
+        self._silent_zero = Counter(
+            "kvroute_hit_silent_zero",
+            "Routed requests whose worker found no cached prefix where the router predicted one",
+            ("route_source",),
             registry=r,
         )
         self._master_requests = Counter(
@@ -355,6 +385,11 @@ class MetricsSink:
                 self._record_decision(decision)
             case KvcmRequest(method, outcome):
                 self._kvcm_requests.labels(method=method, outcome=outcome).inc()
+            case HitObserved(route_source, predicted, actual):
+                self._hit_ratio.labels(route_source=route_source).observe(actual / predicted if predicted else 0.0)
+                self._hit_error.labels(route_source=route_source).observe(abs(actual - predicted))
+                if actual == 0 and predicted > 0:
+                    self._silent_zero.labels(route_source=route_source).inc()
             case MasterRequest(outcome):
                 self._master_requests.labels(outcome=outcome).inc()
             case ProbeSkipped(reason, n):

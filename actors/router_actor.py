@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import trio
 
 from actors.decision_log import DecisionLog
+from actors.hit_accuracy import HitAccuracy
 from actors.metrics_sink import DecisionMade, MetricsSink
 from actors.sources.base import (
     Answered,
@@ -94,6 +95,7 @@ class RouterActor:
         metrics: MetricsSink,
         warn: AggregatingLogger,
         decision_log: DecisionLog | None = None,
+        accuracy: HitAccuracy | None = None,
     ) -> None:
         if not chain or chain[-1] is not domain:
             raise ValueError("chain: the domain source must be the last source of the chain")
@@ -108,6 +110,7 @@ class RouterActor:
         self._metrics = metrics
         self._warn = warn
         self._decision_log = decision_log
+        self._accuracy = accuracy
         self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
         self._long_hashing = trio.CapacityLimiter(1)
         self._estimate = AdmissionEstimate(config.router)
@@ -210,6 +213,10 @@ class RouterActor:
         own_ms = stages.get(Stage.KEYS, 0.0) + stages.get(Stage.PLAN, 0.0) + stages.get(Stage.SCORE, 0.0)
         self._estimate.observe_own(own_ms / 1000.0)
         self._emit(decision)
+        if self._accuracy is not None and decision.worker is not None and decision.hit_tokens > 0:
+            self._accuracy.predict(
+                request.request_id, decision.worker.http_target, decision.hit_tokens, decision.route_source, received_at
+            )
         if ctx is not None:
             for source in self._chain:
                 source.after_reply(ctx, decision)

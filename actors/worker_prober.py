@@ -283,6 +283,7 @@ class WorkerProber:
         self._probes_started = 0
         self._coalesced = 0
         self._probes_ok = 0
+        self._status_listeners: list[Callable[[WorkerAddr, WorkerStatus], None]] = []
         self._probes_no_status = 0
         self._failed_by_kind: dict[str, int] = {}
         self._skipped: dict[SkipReason, int] = dict.fromkeys(SkipReason, 0)
@@ -373,6 +374,10 @@ class WorkerProber:
         """The workers ejected now (a live read-only view, for the candidate plan to skip)."""
         self._prune_ejections(trio.current_time())
         return self._ejected.keys()
+
+    def on_status(self, listener: Callable[[WorkerAddr, WorkerStatus], None]) -> None:
+        """Call ``listener`` with every new valid status (synchronously: it must not block)."""
+        self._status_listeners.append(listener)
 
     def retain(self, workers: Collection[WorkerAddr]) -> None:
         """Forget every worker not in ``workers`` (call on discovery changes)."""
@@ -592,6 +597,8 @@ class WorkerProber:
         if self._workers.get(flight.worker) is state:
             self._failing.discard(flight.worker)
         self._probes_ok += 1
+        for listener in self._status_listeners:
+            listener(flight.worker, status)
         return ProbeResult(flight.worker, ProbeOutcome.OK, status, observed_at=now)
 
     def _record_failure(self, flight: _Flight, kind: str) -> ProbeResult:

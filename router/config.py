@@ -195,6 +195,10 @@ class MetricsConfig:
     decision_max_candidates: int = bounded(32, 0, 4096)
     # /debug/decisions stops adding decisions beyond this many bytes of JSON (and says it did).
     decisions_body_max_bytes: int = bounded(4 * 1024 * 1024, 4096, 1024 * 1024 * 1024)
+    # Predicted vs reported hits (actors/hit_accuracy.py): predictions kept, how long, messages waiting.
+    accuracy_pending_max: int = bounded(65_536, 0, 10_000_000, low_open=True)
+    accuracy_ttl_s: float = bounded(60.0, 0, 86_400, low_open=True)
+    accuracy_inbox_size: int = bounded(4096, 0, 1_000_000, low_open=True)
     # comparisons averaged into kvroute_shadow_agreement_ratio
     shadow_agreement_window: int = bounded(1000, 0, 1_000_000, low_open=True)
 

@@ -30,6 +30,7 @@ from actors.breaker import BreakerState
 from actors.channel_pool import ChannelPool
 from actors.decision_log import DecisionLog
 from actors.discovery import Discovery
+from actors.hit_accuracy import HitAccuracy
 from actors.leader_resolver import LeaderResolver, LeaderState
 from actors.master_discovery import MasterDiscovery
 from actors.metrics_sink import BREAKER_STATE_VALUES, ChannelEvicted, MetricsSink
@@ -398,6 +399,9 @@ async def _topology(
         if config.router.decision_log:
             decision_log = DecisionLog(config.router, decision_log_header(config))
             await supervisor.start("decision_log", decision_log.run, snapshot=decision_log.health)
+        accuracy = HitAccuracy(config.metrics, metrics)  # predicted hits against the statuses' prefixes
+        await supervisor.start("hit_accuracy", accuracy.run, snapshot=accuracy.health)
+        prober.on_status(lambda worker, status: accuracy.status_seen(worker.http_target, status))
         router = RouterActor(
             config,
             chain=chain,
@@ -406,6 +410,7 @@ async def _topology(
             metrics=metrics,
             warn=warn,
             decision_log=decision_log,
+            accuracy=accuracy,
         )
         await supervisor.start("router", router.run, snapshot=router.health)
 

@@ -61,7 +61,7 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
                 assert counted == 5
                 actors = (await http.get("/debug/actors")).json()
                 expected = {"channel_pool", "metrics_sink", "discovery", "leader_resolver", "worker_prober"}
-                assert expected | {"shadow_index", "scorer", "router", "debug_http"} == set(actors)
+                assert expected | {"shadow_index", "scorer", "hit_accuracy", "router", "debug_http"} == set(actors)
                 assert {a["state"] for a in actors.values()} == {"running"}
                 recent = (await http.get("/debug/decisions", params={"limit": 3})).json()
                 assert len(recent["decisions"] if isinstance(recent, dict) else recent) == 3

@@ -18,7 +18,16 @@ from router.types import KeyFamily, RouteRequest, RouteSource
 
 BLOCK = 16
 PROMPT = tuple(range(4 * BLOCK))
-ACTORS = ("metrics_sink", "discovery", "leader_resolver", "worker_prober", "shadow_index", "scorer", "router")
+ACTORS = (
+    "metrics_sink",
+    "discovery",
+    "leader_resolver",
+    "worker_prober",
+    "shadow_index",
+    "scorer",
+    "hit_accuracy",
+    "router",
+)
 
 
 @pytest.mark.parametrize("actor", ACTORS)

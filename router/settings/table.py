@@ -389,6 +389,11 @@ _SPECS: dict[str, _Spec] = {
     "metrics.decision_text_chars": _Spec(
         "A kept decision's request_id and error are cut to this many characters (marked as cut)"
     ),
+    "metrics.accuracy_pending_max": _Spec("Predicted hits kept until a worker's status reports the request"),
+    "metrics.accuracy_ttl_s": _Spec(
+        "A predicted hit no status reported within this long is forgotten", metavar="SECONDS"
+    ),
+    "metrics.accuracy_inbox_size": _Spec("Predictions and statuses waiting for the accuracy actor; beyond: dropped"),
     "metrics.decision_max_candidates": _Spec("Candidates kept per decision for /debug/decisions"),
     "metrics.decisions_body_max_bytes": _Spec(
         "/debug/decisions adds no more decisions beyond this many bytes of JSON (and says so)",

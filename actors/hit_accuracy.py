@@ -1,0 +1,135 @@
+"""HitAccuracy: the router's predicted cache hit against the one the engine reports.
+
+Every decision with a worker predicts a hit (``hit_tokens``). The worker's status, when it next
+arrives, lists its tasks with their ``request_id`` and ``prefix_length`` (the prefix it found
+cached). This actor keeps the recent predictions (bounded, with a TTL), and when a status lists a
+predicted request on the predicted worker it emits the comparison to the MetricsSink:
+actual/predicted, the error in tokens, and "silent zero overlap" (nothing found where a hit was
+predicted: a key family, block size or KVCM namespace that does not match the engine's).
+
+Messages arrive through one bounded inbox (``send_nowait``; dropped and counted when full): the
+router's predictions and the prober's statuses. The state is owned by ``run``; ``health`` reads an
+immutable snapshot it publishes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import trio
+
+from actors.metrics_sink import HitObserved, MetricsSink
+from router.config import MetricsConfig
+from router.types import RouteSource, WorkerStatus
+
+_RECENT_PER_WORKER = 32  # comparisons kept per worker for its recent accuracy
+_WORKERS_SHOWN = 64  # workers in the health snapshot (the most recently compared)
+
+
+@dataclass(frozen=True, slots=True)
+class _Predicted:
+    request_id: str
+    worker: str  # http target
+    tokens: int
+    source: RouteSource
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class _StatusSeen:
+    worker: str
+    status: WorkerStatus
+
+
+@dataclass(frozen=True, slots=True)
+class AccuracyHealth:
+    pending: int  # predictions waiting for a status that lists their request
+    matched: int
+    silent_zero: int
+    expired: int  # predictions no status listed within the TTL
+    dropped: int  # messages the full inbox refused
+    recent_by_worker: dict[str, float] = field(default_factory=dict)  # mean actual/predicted, recent
+
+
+class HitAccuracy:
+    def __init__(self, config: MetricsConfig, metrics: MetricsSink) -> None:
+        self._max_pending = config.accuracy_pending_max
+        self._ttl_s = config.accuracy_ttl_s
+        self._metrics = metrics
+        self._send, self._receive = trio.open_memory_channel[_Predicted | _StatusSeen](config.accuracy_inbox_size)
+        self._pending: OrderedDict[str, _Predicted] = OrderedDict()  # by request id, oldest first
+        self._recent: OrderedDict[str, deque[float]] = OrderedDict()  # by worker, least recently compared first
+        self._matched = 0
+        self._silent_zero = 0
+        self._expired = 0
+        self._dropped = 0
+        self._health = self._snapshot()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async for message in self._receive:
+            if isinstance(message, _Predicted):
+                self._predicted(message)
+            else:
+                self._status_seen(message.worker, message.status)
+            self._health = self._snapshot()
+
+    def predict(self, request_id: str, worker: str, tokens: int, source: RouteSource, now: float) -> None:
+        """A decision predicted ``tokens`` cached tokens on ``worker``; never blocks."""
+        self._offer(_Predicted(request_id, worker, tokens, source, now))
+
+    def status_seen(self, worker: str, status: WorkerStatus) -> None:
+        """A worker's new status (the prober's listener); never blocks."""
+        if self._pending or self._receive.statistics().current_buffer_used:
+            self._offer(_StatusSeen(worker, status))
+
+    def health(self) -> AccuracyHealth:
+        return self._health
+
+    def _offer(self, message: _Predicted | _StatusSeen) -> None:
+        try:
+            self._send.send_nowait(message)
+        except trio.WouldBlock:
+            self._dropped += 1
+
+    def _predicted(self, message: _Predicted) -> None:
+        self._pending.pop(message.request_id, None)
+        self._pending[message.request_id] = message
+        while len(self._pending) > self._max_pending:
+            self._pending.popitem(last=False)
+            self._expired += 1
+        horizon = message.at - self._ttl_s
+        while self._pending:
+            oldest = next(iter(self._pending.values()))
+            if oldest.at >= horizon:
+                break
+            self._pending.popitem(last=False)
+            self._expired += 1
+
+    def _status_seen(self, worker: str, status: WorkerStatus) -> None:
+        for task in (*status.waiting, *status.running):
+            predicted = self._pending.get(task.request_id)
+            if predicted is None or predicted.worker != worker:
+                continue
+            del self._pending[task.request_id]
+            actual = min(task.prefix_length, task.input_length)
+            self._matched += 1
+            silent = actual == 0
+            self._silent_zero += silent
+            self._metrics.emit(HitObserved(predicted.source.value, predicted.tokens, actual))
+            recent = self._recent.pop(worker, None) or deque(maxlen=_RECENT_PER_WORKER)
+            recent.append(actual / predicted.tokens)
+            self._recent[worker] = recent
+            while len(self._recent) > _WORKERS_SHOWN:
+                self._recent.popitem(last=False)
+
+    def _snapshot(self) -> AccuracyHealth:
+        return AccuracyHealth(
+            pending=len(self._pending),
+            matched=self._matched,
+            silent_zero=self._silent_zero,
+            expired=self._expired,
+            dropped=self._dropped,
+            recent_by_worker={w: round(sum(r) / len(r), 3) for w, r in self._recent.items() if r},
+        )

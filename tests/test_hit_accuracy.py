@@ -1,0 +1,59 @@
+"""Predicted vs reported cache hits: a routed request's prediction meets the prefix its worker reports
+(MockClock; SimCluster on a MemoryNetwork; every actor real, the dispatch to the worker made by the test
+as a frontend would)."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from kvroute_sim.sim.cluster import SimCluster
+from router.api import open_router
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
+from router.keys import block_keys
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import KeyFamily, RouteRequest, RouteSource
+
+BLOCK = 16
+PROMPT = tuple(range(5000, 5000 + 8 * BLOCK))
+KEYS = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
+
+
+def sample(handle: object, name: str, **labels: str) -> float | None:
+    return handle.metrics.registry.get_sample_value(name, labels)  # type: ignore[attr-defined]
+
+
+async def test_a_prediction_is_compared_with_the_prefix_the_worker_reports(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    holder = cluster.worker_addr(1)
+    cluster.kvcm.record_prefill(holder.http_target, KEYS)  # KVCM says worker 1 holds all 8 blocks
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.fail_after(1):
+            await resolver.leader()
+        decisions = []
+        for i, cached in enumerate((len(PROMPT), 0)):  # the engine finds the whole prefix, then none of it
+            d = await handle.route(RouteRequest(f"acc{i}", token_ids=PROMPT, budget_ms=50))
+            assert d.route_source is RouteSource.KVCM and d.worker == holder and d.hit_tokens == len(PROMPT)
+            decisions.append(d)
+            # The frontend dispatches it; the worker's next status lists the task with what it found cached.
+            cluster.workers[1].submit(d.request_id, len(PROMPT), cached, trio.current_time(), output_tokens=64)
+            await trio.sleep(0.2)  # past the status TTL: the next route probes the worker again
+            handle.prober().probe([holder], trio.current_time() + 0.05)
+            await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()
+        health = handle.actors()["hit_accuracy"]["health"]
+        assert (health.matched, health.silent_zero, health.pending) == (2, 1, 0)  # type: ignore[union-attr]
+        assert health.recent_by_worker[holder.http_target] == 0.5  # type: ignore[union-attr]
+        assert sample(handle, "kvroute_hit_silent_zero_total", route_source="kvcm") == 1
+        assert sample(handle, "kvroute_hit_actual_over_predicted_count", route_source="kvcm") == 2
+        assert sample(handle, "kvroute_hit_error_tokens_sum", route_source="kvcm") == len(PROMPT)
