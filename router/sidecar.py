@@ -35,6 +35,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -69,6 +70,7 @@ ERROR_METADATA_KEY = "kvroute-error"
 # longer before it reports DEADLINE_EXCEEDED (only a stuck trio thread gets there).
 ANSWER_SLACK_S = 0.05
 PATH_COST_DECAY = 0.9  # weight the own-path estimate keeps per call (a few calls follow a change)
+CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for take_call_timings()
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
 _ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
 
@@ -156,6 +158,18 @@ _OUTCOME_BY_STATUS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class CallTiming:
+    """One answered Route call, seen by the sidecar: from its handler's start to the reply's bytes."""
+
+    elapsed_s: float  # receipt (the handler thread started) to the serialised reply
+    allowed_s: float  # the call's deadline at receipt: min(budget, --budget-cap-ms, the client's remaining time)
+
+    @property
+    def lateness_s(self) -> float:
+        return self.elapsed_s - self.allowed_s
+
+
 class _Counters:
     """Outcome counts, written by grpc handler threads (hence the lock)."""
 
@@ -217,6 +231,8 @@ class Sidecar:
         # A request carrying more than a hash slice's worth of ids (8 bytes each at most) is large.
         self._large_request_bytes = 8 * config.limits.hash_slice_tokens
         self._counters = _Counters()
+        # Appended by handler threads, taken by whoever measures; a deque's append and popleft are atomic.
+        self._timings: deque[CallTiming] = deque(maxlen=CALL_TIMING_SAMPLES)
         self._health = _RouterHealth(self._ready_from_thread)
         # Set once in run() before serving; read by handler threads.
         self._token: trio.lowlevel.TrioToken | None = None
@@ -228,6 +244,15 @@ class Sidecar:
 
     def stats(self) -> SidecarStats:
         return self._counters.snapshot()
+
+    def take_call_timings(self) -> list[CallTiming]:
+        """The timings of the answered calls since the last take (at most CALL_TIMING_SAMPLES, the latest)."""
+        taken: list[CallTiming] = []
+        while True:
+            try:
+                taken.append(self._timings.popleft())
+            except IndexError:
+                return taken
 
     def path_cost_ms(self) -> float:
         """The running estimate of this sidecar's own path per call (taken off each client deadline)."""
@@ -317,17 +342,24 @@ class Sidecar:
     # --- grpc handler threads ------------------------------------------------------------------------
 
     def _route_rpc(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        received = time.monotonic()
+        remaining = context.time_remaining()
         self._counters.enter()
         outcome = "answered"
         try:
-            return self._route_call(data, context)
+            reply, routing_s = self._route_call(data, context)
+            if remaining is not None and math.isfinite(remaining):
+                routing_s = min(routing_s, remaining)
+            self._timings.append(CallTiming(time.monotonic() - received, routing_s))
+            return reply
         except PeerAbort as abort:
             outcome = _OUTCOME_BY_STATUS.get(abort.status, "failed")
             raise
         finally:
             self._counters.leave(outcome)
 
-    def _route_call(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+    def _route_call(self, data: bytes, context: grpc.ServicerContext) -> tuple[bytes, float]:
+        """The serialised decision, and the routing deadline (min(budget, cap)) in seconds from receipt."""
         if self._draining:  # written by the trio thread; a call racing the flip is routed normally
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is draining: request not routed")
         message = router_v1_pb2.RouteRequest()
@@ -360,7 +392,8 @@ class Sidecar:
             max(0.0, remaining - self._path_cost_s) if remaining is not None and math.isfinite(remaining) else None
         )
         # The router's own deadline (min(budget, cap)), measured from now, plus the slack.
-        wait_s = request_deadline(request, 0.0, self._cap_ms) + ANSWER_SLACK_S
+        routing_s = request_deadline(request, 0.0, self._cap_ms)
+        wait_s = routing_s + ANSWER_SLACK_S
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
@@ -383,7 +416,7 @@ class Sidecar:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, decision.error),))
         reply = decision_to_proto(decision).SerializeToString()
         self._observe_path_cost(time.monotonic() - sent_at - decision.elapsed_ms / 1000.0)
-        return reply
+        return reply, routing_s
 
     def _observe_path_cost(self, seconds: float) -> None:
         """Fold one call's own-path cost into the running estimate (handler threads write it; a float

@@ -16,13 +16,14 @@ import pytest
 
 from router.cli import main
 
-QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,soak"
+QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,P7,soak"
 EXPECTED_ROWS = [
     "P1",
     "P6",
     "P2 warm",
     "P2 cold",
     "P3 gRPC",
+    "P7",
     "P3 memory",
     "P4 query blackholed",
     "P4 KVCM blackholed",
@@ -67,17 +68,35 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
     assert by_key["P4 query blackholed"]["data"]["detected_by"] == "breaker open"
     assert by_key["P5"]["data"]["hit_rate_of_oracle"] > 0
     assert {p["policy"] for p in by_key["P5"]["data"]["policies"]} >= {"kvroute", "oracle", "least-loaded"}
+    levels = by_key["P7"]["data"]["levels"]
+    assert [lv["callers"] for lv in levels] == [1, 8, 64, 256]
+    for level in levels:  # every call is either answered or counted unanswered, by status
+        assert level["calls"] > 0 and level["answered_by_sidecar"] + level["no_answer"] >= level["calls"]
+        assert level["no_answer"] == sum(level["errors"].values())
+        assert 0 <= level["within_deadline_plus_5ms"] <= 1 and 0 <= level["overloaded_share"] <= 1
+        assert 0 <= level["kvcm_share"] <= 1
     soak = by_key["soak"]["data"]
     assert soak["requests"] == 2_000 and soak["warm_up"] == 1_000
     assert sum(soak["outcomes"].values()) == soak["requests"] - soak["warm_up"]
     assert soak["end"]["live_tasks"] > 0 and soak["end"]["open_fds"] > 0
-    assert set(document["meta"]["seconds"]) >= {"P1/P6", "P2", "P3 gRPC", "P3 memory", "P4", "P5", "soak", "total"}
+    assert set(document["meta"]["seconds"]) >= {
+        "P1/P6",
+        "P2",
+        "P3 gRPC",
+        "P3 memory",
+        "P4",
+        "P5",
+        "P7",
+        "soak",
+        "total",
+    }
 
     printed = capsys.readouterr().out
     rows = _table_rows(printed)
     assert [row[0] for row in rows] == EXPECTED_ROWS
     assert [row[4] for row in rows] == [f["verdict"] for f in figures]
     assert "P5 policy table (the demo's):" in printed
+    assert "P7 load curve" in printed
 
 
 def test_soak_alone_runs_only_the_soak(tmp_path: Path) -> None:

@@ -140,6 +140,27 @@ async def test_route_returns_kvcm_decision_for_seeded_prefix_and_health_serving(
             assert r.sidecar.stats().answered == 2
 
 
+async def test_each_answered_call_leaves_one_timing_against_its_deadline_and_a_take_empties_them(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            short = router_v1_pb2.RouteRequest(request_id="short", token_ids=PROMPT, budget_ms=200)
+            assert isinstance(await _in_thread(lambda: r.route(short)), router_v1_pb2.RouteDecision)
+            # The client's deadline is tighter than this one's budget (the cap): it is the call's deadline.
+            tight = router_v1_pb2.RouteRequest(request_id="tight", token_ids=PROMPT)
+            assert isinstance(await _in_thread(lambda: r.route(tight, timeout=0.8)), router_v1_pb2.RouteDecision)
+            bad = router_v1_pb2.RouteRequest(request_id="bad", token_ids=[1, 2], block_cache_keys=[3])
+            assert _status(await _in_thread(lambda: r.route(bad))) == grpc.StatusCode.INVALID_ARGUMENT
+
+            first, second = r.sidecar.take_call_timings()  # the refused call left none
+            assert first.allowed_s == pytest.approx(0.2)
+            assert 0.0 < second.allowed_s <= 0.85  # below the 1 s cap (grpc rounds the deadline)
+            for timing in (first, second):
+                assert timing.elapsed_s > 0 and timing.lateness_s == timing.elapsed_s - timing.allowed_s
+            assert r.sidecar.take_call_timings() == []
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [

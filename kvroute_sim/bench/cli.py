@@ -1,12 +1,13 @@
-"""``kvroute bench``: P1–P6 and the soak, printed as one table and written as JSON.
+"""``kvroute bench``: P1–P7 and the soak, printed as one table and written as JSON.
 
 Every ratio is measured side by side in the same run. Targets are reported (met /
 MISSED), never asserted; where a CPU-bound one (P1, P2, P3, P6) is missed, a cProfile
 window of the same work lists the top costs under the table.
 
-Where things run: the simulators for P2/P3 in a child process (``kvroute sim-cluster
+Where things run: the simulators for P2/P3/P7 in a child process (``kvroute sim-cluster
 --print-json``, always stopped at the end); P4 in this process over loopback gRPC, so its
-fault knobs can be switched directly; P3 (memory), P5's baselines and the soak in memory.
+fault knobs can be switched directly; P7's sidecar and its client threads in this process;
+P3 (memory), P5's baselines and the soak in memory.
 This process is pinned to one CPU for the run (the child gets the others), so "one core"
 holds for the router and for the raw client it is compared with.
 """
@@ -21,17 +22,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvroute_sim.bench import decision_cpu, latency, outage, quality, soak, throughput
+from kvroute_sim.bench import decision_cpu, latency, outage, overload, quality, soak, throughput
 from kvroute_sim.bench.cpus import Placement, pinned_bench_process
 from kvroute_sim.bench.harness import ClusterShape
 from kvroute_sim.bench.latency import LatencySizes
 from kvroute_sim.bench.outage import OutageSizes
+from kvroute_sim.bench.overload import LoadSizes
 from kvroute_sim.bench.raw_grpc import RawClient
 from kvroute_sim.bench.results import BenchReport
 from kvroute_sim.bench.simproc import sim_process
 from kvroute_sim.bench.throughput import ThroughputSizes
 
-FIGURES = ("P1", "P2", "P3", "P4", "P5", "P6", "soak")
+FIGURES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "soak")
 DEFAULT_OUT = "bench-results.json"
 FULL_SOAK = 1_000_000  # ``--soak`` without N
 
@@ -43,6 +45,7 @@ class Sizes:
     throughput_memory: ThroughputSizes
     throughput_grpc: ThroughputSizes
     outage: OutageSizes
+    load: LoadSizes  # P7
     soak_requests: int  # the default run's soak (``--soak N`` overrides)
     child_duration_s: float  # the simulator child exits by itself after this long
 
@@ -53,6 +56,7 @@ FULL = Sizes(
     throughput_memory=ThroughputSizes(rounds=3, decisions_per_round=10_000, concurrency=8, warm_up=500),
     throughput_grpc=ThroughputSizes(rounds=3, decisions_per_round=3_000, concurrency=8, warm_up=500),
     outage=OutageSizes(healthy=1_000, outage=2_000, detect_max=100, warm_up=100),
+    load=LoadSizes(calls_per_level=(500, 2_000, 3_000, 3_000), max_level_s=12.0, warm_up=200),
     soak_requests=50_000,
     child_duration_s=900.0,
 )
@@ -62,6 +66,7 @@ QUICK = Sizes(
     throughput_memory=ThroughputSizes(rounds=1, decisions_per_round=1_000, concurrency=8, warm_up=50),
     throughput_grpc=ThroughputSizes(rounds=1, decisions_per_round=300, concurrency=8, warm_up=50),
     outage=OutageSizes(healthy=100, outage=200, detect_max=100, warm_up=20),
+    load=LoadSizes(calls_per_level=(50, 200, 320, 512), max_level_s=3.0, warm_up=20),
     soak_requests=2_000,
     child_duration_s=300.0,
 )
@@ -114,8 +119,6 @@ def _selected(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(FIGURES)
 
 
-
-
 def run(args: argparse.Namespace) -> int:
     sizes = QUICK if args.quick else FULL
     selected = _selected(args)
@@ -161,16 +164,19 @@ def _measure(
                 report, p1="P1" in selected, p6="P6" in selected, repeats=sizes.decision_repeats, seed=args.seed
             ),
         )
-    if "P2" in selected or "P3" in selected:
+    if selected & {"P2", "P3", "P7"}:
         with sim_process(shape, sizes.child_duration_s, placement.child) as sim:
-            raw = RawClient(sim)
-            try:
-                if "P2" in selected:
-                    timed("P2", lambda: latency.measure(report, sim.view, raw, sizes.latency))
-                if "P3" in selected:
-                    timed("P3 gRPC", lambda: throughput.measure_grpc(report, sim.view, raw, sizes.throughput_grpc))
-            finally:
-                raw.close()
+            if selected & {"P2", "P3"}:
+                raw = RawClient(sim)
+                try:
+                    if "P2" in selected:
+                        timed("P2", lambda: latency.measure(report, sim.view, raw, sizes.latency))
+                    if "P3" in selected:
+                        timed("P3 gRPC", lambda: throughput.measure_grpc(report, sim.view, raw, sizes.throughput_grpc))
+                finally:
+                    raw.close()
+            if "P7" in selected:
+                timed("P7", lambda: overload.measure(report, sim.view, sizes.load))
     if "P3" in selected:
         timed("P3 memory", lambda: throughput.measure_memory(report, shape, sizes.throughput_memory))
     if "P4" in selected:
