@@ -24,6 +24,8 @@ from router.config import MetricsConfig
 from router.types import RouteSource, WorkerStatus
 
 _RECENT_PER_WORKER = 32  # comparisons kept per worker for its recent accuracy
+_WINDOW = 200  # recent comparisons the silent-zero share is taken over
+_WINDOW_MIN = 20  # comparisons needed before the share can raise a warning
 _WORKERS_SHOWN = 64  # workers in the health snapshot (the most recently compared)
 
 
@@ -50,11 +52,15 @@ class AccuracyHealth:
     expired: int  # predictions no status listed within the TTL
     dropped: int  # messages the full inbox refused
     recent_by_worker: dict[str, float] = field(default_factory=dict)  # mean actual/predicted, recent
+    silent_zero_share: float = 0.0  # over the last comparisons (at most 200)
+    warning: str | None = None  # set while the share is above --metrics-accuracy-warn-silent-share
 
 
 class HitAccuracy:
     def __init__(self, config: MetricsConfig, metrics: MetricsSink) -> None:
         self._max_pending = config.accuracy_pending_max
+        self._warn_share = config.accuracy_warn_silent_share
+        self._window: deque[bool] = deque(maxlen=_WINDOW)  # recent comparisons: silent zero or not
         self._ttl_s = config.accuracy_ttl_s
         self._metrics = metrics
         self._send, self._receive = trio.open_memory_channel[_Predicted | _StatusSeen](config.accuracy_inbox_size)
@@ -117,6 +123,7 @@ class HitAccuracy:
             self._matched += 1
             silent = actual == 0
             self._silent_zero += silent
+            self._window.append(silent)
             self._metrics.emit(HitObserved(predicted.source.value, predicted.tokens, actual))
             recent = self._recent.pop(worker, None) or deque(maxlen=_RECENT_PER_WORKER)
             recent.append(actual / predicted.tokens)
@@ -125,6 +132,13 @@ class HitAccuracy:
                 self._recent.popitem(last=False)
 
     def _snapshot(self) -> AccuracyHealth:
+        share = sum(self._window) / len(self._window) if self._window else 0.0
+        warning = None
+        if self._warn_share > 0 and len(self._window) >= _WINDOW_MIN and share > self._warn_share:
+            warning = (
+                f"{share:.0%} of the last {len(self._window)} routed requests found no cached prefix where one was "
+                "predicted: check the key family, block size and KVCM namespace against the engines'"
+            )
         return AccuracyHealth(
             pending=len(self._pending),
             matched=self._matched,
@@ -132,4 +146,6 @@ class HitAccuracy:
             expired=self._expired,
             dropped=self._dropped,
             recent_by_worker={w: round(sum(r) / len(r), 3) for w, r in self._recent.items() if r},
+            silent_zero_share=share,
+            warning=warning,
         )

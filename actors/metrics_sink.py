@@ -113,9 +113,11 @@ class ChannelEvicted:
 
 @dataclass(frozen=True, slots=True)
 class ShadowAgreement:
-    """One shadow-vs-KVCM comparison: 1.0 full agreement, 0.0 none."""
+    """One shadow-vs-KVCM comparison: top-holder agreement (1.0 full, 0.0 none), and the shadow's
+    predicted hit against KVCM's reported one, in tokens."""
 
     ratio: float
+    hit_error_tokens: int = 0
 
 
 MetricEvent = (
@@ -260,6 +262,12 @@ class MetricsSink:
             ("route_source",),
             registry=r,
         )
+        self._shadow_hit_error = Histogram(
+            "kvroute_shadow_hit_error_tokens",
+            "|the shadow index's predicted hit − KVCM's reported hit| at KVCM's best holder, in tokens",
+            buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
+            registry=r,
+        )
         self._master_requests = Counter(
             "kvroute_master_requests", "Master source outcomes and transport errors", ("outcome",), registry=r
         )
@@ -401,8 +409,9 @@ class MetricsSink:
                 self._leader_changes.inc()
             case ChannelEvicted(reason, n):
                 self._evictions.labels(reason=reason).inc(n)
-            case ShadowAgreement(ratio):
+            case ShadowAgreement(ratio, hit_error_tokens):
                 self._record_agreement(ratio)
+                self._shadow_hit_error.observe(hit_error_tokens)
             case ShadowRecordDropped():
                 self._shadow_dropped.inc()
             case _:

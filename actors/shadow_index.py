@@ -200,6 +200,20 @@ def agreement(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[HostMatch]
     return len(kvcm_top & shadow_top) / len(union)
 
 
+def hit_error_tokens(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[HostMatch], block_size: int) -> int:
+    """How far the shadow's predicted hit is from KVCM's reported one, in tokens, for one query.
+
+    Measured at KVCM's best holder (its longest ``local`` prefix): |KVCM's blocks − the shadow's
+    blocks for that host| × block_size. When KVCM names no holder, the shadow's best prefix is the
+    whole error (it predicted a hit KVCM does not know of).
+    """
+    shadow_local = {h.host_ip_port: h.local for h in shadow_hosts}
+    if not kvcm_hosts:
+        return max(shadow_local.values(), default=0) * block_size
+    best = max(kvcm_hosts, key=lambda h: h.local)
+    return abs(best.local - shadow_local.get(best.host_ip_port, 0)) * block_size
+
+
 @dataclass(frozen=True, slots=True)
 class ShadowHealth:
     records: int

@@ -199,6 +199,8 @@ class MetricsConfig:
     accuracy_pending_max: int = bounded(65_536, 0, 10_000_000, low_open=True)
     accuracy_ttl_s: float = bounded(60.0, 0, 86_400, low_open=True)
     accuracy_inbox_size: int = bounded(4096, 0, 1_000_000, low_open=True)
+    # Readiness warns while more than this share of recent comparisons found no cached prefix (0 = off).
+    accuracy_warn_silent_share: float = bounded(0.2, 0, 1)
     # comparisons averaged into kvroute_shadow_agreement_ratio
     shadow_agreement_window: int = bounded(1000, 0, 1_000_000, low_open=True)
 

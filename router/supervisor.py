@@ -195,6 +195,7 @@ class RouterHandle:
         config: KvrouteConfig,
         loaded: LoadedConfig | None,
         pool: ChannelPool[Any] | None,
+        accuracy: HitAccuracy | None = None,
     ) -> None:
         self._router = router
         self._supervisor = supervisor
@@ -203,6 +204,7 @@ class RouterHandle:
         self._prober = prober
         self._metrics = metrics
         self._pool = pool
+        self._accuracy = accuracy
         self.config = config
         self.loaded = loaded
         self.debug_address: HostPort | None = None
@@ -238,6 +240,13 @@ class RouterHandle:
         return self.actors_health()
 
     def ready(self) -> tuple[bool, str]:
+        """Routable (see :meth:`_routable`); the reason carries a warning while predicted cache hits
+        keep finding nothing on the engines (a key or namespace mismatch)."""
+        ready, why = self._routable()
+        warning = None if self._accuracy is None else self._accuracy.health().warning
+        return ready, why if warning is None else f"{why}; warning: {warning}"
+
+    def _routable(self) -> tuple[bool, str]:
         """Routable when discovery has workers, one of them of a routed role is not known to be
         unreachable (unless the operator routes blind), and, with the fallback on, a leader is known
         or the breaker is deliberately open (domain fallback then answers at once)."""
@@ -425,6 +434,7 @@ async def _topology(
             config=config,
             loaded=loaded,
             pool=pool,
+            accuracy=accuracy,
         )
         if debug_http:
             from router.debug_http import DebugServer  # upper module: imported only when serving HTTP

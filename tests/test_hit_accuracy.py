@@ -57,3 +57,35 @@ async def test_a_prediction_is_compared_with_the_prefix_the_worker_reports(
         assert sample(handle, "kvroute_hit_silent_zero_total", route_source="kvcm") == 1
         assert sample(handle, "kvroute_hit_actual_over_predicted_count", route_source="kvcm") == 2
         assert sample(handle, "kvroute_hit_error_tokens_sum", route_source="kvcm") == len(PROMPT)
+
+
+async def test_readiness_warns_while_predicted_hits_keep_finding_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A mismatch between kvroute's keys and the engines' (here: every dispatch finds nothing cached)
+    shows in /readyz's reason once enough comparisons agree; routing itself stays ready."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    holder = cluster.worker_addr(0)
+    cluster.kvcm.record_prefill(holder.http_target, KEYS)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.fail_after(1):
+            await resolver.leader()
+        assert "warning" not in handle.ready()[1]
+        for i in range(25):
+            d = await handle.route(RouteRequest(f"miss{i}", token_ids=PROMPT, budget_ms=50))
+            assert d.worker == holder and d.hit_tokens > 0
+            cluster.workers[0].submit(d.request_id, len(PROMPT), 0, trio.current_time(), output_tokens=64)
+            await trio.sleep(0.2)
+            handle.prober().probe([holder], trio.current_time() + 0.05)
+            await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()
+        ready, why = handle.ready()
+        assert ready and "warning: 100% of the last 25 routed requests found no cached prefix" in why

@@ -106,8 +106,8 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
         sink.emit(LeaderChanged(None))
         sink.emit(ChannelEvicted("lru"))
         sink.emit(ChannelEvicted("idle", 4))
-        for ratio in (1.0, 0.0, 1.0, 1.0):
-            sink.emit(ShadowAgreement(ratio))
+        for ratio, error in ((1.0, 0), (0.0, 128), (1.0, 16), (1.0, 0)):
+            sink.emit(ShadowAgreement(ratio, error))
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
 
@@ -148,6 +148,8 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
     assert sample(sink, "kvroute_channel_pool_evictions_total", reason="lru") == 1
     assert sample(sink, "kvroute_channel_pool_evictions_total", reason="idle") == 4
     assert sample(sink, "kvroute_shadow_agreement_ratio") == 0.75
+    assert sample(sink, "kvroute_shadow_hit_error_tokens_sum") == 144
+    assert sample(sink, "kvroute_shadow_hit_error_tokens_bucket", le="16.0") == 3
     assert sample(sink, "kvroute_shadow_comparisons_total") == 4
     assert sample(sink, "kvroute_metrics_events_dropped_total") == 0
     snap = sink.snapshot()

@@ -11,7 +11,7 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.shadow_index import ShadowIndex, ShadowIndexActor, agreement
+from actors.shadow_index import ShadowIndex, ShadowIndexActor, agreement, hit_error_tokens
 from router.config import ScorerConfig, ShadowConfig
 from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet, plan_candidates
@@ -271,3 +271,12 @@ def test_record_key_sequence_is_not_copied_for_tuples() -> None:
     keys = PROMPT[:40]
     index.record(W1, keys, now=1.0)
     assert next(iter(index._records.values())).keys is keys
+
+
+def test_hit_error_tokens_at_kvcms_best_holder() -> None:
+    kvcm = [HostMatch("a:1", local=8), HostMatch("b:1", local=3)]
+    assert hit_error_tokens(kvcm, [HostMatch("a:1", local=8)], 16) == 0  # the shadow agrees
+    assert hit_error_tokens(kvcm, [HostMatch("a:1", local=5), HostMatch("b:1", local=3)], 16) == 48
+    assert hit_error_tokens(kvcm, [HostMatch("b:1", local=3)], 16) == 128  # the shadow misses the holder
+    assert hit_error_tokens([], [HostMatch("b:1", local=2)], 16) == 32  # a hit KVCM does not know of
+    assert hit_error_tokens([], [], 16) == 0

@@ -15,7 +15,7 @@ import trio
 from actors.breaker import Admission
 from actors.leader_resolver import LeaderResolver, LeaderUnavailable, UnavailableReason
 from actors.metrics_sink import KvcmRequest, LeaderChanged, MetricsSink, ShadowAgreement
-from actors.shadow_index import ShadowIndexActor, agreement
+from actors.shadow_index import ShadowIndexActor, agreement, hit_error_tokens
 from actors.sources.base import FellThrough, RequestContext, SourceResult, ms
 from actors.sources.scoring import CandidateScoring
 from router.config import KvrouteConfig
@@ -72,7 +72,12 @@ class KvcmSource:
         # How well the shadow index would have answered: no await since the decision, so the shadow
         # index has not yet applied this request's own record.
         shadow_view = self._shadow.match(ctx.prepared.keys, trio.current_time(), limit=self._hot_set_size)
-        self._metrics.emit(ShadowAgreement(agreement(ctx.cache_hosts, shadow_view)))
+        self._metrics.emit(
+            ShadowAgreement(
+                agreement(ctx.cache_hosts, shadow_view),
+                hit_error_tokens(ctx.cache_hosts, shadow_view, ctx.prepared.block_size),
+            )
+        )
 
     async def _query(self, ctx: RequestContext) -> tuple[HostMatch, ...] | FellThrough:
         """KVCM's positive hosts, or why KVCM could not help this request."""

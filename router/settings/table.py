@@ -394,6 +394,10 @@ _SPECS: dict[str, _Spec] = {
         "A predicted hit no status reported within this long is forgotten", metavar="SECONDS"
     ),
     "metrics.accuracy_inbox_size": _Spec("Predictions and statuses waiting for the accuracy actor; beyond: dropped"),
+    "metrics.accuracy_warn_silent_share": _Spec(
+        "/readyz warns while more than this share of recent routed requests found no cached prefix where a "
+        "hit was predicted (0 = off)"
+    ),
     "metrics.decision_max_candidates": _Spec("Candidates kept per decision for /debug/decisions"),
     "metrics.decisions_body_max_bytes": _Spec(
         "/debug/decisions adds no more decisions beyond this many bytes of JSON (and says so)",
