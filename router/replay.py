@@ -49,6 +49,7 @@ from actors.sources.base import (
 )
 from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
+from actors.sources.scoring import selection_result
 from router.config import KvrouteConfig
 from router.decision_record import (
     KIND_DECISION,
@@ -387,16 +388,7 @@ class _ReplayScoring:
             roles=prepared.roles,
             missing=missing,
         )
-        if selection.worker is None or selection.role is None:
-            return FellThrough(Reason.NO_CANDIDATES)
-        return Answered(
-            worker=selection.worker,
-            role=selection.role,
-            reason=selection.reason,
-            hit_tokens=selection.hit_tokens,
-            local_blocks=selection.local_blocks,
-            candidates=selection.explain(),
-        )
+        return selection_result(selection)
 
 
 class _ReplayMaster:

@@ -16,6 +16,7 @@ from actors.scorer import DecideRequest, Scorer
 from actors.sources.base import Answered, FellThrough, FleetView, RequestContext, SourceResult, ms
 from actors.worker_prober import ProbeOutcome, SkipReason, WorkerProber
 from router.decision_record import ProbeRecord, ScoringRecord
+from router.policy.cache_affinity import Selection
 from router.policy.ledger import NEVER
 from router.policy.plan import CandidateSource
 from router.types import DropReason, HostMatch, Reason, Stage, WorkerAddr, WorkerStatus
@@ -26,6 +27,20 @@ _SKIP_DROPS = {
     SkipReason.DEADLINE: DropReason.PROBE_SKIPPED,
     SkipReason.STOPPED: DropReason.PROBE_SKIPPED,
 }
+
+
+def selection_result(selection: Selection) -> SourceResult:
+    """A cache source's result for the policy's selection: the pick, or NO_CANDIDATES."""
+    if selection.worker is None or selection.role is None:
+        return FellThrough(Reason.NO_CANDIDATES)
+    return Answered(
+        worker=selection.worker,
+        role=selection.role,
+        reason=selection.reason,
+        hit_tokens=selection.hit_tokens,
+        local_blocks=selection.local_blocks,
+        candidates=selection.explain(),
+    )
 
 
 class CandidateScoring:
@@ -125,13 +140,4 @@ class CandidateScoring:
                     ),
                 )
             )
-        if selection.worker is None or selection.role is None:
-            return FellThrough(Reason.NO_CANDIDATES)
-        return Answered(
-            worker=selection.worker,
-            role=selection.role,
-            reason=selection.reason,
-            hit_tokens=selection.hit_tokens,
-            local_blocks=selection.local_blocks,
-            candidates=selection.explain(),
-        )
+        return selection_result(selection)
