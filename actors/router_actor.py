@@ -146,23 +146,28 @@ class RouterActor:
         router = self._config.router
         deadline = request_deadline(request, now, router.budget_cap_ms, router.reply_margin_ms)
         remaining = deadline - now
-        if remaining > 0 and not self._estimate.admits(remaining):  # it would be answered late: answer now
-            self._overloaded += 1
-            return self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
         ticket = object()  # the limiter's borrower: one per request
+        # Shed at once what would only be answered late (the admission estimate) or what the cap
+        # has no room for.
+        if remaining > 0 and not self._estimate.admits(remaining):
+            return self._shed(request, now, deadline)
         try:
             self._limiter.acquire_on_behalf_of_nowait(ticket)
         except trio.WouldBlock:
-            self._overloaded += 1
-            decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
-            if self._decision_log is not None:
-                self._decision_log.submit(DecisionRecord(request, now, deadline, overloaded=True, decision=decision))
-            return decision
+            return self._shed(request, now, deadline)
         try:
             self._peak = max(self._peak, int(self._limiter.borrowed_tokens))
             decision = await self._handle(request, now, deadline)
         finally:
             self._limiter.release_on_behalf_of(ticket)
+        return decision
+
+    def _shed(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
+        """The domain answer ``overloaded``, before any work on the request (recorded like any decision)."""
+        self._overloaded += 1
+        decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
+        if self._decision_log is not None:
+            self._decision_log.submit(DecisionRecord(request, now, deadline, overloaded=True, decision=decision))
         return decision
 
     def health(self) -> RouterHealth:
