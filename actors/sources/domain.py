@@ -9,7 +9,7 @@ request, overloaded, deadline, internal error).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import trio
 
@@ -89,18 +89,18 @@ class DomainSource:
         if self._route_blind:
             return workers[self._rng.randrange(len(workers))]
         unknown: WorkerAddr | None = None
-        n = len(workers)
-        for _ in range(_REDRAWS + 1):
-            worker = workers[self._rng.randrange(n)]
-            if self._prober.is_routable(worker, roles):
-                if self._prober.cached(worker) is not None:
-                    return worker
-                unknown = unknown or worker
-        start = self._rng.randrange(n)
-        for i in range(n):
-            worker = workers[(start + i) % n]
+        for worker in self._search_order(workers):
             if self._prober.is_routable(worker, roles):
                 if self._prober.cached(worker) is not None:
                     return worker
                 unknown = unknown or worker
         return unknown
+
+    def _search_order(self, workers: Sequence[WorkerAddr]) -> Iterator[WorkerAddr]:
+        """A few uniform draws, then every worker once from a random start (drawn only if reached)."""
+        n = len(workers)
+        for _ in range(_REDRAWS + 1):
+            yield workers[self._rng.randrange(n)]
+        start = self._rng.randrange(n)
+        for i in range(n):
+            yield workers[(start + i) % n]
