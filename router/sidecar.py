@@ -31,12 +31,13 @@ get the rest of the drain deadline to finish.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
@@ -364,19 +365,7 @@ class Sidecar:
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is draining: request not routed")
         message = router_v1_pb2.RouteRequest()
         try:
-            if len(data) > self._large_request_bytes:
-                # Parsing and converting a large request holds the GIL for milliseconds: one handler
-                # thread at a time does it, so the routing thread keeps its share of the GIL however
-                # many large requests arrive. The others wait (without the GIL) within their deadline.
-                wait_s = context.time_remaining()
-                if not self._large_requests.acquire(timeout=-1 if wait_s is None else max(0.0, wait_s)):
-                    raise PeerAbort(RpcStatus.DEADLINE_EXCEEDED, "a large request waited its whole deadline to be read")
-                try:
-                    message.ParseFromString(data)
-                    request = request_from_proto(message, self._limits)
-                finally:
-                    self._large_requests.release()
-            else:
+            with self._reading_turn(len(data), context):
                 message.ParseFromString(data)
                 request = request_from_proto(message, self._limits)
         except DecodeError as exc:
@@ -417,6 +406,23 @@ class Sidecar:
         reply = decision_to_proto(decision).SerializeToString()
         self._observe_path_cost(time.monotonic() - sent_at - decision.elapsed_ms / 1000.0)
         return reply, routing_s
+
+    @contextlib.contextmanager
+    def _reading_turn(self, size: int, context: grpc.ServicerContext) -> Iterator[None]:
+        """Parsing and converting a large request holds the GIL for milliseconds: one handler thread
+        at a time does it, so the routing thread keeps its share of the GIL however many large
+        requests arrive. The others wait (without the GIL) within their deadline. A small request
+        reads at once."""
+        if size <= self._large_request_bytes:
+            yield
+            return
+        wait_s = context.time_remaining()
+        if not self._large_requests.acquire(timeout=-1 if wait_s is None else max(0.0, wait_s)):
+            raise PeerAbort(RpcStatus.DEADLINE_EXCEEDED, "a large request waited its whole deadline to be read")
+        try:
+            yield
+        finally:
+            self._large_requests.release()
 
     def _observe_path_cost(self, seconds: float) -> None:
         """Fold one call's own-path cost into the running estimate (handler threads write it; a float
