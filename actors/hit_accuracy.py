@@ -87,7 +87,9 @@ class HitAccuracy:
 
     def status_seen(self, worker: str, status: WorkerStatus) -> None:
         """A worker's new status (the prober's listener); never blocks."""
-        if self._pending or self._receive.statistics().current_buffer_used:
+        # Read from the published snapshot (this runs in the prober's task): predictions not yet
+        # applied are still in the inbox, so a status is sent whenever one may be waiting for it.
+        if self._health.pending or self._receive.statistics().current_buffer_used:
             self._offer(_StatusSeen(worker, status))
 
     def health(self) -> AccuracyHealth:

@@ -95,10 +95,6 @@ class Scorer:
         self._last_error: str | None = None
         self._health = self._snapshot()
 
-    @property
-    def policy_name(self) -> str:
-        return self._policy.name
-
     def plan(
         self,
         hosts: Sequence[HostMatch],
