@@ -1,13 +1,16 @@
 """The supervisor: the actor topology, wired in one place.
 
     frontend ─route()─▶ RouterActor (admission cap; the request runs in the caller's task)
-                          │  chain:  KvcmSource ──▶ ShadowSource ──▶ DomainSource
+                          │  chain:  MasterSource (with --master-hosts: MasterDiscovery, MasterTransport)
+                          │            ──▶ KvcmSource ──▶ ShadowSource ──▶ DomainSource
                           │            │  │            │               └─ FleetView (Discovery snapshot)
                           │            │  └────────────┴─ CandidateScoring ─┬─ WorkerProber ─▶ RawRpc
                           │            │                                    └─ Scorer (owns CacheAffinityFirst)
                           │            ├─ LeaderResolver (leader cache, single-flight lookups, KVCM breaker)
                           │            └─ KvcmClient ─▶ RawRpc (GrpcRawRpc over ChannelPool | MemoryNetwork)
-                          └─ ShadowIndexActor (write-on-route prefix index, read by ShadowSource)
+                          ├─ ShadowIndexActor (write-on-route prefix index, read by ShadowSource)
+                          ├─ HitAccuracy (predicted hits vs the prefixes workers report; fed by the prober)
+                          └─ DecisionLog (with --decision-log: every decision's inputs, for kvroute replay)
     every actor ─emit()─▶ MetricsSink ─▶ prometheus registry ─▶ DebugServer (/metrics, /debug/*)
 
 Long-lived actors run in the service nursery under ``_supervised``: a crash after start-up is
