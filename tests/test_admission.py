@@ -60,3 +60,19 @@ async def test_a_saturated_loop_sheds_at_admission_and_recovers(autojump_clock: 
         again = await handle.route(RouteRequest("again", token_ids=PROMPT, budget_ms=8))
         assert again.reason is not Reason.OVERLOADED
         assert handle.router_actor().health().admission.lag_s < 0.001
+
+
+def test_an_own_time_above_every_budget_ages_while_everything_is_shed() -> None:
+    estimate = AdmissionEstimate(RouterConfig())
+    for _ in range(60):  # a slow spell: every admitted request took 80 ms of the router's own time
+        estimate.observe_own(0.080)
+        estimate.observe_lag(0.0)
+    assert not estimate.admits(0.050)  # a 50 ms budget is shed now, so no request refreshes the average
+    for _ in range(10):
+        estimate.observe_lag(0.0)  # the loop is on time: each tick without a request ages the average
+    assert estimate.admits(0.050)
+    fed = AdmissionEstimate(RouterConfig())
+    for _ in range(60):  # requests still admitted keep the average where they put it
+        fed.observe_own(0.080)
+        fed.observe_lag(0.0)
+    assert fed.view().own_s > 0.075
