@@ -57,11 +57,10 @@ def run(args: argparse.Namespace) -> int:
     serve = loaded.effective.serve
     setup_logging(serve.log_level, serve.log_format)
     supervised: int | None = args.supervised_process
-    if serve.processes > 1 and supervised is None:
-        log_startup_report(loaded, log)  # once, here: the children, given the same settings, do not repeat it
-        return _run_processes(args, loaded)
-    if supervised is None:
+    if supervised is None:  # a supervising parent reported it once; its children, given the same settings, do not
         log_startup_report(loaded, log)
+        if serve.processes > 1:
+            return _run_processes(args, loaded)
     bind_errors: list[BaseException] = []
     try:
         stats = trio.run(_serve, loaded, supervised)
@@ -71,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
         for error in bind_errors:
             print(f"kvroute serve: {error}", file=sys.stderr)
         return EXIT_CANNOT_SERVE
+    who = "kvroute serve" if supervised is None else f"kvroute serve (process {supervised})"
     print(
-        f"kvroute serve: stopped; Route calls answered={stats.answered} invalid={stats.invalid} "
+        f"{who}: stopped; Route calls answered={stats.answered} invalid={stats.invalid} "
         f"refused={stats.unavailable} timed_out={stats.timed_out} failed={stats.failed} "
         f"cut_at_drain_deadline={stats.in_flight}",
         file=sys.stderr,
