@@ -31,7 +31,7 @@ import trio
 
 from router.api import open_router
 from router.exception_groups import leaves
-from router.logs import ctx, setup_logging
+from router.logs import ctx, setup_logging, tag_records
 from router.serve_processes import ADDRESS_LINE, STOP_MARGIN_S, ProcessSupervisor, child_debug_listen, reserve_port
 from router.settings import SETTINGS, LoadedConfig, add_arguments, load_or_report, log_startup_report, parse_listen
 from router.sidecar import Sidecar, SidecarStats
@@ -55,8 +55,10 @@ def run(args: argparse.Namespace) -> int:
     if loaded is None:
         return EXIT_CONFIG
     serve = loaded.effective.serve
-    setup_logging(serve.log_level, serve.log_format)
+    handler = setup_logging(serve.log_level, serve.log_format)
     supervised: int | None = args.supervised_process
+    if supervised is not None:  # the children of one parent write to the same stream: say whose line it is
+        tag_records(handler, process=supervised)
     if supervised is None:  # a supervising parent reported it once; its children, given the same settings, do not
         log_startup_report(loaded, log)
         if serve.processes > 1:
@@ -66,19 +68,24 @@ def run(args: argparse.Namespace) -> int:
         stats = trio.run(_serve, loaded, supervised)
     except* OSError as group:  # a listen address in use or not assignable
         bind_errors.extend(leaves(group))
+    who = "kvroute serve" if supervised is None else f"kvroute serve (process {supervised})"
     if bind_errors:
         for error in bind_errors:
-            print(f"kvroute serve: {error}", file=sys.stderr)
+            _say(f"{who}: {error}")
         return EXIT_CANNOT_SERVE
-    who = "kvroute serve" if supervised is None else f"kvroute serve (process {supervised})"
-    print(
+    _say(
         f"{who}: stopped; Route calls answered={stats.answered} invalid={stats.invalid} "
         f"refused={stats.unavailable} timed_out={stats.timed_out} failed={stats.failed} "
-        f"cut_at_drain_deadline={stats.in_flight}",
-        file=sys.stderr,
-        flush=True,
+        f"cut_at_drain_deadline={stats.in_flight}"
     )
     return EXIT_OK
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write: sibling processes share the stream, and print() may write the
+    newline separately, letting another process's line land in between."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 async def _next_signal(signals: AsyncIterator[int]) -> int:

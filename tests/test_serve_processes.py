@@ -17,6 +17,7 @@ import sys
 import threading
 
 import grpc
+import psutil
 import pytest
 import trio
 
@@ -179,6 +180,8 @@ async def test_two_processes_share_the_port_replace_a_killed_one_and_drain_on_si
         assert len(drained) == 2 and sum(drained) == IN_FLIGHT, log.text()
         summaries = {int(m.group(1)): tuple(map(int, m.groups()[1:])) for m in map(_SUMMARY.search, log.lines) if m}
         assert set(summaries) == {0, 1}, log.text()  # the killed process printed none; its replacement did
+        for index in (0, 1):  # the children's log lines say whose they are
+            assert any("Route gRPC service listening" in line and f"process={index}" in line for line in log.lines)
         answered = {index: counts[0] for index, counts in summaries.items()}
         assert all(n > 0 for n in answered.values()), answered  # both processes answered, the replacement too
         assert sum(answered.values()) == SPREAD_CALLS + IN_FLIGHT
@@ -214,3 +217,30 @@ def test_debug_ports_of_all_processes_are_checked() -> None:
     assert any("include the gRPC port 9002" in str(p) for p in overlapping.errors), overlapping.errors
     assert load_config({**base, "processes": "65"}, {}).errors  # above the bound
     assert load_config({**base, "processes": "64", "debug_listen": "127.0.0.1:0"}, {}).errors == ()
+
+
+async def test_children_drain_and_exit_when_the_parent_dies(nursery: trio.Nursery) -> None:
+    with trio.fail_after(90):
+        cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        proc = await trio.lowlevel.open_process(
+            _serve_command(addrs, "--processes=2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        log = Lines()
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            nursery.start_soon(log.collect, proc.stderr)
+            assert _ANNOUNCED.search(await _read_line(proc.stdout)), log.text()
+            children = [psutil.Process(int(m.group(2))) for m in await log.wait_for(_SERVING, 2)]
+            proc.kill()  # no signal to forward: the children see their stdin end
+            await proc.wait()
+            gone, alive = await trio.to_thread.run_sync(lambda: psutil.wait_procs(children, timeout=60))
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        for child in alive:
+            child.kill()
+        assert alive == [] and len(gone) == 2, log.text()
+        await log.wait_for(_SUMMARY, 2)  # each drained and printed its summary (its exit status is not ours to read)
+        assert sum("the supervising parent is gone: draining" in line for line in log.lines) == 2
