@@ -170,7 +170,11 @@ class ProcessSupervisor:
         backoff = RESTART_BACKOFF_MIN_S
         try:
             while not self._stopping:
-                served_s = await self._run_child(slot)
+                try:
+                    served_s = await self._run_child(slot)
+                except OSError as exc:  # could not even start it (e.g. the interpreter is gone)
+                    log.error("process %d: cannot start: %s", slot.index, exc, extra=ctx(process=slot.index))
+                    slot.returncode, served_s = None, 0.0
                 if self._stopping:
                     return
                 if not slot.ever_served:

@@ -244,3 +244,25 @@ async def test_children_drain_and_exit_when_the_parent_dies(nursery: trio.Nurser
         assert alive == [] and len(gone) == 2, log.text()
         await log.wait_for(_SUMMARY, 2)  # each drained and printed its summary (its exit status is not ours to read)
         assert sum("the supervising parent is gone: draining" in line for line in log.lines) == 2
+
+
+async def test_a_process_that_cannot_start_stops_all_and_the_parent_exits_with_its_status() -> None:
+    with trio.fail_after(60), trio.socket.socket() as taken:
+        await taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # Process 1's debug port (the base + 1) is taken.
+        command = [
+            *(sys.executable, "-P", "-m", "router.cli", "serve"),
+            "--processes=2",
+            "--grpc-listen=127.0.0.1:0",
+            f"--debug-listen=127.0.0.1:{port - 1}",
+            "--workers=127.0.0.1:9",
+            "--kvcm-fallback=false",
+        ]
+        result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    stderr = result.stderr.decode()
+    assert result.returncode == 1, stderr
+    assert result.stdout == b""  # never announced
+    assert f"--debug-listen: cannot bind 127.0.0.1:{port}" in stderr
+    assert "could not start (exit status 1): stopping every process" in stderr
