@@ -209,6 +209,11 @@ def _level(view: ClusterView, processes: int, sizes: ProcessSizes, cpus: Set[int
     )
 
 
+def _share(outcomes: Counter[str], source: str) -> float:
+    total = sum(outcomes.values())
+    return sum(n for key, n in outcomes.items() if key.split("/", 1)[0] == source) / total if total else 0.0
+
+
 def measure(report: BenchReport, view: ClusterView, sizes: ProcessSizes, cpus: Set[int] | None) -> None:
     """``cpus``: where the serve processes run (every CPU the run was allowed); None = inherited."""
     levels = [_level(view, n, sizes, cpus) for n in PROCESS_COUNTS]
@@ -219,8 +224,10 @@ def measure(report: BenchReport, view: ClusterView, sizes: ProcessSizes, cpus: S
         f"{one.rate:,.0f} decisions/s with 1 process, {two.rate:,.0f} with 2 → {ratio:.2f}×; "
         f"{len(cores)} CPUs shared with the simulators and the client; per-process calls "
         + " / ".join(str(n) for n in two.answered_by_process)
+        + "; via kvcm "
+        + " / ".join(f"{_share(lv.outcomes, 'kvcm'):.0%}" for lv in levels)
         + "; unanswered "
-        + ", ".join(f"{lv.processes}: {sum(lv.errors.values())}" for lv in levels)
+        + " / ".join(str(sum(lv.errors.values())) for lv in levels)
     )
     report.figures.append(
         Figure(
