@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
     serve = loaded.effective.serve
     handler = setup_logging(serve.log_level, serve.log_format)
     supervised: int | None = args.supervised_process
-    if supervised is not None:  # the children of one parent write to the same stream: say whose line it is
-        tag_records(handler, process=supervised)
-    if supervised is None:  # a supervising parent reported it once; its children, given the same settings, do not
+    if supervised is not None:
+        tag_records(handler, process=supervised)  # the children of one parent share the stream: whose line it is
+    else:  # a supervising parent reports the settings once; its children, given the same ones, do not
         log_startup_report(loaded, log)
         if serve.processes > 1:
             return _run_processes(args, loaded)
@@ -105,7 +105,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     try:
         held = reserve_port(parse_listen(serve.grpc_listen), "--grpc-listen")
     except OSError as error:
-        print(f"kvroute serve: {error}", file=sys.stderr)
+        _say(f"kvroute serve: {error}")
         return EXIT_CANNOT_SERVE
     with held:
         port = held.getsockname()[1]
