@@ -219,6 +219,8 @@ class ServeConfig:
     drain_lame_duck_s: float = bounded(0.5, 0, 3600)  # first part of the drain: new calls refused, nothing stopped yet
     # sidecar handler threads; also the most Route calls in flight (more: refused)
     grpc_max_workers: int = bounded(64, 0, 10_000, low_open=True)
+    # Router processes sharing the gRPC port (SO_REUSEPORT); above 1 a supervising parent runs them.
+    processes: int = bounded(1, 1, 64)
     # Bearer token every debug path but /healthz requires (empty: none); given directly or read from a file.
     debug_token: str = ""
     debug_token_file: str = ""

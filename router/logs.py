@@ -118,6 +118,23 @@ def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> logging
     return handler
 
 
+class _Tag(logging.Filter):
+    """Adds fixed context fields to every record its handler formats; a record's own fields win."""
+
+    def __init__(self, fields: Mapping[str, object]) -> None:
+        super().__init__()
+        self._fields = dict(fields)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.__dict__[CONTEXT_ATTR] = {**self._fields, **_context(record)}
+        return True
+
+
+def tag_records(handler: logging.Handler, **fields: object) -> None:
+    """Every line ``handler`` writes carries ``fields`` (e.g. which of several router processes wrote it)."""
+    handler.addFilter(_Tag(fields))
+
+
 def _key(reason: str | enum.Enum) -> str:
     return str(reason.value) if isinstance(reason, enum.Enum) else reason
 

@@ -10,6 +10,11 @@ Once serving it prints one line with the Route gRPC and debug HTTP addresses. On
 it drains: health turns NOT_SERVING, new calls are refused, calls in flight finish within
 ``--drain-timeout-s``; then every actor stops and every channel closes, a summary of the calls goes
 to stderr, and the exit status is 0. A second signal during the drain stops at once.
+
+With ``--processes N`` (N > 1) this process supervises N such router processes sharing the gRPC port
+(``router.serve_processes``) and prints the one line once all of them serve. Each child runs this
+module with ``--processes 1`` and the hidden ``--supervised-process I``: it binds with SO_REUSEPORT
+and also drains when its stdin (a pipe from the parent) reaches end-of-file.
 """
 
 from __future__ import annotations
@@ -17,17 +22,20 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import trio
 
 from router.api import open_router
 from router.exception_groups import leaves
-from router.logs import ctx, setup_logging
-from router.settings import LoadedConfig, add_arguments, load_or_report, log_startup_report
+from router.logs import ctx, setup_logging, tag_records
+from router.serve_processes import ADDRESS_LINE, STOP_MARGIN_S, ProcessSupervisor, child_debug_listen, reserve_port
+from router.settings import SETTINGS, LoadedConfig, add_arguments, load_or_report, log_startup_report, parse_listen
 from router.sidecar import Sidecar, SidecarStats
+from router.targets import format_target
 
 log = logging.getLogger("kvroute.serve")
 
@@ -38,6 +46,8 @@ EXIT_CONFIG = 2
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
+    # Set only by a supervising parent (--processes N) on its children; not an operator's setting.
+    parser.add_argument("--supervised-process", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,25 +55,37 @@ def run(args: argparse.Namespace) -> int:
     if loaded is None:
         return EXIT_CONFIG
     serve = loaded.effective.serve
-    setup_logging(serve.log_level, serve.log_format)
-    log_startup_report(loaded, log)
+    handler = setup_logging(serve.log_level, serve.log_format)
+    supervised: int | None = args.supervised_process
+    if supervised is not None:
+        tag_records(handler, process=supervised)  # the children of one parent share the stream: whose line it is
+    else:  # a supervising parent reports the settings once; its children, given the same ones, do not
+        log_startup_report(loaded, log)
+        if serve.processes > 1:
+            return _run_processes(args, loaded)
     bind_errors: list[BaseException] = []
     try:
-        stats = trio.run(_serve, loaded)
+        stats = trio.run(_serve, loaded, supervised)
     except* OSError as group:  # a listen address in use or not assignable
         bind_errors.extend(leaves(group))
+    who = "kvroute serve" if supervised is None else f"kvroute serve (process {supervised})"
     if bind_errors:
         for error in bind_errors:
-            print(f"kvroute serve: {error}", file=sys.stderr)
+            _say(f"{who}: {error}")
         return EXIT_CANNOT_SERVE
-    print(
-        f"kvroute serve: stopped; Route calls answered={stats.answered} invalid={stats.invalid} "
+    _say(
+        f"{who}: stopped; Route calls answered={stats.answered} invalid={stats.invalid} "
         f"refused={stats.unavailable} timed_out={stats.timed_out} failed={stats.failed} "
-        f"cut_at_drain_deadline={stats.in_flight}",
-        file=sys.stderr,
-        flush=True,
+        f"cut_at_drain_deadline={stats.in_flight}"
     )
     return EXIT_OK
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write: sibling processes share the stream, and print() may write the
+    newline separately, letting another process's line land in between."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 async def _next_signal(signals: AsyncIterator[int]) -> int:
@@ -78,11 +100,87 @@ async def _stop_on_signal(signals: AsyncIterator[int], serving: trio.CancelScope
     serving.cancel()
 
 
-async def _serve(loaded: LoadedConfig) -> SidecarStats:
+def _run_processes(args: argparse.Namespace, loaded: LoadedConfig) -> int:
+    serve = loaded.effective.serve
+    try:
+        held = reserve_port(parse_listen(serve.grpc_listen), "--grpc-listen")
+    except OSError as error:
+        _say(f"kvroute serve: {error}")
+        return EXIT_CANNOT_SERVE
+    with held:
+        port = held.getsockname()[1]
+        grpc_address = format_target(parse_listen(serve.grpc_listen).host, port)
+        debug = parse_listen(serve.debug_listen)
+        log.info("serving with %d processes on %s", serve.processes, grpc_address, extra=ctx(target=grpc_address))
+
+        def command(index: int) -> list[str]:
+            return _child_command(args, index, grpc_address, child_debug_listen(debug, index))
+
+        supervisor = ProcessSupervisor(
+            count=serve.processes,
+            command=command,
+            grpc_address=grpc_address,
+            stop_wait_s=serve.drain_timeout_s + STOP_MARGIN_S,
+        )
+
+        async def supervise() -> int:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                return await supervisor.run(signals)
+
+        return trio.run(supervise)
+
+
+def _child_command(args: argparse.Namespace, index: int, grpc_listen: str, debug_listen: str) -> list[str]:
+    """``kvroute serve`` for child ``index``: this command's own flags (the environment and the config
+    file reach the child as they reached this process), one process, the resolved addresses."""
+    given = vars(args)
+    flags: list[str] = [f"--config={args.config}"] if args.config is not None else []
+    overrides = {"processes": "1", "grpc_listen": grpc_listen, "debug_listen": debug_listen}
+    for setting in SETTINGS:
+        value = overrides.get(setting.name, given.get(setting.name))
+        if value is not None:
+            flags.append(f"{setting.flag}={value}")
+    return [*CHILD_INTERPRETER, "serve", *flags, f"--supervised-process={index}"]
+
+
+# -P: never import a same-named package from the working directory instead of the installed one.
+CHILD_INTERPRETER: Sequence[str] = (sys.executable, "-P", "-m", "router.cli")
+
+
+async def _wait_for_parent_gone() -> None:
+    """Returns when stdin (a pipe from the supervising parent, never written) reaches end-of-file."""
+    async with trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())) as stdin:
+        while await stdin.receive_some(4096):
+            pass
+
+
+async def _first_stop(signals: AsyncIterator[int], supervised: bool) -> str:
+    """The name of what asks this process to drain: a signal, or (supervised) its parent's end."""
+    reason = ""
+    async with trio.open_nursery() as waiting:
+
+        async def on_signal() -> None:
+            nonlocal reason
+            reason = signal.Signals(await _next_signal(signals)).name
+            waiting.cancel_scope.cancel()
+
+        async def on_parent_gone() -> None:
+            nonlocal reason
+            await _wait_for_parent_gone()
+            reason = "the supervising parent is gone"
+            waiting.cancel_scope.cancel()
+
+        waiting.start_soon(on_signal)
+        if supervised:
+            waiting.start_soon(on_parent_gone)
+    return reason
+
+
+async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats:
     config = loaded.effective
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_router(config, loaded=loaded, debug_http=True) as handle, trio.open_nursery() as watch:
-            sidecar = Sidecar(handle, config)
+            sidecar = Sidecar(handle, config, reuse_port=supervised is not None)
             async with trio.open_nursery() as serving:
                 grpc_address = await serving.start(sidecar.run)
                 # The process is ours: move everything start-up allocated out of the collector's view,
@@ -90,12 +188,9 @@ async def _serve(loaded: LoadedConfig) -> SidecarStats:
                 # stall the routing thread). Embedders decide this for their own process.
                 gc.collect()
                 gc.freeze()
-                print(
-                    f"kvroute serve: Route gRPC on {grpc_address}, debug HTTP on http://{handle.debug_address}",
-                    flush=True,
-                )
-                signum = await _next_signal(signals)
-                log.info("%s: draining", signal.Signals(signum).name, extra=ctx(reason="drain"))
+                print(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address), flush=True)
+                reason = await _first_stop(signals, supervised is not None)
+                log.info("%s: draining", reason, extra=ctx(reason="drain"))
                 sidecar.drain()
                 watch.start_soon(_stop_on_signal, signals, serving.cancel_scope)
             watch.cancel_scope.cancel()  # drained (sidecar.run returned): no more signals to watch

@@ -219,8 +219,12 @@ class _RouterHealth(health.HealthServicer):
 class Sidecar:
     """Serves ``handle`` over gRPC; see the module docstring. ``run`` is the actor's one entry point."""
 
-    def __init__(self, handle: RouterHandle, config: KvrouteConfig) -> None:
+    def __init__(self, handle: RouterHandle, config: KvrouteConfig, *, reuse_port: bool = False) -> None:
+        """``reuse_port``: bind the gRPC port with SO_REUSEPORT, sharing it with the other router processes
+        of ``kvroute serve --processes N`` (the kernel spreads new connections over them). Off, a port
+        another process holds is an error instead of a silent share."""
         self._handle = handle
+        self._reuse_port = reuse_port
         self._serve = config.serve
         self._tls = config.grpc_tls
         self._listen = parse_listen(config.serve.grpc_listen)  # a bad address fails here, naming it
@@ -279,7 +283,7 @@ class Sidecar:
             handlers=[method_handlers({ROUTER_ROUTE: self._route_rpc})],
             # Refuse at once beyond the thread pool: a queued call would wait past its deadline.
             maximum_concurrent_rpcs=workers,
-            options=[("grpc.so_reuseport", 0)],
+            options=[("grpc.so_reuseport", int(self._reuse_port))],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:

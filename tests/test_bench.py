@@ -111,7 +111,7 @@ def test_soak_alone_runs_only_the_soak(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "complaint"),
     [
-        (["--only", "P1,P9"], "unknown figure 'P9'"),
+        (["--only", "P1,P99"], "unknown figure 'P99'"),
         (["--soak", "0"], "must be >= 1, got 0"),
         (["--soak", "lots"], "'lots' is not an integer"),
     ],

@@ -624,6 +624,11 @@ _SPECS: dict[str, _Spec] = {
         "kvroute serve: Route handler threads, and the most Route calls in flight "
         "(beyond it a call is refused at once with RESOURCE_EXHAUSTED)",
     ),
+    "serve.processes": _Spec(
+        "kvroute serve: independent router processes sharing the Route gRPC port (SO_REUSEPORT), "
+        "supervised by the parent (restarted when one dies, drained together); process i serves debug "
+        "HTTP on the debug port + i (each its own free port when the debug port is 0)",
+    ),
     # master (the central scheduler, asked first when hosts are given)
     "master.hosts": _Spec(
         "Central scheduler replicas' HTTP addresses; empty: no master, the chain starts at KVCM",

@@ -110,6 +110,9 @@ def _section_rules(files: FileChecks | None) -> Mapping[str, Callable[[Any], lis
     }
 
 
+MAX_PORT = 65_535
+
+
 def _from(origin: Origin) -> str:
     return "the default" if origin.kind is SourceKind.DEFAULT else f"from {origin}"
 
@@ -134,6 +137,16 @@ def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
         return  # reported by the per-setting check
     if grpc.port != 0 and grpc == debug:
         yield ("grpc_listen", "debug_listen"), f"both listen on {grpc}"
+    processes = c.serve.processes
+    if processes > 1 and debug.port != 0:
+        last = debug.port + processes - 1
+        if last > MAX_PORT:
+            yield ("processes", "debug_listen"), f"{processes} processes need debug ports {debug.port}..{last}"
+        elif grpc.host == debug.host and debug.port < grpc.port <= last:
+            yield (
+                ("processes", "grpc_listen", "debug_listen"),
+                f"the debug ports of {processes} processes ({debug.port}..{last}) include the gRPC port {grpc.port}",
+            )
 
 
 def _token_problems(c: KvrouteConfig, files: FileChecks | None) -> Iterator[tuple[tuple[str, ...], str]]:

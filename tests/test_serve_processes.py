@@ -1,0 +1,268 @@
+"""``kvroute serve --processes 2`` as real processes on loopback: one port, both answer, a killed
+process is replaced, SIGTERM drains both.
+
+The simulated cluster runs in the test's trio run (real clock, loopback gRPC); ``kvroute serve`` runs
+as a subprocess with its two children; clients are plain grpcio clients on threads, each call on a
+connection of its own (SO_REUSEPORT spreads connections, not calls, over the processes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import grpc
+import psutil
+import pytest
+import trio
+
+from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
+from kvroute_sim.sim.kvcm import KvcmFaults
+from router.keys import block_keys
+from router.serve_processes import child_debug_listen, reserve_port
+from router.settings import load_config
+from router.targets import HostPort
+from router.types import KeyFamily
+from router.wire import router_v1_pb2
+from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
+
+BLOCK = 16
+PROMPT = tuple(range(7000, 7000 + 8 * BLOCK))
+BUDGET_MS = 2000
+SPREAD_CALLS = 40  # one fresh connection each: all on one of two processes has odds 2**-39
+IN_FLIGHT = 6  # calls held in the routers (KVCM hangs) when SIGTERM comes
+_ANNOUNCED = re.compile(
+    r"Route gRPC on (\S+), debug HTTP on http://(\S+) \(process 0\), http://(\S+) \(process 1\)"
+)
+_SERVING = re.compile(r"process (\d) serving: pid (\d+), debug HTTP on http://(\S+) \(start (\d+)\)")
+_SUMMARY = re.compile(
+    r"kvroute serve \(process (\d)\): stopped; Route calls answered=(\d+) invalid=(\d+) refused=(\d+) "
+    r"timed_out=(\d+) failed=(\d+) cut_at_drain_deadline=(\d+)"
+)
+_DRAINING = re.compile(r"draining: (\d+) Route call\(s\) in flight")
+
+
+def _serve_command(addrs: SimClusterAddresses, *extra: str) -> list[str]:
+    return [
+        *(sys.executable, "-P", "-m", "router.cli", "serve"),
+        "--grpc-listen=127.0.0.1:0",
+        "--debug-listen=127.0.0.1:0",
+        f"--kvcm-bootstrap={addrs.kvcm_bootstrap}",
+        f"--workers={addrs.workers_arg}",
+        "--kvcm-instance-id=test",
+        f"--block-size={BLOCK}",
+        *extra,
+    ]
+
+
+async def _read_line(stream: trio.abc.ReceiveStream) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = await stream.receive_some(4096)
+        assert chunk, f"kvroute serve closed stdout before printing its addresses: {data!r}"
+        data += chunk
+    return data.decode()
+
+
+class Lines:
+    """The lines a stream has produced so far; ``wait_for`` wakes on each new line."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._grew = trio.Event()
+
+    async def collect(self, stream: trio.abc.ReceiveStream) -> None:
+        pending = b""
+        while chunk := await stream.receive_some(65536):
+            *complete, pending = (pending + chunk).split(b"\n")
+            self.lines.extend(line.decode(errors="replace") for line in complete)
+            self._grew.set()
+            self._grew = trio.Event()
+
+    async def wait_for(self, pattern: re.Pattern[str], count: int = 1) -> list[re.Match[str]]:
+        while True:
+            found = [m for m in map(pattern.search, self.lines) if m]
+            if len(found) >= count:
+                return found
+            await self._grew.wait()
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _route_on_fresh_connection(target: str, request_id: str) -> router_v1_pb2.RouteDecision:
+    # A local subchannel pool: a new connection, never one another channel to the same target opened.
+    options = [("grpc.enable_retries", 0), ("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(target, options=options) as channel:
+        call = channel.unary_unary(
+            ROUTER_ROUTE,
+            request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
+            response_deserializer=router_v1_pb2.RouteDecision.FromString,
+        )
+        request = router_v1_pb2.RouteRequest(request_id=request_id, token_ids=PROMPT, budget_ms=BUDGET_MS)
+        reply: router_v1_pb2.RouteDecision = call(request, timeout=15.0)
+        return reply
+
+
+async def test_two_processes_share_the_port_replace_a_killed_one_and_drain_on_sigterm(nursery: trio.Nursery) -> None:
+    with trio.fail_after(120):
+        cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        cluster.kvcm.record_prefill(cluster.worker_addr(0).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        kvcm_calls = cluster.kvcm.stats(leader)
+        command = _serve_command(
+            addrs,
+            "--processes=2",
+            f"--budget-cap-ms={BUDGET_MS}",
+            f"--router-kvcm-query-timeout-ms={BUDGET_MS}",
+            "--drain-timeout-s=10",
+        )
+        proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        log = Lines()
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            nursery.start_soon(log.collect, proc.stderr)
+            announced = _ANNOUNCED.search(await _read_line(proc.stdout))
+            assert announced, log.text()
+            grpc_target, debug_0, debug_1 = announced.groups()
+            assert grpc_target.startswith("127.0.0.1:") and not grpc_target.endswith(":0")
+            assert debug_0 != debug_1
+            first = {int(m.group(1)): int(m.group(2)) for m in await log.wait_for(_SERVING, 2)}
+            assert set(first) == {0, 1}
+
+            # A killed process is replaced, on the same port.
+            os.kill(first[1], signal.SIGKILL)
+            restarted = [m for m in await log.wait_for(_SERVING, 3) if m.group(4) == "2"]
+            assert [int(m.group(1)) for m in restarted] == [1], log.text()
+            assert int(restarted[0].group(2)) != first[1]
+            assert any("process 1 (pid" in line and "restart 1" in line for line in log.lines), log.text()
+
+            # Fresh connections spread over both processes; every call is answered.
+            for i in range(SPREAD_CALLS):
+                reply = await trio.to_thread.run_sync(_route_on_fresh_connection, grpc_target, f"spread-{i}")
+                assert reply.ip and reply.route_source in ("kvcm", "shadow", "domain")
+
+            # Calls in flight when SIGTERM comes are answered by the drain, not cut off.
+            cluster.kvcm.set_faults(leader, KvcmFaults(hang=True, methods=frozenset({KVCM_GET_HOST_CACHE_STATE})))
+            held: list[router_v1_pb2.RouteDecision] = []
+            failures: list[str] = []
+
+            def held_call(i: int) -> None:
+                try:
+                    held.append(_route_on_fresh_connection(grpc_target, f"held-{i}"))
+                except grpc.RpcError as exc:
+                    failures.append(f"{exc.code()} {exc.details()}")
+
+            threads = [threading.Thread(target=held_call, args=(i,)) for i in range(IN_FLIGHT)]
+            for thread in threads:
+                thread.start()
+            wait_held = kvcm_calls.wait_in_flight
+            assert await trio.to_thread.run_sync(wait_held, KVCM_GET_HOST_CACHE_STATE, IN_FLIGHT, 20.0)
+            proc.send_signal(signal.SIGTERM)
+            returncode = await proc.wait()
+            for thread in threads:
+                await trio.to_thread.run_sync(thread.join)
+            await log.wait_for(re.compile(r"all 2 processes stopped"))
+        finally:
+            if proc.returncode is None:  # a failed test: the children drain when they see the parent gone
+                proc.kill()
+                await proc.wait()
+        assert returncode == 0, log.text()
+        assert failures == [] and len(held) == IN_FLIGHT
+        drained = [int(m.group(1)) for m in map(_DRAINING.search, log.lines) if m]
+        assert len(drained) == 2 and sum(drained) == IN_FLIGHT, log.text()
+        summaries = {int(m.group(1)): tuple(map(int, m.groups()[1:])) for m in map(_SUMMARY.search, log.lines) if m}
+        assert set(summaries) == {0, 1}, log.text()  # the killed process printed none; its replacement did
+        for index in (0, 1):  # the children's log lines say whose they are
+            assert any("Route gRPC service listening" in line and f"process={index}" in line for line in log.lines)
+        answered = {index: counts[0] for index, counts in summaries.items()}
+        assert all(n > 0 for n in answered.values()), answered  # both processes answered, the replacement too
+        assert sum(answered.values()) == SPREAD_CALLS + IN_FLIGHT
+        # none invalid, refused, timed out, failed or cut off at the drain deadline
+        assert all(counts[1:] == (0, 0, 0, 0, 0) for counts in summaries.values()), summaries
+
+
+def test_reserved_port_is_shared_by_reuseport_sockets_and_refused_when_taken() -> None:
+    with reserve_port(HostPort("127.0.0.1", 0), "--grpc-listen") as held:
+        port = held.getsockname()[1]
+        assert port != 0
+        with socket.socket() as child:  # as a child binds it: SO_REUSEPORT joins the reserved port
+            child.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            child.bind(("127.0.0.1", port))
+            child.listen()
+            # Taken now (listening): a second parent must not share it.
+            with pytest.raises(OSError, match=rf"--grpc-listen: cannot bind 127.0.0.1:{port}"):
+                reserve_port(HostPort("127.0.0.1", port), "--grpc-listen")
+
+
+def test_each_process_gets_its_own_debug_port() -> None:
+    assert child_debug_listen(HostPort("127.0.0.1", 9000), 3) == "127.0.0.1:9003"
+    assert child_debug_listen(HostPort("127.0.0.1", 0), 3) == "127.0.0.1:0"
+
+
+def test_debug_ports_of_all_processes_are_checked() -> None:
+    base = {"workers": "10.0.0.1:80", "kvcm_fallback": "false"}
+    beyond = load_config({**base, "processes": "4", "debug_listen": "127.0.0.1:65534"}, {})
+    assert any("4 processes need debug ports 65534..65537" in str(p) for p in beyond.errors), beyond.errors
+    overlapping = load_config(
+        {**base, "processes": "3", "debug_listen": "127.0.0.1:9000", "grpc_listen": "127.0.0.1:9002"}, {}
+    )
+    assert any("include the gRPC port 9002" in str(p) for p in overlapping.errors), overlapping.errors
+    assert load_config({**base, "processes": "65"}, {}).errors  # above the bound
+    assert load_config({**base, "processes": "64", "debug_listen": "127.0.0.1:0"}, {}).errors == ()
+
+
+async def test_children_drain_and_exit_when_the_parent_dies(nursery: trio.Nursery) -> None:
+    with trio.fail_after(90):
+        cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        proc = await trio.lowlevel.open_process(
+            _serve_command(addrs, "--processes=2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        log = Lines()
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            nursery.start_soon(log.collect, proc.stderr)
+            assert _ANNOUNCED.search(await _read_line(proc.stdout)), log.text()
+            children = [psutil.Process(int(m.group(2))) for m in await log.wait_for(_SERVING, 2)]
+            proc.kill()  # no signal to forward: the children see their stdin end
+            await proc.wait()
+            gone, alive = await trio.to_thread.run_sync(lambda: psutil.wait_procs(children, timeout=60))
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        for child in alive:
+            child.kill()
+        assert alive == [] and len(gone) == 2, log.text()
+        await log.wait_for(_SUMMARY, 2)  # each drained and printed its summary (its exit status is not ours to read)
+        assert sum("the supervising parent is gone: draining" in line for line in log.lines) == 2
+
+
+async def test_a_process_that_cannot_start_stops_all_and_the_parent_exits_with_its_status() -> None:
+    with trio.fail_after(60), trio.socket.socket() as taken:
+        await taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # Process 1's debug port (the base + 1) is taken.
+        command = [
+            *(sys.executable, "-P", "-m", "router.cli", "serve"),
+            "--processes=2",
+            "--grpc-listen=127.0.0.1:0",
+            f"--debug-listen=127.0.0.1:{port - 1}",
+            "--workers=127.0.0.1:9",
+            "--kvcm-fallback=false",
+        ]
+        result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    stderr = result.stderr.decode()
+    assert result.returncode == 1, stderr
+    assert result.stdout == b""  # never announced
+    assert f"--debug-listen: cannot bind 127.0.0.1:{port}" in stderr
+    assert "could not start (exit status 1): stopping every process" in stderr
