@@ -317,7 +317,7 @@ async def _topology(
 ) -> AsyncIterator[RouterHandle]:
     async with AsyncExitStack() as stack, trio.open_nursery() as services:
         supervisor = Supervisor(services)
-        metrics = MetricsSink(config.metrics)
+        metrics = MetricsSink(config.metrics, split=config.router)
         await supervisor.start(
             "metrics_sink",
             metrics.run,

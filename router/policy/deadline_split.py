@@ -1,0 +1,151 @@
+"""The deadline split: how much of a request's time each waiting stage of a cache source may use.
+
+The fixed split gives every wait the same end, ``decide_at = deadline − reserve`` with
+``reserve = max(reserve_min, reserve_fraction × budget)``: a slow KVCM query may then use the time
+its probes needed, and the decision falls back although a hit was in reach.
+
+The learned split keeps a running estimate of a high quantile of each stage's latency and ends
+each wait early enough to leave the stages after it their expected time::
+
+    probe_end  = deadline − reserve_min − score                 probes and plan: wait until here
+    query_end  = probe_end − probe                              GetHostCacheState: at most until here
+    leader_end = query_end − query                              a leader lookup: at most until here
+
+``score``, ``probe`` (plan + probes) and ``query`` are the estimates. Every end is at most the
+request's deadline, so a window only ever shortens it. Until each estimate has ``min_samples``
+observations (cold start) the fixed split applies.
+
+The estimate per stage is the mean plus ``deviations`` mean absolute deviations, both
+exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
+requests. A stage the split cut short was observed for less than it would have taken: such a
+sample never lowers the estimate (it counts as at least the current estimate).
+
+Pure: values in, values out; time is passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from router.config import DeadlineSplit, RouterConfig
+from router.types import SplitMode, Stage, StageWindow
+
+# The stages whose latency the split estimates, in the order a cache source runs them.
+SPLIT_STAGES = (Stage.CACHE_QUERY, Stage.PROBE, Stage.SCORE)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitEstimates:
+    """The published estimates, in seconds (None: fewer samples than the split needs)."""
+
+    query: float | None = None
+    probe: float | None = None  # plan + probes
+    score: float | None = None
+
+    @property
+    def warm(self) -> bool:
+        return self.query is not None and self.probe is not None and self.score is not None
+
+
+COLD = SplitEstimates()
+
+
+@dataclass(frozen=True, slots=True)
+class SplitWindows:
+    """One request's wait ends (trio time). The fixed split: all three are ``decide_at``."""
+
+    leader_end: float
+    query_end: float
+    probe_end: float
+    mode: SplitMode
+
+    def end(self, stage: Stage) -> float:
+        if stage is Stage.LEADER:
+            return self.leader_end
+        if stage is Stage.CACHE_QUERY:
+            return self.query_end
+        return self.probe_end
+
+
+def split_windows(
+    received_at: float, deadline: float, estimates: SplitEstimates, router: RouterConfig
+) -> SplitWindows:
+    """The wait ends of one request received at ``received_at`` with ``deadline`` (pure)."""
+    budget = max(0.0, deadline - received_at)
+    reserve_min = router.reserve_min_ms / 1000.0
+    if router.deadline_split is DeadlineSplit.FIXED or not estimates.warm:
+        decide_at = deadline - max(reserve_min, router.reserve_fraction * budget)
+        mode = SplitMode.FIXED if router.deadline_split is DeadlineSplit.FIXED else SplitMode.COLD
+        return SplitWindows(decide_at, decide_at, decide_at, mode)
+    assert estimates.query is not None and estimates.probe is not None and estimates.score is not None
+    probe_end = deadline - reserve_min - estimates.score
+    query_end = probe_end - estimates.probe
+    return SplitWindows(query_end - estimates.query, query_end, probe_end, SplitMode.LEARNED)
+
+
+class StageLatency:
+    """A running high-quantile estimate of one stage's latency (seconds)."""
+
+    __slots__ = ("_deviation", "_deviations", "_mean", "_weight", "samples")
+
+    def __init__(self, weight: float, deviations: float) -> None:
+        self._weight = weight
+        self._deviations = deviations
+        self._mean = 0.0
+        self._deviation = 0.0
+        self.samples = 0
+
+    @property
+    def high(self) -> float:
+        return self._mean + self._deviations * self._deviation
+
+    def observe(self, seconds: float, *, censored: bool = False) -> None:
+        """One sample; ``censored``: the stage was stopped after ``seconds`` (it would have taken longer)."""
+        if censored and self.samples:
+            seconds = max(seconds, self.high)
+        if not self.samples:
+            self._mean, self._deviation = seconds, seconds / 2.0
+        else:
+            w = self._weight
+            self._deviation += w * (abs(seconds - self._mean) - self._deviation)
+            self._mean += w * (seconds - self._mean)
+        self.samples += 1
+
+
+class SplitEstimator:
+    """The estimates of the split's stages, fed with decisions; owned by one task (the metrics sink)."""
+
+    __slots__ = ("_min_samples", "_stages")
+
+    def __init__(self, router: RouterConfig) -> None:
+        self._min_samples = router.split_min_samples
+        self._stages = {
+            stage: StageLatency(router.split_estimate_weight, router.split_deviations) for stage in SPLIT_STAGES
+        }
+
+    def observe(self, stage_ms: Mapping[Stage, float], windows: tuple[StageWindow, ...]) -> bool:
+        """Feed one decision's stage times; True when an estimate changed."""
+        cut = {w.stage for w in windows if w.cut}
+        changed = False
+        query = stage_ms.get(Stage.CACHE_QUERY)
+        if query is not None:
+            self._stages[Stage.CACHE_QUERY].observe(query / 1000.0, censored=Stage.CACHE_QUERY in cut)
+            changed = True
+        probe = stage_ms.get(Stage.PROBE)
+        if probe is not None:
+            plan = stage_ms.get(Stage.PLAN, 0.0)
+            self._stages[Stage.PROBE].observe((plan + probe) / 1000.0, censored=Stage.PROBE in cut)
+            changed = True
+        score = stage_ms.get(Stage.SCORE)
+        if score is not None:
+            self._stages[Stage.SCORE].observe(score / 1000.0)
+            changed = True
+        return changed
+
+    def estimates(self) -> SplitEstimates:
+        def high(stage: Stage) -> float | None:
+            latency = self._stages[stage]
+            return latency.high if latency.samples >= self._min_samples else None
+
+        return SplitEstimates(high(Stage.CACHE_QUERY), high(Stage.PROBE), high(Stage.SCORE))
