@@ -371,16 +371,19 @@ _SPECS: dict[str, _Spec] = {
         "How a cache source's waits share the budget: fixed (all end at deadline − reserve) or learned "
         "(each leaves the later stages their estimated latency; fixed until estimates exist)",
         choices={"fixed": DeadlineSplit.FIXED, "learned": DeadlineSplit.LEARNED},
+        short=True,
         fallback=True,
     ),
     "router.split_estimate_weight": _Spec(
-        "Learned split: weight of each new latency sample in a stage's estimate", fallback=True
+        "Learned split: weight of each new latency sample in a stage's estimate", short=True, fallback=True
     ),
     "router.split_deviations": _Spec(
-        "Learned split: a stage's estimate is its mean plus this many mean absolute deviations", fallback=True
+        "Learned split: a stage's estimate is its mean plus this many mean absolute deviations",
+        short=True,
+        fallback=True,
     ),
     "router.split_min_samples": _Spec(
-        "Learned split: samples each stage needs before the split uses its estimate", fallback=True
+        "Learned split: samples each stage needs before the split uses its estimate", short=True, fallback=True
     ),
     # request bounds, the reply margin, what a kept decision holds
     "limits.max_prompt_tokens": _Spec(
