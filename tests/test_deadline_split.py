@@ -67,13 +67,34 @@ def test_an_estimate_follows_a_sudden_change_within_a_few_samples() -> None:
     assert latency.high < 0.003
 
 
-def test_a_censored_sample_never_lowers_the_estimate() -> None:
+def test_a_censored_sample_below_the_estimate_changes_nothing_and_one_above_raises_it() -> None:
     latency = StageLatency(0.25, 2.0)
     for _ in range(10):
         latency.observe(0.010)
     before = latency.high
-    latency.observe(0.001, censored=True)  # cut after 1 ms: it would have taken longer
-    assert latency.high >= before
+    for _ in range(100):  # cut after 1 ms, or exactly at the estimate: no runaway either way
+        latency.observe(0.001, censored=True)
+    assert latency.high == before
+    latency.observe(0.030, censored=True)  # cut after 30 ms: at least that slow
+    assert latency.high > before
+    for _ in range(100):  # a stage that hangs, cut after the same 47 ms every time
+        latency.observe(0.047, censored=True)
+    assert 0.047 <= latency.high < 0.07  # at least what it was given, and no ratchet beyond
+
+
+def test_a_stage_no_request_reaches_is_forgotten_so_the_split_goes_cold() -> None:
+    config = replace(RouterConfig(), split_min_samples=2)
+    estimator = SplitEstimator(config)
+    full = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 30.0, Stage.SCORE: 0.2}
+    for _ in range(2):
+        estimator.observe(full, ())
+    assert estimator.estimates().warm
+    cut_query = {Stage.CACHE_QUERY: 15.0}  # the split cut the query: probes and score never ran
+    for _ in range(SplitEstimator.STALE_AFTER * config.split_min_samples):
+        estimator.observe(cut_query, (StageWindow(Stage.CACHE_QUERY, 15.0, True),))
+    assert estimator.estimates().warm
+    estimator.observe(cut_query, (StageWindow(Stage.CACHE_QUERY, 15.0, True),))
+    assert not estimator.estimates().warm  # cold: the fixed split lets the next requests reach the probes
 
 
 def test_each_stage_needs_its_samples_before_the_split_uses_it() -> None:

@@ -18,7 +18,9 @@ observations (cold start) the fixed split applies.
 The estimate per stage is the mean plus ``deviations`` mean absolute deviations, both
 exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
 requests. A stage the split cut short was observed for less than it would have taken: such a
-sample never lowers the estimate (it counts as at least the current estimate).
+sample is used only when it is at least the current estimate (then the stage is at least that
+slow); below it, it says nothing. A later stage no request reached for a while is forgotten
+(:class:`SplitEstimator`), so a bad estimate cannot lock the split into cutting every query.
 
 Pure: values in, values out; time is passed in.
 """
@@ -101,9 +103,12 @@ class StageLatency:
         return self._mean + self._deviations * self._deviation
 
     def observe(self, seconds: float, *, censored: bool = False) -> None:
-        """One sample; ``censored``: the stage was stopped after ``seconds`` (it would have taken longer)."""
-        if censored and self.samples:
-            seconds = max(seconds, self.high)
+        """One sample; ``censored``: the stage was stopped after ``seconds`` (it would have taken longer).
+
+        A censored sample below the estimate says nothing (the stage was given less than the estimate);
+        one at or above it says the stage takes at least that long, and counts as it is."""
+        if censored and self.samples and seconds < self.high:
+            return
         if not self.samples:
             self._mean, self._deviation = seconds, seconds / 2.0
         else:
@@ -112,22 +117,44 @@ class StageLatency:
             self._mean += w * (seconds - self._mean)
         self.samples += 1
 
+    def forget(self) -> None:
+        self._mean = self._deviation = 0.0
+        self.samples = 0
+
 
 class SplitEstimator:
-    """The estimates of the split's stages, fed with decisions; owned by one task (the metrics sink)."""
+    """The estimates of the split's stages, fed with decisions; owned by one task (the metrics sink).
 
-    __slots__ = ("_min_samples", "_stages")
+    A stage after the query (probes, score) not seen for ``STALE_AFTER × min_samples`` decisions that
+    ran the query is forgotten: the split is cold again, so the fixed split lets the request reach it
+    and it is measured afresh. Without that, an estimate that made the split cut every query would
+    never be corrected, since no request would reach the stage again.
+    """
+
+    STALE_AFTER = 4
+
+    __slots__ = ("_min_samples", "_since", "_stages")
 
     def __init__(self, router: RouterConfig) -> None:
         self._min_samples = router.split_min_samples
         self._stages = {
             stage: StageLatency(router.split_estimate_weight, router.split_deviations) for stage in SPLIT_STAGES
         }
+        self._since = {Stage.PROBE: 0, Stage.SCORE: 0}  # decisions that ran the query but not this stage
 
     def observe(self, stage_ms: Mapping[Stage, float], windows: tuple[StageWindow, ...]) -> bool:
         """Feed one decision's stage times; True when an estimate changed."""
         cut = {w.stage for w in windows if w.cut}
         changed = False
+        if Stage.CACHE_QUERY in stage_ms:
+            for stage in self._since:
+                if stage in stage_ms:
+                    self._since[stage] = 0
+                    continue
+                self._since[stage] += 1
+                if self._since[stage] > self.STALE_AFTER * self._min_samples and self._stages[stage].samples:
+                    self._stages[stage].forget()
+                    changed = True
         query = stage_ms.get(Stage.CACHE_QUERY)
         if query is not None:
             self._stages[Stage.CACHE_QUERY].observe(query / 1000.0, censored=Stage.CACHE_QUERY in cut)
