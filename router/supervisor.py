@@ -231,6 +231,10 @@ class RouterHandle:
     def router_actor(self) -> RouterActor:
         return self._router
 
+    def hit_accuracy(self) -> HitAccuracy | None:
+        """The predicted-vs-reported hit actor (None when the router was opened without it)."""
+        return self._accuracy
+
     def actors_health(self) -> dict[str, dict[str, object]]:
         return self._supervisor.views()
 
