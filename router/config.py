@@ -164,7 +164,7 @@ class RouterConfig:
     reserve_fraction: float = bounded(0.1, 0, 1, high_open=True)
     reserve_min_ms: float = bounded(1.0, 0, 600_000)
     kvcm_query_timeout_ms: float = bounded(500.0, 0, 600_000, low_open=True)
-    deadline_split: DeadlineSplit = DeadlineSplit.LEARNED
+    deadline_split: DeadlineSplit = DeadlineSplit.FIXED
     # The learned split's estimates: weight per new sample, mean absolute deviations added to the
     # mean (the quantile they aim at), samples each stage needs before the split uses it.
     split_estimate_weight: float = bounded(0.25, 0, 1, low_open=True)

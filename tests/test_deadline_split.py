@@ -34,12 +34,15 @@ def test_the_learned_split_without_estimates_is_the_fixed_one() -> None:
     assert (cold.leader_end, cold.query_end, cold.probe_end) == (10.045, 10.045, 10.045)
 
 
-def test_the_learned_split_leaves_each_later_stage_its_estimate() -> None:
-    w = split_windows(10.0, 10.050, WARM, LEARNED)
+def test_the_learned_split_leaves_each_later_stage_its_estimate_and_never_ends_before_decide_at() -> None:
+    fast = SplitEstimates(query=0.002, probe=0.001, score=0.0005)
+    w = split_windows(10.0, 10.050, fast, LEARNED)
     assert w.mode is SplitMode.LEARNED
     assert w.probe_end == 10.050 - 0.001 - 0.0005  # reserve_min, then the score estimate
-    assert w.query_end == w.probe_end - 0.003
-    assert w.leader_end == w.query_end - 0.010
+    assert w.query_end == w.probe_end - 0.001
+    assert w.leader_end == w.query_end - 0.002
+    slow = split_windows(10.0, 10.050, WARM, LEARNED)  # the later stages need more than the reserve
+    assert slow.leader_end == 10.045 and slow.query_end > 10.045  # the fixed split's end at the least
 
 
 @given(

@@ -115,9 +115,9 @@ def test_explain_prints_every_candidate_and_why(cluster: dict[str, Any]) -> None
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("request kvroute-cli: kvcm / CACHE_LEADER -> ")
-    # One request: the learned split has no estimates yet (cold), so the waits end at decide_at.
+    # The default fixed split: each wait the request ran, with its end.
     split = next(line for line in lines if line.startswith("split: "))
-    assert split.startswith("split: cold: ") and "cache_query until " in split and "probe until " in split
+    assert split.startswith("split: fixed: ") and "cache_query until " in split and "probe until " in split
     header = next(i for i, line in enumerate(lines) if line.startswith("worker"))
     assert lines[header].split() == ["worker", "from", "role", "blocks", "hit", "work", "outcome"]
     rows = {line.split()[0]: line for line in lines[header + 1 :]}

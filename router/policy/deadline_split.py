@@ -5,15 +5,18 @@ The fixed split gives every wait the same end, ``decide_at = deadline − reserv
 its probes needed, and the decision falls back although a hit was in reach.
 
 The learned split keeps a running estimate of a high quantile of each stage's latency and ends
-each wait early enough to leave the stages after it their expected time::
+each wait early enough to leave the stages after it their expected time, giving the waits the part
+of the fixed reserve the later stages do not need::
 
-    probe_end  = deadline − reserve_min − score                 probes and plan: wait until here
-    query_end  = probe_end − probe                              GetHostCacheState: at most until here
-    leader_end = query_end − query                              a leader lookup: at most until here
+    probe_end  = max(decide_at, deadline − reserve_min − score)     probes and plan: wait until here
+    query_end  = max(decide_at, probe_end − probe)                  GetHostCacheState: at most until here
+    leader_end = max(decide_at, query_end − query)                  a leader lookup: at most until here
 
-``score``, ``probe`` (plan + probes) and ``query`` are the estimates. Every end is at most the
-request's deadline, so a window only ever shortens it. Until each estimate has ``min_samples``
-observations (cold start) the fixed split applies.
+``score``, ``probe`` (plan + probes) and ``query`` are the estimates. No end is before the fixed
+split's: a KVCM answer that leaves the probes no time is still scored with the statuses the prober
+has cached, so cutting the query to make room for probes loses more answers than it saves. Every
+end is at most the request's deadline, so a window only ever shortens it. Until each estimate has
+``min_samples`` observations (cold start) the fixed split applies.
 
 The estimate per stage is the mean plus ``deviations`` mean absolute deviations, both
 exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
@@ -76,14 +79,16 @@ def split_windows(
     """The wait ends of one request received at ``received_at`` with ``deadline`` (pure)."""
     budget = max(0.0, deadline - received_at)
     reserve_min = router.reserve_min_ms / 1000.0
+    decide_at = deadline - max(reserve_min, router.reserve_fraction * budget)
     if router.deadline_split is DeadlineSplit.FIXED or not estimates.warm:
-        decide_at = deadline - max(reserve_min, router.reserve_fraction * budget)
         mode = SplitMode.FIXED if router.deadline_split is DeadlineSplit.FIXED else SplitMode.COLD
         return SplitWindows(decide_at, decide_at, decide_at, mode)
     assert estimates.query is not None and estimates.probe is not None and estimates.score is not None
-    probe_end = deadline - reserve_min - estimates.score
-    query_end = probe_end - estimates.probe
-    return SplitWindows(query_end - estimates.query, query_end, probe_end, SplitMode.LEARNED)
+    # Never before decide_at: a KVCM answer that leaves the probes no time is still scored with the
+    # cached statuses, so ending the query earlier than the fixed split only loses answers.
+    probe_end = max(decide_at, deadline - reserve_min - estimates.score)
+    query_end = max(decide_at, probe_end - estimates.probe)
+    return SplitWindows(max(decide_at, query_end - estimates.query), query_end, probe_end, SplitMode.LEARNED)
 
 
 class StageLatency:
