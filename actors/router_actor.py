@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 
@@ -199,6 +199,8 @@ class RouterActor:
         decision: RouteDecision | None = None
         record = None if self._decision_log is None else DecisionRecord(request, received_at, deadline)
         estimates = self._split_estimates()
+        if estimates.warm:
+            estimates = replace(estimates, lag=self._estimate.lag_s)
         split = RequestSplit(split_windows(received_at, deadline, estimates, self._config.router))
         if record is not None:
             record.split = estimates

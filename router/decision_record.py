@@ -188,7 +188,7 @@ def encode_decision(record: DecisionRecord, fleet_id: int | None) -> dict[str, A
         out["sh"] = _hosts(record.shadow_hosts)
     if record.split is not None:
         e = record.split
-        out["se"] = [e.query, e.probe, e.score]
+        out["se"] = [e.query, e.probe, e.score, e.lag]
     if record.scorings:
         out["f"] = fleet_id
         out["sc"] = [

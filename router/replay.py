@@ -296,8 +296,8 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
     expected = dict(p["d"])
     split = COLD
     if "se" in p:
-        q, pr, sc = (None if v is None else float(v) for v in p["se"])
-        split = SplitEstimates(q, pr, sc)
+        q, pr, sc, lag = (None if v is None else float(v) for v in p["se"])
+        split = SplitEstimates(q, pr, sc, lag or 0.0)
     return Case(
         path=path,
         offset=offset,

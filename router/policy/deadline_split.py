@@ -8,14 +8,16 @@ The learned split keeps a running estimate of a high quantile of each stage's la
 each wait early enough to leave the stages after it their expected time, giving the waits the part
 of the fixed reserve the later stages do not need::
 
-    probe_end  = max(decide_at, deadline − reserve_min − score)     probes and plan: wait until here
-    query_end  = max(decide_at, probe_end − probe)                  GetHostCacheState: at most until here
-    leader_end = max(decide_at, query_end − query)                  a leader lookup: at most until here
+    probe_end  = max(decide_at, deadline − reserve_min − lag − score)   probes and plan
+    query_end  = max(decide_at, probe_end − probe)                      GetHostCacheState
+    leader_end = max(decide_at, query_end − query)                      a leader lookup
 
-``score``, ``probe`` (plan + probes) and ``query`` are the estimates. No end is before the fixed
-split's: a KVCM answer that leaves the probes no time is still scored with the statuses the prober
-has cached, so cutting the query to make room for probes loses more answers than it saves. Every
-end is at most the request's deadline, so a window only ever shortens it. Until each estimate has
+``score``, ``probe`` (plan + probes) and ``query`` are the estimates; ``lag`` is how late the
+routing loop runs a due task (the admission estimate's), which the answer pays after the wait.
+No end is before the fixed split's: a KVCM answer that leaves the probes no time is still scored
+with the statuses the prober has cached, so cutting the query to make room for probes loses more
+answers than it saves. Every end is at most the request's deadline, so a window only ever
+shortens it. Until each estimate has
 ``min_samples`` observations (cold start) the fixed split applies.
 
 The estimate per stage is the mean plus ``deviations`` mean absolute deviations, both
@@ -47,6 +49,7 @@ class SplitEstimates:
     query: float | None = None
     probe: float | None = None  # plan + probes
     score: float | None = None
+    lag: float = 0.0  # the routing loop's lag: how late the request's task runs once the wait ends
 
     @property
     def warm(self) -> bool:
@@ -86,7 +89,7 @@ def split_windows(
     assert estimates.query is not None and estimates.probe is not None and estimates.score is not None
     # Never before decide_at: a KVCM answer that leaves the probes no time is still scored with the
     # cached statuses, so ending the query earlier than the fixed split only loses answers.
-    probe_end = max(decide_at, deadline - reserve_min - estimates.score)
+    probe_end = max(decide_at, deadline - reserve_min - estimates.lag - estimates.score)
     query_end = max(decide_at, probe_end - estimates.probe)
     return SplitWindows(max(decide_at, query_end - estimates.query), query_end, probe_end, SplitMode.LEARNED)
 
