@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router.config import MetricsConfig
+from router.config import MetricsConfig, RouterConfig
+from router.policy.deadline_split import SplitEstimates, SplitEstimator
 from router.problems import Problem, range_problems, refuse
 from router.types import Reason, RouteDecision, RouteSource, SourceOutcome, Stage
 
@@ -219,7 +220,9 @@ def metrics_problems(config: MetricsConfig) -> list[Problem]:
 
 
 class MetricsSink:
-    def __init__(self, config: MetricsConfig) -> None:
+    """``split``: the router settings the deadline split's estimates follow (None: the defaults)."""
+
+    def __init__(self, config: MetricsConfig, *, split: RouterConfig | None = None) -> None:
         refuse("metrics", metrics_problems(config))
         self._config = config
         self._send, self._receive = trio.open_memory_channel[MetricEvent](config.inbox_size)
@@ -288,6 +291,12 @@ class MetricsSink:
         self._candidates_dropped = Counter(
             "kvroute_candidates_dropped", "Candidates dropped before scoring", ("reason",), registry=r
         )
+        self._split_cuts = Counter(
+            "kvroute_deadline_split_cuts",
+            "Waits of a request the deadline split's window ended (the stage had not finished)",
+            ("stage",),
+            registry=r,
+        )
         self._shadow_comparisons = Counter(
             "kvroute_shadow_comparisons", "Shadow-index predictions compared with KVCM answers", registry=r
         )
@@ -298,6 +307,7 @@ class MetricsSink:
         )
         # Children per label set, looked up once: labels() costs ~5 µs, the sink's hot loop runs per decision.
         self._stage_durations = {stage: self._duration.labels(stage=stage.value) for stage in Stage}
+        self._stage_cuts = {stage: self._split_cuts.labels(stage=stage.value) for stage in Stage}
         self._source_counts: dict[tuple[RouteSource, SourceOutcome, Reason | None], Counter] = {}
         self._decision_counts: dict[tuple[str, str], Counter] = {}
         self._dropped_counts: dict[str, Counter] = {}
@@ -312,6 +322,9 @@ class MetricsSink:
         self._dropped_count = 0
         self._peak = 0
         self._last_leader: str | None = None
+        self._split_estimator = SplitEstimator(RouterConfig() if split is None else split)
+        # Published for the routing path, which reads it without waiting; replaced, never changed.
+        self._split_estimates = self._split_estimator.estimates()
 
     @property
     def config(self) -> MetricsConfig:
@@ -349,6 +362,10 @@ class MetricsSink:
         if limit < 1:
             return []
         return [self._ring[-i] for i in range(1, min(limit, len(self._ring)) + 1)]
+
+    def split_estimates(self) -> SplitEstimates:
+        """The deadline split's latest estimates (an immutable snapshot)."""
+        return self._split_estimates
 
     def inbox_depth(self) -> int:
         return self._send.statistics().current_buffer_used
@@ -428,6 +445,11 @@ class MetricsSink:
             durations[stage].observe(ms / 1000.0)
         if Stage.TOTAL not in d.stage_ms:
             durations[Stage.TOTAL].observe(d.elapsed_ms / 1000.0)
+        for window in d.windows:
+            if window.cut:
+                self._stage_cuts[window.stage].inc()
+        if self._split_estimator.observe(d.stage_ms, d.windows):
+            self._split_estimates = self._split_estimator.estimates()
         for step in d.sources:
             step_key = (step.source, step.outcome, step.reason)
             steps = self._source_counts.get(step_key)

@@ -8,8 +8,9 @@ together; each source's window only ever shortens it:
     keys → source 1 → source 2 → … → domain
 
 Each source answers, falls through with a reason (the next one is asked), or ends the request
-with an error. A reserve before the deadline is kept for the decision itself: at
-``decide_at = deadline − reserve`` sources stop waiting and decide with what is in hand.
+with an error. The deadline split (router/policy/deadline_split.py) says when each wait of a cache
+source stops — fixed: all at ``decide_at = deadline − reserve``; learned: each early enough to
+leave the later stages their estimated time — and the sources decide with what is in hand.
 Whatever happens — a source raises, the deadline passes first — the request is answered by the
 domain fallback, never lost.
 
@@ -20,8 +21,8 @@ request tasks (no await between read and write); the debug view reads :meth:`hea
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import trio
 
@@ -33,6 +34,7 @@ from actors.sources.base import (
     Ended,
     FellThrough,
     RequestContext,
+    RequestSplit,
     Skipped,
     Source,
     SourceResult,
@@ -45,6 +47,7 @@ from router.config import KvrouteConfig
 from router.decision_record import DecisionRecord
 from router.keys import join_slices
 from router.logs import AggregatingLogger
+from router.policy.deadline_split import SplitEstimates, split_windows
 from router.request import (
     CheckedRequest,
     PreparedRequest,
@@ -96,6 +99,7 @@ class RouterActor:
         warn: AggregatingLogger,
         decision_log: DecisionLog | None = None,
         accuracy: HitAccuracy | None = None,
+        split_estimates: Callable[[], SplitEstimates] | None = None,
     ) -> None:
         if not chain or chain[-1] is not domain:
             raise ValueError("chain: the domain source must be the last source of the chain")
@@ -111,12 +115,12 @@ class RouterActor:
         self._warn = warn
         self._decision_log = decision_log
         self._accuracy = accuracy
+        # The learned split's estimates: an immutable snapshot the metrics sink publishes.
+        self._split_estimates = metrics.split_estimates if split_estimates is None else split_estimates
         self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
         self._long_hashing = trio.CapacityLimiter(1)
         self._estimate = AdmissionEstimate(config.router)
         self._lag_interval_s = config.router.lag_probe_interval_ms / 1000.0
-        self._reserve_min_s = config.router.reserve_min_ms / 1000.0
-        self._reserve_fraction = config.router.reserve_fraction
         self._peak = 0
         self._handled = 0
         self._overloaded = 0
@@ -194,9 +198,15 @@ class RouterActor:
         ctx: RequestContext | None = None
         decision: RouteDecision | None = None
         record = None if self._decision_log is None else DecisionRecord(request, received_at, deadline)
+        estimates = self._split_estimates()
+        if estimates.warm:
+            estimates = replace(estimates, lag=self._estimate.lag_s)
+        split = RequestSplit(split_windows(received_at, deadline, estimates, self._config.router))
+        if record is not None:
+            record.split = estimates
         try:
             with trio.CancelScope(deadline=deadline):
-                ctx, decision = await self._walk(request, received_at, deadline, stages, steps, record=record)
+                ctx, decision = await self._walk(request, received_at, deadline, split, stages, steps, record=record)
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
             log.exception("route pipeline failed request_id=%s", request.request_id)
@@ -208,11 +218,12 @@ class RouterActor:
                 stages,
                 tuple(steps),
                 error=f"internal error: {exc!r}",
+                split=split,
             )
             ctx = None
         if decision is None:
             self._deadline_fallbacks += 1
-            decision = self._fallback(request, None, Reason.DEADLINE, received_at, stages, tuple(steps))
+            decision = self._fallback(request, None, Reason.DEADLINE, received_at, stages, tuple(steps), split=split)
             ctx = None
         self._handled += 1
         own_ms = stages.get(Stage.KEYS, 0.0) + stages.get(Stage.PLAN, 0.0) + stages.get(Stage.SCORE, 0.0)
@@ -235,6 +246,7 @@ class RouterActor:
         request: RouteRequest,
         received_at: float,
         deadline: float,
+        split: RequestSplit,
         stages: dict[Stage, float],
         steps: list[SourceStep],
         *,
@@ -247,14 +259,12 @@ class RouterActor:
         except BadRequest as exc:
             return None, self._fallback(request, None, Reason.BAD_REQUEST, received_at, stages, (), error=str(exc))
         stages[Stage.KEYS] = ms(trio.current_time() - t)
-        budget = max(0.0, deadline - received_at)
-        reserve = max(self._reserve_min_s, self._reserve_fraction * budget)
         ctx = RequestContext(
             request=request,
             prepared=prepared,
             received_at=received_at,
             deadline=deadline,
-            decide_at=deadline - reserve,
+            split=split,
             stages=stages,
             record=record,
         )
@@ -280,9 +290,11 @@ class RouterActor:
                 continue
             if isinstance(result, Ended):
                 steps.append(SourceStep(source.kind, SourceOutcome.ENDED, result.reason, elapsed))
-                return ctx, self._decision(request, received_at, stages, tuple(steps), None, result, prepared)
+                return ctx, self._decision(request, received_at, stages, tuple(steps), None, result, prepared, split)
             steps.append(SourceStep(source.kind, SourceOutcome.ANSWERED, result.reason, elapsed))
-            return ctx, self._decision(request, received_at, stages, tuple(steps), source.kind, result, prepared)
+            return ctx, self._decision(
+                request, received_at, stages, tuple(steps), source.kind, result, prepared, split
+            )
         raise AssertionError("the domain source always answers or ends the request")  # pragma: no cover
 
     async def _keys(self, checked: CheckedRequest) -> tuple[int, ...]:
@@ -318,11 +330,12 @@ class RouterActor:
         steps: tuple[SourceStep, ...],
         *,
         error: str | None = None,
+        split: RequestSplit | None = None,
     ) -> RouteDecision:
         """The domain source's answer outside the chain (bad request, overloaded, deadline, bug)."""
         result = self._domain.pick(prepared, reason, error)
         source = RouteSource.DOMAIN if isinstance(result, Answered) else None
-        return self._decision(request, received_at, stages, steps, source, result, prepared)
+        return self._decision(request, received_at, stages, steps, source, result, prepared, split)
 
     def _decision(
         self,
@@ -333,9 +346,12 @@ class RouterActor:
         source: RouteSource | None,
         result: Answered | Ended,
         prepared: PreparedRequest | None,
+        split: RequestSplit | None,
     ) -> RouteDecision:
         elapsed = ms(trio.current_time() - received_at)
         stages[Stage.TOTAL] = elapsed
+        mode = None if split is None or not split.waits else split.windows.mode
+        windows = () if split is None else split.stage_windows(received_at)
         if isinstance(result, Ended):
             return RouteDecision(
                 request_id=request.request_id,
@@ -348,6 +364,8 @@ class RouterActor:
                 error=result.error,
                 sources=steps,
                 error_code=result.code,
+                split=mode,
+                windows=windows,
             )
         assert source is not None
         role_addrs = result.role_addrs or (
@@ -370,6 +388,8 @@ class RouterActor:
             error=result.error,
             sources=steps,
             role_addrs=role_addrs,
+            split=mode,
+            windows=windows,
         )
 
     def _emit(self, decision: RouteDecision) -> RouteDecision:

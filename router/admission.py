@@ -56,5 +56,10 @@ class AdmissionEstimate:
     def admits(self, remaining_s: float) -> bool:
         return remaining_s >= self.expected_s()
 
+    @property
+    def lag_s(self) -> float:
+        """The routing loop's average lag: how late a due task runs."""
+        return self._lag_s
+
     def view(self) -> AdmissionView:
         return AdmissionView(self._own_s, self._lag_s, self.expected_s())

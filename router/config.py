@@ -149,6 +149,13 @@ class DeploymentConfig:
     p2p_host_count: int = bounded(0, 0, 10_000)
 
 
+class DeadlineSplit(enum.Enum):
+    """How a cache source's waits share the request's time (router/policy/deadline_split.py)."""
+
+    FIXED = "fixed"  # every wait ends at decide_at = deadline − reserve
+    LEARNED = "learned"  # each wait leaves the later stages their estimated time
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     kvcm_fallback: bool = True
@@ -157,6 +164,12 @@ class RouterConfig:
     reserve_fraction: float = bounded(0.1, 0, 1, high_open=True)
     reserve_min_ms: float = bounded(1.0, 0, 600_000)
     kvcm_query_timeout_ms: float = bounded(500.0, 0, 600_000, low_open=True)
+    deadline_split: DeadlineSplit = DeadlineSplit.FIXED
+    # The learned split's estimates: weight per new sample, mean absolute deviations added to the
+    # mean (the quantile they aim at), samples each stage needs before the split uses it.
+    split_estimate_weight: float = bounded(0.25, 0, 1, low_open=True)
+    split_deviations: float = bounded(2.0, 0, 20)
+    split_min_samples: int = bounded(8, 1, 100_000)
     # Weight the admission estimate's averages keep per new sample (router/admission.py).
     admission_decay: float = bounded(0.9, 0, 1, high_open=True)
     # How often the routing loop's lag is measured (a timer's lateness), in ms.

@@ -5,7 +5,8 @@ is on. The sources fill it with what they were answered and when; the router add
 hands it to the log actor after the reply. Encoding happens in the log actor's writer thread, so
 the request pays for a few attribute writes only.
 
-The log (format version 1) is a file that starts with :data:`MAGIC` and continues with frames::
+The log (format version 2; version 1 logs are still read) is a file that starts with :data:`MAGIC`
+and continues with frames::
 
     u32 payload length | u8 kind | u32 crc32(payload) | payload (UTF-8 JSON object)
 
@@ -26,6 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.policy.deadline_split import SplitEstimates
 from router.policy.plan import CandidateSource, Fleet
 from router.request import PreparedRequest
 from router.types import (
@@ -40,7 +42,8 @@ from router.types import (
     WorkerStatus,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 2 added the deadline split: its estimates (``se``) and windows (``sm``, ``sw``)
 MAGIC = b"KVRDLOG" + bytes([FORMAT_VERSION])
 FRAME_HEAD = struct.Struct(">IBI")  # payload length, kind, crc32 of the payload
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -119,6 +122,7 @@ class DecisionRecord:
     kvcm: KvcmAnswer | None = None
     shadow_hosts: tuple[HostMatch, ...] | None = None
     scorings: list[ScoringRecord] = field(default_factory=list)
+    split: SplitEstimates | None = None  # the deadline split's estimates the request's windows came from
     decision: RouteDecision | None = None
 
 
@@ -182,6 +186,9 @@ def encode_decision(record: DecisionRecord, fleet_id: int | None) -> dict[str, A
         out["kv"] = [k.started, k.arrived, None if k.hosts is None else _hosts(k.hosts), k.reason and k.reason.value]
     if record.shadow_hosts is not None:
         out["sh"] = _hosts(record.shadow_hosts)
+    if record.split is not None:
+        e = record.split
+        out["se"] = [e.query, e.probe, e.score, e.lag]
     if record.scorings:
         out["f"] = fleet_id
         out["sc"] = [
@@ -220,6 +227,9 @@ def decision_fields(d: RouteDecision) -> dict[str, Any]:
         ],
         "hit": d.hit_tokens,
         "ec": d.error_code,
+        "sm": None if d.split is None else d.split.value,
+        # Windows to the microsecond: what the split set, not the last bits of the float arithmetic.
+        "sw": [[w.stage.value, round(w.end_ms, 3), int(w.cut)] for w in d.windows],
     }
 
 
@@ -269,8 +279,10 @@ def read_frames(path: str) -> Iterator[Frame]:
 def parse_frames(path: str, data: bytes) -> Iterator[Frame]:
     if len(data) < len(MAGIC) or data[: len(MAGIC) - 1] != MAGIC[:-1]:
         raise LogFormatError(path, 0, "not a kvroute decision log (no KVRDLOG header)")
-    if data[len(MAGIC) - 1] != FORMAT_VERSION:
-        raise LogFormatError(path, len(MAGIC) - 1, f"format version {data[len(MAGIC) - 1]}, this kvroute reads 1")
+    if data[len(MAGIC) - 1] not in READABLE_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
+        found = data[len(MAGIC) - 1]
+        raise LogFormatError(path, len(MAGIC) - 1, f"format version {found}, this kvroute reads {readable}")
     offset = len(MAGIC)
     while offset < len(data):
         if len(data) - offset < FRAME_HEAD.size:

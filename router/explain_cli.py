@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from router.route_cli import configure_input, run_command
-from router.types import CandidateExplain, Reason, RouteDecision, SourceStep
+from router.types import CandidateExplain, Reason, RouteDecision, SourceStep, StageWindow
 
 # Reasons whose winner is the first in TTFT order (least work); the others follow the cache-leader
 # order (most hit, then least work) — the policy's leader order.
@@ -72,6 +72,8 @@ def render_table(decision: RouteDecision) -> str:
         lines.append("chain: " + " -> ".join(_step(step) for step in decision.sources))
     if decision.stage_ms:
         lines.append("stages: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in decision.stage_ms.items()))
+    if decision.split is not None:
+        lines.append(f"split: {decision.split.value}: " + ", ".join(_window(w) for w in decision.windows))
     if decision.error and decision.worker is not None:
         lines.append(f"note: {decision.error}")
     lines.append("")
@@ -102,6 +104,11 @@ def render_table(decision: RouteDecision) -> str:
 
 def run(args: argparse.Namespace) -> int:
     return run_command(args, "explain", lambda decision, _args: render_table(decision))
+
+
+def _window(window: StageWindow) -> str:
+    """One wait's window, e.g. ``cache_query until 41.20 ms (cut)``: its end after the request's receipt."""
+    return f"{window.stage.value} until {window.end_ms:.2f} ms" + (" (cut)" if window.cut else "")
 
 
 def _step(step: SourceStep) -> str:

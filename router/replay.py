@@ -55,6 +55,7 @@ from router.decision_record import (
     KIND_DECISION,
     KIND_FLEET,
     KIND_HEADER,
+    READABLE_VERSIONS,
     LogFormatError,
     decision_fields,
     decode_addrs,
@@ -65,6 +66,7 @@ from router.decision_record import (
 from router.logs import AggregatingLogger
 from router.master_config import master_hosts
 from router.policy.cache_affinity import CacheAffinityFirst, ObservedStatus
+from router.policy.deadline_split import COLD, SplitEstimates
 from router.policy.ledger import NEVER, SelectionLedger
 from router.policy.plan import CandidateSource, Fleet
 from router.request import PreparedRequest
@@ -80,6 +82,7 @@ from router.types import (
     RouteDecision,
     RouteRequest,
     RouteSource,
+    Stage,
     TaskInfo,
     WorkerAddr,
     WorkerStatus,
@@ -141,6 +144,15 @@ class Case:
     scorings: tuple[RecordedScoring, ...]
     fleet: Fleet | None  # the last fleet the log described before this decision
     expected: Mapping[str, Any]
+    split: SplitEstimates = COLD  # the deadline split's estimates the recorded request used
+
+    def waited_for_leader(self) -> tuple[bool, bool] | None:
+        """Whether the recorded request waited for a leader lookup, and whether the split cut that wait
+        (None: it did not wait). Replay does not re-run lookups: it puts the recorded wait back."""
+        for stage, _, cut in self.expected.get("sw", ()):
+            if stage == Stage.LEADER.value:
+                return True, bool(cut)
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +177,7 @@ def load_log(paths: Sequence[str]) -> RecordedLog:
             try:
                 if frame.kind == KIND_HEADER:
                     header = frame.payload
-                    if header.get("v") != 1:
+                    if header.get("v") not in READABLE_VERSIONS:
                         raise LogFormatError(path, frame.offset, f"header format version {header.get('v')!r}")
                     given = {str(k): str(v) for k, v in dict(header["settings"]).items()}
                     if settings is not None and str(header["digest"]) != digest:
@@ -282,6 +294,10 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
         )
         fleet = scoring_fleet
     expected = dict(p["d"])
+    split = COLD
+    if "se" in p:
+        q, pr, sc, lag = (None if v is None else float(v) for v in p["se"])
+        split = SplitEstimates(q, pr, sc, lag or 0.0)
     return Case(
         path=path,
         offset=offset,
@@ -295,6 +311,7 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
         scorings=tuple(scorings),
         fleet=fleet,
         expected=expected,
+        split=split,
     )
 
 
@@ -368,6 +385,12 @@ class _ReplayScoring:
         if in_time:  # the recorded results arrive at their times; waiting ends at decide_at at the latest
             with trio.move_on_at(ctx.decide_at):
                 await trio.sleep_until(max(in_time))
+        # The live wait was cut when some result had not come by decide_at.
+        late = any(
+            (p := probes.get(c.target)) is None or p.arrived is None or r + p.arrived > ctx.decide_at
+            for c in plan.candidates
+        )
+        ctx.split.waited(Stage.PROBE, late)
         statuses: dict[WorkerAddr, ObservedStatus] = {}
         missing: dict[WorkerAddr, DropReason] = {}
         for c in plan.candidates:
@@ -453,11 +476,18 @@ class _ReplayKvcm:
         if recorded is None:
             await trio.sleep_forever()
             raise AssertionError("unreachable")  # pragma: no cover
-        end = min(ctx.decide_at, trio.current_time() + self._query_timeout_s)
+        leader = case.waited_for_leader()
+        if leader is not None:
+            ctx.split.waited(Stage.LEADER, leader[1])
+            if leader[1]:  # the lookup outlasted its window: no query was sent
+                return FellThrough(Reason.DEADLINE)
+        query_end = ctx.split.windows.query_end
+        end = min(query_end, trio.current_time() + self._query_timeout_s)
         arrived = False
         with trio.move_on_at(end):
             await trio.sleep_until(case.received_at + recorded.arrived)
             arrived = True
+        ctx.split.waited(Stage.CACHE_QUERY, not arrived and query_end <= end)
         if not arrived:
             return FellThrough(Reason.DEADLINE)
         if recorded.hosts is None or not recorded.hosts:
@@ -547,7 +577,9 @@ class Outcome:
 
     @property
     def identical(self) -> bool:
-        return dict(self.case.expected) == dict(self.replayed)
+        # A version 1 log recorded no split: its decisions compare without it.
+        replayed = {k: v for k, v in self.replayed.items() if k in self.case.expected}
+        return dict(self.case.expected) == replayed
 
 
 def normalized(decision: RouteDecision) -> dict[str, Any]:
@@ -584,7 +616,13 @@ class ReplayEngine:
         chain.append(domain)
         warn = AggregatingLogger(log, interval_s=math.inf, max_keys=16)
         router = _ReplayRouter(
-            config, chain=chain, domain=domain, companions=_ReplayCompanions(current), metrics=self._metrics, warn=warn
+            config,
+            chain=chain,
+            domain=domain,
+            companions=_ReplayCompanions(current),
+            metrics=self._metrics,
+            warn=warn,
+            split_estimates=lambda: case.split,
         )
         if case.overloaded:
             return await router.route_overloaded(case.request)
@@ -643,7 +681,16 @@ def chosen_work(fields: Mapping[str, Any]) -> int:
 def difference(outcome: Outcome) -> str:
     """What differs, in a few words: ``worker a -> b; reason x -> y``."""
     before, after = outcome.case.expected, outcome.replayed
-    names = {"w": "worker", "r": "reason", "rs": "source", "ra": "role addrs", "ch": "chain", "c": "candidates"}
+    names = {
+        "w": "worker",
+        "r": "reason",
+        "rs": "source",
+        "ra": "role addrs",
+        "ch": "chain",
+        "c": "candidates",
+        "sm": "split",
+        "sw": "stage windows",
+    }
     parts = []
     for key, name in names.items():
         if before.get(key) != after.get(key):

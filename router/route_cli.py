@@ -165,8 +165,8 @@ def exit_status(decision: RouteDecision) -> int:
 
 
 def decision_json(decision: RouteDecision) -> dict[str, object]:
-    """The kvroute.v1.RouteDecision fields (every one, zero values included), plus stages, error, candidates
-    and the chain of sources as the request walked it."""
+    """The kvroute.v1.RouteDecision fields (every one, zero values included), plus stages, error, candidates,
+    the chain of sources as the request walked it, and the deadline split's windows."""
     out: dict[str, object] = MessageToDict(
         decision_to_proto(decision), preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -182,6 +182,8 @@ def decision_json(decision: RouteDecision) -> dict[str, object]:
         }
         for step in decision.sources
     ]
+    out["split"] = None if decision.split is None else decision.split.value
+    out["windows"] = [{"stage": w.stage.value, "end_ms": w.end_ms, "cut": w.cut} for w in decision.windows]
     return out
 
 

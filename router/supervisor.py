@@ -231,6 +231,10 @@ class RouterHandle:
     def router_actor(self) -> RouterActor:
         return self._router
 
+    def hit_accuracy(self) -> HitAccuracy | None:
+        """The predicted-vs-reported hit actor (None when the router was opened without it)."""
+        return self._accuracy
+
     def actors_health(self) -> dict[str, dict[str, object]]:
         return self._supervisor.views()
 
@@ -317,7 +321,7 @@ async def _topology(
 ) -> AsyncIterator[RouterHandle]:
     async with AsyncExitStack() as stack, trio.open_nursery() as services:
         supervisor = Supervisor(services)
-        metrics = MetricsSink(config.metrics)
+        metrics = MetricsSink(config.metrics, split=config.router)
         await supervisor.start(
             "metrics_sink",
             metrics.run,

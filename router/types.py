@@ -314,6 +314,25 @@ class SourceStep:
     elapsed_ms: float
 
 
+class SplitMode(enum.StrEnum):
+    """How a request's waits were ended: the fixed split, the learned one, or cold (the learned split
+    without estimates yet, so the fixed one)."""
+
+    FIXED = "fixed"
+    LEARNED = "learned"
+    COLD = "cold"
+
+
+@dataclass(frozen=True, slots=True)
+class StageWindow:
+    """One waiting stage's window: its end, in ms after the request's receipt, and whether the split's
+    window (not the stage finishing, nor another bound) ended it."""
+
+    stage: Stage
+    end_ms: float
+    cut: bool
+
+
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     request_id: str
@@ -330,6 +349,8 @@ class RouteDecision:
     sources: tuple[SourceStep, ...] = ()  # the chain as this request walked it, in order
     role_addrs: tuple[RoleAddr, ...] = ()  # one worker per role the answer needs (the master's, as given)
     error_code: int = 0  # the scheduler's error code when the request fails with it (0: none)
+    split: SplitMode | None = None  # None: no cache source waited (the windows were not used)
+    windows: tuple[StageWindow, ...] = ()  # the waiting stages the request ran, their windows
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,14 +26,15 @@ from kvroute_sim.sim.master import MasterFaults, SimMaster
 from kvroute_sim.sim.worker import WorkerFaults
 from router.api import open_router
 from router.cli import main
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, MasterConfig, RouterConfig
+from router.config import DeadlineSplit, DeploymentConfig, DiscoveryConfig, KvrouteConfig, MasterConfig, RouterConfig
 from router.decision_record import MAGIC, LogFormatError
 from router.keys import block_keys
 from router.replay import ReplayEngine, load_log, replay_config
 from router.supervisor import RouterHandle
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteRequest, RouteSource
+from router.types import KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteRequest, RouteSource, SplitMode
+from router.wire import paths
 
 BLOCK = 16
 PROMPT = tuple(range(1000, 1000 + 8 * BLOCK))
@@ -175,6 +176,32 @@ def test_a_recorded_master_run_replays_identically(tmp_path: Path) -> None:
     assert {Reason.MASTER, Reason.MASTER_FALLBACK, Reason.MASTER_ERROR} <= reasons
     assert any(s.reason is Reason.MASTER_UNAVAILABLE for d in decisions for s in d.sources)
     assert replay_all(log) == (len(decisions), len(decisions))
+
+
+async def record_learned_split_run(log: Path) -> list[RouteDecision]:
+    """The learned split warm after a few quick KVCM answers, then KVCM answering close to the budget."""
+    decisions: list[RouteDecision] = []
+    async with cluster_router(log, deadline_split=DeadlineSplit.LEARNED, split_min_samples=2) as (handle, cluster):
+        cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        only_query = frozenset({paths.KVCM_GET_HOST_CACHE_STATE})
+        for i, delay in enumerate((0.002, 0.002, 0.003, 0.044, 0.047, 0.060, 0.002)):
+            cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=delay, methods=only_query))
+            decisions.append(await handle.route(RouteRequest(f"split{i}", token_ids=PROMPT, budget_ms=50)))
+    return decisions
+
+
+def test_a_learned_split_run_replays_its_windows_identically(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.log"
+    decisions = on_mock_clock(record_learned_split_run, log)
+    assert decisions[0].split is SplitMode.COLD and decisions[-1].split is SplitMode.LEARNED
+    assert decisions[4].route_source is RouteSource.KVCM  # 47 ms: past the fixed split's 45 ms, in the learned one
+    assert any(w.cut for d in decisions for w in d.windows)  # the 60 ms answer came after its window
+    assert replay_all(log) == (len(decisions), len(decisions))
+    # What-if: the fixed split cuts the 47 ms answer (and changes every learned window).
+    identical, total = replay_all(log, overrides={"deadline_split": "fixed"})
+    assert identical < total
 
 
 def test_the_replay_command_reports_and_exits_by_identity(

@@ -34,6 +34,7 @@ from kvroute_sim.demo.report import (
     RESULTS_FILE,
     PolicySummary,
     check_targets,
+    format_table,
     summarize,
 )
 from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
@@ -246,8 +247,10 @@ def test_percentile_is_nearest_rank() -> None:
     assert math.isnan(percentile([], 50))
 
 
-def _record(worker: int, input_tokens: int, cached: int, ttft_ms: float, source: str = "-") -> RequestRecord:
-    return RequestRecord("r", worker, input_tokens, cached, ttft_ms / 1000.0, 0.001, source, source)
+def _record(
+    worker: int, input_tokens: int, cached: int, ttft_ms: float, source: str = "-", predicted: int | None = None
+) -> RequestRecord:
+    return RequestRecord("r", worker, input_tokens, cached, ttft_ms / 1000.0, 0.001, source, source, predicted)
 
 
 def test_summarize_hit_rate_imbalance_and_unrouted() -> None:
@@ -266,6 +269,24 @@ def test_summarize_hit_rate_imbalance_and_unrouted() -> None:
     assert s.ttft_mean_ms == 20.0
     assert s.load_imbalance == 1.5  # 150 / mean 100
     assert s.route_sources == {"kvcm": 1, "domain": 1, "none": 1}
+    assert s.predicted == 0 and math.isnan(s.actual_over_predicted)  # nothing predicted: no figure
+
+
+def test_summarize_prediction_accuracy_over_the_predicted_requests() -> None:
+    run = PolicyRun(
+        "kvroute",
+        (
+            _record(0, 100, 50, 10.0, "kvcm", predicted=64),  # found 50 of 64
+            _record(1, 100, 0, 30.0, "shadow", predicted=64),  # found nothing: a silent zero
+            _record(2, 100, 10, 30.0, "domain", predicted=0),  # no prediction: not counted
+        ),
+        (100, 100, 90),
+    )
+    s = summarize(run)
+    assert s.predicted == 2
+    assert s.actual_over_predicted == 50 / 128
+    assert s.silent_zero_share == 0.5
+    assert "silent 0" in format_table([s]) and "50.0%" in format_table([s])
 
 
 def _summary(policy: str, hit: float, mean: float, p99: float) -> PolicySummary:
@@ -323,7 +344,8 @@ async def test_tiny_demo_run_prints_the_table_and_writes_json_and_png(
     assert "debug endpoint: http://127.0.0.1:" in out
     assert "[kvroute]" in out and "hit rate so far" in out
     header = next(line for line in out.splitlines() if line.startswith("policy"))
-    for column in ("hit rate", "TTFT mean", "p99 ms", "imbalance", "decide p50", "route_source"):
+    columns = ("hit rate", "TTFT mean", "p99 ms", "imbalance", "decide p50", "actual/pred", "silent 0", "route_source")
+    for column in columns:
         assert column in header
     table_rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in POLICY_NAMES]
     assert table_rows[-len(POLICY_NAMES) :] == list(POLICY_NAMES)
@@ -336,6 +358,9 @@ async def test_tiny_demo_run_prints_the_table_and_writes_json_and_png(
         assert 0.0 <= policy["hit_rate"] <= 1.0
         assert len(policy["worker_prefill_tokens"]) == 3
     kvroute = results["policies"][0]
+    assert kvroute["predicted"] > 0 and 0.0 < kvroute["actual_over_predicted"] <= 1.5
+    assert 0.0 <= kvroute["silent_zero_share"] <= 1.0
+    assert all(p["predicted"] == 0 and p["actual_over_predicted"] is None for p in results["policies"][1:])
     assert sum(kvroute["route_sources"].values()) == requests
     assert set(kvroute["route_sources"]) <= {"kvcm", "shadow", "domain"}
     assert kvroute["route_sources"].get("kvcm", 0) > requests / 2

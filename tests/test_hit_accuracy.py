@@ -4,9 +4,12 @@ as a frontend would)."""
 
 from __future__ import annotations
 
+import io
+
 import trio
 import trio.testing
 
+from kvroute_sim.demo import key_family
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
@@ -89,3 +92,31 @@ async def test_readiness_warns_while_predicted_hits_keep_finding_nothing(
         await trio.testing.wait_all_tasks_blocked()
         ready, why = handle.ready()
         assert ready and "warning: 100% of the last 25 routed requests found no cached prefix" in why
+
+
+def test_a_wrong_key_family_fires_the_silent_zero_signal_and_the_right_one_does_not() -> None:
+    """The demo's wrong-key-family runs under MockClock: the engines match the router's forwarded keys
+    against blocks registered under their own family."""
+    runs = {
+        family: trio.run(
+            lambda f=family: key_family.measure_family(f, network=MemoryNetwork(), requests=30),
+            clock=trio.testing.MockClock(autojump_threshold=0),
+        )
+        for family in (key_family.ENGINE_FAMILY, key_family.WRONG_FAMILY)
+    }
+    right, wrong = runs[key_family.ENGINE_FAMILY], runs[key_family.WRONG_FAMILY]
+    assert right.predicted > 0 and right.silent_zero == 0 and right.warning is None
+    assert right.actual_over_predicted == 1.0
+    assert wrong.predicted > 0 and wrong.silent_zero == wrong.compared > 0
+    assert wrong.silent_zero_metric == wrong.silent_zero and right.silent_zero_metric == 0
+    assert wrong.warning is not None and "key family" in wrong.warning
+
+
+def test_the_wrong_key_family_scenario_prints_both_families_and_passes() -> None:
+    out = io.StringIO()
+    status = key_family.run(out, clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True, requests=25)
+    text = out.getvalue()
+    assert status == 0, text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("rtp ", "vllm "))}
+    assert rows["rtp"][-1] == "no" and rows["vllm"][-1] == "yes"
+    assert "readiness warning (wrong family)" in text

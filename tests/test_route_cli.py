@@ -79,7 +79,7 @@ def test_route_json_prints_the_kvcm_decision_for_a_seeded_prefix(cluster: dict[s
     assert result.returncode == 0, result.stderr
     decision = json.loads(result.stdout)
     proto_fields = {f.name for f in router_v1_pb2.RouteDecision.DESCRIPTOR.fields}
-    assert proto_fields | {"stage_ms", "error", "candidates", "sources"} == set(decision)
+    assert proto_fields | {"stage_ms", "error", "candidates", "sources", "split", "windows"} == set(decision)
     assert [s["source"] for s in decision["sources"]] == ["kvcm"] and decision["sources"][0]["outcome"] == "answered"
     assert (decision["request_id"], decision["route_source"], decision["reason"]) == ("r1", "kvcm", "CACHE_LEADER")
     assert f"{decision['ip']}:{decision['http_port']}" in prefix["workers"]
@@ -115,6 +115,9 @@ def test_explain_prints_every_candidate_and_why(cluster: dict[str, Any]) -> None
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("request kvroute-cli: kvcm / CACHE_LEADER -> ")
+    # The default fixed split: each wait the request ran, with its end.
+    split = next(line for line in lines if line.startswith("split: "))
+    assert split.startswith("split: fixed: ") and "cache_query until " in split and "probe until " in split
     header = next(i for i, line in enumerate(lines) if line.startswith("worker"))
     assert lines[header].split() == ["worker", "from", "role", "blocks", "hit", "work", "outcome"]
     rows = {line.split()[0]: line for line in lines[header + 1 :]}

@@ -18,7 +18,7 @@ import trio.testing
 from actors.breaker import BreakerState
 from actors.metrics_sink import MetricsSink
 from actors.shadow_index import ShadowIndexActor
-from actors.sources.base import RequestContext
+from actors.sources.base import RequestContext, RequestSplit
 from actors.sources.shadow import ShadowSource
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
@@ -36,6 +36,7 @@ from router.config import (
 )
 from router.keys import block_keys
 from router.logs import AggregatingLogger
+from router.policy.deadline_split import SplitWindows
 from router.request import prepare_request
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
@@ -47,6 +48,7 @@ from router.types import (
     RouteDecision,
     RouteRequest,
     RouteSource,
+    SplitMode,
     Stage,
     WorkerAddr,
 )
@@ -311,7 +313,8 @@ async def test_records_the_shadow_index_cannot_take_are_counted(autojump_clock: 
     scoring: Any = None  # the shadow's write-on-route never scores
     source = ShadowSource(KvrouteConfig(), shadow=shadow, scoring=scoring, metrics=sink, warn=warn)
     prepared = prepare_request(RouteRequest("r", token_ids=PROMPT), DeploymentConfig(block_size=BLOCK))
-    ctx = RequestContext(RouteRequest("r", token_ids=PROMPT), prepared, 0.0, 0.05, 0.045)
+    windows = SplitWindows(0.045, 0.045, 0.045, SplitMode.FIXED)
+    ctx = RequestContext(RouteRequest("r", token_ids=PROMPT), prepared, 0.0, 0.05, RequestSplit(windows))
     worker = WorkerAddr.from_http("10.0.0.1", 8000)
     answered = RouteDecision("r", worker, Role.PREFILL, RouteSource.DOMAIN, Reason.BREAKER_OPEN)
     async with trio.open_nursery() as nursery:

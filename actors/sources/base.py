@@ -19,6 +19,7 @@ from typing import Protocol
 from actors.discovery import Discovery
 from actors.worker_prober import WorkerProber
 from router.decision_record import DecisionRecord, SourceAnswer
+from router.policy.deadline_split import SplitWindows
 from router.policy.plan import Fleet
 from router.request import PreparedRequest
 from router.types import (
@@ -31,15 +32,36 @@ from router.types import (
     RouteRequest,
     RouteSource,
     Stage,
+    StageWindow,
     WorkerAddr,
 )
+
+
+@dataclass(slots=True)
+class RequestSplit:
+    """One request's deadline split: the wait ends it got, and the waits it ran (stage → the split's
+    window ended it). Created before the chain, so a request the deadline ended still reports it."""
+
+    windows: SplitWindows
+    waits: dict[Stage, bool] = field(default_factory=dict)
+
+    def waited(self, stage: Stage, cut: bool) -> None:
+        self.waits[stage] = cut or self.waits.get(stage, False)
+
+    def stage_windows(self, received_at: float) -> tuple[StageWindow, ...]:
+        """The windows of the waits the request ran, in ms after its receipt."""
+        w = self.windows
+        return tuple(
+            StageWindow(stage, (w.end(stage) - received_at) * 1000.0, cut) for stage, cut in self.waits.items()
+        )
 
 
 @dataclass(slots=True)
 class RequestContext:
     """One request on its way along the chain; owned by the request's task.
 
-    ``decide_at`` is when waiting stops so the decision itself fits before ``deadline``.
+    ``split`` says when each wait stops (``decide_at``: the last of them) so the decision itself
+    fits before ``deadline``.
     ``cache_hosts`` is the positive part of the answer a cache source got (None: no cache
     answered; empty: it answered that nobody holds the prefix). A later source reads it to know
     whether it must stand in for the cache.
@@ -49,7 +71,7 @@ class RequestContext:
     prepared: PreparedRequest
     received_at: float
     deadline: float
-    decide_at: float
+    split: RequestSplit
     stages: dict[Stage, float] = field(default_factory=dict)
     cache_hosts: tuple[HostMatch, ...] | None = None
     fallthrough: Reason | None = None  # the first reason the chain fell through with
@@ -58,6 +80,11 @@ class RequestContext:
     def __post_init__(self) -> None:
         if self.record is not None:
             self.record.prepared = self.prepared
+
+    @property
+    def decide_at(self) -> float:
+        """When the last wait (the probes) stops."""
+        return self.split.windows.probe_end
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,10 @@ then plan, probe and score those holders.
 
 Admission goes through the KVCM breaker (open: fall through at once). The leader comes from the
 resolver's cache without waiting in the common case; otherwise the lookup waits at most until
-``decide_at``. The query is bounded by ``kvcm_query_timeout_ms`` and ``decide_at``, whichever is
-first. Every failure falls through with its reason, so the next source (the shadow index) can
-stand in without spending the rest of the budget.
+the split's leader window. The query is bounded by ``kvcm_query_timeout_ms`` and the split's query
+window, whichever is first (the deadline split: router/policy/deadline_split.py). Every failure
+falls through with its reason, so the next source (the shadow index) can stand in without
+spending the rest of the budget.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class KvcmSource:
         self._last_leader: str | None = None
 
     def window(self, ctx: RequestContext) -> float:
-        return ctx.deadline  # it stops waiting at decide_at by itself, and decides in the reserve
+        return ctx.deadline  # it stops each wait at the split's window by itself, and decides in the reserve
 
     async def attempt(self, ctx: RequestContext) -> SourceResult:
         started = trio.current_time()
@@ -92,17 +93,19 @@ class KvcmSource:
         leader = resolver.cached_leader()  # the common case: known, no wait and no scope needed
         if leader is None:
             failure: LeaderUnavailable | None = None
-            with trio.move_on_at(ctx.decide_at):
+            leader_end = ctx.split.windows.leader_end
+            with trio.move_on_at(leader_end) as waiting:
                 try:
                     leader = await resolver.leader()
                 except LeaderUnavailable as exc:
                     failure = exc
+            ctx.split.waited(Stage.LEADER, waiting.cancelled_caught)
             ctx.stages[Stage.LEADER] = ms(trio.current_time() - t)
             if leader is None:
                 # A leader not found is a KVCM failure for the breaker (a fast failure and a wait a
                 # tight budget cut short are not judged), so a KVCM that stops answering opens it
                 # and later requests stop paying the wait.
-                resolver.record_leader_miss(failure, trial=trial, given_s=ctx.decide_at - t)
+                resolver.record_leader_miss(failure, trial=trial, given_s=leader_end - t)
                 if failure is None:
                     return FellThrough(Reason.DEADLINE)
                 no_leader = failure.reason in (UnavailableReason.NO_LEADER, UnavailableReason.NO_BOOTSTRAP)
@@ -120,14 +123,16 @@ class KvcmSource:
             trace_id=ctx.request.request_id,
             p2p_host_count=self._deployment.p2p_host_count,
         )
-        query_deadline = min(ctx.decide_at, t + self._query_timeout_s)
+        query_end = ctx.split.windows.query_end
+        query_deadline = min(query_end, t + self._query_timeout_s)
         error: TransportError | None = None
         state: CacheState | None = None
-        with trio.move_on_at(query_deadline):
+        with trio.move_on_at(query_deadline) as waiting:
             try:
                 state = await self._kvcm.get_host_cache_state(leader.target, query)
             except TransportError as exc:
                 error = exc
+        ctx.split.waited(Stage.CACHE_QUERY, waiting.cancelled_caught and query_end <= query_deadline)
         ctx.stages[Stage.CACHE_QUERY] = ms(trio.current_time() - t)
         if state is None and error is None:
             error = DeadlineExceeded(leader.target, "GetHostCacheState did not answer within the request's budget")

@@ -1,7 +1,7 @@
 """Plan, probe and score the candidates of a cache answer: the shared work of the cache sources.
 
 The policy (owned by the Scorer actor) plans the candidates; the WorkerProber brings their
-statuses under the one global probe budget until ``decide_at``; the Scorer decides with what
+statuses under the one global probe budget until ``decide_at`` (the split's probe window); the Scorer decides with what
 arrived. Every stage is timed into the request's ``stage_ms``.
 """
 
@@ -70,12 +70,16 @@ class CandidateScoring:
         arrivals: dict[WorkerAddr, float] | None = None
         if ctx.record is not None:  # the decision log wants each result's arrival time
             arrivals = {}
-            with trio.move_on_at(ctx.decide_at):
+            with trio.move_on_at(ctx.decide_at) as waiting:
                 async for arrived in handle:
                     arrivals[arrived.worker] = trio.current_time() - ctx.record.received_at
+            ctx.split.waited(Stage.PROBE, waiting.cancelled_caught)
         elif handle.pending:  # all fresh from the cache (the warm case): nothing to wait for
-            with trio.move_on_at(ctx.decide_at):
+            with trio.move_on_at(ctx.decide_at) as waiting:
                 await handle.wait_all()
+            ctx.split.waited(Stage.PROBE, waiting.cancelled_caught)
+        else:
+            ctx.split.waited(Stage.PROBE, False)
         statuses: dict[WorkerAddr, tuple[WorkerStatus, float]] = {}
         missing: dict[WorkerAddr, DropReason] = {}
         cache_hits = 0

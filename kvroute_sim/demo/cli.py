@@ -26,7 +26,7 @@ from typing import TextIO
 
 import trio
 
-from kvroute_sim.demo import scenarios
+from kvroute_sim.demo import key_family, scenarios, split_budget
 from kvroute_sim.demo.evidence_cli import configure_evidence, evidence_requested, run_evidence
 from kvroute_sim.demo.lineup import KVROUTE, lineup_baselines
 from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
@@ -134,11 +134,13 @@ def _preset_help(text: str, scaled: object, full: object) -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scenario",
-        choices=(*scenarios.SCENARIO_NAMES, "all"),
+        choices=(*scenarios.SCENARIO_NAMES, split_budget.NAME, key_family.NAME, "all"),
         default=None,
         metavar="NAME",
-        help="run a fault scenario instead of the policy comparison; exit 1 on any FAIL. NAME: all, "
-        + ", ".join(scenarios.SCENARIO_NAMES),
+        help="run a fault scenario instead of the policy comparison; exit 1 on any FAIL. NAME: all (the fault "
+        "scenarios), " + ", ".join(scenarios.SCENARIO_NAMES) + f"; {split_budget.NAME} (the fixed deadline split "
+        f"against the learned one, side by side); {key_family.NAME} (predicted vs reported hits with the right "
+        "and a wrong key family)",
     )
     parser.add_argument(
         "--scenario-scale",
@@ -269,6 +271,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
+    if args.scenario == split_budget.NAME:
+        return split_budget.run(sys.stdout)
+    if args.scenario == key_family.NAME:
+        return key_family.run(sys.stdout)
     if args.scenario is not None:
         names = scenarios.SCENARIO_NAMES if args.scenario == "all" else (args.scenario,)
         return scenarios.run_scenarios(names, scale=args.scenario_scale, out=sys.stdout)

@@ -7,7 +7,10 @@ Definitions (per policy, over the routed requests):
 - load imbalance: max / mean of the workers' prefill (uncached) tokens;
 - decision latency p50 / p99 in µs, real time: the whole ``route()`` call for kvroute
   (loopback gRPC to KVCM and workers included), the baseline's own ``choose()`` otherwise;
-- route_source mix: kvroute's decisions by ``route_source`` (baselines have none).
+- route_source mix: kvroute's decisions by ``route_source`` (baselines have none);
+- prediction accuracy (policies that predict a hit: kvroute): over the routed requests with a
+  predicted hit, the cached tokens the simulated engine found / the tokens predicted, and the
+  silent-zero share (the engine found nothing where a hit was predicted).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class PolicySummary:
     route_sources: Mapping[str, int]  # empty for baselines
     reasons: Mapping[str, int]  # empty for baselines
     worker_prefill_tokens: tuple[int, ...]
+    predicted: int = 0  # routed requests with a predicted hit (none for a policy that does not predict)
+    actual_over_predicted: float = math.nan  # cached tokens found / predicted, over those
+    silent_zero_share: float = math.nan  # of those, the share where the engine found nothing
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -66,6 +72,9 @@ class PolicySummary:
             "route_sources": dict(self.route_sources),
             "reasons": dict(self.reasons),
             "worker_prefill_tokens": list(self.worker_prefill_tokens),
+            "predicted": self.predicted,
+            "actual_over_predicted": _finite(self.actual_over_predicted),
+            "silent_zero_share": _finite(self.silent_zero_share),
         }
 
 
@@ -82,6 +91,8 @@ def summarize(run: PolicyRun) -> PolicySummary:
     loads = run.worker_prefill_tokens
     mean_load = sum(loads) / len(loads) if loads else 0.0
     sourced = [r for r in run.records if r.route_source != NO_SOURCE]
+    predicted = [r for r in routed if r.predicted_tokens]
+    predicted_tokens = sum(r.predicted_tokens or 0 for r in predicted)
     return PolicySummary(
         policy=run.policy,
         requests=len(run.records),
@@ -96,6 +107,13 @@ def summarize(run: PolicyRun) -> PolicySummary:
         route_sources=dict(Counter(r.route_source for r in sourced).most_common()),
         reasons=dict(Counter(r.reason for r in sourced).most_common()),
         worker_prefill_tokens=tuple(loads),
+        predicted=len(predicted),
+        actual_over_predicted=(
+            sum(r.cached_tokens for r in predicted) / predicted_tokens if predicted_tokens else math.nan
+        ),
+        silent_zero_share=(
+            sum(1 for r in predicted if r.cached_tokens == 0) / len(predicted) if predicted else math.nan
+        ),
     )
 
 
@@ -120,6 +138,8 @@ _COLUMNS = (
     ("imbalance", ">"),
     ("decide p50", ">"),
     ("p99 µs", ">"),
+    ("actual/pred", ">"),
+    ("silent 0", ">"),
     ("route_source", "<"),
 )
 
@@ -139,6 +159,8 @@ def format_table(summaries: Sequence[PolicySummary]) -> str:
             _fmt(s.load_imbalance, ".2f"),
             _fmt(s.decision_p50_us, ".0f"),
             _fmt(s.decision_p99_us, ".0f"),
+            _fmt(s.actual_over_predicted, ".2f") if s.predicted else NO_SOURCE,
+            _fmt(100 * s.silent_zero_share, ".1f") + "%" if s.predicted else NO_SOURCE,
             source_mix(s),
         )
         for s in summaries

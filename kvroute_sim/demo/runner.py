@@ -186,6 +186,7 @@ class RequestRecord:
     decision_s: float  # real
     route_source: str
     reason: str
+    predicted_tokens: int | None = None  # the hit the policy predicted (kvroute's hit_tokens; None: no prediction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,5 +387,6 @@ async def run_kvroute(
             )
             continue
         worker = cluster.worker_index(decision.worker.http_target)
-        tally.add(_prefill(cluster, request, worker, decision_s, source, reason))
+        record = _prefill(cluster, request, worker, decision_s, source, reason)
+        tally.add(replace(record, predicted_tokens=decision.hit_tokens))
     return tally.finish(cluster)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.config import KvrouteConfig
+from router.config import DeadlineSplit, KvrouteConfig
 from router.logs import LOG_FORMATS, LOG_LEVELS
 from router.problems import Range, range_of
 from router.targets import REDACTED, HostPort, TargetError, parse_target, redact_userinfo
@@ -366,6 +366,24 @@ _SPECS: dict[str, _Spec] = {
     "router.lag_probe_interval_ms": _Spec("How often the routing loop's lag is measured", metavar="MS"),
     "router.kvcm_query_timeout_ms": _Spec(
         "Cap on one GetHostCacheState call, in ms", fallback=True, metavar="MS"
+    ),
+    "router.deadline_split": _Spec(
+        "How a cache source's waits share the budget: fixed (all end at deadline − reserve) or learned "
+        "(each leaves the later stages their estimated latency; fixed until estimates exist)",
+        choices={"fixed": DeadlineSplit.FIXED, "learned": DeadlineSplit.LEARNED},
+        short=True,
+        fallback=True,
+    ),
+    "router.split_estimate_weight": _Spec(
+        "Learned split: weight of each new latency sample in a stage's estimate", short=True, fallback=True
+    ),
+    "router.split_deviations": _Spec(
+        "Learned split: a stage's estimate is its mean plus this many mean absolute deviations",
+        short=True,
+        fallback=True,
+    ),
+    "router.split_min_samples": _Spec(
+        "Learned split: samples each stage needs before the split uses its estimate", short=True, fallback=True
     ),
     # request bounds, the reply margin, what a kept decision holds
     "limits.max_prompt_tokens": _Spec(

@@ -1,0 +1,144 @@
+"""``kvroute demo --scenario kvcm-slow-budget``: the fixed deadline split against the learned one.
+
+KVCM answers quickly for ``WARM_REQUESTS`` requests, then gets slow: GetHostCacheState answers close
+to the request's budget (a delay drawn per request between ``QUERY_DELAY_S``, less what a query
+cost beyond KVCM's own delay in the warm-up: loopback gRPC on a busy machine adds several ms). Worker status probes
+take ``PROBE_DELAY_S``, and every request's prefix is stored at one worker (KVCM knows it, the shadow
+index does not: a fall-through cannot find the hit elsewhere). The same seeded requests run once
+per split, each on a fresh cluster and router, and the figures count the slow phase:
+
+- fixed: every wait ends at ``deadline − max(1 ms, 10 % of the budget)``; a query answering
+  after that, or probes arriving after it, lose the KVCM pick;
+- learned: each wait leaves the later stages their measured time, so the query may run while the
+  probes and the scoring still fit.
+
+Printed side by side: the share routed from KVCM, the share routed to a holder of the prefix (hit
+rate), and the share answered within the request's budget (deadline adherence).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+from functools import partial
+from typing import TextIO
+
+import trio
+
+from kvroute_sim.demo.runner import open_kvroute
+from kvroute_sim.demo.workload import WorkloadSpec
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
+from router.keys import block_keys
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import RouteRequest, RouteSource, Stage
+from router.wire import paths
+
+NAME = "kvcm-slow-budget"
+SUMMARY = "KVCM answers close to the budget: the fixed split against the learned one"
+BUDGET_MS = 50.0
+WARM_REQUESTS = 20
+WARM_QUERY_DELAY_S = 0.005
+QUERY_DELAY_S = (0.042, 0.048)  # uniform per request: around the fixed split's 45 ms wait end
+PROBE_DELAY_S = 0.002
+REQUESTS = 60  # in the slow phase
+GAP_S = 0.02  # between one answer and the next request
+WORKERS = 4
+PROMPT_BLOCKS = 8
+_SPEC = WorkloadSpec()
+SPLITS = ("fixed", "learned")
+
+
+@dataclass(frozen=True, slots=True)
+class SplitFigures:
+    split: str
+    requests: int
+    kvcm: int  # routed from KVCM
+    hits: int  # routed to the worker holding the prefix
+    within_budget: int  # answered within the request's budget (at the caller)
+    query_overhead_s: float = 0.0  # a query's cost beyond KVCM's delay, measured in the warm-up
+
+    def share(self, n: int) -> float:
+        return n / self.requests if self.requests else 0.0
+
+
+async def measure_split(split: str, *, network: MemoryNetwork | None = None, requests: int = REQUESTS) -> SplitFigures:
+    """Route the warm-up, then ``requests`` seeded requests against a slow KVCM, with ``split`` on a
+    fresh cluster and router (loopback gRPC, or ``network`` under a MockClock); count the slow ones."""
+    cluster = SimCluster([WorkerSpec(block_size=_SPEC.block_size)] * WORKERS, block_size=_SPEC.block_size)
+    rng = random.Random(0)
+    settings = {"deadline_split": split, "budget_cap_ms": BUDGET_MS}
+    kvcm = routed_to_holder = within = 0
+    async with open_kvroute(cluster, _SPEC, extra_settings=settings, network=network) as setup:
+        handle = setup.handle
+        resolver = handle.leader_resolver()
+        if resolver is not None:
+            with trio.move_on_after(1.0):
+                await resolver.leader()  # the lookup itself is not what this scenario slows down
+        for worker in cluster.workers:
+            worker.set_faults(WorkerFaults(delay_s=PROBE_DELAY_S))
+        leader = cluster.kvcm.leader
+        assert leader is not None, "the simulated KVCM has a leader from the start"
+        query_only = frozenset({paths.KVCM_GET_HOST_CACHE_STATE})
+        warm_queries: list[float] = []
+        overhead_s = 0.0
+        for i in range(WARM_REQUESTS + requests):
+            slow = i >= WARM_REQUESTS
+            if i == WARM_REQUESTS and warm_queries:
+                # What a query costs beyond KVCM's own delay here (loopback gRPC, a busy machine; none
+                # under a MockClock): taken off the slow delays, so the answers land around the budget.
+                overhead_s = max(0.0, statistics.median(warm_queries) - WARM_QUERY_DELAY_S)
+            tokens = tuple(range(100_000 * (i + 1), 100_000 * (i + 1) + PROMPT_BLOCKS * _SPEC.block_size))
+            holder = cluster.worker_addr(i % WORKERS).http_target
+            cluster.kvcm.record_prefill(holder, block_keys(tokens, _SPEC.block_size, _SPEC.key_family))
+            delay = max(0.0, rng.uniform(*QUERY_DELAY_S) - overhead_s) if slow else WARM_QUERY_DELAY_S
+            cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=delay, methods=query_only))
+            started = trio.current_time()
+            decision = await handle.route(RouteRequest(f"{split}-{i}", token_ids=tokens, budget_ms=BUDGET_MS))
+            took = trio.current_time() - started
+            await trio.sleep(GAP_S)
+            if not slow:
+                if Stage.CACHE_QUERY in decision.stage_ms:
+                    warm_queries.append(decision.stage_ms[Stage.CACHE_QUERY] / 1000.0)
+                continue
+            kvcm += decision.route_source is RouteSource.KVCM
+            routed_to_holder += decision.worker is not None and decision.worker.http_target == holder
+            within += took * 1000.0 <= BUDGET_MS
+    return SplitFigures(split, requests, kvcm, routed_to_holder, within, overhead_s)
+
+
+def render(figures: list[SplitFigures]) -> str:
+    """The splits side by side."""
+    lines = [
+        f"{'split':<9} {'requests':>8} {'kvcm share':>11} {'hit rate':>9} {'within budget':>14} "
+        f"{'query overhead':>15}"
+    ]
+    for f in figures:
+        lines.append(
+            f"{f.split:<9} {f.requests:>8} {f.share(f.kvcm):>10.1%} {f.share(f.hits):>9.1%} "
+            f"{f.share(f.within_budget):>14.1%} {f.query_overhead_s * 1000:>12.1f} ms"
+        )
+    return "\n".join(lines)
+
+
+def run(out: TextIO, *, clock: trio.abc.Clock | None = None, in_memory: bool = False, requests: int = REQUESTS) -> int:
+    """Run both splits, print them side by side; 0 when the learned split kept at least the fixed one's
+    KVCM share and hit rate at the same deadline adherence, else 1."""
+    low, high = (d * 1000.0 for d in QUERY_DELAY_S)
+    print(
+        f"{NAME}: {SUMMARY}; budget {BUDGET_MS:g} ms, GetHostCacheState {low:g}-{high:g} ms, "
+        f"after {WARM_REQUESTS} requests at {WARM_QUERY_DELAY_S * 1000:g} ms; status probes "
+        f"{PROBE_DELAY_S * 1000:g} ms; {requests} slow requests per split",
+        file=out,
+    )
+    figures = []
+    for split in SPLITS:
+        network = MemoryNetwork() if in_memory else None
+        figures.append(trio.run(partial(measure_split, split, network=network, requests=requests), clock=clock))
+    print(render(figures), file=out, flush=True)
+    fixed, learned = figures
+    kept = learned.kvcm >= fixed.kvcm and learned.hits >= fixed.hits and learned.within_budget >= fixed.within_budget
+    print(f"{'PASS' if kept else 'FAIL'} {NAME}", file=out)
+    return 0 if kept else 1
