@@ -618,3 +618,11 @@ def test_load_or_report_lists_what_stops_a_command(capsys: pytest.CaptureFixture
     assert "  x --metrics-inbox-size (KVROUTE_METRICS_INBOX_SIZE): must be > 0, got 0" in err
     ok = settings.load_or_report(_parser().parse_args(["--kvcm-fallback", "off"]), "route", env={})
     assert ok is not None and ok.errors == ()
+
+
+def test_a_mapping_with_a_misspelt_setting_name_is_an_error_naming_it() -> None:
+    from router.settings.load import load_config
+
+    loaded = load_config({"budget_cap_msx": 5, "budget_cap_ms": 40}, {})
+    assert any("unknown setting 'budget_cap_msx'" in str(p) for p in loaded.fatal_errors)
+    assert loaded.config.router.budget_cap_ms == 40

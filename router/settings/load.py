@@ -15,7 +15,7 @@ import os
 import tomllib
 import typing
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from router.config import KvrouteConfig
@@ -240,7 +240,16 @@ def load_config(
     """
     flags = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli)
     path = toml_path if toml_path is not None else config_path(flags, env)
-    return resolve_config(read_config_file(path) if path else None, env, flags, FILE_CHECKS)
+    loaded = resolve_config(read_config_file(path) if path else None, env, flags, FILE_CHECKS)
+    if isinstance(cli, argparse.Namespace):
+        return loaded  # a namespace also carries the command's own arguments
+    # A mapping names settings only: a misspelt name must not be ignored silently.
+    unknown = tuple(
+        SettingProblem((), f"unknown setting {name!r}", False)
+        for name in flags
+        if name not in BY_NAME and name != "config"
+    )
+    return replace(loaded, errors=unknown + loaded.errors) if unknown else loaded
 
 
 def load_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LoadedConfig:
