@@ -5,18 +5,28 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
 from kvroute_sim.demo import cli as demo_cli
-from kvroute_sim.demo.ladder import goodput, run_ladder
+from kvroute_sim.demo.ladder import goodput, run_kvroute_in_memory, run_ladder
 from kvroute_sim.demo.lineup import KVROUTE, LINEUP, LINEUP_BASELINES, ORACLE, lineup_baselines, run_lineup_baseline
 from kvroute_sim.demo.load import offered_load, scale_arrivals, scale_to_load, workers_for_load
 from kvroute_sim.demo.oracle import TtftOracleBaseline, run_oracle
 from kvroute_sim.demo.report import summarize
-from kvroute_sim.demo.runner import COMPARISON_SETTINGS, ClusterSpec, PolicyRun, RequestRecord, run_baseline
+from kvroute_sim.demo.runner import (
+    COMPARISON_SETTINGS,
+    ClusterSpec,
+    PolicyRun,
+    RequestRecord,
+    route_request,
+    run_baseline,
+)
 from kvroute_sim.demo.sglang_baseline import ApproxRadixTree
 from kvroute_sim.demo.trace import (
     TRACE_BLOCK_TOKENS,
@@ -198,9 +208,7 @@ def test_the_labelled_load_is_the_measured_busy_share_and_the_oracle_beats_every
     workload = build_workload(WorkloadSpec(groups=8, prompts_per_group=10, rate_per_s=100.0, seed=5))
     cluster = ClusterSpec(workers=4, kv_capacity_blocks=96)
     loads = (0.3, 0.6, 0.9)
-    rungs = run_ladder(
-        workload, cluster, LINEUP, loads=loads, slo_ms=500.0, router_settings=dict(COMPARISON_SETTINGS)
-    )
+    rungs = run_ladder(workload, cluster, LINEUP, loads=loads, slo_ms=500.0, router_settings=dict(COMPARISON_SETTINGS))
     first, end = bulk_window([r.arrival_s for r in workload.requests])
     assert end - first >= 0.8 * len(workload.requests)
     for rung in rungs:
@@ -210,3 +218,23 @@ def test_the_labelled_load_is_the_measured_busy_share_and_the_oracle_beats_every
         for policy, mean in means.items():
             assert mean >= 0.98 * means[ORACLE], (rung.load, policy, mean, means[ORACLE])
         assert means[KVROUTE] > 0
+
+
+def test_a_trace_reaches_the_router_as_full_block_keys() -> None:
+    """A trace's hash_ids name the last, partial block too; the router takes the full blocks' keys
+    (more would cover more tokens than the prompt and make a bad request for the domain fallback)."""
+    workload = scale_arrivals(trace_workload(generate_trace(replace(SMALL_TRACE, sessions=8))), 5.0)
+    request = next(r for r in workload.requests if r.input_tokens % TRACE_BLOCK_TOKENS)
+    routed = route_request(request, TRACE_BLOCK_TOKENS)
+    assert routed.block_cache_keys == request.keys[: request.input_tokens // TRACE_BLOCK_TOKENS]
+    cluster = ClusterSpec(workers=2, kv_capacity_blocks=400, running_kv_blocks=400)
+    run = trio.run(
+        run_kvroute_in_memory,
+        workload,
+        cluster,
+        dict(COMPARISON_SETTINGS),
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    reasons = Counter(r.reason for r in run.records)
+    assert "bad_request" not in reasons
+    assert Counter(r.route_source for r in run.records)["kvcm"] > 0

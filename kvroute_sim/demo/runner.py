@@ -372,10 +372,16 @@ async def open_kvroute(
 
 
 def route_request(request: DemoRequest, block_size: int, budget_ms: float | None = None) -> RouteRequest:
-    """The router's request for a workload request: its block keys as caller keys (hashed once, up front)."""
+    """The router's request for a workload request: its block keys as caller keys (hashed once, up front).
+
+    Only the keys of the prompt's full blocks: caller keys name full blocks (what an engine caches),
+    and the router refuses keys covering more tokens than ``seq_len``. A trace's ``hash_ids`` also
+    name the last, partial block, and passing them all turned every trace request into a bad
+    request routed by the domain fallback.
+    """
     return RouteRequest(
         request_id=request.request_id,
-        block_cache_keys=request.keys,
+        block_cache_keys=request.keys[: request.input_tokens // block_size],
         block_size=block_size,
         seq_len=request.input_tokens,
         budget_ms=budget_ms,
