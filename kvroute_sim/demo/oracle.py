@@ -36,7 +36,7 @@ from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, Progress, run_baseli
 from kvroute_sim.demo.workload import Workload
 
 ORACLE = "oracle"
-DELAY_WEIGHTS = (0.0, 0.1, 0.25, 0.5, 1.0)
+DELAY_WEIGHTS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TIE_S = 1e-9
 
 
