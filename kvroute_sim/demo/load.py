@@ -10,14 +10,14 @@ request costs its uncached tokens, at least one):
   which looks at no clock, so the work does not change when arrivals are scaled); its uncached
   tokens are what the best reuse the cluster's caches allow leaves to compute. A policy that
   copies prefixes to spread load does more work than this, and shows a higher busy share.
-- the bulk window: the shortest span of arrivals holding ``BULK_SHARE`` of the requests. Real and
-  generated workloads start sessions for a while and then trail off with the last follow-up
-  turns; averaging over the whole span would call a workload whose bulk overloads the cluster
-  lightly loaded.
+- the bulk window: the shortest span of arrivals holding ``BULK_SHARE`` of the requests. A workload
+  of sessions starts them for a while and then trails off with their last follow-up turns;
+  averaging over the whole span would call a workload whose bulk overloads the cluster lightly
+  loaded.
 
 The load scales exactly with the arrival rate (``scale_to_load``). The ladder checks the label by
-measuring, on the simulated clock, the share of the bulk window the workers spent prefilling
-(``PolicyRun.busy_share`` over ``bulk_window``).
+measuring, on the simulated clock, the share of the bulk window the oracle's workers spent
+prefilling (its ``PolicyRun.busy_share``).
 """
 
 from __future__ import annotations
