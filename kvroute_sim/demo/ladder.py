@@ -247,7 +247,7 @@ def write_ladder_chart(out_dir: Path, rungs: Sequence[LadderRung], slo_ms: float
         for ax, label in zip(
             axes, ("mean TTFT (ms, log)", "p99 TTFT (ms, log)", f"goodput (% within {slo_ms:.0f} ms)"), strict=True
         ):
-            ax.set_xlabel("load (% of prefill capacity)")
+            ax.set_xlabel("load (best-reuse prefill work, % of prefill capacity)")
             ax.set_title(label)
             ax.grid(alpha=0.3)
         axes[0].set_yscale("log")
