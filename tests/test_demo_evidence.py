@@ -5,29 +5,39 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
 from kvroute_sim.demo import cli as demo_cli
-from kvroute_sim.demo.ladder import goodput, run_ladder
-from kvroute_sim.demo.lineup import LINEUP_BASELINES, ORACLE, lineup_baselines
-from kvroute_sim.demo.oracle import TtftOracleBaseline
+from kvroute_sim.demo.ladder import goodput, run_kvroute_in_memory, run_ladder
+from kvroute_sim.demo.lineup import KVROUTE, LINEUP, LINEUP_BASELINES, ORACLE, lineup_baselines, run_lineup_baseline
+from kvroute_sim.demo.load import offered_load, scale_arrivals, scale_to_load, workers_for_load
+from kvroute_sim.demo.oracle import TtftOracleBaseline, run_oracle
 from kvroute_sim.demo.report import summarize
-from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
+from kvroute_sim.demo.runner import (
+    COMPARISON_SETTINGS,
+    ClusterSpec,
+    PolicyRun,
+    RequestRecord,
+    route_request,
+    run_baseline,
+)
 from kvroute_sim.demo.sglang_baseline import ApproxRadixTree
 from kvroute_sim.demo.trace import (
     TRACE_BLOCK_TOKENS,
     TraceFormatError,
     TraceGenSpec,
     generate_trace,
-    offered_load,
     read_trace,
-    scale_arrivals,
     trace_workload,
     write_trace,
 )
+from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec, build_workload, bulk_window
 from kvroute_sim.sim.worker import SimWorker, WorkerSpec
 
 SMALL_TRACE = TraceGenSpec(sessions=40, groups=4, seed=3)
@@ -81,8 +91,14 @@ def test_trace_workload_speedup_limit_and_load(tmp_path: Path) -> None:
     slow, fast = trace_workload(records), trace_workload(records, speedup=4.0)
     assert fast.requests[-1].arrival_s == pytest.approx(slow.requests[-1].arrival_s / 4)
     assert slow.requests[0].keys == records[0].hash_ids and slow.requests[0].tokens == ()
-    load = offered_load(slow, 2, 10_000.0)
-    assert offered_load(scale_arrivals(slow, 3.0), 2, 10_000.0) == pytest.approx(3 * load)
+    cluster = ClusterSpec(workers=2, prefill_tokens_per_s=10_000.0)
+    load = offered_load(slow, cluster)
+    assert offered_load(scale_arrivals(slow, 3.0), cluster) == pytest.approx(3 * load)
+    assert offered_load(scale_to_load(slow, cluster, 0.7), cluster) == pytest.approx(0.7)
+    assert offered_load(slow, replace(cluster, workers=4)) < load
+    workers = workers_for_load(slow, cluster, load / 3)
+    assert offered_load(slow, replace(cluster, workers=workers)) <= load / 3
+    assert offered_load(slow, replace(cluster, workers=workers - 1)) > load / 3
 
 
 def test_decode_holds_running_kv_and_queues_the_next_prompt() -> None:
@@ -117,11 +133,11 @@ def test_every_baseline_replays_and_the_oracle_is_deterministic() -> None:
     records = generate_trace(SMALL_TRACE)
     workload = scale_arrivals(trace_workload(records), 20.0)
     cluster = ClusterSpec(workers=3, kv_capacity_blocks=400, running_kv_blocks=400)
-    runs = {p.name: run_baseline(p, workload, cluster) for p in lineup_baselines(1, TRACE_BLOCK_TOKENS)}
+    runs = {p.name: run_lineup_baseline(p, workload, cluster) for p in lineup_baselines(1, TRACE_BLOCK_TOKENS)}
     assert set(runs) == set(LINEUP_BASELINES)
     for run in runs.values():
         assert summarize(run).requests == len(workload.requests)
-    again = run_baseline(TtftOracleBaseline(1), workload, cluster)
+    again = run_oracle(1, workload, cluster)
     assert [r.worker for r in again.records] == [r.worker for r in runs[ORACLE].records]
 
 
@@ -154,3 +170,71 @@ def test_trace_flags_generate_and_reject_a_bad_trace(tmp_path: Path, capsys: pyt
     bad.write_text('{"timestamp": 0}\n')
     assert demo_cli.run(parser.parse_args(["--trace", str(bad)])) == 2
     assert "bad.jsonl line 1" in capsys.readouterr().err
+
+
+def _request(name: str, at: float, keys: tuple[int, ...]) -> DemoRequest:
+    return DemoRequest(name, at, -1, 0, 0, (), keys, input_tokens=100 * len(keys))
+
+
+def test_the_greedy_ttft_choice_is_no_ceiling_and_the_oracle_family_beats_it() -> None:
+    """Two workers, 100-token blocks, 1,000 tokens/s, 16 blocks of cache each. Y (prefix Q) and X (prefix
+    P) keep the workers busy; A (P + 1 block) arrives when X's worker is busy until 2.1 s and Y's is idle:
+    cold on Y's worker its TTFT is 1.1 s, behind X 1.2 s, so greedy sends it there, and its 11 blocks
+    evict the back half of Q. B (Q + 1 block) then prefills 600 tokens behind A (TTFT 1.69 s) instead
+    of 100 tokens on an idle worker (0.1 s)."""
+    p, q = tuple(range(100, 110)), tuple(range(200, 210))
+    workload = Workload(
+        WorkloadSpec(block_size=100),
+        (
+            _request("Y", 0.0, q),
+            _request("X", 0.5, p + tuple(range(300, 306))),
+            _request("A", 1.0, (*p, 400)),
+            _request("B", 1.01, (*q, 500)),
+        ),
+    )
+    cluster = ClusterSpec(workers=2, prefill_tokens_per_s=1000.0, kv_capacity_blocks=16)
+    greedy = run_baseline(TtftOracleBaseline(0), workload, cluster)
+    ttft = {r.request_id: r.ttft_s for r in greedy.records}
+    assert ttft["A"] == pytest.approx(1.1) and ttft["B"] == pytest.approx(1.69)
+    oracle = {r.request_id: r.ttft_s for r in run_oracle(0, workload, cluster).records}
+    assert oracle["A"] == pytest.approx(1.2) and oracle["B"] == pytest.approx(0.1)
+    assert sum(oracle.values()) < sum(ttft.values()) - 1.0
+
+
+def test_the_labelled_load_is_the_measured_busy_share_and_the_oracle_beats_every_policy() -> None:
+    """A small fixed workload at several loads: the oracle's workers are busy about the labelled share of
+    the bulk window (simulated clock), and no policy - kvroute through the real router included - has a
+    lower mean TTFT than the oracle (beyond a 2 % tolerance)."""
+    workload = build_workload(WorkloadSpec(groups=8, prompts_per_group=10, rate_per_s=100.0, seed=5))
+    cluster = ClusterSpec(workers=4, kv_capacity_blocks=96)
+    loads = (0.3, 0.6, 0.9)
+    rungs = run_ladder(workload, cluster, LINEUP, loads=loads, slo_ms=500.0, router_settings=dict(COMPARISON_SETTINGS))
+    first, end = bulk_window([r.arrival_s for r in workload.requests])
+    assert end - first >= 0.8 * len(workload.requests)
+    for rung in rungs:
+        assert [e.summary.policy for e in rung.entries] == list(LINEUP)
+        assert rung.measured_load == pytest.approx(rung.load, abs=0.1)
+        means = {e.summary.policy: e.summary.ttft_mean_ms for e in rung.entries}
+        for policy, mean in means.items():
+            assert mean >= 0.98 * means[ORACLE], (rung.load, policy, mean, means[ORACLE])
+        assert means[KVROUTE] > 0
+
+
+def test_a_trace_reaches_the_router_as_full_block_keys() -> None:
+    """A trace's hash_ids name the last, partial block too; the router takes the full blocks' keys
+    (more would cover more tokens than the prompt and make a bad request for the domain fallback)."""
+    workload = scale_arrivals(trace_workload(generate_trace(replace(SMALL_TRACE, sessions=8))), 5.0)
+    request = next(r for r in workload.requests if r.input_tokens % TRACE_BLOCK_TOKENS)
+    routed = route_request(request, TRACE_BLOCK_TOKENS)
+    assert routed.block_cache_keys == request.keys[: request.input_tokens // TRACE_BLOCK_TOKENS]
+    cluster = ClusterSpec(workers=2, kv_capacity_blocks=400, running_kv_blocks=400)
+    run = trio.run(
+        run_kvroute_in_memory,
+        workload,
+        cluster,
+        dict(COMPARISON_SETTINGS),
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    reasons = Counter(r.reason for r in run.records)
+    assert "bad_request" not in reasons
+    assert Counter(r.route_source for r in run.records)["kvcm"] > 0

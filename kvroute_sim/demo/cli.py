@@ -28,7 +28,7 @@ import trio
 
 from kvroute_sim.demo import key_family, scenarios, split_budget
 from kvroute_sim.demo.evidence_cli import configure_evidence, evidence_requested, run_evidence
-from kvroute_sim.demo.lineup import KVROUTE, lineup_baselines
+from kvroute_sim.demo.lineup import KVROUTE, lineup_baselines, run_lineup_baseline
 from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
 from kvroute_sim.demo.master_outage import (
     OutageResult,
@@ -55,7 +55,6 @@ from kvroute_sim.demo.runner import (
     build_cluster,
     check_router_settings,
     open_kvroute,
-    run_baseline,
     run_kvroute,
 )
 from kvroute_sim.demo.workload import Workload, WorkloadSpec, build_workload
@@ -260,7 +259,9 @@ async def compare(
             runs.append(await run_kvroute(setup, clock, workload, progress))
         for policy in lineup_baselines(workload.spec.seed, workload.spec.block_size):
             if policy.name in policies:
-                runs.append(await trio.to_thread.run_sync(run_baseline, policy, workload, cluster_spec, progress))
+                runs.append(
+                    await trio.to_thread.run_sync(run_lineup_baseline, policy, workload, cluster_spec, progress)
+                )
     order = {name: i for i, name in enumerate(POLICY_NAMES)}
     return tuple(sorted(runs, key=lambda r: order[r.policy]))
 

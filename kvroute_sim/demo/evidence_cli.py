@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -22,19 +23,18 @@ from kvroute_sim.demo.ladder import (
     run_ladder,
     write_ladder_chart,
 )
+from kvroute_sim.demo.load import offered_load, workers_for_load
 from kvroute_sim.demo.report import check_targets, format_table, results_json, summarize, write_chart, write_results
 from kvroute_sim.demo.runner import COMPARISON_SETTINGS, DemoConfigError, check_router_settings
 from kvroute_sim.demo.trace import (
     TraceFormatError,
     TraceGenSpec,
     generate_trace,
-    offered_load,
     read_trace,
     trace_workload,
-    workers_for_load,
     write_trace,
 )
-from kvroute_sim.demo.workload import Workload, build_workload
+from kvroute_sim.demo.workload import BULK_SHARE, Workload, build_workload, bulk_span
 
 # A trace's prompts are tens of thousands of tokens: per worker, 2 M tokens of prefix cache and
 # 512 K of running KV (blocks of 512 tokens), unless the cluster flags say otherwise.
@@ -74,7 +74,8 @@ def configure_evidence(parser: argparse.ArgumentParser) -> None:
         "--target-load",
         type=_positive(float),
         metavar="F",
-        help="size the cluster (--sim-workers) so the workload's unavoidable prefill is F of its capacity",
+        help="size the cluster (--sim-workers): the fewest workers keeping the workload's load (best-reuse prefill "
+        "work in its bulk, over prefill capacity) at or below F",
     )
     g.add_argument(
         "--trace-generate", type=Path, metavar="FILE", help="write a synthetic trace (seeded by --seed) and exit"
@@ -100,6 +101,11 @@ def configure_evidence(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="TTFT SLO of the goodput column (default: 5x the median idle prefill)",
     )
+
+
+def _rung_started(rungs: int, started: float, index: int, load: float) -> None:
+    elapsed = time.monotonic() - started  # display only
+    print(f"rung {index + 1}/{rungs}: load {load:.0%} ({elapsed:.0f} s so far)", flush=True)
 
 
 def evidence_requested(args: argparse.Namespace) -> bool:
@@ -129,7 +135,7 @@ def run_evidence(args: argparse.Namespace) -> int:
         else:
             workload = build_workload(workload_spec)
         if args.target_load is not None:
-            workers = workers_for_load(workload, args.target_load, cluster_spec.prefill_tokens_per_s)
+            workers = workers_for_load(workload, cluster_spec, args.target_load)
             cluster_spec = replace(cluster_spec, workers=workers)
     except (OSError, TraceFormatError, ValueError) as exc:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
@@ -141,10 +147,12 @@ def run_evidence(args: argparse.Namespace) -> int:
     except DemoConfigError as exc:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
-    load = offered_load(workload, cluster_spec.workers, cluster_spec.prefill_tokens_per_s)
+    load = offered_load(workload, cluster_spec)
+    start, end = bulk_span(workload)
     print(
         f"{'trace ' + str(args.trace) if args.trace else 'synthetic workload'}: {len(workload.requests)} requests over "
-        f"{workload.duration_s:.1f} simulated s, load {load:.0%} of {cluster_spec.workers} workers' prefill capacity",
+        f"{workload.duration_s:.1f} simulated s; load {load:.0%} of {cluster_spec.workers} workers' prefill capacity "
+        f"(best-reuse prefill work over the {BULK_SHARE:.0%} of requests arriving in {start:.1f}..{end:.1f} s)",
         flush=True,
     )
     runs = trio.run(
@@ -171,6 +179,7 @@ def run_evidence(args: argparse.Namespace) -> int:
             slo_ms=slo_ms,
             router_settings=settings,
             progress=cli.ProgressLine(sys.stdout),
+            rung_started=partial(_rung_started, len(args.ladder_loads), time.monotonic()),
         )
         print()
         print(format_ladder(rungs, slo_ms))

@@ -1,13 +1,20 @@
 """TTFT versus load: every policy replayed at several loads of the same workload.
 
-Each rung scales the workload's arrival times so its ``trace.offered_load`` on the cluster is
+Each rung scales the workload's arrival times so its ``load.offered_load`` on the cluster is
 the rung's load (the requests and their order stay the same), then runs every policy on a fresh
 cluster: the baselines in memory as in the comparison, kvroute through the real router (its full
-chain and actors) on an in-memory network under a ``trio.testing.MockClock``, so the simulated
-clock is trio's clock and a decision takes no simulated time.
+chain and actors) on an in-memory network under a ``trio.testing.MockClock``. As in the
+comparison, the cluster's clock stands at each request's arrival while the router decides
+(``run_kvroute_in_memory``).
 
-Per policy and load: mean / p50 / p99 TTFT, hit rate, imbalance, and goodput: the share of the
-requests whose TTFT is within the SLO. The default SLO is ``SLO_IDLE_MULTIPLE`` times the median
+The label is checked on the simulated clock: each rung reports the share of the bulk window the
+oracle's workers spent prefilling (the oracle does about the best-reuse work and balances it, so
+its busy share is what the label claims, a few points less near saturation, where the last
+arrivals' work spills past the window); every policy's own busy share is in the table beside it
+(a policy that copies prefixes or ignores the cache works more).
+
+Per policy and load: mean / p50 / p99 TTFT, hit rate, imbalance, busy share, and goodput: the
+share of the requests whose TTFT is within the SLO. The default SLO is ``SLO_IDLE_MULTIPLE`` times the median
 request's full prefill on an idle worker (a TTFT a user notices as slow), printed with the table.
 """
 
@@ -16,7 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -24,21 +31,22 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from kvroute_sim.demo.lineup import KVROUTE, LINEUP, ORACLE, lineup_baselines
+from kvroute_sim.demo.lineup import KVROUTE, LINEUP, ORACLE, lineup_baselines, run_lineup_baseline
+from kvroute_sim.demo.load import offered_load, scale_to_load
 from kvroute_sim.demo.report import PolicySummary, summarize
 from kvroute_sim.demo.runner import (
     ClusterSpec,
     PolicyRun,
     Progress,
     RequestRecord,
+    SimClock,
     _prefill,
     _Tally,
     build_cluster,
+    measured_window,
     open_kvroute,
     route_request,
-    run_baseline,
 )
-from kvroute_sim.demo.trace import offered_load, scale_arrivals
 from kvroute_sim.demo.workload import Workload
 from router.transport.memory_adapter import MemoryNetwork
 
@@ -66,22 +74,33 @@ def goodput(run: PolicyRun, slo_ms: float) -> float:
 class LadderEntry:
     summary: PolicySummary
     goodput: float
+    busy_share: float  # of the bulk window, measured on the simulated clock
 
     def to_json(self) -> dict[str, object]:
         full = self.summary.to_json()
         keep = ("policy", "hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "load_imbalance", "unrouted")
         out = {k: full[k] for k in keep}
-        out["goodput"] = round(self.goodput, 6) if math.isfinite(self.goodput) else None
+        out["goodput"] = _rounded(self.goodput)
+        out["busy_share"] = _rounded(self.busy_share)
         return out
+
+
+def _rounded(value: float) -> float | None:
+    return round(value, 6) if math.isfinite(value) else None
 
 
 @dataclass(frozen=True, slots=True)
 class LadderRung:
-    load: float
+    load: float  # the label: ``load.offered_load`` of the rung's arrivals
+    measured_load: float  # the oracle's busy share of the bulk window (simulated clock; NaN without the oracle)
     entries: tuple[LadderEntry, ...]
 
     def to_json(self) -> dict[str, object]:
-        return {"load": self.load, "policies": [e.to_json() for e in self.entries]}
+        return {
+            "load": self.load,
+            "measured_load": _rounded(self.measured_load),
+            "policies": [e.to_json() for e in self.entries],
+        }
 
 
 async def run_kvroute_in_memory(
@@ -90,15 +109,23 @@ async def run_kvroute_in_memory(
     settings: Mapping[str, object],
     progress: Progress | None = None,
 ) -> PolicyRun:
-    """Replay ``workload`` through the real router on an in-memory network; run under a MockClock."""
+    """Replay ``workload`` through the real router on an in-memory network; run under a MockClock.
+
+    The cluster reads a ``SimClock`` held at each request's arrival while the router decides, as in
+    the comparison: the router's own waits (a probe waiting for the probe budget's next token) take
+    trio time, and must neither delay the request's prefill nor the next arrivals' (a replay that let
+    them would run kvroute at a lower load than the baselines, which decide in no time).
+    """
     network = MemoryNetwork()
     cluster = build_cluster(cluster_spec, workload)
     tally = _Tally(KVROUTE, len(workload.requests), progress)
     block_size = workload.spec.block_size
-    async with open_kvroute(cluster, workload.spec, extra_settings=settings, network=network) as setup:
+    clock = SimClock(trio.current_time())
+    async with open_kvroute(cluster, workload.spec, clock=clock.now, extra_settings=settings, network=network) as setup:
         origin = trio.current_time() + _SETTLE_S
         for request in workload.requests:
             await trio.sleep_until(origin + request.arrival_s)
+            clock.set(origin + request.arrival_s)
             started = time.perf_counter()  # the real cost of the decision; simulated time stands still
             decision = await setup.handle.route(route_request(request, block_size))
             decision_s = time.perf_counter() - started
@@ -111,7 +138,7 @@ async def run_kvroute_in_memory(
             worker = cluster.worker_index(decision.worker.http_target)
             shifted = replace(request, arrival_s=origin + request.arrival_s)
             tally.add(_prefill(cluster, shifted, worker, decision_s, source, reason))
-    return tally.finish(cluster)
+    return tally.finish(cluster, measured_window(workload, origin))
 
 
 def run_ladder(
@@ -123,24 +150,31 @@ def run_ladder(
     slo_ms: float,
     router_settings: Mapping[str, object],
     progress: Progress | None = None,
+    rung_started: Callable[[int, float], None] | None = None,
 ) -> tuple[LadderRung, ...]:
-    """Every policy at every load (synchronous; runs its own trio loop per kvroute replay)."""
-    base = offered_load(workload, cluster_spec.workers, cluster_spec.prefill_tokens_per_s)
+    """Every policy at every load (synchronous; runs its own trio loop per kvroute replay).
+
+    ``rung_started(index, load)`` is called as each rung begins (progress for the caller)."""
+    base = offered_load(workload, cluster_spec)
     if not math.isfinite(base) or base <= 0:
         raise ValueError("the workload needs at least two arrivals at different times to set a load")
     rungs = []
     order = {name: i for i, name in enumerate(LINEUP)}
-    for load in loads:
-        scaled = scale_arrivals(workload, load / base)
+    for index, load in enumerate(loads):
+        if rung_started is not None:
+            rung_started(index, load)
+        scaled = scale_to_load(workload, cluster_spec, load, base=base)
         runs: list[PolicyRun] = []
         if KVROUTE in policies:
             replay = partial(run_kvroute_in_memory, scaled, cluster_spec, router_settings, _labelled(progress, load))
             runs.append(trio.run(replay, clock=trio.testing.MockClock(autojump_threshold=0)))
         for policy in lineup_baselines(scaled.spec.seed, scaled.spec.block_size):
             if policy.name in policies:
-                runs.append(run_baseline(policy, scaled, cluster_spec, _labelled(progress, load)))
+                runs.append(run_lineup_baseline(policy, scaled, cluster_spec, _labelled(progress, load)))
         runs.sort(key=lambda r: order[r.policy])
-        rungs.append(LadderRung(load, tuple(LadderEntry(summarize(r), goodput(r, slo_ms)) for r in runs)))
+        entries = tuple(LadderEntry(summarize(r), goodput(r, slo_ms), r.busy_share) for r in runs)
+        measured = next((r.busy_share for r in runs if r.policy == ORACLE), math.nan)
+        rungs.append(LadderRung(load, measured, entries))
     return tuple(rungs)
 
 
@@ -156,19 +190,22 @@ def _labelled(progress: Progress | None, load: float) -> Progress | None:
 
 
 def format_ladder(rungs: Sequence[LadderRung], slo_ms: float) -> str:
+    """The table: per rung, the label and its measured busy share, then one row per policy."""
     head = (
         f"{'load':>5}  {'policy':<18}  {'hit rate':>8}  {'mean':>8}  {'p50':>8}  {'p99 ms':>8}  "
-        f"{'imbalance':>9}  {'goodput@' + format(slo_ms, '.0f') + 'ms':>14}  {'mean/oracle':>11}"
+        f"{'imbalance':>9}  {'busy':>6}  {'goodput@' + format(slo_ms, '.0f') + 'ms':>14}  {'mean/oracle':>11}"
     )
     lines = [head, "-" * len(head)]
     for rung in rungs:
+        if math.isfinite(rung.measured_load):
+            lines.append(f"{rung.load:>5.0%}  (measured: the oracle keeps the workers {rung.measured_load:.1%} busy)")
         oracle = next((e.summary for e in rung.entries if e.summary.policy == ORACLE), None)
         for e in rung.entries:
             s = e.summary
             ratio = s.ttft_mean_ms / oracle.ttft_mean_ms if oracle and oracle.ttft_mean_ms > 0 else math.nan
             lines.append(
                 f"{rung.load:>5.0%}  {s.policy:<18}  {100 * s.hit_rate:>7.1f}%  {s.ttft_mean_ms:>8.1f}  "
-                f"{s.ttft_p50_ms:>8.1f}  {s.ttft_p99_ms:>8.1f}  {s.load_imbalance:>9.2f}  "
+                f"{s.ttft_p50_ms:>8.1f}  {s.ttft_p99_ms:>8.1f}  {s.load_imbalance:>9.2f}  {100 * e.busy_share:>5.1f}%  "
                 f"{100 * e.goodput:>13.1f}%  {ratio:>10.2f}x"
             )
     return "\n".join(lines)
@@ -210,7 +247,7 @@ def write_ladder_chart(out_dir: Path, rungs: Sequence[LadderRung], slo_ms: float
         for ax, label in zip(
             axes, ("mean TTFT (ms, log)", "p99 TTFT (ms, log)", f"goodput (% within {slo_ms:.0f} ms)"), strict=True
         ):
-            ax.set_xlabel("load (% of prefill capacity)")
+            ax.set_xlabel("load (best-reuse prefill work, % of prefill capacity)")
             ax.set_title(label)
             ax.grid(alpha=0.3)
         axes[0].set_yscale("log")

@@ -3,7 +3,7 @@
 kvroute (through the real router), then the baselines: ``policies``' simple ones, ``power-of-two``
 (two workers drawn at random, the one with less outstanding prefill work; ties to the first drawn),
 the SGLang router's cache-aware policy (``sglang_baseline``) and the TTFT oracle (``oracle``), the
-ceiling, last.
+ceiling, last. ``run_lineup_baseline`` replays one of them (the oracle: its whole family, ``run_oracle``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ from kvroute_sim.demo.baselines import (
     BaselinePicker,
     baseline_pickers,
 )
-from kvroute_sim.demo.oracle import ORACLE, TtftOracleBaseline
+from kvroute_sim.demo.oracle import ORACLE, TtftOracleBaseline, run_oracle
 from kvroute_sim.demo.request_view import RequestBaselinePicker, RequestView
+from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, Progress, run_baseline
 from kvroute_sim.demo.sglang_baseline import SGLANG_CACHE_AWARE, SglangCacheAwareBaseline
+from kvroute_sim.demo.workload import Workload
 
 POWER_OF_TWO = "power-of-two"
 LINEUP_BASELINES = (*BASELINE_NAMES, POWER_OF_TWO, SGLANG_CACHE_AWARE, ORACLE)
@@ -55,3 +57,15 @@ def lineup_baselines(seed: int, block_size: int) -> tuple[BaselinePicker | Reque
         SglangCacheAwareBaseline(block_size),
         TtftOracleBaseline(seed),
     )
+
+
+def run_lineup_baseline(
+    policy: BaselinePicker | RequestBaselinePicker,
+    workload: Workload,
+    cluster_spec: ClusterSpec,
+    progress: Progress | None = None,
+) -> PolicyRun:
+    """Replay one baseline of ``lineup_baselines`` on a fresh cluster (synchronous, CPU only)."""
+    if isinstance(policy, TtftOracleBaseline):
+        return run_oracle(policy.seed, workload, cluster_spec, progress)
+    return run_baseline(policy, workload, cluster_spec, progress)

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from kvroute_sim.demo.baselines import ClusterView
 from kvroute_sim.demo.workload import DemoRequest
+from kvroute_sim.sim.worker import PlannedTask
 
 
 class RequestView(ClusterView, Protocol):
@@ -21,6 +22,10 @@ class RequestView(ClusterView, Protocol):
 
     def ttft_if_routed(self, worker: int) -> float:
         """The request's exact simulated TTFT (s) if routed to ``worker`` now."""
+        ...
+
+    def plan_if_routed(self, worker: int) -> PlannedTask:
+        """When the request's prefill would start and end (simulated s) if routed to ``worker`` now."""
         ...
 
     def requests_in_flight(self, worker: int) -> int:

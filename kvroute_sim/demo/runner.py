@@ -33,11 +33,11 @@ import trio
 
 from kvroute_sim.demo.baselines import KVROUTE, BaselinePicker
 from kvroute_sim.demo.request_view import RequestBaselinePicker
-from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec
+from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec, bulk_span
 from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
 from kvroute_sim.sim.grpc_server import Clock
 from kvroute_sim.sim.master import SimMaster, SimMasterAddresses
-from kvroute_sim.sim.worker import WorkerSpec
+from kvroute_sim.sim.worker import PlannedTask, WorkerSpec
 from router.api import RouteRequest, RouterHandle, open_router
 from router.settings import LoadedConfig, load_config
 from router.transport.master_memory import MemoryMasterNetwork
@@ -156,6 +156,11 @@ class SimClusterView:
         r = self.request
         return self._cluster.ttft_if_routed(worker, r.keys, r.input_tokens, self._now, r.output_tokens)
 
+    def plan_if_routed(self, worker: int) -> PlannedTask:
+        """When the request's prefill would start and end on ``worker`` if routed now (nothing changes)."""
+        r = self.request
+        return self._cluster.plan_if_routed(worker, r.keys, r.input_tokens, self._now, r.output_tokens)
+
     def requests_in_flight(self, worker: int) -> int:
         """Requests routed to ``worker`` and not finished (queued, in prefill or decoding)."""
         return self._cluster.workers[worker].in_flight(self._now)
@@ -191,11 +196,16 @@ class RequestRecord:
 
 @dataclass(frozen=True, slots=True)
 class PolicyRun:
-    """One policy's records, in arrival order, and each worker's total prefill (uncached) tokens."""
+    """One policy's records, in arrival order, and each worker's total prefill (uncached) tokens.
+
+    ``busy_share``: the share of the workload's bulk window (``workload.bulk_span``) the workers spent
+    prefilling, measured on the simulated clock (NaN when not measured).
+    """
 
     policy: str
     records: tuple[RequestRecord, ...]
     worker_prefill_tokens: tuple[int, ...]
+    busy_share: float = math.nan
 
 
 class _Tally:
@@ -218,8 +228,16 @@ class _Tally:
         if self._progress is not None and (done % self._every == 0 or done == self._total):
             self._progress(self.policy, done, self._total, self._cached / self._input if self._input else 0.0)
 
-    def finish(self, cluster: SimCluster) -> PolicyRun:
-        return PolicyRun(self.policy, tuple(self.records), tuple(w.prefill_tokens_submitted for w in cluster.workers))
+    def finish(self, cluster: SimCluster, window: tuple[float, float]) -> PolicyRun:
+        """The run; ``window``: the first and last arrival on the cluster's clock (for ``busy_share``)."""
+        loads = tuple(w.prefill_tokens_submitted for w in cluster.workers)
+        return PolicyRun(self.policy, tuple(self.records), loads, cluster.busy_share(*window))
+
+
+def measured_window(workload: Workload, origin: float = 0.0) -> tuple[float, float]:
+    """The bulk window of ``workload`` (``workload.bulk_span``) on a clock where it starts at ``origin``."""
+    start, end = bulk_span(workload)
+    return (origin + start, origin + end)
 
 
 def run_baseline(
@@ -239,7 +257,7 @@ def run_baseline(
         worker = policy.choose(request.keys, view)
         decision_s = time.perf_counter() - started
         tally.add(_prefill(cluster, request, worker, decision_s, NO_SOURCE, NO_SOURCE))
-    return tally.finish(cluster)
+    return tally.finish(cluster, measured_window(workload))
 
 
 def _prefill(
@@ -324,7 +342,7 @@ async def open_kvroute(
     real router on it (``open_router(..., rpc=None)``: ChannelPool + gRPC) for the block's duration.
 
     With ``network``, the cluster is served on that in-memory network instead and the router calls it
-    (``rpc=network``; the sims read trio time, so a MockClock drives everything).
+    (``rpc=network``; the sims read ``clock``, default trio time, so a MockClock drives everything).
     With ``master``, that scheduler is served too (its real HTTP and gRPC servers on loopback, or with
     ``network`` on an in-memory scheduler network) and the router's ``master_hosts`` name its replicas.
     ``extra_settings`` override the generated ones (setting name → value, validated).
@@ -333,7 +351,7 @@ async def open_kvroute(
         if network is None:
             addresses: SimClusterAddresses = await nursery.start(partial(cluster.serve_grpc, clock=clock))
         else:
-            addresses = cluster.serve_memory(network)
+            addresses = cluster.serve_memory(network, clock=clock)
         master_addresses: SimMasterAddresses | None = None
         master_network: MemoryMasterNetwork | None = None
         if master is not None:
@@ -355,10 +373,16 @@ async def open_kvroute(
 
 
 def route_request(request: DemoRequest, block_size: int, budget_ms: float | None = None) -> RouteRequest:
-    """The router's request for a workload request: its block keys as caller keys (hashed once, up front)."""
+    """The router's request for a workload request: its block keys as caller keys (hashed once, up front).
+
+    Only the keys of the prompt's full blocks: caller keys name full blocks (what an engine caches),
+    and the router refuses keys covering more tokens than ``seq_len``. A trace's ``hash_ids`` also
+    name the last, partial block, and passing them all turned every trace request into a bad
+    request routed by the domain fallback.
+    """
     return RouteRequest(
         request_id=request.request_id,
-        block_cache_keys=request.keys,
+        block_cache_keys=request.keys[: request.input_tokens // block_size],
         block_size=block_size,
         seq_len=request.input_tokens,
         budget_ms=budget_ms,
@@ -389,4 +413,4 @@ async def run_kvroute(
         worker = cluster.worker_index(decision.worker.http_target)
         record = _prefill(cluster, request, worker, decision_s, source, reason)
         tally.add(replace(record, predicted_tokens=decision.hit_tokens))
-    return tally.finish(cluster)
+    return tally.finish(cluster, measured_window(workload))

@@ -5,10 +5,7 @@ One JSON object per line: ``timestamp`` (ms from the start), ``input_length``, `
 positions are a shared prefix; ``len(hash_ids) == ceil(input_length / TRACE_BLOCK_TOKENS)``).
 The ids are replayed as the caller's block keys with that block size.
 
-Load. ``offered_load`` is the prefill demand no router can avoid, as a share of the cluster's
-prefill capacity: per request, the tokens past the longest prefix any earlier request already
-had (at least one token), per second of the workload, over ``workers x prefill_tokens_per_s``.
-At 100 % even a router with one infinite shared cache keeps every worker busy.
+The load a trace puts on a cluster is defined in ``load`` (as for any workload).
 
 The generator makes traces of that format with the shapes real ones have: shared system prompts
 (groups), multi-turn sessions whose later turns extend earlier prompts (prompt + answer + new
@@ -23,7 +20,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec
@@ -155,44 +152,6 @@ def trace_workload(
         for i, r in enumerate(records)
     )
     return TraceWorkload(spec, requests, source=source, speedup=speedup)
-
-
-# ---- load -------------------------------------------------------------------------------------------
-
-
-def compulsory_prefill_tokens(requests: Sequence[DemoRequest], block_size: int) -> int:
-    """Tokens no router can avoid prefilling: each request past the longest prefix seen before it."""
-    seen: set[int] = set()
-    total = 0
-    for r in requests:
-        matched = len(list(itertools.takewhile(seen.__contains__, r.keys)))
-        total += max(1, r.input_tokens - min(r.input_tokens, matched * block_size))
-        seen.update(r.keys)
-    return total
-
-
-def offered_load(workload: Workload, workers: int, prefill_tokens_per_s: float) -> float:
-    """The workload's unavoidable prefill demand / the cluster's prefill capacity (module doc)."""
-    requests = workload.requests
-    span = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 0.0
-    if span <= 0:
-        return math.inf
-    demand = compulsory_prefill_tokens(requests, workload.spec.block_size) / span
-    return demand / (workers * prefill_tokens_per_s)
-
-
-def scale_arrivals(workload: Workload, factor: float) -> Workload:
-    """The same requests arriving ``factor`` times faster (load x factor)."""
-    if not (math.isfinite(factor) and factor > 0):
-        raise ValueError(f"factor: must be > 0, got {factor}")
-    requests = tuple(replace(r, arrival_s=r.arrival_s / factor) for r in workload.requests)
-    return replace(workload, requests=requests)
-
-
-def workers_for_load(workload: Workload, target_load: float, prefill_tokens_per_s: float) -> int:
-    """The number of workers that puts ``workload`` at ``target_load`` (at least 1)."""
-    load_on_one = offered_load(workload, 1, prefill_tokens_per_s)
-    return max(1, round(load_on_one / target_load))
 
 
 # ---- generator ----------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from router.config import DeploymentConfig
 from router.keys import block_keys
 from router.types import KeyFamily
 
+BULK_SHARE = 0.8  # of the requests: the bulk window, where the load is measured (``load``)
 GROUP_STRIDE = 1_000_000  # token ids per group's system prompt range
 _MAX_TOKEN_ID = 2**31 - 1
 _DEPLOYMENT = DeploymentConfig()
@@ -224,3 +225,24 @@ def group_counts(requests: Sequence[DemoRequest], groups: int) -> tuple[int, ...
         if request.turn == 0:
             counts[request.group] += 1
     return tuple(counts)
+
+
+def bulk_window(arrivals: Sequence[float]) -> tuple[int, int]:
+    """``(first, end)``: the requests ``arrivals[first:end]`` (sorted times) of the shortest span
+    holding ``BULK_SHARE`` of them; a workload's sessions start for a while and then trail off with
+    their last turns, and the load is what the bulk of the requests meets."""
+    n = len(arrivals)
+    if n < 2:
+        return (0, n)
+    size = max(2, math.ceil(BULK_SHARE * n))
+    first = min(range(n - size + 1), key=lambda i: (arrivals[i + size - 1] - arrivals[i], i))
+    return (first, first + size)
+
+
+def bulk_span(workload: Workload) -> tuple[float, float]:
+    """The bulk window's first and last arrival (simulated s; ``(0, 0)`` without requests)."""
+    arrivals = [r.arrival_s for r in workload.requests]
+    first, end = bulk_window(arrivals)
+    if end <= first:
+        return (0.0, 0.0)
+    return (arrivals[first], arrivals[end - 1])

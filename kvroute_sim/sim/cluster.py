@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from kvroute_sim.sim.faults import CallStats
 from kvroute_sim.sim.grpc_server import Clock, serve_endpoint
 from kvroute_sim.sim.kvcm import SimKvcmCluster
 from kvroute_sim.sim.memory_server import memory_handler
-from kvroute_sim.sim.worker import WORKER_METHODS, SimWorker, WorkerSpec
+from kvroute_sim.sim.worker import WORKER_METHODS, PlannedTask, SimWorker, WorkerSpec
 from router.config import KVCM_DEFAULT_PORT, DeploymentConfig
 from router.targets import format_target
 from router.transport.memory_adapter import MemoryNetwork
@@ -141,16 +142,18 @@ class SimCluster:
             raise RuntimeError("the cluster is not served yet (serve_memory or serve_grpc)")
         return self._addresses
 
-    def serve_memory(self, network: MemoryNetwork) -> SimClusterAddresses:
-        """Serve every replica and worker on ``network`` at fake 127.0.0.0/8 addresses."""
+    def serve_memory(self, network: MemoryNetwork, *, clock: Clock | None = None) -> SimClusterAddresses:
+        """Serve every replica and worker on ``network`` at fake 127.0.0.0/8 addresses.
+
+        ``clock``: what the replies read as now (default the trio clock, as ``memory_handler``)."""
         for i, node in enumerate(self.kvcm.node_ids):
             host = str(MEMORY_KVCM_BASE + i + 1)
             self.kvcm.set_endpoint(node, host, KVCM_DEFAULT_PORT)
-            network.serve(format_target(host, KVCM_DEFAULT_PORT), memory_handler(self.kvcm.replica(node)))
+            network.serve(format_target(host, KVCM_DEFAULT_PORT), memory_handler(self.kvcm.replica(node), clock))
         addrs = []
         for i, worker in enumerate(self.workers):
             addr = WorkerAddr.from_http(str(MEMORY_WORKER_BASE + i + 1), MEMORY_WORKER_HTTP_PORT)
-            network.serve(addr.status_target, memory_handler(worker))
+            network.serve(addr.status_target, memory_handler(worker, clock))
             addrs.append(addr)
         return self._publish(addrs)
 
@@ -240,3 +243,17 @@ class SimCluster:
         host = self.worker_addr(worker).http_target
         cached = min(self.kvcm.local_prefix(host, keys) * self.block_size, input_tokens)
         return self.workers[self.worker_index(worker)].ttft_if_submitted(input_tokens, cached, now, output_tokens)
+
+    def plan_if_routed(
+        self, worker: int | str, keys: Sequence[int], input_tokens: int, now: float, output_tokens: int = 0
+    ) -> PlannedTask:
+        """When ``run_prefill`` at ``now`` on ``worker`` would start and end the prefill, changing nothing."""
+        host = self.worker_addr(worker).http_target
+        cached = min(self.kvcm.local_prefix(host, keys) * self.block_size, input_tokens)
+        return self.workers[self.worker_index(worker)].plan_if_submitted(input_tokens, cached, now, output_tokens)
+
+    def busy_share(self, start: float, end: float) -> float:
+        """The share of ``[start, end]`` the workers spent prefilling, over all workers (NaN if empty)."""
+        if not end > start:
+            return math.nan
+        return sum(w.busy_s(start, end) for w in self.workers) / (len(self.workers) * (end - start))

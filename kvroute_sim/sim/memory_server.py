@@ -1,6 +1,8 @@
 """In-memory server: a ``SimEndpoint`` as a ``MemoryNetwork`` handler, faults on trio time.
 
-Time is ``trio.current_time()`` (MockClock in tests). A hang waits for a knob change
+Time is ``trio.current_time()`` (MockClock in tests) unless a ``clock`` is given (a replay that
+holds the simulation's time at each arrival while the router decides). Faults run on trio time
+either way. A hang waits for a knob change
 (then re-plans) or for the caller's cancel scope; a delay is a ``trio.sleep``; dead and
 unknown methods raise ``PeerAbort`` (UNAVAILABLE / UNIMPLEMENTED), which the network
 maps to the same errors the gRPC adapter raises.
@@ -18,8 +20,9 @@ from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.memory_adapter import Handler
 
 
-def memory_handler(endpoint: SimEndpoint) -> Handler:
-    """``MemoryNetwork.serve(target, memory_handler(endpoint))``."""
+def memory_handler(endpoint: SimEndpoint, clock: Callable[[], float] | None = None) -> Handler:
+    """``MemoryNetwork.serve(target, memory_handler(endpoint))``; ``clock``: what the answer reads as now."""
+    read_clock = clock or trio.current_time
 
     async def handle(method_path: str, request: bytes) -> bytes:
         if method_path not in endpoint.methods:
@@ -33,7 +36,7 @@ def memory_handler(endpoint: SimEndpoint) -> Handler:
                 await trio.sleep(plan.delay_s)
             else:
                 await trio.lowlevel.checkpoint()
-            return endpoint.answer(method_path, request, trio.current_time())
+            return endpoint.answer(method_path, request, read_clock())
         finally:
             endpoint.stats.end(method_path)
 

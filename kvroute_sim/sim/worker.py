@@ -27,6 +27,7 @@ treated as the latest seen). Thread safety: public methods take the worker's loc
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -189,6 +190,7 @@ class SimWorker:
         self._latest_finished_version = 0
         self._requests = 0
         self._prefill_tokens = 0
+        self._prefill_spans: list[tuple[float, float]] = []  # (start, finish) of every prefill, in order
 
     # ---- the simulation ----
 
@@ -219,6 +221,7 @@ class SimWorker:
             self._version += 1
             self._requests += 1
             self._prefill_tokens += plan.uncached
+            self._prefill_spans.append((plan.start_at, plan.finish_at))
             self._advance_locked(now)
         return plan.finish_at - now
 
@@ -228,6 +231,32 @@ class SimWorker:
         with self._lock:
             now = self._advance_locked(now)
             return self._plan_locked(input_tokens, cached_tokens, output_tokens, now).finish_at - now
+
+    def plan_if_submitted(
+        self, input_tokens: int, cached_tokens: int, now: float, output_tokens: int = 0
+    ) -> PlannedTask:
+        """When ``submit`` at ``now`` would start and end the prefill, without submitting (exact)."""
+        _check_lengths(input_tokens, cached_tokens, output_tokens)
+        with self._lock:
+            now = self._advance_locked(now)
+            return self._plan_locked(input_tokens, cached_tokens, output_tokens, now)
+
+    def busy_s(self, start: float, end: float) -> float:
+        """Seconds of ``[start, end]`` the worker spent prefilling (the submitted prefills' spans; prefills
+        never overlap on one worker, so the overlaps add up)."""
+        with self._lock:
+            spans = self._prefill_spans
+            # In submit order, starts and ends both non-decreasing: only the span just before the first
+            # one starting at ``start`` can still reach into the window.
+            first = bisect.bisect_left(spans, (start, -math.inf))
+            if first > 0 and spans[first - 1][1] > start:
+                first -= 1
+            busy = 0.0
+            for span_start, span_end in itertools.islice(spans, first, None):
+                if span_start >= end:
+                    break
+                busy += max(0.0, min(end, span_end) - max(start, span_start))
+            return busy
 
     def advance(self, now: float) -> None:
         """Retire the work finished by ``now``."""
