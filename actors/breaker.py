@@ -1,7 +1,8 @@
 """KVCM circuit breaker: a pure state machine. Time is passed in; nothing here does I/O.
 
-Its owner is the LeaderResolver (the single owner of KVCM control state), which passes
-``trio.current_time()``. The *caller* decides what is a failure: only transport failures
+Its owners are the LeaderResolver (KVCM) and the master source, each changing it only in its own
+task and passing ``trio.current_time()``; callers act on the :class:`BreakerView` the owner
+publishes, and ask the owner only for a trial. The *caller* decides what is a failure: only transport failures
 (unreachable, reset), deadline expiries (including a call cut off by the request's
 deadline) and error codes (a gRPC status, a KVCM error code, a garbled reply) are recorded
 as failures. Business outcomes — "no positive match", an empty host list — are answers
@@ -59,6 +60,30 @@ class BreakerSnapshot:
     closed_total: int
     rejected_total: int
     trial_timeouts_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerView:
+    """The part of the breaker a caller may act on without asking its owner, published by the owner
+    after every change: a CLOSED breaker admits, an OPEN one in its cooldown and a HALF_OPEN one
+    whose trial is out reject. Anything else is the trial, which only the owner may hand out."""
+
+    state: BreakerState
+    open_until: float
+    trial_started_at: float | None
+    trial_timeout_s: float
+
+    def admits(self, now: float) -> Admission | None:
+        """ALLOW or REJECT when the view decides alone; None when the owner must (a trial may be due)."""
+        state = self.state
+        if state is BreakerState.CLOSED:
+            return Admission.ALLOW
+        if state is BreakerState.OPEN:
+            return Admission.REJECT if now < self.open_until else None
+        started = self.trial_started_at
+        if started is not None and now - started < self.trial_timeout_s:
+            return Admission.REJECT
+        return None
 
 
 def breaker_problems(config: BreakerConfig) -> list[Problem]:
@@ -134,6 +159,10 @@ class KvcmBreaker:
     @property
     def state(self) -> BreakerState:
         return self._state
+
+    def view(self) -> BreakerView:
+        """What callers may decide alone until the next change (see :class:`BreakerView`)."""
+        return BreakerView(self._state, self._open_until, self._trial_started_at, self._config.trial_timeout_s)
 
     def admit(self, now: float) -> Admission:
         """May a KVCM call go out at ``now``? TRIAL moves OPEN → HALF_OPEN and takes the one trial slot."""

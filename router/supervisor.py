@@ -348,6 +348,7 @@ async def _topology(
                 kvcm,
                 discovery.kvcm_bootstrap,
                 instance_id=config.deployment.kvcm_instance_id,
+                inbox_size=2 * config.router.max_in_flight,  # an outcome and an invalidation per request at most
                 metrics=metrics,
             )
             await supervisor.start("leader_resolver", resolver.run, snapshot=resolver.snapshot)

@@ -125,7 +125,7 @@ async def start_resolver(
     config: LeaderConfig = LEADER_CFG,
     breaker: BreakerConfig = BREAKER_CFG,
 ) -> LeaderResolver:
-    resolver = LeaderResolver(config, breaker, KvcmClient(network), bootstrap, instance_id=INSTANCE)
+    resolver = LeaderResolver(config, breaker, KvcmClient(network), bootstrap, instance_id=INSTANCE, inbox_size=64)
     await nursery.start(resolver.run)
     return resolver
 
@@ -177,7 +177,7 @@ async def test_every_cluster_info_call_is_counted_by_outcome(
     sink = MetricsSink(MetricsConfig(inbox_size=64))
     await nursery.start(sink.run)
     resolver = LeaderResolver(
-        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, metrics=sink
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=64, metrics=sink
     )
     await nursery.start(resolver.run)
     assert (await resolver.leader()).target == NODES[0]
@@ -272,6 +272,7 @@ async def test_not_leader_invalidates_and_next_request_finds_new_leader_in_one_r
     with pytest.raises(NotLeader) as info:
         await client.get_host_cache_state(NODES[0], query)
     resolver.report_failure(NODES[0], info.value)
+    await trio.testing.wait_all_tasks_blocked()  # the resolver's task applies the report and starts the lookup
 
     elapsed, outcome = await timed_leader(resolver)
     assert outcome == NODES[2]
@@ -340,6 +341,7 @@ async def test_thousand_concurrent_callers_share_one_lookup(
     # The same after an invalidation: one more call per bootstrap target, whatever the crowd.
     kvcm.leader = NODES[1]
     resolver.report_failure(NODES[0], Unavailable(NODES[0], "reset"))
+    await trio.testing.wait_all_tasks_blocked()  # applied by the resolver's task
     results.clear()
     async with trio.open_nursery() as callers:
         for _ in range(1000):
@@ -563,7 +565,7 @@ async def test_snapshot_states(autojump_clock: trio.testing.MockClock, nursery: 
     kvcm = FakeKvcm(network)
     kvcm.delay[NODES[0]] = kvcm.delay[NODES[1]] = kvcm.delay[NODES[2]] = 0.01
     resolver = LeaderResolver(
-        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=64
     )
     assert resolver.snapshot().state is LeaderState.UNKNOWN
     await nursery.start(resolver.run)
@@ -600,8 +602,17 @@ def test_config_validation_names_every_bad_field() -> None:
 
 
 async def query_kvcm(resolver: LeaderResolver, client: KvcmClient) -> str:
-    """What a request does with KVCM (the Router's stage, reduced): admit → leader → query → record."""
-    admission = resolver.admit()
+    """What a request does with KVCM (the Router's stage, reduced): admit → leader → query → record;
+    then, as before the next request arrives, the resolver's task applies what it was told."""
+    try:
+        return await _query_kvcm(resolver, client)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.testing.wait_all_tasks_blocked()
+
+
+async def _query_kvcm(resolver: LeaderResolver, client: KvcmClient) -> str:
+    admission = await resolver.admit()
     if admission is Admission.REJECT:
         return "breaker_open"
     trial = admission is Admission.TRIAL
@@ -643,9 +654,10 @@ async def test_breaker_open_costs_no_rpc_and_no_time(
     # Cooldown over: exactly one trial; KVCM healthy again → closed.
     kvcm.query_code = kvcm_pb.OK
     await trio.sleep(BREAKER_CFG.cooldown_s)
-    assert resolver.admit() is Admission.TRIAL
-    assert resolver.admit() is Admission.REJECT
+    assert await resolver.admit() is Admission.TRIAL
+    assert await resolver.admit() is Admission.REJECT
     resolver.release_kvcm_trial()
+    await trio.testing.wait_all_tasks_blocked()
     assert await query_kvcm(resolver, client) == "ok"
     assert resolver.snapshot().breaker.state is BreakerState.CLOSED
     assert await query_kvcm(resolver, client) == "ok"
@@ -697,12 +709,14 @@ async def test_a_cut_short_trial_is_not_judged_and_frees_its_slot(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     _, resolver, _ = await half_open_breaker(nursery)
-    assert resolver.admit() is Admission.TRIAL
+    assert await resolver.admit() is Admission.TRIAL
     slow = BREAKER_CFG.slow_query_ms / 1000.0
     cut = DeadlineExceeded(NODES[0], "cut off by the request's deadline")
     assert resolver.record_kvcm(cut, trial=True, given_s=slow / 2) is False  # not judged ...
+    await trio.testing.wait_all_tasks_blocked()  # applied by the resolver's task
     assert resolver.snapshot().breaker.state is BreakerState.HALF_OPEN
-    assert resolver.admit() is Admission.TRIAL  # ... and the trial slot is free again
+    assert await resolver.admit() is Admission.TRIAL  # ... and the trial slot is free again
     assert resolver.record_kvcm(cut, trial=True, given_s=slow) is True  # had long enough: a failure
+    await trio.testing.wait_all_tasks_blocked()
     assert resolver.snapshot().breaker.state is BreakerState.OPEN
     assert resolver.snapshot().queries_cut_short_total == 1
