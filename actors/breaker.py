@@ -2,9 +2,9 @@
 
 Its owners are the LeaderResolver (KVCM) and the master source, each changing it only in its own
 task and passing ``trio.current_time()``; callers act on the :class:`BreakerView` the owner
-publishes, and ask the owner only for a trial. The *caller* decides what is a failure: only transport failures
-(unreachable, reset), deadline expiries (including a call cut off by the request's
-deadline) and error codes (a gRPC status, a KVCM error code, a garbled reply) are recorded
+publishes, and ask the owner only for a trial. The *caller* decides what is a failure: only
+transport failures (unreachable, reset), deadline expiries (including a call cut off by the
+request's deadline) and error codes (a gRPC status, a KVCM error code, a garbled reply) are recorded
 as failures. Business outcomes — "no positive match", an empty host list — are answers
 from a healthy KVCM and are recorded as successes.
 

@@ -398,7 +398,8 @@ async def _topology(
                 metrics=metrics,
                 later_sources=resolver is not None,
             )
-            await supervisor.start("master_client", master_discovery.run, snapshot=master_source.health)
+            await supervisor.start("master_discovery", master_discovery.run, snapshot=master_discovery.snapshot)
+            await supervisor.start("master_client", master_source.run, snapshot=master_source.health)
             chain.append(master_source)
         if resolver is not None and kvcm is not None:
             scoring = CandidateScoring(scorer=scorer, prober=prober, fleet=fleet, metrics=metrics)
