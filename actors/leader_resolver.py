@@ -300,15 +300,18 @@ class LeaderResolver:
             raise reply
         return reply
 
-    async def admit(self) -> Admission:
+    async def admit(self, until: float = math.inf) -> Admission:
         """May this request call KVCM? REJECT costs nothing: fall back at once. Only a possible trial
-        asks ``run`` (within the caller's deadline); a trial whose caller left is released."""
+        asks ``run``, waiting at most until ``until`` (then REJECT); a trial whose caller left is
+        released."""
         admission = self._view.breaker.admits(trio.current_time())
         if admission is Admission.REJECT:
             self._view_rejections_total += 1
         if admission is not None:
             return admission
-        return await ask(self._send, _AskTrial(), self._release_unclaimed)
+        with trio.move_on_at(until):
+            return await ask(self._send, _AskTrial(), self._release_unclaimed)
+        return Admission.REJECT
 
     def report_failure(self, target: str, error: TransportError) -> None:
         """A query to ``target`` failed: NotLeader / Unavailable / DeadlineExceeded invalidate that leader.

@@ -192,11 +192,15 @@ class MasterSource:
         except trio.WouldBlock:
             self._reports_dropped += 1
 
-    async def _admit(self) -> Admission:
+    async def _admit(self, until: float) -> Admission:
+        """The breaker's admission: from the view, or (a trial may be due) from the task, waiting at
+        most until ``until`` (then REJECT, so the later sources keep their time)."""
         admission = self._view.admits(trio.current_time())
         if admission is not None:
             return admission
-        return await ask(self._send, _AskTrial(), self._release_unclaimed)
+        with trio.move_on_at(until):
+            return await ask(self._send, _AskTrial(), self._release_unclaimed)
+        return Admission.REJECT
 
     def _release_unclaimed(self, admission: Admission) -> None:
         if admission is Admission.TRIAL:
@@ -235,7 +239,7 @@ class MasterSource:
         if known.master is None:
             self._metrics.emit(MasterRequest("no_master"))  # counted, not logged: discovery reports why
             return FellThrough(Reason.NO_MASTER)
-        admission = await self._admit()
+        admission = await self._admit(ctx.deadline - self._later_s)
         if admission is Admission.REJECT:
             self._metrics.emit(MasterRequest("breaker_open"))
             return FellThrough(Reason.MASTER_BREAKER_OPEN)
