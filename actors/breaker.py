@@ -155,10 +155,16 @@ class KvcmBreaker:
         self._closed_total = 0
         self._rejected_total = 0
         self._trial_timeouts_total = 0
+        self._changes = 0
 
     @property
     def state(self) -> BreakerState:
         return self._state
+
+    @property
+    def changes(self) -> int:
+        """Counts every change of what :meth:`view` shows (its owner republishes when it moves)."""
+        return self._changes
 
     def view(self) -> BreakerView:
         """What callers may decide alone until the next change (see :class:`BreakerView`)."""
@@ -180,6 +186,7 @@ class KvcmBreaker:
             return Admission.REJECT
         self._state = BreakerState.HALF_OPEN
         self._trial_started_at = now
+        self._changes += 1
         return Admission.TRIAL
 
     def record_success(self, now: float, trial: bool) -> None:
@@ -206,6 +213,7 @@ class KvcmBreaker:
         """The trial ended without a verdict (cancelled before KVCM could answer): free the slot."""
         if self._trial_outstanding():
             self._trial_started_at = None
+            self._changes += 1
 
     def snapshot(self, now: float) -> BreakerSnapshot:
         calls, failures = self._window.totals(now)
@@ -242,6 +250,7 @@ class KvcmBreaker:
         self._consecutive_failures = 0
         self._window.clear()
         self._opened_total += 1
+        self._changes += 1
 
     def _reopen(self, now: float) -> None:
         self._reopens += 1
@@ -254,3 +263,4 @@ class KvcmBreaker:
         self._consecutive_failures = 0
         self._window.clear()
         self._closed_total += 1
+        self._changes += 1

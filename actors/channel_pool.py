@@ -42,7 +42,7 @@ from typing import Generic, Protocol, TypeVar, overload
 import grpc
 import trio
 
-from actors.inbox import Ask
+from actors.inbox import Alarm, Ask
 from router.config import ChannelPoolConfig
 from router.problems import Problem, range_problems, refuse
 from router.targets import parse_target
@@ -170,6 +170,13 @@ class _Shutdown(Ask[bool]):
     """``aclose()``: evict everything and stop (request/reply)."""
 
 
+class _Sweep:
+    """The alarm: idle channels may have expired."""
+
+
+_SWEEP = _Sweep()
+
+
 def channel_pool_problems(config: ChannelPoolConfig) -> list[Problem]:
     """Every reason the pool cannot work with ``config`` (empty when it can)."""
     return range_problems(config)
@@ -208,7 +215,7 @@ class ChannelPool(Generic[ChannelT]):
         # parse_target costs ~10 µs; live targets number at most max_channels, so a cache that size hits.
         self._normalise = functools.lru_cache(maxsize=config.max_channels)(_normalise)
         self._send, self._receive = trio.open_memory_channel[
-            "_Leased[ChannelT] | _Returned[ChannelT] | _Invalidate | _Open[ChannelT] | _Shutdown"
+            "_Leased[ChannelT] | _Returned[ChannelT] | _Invalidate | _Open[ChannelT] | _Shutdown | _Sweep"
         ](config.inbox_size)
         self._credits = trio.Semaphore(config.inbox_size)  # one per message in the inbox or promised to it
 
@@ -376,25 +383,25 @@ class ChannelPool(Generic[ChannelT]):
             task_status.started()
             return
         self._running = True
+        alarm = Alarm(self._send, _SWEEP, self._credits)
         try:
-            task_status.started()
-            receive = self._receive
-            while True:
-                with trio.move_on_at(self._next_sweep_at):
-                    message = await receive.receive()
-                    if self._handle(message):
-                        return
+            async with trio.open_nursery() as children:
+                await children.start(alarm.run)
+                alarm.set(self._next_sweep_at)
+                task_status.started()
+                receive = self._receive
                 while True:
-                    try:
-                        message = receive.receive_nowait()
-                    except trio.WouldBlock:
-                        break
-                    if self._handle(message):
-                        return
-                now = trio.current_time()
-                if now >= self._next_sweep_at:
-                    self._sweep(now)
-                self._end_batch()
+                    message = await receive.receive()
+                    while True:
+                        if self._handle(message):
+                            children.cancel_scope.cancel()
+                            return
+                        try:
+                            message = receive.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                    self._end_batch()
+                    alarm.set(self._next_sweep_at)
         finally:
             self._running = False
             if self._closing and not self._finished:  # stopped during aclose(): finish the shutdown here
@@ -416,6 +423,10 @@ class ChannelPool(Generic[ChannelT]):
             entry = self._entries.get(message.key)
             if entry is not None and (message.channel is None or entry.channel is message.channel):
                 self._evict(entry, EvictReason.INVALIDATED)
+        elif message is _SWEEP:
+            now = trio.current_time()
+            if now >= self._next_sweep_at:
+                self._sweep(now)
         elif isinstance(message, _Shutdown):
             self._drain_inline()
             self._shutdown()

@@ -10,6 +10,7 @@ dropped and counted by the actor when its inbox is full.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -55,3 +56,43 @@ async def ask(
     reply = message.reply
     assert reply is not None  # set before done fires
     return reply
+
+
+class Alarm:
+    """A wake-up at a time the owner sets, delivered into the owner's inbox as ``message``, so the
+    owner's loop waits on its inbox alone instead of entering a cancel scope for every batch.
+
+    ``run`` is a child task of the owner's ``run``; ``set`` is called by the owner only. With
+    ``credits``, the alarm takes one before it sends, like every other sender to that inbox.
+    """
+
+    def __init__(
+        self, send: trio.MemorySendChannel[Any], message: object, credits: trio.Semaphore | None = None
+    ) -> None:
+        self._send = send
+        self._message = message
+        self._credits = credits
+        self._at = math.inf
+        self._scope: trio.CancelScope | None = None
+
+    def set(self, at: float) -> None:
+        """Ring at trio time ``at`` (inf: not at all), replacing the time set before."""
+        if at != self._at:
+            self._at = at
+            if self._scope is not None:
+                self._scope.deadline = at
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                with trio.CancelScope(deadline=self._at) as scope:
+                    self._scope = scope
+                    await trio.sleep_forever()
+                self._scope = None
+                self._at = math.inf  # rung: the owner sets the next time when it takes the message
+                if self._credits is not None:
+                    await self._credits.acquire()
+                await self._send.send(self._message)
+        finally:
+            self._scope = None

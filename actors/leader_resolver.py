@@ -49,7 +49,7 @@ import tenacity
 import trio
 
 from actors.breaker import Admission, BreakerSnapshot, BreakerView, KvcmBreaker
-from actors.inbox import Ask, ask
+from actors.inbox import Alarm, Ask, ask
 from actors.metrics_sink import KvcmRequest, MetricsSink
 from router.config import BreakerConfig, LeaderConfig
 from router.problems import Problem, range_problems, refuse
@@ -185,6 +185,10 @@ class _Outcome:
     leader_miss: bool = False  # a request that waited for a leader and found none
 
 
+_SUCCESS = _Outcome(_Verdict.SUCCESS, trial=False)  # the common report, made once
+_TRIAL_SUCCESS = _Outcome(_Verdict.SUCCESS, trial=True)
+
+
 @dataclass(frozen=True, slots=True)
 class _Invalidate:
     """A query to ``target`` failed in a way that makes it suspect as the leader (report)."""
@@ -209,7 +213,13 @@ class _LookupDone:
     result: _LookupResult
 
 
-_Message = _Outcome | _Invalidate | _AskTrial | _AskLeader | _LookupDone
+class _Due:
+    """The alarm: a scheduled lookup may be due."""
+
+
+_DUE = _Due()
+
+_Message = _Outcome | _Invalidate | _AskTrial | _AskLeader | _LookupDone | _Due
 
 
 class LeaderResolver:
@@ -265,6 +275,8 @@ class LeaderResolver:
         self._invalidations_total = 0
         self._cut_short_total = 0
         self._leader_misses_total = 0
+        self._changed = False  # something the view shows changed since it was published
+        self._published_breaker_changes = -1
         self._view = self._publish()
 
         # Kept by callers themselves (counts only; nothing reads them to decide):
@@ -335,7 +347,7 @@ class LeaderResolver:
         trial slot is released): returns False, and the caller should not blame the leader.
         """
         if error is None:
-            self._report(_Outcome(_Verdict.SUCCESS, trial))
+            self._report(_TRIAL_SUCCESS if trial else _SUCCESS)
         elif isinstance(error, DeadlineExceeded) and given_s < self._slow_query_s:
             self._report(_Outcome(_Verdict.NOT_JUDGED, trial, cut_short=True))
             return False
@@ -414,41 +426,48 @@ class LeaderResolver:
     # --- the owner's task ------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the state: apply what the inbox brings, a batch at a time, publish the view after each
-        batch, and start each lookup (at once, when due, or when asked) in a child task."""
+        """Own the state: apply what the inbox brings, a batch at a time, publish the view after a batch
+        that changed it, and start each lookup (at once, when due, or when asked) in a child task."""
         receive = self._receive
+        alarm = Alarm(self._send, _DUE)
         try:
-            async with trio.open_nursery() as lookups:
+            async with trio.open_nursery() as children:
+                await children.start(alarm.run)
+                alarm.set(self._next_due(trio.current_time()))
                 task_status.started()
                 while True:
-                    due = math.inf if self._lookup is not None else self._next_due(trio.current_time())
-                    with trio.move_on_at(due):
-                        message = await receive.receive()
-                        while True:
-                            self._handle(message, lookups)
-                            try:
-                                message = receive.receive_nowait()
-                            except trio.WouldBlock:
-                                break
-                    if self._lookup is None:
-                        now = trio.current_time()
-                        if now >= self._next_due(now):
-                            self._start_lookup(Trigger.SCHEDULED, lookups)
-                    self._view = self._publish()
+                    message = await receive.receive()
+                    while True:
+                        self._handle(message, children)
+                        try:
+                            message = receive.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                    self._end_batch(alarm)
         finally:
             # Stopped or crashed: a lookup in flight is cancelled with the nursery; its waiters get an
             # answer now instead of waiting out their deadlines, and a restarted run() starts afresh.
             if self._lookup is not None:
                 now = trio.current_time()
-                self._finish(
-                    _LookupDone(self._lookup, now, _LookupResult(None, False, "resolver stopped during the lookup", 0)),
-                    now,
-                )
+                result = _LookupResult(None, False, "resolver stopped during the lookup", 0)
+                self._finish(_LookupDone(self._lookup, now, result), now)
                 self._view = self._publish()
+
+    def _end_batch(self, alarm: Alarm) -> None:
+        if self._breaker.changes != self._published_breaker_changes:
+            self._changed = True
+        if self._changed:
+            self._changed = False
+            self._view = self._publish()
+        alarm.set(math.inf if self._lookup is not None else self._next_due(trio.current_time()))
 
     def _handle(self, message: _Message, lookups: trio.Nursery) -> None:
         if isinstance(message, _Outcome):
             self._apply_outcome(message)
+        elif message is _DUE:
+            now = trio.current_time()
+            if self._lookup is None and now >= self._next_due(now):
+                self._start_lookup(Trigger.SCHEDULED, lookups)
         elif isinstance(message, _AskLeader):
             if not message.abandoned:
                 self._want_leader(message, lookups)
@@ -457,7 +476,7 @@ class LeaderResolver:
                 message.answer(self._breaker.admit(trio.current_time()))
         elif isinstance(message, _Invalidate):
             self._invalidate(message.target, lookups)
-        else:
+        elif isinstance(message, _LookupDone):
             self._finish(message, trio.current_time())
 
     def _apply_outcome(self, outcome: _Outcome) -> None:
@@ -474,6 +493,7 @@ class LeaderResolver:
                 self._breaker.release_trial()
 
     def _want_leader(self, message: _AskLeader, lookups: trio.Nursery) -> None:
+        # Answers from state or joins the lookup: changes nothing the view shows.
         now = trio.current_time()
         if self._leader is not None and self._usable(now):
             message.answer(self._leader)
@@ -494,6 +514,7 @@ class LeaderResolver:
             return  # stale: about a leader already replaced or dropped
         self._leader = None
         self._invalidations_total += 1
+        self._changed = True
         if self._consecutive_failures == 0 and self._lookup is None:
             self._start_lookup(Trigger.INVALIDATED, lookups)
         # While backing off, the lookup runs at the scheduled time; requests fail fast until then.
@@ -511,6 +532,7 @@ class LeaderResolver:
         self._apply(done.result, now)
         self._lookups_by_trigger[done.trigger.value] += 1
         self._lookup = None
+        self._changed = True
         result = done.result
         for waiter in self._waiters:
             if result.leader is not None:
@@ -536,6 +558,7 @@ class LeaderResolver:
         return LeaderUnavailable(reason, detail, self._next_attempt_at)
 
     def _publish(self) -> _View:
+        self._published_breaker_changes = self._breaker.changes
         leader = self._leader
         return _View(
             leader=leader,
