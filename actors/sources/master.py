@@ -120,6 +120,7 @@ class MasterSource:
         self._last_error: str | None = None
         self._requests = self._routed = self._fell_through = self._ended = 0
         self._view: BreakerView = self._breaker.view()
+        self._view_changes = self._breaker.changes
         # An attempt report per request and a trial ask at most.
         self._inbox_size = 2 * config.router.max_in_flight
         self._send, self._receive = trio.open_memory_channel[_Attempted | _AskTrial](self._inbox_size)
@@ -164,7 +165,9 @@ class MasterSource:
                     message = receive.receive_nowait()
                 except trio.WouldBlock:
                     break
-            self._view = self._breaker.view()
+            if self._breaker.changes != self._view_changes:
+                self._view_changes = self._breaker.changes
+                self._view = self._breaker.view()
 
     def _apply(self, attempted: _Attempted) -> None:
         now = trio.current_time()
