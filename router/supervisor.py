@@ -500,3 +500,15 @@ def _register_gauges(
     metrics.register_gauge_source(
         "kvroute_inbox_depth", lambda: float(shadow.health().inbox_depth), actor="shadow_index"
     )
+    if resolver is not None:
+        metrics.register_gauge_source(
+            "kvroute_inbox_depth", lambda: float(resolver.snapshot().inbox_depth), actor="leader_resolver"
+        )
+    if pool is not None:
+        metrics.register_gauge_source(
+            "kvroute_inbox_depth", lambda: float(pool.snapshot().inbox_depth), actor="channel_pool"
+        )
+    if master is not None:
+        metrics.register_gauge_source(
+            "kvroute_inbox_depth", lambda: float(master.health().inbox_depth), actor="master_client"
+        )
