@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import trio
+import trio.testing
 
 from actors.breaker import Admission
 from actors.leader_resolver import LeaderResolver, LeaderUnavailable
