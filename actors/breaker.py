@@ -1,9 +1,10 @@
 """KVCM circuit breaker: a pure state machine. Time is passed in; nothing here does I/O.
 
-Its owner is the LeaderResolver (the single owner of KVCM control state), which passes
-``trio.current_time()``. The *caller* decides what is a failure: only transport failures
-(unreachable, reset), deadline expiries (including a call cut off by the request's
-deadline) and error codes (a gRPC status, a KVCM error code, a garbled reply) are recorded
+Its owners are the LeaderResolver (KVCM) and the master source, each changing it only in its own
+task and passing ``trio.current_time()``; callers act on the :class:`BreakerView` the owner
+publishes, and ask the owner only for a trial. The *caller* decides what is a failure: only
+transport failures (unreachable, reset), deadline expiries (including a call cut off by the
+request's deadline) and error codes (a gRPC status, a KVCM error code, a garbled reply) are recorded
 as failures. Business outcomes — "no positive match", an empty host list — are answers
 from a healthy KVCM and are recorded as successes.
 
@@ -59,6 +60,30 @@ class BreakerSnapshot:
     closed_total: int
     rejected_total: int
     trial_timeouts_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerView:
+    """The part of the breaker a caller may act on without asking its owner, published by the owner
+    after every change: a CLOSED breaker admits, an OPEN one in its cooldown and a HALF_OPEN one
+    whose trial is out reject. Anything else is the trial, which only the owner may hand out."""
+
+    state: BreakerState
+    open_until: float
+    trial_started_at: float | None
+    trial_timeout_s: float
+
+    def admits(self, now: float) -> Admission | None:
+        """ALLOW or REJECT when the view decides alone; None when the owner must (a trial may be due)."""
+        state = self.state
+        if state is BreakerState.CLOSED:
+            return Admission.ALLOW
+        if state is BreakerState.OPEN:
+            return Admission.REJECT if now < self.open_until else None
+        started = self.trial_started_at
+        if started is not None and now - started < self.trial_timeout_s:
+            return Admission.REJECT
+        return None
 
 
 def breaker_problems(config: BreakerConfig) -> list[Problem]:
@@ -130,10 +155,20 @@ class KvcmBreaker:
         self._closed_total = 0
         self._rejected_total = 0
         self._trial_timeouts_total = 0
+        self._changes = 0
 
     @property
     def state(self) -> BreakerState:
         return self._state
+
+    @property
+    def changes(self) -> int:
+        """Counts every change of what :meth:`view` shows (its owner republishes when it moves)."""
+        return self._changes
+
+    def view(self) -> BreakerView:
+        """What callers may decide alone until the next change (see :class:`BreakerView`)."""
+        return BreakerView(self._state, self._open_until, self._trial_started_at, self._config.trial_timeout_s)
 
     def admit(self, now: float) -> Admission:
         """May a KVCM call go out at ``now``? TRIAL moves OPEN → HALF_OPEN and takes the one trial slot."""
@@ -151,6 +186,7 @@ class KvcmBreaker:
             return Admission.REJECT
         self._state = BreakerState.HALF_OPEN
         self._trial_started_at = now
+        self._changes += 1
         return Admission.TRIAL
 
     def record_success(self, now: float, trial: bool) -> None:
@@ -177,6 +213,7 @@ class KvcmBreaker:
         """The trial ended without a verdict (cancelled before KVCM could answer): free the slot."""
         if self._trial_outstanding():
             self._trial_started_at = None
+            self._changes += 1
 
     def snapshot(self, now: float) -> BreakerSnapshot:
         calls, failures = self._window.totals(now)
@@ -213,6 +250,7 @@ class KvcmBreaker:
         self._consecutive_failures = 0
         self._window.clear()
         self._opened_total += 1
+        self._changes += 1
 
     def _reopen(self, now: float) -> None:
         self._reopens += 1
@@ -225,3 +263,4 @@ class KvcmBreaker:
         self._consecutive_failures = 0
         self._window.clear()
         self._closed_total += 1
+        self._changes += 1

@@ -1,41 +1,55 @@
 """LeaderResolver actor: the single owner of KVCM control state — the leader cache and the breaker.
 
-Request path (never queues, never waits beyond the caller's own deadline):
-- ``leader()`` returns the cached leader at once. With no usable leader it fails fast
-  (no RPC, no await) while lookups are failing (backing off), while the cluster reports
-  "no leader elected", or when there is no bootstrap target. Otherwise (first lookup at
-  start-up, or after an invalidation) it joins the one in-flight lookup and waits on its
-  Event inside the caller's cancel scope: there is no lock to queue behind, and a caller
-  that gives up does not cancel the lookup for the others.
-- ``admit()`` / ``record_kvcm()`` / ``record_leader_miss()`` / ``release_kvcm_trial()`` drive
-  the KVCM breaker; a leader a request waited for and did not get is a KVCM failure.
-- ``report_failure()`` invalidates the leader after SERVER_NOT_LEADER, UNAVAILABLE or
-  DEADLINE_EXCEEDED from a query and wakes the background task (bounded inbox, send_nowait).
+All of that state is changed by one task, ``run``; requests never write it. They read the
+immutable :class:`_View` the task publishes after every change, and send it what they learnt:
 
-Background (``run``): the only task that performs lookups, so refresh is single-flight by
-construction. It refreshes the leader ``refresh_interval_s`` after the last success (so in
-steady state no request waits), retries failures after a tenacity backoff with jitter, and
-retries "no leader" after ``no_leader_retry_s``. A lookup calls GetClusterInfo on all
-bootstrap targets concurrently; the first valid leader wins and the other calls are
-cancelled; the round is bounded by ``lookup_timeout_s``. A failed refresh keeps the previous
-leader for up to ``max_staleness_s`` after it was last confirmed.
+Snapshot reads (no hop, never wait):
+- ``cached_leader()`` and the common case of ``leader()``: the published leader while it is not
+  older than ``max_staleness_s``; the fast failures (backing off, "no leader elected", no bootstrap
+  target) also come from the view.
+- ``admit()`` while the breaker is CLOSED (ALLOW), or OPEN in its cooldown / HALF_OPEN with its
+  trial out (REJECT): the published :class:`BreakerView` decides.
 
-State is mutated only by this actor's synchronous, non-awaiting methods and by ``run``
-between awaits; trio is cooperative, so each of those is atomic. All policy time is
+Request/reply through the bounded inbox, waited for only within the caller's cancel scope:
+- ``leader()`` with no usable leader: the task answers at once from newer state, or adds the caller
+  to the waiters of the one lookup (starting it if none runs); a caller that gives up does not
+  cancel the lookup for the others.
+- ``admit()`` when a trial may be due: only the task hands out the breaker's one trial.
+
+Reports (``send_nowait``; dropped and counted when the inbox is full):
+- ``record_kvcm()`` / ``record_leader_miss()`` / ``release_kvcm_trial()``: breaker outcomes (the
+  caller works out whether the outcome is judged, from ``given_s``, and gets that answer at once);
+  a leader a request waited for and did not get is a KVCM failure.
+- ``report_failure()``: SERVER_NOT_LEADER, UNAVAILABLE or DEADLINE_EXCEEDED from a query
+  invalidates that leader and starts a lookup.
+
+A report reaches the task at its next step, so a request running in the same scheduling round as
+a failure may still be admitted by the view that failure is about to change (its outcome is then
+ignored by the breaker, which has moved on).
+
+Lookups (``run``'s child task; only ``run`` starts one, so refresh is single-flight by
+construction): the first at once, then a refresh ``refresh_interval_s`` after the last success (so
+in steady state no request waits), failures retried after a tenacity backoff with jitter, "no
+leader" after ``no_leader_retry_s``. A lookup calls GetClusterInfo on all bootstrap targets
+concurrently; the first valid leader wins and the other calls are cancelled; the round is bounded
+by ``lookup_timeout_s``; its result comes back through the inbox. A failed refresh keeps the
+previous leader for up to ``max_staleness_s`` after it was last confirmed. All policy time is
 ``trio.current_time()``.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import tenacity
 import trio
 
-from actors.breaker import Admission, BreakerSnapshot, KvcmBreaker
+from actors.breaker import Admission, BreakerSnapshot, BreakerView, KvcmBreaker
+from actors.inbox import Alarm, Ask, ask
 from actors.metrics_sink import KvcmRequest, MetricsSink
 from router.config import BreakerConfig, LeaderConfig
 from router.problems import Problem, range_problems, refuse
@@ -96,7 +110,9 @@ class LeaderSnapshot:
     queries_cut_short_total: int  # queries and leader waits cut off by a tight request budget: not judged
     leader_misses_total: int  # requests that waited for a leader and found none: breaker failures
     fast_failures_total: int  # leader() calls answered LeaderUnavailable without waiting
-    wakes_coalesced_total: int  # wake-ups merged into one already pending
+    reports_dropped_total: int  # outcomes and invalidations the full inbox refused
+    inbox_depth: int
+    inbox_capacity: int
     breaker: BreakerSnapshot
 
 
@@ -127,17 +143,6 @@ class Trigger(enum.Enum):
     INVALIDATED = "invalidated"  # a query said the cached leader is wrong
 
 
-class _Attempt:
-    """One single-flight lookup: callers wait on ``done``; ``result`` is set before it fires."""
-
-    __slots__ = ("done", "result", "trigger")
-
-    def __init__(self, trigger: Trigger) -> None:
-        self.trigger = trigger
-        self.done = trio.Event()
-        self.result: _LookupResult | None = None
-
-
 def leader_problems(config: LeaderConfig) -> list[Problem]:
     """Every reason the resolver cannot work with ``config`` (empty when it can)."""
     problems = range_problems(config)
@@ -151,6 +156,72 @@ def leader_problems(config: LeaderConfig) -> list[Problem]:
     return problems
 
 
+@dataclass(frozen=True, slots=True)
+class _View:
+    """What requests read without a hop; replaced by ``run`` after every change it makes."""
+
+    leader: LeaderEndpoint | None
+    usable_until: float  # trio time after which ``leader`` is too stale to use
+    breaker: BreakerView
+    backing_off: bool  # lookups are failing: requests fail fast until one succeeds
+    no_leader: bool  # the cluster answered: no leader elected
+    last_error: str | None
+    next_attempt_at: float | None
+
+
+class _Verdict(enum.Enum):
+    SUCCESS = "success"
+    FAILURE = "failure"
+    NOT_JUDGED = "not_judged"  # releases a trial slot, judges nothing
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """A request's breaker outcome (report)."""
+
+    verdict: _Verdict
+    trial: bool
+    cut_short: bool = False  # a query or leader wait a tight budget cut off
+    leader_miss: bool = False  # a request that waited for a leader and found none
+
+
+_SUCCESS = _Outcome(_Verdict.SUCCESS, trial=False)  # the common report, made once
+_TRIAL_SUCCESS = _Outcome(_Verdict.SUCCESS, trial=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Invalidate:
+    """A query to ``target`` failed in a way that makes it suspect as the leader (report)."""
+
+    target: str
+
+
+class _AskTrial(Ask[Admission]):
+    """May this request be the breaker's trial? (request/reply)"""
+
+
+class _AskLeader(Ask["LeaderEndpoint | LeaderUnavailable"]):
+    """No usable leader in the view: answer from newer state, or after the next lookup (request/reply)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _LookupDone:
+    """What the lookup child task found (never dropped: it waits for room)."""
+
+    trigger: Trigger
+    started: float
+    result: _LookupResult
+
+
+class _Due:
+    """The alarm: a scheduled lookup may be due."""
+
+
+_DUE = _Due()
+
+_Message = _Outcome | _Invalidate | _AskTrial | _AskLeader | _LookupDone | _Due
+
+
 class LeaderResolver:
     def __init__(
         self,
@@ -160,34 +231,40 @@ class LeaderResolver:
         bootstrap: Callable[[], tuple[str, ...]],
         *,
         instance_id: str,
+        inbox_size: int,
         metrics: MetricsSink | None = None,
     ) -> None:
         """``bootstrap`` returns the current KVCM targets (Discovery.kvcm_bootstrap); ``instance_id`` is the
         deployment's KVCM namespace (DeploymentConfig.kvcm_instance_id), sent in GetClusterInfo;
-        ``metrics`` receives one KvcmRequest("GetClusterInfo", outcome) per call made."""
+        ``inbox_size`` bounds the messages waiting for ``run`` (beyond it reports are dropped and
+        counted, asks wait for room); ``metrics`` receives one KvcmRequest("GetClusterInfo", outcome)
+        per call made."""
         refuse("leader", leader_problems(config))
+        if inbox_size < 1:
+            raise ValueError(f"inbox_size: must be >= 1, got {inbox_size}")
         self._config = config
         self._metrics = metrics
         self._instance_id = instance_id
         self._transport = transport
         self._bootstrap = bootstrap
         self._breaker = KvcmBreaker(breaker_config)
-        self._breaker_config = breaker_config
+        self._slow_query_s = breaker_config.slow_query_ms / 1000.0
         # tenacity computes the delay; we only feed it the attempt number (its own clock is unused).
         self._backoff = tenacity.wait_exponential_jitter(
             multiplier=config.backoff_initial_s, max=config.backoff_max_s, jitter=config.backoff_jitter_s
         )
         self._retry_state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
-        # The inbox: wake-ups for run(), which then reads the attempt to perform. Capacity 1: a
-        # wake-up carries no data, so a second one while one is pending is merged (and counted).
-        self._wake_send, self._wake_receive = trio.open_memory_channel[None](1)
+        self._send, self._receive = trio.open_memory_channel[_Message](inbox_size)
+        self._inbox_size = inbox_size
 
+        # Owned by run():
         self._leader: LeaderEndpoint | None = None
         self._confirmed_at = 0.0  # trio time the cached leader was last confirmed
         self._consecutive_failures = 0
         self._no_leader = False
         self._next_attempt_at: float | None = None
-        self._attempt: _Attempt | None = None
+        self._lookup: Trigger | None = None  # the trigger of the lookup in flight
+        self._waiters: list[_AskLeader] = []  # callers waiting for the lookup in flight
         self._last_error: str | None = None
         self._last_error_at: float | None = None
         self._last_lookup_s: float | None = None
@@ -198,16 +275,22 @@ class LeaderResolver:
         self._invalidations_total = 0
         self._cut_short_total = 0
         self._leader_misses_total = 0
+        self._changed = False  # something the view shows changed since it was published
+        self._published_breaker_changes = -1
+        self._view = self._publish()
+
+        # Kept by callers themselves (counts only; nothing reads them to decide):
         self._fast_failures_total = 0
-        self._wakes_coalesced_total = 0
+        self._view_rejections_total = 0  # admit() rejected by the view, without a hop
+        self._reports_dropped_total = 0
 
     # --- request path ------------------------------------------------------------------
 
     def cached_leader(self) -> LeaderEndpoint | None:
         """The leader if :meth:`leader` would return it at once (known and not too stale), else None."""
-        cached = self._leader
-        if cached is not None and self._usable(trio.current_time()):
-            return cached
+        view = self._view
+        if view.leader is not None and trio.current_time() <= view.usable_until:
+            return view.leader
         return None
 
     async def leader(self) -> LeaderEndpoint:
@@ -215,49 +298,44 @@ class LeaderResolver:
         cached = self.cached_leader()
         if cached is not None:
             return cached
+        view = self._view
         if not self._bootstrap():
             raise self._fail_fast(UnavailableReason.NO_BOOTSTRAP, "no KVCM bootstrap target is known")
-        if self._consecutive_failures > 0:
-            raise self._fail_fast(UnavailableReason.BACKING_OFF, self._last_error or "lookups failing")
-        if self._no_leader:
+        if view.backing_off:
+            raise self._fail_fast(UnavailableReason.BACKING_OFF, view.last_error or "lookups failing")
+        if view.no_leader:
             raise self._fail_fast(UnavailableReason.NO_LEADER, "the KVCM cluster has no leader elected")
-        attempt = self._ensure_attempt(Trigger.REQUEST)
-        await attempt.done.wait()
-        result = attempt.result
-        assert result is not None  # set before done fires
-        if result.leader is not None:
-            return result.leader
-        if result.no_leader:
-            raise LeaderUnavailable(
-                UnavailableReason.NO_LEADER,
-                "the KVCM cluster has no leader elected",
-                self._next_attempt_at,
-                waited=True,
-            )
-        raise LeaderUnavailable(
-            UnavailableReason.FAILED, result.error or "lookup failed", self._next_attempt_at, waited=True
-        )
+        reply = await ask(self._send, _AskLeader())
+        if isinstance(reply, LeaderUnavailable):
+            if not reply.waited:
+                self._fast_failures_total += 1
+            raise reply
+        return reply
+
+    async def admit(self, until: float = math.inf) -> Admission:
+        """May this request call KVCM? REJECT costs nothing: fall back at once. Only a possible trial
+        asks ``run``, waiting at most until ``until`` (then REJECT); a trial whose caller left is
+        released."""
+        admission = self._view.breaker.admits(trio.current_time())
+        if admission is Admission.REJECT:
+            self._view_rejections_total += 1
+        if admission is not None:
+            return admission
+        with trio.move_on_at(until):
+            return await ask(self._send, _AskTrial(), self._release_unclaimed)
+        return Admission.REJECT
 
     def report_failure(self, target: str, error: TransportError) -> None:
         """A query to ``target`` failed: NotLeader / Unavailable / DeadlineExceeded invalidate that leader.
 
         Reports about a target that is no longer the cached leader are stale and ignored.
-        Never blocks: the lookup runs in the background task.
+        Never blocks: ``run`` applies it and starts the lookup.
         """
         if not isinstance(error, _INVALIDATING_ERRORS):
             return
-        cached = self._leader
-        if cached is None or cached.target != target:
-            return
-        self._leader = None
-        self._invalidations_total += 1
-        if self._consecutive_failures == 0:
-            self._ensure_attempt(Trigger.INVALIDATED)
-        # While backing off, run() retries at the scheduled time; requests fail fast until then.
-
-    def admit(self) -> Admission:
-        """May this request call KVCM? REJECT costs nothing: fall back at once."""
-        return self._breaker.admit(trio.current_time())
+        cached = self._view.leader
+        if cached is not None and cached.target == target:
+            self._report(_Invalidate(target))
 
     def record_kvcm(self, error: TransportError | None, *, trial: bool, given_s: float) -> bool:
         """Record a KVCM call admitted by ``admit``: None for any decoded answer, else its error.
@@ -268,16 +346,13 @@ class LeaderResolver:
         allowed. A deadline expiry with less than ``slow_query_ms`` allowed is not judged (a
         trial slot is released): returns False, and the caller should not blame the leader.
         """
-        now = trio.current_time()
         if error is None:
-            self._breaker.record_success(now, trial)
-        elif isinstance(error, DeadlineExceeded) and given_s * 1000.0 < self._breaker_config.slow_query_ms:
-            self._cut_short_total += 1
-            if trial:
-                self._breaker.release_trial()
+            self._report(_TRIAL_SUCCESS if trial else _SUCCESS)
+        elif isinstance(error, DeadlineExceeded) and given_s < self._slow_query_s:
+            self._report(_Outcome(_Verdict.NOT_JUDGED, trial, cut_short=True))
             return False
         else:
-            self._breaker.record_failure(now, trial)
+            self._report(_Outcome(_Verdict.FAILURE, trial))
         return True
 
     def record_leader_miss(self, failure: LeaderUnavailable | None, *, trial: bool, given_s: float) -> bool:
@@ -291,31 +366,32 @@ class LeaderResolver:
         slot is released): a fast failure, which cost the request nothing (backing off, no
         bootstrap target), and a wait cut short by a tight budget. Returns whether it judged.
         """
-        now = trio.current_time()
-        if failure is None and given_s * 1000.0 < self._breaker_config.slow_query_ms:
-            self._cut_short_total += 1
-        elif failure is None or failure.waited:
-            self._leader_misses_total += 1
-            self._breaker.record_failure(now, trial)
+        if failure is None and given_s < self._slow_query_s:
+            self._report(_Outcome(_Verdict.NOT_JUDGED, trial, cut_short=True))
+            return False
+        if failure is None or failure.waited:
+            self._report(_Outcome(_Verdict.FAILURE, trial, leader_miss=True))
             return True
         if trial:
-            self._breaker.release_trial()
+            self._report(_Outcome(_Verdict.NOT_JUDGED, trial))
         return False
 
     def release_kvcm_trial(self) -> None:
         """The admitted trial never reached KVCM (the request was cancelled first): free the slot."""
-        self._breaker.release_trial()
+        self._report(_Outcome(_Verdict.NOT_JUDGED, True))
 
     def snapshot(self) -> LeaderSnapshot:
+        """A copy of the task's state for /debug/actors, gauges and readiness (never the request path)."""
         now = trio.current_time()
         usable = self._leader if self._leader is not None and self._usable(now) else None
+        breaker = self._breaker.snapshot(now)
         return LeaderSnapshot(
             state=self._state(now),
             leader_target=usable.target if usable is not None else None,
             leader_node_id=usable.node_id if usable is not None else None,
             age_s=now - self._confirmed_at if usable is not None else None,
             consecutive_failures=self._consecutive_failures,
-            next_attempt_at=self._next_due(now) if self._attempt is None else None,
+            next_attempt_at=self._next_due(now) if self._lookup is None else None,
             last_error=self._last_error,
             last_error_at=self._last_error_at,
             last_lookup_s=self._last_lookup_s,
@@ -327,44 +403,176 @@ class LeaderResolver:
             queries_cut_short_total=self._cut_short_total,
             leader_misses_total=self._leader_misses_total,
             fast_failures_total=self._fast_failures_total,
-            wakes_coalesced_total=self._wakes_coalesced_total,
-            breaker=self._breaker.snapshot(now),
+            reports_dropped_total=self._reports_dropped_total,
+            inbox_depth=self._receive.statistics().current_buffer_used,
+            inbox_capacity=self._inbox_size,
+            breaker=replace(breaker, rejected_total=breaker.rejected_total + self._view_rejections_total),
         )
 
-    # --- background ------------------------------------------------------------------------
+    def _report(self, message: _Outcome | _Invalidate) -> None:
+        try:
+            self._send.send_nowait(message)
+        except trio.WouldBlock:
+            self._reports_dropped_total += 1
+
+    def _release_unclaimed(self, admission: Admission) -> None:
+        if admission is Admission.TRIAL:
+            self.release_kvcm_trial()
+
+    def _fail_fast(self, reason: UnavailableReason, detail: str) -> LeaderUnavailable:
+        self._fast_failures_total += 1
+        return LeaderUnavailable(reason, detail, self._view.next_attempt_at)
+
+    # --- the owner's task ------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Perform every lookup: the first at once, then refreshes and retries when due, or when woken."""
-        task_status.started()
-        while True:
-            attempt = self._attempt
-            if attempt is None:
-                with trio.move_on_at(self._next_due(trio.current_time())):
-                    await self._wake_receive.receive()
-                attempt = self._attempt
-                if attempt is None:
-                    now = trio.current_time()  # read once: two reads on a real clock always differ
-                    if now < self._next_due(now):
-                        continue  # a wake-up whose lookup already ran
-                    attempt = self._attempt = _Attempt(Trigger.SCHEDULED)
-            await self._perform(attempt)
-
-    async def _perform(self, attempt: _Attempt) -> None:
-        started = trio.current_time()
-        result = _LookupResult(None, False, "resolver stopped during the lookup", 0)
+        """Own the state: apply what the inbox brings, a batch at a time, publish the view after a batch
+        that changed it, and start each lookup (at once, when due, or when asked) in a child task."""
+        receive = self._receive
+        alarm = Alarm(self._send, _DUE)
         try:
-            result = await self._lookup(self._bootstrap())
+            async with trio.open_nursery() as children:
+                await children.start(alarm.run)
+                alarm.set(self._next_due(trio.current_time()))
+                task_status.started()
+                while True:
+                    message = await receive.receive()
+                    while True:
+                        self._handle(message, children)
+                        try:
+                            message = receive.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                    self._end_batch(alarm)
         finally:
-            # Also on cancellation (shutdown): waiters get an answer instead of waiting out their deadline.
-            now = trio.current_time()
-            self._last_lookup_s = now - started
-            self._apply(result, now)
-            self._lookups_by_trigger[attempt.trigger.value] += 1
-            attempt.result = result
-            self._attempt = None
-            attempt.done.set()
+            # Stopped or crashed: a lookup in flight is cancelled with the nursery; its waiters get an
+            # answer now instead of waiting out their deadlines, and a restarted run() starts afresh.
+            if self._lookup is not None:
+                now = trio.current_time()
+                result = _LookupResult(None, False, "resolver stopped during the lookup", 0)
+                self._finish(_LookupDone(self._lookup, now, result), now)
+                self._view = self._publish()
 
-    async def _lookup(self, targets: tuple[str, ...]) -> _LookupResult:
+    def _end_batch(self, alarm: Alarm) -> None:
+        if self._breaker.changes != self._published_breaker_changes:
+            self._changed = True
+        if self._changed:
+            self._changed = False
+            self._view = self._publish()
+        alarm.set(math.inf if self._lookup is not None else self._next_due(trio.current_time()))
+
+    def _handle(self, message: _Message, lookups: trio.Nursery) -> None:
+        if isinstance(message, _Outcome):
+            self._apply_outcome(message)
+        elif message is _DUE:
+            now = trio.current_time()
+            if self._lookup is None and now >= self._next_due(now):
+                self._start_lookup(Trigger.SCHEDULED, lookups)
+        elif isinstance(message, _AskLeader):
+            if not message.abandoned:
+                self._want_leader(message, lookups)
+        elif isinstance(message, _AskTrial):
+            if not message.abandoned:
+                message.answer(self._breaker.admit(trio.current_time()))
+        elif isinstance(message, _Invalidate):
+            self._invalidate(message.target, lookups)
+        elif isinstance(message, _LookupDone):
+            self._finish(message, trio.current_time())
+
+    def _apply_outcome(self, outcome: _Outcome) -> None:
+        if outcome.verdict is _Verdict.SUCCESS:
+            self._breaker.record_success(trio.current_time(), outcome.trial)
+        elif outcome.verdict is _Verdict.FAILURE:
+            if outcome.leader_miss:
+                self._leader_misses_total += 1
+            self._breaker.record_failure(trio.current_time(), outcome.trial)
+        else:
+            if outcome.cut_short:
+                self._cut_short_total += 1
+            if outcome.trial:
+                self._breaker.release_trial()
+
+    def _want_leader(self, message: _AskLeader, lookups: trio.Nursery) -> None:
+        # Answers from state or joins the lookup: changes nothing the view shows.
+        now = trio.current_time()
+        if self._leader is not None and self._usable(now):
+            message.answer(self._leader)
+        elif not self._bootstrap():
+            message.answer(self._unavailable(UnavailableReason.NO_BOOTSTRAP, "no KVCM bootstrap target is known"))
+        elif self._consecutive_failures > 0:
+            message.answer(self._unavailable(UnavailableReason.BACKING_OFF, self._last_error or "lookups failing"))
+        elif self._no_leader:
+            message.answer(self._unavailable(UnavailableReason.NO_LEADER, "the KVCM cluster has no leader elected"))
+        else:
+            self._waiters.append(message)
+            if self._lookup is None:
+                self._start_lookup(Trigger.REQUEST, lookups)
+
+    def _invalidate(self, target: str, lookups: trio.Nursery) -> None:
+        cached = self._leader
+        if cached is None or cached.target != target:
+            return  # stale: about a leader already replaced or dropped
+        self._leader = None
+        self._invalidations_total += 1
+        self._changed = True
+        if self._consecutive_failures == 0 and self._lookup is None:
+            self._start_lookup(Trigger.INVALIDATED, lookups)
+        # While backing off, the lookup runs at the scheduled time; requests fail fast until then.
+
+    def _start_lookup(self, trigger: Trigger, lookups: trio.Nursery) -> None:
+        self._lookup = trigger
+        lookups.start_soon(self._lookup_task, trigger, trio.current_time())
+
+    async def _lookup_task(self, trigger: Trigger, started: float) -> None:
+        result = await self._lookup_round(self._bootstrap())
+        await self._send.send(_LookupDone(trigger, started, result))
+
+    def _finish(self, done: _LookupDone, now: float) -> None:
+        self._last_lookup_s = now - done.started
+        self._apply(done.result, now)
+        self._lookups_by_trigger[done.trigger.value] += 1
+        self._lookup = None
+        self._changed = True
+        result = done.result
+        for waiter in self._waiters:
+            if result.leader is not None:
+                waiter.answer(result.leader)
+            elif result.no_leader:
+                waiter.answer(
+                    LeaderUnavailable(
+                        UnavailableReason.NO_LEADER,
+                        "the KVCM cluster has no leader elected",
+                        self._next_attempt_at,
+                        waited=True,
+                    )
+                )
+            else:
+                waiter.answer(
+                    LeaderUnavailable(
+                        UnavailableReason.FAILED, result.error or "lookup failed", self._next_attempt_at, waited=True
+                    )
+                )
+        self._waiters.clear()
+
+    def _unavailable(self, reason: UnavailableReason, detail: str) -> LeaderUnavailable:
+        return LeaderUnavailable(reason, detail, self._next_attempt_at)
+
+    def _publish(self) -> _View:
+        self._published_breaker_changes = self._breaker.changes
+        leader = self._leader
+        return _View(
+            leader=leader,
+            usable_until=self._confirmed_at + self._config.max_staleness_s if leader is not None else -math.inf,
+            breaker=self._breaker.view(),
+            backing_off=self._consecutive_failures > 0,
+            no_leader=self._no_leader,
+            last_error=self._last_error,
+            next_attempt_at=self._next_attempt_at,
+        )
+
+    # --- lookups (the child task) and state (run only) ---------------------------------------
+
+    async def _lookup_round(self, targets: tuple[str, ...]) -> _LookupResult:
         """One round: GetClusterInfo on every bootstrap target at once; the first valid leader wins."""
         if not targets:
             return _LookupResult(None, False, "no KVCM bootstrap target is known", 0)
@@ -448,20 +656,6 @@ class LeaderResolver:
             return LeaderState.NO_LEADER
         if self._consecutive_failures > 0:
             return LeaderState.BACKING_OFF
-        if self._attempt is not None:
+        if self._lookup is not None:
             return LeaderState.RESOLVING
         return LeaderState.UNKNOWN
-
-    def _ensure_attempt(self, trigger: Trigger) -> _Attempt:
-        attempt = self._attempt
-        if attempt is None:
-            attempt = self._attempt = _Attempt(trigger)
-            try:
-                self._wake_send.send_nowait(None)
-            except trio.WouldBlock:
-                self._wakes_coalesced_total += 1  # run() is already due to wake and will see the attempt
-        return attempt
-
-    def _fail_fast(self, reason: UnavailableReason, detail: str) -> LeaderUnavailable:
-        self._fast_failures_total += 1
-        return LeaderUnavailable(reason, detail, self._next_attempt_at)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import trio
+import trio.testing
 
 from actors.breaker import Admission
 from actors.leader_resolver import LeaderResolver, LeaderUnavailable
@@ -69,7 +70,7 @@ async def main(calls: int, targets: int) -> None:
         live.serve(target, answer)
     async with trio.open_nursery() as nursery:
         backing_off = LeaderResolver(
-            leader_cfg, BreakerConfig(), KvcmClient(dead), lambda: bootstrap, instance_id="bench"
+            leader_cfg, BreakerConfig(), KvcmClient(dead), lambda: bootstrap, instance_id="bench", inbox_size=1024
         )
         await nursery.start(backing_off.run)
         try:
@@ -91,16 +92,17 @@ async def main(calls: int, targets: int) -> None:
 
         for _ in range(BreakerConfig().failure_threshold):
             backing_off.record_kvcm(Unavailable("x", "down"), trial=False, given_s=0.5)
+        await trio.testing.wait_all_tasks_blocked()  # the resolver's task applies the reports
 
         async def rejected() -> None:
-            assert backing_off.admit() is Admission.REJECT
+            assert await backing_off.admit() is Admission.REJECT
 
         before = dead.call_count()
         trio_us, wall_us = await _measure(rejected, calls)
         print(_row("admit() breaker open", trio_us, wall_us, dead.call_count() - before))
 
         steady = LeaderResolver(
-            leader_cfg, BreakerConfig(), KvcmClient(live), lambda: bootstrap, instance_id="bench"
+            leader_cfg, BreakerConfig(), KvcmClient(live), lambda: bootstrap, instance_id="bench", inbox_size=1024
         )
         await nursery.start(steady.run)
         await steady.leader()

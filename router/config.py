@@ -26,6 +26,8 @@ class ChannelPoolConfig:
     keepalive_time_ms: int = bounded(30_000, 0, 3_600_000, low_open=True)
     keepalive_timeout_ms: int = bounded(10_000, 0, 600_000, low_open=True)
     max_message_bytes: int = bounded(16 * 1024 * 1024, 0, _GRPC_MAX_MESSAGE_BYTES, low_open=True)
+    # Lease reports, returns, invalidations and cold opens waiting for the pool's task; two per lease.
+    inbox_size: int = bounded(4096, 2, 1_000_000)
 
 
 @dataclass(frozen=True, slots=True)

@@ -352,6 +352,7 @@ async def _topology(
                 kvcm,
                 discovery.kvcm_bootstrap,
                 instance_id=config.deployment.kvcm_instance_id,
+                inbox_size=2 * config.router.max_in_flight,  # an outcome and an invalidation per request at most
                 metrics=metrics,
             )
             await supervisor.start("leader_resolver", resolver.run, snapshot=resolver.snapshot)
@@ -401,7 +402,8 @@ async def _topology(
                 metrics=metrics,
                 later_sources=resolver is not None,
             )
-            await supervisor.start("master_client", master_discovery.run, snapshot=master_source.health)
+            await supervisor.start("master_discovery", master_discovery.run, snapshot=master_discovery.snapshot)
+            await supervisor.start("master_client", master_source.run, snapshot=master_source.health)
             chain.append(master_source)
         if resolver is not None and kvcm is not None:
             scoring = CandidateScoring(scorer=scorer, prober=prober, fleet=fleet, metrics=metrics)
@@ -502,3 +504,15 @@ def _register_gauges(
     metrics.register_gauge_source(
         "kvroute_inbox_depth", lambda: float(shadow.health().inbox_depth), actor="shadow_index"
     )
+    if resolver is not None:
+        metrics.register_gauge_source(
+            "kvroute_inbox_depth", lambda: float(resolver.snapshot().inbox_depth), actor="leader_resolver"
+        )
+    if pool is not None:
+        metrics.register_gauge_source(
+            "kvroute_inbox_depth", lambda: float(pool.snapshot().inbox_depth), actor="channel_pool"
+        )
+    if master is not None:
+        metrics.register_gauge_source(
+            "kvroute_inbox_depth", lambda: float(master.health().inbox_depth), actor="master_client"
+        )

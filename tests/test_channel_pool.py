@@ -1,7 +1,12 @@
-"""ChannelPool under MockClock with a factory of fake closable channels (the pool's logic is under test)."""
+"""ChannelPool under MockClock with a factory of fake closable channels (the pool's logic is under test).
+
+The pool's task applies what callers report at its next step: ``settle()`` (every task blocked) is
+the point where it has.
+"""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -34,10 +39,15 @@ class FakeFactory:
         return channel
 
 
-def make_pool(max_channels: int = 256, idle_expiry_s: float = 60.0) -> tuple[ChannelPool[FakeChannel], FakeFactory]:
+def make_pool(
+    max_channels: int = 256, idle_expiry_s: float = 60.0, inbox_size: int = 4096
+) -> tuple[ChannelPool[FakeChannel], FakeFactory]:
     factory = FakeFactory()
-    config = ChannelPoolConfig(max_channels=max_channels, idle_expiry_s=idle_expiry_s)
+    config = ChannelPoolConfig(max_channels=max_channels, idle_expiry_s=idle_expiry_s, inbox_size=inbox_size)
     return ChannelPool(config, factory), factory
+
+
+settle = trio.testing.wait_all_tasks_blocked
 
 
 # cap 8 < 16 concurrent callers: leased channels are evicted too and must drain before closing.
@@ -51,7 +61,7 @@ async def test_cap_respected_with_10000_distinct_targets(autojump_clock: trio.te
     async def worker(mine: list[str]) -> None:
         nonlocal peak_size
         for target in mine:
-            with pool.lease(target) as channel:
+            async with pool.lease(target) as channel:
                 peak_size = max(peak_size, pool.snapshot().size)
                 await trio.sleep(rng.random() * 0.01)  # a call in flight; other workers evict meanwhile
                 assert channel.closes == 0, "a leased channel was closed"
@@ -61,13 +71,13 @@ async def test_cap_respected_with_10000_distinct_targets(autojump_clock: trio.te
         async with trio.open_nursery() as workers:
             for k in range(16):
                 workers.start_soon(worker, targets[k::16])
-        await trio.testing.wait_all_tasks_blocked()
+        await settle()
         snap = pool.snapshot()
         assert peak_size == cap  # reached, never exceeded
         assert snap.size == cap
         assert snap.opened == len(factory.opened) == 10_000
         assert snap.evicted["lru"] == 10_000 - cap
-        assert snap.leased == snap.draining == snap.pending_close == 0
+        assert snap.leased == snap.draining == snap.inbox_depth == 0
         assert snap.closed == 10_000 - cap
         assert sorted({c.closes for c in factory.opened}) == [0, 1]  # evicted ones closed exactly once
         assert sum(c.closes for c in factory.opened) == 10_000 - cap
@@ -80,11 +90,11 @@ async def test_idle_channel_expires_on_the_trio_clock(autojump_clock: trio.testi
     pool, factory = make_pool(idle_expiry_s=60.0)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        with pool.lease("a.example:1"):
+        async with pool.lease("a.example:1"):
             pass
         released_a = trio.current_time()
         await trio.sleep(30)
-        with pool.lease("b.example:1"):
+        async with pool.lease("b.example:1"):
             pass
         released_b = trio.current_time()
         a, b = factory.opened
@@ -107,13 +117,12 @@ async def test_use_restarts_the_idle_clock_and_a_leased_channel_never_expires(
     pool, factory = make_pool(idle_expiry_s=60.0)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        with pool.lease("a.example:1"):
+        async with pool.lease("a.example:1"):
             await trio.sleep(200)  # a long call: leased the whole time
-        released = trio.current_time()
         (a,) = factory.opened
         assert a.closes == 0
         await trio.sleep(50)
-        with pool.lease("a.example:1"):
+        async with pool.lease("a.example:1"):
             pass
         released = trio.current_time()
         await trio.sleep(59)
@@ -132,24 +141,23 @@ async def test_evicted_channel_closes_only_when_its_last_lease_returns(
         await nursery.start(pool.run)
         first = pool.lease("a.example:1")
         second = pool.lease("a.example:1")
-        old_a = first.__enter__()
-        assert second.__enter__() is old_a
-        with pool.lease("b.example:1"), pool.lease("c.example:1"):  # evicts a (LRU) while leased twice
+        old_a = await first.__aenter__()
+        assert await second.__aenter__() is old_a
+        async with pool.lease("b.example:1"), pool.lease("c.example:1"):  # evicts a (LRU) while leased twice
             pass
-        await trio.testing.wait_all_tasks_blocked()
+        await settle()
         snap = pool.snapshot()
         assert (snap.size, snap.leased, snap.draining, snap.evicted["lru"]) == (2, 2, 1, 1)
         assert old_a.closes == 0
-        with pool.lease("a.example:1") as new_a:  # a fresh channel while the old one drains
+        async with pool.lease("a.example:1") as new_a:  # a fresh channel while the old one drains
             assert new_a is not old_a
-        first.__exit__(None, None, None)
-        await trio.testing.wait_all_tasks_blocked()
+        await first.__aexit__(None, None, None)
+        await settle()
         assert old_a.closes == 0
-        second.__exit__(None, None, None)
-        await trio.testing.wait_all_tasks_blocked()
+        await second.__aexit__(None, None, None)
+        await settle()
         assert old_a.closes == 1
         assert pool.snapshot().draining == 0
-        assert pool.snapshot().closed_inline == 0  # closed by run(), not on the request path
         nursery.cancel_scope.cancel()
     # Cancelling run() (a crash or restart) closes nothing; the owner's aclose() does.
     assert [c.closes for c in factory.opened] == [1, 0, 1, 0]  # the drained a and the evicted b
@@ -157,17 +165,22 @@ async def test_evicted_channel_closes_only_when_its_last_lease_returns(
     assert [c.closes for c in factory.opened] == [1, 1, 1, 1]
 
 
-async def test_lease_is_released_when_the_caller_is_cancelled(autojump_clock: trio.testing.MockClock) -> None:
+async def test_lease_is_released_when_the_caller_is_cancelled(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
     pool, factory = make_pool()
+    await nursery.start(pool.run)
     with trio.move_on_after(1) as scope:
-        with pool.lease("a.example:1"):
+        async with pool.lease("a.example:1"):
+            await settle()
             assert pool.snapshot().leased == 1
             await trio.sleep_forever()
     assert scope.cancelled_caught
+    await settle()
     assert pool.snapshot().leased == 0
     pool.invalidate("a.example:1")
-    snap = pool.snapshot()
-    assert (snap.draining, snap.pending_close) == (0, 1)  # no lease left: queued for closing at once
+    await settle()
+    assert (pool.snapshot().draining, factory.opened[0].closes) == (0, 1)  # no lease left: closed at once
     await pool.aclose()
     assert factory.opened[0].closes == 1
 
@@ -178,21 +191,23 @@ async def test_invalidate_drops_the_channel_and_the_next_lease_opens_a_new_one(
     pool, factory = make_pool()
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        with pool.lease("Host.Example:5") as first:
+        async with pool.lease("Host.Example:5") as first:
             pass
         pool.invalidate("host.example:5")  # another spelling of the same normalised target
-        await trio.testing.wait_all_tasks_blocked()
+        await settle()
         assert first.closes == 1
-        with pool.lease("host.example:5") as second:
+        async with pool.lease("host.example:5") as second:
             pool.invalidate("host.example:5", first)  # a failure seen on the old channel: ignored
+            await settle()
             assert pool.snapshot().size == 1
             pool.invalidate("host.example:5", second)  # dropped now, closed when released
+            await settle()
             assert pool.snapshot().size == 0
-            await trio.testing.wait_all_tasks_blocked()
             assert second.closes == 0
-        await trio.testing.wait_all_tasks_blocked()
+        await settle()
         assert second.closes == 1
         pool.invalidate("unknown.example:5")  # nothing to drop
+        await settle()
         snap = pool.snapshot()
         assert (snap.opened, snap.closed, snap.evicted["invalidated"]) == (2, 2, 2)
         assert [c.target for c in factory.opened] == ["host.example:5", "host.example:5"]
@@ -200,72 +215,131 @@ async def test_invalidate_drops_the_channel_and_the_next_lease_opens_a_new_one(
 
 
 async def test_concurrent_acquire_of_one_target_opens_one_channel(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     pool, factory = make_pool()
+    await nursery.start(pool.run)
     peak_leased = 0
     seen: set[int] = set()
 
     async def caller() -> None:
         nonlocal peak_leased
-        with pool.lease("[::1]:9000") as channel:
+        async with pool.lease("[::1]:9000") as channel:
             seen.add(id(channel))
+            await settle()
             peak_leased = max(peak_leased, pool.snapshot().leased)
             await trio.sleep(1)
 
-    async with trio.open_nursery() as nursery:
+    async with trio.open_nursery() as callers:
         for _ in range(100):
-            nursery.start_soon(caller)
+            callers.start_soon(caller)
     assert peak_leased == 100  # all leases overlapped ...
     assert len(factory.opened) == len(seen) == 1  # ... on one channel
     assert factory.opened[0].target == "[::1]:9000"
-    with pool.lease("[0:0::1]:9000"):  # the same address spelled differently
+    async with pool.lease("[0:0::1]:9000"):  # the same address spelled differently
         assert len(factory.opened) == 1
 
 
 @pytest.mark.parametrize("target", ["host.example:99999", "host.example", "::1:80", "bad host:1", ""])
 async def test_malformed_target_is_rejected_naming_it(target: str) -> None:
     pool, factory = make_pool()
-    with pytest.raises(TargetError) as info, pool.lease(target):
-        pass
+    with pytest.raises(TargetError) as info:
+        async with pool.lease(target):
+            pass
     assert target == "" or repr(target) in str(info.value)
     assert factory.opened == []
 
 
-async def test_full_close_inbox_closes_inline_and_counts_it(autojump_clock: trio.testing.MockClock) -> None:
-    pool, factory = make_pool(max_channels=2)  # close inbox capacity = max_channels
-    for name in "abcde":
-        with pool.lease(f"{name}.example:1"):
-            pass
-    snap = pool.snapshot()  # run() not started: 3 evicted, 2 queued, 1 closed inline
-    assert (snap.evicted["lru"], snap.pending_close, snap.closed_inline, snap.closed) == (3, 2, 1, 1)
+async def test_a_warm_lease_takes_no_hop_and_a_cold_one_waits_only_within_the_callers_deadline(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    pool, factory = make_pool()
+    await nursery.start(pool.run)
+    async with pool.lease("a.example:1"):
+        pass
+    await settle()
+    with trio.CancelScope(deadline=-math.inf):  # any wait would raise Cancelled at once
+        async with pool.lease("a.example:1") as warm:
+            assert warm is factory.opened[0]
+        with pytest.raises(trio.Cancelled):
+            async with pool.lease("b.example:1"):  # cold: asks the pool's task
+                pass
+    await settle()
+    assert len(factory.opened) == 1  # the abandoned open opened nothing
+    snap = pool.snapshot()
+    assert (snap.leased, snap.inbox_depth) == (0, 0)
+
+
+async def test_a_stopped_task_leaves_callers_to_their_deadlines_and_full_inbox_is_counted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool, factory = make_pool(inbox_size=4)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        await trio.testing.wait_all_tasks_blocked()
-        assert pool.snapshot().closed == 3
-        assert pool.snapshot().pending_close == 0
+        async with pool.lease("a.example:1"):
+            pass
+        await settle()
+        nursery.cancel_scope.cancel()  # the task stops (as between a crash and its restart)
+    # Two warm leases take the four credits (a lease and its return each): no hop, no wait.
+    held = [pool.lease_nowait("a.example:1") for _ in range(2)]
+    assert all(lease is not None for lease in held)
+    assert pool.lease_nowait("a.example:1") is None  # no credit left: the no-wait path goes without
+    pool.invalidate("a.example:1")  # a report: dropped and counted
+    assert pool.snapshot().invalidations_dropped == 1
+    start = trio.current_time()
+    with trio.move_on_after(0.5):
+        async with pool.lease("a.example:1"):  # waits for a credit, within its deadline only
+            pytest.fail("leased without a credit")
+    assert trio.current_time() - start == pytest.approx(0.5)
+    for lease in held:
+        assert lease is not None
+        with lease:
+            pass
+    assert pool.snapshot().inbox_depth == 4
+    async with trio.open_nursery() as nursery:  # restarted: the task applies what waited for it
+        await nursery.start(pool.run)
+        await settle()
+        snap = pool.snapshot()
+        assert (snap.leased, snap.inbox_depth, snap.size) == (0, 0, 1)
+        async with pool.lease("a.example:1"):
+            pass
         nursery.cancel_scope.cancel()
+    assert len(factory.opened) == 1
     await pool.aclose()
-    assert [c.closes for c in factory.opened] == [1] * 5
+    assert factory.opened[0].closes == 1
 
 
 async def test_aclose_closes_all_and_rejects_new_leases(autojump_clock: trio.testing.MockClock) -> None:
     pool, factory = make_pool()
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        with pool.lease("a.example:1"):
+        async with pool.lease("a.example:1"):
             pass
-        with pool.lease("b.example:1") as b:
+        async with pool.lease("b.example:1") as b:
             await pool.aclose()
             assert factory.opened[0].closes == 1
             assert b.closes == 0  # leased: closes when returned
         assert b.closes == 1
-        with pytest.raises(trio.ClosedResourceError), pool.lease("a.example:1"):
-            pass
+        with pytest.raises(trio.ClosedResourceError):
+            async with pool.lease("a.example:1"):
+                pass
         await pool.aclose()  # idempotent
     # run() returned by itself after aclose().
     snap = pool.snapshot()
     assert (snap.size, snap.evicted["shutdown"], snap.closed) == (0, 2, 2)
+
+
+async def test_aclose_after_the_task_was_cancelled_closes_everything(autojump_clock: trio.testing.MockClock) -> None:
+    """The supervisor cancels the services, then calls aclose(): nothing waits for a task that is gone."""
+    pool, factory = make_pool()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        async with pool.lease("a.example:1"):
+            pass
+        nursery.cancel_scope.cancel()
+        with trio.fail_after(1):
+            await pool.aclose()
+    assert [c.closes for c in factory.opened] == [1]
 
 
 def test_config_errors_name_the_field() -> None:
@@ -273,3 +347,5 @@ def test_config_errors_name_the_field() -> None:
         ChannelPool(ChannelPoolConfig(max_channels=0), FakeFactory())
     with pytest.raises(ValueError, match=r"channel_pool\.idle_expiry_s"):
         ChannelPool(ChannelPoolConfig(idle_expiry_s=0.0), FakeFactory())
+    with pytest.raises(ValueError, match=r"channel_pool\.inbox_size"):
+        ChannelPool(ChannelPoolConfig(inbox_size=1), FakeFactory())

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from actors.channel_pool import ChannelPool
+from actors.channel_pool import ChannelPool, ChannelPoolSnapshot
 from router.config import ChannelPoolConfig
 from router.transport.errors import (
     DeadlineExceeded,
@@ -111,6 +111,12 @@ async def pool(nursery: trio.Nursery) -> AsyncIterator[ChannelPool[grpc.Channel]
     await channels.aclose()
 
 
+async def settled(pool: ChannelPool[grpc.Channel]) -> ChannelPoolSnapshot:
+    """The pool's snapshot once its task has applied what the calls reported (every task blocked)."""
+    await trio.testing.wait_all_tasks_blocked()
+    return pool.snapshot()
+
+
 def dead_target() -> str:
     """A loopback port nobody listens on: bind, read the port, close."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -129,8 +135,8 @@ async def test_round_trip_carries_raw_bytes(
         assert await rpc.call(server.target, ECHO, payload) == payload
         assert await rpc.call(server.target, ECHO, b"") == b""
     assert state.calls[ECHO] == 2
-    assert pool.snapshot().opened == 1
-    assert pool.snapshot().leased == 0
+    assert (await settled(pool)).opened == 1
+    assert (await settled(pool)).leased == 0
 
 
 async def test_serve_grpc_reports_its_address_and_stops_when_cancelled(
@@ -169,7 +175,7 @@ async def test_concurrent_calls_share_one_channel(
             for i in range(50):
                 nursery.start_soon(one, i)
     assert replies == {i: str(i).encode() for i in range(50)}
-    assert pool.snapshot().opened == 1
+    assert (await settled(pool)).opened == 1
 
 
 async def test_timeout_passed_is_the_callers_remaining_deadline(
@@ -198,7 +204,7 @@ async def test_expired_deadline_raises_without_sending(
         with pytest.raises(DeadlineExceeded), trio.CancelScope(deadline=trio.current_time() - 0.001):
             await rpc.call(server.target, ECHO, b"x")
     assert state.calls.get(ECHO, 0) == 0
-    assert pool.snapshot().opened == 0
+    assert (await settled(pool)).opened == 0
 
 
 async def test_deadline_during_the_call(
@@ -220,8 +226,8 @@ async def test_deadline_during_the_call(
             outcome = "scope_cancelled"
         assert outcome in {"deadline_exceeded", "scope_cancelled"}
         assert await trio.to_thread.run_sync(state.hang_ended.wait, 5)
-    assert pool.snapshot().leased == 0
-    assert pool.snapshot().size == 1  # a deadline says nothing about the channel: kept
+    assert (await settled(pool)).leased == 0
+    assert (await settled(pool)).size == 1  # a deadline says nothing about the channel: kept
 
 
 async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
@@ -256,7 +262,7 @@ async def test_dead_port_is_unavailable_and_invalidates_the_channel(pool: Channe
         with pytest.raises(Unavailable) as info:
             await rpc.call(target, ECHO, b"x")
     assert info.value.target == target
-    snap = pool.snapshot()
+    snap = (await settled(pool))
     assert (snap.size, snap.opened, snap.evicted["invalidated"]) == (0, 1, 1)
 
 
@@ -294,7 +300,7 @@ async def test_server_status_codes_map_to_our_errors(
     if path == DENY:
         assert "PERMISSION_DENIED: not you" in info.value.detail
     # Only UNAVAILABLE drops the channel.
-    assert pool.snapshot().evicted["invalidated"] == (1 if error is Unavailable else 0)
+    assert (await settled(pool)).evicted["invalidated"] == (1 if error is Unavailable else 0)
 
 
 async def test_cancelling_the_scope_cancels_the_rpc_at_the_server(
@@ -320,7 +326,7 @@ async def test_cancelling_the_scope_cancels_the_rpc_at_the_server(
     assert 0 < gap < 0.05, (
         f"server saw the cancellation {gap * 1000:.1f} ms after the trio scope was cancelled"
     )
-    assert pool.snapshot().leased == 0
+    assert (await settled(pool)).leased == 0
 
 
 # A retry policy as a resolver could deliver it: UNAVAILABLE retried up to 3 attempts.

@@ -125,7 +125,7 @@ async def start_resolver(
     config: LeaderConfig = LEADER_CFG,
     breaker: BreakerConfig = BREAKER_CFG,
 ) -> LeaderResolver:
-    resolver = LeaderResolver(config, breaker, KvcmClient(network), bootstrap, instance_id=INSTANCE)
+    resolver = LeaderResolver(config, breaker, KvcmClient(network), bootstrap, instance_id=INSTANCE, inbox_size=64)
     await nursery.start(resolver.run)
     return resolver
 
@@ -177,7 +177,7 @@ async def test_every_cluster_info_call_is_counted_by_outcome(
     sink = MetricsSink(MetricsConfig(inbox_size=64))
     await nursery.start(sink.run)
     resolver = LeaderResolver(
-        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, metrics=sink
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=64, metrics=sink
     )
     await nursery.start(resolver.run)
     assert (await resolver.leader()).target == NODES[0]
@@ -272,6 +272,7 @@ async def test_not_leader_invalidates_and_next_request_finds_new_leader_in_one_r
     with pytest.raises(NotLeader) as info:
         await client.get_host_cache_state(NODES[0], query)
     resolver.report_failure(NODES[0], info.value)
+    await trio.testing.wait_all_tasks_blocked()  # the resolver's task applies the report and starts the lookup
 
     elapsed, outcome = await timed_leader(resolver)
     assert outcome == NODES[2]
@@ -340,6 +341,7 @@ async def test_thousand_concurrent_callers_share_one_lookup(
     # The same after an invalidation: one more call per bootstrap target, whatever the crowd.
     kvcm.leader = NODES[1]
     resolver.report_failure(NODES[0], Unavailable(NODES[0], "reset"))
+    await trio.testing.wait_all_tasks_blocked()  # applied by the resolver's task
     results.clear()
     async with trio.open_nursery() as callers:
         for _ in range(1000):
@@ -563,7 +565,7 @@ async def test_snapshot_states(autojump_clock: trio.testing.MockClock, nursery: 
     kvcm = FakeKvcm(network)
     kvcm.delay[NODES[0]] = kvcm.delay[NODES[1]] = kvcm.delay[NODES[2]] = 0.01
     resolver = LeaderResolver(
-        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=64
     )
     assert resolver.snapshot().state is LeaderState.UNKNOWN
     await nursery.start(resolver.run)
@@ -600,8 +602,17 @@ def test_config_validation_names_every_bad_field() -> None:
 
 
 async def query_kvcm(resolver: LeaderResolver, client: KvcmClient) -> str:
-    """What a request does with KVCM (the Router's stage, reduced): admit → leader → query → record."""
-    admission = resolver.admit()
+    """What a request does with KVCM (the Router's stage, reduced): admit → leader → query → record;
+    then, as before the next request arrives, the resolver's task applies what it was told."""
+    try:
+        return await _query_kvcm(resolver, client)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.testing.wait_all_tasks_blocked()
+
+
+async def _query_kvcm(resolver: LeaderResolver, client: KvcmClient) -> str:
+    admission = await resolver.admit()
     if admission is Admission.REJECT:
         return "breaker_open"
     trial = admission is Admission.TRIAL
@@ -643,9 +654,10 @@ async def test_breaker_open_costs_no_rpc_and_no_time(
     # Cooldown over: exactly one trial; KVCM healthy again → closed.
     kvcm.query_code = kvcm_pb.OK
     await trio.sleep(BREAKER_CFG.cooldown_s)
-    assert resolver.admit() is Admission.TRIAL
-    assert resolver.admit() is Admission.REJECT
+    assert await resolver.admit() is Admission.TRIAL
+    assert await resolver.admit() is Admission.REJECT
     resolver.release_kvcm_trial()
+    await trio.testing.wait_all_tasks_blocked()
     assert await query_kvcm(resolver, client) == "ok"
     assert resolver.snapshot().breaker.state is BreakerState.CLOSED
     assert await query_kvcm(resolver, client) == "ok"
@@ -697,12 +709,118 @@ async def test_a_cut_short_trial_is_not_judged_and_frees_its_slot(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     _, resolver, _ = await half_open_breaker(nursery)
-    assert resolver.admit() is Admission.TRIAL
+    assert await resolver.admit() is Admission.TRIAL
     slow = BREAKER_CFG.slow_query_ms / 1000.0
     cut = DeadlineExceeded(NODES[0], "cut off by the request's deadline")
     assert resolver.record_kvcm(cut, trial=True, given_s=slow / 2) is False  # not judged ...
+    await trio.testing.wait_all_tasks_blocked()  # applied by the resolver's task
     assert resolver.snapshot().breaker.state is BreakerState.HALF_OPEN
-    assert resolver.admit() is Admission.TRIAL  # ... and the trial slot is free again
+    assert await resolver.admit() is Admission.TRIAL  # ... and the trial slot is free again
     assert resolver.record_kvcm(cut, trial=True, given_s=slow) is True  # had long enough: a failure
+    await trio.testing.wait_all_tasks_blocked()
     assert resolver.snapshot().breaker.state is BreakerState.OPEN
     assert resolver.snapshot().queries_cut_short_total == 1
+
+
+# --- the inbox: state changed by the resolver's own task only ------------------------------------
+
+
+async def test_reports_change_nothing_until_the_resolvers_task_applies_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    resolver = LeaderResolver(
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=64
+    )
+    down = Unavailable(NODES[0], "reset")
+    for _ in range(BREAKER_CFG.failure_threshold):
+        assert resolver.record_kvcm(down, trial=False, given_s=math.inf) is True  # judged: answered at once
+    snap = resolver.snapshot()
+    assert (snap.breaker.state, snap.inbox_depth) == (BreakerState.CLOSED, BREAKER_CFG.failure_threshold)
+    assert await resolver.admit() is Admission.ALLOW  # the published view: nothing applied yet
+    async with trio.open_nursery() as nursery:
+        await nursery.start(resolver.run)
+        await trio.testing.wait_all_tasks_blocked()
+        snap = resolver.snapshot()
+        assert (snap.breaker.state, snap.inbox_depth) == (BreakerState.OPEN, 0)
+        assert await resolver.admit() is Admission.REJECT  # from the view, no hop
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_full_inbox_drops_reports_and_counts_them(autojump_clock: trio.testing.MockClock) -> None:
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    resolver = LeaderResolver(
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=2
+    )
+    for _ in range(5):
+        resolver.record_kvcm(None, trial=False, given_s=math.inf)
+    snap = resolver.snapshot()
+    assert (snap.inbox_depth, snap.inbox_capacity, snap.reports_dropped_total) == (2, 2, 3)
+
+
+async def test_a_trial_ask_waits_only_until_the_callers_limit_and_an_abandoned_one_takes_no_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.query_code = kvcm_pb.INTERNAL_ERROR
+    async with trio.open_nursery() as service:
+        resolver = await start_resolver(service, network)
+        client = KvcmClient(network)
+        for _ in range(BREAKER_CFG.failure_threshold):
+            await query_kvcm(resolver, client)
+        assert resolver.snapshot().breaker.state is BreakerState.OPEN
+        service.cancel_scope.cancel()  # the resolver's task is down (as between a crash and its restart)
+    await trio.sleep(BREAKER_CFG.cooldown_s)  # a trial is due: only the task may hand it out
+    start = trio.current_time()
+    assert await resolver.admit(until=start + 0.005) is Admission.REJECT  # gave up at its own limit
+    assert trio.current_time() - start == pytest.approx(0.005)
+    with trio.move_on_after(0.005) as scope:  # the request's own deadline ends the wait the same way
+        await resolver.admit()
+    assert scope.cancelled_caught
+    async with trio.open_nursery() as service:
+        await service.start(resolver.run)  # restarted: the abandoned asks are skipped, no slot taken
+        assert await resolver.admit() is Admission.TRIAL
+        assert await resolver.admit() is Admission.REJECT
+        service.cancel_scope.cancel()
+
+
+async def test_a_crashed_task_answers_its_waiters_and_the_restarted_one_resolves(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.hang = set(NODES)
+    resolver = LeaderResolver(
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=64
+    )
+    outcomes: list[tuple[float, UnavailableReason | str]] = []
+
+    async def crash_soon() -> None:
+        await trio.sleep(0.01)
+        raise RuntimeError("a bug in the resolver")
+
+    async with trio.open_nursery() as callers:
+        for _ in range(3):
+            callers.start_soon(lambda: _record(outcomes, resolver))
+        with pytest.raises(BaseExceptionGroup):  # the crash ends the resolver's nursery
+            async with trio.open_nursery() as service:
+                await service.start(resolver.run)
+                service.start_soon(crash_soon)
+    assert outcomes == [(0.01, UnavailableReason.FAILED)] * 3  # answered by the crashing task, not left waiting
+    retry_at = resolver.snapshot().next_attempt_at  # the crashed lookup counts as failed: backing off
+    assert retry_at is not None
+    kvcm.hang = set()
+    async with trio.open_nursery() as service:
+        await service.start(resolver.run)  # restarted as the supervisor would: state kept, lookups resume
+        await trio.sleep_until(retry_at + 0.001)
+        leader = resolver.cached_leader()
+        assert leader is not None and leader.target == NODES[0]
+        service.cancel_scope.cancel()
+
+
+async def _record(outcomes: list[tuple[float, UnavailableReason | str]], resolver: LeaderResolver) -> None:
+    with trio.fail_after(10):
+        outcomes.append(await timed_leader(resolver))

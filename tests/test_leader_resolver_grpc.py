@@ -64,7 +64,7 @@ class Kvcm:
     async def start_resolver(self, bootstrap: Callable[[], tuple[str, ...]] | None = None) -> LeaderResolver:
         targets = self.targets
         resolver = LeaderResolver(
-            CONFIG, BreakerConfig(), self.client, bootstrap or (lambda: targets), instance_id=""
+            CONFIG, BreakerConfig(), self.client, bootstrap or (lambda: targets), instance_id="", inbox_size=64
         )
         await self.nursery.start(resolver.run)
         return resolver
@@ -149,6 +149,7 @@ async def test_leader_moves_found_with_one_concurrent_round(kvcm: Kvcm) -> None:
         with pytest.raises(NotLeader) as not_leader:
             await kvcm.client.get_host_cache_state(old, query)
         resolver.report_failure(old, not_leader.value)
+        await trio.testing.wait_all_tasks_blocked()  # the resolver's task applies the report
 
         assert (await resolver.leader()).target == new
         after = kvcm.cluster_info_calls()

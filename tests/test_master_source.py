@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from actors.sources.master import MasterClientHealth
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.master import MasterFaults, SimMaster
 from router.api import open_router
@@ -46,7 +47,9 @@ class Rig:
 
 
 @asynccontextmanager
-async def rig(*, kvcm_fallback: bool = True, replicas: int = 2, **master_kw: object) -> AsyncIterator[Rig]:
+async def rig(
+    *, kvcm_fallback: bool = True, replicas: int = 2, max_in_flight: int = 256, **master_kw: object
+) -> AsyncIterator[Rig]:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
@@ -60,7 +63,7 @@ async def rig(*, kvcm_fallback: bool = True, replicas: int = 2, **master_kw: obj
     hosts = master.serve_memory(masters)
     config = KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, roles=(Role.PREFILL,)),
-        router=RouterConfig(kvcm_fallback=kvcm_fallback),
+        router=RouterConfig(kvcm_fallback=kvcm_fallback, max_in_flight=max_in_flight),
         discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
         master=replace(MasterConfig(hosts=",".join(hosts.hosts)), **master_kw),  # type: ignore[arg-type]
         master_breaker=replace(BreakerConfig(), failure_threshold=3, cooldown_s=1.0),
@@ -213,3 +216,55 @@ async def test_a_queue_over_the_threshold_rejects_up_front_with_429(autojump_clo
         assert r.masters.call_count(path=paths.MASTER_HTTP_SCHEDULE) == before  # rejected before any call
         gauge = r.handle.metrics.registry.get_sample_value("kvroute_master_queue_length")
         assert gauge == 500
+
+
+# --- the master source as an actor: its task owns the breaker, last error and counters -------------
+
+
+def master_health(r: Rig) -> MasterClientHealth:
+    health = r.handle.actors()["master_client"]["health"]
+    assert isinstance(health, MasterClientHealth)
+    return health
+
+
+async def test_reports_wait_for_the_masters_task_and_a_full_inbox_drops_and_counts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig(max_in_flight=1) as r:  # an inbox of 2: a report and a trial ask per request in flight
+        await r.route("warm")
+        await trio.testing.wait_all_tasks_blocked()
+        assert master_health(r).requests == 1
+        r.handle.supervisor.inject_crash("master_client")
+        await trio.testing.wait_all_tasks_blocked()  # the task is down until its restart backoff ends
+        for i in range(3):  # a CLOSED breaker admits from the published view: no hop, no wait
+            decision = await r.handle.route(RouteRequest(f"down{i}", token_ids=PROMPT, budget_ms=50))
+            assert decision.route_source is RouteSource.MASTER
+        health = master_health(r)
+        assert (health.requests, health.routed, health.inbox_depth, health.reports_dropped) == (1, 1, 2, 1)
+        await trio.sleep(1)  # restarted: it applies what waited for it
+        health = master_health(r)
+        assert (health.requests, health.routed, health.inbox_depth, health.reports_dropped) == (3, 3, 0, 1)
+
+
+async def test_a_trial_ask_waits_only_within_the_masters_window(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig(replicas=1, transport_timeout_ms=10, later_sources_ms=20) as r:
+        r.master.set_faults(0, MasterFaults(hang=True))
+        for i in range(3):  # the breaker's threshold
+            await r.route(f"h{i}")
+        await trio.testing.wait_all_tasks_blocked()
+        assert master_health(r).breaker.state.value == "open"
+        await trio.sleep(1.0)  # the cooldown: the next request may be the trial, which only the task hands out
+        r.master.set_faults(0, MasterFaults())
+        r.handle.supervisor.inject_crash("master_client")
+        await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        decision = await r.handle.route(RouteRequest("asks", token_ids=PROMPT, budget_ms=30))
+        assert decision.sources[0].reason is Reason.MASTER_BREAKER_OPEN  # no answer within its window: as if open
+        assert decision.route_source is RouteSource.KVCM  # the later sources kept their 20 ms
+        assert decision.sources[0].elapsed_ms == pytest.approx(10.0, abs=0.5)
+        assert trio.current_time() - start <= 0.030
+        await trio.sleep(1)  # restarted; the abandoned ask took no trial slot
+        decision = await r.handle.route(RouteRequest("trial", token_ids=PROMPT, budget_ms=30))
+        assert decision.route_source is RouteSource.MASTER
+        await trio.testing.wait_all_tasks_blocked()
+        assert master_health(r).breaker.state.value == "closed"

@@ -220,6 +220,7 @@ async def test_leader_lost_mid_request(autojump_clock: trio.testing.MockClock) -
         assert d.elapsed_ms <= 20
         resolver = handle.leader_resolver()
         assert resolver is not None
+        await trio.testing.wait_all_tasks_blocked()  # the resolver's task applies the invalidation
         with trio.fail_after(1):
             await resolver.leader()
         d2 = await handle.route(RouteRequest("moved2", token_ids=PROMPT, budget_ms=20))
@@ -542,6 +543,7 @@ async def test_kvcm_freeze_opens_the_breaker_through_leader_waits(autojump_clock
         decisions = []
         for i in range(12):  # 12 × 30 ms: well within one lookup round (lookup_timeout_s 0.5 s)
             decisions.append(await handle.route(RouteRequest(f"frozen{i}", token_ids=PROMPT, budget_ms=30)))
+            await trio.testing.wait_all_tasks_blocked()  # the next request comes after the resolver applied this one
         resolver = handle.leader_resolver()
         assert resolver is not None
         snap = resolver.snapshot()
@@ -563,6 +565,7 @@ async def test_leader_waits_cut_short_by_tight_budgets_are_not_judged(
         for node in cluster.kvcm.node_ids:
             cluster.kvcm.set_faults(node, KvcmFaults(hang=True))
         await handle.route(RouteRequest("first", token_ids=PROMPT, budget_ms=30))  # invalidates the leader
+        await trio.testing.wait_all_tasks_blocked()  # applied by the resolver's task
         for i in range(10):  # 5 ms budgets: each wait is allowed less than slow_query_ms (10 ms)
             d = await handle.route(RouteRequest(f"tight{i}", token_ids=PROMPT, budget_ms=5))
             assert d.reason is Reason.DEADLINE

@@ -1,4 +1,5 @@
-"""Supervision: each actor crashed once is recorded and restarted, and decisions keep coming in time.
+"""Supervision: each actor crashed once is recorded and restarted, and decisions keep coming in time;
+the channel pool (started only with real gRPC) crashed with leases out keeps counting them.
 
 MockClock + MemoryNetwork (in-memory SimCluster); the crash is raised inside the actor's own task tree.
 """
@@ -9,10 +10,12 @@ import pytest
 import trio
 import trio.testing
 
+from actors.channel_pool import ChannelPool
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
+from router.config import ChannelPoolConfig, DeploymentConfig, DiscoveryConfig, KvrouteConfig
 from router.keys import block_keys
+from router.supervisor import Supervisor
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import KeyFamily, RouteRequest, RouteSource
 
@@ -64,3 +67,48 @@ async def test_crashed_actor_restarts_and_routing_continues(actor: str, autojump
         assert sources[-1] is RouteSource.KVCM
         others = {name: v["restarts"] for name, v in handle.actors_health().items() if name != actor}
         assert set(others.values()) == {0}
+
+
+class _Channel:
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+async def test_crashed_channel_pool_restarts_with_its_leases_counted(autojump_clock: trio.testing.MockClock) -> None:
+    """The pool is started only with real gRPC; here with fake channels, under the same supervisor."""
+    opened: list[_Channel] = []
+
+    def factory(target: str) -> _Channel:
+        opened.append(_Channel(target))
+        return opened[-1]
+
+    pool = ChannelPool(ChannelPoolConfig(idle_expiry_s=60.0), factory)
+    async with trio.open_nursery() as services:
+        supervisor = Supervisor(services)
+        await supervisor.start("channel_pool", pool.run, snapshot=pool.snapshot)
+        held = pool.lease("a.example:1")
+        channel = await held.__aenter__()
+        supervisor.inject_crash("channel_pool")
+        await trio.testing.wait_all_tasks_blocked()
+        async with pool.lease("a.example:1") as again:  # warm: leased while the task is down, no wait
+            assert again is channel
+        pool.invalidate("a.example:1")  # waits in the inbox for the restarted task
+        await trio.sleep(1)  # past the restart backoff
+        view = supervisor.views()["channel_pool"]
+        assert (view["state"], view["restarts"]) == ("running", 1)
+        snap = pool.snapshot()
+        assert (snap.leased, snap.draining, snap.size, snap.inbox_depth) == (1, 1, 0, 0)
+        assert channel.closes == 0  # evicted, but still leased
+        await held.__aexit__(None, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+        assert channel.closes == 1
+        async with pool.lease("a.example:1") as fresh:  # cold: opened by the restarted task
+            assert fresh is not channel
+        await trio.sleep(61)  # the restarted task still sweeps idle channels
+        assert fresh.closes == 1
+        services.cancel_scope.cancel()
+    await pool.aclose()

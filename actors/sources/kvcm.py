@@ -85,7 +85,7 @@ class KvcmSource:
         resolver = self._resolver
         if not ctx.prepared.keys:
             return FellThrough(Reason.NO_POSITIVE_MATCH)
-        admission = resolver.admit()
+        admission = await resolver.admit(ctx.decide_at)
         if admission is Admission.REJECT:
             return FellThrough(Reason.BREAKER_OPEN)
         trial = admission is Admission.TRIAL

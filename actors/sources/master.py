@@ -12,16 +12,24 @@ window a transport failure of the master tries the slave once. Outcomes:
 
 Consecutive transport failures open the master's breaker (the KVCM breaker's state machine), so
 a hanging master costs at most the window for at most the breaker's threshold of requests.
+
+The source is also the actor that owns the breaker, the last error and the outcome counters: only
+its ``run`` task changes them. Requests read the :class:`BreakerView` it publishes (a CLOSED
+breaker admits and an OPEN one rejects without a hop), ask it only for a trial (request/reply
+under the request's deadline), and send one report per attempt (``send_nowait``; dropped and
+counted when the inbox is full). ``health()`` is a copy of its state for /debug/actors.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass
 
 import trio
 
-from actors.breaker import Admission, BreakerSnapshot, BreakerState, KvcmBreaker
+from actors.breaker import Admission, BreakerSnapshot, BreakerState, BreakerView, KvcmBreaker
+from actors.inbox import Ask, ask
 from actors.master_discovery import MasterDiscovery, MasterDiscoverySnapshot
 from actors.metrics_sink import MasterRequest, MetricsSink
 from actors.sources.base import Answered, Ended, FellThrough, RequestContext, SourceResult, recorded_answer
@@ -47,6 +55,41 @@ class MasterClientHealth:
     routed: int
     fell_through: int
     ended: int
+    reports_dropped: int  # attempts whose report the full inbox refused (not counted above)
+    inbox_depth: int
+    inbox_capacity: int
+
+
+class _Verdict(enum.Enum):
+    SUCCESS = "success"
+    FAILURE = "failure"
+    NOT_JUDGED = "not_judged"  # a trial slot released, nothing judged
+    NOT_ASKED = "not_asked"  # the master was not called (no master, queue full, breaker open)
+
+
+@dataclass(frozen=True, slots=True)
+class _Attempted:
+    """One request's attempt, reported when it ends (the only message a request always sends)."""
+
+    verdict: _Verdict
+    trial: bool
+    result: SourceResult | None  # None: the request was cancelled
+    error: str | None  # the master's transport failure, for last_error
+
+
+class _AskTrial(Ask[Admission]):
+    """May this request be the breaker's trial? (request/reply)"""
+
+
+class _Outcome:
+    """What one attempt found out for the breaker, filled in as it goes (local to the request)."""
+
+    __slots__ = ("error", "trial", "verdict")
+
+    def __init__(self) -> None:
+        self.verdict: _Verdict | None = None
+        self.trial = False
+        self.error: str | None = None
 
 
 class MasterSource:
@@ -72,26 +115,99 @@ class MasterSource:
         self._transport = transport
         self._domain = domain
         self._metrics = metrics
-        self.breaker = KvcmBreaker(config.master_breaker)
+        # Owned by run():
+        self._breaker = KvcmBreaker(config.master_breaker)
         self._last_error: str | None = None
         self._requests = self._routed = self._fell_through = self._ended = 0
+        self._view: BreakerView = self._breaker.view()
+        self._view_changes = self._breaker.changes
+        # An attempt report per request and a trial ask at most.
+        self._inbox_size = 2 * config.router.max_in_flight
+        self._send, self._receive = trio.open_memory_channel[_Attempted | _AskTrial](self._inbox_size)
+        self._reports_dropped = 0  # kept by callers (a count only)
 
     def window(self, ctx: RequestContext) -> float:
         return ctx.deadline  # the attempt's own window is set inside, so a timeout is judged here
 
     def health(self) -> MasterClientHealth:
+        """A copy of the task's state for /debug/actors (never the request path)."""
         return MasterClientHealth(
             discovery=self._discovery.snapshot(),
-            breaker=self.breaker.snapshot(trio.current_time()),
+            breaker=self._breaker.snapshot(trio.current_time()),
             last_error=self._last_error,
             requests=self._requests,
             routed=self._routed,
             fell_through=self._fell_through,
             ended=self._ended,
+            reports_dropped=self._reports_dropped,
+            inbox_depth=self._receive.statistics().current_buffer_used,
+            inbox_capacity=self._inbox_size,
         )
 
     def breaker_state(self) -> BreakerState:
-        return self.breaker.state
+        """The state the task last published."""
+        return self._view.state
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the breaker, last error and counters: apply the inbox a batch at a time, then publish
+        the breaker's view."""
+        task_status.started()
+        receive = self._receive
+        while True:
+            message = await receive.receive()
+            while True:
+                if isinstance(message, _AskTrial):
+                    if not message.abandoned:
+                        message.answer(self._breaker.admit(trio.current_time()))
+                else:
+                    self._apply(message)
+                try:
+                    message = receive.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            if self._breaker.changes != self._view_changes:
+                self._view_changes = self._breaker.changes
+                self._view = self._breaker.view()
+
+    def _apply(self, attempted: _Attempted) -> None:
+        now = trio.current_time()
+        verdict = attempted.verdict
+        if verdict is _Verdict.SUCCESS:
+            self._breaker.record_success(now, attempted.trial)
+        elif verdict is _Verdict.FAILURE:
+            self._breaker.record_failure(now, attempted.trial)
+        elif verdict is _Verdict.NOT_JUDGED and attempted.trial:
+            self._breaker.release_trial()
+        if attempted.error is not None:
+            self._last_error = attempted.error
+        self._requests += 1
+        result = attempted.result
+        if isinstance(result, Answered):
+            self._routed += 1
+        elif isinstance(result, FellThrough):
+            self._fell_through += 1
+        elif isinstance(result, Ended):
+            self._ended += 1
+
+    def _report(self, attempted: _Attempted) -> None:
+        try:
+            self._send.send_nowait(attempted)
+        except trio.WouldBlock:
+            self._reports_dropped += 1
+
+    async def _admit(self, until: float) -> Admission:
+        """The breaker's admission: from the view, or (a trial may be due) from the task, waiting at
+        most until ``until`` (then REJECT, so the later sources keep their time)."""
+        admission = self._view.admits(trio.current_time())
+        if admission is not None:
+            return admission
+        with trio.move_on_at(until):
+            return await ask(self._send, _AskTrial(), self._release_unclaimed)
+        return Admission.REJECT
+
+    def _release_unclaimed(self, admission: Admission) -> None:
+        if admission is Admission.TRIAL:
+            self._report(_Attempted(_Verdict.NOT_JUDGED, True, None, None))
 
     def queue_length(self) -> int:
         """The master's last reported queue length, -1 when unknown."""
@@ -102,20 +218,19 @@ class MasterSource:
         return None
 
     async def attempt(self, ctx: RequestContext) -> SourceResult:
-        self._requests += 1
         started = trio.current_time()
-        result = await self._attempt(ctx)
+        outcome = _Outcome()
+        try:
+            result = await self._attempt(ctx, outcome)
+        except BaseException:  # cancelled: a trial that never got its verdict frees its slot
+            self._report(_Attempted(outcome.verdict or _Verdict.NOT_JUDGED, outcome.trial, None, outcome.error))
+            raise
+        self._report(_Attempted(outcome.verdict or _Verdict.NOT_ASKED, outcome.trial, result, outcome.error))
         if ctx.record is not None:
             ctx.record.master = recorded_answer(ctx.record, started, trio.current_time(), result)
-        if isinstance(result, Answered):
-            self._routed += 1
-        elif isinstance(result, FellThrough):
-            self._fell_through += 1
-        else:
-            self._ended += 1
         return result
 
-    async def _attempt(self, ctx: RequestContext) -> SourceResult:
+    async def _attempt(self, ctx: RequestContext, outcome: _Outcome) -> SourceResult:
         known = self._discovery.snapshot()
         if self._queue_threshold > 0 and known.queue_length is not None and known.queue_length > self._queue_threshold:
             self._metrics.emit(MasterRequest("queue_full"))
@@ -127,17 +242,16 @@ class MasterSource:
         if known.master is None:
             self._metrics.emit(MasterRequest("no_master"))  # counted, not logged: discovery reports why
             return FellThrough(Reason.NO_MASTER)
-        now = trio.current_time()
-        admission = self.breaker.admit(now)
+        admission = await self._admit(ctx.deadline - self._later_s)
         if admission is Admission.REJECT:
             self._metrics.emit(MasterRequest("breaker_open"))
             return FellThrough(Reason.MASTER_BREAKER_OPEN)
-        trial = admission is Admission.TRIAL
+        outcome.trial = admission is Admission.TRIAL
+        now = trio.current_time()
         by_budget = ctx.deadline - self._later_s
         end = min(now + self._timeout_s, by_budget)
         if end <= now:
-            if trial:
-                self.breaker.release_trial()
+            outcome.verdict = _Verdict.NOT_JUDGED
             self._metrics.emit(MasterRequest("no_time"))
             return FellThrough(Reason.DEADLINE)
         hosts = [known.master] + ([known.slave] if known.slave not in (None, known.master) else [])
@@ -157,14 +271,14 @@ class MasterSource:
             if error is None or finished >= end:
                 error = DeadlineExceeded(hosts[-1], "no schedule reply within the master's window")
                 self._metrics.emit(MasterRequest(error.kind))
-            self._last_error = f"{error.target}: {error}"
+            outcome.error = f"{error.target}: {error}"
             if finished >= end and end == by_budget and end - now < self._slow_s:
-                if trial:  # the request's own budget cut the attempt short: it says nothing of the master
-                    self.breaker.release_trial()
+                # The request's own budget cut the attempt short: it says nothing of the master.
+                outcome.verdict = _Verdict.NOT_JUDGED
             else:
-                self.breaker.record_failure(finished, trial)
+                outcome.verdict = _Verdict.FAILURE
             return FellThrough(Reason.MASTER_UNAVAILABLE)
-        self.breaker.record_success(finished, trial)
+        outcome.verdict = _Verdict.SUCCESS
         return self._outcome(reply)
 
     def _outcome(self, reply: MasterReply) -> SourceResult:

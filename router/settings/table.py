@@ -602,6 +602,10 @@ _SPECS: dict[str, _Spec] = {
     "channel_pool.keepalive_time_ms": _Spec("gRPC keepalive ping interval", metavar="MS"),
     "channel_pool.keepalive_timeout_ms": _Spec("gRPC keepalive ping timeout", metavar="MS"),
     "channel_pool.max_message_bytes": _Spec("gRPC max message size"),
+    "channel_pool.inbox_size": _Spec(
+        "ChannelPool inbox: lease reports and returns (two per lease in flight); beyond it leases wait and "
+        "invalidations are dropped and counted"
+    ),
     # metrics
     "metrics.inbox_size": _Spec("MetricsSink inbox; events beyond it are dropped and counted"),
     "metrics.decision_ring_size": _Spec("Decisions kept for /debug/decisions"),

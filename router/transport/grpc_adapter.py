@@ -110,7 +110,7 @@ class GrpcRawRpc:
         timeout = remaining_timeout()
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded(target, "deadline already passed; not sent")
-        with self._leaser.lease(target) as channel:
+        async with self._leaser.lease(target) as channel:
             # Identity serializers: bytes pass through both ways.
             future = channel.unary_unary(method_path, None, None).future(request, timeout=timeout)
             await wait_future(future)

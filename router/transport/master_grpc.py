@@ -73,9 +73,16 @@ class GrpcMasterTransport:
     def _cancel_nowait(self, target: str, request_id: str, *, deadline_exceeded: bool) -> None:
         """Send Cancel without waiting (we may be inside a cancelled scope): fire and forget."""
         request = encode_cancel_pb(request_id, deadline_exceeded)
-        # Best effort by definition: a closed pool or a broken channel only means no Cancel is sent.
-        with contextlib.suppress(Exception), self._leaser.lease(target) as channel:
-            future = channel.unary_unary(paths.MASTER_CANCEL, None, None).future(request, timeout=CANCEL_TIMEOUT_S)
-            self._pending_cancels.add(future)
-            # On a grpc thread; set.discard is atomic.
-            future.add_done_callback(self._pending_cancels.discard)
+        # Best effort by definition: a closed pool, a broken channel or a channel that would have to be
+        # waited for (the schedule call just used it, so it rarely is) only means no Cancel is sent.
+        with contextlib.suppress(Exception):
+            lease = self._leaser.lease_nowait(target)
+            if lease is None:
+                return
+            with lease as channel:
+                future = channel.unary_unary(paths.MASTER_CANCEL, None, None).future(
+                    request, timeout=CANCEL_TIMEOUT_S
+                )
+                self._pending_cancels.add(future)
+                # On a grpc thread; set.discard is atomic.
+                future.add_done_callback(self._pending_cancels.discard)

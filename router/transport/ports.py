@@ -7,7 +7,7 @@ scope, and the gRPC adapter passes the remaining time as the RPC's ``timeout=``.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Protocol, TypeVar
 
 from router.types import CacheQuery, CacheState, ClusterInfo, WorkerStatus
@@ -19,11 +19,15 @@ ChannelT_co = TypeVar("ChannelT_co", covariant=True)
 class ChannelLeaser(Protocol[ChannelT_co]):
     """What the gRPC adapter needs from the channel pool (actors.channel_pool.ChannelPool).
 
-    ``lease`` never awaits: entering yields the target's channel, which stays open until
-    the lease is released; it raises ``router.targets.TargetError`` naming a malformed target.
+    ``async with lease(target)`` yields the target's channel, which stays open until the lease is
+    released; entering waits only for a target without a channel yet (within the caller's
+    deadline), and raises ``router.targets.TargetError`` naming a malformed target.
+    ``lease_nowait`` is the no-wait path alone: None when it would have to wait.
     """
 
-    def lease(self, target: str) -> AbstractContextManager[ChannelT_co]: ...
+    def lease(self, target: str) -> AbstractAsyncContextManager[ChannelT_co]: ...
+
+    def lease_nowait(self, target: str) -> AbstractContextManager[ChannelT_co] | None: ...
 
     def invalidate(self, target: str, channel: object | None = None) -> None:
         """Drop ``target``'s channel after a transport failure (only if it is still ``channel``, if given)."""
