@@ -149,7 +149,8 @@ class RouterActor:
         ticket = object()  # the limiter's borrower: one per request
         # Shed at once what would only be answered late (the admission estimate) or what the cap
         # has no room for.
-        if remaining > 0 and not self._estimate.admits(remaining):
+        alone = self._limiter.borrowed_tokens == 0
+        if remaining > 0 and not self._estimate.admits(remaining, alone=alone):
             return self._shed(request, now, deadline)
         try:
             self._limiter.acquire_on_behalf_of_nowait(ticket)

@@ -42,8 +42,12 @@ class AdmissionEstimate:
     def expected_s(self) -> float:
         return self._own_s + self._lag_s
 
-    def admits(self, remaining_s: float) -> bool:
-        return remaining_s >= self.expected_s()
+    def admits(self, remaining_s: float, *, alone: bool = False) -> bool:
+        """Whether ``remaining_s`` covers the expected cost. ``alone`` (no other request in flight):
+        the own-time estimate is not asked, only the loop's lag. The own time is learnt only from
+        admitted requests, so after one stall pushed it past every budget nothing would be admitted
+        to correct it; a request alone is admitted to take that fresh sample."""
+        return remaining_s >= (self._lag_s if alone else self.expected_s())
 
     def view(self) -> AdmissionView:
         return AdmissionView(self._own_s, self._lag_s, self.expected_s())

@@ -60,3 +60,30 @@ async def test_a_saturated_loop_sheds_at_admission_and_recovers(autojump_clock: 
         again = await handle.route(RouteRequest("again", token_ids=PROMPT, budget_ms=8))
         assert again.reason is not Reason.OVERLOADED
         assert handle.router_actor().health().admission.lag_s < 0.001
+
+
+def test_a_request_alone_is_judged_by_the_lag_only_so_a_stale_own_estimate_recovers() -> None:
+    estimate = AdmissionEstimate(RouterConfig())
+    estimate.observe_own(1.0)  # one stalled request: 100 ms expected from now on
+    assert not estimate.admits(0.050)
+    assert estimate.admits(0.050, alone=True)  # admitted to take a fresh sample
+    estimate.observe_lag(1.0)
+    assert not estimate.admits(0.050, alone=True)  # a late loop still sheds it
+
+
+async def test_a_stale_own_estimate_does_not_shed_forever(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)
+        handle.router_actor()._estimate.observe_own(5.0)  # as after one request stalled for seconds
+        first = await handle.route(RouteRequest("first", token_ids=PROMPT, budget_ms=30))
+        assert first.reason is not Reason.OVERLOADED
+        for i in range(40):
+            await handle.route(RouteRequest(f"r{i}", token_ids=PROMPT, budget_ms=30))
+        assert handle.router_actor().health().admission.own_s < 0.030
