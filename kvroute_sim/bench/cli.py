@@ -6,7 +6,8 @@ window of the same work lists the top costs under the table.
 
 Where things run: the simulators for P2/P3/P7 in a child process (``kvroute sim-cluster
 --print-json``, always stopped at the end); P4 in this process over loopback gRPC, so its
-fault knobs can be switched directly; P7's sidecar and its client threads in this process;
+fault knobs can be switched directly; P7's sidecar in this process, its callers in a second child
+on the simulators' CPUs;
 P3 (memory), P5's baselines and the soak in memory.
 This process is pinned to one CPU for the run (the child gets the others), so "one core"
 holds for the router and for the raw client it is compared with.
@@ -176,7 +177,7 @@ def _measure(
                 finally:
                     raw.close()
             if "P7" in selected:
-                timed("P7", lambda: overload.measure(report, sim.view, sizes.load))
+                timed("P7", lambda: overload.measure(report, sim.view, sizes.load, placement.child))
     if "P3" in selected:
         timed("P3 memory", lambda: throughput.measure_memory(report, shape, sizes.throughput_memory))
     if "P4" in selected:

@@ -1,0 +1,133 @@
+"""Closed-loop gRPC callers in a child process, so a figure measures the server, not its own clients.
+
+Client threads in the measuring process would share its core and its GIL with the sidecar they
+measure: at hundreds of callers their own Python would be most of that process's CPU. Here
+they run in a spawned child (pinned where the placement says), driven over a pipe: one level
+per command, each thread calling again as soon as it is answered, until the requests are used
+up or the level's time has passed. The child exits when the pipe closes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Iterator, Set
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import grpc
+
+from router.wire.paths import ROUTER_ROUTE
+
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One closed loop: ``callers`` threads sharing ``requests`` (serialised Route requests)."""
+
+    requests: tuple[bytes, ...]
+    callers: int
+    max_s: float
+    client_deadline_s: float
+
+
+@dataclass(slots=True)
+class CallerResults:
+    """What one client thread saw; merged after the level (no shared state while it runs)."""
+
+    replies: list[bytes] = field(default_factory=list)
+    client_ms: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # grpc status names
+
+
+@dataclass(frozen=True, slots=True)
+class LevelRun:
+    seconds: float
+    results: tuple[CallerResults, ...]
+    cpu_s: float  # the child's own CPU over the level (its client threads and grpc)
+
+
+def drive_level(channel: grpc.Channel, level: Level) -> tuple[float, list[CallerResults]]:
+    """Run ``level`` on ``channel``: the elapsed seconds and each thread's results."""
+    call = channel.unary_unary(ROUTER_ROUTE, None, None)
+    serial = itertools.count()  # next() on it is atomic under the GIL
+    results = [CallerResults() for _ in range(level.callers)]
+    stop_at = time.monotonic() + level.max_s
+    requests = level.requests
+
+    def caller(into: CallerResults) -> None:
+        while time.monotonic() < stop_at:
+            i = next(serial)
+            if i >= len(requests):
+                return
+            start = time.perf_counter()
+            try:
+                reply: bytes = call(requests[i], timeout=level.client_deadline_s)
+            except grpc.RpcError as exc:
+                into.errors.append(exc.code().name)
+            else:
+                into.client_ms.append((time.perf_counter() - start) * 1e3)
+                into.replies.append(reply)
+
+    threads = [threading.Thread(target=caller, args=(r,), name=f"caller-{n}") for n, r in enumerate(results)]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - began, results
+
+
+def _child_main(conn: Connection, target: str, cpus: frozenset[int] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    channel = grpc.insecure_channel(target, options=[("grpc.enable_retries", 0)])
+    try:
+        while True:
+            try:
+                level: Level = conn.recv()
+            except EOFError:
+                return
+            cpu_before = time.process_time()
+            seconds, results = drive_level(channel, level)
+            conn.send(LevelRun(seconds, tuple(results), time.process_time() - cpu_before))
+    finally:
+        channel.close()
+        conn.close()
+
+
+class CallerProcess:
+    """The child, from the parent's side: :meth:`run` one level at a time (blocking)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def run(self, level: Level) -> LevelRun:
+        self._conn.send(level)
+        run: LevelRun = self._conn.recv()
+        return run
+
+
+@contextmanager
+def caller_process(target: str, cpus: Set[int] | None) -> Iterator[CallerProcess]:
+    """A spawned child calling ``target`` (pinned to ``cpus`` when given); always stopped on exit."""
+    context = multiprocessing.get_context("spawn")  # never fork a process that runs grpc
+    parent, child_end = context.Pipe()
+    child = context.Process(
+        target=_child_main, args=(child_end, target, None if cpus is None else frozenset(cpus)), daemon=True
+    )
+    child.start()
+    child_end.close()
+    try:
+        yield CallerProcess(parent)
+    finally:
+        parent.close()  # the child's recv sees EOF and it returns
+        child.join(STOP_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+            child.join()
