@@ -19,7 +19,9 @@ request tasks (no await between read and write); the debug view reads :meth:`hea
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +71,24 @@ from router.types import (
 log = logging.getLogger(__name__)
 
 _HASH_REST_RATIO = 1.0  # a long prompt's hashing takes at most half of the routing thread
+LAG_RESERVE_FACTOR = 2.0  # the decision reserve is at least this many times the loop's average lag
+OVERLOAD_DRAWS = 16  # overloaded answers drawn ahead for threads that shed before the loop
+OVERLOAD_REDRAW_EVERY = 10  # lag measurements between two draws (the estimate is published at each)
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadAnswers:
+    """What a thread that receives requests needs to shed one before it reaches the routing loop,
+    published by the router's task after every lag measurement (read without a lock).
+
+    ``estimate`` is the admission estimate at publication; ``answers`` are domain answers with
+    reason ``overloaded``, each drawn as the router would for a request naming no roles (request
+    id and elapsed time left to fill in). Shedding is recorded on the routing loop afterwards
+    (:meth:`RouterActor.record_shed`).
+    """
+
+    estimate: AdmissionView
+    answers: tuple[RouteDecision, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +102,9 @@ class RouterHealth:
     internal_errors: int
     chain: tuple[str, ...]  # the sources, in the order a request asks them
     admission: AdmissionView
+
+
+_ANY_REQUEST = RouteRequest(request_id="")  # the drawn answers' placeholder; each shed fills in its own id
 
 
 class RouterActor:
@@ -114,6 +137,9 @@ class RouterActor:
         self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
         self._long_hashing = trio.CapacityLimiter(1)
         self._estimate = AdmissionEstimate(config.router)
+        # Its own generator: draws made ahead for other threads must not shift the domain source's.
+        self._overload_rng = random.Random(config.scorer.seed)
+        self._overload_answers: OverloadAnswers | None = None
         self._lag_interval_s = config.router.lag_probe_interval_ms / 1000.0
         self._reserve_min_s = config.router.reserve_min_ms / 1000.0
         self._reserve_fraction = config.router.reserve_fraction
@@ -134,11 +160,38 @@ class RouterActor:
             task_status.started()
 
     async def _measure_lag(self) -> None:
-        """How late a timer fires is how long a due task waits for the loop: feed the admission estimate."""
-        while True:
+        """How late a timer fires is how long a due task waits for the loop: feed the admission
+        estimate and publish it."""
+        answers: tuple[RouteDecision, ...] = ()
+        for turn in itertools.count():
+            if turn % OVERLOAD_REDRAW_EVERY == 0:
+                answers = self._draw_overload_answers()
+            self._overload_answers = OverloadAnswers(self._estimate.view(), answers)
             due = trio.current_time() + self._lag_interval_s
             await trio.sleep_until(due)
             self._estimate.observe_lag(trio.current_time() - due)
+
+    def _draw_overload_answers(self) -> tuple[RouteDecision, ...]:
+        now = trio.current_time()
+        draws = []
+        for _ in range(OVERLOAD_DRAWS):
+            result = self._domain.pick(None, Reason.OVERLOADED, rng=self._overload_rng)
+            source = RouteSource.DOMAIN if isinstance(result, Answered) else None
+            draws.append(self._decision(_ANY_REQUEST, now, {}, (), source, result, None, rng=self._overload_rng))
+        return tuple(draws)
+
+    def overload_answers(self) -> OverloadAnswers | None:
+        """The last published answers for shedding off the routing loop (None before the first)."""
+        return self._overload_answers
+
+    def record_shed(self, request: RouteRequest, decision: RouteDecision, deadline: float) -> None:
+        """Count and record a request another thread answered ``overloaded`` from
+        :meth:`overload_answers`, as :meth:`route` records its own sheds."""
+        self._overloaded += 1
+        self._emit(decision)
+        if self._decision_log is not None:
+            now = trio.current_time()
+            self._decision_log.submit(DecisionRecord(request, now, deadline, overloaded=True, decision=decision))
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
@@ -149,8 +202,8 @@ class RouterActor:
         ticket = object()  # the limiter's borrower: one per request
         # Shed at once what would only be answered late (the admission estimate) or what the cap
         # has no room for.
-        alone = self._limiter.borrowed_tokens == 0
-        if remaining > 0 and not self._estimate.admits(remaining, alone=alone):
+        in_flight = int(self._limiter.borrowed_tokens)
+        if remaining > 0 and not self._estimate.admits(remaining, in_flight=in_flight):
             return self._shed(request, now, deadline)
         try:
             self._limiter.acquire_on_behalf_of_nowait(ticket)
@@ -249,7 +302,8 @@ class RouterActor:
             return None, self._fallback(request, None, Reason.BAD_REQUEST, received_at, stages, (), error=str(exc))
         stages[Stage.KEYS] = ms(trio.current_time() - t)
         budget = max(0.0, deadline - received_at)
-        reserve = max(self._reserve_min_s, self._reserve_fraction * budget)
+        # The reserve also covers the loop's lag: a task woken at decide_at runs that much later.
+        reserve = max(self._reserve_min_s, self._reserve_fraction * budget, LAG_RESERVE_FACTOR * self._estimate.lag_s())
         ctx = RequestContext(
             request=request,
             prepared=prepared,
@@ -334,6 +388,8 @@ class RouterActor:
         source: RouteSource | None,
         result: Answered | Ended,
         prepared: PreparedRequest | None,
+        *,
+        rng: random.Random | None = None,
     ) -> RouteDecision:
         elapsed = ms(trio.current_time() - received_at)
         stages[Stage.TOTAL] = elapsed
@@ -356,7 +412,7 @@ class RouterActor:
         )
         companions = prepared.companions if prepared is not None else self._deployment_companions
         if companions:
-            role_addrs = self._companions.fill(role_addrs, companions)
+            role_addrs = self._companions.fill(role_addrs, companions, rng=rng)
         return RouteDecision(
             request_id=request.request_id,
             worker=result.worker,

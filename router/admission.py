@@ -1,10 +1,15 @@
 """What admitting a request will cost: a running estimate of the router's own time per request and
-of the routing loop's lag (pure; times are passed in).
+of the routing loop's lag, and a limit on requests in flight learnt from how late they are
+answered (pure; times are passed in).
 
 A request whose remaining budget cannot cover ``expected_s()`` would only be answered late: the
 router answers it at admission instead (domain fallback, reason ``overloaded``), before hashing,
-querying or probing. Both are exponentially weighted averages: a sustained lag (the loop saturated)
-raises the estimate within a few samples, while one isolated stall (a collection) moves it little.
+querying or probing. Both are exponentially weighted averages: a sustained lag (the loop
+saturated) raises the estimate within a few samples, while one isolated stall (a collection)
+moves it little.
+
+:class:`InFlightLimit` bounds how many requests a receiving thread hands to the routing loop at
+once: it grows while they are answered well within their time and shrinks when they are not.
 """
 
 from __future__ import annotations
@@ -19,6 +24,41 @@ class AdmissionView:
     own_s: float  # the router's own time per request (hashing, planning, scoring, hops)
     lag_s: float  # how late the routing loop runs a task that is due
     expected_s: float  # what a request needs at least: own + lag
+
+
+def admits(view: AdmissionView, remaining_s: float, *, in_flight: int) -> bool:
+    """Whether ``remaining_s`` covers the expected cost. A request alone (``in_flight`` 0) is judged
+    by the loop's lag only: the own time is learnt from admitted requests, so after one stall pushed
+    it past every budget nothing would be admitted to correct it; a request alone is admitted to
+    take that fresh sample."""
+    return remaining_s >= (view.lag_s if in_flight <= 0 else view.expected_s)
+
+
+class InFlightLimit:
+    """How many requests may be in the router at once: additive increase while they are answered
+    within ``late_share`` of the time they had, multiplicative decrease when one is not (the
+    congestion signal of a saturated loop: requests queue for the CPU and come back late; the
+    router answers by its deadline, so one answered later than that waited for the CPU).
+    Not thread-safe: its owner serialises the calls."""
+
+    __slots__ = ("_ceiling", "_decrease", "_late_share", "_limit")
+
+    def __init__(self, *, initial: int, ceiling: int, late_share: float = 1.0, decrease: float = 0.9) -> None:
+        self._ceiling = float(max(1, ceiling))
+        self._limit = min(float(max(1, initial)), self._ceiling)
+        self._late_share = late_share
+        self._decrease = decrease
+
+    @property
+    def limit(self) -> int:
+        return int(self._limit)
+
+    def observe(self, took_s: float, had_s: float) -> None:
+        """One admitted request answered after ``took_s`` of the ``had_s`` it had."""
+        if took_s > self._late_share * had_s:
+            self._limit = max(1.0, self._limit * self._decrease)
+        else:
+            self._limit = min(self._ceiling, self._limit + 1.0 / self._limit)
 
 
 class AdmissionEstimate:
@@ -42,12 +82,11 @@ class AdmissionEstimate:
     def expected_s(self) -> float:
         return self._own_s + self._lag_s
 
-    def admits(self, remaining_s: float, *, alone: bool = False) -> bool:
-        """Whether ``remaining_s`` covers the expected cost. ``alone`` (no other request in flight):
-        the own-time estimate is not asked, only the loop's lag. The own time is learnt only from
-        admitted requests, so after one stall pushed it past every budget nothing would be admitted
-        to correct it; a request alone is admitted to take that fresh sample."""
-        return remaining_s >= (self._lag_s if alone else self.expected_s())
+    def lag_s(self) -> float:
+        return self._lag_s
+
+    def admits(self, remaining_s: float, *, in_flight: int = 1) -> bool:
+        return admits(self.view(), remaining_s, in_flight=in_flight)
 
     def view(self) -> AdmissionView:
         return AdmissionView(self._own_s, self._lag_s, self.expected_s())

@@ -3,16 +3,20 @@
 Client threads in the measuring process would share its core and its GIL with the sidecar they
 measure: at hundreds of callers their own Python would be most of that process's CPU. Here
 they run in a spawned child (pinned where the placement says), driven over a pipe: one level
-per command, each thread calling again as soon as it is answered, until the requests are used
+per command, each caller calling again as soon as it is answered, until the requests are used
 up or the level's time has passed. The child exits when the pipe closes.
+
+The callers are coroutines on grpc's asyncio client (one channel): hundreds of blocking
+client threads cost more Python per call than the sidecar answering them, so at 256 callers
+most calls ran out their deadline inside the client before they were sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import multiprocessing
 import os
-import threading
 import time
 from collections.abc import Iterator, Set
 from contextlib import contextmanager
@@ -28,7 +32,7 @@ STOP_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class Level:
-    """One closed loop: ``callers`` threads sharing ``requests`` (serialised Route requests)."""
+    """One closed loop: ``callers`` callers sharing ``requests`` (serialised Route requests)."""
 
     requests: tuple[bytes, ...]
     callers: int
@@ -38,7 +42,7 @@ class Level:
 
 @dataclass(slots=True)
 class CallerResults:
-    """What one client thread saw; merged after the level (no shared state while it runs)."""
+    """What one caller saw."""
 
     replies: list[bytes] = field(default_factory=list)
     client_ms: list[float] = field(default_factory=list)
@@ -49,55 +53,54 @@ class CallerResults:
 class LevelRun:
     seconds: float
     results: tuple[CallerResults, ...]
-    cpu_s: float  # the child's own CPU over the level (its client threads and grpc)
+    cpu_s: float  # the child's own CPU over the level (its callers and grpc)
 
 
-def drive_level(channel: grpc.Channel, level: Level) -> tuple[float, list[CallerResults]]:
-    """Run ``level`` on ``channel``: the elapsed seconds and each thread's results."""
+async def drive_level(channel: grpc.aio.Channel, level: Level) -> tuple[float, list[CallerResults]]:
+    """Run ``level`` on ``channel``: the elapsed seconds and each caller's results."""
     call = channel.unary_unary(ROUTER_ROUTE, None, None)
-    serial = itertools.count()  # next() on it is atomic under the GIL
+    serial = itertools.count()
     results = [CallerResults() for _ in range(level.callers)]
     stop_at = time.monotonic() + level.max_s
     requests = level.requests
 
-    def caller(into: CallerResults) -> None:
+    async def caller(into: CallerResults) -> None:
         while time.monotonic() < stop_at:
             i = next(serial)
             if i >= len(requests):
                 return
             start = time.perf_counter()
             try:
-                reply: bytes = call(requests[i], timeout=level.client_deadline_s)
-            except grpc.RpcError as exc:
+                reply: bytes = await call(requests[i], timeout=level.client_deadline_s)
+            except grpc.aio.AioRpcError as exc:
                 into.errors.append(exc.code().name)
             else:
                 into.client_ms.append((time.perf_counter() - start) * 1e3)
                 into.replies.append(reply)
 
-    threads = [threading.Thread(target=caller, args=(r,), name=f"caller-{n}") for n, r in enumerate(results)]
     began = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    await asyncio.gather(*(caller(r) for r in results))
     return time.perf_counter() - began, results
+
+
+async def _serve_levels(conn: Connection, target: str) -> None:
+    async with grpc.aio.insecure_channel(target, options=[("grpc.enable_retries", 0)]) as channel:
+        while True:
+            try:
+                level: Level = conn.recv()  # blocks the loop: nothing else runs between levels
+            except EOFError:
+                return
+            cpu_before = time.process_time()
+            seconds, results = await drive_level(channel, level)
+            conn.send(LevelRun(seconds, tuple(results), time.process_time() - cpu_before))
 
 
 def _child_main(conn: Connection, target: str, cpus: frozenset[int] | None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
-    channel = grpc.insecure_channel(target, options=[("grpc.enable_retries", 0)])
     try:
-        while True:
-            try:
-                level: Level = conn.recv()
-            except EOFError:
-                return
-            cpu_before = time.process_time()
-            seconds, results = drive_level(channel, level)
-            conn.send(LevelRun(seconds, tuple(results), time.process_time() - cpu_before))
+        asyncio.run(_serve_levels(conn, target))
     finally:
-        channel.close()
         conn.close()
 
 

@@ -2,7 +2,7 @@
 
 The sidecar (``router.sidecar.Sidecar`` over a router, as ``kvroute serve`` runs it, on this
 process's one core) against the simulators in the separate process. Each level is a closed
-loop of N plain grpcio client threads (one channel, a client deadline on every call, each
+loop of N grpcio asyncio callers (one channel, a client deadline on every call, each
 request with ``budget_ms`` = BUDGET_MS), a bounded number of calls and a wall-clock bound. The
 callers run in a child process of their own, on the simulators' CPUs, so this process's CPU
 (reported per call) is the sidecar's and its GIL is not shared with the clients.
