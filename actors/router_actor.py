@@ -204,11 +204,11 @@ class RouterActor:
         # has no room for.
         in_flight = int(self._limiter.borrowed_tokens)
         if remaining > 0 and not self._estimate.admits(remaining, in_flight=in_flight):
-            return self._shed(request, now, deadline)
+            return await self._shed(request, now, deadline)
         try:
             self._limiter.acquire_on_behalf_of_nowait(ticket)
         except trio.WouldBlock:
-            return self._shed(request, now, deadline)
+            return await self._shed(request, now, deadline)
         try:
             self._peak = max(self._peak, int(self._limiter.borrowed_tokens))
             decision = await self._handle(request, now, deadline)
@@ -216,12 +216,16 @@ class RouterActor:
             self._limiter.release_on_behalf_of(ticket)
         return decision
 
-    def _shed(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
-        """The domain answer ``overloaded``, before any work on the request (recorded like any decision)."""
+    async def _shed(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
+        """The domain answer ``overloaded``, before any work on the request (recorded like any decision).
+
+        Still a checkpoint: a caller looping over shed requests would otherwise never yield, the lag
+        probe would wait for it, and the lag it measured would shed everything after."""
         self._overloaded += 1
         decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
         if self._decision_log is not None:
             self._decision_log.submit(DecisionRecord(request, now, deadline, overloaded=True, decision=decision))
+        await trio.lowlevel.checkpoint()
         return decision
 
     def health(self) -> RouterHealth:
