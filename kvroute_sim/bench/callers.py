@@ -32,8 +32,9 @@ STOP_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class Level:
-    """One closed loop: ``callers`` callers sharing ``requests`` (serialised Route requests)."""
+    """One closed loop against ``target``: ``callers`` callers sharing ``requests`` (serialised Route requests)."""
 
+    target: str
     requests: tuple[bytes, ...]
     callers: int
     max_s: float
@@ -83,23 +84,32 @@ async def drive_level(channel: grpc.aio.Channel, level: Level) -> tuple[float, l
     return time.perf_counter() - began, results
 
 
-async def _serve_levels(conn: Connection, target: str) -> None:
-    async with grpc.aio.insecure_channel(target, options=[("grpc.enable_retries", 0)]) as channel:
+async def _serve_levels(conn: Connection) -> None:
+    channels: dict[str, grpc.aio.Channel] = {}  # one per target, kept across levels
+    try:
         while True:
             try:
                 level: Level = conn.recv()  # blocks the loop: nothing else runs between levels
             except EOFError:
                 return
+            channel = channels.get(level.target)
+            if channel is None:
+                channel = channels[level.target] = grpc.aio.insecure_channel(
+                    level.target, options=[("grpc.enable_retries", 0)]
+                )
             cpu_before = time.process_time()
             seconds, results = await drive_level(channel, level)
             conn.send(LevelRun(seconds, tuple(results), time.process_time() - cpu_before))
+    finally:
+        for channel in channels.values():
+            await channel.close(None)
 
 
-def _child_main(conn: Connection, target: str, cpus: frozenset[int] | None) -> None:
+def _child_main(conn: Connection, cpus: frozenset[int] | None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
     try:
-        asyncio.run(_serve_levels(conn, target))
+        asyncio.run(_serve_levels(conn))
     finally:
         conn.close()
 
@@ -117,12 +127,12 @@ class CallerProcess:
 
 
 @contextmanager
-def caller_process(target: str, cpus: Set[int] | None) -> Iterator[CallerProcess]:
-    """A spawned child calling ``target`` (pinned to ``cpus`` when given); always stopped on exit."""
+def caller_process(cpus: Set[int] | None) -> Iterator[CallerProcess]:
+    """A spawned child that runs levels (pinned to ``cpus`` when given); always stopped on exit."""
     context = multiprocessing.get_context("spawn")  # never fork a process that runs grpc
     parent, child_end = context.Pipe()
     child = context.Process(
-        target=_child_main, args=(child_end, target, None if cpus is None else frozenset(cpus)), daemon=True
+        target=_child_main, args=(child_end, None if cpus is None else frozenset(cpus)), daemon=True
     )
     child.start()
     child_end.close()

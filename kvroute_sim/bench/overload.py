@@ -10,7 +10,9 @@ callers run in a child process of their own, on the simulators' CPUs, so this pr
 Lateness is the sidecar's own: from its handler's receipt of a call to its serialised reply,
 less the call's deadline at receipt (min(budget, the client's remaining time)); gRPC's queueing
 before the handler is in the client's latency, reported beside it. A call with no answer is
-one the client saw end in an error (refused, timed out, failed).
+one the client saw end in an error (refused, timed out, failed). Each level is repeated at once
+against a grpcio echo server with the sidecar's thread pool in this process (the echo floor):
+the calls it leaves unanswered are gRPC's own limit on this core, not kvroute's.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence, Set
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import grpc
 import trio
 
 from kvroute_sim.bench.callers import CallerResults, Level, caller_process
@@ -29,7 +33,9 @@ from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import Summary, percentile
 from router.api import open_router
 from router.sidecar import CallTiming, Sidecar
+from router.transport.grpc_server import method_handlers
 from router.wire import router_v1_pb2
+from router.wire.paths import ROUTER_ROUTE
 
 LEVELS = (1, 8, 64, 256)  # concurrent callers
 BUDGET_MS = 30
@@ -47,6 +53,25 @@ class LoadSizes:
 
 
 @dataclass(frozen=True, slots=True)
+class EchoFloor:
+    """A grpcio server with the sidecar's thread pool and limits, answering every call with fixed
+    bytes, under the same closed loop: what gRPC alone leaves unanswered on this process's core."""
+
+    calls: int
+    seconds: float
+    no_answer: int
+    client_p99_ms: float
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "calls": self.calls,
+            "calls_per_s": self.calls / self.seconds if self.seconds else 0.0,
+            "no_answer": self.no_answer,
+            "client_p99_ms": self.client_p99_ms,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class LevelResult:
     callers: int
     calls: int
@@ -57,6 +82,7 @@ class LevelResult:
     timings: tuple[CallTiming, ...]  # the sidecar's own, answered calls
     sidecar_cpu_s: float  # this process's CPU over the level: the sidecar, the router, grpc's threads
     caller_cpu_s: float  # the caller process's CPU over the level
+    echo: EchoFloor  # the same level against a grpcio echo server with the sidecar's thread pool
 
     @property
     def no_answer(self) -> int:
@@ -108,6 +134,7 @@ class LevelResult:
             "sidecar_ms": Summary.of(sidecar_ms).to_json() if sidecar_ms else None,
             "client_ms": Summary.of(self.client_ms).to_json() if self.client_ms else None,
             "outcomes": dict(self.outcomes.most_common()),
+            "echo_floor": self.echo.to_json(),
             "met": self.met,
         }
 
@@ -132,6 +159,7 @@ def _level_result(
     timings: list[CallTiming],
     sidecar_cpu_s: float,
     caller_cpu_s: float,
+    echo: EchoFloor,
 ) -> LevelResult:
     outcomes: Counter[str] = Counter()
     for r in results:
@@ -148,6 +176,7 @@ def _level_result(
         timings=tuple(timings),
         sidecar_cpu_s=sidecar_cpu_s,
         caller_cpu_s=caller_cpu_s,
+        echo=echo,
     )
 
 
@@ -160,32 +189,63 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
             await prime(router, RouterRequests(view, "p7-prime"), sizes.warm_up)
             sidecar = Sidecar(router, config)
             bound = await nursery.start(sidecar.run)
+            echo_server, echo_target = _echo_server(config.serve.grpc_max_workers)
             try:
-                with caller_process(str(bound), caller_cpus) as callers_child:
-                    warm = Level(_requests(view, "p7-warm", sizes.warm_up), 1, sizes.max_level_s, CLIENT_DEADLINE_S)
+                with caller_process(caller_cpus) as callers_child:
+                    warm = Level(
+                        str(bound), _requests(view, "p7-warm", sizes.warm_up), 1, sizes.max_level_s, CLIENT_DEADLINE_S
+                    )
                     await trio.to_thread.run_sync(callers_child.run, warm)
+                    await trio.to_thread.run_sync(callers_child.run, replace(warm, target=echo_target))
                     sidecar.take_call_timings()  # the warm-up's, dropped
                     for callers, calls in zip(LEVELS, sizes.calls_per_level, strict=True):
                         level = Level(
-                            _requests(view, f"p7-{callers}", calls), callers, sizes.max_level_s, CLIENT_DEADLINE_S
+                            str(bound),
+                            _requests(view, f"p7-{callers}", calls),
+                            callers,
+                            sizes.max_level_s,
+                            CLIENT_DEADLINE_S,
                         )
                         cpu_before = time.process_time()
                         run = await trio.to_thread.run_sync(callers_child.run, level)
                         cpu_s = time.process_time() - cpu_before
+                        timings = sidecar.take_call_timings()
+                        echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
+                        echo_floor = EchoFloor(
+                            sum(len(r.replies) + len(r.errors) for r in echo.results),
+                            echo.seconds,
+                            sum(len(r.errors) for r in echo.results),
+                            percentile([ms for r in echo.results for ms in r.client_ms], 99),
+                        )
                         levels.append(
-                            _level_result(
-                                callers, run.seconds, run.results, sidecar.take_call_timings(), cpu_s, run.cpu_s
-                            )
+                            _level_result(callers, run.seconds, run.results, timings, cpu_s, run.cpu_s, echo_floor)
                         )
             finally:
+                echo_server.stop(grace=None)
                 nursery.cancel_scope.cancel()
     return levels
+
+
+def _echo_server(workers: int) -> tuple[grpc.Server, str]:
+    """A grpcio server like the sidecar's (thread pool, concurrency limit) answering every Route
+    call with the same bytes; started, with its address."""
+    reply = router_v1_pb2.RouteDecision(request_id="echo", route_source="domain", reason="overloaded")
+    body = reply.SerializeToString()
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="p7-echo"),
+        handlers=[method_handlers({ROUTER_ROUTE: lambda _data, _context: body})],
+        maximum_concurrent_rpcs=workers,
+        options=[("grpc.so_reuseport", 0)],
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
 
 
 def _curve(levels: Sequence[LevelResult]) -> str:
     header = (
         "callers | calls | calls/s | within dl+5ms | no answer | kvcm | overloaded | p99 late ms | client p99 ms"
-        " | sidecar CPU ms/call | unanswered by status"
+        " | sidecar CPU ms/call | echo unanswered | echo client p99 ms | unanswered by status"
     )
     lines = [header]
     for lv in levels:
@@ -194,6 +254,7 @@ def _curve(levels: Sequence[LevelResult]) -> str:
             f"{lv.callers:>7} | {lv.calls:>5} | {lv.calls / lv.seconds:>7,.0f} | {lv.within_share:>13.1%} | "
             f"{lv.no_answer:>9} | {lv.share(source='kvcm'):>4.0%} | {lv.share(reason='overloaded'):>10.1%} | "
             f"{lv.p99_lateness_ms:>11.1f} | {client_p99:>13.1f} | {lv.sidecar_cpu_ms_per_call:>18.3f} | "
+            f"{lv.echo.no_answer:>15} | {lv.echo.client_p99_ms:>18.1f} | "
             + (", ".join(f"{code} {n}" for code, n in lv.errors.most_common()) or "-")
         )
     return "\n".join(lines)
