@@ -31,7 +31,11 @@ def admits(view: AdmissionView, remaining_s: float, *, in_flight: int) -> bool:
     by the loop's lag only: the own time is learnt from admitted requests, so after one stall pushed
     it past every budget nothing would be admitted to correct it; a request alone is admitted to
     take that fresh sample."""
-    return remaining_s >= (view.lag_s if in_flight <= 0 else view.expected_s)
+    return _covers(remaining_s, view.lag_s, view.own_s, in_flight)
+
+
+def _covers(remaining_s: float, lag_s: float, own_s: float, in_flight: int) -> bool:
+    return remaining_s >= (lag_s if in_flight <= 0 else own_s + lag_s)
 
 
 class InFlightLimit:
@@ -86,7 +90,8 @@ class AdmissionEstimate:
         return self._lag_s
 
     def admits(self, remaining_s: float, *, in_flight: int = 1) -> bool:
-        return admits(self.view(), remaining_s, in_flight=in_flight)
+        """:func:`admits` on the current estimate (without building a view: it runs for every request)."""
+        return _covers(remaining_s, self._lag_s, self._own_s, in_flight)
 
     def view(self) -> AdmissionView:
         return AdmissionView(self._own_s, self._lag_s, self.expected_s())
