@@ -29,7 +29,7 @@ import trio
 
 from actors.decision_log import DecisionLog
 from actors.hit_accuracy import HitAccuracy
-from actors.metrics_sink import DecisionMade, MetricsSink
+from actors.metrics_sink import DecisionMade, MetricEvent, MetricsSink
 from actors.sources.base import (
     Answered,
     Ended,
@@ -249,12 +249,15 @@ class RouterActor:
     async def _handle(self, request: RouteRequest, received_at: float, deadline: float) -> RouteDecision:
         stages: dict[Stage, float] = {}
         steps: list[SourceStep] = []
+        events: list[MetricEvent] = []  # the sources' observations, sent with the decision
         ctx: RequestContext | None = None
         decision: RouteDecision | None = None
         record = None if self._decision_log is None else DecisionRecord(request, received_at, deadline)
         try:
             with trio.CancelScope(deadline=deadline):
-                ctx, decision = await self._walk(request, received_at, deadline, stages, steps, record=record)
+                ctx, decision = await self._walk(
+                    request, received_at, deadline, stages, steps, events=events, record=record
+                )
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
             log.exception("route pipeline failed request_id=%s", request.request_id)
@@ -275,14 +278,14 @@ class RouterActor:
         self._handled += 1
         own_ms = stages.get(Stage.KEYS, 0.0) + stages.get(Stage.PLAN, 0.0) + stages.get(Stage.SCORE, 0.0)
         self._estimate.observe_own(own_ms / 1000.0)
-        self._emit(decision)
+        if ctx is not None:
+            for source in self._chain:
+                source.after_reply(ctx, decision)
+        self._metrics.emit(DecisionMade(decision, tuple(events)))
         if self._accuracy is not None and decision.worker is not None and decision.hit_tokens > 0:
             self._accuracy.predict(
                 request.request_id, decision.worker.http_target, decision.hit_tokens, decision.route_source, received_at
             )
-        if ctx is not None:
-            for source in self._chain:
-                source.after_reply(ctx, decision)
         if record is not None and self._decision_log is not None:
             record.decision = decision
             self._decision_log.submit(record)
@@ -296,6 +299,7 @@ class RouterActor:
         stages: dict[Stage, float],
         steps: list[SourceStep],
         *,
+        events: list[MetricEvent],
         record: DecisionRecord | None = None,
     ) -> tuple[RequestContext | None, RouteDecision]:
         t = trio.current_time()
@@ -316,6 +320,7 @@ class RouterActor:
             decide_at=deadline - reserve,
             stages=stages,
             record=record,
+            events=events,
         )
         skip_to_last = False
         for source in self._chain:
