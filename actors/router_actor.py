@@ -310,8 +310,10 @@ class RouterActor:
             return None, self._fallback(request, None, Reason.BAD_REQUEST, received_at, stages, (), error=str(exc))
         stages[Stage.KEYS] = ms(trio.current_time() - t)
         budget = max(0.0, deadline - received_at)
-        # The reserve also covers the loop's lag: a task woken at decide_at runs that much later.
-        reserve = max(self._reserve_min_s, self._reserve_fraction * budget, LAG_RESERVE_FACTOR * self._estimate.lag_s())
+        # The reserve also covers the loop's lag (a task woken at decide_at runs that much later), but
+        # never more than half the budget: a lag that large is shed at admission, not waited out here.
+        lag_reserve = min(LAG_RESERVE_FACTOR * self._estimate.lag_s(), 0.5 * budget)
+        reserve = max(self._reserve_min_s, self._reserve_fraction * budget, lag_reserve)
         ctx = RequestContext(
             request=request,
             prepared=prepared,
