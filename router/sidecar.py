@@ -218,7 +218,7 @@ class _Counters:
         """A handed-off call came back after ``took_s`` of the ``had_s`` it had (None: it did not)."""
         with self._lock:
             self._in_router -= 1
-            self._limit.observe(had_s if took_s is None else took_s, had_s)
+            self._limit.observe(math.inf if took_s is None else took_s, had_s)
 
     def shed(self) -> None:
         with self._lock:
