@@ -2,8 +2,8 @@
 
 Client threads in the measuring process would share its core and its GIL with the sidecar they
 measure: at hundreds of callers their own Python would be most of that process's CPU. Here
-they run in a spawned child (pinned where the placement says), driven over a pipe: one level
-per command, each caller calling again as soon as it is answered, until the requests are used
+they run in a child process (pinned where the placement says), driven over its stdin and
+stdout: one level per command, each caller calling again as soon as it is answered, until the requests are used
 up or the level's time has passed. The child exits when the pipe closes.
 
 The callers are coroutines on grpc's asyncio client (one channel): hundreds of blocking
@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from typing import BinaryIO
 
 import grpc
 
@@ -84,12 +86,12 @@ async def drive_level(channel: grpc.aio.Channel, level: Level) -> tuple[float, l
     return time.perf_counter() - began, results
 
 
-async def _serve_levels(conn: Connection) -> None:
+async def _serve_levels(commands: BinaryIO, replies: BinaryIO) -> None:
     channels: dict[str, grpc.aio.Channel] = {}  # one per target, kept across levels
     try:
         while True:
             try:
-                level: Level = conn.recv()  # blocks the loop: nothing else runs between levels
+                level: Level = pickle.load(commands)  # blocks the loop: nothing else runs between levels
             except EOFError:
                 return
             channel = channels.get(level.target)
@@ -99,48 +101,55 @@ async def _serve_levels(conn: Connection) -> None:
                 )
             cpu_before = time.process_time()
             seconds, results = await drive_level(channel, level)
-            conn.send(LevelRun(seconds, tuple(results), time.process_time() - cpu_before))
+            pickle.dump(LevelRun(seconds, tuple(results), time.process_time() - cpu_before), replies)
+            replies.flush()
     finally:
         for channel in channels.values():
             await channel.close(None)
 
 
-def _child_main(conn: Connection, cpus: frozenset[int] | None) -> None:
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    try:
-        asyncio.run(_serve_levels(conn))
-    finally:
-        conn.close()
-
-
 class CallerProcess:
     """The child, from the parent's side: :meth:`run` one level at a time (blocking)."""
 
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
+    def __init__(self, child: subprocess.Popen[bytes]) -> None:
+        assert child.stdin is not None and child.stdout is not None
+        self._commands = child.stdin
+        self._replies = child.stdout
 
     def run(self, level: Level) -> LevelRun:
-        self._conn.send(level)
-        run: LevelRun = self._conn.recv()
+        pickle.dump(level, self._commands)
+        self._commands.flush()
+        run: LevelRun = pickle.load(self._replies)  # the child is ours: its pickles are trusted
         return run
 
 
 @contextmanager
 def caller_process(cpus: Set[int] | None) -> Iterator[CallerProcess]:
-    """A spawned child that runs levels (pinned to ``cpus`` when given); always stopped on exit."""
-    context = multiprocessing.get_context("spawn")  # never fork a process that runs grpc
-    parent, child_end = context.Pipe()
-    child = context.Process(
-        target=_child_main, args=(child_end, None if cpus is None else frozenset(cpus)), daemon=True
+    """A child process that runs levels (pinned to ``cpus`` when given); always stopped on exit.
+
+    A plain subprocess speaking pickles over its stdin and stdout, not multiprocessing: its spawn
+    mode would leave a resource-tracker process behind for the rest of this process's life.
+    """
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvroute_sim.bench.callers"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
-    child.start()
-    child_end.close()
     try:
-        yield CallerProcess(parent)
+        if cpus:
+            os.sched_setaffinity(child.pid, cpus)
+        yield CallerProcess(child)
     finally:
-        parent.close()  # the child's recv sees EOF and it returns
-        child.join(STOP_TIMEOUT_S)
-        if child.is_alive():
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.close()  # the child's next load sees EOF and it exits
+        try:
+            child.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
             child.kill()
-            child.join()
+            child.wait()
+        child.stdout.close()
+
+
+if __name__ == "__main__":
+    # Through the package's name, so the pickled results name its classes, not __main__'s.
+    from kvroute_sim.bench import callers
+
+    asyncio.run(callers._serve_levels(sys.stdin.buffer, sys.stdout.buffer))
