@@ -57,9 +57,12 @@ BREAKER_STATE_VALUES: Mapping[str, float] = {"closed": 0.0, "half_open": 1.0, "o
 class DecisionMade:
     """A routing decision: counted by route_source/reason, its stage_ms and elapsed_ms observed,
     every candidate with a ``dropped`` reason counted, and the decision kept in the ring (cut to
-    bounded size: see :func:`retained_decision`)."""
+    bounded size: see :func:`retained_decision`). ``events``: what the request's sources observed
+    on its way (KVCM outcome, status cache hits, ...), applied with it: one inbox message per
+    decision instead of one per observation."""
 
     decision: RouteDecision
+    events: tuple[MetricEvent, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,8 +409,10 @@ class MetricsSink:
 
     def _apply(self, event: MetricEvent) -> None:
         match event:
-            case DecisionMade(decision):
+            case DecisionMade(decision, events):
                 self._record_decision(decision)
+                for carried in events:
+                    self._apply(carried)
             case KvcmRequest(method, outcome):
                 self._kvcm_requests.labels(method=method, outcome=outcome).inc()
             case HitObserved(route_source, predicted, actual):

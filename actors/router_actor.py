@@ -20,7 +20,9 @@ request tasks (no await between read and write); the debug view reads :meth:`hea
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -28,7 +30,7 @@ import trio
 
 from actors.decision_log import DecisionLog
 from actors.hit_accuracy import HitAccuracy
-from actors.metrics_sink import DecisionMade, MetricsSink
+from actors.metrics_sink import DecisionMade, MetricEvent, MetricsSink
 from actors.sources.base import (
     Answered,
     Ended,
@@ -72,6 +74,23 @@ from router.types import (
 log = logging.getLogger(__name__)
 
 _HASH_REST_RATIO = 1.0  # a long prompt's hashing takes at most half of the routing thread
+OVERLOAD_DRAWS = 16  # overloaded answers drawn ahead for threads that shed before the loop
+OVERLOAD_REDRAW_EVERY = 10  # lag measurements between two draws (the estimate is published at each)
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadAnswers:
+    """What a thread that receives requests needs to shed one before it reaches the routing loop,
+    published by the router's task after every lag measurement (read without a lock).
+
+    ``estimate`` is the admission estimate at publication; ``answers`` are domain answers with
+    reason ``overloaded``, each drawn as the router would for a request naming no roles (request
+    id and elapsed time left to fill in). Shedding is recorded on the routing loop afterwards
+    (:meth:`RouterActor.record_shed`).
+    """
+
+    estimate: AdmissionView
+    answers: tuple[RouteDecision, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +104,9 @@ class RouterHealth:
     internal_errors: int
     chain: tuple[str, ...]  # the sources, in the order a request asks them
     admission: AdmissionView
+
+
+_ANY_REQUEST = RouteRequest(request_id="")  # the drawn answers' placeholder; each shed fills in its own id
 
 
 class RouterActor:
@@ -120,6 +142,9 @@ class RouterActor:
         self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
         self._long_hashing = trio.CapacityLimiter(1)
         self._estimate = AdmissionEstimate(config.router)
+        # Its own generator: draws made ahead for other threads must not shift the domain source's.
+        self._overload_rng = random.Random(config.scorer.seed)
+        self._overload_answers: OverloadAnswers | None = None
         self._lag_interval_s = config.router.lag_probe_interval_ms / 1000.0
         self._peak = 0
         self._handled = 0
@@ -138,11 +163,38 @@ class RouterActor:
             task_status.started()
 
     async def _measure_lag(self) -> None:
-        """How late a timer fires is how long a due task waits for the loop: feed the admission estimate."""
-        while True:
+        """How late a timer fires is how long a due task waits for the loop: feed the admission
+        estimate and publish it."""
+        answers: tuple[RouteDecision, ...] = ()
+        for turn in itertools.count():
+            if turn % OVERLOAD_REDRAW_EVERY == 0:
+                answers = self._draw_overload_answers()
+            self._overload_answers = OverloadAnswers(self._estimate.view(), answers)
             due = trio.current_time() + self._lag_interval_s
             await trio.sleep_until(due)
             self._estimate.observe_lag(trio.current_time() - due)
+
+    def _draw_overload_answers(self) -> tuple[RouteDecision, ...]:
+        now = trio.current_time()
+        draws = []
+        for _ in range(OVERLOAD_DRAWS):
+            result = self._domain.pick(None, Reason.OVERLOADED, rng=self._overload_rng)
+            source = RouteSource.DOMAIN if isinstance(result, Answered) else None
+            draws.append(self._decision(_ANY_REQUEST, now, {}, (), source, result, None, None, rng=self._overload_rng))
+        return tuple(draws)
+
+    def overload_answers(self) -> OverloadAnswers | None:
+        """The last published answers for shedding off the routing loop (None before the first)."""
+        return self._overload_answers
+
+    def record_shed(self, request: RouteRequest, decision: RouteDecision, deadline: float) -> None:
+        """Count and record a request another thread answered ``overloaded`` from
+        :meth:`overload_answers`, as :meth:`route` records its own sheds."""
+        self._overloaded += 1
+        self._emit(decision)
+        if self._decision_log is not None:
+            now = trio.current_time()
+            self._decision_log.submit(DecisionRecord(request, now, deadline, overloaded=True, decision=decision))
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
@@ -153,12 +205,13 @@ class RouterActor:
         ticket = object()  # the limiter's borrower: one per request
         # Shed at once what would only be answered late (the admission estimate) or what the cap
         # has no room for.
-        if remaining > 0 and not self._estimate.admits(remaining):
-            return self._shed(request, now, deadline)
+        in_flight = int(self._limiter.borrowed_tokens)
+        if remaining > 0 and not self._estimate.admits(remaining, in_flight=in_flight):
+            return await self._shed(request, now, deadline)
         try:
             self._limiter.acquire_on_behalf_of_nowait(ticket)
         except trio.WouldBlock:
-            return self._shed(request, now, deadline)
+            return await self._shed(request, now, deadline)
         try:
             self._peak = max(self._peak, int(self._limiter.borrowed_tokens))
             decision = await self._handle(request, now, deadline)
@@ -166,12 +219,16 @@ class RouterActor:
             self._limiter.release_on_behalf_of(ticket)
         return decision
 
-    def _shed(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
-        """The domain answer ``overloaded``, before any work on the request (recorded like any decision)."""
+    async def _shed(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
+        """The domain answer ``overloaded``, before any work on the request (recorded like any decision).
+
+        Still a checkpoint: a caller looping over shed requests would otherwise never yield, the lag
+        probe would wait for it, and the lag it measured would shed everything after."""
         self._overloaded += 1
         decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
         if self._decision_log is not None:
             self._decision_log.submit(DecisionRecord(request, now, deadline, overloaded=True, decision=decision))
+        await trio.lowlevel.checkpoint()
         return decision
 
     def health(self) -> RouterHealth:
@@ -195,18 +252,21 @@ class RouterActor:
     async def _handle(self, request: RouteRequest, received_at: float, deadline: float) -> RouteDecision:
         stages: dict[Stage, float] = {}
         steps: list[SourceStep] = []
+        events: list[MetricEvent] = []  # the sources' observations, sent with the decision
         ctx: RequestContext | None = None
         decision: RouteDecision | None = None
         record = None if self._decision_log is None else DecisionRecord(request, received_at, deadline)
-        estimates = self._split_estimates()
-        if estimates.warm:
-            estimates = replace(estimates, lag=self._estimate.lag_s)
+        # The loop's lag always: the fixed split's reserve covers it too (a task woken at the end of
+        # a wait runs that much later).
+        estimates = replace(self._split_estimates(), lag=self._estimate.lag_s)
         split = RequestSplit(split_windows(received_at, deadline, estimates, self._config.router))
         if record is not None:
             record.split = estimates
         try:
             with trio.CancelScope(deadline=deadline):
-                ctx, decision = await self._walk(request, received_at, deadline, split, stages, steps, record=record)
+                ctx, decision = await self._walk(
+                    request, received_at, deadline, split, stages, steps, events=events, record=record
+                )
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
             log.exception("route pipeline failed request_id=%s", request.request_id)
@@ -228,14 +288,14 @@ class RouterActor:
         self._handled += 1
         own_ms = stages.get(Stage.KEYS, 0.0) + stages.get(Stage.PLAN, 0.0) + stages.get(Stage.SCORE, 0.0)
         self._estimate.observe_own(own_ms / 1000.0)
-        self._emit(decision)
+        if ctx is not None:
+            for source in self._chain:
+                source.after_reply(ctx, decision)
+        self._metrics.emit(DecisionMade(decision, tuple(events)))
         if self._accuracy is not None and decision.worker is not None and decision.hit_tokens > 0:
             self._accuracy.predict(
                 request.request_id, decision.worker.http_target, decision.hit_tokens, decision.route_source, received_at
             )
-        if ctx is not None:
-            for source in self._chain:
-                source.after_reply(ctx, decision)
         if record is not None and self._decision_log is not None:
             record.decision = decision
             self._decision_log.submit(record)
@@ -250,6 +310,7 @@ class RouterActor:
         stages: dict[Stage, float],
         steps: list[SourceStep],
         *,
+        events: list[MetricEvent],
         record: DecisionRecord | None = None,
     ) -> tuple[RequestContext | None, RouteDecision]:
         t = trio.current_time()
@@ -267,6 +328,7 @@ class RouterActor:
             split=split,
             stages=stages,
             record=record,
+            events=events,
         )
         skip_to_last = False
         for source in self._chain:
@@ -347,6 +409,8 @@ class RouterActor:
         result: Answered | Ended,
         prepared: PreparedRequest | None,
         split: RequestSplit | None,
+        *,
+        rng: random.Random | None = None,
     ) -> RouteDecision:
         elapsed = ms(trio.current_time() - received_at)
         stages[Stage.TOTAL] = elapsed
@@ -373,7 +437,7 @@ class RouterActor:
         )
         companions = prepared.companions if prepared is not None else self._deployment_companions
         if companions:
-            role_addrs = self._companions.fill(role_addrs, companions)
+            role_addrs = self._companions.fill(role_addrs, companions, rng=rng)
         return RouteDecision(
             request_id=request.request_id,
             worker=result.worker,

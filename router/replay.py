@@ -527,7 +527,14 @@ class _ReplayDomain(DomainSource):
         self._roles = config.deployment.roles
         self._current = current
 
-    def pick(self, prepared: PreparedRequest | None, reason: Reason, error: str | None = None) -> Answered | Ended:
+    def pick(
+        self,
+        prepared: PreparedRequest | None,
+        reason: Reason,
+        error: str | None = None,
+        *,
+        rng: random.Random | None = None,  # replay draws nothing: the recording names the worker
+    ) -> Answered | Ended:
         case = self._current.get()
         expected = case.expected
         if expected["rs"] == RouteSource.NONE.value and expected["r"] == Reason.NO_WORKERS.value:
@@ -548,7 +555,9 @@ class _ReplayCompanions(CompanionPicker):
     def __init__(self, current: _Current) -> None:  # no super(): companions come from the recording
         self._current = current
 
-    def fill(self, given: tuple[RoleAddr, ...], companions: Sequence[Role]) -> tuple[RoleAddr, ...]:
+    def fill(
+        self, given: tuple[RoleAddr, ...], companions: Sequence[Role], *, rng: random.Random | None = None
+    ) -> tuple[RoleAddr, ...]:
         missing = [role for role in companions if all(a.role is not role for a in given)]
         recorded = decode_addrs(self._current.get().expected["ra"])
         return given + tuple(a for a in recorded if a.role in missing and a not in given)

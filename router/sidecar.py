@@ -11,6 +11,14 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
 - The client's gRPC deadline is the caller's deadline: the router decides ``--reply-margin-ms``
   before it (and by min(budget, cap) at the latest), keeping that margin to send the answer. The
   time a call waited to reach the trio thread is counted against it.
+- Overload is answered on the handler thread, before the hop to the trio thread: a call whose
+  time left (its routing deadline, the client's deadline less the reply margin and this
+  sidecar's own path) cannot cover the router's published admission estimate, or that finds
+  as many calls handed to the router and not yet answered as the learnt in-flight limit allows
+  (``InFlightLimit``: it shrinks when handed-off calls come back late, grows when they come back
+  early, never beyond ``--router-max-in-flight``), gets one of the router's published
+  ``overloaded`` answers at once (a request naming roles always goes to the router).
+  The shed is counted and recorded on the trio thread afterwards, in batches.
 - A request larger than the ``limits`` settings allow is refused from its sizes, before it is
   converted or reaches the trio thread, with INVALID_ARGUMENT naming the field and the bound.
 - A bad request ends with INVALID_ARGUMENT and a message naming the field; a decision with
@@ -34,6 +42,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import random
 import threading
 import time
 from collections import deque
@@ -49,6 +58,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from outcome import Error
 
+from actors.router_actor import OverloadAnswers
+from router.admission import InFlightLimit, admits
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
@@ -59,7 +70,7 @@ from router.thread_bridge import deliver_outcome, settle
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import method_handlers
 from router.transport.tls import server_credentials
-from router.types import BadRequest, Reason, Role, RouteDecision, RouteRequest, RouteSource
+from router.types import BadRequest, Reason, Role, RouteDecision, RouteRequest, RouteSource, Stage
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
 
@@ -70,6 +81,7 @@ ERROR_METADATA_KEY = "kvroute-error"
 # The router answers at most a few ms after a request's deadline; a handler thread waits this much
 # longer before it reports DEADLINE_EXCEEDED (only a stuck trio thread gets there).
 ANSWER_SLACK_S = 0.05
+INITIAL_IN_FLIGHT_LIMIT = 16  # calls handed to the router at once before any has been answered
 PATH_COST_DECAY = 0.9  # weight the own-path estimate keeps per call (a few calls follow a change)
 CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for take_call_timings()
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
@@ -150,6 +162,7 @@ class SidecarStats:
     timed_out: int  # DEADLINE_EXCEEDED: no decision before the call's deadline
     failed: int  # INTERNAL: the router raised
     in_flight: int
+    shed_at_receipt: int  # of the answered: answered overloaded on the handler thread, never handed to the router
 
 
 _OUTCOME_BY_STATUS = {
@@ -174,14 +187,42 @@ class CallTiming:
 class _Counters:
     """Outcome counts, written by grpc handler threads (hence the lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: InFlightLimit) -> None:
         self._lock = threading.Lock()
+        self._limit = limit
         self._in_flight = 0
+        self._in_router = 0  # handed to the router and not yet answered
+        self._shed = 0
         self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed"), 0)
 
     def enter(self) -> None:
         with self._lock:
             self._in_flight += 1
+
+    def hand_off(self) -> bool:
+        """Count a call handed to the router; False (nothing counted) when the limit is reached."""
+        with self._lock:
+            if self._in_router >= self._limit.limit:
+                return False
+            self._in_router += 1
+            return True
+
+    def hand_off_anyway(self) -> None:
+        with self._lock:
+            self._in_router += 1
+
+    def in_router(self) -> int:
+        return self._in_router  # one int read: no lock needed for a momentary view
+
+    def answered(self, took_s: float | None, had_s: float) -> None:
+        """A handed-off call came back after ``took_s`` of the ``had_s`` it had (None: it did not)."""
+        with self._lock:
+            self._in_router -= 1
+            self._limit.observe(math.inf if took_s is None else took_s, had_s)
+
+    def shed(self) -> None:
+        with self._lock:
+            self._shed += 1
 
     def leave(self, outcome: str) -> None:
         with self._lock:
@@ -190,7 +231,7 @@ class _Counters:
 
     def snapshot(self) -> SidecarStats:
         with self._lock:
-            return SidecarStats(in_flight=self._in_flight, **self._ended)
+            return SidecarStats(in_flight=self._in_flight, shed_at_receipt=self._shed, **self._ended)
 
 
 class _Stopped(Exception):
@@ -225,6 +266,7 @@ class Sidecar:
         another process holds is an error instead of a silent share."""
         self._handle = handle
         self._reuse_port = reuse_port
+        self._router = handle.router_actor()
         self._serve = config.serve
         self._tls = config.grpc_tls
         self._listen = parse_listen(config.serve.grpc_listen)  # a bad address fails here, naming it
@@ -235,10 +277,19 @@ class Sidecar:
         self._path_cost_s = 0.0  # running estimate of the sidecar's own path per call
         # A request carrying more than a hash slice's worth of ids (8 bytes each at most) is large.
         self._large_request_bytes = 8 * config.limits.hash_slice_tokens
-        self._counters = _Counters()
+        self._counters = _Counters(
+            InFlightLimit(
+                initial=min(INITIAL_IN_FLIGHT_LIMIT, config.router.max_in_flight),
+                ceiling=config.router.max_in_flight,
+            )
+        )
         # Appended by handler threads, taken by whoever measures; a deque's append and popleft are atomic.
         self._timings: deque[CallTiming] = deque(maxlen=CALL_TIMING_SAMPLES)
         self._health = _RouterHealth(self._ready_from_thread)
+        self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
+        # Sheds waiting to be recorded on the trio thread: appended by handler threads, drained there.
+        self._sheds: deque[tuple[RouteRequest, RouteDecision, float]] = deque()
+        self._sheds_drain_due = False
         # Set once in run() before serving; read by handler threads.
         self._token: trio.lowlevel.TrioToken | None = None
         # Owned by the trio thread (run() and the callbacks it runs).
@@ -352,7 +403,7 @@ class Sidecar:
         self._counters.enter()
         outcome = "answered"
         try:
-            reply, routing_s = self._route_call(data, context)
+            reply, routing_s = self._route_call(data, context, received)
             if remaining is not None and math.isfinite(remaining):
                 routing_s = min(routing_s, remaining)
             self._timings.append(CallTiming(time.monotonic() - received, routing_s))
@@ -363,7 +414,7 @@ class Sidecar:
         finally:
             self._counters.leave(outcome)
 
-    def _route_call(self, data: bytes, context: grpc.ServicerContext) -> tuple[bytes, float]:
+    def _route_call(self, data: bytes, context: grpc.ServicerContext, received: float) -> tuple[bytes, float]:
         """The serialised decision, and the routing deadline (min(budget, cap)) in seconds from receipt."""
         if self._draining:  # written by the trio thread; a call racing the flip is routed normally
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is draining: request not routed")
@@ -386,16 +437,23 @@ class Sidecar:
         )
         # The router's own deadline (min(budget, cap)), measured from now, plus the slack.
         routing_s = request_deadline(request, 0.0, self._cap_ms)
+        # What the router will have: its deadline, or the client's less the reply margin.
+        left_s = routing_s if client_s is None else min(routing_s, client_s - self._reply_margin_ms / 1000.0)
+        shed = self._shed_at_receipt(request, left_s, received)
+        if shed is not None:
+            return self._reply(shed, context), routing_s
         wait_s = routing_s + ANSWER_SLACK_S
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
         token = self._token
+        took_s: float | None = None
         try:
             if token is None:
                 raise _Stopped
             token.run_sync_soon(self._spawn, request, client_s, sent_at, answer)
             decision = answer.result(timeout=wait_s)
+            took_s = time.monotonic() - sent_at
         except (trio.RunFinishedError, _Stopped):
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is shutting down: request not routed") from None
         except concurrent.futures.TimeoutError:
@@ -403,13 +461,46 @@ class Sidecar:
             raise PeerAbort(RpcStatus.DEADLINE_EXCEEDED, f"no decision within {wait_s * 1000:.1f} ms") from None
         except Exception as exc:
             raise PeerAbort(RpcStatus.INTERNAL, f"router error: {exc!r}") from exc
+        finally:
+            self._counters.answered(took_s, max(0.0, left_s))
+        reply = self._reply(decision, context)
+        self._observe_path_cost(time.monotonic() - sent_at - decision.elapsed_ms / 1000.0)
+        return reply, routing_s
+
+    def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
         if decision.reason is Reason.BAD_REQUEST:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, decision.error or "bad request")
         if decision.route_source is RouteSource.NONE and decision.error:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, decision.error),))
-        reply = decision_to_proto(decision).SerializeToString()
-        self._observe_path_cost(time.monotonic() - sent_at - decision.elapsed_ms / 1000.0)
-        return reply, routing_s
+        return decision_to_proto(decision).SerializeToString()
+
+    def _shed_at_receipt(self, request: RouteRequest, left_s: float, received: float) -> RouteDecision | None:
+        """The router's ``overloaded`` answer when this call cannot be served in time, decided here
+        on the handler thread from what the router published; None: the call was counted as handed
+        to the router (the caller must hand it off and report its answer)."""
+        published = self._router.overload_answers()
+        if published is None or not published.answers or request.roles is not None:
+            self._counters.hand_off_anyway()
+            return None
+        if admits(published.estimate, left_s, in_flight=self._counters.in_router()) and self._counters.hand_off():
+            return None
+        return self._shed(request, published, left_s, received)
+
+    def _shed(self, request: RouteRequest, published: OverloadAnswers, left_s: float, received: float) -> RouteDecision:
+        drawn = published.answers[self._shed_rng.randrange(len(published.answers))]
+        elapsed_ms = (time.monotonic() - received) * 1000.0
+        decision = replace(
+            drawn, request_id=request.request_id, elapsed_ms=elapsed_ms, stage_ms={Stage.TOTAL: elapsed_ms}
+        )
+        self._counters.shed()
+        self._sheds.append((request, decision, left_s))
+        if not self._sheds_drain_due:  # a lost race costs one empty drain, never a missed one
+            self._sheds_drain_due = True
+            token = self._token
+            if token is not None:
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(self._record_sheds)
+        return decision
 
     @contextlib.contextmanager
     def _reading_turn(self, size: int, context: grpc.ServicerContext) -> Iterator[None]:
@@ -446,6 +537,17 @@ class Sidecar:
 
     def _ready_now(self) -> bool:
         return not self._draining and self._handle.ready()[0]
+
+    def _record_sheds(self) -> None:
+        # Runs in the trio thread (run_sync_soon): the sheds handler threads answered since the last.
+        self._sheds_drain_due = False
+        now = trio.current_time()
+        while True:
+            try:
+                request, decision, left_s = self._sheds.popleft()
+            except IndexError:
+                return
+            self._router.record_shed(request, decision, now + left_s)
 
     def _spawn(
         self,

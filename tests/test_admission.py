@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from kvroute_sim.sim.cluster import SimCluster
-from router.admission import AdmissionEstimate
+from router.admission import AdmissionEstimate, AdmissionView, InFlightLimit, admits
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.transport.memory_adapter import MemoryNetwork
@@ -76,3 +76,71 @@ def test_an_own_time_above_every_budget_ages_while_everything_is_shed() -> None:
         fed.observe_own(0.080)
         fed.observe_lag(0.0)
     assert fed.view().own_s > 0.075
+
+
+def test_a_request_alone_is_judged_by_the_lag_only_so_a_stale_own_estimate_recovers() -> None:
+    estimate = AdmissionEstimate(RouterConfig())
+    estimate.observe_own(1.0)  # one stalled request: 100 ms expected from now on
+    assert not estimate.admits(0.050, in_flight=1)
+    assert estimate.admits(0.050, in_flight=0)  # admitted to take a fresh sample
+    estimate.observe_lag(1.0)
+    assert not estimate.admits(0.050, in_flight=0)  # a late loop still sheds it
+
+
+def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_ones() -> None:
+    limit = InFlightLimit(initial=16, ceiling=64)
+    for _ in range(30):
+        limit.observe(0.040, 0.030)  # answered after its deadline: it waited for the CPU
+    assert limit.limit < 1 + 16 * 0.9**25
+    low = limit.limit
+    for _ in range(200):
+        limit.observe(0.005, 0.030)
+    assert low < limit.limit <= 64
+    for _ in range(100_000):
+        limit.observe(0.001, 0.030)
+    assert limit.limit == 64  # never beyond the ceiling
+    assert admits(AdmissionView(own_s=1.0, lag_s=0.001, expected_s=1.001), 0.002, in_flight=0)
+
+
+async def test_a_stale_own_estimate_does_not_shed_forever(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)
+        handle.router_actor()._estimate.observe_own(5.0)  # as after one request stalled for seconds
+        first = await handle.route(RouteRequest("first", token_ids=PROMPT, budget_ms=30))
+        assert first.reason is not Reason.OVERLOADED
+        for i in range(40):
+            await handle.route(RouteRequest(f"r{i}", token_ids=PROMPT, budget_ms=30))
+        assert handle.router_actor().health().admission.own_s < 0.030
+
+
+async def test_the_router_publishes_overloaded_answers_and_counts_the_sheds_others_make(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)
+        router = handle.router_actor()
+        published = router.overload_answers()
+        assert published is not None and published.answers
+        workers = {w.http_target for w in handle.discovery().workers().workers}
+        for answer in published.answers:
+            assert (answer.route_source, answer.reason) == (RouteSource.DOMAIN, Reason.OVERLOADED)
+            assert answer.worker is not None and answer.worker.http_target in workers
+        before = router.health()
+        router.record_shed(RouteRequest("shed", token_ids=PROMPT), published.answers[0], trio.current_time())
+        after = router.health()
+        assert after.overloaded == before.overloaded + 1
+        assert after.handled == before.handled  # never entered the pipeline

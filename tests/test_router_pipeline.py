@@ -123,6 +123,9 @@ async def test_shadow_agreement_is_measured_before_the_decision_is_learned(
         registry = handle.metrics.registry
         assert registry.get_sample_value("kvroute_shadow_comparisons_total") == 5
         assert registry.get_sample_value("kvroute_shadow_agreement_ratio") == 0.8
+        # The sources' observations travel with each decision and are counted as before.
+        ok = {"method": "GetHostCacheState", "outcome": "ok"}
+        assert registry.get_sample_value("kvroute_kvcm_requests_total", ok) == 5
 
 
 async def test_every_decision_within_deadline_when_kvcm_hangs(autojump_clock: trio.testing.MockClock) -> None:

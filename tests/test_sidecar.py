@@ -401,8 +401,11 @@ async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlie
                 assert isinstance(reply, router_v1_pb2.RouteDecision), reply
             learned = r.sidecar.path_cost_ms()
             assert learned > 0.0  # the hand-offs between threads are never free
-            # A client deadline shorter than the learned cost leaves the router nothing: it decides at once.
+            # A client deadline shorter than the learned cost leaves the router nothing: the handler
+            # answers overloaded at once, without handing the call to the router.
             r.sidecar._path_cost_s = 10.0  # an estimate larger than any deadline below
+            shed_before = r.sidecar.stats().shed_at_receipt
             reply = await _in_thread(lambda: r.route(request, timeout=5.0))
             assert isinstance(reply, router_v1_pb2.RouteDecision), reply
-            assert reply.reason == "deadline"
+            assert (reply.reason, reply.route_source) == ("overloaded", "domain")
+            assert r.sidecar.stats().shed_at_receipt == shed_before + 1

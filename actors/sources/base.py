@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.discovery import Discovery
+from actors.metrics_sink import MetricEvent
 from actors.worker_prober import WorkerProber
 from router.decision_record import DecisionRecord, SourceAnswer
 from router.policy.deadline_split import SplitWindows
@@ -76,6 +77,8 @@ class RequestContext:
     cache_hosts: tuple[HostMatch, ...] | None = None
     fallthrough: Reason | None = None  # the first reason the chain fell through with
     record: DecisionRecord | None = None  # filled by the sources when the decision log is on
+    # What the sources observed for the metrics, sent with the decision (one message, not several).
+    events: list[MetricEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.record is not None:

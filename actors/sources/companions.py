@@ -24,18 +24,21 @@ class CompanionPicker:
         self._prober = prober
         self._rng = random.Random(config.scorer.seed)
 
-    def fill(self, given: tuple[RoleAddr, ...], companions: Sequence[Role]) -> tuple[RoleAddr, ...]:
+    def fill(
+        self, given: tuple[RoleAddr, ...], companions: Sequence[Role], *, rng: random.Random | None = None
+    ) -> tuple[RoleAddr, ...]:
         """``given`` plus one address for each companion role it lacks (none when no worker of that
-        role has a usable status)."""
+        role has a usable status). ``rng``: break ties with it instead of the picker's own generator."""
         missing = [role for role in companions if all(a.role is not role for a in given)]
         if not missing:
             return given
+        rng = self._rng if rng is None else rng
         best: dict[Role, tuple[tuple[int, int, float], RoleAddr]] = {}
         for worker in self._fleet.workers():
             status = self._prober.cached(worker)
             if status is None or not status.alive or status.role not in missing:
                 continue
-            load = (status.outstanding_uncached_tokens, status.waiting_count, self._rng.random())
+            load = (status.outstanding_uncached_tokens, status.waiting_count, rng.random())
             held = best.get(status.role)
             if held is None or load < held[0]:
                 best[status.role] = (load, RoleAddr(status.role, worker.ip, worker.http_port, worker.grpc_port))

@@ -53,20 +53,28 @@ class DomainSource:
     def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
         return None
 
-    def pick(self, prepared: PreparedRequest | None, reason: Reason, error: str | None = None) -> Answered | Ended:
+    def pick(
+        self,
+        prepared: PreparedRequest | None,
+        reason: Reason,
+        error: str | None = None,
+        *,
+        rng: random.Random | None = None,
+    ) -> Answered | Ended:
         """A random routable worker, synchronously (no await: usable when no time is left).
 
         A worker the prober knows to be unreachable (ejected, or its last probe refused) or to
         serve none of the request's roles is not drawn; what the prober knows comes from its
         cache (request probes and background health probes), never from a probe made here. With
         none left the request ends ``no_candidates`` naming why, unless the operator chose to
-        route blind (then the draw is plain uniform).
+        route blind (then the draw is plain uniform). ``rng``: draw from it instead of the source's
+        own generator.
         """
         workers = self._fleet.workers()
         if not workers:
             return Ended(Reason.NO_WORKERS, error or "discovery has no worker: nothing to route to")
         roles: tuple[Role, ...] = prepared.roles if prepared is not None else self._roles
-        worker = self._draw(workers, roles)
+        worker = self._draw(workers, roles, self._rng if rng is None else rng)
         if worker is None:
             why = f"{self._prober.unroutable_reason(workers, roles) or 'no routable worker'}; {ROUTE_BLIND_HINT}"
             if reason is Reason.BAD_REQUEST:
@@ -78,7 +86,7 @@ class DomainSource:
             self._scorer.record_nowait(worker, prepared.seq_len, trio.current_time())
         return Answered(worker=worker, role=role, reason=reason, error=error)
 
-    def _draw(self, workers: Sequence[WorkerAddr], roles: tuple[Role, ...]) -> WorkerAddr | None:
+    def _draw(self, workers: Sequence[WorkerAddr], roles: tuple[Role, ...], rng: random.Random) -> WorkerAddr | None:
         """A uniformly drawn worker that is routable and reports one of ``roles``.
 
         A worker the prober has no status for yet (start-up) is routable but its role is unknown:
@@ -87,20 +95,20 @@ class DomainSource:
         then a scan from a random start (only when most of the fleet is down or unknown).
         """
         if self._route_blind:
-            return workers[self._rng.randrange(len(workers))]
+            return workers[rng.randrange(len(workers))]
         unknown: WorkerAddr | None = None
-        for worker in self._search_order(workers):
+        for worker in self._search_order(workers, rng):
             if self._prober.is_routable(worker, roles):
                 if self._prober.cached(worker) is not None:
                     return worker
                 unknown = unknown or worker
         return unknown
 
-    def _search_order(self, workers: Sequence[WorkerAddr]) -> Iterator[WorkerAddr]:
+    def _search_order(self, workers: Sequence[WorkerAddr], rng: random.Random) -> Iterator[WorkerAddr]:
         """A few uniform draws, then every worker once from a random start (drawn only if reached)."""
         n = len(workers)
         for _ in range(_REDRAWS + 1):
-            yield workers[self._rng.randrange(n)]
-        start = self._rng.randrange(n)
+            yield workers[rng.randrange(n)]
+        start = rng.randrange(n)
         for i in range(n):
             yield workers[(start + i) % n]

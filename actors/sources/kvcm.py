@@ -73,7 +73,7 @@ class KvcmSource:
         # How well the shadow index would have answered: no await since the decision, so the shadow
         # index has not yet applied this request's own record.
         shadow_view = self._shadow.match(ctx.prepared.keys, trio.current_time(), limit=self._hot_set_size)
-        self._metrics.emit(
+        ctx.events.append(
             ShadowAgreement(
                 agreement(ctx.cache_hosts, shadow_view),
                 hit_error_tokens(ctx.cache_hosts, shadow_view, ctx.prepared.block_size),
@@ -140,11 +140,11 @@ class KvcmSource:
         if error is not None:
             if judged:  # a query cut short by a tight budget does not make the leader suspect
                 resolver.report_failure(leader.target, error)
-            self._metrics.emit(KvcmRequest("GetHostCacheState", error.kind))
+            ctx.events.append(KvcmRequest("GetHostCacheState", error.kind))
             return FellThrough(Reason.DEADLINE if isinstance(error, DeadlineExceeded) else Reason.KVCM_ERROR)
         assert state is not None
         positive = tuple(h for h in state.hosts if h.local >= 1 or h.p2p_total >= 1)
-        self._metrics.emit(KvcmRequest("GetHostCacheState", "ok" if positive else "no_positive_match"))
+        ctx.events.append(KvcmRequest("GetHostCacheState", "ok" if positive else "no_positive_match"))
         if not positive:
             ctx.cache_hosts = ()
             return FellThrough(Reason.NO_POSITIVE_MATCH)

@@ -100,9 +100,9 @@ class CandidateScoring:
             elif result.outcome is ProbeOutcome.FAILED:
                 missing[worker] = DropReason.PROBE_FAILED
         if cache_hits:
-            self._metrics.emit(StatusCacheHits(cache_hits))
+            ctx.events.append(StatusCacheHits(cache_hits))
         for reason, n in skipped.items():
-            self._metrics.emit(ProbeSkipped(reason, n))
+            ctx.events.append(ProbeSkipped(reason, n))
         ctx.stages[Stage.PROBE] = ms(trio.current_time() - t)
 
         t = trio.current_time()

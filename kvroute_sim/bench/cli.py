@@ -6,9 +6,9 @@ window of the same work lists the top costs under the table.
 
 Where things run: the simulators for P2/P3/P7 in a child process (``kvroute sim-cluster
 --print-json``, always stopped at the end); P4 in this process over loopback gRPC, so its
-fault knobs can be switched directly; P7's sidecar and its client threads in this process;
-P3 (memory), P5's baselines and the soak in memory; P9's ``kvroute serve`` process trees on every
-CPU the run was allowed, its client threads in this process.
+fault knobs can be switched directly; P7's sidecar in this process, its callers in a second child
+on the simulators' CPUs; P3 (memory), P5's baselines and the soak in memory; P9's ``kvroute serve``
+process trees on every CPU the run was allowed, its client threads in this process.
 This process is pinned to one CPU for the run (the child gets the others), so "one core"
 holds for the router and for the raw client it is compared with.
 """
@@ -181,7 +181,7 @@ def _measure(
                 finally:
                     raw.close()
             if "P7" in selected:
-                timed("P7", lambda: overload.measure(report, sim.view, sizes.load))
+                timed("P7", lambda: overload.measure(report, sim.view, sizes.load, placement.child))
             if "P9" in selected:
                 everywhere = placement.bench | placement.child if placement.bench and placement.child else None
                 timed("P9", lambda: processes.measure(report, sim.view, sizes.processes, everywhere))

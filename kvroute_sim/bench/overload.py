@@ -2,33 +2,38 @@
 
 The sidecar (``router.sidecar.Sidecar`` over a router, as ``kvroute serve`` runs it, on this
 process's one core) against the simulators in the separate process. Each level is a closed
-loop of N plain grpcio client threads (one channel, a client deadline on every call, each
-request with ``budget_ms`` = BUDGET_MS), a bounded number of calls and a wall-clock bound.
+loop of N grpcio asyncio callers (one channel, a client deadline on every call, each
+request with ``budget_ms`` = BUDGET_MS), a bounded number of calls and a wall-clock bound. The
+callers run in a child process of their own, on the simulators' CPUs, so this process's CPU
+(reported per call) is the sidecar's and its GIL is not shared with the clients.
 
 Lateness is the sidecar's own: from its handler's receipt of a call to its serialised reply,
 less the call's deadline at receipt (min(budget, the client's remaining time)); gRPC's queueing
 before the handler is in the client's latency, reported beside it. A call with no answer is
-one the client saw end in an error (refused, timed out, failed).
+one the client saw end in an error (refused, timed out, failed). Each level is repeated at once
+against a grpcio echo server with the sidecar's thread pool in this process (the echo floor):
+the calls it leaves unanswered are gRPC's own limit on this core, not kvroute's.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence, Set
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import grpc
 import trio
 
+from kvroute_sim.bench.callers import CallerResults, Level, caller_process
 from kvroute_sim.bench.harness import ClusterView, prime, router_config
 from kvroute_sim.bench.harness import Requests as RouterRequests
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import Summary, percentile
 from router.api import open_router
 from router.sidecar import CallTiming, Sidecar
+from router.transport.grpc_server import method_handlers
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
 
@@ -47,13 +52,23 @@ class LoadSizes:
     warm_up: int  # routes before the sidecar starts (in process), then as many single-caller calls
 
 
-@dataclass(slots=True)
-class _CallerResults:
-    """What one client thread saw; merged after the level (no shared state while it runs)."""
+@dataclass(frozen=True, slots=True)
+class EchoFloor:
+    """A grpcio server with the sidecar's thread pool and limits, answering every call with fixed
+    bytes, under the same closed loop: what gRPC alone leaves unanswered on this process's core."""
 
-    replies: list[bytes] = field(default_factory=list)
-    client_ms: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)  # grpc status names
+    calls: int
+    seconds: float
+    no_answer: int
+    client_p99_ms: float
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "calls": self.calls,
+            "calls_per_s": self.calls / self.seconds if self.seconds else 0.0,
+            "no_answer": self.no_answer,
+            "client_p99_ms": self.client_p99_ms,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +80,9 @@ class LevelResult:
     errors: Counter[str]
     outcomes: Counter[str]  # "route_source/reason" of the answered calls
     timings: tuple[CallTiming, ...]  # the sidecar's own, answered calls
+    sidecar_cpu_s: float  # this process's CPU over the level: the sidecar, the router, grpc's threads
+    caller_cpu_s: float  # the caller process's CPU over the level
+    echo: EchoFloor  # the same level against a grpcio echo server with the sidecar's thread pool
 
     @property
     def no_answer(self) -> int:
@@ -84,6 +102,10 @@ class LevelResult:
             if (source is None or key.split("/", 1)[0] == source) and (reason is None or key.split("/", 1)[1] == reason)
         )
         return matching / total if total else 0.0
+
+    @property
+    def sidecar_cpu_ms_per_call(self) -> float:
+        return self.sidecar_cpu_s * 1e3 / self.calls if self.calls else 0.0
 
     @property
     def p99_lateness_ms(self) -> float:
@@ -107,16 +129,19 @@ class LevelResult:
             "kvcm_share": self.share(source="kvcm"),
             "overloaded_share": self.share(reason="overloaded"),
             "p99_lateness_ms": self.p99_lateness_ms,
+            "sidecar_cpu_ms_per_call": self.sidecar_cpu_ms_per_call,
+            "caller_cpu_ms_per_call": self.caller_cpu_s * 1e3 / self.calls if self.calls else 0.0,
             "sidecar_ms": Summary.of(sidecar_ms).to_json() if sidecar_ms else None,
             "client_ms": Summary.of(self.client_ms).to_json() if self.client_ms else None,
             "outcomes": dict(self.outcomes.most_common()),
+            "echo_floor": self.echo.to_json(),
             "met": self.met,
         }
 
 
-def _requests(view: ClusterView, label: str, count: int) -> list[bytes]:
+def _requests(view: ClusterView, label: str, count: int) -> tuple[bytes, ...]:
     """``count`` serialised Route requests over the seeded prompts in turn (built before the clock runs)."""
-    return [
+    return tuple(
         router_v1_pb2.RouteRequest(
             request_id=f"{label}-{i}",
             block_cache_keys=view.prompts[i % len(view.prompts)],
@@ -124,44 +149,17 @@ def _requests(view: ClusterView, label: str, count: int) -> list[bytes]:
             budget_ms=BUDGET_MS,
         ).SerializeToString()
         for i in range(count)
-    ]
-
-
-def _drive_level(
-    channel: grpc.Channel, requests: Sequence[bytes], callers: int, max_s: float
-) -> tuple[float, list[_CallerResults]]:
-    """``callers`` threads, each calling again as soon as it is answered, until the requests are used
-    up or ``max_s`` has passed; the elapsed seconds and each thread's results."""
-    call = channel.unary_unary(ROUTER_ROUTE, None, None)
-    serial = itertools.count()  # next() on it is atomic under the GIL
-    results = [_CallerResults() for _ in range(callers)]
-    stop_at = time.monotonic() + max_s
-
-    def caller(into: _CallerResults) -> None:
-        while time.monotonic() < stop_at:
-            i = next(serial)
-            if i >= len(requests):
-                return
-            start = time.perf_counter()
-            try:
-                reply: bytes = call(requests[i], timeout=CLIENT_DEADLINE_S)
-            except grpc.RpcError as exc:
-                into.errors.append(exc.code().name)
-            else:
-                into.client_ms.append((time.perf_counter() - start) * 1e3)
-                into.replies.append(reply)
-
-    threads = [threading.Thread(target=caller, args=(r,), name=f"p7-caller-{n}") for n, r in enumerate(results)]
-    began = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return time.perf_counter() - began, results
+    )
 
 
 def _level_result(
-    callers: int, seconds: float, results: list[_CallerResults], timings: list[CallTiming]
+    callers: int,
+    seconds: float,
+    results: Sequence[CallerResults],
+    timings: list[CallTiming],
+    sidecar_cpu_s: float,
+    caller_cpu_s: float,
+    echo: EchoFloor,
 ) -> LevelResult:
     outcomes: Counter[str] = Counter()
     for r in results:
@@ -176,10 +174,13 @@ def _level_result(
         errors=Counter(code for r in results for code in r.errors),
         outcomes=outcomes,
         timings=tuple(timings),
+        sidecar_cpu_s=sidecar_cpu_s,
+        caller_cpu_s=caller_cpu_s,
+        echo=echo,
     )
 
 
-async def _run(view: ClusterView, sizes: LoadSizes) -> list[LevelResult]:
+async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None) -> list[LevelResult]:
     config = router_config(view, status_ttl_s=None)
     config = replace(config, serve=replace(config.serve, grpc_listen="127.0.0.1:0"))
     levels: list[LevelResult] = []
@@ -188,27 +189,63 @@ async def _run(view: ClusterView, sizes: LoadSizes) -> list[LevelResult]:
             await prime(router, RouterRequests(view, "p7-prime"), sizes.warm_up)
             sidecar = Sidecar(router, config)
             bound = await nursery.start(sidecar.run)
-            channel = grpc.insecure_channel(str(bound), options=[("grpc.enable_retries", 0)])
+            echo_server, echo_target = _echo_server(config.serve.grpc_max_workers)
             try:
-                warm = _requests(view, "p7-warm", sizes.warm_up)
-                await trio.to_thread.run_sync(_drive_level, channel, warm, 1, sizes.max_level_s)
-                sidecar.take_call_timings()  # the warm-up's, dropped
-                for callers, calls in zip(LEVELS, sizes.calls_per_level, strict=True):
-                    requests = _requests(view, f"p7-{callers}", calls)
-                    seconds, results = await trio.to_thread.run_sync(
-                        _drive_level, channel, requests, callers, sizes.max_level_s
+                with caller_process(caller_cpus) as callers_child:
+                    warm = Level(
+                        str(bound), _requests(view, "p7-warm", sizes.warm_up), 1, sizes.max_level_s, CLIENT_DEADLINE_S
                     )
-                    levels.append(_level_result(callers, seconds, results, sidecar.take_call_timings()))
+                    await trio.to_thread.run_sync(callers_child.run, warm)
+                    await trio.to_thread.run_sync(callers_child.run, replace(warm, target=echo_target))
+                    sidecar.take_call_timings()  # the warm-up's, dropped
+                    for callers, calls in zip(LEVELS, sizes.calls_per_level, strict=True):
+                        level = Level(
+                            str(bound),
+                            _requests(view, f"p7-{callers}", calls),
+                            callers,
+                            sizes.max_level_s,
+                            CLIENT_DEADLINE_S,
+                        )
+                        cpu_before = time.process_time()
+                        run = await trio.to_thread.run_sync(callers_child.run, level)
+                        cpu_s = time.process_time() - cpu_before
+                        timings = sidecar.take_call_timings()
+                        echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
+                        echo_floor = EchoFloor(
+                            sum(len(r.replies) + len(r.errors) for r in echo.results),
+                            echo.seconds,
+                            sum(len(r.errors) for r in echo.results),
+                            percentile([ms for r in echo.results for ms in r.client_ms], 99),
+                        )
+                        levels.append(
+                            _level_result(callers, run.seconds, run.results, timings, cpu_s, run.cpu_s, echo_floor)
+                        )
             finally:
-                channel.close()
+                echo_server.stop(grace=None)
                 nursery.cancel_scope.cancel()
     return levels
+
+
+def _echo_server(workers: int) -> tuple[grpc.Server, str]:
+    """A grpcio server like the sidecar's (thread pool, concurrency limit) answering every Route
+    call with the same bytes; started, with its address."""
+    reply = router_v1_pb2.RouteDecision(request_id="echo", route_source="domain", reason="overloaded")
+    body = reply.SerializeToString()
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="p7-echo"),
+        handlers=[method_handlers({ROUTER_ROUTE: lambda _data, _context: body})],
+        maximum_concurrent_rpcs=workers,
+        options=[("grpc.so_reuseport", 0)],
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
 
 
 def _curve(levels: Sequence[LevelResult]) -> str:
     header = (
         "callers | calls | calls/s | within dl+5ms | no answer | kvcm | overloaded | p99 late ms | client p99 ms"
-        " | unanswered by status"
+        " | sidecar CPU ms/call | echo unanswered | echo client p99 ms | unanswered by status"
     )
     lines = [header]
     for lv in levels:
@@ -216,14 +253,16 @@ def _curve(levels: Sequence[LevelResult]) -> str:
         lines.append(
             f"{lv.callers:>7} | {lv.calls:>5} | {lv.calls / lv.seconds:>7,.0f} | {lv.within_share:>13.1%} | "
             f"{lv.no_answer:>9} | {lv.share(source='kvcm'):>4.0%} | {lv.share(reason='overloaded'):>10.1%} | "
-            f"{lv.p99_lateness_ms:>11.1f} | {client_p99:>13.1f} | "
+            f"{lv.p99_lateness_ms:>11.1f} | {client_p99:>13.1f} | {lv.sidecar_cpu_ms_per_call:>18.3f} | "
+            f"{lv.echo.no_answer:>15} | {lv.echo.client_p99_ms:>18.1f} | "
             + (", ".join(f"{code} {n}" for code, n in lv.errors.most_common()) or "-")
         )
     return "\n".join(lines)
 
 
-def measure(report: BenchReport, view: ClusterView, sizes: LoadSizes) -> None:
-    levels = trio.run(_run, view, sizes)
+def measure(report: BenchReport, view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None) -> None:
+    """``caller_cpus``: where the caller process runs (the simulators' CPUs: not the sidecar's)."""
+    levels = trio.run(_run, view, sizes, caller_cpus)
     met = all(lv.met for lv in levels)
     result = "; ".join(
         f"{lv.callers}: {lv.within_share:.1%} on time, {lv.no_answer} unanswered, "

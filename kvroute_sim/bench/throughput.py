@@ -9,6 +9,9 @@ warm under load and a worker is re-probed about 20 times a second):
   client's concurrent GetHostCacheState throughput (what a warm route issues per
   decision) at the same number of calls in flight, measured in the same run, interleaved.
 
+Both rows report this process's CPU per decision (``time.process_time``: every thread, the
+trio thread and grpc's alike); the gRPC row the raw client's CPU per call beside it.
+
 The prober's rate budget (2,000 probes/s by default) is reported: probes started per
 second and probes skipped for want of budget during the measured window.
 """
@@ -16,6 +19,7 @@ second and probes skipped for want of budget during the measured window.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,6 +51,7 @@ class ThroughputSizes:
 class _Run:
     decisions: int = 0
     seconds: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU over the measured windows (every thread: trio, grpc, the router)
     probes_started: int = 0
     skipped_no_budget: int = 0
     status_hits: int = 0  # status lookups answered from the prober's cache
@@ -58,6 +63,10 @@ class _Run:
         return self.decisions / self.seconds
 
     @property
+    def cpu_ms_per_decision(self) -> float:
+        return self.cpu_s * 1e3 / self.decisions if self.decisions else 0.0
+
+    @property
     def cache_hit_ratio(self) -> float:
         return self.status_hits / self.status_lookups if self.status_lookups else 0.0
 
@@ -66,6 +75,7 @@ class _Run:
             "decisions": self.decisions,
             "seconds": self.seconds,
             "decisions_per_s": self.rate,
+            "process_cpu_ms_per_decision": self.cpu_ms_per_decision,
             "probes_started_per_s": self.probes_started / self.seconds,
             "probes_skipped_no_budget": self.skipped_no_budget,
             "status_cache_hit_ratio": self.cache_hit_ratio,
@@ -86,7 +96,9 @@ class _Run:
 async def _drive(router: RouterHandle, requests: Requests, count: int, concurrency: int, into: _Run) -> None:
     """One measured window: decisions, time and the prober's counters over it."""
     before = router.prober().snapshot()
+    cpu_before = time.process_time()
     seconds, outcomes = await concurrent(router, requests, count, concurrency)
+    into.cpu_s += time.process_time() - cpu_before
     after = router.prober().snapshot()
     into.decisions += count
     into.seconds += seconds
@@ -138,7 +150,8 @@ def _rate_row(
     return Figure(
         key,
         measured,
-        f"{run.rate:,.0f} decisions/s{extra}; {kvcm:.0%} via kvcm; status hit ratio "
+        f"{run.rate:,.0f} decisions/s{extra}; process CPU {run.cpu_ms_per_decision:.3f} ms/decision; "
+        f"{kvcm:.0%} via kvcm; status hit ratio "
         f"{run.cache_hit_ratio:.3f}; {run.budget_note()}",
         target,
         verdict,
@@ -172,9 +185,12 @@ def measure_memory(report: BenchReport, shape: ClusterShape, sizes: ThroughputSi
 
 def measure_grpc(report: BenchReport, view: ClusterView, raw: RawClient, sizes: ThroughputSizes) -> None:
     raw_rates: list[float] = []
+    raw_cpu_s: list[float] = []
 
     def raw_round() -> None:
+        cpu_before = time.process_time()
         raw_rates.append(raw.concurrent_rate(sizes.decisions_per_round, sizes.concurrency))
+        raw_cpu_s.append(time.process_time() - cpu_before)
 
     def missed(run: _Run) -> bool:
         return run.rate / statistics.fmean(raw_rates) < P3_GRPC_TARGET_RATIO
@@ -183,16 +199,22 @@ def measure_grpc(report: BenchReport, view: ClusterView, raw: RawClient, sizes: 
     run, profile = trio.run(_router_run, view, None, sizes, raw_round, missed)
     raw_rate = statistics.fmean(raw_rates)
     ratio = run.rate / raw_rate
+    raw_cpu_ms = sum(raw_cpu_s) * 1e3 / (sizes.decisions_per_round * len(raw_cpu_s))
     report.figures.append(
         _rate_row(
             "P3 gRPC",
             f"decisions/s over loopback gRPC (sims in a separate process), {sizes.concurrency} in flight, "
             "vs raw concurrent GetHostCacheState calls/s",
             run,
-            f" vs raw {raw_rate:,.0f} calls/s → {ratio:.2f}×",
+            f" vs raw {raw_rate:,.0f} calls/s ({raw_cpu_ms:.3f} ms CPU/call) → {ratio:.2f}×",
             f"≥ {P3_GRPC_TARGET_RATIO}× raw",
             at_least(ratio, P3_GRPC_TARGET_RATIO),
-            {"concurrency": sizes.concurrency, "raw_calls_per_s": raw_rates, "ratio": ratio},
+            {
+                "concurrency": sizes.concurrency,
+                "raw_calls_per_s": raw_rates,
+                "raw_process_cpu_ms_per_call": raw_cpu_ms,
+                "ratio": ratio,
+            },
         )
     )
     if profile is not None:

@@ -1,8 +1,10 @@
 """The deadline split: how much of a request's time each waiting stage of a cache source may use.
 
 The fixed split gives every wait the same end, ``decide_at = deadline − reserve`` with
-``reserve = max(reserve_min, reserve_fraction × budget)``: a slow KVCM query may then use the time
-its probes needed, and the decision falls back although a hit was in reach.
+``reserve = max(reserve_min, reserve_fraction × budget, min(2 × lag, budget / 2))`` (a task woken
+at the end of a wait runs ``lag`` later; a lag above half the budget is shed at admission, not
+waited out here): a slow KVCM query may then use the time its probes needed, and the decision falls
+back although a hit was in reach.
 
 The learned split keeps a running estimate of a high quantile of each stage's latency and ends
 each wait early enough to leave the stages after it their expected time, giving the waits the part
@@ -76,13 +78,17 @@ class SplitWindows:
         return self.probe_end
 
 
+LAG_RESERVE_FACTOR = 2.0  # the decision reserve is at least this many times the loop's average lag
+
+
 def split_windows(
     received_at: float, deadline: float, estimates: SplitEstimates, router: RouterConfig
 ) -> SplitWindows:
     """The wait ends of one request received at ``received_at`` with ``deadline`` (pure)."""
     budget = max(0.0, deadline - received_at)
     reserve_min = router.reserve_min_ms / 1000.0
-    decide_at = deadline - max(reserve_min, router.reserve_fraction * budget)
+    lag_reserve = min(LAG_RESERVE_FACTOR * estimates.lag, 0.5 * budget)
+    decide_at = deadline - max(reserve_min, router.reserve_fraction * budget, lag_reserve)
     if router.deadline_split is DeadlineSplit.FIXED or not estimates.warm:
         mode = SplitMode.FIXED if router.deadline_split is DeadlineSplit.FIXED else SplitMode.COLD
         return SplitWindows(decide_at, decide_at, decide_at, mode)

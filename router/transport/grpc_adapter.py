@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import grpc
 import trio
@@ -27,9 +28,7 @@ from router.transport.errors import DeadlineExceeded, RpcStatus, TransportError,
 from router.transport.ports import ChannelLeaser
 
 # grpc codes our RpcStatus does not name map to UNKNOWN; the original name is kept in the detail.
-_STATUS_BY_CODE = {
-    code: RpcStatus[code.name] for code in grpc.StatusCode if code.name in RpcStatus.__members__
-}
+_STATUS_BY_CODE = {code: RpcStatus[code.name] for code in grpc.StatusCode if code.name in RpcStatus.__members__}
 
 
 def channel_options(config: ChannelPoolConfig) -> list[tuple[str, int]]:
@@ -105,14 +104,27 @@ class GrpcRawRpc:
 
     def __init__(self, leaser: ChannelLeaser[grpc.Channel]) -> None:
         self._leaser = leaser
+        # Building a multi-callable costs more than a small call's own Python: one per channel and
+        # path, dropped with its channel.
+        self._calls: weakref.WeakKeyDictionary[grpc.Channel, dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _multicallable(self, channel: grpc.Channel, method_path: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
+        by_path = self._calls.get(channel)
+        if by_path is None:
+            by_path = self._calls[channel] = {}
+        call = by_path.get(method_path)
+        if call is None:
+            call = by_path[method_path] = channel.unary_unary(method_path, None, None)  # identity: bytes both ways
+        return call
 
     async def call(self, target: str, method_path: str, request: bytes) -> bytes:
         timeout = remaining_timeout()
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded(target, "deadline already passed; not sent")
         async with self._leaser.lease(target) as channel:
-            # Identity serializers: bytes pass through both ways.
-            future = channel.unary_unary(method_path, None, None).future(request, timeout=timeout)
+            future = self._multicallable(channel, method_path).future(request, timeout=timeout)
             await wait_future(future)
             error = future.exception()
             if error is None:
