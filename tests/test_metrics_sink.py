@@ -206,10 +206,6 @@ async def test_run_can_be_restarted_and_keeps_its_state(autojump_clock: trio.tes
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     assert sample(sink, "kvroute_worker_status_cache_hits_total") == 6
-    assert sample(sink, "kvroute_worker_status_fresh_from_background_total") == 4
-    assert sample(sink, "kvroute_probes_per_request_count") == 2
-    assert sample(sink, "kvroute_probes_per_request_sum") == 2
-    assert sample(sink, "kvroute_probe_background_total", kind="refresh") == 3
 
 
 async def test_decision_ring_is_bounded_newest_first(autojump_clock: trio.testing.MockClock) -> None:
