@@ -100,6 +100,9 @@ from router.types import Role, WorkerAddr, WorkerStatus
 
 _NEVER = float("-inf")
 _FOREVER = float("inf")
+# Of the hot window: how stale the published wanted_at of a worker may get before a request whose
+# statuses were all fresh tells the owner again (others say nothing: no message, no wake-up).
+_TOUCH_EVERY = 1 / 8
 PROBE_TIMEOUT_KIND = "probe_timeout"  # failure kind when a started RPC outlives probe_timeout_s
 
 
@@ -153,6 +156,7 @@ class WorkerView:
     ejected_until: float
     last_error: str
     background: bool  # the status came from a background poll
+    wanted_at: float  # a request named it then (the owner's record, renewed at most every _TOUCH_EVERY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +202,7 @@ class _WorkerState:
             self.ejected_until,
             self.last_error,
             self.status_background,
+            self.wanted_at,
         )
 
 
@@ -386,6 +391,7 @@ class WorkerProber:
         self._refresh_keep = math.floor((1.0 - share) * config.rate_burst)  # tokens kept for requests
         self._refresh_slots = max(1, math.floor(share * config.inflight_cap))
         self._refresh_active = config.background_refresh and config.refresh_interval_s < config.fresh_ttl_s
+        self._touch_every_s = _TOUCH_EVERY * config.hot_window_s
         # The inbox: a _Wanted per probe() call, a _Landed per probe (at most max_tracked_workers pending).
         self._inbox_capacity = config.max_tracked_workers
         self._send, self._receive = trio.open_memory_channel[_Message](self._inbox_capacity)
@@ -457,10 +463,14 @@ class WorkerProber:
                 message = receive.receive_nowait()
             except trio.WouldBlock:
                 self._publish()
-                with trio.move_on_at(min(self._next_health, self._next_refresh)):
+                wake_at = min(self._next_health, self._next_refresh)
+                if wake_at == _FOREVER:
                     message = await receive.receive()
-                    self._apply(message)
-                continue
+                else:
+                    with trio.move_on_at(wake_at):
+                        message = await receive.receive()
+                        self._apply(message)
+                    continue
             self._apply(message)
 
     def _apply(self, message: _Message) -> None:
@@ -504,8 +514,12 @@ class WorkerProber:
         known = view.workers
         fresh_ttl = self._config.fresh_ttl_s
         ask: list[WorkerAddr] = []
+        told_after = now - self._touch_every_s
+        tell = False
         for worker in handle.workers:
             seen = known.get(worker)
+            if seen is None or seen.wanted_at < told_after:
+                tell = True
             if seen is not None and seen.status is not None and not seen.failed and now - seen.status_at < fresh_ttl:
                 self._view_hits += 1
                 self._view_background_hits += seen.background
@@ -527,6 +541,8 @@ class WorkerProber:
                 handle._deliver(self._view_skip(worker, SkipReason.DEADLINE))
             else:
                 ask.append(worker)
+        if not (ask or tell):
+            return handle  # the owner knows these are wanted, and nothing is missing
         try:
             self._send.send_nowait(_Wanted(handle.workers, handle if ask else None, tuple(ask)))
         except trio.WouldBlock:
@@ -674,12 +690,15 @@ class WorkerProber:
         hot = self._hot
         if refresh and not hot and self._nursery is not None:
             self._next_refresh = min(self._next_refresh, now + self._config.refresh_interval_s)
+        told_after = now - self._touch_every_s / 2
         for worker in message.workers:
             state = self._touch(worker)
-            if refresh:
+            if state.wanted_at < told_after:  # else told just now: the hot order stays by wanted_at
                 state.wanted_at = now
-                hot[worker] = None
-                hot.move_to_end(worker)
+                self._changed(worker, state)
+                if refresh:
+                    hot[worker] = None
+                    hot.move_to_end(worker)
         handle = message.handle
         if handle is None:
             return
@@ -881,7 +900,10 @@ class WorkerProber:
             if flight.slot:
                 self._limiter.release_on_behalf_of(flight)
         landed.at = trio.current_time()
-        await self._send.send(landed)
+        try:
+            self._send.send_nowait(landed)  # the common case: room in the inbox, no extra schedule point
+        except trio.WouldBlock:
+            await self._send.send(landed)  # never dropped: the owner drains the inbox without waiting
 
     async def _take_budget(self, flight: _Flight) -> bool:
         """Wait for the flight's token, then an in-flight slot, before its requesters' latest deadline."""

@@ -113,7 +113,7 @@ class ProberConfig:
     # Polls take only tokens beyond the share of the budget kept for requests' own probes, and at most
     # refresh_budget_share of the rate. Runs only while refresh_interval_s < fresh_ttl_s.
     background_refresh: bool = True
-    refresh_interval_s: float = bounded(0.025, 0, 60, low_open=True)
+    refresh_interval_s: float = bounded(0.03, 0, 60, low_open=True)
     hot_window_s: float = bounded(2.0, 0, 3600, low_open=True)
     refresh_budget_share: float = bounded(0.5, 0, 1, low_open=True)
 
