@@ -114,14 +114,14 @@ class LevelResult:
         }
 
 
-def _requests(view: ClusterView, label: str, count: int) -> list[bytes]:
+def route_requests(view: ClusterView, label: str, count: int, budget_ms: int = BUDGET_MS) -> list[bytes]:
     """``count`` serialised Route requests over the seeded prompts in turn (built before the clock runs)."""
     return [
         router_v1_pb2.RouteRequest(
             request_id=f"{label}-{i}",
             block_cache_keys=view.prompts[i % len(view.prompts)],
             block_size=view.block_size,
-            budget_ms=BUDGET_MS,
+            budget_ms=budget_ms,
         ).SerializeToString()
         for i in range(count)
     ]
@@ -190,11 +190,11 @@ async def _run(view: ClusterView, sizes: LoadSizes) -> list[LevelResult]:
             bound = await nursery.start(sidecar.run)
             channel = grpc.insecure_channel(str(bound), options=[("grpc.enable_retries", 0)])
             try:
-                warm = _requests(view, "p7-warm", sizes.warm_up)
+                warm = route_requests(view, "p7-warm", sizes.warm_up)
                 await trio.to_thread.run_sync(_drive_level, channel, warm, 1, sizes.max_level_s)
                 sidecar.take_call_timings()  # the warm-up's, dropped
                 for callers, calls in zip(LEVELS, sizes.calls_per_level, strict=True):
-                    requests = _requests(view, f"p7-{callers}", calls)
+                    requests = route_requests(view, f"p7-{callers}", calls)
                     seconds, results = await trio.to_thread.run_sync(
                         _drive_level, channel, requests, callers, sizes.max_level_s
                     )
