@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import psutil
 import pytest
 
+from kvroute_sim.bench.rate import RateResult, knee
 from router.cli import main
 
 QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,P7,P8,soak"
@@ -130,3 +132,14 @@ def test_bad_flags_are_named(argv: list[str], complaint: str, capsys: pytest.Cap
         main(["bench", *argv])
     assert exit_info.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_p8_knee_is_where_p99_doubles_or_fallbacks_pass_two_percent() -> None:
+    def at(rate: int, p99_ms: float, fallbacks: int = 0) -> RateResult:
+        outcomes = Counter({"kvcm/CACHE_LEADER": 100 - fallbacks, "domain/deadline": fallbacks})
+        return RateResult(rate, 100, 1.0, (1.0,) * 98 + (p99_ms,) * 2, (), Counter(), outcomes)
+
+    assert knee([at(50, 3.0), at(100, 4.0), at(200, 5.9)]) is None
+    assert knee([at(50, 3.0), at(100, 4.0), at(200, 6.0)]) == 200
+    assert knee([at(50, 3.0), at(100, 3.0, fallbacks=3), at(200, 6.0)]) == 100
+    assert knee([at(50, 3.0, fallbacks=2)]) is None
