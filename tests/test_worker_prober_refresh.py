@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import trio
 import trio.testing
 from trio.testing import MockClock
 
+from actors.probe_budget import prober_problems
 from actors.worker_prober import ProbeKind, ProbeOutcome, SkipReason, WorkerProber
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import RouteRequest
@@ -247,3 +249,10 @@ async def test_in_steady_state_a_request_makes_one_remote_call(autojump_clock: M
         assert after.fresh_from_background >= 40 * 2 - 4
         assert registry.get_sample_value("kvroute_probe_background_total", {"kind": "refresh"}) == after.refresh_polls
         assert network.call_count(None, paths.WORKER_GET_STATUS) == before.probes_started + after.refresh_polls
+
+
+def test_a_hot_window_shorter_than_the_refresh_interval_is_refused_naming_both() -> None:
+    config = refreshing(hot_window_s=0.01, refresh_interval_s=0.03)
+    assert [p.fields for p in prober_problems(config)] == [("hot_window_s", "refresh_interval_s")]
+    with pytest.raises(ValueError, match=r"prober\.hot_window_s, prober\.refresh_interval_s"):
+        WorkerProber(config, WorkerStatusClient(MemoryNetwork()))
