@@ -78,7 +78,21 @@ class ProbeSkipped:
 
 
 @dataclass(frozen=True, slots=True)
-class StatusCacheHits:
+class StatusLookups:
+    """One request's candidate statuses: answered fresh from the cache (``from_background`` of
+    them kept fresh by background polls), and ``probed``: those without a fresh status, which the
+    request asked the prober to probe."""
+
+    cache_hits: int = 1
+    from_background: int = 0
+    probed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BackgroundProbes:
+    """Probes the prober started on its own: ``kind`` "refresh" (hot workers) or "health"."""
+
+    kind: str
     n: int = 1
 
 
@@ -130,7 +144,8 @@ MetricEvent = (
     | MasterRequest
     | HitObserved
     | ProbeSkipped
-    | StatusCacheHits
+    | StatusLookups
+    | BackgroundProbes
     | LeaderChanged
     | ChannelEvicted
     | ShadowAgreement
@@ -285,6 +300,20 @@ class MetricsSink:
         self._cache_hits = Counter(
             "kvroute_worker_status_cache_hits", "Worker statuses served from the status cache", registry=r
         )
+        self._fresh_from_background = Counter(
+            "kvroute_worker_status_fresh_from_background",
+            "Worker statuses served fresh from the cache that a background poll had fetched",
+            registry=r,
+        )
+        self._probed_per_request = Histogram(
+            "kvroute_probes_per_request",
+            "Candidates per scored request without a fresh status (each asked for a probe)",
+            buckets=(0, 1, 2, 4, 8, 16, 32),
+            registry=r,
+        )
+        self._background_probes = Counter(
+            "kvroute_probe_background", "Worker probes the prober started on its own", ("kind",), registry=r
+        )
         self._shadow_dropped = Counter(
             "kvroute_shadow_records_dropped", "Decisions the shadow index missed (its inbox was full)", registry=r
         )
@@ -424,8 +453,14 @@ class MetricsSink:
                 self._master_requests.labels(outcome=outcome).inc()
             case ProbeSkipped(reason, n):
                 self._probe_skipped.labels(reason=reason).inc(n)
-            case StatusCacheHits(n):
-                self._cache_hits.inc(n)
+            case StatusLookups(cache_hits, from_background, probed):
+                if cache_hits:
+                    self._cache_hits.inc(cache_hits)
+                if from_background:
+                    self._fresh_from_background.inc(from_background)
+                self._probed_per_request.observe(probed)
+            case BackgroundProbes(kind, n):
+                self._background_probes.labels(kind=kind).inc(n)
             case LeaderChanged(target):
                 self._last_leader = target
                 self._leader_changes.inc()

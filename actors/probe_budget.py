@@ -56,6 +56,20 @@ class TokenBucket:
             return None
         return ready_at
 
+    def peek(self, now: float) -> float:
+        """Like :meth:`tokens`, without changing the bucket (for readers other than its owner)."""
+        if now > self._updated:
+            return min(self._burst, self._tokens + (now - self._updated) * self._rate)
+        return self._tokens
+
+    def take(self, now: float, *, keep: float = 0.0) -> bool:
+        """Take one token only if it is in the bucket now with ``keep`` more left over; never a debt."""
+        self._refill(now)
+        if self._tokens < 1.0 + keep:
+            return False
+        self._tokens -= 1.0
+        return True
+
     def refund(self, now: float) -> None:
         """Give back one reserved token that was not used."""
         self._refill(now)
@@ -106,6 +120,15 @@ def prober_problems(config: ProberConfig) -> list[Problem]:
                 ("fresh_ttl_s", "max_status_age_s"),
                 f"the freshness TTL ({config.fresh_ttl_s} s) is above the max status age "
                 f"({config.max_status_age_s} s)",
+            )
+        )
+    if config.hot_window_s < config.refresh_interval_s:
+        # A worker must stay hot for at least one refresh, or wanting it would poll it never.
+        problems.append(
+            Problem(
+                ("hot_window_s", "refresh_interval_s"),
+                f"the hot window ({config.hot_window_s} s) is shorter than the refresh interval "
+                f"({config.refresh_interval_s} s)",
             )
         )
     if config.eject_base_s > config.eject_max_s:

@@ -1,34 +1,39 @@
 """WorkerProber: worker statuses for requests, under one global probe budget.
 
 A request calls ``probe(workers, deadline)``, which returns at once a
-``ProbeHandle`` holding the fresh cached statuses and receiving every other
-result as it completes; the request waits on it under its own cancel scope and
-decides with what it has (an "anytime" decision).
+``ProbeHandle`` holding the fresh statuses and receiving every other result as
+it completes; the request waits on it under its own cancel scope and decides
+with what it has (an "anytime" decision).
 
-Design (review-lessons §4, §12; wire-contract §2, §3):
-
-- **State and tasks.** The prober has no inbox: ``probe``, ``cached``,
-  ``is_routable``, ``retain`` and ``snapshot`` are synchronous, non-awaiting
-  methods, so under trio each is atomic; probe tasks touch the state only in
-  synchronous sections between their awaits. Probe tasks run in the prober's
-  own nursery (started by ``run``), never in a request's, so a request that
-  leaves does not cancel a probe others wait for.
-- **Budget, acquired within the request's deadline.** A probe first reserves a
-  token from the rate bucket: if the token would be ready only after the
-  deadline, the probe is skipped at once (``no_budget``); otherwise it sleeps
-  until the token (one ``sleep_until``) and then takes an in-flight slot
+- **One owner.** ``run``'s task alone changes the prober's state: per-worker
+  statuses, failures, ejections, pending probes, the LRU, the hot set, the token
+  bucket and its counters. Others reach it through a bounded inbox: ``probe``
+  sends one ``_Wanted`` per call (``send_nowait``: when the inbox is full the
+  workers it would have probed are skipped ``no_budget``, counted); probe tasks
+  send their outcome as a ``_Landed`` (they wait for room: an outcome is never
+  lost); ``retain`` leaves the worker set in a one-slot mailbox, latest wins.
+  The owner applies what is queued without yielding, then publishes an
+  immutable ``ProberView`` once per batch that changed something.
+- **Hot-path reads are snapshot reads.** ``probe`` answers a worker whose
+  status in the view is fresh without waiting for the owner; ``cached``,
+  ``cached_observed``, ``is_routable``, ``unroutable_reason`` and ``ejected``
+  read only the view. ``snapshot`` reads the owner's counters (a read, no
+  change) plus the callers' own (fresh answers, dropped messages).
+- **Budget, acquired within the request's deadline.** The owner reserves a
+  token from the rate bucket: if it would be ready only after the deadline, the
+  probe is skipped (``no_budget``); otherwise the probe task sleeps until the
+  token (one ``sleep_until``) and then takes an in-flight slot
   (``trio.CapacityLimiter``, FIFO), both under a cancel scope whose deadline is
-  the latest deadline among the requests waiting for that worker. If that
-  passes first, the token is refunded and the probe is skipped
-  (``no_budget``): nothing waits for budget past its requesters' deadlines.
+  the latest deadline among the requests waiting for that worker (the owner
+  extends it when a later request joins). If that passes first, the token is
+  given back and the probe is skipped (``no_budget``).
 - **A started RPC is bounded by ``probe_timeout_s`` only**, not by the waiting
   requests' deadlines: a slow or black-holed worker must still accrue failures
   (and be ejected) when every request's budget is shorter than the probe
-  timeout, and a late answer refreshes the cache for the next request. It holds
-  its in-flight slot at most ``probe_timeout_s``.
+  timeout, and a late answer refreshes the cache for the next request.
 - **Coalescing.** At most one probe per worker is pending; a request for a worker
-  with a pending probe joins it (extending the budget deadline to its own if
-  later) and gets the same result; its own deadline bounds only its own wait.
+  with a pending probe joins it and gets the same result; its own deadline
+  bounds only its own wait.
 - **Status cache.** A valid status younger than ``fresh_ttl_s`` is answered
   without an RPC. The ``latest_finished_version`` of the last valid status is
   sent on the next probe. A reply with ``status_version == 0`` carries no status:
@@ -47,29 +52,34 @@ Design (review-lessons §4, §12; wire-contract §2, §3):
 - **Collective failure.** More failing workers than the cap is a shared cause,
   not outliers: nobody is ejected while it lasts, and the ejections in force
   end at once (their count is given back), so every failing worker is probed
-  and readmitted by its first good probe instead of staying out for
-  ``eject_base_s`` after the cause has gone.
+  and readmitted by its first good probe.
 - **Usable status** (``cached``): the last valid status, younger than
-  ``max_status_age_s`` (older = unknown for scoring), the worker not ejected and
-  its last probe not failed (any RPC error marks the worker not usable until a
-  valid status, as in the reference scheduler). **Routable** (``is_routable``):
-  not known to be unreachable, i.e. not ejected and its last probe was not
-  refused (``unavailable``: a closed port, a reset). A worker never probed is
-  routable: nothing says it is down; nor is one whose status probe was slow
-  (``probe_timeout``) or garbled, which is unusable for scoring but may well
-  serve, until repeated failures eject it.
+  ``max_status_age_s``, the worker not ejected and its last probe not failed.
+  **Routable** (``is_routable``): not ejected and its last probe was not
+  refused (``unavailable``). A worker never probed is routable; so is one whose
+  probe was slow or garbled (unusable for scoring, not known to be down).
+- **Background refresh** (``background_refresh``, while ``refresh_interval_s <
+  fresh_ttl_s``): a worker a request named as a candidate within
+  ``hot_window_s`` is *hot*; the owner polls each hot worker every
+  ``refresh_interval_s``, so requests find its status fresh and make one remote
+  call (the cache query) instead of a probe too. A worker nobody names goes
+  cold and is no longer polled. A poll never waits for budget: it takes an
+  in-flight slot only when one is free with nobody queued, and a token only when
+  the bucket holds more than the ``1 − refresh_budget_share`` part of its burst
+  kept for requests' probes, and at most ``refresh_budget_share`` of the rate.
 - **Background health probes** (with a ``fleet`` and ``health_interval_s`` > 0):
   every interval the next ``health_max_probes`` discovered workers not heard
   from for an interval are probed, taking only the rate tokens already in the
-  bucket, so routability is known in domain routing too and never costs a
-  request a probe.
+  bucket, so routability is known in domain routing too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -89,6 +99,10 @@ from router.transport.ports import WorkerStatusTransport
 from router.types import Role, WorkerAddr, WorkerStatus
 
 _NEVER = float("-inf")
+_FOREVER = float("inf")
+# Of the hot window: how stale the published wanted_at of a worker may get before a request whose
+# statuses were all fresh tells the owner again (others say nothing: no message, no wake-up).
+_TOUCH_EVERY = 1 / 8
 PROBE_TIMEOUT_KIND = "probe_timeout"  # failure kind when a started RPC outlives probe_timeout_s
 
 
@@ -102,10 +116,18 @@ class ProbeOutcome(enum.Enum):
 class SkipReason(enum.Enum):
     """Values double as metric labels (``kvroute_probe_skipped_total{reason}``)."""
 
-    NO_BUDGET = "no_budget"  # no token or in-flight slot before the deadline
+    NO_BUDGET = "no_budget"  # no token or in-flight slot before the deadline (or no room in the inbox)
     EJECTED = "ejected"
     DEADLINE = "deadline"  # the deadline had passed, or came while the RPC was in flight
     STOPPED = "stopped"  # the prober is not running (e.g. being restarted)
+
+
+class ProbeKind(enum.Enum):
+    """Why a probe was made; values double as metric labels."""
+
+    ON_DEMAND = "on_demand"  # a request wanted a worker without a fresh status
+    REFRESH = "refresh"  # background refresh of a hot worker
+    HEALTH = "health"  # background health probe of a discovered worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +139,37 @@ class ProbeResult:
     observed_at: float | None = None  # trio time the status was received
     error_kind: str | None = None  # TransportError.kind or PROBE_TIMEOUT_KIND, when FAILED
     skip_reason: SkipReason | None = None  # when SKIPPED
+    background: bool = False  # from the cache, and that status came from a background poll
 
     def age_s(self, now: float) -> float | None:
         return None if self.observed_at is None else now - self.observed_at
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What the owner last knew of one worker, as published (immutable)."""
+
+    status: WorkerStatus | None  # the last valid status
+    status_at: float
+    failed: bool  # a probe failed since that status: not usable for scoring
+    unreachable: bool  # the last probe was refused
+    ejected_until: float
+    last_error: str
+    background: bool  # the status came from a background poll
+    wanted_at: float  # a request named it then (the owner's record, renewed at most every _TOUCH_EVERY)
+
+
+@dataclass(frozen=True, slots=True)
+class ProberView:
+    """The snapshot hot-path readers use; the owner replaces it, never changes it."""
+
+    running: bool
+    workers: Mapping[WorkerAddr, WorkerView]  # only workers something is known of
+    ejected: Mapping[WorkerAddr, float]  # ejection ends (some may have passed: compare with now)
+
+
+_EMPTY_VIEW = ProberView(running=False, workers={}, ejected={})
+_NO_WORKERS: frozenset[WorkerAddr] = frozenset()
 
 
 class _Phase(enum.Enum):
@@ -131,8 +181,11 @@ class _Phase(enum.Enum):
 class _WorkerState:
     status: WorkerStatus | None = None  # last valid status (status_version != 0)
     status_at: float = _NEVER
+    status_background: bool = False  # that status came from a background poll
     latest_finished_version: int = -1  # echoed on the next probe
     checked_at: float = _NEVER  # the last probe's end: an answer or a failure
+    started_at: float = _NEVER  # the last probe's start (refresh is due a refresh interval after it)
+    wanted_at: float = _NEVER  # the last time a request named it
     last_error: str = ""  # the last failure's kind
     unreachable: bool = False  # the last probe was refused: known unreachable until a good probe
     consecutive_failures: int = 0
@@ -140,17 +193,59 @@ class _WorkerState:
     ejected_until: float = _NEVER
     flight: _Flight | None = None
 
+    def view(self) -> WorkerView:
+        return WorkerView(
+            self.status,
+            self.status_at,
+            self.consecutive_failures > 0,
+            self.unreachable,
+            self.ejected_until,
+            self.last_error,
+            self.status_background,
+            self.wanted_at,
+        )
+
 
 @dataclass(eq=False, slots=True)
 class _Flight:
-    """One pending probe of one worker, shared by every request waiting for it."""
+    """One pending probe of one worker, shared by every request waiting for it.
+
+    The owner creates it, attaches waiters and extends ``budget_scope``; its probe task alone sets
+    ``phase`` and ``slot``."""
 
     worker: WorkerAddr
     state: _WorkerState
     token_at: float
     budget_scope: trio.CancelScope  # deadline = the latest deadline among waiters
+    kind: ProbeKind
     waiters: list[ProbeHandle] = field(default_factory=list)
     phase: _Phase = _Phase.BUDGET
+    slot: bool = False  # holds an in-flight slot (taken by the owner for background polls)
+    done: bool = False  # the owner has applied its outcome (or given up on it at a stop)
+
+
+@dataclass(eq=False, slots=True)
+class _Landed:
+    """A probe task's outcome, for the owner to apply."""
+
+    flight: _Flight
+    at: float = 0.0
+    status: WorkerStatus | None = None
+    error_kind: str = ""  # set when the RPC failed
+    no_budget: bool = False  # no slot before the deadline: the token goes back
+    inflight: int = 0  # RPCs in flight when this one started
+
+
+@dataclass(eq=False, slots=True)
+class _Wanted:
+    """A request named ``workers`` (they are hot); ``handle`` waits for those it could not answer."""
+
+    workers: tuple[WorkerAddr, ...]
+    handle: ProbeHandle | None
+    ask: tuple[WorkerAddr, ...]
+
+
+_Message = _Wanted | _Landed | None  # None: wake up (a retain was left in the mailbox)
 
 
 class ProbeHandle:
@@ -194,13 +289,15 @@ class ProbeHandle:
 
     def results(self) -> tuple[ProbeResult, ...]:
         """One result per requested worker, in request order. A probe still pending counts as
-        skipped: ``no_budget`` if it is waiting for budget, ``deadline`` if its RPC is in flight."""
+        skipped: ``deadline`` if its RPC is in flight, else ``no_budget`` (waiting for budget, or
+        for the prober to take the request)."""
         out: list[ProbeResult] = []
         for worker in self.workers:
             result = self._delivered.get(worker)
             if result is None:
-                flight = self._flights[worker]
-                reason = SkipReason.NO_BUDGET if flight.phase is _Phase.BUDGET else SkipReason.DEADLINE
+                flight = self._flights.get(worker)
+                in_rpc = flight is not None and flight.phase is _Phase.RPC
+                reason = SkipReason.DEADLINE if in_rpc else SkipReason.NO_BUDGET
                 result = ProbeResult(worker, ProbeOutcome.SKIPPED, skip_reason=reason)
             out.append(result)
         return tuple(out)
@@ -214,6 +311,8 @@ class ProbeHandle:
         flight.waiters.append(self)
 
     def _deliver(self, result: ProbeResult) -> None:
+        if result.worker in self._delivered:
+            return
         self._delivered[result.worker] = result
         self._flights.pop(result.worker, None)
         if self._send is not None:
@@ -237,7 +336,7 @@ class ProberHealth:
     tracked_workers: int  # status-cache entries
     cache_hits: int  # lookups answered from a fresh status, no RPC
     cache_misses: int  # lookups that needed a probe: probes_started + coalesced
-    probes_started: int  # probes this prober started (each makes at most one RPC)
+    probes_started: int  # on-demand probes this prober started (each makes at most one RPC)
     coalesced: int  # lookups that joined a pending probe
     cache_hit_ratio: float  # cache_hits / (cache_hits + cache_misses)
     probes_ok: int
@@ -250,6 +349,17 @@ class ProberHealth:
     collective_failure: bool  # more failing than may be ejected: nobody is ejected now
     collective_failures: int  # collective failures seen (each ended the ejections in force)
     health_probes: int  # background health probes started
+    refresh_active: bool  # background refresh on (the switch, and refresh_interval_s < fresh_ttl_s)
+    refresh_polls: int  # background refresh polls started
+    refresh_short_of_budget: int  # due refresh polls put off: no spare token or free slot
+    hot_workers: int  # workers named by a request within hot_window_s
+    fresh_from_background: int  # cache hits whose status came from a background poll
+    wanted_dropped: int  # probe() messages that found the inbox full
+    inbox_depth: int
+    inbox_capacity: int
+
+
+StatusListener = Callable[[WorkerAddr, WorkerStatus], None]
 
 
 class WorkerProber:
@@ -261,49 +371,138 @@ class WorkerProber:
         transport: WorkerStatusTransport,
         *,
         fleet: Callable[[], Sequence[WorkerAddr]] | None = None,
+        on_probes: Callable[[ProbeKind, int], None] | None = None,
     ) -> None:
-        """``fleet`` returns the discovered workers (the background health probes' subjects)."""
+        """``fleet`` returns the discovered workers (the background health probes' subjects);
+        ``on_probes`` is told of the background probes the owner starts (synchronously: it must
+        not block)."""
         refuse("prober", prober_problems(config))
         self._config = config
         self._transport = transport
         self._fleet = fleet
+        self._on_probes = on_probes
         self._limiter = trio.CapacityLimiter(config.inflight_cap)
         # Created full: its first refill, at whatever trio time, tops it up to the burst.
-        self._bucket = TokenBucket(config.rate_per_s, config.rate_burst, now=float("-inf"))
+        self._bucket = TokenBucket(config.rate_per_s, config.rate_burst, now=_NEVER)
+        share = config.refresh_budget_share
+        self._refresh_bucket = TokenBucket(
+            share * config.rate_per_s, max(1, math.floor(share * config.rate_burst)), now=_NEVER
+        )
+        self._refresh_keep = math.floor((1.0 - share) * config.rate_burst)  # tokens kept for requests
+        self._refresh_slots = max(1, math.floor(share * config.inflight_cap))
+        self._refresh_active = config.background_refresh and config.refresh_interval_s < config.fresh_ttl_s
+        self._touch_every_s = _TOUCH_EVERY * config.hot_window_s
+        # The inbox: a _Wanted per probe() call, a _Landed per probe (at most max_tracked_workers pending).
+        self._inbox_capacity = config.max_tracked_workers
+        self._send, self._receive = trio.open_memory_channel[_Message](self._inbox_capacity)
+        self._retain_next: frozenset[WorkerAddr] | None = None  # the one-slot mailbox; latest wins
+        self._view = _EMPTY_VIEW
+        # --- owned by run()'s task ---
         self._nursery: trio.Nursery | None = None
         self._workers: OrderedDict[WorkerAddr, _WorkerState] = OrderedDict()  # LRU, bounded
+        self._views: dict[WorkerAddr, WorkerView] = {}  # published as ProberView.workers
         self._ejected: dict[WorkerAddr, float] = {}  # tracked workers only → ejection end
         self._failing: set[WorkerAddr] = set()  # tracked workers at eject_after_failures or more
+        self._hot: OrderedDict[WorkerAddr, None] = OrderedDict()  # least recently wanted first
+        self._flights: set[_Flight] = set()
+        self._dirty = True
+        self._next_refresh = _FOREVER
+        self._next_health = _FOREVER
         self._collective_failures = 0
         self._health_probes = 0
         self._health_cursor = 0
+        self._refresh_polls = 0
+        self._refresh_short = 0
+        self._refresh_inflight = 0
         self._pending_probes = 0
         self._peak_inflight = 0
         self._cache_hits = 0
         self._probes_started = 0
         self._coalesced = 0
         self._probes_ok = 0
-        self._status_listeners: list[Callable[[WorkerAddr, WorkerStatus], None]] = []
+        self._status_listeners: list[StatusListener] = []
         self._probes_no_status = 0
         self._failed_by_kind: dict[str, int] = {}
         self._skipped: dict[SkipReason, int] = dict.fromkeys(SkipReason, 0)
+        # --- the callers' own counters (each caller only adds) ---
+        self._view_hits = 0
+        self._view_background_hits = 0
+        self._view_skipped: dict[SkipReason, int] = dict.fromkeys(SkipReason, 0)
+        self._wanted_dropped = 0
+
+    # --- the owner ------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[WorkerProber] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the probe tasks' nursery until cancelled. The cache and ejections survive a restart."""
+        """Serve the inbox and the background timers until cancelled. The cache and ejections
+        survive a restart; the probes pending at a stop end ``stopped`` for their waiters."""
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                now = trio.current_time()
+                self._next_health = now if self._fleet is not None and self._config.health_interval_s > 0 else _FOREVER
+                self._next_refresh = now if self._refresh_active else _FOREVER
+                self._dirty = True
+                self._publish()
                 task_status.started(self)
-                if self._fleet is not None and self._config.health_interval_s > 0:
-                    await self._health_loop(self._fleet, self._config.health_interval_s)
-                await trio.sleep_forever()
+                await self._serve()
         finally:
             self._nursery = None
+            self._stop_flights()
+            self._dirty = True
+            self._publish()
 
-    # --- request path (synchronous: atomic under trio) ------------------------------------
+    async def _serve(self) -> None:
+        """Apply what is queued without yielding (each message is short and nothing can add to the
+        inbox meanwhile), publish once per batch, then wait for a message or the next timer."""
+        receive = self._receive
+        while True:
+            now = trio.current_time()
+            if now >= self._next_health or now >= self._next_refresh:
+                self._background(now)
+            try:
+                message = receive.receive_nowait()
+            except trio.WouldBlock:
+                self._publish()
+                wake_at = min(self._next_health, self._next_refresh)
+                if wake_at == _FOREVER:
+                    message = await receive.receive()
+                else:
+                    with trio.move_on_at(wake_at):
+                        message = await receive.receive()
+                        self._apply(message)
+                    continue
+            self._apply(message)
+
+    def _apply(self, message: _Message) -> None:
+        if self._retain_next is not None:
+            keep, self._retain_next = self._retain_next, None
+            for worker in [w for w in self._workers if w not in keep]:
+                self._forget(worker)
+        if isinstance(message, _Landed):
+            self._landed(message)
+        elif isinstance(message, _Wanted):
+            self._wanted(message)
+
+    def _publish(self) -> None:
+        if self._dirty:
+            self._view = ProberView(self._nursery is not None, dict(self._views), dict(self._ejected))
+            self._dirty = False
+
+    def _stop_flights(self) -> None:
+        """The probe tasks died with the nursery: end their waits and free their workers."""
+        for flight in self._flights:
+            flight.done = True
+            if flight.state.flight is flight:
+                flight.state.flight = None
+            self._finish(flight, self._outcome_skipped(flight, SkipReason.STOPPED))
+        self._flights.clear()
+        self._pending_probes = 0
+        self._refresh_inflight = 0
+
+    # --- request path ------------------------------------------------------------------------
 
     def probe(self, workers: Sequence[WorkerAddr], deadline: float) -> ProbeHandle:
-        """Start (or join) probes for ``workers``; return at once.
+        """Answer from the view what is fresh; ask the owner for the rest; return at once.
 
         ``deadline`` is an absolute trio time: budget is acquired only before it
         (pass the time by which a result is still useful to the decision).
@@ -311,10 +510,45 @@ class WorkerProber:
         """
         now = trio.current_time()
         handle = ProbeHandle(tuple(dict.fromkeys(workers)), deadline)
+        view = self._view
+        known = view.workers
+        fresh_ttl = self._config.fresh_ttl_s
+        ask: list[WorkerAddr] = []
+        told_after = now - self._touch_every_s
+        tell = False
         for worker in handle.workers:
-            result = self._lookup(worker, handle, now)
-            if result is not None:
-                handle._deliver(result)
+            seen = known.get(worker)
+            if seen is None or seen.wanted_at < told_after:
+                tell = True
+            if seen is not None and seen.status is not None and not seen.failed and now - seen.status_at < fresh_ttl:
+                self._view_hits += 1
+                self._view_background_hits += seen.background
+                handle._deliver(
+                    ProbeResult(
+                        worker,
+                        ProbeOutcome.OK,
+                        seen.status,
+                        from_cache=True,
+                        observed_at=seen.status_at,
+                        background=seen.background,
+                    )
+                )
+            elif seen is not None and seen.ejected_until > now:
+                handle._deliver(self._view_skip(worker, SkipReason.EJECTED))
+            elif not view.running:
+                handle._deliver(self._view_skip(worker, SkipReason.STOPPED))
+            elif deadline <= now:
+                handle._deliver(self._view_skip(worker, SkipReason.DEADLINE))
+            else:
+                ask.append(worker)
+        if not (ask or tell):
+            return handle  # the owner knows these are wanted, and nothing is missing
+        try:
+            self._send.send_nowait(_Wanted(handle.workers, handle if ask else None, tuple(ask)))
+        except trio.WouldBlock:
+            self._wanted_dropped += 1
+            for worker in ask:
+                handle._deliver(self._view_skip(worker, SkipReason.NO_BUDGET))
         return handle
 
     def cached(self, worker: WorkerAddr) -> WorkerStatus | None:
@@ -324,18 +558,18 @@ class WorkerProber:
 
     def cached_observed(self, worker: WorkerAddr) -> tuple[WorkerStatus, float] | None:
         """Like :meth:`cached`, with the trio time the status was received (for pre-charge clearing)."""
-        state = self._workers.get(worker)
-        if state is None or state.status is None or state.consecutive_failures:
+        seen = self._view.workers.get(worker)
+        if seen is None or seen.status is None or seen.failed:
             return None
         now = trio.current_time()
-        if state.ejected_until > now or now - state.status_at >= self._config.max_status_age_s:
+        if seen.ejected_until > now or now - seen.status_at >= self._config.max_status_age_s:
             return None
-        return state.status, state.status_at
+        return seen.status, seen.status_at
 
     def is_routable(self, worker: WorkerAddr, roles: Collection[Role] | None = None) -> bool:
         """Not known to be unreachable (not ejected, last probe not refused) and, with ``roles``,
         not known to serve another role. A worker never probed is routable."""
-        return self._routable(self._workers.get(worker), roles, trio.current_time())
+        return self._routable(self._view.workers.get(worker), roles, trio.current_time())
 
     def unroutable_reason(self, workers: Sequence[WorkerAddr], roles: Collection[Role]) -> str | None:
         """None when one of ``workers`` is routable for ``roles``; else why none is.
@@ -343,23 +577,23 @@ class WorkerProber:
         Stops at the first routable worker, so it costs a full scan only when most are down.
         """
         now = trio.current_time()
-        states = self._workers
-        if any(self._routable(states.get(w), roles, now) for w in workers):
+        known = self._view.workers
+        if any(self._routable(known.get(w), roles, now) for w in workers):
             return None
         ejected = failing = other_role = 0
         kinds: set[str] = set()
         for worker in workers:
-            state = states.get(worker)
-            if state is None:
+            seen = known.get(worker)
+            if seen is None:
                 continue  # unreachable: a never-probed worker is routable
-            if state.ejected_until > now:
+            if seen.ejected_until > now:
                 ejected += 1
-            elif state.unreachable:
+            elif seen.unreachable:
                 failing += 1
             else:
                 other_role += 1
                 continue
-            kinds.add(state.last_error)
+            kinds.add(seen.last_error)
         parts = []
         if ejected:
             parts.append(f"{ejected} ejected")
@@ -371,61 +605,107 @@ class WorkerProber:
         return f"no routable worker: none of the {len(workers)} discovered workers can be reached ({detail})"
 
     def ejected(self) -> Collection[WorkerAddr]:
-        """The workers ejected now (a live read-only view, for the candidate plan to skip)."""
-        self._prune_ejections(trio.current_time())
-        return self._ejected.keys()
+        """The workers ejected now (for the candidate plan to skip)."""
+        ejected = self._view.ejected
+        if not ejected:
+            return _NO_WORKERS
+        now = trio.current_time()
+        return frozenset(w for w, until in ejected.items() if until > now)
 
-    def on_status(self, listener: Callable[[WorkerAddr, WorkerStatus], None]) -> None:
-        """Call ``listener`` with every new valid status (synchronously: it must not block)."""
+    def view(self) -> ProberView:
+        """The snapshot the owner last published."""
+        return self._view
+
+    def on_status(self, listener: StatusListener) -> None:
+        """Call ``listener`` with every new valid status (from the owner's task: it must not block)."""
         self._status_listeners.append(listener)
 
     def retain(self, workers: Collection[WorkerAddr]) -> None:
-        """Forget every worker not in ``workers`` (call on discovery changes)."""
-        keep = workers if isinstance(workers, set | frozenset) else set(workers)
-        for worker in [w for w in self._workers if w not in keep]:
-            self._forget(worker)
+        """Forget every worker not in ``workers`` (call on discovery changes); the owner applies it
+        before the next message it handles."""
+        self._retain_next = frozenset(workers)
+        with contextlib.suppress(trio.WouldBlock):  # a full inbox wakes the owner anyway
+            self._send.send_nowait(None)
 
     def snapshot(self) -> ProberHealth:
         now = trio.current_time()
-        self._prune_ejections(now)
+        hits = self._cache_hits + self._view_hits
         misses = self._probes_started + self._coalesced
-        lookups = self._cache_hits + misses
+        lookups = hits + misses
         inflight = self._limiter.borrowed_tokens
+        skipped = {reason.value: n + self._view_skipped[reason] for reason, n in self._skipped.items()}
         return ProberHealth(
             running=self._nursery is not None,
             inflight=inflight,
             peak_inflight=self._peak_inflight,
             inflight_cap=self._config.inflight_cap,
             waiting_for_budget=self._pending_probes - inflight,
-            budget_tokens=self._bucket.tokens(now),
+            budget_tokens=self._bucket.peek(now),
             tracked_workers=len(self._workers),
-            cache_hits=self._cache_hits,
+            cache_hits=hits,
             cache_misses=misses,
             probes_started=self._probes_started,
             coalesced=self._coalesced,
-            cache_hit_ratio=self._cache_hits / lookups if lookups else 0.0,
+            cache_hit_ratio=hits / lookups if lookups else 0.0,
             probes_ok=self._probes_ok,
             probes_failed=sum(self._failed_by_kind.values()),
             probes_no_status=self._probes_no_status,
             failed_by_kind=dict(self._failed_by_kind),
-            skipped={reason.value: n for reason, n in self._skipped.items()},
-            ejected_until={w.status_target: until for w, until in self._ejected.items()},
+            skipped=skipped,
+            ejected_until={w.status_target: until for w, until in self._ejected.items() if until > now},
             failing=len(self._failing),
             collective_failure=self._collective(),
             collective_failures=self._collective_failures,
             health_probes=self._health_probes,
+            refresh_active=self._refresh_active,
+            refresh_polls=self._refresh_polls,
+            refresh_short_of_budget=self._refresh_short,
+            hot_workers=len(self._hot),
+            fresh_from_background=self._view_background_hits,
+            wanted_dropped=self._wanted_dropped,
+            inbox_depth=self._receive.statistics().current_buffer_used,
+            inbox_capacity=self._inbox_capacity,
         )
 
+    def _view_skip(self, worker: WorkerAddr, reason: SkipReason) -> ProbeResult:
+        self._view_skipped[reason] += 1
+        return ProbeResult(worker, ProbeOutcome.SKIPPED, skip_reason=reason)
+
     @staticmethod
-    def _routable(state: _WorkerState | None, roles: Collection[Role] | None, now: float) -> bool:
-        if state is None:
+    def _routable(seen: WorkerView | None, roles: Collection[Role] | None, now: float) -> bool:
+        if seen is None:
             return True
-        if state.unreachable or state.ejected_until > now:
+        if seen.unreachable or seen.ejected_until > now:
             return False
-        return roles is None or state.status is None or state.status.role in roles
+        return roles is None or seen.status is None or seen.status.role in roles
+
+    # --- the owner's work (synchronous, in run()'s task) ------------------------------------
 
     def _collective(self) -> bool:
         return collective_failure(len(self._failing), len(self._workers), self._config.max_ejected_fraction)
+
+    def _wanted(self, message: _Wanted) -> None:
+        now = trio.current_time()
+        refresh = self._refresh_active
+        hot = self._hot
+        if refresh and not hot and self._nursery is not None:
+            self._next_refresh = min(self._next_refresh, now + self._config.refresh_interval_s)
+        told_after = now - self._touch_every_s / 2
+        for worker in message.workers:
+            state = self._touch(worker)
+            if state.wanted_at < told_after:  # else told just now: the hot order stays by wanted_at
+                state.wanted_at = now
+                self._changed(worker, state)
+                if refresh:
+                    hot[worker] = None
+                    hot.move_to_end(worker)
+        handle = message.handle
+        if handle is None:
+            return
+        for worker in message.ask:
+            result = self._lookup(worker, handle, now)
+            if result is not None:
+                handle._deliver(result)
 
     def _lookup(self, worker: WorkerAddr, handle: ProbeHandle, now: float) -> ProbeResult | None:
         """A result known now, or None after attaching ``handle`` to a (new or pending) probe."""
@@ -446,8 +726,6 @@ class WorkerProber:
                 flight.budget_scope.deadline = handle.deadline
             handle._attach(flight)
             return None
-        if self._nursery is None:
-            return self._skip(worker, SkipReason.STOPPED)
         if handle.deadline <= now:
             return self._skip(worker, SkipReason.DEADLINE)
         if self._pending_probes >= self._config.max_tracked_workers:
@@ -455,13 +733,22 @@ class WorkerProber:
         token_at = self._bucket.reserve(now, handle.deadline)
         if token_at is None:
             return self._skip(worker, SkipReason.NO_BUDGET)
-        flight = _Flight(worker, state, token_at, trio.CancelScope(deadline=handle.deadline))
-        state.flight = flight
+        flight = self._start(worker, state, token_at, handle.deadline, ProbeKind.ON_DEMAND, now)
         handle._attach(flight)
         self._probes_started += 1
+        return None
+
+    def _start(
+        self, worker: WorkerAddr, state: _WorkerState, token_at: float, deadline: float, kind: ProbeKind, now: float
+    ) -> _Flight:
+        assert self._nursery is not None
+        flight = _Flight(worker, state, token_at, trio.CancelScope(deadline=deadline), kind)
+        state.flight = flight
+        state.started_at = now
+        self._flights.add(flight)
         self._pending_probes += 1
         self._nursery.start_soon(self._fly, flight)
-        return None
+        return flight
 
     def _skip(self, worker: WorkerAddr, reason: SkipReason) -> ProbeResult:
         self._skipped[reason] += 1
@@ -480,16 +767,85 @@ class WorkerProber:
     def _forget(self, worker: WorkerAddr) -> None:
         # A pending probe of a forgotten worker still completes, updating only its orphaned state.
         del self._workers[worker]
+        self._views.pop(worker, None)
         self._ejected.pop(worker, None)
         self._failing.discard(worker)
+        self._hot.pop(worker, None)
+        self._dirty = True
 
-    # --- background health probes -------------------------------------------------------------
+    def _changed(self, worker: WorkerAddr, state: _WorkerState) -> None:
+        if self._workers.get(worker) is state:
+            self._views[worker] = state.view()
+            self._dirty = True
 
-    async def _health_loop(self, fleet: Callable[[], Sequence[WorkerAddr]], interval_s: float) -> None:
-        """One sweep per interval, for as long as the prober runs."""
-        while True:
-            self._health_sweep(fleet(), trio.current_time())
-            await trio.sleep(interval_s)
+    # --- background polls (the owner's timers) ---------------------------------------------------
+
+    def _background(self, now: float) -> None:
+        if now >= self._next_refresh:
+            self._refresh(now)
+        if now >= self._next_health and self._fleet is not None:
+            self._health_sweep(self._fleet(), now)
+            self._next_health = now + self._config.health_interval_s
+
+    def _refresh(self, now: float) -> None:
+        """Poll every hot worker whose last probe started a refresh interval ago; forget the cold.
+
+        The next round is when the earliest hot worker is due again (at most an interval away; at
+        least an eighth of one, so a worker short of budget does not spin the owner)."""
+        interval = self._config.refresh_interval_s
+        hot = self._hot
+        cold_before = now - self._config.hot_window_s
+        while hot:
+            worker = next(iter(hot))
+            if self._workers[worker].wanted_at >= cold_before:
+                break
+            del hot[worker]
+        if not hot:
+            self._next_refresh = _FOREVER  # idle: the next wanted worker sets the timer again
+            return
+        next_due = now + interval
+        polls = short = 0
+        for worker in reversed(hot):  # the most recently wanted first, should the budget run short
+            state = self._workers[worker]
+            due = state.started_at + interval
+            if due <= now and state.flight is None and state.ejected_until <= now:
+                if self._refresh_one(worker, state, now):
+                    polls += 1
+                    due = now + interval
+                else:
+                    short += 1
+            next_due = min(next_due, due)
+        self._refresh_polls += polls
+        self._refresh_short += short
+        self._next_refresh = max(next_due, now + interval / 8)
+        if polls and self._on_probes is not None:
+            self._on_probes(ProbeKind.REFRESH, polls)
+
+    def _refresh_one(self, worker: WorkerAddr, state: _WorkerState, now: float) -> bool:
+        """Start a poll only with what requests leave: a free slot nobody queues for, a token beyond
+        the part of the burst kept for requests, within the refresh share of the rate."""
+        if self._refresh_inflight >= self._refresh_slots or self._pending_probes >= self._config.max_tracked_workers:
+            return False
+        if self._bucket.peek(now) < 1.0 + self._refresh_keep or not self._refresh_bucket.take(now):
+            return False
+        flight = _Flight(
+            worker, state, now, trio.CancelScope(deadline=now + self._config.probe_timeout_s), ProbeKind.REFRESH
+        )
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(flight)
+        except trio.WouldBlock:
+            self._refresh_bucket.refund(now)
+            return False
+        self._bucket.take(now)
+        flight.slot = True
+        self._refresh_inflight += 1
+        assert self._nursery is not None
+        state.flight = flight
+        state.started_at = now
+        self._flights.add(flight)
+        self._pending_probes += 1
+        self._nursery.start_soon(self._fly, flight)
+        return True
 
     def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> None:
         """Probe the next few workers not heard from for an interval (round robin over the fleet).
@@ -504,9 +860,10 @@ class WorkerProber:
         limit = min(self._config.health_max_probes, int(self._bucket.tokens(now)))
         look = min(n, 8 * self._config.health_max_probes)
         start = self._health_cursor % n
-        due: list[WorkerAddr] = []
+        started = 0
         looked = 0
-        while looked < look and len(due) < limit:
+        deadline = now + self._config.probe_timeout_s
+        while looked < look and started < limit:
             worker = workers[(start + looked) % n]
             looked += 1
             state = self._workers.get(worker)
@@ -515,34 +872,38 @@ class WorkerProber:
                 and state.ejected_until <= now
                 and now - state.checked_at >= self._config.health_interval_s
             ):
-                due.append(worker)
+                if self._pending_probes >= self._config.max_tracked_workers:
+                    break
+                token_at = self._bucket.reserve(now, now)
+                if token_at is None:
+                    break
+                self._start(worker, self._touch(worker), token_at, deadline, ProbeKind.HEALTH, now)
+                started += 1
         self._health_cursor = (start + looked) % n
-        if due:
-            self._health_probes += len(due)
-            self.probe(due, now + self._config.probe_timeout_s)  # results land in the cache
+        self._health_probes += started
+        if started and self._on_probes is not None:
+            self._on_probes(ProbeKind.HEALTH, started)
 
-    # --- probe tasks ------------------------------------------------------------------------
+    # --- probe tasks (they only wait and call; the owner applies what they bring back) -----------
 
     async def _fly(self, flight: _Flight) -> None:
+        landed = _Landed(flight)
         try:
-            if not await self._take_budget(flight):
-                self._bucket.refund(trio.current_time())
-                self._finish(flight, self._outcome_skipped(flight, SkipReason.NO_BUDGET))
-                return
-            try:
+            if flight.slot or await self._take_budget(flight):
+                flight.slot = True
                 flight.phase = _Phase.RPC
-                self._peak_inflight = max(self._peak_inflight, self._limiter.borrowed_tokens)
-                status, error_kind = await self._call(flight)
-            finally:
-                self._limiter.release()
-            if status is not None:
-                self._finish(flight, self._record_status(flight, status))
+                landed.inflight = self._limiter.borrowed_tokens
+                landed.status, landed.error_kind = await self._call(flight)
             else:
-                self._finish(flight, self._record_failure(flight, error_kind))
+                landed.no_budget = True
         finally:
-            self._pending_probes -= 1
-            if flight.state.flight is flight:
-                flight.state.flight = None
+            if flight.slot:
+                self._limiter.release_on_behalf_of(flight)
+        landed.at = trio.current_time()
+        try:
+            self._send.send_nowait(landed)  # the common case: room in the inbox, no extra schedule point
+        except trio.WouldBlock:
+            await self._send.send(landed)  # never dropped: the owner drains the inbox without waiting
 
     async def _take_budget(self, flight: _Flight) -> bool:
         """Wait for the flight's token, then an in-flight slot, before its requesters' latest deadline."""
@@ -552,14 +913,14 @@ class WorkerProber:
             if flight.token_at > trio.current_time():
                 await trio.sleep_until(flight.token_at)
             try:
-                self._limiter.acquire_nowait()  # refuses while others queue: FIFO is kept
+                self._limiter.acquire_on_behalf_of_nowait(flight)  # refuses while others queue: FIFO is kept
             except trio.WouldBlock:
-                await self._limiter.acquire()
+                await self._limiter.acquire_on_behalf_of(flight)
             # A slot handed over as the deadline passes still arrives (trio's acquire does not
             # checkpoint after parking), and this task may start late: never start past the deadline.
             if trio.current_time() < flight.budget_scope.deadline:
                 return True
-            self._limiter.release()
+            self._limiter.release_on_behalf_of(flight)
         return False
 
     async def _call(self, flight: _Flight) -> tuple[WorkerStatus | None, str]:
@@ -576,14 +937,34 @@ class WorkerProber:
                 return None, exc.kind
         return None, PROBE_TIMEOUT_KIND
 
-    # --- state updates (synchronous) ------------------------------------------------------
+    # --- applying outcomes (the owner) -------------------------------------------------------
+
+    def _landed(self, landed: _Landed) -> None:
+        flight = landed.flight
+        if flight.done:
+            return  # given up on at a stop
+        flight.done = True
+        self._flights.discard(flight)
+        self._pending_probes -= 1
+        if flight.kind is ProbeKind.REFRESH:
+            self._refresh_inflight -= 1
+        if flight.state.flight is flight:
+            flight.state.flight = None  # the next request starts a new probe
+        self._peak_inflight = max(self._peak_inflight, landed.inflight)
+        if landed.no_budget:
+            self._bucket.refund(landed.at)
+            result = self._outcome_skipped(flight, SkipReason.NO_BUDGET)
+        elif landed.status is not None:
+            result = self._record_status(flight, landed.status, landed.at)
+        else:
+            result = self._record_failure(flight, landed.error_kind, landed.at)
+        self._finish(flight, result)
 
     def _outcome_skipped(self, flight: _Flight, reason: SkipReason) -> ProbeResult:
         self._skipped[reason] += len(flight.waiters)
         return ProbeResult(flight.worker, ProbeOutcome.SKIPPED, skip_reason=reason)
 
-    def _record_status(self, flight: _Flight, status: WorkerStatus) -> ProbeResult:
-        now = trio.current_time()
+    def _record_status(self, flight: _Flight, status: WorkerStatus, now: float) -> ProbeResult:
         state = flight.state
         state.checked_at = now  # it answered: reachable, whatever the answer
         if status.status_version == 0:
@@ -591,19 +972,20 @@ class WorkerProber:
             return ProbeResult(flight.worker, ProbeOutcome.NO_STATUS)
         state.status = status
         state.status_at = now
+        state.status_background = flight.kind is not ProbeKind.ON_DEMAND
         state.latest_finished_version = status.latest_finished_version
         state.consecutive_failures = 0
         state.unreachable = False
         if self._workers.get(flight.worker) is state:
             self._failing.discard(flight.worker)
+        self._changed(flight.worker, state)
         self._probes_ok += 1
         for listener in self._status_listeners:
             listener(flight.worker, status)
         return ProbeResult(flight.worker, ProbeOutcome.OK, status, observed_at=now)
 
-    def _record_failure(self, flight: _Flight, kind: str) -> ProbeResult:
+    def _record_failure(self, flight: _Flight, kind: str, now: float) -> ProbeResult:
         state = flight.state
-        now = trio.current_time()
         state.consecutive_failures += 1
         state.checked_at = now
         state.last_error = kind
@@ -619,6 +1001,7 @@ class WorkerProber:
                 self._end_ejections(now)
             else:
                 self._eject(worker, state, now)
+        self._changed(worker, state)
         return ProbeResult(worker, ProbeOutcome.FAILED, error_kind=kind)
 
     def _end_ejections(self, now: float) -> None:
@@ -628,7 +1011,9 @@ class WorkerProber:
             state = self._workers[worker]
             state.ejected_until = now
             state.times_ejected = max(0, state.times_ejected - 1)
+            self._changed(worker, state)
         self._ejected.clear()
+        self._dirty = True
 
     def _eject(self, worker: WorkerAddr, state: _WorkerState, now: float) -> None:
         self._prune_ejections(now)
@@ -639,14 +1024,14 @@ class WorkerProber:
         state.times_ejected = n
         state.ejected_until = now + ejection_duration_s(n, self._config.eject_base_s, self._config.eject_max_s)
         self._ejected[worker] = state.ejected_until
+        self._dirty = True
 
     def _prune_ejections(self, now: float) -> None:
         for worker in [w for w, until in self._ejected.items() if until <= now]:
             del self._ejected[worker]
+            self._dirty = True
 
     def _finish(self, flight: _Flight, result: ProbeResult) -> None:
-        if flight.state.flight is flight:
-            flight.state.flight = None  # the next request starts a new probe
         for handle in flight.waiters:
             handle._deliver(result)
         flight.waiters.clear()

@@ -110,6 +110,14 @@ class ProberConfig:
     # interval, taking only rate tokens already in the bucket (0 = no background probes).
     health_interval_s: float = bounded(1.0, 0, 3600)
     health_max_probes: int = bounded(64, 0, 100_000, low_open=True)
+    # Background refresh of the hot workers (candidates of a request within hot_window_s): each is
+    # polled every refresh_interval_s, so requests find its status fresh and make no probe of their own.
+    # Polls take only tokens beyond the share of the budget kept for requests' own probes, and at most
+    # refresh_budget_share of the rate. Runs only while refresh_interval_s < fresh_ttl_s.
+    background_refresh: bool = True
+    refresh_interval_s: float = bounded(0.03, 0, 60, low_open=True)
+    hot_window_s: float = bounded(2.0, 0, 3600, low_open=True)
+    refresh_budget_share: float = bounded(0.5, 0, 1, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from actors.discovery import Discovery
 from actors.hit_accuracy import HitAccuracy
 from actors.leader_resolver import LeaderResolver, LeaderState
 from actors.master_discovery import MasterDiscovery
-from actors.metrics_sink import BREAKER_STATE_VALUES, ChannelEvicted, MetricsSink
+from actors.metrics_sink import BREAKER_STATE_VALUES, BackgroundProbes, ChannelEvicted, MetricsSink
 from actors.router_actor import RouterActor
 from actors.scorer import Scorer
 from actors.shadow_index import ShadowIndexActor
@@ -361,6 +361,7 @@ async def _topology(
             config.prober,
             WorkerStatusClient(rpc, config.prober.engine_generation),
             fleet=lambda: discovery.workers().workers,  # the background health probes' subjects
+            on_probes=lambda kind, n: metrics.emit(BackgroundProbes(kind.value, n)),
         )
         await supervisor.start("worker_prober", prober.run, snapshot=prober.snapshot)
 

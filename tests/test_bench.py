@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import psutil
 import pytest
 
+from kvroute_sim.bench.rate import RateResult, knee
 from router.cli import main
 
-QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,P7,soak"
+QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,P7,P8,soak"
 EXPECTED_ROWS = [
     "P1",
     "P6",
@@ -24,6 +26,7 @@ EXPECTED_ROWS = [
     "P2 cold",
     "P3 gRPC",
     "P7",
+    "P8",
     "P3 memory",
     "P4 query blackholed",
     "P4 KVCM blackholed",
@@ -80,6 +83,12 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         assert level["no_answer"] == sum(level["errors"].values())
         assert 0 <= level["within_deadline_plus_5ms"] <= 1 and 0 <= level["overloaded_share"] <= 1
         assert 0 <= level["kvcm_share"] <= 1
+    rates = by_key["P8"]["data"]["rates"]
+    assert [r["rate"] for r in rates] == [50, 100, 200, 400, 800]
+    for r in rates:  # every call sent is answered by the sidecar or seen failing by the client
+        assert r["sent"] > 0 and r["answered_by_sidecar"] + sum(r["errors"].values()) >= r["sent"]
+        assert 0 <= r["fallback_share"] <= 1 and sum(r["outcomes"].values()) <= r["sent"]
+    assert by_key["P8"]["data"]["knee"] in {None, 50, 100, 200, 400, 800}
     soak = by_key["soak"]["data"]
     assert soak["requests"] == 2_000 and soak["warm_up"] == 1_000
     assert sum(soak["outcomes"].values()) == soak["requests"] - soak["warm_up"]
@@ -92,6 +101,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         "P4",
         "P5",
         "P7",
+        "P8",
         "soak",
         "total",
     }
@@ -102,6 +112,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
     assert [row[4] for row in rows] == [f["verdict"] for f in figures]
     assert "P5 policy table (the demo's):" in printed
     assert "P7 load curve" in printed
+    assert "P8 latency against offered rate" in printed
 
 
 def test_soak_alone_runs_only_the_soak(tmp_path: Path) -> None:
@@ -126,3 +137,14 @@ def test_bad_flags_are_named(argv: list[str], complaint: str, capsys: pytest.Cap
         main(["bench", *argv])
     assert exit_info.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_p8_knee_is_where_p99_doubles_or_fallbacks_pass_two_percent() -> None:
+    def at(rate: int, p99_ms: float, fallbacks: int = 0) -> RateResult:
+        outcomes = Counter({"kvcm/CACHE_LEADER": 100 - fallbacks, "domain/deadline": fallbacks})
+        return RateResult(rate, 100, 1.0, (1.0,) * 98 + (p99_ms,) * 2, (), Counter(), outcomes)
+
+    assert knee([at(50, 3.0), at(100, 4.0), at(200, 5.9)]) is None
+    assert knee([at(50, 3.0), at(100, 4.0), at(200, 6.0)]) == 200
+    assert knee([at(50, 3.0), at(100, 3.0, fallbacks=3), at(200, 6.0)]) == 100
+    assert knee([at(50, 3.0, fallbacks=2)]) is None

@@ -10,6 +10,7 @@ import trio.testing
 from prometheus_client import generate_latest
 
 from actors.metrics_sink import (
+    BackgroundProbes,
     ChannelEvicted,
     DecisionMade,
     KvcmRequest,
@@ -17,7 +18,7 @@ from actors.metrics_sink import (
     MetricsSink,
     ProbeSkipped,
     ShadowAgreement,
-    StatusCacheHits,
+    StatusLookups,
     cut_text,
     retained_decision,
 )
@@ -100,8 +101,9 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
         sink.emit(ProbeSkipped("deadline", 3))
         sink.emit(ProbeSkipped("deadline"))
         sink.emit(ProbeSkipped("ejected", 2))
-        sink.emit(StatusCacheHits(5))
-        sink.emit(StatusCacheHits())
+        sink.emit(StatusLookups(5, from_background=4, probed=2))
+        sink.emit(StatusLookups())
+        sink.emit(BackgroundProbes("refresh", 3))
         sink.emit(LeaderChanged("10.0.0.9:6381"))
         sink.emit(LeaderChanged(None))
         sink.emit(ChannelEvicted("lru"))
@@ -144,6 +146,10 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
     assert sample(sink, "kvroute_probe_skipped_total", reason="deadline") == 4
     assert sample(sink, "kvroute_probe_skipped_total", reason="ejected") == 2
     assert sample(sink, "kvroute_worker_status_cache_hits_total") == 6
+    assert sample(sink, "kvroute_worker_status_fresh_from_background_total") == 4
+    assert sample(sink, "kvroute_probes_per_request_count") == 2
+    assert sample(sink, "kvroute_probes_per_request_sum") == 2
+    assert sample(sink, "kvroute_probe_background_total", kind="refresh") == 3
     assert sample(sink, "kvroute_kvcm_leader_changes_total") == 2
     assert sample(sink, "kvroute_channel_pool_evictions_total", reason="lru") == 1
     assert sample(sink, "kvroute_channel_pool_evictions_total", reason="idle") == 4
@@ -153,7 +159,7 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
     assert sample(sink, "kvroute_shadow_comparisons_total") == 4
     assert sample(sink, "kvroute_metrics_events_dropped_total") == 0
     snap = sink.snapshot()
-    assert (snap.processed, snap.dropped, snap.last_leader, snap.decisions_kept) == (21, 0, None, 4)
+    assert (snap.processed, snap.dropped, snap.last_leader, snap.decisions_kept) == (22, 0, None, 4)
 
 
 async def test_full_inbox_drops_and_counts_and_never_waits(autojump_clock: trio.testing.MockClock) -> None:
@@ -171,7 +177,7 @@ async def test_full_inbox_drops_and_counts_and_never_waits(autojump_clock: trio.
         assert sample(sink, "kvroute_route_decisions_total", route_source="kvcm", reason="CACHE_LEADER") == 4
         assert [r.decision.request_id for r in sink.recent_decisions(10)] == ["r3", "r2", "r1", "r0"]
         # The consumer is waiting now: one more event is handed over, not dropped.
-        sink.emit(StatusCacheHits())
+        sink.emit(StatusLookups())
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     snap = sink.snapshot()
@@ -191,10 +197,10 @@ async def test_run_can_be_restarted_and_keeps_its_state(autojump_clock: trio.tes
     for _ in range(2):
         async with trio.open_nursery() as nursery:
             await nursery.start(sink.run)
-            sink.emit(StatusCacheHits(2))
+            sink.emit(StatusLookups(2))
             await trio.testing.wait_all_tasks_blocked()
             nursery.cancel_scope.cancel()
-        sink.emit(StatusCacheHits(1))  # queued while no run() is alive; the next run applies it
+        sink.emit(StatusLookups(1))  # queued while no run() is alive; the next run applies it
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         await trio.testing.wait_all_tasks_blocked()
@@ -284,8 +290,8 @@ def test_gauge_registration_rejects_unknown_names_and_labels() -> None:
 
 def test_registries_are_per_sink() -> None:
     a, b = MetricsSink(MetricsConfig(inbox_size=1)), MetricsSink(MetricsConfig(inbox_size=1))
-    a.emit(StatusCacheHits())
-    a.emit(StatusCacheHits())  # dropped: full
+    a.emit(StatusLookups())
+    a.emit(StatusLookups())  # dropped: full
     assert sample(a, "kvroute_metrics_events_dropped_total") == 1
     assert sample(b, "kvroute_metrics_events_dropped_total") == 0
 

@@ -61,13 +61,17 @@ KEYS = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
 def make_config(cluster_addrs_bootstrap: str, workers: str, **router_kw: object) -> KvrouteConfig:
     deployment_roles = router_kw.pop("roles", (Role.PREFILL,))
     health_interval_s = router_kw.pop("health_interval_s", 0.0)
+    background_refresh = router_kw.pop("background_refresh", False)
     return KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, roles=deployment_roles),  # type: ignore[arg-type]
         router=RouterConfig(**router_kw),  # type: ignore[arg-type]
         discovery=DiscoveryConfig(kvcm_bootstrap=cluster_addrs_bootstrap, workers=workers),
-        # The request path's own probes are under test: background health probes (which warm the
-        # status cache) are off unless a test asks for them.
-        prober=ProberConfig(health_interval_s=health_interval_s),  # type: ignore[arg-type]
+        # The request path's own probes are under test: background health probes and refresh (which
+        # warm the status cache) are off unless a test asks for them.
+        prober=ProberConfig(
+            health_interval_s=health_interval_s,  # type: ignore[arg-type]
+            background_refresh=background_refresh,  # type: ignore[arg-type]
+        ),
     )
 
 

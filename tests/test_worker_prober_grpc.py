@@ -91,7 +91,13 @@ async def fleet(nursery: trio.Nursery) -> AsyncIterator[Fleet]:
     await nursery.start(pool.run)
     # A generous probe timeout: on a loaded machine the first probes also set up 200 connections, and
     # a timed-out probe would be counted as a failure the test does not expect.
-    config = ProberConfig(inflight_cap=CAP, rate_per_s=1e6, rate_burst=1000, probe_timeout_s=PROBE_TIMEOUT_S)
+    config = ProberConfig(
+        inflight_cap=CAP,
+        rate_per_s=1e6,
+        rate_burst=1000,
+        probe_timeout_s=PROBE_TIMEOUT_S,
+        background_refresh=False,  # the requests' own probes are under test
+    )
     prober = WorkerProber(config, WorkerStatusClient(GrpcRawRpc(pool)))
     await nursery.start(prober.run)
     yield Fleet([a for a in addrs if a is not None], sims, stats, prober)

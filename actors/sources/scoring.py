@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import trio
 
-from actors.metrics_sink import MetricsSink, ProbeSkipped, StatusCacheHits
+from actors.metrics_sink import MetricsSink, ProbeSkipped, StatusLookups
 from actors.scorer import DecideRequest, Scorer
 from actors.sources.base import Answered, FellThrough, FleetView, RequestContext, SourceResult, ms
 from actors.worker_prober import ProbeOutcome, SkipReason, WorkerProber
@@ -82,12 +82,13 @@ class CandidateScoring:
             ctx.split.waited(Stage.PROBE, False)
         statuses: dict[WorkerAddr, tuple[WorkerStatus, float]] = {}
         missing: dict[WorkerAddr, DropReason] = {}
-        cache_hits = 0
+        cache_hits = from_background = 0
         skipped: dict[str, int] = {}
         for result in handle.results():
             worker = result.worker
             if result.status is not None and result.observed_at is not None:
                 cache_hits += result.from_cache
+                from_background += result.background
                 statuses[worker] = (result.status, result.observed_at)
                 continue
             if result.outcome is ProbeOutcome.SKIPPED and result.skip_reason is not None:
@@ -99,8 +100,8 @@ class CandidateScoring:
                 missing[worker] = _SKIP_DROPS[result.skip_reason]
             elif result.outcome is ProbeOutcome.FAILED:
                 missing[worker] = DropReason.PROBE_FAILED
-        if cache_hits:
-            ctx.events.append(StatusCacheHits(cache_hits))
+        probed = len(handle.workers) - cache_hits - skipped.get(SkipReason.EJECTED.value, 0)
+        ctx.events.append(StatusLookups(cache_hits, from_background, probed))
         for reason, n in skipped.items():
             ctx.events.append(ProbeSkipped(reason, n))
         ctx.stages[Stage.PROBE] = ms(trio.current_time() - t)

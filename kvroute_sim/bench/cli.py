@@ -1,14 +1,15 @@
-"""``kvroute bench``: P1–P7, P9 and the soak, printed as one table and written as JSON.
+"""``kvroute bench``: P1–P9 and the soak, printed as one table and written as JSON.
 
 Every ratio is measured side by side in the same run. Targets are reported (met /
 MISSED), never asserted; where a CPU-bound one (P1, P2, P3, P6) is missed, a cProfile
 window of the same work lists the top costs under the table.
 
-Where things run: the simulators for P2/P3/P7 in a child process (``kvroute sim-cluster
+Where things run: the simulators for P2/P3/P7/P8 in a child process (``kvroute sim-cluster
 --print-json``, always stopped at the end); P4 in this process over loopback gRPC, so its
 fault knobs can be switched directly; P7's sidecar in this process, its callers in a second child
-on the simulators' CPUs; P3 (memory), P5's baselines and the soak in memory; P9's ``kvroute serve``
-process trees on every CPU the run was allowed, its client threads in this process.
+on the simulators' CPUs; P8's sidecar and its client thread in this process; P3 (memory), P5's
+baselines and the soak in memory; P9's ``kvroute serve`` process trees on every CPU the run was
+allowed, its client threads in this process.
 This process is pinned to one CPU for the run (the child gets the others), so "one core"
 holds for the router and for the raw client it is compared with.
 """
@@ -23,19 +24,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvroute_sim.bench import decision_cpu, latency, outage, overload, processes, quality, soak, throughput
+from kvroute_sim.bench import decision_cpu, latency, outage, overload, processes, quality, rate, soak, throughput
 from kvroute_sim.bench.cpus import Placement, pinned_bench_process
 from kvroute_sim.bench.harness import ClusterShape
 from kvroute_sim.bench.latency import LatencySizes
 from kvroute_sim.bench.outage import OutageSizes
 from kvroute_sim.bench.overload import LoadSizes
 from kvroute_sim.bench.processes import ProcessSizes
+from kvroute_sim.bench.rate import RateSizes
 from kvroute_sim.bench.raw_grpc import RawClient
 from kvroute_sim.bench.results import BenchReport
 from kvroute_sim.bench.simproc import sim_process
 from kvroute_sim.bench.throughput import ThroughputSizes
 
-FIGURES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P9", "soak")
+FIGURES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "soak")
 DEFAULT_OUT = "bench-results.json"
 FULL_SOAK = 1_000_000  # ``--soak`` without N
 
@@ -48,6 +50,7 @@ class Sizes:
     throughput_grpc: ThroughputSizes
     outage: OutageSizes
     load: LoadSizes  # P7
+    rate: RateSizes  # P8
     processes: ProcessSizes  # P9
     soak_requests: int  # the default run's soak (``--soak N`` overrides)
     child_duration_s: float  # the simulator child exits by itself after this long
@@ -60,6 +63,7 @@ FULL = Sizes(
     throughput_grpc=ThroughputSizes(rounds=3, decisions_per_round=3_000, concurrency=8, warm_up=500),
     outage=OutageSizes(healthy=1_000, outage=2_000, detect_max=100, warm_up=100),
     load=LoadSizes(calls_per_level=(500, 2_000, 3_000, 3_000), max_level_s=12.0, warm_up=200),
+    rate=RateSizes(seconds_per_rate=5.0, warm_up=200),
     processes=ProcessSizes(calls=6_000, max_level_s=20.0),
     soak_requests=50_000,
     child_duration_s=900.0,
@@ -71,6 +75,7 @@ QUICK = Sizes(
     throughput_grpc=ThroughputSizes(rounds=1, decisions_per_round=300, concurrency=8, warm_up=50),
     outage=OutageSizes(healthy=100, outage=200, detect_max=100, warm_up=20),
     load=LoadSizes(calls_per_level=(50, 200, 320, 512), max_level_s=3.0, warm_up=20),
+    rate=RateSizes(seconds_per_rate=0.4, warm_up=20),
     processes=ProcessSizes(calls=300, max_level_s=5.0),
     soak_requests=2_000,
     child_duration_s=300.0,
@@ -169,7 +174,7 @@ def _measure(
                 report, p1="P1" in selected, p6="P6" in selected, repeats=sizes.decision_repeats, seed=args.seed
             ),
         )
-    if selected & {"P2", "P3", "P7", "P9"}:
+    if selected & {"P2", "P3", "P7", "P8", "P9"}:
         with sim_process(shape, sizes.child_duration_s, placement.child) as sim:
             if selected & {"P2", "P3"}:
                 raw = RawClient(sim)
@@ -182,6 +187,8 @@ def _measure(
                     raw.close()
             if "P7" in selected:
                 timed("P7", lambda: overload.measure(report, sim.view, sizes.load, placement.child))
+            if "P8" in selected:
+                timed("P8", lambda: rate.measure(report, sim.view, sizes.rate))
             if "P9" in selected:
                 everywhere = placement.bench | placement.child if placement.bench and placement.child else None
                 timed("P9", lambda: processes.measure(report, sim.view, sizes.processes, everywhere))

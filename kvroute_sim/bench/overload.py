@@ -139,14 +139,14 @@ class LevelResult:
         }
 
 
-def _requests(view: ClusterView, label: str, count: int) -> tuple[bytes, ...]:
+def route_requests(view: ClusterView, label: str, count: int, budget_ms: int = BUDGET_MS) -> tuple[bytes, ...]:
     """``count`` serialised Route requests over the seeded prompts in turn (built before the clock runs)."""
     return tuple(
         router_v1_pb2.RouteRequest(
             request_id=f"{label}-{i}",
             block_cache_keys=view.prompts[i % len(view.prompts)],
             block_size=view.block_size,
-            budget_ms=BUDGET_MS,
+            budget_ms=budget_ms,
         ).SerializeToString()
         for i in range(count)
     )
@@ -193,7 +193,11 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
             try:
                 with caller_process(caller_cpus) as callers_child:
                     warm = Level(
-                        str(bound), _requests(view, "p7-warm", sizes.warm_up), 1, sizes.max_level_s, CLIENT_DEADLINE_S
+                        str(bound),
+                        route_requests(view, "p7-warm", sizes.warm_up),
+                        1,
+                        sizes.max_level_s,
+                        CLIENT_DEADLINE_S,
                     )
                     await trio.to_thread.run_sync(callers_child.run, warm)
                     await trio.to_thread.run_sync(callers_child.run, replace(warm, target=echo_target))
@@ -201,7 +205,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                     for callers, calls in zip(LEVELS, sizes.calls_per_level, strict=True):
                         level = Level(
                             str(bound),
-                            _requests(view, f"p7-{callers}", calls),
+                            route_requests(view, f"p7-{callers}", calls),
                             callers,
                             sizes.max_level_s,
                             CLIENT_DEADLINE_S,

@@ -565,6 +565,24 @@ _SPECS: dict[str, _Spec] = {
         "Most background health probes per interval (the workers heard from longest ago first)",
         fallback=False,
     ),
+    "prober.background_refresh": _Spec(
+        "Keep the statuses of recently wanted workers fresh by polling them in the background, so a "
+        "request makes no probe of its own (only while refresh-interval is below fresh-ttl)",
+        fallback=False,
+    ),
+    "prober.refresh_interval_s": _Spec(
+        "Background refresh: how often each hot worker's status is polled", fallback=False, metavar="SECONDS"
+    ),
+    "prober.hot_window_s": _Spec(
+        "Background refresh: a worker is hot (polled) while a request named it as a candidate this recently",
+        fallback=False,
+        metavar="SECONDS",
+    ),
+    "prober.refresh_budget_share": _Spec(
+        "Background refresh: most of the probe rate budget it may use; it takes only tokens beyond the "
+        "rest, which stays for requests' own probes",
+        fallback=False,
+    ),
     "router.route_blind": _Spec(
         "Route to workers known to be unreachable (ejected, or refusing probes) instead of answering "
         "no_candidates, and stay ready when none is reachable",

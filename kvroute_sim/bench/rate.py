@@ -1,0 +1,214 @@
+"""P8: the routing latency the sidecar adds, against an open-loop offered rate.
+
+The sidecar (``router.sidecar.Sidecar`` over a router, as ``kvroute serve`` runs it, on this
+process's one core) against the simulators in the separate process, as in P7. At each fixed rate
+one plain grpcio client thread sends calls on a schedule (call i at start + i / rate, whether or
+not earlier calls were answered: an open loop, so a slow router meets the same offered load), each
+with ``budget_ms`` = BUDGET_MS and a client deadline, for a fixed time per rate.
+
+Added latency is the sidecar's own, from its handler's receipt of a call to its serialised reply
+(gRPC's queueing before the handler is in the client's latency, reported beside it). A fallback is
+an answer not from the KVCM source. The knee is the first rate whose p99 is twice the lowest rate's,
+or whose fallbacks exceed 2 %.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import grpc
+import trio
+
+from kvroute_sim.bench.harness import ClusterView, prime, router_config
+from kvroute_sim.bench.harness import Requests as RouterRequests
+from kvroute_sim.bench.overload import route_requests
+from kvroute_sim.bench.results import BenchReport, Figure, Verdict
+from kvroute_sim.stats import percentile
+from router.api import open_router
+from router.sidecar import Sidecar
+from router.wire import router_v1_pb2
+from router.wire.paths import ROUTER_ROUTE
+
+RATES = (50, 100, 200, 400, 800)  # calls/s offered
+BUDGET_MS = 30
+CLIENT_DEADLINE_S = 0.1
+TARGET_RATE = 100  # where the latency targets apply
+P50_TARGET_MS = 2.0
+P99_TARGET_MS = 5.0
+KNEE_TARGET = 500  # calls/s: the knee must lie beyond it
+KNEE_P99_FACTOR = 2.0
+KNEE_FALLBACK_SHARE = 0.02
+FIGURE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class RateSizes:
+    seconds_per_rate: float
+    warm_up: int  # routes before the sidecar starts (in process), then as many calls at the lowest rate
+
+
+@dataclass(frozen=True, slots=True)
+class RateResult:
+    rate: int
+    sent: int
+    seconds: float  # from the first send to the last answer
+    sidecar_ms: tuple[float, ...]  # receipt to reply, answered calls
+    client_ms: tuple[float, ...]
+    errors: Counter[str]  # grpc status names of calls the client saw fail
+    outcomes: Counter[str]  # "route_source/reason" of the answered calls
+
+    def p(self, q: float) -> float:
+        return percentile(self.sidecar_ms, q) if self.sidecar_ms else float("inf")
+
+    @property
+    def fallback_share(self) -> float:
+        """Calls not answered by the KVCM source (failed calls count as fallbacks)."""
+        answered = sum(self.outcomes.values())
+        total = answered + sum(self.errors.values())
+        kvcm = sum(n for key, n in self.outcomes.items() if key.split("/", 1)[0] == "kvcm")
+        return (total - kvcm) / total if total else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rate": self.rate,
+            "sent": self.sent,
+            "seconds": self.seconds,
+            "answered_by_sidecar": len(self.sidecar_ms),
+            "sidecar_p50_ms": self.p(50),
+            "sidecar_p99_ms": self.p(99),
+            "client_p50_ms": percentile(self.client_ms, 50) if self.client_ms else None,
+            "client_p99_ms": percentile(self.client_ms, 99) if self.client_ms else None,
+            "fallback_share": self.fallback_share,
+            "errors": dict(self.errors.most_common()),
+            "outcomes": dict(self.outcomes.most_common()),
+        }
+
+
+def knee(results: Sequence[RateResult]) -> int | None:
+    """The first rate whose p99 is KNEE_P99_FACTOR × the lowest rate's or whose fallbacks exceed
+    KNEE_FALLBACK_SHARE; None when no measured rate reaches it."""
+    if not results:
+        return None
+    base = results[0].p(99)
+    for r in results:
+        if r.p(99) >= KNEE_P99_FACTOR * base or r.fallback_share > KNEE_FALLBACK_SHARE:
+            return r.rate
+    return None
+
+
+def _drive_rate(
+    channel: grpc.Channel, requests: Sequence[bytes], rate: int
+) -> tuple[float, list[bytes], list[float], list[str]]:
+    """Send ``requests`` at ``rate`` on a fixed schedule (futures: a send never waits for an answer),
+    then collect every answer; (seconds, replies, client ms, error names)."""
+    call = channel.unary_unary(ROUTER_ROUTE, None, None)
+    sent: list[tuple[float, grpc.CallFuture[bytes]]] = []
+    done_at: dict[int, float] = {}  # written by grpc's threads, one key each (atomic under the GIL)
+
+    def finished(i: int) -> None:
+        done_at[i] = time.perf_counter()
+
+    began = time.perf_counter()
+    for i, request in enumerate(requests):
+        pause = began + i / rate - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)  # the client's own pacing thread, not the router's loop
+        future = call.future(request, timeout=CLIENT_DEADLINE_S)
+        sent.append((time.perf_counter(), future))
+        future.add_done_callback(lambda _f, i=i: finished(i))  # type: ignore[misc]
+    replies: list[bytes] = []
+    client_ms: list[float] = []
+    errors: list[str] = []
+    for i, (at, future) in enumerate(sent):
+        try:
+            replies.append(future.result())
+        except grpc.RpcError as exc:
+            errors.append(exc.code().name)
+        else:
+            client_ms.append((done_at.get(i, time.perf_counter()) - at) * 1e3)
+    return time.perf_counter() - began, replies, client_ms, errors
+
+
+async def _run(view: ClusterView, sizes: RateSizes) -> list[RateResult]:
+    config = router_config(view, status_ttl_s=None)
+    config = replace(config, serve=replace(config.serve, grpc_listen="127.0.0.1:0"))
+    results: list[RateResult] = []
+    with trio.fail_after(FIGURE_TIMEOUT_S):
+        async with open_router(config) as router, trio.open_nursery() as nursery:
+            await prime(router, RouterRequests(view, "p8-prime"), sizes.warm_up)
+            sidecar = Sidecar(router, config)
+            bound = await nursery.start(sidecar.run)
+            channel = grpc.insecure_channel(str(bound), options=[("grpc.enable_retries", 0)])
+            try:
+                warm = route_requests(view, "p8-warm", sizes.warm_up, BUDGET_MS)
+                await trio.to_thread.run_sync(_drive_rate, channel, warm, RATES[0])
+                sidecar.take_call_timings()  # the warm-up's, dropped
+                for rate in RATES:
+                    count = max(1, round(rate * sizes.seconds_per_rate))
+                    requests = route_requests(view, f"p8-{rate}", count, BUDGET_MS)
+                    seconds, replies, client_ms, errors = await trio.to_thread.run_sync(
+                        _drive_rate, channel, requests, rate
+                    )
+                    outcomes: Counter[str] = Counter()
+                    for raw in replies:
+                        decision = router_v1_pb2.RouteDecision.FromString(raw)
+                        outcomes[f"{decision.route_source}/{decision.reason}"] += 1
+                    timings = sidecar.take_call_timings()
+                    results.append(
+                        RateResult(
+                            rate,
+                            len(requests),
+                            seconds,
+                            tuple(t.elapsed_s * 1e3 for t in timings),
+                            tuple(client_ms),
+                            Counter(errors),
+                            outcomes,
+                        )
+                    )
+            finally:
+                channel.close()
+                nursery.cancel_scope.cancel()
+    return results
+
+
+def _curve(results: Sequence[RateResult]) -> str:
+    lines = ["rate/s | calls | sidecar p50 ms | sidecar p99 ms | client p99 ms | fallbacks | failed calls"]
+    for r in results:
+        client_p99 = percentile(r.client_ms, 99) if r.client_ms else float("nan")
+        lines.append(
+            f"{r.rate:>6} | {r.sent:>5} | {r.p(50):>14.2f} | {r.p(99):>14.2f} | {client_p99:>13.1f} | "
+            f"{r.fallback_share:>9.1%} | " + (", ".join(f"{code} {n}" for code, n in r.errors.most_common()) or "-")
+        )
+    return "\n".join(lines)
+
+
+def measure(report: BenchReport, view: ClusterView, sizes: RateSizes) -> None:
+    results = trio.run(_run, view, sizes)
+    at_target = next(r for r in results if r.rate == TARGET_RATE)
+    found = knee(results)
+    met = (
+        at_target.p(50) <= P50_TARGET_MS and at_target.p(99) <= P99_TARGET_MS and (found is None or found > KNEE_TARGET)
+    )
+    knee_text = f"knee at {found}/s" if found is not None else f"no knee up to {RATES[-1]}/s"
+    report.figures.append(
+        Figure(
+            "P8",
+            f"added routing latency (sidecar receipt to reply) at open-loop rates {', '.join(map(str, RATES))}/s "
+            f"over loopback gRPC (sims in a separate process), budget {BUDGET_MS} ms; knee: p99 × "
+            f"{KNEE_P99_FACTOR:.0f} the lowest rate's or fallbacks > {KNEE_FALLBACK_SHARE:.0%}",
+            f"at {TARGET_RATE}/s p50 {at_target.p(50):.2f} ms, p99 {at_target.p(99):.2f} ms, fallbacks "
+            f"{at_target.fallback_share:.1%}; {knee_text}",
+            f"p50 ≤ {P50_TARGET_MS:.0f} ms and p99 ≤ {P99_TARGET_MS:.0f} ms at {TARGET_RATE}/s; knee > {KNEE_TARGET}/s",
+            Verdict.MET if met else Verdict.MISSED,
+            {
+                "budget_ms": BUDGET_MS,
+                "client_deadline_ms": CLIENT_DEADLINE_S * 1e3,
+                "knee": found,
+                "rates": [r.to_json() for r in results],
+            },
+        )
+    )
+    report.tables["P8 latency against offered rate (open loop; the sidecar's receipt to its reply)"] = _curve(results)

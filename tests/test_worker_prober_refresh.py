@@ -1,0 +1,258 @@
+"""WorkerProber as a single-owner actor, and its background refresh of hot workers (MockClock).
+
+The worker peers are the fake handlers of test_worker_prober.py over the in-memory network; the
+prober is the real one with the real WorkerStatusClient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import trio
+import trio.testing
+from trio.testing import MockClock
+
+from actors.probe_budget import prober_problems
+from actors.worker_prober import ProbeKind, ProbeOutcome, SkipReason, WorkerProber
+from kvroute_sim.sim.cluster import SimCluster
+from router.api import RouteRequest
+from router.config import ProberConfig
+from router.transport.clients import WorkerStatusClient
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import RouteSource, Stage, WorkerAddr
+from router.wire import paths
+from tests.test_router_pipeline import BLOCK, PROMPT, routed, seed
+from tests.test_worker_prober import FakeWorkers, workers
+
+FRESH_TTL_S = 0.05
+INTERVAL_S = 0.025
+HOT_WINDOW_S = 0.5
+
+
+def refreshing(**overrides: object) -> ProberConfig:
+    base = dataclasses.replace(
+        ProberConfig(),
+        background_refresh=True,
+        fresh_ttl_s=FRESH_TTL_S,
+        refresh_interval_s=INTERVAL_S,
+        hot_window_s=HOT_WINDOW_S,
+        health_interval_s=0.0,
+    )
+    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+
+
+async def start(nursery: trio.Nursery, fake: FakeWorkers, config: ProberConfig, **kw: object) -> WorkerProber:
+    prober: WorkerProber = await nursery.start(WorkerProber(config, WorkerStatusClient(fake.net), **kw).run)  # type: ignore[arg-type]
+    return prober
+
+
+async def want(prober: WorkerProber, fleet: list[WorkerAddr], within_s: float = 0.01) -> tuple[int, int]:
+    """One request naming ``fleet``: (answered fresh from the cache, of them from a background poll)."""
+    handle = prober.probe(fleet, trio.current_time() + within_s)
+    with trio.move_on_at(handle.deadline):
+        await handle.wait_all()
+    results = handle.results()
+    return sum(r.from_cache for r in results), sum(r.background for r in results)
+
+
+async def test_a_hot_worker_stays_fresh_without_probes_of_its_own(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(3)]
+    polls: list[tuple[ProbeKind, int]] = []
+    prober = await start(nursery, fake, refreshing(), on_probes=lambda kind, n: polls.append((kind, n)))
+    await want(prober, fleet)  # the first request probes on demand: nothing is known yet
+    assert prober.snapshot().probes_started == 3
+    fresh = background = 0
+    for _ in range(100):  # one request every 7 ms for 0.7 s (statuses are fresh for 50 ms)
+        await trio.sleep(0.007)
+        hits, from_background = await want(prober, fleet)
+        fresh += hits
+        background += from_background
+    health = prober.snapshot()
+    assert health.probes_started == 3  # not one more on-demand probe
+    assert fresh == 300
+    assert background >= 290  # all but the first few, still answered by the on-demand probe's status
+    assert health.fresh_from_background == background
+    assert health.hot_workers == 3 and health.refresh_active
+    # Each worker polled about every refresh interval (+ its 2 ms RPC), never faster.
+    per_worker = fake.rpcs(fleet[0]) - 1
+    assert 0.7 / (INTERVAL_S + 0.01) <= per_worker <= 0.7 / INTERVAL_S + 1
+    assert sum(n for kind, n in polls if kind is ProbeKind.REFRESH) == health.refresh_polls
+    assert health.refresh_polls == fake.rpcs() - 3
+
+
+async def test_background_refresh_stops_polling_a_worker_gone_cold(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    hot, cooling = [fake.add(w) for w in workers(2)]
+    prober = await start(nursery, fake, refreshing())
+    await want(prober, [hot, cooling])
+    end = trio.current_time() + 2.0
+    while trio.current_time() < end:  # only `hot` is named after the first request
+        await trio.sleep(0.02)
+        await want(prober, [hot])
+    # `cooling` was polled only while it was hot (hot_window_s after its last request).
+    assert fake.rpcs(cooling) <= HOT_WINDOW_S / INTERVAL_S + 2
+    assert fake.rpcs(hot) >= 2.0 / (INTERVAL_S + 0.001) - 2
+    assert prober.snapshot().hot_workers == 1
+    # Nobody asks any more: both go cold and the owner stops polling (no timer left to run).
+    await trio.sleep(HOT_WINDOW_S + INTERVAL_S)
+    rpcs = fake.rpcs()
+    await trio.sleep(10.0)
+    assert fake.rpcs() == rpcs
+    assert prober.snapshot().hot_workers == 0
+
+
+async def test_background_polls_take_only_their_share_and_never_starve_requests(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """40 hot workers would want 1,600 polls/s; the budget is 200/s with half for background. Requests
+    asking for 4 never-seen workers every 40 ms (100 probes/s) are never refused budget."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    fleet = [fake.add(w) for w in workers(440)]
+    hot, cold = fleet[:40], fleet[40:]
+    config = refreshing(rate_per_s=200.0, rate_burst=20, refresh_budget_share=0.5, hot_window_s=10.0)
+    prober = await start(nursery, fake, config)
+    await want(prober, hot, within_s=1.0)  # makes them hot (the burst answers 20 of them)
+    await trio.sleep(0.2)
+    before = prober.snapshot()
+    start_at = trio.current_time()
+    answered = 0
+    for i in range(50):  # 2 s
+        asked = cold[4 * i : 4 * i + 4]
+        handle = prober.probe(asked, trio.current_time() + 0.02)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        answered += sum(r.outcome is ProbeOutcome.OK for r in handle.results())
+        await want(prober, hot[:1])  # keeps the hot set hot
+        await trio.sleep_until(start_at + 0.04 * (i + 1))
+    seconds = trio.current_time() - start_at
+    after = prober.snapshot()
+    assert answered == 200  # every request's own probe got budget in time
+    assert after.skipped[SkipReason.NO_BUDGET.value] == before.skipped[SkipReason.NO_BUDGET.value] == 0
+    polls = after.refresh_polls - before.refresh_polls
+    share = config.refresh_budget_share * config.rate_per_s
+    # Background took its share of the rate (its own bucket bounds it from above: rate × share plus
+    # its burst), no more, and went short of budget rather than take what requests needed.
+    assert share * seconds * 0.8 <= polls <= share * seconds + config.rate_burst * config.refresh_budget_share
+    assert after.refresh_short_of_budget > before.refresh_short_of_budget
+
+
+async def test_requests_probes_go_first_in_the_budget(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    """With requests using the whole rate, background refresh gets no token at all."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    fleet = [fake.add(w) for w in workers(1010)]
+    hot, cold = fleet[:10], fleet[10:]
+    config = refreshing(rate_per_s=100.0, rate_burst=10, refresh_budget_share=0.5, hot_window_s=10.0)
+    prober = await start(nursery, fake, config)
+    await want(prober, hot, within_s=1.0)
+    await trio.sleep(0.2)
+    before = prober.snapshot()
+    for i in range(100):  # 2 probes every 10 ms: twice what the budget refills
+        handle = prober.probe(cold[2 * i : 2 * i + 2], trio.current_time() + 0.05)
+        await want(prober, hot[:1])
+        with trio.move_on_after(0.01):
+            await handle.wait_all()
+    after = prober.snapshot()
+    assert after.probes_started - before.probes_started >= 100  # the whole refill went to requests
+    assert after.refresh_polls - before.refresh_polls <= 1
+
+
+async def test_the_owner_applies_state_and_hot_path_reads_use_its_published_view(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start(nursery, fake, refreshing(background_refresh=False))
+    view = prober.view()
+    handle = prober.probe([worker], trio.current_time() + 1.0)
+    assert prober.view() is view  # the request only asked; nothing changed under it
+    await handle.wait_all()
+    published = prober.view()
+    assert published is not view and published.workers[worker].status is not None
+    assert prober.cached(worker) is published.workers[worker].status
+    fresh = prober.probe([worker], trio.current_time() + 1.0)
+    assert fresh.pending == 0 and fresh.results()[0].from_cache  # from the view, no wait for the owner
+    await trio.testing.wait_all_tasks_blocked()
+    assert prober.view() is published  # a batch that changed nothing publishes nothing
+
+
+async def test_the_loop_stops_by_itself_on_cancellation(autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(2)]
+    fake.hanging.add(fleet[1].status_target)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            prober = await start(nursery, fake, refreshing())
+            await want(prober, fleet[:1])
+            await trio.sleep(0.2)  # refreshing fleet[0] in the background
+            waiting = prober.probe(fleet[1:], trio.current_time() + 10.0)  # an RPC that hangs
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    health = prober.snapshot()
+    assert not health.running and not prober.view().running
+    assert (health.inflight, health.waiting_for_budget) == (0, 0)
+    assert waiting.results()[0].skip_reason is SkipReason.STOPPED  # the waiter was told, not left hanging
+    assert prober.probe(fleet[:1], trio.current_time() + 1.0).pending == 0  # fresh from the last view
+    await trio.sleep(1.0)
+    assert prober.probe(fleet[:1], trio.current_time() + 1.0).results()[0].skip_reason is SkipReason.STOPPED
+
+
+async def test_a_restarted_owner_keeps_the_cache_and_serves_again(autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = WorkerProber(
+        refreshing(background_refresh=False, fresh_ttl_s=10.0, max_status_age_s=10.0), WorkerStatusClient(fake.net)
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prober.run)
+        await prober.probe([worker], trio.current_time() + 1.0).wait_all()
+        nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prober.run)
+        assert prober.probe([worker], trio.current_time() + 1.0).results()[0].from_cache
+        assert prober.snapshot().running
+        nursery.cancel_scope.cancel()
+
+
+async def test_in_steady_state_a_request_makes_one_remote_call(autojump_clock: MockClock) -> None:
+    """Through the whole router: after the first request, candidates' statuses are kept fresh in the
+    background and a request's only remote call is the KVCM query."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, background_refresh=True) as (handle, network, _):
+        seed(cluster, 2, 8)
+        for i in range(5):  # the first requests probe their candidates on demand: nothing is known yet
+            await handle.route(RouteRequest(f"first{i}", token_ids=PROMPT, budget_ms=50))
+        await trio.testing.wait_all_tasks_blocked()
+        registry = handle.metrics.registry
+        none_probed = registry.get_sample_value("kvroute_probes_per_request_bucket", {"le": "0.0"}) or 0.0
+        prober = handle.prober()
+        before = prober.snapshot()
+        for i in range(40):
+            await trio.sleep(0.01)
+            d = await handle.route(RouteRequest(f"r{i}", token_ids=PROMPT, budget_ms=50))
+            assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(2)
+            assert d.stage_ms[Stage.PROBE] == 0  # nothing to wait for
+        await trio.testing.wait_all_tasks_blocked()
+        after = prober.snapshot()
+        assert after.probes_started == before.probes_started  # no request probed
+        assert after.refresh_polls > before.refresh_polls
+        per_request = registry.get_sample_value("kvroute_probes_per_request_bucket", {"le": "0.0"})
+        assert per_request == none_probed + 40  # the 40 steady-state requests asked for no probe
+        assert registry.get_sample_value("kvroute_worker_status_fresh_from_background_total") == (
+            after.fresh_from_background
+        )
+        assert after.fresh_from_background >= 40 * 2 - 4
+        assert registry.get_sample_value("kvroute_probe_background_total", {"kind": "refresh"}) == after.refresh_polls
+        assert network.call_count(None, paths.WORKER_GET_STATUS) == before.probes_started + after.refresh_polls
+
+
+def test_a_hot_window_shorter_than_the_refresh_interval_is_refused_naming_both() -> None:
+    config = refreshing(hot_window_s=0.01, refresh_interval_s=0.03)
+    assert [p.fields for p in prober_problems(config)] == [("hot_window_s", "refresh_interval_s")]
+    with pytest.raises(ValueError, match=r"prober\.hot_window_s, prober\.refresh_interval_s"):
+        WorkerProber(config, WorkerStatusClient(MemoryNetwork()))
