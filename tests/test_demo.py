@@ -34,6 +34,7 @@ from kvroute_sim.demo.report import (
     RESULTS_FILE,
     PolicySummary,
     check_targets,
+    spread,
     summarize,
 )
 from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
@@ -266,6 +267,38 @@ def test_summarize_hit_rate_imbalance_and_unrouted() -> None:
     assert s.ttft_mean_ms == 20.0
     assert s.load_imbalance == 1.5  # 150 / mean 100
     assert s.route_sources == {"kvcm": 1, "domain": 1, "none": 1}
+
+
+def test_spread_counts_workers_per_group_and_misses_of_a_prefix_cached_elsewhere() -> None:
+    def rec(worker: int, group: int, cached: int, best: int) -> RequestRecord:
+        return RequestRecord("r", worker, 100, cached, 0.01, 0.001, "-", "-", group, best)
+
+    records = (
+        rec(0, 1, 0, 0),  # group 1's first request: nothing cached anywhere
+        rec(0, 1, 64, 64),  # its holder: no miss
+        rec(1, 1, 0, 64),  # a copy on worker 1: missed worker 0's prefix
+        rec(2, 2, 0, 0),
+        rec(-1, 2, 0, 64),  # unrouted: counts nowhere
+    )
+    found = spread(records)
+    assert found.workers_per_group == 1.5  # group 1 on workers {0, 1}, group 2 on {2}
+    assert found.missed_elsewhere == 0.25  # 1 of the 4 routed requests
+    assert math.isnan(spread(()).workers_per_group)
+
+
+def test_spread_on_a_tiny_workload_separates_affinity_from_random() -> None:
+    workload = build_workload(replace(SMALL, prompts_per_group=6))
+    cluster = ClusterSpec(workers=4, kv_capacity_blocks=64)
+    by_hit = summarize(run_baseline(MaxHitBaseline(3), workload, cluster))
+    by_random = summarize(run_baseline(RandomBaseline(3), workload, cluster))
+    # max-hit goes to the longest cached prefix, so it never misses one held elsewhere.
+    assert by_hit.missed_elsewhere == 0.0
+    assert by_random.missed_elsewhere > 0.0
+    assert 1.0 <= by_hit.workers_per_group < by_random.workers_per_group <= 4.0
+    # Every routed request's best prefix is at least what its own worker held.
+    run = run_baseline(RandomBaseline(3), workload, cluster)
+    assert all(r.best_cached_tokens >= r.cached_tokens for r in run.records)
+    assert {r.group for r in run.records} == {r.group for r in workload.requests}
 
 
 def _summary(policy: str, hit: float, mean: float, p99: float) -> PolicySummary:

@@ -7,7 +7,10 @@ Definitions (per policy, over the routed requests):
 - load imbalance: max / mean of the workers' prefill (uncached) tokens;
 - decision latency p50 / p99 in µs, real time: the whole ``route()`` call for kvroute
   (loopback gRPC to KVCM and workers included), the baseline's own ``choose()`` otherwise;
-- route_source mix: kvroute's decisions by ``route_source`` (baselines have none).
+- route_source mix: kvroute's decisions by ``route_source`` (baselines have none);
+- spread: workers per prefix group (the distinct workers a group's requests were routed to, averaged
+  over the groups that had a request) and the share of requests that missed a prefix cached on
+  another worker (some worker held a longer prefix of the prompt than the chosen one did).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from kvroute_sim.demo.baselines import KVROUTE, LEAST_LOADED
 from kvroute_sim.demo.lineup import MAX_HIT, ORACLE, PRACTICAL_BASELINES
-from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun
+from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun, RequestRecord
 from kvroute_sim.demo.workload import Workload
 from kvroute_sim.stats import percentile
 
@@ -50,6 +53,8 @@ class PolicySummary:
     route_sources: Mapping[str, int]  # empty for baselines
     reasons: Mapping[str, int]  # empty for baselines
     worker_prefill_tokens: tuple[int, ...]
+    workers_per_group: float = math.nan
+    missed_elsewhere: float = math.nan  # share of routed requests
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -66,12 +71,33 @@ class PolicySummary:
             "route_sources": dict(self.route_sources),
             "reasons": dict(self.reasons),
             "worker_prefill_tokens": list(self.worker_prefill_tokens),
+            "workers_per_group": _finite(self.workers_per_group),
+            "missed_elsewhere": _finite(self.missed_elsewhere),
         }
 
 
 def _finite(value: float) -> float | None:
     """JSON has no NaN: an undefined figure is null."""
     return round(value, 6) if math.isfinite(value) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    workers_per_group: float  # mean over groups of the distinct workers their requests went to
+    missed_elsewhere: float  # share of routed requests whose worker held less of the prompt than another did
+
+
+def spread(records: Sequence[RequestRecord]) -> Spread:
+    """How far each prefix group was spread, and how often a cached prefix elsewhere was missed
+    (routed requests only; requests of no known group count toward the second figure alone)."""
+    routed = [r for r in records if r.worker >= 0]
+    workers: dict[int, set[int]] = {}
+    for r in routed:
+        if r.group >= 0:
+            workers.setdefault(r.group, set()).add(r.worker)
+    per_group = sum(len(w) for w in workers.values()) / len(workers) if workers else math.nan
+    missed = sum(1 for r in routed if r.best_cached_tokens > r.cached_tokens)
+    return Spread(per_group, missed / len(routed) if routed else math.nan)
 
 
 def summarize(run: PolicyRun) -> PolicySummary:
@@ -82,6 +108,7 @@ def summarize(run: PolicyRun) -> PolicySummary:
     loads = run.worker_prefill_tokens
     mean_load = sum(loads) / len(loads) if loads else 0.0
     sourced = [r for r in run.records if r.route_source != NO_SOURCE]
+    spread_of = spread(run.records)
     return PolicySummary(
         policy=run.policy,
         requests=len(run.records),
@@ -96,6 +123,8 @@ def summarize(run: PolicyRun) -> PolicySummary:
         route_sources=dict(Counter(r.route_source for r in sourced).most_common()),
         reasons=dict(Counter(r.reason for r in sourced).most_common()),
         worker_prefill_tokens=tuple(loads),
+        workers_per_group=spread_of.workers_per_group,
+        missed_elsewhere=spread_of.missed_elsewhere,
     )
 
 
@@ -118,6 +147,8 @@ _COLUMNS = (
     ("p50", ">"),
     ("p99 ms", ">"),
     ("imbalance", ">"),
+    ("workers/group", ">"),
+    ("missed elsewhere", ">"),
     ("decide p50", ">"),
     ("p99 µs", ">"),
     ("route_source", "<"),
@@ -137,6 +168,8 @@ def format_table(summaries: Sequence[PolicySummary]) -> str:
             _fmt(s.ttft_p50_ms, ".1f"),
             _fmt(s.ttft_p99_ms, ".1f"),
             _fmt(s.load_imbalance, ".2f"),
+            _fmt(s.workers_per_group, ".2f"),
+            _fmt(100 * s.missed_elsewhere, ".1f") + "%",
             _fmt(s.decision_p50_us, ".0f"),
             _fmt(s.decision_p99_us, ".0f"),
             source_mix(s),

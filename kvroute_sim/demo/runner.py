@@ -186,6 +186,16 @@ class RequestRecord:
     decision_s: float  # real
     route_source: str
     reason: str
+    group: int = -1  # the request's prefix group (see ``prefix_group``); -1: unknown
+    best_cached_tokens: int = 0  # the longest prefix any worker held for it at its arrival
+
+
+def prefix_group(request: DemoRequest) -> int:
+    """The shared prefix a request belongs to: its workload group, or for a trace request (group
+    unknown) its first block key; -1 when it has neither."""
+    if request.group >= 0:
+        return request.group
+    return request.keys[0] if request.keys else -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +254,10 @@ def run_baseline(
 def _prefill(
     cluster: SimCluster, request: DemoRequest, worker: int, decision_s: float, source: str, reason: str
 ) -> RequestRecord:
+    # Measured before the prefill stores the request's keys: what the policy could have reused.
+    best_blocks = max(
+        (cluster.kvcm.local_prefix(addr.http_target, request.keys) for addr in cluster.addresses.workers), default=0
+    )
     outcome = cluster.run_prefill(
         worker, request.request_id, request.keys, request.input_tokens, request.arrival_s, request.output_tokens
     )
@@ -256,6 +270,8 @@ def _prefill(
         decision_s,
         source,
         reason,
+        prefix_group(request),
+        min(best_blocks * cluster.block_size, request.input_tokens),
     )
 
 
