@@ -7,10 +7,12 @@ Pure: values in, values out; time is passed in. Per candidate that passes the sa
   outstanding uncached tokens + the ledger's pre-charge since the status was taken + (seq_len − hit);
 - fixed cost: ``request_cost_tokens`` for this request and for each task waiting ahead of it
   (a request costs a scheduling step whatever its length; the ledger's pre-charge carries it too);
-- copy price: ``copy_cost_weight`` × (the best hit among the candidates − this one's hit). A
-  candidate holding less of the prompt than another would prefill that prefix again (counted in
-  its work) and store a second copy, which evicts other prefixes that later requests then prefill
-  again: that eviction is what the weight prices.
+- copy price: ``copy_cost_weight`` × pressure × (the best hit among the candidates − this one's
+  hit). A candidate holding less of the prompt than another would prefill that prefix again
+  (counted in its work) and store a second copy, which evicts other prefixes that later requests
+  then prefill again: that eviction is what the weight prices. The pressure (:func:`copy_pressure`)
+  scales it with the least loaded candidate's queue: an eviction costs queueing only once no
+  candidate is idle.
 
 cost = work + fixed cost + copy price. The orders, the guard, the minimum-hit gate and the
 extra-work bound are CacheAffinityFirst's (:func:`~router.policy.cache_affinity.choose`) over
@@ -51,12 +53,27 @@ from router.problems import Problem, refuse
 from router.types import PREFILL_CAPABLE_ROLES, DropReason, HostMatch, Reason, Role, WorkerAddr, WorkerStatus
 
 
-def candidate_cost(work: int, waiting: int, hit: int, best_hit: int, *, config: ScorerConfig) -> int:
+# The guard's fallbacks are not spread: they are the least bad of workers already over the threshold.
+_SPREAD_REASONS = frozenset({Reason.CACHE_LEADER, Reason.SHORTEST_TTFT, Reason.SHORTEST_TTFT_LOW_CACHE_HIT})
+
+
+def candidate_cost(work: int, waiting: int, hit: int, best_hit: int, pressure: float, *, config: ScorerConfig) -> int:
     """A candidate's cost in tokens: its work, the fixed cost of this request and of the ``waiting``
-    tasks ahead, and the price of copying the ``best_hit − hit`` tokens another candidate holds."""
+    tasks ahead, and the price of copying the ``best_hit − hit`` tokens another candidate holds,
+    scaled by the fleet's ``pressure`` (0..1, :func:`copy_pressure`)."""
     fixed = config.request_cost_tokens * (waiting + 1)
-    copy = round(config.copy_cost_weight * max(0, best_hit - hit))
+    copy = round(config.copy_cost_weight * pressure * max(0, best_hit - hit))
     return work + fixed + copy
+
+
+def copy_pressure(least_load: int, seq_len: int) -> float:
+    """How much an eviction costs now, 0..1: the least loaded candidate's queued work (outstanding
+    and pre-charged tokens) over this request's length. While a candidate is idle, the prefixes a
+    copy evicts are prefilled again on idle capacity, delaying no one else; once even the least
+    loaded candidate has a request's worth queued, every re-prefill waits behind work."""
+    if least_load <= 0:
+        return 0.0
+    return min(1.0, least_load / max(1, seq_len))
 
 
 def spread_near_ties(preferred: int, eligible: Sequence[TtftRow], margin: int) -> int:
@@ -144,17 +161,19 @@ def score_costs(
         )
 
     best_hit = max(row[4] for row in scored)
+    pressure = copy_pressure(min(work - (seq_len - hit) for _, _, work, _, hit, _ in scored), seq_len)
     passed: list[PassedRow] = [
-        (target, index, candidate_cost(work, waiting, hit, best_hit, config=config), last_selected, hit)
+        (target, index, candidate_cost(work, waiting, hit, best_hit, pressure, config=config), last_selected, hit)
         for target, index, work, last_selected, hit, waiting in scored
     ]
     cost_order, leader_order = orders(passed, tie_rng)
     preferred, reason, eligible = choose(cost_order, leader_order, hits, seq_len=seq_len, config=config)
-    if reason in (Reason.CACHE_LEADER, Reason.SHORTEST_TTFT) and config.near_tie_tokens > 0:
+    if reason in _SPREAD_REASONS and config.near_tie_tokens > 0:
         spread = spread_near_ties(preferred, eligible, config.near_tie_tokens)
         if spread != preferred:
             preferred = spread
-            reason = Reason.CACHE_LEADER if hits[spread] == best_hit else Reason.SHORTEST_TTFT
+            if reason is not Reason.SHORTEST_TTFT_LOW_CACHE_HIT:
+                reason = Reason.CACHE_LEADER if hits[spread] == best_hit else Reason.SHORTEST_TTFT
     max_extra = max(0, config.max_extra_work_tokens)
     chosen_index = preferred
 
