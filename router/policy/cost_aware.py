@@ -52,7 +52,6 @@ from router.policy.plan import CandidatePlan, CandidateSource, Fleet, plan_candi
 from router.problems import Problem, refuse
 from router.types import PREFILL_CAPABLE_ROLES, DropReason, HostMatch, Reason, Role, WorkerAddr, WorkerStatus
 
-
 # The guard's fallbacks are not spread: they are the least bad of workers already over the threshold.
 _SPREAD_REASONS = frozenset({Reason.CACHE_LEADER, Reason.SHORTEST_TTFT, Reason.SHORTEST_TTFT_LOW_CACHE_HIT})
 
