@@ -131,6 +131,9 @@ class ScorerConfig:
     # cost-aware only: candidates within this many tokens of the cheapest are near-ties, spread by
     # the power of two choices (0 = off)
     near_tie_tokens: int = bounded(0, 0, 1_000_000)
+    # cost-aware only: its cold set (in place of cold_set_size); a priced copy is taken only when it
+    # pays, so looking wider for idle workers costs no extra copies
+    cost_aware_cold_set_size: int = bounded(6, 0, 1024)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,12 +13,14 @@ Per policy variant and router count: hit rate, TTFT, imbalance, workers per grou
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 
 import trio
 import trio.testing
@@ -36,10 +38,12 @@ from kvroute_sim.demo.runner import (
     route_request,
     router_settings,
 )
-from kvroute_sim.demo.workload import Workload
+from kvroute_sim.demo.workload import Workload, WorkloadSpec
+from kvroute_sim.sim.cluster import SimCluster
 from router.api import RouterHandle, open_router
 from router.transport.memory_adapter import MemoryNetwork
 
+HERDING_FILE = "demo-herding.json"
 DEFAULT_ROUTER_COUNTS = (1, 2, 4)
 DEFAULT_NEAR_TIE_TOKENS = 256  # the spreading row's margin when the settings give none
 _SETTLE_S = 1.0  # simulated time the routers get to find KVCM and the workers before the first arrival
@@ -89,6 +93,26 @@ class HerdingRow:
         return {"variant": self.variant, "routers": self.routers} | {k: full[k] for k in keep}
 
 
+@asynccontextmanager
+async def open_routers(
+    cluster: SimCluster, workload: WorkloadSpec, settings: Mapping[str, object], routers: int, network: MemoryNetwork
+) -> AsyncIterator[tuple[RouterHandle, ...]]:
+    """Serve ``cluster`` on ``network`` and open ``routers`` independent routers on it, router ``i``
+    seeded ``scorer_seed xor i`` (as each process of a fleet would be, so their tie draws differ;
+    the xor with a small index stays within the seed's range)."""
+    if routers < 1:
+        raise ValueError(f"routers: must be >= 1, got {routers}")
+    addresses = cluster.serve_memory(network)
+    base = router_settings(addresses.kvcm_bootstrap, addresses.workers_arg, workload) | dict(settings)
+    seed = load_router_config(base).effective.scorer.seed
+    async with AsyncExitStack() as stack:
+        handles = []
+        for i in range(routers):
+            loaded = load_router_config(base | {"scorer_seed": seed ^ i})
+            handles.append(await stack.enter_async_context(open_router(loaded.effective, rpc=network, loaded=loaded)))
+        yield tuple(handles)
+
+
 async def run_routers(
     workload: Workload,
     cluster_spec: ClusterSpec,
@@ -98,22 +122,10 @@ async def run_routers(
     label: str = "kvroute",
 ) -> PolicyRun:
     """Replay ``workload`` through ``routers`` independent routers in turn; run under a MockClock."""
-    if routers < 1:
-        raise ValueError(f"routers: must be >= 1, got {routers}")
-    network = MemoryNetwork()
     cluster = build_cluster(cluster_spec, workload)
-    addresses = cluster.serve_memory(network)
-    base = router_settings(addresses.kvcm_bootstrap, addresses.workers_arg, workload.spec) | dict(settings)
-    seed = load_router_config(base).effective.scorer.seed
     tally = _Tally(label, len(workload.requests), progress)
     block_size = workload.spec.block_size
-    async with AsyncExitStack() as stack:
-        handles: list[RouterHandle] = []
-        for i in range(routers):
-            # Each its own seed (as each process of a fleet would be), so their tie draws differ; the
-            # xor with a small index stays within the seed's range.
-            loaded = load_router_config(base | {"scorer_seed": seed ^ i})
-            handles.append(await stack.enter_async_context(open_router(loaded.effective, rpc=network, loaded=loaded)))
+    async with open_routers(cluster, workload.spec, settings, routers, MemoryNetwork()) as handles:
         origin = trio.current_time() + _SETTLE_S
         for k, request in enumerate(workload.requests):
             await trio.sleep_until(origin + request.arrival_s)
@@ -165,3 +177,11 @@ def format_herding(rows: Sequence[HerdingRow]) -> str:
             f"{s.workers_per_group:>13.2f}  {100 * s.missed_elsewhere:>15.1f}%"
         )
     return "\n".join(lines)
+
+
+def write_herding(out_dir: Path, workload: Workload, cluster: ClusterSpec, rows: Sequence[HerdingRow]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / HERDING_FILE
+    payload = {"workload": workload.to_json(), "cluster": cluster.to_json(), "routers": [r.to_json() for r in rows]}
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    return path

@@ -16,7 +16,12 @@ Pure: values in, values out; time is passed in. Per candidate that passes the sa
 
 cost = work + fixed cost + copy price. The orders, the guard, the minimum-hit gate and the
 extra-work bound are CacheAffinityFirst's (:func:`~router.policy.cache_affinity.choose`) over
-the cost: with both prices zero and no near-tie spreading it chooses exactly as CacheAffinityFirst.
+the cost: with both prices zero and no near-tie spreading it chooses from a plan exactly as
+CacheAffinityFirst does.
+
+Its cold set is ``cost_aware_cold_set_size`` workers (``cold_set_size`` is CacheAffinityFirst's):
+a priced copy is made only when it pays, so looking wider for an idle worker finds more of them
+without spreading prefixes further.
 
 Near-tie spreading (``near_tie_tokens`` > 0): routers that share nothing read the same statuses
 between refreshes and would all take the same cheapest worker. The candidates whose cost is within
@@ -31,6 +36,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 
 from router.config import DeploymentConfig, ScorerConfig
 from router.policy.base import PolicyHealth
@@ -219,6 +225,7 @@ class CostAware:
             refuse("deployment", [Problem(("roles",), "the deployment routes to no role")])
         self.config = config
         self.deployment = deployment
+        self._plan_config = replace(config, cold_set_size=config.cost_aware_cold_set_size)
         self.ledger = (
             SelectionLedger(config.max_tracked_workers, config.max_pending_charges) if ledger is None else ledger
         )
@@ -240,7 +247,7 @@ class CostAware:
             fleet,
             request_id=request_id,
             namespace=self.deployment.kvcm_instance_id,
-            config=self.config,
+            config=self._plan_config,
             hot_source=source,
             ejected=ejected,
         )

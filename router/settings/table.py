@@ -587,6 +587,9 @@ _SPECS: dict[str, _Spec] = {
     "scorer.request_cost_tokens": _Spec(
         "cost-aware: a request's fixed cost in tokens, counted for this request and each one queued ahead"
     ),
+    "scorer.cost_aware_cold_set_size": _Spec(
+        "cost-aware: extra candidates taken from discovery per request, in place of --scorer-cold-set-size"
+    ),
     "scorer.near_tie_tokens": _Spec(
         "cost-aware: candidates within this many tokens of the cheapest are near-ties; the power of two "
         "choices among them spreads independent routers (0 = off)"
