@@ -10,7 +10,7 @@ import random
 from dataclasses import replace
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.config import DeploymentConfig, ScorerConfig
@@ -63,6 +63,8 @@ def priced(draw: st.DrawFn) -> tuple[Scenario, ScorerConfig]:
     return (plan, statuses, config, roles, seq_len), cost
 
 
+@settings(deadline=None)  # the machine is shared: no per-example time limit
+@settings(deadline=None)
 @given(priced(), st.integers(0, 1000))
 def test_never_chooses_a_worker_that_fails_the_filters(case: tuple[Scenario, ScorerConfig], seed: int) -> None:
     (plan, statuses, _, roles, seq_len), config = case
@@ -76,6 +78,7 @@ def test_never_chooses_a_worker_that_fails_the_filters(case: tuple[Scenario, Sco
     assert sel.role is statuses[sel.worker].role and sel.role in roles
 
 
+@settings(deadline=None)
 @given(scenarios(), st.integers(0, 1000))
 def test_with_no_prices_and_no_spreading_it_chooses_as_cache_affinity_first(scenario: Scenario, seed: int) -> None:
     plan, statuses, config, roles, seq_len = scenario
@@ -153,6 +156,7 @@ def test_spread_near_ties_takes_the_cheaper_of_the_two_lowest_draws() -> None:
     assert spread_near_ties(5, rows, 60) == 5  # not among the rows: unchanged
 
 
+@settings(deadline=None)
 @given(st.integers(0, 2**32))
 def test_near_ties_spread_over_seeds_and_far_ones_do_not(seed: int) -> None:
     workers = [addr(i) for i in range(4)]
