@@ -68,12 +68,12 @@ def test_herding_table_on_a_tiny_workload() -> None:
         ("cache-affinity", 2),
         ("cost-aware", 1),
         ("cost-aware", 2),
-        ("cost-aware, spread 256", 1),
-        ("cost-aware, spread 256", 2),
+        ("cost-aware, spread 512", 1),
+        ("cost-aware, spread 512", 2),
     ]
     for row in rows:
         assert row.summary.requests == len(workload.requests)
         assert row.summary.unrouted == 0
         assert 1.0 <= row.summary.workers_per_group <= 3.0
     table = format_herding(rows)
-    assert "routers" in table and "workers/group" in table and "cost-aware, spread 256" in table
+    assert "routers" in table and "workers/group" in table and "cost-aware, spread 512" in table

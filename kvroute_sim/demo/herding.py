@@ -45,7 +45,7 @@ from router.transport.memory_adapter import MemoryNetwork
 
 HERDING_FILE = "demo-herding.json"
 DEFAULT_ROUTER_COUNTS = (1, 2, 4)
-DEFAULT_NEAR_TIE_TOKENS = 256  # the spreading row's margin when the settings give none
+DEFAULT_NEAR_TIE_TOKENS = 512  # the spreading row's margin when the settings give none
 _SETTLE_S = 1.0  # simulated time the routers get to find KVCM and the workers before the first arrival
 
 
