@@ -356,7 +356,16 @@ async def test_tiny_demo_run_prints_the_table_and_writes_json_and_png(
     assert "debug endpoint: http://127.0.0.1:" in out
     assert "[kvroute]" in out and "hit rate so far" in out
     header = next(line for line in out.splitlines() if line.startswith("policy"))
-    for column in ("hit rate", "TTFT mean", "p99 ms", "imbalance", "decide p50", "route_source"):
+    for column in (
+        "hit rate",
+        "TTFT mean",
+        "p99 ms",
+        "imbalance",
+        "workers/group",
+        "missed elsewhere",
+        "decide p50",
+        "route_source",
+    ):
         assert column in header
     table_rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in POLICY_NAMES]
     assert table_rows[-len(POLICY_NAMES) :] == list(POLICY_NAMES)
@@ -368,11 +377,14 @@ async def test_tiny_demo_run_prints_the_table_and_writes_json_and_png(
         assert policy["unrouted"] == 0
         assert 0.0 <= policy["hit_rate"] <= 1.0
         assert len(policy["worker_prefill_tokens"]) == 3
-    kvroute = results["policies"][0]
-    assert sum(kvroute["route_sources"].values()) == requests
-    assert set(kvroute["route_sources"]) <= {"kvcm", "shadow", "domain"}
-    assert kvroute["route_sources"].get("kvcm", 0) > requests / 2
-    assert all(not p["route_sources"] for p in results["policies"][1:])
+    for kvroute in results["policies"][:2]:  # kvroute, then kvroute with the reference scheduler's policy
+        assert sum(kvroute["route_sources"].values()) == requests
+        assert set(kvroute["route_sources"]) <= {"kvcm", "shadow", "domain"}
+        assert kvroute["route_sources"].get("kvcm", 0) > requests / 2
+    assert all(not p["route_sources"] for p in results["policies"][2:])
+    for policy in results["policies"]:
+        assert 1.0 <= policy["workers_per_group"] <= 3.0
+        assert 0.0 <= policy["missed_elsewhere"] <= 1.0
     assert {t["target"].split()[0] for t in results["targets"]} >= {"hit", "mean", "p99"}
     assert (tmp_path / CHART_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(BASELINE_NAMES) < set(POLICY_NAMES)

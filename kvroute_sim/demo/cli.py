@@ -29,7 +29,7 @@ import trio
 from kvroute_sim.demo import scenarios
 from kvroute_sim.demo.evidence_cli import configure_evidence, evidence_requested, run_evidence
 from kvroute_sim.demo.herding import HERDING_FILE, default_variants, format_herding, run_herding, write_herding
-from kvroute_sim.demo.lineup import KVROUTE, lineup_baselines
+from kvroute_sim.demo.lineup import KVROUTE, KVROUTE_REFERENCE, REFERENCE_SETTINGS, lineup_baselines
 from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
 from kvroute_sim.demo.master_outage import (
     OutageResult,
@@ -280,6 +280,15 @@ async def compare(
         for policy in lineup_baselines(workload.spec.seed, workload.spec.block_size):
             if policy.name in policies:
                 runs.append(await trio.to_thread.run_sync(run_baseline, policy, workload, cluster_spec, progress))
+    if KVROUTE_REFERENCE in policies:  # the same router with the reference scheduler's policy, on a fresh cluster
+        reference_clock = SimClock()
+        async with open_kvroute(
+            build_cluster(cluster_spec, workload),
+            workload.spec,
+            clock=reference_clock.now,
+            extra_settings=settings | REFERENCE_SETTINGS,
+        ) as reference:
+            runs.append(await run_kvroute(reference, reference_clock, workload, progress, label=KVROUTE_REFERENCE))
     order = {name: i for i, name in enumerate(POLICY_NAMES)}
     return tuple(sorted(runs, key=lambda r: order[r.policy]))
 

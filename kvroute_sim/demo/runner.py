@@ -381,14 +381,14 @@ def route_request(request: DemoRequest, block_size: int, budget_ms: float | None
 
 
 async def run_kvroute(
-    setup: KvrouteSetup, clock: SimClock, workload: Workload, progress: Progress | None = None
+    setup: KvrouteSetup, clock: SimClock, workload: Workload, progress: Progress | None = None, label: str = KVROUTE
 ) -> PolicyRun:
     """Replay ``workload`` through the real router, the sim clock following the arrivals (module doc).
 
     ``setup`` must serve a fresh cluster reading ``clock``.
     """
     cluster = setup.cluster
-    tally = _Tally(KVROUTE, len(workload.requests), progress)
+    tally = _Tally(label, len(workload.requests), progress)
     block_size = workload.spec.block_size
     for request in workload.requests:
         clock.set(request.arrival_s)
