@@ -268,9 +268,7 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
             )
             for row in sc["p"]
         }
-        ledger = {
-            str(row[0]): (int(row[1]), NEVER if row[2] is None else float(row[2])) for row in sc["lv"]
-        }
+        ledger = {str(row[0]): (int(row[1]), NEVER if row[2] is None else float(row[2])) for row in sc["lv"]}
         scorings.append(
             RecordedScoring(
                 CandidateSource(sc["s"]),
@@ -653,4 +651,3 @@ def difference(outcome: Outcome) -> str:
             else:
                 parts.append(f"{name} differ")
     return "; ".join(parts) or "other fields differ"
-

@@ -64,7 +64,6 @@ def priced(draw: st.DrawFn) -> tuple[Scenario, ScorerConfig]:
 
 
 @settings(deadline=None)  # the machine is shared: no per-example time limit
-@settings(deadline=None)
 @given(priced(), st.integers(0, 1000))
 def test_never_chooses_a_worker_that_fails_the_filters(case: tuple[Scenario, ScorerConfig], seed: int) -> None:
     (plan, statuses, _, roles, seq_len), config = case
@@ -148,12 +147,16 @@ def test_the_pre_charge_carries_the_fixed_cost() -> None:
     assert policy.ledger.view(w.http_target, 0.0)[0] == 1000 + 300 + 500 + 300
 
 
-def test_spread_near_ties_takes_the_cheaper_of_the_two_lowest_draws() -> None:
+def test_spread_near_ties_takes_the_cheaper_of_the_two_lowest_draws_with_the_same_hit() -> None:
     rows = [(100, 0.0, 0.9, 0), (150, 0.0, 0.1, 1), (120, 0.0, 0.2, 2), (900, 0.0, 0.0, 3)]
-    assert spread_near_ties(0, rows, 0) == 0  # off
-    assert spread_near_ties(0, rows, 60) == 2  # near: 0, 1, 2; lowest draws 1 and 2; 2 is cheaper
-    assert spread_near_ties(0, rows, 10) == 0  # no near-tie
-    assert spread_near_ties(5, rows, 60) == 5  # not among the rows: unchanged
+    same = [0, 0, 0, 0, 0, 0]
+    assert spread_near_ties(0, rows, 0, same) == 0  # off
+    assert spread_near_ties(0, rows, 60, same) == 2  # near: 0, 1, 2; lowest draws 1 and 2; 2 is cheaper
+    assert spread_near_ties(0, rows, 10, same) == 0  # no near-tie
+    assert spread_near_ties(5, rows, 60, same) == 5  # not among the rows: unchanged
+    # 2 holds less of the prompt: not a near-tie; of 0 and 1 the cheaper is 0
+    assert spread_near_ties(0, rows, 60, [64, 64, 0, 0]) == 0
+    assert spread_near_ties(1, rows, 60, [0, 64, 64, 0]) == 2
 
 
 @settings(deadline=None)

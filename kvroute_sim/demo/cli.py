@@ -286,7 +286,7 @@ async def compare(
             build_cluster(cluster_spec, workload),
             workload.spec,
             clock=reference_clock.now,
-            extra_settings=settings | REFERENCE_SETTINGS,
+            extra_settings=settings | dict(REFERENCE_SETTINGS),
         ) as reference:
             runs.append(await run_kvroute(reference, reference_clock, workload, progress, label=KVROUTE_REFERENCE))
     order = {name: i for i, name in enumerate(POLICY_NAMES)}

@@ -25,8 +25,9 @@ without spreading prefixes further.
 
 Near-tie spreading (``near_tie_tokens`` > 0): routers that share nothing read the same statuses
 between refreshes and would all take the same cheapest worker. The candidates whose cost is within
-the margin of the preferred one's are near-ties; of them, the two with the lowest tie draws (a
-random pair) are compared and the cheaper taken (the power of two choices). The draws are the
+the margin of the preferred one's, holding as much of the prompt, are near-ties; of them, the two
+with the lowest tie draws (a random pair) are compared and the cheaper taken (the power of two
+choices). The draws are the
 per-candidate tie draws the decision already made, so a replay that hands them back chooses
 identically.
 """
@@ -81,16 +82,18 @@ def copy_pressure(least_load: int, seq_len: int) -> float:
     return min(1.0, least_load / max(1, seq_len))
 
 
-def spread_near_ties(preferred: int, eligible: Sequence[TtftRow], margin: int) -> int:
+def spread_near_ties(preferred: int, eligible: Sequence[TtftRow], margin: int, hits: Sequence[int]) -> int:
     """The power of two choices among the near-ties of ``preferred`` (plan index): the eligible rows
-    whose cost is within ``margin`` of the preferred one's. Of the two with the lowest tie draws the
-    cheaper is taken (then the lower draw); ``preferred`` itself when it has no near-tie."""
+    with the same hit whose cost is within ``margin`` of the preferred one's (spreading never makes
+    a copy). Of the two with the lowest tie draws the cheaper is taken (then the lower draw);
+    ``preferred`` itself when it has no near-tie."""
     if margin <= 0:
         return preferred
     cost = next((row[0] for row in eligible if row[3] == preferred), None)
     if cost is None:
         return preferred
-    near = [row for row in eligible if abs(row[0] - cost) <= margin]
+    hit = hits[preferred]
+    near = [row for row in eligible if abs(row[0] - cost) <= margin and hits[row[3]] == hit]
     if len(near) < 2:
         return preferred
     first, second = sorted(near, key=lambda row: row[2])[:2]
@@ -174,11 +177,8 @@ def score_costs(
     cost_order, leader_order = orders(passed, tie_rng)
     preferred, reason, eligible = choose(cost_order, leader_order, hits, seq_len=seq_len, config=config)
     if reason in _SPREAD_REASONS and config.near_tie_tokens > 0:
-        spread = spread_near_ties(preferred, eligible, config.near_tie_tokens)
-        if spread != preferred:
-            preferred = spread
-            if reason is not Reason.SHORTEST_TTFT_LOW_CACHE_HIT:
-                reason = Reason.CACHE_LEADER if hits[spread] == best_hit else Reason.SHORTEST_TTFT
+        # A near-tie has the preferred one's hit, so the reason stands.
+        preferred = spread_near_ties(preferred, eligible, config.near_tie_tokens, hits)
     max_extra = max(0, config.max_extra_work_tokens)
     chosen_index = preferred
 
