@@ -526,10 +526,11 @@ _SPECS: dict[str, _Spec] = {
     ),
     # scorer
     "scorer.policy": _Spec(
-        "Selection policy: cache-affinity (the reference scheduler's, exactly) or cost-aware (prices a "
-        "prefix copy's eviction and a request's fixed cost; spreads near-ties)",
+        "Selection policy: cost-aware (prices a prefix copy's eviction and a request's fixed cost; can "
+        "spread near-ties) or cache-affinity (the reference scheduler's policy, exactly, for deployments "
+        "that need its behaviour)",
         choices={p.value: p for p in ScorerPolicy},
-        metavar="cache-affinity|cost-aware",
+        metavar="cost-aware|cache-affinity",
     ),
     "scorer.prefill_queue_size_threshold": _Spec("Workers with this many waiting tasks or more are dropped"),
     "scorer.p2p_hit_discount": _Spec("Weight of p2p-only blocks in the effective hit"),
