@@ -112,7 +112,7 @@ class ProberConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScorerConfig:
-    policy: ScorerPolicy = ScorerPolicy.COST_AWARE
+    policy: ScorerPolicy = ScorerPolicy.CACHE_AFFINITY
     prefill_queue_size_threshold: int = bounded(1024, 0, 10_000_000, low_open=True)
     p2p_hit_discount: float = bounded(0.2, 0, 1)
     max_extra_work_tokens: int = bounded(0, 0, 1_000_000_000)

@@ -183,11 +183,8 @@ def test_near_ties_reach_more_than_one_worker() -> None:
 
 def test_the_setting_chooses_the_policy() -> None:
     deployment = DeploymentConfig(block_size=BS)
-    reference = replace(ScorerConfig(), policy=ScorerPolicy.CACHE_AFFINITY)
-    assert isinstance(make_policy(reference, deployment), CacheAffinityFirst)
-    assert isinstance(make_policy(ScorerConfig(), deployment), CostAware)  # the default
-    loaded = load_config({"scorer_policy": "cache-affinity"}, {})
-    assert loaded.effective.scorer.policy is ScorerPolicy.CACHE_AFFINITY
+    assert isinstance(make_policy(ScorerConfig(), deployment), CacheAffinityFirst)  # the default
+    assert isinstance(make_policy(COST, deployment), CostAware)
     loaded = load_config({"scorer_policy": "cost-aware", "scorer_near_tie_tokens": "128"}, {})
     assert loaded.effective.scorer.policy is ScorerPolicy.COST_AWARE
     assert loaded.effective.scorer.near_tie_tokens == 128

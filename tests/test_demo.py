@@ -377,7 +377,7 @@ async def test_tiny_demo_run_prints_the_table_and_writes_json_and_png(
         assert policy["unrouted"] == 0
         assert 0.0 <= policy["hit_rate"] <= 1.0
         assert len(policy["worker_prefill_tokens"]) == 3
-    for kvroute in results["policies"][:2]:  # kvroute, then kvroute with the reference scheduler's policy
+    for kvroute in results["policies"][:2]:  # kvroute, then kvroute with the cost-aware policy
         assert sum(kvroute["route_sources"].values()) == requests
         assert set(kvroute["route_sources"]) <= {"kvcm", "shadow", "domain"}
         assert kvroute["route_sources"].get("kvcm", 0) > requests / 2

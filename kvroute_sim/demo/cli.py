@@ -280,7 +280,7 @@ async def compare(
         for policy in lineup_baselines(workload.spec.seed, workload.spec.block_size):
             if policy.name in policies:
                 runs.append(await trio.to_thread.run_sync(run_baseline, policy, workload, cluster_spec, progress))
-    if KVROUTE_REFERENCE in policies:  # the same router with the reference scheduler's policy, on a fresh cluster
+    if KVROUTE_REFERENCE in policies:  # the same router with the cost-aware policy, on a fresh cluster
         reference_clock = SimClock()
         async with open_kvroute(
             build_cluster(cluster_spec, workload),

@@ -1,7 +1,7 @@
 """Every policy the comparison runs, in table order, and the baselines that need the request.
 
-kvroute (through the real router, its default policy), kvroute with the reference scheduler's
-policy (``kvroute-cache-affinity``), then the baselines: ``policies``' simple ones, ``power-of-two``
+kvroute (through the real router, its default policy), kvroute with the cost-aware policy
+(``kvroute-cost-aware``), then the baselines: ``policies``' simple ones, ``power-of-two``
 (two workers drawn at random, the one with less outstanding prefill work; ties to the first drawn),
 the SGLang router's cache-aware policy (``sglang_baseline``) and the TTFT oracle (``oracle``), the
 ceiling, last.
@@ -29,9 +29,9 @@ from kvroute_sim.demo.sglang_baseline import SGLANG_CACHE_AWARE, SglangCacheAwar
 
 POWER_OF_TWO = "power-of-two"
 LINEUP_BASELINES = (*BASELINE_NAMES, POWER_OF_TWO, SGLANG_CACHE_AWARE, ORACLE)
-# kvroute again with the reference scheduler's policy (its default policy is the first row).
-KVROUTE_REFERENCE = "kvroute-cache-affinity"
-REFERENCE_SETTINGS: Mapping[str, object] = {"scorer_policy": "cache-affinity"}
+# kvroute again with the cost-aware policy (the first row runs the default policy, cache-affinity).
+KVROUTE_REFERENCE = "kvroute-cost-aware"
+REFERENCE_SETTINGS: Mapping[str, object] = {"scorer_policy": "cost-aware"}
 LINEUP = (KVROUTE, KVROUTE_REFERENCE, *LINEUP_BASELINES)
 # The baselines kvroute must beat (the oracle is a ceiling, max-hit a hit-rate bound).
 PRACTICAL_BASELINES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, POWER_OF_TWO, MAX_LOCAL_AFFINITY, SGLANG_CACHE_AWARE)

@@ -526,11 +526,11 @@ _SPECS: dict[str, _Spec] = {
     ),
     # scorer
     "scorer.policy": _Spec(
-        "Selection policy: cost-aware (prices a prefix copy's eviction and a request's fixed cost; can "
-        "spread near-ties) or cache-affinity (the reference scheduler's policy, exactly, for deployments "
-        "that need its behaviour)",
+        "Selection policy: cache-affinity (the reference scheduler's policy, exactly) or cost-aware (prices "
+        "a prefix copy's eviction and a request's fixed cost, looks wider for idle workers; can spread "
+        "near-ties)",
         choices={p.value: p for p in ScorerPolicy},
-        metavar="cost-aware|cache-affinity",
+        metavar="cache-affinity|cost-aware",
     ),
     "scorer.prefill_queue_size_threshold": _Spec("Workers with this many waiting tasks or more are dropped"),
     "scorer.p2p_hit_discount": _Spec("Weight of p2p-only blocks in the effective hit"),
