@@ -46,7 +46,9 @@ def render(loaded: LoadedConfig, verdict: Assessment) -> str:
     value_width = min(40, max(len(row[2]) for row in rows))
     for section in SECTIONS:
         lines.append(f"  [{section}]")
-        lines += [f"    {f:<{flag_width}}  {v:<{value_width}}  {src}" for sec, f, v, src in rows if sec == section]
+        lines += [
+            f"    {f:<{flag_width}}  {v:<{value_width}}  {src}" for sec, f, v, src in rows if sec == section
+        ]
     lines += ["", "will work:"]
     lines += [f"  + {line}" for line in verdict.works] or ["  (nothing)"]
     lines += ["", "will not work:"]
@@ -60,7 +62,11 @@ def render(loaded: LoadedConfig, verdict: Assessment) -> str:
         lines += [
             "",
             f"result: {len(loaded.errors)} error(s); "
-            + (f"{fatal} outside the KVCM fallback: kvroute will not start" if fatal else "kvroute would start")
+            + (
+                f"{fatal} outside the KVCM fallback: kvroute will not start"
+                if fatal
+                else "kvroute would start"
+            )
             + (" with the KVCM fallback off" if loaded.fallback_disabled_by_errors and not fatal else ""),
         ]
     else:

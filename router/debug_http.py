@@ -242,7 +242,9 @@ class DebugApp:
         # A snapshot of references (the ring holds at most its size): cheap, and nothing awaits before it.
         records = self._sink.recent_decisions(limit)
         async with self._decisions_turn:  # one body at a time: readers together keep to the paced share
-            body = await decisions_body(records, trio.current_time(), limit, self._sink.config.decisions_body_max_bytes)
+            body = await decisions_body(
+                records, trio.current_time(), limit, self._sink.config.decisions_body_max_bytes
+            )
         return 200, _JSON, body
 
     def _config(self, scope: Scope) -> tuple[int, str, bytes]:

@@ -136,12 +136,7 @@ def _hosts(hosts: Sequence[HostMatch]) -> list[list[Any]]:
 
 def _status(s: WorkerStatus) -> list[Any]:
     return [
-        s.role.value,
-        int(s.alive),
-        s.waiting_count,
-        s.outstanding_uncached_tokens,
-        s.block_size,
-        s.lookahead_tokens,
+        s.role.value, int(s.alive), s.waiting_count, s.outstanding_uncached_tokens, s.block_size, s.lookahead_tokens
     ]
 
 
@@ -195,13 +190,8 @@ def encode_decision(record: DecisionRecord, fleet_id: int | None) -> dict[str, A
                 "h": _hosts(sc.hosts),
                 "ej": list(sc.ejected),
                 "p": [
-                    [
-                        p.target,
-                        p.arrived,
-                        None if p.status is None else _status(p.status),
-                        p.taken,
-                        p.missing and p.missing.value,
-                    ]
+                    [p.target, p.arrived, None if p.status is None else _status(p.status), p.taken,
+                     p.missing and p.missing.value]
                     for p in sc.probes
                 ],
                 "at": sc.decided,

@@ -286,7 +286,10 @@ def geometry_problems(block_size: int, family: KeyFamily, lookahead: int) -> lis
     return problems
 
 
-def block_keys(tokens: Sequence[int], block_size: int, family: KeyFamily, lookahead: int = 0) -> tuple[int, ...]:
+
+def block_keys(
+    tokens: Sequence[int], block_size: int, family: KeyFamily, lookahead: int = 0
+) -> tuple[int, ...]:
     """The block keys of ``tokens`` in the deployment's family.
 
     Raises ValueError naming the parameter: ``block_size`` ≤ 0, ``lookahead`` < 0,

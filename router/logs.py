@@ -139,7 +139,9 @@ class AggregatingLogger:
     await, so calls from any task are atomic under trio's cooperative scheduling.
     """
 
-    def __init__(self, logger: logging.Logger, interval_s: float, max_keys: int, level: int = logging.WARNING) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float, max_keys: int, level: int = logging.WARNING
+    ) -> None:
         if interval_s <= 0 or max_keys < 1:
             raise ValueError("AggregatingLogger: interval_s must be > 0 and max_keys >= 1")
         self._logger = logger

@@ -268,7 +268,9 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
             )
             for row in sc["p"]
         }
-        ledger = {str(row[0]): (int(row[1]), NEVER if row[2] is None else float(row[2])) for row in sc["lv"]}
+        ledger = {
+            str(row[0]): (int(row[1]), NEVER if row[2] is None else float(row[2])) for row in sc["lv"]
+        }
         scorings.append(
             RecordedScoring(
                 CandidateSource(sc["s"]),

@@ -56,11 +56,8 @@ def run(args: argparse.Namespace) -> int:
             print(problem.listed(), file=sys.stderr)
         return 2
     if not setup.digest_matches:
-        print(
-            "warning: the recorded configuration digest differs from this kvroute's reading of the same settings "
-            "(defaults changed between versions?)",
-            file=sys.stderr,
-        )
+        print("warning: the recorded configuration digest differs from this kvroute's reading of the same settings "
+              "(defaults changed between versions?)", file=sys.stderr)
     engine = ReplayEngine(setup.config)
     what_if = WhatIf()
     identical = 0

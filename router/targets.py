@@ -11,7 +11,9 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$"
+)
 _NUMERIC_DOTTED = re.compile(r"^[0-9.]+$")
 # ``user:password@`` before a host, with or without a scheme: everything back to a delimiter that
 # cannot be part of an address written in text (space, quote, comma, '=', brackets) is userinfo.

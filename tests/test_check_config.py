@@ -71,8 +71,14 @@ def test_good_config_prints_sources_and_verdict_and_exits_zero(capsys: pytest.Ca
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "result: OK" in out
-    assert "  + block size from --block-size=64 (flag --block-size): workers that report another block size" in out
-    assert "  + KVCM fallback on: leader from --kvcm-bootstrap=10.0.0.1,10.0.0.2:7000 (flag --kvcm-bootstrap)" in out
+    assert (
+        "  + block size from --block-size=64 (flag --block-size): workers that report another block size"
+        in out
+    )
+    assert (
+        "  + KVCM fallback on: leader from --kvcm-bootstrap=10.0.0.1,10.0.0.2:7000 (flag --kvcm-bootstrap)"
+        in out
+    )
     block_line = next(line for line in out.splitlines() if line.strip().startswith("--block-size "))
     assert block_line.split()[1:] == ["64", "flag", "--block-size"]
     assert "errors" not in out
@@ -80,7 +86,9 @@ def test_good_config_prints_sources_and_verdict_and_exits_zero(capsys: pytest.Ca
 
 def test_subprocess_with_env_and_flags(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-    env.update({"KVROUTE_KVCM_FALLBACK": "perhaps", "KVROUTE_WORKERS": "10.1.0.1", "KVROUTE_SCORER_SEED": "-1"})
+    env.update(
+        {"KVROUTE_KVCM_FALLBACK": "perhaps", "KVROUTE_WORKERS": "10.1.0.1", "KVROUTE_SCORER_SEED": "-1"}
+    )
     result = subprocess.run(
         [sys.executable, "-P", "-m", "router.cli", "check-config", "--debug-listen", "localhost"],
         env=env,

@@ -95,3 +95,4 @@ def test_product_commands_run_without_the_extra(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert "\nresult: " in result.stdout
     assert result.stderr == ""
+

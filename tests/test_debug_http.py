@@ -156,8 +156,12 @@ async def test_metrics_scrape_parses_and_moves_with_events() -> None:
             sink.emit(DecisionMade(decision(3)))
             await trio.testing.wait_all_tasks_blocked()
             again = await client.get("/metrics")
-            assert 'kvroute_route_decisions_total{reason="CACHE_LEADER",route_source="kvcm"} 4.0' in again.text
-            om = await client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+            assert (
+                'kvroute_route_decisions_total{reason="CACHE_LEADER",route_source="kvcm"} 4.0' in again.text
+            )
+            om = await client.get(
+                "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}
+            )
             assert om.headers["content-type"].startswith("application/openmetrics-text")
             assert om.text.endswith("# EOF\n")
 

@@ -217,7 +217,9 @@ def test_a_recorded_master_run_replays_identically(tmp_path: Path) -> None:
     assert replay_all(log) == (len(decisions), len(decisions))
 
 
-def test_the_replay_command_reports_and_exits_by_identity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_replay_command_reports_and_exits_by_identity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     log = tmp_path / "decisions.log"
     decisions = on_mock_clock(record_cache_run, log)
     assert main(["replay", str(log)]) == 0

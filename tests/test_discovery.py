@@ -145,7 +145,9 @@ class FakeDns(trio.abc.HostnameResolver):
         type: int = 0,
         proto: int = 0,
         flags: int = 0,
-    ) -> list[tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int] | tuple[str, int, int, int]]]:
+    ) -> list[
+        tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int] | tuple[str, int, int, int]]
+    ]:
         self.calls += 1
         if self.hang:
             await trio.sleep_forever()
@@ -154,7 +156,9 @@ class FakeDns(trio.abc.HostnameResolver):
             raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
         assert host is not None and isinstance(port, int)
         out: list[
-            tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int] | tuple[str, int, int, int]]
+            tuple[
+                socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int] | tuple[str, int, int, int]
+            ]
         ] = []
         for ip in self.answers.get(host.decode(), []):
             if ":" in ip:
@@ -163,7 +167,9 @@ class FakeDns(trio.abc.HostnameResolver):
                 out.append((socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)))
         return out
 
-    async def getnameinfo(self, sockaddr: tuple[str, int] | tuple[str, int, int, int], flags: int) -> tuple[str, str]:
+    async def getnameinfo(
+        self, sockaddr: tuple[str, int] | tuple[str, int, int, int], flags: int
+    ) -> tuple[str, str]:
         raise NotImplementedError
 
 
@@ -179,7 +185,9 @@ async def test_dns_answers_with_default_and_explicit_ports(
 ) -> None:
     fake_dns.answers["kvcm.example"] = ["10.0.0.2", "10.0.0.1", "10.0.0.1"]
     fake_dns.answers["workers.example"] = ["fd00::7", "10.1.0.1"]
-    d = Discovery(dataclasses.replace(CFG, kvcm_bootstrap_dns="kvcm.example", workers_dns="workers.example:9000"))
+    d = Discovery(
+        dataclasses.replace(CFG, kvcm_bootstrap_dns="kvcm.example", workers_dns="workers.example:9000")
+    )
     await nursery.start(d.run)  # the first round completes before started()
     assert d.kvcm_bootstrap() == (f"10.0.0.1:{KVCM_DEFAULT_PORT}", f"10.0.0.2:{KVCM_DEFAULT_PORT}")
     assert http_targets(d.workers()) == ["10.1.0.1:9000", "[fd00::7]:9000"]
@@ -267,7 +275,9 @@ async def test_file_changes_are_picked_up(tmp_path: Path) -> None:
     kvcm = tmp_path / "kvcm.txt"
     write(workers, "# fleet\n10.1.0.1:9000\n10.1.0.2  # bare host: default port\n")
     write(kvcm, "10.0.0.1,10.0.0.2:7000\n")
-    cfg = dataclasses.replace(CFG, refresh_interval_s=0.01, workers_file=str(workers), kvcm_bootstrap_file=str(kvcm))
+    cfg = dataclasses.replace(
+        CFG, refresh_interval_s=0.01, workers_file=str(workers), kvcm_bootstrap_file=str(kvcm)
+    )
     with trio.fail_after(10):
         d = Discovery(cfg)
         async with trio.open_nursery() as nursery:
@@ -358,7 +368,9 @@ async def test_a_blocked_file_read_never_blocks_the_event_loop(tmp_path: Path) -
     safety.start()
     timeout = 0.5
     try:
-        cfg = dataclasses.replace(CFG, workers="10.1.0.1:9000", workers_file=str(fifo), refresh_timeout_s=timeout)
+        cfg = dataclasses.replace(
+            CFG, workers="10.1.0.1:9000", workers_file=str(fifo), refresh_timeout_s=timeout
+        )
         with trio.fail_after(10):
             d = Discovery(cfg)
             observed: list[tuple[float, list[str]]] = []

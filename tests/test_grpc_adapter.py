@@ -119,7 +119,9 @@ def dead_target() -> str:
     return f"127.0.0.1:{port}"
 
 
-async def test_round_trip_carries_raw_bytes(peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]) -> None:
+async def test_round_trip_carries_raw_bytes(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
     state, server = peer
     rpc = GrpcRawRpc(pool)
     with trio.fail_after(10):
@@ -199,7 +201,9 @@ async def test_expired_deadline_raises_without_sending(
     assert pool.snapshot().opened == 0
 
 
-async def test_deadline_during_the_call(peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]) -> None:
+async def test_deadline_during_the_call(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
     """Both outcomes are acceptable: gRPC's DEADLINE_EXCEEDED (timeout= is the same instant as the
     caller's deadline) or the caller's own scope cancelled first — observed here every time, as
     C-core rounds its deadline up to the millisecond. Either way the server sees the call end."""
@@ -313,7 +317,9 @@ async def test_cancelling_the_scope_cancels_the_rpc_at_the_server(
         assert scope.cancelled_caught
         assert await trio.to_thread.run_sync(state.hang_ended.wait, 5)
     gap = state.hang_ended_at - cancelled_at
-    assert 0 < gap < 0.05, f"server saw the cancellation {gap * 1000:.1f} ms after the trio scope was cancelled"
+    assert 0 < gap < 0.05, (
+        f"server saw the cancellation {gap * 1000:.1f} ms after the trio scope was cancelled"
+    )
     assert pool.snapshot().leased == 0
 
 
@@ -344,10 +350,14 @@ async def test_grpc_retries_are_disabled_on_our_channels(
     shows the same policy does retry, so the test can fail."""
     state, server = peer
     config = ChannelPoolConfig()
-    options = [option for option in channel_options(config) if retries_disabled or option[0] != "grpc.enable_retries"]
+    options = [
+        option for option in channel_options(config) if retries_disabled or option[0] != "grpc.enable_retries"
+    ]
 
     def factory(target: str) -> grpc.Channel:
-        return grpc.insecure_channel(target, options=[*options, ("grpc.service_config", _RETRYING_SERVICE_CONFIG)])
+        return grpc.insecure_channel(
+            target, options=[*options, ("grpc.service_config", _RETRYING_SERVICE_CONFIG)]
+        )
 
     channels = ChannelPool(config, factory)
     await nursery.start(channels.run)

@@ -87,7 +87,9 @@ def test_vllm_cbor_bytes_golden() -> None:
     )
     payload = vllm_block_cbor(NONE_HASH, tokens)
     assert payload.hex() == expected
-    assert vllm_keys(tokens, 8) == (int.from_bytes(hashlib.sha256(payload).digest()[24:], "big", signed=True),)
+    assert vllm_keys(tokens, 8) == (
+        int.from_bytes(hashlib.sha256(payload).digest()[24:], "big", signed=True),
+    )
 
 
 @pytest.mark.parametrize(
@@ -221,7 +223,9 @@ def test_rtp_matches_spec_reference(tokens: list[int], bs: int) -> None:
     assert list(rtp_keys(tokens, bs)) == reference_rtp(tokens, bs)
 
 
-@given(st.lists(st.integers(min_value=-(1 << 64), max_value=(1 << 64) - 1), max_size=60), block_sizes, lookaheads)
+@given(
+    st.lists(st.integers(min_value=-(1 << 64), max_value=(1 << 64) - 1), max_size=60), block_sizes, lookaheads
+)
 def test_vllm_matches_spec_reference(tokens: list[int], bs: int, lookahead: int) -> None:
     assert list(vllm_keys(tokens, bs, lookahead)) == reference_vllm(tokens, bs, lookahead)
 
@@ -247,7 +251,9 @@ def expected_key_count(n_tokens: int, bs: int, family: KeyFamily, lookahead: int
 
 
 @given(st.lists(vocab_ids, max_size=120), block_sizes, FAMILY_LOOKAHEAD)
-def test_key_count_and_signed_64_bit(tokens: list[int], bs: int, family_lookahead: tuple[KeyFamily, int]) -> None:
+def test_key_count_and_signed_64_bit(
+    tokens: list[int], bs: int, family_lookahead: tuple[KeyFamily, int]
+) -> None:
     family, lookahead = family_lookahead
     keys = block_keys(tokens, bs, family, lookahead)
     assert len(keys) == expected_key_count(len(tokens), bs, family, lookahead)
@@ -276,7 +282,9 @@ def test_prefix_stability_rtp_sglang_and_vllm_without_lookahead(
 
 
 @given(st.lists(vocab_ids, min_size=1, max_size=120), block_sizes, st.integers(1, 6), st.data())
-def test_prefix_stability_vllm_with_lookahead(tokens: list[int], bs: int, lookahead: int, data: st.DataObject) -> None:
+def test_prefix_stability_vllm_with_lookahead(
+    tokens: list[int], bs: int, lookahead: int, data: st.DataObject
+) -> None:
     """vllm with lookahead L: of a p-token prefix's floor(p/bs) keys, exactly the first floor((p - L)/bs)
     are the full prompt's keys. A later prefix key hashed a window cut short by the prefix's end, so when
     the prompt goes on inside that window the key differs — and, chained, so does every key after it.
@@ -318,7 +326,9 @@ class CountingSequence(Sequence[int]):
         return iter(self._items)
 
 
-@pytest.mark.parametrize(("family", "lookahead"), [(KeyFamily.RTP, 0), (KeyFamily.VLLM, 2), (KeyFamily.SGLANG, 1)])
+@pytest.mark.parametrize(
+    ("family", "lookahead"), [(KeyFamily.RTP, 0), (KeyFamily.VLLM, 2), (KeyFamily.SGLANG, 1)]
+)
 def test_tokens_are_converted_once(family: KeyFamily, lookahead: int) -> None:
     """review-lessons §20: a non-list input is walked exactly once, never indexed token by token."""
     items = list(range(1000, 1100))

@@ -562,7 +562,9 @@ async def test_snapshot_states(autojump_clock: trio.testing.MockClock, nursery: 
     network = MemoryNetwork()
     kvcm = FakeKvcm(network)
     kvcm.delay[NODES[0]] = kvcm.delay[NODES[1]] = kvcm.delay[NODES[2]] = 0.01
-    resolver = LeaderResolver(LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE)
+    resolver = LeaderResolver(
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE
+    )
     assert resolver.snapshot().state is LeaderState.UNKNOWN
     await nursery.start(resolver.run)
     await trio.sleep(0.005)

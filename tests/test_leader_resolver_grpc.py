@@ -63,7 +63,9 @@ class Kvcm:
 
     async def start_resolver(self, bootstrap: Callable[[], tuple[str, ...]] | None = None) -> LeaderResolver:
         targets = self.targets
-        resolver = LeaderResolver(CONFIG, BreakerConfig(), self.client, bootstrap or (lambda: targets), instance_id="")
+        resolver = LeaderResolver(
+            CONFIG, BreakerConfig(), self.client, bootstrap or (lambda: targets), instance_id=""
+        )
         await self.nursery.start(resolver.run)
         return resolver
 

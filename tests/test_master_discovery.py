@@ -184,3 +184,4 @@ def test_bad_config_is_rejected_naming_the_fields() -> None:
     with pytest.raises(ValueError, match="hosts") as caught:
         MasterDiscovery(MasterConfig(hosts="nope:x", discovery_timeout_s=0), MemoryMasterNetwork())
     assert "discovery_timeout_s" in str(caught.value)
+

@@ -66,12 +66,8 @@ def test_role_spellings(reported: str | None, role: Role) -> None:
 
 
 def test_grpc_port_is_http_plus_one_when_absent_or_zero() -> None:
-    entries = [
-        status(http=8000),
-        status(http=8100, grpc_port=None),
-        status(http=8200, grpc_port=0),
-        status(http=8300, grpc_port=9999),
-    ]
+    entries = [status(http=8000), status(http=8100, grpc_port=None), status(http=8200, grpc_port=0),
+               status(http=8300, grpc_port=9999)]
     reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
     assert isinstance(reply, MasterRouted)
     assert [a.grpc_port for a in reply.role_addrs] == [8001, 8101, 8201, 9999]

@@ -114,7 +114,9 @@ def test_unknown_malformed_and_ejected_hosts_are_dropped_and_take_no_slot() -> N
 
 def test_exact_ties_at_the_cut_are_ranked_per_request_not_by_address_or_answer_order() -> None:
     fleet = fleet_of(12)
-    hosts = [HostMatch(addr(i).http_target, local=7) for i in range(6)] + [HostMatch(addr(6).http_target, local=9)]
+    hosts = [HostMatch(addr(i).http_target, local=7) for i in range(6)] + [
+        HostMatch(addr(6).http_target, local=9)
+    ]
     firsts: Counter[str] = Counter()
     for r in range(300):
         p = plan(hosts, fleet, f"req-{r}", hot=3, cold=0)
@@ -158,7 +160,9 @@ def test_cold_candidates_exclude_hot_and_ejected_and_keep_reported_matches() -> 
     p = plan(hosts, fleet, hot=1, cold=10, ejected=frozenset({w[4]}))
     assert hot_targets(p) == [w[0].http_target]
     cold = cold_workers(p)
-    assert sorted(cold, key=lambda x: x.http_target) == sorted([w[1], w[2], w[3], w[5]], key=lambda x: x.http_target)
+    assert sorted(cold, key=lambda x: x.http_target) == sorted(
+        [w[1], w[2], w[3], w[5]], key=lambda x: x.http_target
+    )
     matches = {c.worker: c.match for c in p.candidates if c.source is CandidateSource.COLD}
     assert matches[w[5]] is None
     assert [matches[w[i]] for i in (1, 2, 3)] == [hosts[1], hosts[2], hosts[3]]
@@ -169,7 +173,9 @@ def test_cold_order_reproducible_per_request_and_different_across_requests() -> 
     orders = {tuple(cold_workers(plan([], fleet, f"req-{r}", cold=3))) for r in range(40)}
     assert len(orders) >= 35  # 50 × 49 × 48 possible orders
     for r in range(10):
-        assert cold_workers(plan([], fleet, f"req-{r}", cold=3)) == cold_workers(plan([], fleet, f"req-{r}", cold=3))
+        assert cold_workers(plan([], fleet, f"req-{r}", cold=3)) == cold_workers(
+            plan([], fleet, f"req-{r}", cold=3)
+        )
     # The namespace is part of the seed.
     config = replace(ScorerConfig(), cold_set_size=3)
     per_ns = {

@@ -84,7 +84,9 @@ def plan_of(*rows: tuple[WorkerAddr, int | None]) -> CandidatePlan:
     )
 
 
-def observed(statuses: dict[WorkerAddr, WorkerStatus], taken_at: float = 0.0) -> dict[WorkerAddr, ObservedStatus]:
+def observed(
+    statuses: dict[WorkerAddr, WorkerStatus], taken_at: float = 0.0
+) -> dict[WorkerAddr, ObservedStatus]:
     return {w: ObservedStatus(s, taken_at) for w, s in statuses.items()}
 
 
@@ -143,10 +145,12 @@ def test_worked_example_shortest_ttft_with_zero_max_extra() -> None:
 def test_worked_example_bound_is_inclusive() -> None:
     """extra = 24000 - 20000 = 4000: a bound of exactly 4000 still takes the leader, 3999 does not."""
     assert (
-        run(WORKED_PLAN, WORKED_STATUSES, config=replace(ScorerConfig(), max_extra_work_tokens=4000)).worker == LEADER
+        run(WORKED_PLAN, WORKED_STATUSES, config=replace(ScorerConfig(), max_extra_work_tokens=4000)).worker
+        == LEADER
     )
     assert (
-        run(WORKED_PLAN, WORKED_STATUSES, config=replace(ScorerConfig(), max_extra_work_tokens=3999)).worker == SHORTEST
+        run(WORKED_PLAN, WORKED_STATUSES, config=replace(ScorerConfig(), max_extra_work_tokens=3999)).worker
+        == SHORTEST
     )
 
 
@@ -158,7 +162,9 @@ def test_worked_example_bound_is_inclusive() -> None:
         (50_000, 0.0, (LEADER, Reason.CACHE_LEADER)),  # gate off
     ],
 )
-def test_worked_example_min_hit_gate(seq_len: int, min_hit_rate: float, expected: tuple[WorkerAddr, Reason]) -> None:
+def test_worked_example_min_hit_gate(
+    seq_len: int, min_hit_rate: float, expected: tuple[WorkerAddr, Reason]
+) -> None:
     # The leader holds one block (hit 2000) behind 10000 queued tokens; the other is idle.
     plan = plan_of((LEADER, 1), (SHORTEST, None))
     statuses = {LEADER: status(10_000), SHORTEST: status(0)}
@@ -173,25 +179,33 @@ def test_worked_example_min_hit_gate(seq_len: int, min_hit_rate: float, expected
 
 def test_guard_off_by_default_and_when_not_positive() -> None:
     for threshold in (0, -5):
-        config = replace(ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=threshold)
+        config = replace(
+            ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=threshold
+        )
         assert run(WORKED_PLAN, WORKED_STATUSES, config=config).reason is Reason.CACHE_LEADER
 
 
 def test_guard_leader_not_eligible_takes_shortest() -> None:
     # Works: leader 24000, shortest 20000, third 21000. Threshold 22000 excludes only the leader.
-    config = replace(ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=22_000)
+    config = replace(
+        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=22_000
+    )
     sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
     assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_OUTSTANDING_GUARD)
 
 
 def test_guard_none_eligible_falls_back_to_ttft_order() -> None:
-    config = replace(ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=19_999)
+    config = replace(
+        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=19_999
+    )
     sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
     assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK)
 
 
 def test_guard_threshold_is_inclusive() -> None:
-    config = replace(ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=24_000)
+    config = replace(
+        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=24_000
+    )
     assert run(WORKED_PLAN, WORKED_STATUSES, config=config).reason is Reason.CACHE_LEADER
 
 
@@ -321,8 +335,13 @@ def test_hit_tokens_equals_reference_formula(
 ) -> None:
     """Doubles in the reference's order, then Math.round exactly, then the cap."""
     effective = local + max(0, (local + extra) - local) * max(0.0, discount)
-    expected = 0 if effective <= 0 else min(seq_len, math.floor(Fraction(effective * block_size) + Fraction(1, 2)))
-    assert hit_tokens(HostMatch("h:1", local, p2p_total=local + extra), block_size, seq_len, discount) == expected
+    expected = (
+        0 if effective <= 0 else min(seq_len, math.floor(Fraction(effective * block_size) + Fraction(1, 2)))
+    )
+    assert (
+        hit_tokens(HostMatch("h:1", local, p2p_total=local + extra), block_size, seq_len, discount)
+        == expected
+    )
 
 
 # --- filters (§2.1) ------------------------------------------------------------------------
@@ -350,7 +369,9 @@ def test_mixed_deployment_reports_the_workers_real_role() -> None:
     a, b = addr(1), addr(2)
     plan = plan_of((a, 20), (b, 5))
     for role_a, role_b in ((Role.PDFUSION, Role.PREFILL), (Role.PREFILL, Role.PDFUSION)):
-        sel = run(plan, {a: status(0, role=role_a), b: status(0, role=role_b)}, roles=(Role.PREFILL, Role.PDFUSION))
+        sel = run(
+            plan, {a: status(0, role=role_a), b: status(0, role=role_b)}, roles=(Role.PREFILL, Role.PDFUSION)
+        )
         assert (sel.worker, sel.role) == (a, role_a)
         assert [row.role for row in sel.explain()] == [role_a.value, role_b.value]
 
@@ -543,7 +564,11 @@ def passes_filters(s: WorkerStatus, roles: tuple[Role, ...]) -> bool:
 def test_chosen_worker_always_passes_the_filters(scenario: Scenario, seed: int) -> None:
     plan, statuses, config, roles, seq_len = scenario
     sel = run(plan, statuses, config=config, roles=roles, seq_len=seq_len, seed=seed)
-    passing = [c.worker for c in plan.candidates if c.worker in statuses and passes_filters(statuses[c.worker], roles)]
+    passing = [
+        c.worker
+        for c in plan.candidates
+        if c.worker in statuses and passes_filters(statuses[c.worker], roles)
+    ]
     if not passing:
         assert (sel.worker, sel.reason) == (None, Reason.NO_CANDIDATES)
         return
@@ -698,7 +723,9 @@ def test_policy_roles_default_to_the_deployments_and_can_be_overridden() -> None
     statuses = observed({a: status(0, role=Role.PDFUSION)})
     scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(roles=(Role.PREFILL,), block_size=BS))
     assert scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0).worker is None
-    assert scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0, roles=(Role.PDFUSION,)).worker == a
+    assert (
+        scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0, roles=(Role.PDFUSION,)).worker == a
+    )
 
 
 def test_policy_rejects_bad_config_naming_every_field() -> None:

@@ -134,7 +134,9 @@ def test_precedence_defaults_file_env_flags_and_the_source_of_each(tmp_path: Pat
     assert c.discovery.workers == "10.0.0.9:80"
     assert c.scorer.hot_set_size == KvrouteConfig().scorer.hot_set_size
     assert loaded.sources["block_size"] == settings.Origin(SourceKind.FLAG, "--block-size")
-    assert loaded.sources["prober_inflight_cap"] == settings.Origin(SourceKind.ENV, "KVROUTE_PROBER_INFLIGHT_CAP")
+    assert loaded.sources["prober_inflight_cap"] == settings.Origin(
+        SourceKind.ENV, "KVROUTE_PROBER_INFLIGHT_CAP"
+    )
     assert loaded.sources["kvcm_instance_id"].kind is SourceKind.FILE
     assert str(toml) in str(loaded.sources["kvcm_instance_id"])
     assert loaded.sources["scorer_hot_set_size"] is settings.DEFAULT_ORIGIN
@@ -218,8 +220,13 @@ def test_toml_natives_lists_and_type_errors(tmp_path: Path) -> None:
     assert c.router.budget_cap_ms == 20.0
     assert isinstance(c.router.budget_cap_ms, float)
     errors = [str(p) for p in loaded.errors]
-    assert any(e.startswith("--prober-inflight-cap (KVROUTE_PROBER_INFLIGHT_CAP): expected an integer") for e in errors)
-    assert any(e.startswith("--prober-rate-per-s (KVROUTE_PROBER_RATE_PER_S): expected a number") for e in errors)
+    assert any(
+        e.startswith("--prober-inflight-cap (KVROUTE_PROBER_INFLIGHT_CAP): expected an integer")
+        for e in errors
+    )
+    assert any(
+        e.startswith("--prober-rate-per-s (KVROUTE_PROBER_RATE_PER_S): expected a number") for e in errors
+    )
     assert any("unknown setting" in e and "[nosuch] x" in e for e in errors)
     assert any("unknown setting" in e and "[scorer] hot_set" in e for e in errors)
     assert len(errors) == 4
@@ -234,7 +241,9 @@ def test_unreadable_and_malformed_files_are_problems_not_crashes(tmp_path: Path)
 
 
 def test_unknown_kvroute_env_vars_are_warned_about() -> None:
-    loaded = load_config({}, {"KVROUTE_BLOK_SIZE": "64", "HOME": "/root", **{"KVROUTE_WORKERS": "1.1.1.1:80"}})
+    loaded = load_config(
+        {}, {"KVROUTE_BLOK_SIZE": "64", "HOME": "/root", **{"KVROUTE_WORKERS": "1.1.1.1:80"}}
+    )
     assert loaded.warnings == ("environment variable KVROUTE_BLOK_SIZE is not a kvroute setting (ignored)",)
 
 
@@ -273,7 +282,10 @@ def test_every_problem_is_reported_at_once_naming_flag_and_env() -> None:
         for name in problem.settings:
             assert BY_NAME[name].flag in str(problem) and BY_NAME[name].env in str(problem)
     text = {p.settings: str(p) for p in loaded.errors}
-    assert text[("block_size",)] == "--block-size (KVROUTE_BLOCK_SIZE): must be > 0, got 0 (from flag --block-size)"
+    assert (
+        text[("block_size",)]
+        == "--block-size (KVROUTE_BLOCK_SIZE): must be > 0, got 0 (from flag --block-size)"
+    )
     assert "out of range" in text[("kvcm_bootstrap",)] and "bad host" in text[("kvcm_bootstrap",)]
     assert "(from env KVROUTE_BREAKER_FAILURE_RATE)" in text[("breaker_failure_rate",)]
 
@@ -325,13 +337,17 @@ def test_required_when_on_is_checked_only_then() -> None:
     }
     assert all(p.fallback for p in on.errors)
     assert (
-        load_config({"workers": "10.1.0.1:80", "kvcm_bootstrap_dns": "kvcm.svc", "kvcm_instance_id": "x"}, {}).errors
+        load_config(
+            {"workers": "10.1.0.1:80", "kvcm_bootstrap_dns": "kvcm.svc", "kvcm_instance_id": "x"}, {}
+        ).errors
         == ()
     )
 
 
 def test_fail_soft_invalid_fallback_part_turns_the_fallback_off_and_keeps_defaults() -> None:
-    loaded = load_config({**GOOD, "block_size": "0", "prober_inflight_cap": "-3", "workers": "10.1.0.1:80"}, {})
+    loaded = load_config(
+        {**GOOD, "block_size": "0", "prober_inflight_cap": "-3", "workers": "10.1.0.1:80"}, {}
+    )
     assert loaded.fatal_errors == ()
     assert _names(loaded.fallback_errors) == {("block_size",), ("prober_inflight_cap",)}
     assert loaded.fallback_disabled_by_errors
@@ -369,7 +385,9 @@ def test_debug_config_view_lists_problems_and_sources() -> None:
     loaded = load_config({**GOOD, "block_size": "0"}, {"KVROUTE_BUDGET_CAP_MS": "40"})
     view = settings.debug_config_view(loaded)
     assert view["kvcm_fallback_disabled_by_errors"] is True
-    assert view["errors"] == ["--block-size (KVROUTE_BLOCK_SIZE): must be > 0, got 0 (from flag --block-size)"]
+    assert view["errors"] == [
+        "--block-size (KVROUTE_BLOCK_SIZE): must be > 0, got 0 (from flag --block-size)"
+    ]
     sources = view["sources"]
     assert isinstance(sources, dict)
     assert sources["router.budget_cap_ms"] == "env KVROUTE_BUDGET_CAP_MS"
@@ -393,10 +411,13 @@ def test_assessment_says_what_will_and_will_not_work() -> None:
         "cold candidates and domain fallback unavailable"
     ) in verdict.will_not_work
     assert (
-        "block size from --block-size=64 (flag --block-size): workers that report another block size will be excluded"
+        "block size from --block-size=64 (flag --block-size): "
+        "workers that report another block size will be excluded"
     ) in verdict.works
 
-    broken = load_config({**GOOD, "kvcm_instance_id": "", "workers_file": "/nope", "debug_listen": "0.0.0.0:9"}, {})
+    broken = load_config(
+        {**GOOD, "kvcm_instance_id": "", "workers_file": "/nope", "debug_listen": "0.0.0.0:9"}, {}
+    )
     verdict = assess(broken, path_exists=lambda _: False)
     assert verdict.will_not_work[0].startswith("KVCM fallback requested but DISABLED: 1 problem(s)")
     assert any(line.startswith("--workers-file /nope does not exist") for line in verdict.will_not_work)
@@ -426,7 +447,9 @@ def test_startup_report_logs_one_error_for_the_fallback_problems(caplog: pytest.
     assert warnings[0] == "environment variable KVROUTE_NOPE is not a kvroute setting (ignored)"
     assert warnings[1].startswith("will not work: KVCM fallback requested but DISABLED")
     assert any(
-        r.getMessage().startswith("workers from --workers=") for r in caplog.records if r.levelno == logging.INFO
+        r.getMessage().startswith("workers from --workers=")
+        for r in caplog.records
+        if r.levelno == logging.INFO
     )
 
 

@@ -195,7 +195,9 @@ def hosts(**locals_: int) -> tuple[HostMatch, ...]:
         (hosts(), hosts(a=3), 1, 0.0),
     ],
 )
-def test_agreement(kvcm: tuple[HostMatch, ...], shadow: tuple[HostMatch, ...], k: int, expected: float) -> None:
+def test_agreement(
+    kvcm: tuple[HostMatch, ...], shadow: tuple[HostMatch, ...], k: int, expected: float
+) -> None:
     assert agreement(kvcm, shadow, k) == pytest.approx(expected)
     assert agreement(tuple(reversed(kvcm)), tuple(reversed(shadow)), k) == pytest.approx(expected)
 
@@ -222,7 +224,9 @@ def test_shadow_answer_becomes_the_hot_set() -> None:
         hot_source=CandidateSource.SHADOW,
     )
     hot = [
-        (c.worker, c.match.local if c.match else None) for c in plan.candidates if c.source is CandidateSource.SHADOW
+        (c.worker, c.match.local if c.match else None)
+        for c in plan.candidates
+        if c.source is CandidateSource.SHADOW
     ]
     assert hot == [(workers[2], 70), (workers[0], 50)]
 

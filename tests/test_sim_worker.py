@@ -138,7 +138,9 @@ def test_finished_tasks_kept_are_bounded() -> None:
 
 
 def test_unreported_fields_keep_presence() -> None:
-    worker = _worker(block_size=None, lookahead_tokens=1, report_remaining_prefill=False, role="RoleType.PDFUSION")
+    worker = _worker(
+        block_size=None, lookahead_tokens=1, report_remaining_prefill=False, role="RoleType.PDFUSION"
+    )
     worker.submit("a", 100, 0, 0.0)
     status = _status(worker, 0.01)
     assert status.block_size is None and status.lookahead_tokens is None

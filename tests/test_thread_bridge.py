@@ -86,3 +86,4 @@ async def test_a_cancelled_delivery_hands_over_the_cancelled_error_and_stays_can
         await deliver_outcome(never, got.append, stopped)
     assert scope.cancelled_caught
     assert len(got) == 1 and isinstance(got[0], outcome.Error) and got[0].error is stopped
+

@@ -53,7 +53,9 @@ class Harness:
         return self.addresses.kvcm_nodes[i]
 
     def query(self, p2p_host_count: int = 0) -> CacheQuery:
-        return CacheQuery(INSTANCE, QueryType.PREFIX_MATCH, KEYS, trace_id="t-1", p2p_host_count=p2p_host_count)
+        return CacheQuery(
+            INSTANCE, QueryType.PREFIX_MATCH, KEYS, trace_id="t-1", p2p_host_count=p2p_host_count
+        )
 
     async def until_in_flight(self, stats: CallStats, method_path: str, count: int) -> None:
         """Wait until the server holds ``count`` calls of ``method_path`` (without polling)."""
@@ -95,7 +97,9 @@ async def harness(adapter: str, nursery: trio.Nursery, refusing_port: int) -> As
         network = MemoryNetwork()
         addresses = cluster.serve_memory(network)
         rpc: RawRpc = network
-        yield Harness(adapter, cluster, addresses, rpc, KvcmClient(rpc), WorkerStatusClient(rpc), "127.9.9.9:1")
+        yield Harness(
+            adapter, cluster, addresses, rpc, KvcmClient(rpc), WorkerStatusClient(rpc), "127.9.9.9:1"
+        )
         return
     addresses = await nursery.start(cluster.serve_grpc)
     pool = ChannelPool(ChannelPoolConfig())
@@ -260,7 +264,9 @@ async def test_hang_is_answered_when_the_fault_clears(clock: object, harness: Ha
             await harness.until_in_flight(stats, paths.KVCM_GET_HOST_CACHE_STATE, 1)
             assert answers == []
             harness.cluster.kvcm.clear_faults()
-        assert [s.hosts for s in answers] == [(HostMatch(harness.addresses.workers[0].http_target, 16, 0, 16),)]
+        assert [s.hosts for s in answers] == [
+            (HostMatch(harness.addresses.workers[0].http_target, 16, 0, 16),)
+        ]
 
 
 # ---- GetWorkerStatus ----

@@ -31,7 +31,9 @@ def cluster_reply(
     endpoint: kvcm_pb.MetaNodeEndpoint | None = None,
 ) -> bytes:
     reply = kvcm_pb.GetClusterInfoResponse(
-        header=kvcm_pb.CommonResponseHeader(status=kvcm_pb.Status(code=cast(kvcm_pb.ErrorCode, code), message=message)),
+        header=kvcm_pb.CommonResponseHeader(
+            status=kvcm_pb.Status(code=cast(kvcm_pb.ErrorCode, code), message=message)
+        ),
         self_node_id="self",
         leader_node_id=leader_node_id,
     )
@@ -89,7 +91,9 @@ def test_malformed_leader_host_is_garbled(host: str) -> None:
     assert host in str(info.value)
 
 
-@pytest.mark.parametrize(("port", "valid"), [(0, False), (1, True), (65535, True), (65536, False), (-1, False)])
+@pytest.mark.parametrize(
+    ("port", "valid"), [(0, False), (1, True), (65535, True), (65536, False), (-1, False)]
+)
 def test_leader_port_range_both_bounds(port: int, valid: bool) -> None:
     reply = cluster_reply(endpoint=endpoint(port=port))
     if valid:
@@ -109,7 +113,9 @@ def test_leader_port_range_both_bounds(port: int, valid: bool) -> None:
         (" Kvcm-0.Local ", "kvcm-0.local", "kvcm-0.local:6381"),
     ],
 )
-def test_leader_host_is_normalised_and_ipv6_bracketed_in_the_target(host: str, bare: str, target: str) -> None:
+def test_leader_host_is_normalised_and_ipv6_bracketed_in_the_target(
+    host: str, bare: str, target: str
+) -> None:
     info = decode_cluster_info(cluster_reply(endpoint=endpoint(host=host)), PEER)
     assert info.leader is not None
     assert (info.leader.host, info.leader.target) == (bare, target)
@@ -158,7 +164,9 @@ def test_cluster_info_garbage_is_garbled_naming_the_message() -> None:
 
 def cache_reply(*hosts: tuple[str, int, int, int], code: int = kvcm_pb.OK) -> bytes:
     reply = kvcm_pb.GetHostCacheStateResponse(
-        header=kvcm_pb.CommonResponseHeader(status=kvcm_pb.Status(code=cast(kvcm_pb.ErrorCode, code), message="m"))
+        header=kvcm_pb.CommonResponseHeader(
+            status=kvcm_pb.Status(code=cast(kvcm_pb.ErrorCode, code), message="m")
+        )
     )
     for host, local, fetch, total in hosts:
         reply.hosts.add(host_ip_port=host, local=local, p2p_1_fetch=fetch, p2p_1_total_match=total)
@@ -339,7 +347,9 @@ def test_roles(reported: str, role: Role) -> None:
 
 def test_unknown_group_mode_is_unspecified() -> None:
     reply = status_reply(kv_cache_group_mode=7)
-    assert decode_worker_status(reply.SerializeToString(), WORKER).kv_cache_group_mode is (KvCacheGroupMode.UNSPECIFIED)
+    assert decode_worker_status(reply.SerializeToString(), WORKER).kv_cache_group_mode is (
+        KvCacheGroupMode.UNSPECIFIED
+    )
 
 
 def test_negative_task_length_is_garbled_naming_the_task() -> None:

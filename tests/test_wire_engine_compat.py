@@ -51,7 +51,9 @@ def compile_proto(proto: Path, file_name: str, out_dir: Path) -> Path:
     src_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(proto, src_dir / file_name)
     include = Path(protoc.__file__).parent / "_proto"
-    code = protoc.main(["protoc", f"-I{src_dir}", f"-I{include}", f"--python_out={out_dir}", str(src_dir / file_name)])
+    code = protoc.main(
+        ["protoc", f"-I{src_dir}", f"-I{include}", f"--python_out={out_dir}", str(src_dir / file_name)]
+    )
     assert code == 0, f"protoc failed on {proto}"
     return out_dir / (Path(file_name).stem + "_pb2.py")
 

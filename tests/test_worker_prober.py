@@ -221,11 +221,15 @@ async def test_concurrent_requests_for_one_stale_worker_share_one_rpc(
     after = prober.snapshot()
     hits = after.cache_hits - before.cache_hits
     lookups = hits + after.cache_misses - before.cache_misses
-    print(f"test 6: 200 requests, 1 RPC; cache hit ratio {hits / lookups:.2f} (hits {hits} / lookups {lookups})")
+    print(
+        f"test 6: 200 requests, 1 RPC; cache hit ratio {hits / lookups:.2f} (hits {hits} / lookups {lookups})"
+    )
     assert (hits, lookups) == (100, 200)
 
 
-async def test_coalesced_probe_outlives_its_first_requester(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+async def test_coalesced_probe_outlives_its_first_requester(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
     """The first requester leaves at its deadline; a later one with a longer deadline still gets the
     answer from the same probe, started once budget frees up."""
     fake = FakeWorkers(MemoryNetwork(), latency_s=0.02)
@@ -282,7 +286,9 @@ async def test_latest_finished_version_is_echoed(nursery: trio.Nursery, autojump
     assert fake.echoed[worker.status_target] == [-1, 101, 102, 103, 103]
 
 
-async def test_status_version_zero_is_ignored_not_a_failure(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+async def test_status_version_zero_is_ignored_not_a_failure(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
     fake = FakeWorkers(MemoryNetwork())
     (worker,) = [fake.add(w) for w in workers(1)]
     fake.version_zero.add(worker.status_target)
@@ -411,7 +417,9 @@ async def test_outliers_are_ejected_up_to_the_cap(nursery: trio.Nursery, autojum
     assert fake.rpcs() - rpcs == 7  # the ejected ones are not probed
 
 
-async def test_one_outlier_may_be_ejected_from_a_small_fleet(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+async def test_one_outlier_may_be_ejected_from_a_small_fleet(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
     """10 % of 4 workers rounds down to none; at least one may still be ejected (as Envoy does)."""
     fake = FakeWorkers(MemoryNetwork())
     fleet = [fake.add(w) for w in workers(4)]
@@ -536,7 +544,9 @@ async def test_new_and_stale_workers_are_not_usable(nursery: trio.Nursery, autoj
     assert prober.is_routable(worker)
 
 
-async def test_probe_before_run_or_after_deadline_is_skipped(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+async def test_probe_before_run_or_after_deadline_is_skipped(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
     fake = FakeWorkers(MemoryNetwork())
     (worker,) = [fake.add(w) for w in workers(1)]
     prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net))

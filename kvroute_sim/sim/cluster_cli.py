@@ -64,7 +64,9 @@ def _positive_float(text: str) -> float:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=_at_least(1), default=DEFAULT_WORKERS, help="number of simulated workers")
+    parser.add_argument(
+        "--workers", type=_at_least(1), default=DEFAULT_WORKERS, help="number of simulated workers"
+    )
     parser.add_argument(
         "--kvcm-replicas",
         type=_at_least(1),
@@ -92,7 +94,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-report-block-size", action="store_true", help="workers leave block_size unset (a stock engine)"
     )
-    parser.add_argument("--role", choices=[r.value for r in Role], default="PREFILL", help="role workers report")
+    parser.add_argument(
+        "--role", choices=[r.value for r in Role], default="PREFILL", help="role workers report"
+    )
     parser.add_argument(
         "--prefill-tokens-per-s",
         type=_positive_float,
@@ -109,7 +113,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--followers-answer-queries", action="store_true", help="followers answer GetHostCacheState too"
     )
     parser.add_argument("--instance-id", default="", help="KVCM instance id to accept (default: any)")
-    parser.add_argument("--host", default="127.0.0.1", help="address every server binds (port 0: any free port)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address every server binds (port 0: any free port)"
+    )
     parser.add_argument("--max-threads", type=_at_least(1), default=8, help="handler threads per server")
     parser.add_argument(
         "--groups",
@@ -199,11 +205,15 @@ async def _serve(cluster: SimCluster, traffic: TrafficSpec, args: argparse.Names
             nursery.start_soon(run_traffic, cluster, traffic, stats)
             with trio.move_on_after(math.inf if args.duration is None else args.duration):
                 async for signum in signals:
-                    print(f"sim-cluster: {signal.Signals(signum).name}, stopping", file=sys.stderr, flush=True)
+                    print(
+                        f"sim-cluster: {signal.Signals(signum).name}, stopping", file=sys.stderr, flush=True
+                    )
                     break
             nursery.cancel_scope.cancel()
     if args.traffic_rate > 0:
-        print(f"sim-cluster: traffic sent={stats.sent} rejected={stats.rejected}", file=sys.stderr, flush=True)
+        print(
+            f"sim-cluster: traffic sent={stats.sent} rejected={stats.rejected}", file=sys.stderr, flush=True
+        )
 
 
 def _print_addresses(
@@ -229,7 +239,9 @@ def _print_addresses(
             role = "elected" if host == master.elected else "replica"
             print(f"master {host} grpc={grpc_target} {role}")
     for prefix in seeded:
-        print(f"seeded group={prefix.group} blocks={len(prefix.block_keys)} workers={','.join(prefix.workers)}")
+        print(
+            f"seeded group={prefix.group} blocks={len(prefix.block_keys)} workers={','.join(prefix.workers)}"
+        )
     print(f"--kvcm-bootstrap {addresses.kvcm_bootstrap}")
     print(f"--workers {addresses.workers_arg}", flush=True)
     if master is not None:

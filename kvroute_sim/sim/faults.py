@@ -148,7 +148,9 @@ class CallStats:
 
     def get(self, method_path: str) -> MethodStats:
         with self._lock:
-            return MethodStats(self._calls[method_path], self._in_flight[method_path], self._peak[method_path])
+            return MethodStats(
+                self._calls[method_path], self._in_flight[method_path], self._peak[method_path]
+            )
 
     def reset(self) -> None:
         """Zero the counts and peaks (in-flight counts stay: those calls are still running)."""

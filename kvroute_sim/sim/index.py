@@ -109,7 +109,9 @@ class SimKvcmIndex:
         ranked = sorted(local.items(), key=lambda item: (-item[1], item[0]))
         evaluated = ranked[: max(0, p2p_host_count)]
         p2p = {host: self._p2p_extension(host, n, keys) for host, n in evaluated}
-        return tuple(HostMatch(host, n, *p2p[host]) if host in p2p else HostMatch(host, n, 0, n) for host, n in ranked)
+        return tuple(
+            HostMatch(host, n, *p2p[host]) if host in p2p else HostMatch(host, n, 0, n) for host, n in ranked
+        )
 
     def _local_matches(self, keys: Sequence[int]) -> dict[str, int]:
         if not keys:

@@ -41,7 +41,9 @@ class TrafficSpec:
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if self.system_prompt_tokens > _QUESTION_BASE:
-            raise ValueError(f"system_prompt_tokens: must be <= {_QUESTION_BASE}, got {self.system_prompt_tokens}")
+            raise ValueError(
+                f"system_prompt_tokens: must be <= {_QUESTION_BASE}, got {self.system_prompt_tokens}"
+            )
         if self.question_tokens < 0 or self.holders_per_group < 1:
             raise ValueError("question_tokens must be >= 0 and holders_per_group >= 1")
         if not self.rate_per_s >= 0:
@@ -77,7 +79,9 @@ def seed_prefixes(cluster: SimCluster, spec: TrafficSpec) -> tuple[SeededPrefix,
     n_workers = len(cluster.workers)
     seeded = []
     for group in range(spec.groups):
-        keys = block_keys(system_prompt(group, spec.system_prompt_tokens), cluster.block_size, spec.key_family)
+        keys = block_keys(
+            system_prompt(group, spec.system_prompt_tokens), cluster.block_size, spec.key_family
+        )
         holders = rng.sample(range(n_workers), min(spec.holders_per_group, n_workers))
         hosts = tuple(cluster.worker_addr(i).http_target for i in sorted(holders))
         for host in hosts:

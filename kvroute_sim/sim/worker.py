@@ -168,7 +168,9 @@ class SimWorker:
     """One simulated engine worker. ``name`` labels it in messages; its address (and KVCM identity)
     is given by whoever serves it (``SimCluster``)."""
 
-    def __init__(self, name: str, spec: WorkerSpec | None = None, *, fleet_stats: CallStats | None = None) -> None:
+    def __init__(
+        self, name: str, spec: WorkerSpec | None = None, *, fleet_stats: CallStats | None = None
+    ) -> None:
         """``fleet_stats``: a ``CallStats`` shared by several workers, also counting this one's calls."""
         self.name = name
         self.spec = WorkerSpec() if spec is None else spec

@@ -61,9 +61,13 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
             f"KVCM fallback on: leader from {', '.join(boot)}; namespace {c.deployment.kvcm_instance_id!r}; "
             f"query type {BY_NAME['query_type'].format(c.deployment.query_type)}"
         )
-        works.append(f"block size from {said('block_size')}: workers that report another block size will be excluded")
+        works.append(
+            f"block size from {said('block_size')}: workers that report another block size will be excluded"
+        )
         if c.deployment.lookahead_tokens:
-            works.append(f"lookahead from {said('lookahead_tokens')}: workers that report another will be excluded")
+            works.append(
+                f"lookahead from {said('lookahead_tokens')}: workers that report another will be excluded"
+            )
         works.append(
             f"token ids are hashed with the {BY_NAME['key_family'].format(c.deployment.key_family)} "
             "key family; caller-supplied block keys are used as given"
@@ -78,7 +82,9 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
                 "--workers-dns): cold candidates and domain fallback unavailable"
             )
     elif not loaded.fallback_disabled_by_errors:
-        works.append(f"KVCM fallback off ({said('kvcm_fallback')}): every request is routed by domain (discovery)")
+        works.append(
+            f"KVCM fallback off ({said('kvcm_fallback')}): every request is routed by domain (discovery)"
+        )
     if worker_sources:
         works.append("workers from " + ", ".join(said(n) for n in worker_sources))
     else:
@@ -93,7 +99,9 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
                 f"{BY_NAME[name].flag} {redact_userinfo(path)} does not exist: that source stays empty until it appears"
             )
     roles = BY_NAME["roles"].format(c.deployment.roles)
-    works.append(f"routes to roles {roles}; workers reporting another role are dropped (counted as role_not_routed)")
+    works.append(
+        f"routes to roles {roles}; workers reporting another role are dropped (counted as role_not_routed)"
+    )
     works.append(f"each request is decided within min(its budget, {said('budget_cap_ms')})")
     try:
         debug = parse_listen(c.serve.debug_listen)
@@ -123,7 +131,8 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
     works.append(f"logs at {c.serve.log_level.upper()} as {c.serve.log_format}")
     if loaded.fatal_errors:
         broken.append(
-            f"kvroute will not start: {len(loaded.fatal_errors)} problem(s) outside the KVCM fallback (listed below)"
+            f"kvroute will not start: {len(loaded.fatal_errors)} problem(s) outside the KVCM fallback "
+            "(listed below)"
         )
     return Assessment(tuple(works), tuple(broken))
 

@@ -151,7 +151,8 @@ def _toml_values(path: str, data: Mapping[str, object]) -> Iterator[tuple[Settin
             yield (
                 None,
                 table,
-                f"{path}: top-level key {section!r} (settings live in [section] tables: {', '.join(SECTIONS)})",
+                f"{path}: top-level key {section!r} (settings live in [section] tables: "
+                f"{', '.join(SECTIONS)})",
             )
             continue
         for key, value in table.items():
@@ -212,7 +213,9 @@ def resolve_config(
         # Resetting the fallback part can expose a problem the given values hid (a list parsed only
         # once its port is valid): what would stop kvroute must be listed too.
         listed = {p.settings for p in problems}
-        problems.extend(p for p in validate(effective, sources, files) if not p.fallback and p.settings not in listed)
+        problems.extend(
+            p for p in validate(effective, sources, files) if not p.fallback and p.settings not in listed
+        )
     return LoadedConfig(
         config=config,
         effective=effective,

@@ -208,7 +208,8 @@ class Setting:
         parts = [self.help.rstrip(".") + "."]
         if self.choices is not None:
             parts.append(
-                f"One of: {' | '.join(self.choices)}" + (" (comma list)." if self.kind is Kind.ENUM_TUPLE else ".")
+                f"One of: {' | '.join(self.choices)}"
+                + (" (comma list)." if self.kind is Kind.ENUM_TUPLE else ".")
             )
         if self.range is not None:
             parts.append(f"Range: {self.range}.")
@@ -249,6 +250,8 @@ class Setting:
             Kind.BOOL: "true/false",
             Kind.STR: "a string",
         }[self.kind]
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +327,9 @@ _SPECS: dict[str, _Spec] = {
         "Tokens per KV block (keys are computed with it; workers reporting another are excluded)"
     ),
     "deployment.lookahead_tokens": _Spec("Lookahead tokens of the engine's block keys"),
-    "deployment.key_family": _Spec("Block-key family used to hash token ids (caller-supplied keys are used as given)"),
+    "deployment.key_family": _Spec(
+        "Block-key family used to hash token ids (caller-supplied keys are used as given)"
+    ),
     "deployment.query_type": _Spec(
         "KVCM GetHostCacheState query type",
         choices={"prefix": QueryType.PREFIX_MATCH, "prefix-with-mamba": QueryType.PREFIX_MATCH_WITH_MAMBA},
@@ -334,7 +339,9 @@ _SPECS: dict[str, _Spec] = {
         required_when="kvcm_fallback",
         metavar="ID",
     ),
-    "deployment.p2p_host_count": _Spec("KVCM p2p_host_count asked per query (0 = local matches only)"),
+    "deployment.p2p_host_count": _Spec(
+        "KVCM p2p_host_count asked per query (0 = local matches only)"
+    ),
     # router
     "router.kvcm_fallback": _Spec(
         "Route by KVCM cache affinity (off: plain domain routing)", short=True, fallback=False
@@ -357,7 +364,9 @@ _SPECS: dict[str, _Spec] = {
         "a request whose remaining budget is below the estimate is answered at once (overloaded)"
     ),
     "router.lag_probe_interval_ms": _Spec("How often the routing loop's lag is measured", metavar="MS"),
-    "router.kvcm_query_timeout_ms": _Spec("Cap on one GetHostCacheState call, in ms", fallback=True, metavar="MS"),
+    "router.kvcm_query_timeout_ms": _Spec(
+        "Cap on one GetHostCacheState call, in ms", fallback=True, metavar="MS"
+    ),
     # request bounds, the reply margin, what a kept decision holds
     "limits.max_prompt_tokens": _Spec(
         "Most token ids one request may carry; seq_len may not exceed it either (beyond: INVALID_ARGUMENT)"
@@ -436,7 +445,9 @@ _SPECS: dict[str, _Spec] = {
         fallback=True,
         metavar="PORT",
     ),
-    "discovery.workers": _Spec("Static worker list, ip:http_port entries", short=True, metavar="IP:HTTP_PORT[,...]"),
+    "discovery.workers": _Spec(
+        "Static worker list, ip:http_port entries", short=True, metavar="IP:HTTP_PORT[,...]"
+    ),
     "discovery.workers_file": _Spec(
         "File of worker entries (ip:http_port), re-read when it changes", short=True, metavar="FILE"
     ),
@@ -448,19 +459,27 @@ _SPECS: dict[str, _Spec] = {
         short=True,
         metavar="PORT",
     ),
-    "discovery.worker_grpc_port_offset": _Spec("A worker's gRPC port = its HTTP port + this", short=True, metavar="N"),
+    "discovery.worker_grpc_port_offset": _Spec(
+        "A worker's gRPC port = its HTTP port + this", short=True, metavar="N"
+    ),
     "discovery.worker_status_port": _Spec(
         "Port of GetWorkerStatus (0 = the worker's gRPC port)",
         short=True,
         fallback=True,
         metavar="PORT",
     ),
-    "discovery.refresh_interval_s": _Spec("Each discovery source (file, DNS) is re-read this often", metavar="SECONDS"),
+    "discovery.refresh_interval_s": _Spec(
+        "Each discovery source (file, DNS) is re-read this often", metavar="SECONDS"
+    ),
     "discovery.stale_after_s": _Spec(
         "A failed or empty source keeps its last good entries this long", metavar="SECONDS"
     ),
-    "discovery.refresh_timeout_s": _Spec("Bound on one source refresh (a DNS lookup, a file read)", metavar="SECONDS"),
-    "discovery.max_entries": _Spec("Most entries one source may list (a longer answer is a failed refresh)"),
+    "discovery.refresh_timeout_s": _Spec(
+        "Bound on one source refresh (a DNS lookup, a file read)", metavar="SECONDS"
+    ),
+    "discovery.max_entries": _Spec(
+        "Most entries one source may list (a longer answer is a failed refresh)"
+    ),
     # leader
     "leader.refresh_interval_s": _Spec(
         "The KVCM leader is re-resolved in the background this often", metavar="SECONDS"
@@ -468,22 +487,30 @@ _SPECS: dict[str, _Spec] = {
     "leader.max_staleness_s": _Spec(
         "A known leader is kept this long after refreshes start failing", metavar="SECONDS"
     ),
-    "leader.lookup_timeout_s": _Spec("Bound on one round of concurrent GetClusterInfo calls", metavar="SECONDS"),
+    "leader.lookup_timeout_s": _Spec(
+        "Bound on one round of concurrent GetClusterInfo calls", metavar="SECONDS"
+    ),
     "leader.backoff_initial_s": _Spec(
         "First wait after a failed leader lookup (doubles per failure)", metavar="SECONDS"
     ),
     "leader.backoff_max_s": _Spec("Longest wait between failed leader lookups", metavar="SECONDS"),
     "leader.backoff_jitter_s": _Spec("Random extra wait added to each backoff", metavar="SECONDS"),
-    "leader.no_leader_retry_s": _Spec("Retry delay when KVCM says no leader is elected yet", metavar="SECONDS"),
+    "leader.no_leader_retry_s": _Spec(
+        "Retry delay when KVCM says no leader is elected yet", metavar="SECONDS"
+    ),
     # breaker
     "breaker.failure_threshold": _Spec("Consecutive KVCM failures that open the breaker"),
     "breaker.window_s": _Spec("Sliding window for the failure-rate trigger", metavar="SECONDS"),
     "breaker.window_min_calls": _Spec("Calls needed in the window before the failure rate counts"),
-    "breaker.failure_rate": _Spec("Failure rate over the window that opens the breaker"),
+    "breaker.failure_rate": _Spec(
+        "Failure rate over the window that opens the breaker"
+    ),
     "breaker.window_buckets": _Spec("Buckets the window is counted in"),
     "breaker.cooldown_s": _Spec("First OPEN period (doubles per re-open)", metavar="SECONDS"),
     "breaker.cooldown_max_s": _Spec("Longest OPEN period", metavar="SECONDS"),
-    "breaker.trial_timeout_s": _Spec("A half-open trial not reported back by then counts as failed", metavar="SECONDS"),
+    "breaker.trial_timeout_s": _Spec(
+        "A half-open trial not reported back by then counts as failed", metavar="SECONDS"
+    ),
     "breaker.slow_query_ms": _Spec(
         "A query cut off by its request's deadline counts as a KVCM failure only if it had this long",
         metavar="MS",
@@ -492,7 +519,9 @@ _SPECS: dict[str, _Spec] = {
     "prober.inflight_cap": _Spec("Most worker-status probes in flight in the process"),
     "prober.rate_per_s": _Spec("Probe rate budget (token bucket refill per second)"),
     "prober.rate_burst": _Spec("Probe token bucket size"),
-    "prober.fresh_ttl_s": _Spec("A worker status younger than this is used without a probe", metavar="SECONDS"),
+    "prober.fresh_ttl_s": _Spec(
+        "A worker status younger than this is used without a probe", metavar="SECONDS"
+    ),
     "prober.max_status_age_s": _Spec(
         "A worker whose last good status is older is treated as unknown", metavar="SECONDS"
     ),
@@ -532,16 +561,26 @@ _SPECS: dict[str, _Spec] = {
         choices={p.value: p for p in ScorerPolicy},
         metavar="cache-affinity|cost-aware",
     ),
-    "scorer.prefill_queue_size_threshold": _Spec("Workers with this many waiting tasks or more are dropped"),
+    "scorer.prefill_queue_size_threshold": _Spec(
+        "Workers with this many waiting tasks or more are dropped"
+    ),
     "scorer.p2p_hit_discount": _Spec("Weight of p2p-only blocks in the effective hit"),
-    "scorer.max_extra_work_tokens": _Spec("Extra work (tokens) the cache leader may have over the shortest"),
-    "scorer.min_hit_rate": _Spec("Leader hit below this percent of the prompt turns affinity off (0 = no gate)"),
-    "scorer.outstanding_uncached_tokens_threshold": _Spec("Outstanding-work guard in tokens (0 = off)"),
+    "scorer.max_extra_work_tokens": _Spec(
+        "Extra work (tokens) the cache leader may have over the shortest"
+    ),
+    "scorer.min_hit_rate": _Spec(
+        "Leader hit below this percent of the prompt turns affinity off (0 = no gate)"
+    ),
+    "scorer.outstanding_uncached_tokens_threshold": _Spec(
+        "Outstanding-work guard in tokens (0 = off)"
+    ),
     "scorer.hot_set_size": _Spec("Candidates taken from KVCM's answer (top by effective blocks)"),
     "scorer.cold_set_size": _Spec("Extra candidates taken from discovery per request"),
     "scorer.seed": _Spec("Seed of the RNG that breaks exact ties"),
     "scorer.max_tracked_workers": _Spec("Bound on the selection ledger (last-selected, pre-charge)"),
-    "scorer.max_pending_charges": _Spec("Pre-charges kept per worker (older ones are merged)"),
+    "scorer.max_pending_charges": _Spec(
+        "Pre-charges kept per worker (older ones are merged)"
+    ),
     "scorer.copy_cost_weight": _Spec(
         "cost-aware: price of each token of a prefix another candidate holds and this one would copy, in "
         "tokens of future prefill (the eviction the copy causes; 0 = the copy's prefill now only)"
@@ -549,12 +588,12 @@ _SPECS: dict[str, _Spec] = {
     "scorer.request_cost_tokens": _Spec(
         "cost-aware: a request's fixed cost in tokens, counted for this request and each one queued ahead"
     ),
-    "scorer.cost_aware_cold_set_size": _Spec(
-        "cost-aware: extra candidates taken from discovery per request, in place of --scorer-cold-set-size"
-    ),
     "scorer.near_tie_tokens": _Spec(
         "cost-aware: candidates within this many tokens of the cheapest are near-ties; the power of two "
         "choices among them spreads independent routers (0 = off)"
+    ),
+    "scorer.cost_aware_cold_set_size": _Spec(
+        "cost-aware: extra candidates taken from discovery per request, in place of --scorer-cold-set-size"
     ),
     # shadow
     "shadow.ttl_s": _Spec("Shadow index entries live this long", metavar="SECONDS"),
@@ -569,7 +608,9 @@ _SPECS: dict[str, _Spec] = {
     # metrics
     "metrics.inbox_size": _Spec("MetricsSink inbox; events beyond it are dropped and counted"),
     "metrics.decision_ring_size": _Spec("Decisions kept for /debug/decisions"),
-    "metrics.shadow_agreement_window": _Spec("Shadow-vs-KVCM comparisons averaged into the agreement ratio"),
+    "metrics.shadow_agreement_window": _Spec(
+        "Shadow-vs-KVCM comparisons averaged into the agreement ratio"
+    ),
     # serve
     "serve.grpc_listen": _Spec(
         "kvroute serve: HOST:PORT of the Route gRPC service (port 0 = any free port)",
@@ -581,13 +622,19 @@ _SPECS: dict[str, _Spec] = {
         (_listen,),
         metavar="HOST:PORT",
     ),
-    "serve.log_level": _Spec("Log level", (_one_of(LOG_LEVELS, ignore_case=True),), metavar="|".join(LOG_LEVELS)),
+    "serve.log_level": _Spec(
+        "Log level", (_one_of(LOG_LEVELS, ignore_case=True),), metavar="|".join(LOG_LEVELS)
+    ),
     "serve.log_format": _Spec("Log line format", (_one_of(LOG_FORMATS),), metavar="|".join(LOG_FORMATS)),
     "serve.log_aggregate_interval_s": _Spec(
         "Hot-path warnings are aggregated and logged at most once per this", metavar="SECONDS"
     ),
-    "serve.log_max_keys": _Spec("Bound on distinct keys the aggregating and once-per-key loggers remember"),
-    "serve.drain_timeout_s": _Spec("On SIGTERM/SIGINT, in-flight requests get this long to finish", metavar="SECONDS"),
+    "serve.log_max_keys": _Spec(
+        "Bound on distinct keys the aggregating and once-per-key loggers remember"
+    ),
+    "serve.drain_timeout_s": _Spec(
+        "On SIGTERM/SIGINT, in-flight requests get this long to finish", metavar="SECONDS"
+    ),
     "serve.drain_lame_duck_s": _Spec(
         "First part of the drain: health says NOT_SERVING and new Route calls are refused (UNAVAILABLE, "
         "not routed) while the server still runs, so no call is cut off when it stops (capped by "
@@ -682,9 +729,16 @@ def _kind_of(annotation: object, where: str) -> tuple[Kind, type[enum.Enum] | No
         return Kind.ENUM, annotation
     if typing.get_origin(annotation) is tuple:
         args = typing.get_args(annotation)
-        if len(args) == 2 and args[1] is Ellipsis and isinstance(args[0], type) and issubclass(args[0], enum.Enum):
+        if (
+            len(args) == 2
+            and args[1] is Ellipsis
+            and isinstance(args[0], type)
+            and issubclass(args[0], enum.Enum)
+        ):
             return Kind.ENUM_TUPLE, args[0]
-    raise TypeError(f"{where}: settings support bool, int, float, str, enums and tuple[Enum, ...], not {annotation!r}")
+    raise TypeError(
+        f"{where}: settings support bool, int, float, str, enums and tuple[Enum, ...], not {annotation!r}"
+    )
 
 
 def _build_table() -> tuple[Setting, ...]:
@@ -766,3 +820,4 @@ def value_of(config: KvrouteConfig, name: str) -> Any:
     """The value of the setting ``name`` in ``config``."""
     s = BY_NAME[name]
     return getattr(getattr(config, s.section), s.field)
+

@@ -27,7 +27,9 @@ from router.transport.errors import DeadlineExceeded, RpcStatus, TransportError,
 from router.transport.ports import ChannelLeaser
 
 # grpc codes our RpcStatus does not name map to UNKNOWN; the original name is kept in the detail.
-_STATUS_BY_CODE = {code: RpcStatus[code.name] for code in grpc.StatusCode if code.name in RpcStatus.__members__}
+_STATUS_BY_CODE = {
+    code: RpcStatus[code.name] for code in grpc.StatusCode if code.name in RpcStatus.__members__
+}
 
 
 def channel_options(config: ChannelPoolConfig) -> list[tuple[str, int]]:

@@ -44,9 +44,13 @@ class _RawMethodHandlers(_GenericRpcHandler):
             if not (path.startswith("/") and path.count("/") == 2):
                 raise ValueError(f"method path {path!r} is not a full '/package.Service/Method' path")
         # Identity (de)serializers: handlers see and return raw bytes.
-        self._handlers = {path: grpc.unary_unary_rpc_method_handler(_aborting(h)) for path, h in routes.items()}
+        self._handlers = {
+            path: grpc.unary_unary_rpc_method_handler(_aborting(h)) for path, h in routes.items()
+        }
 
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[bytes, bytes] | None:
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[bytes, bytes] | None:
         return self._handlers.get(handler_call_details.method)
 
 

@@ -92,7 +92,9 @@ def decode_cluster_info(data: bytes, target: str) -> ClusterInfo:
     except TargetError as exc:
         raise GarbledReply(target, f"GetClusterInfoResponse.leader_endpoint.host: {exc}") from exc
     node_id = ep.node_id or msg.leader_node_id
-    return ClusterInfo(self_node_id=msg.self_node_id, leader=LeaderEndpoint(node_id, leader.host, leader.port))
+    return ClusterInfo(
+        self_node_id=msg.self_node_id, leader=LeaderEndpoint(node_id, leader.host, leader.port)
+    )
 
 
 # --- KVCM: GetHostCacheState -----------------------------------------------------------
@@ -140,8 +142,12 @@ def _task_k(t: engine_pb.TaskInfoPB) -> TaskInfo:
         input_length=t.input_length,
         prefix_length=t.prefix_length,
         is_waiting=t.is_waiting,
-        remaining_prefill_tokens=(t.remaining_prefill_tokens if t.HasField("remaining_prefill_tokens") else None),
-        completed_prefill_tokens=(t.completed_prefill_tokens if t.HasField("completed_prefill_tokens") else None),
+        remaining_prefill_tokens=(
+            t.remaining_prefill_tokens if t.HasField("remaining_prefill_tokens") else None
+        ),
+        completed_prefill_tokens=(
+            t.completed_prefill_tokens if t.HasField("completed_prefill_tokens") else None
+        ),
     )
 
 
@@ -184,7 +190,9 @@ def _decode_generation_k(data: bytes, target: str) -> WorkerStatus:
     )
 
 
-def decode_worker_status(data: bytes, target: str, generation: EngineGeneration = EngineGeneration.K) -> WorkerStatus:
+def decode_worker_status(
+    data: bytes, target: str, generation: EngineGeneration = EngineGeneration.K
+) -> WorkerStatus:
     """Decode a WorkerStatusPB with the deployment's decoder (generation K today)."""
     match generation:
         case EngineGeneration.K:
