@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from router.problems import bounded
-from router.types import EngineGeneration, KeyFamily, QueryType, Role
+from router.types import EngineGeneration, KeyFamily, QueryType, Role, ScorerPolicy
 
 KVCM_DEFAULT_PORT = 6381
 _GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC sizes are signed 32-bit
@@ -122,6 +122,7 @@ class ProberConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScorerConfig:
+    policy: ScorerPolicy = ScorerPolicy.CACHE_AFFINITY
     prefill_queue_size_threshold: int = bounded(1024, 0, 10_000_000, low_open=True)
     p2p_hit_discount: float = bounded(0.2, 0, 1)
     max_extra_work_tokens: int = bounded(0, 0, 1_000_000_000)
@@ -133,6 +134,16 @@ class ScorerConfig:
     # selection ledger: workers with a last-selected time / pre-charge
     max_tracked_workers: int = bounded(4096, 0, 1_000_000, low_open=True)
     max_pending_charges: int = bounded(256, 2, 100_000)  # per worker; beyond it the two oldest charges are merged
+    # cost-aware only: the price of copying a prefix another candidate holds, per copied token (the
+    # eviction it causes, in tokens of future prefill), and a request's fixed cost in tokens
+    copy_cost_weight: float = bounded(1.0, 0, 100)
+    request_cost_tokens: int = bounded(0, 0, 1_000_000)
+    # cost-aware only: candidates within this many tokens of the cheapest are near-ties, spread by
+    # the power of two choices (0 = off)
+    near_tie_tokens: int = bounded(0, 0, 1_000_000)
+    # cost-aware only: its cold set (in place of cold_set_size); a priced copy is taken only when it
+    # pays, so looking wider for idle workers costs no extra copies
+    cost_aware_cold_set_size: int = bounded(6, 0, 1024)
 
 
 @dataclass(frozen=True, slots=True)

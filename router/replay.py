@@ -9,7 +9,7 @@ its recorded answer arrive at its recorded time inside the window the configurat
 - master and KVCM: the recorded answer at its recorded time, or nothing if the window ends first
   (then the source's own window reason: ``master_unavailable``, ``deadline``);
 - shadow: the recorded index match (the index's state is not replayed, its answer is);
-- scoring: a fresh :class:`~router.policy.cache_affinity.CacheAffinityFirst` plans from the
+- scoring: a fresh instance of the configured policy (``scorer.policy``) plans from the
   recorded cache answer and fleet, the recorded probe results arrive at their times until
   ``decide_at``, and it decides with the ledger view and tie draws the recorded decision read;
 - domain: the worker the recorded decision drew (its RNG is shared by all requests, so the draw
@@ -65,7 +65,8 @@ from router.decision_record import (
 )
 from router.logs import AggregatingLogger
 from router.master_config import master_hosts
-from router.policy.cache_affinity import CacheAffinityFirst, ObservedStatus
+from router.policy.cache_affinity import ObservedStatus
+from router.policy.choice import make_policy
 from router.policy.deadline_split import COLD, SplitEstimates
 from router.policy.ledger import NEVER, SelectionLedger
 from router.policy.plan import CandidateSource, Fleet
@@ -366,7 +367,7 @@ class _ReplayScoring:
         case = self._current.get()
         recorded = next((s for s in case.scorings if s.source is source), None)
         fleet = recorded.fleet if recorded is not None else case.fleet or Fleet.of(())
-        policy = CacheAffinityFirst(
+        policy = make_policy(
             self._config.scorer,
             self._config.deployment,
             tie_rng=RecordedTies(() if recorded is None else recorded.ties, self._config.scorer.seed),
@@ -708,4 +709,3 @@ def difference(outcome: Outcome) -> str:
             else:
                 parts.append(f"{name} differ")
     return "; ".join(parts) or "other fields differ"
-

@@ -5,7 +5,7 @@
                           │            ──▶ KvcmSource ──▶ ShadowSource ──▶ DomainSource
                           │            │  │            │               └─ FleetView (Discovery snapshot)
                           │            │  └────────────┴─ CandidateScoring ─┬─ WorkerProber ─▶ RawRpc
-                          │            │                                    └─ Scorer (owns CacheAffinityFirst)
+                          │            │                                    └─ Scorer (owns the policy)
                           │            ├─ LeaderResolver (leader cache, single-flight lookups, KVCM breaker)
                           │            └─ KvcmClient ─▶ RawRpc (GrpcRawRpc over ChannelPool | MemoryNetwork)
                           ├─ ShadowIndexActor (write-on-route prefix index, read by ShadowSource)
@@ -53,7 +53,7 @@ from router.decision_record import FORMAT_VERSION
 from router.exception_groups import leaves, sole_leaf
 from router.logs import AggregatingLogger
 from router.master_config import master_hosts
-from router.policy.cache_affinity import CacheAffinityFirst
+from router.policy.choice import make_policy
 from router.settings import LoadedConfig
 from router.settings.redact import config_digest, non_default_settings
 from router.targets import HostPort
@@ -369,7 +369,7 @@ async def _topology(
         await supervisor.start("shadow_index", shadow.run, snapshot=shadow.health)
 
         scorer = Scorer(
-            CacheAffinityFirst(config.scorer, config.deployment),
+            make_policy(config.scorer, config.deployment),
             inbox_size=2 * config.router.max_in_flight,  # a decision and a fallback record per request at most
             max_warned_workers=config.scorer.max_tracked_workers,
         )
@@ -474,7 +474,8 @@ def decision_log_header(config: KvrouteConfig) -> dict[str, object]:
         "v": FORMAT_VERSION,
         "digest": config_digest(config),
         "seed": config.scorer.seed,
-        "settings": non_default_settings(config),
+        # The policy always, so a log replays with the policy it was recorded with whatever the default.
+        "settings": non_default_settings(config) | {"scorer_policy": config.scorer.policy.value},
     }
 
 

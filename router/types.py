@@ -268,6 +268,13 @@ class KeyFamily(enum.Enum):
     SGLANG = "sglang"
 
 
+class ScorerPolicy(enum.Enum):
+    """The selection policy the Scorer runs (the values are the setting's words)."""
+
+    CACHE_AFFINITY = "cache-affinity"  # the reference scheduler's CacheAffinityFirst, exactly
+    COST_AWARE = "cost-aware"  # prices a prefix copy and a request's fixed cost (router.policy.cost_aware)
+
+
 class BadRequest(ValueError):
     """A malformed route request; the message names the field."""
 

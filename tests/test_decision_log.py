@@ -26,14 +26,32 @@ from kvroute_sim.sim.master import MasterFaults, SimMaster
 from kvroute_sim.sim.worker import WorkerFaults
 from router.api import open_router
 from router.cli import main
-from router.config import DeadlineSplit, DeploymentConfig, DiscoveryConfig, KvrouteConfig, MasterConfig, RouterConfig
+from router.config import (
+    DeadlineSplit,
+    DeploymentConfig,
+    DiscoveryConfig,
+    KvrouteConfig,
+    MasterConfig,
+    RouterConfig,
+    ScorerConfig,
+)
 from router.decision_record import MAGIC, LogFormatError
 from router.keys import block_keys
 from router.replay import ReplayEngine, load_log, replay_config
 from router.supervisor import RouterHandle
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteRequest, RouteSource, SplitMode
+from router.types import (
+    KeyFamily,
+    Reason,
+    Role,
+    RoleAddr,
+    RouteDecision,
+    RouteRequest,
+    RouteSource,
+    ScorerPolicy,
+    SplitMode,
+)
 from router.wire import paths
 
 BLOCK = 16
@@ -165,6 +183,46 @@ def test_a_recorded_cache_run_replays_identically(tmp_path: Path) -> None:
         (RouteSource.DOMAIN, Reason.DEADLINE),
         (RouteSource.DOMAIN, Reason.NO_CANDIDATES),
     } <= by_reason, by_reason
+    identical, total = replay_all(log)
+    assert (identical, total) == (len(decisions), len(decisions))
+
+
+async def record_cost_aware_run(log: Path) -> tuple[list[RouteDecision], str]:
+    """CostAware with a fixed cost and near-tie spreading: every worker holds the prompt's prefix;
+    worker 0 has the fewest tokens queued but in many requests (CacheAffinityFirst's pick, not
+    this policy's), the others near-tie queues, so the picks depend on the policy and its draws."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    scorer = ScorerConfig(policy=ScorerPolicy.COST_AWARE, near_tie_tokens=2 * BLOCK, request_cost_tokens=1000, seed=5)
+    config = replace(_config(addrs.kvcm_bootstrap, addrs.workers_arg, log), scorer=scorer)
+    decisions: list[RouteDecision] = []
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.move_on_after(1):
+            await resolver.leader()
+        now = trio.current_time()
+        for i in range(4):
+            cluster.run_prefill(i, f"prefix{i}", KEYS, len(PROMPT), now)
+        for j in range(5):  # worker 0: the fewest tokens queued, but in five requests
+            cluster.run_prefill(0, f"small{j}", (), 2000, now)
+        for i in range(1, 4):  # near-tie queues of one request each
+            cluster.run_prefill(i, f"big{i}", (), 11_000 + i, now)
+        await trio.sleep(0.1)  # past the statuses the router already holds
+        for i in range(12):
+            prompt = PROMPT + tuple(range(20_000 + i * BLOCK, 20_000 + (i + 1) * BLOCK))
+            decisions.append(await handle.route(RouteRequest(f"near{i}", token_ids=prompt, budget_ms=50)))
+    return decisions, cluster.worker_addr(0).http_target
+
+
+def test_a_recorded_cost_aware_run_replays_identically(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.log"
+    decisions, worker0 = on_mock_clock(record_cost_aware_run, log)
+    assert all(d.route_source is RouteSource.KVCM for d in decisions), [d.reason for d in decisions]
+    assert decisions[0].worker is not None and decisions[0].worker.http_target != worker0
+    assert len({d.worker for d in decisions}) >= 2
+    assert load_log([str(log)]).settings["scorer_policy"] == "cost-aware"
     identical, total = replay_all(log)
     assert (identical, total) == (len(decisions), len(decisions))
 

@@ -35,6 +35,7 @@ from kvroute_sim.demo.report import (
     PolicySummary,
     check_targets,
     format_table,
+    spread,
     summarize,
 )
 from kvroute_sim.demo.runner import ClusterSpec, PolicyRun, RequestRecord, run_baseline
@@ -289,6 +290,38 @@ def test_summarize_prediction_accuracy_over_the_predicted_requests() -> None:
     assert "silent 0" in format_table([s]) and "50.0%" in format_table([s])
 
 
+def test_spread_counts_workers_per_group_and_misses_of_a_prefix_cached_elsewhere() -> None:
+    def rec(worker: int, group: int, cached: int, best: int) -> RequestRecord:
+        return RequestRecord("r", worker, 100, cached, 0.01, 0.001, "-", "-", group, best)
+
+    records = (
+        rec(0, 1, 0, 0),  # group 1's first request: nothing cached anywhere
+        rec(0, 1, 64, 64),  # its holder: no miss
+        rec(1, 1, 0, 64),  # a copy on worker 1: missed worker 0's prefix
+        rec(2, 2, 0, 0),
+        rec(-1, 2, 0, 64),  # unrouted: counts nowhere
+    )
+    found = spread(records)
+    assert found.workers_per_group == 1.5  # group 1 on workers {0, 1}, group 2 on {2}
+    assert found.missed_elsewhere == 0.25  # 1 of the 4 routed requests
+    assert math.isnan(spread(()).workers_per_group)
+
+
+def test_spread_on_a_tiny_workload_separates_affinity_from_random() -> None:
+    workload = build_workload(replace(SMALL, prompts_per_group=6))
+    cluster = ClusterSpec(workers=4, kv_capacity_blocks=64)
+    by_hit = summarize(run_baseline(MaxHitBaseline(3), workload, cluster))
+    by_random = summarize(run_baseline(RandomBaseline(3), workload, cluster))
+    # max-hit goes to the longest cached prefix, so it never misses one held elsewhere.
+    assert by_hit.missed_elsewhere == 0.0
+    assert by_random.missed_elsewhere > 0.0
+    assert 1.0 <= by_hit.workers_per_group < by_random.workers_per_group <= 4.0
+    # Every routed request's best prefix is at least what its own worker held.
+    run = run_baseline(RandomBaseline(3), workload, cluster)
+    assert all(r.best_cached_tokens >= r.cached_tokens for r in run.records)
+    assert {r.group for r in run.records} == {r.group for r in workload.requests}
+
+
 def _summary(policy: str, hit: float, mean: float, p99: float) -> PolicySummary:
     return PolicySummary(policy, 1, 0, hit, mean, mean, p99, 1.0, 1.0, 1.0, {}, {}, (1,))
 
@@ -344,8 +377,18 @@ async def test_tiny_demo_run_prints_the_table_and_writes_json_and_png(
     assert "debug endpoint: http://127.0.0.1:" in out
     assert "[kvroute]" in out and "hit rate so far" in out
     header = next(line for line in out.splitlines() if line.startswith("policy"))
-    columns = ("hit rate", "TTFT mean", "p99 ms", "imbalance", "decide p50", "actual/pred", "silent 0", "route_source")
-    for column in columns:
+    for column in (
+        "hit rate",
+        "TTFT mean",
+        "p99 ms",
+        "imbalance",
+        "workers/group",
+        "missed elsewhere",
+        "decide p50",
+        "actual/pred",
+        "silent 0",
+        "route_source",
+    ):
         assert column in header
     table_rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in POLICY_NAMES]
     assert table_rows[-len(POLICY_NAMES) :] == list(POLICY_NAMES)
@@ -357,14 +400,17 @@ async def test_tiny_demo_run_prints_the_table_and_writes_json_and_png(
         assert policy["unrouted"] == 0
         assert 0.0 <= policy["hit_rate"] <= 1.0
         assert len(policy["worker_prefill_tokens"]) == 3
-    kvroute = results["policies"][0]
-    assert kvroute["predicted"] > 0 and 0.0 < kvroute["actual_over_predicted"] <= 1.5
-    assert 0.0 <= kvroute["silent_zero_share"] <= 1.0
-    assert all(p["predicted"] == 0 and p["actual_over_predicted"] is None for p in results["policies"][1:])
-    assert sum(kvroute["route_sources"].values()) == requests
-    assert set(kvroute["route_sources"]) <= {"kvcm", "shadow", "domain"}
-    assert kvroute["route_sources"].get("kvcm", 0) > requests / 2
-    assert all(not p["route_sources"] for p in results["policies"][1:])
+    for kvroute in results["policies"][:2]:  # kvroute, then kvroute with the cost-aware policy
+        assert kvroute["predicted"] > 0 and 0.0 < kvroute["actual_over_predicted"] <= 1.5
+        assert 0.0 <= kvroute["silent_zero_share"] <= 1.0
+        assert sum(kvroute["route_sources"].values()) == requests
+        assert set(kvroute["route_sources"]) <= {"kvcm", "shadow", "domain"}
+        assert kvroute["route_sources"].get("kvcm", 0) > requests / 2
+    assert all(p["predicted"] == 0 and p["actual_over_predicted"] is None for p in results["policies"][2:])
+    assert all(not p["route_sources"] for p in results["policies"][2:])
+    for policy in results["policies"]:
+        assert 1.0 <= policy["workers_per_group"] <= 3.0
+        assert 0.0 <= policy["missed_elsewhere"] <= 1.0
     assert {t["target"].split()[0] for t in results["targets"]} >= {"hit", "mean", "p99"}
     assert (tmp_path / CHART_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(BASELINE_NAMES) < set(POLICY_NAMES)

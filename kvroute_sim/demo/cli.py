@@ -28,7 +28,14 @@ import trio
 
 from kvroute_sim.demo import key_family, scenarios, split_budget
 from kvroute_sim.demo.evidence_cli import configure_evidence, evidence_requested, run_evidence
-from kvroute_sim.demo.lineup import KVROUTE, lineup_baselines, run_lineup_baseline
+from kvroute_sim.demo.herding import HERDING_FILE, default_variants, format_herding, run_herding, write_herding
+from kvroute_sim.demo.lineup import (
+    KVROUTE,
+    KVROUTE_REFERENCE,
+    REFERENCE_SETTINGS,
+    lineup_baselines,
+    run_lineup_baseline,
+)
 from kvroute_sim.demo.lineup import LINEUP as POLICY_NAMES
 from kvroute_sim.demo.master_outage import (
     OutageResult,
@@ -63,6 +70,7 @@ from router.settings import BY_NAME
 from router.types import KeyFamily
 
 DEFAULT_OUT = "demo-out"
+MAX_ROUTERS = 16
 
 
 def _number(kind: type[int] | type[float], minimum: float, *, above: bool = False) -> Callable[[str], float]:
@@ -86,6 +94,16 @@ def _setting(text: str) -> tuple[str, str]:
             f"{text!r}: expected NAME=VALUE with a router setting name (see kvroute check-config --help)"
         )
     return name, value
+
+
+def _router_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(dict.fromkeys(int(p) for p in text.split(",") if p.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected router counts such as 1,2,4") from None
+    if not counts or any(not 1 <= n <= MAX_ROUTERS for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each router count must be in 1..{MAX_ROUTERS}")
+    return counts
 
 
 def _policies(text: str) -> tuple[str, ...]:
@@ -163,6 +181,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=POLICY_NAMES,
         metavar="LIST",
         help=f"policies to compare (default all: {','.join(POLICY_NAMES)})",
+    )
+    parser.add_argument(
+        "--routers",
+        type=_router_counts,
+        default=None,
+        metavar="LIST",
+        help="instead of the comparison: the same workload through 1, 2, ... independent routers sharing only "
+        "the simulated KVCM and workers (e.g. 1,2,4), for cache-affinity, cost-aware, and cost-aware with "
+        f"near-tie spreading; prints the table and writes {HERDING_FILE}",
     )
     parser.add_argument(
         "--router-setting",
@@ -262,6 +289,15 @@ async def compare(
                 runs.append(
                     await trio.to_thread.run_sync(run_lineup_baseline, policy, workload, cluster_spec, progress)
                 )
+    if KVROUTE_REFERENCE in policies:  # the same router with the cost-aware policy, on a fresh cluster
+        reference_clock = SimClock()
+        async with open_kvroute(
+            build_cluster(cluster_spec, workload),
+            workload.spec,
+            clock=reference_clock.now,
+            extra_settings=settings | dict(REFERENCE_SETTINGS),
+        ) as reference:
+            runs.append(await run_kvroute(reference, reference_clock, workload, progress, label=KVROUTE_REFERENCE))
     order = {name: i for i, name in enumerate(POLICY_NAMES)}
     return tuple(sorted(runs, key=lambda r: order[r.policy]))
 
@@ -287,6 +323,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
     overrides: dict[str, object] = dict(args.router_setting)
+    if args.routers is not None:
+        return _herding(workload_spec, cluster_spec, args.routers, overrides, Path(args.out))
     try:
         check_router_settings(workload_spec, dict(COMPARISON_SETTINGS) | overrides)
     except DemoConfigError as exc:
@@ -326,6 +364,40 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {write_chart(out_dir, summaries)}")
         if outage is not None:
             print(f"wrote {write_outage_chart(out_dir, outage)}")
+    return 0
+
+
+def _herding(
+    workload_spec: WorkloadSpec,
+    cluster_spec: ClusterSpec,
+    counts: Sequence[int],
+    overrides: dict[str, object],
+    out_dir: Path,
+) -> int:
+    """The 1/2/4-router comparison (``herding``): the table on stdout and ``HERDING_FILE``."""
+    variants = default_variants(overrides)
+    try:
+        for variant in variants:
+            check_router_settings(workload_spec, variant.settings)
+    except DemoConfigError as exc:
+        print(f"kvroute demo: error: {exc}", file=sys.stderr)
+        return 2
+    workload = build_workload(workload_spec)
+    print(
+        f"{len(workload.requests)} requests over {workload.duration_s:.1f} simulated seconds through "
+        f"{','.join(map(str, counts))} independent routers (in memory, simulated time; requests to the routers "
+        "in turn)",
+        flush=True,
+    )
+    rows = run_herding(workload, cluster_spec, variants, counts, ProgressLine(sys.stdout))
+    print()
+    print(format_herding(rows))
+    print(
+        "(Each router probes and caches worker statuses as configured and sees the others' dispatches only in\n"
+        " the statuses it reads; imbalance: max / mean prefill tokens per worker.)"
+    )
+    path = write_herding(out_dir, workload, cluster_spec, rows)
+    print(f"\nwrote {path}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Every policy the comparison runs, in table order, and the baselines that need the request.
 
-kvroute (through the real router), then the baselines: ``policies``' simple ones, ``power-of-two``
+kvroute (through the real router, its default policy), kvroute with the cost-aware policy
+(``kvroute-cost-aware``), then the baselines: ``policies``' simple ones, ``power-of-two``
 (two workers drawn at random, the one with less outstanding prefill work; ties to the first drawn),
 the SGLang router's cache-aware policy (``sglang_baseline``) and the TTFT oracle (``oracle``), the
 ceiling, last. ``run_lineup_baseline`` replays one of them (the oracle: its whole family, ``run_oracle``).
@@ -9,6 +10,7 @@ ceiling, last. ``run_lineup_baseline`` replays one of them (the oracle: its whol
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 from kvroute_sim.demo.baselines import (
     BASELINE_NAMES,
@@ -29,10 +31,23 @@ from kvroute_sim.demo.workload import Workload
 
 POWER_OF_TWO = "power-of-two"
 LINEUP_BASELINES = (*BASELINE_NAMES, POWER_OF_TWO, SGLANG_CACHE_AWARE, ORACLE)
-LINEUP = (KVROUTE, *LINEUP_BASELINES)
+# kvroute again with the cost-aware policy (the first row runs the default policy, cache-affinity).
+KVROUTE_REFERENCE = "kvroute-cost-aware"
+REFERENCE_SETTINGS: Mapping[str, object] = {"scorer_policy": "cost-aware"}
+LINEUP = (KVROUTE, KVROUTE_REFERENCE, *LINEUP_BASELINES)
 # The baselines kvroute must beat (the oracle is a ceiling, max-hit a hit-rate bound).
 PRACTICAL_BASELINES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, POWER_OF_TWO, MAX_LOCAL_AFFINITY, SGLANG_CACHE_AWARE)
-__all__ = ["KVROUTE", "LINEUP", "LINEUP_BASELINES", "MAX_HIT", "ORACLE", "POWER_OF_TWO", "PRACTICAL_BASELINES"]
+__all__ = [
+    "KVROUTE",
+    "KVROUTE_REFERENCE",
+    "LINEUP",
+    "LINEUP_BASELINES",
+    "MAX_HIT",
+    "ORACLE",
+    "POWER_OF_TWO",
+    "PRACTICAL_BASELINES",
+    "REFERENCE_SETTINGS",
+]
 
 
 class PowerOfTwoBaseline:

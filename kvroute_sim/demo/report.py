@@ -11,6 +11,9 @@ Definitions (per policy, over the routed requests):
 - prediction accuracy (policies that predict a hit: kvroute): over the routed requests with a
   predicted hit, the cached tokens the simulated engine found / the tokens predicted, and the
   silent-zero share (the engine found nothing where a hit was predicted).
+- spread: workers per prefix group (the distinct workers a group's requests were routed to, averaged
+  over the groups that had a request) and the share of requests that missed a prefix cached on
+  another worker (some worker held a longer prefix of the prompt than the chosen one did).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from kvroute_sim.demo.baselines import KVROUTE, LEAST_LOADED
 from kvroute_sim.demo.lineup import MAX_HIT, ORACLE, PRACTICAL_BASELINES
-from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun
+from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun, RequestRecord
 from kvroute_sim.demo.workload import Workload
 from kvroute_sim.stats import percentile
 
@@ -56,6 +59,8 @@ class PolicySummary:
     predicted: int = 0  # routed requests with a predicted hit (none for a policy that does not predict)
     actual_over_predicted: float = math.nan  # cached tokens found / predicted, over those
     silent_zero_share: float = math.nan  # of those, the share where the engine found nothing
+    workers_per_group: float = math.nan
+    missed_elsewhere: float = math.nan  # share of routed requests
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -75,12 +80,33 @@ class PolicySummary:
             "predicted": self.predicted,
             "actual_over_predicted": _finite(self.actual_over_predicted),
             "silent_zero_share": _finite(self.silent_zero_share),
+            "workers_per_group": _finite(self.workers_per_group),
+            "missed_elsewhere": _finite(self.missed_elsewhere),
         }
 
 
 def _finite(value: float) -> float | None:
     """JSON has no NaN: an undefined figure is null."""
     return round(value, 6) if math.isfinite(value) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    workers_per_group: float  # mean over groups of the distinct workers their requests went to
+    missed_elsewhere: float  # share of routed requests whose worker held less of the prompt than another did
+
+
+def spread(records: Sequence[RequestRecord]) -> Spread:
+    """How far each prefix group was spread, and how often a cached prefix elsewhere was missed
+    (routed requests only; requests of no known group count toward the second figure alone)."""
+    routed = [r for r in records if r.worker >= 0]
+    workers: dict[int, set[int]] = {}
+    for r in routed:
+        if r.group >= 0:
+            workers.setdefault(r.group, set()).add(r.worker)
+    per_group = sum(len(w) for w in workers.values()) / len(workers) if workers else math.nan
+    missed = sum(1 for r in routed if r.best_cached_tokens > r.cached_tokens)
+    return Spread(per_group, missed / len(routed) if routed else math.nan)
 
 
 def summarize(run: PolicyRun) -> PolicySummary:
@@ -93,6 +119,7 @@ def summarize(run: PolicyRun) -> PolicySummary:
     sourced = [r for r in run.records if r.route_source != NO_SOURCE]
     predicted = [r for r in routed if r.predicted_tokens]
     predicted_tokens = sum(r.predicted_tokens or 0 for r in predicted)
+    spread_of = spread(run.records)
     return PolicySummary(
         policy=run.policy,
         requests=len(run.records),
@@ -114,6 +141,8 @@ def summarize(run: PolicyRun) -> PolicySummary:
         silent_zero_share=(
             sum(1 for r in predicted if r.cached_tokens == 0) / len(predicted) if predicted else math.nan
         ),
+        workers_per_group=spread_of.workers_per_group,
+        missed_elsewhere=spread_of.missed_elsewhere,
     )
 
 
@@ -136,6 +165,8 @@ _COLUMNS = (
     ("p50", ">"),
     ("p99 ms", ">"),
     ("imbalance", ">"),
+    ("workers/group", ">"),
+    ("missed elsewhere", ">"),
     ("decide p50", ">"),
     ("p99 µs", ">"),
     ("actual/pred", ">"),
@@ -157,6 +188,8 @@ def format_table(summaries: Sequence[PolicySummary]) -> str:
             _fmt(s.ttft_p50_ms, ".1f"),
             _fmt(s.ttft_p99_ms, ".1f"),
             _fmt(s.load_imbalance, ".2f"),
+            _fmt(s.workers_per_group, ".2f"),
+            _fmt(100 * s.missed_elsewhere, ".1f") + "%",
             _fmt(s.decision_p50_us, ".0f"),
             _fmt(s.decision_p99_us, ".0f"),
             _fmt(s.actual_over_predicted, ".2f") if s.predicted else NO_SOURCE,

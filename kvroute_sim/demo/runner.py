@@ -192,6 +192,16 @@ class RequestRecord:
     route_source: str
     reason: str
     predicted_tokens: int | None = None  # the hit the policy predicted (kvroute's hit_tokens; None: no prediction)
+    group: int = -1  # the request's prefix group (see ``prefix_group``); -1: unknown
+    best_cached_tokens: int = 0  # the longest prefix any worker held for it at its arrival
+
+
+def prefix_group(request: DemoRequest) -> int:
+    """The shared prefix a request belongs to: its workload group, or for a trace request (group
+    unknown) its first block key; -1 when it has neither."""
+    if request.group >= 0:
+        return request.group
+    return request.keys[0] if request.keys else -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +273,10 @@ def run_baseline(
 def _prefill(
     cluster: SimCluster, request: DemoRequest, worker: int, decision_s: float, source: str, reason: str
 ) -> RequestRecord:
+    # Measured before the prefill stores the request's keys: what the policy could have reused.
+    best_blocks = max(
+        (cluster.kvcm.local_prefix(addr.http_target, request.keys) for addr in cluster.addresses.workers), default=0
+    )
     outcome = cluster.run_prefill(
         worker, request.request_id, request.keys, request.input_tokens, request.arrival_s, request.output_tokens
     )
@@ -275,6 +289,8 @@ def _prefill(
         decision_s,
         source,
         reason,
+        prefix_group(request),
+        min(best_blocks * cluster.block_size, request.input_tokens),
     )
 
 
@@ -390,14 +406,14 @@ def route_request(request: DemoRequest, block_size: int, budget_ms: float | None
 
 
 async def run_kvroute(
-    setup: KvrouteSetup, clock: SimClock, workload: Workload, progress: Progress | None = None
+    setup: KvrouteSetup, clock: SimClock, workload: Workload, progress: Progress | None = None, label: str = KVROUTE
 ) -> PolicyRun:
     """Replay ``workload`` through the real router, the sim clock following the arrivals (module doc).
 
     ``setup`` must serve a fresh cluster reading ``clock``.
     """
     cluster = setup.cluster
-    tally = _Tally(KVROUTE, len(workload.requests), progress)
+    tally = _Tally(label, len(workload.requests), progress)
     block_size = workload.spec.block_size
     for request in workload.requests:
         clock.set(request.arrival_s)

@@ -22,7 +22,7 @@ from router.config import DeadlineSplit, KvrouteConfig
 from router.logs import LOG_FORMATS, LOG_LEVELS
 from router.problems import Range, range_of
 from router.targets import REDACTED, HostPort, TargetError, parse_target, redact_userinfo
-from router.types import QueryType, Role
+from router.types import QueryType, Role, ScorerPolicy
 
 ENV_PREFIX = "KVROUTE_"
 CONFIG_ENV = "KVROUTE_CONFIG"  # the TOML file, when --config is not given
@@ -590,6 +590,13 @@ _SPECS: dict[str, _Spec] = {
         fallback=False,
     ),
     # scorer
+    "scorer.policy": _Spec(
+        "Selection policy: cache-affinity (the reference scheduler's policy, exactly) or cost-aware (prices "
+        "a prefix copy's eviction and a request's fixed cost, looks wider for idle workers; can spread "
+        "near-ties)",
+        choices={p.value: p for p in ScorerPolicy},
+        metavar="cache-affinity|cost-aware",
+    ),
     "scorer.prefill_queue_size_threshold": _Spec(
         "Workers with this many waiting tasks or more are dropped"
     ),
@@ -609,6 +616,20 @@ _SPECS: dict[str, _Spec] = {
     "scorer.max_tracked_workers": _Spec("Bound on the selection ledger (last-selected, pre-charge)"),
     "scorer.max_pending_charges": _Spec(
         "Pre-charges kept per worker (older ones are merged)"
+    ),
+    "scorer.copy_cost_weight": _Spec(
+        "cost-aware: price of each token of a prefix another candidate holds and this one would copy, in "
+        "tokens of future prefill (the eviction the copy causes; 0 = the copy's prefill now only)"
+    ),
+    "scorer.request_cost_tokens": _Spec(
+        "cost-aware: a request's fixed cost in tokens, counted for this request and each one queued ahead"
+    ),
+    "scorer.near_tie_tokens": _Spec(
+        "cost-aware: candidates within this many tokens of the cheapest are near-ties; the power of two "
+        "choices among them spreads independent routers (0 = off)"
+    ),
+    "scorer.cost_aware_cold_set_size": _Spec(
+        "cost-aware: extra candidates taken from discovery per request, in place of --scorer-cold-set-size"
     ),
     # shadow
     "shadow.ttl_s": _Spec("Shadow index entries live this long", metavar="SECONDS"),
