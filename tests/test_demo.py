@@ -292,7 +292,7 @@ def test_summarize_prediction_accuracy_over_the_predicted_requests() -> None:
 
 def test_spread_counts_workers_per_group_and_misses_of_a_prefix_cached_elsewhere() -> None:
     def rec(worker: int, group: int, cached: int, best: int) -> RequestRecord:
-        return RequestRecord("r", worker, 100, cached, 0.01, 0.001, "-", "-", group, best)
+        return RequestRecord("r", worker, 100, cached, 0.01, 0.001, "-", "-", group=group, best_cached_tokens=best)
 
     records = (
         rec(0, 1, 0, 0),  # group 1's first request: nothing cached anywhere

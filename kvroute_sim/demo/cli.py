@@ -30,9 +30,9 @@ from kvroute_sim.demo import key_family, scenarios, split_budget
 from kvroute_sim.demo.evidence_cli import configure_evidence, evidence_requested, run_evidence
 from kvroute_sim.demo.herding import HERDING_FILE, default_variants, format_herding, run_herding, write_herding
 from kvroute_sim.demo.lineup import (
+    COST_AWARE_SETTINGS,
     KVROUTE,
-    KVROUTE_REFERENCE,
-    REFERENCE_SETTINGS,
+    KVROUTE_COST_AWARE,
     lineup_baselines,
     run_lineup_baseline,
 )
@@ -289,15 +289,15 @@ async def compare(
                 runs.append(
                     await trio.to_thread.run_sync(run_lineup_baseline, policy, workload, cluster_spec, progress)
                 )
-    if KVROUTE_REFERENCE in policies:  # the same router with the cost-aware policy, on a fresh cluster
-        reference_clock = SimClock()
+    if KVROUTE_COST_AWARE in policies:  # the same router with the cost-aware policy, on a fresh cluster
+        cost_aware_clock = SimClock()
         async with open_kvroute(
             build_cluster(cluster_spec, workload),
             workload.spec,
-            clock=reference_clock.now,
-            extra_settings=settings | dict(REFERENCE_SETTINGS),
-        ) as reference:
-            runs.append(await run_kvroute(reference, reference_clock, workload, progress, label=KVROUTE_REFERENCE))
+            clock=cost_aware_clock.now,
+            extra_settings=settings | dict(COST_AWARE_SETTINGS),
+        ) as cost_aware:
+            runs.append(await run_kvroute(cost_aware, cost_aware_clock, workload, progress, label=KVROUTE_COST_AWARE))
     order = {name: i for i, name in enumerate(POLICY_NAMES)}
     return tuple(sorted(runs, key=lambda r: order[r.policy]))
 

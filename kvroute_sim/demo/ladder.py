@@ -31,7 +31,15 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from kvroute_sim.demo.lineup import KVROUTE, LINEUP, ORACLE, lineup_baselines, run_lineup_baseline
+from kvroute_sim.demo.lineup import (
+    COST_AWARE_SETTINGS,
+    KVROUTE,
+    KVROUTE_COST_AWARE,
+    LINEUP,
+    ORACLE,
+    lineup_baselines,
+    run_lineup_baseline,
+)
 from kvroute_sim.demo.load import offered_load, scale_to_load
 from kvroute_sim.demo.report import PolicySummary, summarize
 from kvroute_sim.demo.runner import (
@@ -108,6 +116,7 @@ async def run_kvroute_in_memory(
     cluster_spec: ClusterSpec,
     settings: Mapping[str, object],
     progress: Progress | None = None,
+    label: str = KVROUTE,
 ) -> PolicyRun:
     """Replay ``workload`` through the real router on an in-memory network; run under a MockClock.
 
@@ -118,7 +127,7 @@ async def run_kvroute_in_memory(
     """
     network = MemoryNetwork()
     cluster = build_cluster(cluster_spec, workload)
-    tally = _Tally(KVROUTE, len(workload.requests), progress)
+    tally = _Tally(label, len(workload.requests), progress)
     block_size = workload.spec.block_size
     clock = SimClock(trio.current_time())
     async with open_kvroute(cluster, workload.spec, clock=clock.now, extra_settings=settings, network=network) as setup:
@@ -165,9 +174,17 @@ def run_ladder(
             rung_started(index, load)
         scaled = scale_to_load(workload, cluster_spec, load, base=base)
         runs: list[PolicyRun] = []
-        if KVROUTE in policies:
-            replay = partial(run_kvroute_in_memory, scaled, cluster_spec, router_settings, _labelled(progress, load))
-            runs.append(trio.run(replay, clock=trio.testing.MockClock(autojump_threshold=0)))
+        for label, settings in ((KVROUTE, {}), (KVROUTE_COST_AWARE, COST_AWARE_SETTINGS)):
+            if label in policies:
+                replay = partial(
+                    run_kvroute_in_memory,
+                    scaled,
+                    cluster_spec,
+                    dict(router_settings) | dict(settings),
+                    _labelled(progress, load),
+                    label,
+                )
+                runs.append(trio.run(replay, clock=trio.testing.MockClock(autojump_threshold=0)))
         for policy in lineup_baselines(scaled.spec.seed, scaled.spec.block_size):
             if policy.name in policies:
                 runs.append(run_lineup_baseline(policy, scaled, cluster_spec, _labelled(progress, load)))

@@ -32,21 +32,21 @@ from kvroute_sim.demo.workload import Workload
 POWER_OF_TWO = "power-of-two"
 LINEUP_BASELINES = (*BASELINE_NAMES, POWER_OF_TWO, SGLANG_CACHE_AWARE, ORACLE)
 # kvroute again with the cost-aware policy (the first row runs the default policy, cache-affinity).
-KVROUTE_REFERENCE = "kvroute-cost-aware"
-REFERENCE_SETTINGS: Mapping[str, object] = {"scorer_policy": "cost-aware"}
-LINEUP = (KVROUTE, KVROUTE_REFERENCE, *LINEUP_BASELINES)
+KVROUTE_COST_AWARE = "kvroute-cost-aware"
+COST_AWARE_SETTINGS: Mapping[str, object] = {"scorer_policy": "cost-aware"}
+LINEUP = (KVROUTE, KVROUTE_COST_AWARE, *LINEUP_BASELINES)
 # The baselines kvroute must beat (the oracle is a ceiling, max-hit a hit-rate bound).
 PRACTICAL_BASELINES = (RANDOM, ROUND_ROBIN, LEAST_LOADED, POWER_OF_TWO, MAX_LOCAL_AFFINITY, SGLANG_CACHE_AWARE)
 __all__ = [
+    "COST_AWARE_SETTINGS",
     "KVROUTE",
-    "KVROUTE_REFERENCE",
+    "KVROUTE_COST_AWARE",
     "LINEUP",
     "LINEUP_BASELINES",
     "MAX_HIT",
     "ORACLE",
     "POWER_OF_TWO",
     "PRACTICAL_BASELINES",
-    "REFERENCE_SETTINGS",
 ]
 
 

@@ -289,8 +289,8 @@ def _prefill(
         decision_s,
         source,
         reason,
-        prefix_group(request),
-        min(best_blocks * cluster.block_size, request.input_tokens),
+        group=prefix_group(request),
+        best_cached_tokens=min(best_blocks * cluster.block_size, request.input_tokens),
     )
 
 
