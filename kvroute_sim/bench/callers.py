@@ -1,4 +1,5 @@
-"""Closed-loop gRPC callers in a child process, so a figure measures the server, not its own clients.
+"""gRPC callers in a child process, so a figure measures the server, not its own clients: closed
+loops (each caller calls again as soon as it is answered) or one open loop at a fixed rate.
 
 Client threads in the measuring process would share its core and its GIL with the sidecar they
 measure: at hundreds of callers their own Python would be most of that process's CPU. Here
@@ -41,6 +42,9 @@ class Level:
     callers: int
     max_s: float
     client_deadline_s: float
+    # > 0: an open loop instead; call i is sent at start + i / rate_per_s whether or not earlier
+    # calls were answered (all results in one CallerResults; ``callers`` is ignored).
+    rate_per_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -61,6 +65,8 @@ class LevelRun:
 
 async def drive_level(channel: grpc.aio.Channel, level: Level) -> tuple[float, list[CallerResults]]:
     """Run ``level`` on ``channel``: the elapsed seconds and each caller's results."""
+    if level.rate_per_s > 0:
+        return await _drive_open_loop(channel, level)
     call = channel.unary_unary(ROUTER_ROUTE, None, None)
     serial = itertools.count()
     results = [CallerResults() for _ in range(level.callers)]
@@ -84,6 +90,36 @@ async def drive_level(channel: grpc.aio.Channel, level: Level) -> tuple[float, l
     began = time.perf_counter()
     await asyncio.gather(*(caller(r) for r in results))
     return time.perf_counter() - began, results
+
+
+async def _drive_open_loop(channel: grpc.aio.Channel, level: Level) -> tuple[float, list[CallerResults]]:
+    """Send the requests on a fixed schedule (a send never waits for an earlier answer), sending
+    none after ``max_s``; then wait for every answer."""
+    call = channel.unary_unary(ROUTER_ROUTE, None, None)
+    into = CallerResults()
+
+    async def one(request: bytes) -> None:
+        start = time.perf_counter()
+        try:
+            reply: bytes = await call(request, timeout=level.client_deadline_s)
+        except grpc.aio.AioRpcError as exc:
+            into.errors.append(exc.code().name)
+        else:
+            into.client_ms.append((time.perf_counter() - start) * 1e3)
+            into.replies.append(reply)
+
+    began = time.perf_counter()
+    sends: list[asyncio.Task[None]] = []
+    for i, request in enumerate(level.requests):
+        due = began + i / level.rate_per_s
+        if due - began > level.max_s:
+            break
+        pause = due - time.perf_counter()
+        if pause > 0:
+            await asyncio.sleep(pause)
+        sends.append(asyncio.create_task(one(request)))
+    await asyncio.gather(*sends)
+    return time.perf_counter() - began, [into]
 
 
 async def _serve_levels(commands: BinaryIO, replies: BinaryIO) -> None:

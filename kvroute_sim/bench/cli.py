@@ -188,7 +188,7 @@ def _measure(
             if "P7" in selected:
                 timed("P7", lambda: overload.measure(report, sim.view, sizes.load, placement.child))
             if "P8" in selected:
-                timed("P8", lambda: rate.measure(report, sim.view, sizes.rate))
+                timed("P8", lambda: rate.measure(report, sim.view, sizes.rate, placement.child))
             if "P9" in selected:
                 everywhere = placement.bench | placement.child if placement.bench and placement.child else None
                 timed("P9", lambda: processes.measure(report, sim.view, sizes.processes, everywhere))

@@ -2,8 +2,9 @@
 
 The sidecar (``router.sidecar.Sidecar`` over a router, as ``kvroute serve`` runs it, on this
 process's one core) against the simulators in the separate process, as in P7. At each fixed rate
-one plain grpcio client thread sends calls on a schedule (call i at start + i / rate, whether or
-not earlier calls were answered: an open loop, so a slow router meets the same offered load), each
+a grpc.aio client in its own process (``callers.py``, on the simulators' CPUs) sends calls on a
+schedule (call i at start + i / rate, whether or not earlier calls were answered: an open loop, so
+a slow router meets the same offered load), each
 with ``budget_ms`` = BUDGET_MS and a client deadline, for a fixed time per rate.
 
 Added latency is the sidecar's own, from its handler's receipt of a call to its serialised reply
@@ -14,14 +15,13 @@ or whose fallbacks exceed 2 %.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, replace
 
-import grpc
 import trio
 
+from kvroute_sim.bench.callers import Level, caller_process
 from kvroute_sim.bench.harness import ClusterView, prime, router_config
 from kvroute_sim.bench.harness import Requests as RouterRequests
 from kvroute_sim.bench.overload import route_requests
@@ -30,7 +30,6 @@ from kvroute_sim.stats import percentile
 from router.api import open_router
 from router.sidecar import Sidecar
 from router.wire import router_v1_pb2
-from router.wire.paths import ROUTER_ROUTE
 
 RATES = (50, 100, 200, 400, 800)  # calls/s offered
 BUDGET_MS = 30
@@ -42,6 +41,7 @@ KNEE_TARGET = 500  # calls/s: the knee must lie beyond it
 KNEE_P99_FACTOR = 2.0
 KNEE_FALLBACK_SHARE = 0.02
 FIGURE_TIMEOUT_S = 300.0
+OPEN_LOOP_SLACK = 3.0  # a rate's sends stop after this many times its planned seconds (a stalled client)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,40 +99,7 @@ def knee(results: Sequence[RateResult]) -> int | None:
     return None
 
 
-def _drive_rate(
-    channel: grpc.Channel, requests: Sequence[bytes], rate: int
-) -> tuple[float, list[bytes], list[float], list[str]]:
-    """Send ``requests`` at ``rate`` on a fixed schedule (futures: a send never waits for an answer),
-    then collect every answer; (seconds, replies, client ms, error names)."""
-    call = channel.unary_unary(ROUTER_ROUTE, None, None)
-    sent: list[tuple[float, grpc.CallFuture[bytes]]] = []
-    done_at: dict[int, float] = {}  # written by grpc's threads, one key each (atomic under the GIL)
-
-    def finished(i: int) -> None:
-        done_at[i] = time.perf_counter()
-
-    began = time.perf_counter()
-    for i, request in enumerate(requests):
-        pause = began + i / rate - time.perf_counter()
-        if pause > 0:
-            time.sleep(pause)  # the client's own pacing thread, not the router's loop
-        future = call.future(request, timeout=CLIENT_DEADLINE_S)
-        sent.append((time.perf_counter(), future))
-        future.add_done_callback(lambda _f, i=i: finished(i))  # type: ignore[misc]
-    replies: list[bytes] = []
-    client_ms: list[float] = []
-    errors: list[str] = []
-    for i, (at, future) in enumerate(sent):
-        try:
-            replies.append(future.result())
-        except grpc.RpcError as exc:
-            errors.append(exc.code().name)
-        else:
-            client_ms.append((done_at.get(i, time.perf_counter()) - at) * 1e3)
-    return time.perf_counter() - began, replies, client_ms, errors
-
-
-async def _run(view: ClusterView, sizes: RateSizes) -> list[RateResult]:
+async def _run(view: ClusterView, sizes: RateSizes, caller_cpus: Set[int] | None) -> list[RateResult]:
     config = router_config(view, status_ttl_s=None)
     config = replace(config, serve=replace(config.serve, grpc_listen="127.0.0.1:0"))
     results: list[RateResult] = []
@@ -141,35 +108,38 @@ async def _run(view: ClusterView, sizes: RateSizes) -> list[RateResult]:
             await prime(router, RouterRequests(view, "p8-prime"), sizes.warm_up)
             sidecar = Sidecar(router, config)
             bound = await nursery.start(sidecar.run)
-            channel = grpc.insecure_channel(str(bound), options=[("grpc.enable_retries", 0)])
+            max_s = OPEN_LOOP_SLACK * sizes.seconds_per_rate
             try:
-                warm = route_requests(view, "p8-warm", sizes.warm_up, BUDGET_MS)
-                await trio.to_thread.run_sync(_drive_rate, channel, warm, RATES[0])
-                sidecar.take_call_timings()  # the warm-up's, dropped
-                for rate in RATES:
-                    count = max(1, round(rate * sizes.seconds_per_rate))
-                    requests = route_requests(view, f"p8-{rate}", count, BUDGET_MS)
-                    seconds, replies, client_ms, errors = await trio.to_thread.run_sync(
-                        _drive_rate, channel, requests, rate
-                    )
-                    outcomes: Counter[str] = Counter()
-                    for raw in replies:
-                        decision = router_v1_pb2.RouteDecision.FromString(raw)
-                        outcomes[f"{decision.route_source}/{decision.reason}"] += 1
-                    timings = sidecar.take_call_timings()
-                    results.append(
-                        RateResult(
-                            rate,
-                            len(requests),
-                            seconds,
-                            tuple(t.elapsed_s * 1e3 for t in timings),
-                            tuple(client_ms),
-                            Counter(errors),
-                            outcomes,
+                # The client runs in its own process (grpc.aio, one open loop): a client thread here
+                # would share this process's core and GIL with the sidecar it measures.
+                with caller_process(caller_cpus) as client:
+                    warm = route_requests(view, "p8-warm", sizes.warm_up, BUDGET_MS)
+                    level = Level(str(bound), warm, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=RATES[0])
+                    await trio.to_thread.run_sync(client.run, level)
+                    sidecar.take_call_timings()  # the warm-up's, dropped
+                    for rate in RATES:
+                        count = max(1, round(rate * sizes.seconds_per_rate))
+                        requests = route_requests(view, f"p8-{rate}", count, BUDGET_MS)
+                        level = Level(str(bound), requests, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=rate)
+                        run = await trio.to_thread.run_sync(client.run, level)
+                        seen = run.results[0]
+                        outcomes: Counter[str] = Counter()
+                        for raw in seen.replies:
+                            decision = router_v1_pb2.RouteDecision.FromString(raw)
+                            outcomes[f"{decision.route_source}/{decision.reason}"] += 1
+                        timings = sidecar.take_call_timings()
+                        results.append(
+                            RateResult(
+                                rate,
+                                len(requests),
+                                run.seconds,
+                                tuple(t.elapsed_s * 1e3 for t in timings),
+                                tuple(seen.client_ms),
+                                Counter(seen.errors),
+                                outcomes,
+                            )
                         )
-                    )
             finally:
-                channel.close()
                 nursery.cancel_scope.cancel()
     return results
 
@@ -185,8 +155,9 @@ def _curve(results: Sequence[RateResult]) -> str:
     return "\n".join(lines)
 
 
-def measure(report: BenchReport, view: ClusterView, sizes: RateSizes) -> None:
-    results = trio.run(_run, view, sizes)
+def measure(report: BenchReport, view: ClusterView, sizes: RateSizes, caller_cpus: Set[int] | None = None) -> None:
+    """``caller_cpus``: where the client's process runs (None: anywhere)."""
+    results = trio.run(_run, view, sizes, caller_cpus)
     at_target = next(r for r in results if r.rate == TARGET_RATE)
     found = knee(results)
     met = (
