@@ -82,6 +82,39 @@ class ObservedStatus:
         object.__setattr__(self, "waiting_count", self.status.waiting_count)
 
 
+class StatusViews:
+    """The scoring view of each worker's status in hand, reused while the same status is passed
+    again: a cached status is scored by many decisions, and summing its tasks once per status (not
+    once per decision) saves most of a decision's cost. Bounded: the least recently new view goes
+    first."""
+
+    __slots__ = ("_bound", "_views")
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._views: OrderedDict[WorkerAddr, ObservedStatus] = OrderedDict()
+
+    def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
+        cached = self._views.get(worker)
+        if cached is not None and cached.status is status and cached.taken_at == taken_at:
+            return cached
+        fresh = ObservedStatus(status, taken_at)
+        self._views.pop(worker, None)
+        self._views[worker] = fresh
+        if len(self._views) > self._bound:
+            self._views.popitem(last=False)
+        return fresh
+
+    def __getitem__(self, worker: WorkerAddr) -> ObservedStatus:
+        return self._views[worker]
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self._views
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+
 class ScoreSheet:
     """What one decision saw, kept so the explanation and the claim order can be built on
     demand: building them for every decision would cost more than the decision itself."""
@@ -468,7 +501,7 @@ class CacheAffinityFirst:
         )
         self._prefill_roles = tuple(r for r in deployment.roles if r in PREFILL_CAPABLE_ROLES)
         self._tie_rng = random.Random(config.seed) if tie_rng is None else tie_rng
-        self._observed: OrderedDict[WorkerAddr, ObservedStatus] = OrderedDict()  # least recently new first
+        self._observed = StatusViews(config.max_tracked_workers)
 
     def plan(
         self,
@@ -490,20 +523,8 @@ class CacheAffinityFirst:
         )
 
     def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
-        """The scoring view of a status in hand, reused while the same status is passed again.
-
-        A cached status is scored by many decisions; summing its tasks once per status (not
-        once per decision) saves most of a decision's cost. Bounded by max_tracked_workers.
-        """
-        cached = self._observed.get(worker)
-        if cached is not None and cached.status is status and cached.taken_at == taken_at:
-            return cached
-        fresh = ObservedStatus(status, taken_at)
-        self._observed.pop(worker, None)
-        self._observed[worker] = fresh
-        if len(self._observed) > self.config.max_tracked_workers:
-            self._observed.popitem(last=False)
-        return fresh
+        """The scoring view of a status in hand (:class:`StatusViews`)."""
+        return self._observed.observe(worker, status, taken_at)
 
     def decide(
         self,

@@ -35,7 +35,6 @@ identically.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
@@ -46,6 +45,7 @@ from router.policy.cache_affinity import (
     PassedRow,
     ScoreSheet,
     Selection,
+    StatusViews,
     TtftRow,
     choose,
     claim_order,
@@ -231,7 +231,7 @@ class CostAware:
         )
         self._prefill_roles = tuple(r for r in deployment.roles if r in PREFILL_CAPABLE_ROLES)
         self._tie_rng = random.Random(config.seed) if tie_rng is None else tie_rng
-        self._observed: OrderedDict[WorkerAddr, ObservedStatus] = OrderedDict()
+        self._observed = StatusViews(config.max_tracked_workers)
 
     def plan(
         self,
@@ -253,16 +253,8 @@ class CostAware:
         )
 
     def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
-        """The scoring view of a status, reused while the same status is passed again (bounded)."""
-        cached = self._observed.get(worker)
-        if cached is not None and cached.status is status and cached.taken_at == taken_at:
-            return cached
-        fresh = ObservedStatus(status, taken_at)
-        self._observed.pop(worker, None)
-        self._observed[worker] = fresh
-        if len(self._observed) > self.config.max_tracked_workers:
-            self._observed.popitem(last=False)
-        return fresh
+        """The scoring view of a status in hand (:class:`StatusViews`)."""
+        return self._observed.observe(worker, status, taken_at)
 
     def decide(
         self,
