@@ -14,29 +14,25 @@ Per policy variant and router count: hit rate, TTFT, imbalance, workers per grou
 from __future__ import annotations
 
 import json
-import math
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import trio
 import trio.testing
 
+from kvroute_sim.demo.ladder import replay_through
 from kvroute_sim.demo.report import PolicySummary, summarize
 from kvroute_sim.demo.runner import (
     ClusterSpec,
     PolicyRun,
     Progress,
-    RequestRecord,
-    _prefill,
+    SimClock,
     _Tally,
     build_cluster,
     load_router_config,
-    measured_window,
-    route_request,
     router_settings,
 )
 from kvroute_sim.demo.workload import Workload, WorkloadSpec
@@ -47,7 +43,6 @@ from router.transport.memory_adapter import MemoryNetwork
 HERDING_FILE = "demo-herding.json"
 DEFAULT_ROUTER_COUNTS = (1, 2, 4)
 DEFAULT_NEAR_TIE_TOKENS = 512  # the spreading row's margin when the settings give none
-_SETTLE_S = 1.0  # simulated time the routers get to find KVCM and the workers before the first arrival
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +91,21 @@ class HerdingRow:
 
 @asynccontextmanager
 async def open_routers(
-    cluster: SimCluster, workload: WorkloadSpec, settings: Mapping[str, object], routers: int, network: MemoryNetwork
+    cluster: SimCluster,
+    workload: WorkloadSpec,
+    settings: Mapping[str, object],
+    routers: int,
+    network: MemoryNetwork,
+    *,
+    clock: SimClock | None = None,
 ) -> AsyncIterator[tuple[RouterHandle, ...]]:
     """Serve ``cluster`` on ``network`` and open ``routers`` independent routers on it, router ``i``
     seeded ``scorer_seed xor i`` (as each process of a fleet would be, so their tie draws differ;
-    the xor with a small index stays within the seed's range)."""
+    the xor with a small index stays within the seed's range). ``clock``: what the cluster's replies
+    read as now (default trio's clock)."""
     if routers < 1:
         raise ValueError(f"routers: must be >= 1, got {routers}")
-    addresses = cluster.serve_memory(network)
+    addresses = cluster.serve_memory(network, clock=None if clock is None else clock.now)
     base = router_settings(addresses.kvcm_bootstrap, addresses.workers_arg, workload) | dict(settings)
     seed = load_router_config(base).effective.scorer.seed
     async with AsyncExitStack() as stack:
@@ -124,25 +126,9 @@ async def run_routers(
 ) -> PolicyRun:
     """Replay ``workload`` through ``routers`` independent routers in turn; run under a MockClock."""
     cluster = build_cluster(cluster_spec, workload)
-    tally = _Tally(label, len(workload.requests), progress)
-    block_size = workload.spec.block_size
-    async with open_routers(cluster, workload.spec, settings, routers, MemoryNetwork()) as handles:
-        origin = trio.current_time() + _SETTLE_S
-        for k, request in enumerate(workload.requests):
-            await trio.sleep_until(origin + request.arrival_s)
-            started = time.perf_counter()  # real cost; simulated time stands still during a decision
-            decision = await handles[k % routers].route(route_request(request, block_size))
-            decision_s = time.perf_counter() - started
-            source, reason = decision.route_source.value, decision.reason.value
-            if decision.worker is None:
-                tally.add(
-                    RequestRecord(request.request_id, -1, request.input_tokens, 0, math.nan, decision_s, source, reason)
-                )
-                continue
-            worker = cluster.worker_index(decision.worker.http_target)
-            shifted = replace(request, arrival_s=origin + request.arrival_s)
-            tally.add(_prefill(cluster, shifted, worker, decision_s, source, reason))
-    return tally.finish(cluster, measured_window(workload, origin))
+    clock = SimClock(trio.current_time())
+    async with open_routers(cluster, workload.spec, settings, routers, MemoryNetwork(), clock=clock) as handles:
+        return await replay_through(handles, cluster, clock, workload, _Tally(label, len(workload.requests), progress))
 
 
 def run_herding(

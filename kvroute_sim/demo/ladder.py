@@ -56,12 +56,14 @@ from kvroute_sim.demo.runner import (
     route_request,
 )
 from kvroute_sim.demo.workload import Workload
+from kvroute_sim.sim.cluster import SimCluster
+from router.api import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 
 DEFAULT_LOADS = (0.3, 0.5, 0.7, 0.9, 1.1)
 SLO_IDLE_MULTIPLE = 5.0
 LADDER_CHART_FILE = "demo-ladder.png"
-_SETTLE_S = 1.0  # simulated time the router gets to find KVCM and the workers before the first arrival
+_SETTLE_S = 1.0  # simulated time the routers get to find KVCM and the workers before the first arrival
 
 
 def default_slo_ms(workload: Workload, cluster: ClusterSpec) -> float:
@@ -127,26 +129,37 @@ async def run_kvroute_in_memory(
     """
     network = MemoryNetwork()
     cluster = build_cluster(cluster_spec, workload)
-    tally = _Tally(label, len(workload.requests), progress)
-    block_size = workload.spec.block_size
     clock = SimClock(trio.current_time())
     async with open_kvroute(cluster, workload.spec, clock=clock.now, extra_settings=settings, network=network) as setup:
-        origin = trio.current_time() + _SETTLE_S
-        for request in workload.requests:
-            await trio.sleep_until(origin + request.arrival_s)
-            clock.set(origin + request.arrival_s)
-            started = time.perf_counter()  # the real cost of the decision; simulated time stands still
-            decision = await setup.handle.route(route_request(request, block_size))
-            decision_s = time.perf_counter() - started
-            source, reason = decision.route_source.value, decision.reason.value
-            if decision.worker is None:
-                tally.add(
-                    RequestRecord(request.request_id, -1, request.input_tokens, 0, math.nan, decision_s, source, reason)
-                )
-                continue
-            worker = cluster.worker_index(decision.worker.http_target)
-            shifted = replace(request, arrival_s=origin + request.arrival_s)
-            tally.add(_prefill(cluster, shifted, worker, decision_s, source, reason))
+        return await replay_through(
+            (setup.handle,), cluster, clock, workload, _Tally(label, len(workload.requests), progress)
+        )
+
+
+async def replay_through(
+    routers: Sequence[RouterHandle], cluster: SimCluster, clock: SimClock, workload: Workload, tally: _Tally
+) -> PolicyRun:
+    """Route ``workload``'s requests through ``routers`` in turn (request k to router k mod n), each
+    at its arrival on trio's clock, and prefill each on ``cluster``, whose replies read ``clock``:
+    held at the request's arrival while the router decides, so the router's own waits delay neither
+    the prefill nor later arrivals."""
+    block_size = workload.spec.block_size
+    origin = trio.current_time() + _SETTLE_S
+    for k, request in enumerate(workload.requests):
+        await trio.sleep_until(origin + request.arrival_s)
+        clock.set(origin + request.arrival_s)
+        started = time.perf_counter()  # the real cost of the decision; simulated time stands still
+        decision = await routers[k % len(routers)].route(route_request(request, block_size))
+        decision_s = time.perf_counter() - started
+        source, reason = decision.route_source.value, decision.reason.value
+        if decision.worker is None:
+            tally.add(
+                RequestRecord(request.request_id, -1, request.input_tokens, 0, math.nan, decision_s, source, reason)
+            )
+            continue
+        worker = cluster.worker_index(decision.worker.http_target)
+        shifted = replace(request, arrival_s=origin + request.arrival_s)
+        tally.add(_prefill(cluster, shifted, worker, decision_s, source, reason))
     return tally.finish(cluster, measured_window(workload, origin))
 
 
