@@ -46,9 +46,9 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -178,6 +178,15 @@ class CallTiming:
 
     elapsed_s: float  # receipt (the handler thread started) to the serialised reply
     allowed_s: float  # the call's deadline at receipt: min(budget, --budget-cap-ms, the client's remaining time)
+    # The decision's own stage times (ms; Stage.TOTAL: the router's time from taking the request to
+    # deciding). elapsed_s less the total is this sidecar's own path: decoding, the hop to the trio
+    # thread and back, encoding.
+    stage_ms: Mapping[Stage, float] = field(default_factory=dict)
+
+    @property
+    def own_path_s(self) -> float:
+        """The sidecar's share of elapsed_s: everything but the router's decision."""
+        return max(0.0, self.elapsed_s - self.stage_ms.get(Stage.TOTAL, 0.0) / 1000.0)
 
     @property
     def lateness_s(self) -> float:
@@ -403,10 +412,10 @@ class Sidecar:
         self._counters.enter()
         outcome = "answered"
         try:
-            reply, routing_s = self._route_call(data, context, received)
+            reply, routing_s, stage_ms = self._route_call(data, context, received)
             if remaining is not None and math.isfinite(remaining):
                 routing_s = min(routing_s, remaining)
-            self._timings.append(CallTiming(time.monotonic() - received, routing_s))
+            self._timings.append(CallTiming(time.monotonic() - received, routing_s, stage_ms))
             return reply
         except PeerAbort as abort:
             outcome = _OUTCOME_BY_STATUS.get(abort.status, "failed")
@@ -414,8 +423,11 @@ class Sidecar:
         finally:
             self._counters.leave(outcome)
 
-    def _route_call(self, data: bytes, context: grpc.ServicerContext, received: float) -> tuple[bytes, float]:
-        """The serialised decision, and the routing deadline (min(budget, cap)) in seconds from receipt."""
+    def _route_call(
+        self, data: bytes, context: grpc.ServicerContext, received: float
+    ) -> tuple[bytes, float, Mapping[Stage, float]]:
+        """The serialised decision, the routing deadline (min(budget, cap)) in seconds from receipt,
+        and the decision's stage times."""
         if self._draining:  # written by the trio thread; a call racing the flip is routed normally
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is draining: request not routed")
         message = router_v1_pb2.RouteRequest()
@@ -441,7 +453,7 @@ class Sidecar:
         left_s = routing_s if client_s is None else min(routing_s, client_s - self._reply_margin_ms / 1000.0)
         shed = self._shed_at_receipt(request, left_s, received)
         if shed is not None:
-            return self._reply(shed, context), routing_s
+            return self._reply(shed, context), routing_s, shed.stage_ms
         wait_s = routing_s + ANSWER_SLACK_S
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
@@ -465,7 +477,7 @@ class Sidecar:
             self._counters.answered(took_s, max(0.0, left_s))
         reply = self._reply(decision, context)
         self._observe_path_cost(time.monotonic() - sent_at - decision.elapsed_ms / 1000.0)
-        return reply, routing_s
+        return reply, routing_s, decision.stage_ms
 
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
         if decision.reason is Reason.BAD_REQUEST:

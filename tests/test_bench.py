@@ -15,8 +15,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvroute_sim.bench.rate import RateResult, knee
+from kvroute_sim.bench.rate import RateResult, breakdown, knee
 from router.cli import main
+from router.sidecar import CallTiming
+from router.types import Stage
 
 QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,P7,P8,soak"
 EXPECTED_ROWS = [
@@ -88,6 +90,9 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
     for r in rates:  # every call sent is answered by the sidecar or seen failing by the client
         assert r["sent"] > 0 and r["answered_by_sidecar"] + sum(r["errors"].values()) >= r["sent"]
         assert 0 <= r["fallback_share"] <= 1 and sum(r["outcomes"].values()) <= r["sent"]
+        if r["answered_by_sidecar"]:  # where the time went: the router's share, the sidecar's own path
+            assert r["router_p50_ms"] >= 0 and 0 <= r["own_path_p50_ms"] <= r["sidecar_p99_ms"]
+        assert r["cpu_ms_per_call"] > 0
     assert by_key["P8"]["data"]["knee"] in {None, 50, 100, 200, 400, 800}
     soak = by_key["soak"]["data"]
     assert soak["requests"] == 2_000 and soak["warm_up"] == 1_000
@@ -148,3 +153,27 @@ def test_p8_knee_is_where_p99_doubles_or_fallbacks_pass_two_percent() -> None:
     assert knee([at(50, 3.0), at(100, 4.0), at(200, 6.0)]) == 200
     assert knee([at(50, 3.0), at(100, 3.0, fallbacks=3), at(200, 6.0)]) == 100
     assert knee([at(50, 3.0, fallbacks=2)]) is None
+
+
+def test_p8_breakdown_splits_each_call_into_the_routers_time_its_query_and_the_sidecars_own_path() -> None:
+    routed = CallTiming(0.010, 0.03, {Stage.CACHE_QUERY: 4.0, Stage.SCORE: 1.0, Stage.TOTAL: 7.0})
+    shed = CallTiming(0.001, 0.03, {Stage.TOTAL: 0.5})  # answered overloaded on the handler thread
+    router_ms, query_ms, own_ms = breakdown([routed, shed])
+    assert router_ms == (7.0, 0.5)
+    assert query_ms == (4.0,)  # only the call that queried KVCM
+    assert own_ms == pytest.approx((3.0, 0.5))
+    result = RateResult(
+        rate=100,
+        sent=2,
+        seconds=0.02,
+        sidecar_ms=(10.0, 1.0),
+        client_ms=(11.0, 2.0),
+        errors=Counter(),
+        outcomes=Counter({"kvcm/CACHE_LEADER": 1, "domain/overloaded": 1}),
+        router_ms=router_ms,
+        query_ms=query_ms,
+        own_path_ms=own_ms,
+        cpu_ms_per_call=5.0,
+    ).to_json()
+    assert result["kvcm_query_p50_ms"] == 4.0 and result["cpu_ms_per_call"] == 5.0
+    assert RateResult(100, 1, 1.0, (), (), Counter(), Counter()).to_json()["router_p50_ms"] is None

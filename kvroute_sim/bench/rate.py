@@ -11,10 +11,16 @@ Added latency is the sidecar's own, from its handler's receipt of a call to its 
 (gRPC's queueing before the handler is in the client's latency, reported beside it). A fallback is
 an answer not from the KVCM source. The knee is the first rate whose p99 is twice the lowest rate's,
 or whose fallbacks exceed 2 %.
+
+Where the time goes, per rate: the router's own time per decision (its stage ``total``), the KVCM
+query within it (stage ``cache_query``, one remote call), the sidecar's own path (receipt to reply
+less the router's time: decoding, the hop to the trio thread and back, encoding), and this
+process's CPU per call over the rate's run (the sidecar, the router and its background work).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, replace
@@ -28,7 +34,8 @@ from kvroute_sim.bench.overload import route_requests
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import percentile
 from router.api import open_router
-from router.sidecar import Sidecar
+from router.sidecar import CallTiming, Sidecar
+from router.types import Stage
 from router.wire import router_v1_pb2
 
 RATES = (50, 100, 200, 400, 800)  # calls/s offered
@@ -59,6 +66,10 @@ class RateResult:
     client_ms: tuple[float, ...]
     errors: Counter[str]  # grpc status names of calls the client saw fail
     outcomes: Counter[str]  # "route_source/reason" of the answered calls
+    router_ms: tuple[float, ...] = ()  # the router's own time per answered call (stage total)
+    query_ms: tuple[float, ...] = ()  # the KVCM query stage, calls that made one
+    own_path_ms: tuple[float, ...] = ()  # the sidecar's own path per answered call
+    cpu_ms_per_call: float = 0.0  # this process's CPU over the rate's run, per call sent
 
     def p(self, q: float) -> float:
         return percentile(self.sidecar_ms, q) if self.sidecar_ms else float("inf")
@@ -82,9 +93,31 @@ class RateResult:
             "client_p50_ms": percentile(self.client_ms, 50) if self.client_ms else None,
             "client_p99_ms": percentile(self.client_ms, 99) if self.client_ms else None,
             "fallback_share": self.fallback_share,
+            "router_p50_ms": _p(self.router_ms, 50),
+            "router_p99_ms": _p(self.router_ms, 99),
+            "kvcm_query_p50_ms": _p(self.query_ms, 50),
+            "kvcm_query_p99_ms": _p(self.query_ms, 99),
+            "own_path_p50_ms": _p(self.own_path_ms, 50),
+            "own_path_p99_ms": _p(self.own_path_ms, 99),
+            "cpu_ms_per_call": self.cpu_ms_per_call,
             "errors": dict(self.errors.most_common()),
             "outcomes": dict(self.outcomes.most_common()),
         }
+
+
+def _p(values: Sequence[float], q: float) -> float | None:
+    return percentile(values, q) if values else None
+
+
+def breakdown(
+    timings: Sequence[CallTiming],
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Per answered call (ms): the router's own time, the KVCM query (calls that made one), the
+    sidecar's own path."""
+    router = tuple(t.stage_ms.get(Stage.TOTAL, 0.0) for t in timings)
+    query = tuple(t.stage_ms[Stage.CACHE_QUERY] for t in timings if Stage.CACHE_QUERY in t.stage_ms)
+    own = tuple(t.own_path_s * 1e3 for t in timings)
+    return router, query, own
 
 
 def knee(results: Sequence[RateResult]) -> int | None:
@@ -121,22 +154,29 @@ async def _run(view: ClusterView, sizes: RateSizes, caller_cpus: Set[int] | None
                         count = max(1, round(rate * sizes.seconds_per_rate))
                         requests = route_requests(view, f"p8-{rate}", count, BUDGET_MS)
                         level = Level(str(bound), requests, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=rate)
+                        cpu_before = time.process_time()
                         run = await trio.to_thread.run_sync(client.run, level)
+                        cpu_s = time.process_time() - cpu_before
                         seen = run.results[0]
                         outcomes: Counter[str] = Counter()
                         for raw in seen.replies:
                             decision = router_v1_pb2.RouteDecision.FromString(raw)
                             outcomes[f"{decision.route_source}/{decision.reason}"] += 1
                         timings = sidecar.take_call_timings()
+                        router_ms, query_ms, own_path_ms = breakdown(timings)
                         results.append(
                             RateResult(
-                                rate,
-                                len(requests),
-                                run.seconds,
-                                tuple(t.elapsed_s * 1e3 for t in timings),
-                                tuple(seen.client_ms),
-                                Counter(seen.errors),
-                                outcomes,
+                                rate=rate,
+                                sent=len(requests),
+                                seconds=run.seconds,
+                                sidecar_ms=tuple(t.elapsed_s * 1e3 for t in timings),
+                                client_ms=tuple(seen.client_ms),
+                                errors=Counter(seen.errors),
+                                outcomes=outcomes,
+                                router_ms=router_ms,
+                                query_ms=query_ms,
+                                own_path_ms=own_path_ms,
+                                cpu_ms_per_call=cpu_s * 1e3 / len(requests),
                             )
                         )
             finally:
@@ -144,13 +184,24 @@ async def _run(view: ClusterView, sizes: RateSizes, caller_cpus: Set[int] | None
     return results
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _curve(results: Sequence[RateResult]) -> str:
-    lines = ["rate/s | calls | sidecar p50 ms | sidecar p99 ms | client p99 ms | fallbacks | failed calls"]
+    lines = [
+        "rate/s | calls | sidecar p50 ms | sidecar p99 ms | client p99 ms | fallbacks | failed calls"
+        " | router p50/p99 ms | kvcm query p50/p99 ms | own path p50/p99 ms | CPU ms/call"
+    ]
     for r in results:
         client_p99 = percentile(r.client_ms, 99) if r.client_ms else float("nan")
         lines.append(
             f"{r.rate:>6} | {r.sent:>5} | {r.p(50):>14.2f} | {r.p(99):>14.2f} | {client_p99:>13.1f} | "
-            f"{r.fallback_share:>9.1%} | " + (", ".join(f"{code} {n}" for code, n in r.errors.most_common()) or "-")
+            f"{r.fallback_share:>9.1%} | "
+            + (", ".join(f"{code} {n}" for code, n in r.errors.most_common()) or "-")
+            + f" | {_ms(_p(r.router_ms, 50))}/{_ms(_p(r.router_ms, 99))}"
+            f" | {_ms(_p(r.query_ms, 50))}/{_ms(_p(r.query_ms, 99))}"
+            f" | {_ms(_p(r.own_path_ms, 50))}/{_ms(_p(r.own_path_ms, 99))} | {r.cpu_ms_per_call:.2f}"
         )
     return "\n".join(lines)
 
