@@ -113,9 +113,11 @@ class ProberConfig:
     # Background refresh of the hot workers (candidates of a request within hot_window_s): each is
     # polled every refresh_interval_s, so requests find its status fresh and make no probe of their own.
     # Polls take only tokens beyond the share of the budget kept for requests' own probes, and at most
-    # refresh_budget_share of the rate. Runs only while refresh_interval_s < fresh_ttl_s.
+    # refresh_budget_share of the rate. Runs only while refresh_interval_s < fresh_ttl_s. The interval
+    # leaves fresh_ttl_s a poll's round trip and the loop's lag to spare (10 ms of 50): polls are most
+    # of the router's CPU when idle, so polling sooner than the status needs is paid for by requests.
     background_refresh: bool = True
-    refresh_interval_s: float = bounded(0.03, 0, 60, low_open=True)
+    refresh_interval_s: float = bounded(0.04, 0, 60, low_open=True)
     hot_window_s: float = bounded(2.0, 0, 3600, low_open=True)
     refresh_budget_share: float = bounded(0.5, 0, 1, low_open=True)
 
