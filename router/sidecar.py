@@ -48,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -178,15 +178,16 @@ class CallTiming:
 
     elapsed_s: float  # receipt (the handler thread started) to the serialised reply
     allowed_s: float  # the call's deadline at receipt: min(budget, --budget-cap-ms, the client's remaining time)
-    # The decision's own stage times (ms; Stage.TOTAL: the router's time from taking the request to
-    # deciding). elapsed_s less the total is this sidecar's own path: decoding, the hop to the trio
-    # thread and back, encoding.
-    stage_ms: Mapping[Stage, float] = field(default_factory=dict)
+    # The router's own time, from taking the request to deciding (the decision's stage total);
+    # elapsed_s less it is this sidecar's own path: decoding, the hop to the trio thread and back,
+    # encoding.
+    router_s: float = 0.0
+    query_s: float | None = None  # the decision's KVCM query stage (None: it made none)
 
     @property
     def own_path_s(self) -> float:
         """The sidecar's share of elapsed_s: everything but the router's decision."""
-        return max(0.0, self.elapsed_s - self.stage_ms.get(Stage.TOTAL, 0.0) / 1000.0)
+        return max(0.0, self.elapsed_s - self.router_s)
 
     @property
     def lateness_s(self) -> float:
@@ -415,7 +416,15 @@ class Sidecar:
             reply, routing_s, stage_ms = self._route_call(data, context, received)
             if remaining is not None and math.isfinite(remaining):
                 routing_s = min(routing_s, remaining)
-            self._timings.append(CallTiming(time.monotonic() - received, routing_s, stage_ms))
+            query_ms = stage_ms.get(Stage.CACHE_QUERY)
+            self._timings.append(
+                CallTiming(
+                    elapsed_s=time.monotonic() - received,
+                    allowed_s=routing_s,
+                    router_s=stage_ms.get(Stage.TOTAL, 0.0) / 1000.0,
+                    query_s=None if query_ms is None else query_ms / 1000.0,
+                )
+            )
             return reply
         except PeerAbort as abort:
             outcome = _OUTCOME_BY_STATUS.get(abort.status, "failed")

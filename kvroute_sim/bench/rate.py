@@ -35,7 +35,6 @@ from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import percentile
 from router.api import open_router
 from router.sidecar import CallTiming, Sidecar
-from router.types import Stage
 from router.wire import router_v1_pb2
 
 RATES = (50, 100, 200, 400, 800)  # calls/s offered
@@ -114,8 +113,8 @@ def breakdown(
 ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """Per answered call (ms): the router's own time, the KVCM query (calls that made one), the
     sidecar's own path."""
-    router = tuple(t.stage_ms.get(Stage.TOTAL, 0.0) for t in timings)
-    query = tuple(t.stage_ms[Stage.CACHE_QUERY] for t in timings if Stage.CACHE_QUERY in t.stage_ms)
+    router = tuple(t.router_s * 1e3 for t in timings)
+    query = tuple(t.query_s * 1e3 for t in timings if t.query_s is not None)
     own = tuple(t.own_path_s * 1e3 for t in timings)
     return router, query, own
 
