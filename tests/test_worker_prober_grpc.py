@@ -11,7 +11,6 @@ import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import grpc
 import pytest
 import trio
 
@@ -22,7 +21,7 @@ from kvroute_sim.sim.grpc_server import serve_endpoint
 from kvroute_sim.sim.worker import WORKER_METHODS, SimWorker, WorkerFaults
 from router.config import ChannelPoolConfig, ProberConfig
 from router.transport.clients import WorkerStatusClient
-from router.transport.grpc_adapter import GrpcRawRpc
+from router.transport.grpc_adapter import GrpcRawRpc, OutboundChannel
 from router.types import WorkerAddr
 from router.wire import paths
 
@@ -87,7 +86,7 @@ async def fleet(nursery: trio.Nursery) -> AsyncIterator[Fleet]:
         async with trio.open_nursery() as starting:
             for i in range(FLEET):
                 starting.start_soon(serve, i)
-    pool: ChannelPool[grpc.Channel] = ChannelPool(ChannelPoolConfig())
+    pool: ChannelPool[OutboundChannel] = ChannelPool(ChannelPoolConfig())
     await nursery.start(pool.run)
     # A generous probe timeout: on a loaded machine the first probes also set up 200 connections, and
     # a timed-out probe would be counted as a failure the test does not expect.
