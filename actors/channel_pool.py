@@ -46,7 +46,7 @@ from actors.inbox import Alarm, Ask
 from router.config import ChannelPoolConfig
 from router.problems import Problem, range_problems, refuse
 from router.targets import parse_target
-from router.transport.grpc_adapter import OutboundChannel, open_channel
+from router.transport.grpc_adapter import open_channel
 
 
 class ClosableChannel(Protocol):
@@ -187,7 +187,7 @@ class ChannelPool(Generic[ChannelT]):
 
     @overload
     def __init__(
-        self: ChannelPool[OutboundChannel],
+        self: ChannelPool[grpc.Channel],
         config: ChannelPoolConfig,
         factory: None = None,
         *,
@@ -208,7 +208,7 @@ class ChannelPool(Generic[ChannelT]):
         refuse("channel_pool", channel_pool_problems(config))
         self._config = config
         self._evict_listener: Callable[[EvictReason], None] | None = None
-        # Without a factory ChannelT is OutboundChannel (first overload).
+        # Without a factory ChannelT is grpc.Channel (first overload).
         self._factory: Callable[[str], ChannelT] = factory or functools.partial(  # type: ignore[assignment]
             open_channel, config=config, credentials=credentials
         )

@@ -3,21 +3,16 @@
 Rows, measured in the same run and interleaved over rounds:
   sync stub         plain blocking grpcio calls (sequential) and .future() with a window
                     of in-flight calls (concurrent) — no trio: the floor
-  outbound loop     kvroute's GrpcRawRpc: ChannelPool lease + the call on the process's
-                    outbound asyncio loop (grpc.aio), its completion waking trio via the
-                    trio token
-  sync future       the bridge before: sync stub .future() on a bare channel whose
-                    done-callback wakes trio via the trio token (grpcio starts a thread for
-                    every call on a channel with none in flight)
+  future bridge     kvroute's GrpcRawRpc: ChannelPool lease + sync stub .future() whose
+                    done-callback wakes trio via the trio token
+  future (no pool)  the same bridge on a bare channel: what the pool lease costs
   aio/trio-asyncio  grpc.aio called from trio through trio-asyncio
   to_thread         the blocking call in trio.to_thread (not cancellable at the server)
   thread pool       persistent threads, each consuming a single-threaded unary-stream call
                     (cancellable from trio): no per-call thread start, one handoff instead
 
-Per row: sequential latency p50/p99 (ms), concurrent throughput (calls/s) with
-``--concurrency`` calls in flight, and this process's CPU per call over both parts
-(``time.process_time``: every thread, so grpcio's and the loop's threads too).
-Bounded: about 45 s with the defaults on 2 cores.
+Per row: sequential latency p50/p99 (ms) and concurrent throughput (calls/s) with
+``--concurrency`` calls in flight. Bounded: about 45 s with the defaults on 2 cores.
 
 Run: ``python bench/bench_grpc_bridge.py [--calls N] [--concurrent-calls N] [--concurrency C] [--rounds R]``.
 """
@@ -42,7 +37,7 @@ import trio_asyncio
 from actors.channel_pool import ChannelPool
 from kvroute_sim.stats import percentile
 from router.config import ChannelPoolConfig
-from router.transport.grpc_adapter import GrpcRawRpc, channel_options
+from router.transport.grpc_adapter import GrpcRawRpc, channel_options, wait_future
 from router.transport.grpc_server import start_grpc_server
 
 ECHO = "/kvroute.bench.Echo/Echo"
@@ -64,8 +59,6 @@ class Result:
         self.latencies_ms: list[float] = []
         self.calls = 0
         self.seconds = 0.0
-        self.cpu_s = 0.0  # this process, every thread, over the measured parts
-        self.cpu_calls = 0
 
     def p(self, q: float) -> float:
         """Nearest-rank percentile, ``q`` in 0..1."""
@@ -80,7 +73,6 @@ def sync_stub(target: str, calls: int, concurrent_calls: int, concurrency: int, 
     stub = channel.unary_unary(ECHO, None, None)
     for _ in range(calls // 10):  # warm-up
         stub(PAYLOAD, timeout=CALL_TIMEOUT_S)
-    cpu_before = time.process_time()
     for _ in range(calls):
         start = time.perf_counter()
         stub(PAYLOAD, timeout=CALL_TIMEOUT_S)
@@ -103,8 +95,6 @@ def sync_stub(target: str, calls: int, concurrent_calls: int, concurrency: int, 
         done.result()
     result.seconds += time.perf_counter() - start
     result.calls += concurrent_calls
-    result.cpu_s += time.process_time() - cpu_before
-    result.cpu_calls += calls + concurrent_calls
     channel.close()
 
 
@@ -115,7 +105,6 @@ async def measure(call: Call, calls: int, concurrent_calls: int, concurrency: in
     with trio.fail_after(300):  # every call carries a deadline, as in production
         for _ in range(calls // 10):
             await call()
-        cpu_before = time.process_time()
         for _ in range(calls):
             start = time.perf_counter()
             await call()
@@ -132,11 +121,9 @@ async def measure(call: Call, calls: int, concurrent_calls: int, concurrency: in
                 nursery.start_soon(worker, share + (1 if i < extra else 0))
         result.seconds += time.perf_counter() - start
         result.calls += concurrent_calls
-        result.cpu_s += time.process_time() - cpu_before
-        result.cpu_calls += calls + concurrent_calls
 
 
-async def outbound_loop_bridge(
+async def future_bridge(
     target: str, calls: int, concurrent_calls: int, concurrency: int, result: Result
 ) -> None:
     pool = ChannelPool(ChannelPoolConfig())
@@ -147,15 +134,7 @@ async def outbound_loop_bridge(
         await pool.aclose()
 
 
-async def wait_future(future: grpc.Future[bytes]) -> None:
-    """The bridge before: park until the sync future's done-callback (on grpcio's thread) wakes us."""
-    token = trio.lowlevel.current_trio_token()
-    task = trio.lowlevel.current_task()
-    future.add_done_callback(lambda _: token.run_sync_soon(trio.lowlevel.reschedule, task))
-    await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
-
-
-async def sync_future_bare(
+async def future_no_pool(
     target: str, calls: int, concurrent_calls: int, concurrency: int, result: Result
 ) -> None:
     channel = grpc.insecure_channel(target, options=channel_options(ChannelPoolConfig()))
@@ -289,8 +268,8 @@ async def thread_pool(target: str, calls: int, concurrent_calls: int, concurrenc
 
 ROWS = (
     "sync stub (floor)",
-    "outbound loop (GrpcRawRpc)",
-    "sync future, bare channel (the bridge before)",
+    "future bridge (GrpcRawRpc)",
+    "future bridge, no pool",
     "grpc.aio via trio-asyncio",
     "blocking call in trio.to_thread",
     "persistent threads, single-threaded stream",
@@ -332,8 +311,8 @@ def main() -> None:
         began = time.perf_counter()
         for _ in range(args.rounds):
             sync_stub(target, *sizes, results[ROWS[0]])
-            trio.run(outbound_loop_bridge, target, *sizes, results[ROWS[1]])
-            trio.run(sync_future_bare, target, *sizes, results[ROWS[2]])
+            trio.run(future_bridge, target, *sizes, results[ROWS[1]])
+            trio.run(future_no_pool, target, *sizes, results[ROWS[2]])
             trio.run(aio_trio_asyncio, target, *sizes, results[ROWS[3]])
             trio.run(blocking_to_thread, target, *sizes, results[ROWS[4]])
             trio.run(thread_pool, target, *sizes, results[ROWS[5]])
@@ -350,15 +329,15 @@ def main() -> None:
         f"per row; {elapsed:.0f} s"
     )
     print()
-    print("| bridge | seq p50 ms | seq p99 ms | p50 vs floor | concurrent calls/s | vs floor | CPU µs/call |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| bridge | seq p50 ms | seq p99 ms | p50 vs floor | concurrent calls/s | vs floor |")
+    print("|---|---:|---:|---:|---:|---:|")
     floor_rate = floor.calls / floor.seconds
     for row in ROWS:
         r = results[row]
         rate = r.calls / r.seconds
         print(
             f"| {row} | {r.p(0.5):.3f} | {r.p(0.99):.3f} | {r.p(0.5) / floor.p(0.5):.2f}× "
-            f"| {rate:,.0f} | {rate / floor_rate:.2f}× | {r.cpu_s * 1e6 / max(1, r.cpu_calls):,.0f} |"
+            f"| {rate:,.0f} | {rate / floor_rate:.2f}× |"
         )
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 
+import grpc
 import trio
 
 from actors.channel_pool import ChannelPool
@@ -29,7 +30,7 @@ from actors.worker_prober import ProbeOutcome, WorkerProber
 from kvroute_sim.stats import percentile
 from router.config import ChannelPoolConfig, ProberConfig
 from router.transport.clients import WorkerStatusClient
-from router.transport.grpc_adapter import GrpcRawRpc, OutboundChannel
+from router.transport.grpc_adapter import GrpcRawRpc
 from router.types import WorkerAddr
 from router.wire import decode, paths
 
@@ -51,7 +52,7 @@ async def timed(count: int, once: Callable[[int], Awaitable[None]]) -> list[floa
 async def bench(workers: list[WorkerAddr], count: int) -> list[tuple[str, list[float], str]]:
     rows: list[tuple[str, list[float], str]] = []
     async with trio.open_nursery() as nursery:
-        pool: ChannelPool[OutboundChannel] = ChannelPool(ChannelPoolConfig())
+        pool: ChannelPool[grpc.Channel] = ChannelPool(ChannelPoolConfig())
         await nursery.start(pool.run)
         rpc = GrpcRawRpc(pool)
         request = decode.encode_status_version(-1)

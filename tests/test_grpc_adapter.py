@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -28,7 +27,7 @@ from router.transport.errors import (
     TransportError,
     Unavailable,
 )
-from router.transport.grpc_adapter import GrpcRawRpc, OutboundChannel, channel_options, remaining_timeout, wait_call
+from router.transport.grpc_adapter import GrpcRawRpc, channel_options, remaining_timeout
 from router.transport.grpc_server import GrpcServer, method_handlers, serve_grpc, start_grpc_server
 
 ECHO = "/kvroute.test.Peer/Echo"
@@ -38,7 +37,6 @@ ABORT = "/kvroute.test.Peer/Abort"
 DENY = "/kvroute.test.Peer/Deny"
 CRASH = "/kvroute.test.Peer/Crash"
 FLAKY = "/kvroute.test.Peer/Flaky"
-SERVER_THREAD_PREFIX = "kvroute-grpc-server"  # start_grpc_server's handler threads
 
 
 class Peer:
@@ -106,14 +104,14 @@ def peer() -> Iterator[tuple[Peer, GrpcServer]]:
 
 
 @pytest.fixture
-async def pool(nursery: trio.Nursery) -> AsyncIterator[ChannelPool[OutboundChannel]]:
+async def pool(nursery: trio.Nursery) -> AsyncIterator[ChannelPool[grpc.Channel]]:
     channels = ChannelPool(ChannelPoolConfig())
     await nursery.start(channels.run)
     yield channels
     await channels.aclose()
 
 
-async def settled(pool: ChannelPool[OutboundChannel]) -> ChannelPoolSnapshot:
+async def settled(pool: ChannelPool[grpc.Channel]) -> ChannelPoolSnapshot:
     """The pool's snapshot once its task has applied what the calls reported (every task blocked)."""
     await trio.testing.wait_all_tasks_blocked()
     return pool.snapshot()
@@ -128,7 +126,7 @@ def dead_target() -> str:
 
 
 async def test_round_trip_carries_raw_bytes(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[OutboundChannel]
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     state, server = peer
     rpc = GrpcRawRpc(pool)
@@ -142,7 +140,7 @@ async def test_round_trip_carries_raw_bytes(
 
 
 async def test_serve_grpc_reports_its_address_and_stops_when_cancelled(
-    pool: ChannelPool[OutboundChannel],
+    pool: ChannelPool[grpc.Channel],
 ) -> None:
     rpc = GrpcRawRpc(pool)
     with trio.fail_after(10):
@@ -163,7 +161,7 @@ def test_method_paths_must_be_full(path: str) -> None:
 
 
 async def test_concurrent_calls_share_one_channel(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[OutboundChannel]
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     _, server = peer
     rpc = GrpcRawRpc(pool)
@@ -181,7 +179,7 @@ async def test_concurrent_calls_share_one_channel(
 
 
 async def test_timeout_passed_is_the_callers_remaining_deadline(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[OutboundChannel]
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     assert remaining_timeout() is None  # no scope: no timeout is passed
     _, server = peer
@@ -198,7 +196,7 @@ async def test_timeout_passed_is_the_callers_remaining_deadline(
 
 
 async def test_expired_deadline_raises_without_sending(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[OutboundChannel]
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     state, server = peer
     rpc = GrpcRawRpc(pool)
@@ -210,7 +208,7 @@ async def test_expired_deadline_raises_without_sending(
 
 
 async def test_deadline_during_the_call(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[OutboundChannel]
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     """Both outcomes are acceptable: gRPC's DEADLINE_EXCEEDED (timeout= is the same instant as the
     caller's deadline) or the caller's own scope cancelled first — observed here every time, as
@@ -233,7 +231,7 @@ async def test_deadline_during_the_call(
 
 
 async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[OutboundChannel]
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     """The deadline passes while another task blocks the trio thread (as a GC pause does) and the
     reply arrives meanwhile: the caller gets the reply, not a cancellation that would count the
@@ -257,7 +255,7 @@ async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
     assert state.calls[ECHO] == 2
 
 
-async def test_dead_port_is_unavailable_and_invalidates_the_channel(pool: ChannelPool[OutboundChannel]) -> None:
+async def test_dead_port_is_unavailable_and_invalidates_the_channel(pool: ChannelPool[grpc.Channel]) -> None:
     target = dead_target()
     rpc = GrpcRawRpc(pool)
     with trio.fail_after(10):
@@ -283,7 +281,7 @@ async def test_dead_port_is_unavailable_and_invalidates_the_channel(pool: Channe
 )
 async def test_server_status_codes_map_to_our_errors(
     peer: tuple[Peer, GrpcServer],
-    pool: ChannelPool[OutboundChannel],
+    pool: ChannelPool[grpc.Channel],
     path: str,
     request_bytes: bytes,
     error: type[TransportError],
@@ -306,7 +304,7 @@ async def test_server_status_codes_map_to_our_errors(
 
 
 async def test_cancelling_the_scope_cancels_the_rpc_at_the_server(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[OutboundChannel]
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     state, server = peer
     rpc = GrpcRawRpc(pool)
@@ -362,8 +360,10 @@ async def test_grpc_retries_are_disabled_on_our_channels(
         option for option in channel_options(config) if retries_disabled or option[0] != "grpc.enable_retries"
     ]
 
-    def factory(target: str) -> OutboundChannel:
-        return OutboundChannel(target, [*options, ("grpc.service_config", _RETRYING_SERVICE_CONFIG)])
+    def factory(target: str) -> grpc.Channel:
+        return grpc.insecure_channel(
+            target, options=[*options, ("grpc.service_config", _RETRYING_SERVICE_CONFIG)]
+        )
 
     channels = ChannelPool(config, factory)
     await nursery.start(channels.run)
@@ -377,103 +377,3 @@ async def test_grpc_retries_are_disabled_on_our_channels(
             assert await rpc.call(server.target, FLAKY, b"x") == b"x"
             assert state.calls[FLAKY] == 2
     await channels.aclose()
-
-
-class ThreadStarts:
-    """Counts the client-side Python threads started while it is installed (``threading.setprofile``:
-    every thread started through ``threading`` runs the hook once before its target). The in-process
-    peer's handler pool grows on demand: its threads are the server's, not the bridge's."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0  # not idents: an exited thread's ident is handed to the next one
-
-    def _hook(self, frame: object, event: str, arg: object) -> None:
-        if not threading.current_thread().name.startswith(SERVER_THREAD_PREFIX):
-            with self._lock:
-                self.count += 1
-        sys.setprofile(None)  # one call is enough: stop profiling the new thread
-
-    def __enter__(self) -> ThreadStarts:
-        threading.setprofile(self._hook)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        threading.setprofile(None)
-
-
-@pytest.mark.parametrize("bridge", ["outbound loop", "sync future (control)"])
-async def test_calls_on_idle_channels_start_no_thread(peer: tuple[Peer, GrpcServer], bridge: str) -> None:
-    """The outbound loop carries every call on threads that live as long as the process: sequential
-    calls on several channels, each idle between its calls, start no thread. The control — grpcio's
-    sync ``.future()``, the bridge before — starts one per call on an idle channel, so the count
-    can tell the two apart."""
-    _, server = peer
-    options = channel_options(ChannelPoolConfig())
-    with trio.fail_after(10):
-        if bridge == "outbound loop":
-            channels = [OutboundChannel(server.target, options) for _ in range(3)]
-            for channel in channels:  # warm: connections up, the loop and grpc.aio's poller started
-                await _outbound_echo(channel, b"warm")
-            with ThreadStarts() as starts:
-                for i in range(12):
-                    assert await _outbound_echo(channels[i % 3], b"x") == b"x"
-            for channel in channels:
-                channel.close()
-            assert starts.count == 0
-        else:
-            sync_channels = [grpc.insecure_channel(server.target, options=options) for _ in range(3)]
-            stubs = [c.unary_unary(ECHO, None, None) for c in sync_channels]
-            for stub in stubs:
-                stub(b"warm", timeout=5)
-            with ThreadStarts() as starts:
-                for i in range(12):
-                    future = stubs[i % 3].future(b"x", timeout=5)
-                    await trio.to_thread.run_sync(future.result)
-            for sync_channel in sync_channels:
-                sync_channel.close()
-            assert starts.count >= 12  # a spin thread per call (the to_thread worker is reused)
-
-
-async def _outbound_echo(channel: OutboundChannel, payload: bytes) -> bytes:
-    call = await wait_call(channel, ECHO, payload, 5.0)
-    return call.result()
-
-
-async def test_closing_a_channel_ends_its_calls_in_flight(peer: tuple[Peer, GrpcServer]) -> None:
-    """A channel closed under a call (evicted with a lease still out would not be; shutdown of the
-    process is) ends the call with an error instead of leaving its caller waiting."""
-    state, server = peer
-    channel = OutboundChannel(server.target, channel_options(ChannelPoolConfig()))
-    error: BaseException | None = None
-
-    async def caller() -> None:
-        nonlocal error
-        error = (await wait_call(channel, HANG, b"", 5.0)).exception()
-
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(caller)
-            assert await trio.to_thread.run_sync(state.hang_started.wait, 5)
-            channel.close()
-        assert await trio.to_thread.run_sync(state.hang_ended.wait, 5)
-    assert isinstance(error, grpc.RpcError)
-    assert error.code() is grpc.StatusCode.CANCELLED
-
-
-async def test_a_call_cancelled_as_soon_as_started_ends_cancelled(peer: tuple[Peer, GrpcServer]) -> None:
-    """``cancel()`` right after ``start()`` — whether or not the loop's thread has begun the call yet
-    — ends it cancelled and runs its ``on_done``."""
-    _, server = peer
-    channel = OutboundChannel(server.target, channel_options(ChannelPoolConfig()))
-    ended = trio.Event()
-    token = trio.lowlevel.current_trio_token()
-    with trio.fail_after(10):
-        assert await _outbound_echo(channel, b"warm") == b"warm"
-        call = channel.start(HANG, b"", 5.0, lambda _: token.run_sync_soon(ended.set))
-        call.cancel()
-        await ended.wait()
-        channel.close()
-    assert call.done()
-    error = call.exception()
-    assert isinstance(error, grpc.RpcError) and error.code() is grpc.StatusCode.CANCELLED

@@ -14,6 +14,7 @@ import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import grpc
 import pytest
 import trio
 
@@ -24,7 +25,7 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from router.config import BreakerConfig, ChannelPoolConfig, LeaderConfig
 from router.transport.clients import KvcmClient
 from router.transport.errors import NotLeader
-from router.transport.grpc_adapter import GrpcRawRpc, OutboundChannel
+from router.transport.grpc_adapter import GrpcRawRpc
 from router.types import CacheQuery, QueryType
 from router.wire import paths
 
@@ -72,7 +73,7 @@ class Kvcm:
 @pytest.fixture
 async def kvcm(nursery: trio.Nursery) -> AsyncIterator[Kvcm]:
     cluster = SimCluster(workers=1, kvcm_replicas=REPLICAS)
-    pool: ChannelPool[OutboundChannel] = ChannelPool(ChannelPoolConfig())
+    pool: ChannelPool[grpc.Channel] = ChannelPool(ChannelPoolConfig())
     with trio.fail_after(10):
         addresses = await nursery.start(functools.partial(cluster.serve_grpc, max_threads=4))
         await nursery.start(pool.run)

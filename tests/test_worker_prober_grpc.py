@@ -11,6 +11,7 @@ import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import grpc
 import pytest
 import trio
 
@@ -21,7 +22,7 @@ from kvroute_sim.sim.grpc_server import serve_endpoint
 from kvroute_sim.sim.worker import WORKER_METHODS, SimWorker, WorkerFaults
 from router.config import ChannelPoolConfig, ProberConfig
 from router.transport.clients import WorkerStatusClient
-from router.transport.grpc_adapter import GrpcRawRpc, OutboundChannel
+from router.transport.grpc_adapter import GrpcRawRpc
 from router.types import WorkerAddr
 from router.wire import paths
 
@@ -86,7 +87,7 @@ async def fleet(nursery: trio.Nursery) -> AsyncIterator[Fleet]:
         async with trio.open_nursery() as starting:
             for i in range(FLEET):
                 starting.start_soon(serve, i)
-    pool: ChannelPool[OutboundChannel] = ChannelPool(ChannelPoolConfig())
+    pool: ChannelPool[grpc.Channel] = ChannelPool(ChannelPoolConfig())
     await nursery.start(pool.run)
     # A generous probe timeout: on a loaded machine the first probes also set up 200 connections, and
     # a timed-out probe would be counted as a failure the test does not expect.

@@ -1,6 +1,6 @@
 """gRPC adapter of ``MasterTransport``: ``/FlexlbService/Schedule`` on the scheduler's HTTP port + 2.
 
-Calls go through ``GrpcRawRpc`` (the outbound loop bridge and the channel pool), so the caller's trio
+Calls go through ``GrpcRawRpc`` (the future bridge and the channel pool), so the caller's trio
 deadline is the RPC's ``timeout=`` and cancelling the caller's scope cancels the RPC. A schedule
 call that is abandoned (cancelled, or past its deadline) is followed by a best-effort
 ``/FlexlbService/Cancel`` that nobody waits for. The gRPC API has no master/info: discovery
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 
+import grpc
 import trio
 
 from router.config import MASTER_GRPC_PORT_OFFSET
 from router.targets import TargetError, format_target, parse_target
 from router.transport.errors import DeadlineExceeded, Unavailable
-from router.transport.grpc_adapter import GrpcRawRpc, OutboundChannel
+from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.ports import ChannelLeaser, MasterTransport
 from router.wire import paths
 from router.wire.master import (
@@ -43,10 +44,12 @@ def grpc_target(host: str) -> str:
 
 
 class GrpcMasterTransport:
-    def __init__(self, leaser: ChannelLeaser[OutboundChannel], info: MasterTransport) -> None:
+    def __init__(self, leaser: ChannelLeaser[grpc.Channel], info: MasterTransport) -> None:
         self._leaser = leaser
         self._rpc = GrpcRawRpc(leaser)
         self._info = info
+        # grpc cancels a call whose future is garbage-collected: unawaited Cancels are held here until done.
+        self._pending_cancels: set[grpc.Future[bytes]] = set()
 
     async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
         target = grpc_target(host)
@@ -77,4 +80,9 @@ class GrpcMasterTransport:
             if lease is None:
                 return
             with lease as channel:
-                channel.start(paths.MASTER_CANCEL, request, CANCEL_TIMEOUT_S, None)  # its channel holds it till done
+                future = channel.unary_unary(paths.MASTER_CANCEL, None, None).future(
+                    request, timeout=CANCEL_TIMEOUT_S
+                )
+                self._pending_cancels.add(future)
+                # On a grpc thread; set.discard is atomic.
+                future.add_done_callback(self._pending_cancels.discard)
