@@ -10,7 +10,9 @@ frames to CPython, so ``Thread.start`` called by grpcio counts as grpcio's. Samp
 thread are counted.
 
 ``--exclude NAME`` (repeatable) drops the samples with NAME on their stack first, e.g. the
-start-up (``--exclude prime --exclude _find_and_load``).
+start-up (``--exclude prime --exclude _find_and_load``); ``--within NAME`` keeps only those with
+NAME on their stack (shares stay of all samples), e.g. the request path (``--within
+RouterHandle.route``) or the prober (``--within WorkerProber.run``).
 
     python bench/spy_summary.py p3.raw [--top 30] [--under RouterActor._score] [--by-package]
 """
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument(
         "--exclude", action="append", default=[], metavar="NAME", help="drop samples with NAME on their stack"
     )
+    parser.add_argument("--within", metavar="NAME", help="keep only samples with NAME on their stack")
     parser.add_argument(
         "--by-package", action="store_true", help="charge each sample to the package of its innermost non-stdlib frame"
     )
@@ -94,11 +97,16 @@ def main() -> None:
     if args.top < 1:
         parser.error(f"--top must be >= 1, got {args.top}")
     excluded = set(args.exclude)
-    stacks = [(frames, count) for frames, count in _stacks(args.raw) if not excluded.intersection(frames)]
+
+    def kept(names: list[str]) -> bool:
+        return not excluded.intersection(names) and (args.within is None or args.within in names)
+
+    all_samples = sum(count for _, count in _stacks(args.raw))
+    stacks = [(frames, count) for frames, count in _stacks(args.raw) if kept(frames)]
     raw_stacks = [
         (frames, count)
         for frames, count in _stacks(args.raw, raw=True)
-        if not excluded.intersection(_LOCATION.sub("", f) for f in frames)
+        if kept([_LOCATION.sub("", f) for f in frames])
     ]
     total = sum(count for _, count in stacks)
     if not total:
@@ -113,7 +121,9 @@ def main() -> None:
         if args.under in frames:
             at = len(frames) - 1 - frames[::-1].index(args.under)
             callees[frames[at + 1] if at + 1 < len(frames) else "(own)"] += count
-    print(f"{total:,} samples")
+    if args.within is not None:  # shares of everything the filters before it kept
+        total = sum(count for frames, count in _stacks(args.raw) if not excluded.intersection(frames))
+    print(f"{total:,} samples ({all_samples:,} recorded)")
     if args.by_package:
         packages: Counter[str] = Counter()
         for frames, count in raw_stacks:
