@@ -24,7 +24,7 @@ import itertools
 import logging
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import trio
 
@@ -49,7 +49,7 @@ from router.config import KvrouteConfig
 from router.decision_record import DecisionRecord
 from router.keys import join_slices
 from router.logs import AggregatingLogger
-from router.policy.deadline_split import SplitEstimates, split_windows
+from router.policy.deadline_split import SplitEstimates, WithLag, split_windows
 from router.request import (
     CheckedRequest,
     PreparedRequest,
@@ -139,6 +139,7 @@ class RouterActor:
         self._accuracy = accuracy
         # The learned split's estimates: an immutable snapshot the metrics sink publishes.
         self._split_estimates = metrics.split_estimates if split_estimates is None else split_estimates
+        self._with_lag = WithLag()
         self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
         self._long_hashing = trio.CapacityLimiter(1)
         self._estimate = AdmissionEstimate(config.router)
@@ -258,7 +259,7 @@ class RouterActor:
         record = None if self._decision_log is None else DecisionRecord(request, received_at, deadline)
         # The loop's lag always: the fixed split's reserve covers it too (a task woken at the end of
         # a wait runs that much later).
-        estimates = replace(self._split_estimates(), lag=self._estimate.lag_s)
+        estimates = self._with_lag(self._split_estimates(), self._estimate.lag_s)
         split = RequestSplit(split_windows(received_at, deadline, estimates, self._config.router))
         if record is not None:
             record.split = estimates

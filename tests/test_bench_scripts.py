@@ -57,3 +57,32 @@ def test_spy_summary_rejects_a_file_that_is_not_raw_output(tmp_path: Path) -> No
     result = _run("spy_summary.py", str(raw))
     assert result.returncode != 0
     assert "p.svg:1: not a py-spy raw line" in result.stderr
+
+
+def test_spy_summary_charges_samples_to_the_innermost_package_outside_the_standard_library(tmp_path: Path) -> None:
+    raw = tmp_path / "p.raw"
+    raw.write_text(
+        # grpcio starting a thread: threading.py is the standard library, so it is grpcio's
+        "main (pipeline_load.py:1);route (router/supervisor.py:5);future (grpc/_channel.py:9);"
+        "start (threading.py:9) 30\n"
+        "main (pipeline_load.py:1);route (router/supervisor.py:5);check (router/request.py:2) 20\n"
+        "main (pipeline_load.py:1);run (trio/_core/_run.py:3);fly (actors/worker_prober.py:4) 10\n"
+        "main (pipeline_load.py:1);prime (kvroute_sim/bench/harness.py:7) 25\n"
+        "_bootstrap (threading.py:1);run (threading.py:2) 5\n"
+        " 10\n"
+    )
+    result = _run("spy_summary.py", str(raw), "--by-package", "--exclude", "prime", "--top", "1")
+    assert result.returncode == 0, result.stderr
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    assert "75 samples (100 recorded)" in lines[0]
+    packages = lines[lines.index("by package (innermost frame outside the standard library):") + 1 :][:4]
+    assert packages == [
+        "40.0 %  grpcio",
+        "40.0 %  kvroute",
+        "13.3 %  (no Python frame)",
+        "6.7 %  CPython (standard library only)",
+    ]
+    within = _run("spy_summary.py", str(raw), "--by-package", "--exclude", "prime", "--within", "route")
+    lines = [line.strip() for line in within.stdout.splitlines()]
+    packages = lines[lines.index("by package (innermost frame outside the standard library):") + 1 :][:2]
+    assert packages == ["40.0 %  grpcio", "26.7 %  kvroute"]  # shares still of the 75 samples kept

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from actors.metrics_sink import DecisionMade, MetricsSink
 from kvroute_sim.demo import split_budget
 from router.config import DeadlineSplit, MetricsConfig, RouterConfig
-from router.policy.deadline_split import COLD, SplitEstimates, SplitEstimator, StageLatency, split_windows
+from router.policy.deadline_split import COLD, SplitEstimates, SplitEstimator, StageLatency, WithLag, split_windows
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import Reason, RouteDecision, RouteSource, SplitMode, Stage, StageWindow
 
@@ -159,3 +159,15 @@ def test_the_demo_scenario_prints_both_splits_side_by_side() -> None:
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("fixed ", "learned "))}
     assert set(rows) == {"fixed", "learned"}
     assert text.rstrip().endswith("PASS kvcm-slow-budget")
+
+
+def test_with_lag_is_the_published_estimates_with_the_lag_and_rebuilt_only_on_a_change() -> None:
+    with_lag = WithLag()
+    published = SplitEstimates(query=0.004, probe=0.002, score=0.0005, lag=0.0)
+    first = with_lag(published, 0.001)
+    assert first == replace(published, lag=0.001)
+    assert with_lag(published, 0.001) is first  # nothing changed: the same object, no rebuild
+    assert with_lag(published, 0.002) == replace(published, lag=0.002)
+    republished = SplitEstimates(query=0.005, probe=0.002, score=0.0005)
+    assert with_lag(republished, 0.002) == replace(republished, lag=0.002)
+    assert with_lag(COLD, 0.0) == COLD
