@@ -19,7 +19,7 @@ from router.types import Reason, RouteDecision, RouteSource, SplitMode, Stage, S
 
 LEARNED = RouterConfig(deadline_split=DeadlineSplit.LEARNED)
 FIXED = RouterConfig(deadline_split=DeadlineSplit.FIXED)
-WARM = SplitEstimates(query=0.010, probe=0.003, score=0.0005)
+WARM = SplitEstimates(query=0.010, probe=0.003, score=0.0005, tail=0.0015)
 
 
 def test_the_fixed_split_ends_every_wait_at_decide_at() -> None:
@@ -35,14 +35,24 @@ def test_the_learned_split_without_estimates_is_the_fixed_one() -> None:
 
 
 def test_the_learned_split_leaves_each_later_stage_its_estimate_and_never_ends_before_decide_at() -> None:
-    fast = SplitEstimates(query=0.002, probe=0.001, score=0.0005)
+    fast = SplitEstimates(query=0.002, probe=0.001, score=0.0005, tail=0.0015)
     w = split_windows(10.0, 10.050, fast, LEARNED)
     assert w.mode is SplitMode.LEARNED
-    assert w.probe_end == 10.050 - 0.001 - 0.0005  # reserve_min, then the score estimate
+    assert w.probe_end == 10.050 - 0.0015  # the tail: from the probes' end to the reply leaving
     assert w.query_end == w.probe_end - 0.001
     assert w.leader_end == w.query_end - 0.002
     slow = split_windows(10.0, 10.050, WARM, LEARNED)  # the later stages need more than the reserve
     assert slow.leader_end == 10.045 and slow.query_end > 10.045  # the fixed split's end at the least
+
+
+def test_the_last_window_leaves_at_least_reserve_min_and_a_cold_tail_is_the_fixed_split() -> None:
+    quick = split_windows(10.0, 10.050, replace(WARM, tail=0.0001), LEARNED)
+    assert quick.probe_end == 10.050 - 0.001  # reserve_min, not the 0.1 ms tail
+    slow = split_windows(10.0, 10.050, replace(WARM, tail=0.008), LEARNED)  # longer than the fixed 5 ms
+    assert slow.leader_end == slow.query_end == slow.probe_end == 10.050 - 0.008  # the reply must leave by then
+    cold = split_windows(10.0, 10.050, replace(WARM, tail=None), LEARNED)
+    assert cold.mode is SplitMode.COLD
+    assert cold.leader_end == cold.query_end == cold.probe_end == 10.045  # the fixed reserve
 
 
 @given(
@@ -51,10 +61,13 @@ def test_the_learned_split_leaves_each_later_stage_its_estimate_and_never_ends_b
     st.floats(0, 1, allow_nan=False),
     st.floats(0, 10, allow_nan=False),
 )
-def test_a_window_only_ever_shortens_the_deadline(query: float, probe: float, score: float, budget: float) -> None:
+def test_a_window_only_ever_shortens_the_deadline(query: float, probe: float, tail: float, budget: float) -> None:
     for config in (LEARNED, FIXED):
-        w = split_windows(5.0, 5.0 + budget, SplitEstimates(query, probe, score), config)
+        estimates = SplitEstimates(query=query, probe=probe, score=tail, tail=tail)
+        w = split_windows(5.0, 5.0 + budget, estimates, config)
         assert w.leader_end <= w.query_end <= w.probe_end <= 5.0 + budget
+        reserve_min = config.reserve_min_ms / 1000.0
+        assert 5.0 + budget - w.probe_end >= min(budget, reserve_min) - 1e-12  # never below reserve_min
 
 
 def test_an_estimate_follows_a_sudden_change_within_a_few_samples() -> None:
@@ -88,7 +101,7 @@ def test_a_censored_sample_below_the_estimate_changes_nothing_and_one_above_rais
 def test_a_stage_no_request_reaches_is_forgotten_so_the_split_goes_cold() -> None:
     config = replace(RouterConfig(), split_min_samples=2)
     estimator = SplitEstimator(config)
-    full = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 30.0, Stage.SCORE: 0.2}
+    full = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 30.0, Stage.SCORE: 0.2, Stage.TAIL: 0.5}
     for _ in range(2):
         estimator.observe(full, ())
     assert estimator.estimates().warm
@@ -102,7 +115,7 @@ def test_a_stage_no_request_reaches_is_forgotten_so_the_split_goes_cold() -> Non
 
 def test_each_stage_needs_its_samples_before_the_split_uses_it() -> None:
     estimator = SplitEstimator(replace(RouterConfig(), split_min_samples=3))
-    stages = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 2.0, Stage.SCORE: 0.2}
+    stages = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 2.0, Stage.SCORE: 0.2, Stage.TAIL: 0.5}
     for _ in range(2):
         estimator.observe(stages, ())
     assert not estimator.estimates().warm
@@ -122,7 +135,7 @@ async def test_the_sink_counts_cuts_per_stage_and_publishes_estimates(
         None,
         RouteSource.DOMAIN,
         Reason.DEADLINE,
-        stage_ms={Stage.CACHE_QUERY: 45.0, Stage.PLAN: 0.0, Stage.PROBE: 2.0, Stage.SCORE: 0.1},
+        stage_ms={Stage.CACHE_QUERY: 45.0, Stage.PLAN: 0.0, Stage.PROBE: 2.0, Stage.SCORE: 0.1, Stage.TAIL: 0.3},
         split=SplitMode.FIXED,
         windows=(StageWindow(Stage.CACHE_QUERY, 45.0, True), StageWindow(Stage.PROBE, 45.0, False)),
     )

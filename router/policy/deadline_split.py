@@ -10,17 +10,21 @@ The learned split keeps a running estimate of a high quantile of each stage's la
 each wait early enough to leave the stages after it their expected time, giving the waits the part
 of the fixed reserve the later stages do not need::
 
-    probe_end  = max(decide_at, deadline − reserve_min − lag − score)   probes and plan
-    query_end  = max(decide_at, probe_end − probe)                      GetHostCacheState
-    leader_end = max(decide_at, query_end − query)                      a leader lookup
+    probe_end  = deadline − max(reserve_min, tail)                            probes and plan
+    query_end  = min(probe_end, max(decide_at, probe_end − probe))            GetHostCacheState
+    leader_end = min(query_end, max(decide_at, query_end − query))            a leader lookup
 
-``score``, ``probe`` (plan + probes) and ``query`` are the estimates; ``lag`` is how late the
-routing loop runs a due task (the admission estimate's), which the answer pays after the wait.
-No end is before the fixed split's: a KVCM answer that leaves the probes no time is still scored
-with the statuses the prober has cached, so cutting the query to make room for probes loses more
-answers than it saves. Every end is at most the request's deadline, so a window only ever
-shortens it. Until each estimate has
-``min_samples`` observations (cold start) the fixed split applies.
+``probe`` (plan + probes) and ``query`` are the estimates of those stages; ``tail`` is the time from
+the end of the last wait (the probes') to the reply leaving kvroute: the late wake-up of the
+request's task, the Scorer round trip, building and emitting the decision and, where a transport
+reports it, the reply's way back to the caller. Measured whole, it covers what no stage estimate
+does (a first version left ``reserve_min + lag + score`` there, and its replies reached callers
+late). The query and leader ends are not before the fixed split's unless the tail is: a KVCM
+answer that leaves the probes no time is still scored with the statuses the prober has cached, so
+cutting the query to make room for probes loses more answers than it saves. A tail longer than the
+fixed reserve ends the probes before ``decide_at`` (a reply that leaves later is late). Every end
+is at most the request's deadline, so a window only ever shortens it. Until each estimate has ``min_samples`` observations (cold start) the fixed
+split applies.
 
 The estimate per stage is the mean plus ``deviations`` mean absolute deviations, both
 exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
@@ -34,14 +38,14 @@ Pure: values in, values out; time is passed in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from router.config import DeadlineSplit, RouterConfig
 from router.types import SplitMode, Stage, StageWindow
 
-# The stages whose latency the split estimates, in the order a cache source runs them.
-SPLIT_STAGES = (Stage.CACHE_QUERY, Stage.PROBE, Stage.SCORE)
+# The stages whose latency the split estimates, in the order a request runs them.
+SPLIT_STAGES = (Stage.CACHE_QUERY, Stage.PROBE, Stage.SCORE, Stage.TAIL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +54,13 @@ class SplitEstimates:
 
     query: float | None = None
     probe: float | None = None  # plan + probes
-    score: float | None = None
-    lag: float = 0.0  # the routing loop's lag: how late the request's task runs once the wait ends
+    score: float | None = None  # the Scorer round trip (part of the tail; kept for the records)
+    lag: float = 0.0  # the routing loop's lag: how late the request's task runs once a wait ends
+    tail: float | None = None  # from the end of the last wait to the reply leaving kvroute
 
     @property
     def warm(self) -> bool:
-        return self.query is not None and self.probe is not None and self.score is not None
+        return self.query is not None and self.probe is not None and self.tail is not None
 
 
 COLD = SplitEstimates()
@@ -92,12 +97,14 @@ def split_windows(
     if router.deadline_split is DeadlineSplit.FIXED or not estimates.warm:
         mode = SplitMode.FIXED if router.deadline_split is DeadlineSplit.FIXED else SplitMode.COLD
         return SplitWindows(decide_at, decide_at, decide_at, mode)
-    assert estimates.query is not None and estimates.probe is not None and estimates.score is not None
-    # Never before decide_at: a KVCM answer that leaves the probes no time is still scored with the
-    # cached statuses, so ending the query earlier than the fixed split only loses answers.
-    probe_end = max(decide_at, deadline - reserve_min - estimates.lag - estimates.score)
-    query_end = max(decide_at, probe_end - estimates.probe)
-    return SplitWindows(max(decide_at, query_end - estimates.query), query_end, probe_end, SplitMode.LEARNED)
+    assert estimates.query is not None and estimates.probe is not None and estimates.tail is not None
+    # The reply leaves by the deadline when the probes end a tail before it.
+    probe_end = deadline - max(reserve_min, estimates.tail)
+    # Not before decide_at (unless the probes end before it): a KVCM answer that leaves the probes no
+    # time is still scored with the cached statuses, so ending the query earlier only loses answers.
+    query_end = min(probe_end, max(decide_at, probe_end - estimates.probe))
+    leader_end = min(query_end, max(decide_at, query_end - estimates.query))
+    return SplitWindows(leader_end, query_end, probe_end, SplitMode.LEARNED)
 
 
 class StageLatency:
@@ -139,22 +146,29 @@ class StageLatency:
 class SplitEstimator:
     """The estimates of the split's stages, fed with decisions; owned by one task (the metrics sink).
 
-    A stage after the query (probes, score) not seen for ``STALE_AFTER × min_samples`` decisions that
-    ran the query is forgotten: the split is cold again, so the fixed split lets the request reach it
-    and it is measured afresh. Without that, an estimate that made the split cut every query would
+    A stage after the query (probes, score, tail) not seen for ``STALE_AFTER × min_samples`` decisions
+    that ran the query is forgotten: the split is cold again, so the fixed split lets the request reach
+    it and it is measured afresh. Without that, an estimate that made the split cut every query would
     never be corrected, since no request would reach the stage again.
+
+    The tail is the router's part (``stage_ms[Stage.TAIL]``, from the end of the probe wait to the
+    decision leaving the router) plus, once a transport reports them (:meth:`observe_replies`), the
+    replies' way back from the router to the transport (the gRPC sidecar's handler thread taking the
+    decision and serialising it): each has its own estimate and the published tail is their sum.
     """
 
     STALE_AFTER = 4
 
-    __slots__ = ("_min_samples", "_since", "_stages")
+    __slots__ = ("_min_samples", "_replies", "_since", "_stages")
 
     def __init__(self, router: RouterConfig) -> None:
         self._min_samples = router.split_min_samples
         self._stages = {
             stage: StageLatency(router.split_estimate_weight, router.split_deviations) for stage in SPLIT_STAGES
         }
-        self._since = {Stage.PROBE: 0, Stage.SCORE: 0}  # decisions that ran the query but not this stage
+        self._replies = StageLatency(router.split_estimate_weight, router.split_deviations)
+        # Decisions that ran the query but not this stage.
+        self._since = {Stage.PROBE: 0, Stage.SCORE: 0, Stage.TAIL: 0}
 
     def observe(self, stage_ms: Mapping[Stage, float], windows: tuple[StageWindow, ...]) -> bool:
         """Feed one decision's stage times; True when an estimate changed."""
@@ -178,15 +192,29 @@ class SplitEstimator:
             plan = stage_ms.get(Stage.PLAN, 0.0)
             self._stages[Stage.PROBE].observe((plan + probe) / 1000.0, censored=Stage.PROBE in cut)
             changed = True
-        score = stage_ms.get(Stage.SCORE)
-        if score is not None:
-            self._stages[Stage.SCORE].observe(score / 1000.0)
-            changed = True
+        for stage in (Stage.SCORE, Stage.TAIL):  # never cut: every sample counts as it is
+            sample = stage_ms.get(stage)
+            if sample is not None:
+                self._stages[stage].observe(sample / 1000.0)
+                changed = True
         return changed
 
+    def observe_replies(self, seconds: Sequence[float]) -> bool:
+        """Feed replies' way back from the router to the transport (seconds each); True when any."""
+        for sample in seconds:
+            self._replies.observe(max(0.0, sample))
+        return bool(seconds)
+
     def estimates(self) -> SplitEstimates:
-        def high(stage: Stage) -> float | None:
-            latency = self._stages[stage]
+        def high(latency: StageLatency) -> float | None:
             return latency.high if latency.samples >= self._min_samples else None
 
-        return SplitEstimates(high(Stage.CACHE_QUERY), high(Stage.PROBE), high(Stage.SCORE))
+        stages = self._stages
+        tail = high(stages[Stage.TAIL])
+        if tail is not None and self._replies.samples:  # a transport reports its part: cold until it is known
+            replies = high(self._replies)
+            tail = None if replies is None else tail + replies
+        return SplitEstimates(
+            query=high(stages[Stage.CACHE_QUERY]), probe=high(stages[Stage.PROBE]), score=high(stages[Stage.SCORE]),
+            tail=tail,
+        )
