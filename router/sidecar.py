@@ -64,7 +64,7 @@ from router.admission import InFlightLimit, admits
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
-from router.request import caller_deadline, check_bounds, quoted, request_deadline
+from router.request import budget_left_ms, caller_deadline, check_bounds, quoted, request_deadline
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
 from router.thread_bridge import deliver_outcome, settle
@@ -577,7 +577,7 @@ class Sidecar:
         # The budget counts from the call's receipt: its time in this sidecar (reading it, the hop to
         # this thread) is already spent, so the router gets what is left of it.
         received, routing_s = routing
-        request = replace(request, budget_ms=max(0.0, routing_s - (arrived - received)) * 1000.0)
+        request = replace(request, budget_ms=budget_left_ms(routing_s, received, arrived))
         if client_s is not None:
             deadline = caller_deadline(trio.current_time(), client_s, sent_at, arrived)
             request = replace(request, deadline=deadline)

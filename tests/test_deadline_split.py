@@ -5,17 +5,33 @@ from __future__ import annotations
 import io
 from dataclasses import replace
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.metrics_sink import DecisionMade, MetricsSink
+from actors.sources.base import RequestSplit
 from kvroute_sim.demo import split_budget
-from router.config import DeadlineSplit, MetricsConfig, RouterConfig
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
+from router.api import open_router
+from router.config import DeadlineSplit, DeploymentConfig, DiscoveryConfig, KvrouteConfig, MetricsConfig, RouterConfig
+from router.keys import block_keys
 from router.policy.deadline_split import COLD, SplitEstimates, SplitEstimator, StageLatency, split_windows
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import Reason, RouteDecision, RouteSource, SplitMode, Stage, StageWindow
+from router.types import (
+    KeyFamily,
+    Reason,
+    RouteDecision,
+    RouteRequest,
+    RouteSource,
+    SplitMode,
+    Stage,
+    StageWindow,
+)
+from router.wire import paths
 
 LEARNED = RouterConfig(deadline_split=DeadlineSplit.LEARNED)
 FIXED = RouterConfig(deadline_split=DeadlineSplit.FIXED)
@@ -152,13 +168,11 @@ async def test_the_sink_counts_cuts_per_stage_and_publishes_estimates(
 
 def test_with_kvcm_near_the_budget_the_learned_split_keeps_more_requests_on_kvcm() -> None:
     """Both splits on the same seeded requests, KVCM answering at 42-48 ms of a 50 ms budget."""
-    figures = {}
-    for split in split_budget.SPLITS:
-        figures[split] = trio.run(
-            lambda s=split: split_budget.measure_split(s, network=MemoryNetwork(), requests=40),
-            clock=trio.testing.MockClock(autojump_threshold=0),
-        )
-    fixed, learned = figures["fixed"], figures["learned"]
+    fixed, learned = trio.run(
+        lambda: split_budget.measure_splits(split_budget.SPLITS, network=MemoryNetwork(), requests=40),
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    assert (fixed.split, learned.split) == split_budget.SPLITS
     assert learned.kvcm > fixed.kvcm
     assert learned.hits > fixed.hits
     assert learned.within_budget == fixed.within_budget == 40  # the same deadline adherence: all in time
@@ -172,3 +186,112 @@ def test_the_demo_scenario_prints_both_splits_side_by_side() -> None:
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("fixed ", "learned "))}
     assert set(rows) == {"fixed", "learned"}
     assert text.rstrip().endswith("PASS kvcm-slow-budget")
+
+
+# --- the tail: from the end of the probe wait to the reply leaving kvroute ------------------------
+
+
+def _warm_estimator(config: RouterConfig, tail_ms: float) -> SplitEstimator:
+    estimator = SplitEstimator(config)
+    for _ in range(config.split_min_samples):
+        estimator.observe({Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.SCORE: 0.2, Stage.TAIL: tail_ms}, ())
+    return estimator
+
+
+@given(st.integers(0, 7), st.floats(0, 40, allow_nan=False))
+def test_until_the_tail_has_its_samples_the_learned_split_is_the_fixed_one(seen: int, tail_ms: float) -> None:
+    config = replace(LEARNED, split_min_samples=8)
+    estimator = SplitEstimator(config)
+    for i in range(8):  # query and probes warm; the tail seen only ``seen`` times
+        stages = {Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5}
+        estimator.observe(stages | ({Stage.TAIL: tail_ms} if i < seen else {}), ())
+    estimates = estimator.estimates()
+    assert estimates.tail is None and not estimates.warm
+    cold = split_windows(10.0, 10.050, estimates, config)
+    fixed = split_windows(10.0, 10.050, estimates, FIXED)
+    assert cold.mode is SplitMode.COLD
+    assert (cold.leader_end, cold.query_end, cold.probe_end) == (fixed.leader_end, fixed.query_end, fixed.probe_end)
+
+
+@given(st.floats(0, 3, allow_nan=False), st.floats(2, 20, allow_nan=False))
+def test_a_sudden_longer_tail_moves_the_last_window_within_three_requests(base_ms: float, jump_ms: float) -> None:
+    step_ms = base_ms + jump_ms
+    estimator = _warm_estimator(LEARNED, base_ms)
+    before = estimator.estimates()
+    assert before.tail is not None and before.tail < (base_ms + jump_ms / 2) / 1000.0
+    for _ in range(3):  # the machine gets busy: every reply now leaves step_ms after the probes
+        estimator.observe({Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.TAIL: step_ms}, ())
+    after = estimator.estimates()
+    assert after.tail is not None and after.tail >= step_ms / 1000.0
+    w = split_windows(10.0, 10.050, after, LEARNED)
+    assert w.probe_end <= 10.050 - step_ms / 1000.0  # the probes end early enough for the reply
+    for _ in range(12):  # and back: the long tails fade
+        estimator.observe({Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.TAIL: base_ms}, ())
+    settled = estimator.estimates()
+    assert settled.tail is not None and settled.tail < (base_ms + jump_ms / 2) / 1000.0
+
+
+def test_a_transports_way_back_adds_to_the_tail_once_it_has_its_samples() -> None:
+    config = replace(LEARNED, split_min_samples=4)
+    estimator = _warm_estimator(config, 1.0)
+    own = estimator.estimates().tail
+    assert own is not None and 0.001 <= own < 0.0015  # the first sample's guessed deviation decaying
+    assert estimator.observe_replies((0.002,) * 3)
+    assert estimator.estimates().tail is None  # a transport reports its part: cold until it is known
+    estimator.observe_replies((0.002,))
+    replies = StageLatency(config.split_estimate_weight, config.split_deviations)
+    for _ in range(4):
+        replies.observe(0.002)
+    assert estimator.estimates().tail == pytest.approx(own + replies.high)
+    assert not estimator.observe_replies(())
+
+
+def test_the_probe_wait_ends_at_its_window_when_the_window_cut_it() -> None:
+    split = RequestSplit(split_windows(10.0, 10.050, WARM, LEARNED))
+    split.probes_ended(10.030)  # every probe answered early
+    assert split.probes_ended_at == 10.030
+    split.probes_ended(10.052)  # cut, and the task ran 3.5 ms late: that lateness is part of the tail
+    assert split.probes_ended_at == split.windows.probe_end
+
+
+async def test_the_router_records_each_requests_tail_and_uses_the_learned_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A whole router under MockClock: each decision that probed records its tail; the sink learns it;
+    after replies have taken 8 ms for three requests, the probes end 8 ms before the deadline."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=16)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=16, kvcm_instance_id="ns"),
+        router=replace(LEARNED, split_min_samples=2),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    prompt = tuple(range(1000, 1000 + 8 * 16))
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        await resolver.leader()
+        cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(prompt, 16, KeyFamily.RTP))
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.002, methods=frozenset({paths.KVCM_GET_HOST_CACHE_STATE})))
+        first = await handle.route(RouteRequest("cold", token_ids=prompt, budget_ms=50))
+        assert first.split is SplitMode.COLD and first.stage_ms[Stage.TAIL] >= 0.0
+        await handle.route(RouteRequest("warming", token_ids=prompt, budget_ms=50))
+        await trio.testing.wait_all_tasks_blocked()
+        warm = handle.metrics.split_estimates()
+        assert warm.warm and warm.tail is not None and warm.tail < 0.001  # MockClock: no time passes after the wait
+        quick = await handle.route(RouteRequest("quick-tail", token_ids=prompt, budget_ms=50))
+        assert quick.split is SplitMode.LEARNED
+        assert {w.stage: w.end_ms for w in quick.windows}[Stage.PROBE] == pytest.approx(49.0)  # reserve_min
+
+        slow_reply = RouteDecision(
+            "slow", None, None, RouteSource.KVCM, Reason.CACHE_LEADER, stage_ms={Stage.TAIL: 8.0}
+        )
+        for _ in range(3):
+            handle.metrics.emit(DecisionMade(slow_reply))
+        await trio.testing.wait_all_tasks_blocked()
+        slow = await handle.route(RouteRequest("slow-tail", token_ids=prompt, budget_ms=50))
+        assert slow.split is SplitMode.LEARNED and slow.route_source is RouteSource.KVCM
+        assert {w.stage: w.end_ms for w in slow.windows}[Stage.PROBE] <= 42.0

@@ -23,8 +23,8 @@ late). The query and leader ends are not before the fixed split's unless the tai
 answer that leaves the probes no time is still scored with the statuses the prober has cached, so
 cutting the query to make room for probes loses more answers than it saves. A tail longer than the
 fixed reserve ends the probes before ``decide_at`` (a reply that leaves later is late). Every end
-is at most the request's deadline, so a window only ever shortens it. Until each estimate has ``min_samples`` observations (cold start) the fixed
-split applies.
+is at most the request's deadline, so a window only ever shortens it. Until each estimate has
+``min_samples`` observations (cold start) the fixed split applies.
 
 The estimate per stage is the mean plus ``deviations`` mean absolute deviations, both
 exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
