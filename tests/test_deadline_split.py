@@ -19,7 +19,16 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
 from router.config import DeadlineSplit, DeploymentConfig, DiscoveryConfig, KvrouteConfig, MetricsConfig, RouterConfig
 from router.keys import block_keys
-from router.policy.deadline_split import COLD, SplitEstimates, SplitEstimator, StageLatency, split_windows
+from router.policy.deadline_split import (
+    COLD,
+    TAIL_QUANTILE,
+    TAIL_WINDOW,
+    RecentQuantile,
+    SplitEstimates,
+    SplitEstimator,
+    StageLatency,
+    split_windows,
+)
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
     KeyFamily,
@@ -65,7 +74,7 @@ def test_the_last_window_leaves_at_least_reserve_min_and_a_cold_tail_is_the_fixe
     quick = split_windows(10.0, 10.050, replace(WARM, tail=0.0001), LEARNED)
     assert quick.probe_end == 10.050 - 0.001  # reserve_min, not the 0.1 ms tail
     slow = split_windows(10.0, 10.050, replace(WARM, tail=0.008), LEARNED)  # longer than the fixed 5 ms
-    assert slow.leader_end == slow.query_end == slow.probe_end == 10.050 - 0.008  # the reply must leave by then
+    assert slow.leader_end == slow.query_end == slow.probe_end == 10.045  # the fixed ends: never earlier
     cold = split_windows(10.0, 10.050, replace(WARM, tail=None), LEARNED)
     assert cold.mode is SplitMode.COLD
     assert cold.leader_end == cold.query_end == cold.probe_end == 10.045  # the fixed reserve
@@ -224,25 +233,35 @@ def test_a_sudden_longer_tail_moves_the_last_window_within_three_requests(base_m
     after = estimator.estimates()
     assert after.tail is not None and after.tail >= step_ms / 1000.0
     w = split_windows(10.0, 10.050, after, LEARNED)
-    assert w.probe_end <= 10.050 - step_ms / 1000.0  # the probes end early enough for the reply
-    for _ in range(12):  # and back: the long tails fade
+    # The probes end early enough for the reply, or at the fixed split's end when the tail needs it all.
+    assert w.probe_end == max(10.045, 10.050 - step_ms / 1000.0)
+    for _ in range(TAIL_WINDOW):  # and back, once the long tails have left the window
         estimator.observe({Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.TAIL: base_ms}, ())
     settled = estimator.estimates()
-    assert settled.tail is not None and settled.tail < (base_ms + jump_ms / 2) / 1000.0
+    assert settled.tail == pytest.approx(base_ms / 1000.0)
+
+
+def test_the_tails_estimate_covers_all_but_the_longest_few_of_the_recent_ones() -> None:
+    tail = RecentQuantile(TAIL_WINDOW, TAIL_QUANTILE)
+    assert tail.high == 0.0
+    for i in range(TAIL_WINDOW):
+        tail.observe(0.001 * (i + 1))  # 1 .. 40 ms
+    assert tail.high == pytest.approx(0.039)  # 97 % of 40: the second longest
+    for _ in range(TAIL_WINDOW - 2):  # the oldest leave first: 39 and 40 ms are still in the window
+        tail.observe(0.0005)
+    assert tail.samples == TAIL_WINDOW and tail.high == pytest.approx(0.039)
+    tail.observe(0.0005)  # the 39 ms one leaves: one long tail among the recent ones is not enough
+    assert tail.high == pytest.approx(0.0005)
 
 
 def test_a_transports_way_back_adds_to_the_tail_once_it_has_its_samples() -> None:
     config = replace(LEARNED, split_min_samples=4)
     estimator = _warm_estimator(config, 1.0)
-    own = estimator.estimates().tail
-    assert own is not None and 0.001 <= own < 0.0015  # the first sample's guessed deviation decaying
+    assert estimator.estimates().tail == pytest.approx(0.001)
     assert estimator.observe_replies((0.002,) * 3)
     assert estimator.estimates().tail is None  # a transport reports its part: cold until it is known
     estimator.observe_replies((0.002,))
-    replies = StageLatency(config.split_estimate_weight, config.split_deviations)
-    for _ in range(4):
-        replies.observe(0.002)
-    assert estimator.estimates().tail == pytest.approx(own + replies.high)
+    assert estimator.estimates().tail == pytest.approx(0.003)
     assert not estimator.observe_replies(())
 
 
@@ -286,12 +305,13 @@ async def test_the_router_records_each_requests_tail_and_uses_the_learned_one(
         assert quick.split is SplitMode.LEARNED
         assert {w.stage: w.end_ms for w in quick.windows}[Stage.PROBE] == pytest.approx(49.0)  # reserve_min
 
-        slow_reply = RouteDecision(
-            "slow", None, None, RouteSource.KVCM, Reason.CACHE_LEADER, stage_ms={Stage.TAIL: 8.0}
-        )
-        for _ in range(3):
-            handle.metrics.emit(DecisionMade(slow_reply))
-        await trio.testing.wait_all_tasks_blocked()
-        slow = await handle.route(RouteRequest("slow-tail", token_ids=prompt, budget_ms=50))
-        assert slow.split is SplitMode.LEARNED and slow.route_source is RouteSource.KVCM
-        assert {w.stage: w.end_ms for w in slow.windows}[Stage.PROBE] <= 42.0
+        for tail_ms, probe_end_ms in ((3.0, 47.0), (8.0, 45.0)):  # 8 ms: all of the fixed 5 ms and more
+            slow_reply = RouteDecision(
+                "slow", None, None, RouteSource.KVCM, Reason.CACHE_LEADER, stage_ms={Stage.TAIL: tail_ms}
+            )
+            for _ in range(2):  # two long tails among the recent ones move the estimate
+                handle.metrics.emit(DecisionMade(slow_reply))
+            await trio.testing.wait_all_tasks_blocked()
+            slow = await handle.route(RouteRequest(f"tail-{tail_ms:g}", token_ids=prompt, budget_ms=50))
+            assert slow.split is SplitMode.LEARNED and slow.route_source is RouteSource.KVCM
+            assert {w.stage: w.end_ms for w in slow.windows}[Stage.PROBE] == pytest.approx(probe_end_ms)

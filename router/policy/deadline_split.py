@@ -10,34 +10,43 @@ The learned split keeps a running estimate of a high quantile of each stage's la
 each wait early enough to leave the stages after it their expected time, giving the waits the part
 of the fixed reserve the later stages do not need::
 
-    probe_end  = deadline − max(reserve_min, tail)                            probes and plan
-    query_end  = min(probe_end, max(decide_at, probe_end − probe))            GetHostCacheState
-    leader_end = min(query_end, max(decide_at, query_end − query))            a leader lookup
+    probe_end  = max(decide_at, deadline − max(reserve_min, tail))   probes and plan
+    query_end  = max(decide_at, probe_end − probe)                   GetHostCacheState
+    leader_end = max(decide_at, query_end − query)                   a leader lookup
 
 ``probe`` (plan + probes) and ``query`` are the estimates of those stages; ``tail`` is the time from
 the end of the last wait (the probes') to the reply leaving kvroute: the late wake-up of the
 request's task, the Scorer round trip, building and emitting the decision and, where a transport
 reports it, the reply's way back to the caller. Measured whole, it covers what no stage estimate
 does (a first version left ``reserve_min + lag + score`` there, and its replies reached callers
-late). The query and leader ends are not before the fixed split's unless the tail is: a KVCM
-answer that leaves the probes no time is still scored with the statuses the prober has cached, so
-cutting the query to make room for probes loses more answers than it saves. A tail longer than the
-fixed reserve ends the probes before ``decide_at`` (a reply that leaves later is late). Every end
-is at most the request's deadline, so a window only ever shortens it. Until each estimate has
-``min_samples`` observations (cold start) the fixed split applies.
+late). No end is before the fixed split's: the learned split only lends the waits the part of the
+fixed reserve that the measured tail does not need (when the tail needs all of it, the split is
+the fixed one), and a KVCM answer that leaves the probes no time is still scored with the statuses
+the prober has cached, so cutting the query to make room for probes loses more answers than it
+saves. Every end is at most the request's deadline, so a window only ever shortens it. Until each
+estimate has ``min_samples`` observations (cold start) the fixed split applies.
 
-The estimate per stage is the mean plus ``deviations`` mean absolute deviations, both
-exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
+The estimate of the query and the probes is the mean plus ``deviations`` mean absolute deviations,
+both exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
 requests. A stage the split cut short was observed for less than it would have taken: such a
 sample is used only when it is at least the current estimate (then the stage is at least that
 slow); below it, it says nothing. A later stage no request reached for a while is forgotten
 (:class:`SplitEstimator`), so a bad estimate cannot lock the split into cutting every query.
+
+The tail is heavy-tailed (a scheduling stall of the routing thread, the GIL held by another thread
+for its switch interval): most replies leave within a millisecond, a few take several. A mean plus
+deviations jumps after each stall and sits below the stalls in between, so the tail's estimate is
+a quantile of the recent samples (:class:`RecentQuantile`, ``TAIL_QUANTILE`` of the last
+``TAIL_WINDOW``): two long tails among the recent ones raise it at once, and it comes down once
+they have left the window.
 
 Pure: values in, values out; time is passed in.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -84,6 +93,8 @@ class SplitWindows:
 
 
 LAG_RESERVE_FACTOR = 2.0  # the decision reserve is at least this many times the loop's average lag
+TAIL_WINDOW = 40  # the recent tails the tail's estimate is taken from
+TAIL_QUANTILE = 0.97  # ... and the share of them it covers (of 40: the second longest)
 
 
 def split_windows(
@@ -98,12 +109,11 @@ def split_windows(
         mode = SplitMode.FIXED if router.deadline_split is DeadlineSplit.FIXED else SplitMode.COLD
         return SplitWindows(decide_at, decide_at, decide_at, mode)
     assert estimates.query is not None and estimates.probe is not None and estimates.tail is not None
-    # The reply leaves by the deadline when the probes end a tail before it.
-    probe_end = deadline - max(reserve_min, estimates.tail)
-    # Not before decide_at (unless the probes end before it): a KVCM answer that leaves the probes no
-    # time is still scored with the cached statuses, so ending the query earlier only loses answers.
-    query_end = min(probe_end, max(decide_at, probe_end - estimates.probe))
-    leader_end = min(query_end, max(decide_at, query_end - estimates.query))
+    # Never before decide_at: the split lends the waits only what the tail leaves of the fixed reserve,
+    # and a KVCM answer that leaves the probes no time is still scored with the cached statuses.
+    probe_end = max(decide_at, deadline - max(reserve_min, estimates.tail))
+    query_end = max(decide_at, probe_end - estimates.probe)
+    leader_end = max(decide_at, query_end - estimates.query)
     return SplitWindows(leader_end, query_end, probe_end, SplitMode.LEARNED)
 
 
@@ -143,6 +153,31 @@ class StageLatency:
         self.samples = 0
 
 
+class RecentQuantile:
+    """A quantile of the last ``window`` samples (nearest rank): ``quantile`` of them are at most it."""
+
+    __slots__ = ("_quantile", "_recent")
+
+    def __init__(self, window: int, quantile: float) -> None:
+        self._recent: deque[float] = deque(maxlen=window)
+        self._quantile = quantile
+
+    @property
+    def samples(self) -> int:
+        return len(self._recent)
+
+    @property
+    def high(self) -> float:
+        ordered = sorted(self._recent)
+        return ordered[max(0, math.ceil(self._quantile * len(ordered)) - 1)] if ordered else 0.0
+
+    def observe(self, seconds: float) -> None:
+        self._recent.append(seconds)
+
+    def forget(self) -> None:
+        self._recent.clear()
+
+
 class SplitEstimator:
     """The estimates of the split's stages, fed with decisions; owned by one task (the metrics sink).
 
@@ -163,10 +198,11 @@ class SplitEstimator:
 
     def __init__(self, router: RouterConfig) -> None:
         self._min_samples = router.split_min_samples
-        self._stages = {
+        self._stages: dict[Stage, StageLatency | RecentQuantile] = {
             stage: StageLatency(router.split_estimate_weight, router.split_deviations) for stage in SPLIT_STAGES
         }
-        self._replies = StageLatency(router.split_estimate_weight, router.split_deviations)
+        self._stages[Stage.TAIL] = RecentQuantile(TAIL_WINDOW, TAIL_QUANTILE)
+        self._replies = RecentQuantile(TAIL_WINDOW, TAIL_QUANTILE)
         # Decisions that ran the query but not this stage.
         self._since = {Stage.PROBE: 0, Stage.SCORE: 0, Stage.TAIL: 0}
 
@@ -185,12 +221,12 @@ class SplitEstimator:
                     changed = True
         query = stage_ms.get(Stage.CACHE_QUERY)
         if query is not None:
-            self._stages[Stage.CACHE_QUERY].observe(query / 1000.0, censored=Stage.CACHE_QUERY in cut)
+            self._cut_stage(Stage.CACHE_QUERY).observe(query / 1000.0, censored=Stage.CACHE_QUERY in cut)
             changed = True
         probe = stage_ms.get(Stage.PROBE)
         if probe is not None:
             plan = stage_ms.get(Stage.PLAN, 0.0)
-            self._stages[Stage.PROBE].observe((plan + probe) / 1000.0, censored=Stage.PROBE in cut)
+            self._cut_stage(Stage.PROBE).observe((plan + probe) / 1000.0, censored=Stage.PROBE in cut)
             changed = True
         for stage in (Stage.SCORE, Stage.TAIL):  # never cut: every sample counts as it is
             sample = stage_ms.get(stage)
@@ -199,6 +235,11 @@ class SplitEstimator:
                 changed = True
         return changed
 
+    def _cut_stage(self, stage: Stage) -> StageLatency:
+        latency = self._stages[stage]
+        assert isinstance(latency, StageLatency)  # the stages a window can cut
+        return latency
+
     def observe_replies(self, seconds: Sequence[float]) -> bool:
         """Feed replies' way back from the router to the transport (seconds each); True when any."""
         for sample in seconds:
@@ -206,7 +247,7 @@ class SplitEstimator:
         return bool(seconds)
 
     def estimates(self) -> SplitEstimates:
-        def high(latency: StageLatency) -> float | None:
+        def high(latency: StageLatency | RecentQuantile) -> float | None:
             return latency.high if latency.samples >= self._min_samples else None
 
         stages = self._stages
