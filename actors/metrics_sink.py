@@ -141,9 +141,10 @@ class ShadowAgreement:
 
 @dataclass(frozen=True, slots=True)
 class RepliesSent:
-    """Replies a transport took from the router and handed on (the gRPC sidecar's handler threads): each
-    one's way back in seconds, from the decision leaving the router to the serialised reply. Part of
-    the deadline split's tail; observed into the ``reply`` stage's duration too."""
+    """Replies a transport took from the router and handed on: each one's way back in seconds, from the
+    decision leaving the router to the serialised reply (the gRPC sidecar's handler threads) or to the
+    caller's asyncio loop resuming (the asyncio host). Part of the deadline split's tail; observed
+    into the ``reply`` stage's duration too."""
 
     seconds: tuple[float, ...]
 
