@@ -254,6 +254,27 @@ def test_the_tails_estimate_covers_all_but_the_longest_few_of_the_recent_ones() 
     assert tail.high == pytest.approx(0.0005)
 
 
+def test_a_stalled_start_leaves_the_tails_window_with_the_requests_even_when_none_reaches_the_probes() -> None:
+    """Two 256 ms tails at start (a first request's channel set-up, a full collection) must not hold the
+    split at the fixed ends while the fixed split cuts every query and no request brings a new tail."""
+    config = replace(LEARNED, split_min_samples=8)
+    estimator = SplitEstimator(config)
+    full = {Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.SCORE: 0.2}
+    for tail_ms in (256.0, 256.0, *([0.5] * 10)):
+        estimator.observe(full | {Stage.TAIL: tail_ms}, ())
+    assert estimator.estimates().tail == pytest.approx(0.256)
+    cut = (StageWindow(Stage.CACHE_QUERY, 45.0, True),)
+    for _ in range(TAIL_WINDOW - 12):  # the window fills with queries cut before the probes
+        estimator.observe({Stage.CACHE_QUERY: 45.0}, cut)
+    assert estimator.estimates().tail == pytest.approx(0.256)
+    estimator.observe({Stage.CACHE_QUERY: 45.0}, cut)
+    estimator.observe({Stage.CACHE_QUERY: 45.0}, cut)  # both stalled tails have left
+    assert estimator.estimates().tail == pytest.approx(0.0005)
+    for _ in range(3):  # and the quick ones leave too: fewer than 8 in the window is cold again
+        estimator.observe({Stage.CACHE_QUERY: 45.0}, cut)
+    assert estimator.estimates().tail is None
+
+
 def test_a_transports_way_back_adds_to_the_tail_once_it_has_its_samples() -> None:
     config = replace(LEARNED, split_min_samples=4)
     estimator = _warm_estimator(config, 1.0)

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from router.config import DeadlineSplit, RouterConfig
 from router.types import SplitMode, Stage, StageWindow
 
-# The stages whose latency the split estimates, in the order a request runs them.
-SPLIT_STAGES = (Stage.CACHE_QUERY, Stage.PROBE, Stage.SCORE, Stage.TAIL)
+# The stages whose latency the split estimates, in the order a cache source runs them.
+SPLIT_STAGES = (Stage.CACHE_QUERY, Stage.PROBE, Stage.SCORE)  # each a mean plus deviations; the tail apart
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,37 +154,41 @@ class StageLatency:
 
 
 class RecentQuantile:
-    """A quantile of the last ``window`` samples (nearest rank): ``quantile`` of them are at most it."""
+    """A quantile (nearest rank: ``quantile`` of them are at most it) of the samples among the last
+    ``window`` entries. :meth:`pass_over` enters one without a sample, so old samples also leave when
+    the requests that would have brought new ones stop reaching the stage (a stalled start would
+    otherwise be kept for as long as the split cut every query)."""
 
     __slots__ = ("_quantile", "_recent")
 
     def __init__(self, window: int, quantile: float) -> None:
-        self._recent: deque[float] = deque(maxlen=window)
+        self._recent: deque[float | None] = deque(maxlen=window)
         self._quantile = quantile
 
     @property
     def samples(self) -> int:
-        return len(self._recent)
+        return sum(1 for sample in self._recent if sample is not None)
 
     @property
     def high(self) -> float:
-        ordered = sorted(self._recent)
+        ordered = sorted(sample for sample in self._recent if sample is not None)
         return ordered[max(0, math.ceil(self._quantile * len(ordered)) - 1)] if ordered else 0.0
 
     def observe(self, seconds: float) -> None:
         self._recent.append(seconds)
 
-    def forget(self) -> None:
-        self._recent.clear()
+    def pass_over(self) -> None:
+        self._recent.append(None)
 
 
 class SplitEstimator:
     """The estimates of the split's stages, fed with decisions; owned by one task (the metrics sink).
 
-    A stage after the query (probes, score, tail) not seen for ``STALE_AFTER × min_samples`` decisions
+    A stage after the query (probes, score) not seen for ``STALE_AFTER × min_samples`` decisions
     that ran the query is forgotten: the split is cold again, so the fixed split lets the request reach
     it and it is measured afresh. Without that, an estimate that made the split cut every query would
-    never be corrected, since no request would reach the stage again.
+    never be corrected, since no request would reach the stage again. The tail's window counts the
+    decisions that ran the query, so it empties (cold) after ``TAIL_WINDOW`` of them without a tail.
 
     The tail is the router's part (``stage_ms[Stage.TAIL]``, from the end of the probe wait to the
     decision leaving the router) plus, once a transport reports them (:meth:`observe_replies`), the
@@ -194,17 +198,17 @@ class SplitEstimator:
 
     STALE_AFTER = 4
 
-    __slots__ = ("_min_samples", "_replies", "_since", "_stages")
+    __slots__ = ("_min_samples", "_replies", "_since", "_stages", "_tail")
 
     def __init__(self, router: RouterConfig) -> None:
         self._min_samples = router.split_min_samples
-        self._stages: dict[Stage, StageLatency | RecentQuantile] = {
+        self._stages = {
             stage: StageLatency(router.split_estimate_weight, router.split_deviations) for stage in SPLIT_STAGES
         }
-        self._stages[Stage.TAIL] = RecentQuantile(TAIL_WINDOW, TAIL_QUANTILE)
+        self._tail = RecentQuantile(TAIL_WINDOW, TAIL_QUANTILE)
         self._replies = RecentQuantile(TAIL_WINDOW, TAIL_QUANTILE)
         # Decisions that ran the query but not this stage.
-        self._since = {Stage.PROBE: 0, Stage.SCORE: 0, Stage.TAIL: 0}
+        self._since = {Stage.PROBE: 0, Stage.SCORE: 0}
 
     def observe(self, stage_ms: Mapping[Stage, float], windows: tuple[StageWindow, ...]) -> bool:
         """Feed one decision's stage times; True when an estimate changed."""
@@ -221,24 +225,26 @@ class SplitEstimator:
                     changed = True
         query = stage_ms.get(Stage.CACHE_QUERY)
         if query is not None:
-            self._cut_stage(Stage.CACHE_QUERY).observe(query / 1000.0, censored=Stage.CACHE_QUERY in cut)
+            self._stages[Stage.CACHE_QUERY].observe(query / 1000.0, censored=Stage.CACHE_QUERY in cut)
             changed = True
         probe = stage_ms.get(Stage.PROBE)
         if probe is not None:
             plan = stage_ms.get(Stage.PLAN, 0.0)
-            self._cut_stage(Stage.PROBE).observe((plan + probe) / 1000.0, censored=Stage.PROBE in cut)
+            self._stages[Stage.PROBE].observe((plan + probe) / 1000.0, censored=Stage.PROBE in cut)
             changed = True
-        for stage in (Stage.SCORE, Stage.TAIL):  # never cut: every sample counts as it is
-            sample = stage_ms.get(stage)
-            if sample is not None:
-                self._stages[stage].observe(sample / 1000.0)
-                changed = True
+        score = stage_ms.get(Stage.SCORE)
+        if score is not None:
+            self._stages[Stage.SCORE].observe(score / 1000.0)
+            changed = True
+        tail = stage_ms.get(Stage.TAIL)
+        if tail is not None:  # never cut: every sample counts as it is
+            self._tail.observe(tail / 1000.0)
+            changed = True
+        elif query is not None:
+            had = self._tail.samples
+            self._tail.pass_over()
+            changed = changed or self._tail.samples != had
         return changed
-
-    def _cut_stage(self, stage: Stage) -> StageLatency:
-        latency = self._stages[stage]
-        assert isinstance(latency, StageLatency)  # the stages a window can cut
-        return latency
 
     def observe_replies(self, seconds: Sequence[float]) -> bool:
         """Feed replies' way back from the router to the transport (seconds each); True when any."""
@@ -251,7 +257,7 @@ class SplitEstimator:
             return latency.high if latency.samples >= self._min_samples else None
 
         stages = self._stages
-        tail = high(stages[Stage.TAIL])
+        tail = high(self._tail)
         if tail is not None and self._replies.samples:  # a transport reports its part: cold until it is known
             replies = high(self._replies)
             tail = None if replies is None else tail + replies
