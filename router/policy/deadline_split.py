@@ -36,9 +36,9 @@ slow); below it, it says nothing. A later stage no request reached for a while i
 The tail is heavy-tailed (a scheduling stall of the routing thread, the GIL held by another thread
 for its switch interval): most replies leave within a millisecond, a few take several. A mean plus
 deviations jumps after each stall and sits below the stalls in between, so the tail's estimate is
-a quantile of the recent samples (:class:`RecentQuantile`, ``TAIL_QUANTILE`` of the last
-``TAIL_WINDOW``): two long tails among the recent ones raise it at once, and it comes down once
-they have left the window.
+a quantile of the recent samples (:class:`RecentQuantile`: ``TAIL_QUANTILE`` of the tails among the
+last ``TAIL_WINDOW`` decisions that ran the query): two long tails among the recent ones raise it at
+once, and it comes down once they have left the window.
 
 Pure: values in, values out; time is passed in.
 """
@@ -93,8 +93,8 @@ class SplitWindows:
 
 
 LAG_RESERVE_FACTOR = 2.0  # the decision reserve is at least this many times the loop's average lag
-TAIL_WINDOW = 40  # the recent tails the tail's estimate is taken from
-TAIL_QUANTILE = 0.97  # ... and the share of them it covers (of 40: the second longest)
+TAIL_WINDOW = 40  # the recent decisions (that ran the query) whose tails the tail's estimate is taken from
+TAIL_QUANTILE = 0.97  # ... and the share of those tails it covers (of 40: the second longest)
 
 
 def split_windows(
