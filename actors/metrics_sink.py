@@ -46,6 +46,7 @@ SOURCE_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "kvroute_channel_pool_channels": ("gRPC channels held by the channel pool", ()),
     "kvroute_inbox_depth": ("Messages waiting in an actor's inbox", ("actor",)),
 }
+REPLY_STAGE_LABEL = "reply"  # the duration histogram's stage label for a transport's way back (RepliesSent)
 DRAIN_BATCH = 32  # events applied per scheduling round at most (about 1 ms of work)
 BREAKER_STATE_VALUES: Mapping[str, float] = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
@@ -138,8 +139,19 @@ class ShadowAgreement:
     hit_error_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class RepliesSent:
+    """Replies a transport took from the router and handed on: each one's way back in seconds, from the
+    decision leaving the router to the serialised reply (the gRPC sidecar's handler threads) or to the
+    caller's asyncio loop resuming (the asyncio host). Part of the deadline split's tail; observed
+    into the ``reply`` stage's duration too."""
+
+    seconds: tuple[float, ...]
+
+
 MetricEvent = (
     DecisionMade
+    | RepliesSent
     | KvcmRequest
     | MasterRequest
     | HitObserved
@@ -340,6 +352,7 @@ class MetricsSink:
         # Children per label set, looked up once: labels() costs ~5 µs, the sink's hot loop runs per decision.
         self._stage_durations = {stage: self._duration.labels(stage=stage.value) for stage in Stage}
         self._stage_cuts = {stage: self._split_cuts.labels(stage=stage.value) for stage in Stage}
+        self._reply_duration = self._duration.labels(stage=REPLY_STAGE_LABEL)
         self._source_counts: dict[tuple[RouteSource, SourceOutcome, Reason | None], Counter] = {}
         self._decision_counts: dict[tuple[str, str], Counter] = {}
         self._dropped_counts: dict[str, Counter] = {}
@@ -469,6 +482,12 @@ class MetricsSink:
             case ShadowAgreement(ratio, hit_error_tokens):
                 self._record_agreement(ratio)
                 self._shadow_hit_error.observe(hit_error_tokens)
+            case RepliesSent(seconds):
+                reply = self._reply_duration
+                for sample in seconds:
+                    reply.observe(sample)
+                if self._split_estimator.observe_replies(seconds):
+                    self._split_estimates = self._split_estimator.estimates()
             case ShadowRecordDropped():
                 self._shadow_dropped.inc()
             case _:

@@ -137,8 +137,10 @@ class RouterActor:
         self._warn = warn
         self._decision_log = decision_log
         self._accuracy = accuracy
-        # The learned split's estimates: an immutable snapshot the metrics sink publishes.
-        self._split_estimates = metrics.split_estimates if split_estimates is None else split_estimates
+        # The learned split's estimates: the immutable snapshot the metrics sink publishes, with the loop's
+        # lag (the fixed split's reserve covers it too: a task woken at the end of a wait runs that much
+        # later). A replay passes the recorded ones as they were.
+        self._split_estimates = self._live_split_estimates if split_estimates is None else split_estimates
         self._with_lag = WithLag()
         self._limiter = trio.CapacityLimiter(config.router.max_in_flight)
         self._long_hashing = trio.CapacityLimiter(1)
@@ -248,6 +250,9 @@ class RouterActor:
     def in_flight(self) -> int:
         return int(self._limiter.borrowed_tokens)
 
+    def _live_split_estimates(self) -> SplitEstimates:
+        return self._with_lag(self._metrics.split_estimates(), self._estimate.lag_s)
+
     # -- one request -----------------------------------------------------------------------------
 
     async def _handle(self, request: RouteRequest, received_at: float, deadline: float) -> RouteDecision:
@@ -257,9 +262,7 @@ class RouterActor:
         ctx: RequestContext | None = None
         decision: RouteDecision | None = None
         record = None if self._decision_log is None else DecisionRecord(request, received_at, deadline)
-        # The loop's lag always: the fixed split's reserve covers it too (a task woken at the end of
-        # a wait runs that much later).
-        estimates = self._with_lag(self._split_estimates(), self._estimate.lag_s)
+        estimates = self._split_estimates()
         split = RequestSplit(split_windows(received_at, deadline, estimates, self._config.router))
         if record is not None:
             record.split = estimates
@@ -292,11 +295,15 @@ class RouterActor:
         if ctx is not None:
             for source in self._chain:
                 source.after_reply(ctx, decision)
-        self._metrics.emit(DecisionMade(decision, tuple(events)))
         if self._accuracy is not None and decision.worker is not None and decision.hit_tokens > 0:
             self._accuracy.predict(
                 request.request_id, decision.worker.http_target, decision.hit_tokens, decision.route_source, received_at
             )
+        if split.probes_ended_at is not None:
+            # The tail, taken last: only the two non-blocking sends below follow before the return.
+            # ``stages`` is the decision's own stage_ms, filled in place like TOTAL was.
+            stages[Stage.TAIL] = ms(trio.current_time() - split.probes_ended_at)
+        self._metrics.emit(DecisionMade(decision, tuple(events)))
         if record is not None and self._decision_log is not None:
             record.decision = decision
             self._decision_log.submit(record)

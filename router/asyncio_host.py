@@ -9,7 +9,10 @@ asyncio event loop in any thread, concurrently. ``stop()`` refuses new calls, le
 submitted finish (each ends by its own routing deadline), closes the router and joins the thread.
 
 Bridge: each call is handed to trio with ``TrioToken.run_sync_soon``, runs as a task in the host's
-call nursery, and completes an asyncio future with ``loop.call_soon_threadsafe``. That beat
+call nursery, and completes an asyncio future with ``loop.call_soon_threadsafe``. The call's budget
+counts from ``route()``: the hop to the trio thread is taken off it. Each answer's way back (settled
+on the trio thread to resumed on the caller's loop) is timed and handed to the metrics sink with a
+later call (the deadline split's tail). That beat
 ``loop.run_in_executor(trio.from_thread.run)``, which also parks an executor thread per call
 (``bench/bench_asyncio_bridge.py`` measures both; docs/design.md §9 has the figures).
 """
@@ -20,6 +23,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from functools import partial
 from types import TracebackType
@@ -27,14 +31,17 @@ from types import TracebackType
 import outcome
 import trio
 
+from actors.metrics_sink import RepliesSent
 from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
 from router.exception_groups import sole_leaf
-from router.request import caller_deadline
+from router.request import budget_left_ms, caller_deadline, request_deadline
 from router.settings import LoadedConfig
 from router.targets import HostPort
 from router.thread_bridge import deliver_outcome, settle_on_loop
 from router.types import RouteDecision, RouteRequest
+
+REPLY_SAMPLES = 256  # answers' way-back times kept until the next call hands them to the metrics sink
 
 
 class HostStopped(RuntimeError):
@@ -58,6 +65,8 @@ class AsyncioRouterHost:
         self._calls: trio.Nursery | None = None
         self._closing = False
         self._stop_requested: trio.Event | None = None
+        # Each answer's way back: appended by the callers' loops, handed to the metrics sink by the trio thread.
+        self._reply_times: deque[float] = deque(maxlen=REPLY_SAMPLES)
 
     # --- lifecycle (asyncio side) -----------------------------------------------------------------
 
@@ -140,16 +149,20 @@ class AsyncioRouterHost:
         future: asyncio.Future[RouteDecision] = loop.create_future()
         scope = trio.CancelScope()  # cancelled from this side through the trio token only
         remaining_s = None if deadline is None else deadline - loop.time()
+        settled_at: list[float] = []  # written by the trio thread before it settles ``future``
         try:
-            token.run_sync_soon(self._spawn, request, remaining_s, time.monotonic(), scope, loop, future)
+            token.run_sync_soon(self._spawn, request, remaining_s, time.monotonic(), scope, loop, future, settled_at)
         except trio.RunFinishedError:
             raise HostStopped("the router host has stopped") from None
         try:
-            return await future
+            decision = await future
         except asyncio.CancelledError:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(scope.cancel)
             raise
+        if settled_at:
+            self._reply_times.append(time.monotonic() - settled_at[0])
+        return decision
 
     # --- the trio thread --------------------------------------------------------------------------
 
@@ -195,18 +208,29 @@ class AsyncioRouterHost:
         scope: trio.CancelScope,
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[RouteDecision],
+        settled_at: list[float],
     ) -> None:
         # Runs in the trio thread (run_sync_soon), in submission order.
         calls, handle = self._calls, self._handle
         if self._closing or calls is None or handle is None:
             settle_on_loop(loop, future, outcome.Error(HostStopped("the router host is stopping")))
             return
+        arrived = time.monotonic()
+        # The budget counts from route(): the hop to this thread is already spent.
+        routing_s = request_deadline(request, 0.0, self._config.router.budget_cap_ms)
+        request = replace(request, budget_ms=budget_left_ms(routing_s, sent_at, arrived))
         if remaining_s is not None:
-            deadline = caller_deadline(trio.current_time(), remaining_s, sent_at, time.monotonic())
+            deadline = caller_deadline(trio.current_time(), remaining_s, sent_at, arrived)
             if request.deadline is not None:
                 deadline = min(deadline, request.deadline)
             request = replace(request, deadline=deadline)
-        calls.start_soon(self._call, handle, request, scope, loop, future)
+        if self._reply_times:
+            taken = []
+            with contextlib.suppress(IndexError):
+                while True:
+                    taken.append(self._reply_times.popleft())
+            handle.metrics.emit(RepliesSent(tuple(taken)))
+        calls.start_soon(self._call, handle, request, scope, loop, future, settled_at)
 
     @staticmethod
     async def _call(
@@ -215,11 +239,12 @@ class AsyncioRouterHost:
         scope: trio.CancelScope,
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[RouteDecision],
+        settled_at: list[float],
     ) -> None:
         # Cancelled by its caller (who no longer waits) or by a crashing router: HostStopped.
+        def deliver(result: outcome.Outcome[RouteDecision]) -> None:
+            settled_at.append(time.monotonic())  # the answer's way back starts here
+            settle_on_loop(loop, future, result)
+
         with scope:
-            await deliver_outcome(
-                partial(handle.route, request),
-                partial(settle_on_loop, loop, future),
-                HostStopped("the route call was cancelled"),
-            )
+            await deliver_outcome(partial(handle.route, request), deliver, HostStopped("the route call was cancelled"))

@@ -5,7 +5,7 @@ is on. The sources fill it with what they were answered and when; the router add
 hands it to the log actor after the reply. Encoding happens in the log actor's writer thread, so
 the request pays for a few attribute writes only.
 
-The log (format version 2; version 1 logs are still read) is a file that starts with :data:`MAGIC`
+The log (format version 3; versions 1 and 2 are still read) is a file that starts with :data:`MAGIC`
 and continues with frames::
 
     u32 payload length | u8 kind | u32 crc32(payload) | payload (UTF-8 JSON object)
@@ -38,12 +38,15 @@ from router.types import (
     RoleAddr,
     RouteDecision,
     RouteRequest,
+    Stage,
     WorkerAddr,
     WorkerStatus,
 )
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 2 added the deadline split: its estimates (``se``) and windows (``sm``, ``sw``)
+FORMAT_VERSION = 3
+# 2 added the deadline split: its estimates (``se``) and windows (``sm``, ``sw``); 3 the tail: its estimate
+# (the fifth ``se`` value) and the request's own (``tl``).
+READABLE_VERSIONS = (1, 2, 3)
 MAGIC = b"KVRDLOG" + bytes([FORMAT_VERSION])
 FRAME_HEAD = struct.Struct(">IBI")  # payload length, kind, crc32 of the payload
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -188,7 +191,7 @@ def encode_decision(record: DecisionRecord, fleet_id: int | None) -> dict[str, A
         out["sh"] = _hosts(record.shadow_hosts)
     if record.split is not None:
         e = record.split
-        out["se"] = [e.query, e.probe, e.score, e.lag]
+        out["se"] = [e.query, e.probe, e.score, e.lag, e.tail]
     if record.scorings:
         out["f"] = fleet_id
         out["sc"] = [
@@ -208,6 +211,9 @@ def encode_decision(record: DecisionRecord, fleet_id: int | None) -> dict[str, A
         ]
     d = record.decision
     if d is not None:
+        tail_ms = d.stage_ms.get(Stage.TAIL)
+        if tail_ms is not None:
+            out["tl"] = round(tail_ms, 3)
         out["d"] = decision_fields(d)
     return out
 

@@ -30,7 +30,7 @@ import logging
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -50,7 +50,7 @@ from actors.sources.base import (
 from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
 from actors.sources.scoring import selection_result
-from router.config import KvrouteConfig
+from router.config import KvrouteConfig, RouterConfig
 from router.decision_record import (
     KIND_DECISION,
     KIND_FLEET,
@@ -146,6 +146,15 @@ class Case:
     fleet: Fleet | None  # the last fleet the log described before this decision
     expected: Mapping[str, Any]
     split: SplitEstimates = COLD  # the deadline split's estimates the recorded request used
+    # A version 2 record: its learned split left reserve_min + lag + score after the probes, not a tail.
+    split_without_tail: bool = False
+
+    def split_estimates(self, router: RouterConfig) -> SplitEstimates:
+        """The estimates the recorded request's windows came from, under ``router``'s split rule."""
+        e = self.split
+        if self.split_without_tail and e.score is not None:
+            return replace(e, tail=router.reserve_min_ms / 1000.0 + e.lag + e.score)
+        return e
 
     def waited_for_leader(self) -> tuple[bool, bool] | None:
         """Whether the recorded request waited for a leader lookup, and whether the split cut that wait
@@ -296,9 +305,11 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
         fleet = scoring_fleet
     expected = dict(p["d"])
     split = COLD
+    split_without_tail = False
     if "se" in p:
-        q, pr, sc, lag = (None if v is None else float(v) for v in p["se"])
-        split = SplitEstimates(q, pr, sc, lag or 0.0)
+        q, pr, sc, lag, *tail = (None if v is None else float(v) for v in p["se"])
+        split = SplitEstimates(query=q, probe=pr, score=sc, lag=lag or 0.0, tail=tail[0] if tail else None)
+        split_without_tail = not tail
     return Case(
         path=path,
         offset=offset,
@@ -313,6 +324,7 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
         fleet=fleet,
         expected=expected,
         split=split,
+        split_without_tail=split_without_tail,
     )
 
 
@@ -625,6 +637,7 @@ class ReplayEngine:
             chain.append(_ReplayShadow(current, scoring))
         chain.append(domain)
         warn = AggregatingLogger(log, interval_s=math.inf, max_keys=16)
+        split = case.split_estimates(config.router)
         router = _ReplayRouter(
             config,
             chain=chain,
@@ -632,7 +645,7 @@ class ReplayEngine:
             companions=_ReplayCompanions(current),
             metrics=self._metrics,
             warn=warn,
-            split_estimates=lambda: case.split,
+            split_estimates=lambda: split,
         )
         if case.overloaded:
             return await router.route_overloaded(case.request)

@@ -239,6 +239,14 @@ def caller_deadline(now: float, remaining_s: float, sent_at: float, arrived_at: 
     return now + remaining_s - max(0.0, arrived_at - sent_at)
 
 
+def budget_left_ms(routing_s: float, received_at: float, arrived_at: float) -> float:
+    """What is left of a call's routing deadline (``routing_s``, min(budget, cap) in seconds from when
+    another thread received it at ``received_at``) once it reached the routing thread at ``arrived_at``
+    (both ``time.monotonic()``), in ms: the budget counts from the call's receipt, not from its hand-off.
+    """
+    return max(0.0, routing_s - max(0.0, arrived_at - received_at)) * 1000.0
+
+
 def request_deadline(request: RouteRequest, now: float, cap_ms: float, reply_margin_ms: float = 0.0) -> float:
     """When the router must have decided: ``now + min(budget, cap)``, and ``reply_margin_ms`` before the
     caller's absolute deadline when it gave one (that margin is the time the answer needs to reach it).

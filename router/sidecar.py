@@ -56,14 +56,15 @@ import grpc
 import trio
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from outcome import Error
+from outcome import Error, Outcome
 
+from actors.metrics_sink import RepliesSent
 from actors.router_actor import OverloadAnswers
 from router.admission import InFlightLimit, admits
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
-from router.request import caller_deadline, check_bounds, quoted, request_deadline
+from router.request import budget_left_ms, caller_deadline, check_bounds, quoted, request_deadline
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
 from router.thread_bridge import deliver_outcome, settle
@@ -84,6 +85,7 @@ ANSWER_SLACK_S = 0.05
 INITIAL_IN_FLIGHT_LIMIT = 16  # calls handed to the router at once before any has been answered
 PATH_COST_DECAY = 0.9  # weight the own-path estimate keeps per call (a few calls follow a change)
 CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for take_call_timings()
+REPLY_SAMPLES = 256  # replies' way-back times kept until the next call hands them to the metrics sink
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
 _ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
 
@@ -295,6 +297,9 @@ class Sidecar:
         )
         # Appended by handler threads, taken by whoever measures; a deque's append and popleft are atomic.
         self._timings: deque[CallTiming] = deque(maxlen=CALL_TIMING_SAMPLES)
+        # Each reply's way back (the decision settled on the trio thread to its bytes on the handler
+        # thread): appended by handler threads, handed to the metrics sink by the trio thread.
+        self._reply_times: deque[float] = deque(maxlen=REPLY_SAMPLES)
         self._health = _RouterHealth(self._ready_from_thread)
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
         # Sheds waiting to be recorded on the trio thread: appended by handler threads, drained there.
@@ -467,12 +472,13 @@ class Sidecar:
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
+        settled_at: list[float] = []  # written by the trio thread before it settles ``answer``
         token = self._token
         took_s: float | None = None
         try:
             if token is None:
                 raise _Stopped
-            token.run_sync_soon(self._spawn, request, client_s, sent_at, answer)
+            token.run_sync_soon(self._spawn, request, client_s, (received, routing_s), sent_at, answer, settled_at)
             decision = answer.result(timeout=wait_s)
             took_s = time.monotonic() - sent_at
         except (trio.RunFinishedError, _Stopped):
@@ -485,7 +491,10 @@ class Sidecar:
         finally:
             self._counters.answered(took_s, max(0.0, left_s))
         reply = self._reply(decision, context)
-        self._observe_path_cost(time.monotonic() - sent_at - decision.elapsed_ms / 1000.0)
+        done = time.monotonic()
+        if settled_at:  # the future's settling orders the trio thread's write before this read
+            self._reply_times.append(done - settled_at[0])
+        self._observe_path_cost(done - sent_at - decision.elapsed_ms / 1000.0)
         return reply, routing_s, decision.stage_ms
 
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
@@ -574,19 +583,53 @@ class Sidecar:
         self,
         request: RouteRequest,
         client_s: float | None,
+        routing: tuple[float, float],
         sent_at: float,
         answer: concurrent.futures.Future[RouteDecision],
+        settled_at: list[float],
     ) -> None:
-        # Runs in the trio thread (run_sync_soon).
+        """Runs in the trio thread (run_sync_soon). ``routing``: when the handler thread received the call
+        (``time.monotonic()``) and its routing deadline (min(budget, cap)) in seconds from then."""
         calls = self._calls
         if calls is None:
             settle(answer, Error(_Stopped()))
             return
+        arrived = time.monotonic()
+        # The budget counts from the call's receipt: its time in this sidecar (reading it, the hop to
+        # this thread) is already spent, so the router gets what is left of it.
+        received, routing_s = routing
+        request = replace(request, budget_ms=budget_left_ms(routing_s, received, arrived))
         if client_s is not None:
-            deadline = caller_deadline(trio.current_time(), client_s, sent_at, time.monotonic())
+            deadline = caller_deadline(trio.current_time(), client_s, sent_at, arrived)
             request = replace(request, deadline=deadline)
-        calls.start_soon(self._call, request, answer)
+        self._hand_over_reply_times()
+        calls.start_soon(self._call, request, answer, settled_at)
 
-    async def _call(self, request: RouteRequest, answer: concurrent.futures.Future[RouteDecision]) -> None:
+    def _hand_over_reply_times(self) -> None:
+        """Send the replies' way-back times the handler threads measured since the last call to the
+        metrics sink (the deadline split's tail), one message for all of them."""
+        times = self._reply_times
+        if not times:
+            return
+        taken = []
+        while True:
+            try:
+                taken.append(times.popleft())
+            except IndexError:
+                break
+        self._handle.metrics.emit(RepliesSent(tuple(taken)))
+
+    async def _call(
+        self, request: RouteRequest, answer: concurrent.futures.Future[RouteDecision], settled_at: list[float]
+    ) -> None:
         # Cancelled (the sidecar stopped at once): _Stopped, and the handler answers UNAVAILABLE.
-        await deliver_outcome(partial(self._handle.route, request), partial(settle, answer), _Stopped())
+        deliver = partial(_settle_timed, answer, settled_at)
+        await deliver_outcome(partial(self._handle.route, request), deliver, _Stopped())
+
+
+def _settle_timed(
+    answer: concurrent.futures.Future[RouteDecision], settled_at: list[float], result: Outcome[RouteDecision]
+) -> None:
+    """Settle ``answer``, noting when (``time.monotonic()``): the reply's way back starts here."""
+    settled_at.append(time.monotonic())
+    settle(answer, result)

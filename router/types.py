@@ -202,6 +202,9 @@ class Stage(enum.StrEnum):
     PROBE = "probe"
     SCORE = "score"
     TOTAL = "total"
+    # From the end of the last wait (the probes') to the decision leaving the router: it includes
+    # SCORE and runs on past TOTAL (the decision's elapsed time, taken when it was built).
+    TAIL = "tail"
 
 
 class SourceOutcome(enum.Enum):

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
@@ -185,3 +186,23 @@ async def test_start_failure_is_raised_and_leaves_no_thread() -> None:
         assert len(raised) == 1
         assert "notaport" in str(raised[0])
         assert counts[0] == counts[1]
+
+
+async def test_each_answers_way_back_to_the_callers_loop_reaches_the_split_tail(nursery: trio.Nursery) -> None:
+    """The host times each answer from the trio thread settling it to the caller's loop resuming; the
+    next call hands those times to the metrics sink (the ``reply`` stage, part of the split's tail)."""
+    with trio.fail_after(20):
+        _cluster, addrs = await _seeded_cluster(nursery)
+        exposition: list[str] = []
+
+        async def program() -> None:
+            async with AsyncioRouterHost(_config(addrs), debug_http=True) as host:
+                for i in range(3):
+                    await host.route(RouteRequest(f"w{i}", token_ids=PROMPT, budget_ms=500))
+                async with httpx.AsyncClient(base_url=f"http://{host.debug_address}") as http:
+                    exposition.append((await http.get("/metrics")).text)
+
+        await _run_asyncio(program)
+        wanted = 'kvroute_route_duration_seconds_count{stage="reply"} '
+        counts = [line[len(wanted) :] for line in exposition[0].splitlines() if line.startswith(wanted)]
+        assert counts == ["2.0"]  # the last one's time waits for the next call

@@ -5,21 +5,47 @@ from __future__ import annotations
 import io
 from dataclasses import replace
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.metrics_sink import DecisionMade, MetricsSink
+from actors.sources.base import RequestSplit
 from kvroute_sim.demo import split_budget
-from router.config import DeadlineSplit, MetricsConfig, RouterConfig
-from router.policy.deadline_split import COLD, SplitEstimates, SplitEstimator, StageLatency, WithLag, split_windows
+from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.kvcm import KvcmFaults
+from router.api import open_router
+from router.config import DeadlineSplit, DeploymentConfig, DiscoveryConfig, KvrouteConfig, MetricsConfig, RouterConfig
+from router.keys import block_keys
+from router.policy.deadline_split import (
+    COLD,
+    TAIL_QUANTILE,
+    TAIL_WINDOW,
+    RecentQuantile,
+    SplitEstimates,
+    SplitEstimator,
+    StageLatency,
+    WithLag,
+    split_windows,
+)
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import Reason, RouteDecision, RouteSource, SplitMode, Stage, StageWindow
+from router.types import (
+    KeyFamily,
+    Reason,
+    RouteDecision,
+    RouteRequest,
+    RouteSource,
+    SplitMode,
+    Stage,
+    StageWindow,
+)
+from router.wire import paths
 
 LEARNED = RouterConfig(deadline_split=DeadlineSplit.LEARNED)
 FIXED = RouterConfig(deadline_split=DeadlineSplit.FIXED)
-WARM = SplitEstimates(query=0.010, probe=0.003, score=0.0005)
+WARM = SplitEstimates(query=0.010, probe=0.003, score=0.0005, tail=0.0015)
 
 
 def test_the_fixed_split_ends_every_wait_at_decide_at() -> None:
@@ -35,14 +61,24 @@ def test_the_learned_split_without_estimates_is_the_fixed_one() -> None:
 
 
 def test_the_learned_split_leaves_each_later_stage_its_estimate_and_never_ends_before_decide_at() -> None:
-    fast = SplitEstimates(query=0.002, probe=0.001, score=0.0005)
+    fast = SplitEstimates(query=0.002, probe=0.001, score=0.0005, tail=0.0015)
     w = split_windows(10.0, 10.050, fast, LEARNED)
     assert w.mode is SplitMode.LEARNED
-    assert w.probe_end == 10.050 - 0.001 - 0.0005  # reserve_min, then the score estimate
+    assert w.probe_end == 10.050 - 0.0015  # the tail: from the probes' end to the reply leaving
     assert w.query_end == w.probe_end - 0.001
     assert w.leader_end == w.query_end - 0.002
     slow = split_windows(10.0, 10.050, WARM, LEARNED)  # the later stages need more than the reserve
     assert slow.leader_end == 10.045 and slow.query_end > 10.045  # the fixed split's end at the least
+
+
+def test_the_last_window_leaves_at_least_reserve_min_and_a_cold_tail_is_the_fixed_split() -> None:
+    quick = split_windows(10.0, 10.050, replace(WARM, tail=0.0001), LEARNED)
+    assert quick.probe_end == 10.050 - 0.001  # reserve_min, not the 0.1 ms tail
+    slow = split_windows(10.0, 10.050, replace(WARM, tail=0.008), LEARNED)  # longer than the fixed 5 ms
+    assert slow.leader_end == slow.query_end == slow.probe_end == 10.045  # the fixed ends: never earlier
+    cold = split_windows(10.0, 10.050, replace(WARM, tail=None), LEARNED)
+    assert cold.mode is SplitMode.COLD
+    assert cold.leader_end == cold.query_end == cold.probe_end == 10.045  # the fixed reserve
 
 
 @given(
@@ -51,10 +87,13 @@ def test_the_learned_split_leaves_each_later_stage_its_estimate_and_never_ends_b
     st.floats(0, 1, allow_nan=False),
     st.floats(0, 10, allow_nan=False),
 )
-def test_a_window_only_ever_shortens_the_deadline(query: float, probe: float, score: float, budget: float) -> None:
+def test_a_window_only_ever_shortens_the_deadline(query: float, probe: float, tail: float, budget: float) -> None:
     for config in (LEARNED, FIXED):
-        w = split_windows(5.0, 5.0 + budget, SplitEstimates(query, probe, score), config)
+        estimates = SplitEstimates(query=query, probe=probe, score=tail, tail=tail)
+        w = split_windows(5.0, 5.0 + budget, estimates, config)
         assert w.leader_end <= w.query_end <= w.probe_end <= 5.0 + budget
+        reserve_min = config.reserve_min_ms / 1000.0
+        assert 5.0 + budget - w.probe_end >= min(budget, reserve_min) - 1e-12  # never below reserve_min
 
 
 def test_an_estimate_follows_a_sudden_change_within_a_few_samples() -> None:
@@ -88,7 +127,7 @@ def test_a_censored_sample_below_the_estimate_changes_nothing_and_one_above_rais
 def test_a_stage_no_request_reaches_is_forgotten_so_the_split_goes_cold() -> None:
     config = replace(RouterConfig(), split_min_samples=2)
     estimator = SplitEstimator(config)
-    full = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 30.0, Stage.SCORE: 0.2}
+    full = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 30.0, Stage.SCORE: 0.2, Stage.TAIL: 0.5}
     for _ in range(2):
         estimator.observe(full, ())
     assert estimator.estimates().warm
@@ -102,7 +141,7 @@ def test_a_stage_no_request_reaches_is_forgotten_so_the_split_goes_cold() -> Non
 
 def test_each_stage_needs_its_samples_before_the_split_uses_it() -> None:
     estimator = SplitEstimator(replace(RouterConfig(), split_min_samples=3))
-    stages = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 2.0, Stage.SCORE: 0.2}
+    stages = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 2.0, Stage.SCORE: 0.2, Stage.TAIL: 0.5}
     for _ in range(2):
         estimator.observe(stages, ())
     assert not estimator.estimates().warm
@@ -122,7 +161,7 @@ async def test_the_sink_counts_cuts_per_stage_and_publishes_estimates(
         None,
         RouteSource.DOMAIN,
         Reason.DEADLINE,
-        stage_ms={Stage.CACHE_QUERY: 45.0, Stage.PLAN: 0.0, Stage.PROBE: 2.0, Stage.SCORE: 0.1},
+        stage_ms={Stage.CACHE_QUERY: 45.0, Stage.PLAN: 0.0, Stage.PROBE: 2.0, Stage.SCORE: 0.1, Stage.TAIL: 0.3},
         split=SplitMode.FIXED,
         windows=(StageWindow(Stage.CACHE_QUERY, 45.0, True), StageWindow(Stage.PROBE, 45.0, False)),
     )
@@ -139,13 +178,11 @@ async def test_the_sink_counts_cuts_per_stage_and_publishes_estimates(
 
 def test_with_kvcm_near_the_budget_the_learned_split_keeps_more_requests_on_kvcm() -> None:
     """Both splits on the same seeded requests, KVCM answering at 42-48 ms of a 50 ms budget."""
-    figures = {}
-    for split in split_budget.SPLITS:
-        figures[split] = trio.run(
-            lambda s=split: split_budget.measure_split(s, network=MemoryNetwork(), requests=40),
-            clock=trio.testing.MockClock(autojump_threshold=0),
-        )
-    fixed, learned = figures["fixed"], figures["learned"]
+    fixed, learned = trio.run(
+        lambda: split_budget.measure_splits(split_budget.SPLITS, network=MemoryNetwork(), requests=40),
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    assert (fixed.split, learned.split) == split_budget.SPLITS
     assert learned.kvcm > fixed.kvcm
     assert learned.hits > fixed.hits
     assert learned.within_budget == fixed.within_budget == 40  # the same deadline adherence: all in time
@@ -171,3 +208,144 @@ def test_with_lag_is_the_published_estimates_with_the_lag_and_rebuilt_only_on_a_
     republished = SplitEstimates(query=0.005, probe=0.002, score=0.0005)
     assert with_lag(republished, 0.002) == replace(republished, lag=0.002)
     assert with_lag(COLD, 0.0) == COLD
+
+
+# --- the tail: from the end of the probe wait to the reply leaving kvroute ------------------------
+
+
+def _warm_estimator(config: RouterConfig, tail_ms: float) -> SplitEstimator:
+    estimator = SplitEstimator(config)
+    for _ in range(config.split_min_samples):
+        estimator.observe({Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.SCORE: 0.2, Stage.TAIL: tail_ms}, ())
+    return estimator
+
+
+@given(st.integers(0, 7), st.floats(0, 40, allow_nan=False))
+def test_until_the_tail_has_its_samples_the_learned_split_is_the_fixed_one(seen: int, tail_ms: float) -> None:
+    config = replace(LEARNED, split_min_samples=8)
+    estimator = SplitEstimator(config)
+    for i in range(8):  # query and probes warm; the tail seen only ``seen`` times
+        stages = {Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5}
+        estimator.observe(stages | ({Stage.TAIL: tail_ms} if i < seen else {}), ())
+    estimates = estimator.estimates()
+    assert estimates.tail is None and not estimates.warm
+    cold = split_windows(10.0, 10.050, estimates, config)
+    fixed = split_windows(10.0, 10.050, estimates, FIXED)
+    assert cold.mode is SplitMode.COLD
+    assert (cold.leader_end, cold.query_end, cold.probe_end) == (fixed.leader_end, fixed.query_end, fixed.probe_end)
+
+
+@given(st.floats(0, 3, allow_nan=False), st.floats(2, 20, allow_nan=False))
+def test_a_sudden_longer_tail_moves_the_last_window_within_three_requests(base_ms: float, jump_ms: float) -> None:
+    step_ms = base_ms + jump_ms
+    estimator = _warm_estimator(LEARNED, base_ms)
+    before = estimator.estimates()
+    assert before.tail is not None and before.tail < (base_ms + jump_ms / 2) / 1000.0
+    for _ in range(3):  # the machine gets busy: every reply now leaves step_ms after the probes
+        estimator.observe({Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.TAIL: step_ms}, ())
+    after = estimator.estimates()
+    assert after.tail is not None and after.tail >= step_ms / 1000.0
+    w = split_windows(10.0, 10.050, after, LEARNED)
+    # The probes end early enough for the reply, or at the fixed split's end when the tail needs it all.
+    assert w.probe_end == max(10.045, 10.050 - step_ms / 1000.0)
+    for _ in range(TAIL_WINDOW):  # and back, once the long tails have left the window
+        estimator.observe({Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.TAIL: base_ms}, ())
+    settled = estimator.estimates()
+    assert settled.tail == pytest.approx(base_ms / 1000.0)
+
+
+def test_the_tails_estimate_covers_all_but_the_longest_few_of_the_recent_ones() -> None:
+    tail = RecentQuantile(TAIL_WINDOW, TAIL_QUANTILE)
+    assert tail.high == 0.0
+    for i in range(TAIL_WINDOW):
+        tail.observe(0.001 * (i + 1))  # 1 .. 40 ms
+    assert tail.high == pytest.approx(0.039)  # 97 % of 40: the second longest
+    for _ in range(TAIL_WINDOW - 2):  # the oldest leave first: 39 and 40 ms are still in the window
+        tail.observe(0.0005)
+    assert tail.samples == TAIL_WINDOW and tail.high == pytest.approx(0.039)
+    tail.observe(0.0005)  # the 39 ms one leaves: one long tail among the recent ones is not enough
+    assert tail.high == pytest.approx(0.0005)
+
+
+def test_a_stalled_start_leaves_the_tails_window_with_the_requests_even_when_none_reaches_the_probes() -> None:
+    """Two 256 ms tails at start (a first request's channel set-up, a full collection) must not hold the
+    split at the fixed ends while the fixed split cuts every query and no request brings a new tail."""
+    config = replace(LEARNED, split_min_samples=8)
+    estimator = SplitEstimator(config)
+    full = {Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.SCORE: 0.2}
+    for tail_ms in (256.0, 256.0, *([0.5] * 10)):
+        estimator.observe(full | {Stage.TAIL: tail_ms}, ())
+    assert estimator.estimates().tail == pytest.approx(0.256)
+    cut = (StageWindow(Stage.CACHE_QUERY, 45.0, True),)
+    for _ in range(TAIL_WINDOW - 12):  # the window fills with queries cut before the probes
+        estimator.observe({Stage.CACHE_QUERY: 45.0}, cut)
+    assert estimator.estimates().tail == pytest.approx(0.256)
+    estimator.observe({Stage.CACHE_QUERY: 45.0}, cut)
+    estimator.observe({Stage.CACHE_QUERY: 45.0}, cut)  # both stalled tails have left
+    assert estimator.estimates().tail == pytest.approx(0.0005)
+    for _ in range(3):  # and the quick ones leave too: fewer than 8 in the window is cold again
+        estimator.observe({Stage.CACHE_QUERY: 45.0}, cut)
+    assert estimator.estimates().tail is None
+
+
+def test_a_transports_way_back_adds_to_the_tail_once_it_has_its_samples() -> None:
+    config = replace(LEARNED, split_min_samples=4)
+    estimator = _warm_estimator(config, 1.0)
+    assert estimator.estimates().tail == pytest.approx(0.001)
+    assert estimator.observe_replies((0.002,) * 3)
+    assert estimator.estimates().tail is None  # a transport reports its part: cold until it is known
+    estimator.observe_replies((0.002,))
+    assert estimator.estimates().tail == pytest.approx(0.003)
+    assert not estimator.observe_replies(())
+
+
+def test_the_probe_wait_ends_at_its_window_when_the_window_cut_it() -> None:
+    split = RequestSplit(split_windows(10.0, 10.050, WARM, LEARNED))
+    split.probes_ended(10.030)  # every probe answered early
+    assert split.probes_ended_at == 10.030
+    split.probes_ended(10.052)  # cut, and the task ran 3.5 ms late: that lateness is part of the tail
+    assert split.probes_ended_at == split.windows.probe_end
+
+
+async def test_the_router_records_each_requests_tail_and_uses_the_learned_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A whole router under MockClock: each decision that probed records its tail; the sink learns it;
+    after replies have taken 8 ms for three requests, the probes end 8 ms before the deadline."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=16)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=16, kvcm_instance_id="ns"),
+        router=replace(LEARNED, split_min_samples=2),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    prompt = tuple(range(1000, 1000 + 8 * 16))
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        await resolver.leader()
+        cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(prompt, 16, KeyFamily.RTP))
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.002, methods=frozenset({paths.KVCM_GET_HOST_CACHE_STATE})))
+        first = await handle.route(RouteRequest("cold", token_ids=prompt, budget_ms=50))
+        assert first.split is SplitMode.COLD and first.stage_ms[Stage.TAIL] >= 0.0
+        await handle.route(RouteRequest("warming", token_ids=prompt, budget_ms=50))
+        await trio.testing.wait_all_tasks_blocked()
+        warm = handle.metrics.split_estimates()
+        assert warm.warm and warm.tail is not None and warm.tail < 0.001  # MockClock: no time passes after the wait
+        quick = await handle.route(RouteRequest("quick-tail", token_ids=prompt, budget_ms=50))
+        assert quick.split is SplitMode.LEARNED
+        assert {w.stage: w.end_ms for w in quick.windows}[Stage.PROBE] == pytest.approx(49.0)  # reserve_min
+
+        for tail_ms, probe_end_ms in ((3.0, 47.0), (8.0, 45.0)):  # 8 ms: all of the fixed 5 ms and more
+            slow_reply = RouteDecision(
+                "slow", None, None, RouteSource.KVCM, Reason.CACHE_LEADER, stage_ms={Stage.TAIL: tail_ms}
+            )
+            for _ in range(2):  # two long tails among the recent ones move the estimate
+                handle.metrics.emit(DecisionMade(slow_reply))
+            await trio.testing.wait_all_tasks_blocked()
+            slow = await handle.route(RouteRequest(f"tail-{tail_ms:g}", token_ids=prompt, budget_ms=50))
+            assert slow.split is SplitMode.LEARNED and slow.route_source is RouteSource.KVCM
+            assert {w.stage: w.end_ms for w in slow.windows}[Stage.PROBE] == pytest.approx(probe_end_ms)

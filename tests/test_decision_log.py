@@ -35,7 +35,7 @@ from router.config import (
     RouterConfig,
     ScorerConfig,
 )
-from router.decision_record import MAGIC, LogFormatError
+from router.decision_record import KIND_DECISION, KIND_HEADER, MAGIC, LogFormatError, frame, parse_frames
 from router.keys import block_keys
 from router.replay import ReplayEngine, load_log, replay_config
 from router.supervisor import RouterHandle
@@ -51,6 +51,7 @@ from router.types import (
     RouteSource,
     ScorerPolicy,
     SplitMode,
+    Stage,
 )
 from router.wire import paths
 
@@ -260,6 +261,37 @@ def test_a_learned_split_run_replays_its_windows_identically(tmp_path: Path) -> 
     # What-if: the fixed split cuts the 47 ms answer (and changes every learned window).
     identical, total = replay_all(log, overrides={"deadline_split": "fixed"})
     assert identical < total
+
+
+def test_a_version_2_log_still_replays_with_the_split_it_was_recorded_under(tmp_path: Path) -> None:
+    """Version 2 recorded no tail: its learned split left reserve_min + lag + score after the probes."""
+    log = tmp_path / "decisions.log"
+    decisions = on_mock_clock(record_learned_split_run, log)
+    assert any(Stage.TAIL in d.stage_ms for d in decisions)  # the probes ran: the tail was measured
+    old = tmp_path / "v2.log"
+    body = bytearray(MAGIC[:-1] + bytes([2]))
+    for f in parse_frames(str(log), log.read_bytes()):
+        payload = dict(f.payload)
+        if f.kind == KIND_DECISION:
+            assert "tl" in payload or "sc" not in payload  # a request that scored has its tail recorded
+            payload.pop("tl", None)
+            if "se" in payload:
+                assert len(payload["se"]) == 5
+                payload["se"] = payload["se"][:4]
+        if f.kind == KIND_HEADER:
+            payload["v"] = 2
+        body += frame(f.kind, payload)
+    old.write_bytes(bytes(body))
+    recorded = load_log([str(old)])
+    router = RouterConfig()
+    warm = [c for c in recorded.cases if c.split.score is not None]
+    assert warm and all(c.split_without_tail for c in recorded.cases)
+    for case in warm:
+        e = case.split_estimates(router)
+        assert e.tail is not None and e.score is not None
+        assert e.tail == pytest.approx(router.reserve_min_ms / 1000.0 + e.lag + e.score)
+    identical, total = replay_all(old)
+    assert total == len(decisions) and identical >= 1  # readable and replayed (the cold decisions as recorded)
 
 
 def test_the_replay_command_reports_and_exits_by_identity(

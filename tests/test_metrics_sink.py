@@ -130,7 +130,8 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
     # total: elapsed_ms of decisions 1, 3, 4 (no "total" stage) + the explicit total of decision 2.
     assert sample(sink, f"{hist}_count", stage="total") == 4
     assert sample(sink, f"{hist}_sum", stage="total") == pytest.approx((9.5 + 0.3 + 3.0 + 3.0) / 1000)
-    assert {stage.value for stage in Stage} == {"keys", "leader", "cache_query", "plan", "probe", "score", "total"}
+    stages = {"keys", "leader", "cache_query", "plan", "probe", "score", "total", "tail"}
+    assert {stage.value for stage in Stage} == stages
 
     steps = "kvroute_source_outcomes_total"
     assert sample(sink, steps, source="kvcm", outcome="fell_through", reason="kvcm_error") == 1

@@ -7,6 +7,7 @@ client runs its blocking calls on worker threads, like a frontend process would.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import pytest
 import trio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from actors.metrics_sink import REPLY_STAGE_LABEL
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import RouterHandle, open_router
@@ -28,7 +30,7 @@ from router.config import (
     ServeConfig,
 )
 from router.keys import block_keys
-from router.request import caller_deadline
+from router.request import budget_left_ms, caller_deadline
 from router.sidecar import ROUTER_SERVICE, Sidecar, decision_to_proto, request_from_proto
 from router.targets import HostPort
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteDecision, RouteSource, WorkerAddr
@@ -345,6 +347,28 @@ def test_the_client_deadline_counts_the_wait_to_reach_the_trio_thread() -> None:
     assert caller_deadline(100.0, 0.005, sent_at=7.0, arrived_at=7.002) == pytest.approx(100.003)
     # Clocks that seem to go backwards never lengthen the deadline.
     assert caller_deadline(100.0, 0.005, sent_at=7.0, arrived_at=6.9) == pytest.approx(100.005)
+
+
+def test_the_budget_counts_from_the_calls_receipt_not_its_hand_off() -> None:
+    assert budget_left_ms(0.050, received_at=100.0, arrived_at=100.004) == pytest.approx(46.0)
+    assert budget_left_ms(0.050, received_at=100.0, arrived_at=100.080) == 0.0  # spent waiting: nothing left
+    assert budget_left_ms(0.050, received_at=100.0, arrived_at=99.9) == pytest.approx(50.0)  # clocks never add
+
+
+async def test_each_replys_way_back_reaches_the_deadline_splits_tail(nursery: trio.Nursery) -> None:
+    """The handler thread times each reply from the router's answer to its bytes; the next call hands
+    those times to the metrics sink, whose split estimate adds them to the router's own tail."""
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            calls = 3
+            for i in range(calls):
+                request = router_v1_pb2.RouteRequest(request_id=f"c{i}", token_ids=PROMPT, budget_ms=500)
+                reply = await _in_thread(functools.partial(r.route, request))
+                assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            count = r.handle.metrics.registry.get_sample_value(
+                "kvroute_route_duration_seconds_count", {"stage": REPLY_STAGE_LABEL}
+            )
+            assert count == calls - 1  # the last one's time waits for the next call
 
 
 def test_a_huge_role_name_is_quoted_cut_short() -> None:

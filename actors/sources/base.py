@@ -45,9 +45,16 @@ class RequestSplit:
 
     windows: SplitWindows
     waits: dict[Stage, bool] = field(default_factory=dict)
+    # When the last probe wait ended (trio time; its window's end when the window cut it, since the
+    # task then runs late by the loop's lag): the tail is measured from here.
+    probes_ended_at: float | None = None
 
     def waited(self, stage: Stage, cut: bool) -> None:
         self.waits[stage] = cut or self.waits.get(stage, False)
+
+    def probes_ended(self, now: float) -> None:
+        """The probe wait is over at ``now``; the tail starts at the earlier of ``now`` and its window end."""
+        self.probes_ended_at = min(now, self.windows.probe_end)
 
     def stage_windows(self, received_at: float) -> tuple[StageWindow, ...]:
         """The windows of the waits the request ran, in ms after its receipt."""

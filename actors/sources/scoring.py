@@ -80,6 +80,7 @@ class CandidateScoring:
             ctx.split.waited(Stage.PROBE, waiting.cancelled_caught)
         else:
             ctx.split.waited(Stage.PROBE, False)
+        ctx.split.probes_ended(trio.current_time())
         statuses: dict[WorkerAddr, tuple[WorkerStatus, float]] = {}
         missing: dict[WorkerAddr, DropReason] = {}
         cache_hits = from_background = 0

@@ -10,38 +10,51 @@ The learned split keeps a running estimate of a high quantile of each stage's la
 each wait early enough to leave the stages after it their expected time, giving the waits the part
 of the fixed reserve the later stages do not need::
 
-    probe_end  = max(decide_at, deadline − reserve_min − lag − score)   probes and plan
-    query_end  = max(decide_at, probe_end − probe)                      GetHostCacheState
-    leader_end = max(decide_at, query_end − query)                      a leader lookup
+    probe_end  = max(decide_at, deadline − max(reserve_min, tail))   probes and plan
+    query_end  = max(decide_at, probe_end − probe)                   GetHostCacheState
+    leader_end = max(decide_at, query_end − query)                   a leader lookup
 
-``score``, ``probe`` (plan + probes) and ``query`` are the estimates; ``lag`` is how late the
-routing loop runs a due task (the admission estimate's), which the answer pays after the wait.
-No end is before the fixed split's: a KVCM answer that leaves the probes no time is still scored
-with the statuses the prober has cached, so cutting the query to make room for probes loses more
-answers than it saves. Every end is at most the request's deadline, so a window only ever
-shortens it. Until each estimate has
-``min_samples`` observations (cold start) the fixed split applies.
+``probe`` (plan + probes) and ``query`` are the estimates of those stages; ``tail`` is the time from
+the end of the last wait (the probes') to the reply leaving kvroute: the late wake-up of the
+request's task, the Scorer round trip, building and emitting the decision and, where a transport
+reports it, the reply's way back to the caller. Measured whole, it covers what no stage estimate
+does (a first version left ``reserve_min + lag + score`` there, and its replies reached callers
+late). No end is before the fixed split's: the learned split only lends the waits the part of the
+fixed reserve that the measured tail does not need (when the tail needs all of it, the split is
+the fixed one), and a KVCM answer that leaves the probes no time is still scored with the statuses
+the prober has cached, so cutting the query to make room for probes loses more answers than it
+saves. Every end is at most the request's deadline, so a window only ever shortens it. Until each
+estimate has ``min_samples`` observations (cold start) the fixed split applies.
 
-The estimate per stage is the mean plus ``deviations`` mean absolute deviations, both
-exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
+The estimate of the query and the probes is the mean plus ``deviations`` mean absolute deviations,
+both exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
 requests. A stage the split cut short was observed for less than it would have taken: such a
 sample is used only when it is at least the current estimate (then the stage is at least that
 slow); below it, it says nothing. A later stage no request reached for a while is forgotten
 (:class:`SplitEstimator`), so a bad estimate cannot lock the split into cutting every query.
+
+The tail is heavy-tailed (a scheduling stall of the routing thread, the GIL held by another thread
+for its switch interval): most replies leave within a millisecond, a few take several. A mean plus
+deviations jumps after each stall and sits below the stalls in between, so the tail's estimate is
+a quantile of the recent samples (:class:`RecentQuantile`: ``TAIL_QUANTILE`` of the tails among the
+last ``TAIL_WINDOW`` decisions that ran the query): two long tails among the recent ones raise it at
+once, and it comes down once they have left the window.
 
 Pure: values in, values out; time is passed in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from router.config import DeadlineSplit, RouterConfig
 from router.types import SplitMode, Stage, StageWindow
 
 # The stages whose latency the split estimates, in the order a cache source runs them.
-SPLIT_STAGES = (Stage.CACHE_QUERY, Stage.PROBE, Stage.SCORE)
+SPLIT_STAGES = (Stage.CACHE_QUERY, Stage.PROBE, Stage.SCORE)  # each a mean plus deviations; the tail apart
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +63,13 @@ class SplitEstimates:
 
     query: float | None = None
     probe: float | None = None  # plan + probes
-    score: float | None = None
-    lag: float = 0.0  # the routing loop's lag: how late the request's task runs once the wait ends
+    score: float | None = None  # the Scorer round trip (part of the tail; kept for the records)
+    lag: float = 0.0  # the routing loop's lag: how late the request's task runs once a wait ends
+    tail: float | None = None  # from the end of the last wait to the reply leaving kvroute
 
     @property
     def warm(self) -> bool:
-        return self.query is not None and self.probe is not None and self.score is not None
+        return self.query is not None and self.probe is not None and self.tail is not None
 
 
 COLD = SplitEstimates()
@@ -98,6 +112,8 @@ class SplitWindows:
 
 
 LAG_RESERVE_FACTOR = 2.0  # the decision reserve is at least this many times the loop's average lag
+TAIL_WINDOW = 40  # the recent decisions (that ran the query) whose tails the tail's estimate is taken from
+TAIL_QUANTILE = 0.97  # ... and the share of those tails it covers (of 40: the second longest)
 
 
 def split_windows(
@@ -111,12 +127,13 @@ def split_windows(
     if router.deadline_split is DeadlineSplit.FIXED or not estimates.warm:
         mode = SplitMode.FIXED if router.deadline_split is DeadlineSplit.FIXED else SplitMode.COLD
         return SplitWindows(decide_at, decide_at, decide_at, mode)
-    assert estimates.query is not None and estimates.probe is not None and estimates.score is not None
-    # Never before decide_at: a KVCM answer that leaves the probes no time is still scored with the
-    # cached statuses, so ending the query earlier than the fixed split only loses answers.
-    probe_end = max(decide_at, deadline - reserve_min - estimates.lag - estimates.score)
+    assert estimates.query is not None and estimates.probe is not None and estimates.tail is not None
+    # Never before decide_at: the split lends the waits only what the tail leaves of the fixed reserve,
+    # and a KVCM answer that leaves the probes no time is still scored with the cached statuses.
+    probe_end = max(decide_at, deadline - max(reserve_min, estimates.tail))
     query_end = max(decide_at, probe_end - estimates.probe)
-    return SplitWindows(max(decide_at, query_end - estimates.query), query_end, probe_end, SplitMode.LEARNED)
+    leader_end = max(decide_at, query_end - estimates.query)
+    return SplitWindows(leader_end, query_end, probe_end, SplitMode.LEARNED)
 
 
 class StageLatency:
@@ -155,25 +172,62 @@ class StageLatency:
         self.samples = 0
 
 
+class RecentQuantile:
+    """A quantile (nearest rank: ``quantile`` of them are at most it) of the samples among the last
+    ``window`` entries. :meth:`pass_over` enters one without a sample, so old samples also leave when
+    the requests that would have brought new ones stop reaching the stage (a stalled start would
+    otherwise be kept for as long as the split cut every query)."""
+
+    __slots__ = ("_quantile", "_recent")
+
+    def __init__(self, window: int, quantile: float) -> None:
+        self._recent: deque[float | None] = deque(maxlen=window)
+        self._quantile = quantile
+
+    @property
+    def samples(self) -> int:
+        return sum(1 for sample in self._recent if sample is not None)
+
+    @property
+    def high(self) -> float:
+        ordered = sorted(sample for sample in self._recent if sample is not None)
+        return ordered[max(0, math.ceil(self._quantile * len(ordered)) - 1)] if ordered else 0.0
+
+    def observe(self, seconds: float) -> None:
+        self._recent.append(seconds)
+
+    def pass_over(self) -> None:
+        self._recent.append(None)
+
+
 class SplitEstimator:
     """The estimates of the split's stages, fed with decisions; owned by one task (the metrics sink).
 
-    A stage after the query (probes, score) not seen for ``STALE_AFTER × min_samples`` decisions that
-    ran the query is forgotten: the split is cold again, so the fixed split lets the request reach it
-    and it is measured afresh. Without that, an estimate that made the split cut every query would
-    never be corrected, since no request would reach the stage again.
+    A stage after the query (probes, score) not seen for ``STALE_AFTER × min_samples`` decisions
+    that ran the query is forgotten: the split is cold again, so the fixed split lets the request reach
+    it and it is measured afresh. Without that, an estimate that made the split cut every query would
+    never be corrected, since no request would reach the stage again. The tail's window counts the
+    decisions that ran the query, so it empties (cold) after ``TAIL_WINDOW`` of them without a tail.
+
+    The tail is the router's part (``stage_ms[Stage.TAIL]``, from the end of the probe wait to the
+    decision leaving the router) plus, once a transport reports them (:meth:`observe_replies`), the
+    replies' way back from the router to the transport (the gRPC sidecar's handler thread taking the
+    decision and serialising it): each has its own estimate and the published tail is their sum.
     """
 
     STALE_AFTER = 4
 
-    __slots__ = ("_min_samples", "_since", "_stages")
+    __slots__ = ("_min_samples", "_replies", "_since", "_stages", "_tail")
 
     def __init__(self, router: RouterConfig) -> None:
         self._min_samples = router.split_min_samples
         self._stages = {
             stage: StageLatency(router.split_estimate_weight, router.split_deviations) for stage in SPLIT_STAGES
         }
-        self._since = {Stage.PROBE: 0, Stage.SCORE: 0}  # decisions that ran the query but not this stage
+        self._tail = RecentQuantile(TAIL_WINDOW, TAIL_QUANTILE)
+        self._replies = RecentQuantile(TAIL_WINDOW, TAIL_QUANTILE)
+        # Decisions that ran the query but not this stage.
+        self._since = {Stage.PROBE: 0, Stage.SCORE: 0}
 
     def observe(self, stage_ms: Mapping[Stage, float], windows: tuple[StageWindow, ...]) -> bool:
         """Feed one decision's stage times; True when an estimate changed."""
@@ -201,11 +255,32 @@ class SplitEstimator:
         if score is not None:
             self._stages[Stage.SCORE].observe(score / 1000.0)
             changed = True
+        tail = stage_ms.get(Stage.TAIL)
+        if tail is not None:  # never cut: every sample counts as it is
+            self._tail.observe(tail / 1000.0)
+            changed = True
+        elif query is not None:
+            had = self._tail.samples
+            self._tail.pass_over()
+            changed = changed or self._tail.samples != had
         return changed
 
+    def observe_replies(self, seconds: Sequence[float]) -> bool:
+        """Feed replies' way back from the router to the transport (seconds each); True when any."""
+        for sample in seconds:
+            self._replies.observe(max(0.0, sample))
+        return bool(seconds)
+
     def estimates(self) -> SplitEstimates:
-        def high(stage: Stage) -> float | None:
-            latency = self._stages[stage]
+        def high(latency: StageLatency | RecentQuantile) -> float | None:
             return latency.high if latency.samples >= self._min_samples else None
 
-        return SplitEstimates(high(Stage.CACHE_QUERY), high(Stage.PROBE), high(Stage.SCORE))
+        stages = self._stages
+        tail = high(self._tail)
+        if tail is not None and self._replies.samples:  # a transport reports its part: cold until it is known
+            replies = high(self._replies)
+            tail = None if replies is None else tail + replies
+        return SplitEstimates(
+            query=high(stages[Stage.CACHE_QUERY]), probe=high(stages[Stage.PROBE]), score=high(stages[Stage.SCORE]),
+            tail=tail,
+        )
