@@ -20,6 +20,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 from router.config import DeploymentConfig, ScorerConfig
 from router.policy.base import PolicyHealth
@@ -352,7 +353,20 @@ def claim_order(
 # --- one decision ------------------------------------------------------------------------------
 
 
-def score(
+@dataclass(frozen=True, slots=True)
+class FilteredPlan:
+    """The first steps of a decision over one plan, shared by the policies: per plan candidate its
+    hit, its work (None unless it passed), why it was dropped and the status it was scored on."""
+
+    hits: list[int]
+    works: list[int | None]
+    drops: list[DropReason | None]
+    observed: list[ObservedStatus | None]
+    drop_counts: tuple[tuple[DropReason, int], ...]
+    passed: list[PassedRow]  # in plan order
+
+
+def filter_plan(
     plan: CandidatePlan,
     statuses: Mapping[WorkerAddr, ObservedStatus],
     ledger: SelectionLedger,
@@ -362,16 +376,12 @@ def score(
     seq_len: int,
     block_size: int,
     lookahead_tokens: int | None,
-    tie_rng: random.Random,
     missing: Mapping[WorkerAddr, DropReason] | None = None,
-) -> Selection:
-    """CacheAffinityFirst over one plan. Reads the ledger; changes nothing but ``tie_rng``'s state.
+) -> FilteredPlan:
+    """Filters, hit and work for every candidate of ``plan`` (reads the ledger, changes nothing).
 
-    ``statuses`` holds the routable statuses the caller has (dead and ejected workers should
-    be absent); a candidate without one is dropped with ``missing[worker]`` (default
-    NO_STATUS). ``block_size``/``lookahead_tokens`` are those the request's keys were made
-    with (``lookahead_tokens`` None: unknown, not checked). ``work`` includes the ledger's
-    pre-charge, in the orders and in the outstanding guard alike.
+    A candidate without a status in ``statuses`` is dropped with ``missing[worker]`` (default
+    NO_STATUS). ``work`` includes the ledger's pre-charge since the status was taken.
     """
     if seq_len < 0:
         raise ValueError(f"seq_len: must be >= 0, got {seq_len}")
@@ -422,8 +432,29 @@ def score(
             drops[index] = drop
             drop_totals[drop] = drop_totals.get(drop, 0) + 1
     drop_counts = tuple(sorted(drop_totals.items(), key=lambda item: item[0].value))
+    return FilteredPlan(hits, works, drops, observed_by_index, drop_counts, passed)
 
-    if not passed:
+
+# (preferred plan index, reason, guard-eligible rows) -> the plan index to take instead
+Respread = Callable[[int, Reason, list[TtftRow]], int]
+
+
+def select(
+    plan: CandidatePlan,
+    filtered: FilteredPlan,
+    ranked: list[PassedRow],
+    tie_rng: random.Random,
+    *,
+    config: ScorerConfig,
+    seq_len: int,
+    respread: Respread | None = None,
+) -> Selection:
+    """The last steps: orders, guard, gate and bound (:func:`choose`) over ``ranked`` (the passed
+    rows with the policy's cost in the work's place), then ``respread`` may move the choice; the
+    selection reports the work (no prices). NO_CANDIDATES when nothing passed."""
+    candidates = plan.candidates
+    hits, works, observed_by_index = filtered.hits, filtered.works, filtered.observed
+    if not ranked:
         return Selection(
             worker=None,
             role=None,
@@ -433,12 +464,13 @@ def score(
             work_tokens=0,
             uncached_tokens=0,
             status_taken_at=None,
-            drop_counts=drop_counts,
-            sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, None, tuple),
+            drop_counts=filtered.drop_counts,
+            sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, None, tuple),
         )
-
-    ttft_order, leader_order = orders(passed, tie_rng)
+    ttft_order, leader_order = orders(ranked, tie_rng)
     preferred, reason, eligible = choose(ttft_order, leader_order, hits, seq_len=seq_len, config=config)
+    if respread is not None:
+        preferred = respread(preferred, reason, eligible)
     max_extra = max(0, config.max_extra_work_tokens)
 
     def claim() -> tuple[tuple[WorkerAddr, Reason], ...]:
@@ -457,9 +489,44 @@ def score(
         work_tokens=chosen_work,
         uncached_tokens=seq_len - hits[preferred],
         status_taken_at=chosen_observed.taken_at,
-        drop_counts=drop_counts,
-        sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, preferred, claim, ttft_order, seq_len),
+        drop_counts=filtered.drop_counts,
+        sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, preferred, claim, ttft_order, seq_len),
     )
+
+
+def score(
+    plan: CandidatePlan,
+    statuses: Mapping[WorkerAddr, ObservedStatus],
+    ledger: SelectionLedger,
+    *,
+    config: ScorerConfig,
+    roles: Collection[Role],
+    seq_len: int,
+    block_size: int,
+    lookahead_tokens: int | None,
+    tie_rng: random.Random,
+    missing: Mapping[WorkerAddr, DropReason] | None = None,
+) -> Selection:
+    """CacheAffinityFirst over one plan. Reads the ledger; changes nothing but ``tie_rng``'s state.
+
+    ``statuses`` holds the routable statuses the caller has (dead and ejected workers should
+    be absent); a candidate without one is dropped with ``missing[worker]`` (default
+    NO_STATUS). ``block_size``/``lookahead_tokens`` are those the request's keys were made
+    with (``lookahead_tokens`` None: unknown, not checked). ``work`` includes the ledger's
+    pre-charge, in the orders and in the outstanding guard alike.
+    """
+    filtered = filter_plan(
+        plan,
+        statuses,
+        ledger,
+        config=config,
+        roles=roles,
+        seq_len=seq_len,
+        block_size=block_size,
+        lookahead_tokens=lookahead_tokens,
+        missing=missing,
+    )
+    return select(plan, filtered, filtered.passed, tie_rng, config=config, seq_len=seq_len)
 
 
 def scorer_problems(config: ScorerConfig) -> list[Problem]:
@@ -473,14 +540,37 @@ def scorer_problems(config: ScorerConfig) -> list[Problem]:
 CONTRACT_DROPS = frozenset({DropReason.BLOCK_SIZE_MISMATCH, DropReason.LOOKAHEAD_MISMATCH})
 
 
-class CacheAffinityFirst:
-    """The production policy: its selection ledger, tie-break RNG and per-status scoring views.
+class ScoreFunction(Protocol):
+    """One decision over one plan (:func:`score`, or another policy's scoring with its signature)."""
+
+    def __call__(
+        self,
+        plan: CandidatePlan,
+        statuses: Mapping[WorkerAddr, ObservedStatus],
+        ledger: SelectionLedger,
+        *,
+        config: ScorerConfig,
+        roles: Collection[Role],
+        seq_len: int,
+        block_size: int,
+        lookahead_tokens: int | None,
+        tie_rng: random.Random,
+        missing: Mapping[WorkerAddr, DropReason] | None = None,
+    ) -> Selection: ...
+
+
+class LedgerPolicy:
+    """What a selection policy holds: its selection ledger, tie-break RNG and per-status scoring
+    views, and the steps around one decision (plan, observe, decide, record). A policy names its
+    scoring (``scoring``), the scorer settings its plan uses, and the fixed cost its pre-charge
+    adds to a dispatch's uncached tokens.
 
     It holds state but does no I/O and reads no clock; the Scorer actor owns the one instance
     and is the only caller, so a selection is recorded before any other decision is scored.
     """
 
-    name = "cache_affinity_first"
+    name: str
+    scoring: ClassVar[ScoreFunction]
 
     def __init__(
         self,
@@ -489,12 +579,16 @@ class CacheAffinityFirst:
         *,
         tie_rng: random.Random | None = None,
         ledger: SelectionLedger | None = None,
+        plan_config: ScorerConfig | None = None,
+        charge_tokens: int = 0,
     ) -> None:
         refuse("scorer", scorer_problems(config))
         if not deployment.roles:
             refuse("deployment", [Problem(("roles",), "the deployment routes to no role")])
         self.config = config
         self.deployment = deployment
+        self._plan_config = config if plan_config is None else plan_config
+        self._charge_tokens = charge_tokens
         # A replay hands in the recorded ledger view and tie draws instead of fresh ones.
         self.ledger = (
             SelectionLedger(config.max_tracked_workers, config.max_pending_charges) if ledger is None else ledger
@@ -517,7 +611,7 @@ class CacheAffinityFirst:
             fleet,
             request_id=request_id,
             namespace=self.deployment.kvcm_instance_id,
-            config=self.config,
+            config=self._plan_config,
             hot_source=source,
             ejected=ejected,
         )
@@ -537,12 +631,12 @@ class CacheAffinityFirst:
         roles: Collection[Role] | None = None,
         missing: Mapping[WorkerAddr, DropReason] | None = None,
     ) -> Selection:
-        """Score ``plan`` and record the selection at ``now``.
+        """Score ``plan`` and record the selection (its uncached tokens and the fixed cost) at ``now``.
 
         ``block_size`` is the one the request's keys were made with; the deployment's
         lookahead is the keys' lookahead. ``roles`` defaults to the deployment's.
         """
-        selection = score(
+        selection = type(self).scoring(
             plan,
             statuses,
             self.ledger,
@@ -557,7 +651,7 @@ class CacheAffinityFirst:
         if selection.worker is not None:
             self.ledger.record(
                 plan.candidates[selection.sheet.chosen_index].target,
-                selection.uncached_tokens,
+                selection.uncached_tokens + self._charge_tokens,
                 now,
                 status_taken_at=selection.status_taken_at,
             )
@@ -567,7 +661,7 @@ class CacheAffinityFirst:
         self, worker: WorkerAddr, uncached_tokens: int, now: float, status_taken_at: float | None = None
     ) -> None:
         """Charge a dispatch the policy did not decide (shadow or domain fallback) to the ledger."""
-        self.ledger.record(worker.http_target, uncached_tokens, now, status_taken_at)
+        self.ledger.record(worker.http_target, uncached_tokens + self._charge_tokens, now, status_taken_at)
 
     def health(self) -> PolicyHealth:
         return PolicyHealth(
@@ -576,3 +670,20 @@ class CacheAffinityFirst:
             pending_charges=self.ledger.pending_charges(),
             observed_statuses=len(self._observed),
         )
+
+
+class CacheAffinityFirst(LedgerPolicy):
+    """The production policy: the reference scheduler's selection (:func:`score`), exactly."""
+
+    name = "cache_affinity_first"
+    scoring = staticmethod(score)
+
+    def __init__(
+        self,
+        config: ScorerConfig,
+        deployment: DeploymentConfig,
+        *,
+        tie_rng: random.Random | None = None,
+        ledger: SelectionLedger | None = None,
+    ) -> None:
+        super().__init__(config, deployment, tie_rng=tie_rng, ledger=ledger)

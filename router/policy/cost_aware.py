@@ -39,25 +39,18 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from router.config import DeploymentConfig, ScorerConfig
-from router.policy.base import PolicyHealth
 from router.policy.cache_affinity import (
+    LedgerPolicy,
     ObservedStatus,
     PassedRow,
-    ScoreSheet,
     Selection,
-    StatusViews,
     TtftRow,
-    choose,
-    claim_order,
-    filter_candidate,
-    hit_tokens,
-    orders,
-    scorer_problems,
+    filter_plan,
+    select,
 )
 from router.policy.ledger import SelectionLedger
-from router.policy.plan import CandidatePlan, CandidateSource, Fleet, plan_candidates
-from router.problems import Problem, refuse
-from router.types import PREFILL_CAPABLE_ROLES, DropReason, HostMatch, Reason, Role, WorkerAddr, WorkerStatus
+from router.policy.plan import CandidatePlan
+from router.types import DropReason, Reason, Role, WorkerAddr
 
 # The guard's fallbacks are not spread: they are the least bad of workers already over the threshold.
 _SPREAD_REASONS = frozenset({Reason.CACHE_LEADER, Reason.SHORTEST_TTFT, Reason.SHORTEST_TTFT_LOW_CACHE_HIT})
@@ -115,102 +108,48 @@ def score_costs(
 ) -> Selection:
     """CostAware over one plan (see the module docstring). Reads the ledger; changes nothing but
     ``tie_rng``'s state. ``work_tokens`` in the selection and the explanation is the work (no prices)."""
-    if seq_len < 0:
-        raise ValueError(f"seq_len: must be >= 0, got {seq_len}")
-    candidates = plan.candidates
-    n = len(candidates)
-    hits = [0] * n
-    works: list[int | None] = [None] * n
-    drops: list[DropReason | None] = [None] * n
-    observed_by_index: list[ObservedStatus | None] = [None] * n
-    drop_totals: dict[DropReason, int] = {}
-    for explained in plan.dropped:
-        if explained.dropped is not None:
-            plan_drop = DropReason(explained.dropped)
-            drop_totals[plan_drop] = drop_totals.get(plan_drop, 0) + 1
+    filtered = filter_plan(
+        plan,
+        statuses,
+        ledger,
+        config=config,
+        roles=roles,
+        seq_len=seq_len,
+        block_size=block_size,
+        lookahead_tokens=lookahead_tokens,
+        missing=missing,
+    )
+    passed = filtered.passed
+    ranked: list[PassedRow] = []
+    if passed:
+        observed = filtered.observed
+        best_hit = max(row[4] for row in passed)
+        pressure = copy_pressure(min(work - (seq_len - hit) for _, _, work, _, hit in passed), seq_len)
+        for target, index, work, last_selected, hit in passed:
+            status = observed[index]
+            assert status is not None  # every passed candidate was scored on a status
+            cost = candidate_cost(work, status.waiting_count, hit, best_hit, pressure, config=config)
+            ranked.append((target, index, cost, last_selected, hit))
+    margin = config.near_tie_tokens
+    hits = filtered.hits
 
-    scored: list[tuple[str, int, int, float, int, int]] = []  # (target, index, work, last selected, hit, waiting)
-    for index, (worker, target, match, _) in enumerate(candidates):
-        hit = hits[index] = hit_tokens(match, block_size, seq_len, config.p2p_hit_discount)
-        observed = observed_by_index[index] = statuses.get(worker)
-        drop: DropReason | None
-        if observed is None:
-            drop = DropReason.NO_STATUS if missing is None else missing.get(worker, DropReason.NO_STATUS)
-        else:
-            drop = filter_candidate(
-                observed,
-                roles=roles,
-                queue_threshold=config.prefill_queue_size_threshold,
-                block_size=block_size,
-                lookahead_tokens=lookahead_tokens,
-            )
-        if drop is None:
-            assert observed is not None
-            pending, last_selected = ledger.view(target, observed.taken_at)
-            work = works[index] = observed.outstanding_uncached_tokens + pending + (seq_len - hit)
-            scored.append((target, index, work, last_selected, hit, observed.waiting_count))
-        else:
-            drops[index] = drop
-            drop_totals[drop] = drop_totals.get(drop, 0) + 1
-    drop_counts = tuple(sorted(drop_totals.items(), key=lambda item: item[0].value))
-
-    if not scored:
-        return Selection(
-            worker=None,
-            role=None,
-            reason=Reason.NO_CANDIDATES,
-            hit_tokens=0,
-            local_blocks=0,
-            work_tokens=0,
-            uncached_tokens=0,
-            status_taken_at=None,
-            drop_counts=drop_counts,
-            sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, None, tuple),
-        )
-
-    best_hit = max(row[4] for row in scored)
-    pressure = copy_pressure(min(work - (seq_len - hit) for _, _, work, _, hit, _ in scored), seq_len)
-    passed: list[PassedRow] = [
-        (target, index, candidate_cost(work, waiting, hit, best_hit, pressure, config=config), last_selected, hit)
-        for target, index, work, last_selected, hit, waiting in scored
-    ]
-    cost_order, leader_order = orders(passed, tie_rng)
-    preferred, reason, eligible = choose(cost_order, leader_order, hits, seq_len=seq_len, config=config)
-    if reason in _SPREAD_REASONS and config.near_tie_tokens > 0:
+    def respread(preferred: int, reason: Reason, eligible: list[TtftRow]) -> int:
         # A near-tie has the preferred one's hit, so the reason stands.
-        preferred = spread_near_ties(preferred, eligible, config.near_tie_tokens, hits)
-    max_extra = max(0, config.max_extra_work_tokens)
-    chosen_index = preferred
+        if reason in _SPREAD_REASONS:
+            return spread_near_ties(preferred, eligible, margin, hits)
+        return preferred
 
-    def claim() -> tuple[tuple[WorkerAddr, Reason], ...]:
-        return claim_order(candidates, chosen_index, eligible, hits, leader_order, cost_order, max_extra)
-
-    chosen = candidates[preferred]
-    chosen_observed = observed_by_index[preferred]
-    chosen_work = works[preferred]
-    assert chosen_observed is not None and chosen_work is not None
-    return Selection(
-        worker=chosen.worker,
-        role=chosen_observed.status.role,
-        reason=reason,
-        hit_tokens=hits[preferred],
-        local_blocks=0 if chosen.match is None else chosen.match.local,
-        work_tokens=chosen_work,
-        uncached_tokens=seq_len - hits[preferred],
-        status_taken_at=chosen_observed.taken_at,
-        drop_counts=drop_counts,
-        sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, preferred, claim, cost_order, seq_len),
+    return select(
+        plan, filtered, ranked, tie_rng, config=config, seq_len=seq_len, respread=respread if margin > 0 else None
     )
 
 
-class CostAware:
-    """The cost-aware policy: its selection ledger, tie-break RNG and per-status scoring views.
-
-    Like CacheAffinityFirst it holds state but does no I/O and reads no clock; the Scorer actor
-    owns the one instance. Its pre-charge carries a request's fixed cost as well as its tokens.
-    """
+class CostAware(LedgerPolicy):
+    """The cost-aware policy (:func:`score_costs`): its plan takes ``cost_aware_cold_set_size``
+    cold candidates, and its pre-charge carries a request's fixed cost as well as its tokens."""
 
     name = "cost_aware"
+    scoring = staticmethod(score_costs)
 
     def __init__(
         self,
@@ -220,85 +159,11 @@ class CostAware:
         tie_rng: random.Random | None = None,
         ledger: SelectionLedger | None = None,
     ) -> None:
-        refuse("scorer", scorer_problems(config))
-        if not deployment.roles:
-            refuse("deployment", [Problem(("roles",), "the deployment routes to no role")])
-        self.config = config
-        self.deployment = deployment
-        self._plan_config = replace(config, cold_set_size=config.cost_aware_cold_set_size)
-        self.ledger = (
-            SelectionLedger(config.max_tracked_workers, config.max_pending_charges) if ledger is None else ledger
-        )
-        self._prefill_roles = tuple(r for r in deployment.roles if r in PREFILL_CAPABLE_ROLES)
-        self._tie_rng = random.Random(config.seed) if tie_rng is None else tie_rng
-        self._observed = StatusViews(config.max_tracked_workers)
-
-    def plan(
-        self,
-        hosts: Sequence[HostMatch],
-        fleet: Fleet,
-        *,
-        request_id: str,
-        source: CandidateSource,
-        ejected: Collection[WorkerAddr],
-    ) -> CandidatePlan:
-        return plan_candidates(
-            hosts,
-            fleet,
-            request_id=request_id,
-            namespace=self.deployment.kvcm_instance_id,
-            config=self._plan_config,
-            hot_source=source,
-            ejected=ejected,
-        )
-
-    def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
-        """The scoring view of a status in hand (:class:`StatusViews`)."""
-        return self._observed.observe(worker, status, taken_at)
-
-    def decide(
-        self,
-        plan: CandidatePlan,
-        statuses: Mapping[WorkerAddr, ObservedStatus],
-        *,
-        seq_len: int,
-        block_size: int,
-        now: float,
-        roles: Collection[Role] | None = None,
-        missing: Mapping[WorkerAddr, DropReason] | None = None,
-    ) -> Selection:
-        """Score ``plan`` by cost and record the selection (its tokens and fixed cost) at ``now``."""
-        selection = score_costs(
-            plan,
-            statuses,
-            self.ledger,
-            config=self.config,
-            roles=self._prefill_roles if roles is None else roles,
-            seq_len=seq_len,
-            block_size=block_size,
-            lookahead_tokens=self.deployment.lookahead_tokens,
-            tie_rng=self._tie_rng,
-            missing=missing,
-        )
-        if selection.worker is not None:
-            self.ledger.record(
-                plan.candidates[selection.sheet.chosen_index].target,
-                selection.uncached_tokens + self.config.request_cost_tokens,
-                now,
-                status_taken_at=selection.status_taken_at,
-            )
-        return selection
-
-    def record(
-        self, worker: WorkerAddr, uncached_tokens: int, now: float, status_taken_at: float | None = None
-    ) -> None:
-        """Charge a dispatch the policy did not decide (its tokens and fixed cost) to the ledger."""
-        self.ledger.record(worker.http_target, uncached_tokens + self.config.request_cost_tokens, now, status_taken_at)
-
-    def health(self) -> PolicyHealth:
-        return PolicyHealth(
-            policy=self.name,
-            tracked_workers=len(self.ledger),
-            pending_charges=self.ledger.pending_charges(),
-            observed_statuses=len(self._observed),
+        super().__init__(
+            config,
+            deployment,
+            tie_rng=tie_rng,
+            ledger=ledger,
+            plan_config=replace(config, cold_set_size=config.cost_aware_cold_set_size),
+            charge_tokens=config.request_cost_tokens,
         )
