@@ -20,7 +20,6 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
 
 from router.config import DeploymentConfig, ScorerConfig
 from router.policy.base import PolicyHealth
@@ -355,7 +354,7 @@ def claim_order(
 
 @dataclass(frozen=True, slots=True)
 class FilteredPlan:
-    """The first steps of a decision over one plan, shared by the policies: per plan candidate its
+    """The first steps of a decision over one plan (:func:`score`), what a policy prices: per plan candidate its
     hit, its work (None unless it passed), why it was dropped and the status it was scored on."""
 
     hits: list[int]
@@ -366,7 +365,69 @@ class FilteredPlan:
     passed: list[PassedRow]  # in plan order
 
 
-def filter_plan(
+# A policy's own cost: the passed rows (of the filtered plan, for the config and seq_len) with its
+# cost in the work's place.
+Ranker = Callable[[FilteredPlan, ScorerConfig, int], list[PassedRow]]
+# (preferred plan index, reason, guard-eligible rows, the filtered plan, config) -> the index to take
+Respread = Callable[[int, Reason, list[TtftRow], FilteredPlan, ScorerConfig], int]
+
+
+def select(
+    plan: CandidatePlan,
+    filtered: FilteredPlan,
+    ranked: list[PassedRow],
+    tie_rng: random.Random,
+    *,
+    config: ScorerConfig,
+    seq_len: int,
+    respread: Respread | None = None,
+) -> Selection:
+    """The last steps: orders, guard, gate and bound (:func:`choose`) over ``ranked`` (the passed
+    rows with the policy's cost in the work's place), then ``respread`` may move the choice; the
+    selection reports the work (no prices). NO_CANDIDATES when nothing passed."""
+    candidates = plan.candidates
+    hits, works, observed_by_index = filtered.hits, filtered.works, filtered.observed
+    if not ranked:
+        return Selection(
+            worker=None,
+            role=None,
+            reason=Reason.NO_CANDIDATES,
+            hit_tokens=0,
+            local_blocks=0,
+            work_tokens=0,
+            uncached_tokens=0,
+            status_taken_at=None,
+            drop_counts=filtered.drop_counts,
+            sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, None, tuple),
+        )
+    ttft_order, leader_order = orders(ranked, tie_rng)
+    preferred, reason, eligible = choose(ttft_order, leader_order, hits, seq_len=seq_len, config=config)
+    if respread is not None:
+        preferred = respread(preferred, reason, eligible, filtered, config)
+    max_extra = max(0, config.max_extra_work_tokens)
+
+    def claim() -> tuple[tuple[WorkerAddr, Reason], ...]:
+        return claim_order(candidates, preferred, eligible, hits, leader_order, ttft_order, max_extra)
+
+    chosen = candidates[preferred]
+    chosen_observed = observed_by_index[preferred]
+    chosen_work = works[preferred]
+    assert chosen_observed is not None and chosen_work is not None
+    return Selection(
+        worker=chosen.worker,
+        role=chosen_observed.status.role,
+        reason=reason,
+        hit_tokens=hits[preferred],
+        local_blocks=0 if chosen.match is None else chosen.match.local,
+        work_tokens=chosen_work,
+        uncached_tokens=seq_len - hits[preferred],
+        status_taken_at=chosen_observed.taken_at,
+        drop_counts=filtered.drop_counts,
+        sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, preferred, claim, ttft_order, seq_len),
+    )
+
+
+def score(
     plan: CandidatePlan,
     statuses: Mapping[WorkerAddr, ObservedStatus],
     ledger: SelectionLedger,
@@ -376,12 +437,21 @@ def filter_plan(
     seq_len: int,
     block_size: int,
     lookahead_tokens: int | None,
+    tie_rng: random.Random,
     missing: Mapping[WorkerAddr, DropReason] | None = None,
-) -> FilteredPlan:
-    """Filters, hit and work for every candidate of ``plan`` (reads the ledger, changes nothing).
+    rank: Ranker | None = None,
+    respread: Respread | None = None,
+) -> Selection:
+    """CacheAffinityFirst over one plan. Reads the ledger; changes nothing but ``tie_rng``'s state.
 
-    A candidate without a status in ``statuses`` is dropped with ``missing[worker]`` (default
-    NO_STATUS). ``work`` includes the ledger's pre-charge since the status was taken.
+    ``statuses`` holds the routable statuses the caller has (dead and ejected workers should
+    be absent); a candidate without one is dropped with ``missing[worker]`` (default
+    NO_STATUS). ``block_size``/``lookahead_tokens`` are those the request's keys were made
+    with (``lookahead_tokens`` None: unknown, not checked). ``work`` includes the ledger's
+    pre-charge, in the orders and in the outstanding guard alike.
+
+    Another policy passes its own cost (``rank``, in the work's place in the orders, the guard and
+    the bound) and may move the choice after (``respread``); the selection reports the work.
     """
     if seq_len < 0:
         raise ValueError(f"seq_len: must be >= 0, got {seq_len}")
@@ -432,101 +502,9 @@ def filter_plan(
             drops[index] = drop
             drop_totals[drop] = drop_totals.get(drop, 0) + 1
     drop_counts = tuple(sorted(drop_totals.items(), key=lambda item: item[0].value))
-    return FilteredPlan(hits, works, drops, observed_by_index, drop_counts, passed)
-
-
-# (preferred plan index, reason, guard-eligible rows) -> the plan index to take instead
-Respread = Callable[[int, Reason, list[TtftRow]], int]
-
-
-def select(
-    plan: CandidatePlan,
-    filtered: FilteredPlan,
-    ranked: list[PassedRow],
-    tie_rng: random.Random,
-    *,
-    config: ScorerConfig,
-    seq_len: int,
-    respread: Respread | None = None,
-) -> Selection:
-    """The last steps: orders, guard, gate and bound (:func:`choose`) over ``ranked`` (the passed
-    rows with the policy's cost in the work's place), then ``respread`` may move the choice; the
-    selection reports the work (no prices). NO_CANDIDATES when nothing passed."""
-    candidates = plan.candidates
-    hits, works, observed_by_index = filtered.hits, filtered.works, filtered.observed
-    if not ranked:
-        return Selection(
-            worker=None,
-            role=None,
-            reason=Reason.NO_CANDIDATES,
-            hit_tokens=0,
-            local_blocks=0,
-            work_tokens=0,
-            uncached_tokens=0,
-            status_taken_at=None,
-            drop_counts=filtered.drop_counts,
-            sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, None, tuple),
-        )
-    ttft_order, leader_order = orders(ranked, tie_rng)
-    preferred, reason, eligible = choose(ttft_order, leader_order, hits, seq_len=seq_len, config=config)
-    if respread is not None:
-        preferred = respread(preferred, reason, eligible)
-    max_extra = max(0, config.max_extra_work_tokens)
-
-    def claim() -> tuple[tuple[WorkerAddr, Reason], ...]:
-        return claim_order(candidates, preferred, eligible, hits, leader_order, ttft_order, max_extra)
-
-    chosen = candidates[preferred]
-    chosen_observed = observed_by_index[preferred]
-    chosen_work = works[preferred]
-    assert chosen_observed is not None and chosen_work is not None
-    return Selection(
-        worker=chosen.worker,
-        role=chosen_observed.status.role,
-        reason=reason,
-        hit_tokens=hits[preferred],
-        local_blocks=0 if chosen.match is None else chosen.match.local,
-        work_tokens=chosen_work,
-        uncached_tokens=seq_len - hits[preferred],
-        status_taken_at=chosen_observed.taken_at,
-        drop_counts=filtered.drop_counts,
-        sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, preferred, claim, ttft_order, seq_len),
-    )
-
-
-def score(
-    plan: CandidatePlan,
-    statuses: Mapping[WorkerAddr, ObservedStatus],
-    ledger: SelectionLedger,
-    *,
-    config: ScorerConfig,
-    roles: Collection[Role],
-    seq_len: int,
-    block_size: int,
-    lookahead_tokens: int | None,
-    tie_rng: random.Random,
-    missing: Mapping[WorkerAddr, DropReason] | None = None,
-) -> Selection:
-    """CacheAffinityFirst over one plan. Reads the ledger; changes nothing but ``tie_rng``'s state.
-
-    ``statuses`` holds the routable statuses the caller has (dead and ejected workers should
-    be absent); a candidate without one is dropped with ``missing[worker]`` (default
-    NO_STATUS). ``block_size``/``lookahead_tokens`` are those the request's keys were made
-    with (``lookahead_tokens`` None: unknown, not checked). ``work`` includes the ledger's
-    pre-charge, in the orders and in the outstanding guard alike.
-    """
-    filtered = filter_plan(
-        plan,
-        statuses,
-        ledger,
-        config=config,
-        roles=roles,
-        seq_len=seq_len,
-        block_size=block_size,
-        lookahead_tokens=lookahead_tokens,
-        missing=missing,
-    )
-    return select(plan, filtered, filtered.passed, tie_rng, config=config, seq_len=seq_len)
+    filtered = FilteredPlan(hits, works, drops, observed_by_index, drop_counts, passed)
+    ranked = filtered.passed if rank is None else rank(filtered, config, seq_len)
+    return select(plan, filtered, ranked, tie_rng, config=config, seq_len=seq_len, respread=respread)
 
 
 def scorer_problems(config: ScorerConfig) -> list[Problem]:
@@ -540,37 +518,18 @@ def scorer_problems(config: ScorerConfig) -> list[Problem]:
 CONTRACT_DROPS = frozenset({DropReason.BLOCK_SIZE_MISMATCH, DropReason.LOOKAHEAD_MISMATCH})
 
 
-class ScoreFunction(Protocol):
-    """One decision over one plan (:func:`score`, or another policy's scoring with its signature)."""
-
-    def __call__(
-        self,
-        plan: CandidatePlan,
-        statuses: Mapping[WorkerAddr, ObservedStatus],
-        ledger: SelectionLedger,
-        *,
-        config: ScorerConfig,
-        roles: Collection[Role],
-        seq_len: int,
-        block_size: int,
-        lookahead_tokens: int | None,
-        tie_rng: random.Random,
-        missing: Mapping[WorkerAddr, DropReason] | None = None,
-    ) -> Selection: ...
-
-
 class LedgerPolicy:
     """What a selection policy holds: its selection ledger, tie-break RNG and per-status scoring
-    views, and the steps around one decision (plan, observe, decide, record). A policy names its
-    scoring (``scoring``), the scorer settings its plan uses, and the fixed cost its pre-charge
-    adds to a dispatch's uncached tokens.
+    views, and the steps around one decision (plan, observe, decide, record). A policy gives its
+    own cost and spreading (:func:`score`'s ``rank`` and ``respread``; none: CacheAffinityFirst's),
+    the scorer settings its plan uses, and the fixed cost its pre-charge adds to a dispatch's
+    uncached tokens.
 
     It holds state but does no I/O and reads no clock; the Scorer actor owns the one instance
     and is the only caller, so a selection is recorded before any other decision is scored.
     """
 
     name: str
-    scoring: ClassVar[ScoreFunction]
 
     def __init__(
         self,
@@ -581,6 +540,8 @@ class LedgerPolicy:
         ledger: SelectionLedger | None = None,
         plan_config: ScorerConfig | None = None,
         charge_tokens: int = 0,
+        rank: Ranker | None = None,
+        respread: Respread | None = None,
     ) -> None:
         refuse("scorer", scorer_problems(config))
         if not deployment.roles:
@@ -589,6 +550,8 @@ class LedgerPolicy:
         self.deployment = deployment
         self._plan_config = config if plan_config is None else plan_config
         self._charge_tokens = charge_tokens
+        self._rank = rank
+        self._respread = respread
         # A replay hands in the recorded ledger view and tie draws instead of fresh ones.
         self.ledger = (
             SelectionLedger(config.max_tracked_workers, config.max_pending_charges) if ledger is None else ledger
@@ -636,7 +599,7 @@ class LedgerPolicy:
         ``block_size`` is the one the request's keys were made with; the deployment's
         lookahead is the keys' lookahead. ``roles`` defaults to the deployment's.
         """
-        selection = type(self).scoring(
+        selection = score(
             plan,
             statuses,
             self.ledger,
@@ -647,6 +610,8 @@ class LedgerPolicy:
             lookahead_tokens=self.deployment.lookahead_tokens,
             tie_rng=self._tie_rng,
             missing=missing,
+            rank=self._rank,
+            respread=self._respread,
         )
         if selection.worker is not None:
             self.ledger.record(
@@ -676,14 +641,3 @@ class CacheAffinityFirst(LedgerPolicy):
     """The production policy: the reference scheduler's selection (:func:`score`), exactly."""
 
     name = "cache_affinity_first"
-    scoring = staticmethod(score)
-
-    def __init__(
-        self,
-        config: ScorerConfig,
-        deployment: DeploymentConfig,
-        *,
-        tie_rng: random.Random | None = None,
-        ledger: SelectionLedger | None = None,
-    ) -> None:
-        super().__init__(config, deployment, tie_rng=tie_rng, ledger=ledger)

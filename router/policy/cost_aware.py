@@ -35,22 +35,14 @@ identically.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 
 from router.config import DeploymentConfig, ScorerConfig
-from router.policy.cache_affinity import (
-    LedgerPolicy,
-    ObservedStatus,
-    PassedRow,
-    Selection,
-    TtftRow,
-    filter_plan,
-    select,
-)
+from router.policy.cache_affinity import FilteredPlan, LedgerPolicy, PassedRow, TtftRow, score
 from router.policy.ledger import SelectionLedger
-from router.policy.plan import CandidatePlan
-from router.types import DropReason, Reason, Role, WorkerAddr
+from router.types import Reason
 
 # The guard's fallbacks are not spread: they are the least bad of workers already over the threshold.
 _SPREAD_REASONS = frozenset({Reason.CACHE_LEADER, Reason.SHORTEST_TTFT, Reason.SHORTEST_TTFT_LOW_CACHE_HIT})
@@ -93,63 +85,43 @@ def spread_near_ties(preferred: int, eligible: Sequence[TtftRow], margin: int, h
     return min(first, second, key=lambda row: (row[0], row[2]))[3]
 
 
-def score_costs(
-    plan: CandidatePlan,
-    statuses: Mapping[WorkerAddr, ObservedStatus],
-    ledger: SelectionLedger,
-    *,
-    config: ScorerConfig,
-    roles: Collection[Role],
-    seq_len: int,
-    block_size: int,
-    lookahead_tokens: int | None,
-    tie_rng: random.Random,
-    missing: Mapping[WorkerAddr, DropReason] | None = None,
-) -> Selection:
-    """CostAware over one plan (see the module docstring). Reads the ledger; changes nothing but
-    ``tie_rng``'s state. ``work_tokens`` in the selection and the explanation is the work (no prices)."""
-    filtered = filter_plan(
-        plan,
-        statuses,
-        ledger,
-        config=config,
-        roles=roles,
-        seq_len=seq_len,
-        block_size=block_size,
-        lookahead_tokens=lookahead_tokens,
-        missing=missing,
-    )
+def cost_rows(filtered: FilteredPlan, config: ScorerConfig, seq_len: int) -> list[PassedRow]:
+    """The passed candidates with their cost (:func:`candidate_cost`) in the work's place."""
     passed = filtered.passed
+    if not passed:
+        return []
+    observed = filtered.observed
+    best_hit = max(row[4] for row in passed)
+    pressure = copy_pressure(min(work - (seq_len - hit) for _, _, work, _, hit in passed), seq_len)
     ranked: list[PassedRow] = []
-    if passed:
-        observed = filtered.observed
-        best_hit = max(row[4] for row in passed)
-        pressure = copy_pressure(min(work - (seq_len - hit) for _, _, work, _, hit in passed), seq_len)
-        for target, index, work, last_selected, hit in passed:
-            status = observed[index]
-            assert status is not None  # every passed candidate was scored on a status
-            cost = candidate_cost(work, status.waiting_count, hit, best_hit, pressure, config=config)
-            ranked.append((target, index, cost, last_selected, hit))
-    margin = config.near_tie_tokens
-    hits = filtered.hits
+    for target, index, work, last_selected, hit in passed:
+        status = observed[index]
+        assert status is not None  # every passed candidate was scored on a status
+        cost = candidate_cost(work, status.waiting_count, hit, best_hit, pressure, config=config)
+        ranked.append((target, index, cost, last_selected, hit))
+    return ranked
 
-    def respread(preferred: int, reason: Reason, eligible: list[TtftRow]) -> int:
-        # A near-tie has the preferred one's hit, so the reason stands.
-        if reason in _SPREAD_REASONS:
-            return spread_near_ties(preferred, eligible, margin, hits)
+
+def respread_near_ties(
+    preferred: int, reason: Reason, eligible: list[TtftRow], filtered: FilteredPlan, config: ScorerConfig
+) -> int:
+    """Near-tie spreading (:func:`spread_near_ties`) of a choice whose reason allows it: a near-tie
+    has the preferred one's hit, so the reason stands."""
+    if reason not in _SPREAD_REASONS:
         return preferred
+    return spread_near_ties(preferred, eligible, config.near_tie_tokens, filtered.hits)
 
-    return select(
-        plan, filtered, ranked, tie_rng, config=config, seq_len=seq_len, respread=respread if margin > 0 else None
-    )
+
+# CostAware over one plan (the module docstring): CacheAffinityFirst's steps over the cost, then
+# near-tie spreading. ``work_tokens`` in the selection and the explanation is the work (no prices).
+score_costs = partial(score, rank=cost_rows, respread=respread_near_ties)
 
 
 class CostAware(LedgerPolicy):
-    """The cost-aware policy (:func:`score_costs`): its plan takes ``cost_aware_cold_set_size``
-    cold candidates, and its pre-charge carries a request's fixed cost as well as its tokens."""
+    """The cost-aware policy (``score_costs``): its plan takes ``cost_aware_cold_set_size`` cold
+    candidates, and its pre-charge carries a request's fixed cost as well as its tokens."""
 
     name = "cost_aware"
-    scoring = staticmethod(score_costs)
 
     def __init__(
         self,
@@ -166,4 +138,6 @@ class CostAware(LedgerPolicy):
             ledger=ledger,
             plan_config=replace(config, cold_set_size=config.cost_aware_cold_set_size),
             charge_tokens=config.request_cost_tokens,
+            rank=cost_rows,
+            respread=respread_near_ties,
         )
