@@ -138,7 +138,7 @@ class ScorerConfig:
     max_pending_charges: int = bounded(256, 2, 100_000)  # per worker; beyond it the two oldest charges are merged
     # cost-aware only: the price of copying a prefix another candidate holds, per copied token (the
     # eviction it causes, in tokens of future prefill), and a request's fixed cost in tokens
-    copy_cost_weight: float = bounded(1.0, 0, 100)
+    copy_cost_weight: float = bounded(2.0, 0, 100)
     request_cost_tokens: int = bounded(0, 0, 1_000_000)
     # cost-aware only: candidates within this many tokens of the cheapest are near-ties, spread by
     # the power of two choices (0 = off)

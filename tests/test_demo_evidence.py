@@ -17,7 +17,7 @@ from kvroute_sim.demo import cli as demo_cli
 from kvroute_sim.demo.ladder import goodput, run_kvroute_in_memory, run_ladder
 from kvroute_sim.demo.lineup import KVROUTE, LINEUP, LINEUP_BASELINES, ORACLE, lineup_baselines, run_lineup_baseline
 from kvroute_sim.demo.load import offered_load, scale_arrivals, scale_to_load, workers_for_load
-from kvroute_sim.demo.oracle import TtftOracleBaseline, run_oracle
+from kvroute_sim.demo.oracle import FAMILY, TtftOracleBaseline, run_oracle
 from kvroute_sim.demo.report import summarize
 from kvroute_sim.demo.runner import (
     COMPARISON_SETTINGS,
@@ -199,6 +199,33 @@ def test_the_greedy_ttft_choice_is_no_ceiling_and_the_oracle_family_beats_it() -
     oracle = {r.request_id: r.ttft_s for r in run_oracle(0, workload, cluster).records}
     assert oracle["A"] == pytest.approx(1.2) and oracle["B"] == pytest.approx(0.1)
     assert sum(oracle.values()) < sum(ttft.values()) - 1.0
+
+
+def test_a_hot_prefix_group_wants_a_second_home_before_greedy_makes_one() -> None:
+    """Two workers, 100-token blocks, 1,000 tokens/s. H0 stores prefix P (10 blocks) on a worker; then
+    30 requests of P + 1 block arrive every 50 ms, each 100 ms of prefill where P is cached (1.1 s cold).
+    Greedy queues them behind each other until the wait exceeds a cold prefill; the family's wait-weighted
+    member copies P to the other worker sooner, every later request waits less, and the oracle takes it."""
+    p = tuple(range(100, 110))
+    burst = tuple(_request(f"H{k}", 1.2 + 0.05 * k, (*p, 1000 + k)) for k in range(1, 31))
+    requests = (_request("H0", 0.0, (*p, 1000)), *burst)
+    workload = Workload(WorkloadSpec(block_size=100), requests)
+    cluster = ClusterSpec(workers=2, prefill_tokens_per_s=1000.0, kv_capacity_blocks=64)
+    arrivals = tuple(r.arrival_s for r in requests)
+
+    def mean_ttft(run: PolicyRun) -> float:
+        return sum(r.ttft_s for r in run.records) / len(run.records)
+
+    greedy = mean_ttft(run_baseline(TtftOracleBaseline(0), workload, cluster))
+    delay_only = [
+        mean_ttft(run_baseline(TtftOracleBaseline(0, weights=w, arrivals=arrivals), workload, cluster))
+        for w in FAMILY
+        if w.wait == 0
+    ]
+    oracle = run_oracle(0, workload, cluster)
+    assert min(delay_only) == pytest.approx(greedy)  # pricing the delay or the copy does not find the second home
+    assert mean_ttft(oracle) < greedy - 0.05
+    assert {r.worker for r in oracle.records[1:]} == {0, 1}
 
 
 def test_the_labelled_load_is_the_measured_busy_share_and_the_oracle_beats_every_policy() -> None:

@@ -352,6 +352,81 @@ def claim_order(
 # --- one decision ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class FilteredPlan:
+    """The first steps of a decision over one plan (:func:`score`), what a policy prices: per plan candidate its
+    hit, its work (None unless it passed), why it was dropped and the status it was scored on."""
+
+    hits: list[int]
+    works: list[int | None]
+    drops: list[DropReason | None]
+    observed: list[ObservedStatus | None]
+    drop_counts: tuple[tuple[DropReason, int], ...]
+    passed: list[PassedRow]  # in plan order
+
+
+# A policy's own cost: the passed rows (of the filtered plan, for the config and seq_len) with its
+# cost in the work's place.
+Ranker = Callable[[FilteredPlan, ScorerConfig, int], list[PassedRow]]
+# (preferred plan index, reason, guard-eligible rows, the filtered plan, config) -> the index to take
+Respread = Callable[[int, Reason, list[TtftRow], FilteredPlan, ScorerConfig], int]
+
+
+def select(
+    plan: CandidatePlan,
+    filtered: FilteredPlan,
+    ranked: list[PassedRow],
+    tie_rng: random.Random,
+    *,
+    config: ScorerConfig,
+    seq_len: int,
+    respread: Respread | None = None,
+) -> Selection:
+    """The last steps: orders, guard, gate and bound (:func:`choose`) over ``ranked`` (the passed
+    rows with the policy's cost in the work's place), then ``respread`` may move the choice; the
+    selection reports the work (no prices). NO_CANDIDATES when nothing passed."""
+    candidates = plan.candidates
+    hits, works, observed_by_index = filtered.hits, filtered.works, filtered.observed
+    if not ranked:
+        return Selection(
+            worker=None,
+            role=None,
+            reason=Reason.NO_CANDIDATES,
+            hit_tokens=0,
+            local_blocks=0,
+            work_tokens=0,
+            uncached_tokens=0,
+            status_taken_at=None,
+            drop_counts=filtered.drop_counts,
+            sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, None, tuple),
+        )
+    ttft_order, leader_order = orders(ranked, tie_rng)
+    preferred, reason, eligible = choose(ttft_order, leader_order, hits, seq_len=seq_len, config=config)
+    if respread is not None:
+        preferred = respread(preferred, reason, eligible, filtered, config)
+    max_extra = max(0, config.max_extra_work_tokens)
+
+    def claim() -> tuple[tuple[WorkerAddr, Reason], ...]:
+        return claim_order(candidates, preferred, eligible, hits, leader_order, ttft_order, max_extra)
+
+    chosen = candidates[preferred]
+    chosen_observed = observed_by_index[preferred]
+    chosen_work = works[preferred]
+    assert chosen_observed is not None and chosen_work is not None
+    return Selection(
+        worker=chosen.worker,
+        role=chosen_observed.status.role,
+        reason=reason,
+        hit_tokens=hits[preferred],
+        local_blocks=0 if chosen.match is None else chosen.match.local,
+        work_tokens=chosen_work,
+        uncached_tokens=seq_len - hits[preferred],
+        status_taken_at=chosen_observed.taken_at,
+        drop_counts=filtered.drop_counts,
+        sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, preferred, claim, ttft_order, seq_len),
+    )
+
+
 def score(
     plan: CandidatePlan,
     statuses: Mapping[WorkerAddr, ObservedStatus],
@@ -364,6 +439,8 @@ def score(
     lookahead_tokens: int | None,
     tie_rng: random.Random,
     missing: Mapping[WorkerAddr, DropReason] | None = None,
+    rank: Ranker | None = None,
+    respread: Respread | None = None,
 ) -> Selection:
     """CacheAffinityFirst over one plan. Reads the ledger; changes nothing but ``tie_rng``'s state.
 
@@ -372,6 +449,9 @@ def score(
     NO_STATUS). ``block_size``/``lookahead_tokens`` are those the request's keys were made
     with (``lookahead_tokens`` None: unknown, not checked). ``work`` includes the ledger's
     pre-charge, in the orders and in the outstanding guard alike.
+
+    Another policy passes its own cost (``rank``, in the work's place in the orders, the guard and
+    the bound) and may move the choice after (``respread``); the selection reports the work.
     """
     if seq_len < 0:
         raise ValueError(f"seq_len: must be >= 0, got {seq_len}")
@@ -422,44 +502,9 @@ def score(
             drops[index] = drop
             drop_totals[drop] = drop_totals.get(drop, 0) + 1
     drop_counts = tuple(sorted(drop_totals.items(), key=lambda item: item[0].value))
-
-    if not passed:
-        return Selection(
-            worker=None,
-            role=None,
-            reason=Reason.NO_CANDIDATES,
-            hit_tokens=0,
-            local_blocks=0,
-            work_tokens=0,
-            uncached_tokens=0,
-            status_taken_at=None,
-            drop_counts=drop_counts,
-            sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, None, tuple),
-        )
-
-    ttft_order, leader_order = orders(passed, tie_rng)
-    preferred, reason, eligible = choose(ttft_order, leader_order, hits, seq_len=seq_len, config=config)
-    max_extra = max(0, config.max_extra_work_tokens)
-
-    def claim() -> tuple[tuple[WorkerAddr, Reason], ...]:
-        return claim_order(candidates, preferred, eligible, hits, leader_order, ttft_order, max_extra)
-
-    chosen = candidates[preferred]
-    chosen_observed = observed_by_index[preferred]
-    chosen_work = works[preferred]
-    assert chosen_observed is not None and chosen_work is not None
-    return Selection(
-        worker=chosen.worker,
-        role=chosen_observed.status.role,
-        reason=reason,
-        hit_tokens=hits[preferred],
-        local_blocks=0 if chosen.match is None else chosen.match.local,
-        work_tokens=chosen_work,
-        uncached_tokens=seq_len - hits[preferred],
-        status_taken_at=chosen_observed.taken_at,
-        drop_counts=drop_counts,
-        sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, preferred, claim, ttft_order, seq_len),
-    )
+    filtered = FilteredPlan(hits, works, drops, observed_by_index, drop_counts, passed)
+    ranked = filtered.passed if rank is None else rank(filtered, config, seq_len)
+    return select(plan, filtered, ranked, tie_rng, config=config, seq_len=seq_len, respread=respread)
 
 
 def scorer_problems(config: ScorerConfig) -> list[Problem]:
@@ -473,14 +518,18 @@ def scorer_problems(config: ScorerConfig) -> list[Problem]:
 CONTRACT_DROPS = frozenset({DropReason.BLOCK_SIZE_MISMATCH, DropReason.LOOKAHEAD_MISMATCH})
 
 
-class CacheAffinityFirst:
-    """The production policy: its selection ledger, tie-break RNG and per-status scoring views.
+class LedgerPolicy:
+    """What a selection policy holds: its selection ledger, tie-break RNG and per-status scoring
+    views, and the steps around one decision (plan, observe, decide, record). A policy gives its
+    own cost and spreading (:func:`score`'s ``rank`` and ``respread``; none: CacheAffinityFirst's),
+    the scorer settings its plan uses, and the fixed cost its pre-charge adds to a dispatch's
+    uncached tokens.
 
     It holds state but does no I/O and reads no clock; the Scorer actor owns the one instance
     and is the only caller, so a selection is recorded before any other decision is scored.
     """
 
-    name = "cache_affinity_first"
+    name: str
 
     def __init__(
         self,
@@ -489,12 +538,20 @@ class CacheAffinityFirst:
         *,
         tie_rng: random.Random | None = None,
         ledger: SelectionLedger | None = None,
+        plan_config: ScorerConfig | None = None,
+        charge_tokens: int = 0,
+        rank: Ranker | None = None,
+        respread: Respread | None = None,
     ) -> None:
         refuse("scorer", scorer_problems(config))
         if not deployment.roles:
             refuse("deployment", [Problem(("roles",), "the deployment routes to no role")])
         self.config = config
         self.deployment = deployment
+        self._plan_config = config if plan_config is None else plan_config
+        self._charge_tokens = charge_tokens
+        self._rank = rank
+        self._respread = respread
         # A replay hands in the recorded ledger view and tie draws instead of fresh ones.
         self.ledger = (
             SelectionLedger(config.max_tracked_workers, config.max_pending_charges) if ledger is None else ledger
@@ -517,7 +574,7 @@ class CacheAffinityFirst:
             fleet,
             request_id=request_id,
             namespace=self.deployment.kvcm_instance_id,
-            config=self.config,
+            config=self._plan_config,
             hot_source=source,
             ejected=ejected,
         )
@@ -537,7 +594,7 @@ class CacheAffinityFirst:
         roles: Collection[Role] | None = None,
         missing: Mapping[WorkerAddr, DropReason] | None = None,
     ) -> Selection:
-        """Score ``plan`` and record the selection at ``now``.
+        """Score ``plan`` and record the selection (its uncached tokens and the fixed cost) at ``now``.
 
         ``block_size`` is the one the request's keys were made with; the deployment's
         lookahead is the keys' lookahead. ``roles`` defaults to the deployment's.
@@ -553,11 +610,13 @@ class CacheAffinityFirst:
             lookahead_tokens=self.deployment.lookahead_tokens,
             tie_rng=self._tie_rng,
             missing=missing,
+            rank=self._rank,
+            respread=self._respread,
         )
         if selection.worker is not None:
             self.ledger.record(
                 plan.candidates[selection.sheet.chosen_index].target,
-                selection.uncached_tokens,
+                selection.uncached_tokens + self._charge_tokens,
                 now,
                 status_taken_at=selection.status_taken_at,
             )
@@ -567,7 +626,7 @@ class CacheAffinityFirst:
         self, worker: WorkerAddr, uncached_tokens: int, now: float, status_taken_at: float | None = None
     ) -> None:
         """Charge a dispatch the policy did not decide (shadow or domain fallback) to the ledger."""
-        self.ledger.record(worker.http_target, uncached_tokens, now, status_taken_at)
+        self.ledger.record(worker.http_target, uncached_tokens + self._charge_tokens, now, status_taken_at)
 
     def health(self) -> PolicyHealth:
         return PolicyHealth(
@@ -576,3 +635,9 @@ class CacheAffinityFirst:
             pending_charges=self.ledger.pending_charges(),
             observed_statuses=len(self._observed),
         )
+
+
+class CacheAffinityFirst(LedgerPolicy):
+    """The production policy: the reference scheduler's selection (:func:`score`), exactly."""
+
+    name = "cache_affinity_first"

@@ -35,29 +35,14 @@ identically.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 
 from router.config import DeploymentConfig, ScorerConfig
-from router.policy.base import PolicyHealth
-from router.policy.cache_affinity import (
-    ObservedStatus,
-    PassedRow,
-    ScoreSheet,
-    Selection,
-    StatusViews,
-    TtftRow,
-    choose,
-    claim_order,
-    filter_candidate,
-    hit_tokens,
-    orders,
-    scorer_problems,
-)
+from router.policy.cache_affinity import FilteredPlan, LedgerPolicy, PassedRow, TtftRow, score
 from router.policy.ledger import SelectionLedger
-from router.policy.plan import CandidatePlan, CandidateSource, Fleet, plan_candidates
-from router.problems import Problem, refuse
-from router.types import PREFILL_CAPABLE_ROLES, DropReason, HostMatch, Reason, Role, WorkerAddr, WorkerStatus
+from router.types import Reason
 
 # The guard's fallbacks are not spread: they are the least bad of workers already over the threshold.
 _SPREAD_REASONS = frozenset({Reason.CACHE_LEADER, Reason.SHORTEST_TTFT, Reason.SHORTEST_TTFT_LOW_CACHE_HIT})
@@ -100,115 +85,41 @@ def spread_near_ties(preferred: int, eligible: Sequence[TtftRow], margin: int, h
     return min(first, second, key=lambda row: (row[0], row[2]))[3]
 
 
-def score_costs(
-    plan: CandidatePlan,
-    statuses: Mapping[WorkerAddr, ObservedStatus],
-    ledger: SelectionLedger,
-    *,
-    config: ScorerConfig,
-    roles: Collection[Role],
-    seq_len: int,
-    block_size: int,
-    lookahead_tokens: int | None,
-    tie_rng: random.Random,
-    missing: Mapping[WorkerAddr, DropReason] | None = None,
-) -> Selection:
-    """CostAware over one plan (see the module docstring). Reads the ledger; changes nothing but
-    ``tie_rng``'s state. ``work_tokens`` in the selection and the explanation is the work (no prices)."""
-    if seq_len < 0:
-        raise ValueError(f"seq_len: must be >= 0, got {seq_len}")
-    candidates = plan.candidates
-    n = len(candidates)
-    hits = [0] * n
-    works: list[int | None] = [None] * n
-    drops: list[DropReason | None] = [None] * n
-    observed_by_index: list[ObservedStatus | None] = [None] * n
-    drop_totals: dict[DropReason, int] = {}
-    for explained in plan.dropped:
-        if explained.dropped is not None:
-            plan_drop = DropReason(explained.dropped)
-            drop_totals[plan_drop] = drop_totals.get(plan_drop, 0) + 1
-
-    scored: list[tuple[str, int, int, float, int, int]] = []  # (target, index, work, last selected, hit, waiting)
-    for index, (worker, target, match, _) in enumerate(candidates):
-        hit = hits[index] = hit_tokens(match, block_size, seq_len, config.p2p_hit_discount)
-        observed = observed_by_index[index] = statuses.get(worker)
-        drop: DropReason | None
-        if observed is None:
-            drop = DropReason.NO_STATUS if missing is None else missing.get(worker, DropReason.NO_STATUS)
-        else:
-            drop = filter_candidate(
-                observed,
-                roles=roles,
-                queue_threshold=config.prefill_queue_size_threshold,
-                block_size=block_size,
-                lookahead_tokens=lookahead_tokens,
-            )
-        if drop is None:
-            assert observed is not None
-            pending, last_selected = ledger.view(target, observed.taken_at)
-            work = works[index] = observed.outstanding_uncached_tokens + pending + (seq_len - hit)
-            scored.append((target, index, work, last_selected, hit, observed.waiting_count))
-        else:
-            drops[index] = drop
-            drop_totals[drop] = drop_totals.get(drop, 0) + 1
-    drop_counts = tuple(sorted(drop_totals.items(), key=lambda item: item[0].value))
-
-    if not scored:
-        return Selection(
-            worker=None,
-            role=None,
-            reason=Reason.NO_CANDIDATES,
-            hit_tokens=0,
-            local_blocks=0,
-            work_tokens=0,
-            uncached_tokens=0,
-            status_taken_at=None,
-            drop_counts=drop_counts,
-            sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, None, tuple),
-        )
-
-    best_hit = max(row[4] for row in scored)
-    pressure = copy_pressure(min(work - (seq_len - hit) for _, _, work, _, hit, _ in scored), seq_len)
-    passed: list[PassedRow] = [
-        (target, index, candidate_cost(work, waiting, hit, best_hit, pressure, config=config), last_selected, hit)
-        for target, index, work, last_selected, hit, waiting in scored
-    ]
-    cost_order, leader_order = orders(passed, tie_rng)
-    preferred, reason, eligible = choose(cost_order, leader_order, hits, seq_len=seq_len, config=config)
-    if reason in _SPREAD_REASONS and config.near_tie_tokens > 0:
-        # A near-tie has the preferred one's hit, so the reason stands.
-        preferred = spread_near_ties(preferred, eligible, config.near_tie_tokens, hits)
-    max_extra = max(0, config.max_extra_work_tokens)
-    chosen_index = preferred
-
-    def claim() -> tuple[tuple[WorkerAddr, Reason], ...]:
-        return claim_order(candidates, chosen_index, eligible, hits, leader_order, cost_order, max_extra)
-
-    chosen = candidates[preferred]
-    chosen_observed = observed_by_index[preferred]
-    chosen_work = works[preferred]
-    assert chosen_observed is not None and chosen_work is not None
-    return Selection(
-        worker=chosen.worker,
-        role=chosen_observed.status.role,
-        reason=reason,
-        hit_tokens=hits[preferred],
-        local_blocks=0 if chosen.match is None else chosen.match.local,
-        work_tokens=chosen_work,
-        uncached_tokens=seq_len - hits[preferred],
-        status_taken_at=chosen_observed.taken_at,
-        drop_counts=drop_counts,
-        sheet=ScoreSheet(plan, hits, works, drops, observed_by_index, preferred, claim, cost_order, seq_len),
-    )
+def cost_rows(filtered: FilteredPlan, config: ScorerConfig, seq_len: int) -> list[PassedRow]:
+    """The passed candidates with their cost (:func:`candidate_cost`) in the work's place."""
+    passed = filtered.passed
+    if not passed:
+        return []
+    observed = filtered.observed
+    best_hit = max(row[4] for row in passed)
+    pressure = copy_pressure(min(work - (seq_len - hit) for _, _, work, _, hit in passed), seq_len)
+    ranked: list[PassedRow] = []
+    for target, index, work, last_selected, hit in passed:
+        status = observed[index]
+        assert status is not None  # every passed candidate was scored on a status
+        cost = candidate_cost(work, status.waiting_count, hit, best_hit, pressure, config=config)
+        ranked.append((target, index, cost, last_selected, hit))
+    return ranked
 
 
-class CostAware:
-    """The cost-aware policy: its selection ledger, tie-break RNG and per-status scoring views.
+def respread_near_ties(
+    preferred: int, reason: Reason, eligible: list[TtftRow], filtered: FilteredPlan, config: ScorerConfig
+) -> int:
+    """Near-tie spreading (:func:`spread_near_ties`) of a choice whose reason allows it: a near-tie
+    has the preferred one's hit, so the reason stands."""
+    if reason not in _SPREAD_REASONS:
+        return preferred
+    return spread_near_ties(preferred, eligible, config.near_tie_tokens, filtered.hits)
 
-    Like CacheAffinityFirst it holds state but does no I/O and reads no clock; the Scorer actor
-    owns the one instance. Its pre-charge carries a request's fixed cost as well as its tokens.
-    """
+
+# CostAware over one plan (the module docstring): CacheAffinityFirst's steps over the cost, then
+# near-tie spreading. ``work_tokens`` in the selection and the explanation is the work (no prices).
+score_costs = partial(score, rank=cost_rows, respread=respread_near_ties)
+
+
+class CostAware(LedgerPolicy):
+    """The cost-aware policy (``score_costs``): its plan takes ``cost_aware_cold_set_size`` cold
+    candidates, and its pre-charge carries a request's fixed cost as well as its tokens."""
 
     name = "cost_aware"
 
@@ -220,85 +131,13 @@ class CostAware:
         tie_rng: random.Random | None = None,
         ledger: SelectionLedger | None = None,
     ) -> None:
-        refuse("scorer", scorer_problems(config))
-        if not deployment.roles:
-            refuse("deployment", [Problem(("roles",), "the deployment routes to no role")])
-        self.config = config
-        self.deployment = deployment
-        self._plan_config = replace(config, cold_set_size=config.cost_aware_cold_set_size)
-        self.ledger = (
-            SelectionLedger(config.max_tracked_workers, config.max_pending_charges) if ledger is None else ledger
-        )
-        self._prefill_roles = tuple(r for r in deployment.roles if r in PREFILL_CAPABLE_ROLES)
-        self._tie_rng = random.Random(config.seed) if tie_rng is None else tie_rng
-        self._observed = StatusViews(config.max_tracked_workers)
-
-    def plan(
-        self,
-        hosts: Sequence[HostMatch],
-        fleet: Fleet,
-        *,
-        request_id: str,
-        source: CandidateSource,
-        ejected: Collection[WorkerAddr],
-    ) -> CandidatePlan:
-        return plan_candidates(
-            hosts,
-            fleet,
-            request_id=request_id,
-            namespace=self.deployment.kvcm_instance_id,
-            config=self._plan_config,
-            hot_source=source,
-            ejected=ejected,
-        )
-
-    def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
-        """The scoring view of a status in hand (:class:`StatusViews`)."""
-        return self._observed.observe(worker, status, taken_at)
-
-    def decide(
-        self,
-        plan: CandidatePlan,
-        statuses: Mapping[WorkerAddr, ObservedStatus],
-        *,
-        seq_len: int,
-        block_size: int,
-        now: float,
-        roles: Collection[Role] | None = None,
-        missing: Mapping[WorkerAddr, DropReason] | None = None,
-    ) -> Selection:
-        """Score ``plan`` by cost and record the selection (its tokens and fixed cost) at ``now``."""
-        selection = score_costs(
-            plan,
-            statuses,
-            self.ledger,
-            config=self.config,
-            roles=self._prefill_roles if roles is None else roles,
-            seq_len=seq_len,
-            block_size=block_size,
-            lookahead_tokens=self.deployment.lookahead_tokens,
-            tie_rng=self._tie_rng,
-            missing=missing,
-        )
-        if selection.worker is not None:
-            self.ledger.record(
-                plan.candidates[selection.sheet.chosen_index].target,
-                selection.uncached_tokens + self.config.request_cost_tokens,
-                now,
-                status_taken_at=selection.status_taken_at,
-            )
-        return selection
-
-    def record(
-        self, worker: WorkerAddr, uncached_tokens: int, now: float, status_taken_at: float | None = None
-    ) -> None:
-        """Charge a dispatch the policy did not decide (its tokens and fixed cost) to the ledger."""
-        self.ledger.record(worker.http_target, uncached_tokens + self.config.request_cost_tokens, now, status_taken_at)
-
-    def health(self) -> PolicyHealth:
-        return PolicyHealth(
-            policy=self.name,
-            tracked_workers=len(self.ledger),
-            pending_charges=self.ledger.pending_charges(),
-            observed_statuses=len(self._observed),
+        super().__init__(
+            config,
+            deployment,
+            tie_rng=tie_rng,
+            ledger=ledger,
+            plan_config=replace(config, cold_set_size=config.cost_aware_cold_set_size),
+            charge_tokens=config.request_cost_tokens,
+            rank=cost_rows,
+            respread=respread_near_ties,
         )
