@@ -146,7 +146,7 @@ async def future_bridge(
     target: str, calls: int, concurrent_calls: int, concurrency: int, result: Result
 ) -> None:
     pool = ChannelPool(ChannelPoolConfig())
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=False)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         await measure(lambda: rpc.call(target, ECHO, PAYLOAD), calls, concurrent_calls, concurrency, result)

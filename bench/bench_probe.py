@@ -54,7 +54,7 @@ async def bench(workers: list[WorkerAddr], count: int) -> list[tuple[str, list[f
     async with trio.open_nursery() as nursery:
         pool: ChannelPool[grpc.Channel] = ChannelPool(ChannelPoolConfig())
         await nursery.start(pool.run)
-        rpc = GrpcRawRpc(pool)
+        rpc = GrpcRawRpc(pool, start_off_loop=ChannelPoolConfig().start_off_loop)
         request = decode.encode_status_version(-1)
 
         async def raw(i: int) -> None:

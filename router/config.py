@@ -28,6 +28,9 @@ class ChannelPoolConfig:
     max_message_bytes: int = bounded(16 * 1024 * 1024, 0, _GRPC_MAX_MESSAGE_BYTES, low_open=True)
     # Lease reports, returns, invalidations and cold opens waiting for the pool's task; two per lease.
     inbox_size: int = bounded(4096, 2, 1_000_000)
+    # grpcio starts a thread per call on an idle channel, blocking its caller; starting those on a
+    # starter thread frees the loop but costs a handoff that a CPU-bound process pays in GIL waits.
+    start_off_loop: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -337,7 +337,7 @@ async def _topology(
             pool = ChannelPool(config.channel_pool, credentials=credentials)
             pool.on_evict(lambda reason: metrics.emit(ChannelEvicted(reason.value)))
             await supervisor.start("channel_pool", pool.run, snapshot=pool.snapshot)
-            rpc = GrpcRawRpc(pool)
+            rpc = GrpcRawRpc(pool, start_off_loop=config.channel_pool.start_off_loop)
 
         discovery = Discovery(config.discovery)
         await supervisor.start("discovery", discovery.run, snapshot=discovery.snapshot)
@@ -393,7 +393,11 @@ async def _topology(
                 grpc_wanted = config.master.protocol is MasterProtocol.GRPC
                 if grpc_wanted and pool is None:
                     raise ValueError("--master-protocol grpc needs real gRPC channels (no in-memory network)")
-                master = GrpcMasterTransport(pool, info=http) if grpc_wanted and pool is not None else http
+                master = (
+                    GrpcMasterTransport(pool, info=http, start_off_loop=config.channel_pool.start_off_loop)
+                    if grpc_wanted and pool is not None
+                    else http
+                )
             master_discovery = MasterDiscovery(config.master, master)
             master_source = MasterSource(
                 config,

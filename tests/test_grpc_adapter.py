@@ -103,6 +103,13 @@ def peer() -> Iterator[tuple[Peer, GrpcServer]]:
     server.stop()
 
 
+@pytest.fixture(params=[True, False], ids=["start-off-loop", "start-on-loop"])
+def start_off_loop(request: pytest.FixtureRequest) -> bool:
+    """Both ways of starting a call: every adapter test holds for each."""
+    value: bool = request.param
+    return value
+
+
 @pytest.fixture
 async def pool(nursery: trio.Nursery) -> AsyncIterator[ChannelPool[grpc.Channel]]:
     channels = ChannelPool(ChannelPoolConfig())
@@ -126,10 +133,10 @@ def dead_target() -> str:
 
 
 async def test_round_trip_carries_raw_bytes(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     state, server = peer
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     with trio.fail_after(10):
         payload = bytes(range(256)) * 4
         assert await rpc.call(server.target, ECHO, payload) == payload
@@ -140,9 +147,10 @@ async def test_round_trip_carries_raw_bytes(
 
 
 async def test_serve_grpc_reports_its_address_and_stops_when_cancelled(
+    start_off_loop: bool,
     pool: ChannelPool[grpc.Channel],
 ) -> None:
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             server: GrpcServer = await nursery.start(serve_grpc, {ECHO: Peer().echo})
@@ -161,10 +169,10 @@ def test_method_paths_must_be_full(path: str) -> None:
 
 
 async def test_concurrent_calls_share_one_channel(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     _, server = peer
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     replies: dict[int, bytes] = {}
 
     async def one(i: int) -> None:
@@ -179,11 +187,11 @@ async def test_concurrent_calls_share_one_channel(
 
 
 async def test_timeout_passed_is_the_callers_remaining_deadline(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     assert remaining_timeout() is None  # no scope: no timeout is passed
     _, server = peer
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     with trio.fail_after(10):
         # Half the budget spent first: the server must see the remaining half, not the budget.
         # C-core deadlines have millisecond resolution and round up, hence the 2 ms allowance.
@@ -196,10 +204,10 @@ async def test_timeout_passed_is_the_callers_remaining_deadline(
 
 
 async def test_expired_deadline_raises_without_sending(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     state, server = peer
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     with trio.fail_after(10):
         with pytest.raises(DeadlineExceeded), trio.CancelScope(deadline=trio.current_time() - 0.001):
             await rpc.call(server.target, ECHO, b"x")
@@ -208,13 +216,13 @@ async def test_expired_deadline_raises_without_sending(
 
 
 async def test_deadline_during_the_call(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     """Both outcomes are acceptable: gRPC's DEADLINE_EXCEEDED (timeout= is the same instant as the
     caller's deadline) or the caller's own scope cancelled first — observed here every time, as
     C-core rounds its deadline up to the millisecond. Either way the server sees the call end."""
     state, server = peer
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     outcome = "none"
     with trio.fail_after(10):
         with trio.move_on_after(0.2) as scope:
@@ -231,13 +239,13 @@ async def test_deadline_during_the_call(
 
 
 async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     """The deadline passes while another task blocks the trio thread (as a GC pause does) and the
     reply arrives meanwhile: the caller gets the reply, not a cancellation that would count the
     peer as failed for the router's own stall."""
     state, server = peer
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     reply: bytes | None = None
     with trio.fail_after(10):
         assert await rpc.call(server.target, ECHO, b"warm") == b"warm"  # connection up first
@@ -255,14 +263,16 @@ async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
     assert state.calls[ECHO] == 2
 
 
-async def test_dead_port_is_unavailable_and_invalidates_the_channel(pool: ChannelPool[grpc.Channel]) -> None:
+async def test_dead_port_is_unavailable_and_invalidates_the_channel(
+    start_off_loop: bool, pool: ChannelPool[grpc.Channel]
+) -> None:
     target = dead_target()
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     with trio.fail_after(10):
         with pytest.raises(Unavailable) as info:
             await rpc.call(target, ECHO, b"x")
     assert info.value.target == target
-    snap = (await settled(pool))
+    snap = await settled(pool)
     assert (snap.size, snap.opened, snap.evicted["invalidated"]) == (0, 1, 1)
 
 
@@ -280,6 +290,7 @@ async def test_dead_port_is_unavailable_and_invalidates_the_channel(pool: Channe
     ],
 )
 async def test_server_status_codes_map_to_our_errors(
+    start_off_loop: bool,
     peer: tuple[Peer, GrpcServer],
     pool: ChannelPool[grpc.Channel],
     path: str,
@@ -288,7 +299,7 @@ async def test_server_status_codes_map_to_our_errors(
     code_name: str | None,
 ) -> None:
     _, server = peer
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     with trio.fail_after(10):
         with pytest.raises(TransportError) as info:
             await rpc.call(server.target, path, request_bytes)
@@ -304,10 +315,10 @@ async def test_server_status_codes_map_to_our_errors(
 
 
 async def test_cancelling_the_scope_cancels_the_rpc_at_the_server(
-    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
     state, server = peer
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     scope = trio.CancelScope()
 
     async def caller() -> None:
@@ -323,9 +334,7 @@ async def test_cancelling_the_scope_cancels_the_rpc_at_the_server(
         assert scope.cancelled_caught
         assert await trio.to_thread.run_sync(state.hang_ended.wait, 5)
     gap = state.hang_ended_at - cancelled_at
-    assert 0 < gap < 0.05, (
-        f"server saw the cancellation {gap * 1000:.1f} ms after the trio scope was cancelled"
-    )
+    assert 0 < gap < 0.05, f"server saw the cancellation {gap * 1000:.1f} ms after the trio scope was cancelled"
     assert (await settled(pool)).leased == 0
 
 
@@ -356,18 +365,14 @@ async def test_grpc_retries_are_disabled_on_our_channels(
     shows the same policy does retry, so the test can fail."""
     state, server = peer
     config = ChannelPoolConfig()
-    options = [
-        option for option in channel_options(config) if retries_disabled or option[0] != "grpc.enable_retries"
-    ]
+    options = [option for option in channel_options(config) if retries_disabled or option[0] != "grpc.enable_retries"]
 
     def factory(target: str) -> grpc.Channel:
-        return grpc.insecure_channel(
-            target, options=[*options, ("grpc.service_config", _RETRYING_SERVICE_CONFIG)]
-        )
+        return grpc.insecure_channel(target, options=[*options, ("grpc.service_config", _RETRYING_SERVICE_CONFIG)])
 
     channels = ChannelPool(config, factory)
     await nursery.start(channels.run)
-    rpc = GrpcRawRpc(channels)
+    rpc = GrpcRawRpc(channels, start_off_loop=True)
     with trio.fail_after(10):
         if retries_disabled:
             with pytest.raises(Unavailable):
@@ -377,3 +382,79 @@ async def test_grpc_retries_are_disabled_on_our_channels(
             assert await rpc.call(server.target, FLAKY, b"x") == b"x"
             assert state.calls[FLAKY] == 2
     await channels.aclose()
+
+
+class _StartRecordingChannel(grpc.Channel):
+    """A real channel that notes which thread starts each unary call (``.future()``)."""
+
+    def __init__(self, inner: grpc.Channel) -> None:
+        self.inner = inner
+        self.started_on: list[int] = []
+
+    def unary_unary(self, method: str, *args: object, **kwargs: object) -> grpc.UnaryUnaryMultiCallable:  # type: ignore[type-arg]
+        inner = self.inner.unary_unary(method, None, None)
+        started_on = self.started_on
+
+        class Call:
+            def future(self, request: bytes, timeout: float | None = None) -> grpc.Future[bytes]:
+                started_on.append(threading.get_ident())
+                return inner.future(request, timeout=timeout)
+
+        return Call()  # type: ignore[return-value]
+
+    def unary_stream(self, *args: object, **kwargs: object) -> grpc.UnaryStreamMultiCallable:  # type: ignore[type-arg]
+        raise NotImplementedError
+
+    def stream_unary(self, *args: object, **kwargs: object) -> grpc.StreamUnaryMultiCallable:  # type: ignore[type-arg]
+        raise NotImplementedError
+
+    def stream_stream(self, *args: object, **kwargs: object) -> grpc.StreamStreamMultiCallable:  # type: ignore[type-arg]
+        raise NotImplementedError
+
+    def subscribe(self, callback: object, try_to_connect: bool = False) -> None:
+        raise NotImplementedError
+
+    def unsubscribe(self, callback: object) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+async def test_a_call_on_an_idle_channel_starts_off_the_event_loop_and_one_beside_it_inline(
+    peer: tuple[Peer, GrpcServer], nursery: trio.Nursery, start_off_loop: bool
+) -> None:
+    """grpcio's thread start blocks whoever starts the first call on an idle channel: with
+    ``start_off_loop`` that is a starter thread; a call beside one in flight starts on the loop."""
+    state, server = peer
+    channels: list[_StartRecordingChannel] = []
+
+    def factory(target: str) -> grpc.Channel:
+        channel = _StartRecordingChannel(grpc.insecure_channel(target, options=channel_options(ChannelPoolConfig())))
+        channels.append(channel)
+        return channel
+
+    pool = ChannelPool(ChannelPoolConfig(), factory)
+    await nursery.start(pool.run)
+    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
+    loop_thread = threading.get_ident()
+    scope = trio.CancelScope()
+
+    async def hanging() -> None:
+        with scope:
+            await rpc.call(server.target, HANG, b"")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as calls:
+            calls.start_soon(hanging)
+            assert await trio.to_thread.run_sync(state.hang_started.wait, 5)
+            assert await rpc.call(server.target, ECHO, b"beside") == b"beside"
+            scope.cancel()
+        assert scope.cancelled_caught
+        assert await rpc.call(server.target, ECHO, b"idle again") == b"idle again"
+    (channel,) = channels
+    first, beside, idle_again = channel.started_on
+    assert beside == loop_thread
+    assert (first != loop_thread) is start_off_loop
+    assert (idle_again != loop_thread) is start_off_loop
+    await pool.aclose()

@@ -77,7 +77,7 @@ async def kvcm(nursery: trio.Nursery) -> AsyncIterator[Kvcm]:
     with trio.fail_after(10):
         addresses = await nursery.start(functools.partial(cluster.serve_grpc, max_threads=4))
         await nursery.start(pool.run)
-    yield Kvcm(cluster, addresses.kvcm_targets, KvcmClient(GrpcRawRpc(pool)), nursery)
+    yield Kvcm(cluster, addresses.kvcm_targets, KvcmClient(GrpcRawRpc(pool, start_off_loop=True)), nursery)
     await pool.aclose()
 
 

@@ -110,7 +110,7 @@ async def harness(adapter: str, nursery: trio.Nursery, refusing_port: int) -> As
         else:
             pool = ChannelPool(ChannelPoolConfig())
             await nursery.start(pool.run)
-            yield Harness(adapter, sim, addresses, GrpcMasterTransport(pool, http), refused)
+            yield Harness(adapter, sim, addresses, GrpcMasterTransport(pool, http, start_off_loop=True), refused)
             await pool.aclose()
 
 

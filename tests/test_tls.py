@@ -207,7 +207,7 @@ async def probe_through_pool(target: str, upstream: UpstreamTlsConfig) -> object
         await nursery.start(pool.run)
         try:
             with trio.fail_after(TIMEOUT_S):
-                return await WorkerStatusClient(GrpcRawRpc(pool)).get_worker_status(target, 0)
+                return await WorkerStatusClient(GrpcRawRpc(pool, start_off_loop=True)).get_worker_status(target, 0)
         except Unavailable as exc:
             return exc
         finally:

@@ -104,7 +104,7 @@ async def harness(adapter: str, nursery: trio.Nursery, refusing_port: int) -> As
     addresses = await nursery.start(cluster.serve_grpc)
     pool = ChannelPool(ChannelPoolConfig())
     await nursery.start(pool.run)
-    rpc = GrpcRawRpc(pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=True)
     refused = f"127.0.0.1:{refusing_port}"
     yield Harness(adapter, cluster, addresses, rpc, KvcmClient(rpc), WorkerStatusClient(rpc), refused)
     await pool.aclose()

@@ -98,7 +98,7 @@ async def fleet(nursery: trio.Nursery) -> AsyncIterator[Fleet]:
         probe_timeout_s=PROBE_TIMEOUT_S,
         background_refresh=False,  # the requests' own probes are under test
     )
-    prober = WorkerProber(config, WorkerStatusClient(GrpcRawRpc(pool)))
+    prober = WorkerProber(config, WorkerStatusClient(GrpcRawRpc(pool, start_off_loop=True)))
     await nursery.start(prober.run)
     yield Fleet([a for a in addrs if a is not None], sims, stats, prober)
     await pool.aclose()

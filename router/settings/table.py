@@ -645,6 +645,10 @@ _SPECS: dict[str, _Spec] = {
         "ChannelPool inbox: lease reports and returns (two per lease in flight); beyond it leases wait and "
         "invalidations are dropped and counted"
     ),
+    "channel_pool.start_off_loop": _Spec(
+        "Start a gRPC call on an idle channel from a starter thread, not the event loop (grpcio starts a "
+        "thread for it, which blocks the starter for up to milliseconds); off: the loop starts every call"
+    ),
     # metrics
     "metrics.inbox_size": _Spec("MetricsSink inbox; events beyond it are dropped and counted"),
     "metrics.decision_ring_size": _Spec("Decisions kept for /debug/decisions"),

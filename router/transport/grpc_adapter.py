@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 import trio
@@ -99,33 +101,71 @@ async def wait_future(future: grpc.Future[bytes]) -> None:
     await trio.lowlevel.wait_task_rescheduled(abort)
 
 
-class GrpcRawRpc:
-    """``RawRpc`` over gRPC: bytes in, bytes out, on a pinned full method path."""
+# Threads that start calls for the event loop (see ``GrpcRawRpc``): a start takes a thread for
+# well under a millisecond, so a few serve any rate; a start finding them all busy waits its turn.
+CALL_STARTERS = 4
 
-    def __init__(self, leaser: ChannelLeaser[grpc.Channel]) -> None:
+
+@dataclass(slots=True)
+class _ChannelCalls:
+    """Per channel: its multi-callables by path, and the calls of ours in flight on it."""
+
+    by_path: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = field(default_factory=dict)
+    in_flight: int = 0
+
+
+class GrpcRawRpc:
+    """``RawRpc`` over gRPC: bytes in, bytes out, on a pinned full method path.
+
+    ``start_off_loop``: grpcio starts a thread of its own for a call made on a channel with no call
+    in flight, and ``Thread.start`` blocks its caller until that thread holds the GIL, which on a
+    busy process is milliseconds. So the first call on an idle channel is started on a starter
+    thread and the event loop waits for it at a checkpoint; a call on a channel already carrying one
+    of ours (grpcio's thread is running) starts inline. Off (the default), every call starts on the
+    event loop: the handoff to a starter thread and back waits for the GIL twice, which costs more
+    than the stall it saves once the routing thread is CPU-bound (docs/design.md §6).
+    """
+
+    def __init__(self, leaser: ChannelLeaser[grpc.Channel], *, start_off_loop: bool) -> None:
         self._leaser = leaser
+        self._start_off_loop = start_off_loop
+        self._starters = trio.CapacityLimiter(CALL_STARTERS)
         # Building a multi-callable costs more than a small call's own Python: one per channel and
         # path, dropped with its channel.
-        self._calls: weakref.WeakKeyDictionary[grpc.Channel, dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._channels: weakref.WeakKeyDictionary[grpc.Channel, _ChannelCalls] = weakref.WeakKeyDictionary()
 
-    def _multicallable(self, channel: grpc.Channel, method_path: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
-        by_path = self._calls.get(channel)
-        if by_path is None:
-            by_path = self._calls[channel] = {}
-        call = by_path.get(method_path)
-        if call is None:
-            call = by_path[method_path] = channel.unary_unary(method_path, None, None)  # identity: bytes both ways
-        return call
+    def _calls_on(self, channel: grpc.Channel) -> _ChannelCalls:
+        calls = self._channels.get(channel)
+        if calls is None:
+            calls = self._channels[channel] = _ChannelCalls()
+        return calls
+
+    async def _start(
+        self, calls: _ChannelCalls, channel: grpc.Channel, method_path: str, request: bytes, rpc_timeout_s: float | None
+    ) -> grpc.Future[bytes]:
+        call = calls.by_path.get(method_path)
+        if call is None:  # identity serializers: bytes both ways
+            call = calls.by_path[method_path] = channel.unary_unary(method_path, None, None)
+        if not self._start_off_loop or calls.in_flight > 0:
+            return call.future(request, timeout=rpc_timeout_s)
+        # Not abandoned on cancel: the start is short, and the future it returns must reach
+        # ``wait_future``, whose cancellation cancels the RPC.
+        return await trio.to_thread.run_sync(
+            partial(call.future, request, timeout=rpc_timeout_s), limiter=self._starters
+        )
 
     async def call(self, target: str, method_path: str, request: bytes) -> bytes:
         timeout = remaining_timeout()
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded(target, "deadline already passed; not sent")
         async with self._leaser.lease(target) as channel:
-            future = self._multicallable(channel, method_path).future(request, timeout=timeout)
-            await wait_future(future)
+            calls = self._calls_on(channel)
+            future = await self._start(calls, channel, method_path, request, timeout)
+            calls.in_flight += 1
+            try:
+                await wait_future(future)
+            finally:
+                calls.in_flight -= 1
             error = future.exception()
             if error is None:
                 reply: bytes = future.result()

@@ -44,9 +44,9 @@ def grpc_target(host: str) -> str:
 
 
 class GrpcMasterTransport:
-    def __init__(self, leaser: ChannelLeaser[grpc.Channel], info: MasterTransport) -> None:
+    def __init__(self, leaser: ChannelLeaser[grpc.Channel], info: MasterTransport, *, start_off_loop: bool) -> None:
         self._leaser = leaser
-        self._rpc = GrpcRawRpc(leaser)
+        self._rpc = GrpcRawRpc(leaser, start_off_loop=start_off_loop)
         self._info = info
         # grpc cancels a call whose future is garbage-collected: unawaited Cancels are held here until done.
         self._pending_cancels: set[grpc.Future[bytes]] = set()
