@@ -113,6 +113,7 @@ class RecordedScoring:
     probes: Mapping[str, RecordedProbe]
     ledger: Mapping[str, tuple[int, float]]  # target → (pending charge, last selected)
     ties: tuple[float, ...]
+    decided: float | None = None  # when it scored, relative to receipt (None: not recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,21 @@ class Case:
         if self.split_without_tail and e.score is not None:
             return replace(e, tail=router.reserve_min_ms / 1000.0 + e.lag + e.score)
         return e
+
+    def kept_by(self, stage: Stage) -> float | None:
+        """When the recorded run took a wait's answer although its task resumed after the wait's window
+        (the reply was in before the cut reached the task: a stalled loop keeps it), the window's end,
+        relative to receipt: the answer was in by then. None when the recorded wait was cut."""
+        for recorded_stage, end_ms, cut in self.expected.get("sw", ()):
+            if recorded_stage == stage.value and not cut:
+                return float(end_ms) / 1000.0
+        return None
+
+    def ran_out_unseen(self) -> bool:
+        """The recorded request ran out of time with no source step finished and no wait cut: its task
+        did not run again before the deadline (a stalled loop) somewhere the log does not time."""
+        cut = any(bool(c) for _, _, c in self.expected.get("sw", ()))
+        return self.expected.get("r") == Reason.DEADLINE.value and not self.expected.get("ch") and not cut
 
     def waited_for_leader(self) -> tuple[bool, bool] | None:
         """Whether the recorded request waited for a leader lookup, and whether the split cut that wait
@@ -300,6 +316,7 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
                 probes,
                 ledger,
                 tuple(float(row[3]) for row in sc["lv"]),
+                decided=None if sc.get("at") is None else float(sc["at"]),
             )
         )
         fleet = scoring_fleet
@@ -404,11 +421,16 @@ class _ReplayScoring:
             for c in plan.candidates
         )
         ctx.split.waited(Stage.PROBE, late)
+        # A recorded run whose task resumed after decide_at (a stalled loop) scored with the results in
+        # hand when it did: those are the ones that had arrived by its recorded scoring moment.
+        in_hand_by = ctx.decide_at
+        if recorded is not None and recorded.decided is not None:
+            in_hand_by = max(in_hand_by, r + recorded.decided)
         statuses: dict[WorkerAddr, ObservedStatus] = {}
         missing: dict[WorkerAddr, DropReason] = {}
         for c in plan.candidates:
             p = probes.get(c.target)
-            if p is None or (p.arrived is not None and r + p.arrived > ctx.decide_at):
+            if p is None or (p.arrived is not None and r + p.arrived > in_hand_by):
                 missing[c.worker] = DropReason.PROBE_SKIPPED  # not in hand by decide_at (what-if)
             elif p.status is not None and p.taken is not None:
                 statuses[c.worker] = policy.observe(c.worker, p.status, r + p.taken)
@@ -496,13 +518,20 @@ class _ReplayKvcm:
                 return FellThrough(Reason.DEADLINE)
         query_end = ctx.split.windows.query_end
         end = min(query_end, trio.current_time() + self._query_timeout_s)
+        lands = recorded.arrived
+        kept_by = case.kept_by(Stage.CACHE_QUERY)
+        if recorded.hosts is not None and kept_by is not None and lands > kept_by:
+            # Windows are recorded to the µs: land just inside the recorded one.
+            lands = kept_by - 1e-6
         arrived = False
         with trio.move_on_at(end):
-            await trio.sleep_until(case.received_at + recorded.arrived)
+            await trio.sleep_until(case.received_at + lands)
             arrived = True
         ctx.split.waited(Stage.CACHE_QUERY, not arrived and query_end <= end)
         if not arrived:
             return FellThrough(Reason.DEADLINE)
+        if case.ran_out_unseen():  # the recorded stall: the request's deadline ends it here too
+            await trio.sleep_forever()
         if recorded.hosts is None or not recorded.hosts:
             ctx.cache_hosts = recorded.hosts
             return FellThrough(recorded.reason or Reason.NO_POSITIVE_MATCH)

@@ -390,3 +390,55 @@ def test_replay_is_deterministic_for_any_recorded_run(
     first = replay_all(log)
     assert first == (n, n)
     assert replay_all(log) == first
+
+
+def _stalled_like_a_real_run(payload: dict[str, object], kind: str) -> dict[str, object] | None:
+    """``payload`` (a recorded KVCM decision that scored) rewritten the way a run whose routing task
+    resumed late records it; None when the decision does not fit ``kind``."""
+    decision = dict(payload["d"])  # type: ignore[arg-type]
+    windows = [list(w) for w in decision.get("sw", [])]
+    if decision.get("rs") != RouteSource.KVCM.value or not windows or "sc" not in payload:
+        return None
+    end_s = float(windows[0][1]) / 1000.0
+    out = dict(payload)
+    if kind == "query kept":  # the answer was in before the cut; the task saw it 3 ms after the window
+        kv = list(out["kv"])  # type: ignore[call-overload]
+        kv[1] = end_s + 0.003
+        out["kv"] = kv
+    elif kind == "probe in hand":  # a probe landed after decide_at but before the late task scored
+        scoring = dict(out["sc"][0])  # type: ignore[index]
+        probes = [list(p) for p in scoring["p"]]
+        if not probes or probes[0][2] is None:
+            return None
+        probes[0][1] = end_s + 0.002
+        scoring["p"], scoring["at"] = probes, end_s + 0.005
+        out["sc"] = [scoring]
+        decision["sw"] = [[stage, end_ms, 1 if stage == Stage.PROBE.value else cut] for stage, end_ms, cut in windows]
+    elif kind == "ran out unseen":  # the task did not run again before the deadline after the answer
+        out.pop("sc")
+        out.pop("tl", None)
+        decision.update(r=Reason.DEADLINE.value, rs=RouteSource.DOMAIN.value, ch=[], c=[], hit=0)
+        decision["sw"] = [w for w in windows if w[0] == Stage.CACHE_QUERY.value]
+    out["d"] = decision
+    return out
+
+
+@pytest.mark.parametrize("kind", ["query kept", "probe in hand", "ran out unseen"])
+def test_a_run_whose_task_resumed_late_replays_as_recorded(tmp_path: Path, kind: str) -> None:
+    """On the real clock a stalled loop lets a request keep an answer that was in before its window
+    was cut, score with probes that landed before it resumed, or run out of time between steps the
+    log does not time. Replay reproduces each from what the record holds."""
+    log = tmp_path / "decisions.log"
+    on_mock_clock(record_cache_run, log)
+    stalled = tmp_path / "stalled.log"
+    body = bytearray(MAGIC)
+    rewritten = 0
+    for f in parse_frames(str(log), log.read_bytes()):
+        payload = dict(f.payload)
+        if f.kind == KIND_DECISION and (late := _stalled_like_a_real_run(payload, kind)) is not None:
+            payload, rewritten = late, rewritten + 1
+        body += frame(f.kind, payload)
+    stalled.write_bytes(bytes(body))
+    assert rewritten >= 1
+    identical, total = replay_all(stalled)
+    assert identical == total
