@@ -349,3 +349,16 @@ async def test_the_router_records_each_requests_tail_and_uses_the_learned_one(
             slow = await handle.route(RouteRequest(f"tail-{tail_ms:g}", token_ids=prompt, budget_ms=50))
             assert slow.split is SplitMode.LEARNED and slow.route_source is RouteSource.KVCM
             assert {w.stage: w.end_ms for w in slow.windows}[Stage.PROBE] == pytest.approx(probe_end_ms)
+
+
+def test_the_demo_scenario_runs_on_both_clocks_and_exits_by_the_real_one() -> None:
+    """Real loopback gRPC (no timing asserted): the simulated-clock table first, then the real one."""
+    out = io.StringIO()
+    status = split_budget.run_both(out, requests=4)
+    text = out.getvalue()
+    simulated, real = text.split("real clock, loopback gRPC:")
+    assert simulated.startswith("simulated clock, in-memory transports:")
+    assert "PASS kvcm-slow-budget" in simulated  # the rule alone: deterministic
+    verdict = real.rstrip().splitlines()[-1]
+    assert verdict in ("PASS kvcm-slow-budget", "FAIL kvcm-slow-budget")
+    assert status == (0 if verdict.startswith("PASS") else 1)

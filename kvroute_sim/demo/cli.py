@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
     if args.scenario == split_budget.NAME:
-        return split_budget.run(sys.stdout)
+        return split_budget.run_both(sys.stdout)
     if args.scenario == key_family.NAME:
         return key_family.run(sys.stdout)
     if args.scenario is not None:

@@ -29,6 +29,7 @@ from functools import partial
 from typing import TextIO
 
 import trio
+import trio.testing
 
 from kvroute_sim.demo.runner import load_router_config, open_kvroute, router_settings
 from kvroute_sim.demo.workload import WorkloadSpec
@@ -154,6 +155,16 @@ def render(figures: list[SplitFigures]) -> str:
             f"{f.share(f.within_budget):>14.1%} {f.query_overhead_s * 1000:>12.1f} ms"
         )
     return "\n".join(lines)
+
+
+def run_both(out: TextIO, *, requests: int = REQUESTS) -> int:
+    """The scenario twice: on a simulated clock with the in-memory transports, where only the split's
+    rule differs (each stage takes exactly its simulated time), then on the real clock over loopback
+    gRPC, where this machine's stalls add to every stage. The exit status is the real-clock run's."""
+    print("simulated clock, in-memory transports:", file=out)
+    run(out, clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True, requests=requests)
+    print("real clock, loopback gRPC:", file=out)
+    return run(out, requests=requests)
 
 
 def run(out: TextIO, *, clock: trio.abc.Clock | None = None, in_memory: bool = False, requests: int = REQUESTS) -> int:
