@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence, Set
+from collections.abc import AsyncIterator, Iterable, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
 import grpc
@@ -32,7 +33,9 @@ from kvroute_sim.bench.harness import Requests as RouterRequests
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import Summary, percentile
 from router.api import open_router
+from router.config import KvrouteConfig
 from router.sidecar import CallTiming, Sidecar
+from router.targets import HostPort
 from router.transport.grpc_server import method_handlers
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
@@ -152,6 +155,35 @@ def route_requests(view: ClusterView, label: str, count: int, budget_ms: int = B
     )
 
 
+def reply_outcomes(replies: Iterable[bytes]) -> Counter[str]:
+    """``route_source/reason`` counts of serialised Route replies."""
+    outcomes: Counter[str] = Counter()
+    for raw in replies:
+        decision = router_v1_pb2.RouteDecision.FromString(raw)
+        outcomes[f"{decision.route_source}/{decision.reason}"] += 1
+    return outcomes
+
+
+@asynccontextmanager
+async def serving_sidecar(
+    view: ClusterView, label: str, warm_up: int
+) -> AsyncIterator[tuple[Sidecar, HostPort, KvrouteConfig]]:
+    """A router over ``view`` primed with ``warm_up`` decisions, behind a sidecar on a loopback port (the
+    sidecar, its address and the router's configuration); both stop when the block ends, under the
+    figure's time limit."""
+    config = router_config(view, status_ttl_s=None)
+    config = replace(config, serve=replace(config.serve, grpc_listen="127.0.0.1:0"))
+    with trio.fail_after(FIGURE_TIMEOUT_S):
+        async with open_router(config) as router, trio.open_nursery() as nursery:
+            await prime(router, RouterRequests(view, f"{label}-prime"), warm_up)
+            sidecar = Sidecar(router, config)
+            bound = await nursery.start(sidecar.run)
+            try:
+                yield sidecar, bound, config
+            finally:
+                nursery.cancel_scope.cancel()
+
+
 def _level_result(
     callers: int,
     seconds: float,
@@ -161,11 +193,7 @@ def _level_result(
     caller_cpu_s: float,
     echo: EchoFloor,
 ) -> LevelResult:
-    outcomes: Counter[str] = Counter()
-    for r in results:
-        for raw in r.replies:
-            decision = router_v1_pb2.RouteDecision.FromString(raw)
-            outcomes[f"{decision.route_source}/{decision.reason}"] += 1
+    outcomes = reply_outcomes(raw for r in results for raw in r.replies)
     return LevelResult(
         callers=callers,
         calls=sum(len(r.replies) + len(r.errors) for r in results),
@@ -181,52 +209,45 @@ def _level_result(
 
 
 async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None) -> list[LevelResult]:
-    config = router_config(view, status_ttl_s=None)
-    config = replace(config, serve=replace(config.serve, grpc_listen="127.0.0.1:0"))
     levels: list[LevelResult] = []
-    with trio.fail_after(FIGURE_TIMEOUT_S):
-        async with open_router(config) as router, trio.open_nursery() as nursery:
-            await prime(router, RouterRequests(view, "p7-prime"), sizes.warm_up)
-            sidecar = Sidecar(router, config)
-            bound = await nursery.start(sidecar.run)
-            echo_server, echo_target = _echo_server(config.serve.grpc_max_workers)
-            try:
-                with caller_process(caller_cpus) as callers_child:
-                    warm = Level(
+    async with serving_sidecar(view, "p7", sizes.warm_up) as (sidecar, bound, config):
+        echo_server, echo_target = _echo_server(config.serve.grpc_max_workers)
+        try:
+            with caller_process(caller_cpus) as callers_child:
+                warm = Level(
+                    str(bound),
+                    route_requests(view, "p7-warm", sizes.warm_up),
+                    1,
+                    sizes.max_level_s,
+                    CLIENT_DEADLINE_S,
+                )
+                await trio.to_thread.run_sync(callers_child.run, warm)
+                await trio.to_thread.run_sync(callers_child.run, replace(warm, target=echo_target))
+                sidecar.take_call_timings()  # the warm-up's, dropped
+                for callers, calls in zip(LEVELS, sizes.calls_per_level, strict=True):
+                    level = Level(
                         str(bound),
-                        route_requests(view, "p7-warm", sizes.warm_up),
-                        1,
+                        route_requests(view, f"p7-{callers}", calls),
+                        callers,
                         sizes.max_level_s,
                         CLIENT_DEADLINE_S,
                     )
-                    await trio.to_thread.run_sync(callers_child.run, warm)
-                    await trio.to_thread.run_sync(callers_child.run, replace(warm, target=echo_target))
-                    sidecar.take_call_timings()  # the warm-up's, dropped
-                    for callers, calls in zip(LEVELS, sizes.calls_per_level, strict=True):
-                        level = Level(
-                            str(bound),
-                            route_requests(view, f"p7-{callers}", calls),
-                            callers,
-                            sizes.max_level_s,
-                            CLIENT_DEADLINE_S,
-                        )
-                        cpu_before = time.process_time()
-                        run = await trio.to_thread.run_sync(callers_child.run, level)
-                        cpu_s = time.process_time() - cpu_before
-                        timings = sidecar.take_call_timings()
-                        echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
-                        echo_floor = EchoFloor(
-                            sum(len(r.replies) + len(r.errors) for r in echo.results),
-                            echo.seconds,
-                            sum(len(r.errors) for r in echo.results),
-                            percentile([ms for r in echo.results for ms in r.client_ms], 99),
-                        )
-                        levels.append(
-                            _level_result(callers, run.seconds, run.results, timings, cpu_s, run.cpu_s, echo_floor)
-                        )
-            finally:
-                echo_server.stop(grace=None)
-                nursery.cancel_scope.cancel()
+                    cpu_before = time.process_time()
+                    run = await trio.to_thread.run_sync(callers_child.run, level)
+                    cpu_s = time.process_time() - cpu_before
+                    timings = sidecar.take_call_timings()
+                    echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
+                    echo_floor = EchoFloor(
+                        sum(len(r.replies) + len(r.errors) for r in echo.results),
+                        echo.seconds,
+                        sum(len(r.errors) for r in echo.results),
+                        percentile([ms for r in echo.results for ms in r.client_ms], 99),
+                    )
+                    levels.append(
+                        _level_result(callers, run.seconds, run.results, timings, cpu_s, run.cpu_s, echo_floor)
+                    )
+        finally:
+            echo_server.stop(grace=None)
     return levels
 
 

@@ -23,19 +23,16 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence, Set
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import trio
 
 from kvroute_sim.bench.callers import Level, caller_process
-from kvroute_sim.bench.harness import ClusterView, prime, router_config
-from kvroute_sim.bench.harness import Requests as RouterRequests
-from kvroute_sim.bench.overload import route_requests
+from kvroute_sim.bench.harness import ClusterView
+from kvroute_sim.bench.overload import reply_outcomes, route_requests, serving_sidecar
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import percentile
-from router.api import open_router
-from router.sidecar import CallTiming, Sidecar
-from router.wire import router_v1_pb2
+from router.sidecar import CallTiming
 
 RATES = (50, 100, 200, 400, 800)  # calls/s offered
 BUDGET_MS = 30
@@ -46,7 +43,6 @@ P99_TARGET_MS = 5.0
 KNEE_TARGET = 500  # calls/s: the knee must lie beyond it
 KNEE_P99_FACTOR = 2.0
 KNEE_FALLBACK_SHARE = 0.02
-FIGURE_TIMEOUT_S = 300.0
 OPEN_LOOP_SLACK = 3.0  # a rate's sends stop after this many times its planned seconds (a stalled client)
 
 
@@ -132,54 +128,41 @@ def knee(results: Sequence[RateResult]) -> int | None:
 
 
 async def _run(view: ClusterView, sizes: RateSizes, caller_cpus: Set[int] | None) -> list[RateResult]:
-    config = router_config(view, status_ttl_s=None)
-    config = replace(config, serve=replace(config.serve, grpc_listen="127.0.0.1:0"))
     results: list[RateResult] = []
-    with trio.fail_after(FIGURE_TIMEOUT_S):
-        async with open_router(config) as router, trio.open_nursery() as nursery:
-            await prime(router, RouterRequests(view, "p8-prime"), sizes.warm_up)
-            sidecar = Sidecar(router, config)
-            bound = await nursery.start(sidecar.run)
-            max_s = OPEN_LOOP_SLACK * sizes.seconds_per_rate
-            try:
-                # The client runs in its own process (grpc.aio, one open loop): a client thread here
-                # would share this process's core and GIL with the sidecar it measures.
-                with caller_process(caller_cpus) as client:
-                    warm = route_requests(view, "p8-warm", sizes.warm_up, BUDGET_MS)
-                    level = Level(str(bound), warm, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=RATES[0])
-                    await trio.to_thread.run_sync(client.run, level)
-                    sidecar.take_call_timings()  # the warm-up's, dropped
-                    for rate in RATES:
-                        count = max(1, round(rate * sizes.seconds_per_rate))
-                        requests = route_requests(view, f"p8-{rate}", count, BUDGET_MS)
-                        level = Level(str(bound), requests, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=rate)
-                        cpu_before = time.process_time()
-                        run = await trio.to_thread.run_sync(client.run, level)
-                        cpu_s = time.process_time() - cpu_before
-                        seen = run.results[0]
-                        outcomes: Counter[str] = Counter()
-                        for raw in seen.replies:
-                            decision = router_v1_pb2.RouteDecision.FromString(raw)
-                            outcomes[f"{decision.route_source}/{decision.reason}"] += 1
-                        timings = sidecar.take_call_timings()
-                        router_ms, query_ms, own_path_ms = breakdown(timings)
-                        results.append(
-                            RateResult(
-                                rate=rate,
-                                sent=len(requests),
-                                seconds=run.seconds,
-                                sidecar_ms=tuple(t.elapsed_s * 1e3 for t in timings),
-                                client_ms=tuple(seen.client_ms),
-                                errors=Counter(seen.errors),
-                                outcomes=outcomes,
-                                router_ms=router_ms,
-                                query_ms=query_ms,
-                                own_path_ms=own_path_ms,
-                                cpu_ms_per_call=cpu_s * 1e3 / len(requests),
-                            )
-                        )
-            finally:
-                nursery.cancel_scope.cancel()
+    async with serving_sidecar(view, "p8", sizes.warm_up) as (sidecar, bound, _):
+        max_s = OPEN_LOOP_SLACK * sizes.seconds_per_rate
+        # The client runs in its own process (grpc.aio, one open loop): a client thread here
+        # would share this process's core and GIL with the sidecar it measures.
+        with caller_process(caller_cpus) as client:
+            warm = route_requests(view, "p8-warm", sizes.warm_up, BUDGET_MS)
+            level = Level(str(bound), warm, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=RATES[0])
+            await trio.to_thread.run_sync(client.run, level)
+            sidecar.take_call_timings()  # the warm-up's, dropped
+            for rate in RATES:
+                count = max(1, round(rate * sizes.seconds_per_rate))
+                requests = route_requests(view, f"p8-{rate}", count, BUDGET_MS)
+                level = Level(str(bound), requests, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=rate)
+                cpu_before = time.process_time()
+                run = await trio.to_thread.run_sync(client.run, level)
+                cpu_s = time.process_time() - cpu_before
+                seen = run.results[0]
+                timings = sidecar.take_call_timings()
+                router_ms, query_ms, own_path_ms = breakdown(timings)
+                results.append(
+                    RateResult(
+                        rate=rate,
+                        sent=len(requests),
+                        seconds=run.seconds,
+                        sidecar_ms=tuple(t.elapsed_s * 1e3 for t in timings),
+                        client_ms=tuple(seen.client_ms),
+                        errors=Counter(seen.errors),
+                        outcomes=reply_outcomes(seen.replies),
+                        router_ms=router_ms,
+                        query_ms=query_ms,
+                        own_path_ms=own_path_ms,
+                        cpu_ms_per_call=cpu_s * 1e3 / len(requests),
+                    )
+                )
     return results
 
 
