@@ -55,6 +55,17 @@ class CallerResults:
     client_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # grpc status names
 
+    async def call(self, call: grpc.aio.UnaryUnaryMultiCallable, request: bytes, deadline_s: float) -> None:  # type: ignore[type-arg]
+        """One call, its reply and client time, or its status name."""
+        start = time.perf_counter()
+        try:
+            reply: bytes = await call(request, timeout=deadline_s)
+        except grpc.aio.AioRpcError as exc:
+            self.errors.append(exc.code().name)
+        else:
+            self.client_ms.append((time.perf_counter() - start) * 1e3)
+            self.replies.append(reply)
+
 
 @dataclass(frozen=True, slots=True)
 class LevelRun:
@@ -78,14 +89,7 @@ async def drive_level(channel: grpc.aio.Channel, level: Level) -> tuple[float, l
             i = next(serial)
             if i >= len(requests):
                 return
-            start = time.perf_counter()
-            try:
-                reply: bytes = await call(requests[i], timeout=level.client_deadline_s)
-            except grpc.aio.AioRpcError as exc:
-                into.errors.append(exc.code().name)
-            else:
-                into.client_ms.append((time.perf_counter() - start) * 1e3)
-                into.replies.append(reply)
+            await into.call(call, requests[i], level.client_deadline_s)
 
     began = time.perf_counter()
     await asyncio.gather(*(caller(r) for r in results))
@@ -98,16 +102,6 @@ async def _drive_open_loop(channel: grpc.aio.Channel, level: Level) -> tuple[flo
     call = channel.unary_unary(ROUTER_ROUTE, None, None)
     into = CallerResults()
 
-    async def one(request: bytes) -> None:
-        start = time.perf_counter()
-        try:
-            reply: bytes = await call(request, timeout=level.client_deadline_s)
-        except grpc.aio.AioRpcError as exc:
-            into.errors.append(exc.code().name)
-        else:
-            into.client_ms.append((time.perf_counter() - start) * 1e3)
-            into.replies.append(reply)
-
     began = time.perf_counter()
     sends: list[asyncio.Task[None]] = []
     for i, request in enumerate(level.requests):
@@ -117,7 +111,7 @@ async def _drive_open_loop(channel: grpc.aio.Channel, level: Level) -> tuple[flo
         pause = due - time.perf_counter()
         if pause > 0:
             await asyncio.sleep(pause)
-        sends.append(asyncio.create_task(one(request)))
+        sends.append(asyncio.create_task(into.call(call, request, level.client_deadline_s)))
     await asyncio.gather(*sends)
     return time.perf_counter() - began, [into]
 
