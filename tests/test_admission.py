@@ -35,15 +35,21 @@ def test_the_estimate_follows_a_sustained_lag_and_shrugs_off_one_stall() -> None
     assert view.expected_s == view.own_s + view.lag_s
 
 
-async def test_a_saturated_loop_sheds_at_admission_and_recovers(autojump_clock: trio.testing.MockClock) -> None:
-    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+def _memory_cluster(workers: int, router: RouterConfig | None = None) -> tuple[MemoryNetwork, KvrouteConfig]:
+    """A simulated cluster served on an in-memory network, and a router configuration for it."""
+    cluster = SimCluster(workers=workers, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
     config = KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK),
-        router=replace(RouterConfig(), lag_probe_interval_ms=5.0),
+        router=router or RouterConfig(),
         discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
     )
+    return network, config
+
+
+async def test_a_saturated_loop_sheds_at_admission_and_recovers(autojump_clock: trio.testing.MockClock) -> None:
+    network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_interval_ms=5.0))
     async with open_router(config, rpc=network) as handle:
         await trio.sleep(0.1)
         for _ in range(40):  # the loop runs 30 ms late at every turn: a stall with no checkpoint
@@ -103,13 +109,7 @@ def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_on
 
 
 async def test_a_stale_own_estimate_does_not_shed_forever(autojump_clock: trio.testing.MockClock) -> None:
-    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
-    network = MemoryNetwork()
-    addrs = cluster.serve_memory(network)
-    config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK),
-        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-    )
+    network, config = _memory_cluster(2)
     async with open_router(config, rpc=network) as handle:
         await trio.sleep(0.1)
         handle.router_actor()._estimate.observe_own(5.0)  # as after one request stalled for seconds
@@ -123,13 +123,7 @@ async def test_a_stale_own_estimate_does_not_shed_forever(autojump_clock: trio.t
 async def test_the_router_publishes_overloaded_answers_and_counts_the_sheds_others_make(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
-    network = MemoryNetwork()
-    addrs = cluster.serve_memory(network)
-    config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK),
-        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-    )
+    network, config = _memory_cluster(3)
     async with open_router(config, rpc=network) as handle:
         await trio.sleep(0.1)
         router = handle.router_actor()
