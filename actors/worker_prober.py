@@ -741,14 +741,18 @@ class WorkerProber:
     def _start(
         self, worker: WorkerAddr, state: _WorkerState, token_at: float, deadline: float, kind: ProbeKind, now: float
     ) -> _Flight:
-        assert self._nursery is not None
         flight = _Flight(worker, state, token_at, trio.CancelScope(deadline=deadline), kind)
-        state.flight = flight
-        state.started_at = now
+        self._launch(flight, now)
+        return flight
+
+    def _launch(self, flight: _Flight, now: float) -> None:
+        """The worker's one flight from now on, counted and flying."""
+        assert self._nursery is not None
+        flight.state.flight = flight
+        flight.state.started_at = now
         self._flights.add(flight)
         self._pending_probes += 1
         self._nursery.start_soon(self._fly, flight)
-        return flight
 
     def _skip(self, worker: WorkerAddr, reason: SkipReason) -> ProbeResult:
         self._skipped[reason] += 1
@@ -839,12 +843,7 @@ class WorkerProber:
         self._bucket.take(now)
         flight.slot = True
         self._refresh_inflight += 1
-        assert self._nursery is not None
-        state.flight = flight
-        state.started_at = now
-        self._flights.add(flight)
-        self._pending_probes += 1
-        self._nursery.start_soon(self._fly, flight)
+        self._launch(flight, now)
         return True
 
     def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> None:
