@@ -394,6 +394,8 @@ class _ReplayScoring:
 
     async def choose(self, ctx: RequestContext, hosts: Sequence[HostMatch], source: CandidateSource) -> SourceResult:
         case = self._current.get()
+        if case.ran_out_unseen():  # the recorded stall, before any probe wait: the deadline ends it here too
+            await trio.sleep_forever()
         recorded = next((s for s in case.scorings if s.source is source), None)
         fleet = recorded.fleet if recorded is not None else case.fleet or Fleet.of(())
         policy = make_policy(
@@ -530,8 +532,6 @@ class _ReplayKvcm:
         ctx.split.waited(Stage.CACHE_QUERY, not arrived and query_end <= end)
         if not arrived:
             return FellThrough(Reason.DEADLINE)
-        if case.ran_out_unseen():  # the recorded stall: the request's deadline ends it here too
-            await trio.sleep_forever()
         if recorded.hosts is None or not recorded.hosts:
             ctx.cache_hosts = recorded.hosts
             return FellThrough(recorded.reason or Reason.NO_POSITIVE_MATCH)
