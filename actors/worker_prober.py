@@ -103,6 +103,15 @@ _FOREVER = float("inf")
 # Of the hot window: how stale the published wanted_at of a worker may get before a request whose
 # statuses were all fresh tells the owner again (others say nothing: no message, no wake-up).
 _TOUCH_EVERY = 1 / 8
+# Of the refresh interval: a round also polls the hot workers due within this much of it, so polls
+# that drifted apart (a request's on-demand probe, a late round) start together again and share the
+# owner's wake-ups (measured cheaper than the same polls one by one).
+_ALIGN_WITHIN = 1 / 4
+# Weight of the newest gap in a worker's running mean of the gaps between reads.
+_GAP_WEIGHT = 1 / 4
+# A worker is polled while read within at least this many refresh intervals, whatever its usual gap:
+# a stall of the event loop (a long collection) delays reads of every worker at once.
+_MIN_KEEP_INTERVALS = 2
 PROBE_TIMEOUT_KIND = "probe_timeout"  # failure kind when a started RPC outlives probe_timeout_s
 
 
@@ -204,6 +213,22 @@ class _WorkerState:
             self.status_background,
             self.wanted_at,
         )
+
+
+@dataclass(eq=False, slots=True)
+class _Reads:
+    """When requests last read a worker's status, and the usual gap between their reads.
+
+    The callers' record: ``probe`` updates it for each worker it names (no message, no hop); the owner
+    creates it when it first learns the worker is wanted, reads it to decide a poll, and drops it
+    when it forgets the worker."""
+
+    at: float
+    gap: float  # running mean of the gaps between reads (the newest weighted _GAP_WEIGHT)
+
+    def read(self, now: float) -> None:
+        self.gap += (now - self.at - self.gap) * _GAP_WEIGHT
+        self.at = now
 
 
 @dataclass(eq=False, slots=True)
@@ -352,6 +377,7 @@ class ProberHealth:
     refresh_active: bool  # background refresh on (the switch, and refresh_interval_s < fresh_ttl_s)
     refresh_polls: int  # background refresh polls started
     refresh_short_of_budget: int  # due refresh polls put off: no spare token or free slot
+    refresh_idle_skips: int  # due refresh polls not made: no request read the worker within its keep window
     hot_workers: int  # workers named by a request within hot_window_s
     fresh_from_background: int  # cache hits whose status came from a background poll
     wanted_dropped: int  # probe() messages that found the inbox full
@@ -392,6 +418,7 @@ class WorkerProber:
         self._refresh_slots = max(1, math.floor(share * config.inflight_cap))
         self._refresh_active = config.background_refresh and config.refresh_interval_s < config.fresh_ttl_s
         self._touch_every_s = _TOUCH_EVERY * config.hot_window_s
+        self._min_keep_s = _MIN_KEEP_INTERVALS * config.refresh_interval_s
         # The inbox: a _Wanted per probe() call, a _Landed per probe (at most max_tracked_workers pending).
         self._inbox_capacity = config.max_tracked_workers
         self._send, self._receive = trio.open_memory_channel[_Message](self._inbox_capacity)
@@ -404,6 +431,8 @@ class WorkerProber:
         self._ejected: dict[WorkerAddr, float] = {}  # tracked workers only → ejection end
         self._failing: set[WorkerAddr] = set()  # tracked workers at eject_after_failures or more
         self._hot: OrderedDict[WorkerAddr, None] = OrderedDict()  # least recently wanted first
+        # The callers' record of reads (see _Reads): the owner adds and drops entries, callers update them.
+        self._reads: dict[WorkerAddr, _Reads] = {}
         self._flights: set[_Flight] = set()
         self._dirty = True
         self._next_refresh = _FOREVER
@@ -413,6 +442,7 @@ class WorkerProber:
         self._health_cursor = 0
         self._refresh_polls = 0
         self._refresh_short = 0
+        self._refresh_idle = 0
         self._refresh_inflight = 0
         self._pending_probes = 0
         self._peak_inflight = 0
@@ -516,7 +546,11 @@ class WorkerProber:
         ask: list[WorkerAddr] = []
         told_after = now - self._touch_every_s
         tell = False
+        reads = self._reads
         for worker in handle.workers:
+            read = reads.get(worker)
+            if read is not None:
+                read.read(now)
             seen = known.get(worker)
             if seen is None or seen.wanted_at < told_after:
                 tell = True
@@ -660,6 +694,7 @@ class WorkerProber:
             refresh_active=self._refresh_active,
             refresh_polls=self._refresh_polls,
             refresh_short_of_budget=self._refresh_short,
+            refresh_idle_skips=self._refresh_idle,
             hot_workers=len(self._hot),
             fresh_from_background=self._view_background_hits,
             wanted_dropped=self._wanted_dropped,
@@ -691,8 +726,11 @@ class WorkerProber:
         if refresh and not hot and self._nursery is not None:
             self._next_refresh = min(self._next_refresh, now + self._config.refresh_interval_s)
         told_after = now - self._touch_every_s / 2
+        reads = self._reads
         for worker in message.workers:
             state = self._touch(worker)
+            if worker not in reads:  # from now on the callers record its reads
+                reads[worker] = _Reads(now, self._config.refresh_interval_s)
             if state.wanted_at < told_after:  # else told just now: the hot order stays by wanted_at
                 state.wanted_at = now
                 self._changed(worker, state)
@@ -775,6 +813,7 @@ class WorkerProber:
         self._ejected.pop(worker, None)
         self._failing.discard(worker)
         self._hot.pop(worker, None)
+        self._reads.pop(worker, None)
         self._dirty = True
 
     def _changed(self, worker: WorkerAddr, state: _WorkerState) -> None:
@@ -808,12 +847,16 @@ class WorkerProber:
             self._next_refresh = _FOREVER  # idle: the next wanted worker sets the timer again
             return
         next_due = now + interval
-        polls = short = 0
+        pull_by = now + _ALIGN_WITHIN * interval
+        polls = short = idle = 0
         for worker in reversed(hot):  # the most recently wanted first, should the budget run short
             state = self._workers[worker]
             due = state.started_at + interval
-            if due <= now and state.flight is None and state.ejected_until <= now:
-                if self._refresh_one(worker, state, now):
+            if due <= pull_by and state.flight is None and state.ejected_until <= now:
+                if not self._in_use(worker, now):
+                    idle += 1
+                    due = now + interval  # looked at again then: a read meanwhile resumes its polls
+                elif self._refresh_one(worker, state, now):
                     polls += 1
                     due = now + interval
                 else:
@@ -821,9 +864,22 @@ class WorkerProber:
             next_due = min(next_due, due)
         self._refresh_polls += polls
         self._refresh_short += short
+        self._refresh_idle += idle
         self._next_refresh = max(next_due, now + interval / 8)
         if polls and self._on_probes is not None:
             self._on_probes(ProbeKind.REFRESH, polls)
+
+    def _in_use(self, worker: WorkerAddr, now: float) -> bool:
+        """Read within its keep window: ``refresh_idle_gaps`` of its usual gaps between reads, at least
+        ``_MIN_KEEP_INTERVALS`` refresh intervals, at most the hot window. A poll is worth its cost only
+        if a request is likely to read the status before it expires; a worker read every few
+        milliseconds stops being polled soon after its reads stop, one read now and then stays polled
+        (its status is fresh when that read comes) until the hot window passes."""
+        read = self._reads.get(worker)
+        if read is None:
+            return True
+        keep = min(max(self._config.refresh_idle_gaps * read.gap, self._min_keep_s), self._config.hot_window_s)
+        return now - read.at <= keep
 
     def _refresh_one(self, worker: WorkerAddr, state: _WorkerState, now: float) -> bool:
         """Start a poll only with what requests leave: a free slot nobody queues for, a token beyond

@@ -123,6 +123,9 @@ class ProberConfig:
     refresh_interval_s: float = bounded(0.04, 0, 60, low_open=True)
     hot_window_s: float = bounded(2.0, 0, 3600, low_open=True)
     refresh_budget_share: float = bounded(0.5, 0, 1, low_open=True)
+    # A hot worker is polled only while a request read it within this many of its usual gaps between
+    # reads (at least two refresh intervals, at most hot_window_s): polls stop soon after reads stop.
+    refresh_idle_gaps: float = bounded(8.0, 0, 1000, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -256,3 +256,106 @@ def test_a_hot_window_shorter_than_the_refresh_interval_is_refused_naming_both()
     assert [p.fields for p in prober_problems(config)] == [("hot_window_s", "refresh_interval_s")]
     with pytest.raises(ValueError, match=r"prober\.hot_window_s, prober\.refresh_interval_s"):
         WorkerProber(config, WorkerStatusClient(MemoryNetwork()))
+
+
+async def read_every(prober: WorkerProber, fleet: list[WorkerAddr], gap_s: float, for_s: float) -> tuple[int, int]:
+    """Requests naming ``fleet`` every ``gap_s`` for ``for_s``: (statuses answered fresh, requests made)."""
+    fresh = asked = 0
+    end = trio.current_time() + for_s
+    while trio.current_time() < end:
+        await trio.sleep(gap_s)
+        hits, _ = await want(prober, fleet)
+        fresh += hits
+        asked += len(fleet)
+    return fresh, asked
+
+
+async def test_a_worker_read_often_is_polled_every_refresh_interval(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start(nursery, fake, refreshing(hot_window_s=10.0))
+    await want(prober, [worker])  # probed on demand: nothing known yet
+    fresh, asked = await read_every(prober, [worker], 0.005, 1.0)
+    assert fresh == asked  # every read found a fresh status
+    polls = prober.snapshot().refresh_polls
+    assert 1.0 / (INTERVAL_S + 0.002) - 1 <= polls <= 1.0 / INTERVAL_S + 1  # the base interval, never faster
+    assert prober.snapshot().refresh_idle_skips == 0
+
+
+async def test_a_worker_no_longer_read_stops_being_polled_long_before_the_hot_window_ends(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    busy, quiet = [fake.add(w) for w in workers(2)]
+    config = refreshing(hot_window_s=10.0, refresh_idle_gaps=8.0)
+    prober = await start(nursery, fake, config)
+    await want(prober, [busy, quiet])
+    await read_every(prober, [busy, quiet], 0.005, 0.5)  # both read every 5 ms: usual gap 5 ms
+    quiet_rpcs = fake.rpcs(quiet)
+    fresh, asked = await read_every(prober, [busy], 0.005, 3.0)  # only `busy` is read now
+    assert fresh == asked
+    # `quiet`'s keep window is two refresh intervals (8 gaps of 5 ms are less): at most three more polls,
+    # where the hot window alone would have polled it for 10 s.
+    assert fake.rpcs(quiet) - quiet_rpcs <= 3
+    health = prober.snapshot()
+    assert health.hot_workers == 2  # still hot (named within the hot window), just not worth a poll
+    assert health.refresh_idle_skips > 0
+    assert fake.rpcs(busy) >= 3.5 / (INTERVAL_S + 0.002) - 2
+
+
+async def test_a_worker_read_again_after_idling_gets_a_fresh_status_and_is_polled_again(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start(nursery, fake, refreshing(hot_window_s=10.0))
+    await want(prober, [worker])
+    await read_every(prober, [worker], 0.005, 0.3)
+    await trio.sleep(1.0)  # idle: its polls stop, its status expires
+    rpcs = fake.rpcs(worker)
+    assert prober.cached(worker) is not None and prober.probe([worker], trio.current_time() + 1.0).pending == 1
+    assert fake.rpcs(worker) == rpcs  # (no RPC yet: the probe above is on its way to the owner)
+    hits, _ = await want(prober, [worker])  # that request's own probe gave it a fresh status
+    assert hits == 0 and prober.snapshot().probes_started == 2
+    fresh, asked = await read_every(prober, [worker], 0.005, 0.5)
+    assert fresh == asked  # kept fresh in the background again
+    assert prober.snapshot().probes_started == 2
+
+
+async def test_a_worker_read_now_and_then_stays_polled_so_its_reads_find_a_fresh_status(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Reads 200 ms apart: the keep window (8 usual gaps, at most the hot window) covers the gap, so
+    each read finds the status a poll fetched, as with the hot window alone."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start(nursery, fake, refreshing(hot_window_s=10.0))
+    await want(prober, [worker])
+    await read_every(prober, [worker], 0.2, 1.0)  # the usual gap settles near 200 ms
+    before = prober.snapshot()
+    fresh, asked = await read_every(prober, [worker], 0.2, 2.0)
+    after = prober.snapshot()
+    assert fresh == asked
+    assert after.probes_started == before.probes_started
+    assert after.fresh_from_background - before.fresh_from_background == asked
+
+
+def test_the_keep_window_setting_is_refused_out_of_range_naming_it() -> None:
+    problems = prober_problems(refreshing(refresh_idle_gaps=0.0))
+    assert [p.fields for p in problems] == [("refresh_idle_gaps",)]
+
+
+async def test_polls_that_drifted_apart_start_together_again(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    first, second = [fake.add(w) for w in workers(2)]
+    rounds: list[int] = []
+    prober = await start(nursery, fake, refreshing(hot_window_s=10.0), on_probes=lambda kind, n: rounds.append(n))
+    await want(prober, [first])
+    await trio.sleep(INTERVAL_S / 5)  # the second worker's on-demand probe starts a fifth of an interval later
+    await want(prober, [second])
+    await read_every(prober, [first, second], 0.005, 0.5)
+    # Its first poll was pulled forward into the first worker's round; from then on they share every round.
+    assert rounds[:1] == [2]
+    assert set(rounds) == {2}

@@ -583,6 +583,12 @@ _SPECS: dict[str, _Spec] = {
         "rest, which stays for requests' own probes",
         fallback=False,
     ),
+    "prober.refresh_idle_gaps": _Spec(
+        "Background refresh: a hot worker is polled only while a request read its status within this many "
+        "of its usual gaps between reads (at least two refresh intervals, at most hot-window), so polls "
+        "stop soon after a worker's reads stop",
+        fallback=False,
+    ),
     "router.route_blind": _Spec(
         "Route to workers known to be unreachable (ejected, or refusing probes) instead of answering "
         "no_candidates, and stay ready when none is reachable",
