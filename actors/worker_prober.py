@@ -62,8 +62,12 @@ with what it has (an "anytime" decision).
   fresh_ttl_s``): a worker a request named as a candidate within
   ``hot_window_s`` is *hot*; the owner polls each hot worker every
   ``refresh_interval_s``, so requests find its status fresh and make one remote
-  call (the cache query) instead of a probe too. A worker nobody names goes
-  cold and is no longer polled. A poll never waits for budget: it takes an
+  call (the cache query) instead of a probe too — but only while requests read
+  it: a hot worker not read within ``refresh_idle_gaps`` of its usual gaps
+  between reads (at least two intervals, at most the hot window) is not polled
+  until it is read again. A round also polls the hot workers due within a
+  quarter interval, so polls that drifted apart start together again. A worker
+  nobody names goes cold and is no longer polled. A poll never waits for budget: it takes an
   in-flight slot only when one is free with nobody queued, and a token only when
   the bucket holds more than the ``1 − refresh_budget_share`` part of its burst
   kept for requests' probes, and at most ``refresh_budget_share`` of the rate.
