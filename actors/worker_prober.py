@@ -876,9 +876,9 @@ class WorkerProber:
     def _in_use(self, worker: WorkerAddr, now: float) -> bool:
         """Read within its keep window: ``refresh_idle_gaps`` of its usual gaps between reads, at least
         ``_MIN_KEEP_INTERVALS`` refresh intervals, at most the hot window. A poll is worth its cost only
-        if a request is likely to read the status before it expires; a worker read every few
-        milliseconds stops being polled soon after its reads stop, one read now and then stays polled
-        (its status is fresh when that read comes) until the hot window passes."""
+        if a request is likely to read the status before it expires: a worker read every few
+        milliseconds stops being polled soon after its reads stop; a worker read now and then has a
+        long window, so its status is fresh when the next read comes."""
         read = self._reads.get(worker)
         if read is None:
             return True
