@@ -16,6 +16,7 @@ once: it grows while they are answered well within their time and shrinks when t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from router.config import RouterConfig
@@ -40,31 +41,77 @@ def _covers(remaining_s: float, lag_s: float, own_s: float, in_flight: int) -> b
     return remaining_s >= (lag_s if in_flight <= 0 else own_s + lag_s)
 
 
+# A call answered overloaded costs about this share of the CPU a routed decision does (decoding the
+# request, drawing a published answer, encoding it); it sets where shedding stops saving CPU.
+SHED_COST_SHARE = 0.2
+SHARE_DECAY = 0.99
+# An admitted request answered after more than this share of the time it had counts as late: the
+# limit settles where answers keep some of their time in hand, not where they only just make it.
+LATE_SHARE = 0.7  # weight the shed share keeps per call (about the last hundred calls)
+
+
 class InFlightLimit:
     """How many requests may be in the router at once: additive increase while they are answered
     within ``late_share`` of the time they had, multiplicative decrease when one is not (the
-    congestion signal of a saturated loop: requests queue for the CPU and come back late; the
-    router answers by its deadline, so one answered later than that waited for the CPU).
-    Not thread-safe: its owner serialises the calls."""
+    congestion signal of a saturated loop: requests queue for the CPU and come back late).
 
-    __slots__ = ("_ceiling", "_decrease", "_late_share", "_limit")
+    Two things keep it from collapsing under a closed loop, where every shed caller calls again at
+    once and the sheds take the CPU the few admitted requests need, so those come back late too:
 
-    def __init__(self, *, initial: int, ceiling: int, late_share: float = 1.0, decrease: float = 0.9) -> None:
+    - It shrinks at most once per round: a request handed off before the last decrease was admitted
+      under the larger limit, so its lateness says nothing about the smaller one (otherwise the
+      requests in flight during one slow spell each cut the limit as they come back together).
+    - While the recent calls were shed so often that the sheds cost at least the CPU of the admitted
+      requests (``shed_cost`` each, relative to a routed one), a late answer grows it as a timely
+      one does: there a smaller limit frees no CPU, it only turns routed calls into more sheds,
+      and a larger one turns callers that spin on sheds into routed calls.
+
+    Times are passed in (one clock for ``handed_at`` and ``now``). Not thread-safe: its owner
+    serialises the calls."""
+
+    __slots__ = ("_ceiling", "_decrease", "_decreased_at", "_late_share", "_limit", "_shed_share", "_sheds_dominate")
+
+    def __init__(
+        self,
+        *,
+        initial: int,
+        ceiling: int,
+        late_share: float = LATE_SHARE,
+        decrease: float = 0.9,
+        shed_cost: float = SHED_COST_SHARE,
+    ) -> None:
         self._ceiling = float(max(1, ceiling))
         self._limit = min(float(max(1, initial)), self._ceiling)
         self._late_share = late_share
         self._decrease = decrease
+        self._decreased_at = -math.inf
+        self._shed_share = 0.0  # running share of the calls answered overloaded instead of admitted
+        # sheds * shed_cost >= admitted * 1  <=>  shed share >= 1 / (1 + shed_cost)
+        self._sheds_dominate = 1.0 / (1.0 + shed_cost)
 
     @property
     def limit(self) -> int:
         return int(self._limit)
 
-    def observe(self, took_s: float, had_s: float) -> None:
-        """One admitted request answered after ``took_s`` of the ``had_s`` it had."""
-        if took_s > self._late_share * had_s:
-            self._limit = max(1.0, self._limit * self._decrease)
-        else:
+    @property
+    def shed_share(self) -> float:
+        """The running share of calls answered overloaded instead of admitted."""
+        return self._shed_share
+
+    def shed(self) -> None:
+        """One call answered overloaded instead of admitted."""
+        self._shed_share = self._shed_share * SHARE_DECAY + (1.0 - SHARE_DECAY)
+
+    def observe(self, *, handed_at: float, now: float, had_s: float, answered: bool = True) -> None:
+        """One admitted request, handed to the router at ``handed_at`` with ``had_s`` to spare, came
+        back at ``now`` (``answered`` False: it never did, which is late)."""
+        self._shed_share *= SHARE_DECAY
+        timely = answered and now - handed_at <= self._late_share * had_s
+        if timely or self._shed_share >= self._sheds_dominate:
             self._limit = min(self._ceiling, self._limit + 1.0 / self._limit)
+        elif handed_at >= self._decreased_at:
+            self._limit = max(1.0, self._limit * self._decrease)
+            self._decreased_at = now
 
 
 class AdmissionEstimate:

@@ -226,15 +226,17 @@ class _Counters:
     def in_router(self) -> int:
         return self._in_router  # one int read: no lock needed for a momentary view
 
-    def answered(self, took_s: float | None, had_s: float) -> None:
-        """A handed-off call came back after ``took_s`` of the ``had_s`` it had (None: it did not)."""
+    def answered(self, *, handed_at: float, had_s: float, answered: bool) -> None:
+        """A call handed to the router at ``handed_at`` (``time.monotonic()``) with ``had_s`` to spare
+        came back now (``answered`` False: it did not)."""
         with self._lock:
             self._in_router -= 1
-            self._limit.observe(math.inf if took_s is None else took_s, had_s)
+            self._limit.observe(handed_at=handed_at, now=time.monotonic(), had_s=had_s, answered=answered)
 
     def shed(self) -> None:
         with self._lock:
             self._shed += 1
+            self._limit.shed()
 
     def leave(self, outcome: str) -> None:
         with self._lock:
@@ -474,13 +476,13 @@ class Sidecar:
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
         settled_at: list[float] = []  # written by the trio thread before it settles ``answer``
         token = self._token
-        took_s: float | None = None
+        decided = False
         try:
             if token is None:
                 raise _Stopped
             token.run_sync_soon(self._spawn, request, client_s, (received, routing_s), sent_at, answer, settled_at)
             decision = answer.result(timeout=wait_s)
-            took_s = time.monotonic() - sent_at
+            decided = True
         except (trio.RunFinishedError, _Stopped):
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is shutting down: request not routed") from None
         except concurrent.futures.TimeoutError:
@@ -489,7 +491,7 @@ class Sidecar:
         except Exception as exc:
             raise PeerAbort(RpcStatus.INTERNAL, f"router error: {exc!r}") from exc
         finally:
-            self._counters.answered(took_s, max(0.0, left_s))
+            self._counters.answered(handed_at=sent_at, had_s=max(0.0, left_s), answered=decided)
         reply = self._reply(decision, context)
         done = time.monotonic()
         if settled_at:  # the future's settling orders the trio thread's write before this read
