@@ -27,9 +27,6 @@ class AdmissionView:
     own_s: float  # the router's own time per request (hashing, planning, scoring, hops)
     lag_s: float  # how late the routing loop runs a task that is due
     expected_s: float  # what a request needs at least: own + lag
-    # The own time without the waits in it (a running floor of the samples): the CPU work one
-    # request brings, which the time each sample measures only adds queueing to.
-    own_floor_s: float = 0.0
 
 
 def admits(view: AdmissionView, remaining_s: float, *, in_flight: int) -> bool:
@@ -44,34 +41,22 @@ def _covers(remaining_s: float, lag_s: float, own_s: float, in_flight: int) -> b
     return remaining_s >= (lag_s if in_flight <= 0 else own_s + lag_s)
 
 
-# An admitted request answered after more than this share of the time it had counts as late: the
-# limit settles where answers keep some of their time in hand, not where they only just make it.
-LATE_SHARE = 0.7
-OWN_FLOOR_RISE = 0.01  # the share of the way towards a larger own-time sample the floor moves
-
-
 class InFlightLimit:
     """How many requests may be in the router at once: additive increase while they are answered
-    within ``late_share`` of the time they had, multiplicative decrease when one is not and the
-    router's own queue explains it (requests queue for the CPU and come back late).
+    within ``late_share`` of the time they had, multiplicative decrease when one is not (the
+    congestion signal of a saturated loop: requests queue for the CPU and come back late; the
+    router answers by its deadline, so one answered later than that waited for the CPU).
 
-    - A late request shrinks it only when the router's own work queued ahead of it when it was
-      handed off (``queued_s``: the requests already in the router times the router's own time per
-      request) reaches ``late_share`` of the time it had. One late with less ahead of it waited for
-      CPU that a smaller limit does not give back: taken by other threads (under a closed loop
-      every shed caller calls again at once, and its shed takes the CPU the admitted requests
-      need), a collection or another process. Shrinking then only turns routed calls into more
-      sheds, which take still more of it: the limit fell to 1-3 and stayed there.
-    - It shrinks at most once per round: a request handed off before the last decrease was admitted
-      under the larger limit, so its lateness says nothing about the smaller one (otherwise the
-      requests in flight during one slow spell each cut the limit as they come back together).
-
+    It shrinks at most once per round: a request handed off before the last decrease was admitted
+    under the larger limit, so its lateness says nothing about the smaller one. Otherwise the
+    requests in flight during one slow spell (a collection, another process taking the core) each
+    cut it as they come back late together, and one stall of the loop took it from 16 to 3.
     Times are passed in (one clock for ``handed_at`` and ``now``). Not thread-safe: its owner
     serialises the calls."""
 
     __slots__ = ("_ceiling", "_decrease", "_decreased_at", "_late_share", "_limit")
 
-    def __init__(self, *, initial: int, ceiling: int, late_share: float = LATE_SHARE, decrease: float = 0.9) -> None:
+    def __init__(self, *, initial: int, ceiling: int, late_share: float = 1.0, decrease: float = 0.9) -> None:
         self._ceiling = float(max(1, ceiling))
         self._limit = min(float(max(1, initial)), self._ceiling)
         self._late_share = late_share
@@ -82,14 +67,12 @@ class InFlightLimit:
     def limit(self) -> int:
         return int(self._limit)
 
-    def observe(self, *, handed_at: float, now: float, had_s: float, queued_s: float, answered: bool = True) -> None:
-        """One admitted request, handed to the router at ``handed_at`` with ``had_s`` to spare and
-        ``queued_s`` of the router's own work ahead of it, came back at ``now`` (``answered`` False:
-        it never did, which is late)."""
-        due_s = self._late_share * had_s
-        if answered and now - handed_at <= due_s:
+    def observe(self, *, handed_at: float, now: float, had_s: float, answered: bool = True) -> None:
+        """One admitted request, handed to the router at ``handed_at`` with ``had_s`` to spare, came
+        back at ``now`` (``answered`` False: it never did, which is late)."""
+        if answered and now - handed_at <= self._late_share * had_s:
             self._limit = min(self._ceiling, self._limit + 1.0 / self._limit)
-        elif queued_s >= due_s and handed_at >= self._decreased_at:
+        elif handed_at >= self._decreased_at:
             self._limit = max(1.0, self._limit * self._decrease)
             self._decreased_at = now
 
@@ -97,23 +80,17 @@ class InFlightLimit:
 class AdmissionEstimate:
     """Exponentially weighted averages of the per-request own time and of the loop lag."""
 
-    __slots__ = ("_decay", "_lag_s", "_own_floor_s", "_own_fresh", "_own_s")
+    __slots__ = ("_decay", "_lag_s", "_own_fresh", "_own_s")
 
     def __init__(self, config: RouterConfig) -> None:
         self._decay = config.admission_decay
         self._own_s = 0.0
-        self._own_floor_s = math.inf  # no sample yet
         self._lag_s = 0.0
         self._own_fresh = False  # an own-time sample arrived since the last lag sample
 
     def observe_own(self, seconds: float) -> None:
         """One request's own time (its CPU-bound stages and the Scorer hop)."""
-        sample = max(0.0, seconds)
-        self._own_s = self._own_s * self._decay + sample * (1 - self._decay)
-        # Down to a smaller sample at once, up towards a larger one slowly: a request is measured
-        # with the waits for the CPU it met, never less than its own work.
-        floor = self._own_floor_s
-        self._own_floor_s = sample if sample < floor else floor + (sample - floor) * OWN_FLOOR_RISE
+        self._own_s = self._own_s * self._decay + max(0.0, seconds) * (1 - self._decay)
         self._own_fresh = True
 
     def observe_lag(self, seconds: float) -> None:
@@ -137,5 +114,4 @@ class AdmissionEstimate:
         return _covers(remaining_s, self._lag_s, self._own_s, in_flight)
 
     def view(self) -> AdmissionView:
-        floor = 0.0 if math.isinf(self._own_floor_s) else self._own_floor_s
-        return AdmissionView(own_s=self._own_s, lag_s=self._lag_s, expected_s=self.expected_s(), own_floor_s=floor)
+        return AdmissionView(self._own_s, self._lag_s, self.expected_s())

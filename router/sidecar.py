@@ -215,32 +215,27 @@ class _Counters:
         with self._lock:
             self._in_flight += 1
 
-    def hand_off(self) -> int | None:
-        """Count a call handed to the router: how many were in it before; None (nothing counted)
-        when the limit is reached."""
+    def hand_off(self) -> bool:
+        """Count a call handed to the router; False (nothing counted) when the limit is reached."""
         with self._lock:
-            ahead = self._in_router
-            if ahead >= self._limit.limit:
-                return None
+            if self._in_router >= self._limit.limit:
+                return False
             self._in_router += 1
-            return ahead
+            return True
 
-    def hand_off_anyway(self) -> int:
+    def hand_off_anyway(self) -> None:
         with self._lock:
             self._in_router += 1
-            return self._in_router - 1
 
     def in_router(self) -> int:
         return self._in_router  # one int read: no lock needed for a momentary view
 
-    def answered(self, *, handed_at: float, had_s: float, queued_s: float, answered: bool) -> None:
+    def answered(self, *, handed_at: float, had_s: float, answered: bool) -> None:
         """A call handed to the router at ``handed_at`` (``time.monotonic()``) with ``had_s`` to spare
-        and ``queued_s`` of the router's own work ahead of it came back now (``answered`` False: it
-        did not)."""
+        came back now (``answered`` False: it did not)."""
         with self._lock:
             self._in_router -= 1
-            now = time.monotonic()
-            self._limit.observe(handed_at=handed_at, now=now, had_s=had_s, queued_s=queued_s, answered=answered)
+            self._limit.observe(handed_at=handed_at, now=time.monotonic(), had_s=had_s, answered=answered)
 
     def shed(self) -> None:
         with self._lock:
@@ -489,10 +484,9 @@ class Sidecar:
         routing_s = request_deadline(request, 0.0, self._cap_ms)
         # What the router will have: its deadline, or the client's less the reply margin.
         left_s = routing_s if client_s is None else min(routing_s, client_s - self._reply_margin_ms / 1000.0)
-        admitted = self._shed_at_receipt(request, left_s, received)
-        if isinstance(admitted, RouteDecision):
-            return self._reply(admitted, context), routing_s, admitted.stage_ms, None
-        queued_s = admitted
+        shed = self._shed_at_receipt(request, left_s, received)
+        if shed is not None:
+            return self._reply(shed, context), routing_s, shed.stage_ms, None
         wait_s = routing_s + ANSWER_SLACK_S
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
@@ -514,7 +508,7 @@ class Sidecar:
         except Exception as exc:
             raise PeerAbort(RpcStatus.INTERNAL, f"router error: {exc!r}") from exc
         finally:
-            self._counters.answered(handed_at=sent_at, had_s=max(0.0, left_s), queued_s=queued_s, answered=decided)
+            self._counters.answered(handed_at=sent_at, had_s=max(0.0, left_s), answered=decided)
         reply = self._reply(decision, context)
         done = time.monotonic()
         if hops.settled_at is not None:  # the future's settling orders the trio thread's write before this read
@@ -529,20 +523,16 @@ class Sidecar:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, decision.error),))
         return decision_to_proto(decision).SerializeToString()
 
-    def _shed_at_receipt(self, request: RouteRequest, left_s: float, received: float) -> RouteDecision | float:
+    def _shed_at_receipt(self, request: RouteRequest, left_s: float, received: float) -> RouteDecision | None:
         """The router's ``overloaded`` answer when this call cannot be served in time, decided here
-        on the handler thread from what the router published; else the call was counted as handed
-        to the router (the caller must hand it off and report its answer) and this is the router's
-        own work ahead of it (the calls already in it times the published floor of the own time per
-        request: its CPU work, without the waits for the CPU the average includes)."""
+        on the handler thread from what the router published; None: the call was counted as handed
+        to the router (the caller must hand it off and report its answer)."""
         published = self._router.overload_answers()
-        own_s = 0.0 if published is None else published.estimate.own_floor_s
         if published is None or not published.answers or request.roles is not None:
-            return self._counters.hand_off_anyway() * own_s
-        if admits(published.estimate, left_s, in_flight=self._counters.in_router()):
-            ahead = self._counters.hand_off()
-            if ahead is not None:
-                return ahead * own_s
+            self._counters.hand_off_anyway()
+            return None
+        if admits(published.estimate, left_s, in_flight=self._counters.in_router()) and self._counters.hand_off():
+            return None
         return self._shed(request, published, left_s, received)
 
     def _shed(self, request: RouteRequest, published: OverloadAnswers, left_s: float, received: float) -> RouteDecision:

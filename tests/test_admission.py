@@ -35,19 +35,6 @@ def test_the_estimate_follows_a_sustained_lag_and_shrugs_off_one_stall() -> None
     assert view.expected_s == view.own_s + view.lag_s
 
 
-def test_the_own_time_floor_drops_to_a_smaller_sample_at_once_and_rises_slowly() -> None:
-    estimate = AdmissionEstimate(RouterConfig())
-    assert estimate.view().own_floor_s == 0.0  # nothing measured yet
-    estimate.observe_own(0.001)
-    assert estimate.view().own_floor_s == 0.001
-    for _ in range(20):  # the same requests measured while waiting for the CPU
-        estimate.observe_own(0.006)
-    view = estimate.view()
-    assert 0.001 < view.own_floor_s < 0.002 < view.own_s  # the average takes the waits in, the floor hardly
-    estimate.observe_own(0.0008)
-    assert estimate.view().own_floor_s == 0.0008
-
-
 def _memory_cluster(workers: int, router: RouterConfig | None = None) -> tuple[MemoryNetwork, KvrouteConfig]:
     """A simulated cluster served on an in-memory network, and a router configuration for it."""
     cluster = SimCluster(workers=workers, kvcm_replicas=1, block_size=BLOCK)
