@@ -16,6 +16,7 @@ once: it grows while they are answered well within their time and shrinks when t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from router.config import RouterConfig
@@ -45,26 +46,35 @@ class InFlightLimit:
     within ``late_share`` of the time they had, multiplicative decrease when one is not (the
     congestion signal of a saturated loop: requests queue for the CPU and come back late; the
     router answers by its deadline, so one answered later than that waited for the CPU).
-    Not thread-safe: its owner serialises the calls."""
 
-    __slots__ = ("_ceiling", "_decrease", "_late_share", "_limit")
+    It shrinks at most once per round: a request handed off before the last decrease was admitted
+    under the larger limit, so its lateness says nothing about the smaller one. Otherwise the
+    requests in flight during one slow spell (a collection, another process taking the core) each
+    cut it as they come back late together, and one stall of the loop took it from 16 to 3.
+    Times are passed in (one clock for ``handed_at`` and ``now``). Not thread-safe: its owner
+    serialises the calls."""
+
+    __slots__ = ("_ceiling", "_decrease", "_decreased_at", "_late_share", "_limit")
 
     def __init__(self, *, initial: int, ceiling: int, late_share: float = 1.0, decrease: float = 0.9) -> None:
         self._ceiling = float(max(1, ceiling))
         self._limit = min(float(max(1, initial)), self._ceiling)
         self._late_share = late_share
         self._decrease = decrease
+        self._decreased_at = -math.inf
 
     @property
     def limit(self) -> int:
         return int(self._limit)
 
-    def observe(self, took_s: float, had_s: float) -> None:
-        """One admitted request answered after ``took_s`` of the ``had_s`` it had."""
-        if took_s > self._late_share * had_s:
-            self._limit = max(1.0, self._limit * self._decrease)
-        else:
+    def observe(self, *, handed_at: float, now: float, had_s: float, answered: bool = True) -> None:
+        """One admitted request, handed to the router at ``handed_at`` with ``had_s`` to spare, came
+        back at ``now`` (``answered`` False: it never did, which is late)."""
+        if answered and now - handed_at <= self._late_share * had_s:
             self._limit = min(self._ceiling, self._limit + 1.0 / self._limit)
+        elif handed_at >= self._decreased_at:
+            self._limit = max(1.0, self._limit * self._decrease)
+            self._decreased_at = now
 
 
 class AdmissionEstimate:

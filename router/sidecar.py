@@ -185,6 +185,10 @@ class CallTiming:
     # encoding.
     router_s: float = 0.0
     query_s: float | None = None  # the decision's KVCM query stage (None: it made none)
+    # A call handed to the router (None: answered overloaded at receipt): receipt to the trio thread
+    # taking it (decoding, admission, the hop), and the decision settled there to the serialised reply.
+    handed_s: float | None = None
+    way_back_s: float | None = None
 
     @property
     def own_path_s(self) -> float:
@@ -226,11 +230,12 @@ class _Counters:
     def in_router(self) -> int:
         return self._in_router  # one int read: no lock needed for a momentary view
 
-    def answered(self, took_s: float | None, had_s: float) -> None:
-        """A handed-off call came back after ``took_s`` of the ``had_s`` it had (None: it did not)."""
+    def answered(self, *, handed_at: float, had_s: float, answered: bool) -> None:
+        """A call handed to the router at ``handed_at`` (``time.monotonic()``) with ``had_s`` to spare
+        came back now (``answered`` False: it did not)."""
         with self._lock:
             self._in_router -= 1
-            self._limit.observe(math.inf if took_s is None else took_s, had_s)
+            self._limit.observe(handed_at=handed_at, now=time.monotonic(), had_s=had_s, answered=answered)
 
     def shed(self) -> None:
         with self._lock:
@@ -244,6 +249,17 @@ class _Counters:
     def snapshot(self) -> SidecarStats:
         with self._lock:
             return SidecarStats(in_flight=self._in_flight, shed_at_receipt=self._shed, **self._ended)
+
+
+class _CallHops:
+    """When the trio thread took a handed-off call and settled its answer (``time.monotonic()``);
+    written there before the answer's future is settled, read by the handler thread after."""
+
+    __slots__ = ("arrived_at", "settled_at")
+
+    def __init__(self) -> None:
+        self.arrived_at: float | None = None
+        self.settled_at: float | None = None
 
 
 class _Stopped(Exception):
@@ -418,16 +434,19 @@ class Sidecar:
         self._counters.enter()
         outcome = "answered"
         try:
-            reply, routing_s, stage_ms = self._route_call(data, context, received)
+            reply, routing_s, stage_ms, hops = self._route_call(data, context, received)
             if remaining is not None and math.isfinite(remaining):
                 routing_s = min(routing_s, remaining)
             query_ms = stage_ms.get(Stage.CACHE_QUERY)
+            done = time.monotonic()
             self._timings.append(
                 CallTiming(
-                    elapsed_s=time.monotonic() - received,
+                    elapsed_s=done - received,
                     allowed_s=routing_s,
                     router_s=stage_ms.get(Stage.TOTAL, 0.0) / 1000.0,
                     query_s=None if query_ms is None else query_ms / 1000.0,
+                    handed_s=None if hops is None or hops.arrived_at is None else hops.arrived_at - received,
+                    way_back_s=None if hops is None or hops.settled_at is None else done - hops.settled_at,
                 )
             )
             return reply
@@ -439,9 +458,9 @@ class Sidecar:
 
     def _route_call(
         self, data: bytes, context: grpc.ServicerContext, received: float
-    ) -> tuple[bytes, float, Mapping[Stage, float]]:
+    ) -> tuple[bytes, float, Mapping[Stage, float], _CallHops | None]:
         """The serialised decision, the routing deadline (min(budget, cap)) in seconds from receipt,
-        and the decision's stage times."""
+        the decision's stage times and, for a call handed to the router, its hops."""
         if self._draining:  # written by the trio thread; a call racing the flip is routed normally
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is draining: request not routed")
         message = router_v1_pb2.RouteRequest()
@@ -467,20 +486,20 @@ class Sidecar:
         left_s = routing_s if client_s is None else min(routing_s, client_s - self._reply_margin_ms / 1000.0)
         shed = self._shed_at_receipt(request, left_s, received)
         if shed is not None:
-            return self._reply(shed, context), routing_s, shed.stage_ms
+            return self._reply(shed, context), routing_s, shed.stage_ms, None
         wait_s = routing_s + ANSWER_SLACK_S
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
-        settled_at: list[float] = []  # written by the trio thread before it settles ``answer``
+        hops = _CallHops()  # written by the trio thread before it settles ``answer``
         token = self._token
-        took_s: float | None = None
+        decided = False
         try:
             if token is None:
                 raise _Stopped
-            token.run_sync_soon(self._spawn, request, client_s, (received, routing_s), sent_at, answer, settled_at)
+            token.run_sync_soon(self._spawn, request, client_s, (received, routing_s), sent_at, answer, hops)
             decision = answer.result(timeout=wait_s)
-            took_s = time.monotonic() - sent_at
+            decided = True
         except (trio.RunFinishedError, _Stopped):
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is shutting down: request not routed") from None
         except concurrent.futures.TimeoutError:
@@ -489,13 +508,13 @@ class Sidecar:
         except Exception as exc:
             raise PeerAbort(RpcStatus.INTERNAL, f"router error: {exc!r}") from exc
         finally:
-            self._counters.answered(took_s, max(0.0, left_s))
+            self._counters.answered(handed_at=sent_at, had_s=max(0.0, left_s), answered=decided)
         reply = self._reply(decision, context)
         done = time.monotonic()
-        if settled_at:  # the future's settling orders the trio thread's write before this read
-            self._reply_times.append(done - settled_at[0])
+        if hops.settled_at is not None:  # the future's settling orders the trio thread's write before this read
+            self._reply_times.append(done - hops.settled_at)
         self._observe_path_cost(done - sent_at - decision.elapsed_ms / 1000.0)
-        return reply, routing_s, decision.stage_ms
+        return reply, routing_s, decision.stage_ms, hops
 
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
         if decision.reason is Reason.BAD_REQUEST:
@@ -586,7 +605,7 @@ class Sidecar:
         routing: tuple[float, float],
         sent_at: float,
         answer: concurrent.futures.Future[RouteDecision],
-        settled_at: list[float],
+        hops: _CallHops,
     ) -> None:
         """Runs in the trio thread (run_sync_soon). ``routing``: when the handler thread received the call
         (``time.monotonic()``) and its routing deadline (min(budget, cap)) in seconds from then."""
@@ -594,7 +613,7 @@ class Sidecar:
         if calls is None:
             settle(answer, Error(_Stopped()))
             return
-        arrived = time.monotonic()
+        arrived = hops.arrived_at = time.monotonic()
         # The budget counts from the call's receipt: its time in this sidecar (reading it, the hop to
         # this thread) is already spent, so the router gets what is left of it.
         received, routing_s = routing
@@ -603,7 +622,7 @@ class Sidecar:
             deadline = caller_deadline(trio.current_time(), client_s, sent_at, arrived)
             request = replace(request, deadline=deadline)
         self._hand_over_reply_times()
-        calls.start_soon(self._call, request, answer, settled_at)
+        calls.start_soon(self._call, request, answer, hops)
 
     def _hand_over_reply_times(self) -> None:
         """Send the replies' way-back times the handler threads measured since the last call to the
@@ -620,16 +639,16 @@ class Sidecar:
         self._handle.metrics.emit(RepliesSent(tuple(taken)))
 
     async def _call(
-        self, request: RouteRequest, answer: concurrent.futures.Future[RouteDecision], settled_at: list[float]
+        self, request: RouteRequest, answer: concurrent.futures.Future[RouteDecision], hops: _CallHops
     ) -> None:
         # Cancelled (the sidecar stopped at once): _Stopped, and the handler answers UNAVAILABLE.
-        deliver = partial(_settle_timed, answer, settled_at)
+        deliver = partial(_settle_timed, answer, hops)
         await deliver_outcome(partial(self._handle.route, request), deliver, _Stopped())
 
 
 def _settle_timed(
-    answer: concurrent.futures.Future[RouteDecision], settled_at: list[float], result: Outcome[RouteDecision]
+    answer: concurrent.futures.Future[RouteDecision], hops: _CallHops, result: Outcome[RouteDecision]
 ) -> None:
     """Settle ``answer``, noting when (``time.monotonic()``): the reply's way back starts here."""
-    settled_at.append(time.monotonic())
+    hops.settled_at = time.monotonic()
     settle(answer, result)

@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from kvroute_sim.sim.cluster import SimCluster
-from router.admission import AdmissionEstimate, AdmissionView, InFlightLimit, admits
+from router.admission import AdmissionEstimate, AdmissionView, admits
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.transport.memory_adapter import MemoryNetwork
@@ -91,20 +91,6 @@ def test_a_request_alone_is_judged_by_the_lag_only_so_a_stale_own_estimate_recov
     assert estimate.admits(0.050, in_flight=0)  # admitted to take a fresh sample
     estimate.observe_lag(1.0)
     assert not estimate.admits(0.050, in_flight=0)  # a late loop still sheds it
-
-
-def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_ones() -> None:
-    limit = InFlightLimit(initial=16, ceiling=64)
-    for _ in range(30):
-        limit.observe(0.040, 0.030)  # answered after its deadline: it waited for the CPU
-    assert limit.limit < 1 + 16 * 0.9**25
-    low = limit.limit
-    for _ in range(200):
-        limit.observe(0.005, 0.030)
-    assert low < limit.limit <= 64
-    for _ in range(100_000):
-        limit.observe(0.001, 0.030)
-    assert limit.limit == 64  # never beyond the ceiling
     assert admits(AdmissionView(own_s=1.0, lag_s=0.001, expected_s=1.001), 0.002, in_flight=0)
 
 

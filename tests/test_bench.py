@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kvroute_sim.bench.overload import LateSplit
 from kvroute_sim.bench.rate import RateResult, breakdown, knee
 from router.cli import main
 from router.sidecar import CallTiming
@@ -176,3 +177,16 @@ def test_p8_breakdown_splits_each_call_into_the_routers_time_its_query_and_the_s
     ).to_json()
     assert result["kvcm_query_p50_ms"] == 4.0 and result["cpu_ms_per_call"] == 5.0
     assert RateResult(100, 1, 1.0, (), (), Counter(), Counter()).to_json()["router_p50_ms"] is None
+
+
+def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:
+    on_time = CallTiming(elapsed_s=0.020, allowed_s=0.030, router_s=0.015, handed_s=0.001, way_back_s=0.001)
+    late_routed = CallTiming(elapsed_s=0.050, allowed_s=0.030, router_s=0.035, handed_s=0.010, way_back_s=0.004)
+    late_shed = CallTiming(elapsed_s=0.040, allowed_s=0.030, router_s=0.040)  # answered overloaded at receipt
+    split = LateSplit.of([on_time, late_routed, late_shed])
+    assert (split.late, split.shed_at_receipt) == (2, 1)
+    assert split.late_by_ms[1] == pytest.approx(20.0)
+    assert split.to_trio_ms == pytest.approx((10.0, 10.0))  # only the call handed to the router
+    assert split.router_ms == pytest.approx((35.0, 35.0))
+    assert split.way_back_ms == pytest.approx((4.0, 4.0))
+    assert LateSplit.of([on_time]).late == 0

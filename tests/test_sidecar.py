@@ -165,6 +165,10 @@ async def test_each_answered_call_leaves_one_timing_against_its_deadline_and_a_t
                 assert 0 < timing.router_s <= timing.elapsed_s
                 assert timing.query_s is not None and 0 < timing.query_s <= timing.router_s
                 assert timing.own_path_s == pytest.approx(timing.elapsed_s - timing.router_s)
+                # Handed to the router: the hop there and the way back are parts of the call's time.
+                assert timing.handed_s is not None and timing.way_back_s is not None
+                assert timing.handed_s > 0 and timing.way_back_s > 0
+                assert timing.handed_s + timing.router_s + timing.way_back_s <= timing.elapsed_s
             assert r.sidecar.take_call_timings() == []
 
 
@@ -438,3 +442,5 @@ async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlie
             assert isinstance(reply, router_v1_pb2.RouteDecision), reply
             assert (reply.reason, reply.route_source) == ("overloaded", "domain")
             assert r.sidecar.stats().shed_at_receipt == shed_before + 1
+            shed_timing = r.sidecar.take_call_timings()[-1]
+            assert (shed_timing.handed_s, shed_timing.way_back_s) == (None, None)  # never handed off

@@ -17,11 +17,12 @@ the calls it leaves unanswered are gRPC's own limit on this core, not kvroute's.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Sequence, Set
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 
 import grpc
@@ -74,6 +75,69 @@ class EchoFloor:
         }
 
 
+def _p50_max(values: Sequence[float]) -> tuple[float, float]:
+    return (percentile(values, 50), max(values)) if values else (0.0, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LateSplit:
+    """Where the calls answered after their deadline + LATE_SLACK_S spent their time (ms, p50 and max
+    over them): receipt to the trio thread taking the call, the router's own decision, the decision
+    settled to the serialised reply. A call answered overloaded at receipt has none of the three."""
+
+    late: int
+    shed_at_receipt: int
+    late_by_ms: tuple[float, float]
+    to_trio_ms: tuple[float, float]
+    router_ms: tuple[float, float]
+    way_back_ms: tuple[float, float]
+
+    @classmethod
+    def of(cls, timings: Iterable[CallTiming]) -> LateSplit:
+        late = [t for t in timings if t.lateness_s > LATE_SLACK_S]
+        handed = [t for t in late if t.handed_s is not None]
+        return cls(
+            late=len(late),
+            shed_at_receipt=len(late) - len(handed),
+            late_by_ms=_p50_max([t.lateness_s * 1e3 for t in late]),
+            to_trio_ms=_p50_max([(t.handed_s or 0.0) * 1e3 for t in handed]),
+            router_ms=_p50_max([t.router_s * 1e3 for t in handed]),
+            way_back_ms=_p50_max([(t.way_back_s or 0.0) * 1e3 for t in handed]),
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "late": self.late,
+            "shed_at_receipt": self.shed_at_receipt,
+            "late_by_ms_p50_max": self.late_by_ms,
+            "to_trio_ms_p50_max": self.to_trio_ms,
+            "router_ms_p50_max": self.router_ms,
+            "way_back_ms_p50_max": self.way_back_ms,
+        }
+
+
+@contextmanager
+def full_collections() -> Iterator[list[float]]:
+    """The wall time (s) of each full (gen-2) collection in this process while the block runs: it holds
+    the GIL, so every thread of the sidecar waits it out."""
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(timed)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(timed)
+
+
 @dataclass(frozen=True, slots=True)
 class LevelResult:
     callers: int
@@ -86,6 +150,11 @@ class LevelResult:
     sidecar_cpu_s: float  # this process's CPU over the level: the sidecar, the router, grpc's threads
     caller_cpu_s: float  # the caller process's CPU over the level
     echo: EchoFloor  # the same level against a grpcio echo server with the sidecar's thread pool
+    full_collection_s: tuple[float, ...] = ()  # this process's gen-2 collections during the level
+
+    @property
+    def late_split(self) -> LateSplit:
+        return LateSplit.of(self.timings)
 
     @property
     def no_answer(self) -> int:
@@ -138,6 +207,8 @@ class LevelResult:
             "client_ms": Summary.of(self.client_ms).to_json() if self.client_ms else None,
             "outcomes": dict(self.outcomes.most_common()),
             "echo_floor": self.echo.to_json(),
+            "late_split": self.late_split.to_json(),
+            "full_collections_ms": [round(p * 1e3, 1) for p in self.full_collection_s],
             "met": self.met,
         }
 
@@ -192,6 +263,7 @@ def _level_result(
     sidecar_cpu_s: float,
     caller_cpu_s: float,
     echo: EchoFloor,
+    full_collection_s: Sequence[float],
 ) -> LevelResult:
     outcomes = reply_outcomes(raw for r in results for raw in r.replies)
     return LevelResult(
@@ -205,6 +277,7 @@ def _level_result(
         sidecar_cpu_s=sidecar_cpu_s,
         caller_cpu_s=caller_cpu_s,
         echo=echo,
+        full_collection_s=tuple(full_collection_s),
     )
 
 
@@ -233,7 +306,8 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                         CLIENT_DEADLINE_S,
                     )
                     cpu_before = time.process_time()
-                    run = await trio.to_thread.run_sync(callers_child.run, level)
+                    with full_collections() as pauses:
+                        run = await trio.to_thread.run_sync(callers_child.run, level)
                     cpu_s = time.process_time() - cpu_before
                     timings = sidecar.take_call_timings()
                     echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
@@ -244,7 +318,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                         percentile([ms for r in echo.results for ms in r.client_ms], 99),
                     )
                     levels.append(
-                        _level_result(callers, run.seconds, run.results, timings, cpu_s, run.cpu_s, echo_floor)
+                        _level_result(callers, run.seconds, run.results, timings, cpu_s, run.cpu_s, echo_floor, pauses)
                     )
         finally:
             echo_server.stop(grace=None)
@@ -285,6 +359,25 @@ def _curve(levels: Sequence[LevelResult]) -> str:
     return "\n".join(lines)
 
 
+def _late_table(levels: Sequence[LevelResult]) -> str:
+    lines = [
+        "callers | late | of them shed at receipt | late by ms p50/max | receipt to trio ms p50/max"
+        " | router ms p50/max | way back ms p50/max | full collections (max ms)"
+    ]
+    for lv in levels:
+        split = lv.late_split
+        pauses = lv.full_collection_s
+        lines.append(
+            f"{lv.callers:>7} | {split.late:>4} | {split.shed_at_receipt:>23} | "
+            + " | ".join(
+                f"{p50:.1f} / {top:.1f}"
+                for p50, top in (split.late_by_ms, split.to_trio_ms, split.router_ms, split.way_back_ms)
+            )
+            + f" | {len(pauses)} ({max(pauses, default=0.0) * 1e3:.1f})"
+        )
+    return "\n".join(lines)
+
+
 def measure(report: BenchReport, view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None) -> None:
     """``caller_cpus``: where the caller process runs (the simulators' CPUs: not the sidecar's)."""
     levels = trio.run(_run, view, sizes, caller_cpus)
@@ -312,3 +405,4 @@ def measure(report: BenchReport, view: ClusterView, sizes: LoadSizes, caller_cpu
         )
     )
     report.tables["P7 load curve (closed loop; lateness from the sidecar's receipt to its reply)"] = _curve(levels)
+    report.tables["P7 late calls: where their time went"] = _late_table(levels)

@@ -1,0 +1,148 @@
+"""The in-flight limit: one stall, and an open loop past capacity on a model of one CPU shared by every call
+in flight (processor sharing: a routed call needs ``routed_cpu``, a shed one ``shed_cpu``; each of the
+k calls in flight gets 1/k of the CPU). Times are simulated and passed in: no clock is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.admission import InFlightLimit
+
+BUDGET_S = 0.030
+
+
+@dataclass(slots=True)
+class _Call:
+    work_s: float  # CPU still needed
+    routed: bool
+    handed_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    routed: bool
+    handed_at: float
+    answered_at: float
+
+
+class _SharedCpu:
+    """Calls in flight on one processor-shared CPU; the limit admits or sheds each new call."""
+
+    def __init__(self, limit: InFlightLimit, routed_cpu: float, shed_cpu: float) -> None:
+        self.limit = limit
+        self.routed_cpu = routed_cpu
+        self.shed_cpu = shed_cpu
+        self.now = 0.0
+        self.calls: list[_Call] = []
+        self.done: list[_Done] = []
+
+    def arrive(self) -> None:
+        ahead = sum(c.routed for c in self.calls)
+        if ahead < self.limit.limit:
+            self.calls.append(_Call(self.routed_cpu, True, self.now))
+        else:
+            self.calls.append(_Call(self.shed_cpu, False, self.now))
+
+    def run_until(self, until: float) -> int:
+        """Serve until ``until`` or the next answer, whichever is first; the number answered (0 or 1)."""
+        if not self.calls:
+            self.now = until
+            return 0
+        first = min(self.calls, key=lambda c: c.work_s)
+        share = len(self.calls)
+        step = min(first.work_s * share, until - self.now)
+        for call in self.calls:
+            call.work_s -= step / share
+        self.now += step
+        if first.work_s > 1e-12:
+            return 0
+        self.calls.remove(first)
+        if first.routed:
+            self.limit.observe(handed_at=first.handed_at, now=self.now, had_s=BUDGET_S)
+        self.done.append(_Done(first.routed, first.handed_at, self.now))
+        return 1
+
+
+def _open_loop(
+    limit: InFlightLimit, rate_per_s: float, routed_cpu: float, shed_cpu: float, seconds: float
+) -> list[_Done]:
+    """Calls arriving every 1/rate_per_s whether or not earlier ones were answered."""
+    cpu = _SharedCpu(limit, routed_cpu, shed_cpu)
+    due = 0.0
+    while due < seconds:
+        while cpu.run_until(due):
+            pass
+        cpu.arrive()
+        due += 1.0 / rate_per_s
+    return cpu.done
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    initial=st.integers(min_value=1, max_value=256),
+    in_flight=st.integers(min_value=1, max_value=300),
+    stall_s=st.floats(min_value=0.031, max_value=2.0),
+)
+def test_a_stall_shrinks_the_limit_once_however_many_calls_it_caught_and_ages_out(
+    initial: int, in_flight: int, stall_s: float
+) -> None:
+    limit = InFlightLimit(initial=initial, ceiling=256)
+    for i in range(in_flight):  # every call in flight when the loop stalled comes back late, together
+        limit.observe(handed_at=0.0, now=stall_s + i * 1e-6, had_s=0.030)
+    assert limit.limit == max(1, int(initial * 0.9))
+    now = stall_s + 1.0
+    answers = 0
+    while limit.limit < initial:  # the loop is on time again
+        limit.observe(handed_at=now, now=now + 0.005, had_s=0.030)
+        now += 0.001
+        answers += 1
+    assert answers <= initial * initial // 10 + 2  # about a tenth of the limit's square: 1/limit each
+
+
+def test_steady_over_offer_converges_to_a_routed_share_bounded_by_capacity() -> None:
+    routed_cpu, shed_cpu = 0.0025, 0.0005
+    capacity = 1 / routed_cpu  # 400 routed decisions/s with the CPU to themselves
+    limit = InFlightLimit(initial=16, ceiling=256)
+    done = _open_loop(limit, 2 * capacity, routed_cpu, shed_cpu, seconds=6.0)
+    steady = [d for d in done if d.handed_at >= 3.0]
+    routed = [d for d in steady if d.routed]
+    assert 0.5 * capacity * 3.0 <= len(routed) <= capacity * 3.0  # most of what the CPU can, never more
+    assert len(routed) <= 0.7 * len(steady)  # the rest of the over-offer is shed
+    assert 2 <= limit.limit < 16
+
+
+def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_ones() -> None:
+    limit = InFlightLimit(initial=16, ceiling=64)
+    now = 0.0
+    for _ in range(30):  # one call at a time, each answered after its deadline: it waited for the CPU
+        limit.observe(handed_at=now, now=now + 0.040, had_s=0.030)
+        now += 0.040
+    assert limit.limit < 1 + 16 * 0.9**25
+    low = limit.limit
+    for _ in range(200):
+        limit.observe(handed_at=now, now=now + 0.005, had_s=0.030)
+        now += 0.005
+    assert low < limit.limit <= 64
+    for _ in range(100_000):
+        limit.observe(handed_at=now, now=now + 0.001, had_s=0.030)
+    assert limit.limit == 64  # never beyond the ceiling
+    limit.observe(handed_at=now, now=now + 0.1, had_s=0.030, answered=False)
+    assert limit.limit == int(64 * 0.9)  # a call never answered is late
+
+
+def test_a_stall_shrinks_the_limit_once_and_ages_out() -> None:
+    limit = InFlightLimit(initial=20, ceiling=64)
+    for i in range(20):  # twenty calls in flight when the loop stalls for 100 ms: all come back late
+        limit.observe(handed_at=0.0, now=0.100 + i * 1e-4, had_s=0.030)
+    assert limit.limit == 18  # one round, one decrease
+    now = 0.2
+    for _ in range(40):  # the loop is on time again
+        limit.observe(handed_at=now, now=now + 0.005, had_s=0.030)
+        now += 0.001
+    assert limit.limit >= 20
+    late_again = now + 0.1
+    limit.observe(handed_at=now, now=late_again, had_s=0.030)  # handed off after the decrease: news
+    assert limit.limit < 20
