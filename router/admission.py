@@ -16,7 +16,6 @@ once: it grows while they are answered well within their time and shrinks when t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from router.config import RouterConfig
@@ -47,21 +46,18 @@ class InFlightLimit:
     congestion signal of a saturated loop: requests queue for the CPU and come back late; the
     router answers by its deadline, so one answered later than that waited for the CPU).
 
-    It shrinks at most once per round: a request handed off before the last decrease was admitted
-    under the larger limit, so its lateness says nothing about the smaller one. Otherwise the
-    requests in flight during one slow spell (a collection, another process taking the core) each
-    cut it as they come back late together, and one stall of the loop took it from 16 to 3.
-    Times are passed in (one clock for ``handed_at`` and ``now``). Not thread-safe: its owner
-    serialises the calls."""
+    Every late answer shrinks it, also the several one slow spell brings back together: a
+    once-per-round decrease routed more calls under a closed loop but answered fewer of them in
+    time, and a shed is never late. Times are passed in (one clock for ``handed_at`` and ``now``).
+    Not thread-safe: its owner serialises the calls."""
 
-    __slots__ = ("_ceiling", "_decrease", "_decreased_at", "_late_share", "_limit")
+    __slots__ = ("_ceiling", "_decrease", "_late_share", "_limit")
 
     def __init__(self, *, initial: int, ceiling: int, late_share: float = 1.0, decrease: float = 0.9) -> None:
         self._ceiling = float(max(1, ceiling))
         self._limit = min(float(max(1, initial)), self._ceiling)
         self._late_share = late_share
         self._decrease = decrease
-        self._decreased_at = -math.inf
 
     @property
     def limit(self) -> int:
@@ -72,9 +68,8 @@ class InFlightLimit:
         back at ``now`` (``answered`` False: it never did, which is late)."""
         if answered and now - handed_at <= self._late_share * had_s:
             self._limit = min(self._ceiling, self._limit + 1.0 / self._limit)
-        elif handed_at >= self._decreased_at:
+        else:
             self._limit = max(1.0, self._limit * self._decrease)
-            self._decreased_at = now
 
 
 class AdmissionEstimate:
