@@ -95,17 +95,20 @@ class SimKvcmIndex:
 
     def local_prefix(self, host: str, keys: Sequence[int]) -> int:
         """Contiguous stored prefix of ``keys`` at ``host`` (the oracle's view of one worker)."""
-        stored = self._require(host)
-        n = 0
-        for key in keys:
-            if key not in stored:
-                break
-            n += 1
-        return n
+        return _stored_prefix(self._require(host), keys)
 
     def match(self, keys: Sequence[int], p2p_host_count: int = 0) -> tuple[HostMatch, ...]:
-        """Every worker with local > 0, ordered by local desc then host; P2P fields per the module doc."""
-        local = self._local_matches(keys)
+        """Every worker with local > 0, ordered by local desc then host; P2P fields per the module doc.
+
+        ``keys`` may be a wire message's repeated field: it is copied into Python ints once, and only
+        when some worker holds its first block (each holder's walk reads that copy)."""
+        if not keys:
+            return ()
+        first = self._holders.get(keys[0])
+        if not first:
+            return ()
+        keys = keys[:]
+        local = self._local_matches(keys, first)
         ranked = sorted(local.items(), key=lambda item: (-item[1], item[0]))
         evaluated = ranked[: max(0, p2p_host_count)]
         p2p = {host: self._p2p_extension(host, n, keys) for host, n in evaluated}
@@ -113,15 +116,9 @@ class SimKvcmIndex:
             HostMatch(host, n, *p2p[host]) if host in p2p else HostMatch(host, n, 0, n) for host, n in ranked
         )
 
-    def _local_matches(self, keys: Sequence[int]) -> dict[str, int]:
-        if not keys:
-            return {}
-        first = self._holders.get(keys[0])
-        if not first:
-            return {}
-        # Only a holder of block 0 can match; each one's prefix is measured against its own store
-        # with ``takewhile`` over the dict's ``__contains__``, which runs in C (no Python per key).
-        return {host: len(list(takewhile(self._stored[host].__contains__, keys))) for host in first}
+    def _local_matches(self, keys: Sequence[int], first: set[str]) -> dict[str, int]:
+        """Each holder of block 0 (``first``: only they can match) and its contiguous prefix."""
+        return {host: _stored_prefix(self._stored[host], keys) for host in first}
 
     def _p2p_extension(self, host: str, local: int, keys: Sequence[int]) -> tuple[int, int]:
         """(p2p_1_fetch, p2p_1_total_match) for ``host`` whose contiguous prefix is ``local``."""
@@ -169,3 +166,9 @@ class SimKvcmIndex:
         holder_set.discard(host)
         if not holder_set:
             del self._holders[key]
+
+
+def _stored_prefix(stored: OrderedDict[int, None], keys: Sequence[int]) -> int:
+    """How many of ``keys``, from the first, ``stored`` holds without a gap: ``takewhile`` over the
+    dict's ``__contains__`` runs in C (no Python per key)."""
+    return len(list(takewhile(stored.__contains__, keys)))

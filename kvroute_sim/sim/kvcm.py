@@ -257,7 +257,7 @@ class SimKvcmCluster:
             hosts = (
                 ()
                 if injected or not serves or refusal
-                else self._index.match(list(request.block_cache_keys), request.p2p_host_count)
+                else self._index.match(request.block_cache_keys, request.p2p_host_count)
             )
         if applies and faults.garbled is Garble.UNDECODABLE:
             return UNDECODABLE_REPLY
