@@ -31,6 +31,7 @@ Design (pure core, time passed in, memory bounded):
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,13 @@ def _indexed_positions(length: int) -> Iterator[int]:
     while position < length:
         yield position
         position = 2 * position + 1
+
+
+@functools.lru_cache(maxsize=256)
+def _positions_deepest_first(length: int) -> tuple[int, ...]:
+    """The indexed positions below ``length``, deepest first (as :meth:`ShadowIndex.match` walks them;
+    computed once per prompt length, not per match)."""
+    return tuple(reversed(list(_indexed_positions(length))))
 
 
 def _common_prefix(query: Sequence[int], keys: Sequence[int], at_least: int) -> int:
@@ -155,8 +163,7 @@ class ShadowIndex:
         """
         horizon = now - self.ttl_s
         found: dict[str, int] = {}
-        positions = list(_indexed_positions(len(keys)))
-        for position in reversed(positions):
+        for position in _positions_deepest_first(len(keys)):
             if limit is not None and len(found) >= limit:
                 break  # every worker not found yet holds at most `position + 1` blocks: fewer
             holders = self._index.get(keys[position])
