@@ -42,6 +42,7 @@ from router.config import ShadowConfig
 from router.problems import Problem, range_problems, refuse
 from router.types import HostMatch
 
+_DRAIN_BATCH = 31  # records applied after a received one without yielding (a bounded slice of the loop)
 _RecordKey = tuple[str, int]  # (worker, the record's last key): one record per prompt per worker
 
 
@@ -261,6 +262,14 @@ class ShadowIndexActor:
         async for message in self._receive:
             self.index.record(message.worker, message.keys, message.now)
             self._applied += 1
+            # Apply what else is queued now: a receive of a queued record still yields once each.
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    message = self._receive.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                self.index.record(message.worker, message.keys, message.now)
+                self._applied += 1
 
     def record_nowait(self, worker: str, keys: Sequence[int], now: float) -> bool:
         """Queue a record (``worker``'s http target, the request's keys, trio time of the
