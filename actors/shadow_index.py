@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import trio
@@ -46,19 +46,22 @@ _DRAIN_BATCH = 31  # records applied after a received one without yielding (a bo
 _RecordKey = tuple[str, int]  # (worker, the record's last key): one record per prompt per worker
 
 
-def _indexed_positions(length: int) -> Iterator[int]:
-    """0, 1, 3, 7, … below ``length``."""
+@functools.lru_cache(maxsize=256)
+def _indexed_positions(length: int) -> tuple[int, ...]:
+    """0, 1, 3, 7, … below ``length`` (computed once per prompt length: every record, eviction and
+    match walks them)."""
+    positions: list[int] = []
     position = 0
     while position < length:
-        yield position
+        positions.append(position)
         position = 2 * position + 1
+    return tuple(positions)
 
 
 @functools.lru_cache(maxsize=256)
 def _positions_deepest_first(length: int) -> tuple[int, ...]:
-    """The indexed positions below ``length``, deepest first (as :meth:`ShadowIndex.match` walks them;
-    computed once per prompt length, not per match)."""
-    return tuple(reversed(list(_indexed_positions(length))))
+    """The indexed positions below ``length``, deepest first (as :meth:`ShadowIndex.match` walks them)."""
+    return _indexed_positions(length)[::-1]
 
 
 def _common_prefix(query: Sequence[int], keys: Sequence[int], at_least: int) -> int:
