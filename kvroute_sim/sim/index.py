@@ -31,6 +31,8 @@ class SimKvcmIndex:
     def __init__(self) -> None:
         self._holders: dict[int, set[str]] = {}  # block key → workers storing it
         self._stored: dict[str, OrderedDict[int, None]] = {}  # worker → its keys, least recent first
+        # worker → the same keys as a set: a query's prefix check is then one ``issuperset`` in C
+        self._members: dict[str, set[int]] = {}
         self._capacity: dict[str, int] = {}
 
     # ---- workers ----
@@ -42,6 +44,7 @@ class SimKvcmIndex:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks: must be >= 1 for {host!r}, got {capacity_blocks}")
         self._stored.setdefault(host, OrderedDict())
+        self._members.setdefault(host, set())
         self._capacity[host] = capacity_blocks
         self._evict_over_capacity(host)
 
@@ -49,6 +52,7 @@ class SimKvcmIndex:
         """Forget ``host`` and everything it stored."""
         self.clear_worker(host)
         del self._stored[host]
+        del self._members[host]
         del self._capacity[host]
 
     def clear_worker(self, host: str) -> None:
@@ -57,6 +61,7 @@ class SimKvcmIndex:
         for key in stored:
             self._drop_holder(key, host)
         stored.clear()
+        self._members[host].clear()
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -78,12 +83,14 @@ class SimKvcmIndex:
         tail first), which keeps shared prefixes matchable.
         """
         stored = self._require(host)
+        members = self._members[host]
         holders = self._holders
         for key in reversed(list(keys)):
             if key in stored:
                 stored.move_to_end(key)
             else:
                 stored[key] = None
+                members.add(key)
                 holder_set = holders.get(key)
                 if holder_set is None:
                     holders[key] = {host}
@@ -95,7 +102,8 @@ class SimKvcmIndex:
 
     def local_prefix(self, host: str, keys: Sequence[int]) -> int:
         """Contiguous stored prefix of ``keys`` at ``host`` (the oracle's view of one worker)."""
-        return _stored_prefix(self._require(host), keys)
+        self._require(host)
+        return _stored_prefix(self._members[host], keys)
 
     def match(self, keys: Sequence[int], p2p_host_count: int = 0) -> tuple[HostMatch, ...]:
         """Every worker with local > 0, ordered by local desc then host; P2P fields per the module doc.
@@ -118,7 +126,8 @@ class SimKvcmIndex:
 
     def _local_matches(self, keys: Sequence[int], first: set[str]) -> dict[str, int]:
         """Each holder of block 0 (``first``: only they can match) and its contiguous prefix."""
-        return {host: _stored_prefix(self._stored[host], keys) for host in first}
+        members = self._members
+        return {host: _stored_prefix(members[host], keys) for host in first}
 
     def _p2p_extension(self, host: str, local: int, keys: Sequence[int]) -> tuple[int, int]:
         """(p2p_1_fetch, p2p_1_total_match) for ``host`` whose contiguous prefix is ``local``."""
@@ -153,10 +162,12 @@ class SimKvcmIndex:
 
     def _evict_over_capacity(self, host: str) -> int:
         stored = self._stored[host]
+        members = self._members[host]
         capacity = self._capacity[host]
         evicted = 0
         while len(stored) > capacity:
             key, _ = stored.popitem(last=False)
+            members.discard(key)
             self._drop_holder(key, host)
             evicted += 1
         return evicted
@@ -168,7 +179,10 @@ class SimKvcmIndex:
             del self._holders[key]
 
 
-def _stored_prefix(stored: OrderedDict[int, None], keys: Sequence[int]) -> int:
-    """How many of ``keys``, from the first, ``stored`` holds without a gap: ``takewhile`` over the
-    dict's ``__contains__`` runs in C (no Python per key)."""
-    return len(list(takewhile(stored.__contains__, keys)))
+def _stored_prefix(members: set[int], keys: Sequence[int]) -> int:
+    """How many of ``keys``, from the first, ``members`` holds without a gap. A whole prompt held (the
+    common answer) is one ``issuperset``, which looks each key up in C and stops at the first miss;
+    otherwise ``takewhile`` over ``__contains__`` (also in C, no Python per key) finds where."""
+    if members.issuperset(keys):
+        return len(keys)
+    return len(list(takewhile(members.__contains__, keys)))
