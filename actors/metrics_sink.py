@@ -356,6 +356,8 @@ class MetricsSink:
         self._source_counts: dict[tuple[RouteSource, SourceOutcome, Reason | None], Counter] = {}
         self._decision_counts: dict[tuple[str, str], Counter] = {}
         self._dropped_counts: dict[str, Counter] = {}
+        self._kvcm_counts: dict[tuple[str, str], Counter] = {}
+        self._skipped_counts: dict[str, Counter] = {}
         self._gauges = _SourceGauges()
         r.register(self._gauges)
         self.register_gauge_source("kvroute_inbox_depth", self.inbox_depth, actor="metrics_sink")
@@ -370,6 +372,9 @@ class MetricsSink:
         self._split_estimator = SplitEstimator(RouterConfig() if split is None else split)
         # Published for the routing path, which reads it without waiting; replaced, never changed.
         self._split_estimates = self._split_estimator.estimates()
+        # An estimate changed since the last publication: published once per drained batch (no
+        # reader runs within one, it has no await), not once per event that changed it.
+        self._estimates_changed = False
 
     @property
     def config(self) -> MetricsConfig:
@@ -448,6 +453,9 @@ class MetricsSink:
                     break
                 self._apply(event)
                 self._processed += 1
+            if self._estimates_changed:
+                self._estimates_changed = False
+                self._split_estimates = self._split_estimator.estimates()
 
     def _apply(self, event: MetricEvent) -> None:
         match event:
@@ -456,7 +464,11 @@ class MetricsSink:
                 for carried in events:
                     self._apply(carried)
             case KvcmRequest(method, outcome):
-                self._kvcm_requests.labels(method=method, outcome=outcome).inc()
+                kvcm = self._kvcm_counts.get((method, outcome))
+                if kvcm is None:
+                    kvcm = self._kvcm_requests.labels(method=method, outcome=outcome)
+                    self._kvcm_counts[method, outcome] = kvcm
+                kvcm.inc()
             case HitObserved(route_source, predicted, actual):
                 self._hit_ratio.labels(route_source=route_source).observe(actual / predicted if predicted else 0.0)
                 self._hit_error.labels(route_source=route_source).observe(abs(actual - predicted))
@@ -465,7 +477,10 @@ class MetricsSink:
             case MasterRequest(outcome):
                 self._master_requests.labels(outcome=outcome).inc()
             case ProbeSkipped(reason, n):
-                self._probe_skipped.labels(reason=reason).inc(n)
+                skipped = self._skipped_counts.get(reason)
+                if skipped is None:
+                    skipped = self._skipped_counts[reason] = self._probe_skipped.labels(reason=reason)
+                skipped.inc(n)
             case StatusLookups(cache_hits, from_background, probed):
                 if cache_hits:
                     self._cache_hits.inc(cache_hits)
@@ -487,7 +502,7 @@ class MetricsSink:
                 for sample in seconds:
                     reply.observe(sample)
                 if self._split_estimator.observe_replies(seconds):
-                    self._split_estimates = self._split_estimator.estimates()
+                    self._estimates_changed = True
             case ShadowRecordDropped():
                 self._shadow_dropped.inc()
             case _:
@@ -508,7 +523,7 @@ class MetricsSink:
             if window.cut:
                 self._stage_cuts[window.stage].inc()
         if self._split_estimator.observe(d.stage_ms, d.windows):
-            self._split_estimates = self._split_estimator.estimates()
+            self._estimates_changed = True
         for step in d.sources:
             step_key = (step.source, step.outcome, step.reason)
             steps = self._source_counts.get(step_key)

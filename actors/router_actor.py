@@ -344,10 +344,17 @@ class RouterActor:
                 steps.append(SourceStep(source.kind, SourceOutcome.SKIPPED, None, 0.0))
                 continue
             started = trio.current_time()
-            with trio.CancelScope(deadline=min(deadline, source.window(ctx))) as window:
-                result: SourceResult = await source.attempt(ctx)
-            if window.cancelled_caught:
-                result = FellThrough(Reason.DEADLINE)
+            window_end = source.window(ctx)
+            result: SourceResult
+            if window_end < deadline:
+                with trio.CancelScope(deadline=window_end) as window:
+                    result = await source.attempt(ctx)
+                if window.cancelled_caught:
+                    result = FellThrough(Reason.DEADLINE)
+            else:
+                # A window reaching the deadline ends with the request's own scope, which (cancelled at
+                # the same instant, and outer) takes the cancellation: a window scope would catch nothing.
+                result = await source.attempt(ctx)
             elapsed = ms(trio.current_time() - started)
             if isinstance(result, Skipped):
                 steps.append(SourceStep(source.kind, SourceOutcome.SKIPPED, None, elapsed))

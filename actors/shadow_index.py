@@ -31,8 +31,9 @@ Design (pure core, time passed in, memory bounded):
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import trio
@@ -41,15 +42,26 @@ from router.config import ShadowConfig
 from router.problems import Problem, range_problems, refuse
 from router.types import HostMatch
 
+_DRAIN_BATCH = 31  # records applied after a received one without yielding (a bounded slice of the loop)
 _RecordKey = tuple[str, int]  # (worker, the record's last key): one record per prompt per worker
 
 
-def _indexed_positions(length: int) -> Iterator[int]:
-    """0, 1, 3, 7, … below ``length``."""
+@functools.lru_cache(maxsize=256)
+def _indexed_positions(length: int) -> tuple[int, ...]:
+    """0, 1, 3, 7, … below ``length`` (computed once per prompt length: every record, eviction and
+    match walks them)."""
+    positions: list[int] = []
     position = 0
     while position < length:
-        yield position
+        positions.append(position)
         position = 2 * position + 1
+    return tuple(positions)
+
+
+@functools.lru_cache(maxsize=256)
+def _positions_deepest_first(length: int) -> tuple[int, ...]:
+    """The indexed positions below ``length``, deepest first (as :meth:`ShadowIndex.match` walks them)."""
+    return _indexed_positions(length)[::-1]
 
 
 def _common_prefix(query: Sequence[int], keys: Sequence[int], at_least: int) -> int:
@@ -155,8 +167,7 @@ class ShadowIndex:
         """
         horizon = now - self.ttl_s
         found: dict[str, int] = {}
-        positions = list(_indexed_positions(len(keys)))
-        for position in reversed(positions):
+        for position in _positions_deepest_first(len(keys)):
             if limit is not None and len(found) >= limit:
                 break  # every worker not found yet holds at most `position + 1` blocks: fewer
             holders = self._index.get(keys[position])
@@ -254,6 +265,14 @@ class ShadowIndexActor:
         async for message in self._receive:
             self.index.record(message.worker, message.keys, message.now)
             self._applied += 1
+            # Apply what else is queued now: a receive of a queued record still yields once each.
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    message = self._receive.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                self.index.record(message.worker, message.keys, message.now)
+                self._applied += 1
 
     def record_nowait(self, worker: str, keys: Sequence[int], now: float) -> bool:
         """Queue a record (``worker``'s http target, the request's keys, trio time of the

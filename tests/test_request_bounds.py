@@ -98,6 +98,14 @@ def test_a_seq_len_the_prompt_contradicts_is_refused(request_: RouteRequest) -> 
     assert refused(request_).field_name == "seq_len"
 
 
+@pytest.mark.parametrize("bad_key", [2**63, -(2**63) - 1, 1.5, "7"])
+def test_a_key_that_is_not_a_signed_64_bit_integer_is_refused(bad_key: object) -> None:
+    keys = (-(2**63), 2**63 - 1)  # the extremes are keys
+    assert prepare_request(RouteRequest("r", block_cache_keys=keys), DEPLOYMENT).keys == keys
+    bad = RouteRequest("r", block_cache_keys=(1, bad_key, 2))  # type: ignore[arg-type]
+    assert refused(bad).field_name == "block_cache_keys"
+
+
 def test_seq_len_agreeing_with_the_prompt_is_taken() -> None:
     tokens = tuple(range(1024))
     assert prepare_request(RouteRequest("r", token_ids=tokens, seq_len=1024), DEPLOYMENT).seq_len == 1024

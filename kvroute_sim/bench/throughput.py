@@ -175,11 +175,13 @@ def measure_memory(report: BenchReport, shape: ClusterShape, sizes: ThroughputSi
     )
     if profile is not None:
         report.profiles["P3 memory"] = profile.top()
-        sim_share = profile.cumulative_s("kvroute_sim/sim/memory_server.py", "handle") / profile.busy_s()
+        busy = profile.busy_s()
+        sim_share = profile.cumulative_s("kvroute_sim/sim/memory_server.py", "handle") / busy
+        kvcm_share = profile.cumulative_s("kvroute_sim/sim/kvcm.py", "_answer_cache_state") / busy
         report.notes.append(
             f"P3 memory: the simulated KVCM and workers run on the same trio thread; in the profiled window "
-            f"their handlers took {sim_share:.0%} of its busy CPU (the router alone: ≈ "
-            f"{run.rate / (1 - sim_share):,.0f} decisions/s)."
+            f"their handlers took {sim_share:.0%} of its busy CPU, of which the KVCM's cache-state answers "
+            f"{kvcm_share:.0%} (the router alone: ≈ {run.rate / (1 - sim_share):,.0f} decisions/s)."
         )
 
 

@@ -119,6 +119,7 @@ class CallStats:
         self._calls = dict.fromkeys(methods, 0)
         self._in_flight = dict.fromkeys(methods, 0)
         self._peak = dict.fromkeys(methods, 0)
+        self._waiting = 0  # threads in wait_in_flight: only they need a notify (counted under the lock)
 
     def begin(self, method_path: str) -> None:
         with self._lock:
@@ -126,14 +127,16 @@ class CallStats:
             n = self._in_flight[method_path] + 1
             self._in_flight[method_path] = n
             self._peak[method_path] = max(self._peak[method_path], n)
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
         if self._parent is not None:
             self._parent.begin(method_path)
 
     def end(self, method_path: str) -> None:
         with self._lock:
             self._in_flight[method_path] -= 1
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
         if self._parent is not None:
             self._parent.end(method_path)
 
@@ -144,7 +147,11 @@ class CallStats:
         has reached the server (count 1), or its handler saw the caller go away (count 0).
         """
         with self._lock:
-            return self._changed.wait_for(lambda: self._in_flight[method_path] == count, timeout_s)
+            self._waiting += 1
+            try:
+                return self._changed.wait_for(lambda: self._in_flight[method_path] == count, timeout_s)
+            finally:
+                self._waiting -= 1
 
     def get(self, method_path: str) -> MethodStats:
         with self._lock:

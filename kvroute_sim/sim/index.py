@@ -31,6 +31,8 @@ class SimKvcmIndex:
     def __init__(self) -> None:
         self._holders: dict[int, set[str]] = {}  # block key → workers storing it
         self._stored: dict[str, OrderedDict[int, None]] = {}  # worker → its keys, least recent first
+        # worker → the same keys as a set: a query's prefix check is then one ``issuperset`` in C
+        self._members: dict[str, set[int]] = {}
         self._capacity: dict[str, int] = {}
 
     # ---- workers ----
@@ -42,6 +44,7 @@ class SimKvcmIndex:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks: must be >= 1 for {host!r}, got {capacity_blocks}")
         self._stored.setdefault(host, OrderedDict())
+        self._members.setdefault(host, set())
         self._capacity[host] = capacity_blocks
         self._evict_over_capacity(host)
 
@@ -49,6 +52,7 @@ class SimKvcmIndex:
         """Forget ``host`` and everything it stored."""
         self.clear_worker(host)
         del self._stored[host]
+        del self._members[host]
         del self._capacity[host]
 
     def clear_worker(self, host: str) -> None:
@@ -57,6 +61,7 @@ class SimKvcmIndex:
         for key in stored:
             self._drop_holder(key, host)
         stored.clear()
+        self._members[host].clear()
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -78,12 +83,14 @@ class SimKvcmIndex:
         tail first), which keeps shared prefixes matchable.
         """
         stored = self._require(host)
+        members = self._members[host]
         holders = self._holders
         for key in reversed(list(keys)):
             if key in stored:
                 stored.move_to_end(key)
             else:
                 stored[key] = None
+                members.add(key)
                 holder_set = holders.get(key)
                 if holder_set is None:
                     holders[key] = {host}
@@ -95,17 +102,21 @@ class SimKvcmIndex:
 
     def local_prefix(self, host: str, keys: Sequence[int]) -> int:
         """Contiguous stored prefix of ``keys`` at ``host`` (the oracle's view of one worker)."""
-        stored = self._require(host)
-        n = 0
-        for key in keys:
-            if key not in stored:
-                break
-            n += 1
-        return n
+        self._require(host)
+        return _stored_prefix(self._members[host], keys)
 
     def match(self, keys: Sequence[int], p2p_host_count: int = 0) -> tuple[HostMatch, ...]:
-        """Every worker with local > 0, ordered by local desc then host; P2P fields per the module doc."""
-        local = self._local_matches(keys)
+        """Every worker with local > 0, ordered by local desc then host; P2P fields per the module doc.
+
+        ``keys`` may be a wire message's repeated field: it is copied into Python ints once, and only
+        when some worker holds its first block (each holder's walk reads that copy)."""
+        if not keys:
+            return ()
+        first = self._holders.get(keys[0])
+        if not first:
+            return ()
+        keys = keys[:]
+        local = self._local_matches(keys, first)
         ranked = sorted(local.items(), key=lambda item: (-item[1], item[0]))
         evaluated = ranked[: max(0, p2p_host_count)]
         p2p = {host: self._p2p_extension(host, n, keys) for host, n in evaluated}
@@ -113,15 +124,10 @@ class SimKvcmIndex:
             HostMatch(host, n, *p2p[host]) if host in p2p else HostMatch(host, n, 0, n) for host, n in ranked
         )
 
-    def _local_matches(self, keys: Sequence[int]) -> dict[str, int]:
-        if not keys:
-            return {}
-        first = self._holders.get(keys[0])
-        if not first:
-            return {}
-        # Only a holder of block 0 can match; each one's prefix is measured against its own store
-        # with ``takewhile`` over the dict's ``__contains__``, which runs in C (no Python per key).
-        return {host: len(list(takewhile(self._stored[host].__contains__, keys))) for host in first}
+    def _local_matches(self, keys: Sequence[int], first: set[str]) -> dict[str, int]:
+        """Each holder of block 0 (``first``: only they can match) and its contiguous prefix."""
+        members = self._members
+        return {host: _stored_prefix(members[host], keys) for host in first}
 
     def _p2p_extension(self, host: str, local: int, keys: Sequence[int]) -> tuple[int, int]:
         """(p2p_1_fetch, p2p_1_total_match) for ``host`` whose contiguous prefix is ``local``."""
@@ -156,10 +162,12 @@ class SimKvcmIndex:
 
     def _evict_over_capacity(self, host: str) -> int:
         stored = self._stored[host]
+        members = self._members[host]
         capacity = self._capacity[host]
         evicted = 0
         while len(stored) > capacity:
             key, _ = stored.popitem(last=False)
+            members.discard(key)
             self._drop_holder(key, host)
             evicted += 1
         return evicted
@@ -169,3 +177,12 @@ class SimKvcmIndex:
         holder_set.discard(host)
         if not holder_set:
             del self._holders[key]
+
+
+def _stored_prefix(members: set[int], keys: Sequence[int]) -> int:
+    """How many of ``keys``, from the first, ``members`` holds without a gap. A whole prompt held (the
+    common answer) is one ``issuperset``, which looks each key up in C and stops at the first miss;
+    otherwise ``takewhile`` over ``__contains__`` (also in C, no Python per key) finds where."""
+    if members.issuperset(keys):
+        return len(keys)
+    return len(list(takewhile(members.__contains__, keys)))

@@ -208,7 +208,7 @@ class SimKvcmCluster:
             return CallPlan.dead(f"replica {node_id} is down")
         if faults.hang:
             return CallPlan(hang=True)
-        return CallPlan(delay_s=faults.delay_s)
+        return CallPlan(delay_s=faults.delay_s) if faults.delay_s > 0 else ANSWER_NOW
 
     def answer(self, node_id: str, method_path: str, request: bytes) -> bytes:
         if method_path == paths.KVCM_GET_CLUSTER_INFO:
@@ -257,7 +257,7 @@ class SimKvcmCluster:
             hosts = (
                 ()
                 if injected or not serves or refusal
-                else self._index.match(list(request.block_cache_keys), request.p2p_host_count)
+                else self._index.match(request.block_cache_keys, request.p2p_host_count)
             )
         if applies and faults.garbled is Garble.UNDECODABLE:
             return UNDECODABLE_REPLY

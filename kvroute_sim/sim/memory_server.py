@@ -45,8 +45,11 @@ def memory_handler(endpoint: SimEndpoint, clock: Callable[[], float] | None = No
 
 async def _plan_past_hangs(endpoint: SimEndpoint, method_path: str) -> CallPlan:
     """The call's plan once no hang applies; waits (without polling) for knob changes meanwhile."""
+    plan = endpoint.plan(method_path, trio.current_time())
+    if not plan.hang:
+        return plan  # the common case: no subscription, no event
     token = trio.lowlevel.current_trio_token()
-    while True:
+    while True:  # subscribed before each re-plan, so a change made in between is not missed
         changed = trio.Event()
         unsubscribe = endpoint.subscribe(_waker(token, changed))
         try:

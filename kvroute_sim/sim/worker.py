@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute_sim.sim.codec import parse_request
-from kvroute_sim.sim.faults import UNDECODABLE_REPLY, CallPlan, CallStats, ChangeNotifier, Garble
+from kvroute_sim.sim.faults import ANSWER_NOW, UNDECODABLE_REPLY, CallPlan, CallStats, ChangeNotifier, Garble
 from router.config import DeploymentConfig
 from router.types import KvCacheGroupMode
 from router.wire import engine_status_pb2 as engine_pb
@@ -342,7 +342,7 @@ class SimWorker:
             return CallPlan.dead(f"worker {self.name} is down")
         if faults.hang:
             return CallPlan(hang=True)
-        return CallPlan(delay_s=faults.delay_s)
+        return CallPlan(delay_s=faults.delay_s) if faults.delay_s > 0 else ANSWER_NOW
 
     def answer(self, method_path: str, request: bytes, now: float) -> bytes:
         version = parse_request(engine_pb.StatusVersionPB, request)
