@@ -169,6 +169,9 @@ def _cold_walk(
     return picked
 
 
+RankedHost = tuple[float, int, int]  # (−effective blocks, −local, answer index)
+
+
 class _HotSetBuilder:
     """Maps ranked cache-answer hosts to planned candidates, each fleet worker at most once."""
 
@@ -181,32 +184,56 @@ class _HotSetBuilder:
         self.taken: set[int] = set()  # ids of fleet workers already planned (fleet objects are unique)
         self.dropped: list[CandidateExplain] = []
 
-    def admit(self, match: HostMatch) -> Candidate | None:
-        """The candidate for ``match``, or None (dropped and reported, or a worker already planned)."""
-        target = match.host_ip_port
-        worker = self._fleet.by_http_target.get(target)
-        if worker is None:  # not the canonical spelling, or not a discovered worker
-            resolved = _resolve_host(target, self._fleet)
-            if isinstance(resolved, DropReason):
-                self.dropped.append(_drop_explain(match, self._source, resolved))
-                return None
-            worker, target = resolved
-        if self._ejected and worker in self._ejected:
-            self.dropped.append(_drop_explain(match, self._source, DropReason.EJECTED))
-            return None
-        if id(worker) in self.taken:
-            return None  # a second entry for a worker already planned (by gRPC target)
-        self.taken.add(id(worker))
-        return Candidate(worker, target, match, self._source)
+    def admit(
+        self,
+        hosts: Sequence[HostMatch],
+        ranked: list[RankedHost],
+        position: int,
+        limit: int,
+        admitted: list[tuple[Candidate, RankedHost]],
+        same_rank: RankedHost | None = None,
+    ) -> int:
+        """Append to ``admitted`` the candidates for ``ranked[position:]`` in order, until it holds ``limit``
+        or (with ``same_rank``) a host ranks differently; return the position after the last host examined.
+
+        A host is dropped and reported (unknown, malformed, ejected), or skipped when its worker is
+        already planned (a second entry by gRPC target). One loop for every host a decision examines:
+        a call per host would cost more than the mapping.
+        """
+        by_http_target = self._fleet.by_http_target
+        ejected, taken, source = self._ejected, self.taken, self._source
+        end = len(ranked)
+        while position < end and len(admitted) < limit:
+            row = ranked[position]
+            if same_rank is not None and (row[0] != same_rank[0] or row[1] != same_rank[1]):
+                break
+            position += 1
+            match = hosts[row[2]]
+            target = match.host_ip_port
+            worker = by_http_target.get(target)
+            if worker is None:  # not the canonical spelling, or not a discovered worker
+                resolved = _resolve_host(target, self._fleet)
+                if isinstance(resolved, DropReason):
+                    self.dropped.append(_drop_explain(match, source, resolved))
+                    continue
+                worker, target = resolved
+            if ejected and worker in ejected:
+                self.dropped.append(_drop_explain(match, source, DropReason.EJECTED))
+                continue
+            if id(worker) in taken:
+                continue
+            taken.add(id(worker))
+            admitted.append((Candidate(worker, target, match, source), row))
+        return position
 
     def release(self, candidates: Iterable[Candidate]) -> None:
         self.taken.difference_update(id(c.worker) for c in candidates)
 
 
-def _rank_hosts(hosts: Sequence[HostMatch], p2p_hit_discount: float) -> list[tuple[float, int, int]]:
+def _rank_hosts(hosts: Sequence[HostMatch], p2p_hit_discount: float) -> list[RankedHost]:
     """(−effective blocks, −local, answer index) of each positive host, best first."""
     ranked = [
-        (-effective_blocks(h, p2p_hit_discount), -h.local, i)
+        (-effective_blocks(h, p2p_hit_discount) if h.p2p_total > h.local else -h.local, -h.local, i)
         for i, h in enumerate(hosts)
         if h.local >= 1 or h.p2p_total >= 1
     ]
@@ -215,29 +242,19 @@ def _rank_hosts(hosts: Sequence[HostMatch], p2p_hit_discount: float) -> list[tup
 
 
 def _hot_set(
-    hosts: Sequence[HostMatch], ranked: list[tuple[float, int, int]], slots: int, seed: bytes, builder: _HotSetBuilder
+    hosts: Sequence[HostMatch], ranked: list[RankedHost], slots: int, seed: bytes, builder: _HotSetBuilder
 ) -> list[Candidate]:
-    hot: list[Candidate] = []
-    hot_keys: list[tuple[float, int]] = []
-    position = 0
-    while position < len(ranked) and len(hot) < slots:
-        neg_eff, neg_local, i = ranked[position]
-        position += 1
-        candidate = builder.admit(hosts[i])
-        if candidate is not None:
-            hot.append(candidate)
-            hot_keys.append((neg_eff, neg_local))
-    if not hot or position >= len(ranked) or ranked[position][:2] != hot_keys[-1]:
-        return hot
+    admitted: list[tuple[Candidate, RankedHost]] = []
+    position = builder.admit(hosts, ranked, 0, slots, admitted)
+    if not admitted or position >= len(ranked) or ranked[position][:2] != admitted[-1][1][:2]:
+        return [candidate for candidate, _ in admitted]
     # Exact tie across the cut: rank the whole tied group per request.
-    cut_key = hot_keys[-1]
-    tied = [c for c, key in zip(hot, hot_keys, strict=True) if key == cut_key]
-    del hot[len(hot) - len(tied) :]
-    while position < len(ranked) and ranked[position][:2] == cut_key:
-        candidate = builder.admit(hosts[ranked[position][2]])
-        position += 1
-        if candidate is not None:
-            tied.append(candidate)
+    cut = admitted[-1][1]
+    hot = [candidate for candidate, row in admitted if row[:2] != cut[:2]]
+    tied = [candidate for candidate, row in admitted if row[:2] == cut[:2]]
+    more: list[tuple[Candidate, RankedHost]] = []
+    builder.admit(hosts, ranked, position, len(ranked), more, same_rank=cut)
+    tied.extend(candidate for candidate, _ in more)
     tied.sort(key=lambda c: _target_rank(seed, c.target))
     keep = slots - len(hot)
     hot.extend(tied[:keep])
@@ -272,4 +289,5 @@ def plan_candidates(
         cold = [
             Candidate(worker, targets[i], by_host.get(targets[i]), CandidateSource.COLD) for worker, i in cold_picks
         ]
-    return CandidatePlan(tuple(hot) + tuple(cold), tuple(builder.dropped))
+    hot.extend(cold)
+    return CandidatePlan(tuple(hot), tuple(builder.dropped))
