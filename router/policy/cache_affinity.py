@@ -99,30 +99,28 @@ class StatusViews:
     def __init__(self, bound: int) -> None:
         self._bound = bound
         self._views: OrderedDict[WorkerAddr, ObservedStatus] = OrderedDict()
-        # id(view.status) -> (worker, view), for views still in _views: the held view keeps its
-        # status alive, so the id names that status object while the entry exists.
-        self._by_status: dict[int, tuple[WorkerAddr, ObservedStatus]] = {}
+        # id(view.status) -> (worker, taken_at, view), only for views still in _views: the held view
+        # keeps its status alive, so while an entry exists its id names that very status object.
+        self._by_status: dict[int, tuple[WorkerAddr, float, ObservedStatus]] = {}
 
     def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
         known = self._by_status.get(id(status))
-        if known is not None and known[0] is worker:
-            view = known[1]
-            if view.status is status and view.taken_at == taken_at:
-                return view
+        if known is not None and known[0] is worker and known[1] == taken_at:
+            return known[2]
         return self._observe_by_worker(worker, status, taken_at)
 
     def _observe_by_worker(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
         views = self._views
         cached = views.get(worker)
         if cached is not None and cached.status is status and cached.taken_at == taken_at:
-            self._by_status[id(status)] = (worker, cached)
+            self._by_status[id(status)] = (worker, taken_at, cached)
             return cached
         fresh = ObservedStatus(status, taken_at)
         if cached is not None:
             del views[worker]
             self._unindex(cached)
         views[worker] = fresh
-        self._by_status[id(status)] = (worker, fresh)
+        self._by_status[id(status)] = (worker, taken_at, fresh)
         if len(views) > self._bound:
             _, evicted = views.popitem(last=False)
             self._unindex(evicted)
@@ -131,7 +129,7 @@ class StatusViews:
     def _unindex(self, view: ObservedStatus) -> None:
         key = id(view.status)
         known = self._by_status.get(key)
-        if known is not None and known[1] is view:
+        if known is not None and known[2] is view:
             del self._by_status[key]
 
     def __getitem__(self, worker: WorkerAddr) -> ObservedStatus:
@@ -627,7 +625,6 @@ class LedgerPolicy:
             hot_source=source,
             ejected=ejected,
         )
-
 
     def decide(
         self,

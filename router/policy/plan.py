@@ -18,6 +18,7 @@ import hashlib
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 from router.config import ScorerConfig
@@ -82,6 +83,9 @@ class CandidatePlan:
 
     candidates: tuple[Candidate, ...]
     dropped: tuple[CandidateExplain, ...] = ()  # cache-answer hosts that could not become candidates
+
+
+_host_ip_port = attrgetter("host_ip_port")
 
 
 def request_seed(request_id: str, namespace: str) -> bytes:
@@ -190,11 +194,13 @@ class _HotSetBuilder:
         ranked: list[RankedHost],
         position: int,
         limit: int,
-        admitted: list[tuple[Candidate, RankedHost]],
+        admitted: list[Candidate],
+        rows: list[RankedHost],
         same_rank: RankedHost | None = None,
     ) -> int:
-        """Append to ``admitted`` the candidates for ``ranked[position:]`` in order, until it holds ``limit``
-        or (with ``same_rank``) a host ranks differently; return the position after the last host examined.
+        """Append to ``admitted`` (and each one's ranked row to ``rows``) the candidates for
+        ``ranked[position:]`` in order, until it holds ``limit`` or (with ``same_rank``) a host ranks
+        differently; return the position after the last host examined.
 
         A host is dropped and reported (unknown, malformed, ejected), or skipped when its worker is
         already planned (a second entry by gRPC target). One loop for every host a decision examines:
@@ -203,7 +209,9 @@ class _HotSetBuilder:
         by_http_target = self._fleet.by_http_target
         ejected, taken, source = self._ejected, self.taken, self._source
         end = len(ranked)
-        while position < end and len(admitted) < limit:
+        if len(admitted) >= limit:
+            return position
+        while position < end:
             row = ranked[position]
             if same_rank is not None and (row[0] != same_rank[0] or row[1] != same_rank[1]):
                 break
@@ -211,20 +219,35 @@ class _HotSetBuilder:
             match = hosts[row[2]]
             target = match.host_ip_port
             worker = by_http_target.get(target)
-            if worker is None:  # not the canonical spelling, or not a discovered worker
-                resolved = _resolve_host(target, self._fleet)
-                if isinstance(resolved, DropReason):
-                    self.dropped.append(_drop_explain(match, source, resolved))
+            if worker is None or ejected:
+                found = self._resolve(match, worker)
+                if found is None:
                     continue
-                worker, target = resolved
-            if ejected and worker in ejected:
-                self.dropped.append(_drop_explain(match, source, DropReason.EJECTED))
-                continue
+                worker, target = found
             if id(worker) in taken:
-                continue
+                continue  # a second entry for a worker already planned (by gRPC target)
             taken.add(id(worker))
-            admitted.append((Candidate(worker, target, match, source), row))
+            # tuple.__new__: a NamedTuple's own constructor is a Python-level call
+            admitted.append(tuple.__new__(Candidate, (worker, target, match, source)))
+            rows.append(row)
+            if len(admitted) >= limit:
+                break
         return position
+
+    def _resolve(self, match: HostMatch, worker: WorkerAddr | None) -> tuple[WorkerAddr, str] | None:
+        """The worker and canonical target of a host not listed under its own spelling, or of any host
+        while some workers are ejected; None when the host is dropped (and reported)."""
+        target = match.host_ip_port
+        if worker is None:  # not the canonical spelling, or not a discovered worker
+            resolved = _resolve_host(target, self._fleet)
+            if isinstance(resolved, DropReason):
+                self.dropped.append(_drop_explain(match, self._source, resolved))
+                return None
+            worker, target = resolved
+        if self._ejected and worker in self._ejected:
+            self.dropped.append(_drop_explain(match, self._source, DropReason.EJECTED))
+            return None
+        return worker, target
 
     def release(self, candidates: Iterable[Candidate]) -> None:
         self.taken.difference_update(id(c.worker) for c in candidates)
@@ -244,17 +267,17 @@ def _rank_hosts(hosts: Sequence[HostMatch], p2p_hit_discount: float) -> list[Ran
 def _hot_set(
     hosts: Sequence[HostMatch], ranked: list[RankedHost], slots: int, seed: bytes, builder: _HotSetBuilder
 ) -> list[Candidate]:
-    admitted: list[tuple[Candidate, RankedHost]] = []
-    position = builder.admit(hosts, ranked, 0, slots, admitted)
-    if not admitted or position >= len(ranked) or ranked[position][:2] != admitted[-1][1][:2]:
-        return [candidate for candidate, _ in admitted]
+    hot: list[Candidate] = []
+    rows: list[RankedHost] = []
+    position = builder.admit(hosts, ranked, 0, slots, hot, rows)
+    if not hot or position >= len(ranked) or ranked[position][:2] != rows[-1][:2]:
+        return hot
     # Exact tie across the cut: rank the whole tied group per request.
-    cut = admitted[-1][1]
-    hot = [candidate for candidate, row in admitted if row[:2] != cut[:2]]
-    tied = [candidate for candidate, row in admitted if row[:2] == cut[:2]]
-    more: list[tuple[Candidate, RankedHost]] = []
-    builder.admit(hosts, ranked, position, len(ranked), more, same_rank=cut)
-    tied.extend(candidate for candidate, _ in more)
+    cut = rows[-1]
+    first_tied = next(i for i, row in enumerate(rows) if row[:2] == cut[:2])  # rows are in rank order
+    tied = hot[first_tied:]
+    del hot[first_tied:]
+    builder.admit(hosts, ranked, position, len(ranked), tied, [], same_rank=cut)
     tied.sort(key=lambda c: _target_rank(seed, c.target))
     keep = slots - len(hot)
     hot.extend(tied[:keep])
@@ -284,7 +307,7 @@ def plan_candidates(
     cold_picks = _cold_walk(fleet, seed, config.cold_set_size, builder.taken, ejected)
     cold: list[Candidate] = []
     if cold_picks:
-        by_host = {h.host_ip_port: h for h in reversed(hosts)}  # the first entry per host wins
+        by_host = dict(zip(map(_host_ip_port, reversed(hosts)), reversed(hosts), strict=True))  # the first entry wins
         targets = fleet.targets
         cold = [
             Candidate(worker, targets[i], by_host.get(targets[i]), CandidateSource.COLD) for worker, i in cold_picks
