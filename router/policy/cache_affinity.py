@@ -250,7 +250,6 @@ class Selection:
 
 def filter_candidate(
     observed: ObservedStatus,
-    *,
     roles: Collection[Role],
     queue_threshold: int,
     block_size: int,
@@ -529,13 +528,7 @@ def score(
             drop = DropReason.NO_STATUS if missing is None else missing.get(worker, DropReason.NO_STATUS)
         else:
             observed_by_index[index] = observed
-            drop = filter_candidate(
-                observed,
-                roles=roles,
-                queue_threshold=queue_threshold,
-                block_size=block_size,
-                lookahead_tokens=lookahead_tokens,
-            )
+            drop = filter_candidate(observed, roles, queue_threshold, block_size, lookahead_tokens)
             if drop is None:
                 pending, last_selected = view(target, observed.taken_at)
                 work = works[index] = observed.outstanding_uncached_tokens + pending + (seq_len - hit)

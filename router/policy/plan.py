@@ -224,9 +224,10 @@ class _HotSetBuilder:
                 if found is None:
                     continue
                 worker, target = found
-            if id(worker) in taken:
+            key = id(worker)
+            if key in taken:
                 continue  # a second entry for a worker already planned (by gRPC target)
-            taken.add(id(worker))
+            taken.add(key)
             # tuple.__new__: a NamedTuple's own constructor is a Python-level call
             admitted.append(tuple.__new__(Candidate, (worker, target, match, source)))
             rows.append(row)
