@@ -7,8 +7,9 @@ Pure: values in, values out; time is passed in. The steps, each its own function
 - hit and work: the cached prefix a worker would reuse (:func:`hit_tokens`), and the uncached
   tokens it would have to prefill before this request's first token: its outstanding uncached
   tokens + the ledger's pre-charge since its status was taken + (seq_len − hit);
-- orders (:func:`orders`): shortest-TTFT order (work, last selected, tie draw) and leader order
-  (most hit first, then the same);
+- orders: shortest-TTFT order (:func:`ttft_order`: work, last selected, tie draw) and leader order
+  (most hit first, then the same): its first row (:func:`cache_leader`) decides, the whole order
+  (:func:`leader_order`) is built only for a claim order;
 - guard, gate and bound (:func:`choose`): the outstanding-tokens guard, the minimum-hit gate,
   and the extra-work bound the cache leader may cost over the shortest;
 - choose: the preferred worker and the reason, then the ledger records it.
@@ -20,6 +21,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from router.config import DeploymentConfig, ScorerConfig
 from router.policy.base import PolicyHealth
@@ -86,24 +88,49 @@ class StatusViews:
     """The scoring view of each worker's status in hand, reused while the same status is passed
     again: a cached status is scored by many decisions, and summing its tasks once per status (not
     once per decision) saves most of a decision's cost. Bounded: the least recently new view goes
-    first."""
+    first.
 
-    __slots__ = ("_bound", "_views")
+    The views are kept per worker; each is also indexed by its status object's id, so reusing one
+    (every candidate of every decision) hashes an int rather than the worker's address.
+    """
+
+    __slots__ = ("_bound", "_by_status", "_views")
 
     def __init__(self, bound: int) -> None:
         self._bound = bound
         self._views: OrderedDict[WorkerAddr, ObservedStatus] = OrderedDict()
+        # id(view.status) -> (worker, taken_at, view), only for views still in _views: the held view
+        # keeps its status alive, so while an entry exists its id names that very status object.
+        self._by_status: dict[int, tuple[WorkerAddr, float, ObservedStatus]] = {}
 
     def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
-        cached = self._views.get(worker)
+        known = self._by_status.get(id(status))
+        if known is not None and known[0] is worker and known[1] == taken_at:
+            return known[2]
+        return self._observe_by_worker(worker, status, taken_at)
+
+    def _observe_by_worker(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
+        views = self._views
+        cached = views.get(worker)
         if cached is not None and cached.status is status and cached.taken_at == taken_at:
+            self._by_status[id(status)] = (worker, taken_at, cached)
             return cached
         fresh = ObservedStatus(status, taken_at)
-        self._views.pop(worker, None)
-        self._views[worker] = fresh
-        if len(self._views) > self._bound:
-            self._views.popitem(last=False)
+        if cached is not None:
+            del views[worker]
+            self._unindex(cached)
+        views[worker] = fresh
+        self._by_status[id(status)] = (worker, taken_at, fresh)
+        if len(views) > self._bound:
+            _, evicted = views.popitem(last=False)
+            self._unindex(evicted)
         return fresh
+
+    def _unindex(self, view: ObservedStatus) -> None:
+        key = id(view.status)
+        known = self._by_status.get(key)
+        if known is not None and known[2] is view:
+            del self._by_status[key]
 
     def __getitem__(self, worker: WorkerAddr) -> ObservedStatus:
         return self._views[worker]
@@ -223,7 +250,6 @@ class Selection:
 
 def filter_candidate(
     observed: ObservedStatus,
-    *,
     roles: Collection[Role],
     queue_threshold: int,
     block_size: int,
@@ -256,40 +282,49 @@ def filter_candidate(
 
 PassedRow = tuple[str, int, int, float, int]  # a candidate that passed: (target, plan index, work, last selected, hit)
 TtftRow = tuple[int, float, float, int]  # (work, last selected, tie draw, index)
-LeaderRow = tuple[int, int, float, float, int]  # (−hit, work, last selected, tie draw, index)
 
 
-def orders(passed: list[PassedRow], tie_rng: random.Random) -> tuple[list[TtftRow], list[LeaderRow]]:
-    """Shortest-TTFT order and cache-leader order over the passed candidates.
+def ttft_order(passed: list[PassedRow], tie_rng: random.Random) -> list[TtftRow]:
+    """Shortest-TTFT order over the passed candidates: (work, last selected, tie draw).
 
     Exact ties on (work, last selected) are broken by draws from ``tie_rng`` handed out in
     target order (targets are unique), so the result does not depend on the order the
     candidates came in.
     """
     passed.sort()
-    ttft_order: list[TtftRow] = []
-    leader_order: list[LeaderRow] = []
-    for _, index, work, last_selected, hit in passed:
-        tie = tie_rng.random()
-        ttft_order.append((work, last_selected, tie, index))
-        leader_order.append((-hit, work, last_selected, tie, index))
-    ttft_order.sort()
-    leader_order.sort()
-    return ttft_order, leader_order
+    draw = tie_rng.random
+    order = [(work, last_selected, draw(), index) for _, index, work, last_selected, _ in passed]
+    order.sort()
+    return order
+
+
+def cache_leader(ttft: list[TtftRow], hits: Sequence[int], best_hit: int) -> TtftRow:
+    """The first row of the cache-leader order (most hit first, then TTFT order): the first row in
+    TTFT order holding ``best_hit``, the most any of them holds."""
+    for row in ttft:
+        if hits[row[3]] == best_hit:
+            return row
+    raise ValueError(f"best_hit: no row holds {best_hit}")
+
+
+def leader_order(ttft: list[TtftRow], hits: Sequence[int]) -> list[TtftRow]:
+    """Cache-leader order: most hit first, then TTFT order (the sort is stable)."""
+    return sorted(ttft, key=lambda row: -hits[row[3]])
 
 
 # --- guard, gate, bound: choose ----------------------------------------------------------------
 
 
 def choose(
-    ttft_order: list[TtftRow],
-    leader_order: list[LeaderRow],
+    ttft: list[TtftRow],
+    leader: TtftRow,
     hits: list[int],
     *,
     seq_len: int,
     config: ScorerConfig,
 ) -> tuple[int, Reason, list[TtftRow]]:
-    """(preferred plan index, reason, the guard-eligible rows) from the two orders.
+    """(preferred plan index, reason, the guard-eligible rows) from the TTFT order and the cache
+    leader.
 
     Guard: candidates whose work exceeds the outstanding-tokens threshold are not eligible for
     the shortest pick (if none is eligible, the shortest overall with a *_FALLBACK reason).
@@ -297,11 +332,11 @@ def choose(
     Bound: the leader wins when it costs at most ``max_extra_work_tokens`` more than the shortest.
     """
     threshold = config.outstanding_uncached_tokens_threshold
-    eligible = ttft_order if threshold <= 0 else [row for row in ttft_order if row[0] <= threshold]
+    eligible = ttft if threshold <= 0 else [row for row in ttft if row[0] <= threshold]
     shortest = eligible[0] if eligible else None
-    _, leader_work, _, _, leader_index = leader_order[0]
+    leader_work, leader_index = leader[0], leader[3]
     if shortest is None:
-        return ttft_order[0][3], Reason.SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK, eligible
+        return ttft[0][3], Reason.SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK, eligible
     if config.min_hit_rate > 0 and (seq_len <= 0 or hits[leader_index] * 100 / seq_len < config.min_hit_rate):
         return shortest[3], Reason.SHORTEST_TTFT_LOW_CACHE_HIT, eligible
     if threshold > 0 and leader_work > threshold:
@@ -316,8 +351,7 @@ def claim_order(
     preferred: int,
     eligible: list[TtftRow],
     hits: list[int],
-    leader_order: list[LeaderRow],
-    ttft_order: list[TtftRow],
+    ttft: list[TtftRow],
     max_extra: int,
 ) -> tuple[tuple[WorkerAddr, Reason], ...]:
     """The order to try after the preferred worker, for a caller that cannot use it:
@@ -330,11 +364,11 @@ def claim_order(
         eligible_indices = frozenset(row[3] for row in eligible)
         shortest_work, shortest_index = shortest[0], shortest[3]
         shortest_hit = hits[shortest_index]
-        for neg_hit, work, _, _, index in leader_order:
+        for work, _, _, index in leader_order(ttft, hits):
             if (
                 index not in seen
                 and index in eligible_indices
-                and -neg_hit > shortest_hit
+                and hits[index] > shortest_hit
                 and work - shortest_work <= max_extra
             ):
                 seen.add(index)
@@ -342,7 +376,7 @@ def claim_order(
         if shortest_index not in seen:
             seen.add(shortest_index)
             order.append((candidates[shortest_index].worker, Reason.SHORTEST_TTFT_FALLBACK))
-    for _, _, _, index in ttft_order:
+    for _, _, _, index in ttft:
         if index not in seen:
             seen.add(index)
             order.append((candidates[index].worker, Reason.SHORTEST_TTFT_FALLBACK))
@@ -352,8 +386,7 @@ def claim_order(
 # --- one decision ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class FilteredPlan:
+class FilteredPlan(NamedTuple):
     """The first steps of a decision over one plan (:func:`score`), what a policy prices: per plan candidate its
     hit, its work (None unless it passed), why it was dropped and the status it was scored on."""
 
@@ -363,6 +396,7 @@ class FilteredPlan:
     observed: list[ObservedStatus | None]
     drop_counts: tuple[tuple[DropReason, int], ...]
     passed: list[PassedRow]  # in plan order
+    best_hit: int  # the most any passed candidate holds (−1 when none passed)
 
 
 # A policy's own cost: the passed rows (of the filtered plan, for the config and seq_len) with its
@@ -382,9 +416,9 @@ def select(
     seq_len: int,
     respread: Respread | None = None,
 ) -> Selection:
-    """The last steps: orders, guard, gate and bound (:func:`choose`) over ``ranked`` (the passed
-    rows with the policy's cost in the work's place), then ``respread`` may move the choice; the
-    selection reports the work (no prices). NO_CANDIDATES when nothing passed."""
+    """The last steps: the TTFT order and the cache leader, guard, gate and bound (:func:`choose`) over
+    ``ranked`` (the passed rows with the policy's cost in the work's place), then ``respread`` may move
+    the choice; the selection reports the work (no prices). NO_CANDIDATES when nothing passed."""
     candidates = plan.candidates
     hits, works, observed_by_index = filtered.hits, filtered.works, filtered.observed
     if not ranked:
@@ -400,14 +434,15 @@ def select(
             drop_counts=filtered.drop_counts,
             sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, None, tuple),
         )
-    ttft_order, leader_order = orders(ranked, tie_rng)
-    preferred, reason, eligible = choose(ttft_order, leader_order, hits, seq_len=seq_len, config=config)
+    ttft = ttft_order(ranked, tie_rng)
+    leader = cache_leader(ttft, hits, filtered.best_hit)
+    preferred, reason, eligible = choose(ttft, leader, hits, seq_len=seq_len, config=config)
     if respread is not None:
         preferred = respread(preferred, reason, eligible, filtered, config)
     max_extra = max(0, config.max_extra_work_tokens)
 
     def claim() -> tuple[tuple[WorkerAddr, Reason], ...]:
-        return claim_order(candidates, preferred, eligible, hits, leader_order, ttft_order, max_extra)
+        return claim_order(candidates, preferred, eligible, hits, ttft, max_extra)
 
     chosen = candidates[preferred]
     chosen_observed = observed_by_index[preferred]
@@ -423,7 +458,7 @@ def select(
         uncached_tokens=seq_len - hits[preferred],
         status_taken_at=chosen_observed.taken_at,
         drop_counts=filtered.drop_counts,
-        sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, preferred, claim, ttft_order, seq_len),
+        sheet=ScoreSheet(plan, hits, works, filtered.drops, observed_by_index, preferred, claim, ttft, seq_len),
     )
 
 
@@ -470,40 +505,42 @@ def score(
             drop_totals[plan_drop] = drop_totals.get(plan_drop, 0) + 1
 
     view = ledger.view
+    status_of = statuses.get
     passed: list[PassedRow] = []
+    best_hit = -1
     # The loop runs once per candidate per decision: the common cases of hit_tokens (no P2P extension)
     # and work_tokens are inlined; the functions above state the rules.
     for index, (worker, target, match, _) in enumerate(candidates):
         if match is None or block_size <= 0:
             hit = 0
         elif match.p2p_total <= match.local:
-            hit = min(seq_len, match.local * block_size) if match.local > 0 else 0
+            hit = match.local * block_size  # ≤ 0 exactly when local is
+            if hit > seq_len:
+                hit = seq_len
+            elif hit < 0:
+                hit = 0
         else:
             hit = hit_tokens(match, block_size, seq_len, discount)
         hits[index] = hit
-        observed = observed_by_index[index] = statuses.get(worker)
+        observed = status_of(worker)
         drop: DropReason | None
         if observed is None:
             drop = DropReason.NO_STATUS if missing is None else missing.get(worker, DropReason.NO_STATUS)
         else:
-            drop = filter_candidate(
-                observed,
-                roles=roles,
-                queue_threshold=queue_threshold,
-                block_size=block_size,
-                lookahead_tokens=lookahead_tokens,
-            )
-        if drop is None:
-            assert observed is not None
-            pending, last_selected = view(target, observed.taken_at)
-            work = works[index] = observed.outstanding_uncached_tokens + pending + (seq_len - hit)
-            passed.append((target, index, work, last_selected, hit))
-        else:
-            drops[index] = drop
-            drop_totals[drop] = drop_totals.get(drop, 0) + 1
-    drop_counts = tuple(sorted(drop_totals.items(), key=lambda item: item[0].value))
-    filtered = FilteredPlan(hits, works, drops, observed_by_index, drop_counts, passed)
-    ranked = filtered.passed if rank is None else rank(filtered, config, seq_len)
+            observed_by_index[index] = observed
+            drop = filter_candidate(observed, roles, queue_threshold, block_size, lookahead_tokens)
+            if drop is None:
+                pending, last_selected = view(target, observed.taken_at)
+                work = works[index] = observed.outstanding_uncached_tokens + pending + (seq_len - hit)
+                passed.append((target, index, work, last_selected, hit))
+                if hit > best_hit:
+                    best_hit = hit
+                continue
+        drops[index] = drop
+        drop_totals[drop] = drop_totals.get(drop, 0) + 1
+    drop_counts = tuple(sorted(drop_totals.items(), key=lambda item: item[0].value)) if drop_totals else ()
+    filtered = FilteredPlan(hits, works, drops, observed_by_index, drop_counts, passed, best_hit)
+    ranked = passed if rank is None else rank(filtered, config, seq_len)
     return select(plan, filtered, ranked, tie_rng, config=config, seq_len=seq_len, respread=respread)
 
 
@@ -559,6 +596,9 @@ class LedgerPolicy:
         self._prefill_roles = tuple(r for r in deployment.roles if r in PREFILL_CAPABLE_ROLES)
         self._tie_rng = random.Random(config.seed) if tie_rng is None else tie_rng
         self._observed = StatusViews(config.max_tracked_workers)
+        # The scoring view of a status in hand (:class:`StatusViews`): bound once, since the
+        # Scorer calls it for every candidate of every decision.
+        self.observe: Callable[[WorkerAddr, WorkerStatus, float], ObservedStatus] = self._observed.observe
 
     def plan(
         self,
@@ -578,10 +618,6 @@ class LedgerPolicy:
             hot_source=source,
             ejected=ejected,
         )
-
-    def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:
-        """The scoring view of a status in hand (:class:`StatusViews`)."""
-        return self._observed.observe(worker, status, taken_at)
 
     def decide(
         self,

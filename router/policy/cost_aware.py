@@ -91,7 +91,7 @@ def cost_rows(filtered: FilteredPlan, config: ScorerConfig, seq_len: int) -> lis
     if not passed:
         return []
     observed = filtered.observed
-    best_hit = max(row[4] for row in passed)
+    best_hit = filtered.best_hit
     pressure = copy_pressure(min(work - (seq_len - hit) for _, _, work, _, hit in passed), seq_len)
     ranked: list[PassedRow] = []
     for target, index, work, last_selected, hit in passed:

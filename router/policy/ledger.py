@@ -5,8 +5,8 @@ Pure state with time passed in; it belongs to the policy, which belongs to the S
 
 from __future__ import annotations
 
-import bisect
 import math
+from bisect import bisect_left
 from collections import OrderedDict
 
 NEVER = -math.inf  # last-selected time of a worker never selected: sorts first (preferred)
@@ -19,7 +19,8 @@ class _LedgerEntry:
     ``cums[i]`` is every token charged up to and including charge ``i``, ``base`` the total
     of the charges a status has cleared, ``total`` of all. So the pending tokens since ``t``
     are ``total`` minus the running total just before the first charge made at or after
-    ``t`` — one bisection, however many charges a stale status has let pile up.
+    ``t`` — one bisection, however many charges a stale status has let pile up
+    (:meth:`SelectionLedger.view`, once per candidate per decision, reads them in place).
     """
 
     __slots__ = ("base", "cums", "head", "last_selected", "times", "total")
@@ -36,12 +37,8 @@ class _LedgerEntry:
         """Charges whose time is still kept (not cleared by a status nor forgotten)."""
         return len(self.times) - self.head
 
-    def pending(self, since: float) -> int:
-        k = bisect.bisect_left(self.times, since, self.head)
-        return self.total - (self.base if k == self.head else self.cums[k - 1])
-
     def clear_before(self, since: float) -> None:
-        k = bisect.bisect_left(self.times, since, self.head)
+        k = bisect_left(self.times, since, self.head)
         if k > self.head:
             self.base = self.cums[k - 1]
             self.head = k
@@ -93,7 +90,9 @@ class SelectionLedger:
         entry = self._entries.get(worker)
         if entry is None:
             return 0, NEVER
-        return entry.pending(status_taken_at), entry.last_selected
+        head = entry.head
+        k = bisect_left(entry.times, status_taken_at, head)
+        return entry.total - (entry.base if k == head else entry.cums[k - 1]), entry.last_selected
 
     def record(self, worker: str, uncached_tokens: int, now: float, status_taken_at: float | None = None) -> None:
         """Charge ``uncached_tokens`` to ``worker`` (its http target) at ``now``; mark it
@@ -113,8 +112,9 @@ class SelectionLedger:
         before = entry.live()
         if status_taken_at is not None:
             entry.clear_before(status_taken_at)
-        entry.charge(now, max(0, uncached_tokens), self._max_charges)
-        entry.last_selected = max(entry.last_selected, now)
+        entry.charge(now, uncached_tokens if uncached_tokens > 0 else 0, self._max_charges)
+        if now > entry.last_selected:
+            entry.last_selected = now
         self._pending_charges += entry.live() - before
 
     def pending_charges(self) -> int:

@@ -18,6 +18,7 @@ import hashlib
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 from router.config import ScorerConfig
@@ -82,6 +83,9 @@ class CandidatePlan:
 
     candidates: tuple[Candidate, ...]
     dropped: tuple[CandidateExplain, ...] = ()  # cache-answer hosts that could not become candidates
+
+
+_host_ip_port = attrgetter("host_ip_port")
 
 
 def request_seed(request_id: str, namespace: str) -> bytes:
@@ -169,6 +173,9 @@ def _cold_walk(
     return picked
 
 
+RankedHost = tuple[float, int, int]  # (−effective blocks, −local, answer index)
+
+
 class _HotSetBuilder:
     """Maps ranked cache-answer hosts to planned candidates, each fleet worker at most once."""
 
@@ -181,10 +188,57 @@ class _HotSetBuilder:
         self.taken: set[int] = set()  # ids of fleet workers already planned (fleet objects are unique)
         self.dropped: list[CandidateExplain] = []
 
-    def admit(self, match: HostMatch) -> Candidate | None:
-        """The candidate for ``match``, or None (dropped and reported, or a worker already planned)."""
+    def admit(
+        self,
+        hosts: Sequence[HostMatch],
+        ranked: list[RankedHost],
+        position: int,
+        limit: int,
+        admitted: list[Candidate],
+        rows: list[RankedHost],
+        same_rank: RankedHost | None = None,
+    ) -> int:
+        """Append to ``admitted`` (and each one's ranked row to ``rows``) the candidates for
+        ``ranked[position:]`` in order, until it holds ``limit`` or (with ``same_rank``) a host ranks
+        differently; return the position after the last host examined.
+
+        A host is dropped and reported (unknown, malformed, ejected), or skipped when its worker is
+        already planned (a second entry by gRPC target). One loop for every host a decision examines:
+        a call per host would cost more than the mapping.
+        """
+        by_http_target = self._fleet.by_http_target
+        ejected, taken, source = self._ejected, self.taken, self._source
+        end = len(ranked)
+        if len(admitted) >= limit:
+            return position
+        while position < end:
+            row = ranked[position]
+            if same_rank is not None and (row[0] != same_rank[0] or row[1] != same_rank[1]):
+                break
+            position += 1
+            match = hosts[row[2]]
+            target = match.host_ip_port
+            worker = by_http_target.get(target)
+            if worker is None or ejected:
+                found = self._resolve(match, worker)
+                if found is None:
+                    continue
+                worker, target = found
+            key = id(worker)
+            if key in taken:
+                continue  # a second entry for a worker already planned (by gRPC target)
+            taken.add(key)
+            # tuple.__new__: a NamedTuple's own constructor is a Python-level call
+            admitted.append(tuple.__new__(Candidate, (worker, target, match, source)))
+            rows.append(row)
+            if len(admitted) >= limit:
+                break
+        return position
+
+    def _resolve(self, match: HostMatch, worker: WorkerAddr | None) -> tuple[WorkerAddr, str] | None:
+        """The worker and canonical target of a host not listed under its own spelling, or of any host
+        while some workers are ejected; None when the host is dropped (and reported)."""
         target = match.host_ip_port
-        worker = self._fleet.by_http_target.get(target)
         if worker is None:  # not the canonical spelling, or not a discovered worker
             resolved = _resolve_host(target, self._fleet)
             if isinstance(resolved, DropReason):
@@ -194,19 +248,16 @@ class _HotSetBuilder:
         if self._ejected and worker in self._ejected:
             self.dropped.append(_drop_explain(match, self._source, DropReason.EJECTED))
             return None
-        if id(worker) in self.taken:
-            return None  # a second entry for a worker already planned (by gRPC target)
-        self.taken.add(id(worker))
-        return Candidate(worker, target, match, self._source)
+        return worker, target
 
     def release(self, candidates: Iterable[Candidate]) -> None:
         self.taken.difference_update(id(c.worker) for c in candidates)
 
 
-def _rank_hosts(hosts: Sequence[HostMatch], p2p_hit_discount: float) -> list[tuple[float, int, int]]:
+def _rank_hosts(hosts: Sequence[HostMatch], p2p_hit_discount: float) -> list[RankedHost]:
     """(−effective blocks, −local, answer index) of each positive host, best first."""
     ranked = [
-        (-effective_blocks(h, p2p_hit_discount), -h.local, i)
+        (-effective_blocks(h, p2p_hit_discount) if h.p2p_total > h.local else -h.local, -h.local, i)
         for i, h in enumerate(hosts)
         if h.local >= 1 or h.p2p_total >= 1
     ]
@@ -215,29 +266,19 @@ def _rank_hosts(hosts: Sequence[HostMatch], p2p_hit_discount: float) -> list[tup
 
 
 def _hot_set(
-    hosts: Sequence[HostMatch], ranked: list[tuple[float, int, int]], slots: int, seed: bytes, builder: _HotSetBuilder
+    hosts: Sequence[HostMatch], ranked: list[RankedHost], slots: int, seed: bytes, builder: _HotSetBuilder
 ) -> list[Candidate]:
     hot: list[Candidate] = []
-    hot_keys: list[tuple[float, int]] = []
-    position = 0
-    while position < len(ranked) and len(hot) < slots:
-        neg_eff, neg_local, i = ranked[position]
-        position += 1
-        candidate = builder.admit(hosts[i])
-        if candidate is not None:
-            hot.append(candidate)
-            hot_keys.append((neg_eff, neg_local))
-    if not hot or position >= len(ranked) or ranked[position][:2] != hot_keys[-1]:
+    rows: list[RankedHost] = []
+    position = builder.admit(hosts, ranked, 0, slots, hot, rows)
+    if not hot or position >= len(ranked) or ranked[position][:2] != rows[-1][:2]:
         return hot
     # Exact tie across the cut: rank the whole tied group per request.
-    cut_key = hot_keys[-1]
-    tied = [c for c, key in zip(hot, hot_keys, strict=True) if key == cut_key]
-    del hot[len(hot) - len(tied) :]
-    while position < len(ranked) and ranked[position][:2] == cut_key:
-        candidate = builder.admit(hosts[ranked[position][2]])
-        position += 1
-        if candidate is not None:
-            tied.append(candidate)
+    cut = rows[-1]
+    first_tied = next(i for i, row in enumerate(rows) if row[:2] == cut[:2])  # rows are in rank order
+    tied = hot[first_tied:]
+    del hot[first_tied:]
+    builder.admit(hosts, ranked, position, len(ranked), tied, [], same_rank=cut)
     tied.sort(key=lambda c: _target_rank(seed, c.target))
     keep = slots - len(hot)
     hot.extend(tied[:keep])
@@ -267,9 +308,10 @@ def plan_candidates(
     cold_picks = _cold_walk(fleet, seed, config.cold_set_size, builder.taken, ejected)
     cold: list[Candidate] = []
     if cold_picks:
-        by_host = {h.host_ip_port: h for h in reversed(hosts)}  # the first entry per host wins
+        by_host = dict(zip(map(_host_ip_port, reversed(hosts)), reversed(hosts), strict=True))  # the first entry wins
         targets = fleet.targets
         cold = [
             Candidate(worker, targets[i], by_host.get(targets[i]), CandidateSource.COLD) for worker, i in cold_picks
         ]
-    return CandidatePlan(tuple(hot) + tuple(cold), tuple(builder.dropped))
+    hot.extend(cold)
+    return CandidatePlan(tuple(hot), tuple(builder.dropped))
