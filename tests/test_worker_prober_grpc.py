@@ -122,20 +122,27 @@ async def test_inflight_cap_is_exact_at_real_servers(fleet: Fleet) -> None:
 
 
 async def test_request_waiting_for_budget_is_skipped_at_its_deadline(fleet: Fleet) -> None:
-    with trio.fail_after(10):
+    with trio.fail_after(20):
         # Warm-up: open the 200 channels (connection set-up is not what this test measures).
         await fleet.prober.probe(fleet.addrs, trio.current_time() + 8.0).wait_all()
-        await trio.sleep(ProberConfig().fresh_ttl_s)  # every status is stale again
-        fleet.stats.reset()
-        start = trio.current_time()
-        deadline = start + 0.2  # room for about four waves of 16 at 50 ms
-        handle = fleet.prober.probe(fleet.addrs, deadline)
-        with trio.move_on_at(deadline):
-            await handle.wait_all()
-        returned_at = trio.current_time()
-        results = handle.results()
-        # Let the probes already in flight finish (each is bounded by probe_timeout_s).
-        await trio.sleep(PROBE_TIMEOUT_S + 0.1)
+        # The window is 200 ms of real time. A busy machine (or a full collection late in a long test
+        # session) can stall this process for all of it, so that no probe gets a slot: nothing then
+        # says anything about the budget, and the request is asked again, at most three times.
+        for _attempt in range(3):
+            await trio.sleep(ProberConfig().fresh_ttl_s)  # every status is stale again
+            fleet.stats.reset()
+            before = fleet.prober.snapshot()
+            start = trio.current_time()
+            deadline = start + 0.2  # room for about four waves of 16 at 50 ms
+            handle = fleet.prober.probe(fleet.addrs, deadline)
+            with trio.move_on_at(deadline):
+                await handle.wait_all()
+            returned_at = trio.current_time()
+            results = handle.results()
+            # Let the probes already in flight finish (each is bounded by probe_timeout_s).
+            await trio.sleep(PROBE_TIMEOUT_S + 0.1)
+            if sum(r.outcome is not ProbeOutcome.SKIPPED for r in results) >= CAP:
+                break
     assert returned_at >= deadline
     # Liveness only on the real clock (a loaded machine delays any wake-up): the request did not wait
     # behind the budget for a probe timeout. The exact on-time bound is asserted under MockClock in
@@ -151,7 +158,9 @@ async def test_request_waiting_for_budget_is_skipped_at_its_deadline(fleet: Flee
     served = fleet.stats.get(paths.WORKER_GET_STATUS)
     # Every probe that got budget made one RPC; the rest never reached a server.
     assert served.calls == answered + in_flight
-    assert served.calls == health.probes_ok + health.probes_failed + health.probes_no_status - FLEET
-    assert health.skipped[SkipReason.NO_BUDGET.value] == no_budget == FLEET - served.calls
+    finished = health.probes_ok + health.probes_failed + health.probes_no_status
+    assert served.calls == finished - (before.probes_ok + before.probes_failed + before.probes_no_status)
+    skipped = health.skipped[SkipReason.NO_BUDGET.value] - before.skipped.get(SkipReason.NO_BUDGET.value, 0)
+    assert skipped == no_budget == FLEET - served.calls
     assert served.peak_in_flight == CAP
     assert (health.inflight, health.waiting_for_budget) == (0, 0)
