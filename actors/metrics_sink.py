@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from router.config import MetricsConfig, RouterConfig
 from router.policy.deadline_split import SplitEstimates, SplitEstimator
 from router.problems import Problem, range_problems, refuse
-from router.types import Reason, RouteDecision, RouteSource, SourceOutcome, Stage
+from router.types import RouteDecision, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +215,24 @@ class MetricsSinkSnapshot:
     last_leader: str | None
 
 
+class _CountersByLabels:
+    """The children of one labelled counter, kept by their label values: ``labels()`` builds its key
+    on every call, and the sink counts a few children many times per decision."""
+
+    __slots__ = ("_children", "_counter")
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._children: dict[tuple[str, ...], Counter] = {}
+
+    def __call__(self, *values: str) -> Counter:
+        """The child for ``values`` (in the counter's label order)."""
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._counter.labels(*values)
+        return child
+
+
 class _SourceGauges(Collector):
     """Reads the registered snapshot callables at scrape time."""
 
@@ -353,11 +371,11 @@ class MetricsSink:
         self._stage_durations = {stage: self._duration.labels(stage=stage.value) for stage in Stage}
         self._stage_cuts = {stage: self._split_cuts.labels(stage=stage.value) for stage in Stage}
         self._reply_duration = self._duration.labels(stage=REPLY_STAGE_LABEL)
-        self._source_counts: dict[tuple[RouteSource, SourceOutcome, Reason | None], Counter] = {}
-        self._decision_counts: dict[tuple[str, str], Counter] = {}
-        self._dropped_counts: dict[str, Counter] = {}
-        self._kvcm_counts: dict[tuple[str, str], Counter] = {}
-        self._skipped_counts: dict[str, Counter] = {}
+        self._decision_counts = _CountersByLabels(self._decisions)
+        self._source_counts = _CountersByLabels(self._source_outcomes)
+        self._dropped_counts = _CountersByLabels(self._candidates_dropped)
+        self._kvcm_counts = _CountersByLabels(self._kvcm_requests)
+        self._skipped_counts = _CountersByLabels(self._probe_skipped)
         self._gauges = _SourceGauges()
         r.register(self._gauges)
         self.register_gauge_source("kvroute_inbox_depth", self.inbox_depth, actor="metrics_sink")
@@ -464,11 +482,7 @@ class MetricsSink:
                 for carried in events:
                     self._apply(carried)
             case KvcmRequest(method, outcome):
-                kvcm = self._kvcm_counts.get((method, outcome))
-                if kvcm is None:
-                    kvcm = self._kvcm_requests.labels(method=method, outcome=outcome)
-                    self._kvcm_counts[method, outcome] = kvcm
-                kvcm.inc()
+                self._kvcm_counts(method, outcome).inc()
             case HitObserved(route_source, predicted, actual):
                 self._hit_ratio.labels(route_source=route_source).observe(actual / predicted if predicted else 0.0)
                 self._hit_error.labels(route_source=route_source).observe(abs(actual - predicted))
@@ -477,10 +491,7 @@ class MetricsSink:
             case MasterRequest(outcome):
                 self._master_requests.labels(outcome=outcome).inc()
             case ProbeSkipped(reason, n):
-                skipped = self._skipped_counts.get(reason)
-                if skipped is None:
-                    skipped = self._skipped_counts[reason] = self._probe_skipped.labels(reason=reason)
-                skipped.inc(n)
+                self._skipped_counts(reason).inc(n)
             case StatusLookups(cache_hits, from_background, probed):
                 if cache_hits:
                     self._cache_hits.inc(cache_hits)
@@ -509,11 +520,7 @@ class MetricsSink:
                 assert_never(event)
 
     def _record_decision(self, d: RouteDecision) -> None:
-        key = (d.route_source.value, d.reason.value)
-        counter = self._decision_counts.get(key)
-        if counter is None:
-            counter = self._decision_counts[key] = self._decisions.labels(route_source=key[0], reason=key[1])
-        counter.inc()
+        self._decision_counts(d.route_source.value, d.reason.value).inc()
         durations = self._stage_durations
         for stage, ms in d.stage_ms.items():
             durations[stage].observe(ms / 1000.0)
@@ -525,23 +532,11 @@ class MetricsSink:
         if self._split_estimator.observe(d.stage_ms, d.windows):
             self._estimates_changed = True
         for step in d.sources:
-            step_key = (step.source, step.outcome, step.reason)
-            steps = self._source_counts.get(step_key)
-            if steps is None:
-                steps = self._source_counts[step_key] = self._source_outcomes.labels(
-                    source=step.source.value,
-                    outcome=step.outcome.value,
-                    reason="" if step.reason is None else step.reason.value,
-                )
-            steps.inc()
+            reason = "" if step.reason is None else step.reason.value
+            self._source_counts(step.source.value, step.outcome.value, reason).inc()
         for candidate in d.candidates:
             if candidate.dropped is not None:
-                dropped = self._dropped_counts.get(candidate.dropped)
-                if dropped is None:
-                    dropped = self._dropped_counts[candidate.dropped] = self._candidates_dropped.labels(
-                        reason=candidate.dropped
-                    )
-                dropped.inc()
+                self._dropped_counts(candidate.dropped).inc()
         kept = retained_decision(d, self._config.decision_text_chars, self._config.decision_max_candidates)
         self._ring.append(DecisionRecord(kept, trio.current_time()))
 
