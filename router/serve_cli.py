@@ -44,6 +44,14 @@ EXIT_CANNOT_SERVE = 1  # e.g. a listen address already in use
 EXIT_CONFIG = 2
 
 
+def freeze_start_up() -> None:
+    """Move everything allocated so far out of the collector's view, so a full collection walks only
+    what requests allocate: long gen-2 pauses over the start-up heap otherwise stall the routing
+    thread. For a process that is the router's own (``gc.unfreeze()`` gives the objects back)."""
+    gc.collect()
+    gc.freeze()
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
     # Set only by a supervising parent (--processes N) on its children; not an operator's setting.
@@ -183,11 +191,7 @@ async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats:
             sidecar = Sidecar(handle, config, reuse_port=supervised is not None)
             async with trio.open_nursery() as serving:
                 grpc_address = await serving.start(sidecar.run)
-                # The process is ours: move everything start-up allocated out of the collector's view,
-                # so a full collection walks only what requests allocate (long gen-2 pauses otherwise
-                # stall the routing thread). Embedders decide this for their own process.
-                gc.collect()
-                gc.freeze()
+                freeze_start_up()  # the process is ours; embedders decide this for their own
                 print(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address), flush=True)
                 reason = await _first_stop(signals, supervised is not None)
                 log.info("%s: draining", reason, extra=ctx(reason="drain"))

@@ -35,6 +35,7 @@ from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import Summary, percentile
 from router.api import open_router
 from router.config import KvrouteConfig
+from router.serve_cli import freeze_start_up
 from router.sidecar import CallTiming, Sidecar
 from router.targets import HostPort
 from router.transport.grpc_server import method_handlers
@@ -249,11 +250,9 @@ async def serving_sidecar(
             await prime(router, RouterRequests(view, f"{label}-prime"), warm_up)
             sidecar = Sidecar(router, config)
             bound = await nursery.start(sidecar.run)
-            # As `kvroute serve` does once started: what the bench process allocated before (earlier
-            # figures, the priming) leaves the collector's view, so a full collection here walks only
-            # what the calls allocate, not the whole bench's heap.
-            gc.collect()
-            gc.freeze()
+            # As `kvroute serve` once started: the bench's heap (earlier figures, the priming) leaves the
+            # collector's view for the figure.
+            freeze_start_up()
             try:
                 yield sidecar, bound, config
             finally:
