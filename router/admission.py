@@ -11,11 +11,13 @@ it would keep its last value forever: each lag sample with no own-time sample si
 ages it instead, and shedding ends once the loop is on time again.
 
 :class:`InFlightLimit` bounds how many requests a receiving thread hands to the routing loop at
-once: it grows while they are answered well within their time and shrinks when they are not.
+once: it grows while they are answered well within their time and shrinks when they are not. A
+request that finds the limit reached may wait for a place as long as :func:`slot_wait_s` allows.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from router.config import RouterConfig
@@ -40,6 +42,13 @@ def _covers(remaining_s: float, lag_s: float, own_s: float, in_flight: int) -> b
     return remaining_s >= (lag_s if in_flight <= 0 else own_s + lag_s)
 
 
+def slot_wait_s(view: AdmissionView, left_s: float) -> float:
+    """How long a request with ``left_s`` to go may wait for a place among the requests in flight:
+    at most half of it, so that the chain still has the time its remote calls need once it is
+    handed over, and never beyond what leaves the expected cost covered (0: it may not wait)."""
+    return max(0.0, min(left_s / 4, left_s - view.expected_s))
+
+
 class InFlightLimit:
     """How many requests may be in the router at once: additive increase while they are answered
     within ``late_share`` of the time they had, multiplicative decrease when one is not (the
@@ -48,28 +57,66 @@ class InFlightLimit:
 
     Every late answer shrinks it, also the several one slow spell brings back together: a
     once-per-round decrease routed more calls under a closed loop but answered fewer of them in
-    time, and a shed is never late. Times are passed in (one clock for ``handed_at`` and ``now``).
-    Not thread-safe: its owner serialises the calls."""
+    time, and a shed is never late.
 
-    __slots__ = ("_ceiling", "_decrease", "_late_share", "_limit")
+    Below one it is a duty cycle: the share of the time one request is in the router. After each
+    answer the router is left idle for (1/limit - 1) times that request's time, so a loop whose
+    lone requests come back late (the CPU taken by other threads) gets fewer of them, down to
+    ``floor``. Down there an answer in time multiplies it by ``regrowth`` instead of adding to it:
+    a lone request alone on time is no proof the next will be, and adding one would undo every
+    decrease at once. Times are passed in (one clock for ``handed_at`` and ``now``). Not
+    thread-safe: its owner serialises the calls."""
 
-    def __init__(self, *, initial: int, ceiling: int, late_share: float = 1.0, decrease: float = 0.9) -> None:
+    __slots__ = ("_ceiling", "_decrease", "_floor", "_idle_until", "_late_share", "_limit", "_regrowth")
+
+    def __init__(
+        self,
+        *,
+        initial: int,
+        ceiling: int,
+        late_share: float = 1.0,
+        decrease: float = 0.9,
+        floor: float = 1 / 32,
+        regrowth: float = 1.1,
+    ) -> None:
         self._ceiling = float(max(1, ceiling))
         self._limit = min(float(max(1, initial)), self._ceiling)
         self._late_share = late_share
         self._decrease = decrease
+        self._floor = min(1.0, floor)
+        self._regrowth = regrowth
+        self._idle_until = -math.inf
 
     @property
     def limit(self) -> int:
+        """Whole requests at once (0: below one, a duty cycle)."""
         return int(self._limit)
+
+    @property
+    def share(self) -> float:
+        return self._limit
+
+    @property
+    def idle_until(self) -> float:
+        """Below one: when the router, once empty, takes the next request (-inf: at once)."""
+        return self._idle_until
+
+    def has_place(self, in_router: int, now: float) -> bool:
+        """Whether one more request may be handed to the router now, with ``in_router`` there."""
+        if in_router < int(self._limit):
+            return True
+        return in_router == 0 and now >= self._idle_until
 
     def observe(self, *, handed_at: float, now: float, had_s: float, answered: bool = True) -> None:
         """One admitted request, handed to the router at ``handed_at`` with ``had_s`` to spare, came
         back at ``now`` (``answered`` False: it never did, which is late)."""
+        limit = self._limit
         if answered and now - handed_at <= self._late_share * had_s:
-            self._limit = min(self._ceiling, self._limit + 1.0 / self._limit)
+            limit = min(self._ceiling, limit + 1.0 / limit if limit >= 1.0 else min(1.0, limit * self._regrowth))
         else:
-            self._limit = max(1.0, self._limit * self._decrease)
+            limit = max(self._floor, limit * self._decrease)
+        self._limit = limit
+        self._idle_until = now + (now - handed_at) * (1.0 / limit - 1.0) if limit < 1.0 else -math.inf
 
 
 class AdmissionEstimate:

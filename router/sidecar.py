@@ -16,8 +16,12 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
   sidecar's own path) cannot cover the router's published admission estimate, or that finds
   as many calls handed to the router and not yet answered as the learnt in-flight limit allows
   (``InFlightLimit``: it shrinks when handed-off calls come back late, grows when they come back
-  early, never beyond ``--router-max-in-flight``), gets one of the router's published
-  ``overloaded`` answers at once (a request naming roles always goes to the router).
+  early, never beyond ``--router-max-in-flight``; below one it is a duty cycle), gets one of the
+  router's published ``overloaded`` answers at once (a request naming roles always goes to the
+  router). Up to ``--slot-waiters`` calls that find the limit reached wait for a place instead,
+  each at most a quarter of its time left (and never past what leaves the estimate covered), and
+  are answered ``overloaded`` if none comes: under a closed loop a caller answered at once calls
+  again at once, and those sheds take the CPU the routed calls need.
   The shed is counted and recorded on the trio thread afterwards, in batches.
 - A request larger than the ``limits`` settings allow is refused from its sizes, before it is
   converted or reaches the trio thread, with INVALID_ARGUMENT naming the field and the bound.
@@ -60,7 +64,7 @@ from outcome import Error, Outcome
 
 from actors.metrics_sink import RepliesSent
 from actors.router_actor import OverloadAnswers
-from router.admission import InFlightLimit, admits
+from router.admission import InFlightLimit, admits, slot_wait_s
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
@@ -165,6 +169,8 @@ class SidecarStats:
     failed: int  # INTERNAL: the router raised
     in_flight: int
     shed_at_receipt: int  # of the answered: answered overloaded on the handler thread, never handed to the router
+    waited_for_place: int = 0  # calls that found the in-flight limit reached and waited for a place
+    shed_after_wait: int = 0  # of those: no place came in the time they could wait (in shed_at_receipt too)
 
 
 _OUTCOME_BY_STATUS = {
@@ -201,27 +207,59 @@ class CallTiming:
 
 
 class _Counters:
-    """Outcome counts, written by grpc handler threads (hence the lock)."""
+    """Outcome counts and the calls in the router, written by grpc handler threads (hence the lock).
 
-    def __init__(self, limit: InFlightLimit) -> None:
+    A call that finds the in-flight limit reached may wait (without the GIL) for a place, at most
+    ``waiters`` calls at once: under a closed loop a call answered ``overloaded`` at once comes back
+    at once, and the sheds then take the CPU the routed calls need; a waiting call costs nothing
+    until a routed one is answered."""
+
+    def __init__(self, limit: InFlightLimit, *, waiters: int) -> None:
         self._lock = threading.Lock()
+        self._place_freed = threading.Condition(self._lock)
         self._limit = limit
+        self._max_waiters = waiters
         self._in_flight = 0
         self._in_router = 0  # handed to the router and not yet answered
+        self._waiting = 0  # waiting for a place in the router
         self._shed = 0
+        self._waited = 0
+        self._shed_after_wait = 0
         self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed"), 0)
 
     def enter(self) -> None:
         with self._lock:
             self._in_flight += 1
 
-    def hand_off(self) -> bool:
-        """Count a call handed to the router; False (nothing counted) when the limit is reached."""
+    def hand_off(self, wait_s: float) -> bool:
+        """Count a call handed to the router, waiting at most ``wait_s`` for the in-flight limit to
+        leave a place; False (nothing counted) when none came."""
         with self._lock:
-            if self._in_router >= self._limit.limit:
+            if self._limit.has_place(self._in_router, time.monotonic()):
+                self._in_router += 1
+                return True
+            if wait_s <= 0.0 or self._waiting >= self._max_waiters:
                 return False
-            self._in_router += 1
-            return True
+            self._waiting += 1
+            self._waited += 1
+            try:
+                return self._wait_for_place(time.monotonic() + wait_s)
+            finally:
+                self._waiting -= 1
+
+    def _wait_for_place(self, until: float) -> bool:
+        # Holding the lock; woken by an answer, or when the limit's idle time below one ends.
+        limit = self._limit
+        while True:
+            now = time.monotonic()
+            if limit.has_place(self._in_router, now):
+                self._in_router += 1
+                return True
+            if now >= until:
+                self._shed_after_wait += 1
+                return False
+            wake = until if self._in_router else min(until, max(limit.idle_until, now))
+            self._place_freed.wait(max(0.0, wake - now))
 
     def hand_off_anyway(self) -> None:
         with self._lock:
@@ -236,6 +274,9 @@ class _Counters:
         with self._lock:
             self._in_router -= 1
             self._limit.observe(handed_at=handed_at, now=time.monotonic(), had_s=had_s, answered=answered)
+            if self._waiting:
+                # Whole places for waiters; below one, one waiter learns when the idle time ends.
+                self._place_freed.notify(max(1, self._limit.limit - self._in_router))
 
     def shed(self) -> None:
         with self._lock:
@@ -248,7 +289,13 @@ class _Counters:
 
     def snapshot(self) -> SidecarStats:
         with self._lock:
-            return SidecarStats(in_flight=self._in_flight, shed_at_receipt=self._shed, **self._ended)
+            return SidecarStats(
+                in_flight=self._in_flight,
+                shed_at_receipt=self._shed,
+                waited_for_place=self._waited,
+                shed_after_wait=self._shed_after_wait,
+                **self._ended,
+            )
 
 
 class _CallHops:
@@ -309,7 +356,9 @@ class Sidecar:
             InFlightLimit(
                 initial=min(INITIAL_IN_FLIGHT_LIMIT, config.router.max_in_flight),
                 ceiling=config.router.max_in_flight,
-            )
+            ),
+            # Waiting calls hold handler threads: leave at least one for the others.
+            waiters=min(config.serve.slot_waiters, config.serve.grpc_max_workers - 1),
         )
         # Appended by handler threads, taken by whoever measures; a deque's append and popleft are atomic.
         self._timings: deque[CallTiming] = deque(maxlen=CALL_TIMING_SAMPLES)
@@ -487,6 +536,9 @@ class Sidecar:
         shed = self._shed_at_receipt(request, left_s, received)
         if shed is not None:
             return self._reply(shed, context), routing_s, shed.stage_ms, None
+        # A call may have waited for its place: the client's deadline above counts that wait (from
+        # sent_at); the in-flight limit and the own-path estimate count from the hand-off.
+        handed_at = time.monotonic()
         wait_s = routing_s + ANSWER_SLACK_S
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
@@ -508,12 +560,14 @@ class Sidecar:
         except Exception as exc:
             raise PeerAbort(RpcStatus.INTERNAL, f"router error: {exc!r}") from exc
         finally:
-            self._counters.answered(handed_at=sent_at, had_s=max(0.0, left_s), answered=decided)
+            self._counters.answered(
+                handed_at=handed_at, had_s=max(0.0, left_s - (handed_at - sent_at)), answered=decided
+            )
         reply = self._reply(decision, context)
         done = time.monotonic()
         if hops.settled_at is not None:  # the future's settling orders the trio thread's write before this read
             self._reply_times.append(done - hops.settled_at)
-        self._observe_path_cost(done - sent_at - decision.elapsed_ms / 1000.0)
+        self._observe_path_cost(done - handed_at - decision.elapsed_ms / 1000.0)
         return reply, routing_s, decision.stage_ms, hops
 
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
@@ -531,7 +585,10 @@ class Sidecar:
         if published is None or not published.answers or request.roles is not None:
             self._counters.hand_off_anyway()
             return None
-        if admits(published.estimate, left_s, in_flight=self._counters.in_router()) and self._counters.hand_off():
+        estimate = published.estimate
+        if admits(estimate, left_s, in_flight=self._counters.in_router()) and self._counters.hand_off(
+            slot_wait_s(estimate, left_s)
+        ):
             return None
         return self._shed(request, published, left_s, received)
 

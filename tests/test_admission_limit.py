@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,8 +32,9 @@ class _Done:
 class _SharedCpu:
     """Calls in flight on one processor-shared CPU; the limit admits or sheds each new call."""
 
-    def __init__(self, limit: InFlightLimit, routed_cpu: float, shed_cpu: float) -> None:
+    def __init__(self, limit: InFlightLimit, routed_cpu: float, shed_cpu: float, budget_s: float = BUDGET_S) -> None:
         self.limit = limit
+        self.budget_s = budget_s
         self.routed_cpu = routed_cpu
         self.shed_cpu = shed_cpu
         self.now = 0.0
@@ -41,7 +43,7 @@ class _SharedCpu:
 
     def arrive(self) -> None:
         ahead = sum(c.routed for c in self.calls)
-        if ahead < self.limit.limit:
+        if self.limit.has_place(ahead, self.now):
             self.calls.append(_Call(self.routed_cpu, True, self.now))
         else:
             self.calls.append(_Call(self.shed_cpu, False, self.now))
@@ -61,7 +63,7 @@ class _SharedCpu:
             return 0
         self.calls.remove(first)
         if first.routed:
-            self.limit.observe(handed_at=first.handed_at, now=self.now, had_s=BUDGET_S)
+            self.limit.observe(handed_at=first.handed_at, now=self.now, had_s=self.budget_s)
         self.done.append(_Done(first.routed, first.handed_at, self.now))
         return 1
 
@@ -94,15 +96,16 @@ def test_each_call_a_stall_made_late_shrinks_the_limit_and_timely_answers_grow_i
         limit.observe(handed_at=0.0, now=stall_s + i * 1e-6, had_s=0.030)
     expected = float(initial)
     for _ in range(in_flight):
-        expected = max(1.0, expected * 0.9)
-    assert limit.limit == int(expected)
+        expected = max(1 / 32, expected * 0.9)
+    assert limit.share == pytest.approx(expected)
     now = stall_s + 1.0
     answers = 0
     while limit.limit < initial:  # the loop is on time again
         limit.observe(handed_at=now, now=now + 0.005, had_s=0.030)
         now += 0.001
         answers += 1
-    assert answers <= initial * initial // 2 + 2  # 1/limit each: about half the limit's square
+    # Below one, x1.1 each (at most 37 from the floor); then 1/limit each: about half the limit's square.
+    assert answers <= initial * initial // 2 + 2 + 37
 
 
 def test_steady_over_offer_converges_to_a_routed_share_bounded_by_capacity() -> None:
@@ -134,3 +137,50 @@ def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_on
     assert limit.limit == 64  # never beyond the ceiling
     limit.observe(handed_at=now, now=now + 0.1, had_s=0.030, answered=False)
     assert limit.limit == int(64 * 0.9)  # a call never answered is late
+
+
+def test_below_one_the_limit_is_a_duty_cycle_that_leaves_the_router_idle_after_each_late_answer() -> None:
+    limit = InFlightLimit(initial=1, ceiling=64)
+    now = 0.0
+    for _ in range(7):  # lone calls, each 40 ms for its 30: the CPU is taken by something else
+        assert limit.has_place(0, now)
+        limit.observe(handed_at=now, now=now + 0.040, had_s=0.030)
+        now += 0.040
+        assert not limit.has_place(0, now)  # idle now: (1/limit - 1) x 40 ms
+        now = limit.idle_until
+    share = limit.share
+    assert share == pytest.approx(0.9**7)
+    assert limit.limit == 0
+    assert limit.idle_until == pytest.approx(now)  # set from the last late call: 40 ms x (1/share - 1)
+    assert not limit.has_place(1, now + 10.0)  # one in the router is the whole duty cycle
+    assert limit.has_place(0, now)
+    limit.observe(handed_at=now, now=now + 0.010, had_s=0.030)  # in time: x1.1, not +1/limit
+    assert limit.share == pytest.approx(share * 1.1)
+    assert limit.idle_until == pytest.approx(now + 0.010 + 0.010 * (1 / limit.share - 1))
+    for _ in range(1000):  # never below the floor
+        limit.observe(handed_at=0.0, now=1.0, had_s=0.030, answered=False)
+    assert limit.share == pytest.approx(1 / 32)
+    for _ in range(37):  # back to whole places within ln(32) / ln(1.1) answers in time
+        limit.observe(handed_at=5.0, now=5.001, had_s=0.030)
+    assert limit.limit == 1
+    assert limit.has_place(0, 5.001)
+
+
+def test_lone_calls_slowed_by_a_cpu_hog_are_routed_less_than_one_at_a_time() -> None:
+    """Processor sharing with a hog that always runs: a routed call (5 ms of CPU) alone with it takes
+    10 ms, so with a 4 ms budget every routed call is late. Whole places would keep one routed call in
+    flight all the time; the duty cycle keeps the router mostly idle and sheds the rest."""
+    limit = InFlightLimit(initial=4, ceiling=64)
+    cpu = _SharedCpu(limit, routed_cpu=0.005, shed_cpu=0.0001, budget_s=0.004)
+    cpu.calls.append(_Call(work_s=1e9, routed=False, handed_at=0.0))  # the hog: never ends
+    due = 0.0
+    while due < 20.0:
+        while cpu.run_until(due):
+            pass
+        cpu.arrive()
+        due += 0.001
+    late = [d for d in cpu.done if d.routed and d.handed_at >= 10.0]
+    busy_s = sum(d.answered_at - d.handed_at for d in late)
+    assert late  # it still tries now and then
+    assert busy_s < 0.25 * 10.0  # whole places: busy all 10 s
+    assert limit.share < 0.25

@@ -558,6 +558,14 @@ def test_grpc_max_workers_beyond_its_bound_stops_serve() -> None:
     ]
 
 
+def test_slot_waiters_must_leave_a_handler_thread_free() -> None:
+    loaded = load_config({**GOOD, "grpc_max_workers": "8", "slot_waiters": "8"}, {})
+    assert _names(loaded.fatal_errors) == {("slot_waiters", "grpc_max_workers")}
+    assert "handler threads" in str(loaded.fatal_errors[0])
+    assert load_config({**GOOD, "grpc_max_workers": "8", "slot_waiters": "7"}, {}).errors == ()
+    assert load_config({**GOOD, "slot_waiters": "0"}, {}).effective.serve.slot_waiters == 0
+
+
 def test_every_section_is_checked_by_its_own_rules() -> None:
     assert set(settings.SECTION_PROBLEMS) == set(settings.SECTIONS)
 

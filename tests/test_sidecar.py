@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from actors.metrics_sink import REPLY_STAGE_LABEL
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
+from router.admission import InFlightLimit
 from router.api import RouterHandle, open_router
 from router.config import (
     DeploymentConfig,
@@ -31,7 +34,7 @@ from router.config import (
 )
 from router.keys import block_keys
 from router.request import budget_left_ms, caller_deadline
-from router.sidecar import ROUTER_SERVICE, Sidecar, decision_to_proto, request_from_proto
+from router.sidecar import ROUTER_SERVICE, Sidecar, _Counters, decision_to_proto, request_from_proto
 from router.targets import HostPort
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteDecision, RouteSource, WorkerAddr
 from router.wire import router_v1_pb2
@@ -444,3 +447,40 @@ async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlie
             assert r.sidecar.stats().shed_at_receipt == shed_before + 1
             shed_timing = r.sidecar.take_call_timings()[-1]
             assert (shed_timing.handed_s, shed_timing.way_back_s) == (None, None)  # never handed off
+
+
+def _until(condition: Callable[[], bool]) -> bool:
+    """Whether ``condition`` holds within 10 s of polling (another thread makes it true)."""
+    for _ in range(10_000):
+        if condition():
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def test_a_call_that_finds_the_limit_reached_waits_for_the_place_an_answer_frees() -> None:
+    counters = _Counters(InFlightLimit(initial=1, ceiling=1), waiters=1)
+    assert counters.hand_off(0.0)  # the one place
+    placed: list[bool] = []
+    waiter = threading.Thread(target=lambda: placed.append(counters.hand_off(60.0)))
+    waiter.start()
+    try:
+        assert _until(lambda: counters.snapshot().waited_for_place == 1)
+        assert not counters.hand_off(60.0)  # beyond the waiters' bound: answered at once
+        assert placed == []
+        counters.answered(handed_at=time.monotonic(), had_s=60.0, answered=True)
+    finally:
+        waiter.join(timeout=60.0)
+    assert placed == [True]
+    assert counters.in_router() == 1  # the waiter took the freed place
+    assert not counters.hand_off(0.0)  # no time to wait: answered at once
+    assert not counters.hand_off(0.001)  # nothing is answered meanwhile: the wait ends in a shed
+    stats = counters.snapshot()
+    assert (stats.waited_for_place, stats.shed_after_wait) == (2, 1)
+
+
+def test_with_no_waiters_allowed_a_full_router_sheds_at_once() -> None:
+    counters = _Counters(InFlightLimit(initial=1, ceiling=1), waiters=0)
+    assert counters.hand_off(60.0)
+    assert not counters.hand_off(60.0)
+    assert counters.snapshot().waited_for_place == 0

@@ -152,6 +152,8 @@ class LevelResult:
     caller_cpu_s: float  # the caller process's CPU over the level
     echo: EchoFloor  # the same level against a grpcio echo server with the sidecar's thread pool
     full_collection_s: tuple[float, ...] = ()  # this process's gen-2 collections during the level
+    waited: int = 0  # calls that found the in-flight limit reached and waited for a place
+    shed_after_wait: int = 0  # of those, answered overloaded when no place came in time
 
     @property
     def late_split(self) -> LateSplit:
@@ -210,6 +212,8 @@ class LevelResult:
             "echo_floor": self.echo.to_json(),
             "late_split": self.late_split.to_json(),
             "full_collections_ms": [round(p * 1e3, 1) for p in self.full_collection_s],
+            "waited_for_place": self.waited,
+            "shed_after_wait": self.shed_after_wait,
             "met": self.met,
         }
 
@@ -269,6 +273,7 @@ def _level_result(
     caller_cpu_s: float,
     echo: EchoFloor,
     full_collection_s: Sequence[float],
+    waits: tuple[int, int] = (0, 0),
 ) -> LevelResult:
     outcomes = reply_outcomes(raw for r in results for raw in r.replies)
     return LevelResult(
@@ -283,6 +288,8 @@ def _level_result(
         caller_cpu_s=caller_cpu_s,
         echo=echo,
         full_collection_s=tuple(full_collection_s),
+        waited=waits[0],
+        shed_after_wait=waits[1],
     )
 
 
@@ -311,9 +318,15 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                         CLIENT_DEADLINE_S,
                     )
                     cpu_before = time.process_time()
+                    before = sidecar.stats()
                     with full_collections() as pauses:
                         run = await trio.to_thread.run_sync(callers_child.run, level)
                     cpu_s = time.process_time() - cpu_before
+                    after = sidecar.stats()
+                    waits = (
+                        after.waited_for_place - before.waited_for_place,
+                        after.shed_after_wait - before.shed_after_wait,
+                    )
                     timings = sidecar.take_call_timings()
                     echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
                     echo_floor = EchoFloor(
@@ -323,7 +336,9 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                         percentile([ms for r in echo.results for ms in r.client_ms], 99),
                     )
                     levels.append(
-                        _level_result(callers, run.seconds, run.results, timings, cpu_s, run.cpu_s, echo_floor, pauses)
+                        _level_result(
+                            callers, run.seconds, run.results, timings, cpu_s, run.cpu_s, echo_floor, pauses, waits
+                        )
                     )
         finally:
             echo_server.stop(grace=None)
@@ -349,7 +364,7 @@ def _echo_server(workers: int) -> tuple[grpc.Server, str]:
 def _curve(levels: Sequence[LevelResult]) -> str:
     header = (
         "callers | calls | calls/s | within dl+5ms | no answer | kvcm | overloaded | p99 late ms | client p99 ms"
-        " | sidecar CPU ms/call | echo unanswered | echo client p99 ms | unanswered by status"
+        " | sidecar CPU ms/call | waited (shed after) | echo unanswered | echo client p99 ms | unanswered by status"
     )
     lines = [header]
     for lv in levels:
@@ -358,7 +373,7 @@ def _curve(levels: Sequence[LevelResult]) -> str:
             f"{lv.callers:>7} | {lv.calls:>5} | {lv.calls / lv.seconds:>7,.0f} | {lv.within_share:>13.1%} | "
             f"{lv.no_answer:>9} | {lv.share(source='kvcm'):>4.0%} | {lv.share(reason='overloaded'):>10.1%} | "
             f"{lv.p99_lateness_ms:>11.1f} | {client_p99:>13.1f} | {lv.sidecar_cpu_ms_per_call:>18.3f} | "
-            f"{lv.echo.no_answer:>15} | {lv.echo.client_p99_ms:>18.1f} | "
+            f"{f'{lv.waited} ({lv.shed_after_wait})':>19} | {lv.echo.no_answer:>15} | {lv.echo.client_p99_ms:>18.1f} | "
             + (", ".join(f"{code} {n}" for code, n in lv.errors.most_common()) or "-")
         )
     return "\n".join(lines)

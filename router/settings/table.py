@@ -695,6 +695,11 @@ _SPECS: dict[str, _Spec] = {
         "kvroute serve: Route handler threads, and the most Route calls in flight "
         "(beyond it a call is refused at once with RESOURCE_EXHAUSTED)",
     ),
+    "serve.slot_waiters": _Spec(
+        "kvroute serve: Route calls that may wait on their handler threads for a place in the router when "
+        "its learnt in-flight limit is reached, each only while its time left still covers the admission "
+        "estimate (then it is answered overloaded); 0 = answered overloaded at once",
+    ),
     "serve.processes": _Spec(
         "kvroute serve: independent router processes sharing the Route gRPC port (SO_REUSEPORT), "
         "supervised by the parent (restarted when one dies, drained together); process i serves debug "

@@ -131,6 +131,12 @@ def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
             f"the decision reserve ({c.router.reserve_min_ms} ms) leaves nothing of the budget cap "
             f"({c.router.budget_cap_ms} ms)",
         )
+    if c.serve.slot_waiters >= c.serve.grpc_max_workers:
+        yield (
+            ("slot_waiters", "grpc_max_workers"),
+            f"{c.serve.slot_waiters} calls waiting for the router could hold every one of the "
+            f"{c.serve.grpc_max_workers} handler threads (keep it below)",
+        )
     try:
         grpc, debug = parse_listen(c.serve.grpc_listen), parse_listen(c.serve.debug_listen)
     except TargetError:
