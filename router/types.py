@@ -57,14 +57,40 @@ class EngineGeneration(enum.Enum):
     K = "K"
 
 
+class _HashSlot:
+    """The slot that holds ``WorkerAddr``'s hash. A base class of its own, not a dataclass field,
+    so that ``fields``/``asdict``/``repr`` (and every JSON made from them) see only the address."""
+
+    __slots__ = ("_hash",)
+    _hash: int
+
+
 @dataclass(frozen=True, slots=True)
-class WorkerAddr:
-    """A worker as discovery knows it: ``ip:http_port``, plus derived ports."""
+class WorkerAddr(_HashSlot):
+    """A worker as discovery knows it: ``ip:http_port``, plus derived ports.
+
+    Hashed once, when built: the routing path keys the prober's status cache and the statuses
+    maps on addresses, several times per candidate, and the generated ``__hash__`` builds and
+    hashes the field tuple at each. The value is the generated one's, so equal addresses still
+    hash equal and sets and dicts of addresses behave as before.
+    """
 
     ip: str
     http_port: int
     grpc_port: int
     status_port: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.ip, self.http_port, self.grpc_port, self.status_port)))
+
+    # Kept by @dataclass: an explicit __hash__ on a frozen, eq class is not replaced.
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[WorkerAddr], tuple[str, int, int, int]]:
+        """Pickle and copy by construction, so the copy computes its own hash (the state that
+        ``slots=True`` pickles holds the fields only)."""
+        return (WorkerAddr, (self.ip, self.http_port, self.grpc_port, self.status_port))
 
     @classmethod
     def from_http(
