@@ -290,7 +290,11 @@ class RouterActor:
             decision = self._fallback(request, None, Reason.DEADLINE, received_at, stages, tuple(steps), split=split)
             ctx = None
         self._handled += 1
-        own_ms = stages.get(Stage.KEYS, 0.0) + stages.get(Stage.PLAN, 0.0) + stages.get(Stage.SCORE, 0.0)
+        # The Scorer's work, not the SCORE stage's wall time (which holds the inbox wait, the loop lag
+        # the estimate counts apart); the stage only where no context carried the work back.
+        scorer_work_s = None if ctx is None else ctx.scorer_work_s
+        score_ms = stages.get(Stage.SCORE, 0.0) if scorer_work_s is None else ms(scorer_work_s)
+        own_ms = stages.get(Stage.KEYS, 0.0) + stages.get(Stage.PLAN, 0.0) + score_ms
         self._estimate.observe_own(own_ms / 1000.0)
         if ctx is not None:
             for source in self._chain:

@@ -4,7 +4,9 @@ The policy (CacheAffinityFirst) keeps a ledger of recent selections and their pr
 decision reads it and records into it. Running every decision in the Scorer's own task makes
 that read-modify-write atomic by ownership, not by the absence of awaits in callers: a request
 sends a :class:`DecideRequest` through the bounded inbox and waits for the reply under its own
-deadline; fallback dispatches (shadow or domain) arrive as fire-and-forget records.
+deadline; fallback dispatches (shadow or domain) arrive as fire-and-forget records. The reply
+carries the policy's own time in the Scorer's task apart from the wait for it: a caller's wall
+time across the hop also holds the inbox and every task the loop ran first.
 
 Readers that must not wait use :meth:`Scorer.health`, an immutable snapshot the task publishes
 after every message.
@@ -16,6 +18,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import trio
 
@@ -41,6 +44,13 @@ class DecideRequest:
     now: float
 
 
+class Decided(NamedTuple):
+    """The Scorer's reply to one :class:`DecideRequest`."""
+
+    selection: Selection
+    work_s: float  # the policy's time on this decision in the Scorer's task (trio time), without the wait
+
+
 class ScorerUnavailable(Exception):
     """The Scorer could not decide (its policy raised); the message says why."""
 
@@ -50,6 +60,7 @@ class _Decision:
     request: DecideRequest
     event: trio.Event = field(default_factory=trio.Event)
     selection: Selection | None = None
+    work_s: float = 0.0
     error: str | None = None
     abandoned: bool = False  # the caller left (its deadline passed): do not decide or record
 
@@ -128,8 +139,8 @@ class Scorer:
             else:
                 self._decide(message)
 
-    async def decide(self, request: DecideRequest) -> Selection:
-        """The policy's selection for ``request``, recorded in its ledger.
+    async def decide(self, request: DecideRequest) -> Decided:
+        """The policy's selection for ``request``, recorded in its ledger, and the policy's time on it.
 
         Waits for the inbox and the reply under the caller's own deadline; a caller cancelled
         while waiting leaves nothing recorded unless the Scorer had already decided.
@@ -147,7 +158,7 @@ class Scorer:
             raise
         if message.selection is None:
             raise ScorerUnavailable(message.error or "no selection")
-        return message.selection
+        return Decided(message.selection, message.work_s)
 
     def record_nowait(self, worker: WorkerAddr, uncached_tokens: int, now: float) -> bool:
         """Charge a dispatch the policy did not decide; never blocks. False (and counted) when full."""
@@ -168,6 +179,7 @@ class Scorer:
 
     def _decide(self, message: _Decision) -> None:
         request = message.request
+        started = trio.current_time()
         try:
             observe = self._policy.observe
             statuses: dict[WorkerAddr, ObservedStatus] = {
@@ -194,6 +206,7 @@ class Scorer:
             if any(reason in CONTRACT_DROPS for reason, _ in selection.drop_counts):
                 self._warn_mismatches(request, selection.sheet)
             message.selection = selection
+        message.work_s = trio.current_time() - started
         message.event.set()
 
     def _snapshot(self) -> ScorerHealth:

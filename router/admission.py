@@ -25,7 +25,7 @@ from router.config import RouterConfig
 
 @dataclass(frozen=True, slots=True)
 class AdmissionView:
-    own_s: float  # the router's own time per request (hashing, planning, scoring, hops)
+    own_s: float  # the router's own time per request (hashing, planning, the Scorer's work; no waits)
     lag_s: float  # how late the routing loop runs a task that is due
     expected_s: float  # what a request needs at least: own + lag
 
@@ -131,7 +131,8 @@ class AdmissionEstimate:
         self._own_fresh = False  # an own-time sample arrived since the last lag sample
 
     def observe_own(self, seconds: float) -> None:
-        """One request's own time (its CPU-bound stages and the Scorer hop)."""
+        """One request's own time: its CPU-bound stages (hashing, planning) and the Scorer's work on its
+        decision, without the wait in the Scorer's inbox (that is the loop's lag, observed apart)."""
         self._own_s = self._own_s * self._decay + max(0.0, seconds) * (1 - self._decay)
         self._own_fresh = True
 

@@ -11,8 +11,9 @@ from kvroute_sim.sim.cluster import SimCluster
 from router.admission import AdmissionEstimate, AdmissionView, admits
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
+from router.keys import block_keys
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import Reason, RouteRequest, RouteSource
+from router.types import KeyFamily, Reason, RouteRequest, RouteSource, Stage
 
 BLOCK = 16
 PROMPT = tuple(range(4 * BLOCK))
@@ -35,9 +36,12 @@ def test_the_estimate_follows_a_sustained_lag_and_shrugs_off_one_stall() -> None
     assert view.expected_s == view.own_s + view.lag_s
 
 
-def _memory_cluster(workers: int, router: RouterConfig | None = None) -> tuple[MemoryNetwork, KvrouteConfig]:
-    """A simulated cluster served on an in-memory network, and a router configuration for it."""
-    cluster = SimCluster(workers=workers, kvcm_replicas=1, block_size=BLOCK)
+def _memory_cluster(
+    workers: int, router: RouterConfig | None = None, *, cluster: SimCluster | None = None
+) -> tuple[MemoryNetwork, KvrouteConfig]:
+    """A simulated cluster (``cluster``, or a new one of ``workers``) served on an in-memory network,
+    and a router configuration for it."""
+    cluster = cluster or SimCluster(workers=workers, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
     config = KvrouteConfig(
@@ -124,3 +128,38 @@ async def test_the_router_publishes_overloaded_answers_and_counts_the_sheds_othe
         after = router.health()
         assert after.overloaded == before.overloaded + 1
         assert after.handled == before.handled  # never entered the pipeline
+
+
+class StallBeforeTheScorer(trio.abc.Instrument):
+    """Other tasks ahead of the Scorer in the loop: every turn of the Scorer's task starts ``stall_s``
+    later (the clock jumps before the task steps, so none of it is the Scorer's own work)."""
+
+    def __init__(self, clock: trio.testing.MockClock, stall_s: float) -> None:
+        self._clock = clock
+        self._stall_s = stall_s
+        self.stalls = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("Scorer.run"):
+            self._clock.jump(self._stall_s)
+            self.stalls += 1
+
+
+async def test_the_own_time_excludes_the_wait_for_the_scorers_turn(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network, config = _memory_cluster(2, replace(RouterConfig(), budget_cap_ms=2000.0), cluster=cluster)
+    cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)
+        stall = StallBeforeTheScorer(autojump_clock, 0.020)
+        trio.lowlevel.add_instrument(stall)
+        try:
+            decisions = [await handle.route(RouteRequest(f"r{i}", token_ids=PROMPT, budget_ms=1000)) for i in range(5)]
+        finally:
+            trio.lowlevel.remove_instrument(stall)
+        assert stall.stalls >= 5
+        for decision in decisions:
+            assert decision.route_source is RouteSource.KVCM
+            assert decision.stage_ms[Stage.SCORE] > 19.0  # the hop's wall time holds the 20 ms wait
+        # Hashing, planning and the Scorer's work take no mock time: the waits are not the request's own.
+        assert handle.router_actor().health().admission.own_s == 0.0

@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from actors.scorer import DecideRequest, Scorer, ScorerUnavailable
+from actors.scorer import Decided, DecideRequest, Scorer, ScorerUnavailable
 from router.config import DeploymentConfig, ScorerConfig
-from router.policy.cache_affinity import CacheAffinityFirst
+from router.policy.cache_affinity import CacheAffinityFirst, Selection
 from router.policy.plan import Candidate, CandidatePlan, CandidateSource
 from router.types import DropReason, HostMatch, Reason, Role, TaskInfo, WorkerAddr, WorkerStatus
 
@@ -75,8 +76,8 @@ async def test_decisions_are_recorded_so_the_next_one_sees_the_precharge(nursery
     await nursery.start(scorer.run)
     a, b = addr(1), addr(2)
     plan = plan_of((a, 10), (b, 10))  # equal hits: the shortest work wins each time
-    first = await scorer.decide(request(plan, {a: status(), b: status()}, now=1.0))
-    second = await scorer.decide(request(plan, {a: status(), b: status()}, now=1.1))
+    first, _ = await scorer.decide(request(plan, {a: status(), b: status()}, now=1.0))
+    second, _ = await scorer.decide(request(plan, {a: status(), b: status()}, now=1.1))
     assert {first.worker, second.worker} == {a, b}  # the first pick's pre-charge sent the second elsewhere
     health = scorer.health()
     assert (health.decisions, health.policy.tracked_workers, health.policy.pending_charges) == (2, 2, 2)
@@ -88,7 +89,7 @@ async def test_record_nowait_charges_a_fallback_dispatch(nursery: trio.Nursery) 
     await nursery.start(scorer.run)
     a, b = addr(1), addr(2)
     assert scorer.record_nowait(a, 5000, now=1.0)  # e.g. a domain-fallback dispatch
-    selection = await scorer.decide(request(plan_of((a, None), (b, None)), {a: status(), b: status()}, now=2.0))
+    selection, _ = await scorer.decide(request(plan_of((a, None), (b, None)), {a: status(), b: status()}, now=2.0))
     assert selection.worker == b
     assert scorer.health().records == 1
 
@@ -108,7 +109,7 @@ async def test_a_failing_decision_is_reported_to_its_caller_and_the_scorer_keeps
     plan = plan_of((a, 10))
     with pytest.raises(ScorerUnavailable, match="seq_len"):
         await scorer.decide(request(plan, {a: status()}, now=1.0, seq_len=-1))
-    assert (await scorer.decide(request(plan, {a: status()}, now=1.0))).worker == a
+    assert (await scorer.decide(request(plan, {a: status()}, now=1.0))).selection.worker == a
     health = scorer.health()
     assert (health.errors, health.decisions) == (1, 1)
     assert health.last_error is not None and "seq_len" in health.last_error
@@ -124,7 +125,7 @@ async def test_a_caller_that_left_before_its_turn_is_not_decided_or_recorded(
         with trio.move_on_after(0.01):  # the Scorer is not running yet: this caller gives up
             await scorer.decide(request(plan, {a: status()}, now=0.0))
         await nursery.start(scorer.run)
-        selection = await scorer.decide(request(plan, {a: status()}, now=1.0))
+        selection, _ = await scorer.decide(request(plan, {a: status()}, now=1.0))
         nursery.cancel_scope.cancel()
     health = scorer.health()
     assert (health.abandoned, health.decisions, health.policy.pending_charges) == (1, 1, 1)
@@ -140,7 +141,47 @@ async def test_a_contract_mismatch_is_logged_once_per_worker(
     plan = plan_of((a, 20), (b, None))
     with caplog.at_level(logging.WARNING, logger="actors.scorer"):
         for t in range(5):
-            selection = await scorer.decide(request(plan, {a: status(block_size=64), b: status()}, now=float(t)))
+            selection, _ = await scorer.decide(request(plan, {a: status(block_size=64), b: status()}, now=float(t)))
             assert dict(selection.drop_counts) == {DropReason.BLOCK_SIZE_MISMATCH: 1}
     messages = [r.getMessage() for r in caplog.records if r.name == "actors.scorer"]
     assert len(messages) == 1 and a.http_target in messages[0] and "block_size_mismatch" in messages[0]
+
+
+class SlowPolicy(CacheAffinityFirst):
+    """Every decision takes ``work_s`` of the mock clock, as CPU work in the Scorer's task would."""
+
+    def __init__(self, clock: trio.testing.MockClock, work_s: float) -> None:
+        super().__init__(ScorerConfig(), DeploymentConfig(block_size=BS))
+        self._clock = clock
+        self._work_s = work_s
+
+    def decide(self, *args: Any, **kwargs: Any) -> Selection:
+        self._clock.jump(self._work_s)
+        return super().decide(*args, **kwargs)
+
+
+async def test_the_reply_carries_the_policys_work_and_not_the_wait_in_the_inbox(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    scorer = Scorer(SlowPolicy(autojump_clock, 0.002), inbox_size=8, max_warned_workers=64)
+    a, b = addr(1), addr(2)
+    plan = plan_of((a, 10), (b, 10))
+    replies: list[tuple[float, Decided]] = []
+
+    async def caller(now: float) -> None:
+        sent = trio.current_time()
+        decided = await scorer.decide(request(plan, {a: status(), b: status()}, now=now))
+        replies.append((trio.current_time() - sent, decided))
+
+    async with trio.open_nursery() as service:
+        async with trio.open_nursery() as callers:
+            for i in range(3):
+                callers.start_soon(caller, float(i))
+            await trio.sleep(0.050)  # the Scorer's turn comes late: the three decisions wait in its inbox
+            await service.start(scorer.run)
+        service.cancel_scope.cancel()
+    assert len(replies) == 3
+    for waited, decided in replies:
+        assert waited == pytest.approx(0.056)  # the inbox, then all three decisions of the batch
+        assert decided.work_s == pytest.approx(0.002)  # its own decision only
+        assert decided.selection.worker in (a, b)

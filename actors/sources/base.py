@@ -86,6 +86,10 @@ class RequestContext:
     record: DecisionRecord | None = None  # filled by the sources when the decision log is on
     # What the sources observed for the metrics, sent with the decision (one message, not several).
     events: list[MetricEvent] = field(default_factory=list)
+    # The Scorer's own time on this request's decisions (seconds; None: none reached it). The SCORE
+    # stage is the hop's wall time, which also holds the wait in the Scorer's inbox behind the loop's
+    # other tasks: admission counts that wait as the loop's lag, not as the request's own time.
+    scorer_work_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.record is not None:

@@ -2,7 +2,8 @@
 
 The policy (owned by the Scorer actor) plans the candidates; the WorkerProber brings their
 statuses under the one global probe budget until ``decide_at`` (the split's probe window); the Scorer decides with what
-arrived. Every stage is timed into the request's ``stage_ms``.
+arrived. Every stage is timed into the request's ``stage_ms``; the Scorer's own work on the
+decision (without its inbox wait, which the SCORE stage holds) goes to ``scorer_work_s``.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class CandidateScoring:
         ctx.stages[Stage.PROBE] = ms(trio.current_time() - t)
 
         t = trio.current_time()
-        selection = await self._scorer.decide(
+        selection, work_s = await self._scorer.decide(
             DecideRequest(
                 plan=plan,
                 statuses=statuses,
@@ -120,6 +121,7 @@ class CandidateScoring:
             )
         )
         ctx.stages[Stage.SCORE] = ms(trio.current_time() - t)
+        ctx.scorer_work_s = work_s + (ctx.scorer_work_s or 0.0)  # a second cache source may score too
         if ctx.record is not None and arrivals is not None:
             r = ctx.record.received_at
             ledger_view = selection.sheet.ledger_view()
