@@ -7,6 +7,7 @@ is given back — never the speed: targets are the benchmark's business, not CI'
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections import Counter
@@ -15,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kvroute_sim.bench.cli import _router_setting, settings_problems
+from kvroute_sim.bench.harness import ClusterShape, router_config
 from kvroute_sim.bench.overload import LateSplit
 from kvroute_sim.bench.rate import RateResult, breakdown, knee
 from router.cli import main
@@ -190,3 +193,26 @@ def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:
     assert split.router_ms == pytest.approx((35.0, 35.0))
     assert split.way_back_ms == pytest.approx((4.0, 4.0))
     assert LateSplit.of([on_time]).late == 0
+
+
+def test_a_router_setting_reaches_every_view_the_bench_builds_and_their_routers_configs() -> None:
+    setting = _router_setting("slot-waiters=0")
+    assert setting == ("slot_waiters", 0)
+    _cluster, _network, view = ClusterShape(router_settings=(setting,)).in_memory()
+    assert view.router_settings == (setting,)
+    config = router_config(view, status_ttl_s=None)
+    assert config.serve.slot_waiters == 0
+    assert config.discovery.kvcm_bootstrap == view.kvcm_bootstrap  # the rest as before
+    plain = router_config(ClusterShape().in_memory()[2], status_ttl_s=None)
+    assert plain.serve.slot_waiters == 32
+
+
+def test_a_bad_router_setting_is_refused_naming_it() -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="nosuch=1"):
+        _router_setting("nosuch=1")
+    with pytest.raises(argparse.ArgumentTypeError, match="slot_waiters: expected an integer"):
+        _router_setting("slot_waiters=many")
+    assert settings_problems(()) == []
+    problems = settings_problems((("slot_waiters", 64),))
+    assert len(problems) == 1 and "--slot-waiters" in problems[0] and "handler threads" in problems[0]
+    assert main(["bench", "--only", "P7", "--router-setting", "grpc_max_workers=0"]) == 2

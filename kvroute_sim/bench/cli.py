@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kvroute_sim.bench import decision_cpu, latency, outage, overload, processes, quality, rate, soak, throughput
 from kvroute_sim.bench.cpus import Placement, pinned_bench_process
-from kvroute_sim.bench.harness import ClusterShape
+from kvroute_sim.bench.harness import ClusterShape, ClusterView, router_config
 from kvroute_sim.bench.latency import LatencySizes
 from kvroute_sim.bench.outage import OutageSizes
 from kvroute_sim.bench.overload import LoadSizes
@@ -36,6 +36,7 @@ from kvroute_sim.bench.raw_grpc import RawClient
 from kvroute_sim.bench.results import BenchReport
 from kvroute_sim.bench.simproc import sim_process
 from kvroute_sim.bench.throughput import ThroughputSizes
+from router.settings import BY_NAME, Origin, SettingValueError, SourceKind, validate
 
 FIGURES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "soak")
 DEFAULT_OUT = "bench-results.json"
@@ -119,6 +120,45 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=f"JSON results (default {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, default=0, help="seed for the decision-CPU cases")
+    parser.add_argument(
+        "--router-setting",
+        type=_router_setting,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set one router setting (repeatable; the names of kvroute check-config) for every figure that opens "
+        "a router, e.g. slot_waiters=0: compare two settings in the same build, with no other change",
+    )
+
+
+def settings_problems(router_settings: tuple[tuple[str, object], ...]) -> list[str]:
+    """What the settings validation finds in the bench's router configuration with ``router_settings``
+    and not without them (every value's range and form, each section's rules, the joint rules; the
+    cluster's addresses are placeholders here)."""
+
+    def problems(chosen: tuple[tuple[str, object], ...]) -> list[str]:
+        view = ClusterView("127.0.0.1:1", "127.0.0.1:2", ClusterShape().block_size, (), chosen)
+        origins = {name: Origin(SourceKind.FLAG, "--router-setting") for name, _ in chosen}
+        return [str(p) for p in validate(router_config(view, status_ttl_s=None), origins)]
+
+    baseline = set(problems(()))
+    return [p for p in problems(router_settings) if p not in baseline]
+
+
+def _router_setting(text: str) -> tuple[str, object]:
+    """NAME=VALUE parsed by the settings table (its ranges and joint rules: ``settings_problems``)."""
+    name, sep, raw = text.partition("=")
+    name = name.strip().replace("-", "_").removeprefix("__")
+    setting = BY_NAME.get(name)
+    if not sep or setting is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME=VALUE with a router setting name (see kvroute check-config --help)"
+        )
+    try:
+        value = setting.parse_text(raw)
+    except SettingValueError as exc:
+        raise argparse.ArgumentTypeError(f"{name}: {exc}") from None
+    return name, value
 
 
 def _selected(args: argparse.Namespace) -> frozenset[str]:
@@ -132,6 +172,10 @@ def _selected(args: argparse.Namespace) -> frozenset[str]:
 def run(args: argparse.Namespace) -> int:
     sizes = QUICK if args.quick else FULL
     selected = _selected(args)
+    problems = settings_problems(tuple(args.router_setting))
+    if problems:
+        print("kvroute bench: --router-setting:\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr)
+        return 2
     with pinned_bench_process() as placement:
         report = BenchReport(
             meta={
@@ -157,7 +201,8 @@ def _measure(
     report: BenchReport, selected: frozenset[str], sizes: Sizes, placement: Placement, args: argparse.Namespace
 ) -> None:
     """Each selected figure in turn (the raw floor before the router rows it is compared with)."""
-    shape = ClusterShape()
+    shape = ClusterShape(router_settings=tuple(args.router_setting))
+    report.meta["router_settings"] = {name: str(value) for name, value in args.router_setting}
     seconds: dict[str, float] = {}
     report.meta["seconds"] = seconds
 

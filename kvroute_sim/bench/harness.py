@@ -20,6 +20,7 @@ from kvroute_sim.sim.traffic import TrafficSpec, seed_prefixes
 from kvroute_sim.sim.worker import WorkerSpec
 from router.api import RouteDecision, RouteRequest, RouterHandle
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, ProberConfig
+from router.settings import with_value
 from router.transport.memory_adapter import MemoryNetwork
 
 WARM_TTL_S = 600.0  # "warm": a status probed once stays fresh for the whole figure
@@ -35,6 +36,8 @@ class ClusterView:
     workers_arg: str
     block_size: int
     prompts: tuple[tuple[int, ...], ...]  # block keys of the seeded prompts
+    # Router settings every figure's router gets on top of the defaults (``--router-setting``), parsed.
+    router_settings: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,7 @@ class ClusterShape:
     prompt_tokens: int = 8192  # each seeded group's system prompt
     groups: int = 4
     holders_per_group: int = 2
+    router_settings: tuple[tuple[str, object], ...] = ()  # passed on to every view (ClusterView)
 
     def build(self) -> SimCluster:
         spec = replace(WorkerSpec(), block_size=self.block_size)
@@ -62,7 +66,11 @@ class ClusterShape:
         )
         seeded = seed_prefixes(cluster, traffic)
         return ClusterView(
-            addresses.kvcm_bootstrap, addresses.workers_arg, self.block_size, tuple(p.block_keys for p in seeded)
+            addresses.kvcm_bootstrap,
+            addresses.workers_arg,
+            self.block_size,
+            tuple(p.block_keys for p in seeded),
+            router_settings=self.router_settings,
         )
 
     def in_memory(self) -> tuple[SimCluster, MemoryNetwork, ClusterView]:
@@ -77,11 +85,14 @@ def router_config(cluster: ClusterView, *, status_ttl_s: float | None) -> Kvrout
     prober = ProberConfig()
     if status_ttl_s is not None:
         prober = replace(prober, fresh_ttl_s=status_ttl_s, max_status_age_s=max(status_ttl_s, prober.max_status_age_s))
-    return KvrouteConfig(
+    config = KvrouteConfig(
         deployment=replace(DeploymentConfig(), block_size=cluster.block_size),
         discovery=replace(DiscoveryConfig(), kvcm_bootstrap=cluster.kvcm_bootstrap, workers=cluster.workers_arg),
         prober=prober,
     )
+    for name, value in cluster.router_settings:
+        config = with_value(config, name, value)
+    return config
 
 
 class Requests:

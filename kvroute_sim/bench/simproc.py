@@ -62,6 +62,7 @@ def _parse(pid: int, shape: ClusterShape, line: str) -> SimProcess:
         workers_arg=",".join(w.http_target for w in workers),
         block_size=shape.block_size,
         prompts=tuple(tuple(p["block_keys"]) for p in document["seeded_prefixes"]),
+        router_settings=shape.router_settings,
     )
     return SimProcess(pid=pid, view=view, leader_target=nodes[document["kvcm_leader"]], workers=workers)
 

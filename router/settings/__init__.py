@@ -49,6 +49,7 @@ from router.settings.table import (
     is_secret_field,
     parse_listen,
     value_of,
+    with_value,
 )
 from router.settings.validate import SECTION_PROBLEMS, FileChecks, SettingProblem, validate
 
@@ -93,4 +94,5 @@ __all__ = [
     "resolve_config",
     "validate",
     "value_of",
+    "with_value",
 ]

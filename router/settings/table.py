@@ -881,3 +881,10 @@ def value_of(config: KvrouteConfig, name: str) -> Any:
     s = BY_NAME[name]
     return getattr(getattr(config, s.section), s.field)
 
+
+def with_value(config: KvrouteConfig, name: str, value: object) -> KvrouteConfig:
+    """``config`` with the setting ``name`` set to ``value`` (already parsed; not validated here)."""
+    s = BY_NAME[name]
+    section = dataclasses.replace(getattr(config, s.section), **{s.field: value})
+    return dataclasses.replace(config, **{s.section: section})
+
