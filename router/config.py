@@ -262,8 +262,9 @@ class ServeConfig:
     # sidecar handler threads; also the most Route calls in flight (more: refused)
     grpc_max_workers: int = bounded(64, 0, 10_000, low_open=True)
     # Route calls that may wait on their handler threads for a place in the router when its in-flight
-    # limit is reached (0: such a call is answered overloaded at once); fewer than grpc_max_workers.
-    slot_waiters: int = bounded(32, 0, 10_000)
+    # limit is reached (0, the default: such a call is answered overloaded at once); fewer than
+    # grpc_max_workers.
+    slot_waiters: int = bounded(0, 0, 10_000)
     # Router processes sharing the gRPC port (SO_REUSEPORT); above 1 a supervising parent runs them.
     processes: int = bounded(1, 1, 64)
     # Bearer token every debug path but /healthz requires (empty: none); given directly or read from a file.

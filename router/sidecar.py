@@ -18,7 +18,7 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
   (``InFlightLimit``: it shrinks when handed-off calls come back late, grows when they come back
   early, never beyond ``--router-max-in-flight``; below one it is a duty cycle), gets one of the
   router's published ``overloaded`` answers at once (a request naming roles always goes to the
-  router). Up to ``--slot-waiters`` calls that find the limit reached wait for a place instead,
+  router). Up to ``--slot-waiters`` calls (default none) that find the limit reached wait for a place instead,
   each at most a quarter of its time left (and never past what leaves the estimate covered), and
   are answered ``overloaded`` if none comes: under a closed loop a caller answered at once calls
   again at once, and those sheds take the CPU the routed calls need.

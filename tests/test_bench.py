@@ -196,15 +196,15 @@ def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:
 
 
 def test_a_router_setting_reaches_every_view_the_bench_builds_and_their_routers_configs() -> None:
-    setting = _router_setting("slot-waiters=0")
-    assert setting == ("slot_waiters", 0)
+    setting = _router_setting("slot-waiters=16")
+    assert setting == ("slot_waiters", 16)
     _cluster, _network, view = ClusterShape(router_settings=(setting,)).in_memory()
     assert view.router_settings == (setting,)
     config = router_config(view, status_ttl_s=None)
-    assert config.serve.slot_waiters == 0
+    assert config.serve.slot_waiters == 16
     assert config.discovery.kvcm_bootstrap == view.kvcm_bootstrap  # the rest as before
     plain = router_config(ClusterShape().in_memory()[2], status_ttl_s=None)
-    assert plain.serve.slot_waiters == 32
+    assert plain.serve.slot_waiters == 0
 
 
 def test_a_bad_router_setting_is_refused_naming_it() -> None:

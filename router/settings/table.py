@@ -698,7 +698,8 @@ _SPECS: dict[str, _Spec] = {
     "serve.slot_waiters": _Spec(
         "kvroute serve: Route calls that may wait on their handler threads for a place in the router when "
         "its learnt in-flight limit is reached, each at most a quarter of its time left and while the rest "
-        "covers the admission estimate (then it is answered overloaded); 0 = answered overloaded at once",
+        "covers the admission estimate (then it is answered overloaded); 0 (the default) = answered overloaded "
+        "at once",
     ),
     "serve.processes": _Spec(
         "kvroute serve: independent router processes sharing the Route gRPC port (SO_REUSEPORT), "
