@@ -20,6 +20,7 @@ from kvroute_sim.bench.cli import _router_setting, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, router_config
 from kvroute_sim.bench.overload import LateSplit
 from kvroute_sim.bench.rate import RateResult, breakdown, knee
+from kvroute_sim.bench.raw_grpc import paced, slot_wait
 from router.cli import main
 from router.sidecar import CallTiming
 
@@ -96,6 +97,10 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         if r["answered_by_sidecar"]:  # where the time went: the router's share, the sidecar's own path
             assert r["router_p50_ms"] >= 0 and 0 <= r["own_path_p50_ms"] <= r["sidecar_p99_ms"]
         assert r["cpu_ms_per_call"] > 0
+        # the plain client's floor beside it: one query per call sent, up to the quick cap
+        assert r["floor_queries"] == min(r["sent"], 20)
+        assert 0 < r["floor_query_p50_ms"] <= r["floor_query_p99_ms"]
+    assert "plain client's KVCM query at this rate" in by_key["P8"]["result"]
     assert by_key["P8"]["data"]["knee"] in {None, 50, 100, 200, 400, 800}
     soak = by_key["soak"]["data"]
     assert soak["requests"] == 2_000 and soak["warm_up"] == 1_000
@@ -121,6 +126,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
     assert "P5 policy table (the demo's):" in printed
     assert "P7 load curve" in printed
     assert "P8 latency against offered rate" in printed
+    assert "plain query p50/p99 ms" in printed
 
 
 def test_soak_alone_runs_only_the_soak(tmp_path: Path) -> None:
@@ -158,6 +164,30 @@ def test_p8_knee_is_where_p99_doubles_or_fallbacks_pass_two_percent() -> None:
     assert knee([at(50, 3.0, fallbacks=2)]) is None
 
 
+def test_p8_floor_calls_keep_the_open_loop_schedule_and_start_at_once_after_an_overrun() -> None:
+    now = [100.0]
+    started: list[float] = []
+    slept: list[float] = []
+    durations = [0.005, 0.025, 0.002, 0.002, 0.002]  # call 1 overruns its 10 ms slot by 20 ms
+
+    def call(i: int) -> None:
+        started.append(now[0] - 100.0)
+        now[0] += durations[i]
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    samples = paced(len(durations), 100.0, call, clock=lambda: now[0], sleep=sleep)
+
+    # slots at 0, 10, 20, 30, 40 ms: calls 2 and 3 are late and start at once, call 4 waits for its slot
+    assert started == pytest.approx([0.0, 0.010, 0.035, 0.037, 0.040])
+    assert slept == pytest.approx([0.005, 0.001])  # only ahead of a slot, never a negative sleep
+    assert samples == pytest.approx([5.0, 25.0, 2.0, 2.0, 2.0])  # each call's own time, not its lateness
+    assert slot_wait(0.0, 3, 100.0, now=0.05) == 0.0
+    assert slot_wait(0.0, 3, 100.0, now=0.01) == pytest.approx(0.02)
+
+
 def test_p8_breakdown_splits_each_call_into_the_routers_time_its_query_and_the_sidecars_own_path() -> None:
     routed = CallTiming(elapsed_s=0.010, allowed_s=0.03, router_s=0.007, query_s=0.004)
     shed = CallTiming(elapsed_s=0.001, allowed_s=0.03, router_s=0.0005)  # answered overloaded on the handler thread
@@ -177,9 +207,12 @@ def test_p8_breakdown_splits_each_call_into_the_routers_time_its_query_and_the_s
         query_ms=query_ms,
         own_path_ms=own_ms,
         cpu_ms_per_call=5.0,
+        floor_query_ms=(2.0, 3.0),
     ).to_json()
     assert result["kvcm_query_p50_ms"] == 4.0 and result["cpu_ms_per_call"] == 5.0
-    assert RateResult(100, 1, 1.0, (), (), Counter(), Counter()).to_json()["router_p50_ms"] is None
+    assert result["floor_queries"] == 2 and result["floor_query_p50_ms"] == 2.0
+    empty = RateResult(100, 1, 1.0, (), (), Counter(), Counter()).to_json()
+    assert empty["router_p50_ms"] is None and empty["floor_query_p99_ms"] is None
 
 
 def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:

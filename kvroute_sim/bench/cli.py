@@ -7,9 +7,9 @@ window of the same work lists the top costs under the table.
 Where things run: the simulators for P2/P3/P7/P8 in a child process (``kvroute sim-cluster
 --print-json``, always stopped at the end); P4 in this process over loopback gRPC, so its
 fault knobs can be switched directly; P7's sidecar in this process, its callers in a second child
-on the simulators' CPUs; P8's sidecar and its client thread in this process; P3 (memory), P5's
-baselines and the soak in memory; P9's ``kvroute serve`` process trees on every CPU the run was
-allowed, its client threads in this process.
+on the simulators' CPUs; P8's sidecar and the plain client of its floor column in this process, its
+caller in such a second child; P3 (memory), P5's baselines and the soak in memory; P9's ``kvroute
+serve`` process trees on every CPU the run was allowed, its client threads in this process.
 This process is pinned to one CPU for the run (the child gets the others), so "one core"
 holds for the router and for the raw client it is compared with.
 """
@@ -64,7 +64,7 @@ FULL = Sizes(
     throughput_grpc=ThroughputSizes(rounds=3, decisions_per_round=3_000, concurrency=8, warm_up=500),
     outage=OutageSizes(healthy=1_000, outage=2_000, detect_max=100, warm_up=100),
     load=LoadSizes(calls_per_level=(500, 2_000, 3_000, 3_000), max_level_s=12.0, warm_up=200),
-    rate=RateSizes(seconds_per_rate=5.0, warm_up=200),
+    rate=RateSizes(seconds_per_rate=5.0, warm_up=200, floor_calls=500),
     processes=ProcessSizes(calls=6_000, max_level_s=20.0),
     soak_requests=50_000,
     child_duration_s=900.0,
@@ -76,7 +76,7 @@ QUICK = Sizes(
     throughput_grpc=ThroughputSizes(rounds=1, decisions_per_round=300, concurrency=8, warm_up=50),
     outage=OutageSizes(healthy=100, outage=200, detect_max=100, warm_up=20),
     load=LoadSizes(calls_per_level=(50, 200, 320, 512), max_level_s=3.0, warm_up=20),
-    rate=RateSizes(seconds_per_rate=0.4, warm_up=20),
+    rate=RateSizes(seconds_per_rate=0.4, warm_up=20, floor_calls=20),
     processes=ProcessSizes(calls=300, max_level_s=5.0),
     soak_requests=2_000,
     child_duration_s=300.0,
@@ -233,7 +233,11 @@ def _measure(
             if "P7" in selected:
                 timed("P7", lambda: overload.measure(report, sim.view, sizes.load, placement.child))
             if "P8" in selected:
-                timed("P8", lambda: rate.measure(report, sim.view, sizes.rate, placement.child))
+                raw = RawClient(sim)
+                try:
+                    timed("P8", lambda: rate.measure(report, sim.view, raw, sizes.rate, placement.child))
+                finally:
+                    raw.close()
             if "P9" in selected:
                 everywhere = placement.bench | placement.child if placement.bench and placement.child else None
                 timed("P9", lambda: processes.measure(report, sim.view, sizes.processes, everywhere))

@@ -16,6 +16,11 @@ Where the time goes, per rate: the router's own time per decision (its stage ``t
 query within it (stage ``cache_query``, one remote call), the sidecar's own path (receipt to reply
 less the router's time: decoding, the hop to the trio thread and back, encoding), and this
 process's CPU per call over the rate's run (the sidecar, the router and its background work).
+
+Beside them, the floor: right after each rate's sidecar run, a plain blocking grpcio client
+(``RawClient``) in this process, on the same core, with the router's background work still
+running, makes bare GetHostCacheState calls on the same open-loop schedule. The sidecar makes
+exactly this call per steady-state decision, so its receipt-to-reply cannot beat this column.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import trio
 from kvroute_sim.bench.callers import Level, caller_process
 from kvroute_sim.bench.harness import ClusterView
 from kvroute_sim.bench.overload import reply_outcomes, route_requests, serving_sidecar
+from kvroute_sim.bench.raw_grpc import RawClient
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import percentile
 from router.sidecar import CallTiming
@@ -43,6 +49,7 @@ P99_TARGET_MS = 5.0
 KNEE_TARGET = 500  # calls/s: the knee must lie beyond it
 KNEE_P99_FACTOR = 2.0
 KNEE_FALLBACK_SHARE = 0.02
+FLOOR_WARM_UP = 20  # the plain client's untimed calls (connections, server threads)
 OPEN_LOOP_SLACK = 3.0  # a rate's sends stop after this many times its planned seconds (a stalled client)
 
 
@@ -50,6 +57,7 @@ OPEN_LOOP_SLACK = 3.0  # a rate's sends stop after this many times its planned s
 class RateSizes:
     seconds_per_rate: float
     warm_up: int  # routes before the sidecar starts (in process), then as many calls at the lowest rate
+    floor_calls: int  # the plain client's queries per rate: at most this many, at most the rate's calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +73,7 @@ class RateResult:
     query_ms: tuple[float, ...] = ()  # the KVCM query stage, calls that made one
     own_path_ms: tuple[float, ...] = ()  # the sidecar's own path per answered call
     cpu_ms_per_call: float = 0.0  # this process's CPU over the rate's run, per call sent
+    floor_query_ms: tuple[float, ...] = ()  # a plain client's bare KVCM query at this rate, after the run
 
     def p(self, q: float) -> float:
         return percentile(self.sidecar_ms, q) if self.sidecar_ms else float("inf")
@@ -95,6 +104,9 @@ class RateResult:
             "own_path_p50_ms": _p(self.own_path_ms, 50),
             "own_path_p99_ms": _p(self.own_path_ms, 99),
             "cpu_ms_per_call": self.cpu_ms_per_call,
+            "floor_queries": len(self.floor_query_ms),
+            "floor_query_p50_ms": _p(self.floor_query_ms, 50),
+            "floor_query_p99_ms": _p(self.floor_query_ms, 99),
             "errors": dict(self.errors.most_common()),
             "outcomes": dict(self.outcomes.most_common()),
         }
@@ -127,9 +139,11 @@ def knee(results: Sequence[RateResult]) -> int | None:
     return None
 
 
-async def _run(view: ClusterView, sizes: RateSizes, caller_cpus: Set[int] | None) -> list[RateResult]:
+async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus: Set[int] | None) -> list[RateResult]:
     results: list[RateResult] = []
     async with serving_sidecar(view, "p8", sizes.warm_up) as (sidecar, bound, _):
+        # Blocking calls go to a thread throughout, so the trio loop and the router keep running.
+        await trio.to_thread.run_sync(raw.warm_up, FLOOR_WARM_UP)
         max_s = OPEN_LOOP_SLACK * sizes.seconds_per_rate
         # The client runs in its own process (grpc.aio, one open loop): a client thread here
         # would share this process's core and GIL with the sidecar it measures.
@@ -148,6 +162,8 @@ async def _run(view: ClusterView, sizes: RateSizes, caller_cpus: Set[int] | None
                 seen = run.results[0]
                 timings = sidecar.take_call_timings()
                 router_ms, query_ms, own_path_ms = breakdown(timings)
+                floor_calls = min(len(requests), sizes.floor_calls)
+                floor_ms = await trio.to_thread.run_sync(raw.paced_cache_queries, floor_calls, rate)
                 results.append(
                     RateResult(
                         rate=rate,
@@ -161,6 +177,7 @@ async def _run(view: ClusterView, sizes: RateSizes, caller_cpus: Set[int] | None
                         query_ms=query_ms,
                         own_path_ms=own_path_ms,
                         cpu_ms_per_call=cpu_s * 1e3 / len(requests),
+                        floor_query_ms=tuple(floor_ms),
                     )
                 )
     return results
@@ -173,7 +190,7 @@ def _ms(value: float | None) -> str:
 def _curve(results: Sequence[RateResult]) -> str:
     lines = [
         "rate/s | calls | sidecar p50 ms | sidecar p99 ms | client p99 ms | fallbacks | failed calls"
-        " | router p50/p99 ms | kvcm query p50/p99 ms | own path p50/p99 ms | CPU ms/call"
+        " | router p50/p99 ms | kvcm query p50/p99 ms | plain query p50/p99 ms | own path p50/p99 ms | CPU ms/call"
     ]
     for r in results:
         client_p99 = percentile(r.client_ms, 99) if r.client_ms else float("nan")
@@ -183,20 +200,30 @@ def _curve(results: Sequence[RateResult]) -> str:
             + (", ".join(f"{code} {n}" for code, n in r.errors.most_common()) or "-")
             + f" | {_ms(_p(r.router_ms, 50))}/{_ms(_p(r.router_ms, 99))}"
             f" | {_ms(_p(r.query_ms, 50))}/{_ms(_p(r.query_ms, 99))}"
+            f" | {_ms(_p(r.floor_query_ms, 50))}/{_ms(_p(r.floor_query_ms, 99))}"
             f" | {_ms(_p(r.own_path_ms, 50))}/{_ms(_p(r.own_path_ms, 99))} | {r.cpu_ms_per_call:.2f}"
         )
     return "\n".join(lines)
 
 
-def measure(report: BenchReport, view: ClusterView, sizes: RateSizes, caller_cpus: Set[int] | None = None) -> None:
-    """``caller_cpus``: where the client's process runs (None: anywhere)."""
-    results = trio.run(_run, view, sizes, caller_cpus)
+def measure(
+    report: BenchReport, view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus: Set[int] | None = None
+) -> None:
+    """``raw``: the plain client of the floor column (the caller opens and closes it);
+    ``caller_cpus``: where the client's process runs (None: anywhere)."""
+    results = trio.run(_run, view, raw, sizes, caller_cpus)
     at_target = next(r for r in results if r.rate == TARGET_RATE)
     found = knee(results)
     met = (
         at_target.p(50) <= P50_TARGET_MS and at_target.p(99) <= P99_TARGET_MS and (found is None or found > KNEE_TARGET)
     )
     knee_text = f"knee at {found}/s" if found is not None else f"no knee up to {RATES[-1]}/s"
+    floor_text = (
+        f" (a plain client's KVCM query at this rate: p50 {percentile(at_target.floor_query_ms, 50):.2f}, "
+        f"p99 {percentile(at_target.floor_query_ms, 99):.2f} ms)"
+        if at_target.floor_query_ms
+        else ""
+    )
     report.figures.append(
         Figure(
             "P8",
@@ -204,7 +231,7 @@ def measure(report: BenchReport, view: ClusterView, sizes: RateSizes, caller_cpu
             f"over loopback gRPC (sims in a separate process), budget {BUDGET_MS} ms; knee: p99 × "
             f"{KNEE_P99_FACTOR:.0f} the lowest rate's or fallbacks > {KNEE_FALLBACK_SHARE:.0%}",
             f"at {TARGET_RATE}/s p50 {at_target.p(50):.2f} ms, p99 {at_target.p(99):.2f} ms, fallbacks "
-            f"{at_target.fallback_share:.1%}; {knee_text}",
+            f"{at_target.fallback_share:.1%}{floor_text}; {knee_text}",
             f"p50 ≤ {P50_TARGET_MS:.0f} ms and p99 ≤ {P99_TARGET_MS:.0f} ms at {TARGET_RATE}/s; knee > {KNEE_TARGET}/s",
             Verdict.MET if met else Verdict.MISSED,
             {

@@ -8,12 +8,15 @@
 - ``concurrent_rate``: GetHostCacheState calls per second with a window of calls in
   flight (``.future()``; a completion frees a slot): what a warm-cache route issues per
   decision, at the concurrency the router is driven with.
+- ``paced_cache_queries``: bare GetHostCacheState calls one at a time on an open-loop schedule
+  (``paced``): P8's floor at each rate, the one remote call a steady-state decision makes.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,6 +29,35 @@ from router.types import CacheQuery
 from router.wire import decode, paths
 
 CALL_TIMEOUT_S = 10.0
+
+
+def slot_wait(start: float, i: int, rate_per_s: float, now: float) -> float:
+    """Seconds to wait at ``now`` before call ``i`` of a schedule begun at ``start`` (call i at
+    start + i / rate): never negative, so a call after an overrun starts at once."""
+    return max(0.0, start + i / rate_per_s - now)
+
+
+def paced(
+    calls: int,
+    rate_per_s: float,
+    call: Callable[[int], object],
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[float]:
+    """``call(i)`` for each i, one at a time, call i at start + i / ``rate_per_s`` (or at once when
+    the one before overran its slot); wall-clock ms of each from its start to its return, so a late
+    start is not counted as the call's own time (as the sidecar's receipt-to-reply does not count
+    gRPC's queueing)."""
+    samples: list[float] = []
+    start = clock()
+    for i in range(calls):
+        wait = slot_wait(start, i, rate_per_s, clock())
+        if wait > 0:
+            sleep(wait)
+        began = clock()
+        call(i)
+        samples.append((clock() - began) * 1e3)
+    return samples
 
 
 @dataclass(slots=True)
@@ -88,6 +120,14 @@ class RawClient:
             self._workers[i % len(self._workers)](self._status_request, timeout=CALL_TIMEOUT_S)
             into.cache_query_ms.append((middle - start) * 1e3)
             into.worker_status_ms.append((time.perf_counter() - middle) * 1e3)
+
+    def paced_cache_queries(self, calls: int, rate_per_s: float) -> list[float]:
+        """``calls`` bare GetHostCacheState calls on ``paced``'s open-loop schedule; ms of each."""
+
+        def query(i: int) -> object:
+            return self._kvcm(self._queries[i % len(self._queries)], timeout=CALL_TIMEOUT_S)
+
+        return paced(calls, rate_per_s, query)
 
     def fanout(self, calls: int, width: int, into: list[float]) -> None:
         """``calls`` times: one bare GetHostCacheState, then ``width`` bare GetWorkerStatus calls to
