@@ -99,7 +99,7 @@ from actors.probe_budget import (
 from router.config import ProberConfig
 from router.problems import refuse
 from router.transport.errors import TransportError, Unavailable
-from router.transport.ports import WorkerStatusTransport
+from router.transport.ports import WorkerStatusAsk, WorkerStatusTransport
 from router.types import Role, WorkerAddr, WorkerStatus
 
 _NEVER = float("-inf")
@@ -787,14 +787,18 @@ class WorkerProber:
         self._launch(flight, now)
         return flight
 
-    def _launch(self, flight: _Flight, now: float) -> None:
-        """The worker's one flight from now on, counted and flying."""
+    def _launch(self, flight: _Flight, now: float, batch: list[_Flight] | None = None) -> None:
+        """The worker's one flight from now on, counted and flying (with ``batch``: flown with the rest
+        of the batch by one task, see ``_fly_in_turn``)."""
         assert self._nursery is not None
         flight.state.flight = flight
         flight.state.started_at = now
         self._flights.add(flight)
         self._pending_probes += 1
-        self._nursery.start_soon(self._fly, flight)
+        if batch is None:
+            self._nursery.start_soon(self._fly, flight)
+        else:
+            batch.append(flight)
 
     def _skip(self, worker: WorkerAddr, reason: SkipReason) -> ProbeResult:
         self._skipped[reason] += 1
@@ -853,6 +857,7 @@ class WorkerProber:
         next_due = now + interval
         pull_by = now + _ALIGN_WITHIN * interval
         polls = short = idle = 0
+        batch: list[_Flight] | None = [] if self._config.serial_refresh else None
         for worker in reversed(hot):  # the most recently wanted first, should the budget run short
             state = self._workers[worker]
             due = state.started_at + interval
@@ -860,12 +865,17 @@ class WorkerProber:
                 if not self._in_use(worker, now):
                     idle += 1
                     due = now + interval  # looked at again then: a read meanwhile resumes its polls
-                elif self._refresh_one(worker, state, now):
+                elif self._refresh_one(worker, state, now, batch):
                     polls += 1
                     due = now + interval
                 else:
                     short += 1
             next_due = min(next_due, due)
+        if batch:
+            assert self._nursery is not None
+            # Workers whose last probe failed last: one that hangs takes the rest of the round's time.
+            batch.sort(key=lambda flight: flight.state.consecutive_failures > 0)
+            self._nursery.start_soon(self._fly_in_turn, batch)
         self._refresh_polls += polls
         self._refresh_short += short
         self._refresh_idle += idle
@@ -885,7 +895,7 @@ class WorkerProber:
         keep = min(max(self._config.refresh_idle_gaps * read.gap, self._min_keep_s), self._config.hot_window_s)
         return now - read.at <= keep
 
-    def _refresh_one(self, worker: WorkerAddr, state: _WorkerState, now: float) -> bool:
+    def _refresh_one(self, worker: WorkerAddr, state: _WorkerState, now: float, batch: list[_Flight] | None) -> bool:
         """Start a poll only with what requests leave: a free slot nobody queues for, a token beyond
         the part of the burst kept for requests, within the refresh share of the rate."""
         if self._refresh_inflight >= self._refresh_slots or self._pending_probes >= self._config.max_tracked_workers:
@@ -903,7 +913,7 @@ class WorkerProber:
         self._bucket.take(now)
         flight.slot = True
         self._refresh_inflight += 1
-        self._launch(flight, now)
+        self._launch(flight, now, batch)
         return True
 
     def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> None:
@@ -963,6 +973,34 @@ class WorkerProber:
             self._send.send_nowait(landed)  # the common case: room in the inbox, no extra schedule point
         except trio.WouldBlock:
             await self._send.send(landed)  # never dropped: the owner drains the inbox without waiting
+
+    async def _fly_in_turn(self, flights: list[_Flight]) -> None:
+        """A refresh round's polls (each holding its slot and token already), made one after another
+        by one transport call within probe_timeout_s; each lands as its own probe would have. A poll
+        the round's time did not reach lands as no budget: its token goes back, nothing is counted
+        against the worker."""
+        inflight = self._limiter.borrowed_tokens
+        for flight in flights:
+            flight.phase = _Phase.RPC
+        asks = [WorkerStatusAsk(f.worker.status_target, f.state.latest_finished_version) for f in flights]
+        try:
+            replies = await self._transport.get_worker_statuses(asks, self._config.probe_timeout_s)
+        finally:
+            for flight in flights:
+                self._limiter.release_on_behalf_of(flight)
+        now = trio.current_time()
+        for flight, reply in zip(flights, replies, strict=True):
+            landed = _Landed(flight, at=now, inflight=inflight)
+            if reply is None:
+                landed.no_budget = True
+            elif isinstance(reply, TransportError):
+                landed.error_kind = reply.kind
+            else:
+                landed.status = reply
+            try:
+                self._send.send_nowait(landed)
+            except trio.WouldBlock:
+                await self._send.send(landed)  # never dropped: the owner drains the inbox without waiting
 
     async def _take_budget(self, flight: _Flight) -> bool:
         """Wait for the flight's token, then an in-flight slot, before its requesters' latest deadline."""

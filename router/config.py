@@ -126,6 +126,10 @@ class ProberConfig:
     # A hot worker is polled only while a request read it within this many of its usual gaps between
     # reads (at least two refresh intervals, at most hot_window_s): polls stop soon after reads stop.
     refresh_idle_gaps: float = bounded(8.0, 0, 1000, low_open=True)
+    # A round's polls are made one after another by one transport call (over gRPC: blocking calls on one
+    # worker thread) instead of a task and an asynchronous call each: grpcio starts a thread of its own
+    # for every call on an idle channel, which a blocking call does not.
+    serial_refresh: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,7 @@ def make_config(cluster_addrs_bootstrap: str, workers: str, **router_kw: object)
     deployment_roles = router_kw.pop("roles", (Role.PREFILL,))
     health_interval_s = router_kw.pop("health_interval_s", 0.0)
     background_refresh = router_kw.pop("background_refresh", False)
+    serial_refresh = router_kw.pop("serial_refresh", False)
     return KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, roles=deployment_roles),  # type: ignore[arg-type]
         router=RouterConfig(**router_kw),  # type: ignore[arg-type]
@@ -71,6 +72,7 @@ def make_config(cluster_addrs_bootstrap: str, workers: str, **router_kw: object)
         prober=ProberConfig(
             health_interval_s=health_interval_s,  # type: ignore[arg-type]
             background_refresh=background_refresh,  # type: ignore[arg-type]
+            serial_refresh=serial_refresh,  # type: ignore[arg-type]
         ),
     )
 

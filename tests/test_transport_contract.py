@@ -29,8 +29,8 @@ from router.transport.clients import KvcmClient, WorkerStatusClient
 from router.transport.errors import DeadlineExceeded, GarbledReply, NotLeader, RemoteError, Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.memory_adapter import MemoryNetwork
-from router.transport.ports import RawRpc
-from router.types import CacheQuery, HostMatch, QueryType, Role
+from router.transport.ports import RawRpc, WorkerStatusAsk
+from router.types import CacheQuery, HostMatch, QueryType, Role, WorkerStatus
 from router.wire import kvcm_meta_pb2 as kvcm_pb
 from router.wire import paths
 
@@ -295,3 +295,35 @@ async def test_worker_status_decodes(clock: object, harness: Harness) -> None:
         harness.cluster.workers[1].set_faults(WorkerFaults(status_version_zero=True, not_alive=True))
         other = await harness.status.get_worker_status(pdfusion.status_target, -1)
         assert (other.status_version, other.alive) == (0, False)
+
+
+async def test_worker_statuses_in_turn_fail_one_by_one_and_share_one_time_allowance(
+    clock: object, harness: Harness
+) -> None:
+    with trio.fail_after(LIMIT_S):
+        prefill, pdfusion = (w.status_target for w in harness.addresses.workers)
+        harness.cluster.workers[1].set_faults(WorkerFaults(garbled=Garble.UNDECODABLE))
+        asks = [
+            WorkerStatusAsk(prefill, -1),
+            WorkerStatusAsk(harness.refused_target, -1),
+            WorkerStatusAsk(pdfusion, -1),
+        ]
+        first, refused, garbled = await harness.status.get_worker_statuses(asks, 5.0)
+        assert isinstance(first, WorkerStatus) and first.role is Role.PREFILL and first.alive
+        assert isinstance(refused, Unavailable)
+        assert isinstance(garbled, GarbledReply)
+
+        # A hung worker takes what is left of the allowance: the asks after it are not made.
+        harness.cluster.workers[1].set_faults(WorkerFaults(hang=True))
+        within_s = 0.3
+        start = trio.current_time()
+        hung, after = await harness.status.get_worker_statuses(
+            [WorkerStatusAsk(pdfusion, -1), WorkerStatusAsk(prefill, -1)], within_s
+        )
+        elapsed = trio.current_time() - start
+        assert isinstance(hung, DeadlineExceeded)
+        assert after is None
+        assert elapsed >= within_s - 0.01
+        if harness.adapter == "memory":
+            assert elapsed == pytest.approx(within_s)
+        assert await harness.status.get_worker_statuses([], within_s) == []

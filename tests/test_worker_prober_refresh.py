@@ -56,15 +56,18 @@ async def want(prober: WorkerProber, fleet: list[WorkerAddr], within_s: float = 
     return sum(r.from_cache for r in results), sum(r.background for r in results)
 
 
+@pytest.mark.parametrize("serial", [False, True], ids=["task-per-poll", "serial-rounds"])
 async def test_a_hot_worker_stays_fresh_without_probes_of_its_own(
-    nursery: trio.Nursery, autojump_clock: MockClock
+    nursery: trio.Nursery, autojump_clock: MockClock, serial: bool
 ) -> None:
     fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
     fleet = [fake.add(w) for w in workers(3)]
     polls: list[tuple[ProbeKind, int]] = []
-    prober = await start(nursery, fake, refreshing(), on_probes=lambda kind, n: polls.append((kind, n)))
+    config = refreshing(serial_refresh=serial)
+    prober = await start(nursery, fake, config, on_probes=lambda kind, n: polls.append((kind, n)))
     await want(prober, fleet)  # the first request probes on demand: nothing is known yet
     assert prober.snapshot().probes_started == 3
+    fake.peak = 0  # from here on, background polls only
     fresh = background = 0
     for _ in range(100):  # one request every 7 ms for 0.7 s (statuses are fresh for 50 ms)
         await trio.sleep(0.007)
@@ -74,22 +77,29 @@ async def test_a_hot_worker_stays_fresh_without_probes_of_its_own(
     health = prober.snapshot()
     assert health.probes_started == 3  # not one more on-demand probe
     assert fresh == 300
-    assert background >= 290  # all but the first few, still answered by the on-demand probe's status
+    # All but the first few requests' (3 workers each), still answered by the on-demand probe's status;
+    # a serial round's statuses land together at its end, one request later.
+    assert background >= 300 - 3 * (4 if serial else 3)
     assert health.fresh_from_background == background
     assert health.hot_workers == 3 and health.refresh_active
-    # Each worker polled about every refresh interval (+ its 2 ms RPC), never faster.
+    # Each worker polled about every refresh interval (+ its 2 ms RPC), never faster; a serial round
+    # makes its polls one at a time, the others all at once.
     per_worker = fake.rpcs(fleet[0]) - 1
     assert 0.7 / (INTERVAL_S + 0.01) <= per_worker <= 0.7 / INTERVAL_S + 1
+    assert fake.peak == (1 if serial else 3)
     assert sum(n for kind, n in polls if kind is ProbeKind.REFRESH) == health.refresh_polls
-    assert health.refresh_polls == fake.rpcs() - 3
+    # Every poll started was made, but for those of a serial round in flight that wait for their turn.
+    made = fake.rpcs() - 3
+    assert made <= health.refresh_polls <= made + (health.inflight if serial else 0)
 
 
+@pytest.mark.parametrize("serial", [False, True], ids=["task-per-poll", "serial-rounds"])
 async def test_background_refresh_stops_polling_a_worker_gone_cold(
-    nursery: trio.Nursery, autojump_clock: MockClock
+    nursery: trio.Nursery, autojump_clock: MockClock, serial: bool
 ) -> None:
     fake = FakeWorkers(MemoryNetwork())
     hot, cooling = [fake.add(w) for w in workers(2)]
-    prober = await start(nursery, fake, refreshing())
+    prober = await start(nursery, fake, refreshing(serial_refresh=serial))
     await want(prober, [hot, cooling])
     end = trio.current_time() + 2.0
     while trio.current_time() < end:  # only `hot` is named after the first request
@@ -219,11 +229,12 @@ async def test_a_restarted_owner_keeps_the_cache_and_serves_again(autojump_clock
         nursery.cancel_scope.cancel()
 
 
-async def test_in_steady_state_a_request_makes_one_remote_call(autojump_clock: MockClock) -> None:
+@pytest.mark.parametrize("serial", [False, True], ids=["task-per-poll", "serial-rounds"])
+async def test_in_steady_state_a_request_makes_one_remote_call(autojump_clock: MockClock, serial: bool) -> None:
     """Through the whole router: after the first request, candidates' statuses are kept fresh in the
     background and a request's only remote call is the KVCM query."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster, background_refresh=True) as (handle, network, _):
+    async with routed(cluster, background_refresh=True, serial_refresh=serial) as (handle, network, _):
         seed(cluster, 2, 8)
         for i in range(5):  # the first requests probe their candidates on demand: nothing is known yet
             await handle.route(RouteRequest(f"first{i}", token_ids=PROMPT, budget_ms=50))
@@ -359,3 +370,28 @@ async def test_polls_that_drifted_apart_start_together_again(nursery: trio.Nurse
     # Its first poll was pulled forward into the first worker's round; from then on they share every round.
     assert rounds[:1] == [2]
     assert set(rounds) == {2}
+
+
+async def test_a_serial_round_ends_within_the_probe_timeout_and_a_hung_worker_goes_last(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A worker that hangs fails by the probe timeout; once it has failed it is polled after the
+    others, whose polls still land; polls the round's time did not reach count against nobody."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    fleet = [fake.add(w) for w in workers(3)]
+    timeout_s = 0.02
+    config = refreshing(serial_refresh=True, probe_timeout_s=timeout_s, hot_window_s=10.0, eject_after_failures=1000)
+    prober = await start(nursery, fake, config)  # never ejected: it stays in every round
+    await want(prober, fleet)
+    hung = fleet[-1]  # the most recently read: first in a round by recency alone
+    fake.hanging.add(hung.status_target)
+    await read_every(prober, fleet, 0.005, 0.5)
+    health = prober.snapshot()
+    assert health.failed_by_kind.get("deadline", 0) >= 1
+    # Every other worker kept a fresh status: it was polled before the hung one from its first failure on.
+    for worker in fleet[:-1]:
+        assert prober.cached(worker) is not None
+        assert fake.rpcs(worker) >= 0.5 / (INTERVAL_S + timeout_s)
+    assert prober.cached(hung) is None
+    # The hung worker is not counted as failing more often than it was actually asked.
+    assert health.failed_by_kind.get("deadline", 0) <= fake.rpcs(hung)

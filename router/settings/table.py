@@ -589,6 +589,12 @@ _SPECS: dict[str, _Spec] = {
         "stop soon after a worker's reads stop",
         fallback=False,
     ),
+    "prober.serial_refresh": _Spec(
+        "Background refresh: make a round's polls one after another on one worker thread (blocking gRPC "
+        "calls, each bounded by what is left of probe-timeout for the round) instead of a task and an "
+        "asynchronous call each; on-demand probes are unchanged",
+        fallback=False,
+    ),
     "router.route_blind": _Spec(
         "Route to workers known to be unreachable (ejected, or refusing probes) instead of answering "
         "no_candidates, and stay ready when none is reachable",

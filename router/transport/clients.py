@@ -6,7 +6,10 @@ decoding are shared here, so one contract test suite covers both.
 
 from __future__ import annotations
 
-from router.transport.ports import RawRpc
+from collections.abc import Sequence
+
+from router.transport.errors import TransportError
+from router.transport.ports import InTurnCall, RawRpc, WorkerStatusAsk
 from router.types import CacheQuery, CacheState, ClusterInfo, EngineGeneration, WorkerStatus
 from router.wire import decode, paths
 
@@ -40,3 +43,21 @@ class WorkerStatusClient:
             target, paths.WORKER_GET_STATUS, decode.encode_status_version(latest_finished_version)
         )
         return decode.decode_worker_status(reply, target, self._generation)
+
+    async def get_worker_statuses(
+        self, asks: Sequence[WorkerStatusAsk], within_s: float
+    ) -> list[WorkerStatus | TransportError | None]:
+        calls = [
+            InTurnCall(ask.target, paths.WORKER_GET_STATUS, decode.encode_status_version(ask.latest_finished_version))
+            for ask in asks
+        ]
+        replies = await self._rpc.call_in_turn(calls, within_s)
+        return [self._decoded(reply, ask.target) for reply, ask in zip(replies, asks, strict=True)]
+
+    def _decoded(self, reply: bytes | TransportError | None, target: str) -> WorkerStatus | TransportError | None:
+        if not isinstance(reply, bytes):
+            return reply
+        try:
+            return decode.decode_worker_status(reply, target, self._generation)
+        except TransportError as exc:  # a garbled reply fails its own ask, not the batch
+            return exc

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -27,7 +29,7 @@ import trio
 
 from router.config import ChannelPoolConfig
 from router.transport.errors import DeadlineExceeded, RpcStatus, TransportError, Unavailable, status_to_error
-from router.transport.ports import ChannelLeaser
+from router.transport.ports import ChannelLeaser, InTurnCall
 
 # grpc codes our RpcStatus does not name map to UNKNOWN; the original name is kept in the detail.
 _STATUS_BY_CODE = {code: RpcStatus[code.name] for code in grpc.StatusCode if code.name in RpcStatus.__members__}
@@ -100,6 +102,9 @@ async def wait_future(future: grpc.Future[bytes]) -> None:
     future.add_done_callback(on_done)
     await trio.lowlevel.wait_task_rescheduled(abort)
 
+
+# A call of a batch made in turn with less time left than this is not made (it could only time out).
+_LEAST_CALL_S = 0.001
 
 # Threads that start calls for the event loop (see ``GrpcRawRpc``): a start takes a thread for
 # well under a millisecond, so a few serve any rate; a start finding them all busy waits its turn.
@@ -177,5 +182,53 @@ class GrpcRawRpc:
                 self._leaser.invalidate(target, channel)
             raise failure from error
 
+    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[bytes | TransportError | None]:
+        """Blocking calls one after another on one worker thread: a blocking call waits on a
+        completion queue of its own, where ``.future()`` on an idle channel makes grpcio start a
+        thread. Not abandoned on cancel: the thread would go on using channels whose leases ended,
+        and it finishes within ``within_s`` anyway."""
+        if not calls:
+            return []
+        async with contextlib.AsyncExitStack() as leases:
+            made: list[tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]] = []
+            for call in calls:
+                channel = await leases.enter_async_context(self._leaser.lease(call.target))
+                by_path = self._calls_on(channel).by_path
+                multi = by_path.get(call.method_path)
+                if multi is None:  # identity serializers: bytes both ways
+                    multi = by_path[call.method_path] = channel.unary_unary(call.method_path, None, None)
+                made.append((channel, multi, call.request))
+            outcomes = await trio.to_thread.run_sync(
+                partial(_blocking_in_turn, [(multi, request) for _, multi, request in made], within_s)
+            )
+        replies: list[bytes | TransportError | None] = []
+        for call, (channel, _, _), outcome in zip(calls, made, outcomes, strict=True):
+            if isinstance(outcome, grpc.RpcError):
+                failure = rpc_error_to_transport(call.target, outcome)
+                if isinstance(failure, Unavailable):
+                    self._leaser.invalidate(call.target, channel)
+                replies.append(failure)
+            else:
+                replies.append(outcome)
+        return replies
+
     def invalidate(self, target: str) -> None:
         self._leaser.invalidate(target)
+
+
+def _blocking_in_turn(
+    calls: Sequence[tuple[grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]], within_s: float
+) -> list[bytes | grpc.RpcError | None]:
+    """On a worker thread: each call with what is left of ``within_s``; None once too little is left."""
+    ends_at = time.monotonic() + within_s
+    outcomes: list[bytes | grpc.RpcError | None] = []
+    for multi, request in calls:
+        left = ends_at - time.monotonic()
+        if left < _LEAST_CALL_S:
+            outcomes.append(None)
+            continue
+        try:
+            outcomes.append(multi(request, timeout=left))
+        except grpc.RpcError as exc:
+            outcomes.append(exc)
+    return outcomes

@@ -7,9 +7,12 @@ hang) are trio sleeps, so they run on virtual time.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
-from router.transport.errors import PeerAbort, Unavailable, status_to_error
+import trio
+
+from router.transport.errors import DeadlineExceeded, PeerAbort, TransportError, Unavailable, status_to_error
+from router.transport.ports import InTurnCall
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
 
@@ -44,6 +47,23 @@ class MemoryNetwork:
             return await handler(method_path, request)
         except PeerAbort as abort:
             raise status_to_error(target, abort.status, abort.details) from abort
+
+    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[bytes | TransportError | None]:
+        """The calls one after another, each bounded by what is left of ``within_s`` (virtual time)."""
+        ends_at = trio.current_time() + within_s
+        replies: list[bytes | TransportError | None] = []
+        for call in calls:
+            if trio.current_time() >= ends_at:
+                replies.append(None)
+                continue
+            reply: bytes | TransportError = DeadlineExceeded(call.target, "no reply within the batch's time")
+            with trio.move_on_at(ends_at):
+                try:
+                    reply = await self.call(call.target, call.method_path, call.request)
+                except TransportError as exc:
+                    reply = exc
+            replies.append(reply)
+        return replies
 
     def invalidate(self, target: str) -> None:
         """Nothing is cached per target in memory."""

@@ -2,14 +2,17 @@
 scheduler's: master_http, master_grpc and master_memory.
 
 Deadlines are never arguments: every call is bounded by the caller's trio cancel
-scope, and the gRPC adapter passes the remaining time as the RPC's ``timeout=``.
+scope, and the gRPC adapter passes the remaining time as the RPC's ``timeout=``. The one
+exception is a batch made in turn (``call_in_turn``), whose calls share one time allowance.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
+from router.transport.errors import TransportError
 from router.types import CacheQuery, CacheState, ClusterInfo, WorkerStatus
 from router.wire.master import MasterInfo, MasterReply, MasterScheduleRequest
 
@@ -34,6 +37,14 @@ class ChannelLeaser(Protocol[ChannelT_co]):
         ...
 
 
+class InTurnCall(NamedTuple):
+    """One call of a batch made in turn."""
+
+    target: str
+    method_path: str
+    request: bytes
+
+
 class RawRpc(Protocol):
     """A unary call carrying serialized bytes on a pinned method path."""
 
@@ -41,9 +52,23 @@ class RawRpc(Protocol):
         """Raise a ``TransportError`` on failure; ``trio.Cancelled`` if the caller's scope ends."""
         ...
 
+    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[bytes | TransportError | None]:
+        """Make ``calls`` one after another, each bounded by what is left of ``within_s`` from the start:
+        per call its reply, its failure, or None when the time ran out before it was made. An adapter may
+        honour the caller's cancel scope only after the batch (over gRPC the batch is one worker
+        thread's blocking calls, which finish within ``within_s``)."""
+        ...
+
     def invalidate(self, target: str) -> None:
         """Forget any connection to ``target`` after a transport failure."""
         ...
+
+
+class WorkerStatusAsk(NamedTuple):
+    """One status poll of a batch: the worker's status target and the version last seen there."""
+
+    target: str
+    latest_finished_version: int
 
 
 class KvcmTransport(Protocol):
@@ -54,6 +79,13 @@ class KvcmTransport(Protocol):
 
 class WorkerStatusTransport(Protocol):
     async def get_worker_status(self, target: str, latest_finished_version: int) -> WorkerStatus: ...
+
+    async def get_worker_statuses(
+        self, asks: Sequence[WorkerStatusAsk], within_s: float
+    ) -> list[WorkerStatus | TransportError | None]:
+        """The statuses in turn (see ``RawRpc.call_in_turn``): per ask its status, its failure, or None
+        when the time ran out before it was asked."""
+        ...
 
 
 class MasterTransport(Protocol):
