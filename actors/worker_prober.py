@@ -71,6 +71,8 @@ with what it has (an "anytime" decision).
   in-flight slot only when one is free with nobody queued, and a token only when
   the bucket holds more than the ``1 − refresh_budget_share`` part of its burst
   kept for requests' probes, and at most ``refresh_budget_share`` of the rate.
+  With ``serial_refresh`` a round's polls are one transport call made in turn
+  (``_fly_in_turn``) instead of a task each.
 - **Background health probes** (with a ``fleet`` and ``health_interval_s`` > 0):
   every interval the next ``health_max_probes`` discovered workers not heard
   from for an interval are probed, taking only the rate tokens already in the
