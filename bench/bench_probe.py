@@ -5,6 +5,7 @@ Rows, measured in the same run (SimWorkers served by ``kvroute sim-cluster`` in 
   client           WorkerStatusClient.get_worker_status (RPC + decode): the prober's floor
   probe 1 worker   prober.probe([w]).wait_all() with the cache off (fresh_ttl_s = 0): one RPC each
   probe fan-out    prober.probe(all W workers).wait_all(): W RPCs in parallel (a request's candidates)
+  raw fan-out      the same W calls as GrpcRawRpc.call tasks in one nursery: the fan-out's floor
   cache hit        prober.probe([w]) answered from a fresh status: no RPC, in-process cost
 
 Latency p50/p99 in ms (µs for the cache hit). Bounded: --count calls per row, a global trio
@@ -85,6 +86,13 @@ async def bench(workers: list[WorkerAddr], count: int) -> list[tuple[str, list[f
             assert all(r.outcome is ProbeOutcome.OK for r in handle.results())
 
         rows.append((f"probe fan-out x{len(workers)} (RPCs)", await timed(count // 4, probe_all), "ms"))
+
+        async def raw_all(i: int) -> None:
+            async with trio.open_nursery() as calls:
+                for worker in workers:
+                    calls.start_soon(rpc.call, worker.status_target, paths.WORKER_GET_STATUS, request)
+
+        rows.append((f"raw fan-out x{len(workers)} (GrpcRawRpc)", await timed(count // 4, raw_all), "ms"))
 
         # Statuses kept fresh for the whole row, so every lookup is a hit.
         long_ttl = dataclasses.replace(ProberConfig(), fresh_ttl_s=60.0, max_status_age_s=60.0)
