@@ -74,9 +74,9 @@ class InFlightLimit:
         *,
         initial: int,
         ceiling: int,
+        floor: float,
         late_share: float = 1.0,
         decrease: float = 0.9,
-        floor: float = 1 / 32,
         regrowth: float = 1.1,
     ) -> None:
         self._ceiling = float(max(1, ceiling))

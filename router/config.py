@@ -205,6 +205,10 @@ class RouterConfig:
     split_min_samples: int = bounded(8, 1, 100_000)
     # Weight the admission estimate's averages keep per new sample (router/admission.py).
     admission_decay: float = bounded(0.9, 0, 1, high_open=True)
+    # The sidecar's admission, shrunk below one request at a time by late answers, keeps at least this
+    # share of the time for routing (router/admission.py, InFlightLimit): lower sheds more under a storm
+    # of calls it cannot serve in time, and takes longer to come back after one.
+    admission_duty_floor: float = bounded(1 / 32, 0, 1, low_open=True)
     # How often the routing loop's lag is measured (a timer's lateness), in ms.
     lag_probe_interval_ms: float = bounded(10.0, 0, 10_000, low_open=True)
     # Route to workers known to be unreachable rather than answer no_candidates (and stay ready).

@@ -356,6 +356,7 @@ class Sidecar:
             InFlightLimit(
                 initial=min(INITIAL_IN_FLIGHT_LIMIT, config.router.max_in_flight),
                 ceiling=config.router.max_in_flight,
+                floor=config.router.admission_duty_floor,
             ),
             # Waiting calls hold handler threads: leave at least one for the others.
             waiters=min(config.serve.slot_waiters, config.serve.grpc_max_workers - 1),

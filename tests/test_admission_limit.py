@@ -4,6 +4,7 @@ k calls in flight gets 1/k of the CPU). Times are simulated and passed in: no cl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.admission import InFlightLimit
+from router.config import RouterConfig
+
+FLOOR = RouterConfig().admission_duty_floor  # the shipped floor, 1/32
 
 BUDGET_S = 0.030
 
@@ -91,12 +95,12 @@ def _open_loop(
 def test_each_call_a_stall_made_late_shrinks_the_limit_and_timely_answers_grow_it_back(
     initial: int, in_flight: int, stall_s: float
 ) -> None:
-    limit = InFlightLimit(initial=initial, ceiling=256)
+    limit = InFlightLimit(initial=initial, ceiling=256, floor=FLOOR)
     for i in range(in_flight):  # every call in flight when the loop stalled comes back late, together
         limit.observe(handed_at=0.0, now=stall_s + i * 1e-6, had_s=0.030)
     expected = float(initial)
     for _ in range(in_flight):
-        expected = max(1 / 32, expected * 0.9)
+        expected = max(FLOOR, expected * 0.9)
     assert limit.share == pytest.approx(expected)
     now = stall_s + 1.0
     answers = 0
@@ -105,13 +109,13 @@ def test_each_call_a_stall_made_late_shrinks_the_limit_and_timely_answers_grow_i
         now += 0.001
         answers += 1
     # Below one, x1.1 each (at most 37 from the floor); then 1/limit each: about half the limit's square.
-    assert answers <= initial * initial // 2 + 2 + 37
+    assert answers <= initial * initial // 2 + 2 + math.ceil(math.log(1 / FLOOR) / math.log(1.1))
 
 
 def test_steady_over_offer_converges_to_a_routed_share_bounded_by_capacity() -> None:
     routed_cpu, shed_cpu = 0.0025, 0.0005
     capacity = 1 / routed_cpu  # 400 routed decisions/s with the CPU to themselves
-    limit = InFlightLimit(initial=16, ceiling=256)
+    limit = InFlightLimit(initial=16, ceiling=256, floor=FLOOR)
     done = _open_loop(limit, 2 * capacity, routed_cpu, shed_cpu, seconds=6.0)
     steady = [d for d in done if d.handed_at >= 3.0]
     routed = [d for d in steady if d.routed]
@@ -121,7 +125,7 @@ def test_steady_over_offer_converges_to_a_routed_share_bounded_by_capacity() -> 
 
 
 def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_ones() -> None:
-    limit = InFlightLimit(initial=16, ceiling=64)
+    limit = InFlightLimit(initial=16, ceiling=64, floor=FLOOR)
     now = 0.0
     for _ in range(30):  # one call at a time, each answered after its deadline: it waited for the CPU
         limit.observe(handed_at=now, now=now + 0.040, had_s=0.030)
@@ -140,7 +144,7 @@ def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_on
 
 
 def test_below_one_the_limit_is_a_duty_cycle_that_leaves_the_router_idle_after_each_late_answer() -> None:
-    limit = InFlightLimit(initial=1, ceiling=64)
+    limit = InFlightLimit(initial=1, ceiling=64, floor=FLOOR)
     now = 0.0
     for _ in range(7):  # lone calls, each 40 ms for its 30: the CPU is taken by something else
         assert limit.has_place(0, now)
@@ -159,8 +163,8 @@ def test_below_one_the_limit_is_a_duty_cycle_that_leaves_the_router_idle_after_e
     assert limit.idle_until == pytest.approx(now + 0.010 + 0.010 * (1 / limit.share - 1))
     for _ in range(1000):  # never below the floor
         limit.observe(handed_at=0.0, now=1.0, had_s=0.030, answered=False)
-    assert limit.share == pytest.approx(1 / 32)
-    for _ in range(37):  # back to whole places within ln(32) / ln(1.1) answers in time
+    assert limit.share == pytest.approx(FLOOR)
+    for _ in range(math.ceil(math.log(1 / FLOOR) / math.log(1.1))):  # back to whole places in time
         limit.observe(handed_at=5.0, now=5.001, had_s=0.030)
     assert limit.limit == 1
     assert limit.has_place(0, 5.001)
@@ -170,7 +174,7 @@ def test_lone_calls_slowed_by_a_cpu_hog_are_routed_less_than_one_at_a_time() -> 
     """Processor sharing with a hog that always runs: a routed call (5 ms of CPU) alone with it takes
     10 ms, so with a 4 ms budget every routed call is late. Whole places would keep one routed call in
     flight all the time; the duty cycle keeps the router mostly idle and sheds the rest."""
-    limit = InFlightLimit(initial=4, ceiling=64)
+    limit = InFlightLimit(initial=4, ceiling=64, floor=FLOOR)
     cpu = _SharedCpu(limit, routed_cpu=0.005, shed_cpu=0.0001, budget_s=0.004)
     cpu.calls.append(_Call(work_s=1e9, routed=False, handed_at=0.0))  # the hog: never ends
     due = 0.0

@@ -459,7 +459,7 @@ def _until(condition: Callable[[], bool]) -> bool:
 
 
 def test_a_call_that_finds_the_limit_reached_waits_for_the_place_an_answer_frees() -> None:
-    counters = _Counters(InFlightLimit(initial=1, ceiling=1), waiters=1)
+    counters = _Counters(InFlightLimit(initial=1, ceiling=1, floor=RouterConfig().admission_duty_floor), waiters=1)
     assert counters.hand_off(0.0)  # the one place
     placed: list[bool] = []
     waiter = threading.Thread(target=lambda: placed.append(counters.hand_off(60.0)))
@@ -480,7 +480,7 @@ def test_a_call_that_finds_the_limit_reached_waits_for_the_place_an_answer_frees
 
 
 def test_with_no_waiters_allowed_a_full_router_sheds_at_once() -> None:
-    counters = _Counters(InFlightLimit(initial=1, ceiling=1), waiters=0)
+    counters = _Counters(InFlightLimit(initial=1, ceiling=1, floor=RouterConfig().admission_duty_floor), waiters=0)
     assert counters.hand_off(60.0)
     assert not counters.hand_off(60.0)
     assert counters.snapshot().waited_for_place == 0

@@ -363,6 +363,12 @@ _SPECS: dict[str, _Spec] = {
         "Weight the admission estimate (own time and loop lag per request, averaged) keeps per sample; "
         "a request whose remaining budget is below the estimate is answered at once (overloaded)"
     ),
+    "router.admission_duty_floor": _Spec(
+        "kvroute serve: the least share of the time one call may spend in the router once late answers "
+        "have shrunk admission below one call at a time (each on-time answer then regrows it by a tenth); "
+        "lower sheds more of a storm it cannot serve in time and recovers more slowly",
+        metavar="SHARE",
+    ),
     "router.lag_probe_interval_ms": _Spec("How often the routing loop's lag is measured", metavar="MS"),
     "router.kvcm_query_timeout_ms": _Spec(
         "Cap on one GetHostCacheState call, in ms", fallback=True, metavar="MS"
