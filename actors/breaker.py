@@ -11,6 +11,10 @@ from a healthy KVCM and are recorded as successes.
 Transitions:
 - CLOSED → OPEN: ``failure_threshold`` consecutive failures, or a failure rate
   >= ``failure_rate`` over the sliding window (``window_s``, at least ``window_min_calls``).
+  Consecutive means one after another in time: a failure counts towards the run only if its call
+  went out after the last failure counted. Calls in flight together fail together when one spell
+  slows the peer (or this process), and that spell is one failure, not one per call; the window's
+  rate still counts every call.
 - OPEN → HALF_OPEN: the first ``admit`` once the cooldown has passed; it gets the TRIAL.
   The cooldown is ``cooldown_s × 2^reopens`` (``reopens`` counts failed trials since the
   breaker last closed), capped at ``cooldown_max_s``.
@@ -147,6 +151,7 @@ class KvcmBreaker:
         self._config = config
         self._state = BreakerState.CLOSED
         self._consecutive_failures = 0
+        self._last_counted_at = -math.inf  # when the last failure counted towards the run was recorded
         self._window = _Window(config.window_s, config.window_buckets)
         self._reopens = 0
         self._open_until = 0.0
@@ -196,15 +201,19 @@ class KvcmBreaker:
                 self._close()
         elif self._state is BreakerState.CLOSED:
             self._consecutive_failures = 0
+            self._last_counted_at = -math.inf
             self._window.add(now, failed=False)
 
-    def record_failure(self, now: float, trial: bool) -> None:
-        """A transport failure, a deadline expiry or an error code."""
+    def record_failure(self, now: float, trial: bool, *, started_at: float) -> None:
+        """A transport failure, a deadline expiry or an error code, of a call that went out at
+        ``started_at``."""
         if trial:
             if self._trial_outstanding():
                 self._reopen(now)
         elif self._state is BreakerState.CLOSED:
-            self._consecutive_failures += 1
+            if started_at >= self._last_counted_at:  # not in flight when the last counted one failed
+                self._consecutive_failures += 1
+                self._last_counted_at = now
             self._window.add(now, failed=True)
             if self._consecutive_failures >= self._config.failure_threshold or self._rate_tripped(now):
                 self._open(now)
@@ -248,6 +257,7 @@ class KvcmBreaker:
         self._open_until = now + self._cooldown_s()
         self._trial_started_at = None
         self._consecutive_failures = 0
+        self._last_counted_at = -math.inf
         self._window.clear()
         self._opened_total += 1
         self._changes += 1
@@ -261,6 +271,7 @@ class KvcmBreaker:
         self._trial_started_at = None
         self._reopens = 0
         self._consecutive_failures = 0
+        self._last_counted_at = -math.inf
         self._window.clear()
         self._closed_total += 1
         self._changes += 1

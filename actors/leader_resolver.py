@@ -183,6 +183,7 @@ class _Outcome:
     trial: bool
     cut_short: bool = False  # a query or leader wait a tight budget cut off
     leader_miss: bool = False  # a request that waited for a leader and found none
+    started_at: float = -math.inf  # a failure: when its call (or leader wait) began
 
 
 _SUCCESS = _Outcome(_Verdict.SUCCESS, trial=False)  # the common report, made once
@@ -337,14 +338,17 @@ class LeaderResolver:
         if cached is not None and cached.target == target:
             self._report(_Invalidate(target))
 
-    def record_kvcm(self, error: TransportError | None, *, trial: bool, given_s: float) -> bool:
+    def record_kvcm(
+        self, error: TransportError | None, *, trial: bool, given_s: float, started_at: float
+    ) -> bool:
         """Record a KVCM call admitted by ``admit``: None for any decoded answer, else its error.
 
         The caller decides: a business outcome ("no positive match") is None; a transport
         failure, an error code or a deadline expiry (also a call cut off by the request's
         deadline while waiting for KVCM) is the error. ``given_s`` is how long the call was
-        allowed. A deadline expiry with less than ``slow_query_ms`` allowed is not judged (a
-        trial slot is released): returns False, and the caller should not blame the leader.
+        allowed, ``started_at`` when it went out. A deadline expiry with less than
+        ``slow_query_ms`` allowed is not judged (a trial slot is released): returns False, and the
+        caller should not blame the leader.
         """
         if error is None:
             self._report(_TRIAL_SUCCESS if trial else _SUCCESS)
@@ -352,10 +356,12 @@ class LeaderResolver:
             self._report(_Outcome(_Verdict.NOT_JUDGED, trial, cut_short=True))
             return False
         else:
-            self._report(_Outcome(_Verdict.FAILURE, trial))
+            self._report(_Outcome(_Verdict.FAILURE, trial, started_at=started_at))
         return True
 
-    def record_leader_miss(self, failure: LeaderUnavailable | None, *, trial: bool, given_s: float) -> bool:
+    def record_leader_miss(
+        self, failure: LeaderUnavailable | None, *, trial: bool, given_s: float, started_at: float
+    ) -> bool:
         """Record a request admitted by ``admit`` that found no leader: ``failure`` is what
         :meth:`leader` raised, None when the request's own deadline ended the wait.
 
@@ -370,7 +376,7 @@ class LeaderResolver:
             self._report(_Outcome(_Verdict.NOT_JUDGED, trial, cut_short=True))
             return False
         if failure is None or failure.waited:
-            self._report(_Outcome(_Verdict.FAILURE, trial, leader_miss=True))
+            self._report(_Outcome(_Verdict.FAILURE, trial, leader_miss=True, started_at=started_at))
             return True
         if trial:
             self._report(_Outcome(_Verdict.NOT_JUDGED, trial))
@@ -485,7 +491,7 @@ class LeaderResolver:
         elif outcome.verdict is _Verdict.FAILURE:
             if outcome.leader_miss:
                 self._leader_misses_total += 1
-            self._breaker.record_failure(trio.current_time(), outcome.trial)
+            self._breaker.record_failure(trio.current_time(), outcome.trial, started_at=outcome.started_at)
         else:
             if outcome.cut_short:
                 self._cut_short_total += 1

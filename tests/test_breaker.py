@@ -35,7 +35,7 @@ def state(b: KvcmBreaker) -> BreakerState:
 def opened(at: float = 100.0, config: BreakerConfig = CFG) -> KvcmBreaker:
     b = KvcmBreaker(config)
     for _ in range(config.failure_threshold):
-        b.record_failure(at, trial=False)
+        b.record_failure(at, trial=False, started_at=at)
     assert state(b) is BreakerState.OPEN
     return b
 
@@ -55,7 +55,7 @@ def test_closed_allows_and_stays_closed_below_threshold() -> None:
     b = KvcmBreaker(CFG)
     assert b.admit(0.0) is Admission.ALLOW
     for _ in range(CFG.failure_threshold - 1):
-        b.record_failure(0.0, trial=False)
+        b.record_failure(0.0, trial=False, started_at=0.0)
     assert state(b) is BreakerState.CLOSED
     assert b.admit(0.0) is Admission.ALLOW
     assert b.snapshot(0.0).consecutive_failures == CFG.failure_threshold - 1
@@ -65,7 +65,7 @@ def test_closed_to_open_exactly_at_consecutive_threshold() -> None:
     b = KvcmBreaker(CFG)
     for i in range(CFG.failure_threshold):
         assert state(b) is BreakerState.CLOSED, i
-        b.record_failure(5.0, trial=False)
+        b.record_failure(5.0, trial=False, started_at=5.0)
     assert state(b) is BreakerState.OPEN
     snap = b.snapshot(5.0)
     assert snap.open_until == 5.0 + CFG.cooldown_s
@@ -76,7 +76,7 @@ def test_success_resets_the_consecutive_count() -> None:
     b = KvcmBreaker(dataclasses.replace(CFG, window_min_calls=10**6))  # isolate the consecutive rule
     for _ in range(5):
         for _ in range(CFG.failure_threshold - 1):
-            b.record_failure(0.0, trial=False)
+            b.record_failure(0.0, trial=False, started_at=0.0)
         b.record_success(0.0, trial=False)
     assert state(b) is BreakerState.CLOSED
     assert b.snapshot(0.0).consecutive_failures == 0
@@ -88,12 +88,12 @@ def test_closed_to_open_on_failure_rate_over_the_window() -> None:
     t = 0.0
     for i in range(CFG.window_min_calls - 1):
         if i % 2:
-            b.record_failure(t, trial=False)
+            b.record_failure(t, trial=False, started_at=t)
         else:
             b.record_success(t, trial=False)
         t += 0.01
     assert state(b) is BreakerState.CLOSED  # 9 calls: below window_min_calls
-    b.record_failure(t, trial=False)  # 10 calls, 5 failures: rate 0.5 >= 0.5
+    b.record_failure(t, trial=False, started_at=t)  # 10 calls, 5 failures: rate 0.5 >= 0.5
     assert state(b) is BreakerState.OPEN
 
 
@@ -101,7 +101,7 @@ def test_failure_rate_below_threshold_keeps_closed() -> None:
     b = KvcmBreaker(CFG)
     for i in range(1000):
         if i % 3 == 0:  # one in three fails: rate 0.33 < 0.5
-            b.record_failure(i * 0.001, trial=False)
+            b.record_failure(i * 0.001, trial=False, started_at=i * 0.001)
         else:
             b.record_success(i * 0.001, trial=False)
     assert state(b) is BreakerState.CLOSED
@@ -113,24 +113,24 @@ def test_failure_rate_below_threshold_keeps_closed() -> None:
 def test_old_outcomes_leave_the_window() -> None:
     b = KvcmBreaker(CFG)
     for _ in range(4):  # 4 failures among 9 calls at t=0: below window_min_calls (10)
-        b.record_failure(0.0, trial=False)
+        b.record_failure(0.0, trial=False, started_at=0.0)
         b.record_success(0.0, trial=False)
     b.record_success(0.0, trial=False)
     assert b.snapshot(0.0).window_calls == 9
     # Had they stayed, one more failure would make 5 of 10 and trip; a full window later they are gone.
     later = CFG.window_s + 0.001
     assert b.snapshot(later).window_calls == 0
-    b.record_failure(later, trial=False)
+    b.record_failure(later, trial=False, started_at=later)
     assert state(b) is BreakerState.CLOSED
     snap = b.snapshot(later)
     assert (snap.window_calls, snap.window_failures) == (1, 1)
     # Control: the same failure inside the window trips.
     c = KvcmBreaker(CFG)
     for _ in range(4):
-        c.record_failure(0.0, trial=False)
+        c.record_failure(0.0, trial=False, started_at=0.0)
         c.record_success(0.0, trial=False)
     c.record_success(0.0, trial=False)
-    c.record_failure(CFG.window_s / 2, trial=False)
+    c.record_failure(CFG.window_s / 2, trial=False, started_at=CFG.window_s / 2)
     assert state(c) is BreakerState.OPEN
 
 
@@ -159,7 +159,7 @@ def test_open_rejects_until_cooldown_then_one_trial() -> None:
 def test_open_ignores_late_outcomes_of_calls_admitted_before_the_trip() -> None:
     b = opened(at=100.0)
     for _ in range(50):
-        b.record_failure(100.5, trial=False)
+        b.record_failure(100.5, trial=False, started_at=100.5)
     b.record_success(100.5, trial=False)
     assert state(b) is BreakerState.OPEN
     assert b.snapshot(100.5).open_until == 100.0 + CFG.cooldown_s  # not extended, not closed
@@ -170,9 +170,9 @@ def test_trial_outcome_without_an_outstanding_trial_is_ignored() -> None:
     b.record_success(100.2, trial=True)
     assert state(b) is BreakerState.OPEN
     c = KvcmBreaker(CFG)
-    c.record_failure(0.0, trial=True)
-    c.record_failure(0.0, trial=True)
-    c.record_failure(0.0, trial=True)
+    c.record_failure(0.0, trial=True, started_at=0.0)
+    c.record_failure(0.0, trial=True, started_at=0.0)
+    c.record_failure(0.0, trial=True, started_at=0.0)
     assert state(c) is BreakerState.CLOSED
     assert c.snapshot(0.0).consecutive_failures == 0
 
@@ -189,7 +189,7 @@ def test_half_open_admits_exactly_one_trial() -> None:
 
 def test_half_open_trial_success_closes_and_resets() -> None:
     b = half_open(at=100.0)
-    b.record_failure(101.0, trial=True)  # re-open once: cooldown doubles
+    b.record_failure(101.0, trial=True, started_at=101.0)  # re-open once: cooldown doubles
     assert b.admit(101.0 + 2 * CFG.cooldown_s) is Admission.TRIAL
     b.record_success(103.5, trial=True)
     assert state(b) is BreakerState.CLOSED
@@ -199,7 +199,7 @@ def test_half_open_trial_success_closes_and_resets() -> None:
     assert b.admit(103.5) is Admission.ALLOW
     # The next open starts again from the base cooldown.
     for _ in range(CFG.failure_threshold):
-        b.record_failure(200.0, trial=False)
+        b.record_failure(200.0, trial=False, started_at=200.0)
     assert b.snapshot(200.0).open_until == 200.0 + CFG.cooldown_s
 
 
@@ -207,7 +207,7 @@ def test_half_open_non_trial_outcomes_do_not_decide() -> None:
     b = half_open(at=100.0)
     b.record_success(101.1, trial=False)
     assert state(b) is BreakerState.HALF_OPEN
-    b.record_failure(101.1, trial=False)
+    b.record_failure(101.1, trial=False, started_at=101.1)
     assert state(b) is BreakerState.HALF_OPEN
     assert b.admit(101.2) is Admission.REJECT
 
@@ -218,7 +218,7 @@ def test_half_open_trial_failure_reopens_with_exponential_capped_cooldown() -> N
     expected = [2.0, 4.0, 5.0, 5.0]  # 1 × 2^n, capped at cooldown_max_s = 5
     for cooldown in expected:
         assert b.admit(t) is Admission.TRIAL
-        b.record_failure(t, trial=True)
+        b.record_failure(t, trial=True, started_at=t)
         assert state(b) is BreakerState.OPEN
         snap = b.snapshot(t)
         assert snap.open_until == pytest.approx(t + cooldown)
@@ -232,7 +232,7 @@ def test_cooldown_exponent_cannot_overflow() -> None:
     t = 1.0
     for _ in range(2000):
         assert b.admit(t) is Admission.TRIAL
-        b.record_failure(t, trial=True)
+        b.record_failure(t, trial=True, started_at=t)
         until = b.snapshot(t).open_until
         assert until is not None
         t = until
@@ -279,11 +279,11 @@ def test_full_cycle_both_directions() -> None:
     b = KvcmBreaker(CFG)
     seen = [b.state]
     for _ in range(CFG.failure_threshold):
-        b.record_failure(0.0, trial=False)
+        b.record_failure(0.0, trial=False, started_at=0.0)
     seen.append(b.state)
     b.admit(1.0)
     seen.append(b.state)
-    b.record_failure(1.0, trial=True)
+    b.record_failure(1.0, trial=True, started_at=1.0)
     seen.append(b.state)
     b.admit(3.0)
     seen.append(b.state)
@@ -299,6 +299,41 @@ def test_full_cycle_both_directions() -> None:
     ]
     snap = b.snapshot(3.0)
     assert (snap.opened_total, snap.closed_total) == (2, 1)
+
+
+def test_calls_in_flight_together_that_fail_together_are_one_failure_of_the_run() -> None:
+    """Eight calls out at once, all failing in one spell: one failure towards the consecutive run,
+    eight in the window. Calls that went out after it each count again."""
+    b = KvcmBreaker(dataclasses.replace(CFG, window_min_calls=10**6))  # isolate the consecutive rule
+    for i in range(8):
+        b.record_failure(0.030 + i * 1e-4, trial=False, started_at=0.0)
+    snap = b.snapshot(0.031)
+    assert (snap.state, snap.consecutive_failures, snap.window_failures) == (BreakerState.CLOSED, 1, 8)
+    now = 0.031
+    for n in range(2, CFG.failure_threshold + 1):  # each went out after the last counted failure
+        b.record_failure(now + 0.030, trial=False, started_at=now)
+        now += 0.030
+        if n < CFG.failure_threshold:
+            assert (state(b), b.snapshot(now).consecutive_failures) == (BreakerState.CLOSED, n)
+    assert state(b) is BreakerState.OPEN
+
+
+def test_a_success_starts_the_run_again_for_calls_already_in_flight() -> None:
+    b = KvcmBreaker(CFG)
+    b.record_failure(1.0, trial=False, started_at=0.9)
+    b.record_success(1.0, trial=False)
+    b.record_failure(1.01, trial=False, started_at=0.95)  # out before the failure above, after the success
+    assert b.snapshot(1.01).consecutive_failures == 1
+
+
+def test_the_window_rate_counts_every_call_of_a_concurrent_burst() -> None:
+    config = BreakerConfig(failure_threshold=1000, window_min_calls=20, failure_rate=0.5)
+    b = KvcmBreaker(config)
+    for i in range(19):
+        b.record_failure(0.03, trial=False, started_at=0.0)
+        assert state(b) is BreakerState.CLOSED, i
+    b.record_failure(0.03, trial=False, started_at=0.0)  # 20 calls, all failed: the rate trips it
+    assert state(b) is BreakerState.OPEN
 
 
 # --- properties --------------------------------------------------------------------------
@@ -332,7 +367,10 @@ def test_never_more_than_one_trial_outstanding(ops: list[tuple[str, float]]) -> 
                 assert state(b) is not BreakerState.CLOSED
         elif op in ("success", "failure"):
             trial = outstanding_since is not None
-            (b.record_success if op == "success" else b.record_failure)(now, trial)
+            if op == "success":
+                b.record_success(now, trial)
+            else:
+                b.record_failure(now, trial, started_at=now)
             outstanding_since = None if trial else outstanding_since
         else:
             b.release_trial()

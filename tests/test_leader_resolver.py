@@ -617,17 +617,18 @@ async def _query_kvcm(resolver: LeaderResolver, client: KvcmClient) -> str:
         return "breaker_open"
     trial = admission is Admission.TRIAL
     leader = await resolver.leader()
+    started = trio.current_time()
     try:
         await client.get_host_cache_state(leader.target, CacheQuery(INSTANCE, QueryType.PREFIX_MATCH, (1, 2)))
     except TransportError as exc:
-        resolver.record_kvcm(exc, trial=trial, given_s=math.inf)
+        resolver.record_kvcm(exc, trial=trial, given_s=math.inf, started_at=started)
         resolver.report_failure(leader.target, exc)
         return exc.kind
     except trio.Cancelled:
         if trial:
             resolver.release_kvcm_trial()
         raise
-    resolver.record_kvcm(None, trial=trial, given_s=math.inf)
+    resolver.record_kvcm(None, trial=trial, given_s=math.inf, started_at=started)
     return "ok"
 
 
@@ -712,11 +713,11 @@ async def test_a_cut_short_trial_is_not_judged_and_frees_its_slot(
     assert await resolver.admit() is Admission.TRIAL
     slow = BREAKER_CFG.slow_query_ms / 1000.0
     cut = DeadlineExceeded(NODES[0], "cut off by the request's deadline")
-    assert resolver.record_kvcm(cut, trial=True, given_s=slow / 2) is False  # not judged ...
+    assert resolver.record_kvcm(cut, trial=True, given_s=slow / 2, started_at=0.0) is False  # not judged ...
     await trio.testing.wait_all_tasks_blocked()  # applied by the resolver's task
     assert resolver.snapshot().breaker.state is BreakerState.HALF_OPEN
     assert await resolver.admit() is Admission.TRIAL  # ... and the trial slot is free again
-    assert resolver.record_kvcm(cut, trial=True, given_s=slow) is True  # had long enough: a failure
+    assert resolver.record_kvcm(cut, trial=True, given_s=slow, started_at=0.0) is True  # had long enough: a failure
     await trio.testing.wait_all_tasks_blocked()
     assert resolver.snapshot().breaker.state is BreakerState.OPEN
     assert resolver.snapshot().queries_cut_short_total == 1
@@ -734,8 +735,8 @@ async def test_reports_change_nothing_until_the_resolvers_task_applies_them(
         LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=64
     )
     down = Unavailable(NODES[0], "reset")
-    for _ in range(BREAKER_CFG.failure_threshold):
-        assert resolver.record_kvcm(down, trial=False, given_s=math.inf) is True  # judged: answered at once
+    for _ in range(BREAKER_CFG.failure_threshold):  # judged: answered at once
+        assert resolver.record_kvcm(down, trial=False, given_s=math.inf, started_at=0.0) is True
     snap = resolver.snapshot()
     assert (snap.breaker.state, snap.inbox_depth) == (BreakerState.CLOSED, BREAKER_CFG.failure_threshold)
     assert await resolver.admit() is Admission.ALLOW  # the published view: nothing applied yet
@@ -755,7 +756,7 @@ async def test_a_full_inbox_drops_reports_and_counts_them(autojump_clock: trio.t
         LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=2
     )
     for _ in range(5):
-        resolver.record_kvcm(None, trial=False, given_s=math.inf)
+        resolver.record_kvcm(None, trial=False, given_s=math.inf, started_at=0.0)
     snap = resolver.snapshot()
     assert (snap.inbox_depth, snap.inbox_capacity, snap.reports_dropped_total) == (2, 2, 3)
 

@@ -184,6 +184,42 @@ async def test_queries_cut_short_by_tight_budgets_do_not_open_the_breaker(
         assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(1)
 
 
+async def test_one_kvcm_stall_failing_every_query_in_flight_is_one_failure(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """KVCM stalls while eight requests wait on it: all eight queries time out together. That is one
+    spell, not eight failures in a row: the breaker stays closed and the next request, KVCM well
+    again, gets KVCM's answer instead of falling to the shadow index for a cooldown."""
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster, budget_cap_ms=50.0) as (handle, _, config):
+        seed(cluster, 1, 8)
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        assert (
+            await handle.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=30))
+        ).route_source is RouteSource.KVCM
+        cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+        stalled: list[RouteDecision] = []
+
+        async def one(i: int) -> None:
+            stalled.append(await handle.route(RouteRequest(f"stall{i}", token_ids=PROMPT, budget_ms=30)))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(one, i)
+        assert len(stalled) == 8 > config.breaker.failure_threshold
+        assert all(d.route_source is not RouteSource.KVCM and d.worker is not None for d in stalled)
+        await trio.testing.wait_all_tasks_blocked()  # the resolver applies the eight reports
+        snap = resolver.snapshot()
+        assert snap.breaker.state is BreakerState.CLOSED
+        assert (snap.breaker.consecutive_failures, snap.breaker.window_failures) == (1, 8)
+        cluster.kvcm.clear_faults()
+        d = await handle.route(RouteRequest("after", token_ids=PROMPT, budget_ms=30))
+        assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(1)
+
+
 async def test_kvcm_slow_answers_within_budget(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
     async with routed(cluster) as (handle, _, _):

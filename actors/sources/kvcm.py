@@ -105,7 +105,7 @@ class KvcmSource:
                 # A leader not found is a KVCM failure for the breaker (a fast failure and a wait a
                 # tight budget cut short are not judged), so a KVCM that stops answering opens it
                 # and later requests stop paying the wait.
-                resolver.record_leader_miss(failure, trial=trial, given_s=leader_end - t)
+                resolver.record_leader_miss(failure, trial=trial, given_s=leader_end - t, started_at=t)
                 if failure is None:
                     return FellThrough(Reason.DEADLINE)
                 no_leader = failure.reason in (UnavailableReason.NO_LEADER, UnavailableReason.NO_BOOTSTRAP)
@@ -136,7 +136,7 @@ class KvcmSource:
         ctx.stages[Stage.CACHE_QUERY] = ms(trio.current_time() - t)
         if state is None and error is None:
             error = DeadlineExceeded(leader.target, "GetHostCacheState did not answer within the request's budget")
-        judged = resolver.record_kvcm(error, trial=trial, given_s=query_deadline - t)
+        judged = resolver.record_kvcm(error, trial=trial, given_s=query_deadline - t, started_at=t)
         if error is not None:
             if judged:  # a query cut short by a tight budget does not make the leader suspect
                 resolver.report_failure(leader.target, error)

@@ -23,6 +23,7 @@ counted when the inbox is full). ``health()`` is a copy of its state for /debug/
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass
 
@@ -75,6 +76,7 @@ class _Attempted:
     trial: bool
     result: SourceResult | None  # None: the request was cancelled
     error: str | None  # the master's transport failure, for last_error
+    called_at: float  # when the schedule call went out (-inf: it did not)
 
 
 class _AskTrial(Ask[Admission]):
@@ -84,12 +86,13 @@ class _AskTrial(Ask[Admission]):
 class _Outcome:
     """What one attempt found out for the breaker, filled in as it goes (local to the request)."""
 
-    __slots__ = ("error", "trial", "verdict")
+    __slots__ = ("called_at", "error", "trial", "verdict")
 
     def __init__(self) -> None:
         self.verdict: _Verdict | None = None
         self.trial = False
         self.error: str | None = None
+        self.called_at = -math.inf
 
 
 class MasterSource:
@@ -175,7 +178,7 @@ class MasterSource:
         if verdict is _Verdict.SUCCESS:
             self._breaker.record_success(now, attempted.trial)
         elif verdict is _Verdict.FAILURE:
-            self._breaker.record_failure(now, attempted.trial)
+            self._breaker.record_failure(now, attempted.trial, started_at=attempted.called_at)
         elif verdict is _Verdict.NOT_JUDGED and attempted.trial:
             self._breaker.release_trial()
         if attempted.error is not None:
@@ -207,7 +210,7 @@ class MasterSource:
 
     def _release_unclaimed(self, admission: Admission) -> None:
         if admission is Admission.TRIAL:
-            self._report(_Attempted(_Verdict.NOT_JUDGED, True, None, None))
+            self._report(_Attempted(_Verdict.NOT_JUDGED, True, None, None, -math.inf))
 
     def queue_length(self) -> int:
         """The master's last reported queue length, -1 when unknown."""
@@ -223,9 +226,12 @@ class MasterSource:
         try:
             result = await self._attempt(ctx, outcome)
         except BaseException:  # cancelled: a trial that never got its verdict frees its slot
-            self._report(_Attempted(outcome.verdict or _Verdict.NOT_JUDGED, outcome.trial, None, outcome.error))
+            verdict = outcome.verdict or _Verdict.NOT_JUDGED
+            self._report(_Attempted(verdict, outcome.trial, None, outcome.error, outcome.called_at))
             raise
-        self._report(_Attempted(outcome.verdict or _Verdict.NOT_ASKED, outcome.trial, result, outcome.error))
+        self._report(
+            _Attempted(outcome.verdict or _Verdict.NOT_ASKED, outcome.trial, result, outcome.error, outcome.called_at)
+        )
         if ctx.record is not None:
             ctx.record.master = recorded_answer(ctx.record, started, trio.current_time(), result)
         return result
@@ -256,6 +262,7 @@ class MasterSource:
             return FellThrough(Reason.DEADLINE)
         hosts = [known.master] + ([known.slave] if known.slave not in (None, known.master) else [])
         request = self._request(ctx)
+        outcome.called_at = now
         reply: MasterReply | None = None
         error: TransportError | None = None
         with trio.move_on_at(end):
