@@ -11,10 +11,11 @@ from a healthy KVCM and are recorded as successes.
 Transitions:
 - CLOSED → OPEN: ``failure_threshold`` consecutive failures, or a failure rate
   >= ``failure_rate`` over the sliding window (``window_s``, at least ``window_min_calls``).
-  Consecutive means one after another in time: a failure counts towards the run only if its call
-  went out after the last failure counted. Calls in flight together fail together when one spell
-  slows the peer (or this process), and that spell is one failure, not one per call; the window's
-  rate still counts every call.
+  With ``overlapping_failures_count_once`` (the KVCM breaker's default), consecutive means one
+  after another in time: a failure counts towards the run only if its call went out after the last
+  failure counted. Calls in flight together fail together when one spell slows the peer (or this
+  process), and that spell is one failure, not one per call; the window's rate still counts every
+  call.
 - OPEN → HALF_OPEN: the first ``admit`` once the cooldown has passed; it gets the TRIAL.
   The cooldown is ``cooldown_s × 2^reopens`` (``reopens`` counts failed trials since the
   breaker last closed), capped at ``cooldown_max_s``.
@@ -211,7 +212,8 @@ class KvcmBreaker:
             if self._trial_outstanding():
                 self._reopen(now)
         elif self._state is BreakerState.CLOSED:
-            if started_at >= self._last_counted_at:  # not in flight when the last counted one failed
+            # Counted unless it was in flight when the last counted one failed (and that is one spell).
+            if not self._config.overlapping_failures_count_once or started_at >= self._last_counted_at:
                 self._consecutive_failures += 1
                 self._last_counted_at = now
             self._window.add(now, failed=True)

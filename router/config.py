@@ -87,6 +87,10 @@ class BreakerConfig:
     # A query the request's own deadline cut off before KVCM had this long is not judged (neither a
     # failure nor a success, and the leader is kept): a tight budget says nothing about KVCM.
     slow_query_ms: float = bounded(10.0, 0, 60_000)
+    # Failures of calls that were in flight together (a call that went out before the last failure
+    # counted) add one to the consecutive run, not one each: one stall is one failure. The window's
+    # rate still counts every call.
+    overlapping_failures_count_once: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +356,8 @@ class KvrouteConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     master: MasterConfig = field(default_factory=MasterConfig)
-    master_breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    # The master is asked first by every request, so a hung one costs each its window until the breaker
+    # opens, and an open one costs little (the KVCM path answers): every failure counts, for speed.
+    master_breaker: BreakerConfig = field(default_factory=lambda: BreakerConfig(overlapping_failures_count_once=False))
     grpc_tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)
     upstream_tls: UpstreamTlsConfig = field(default_factory=UpstreamTlsConfig)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.breaker import Admission, BreakerState, KvcmBreaker, breaker_problems
-from router.config import BreakerConfig
+from router.config import BreakerConfig, KvrouteConfig
 
 CFG = BreakerConfig(
     failure_threshold=3,
@@ -316,6 +316,21 @@ def test_calls_in_flight_together_that_fail_together_are_one_failure_of_the_run(
         if n < CFG.failure_threshold:
             assert (state(b), b.snapshot(now).consecutive_failures) == (BreakerState.CLOSED, n)
     assert state(b) is BreakerState.OPEN
+
+
+def test_with_overlapping_failures_counted_each_a_concurrent_burst_opens_at_the_threshold() -> None:
+    config = dataclasses.replace(CFG, window_min_calls=10**6, overlapping_failures_count_once=False)
+    b = KvcmBreaker(config)
+    for i in range(config.failure_threshold):
+        assert state(b) is BreakerState.CLOSED
+        b.record_failure(0.030 + i * 1e-4, trial=False, started_at=0.0)
+    assert state(b) is BreakerState.OPEN
+
+
+def test_the_master_breaker_counts_every_failure_and_the_kvcm_breaker_one_per_spell() -> None:
+    config = KvrouteConfig()
+    assert config.breaker.overlapping_failures_count_once is True
+    assert config.master_breaker.overlapping_failures_count_once is False
 
 
 def test_a_success_starts_the_run_again_for_calls_already_in_flight() -> None:

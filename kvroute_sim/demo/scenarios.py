@@ -358,14 +358,15 @@ def _hang_cost_checks(
     ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float
 ) -> list[Check]:
     """A hanging master costs its window only until the breaker opens, then nothing: later requests
-    take the KVCM path without waiting. It opens after its threshold of failures one after another
-    (each a call that went out after the last one counted failed: about one window of arrivals per
-    failure), or sooner when the window's failure rate trips it, plus the few already waiting then."""
+    take the KVCM path without waiting. It opens after its threshold of failures (counting each; with
+    overlapping failures counted once, each counted one is about a window of arrivals, or the
+    window's failure rate trips it sooner), plus the few already waiting then."""
     config = ctx.opened().handle.config
     window_ms = min(config.master.transport_timeout_ms, BUDGET_MS - config.master.later_sources_ms)
     breaker = config.master_breaker
     in_flight = math.ceil(window_ms / 1000.0 * RATE_PER_S)
-    limit = min(breaker.failure_threshold * in_flight, breaker.window_min_calls) + in_flight
+    per_failure = in_flight if breaker.overlapping_failures_count_once else 1
+    limit = min(breaker.failure_threshold * per_failure, breaker.window_min_calls) + in_flight
     during = [o for o in outcomes if injected <= o.started < cleared and o.lost is None]
     waited = [o for o in during if o.elapsed_ms >= window_ms]
     last_wait = max((o.started for o in waited), default=injected)
@@ -375,8 +376,8 @@ def _hang_cost_checks(
             "hang cost",
             len(waited) <= limit and bool(after),
             f"{len(waited)} of {len(during)} requests waited the {window_ms:g} ms master window (limit {limit}: "
-            f"breaker threshold {breaker.failure_threshold} windows of {in_flight} in flight, or its "
-            f"{breaker.window_min_calls} calls, + {in_flight}); the {len(after)} after them "
+            f"breaker threshold {breaker.failure_threshold} × {per_failure}, at most its window's "
+            f"{breaker.window_min_calls} calls, + {in_flight} in flight); the {len(after)} after them "
             f"took at most {max((o.elapsed_ms for o in after), default=math.nan):.1f} ms",
         )
     ]

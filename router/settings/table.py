@@ -535,6 +535,10 @@ _SPECS: dict[str, _Spec] = {
     "breaker.trial_timeout_s": _Spec(
         "A half-open trial not reported back by then counts as failed", metavar="SECONDS"
     ),
+    "breaker.overlapping_failures_count_once": _Spec(
+        "Count failures of KVCM calls that were in flight together (one stall) as one towards the "
+        "consecutive threshold; the window's failure rate still counts each"
+    ),
     "breaker.slow_query_ms": _Spec(
         "A query cut off by its request's deadline counts as a KVCM failure only if it had this long",
         metavar="MS",
@@ -749,6 +753,10 @@ _SPECS: dict[str, _Spec] = {
     "master_breaker.cooldown_s": _Spec("First OPEN period of the master breaker (doubles per re-open)"),
     "master_breaker.cooldown_max_s": _Spec("Longest OPEN period of the master breaker"),
     "master_breaker.trial_timeout_s": _Spec("A master half-open trial never reported back counts as failed after this"),
+    "master_breaker.overlapping_failures_count_once": _Spec(
+        "Count failures of master calls that were in flight together as one towards the consecutive "
+        "threshold (off: every failure counts, so a hung master is skipped sooner)"
+    ),
     "master_breaker.slow_query_ms": _Spec(
         "A master attempt the request's own deadline cut off before it had this long is not judged", metavar="MS"
     ),
@@ -817,11 +825,12 @@ def _kind_of(annotation: object, where: str) -> tuple[Kind, type[enum.Enum] | No
 def _build_table() -> tuple[Setting, ...]:
     settings: list[Setting] = []
     top_hints = typing.get_type_hints(KvrouteConfig)
+    default_config = KvrouteConfig()  # a section's defaults as the whole config sets them (its factory)
     for section_field in dataclasses.fields(KvrouteConfig):
         section = section_field.name
         section_cls = top_hints[section]
         hints = typing.get_type_hints(section_cls)
-        defaults = section_cls()
+        defaults = getattr(default_config, section)
         for f in dataclasses.fields(section_cls):
             key = f"{section}.{f.name}"
             spec = _SPECS.get(key, _Spec(""))
