@@ -971,6 +971,9 @@ class WorkerProber:
             if flight.slot:
                 self._limiter.release_on_behalf_of(flight)
         landed.at = trio.current_time()
+        await self._land(landed)
+
+    async def _land(self, landed: _Landed) -> None:
         try:
             self._send.send_nowait(landed)  # the common case: room in the inbox, no extra schedule point
         except trio.WouldBlock:
@@ -999,10 +1002,7 @@ class WorkerProber:
                 landed.error_kind = reply.kind
             else:
                 landed.status = reply
-            try:
-                self._send.send_nowait(landed)
-            except trio.WouldBlock:
-                await self._send.send(landed)  # never dropped: the owner drains the inbox without waiting
+            await self._land(landed)
 
     async def _take_budget(self, flight: _Flight) -> bool:
         """Wait for the flight's token, then an in-flight slot, before its requesters' latest deadline."""

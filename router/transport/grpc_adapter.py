@@ -118,6 +118,12 @@ class _ChannelCalls:
     by_path: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = field(default_factory=dict)
     in_flight: int = 0
 
+    def multi_callable(self, channel: grpc.Channel, method_path: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
+        call = self.by_path.get(method_path)
+        if call is None:  # identity serializers: bytes both ways
+            call = self.by_path[method_path] = channel.unary_unary(method_path, None, None)
+        return call
+
 
 class GrpcRawRpc:
     """``RawRpc`` over gRPC: bytes in, bytes out, on a pinned full method path.
@@ -148,9 +154,7 @@ class GrpcRawRpc:
     async def _start(
         self, calls: _ChannelCalls, channel: grpc.Channel, method_path: str, request: bytes, rpc_timeout_s: float | None
     ) -> grpc.Future[bytes]:
-        call = calls.by_path.get(method_path)
-        if call is None:  # identity serializers: bytes both ways
-            call = calls.by_path[method_path] = channel.unary_unary(method_path, None, None)
+        call = calls.multi_callable(channel, method_path)
         if not self._start_off_loop or calls.in_flight > 0:
             return call.future(request, timeout=rpc_timeout_s)
         # Not abandoned on cancel: the start is short, and the future it returns must reach
@@ -177,10 +181,7 @@ class GrpcRawRpc:
                 return reply
             if not isinstance(error, grpc.RpcError):
                 raise error
-            failure = rpc_error_to_transport(target, error)
-            if isinstance(failure, Unavailable):
-                self._leaser.invalidate(target, channel)
-            raise failure from error
+            raise self._failure(target, channel, error) from error
 
     async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[bytes | TransportError | None]:
         """Blocking calls one after another on one worker thread: a blocking call waits on a
@@ -193,24 +194,21 @@ class GrpcRawRpc:
             made: list[tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]] = []
             for call in calls:
                 channel = await leases.enter_async_context(self._leaser.lease(call.target))
-                by_path = self._calls_on(channel).by_path
-                multi = by_path.get(call.method_path)
-                if multi is None:  # identity serializers: bytes both ways
-                    multi = by_path[call.method_path] = channel.unary_unary(call.method_path, None, None)
-                made.append((channel, multi, call.request))
+                made.append((channel, self._calls_on(channel).multi_callable(channel, call.method_path), call.request))
             outcomes = await trio.to_thread.run_sync(
                 partial(_blocking_in_turn, [(multi, request) for _, multi, request in made], within_s)
             )
-        replies: list[bytes | TransportError | None] = []
-        for call, (channel, _, _), outcome in zip(calls, made, outcomes, strict=True):
-            if isinstance(outcome, grpc.RpcError):
-                failure = rpc_error_to_transport(call.target, outcome)
-                if isinstance(failure, Unavailable):
-                    self._leaser.invalidate(call.target, channel)
-                replies.append(failure)
-            else:
-                replies.append(outcome)
-        return replies
+        return [
+            self._failure(call.target, channel, outcome) if isinstance(outcome, grpc.RpcError) else outcome
+            for call, (channel, _, _), outcome in zip(calls, made, outcomes, strict=True)
+        ]
+
+    def _failure(self, target: str, channel: grpc.Channel, error: grpc.RpcError) -> TransportError:
+        """The call's failure; an unreachable peer also forgets that exact channel."""
+        failure = rpc_error_to_transport(target, error)
+        if isinstance(failure, Unavailable):
+            self._leaser.invalidate(target, channel)
+        return failure
 
     def invalidate(self, target: str) -> None:
         self._leaser.invalidate(target)
