@@ -271,8 +271,12 @@ class ServeConfig:
     log_max_keys: int = bounded(1024, 0, 1_000_000, low_open=True)
     drain_timeout_s: float = bounded(5.0, 0, 3600)
     drain_lame_duck_s: float = bounded(0.5, 0, 3600)  # first part of the drain: new calls refused, nothing stopped yet
-    # sidecar handler threads; also the most Route calls in flight (more: refused)
+    # sidecar handler threads: the most Route calls being handled at once
     grpc_max_workers: int = bounded(64, 0, 10_000, low_open=True)
+    # the most Route calls gRPC holds at once, handled or waiting for a handler thread (more: refused
+    # with RESOURCE_EXHAUSTED); at least grpc_max_workers. A waiting call holds no thread and at most
+    # its own message, and is answered overloaded at once from a thread when its time left is short.
+    grpc_max_concurrent_rpcs: int = bounded(1024, 0, 1_000_000, low_open=True)
     # Route calls that may wait on their handler threads for a place in the router when its in-flight
     # limit is reached (0, the default: such a call is answered overloaded at once); fewer than
     # grpc_max_workers.

@@ -2,12 +2,15 @@
 
 A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen``:
 
-- Route calls arrive on grpc's handler threads (at most ``--grpc-max-workers`` calls at once,
-  health calls and Watch streams included; a call beyond that is refused with RESOURCE_EXHAUSTED,
-  never queued). Each is decoded, handed to the trio thread with ``TrioToken.run_sync_soon`` and
-  runs there as a task; the handler thread waits for its decision no longer than the call's
-  deadline: the client's gRPC deadline and the routing deadline (min(budget, ``--budget-cap-ms``))
-  plus a short slack. (``trio.from_thread.run`` could not bound that wait.)
+- Route calls arrive on grpc's handler threads (``--grpc-max-workers`` of them). gRPC holds at
+  most ``--grpc-max-concurrent-rpcs`` calls at once, health calls and Watch streams included: those
+  beyond the threads wait for one (holding no thread), and a call beyond the cap is refused with
+  RESOURCE_EXHAUSTED. A closed loop of more callers than threads is then answered, not refused:
+  a call that waited reaches its thread with less time left and is answered ``overloaded`` at once
+  when that cannot cover the router (below). Each is decoded, handed to the trio thread with
+  ``TrioToken.run_sync_soon`` and runs there as a task; the handler thread waits for its decision
+  no longer than the call's deadline: the client's gRPC deadline and the routing deadline
+  (min(budget, ``--budget-cap-ms``)) plus a short slack. (``trio.from_thread.run`` could not bound that wait.)
 - The client's gRPC deadline is the caller's deadline: the router decides ``--reply-margin-ms``
   before it (and by min(budget, cap) at the latest), keeping that margin to send the answer. The
   time a call waited to reach the trio thread is counted against it.
@@ -413,8 +416,10 @@ class Sidecar:
         server = grpc.server(
             executor,
             handlers=[method_handlers({ROUTER_ROUTE: self._route_rpc})],
-            # Refuse at once beyond the thread pool: a queued call would wait past its deadline.
-            maximum_concurrent_rpcs=workers,
+            # Calls beyond the threads wait for one: a shed answer costs a thread a fraction of a
+            # millisecond, so a queue of them drains well within a client's deadline, where a refusal
+            # beyond the threads would leave the caller with no answer at all.
+            maximum_concurrent_rpcs=self._serve.grpc_max_concurrent_rpcs,
             options=[("grpc.so_reuseport", int(self._reuse_port))],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

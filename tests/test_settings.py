@@ -553,10 +553,20 @@ def test_every_numeric_setting_is_bounded_above_and_refused_beyond_naming_its_fl
 
 def test_grpc_max_workers_beyond_its_bound_stops_serve() -> None:
     loaded = load_config({**GOOD, "grpc_max_workers": "99999999999"}, {})
-    assert [str(p) for p in loaded.fatal_errors] == [
+    # every problem at once: the range, then the rule joining it to the gRPC call cap
+    assert str(loaded.fatal_errors[0]) == (
         "--grpc-max-workers (KVROUTE_GRPC_MAX_WORKERS): must be <= 10000, got 99999999999 "
         "(from flag --grpc-max-workers)"
-    ]
+    )
+    assert _names(loaded.fatal_errors) == {("grpc_max_workers",), ("grpc_max_concurrent_rpcs", "grpc_max_workers")}
+
+
+def test_grpc_must_hold_at_least_as_many_calls_as_there_are_handler_threads() -> None:
+    loaded = load_config({**GOOD, "grpc_max_workers": "64", "grpc_max_concurrent_rpcs": "63"}, {})
+    assert _names(loaded.fatal_errors) == {("grpc_max_concurrent_rpcs", "grpc_max_workers")}
+    assert "63 calls at once, fewer than the 64 handler threads" in str(loaded.fatal_errors[0])
+    assert load_config({**GOOD, "grpc_max_workers": "64", "grpc_max_concurrent_rpcs": "64"}, {}).errors == ()
+    assert load_config(GOOD, {}).effective.serve.grpc_max_concurrent_rpcs == 1024
 
 
 def test_slot_waiters_must_leave_a_handler_thread_free() -> None:

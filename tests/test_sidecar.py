@@ -243,9 +243,37 @@ async def test_client_deadline_shorter_than_budget_bounds_the_decision(nursery: 
             r.cluster.kvcm.clear_faults()
 
 
-async def test_thread_pool_bound_refuses_the_call_beyond_it(nursery: trio.Nursery) -> None:
+async def test_a_call_beyond_the_handler_threads_waits_for_one_and_is_answered(nursery: trio.Nursery) -> None:
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2, grpc_max_concurrent_rpcs=8)
     with trio.fail_after(15):
-        async with rig(nursery, serve=ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2)) as r:
+        async with rig(nursery, serve=serve) as r:
+            leader = r.cluster.kvcm.leader
+            assert leader is not None
+            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))  # each call lasts ~its budget
+            stats = r.cluster.kvcm.stats(leader)
+            slow = router_v1_pb2.RouteRequest(request_id="slow", token_ids=PROMPT, budget_ms=500)
+            outcomes: list[object] = []
+
+            async def one() -> None:
+                outcomes.append(await _in_thread(lambda: r.route(slow)))
+
+            async with trio.open_nursery() as clients:
+                clients.start_soon(one)
+                clients.start_soon(one)
+                reached = await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 2, 5.0))
+                assert reached
+                # Both threads are held; the third call waits for one instead of being refused.
+                clients.start_soon(one)
+            assert len(outcomes) == 3
+            assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in outcomes), outcomes
+            assert r.sidecar.stats().answered == 3
+            r.cluster.kvcm.clear_faults()
+
+
+async def test_the_grpc_call_cap_refuses_the_call_beyond_it(nursery: trio.Nursery) -> None:
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2, grpc_max_concurrent_rpcs=2)
+    with trio.fail_after(15):
+        async with rig(nursery, serve=serve) as r:
             leader = r.cluster.kvcm.leader
             assert leader is not None
             r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))  # each call lasts ~its budget

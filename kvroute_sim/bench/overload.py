@@ -296,7 +296,9 @@ def _level_result(
 async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None) -> list[LevelResult]:
     levels: list[LevelResult] = []
     async with serving_sidecar(view, "p7", sizes.warm_up) as (sidecar, bound, config):
-        echo_server, echo_target = _echo_server(config.serve.grpc_max_workers)
+        echo_server, echo_target = _echo_server(
+            config.serve.grpc_max_workers, config.serve.grpc_max_concurrent_rpcs
+        )
         try:
             with caller_process(caller_cpus) as callers_child:
                 warm = Level(
@@ -345,7 +347,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
     return levels
 
 
-def _echo_server(workers: int) -> tuple[grpc.Server, str]:
+def _echo_server(workers: int, max_concurrent_rpcs: int) -> tuple[grpc.Server, str]:
     """A grpcio server like the sidecar's (thread pool, concurrency limit) answering every Route
     call with the same bytes; started, with its address."""
     reply = router_v1_pb2.RouteDecision(request_id="echo", route_source="domain", reason="overloaded")
@@ -353,7 +355,7 @@ def _echo_server(workers: int) -> tuple[grpc.Server, str]:
     server = grpc.server(
         ThreadPoolExecutor(max_workers=workers, thread_name_prefix="p7-echo"),
         handlers=[method_handlers({ROUTER_ROUTE: lambda _data, _context: body})],
-        maximum_concurrent_rpcs=workers,
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=[("grpc.so_reuseport", 0)],
     )
     port = server.add_insecure_port("127.0.0.1:0")

@@ -708,8 +708,14 @@ _SPECS: dict[str, _Spec] = {
         metavar="SECONDS",
     ),
     "serve.grpc_max_workers": _Spec(
-        "kvroute serve: Route handler threads, and the most Route calls in flight "
-        "(beyond it a call is refused at once with RESOURCE_EXHAUSTED)",
+        "kvroute serve: Route handler threads, the most Route calls handled at once (more wait for a "
+        "thread, up to --grpc-max-concurrent-rpcs)",
+    ),
+    "serve.grpc_max_concurrent_rpcs": _Spec(
+        "kvroute serve: the most Route calls gRPC holds at once, handled or waiting for a handler thread "
+        "(beyond it a call is refused at once with RESOURCE_EXHAUSTED); at least --grpc-max-workers. A "
+        "waiting call holds no thread, and when it reaches one with too little time left it is answered "
+        "overloaded at once",
     ),
     "serve.slot_waiters": _Spec(
         "kvroute serve: Route calls that may wait on their handler threads for a place in the router when "

@@ -131,6 +131,12 @@ def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
             f"the decision reserve ({c.router.reserve_min_ms} ms) leaves nothing of the budget cap "
             f"({c.router.budget_cap_ms} ms)",
         )
+    if c.serve.grpc_max_concurrent_rpcs < c.serve.grpc_max_workers:
+        yield (
+            ("grpc_max_concurrent_rpcs", "grpc_max_workers"),
+            f"gRPC would hold at most {c.serve.grpc_max_concurrent_rpcs} calls at once, fewer than the "
+            f"{c.serve.grpc_max_workers} handler threads (keep it at least grpc_max_workers)",
+        )
     if c.serve.slot_waiters >= c.serve.grpc_max_workers:
         yield (
             ("slot_waiters", "grpc_max_workers"),
