@@ -190,14 +190,15 @@ class RouterActor:
         """The last published answers for shedding off the routing loop (None before the first)."""
         return self._overload_answers
 
-    def record_shed(self, request: RouteRequest, decision: RouteDecision, deadline: float) -> None:
+    def record_shed(self, request: Callable[[], RouteRequest], decision: RouteDecision, deadline: float) -> None:
         """Count and record a request another thread answered ``overloaded`` from
-        :meth:`overload_answers`, as :meth:`route` records its own sheds."""
+        :meth:`overload_answers`, as :meth:`route` records its own sheds. ``request`` builds the
+        request: only the decision log keeps it, and a shed answer is cheap only if nothing else does."""
         self._overloaded += 1
         self._emit(decision)
         if self._decision_log is not None:
             now = trio.current_time()
-            self._decision_log.submit(DecisionRecord(request, now, deadline, overloaded=True, decision=decision))
+            self._decision_log.submit(DecisionRecord(request(), now, deadline, overloaded=True, decision=decision))
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""

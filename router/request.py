@@ -251,13 +251,19 @@ def budget_left_ms(routing_s: float, received_at: float, arrived_at: float) -> f
     return max(0.0, routing_s - max(0.0, arrived_at - received_at)) * 1000.0
 
 
+def budget_deadline(budget_ms: float | None, now: float, cap_ms: float) -> float:
+    """``now + min(budget, cap)``: a request's own deadline before any caller's (None: the cap)."""
+    deadline = now + cap_ms / 1000.0
+    if budget_ms is not None and math.isfinite(budget_ms):
+        deadline = min(deadline, now + max(0.0, budget_ms) / 1000.0)
+    return deadline
+
+
 def request_deadline(request: RouteRequest, now: float, cap_ms: float, reply_margin_ms: float = 0.0) -> float:
     """When the router must have decided: ``now + min(budget, cap)``, and ``reply_margin_ms`` before the
     caller's absolute deadline when it gave one (that margin is the time the answer needs to reach it).
     """
-    deadline = now + cap_ms / 1000.0
-    if request.budget_ms is not None and math.isfinite(request.budget_ms):
-        deadline = min(deadline, now + max(0.0, request.budget_ms) / 1000.0)
+    deadline = budget_deadline(request.budget_ms, now, cap_ms)
     if request.deadline is not None:
         deadline = min(deadline, request.deadline - reply_margin_ms / 1000.0)
     return deadline

@@ -71,7 +71,7 @@ from router.admission import InFlightLimit, admits, slot_wait_s
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
-from router.request import budget_left_ms, caller_deadline, check_bounds, quoted, request_deadline
+from router.request import budget_deadline, budget_left_ms, caller_deadline, check_bounds, quoted
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
 from router.thread_bridge import deliver_outcome, settle
@@ -118,6 +118,12 @@ def request_from_proto(message: router_v1_pb2.RouteRequest, limits: LimitsConfig
     else (exactly one of the two lists, block size, seq_len, roles the deployment routes) is checked
     by the router, which answers reason=bad_request with an error naming the field.
     """
+    check_proto_bounds(message, limits)
+    return converted(message)
+
+
+def check_proto_bounds(message: router_v1_pb2.RouteRequest, limits: LimitsConfig) -> None:
+    """Raise BadRequest naming the field when ``message`` is larger than ``limits`` allow (from its sizes)."""
     check_bounds(
         limits,
         request_id=message.request_id,
@@ -125,15 +131,25 @@ def request_from_proto(message: router_v1_pb2.RouteRequest, limits: LimitsConfig
         n_keys=len(message.block_cache_keys),
         n_roles=len(message.roles),
     )
+
+
+def converted(message: router_v1_pb2.RouteRequest) -> RouteRequest:
+    """The router's request for a message whose sizes were checked (:func:`check_proto_bounds`); raises
+    BadRequest only for an unknown role. Most of its cost is the lists' copy into Python ints, which a
+    request answered ``overloaded`` at receipt never needs."""
     return RouteRequest(
         request_id=message.request_id,
         token_ids=tuple(message.token_ids) or None,
         block_cache_keys=tuple(message.block_cache_keys) or None,
         block_size=message.block_size or None,
         seq_len=message.seq_len or None,
-        budget_ms=float(message.budget_ms) or None,
+        budget_ms=budget_ms(message),
         roles=tuple(_role(name) for name in message.roles) or None,
     )
+
+
+def budget_ms(message: router_v1_pb2.RouteRequest) -> float | None:
+    return float(message.budget_ms) or None  # 0: not given
 
 
 def decision_to_proto(decision: RouteDecision) -> router_v1_pb2.RouteDecision:
@@ -372,7 +388,7 @@ class Sidecar:
         self._health = _RouterHealth(self._ready_from_thread)
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
         # Sheds waiting to be recorded on the trio thread: appended by handler threads, drained there.
-        self._sheds: deque[tuple[RouteRequest, RouteDecision, float]] = deque()
+        self._sheds: deque[tuple[router_v1_pb2.RouteRequest, RouteDecision, float]] = deque()
         self._sheds_drain_due = False
         # Set once in run() before serving; read by handler threads.
         self._token: trio.lowlevel.TrioToken | None = None
@@ -522,7 +538,10 @@ class Sidecar:
         try:
             with self._reading_turn(len(data), context):
                 message.ParseFromString(data)
-                request = request_from_proto(message, self._limits)
+                check_proto_bounds(message, self._limits)
+                # A request naming roles always goes to the router: converted now, a bad role is
+                # refused before the call counts as handed over. Others are converted once admitted.
+                named_roles = converted(message) if message.roles else None
         except DecodeError as exc:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, f"request: not a kvroute.v1.RouteRequest ({exc})") from None
         except BadRequest as exc:
@@ -536,12 +555,17 @@ class Sidecar:
             max(0.0, remaining - self._path_cost_s) if remaining is not None and math.isfinite(remaining) else None
         )
         # The router's own deadline (min(budget, cap)), measured from now, plus the slack.
-        routing_s = request_deadline(request, 0.0, self._cap_ms)
+        routing_s = budget_deadline(budget_ms(message), 0.0, self._cap_ms)
         # What the router will have: its deadline, or the client's less the reply margin.
         left_s = routing_s if client_s is None else min(routing_s, client_s - self._reply_margin_ms / 1000.0)
-        shed = self._shed_at_receipt(request, left_s, received)
-        if shed is not None:
-            return self._reply(shed, context), routing_s, shed.stage_ms, None
+        if named_roles is not None:
+            request = named_roles
+            self._counters.hand_off_anyway()
+        else:
+            shed = self._shed_at_receipt(message, left_s, received)
+            if shed is not None:
+                return self._reply(shed, context), routing_s, shed.stage_ms, None
+            request = converted(message)  # no roles: nothing left to refuse
         # A call may have waited for its place: the client's deadline above counts that wait (from
         # sent_at); the in-flight limit and the own-path estimate count from the hand-off.
         handed_at = time.monotonic()
@@ -583,12 +607,14 @@ class Sidecar:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, decision.error),))
         return decision_to_proto(decision).SerializeToString()
 
-    def _shed_at_receipt(self, request: RouteRequest, left_s: float, received: float) -> RouteDecision | None:
-        """The router's ``overloaded`` answer when this call cannot be served in time, decided here
-        on the handler thread from what the router published; None: the call was counted as handed
-        to the router (the caller must hand it off and report its answer)."""
+    def _shed_at_receipt(
+        self, message: router_v1_pb2.RouteRequest, left_s: float, received: float
+    ) -> RouteDecision | None:
+        """The router's ``overloaded`` answer when this call (naming no roles) cannot be served in
+        time, decided here on the handler thread from what the router published; None: the call was
+        counted as handed to the router (the caller must hand it off and report its answer)."""
         published = self._router.overload_answers()
-        if published is None or not published.answers or request.roles is not None:
+        if published is None or not published.answers:
             self._counters.hand_off_anyway()
             return None
         estimate = published.estimate
@@ -596,16 +622,18 @@ class Sidecar:
             slot_wait_s(estimate, left_s)
         ):
             return None
-        return self._shed(request, published, left_s, received)
+        return self._shed(message, published, left_s, received)
 
-    def _shed(self, request: RouteRequest, published: OverloadAnswers, left_s: float, received: float) -> RouteDecision:
+    def _shed(
+        self, message: router_v1_pb2.RouteRequest, published: OverloadAnswers, left_s: float, received: float
+    ) -> RouteDecision:
         drawn = published.answers[self._shed_rng.randrange(len(published.answers))]
         elapsed_ms = (time.monotonic() - received) * 1000.0
         decision = replace(
-            drawn, request_id=request.request_id, elapsed_ms=elapsed_ms, stage_ms={Stage.TOTAL: elapsed_ms}
+            drawn, request_id=message.request_id, elapsed_ms=elapsed_ms, stage_ms={Stage.TOTAL: elapsed_ms}
         )
         self._counters.shed()
-        self._sheds.append((request, decision, left_s))
+        self._sheds.append((message, decision, left_s))
         if not self._sheds_drain_due:  # a lost race costs one empty drain, never a missed one
             self._sheds_drain_due = True
             token = self._token
@@ -656,10 +684,10 @@ class Sidecar:
         now = trio.current_time()
         while True:
             try:
-                request, decision, left_s = self._sheds.popleft()
+                message, decision, left_s = self._sheds.popleft()
             except IndexError:
                 return
-            self._router.record_shed(request, decision, now + left_s)
+            self._router.record_shed(partial(converted, message), decision, now + left_s)
 
     def _spawn(
         self,

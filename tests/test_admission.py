@@ -124,7 +124,7 @@ async def test_the_router_publishes_overloaded_answers_and_counts_the_sheds_othe
             assert (answer.route_source, answer.reason) == (RouteSource.DOMAIN, Reason.OVERLOADED)
             assert answer.worker is not None and answer.worker.http_target in workers
         before = router.health()
-        router.record_shed(RouteRequest("shed", token_ids=PROMPT), published.answers[0], trio.current_time())
+        router.record_shed(lambda: RouteRequest("shed", token_ids=PROMPT), published.answers[0], trio.current_time())
         after = router.health()
         assert after.overloaded == before.overloaded + 1
         assert after.handled == before.handled  # never entered the pipeline

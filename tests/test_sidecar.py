@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -33,6 +34,7 @@ from router.config import (
     ServeConfig,
 )
 from router.keys import block_keys
+from router.replay import load_log
 from router.request import budget_left_ms, caller_deadline
 from router.sidecar import ROUTER_SERVICE, Sidecar, _Counters, decision_to_proto, request_from_proto
 from router.targets import HostPort
@@ -74,13 +76,15 @@ class Rig:
 
 
 @asynccontextmanager
-async def rig(nursery: trio.Nursery, *, serve: ServeConfig | None = None) -> AsyncIterator[Rig]:
+async def rig(
+    nursery: trio.Nursery, *, serve: ServeConfig | None = None, router: RouterConfig | None = None
+) -> AsyncIterator[Rig]:
     cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
     addrs = await nursery.start(cluster.serve_grpc)
     config = KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
         discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-        router=RouterConfig(budget_cap_ms=1000.0),
+        router=router or RouterConfig(budget_cap_ms=1000.0),
         serve=serve or ServeConfig(grpc_listen="127.0.0.1:0"),
     )
     async with open_router(config) as handle, trio.open_nursery() as inner:
@@ -295,6 +299,32 @@ async def test_the_grpc_call_cap_refuses_the_call_beyond_it(nursery: trio.Nurser
             assert len(outcomes) == 2
             assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in outcomes), outcomes
             r.cluster.kvcm.clear_faults()
+
+
+async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    log = tmp_path / "decisions.log"
+    # A reply margin beyond the client's deadline leaves the router no time at all: every call
+    # naming no roles is answered overloaded on the handler thread, before the trio thread sees it.
+    router = RouterConfig(budget_cap_ms=1000.0, reply_margin_ms=2000.0, decision_log=str(log))
+    with trio.fail_after(15):
+        async with rig(nursery, router=router) as r:
+            keys = tuple(range(1, 65))
+            request = router_v1_pb2.RouteRequest(request_id="shed-me", block_cache_keys=keys, block_size=BLOCK)
+            before = r.handle.router_actor().health()
+            reply = await _in_thread(lambda: r.route(request, timeout=1.0))
+            assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            assert (reply.request_id, reply.route_source, reply.reason) == ("shed-me", "domain", "overloaded")
+            assert reply.ip  # a routable worker, not an empty answer
+            assert r.sidecar.stats().shed_at_receipt == 1
+            # Recorded on the trio thread afterwards: counted by the router, never routed by it.
+            with trio.fail_after(5):
+                while r.handle.router_actor().health().overloaded == before.overloaded:
+                    await trio.sleep(0.01)
+            assert r.handle.router_actor().health().handled == before.handled
+    cases = [c for c in load_log([str(log)]).cases if c.request_id == "shed-me"]
+    assert len(cases) == 1 and cases[0].overloaded
 
 
 async def _drain_with_one_call_in_flight(r: Rig, body: Callable[[], Awaitable[None]]) -> object:
