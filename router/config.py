@@ -271,8 +271,9 @@ class ServeConfig:
     log_max_keys: int = bounded(1024, 0, 1_000_000, low_open=True)
     drain_timeout_s: float = bounded(5.0, 0, 3600)
     drain_lame_duck_s: float = bounded(0.5, 0, 3600)  # first part of the drain: new calls refused, nothing stopped yet
-    # sidecar handler threads: the most Route calls being handled at once
-    grpc_max_workers: int = bounded(64, 0, 10_000, low_open=True)
+    # sidecar handler threads: the most Route calls being handled at once. Few: each thread answering a
+    # shed competes with the routing thread for the GIL, and calls beyond them wait for one.
+    grpc_max_workers: int = bounded(16, 0, 10_000, low_open=True)
     # the most Route calls gRPC holds at once, handled or waiting for a handler thread (more: refused
     # with RESOURCE_EXHAUSTED); at least grpc_max_workers. A waiting call holds no thread and at most
     # its own message, and is answered overloaded at once from a thread when its time left is short.
