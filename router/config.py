@@ -132,8 +132,9 @@ class ProberConfig:
     refresh_idle_gaps: float = bounded(8.0, 0, 1000, low_open=True)
     # A round's polls are made one after another by one transport call (over gRPC: blocking calls on one
     # worker thread) instead of a task and an asynchronous call each: grpcio starts a thread of its own
-    # for every call on an idle channel, which a blocking call does not.
-    serial_refresh: bool = False
+    # for every call on an idle channel, which a blocking call does not, and the routing thread waits for
+    # that thread to start.
+    serial_refresh: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,8 +36,14 @@ def _config(addrs: SimClusterAddresses) -> KvrouteConfig:
 
 
 def _threads() -> set[threading.Thread]:
-    """Live threads, except the simulated peers' gRPC handler pools (they grow on demand)."""
-    return {t for t in threading.enumerate() if not t.name.startswith("kvroute-grpc-server")}
+    """Live threads, except the simulated peers' gRPC handler pools (they grow on demand) and trio's
+    process-wide cache of idle worker threads ("Trio thread N": any ``trio.to_thread`` call, such as a
+    serial refresh round, leaves one for reuse, and it exits by itself after 10 s idle)."""
+    return {
+        t
+        for t in threading.enumerate()
+        if not t.name.startswith("kvroute-grpc-server") and not t.name.startswith("Trio thread")
+    }
 
 
 async def _run_asyncio(program: Callable[[], Coroutine[Any, Any, None]]) -> None:
