@@ -251,54 +251,29 @@ async def test_a_call_beyond_the_handler_threads_waits_for_one_and_is_answered(n
     serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2, grpc_max_concurrent_rpcs=8)
     with trio.fail_after(15):
         async with rig(nursery, serve=serve) as r:
-            leader = r.cluster.kvcm.leader
-            assert leader is not None
-            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))  # each call lasts ~its budget
-            stats = r.cluster.kvcm.stats(leader)
-            slow = router_v1_pb2.RouteRequest(request_id="slow", token_ids=PROMPT, budget_ms=500)
-            outcomes: list[object] = []
+            third: list[object] = []
 
-            async def one() -> None:
-                outcomes.append(await _in_thread(lambda: r.route(slow)))
+            async def call_a_third() -> None:
+                # Both threads are held; this call waits for one instead of being refused.
+                third.append(await _in_thread(lambda: r.route(_slow_request("third", 500))))
 
-            async with trio.open_nursery() as clients:
-                clients.start_soon(one)
-                clients.start_soon(one)
-                reached = await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 2, 5.0))
-                assert reached
-                # Both threads are held; the third call waits for one instead of being refused.
-                clients.start_soon(one)
-            assert len(outcomes) == 3
-            assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in outcomes), outcomes
+            outcomes = await _with_calls_in_router(r, 2, 500, call_a_third)
+            assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in [*outcomes, *third]), (outcomes, third)
             assert r.sidecar.stats().answered == 3
-            r.cluster.kvcm.clear_faults()
 
 
 async def test_the_grpc_call_cap_refuses_the_call_beyond_it(nursery: trio.Nursery) -> None:
     serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2, grpc_max_concurrent_rpcs=2)
     with trio.fail_after(15):
         async with rig(nursery, serve=serve) as r:
-            leader = r.cluster.kvcm.leader
-            assert leader is not None
-            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))  # each call lasts ~its budget
-            stats = r.cluster.kvcm.stats(leader)
-            slow = router_v1_pb2.RouteRequest(request_id="slow", token_ids=PROMPT, budget_ms=1000)
-            outcomes: list[object] = []
 
-            async def one() -> None:
-                outcomes.append(await _in_thread(lambda: r.route(slow)))
-
-            async with trio.open_nursery() as clients:
-                clients.start_soon(one)
-                clients.start_soon(one)
+            async def call_a_third() -> None:
                 # Both calls hold a handler thread (their KVCM queries hang); a third is refused at once.
-                reached = await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 2, 5.0))
-                assert reached
-                third = await _in_thread(lambda: r.route(slow))
+                third = await _in_thread(lambda: r.route(_slow_request("third", 1000)))
                 assert _status(third) is grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert len(outcomes) == 2
+
+            outcomes = await _with_calls_in_router(r, 2, 1000, call_a_third)
             assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in outcomes), outcomes
-            r.cluster.kvcm.clear_faults()
 
 
 async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
@@ -307,13 +282,13 @@ async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
     log = tmp_path / "decisions.log"
     # A reply margin beyond the client's deadline leaves the router no time at all: every call
     # naming no roles is answered overloaded on the handler thread, before the trio thread sees it.
-    router = RouterConfig(budget_cap_ms=1000.0, reply_margin_ms=2000.0, decision_log=str(log))
+    router = RouterConfig(budget_cap_ms=1000.0, reply_margin_ms=30_000.0, decision_log=str(log))
     with trio.fail_after(15):
         async with rig(nursery, router=router) as r:
             keys = tuple(range(1, 65))
             request = router_v1_pb2.RouteRequest(request_id="shed-me", block_cache_keys=keys, block_size=BLOCK)
             before = r.handle.router_actor().health()
-            reply = await _in_thread(lambda: r.route(request, timeout=1.0))
+            reply = await _in_thread(lambda: r.route(request, timeout=10.0))
             assert isinstance(reply, router_v1_pb2.RouteDecision), reply
             assert (reply.request_id, reply.route_source, reply.reason) == ("shed-me", "domain", "overloaded")
             assert reply.ip  # a routable worker, not an empty answer
@@ -327,27 +302,43 @@ async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
     assert len(cases) == 1 and cases[0].overloaded
 
 
-async def _drain_with_one_call_in_flight(r: Rig, body: Callable[[], Awaitable[None]]) -> object:
-    """Start a call that waits in the router (KVCM hangs), drain, run ``body``; the call's outcome."""
+def _slow_request(request_id: str, budget_ms: int) -> router_v1_pb2.RouteRequest:
+    return router_v1_pb2.RouteRequest(request_id=request_id, token_ids=PROMPT, budget_ms=budget_ms)
+
+
+async def _with_calls_in_router(r: Rig, n: int, budget_ms: int, body: Callable[[], Awaitable[None]]) -> list[object]:
+    """Start ``n`` calls that wait in the router (KVCM hangs: each lasts about its budget, holding its
+    handler thread), run ``body`` once all are in flight; the calls' outcomes."""
     leader = r.cluster.kvcm.leader
     assert leader is not None
     r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
     stats = r.cluster.kvcm.stats(leader)
-    slow = router_v1_pb2.RouteRequest(request_id="in-flight", token_ids=PROMPT, budget_ms=400)
+    slow = _slow_request("in-flight", budget_ms)
     outcomes: list[object] = []
 
     async def one() -> None:
         outcomes.append(await _in_thread(lambda: r.route(slow)))
 
     async with trio.open_nursery() as clients:
-        clients.start_soon(one)
-        assert await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 1, 5.0))
+        for _ in range(n):
+            clients.start_soon(one)
+        assert await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, n, 5.0))
+        await body()
+    r.cluster.kvcm.clear_faults()
+    assert len(outcomes) == n
+    return outcomes
+
+
+async def _drain_with_one_call_in_flight(r: Rig, body: Callable[[], Awaitable[None]]) -> object:
+    """Start a call that waits in the router (KVCM hangs), drain, run ``body``; the call's outcome."""
+
+    async def drain_then_body() -> None:
         assert r.sidecar.stats().in_flight == 1
         r.sidecar.drain()
         await body()
-    r.cluster.kvcm.clear_faults()
-    assert len(outcomes) == 1
-    return outcomes[0]
+
+    (outcome,) = await _with_calls_in_router(r, 1, 400, drain_then_body)
+    return outcome
 
 
 async def test_drain_lame_duck_refuses_new_calls_and_says_not_serving(nursery: trio.Nursery) -> None:
