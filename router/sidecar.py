@@ -92,6 +92,9 @@ ANSWER_SLACK_S = 0.05
 INITIAL_IN_FLIGHT_LIMIT = 16  # calls handed to the router at once before any has been answered
 PATH_COST_DECAY = 0.9  # weight the own-path estimate keeps per call (a few calls follow a change)
 CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for take_call_timings()
+# Sheds are recorded on the trio thread in batches at most this long after the first of them (the
+# metrics and the decision log see them that much later); each batch costs one wakeup of the thread.
+SHED_RECORD_BATCH_S = 0.005
 REPLY_SAMPLES = 256  # replies' way-back times kept until the next call hands them to the metrics sink
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
 _ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
@@ -172,6 +175,18 @@ def decision_to_proto(decision: RouteDecision) -> router_v1_pb2.RouteDecision:
         error_code=decision.error_code,
         error_message=decision.error or "" if decision.error_code else "",
     )
+
+
+def shed_reply_body(decision: RouteDecision) -> bytes:
+    """``decision`` serialised without its request id and elapsed time, for :func:`shed_reply`."""
+    return decision_to_proto(replace(decision, request_id="", elapsed_ms=0.0)).SerializeToString()
+
+
+def shed_reply(body: bytes, request_id: str, elapsed_ms: float) -> bytes:
+    """A published answer's reply for one call: its request id and elapsed time serialised ahead of
+    the answer's :func:`shed_reply_body`. A protobuf parser takes fields in any order, and the body
+    leaves both at their defaults (not serialised), so the result parses as the whole decision."""
+    return router_v1_pb2.RouteDecision(request_id=request_id, elapsed_ms=elapsed_ms).SerializeToString() + body
 
 
 # --- the server ----------------------------------------------------------------------------------------
@@ -388,7 +403,10 @@ class Sidecar:
         self._health = _RouterHealth(self._ready_from_thread)
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
         # Sheds waiting to be recorded on the trio thread: appended by handler threads, drained there.
-        self._sheds: deque[tuple[router_v1_pb2.RouteRequest, RouteDecision, float]] = deque()
+        # Each: the request, the answer drawn, the elapsed ms and the time the call had left.
+        self._sheds: deque[tuple[router_v1_pb2.RouteRequest, RouteDecision, float, float]] = deque()
+        # The published answers last shed from and their shed_reply_body()s (replaced as a whole).
+        self._shed_replies: tuple[tuple[RouteDecision, ...], tuple[bytes, ...]] = ((), ())
         self._sheds_drain_due = False
         # Set once in run() before serving; read by handler threads.
         self._token: trio.lowlevel.TrioToken | None = None
@@ -562,9 +580,10 @@ class Sidecar:
             request = named_roles
             self._counters.hand_off_anyway()
         else:
-            shed = self._shed_at_receipt(message, left_s, received)
+            shed = self._shed_at_receipt(message, left_s, received, context)
             if shed is not None:
-                return self._reply(shed, context), routing_s, shed.stage_ms, None
+                reply, elapsed_ms = shed
+                return reply, routing_s, {Stage.TOTAL: elapsed_ms}, None
             request = converted(message)  # no roles: nothing left to refuse
         # A call may have waited for its place: the client's deadline above counts that wait (from
         # sent_at); the in-flight limit and the own-path estimate count from the hand-off.
@@ -608,11 +627,12 @@ class Sidecar:
         return decision_to_proto(decision).SerializeToString()
 
     def _shed_at_receipt(
-        self, message: router_v1_pb2.RouteRequest, left_s: float, received: float
-    ) -> RouteDecision | None:
-        """The router's ``overloaded`` answer when this call (naming no roles) cannot be served in
-        time, decided here on the handler thread from what the router published; None: the call was
-        counted as handed to the router (the caller must hand it off and report its answer)."""
+        self, message: router_v1_pb2.RouteRequest, left_s: float, received: float, context: grpc.ServicerContext
+    ) -> tuple[bytes, float] | None:
+        """The reply (and its elapsed ms) of the router's ``overloaded`` answer when this call (naming
+        no roles) cannot be served in time, decided here on the handler thread from what the router
+        published; None: the call was counted as handed to the router (the caller must hand it off
+        and report its answer)."""
         published = self._router.overload_answers()
         if published is None or not published.answers:
             self._counters.hand_off_anyway()
@@ -622,25 +642,38 @@ class Sidecar:
             slot_wait_s(estimate, left_s)
         ):
             return None
-        return self._shed(message, published, left_s, received)
+        return self._shed(message, published, left_s, received, context)
 
     def _shed(
-        self, message: router_v1_pb2.RouteRequest, published: OverloadAnswers, left_s: float, received: float
-    ) -> RouteDecision:
-        drawn = published.answers[self._shed_rng.randrange(len(published.answers))]
+        self,
+        message: router_v1_pb2.RouteRequest,
+        published: OverloadAnswers,
+        left_s: float,
+        received: float,
+        context: grpc.ServicerContext,
+    ) -> tuple[bytes, float]:
+        # A shed is the cheapest answer only if it stays cheap: the reply is the drawn answer's
+        # bytes serialised once per draw, and the decision to record is built on the trio thread.
+        answers, bodies = self._shed_replies
+        if answers is not published.answers:  # a new draw: the first thread to see it serialises it
+            answers = published.answers
+            bodies = tuple(shed_reply_body(a) for a in answers)
+            self._shed_replies = (answers, bodies)
+        drawn_at = self._shed_rng.randrange(len(answers))
+        drawn = answers[drawn_at]
+        if drawn.route_source is RouteSource.NONE and drawn.error:
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, drawn.error),))
         elapsed_ms = (time.monotonic() - received) * 1000.0
-        decision = replace(
-            drawn, request_id=message.request_id, elapsed_ms=elapsed_ms, stage_ms={Stage.TOTAL: elapsed_ms}
-        )
+        reply = shed_reply(bodies[drawn_at], message.request_id, elapsed_ms)
         self._counters.shed()
-        self._sheds.append((message, decision, left_s))
+        self._sheds.append((message, drawn, elapsed_ms, left_s))
         if not self._sheds_drain_due:  # a lost race costs one empty drain, never a missed one
             self._sheds_drain_due = True
             token = self._token
             if token is not None:
                 with contextlib.suppress(trio.RunFinishedError):
-                    token.run_sync_soon(self._record_sheds)
-        return decision
+                    token.run_sync_soon(self._record_sheds_soon)
+        return reply, elapsed_ms
 
     @contextlib.contextmanager
     def _reading_turn(self, size: int, context: grpc.ServicerContext) -> Iterator[None]:
@@ -678,15 +711,32 @@ class Sidecar:
     def _ready_now(self) -> bool:
         return not self._draining and self._handle.ready()[0]
 
+    def _record_sheds_soon(self) -> None:
+        """Runs in the trio thread (run_sync_soon), woken by the first shed since the last recording:
+        records the sheds after SHED_RECORD_BATCH_S, so a storm of them wakes this thread once per
+        batch rather than once every few sheds."""
+        calls = self._calls
+        if calls is None:
+            self._record_sheds()
+        else:
+            calls.start_soon(self._record_sheds_after_batch)
+
+    async def _record_sheds_after_batch(self) -> None:
+        try:
+            await trio.sleep(SHED_RECORD_BATCH_S)
+        finally:  # also when the sidecar stops at once: a shed answered is a shed recorded
+            self._record_sheds()
+
     def _record_sheds(self) -> None:
-        # Runs in the trio thread (run_sync_soon): the sheds handler threads answered since the last.
+        # The sheds handler threads answered since the last recording.
         self._sheds_drain_due = False
         now = trio.current_time()
         while True:
             try:
-                message, decision, left_s = self._sheds.popleft()
+                message, drawn, elapsed_ms, left_s = self._sheds.popleft()
             except IndexError:
                 return
+            decision = drawn.answering(message.request_id, elapsed_ms)
             self._router.record_shed(partial(converted, message), decision, now + left_s)
 
     def _spawn(

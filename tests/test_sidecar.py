@@ -36,9 +36,17 @@ from router.config import (
 from router.keys import block_keys
 from router.replay import load_log
 from router.request import budget_left_ms, caller_deadline
-from router.sidecar import ROUTER_SERVICE, Sidecar, _Counters, decision_to_proto, request_from_proto
+from router.sidecar import (
+    ROUTER_SERVICE,
+    Sidecar,
+    _Counters,
+    decision_to_proto,
+    request_from_proto,
+    shed_reply,
+    shed_reply_body,
+)
 from router.targets import HostPort
-from router.types import BadRequest, KeyFamily, Reason, Role, RouteDecision, RouteSource, WorkerAddr
+from router.types import BadRequest, KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteSource, WorkerAddr
 from router.wire import router_v1_pb2
 from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
 
@@ -283,8 +291,9 @@ async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
     # A reply margin beyond the client's deadline leaves the router no time at all: every call
     # naming no roles is answered overloaded on the handler thread, before the trio thread sees it.
     router = RouterConfig(budget_cap_ms=1000.0, reply_margin_ms=30_000.0, decision_log=str(log))
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.0)
     with trio.fail_after(15):
-        async with rig(nursery, router=router) as r:
+        async with rig(nursery, router=router, serve=serve) as r:
             keys = tuple(range(1, 65))
             request = router_v1_pb2.RouteRequest(request_id="shed-me", block_cache_keys=keys, block_size=BLOCK)
             before = r.handle.router_actor().health()
@@ -293,8 +302,10 @@ async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
             assert (reply.request_id, reply.route_source, reply.reason) == ("shed-me", "domain", "overloaded")
             assert reply.ip  # a routable worker, not an empty answer
             assert r.sidecar.stats().shed_at_receipt == 1
-            # Recorded on the trio thread afterwards: the handler queued the recording (run_sync_soon)
-            # before it replied, so it ran before the client thread's own return reached this task.
+            # Recorded on the trio thread afterwards, in a batch: a stopping sidecar records what is
+            # left before run() returns.
+            r.sidecar.drain()
+            await r.stopped.wait()
             after = r.handle.router_actor().health()
             assert after.overloaded == before.overloaded + 1
             assert after.handled == before.handled  # counted by the router, never routed by it
@@ -472,6 +483,24 @@ def test_decision_conversion_keeps_every_field() -> None:
         dataclasses.replace(decision, worker=None, role=None, route_source=RouteSource.NONE, reason=Reason.NO_WORKERS)
     )
     assert (nowhere.ip, nowhere.http_port, nowhere.role, nowhere.route_source) == ("", 0, "", "none")
+
+
+def test_a_shed_reply_spliced_from_the_drawn_answers_bytes_parses_as_the_whole_decision() -> None:
+    drawn = RouteDecision(
+        request_id="",
+        worker=WorkerAddr.from_http("10.0.0.7", 8000),
+        role=Role.PREFILL,
+        route_source=RouteSource.DOMAIN,
+        reason=Reason.OVERLOADED,
+        role_addrs=(RoleAddr(Role.PREFILL, "10.0.0.7", 8000, 8001), RoleAddr(Role.DECODE, "10.0.0.8", 8000, 8001)),
+        error_code=3,
+        error="busy",
+    )
+    body = shed_reply_body(drawn)
+    for request_id, elapsed_ms in (("r-1", 0.042), ("", 0.0), ("x" * 300, 12.5)):
+        spliced = router_v1_pb2.RouteDecision.FromString(shed_reply(body, request_id, elapsed_ms))
+        whole = decision_to_proto(dataclasses.replace(drawn, request_id=request_id, elapsed_ms=elapsed_ms))
+        assert spliced == whole
 
 
 async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlier(nursery: trio.Nursery) -> None:

@@ -17,7 +17,20 @@ from router.debug_http import to_jsonable
 from router.decision_record import decision_fields, decode_fleet, encode_fleet
 from router.policy.plan import Fleet
 from router.route_cli import decision_json
-from router.types import Reason, Role, RouteDecision, RouteSource, Stage, WorkerAddr
+from router.types import (
+    CandidateExplain,
+    Reason,
+    Role,
+    RoleAddr,
+    RouteDecision,
+    RouteSource,
+    SourceOutcome,
+    SourceStep,
+    SplitMode,
+    Stage,
+    StageWindow,
+    WorkerAddr,
+)
 
 ADDR = WorkerAddr.from_http("10.0.0.7", 8000)
 DECISION = RouteDecision(
@@ -124,3 +137,31 @@ def test_a_copied_or_pickled_decision_keeps_a_hashable_worker() -> None:
         assert rebuilt.worker is not None
         assert hash(rebuilt.worker) == hash(ADDR)
         assert rebuilt.worker == ADDR
+
+
+def test_a_drawn_answer_given_to_a_request_keeps_every_other_field() -> None:
+    drawn = RouteDecision(
+        request_id="drawn",
+        worker=ADDR,
+        role=Role.PREFILL,
+        route_source=RouteSource.DOMAIN,
+        reason=Reason.OVERLOADED,
+        hit_tokens=16,
+        local_blocks=1,
+        elapsed_ms=0.5,
+        stage_ms={Stage.CACHE_QUERY: 0.25},
+        candidates=(CandidateExplain(ADDR.http_target, "hot", 1, 16, 10, "PREFILL", None, chosen=True),),
+        error="why",
+        sources=(SourceStep(RouteSource.DOMAIN, SourceOutcome.ANSWERED, Reason.OVERLOADED, 0.1),),
+        role_addrs=(RoleAddr(Role.PREFILL, "10.0.0.7", 8000, 8001),),
+        error_code=7,
+        split=SplitMode.FIXED,
+        windows=(StageWindow(Stage.CACHE_QUERY, 1.0, cut=False),),
+    )
+    # The fixture sets every field away from its default, so a field added later and not passed on
+    # by answering() fails here.
+    for f in dataclasses.fields(RouteDecision):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        assert getattr(drawn, f.name) != default, f.name
+    given = drawn.answering("r9", 2.5)
+    assert given == dataclasses.replace(drawn, request_id="r9", elapsed_ms=2.5, stage_ms={Stage.TOTAL: 2.5})
