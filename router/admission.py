@@ -107,11 +107,15 @@ class InFlightLimit:
             return True
         return in_router == 0 and now >= self._idle_until
 
-    def observe(self, *, handed_at: float, now: float, had_s: float, answered: bool = True) -> None:
+    def observe(
+        self, *, handed_at: float, now: float, had_s: float, answered: bool = True, crowded: bool = False
+    ) -> None:
         """One admitted request, handed to the router at ``handed_at`` with ``had_s`` to spare, came
-        back at ``now`` (``answered`` False: it never did, which is late)."""
+        back at ``now`` (``answered`` False: it never did, which is late). ``crowded``: before it was
+        taken it had waited for more than half its caller's deadline — the process is short of CPU,
+        and a routed request is what costs the most of it, so that counts as late too."""
         limit = self._limit
-        if answered and now - handed_at <= self._late_share * had_s:
+        if answered and not crowded and now - handed_at <= self._late_share * had_s:
             limit = min(self._ceiling, limit + 1.0 / limit if limit >= 1.0 else min(1.0, limit * self._regrowth))
         else:
             limit = max(self._floor, limit * self._decrease)

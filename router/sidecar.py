@@ -16,10 +16,12 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
   time a call waited to reach the trio thread is counted against it.
 - Overload is answered on the handler thread, before the hop to the trio thread: a call whose
   time left (its routing deadline, the client's deadline less the reply margin and this
-  sidecar's own path) cannot cover the router's published admission estimate, or that finds
-  as many calls handed to the router and not yet answered as the learnt in-flight limit allows
-  (``InFlightLimit``: it shrinks when handed-off calls come back late, grows when they come back
-  early, never beyond ``--router-max-in-flight``; below one it is a duty cycle), gets one of the
+  sidecar's own path) cannot cover the router's published admission estimate, that finds as
+  many calls waiting for a handler thread as there are threads, or that finds as many calls
+  handed to the router and not yet answered as the learnt in-flight limit allows
+  (``InFlightLimit``: it shrinks when handed-off calls come back late or had waited for their
+  thread more than half their client's deadline, grows when they come back early, never beyond
+  ``--router-max-in-flight``; below one it is a duty cycle), gets one of the
   router's published ``overloaded`` answers at once (a request naming roles always goes to the
   router). Up to ``--slot-waiters`` calls (default none) that find the limit reached wait for a place instead,
   each at most a quarter of its time left (and never past what leaves the estimate covered), and
@@ -57,7 +59,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import grpc
 import trio
@@ -83,6 +85,8 @@ from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
 
 log = logging.getLogger(__name__)
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 ROUTER_SERVICE = "kvroute.v1.Router"
 ERROR_METADATA_KEY = "kvroute-error"
@@ -95,6 +99,10 @@ CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for
 # Sheds are recorded on the trio thread in batches at most this long after the first of them (the
 # metrics and the decision log see them that much later); each batch costs one wakeup of the thread.
 SHED_RECORD_BATCH_S = 0.005
+# A handed-off call that waited for a handler thread more than this share of its client's deadline
+# counts as late for the in-flight limit: when calls queue that long for the CPU, the routed ones,
+# each costing the CPU of many sheds, are what the queued calls are waiting behind.
+CROWDED_WAIT_SHARE = 0.5
 REPLY_SAMPLES = 256  # replies' way-back times kept until the next call hands them to the metrics sink
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
 _ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
@@ -240,6 +248,43 @@ class CallTiming:
         return self.elapsed_s - self.allowed_s
 
 
+def crowded(waited_s: float, remaining_s: float | None) -> bool:
+    """Whether a call that waited ``waited_s`` for a handler thread and then had ``remaining_s`` of its
+    client's deadline left spent more than CROWDED_WAIT_SHARE of that deadline waiting (no deadline:
+    never)."""
+    if remaining_s is None or not math.isfinite(remaining_s):
+        return False
+    return waited_s > CROWDED_WAIT_SHARE * (waited_s + remaining_s)
+
+
+class _ThreadWait(threading.local):
+    """How long the call a handler thread runs waited for the thread (set by ``_TimedPool``)."""
+
+    waited_s = 0.0
+
+
+class _TimedPool(ThreadPoolExecutor):
+    """grpc's handler threads, noting for each call how long it waited for one (``_ThreadWait``): the
+    wait is queueing inside this process — the calls ahead of it were taking the CPU."""
+
+    def __init__(self, wait: _ThreadWait, *, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._wait = wait
+        self._count_lock = threading.Lock()
+        self.waiting = 0  # calls submitted and not yet taken by a thread
+
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> concurrent.futures.Future[_T]:
+        with self._count_lock:
+            self.waiting += 1
+        return super().submit(self._timed, time.monotonic(), partial(fn, *args, **kwargs))
+
+    def _timed(self, submitted: float, call: Callable[[], _T]) -> _T:
+        self._wait.waited_s = time.monotonic() - submitted
+        with self._count_lock:
+            self.waiting -= 1
+        return call()
+
+
 class _Counters:
     """Outcome counts and the calls in the router, written by grpc handler threads (hence the lock).
 
@@ -302,12 +347,14 @@ class _Counters:
     def in_router(self) -> int:
         return self._in_router  # one int read: no lock needed for a momentary view
 
-    def answered(self, *, handed_at: float, had_s: float, answered: bool) -> None:
+    def answered(self, *, handed_at: float, had_s: float, answered: bool, crowded: bool = False) -> None:
         """A call handed to the router at ``handed_at`` (``time.monotonic()``) with ``had_s`` to spare
-        came back now (``answered`` False: it did not)."""
+        came back now (``answered`` False: it did not; ``crowded``: see ``InFlightLimit.observe``)."""
         with self._lock:
             self._in_router -= 1
-            self._limit.observe(handed_at=handed_at, now=time.monotonic(), had_s=had_s, answered=answered)
+            self._limit.observe(
+                handed_at=handed_at, now=time.monotonic(), had_s=had_s, answered=answered, crowded=crowded
+            )
             if self._waiting:
                 # Whole places for waiters; below one, one waiter learns when the idle time ends.
                 self._place_freed.notify(max(1, self._limit.limit - self._in_router))
@@ -401,6 +448,8 @@ class Sidecar:
         # thread): appended by handler threads, handed to the metrics sink by the trio thread.
         self._reply_times: deque[float] = deque(maxlen=REPLY_SAMPLES)
         self._health = _RouterHealth(self._ready_from_thread)
+        self._thread_wait = _ThreadWait()  # per handler thread: its call's wait for the thread
+        self._pool: _TimedPool | None = None  # set in run(); read by handler threads
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
         # Sheds waiting to be recorded on the trio thread: appended by handler threads, drained there.
         # Each: the request, the answer drawn, the elapsed ms and the time the call had left.
@@ -446,7 +495,7 @@ class Sidecar:
         if self._tls.cert:  # reading the PEM files is I/O: off the trio thread
             credentials = await trio.to_thread.run_sync(server_credentials, self._tls)
         workers = self._serve.grpc_max_workers
-        executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvroute-sidecar")
+        executor = self._pool = _TimedPool(self._thread_wait, max_workers=workers, thread_name_prefix="kvroute-sidecar")
         server = grpc.server(
             executor,
             handlers=[method_handlers({ROUTER_ROUTE: self._route_rpc})],
@@ -610,7 +659,10 @@ class Sidecar:
             raise PeerAbort(RpcStatus.INTERNAL, f"router error: {exc!r}") from exc
         finally:
             self._counters.answered(
-                handed_at=handed_at, had_s=max(0.0, left_s - (handed_at - sent_at)), answered=decided
+                handed_at=handed_at,
+                had_s=max(0.0, left_s - (handed_at - sent_at)),
+                answered=decided,
+                crowded=crowded(self._thread_wait.waited_s, remaining),
             )
         reply = self._reply(decision, context)
         done = time.monotonic()
@@ -638,8 +690,13 @@ class Sidecar:
             self._counters.hand_off_anyway()
             return None
         estimate = published.estimate
-        if admits(estimate, left_s, in_flight=self._counters.in_router()) and self._counters.hand_off(
-            slot_wait_s(estimate, left_s)
+        # While as many calls wait for a handler thread as there are threads, none is handed to the
+        # router: a routed call holds its thread for its whole routing time and costs the CPU of many
+        # sheds, and the calls waiting behind it are nearer their deadlines with every one.
+        if (
+            self._pool_backlog() < self._serve.grpc_max_workers
+            and admits(estimate, left_s, in_flight=self._counters.in_router())
+            and self._counters.hand_off(slot_wait_s(estimate, left_s))
         ):
             return None
         return self._shed(message, published, left_s, received, context)
@@ -696,6 +753,10 @@ class Sidecar:
         """Fold one call's own-path cost into the running estimate (handler threads write it; a float
         assignment is atomic, and a lost update only delays the estimate by a call)."""
         self._path_cost_s = PATH_COST_DECAY * self._path_cost_s + (1 - PATH_COST_DECAY) * max(0.0, seconds)
+
+    def _pool_backlog(self) -> int:
+        pool = self._pool
+        return 0 if pool is None else pool.waiting
 
     def _ready_from_thread(self) -> bool:
         token = self._token

@@ -143,6 +143,17 @@ def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_on
     assert limit.limit == int(64 * 0.9)  # a call never answered is late
 
 
+def test_an_answer_in_time_for_a_call_that_queued_for_most_of_its_deadline_shrinks_the_limit() -> None:
+    limit = InFlightLimit(initial=16, ceiling=64, floor=FLOOR)
+    limit.observe(handed_at=0.0, now=0.001, had_s=0.030, crowded=True)  # in time, but crowded: late
+    assert limit.share == pytest.approx(16 * 0.9)
+    for _ in range(100):
+        limit.observe(handed_at=0.0, now=0.001, had_s=0.030, crowded=True)
+    assert limit.share == FLOOR  # never below the floor
+    limit.observe(handed_at=0.0, now=0.001, had_s=0.030)  # the same answer, uncrowded, grows it back
+    assert limit.share > FLOOR
+
+
 def test_below_one_the_limit_is_a_duty_cycle_that_leaves_the_router_idle_after_each_late_answer() -> None:
     limit = InFlightLimit(initial=1, ceiling=64, floor=FLOOR)
     now = 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,6 +41,9 @@ from router.sidecar import (
     ROUTER_SERVICE,
     Sidecar,
     _Counters,
+    _ThreadWait,
+    _TimedPool,
+    crowded,
     decision_to_proto,
     request_from_proto,
     shed_reply,
@@ -270,6 +274,32 @@ async def test_a_call_beyond_the_handler_threads_waits_for_one_and_is_answered(n
             assert r.sidecar.stats().answered == 3
 
 
+async def test_while_as_many_calls_wait_for_a_thread_as_there_are_threads_none_is_handed_to_the_router(
+    nursery: trio.Nursery,
+) -> None:
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=1, grpc_max_concurrent_rpcs=8)
+    with trio.fail_after(20):
+        async with rig(nursery, serve=serve) as r:
+            later: list[object] = []
+
+            async def two_more() -> None:
+                # Both wait for the one thread the call in the router holds. The first to get it
+                # leaves the other waiting, so it is answered overloaded at once; the last finds no one
+                # waiting and goes to the router (its time is ample: the admission takes it).
+                async def one(request_id: str) -> None:
+                    later.append(await _in_thread(lambda: r.route(_slow_request(request_id, 3000), timeout=20.0)))
+
+                async with trio.open_nursery() as both:
+                    both.start_soon(one, "b")
+                    both.start_soon(one, "c")
+
+            outcomes = await _with_calls_in_router(r, 1, 2000, two_more)
+            assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in [*outcomes, *later]), (outcomes, later)
+            reasons = sorted(o.reason for o in later if isinstance(o, router_v1_pb2.RouteDecision))
+            assert sorted(reason == "overloaded" for reason in reasons) == [False, True], reasons
+            assert r.sidecar.stats().shed_at_receipt == 1
+
+
 async def test_the_grpc_call_cap_refuses_the_call_beyond_it(nursery: trio.Nursery) -> None:
     serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2, grpc_max_concurrent_rpcs=2)
     with trio.fail_after(15):
@@ -483,6 +513,33 @@ def test_decision_conversion_keeps_every_field() -> None:
         dataclasses.replace(decision, worker=None, role=None, route_source=RouteSource.NONE, reason=Reason.NO_WORKERS)
     )
     assert (nowhere.ip, nowhere.http_port, nowhere.role, nowhere.route_source) == ("", 0, "", "none")
+
+
+def test_a_call_is_crowded_when_it_waited_for_a_thread_more_than_half_its_deadline() -> None:
+    assert crowded(0.06, 0.04) and not crowded(0.04, 0.06)
+    assert not crowded(5.0, None) and not crowded(5.0, math.inf)  # no client deadline: never
+
+
+def test_the_handler_pool_counts_the_calls_waiting_for_a_thread_and_each_ones_wait() -> None:
+    wait = _ThreadWait()
+    pool = _TimedPool(wait, max_workers=1, thread_name_prefix="test-pool")
+    try:
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> float:
+            holding.set()
+            release.wait(10.0)
+            return wait.waited_s
+
+        first = pool.submit(hold)
+        assert holding.wait(10.0)
+        second = pool.submit(lambda: wait.waited_s)
+        assert pool.waiting == 1  # the one thread is held: the second call waits for it
+        release.set()
+        assert first.result(10.0) >= 0.0
+        assert second.result(10.0) > 0.0 and pool.waiting == 0
+    finally:
+        pool.shutdown(wait=True)
 
 
 def test_a_shed_reply_spliced_from_the_drawn_answers_bytes_parses_as_the_whole_decision() -> None:
