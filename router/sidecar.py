@@ -416,10 +416,14 @@ class _RouterHealth(health.HealthServicer):
 class Sidecar:
     """Serves ``handle`` over gRPC; see the module docstring. ``run`` is the actor's one entry point."""
 
-    def __init__(self, handle: RouterHandle, config: KvrouteConfig, *, reuse_port: bool = False) -> None:
+    def __init__(
+        self, handle: RouterHandle, config: KvrouteConfig, *, reuse_port: bool = False, keep_call_timings: bool = False
+    ) -> None:
         """``reuse_port``: bind the gRPC port with SO_REUSEPORT, sharing it with the other router processes
         of ``kvroute serve --processes N`` (the kernel spreads new connections over them). Off, a port
-        another process holds is an error instead of a silent share."""
+        another process holds is an error instead of a silent share. ``keep_call_timings``: keep each
+        answered call's :class:`CallTiming` for :meth:`take_call_timings` (what the bench measures;
+        ``kvroute serve`` keeps none)."""
         self._handle = handle
         self._reuse_port = reuse_port
         self._router = handle.router_actor()
@@ -443,7 +447,7 @@ class Sidecar:
             waiters=min(config.serve.slot_waiters, config.serve.grpc_max_workers - 1),
         )
         # Appended by handler threads, taken by whoever measures; a deque's append and popleft are atomic.
-        self._timings: deque[CallTiming] = deque(maxlen=CALL_TIMING_SAMPLES)
+        self._timings: deque[CallTiming] | None = deque(maxlen=CALL_TIMING_SAMPLES) if keep_call_timings else None
         # Each reply's way back (the decision settled on the trio thread to its bytes on the handler
         # thread): appended by handler threads, handed to the metrics sink by the trio thread.
         self._reply_times: deque[float] = deque(maxlen=REPLY_SAMPLES)
@@ -469,11 +473,15 @@ class Sidecar:
         return self._counters.snapshot()
 
     def take_call_timings(self) -> list[CallTiming]:
-        """The timings of the answered calls since the last take (at most CALL_TIMING_SAMPLES, the latest)."""
+        """The timings of the answered calls since the last take (at most CALL_TIMING_SAMPLES, the latest;
+        none unless the sidecar was made with ``keep_call_timings``)."""
         taken: list[CallTiming] = []
+        timings = self._timings
+        if timings is None:
+            return taken
         while True:
             try:
-                taken.append(self._timings.popleft())
+                taken.append(timings.popleft())
             except IndexError:
                 return taken
 
@@ -573,11 +581,14 @@ class Sidecar:
         outcome = "answered"
         try:
             reply, routing_s, stage_ms, hops = self._route_call(data, context, received)
+            timings = self._timings
+            if timings is None:
+                return reply
             if remaining is not None and math.isfinite(remaining):
                 routing_s = min(routing_s, remaining)
             query_ms = stage_ms.get(Stage.CACHE_QUERY)
             done = time.monotonic()
-            self._timings.append(
+            timings.append(
                 CallTiming(
                     elapsed_s=done - received,
                     allowed_s=routing_s,

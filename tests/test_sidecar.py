@@ -103,7 +103,7 @@ async def rig(
         resolver = handle.leader_resolver()
         assert resolver is not None
         await resolver.leader()  # warm: the router is ready
-        sidecar = Sidecar(handle, config)
+        sidecar = Sidecar(handle, config, keep_call_timings=True)
         stopped = trio.Event()
 
         async def run_sidecar(*, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:

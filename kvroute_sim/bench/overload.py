@@ -252,7 +252,7 @@ async def serving_sidecar(
     with trio.fail_after(FIGURE_TIMEOUT_S):
         async with open_router(config) as router, trio.open_nursery() as nursery:
             await prime(router, RouterRequests(view, f"{label}-prime"), warm_up)
-            sidecar = Sidecar(router, config)
+            sidecar = Sidecar(router, config, keep_call_timings=True)
             bound = await nursery.start(sidecar.run)
             # As `kvroute serve` once started: the bench's heap (earlier figures, the priming) leaves the
             # collector's view for the figure.
