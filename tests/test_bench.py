@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 from collections import Counter
 from pathlib import Path
 
 import psutil
 import pytest
 
+from kvroute_sim.bench import thread_cpu
 from kvroute_sim.bench.cli import _router_setting, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, router_config
 from kvroute_sim.bench.overload import LateSplit
@@ -89,6 +91,8 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         assert level["no_answer"] == sum(level["errors"].values())
         assert 0 <= level["within_deadline_plus_5ms"] <= 1 and 0 <= level["overloaded_share"] <= 1
         assert 0 <= level["kvcm_share"] <= 1
+        if os.path.isdir("/proc/self/task"):  # where this process's CPU went, by thread role
+            assert set(level["thread_cpu_us_per_call"]) == {"handlers", "trio loop", "grpcio", "other"}
     rates = by_key["P8"]["data"]["rates"]
     assert [r["rate"] for r in rates] == [50, 100, 200, 400, 800]
     for r in rates:  # every call sent is answered by the sidecar or seen failing by the client
@@ -249,3 +253,38 @@ def test_a_bad_router_setting_is_refused_naming_it() -> None:
     problems = settings_problems((("slot_waiters", 64),))
     assert len(problems) == 1 and "--slot-waiters" in problems[0] and "handler threads" in problems[0]
     assert main(["bench", "--only", "P7", "--router-setting", "grpc_max_workers=0"]) == 2
+
+
+def test_thread_cpu_splits_each_threads_time_by_the_first_role_its_name_starts_with() -> None:
+    T = thread_cpu.ThreadTime
+    before = {1: T("kvroute-sidecar_0", 1.0), 2: T("MainThread", 5.0), 3: T("Thread-7 (_serve)", 0.5)}
+    after = {
+        1: T("kvroute-sidecar_0", 1.25),
+        2: T("MainThread", 5.5),
+        3: T("Thread-7 (_serve)", 0.75),
+        4: T("event_engine", 0.125),  # started meanwhile: counted from zero
+        5: T("Trio thread 3", 0.0625),
+    }
+    roles = (("handlers", "kvroute-sidecar"), ("trio loop", "MainThread"), ("grpcio", "Thread-"), ("grpcio", "event_"))
+    assert thread_cpu.split(before, after, roles) == {
+        "handlers": 0.25,
+        "trio loop": 0.5,
+        "grpcio": 0.375,
+        "other": 0.0625,
+    }
+    # A thread id reused by a new thread of another name counts from zero, never negative.
+    assert thread_cpu.split({1: T("old", 9.0)}, {1: T("kvroute-sidecar_1", 0.5)}, roles)["handlers"] == 0.5
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU is read from Linux's /proc")
+def test_thread_cpu_snapshot_names_this_processs_threads_as_python_knows_them() -> None:
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: stop.wait(10.0), name="test-thread-cpu")
+    spinner.start()
+    try:
+        names = {t.name for t in thread_cpu.snapshot().values()}
+    finally:
+        stop.set()
+        spinner.join()
+    assert {"MainThread", "test-thread-cpu"} <= names
+    assert all(t.cpu_s >= 0.0 for t in thread_cpu.snapshot().values())

@@ -20,14 +20,15 @@ from __future__ import annotations
 import gc
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence, Set
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 import trio
 
+from kvroute_sim.bench import thread_cpu
 from kvroute_sim.bench.callers import CallerResults, Level, caller_process
 from kvroute_sim.bench.harness import ClusterView, prime, router_config
 from kvroute_sim.bench.harness import Requests as RouterRequests
@@ -48,6 +49,18 @@ CLIENT_DEADLINE_S = 0.1  # a frontend gives its router call a few times the rout
 LATE_SLACK_S = 0.005  # "on time": answered within the call's deadline plus this
 WITHIN_TARGET = 0.99
 FIGURE_TIMEOUT_S = 300.0
+# This process's threads by role (thread_cpu.split): the handler threads of the sidecar and of the echo
+# server, the trio loop (the bench's main thread: the router's and the sidecar's trio side), grpcio's
+# own threads (its server polling threads and client spin threads are unnamed Python threads; the
+# event engine's are C threads), the rest (the bench's own waits on the callers' process).
+THREAD_ROLES = (
+    ("handlers", "kvroute-sidecar"),
+    ("handlers", "p7-echo"),
+    ("trio loop", "MainThread"),
+    ("grpcio", "Thread-"),
+    ("grpcio", "event_engine"),
+    ("grpcio", "grpc_"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +79,7 @@ class EchoFloor:
     seconds: float
     no_answer: int
     client_p99_ms: float
+    thread_cpu_s: Mapping[str, float] = field(default_factory=dict)  # by THREAD_ROLES role (empty off Linux)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -73,7 +87,12 @@ class EchoFloor:
             "calls_per_s": self.calls / self.seconds if self.seconds else 0.0,
             "no_answer": self.no_answer,
             "client_p99_ms": self.client_p99_ms,
+            "thread_cpu_us_per_call": per_call_us(self.thread_cpu_s, self.calls),
         }
+
+
+def per_call_us(seconds: Mapping[str, float], calls: int) -> dict[str, float]:
+    return {role: s * 1e6 / calls for role, s in seconds.items()} if calls else {}
 
 
 def _p50_max(values: Sequence[float]) -> tuple[float, float]:
@@ -154,6 +173,7 @@ class LevelResult:
     full_collection_s: tuple[float, ...] = ()  # this process's gen-2 collections during the level
     waited: int = 0  # calls that found the in-flight limit reached and waited for a place
     shed_after_wait: int = 0  # of those, answered overloaded when no place came in time
+    thread_cpu_s: Mapping[str, float] = field(default_factory=dict)  # by THREAD_ROLES role (empty off Linux)
 
     @property
     def late_split(self) -> LateSplit:
@@ -214,6 +234,7 @@ class LevelResult:
             "full_collections_ms": [round(p * 1e3, 1) for p in self.full_collection_s],
             "waited_for_place": self.waited,
             "shed_after_wait": self.shed_after_wait,
+            "thread_cpu_us_per_call": per_call_us(self.thread_cpu_s, self.calls),
             "met": self.met,
         }
 
@@ -274,6 +295,7 @@ def _level_result(
     echo: EchoFloor,
     full_collection_s: Sequence[float],
     waits: tuple[int, int] = (0, 0),
+    thread_cpu_s: Mapping[str, float] | None = None,
 ) -> LevelResult:
     outcomes = reply_outcomes(raw for r in results for raw in r.replies)
     return LevelResult(
@@ -290,6 +312,7 @@ def _level_result(
         full_collection_s=tuple(full_collection_s),
         waited=waits[0],
         shed_after_wait=waits[1],
+        thread_cpu_s=dict(thread_cpu_s or {}),
     )
 
 
@@ -319,11 +342,13 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                         sizes.max_level_s,
                         CLIENT_DEADLINE_S,
                     )
+                    threads_before = await trio.to_thread.run_sync(thread_cpu.snapshot)
                     cpu_before = time.process_time()
                     before = sidecar.stats()
                     with full_collections() as pauses:
                         run = await trio.to_thread.run_sync(callers_child.run, level)
                     cpu_s = time.process_time() - cpu_before
+                    threads_after = await trio.to_thread.run_sync(thread_cpu.snapshot)
                     after = sidecar.stats()
                     waits = (
                         after.waited_for_place - before.waited_for_place,
@@ -331,15 +356,26 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                     )
                     timings = sidecar.take_call_timings()
                     echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
+                    echo_threads_after = await trio.to_thread.run_sync(thread_cpu.snapshot)
                     echo_floor = EchoFloor(
                         sum(len(r.replies) + len(r.errors) for r in echo.results),
                         echo.seconds,
                         sum(len(r.errors) for r in echo.results),
                         percentile([ms for r in echo.results for ms in r.client_ms], 99),
+                        thread_cpu.split(threads_after, echo_threads_after, THREAD_ROLES),
                     )
                     levels.append(
                         _level_result(
-                            callers, run.seconds, run.results, timings, cpu_s, run.cpu_s, echo_floor, pauses, waits
+                            callers,
+                            run.seconds,
+                            run.results,
+                            timings,
+                            cpu_s,
+                            run.cpu_s,
+                            echo_floor,
+                            pauses,
+                            waits,
+                            thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
                         )
                     )
         finally:
@@ -378,6 +414,23 @@ def _curve(levels: Sequence[LevelResult]) -> str:
             f"{f'{lv.waited} ({lv.shed_after_wait})':>19} | {lv.echo.no_answer:>15} | {lv.echo.client_p99_ms:>18.1f} | "
             + (", ".join(f"{code} {n}" for code, n in lv.errors.most_common()) or "-")
         )
+    return "\n".join(lines)
+
+
+def _thread_table(levels: Sequence[LevelResult]) -> str | None:
+    """µs of CPU per call by thread role, the sidecar's level beside the echo server's (None off Linux)."""
+    if not any(lv.thread_cpu_s for lv in levels):
+        return None
+    roles = [*dict.fromkeys(role for role, _ in THREAD_ROLES), "other"]
+    lines = [
+        "callers | sidecar µs/call: " + " / ".join(roles) + " = total | echo µs/call: " + " / ".join(roles) + " = total"
+    ]
+    for lv in levels:
+        cells = []
+        for seconds, calls in ((lv.thread_cpu_s, lv.calls), (lv.echo.thread_cpu_s, lv.echo.calls)):
+            us = per_call_us(seconds, calls)
+            cells.append(" / ".join(f"{us.get(role, 0.0):.0f}" for role in roles) + f" = {sum(us.values()):.0f}")
+        lines.append(f"{lv.callers:>7} | " + " | ".join(cells))
     return "\n".join(lines)
 
 
@@ -428,3 +481,6 @@ def measure(report: BenchReport, view: ClusterView, sizes: LoadSizes, caller_cpu
     )
     report.tables["P7 load curve (closed loop; lateness from the sidecar's receipt to its reply)"] = _curve(levels)
     report.tables["P7 late calls: where their time went"] = _late_table(levels)
+    threads = _thread_table(levels)
+    if threads is not None:
+        report.tables["P7 CPU per call by thread (this process: the sidecar's level, then the echo server's)"] = threads

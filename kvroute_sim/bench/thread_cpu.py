@@ -1,0 +1,60 @@
+"""CPU time of this process's threads, by role: where a figure's CPU per call goes.
+
+``snapshot()`` reads each thread's user + system time from ``/proc/self/task/<tid>/stat`` (Linux;
+elsewhere it returns nothing and the figures leave the split out) and names it by its Python
+thread name where Python knows the thread, else by the kernel's (grpc's C threads, e.g.
+``event_engine``). ``split()`` turns two snapshots into seconds per role, where a role is the
+first of ``roles`` whose prefix the thread's name starts with ("other" for none); a thread that
+started or ended between the two counts from zero or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+_TASKS = Path("/proc/self/task")
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadTime:
+    name: str
+    cpu_s: float  # user + system
+
+
+def snapshot() -> dict[int, ThreadTime]:
+    """Every thread of this process now: its id → name and CPU seconds (empty off Linux)."""
+    if not _TASKS.is_dir():
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    python_names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    threads: dict[int, ThreadTime] = {}
+    for entry in _TASKS.iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            kernel_name = (entry / "comm").read_text().strip()
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+        tid = int(entry.name)
+        # The command name may hold spaces and parentheses: the fields after it start past the last ")".
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        threads[tid] = ThreadTime(python_names.get(tid, kernel_name), ticks / tick)
+    return threads
+
+
+def split(
+    before: Mapping[int, ThreadTime], after: Mapping[int, ThreadTime], roles: Sequence[tuple[str, str]]
+) -> dict[str, float]:
+    """CPU seconds per role between two snapshots. ``roles``: (role, thread-name prefix) pairs, the
+    first match wins; threads matching none are "other". Every role appears, 0.0 when idle."""
+    seconds = dict.fromkeys([role for role, _ in roles] + ["other"], 0.0)
+    for tid, now in after.items():
+        earlier = before.get(tid)
+        used = now.cpu_s - (earlier.cpu_s if earlier is not None and earlier.name == now.name else 0.0)
+        role = next((r for r, prefix in roles if now.name.startswith(prefix)), "other")
+        seconds[role] += max(0.0, used)
+    return seconds
