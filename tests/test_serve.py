@@ -6,6 +6,7 @@ trio.fail_after); ``kvroute serve`` runs as a subprocess; clients are plain grpc
 
 from __future__ import annotations
 
+import gc
 import itertools
 import re
 import signal
@@ -23,6 +24,7 @@ import trio
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.keys import block_keys
+from router.serve_cli import SERVE_FULL_COLLECTION_EVERY, freeze_start_up
 from router.types import KeyFamily
 from router.wire import router_v1_pb2
 from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
@@ -250,3 +252,14 @@ async def test_listen_address_in_use_exits_1_naming_the_flag(flag: str) -> None:
     assert code == 1, stderr
     assert stdout == ""  # never announced an address
     assert f"{flag}: cannot bind 127.0.0.1:{port}" in stderr
+
+
+def test_serving_freezes_the_start_up_heap_and_makes_full_collections_rare() -> None:
+    thresholds = gc.get_threshold()
+    try:
+        freeze_start_up()
+        assert gc.get_freeze_count() > 0  # what start-up allocated is out of the collector's view
+        assert gc.get_threshold() == (*thresholds[:2], SERVE_FULL_COLLECTION_EVERY)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)

@@ -276,12 +276,14 @@ async def serving_sidecar(
             sidecar = Sidecar(router, config, keep_call_timings=True)
             bound = await nursery.start(sidecar.run)
             # As `kvroute serve` once started: the bench's heap (earlier figures, the priming) leaves the
-            # collector's view for the figure.
+            # collector's view for the figure, and full collections are as rare.
+            thresholds = gc.get_threshold()
             freeze_start_up()
             try:
                 yield sidecar, bound, config
             finally:
                 gc.unfreeze()
+                gc.set_threshold(*thresholds)
                 nursery.cancel_scope.cancel()
 
 
