@@ -788,10 +788,13 @@ class Sidecar:
         records the sheds after SHED_RECORD_BATCH_S, so a storm of them wakes this thread once per
         batch rather than once every few sheds."""
         calls = self._calls
-        if calls is None:
-            self._record_sheds()
-        else:
-            calls.start_soon(self._record_sheds_after_batch)
+        if calls is not None:
+            try:
+                calls.start_soon(self._record_sheds_after_batch)
+                return
+            except RuntimeError:  # the calls' nursery closed as the sidecar stopped at once: record now
+                pass
+        self._record_sheds()
 
     async def _record_sheds_after_batch(self) -> None:
         try:
@@ -835,7 +838,10 @@ class Sidecar:
             deadline = caller_deadline(trio.current_time(), client_s, sent_at, arrived)
             request = replace(request, deadline=deadline)
         self._hand_over_reply_times()
-        calls.start_soon(self._call, request, answer, hops)
+        try:
+            calls.start_soon(self._call, request, answer, hops)
+        except RuntimeError:  # the calls' nursery closed as the sidecar stopped at once (run() clears it next)
+            settle(answer, Error(_Stopped()))
 
     def _hand_over_reply_times(self) -> None:
         """Send the replies' way-back times the handler threads measured since the last call to the

@@ -6,6 +6,7 @@ client runs its blocking calls on worker threads, like a frontend process would.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -40,9 +41,12 @@ from router.request import budget_left_ms, caller_deadline
 from router.sidecar import (
     ROUTER_SERVICE,
     Sidecar,
+    _CallHops,
     _Counters,
+    _Stopped,
     _ThreadWait,
     _TimedPool,
+    converted,
     crowded,
     decision_to_proto,
     request_from_proto,
@@ -341,6 +345,34 @@ async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
             assert after.handled == before.handled  # counted by the router, never routed by it
     cases = [c for c in load_log([str(log)]).cases if c.request_id == "shed-me"]
     assert len(cases) == 1 and cases[0].overloaded
+
+
+async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_or_recorded_not_a_crash(
+    nursery: trio.Nursery,
+) -> None:
+    # When the sidecar is stopped at once its calls' nursery closes a moment before run() lets go of
+    # it, and a handler thread's run_sync_soon may land in that moment: starting a task there raises,
+    # and a raising callback would crash the whole trio run.
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            async with trio.open_nursery() as closed:
+                pass
+            sidecar, live = r.sidecar, r.sidecar._calls
+            sidecar._calls = closed
+            try:
+                message = router_v1_pb2.RouteRequest(request_id="late", block_cache_keys=(1, 2), block_size=BLOCK)
+                answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
+                now = time.monotonic()
+                sidecar._spawn(converted(message), None, (now, 0.03), now, answer, _CallHops())
+                assert isinstance(answer.exception(timeout=0), _Stopped)  # refused: UNAVAILABLE, not routed
+                published = r.handle.router_actor().overload_answers()
+                assert published is not None and published.answers
+                before = r.handle.router_actor().health().overloaded
+                sidecar._sheds.append((message, published.answers[0], 0.05, 0.03))
+                sidecar._record_sheds_soon()
+                assert r.handle.router_actor().health().overloaded == before + 1  # recorded at once
+            finally:
+                sidecar._calls = live
 
 
 def _slow_request(request_id: str, budget_ms: int) -> router_v1_pb2.RouteRequest:
