@@ -283,6 +283,9 @@ class ServeConfig:
     # limit is reached (0, the default: such a call is answered overloaded at once); fewer than
     # grpc_max_workers.
     slot_waiters: int = bounded(0, 0, 10_000)
+    # A Route call handed to the router after waiting for a handler thread more than this share of its
+    # client's deadline counts as late for the learnt in-flight limit (1: only one that waited it all).
+    crowded_wait_share: float = bounded(0.5, 0, 1, low_open=True)
     # Router processes sharing the gRPC port (SO_REUSEPORT); above 1 a supervising parent runs them.
     processes: int = bounded(1, 1, 64)
     # Bearer token every debug path but /healthz requires (empty: none); given directly or read from a file.

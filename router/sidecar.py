@@ -99,10 +99,6 @@ CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for
 # Sheds are recorded on the trio thread in batches at most this long after the first of them (the
 # metrics and the decision log see them that much later); each batch costs one wakeup of the thread.
 SHED_RECORD_BATCH_S = 0.005
-# A handed-off call that waited for a handler thread more than this share of its client's deadline
-# counts as late for the in-flight limit: when calls queue that long for the CPU, the routed ones,
-# each costing the CPU of many sheds, are what the queued calls are waiting behind.
-CROWDED_WAIT_SHARE = 0.5
 REPLY_SAMPLES = 256  # replies' way-back times kept until the next call hands them to the metrics sink
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
 _ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
@@ -248,13 +244,15 @@ class CallTiming:
         return self.elapsed_s - self.allowed_s
 
 
-def crowded(waited_s: float, remaining_s: float | None) -> bool:
+def crowded(waited_s: float, remaining_s: float | None, share: float) -> bool:
     """Whether a call that waited ``waited_s`` for a handler thread and then had ``remaining_s`` of its
-    client's deadline left spent more than CROWDED_WAIT_SHARE of that deadline waiting (no deadline:
-    never)."""
+    client's deadline left spent more than ``share`` of that deadline waiting (no deadline: never).
+    A handed-off call that did counts as late for the in-flight limit (``serve.crowded_wait_share``):
+    when calls queue that long for the CPU, the routed ones, each costing the CPU of many sheds, are
+    what the queued calls are waiting behind."""
     if remaining_s is None or not math.isfinite(remaining_s):
         return False
-    return waited_s > CROWDED_WAIT_SHARE * (waited_s + remaining_s)
+    return waited_s > share * (waited_s + remaining_s)
 
 
 class _ThreadWait(threading.local):
@@ -673,7 +671,7 @@ class Sidecar:
                 handed_at=handed_at,
                 had_s=max(0.0, left_s - (handed_at - sent_at)),
                 answered=decided,
-                crowded=crowded(self._thread_wait.waited_s, remaining),
+                crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
             )
         reply = self._reply(decision, context)
         done = time.monotonic()

@@ -548,8 +548,10 @@ def test_decision_conversion_keeps_every_field() -> None:
 
 
 def test_a_call_is_crowded_when_it_waited_for_a_thread_more_than_half_its_deadline() -> None:
-    assert crowded(0.06, 0.04) and not crowded(0.04, 0.06)
-    assert not crowded(5.0, None) and not crowded(5.0, math.inf)  # no client deadline: never
+    share = ServeConfig().crowded_wait_share  # the default, a half
+    assert crowded(0.06, 0.04, share) and not crowded(0.04, 0.06, share)
+    assert not crowded(5.0, None, share) and not crowded(5.0, math.inf, share)  # no client deadline: never
+    assert not crowded(0.06, 0.04, 0.7)
 
 
 def test_the_handler_pool_counts_the_calls_waiting_for_a_thread_and_each_ones_wait() -> None:

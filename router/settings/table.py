@@ -723,6 +723,13 @@ _SPECS: dict[str, _Spec] = {
         "covers the admission estimate (then it is answered overloaded); 0 (the default) = answered overloaded "
         "at once",
     ),
+    "serve.crowded_wait_share": _Spec(
+        "kvroute serve: a Route call handed to the router after waiting for a handler thread more than "
+        "this share of its client's deadline counts as answered late, shrinking the learnt in-flight "
+        "limit: the process is short of CPU, and routed calls cost the most of it (higher: more calls "
+        "routed under overload, with less margin for the calls queued behind them)",
+        metavar="SHARE",
+    ),
     "serve.processes": _Spec(
         "kvroute serve: independent router processes sharing the Route gRPC port (SO_REUSEPORT), "
         "supervised by the parent (restarted when one dies, drained together); process i serves debug "
