@@ -828,16 +828,12 @@ class Sidecar:
             settle(answer, Error(_Stopped()))
             return
         arrived = hops.arrived_at = time.monotonic()
-        # The budget counts from the call's receipt: its time in this sidecar (reading it, the hop to
-        # this thread) is already spent, so the router gets what is left of it.
-        received, routing_s = routing
-        request = replace(request, budget_ms=budget_left_ms(routing_s, received, arrived))
         if client_s is not None:
             deadline = caller_deadline(trio.current_time(), client_s, sent_at, arrived)
             request = replace(request, deadline=deadline)
         self._hand_over_reply_times()
         try:
-            calls.start_soon(self._call, request, answer, hops)
+            calls.start_soon(self._call, request, routing, answer, hops)
         except RuntimeError:  # the calls' nursery closed as the sidecar stopped at once (run() clears it next)
             settle(answer, Error(_Stopped()))
 
@@ -856,8 +852,17 @@ class Sidecar:
         self._handle.metrics.emit(RepliesSent(tuple(taken)))
 
     async def _call(
-        self, request: RouteRequest, answer: concurrent.futures.Future[RouteDecision], hops: _CallHops
+        self,
+        request: RouteRequest,
+        routing: tuple[float, float],
+        answer: concurrent.futures.Future[RouteDecision],
+        hops: _CallHops,
     ) -> None:
+        # The budget counts from the call's receipt: its time in this sidecar (reading it, the hop to
+        # this thread, the wait for this task to start behind the loop's other work) is already spent,
+        # so the router gets what is left of it.
+        received, routing_s = routing
+        request = replace(request, budget_ms=budget_left_ms(routing_s, received, time.monotonic()))
         # Cancelled (the sidecar stopped at once): _Stopped, and the handler answers UNAVAILABLE.
         deliver = partial(_settle_timed, answer, hops)
         await deliver_outcome(partial(self._handle.route, request), deliver, _Stopped())

@@ -375,6 +375,27 @@ async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_
                 sidecar._calls = live
 
 
+async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    log = tmp_path / "decisions.log"
+    router = RouterConfig(budget_cap_ms=5000.0, decision_log=str(log))
+    with trio.fail_after(20):
+        async with rig(nursery, router=router) as r:
+            keys = tuple(range(1, 65))
+            message = router_v1_pb2.RouteRequest(request_id="lagged", block_cache_keys=keys, block_size=BLOCK)
+            answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
+            received = time.monotonic() - 1.0  # received a second ago with 1.5 s to route: 500 ms left now
+            r.sidecar._spawn(converted(message), None, (received, 1.5), time.monotonic(), answer, _CallHops())
+            # The loop busy with other work before the routing task can start: blocking it is the point.
+            time.sleep(0.2)  # noqa: ASYNC251
+            decision = await trio.to_thread.run_sync(answer.result, 10.0)
+            assert decision.request_id == "lagged"
+    (case,) = [c for c in load_log([str(log)]).cases if c.request_id == "lagged"]
+    # What the router was given is what was left when its task started, not at the hand-off.
+    assert case.request.budget_ms is not None and case.request.budget_ms <= 300.0
+
+
 def _slow_request(request_id: str, budget_ms: int) -> router_v1_pb2.RouteRequest:
     return router_v1_pb2.RouteRequest(request_id=request_id, token_ids=PROMPT, budget_ms=budget_ms)
 
