@@ -216,9 +216,8 @@ class AsyncioRouterHost:
             settle_on_loop(loop, future, outcome.Error(HostStopped("the router host is stopping")))
             return
         arrived = time.monotonic()
-        # The budget counts from route(): the hop to this thread is already spent.
+        # The request's own min(budget, cap) in seconds from route(), before a caller's deadline joins it.
         routing_s = request_deadline(request, 0.0, self._config.router.budget_cap_ms)
-        request = replace(request, budget_ms=budget_left_ms(routing_s, sent_at, arrived))
         if remaining_s is not None:
             deadline = caller_deadline(trio.current_time(), remaining_s, sent_at, arrived)
             if request.deadline is not None:
@@ -230,17 +229,23 @@ class AsyncioRouterHost:
                 while True:
                     taken.append(self._reply_times.popleft())
             handle.metrics.emit(RepliesSent(tuple(taken)))
-        calls.start_soon(self._call, handle, request, scope, loop, future, settled_at)
+        calls.start_soon(self._call, handle, request, (sent_at, routing_s), scope, loop, future, settled_at)
 
     @staticmethod
     async def _call(
         handle: RouterHandle,
         request: RouteRequest,
+        routing: tuple[float, float],
         scope: trio.CancelScope,
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[RouteDecision],
         settled_at: list[float],
     ) -> None:
+        # The budget counts from route(): the hop to this thread and the wait for this task to start
+        # are already spent.
+        sent_at, routing_s = routing
+        request = replace(request, budget_ms=budget_left_ms(routing_s, sent_at, time.monotonic()))
+
         # Cancelled by its caller (who no longer waits) or by a crashing router: HostStopped.
         def deliver(result: outcome.Outcome[RouteDecision]) -> None:
             settled_at.append(time.monotonic())  # the answer's way back starts here

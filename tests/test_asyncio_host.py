@@ -8,8 +8,11 @@ event loop would run beside kvroute's trio thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
+import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +24,7 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from router.asyncio_host import AsyncioRouterHost, HostStopped
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
+from router.replay import load_log
 from router.types import KeyFamily, Reason, RouteDecision, RouteRequest, RouteSource
 
 BLOCK = 16
@@ -212,3 +216,32 @@ async def test_each_answers_way_back_to_the_callers_loop_reaches_the_split_tail(
         wanted = 'kvroute_route_duration_seconds_count{stage="reply"} '
         counts = [line[len(wanted) :] for line in exposition[0].splitlines() if line.startswith(wanted)]
         assert counts == ["2.0"]  # the last one's time waits for the next call
+
+
+async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    _, addrs = await _seeded_cluster(nursery)
+    log = tmp_path / "decisions.log"
+    config = dataclasses.replace(_config(addrs), router=RouterConfig(budget_cap_ms=1000.0, decision_log=str(log)))
+
+    async def program() -> None:
+        async with AsyncioRouterHost(config) as host:
+            await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
+            token = host._token
+            assert token is not None
+            # Hold the host's loop until the hand-off and a 200 ms stall are both queued behind it, so
+            # the stall runs between the hand-off and the routing task's start (the callbacks run in order).
+            gate = threading.Event()
+            token.run_sync_soon(gate.wait, 10.0)
+            lagged = asyncio.ensure_future(host.route(RouteRequest("lagged", token_ids=PROMPT, budget_ms=500)))
+            await asyncio.sleep(0)  # route() hands the request over
+            token.run_sync_soon(time.sleep, 0.2)
+            gate.set()
+            await lagged
+
+    with trio.fail_after(30):
+        await _run_asyncio(program)
+    (case,) = [c for c in load_log([str(log)]).cases if c.request_id == "lagged"]
+    # What the router was given is what was left when its task started, not at the hand-off.
+    assert case.request.budget_ms is not None and case.request.budget_ms <= 300.0
