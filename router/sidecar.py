@@ -683,8 +683,7 @@ class Sidecar:
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
         if decision.reason is Reason.BAD_REQUEST:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, decision.error or "bad request")
-        if decision.route_source is RouteSource.NONE and decision.error:
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, decision.error),))
+        _carry_error(decision, context)
         return decision_to_proto(decision).SerializeToString()
 
     def _shed_at_receipt(
@@ -727,8 +726,7 @@ class Sidecar:
             self._shed_replies = (answers, bodies)
         drawn_at = self._shed_rng.randrange(len(answers))
         drawn = answers[drawn_at]
-        if drawn.route_source is RouteSource.NONE and drawn.error:
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, drawn.error),))
+        _carry_error(drawn, context)
         elapsed_ms = (time.monotonic() - received) * 1000.0
         reply = shed_reply(bodies[drawn_at], message.request_id, elapsed_ms)
         self._counters.shed()
@@ -866,6 +864,12 @@ class Sidecar:
         # Cancelled (the sidecar stopped at once): _Stopped, and the handler answers UNAVAILABLE.
         deliver = partial(_settle_timed, answer, hops)
         await deliver_outcome(partial(self._handle.route, request), deliver, _Stopped())
+
+
+def _carry_error(decision: RouteDecision, context: grpc.ServicerContext) -> None:
+    """A decision routing nowhere (``route_source=none``) carries its error in the trailing metadata."""
+    if decision.route_source is RouteSource.NONE and decision.error:
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, decision.error),))
 
 
 def _settle_timed(
