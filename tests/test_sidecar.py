@@ -282,8 +282,11 @@ async def test_while_as_many_calls_wait_for_a_thread_as_there_are_threads_none_i
     nursery: trio.Nursery,
 ) -> None:
     serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=1, grpc_max_concurrent_rpcs=8)
-    with trio.fail_after(20):
-        async with rig(nursery, serve=serve) as r:
+    # The call in the router holds the thread for 2.5 s (its KVCM query hangs until its timeout):
+    # ample for the other two to queue behind it however busy the machine.
+    router = RouterConfig(budget_cap_ms=3000.0, kvcm_query_timeout_ms=2500.0)
+    with trio.fail_after(30):
+        async with rig(nursery, serve=serve, router=router) as r:
             later: list[object] = []
 
             async def two_more() -> None:
@@ -291,13 +294,13 @@ async def test_while_as_many_calls_wait_for_a_thread_as_there_are_threads_none_i
                 # leaves the other waiting, so it is answered overloaded at once; the last finds no one
                 # waiting and goes to the router (its time is ample: the admission takes it).
                 async def one(request_id: str) -> None:
-                    later.append(await _in_thread(lambda: r.route(_slow_request(request_id, 3000), timeout=20.0)))
+                    later.append(await _in_thread(lambda: r.route(_slow_request(request_id, 300), timeout=20.0)))
 
                 async with trio.open_nursery() as both:
                     both.start_soon(one, "b")
                     both.start_soon(one, "c")
 
-            outcomes = await _with_calls_in_router(r, 1, 2000, two_more)
+            outcomes = await _with_calls_in_router(r, 1, 2500, two_more)
             assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in [*outcomes, *later]), (outcomes, later)
             reasons = sorted(o.reason for o in later if isinstance(o, router_v1_pb2.RouteDecision))
             assert sorted(reason == "overloaded" for reason in reasons) == [False, True], reasons
