@@ -233,6 +233,8 @@ class CallTiming:
     # taking it (decoding, admission, the hop), and the decision settled there to the serialised reply.
     handed_s: float | None = None
     way_back_s: float | None = None
+    # Of router_s: planning, probing and scoring the candidates (None: the decision scored none).
+    scoring_s: float | None = None
 
     @property
     def own_path_s(self) -> float:
@@ -242,6 +244,9 @@ class CallTiming:
     @property
     def lateness_s(self) -> float:
         return self.elapsed_s - self.allowed_s
+
+
+_SCORING_STAGES = (Stage.PLAN, Stage.PROBE, Stage.SCORE)
 
 
 def crowded(waited_s: float, remaining_s: float | None, share: float) -> bool:
@@ -585,6 +590,7 @@ class Sidecar:
             if remaining is not None and math.isfinite(remaining):
                 routing_s = min(routing_s, remaining)
             query_ms = stage_ms.get(Stage.CACHE_QUERY)
+            scoring_ms = [stage_ms[stage] for stage in _SCORING_STAGES if stage in stage_ms]
             done = time.monotonic()
             timings.append(
                 CallTiming(
@@ -594,6 +600,7 @@ class Sidecar:
                     query_s=None if query_ms is None else query_ms / 1000.0,
                     handed_s=None if hops is None or hops.arrived_at is None else hops.arrived_at - received,
                     way_back_s=None if hops is None or hops.settled_at is None else done - hops.settled_at,
+                    scoring_s=sum(scoring_ms) / 1000.0 if scoring_ms else None,
                 )
             )
             return reply

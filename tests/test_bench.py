@@ -21,7 +21,7 @@ from kvroute_sim.bench import thread_cpu
 from kvroute_sim.bench.cli import _router_setting, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, router_config
 from kvroute_sim.bench.overload import LateSplit
-from kvroute_sim.bench.rate import RateResult, breakdown, knee
+from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee
 from kvroute_sim.bench.raw_grpc import paced, slot_wait
 from router.cli import main
 from router.sidecar import CallTiming
@@ -217,6 +217,34 @@ def test_p8_breakdown_splits_each_call_into_the_routers_time_its_query_and_the_s
     assert result["floor_queries"] == 2 and result["floor_query_p50_ms"] == 2.0
     empty = RateResult(100, 1, 1.0, (), (), Counter(), Counter()).to_json()
     assert empty["router_p50_ms"] is None and empty["floor_query_p99_ms"] is None
+
+
+def test_p8_path_segments_split_a_kvcm_call_along_its_path_and_leave_out_the_others() -> None:
+    kvcm = CallTiming(
+        elapsed_s=0.0020,
+        allowed_s=0.03,
+        router_s=0.0012,
+        query_s=0.0008,
+        handed_s=0.0002,
+        way_back_s=0.0003,
+        scoring_s=0.0001,
+    )
+    shadow = CallTiming(elapsed_s=0.0010, allowed_s=0.03, router_s=0.0005, handed_s=0.0002, way_back_s=0.0002)
+    shed = CallTiming(elapsed_s=0.0001, allowed_s=0.03, router_s=0.0001)  # answered overloaded at receipt
+    segments = PathSegments.of([kvcm, shadow, shed])
+    assert segments.elapsed == pytest.approx((2.0,))  # only the call answered after a KVCM query
+    assert segments.to_trio == pytest.approx((0.2,))
+    assert segments.task_start == pytest.approx((0.3,))  # 2.0 - 0.2 - 1.2 - 0.3
+    assert segments.router_work == pytest.approx((0.4,))
+    assert segments.scoring == pytest.approx((0.1,))
+    assert segments.query == pytest.approx((0.8,))
+    assert segments.way_back == pytest.approx((0.3,))
+    parts = segments.to_trio[0] + segments.task_start[0] + segments.router_work[0] + segments.query[0]
+    assert parts + segments.way_back[0] == pytest.approx(segments.elapsed[0])
+    assert segments.p50s()["query"] == pytest.approx(0.8)
+    assert PathSegments.of([shed]).p50s()["elapsed"] is None
+    result = RateResult(100, 1, 1.0, (2.0,), (), Counter(), Counter(), segments=segments).to_json()
+    assert result["segments_p50_ms"]["calls"] == 1
 
 
 def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:

@@ -16,6 +16,10 @@ Where the time goes, per rate: the router's own time per decision (its stage ``t
 query within it (stage ``cache_query``, one remote call), the sidecar's own path (receipt to reply
 less the router's time: decoding, the hop to the trio thread and back, encoding), and this
 process's CPU per call over the rate's run (the sidecar, the router and its background work).
+A second table splits the calls answered from a KVCM query along their path (``PathSegments``):
+the hand-off to the trio thread, the routing task's start and the settling of its answer, the
+router's own work beside its query (and of it planning, probing and scoring), the query, and the
+way back to the handler thread.
 
 Beside them, the floor: right after each rate's sidecar run, a plain blocking grpcio client
 (``RawClient``) in this process, on the same core, with the router's background work still
@@ -61,6 +65,50 @@ class RateSizes:
 
 
 @dataclass(frozen=True, slots=True)
+class PathSegments:
+    """Where the calls handed to the router and answered from a KVCM query spent their time, ms per
+    call, in path order (the segments add up to each call's receipt-to-reply)."""
+
+    to_trio: tuple[float, ...] = ()  # receipt → the trio thread takes the call: decoding, admission, the wake
+    task_start: tuple[float, ...] = ()  # the rest of the sidecar's path: the routing task's start, the settling
+    router_work: tuple[float, ...] = ()  # the router's own time less its KVCM query
+    scoring: tuple[float, ...] = ()  # of router_work: plan, probe and score
+    query: tuple[float, ...] = ()  # the KVCM query stage: the one remote call
+    way_back: tuple[float, ...] = ()  # settled → the serialised reply: the handler thread's wake, encoding
+    elapsed: tuple[float, ...] = ()  # the same calls' receipt-to-reply
+
+    @classmethod
+    def of(cls, timings: Sequence[CallTiming]) -> PathSegments:
+        rows = [
+            (t, t.handed_s, t.query_s, t.way_back_s, t.scoring_s)
+            for t in timings
+            if t.handed_s is not None and t.query_s is not None and t.way_back_s is not None
+        ]
+        return cls(
+            to_trio=tuple(handed * 1e3 for _, handed, _, _, _ in rows),
+            task_start=tuple(
+                max(0.0, t.elapsed_s - handed - t.router_s - back) * 1e3 for t, handed, _, back, _ in rows
+            ),
+            router_work=tuple(max(0.0, t.router_s - query) * 1e3 for t, _, query, _, _ in rows),
+            scoring=tuple((scoring or 0.0) * 1e3 for _, _, _, _, scoring in rows),
+            query=tuple(query * 1e3 for _, _, query, _, _ in rows),
+            way_back=tuple(back * 1e3 for _, _, _, back, _ in rows),
+            elapsed=tuple(t.elapsed_s * 1e3 for t, _, _, _, _ in rows),
+        )
+
+    def p50s(self) -> dict[str, float | None]:
+        return {
+            "to_trio": _p(self.to_trio, 50),
+            "task_start": _p(self.task_start, 50),
+            "router_work": _p(self.router_work, 50),
+            "scoring": _p(self.scoring, 50),
+            "query": _p(self.query, 50),
+            "way_back": _p(self.way_back, 50),
+            "elapsed": _p(self.elapsed, 50),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class RateResult:
     rate: int
     sent: int
@@ -74,6 +122,7 @@ class RateResult:
     own_path_ms: tuple[float, ...] = ()  # the sidecar's own path per answered call
     cpu_ms_per_call: float = 0.0  # this process's CPU over the rate's run, per call sent
     floor_query_ms: tuple[float, ...] = ()  # a plain client's bare KVCM query at this rate, after the run
+    segments: PathSegments = PathSegments()
 
     def p(self, q: float) -> float:
         return percentile(self.sidecar_ms, q) if self.sidecar_ms else float("inf")
@@ -107,6 +156,7 @@ class RateResult:
             "floor_queries": len(self.floor_query_ms),
             "floor_query_p50_ms": _p(self.floor_query_ms, 50),
             "floor_query_p99_ms": _p(self.floor_query_ms, 99),
+            "segments_p50_ms": {**self.segments.p50s(), "calls": len(self.segments.elapsed)},
             "errors": dict(self.errors.most_common()),
             "outcomes": dict(self.outcomes.most_common()),
         }
@@ -178,6 +228,7 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                         own_path_ms=own_path_ms,
                         cpu_ms_per_call=cpu_s * 1e3 / len(requests),
                         floor_query_ms=tuple(floor_ms),
+                        segments=PathSegments.of(timings),
                     )
                 )
     return results
@@ -202,6 +253,21 @@ def _curve(results: Sequence[RateResult]) -> str:
             f" | {_ms(_p(r.query_ms, 50))}/{_ms(_p(r.query_ms, 99))}"
             f" | {_ms(_p(r.floor_query_ms, 50))}/{_ms(_p(r.floor_query_ms, 99))}"
             f" | {_ms(_p(r.own_path_ms, 50))}/{_ms(_p(r.own_path_ms, 99))} | {r.cpu_ms_per_call:.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _segments(results: Sequence[RateResult]) -> str:
+    lines = [
+        "rate/s | calls | to trio thread | task start, settle | router less query | of it plan/probe/score"
+        " | kvcm query | way back | receipt to reply"
+    ]
+    for r in results:
+        p = r.segments.p50s()
+        lines.append(
+            f"{r.rate:>6} | {len(r.segments.elapsed):>5} | {_ms(p['to_trio']):>14} | {_ms(p['task_start']):>18} | "
+            f"{_ms(p['router_work']):>17} | {_ms(p['scoring']):>22} | {_ms(p['query']):>10} | "
+            f"{_ms(p['way_back']):>8} | {_ms(p['elapsed']):>16}"
         )
     return "\n".join(lines)
 
@@ -243,3 +309,6 @@ def measure(
         )
     )
     report.tables["P8 latency against offered rate (open loop; the sidecar's receipt to its reply)"] = _curve(results)
+    report.tables[
+        "P8 where a call answered from KVCM spends its time (p50 of each segment, ms; the medians need not add up)"
+    ] = _segments(results)
