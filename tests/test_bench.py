@@ -243,8 +243,11 @@ def test_p8_path_segments_split_a_kvcm_call_along_its_path_and_leave_out_the_oth
     assert parts + segments.way_back[0] == pytest.approx(segments.elapsed[0])
     assert segments.p50s()["query"] == pytest.approx(0.8)
     assert PathSegments.of([shed]).p50s()["elapsed"] is None
-    result = RateResult(100, 1, 1.0, (2.0,), (), Counter(), Counter(), segments=segments).to_json()
+    result = RateResult(
+        100, 1, 1.0, (2.0,), (), Counter(), Counter(), segments=segments, full_collection_s=(0.0123,)
+    ).to_json()
     assert result["segments_p50_ms"]["calls"] == 1
+    assert result["full_collections_ms"] == [12.3]
 
 
 def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:

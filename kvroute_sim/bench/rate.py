@@ -19,7 +19,8 @@ process's CPU per call over the rate's run (the sidecar, the router and its back
 A second table splits the calls answered from a KVCM query along their path (``PathSegments``):
 the hand-off to the trio thread, the routing task's start and the settling of its answer, the
 router's own work beside its query (and of it planning, probing and scoring), the query, and the
-way back to the handler thread.
+way back to the handler thread; beside them this process's full collections during the rate (each
+holds the GIL, so every call in flight waits it out).
 
 Beside them, the floor: right after each rate's sidecar run, a plain blocking grpcio client
 (``RawClient``) in this process, on the same core, with the router's background work still
@@ -38,7 +39,7 @@ import trio
 
 from kvroute_sim.bench.callers import Level, caller_process
 from kvroute_sim.bench.harness import ClusterView
-from kvroute_sim.bench.overload import reply_outcomes, route_requests, serving_sidecar
+from kvroute_sim.bench.overload import full_collections, reply_outcomes, route_requests, serving_sidecar
 from kvroute_sim.bench.raw_grpc import RawClient
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import percentile
@@ -123,6 +124,7 @@ class RateResult:
     cpu_ms_per_call: float = 0.0  # this process's CPU over the rate's run, per call sent
     floor_query_ms: tuple[float, ...] = ()  # a plain client's bare KVCM query at this rate, after the run
     segments: PathSegments = PathSegments()
+    full_collection_s: tuple[float, ...] = ()  # this process's gen-2 collections during the rate's run
 
     def p(self, q: float) -> float:
         return percentile(self.sidecar_ms, q) if self.sidecar_ms else float("inf")
@@ -157,6 +159,7 @@ class RateResult:
             "floor_query_p50_ms": _p(self.floor_query_ms, 50),
             "floor_query_p99_ms": _p(self.floor_query_ms, 99),
             "segments_p50_ms": {**self.segments.p50s(), "calls": len(self.segments.elapsed)},
+            "full_collections_ms": [round(p * 1e3, 1) for p in self.full_collection_s],
             "errors": dict(self.errors.most_common()),
             "outcomes": dict(self.outcomes.most_common()),
         }
@@ -207,7 +210,8 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                 requests = route_requests(view, f"p8-{rate}", count, BUDGET_MS)
                 level = Level(str(bound), requests, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=rate)
                 cpu_before = time.process_time()
-                run = await trio.to_thread.run_sync(client.run, level)
+                with full_collections() as pauses:
+                    run = await trio.to_thread.run_sync(client.run, level)
                 cpu_s = time.process_time() - cpu_before
                 seen = run.results[0]
                 timings = sidecar.take_call_timings()
@@ -229,6 +233,7 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                         cpu_ms_per_call=cpu_s * 1e3 / len(requests),
                         floor_query_ms=tuple(floor_ms),
                         segments=PathSegments.of(timings),
+                        full_collection_s=tuple(pauses),
                     )
                 )
     return results
@@ -260,14 +265,15 @@ def _curve(results: Sequence[RateResult]) -> str:
 def _segments(results: Sequence[RateResult]) -> str:
     lines = [
         "rate/s | calls | to trio thread | task start, settle | router less query | of it plan/probe/score"
-        " | kvcm query | way back | receipt to reply"
+        " | kvcm query | way back | receipt to reply | full collections (max ms)"
     ]
     for r in results:
         p = r.segments.p50s()
         lines.append(
             f"{r.rate:>6} | {len(r.segments.elapsed):>5} | {_ms(p['to_trio']):>14} | {_ms(p['task_start']):>18} | "
             f"{_ms(p['router_work']):>17} | {_ms(p['scoring']):>22} | {_ms(p['query']):>10} | "
-            f"{_ms(p['way_back']):>8} | {_ms(p['elapsed']):>16}"
+            f"{_ms(p['way_back']):>8} | {_ms(p['elapsed']):>16} | "
+            f"{len(r.full_collection_s)} ({max(r.full_collection_s, default=0.0) * 1e3:.1f})"
         )
     return "\n".join(lines)
 
