@@ -172,6 +172,10 @@ class Case:
         cut = any(bool(c) for _, _, c in self.expected.get("sw", ()))
         return self.expected.get("r") == Reason.DEADLINE.value and not self.expected.get("ch") and not cut
 
+    def queried(self) -> bool:
+        """Whether the recorded request sent its KVCM query: every query sent runs the query's wait."""
+        return any(stage == Stage.CACHE_QUERY.value for stage, _, _ in self.expected.get("sw", ()))
+
     def waited_for_leader(self) -> tuple[bool, bool] | None:
         """Whether the recorded request waited for a leader lookup, and whether the split cut that wait
         (None: it did not wait). Replay does not re-run lookups: it puts the recorded wait back."""
@@ -513,11 +517,15 @@ class _ReplayKvcm:
         if recorded is None:
             await trio.sleep_forever()
             raise AssertionError("unreachable")  # pragma: no cover
+        if recorded.reason is Reason.BREAKER_OPEN:  # refused before any lookup or query: nothing waited
+            return FellThrough(Reason.BREAKER_OPEN)
         leader = case.waited_for_leader()
         if leader is not None:
             ctx.split.waited(Stage.LEADER, leader[1])
             if leader[1]:  # the lookup outlasted its window: no query was sent
                 return FellThrough(Reason.DEADLINE)
+            if not case.queried():  # the lookup failed inside its window: no query was sent either
+                return FellThrough(recorded.reason or Reason.NO_LEADER)
         query_end = ctx.split.windows.query_end
         end = min(query_end, trio.current_time() + self._query_timeout_s)
         lands = recorded.arrived

@@ -17,7 +17,7 @@ from typing import TypeVar
 import pytest
 import trio
 import trio.testing
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvroute_sim.sim.cluster import SimCluster
@@ -169,6 +169,26 @@ def replay_all(*logs: Path, overrides: dict[str, str] | None = None) -> tuple[in
     assert not setup.problems and setup.digest_matches
     outcomes = ReplayEngine(setup.config).replay_all(recorded.cases)
     return sum(o.identical for o in outcomes), len(outcomes)
+
+
+def test_requests_whose_leader_lookup_failed_replay_without_a_query(tmp_path: Path) -> None:
+    """KVCM elects no leader: each request waits for the lookup, which fails inside its window, and
+    sends no query; replay puts back the lookup's wait and no query's."""
+    log = tmp_path / "decisions.log"
+
+    async def record(log: Path) -> list[RouteDecision]:
+        cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+        cluster.kvcm.set_faults(cluster.kvcm.leader, KvcmFaults(no_leader_elected=True))
+        network = MemoryNetwork()
+        addrs = cluster.serve_memory(network)
+        async with open_router(_config(addrs.kvcm_bootstrap, addrs.workers_arg, log), rpc=network) as handle:
+            return [await handle.route(RouteRequest(f"n{i}", token_ids=PROMPT, budget_ms=50)) for i in range(3)]
+
+    decisions = on_mock_clock(record, log)
+    assert [d.sources[0].reason for d in decisions] == [Reason.NO_LEADER] * 3
+    recorded = load_log([str(log)])
+    assert all(case.waited_for_leader() == (True, False) and not case.queried() for case in recorded.cases)
+    assert replay_all(log) == (3, 3)
 
 
 def test_a_recorded_cache_run_replays_identically(tmp_path: Path) -> None:
@@ -364,6 +384,9 @@ def test_rotation_keeps_the_size_bound_and_each_file_replays(tmp_path: Path) -> 
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Slow queries open the breaker; the last request is refused by it before any wait, and its replay
+# must not wait for a query either (it once replayed with a query window the run never had).
+@example(budgets=[30.0, 30.0, 30.0, 12.0, 50.0, 5.0], delays=[0.0, 0.0, 0.0, 0.0], kvcm_delay=0.03, blocks=0)
 @given(
     budgets=st.lists(st.sampled_from([5.0, 12.0, 30.0, 50.0]), min_size=1, max_size=6),
     delays=st.lists(st.sampled_from([0.0, 0.002, 0.02, 0.2]), min_size=4, max_size=4),
