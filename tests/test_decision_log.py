@@ -125,7 +125,9 @@ async def record_cache_run(log: Path) -> list[RouteDecision]:
     return decisions
 
 
-async def record_master_run(log: Path) -> list[RouteDecision]:
+@asynccontextmanager
+async def master_cluster_router(log: Path) -> AsyncIterator[tuple[RouterHandle, SimCluster, SimMaster]]:
+    """A router asking a one-replica master first, then KVCM (which has the prompt on worker 2)."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
@@ -139,12 +141,17 @@ async def record_master_run(log: Path) -> list[RouteDecision]:
         _config(addrs.kvcm_bootstrap, addrs.workers_arg, log),
         master=MasterConfig(hosts=",".join(hosts.hosts)),
     )
-    decisions: list[RouteDecision] = []
     async with open_router(config, rpc=network, master=masters) as handle:
         resolver = handle.leader_resolver()
         assert resolver is not None
         with trio.move_on_after(1):
             await resolver.leader()
+        yield handle, cluster, master
+
+
+async def record_master_run(log: Path) -> list[RouteDecision]:
+    decisions: list[RouteDecision] = []
+    async with master_cluster_router(log) as (handle, _cluster, master):
         route = handle.route
         decisions.append(await route(RouteRequest("m-routed", token_ids=PROMPT, budget_ms=50)))
         for faults, rid in (
@@ -413,6 +420,81 @@ def test_replay_is_deterministic_for_any_recorded_run(
     first = replay_all(log)
     assert first == (n, n)
     assert replay_all(log) == first
+
+
+_KVCM_FAULTS = st.one_of(
+    st.builds(KvcmFaults, delay_s=st.sampled_from([0.0, 0.004, 0.03])),
+    st.sampled_from(
+        [KvcmFaults(dead=True), KvcmFaults(hang=True), KvcmFaults(no_leader_elected=True), KvcmFaults(garbled=True)]
+    ),
+)
+_WORKER_FAULTS = st.one_of(
+    st.builds(WorkerFaults, delay_s=st.sampled_from([0.0, 0.002, 0.02, 0.2])), st.just(WorkerFaults(not_alive=True))
+)
+_MASTER_FAULTS = st.one_of(
+    st.builds(MasterFaults, slow_ms=st.sampled_from([0.0, 1.0, 5.0, 20.0, 60.0])),
+    st.sampled_from(
+        [
+            MasterFaults(refuse=True),
+            MasterFaults(hang=True),
+            MasterFaults(fallback=True),
+            MasterFaults(business_error=8402),
+            MasterFaults(garbled=True),
+            MasterFaults(server_error=True),
+        ]
+    ),
+)
+_BUDGETS = st.sampled_from([5.0, 12.0, 30.0, 50.0])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    steps=st.lists(st.tuples(_BUDGETS, st.booleans(), _KVCM_FAULTS), min_size=1, max_size=8),
+    worker_faults=st.lists(_WORKER_FAULTS, min_size=4, max_size=4),
+    blocks=st.integers(min_value=0, max_value=8),
+)
+def test_replay_is_deterministic_whatever_kvcm_and_the_workers_do(
+    tmp_path_factory: pytest.TempPathFactory,
+    steps: list[tuple[float, bool, KvcmFaults]],
+    worker_faults: list[WorkerFaults],
+    blocks: int,
+) -> None:
+    """KVCM's leader changing its fault before each request (dead, hung, garbled, electing no leader,
+    slow), dead or slow workers, prompts it holds or not: every decision replays identically."""
+    log = tmp_path_factory.mktemp("faults") / "decisions.log"
+
+    async def record(log: Path) -> int:
+        async with cluster_router(log) as (handle, cluster):
+            if blocks:
+                cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, KEYS[:blocks])
+            for worker, faults in zip(cluster.workers, worker_faults, strict=True):
+                worker.set_faults(faults)
+            for i, (budget, other, kvcm_faults) in enumerate(steps):
+                cluster.kvcm.set_faults(cluster.kvcm.leader, kvcm_faults)
+                await handle.route(RouteRequest(f"f{i}", token_ids=OTHER if other else PROMPT, budget_ms=budget))
+        return len(steps)
+
+    n = on_mock_clock(record, log)
+    assert replay_all(log) == (n, n)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(_BUDGETS, _MASTER_FAULTS, _KVCM_FAULTS), min_size=1, max_size=8))
+def test_replay_is_deterministic_whatever_the_master_and_kvcm_do(
+    tmp_path_factory: pytest.TempPathFactory, steps: list[tuple[float, MasterFaults, KvcmFaults]]
+) -> None:
+    log = tmp_path_factory.mktemp("master-faults") / "decisions.log"
+
+    async def record(log: Path) -> int:
+        async with master_cluster_router(log) as (handle, cluster, master):
+            for i, (budget, master_faults, kvcm_faults) in enumerate(steps):
+                master.set_faults(0, master_faults)
+                cluster.kvcm.set_faults(cluster.kvcm.leader, kvcm_faults)
+                await handle.route(RouteRequest(f"m{i}", token_ids=PROMPT, budget_ms=budget))
+        return len(steps)
+
+    n = on_mock_clock(record, log)
+    assert replay_all(log) == (n, n)
 
 
 def _stalled_like_a_real_run(payload: dict[str, object], kind: str) -> dict[str, object] | None:
