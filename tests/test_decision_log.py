@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -390,6 +390,35 @@ def test_rotation_keeps_the_size_bound_and_each_file_replays(tmp_path: Path) -> 
         assert identical == total > 0
 
 
+def _record_faulted_run(
+    log: Path,
+    prefix: str,
+    requests: Sequence[tuple[float, tuple[int, ...], KvcmFaults]],
+    *,
+    worker_faults: Sequence[WorkerFaults],
+    blocks: int,
+) -> int:
+    """Route ``requests`` (budget, prompt, KVCM leader's faults from then on) one after another on
+    MockClock with the decision log at ``log``, worker 1 holding ``blocks`` of the prompt's blocks
+    and the workers' faults fixed; the number of decisions."""
+
+    async def record(log: Path) -> int:
+        async with cluster_router(log) as (handle, cluster):
+            if blocks:
+                cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, KEYS[:blocks])
+            for worker, faults in zip(cluster.workers, worker_faults, strict=True):
+                worker.set_faults(faults)
+            current: KvcmFaults | None = None
+            for i, (budget, prompt, kvcm_faults) in enumerate(requests):
+                if kvcm_faults != current:
+                    cluster.kvcm.set_faults(cluster.kvcm.leader, kvcm_faults)
+                    current = kvcm_faults
+                await handle.route(RouteRequest(f"{prefix}{i}", token_ids=prompt, budget_ms=budget))
+        return len(requests)
+
+    return on_mock_clock(record, log)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 # Slow queries open the breaker; the last request is refused by it before any wait, and its replay
 # must not wait for a query either (it once replayed with a query window the run never had).
@@ -404,19 +433,14 @@ def test_replay_is_deterministic_for_any_recorded_run(
     tmp_path_factory: pytest.TempPathFactory, budgets: list[float], delays: list[float], kvcm_delay: float, blocks: int
 ) -> None:
     log = tmp_path_factory.mktemp("prop") / "decisions.log"
-
-    async def record(log: Path) -> int:
-        async with cluster_router(log) as (handle, cluster):
-            if blocks:
-                cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, KEYS[:blocks])
-            for worker, delay in zip(cluster.workers, delays, strict=True):
-                worker.set_faults(WorkerFaults(delay_s=delay))
-            cluster.kvcm.set_faults(cluster.kvcm.leader, KvcmFaults(delay_s=kvcm_delay))
-            for i, budget in enumerate(budgets):
-                await handle.route(RouteRequest(f"p{i}", token_ids=PROMPT, budget_ms=budget))
-        return len(budgets)
-
-    n = on_mock_clock(record, log)
+    kvcm_faults = KvcmFaults(delay_s=kvcm_delay)
+    n = _record_faulted_run(
+        log,
+        "p",
+        [(budget, PROMPT, kvcm_faults) for budget in budgets],
+        worker_faults=[WorkerFaults(delay_s=delay) for delay in delays],
+        blocks=blocks,
+    )
     first = replay_all(log)
     assert first == (n, n)
     assert replay_all(log) == first
@@ -462,19 +486,8 @@ def test_replay_is_deterministic_whatever_kvcm_and_the_workers_do(
     """KVCM's leader changing its fault before each request (dead, hung, garbled, electing no leader,
     slow), dead or slow workers, prompts it holds or not: every decision replays identically."""
     log = tmp_path_factory.mktemp("faults") / "decisions.log"
-
-    async def record(log: Path) -> int:
-        async with cluster_router(log) as (handle, cluster):
-            if blocks:
-                cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, KEYS[:blocks])
-            for worker, faults in zip(cluster.workers, worker_faults, strict=True):
-                worker.set_faults(faults)
-            for i, (budget, other, kvcm_faults) in enumerate(steps):
-                cluster.kvcm.set_faults(cluster.kvcm.leader, kvcm_faults)
-                await handle.route(RouteRequest(f"f{i}", token_ids=OTHER if other else PROMPT, budget_ms=budget))
-        return len(steps)
-
-    n = on_mock_clock(record, log)
+    requests = [(budget, OTHER if other else PROMPT, kvcm_faults) for budget, other, kvcm_faults in steps]
+    n = _record_faulted_run(log, "f", requests, worker_faults=worker_faults, blocks=blocks)
     assert replay_all(log) == (n, n)
 
 
