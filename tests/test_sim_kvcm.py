@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute_sim.sim.faults import Garble, MethodStats
-from kvroute_sim.sim.index import SimKvcmIndex
+from kvroute_sim.sim.index import MATCH_MEMO_ENTRIES, SimKvcmIndex
 from kvroute_sim.sim.kvcm import KvcmFaults, SimKvcmCluster
 from kvroute_sim.sim.memory_server import memory_handler
 from router.transport.clients import KvcmClient
@@ -219,6 +219,46 @@ def test_match_equals_brute_force(stores: dict[str, set[int]], keys: list[int], 
     for host, stored in stores.items():
         index.record_prefill(host, sorted(stored))
     assert index.match(keys, p2p) == _brute_force(stores, keys, p2p)
+
+
+_HOSTS = [A, B, C, "10.0.0.4:8000"]
+_CHANGES: st.SearchStrategy[tuple[str, str, list[int]]] = st.one_of(
+    st.tuples(st.just("prefill"), st.sampled_from(_HOSTS), st.lists(st.integers(0, 7), max_size=6)),
+    st.tuples(st.just("clear"), st.sampled_from(_HOSTS), st.just([])),
+    st.tuples(st.just("capacity"), st.sampled_from(_HOSTS), st.lists(st.integers(1, 6), min_size=1, max_size=1)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(_CHANGES, max_size=12),
+    prompts=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=8), min_size=1, max_size=3),
+    p2p=st.integers(0, 3),
+)
+def test_a_kept_answer_never_outlives_a_change(
+    steps: list[tuple[str, str, list[int]]], prompts: list[list[int]], p2p: int
+) -> None:
+    """The same few prompts asked after every change (eviction included) and again right after
+    (a kept answer): each answer is what the stores hold at that moment."""
+    index = _index(*_HOSTS, capacity=6)
+    for action, host, values in steps:
+        if action == "prefill":
+            index.record_prefill(host, values)
+        elif action == "clear":
+            index.clear_worker(host)
+        else:
+            index.add_worker(host, values[0])
+        stores = {h: {k for k in range(8) if index.holds(h, k)} for h in _HOSTS}
+        for keys in prompts + prompts:
+            assert index.match(keys, p2p) == _brute_force(stores, keys, p2p)
+
+
+def test_kept_answers_are_bounded() -> None:
+    index = _index(A)
+    index.record_prefill(A, [1])
+    for n in range(MATCH_MEMO_ENTRIES * 3):
+        assert index.match([1, 1000 + n]) == (HostMatch(A, 1, 0, 1),)
+    assert index.kept_answers == MATCH_MEMO_ENTRIES
 
 
 # ---- cluster: leader, followers, faults ----
