@@ -343,6 +343,39 @@ def test_p2p_host_count_reaches_the_index_and_trace_id_is_echoed() -> None:
     assert reply.header.request_id == "req-9"
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    steps=st.lists(_CHANGES, max_size=10),
+    prompts=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=8), min_size=1, max_size=3),
+    p2p=st.integers(0, 3),
+)
+def test_a_served_answer_is_the_stores_of_the_moment_and_echoes_its_trace_id(
+    steps: list[tuple[str, str, list[int]]], prompts: list[list[int]], p2p: int
+) -> None:
+    """Through the wire: the same queries after every change and again right after, each with its
+    own trace id (the serialised answers the cluster keeps must not carry one request's id to the next)."""
+    cluster = SimKvcmCluster(["n0"])
+    for host in _HOSTS:
+        cluster.add_worker(host, 6)
+    serial = 0
+    for action, host, values in [*steps, ("clear", A, [])]:
+        if action == "prefill":
+            cluster.record_prefill(host, values)
+        elif action == "clear":
+            cluster.clear_worker(host)
+        else:
+            cluster.add_worker(host, values[0])
+        stores = {h: {k for k in range(8) if cluster.local_prefix(h, [k])} for h in _HOSTS}
+        for keys in prompts + prompts:
+            serial += 1
+            query = CacheQuery(
+                "inst", QueryType.PREFIX_MATCH, tuple(keys), trace_id=f"req-{serial}", p2p_host_count=p2p
+            )
+            raw = _state(cluster, "n0", query)
+            assert decode.decode_cache_state(raw, "n0").hosts == _brute_force(stores, keys, p2p)
+            assert kvcm_pb.GetHostCacheStateResponse.FromString(raw).header.request_id == f"req-{serial}"
+
+
 def test_unsupported_query_type_and_unknown_instance() -> None:
     cluster = _cluster(instance_id="inst")
     batch = CacheQuery("inst", QueryType.BATCH_GET, KEYS)

@@ -80,6 +80,11 @@ class SimKvcmIndex:
         return tuple(self._stored)
 
     @property
+    def version(self) -> int:
+        """Changes whenever some worker's stored set does (so a query's answer may have)."""
+        return self._version
+
+    @property
     def kept_answers(self) -> int:
         """Query answers kept for the current stores (at most ``MATCH_MEMO_ENTRIES``)."""
         return len(self._answers)

@@ -28,7 +28,7 @@ from kvroute_sim.sim.faults import (
     Garble,
     SimEndpoint,
 )
-from kvroute_sim.sim.index import SimKvcmIndex
+from kvroute_sim.sim.index import MATCH_MEMO_ENTRIES, SimKvcmIndex
 from router.transport.errors import PeerAbort, RpcStatus
 from router.types import HostMatch, LeaderEndpoint
 from router.wire import kvcm_meta_pb2 as kvcm_pb
@@ -112,6 +112,8 @@ class SimKvcmCluster:
         self._followers_answer_queries = followers_answer_queries
         self._instance_id = instance_id
         self._index = SimKvcmIndex() if index is None else index
+        self._answers: dict[bytes, bytes] = {}  # serialised query (no trace id) → serialised hosts
+        self._answers_version = self._index.version
 
     # ---- topology and knobs (any thread) ----
 
@@ -254,11 +256,9 @@ class SimKvcmCluster:
             leader = self._leader
             serves = node_id == leader or self._followers_answer_queries
             refusal = self._refusal(request)
-            hosts = (
-                ()
-                if injected or not serves or refusal
-                else self._index.match(request.block_cache_keys, request.p2p_host_count)
-            )
+            if not (injected or not serves or refusal):
+                _set_status(reply.header, kvcm_pb.OK, "")
+                return reply.SerializeToString() + self._encoded_hosts_locked(request)
         if applies and faults.garbled is Garble.UNDECODABLE:
             return UNDECODABLE_REPLY
         if applies and faults.error_code is not None:
@@ -269,18 +269,39 @@ class SimKvcmCluster:
         elif not serves:
             where = f"leader is {leader}" if leader is not None else "no leader elected"
             _set_status(reply.header, kvcm_pb.SERVER_NOT_LEADER, f"{node_id} is not the leader; {where}")
-        elif refusal:
-            _set_status(reply.header, *refusal)
         else:
-            _set_status(reply.header, kvcm_pb.OK, "")
-            for h in hosts:
-                reply.hosts.add(
+            assert refusal is not None  # the one case left: an answer returned above
+            _set_status(reply.header, *refusal)
+        return reply.SerializeToString()
+
+    def _encoded_hosts_locked(self, request: kvcm_pb.GetHostCacheStateRequest) -> bytes:
+        """The reply's ``hosts`` entries, serialised, for ``request`` against the index as it is now.
+
+        Kept per query (its fields but the trace id, serialised) while the index's stores do not
+        change, as the index keeps its answers: the bench's in-process figures share the router's
+        CPU with this answer. Serialised messages concatenate as a merge, so the caller appends
+        these bytes to the header's."""
+        index = self._index
+        if self._answers_version != index.version:
+            self._answers.clear()
+            self._answers_version = index.version
+        request.ClearField("trace_id")  # the caller has copied it into the reply
+        asked = request.SerializeToString()
+        encoded = self._answers.get(asked)
+        if encoded is None:
+            hosts = kvcm_pb.GetHostCacheStateResponse()
+            for h in index.match(request.block_cache_keys, request.p2p_host_count):
+                hosts.hosts.add(
                     host_ip_port=h.host_ip_port,
                     local=h.local,
                     p2p_1_fetch=h.p2p_fetch,
                     p2p_1_total_match=h.p2p_total,
                 )
-        return reply.SerializeToString()
+            encoded = hosts.SerializeToString()
+            if len(self._answers) >= MATCH_MEMO_ENTRIES:
+                del self._answers[next(iter(self._answers))]  # the oldest kept answer
+            self._answers[asked] = encoded
+        return encoded
 
     def _refusal(self, request: kvcm_pb.GetHostCacheStateRequest) -> tuple[int, str] | None:
         """The error code and message for a query this KVCM does not serve, or None."""
