@@ -227,12 +227,25 @@ _CHANGES: st.SearchStrategy[tuple[str, str, list[int]]] = st.one_of(
     st.tuples(st.just("clear"), st.sampled_from(_HOSTS), st.just([])),
     st.tuples(st.just("capacity"), st.sampled_from(_HOSTS), st.lists(st.integers(1, 6), min_size=1, max_size=1)),
 )
+_PROMPTS = st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=8), min_size=1, max_size=3)  # asked repeatedly
+
+
+
+def _apply(stores: SimKvcmIndex | SimKvcmCluster, change: tuple[str, str, list[int]]) -> None:
+    """One drawn change: a prefill's keys stored, a worker cleared, or its capacity set (evicting)."""
+    action, host, values = change
+    if action == "prefill":
+        stores.record_prefill(host, values)
+    elif action == "clear":
+        stores.clear_worker(host)
+    else:
+        stores.add_worker(host, values[0])
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     steps=st.lists(_CHANGES, max_size=12),
-    prompts=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=8), min_size=1, max_size=3),
+    prompts=_PROMPTS,
     p2p=st.integers(0, 3),
 )
 def test_a_kept_answer_never_outlives_a_change(
@@ -241,13 +254,8 @@ def test_a_kept_answer_never_outlives_a_change(
     """The same few prompts asked after every change (eviction included) and again right after
     (a kept answer): each answer is what the stores hold at that moment."""
     index = _index(*_HOSTS, capacity=6)
-    for action, host, values in steps:
-        if action == "prefill":
-            index.record_prefill(host, values)
-        elif action == "clear":
-            index.clear_worker(host)
-        else:
-            index.add_worker(host, values[0])
+    for change in steps:
+        _apply(index, change)
         stores = {h: {k for k in range(8) if index.holds(h, k)} for h in _HOSTS}
         for keys in prompts + prompts:
             assert index.match(keys, p2p) == _brute_force(stores, keys, p2p)
@@ -346,7 +354,7 @@ def test_p2p_host_count_reaches_the_index_and_trace_id_is_echoed() -> None:
 @settings(max_examples=100, deadline=None)
 @given(
     steps=st.lists(_CHANGES, max_size=10),
-    prompts=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=8), min_size=1, max_size=3),
+    prompts=_PROMPTS,
     p2p=st.integers(0, 3),
 )
 def test_a_served_answer_is_the_stores_of_the_moment_and_echoes_its_trace_id(
@@ -358,13 +366,8 @@ def test_a_served_answer_is_the_stores_of_the_moment_and_echoes_its_trace_id(
     for host in _HOSTS:
         cluster.add_worker(host, 6)
     serial = 0
-    for action, host, values in [*steps, ("clear", A, [])]:
-        if action == "prefill":
-            cluster.record_prefill(host, values)
-        elif action == "clear":
-            cluster.clear_worker(host)
-        else:
-            cluster.add_worker(host, values[0])
+    for change in [*steps, ("clear", A, [])]:
+        _apply(cluster, change)
         stores = {h: {k for k in range(8) if cluster.local_prefix(h, [k])} for h in _HOSTS}
         for keys in prompts + prompts:
             serial += 1
