@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
 from kvroute_sim.sim.master import MasterFaults, SimMaster
 from kvroute_sim.sim.worker import WorkerFaults
@@ -449,7 +450,8 @@ def test_replay_is_deterministic_for_any_recorded_run(
 _KVCM_FAULTS = st.one_of(
     st.builds(KvcmFaults, delay_s=st.sampled_from([0.0, 0.004, 0.03])),
     st.sampled_from(
-        [KvcmFaults(dead=True), KvcmFaults(hang=True), KvcmFaults(no_leader_elected=True), KvcmFaults(garbled=True)]
+        [KvcmFaults(dead=True), KvcmFaults(hang=True), KvcmFaults(no_leader_elected=True)]
+        + [KvcmFaults(garbled=garble) for garble in Garble]
     ),
 )
 _WORKER_FAULTS = st.one_of(

@@ -456,6 +456,8 @@ def test_bad_knobs_and_topology_name_the_field() -> None:
         KvcmFaults(error_code=12345)
     with pytest.raises(ValueError, match="methods"):
         KvcmFaults(methods=frozenset({paths.WORKER_GET_STATUS}))
+    with pytest.raises(ValueError, match="garbled: must be a Garble"):
+        KvcmFaults(garbled=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="node_ids"):
         SimKvcmCluster(["a", "a"])
     with pytest.raises(ValueError, match="node_id"):

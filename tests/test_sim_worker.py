@@ -167,6 +167,8 @@ def test_spec_validation_names_the_field() -> None:
             WorkerSpec(**{field: value})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="flap_period_s"):
         WorkerFaults(flap_period_s=-1.0)
+    with pytest.raises(ValueError, match="garbled: must be a Garble"):
+        WorkerFaults(garbled="undecodable")  # type: ignore[arg-type]
 
 
 # ---- faults ----

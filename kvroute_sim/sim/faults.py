@@ -29,6 +29,13 @@ class Garble(enum.Enum):
     CONTRACT = "contract"  # parses, but a field breaks the contract (bad port, negative count)
 
 
+def check_garble(garbled: object) -> None:
+    """A fault's ``garbled`` knob names how the reply breaks, or is None; anything else (``True``, a
+    string) is refused, naming the field, rather than read as no fault at all."""
+    if garbled is not None and not isinstance(garbled, Garble):
+        raise ValueError(f"garbled: must be a Garble ({', '.join(g.name for g in Garble)}) or None, got {garbled!r}")
+
+
 # A length-delimited field 1 claiming 127 bytes with none following: every reply message rejects it.
 UNDECODABLE_REPLY = b"\x0a\x7f"
 

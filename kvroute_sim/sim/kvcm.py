@@ -27,6 +27,7 @@ from kvroute_sim.sim.faults import (
     ChangeNotifier,
     Garble,
     SimEndpoint,
+    check_garble,
 )
 from kvroute_sim.sim.index import MATCH_MEMO_ENTRIES, SimKvcmIndex
 from router.transport.errors import PeerAbort, RpcStatus
@@ -63,6 +64,7 @@ class KvcmFaults:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.delay_s) and self.delay_s >= 0):
             raise ValueError(f"delay_s: must be finite and >= 0, got {self.delay_s}")
+        check_garble(self.garbled)
         if self.error_code is not None and (
             self.error_code == kvcm_pb.OK or self.error_code not in kvcm_pb.ErrorCode.values()
         ):

@@ -37,7 +37,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute_sim.sim.codec import parse_request
-from kvroute_sim.sim.faults import ANSWER_NOW, UNDECODABLE_REPLY, CallPlan, CallStats, ChangeNotifier, Garble
+from kvroute_sim.sim.faults import (
+    ANSWER_NOW,
+    UNDECODABLE_REPLY,
+    CallPlan,
+    CallStats,
+    ChangeNotifier,
+    Garble,
+    check_garble,
+)
 from router.config import DeploymentConfig
 from router.types import KvCacheGroupMode
 from router.wire import engine_status_pb2 as engine_pb
@@ -123,6 +131,7 @@ class WorkerFaults:
         for name, value in (("delay_s", self.delay_s), ("flap_period_s", self.flap_period_s)):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be finite and >= 0, got {value}")
+        check_garble(self.garbled)
 
     def reachable(self, now: float) -> bool:
         if self.dead:
