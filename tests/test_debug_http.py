@@ -21,7 +21,7 @@ from router.config import MetricsConfig
 from router.debug_http import DECISIONS_PER_PIECE, DebugServer, decisions_body, to_jsonable
 from router.settings import LoadedConfig, load_config
 from router.targets import TargetError
-from router.types import CandidateExplain, Reason, Role, RouteDecision, RouteSource, WorkerAddr
+from router.types import CandidateExplain, Reason, Role, RouteDecision, RouteSource, Stage, WorkerAddr
 
 GOOD = {"kvcm_bootstrap": "10.0.0.1", "kvcm_instance_id": "ns", "workers": "10.1.0.1:8000"}
 
@@ -70,7 +70,7 @@ def decision(n: int) -> RouteDecision:
         hit_tokens=128,
         local_blocks=2,
         elapsed_ms=1.5,
-        stage_ms={"probe": 1.0},
+        stage_ms={Stage.PROBE: 1.0},
         candidates=(CandidateExplain("10.1.0.1:8000", "hot", 2, 128, 40, "PREFILL", None, chosen=True),),
     )
 

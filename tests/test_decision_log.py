@@ -64,6 +64,12 @@ KEYS = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
 T = TypeVar("T")
 
 
+def _leader(cluster: SimCluster) -> str:
+    leader = cluster.kvcm.leader
+    assert leader is not None, "the simulated KVCM elected a leader"
+    return leader
+
+
 def _config(addrs_bootstrap: str, workers: str, log: Path, **router_kw: object) -> KvrouteConfig:
     return KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, roles=(Role.PREFILL,), kvcm_instance_id="ns"),
@@ -104,7 +110,7 @@ async def record_cache_run(log: Path) -> list[RouteDecision]:
         cluster.workers[1].set_faults(WorkerFaults(delay_s=0.5))  # its probe misses decide_at
         decisions.append(await route(RouteRequest("slow-worker", token_ids=PROMPT, budget_ms=50)))
         cluster.workers[1].set_faults(WorkerFaults())
-        leader = cluster.kvcm.leader
+        leader = _leader(cluster)
         cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))  # deadline: the shadow index stands in
         decisions.append(await route(RouteRequest("hang", token_ids=PROMPT, budget_ms=50)))
         decisions.append(await route(RouteRequest("hang-unseen", token_ids=UNSEEN, budget_ms=20)))
@@ -186,7 +192,7 @@ def test_requests_whose_leader_lookup_failed_replay_without_a_query(tmp_path: Pa
 
     async def record(log: Path) -> list[RouteDecision]:
         cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-        cluster.kvcm.set_faults(cluster.kvcm.leader, KvcmFaults(no_leader_elected=True))
+        cluster.kvcm.set_faults(_leader(cluster), KvcmFaults(no_leader_elected=True))
         network = MemoryNetwork()
         addrs = cluster.serve_memory(network)
         async with open_router(_config(addrs.kvcm_bootstrap, addrs.workers_arg, log), rpc=network) as handle:
@@ -270,7 +276,7 @@ async def record_learned_split_run(log: Path) -> list[RouteDecision]:
     decisions: list[RouteDecision] = []
     async with cluster_router(log, deadline_split=DeadlineSplit.LEARNED, split_min_samples=2) as (handle, cluster):
         cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
-        leader = cluster.kvcm.leader
+        leader = _leader(cluster)
         assert leader is not None
         only_query = frozenset({paths.KVCM_GET_HOST_CACHE_STATE})
         for i, delay in enumerate((0.002, 0.002, 0.003, 0.044, 0.047, 0.060, 0.002)):
@@ -412,7 +418,7 @@ def _record_faulted_run(
             current: KvcmFaults | None = None
             for i, (budget, prompt, kvcm_faults) in enumerate(requests):
                 if kvcm_faults != current:
-                    cluster.kvcm.set_faults(cluster.kvcm.leader, kvcm_faults)
+                    cluster.kvcm.set_faults(_leader(cluster), kvcm_faults)
                     current = kvcm_faults
                 await handle.route(RouteRequest(f"{prefix}{i}", token_ids=prompt, budget_ms=budget))
         return len(requests)
@@ -504,7 +510,7 @@ def test_replay_is_deterministic_whatever_the_master_and_kvcm_do(
         async with master_cluster_router(log) as (handle, cluster, master):
             for i, (budget, master_faults, kvcm_faults) in enumerate(steps):
                 master.set_faults(0, master_faults)
-                cluster.kvcm.set_faults(cluster.kvcm.leader, kvcm_faults)
+                cluster.kvcm.set_faults(_leader(cluster), kvcm_faults)
                 await handle.route(RouteRequest(f"m{i}", token_ids=PROMPT, budget_ms=budget))
         return len(steps)
 
@@ -515,7 +521,9 @@ def test_replay_is_deterministic_whatever_the_master_and_kvcm_do(
 def _stalled_like_a_real_run(payload: dict[str, object], kind: str) -> dict[str, object] | None:
     """``payload`` (a recorded KVCM decision that scored) rewritten the way a run whose routing task
     resumed late records it; None when the decision does not fit ``kind``."""
-    decision = dict(payload["d"])  # type: ignore[arg-type]
+    recorded = payload["d"]
+    assert isinstance(recorded, dict)
+    decision = dict(recorded)
     windows = [list(w) for w in decision.get("sw", [])]
     if decision.get("rs") != RouteSource.KVCM.value or not windows or "sc" not in payload:
         return None

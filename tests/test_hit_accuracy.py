@@ -5,15 +5,18 @@ as a frontend would)."""
 from __future__ import annotations
 
 import io
+from functools import partial
 
 import trio
 import trio.testing
 
+from actors.hit_accuracy import AccuracyHealth
 from kvroute_sim.demo import key_family
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
 from router.keys import block_keys
+from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import KeyFamily, RouteRequest, RouteSource
 
@@ -22,8 +25,9 @@ PROMPT = tuple(range(5000, 5000 + 8 * BLOCK))
 KEYS = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
 
 
-def sample(handle: object, name: str, **labels: str) -> float | None:
-    return handle.metrics.registry.get_sample_value(name, labels)  # type: ignore[attr-defined]
+def sample(handle: RouterHandle, name: str, **labels: str) -> float | None:
+    value = handle.metrics.registry.get_sample_value(name, labels)
+    return None if value is None else float(value)
 
 
 async def test_a_prediction_is_compared_with_the_prefix_the_worker_reports(
@@ -55,8 +59,9 @@ async def test_a_prediction_is_compared_with_the_prefix_the_worker_reports(
             await trio.sleep(0.1)
         await trio.testing.wait_all_tasks_blocked()
         health = handle.actors()["hit_accuracy"]["health"]
-        assert (health.matched, health.silent_zero, health.pending) == (2, 1, 0)  # type: ignore[union-attr]
-        assert health.recent_by_worker[holder.http_target] == 0.5  # type: ignore[union-attr]
+        assert isinstance(health, AccuracyHealth)
+        assert (health.matched, health.silent_zero, health.pending) == (2, 1, 0)
+        assert health.recent_by_worker[holder.http_target] == 0.5
         assert sample(handle, "kvroute_hit_silent_zero_total", route_source="kvcm") == 1
         assert sample(handle, "kvroute_hit_actual_over_predicted_count", route_source="kvcm") == 2
         assert sample(handle, "kvroute_hit_error_tokens_sum", route_source="kvcm") == len(PROMPT)
@@ -99,7 +104,7 @@ def test_a_wrong_key_family_fires_the_silent_zero_signal_and_the_right_one_does_
     against blocks registered under their own family."""
     runs = {
         family: trio.run(
-            lambda f=family: key_family.measure_family(f, network=MemoryNetwork(), requests=30),
+            partial(key_family.measure_family, family, network=MemoryNetwork(), requests=30),
             clock=trio.testing.MockClock(autojump_threshold=0),
         )
         for family in (key_family.ENGINE_FAMILY, key_family.WRONG_FAMILY)

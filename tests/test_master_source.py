@@ -149,7 +149,9 @@ async def test_a_hanging_master_costs_its_window_until_the_breaker_opens(
             assert trio.current_time() - start <= 0.050
         assert all(w == pytest.approx(0.010) for w in waits[:3])  # the threshold's worth of requests pay the window
         assert all(w < 0.002 for w in waits[3:])  # then nothing: the breaker is open
-        assert r.handle.actors()["master_client"]["health"].breaker.state.value == "open"  # type: ignore[union-attr]
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth)
+        assert health.breaker.state.value == "open"
 
 
 async def test_the_master_window_leaves_the_later_sources_their_time(autojump_clock: trio.testing.MockClock) -> None:

@@ -40,6 +40,13 @@ GOOD = {
 }
 
 
+class _Closable:
+    """A channel for a pool that opens none here."""
+
+    def close(self) -> None:
+        pass
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute-test")
     add_arguments(parser)
@@ -498,7 +505,7 @@ def test_an_effective_config_never_makes_an_actor_reject_it(values: dict[str, ob
     # The constructors refuse through the same checks the settings layer collected.
     KvcmBreaker(eff.breaker)
     ShadowIndexActor(eff.shadow)
-    ChannelPool(eff.channel_pool, lambda target: target)
+    ChannelPool(eff.channel_pool, lambda target: _Closable())
     CacheAffinityFirst(eff.scorer, eff.deployment)
     assert leader_problems(eff.leader) == []
     assert prober_problems(eff.prober) == []

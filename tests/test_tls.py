@@ -30,11 +30,11 @@ from router.config import (
     DiscoveryConfig,
     GrpcTlsConfig,
     KvrouteConfig,
+    MasterConfig,
     RouterConfig,
     ServeConfig,
     UpstreamTlsConfig,
 )
-from router.master_config import MasterConfig
 from router.sidecar import Sidecar
 from router.targets import HostPort
 from router.transport.clients import WorkerStatusClient
