@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute_sim.sim.faults import Garble, MethodStats
-from kvroute_sim.sim.index import MATCH_MEMO_ENTRIES, SimKvcmIndex
-from kvroute_sim.sim.kvcm import KvcmFaults, SimKvcmCluster
+from kvroute_sim.sim.index import SimKvcmIndex
+from kvroute_sim.sim.kvcm import KEPT_ANSWERS, KvcmFaults, SimKvcmCluster
 from kvroute_sim.sim.memory_server import memory_handler
 from router.transport.clients import KvcmClient
 from router.transport.errors import GarbledReply, NotLeader, RemoteError, RpcStatus
@@ -248,25 +248,21 @@ def _apply(stores: SimKvcmIndex | SimKvcmCluster, change: tuple[str, str, list[i
     prompts=_PROMPTS,
     p2p=st.integers(0, 3),
 )
-def test_a_kept_answer_never_outlives_a_change(
+def test_every_answer_is_the_stores_of_the_moment(
     steps: list[tuple[str, str, list[int]]], prompts: list[list[int]], p2p: int
 ) -> None:
-    """The same few prompts asked after every change (eviction included) and again right after
-    (a kept answer): each answer is what the stores hold at that moment."""
+    """The same few prompts asked after every change (eviction included), twice: each answer is what
+    the stores hold at that moment, and the index's version moves whenever a store changes."""
     index = _index(*_HOSTS, capacity=6)
+    before = {h: set[int]() for h in _HOSTS}
     for change in steps:
+        version = index.version
         _apply(index, change)
         stores = {h: {k for k in range(8) if index.holds(h, k)} for h in _HOSTS}
+        assert index.version != version or stores == before  # a kept answer may not outlive a change
+        before = stores
         for keys in prompts + prompts:
             assert index.match(keys, p2p) == _brute_force(stores, keys, p2p)
-
-
-def test_kept_answers_are_bounded() -> None:
-    index = _index(A)
-    index.record_prefill(A, [1])
-    for n in range(MATCH_MEMO_ENTRIES * 3):
-        assert index.match([1, 1000 + n]) == (HostMatch(A, 1, 0, 1),)
-    assert index.kept_answers == MATCH_MEMO_ENTRIES
 
 
 # ---- cluster: leader, followers, faults ----
@@ -377,6 +373,14 @@ def test_a_served_answer_is_the_stores_of_the_moment_and_echoes_its_trace_id(
             raw = _state(cluster, "n0", query)
             assert decode.decode_cache_state(raw, "n0").hosts == _brute_force(stores, keys, p2p)
             assert kvcm_pb.GetHostCacheStateResponse.FromString(raw).header.request_id == f"req-{serial}"
+
+
+def test_kept_answers_are_bounded() -> None:
+    cluster = _cluster()
+    for n in range(KEPT_ANSWERS * 3):
+        query = CacheQuery("inst", QueryType.PREFIX_MATCH, (*KEYS[:4], 1000 + n), trace_id=f"req-{n}")
+        assert decode.decode_cache_state(_state(cluster, "n0", query), "n0").hosts == (HostMatch(A, 4, 0, 4),)
+    assert cluster.kept_answers == KEPT_ANSWERS
 
 
 def test_unsupported_query_type_and_unknown_instance() -> None:

@@ -13,10 +13,8 @@ host or by that same single peer. ``p2p_1_total_match`` is the longest such pref
 all peers and ``p2p_1_fetch`` the host's misses inside it (fetched from that one peer).
 Other hosts get ``p2p_1_fetch = 0`` and ``p2p_1_total_match = local``.
 
-A query's answer is kept (``MATCH_MEMO_ENTRIES`` prompts, the oldest dropped first) until any
-worker's stored set changes: a served cluster is asked about the same few prompts again and
-again between prefills, and in the bench's in-process figures the simulated KVCM shares the
-router's CPU, so its answer should cost little beside the router's decision.
+``version`` changes whenever some worker's stored set does, so a caller may keep an answer while it
+stays the same (``SimKvcmCluster`` keeps its serialised replies so).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from itertools import takewhile
 from router.types import HostMatch
 
 _NOBODY: frozenset[str] = frozenset()
-MATCH_MEMO_ENTRIES = 64  # answers kept: a few prompts' worth (each holds its keys)
 
 
 class SimKvcmIndex:
@@ -40,10 +37,7 @@ class SimKvcmIndex:
         # worker → the same keys as a set: a query's prefix check is then one ``issuperset`` in C
         self._members: dict[str, set[int]] = {}
         self._capacity: dict[str, int] = {}
-        # Bumped whenever some worker's stored set changes; answers are kept for one version only.
-        self._version = 0
-        self._answers: dict[tuple[tuple[int, ...], int], tuple[HostMatch, ...]] = {}
-        self._answers_version = 0
+        self._version = 0  # bumped whenever some worker's stored set changes
 
     # ---- workers ----
 
@@ -83,11 +77,6 @@ class SimKvcmIndex:
     def version(self) -> int:
         """Changes whenever some worker's stored set does (so a query's answer may have)."""
         return self._version
-
-    @property
-    def kept_answers(self) -> int:
-        """Query answers kept for the current stores (at most ``MATCH_MEMO_ENTRIES``)."""
-        return len(self._answers)
 
     def stored_blocks(self, host: str) -> int:
         return len(self._require(host))
@@ -134,33 +123,20 @@ class SimKvcmIndex:
         """Every worker with local > 0, ordered by local desc then host; P2P fields per the module doc.
 
         ``keys`` may be a wire message's repeated field: it is copied into Python ints once, and only
-        when some worker holds its first block (each holder's walk reads that copy). The answer is
-        kept until a worker's stored set changes (module doc)."""
+        when some worker holds its first block (each holder's walk reads that copy)."""
         if not keys:
             return ()
         first = self._holders.get(keys[0])
         if not first:
             return ()
-        prompt = tuple(keys)
-        answers = self._answers
-        if self._answers_version != self._version:
-            answers.clear()
-            self._answers_version = self._version
-        asked = (prompt, p2p_host_count)
-        known = answers.get(asked)
-        if known is not None:
-            return known
-        local = self._local_matches(prompt, first)
+        keys = keys[:]
+        local = self._local_matches(keys, first)
         ranked = sorted(local.items(), key=lambda item: (-item[1], item[0]))
         evaluated = ranked[: max(0, p2p_host_count)]
-        p2p = {host: self._p2p_extension(host, n, prompt) for host, n in evaluated}
-        answer = tuple(
+        p2p = {host: self._p2p_extension(host, n, keys) for host, n in evaluated}
+        return tuple(
             HostMatch(host, n, *p2p[host]) if host in p2p else HostMatch(host, n, 0, n) for host, n in ranked
         )
-        if len(answers) >= MATCH_MEMO_ENTRIES:
-            del answers[next(iter(answers))]  # the oldest kept answer
-        answers[asked] = answer
-        return answer
 
     def _local_matches(self, keys: Sequence[int], first: set[str]) -> dict[str, int]:
         """Each holder of block 0 (``first``: only they can match) and its contiguous prefix."""

@@ -29,7 +29,7 @@ from kvroute_sim.sim.faults import (
     SimEndpoint,
     check_garble,
 )
-from kvroute_sim.sim.index import MATCH_MEMO_ENTRIES, SimKvcmIndex
+from kvroute_sim.sim.index import SimKvcmIndex
 from router.transport.errors import PeerAbort, RpcStatus
 from router.types import HostMatch, LeaderEndpoint
 from router.wire import kvcm_meta_pb2 as kvcm_pb
@@ -37,6 +37,11 @@ from router.wire import paths
 
 KVCM_METHODS = frozenset({paths.KVCM_GET_CLUSTER_INFO, paths.KVCM_GET_HOST_CACHE_STATE})
 _UNSUPPORTED_QUERY_TYPES = frozenset({kvcm_pb.QT_BATCH_GET, kvcm_pb.QT_REVERSE_ROLL_SW_MATCH})
+
+
+# Serialised query answers kept while the index's stores do not change: a few prompts' worth (each
+# key holds its query, a few KiB).
+KEPT_ANSWERS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +121,12 @@ class SimKvcmCluster:
         self._index = SimKvcmIndex() if index is None else index
         self._answers: dict[bytes, bytes] = {}  # serialised query (no trace id) → serialised hosts
         self._answers_version = self._index.version
+
+    @property
+    def kept_answers(self) -> int:
+        """Serialised query answers kept for the index's current stores (at most ``KEPT_ANSWERS``)."""
+        with self._lock:
+            return len(self._answers)
 
     # ---- topology and knobs (any thread) ----
 
@@ -300,7 +311,7 @@ class SimKvcmCluster:
                     p2p_1_total_match=h.p2p_total,
                 )
             encoded = hosts.SerializeToString()
-            if len(self._answers) >= MATCH_MEMO_ENTRIES:
+            if len(self._answers) >= KEPT_ANSWERS:
                 del self._answers[next(iter(self._answers))]  # the oldest kept answer
             self._answers[asked] = encoded
         return encoded
