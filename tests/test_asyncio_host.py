@@ -232,8 +232,17 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
             assert token is not None
             # Hold the host's loop until the hand-off and a 200 ms stall are both queued behind it, so
             # the stall runs between the hand-off and the routing task's start (the callbacks run in order).
-            gate = threading.Event()
-            token.run_sync_soon(gate.wait, 10.0)
+            # The hold must already be running before the hand-off is queued: trio runs its queued
+            # callbacks in batches with a checkpoint between them, and a hand-off caught in the hold's
+            # batch would let the routing task start before the stall.
+            holding, gate = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                holding.set()
+                gate.wait(10.0)
+
+            token.run_sync_soon(hold)
+            assert holding.wait(10.0)
             lagged = asyncio.ensure_future(host.route(RouteRequest("lagged", token_ids=PROMPT, budget_ms=500)))
             await asyncio.sleep(0)  # route() hands the request over
             token.run_sync_soon(time.sleep, 0.2)
