@@ -10,8 +10,9 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
@@ -393,21 +394,63 @@ async def test_grpc_retries_are_disabled_on_our_channels(
     await channels.aclose()
 
 
+if TYPE_CHECKING:
+    _BytesFuture = grpc.Future[bytes]
+else:  # grpc.Future is generic in its stubs only
+    _BytesFuture = grpc.Future
+
+
+class _AwaitedFuture(_BytesFuture):
+    """A call's real future that sets ``awaited`` when the adapter starts waiting for it (it adds its
+    done-callback in the trio thread, after counting the call in flight)."""
+
+    def __init__(self, inner: grpc.Future[bytes], awaited: trio.Event) -> None:
+        self.inner = inner
+        self.awaited = awaited
+
+    def add_done_callback(self, fn: Callable[[grpc.Future[bytes]], None]) -> None:
+        self.inner.add_done_callback(lambda _: fn(self))
+        self.awaited.set()
+
+    def cancel(self) -> bool:
+        return self.inner.cancel()
+
+    def cancelled(self) -> bool:
+        return self.inner.cancelled()
+
+    def running(self) -> bool:
+        return self.inner.running()
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def result(self, timeout: float | None = None) -> bytes:
+        return self.inner.result(timeout)
+
+    def exception(self) -> Exception | None:
+        return self.inner.exception()
+
+    def traceback(self, timeout: float | None = None) -> Any:
+        return self.inner.traceback(timeout)
+
+
 class _StartRecordingChannel(grpc.Channel):
-    """A real channel that notes which thread starts each unary call (``.future()``)."""
+    """A real channel that notes which thread starts each unary call (``.future()``), and sets
+    ``awaited`` once the adapter waits for one of them."""
 
     def __init__(self, inner: grpc.Channel) -> None:
         self.inner = inner
         self.started_on: list[int] = []
+        self.awaited = trio.Event()
 
     def unary_unary(self, method: str, *args: object, **kwargs: object) -> grpc.UnaryUnaryMultiCallable:  # type: ignore[type-arg]
         inner = self.inner.unary_unary(method, None, None)
-        started_on = self.started_on
+        started_on, awaited = self.started_on, self.awaited
 
         class Call:
             def future(self, request: bytes, timeout: float | None = None) -> grpc.Future[bytes]:
                 started_on.append(threading.get_ident())
-                return inner.future(request, timeout=timeout)
+                return _AwaitedFuture(inner.future(request, timeout=timeout), awaited)
 
         return Call()  # type: ignore[return-value]
 
@@ -449,6 +492,9 @@ async def test_a_call_on_an_idle_channel_starts_off_the_event_loop_and_one_besid
     loop_thread = threading.get_ident()
     with trio.fail_after(10):
         async with hanging_call(rpc, server, state):
+            # Started on a starter thread, the hanging call reaches the server before its task
+            # resumes and counts it in flight: the call beside it must wait for that.
+            await channels[0].awaited.wait()
             assert await rpc.call(server.target, ECHO, b"beside") == b"beside"
         assert await rpc.call(server.target, ECHO, b"idle again") == b"idle again"
     (channel,) = channels
