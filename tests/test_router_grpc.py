@@ -73,15 +73,13 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
                 assert d.route_source is RouteSource.KVCM
                 assert handle.actors_health()["channel_pool"]["restarts"] == 1
 
-                # KVCM leader blackholed: answers stay within budget and fall back.
+                # KVCM leader blackholed: answers fall back (that they come at the deadline is
+                # asserted on virtual time, in test_router_pipeline.py; the test's limit catches a wait).
                 leader = cluster.kvcm.leader
                 assert leader is not None
                 cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
                 for i in range(3):
-                    start = trio.current_time()
                     d = await handle.route(RouteRequest(f"bh{i}", token_ids=PROMPT, budget_ms=30))
-                    # The hang never answers; the decision comes at the deadline (+ slack for a loaded machine).
-                    assert trio.current_time() - start < 0.030 + 0.100
                     assert d.route_source in (RouteSource.DOMAIN, RouteSource.SHADOW)
                 cluster.kvcm.clear_faults()
 

