@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
 from router.types import KeyFamily, Reason, RouteRequest, RouteSource
 from router.wire import paths
@@ -40,6 +40,9 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
         config = KvrouteConfig(
             deployment=DeploymentConfig(block_size=BLOCK),
             discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+            # The requests' own budgets, not the default 50 ms cap: on a busy machine a stalled loop's
+            # lag can make admission shed a call with little budget, and these must reach KVCM.
+            router=RouterConfig(budget_cap_ms=1000.0),
         )
         async with open_router(config, debug_http=True) as handle:
             resolver = handle.leader_resolver()
