@@ -277,7 +277,6 @@ async def record_learned_split_run(log: Path) -> list[RouteDecision]:
     async with cluster_router(log, deadline_split=DeadlineSplit.LEARNED, split_min_samples=2) as (handle, cluster):
         cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
         leader = _leader(cluster)
-        assert leader is not None
         only_query = frozenset({paths.KVCM_GET_HOST_CACHE_STATE})
         for i, delay in enumerate((0.002, 0.002, 0.003, 0.044, 0.047, 0.060, 0.002)):
             cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=delay, methods=only_query))

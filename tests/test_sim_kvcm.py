@@ -230,7 +230,6 @@ _CHANGES: st.SearchStrategy[tuple[str, str, list[int]]] = st.one_of(
 _PROMPTS = st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=8), min_size=1, max_size=3)  # asked repeatedly
 
 
-
 def _apply(stores: SimKvcmIndex | SimKvcmCluster, change: tuple[str, str, list[int]]) -> None:
     """One drawn change: a prefill's keys stored, a worker cleared, or its capacity set (evicting)."""
     action, host, values = change

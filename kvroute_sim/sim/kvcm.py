@@ -269,7 +269,7 @@ class SimKvcmCluster:
             leader = self._leader
             serves = node_id == leader or self._followers_answer_queries
             refusal = self._refusal(request)
-            if not (injected or not serves or refusal):
+            if serves and not injected and refusal is None:
                 _set_status(reply.header, kvcm_pb.OK, "")
                 return reply.SerializeToString() + self._encoded_hosts_locked(request)
         if applies and faults.garbled is Garble.UNDECODABLE:
@@ -291,8 +291,8 @@ class SimKvcmCluster:
         """The reply's ``hosts`` entries, serialised, for ``request`` against the index as it is now.
 
         Kept per query (its fields but the trace id, serialised) while the index's stores do not
-        change, as the index keeps its answers: the bench's in-process figures share the router's
-        CPU with this answer. Serialised messages concatenate as a merge, so the caller appends
+        change (its ``version``): the bench's in-process figures share the router's CPU with this
+        answer. Serialised messages concatenate as a merge, so the caller appends
         these bytes to the header's."""
         index = self._index
         if self._answers_version != index.version:
