@@ -317,6 +317,8 @@ class UpstreamTlsConfig:
 
 # The scheduler's gRPC API listens on its HTTP port + this.
 MASTER_GRPC_PORT_OFFSET = 2
+# A scheduler host named without a port listens on this HTTP port.
+MASTER_HTTP_PORT = 7001
 
 
 class MasterProtocol(enum.Enum):
@@ -328,7 +330,7 @@ class MasterProtocol(enum.Enum):
 class MasterConfig:
     """The central scheduler ("master") client. No hosts: no master source (the chain starts at KVCM)."""
 
-    hosts: str = ""  # the scheduler replicas' HTTP addresses, HOST:PORT[,...]
+    hosts: str = ""  # the scheduler replicas' HTTP addresses, HOST[:PORT][,...] (port MASTER_HTTP_PORT by default)
     protocol: MasterProtocol = MasterProtocol.HTTP
     # Bounds one schedule attempt window (master, then the slave inside the same window); the request's
     # own deadline, less the time kept for the sources after the master, may cut it shorter.

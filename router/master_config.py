@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from router.config import MASTER_GRPC_PORT_OFFSET, MasterConfig
+from router.config import MASTER_GRPC_PORT_OFFSET, MASTER_HTTP_PORT, MasterConfig
 from router.problems import Problem, range_problems
 from router.targets import TargetError, parse_target
 
 
 def master_hosts(config: MasterConfig) -> tuple[str, ...]:
-    """The configured scheduler hosts, canonical HOST:PORT, in the order given (empty: no master).
+    """The configured scheduler hosts, canonical HOST:PORT (a bare host on ``MASTER_HTTP_PORT``), in the
+    order given (empty: no master).
 
     Raises ValueError on an entry :func:`master_problems` reports.
     """
     hosts: list[str] = []
     for entry in (e.strip() for e in config.hosts.split(",")):
         if entry:
-            hosts.append(str(parse_target(entry)))
+            hosts.append(str(parse_target(entry, MASTER_HTTP_PORT)))
     return tuple(hosts)
 
 
@@ -27,7 +28,7 @@ def master_problems(config: MasterConfig) -> list[Problem]:
         if not entry:
             continue
         try:
-            target = parse_target(entry)
+            target = parse_target(entry, MASTER_HTTP_PORT)
         except TargetError as exc:
             found.append(Problem(("hosts",), str(exc)))
             continue

@@ -6,6 +6,7 @@ discovery, the breaker, the chain and every other actor are real.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import KeyFamily, Reason, Role, RoleAddr, RouteRequest, RouteSource, SourceOutcome
 from router.wire import paths
+from router.wire.master import MasterScheduleRequest
 
 BLOCK = 16
 PROMPT = tuple(range(1000, 1000 + 8 * BLOCK))
@@ -48,7 +50,12 @@ class Rig:
 
 @asynccontextmanager
 async def rig(
-    *, kvcm_fallback: bool = True, replicas: int = 2, max_in_flight: int = 256, **master_kw: object
+    *,
+    kvcm_fallback: bool = True,
+    replicas: int = 2,
+    max_in_flight: int = 256,
+    roles: tuple[Role, ...] = (Role.PREFILL,),
+    **master_kw: object,
 ) -> AsyncIterator[Rig]:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
@@ -62,7 +69,7 @@ async def rig(
     masters = MemoryMasterNetwork()
     hosts = master.serve_memory(masters)
     config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK, roles=(Role.PREFILL,)),
+        deployment=DeploymentConfig(block_size=BLOCK, roles=roles),
         router=RouterConfig(kvcm_fallback=kvcm_fallback, max_in_flight=max_in_flight),
         discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
         master=replace(MasterConfig(hosts=",".join(hosts.hosts)), **master_kw),  # type: ignore[arg-type]
@@ -152,6 +159,70 @@ async def test_a_hanging_master_costs_its_window_until_the_breaker_opens(
         health = r.handle.actors()["master_client"]["health"]
         assert isinstance(health, MasterClientHealth)
         assert health.breaker.state.value == "open"
+
+
+async def test_with_the_kvcm_fallback_off_a_hanging_master_is_judged_and_opens_the_breaker(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No cache source follows and the transport timeout (200 ms) outlasts the 50 ms budget: the
+    master's own window still ends before the request's deadline, so each hung call is judged a
+    failure (not the request's deadline), and the breaker opens after its threshold."""
+    async with rig(kvcm_fallback=False, replicas=1) as r:
+        r.master.set_faults(0, MasterFaults(hang=True))
+        waits = []
+        for i in range(5):
+            start = trio.current_time()
+            decision = await r.handle.route(RouteRequest(f"h{i}", token_ids=PROMPT, budget_ms=50))
+            waits.append(trio.current_time() - start)
+            assert decision.route_source is RouteSource.DOMAIN
+            assert decision.reason is (Reason.MASTER_UNAVAILABLE if i < 3 else Reason.MASTER_BREAKER_OPEN)
+            assert [s.source for s in decision.sources] == [RouteSource.MASTER, RouteSource.DOMAIN]
+            await trio.testing.wait_all_tasks_blocked()  # the master's task has taken the attempt's report
+        assert all(0.045 <= w < 0.050 for w in waits[:3])  # the window, ended before the deadline
+        assert all(w < 0.002 for w in waits[3:]), waits  # then nothing: the breaker is open
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth)
+        assert health.breaker.state.value == "open"
+        assert r.kvcm_queries() == 0
+
+
+async def test_a_decode_first_answer_routes_the_prefill_worker(autojump_clock: trio.testing.MockClock) -> None:
+    """A prefill/decode cluster answers [DECODE, PREFILL]; with both roles routed the request's worker is
+    the prefill one, and the decode address rides along as the master gave it."""
+    async with rig(roles=(Role.PREFILL, Role.DECODE)) as r:
+        prefill = r.cluster.worker_addr(1)
+        answer = [
+            RoleAddr(Role.DECODE, "10.9.9.9", 9000, 9001),
+            RoleAddr(Role.PREFILL, prefill.ip, prefill.http_port, prefill.grpc_port),
+        ]
+        r.master.set_decide(lambda request: answer)
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.MASTER
+        assert decision.worker == prefill and decision.role is Role.PREFILL
+        assert [a.role for a in decision.role_addrs] == [Role.DECODE, Role.PREFILL]
+
+
+async def test_the_scheduler_is_told_the_window_and_the_time_of_receipt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """generate_timeout is the master's window, so the scheduler never queues the request longer than
+    the frontend waits; request_time_ms is the wall clock at the request's receipt, not at the call."""
+    async with rig(replicas=1, transport_timeout_ms=200, later_sources_ms=20) as r:
+        seen: list[MasterScheduleRequest] = []
+        prefill = r.cluster.worker_addr(1)
+
+        def decide(request: MasterScheduleRequest) -> list[RoleAddr]:
+            seen.append(request)
+            return [RoleAddr(Role.PREFILL, prefill.ip, prefill.http_port, prefill.grpc_port)]
+
+        r.master.set_decide(decide)
+        wall_before_ms = time.time() * 1000
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        wall_after_ms = time.time() * 1000
+        assert decision.route_source is RouteSource.MASTER
+        (request,) = seen
+        assert request.generate_timeout_ms == 30  # 50 ms budget − 20 ms kept for KVCM
+        assert wall_before_ms - 1 <= request.request_time_ms <= wall_after_ms
 
 
 async def test_the_master_window_leaves_the_later_sources_their_time(autojump_clock: trio.testing.MockClock) -> None:

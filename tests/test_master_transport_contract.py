@@ -28,6 +28,7 @@ from router.transport.ports import MasterTransport
 from router.types import Role, RoleAddr
 from router.wire import paths
 from router.wire.master import (
+    CODE_NO_AVAILABLE_WORKER,
     MasterBusinessError,
     MasterFallback,
     MasterRouted,
@@ -189,12 +190,22 @@ async def test_garbled_body_is_garbled(clock: object, harness: Harness) -> None:
                 await harness.transport.master_info(harness.host(0))
 
 
-async def test_plain_text_500_is_a_remote_error(clock: object, harness: Harness) -> None:
+async def test_a_server_exception_is_no_available_worker_over_http_and_internal_over_grpc(
+    clock: object, harness: Harness
+) -> None:
+    """Over HTTP the scheduler's exception is a plain-text 500: a usable reply, which the reference
+    frontend fails with NO_AVAILABLE_WORKER. Over gRPC it is the INTERNAL status: no reply."""
     with trio.fail_after(LIMIT_S):
         harness.sim.set_faults(0, MasterFaults(server_error=True))
-        with pytest.raises(RemoteError) as caught:
-            await harness.transport.schedule(harness.host(0), REQUEST)
-        assert caught.value.code_name == ("grpc:INTERNAL" if harness.adapter == "grpc" else "http:500")
+        if harness.adapter == "grpc":
+            with pytest.raises(RemoteError) as caught:
+                await harness.transport.schedule(harness.host(0), REQUEST)
+            assert caught.value.code_name == "grpc:INTERNAL"
+        else:
+            reply = await harness.transport.schedule(harness.host(0), REQUEST)
+            assert isinstance(reply, MasterBusinessError)
+            assert (reply.code, reply.http_status) == (CODE_NO_AVAILABLE_WORKER, 500)
+            assert "not JSON" in reply.message
 
 
 async def test_refused_is_unavailable_and_recovers(clock: object, harness: Harness) -> None:
@@ -321,9 +332,13 @@ async def test_http_keeps_one_connection_alive(clock: object, harness: Harness) 
 
 
 async def test_every_failure_is_a_transport_error(clock: object, harness: Harness) -> None:
-    """What the caller sends to the slave and then KVCM: one exception type, whatever the adapter."""
+    """What the caller sends to the slave and then KVCM: one exception type, whatever the adapter (a
+    plain-text 500 over HTTP is a reply, not a failure: see the server-exception test)."""
+    faults_of_no_reply = [MasterFaults(garbled=True)]
+    if harness.adapter == "grpc":
+        faults_of_no_reply.append(MasterFaults(server_error=True))
     with trio.fail_after(LIMIT_S):
-        for faults in (MasterFaults(garbled=True), MasterFaults(server_error=True)):
+        for faults in faults_of_no_reply:
             harness.sim.set_faults(0, faults)
             with pytest.raises(TransportError):
                 await harness.transport.schedule(harness.host(0), REQUEST)

@@ -14,6 +14,7 @@ from router.transport.errors import GarbledReply, RemoteError
 from router.types import Role, RoleAddr
 from router.wire import master_flexlb_pb2 as flexlb_pb
 from router.wire.master import (
+    CODE_NO_AVAILABLE_WORKER,
     BadScheduleRequest,
     MasterBusinessError,
     MasterFallback,
@@ -119,10 +120,14 @@ def test_200_not_json_is_garbled() -> None:
         decode_schedule_json(200, b"<html>", HOST)
 
 
-def test_5xx_not_json_is_a_remote_error() -> None:
-    with pytest.raises(RemoteError) as caught:
-        decode_schedule_json(500, b"java.lang.NullPointerException", HOST)
-    assert (caught.value.code, caught.value.code_name) == (500, "http:500")
+@pytest.mark.parametrize("http_status", [500, 502, 503])
+def test_a_non_200_body_that_is_not_json_is_no_available_worker(http_status: int) -> None:
+    """The scheduler's exceptions answer plain text: a reply (not a connection failure) that fails the
+    request with 8400, as the reference frontend does with an unparsable error body."""
+    reply = decode_schedule_json(http_status, b"java.lang.NullPointerException", HOST)
+    assert isinstance(reply, MasterBusinessError)
+    assert (reply.code, reply.http_status) == (CODE_NO_AVAILABLE_WORKER, http_status)
+    assert "java.lang.NullPointerException" in reply.message
 
 
 @pytest.mark.parametrize(
@@ -246,6 +251,16 @@ def test_default_config_is_valid_and_off() -> None:
     assert (config.discovery_interval_s, config.discovery_timeout_s) == (1.0, 0.5)
     assert (config.discovery_failure_threshold, config.discovery_drop_after_s) == (2, 30.0)
     assert config.queue_length_reject_threshold == 0
+
+
+def test_a_bare_host_takes_the_default_port_and_an_explicit_one_is_kept() -> None:
+    config = MasterConfig(hosts="10.0.0.1, 10.0.0.2:7005, [::1], sched.example")
+    assert master_problems(config) == []
+    assert master_hosts(config) == ("10.0.0.1:7001", "10.0.0.2:7005", "[::1]:7001", "sched.example:7001")
+    # The default port counts when duplicates are found.
+    assert [p.message for p in master_problems(MasterConfig(hosts="10.0.0.1,10.0.0.1:7001"))] == [
+        "'10.0.0.1:7001' is listed twice"
+    ]
 
 
 def test_problems_name_every_bad_field() -> None:

@@ -2,10 +2,15 @@
 
 The master and slave come from :class:`MasterDiscovery`'s snapshot (never waited for). One window
 bounds the attempt: ``min(transport timeout, time left − the time kept for the later sources)``,
-so a master that accepts the connection and never answers still leaves KVCM its time. Inside the
-window a transport failure of the master tries the slave once. Outcomes:
+so a master that accepts the connection and never answers still leaves KVCM its time. With no
+cache source after it the window still ends just before the request's deadline: the master's own
+window, not the request's scope, then ends a hung call, so the attempt is judged and the breaker
+learns of it. Inside the window a transport failure of the master tries the slave once. The
+scheduler is told the window as the call's ``generate_timeout``, so it never queues the request
+for longer than the frontend waits. Outcomes:
 
-- routed: the scheduler's role addresses, as given; KVCM is not asked;
+- routed: the scheduler's role addresses, as given; the request's worker is the first of a
+  prefill-capable role the request routes (a DECODE or VIT address rides along); KVCM is not asked;
 - 8600 (not in a 200 reply): domain routing, the cache sources skipped;
 - any other code: the request ends with that code and message (the frontend fails it);
 - no master known, the breaker open, no usable reply: fall through to the next source.
@@ -43,6 +48,11 @@ from router.wire.master import MasterBusinessError, MasterFallback, MasterReply,
 
 _HTTP_OK = 200
 _QUEUE_FULL_CODE = 429
+# Kept after the master's window when only the domain source follows. It answers without waiting,
+# so this is not its time: it makes the window end before the request's own deadline, whose scope
+# (outer, and cancelled at the same instant) would otherwise take a hung call's cancellation and
+# leave the attempt unjudged.
+DOMAIN_RESERVE_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +119,8 @@ class MasterSource:
         metrics: MetricsSink,
         later_sources: bool,
     ) -> None:
-        self._roles = config.deployment.roles
         self._timeout_s = config.master.transport_timeout_ms / 1000.0
-        self._later_s = config.master.later_sources_ms / 1000.0 if later_sources else 0.0
+        self._later_s = config.master.later_sources_ms / 1000.0 if later_sources else DOMAIN_RESERVE_S
         self._slow_s = config.master_breaker.slow_query_ms / 1000.0
         self._queue_threshold = config.master.queue_length_reject_threshold
         self._discovery = discovery
@@ -261,7 +270,7 @@ class MasterSource:
             self._metrics.emit(MasterRequest("no_time"))
             return FellThrough(Reason.DEADLINE)
         hosts = [known.master] + ([known.slave] if known.slave not in (None, known.master) else [])
-        request = self._request(ctx)
+        request = self._request(ctx, now, end)
         outcome.called_at = now
         reply: MasterReply | None = None
         error: TransportError | None = None
@@ -286,12 +295,12 @@ class MasterSource:
                 outcome.verdict = _Verdict.FAILURE
             return FellThrough(Reason.MASTER_UNAVAILABLE)
         outcome.verdict = _Verdict.SUCCESS
-        return self._outcome(reply)
+        return self._outcome(reply, ctx)
 
-    def _outcome(self, reply: MasterReply) -> SourceResult:
+    def _outcome(self, reply: MasterReply, ctx: RequestContext) -> SourceResult:
         if isinstance(reply, MasterRouted):
             self._metrics.emit(MasterRequest("routed"))
-            return self._routed_answer(reply)
+            return self._routed_answer(reply, ctx)
         if isinstance(reply, MasterFallback) and reply.http_status != _HTTP_OK:
             self._metrics.emit(MasterRequest("fallback"))
             return FellThrough(Reason.MASTER_FALLBACK, to_last=True)
@@ -302,11 +311,14 @@ class MasterSource:
         self._metrics.emit(MasterRequest("business_error"))
         return Ended(Reason.MASTER_ERROR, f"the master answered code {code}: {message}", code)
 
-    def _routed_answer(self, reply: MasterRouted) -> SourceResult:
+    def _routed_answer(self, reply: MasterRouted, ctx: RequestContext) -> SourceResult:
         addrs = reply.role_addrs
-        pick = next((a for a in addrs if a.role in self._roles), None)
+        # A prefill/decode cluster answers [DECODE, PREFILL]: the request's worker is the one of a
+        # prefill-capable role it routes; the companions' addresses are passed on as given.
+        roles = ctx.prepared.roles
+        pick = next((a for a in addrs if a.role in roles), None)
         if pick is None:  # the master named no worker of a role this deployment routes: fill it as domain does
-            filled = self._domain.pick(None, Reason.MASTER)
+            filled = self._domain.pick(ctx.prepared, Reason.MASTER)
             if not isinstance(filled, Answered):
                 return filled
             pick = RoleAddr(filled.role, filled.worker.ip, filled.worker.http_port, filled.worker.grpc_port)
@@ -315,14 +327,18 @@ class MasterSource:
         return Answered(worker=worker, role=pick.role, reason=Reason.MASTER, role_addrs=addrs)
 
     @staticmethod
-    def _request(ctx: RequestContext) -> MasterScheduleRequest:
+    def _request(ctx: RequestContext, now: float, end: float) -> MasterScheduleRequest:
         request, prepared = ctx.request, ctx.prepared
         keys = prepared.keys or tuple(request.block_cache_keys or ())
+        # The wire wants wall-clock epoch ms of the request's receipt: now's wall clock less the
+        # request's age on the trio clock.
+        received_wall_s = time.time() - (now - ctx.received_at)
         return MasterScheduleRequest(
             request_id=request.request_id,
             block_cache_keys=keys,
             block_size=prepared.block_size if keys else None,
             seq_len=prepared.seq_len,
             input_ids=None if keys else request.token_ids,
-            request_time_ms=int(time.time() * 1000),  # the wire wants wall-clock epoch ms
+            generate_timeout_ms=max(1, math.ceil(round((end - now) * 1000.0, 6))),  # float noise is not a ms
+            request_time_ms=int(received_wall_s * 1000),
         )

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.config import DeadlineSplit, KvrouteConfig
+from router.config import MASTER_HTTP_PORT, DeadlineSplit, KvrouteConfig
 from router.logs import LOG_FORMATS, LOG_LEVELS
 from router.problems import Range, range_of
 from router.targets import REDACTED, HostPort, TargetError, parse_target, redact_userinfo
@@ -737,8 +737,9 @@ _SPECS: dict[str, _Spec] = {
     ),
     # master (the central scheduler, asked first when hosts are given)
     "master.hosts": _Spec(
-        "Central scheduler replicas' HTTP addresses; empty: no master, the chain starts at KVCM",
-        metavar=_TARGETS,
+        f"Central scheduler replicas' HTTP addresses (a bare host: port {MASTER_HTTP_PORT}); empty: no master, "
+        "the chain starts at KVCM",
+        metavar="HOST[:PORT][,...]",
     ),
     "master.protocol": _Spec("The scheduler API: http (JSON, POST /rtp_llm/schedule) or grpc (HTTP port + 2)"),
     "master.transport_timeout_ms": _Spec(

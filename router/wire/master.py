@@ -199,7 +199,12 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
     what = "schedule"
     obj = _json_object(status, body, target, what)
     if obj is None:
-        raise _not_json(status, body, target, what)
+        if status == 200:
+            raise _not_json(status, body, target, what)
+        # The scheduler's own exceptions answer a plain-text error: a usable reply, not a connection
+        # failure. The reference frontend fails the request with NO_AVAILABLE_WORKER, so do we.
+        snippet = body[:120].decode("utf-8", "replace")
+        return MasterBusinessError(CODE_NO_AVAILABLE_WORKER, f"HTTP {status} body is not JSON: {snippet!r}", status)
     code = _int_field(obj, "code", "code", target, optional=True)
     success = obj.get("success")
     if code is None:
