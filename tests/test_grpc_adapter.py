@@ -7,6 +7,8 @@ Each test bounds itself with ``trio.fail_after(10)``. The servers are the real s
 from __future__ import annotations
 
 import json
+import math
+import queue
 import socket
 import threading
 import time
@@ -212,14 +214,56 @@ async def test_timeout_passed_is_the_callers_remaining_deadline(
     _, server = peer
     rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     with trio.fail_after(10):
-        # Half the budget spent first: the server must see the remaining half, not the budget.
-        # C-core deadlines have millisecond resolution and round up, hence the 2 ms allowance.
-        with trio.move_on_after(1.0):
-            await trio.sleep(0.5)
+        # Part of the budget spent first: the server must see what is left when the call starts,
+        # not the budget. C-core deadlines have millisecond resolution and round up: 2 ms allowance.
+        seen: float | None = None
+        with trio.move_on_after(2.0) as scope:
+            await trio.sleep(1.0)
+            left = scope.deadline - trio.current_time()
             seen = float(await rpc.call(server.target, REMAINING, b""))
-        assert 0.25 < seen <= 0.5 + 0.002
+        assert seen is not None, "the loop stalled past the whole budget"
+        assert 0 < seen <= left + 0.002
         seen = float(await rpc.call(server.target, REMAINING, b""))
         assert 5.0 < seen <= 10.0  # the outer fail_after(10) alone
+
+
+class _SlowLeaser:
+    """A lease that takes ``delay_s`` (as a cold target's does while its channel opens), then yields
+    the pool's channel."""
+
+    def __init__(self, pool: ChannelPool[grpc.Channel], delay_s: float) -> None:
+        self.pool = pool
+        self.delay_s = delay_s
+        self.leased_at: float | None = None
+
+    @asynccontextmanager
+    async def lease(self, target: str) -> AsyncIterator[grpc.Channel]:
+        await trio.sleep(self.delay_s)
+        async with self.pool.lease(target) as channel:
+            self.leased_at = trio.current_time()
+            yield channel
+
+    def lease_nowait(self, target: str) -> None:
+        return None
+
+    def invalidate(self, target: str, channel: object | None = None) -> None:
+        self.pool.invalidate(target, channel)
+
+
+async def test_the_timeout_passed_counts_the_wait_for_the_channel(
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    """The server is told what is left once the channel is leased, not what was left before."""
+    _, server = peer
+    leaser = _SlowLeaser(pool, delay_s=1.0)
+    rpc = GrpcRawRpc(leaser, start_off_loop=start_off_loop)
+    with trio.fail_after(10):
+        seen: float | None = None
+        with trio.move_on_after(2.0) as scope:
+            seen = float(await rpc.call(server.target, REMAINING, b""))
+        assert seen is not None, "the loop stalled past the whole budget"
+        assert leaser.leased_at is not None
+        assert 0 < seen <= scope.deadline - leaser.leased_at + 0.002
 
 
 async def test_expired_deadline_raises_without_sending(
@@ -258,28 +302,46 @@ async def test_deadline_during_the_call(
 
 
 async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
-    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], nursery: trio.Nursery
 ) -> None:
     """The deadline passes while another task blocks the trio thread (as a GC pause does) and the
     reply arrives meanwhile: the caller gets the reply, not a cancellation that would count the
     peer as failed for the router's own stall."""
     state, server = peer
-    rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
+    channels: list[_StartRecordingChannel] = []
+
+    def factory(target: str) -> grpc.Channel:
+        channel = _StartRecordingChannel(grpc.insecure_channel(target, options=channel_options(ChannelPoolConfig())))
+        channels.append(channel)
+        return channel
+
+    recording_pool = ChannelPool(ChannelPoolConfig(), factory)
+    await nursery.start(recording_pool.run)
+    rpc = GrpcRawRpc(recording_pool, start_off_loop=start_off_loop)
     reply: bytes | None = None
+    deadline = math.inf
     with trio.fail_after(10):
         assert await rpc.call(server.target, ECHO, b"warm") == b"warm"  # connection up first
+        (channel,) = channels
+        channel.futures.get_nowait()  # the warm call's
 
         async def caller() -> None:
-            nonlocal reply
-            with trio.move_on_after(0.2):
+            nonlocal reply, deadline
+            with trio.move_on_after(0.2) as scope:
+                deadline = scope.deadline
                 reply = await rpc.call(server.target, ECHO, b"kept")
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(caller)
-            await trio.testing.wait_all_tasks_blocked()  # the call is sent; its reply not yet taken in
-            time.sleep(0.5)  # noqa: ASYNC251 — the stall itself: the loop runs nothing; the echo arrives meanwhile
+        async with trio.open_nursery() as calls:
+            calls.start_soon(caller)
+            await trio.testing.wait_all_tasks_blocked()  # the call is started (or handed to a starter)
+            # The stall itself: blocking calls on the trio thread, so the loop runs nothing until the
+            # reply is in and the caller's deadline has passed.
+            future = channel.futures.get(timeout=5)
+            assert future.result(5) == b"kept"
+            time.sleep(max(0.0, deadline - trio.current_time()) + 0.01)  # noqa: ASYNC251
     assert reply == b"kept"
     assert state.calls[ECHO] == 2
+    await recording_pool.aclose()
 
 
 async def test_dead_port_is_unavailable_and_invalidates_the_channel(
@@ -435,22 +497,25 @@ class _AwaitedFuture(_BytesFuture):
 
 
 class _StartRecordingChannel(grpc.Channel):
-    """A real channel that notes which thread starts each unary call (``.future()``), and sets
-    ``awaited`` once the adapter waits for one of them."""
+    """A real channel that notes which thread starts each unary call (``.future()``), hands each call's
+    real future to ``futures``, and sets ``awaited`` once the adapter waits for one of them."""
 
     def __init__(self, inner: grpc.Channel) -> None:
         self.inner = inner
         self.started_on: list[int] = []
         self.awaited = trio.Event()
+        self.futures: queue.SimpleQueue[grpc.Future[bytes]] = queue.SimpleQueue()  # each call's, as started
 
     def unary_unary(self, method: str, *args: object, **kwargs: object) -> grpc.UnaryUnaryMultiCallable:  # type: ignore[type-arg]
         inner = self.inner.unary_unary(method, None, None)
-        started_on, awaited = self.started_on, self.awaited
+        started_on, awaited, futures = self.started_on, self.awaited, self.futures
 
         class Call:
             def future(self, request: bytes, timeout: float | None = None) -> grpc.Future[bytes]:
                 started_on.append(threading.get_ident())
-                return _AwaitedFuture(inner.future(request, timeout=timeout), awaited)
+                future = inner.future(request, timeout=timeout)
+                futures.put(future)
+                return _AwaitedFuture(future, awaited)
 
         return Call()  # type: ignore[return-value]
 

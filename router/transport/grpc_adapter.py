@@ -168,6 +168,11 @@ class GrpcRawRpc:
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded(target, "deadline already passed; not sent")
         async with self._leaser.lease(target) as channel:
+            if timeout is not None:
+                # A cold target's lease waited for its channel to open: the server gets what is left.
+                timeout = remaining_timeout()
+                if timeout is not None and timeout <= 0:
+                    raise DeadlineExceeded(target, "deadline passed while the channel opened; not sent")
             calls = self._calls_on(channel)
             future = await self._start(calls, channel, method_path, request, timeout)
             calls.in_flight += 1
