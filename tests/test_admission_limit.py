@@ -103,13 +103,14 @@ def test_each_call_a_stall_made_late_shrinks_the_limit_and_timely_answers_grow_i
         expected = max(FLOOR, expected * 0.9)
     assert limit.share == pytest.approx(expected)
     now = stall_s + 1.0
-    answers = 0
-    while limit.limit < initial:  # the loop is on time again
+    # Below one, x1.1 each (at most 37 from the floor); then 1/limit each: about half the limit's square.
+    most = initial * initial // 2 + 2 + math.ceil(math.log(1 / FLOOR) / math.log(1.1))
+    for _ in range(most):  # the loop is on time again
         limit.observe(handed_at=now, now=now + 0.005, had_s=0.030)
         now += 0.001
-        answers += 1
-    # Below one, x1.1 each (at most 37 from the floor); then 1/limit each: about half the limit's square.
-    assert answers <= initial * initial // 2 + 2 + math.ceil(math.log(1 / FLOOR) / math.log(1.1))
+        if limit.limit >= initial:
+            break
+    assert limit.limit >= initial, f"not grown back after {most} timely answers"
 
 
 def test_steady_over_offer_converges_to_a_routed_share_bounded_by_capacity() -> None:

@@ -190,11 +190,22 @@ class CountedTokens(tuple[int, ...]):
     """Token ids that count the slices read from them: hashing reads one slice of tokens per slice of keys."""
 
     slices_read: int
+    _waiting: list[tuple[int, trio.Event]]
 
     def __new__(cls, tokens: tuple[int, ...]) -> CountedTokens:
         made = super().__new__(cls, tokens)
         made.slices_read = 0
+        made._waiting = []
         return made
+
+    async def read(self, slices: int) -> None:
+        """Return once ``slices`` slices have been read (the hashing task reads them)."""
+        if self.slices_read >= slices:
+            return
+        event = trio.Event()
+        self._waiting.append((slices, event))
+        with trio.fail_after(1):
+            await event.wait()
 
     @overload
     def __getitem__(self, index: SupportsIndex) -> int: ...
@@ -203,6 +214,9 @@ class CountedTokens(tuple[int, ...]):
     def __getitem__(self, index: SupportsIndex | slice) -> int | tuple[int, ...]:
         if isinstance(index, slice):
             self.slices_read += 1
+            for slices, event in self._waiting:
+                if self.slices_read >= slices:
+                    event.set()
         return super().__getitem__(index)
 
 
@@ -230,8 +244,7 @@ async def test_a_maximal_request_does_not_hold_up_a_normal_one(autojump_clock: t
     async with routed(cluster) as handle, trio.open_nursery() as nursery:
         tokens = CountedTokens(MAX_PROMPT)
         nursery.start_soon(handle.route, RouteRequest("huge", token_ids=tokens, budget_ms=50))
-        while tokens.slices_read == 0:  # the huge request is hashing
-            await trio.lowlevel.checkpoint()
+        await tokens.read(1)  # the huge request is hashing
         start = trio.current_time()
         normal = await handle.route(RouteRequest("normal", token_ids=tuple(range(256)), budget_ms=20))
         # Answered while the huge request is still hashing, within its own deadline, not by the fallback.
@@ -252,8 +265,7 @@ async def test_a_cancelled_long_request_stops_hashing(autojump_clock: trio.testi
                     await handle.route(RouteRequest("abandoned", token_ids=tokens, budget_ms=50))
 
             nursery.start_soon(abandoned)
-            while tokens.slices_read < 3:
-                await trio.lowlevel.checkpoint()
+            await tokens.read(3)
             caller.cancel()
         stopped_at = tokens.slices_read
         await trio.testing.wait_all_tasks_blocked()
@@ -273,8 +285,7 @@ async def test_a_long_request_past_its_deadline_stops_hashing_and_is_answered(
             decisions.append(await handle.route(RouteRequest("late", token_ids=tokens, budget_ms=10)))
 
         nursery.start_soon(late)
-        while tokens.slices_read < 3:
-            await trio.lowlevel.checkpoint()
+        await tokens.read(3)
         autojump_clock.jump(0.011)  # the hashing took the whole budget
         await trio.testing.wait_all_tasks_blocked()
         assert tokens.slices_read < SLICES_OF_MAX_PROMPT

@@ -296,15 +296,20 @@ async def test_pdfusion_only_deployment_never_gets_prefill(autojump_clock: trio.
     async with routed(cluster, roles=(Role.PDFUSION,)) as (handle, _, _):
         seed(cluster, 0, 8)  # the best cache holder is a PREFILL worker
         seed(cluster, 2, 4)
+        sources = set()
         for i in range(20):
             d = await handle.route(RouteRequest(f"p{i}", token_ids=PROMPT, budget_ms=20))
+            sources.add(d.route_source)
             assert d.worker is not None
-            if d.route_source is RouteSource.KVCM:
-                assert d.role is Role.PDFUSION
-                assert d.worker in (cluster.worker_addr(2), cluster.worker_addr(3))
+            # Whatever source answered, never a PREFILL worker.
+            assert d.role is Role.PDFUSION
+            assert d.worker in (cluster.worker_addr(2), cluster.worker_addr(3))
             dropped_roles = [c for c in d.candidates if c.dropped == "role_not_routed"]
+            assert all(c.target != d.worker.http_target for c in dropped_roles)
             if d.route_source is RouteSource.KVCM:
-                assert all(c.target != d.worker.http_target for c in dropped_roles)
+                # The PREFILL holder of the longest prefix was a candidate, dropped for its role.
+                assert cluster.worker_addr(0).http_target in {c.target for c in dropped_roles}
+        assert RouteSource.KVCM in sources
 
 
 async def test_mixed_deployment_reports_the_workers_real_role(autojump_clock: trio.testing.MockClock) -> None:

@@ -246,12 +246,26 @@ async def test_children_drain_and_exit_when_the_parent_dies(nursery: trio.Nurser
         assert sum("the supervising parent is gone: draining" in line for line in log.lines) == 2
 
 
-async def test_a_process_that_cannot_start_stops_all_and_the_parent_exits_with_its_status() -> None:
-    with trio.fail_after(60), trio.socket.socket() as taken:
+async def _listening_above_a_free_port() -> trio.socket.SocketType:
+    """A socket listening on a loopback port whose neighbour below could be bound just now."""
+    for _ in range(100):
+        taken = trio.socket.socket()
         await taken.bind(("127.0.0.1", 0))
+        with trio.socket.socket() as below:
+            try:
+                await below.bind(("127.0.0.1", taken.getsockname()[1] - 1))
+            except OSError:
+                taken.close()
+                continue
         taken.listen()
+        return taken
+    raise AssertionError("no loopback port with a free neighbour in 100 tries")
+
+
+async def test_a_process_that_cannot_start_stops_all_and_the_parent_exits_with_its_status() -> None:
+    # Process 1's debug port (the base + 1) is taken; process 0's (the base) must be free.
+    with trio.fail_after(60), await _listening_above_a_free_port() as taken:
         port = taken.getsockname()[1]
-        # Process 1's debug port (the base + 1) is taken.
         command = [
             *(sys.executable, "-P", "-m", "router.cli", "serve"),
             "--processes=2",

@@ -243,13 +243,13 @@ Message = dict[str, Any]
 async def _info_app(
     scope: Message, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
 ) -> None:
-    """A scheduler stand-in: every request is answered with a master/info naming no master yet."""
+    """A scheduler stand-in: every request is answered with a master/info naming no master yet (queue 7)."""
     if scope["type"] == "lifespan":
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
-    body = b'{"master": "", "slave": "", "queue_length": 0}'
+    body = b'{"success": true, "code": 200, "real_master_host": null, "queue_length": 7}'
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
 
@@ -274,7 +274,7 @@ async def test_master_http_client_speaks_https_with_the_ca_and_fails_without(pki
             context = client_ssl_context(UpstreamTlsConfig(ca=str(pki.ca)))
             async with HttpMasterTransport(MasterConfig(), context) as tls:
                 info = await tls.master_info(host)
-            assert info is not None
+            assert (info.real_master_host, info.queue_length) == (None, 7)  # the reply came through TLS
             async with HttpMasterTransport(MasterConfig()) as plain:
                 with pytest.raises(Unavailable):
                     await plain.master_info(host)

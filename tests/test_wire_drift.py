@@ -87,10 +87,11 @@ def section_params(key: str) -> list[tuple[str, str]]:
 
 
 def test_the_copy_is_the_shared_contract_where_that_is_present() -> None:
-    if SHARED_CONTRACT_PATH.is_file():
-        shared = json.loads(SHARED_CONTRACT_PATH.read_text(encoding="utf-8"))
-        copy = json.loads(CONTRACT_PATH.read_text(encoding="utf-8"))
-        assert shared == copy, f"tests/data/wire_contract.json differs from {SHARED_CONTRACT_PATH}: copy it again"
+    if not SHARED_CONTRACT_PATH.is_file():
+        pytest.skip(f"{SHARED_CONTRACT_PATH} is not beside this checkout: the copy is checked where it is")
+    shared = json.loads(SHARED_CONTRACT_PATH.read_text(encoding="utf-8"))
+    copy = json.loads(CONTRACT_PATH.read_text(encoding="utf-8"))
+    assert shared == copy, f"tests/data/wire_contract.json differs from {SHARED_CONTRACT_PATH}: copy it again"
 
 
 def test_contract_sections_are_the_ones_we_check() -> None:
