@@ -274,7 +274,11 @@ class RouterActor:
                 )
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
-            log.exception("route pipeline failed request_id=%s", request.request_id)
+            # Aggregated: a bug on the request path would otherwise log a traceback per request.
+            self._warn.note(
+                Reason.INTERNAL_ERROR, trio.current_time(), f"route pipeline failed: {exc!r}",
+                exc_info=exc, request_id=request.request_id,
+            )
             decision = self._fallback(
                 request,
                 None,
@@ -297,12 +301,23 @@ class RouterActor:
         score_ms = stages.get(Stage.SCORE, 0.0) if scorer_work_s is None else ms(scorer_work_s)
         own_ms = stages.get(Stage.KEYS, 0.0) + stages.get(Stage.PLAN, 0.0) + score_ms
         self._estimate.observe_own(own_ms / 1000.0)
-        if ctx is not None:
-            for source in self._chain:
-                source.after_reply(ctx, decision)
-        if self._accuracy is not None and decision.worker is not None and decision.hit_tokens > 0:
-            self._accuracy.predict(
-                request.request_id, decision.worker.http_target, decision.hit_tokens, decision.route_source, received_at
+        try:
+            if ctx is not None:
+                for source in self._chain:
+                    source.after_reply(ctx, decision)
+            if self._accuracy is not None and decision.worker is not None and decision.hit_tokens > 0:
+                self._accuracy.predict(
+                    request.request_id,
+                    decision.worker.http_target,
+                    decision.hit_tokens,
+                    decision.route_source,
+                    received_at,
+                )
+        except Exception as exc:  # the bookkeeping's bug must not lose a decision already made
+            self._internal_errors += 1
+            self._warn.note(
+                Reason.INTERNAL_ERROR, trio.current_time(), f"after-reply work failed: {exc!r}",
+                exc_info=exc, request_id=request.request_id,
             )
         if split.probes_ended_at is not None:
             # The tail, taken last: only the two non-blocking sends below follow before the return.

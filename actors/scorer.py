@@ -15,6 +15,7 @@ after every message.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -89,7 +90,11 @@ class ScorerHealth:
 class Scorer:
     """Owns one :class:`Policy`; ``run`` is the only task that touches it."""
 
-    def __init__(self, policy: Policy, *, inbox_size: int, max_warned_workers: int) -> None:
+    def __init__(
+        self, policy: Policy, *, inbox_size: int, max_warned_workers: int, error_log_interval_s: float
+    ) -> None:
+        """``error_log_interval_s``: a failing policy's traceback is logged at most once per interval,
+        with the count of the failures since (a bug would otherwise log one per request)."""
         if inbox_size < 1:
             raise ValueError(f"inbox_size: must be >= 1, got {inbox_size}")
         self._policy = policy
@@ -104,6 +109,9 @@ class Scorer:
         self._records_dropped = 0
         self._errors = 0
         self._last_error: str | None = None
+        self._error_log_interval_s = error_log_interval_s
+        self._error_logged_at = -math.inf
+        self._errors_not_logged = 0
         self._health = self._snapshot()
 
     def plan(
@@ -198,7 +206,14 @@ class Scorer:
             self._errors += 1
             self._last_error = repr(exc)
             message.error = repr(exc)
-            log.exception("scorer failed on a decision")
+            if started - self._error_logged_at >= self._error_log_interval_s:
+                log.exception(
+                    "scorer failed on a decision (%d more failures since the last logged)", self._errors_not_logged
+                )
+                self._error_logged_at = started
+                self._errors_not_logged = 0
+            else:
+                self._errors_not_logged += 1
         else:
             self._decisions += 1
             if selection.worker is None:

@@ -168,8 +168,17 @@ class AggregatingLogger:
         self._windows: OrderedDict[str, _Window] = OrderedDict()
         self._due_changed = trio.Event()
 
-    def note(self, reason: str | enum.Enum, now: float, message: str = "", **context: object) -> None:
-        """One occurrence of ``reason`` at trio time ``now``."""
+    def note(
+        self,
+        reason: str | enum.Enum,
+        now: float,
+        message: str = "",
+        *,
+        exc_info: BaseException | None = None,
+        **context: object,
+    ) -> None:
+        """One occurrence of ``reason`` at trio time ``now``; ``exc_info``: logged with the first of a
+        window (the later ones are counted)."""
         key = _key(reason)
         window = self._windows.get(key)
         if window is not None and now < window.start + self._interval:
@@ -185,7 +194,7 @@ class AggregatingLogger:
             self._emit_total(oldest_key, oldest, now)
         self._windows[key] = _Window(now, 1)
         text = f"{key}: {message}" if message else key
-        self._logger.log(self._level, text, extra=ctx(reason=key, **context))
+        self._logger.log(self._level, text, exc_info=exc_info, extra=ctx(reason=key, **context))
 
     def flush(self, now: float) -> None:
         """Log the totals of every window that has ended by ``now`` and forget those windows."""

@@ -372,6 +372,7 @@ async def _topology(
             make_policy(config.scorer, config.deployment),
             inbox_size=2 * config.router.max_in_flight,  # a decision and a fallback record per request at most
             max_warned_workers=config.scorer.max_tracked_workers,
+            error_log_interval_s=config.serve.log_aggregate_interval_s,
         )
         await supervisor.start("scorer", scorer.run, snapshot=scorer.health)
 

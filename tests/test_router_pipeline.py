@@ -36,6 +36,7 @@ from router.config import (
 )
 from router.keys import block_keys
 from router.logs import AggregatingLogger
+from router.policy.cache_affinity import CacheAffinityFirst
 from router.policy.deadline_split import SplitWindows
 from router.request import prepare_request
 from router.supervisor import RouterHandle
@@ -624,3 +625,49 @@ async def test_leader_waits_cut_short_by_tight_budgets_are_not_judged(
         snap = resolver.snapshot()
         assert snap.breaker.state is BreakerState.CLOSED and snap.leader_misses_total == 0
         assert snap.queries_cut_short_total == 10
+
+
+async def test_a_bug_on_the_request_path_is_answered_counted_and_logged_once_per_window(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A policy that raises: every request still gets the domain's answer (internal_error); the
+    traceback is logged once per aggregation window, by the Scorer and by the router, not per request."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("policy bug")
+
+    async with routed(cluster) as (handle, _, config):
+        seed(cluster, 2, 8)
+        monkeypatch.setattr(CacheAffinityFirst, "decide", broken)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            for i in range(5):
+                d = await handle.route(RouteRequest(f"b{i}", token_ids=PROMPT, budget_ms=50))
+                assert d.reason is Reason.INTERNAL_ERROR and d.worker is not None
+        assert handle.router_actor().health().internal_errors == 5
+        with_traceback = [r for r in caplog.records if r.exc_info is not None]
+        assert sorted(r.name for r in with_traceback) == ["actors.router_actor", "actors.scorer"]
+        autojump_clock.jump(config.serve.log_aggregate_interval_s)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            await handle.route(RouteRequest("b-next", token_ids=PROMPT, budget_ms=50))
+        scorer_lines = [r.getMessage() for r in caplog.records if r.name == "actors.scorer"]
+        assert scorer_lines == ["scorer failed on a decision (4 more failures since the last logged)"]
+
+
+async def test_a_bug_after_the_decision_does_not_lose_it(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Work after the decision (the shadow's write-on-route) raising: the decision is still returned."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+
+    def broken(self: ShadowSource, ctx: RequestContext, decision: object) -> None:
+        raise RuntimeError("after-reply bug")
+
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+        monkeypatch.setattr(ShadowSource, "after_reply", broken)
+        d = await handle.route(RouteRequest("a1", token_ids=PROMPT, budget_ms=50))
+        assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(2)
+        assert handle.router_actor().health().internal_errors == 1

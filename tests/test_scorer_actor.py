@@ -19,6 +19,7 @@ from router.types import DropReason, HostMatch, Reason, Role, TaskInfo, WorkerAd
 
 BS = 16
 SEQ = 1600
+ERROR_LOG_INTERVAL_S = 60.0
 
 
 def addr(i: int) -> WorkerAddr:
@@ -68,7 +69,12 @@ def request(
 
 def make_scorer(inbox: int = 8, **scorer_fields: object) -> Scorer:
     config = replace(ScorerConfig(), **scorer_fields)  # type: ignore[arg-type]
-    return Scorer(CacheAffinityFirst(config, DeploymentConfig(block_size=BS)), inbox_size=inbox, max_warned_workers=64)
+    return Scorer(
+        CacheAffinityFirst(config, DeploymentConfig(block_size=BS)),
+        inbox_size=inbox,
+        max_warned_workers=64,
+        error_log_interval_s=ERROR_LOG_INTERVAL_S,
+    )
 
 
 async def test_decisions_are_recorded_so_the_next_one_sees_the_precharge(nursery: trio.Nursery) -> None:
@@ -163,7 +169,9 @@ class SlowPolicy(CacheAffinityFirst):
 async def test_the_reply_carries_the_policys_work_and_not_the_wait_in_the_inbox(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    scorer = Scorer(SlowPolicy(autojump_clock, 0.002), inbox_size=8, max_warned_workers=64)
+    scorer = Scorer(
+        SlowPolicy(autojump_clock, 0.002), inbox_size=8, max_warned_workers=64, error_log_interval_s=ERROR_LOG_INTERVAL_S
+    )
     a, b = addr(1), addr(2)
     plan = plan_of((a, 10), (b, 10))
     replies: list[tuple[float, Decided]] = []
