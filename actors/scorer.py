@@ -248,10 +248,11 @@ class Scorer:
             status = request.statuses[candidate.worker][0]
             log.warning(
                 "worker contract mismatch target=%s reason=%s worker_block_size=%s worker_lookahead=%s "
-                "keys_block_size=%s (logged once per worker)",
+                "worker_kv_cache_group_mode=%s keys_block_size=%s (logged once per worker)",
                 candidate.target,
                 drop.value,
                 status.block_size,
                 status.lookahead_tokens,
+                status.kv_cache_group_mode.name,
                 request.block_size,
             )

@@ -285,6 +285,7 @@ class DropReason(enum.Enum):
     QUEUE_FULL = "queue_full"
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     LOOKAHEAD_MISMATCH = "lookahead_mismatch"
+    QUERY_TYPE_MISMATCH = "query_type_mismatch"  # the worker's KV cache groups need another query type
     UNKNOWN_HOST = "unknown_host"
     MALFORMED_HOST = "malformed_host"
     PROBE_SKIPPED = "probe_skipped"

@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 
 from router.config import DeploymentConfig, ScorerConfig
 from router.policy.cache_affinity import (
+    CONTRACT_DROPS,
     CacheAffinityFirst,
     ObservedStatus,
     Selection,
+    expected_group_mode,
     hit_tokens,
     round_half_up,
     score,
@@ -30,6 +32,8 @@ from router.types import (
     CandidateExplain,
     DropReason,
     HostMatch,
+    KvCacheGroupMode,
+    QueryType,
     Reason,
     Role,
     TaskInfo,
@@ -53,6 +57,7 @@ def status(
     waiting_tasks: int | None = None,
     block_size: int | None = None,
     lookahead: int | None = None,
+    group_mode: KvCacheGroupMode = KvCacheGroupMode.UNSPECIFIED,
 ) -> WorkerStatus:
     """A status whose outstanding uncached tokens are ``queued`` (one waiting task)."""
     tasks = (TaskInfo("q", input_length=queued, prefix_length=0, is_waiting=True),) if queued else ()
@@ -66,6 +71,7 @@ def status(
         waiting_query_len=len(tasks) if waiting_tasks is None else waiting_tasks,
         block_size=block_size,
         lookahead_tokens=lookahead,
+        kv_cache_group_mode=group_mode,
     )
 
 
@@ -101,6 +107,7 @@ def run(
     block_size: int = BS,
     lookahead: int | None = 0,
     seed: int = 0,
+    query_type: QueryType = QueryType.PREFIX_MATCH,
 ) -> Selection:
     config = config or ScorerConfig()
     return score(
@@ -113,6 +120,7 @@ def run(
         block_size=block_size,
         lookahead_tokens=lookahead,
         tie_rng=random.Random(seed),
+        group_mode=expected_group_mode(query_type),
     )
 
 
@@ -412,6 +420,26 @@ def test_lookahead_mismatch_dropped_unless_unknown() -> None:
     assert sel.worker == b and dict(sel.drop_counts) == {DropReason.LOOKAHEAD_MISMATCH: 1}
     assert run(plan, statuses, lookahead=None).worker == a  # the keys' lookahead unknown: not checked
     assert run(plan, {a: status(0, lookahead=None), b: status(0)}, lookahead=0).worker == a
+
+
+def test_a_worker_whose_cache_groups_need_another_query_type_is_dropped() -> None:
+    """KVCM's answer to a prefix-match query does not describe a Mamba worker's cache (nor the reverse):
+    such a worker is dropped as a contract mismatch; one reporting no mode is accepted."""
+    full, mamba, silent = addr(1), addr(2), addr(3)
+    plan = plan_of((mamba, 20), (full, 10), (silent, None))
+    statuses = {
+        full: status(0, group_mode=KvCacheGroupMode.FULL_ATTENTION_ONLY),
+        mamba: status(0, group_mode=KvCacheGroupMode.WITH_MAMBA),
+        silent: status(0),
+    }
+    sel = run(plan, statuses, query_type=QueryType.PREFIX_MATCH)
+    assert sel.worker == full and dict(sel.drop_counts) == {DropReason.QUERY_TYPE_MISMATCH: 1}
+    assert [row.dropped for row in sel.explain()] == ["query_type_mismatch", None, None]
+    sel = run(plan, statuses, query_type=QueryType.PREFIX_MATCH_WITH_MAMBA)
+    assert sel.worker == mamba and dict(sel.drop_counts) == {DropReason.QUERY_TYPE_MISMATCH: 1}
+    # A query type that implies no mode (the server's default) checks none.
+    assert run(plan, statuses, query_type=QueryType.UNSPECIFIED).worker == mamba
+    assert DropReason.QUERY_TYPE_MISMATCH in CONTRACT_DROPS  # warned once per worker, like block size
 
 
 def test_missing_statuses_use_the_callers_reason() -> None:

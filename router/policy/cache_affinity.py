@@ -33,6 +33,8 @@ from router.types import (
     CandidateExplain,
     DropReason,
     HostMatch,
+    KvCacheGroupMode,
+    QueryType,
     Reason,
     Role,
     WorkerAddr,
@@ -254,10 +256,12 @@ def filter_candidate(
     queue_threshold: int,
     block_size: int,
     lookahead_tokens: int | None,
+    group_mode: KvCacheGroupMode | None = None,
 ) -> DropReason | None:
     """Why a candidate with a status in hand cannot take the request, or None if it can.
 
-    A worker that does not report its block size or lookahead (None) is accepted.
+    A worker that does not report its block size, lookahead or KV cache group mode is accepted;
+    ``group_mode`` None (the query type implies none) checks no mode.
     """
     status = observed.status
     if not status.alive:
@@ -274,6 +278,22 @@ def filter_candidate(
         and status.lookahead_tokens != lookahead_tokens
     ):
         return DropReason.LOOKAHEAD_MISMATCH
+    if (
+        group_mode is not None
+        and status.kv_cache_group_mode is not KvCacheGroupMode.UNSPECIFIED
+        and status.kv_cache_group_mode is not group_mode
+    ):
+        return DropReason.QUERY_TYPE_MISMATCH
+    return None
+
+
+def expected_group_mode(query_type: QueryType) -> KvCacheGroupMode | None:
+    """The KV cache group mode a worker must report for KVCM's answers to the deployment's query type
+    to describe its cache (None: the query type implies none, nothing is checked)."""
+    if query_type is QueryType.PREFIX_MATCH:
+        return KvCacheGroupMode.FULL_ATTENTION_ONLY
+    if query_type is QueryType.PREFIX_MATCH_WITH_MAMBA:
+        return KvCacheGroupMode.WITH_MAMBA
     return None
 
 
@@ -476,13 +496,15 @@ def score(
     missing: Mapping[WorkerAddr, DropReason] | None = None,
     rank: Ranker | None = None,
     respread: Respread | None = None,
+    group_mode: KvCacheGroupMode | None = None,
 ) -> Selection:
     """CacheAffinityFirst over one plan. Reads the ledger; changes nothing but ``tie_rng``'s state.
 
     ``statuses`` holds the routable statuses the caller has (dead and ejected workers should
     be absent); a candidate without one is dropped with ``missing[worker]`` (default
     NO_STATUS). ``block_size``/``lookahead_tokens`` are those the request's keys were made
-    with (``lookahead_tokens`` None: unknown, not checked). ``work`` includes the ledger's
+    with (``lookahead_tokens`` None: unknown, not checked); ``group_mode`` is the KV cache group mode
+    the deployment's query type needs (:func:`expected_group_mode`; None: not checked). ``work`` includes the ledger's
     pre-charge, in the orders and in the outstanding guard alike.
 
     Another policy passes its own cost (``rank``, in the work's place in the orders, the guard and
@@ -528,7 +550,7 @@ def score(
             drop = DropReason.NO_STATUS if missing is None else missing.get(worker, DropReason.NO_STATUS)
         else:
             observed_by_index[index] = observed
-            drop = filter_candidate(observed, roles, queue_threshold, block_size, lookahead_tokens)
+            drop = filter_candidate(observed, roles, queue_threshold, block_size, lookahead_tokens, group_mode)
             if drop is None:
                 pending, last_selected = view(target, observed.taken_at)
                 work = works[index] = observed.outstanding_uncached_tokens + pending + (seq_len - hit)
@@ -552,7 +574,9 @@ def scorer_problems(config: ScorerConfig) -> list[Problem]:
     return found
 
 
-CONTRACT_DROPS = frozenset({DropReason.BLOCK_SIZE_MISMATCH, DropReason.LOOKAHEAD_MISMATCH})
+CONTRACT_DROPS = frozenset(
+    {DropReason.BLOCK_SIZE_MISMATCH, DropReason.LOOKAHEAD_MISMATCH, DropReason.QUERY_TYPE_MISMATCH}
+)
 
 
 class LedgerPolicy:
@@ -594,6 +618,7 @@ class LedgerPolicy:
             SelectionLedger(config.max_tracked_workers, config.max_pending_charges) if ledger is None else ledger
         )
         self._prefill_roles = tuple(r for r in deployment.roles if r in PREFILL_CAPABLE_ROLES)
+        self._group_mode = expected_group_mode(deployment.query_type)
         self._tie_rng = random.Random(config.seed) if tie_rng is None else tie_rng
         self._observed = StatusViews(config.max_tracked_workers)
         # The scoring view of a status in hand (:class:`StatusViews`): bound once, since the
@@ -648,6 +673,7 @@ class LedgerPolicy:
             missing=missing,
             rank=self._rank,
             respread=self._respread,
+            group_mode=self._group_mode,
         )
         if selection.worker is not None:
             self.ledger.record(
