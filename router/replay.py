@@ -49,8 +49,9 @@ from actors.sources.base import (
 )
 from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
+from actors.sources.master import kept_after_master, routed_pick
 from actors.sources.scoring import selection_result
-from router.config import KvrouteConfig, RouterConfig
+from router.config import KvrouteConfig, MasterProtocol, RouterConfig
 from router.decision_record import (
     KIND_DECISION,
     KIND_FLEET,
@@ -457,12 +458,11 @@ class _ReplayScoring:
 
 class _ReplayMaster:
     kind = RouteSource.MASTER
-    needs_keys = False
 
     def __init__(self, config: KvrouteConfig, current: _Current, *, later_sources: bool) -> None:
+        self.needs_keys = config.master.protocol is MasterProtocol.GRPC  # as the master source hashes
         self._timeout_s = config.master.transport_timeout_ms / 1000.0
-        self._later_s = config.master.later_sources_ms / 1000.0 if later_sources else 0.0
-        self._roles = config.deployment.roles
+        self._later_s = kept_after_master(config, later_sources=later_sources)
         self._current = current
 
     def window(self, ctx: RequestContext) -> float:
@@ -478,8 +478,8 @@ class _ReplayMaster:
             await trio.sleep_forever()
             raise AssertionError("unreachable")  # pragma: no cover
         result = recorded.result
-        if isinstance(result, Answered):  # the worker is the first address of a routed role, as the master source picks
-            pick = next((a for a in result.role_addrs if a.role in self._roles), result.role_addrs[0])
+        if isinstance(result, Answered):  # the worker as the master source picks it
+            pick = routed_pick(result.role_addrs, ctx.prepared.roles) or result.role_addrs[0]
             worker = WorkerAddr(pick.ip, pick.http_port, pick.grpc_port, pick.grpc_port)
             result = Answered(worker=worker, role=pick.role, reason=result.reason, role_addrs=result.role_addrs)
         if isinstance(result, FellThrough | Ended) and result.reason in _IMMEDIATE_MASTER:

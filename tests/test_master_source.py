@@ -19,7 +19,15 @@ from actors.sources.master import MasterClientHealth
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.master import MasterFaults, SimMaster
 from router.api import open_router
-from router.config import BreakerConfig, DeploymentConfig, DiscoveryConfig, KvrouteConfig, MasterConfig, RouterConfig
+from router.config import (
+    BreakerConfig,
+    DeploymentConfig,
+    DiscoveryConfig,
+    KvrouteConfig,
+    MasterConfig,
+    MasterProtocol,
+    RouterConfig,
+)
 from router.keys import block_keys
 from router.supervisor import RouterHandle
 from router.transport.master_memory import MemoryMasterNetwork
@@ -223,6 +231,34 @@ async def test_the_scheduler_is_told_the_window_and_the_time_of_receipt(
         (request,) = seen
         assert request.generate_timeout_ms == 30  # 50 ms budget − 20 ms kept for KVCM
         assert wall_before_ms - 1 <= request.request_time_ms <= wall_after_ms
+
+
+@pytest.mark.parametrize("kvcm_fallback", [True, False], ids=["kvcm-on", "kvcm-off"])
+@pytest.mark.parametrize("protocol", [MasterProtocol.HTTP, MasterProtocol.GRPC], ids=["http", "grpc"])
+async def test_what_the_scheduler_is_sent_does_not_depend_on_the_kvcm_switch(
+    autojump_clock: trio.testing.MockClock, protocol: MasterProtocol, kvcm_fallback: bool
+) -> None:
+    """Token ids over HTTP (the scheduler hashes them itself); over gRPC, which has no field for them,
+    the keys this router hashes. Caller's keys are sent as given either way."""
+    async with rig(replicas=1, kvcm_fallback=kvcm_fallback, protocol=protocol) as r:
+        seen: list[MasterScheduleRequest] = []
+        prefill = r.cluster.worker_addr(1)
+
+        def decide(request: MasterScheduleRequest) -> list[RoleAddr]:
+            seen.append(request)
+            return [RoleAddr(Role.PREFILL, prefill.ip, prefill.http_port, prefill.grpc_port)]
+
+        r.master.set_decide(decide)
+        await r.handle.route(RouteRequest("tokens", token_ids=PROMPT, budget_ms=50))
+        caller_keys = (7, 8, 9)
+        await r.handle.route(RouteRequest("keys", block_cache_keys=caller_keys, block_size=BLOCK, budget_ms=50))
+        by_tokens, by_keys = seen
+        if protocol is MasterProtocol.HTTP:
+            assert (by_tokens.input_ids, by_tokens.block_cache_keys, by_tokens.block_size) == (PROMPT, (), None)
+        else:
+            assert (by_tokens.input_ids, by_tokens.block_cache_keys, by_tokens.block_size) == (None, KEYS, BLOCK)
+        assert (by_keys.input_ids, by_keys.block_cache_keys, by_keys.block_size) == (None, caller_keys, BLOCK)
+        assert by_tokens.seq_len == len(PROMPT)
 
 
 async def test_the_master_window_leaves_the_later_sources_their_time(autojump_clock: trio.testing.MockClock) -> None:

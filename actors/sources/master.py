@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -40,10 +41,10 @@ from actors.master_discovery import MasterDiscovery, MasterDiscoverySnapshot
 from actors.metrics_sink import MasterRequest, MetricsSink
 from actors.sources.base import Answered, Ended, FellThrough, RequestContext, SourceResult, recorded_answer
 from actors.sources.domain import DomainSource
-from router.config import KvrouteConfig
+from router.config import KvrouteConfig, MasterProtocol
 from router.transport.errors import DeadlineExceeded, TransportError
 from router.transport.ports import MasterTransport
-from router.types import Reason, RoleAddr, RouteDecision, RouteSource, WorkerAddr
+from router.types import Reason, Role, RoleAddr, RouteDecision, RouteSource, WorkerAddr
 from router.wire.master import MasterBusinessError, MasterFallback, MasterReply, MasterRouted, MasterScheduleRequest
 
 _HTTP_OK = 200
@@ -53,6 +54,18 @@ _QUEUE_FULL_CODE = 429
 # (outer, and cancelled at the same instant) would otherwise take a hung call's cancellation and
 # leave the attempt unjudged.
 DOMAIN_RESERVE_S = 0.001
+
+
+def kept_after_master(config: KvrouteConfig, *, later_sources: bool) -> float:
+    """Seconds of the request's budget the master's window leaves for the sources after it."""
+    return config.master.later_sources_ms / 1000.0 if later_sources else DOMAIN_RESERVE_S
+
+
+def routed_pick(addrs: Sequence[RoleAddr], roles: Collection[Role]) -> RoleAddr | None:
+    """The request's worker in a routed answer: the first address of a role it routes. A
+    prefill/decode cluster answers [DECODE, PREFILL]; ``roles`` are the request's prefill-capable
+    ones, so the companions' addresses ride along."""
+    return next((a for a in addrs if a.role in roles), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +120,6 @@ class _Outcome:
 
 class MasterSource:
     kind = RouteSource.MASTER
-    needs_keys = False
 
     def __init__(
         self,
@@ -119,8 +131,12 @@ class MasterSource:
         metrics: MetricsSink,
         later_sources: bool,
     ) -> None:
+        # What the scheduler is sent does not depend on the KVCM switch: the caller's keys when it gave
+        # keys; else over HTTP the token ids (the scheduler hashes them in its own family), and over
+        # gRPC, which carries no token ids, the keys this router hashes.
+        self.needs_keys = config.master.protocol is MasterProtocol.GRPC
         self._timeout_s = config.master.transport_timeout_ms / 1000.0
-        self._later_s = config.master.later_sources_ms / 1000.0 if later_sources else DOMAIN_RESERVE_S
+        self._later_s = kept_after_master(config, later_sources=later_sources)
         self._slow_s = config.master_breaker.slow_query_ms / 1000.0
         self._queue_threshold = config.master.queue_length_reject_threshold
         self._discovery = discovery
@@ -313,10 +329,7 @@ class MasterSource:
 
     def _routed_answer(self, reply: MasterRouted, ctx: RequestContext) -> SourceResult:
         addrs = reply.role_addrs
-        # A prefill/decode cluster answers [DECODE, PREFILL]: the request's worker is the one of a
-        # prefill-capable role it routes; the companions' addresses are passed on as given.
-        roles = ctx.prepared.roles
-        pick = next((a for a in addrs if a.role in roles), None)
+        pick = routed_pick(addrs, ctx.prepared.roles)
         if pick is None:  # the master named no worker of a role this deployment routes: fill it as domain does
             filled = self._domain.pick(ctx.prepared, Reason.MASTER)
             if not isinstance(filled, Answered):
@@ -326,10 +339,12 @@ class MasterSource:
         worker = WorkerAddr(pick.ip, pick.http_port, pick.grpc_port, pick.grpc_port)
         return Answered(worker=worker, role=pick.role, reason=Reason.MASTER, role_addrs=addrs)
 
-    @staticmethod
-    def _request(ctx: RequestContext, now: float, end: float) -> MasterScheduleRequest:
+    def _request(self, ctx: RequestContext, now: float, end: float) -> MasterScheduleRequest:
         request, prepared = ctx.request, ctx.prepared
-        keys = prepared.keys or tuple(request.block_cache_keys or ())
+        if request.block_cache_keys is not None:
+            keys = prepared.keys or tuple(request.block_cache_keys)
+        else:
+            keys = prepared.keys if self.needs_keys else ()
         # The wire wants wall-clock epoch ms of the request's receipt: now's wall clock less the
         # request's age on the trio clock.
         received_wall_s = time.time() - (now - ctx.received_at)

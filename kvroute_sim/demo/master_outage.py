@@ -109,7 +109,9 @@ async def run_arm(
     (the replay sleeps until each arrival). Returns (the whole run, the outage window's requests).
     ``router_overrides`` apply to every arm, under the arm's own setting."""
     cluster = build_cluster(cluster_spec, workload)
-    master = SimMaster(replicas=MASTER_REPLICAS, decide=cluster_decide(cluster, trio.current_time))
+    master = SimMaster(
+        replicas=MASTER_REPLICAS, decide=cluster_decide(cluster, trio.current_time, workload.spec.key_family)
+    )
     settings = dict(COMPARISON_SETTINGS) | dict(router_overrides or {}) | dict(_ARM_SETTINGS[arm])
     window = OutageWindow.of(workload)
     outage = arm != MASTER_HEALTHY

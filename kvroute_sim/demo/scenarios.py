@@ -808,7 +808,8 @@ async def run_scenario(
     if scenario.master:
         # The scheduler reads the clock the sims read (the trio clock; safe from gRPC handler threads).
         master = SimMaster(
-            replicas=MASTER_REPLICAS, decide=cluster_decide(cluster, trio.lowlevel.current_clock().current_time)
+            replicas=MASTER_REPLICAS,
+            decide=cluster_decide(cluster, trio.lowlevel.current_clock().current_time, spec.key_family),
         )
     began = trio.current_time()
     if scenario.at_start:

@@ -197,7 +197,7 @@ async def _serve(cluster: SimCluster, traffic: TrafficSpec, args: argparse.Names
             master: SimMasterAddresses | None = None
             if args.master_replicas > 0:
                 # The handlers read the same clock the cluster's servers do (safe off the trio thread).
-                decide = cluster_decide(cluster, trio.lowlevel.current_clock().current_time)
+                decide = cluster_decide(cluster, trio.lowlevel.current_clock().current_time, traffic.key_family)
                 sim_master = SimMaster(replicas=args.master_replicas, decide=decide)
                 master = await nursery.start(functools.partial(sim_master.run, host=args.host))
             seeded = () if args.no_seed else seed_prefixes(cluster, traffic)

@@ -10,6 +10,9 @@ cluster's workers report, the reachable worker with the least cost at ``clock()`
 Ties go to the lowest worker index, so the same cluster state always gives the same answer.
 No reachable worker of a role: that role is left out (no worker at all: the master answers 8400).
 
+A request that carries token ids and no keys is hashed here in ``family`` (the scheduler's own hash
+family, the deployment's), as the real scheduler hashes ``input_ids``.
+
 ``clock`` is what "now" means to the workers' queues: the trio clock the sims read, or the demo's
 simulated clock. ``decide`` may run on a gRPC handler thread, so ``clock`` must be safe to call there
 (the cluster's own reads are locked).
@@ -21,19 +24,23 @@ from collections.abc import Callable, Sequence
 
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.master import Decide
-from router.types import Role, RoleAddr
+from router.keys import block_keys
+from router.types import KeyFamily, Role, RoleAddr
 from router.wire.master import MASTER_ROLES, MasterScheduleRequest
 
 PREFILL_CAPABLE = frozenset({Role.PREFILL, Role.PDFUSION})
 
 
-def cluster_decide(cluster: SimCluster, clock: Callable[[], float]) -> Decide:
+def cluster_decide(cluster: SimCluster, clock: Callable[[], float], family: KeyFamily = KeyFamily.RTP) -> Decide:
     """A deterministic ``Decide`` minimising (uncached prefill tokens + queued tokens) per role."""
     roles = [Role.parse(worker.spec.role) for worker in cluster.workers]
 
     def decide(request: MasterScheduleRequest) -> Sequence[RoleAddr]:
         now = clock()
         addrs = cluster.addresses.workers
+        keys = request.block_cache_keys
+        if not keys and request.input_ids:
+            keys = block_keys(request.input_ids, cluster.block_size, family)
         chosen: list[RoleAddr] = []
         for role in MASTER_ROLES:
             best: tuple[int, int] | None = None  # (cost, worker index)
@@ -42,7 +49,7 @@ def cluster_decide(cluster: SimCluster, clock: Callable[[], float]) -> Decide:
                     continue
                 cost = worker.outstanding_tokens(now)
                 if role in PREFILL_CAPABLE:
-                    cost += uncached_tokens(cluster, addrs[index].http_target, request)
+                    cost += uncached_tokens(cluster, addrs[index].http_target, keys, request.seq_len)
                 if best is None or (cost, index) < best:
                     best = (cost, index)
             if best is not None:
@@ -53,10 +60,11 @@ def cluster_decide(cluster: SimCluster, clock: Callable[[], float]) -> Decide:
     return decide
 
 
-def uncached_tokens(cluster: SimCluster, host: str, request: MasterScheduleRequest) -> int:
-    """The request's prompt tokens ``host`` has not cached (its exact prefix in the index)."""
-    seq_len = max(request.seq_len, len(request.block_cache_keys) * cluster.block_size)
-    if not request.block_cache_keys:
+def uncached_tokens(cluster: SimCluster, host: str, keys: Sequence[int], seq_len: int) -> int:
+    """The prompt tokens of a request with these block ``keys`` that ``host`` has not cached (its exact
+    prefix in the index)."""
+    seq_len = max(seq_len, len(keys) * cluster.block_size)
+    if not keys:
         return seq_len
-    cached = cluster.kvcm.local_prefix(host, request.block_cache_keys) * cluster.block_size
+    cached = cluster.kvcm.local_prefix(host, keys) * cluster.block_size
     return max(0, seq_len - cached)
