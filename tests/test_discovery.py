@@ -358,15 +358,16 @@ def _unblock_fifo(fifo: Path) -> None:
 async def test_a_blocked_file_read_never_blocks_the_event_loop(tmp_path: Path) -> None:
     """review-lessons §1: a read stuck in the kernel (a FIFO with no writer) runs off the loop thread.
 
-    An observer task runs while the read is stuck and well before the refresh times out.
-    Were the read on the loop thread, nothing else could run until the safety timer
-    unblocked the FIFO, and the observer would run only then, with the round's end.
+    An observer task waits until every task is blocked (the loop is idle while the first
+    round's read is pending) and runs before that round ends at refresh_timeout_s. Were the
+    read on the loop thread, the loop would never be idle before the round's end (the
+    safety timer unblocking the FIFO), and the observer would run only after it.
     """
     fifo = tmp_path / "workers.fifo"
     os.mkfifo(fifo)
     safety = threading.Timer(8.0, _unblock_fifo, (fifo,))  # turns a regression into a failure, not a hang
     safety.start()
-    timeout = 0.5
+    timeout = 1.0  # the window in which the idle loop must be noticed (room for a stalled process)
     try:
         cfg = dataclasses.replace(
             CFG, workers="10.1.0.1:9000", workers_file=str(fifo), refresh_timeout_s=timeout
@@ -376,19 +377,19 @@ async def test_a_blocked_file_read_never_blocks_the_event_loop(tmp_path: Path) -
             observed: list[tuple[float, list[str]]] = []
 
             async def observer() -> None:
-                await trio.sleep(0.05)  # the read has started by now
+                await trio.testing.wait_all_tasks_blocked()  # d.run's file refresh waits on its thread
                 observed.append((trio.current_time(), http_targets(d.workers())))
 
             async with trio.open_nursery() as nursery:
                 start = trio.current_time()
                 nursery.start_soon(observer)
                 await nursery.start(d.run)  # the first round waits for the FIFO up to refresh_timeout_s
-                round_done = trio.current_time()
+                round_done = trio.current_time()  # no checkpoint since start() returned
                 assert round_done - start >= timeout
-                assert len(observed) == 1
+                assert len(observed) == 1  # it ran while the read was stuck, before the round ended
                 observed_at, targets = observed[0]
                 assert targets == ["10.1.0.1:9000"]
-                assert round_done - observed_at > timeout / 2  # it ran while the read was stuck
+                assert observed_at < round_done
                 source = next(s for s in d.snapshot().sources if s.name == "workers.file")
                 assert source.failures_total == 1
                 assert source.last_error is not None and "refresh_timeout_s" in source.last_error

@@ -5,11 +5,14 @@ replicas are the simulator's real gRPC servers with their fault knobs switched o
 calls are counted at the servers (``SimKvcmCluster.stats``). The resolver uses the real
 ``GrpcRawRpc`` over the ``ChannelPool``. No test asserts on wall-clock speed: "did not
 wait" is shown by calling under an already-expired deadline, where any wait would raise
-``trio.Cancelled`` instead of the expected answer.
+``trio.Cancelled`` instead of the expected answer. A round that must reach every replica is held
+there by the ``hang`` knob until ``wait_in_flight`` has seen each call arrive; clearing the knob
+then answers them, so no count depends on how fast a loaded machine runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import trio
+import trio.testing
 
 from actors.channel_pool import ChannelPool
 from actors.leader_resolver import LeaderResolver, LeaderState, LeaderUnavailable, UnavailableReason
@@ -30,7 +34,10 @@ from router.types import CacheQuery, QueryType
 from router.wire import paths
 
 REPLICAS = 3
-CONFIG = LeaderConfig(lookup_timeout_s=0.3, backoff_initial_s=30.0, backoff_max_s=30.0, backoff_jitter_s=0.0)
+# Rounds here end when the replicas answer or fail: the lookup timeout only guards against a hang.
+CONFIG = LeaderConfig(lookup_timeout_s=5.0, backoff_initial_s=30.0, backoff_max_s=30.0, backoff_jitter_s=0.0)
+# A round of black-holed calls ends only at the lookup timeout: room for its calls to reach the servers.
+BLACKHOLE_CONFIG = dataclasses.replace(CONFIG, lookup_timeout_s=1.0)
 CLUSTER_INFO_ONLY = frozenset({paths.KVCM_GET_CLUSTER_INFO})
 
 
@@ -48,24 +55,32 @@ class Kvcm:
         return [self.cluster.kvcm.stats(n).get(paths.KVCM_GET_CLUSTER_INFO).calls for n in self.node_ids()]
 
     async def warm_up(self) -> list[int]:
-        """Connect the pool's channel to every replica (one GetClusterInfo each); returns the call counts.
-
-        Counts at the servers are exact only for calls that reach them: with channels already
-        connected, every call of a round arrives well before the round's first answer.
-        """
+        """Connect the pool's channel to every replica (one GetClusterInfo each); returns the call counts."""
         for target in self.targets:
             await self.client.get_cluster_info(target, "")
         return self.cluster_info_calls()
+
+    async def wait_cluster_info_in_flight(self, count: int) -> None:
+        """Until every replica has ``count`` GetClusterInfo calls in flight (counted at the servers)."""
+        for node in self.node_ids():
+            stats = self.cluster.kvcm.stats(node)
+            reached = await trio.to_thread.run_sync(stats.wait_in_flight, paths.KVCM_GET_CLUSTER_INFO, count, 5.0)
+            assert reached, f"{node}: never {count} GetClusterInfo in flight"
 
     def set_faults(self, faults: KvcmFaults) -> None:
         for node in self.node_ids():
             self.cluster.kvcm.set_faults(node, faults)
 
-    async def start_resolver(self, bootstrap: Callable[[], tuple[str, ...]] | None = None) -> LeaderResolver:
+    def resolver(
+        self, bootstrap: Callable[[], tuple[str, ...]] | None = None, config: LeaderConfig = CONFIG
+    ) -> LeaderResolver:
         targets = self.targets
-        resolver = LeaderResolver(
-            CONFIG, BreakerConfig(), self.client, bootstrap or (lambda: targets), instance_id="", inbox_size=64
+        return LeaderResolver(
+            config, BreakerConfig(), self.client, bootstrap or (lambda: targets), instance_id="", inbox_size=64
         )
+
+    async def start_resolver(self, bootstrap: Callable[[], tuple[str, ...]] | None = None) -> LeaderResolver:
+        resolver = self.resolver(bootstrap)
         await self.nursery.start(resolver.run)
         return resolver
 
@@ -112,20 +127,31 @@ async def test_blackholed_replicas_caller_leaves_at_deadline_and_calls_are_cance
     with trio.fail_after(10):
         base = await kvcm.warm_up()
         kvcm.set_faults(KvcmFaults(hang=True))  # accept, never answer
-        resolver = await kvcm.start_resolver()
-        with trio.move_on_after(0.05) as request_scope:
-            await resolver.leader()
-        assert request_scope.cancelled_caught  # left at its own deadline
-        # A patient caller joins the same round, which is cut at lookup_timeout_s ...
-        with trio.fail_after(2), pytest.raises(LeaderUnavailable) as joined:
-            await resolver.leader()
-        assert joined.value.reason is UnavailableReason.FAILED
-        assert resolver.snapshot().state is LeaderState.BACKING_OFF
+        resolver = kvcm.resolver(config=BLACKHOLE_CONFIG)
+        joined: list[UnavailableReason] = []
+
+        async def hasty() -> None:
+            with trio.move_on_after(0.05) as request_scope:
+                await resolver.leader()
+            assert request_scope.cancelled_caught  # left at its own deadline
+
+        async def patient() -> None:
+            with trio.fail_after(5), pytest.raises(LeaderUnavailable) as failed:
+                await resolver.leader()
+            joined.append(failed.value.reason)
+
+        # Both callers ask before the resolver runs, so both wait for its first round: the hasty one
+        # leaves at its deadline, the patient one stays in the round, which is cut at lookup_timeout_s ...
+        async with trio.open_nursery() as callers:
+            callers.start_soon(hasty)
+            callers.start_soon(patient)
+            await trio.testing.wait_all_tasks_blocked()  # both asks wait in the resolver's inbox
+            await kvcm.nursery.start(resolver.run)
+        assert joined == [UnavailableReason.FAILED]  # the round failed; not a fast failure after it
+        snap = resolver.snapshot()
+        assert (snap.state, snap.lookups_total) == (LeaderState.BACKING_OFF, 1)
         # ... and the servers see every call of that round go away.
-        for node in kvcm.node_ids():
-            stats = kvcm.cluster.kvcm.stats(node)
-            gone = await trio.to_thread.run_sync(stats.wait_in_flight, paths.KVCM_GET_CLUSTER_INFO, 0, 5.0)
-            assert gone, node
+        await kvcm.wait_cluster_info_in_flight(0)
         for _ in range(1000):
             assert await answer_without_waiting(resolver) is UnavailableReason.BACKING_OFF
         assert kvcm.cluster_info_calls() == [n + 1 for n in base]
@@ -141,15 +167,16 @@ async def test_leader_moves_found_with_one_concurrent_round(kvcm: Kvcm) -> None:
         bootstrap = kvcm.targets
         lookups = resolver.snapshot().lookups_total
 
-        # Every replica answers GetClusterInfo after 0.2 s, so each call of the next round reaches
-        # its server before the first answer cancels the others.
-        kvcm.set_faults(KvcmFaults(delay_s=0.2, methods=CLUSTER_INFO_ONLY))
+        # GetClusterInfo hangs at every replica, so each call of the next round reaches its server
+        # (seen below) before the first answer cancels the others.
+        kvcm.set_faults(KvcmFaults(hang=True, methods=CLUSTER_INFO_ONLY))
         kvcm.cluster.kvcm.set_leader(kvcm.node_ids()[2])
         query = CacheQuery("", QueryType.PREFIX_MATCH, (1, 2, 3))
         with pytest.raises(NotLeader) as not_leader:
             await kvcm.client.get_host_cache_state(old, query)
-        resolver.report_failure(old, not_leader.value)
-        await trio.testing.wait_all_tasks_blocked()  # the resolver's task applies the report
+        resolver.report_failure(old, not_leader.value)  # the resolver's task applies it and looks up
+        await kvcm.wait_cluster_info_in_flight(1)
+        kvcm.cluster.kvcm.clear_faults()  # the held calls are answered now
 
         assert (await resolver.leader()).target == new
         after = kvcm.cluster_info_calls()
@@ -160,11 +187,11 @@ async def test_leader_moves_found_with_one_concurrent_round(kvcm: Kvcm) -> None:
 
 
 async def test_thousand_concurrent_callers_one_call_per_replica(kvcm: Kvcm) -> None:
-    # Slow GetClusterInfo, so the crowd arrives while the first lookup is in flight.
+    # GetClusterInfo hangs until the crowd has arrived, so all of it waits for the first lookup.
     results: list[str] = []
     with trio.fail_after(10):
         base = await kvcm.warm_up()
-        kvcm.set_faults(KvcmFaults(delay_s=0.2, methods=CLUSTER_INFO_ONLY))
+        kvcm.set_faults(KvcmFaults(hang=True, methods=CLUSTER_INFO_ONLY))
         resolver = await kvcm.start_resolver()
 
         async def caller() -> None:
@@ -174,5 +201,10 @@ async def test_thousand_concurrent_callers_one_call_per_replica(kvcm: Kvcm) -> N
         async with trio.open_nursery() as callers:
             for _ in range(1000):
                 callers.start_soon(caller)
+            await kvcm.wait_cluster_info_in_flight(1)  # the first lookup's calls are at every replica
+            await trio.testing.wait_all_tasks_blocked()  # every caller waits for that lookup
+            assert not results
+            kvcm.cluster.kvcm.clear_faults()
     assert results == [kvcm.targets[0]] * 1000
     assert kvcm.cluster_info_calls() == [n + 1 for n in base]
+    assert resolver.snapshot().lookups_total == 1

@@ -13,13 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LeaderConfig, RouterConfig
 from router.keys import block_keys
 from router.types import KeyFamily, Reason, RouteRequest, RouteSource
 from router.wire import paths
 
 BLOCK = 16
 PROMPT = tuple(range(500, 500 + 8 * BLOCK))
+BUDGET_CAP_MS = 1000.0
+CLUSTER_INFO_ONLY = frozenset({paths.KVCM_GET_CLUSTER_INFO})
 
 
 def _decisions_total(text: str) -> dict[tuple[str, str], float]:
@@ -42,7 +44,7 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
             discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
             # The requests' own budgets, not the default 50 ms cap: on a busy machine a stalled loop's
             # lag can make admission shed a call with little budget, and these must reach KVCM.
-            router=RouterConfig(budget_cap_ms=1000.0),
+            router=RouterConfig(budget_cap_ms=BUDGET_CAP_MS),
         )
         async with open_router(config, debug_http=True) as handle:
             resolver = handle.leader_resolver()
@@ -53,7 +55,8 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
             async with httpx.AsyncClient(base_url=base) as http:
                 assert (await http.get("/readyz")).status_code == 200
                 decisions = [
-                    await handle.route(RouteRequest(f"g{i}", token_ids=PROMPT, budget_ms=200)) for i in range(5)
+                    await handle.route(RouteRequest(f"g{i}", token_ids=PROMPT, budget_ms=BUDGET_CAP_MS))
+                    for i in range(5)
                 ]
                 assert all(d.route_source is RouteSource.KVCM for d in decisions)
                 assert decisions[0].worker == cluster.worker_addr(2)
@@ -70,11 +73,19 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
                 assert len(recent["decisions"] if isinstance(recent, dict) else recent) == 3
 
                 # A crashed channel pool restarts with its channels intact; routing goes on.
+                pool = handle._pool
+                assert pool is not None
                 handle.supervisor.inject_crash("channel_pool")
-                await trio.sleep(0.2)
-                d = await handle.route(RouteRequest("after-crash", token_ids=PROMPT, budget_ms=200))
-                assert d.route_source is RouteSource.KVCM
+                await trio.testing.wait_all_tasks_blocked()  # crashed: the supervisor waits out its backoff
                 assert handle.actors_health()["channel_pool"]["restarts"] == 1
+                # Only the pool's own task answers a lease of a target it has no channel for: this
+                # returns once the restarted incarnation serves.
+                async with pool.lease("127.0.0.1:9"):  # never called: gRPC channels connect on first use
+                    pass
+                health = handle.actors_health()["channel_pool"]
+                assert (health["state"], health["restarts"]) == ("running", 1)
+                d = await handle.route(RouteRequest("after-crash", token_ids=PROMPT, budget_ms=BUDGET_CAP_MS))
+                assert d.route_source is RouteSource.KVCM
 
                 # KVCM leader blackholed: answers fall back (that they come at the deadline is
                 # asserted on virtual time, in test_router_pipeline.py; the test's limit catches a wait).
@@ -89,19 +100,34 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
 
 async def test_leader_is_resolved_in_the_background_before_any_request(nursery: trio.Nursery) -> None:
     """Regression: on a real clock the resolver's loop compared two clock reads and spun without ever
-    looking up until a request asked; readiness stayed false on an idle router."""
+    looking up until a request asked; readiness stayed false on an idle router.
+
+    GetClusterInfo hangs at every replica until each has seen the idle router's call (no request
+    made); released, the round answers and readiness follows without any other lookup.
+    """
     with trio.fail_after(10):
         cluster = SimCluster(workers=2, kvcm_replicas=3, block_size=BLOCK)
         addrs = await nursery.start(cluster.serve_grpc)
+        for node in cluster.kvcm.node_ids:
+            cluster.kvcm.set_faults(node, KvcmFaults(hang=True, methods=CLUSTER_INFO_ONLY))
         config = KvrouteConfig(
             deployment=DeploymentConfig(block_size=BLOCK),
             discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+            leader=LeaderConfig(lookup_timeout_s=5.0),  # the held round is not cut while the test looks
         )
         async with open_router(config) as handle:
-            await trio.sleep(0.5)  # no request, no leader() call
+            resolver = handle.leader_resolver()
+            assert resolver is not None
+            for node in cluster.kvcm.node_ids:  # no request, no leader() call yet
+                stats = cluster.kvcm.stats(node)
+                reached = await trio.to_thread.run_sync(stats.wait_in_flight, paths.KVCM_GET_CLUSTER_INFO, 1, 5.0)
+                assert reached, node
+            assert not handle.ready()[0]  # its round is in flight
+            cluster.kvcm.clear_faults()
+            await resolver.leader()  # joins the round in flight (or finds its leader): starts none
+            snap = resolver.snapshot()
+            assert (snap.lookups_total, snap.lookups_by_trigger["scheduled"]) == (1, 1)  # the background round
             ready, why = handle.ready()
             assert ready, why
-            calls = sum(
-                cluster.kvcm.stats(node).get(paths.KVCM_GET_CLUSTER_INFO).calls for node in cluster.kvcm.node_ids
-            )
-            assert 1 <= calls <= 3  # one concurrent round over the bootstrap targets, not a storm
+            calls = [cluster.kvcm.stats(node).get(paths.KVCM_GET_CLUSTER_INFO).calls for node in cluster.kvcm.node_ids]
+            assert calls == [1, 1, 1]  # one concurrent round over the bootstrap targets, not a storm
