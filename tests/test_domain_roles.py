@@ -3,17 +3,22 @@ reported (hypothesis over fleets; MockClock with in-memory workers, every actor 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.sources.domain import _KNOWN_SCAN, _REDRAWS
+from actors.worker_prober import WorkerProber
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.worker import WorkerSpec
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, ProberConfig, RouterConfig
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import Role, RouteRequest, RouteSource
+from router.types import Role, RouteRequest, RouteSource, WorkerAddr
 
 BLOCK = 16
 ROLES = {Role.PREFILL: "RoleType.PREFILL", Role.PDFUSION: "RoleType.PDFUSION", Role.DECODE: "RoleType.DECODE"}
@@ -61,3 +66,34 @@ def test_domain_answers_never_name_a_foreign_role(fleet: list[Role], deployment:
             continue
         assert reported in prefill_roles  # never a foreign role (a decode worker is no prefill pick)
         assert label is reported  # labelled with the role it reported
+
+
+async def test_a_pick_looks_at_a_bounded_number_of_workers_when_statuses_are_stale(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large fleet whose statuses the prober does not hold (no health probes): each domain pick takes
+    a routable worker of unknown role after a bounded look, not a walk of the whole fleet."""
+    workers = 400
+    cluster = SimCluster(workers=workers, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        router=RouterConfig(kvcm_fallback=False),
+        discovery=DiscoveryConfig(workers=addrs.workers_arg),
+        prober=ProberConfig(health_interval_s=0.0),
+    )
+    looked: list[int] = []
+    real = WorkerProber.is_routable
+
+    def counted(self: WorkerProber, worker: WorkerAddr, roles: Collection[Role] | None = None) -> bool:
+        looked.append(1)
+        return real(self, worker, roles)
+
+    async with open_router(config, rpc=network) as handle:
+        monkeypatch.setattr(WorkerProber, "is_routable", counted)
+        for i in range(10):
+            looked.clear()
+            d = await handle.route(RouteRequest(f"r{i}", token_ids=tuple(range(64)), budget_ms=20))
+            assert d.route_source is RouteSource.DOMAIN and d.worker is not None
+            assert 0 < len(looked) <= _REDRAWS + 1 + _KNOWN_SCAN  # the draws, then the bounded look

@@ -21,6 +21,11 @@ from router.request import PreparedRequest
 from router.types import PREFILL_CAPABLE_ROLES, Reason, Role, RouteDecision, RouteSource, WorkerAddr
 
 _REDRAWS = 3  # random draws for a routable worker before scanning the fleet for one
+# Workers looked at in turn, after the draws, for one whose status the prober holds, before a
+# routable worker of unknown role (no fresh status: at start-up, or a large fleet whose health
+# probes come round less often than statuses expire) is taken. Unbounded, a pick would walk the
+# whole fleet whenever most statuses are stale; the full walk is left for finding any routable one.
+_KNOWN_SCAN = 64
 
 ROUTE_BLIND_HINT = "--route-blind routes to them anyway"
 
@@ -90,18 +95,21 @@ class DomainSource:
         """A uniformly drawn worker that is routable and reports one of ``roles``.
 
         A worker the prober has no status for yet (start-up) is routable but its role is unknown:
-        it is taken only when no worker known to serve the roles is found, so the answer's role
-        label is what the worker reported whenever the prober knows it. A few random draws first,
-        then a scan from a random start (only when most of the fleet is down or unknown).
+        it is taken only when no worker known to serve the roles is found among the draws and the
+        next ``_KNOWN_SCAN`` workers, so the answer's role label is what the worker reported whenever
+        the prober knows it. A few random draws first, then a scan from a random start (to its end
+        only when no routable worker has been seen).
         """
         if self._route_blind:
             return workers[rng.randrange(len(workers))]
         unknown: WorkerAddr | None = None
-        for worker in self._search_order(workers, rng):
+        for looked, worker in enumerate(self._search_order(workers, rng), start=1):
             if self._prober.is_routable(worker, roles):
                 if self._prober.cached(worker) is not None:
                     return worker
                 unknown = unknown or worker
+            if unknown is not None and looked >= _REDRAWS + 1 + _KNOWN_SCAN:
+                break
         return unknown
 
     def _search_order(self, workers: Sequence[WorkerAddr], rng: random.Random) -> Iterator[WorkerAddr]:
