@@ -2,8 +2,8 @@
 
 ``run`` polls every configured host's ``POST /rtp_llm/master/info`` concurrently, once per
 ``discovery_interval_s`` (each poll bounded by ``discovery_timeout_s``), and publishes an
-immutable ``MasterDiscoverySnapshot``. Request paths read ``snapshot()`` (or ``master()`` /
-``slave()``) synchronously and never wait for discovery.
+immutable ``MasterDiscoverySnapshot``. Request paths read ``snapshot()`` synchronously and never
+wait for discovery.
 
 - A host is unhealthy after ``discovery_failure_threshold`` consecutive failed polls, healthy
   again after one success. An unhealthy host leaves the snapshot's host list once
@@ -11,9 +11,8 @@ immutable ``MasterDiscoverySnapshot``. Request paths read ``snapshot()`` (or ``m
   polled, so it comes back when it answers.
 - Master: the first healthy host, lowest IP first, whose address a healthy host reports as
   ``real_master_host``; else the previous master if it is not unhealthy; else the lowest-IP
-  healthy host. Slave: the lowest-IP healthy host that is not the master.
-- ``poll_now()`` asks for an early round (e.g. after the master failed a request); requests
-  arriving while one is pending are merged.
+  healthy host. Slave: the lowest-IP healthy host that is not the master. A master that fails
+  requests between rounds is the master source's breaker's to handle, not a reason to poll sooner.
 
 State is owned by ``run`` (its poll tasks write only their own host's record, between awaits);
 the published snapshot is replaced, never mutated. Time is ``trio.current_time()``.
@@ -21,7 +20,6 @@ the published snapshot is replaced, never mutated. Time is ``trio.current_time()
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 from dataclasses import dataclass
 
@@ -121,24 +119,11 @@ class MasterDiscovery:
         self._polls_failed_total = 0
         self._master_changes_total = 0
         self._last_error: str | None = None
-        # The inbox: requests for an early round. Capacity 1: a second one while one is pending adds nothing.
-        self._wake_send, self._wake_receive = trio.open_memory_channel[None](1)
 
     # --- readers (synchronous, never wait) ------------------------------------------------
 
     def snapshot(self) -> MasterDiscoverySnapshot:
         return self._snapshot
-
-    def master(self) -> str | None:
-        return self._snapshot.master
-
-    def slave(self) -> str | None:
-        return self._snapshot.slave
-
-    def poll_now(self) -> None:
-        """Ask for an early round; never blocks."""
-        with contextlib.suppress(trio.WouldBlock):  # one is pending already
-            self._wake_send.send_nowait(None)
 
     # --- the actor -------------------------------------------------------------------------
 
@@ -148,9 +133,7 @@ class MasterDiscovery:
         await self._round()
         task_status.started()
         while True:
-            next_at = trio.current_time() + self._config.discovery_interval_s
-            with trio.move_on_at(next_at):
-                await self._wake_receive.receive()
+            await trio.sleep(self._config.discovery_interval_s)
             await self._round()
 
     async def _round(self) -> None:
