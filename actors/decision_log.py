@@ -10,16 +10,25 @@ frame that would not fit starts a new file (``PATH`` → ``PATH.1`` → … up t
 files, the oldest deleted). Every file starts with the magic and a header frame, so each one replays
 on its own. A (re)started actor rotates the file it finds, so a header always describes the frames
 after it.
+
+A stopping actor writes what it still holds for at most ``STOP_WRITE_S`` (real time): a disk that
+does not return must not hold a shutdown or a restart. A writer call is abandoned when cancelled
+(its thread runs on, the file's lock keeping the next call out until it returns); what the disk has
+not taken by the bound is dropped and counted.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import IO, Any
 
 import trio
+from outcome import Outcome
 
 from router.config import RouterConfig
 from router.decision_record import (
@@ -34,14 +43,21 @@ from router.decision_record import (
 )
 from router.policy.plan import Fleet
 
-_BATCH = 256  # records handed to one thread call at most
+_BATCH = 256  # records a thread writes in one piece at most
+# A stopping actor waits this long (real time) for its last writes and the file's close; what the
+# disk has not taken by then is dropped (counted), the piece it holds left to its thread.
+STOP_WRITE_S = 2.0
+# The actor's writer calls on threads at once (a stop's own thread aside): the one running and those
+# a hung disk holds after a cancellation abandoned them; beyond them a call waits in trio, where it
+# can be cancelled.
+_DISK_THREADS = 4
 
 
 @dataclass(frozen=True, slots=True)
 class DecisionLogHealth:
     path: str
     written: int
-    dropped: int  # the inbox was full
+    dropped: int  # the inbox was full, or a stop's STOP_WRITE_S ended before the disk took them
     oversize: int  # one decision larger than a whole file: not written
     write_errors: int
     last_error: str | None
@@ -52,7 +68,8 @@ class DecisionLogHealth:
 
 
 class LogFileWriter:
-    """The file side: touched only from the log actor's worker-thread calls, one at a time."""
+    """The file side: touched only from the log actor's worker-thread calls (``open``, ``drain``), one
+    at a time: each holds the lock, so a call a cancellation abandoned keeps the next one out."""
 
     def __init__(self, path: str, *, max_bytes: int, files: int, header: Mapping[str, Any]) -> None:
         self.path = path
@@ -68,20 +85,39 @@ class LogFileWriter:
         self.rotations = 0
         self.write_errors = 0
         self.last_error: str | None = None
+        self._lock = threading.Lock()
 
     def open(self) -> None:
         """Start a fresh file: whatever a previous run left at ``path`` is rotated away first."""
+        with self._lock:
+            self._open()
+
+    def drain(self, pieces: deque[list[DecisionRecord]], *, close: bool = False) -> None:
+        """Write the pieces, each taken from the left of ``pieces`` just before it is written (the
+        trio thread takes back those left when it stops waiting); then, with ``close``, close the file."""
+        with self._lock:
+            while True:
+                try:
+                    records = pieces.popleft()
+                except IndexError:
+                    break
+                self._write(records)
+            if close:
+                self.close()
+
+    def _open(self) -> None:
         try:
+            self.close()  # a stop that gave up on a hung disk may have left it open
             if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
                 self._shift()
             self._start()
         except OSError as exc:
             self._failed(exc)
 
-    def write(self, records: Sequence[DecisionRecord]) -> None:
+    def _write(self, records: Sequence[DecisionRecord]) -> None:
         try:
             if self._file is None:
-                self.open()
+                self._open()
                 if self._file is None:
                     return
             for record in records:
@@ -159,6 +195,7 @@ class DecisionLog:
             config.decision_log, max_bytes=config.decision_log_max_bytes, files=config.decision_log_files, header=header
         )
         self._dropped = 0
+        self._threads = trio.CapacityLimiter(_DISK_THREADS)
 
     def submit(self, record: DecisionRecord) -> bool:
         """Queue ``record`` for writing; never blocks. False (and counted) when the inbox is full."""
@@ -171,9 +208,11 @@ class DecisionLog:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         writer = self._writer
-        await trio.to_thread.run_sync(writer.open)
+        await self._on_disk(writer.open)
         task_status.started()
-        batch: list[DecisionRecord] = []
+        # Pieces handed to the writer's thread, each taken from the left when it is written: what a
+        # cancellation left here (before a thread took it) is the stop's to write.
+        pieces: deque[list[DecisionRecord]] = deque()
         try:
             async for first in self._receive:
                 batch = [first]
@@ -182,20 +221,54 @@ class DecisionLog:
                         batch.append(self._receive.receive_nowait())
                     except trio.WouldBlock:
                         break
-                await trio.to_thread.run_sync(writer.write, batch)
-                batch = []
+                pieces.append(batch)
+                await self._on_disk(partial(writer.drain, pieces))
         finally:
-            # Stopping (shutdown or a restart): the batch in hand (a cancellation can come before its
-            # thread starts) and whatever is queued are written before the file closes.
+            # Stopping (shutdown or a restart): the pieces left and whatever is queued are written
+            # before the file closes, within STOP_WRITE_S; a disk that has not returned by then keeps
+            # the piece it holds and the rest is dropped.
+            batch = []
             while True:
                 try:
                     batch.append(self._receive.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
+                if len(batch) == _BATCH:
+                    pieces.append(batch)
+                    batch = []
+            if batch:
+                pieces.append(batch)
             with trio.CancelScope(shield=True):
-                if batch:
-                    await trio.to_thread.run_sync(writer.write, batch)
-                await trio.to_thread.run_sync(writer.close)
+                finished = await self._finish(pieces)
+            while True:
+                try:
+                    self._dropped += len(pieces.popleft())
+                except IndexError:
+                    break
+            if finished is not None:
+                finished.unwrap()  # what the thread raised (a close that failed)
+
+    async def _finish(self, pieces: deque[list[DecisionRecord]]) -> Outcome[None] | None:
+        """Write ``pieces`` and close the file on a thread of their own, waiting STOP_WRITE_S for it at
+        most; None: the disk has not returned (the thread takes no piece after the trio thread took
+        the rest back, and closes the file when its piece is done)."""
+        finished: list[Outcome[None]] = []
+        done = threading.Event()
+
+        def deliver(result: Outcome[None]) -> None:
+            finished.append(result)
+            done.set()
+
+        trio.lowlevel.start_thread_soon(partial(self._writer.drain, pieces, close=True), deliver)
+        # The bound is on the real clock, waited out on a thread: the disk is not on trio's clock, and
+        # under a MockClock a trio deadline would end the wait for any thread at once. The wait has a
+        # limiter of its own, so no thread another call holds delays it.
+        await trio.to_thread.run_sync(done.wait, STOP_WRITE_S, limiter=trio.CapacityLimiter(1))
+        return finished[0] if finished else None
+
+    async def _on_disk(self, call: Callable[[], None]) -> None:
+        # Abandoned when cancelled: a disk that does not return then holds a thread, never the actor.
+        await trio.to_thread.run_sync(call, limiter=self._threads, abandon_on_cancel=True)
 
     def health(self) -> DecisionLogHealth:
         w = self._writer

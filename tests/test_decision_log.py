@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar, cast
 
 import pytest
 import trio
@@ -20,6 +22,7 @@ import trio.testing
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from actors.decision_log import _BATCH, STOP_WRITE_S, DecisionLog
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
@@ -36,10 +39,18 @@ from router.config import (
     RouterConfig,
     ScorerConfig,
 )
-from router.decision_record import KIND_DECISION, KIND_HEADER, MAGIC, LogFormatError, frame, parse_frames
+from router.decision_record import (
+    KIND_DECISION,
+    KIND_HEADER,
+    MAGIC,
+    DecisionRecord,
+    LogFormatError,
+    frame,
+    parse_frames,
+)
 from router.keys import block_keys
 from router.replay import ReplayEngine, load_log, replay_config
-from router.supervisor import RouterHandle
+from router.supervisor import RouterHandle, decision_log_header
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
@@ -569,3 +580,76 @@ def test_a_run_whose_task_resumed_late_replays_as_recorded(tmp_path: Path, kind:
     assert rewritten >= 1
     identical, total = replay_all(stalled)
     assert identical == total
+
+
+# How long a hung disk's write waits for the test before it goes on by itself: a backstop that ends
+# a failing test instead of hanging it, well past the stop's bound; a passing test lets the disk
+# back as soon as the stop has ended.
+DISK_BACK_S = 5 * STOP_WRITE_S
+
+
+class HungDisk:
+    """The log's open file, each write held until the test lets the disk come ``back``."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+        self.back = threading.Event()
+        self.writing = threading.Event()  # a write reached the disk
+        self.closed = threading.Event()
+
+    def write(self, data: bytes) -> int:
+        self.writing.set()
+        self.back.wait(DISK_BACK_S)
+        self.back.set()  # the backstop passed once is passed for every later write
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        self.closed.set()
+
+
+def _overloaded(i: int) -> DecisionRecord:
+    decision = RouteDecision(f"q{i}", None, None, RouteSource.DOMAIN, Reason.OVERLOADED)
+    return DecisionRecord(RouteRequest(f"q{i}", block_cache_keys=(1, 2)), 0.0, overloaded=True, decision=decision)
+
+
+@pytest.mark.parametrize("hung", ["at the stop", "in a batch"])
+def test_a_stop_on_a_hung_disk_ends_by_its_bound_and_counts_what_the_disk_did_not_take(
+    tmp_path: Path, hung: str
+) -> None:
+    """The disk hangs with records queued: the stop still ends (after STOP_WRITE_S, real time: a
+    MockClock does not shorten the disk's chance). The piece the disk holds is written when the disk
+    comes back, and the file is closed after it; the rest is dropped and counted."""
+    path = tmp_path / "decisions.log"
+    router = RouterConfig(decision_log=str(path), decision_log_inbox_size=4 * _BATCH)
+    queued = 2 * _BATCH + 10
+    # Hung at the stop: the stop's first piece (a whole batch) is on the disk. In a batch: the one
+    # record the actor was writing when it was stopped.
+    held = _BATCH if hung == "at the stop" else 1
+    total = queued if hung == "at the stop" else queued + 1
+
+    async def stop_on_a_hung_disk() -> tuple[int, int]:
+        log = DecisionLog(router, decision_log_header(KvrouteConfig(router=router)))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(log.run)
+            assert log._writer._file is not None
+            disk = HungDisk(log._writer._file)
+            log._writer._file = cast(IO[bytes], disk)
+            if hung == "in a batch":
+                log.submit(_overloaded(0))
+                await trio.to_thread.run_sync(disk.writing.wait)
+            for i in range(total - queued, total):
+                assert log.submit(_overloaded(i))
+            nursery.cancel_scope.cancel()
+        dropped = log.health().dropped
+        assert not disk.back.is_set()  # the stop ended with the disk still hung
+        disk.back.set()
+        await trio.to_thread.run_sync(partial(disk.closed.wait, DISK_BACK_S))
+        return dropped, log.health().written
+
+    dropped, written = trio.run(stop_on_a_hung_disk, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (dropped, written) == (total - held, held)
+    assert [case.request_id for case in load_log([str(path)]).cases] == [f"q{i}" for i in range(held)]
