@@ -27,7 +27,8 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
   each at most a quarter of its time left (and never past what leaves the estimate covered), and
   are answered ``overloaded`` if none comes: under a closed loop a caller answered at once calls
   again at once, and those sheds take the CPU the routed calls need.
-  The shed is counted and recorded on the trio thread afterwards, in batches.
+  The shed is counted and recorded on the trio thread afterwards, in batches; at most
+  ``SHED_RECORDS_MAX`` wait for it, and a shed beyond them is answered and counted, not recorded.
 - A request larger than the ``limits`` settings allow is refused from its sizes, before it is
   converted or reaches the trio thread, with INVALID_ARGUMENT naming the field and the bound.
 - A bad request ends with INVALID_ARGUMENT and a message naming the field; a decision with
@@ -36,7 +37,8 @@ A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen`
 - TLS with ``--grpc-tls-cert``/``--grpc-tls-key`` (plaintext without); with ``--grpc-tls-client-ca``
   every client must present a certificate that CA signed (mTLS), health calls included.
 - Health (``grpc.health.v1.Health``, service "" and "kvroute.v1.Router"): SERVING while the router
-  is ready (asked at each Check), NOT_SERVING while it is not and from the start of a drain on.
+  is ready, NOT_SERVING while it is not and from the start of a drain on. A Check answers from the
+  readiness the trio thread last published (every ``READY_PUBLISH_S``): it never waits for that thread.
 
 ``run()`` serves until :meth:`Sidecar.drain` is called or it is cancelled (then it stops at once).
 A drain lasts at most ``--drain-timeout-s``: health turns NOT_SERVING and new calls are refused with
@@ -99,6 +101,12 @@ CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for
 # Sheds are recorded on the trio thread in batches at most this long after the first of them (the
 # metrics and the decision log see them that much later); each batch costs one wakeup of the thread.
 SHED_RECORD_BATCH_S = 0.005
+# Sheds answered and not yet recorded at most: a trio thread stalled under a shed storm leaves the
+# ones beyond unrecorded (counted in SidecarStats.sheds_unrecorded); each holds its whole request.
+SHED_RECORDS_MAX = 4096
+# The trio thread publishes the router's readiness this often; a health Check answers from the last
+# publication without waiting for the trio thread (this much stale at most, while that thread runs).
+READY_PUBLISH_S = 0.5
 REPLY_SAMPLES = 256  # replies' way-back times kept until the next call hands them to the metrics sink
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
 _ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
@@ -209,6 +217,9 @@ class SidecarStats:
     shed_at_receipt: int  # of the answered: answered overloaded on the handler thread, never handed to the router
     waited_for_place: int = 0  # calls that found the in-flight limit reached and waited for a place
     shed_after_wait: int = 0  # of those: no place came in the time they could wait (in shed_at_receipt too)
+    # Of shed_at_receipt: answered, but not counted by the router nor written to the decision log
+    # (SHED_RECORDS_MAX were waiting for the trio thread).
+    sheds_unrecorded: int = 0
 
 
 _OUTCOME_BY_STATUS = {
@@ -307,6 +318,7 @@ class _Counters:
         self._shed = 0
         self._waited = 0
         self._shed_after_wait = 0
+        self._unrecorded = 0
         self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed"), 0)
 
     def enter(self) -> None:
@@ -362,9 +374,11 @@ class _Counters:
                 # Whole places for waiters; below one, one waiter learns when the idle time ends.
                 self._place_freed.notify(max(1, self._limit.limit - self._in_router))
 
-    def shed(self) -> None:
+    def shed(self, *, recorded: bool) -> None:
         with self._lock:
             self._shed += 1
+            if not recorded:
+                self._unrecorded += 1
 
     def leave(self, outcome: str) -> None:
         with self._lock:
@@ -378,6 +392,7 @@ class _Counters:
                 shed_at_receipt=self._shed,
                 waited_for_place=self._waited,
                 shed_after_wait=self._shed_after_wait,
+                sheds_unrecorded=self._unrecorded,
                 **self._ended,
             )
 
@@ -398,11 +413,11 @@ class _Stopped(Exception):
 
 
 class _RouterHealth(health.HealthServicer):
-    """The standard health service; a Check of "" or the Router asks the router whether it is ready."""
+    """The standard health service; a Check of "" or the Router answers the readiness last published."""
 
     def __init__(self, ready: Callable[[], bool]) -> None:
         super().__init__()
-        self._ready = ready  # called on grpc threads
+        self._ready = ready  # called on grpc threads: reads, never waits
         self.set_serving(False)
 
     def set_serving(self, serving: bool) -> None:
@@ -454,12 +469,17 @@ class Sidecar:
         # Each reply's way back (the decision settled on the trio thread to its bytes on the handler
         # thread): appended by handler threads, handed to the metrics sink by the trio thread.
         self._reply_times: deque[float] = deque(maxlen=REPLY_SAMPLES)
-        self._health = _RouterHealth(self._ready_from_thread)
+        # The router's readiness, published by the trio thread (run(), drain(), _publish_readiness) and
+        # read by health Checks on handler threads, which never wait for that thread: a stalled loop
+        # must not pin a handler thread per probe.
+        self._ready = False
+        self._health = _RouterHealth(lambda: self._ready)
         self._thread_wait = _ThreadWait()  # per handler thread: its call's wait for the thread
         self._pool: _TimedPool | None = None  # set in run(); read by handler threads
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
-        # Sheds waiting to be recorded on the trio thread: appended by handler threads, drained there.
-        # Each: the request, the answer drawn, the elapsed ms and the time the call had left.
+        # Sheds waiting to be recorded on the trio thread: appended by handler threads, drained there,
+        # SHED_RECORDS_MAX at most (see _shed). Each: the request, the answer drawn, the elapsed ms
+        # and the time the call had left.
         self._sheds: deque[tuple[router_v1_pb2.RouteRequest, RouteDecision, float, float]] = deque()
         # The published answers last shed from and their shed_reply_body()s (replaced as a whole).
         self._shed_replies: tuple[tuple[RouteDecision, ...], tuple[bytes, ...]] = ((), ())
@@ -498,6 +518,7 @@ class Sidecar:
         Call from the trio thread.
         """
         self._draining = True
+        self._ready = False
         self._drain_requested.set()
 
     async def run(self, *, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:
@@ -529,9 +550,12 @@ class Sidecar:
         try:
             async with trio.open_nursery() as calls:
                 self._calls = calls
+                self._ready = self._ready_now()
+                publishing = trio.CancelScope()
+                calls.start_soon(self._publish_readiness, publishing)
                 server.start()
                 self.bound = HostPort(self._listen.host, port)
-                self._health.set_serving(self._ready_now())
+                self._health.set_serving(self._ready)
                 log.info(
                     "Route gRPC service listening on %s (%s)",
                     self.bound,
@@ -540,10 +564,12 @@ class Sidecar:
                 )
                 task_status.started(self.bound)
                 await self._drain_requested.wait()
+                publishing.cancel()  # drain() published not ready, for good
                 await self._drain_server(server)
                 # Leaving the nursery waits for routing tasks whose callers gave up (each ends by its deadline).
         finally:
             self._calls = None
+            self._ready = False
             server.stop(grace=None)  # after a drain: nothing left; when cancelled: ends every call now
             executor.shutdown(wait=False)
 
@@ -736,7 +762,13 @@ class Sidecar:
         _carry_error(drawn, context)
         elapsed_ms = (time.monotonic() - received) * 1000.0
         reply = shed_reply(bodies[drawn_at], message.request_id, elapsed_ms)
-        self._counters.shed()
+        # Length and append are two steps: handler threads racing past a full queue overshoot it by
+        # one each at most (grpc_max_workers), still a bound. Beyond it the shed is answered and
+        # counted, not recorded, and a recording is already due.
+        recorded = len(self._sheds) < SHED_RECORDS_MAX
+        self._counters.shed(recorded=recorded)
+        if not recorded:
+            return reply, elapsed_ms
         self._sheds.append((message, drawn, elapsed_ms, left_s))
         if not self._sheds_drain_due:  # a lost race costs one empty drain, never a missed one
             self._sheds_drain_due = True
@@ -772,19 +804,18 @@ class Sidecar:
         pool = self._pool
         return 0 if pool is None else pool.waiting
 
-    def _ready_from_thread(self) -> bool:
-        token = self._token
-        if token is None:
-            return False
-        try:
-            return trio.from_thread.run_sync(self._ready_now, trio_token=token)
-        except trio.RunFinishedError:
-            return False
-
     # --- the trio thread -------------------------------------------------------------------------------
 
     def _ready_now(self) -> bool:
         return not self._draining and self._handle.ready()[0]
+
+    async def _publish_readiness(self, scope: trio.CancelScope) -> None:
+        # Readiness follows several actors' state and the clock (a worker's ejection ends), with no
+        # one event to wait for: republished at a fixed cadence, until the drain publishes it for good.
+        with scope:
+            while True:
+                await trio.sleep(READY_PUBLISH_S)
+                self._ready = self._ready_now()
 
     def _record_sheds_soon(self) -> None:
         """Runs in the trio thread (run_sync_soon), woken by the first shed since the last recording:

@@ -1,0 +1,166 @@
+"""The sidecar's bounds: the sheds waiting to be recorded, and health Checks that never wait for the trio thread.
+
+The shed queue and the readiness publication run on the MockClock against an in-memory cluster, the
+sidecar not serving (its handler-thread and trio-thread methods called directly); the health Check
+under a blocked trio thread is real loopback gRPC with the real clock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import cast
+
+import grpc
+import pytest
+import trio
+import trio.testing
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvroute_sim.sim.cluster import SimCluster
+from router.api import RouterHandle, open_router
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig, ServeConfig
+from router.sidecar import READY_PUBLISH_S, ROUTER_SERVICE, SHED_RECORDS_MAX, Sidecar
+from router.targets import HostPort
+from router.transport.memory_adapter import MemoryNetwork
+from router.types import Reason, RouteSource
+from router.wire import router_v1_pb2
+
+BLOCK = 16
+CLIENT_TIMEOUT_S = 5.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _memory_config(network: MemoryNetwork) -> KvrouteConfig:
+    addrs = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK).serve_memory(network)
+    return KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+
+
+async def test_sheds_beyond_the_bound_are_answered_and_counted_not_queued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    network = MemoryNetwork()
+    config = _memory_config(network)
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)  # the router has published its overloaded answers
+        router = handle.router_actor()
+        published = router.overload_answers()
+        assert published is not None and published.answers
+        # Not serving: no trio token, so nothing drains the queue, as when the trio thread stalls.
+        sidecar = Sidecar(handle, config)
+        context = cast(grpc.ServicerContext, object())  # a domain answer carries no trailing metadata
+        calls = SHED_RECORDS_MAX + 3
+
+        def shed_all() -> list[bytes]:  # on a thread, as grpc's handler threads do
+            requests = [router_v1_pb2.RouteRequest(request_id=f"s{i}") for i in range(calls)]
+            return [sidecar._shed(r, published, 0.01, time.monotonic(), context)[0] for r in requests]
+
+        replies = await trio.to_thread.run_sync(shed_all)
+        last = router_v1_pb2.RouteDecision.FromString(replies[-1])
+        assert len(replies) == calls  # every shed is answered, recorded or not
+        assert (last.request_id, last.route_source, last.reason) == (
+            f"s{calls - 1}",
+            RouteSource.DOMAIN.value,
+            Reason.OVERLOADED.value,
+        )
+        assert len(sidecar._sheds) == SHED_RECORDS_MAX
+        stats = sidecar.stats()
+        assert (stats.shed_at_receipt, stats.sheds_unrecorded) == (calls, 3)
+        before = router.health().overloaded
+        sidecar._record_sheds()
+        assert router.health().overloaded == before + SHED_RECORDS_MAX
+        assert not sidecar._sheds
+
+
+def _check(sidecar: Sidecar, service: str) -> int:
+    """A health Check as a handler thread makes it (the service is known: the context is not touched)."""
+    request = health_pb2.HealthCheckRequest(service=service)
+    status: int = sidecar._health.Check(request, cast(grpc.ServicerContext, object())).status
+    return status
+
+
+async def _one_publication() -> None:
+    await trio.sleep(READY_PUBLISH_S)
+    await trio.testing.wait_all_tasks_blocked()  # the publisher, woken at the same time, has run
+
+
+async def test_health_answers_the_readiness_the_trio_thread_publishes(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    network = MemoryNetwork()
+    config = _memory_config(network)
+    async with open_router(config, rpc=network) as handle, trio.open_nursery() as nursery:
+        ready = [True]
+        monkeypatch.setattr(handle, "ready", lambda: (ready[0], "as the test says"))
+        sidecar = Sidecar(handle, config)
+        assert _check(sidecar, "") == NOT_SERVING  # nothing published yet
+        nursery.start_soon(sidecar._publish_readiness, trio.CancelScope())
+        await _one_publication()
+        assert (_check(sidecar, ""), _check(sidecar, ROUTER_SERVICE)) == (SERVING, SERVING)
+        ready[0] = False
+        await _one_publication()
+        assert _check(sidecar, ROUTER_SERVICE) == NOT_SERVING
+        ready[0] = True
+        await _one_publication()
+        assert _check(sidecar, "") == SERVING
+        sidecar.drain()  # not ready from the drain on, at once
+        assert _check(sidecar, "") == NOT_SERVING
+        await _one_publication()
+        assert _check(sidecar, "") == NOT_SERVING
+        nursery.cancel_scope.cancel()
+
+
+def _block_trio_thread_until(answered: threading.Event, prober: threading.Thread) -> bool:
+    """Hold the calling (trio) thread until ``answered`` is set, or twice the client's timeout."""
+    came = answered.wait(2 * CLIENT_TIMEOUT_S)
+    prober.join()
+    return came
+
+
+async def test_a_health_check_is_answered_while_the_trio_thread_is_blocked(nursery: trio.Nursery) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    addrs = await nursery.start(cluster.serve_grpc)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        router=RouterConfig(budget_cap_ms=1000.0),
+        serve=ServeConfig(grpc_listen="127.0.0.1:0"),
+    )
+    with trio.fail_after(15):
+        async with open_router(config) as handle, trio.open_nursery() as inner:
+            await _warm(handle)
+            bound: HostPort = await inner.start(Sidecar(handle, config).run)
+            channel = grpc.insecure_channel(str(bound), options=[("grpc.enable_retries", 0)])
+            try:
+                replies: list[object] = []
+                answered = threading.Event()
+
+                def probe() -> None:
+                    stub = health_pb2_grpc.HealthStub(channel)
+                    try:
+                        request = health_pb2.HealthCheckRequest(service=ROUTER_SERVICE)
+                        replies.append(stub.Check(request, timeout=CLIENT_TIMEOUT_S).status)
+                    except grpc.RpcError as exc:
+                        replies.append(exc.code())
+                    finally:
+                        answered.set()
+
+                prober = threading.Thread(target=probe)
+                prober.start()
+                # The trio thread is held (not awaiting) until the reply has come: a Check that waited
+                # for this thread would end at the client's deadline instead.
+                assert _block_trio_thread_until(answered, prober)
+                assert replies == [SERVING]
+            finally:
+                channel.close()
+                inner.cancel_scope.cancel()
+
+
+async def _warm(handle: RouterHandle) -> None:
+    resolver = handle.leader_resolver()
+    assert resolver is not None
+    await resolver.leader()  # the router is ready before the sidecar publishes its first readiness
