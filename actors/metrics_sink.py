@@ -73,6 +73,15 @@ class KvcmRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class CandidatesDropped:
+    """Candidates dropped before they could be planned (they never appear in a decision's candidates):
+    ``n`` of them, for ``reason`` (a DropReason value)."""
+
+    reason: str
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeSkipped:
     reason: str  # e.g. "deadline", "ejected", "budget"
     n: int = 1
@@ -156,6 +165,7 @@ MetricEvent = (
     | MasterRequest
     | HitObserved
     | ProbeSkipped
+    | CandidatesDropped
     | StatusLookups
     | BackgroundProbes
     | LeaderChanged
@@ -492,6 +502,8 @@ class MetricsSink:
                 self._master_requests.labels(outcome=outcome).inc()
             case ProbeSkipped(reason, n):
                 self._skipped_counts(reason).inc(n)
+            case CandidatesDropped(reason, n):
+                self._dropped_counts(reason).inc(n)
             case StatusLookups(cache_hits, from_background, probed):
                 if cache_hits:
                     self._cache_hits.inc(cache_hits)

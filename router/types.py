@@ -207,6 +207,7 @@ class HostMatch:
 @dataclass(frozen=True, slots=True)
 class CacheState:
     hosts: tuple[HostMatch, ...]
+    blank_hosts: int = 0  # entries with a blank host_ip_port, skipped (counted as malformed hosts)
 
 
 class RouteSource(enum.Enum):

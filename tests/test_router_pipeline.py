@@ -53,6 +53,8 @@ from router.types import (
     Stage,
     WorkerAddr,
 )
+from router.wire import kvcm_meta_pb2 as kvcm_pb
+from router.wire import paths
 
 BLOCK = 16
 PROMPT = tuple(range(1000, 1000 + 8 * BLOCK))  # 8 blocks
@@ -671,3 +673,29 @@ async def test_a_bug_after_the_decision_does_not_lose_it(
         d = await handle.route(RouteRequest("a1", token_ids=PROMPT, budget_ms=50))
         assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(2)
         assert handle.router_actor().health().internal_errors == 1
+
+
+async def test_a_blank_host_in_kvcms_answer_is_counted_as_a_malformed_host(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, network, config):
+        seed(cluster, 2, 8)
+        (node_target,) = config.discovery.kvcm_bootstrap.split(",")
+        kvcm = memory_handler(cluster.kvcm.replica(cluster.kvcm.node_ids[0]))
+
+        async def with_a_blank_host(method_path: str, request: bytes) -> bytes:
+            """A KVCM bug: the answer also lists an entry with no host."""
+            reply = await kvcm(method_path, request)
+            if method_path != paths.KVCM_GET_HOST_CACHE_STATE:
+                return reply
+            answer = kvcm_pb.GetHostCacheStateResponse.FromString(reply)
+            answer.hosts.add(host_ip_port=" ", local=8)
+            return answer.SerializeToString()
+
+        network.serve(node_target, with_a_blank_host)
+        decision = await handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is RouteSource.KVCM and decision.worker == cluster.worker_addr(2)
+        await trio.testing.wait_all_tasks_blocked()  # the metrics sink has applied the decision
+        registry = handle.metrics.registry
+        assert registry.get_sample_value("kvroute_candidates_dropped_total", {"reason": "malformed_host"}) == 1

@@ -195,6 +195,7 @@ def test_cache_state_values() -> None:
 def test_cache_state_blank_hosts_are_skipped() -> None:
     state = decode_cache_state(cache_reply(("", 9, 0, 9), ("  ", 9, 0, 9), ("a:1", 2, 0, 2)), PEER)
     assert [h.host_ip_port for h in state.hosts] == ["a:1"]
+    assert state.blank_hosts == 2  # counted by the KVCM source as malformed hosts
 
 
 def test_cache_state_duplicate_host_keeps_the_last_entry() -> None:

@@ -15,7 +15,7 @@ import trio
 
 from actors.breaker import Admission
 from actors.leader_resolver import LeaderResolver, LeaderUnavailable, UnavailableReason
-from actors.metrics_sink import KvcmRequest, LeaderChanged, MetricsSink, ShadowAgreement
+from actors.metrics_sink import CandidatesDropped, KvcmRequest, LeaderChanged, MetricsSink, ShadowAgreement
 from actors.shadow_index import ShadowIndexActor, agreement, hit_error_tokens
 from actors.sources.base import FellThrough, RequestContext, SourceResult, ms
 from actors.sources.scoring import CandidateScoring
@@ -24,7 +24,7 @@ from router.decision_record import KvcmAnswer
 from router.policy.plan import CandidateSource
 from router.transport.errors import DeadlineExceeded, TransportError
 from router.transport.ports import KvcmTransport
-from router.types import CacheQuery, CacheState, HostMatch, Reason, RouteDecision, RouteSource, Stage
+from router.types import CacheQuery, CacheState, DropReason, HostMatch, Reason, RouteDecision, RouteSource, Stage
 
 
 class KvcmSource:
@@ -143,6 +143,8 @@ class KvcmSource:
             ctx.events.append(KvcmRequest("GetHostCacheState", error.kind))
             return FellThrough(Reason.DEADLINE if isinstance(error, DeadlineExceeded) else Reason.KVCM_ERROR)
         assert state is not None
+        if state.blank_hosts:  # never candidates, so never in the decision: counted here
+            ctx.events.append(CandidatesDropped(DropReason.MALFORMED_HOST.value, state.blank_hosts))
         positive = tuple(h for h in state.hosts if h.local >= 1 or h.p2p_total >= 1)
         ctx.events.append(KvcmRequest("GetHostCacheState", "ok" if positive else "no_positive_match"))
         if not positive:

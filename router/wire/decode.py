@@ -111,20 +111,23 @@ def encode_cache_query(query: CacheQuery) -> bytes:
 
 
 def decode_cache_state(data: bytes, target: str) -> CacheState:
-    """Blank hosts are skipped; a duplicate host keeps its last entry; negative counts are garbled."""
+    """Blank hosts are skipped (and counted); a duplicate host keeps its last entry; negative counts
+    are garbled."""
     msg = _parse(kvcm_pb.GetHostCacheStateResponse, data, target, "GetHostCacheStateResponse")
     assert isinstance(msg, kvcm_pb.GetHostCacheStateResponse)
     _check_header(msg, target, "GetHostCacheStateResponse")
     hosts: dict[str, HostMatch] = {}
+    blank = 0
     for i, h in enumerate(msg.hosts):
         name = h.host_ip_port.strip()
         if not name:
+            blank += 1
             continue
         if h.local < 0 or h.p2p_1_fetch < 0 or h.p2p_1_total_match < 0:
             raise GarbledReply(target, f"GetHostCacheStateResponse.hosts[{i}]: negative block count")
         hosts.pop(name, None)
         hosts[name] = HostMatch(name, h.local, h.p2p_1_fetch, max(h.p2p_1_total_match, h.local))
-    return CacheState(hosts=tuple(hosts.values()))
+    return CacheState(hosts=tuple(hosts.values()), blank_hosts=blank)
 
 
 # --- Engine: GetWorkerStatus -----------------------------------------------------------
