@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from router.cli import main
+from router.settings import load_config
+from router.settings.assess import assess
 
 BROKEN_TOML = """
 [deployment]
@@ -131,3 +133,18 @@ def test_check_config_refuses_what_serve_refuses(capsys: pytest.CaptureFixture[s
     assert "x --workers (KVROUTE_WORKERS): 10.1.0.1:65535: grpc port 65536" in out
     assert "(http + --worker-grpc-port-offset)" in out
     assert "result: OK" not in out
+
+
+def test_the_report_says_what_the_master_does_and_which_timeouts_the_cap_makes_moot() -> None:
+    base = {"workers": "10.0.0.5:8000", "kvcm_bootstrap": "10.0.0.9:6381", "kvcm_instance_id": "x"}
+    none = assess(load_config(base, {}))
+    assert any("no central scheduler" in line for line in none.works)
+    on = assess(load_config(base | {"master_hosts": "10.0.0.1,10.0.0.2:7001"}, {}))
+    asked = next(line for line in on.works if "central scheduler is asked first" in line)
+    assert "2 host(s)" in asked and "KVCM, then the shadow index and domain" in asked
+    assert any("--master-transport-timeout-ms=200.0" in line and "budget cap" in line for line in on.works)
+    assert any("--router-kvcm-query-timeout-ms=500.0" in line and "budget cap" in line for line in on.works)
+    off = assess(load_config(base | {"master_hosts": "10.0.0.1", "kvcm_fallback": "false", "budget_cap_ms": "500"}, {}))
+    asked = next(line for line in off.works if "central scheduler is asked first" in line)
+    assert asked.endswith("when it cannot answer, domain routing")
+    assert not any("does not bound" in line for line in off.works)  # the timeouts apply under a 500 ms cap

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.config import KvrouteConfig
+from router.master_config import master_hosts, master_problems
 from router.settings.load import LoadedConfig
 from router.settings.table import (
     BOOTSTRAP_SETTINGS,
@@ -103,6 +104,12 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
         f"routes to roles {roles}; workers reporting another role are dropped (counted as role_not_routed)"
     )
     works.append(f"each request is decided within min(its budget, {said('budget_cap_ms')})")
+    works += _master_lines(c, said)
+    if c.router.kvcm_fallback and c.router.kvcm_query_timeout_ms >= c.router.budget_cap_ms:
+        works.append(
+            f"{said('router_kvcm_query_timeout_ms')} does not bound a query under the budget cap: "
+            "the request's own deadline ends it first"
+        )
     try:
         debug = parse_listen(c.serve.debug_listen)
     except TargetError:
@@ -135,6 +142,30 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
             "(listed below)"
         )
     return Assessment(tuple(works), tuple(broken))
+
+
+def _master_lines(c: KvrouteConfig, said: Callable[[str], str]) -> list[str]:
+    hosts = master_hosts(c.master) if not master_problems(c.master) else ()
+    if not hosts:
+        return ["no central scheduler (--master-hosts empty): the chain starts at KVCM"]
+    after = "KVCM, then the shadow index and domain" if c.router.kvcm_fallback else "domain routing"
+    kept = (
+        f"its budget less {said('master_later_sources_ms')} kept for KVCM"
+        if c.router.kvcm_fallback
+        else "its deadline less 1 ms"
+    )
+    lines = [
+        f"the central scheduler is asked first: {len(hosts)} host(s) from {said('master_hosts')} over "
+        f"{c.master.protocol.value}; when it cannot answer, {after}",
+        f"a request's master attempt lasts at most min({said('master_transport_timeout_ms')}, {kept}); the "
+        f"master's breaker opens after {said('master_breaker_failure_threshold')} failures",
+    ]
+    if c.master.transport_timeout_ms >= c.router.budget_cap_ms:
+        lines.append(
+            f"{said('master_transport_timeout_ms')} does not bound an attempt under the budget cap: "
+            "the request's budget ends it first"
+        )
+    return lines
 
 
 def _tls_lines(c: KvrouteConfig) -> list[str]:
