@@ -170,7 +170,10 @@ async def test_the_reply_carries_the_policys_work_and_not_the_wait_in_the_inbox(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     scorer = Scorer(
-        SlowPolicy(autojump_clock, 0.002), inbox_size=8, max_warned_workers=64, error_log_interval_s=ERROR_LOG_INTERVAL_S
+        SlowPolicy(autojump_clock, 0.002),
+        inbox_size=8,
+        max_warned_workers=64,
+        error_log_interval_s=ERROR_LOG_INTERVAL_S,
     )
     a, b = addr(1), addr(2)
     plan = plan_of((a, 10), (b, 10))
