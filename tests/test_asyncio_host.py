@@ -29,13 +29,16 @@ from router.types import KeyFamily, Reason, RouteDecision, RouteRequest, RouteSo
 
 BLOCK = 16
 PROMPT = tuple(range(3000, 3000 + 6 * BLOCK))
+# The routers' cap, and the budget of every call that must be KVCM's: on a busy machine admission
+# sheds a call whose budget cannot cover the expected pipeline (answered domain/overloaded).
+CAP_MS = 1000.0
 
 
 def _config(addrs: SimClusterAddresses) -> KvrouteConfig:
     return KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
         discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-        router=RouterConfig(budget_cap_ms=1000.0),
+        router=RouterConfig(budget_cap_ms=CAP_MS),
     )
 
 
@@ -73,20 +76,23 @@ async def test_asyncio_program_routes_concurrently_and_leaves_no_thread(nursery:
             threads.append(_threads())
             async with AsyncioRouterHost(_config(addrs)) as host:
                 threads.append(_threads())
-                decisions.append(await host.route(RouteRequest("first", token_ids=PROMPT, budget_ms=500)))
+                decisions.append(await host.route(RouteRequest("first", token_ids=PROMPT, budget_ms=CAP_MS)))
                 decisions.extend(
                     await asyncio.gather(
-                        *(host.route(RouteRequest(f"r{i}", token_ids=PROMPT, budget_ms=500)) for i in range(50))
+                        *(host.route(RouteRequest(f"r{i}", token_ids=PROMPT, budget_ms=CAP_MS)) for i in range(50))
                     )
                 )
             threads.append(_threads())
 
         await _run_asyncio(program)
         assert [d.request_id for d in decisions] == ["first"] + [f"r{i}" for i in range(50)]
-        assert all(isinstance(d, RouteDecision) and d.route_source is RouteSource.KVCM for d in decisions)
-        # The first request finds the seeded holder by cache affinity (the burst after it may spread).
-        assert decisions[0].worker == holder
-        assert decisions[0].reason is Reason.CACHE_LEADER
+        # The first request, alone, finds the seeded holder through KVCM by cache affinity.
+        first = decisions[0]
+        assert (first.route_source, first.reason) == (RouteSource.KVCM, Reason.CACHE_LEADER), first
+        assert first.worker == holder
+        # Every call of the burst is answered with a worker; which source answered each is the
+        # machine's (on a starved one some are shed or decided at their deadline without KVCM).
+        assert all(isinstance(d, RouteDecision) and d.worker is not None for d in decisions), decisions
         baseline, during, after = threads
         assert {t.name for t in during - baseline} >= {"kvroute-router"}  # the router's thread ran ...
         assert after == baseline  # ... and nothing of it is left
@@ -101,7 +107,7 @@ async def test_a_deadline_on_the_callers_loop_clock_bounds_the_decision(nursery:
 
         async def program() -> None:
             async with AsyncioRouterHost(_config(addrs)) as host:
-                request = RouteRequest("warm", token_ids=PROMPT, budget_ms=500)
+                request = RouteRequest("warm", token_ids=PROMPT, budget_ms=CAP_MS)
                 decisions.append(await host.route(request))
                 now = asyncio.get_running_loop().time()
                 request = RouteRequest("late", token_ids=PROMPT, budget_ms=500)
@@ -109,7 +115,7 @@ async def test_a_deadline_on_the_callers_loop_clock_bounds_the_decision(nursery:
 
         await _run_asyncio(program)
         warm, late = decisions
-        assert warm.route_source is RouteSource.KVCM
+        assert warm.route_source is RouteSource.KVCM, warm
         assert (late.route_source, late.reason) == (RouteSource.DOMAIN, Reason.DEADLINE)
         assert late.worker is not None
 
@@ -126,21 +132,22 @@ async def test_route_from_another_event_loop_thread(nursery: trio.Nursery) -> No
                 async def other() -> None:
                     from_other_loop.extend(
                         await asyncio.gather(
-                            *(host.route(RouteRequest(f"o{i}", token_ids=PROMPT, budget_ms=500)) for i in range(10))
+                            *(host.route(RouteRequest(f"o{i}", token_ids=PROMPT, budget_ms=CAP_MS)) for i in range(10))
                         )
                     )
 
                 other_thread = threading.Thread(target=lambda: asyncio.run(other()))
                 other_thread.start()
                 mine = await asyncio.gather(
-                    *(host.route(RouteRequest(f"m{i}", token_ids=PROMPT, budget_ms=500)) for i in range(10))
+                    *(host.route(RouteRequest(f"m{i}", token_ids=PROMPT, budget_ms=CAP_MS)) for i in range(10))
                 )
                 await asyncio.get_running_loop().run_in_executor(None, other_thread.join)
                 assert [d.request_id for d in mine] == [f"m{i}" for i in range(10)]
 
         await _run_asyncio(program)
         assert [d.request_id for d in from_other_loop] == [f"o{i}" for i in range(10)]
-        assert all(d.route_source is RouteSource.KVCM for d in from_other_loop)
+        # Answered, each with a worker (which source answered is the machine's: 20 calls at once).
+        assert all(d.worker is not None for d in from_other_loop), from_other_loop
 
 
 async def test_cancelled_call_and_calls_around_start_and_stop(nursery: trio.Nursery) -> None:
@@ -160,7 +167,7 @@ async def test_cancelled_call_and_calls_around_start_and_stop(nursery: trio.Nurs
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(host.route(RouteRequest("gave-up", token_ids=PROMPT, budget_ms=1000)), 0.05)
             cluster.kvcm.clear_faults()
-            outcomes["after"] = await host.route(RouteRequest("after", token_ids=PROMPT, budget_ms=500))
+            outcomes["after"] = await host.route(RouteRequest("after", token_ids=PROMPT, budget_ms=CAP_MS))
             # Calls already submitted when stop() begins are answered; later calls are refused.
             pending = asyncio.ensure_future(host.route(RouteRequest("pending", token_ids=PROMPT, budget_ms=500)))
             await asyncio.sleep(0)  # let it submit
@@ -172,7 +179,7 @@ async def test_cancelled_call_and_calls_around_start_and_stop(nursery: trio.Nurs
 
         await _run_asyncio(program)
         after, pending = outcomes["after"], outcomes["pending"]
-        assert isinstance(after, RouteDecision) and after.route_source is RouteSource.KVCM
+        assert isinstance(after, RouteDecision) and after.route_source is RouteSource.KVCM, after
         assert isinstance(pending, RouteDecision) and pending.request_id == "pending"
 
 

@@ -222,23 +222,30 @@ async def test_refused_is_unavailable_and_recovers(clock: object, harness: Harne
 
 
 async def test_flapping_alternates_refusing_and_answering(clock: object, harness: Harness) -> None:
+    """In memory the periods pass on the virtual clock. The real servers flap with a period longer
+    than the test, the test moving each into the middle of its next half (its period started 1.5 or
+    2.5 periods ago): a phase never ends between the listeners' change and the call."""
     with trio.fail_after(LIMIT_S):
-        period = 0.5 if harness.adapter == "memory" else 1.0
         replica = harness.sim.replicas[0]
-        harness.sim.set_faults(0, MasterFaults(flapping_period_s=period))
+
+        async def next_half(refusing: bool) -> None:
+            if harness.adapter == "memory":
+                await trio.sleep(0.5)
+            else:
+                period = 3600.0
+                started = trio.current_time() - (1.5 if refusing else 2.5) * period
+                replica.set_faults(MasterFaults(flapping_period_s=period), started)
+                await replica.wait_listening(not refusing)
+
+        if harness.adapter == "memory":
+            harness.sim.set_faults(0, MasterFaults(flapping_period_s=0.5))
         outcomes: list[str] = []
         for _ in range(2):
-            if harness.adapter == "memory":
-                await trio.sleep(period)
-            else:
-                await replica.wait_listening(False)
+            await next_half(refusing=True)
             with pytest.raises(Unavailable):
                 await harness.transport.schedule(harness.host(0), REQUEST)
             outcomes.append("refused")
-            if harness.adapter == "memory":
-                await trio.sleep(period)
-            else:
-                await replica.wait_listening(True)
+            await next_half(refusing=False)
             assert isinstance(await harness.transport.schedule(harness.host(0), REQUEST), MasterRouted)
             outcomes.append("routed")
         assert outcomes == ["refused", "routed"] * 2

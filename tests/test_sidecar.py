@@ -62,6 +62,10 @@ BLOCK = 16
 LIMITS = LimitsConfig()
 PROMPT = tuple(range(7000, 7000 + 8 * BLOCK))
 CLIENT_TIMEOUT_S = 5.0
+# A call held "in the router" keeps its handler thread until the test lets the hung KVCM answer: its
+# budget, the cap, the KVCM query timeout and its client deadline all outlast the test's fail_after.
+HOLD_S = 60.0
+HOLDING = RouterConfig(budget_cap_ms=HOLD_S * 1000, kvcm_query_timeout_ms=HOLD_S * 1000)
 
 
 @dataclass
@@ -146,19 +150,21 @@ async def test_route_returns_kvcm_decision_for_seeded_prefix_and_health_serving(
             assert await _in_thread(lambda: r.health("")) == health_pb2.HealthCheckResponse.SERVING
             assert await _in_thread(lambda: r.health(ROUTER_SERVICE)) == health_pb2.HealthCheckResponse.SERVING
 
-            request = router_v1_pb2.RouteRequest(request_id="seeded", token_ids=PROMPT, budget_ms=500)
+            # The cap's whole budget: on a busy machine admission sheds a call with little budget
+            # (answered domain/overloaded), and this one must be KVCM's.
+            request = router_v1_pb2.RouteRequest(request_id="seeded", token_ids=PROMPT, budget_ms=1000)
             reply = await _in_thread(lambda: r.route(request))
             assert isinstance(reply, router_v1_pb2.RouteDecision), reply
             assert reply.request_id == "seeded"
-            assert (reply.route_source, reply.reason) == ("kvcm", "CACHE_LEADER")
+            assert (reply.route_source, reply.reason) == ("kvcm", "CACHE_LEADER"), "overloaded = shed"
             assert (reply.ip, reply.http_port, reply.grpc_port) == (holder.ip, holder.http_port, holder.grpc_port)
             assert reply.role == "PREFILL"
             assert (reply.local_blocks, reply.hit_tokens) == (8, 8 * BLOCK)
-            assert 0 < reply.elapsed_ms < 500
+            assert reply.elapsed_ms > 0  # how fast is the machine's on the real clock: not asserted
 
             # Caller keys are used as given: the same prefix by its keys lands on the same holder.
             keys = block_keys(PROMPT, BLOCK, KeyFamily.RTP)
-            by_keys = router_v1_pb2.RouteRequest(request_id="keys", block_cache_keys=keys, budget_ms=500)
+            by_keys = router_v1_pb2.RouteRequest(request_id="keys", block_cache_keys=keys, budget_ms=1000)
             reply = await _in_thread(lambda: r.route(by_keys))
             assert isinstance(reply, router_v1_pb2.RouteDecision), reply
             assert (reply.route_source, reply.ip, reply.http_port) == ("kvcm", holder.ip, holder.http_port)
@@ -270,30 +276,40 @@ async def test_client_deadline_shorter_than_budget_bounds_the_decision(nursery: 
             r.cluster.kvcm.clear_faults()
 
 
-async def test_a_call_beyond_the_handler_threads_waits_for_one_and_is_answered(nursery: trio.Nursery) -> None:
+async def test_a_call_beyond_the_handler_threads_waits_for_one_and_is_answered(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
     serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2, grpc_max_concurrent_rpcs=8)
-    with trio.fail_after(15):
-        async with rig(nursery, serve=serve) as r:
+    with trio.fail_after(30):
+        async with rig(nursery, serve=serve, router=HOLDING) as r:
+            waiting_for_thread = _pool_waiting(r.sidecar, monkeypatch)
             third: list[object] = []
 
             async def call_a_third() -> None:
-                # Both threads are held; this call waits for one instead of being refused.
-                third.append(await _in_thread(lambda: r.route(_slow_request("third", 500))))
+                async def third_call() -> None:
+                    third.append(await _in_thread(lambda: r.route(_slow_request("third"), timeout=HOLD_S)))
 
-            outcomes = await _with_calls_in_router(r, 2, 500, call_a_third)
+                async with trio.open_nursery() as calls:
+                    try:
+                        calls.start_soon(third_call)
+                        # Both threads are held: this call waits for one instead of being refused.
+                        assert await _in_thread(lambda: waiting_for_thread(1)), "the third call never waited"
+                    finally:
+                        r.cluster.kvcm.clear_faults()  # the held calls are answered: their threads free up
+
+            outcomes = await _with_calls_in_router(r, 2, call_a_third)
             assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in [*outcomes, *third]), (outcomes, third)
             assert r.sidecar.stats().answered == 3
 
 
 async def test_while_as_many_calls_wait_for_a_thread_as_there_are_threads_none_is_handed_to_the_router(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=1, grpc_max_concurrent_rpcs=8)
-    # The call in the router holds the thread for 2.5 s (its KVCM query hangs until its timeout):
-    # ample for the other two to queue behind it however busy the machine.
-    router = RouterConfig(budget_cap_ms=3000.0, kvcm_query_timeout_ms=2500.0)
+    # The call in the router holds the one thread (its KVCM query hangs) until both others wait for it.
     with trio.fail_after(30):
-        async with rig(nursery, serve=serve, router=router) as r:
+        async with rig(nursery, serve=serve, router=HOLDING) as r:
+            waiting_for_thread = _pool_waiting(r.sidecar, monkeypatch)
             later: list[object] = []
 
             async def two_more() -> None:
@@ -301,13 +317,17 @@ async def test_while_as_many_calls_wait_for_a_thread_as_there_are_threads_none_i
                 # leaves the other waiting, so it is answered overloaded at once; the last finds no one
                 # waiting and goes to the router (its time is ample: the admission takes it).
                 async def one(request_id: str) -> None:
-                    later.append(await _in_thread(lambda: r.route(_slow_request(request_id, 300), timeout=20.0)))
+                    later.append(await _in_thread(lambda: r.route(_slow_request(request_id), timeout=HOLD_S)))
 
                 async with trio.open_nursery() as both:
-                    both.start_soon(one, "b")
-                    both.start_soon(one, "c")
+                    try:
+                        both.start_soon(one, "b")
+                        both.start_soon(one, "c")
+                        assert await _in_thread(lambda: waiting_for_thread(2)), "b and c never both waited"
+                    finally:
+                        r.cluster.kvcm.clear_faults()  # the call in the router is answered: the thread frees up
 
-            outcomes = await _with_calls_in_router(r, 1, 2500, two_more)
+            outcomes = await _with_calls_in_router(r, 1, two_more)
             assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in [*outcomes, *later]), (outcomes, later)
             reasons = sorted(o.reason for o in later if isinstance(o, router_v1_pb2.RouteDecision))
             assert sorted(reason == "overloaded" for reason in reasons) == [False, True], reasons
@@ -316,15 +336,16 @@ async def test_while_as_many_calls_wait_for_a_thread_as_there_are_threads_none_i
 
 async def test_the_grpc_call_cap_refuses_the_call_beyond_it(nursery: trio.Nursery) -> None:
     serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2, grpc_max_concurrent_rpcs=2)
-    with trio.fail_after(15):
-        async with rig(nursery, serve=serve) as r:
+    with trio.fail_after(30):
+        async with rig(nursery, serve=serve, router=HOLDING) as r:
 
             async def call_a_third() -> None:
-                # Both calls hold a handler thread (their KVCM queries hang); a third is refused at once.
-                third = await _in_thread(lambda: r.route(_slow_request("third", 1000)))
+                # Both calls hold a handler thread (their KVCM queries hang until this returns); a
+                # third is refused at once.
+                third = await _in_thread(lambda: r.route(_slow_request("third")))
                 assert _status(third) is grpc.StatusCode.RESOURCE_EXHAUSTED
 
-            outcomes = await _with_calls_in_router(r, 2, 1000, call_a_third)
+            outcomes = await _with_calls_in_router(r, 2, call_a_third)
             assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in outcomes), outcomes
 
 
@@ -406,49 +427,78 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
     assert case.request.budget_ms is not None and case.request.budget_ms <= 300.0
 
 
-def _slow_request(request_id: str, budget_ms: int) -> router_v1_pb2.RouteRequest:
-    return router_v1_pb2.RouteRequest(request_id=request_id, token_ids=PROMPT, budget_ms=budget_ms)
+def _slow_request(request_id: str) -> router_v1_pb2.RouteRequest:
+    return router_v1_pb2.RouteRequest(request_id=request_id, token_ids=PROMPT, budget_ms=int(HOLD_S * 1000))
 
 
-async def _with_calls_in_router(r: Rig, n: int, budget_ms: int, body: Callable[[], Awaitable[None]]) -> list[object]:
-    """Start ``n`` calls that wait in the router (KVCM hangs: each lasts about its budget, holding its
-    handler thread), run ``body`` once all are in flight; the calls' outcomes."""
+def _pool_waiting(sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch) -> Callable[[int], bool]:
+    """A blocking wait (at most 10 s; False if it ran out) for ``count`` calls waiting for a handler
+    thread, as the sidecar's pool counts them: every call the pool is given notifies the wait."""
+    pool = sidecar._pool
+    assert pool is not None
+    changed = threading.Condition()
+    submit = pool.submit
+
+    def submitted(fn: Callable[..., object], /, *args: object, **kwargs: object) -> concurrent.futures.Future[object]:
+        future = submit(fn, *args, **kwargs)
+        with changed:
+            changed.notify_all()
+        return future
+
+    monkeypatch.setattr(pool, "submit", submitted)
+
+    def wait(count: int) -> bool:
+        with changed:
+            return changed.wait_for(lambda: pool.waiting >= count, 10.0)
+
+    return wait
+
+
+async def _with_calls_in_router(r: Rig, n: int, body: Callable[[], Awaitable[None]]) -> list[object]:
+    """Start ``n`` calls that wait in the router, each holding its handler thread (KVCM hangs, and the
+    rig's ``router=HOLDING`` lets them wait longer than the test), run ``body`` once all are in
+    flight, then let KVCM answer them (``body`` may do it sooner with ``r.cluster.kvcm.clear_faults()``;
+    a failing body does too, so no thread is left waiting); the calls' outcomes."""
     leader = r.cluster.kvcm.leader
     assert leader is not None
     r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
     stats = r.cluster.kvcm.stats(leader)
-    slow = _slow_request("in-flight", budget_ms)
+    slow = _slow_request("in-flight")
     outcomes: list[object] = []
 
     async def one() -> None:
-        outcomes.append(await _in_thread(lambda: r.route(slow)))
+        outcomes.append(await _in_thread(lambda: r.route(slow, timeout=HOLD_S)))
 
     async with trio.open_nursery() as clients:
-        for _ in range(n):
-            clients.start_soon(one)
-        assert await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, n, 5.0))
-        await body()
-    r.cluster.kvcm.clear_faults()
+        try:
+            for _ in range(n):
+                clients.start_soon(one)
+            assert await _in_thread(lambda: stats.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, n, 10.0))
+            await body()
+        finally:
+            r.cluster.kvcm.clear_faults()
     assert len(outcomes) == n
     return outcomes
 
 
 async def _drain_with_one_call_in_flight(r: Rig, body: Callable[[], Awaitable[None]]) -> object:
-    """Start a call that waits in the router (KVCM hangs), drain, run ``body``; the call's outcome."""
+    """Start a call that waits in the router (KVCM hangs; the rig needs ``router=HOLDING``), drain, run
+    ``body``, then let KVCM answer the call; the call's outcome."""
 
     async def drain_then_body() -> None:
         assert r.sidecar.stats().in_flight == 1
         r.sidecar.drain()
         await body()
 
-    (outcome,) = await _with_calls_in_router(r, 1, 400, drain_then_body)
+    (outcome,) = await _with_calls_in_router(r, 1, drain_then_body)
     return outcome
 
 
 async def test_drain_lame_duck_refuses_new_calls_and_says_not_serving(nursery: trio.Nursery) -> None:
-    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=5.0, drain_timeout_s=10.0)
-    with trio.fail_after(15):
-        async with rig(nursery, serve=serve) as r:
+    # A lame duck outlasting the test: it is still on when the test looks, however slow the machine.
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=HOLD_S, drain_timeout_s=2 * HOLD_S)
+    with trio.fail_after(30):
+        async with rig(nursery, serve=serve, router=HOLDING) as r:
             refused: list[object] = []
 
             async def during_lame_duck() -> None:
@@ -468,9 +518,10 @@ async def test_drain_lame_duck_refuses_new_calls_and_says_not_serving(nursery: t
 
 
 async def test_drain_stops_the_server_once_calls_are_done(nursery: trio.Nursery) -> None:
-    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.0)
-    with trio.fail_after(15):
-        async with rig(nursery, serve=serve) as r:
+    # The drain gives the call in flight (answered once the test lets KVCM answer) ample time.
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.0, drain_timeout_s=HOLD_S)
+    with trio.fail_after(30):
+        async with rig(nursery, serve=serve, router=HOLDING) as r:
 
             async def nothing() -> None:
                 pass
@@ -652,23 +703,28 @@ async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlie
             assert (shed_timing.handed_s, shed_timing.way_back_s) == (None, None)  # never handed off
 
 
-def _until(condition: Callable[[], bool]) -> bool:
-    """Whether ``condition`` holds within 10 s of polling (another thread makes it true)."""
-    for _ in range(10_000):
-        if condition():
-            return True
-        time.sleep(0.001)
-    return False
+class _WaitSeen(threading.Condition):
+    """A condition that tells when a thread first waits on it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__(lock)
+        self.entered = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.entered.set()
+        return super().wait(timeout)
 
 
 def test_a_call_that_finds_the_limit_reached_waits_for_the_place_an_answer_frees() -> None:
     counters = _Counters(InFlightLimit(initial=1, ceiling=1, floor=RouterConfig().admission_duty_floor), waiters=1)
     assert counters.hand_off(0.0)  # the one place
+    place_freed = counters._place_freed = _WaitSeen(counters._lock)  # the waiter waits on it for a place
     placed: list[bool] = []
     waiter = threading.Thread(target=lambda: placed.append(counters.hand_off(60.0)))
     waiter.start()
     try:
-        assert _until(lambda: counters.snapshot().waited_for_place == 1)
+        assert place_freed.entered.wait(10.0), "the call never waited for a place"
+        assert counters.snapshot().waited_for_place == 1
         assert not counters.hand_off(60.0)  # beyond the waiters' bound: answered at once
         assert placed == []
         counters.answered(handed_at=time.monotonic(), had_s=60.0, answered=True)

@@ -279,7 +279,10 @@ async def test_worker_status_decodes(clock: object, harness: Harness) -> None:
         prefill, pdfusion = harness.addresses.workers
         worker = harness.cluster.workers[0]
         now = trio.current_time()
-        worker.submit("r-1", 4000, 1000, now)  # 3 s of prefill at 1000 tokens/s
+        # An hour of prefill at 1000 tokens/s: on the real clock it is still running (and r-2
+        # waiting) however long the machine stalls before the status is read.
+        uncached = 3600 * 1000
+        worker.submit("r-1", uncached + 1000, 1000, now)
         worker.submit("r-2", 500, 0, now)
         status = await harness.status.get_worker_status(prefill.status_target, -1)
         assert status.role is Role.PREFILL and status.role_reported == "RoleType.PREFILL"
@@ -287,7 +290,7 @@ async def test_worker_status_decodes(clock: object, harness: Harness) -> None:
         assert [t.request_id for t in status.running] == ["r-1"]
         assert [(t.request_id, t.input_length, t.prefix_length) for t in status.waiting] == [("r-2", 500, 0)]
         remaining = status.running[0].remaining_prefill_tokens
-        assert remaining is not None and 0 < remaining <= 3000
+        assert remaining is not None and 0 < remaining <= uncached
         assert status.block_size == 64
 
         other = await harness.status.get_worker_status(pdfusion.status_target, -1)
