@@ -319,15 +319,6 @@ async def test_hang_is_answered_when_the_fault_clears(clock: object, harness: Ha
 # ---- cancel and connections ----
 
 
-async def test_cancel_is_best_effort(clock: object, harness: Harness) -> None:
-    with trio.fail_after(LIMIT_S):
-        await harness.transport.cancel(harness.host(0), "42")
-        if harness.adapter == "grpc":
-            assert harness.sim.replicas[0].cancels == [(42, False)]
-        else:
-            assert harness.sim.replicas[0].cancels == []
-
-
 async def test_http_keeps_one_connection_alive(clock: object, harness: Harness) -> None:
     if harness.adapter != "http":
         pytest.skip("connection reuse is the HTTP adapter's")

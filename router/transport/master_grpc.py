@@ -66,10 +66,6 @@ class GrpcMasterTransport:
     async def master_info(self, host: str) -> MasterInfo:
         return await self._info.master_info(host)
 
-    async def cancel(self, host: str, request_id: str) -> None:
-        target = grpc_target(host)
-        await self._rpc.call(target, paths.MASTER_CANCEL, encode_cancel_pb(request_id, deadline_exceeded=False))
-
     def _cancel_nowait(self, target: str, request_id: str, *, deadline_exceeded: bool) -> None:
         """Send Cancel without waiting (we may be inside a cancelled scope): fire and forget."""
         request = encode_cancel_pb(request_id, deadline_exceeded)

@@ -88,6 +88,3 @@ class HttpMasterTransport:
     async def master_info(self, host: str) -> MasterInfo:
         status, body = await self._post(host, paths.MASTER_HTTP_INFO, b"{}")
         return decode_info_json(status, body, host)
-
-    async def cancel(self, host: str, request_id: str) -> None:
-        """Nothing to send: cancelling a ``schedule`` call closes its connection, which cancels it."""

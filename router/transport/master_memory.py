@@ -32,7 +32,6 @@ class MemoryMasterNetwork:
     def __init__(self) -> None:
         self._handlers: dict[str, MasterHttpHandler] = {}
         self.calls: dict[tuple[str, str], int] = {}
-        self.cancels: list[tuple[str, str]] = []  # (host, request_id) passed to cancel()
 
     def serve(self, host: str, handler: MasterHttpHandler) -> None:
         self._handlers[host] = handler
@@ -62,6 +61,3 @@ class MemoryMasterNetwork:
     async def master_info(self, host: str) -> MasterInfo:
         status, body = await self._post(host, paths.MASTER_HTTP_INFO, b"{}")
         return decode_info_json(status, body, host)
-
-    async def cancel(self, host: str, request_id: str) -> None:
-        self.cancels.append((host, request_id))

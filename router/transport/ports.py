@@ -101,7 +101,3 @@ class MasterTransport(Protocol):
     async def master_info(self, host: str) -> MasterInfo:
         """``POST /rtp_llm/master/info``; raises a ``TransportError`` unless it is a success."""
         ...
-
-    async def cancel(self, host: str, request_id: str) -> None:
-        """Best effort: tell the scheduler a request is abandoned (gRPC only; HTTP's disconnect says it)."""
-        ...
