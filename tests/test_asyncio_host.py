@@ -42,6 +42,17 @@ def _config(addrs: SimClusterAddresses) -> KvrouteConfig:
     )
 
 
+def _left_since(baseline: set[threading.Thread]) -> set[threading.Thread]:
+    """Threads started since ``baseline`` still alive once grpcio's have ended: a closed channel's spin
+    thread (grpcio names its threads "Thread-N (_run)") exits on its own shortly after the close, so
+    the threads not named by kvroute are joined first, 5 s at most; one left behind stays in the result."""
+    deadline = time.monotonic() + 5.0
+    for thread in _threads() - baseline:
+        if not thread.name.startswith("kvroute"):
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return _threads() - baseline
+
+
 def _threads() -> set[threading.Thread]:
     """Live threads, except the simulated peers' gRPC handler pools (they grow on demand) and trio's
     process-wide cache of idle worker threads ("Trio thread N": any ``trio.to_thread`` call, such as a
@@ -95,7 +106,7 @@ async def test_asyncio_program_routes_concurrently_and_leaves_no_thread(nursery:
         assert all(isinstance(d, RouteDecision) and d.worker is not None for d in decisions), decisions
         baseline, during, after = threads
         assert {t.name for t in during - baseline} >= {"kvroute-router"}  # the router's thread ran ...
-        assert after == baseline  # ... and nothing of it is left
+        assert not _left_since(baseline), after - baseline  # ... and nothing of it is left
 
 
 async def test_a_deadline_on_the_callers_loop_clock_bounds_the_decision(nursery: trio.Nursery) -> None:
@@ -186,23 +197,24 @@ async def test_cancelled_call_and_calls_around_start_and_stop(nursery: trio.Nurs
 async def test_start_failure_is_raised_and_leaves_no_thread() -> None:
     with trio.fail_after(20):
         raised: list[BaseException] = []
-        counts: list[int] = []
+        before: list[set[threading.Thread]] = []
+        left: list[set[threading.Thread]] = []
 
         async def program() -> None:
-            counts.append(len(_threads()))
+            before.append(_threads())
             host = AsyncioRouterHost(KvrouteConfig(discovery=DiscoveryConfig(workers="10.0.0.1:notaport")))
             try:
                 await host.start()
             except Exception as exc:
                 raised.append(exc)
-            counts.append(len(_threads()))
+            left.append(_left_since(before[0]))
             with pytest.raises(HostStopped):
                 await host.route(RouteRequest("x", token_ids=(1, 2, 3)))
 
         await _run_asyncio(program)
         assert len(raised) == 1
         assert "notaport" in str(raised[0])
-        assert counts[0] == counts[1]
+        assert left == [set()]
 
 
 async def test_each_answers_way_back_to_the_callers_loop_reaches_the_split_tail(nursery: trio.Nursery) -> None:
