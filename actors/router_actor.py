@@ -24,7 +24,7 @@ import itertools
 import logging
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 
@@ -53,6 +53,7 @@ from router.policy.deadline_split import SplitEstimates, WithLag, split_windows
 from router.request import (
     CheckedRequest,
     PreparedRequest,
+    check_fields,
     check_request,
     is_sliced,
     key_slices,
@@ -204,6 +205,10 @@ class RouterActor:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
         now = trio.current_time()
         router = self._config.router
+        try:
+            check_fields(request)  # the deadline below reads the timing fields
+        except BadRequest as exc:
+            return await self._refuse(request, now, exc)
         deadline = request_deadline(request, now, router.budget_cap_ms, router.reply_margin_ms)
         remaining = deadline - now
         ticket = object()  # the limiter's borrower: one per request
@@ -221,6 +226,16 @@ class RouterActor:
             decision = await self._handle(request, now, deadline)
         finally:
             self._limiter.release_on_behalf_of(ticket)
+        return decision
+
+    async def _refuse(self, request: RouteRequest, now: float, problem: BadRequest) -> RouteDecision:
+        """The answer ``bad_request`` to a request whose fields cannot even be read (a wrong type, a
+        budget that is not a finite number): before admission, and not written to the decision log,
+        whose encoder expects the declared types."""
+        if not isinstance(request.request_id, str):
+            request = replace(request, request_id=repr(request.request_id))
+        decision = self._emit(self._fallback(request, None, Reason.BAD_REQUEST, now, {}, (), error=str(problem)))
+        await trio.lowlevel.checkpoint()
         return decision
 
     async def _shed(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:

@@ -35,11 +35,11 @@ from actors.metrics_sink import RepliesSent
 from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
 from router.exception_groups import sole_leaf
-from router.request import budget_left_ms, caller_deadline, request_deadline
+from router.request import budget_left_ms, caller_deadline, check_fields, request_deadline
 from router.settings import LoadedConfig
 from router.targets import HostPort
 from router.thread_bridge import deliver_outcome, settle_on_loop
-from router.types import RouteDecision, RouteRequest
+from router.types import BadRequest, RouteDecision, RouteRequest
 
 REPLY_SAMPLES = 256  # answers' way-back times kept until the next call hands them to the metrics sink
 
@@ -210,41 +210,67 @@ class AsyncioRouterHost:
         future: asyncio.Future[RouteDecision],
         settled_at: list[float],
     ) -> None:
-        # Runs in the trio thread (run_sync_soon), in submission order.
+        # Runs in the trio thread (run_sync_soon), in submission order. An exception raised here would
+        # end the trio run (and leave this call's future unsettled): whatever fails settles the future.
+        try:
+            self._spawn_call(request, remaining_s, sent_at, scope, loop, future, settled_at)
+        except Exception as exc:
+            settle_on_loop(loop, future, outcome.Error(exc))
+
+    def _spawn_call(
+        self,
+        request: RouteRequest,
+        remaining_s: float | None,
+        sent_at: float,
+        scope: trio.CancelScope,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[RouteDecision],
+        settled_at: list[float],
+    ) -> None:
         calls, handle = self._calls, self._handle
         if self._closing or calls is None or handle is None:
             settle_on_loop(loop, future, outcome.Error(HostStopped("the router host is stopping")))
             return
-        arrived = time.monotonic()
-        # The request's own min(budget, cap) in seconds from route(), before a caller's deadline joins it.
-        routing_s = request_deadline(request, 0.0, self._config.router.budget_cap_ms)
-        if remaining_s is not None:
-            deadline = caller_deadline(trio.current_time(), remaining_s, sent_at, arrived)
-            if request.deadline is not None:
-                deadline = min(deadline, request.deadline)
-            request = replace(request, deadline=deadline)
+        routing: tuple[float, float] | None = None
+        try:
+            check_fields(request)
+        except BadRequest:
+            pass  # the router answers it bad_request; nothing here may read its fields
+        else:
+            arrived = time.monotonic()
+            # The request's own min(budget, cap) in seconds from route(), before a caller's deadline joins it.
+            routing = (sent_at, request_deadline(request, 0.0, self._config.router.budget_cap_ms))
+            if remaining_s is not None:
+                deadline = caller_deadline(trio.current_time(), remaining_s, sent_at, arrived)
+                if request.deadline is not None:
+                    deadline = min(deadline, request.deadline)
+                request = replace(request, deadline=deadline)
         if self._reply_times:
             taken = []
             with contextlib.suppress(IndexError):
                 while True:
                     taken.append(self._reply_times.popleft())
             handle.metrics.emit(RepliesSent(tuple(taken)))
-        calls.start_soon(self._call, handle, request, (sent_at, routing_s), scope, loop, future, settled_at)
+        try:
+            calls.start_soon(self._call, handle, request, routing, scope, loop, future, settled_at)
+        except RuntimeError:  # the calls' nursery closed as the router stopped
+            settle_on_loop(loop, future, outcome.Error(HostStopped("the router host has stopped")))
 
     @staticmethod
     async def _call(
         handle: RouterHandle,
         request: RouteRequest,
-        routing: tuple[float, float],
+        routing: tuple[float, float] | None,
         scope: trio.CancelScope,
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[RouteDecision],
         settled_at: list[float],
     ) -> None:
         # The budget counts from route(): the hop to this thread and the wait for this task to start
-        # are already spent.
-        sent_at, routing_s = routing
-        request = replace(request, budget_ms=budget_left_ms(routing_s, sent_at, time.monotonic()))
+        # are already spent. (None: a request whose fields cannot be read, which the router refuses.)
+        if routing is not None:
+            sent_at, routing_s = routing
+            request = replace(request, budget_ms=budget_left_ms(routing_s, sent_at, time.monotonic()))
 
         # Cancelled by its caller (who no longer waits) or by a crashing router: HostStopped.
         def deliver(result: outcome.Outcome[RouteDecision]) -> None:

@@ -81,6 +81,45 @@ def quoted(text: str) -> str:
     return repr(text) if len(text) <= _QUOTED_CHARS else f"{text[:_QUOTED_CHARS]!r}… ({len(text)} chars)"
 
 
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_fields(request: RouteRequest) -> None:
+    """The fields' types, and the timing fields' values, before anything reads them (pure): a caller
+    of the Python API can pass anything, and the deadline is computed before the other checks. Raise
+    BadRequest naming the field."""
+    if not isinstance(request.request_id, str):
+        raise BadRequest("request_id", f"must be a string, got {_type_name(request.request_id)}")
+    budget = request.budget_ms
+    if budget is not None:
+        if not _is_number(budget):
+            raise BadRequest("budget_ms", f"must be a number of milliseconds, got {_type_name(budget)}")
+        if not math.isfinite(budget) or budget < 0:
+            raise BadRequest("budget_ms", f"must be finite and not negative, got {budget}")
+    deadline = request.deadline
+    if deadline is not None and not (_is_number(deadline) and math.isfinite(deadline)):
+        shown = deadline if _is_number(deadline) else _type_name(deadline)
+        raise BadRequest("deadline", f"must be a finite time on the router's clock, got {shown}")
+    for name, value in (("block_size", request.block_size), ("seq_len", request.seq_len)):
+        if value is not None and not _is_int(value):
+            raise BadRequest(name, f"must be an integer, got {_type_name(value)}")
+    for name, items in (("token_ids", request.token_ids), ("block_cache_keys", request.block_cache_keys)):
+        if items is not None and (isinstance(items, str | bytes) or not isinstance(items, Sequence)):
+            raise BadRequest(name, f"must be a sequence of integers, got {_type_name(items)}")
+    roles = request.roles
+    if roles is not None and (isinstance(roles, str) or not isinstance(roles, Sequence)):
+        raise BadRequest("roles", f"must be a sequence of Role values, got {_type_name(roles)}")
+
+
 def check_request(
     request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig, *, hash_tokens: bool = True
 ) -> CheckedRequest:
@@ -92,6 +131,7 @@ def check_request(
     seq_len, when given, must be the prompt's length: with token ids, their count; with keys, at
     least the tokens the keys' blocks cover; never more than ``max_prompt_tokens``.
     """
+    check_fields(request)
     check_bounds(
         limits,
         request_id=request.request_id,
@@ -101,6 +141,8 @@ def check_request(
     )
     if not request.request_id:
         raise BadRequest("request_id", "must not be empty")
+    if request.roles is not None and not all(isinstance(r, Role) for r in request.roles):  # bounded above
+        raise BadRequest("roles", "must be a sequence of Role values")
     has_tokens = request.token_ids is not None
     has_keys = request.block_cache_keys is not None
     if has_tokens == has_keys:
@@ -118,8 +160,6 @@ def check_request(
         raise BadRequest(
             "seq_len", f"{request.seq_len} is more than the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)"
         )
-    if request.budget_ms is not None and not math.isfinite(request.budget_ms):
-        raise BadRequest("budget_ms", f"must be finite, got {request.budget_ms}")
     roles = deployment.roles if not request.roles else request.roles
     foreign = [r.value for r in roles if r not in deployment.roles]
     if foreign:

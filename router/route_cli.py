@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -107,8 +108,8 @@ def request_from_args(args: argparse.Namespace) -> RouteRequest:
         tokens = parse_ints(text, f"--tokens-file {args.tokens_file}")
     else:
         keys = parse_ints(args.keys, "--keys")
-    if args.warmup_ms < 0:
-        raise InputError(f"--warmup-ms: must be >= 0, got {args.warmup_ms}")
+    if not math.isfinite(args.warmup_ms) or args.warmup_ms < 0:
+        raise InputError(f"--warmup-ms: must be a finite number >= 0, got {args.warmup_ms}")
     return RouteRequest(
         request_id=args.request_id,
         token_ids=tokens,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -273,3 +274,25 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
     (case,) = [c for c in load_log([str(log)]).cases if c.request_id == "lagged"]
     # What the router was given is what was left when its task started, not at the hand-off.
     assert case.request.budget_ms is not None and case.request.budget_ms <= 300.0
+
+
+async def test_a_request_whose_fields_cannot_be_read_is_refused_and_the_host_keeps_serving(
+    nursery: trio.Nursery,
+) -> None:
+    """A budget of the wrong type (or NaN) used to raise on the trio thread inside run_sync_soon, which
+    ended the router's run and left the caller waiting for ever."""
+    with trio.fail_after(20):
+        _cluster, addrs = await _seeded_cluster(nursery)
+        outcomes: list[RouteDecision] = []
+
+        async def program() -> None:
+            async with AsyncioRouterHost(_config(addrs)) as host:
+                for budget in ("50", math.nan, -1.0):
+                    request = RouteRequest("odd", token_ids=PROMPT, budget_ms=budget)  # type: ignore[arg-type]
+                    outcomes.append(await asyncio.wait_for(host.route(request), 10))
+                outcomes.append(await host.route(RouteRequest("fine", token_ids=PROMPT, budget_ms=CAP_MS)))
+
+        await _run_asyncio(program)
+        *odd, fine = outcomes
+        assert all(d.reason is Reason.BAD_REQUEST and (d.error or "").startswith("budget_ms:") for d in odd), odd
+        assert fine.worker is not None and fine.reason is not Reason.BAD_REQUEST

@@ -6,6 +6,7 @@ Only the remote peers are simulated; every actor, the deadline logic and the dec
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -414,6 +415,47 @@ async def test_bad_request_still_gets_an_answer(autojump_clock: trio.testing.Moc
         assert d.reason is Reason.BAD_REQUEST and d.error is not None and "block_cache_keys" in d.error
         d = await handle.route(RouteRequest("bad3", token_ids=PROMPT, roles=(Role.DECODE,)))
         assert d.reason is Reason.BAD_REQUEST and d.error is not None and "roles" in d.error
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"budget_ms": "50"}, "budget_ms"),
+        ({"budget_ms": math.nan}, "budget_ms"),
+        ({"budget_ms": math.inf}, "budget_ms"),
+        ({"budget_ms": -5.0}, "budget_ms"),
+        ({"deadline": "soon"}, "deadline"),
+        ({"deadline": math.nan}, "deadline"),
+        ({"request_id": None}, "request_id"),
+        ({"seq_len": 12.5}, "seq_len"),
+        ({"token_ids": "abc"}, "token_ids"),
+        ({"roles": ("PREFILL",)}, "roles"),
+    ],
+)
+async def test_a_field_of_the_wrong_type_or_value_is_refused_naming_it(
+    autojump_clock: trio.testing.MockClock, fields: dict[str, object], named: str
+) -> None:
+    """A caller of the Python API can pass anything: the answer is bad_request naming the field, at once,
+    never an exception (the deadline itself is computed from these fields)."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        request = replace(RouteRequest("typed", token_ids=PROMPT), **fields)  # type: ignore[arg-type]
+        start = trio.current_time()
+        d = await handle.route(request)
+        assert d.reason is Reason.BAD_REQUEST and d.error is not None and d.error.startswith(f"{named}:"), d.error
+        assert isinstance(d.request_id, str)
+        assert trio.current_time() == start
+
+
+async def test_a_bad_request_with_no_worker_to_name_is_still_bad_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    network = MemoryNetwork()
+    config = make_config("", "", kvcm_fallback=False)
+    async with open_router(config, rpc=network) as handle:
+        d = await handle.route(RouteRequest("", token_ids=PROMPT))
+        assert d.reason is Reason.BAD_REQUEST and d.route_source is RouteSource.NONE
+        assert d.error is not None and d.error.startswith("request_id:") and "no worker" in d.error
 
 
 async def test_caller_keys_pass_through(autojump_clock: trio.testing.MockClock) -> None:

@@ -77,6 +77,8 @@ class DomainSource:
         """
         workers = self._fleet.workers()
         if not workers:
+            if reason is Reason.BAD_REQUEST:  # the caller's mistake comes first
+                return Ended(reason, f"{error}; discovery has no worker either")
             return Ended(Reason.NO_WORKERS, error or "discovery has no worker: nothing to route to")
         roles: tuple[Role, ...] = prepared.roles if prepared is not None else self._roles
         worker = self._draw(workers, roles, self._rng if rng is None else rng)
