@@ -107,6 +107,8 @@ SHED_RECORDS_MAX = 4096
 # The trio thread publishes the router's readiness this often; a health Check answers from the last
 # publication without waiting for the trio thread (this much stale at most, while that thread runs).
 READY_PUBLISH_S = 0.5
+# An error carried in the trailing metadata is cut to this many characters (metadata is bounded).
+ERROR_METADATA_CHARS = 1024
 REPLY_SAMPLES = 256  # replies' way-back times kept until the next call hands them to the metrics sink
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
 _ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
@@ -907,7 +909,16 @@ class Sidecar:
 def _carry_error(decision: RouteDecision, context: grpc.ServicerContext) -> None:
     """A decision routing nowhere (``route_source=none``) carries its error in the trailing metadata."""
     if decision.route_source is RouteSource.NONE and decision.error:
-        context.set_trailing_metadata(((ERROR_METADATA_KEY, decision.error),))
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, metadata_text(decision.error)),))
+
+
+def metadata_text(text: str) -> str:
+    """``text`` as a metadata value gRPC accepts: printable ASCII (anything else escaped, as a peer's
+    error text may hold newlines or any character) and at most ERROR_METADATA_CHARS characters."""
+    escaped = text.encode("unicode_escape").decode("ascii")
+    if len(escaped) > ERROR_METADATA_CHARS:
+        escaped = escaped[: ERROR_METADATA_CHARS - 1] + "~"
+    return escaped
 
 
 def _settle_timed(

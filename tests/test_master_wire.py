@@ -15,6 +15,7 @@ from router.types import Role, RoleAddr
 from router.wire import master_flexlb_pb2 as flexlb_pb
 from router.wire.master import (
     CODE_NO_AVAILABLE_WORKER,
+    MAX_ROLE_ADDRS,
     BadScheduleRequest,
     MasterBusinessError,
     MasterFallback,
@@ -113,6 +114,36 @@ def test_business_errors(http_status: int, code: int) -> None:
 
 
 # ---- no usable reply ----
+
+
+@pytest.mark.parametrize("code", [-1, 2**31, 10**12])
+def test_an_error_code_out_of_int32_range_is_garbled(code: int) -> None:
+    with pytest.raises(GarbledReply, match="error code out of range"):
+        decode_schedule_json(500, body(success=False, code=code, error_message="x"), HOST)
+    with pytest.raises(GarbledReply, match="error code out of range"):
+        decode_schedule_json(200, body(success=True, code=200, server_status=[status(success=False, code=code)]), HOST)
+
+
+def test_a_negative_grpc_error_code_is_garbled() -> None:
+    reply = flexlb_pb.FlexlbScheduleResponsePB(success=False, code=-8400, error_message="x")
+    with pytest.raises(GarbledReply, match="error code out of range"):
+        decode_schedule_pb(reply.SerializeToString(), HOST)
+
+
+def test_more_role_entries_than_roles_exist_is_garbled() -> None:
+    many = [status(ip=f"10.0.0.{i}") for i in range(MAX_ROLE_ADDRS + 1)]
+    with pytest.raises(GarbledReply, match="server_status: 17 entries"):
+        decode_schedule_json(200, body(success=True, code=200, server_status=many), HOST)
+    reply = flexlb_pb.FlexlbScheduleResponsePB(
+        success=True,
+        code=200,
+        server_status=[
+            flexlb_pb.FlexlbServerStatusPB(role="PREFILL", server_ip=f"10.0.0.{i}", http_port=8000)
+            for i in range(MAX_ROLE_ADDRS + 1)
+        ],
+    )
+    with pytest.raises(GarbledReply, match="server_status: 17 entries"):
+        decode_schedule_pb(reply.SerializeToString(), HOST)
 
 
 def test_200_not_json_is_garbled() -> None:

@@ -39,6 +39,7 @@ from router.keys import block_keys
 from router.replay import load_log
 from router.request import budget_left_ms, caller_deadline
 from router.sidecar import (
+    ERROR_METADATA_CHARS,
     ROUTER_SERVICE,
     Sidecar,
     _CallHops,
@@ -49,6 +50,7 @@ from router.sidecar import (
     converted,
     crowded,
     decision_to_proto,
+    metadata_text,
     request_from_proto,
     shed_reply,
     shed_reply_body,
@@ -743,3 +745,13 @@ def test_with_no_waiters_allowed_a_full_router_sheds_at_once() -> None:
     assert counters.hand_off(60.0)
     assert not counters.hand_off(60.0)
     assert counters.snapshot().waited_for_place == 0
+
+
+def test_an_error_carried_in_metadata_is_printable_ascii_and_bounded() -> None:
+    """A peer's error text (the master's message) may hold newlines or any character; gRPC refuses a
+    metadata value that is not printable ASCII, which would turn the decision into INTERNAL."""
+    text = metadata_text("the master said: café\nline two \x00 ✓")
+    assert text.isascii() and all(0x20 <= ord(c) < 0x7F for c in text)
+    assert "caf\\xe9" in text and "\\n" in text
+    long = metadata_text("x" * 5000)
+    assert len(long) == ERROR_METADATA_CHARS and long.endswith("~")

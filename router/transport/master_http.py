@@ -17,7 +17,7 @@ import httpx
 
 from router.config import MasterConfig
 from router.targets import TargetError, parse_target
-from router.transport.errors import DeadlineExceeded, TransportError, Unavailable
+from router.transport.errors import DeadlineExceeded, GarbledReply, TransportError, Unavailable
 from router.wire import paths
 from router.wire.master import (
     MasterInfo,
@@ -29,6 +29,9 @@ from router.wire.master import (
 )
 
 _HEADERS = {"content-type": "application/json", "accept": "application/json"}
+# A schedule or master/info reply is a few hundred bytes (one entry per role); a larger one is read no
+# further, since it is decoded on the routing thread.
+MAX_REPLY_BYTES = 65_536
 
 
 def http_base(host: str, scheme: str = "http") -> str:
@@ -76,10 +79,17 @@ class HttpMasterTransport:
     async def _post(self, host: str, path: str, body: bytes) -> tuple[int, bytes]:
         url = http_base(host, self._scheme) + path
         try:
-            response = await self._client.post(url, content=body)
+            async with self._client.stream("POST", url, content=body) as response:
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > MAX_REPLY_BYTES:  # leaving the block closes the connection
+                        raise GarbledReply(host, f"{path}: reply body larger than {MAX_REPLY_BYTES} bytes")
+                    chunks.append(chunk)
+                return response.status_code, b"".join(chunks)
         except httpx.HTTPError as exc:
             raise _transport_error(host, exc) from exc
-        return response.status_code, response.content
 
     async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
         status, body = await self._post(host, paths.MASTER_HTTP_SCHEDULE, encode_schedule_json(request))

@@ -148,6 +148,19 @@ def _not_json(status: int, body: bytes, target: str, what: str) -> Exception:
     return RemoteError(target, f"{what}: body is not JSON: {snippet!r}", status, f"http:{status}")
 
 
+_CODE_MAX = 2**31 - 1  # the gRPC API's int32; our reply's error_code is uint32
+# A routed reply names one worker per role the cluster has (four roles exist); more is garbage, and
+# decoding it would hold the routing thread.
+MAX_ROLE_ADDRS = 16
+
+
+def _error_code(code: int, field: str, target: str) -> int:
+    """A scheduler's error code: positive and an int32 (as both APIs define it), else the reply is garbled."""
+    if not 0 < code <= _CODE_MAX:
+        raise GarbledReply(target, f"{field}: error code out of range 1..{_CODE_MAX}, got {code}")
+    return code
+
+
 def _int_field(obj: Mapping[str, object], key: str, field: str, target: str, *, optional: bool) -> int | None:
     value = obj.get(key)
     if value is None:
@@ -182,7 +195,8 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
         # A role the scheduler could not route fails the whole answer with that role's code.
         code = _int_field(entry, "code", f"{field}.code", target, optional=True)
         message = _str_field(entry, "message", f"{field}.message", target) or ""
-        return MasterBusinessError(code or CODE_NO_AVAILABLE_WORKER, message, None)
+        code = CODE_NO_AVAILABLE_WORKER if not code else _error_code(code, f"{field}.code", target)
+        return MasterBusinessError(code, message, None)
     role = parse_master_role(_str_field(entry, "role", f"{field}.role", target) or "", f"{field}.role", target)
     ip = _str_field(entry, "server_ip", f"{field}.server_ip", target)
     if not ip:
@@ -215,12 +229,14 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
     if code == CODE_FALLBACK:
         return MasterFallback(message, status)
     if code != CODE_OK:
-        return MasterBusinessError(code, message, status)
+        return MasterBusinessError(_error_code(code, "code", target), message, status)
     if status != 200:
         raise RemoteError(target, f"{what}: code 200 in an HTTP {status} reply", status, f"http:{status}")
     entries = obj.get("server_status") or []
     if not isinstance(entries, list):
         raise GarbledReply(target, f"server_status: expected a list, got {entries!r}")
+    if len(entries) > MAX_ROLE_ADDRS:
+        raise GarbledReply(target, f"server_status: {len(entries)} entries, more than {MAX_ROLE_ADDRS}")
     addrs: list[RoleAddr] = []
     for i, entry in enumerate(entries):
         decoded = _role_addr_json(entry, i, target)
@@ -377,7 +393,9 @@ def decode_schedule_pb(data: bytes, target: str) -> MasterReply:
     if code == CODE_FALLBACK:
         return MasterFallback(reply.error_message, None)
     if code != CODE_OK:
-        return MasterBusinessError(code, reply.error_message, None)
+        return MasterBusinessError(_error_code(code, "code", target), reply.error_message, None)
+    if len(reply.server_status) > MAX_ROLE_ADDRS:
+        raise GarbledReply(target, f"server_status: {len(reply.server_status)} entries, more than {MAX_ROLE_ADDRS}")
     addrs: list[RoleAddr] = []
     for i, entry in enumerate(reply.server_status):
         field = f"server_status[{i}]"
