@@ -120,6 +120,16 @@ def check_fields(request: RouteRequest) -> None:
         raise BadRequest("roles", f"must be a sequence of Role values, got {_type_name(roles)}")
 
 
+def check_shape(request_id: str, *, has_tokens: bool, has_keys: bool) -> None:
+    """The checks a request's shape alone decides (pure, O(1)): an id, and exactly one prompt list.
+    The sidecar runs them on a message before it may shed it, so a malformed call is refused, never
+    answered ``overloaded`` with a worker. Raise BadRequest naming the field."""
+    if not request_id:
+        raise BadRequest("request_id", "must not be empty")
+    if has_tokens == has_keys:
+        raise BadRequest("token_ids", "give exactly one of token_ids or block_cache_keys")
+
+
 def check_request(
     request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig, *, hash_tokens: bool = True
 ) -> CheckedRequest:
@@ -139,14 +149,10 @@ def check_request(
         n_keys=0 if request.block_cache_keys is None else len(request.block_cache_keys),
         n_roles=0 if request.roles is None else len(request.roles),
     )
-    if not request.request_id:
-        raise BadRequest("request_id", "must not be empty")
+    has_tokens, has_keys = request.token_ids is not None, request.block_cache_keys is not None
+    check_shape(request.request_id, has_tokens=has_tokens, has_keys=has_keys)
     if request.roles is not None and not all(isinstance(r, Role) for r in request.roles):  # bounded above
         raise BadRequest("roles", "must be a sequence of Role values")
-    has_tokens = request.token_ids is not None
-    has_keys = request.block_cache_keys is not None
-    if has_tokens == has_keys:
-        raise BadRequest("token_ids", "give exactly one of token_ids or block_cache_keys")
     if request.block_size is not None and request.block_size <= 0:
         raise BadRequest("block_size", f"must be positive, got {request.block_size}")
     if request.block_size is not None and request.block_size > limits.max_prompt_tokens:

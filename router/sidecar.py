@@ -75,7 +75,7 @@ from router.admission import InFlightLimit, admits, slot_wait_s
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
-from router.request import budget_deadline, budget_left_ms, caller_deadline, check_bounds, quoted
+from router.request import budget_deadline, budget_left_ms, caller_deadline, check_bounds, check_shape, quoted
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
 from router.thread_bridge import deliver_outcome, settle
@@ -140,14 +140,11 @@ def request_from_proto(message: router_v1_pb2.RouteRequest, limits: LimitsConfig
 
 
 def check_proto_bounds(message: router_v1_pb2.RouteRequest, limits: LimitsConfig) -> None:
-    """Raise BadRequest naming the field when ``message`` is larger than ``limits`` allow (from its sizes)."""
-    check_bounds(
-        limits,
-        request_id=message.request_id,
-        n_tokens=len(message.token_ids),
-        n_keys=len(message.block_cache_keys),
-        n_roles=len(message.roles),
-    )
+    """Raise BadRequest naming the field when ``message`` is larger than ``limits`` allow (from its sizes)
+    or malformed in its shape (no id, not exactly one prompt list): both before it may be shed."""
+    n_tokens, n_keys = len(message.token_ids), len(message.block_cache_keys)
+    check_bounds(limits, request_id=message.request_id, n_tokens=n_tokens, n_keys=n_keys, n_roles=len(message.roles))
+    check_shape(message.request_id, has_tokens=n_tokens > 0, has_keys=n_keys > 0)
 
 
 def converted(message: router_v1_pb2.RouteRequest) -> RouteRequest:
@@ -789,8 +786,13 @@ class Sidecar:
         if size <= self._large_request_bytes:
             yield
             return
-        wait_s = context.time_remaining()
-        if not self._large_requests.acquire(timeout=-1 if wait_s is None else max(0.0, wait_s)):
+        # At most the client's deadline, and never longer than any call's routing deadline can be (the
+        # cap): a client without a deadline has about 9e18 s left, which the wait cannot take.
+        remaining = context.time_remaining()
+        wait_s = self._cap_ms / 1000.0 + ANSWER_SLACK_S
+        if remaining is not None:
+            wait_s = min(wait_s, remaining)
+        if not self._large_requests.acquire(timeout=max(0.0, wait_s)):
             raise PeerAbort(RpcStatus.DEADLINE_EXCEEDED, "a large request waited its whole deadline to be read")
         try:
             yield

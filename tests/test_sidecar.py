@@ -47,6 +47,7 @@ from router.sidecar import (
     _Stopped,
     _ThreadWait,
     _TimedPool,
+    check_proto_bounds,
     converted,
     crowded,
     decision_to_proto,
@@ -755,3 +756,19 @@ def test_an_error_carried_in_metadata_is_printable_ascii_and_bounded() -> None:
     assert "caf\\xe9" in text and "\\n" in text
     long = metadata_text("x" * 5000)
     assert len(long) == ERROR_METADATA_CHARS and long.endswith("~")
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"request_id": "", "token_ids": [1, 2]}, "request_id"),
+        ({"request_id": "r"}, "token_ids"),
+        ({"request_id": "r", "token_ids": [1], "block_cache_keys": [2]}, "token_ids"),
+    ],
+)
+def test_a_malformed_shape_is_refused_before_the_call_could_be_shed(fields: dict[str, object], named: str) -> None:
+    """Checked with the sizes, before admission may answer the call ``overloaded``: a malformed call is
+    refused naming the field, never answered with a worker."""
+    with pytest.raises(BadRequest, match=f"^{named}:"):
+        check_proto_bounds(router_v1_pb2.RouteRequest(**fields), LIMITS)  # type: ignore[arg-type]
+    check_proto_bounds(router_v1_pb2.RouteRequest(request_id="r", token_ids=[1, 2]), LIMITS)  # well formed

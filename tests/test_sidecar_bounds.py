@@ -22,6 +22,7 @@ from router.api import RouterHandle, open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig, ServeConfig
 from router.sidecar import READY_PUBLISH_S, ROUTER_SERVICE, SHED_RECORDS_MAX, Sidecar
 from router.targets import HostPort
+from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import Reason, RouteSource
 from router.wire import router_v1_pb2
@@ -164,3 +165,40 @@ async def _warm(handle: RouterHandle) -> None:
     resolver = handle.leader_resolver()
     assert resolver is not None
     await resolver.leader()  # the router is ready before the sidecar publishes its first readiness
+
+
+class _NoDeadline:
+    """A grpc context of a client that set no deadline: grpcio reports about 9.2e18 s left."""
+
+    def time_remaining(self) -> float:
+        return 9.2e18
+
+
+async def test_a_large_request_without_a_client_deadline_waits_for_its_turn_at_most_the_cap(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two large requests overlap and the second client set no deadline: its wait for the reading turn
+    is bounded by the cap (it used to pass grpcio's 9.2e18 s to the semaphore, which raised
+    OverflowError, and a None deadline meant no wait at all). The wait is a handler thread's, on the
+    real clock: the cap's 50 ms plus the answer slack."""
+    network = MemoryNetwork()
+    config = _memory_config(network)
+    async with open_router(config, rpc=network) as handle:
+        sidecar = Sidecar(handle, config)
+        size = sidecar._large_request_bytes + 1
+        context = cast(grpc.ServicerContext, _NoDeadline())
+        outcome: list[BaseException | None] = []
+
+        def second_reader() -> None:
+            try:
+                with sidecar._reading_turn(size, context):
+                    outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        with sidecar._reading_turn(size, context):  # the first large request is being read
+            await trio.to_thread.run_sync(second_reader)
+        (result,) = outcome
+        assert isinstance(result, PeerAbort) and result.status is RpcStatus.DEADLINE_EXCEEDED, result
+        with sidecar._reading_turn(size, context):  # free again: no wait
+            pass
