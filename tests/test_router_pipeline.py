@@ -741,3 +741,36 @@ async def test_a_blank_host_in_kvcms_answer_is_counted_as_a_malformed_host(
         await trio.testing.wait_all_tasks_blocked()  # the metrics sink has applied the decision
         registry = handle.metrics.registry
         assert registry.get_sample_value("kvroute_candidates_dropped_total", {"reason": "malformed_host"}) == 1
+
+
+async def test_a_kvcm_trial_whose_caller_leaves_frees_the_breakers_trial_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The half-open breaker admits one trial; its caller gives up while the query hangs. The trial's
+    slot must be free at once (not held until trial_timeout_s, which would then count a failure and
+    reopen the breaker against a KVCM that has recovered)."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, config):
+        seed(cluster, 2, 8)
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        query_only = frozenset({paths.KVCM_GET_HOST_CACHE_STATE})
+        node = cluster.kvcm.node_ids[0]
+        cluster.kvcm.set_faults(node, KvcmFaults(error_code=kvcm_pb.INTERNAL_ERROR, methods=query_only))
+        for i in range(config.breaker.failure_threshold):
+            await handle.route(RouteRequest(f"fail{i}", token_ids=PROMPT, budget_ms=50))
+        await trio.testing.wait_all_tasks_blocked()
+        assert resolver.snapshot().breaker.state is BreakerState.OPEN
+        await trio.sleep(config.breaker.cooldown_s)  # a trial is due
+        cluster.kvcm.set_faults(node, KvcmFaults(hang=True, methods=query_only))
+        with trio.move_on_after(0.005) as caller:  # gives up while its trial's query hangs
+            await handle.route(RouteRequest("trial", token_ids=PROMPT, budget_ms=50))
+        assert caller.cancelled_caught
+        await trio.testing.wait_all_tasks_blocked()
+        breaker = resolver.snapshot().breaker
+        assert (breaker.state, breaker.trial_started_at) == (BreakerState.HALF_OPEN, None)
+        cluster.kvcm.clear_faults()
+        d = await handle.route(RouteRequest("next", token_ids=PROMPT, budget_ms=50))  # the next trial, at once
+        assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert resolver.snapshot().breaker.state is BreakerState.CLOSED

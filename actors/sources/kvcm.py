@@ -80,6 +80,13 @@ class KvcmSource:
             )
         )
 
+    def _release_unreported(self, trial: bool) -> None:
+        """The request left (cancelled by its caller, or its own deadline's scope took the wait's
+        cancellation) before the outcome was recorded: a trial admitted for it must not hold the
+        breaker's trial slot until the slot times out."""
+        if trial:
+            self._resolver.release_kvcm_trial()
+
     async def _query(self, ctx: RequestContext) -> tuple[HostMatch, ...] | FellThrough:
         """KVCM's positive hosts, or why KVCM could not help this request."""
         resolver = self._resolver
@@ -94,11 +101,15 @@ class KvcmSource:
         if leader is None:
             failure: LeaderUnavailable | None = None
             leader_end = ctx.split.windows.leader_end
-            with trio.move_on_at(leader_end) as waiting:
-                try:
-                    leader = await resolver.leader()
-                except LeaderUnavailable as exc:
-                    failure = exc
+            try:
+                with trio.move_on_at(leader_end) as waiting:
+                    try:
+                        leader = await resolver.leader()
+                    except LeaderUnavailable as exc:
+                        failure = exc
+            except BaseException:
+                self._release_unreported(trial)
+                raise
             ctx.split.waited(Stage.LEADER, waiting.cancelled_caught)
             ctx.stages[Stage.LEADER] = ms(trio.current_time() - t)
             if leader is None:
@@ -127,11 +138,15 @@ class KvcmSource:
         query_deadline = min(query_end, t + self._query_timeout_s)
         error: TransportError | None = None
         state: CacheState | None = None
-        with trio.move_on_at(query_deadline) as waiting:
-            try:
-                state = await self._kvcm.get_host_cache_state(leader.target, query)
-            except TransportError as exc:
-                error = exc
+        try:
+            with trio.move_on_at(query_deadline) as waiting:
+                try:
+                    state = await self._kvcm.get_host_cache_state(leader.target, query)
+                except TransportError as exc:
+                    error = exc
+        except BaseException:
+            self._release_unreported(trial)
+            raise
         ctx.split.waited(Stage.CACHE_QUERY, waiting.cancelled_caught and query_end <= query_deadline)
         ctx.stages[Stage.CACHE_QUERY] = ms(trio.current_time() - t)
         if state is None and error is None:
