@@ -18,7 +18,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import trio
@@ -59,10 +59,12 @@ class ScorerUnavailable(Exception):
 @dataclass(eq=False, slots=True)
 class _Decision:
     request: DecideRequest
-    event: trio.Event = field(default_factory=trio.Event)
+    caller: trio.lowlevel.Task  # woken by the Scorer's task once decided
     selection: Selection | None = None
     work_s: float = 0.0
     error: str | None = None
+    done: bool = False  # decided (or failed): the reply fields are set
+    waiting: bool = False  # the caller is parked for the reply
     abandoned: bool = False  # the caller left (its deadline passed): do not decide or record
 
 
@@ -154,13 +156,24 @@ class Scorer:
         while waiting leaves nothing recorded unless the Scorer had already decided.
         Raises :class:`ScorerUnavailable` when the policy failed on this request.
         """
-        message = _Decision(request)
+        message = _Decision(request, trio.lowlevel.current_task())
+
+        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            # Marked at the moment the cancellation is delivered, not when this task next runs: the
+            # Scorer's task may run first in the same batch, and must not charge a selection to a
+            # caller that has already left.
+            message.waiting = False
+            message.abandoned = True
+            return trio.lowlevel.Abort.SUCCEEDED
+
         try:
             try:
                 self._send.send_nowait(message)  # the common case: room in the inbox, no extra schedule point
             except trio.WouldBlock:
                 await self._send.send(message)
-            await message.event.wait()
+            if not message.done:
+                message.waiting = True
+                await trio.lowlevel.wait_task_rescheduled(abort)
         except BaseException:
             message.abandoned = True
             raise
@@ -222,7 +235,10 @@ class Scorer:
                 self._warn_mismatches(request, selection.sheet)
             message.selection = selection
         message.work_s = trio.current_time() - started
-        message.event.set()
+        message.done = True
+        if message.waiting:
+            message.waiting = False
+            trio.lowlevel.reschedule(message.caller)
 
     def _snapshot(self) -> ScorerHealth:
         return ScorerHealth(

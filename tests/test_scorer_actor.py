@@ -138,6 +138,31 @@ async def test_a_caller_that_left_before_its_turn_is_not_decided_or_recorded(
     assert selection.reason is Reason.CACHE_LEADER
 
 
+async def test_a_caller_cancelled_in_the_batch_the_scorer_runs_in_is_not_charged() -> None:
+    """The caller's cancellation is delivered while its message waits, and the Scorer's task is
+    ready in the same batch: whichever runs first, nothing is decided or recorded for a caller that
+    has left (trio runs a batch's tasks in no fixed order, so twenty rounds)."""
+    a = addr(1)
+    plan = plan_of((a, 10))
+    for _ in range(20):
+        scorer = make_scorer()
+        async with trio.open_nursery() as nursery:
+            caller = trio.CancelScope()
+
+            async def ask(scorer: Scorer, caller: trio.CancelScope) -> None:
+                with caller:
+                    await scorer.decide(request(plan, {a: status()}, now=0.0))
+
+            nursery.start_soon(ask, scorer, caller)
+            await trio.testing.wait_all_tasks_blocked()  # its message is in the inbox; it is parked
+            nursery.start_soon(scorer.run)  # ready in the same batch as the cancelled caller
+            caller.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        health = scorer.health()
+        assert (health.abandoned, health.decisions, health.policy.pending_charges) == (1, 0, 0)
+
+
 async def test_a_contract_mismatch_is_logged_once_per_worker(
     nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
