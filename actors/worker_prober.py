@@ -764,7 +764,9 @@ class WorkerProber:
         if state.ejected_until > now:
             return self._skip(worker, SkipReason.EJECTED)
         flight = state.flight
-        if flight is not None:
+        # A probe whose wait for its budget has already been cancelled (its waiters' deadline passed)
+        # lands no_budget whatever deadline is set now: a request with time left gets a probe of its own.
+        if flight is not None and not (flight.phase is _Phase.BUDGET and flight.budget_scope.cancel_called):
             self._coalesced += 1
             if flight.phase is _Phase.BUDGET and handle.deadline > flight.budget_scope.deadline:
                 flight.budget_scope.deadline = handle.deadline

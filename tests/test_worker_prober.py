@@ -144,6 +144,37 @@ async def test_requests_waiting_for_budget_are_skipped_at_their_deadline(
     assert health.budget_tokens == 1000  # the 152 unused tokens were refunded
 
 
+async def test_a_request_with_time_left_does_not_join_a_probe_whose_budget_wait_was_cancelled(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A probe waiting for an in-flight slot whose requesters' deadline passed lands no_budget; a request
+    asking for the same worker in between, with time left, gets a probe of its own, not that skip."""
+    fake = FakeWorkers(MemoryNetwork())
+    held, target = workers(2)
+    fake.add(held)
+    fake.add(target)
+    fake.hanging.add(held.status_target)
+    prober = await start_prober(nursery, fake, inflight_cap=1)
+    now = trio.current_time()
+    holder = prober.probe([held], now + 10.0)  # takes the only slot and keeps it
+    await trio.testing.wait_all_tasks_blocked()
+    assert fake.active == 1
+    first = prober.probe([target], now + 0.005)  # waits for the slot
+    await trio.testing.wait_all_tasks_blocked()
+    flight = prober._workers[target].flight
+    assert flight is not None and flight.phase.value == "budget"
+    # As at the first request's deadline: trio has cancelled the probe's wait, which has not yet run.
+    flight.budget_scope.cancel()
+    second = prober.probe([target], trio.current_time() + 1.0)
+    fake.hanging.discard(held.status_target)  # the slot frees up once the held call ends
+    with trio.move_on_after(10.0):
+        await holder.wait_all()
+    await first.wait_all()
+    await second.wait_all()
+    assert by_outcome(first.results()) == {SkipReason.NO_BUDGET: 1}
+    assert by_outcome(second.results()) == {ProbeOutcome.OK: 1}
+
+
 async def test_rate_budget_over_a_window(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
     fake = FakeWorkers(MemoryNetwork())
     fleet = [fake.add(w) for w in workers(600)]
