@@ -93,6 +93,10 @@ class Alarm:
                 self._at = math.inf  # rung: the owner sets the next time when it takes the message
                 if self._credits is not None:
                     await self._credits.acquire()
-                await self._send.send(self._message)
+                    # A credit is a place in the inbox, so this never waits: no checkpoint between the
+                    # two where a cancellation would keep the credit from ever being given back.
+                    self._send.send_nowait(self._message)
+                else:
+                    await self._send.send(self._message)
         finally:
             self._scope = None
