@@ -104,6 +104,7 @@ SHED_RECORD_BATCH_S = 0.005
 # Sheds answered and not yet recorded at most: a trio thread stalled under a shed storm leaves the
 # ones beyond unrecorded (counted in SidecarStats.sheds_unrecorded); each holds its whole request.
 SHED_RECORDS_MAX = 4096
+SHED_RECORD_TURN = 64  # sheds recorded between two checkpoints of the routing thread
 # The trio thread publishes the router's readiness this often; a health Check answers from the last
 # publication without waiting for the trio thread (this much stale at most, while that thread runs).
 READY_PUBLISH_S = 0.5
@@ -837,20 +838,31 @@ class Sidecar:
     async def _record_sheds_after_batch(self) -> None:
         try:
             await trio.sleep(SHED_RECORD_BATCH_S)
+            # In turns, with a checkpoint between them: a storm leaves thousands to record, and with
+            # the decision log on each converts its request (milliseconds for a large prompt), which
+            # must not hold up the routing thread in one go.
+            self._sheds_drain_due = False
+            while self._record_sheds(SHED_RECORD_TURN):
+                await trio.lowlevel.checkpoint()
         finally:  # also when the sidecar stops at once: a shed answered is a shed recorded
             self._record_sheds()
 
-    def _record_sheds(self) -> None:
-        # The sheds handler threads answered since the last recording.
-        self._sheds_drain_due = False
+    def _record_sheds(self, most: int | None = None) -> bool:
+        """Record the sheds handler threads answered since the last recording, ``most`` of them at most
+        (None: all); True when some are left."""
+        if most is None:
+            self._sheds_drain_due = False
         now = trio.current_time()
-        while True:
+        recorded = 0
+        while most is None or recorded < most:
             try:
                 message, drawn, elapsed_ms, left_s = self._sheds.popleft()
             except IndexError:
-                return
+                return False
             decision = drawn.answering(message.request_id, elapsed_ms)
             self._router.record_shed(partial(converted, message), decision, now + left_s)
+            recorded += 1
+        return bool(self._sheds)
 
     def _spawn(
         self,
