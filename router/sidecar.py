@@ -108,6 +108,7 @@ SHED_RECORD_TURN = 64  # sheds recorded between two checkpoints of the routing t
 # The trio thread publishes the router's readiness this often; a health Check answers from the last
 # publication without waiting for the trio thread (this much stale at most, while that thread runs).
 READY_PUBLISH_S = 0.5
+READY_STALE_S = 4 * READY_PUBLISH_S  # a publication older than this means the routing thread is stuck
 # An error carried in the trailing metadata is cut to this many characters (metadata is bounded).
 ERROR_METADATA_CHARS = 1024
 REPLY_SAMPLES = 256  # replies' way-back times kept until the next call hands them to the metrics sink
@@ -130,11 +131,12 @@ def _role(name: str) -> Role:
 def request_from_proto(message: router_v1_pb2.RouteRequest, limits: LimitsConfig) -> RouteRequest:
     """The router's request for a ``kvroute.v1.RouteRequest``; raises BadRequest naming the field.
 
-    A request larger than ``limits`` is refused from its sizes before anything is converted.
-    proto3 cannot tell an unset scalar from 0: block_size, seq_len and budget_ms 0 mean "not given"
-    (budget: use the cap), and an empty token_ids / block_cache_keys list is not given. Everything
-    else (exactly one of the two lists, block size, seq_len, roles the deployment routes) is checked
-    by the router, which answers reason=bad_request with an error naming the field.
+    A request larger than ``limits`` is refused from its sizes, and one without an id or without
+    exactly one of the two lists from its shape, before anything is converted. proto3 cannot tell an
+    unset scalar from 0: block_size, seq_len and budget_ms 0 mean "not given" (budget: use the cap),
+    and an empty token_ids / block_cache_keys list is not given. Everything else (block size,
+    seq_len, roles the deployment routes) is checked by the router, which answers reason=bad_request
+    with an error naming the field.
     """
     check_proto_bounds(message, limits)
     return converted(message)
@@ -473,7 +475,8 @@ class Sidecar:
         # read by health Checks on handler threads, which never wait for that thread: a stalled loop
         # must not pin a handler thread per probe.
         self._ready = False
-        self._health = _RouterHealth(lambda: self._ready)
+        self._ready_at = -math.inf  # time.monotonic() of the last publication
+        self._health = _RouterHealth(self._published_ready)
         self._thread_wait = _ThreadWait()  # per handler thread: its call's wait for the thread
         self._pool: _TimedPool | None = None  # set in run(); read by handler threads
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
@@ -550,7 +553,7 @@ class Sidecar:
         try:
             async with trio.open_nursery() as calls:
                 self._calls = calls
-                self._ready = self._ready_now()
+                self._publish(self._ready_now())
                 publishing = trio.CancelScope()
                 calls.start_soon(self._publish_readiness, publishing)
                 server.start()
@@ -820,7 +823,16 @@ class Sidecar:
         with scope:
             while True:
                 await trio.sleep(READY_PUBLISH_S)
-                self._ready = self._ready_now()
+                self._publish(self._ready_now())
+
+    def _publish(self, ready: bool) -> None:
+        self._ready_at = time.monotonic()  # before the value: a reader seeing it fresh sees that value or a newer
+        self._ready = ready
+
+    def _published_ready(self) -> bool:
+        """On handler threads: the readiness last published, if the trio thread published it recently.
+        A routing thread that has stopped publishing (stuck, or stalled for seconds) is not serving."""
+        return self._ready and time.monotonic() - self._ready_at < READY_STALE_S
 
     def _record_sheds_soon(self) -> None:
         """Runs in the trio thread (run_sync_soon), woken by the first shed since the last recording:
@@ -840,9 +852,14 @@ class Sidecar:
             await trio.sleep(SHED_RECORD_BATCH_S)
             # In turns, with a checkpoint between them: a storm leaves thousands to record, and with
             # the decision log on each converts its request (milliseconds for a large prompt), which
-            # must not hold up the routing thread in one go.
-            self._sheds_drain_due = False
-            while self._record_sheds(SHED_RECORD_TURN):
+            # must not hold up the routing thread in one go. One recorder at a time: the flag stays
+            # up until the queue is found empty, then the queue is looked at once more (a shed added
+            # between the two found the flag up and started no recorder).
+            while True:
+                if not self._record_sheds(SHED_RECORD_TURN):
+                    self._sheds_drain_due = False
+                    if not self._sheds:
+                        break
                 await trio.lowlevel.checkpoint()
         finally:  # also when the sidecar stops at once: a shed answered is a shed recorded
             self._record_sheds()

@@ -22,6 +22,7 @@ from router.api import RouterHandle, open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig, ServeConfig
 from router.sidecar import (
     READY_PUBLISH_S,
+    READY_STALE_S,
     ROUTER_SERVICE,
     SHED_RECORD_BATCH_S,
     SHED_RECORD_TURN,
@@ -62,6 +63,7 @@ async def test_sheds_beyond_the_bound_are_answered_and_counted_not_queued(
         sidecar = Sidecar(handle, config)
         context = cast(grpc.ServicerContext, object())  # a domain answer carries no trailing metadata
         calls = SHED_RECORDS_MAX + 3
+        sidecar._sheds_drain_due = True  # as the first shed sets it (no trio token here to schedule a recorder)
 
         def shed_all() -> list[bytes]:  # on a thread, as grpc's handler threads do
             requests = [router_v1_pb2.RouteRequest(request_id=f"s{i}") for i in range(calls)]
@@ -85,14 +87,17 @@ async def test_sheds_beyond_the_bound_are_answered_and_counted_not_queued(
             recording.start_soon(sidecar._record_sheds_after_batch)
             await trio.sleep(SHED_RECORD_BATCH_S)
             seen = []
+            due = []  # while sheds are left the flag stays up: a handler thread starts no second recorder
             for _ in range(2 * SHED_RECORDS_MAX // SHED_RECORD_TURN):
                 await trio.lowlevel.checkpoint()
                 seen.append(len(sidecar._sheds))
+                due.append(sidecar._sheds_drain_due)
                 if not sidecar._sheds:
                     break
         assert router.health().overloaded == before + SHED_RECORDS_MAX
-        assert not sidecar._sheds
+        assert not sidecar._sheds and not sidecar._sheds_drain_due
         assert len([n for n in seen if 0 < n < SHED_RECORDS_MAX]) >= SHED_RECORDS_MAX // SHED_RECORD_TURN // 2
+        assert all(flag for n, flag in zip(seen, due, strict=True) if n > 0)
 
 
 def _check(sidecar: Sidecar, service: str) -> int:
@@ -126,6 +131,11 @@ async def test_health_answers_the_readiness_the_trio_thread_publishes(
         ready[0] = True
         await _one_publication()
         assert _check(sidecar, "") == SERVING
+        # A routing thread that stopped publishing (stuck) is not serving, whatever it last said.
+        published_at = sidecar._ready_at
+        sidecar._ready_at = published_at - READY_STALE_S
+        assert _check(sidecar, "") == NOT_SERVING
+        sidecar._ready_at = published_at
         sidecar.drain()  # not ready from the drain on, at once
         assert _check(sidecar, "") == NOT_SERVING
         await _one_publication()
