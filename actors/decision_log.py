@@ -86,15 +86,19 @@ class LogFileWriter:
         self.write_errors = 0
         self.last_error: str | None = None
         self._lock = threading.Lock()
+        self.generation = 0  # one per open(): a run of the actor
 
     def open(self) -> None:
         """Start a fresh file: whatever a previous run left at ``path`` is rotated away first."""
         with self._lock:
+            self.generation += 1
             self._open()
 
-    def drain(self, pieces: deque[list[DecisionRecord]], *, close: bool = False) -> None:
+    def drain(self, pieces: deque[list[DecisionRecord]], *, close_generation: int | None = None) -> None:
         """Write the pieces, each taken from the left of ``pieces`` just before it is written (the
-        trio thread takes back those left when it stops waiting); then, with ``close``, close the file."""
+        trio thread takes back those left when it stops waiting); then, with ``close_generation``,
+        close the file if it is still that run's (a stop that gave up on a hung disk returns late,
+        maybe after a restarted run opened its own file)."""
         with self._lock:
             while True:
                 try:
@@ -102,7 +106,7 @@ class LogFileWriter:
                 except IndexError:
                     break
                 self._write(records)
-            if close:
+            if close_generation is not None and close_generation == self.generation:
                 self.close()
 
     def _open(self) -> None:
@@ -259,7 +263,8 @@ class DecisionLog:
             finished.append(result)
             done.set()
 
-        trio.lowlevel.start_thread_soon(partial(self._writer.drain, pieces, close=True), deliver)
+        writer = self._writer
+        trio.lowlevel.start_thread_soon(partial(writer.drain, pieces, close_generation=writer.generation), deliver)
         # The bound is on the real clock, waited out on a thread: the disk is not on trio's clock, and
         # under a MockClock a trio deadline would end the wait for any thread at once. The wait has a
         # limiter of its own, so no thread another call holds delays it.

@@ -764,9 +764,13 @@ class WorkerProber:
         if state.ejected_until > now:
             return self._skip(worker, SkipReason.EJECTED)
         flight = state.flight
-        # A probe whose wait for its budget has already been cancelled (its waiters' deadline passed)
-        # lands no_budget whatever deadline is set now: a request with time left gets a probe of its own.
-        if flight is not None and not (flight.phase is _Phase.BUDGET and flight.budget_scope.cancel_called):
+        # A probe whose wait for its budget is over by its waiters' deadline (cancelled, or past it
+        # and about to give up) lands no_budget whatever deadline is set now: a request with time
+        # left gets a probe of its own.
+        budget_over = flight is not None and (
+            flight.budget_scope.cancel_called or now >= flight.budget_scope.deadline
+        )
+        if flight is not None and not (flight.phase is _Phase.BUDGET and budget_over):
             self._coalesced += 1
             if flight.phase is _Phase.BUDGET and handle.deadline > flight.budget_scope.deadline:
                 flight.budget_scope.deadline = handle.deadline

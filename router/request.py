@@ -93,6 +93,18 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _shown(value: int | float) -> str:
+    text = repr(value)
+    return text if len(text) <= _QUOTED_CHARS else f"{text[:_QUOTED_CHARS]}… ({len(text)} digits)"
+
+
 def check_fields(request: RouteRequest) -> None:
     """The fields' types, and the timing fields' values, before anything reads them (pure): a caller
     of the Python API can pass anything, and the deadline is computed before the other checks. Raise
@@ -103,18 +115,18 @@ def check_fields(request: RouteRequest) -> None:
     if budget is not None:
         if not _is_number(budget):
             raise BadRequest("budget_ms", f"must be a number of milliseconds, got {_type_name(budget)}")
-        if not math.isfinite(budget) or budget < 0:
-            raise BadRequest("budget_ms", f"must be finite and not negative, got {budget}")
+        if not _is_finite(budget) or budget < 0:
+            raise BadRequest("budget_ms", f"must be finite and not negative, got {_shown(budget)}")
     deadline = request.deadline
-    if deadline is not None and not (_is_number(deadline) and math.isfinite(deadline)):
-        shown = deadline if _is_number(deadline) else _type_name(deadline)
+    if deadline is not None and not (_is_number(deadline) and _is_finite(deadline)):
+        shown = _shown(deadline) if _is_number(deadline) else _type_name(deadline)
         raise BadRequest("deadline", f"must be a finite time on the router's clock, got {shown}")
     for name, value in (("block_size", request.block_size), ("seq_len", request.seq_len)):
         if value is not None and not _is_int(value):
             raise BadRequest(name, f"must be an integer, got {_type_name(value)}")
     for name, items in (("token_ids", request.token_ids), ("block_cache_keys", request.block_cache_keys)):
-        if items is not None and (isinstance(items, str | bytes) or not isinstance(items, Sequence)):
-            raise BadRequest(name, f"must be a sequence of integers, got {_type_name(items)}")
+        if items is not None and not isinstance(items, tuple | list):
+            raise BadRequest(name, f"must be a tuple or list of integers, got {_type_name(items)}")
     roles = request.roles
     if roles is not None and (isinstance(roles, str) or not isinstance(roles, Sequence)):
         raise BadRequest("roles", f"must be a sequence of Role values, got {_type_name(roles)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -22,7 +23,7 @@ import trio.testing
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from actors.decision_log import _BATCH, STOP_WRITE_S, DecisionLog
+from actors.decision_log import _BATCH, STOP_WRITE_S, DecisionLog, LogFileWriter
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
@@ -653,3 +654,16 @@ def test_a_stop_on_a_hung_disk_ends_by_its_bound_and_counts_what_the_disk_did_no
     dropped, written = trio.run(stop_on_a_hung_disk, clock=trio.testing.MockClock(autojump_threshold=0))
     assert (dropped, written) == (total - held, held)
     assert [case.request_id for case in load_log([str(path)]).cases] == [f"q{i}" for i in range(held)]
+
+
+def test_a_late_stop_closes_only_the_file_of_its_own_run(tmp_path: Path) -> None:
+    """A stop that gave up on a hung disk returns late: by then a restarted run may have opened its own
+    file, which the old stop's thread must not close (the next write would reopen and rotate it)."""
+    writer = LogFileWriter(str(tmp_path / "d.log"), max_bytes=1 << 20, files=2, header={"v": 1})
+    writer.open()
+    old_run = writer.generation
+    writer.open()  # the restarted run
+    writer.drain(deque(), close_generation=old_run)  # the old stop, late
+    assert writer._file is not None
+    writer.drain(deque(), close_generation=writer.generation)  # the current run's own stop
+    assert writer._file is None

@@ -151,14 +151,21 @@ def test_200_not_json_is_garbled() -> None:
         decode_schedule_json(200, b"<html>", HOST)
 
 
-@pytest.mark.parametrize("http_status", [500, 502, 503])
-def test_a_non_200_body_that_is_not_json_is_no_available_worker(http_status: int) -> None:
+def test_a_plain_text_500_is_no_available_worker() -> None:
     """The scheduler's exceptions answer plain text: a reply (not a connection failure) that fails the
     request with 8400, as the reference frontend does with an unparsable error body."""
-    reply = decode_schedule_json(http_status, b"java.lang.NullPointerException", HOST)
+    reply = decode_schedule_json(500, b"java.lang.NullPointerException", HOST)
     assert isinstance(reply, MasterBusinessError)
-    assert (reply.code, reply.http_status) == (CODE_NO_AVAILABLE_WORKER, http_status)
+    assert (reply.code, reply.http_status) == (CODE_NO_AVAILABLE_WORKER, 500)
     assert "java.lang.NullPointerException" in reply.message
+
+
+@pytest.mark.parametrize("http_status", [404, 502, 503, 504])
+def test_another_status_whose_body_is_not_json_is_no_reply_from_the_scheduler(http_status: int) -> None:
+    """A proxy's error page, or a host that is no scheduler: the slave and then KVCM are tried."""
+    with pytest.raises(RemoteError) as caught:
+        decode_schedule_json(http_status, b"<html>Bad Gateway</html>", HOST)
+    assert caught.value.code_name == f"http:{http_status}"
 
 
 @pytest.mark.parametrize(

@@ -105,12 +105,15 @@ class DomainSource:
         if self._route_blind:
             return workers[rng.randrange(len(workers))]
         unknown: WorkerAddr | None = None
-        for looked, worker in enumerate(self._search_order(workers, rng), start=1):
+        give_up_at = -1  # where the look for a known one ends, once a routable unknown one is seen
+        for looked, worker in enumerate(self._search_order(workers, rng)):
             if self._prober.is_routable(worker, roles):
                 if self._prober.cached(worker) is not None:
                     return worker
-                unknown = unknown or worker
-            if unknown is not None and looked >= _REDRAWS + 1 + _KNOWN_SCAN:
+                if unknown is None:
+                    unknown = worker
+                    give_up_at = max(looked, _REDRAWS) + _KNOWN_SCAN
+            if looked == give_up_at:
                 break
         return unknown
 

@@ -148,6 +148,7 @@ def _not_json(status: int, body: bytes, target: str, what: str) -> Exception:
     return RemoteError(target, f"{what}: body is not JSON: {snippet!r}", status, f"http:{status}")
 
 
+_SERVER_EXCEPTION_STATUS = 500  # how the scheduler answers its own exceptions (plain text)
 _CODE_MAX = 2**31 - 1  # the gRPC API's int32; our reply's error_code is uint32
 # A routed reply names one worker per role the cluster has (four roles exist); more is garbage, and
 # decoding it would hold the routing thread.
@@ -213,10 +214,12 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
     what = "schedule"
     obj = _json_object(status, body, target, what)
     if obj is None:
-        if status == 200:
+        if status != _SERVER_EXCEPTION_STATUS:
             raise _not_json(status, body, target, what)
-        # The scheduler's own exceptions answer a plain-text error: a usable reply, not a connection
-        # failure. The reference frontend fails the request with NO_AVAILABLE_WORKER, so do we.
+        # The scheduler's own exceptions answer a plain-text 500: a usable reply, not a connection
+        # failure, which the reference frontend fails with NO_AVAILABLE_WORKER, and so do we. Any
+        # other status with a body that is not JSON (a proxy's 502, a 404 from a host that is no
+        # scheduler) is no reply from the scheduler at all.
         snippet = body[:120].decode("utf-8", "replace")
         return MasterBusinessError(CODE_NO_AVAILABLE_WORKER, f"HTTP {status} body is not JSON: {snippet!r}", status)
     code = _int_field(obj, "code", "code", target, optional=True)
