@@ -130,8 +130,12 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig) -> int:
         debug = parse_listen(serve.debug_listen)
         log.info("serving with %d processes on %s", serve.processes, grpc_address, extra=ctx(target=grpc_address))
 
+        decision_log = loaded.effective.router.decision_log
+
         def command(index: int) -> list[str]:
-            return _child_command(args, index, grpc_address, child_debug_listen(debug, index))
+            return _child_command(
+                args, index, grpc_address, child_debug_listen(debug, index), child_decision_log(decision_log, index)
+            )
 
         supervisor = ProcessSupervisor(
             count=serve.processes,
@@ -147,12 +151,26 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig) -> int:
         return trio.run(supervise)
 
 
-def _child_command(args: argparse.Namespace, index: int, grpc_listen: str, debug_listen: str) -> list[str]:
+def child_decision_log(path: str, index: int) -> str:
+    """Child ``index``'s decision log: its own file beside the configured path (``PATH.p<index>``), since
+    a log file has one writer (each would truncate and rotate its siblings'); empty stays off."""
+    return f"{path}.p{index}" if path else ""
+
+
+def _child_command(
+    args: argparse.Namespace, index: int, grpc_listen: str, debug_listen: str, decision_log: str
+) -> list[str]:
     """``kvroute serve`` for child ``index``: this command's own flags (the environment and the config
-    file reach the child as they reached this process), one process, the resolved addresses."""
+    file reach the child as they reached this process), one process, the resolved addresses, its own
+    decision log."""
     given = vars(args)
     flags: list[str] = [f"--config={args.config}"] if args.config is not None else []
-    overrides = {"processes": "1", "grpc_listen": grpc_listen, "debug_listen": debug_listen}
+    overrides = {
+        "processes": "1",
+        "grpc_listen": grpc_listen,
+        "debug_listen": debug_listen,
+        "decision_log": decision_log,
+    }
     for setting in SETTINGS:
         value = overrides.get(setting.name, given.get(setting.name))
         if value is not None:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import grpc
 import psutil
@@ -24,6 +25,7 @@ import trio
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.keys import block_keys
+from router.replay import load_log
 from router.serve_processes import child_debug_listen, reserve_port
 from router.settings import load_config
 from router.targets import HostPort
@@ -109,7 +111,9 @@ def _route_on_fresh_connection(target: str, request_id: str) -> router_v1_pb2.Ro
         return reply
 
 
-async def test_two_processes_share_the_port_replace_a_killed_one_and_drain_on_sigterm(nursery: trio.Nursery) -> None:
+async def test_two_processes_share_the_port_replace_a_killed_one_and_drain_on_sigterm(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
     with trio.fail_after(120):
         cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
         addrs = await nursery.start(cluster.serve_grpc)
@@ -123,6 +127,7 @@ async def test_two_processes_share_the_port_replace_a_killed_one_and_drain_on_si
             f"--budget-cap-ms={BUDGET_MS}",
             f"--router-kvcm-query-timeout-ms={BUDGET_MS}",
             "--drain-timeout-s=10",
+            f"--decision-log={tmp_path / 'decisions.log'}",
         )
         proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         log = Lines()
@@ -187,6 +192,11 @@ async def test_two_processes_share_the_port_replace_a_killed_one_and_drain_on_si
         assert sum(answered.values()) == SPREAD_CALLS + IN_FLIGHT
         # none invalid, refused, timed out, failed or cut off at the drain deadline
         assert all(counts[1:] == (0, 0, 0, 0, 0) for counts in summaries.values()), summaries
+        # Each process wrote its own decision log (one writer per file), and each replays.
+        logged = {index: load_log([str(tmp_path / f"decisions.log.p{index}")]).cases for index in (0, 1)}
+        assert all(logged.values()), logged
+        ids = [{case.request_id for case in cases} for cases in logged.values()]
+        assert not ids[0] & ids[1]
 
 
 def test_reserved_port_is_shared_by_reuseport_sockets_and_refused_when_taken() -> None:
