@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import math
+import re
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any, Protocol
@@ -233,10 +234,14 @@ class DebugApp:
 
     async def _decisions(self, scope: Scope) -> Answer:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        unknown = sorted(set(query) - {"limit"})
+        if unknown:
+            raise _BadRequest(f"{unknown[0][:40]!r}: unknown parameter (only limit is)")
         limit = DEFAULT_DECISIONS_LIMIT
         if "limit" in query:
             text = query["limit"][-1]
-            if not text.isdigit() or int(text) < 1:
+            # ASCII digits only (str.isdigit also takes '²'), and few of them: the ring is far smaller.
+            if _LIMIT_TEXT.fullmatch(text) is None or int(text) < 1:
                 raise _BadRequest(f"limit: must be a positive integer, got {text[:40]!r}")
             limit = int(text)
         # A snapshot of references (the ring holds at most its size): cheap, and nothing awaits before it.
@@ -249,6 +254,9 @@ class DebugApp:
 
     def _config(self, scope: Scope) -> tuple[int, str, bytes]:
         return _json(debug_config_view(self._loaded))
+
+
+_LIMIT_TEXT = re.compile(r"[0-9]{1,9}")
 
 
 def _json(value: object, *, redact: bool = False) -> tuple[int, str, bytes]:

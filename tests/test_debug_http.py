@@ -197,10 +197,12 @@ async def test_debug_actors_and_decisions() -> None:
             assert first["decision"]["route_source"] == "kvcm"
             everything = (await client.get("/debug/decisions")).json()
             assert everything["count"] == 3  # the ring holds 3
-            for bad in ("abc", "0", "-1", ""):
+            for bad in ("abc", "0", "-1", "", "\u00b2", "1" * 5000, "nan"):
                 response = await client.get("/debug/decisions", params={"limit": bad})
                 assert response.status_code == 400
-                assert response.text == f"limit: must be a positive integer, got {bad!r}\n"
+                assert response.text == f"limit: must be a positive integer, got {bad[:40]!r}\n"
+            typo = await client.get("/debug/decisions", params={"limt": "5"})
+            assert (typo.status_code, typo.text) == (400, "'limt': unknown parameter (only limit is)\n")
 
 
 async def test_unknown_paths_other_methods_and_failing_sources() -> None:
