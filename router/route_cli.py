@@ -36,6 +36,10 @@ from router.sidecar import decision_to_proto
 from router.types import Reason, RouteDecision, RouteRequest, RouteSource
 
 log = logging.getLogger("kvroute.route")
+# A token file is read no further than this: far beyond any prompt the limits allow (a token id is at
+# most 20 characters and a separator), and small enough to hold in memory.
+TOKENS_FILE_MAX_CHARS = 64 * 1024 * 1024
+WARMUP_MAX_MS = 600_000.0  # ten minutes: --warmup-ms beyond it is a mistake, not a wait
 
 DEFAULT_WARMUP_MS = 2000.0
 DEFAULT_REQUEST_ID = "kvroute-cli"
@@ -102,14 +106,18 @@ def request_from_args(args: argparse.Namespace) -> RouteRequest:
     elif args.tokens_file is not None:
         try:
             with open(args.tokens_file, encoding="utf-8") as file:
-                text = file.read()
+                text = file.read(TOKENS_FILE_MAX_CHARS + 1)
         except OSError as exc:
             raise InputError(f"--tokens-file: cannot read {args.tokens_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise InputError(f"--tokens-file: {args.tokens_file} is not UTF-8 text (byte {exc.start})") from None
+        if len(text) > TOKENS_FILE_MAX_CHARS:
+            raise InputError(f"--tokens-file: {args.tokens_file} is longer than {TOKENS_FILE_MAX_CHARS} characters")
         tokens = parse_ints(text, f"--tokens-file {args.tokens_file}")
     else:
         keys = parse_ints(args.keys, "--keys")
-    if not math.isfinite(args.warmup_ms) or args.warmup_ms < 0:
-        raise InputError(f"--warmup-ms: must be a finite number >= 0, got {args.warmup_ms}")
+    if not math.isfinite(args.warmup_ms) or not 0 <= args.warmup_ms <= WARMUP_MAX_MS:
+        raise InputError(f"--warmup-ms: must be a number from 0 to {WARMUP_MAX_MS:.0f}, got {args.warmup_ms}")
     return RouteRequest(
         request_id=args.request_id,
         token_ids=tokens,

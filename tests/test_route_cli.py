@@ -133,6 +133,17 @@ def test_bad_input_and_fatal_configuration_exit_2_naming_the_flag() -> None:
     assert result.stdout == ""
 
 
+def test_a_token_file_that_is_not_text_and_an_endless_warm_up_exit_2_naming_the_flag(tmp_path: Path) -> None:
+    binary = tmp_path / "tokens.bin"
+    binary.write_bytes(b"\xff\xfe1,2")
+    base = ("route", "--workers", "127.0.0.1:9", "--kvcm-fallback", "false")
+    result = _run(*base, "--tokens-file", str(binary))
+    assert result.returncode == 2 and "--tokens-file" in result.stderr and "not UTF-8" in result.stderr
+    for warmup in ("nan", "1e12", "-1"):
+        result = _run(*base, "--tokens", "1,2", "--warmup-ms", warmup)
+        assert result.returncode == 2 and "--warmup-ms" in result.stderr, (warmup, result.stderr)
+
+
 def test_no_worker_known_prints_route_source_none_and_exits_1() -> None:
     result = _run("route", "--kvcm-fallback", "false", "--tokens", "1,2,3", "--json", "--warmup-ms", "0")
     assert result.returncode == 1, result.stderr
