@@ -25,6 +25,7 @@ the next decision's ledger.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -51,7 +52,7 @@ from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
 from actors.sources.master import kept_after_master, routed_pick
 from actors.sources.scoring import selection_result
-from router.config import KvrouteConfig, MasterProtocol, RouterConfig
+from router.config import KvrouteConfig, LimitsConfig, MasterProtocol, RouterConfig
 from router.decision_record import (
     KIND_DECISION,
     KIND_FLEET,
@@ -71,6 +72,7 @@ from router.policy.choice import make_policy
 from router.policy.deadline_split import COLD, SplitEstimates
 from router.policy.ledger import NEVER, SelectionLedger
 from router.policy.plan import CandidateSource, Fleet
+from router.problems import range_of
 from router.request import PreparedRequest
 from router.settings import resolve_config
 from router.settings.redact import config_digest
@@ -268,14 +270,33 @@ def _answer(raw: Sequence[Any]) -> RecordedAnswer:
     return RecordedAnswer(started, arrived, result)
 
 
+def _max_block_keys_bound() -> int:
+    declared = next(range_of(f) for f in dataclasses.fields(LimitsConfig) if f.name == "max_block_keys")
+    assert declared is not None
+    return int(declared.high)
+
+
+# The most keys a request can have (the upper bound of limits.max_block_keys): a recorded count
+# beyond it is a garbled log, not a request to rebuild.
+_MAX_RECORDED_KEYS = _max_block_keys_bound()
+# What a decision's "d" must hold for replay to compare it (decision_fields; "sm"/"sw" are optional).
+_DECISION_FIELDS = frozenset({"w", "r", "rs", "ra", "ch", "c", "hit", "ec"})
+
+
 def _keys(raw: Any) -> tuple[int, ...]:
     if isinstance(raw, list):
         return tuple(int(k) for k in raw)
     _, _, length = str(raw).rpartition(":")
-    return (0,) * int(length)  # long keys are recorded as a digest: only their count matters to replay
+    count = int(length)
+    if not 0 <= count <= _MAX_RECORDED_KEYS:
+        raise ValueError(f"a recorded key count of {count}, beyond 0..{_MAX_RECORDED_KEYS}")
+    return (0,) * count  # long keys are recorded as a digest: only their count matters to replay
 
 
 def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fleet], fleet: Fleet | None) -> Case:
+    missing = _DECISION_FIELDS - set(dict(p["d"]))
+    if missing:
+        raise KeyError(f"the decision lacks {', '.join(sorted(missing))}")
     received = float(p["t"])
     roles = None if "ro" not in p else tuple(Role(r) for r in p["ro"])
     deadline = None if "dl" not in p else received + float(p["dl"])
@@ -570,6 +591,9 @@ class _ReplayShadow:
         return await self._scoring.choose(ctx, hosts, CandidateSource.SHADOW)
 
 
+_DOMAIN_ENDINGS = frozenset(r.value for r in (Reason.NO_WORKERS, Reason.NO_CANDIDATES, Reason.BAD_REQUEST))
+
+
 class _ReplayDomain(DomainSource):
     """The recorded draw: the worker the recorded decision's domain answer named."""
 
@@ -587,8 +611,10 @@ class _ReplayDomain(DomainSource):
     ) -> Answered | Ended:
         case = self._current.get()
         expected = case.expected
-        if expected["rs"] == RouteSource.NONE.value and expected["r"] == Reason.NO_WORKERS.value:
-            return Ended(Reason.NO_WORKERS, error or "discovery has no worker: nothing to route to")
+        if expected["rs"] == RouteSource.NONE.value and expected["r"] in _DOMAIN_ENDINGS:
+            # The domain named no worker (none known, none routable, or a bad request with neither):
+            # as recorded. The error text is not compared.
+            return Ended(Reason(expected["r"]), error or f"as recorded: {expected['r']}")
         roles: tuple[Role, ...] = prepared.roles if prepared is not None else self._roles
         addrs = decode_addrs(expected["ra"])
         if expected["rs"] == RouteSource.DOMAIN.value and addrs:

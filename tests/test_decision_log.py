@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import IO, TypeVar, cast
+from typing import IO, Any, TypeVar, cast
 
 import pytest
 import trio
@@ -37,6 +37,7 @@ from router.config import (
     DiscoveryConfig,
     KvrouteConfig,
     MasterConfig,
+    ProberConfig,
     RouterConfig,
     ScorerConfig,
 )
@@ -217,6 +218,34 @@ def test_requests_whose_leader_lookup_failed_replay_without_a_query(tmp_path: Pa
     assert replay_all(log) == (3, 3)
 
 
+def test_decisions_that_named_no_worker_replay_identically(tmp_path: Path) -> None:
+    """Every worker refuses its probes (KVCM fallback off: domain routing only), so the domain names no
+    worker (no_candidates), and a bad request with no worker to name stays bad_request: replay ends
+    them the same way (it used to replay every one of them as no_workers)."""
+    log = tmp_path / "decisions.log"
+
+    async def record(log: Path) -> list[RouteDecision]:
+        cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+        network = MemoryNetwork()
+        addrs = cluster.serve_memory(network)
+        for worker in cluster.workers:
+            worker.set_faults(WorkerFaults(dead=True))
+        config = replace(
+            _config(addrs.kvcm_bootstrap, addrs.workers_arg, log, kvcm_fallback=False),
+            prober=ProberConfig(health_interval_s=0.5),
+        )
+        async with open_router(config, rpc=network) as handle:
+            await trio.sleep(2.0)  # the health probes have been refused by every worker
+            routed = [await handle.route(RouteRequest(f"d{i}", token_ids=PROMPT, budget_ms=50)) for i in range(3)]
+            return [*routed, await handle.route(RouteRequest("", token_ids=PROMPT, budget_ms=50))]
+
+    decisions = on_mock_clock(record, log)
+    assert [(d.route_source, d.reason) for d in decisions] == [(RouteSource.NONE, Reason.NO_CANDIDATES)] * 3 + [
+        (RouteSource.NONE, Reason.BAD_REQUEST)
+    ]
+    assert replay_all(log) == (4, 4)
+
+
 def test_a_recorded_cache_run_replays_identically(tmp_path: Path) -> None:
     log = tmp_path / "decisions.log"
     decisions = on_mock_clock(record_cache_run, log)
@@ -386,6 +415,35 @@ def test_corrupted_and_truncated_logs_name_the_byte_offset(tmp_path: Path, capsy
     huge.write_bytes(MAGIC + struct.pack(">IBI", 2**31, ord("D"), 0))
     assert main(["replay", str(huge)]) == 2
     assert f"byte offset {len(MAGIC)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda p: {**p, "d": {}}, "the decision lacks"),
+        (lambda p: {**p, "k": "sha256-prefix:100000000000"}, "recorded key count"),
+    ],
+)
+def test_a_decision_record_garbled_inside_valid_frames_exits_2_naming_its_offset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: Callable[[dict[str, Any]], dict[str, Any]], named: str
+) -> None:
+    """Checksums that match over a record that does not: replay names the frame's byte offset and exits
+    2 (it raised KeyError, or tried to build 10^11 keys, with a traceback and exit 1)."""
+    log = tmp_path / "decisions.log"
+    on_mock_clock(record_cache_run, log)
+    garbled = tmp_path / "garbled.log"
+    body = bytearray(MAGIC)
+    offsets: list[int] = []
+    for f in parse_frames(str(log), log.read_bytes()):
+        payload = dict(f.payload)
+        if f.kind == KIND_DECISION and not offsets and "k" in payload:
+            payload = change(payload)
+            offsets.append(len(body))
+        body += frame(f.kind, payload)
+    garbled.write_bytes(bytes(body))
+    assert main(["replay", str(garbled)]) == 2
+    err = capsys.readouterr().err
+    assert f"byte offset {offsets[0]}" in err and named in err and "Traceback" not in err
 
 
 def test_rotation_keeps_the_size_bound_and_each_file_replays(tmp_path: Path) -> None:
