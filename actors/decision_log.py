@@ -19,6 +19,7 @@ not taken by the bound is dropped and counted.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import deque
@@ -42,6 +43,8 @@ from router.decision_record import (
     frame,
 )
 from router.policy.plan import Fleet
+
+log = logging.getLogger(__name__)
 
 _BATCH = 256  # records a thread writes in one piece at most
 # A stopping actor waits this long (real time) for its last writes and the file's close; what the
@@ -185,6 +188,8 @@ class LogFileWriter:
     def _failed(self, exc: OSError) -> None:
         self.write_errors += 1
         self.last_error = f"{self.path}: {exc.strerror or exc}"
+        if self.write_errors == 1:  # the first says why; the count and the last are in /debug/actors
+            log.warning("decision log: cannot write %s (%s); decisions are not logged until it can", self.path, exc)
         try:
             self.close()
         except OSError:

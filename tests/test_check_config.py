@@ -148,3 +148,11 @@ def test_the_report_says_what_the_master_does_and_which_timeouts_the_cap_makes_m
     asked = next(line for line in off.works if "central scheduler is asked first" in line)
     assert asked.endswith("when it cannot answer, domain routing")
     assert not any("does not bound" in line for line in off.works)  # the timeouts apply under a 500 ms cap
+
+
+def test_a_decision_log_in_a_directory_that_does_not_exist_is_reported(tmp_path: Path) -> None:
+    base = {"workers": "10.0.0.5:8000", "kvcm_fallback": "false"}
+    missing = assess(load_config(base | {"decision_log": str(tmp_path / "nope" / "d.log")}, {}))
+    assert any("--decision-log" in line and "directory does not exist" in line for line in missing.will_not_work)
+    present = assess(load_config(base | {"decision_log": str(tmp_path / "d.log")}, {}))
+    assert not any("--decision-log" in line for line in present.will_not_work)

@@ -6,6 +6,7 @@ the real router chain and policy from the log alone, and must come out identical
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
@@ -725,3 +726,14 @@ def test_a_late_stop_closes_only_the_file_of_its_own_run(tmp_path: Path) -> None
     assert writer._file is not None
     writer.drain(deque(), close_generation=writer.generation)  # the current run's own stop
     assert writer._file is None
+
+
+def test_a_log_that_cannot_be_written_says_so_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    writer = LogFileWriter(str(tmp_path / "nope" / "d.log"), max_bytes=1 << 20, files=2, header={"v": 1})
+    with caplog.at_level(logging.WARNING, logger="actors.decision_log"):
+        writer.open()
+        writer.drain(deque([[]]))
+        writer.drain(deque([[]]))
+    assert writer.write_errors == 3
+    warned = [r.getMessage() for r in caplog.records if r.name == "actors.decision_log"]
+    assert len(warned) == 1 and "cannot write" in warned[0] and "nope" in warned[0]

@@ -93,6 +93,12 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
             "no worker discovery source: no request can be routed (decisions have route_source=none), "
             "/readyz reports not ready"
         )
+    decision_log = c.router.decision_log
+    if decision_log and not path_exists(os.path.dirname(os.path.abspath(decision_log))):
+        broken.append(
+            f"{BY_NAME['decision_log'].flag} {redact_userinfo(decision_log)}: its directory does not exist, so "
+            "no decision is logged (each write fails; counted in /debug/actors)"
+        )
     for name in ("workers_file", "kvcm_bootstrap_file"):
         path = value_of(c, name)
         if path and not path_exists(path):
