@@ -156,3 +156,12 @@ def test_a_decision_log_in_a_directory_that_does_not_exist_is_reported(tmp_path:
     assert any("--decision-log" in line and "directory does not exist" in line for line in missing.will_not_work)
     present = assess(load_config(base | {"decision_log": str(tmp_path / "d.log")}, {}))
     assert not any("--decision-log" in line for line in present.will_not_work)
+
+
+def test_a_settings_file_that_cannot_be_read_is_blamed_on_what_named_it(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    by_env = load_config({"workers": "10.0.0.5:8000"}, {"KVROUTE_CONFIG": missing})
+    env_errors = [str(p) for p in by_env.errors]
+    assert any(e.startswith(f"KVROUTE_CONFIG {missing}: cannot read the file") for e in env_errors), env_errors
+    by_flag = load_config({"workers": "10.0.0.5:8000", "config": missing}, {})
+    assert any(str(p).startswith(f"--config {missing}: cannot read the file") for p in by_flag.errors), by_flag.errors

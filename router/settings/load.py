@@ -115,11 +115,12 @@ class ConfigFile:
     problems: tuple[SettingProblem, ...] = ()
 
 
-def read_config_file(path: str) -> ConfigFile:
-    """Read and parse ``path`` (I/O). Never raises: whatever makes it unusable is a problem naming it."""
+def read_config_file(path: str, named_by: str = "--config") -> ConfigFile:
+    """Read and parse ``path`` (I/O). Never raises: whatever makes it unusable is a problem naming it
+    and what named it (``named_by``: the flag, or the environment variable)."""
 
     def unusable(why: str) -> ConfigFile:
-        return ConfigFile(path, {}, (SettingProblem((), f"--config {path}: {why}", False),))
+        return ConfigFile(path, {}, (SettingProblem((), f"{named_by} {path}: {why}", False),))
 
     try:
         with open(path, "rb") as file:
@@ -240,7 +241,8 @@ def load_config(
     """
     flags = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli)
     path = toml_path if toml_path is not None else config_path(flags, env)
-    loaded = resolve_config(read_config_file(path) if path else None, env, flags, FILE_CHECKS)
+    named_by = CONFIG_ENV if toml_path is None and path and not flags.get("config") else "--config"
+    loaded = resolve_config(read_config_file(path, named_by) if path else None, env, flags, FILE_CHECKS)
     if isinstance(cli, argparse.Namespace):
         return loaded  # a namespace also carries the command's own arguments
     # A mapping names settings only: a misspelt name must not be ignored silently.
