@@ -17,7 +17,11 @@ _HOSTNAME = re.compile(
 _NUMERIC_DOTTED = re.compile(r"^[0-9.]+$")
 # ``user:password@`` before a host, with or without a scheme: everything back to a delimiter that
 # cannot be part of an address written in text (space, quote, comma, '=', brackets) is userinfo.
-_USERINFO = re.compile(r"""(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?[^\s@,;'"`<>()\[\]{}=]+@(?=[^\s@])""")
+# The lookbehind starts a match only where a run of address characters starts: tried from inside a
+# run too, a long run without an address in it cost time quadratic in its length.
+_USERINFO = re.compile(
+    r"""(?<![^\s@,;'"`<>()\[\]{}=])(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?[^\s@,;'"`<>()\[\]{}=]+@(?=[^\s@])"""
+)
 REDACTED = "<redacted>"
 
 
