@@ -276,7 +276,12 @@ def read_frames(path: str) -> Iterator[Frame]:
     the first thing that is not a whole, intact frame (truncation, a bad checksum, non-JSON)."""
     try:
         with open(path, "rb") as file:
-            data = file.read()
+            head = file.read(len(MAGIC))
+            # The magic first: a file that is no log (a device, a stray file) is refused before it
+            # is read whole.
+            if len(head) < len(MAGIC) or head[: len(MAGIC) - 1] != MAGIC[:-1]:
+                raise LogFormatError(path, 0, "not a kvroute decision log (no KVRDLOG header)")
+            data = head + file.read()
     except OSError as exc:
         raise LogFormatError(path, 0, f"cannot read the file: {exc.strerror or exc}") from None
     yield from parse_frames(path, data)

@@ -412,6 +412,9 @@ def test_corrupted_and_truncated_logs_name_the_byte_offset(tmp_path: Path, capsy
     assert main(["replay", str(not_a_log)]) == 2
     err = capsys.readouterr().err
     assert "byte offset 0" in err and "Traceback" not in err
+    if os.path.exists("/dev/zero"):  # endless: refused from its first bytes, never read whole
+        assert main(["replay", "/dev/zero"]) == 2
+        assert "not a kvroute decision log" in capsys.readouterr().err
     huge = tmp_path / "huge.log"
     huge.write_bytes(MAGIC + struct.pack(">IBI", 2**31, ord("D"), 0))
     assert main(["replay", str(huge)]) == 2
