@@ -38,7 +38,7 @@ def render(loaded: LoadedConfig, verdict: Assessment) -> str:
         value = getattr(getattr(loaded.effective, s.section), s.field)
         text = s.shown_text(value)
         source = str(loaded.sources[s.name])
-        if given != value:
+        if s.shown_text(given) != text:  # compared as shown: NaN is not equal to itself
             shown = repr(s.shown_text(given))
             source += f"; {shown} not used: the KVCM fallback settings have problems"
         rows.append((s.section, s.flag, text or "(empty)", source))
