@@ -143,8 +143,15 @@ class ProcessSupervisor:
             nursery.cancel_scope.cancel()
         if self._failed_start is not None:
             return self._failed_start
-        clean = all(slot.returncode == 0 and not slot.killed for slot in self._slots)
+        clean = all(self._stopped_cleanly(slot) for slot in self._slots)
         return EXIT_OK if clean else EXIT_CHILD_FAILED
+
+    def _stopped_cleanly(self, slot: _Slot) -> bool:
+        """Drained (status 0), or ended by the very signal this parent forwarded: a child still starting,
+        before its handlers were installed, stops that way, which is a stop, not a failure."""
+        if slot.killed:
+            return False
+        return slot.returncode == 0 or (self._stopping and slot.returncode == -int(self._signum))
 
     # --- tasks ---------------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.keys import block_keys
 from router.replay import load_log
-from router.serve_processes import child_debug_listen, reserve_port
+from router.serve_processes import ProcessSupervisor, child_debug_listen, reserve_port
 from router.settings import load_config
 from router.targets import HostPort
 from router.types import KeyFamily
@@ -290,3 +290,17 @@ async def test_a_process_that_cannot_start_stops_all_and_the_parent_exits_with_i
     assert result.stdout == b""  # never announced
     assert f"--debug-listen: cannot bind 127.0.0.1:{port}" in stderr
     assert "could not start (exit status 1): stopping every process" in stderr
+
+
+def test_a_child_ended_by_the_forwarded_signal_while_starting_is_a_clean_stop() -> None:
+    """A SIGTERM that reaches a child before its handlers are installed ends it with -15: that child
+    was stopped, not failed (the parent used to exit 1 for a stop during start-up)."""
+    supervisor = ProcessSupervisor(count=3, command=lambda i: ["true"], grpc_address="127.0.0.1:1", stop_wait_s=1.0)
+    drained, starting, crashed = supervisor._slots
+    drained.returncode, starting.returncode, crashed.returncode = 0, -int(signal.SIGTERM), 1
+    assert not supervisor._stopped_cleanly(starting)  # no stop was asked for: a signal from elsewhere
+    supervisor._stopping = True
+    assert supervisor._stopped_cleanly(drained) and supervisor._stopped_cleanly(starting)
+    assert not supervisor._stopped_cleanly(crashed)
+    starting.killed = True  # killed by the parent after the stop's wait: not clean
+    assert not supervisor._stopped_cleanly(starting)
