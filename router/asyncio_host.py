@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -240,7 +241,7 @@ class AsyncioRouterHost:
             arrived = time.monotonic()
             # The request's own min(budget, cap) in seconds from route(), before a caller's deadline joins it.
             routing = (sent_at, request_deadline(request, 0.0, self._config.router.budget_cap_ms))
-            if remaining_s is not None:
+            if remaining_s is not None and math.isfinite(remaining_s):  # an endless deadline adds nothing
                 deadline = caller_deadline(trio.current_time(), remaining_s, sent_at, arrived)
                 if request.deadline is not None:
                     deadline = min(deadline, request.deadline)

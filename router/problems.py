@@ -101,6 +101,14 @@ def range_of(field: dataclasses.Field[Any]) -> Range | None:
     return found if isinstance(found, Range) else None
 
 
+def declared_range(section: type, name: str) -> Range:
+    """The range a config section's field ``name`` declares (its ``bounded`` default)."""
+    declared = next((range_of(f) for f in dataclasses.fields(section) if f.name == name), None)
+    if declared is None:
+        raise KeyError(f"{section.__name__}.{name} declares no range")
+    return declared
+
+
 def range_problems(config: Any) -> list[Problem]:
     """Every field of the config section ``config`` outside its declared range."""
     problems: list[Problem] = []

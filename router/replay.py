@@ -25,7 +25,6 @@ the next decision's ledger.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -72,7 +71,7 @@ from router.policy.choice import make_policy
 from router.policy.deadline_split import COLD, SplitEstimates
 from router.policy.ledger import NEVER, SelectionLedger
 from router.policy.plan import CandidateSource, Fleet
-from router.problems import range_of
+from router.problems import declared_range
 from router.request import PreparedRequest
 from router.settings import resolve_config
 from router.settings.redact import config_digest
@@ -270,15 +269,9 @@ def _answer(raw: Sequence[Any]) -> RecordedAnswer:
     return RecordedAnswer(started, arrived, result)
 
 
-def _max_block_keys_bound() -> int:
-    declared = next(range_of(f) for f in dataclasses.fields(LimitsConfig) if f.name == "max_block_keys")
-    assert declared is not None
-    return int(declared.high)
-
-
 # The most keys a request can have (the upper bound of limits.max_block_keys): a recorded count
 # beyond it is a garbled log, not a request to rebuild.
-_MAX_RECORDED_KEYS = _max_block_keys_bound()
+_MAX_RECORDED_KEYS = int(declared_range(LimitsConfig, "max_block_keys").high)
 # What a decision's "d" must hold for replay to compare it (decision_fields; "sm"/"sw" are optional).
 _DECISION_FIELDS = frozenset({"w", "r", "rs", "ra", "ch", "c", "hit", "ec"})
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from router.config import DeploymentConfig, LimitsConfig
 from router.keys import block_key_slices, join_slices
+from router.problems import declared_range
 from router.types import COMPANION_ROLES, PREFILL_CAPABLE_ROLES, BadRequest, KeyFamily, Role, RouteRequest
 
 _QUOTED_CHARS = 40  # of a client's text quoted back in an error
@@ -81,6 +82,11 @@ def quoted(text: str) -> str:
     return repr(text) if len(text) <= _QUOTED_CHARS else f"{text[:_QUOTED_CHARS]!r}… ({len(text)} chars)"
 
 
+# The most roles any configuration allows (the upper bound of limits.max_roles): checked with the
+# fields' types, before the configured limit, so that no more are looked at one by one.
+_MAX_ROLES = int(declared_range(LimitsConfig, "max_roles").high)
+
+
 def _type_name(value: object) -> str:
     return type(value).__name__
 
@@ -101,8 +107,9 @@ def _is_finite(value: int | float) -> bool:
 
 
 def _shown(value: int | float) -> str:
-    text = repr(value)
-    return text if len(text) <= _QUOTED_CHARS else f"{text[:_QUOTED_CHARS]}… ({len(text)} digits)"
+    if isinstance(value, int) and value.bit_length() > 64:  # repr of a huge int is slow, or refused
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
 
 
 def check_fields(request: RouteRequest) -> None:
@@ -124,12 +131,19 @@ def check_fields(request: RouteRequest) -> None:
     for name, value in (("block_size", request.block_size), ("seq_len", request.seq_len)):
         if value is not None and not _is_int(value):
             raise BadRequest(name, f"must be an integer, got {_type_name(value)}")
+        if value is not None and value.bit_length() > 63:
+            raise BadRequest(name, f"must be a 64-bit integer, got {_shown(value)}")
     for name, items in (("token_ids", request.token_ids), ("block_cache_keys", request.block_cache_keys)):
         if items is not None and not isinstance(items, tuple | list):
             raise BadRequest(name, f"must be a tuple or list of integers, got {_type_name(items)}")
     roles = request.roles
-    if roles is not None and (isinstance(roles, str) or not isinstance(roles, Sequence)):
-        raise BadRequest("roles", f"must be a sequence of Role values, got {_type_name(roles)}")
+    if roles is not None:
+        if isinstance(roles, str) or not isinstance(roles, Sequence):
+            raise BadRequest("roles", f"must be a sequence of Role values, got {_type_name(roles)}")
+        if len(roles) > _MAX_ROLES:
+            raise BadRequest("roles", f"{len(roles)} roles, more than {_MAX_ROLES}")
+        if not all(isinstance(r, Role) for r in roles):
+            raise BadRequest("roles", "must be a sequence of Role values")
 
 
 def check_shape(request_id: str, *, has_tokens: bool, has_keys: bool) -> None:
@@ -163,8 +177,6 @@ def check_request(
     )
     has_tokens, has_keys = request.token_ids is not None, request.block_cache_keys is not None
     check_shape(request.request_id, has_tokens=has_tokens, has_keys=has_keys)
-    if request.roles is not None and not all(isinstance(r, Role) for r in request.roles):  # bounded above
-        raise BadRequest("roles", "must be a sequence of Role values")
     if request.block_size is not None and request.block_size <= 0:
         raise BadRequest("block_size", f"must be positive, got {request.block_size}")
     if request.block_size is not None and request.block_size > limits.max_prompt_tokens:

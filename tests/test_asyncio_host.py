@@ -291,8 +291,12 @@ async def test_a_request_whose_fields_cannot_be_read_is_refused_and_the_host_kee
                     request = RouteRequest("odd", token_ids=PROMPT, budget_ms=budget)  # type: ignore[arg-type]
                     outcomes.append(await asyncio.wait_for(host.route(request), 10))
                 outcomes.append(await host.route(RouteRequest("fine", token_ids=PROMPT, budget_ms=CAP_MS)))
+                # A caller deadline without end adds nothing (it is not the request's own field).
+                endless = RouteRequest("endless", token_ids=PROMPT, budget_ms=CAP_MS)
+                outcomes.append(await host.route(endless, deadline=math.inf))
 
         await _run_asyncio(program)
-        *odd, fine = outcomes
+        *odd, fine, endless = outcomes
         assert all(d.reason is Reason.BAD_REQUEST and (d.error or "").startswith("budget_ms:") for d in odd), odd
         assert fine.worker is not None and fine.reason is not Reason.BAD_REQUEST
+        assert endless.worker is not None and endless.reason is not Reason.BAD_REQUEST, endless.error

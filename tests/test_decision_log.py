@@ -740,3 +740,31 @@ def test_a_log_that_cannot_be_written_says_so_once(tmp_path: Path, caplog: pytes
     assert writer.write_errors == 3
     warned = [r.getMessage() for r in caplog.records if r.name == "actors.decision_log"]
     assert len(warned) == 1 and "cannot write" in warned[0] and "nope" in warned[0]
+
+
+def test_a_request_with_roles_of_the_wrong_type_is_refused_before_the_log_sees_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Roles given as strings: refused naming the field before a record is made. The log's encoder
+    expects Role values: such a record crashed the log actor, which rotated its file on restart."""
+    log = tmp_path / "decisions.log"
+    submitted: list[str] = []
+    real_submit = DecisionLog.submit
+
+    def submit(self: DecisionLog, record: DecisionRecord) -> bool:
+        submitted.append(record.request.request_id)
+        return real_submit(self, record)
+
+    monkeypatch.setattr(DecisionLog, "submit", submit)
+
+    async def record(log: Path) -> RouteDecision:
+        async with cluster_router(log) as (handle, _):
+            bad = RouteRequest("bad-roles", token_ids=PROMPT, roles=("PREFILL",))  # type: ignore[arg-type]
+            decision = await handle.route(bad)
+            await handle.route(RouteRequest("fine", token_ids=PROMPT, budget_ms=50))
+        return decision
+
+    decision = on_mock_clock(record, log)
+    assert decision.reason is Reason.BAD_REQUEST and (decision.error or "").startswith("roles:")
+    assert submitted == ["fine"]
+    assert [case.request_id for case in load_log([str(log)]).cases] == ["fine"]
