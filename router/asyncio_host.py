@@ -25,6 +25,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from types import TracebackType
@@ -152,7 +153,8 @@ class AsyncioRouterHost:
         remaining_s = None if deadline is None else deadline - loop.time()
         settled_at: list[float] = []  # written by the trio thread before it settles ``future``
         try:
-            token.run_sync_soon(self._spawn, request, remaining_s, time.monotonic(), scope, loop, future, settled_at)
+            spawn = partial(self._spawn_call, request, remaining_s, time.monotonic(), scope, loop, future, settled_at)
+            token.run_sync_soon(self._spawn, spawn, loop, future)
         except trio.RunFinishedError:
             raise HostStopped("the router host has stopped") from None
         try:
@@ -201,20 +203,14 @@ class AsyncioRouterHost:
         if self._stop_requested is not None:
             self._stop_requested.set()
 
+    @staticmethod
     def _spawn(
-        self,
-        request: RouteRequest,
-        remaining_s: float | None,
-        sent_at: float,
-        scope: trio.CancelScope,
-        loop: asyncio.AbstractEventLoop,
-        future: asyncio.Future[RouteDecision],
-        settled_at: list[float],
+        spawn: Callable[[], None], loop: asyncio.AbstractEventLoop, future: asyncio.Future[RouteDecision]
     ) -> None:
         # Runs in the trio thread (run_sync_soon), in submission order. An exception raised here would
         # end the trio run (and leave this call's future unsettled): whatever fails settles the future.
         try:
-            self._spawn_call(request, remaining_s, sent_at, scope, loop, future, settled_at)
+            spawn()
         except Exception as exc:
             settle_on_loop(loop, future, outcome.Error(exc))
 
