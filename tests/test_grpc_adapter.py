@@ -308,15 +308,7 @@ async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
     reply arrives meanwhile: the caller gets the reply, not a cancellation that would count the
     peer as failed for the router's own stall."""
     state, server = peer
-    channels: list[_StartRecordingChannel] = []
-
-    def factory(target: str) -> grpc.Channel:
-        channel = _StartRecordingChannel(grpc.insecure_channel(target, options=channel_options(ChannelPoolConfig())))
-        channels.append(channel)
-        return channel
-
-    recording_pool = ChannelPool(ChannelPoolConfig(), factory)
-    await nursery.start(recording_pool.run)
+    recording_pool, channels = await _recording_pool(nursery)
     rpc = GrpcRawRpc(recording_pool, start_off_loop=start_off_loop)
     reply: bytes | None = None
     deadline = math.inf
@@ -538,12 +530,8 @@ class _StartRecordingChannel(grpc.Channel):
         self.inner.close()
 
 
-async def test_a_call_on_an_idle_channel_starts_off_the_event_loop_and_one_beside_it_inline(
-    peer: tuple[Peer, GrpcServer], nursery: trio.Nursery, start_off_loop: bool
-) -> None:
-    """grpcio's thread start blocks whoever starts the first call on an idle channel: with
-    ``start_off_loop`` that is a starter thread; a call beside one in flight starts on the loop."""
-    state, server = peer
+async def _recording_pool(nursery: trio.Nursery) -> tuple[ChannelPool[grpc.Channel], list[_StartRecordingChannel]]:
+    """A running channel pool whose channels are :class:`_StartRecordingChannel`s, and those channels."""
     channels: list[_StartRecordingChannel] = []
 
     def factory(target: str) -> grpc.Channel:
@@ -553,6 +541,16 @@ async def test_a_call_on_an_idle_channel_starts_off_the_event_loop_and_one_besid
 
     pool = ChannelPool(ChannelPoolConfig(), factory)
     await nursery.start(pool.run)
+    return pool, channels
+
+
+async def test_a_call_on_an_idle_channel_starts_off_the_event_loop_and_one_beside_it_inline(
+    peer: tuple[Peer, GrpcServer], nursery: trio.Nursery, start_off_loop: bool
+) -> None:
+    """grpcio's thread start blocks whoever starts the first call on an idle channel: with
+    ``start_off_loop`` that is a starter thread; a call beside one in flight starts on the loop."""
+    state, server = peer
+    pool, channels = await _recording_pool(nursery)
     rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     loop_thread = threading.get_ident()
     with trio.fail_after(10):
