@@ -52,6 +52,18 @@ class Rig:
     def kvcm_queries(self) -> int:
         return self.network.call_count(method_path=paths.KVCM_GET_HOST_CACHE_STATE)
 
+    def schedules_seen(self) -> list[MasterScheduleRequest]:
+        """Have the scheduler name worker 1 (PREFILL) for every request; the requests it gets, as it gets them."""
+        seen: list[MasterScheduleRequest] = []
+        prefill = self.cluster.worker_addr(1)
+
+        def decide(request: MasterScheduleRequest) -> list[RoleAddr]:
+            seen.append(request)
+            return [RoleAddr(Role.PREFILL, prefill.ip, prefill.http_port, prefill.grpc_port)]
+
+        self.master.set_decide(decide)
+        return seen
+
     async def route(self, rid: str, budget_ms: float = 50) -> object:
         return await self.handle.route(RouteRequest(rid, token_ids=PROMPT, budget_ms=budget_ms))
 
@@ -216,14 +228,7 @@ async def test_the_scheduler_is_told_the_window_and_the_time_of_receipt(
     """generate_timeout is the master's window, so the scheduler never queues the request longer than
     the frontend waits; request_time_ms is the wall clock at the request's receipt, not at the call."""
     async with rig(replicas=1, transport_timeout_ms=200, later_sources_ms=20) as r:
-        seen: list[MasterScheduleRequest] = []
-        prefill = r.cluster.worker_addr(1)
-
-        def decide(request: MasterScheduleRequest) -> list[RoleAddr]:
-            seen.append(request)
-            return [RoleAddr(Role.PREFILL, prefill.ip, prefill.http_port, prefill.grpc_port)]
-
-        r.master.set_decide(decide)
+        seen = r.schedules_seen()
         wall_before_ms = time.time() * 1000
         decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
         wall_after_ms = time.time() * 1000
@@ -241,14 +246,7 @@ async def test_what_the_scheduler_is_sent_does_not_depend_on_the_kvcm_switch(
     """Token ids over HTTP (the scheduler hashes them itself); over gRPC, which has no field for them,
     the keys this router hashes. Caller's keys are sent as given either way."""
     async with rig(replicas=1, kvcm_fallback=kvcm_fallback, protocol=protocol) as r:
-        seen: list[MasterScheduleRequest] = []
-        prefill = r.cluster.worker_addr(1)
-
-        def decide(request: MasterScheduleRequest) -> list[RoleAddr]:
-            seen.append(request)
-            return [RoleAddr(Role.PREFILL, prefill.ip, prefill.http_port, prefill.grpc_port)]
-
-        r.master.set_decide(decide)
+        seen = r.schedules_seen()
         await r.handle.route(RouteRequest("tokens", token_ids=PROMPT, budget_ms=50))
         caller_keys = (7, 8, 9)
         await r.handle.route(RouteRequest("keys", block_cache_keys=caller_keys, block_size=BLOCK, budget_ms=50))
