@@ -21,7 +21,7 @@ from kvroute_sim.bench import thread_cpu
 from kvroute_sim.bench.cli import _router_setting, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, router_config
 from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS
-from kvroute_sim.bench.overload import LateSplit
+from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
 from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee
 from kvroute_sim.bench.raw_grpc import paced, slot_wait
 from router.cli import main
@@ -93,6 +93,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
     for level in levels:  # every call is either answered or counted unanswered, by status
         assert level["calls"] > 0 and level["answered_by_sidecar"] + level["no_answer"] >= level["calls"]
         assert level["no_answer"] == sum(level["errors"].values())
+        assert 0 <= level["reached_sidecar_past_deadline"] <= level["answered_by_sidecar"]
         assert 0 <= level["within_deadline_plus_5ms"] <= 1 and 0 <= level["overloaded_share"] <= 1
         assert 0 <= level["kvcm_share"] <= 1
         if os.path.isdir("/proc/self/task"):  # where this process's CPU went, by thread role
@@ -267,6 +268,25 @@ def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:
     assert split.router_ms == pytest.approx((35.0, 35.0))
     assert split.way_back_ms == pytest.approx((4.0, 4.0))
     assert LateSplit.of([on_time]).late == 0
+
+
+def test_p7_counts_the_calls_that_reached_the_sidecar_with_no_deadline_left() -> None:
+    on_time = CallTiming(elapsed_s=0.001, allowed_s=0.030)
+    past = CallTiming(elapsed_s=0.0001, allowed_s=0.0)  # the client's deadline was gone at receipt
+    level = LevelResult(
+        callers=256,
+        calls=3,
+        seconds=1.0,
+        client_ms=(5.0,),
+        errors=Counter({"DEADLINE_EXCEEDED": 2}),
+        outcomes=Counter({"domain/overloaded": 1}),
+        timings=(on_time, past),
+        sidecar_cpu_s=0.001,
+        caller_cpu_s=0.001,
+        echo=EchoFloor(calls=3, seconds=1.0, no_answer=0, client_p99_ms=1.0),
+    )
+    assert level.reached_late == 1
+    assert level.to_json()["reached_sidecar_past_deadline"] == 1
 
 
 def test_a_router_setting_reaches_every_view_the_bench_builds_and_their_routers_configs() -> None:

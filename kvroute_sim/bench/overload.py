@@ -184,6 +184,13 @@ class LevelResult:
         return sum(self.errors.values())
 
     @property
+    def reached_late(self) -> int:
+        """Calls the sidecar answered that reached its handler with none of the client's deadline left:
+        they waited it out in gRPC's queues before the sidecar saw them (the client's, the transport,
+        the server's thread pool), and the client, already gone, counted them unanswered."""
+        return sum(t.allowed_s <= 0.0 for t in self.timings)
+
+    @property
     def within_share(self) -> float:
         if not self.timings:
             return 0.0
@@ -218,6 +225,7 @@ class LevelResult:
             "seconds": self.seconds,
             "calls_per_s": self.calls / self.seconds if self.seconds else 0.0,
             "answered_by_sidecar": len(self.timings),
+            "reached_sidecar_past_deadline": self.reached_late,
             "within_deadline_plus_5ms": self.within_share,
             "no_answer": self.no_answer,
             "errors": dict(self.errors.most_common()),
@@ -403,15 +411,17 @@ def _echo_server(workers: int, max_concurrent_rpcs: int) -> tuple[grpc.Server, s
 
 def _curve(levels: Sequence[LevelResult]) -> str:
     header = (
-        "callers | calls | calls/s | within dl+5ms | no answer | kvcm | overloaded | p99 late ms | client p99 ms"
-        " | sidecar CPU ms/call | waited (shed after) | echo unanswered | echo client p99 ms | unanswered by status"
+        "callers | calls | calls/s | within dl+5ms | no answer | reached past deadline | kvcm | overloaded"
+        " | p99 late ms | client p99 ms | sidecar CPU ms/call | waited (shed after) | echo unanswered"
+        " | echo client p99 ms | unanswered by status"
     )
     lines = [header]
     for lv in levels:
         client_p99 = percentile(lv.client_ms, 99)
         lines.append(
             f"{lv.callers:>7} | {lv.calls:>5} | {lv.calls / lv.seconds:>7,.0f} | {lv.within_share:>13.1%} | "
-            f"{lv.no_answer:>9} | {lv.share(source='kvcm'):>4.0%} | {lv.share(reason='overloaded'):>10.1%} | "
+            f"{lv.no_answer:>9} | {lv.reached_late:>21} | {lv.share(source='kvcm'):>4.0%} | "
+            f"{lv.share(reason='overloaded'):>10.1%} | "
             f"{lv.p99_lateness_ms:>11.1f} | {client_p99:>13.1f} | {lv.sidecar_cpu_ms_per_call:>18.3f} | "
             f"{f'{lv.waited} ({lv.shed_after_wait})':>19} | {lv.echo.no_answer:>15} | {lv.echo.client_p99_ms:>18.1f} | "
             + (", ".join(f"{code} {n}" for code, n in lv.errors.most_common()) or "-")
