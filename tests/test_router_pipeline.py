@@ -19,7 +19,7 @@ import trio.testing
 from actors.breaker import BreakerState
 from actors.metrics_sink import MetricsSink
 from actors.shadow_index import ShadowIndexActor
-from actors.sources.base import RequestContext, RequestSplit
+from actors.sources.base import FellThrough, RequestContext, RequestSplit
 from actors.sources.shadow import ShadowSource
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
@@ -359,6 +359,26 @@ def test_feature_off_does_not_hash_token_ids() -> None:
     assert skipped.seq_len == hashed.seq_len == len(PROMPT)
     with pytest.raises(BadRequest, match="token_ids"):
         prepare_request(RouteRequest("off", token_ids=()), deployment, hash_tokens=False)
+
+
+async def test_a_shadow_miss_is_logged_with_its_reason_what_it_means_and_the_request(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    shadow = ShadowIndexActor(ShadowConfig())  # empty: it matches nothing
+    warn = AggregatingLogger(logging.getLogger("t.shadow"), interval_s=60.0, max_keys=8)
+    scoring: Any = None  # nothing to score
+    sink = MetricsSink(MetricsConfig())
+    source = ShadowSource(KvrouteConfig(), shadow=shadow, scoring=scoring, metrics=sink, warn=warn)
+    prepared = prepare_request(RouteRequest("r7", token_ids=PROMPT), DeploymentConfig(block_size=BLOCK))
+    windows = SplitWindows(0.045, 0.045, 0.045, SplitMode.FIXED)
+    ctx = RequestContext(RouteRequest("r7", token_ids=PROMPT), prepared, 0.0, 0.05, RequestSplit(windows))
+    ctx.fallthrough = Reason.BREAKER_OPEN
+    with caplog.at_level(logging.WARNING, logger="t.shadow"):
+        result = await source.attempt(ctx)
+    assert isinstance(result, FellThrough) and result.reason is Reason.BREAKER_OPEN
+    (record,) = caplog.records
+    assert record.getMessage() == "breaker_open: the shadow index matched no worker either: the domain source answers"
+    assert record.__dict__["kvroute_context"] == {"reason": "breaker_open", "request_id": "r7"}
 
 
 async def test_records_the_shadow_index_cannot_take_are_counted(autojump_clock: trio.testing.MockClock) -> None:

@@ -50,7 +50,13 @@ class ShadowSource:
             ctx.record.shadow_hosts = tuple(hosts)
         if not hosts:
             why = ctx.fallthrough or Reason.NO_POSITIVE_MATCH
-            self._warn.note(why.value, now)  # aggregated: the cache path failing is not one line per request
+            # Aggregated: the cache path failing is not one line per request.
+            self._warn.note(
+                why.value,
+                now,
+                "the shadow index matched no worker either: the domain source answers",
+                request_id=ctx.request.request_id,
+            )
             return FellThrough(why)
         return await self._scoring.choose(ctx, hosts, CandidateSource.SHADOW)
 
