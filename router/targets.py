@@ -74,6 +74,15 @@ def _check_host(host: str, entry: str) -> str:
     return host.rstrip(".").lower()
 
 
+def is_host(text: str) -> bool:
+    """Whether ``text`` is an IP address or a DNS host name: what ``parse_target`` accepts as a host."""
+    try:
+        _check_host(text, text)
+    except TargetError:
+        return False
+    return True
+
+
 def _is_ipv6(text: str) -> bool:
     try:
         ipaddress.IPv6Address(text)

@@ -15,6 +15,7 @@ from router.types import Role, RoleAddr
 from router.wire import master_flexlb_pb2 as flexlb_pb
 from router.wire.master import (
     CODE_NO_AVAILABLE_WORKER,
+    MAX_MESSAGE_CHARS,
     MAX_ROLE_ADDRS,
     BadScheduleRequest,
     MasterBusinessError,
@@ -176,6 +177,8 @@ def test_another_status_whose_body_is_not_json_is_no_reply_from_the_scheduler(ht
         (body(success=True, code=200, server_status="x"), "server_status"),
         (body(success=True, code=200, server_status=["x"]), "server_status[0]"),
         (body(success=True, code=200, server_status=[status(ip="")]), "server_status[0].server_ip"),
+        (body(success=True, code=200, server_status=[status(ip="10.0.0.1; rm")]), "server_status[0].server_ip"),
+        (body(success=True, code=200, server_status=[status(ip="h" * 300)]), "server_status[0].server_ip"),
         (body(success=True, code=200, server_status=[status(http=0)]), "server_status[0].http_port"),
         (body(success=True, code=200, server_status=[status(http="80")]), "server_status[0].http_port"),
         (body(success=True, code=200, server_status=[status(http=None)]), "server_status[0].http_port"),
@@ -272,6 +275,15 @@ def test_grpc_reply_decoding() -> None:
     broken.server_status.add(role="PREFILL", server_ip="10.0.0.1", http_port=0)
     with pytest.raises(GarbledReply, match=r"server_status\[0\].http_port"):
         decode_schedule_pb(broken.SerializeToString(), HOST)
+    chatty = flexlb_pb.FlexlbScheduleResponsePB(success=False, code=8503, error_message="e" * 1_000_000)
+    decoded = decode_schedule_pb(chatty.SerializeToString(), HOST)
+    assert isinstance(decoded, MasterBusinessError) and decoded.code == 8503
+    assert len(decoded.message) == MAX_MESSAGE_CHARS and decoded.message.endswith("…[cut: 1000000 chars]")
+    long_ip = flexlb_pb.FlexlbScheduleResponsePB(success=True, code=200)
+    long_ip.server_status.add(role="PREFILL", server_ip="x" * 100_000, http_port=8000)
+    with pytest.raises(GarbledReply, match=r"server_status\[0\].server_ip: not an IP address or host name") as raised:
+        decode_schedule_pb(long_ip.SerializeToString(), HOST)
+    assert len(str(raised.value)) < 300  # the peer's text is shown cut, not whole
 
 
 def test_grpc_cancel_reason() -> None:

@@ -6,11 +6,14 @@ from typing import cast
 
 import pytest
 
+from router.targets import TargetError, parse_target
 from router.transport.errors import GarbledReply, NotLeader, RemoteError
 from router.types import CacheQuery, HostMatch, KvCacheGroupMode, LeaderEndpoint, QueryType, Role
 from router.wire import engine_status_pb2 as engine_pb
 from router.wire import kvcm_meta_pb2 as kvcm_pb
 from router.wire.decode import (
+    MAX_CACHE_HOSTS,
+    MAX_HOST_PORT_CHARS,
     decode_cache_state,
     decode_cluster_info,
     decode_worker_status,
@@ -196,6 +199,21 @@ def test_cache_state_blank_hosts_are_skipped() -> None:
     state = decode_cache_state(cache_reply(("", 9, 0, 9), ("  ", 9, 0, 9), ("a:1", 2, 0, 2)), PEER)
     assert [h.host_ip_port for h in state.hosts] == ["a:1"]
     assert state.blank_hosts == 2  # counted by the KVCM source as malformed hosts
+
+
+def test_cache_state_with_more_hosts_than_a_fleet_has_is_garbled_before_decoding_them() -> None:
+    many = [(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}:8000", 1, 0, 1) for i in range(MAX_CACHE_HOSTS + 1)]
+    with pytest.raises(GarbledReply, match=f"hosts: {MAX_CACHE_HOSTS + 1} entries, more than {MAX_CACHE_HOSTS}"):
+        decode_cache_state(cache_reply(*many), PEER)
+
+
+def test_cache_state_keeps_a_host_longer_than_any_host_port_cut_so_no_parse_accepts_it() -> None:
+    state = decode_cache_state(cache_reply(("w" * 100_000, 4, 0, 4), ("a:1", 2, 0, 2)), PEER)
+    cut, kept = state.hosts
+    assert len(cut.host_ip_port) == MAX_HOST_PORT_CHARS + 1 and cut.host_ip_port.endswith("…")
+    assert cut.local == 4 and kept.host_ip_port == "a:1"
+    with pytest.raises(TargetError):
+        parse_target(cut.host_ip_port)
 
 
 def test_cache_state_duplicate_host_keeps_the_last_entry() -> None:

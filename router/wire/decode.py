@@ -30,6 +30,13 @@ from router.wire import engine_status_pb2 as engine_pb
 from router.wire import kvcm_meta_pb2 as kvcm_pb
 
 _OK = kvcm_pb.OK
+# The hosts one cache answer may name: every worker of a very large fleet holding the prompt's prefix.
+# More is garbage, and decoding it would hold the routing thread.
+MAX_CACHE_HOSTS = 65_536
+# The longest host:port a host entry can be (a 253-character DNS name, ':' and a 5-digit port); a
+# longer one is kept cut, which no parse accepts: it is dropped as malformed, and no decision, record or
+# log carries a peer's arbitrarily long string.
+MAX_HOST_PORT_CHARS = 259
 _NOT_LEADER = kvcm_pb.SERVER_NOT_LEADER
 
 
@@ -116,6 +123,10 @@ def decode_cache_state(data: bytes, target: str) -> CacheState:
     msg = _parse(kvcm_pb.GetHostCacheStateResponse, data, target, "GetHostCacheStateResponse")
     assert isinstance(msg, kvcm_pb.GetHostCacheStateResponse)
     _check_header(msg, target, "GetHostCacheStateResponse")
+    if len(msg.hosts) > MAX_CACHE_HOSTS:
+        raise GarbledReply(
+            target, f"GetHostCacheStateResponse.hosts: {len(msg.hosts)} entries, more than {MAX_CACHE_HOSTS}"
+        )
     hosts: dict[str, HostMatch] = {}
     blank = 0
     for i, h in enumerate(msg.hosts):
@@ -123,6 +134,8 @@ def decode_cache_state(data: bytes, target: str) -> CacheState:
         if not name:
             blank += 1
             continue
+        if len(name) > MAX_HOST_PORT_CHARS:
+            name = name[:MAX_HOST_PORT_CHARS] + "…"
         if h.local < 0 or h.p2p_1_fetch < 0 or h.p2p_1_total_match < 0:
             raise GarbledReply(target, f"GetHostCacheStateResponse.hosts[{i}]: negative block count")
         hosts.pop(name, None)

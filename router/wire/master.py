@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from router.targets import is_host
 from router.transport.errors import GarbledReply, RemoteError
 from router.types import Role, RoleAddr
 from router.wire import master_flexlb_pb2 as flexlb_pb
@@ -153,6 +154,9 @@ _CODE_MAX = 2**31 - 1  # the gRPC API's int32; our reply's error_code is uint32
 # A routed reply names one worker per role the cluster has (four roles exist); more is garbage, and
 # decoding it would hold the routing thread.
 MAX_ROLE_ADDRS = 16
+# The scheduler's error message is carried to the caller and into every record of the decision: kept
+# to this many characters (a gRPC reply may be megabytes long).
+MAX_MESSAGE_CHARS = 1024
 
 
 def _error_code(code: int, field: str, target: str) -> int:
@@ -195,18 +199,35 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
     if entry.get("success") is False:
         # A role the scheduler could not route fails the whole answer with that role's code.
         code = _int_field(entry, "code", f"{field}.code", target, optional=True)
-        message = _str_field(entry, "message", f"{field}.message", target) or ""
+        message = _peer_message(_str_field(entry, "message", f"{field}.message", target) or "")
         code = CODE_NO_AVAILABLE_WORKER if not code else _error_code(code, f"{field}.code", target)
         return MasterBusinessError(code, message, None)
     role = parse_master_role(_str_field(entry, "role", f"{field}.role", target) or "", f"{field}.role", target)
     ip = _str_field(entry, "server_ip", f"{field}.server_ip", target)
     if not ip:
         raise GarbledReply(target, f"{field}.server_ip: missing or empty")
+    _check_server_ip(ip, f"{field}.server_ip", target)
     raw_http = _int_field(entry, "http_port", f"{field}.http_port", target, optional=False)
     http_port = _port(raw_http, f"{field}.http_port", target)
     grpc = _int_field(entry, "grpc_port", f"{field}.grpc_port", target, optional=True)
     grpc_port = http_port + 1 if not grpc else _port(grpc, f"{field}.grpc_port", target)
     return RoleAddr(role, ip, http_port, grpc_port)
+
+
+def _peer_message(text: str) -> str:
+    """The scheduler's message, cut to MAX_MESSAGE_CHARS characters with a marker saying how long it was."""
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    marker = f"…[cut: {len(text)} chars]"
+    return text[: MAX_MESSAGE_CHARS - len(marker)] + marker
+
+
+def _check_server_ip(ip: str, field: str, target: str) -> None:
+    """The worker's address as the scheduler gave it is what the caller connects to: an IP address or a
+    host name, nothing else (a peer's arbitrary text would also be carried into every record of it)."""
+    if not is_host(ip):
+        shown = ip if len(ip) <= 64 else f"{ip[:64]}… ({len(ip)} chars)"
+        raise GarbledReply(target, f"{field}: not an IP address or host name: {shown!r}")
 
 
 def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
@@ -228,7 +249,7 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
         if success is not True:
             raise GarbledReply(target, f"code: missing in an HTTP {status} reply that is not a success")
         code = CODE_OK
-    message = _str_field(obj, "error_message", "error_message", target) or ""
+    message = _peer_message(_str_field(obj, "error_message", "error_message", target) or "")
     if code == CODE_FALLBACK:
         return MasterFallback(message, status)
     if code != CODE_OK:
@@ -394,9 +415,9 @@ def decode_schedule_pb(data: bytes, target: str) -> MasterReply:
         raise GarbledReply(target, f"schedule: undecodable reply ({exc})") from exc
     code = reply.code or (CODE_OK if reply.success else 0)
     if code == CODE_FALLBACK:
-        return MasterFallback(reply.error_message, None)
+        return MasterFallback(_peer_message(reply.error_message), None)
     if code != CODE_OK:
-        return MasterBusinessError(_error_code(code, "code", target), reply.error_message, None)
+        return MasterBusinessError(_error_code(code, "code", target), _peer_message(reply.error_message), None)
     if len(reply.server_status) > MAX_ROLE_ADDRS:
         raise GarbledReply(target, f"server_status: {len(reply.server_status)} entries, more than {MAX_ROLE_ADDRS}")
     addrs: list[RoleAddr] = []
@@ -404,6 +425,7 @@ def decode_schedule_pb(data: bytes, target: str) -> MasterReply:
         field = f"server_status[{i}]"
         if not entry.server_ip:
             raise GarbledReply(target, f"{field}.server_ip: missing or empty")
+        _check_server_ip(entry.server_ip, f"{field}.server_ip", target)
         http_port = _port(entry.http_port, f"{field}.http_port", target)
         grpc_port = http_port + 1 if not entry.grpc_port else _port(entry.grpc_port, f"{field}.grpc_port", target)
         role = parse_master_role(entry.role, f"{field}.role", target)
