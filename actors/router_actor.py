@@ -330,8 +330,9 @@ class RouterActor:
                 )
         except Exception as exc:  # the bookkeeping's bug must not lose a decision already made
             self._internal_errors += 1
+            # A key of its own: a bug here must not hide behind a pipeline bug's window (or the reverse).
             self._warn.note(
-                Reason.INTERNAL_ERROR, trio.current_time(), f"after-reply work failed: {exc!r}",
+                "after_reply_error", trio.current_time(), f"after-reply work failed: {exc!r}",
                 exc_info=exc, request_id=request.request_id,
             )
         if split.probes_ended_at is not None:

@@ -15,7 +15,6 @@ after every message.
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ from typing import NamedTuple
 
 import trio
 
+from router.logs import AggregatingLogger
 from router.policy.base import Policy, PolicyHealth
 from router.policy.cache_affinity import CONTRACT_DROPS, ObservedStatus, ScoreSheet, Selection
 from router.policy.plan import CandidatePlan, CandidateSource, Fleet
@@ -96,7 +96,7 @@ class Scorer:
         self, policy: Policy, *, inbox_size: int, max_warned_workers: int, error_log_interval_s: float
     ) -> None:
         """``error_log_interval_s``: a failing policy's traceback is logged at most once per interval,
-        with the count of the failures since (a bug would otherwise log one per request)."""
+        and the count of the others when the interval ends (a bug would otherwise log one per request)."""
         if inbox_size < 1:
             raise ValueError(f"inbox_size: must be >= 1, got {inbox_size}")
         self._policy = policy
@@ -111,9 +111,7 @@ class Scorer:
         self._records_dropped = 0
         self._errors = 0
         self._last_error: str | None = None
-        self._error_log_interval_s = error_log_interval_s
-        self._error_logged_at = -math.inf
-        self._errors_not_logged = 0
+        self._error_log = AggregatingLogger(log, interval_s=error_log_interval_s, max_keys=1, level=logging.ERROR)
         self._health = self._snapshot()
 
     def plan(
@@ -133,21 +131,23 @@ class Scorer:
         """Serve the inbox until cancelled: drain what is queued without yielding between messages (each
         is short and bounded, and nothing can add to the inbox meanwhile), publish the health snapshot
         once per batch, then wait for the next message."""
-        task_status.started()
         receive = self._receive
-        while True:
-            try:
-                message = receive.receive_nowait()
-            except trio.WouldBlock:
-                self._health = self._snapshot()
-                message = await receive.receive()
-            if isinstance(message, _Record):
-                self._policy.record(message.worker, message.uncached_tokens, message.now)
-                self._records += 1
-            elif message.abandoned:
-                self._abandoned += 1
-            else:
-                self._decide(message)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._error_log.run)  # logs the failures' totals when their interval ends
+            task_status.started()
+            while True:
+                try:
+                    message = receive.receive_nowait()
+                except trio.WouldBlock:
+                    self._health = self._snapshot()
+                    message = await receive.receive()
+                if isinstance(message, _Record):
+                    self._policy.record(message.worker, message.uncached_tokens, message.now)
+                    self._records += 1
+                elif message.abandoned:
+                    self._abandoned += 1
+                else:
+                    self._decide(message)
 
     async def decide(self, request: DecideRequest) -> Decided:
         """The policy's selection for ``request``, recorded in its ledger, and the policy's time on it.
@@ -219,14 +219,12 @@ class Scorer:
             self._errors += 1
             self._last_error = repr(exc)
             message.error = repr(exc)
-            if started - self._error_logged_at >= self._error_log_interval_s:
-                log.exception(
-                    "scorer failed on a decision (%d more failures since the last logged)", self._errors_not_logged
-                )
-                self._error_logged_at = started
-                self._errors_not_logged = 0
-            else:
-                self._errors_not_logged += 1
+            self._error_log.note(
+                "scorer_failed",
+                started,
+                f"the policy failed on a decision, which falls back: {exc!r}",
+                exc_info=exc,
+            )
         else:
             self._decisions += 1
             if selection.worker is None:

@@ -4,14 +4,14 @@
   context; the text format appends ``target=… reason=…``, the JSON format adds the keys.
 - :class:`AggregatingLogger` is for warnings that can fire per request: the first occurrence of a
   reason in an interval is logged with its context, the rest are only counted, and the count is logged
-  once the interval is over ("312 no_positive_match in the last 60 s").
-- :class:`OncePerKeyLogger` logs one message per key (e.g. one contract mismatch per worker).
+  once the interval is over, with the first one's message ("312 no_positive_match in the last 60 s
+  (the first: KVCM matched no worker)").
 
 Both formats replace the userinfo of any address in a line (``user:password@host`` →
 ``<redacted>@host``), whichever message or context value carried it.
 
-Reason keys are the metric label values (enum members are logged by their value). Both helpers keep
-bounded maps and take time as an argument (the trio clock), so they are deterministic under MockClock.
+Reason keys are the metric label values (enum members are logged by their value). The helper keeps a
+bounded map and takes time as an argument (the trio clock), so it is deterministic under MockClock.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def _plain(value: object) -> object:
 
 def _text_value(value: object) -> str:
     text = str(_plain(value))
-    if text and not any(c.isspace() or c in '="' for c in text):
+    # Quoted (and escaped) when it holds a separator, or a character a terminal would act on or
+    # render deceptively (control and format characters): context values can be a client's text.
+    if text and all(c.isprintable() and not c.isspace() and c not in '="' for c in text):
         return text
     return json.dumps(text)
 
@@ -143,6 +145,7 @@ def _key(reason: str | enum.Enum) -> str:
 class _Window:
     start: float
     count: int  # occurrences in the window, the logged first one included
+    message: str  # the first one's: the total says what the count is of
 
 
 class AggregatingLogger:
@@ -192,7 +195,7 @@ class AggregatingLogger:
         elif len(self._windows) >= self._max_keys:
             oldest_key, oldest = self._windows.popitem(last=False)
             self._emit_total(oldest_key, oldest, now)
-        self._windows[key] = _Window(now, 1)
+        self._windows[key] = _Window(now, 1, message)
         text = f"{key}: {message}" if message else key
         self._logger.log(self._level, text, exc_info=exc_info, extra=ctx(reason=key, **context))
 
@@ -228,36 +231,10 @@ class AggregatingLogger:
             seconds = min(now - window.start, self._interval)
             self._logger.log(
                 self._level,
-                "%d %s in the last %.0f s",
+                "%d %s in the last %.0f s%s",
                 window.count,
                 key,
                 seconds,
+                f" (the first: {window.message})" if window.message else "",
                 extra=ctx(reason=key, count=window.count),
             )
-
-
-class OncePerKeyLogger:
-    """Logs a message once per key (e.g. per worker). Bounded: beyond ``max_keys`` the oldest key is
-    forgotten and could be logged once more."""
-
-    def __init__(self, logger: logging.Logger, max_keys: int, level: int = logging.WARNING) -> None:
-        if max_keys < 1:
-            raise ValueError("OncePerKeyLogger: max_keys must be >= 1")
-        self._logger = logger
-        self._max_keys = max_keys
-        self._level = level
-        self._seen: OrderedDict[str, None] = OrderedDict()
-
-    def log(self, key: str, message: str, **context: object) -> bool:
-        """Log ``message`` unless ``key`` was already logged; True when it was logged now."""
-        if key in self._seen:
-            return False
-        if len(self._seen) >= self._max_keys:
-            self._seen.popitem(last=False)
-        self._seen[key] = None
-        self._logger.log(self._level, message, extra=ctx(key=key, **context))
-        return True
-
-    @property
-    def tracked_keys(self) -> int:
-        return len(self._seen)

@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from router.logs import AggregatingLogger, OncePerKeyLogger, ctx, setup_logging
+from router.logs import AggregatingLogger, ctx, setup_logging
 from router.types import Reason
 
 
@@ -59,6 +59,18 @@ def test_text_format_appends_context(restore_root: None) -> None:
         'WARNING kvroute.test.text: probe failed target=10.0.0.1:8001 reason=kvcm_error note="two words"'
     )
     assert line[:4].isdigit() and line[19:24].startswith(".")
+
+
+def test_text_format_escapes_a_context_value_a_terminal_would_act_on(restore_root: None) -> None:
+    """A request id is the client's text: an escape sequence, a NUL or a right-to-left override in it
+    reaches the line escaped, never raw."""
+    stream = io.StringIO()
+    setup_logging("info", "text", stream)
+    spoof = "req\x1b[2K\x1b[1Gfake\u202eevil\x00\x7f"
+    logging.getLogger("kvroute.test.text").warning("m", extra=ctx(request_id=spoof, plain="r-1", wide="请求"))
+    (line,) = stream.getvalue().splitlines()
+    assert line.endswith('m request_id="req\\u001b[2K\\u001b[1Gfake\\u202eevil\\u0000\\u007f" plain=r-1 wide=请求')
+    assert all(c.isprintable() for c in line)
 
 
 def test_json_format_is_one_object_per_line_with_context_and_exception(restore_root: None) -> None:
@@ -117,7 +129,8 @@ def test_aggregation_logs_first_then_the_total_once_per_interval(
     agg.flush(59.9)
     assert len(handler.messages) == 2
     agg.flush(60.0)
-    assert handler.messages[2:] == ["312 no_positive_match in the last 60 s"]
+    # The total says what it counts: the window's first message.
+    assert handler.messages[2:] == ["312 no_positive_match in the last 60 s (the first: KVCM matched no worker)"]
     agg.flush(65.0)  # breaker_open happened once: no total line
     assert len(handler.messages) == 3
     assert agg.tracked_keys == 0
@@ -175,19 +188,3 @@ async def test_run_logs_each_total_when_due(
     assert handler.messages == ["a", "b", "2 a in the last 60 s", "2 b in the last 60 s"]
     assert logged_at["2 a in the last 60 s"] == pytest.approx(start + 60)
     assert logged_at["2 b in the last 60 s"] == pytest.approx(start + 80)
-
-
-def test_once_per_key(captured: tuple[logging.Logger, ListHandler]) -> None:
-    logger, handler = captured
-    once = OncePerKeyLogger(logger, max_keys=2)
-    assert once.log("10.0.0.1:8000", "block size 16 reported, 64 configured", reason="block_size_mismatch")
-    assert not once.log("10.0.0.1:8000", "block size 16 reported, 64 configured")
-    assert once.log("10.0.0.2:8000", "lookahead 1 reported, 0 configured")
-    assert handler.messages == ["block size 16 reported, 64 configured", "lookahead 1 reported, 0 configured"]
-    assert handler.records[0].__dict__["kvroute_context"] == {
-        "key": "10.0.0.1:8000",
-        "reason": "block_size_mismatch",
-    }
-    once.log("10.0.0.3:8000", "x")  # bound 2: the oldest key is forgotten
-    assert once.tracked_keys == 2
-    assert once.log("10.0.0.1:8000", "again")

@@ -718,12 +718,49 @@ async def test_a_bug_on_the_request_path_is_answered_counted_and_logged_once_per
         assert handle.router_actor().health().internal_errors == 5
         with_traceback = [r for r in caplog.records if r.exc_info is not None]
         assert sorted(r.name for r in with_traceback) == ["actors.router_actor", "actors.scorer"]
-        autojump_clock.jump(config.serve.log_aggregate_interval_s)
         caplog.clear()
         with caplog.at_level(logging.WARNING):
+            # No failure after those five: the totals are logged when the window ends, all the same.
+            await trio.sleep(config.serve.log_aggregate_interval_s + 1)
+            totals = {r.name: r.getMessage() for r in caplog.records}
+            assert len(caplog.records) == 2
+            assert totals == {
+                "actors.router_actor": "5 internal_error in the last 60 s (the first: route pipeline failed: "
+                'ScorerUnavailable("RuntimeError(\'policy bug\')"))',
+                "actors.scorer": "5 scorer_failed in the last 60 s (the first: the policy failed on a decision, "
+                "which falls back: RuntimeError('policy bug'))",
+            }
+            caplog.clear()
             await handle.route(RouteRequest("b-next", token_ids=PROMPT, budget_ms=50))
-        scorer_lines = [r.getMessage() for r in caplog.records if r.name == "actors.scorer"]
-        assert scorer_lines == ["scorer failed on a decision (4 more failures since the last logged)"]
+        # The next window's first failure is logged with its traceback again.
+        assert sorted(r.name for r in caplog.records if r.exc_info is not None) == [
+            "actors.router_actor",
+            "actors.scorer",
+        ]
+
+
+async def test_a_bug_after_the_decision_is_logged_even_in_a_pipeline_bugs_window(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two different bugs within one aggregation window: each logs its own traceback."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+
+    def policy_bug(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("policy bug")
+
+    def after_reply_bug(self: ShadowSource, ctx: RequestContext, decision: object) -> None:
+        raise KeyError("after-reply bug")
+
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+        with caplog.at_level(logging.WARNING, logger="actors.router_actor"):
+            with monkeypatch.context() as patched:
+                patched.setattr(CacheAffinityFirst, "decide", policy_bug)
+                await handle.route(RouteRequest("p1", token_ids=PROMPT, budget_ms=50))
+            monkeypatch.setattr(ShadowSource, "after_reply", after_reply_bug)
+            await handle.route(RouteRequest("a1", token_ids=PROMPT, budget_ms=50))
+        errors = [r.exc_info[1] for r in caplog.records if r.name == "actors.router_actor" and r.exc_info]
+        assert [type(e).__name__ for e in errors] == ["ScorerUnavailable", "KeyError"]
 
 
 async def test_a_bug_after_the_decision_does_not_lose_it(
