@@ -41,6 +41,7 @@ from router.decision_record import (
     encode_decision,
     encode_fleet,
     frame,
+    unusable_log_path,
 )
 from router.policy.plan import Fleet
 
@@ -54,6 +55,10 @@ STOP_WRITE_S = 2.0
 # a hung disk holds after a cancellation abandoned them; beyond them a call waits in trio, where it
 # can be cancelled.
 _DISK_THREADS = 4
+
+
+class NotADecisionLog(OSError):
+    """What is at the log's path is not a decision log (a directory, another file): it is not touched."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,9 @@ class LogFileWriter:
     def _open(self) -> None:
         try:
             self.close()  # a stop that gave up on a hung disk may have left it open
+            unusable = unusable_log_path(self.path)
+            if unusable is not None:  # never rotate away (or overwrite) what is not ours
+                raise NotADecisionLog(f"{unusable}: left as it is")
             if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
                 self._shift()
             self._start()

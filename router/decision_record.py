@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -269,6 +270,24 @@ class Frame:
     offset: int
     kind: int
     payload: dict[str, Any]
+
+
+def unusable_log_path(path: str) -> str | None:
+    """Why ``path`` cannot be this router's decision log, or None: a log rotates what it finds at its
+    path away, so whatever is there must be a decision log already (or nothing, or an empty file). A
+    directory or another file is left as it is, and no decision is logged."""
+    try:
+        if os.path.isdir(path):
+            return "is a directory"
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            return None
+        with open(path, "rb") as file:
+            head = file.read(len(MAGIC) - 1)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if head != MAGIC[: len(head)]:  # a header cut short by a crash is still a log's
+        return "holds something that is not a kvroute decision log (no KVRDLOG header)"
+    return None
 
 
 def read_frames(path: str) -> Iterator[Frame]:

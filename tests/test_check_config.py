@@ -158,6 +158,18 @@ def test_a_decision_log_in_a_directory_that_does_not_exist_is_reported(tmp_path:
     assert not any("--decision-log" in line for line in present.will_not_work)
 
 
+def test_a_decision_log_path_holding_a_directory_or_another_file_is_reported(tmp_path: Path) -> None:
+    base = {"workers": "10.0.0.5:8000", "kvcm_fallback": "false"}
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "notes.txt").write_text("important notes")
+    (tmp_path / "old.log").write_bytes(b"KVRDL")  # a log whose header a crash cut short is still a log
+    for name, why in (("adir", "is a directory"), ("notes.txt", "not a kvroute decision log")):
+        verdict = assess(load_config(base | {"decision_log": str(tmp_path / name)}, {}))
+        assert any("--decision-log" in line and why in line for line in verdict.will_not_work), name
+    ours = assess(load_config(base | {"decision_log": str(tmp_path / "old.log")}, {}))
+    assert not any("--decision-log" in line for line in ours.will_not_work)
+
+
 def test_a_settings_file_that_cannot_be_read_is_blamed_on_what_named_it(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.toml")
     by_env = load_config({"workers": "10.0.0.5:8000"}, {"KVROUTE_CONFIG": missing})

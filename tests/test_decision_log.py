@@ -731,6 +731,29 @@ def test_a_late_stop_closes_only_the_file_of_its_own_run(tmp_path: Path) -> None
     assert writer._file is None
 
 
+def test_the_log_never_rotates_away_or_overwrites_what_is_not_a_decision_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory, or another file, at the log's path: left as it is (not renamed to PATH.1, not
+    truncated), the failure said once, and each write counted."""
+    folder = tmp_path / "mydir"
+    folder.mkdir()
+    (folder / "data.txt").write_text("keep")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("important notes")
+    for path, files in ((folder, 3), (notes, 1), (notes, 3)):
+        writer = LogFileWriter(str(path), max_bytes=1 << 20, files=files, header={"v": 1})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="actors.decision_log"):
+            writer.open()
+            writer.drain(deque([[]]))
+        assert writer.write_errors == 2 and writer.last_error is not None
+        (warned,) = [r.getMessage() for r in caplog.records if r.name == "actors.decision_log"]
+        assert "left as it is" in warned and str(path) in warned
+    assert (folder / "data.txt").read_text() == "keep" and not (tmp_path / "mydir.1").exists()
+    assert notes.read_text() == "important notes" and not (tmp_path / "notes.txt.1").exists()
+
+
 def test_a_log_that_cannot_be_written_says_so_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     writer = LogFileWriter(str(tmp_path / "nope" / "d.log"), max_bytes=1 << 20, files=2, header={"v": 1})
     with caplog.at_level(logging.WARNING, logger="actors.decision_log"):

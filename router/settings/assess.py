@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.config import KvrouteConfig
+from router.decision_record import unusable_log_path
 from router.master_config import master_hosts, master_problems
 from router.settings.load import LoadedConfig
 from router.settings.table import (
@@ -98,6 +99,11 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
         broken.append(
             f"{BY_NAME['decision_log'].flag} {redact_userinfo(decision_log)}: its directory does not exist, so "
             "no decision is logged (each write fails; counted in /debug/actors)"
+        )
+    elif decision_log and (unusable := unusable_log_path(decision_log)) is not None:
+        broken.append(
+            f"{BY_NAME['decision_log'].flag} {redact_userinfo(decision_log)} {unusable}: it is left as it is, "
+            "and no decision is logged (each write fails; counted in /debug/actors)"
         )
     for name in ("workers_file", "kvcm_bootstrap_file"):
         path = value_of(c, name)
