@@ -549,7 +549,9 @@ class Sidecar:
                 port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             executor.shutdown(wait=False)
-            raise OSError(f"--grpc-listen: cannot bind {self._serve.grpc_listen}: {exc}") from exc
+            # grpc says the same for an address it cannot bind and for credentials it cannot load.
+            tls = "" if credentials is None else " (or grpc could not use --grpc-tls-cert / --grpc-tls-key)"
+            raise OSError(f"--grpc-listen: cannot bind {self._serve.grpc_listen}{tls}: {exc}") from exc
         try:
             async with trio.open_nursery() as calls:
                 self._calls = calls

@@ -184,7 +184,9 @@ def pems(tmp_path: Path) -> dict[str, str]:
     paths["cert"].write_bytes(leaf.cert_chain_pems[0].bytes())
     paths["key"].write_bytes(leaf.private_key_pem.bytes())
     (tmp_path / "not.pem").write_text("hello\n")
+    (tmp_path / "other.key").write_bytes(ca.issue_cert("127.0.0.2").private_key_pem.bytes())  # another leaf's key
     return {name: str(path) for name, path in paths.items()} | {
+        "other_key": str(tmp_path / "other.key"),
         "garbage": str(tmp_path / "not.pem"),
         "missing": str(tmp_path / "missing.pem"),
     }
@@ -229,6 +231,26 @@ def test_valid_tls_settings_have_no_problem(pems: dict[str, str]) -> None:
             {"grpc_tls_cert": "cert", "grpc_tls_key": "missing"},
             "--grpc-tls-key (KVROUTE_GRPC_TLS_KEY): cannot read the file",
         ),
+        (
+            {"grpc_tls_cert": "cert", "grpc_tls_key": "other_key"},
+            "--grpc-tls-cert (KVROUTE_GRPC_TLS_CERT) / --grpc-tls-key (KVROUTE_GRPC_TLS_KEY): "
+            "the certificate and key cannot be used together",
+        ),
+        (
+            {"grpc_tls_cert": "key", "grpc_tls_key": "cert"},  # swapped
+            "--grpc-tls-cert (KVROUTE_GRPC_TLS_CERT) / --grpc-tls-key (KVROUTE_GRPC_TLS_KEY): "
+            "the certificate and key cannot be used together",
+        ),
+        (
+            {"grpc_tls_cert": "cert", "grpc_tls_key": "key", "grpc_tls_client_ca": "key"},
+            "--grpc-tls-client-ca (KVROUTE_GRPC_TLS_CLIENT_CA): {key}: not a bundle of CA certificates",
+        ),
+        (
+            {"upstream_tls_cert": "cert", "upstream_tls_key": "other_key"},
+            "--upstream-tls-cert (KVROUTE_UPSTREAM_TLS_CERT) / --upstream-tls-key (KVROUTE_UPSTREAM_TLS_KEY): "
+            "the certificate and key cannot be used together",
+        ),
+        ({"upstream_tls_ca": "key"}, "--upstream-tls-ca (KVROUTE_UPSTREAM_TLS_CA): {key}: not a bundle of CA"),
         ({"debug_token_file": "missing"}, "--debug-token-file (KVROUTE_DEBUG_TOKEN_FILE): cannot read the file"),
         ({"debug_token": "has space"}, "--debug-token (KVROUTE_DEBUG_TOKEN): must be printable ASCII without spaces"),
         ({"debug_token": "x", "debug_token_file": "ca"}, "--debug-token (KVROUTE_DEBUG_TOKEN) / --debug-token-file"),

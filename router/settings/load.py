@@ -34,7 +34,7 @@ from router.settings.table import (
     value_of,
 )
 from router.settings.validate import FileChecks, SettingProblem, validate
-from router.transport.tls import pem_file_problem
+from router.transport.tls import ca_bundle_problem, cert_key_problem, pem_file_problem
 
 # A settings file is a few kilobytes; anything far larger is not one (and is not read into memory).
 MAX_CONFIG_FILE_BYTES = 1 << 20
@@ -76,7 +76,9 @@ def token_file_problem(path: str) -> str | None:
 
 
 # What a configuration loaded to run with is checked against: the files it names exist and fit.
-FILE_CHECKS = FileChecks(pem=pem_file_problem, token=token_file_problem)
+FILE_CHECKS = FileChecks(
+    pem=pem_file_problem, token=token_file_problem, cert_key=cert_key_problem, ca_bundle=ca_bundle_problem
+)
 
 
 @dataclass(frozen=True, slots=True)

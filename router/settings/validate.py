@@ -39,7 +39,7 @@ from router.settings.table import (
     value_of,
 )
 from router.targets import TargetError, redact_userinfo
-from router.transport.tls import Unusable, grpc_tls_problems, upstream_tls_problems
+from router.transport.tls import Unusable, UnusablePair, grpc_tls_problems, upstream_tls_problems
 from router.types import PREFILL_CAPABLE_ROLES
 
 
@@ -98,6 +98,8 @@ class FileChecks:
 
     pem: Unusable  # a TLS certificate, key or CA bundle
     token: Unusable  # the debug token file
+    cert_key: UnusablePair  # a certificate and its private key, together
+    ca_bundle: Unusable  # a bundle of CA certificates
 
 
 def _section_rules(files: FileChecks | None) -> Mapping[str, Callable[[Any], list[Problem]]]:
@@ -105,8 +107,10 @@ def _section_rules(files: FileChecks | None) -> Mapping[str, Callable[[Any], lis
         return SECTION_PROBLEMS
     return {
         **SECTION_PROBLEMS,
-        "grpc_tls": partial(grpc_tls_problems, unusable=files.pem),
-        "upstream_tls": partial(upstream_tls_problems, unusable=files.pem),
+        "grpc_tls": partial(grpc_tls_problems, unusable=files.pem, pair=files.cert_key, bundle=files.ca_bundle),
+        "upstream_tls": partial(
+            upstream_tls_problems, unusable=files.pem, pair=files.cert_key, bundle=files.ca_bundle
+        ),
     }
 
 

@@ -6,8 +6,9 @@ KVCM, workers and the master: a CA bundle, and optionally a client certificate).
 plaintext.
 
 :func:`grpc_tls_problems` and :func:`upstream_tls_problems` are pure: whether a file can be used is
-asked of the ``unusable`` function passed in (the settings layer passes :func:`pem_file_problem`
-when it loads a configuration to serve with; without it only the shape of the settings is checked).
+asked of the functions passed in (the settings layer passes :func:`pem_file_problem`,
+:func:`cert_key_problem` and :func:`ca_bundle_problem` when it loads a configuration to serve with;
+without them only the shape of the settings is checked).
 The builders read the files (blocking I/O: call them in a worker thread from trio).
 """
 
@@ -23,6 +24,8 @@ from router.problems import Problem
 
 # Why a file cannot be used (None: it can); e.g. pem_file_problem.
 Unusable = Callable[[str], str | None]
+# Why a certificate and a key cannot be used together (None: they can); e.g. cert_key_problem.
+UnusablePair = Callable[[str, str], str | None]
 
 # PEM bundles are kilobytes; anything far larger is not one (and is not read into memory).
 MAX_PEM_BYTES = 1 << 20
@@ -40,6 +43,31 @@ def pem_file_problem(path: str) -> str | None:
         return f"larger than {MAX_PEM_BYTES} bytes: not a PEM file"
     if _PEM_BEGIN not in data:
         return "not a PEM file (no '-----BEGIN' line)"
+    return None
+
+
+def cert_key_problem(cert: str, key: str) -> str | None:
+    """Why the certificate chain at ``cert`` and the private key at ``key`` cannot serve TLS together
+    (None when they can): each must be what its name says, and the key the certificate's. Reads both."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A key behind a passphrase is refused here (no prompt), as grpc cannot use one either.
+        context.load_cert_chain(cert, key, password="")
+    except ssl.SSLError as exc:
+        return f"the certificate and key cannot be used together: {exc.reason or exc}"
+    except OSError as exc:
+        return f"cannot read the certificate or the key: {exc.strerror or exc}"
+    return None
+
+
+def ca_bundle_problem(path: str) -> str | None:
+    """Why ``path`` is not a bundle of CA certificates (None when it is). Reads the file."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError as exc:
+        return f"{path}: not a bundle of CA certificates: {exc.reason or exc}"
+    except OSError as exc:
+        return f"{path}: cannot read the file: {exc.strerror or exc}"
     return None
 
 
@@ -63,7 +91,26 @@ def _file_problems(paths: dict[str, str], secret: frozenset[str], unusable: Unus
     return problems
 
 
-def grpc_tls_problems(config: GrpcTlsConfig, unusable: Unusable | None = None) -> list[Problem]:
+def _content_problems(
+    cert: str, key: str, ca: tuple[str, str], pair: UnusablePair | None, bundle: Unusable | None
+) -> list[Problem]:
+    """Once each file is a readable PEM file: whether the key is the certificate's and the CA file a
+    bundle of certificates (``ca``: its field and path)."""
+    problems: list[Problem] = []
+    if pair is not None and cert and key and (why := pair(cert, key)) is not None:
+        problems.append(Problem(("cert", "key"), why))
+    field, path = ca
+    if bundle is not None and path and (why := bundle(path)) is not None:
+        problems.append(Problem((field,), why))
+    return problems
+
+
+def grpc_tls_problems(
+    config: GrpcTlsConfig,
+    unusable: Unusable | None = None,
+    pair: UnusablePair | None = None,
+    bundle: Unusable | None = None,
+) -> list[Problem]:
     """Every reason the sidecar's server cannot use ``config`` (empty: it can, or it is off)."""
     problems = _pair_problems(config.cert, config.key)
     if config.client_ca and not config.cert:
@@ -71,13 +118,24 @@ def grpc_tls_problems(config: GrpcTlsConfig, unusable: Unusable | None = None) -
             Problem(("client_ca", "cert"), "client certificates can only be required over TLS: set cert and key")
         )
     paths = {"cert": config.cert, "key": config.key, "client_ca": config.client_ca}
-    return problems + _file_problems(paths, frozenset({"key"}), unusable)
+    problems += _file_problems(paths, frozenset({"key"}), unusable)
+    if problems:
+        return problems
+    return _content_problems(config.cert, config.key, ("client_ca", config.client_ca), pair, bundle)
 
 
-def upstream_tls_problems(config: UpstreamTlsConfig, unusable: Unusable | None = None) -> list[Problem]:
+def upstream_tls_problems(
+    config: UpstreamTlsConfig,
+    unusable: Unusable | None = None,
+    pair: UnusablePair | None = None,
+    bundle: Unusable | None = None,
+) -> list[Problem]:
     """Every reason kvroute's clients cannot use ``config`` (empty: they can, or it is off)."""
     paths = {"ca": config.ca, "cert": config.cert, "key": config.key}
-    return _pair_problems(config.cert, config.key) + _file_problems(paths, frozenset({"key"}), unusable)
+    problems = _pair_problems(config.cert, config.key) + _file_problems(paths, frozenset({"key"}), unusable)
+    if problems:
+        return problems
+    return _content_problems(config.cert, config.key, ("ca", config.ca), pair, bundle)
 
 
 def _read(path: str, setting: str) -> bytes:
