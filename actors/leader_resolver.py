@@ -153,6 +153,15 @@ def leader_problems(config: LeaderConfig) -> list[Problem]:
                 f"{config.backoff_initial_s} is above the maximum {config.backoff_max_s}",
             )
         )
+    if config.max_staleness_s < config.refresh_interval_s:
+        # A leader must stay usable until its next refresh, or requests would look it up themselves.
+        problems.append(
+            Problem(
+                ("max_staleness_s", "refresh_interval_s"),
+                f"a leader is usable for {config.max_staleness_s} s, less than the {config.refresh_interval_s} s "
+                "between refreshes: requests would wait for lookups",
+            )
+        )
     return problems
 
 

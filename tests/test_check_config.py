@@ -158,6 +158,18 @@ def test_a_decision_log_in_a_directory_that_does_not_exist_is_reported(tmp_path:
     assert not any("--decision-log" in line for line in present.will_not_work)
 
 
+def test_background_refresh_on_but_inactive_is_reported() -> None:
+    base = {"workers": "10.0.0.5:8000", "kvcm_fallback": "false"}
+    inactive = assess(load_config(base | {"prober_refresh_interval_s": "0.1"}, {}))
+    assert any(
+        "--prober-background-refresh=true" in line and "inactive" in line and "--prober-fresh-ttl-s=0.05" in line
+        for line in inactive.will_not_work
+    )
+    for quiet in ({}, {"prober_refresh_interval_s": "0.1", "prober_background_refresh": "false"}):
+        verdict = assess(load_config(base | quiet, {}))
+        assert not any("inactive" in line for line in verdict.will_not_work)
+
+
 def test_a_decision_log_path_holding_a_directory_or_another_file_is_reported(tmp_path: Path) -> None:
     base = {"workers": "10.0.0.5:8000", "kvcm_fallback": "false"}
     (tmp_path / "adir").mkdir()

@@ -335,6 +335,23 @@ def test_cross_field_checks() -> None:
     assert load_config({**GOOD, "grpc_listen": "127.0.0.1:0"}, {}).errors == ()
 
 
+def test_a_scheduler_window_the_budget_cap_leaves_nothing_of_is_refused_naming_both() -> None:
+    never = load_config({**GOOD, "master_hosts": "10.0.0.9", "master_later_sources_ms": "50"}, {})
+    (problem,) = never.errors
+    assert problem.settings == ("master_later_sources_ms", "budget_cap_ms")
+    assert "--master-later-sources-ms" in str(problem) and "never be asked" in str(problem)
+    assert load_config({**GOOD, "master_hosts": "10.0.0.9", "master_later_sources_ms": "49"}, {}).errors == ()
+    # Without a source after the scheduler nothing is kept for one.
+    alone = {"kvcm_fallback": "off", "workers": "10.1.0.1:80", "master_hosts": "10.0.0.9"}
+    assert load_config({**alone, "master_later_sources_ms": "50"}, {}).errors == ()
+
+
+def test_a_leader_stale_before_its_next_refresh_is_refused_naming_both() -> None:
+    stale = load_config({**GOOD, "leader_max_staleness_s": "5", "leader_refresh_interval_s": "10"}, {})
+    assert _names(stale.errors) == {("leader_max_staleness_s", "leader_refresh_interval_s")}
+    assert load_config({**GOOD, "leader_max_staleness_s": "10", "leader_refresh_interval_s": "10"}, {}).errors == ()
+
+
 def test_required_when_on_is_checked_only_then() -> None:
     off = load_config({"kvcm_fallback": "off", "workers": "10.1.0.1:80"}, {})
     assert off.errors == ()

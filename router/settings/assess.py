@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from actors.sources.master import DOMAIN_RESERVE_S
 from router.config import KvrouteConfig
 from router.decision_record import unusable_log_path
 from router.master_config import master_hosts, master_problems
@@ -148,6 +149,13 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
             "--grpc-tls-key): requests and answers cross the network in plaintext"
         )
     works.append(f"logs at {c.serve.log_level.upper()} as {c.serve.log_format}")
+    prober = c.prober
+    if prober.background_refresh and prober.refresh_interval_s >= prober.fresh_ttl_s:
+        broken.append(
+            f"{said('prober_background_refresh')} is on but inactive: {said('prober_refresh_interval_s')} is not "
+            f"below {said('prober_fresh_ttl_s')}, so no polled status would still be fresh when read; requests "
+            "probe their candidates on demand"
+        )
     if loaded.fatal_errors:
         broken.append(
             f"kvroute will not start: {len(loaded.fatal_errors)} problem(s) outside the KVCM fallback "
@@ -164,7 +172,7 @@ def _master_lines(c: KvrouteConfig, said: Callable[[str], str]) -> list[str]:
     kept = (
         f"its budget less {said('master_later_sources_ms')} kept for KVCM"
         if c.router.kvcm_fallback
-        else "its deadline less 1 ms"
+        else f"its deadline less {DOMAIN_RESERVE_S * 1000:g} ms"
     )
     lines = [
         f"the central scheduler is asked first: {len(hosts)} host(s) from {said('master_hosts')} over "

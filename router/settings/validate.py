@@ -135,6 +135,12 @@ def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
             f"the decision reserve ({c.router.reserve_min_ms} ms) leaves nothing of the budget cap "
             f"({c.router.budget_cap_ms} ms)",
         )
+    if c.master.hosts and c.router.kvcm_fallback and c.master.later_sources_ms >= c.router.budget_cap_ms:
+        yield (
+            ("master_later_sources_ms", "budget_cap_ms"),
+            f"the time kept for the sources after the scheduler ({c.master.later_sources_ms} ms) leaves it "
+            f"nothing of the budget cap ({c.router.budget_cap_ms} ms): it would never be asked",
+        )
     if c.serve.grpc_max_concurrent_rpcs < c.serve.grpc_max_workers:
         yield (
             ("grpc_max_concurrent_rpcs", "grpc_max_workers"),
