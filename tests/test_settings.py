@@ -298,6 +298,20 @@ def test_every_problem_is_reported_at_once_naming_flag_and_env() -> None:
     assert "(from env KVROUTE_BREAKER_FAILURE_RATE)" in text[("breaker_failure_rate",)]
 
 
+def test_a_bad_value_a_higher_source_overrides_is_a_warning_not_a_problem() -> None:
+    overridden = load_config({**GOOD, "block_size": "32"}, {"KVROUTE_BLOCK_SIZE": "abc"})
+    assert overridden.errors == ()
+    assert overridden.effective.deployment.block_size == 32 and overridden.effective.router.kvcm_fallback
+    assert overridden.warnings == (
+        "--block-size (KVROUTE_BLOCK_SIZE): expected an integer, got 'abc' (from env KVROUTE_BLOCK_SIZE): "
+        "not used, flag --block-size wins",
+    )
+    # The winning source's own bad value is still a problem, whatever a lower source said.
+    bad_flag = load_config({**GOOD, "block_size": "abc"}, {"KVROUTE_BLOCK_SIZE": "32"})
+    assert _names(bad_flag.errors) == {("block_size",)}
+    assert "(from flag --block-size)" in str(bad_flag.errors[0])
+
+
 def test_cross_field_checks() -> None:
     loaded = load_config(
         {

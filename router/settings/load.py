@@ -183,12 +183,20 @@ def resolve_config(
     problems: list[SettingProblem] = []
     warnings: list[str] = []
 
+    # A value that does not parse is a problem unless a source of higher precedence gives the setting
+    # a value of its own: then the bad one is not used, and only a warning says so.
+    unparsed: dict[str, SettingProblem] = {}
+
     def take(s: Setting, raw: object, origin: Origin) -> None:
         try:
             values[s.name] = s.parse_value(raw)
             sources[s.name] = origin
         except SettingValueError as exc:
-            problems.append(SettingProblem((s.name,), f"{exc} ({_from(origin)})", s.fallback_part))
+            unparsed[s.name] = SettingProblem((s.name,), f"{exc} ({_from(origin)})", s.fallback_part)
+            return
+        overridden = unparsed.pop(s.name, None)
+        if overridden is not None:
+            warnings.append(f"{overridden}: not used, {origin} wins")
 
     if file is not None:
         problems.extend(file.problems)
@@ -209,6 +217,7 @@ def resolve_config(
         if raw is not None:
             take(s, raw, Origin(SourceKind.FLAG, s.flag))
 
+    problems.extend(unparsed.values())
     config = _assemble(values)
     problems.extend(validate(config, sources, files))
     effective = _fail_soft(config, problems)
