@@ -56,6 +56,11 @@ def refuse(section: str, problems: Sequence[Problem]) -> None:
         raise ConfigError(section, problems)
 
 
+# The smallest size a non-zero numeric setting may have (a duration of a nanosecond, a share of a
+# billionth): anything smaller is no setting anyone means.
+MIN_MAGNITUDE = 1e-9
+
+
 @dataclass(frozen=True, slots=True)
 class Range:
     """The values a numeric setting may take; both ends are always given (no unbounded setting)."""
@@ -69,6 +74,9 @@ class Range:
         """Pure: why ``value`` is outside the range (None when inside)."""
         if isinstance(value, float) and not math.isfinite(value):
             return f"must be a finite number, got {value}"
+        if isinstance(value, float) and value != 0.0 and abs(value) < MIN_MAGNITUDE:
+            # Such a value passes every range, then divides a clock reading into infinity.
+            return f"too small to use: a non-zero value is at least {MIN_MAGNITUDE:g} in size, got {value}"
         if self.low_open and not value > self.low:
             return f"must be > {_num(self.low)}, got {value}"
         if not self.low_open and not value >= self.low:

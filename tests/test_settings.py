@@ -312,6 +312,14 @@ def test_a_bad_value_a_higher_source_overrides_is_a_warning_not_a_problem() -> N
     assert "(from flag --block-size)" in str(bad_flag.errors[0])
 
 
+def test_a_vanishingly_small_duration_is_refused_before_it_divides_a_clock_into_infinity() -> None:
+    tiny = load_config({**GOOD, "breaker_window_s": "1e-306"}, {})
+    (problem,) = tiny.errors
+    assert problem.settings == ("breaker_window_s",) and "too small to use" in str(problem)
+    assert load_config({**GOOD, "breaker_window_s": "1e-9"}, {}).errors == ()
+    assert load_config({**GOOD, "prober_max_ejected_fraction": "0"}, {}).errors == ()  # zero is not small
+
+
 def test_cross_field_checks() -> None:
     loaded = load_config(
         {
