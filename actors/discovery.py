@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import functools
 import ipaddress
+import logging
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,8 @@ from router.config import DiscoveryConfig
 from router.problems import ConfigError, Problem, range_problems
 from router.targets import HostPort, TargetError, parse_target, parse_target_list
 from router.types import WorkerAddr
+
+log = logging.getLogger(__name__)
 
 
 class DiscoveryConfigError(ConfigError):
@@ -149,16 +152,58 @@ def _dns_name(text: str, default_port: int | None, field: str) -> HostPort:
         raise _RefreshFailed(f"{field}: {exc}{hint}") from exc
 
 
-def _file_signature_and_text(
-    path: str, last: tuple[int, int, int] | None
-) -> tuple[tuple[int, int, int], str | None]:
-    """Runs in a worker thread: (signature, text), text None when the signature is unchanged."""
+def parse_list(config: DiscoveryConfig, list_kind: ListKind, text: str, what: str) -> tuple[HostPort, ...]:
+    """A list's entries as a refresh reads them (workers checked as workers); raises naming ``what``."""
+    if list_kind is ListKind.WORKERS:
+        entries = parse_entries(text, config.worker_http_port or None, what, config.max_entries)
+        to_workers(entries, config, what)
+        return entries
+    return parse_entries(text, config.kvcm_port, what, config.max_entries)
+
+
+def list_file_problem(config: DiscoveryConfig, list_kind: ListKind, path: str, what: str) -> str | None:
+    """Why the list file at ``path`` cannot be used now, read and parsed as a refresh would (None: it
+    can, or it does not exist yet, which a refresh waits out). Reads the file: for check-config."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        _signature, outcome = _file_signature_and_outcome(
+            path, None, lambda text: parse_list(config, list_kind, text, what),
+            config.max_entries * FILE_BYTES_PER_ENTRY, what,
+        )
+    except OSError as exc:
+        return f"{what}: {exc.strerror or exc}"
+    return outcome if isinstance(outcome, str) else None
+
+
+# A list file holds at most max_entries entries of this many bytes each (an address and its comment):
+# a larger file is no list, and is not read into memory.
+FILE_BYTES_PER_ENTRY = 512
+
+
+def _file_signature_and_outcome(
+    path: str,
+    last: tuple[int, int, int] | None,
+    parse: Callable[[str], tuple[HostPort, ...]],
+    max_bytes: int,
+    what: str,
+) -> tuple[tuple[int, int, int], tuple[HostPort, ...] | str | None]:
+    """Runs in a worker thread: (signature, the parsed entries or why the file cannot be used), the
+    outcome None when the signature is unchanged. Parsed here too: a long list must not hold the loop."""
     st = os.stat(path)
     signature = (st.st_mtime_ns, st.st_size, st.st_ino)
     if signature == last:
         return signature, None
-    with open(path, encoding="utf-8") as f:
-        return signature, f.read()
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        return signature, f"{what}: larger than {max_bytes} bytes (max_entries × {FILE_BYTES_PER_ENTRY}): not a list"
+    try:
+        return signature, parse(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return signature, f"{what}: not UTF-8 text (byte {exc.start})"
+    except _RefreshFailed as exc:
+        return signature, str(exc)
 
 
 # --- sources ---------------------------------------------------------------------------------
@@ -325,20 +370,24 @@ class Discovery:
 
     async def _fetch_file(self, source: _Source) -> tuple[HostPort, ...]:
         try:
-            signature, text = await trio.to_thread.run_sync(
-                functools.partial(_file_signature_and_text, source.origin, source.file_signature),
+            signature, outcome = await trio.to_thread.run_sync(
+                functools.partial(
+                    _file_signature_and_outcome,
+                    source.origin,
+                    source.file_signature,
+                    functools.partial(self._parse, source),
+                    self._config.max_entries * FILE_BYTES_PER_ENTRY,
+                    f"{source.name} {source.origin}",
+                ),
                 abandon_on_cancel=True,
                 limiter=source.file_limiter,
             )
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:
             source.file_signature = None
-            raise _RefreshFailed(f"{source.name} {source.origin}: {exc}") from exc
-        if text is not None:  # changed: parse once and keep the outcome until the next change
+            raise _RefreshFailed(f"{source.name} {source.origin}: {exc.strerror or exc}") from exc
+        if outcome is not None:  # changed: the outcome is kept until the next change
             source.file_signature = signature
-            try:
-                source.file_outcome = self._parse(source, text)
-            except _RefreshFailed as exc:
-                source.file_outcome = str(exc)
+            source.file_outcome = outcome
         if isinstance(source.file_outcome, str):
             raise _RefreshFailed(source.file_outcome)
         return source.file_outcome
@@ -379,21 +428,27 @@ class Discovery:
         return entries
 
     def _parse(self, source: _Source, text: str) -> tuple[HostPort, ...]:
-        what = f"{source.name} {source.origin}"
-        if source.list_kind is ListKind.WORKERS:
-            return self._parse_workers(text, what)
-        return parse_entries(text, self._kvcm_default, what, self._config.max_entries)
+        return parse_list(self._config, source.list_kind, text, f"{source.name} {source.origin}")
 
     def _apply(self, source: _Source, entries: tuple[HostPort, ...], error: str | None, now: float) -> None:
         source.refreshes_total += 1
         source.last_refresh_at = now
         if error is None and entries:
+            if source.last_error is not None:
+                log.info("discovery: %s %s is readable again", source.name, source.origin)
             source.entries = entries
             source.last_good_at = now
             source.last_error = None
         else:
             if error is not None:
                 source.failures_total += 1
+                if error != source.last_error:  # once per new error, not once per refresh
+                    log.warning(
+                        "discovery: %s; its last good entries are kept until stale_after_s (%g s) after they "
+                        "were read",
+                        error,
+                        self._config.stale_after_s,
+                    )
                 source.last_error = error
             else:
                 source.empty_total += 1

@@ -158,6 +158,21 @@ def test_a_decision_log_in_a_directory_that_does_not_exist_is_reported(tmp_path:
     assert not any("--decision-log" in line for line in present.will_not_work)
 
 
+def test_a_list_file_that_cannot_be_used_is_reported_as_a_refresh_would_read_it(tmp_path: Path) -> None:
+    base = {"kvcm_fallback": "false"}
+    (tmp_path / "wdir").mkdir()
+    (tmp_path / "bad.txt").write_text("127.0.0.1:8000\nbad entry\n")
+    (tmp_path / "good.txt").write_text("127.0.0.1:8000\n# a comment\n127.0.0.2:8000\n")
+    for name, why in (("wdir", "Is a directory"), ("bad.txt", "bad host 'bad entry'")):
+        path = str(tmp_path / name)
+        verdict = assess(load_config(base | {"workers_file": path}, {}))
+        assert any(line.startswith(f"--workers-file {path}: ") and why in line for line in verdict.will_not_work)
+    good = assess(load_config(base | {"workers_file": str(tmp_path / "good.txt")}, {}))
+    assert not any("--workers-file" in line for line in good.will_not_work)
+    boot = assess(load_config({"kvcm_bootstrap_file": str(tmp_path / "wdir"), "kvcm_instance_id": "i"}, {}))
+    assert any(line.startswith("--kvcm-bootstrap-file") and "Is a directory" in line for line in boot.will_not_work)
+
+
 def test_background_refresh_on_but_inactive_is_reported() -> None:
     base = {"workers": "10.0.0.5:8000", "kvcm_fallback": "false"}
     inactive = assess(load_config(base | {"prober_refresh_interval_s": "0.1"}, {}))

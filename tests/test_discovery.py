@@ -9,6 +9,7 @@ absolute ``trio.fail_after`` and wait on published changes, never on sleeps.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -18,7 +19,13 @@ import pytest
 import trio
 import trio.testing
 
-from actors.discovery import Discovery, DiscoveryConfigError, WorkerSnapshot
+from actors.discovery import (
+    FILE_BYTES_PER_ENTRY,
+    Discovery,
+    DiscoveryConfigError,
+    WorkerSnapshot,
+    _file_signature_and_outcome,
+)
 from router.config import KVCM_DEFAULT_PORT, DiscoveryConfig
 from router.types import WorkerAddr
 
@@ -344,6 +351,42 @@ async def test_missing_file_is_a_failed_refresh_until_it_appears(tmp_path: Path)
             await d.wait_for_change(generation)
             assert http_targets(d.workers()) == ["10.1.0.7:8080"]
             nursery.cancel_scope.cancel()
+
+
+async def test_an_unreadable_file_is_warned_once_per_new_error_and_its_recovery_noted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    workers = tmp_path / "workers.txt"
+    workers.mkdir()  # a directory where the list should be
+    cfg = dataclasses.replace(CFG, refresh_interval_s=0.01, workers_file=str(workers))
+    with trio.fail_after(10), caplog.at_level(logging.INFO, logger="actors.discovery"):
+        d = Discovery(cfg)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)
+            # A few more rounds fail the same way (a failed round publishes nothing to wait on).
+            while next(s for s in d.snapshot().sources if s.name == "workers.file").failures_total < 3:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(warned) == 1
+            assert warned[0].startswith(f"discovery: workers.file {workers}: Is a directory")
+            workers.rmdir()
+            generation = d.generation
+            write(workers, "10.1.0.7\n")
+            await d.wait_for_change(generation)
+            nursery.cancel_scope.cancel()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        f"discovery: workers.file {workers} is readable again"
+    ]
+
+
+def test_a_list_file_larger_than_its_entries_can_be_is_refused_unread(tmp_path: Path) -> None:
+    big = tmp_path / "workers.txt"
+    big.write_text("10.1.0.1:9000\n" * 1000)
+    cfg = dataclasses.replace(CFG, workers_file=str(big), max_entries=2)
+    _signature, outcome = _file_signature_and_outcome(
+        str(big), None, lambda text: (), cfg.max_entries * FILE_BYTES_PER_ENTRY, "workers.file x"
+    )
+    assert outcome == "workers.file x: larger than 1024 bytes (max_entries × 512): not a list"
 
 
 def _unblock_fifo(fifo: Path) -> None:

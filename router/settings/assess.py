@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from actors.discovery import ListKind, list_file_problem
 from actors.sources.master import DOMAIN_RESERVE_S
 from router.config import KvrouteConfig
 from router.decision_record import unusable_log_path
@@ -106,12 +107,14 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
             f"{BY_NAME['decision_log'].flag} {redact_userinfo(decision_log)} {unusable}: it is left as it is, "
             "and no decision is logged (each write fails; counted in /debug/actors)"
         )
-    for name in ("workers_file", "kvcm_bootstrap_file"):
+    for name, kind in (("workers_file", ListKind.WORKERS), ("kvcm_bootstrap_file", ListKind.KVCM)):
         path = value_of(c, name)
         if path and not path_exists(path):
             broken.append(
                 f"{BY_NAME[name].flag} {redact_userinfo(path)} does not exist: that source stays empty until it appears"
             )
+        elif path and (why := list_file_problem(c.discovery, kind, path, f"{BY_NAME[name].flag} {path}")) is not None:
+            broken.append(f"{redact_userinfo(why)}: that source stays empty until the file is fixed")
     roles = BY_NAME["roles"].format(c.deployment.roles)
     works.append(
         f"routes to roles {roles}; workers reporting another role are dropped (counted as role_not_routed)"
