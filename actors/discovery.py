@@ -37,7 +37,7 @@ import trio
 
 from router.config import DiscoveryConfig
 from router.problems import ConfigError, Problem, range_problems
-from router.targets import HostPort, TargetError, parse_target, parse_target_list
+from router.targets import NO_PORT, HostPort, TargetError, parse_target, parse_target_list
 from router.types import WorkerAddr
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def parse_entries(text: str, default_port: int | None, what: str, max_entries: i
     try:
         entries = parse_target_list(joined, default_port)
     except TargetError as exc:
-        hint = "" if default_port is not None else " (or set worker_http_port for entries without a port)"
+        hint = " (or set worker_http_port for entries without a port)" if NO_PORT in str(exc) else ""
         raise _RefreshFailed(f"{what}: {exc}{hint}") from exc
     if len(entries) > max_entries:
         raise _TooManyEntries(f"{what}: {len(entries)} entries, more than max_entries={max_entries}")
@@ -148,7 +148,7 @@ def _dns_name(text: str, default_port: int | None, field: str) -> HostPort:
     try:
         return parse_target(text, default_port)
     except TargetError as exc:
-        hint = "" if default_port is not None else " (give name:port, or set worker_http_port)"
+        hint = " (give name:port, or set worker_http_port)" if NO_PORT in str(exc) else ""
         raise _RefreshFailed(f"{field}: {exc}{hint}") from exc
 
 

@@ -99,7 +99,7 @@ class _KvrouteHandler(logging.StreamHandler[TextIO]):
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # any case
-LOG_FORMATS = ("text", "json")
+LOG_FORMATS = ("text", "json")  # any case
 
 
 def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> logging.Handler:
@@ -107,6 +107,7 @@ def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> logging
     if level.upper() not in LOG_LEVELS:
         raise ValueError(f"--log-level: expected {'|'.join(LOG_LEVELS)}, got {level!r}")
     numeric = logging.getLevelNamesMapping()[level.upper()]
+    fmt = fmt.lower()
     if fmt not in LOG_FORMATS:
         raise ValueError(f"--log-format: expected {'|'.join(LOG_FORMATS)}, got {fmt!r}")
     formatters: dict[str, logging.Formatter] = {"text": TextFormatter(), "json": JsonFormatter()}

@@ -42,6 +42,9 @@ class HostPort:
         return format_target(self.host, self.port)
 
 
+NO_PORT = "has no port and there is no default port"  # what a bare host without a default is told
+
+
 def format_target(host: str, port: int) -> str:
     """``host:port``, with IPv6 hosts bracketed."""
     if ":" in host and not host.startswith("["):
@@ -109,6 +112,10 @@ def parse_target(entry: str, default_port: int | None = None) -> HostPort:
     text = entry.strip()
     if not text:
         raise TargetError("empty target entry")
+    if "://" in text:
+        raise TargetError(f"target {entry!r}: give host:port, without a scheme such as http://")
+    if "@" in text:
+        raise TargetError(f"target {entry!r}: give host:port, without user:password@")
     if text.startswith("["):
         end = text.find("]")
         if end < 0:
@@ -143,7 +150,7 @@ def parse_target(entry: str, default_port: int | None = None) -> HostPort:
         host = _check_host(host, entry)
     if port_text is None:
         if default_port is None:
-            raise TargetError(f"target {entry!r} has no port and there is no default port")
+            raise TargetError(f"target {entry!r} {NO_PORT}")
         if not 1 <= default_port <= 65535:
             raise TargetError(f"default port {default_port} out of range 1..65535 for target {entry!r}")
         return HostPort(host, default_port)

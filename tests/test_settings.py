@@ -156,6 +156,14 @@ def test_config_path_from_env_when_no_flag(tmp_path: Path) -> None:
     toml.write_text("[deployment]\nblock_size = 16\n")
     loaded = load_config({}, {"KVROUTE_CONFIG": str(toml)})
     assert loaded.config.deployment.block_size == 16
+    # --config= given empty reads no file, whatever the environment names.
+    none = load_config({"config": ""}, {"KVROUTE_CONFIG": str(toml)})
+    assert none.config_path is None and none.config.deployment.block_size != 16
+
+
+def test_an_enum_word_in_any_case_is_accepted_for_the_log_settings() -> None:
+    loaded = load_config({**GOOD, "log_format": "JSON", "log_level": "debug"}, {})
+    assert loaded.errors == ()
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,20 @@ def test_bare_host_without_a_default_port_is_an_error_naming_it() -> None:
         parse_target("kvcm-0")
 
 
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ("http://1.2.3.4:8000", "without a scheme"),
+        ("grpc://[::1]:50051", "without a scheme"),
+        ("user:pw@1.2.3.4:8000", "without user:password@"),
+        ("admin@10.0.0.1", "without user:password@"),
+    ],
+)
+def test_an_entry_written_as_a_url_says_what_to_drop(entry: str, says: str) -> None:
+    with pytest.raises(TargetError, match=says):
+        parse_target(entry, 80)
+
+
 def test_default_port_out_of_range_is_rejected() -> None:
     with pytest.raises(TargetError, match="default port 0"):
         parse_target("kvcm-0", default_port=0)

@@ -142,9 +142,12 @@ def read_config_file(path: str, named_by: str = "--config") -> ConfigFile:
 
 
 def config_path(flags: Mapping[str, object], env: Mapping[str, str]) -> str | None:
-    """The settings file to read: ``--config``, else ``KVROUTE_CONFIG``, else none."""
+    """The settings file to read: ``--config``, else ``KVROUTE_CONFIG``, else none. ``--config=`` (given,
+    empty) reads none, whatever the environment names."""
     given = flags.get("config")
-    return given if isinstance(given, str) and given else env.get(CONFIG_ENV) or None
+    if isinstance(given, str):
+        return given or None
+    return env.get(CONFIG_ENV) or None
 
 
 def _toml_values(path: str, data: Mapping[str, object]) -> Iterator[tuple[Setting | None, object, str]]:

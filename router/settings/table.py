@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.config import MASTER_HTTP_PORT, DeadlineSplit, KvrouteConfig
+from router.config import MASTER_GRPC_PORT_OFFSET, MASTER_HTTP_PORT, DeadlineSplit, KvrouteConfig
 from router.logs import LOG_FORMATS, LOG_LEVELS
 from router.problems import Range, range_of
 from router.targets import REDACTED, HostPort, TargetError, parse_target, redact_userinfo
@@ -260,7 +260,7 @@ class Setting:
 
 def _one_of(words: tuple[str, ...], *, ignore_case: bool = False) -> Check:
     def check(value: str) -> str | None:
-        ok = value.upper() in words if ignore_case else value in words
+        ok = value.casefold() in {w.casefold() for w in words} if ignore_case else value in words
         return None if ok else f"must be one of {'|'.join(words)}, got {value!r}"
 
     return check
@@ -691,7 +691,9 @@ _SPECS: dict[str, _Spec] = {
     "serve.log_level": _Spec(
         "Log level", (_one_of(LOG_LEVELS, ignore_case=True),), metavar="|".join(LOG_LEVELS)
     ),
-    "serve.log_format": _Spec("Log line format", (_one_of(LOG_FORMATS),), metavar="|".join(LOG_FORMATS)),
+    "serve.log_format": _Spec(
+        "Log line format", (_one_of(LOG_FORMATS, ignore_case=True),), metavar="|".join(LOG_FORMATS)
+    ),
     "serve.log_aggregate_interval_s": _Spec(
         "Hot-path warnings are aggregated and logged at most once per this", metavar="SECONDS"
     ),
@@ -741,7 +743,10 @@ _SPECS: dict[str, _Spec] = {
         "the chain starts at KVCM",
         metavar="HOST[:PORT][,...]",
     ),
-    "master.protocol": _Spec("The scheduler API: http (JSON, POST /rtp_llm/schedule) or grpc (HTTP port + 2)"),
+    "master.protocol": _Spec(
+        "The scheduler API: http (JSON, POST /rtp_llm/schedule) or grpc (HTTP port + "
+        f"{MASTER_GRPC_PORT_OFFSET})"
+    ),
     "master.transport_timeout_ms": _Spec(
         "Longest window of one request's master attempt (master, then the slave once, inside it)", metavar="MS"
     ),
