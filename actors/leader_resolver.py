@@ -50,7 +50,7 @@ import trio
 
 from actors.breaker import Admission, BreakerSnapshot, BreakerView, KvcmBreaker
 from actors.inbox import Alarm, Ask, ask
-from actors.metrics_sink import KvcmRequest, MetricsSink
+from actors.metrics_sink import KvcmRequest, LeaderChanged, MetricsSink
 from router.config import BreakerConfig, LeaderConfig
 from router.problems import Problem, range_problems, refuse
 from router.transport.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
@@ -282,6 +282,7 @@ class LeaderResolver:
         self._lookups_by_trigger = dict.fromkeys((t.value for t in Trigger), 0)
         self._lookup_rpcs_total = 0
         self._leader_changes_total = 0
+        self._last_found: str | None = None  # the target of the last leader a lookup found
         self._invalidations_total = 0
         self._cut_short_total = 0
         self._leader_misses_total = 0
@@ -632,8 +633,13 @@ class LeaderResolver:
         self._lookups_total += 1
         self._lookup_rpcs_total += result.rpcs
         if result.leader is not None:
-            if self._leader is None or self._leader.target != result.leader.target:
+            # Against the last leader found, not the one held: an invalidated leader found again is
+            # no change.
+            if result.leader.target != self._last_found:
+                self._last_found = result.leader.target
                 self._leader_changes_total += 1
+                if self._metrics is not None:
+                    self._metrics.emit(LeaderChanged(result.leader.target))
             self._leader = result.leader
             self._confirmed_at = now
             self._consecutive_failures = 0

@@ -130,7 +130,9 @@ class HitObserved:
 
 @dataclass(frozen=True, slots=True)
 class LeaderChanged:
-    target: str | None  # the new leader, None when it was lost
+    """The leader resolver found a leader other than the last one it found (the first one counts)."""
+
+    target: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +337,11 @@ class MetricsSink:
         self._kvcm_requests = Counter(
             "kvroute_kvcm_requests", "KVCM RPCs by outcome", ("method", "outcome"), registry=r
         )
-        self._leader_changes = Counter("kvroute_kvcm_leader_changes", "KVCM leader changes seen", registry=r)
+        self._leader_changes = Counter(
+            "kvroute_kvcm_leader_changes",
+            "KVCM leaders the leader resolver found that differ from the last it found (the first counts)",
+            registry=r,
+        )
         self._probe_skipped = Counter("kvroute_probe_skipped", "Worker probes skipped", ("reason",), registry=r)
         self._cache_hits = Counter(
             "kvroute_worker_status_cache_hits", "Worker statuses served from the status cache", registry=r

@@ -251,6 +251,33 @@ async def test_backoff_grows_with_jitter_and_recovers_in_background(
     assert (elapsed, outcome) == (0.0, NODES[0])
 
 
+async def test_a_leader_change_is_counted_and_sent_once_and_an_invalidated_leader_found_again_is_none(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    sink = MetricsSink(MetricsConfig())
+    await nursery.start(sink.run)
+    resolver = LeaderResolver(
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=64, metrics=sink
+    )
+    await nursery.start(resolver.run)
+    assert (await resolver.leader()).target == NODES[0]
+    stepped_down = NotLeader(NODES[0], "stepped down", kvcm_pb.SERVER_NOT_LEADER, "SERVER_NOT_LEADER")
+    resolver.report_failure(NODES[0], stepped_down)
+    await trio.testing.wait_all_tasks_blocked()
+    assert (await resolver.leader()).target == NODES[0]  # the same leader, found again
+    kvcm.leader = NODES[1]
+    resolver.report_failure(NODES[0], NotLeader(NODES[0], "moved", kvcm_pb.SERVER_NOT_LEADER, "SERVER_NOT_LEADER"))
+    await trio.testing.wait_all_tasks_blocked()
+    assert (await resolver.leader()).target == NODES[1]
+    await trio.testing.wait_all_tasks_blocked()
+    snap = resolver.snapshot()
+    assert (snap.leader_changes_total, snap.invalidations_total) == (2, 2)  # the first leader, then NODES[1]
+    assert sink.registry.get_sample_value("kvroute_kvcm_leader_changes_total") == 2
+    assert sink.snapshot().last_leader == NODES[1]
+
+
 # --- required test 2: leader moves ---------------------------------------------------------------
 
 

@@ -105,7 +105,7 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
         sink.emit(StatusLookups())
         sink.emit(BackgroundProbes("refresh", 3))
         sink.emit(LeaderChanged("10.0.0.9:6381"))
-        sink.emit(LeaderChanged(None))
+        sink.emit(LeaderChanged("10.0.0.8:6381"))
         sink.emit(ChannelEvicted("lru"))
         sink.emit(ChannelEvicted("idle", 4))
         for ratio, error in ((1.0, 0), (0.0, 128), (1.0, 16), (1.0, 0)):
@@ -160,7 +160,7 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
     assert sample(sink, "kvroute_shadow_comparisons_total") == 4
     assert sample(sink, "kvroute_metrics_events_dropped_total") == 0
     snap = sink.snapshot()
-    assert (snap.processed, snap.dropped, snap.last_leader, snap.decisions_kept) == (22, 0, None, 4)
+    assert (snap.processed, snap.dropped, snap.last_leader, snap.decisions_kept) == (22, 0, "10.0.0.8:6381", 4)
 
 
 async def test_full_inbox_drops_and_counts_and_never_waits(autojump_clock: trio.testing.MockClock) -> None:

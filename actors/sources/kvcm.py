@@ -15,7 +15,7 @@ import trio
 
 from actors.breaker import Admission
 from actors.leader_resolver import LeaderResolver, LeaderUnavailable, UnavailableReason
-from actors.metrics_sink import CandidatesDropped, KvcmRequest, LeaderChanged, MetricsSink, ShadowAgreement
+from actors.metrics_sink import CandidatesDropped, KvcmRequest, MetricsSink, ShadowAgreement
 from actors.shadow_index import ShadowIndexActor, agreement, hit_error_tokens
 from actors.sources.base import FellThrough, RequestContext, SourceResult, ms
 from actors.sources.scoring import CandidateScoring
@@ -49,7 +49,6 @@ class KvcmSource:
         self._scoring = scoring
         self._shadow = shadow
         self._metrics = metrics
-        self._last_leader: str | None = None
 
     def window(self, ctx: RequestContext) -> float:
         return ctx.deadline  # it stops each wait at the split's window by itself, and decides in the reserve
@@ -122,9 +121,6 @@ class KvcmSource:
                 no_leader = failure.reason in (UnavailableReason.NO_LEADER, UnavailableReason.NO_BOOTSTRAP)
                 return FellThrough(Reason.NO_LEADER if no_leader else Reason.KVCM_ERROR)
         ctx.stages[Stage.LEADER] = ms(trio.current_time() - t)
-        if leader.target != self._last_leader:
-            self._last_leader = leader.target
-            self._metrics.emit(LeaderChanged(leader.target))
 
         t = trio.current_time()
         query = CacheQuery(
