@@ -100,10 +100,14 @@ def extra_hint(command: str, extra: str, missing: Sequence[str]) -> str:
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the ``selected`` subcommand's module is imported to add its flags."""
-    parser = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware request router for LLM serving")
+    # No abbreviated flags: "--budget-cap 7" must not quietly mean --budget-cap-ms, nor stop working
+    # (or change meaning) the day another flag starts with the same words.
+    parser = argparse.ArgumentParser(
+        prog="kvroute", description="KV-cache-aware request router for LLM serving", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
-        sp = sub.add_parser(name, help=command.help, description=command.help)
+        sp = sub.add_parser(name, help=command.help, description=command.help, allow_abbrev=False)
         if name == selected:
             module = importlib.import_module(command.module)
             module.configure(sp)

@@ -211,3 +211,10 @@ def test_a_nan_value_is_not_reported_as_set_aside_by_the_fallback(capsys: pytest
     assert main(["check-config", "--workers", "10.0.0.1:80", "--budget-cap-ms", "nan"]) != 0  # refused
     row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("--budget-cap-ms"))
     assert "not used" not in row
+
+
+def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["check-config", "--budget-cap", "7"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --budget-cap 7" in capsys.readouterr().err
