@@ -181,9 +181,16 @@ class LogFileWriter:
         self._fleet = None
 
     def _shift(self) -> None:
-        """PATH → PATH.1 → … ; the oldest beyond ``files`` is deleted (one file: PATH is replaced)."""
+        """PATH → PATH.1 → … ; the oldest beyond ``files`` is deleted (one file: PATH is replaced).
+        Every rotated name is looked at first: what is not a decision log is neither deleted nor
+        replaced (NotADecisionLog, and nothing moves)."""
         if self.files <= 1:
             return
+        for index in range(1, self.files):
+            rotated = f"{self.path}.{index}"
+            unusable = unusable_log_path(rotated)
+            if unusable is not None:
+                raise NotADecisionLog(f"{rotated} {unusable}: left as it is")
         oldest = f"{self.path}.{self.files - 1}"
         if os.path.exists(oldest):
             os.remove(oldest)

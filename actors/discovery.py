@@ -29,6 +29,7 @@ import ipaddress
 import logging
 import os
 import socket
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -167,18 +168,27 @@ def list_file_problem(config: DiscoveryConfig, list_kind: ListKind, path: str, w
     if not os.path.lexists(path):
         return None
     try:
+        # Opened only when a plain file: a FIFO or a device could hold this thread forever, and
+        # check-config has no thread to abandon (a refresh reads on one).
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return f"{what}: not a regular file"
         _signature, outcome = _file_signature_and_outcome(
-            path, None, lambda text: parse_list(config, list_kind, text, what),
-            config.max_entries * FILE_BYTES_PER_ENTRY, what,
+            path, None, lambda text: parse_list(config, list_kind, text, what), list_file_max_bytes(config), what
         )
     except OSError as exc:
         return f"{what}: {exc.strerror or exc}"
     return outcome if isinstance(outcome, str) else None
 
 
-# A list file holds at most max_entries entries of this many bytes each (an address and its comment):
-# a larger file is no list, and is not read into memory.
+# A list file holds at most max_entries entries of this many bytes each (an address and its comment),
+# and is allowed MIN_LIST_FILE_BYTES whatever max_entries is: a larger file is no list, and is not read
+# into memory.
 FILE_BYTES_PER_ENTRY = 512
+MIN_LIST_FILE_BYTES = 1 << 20
+
+
+def list_file_max_bytes(config: DiscoveryConfig) -> int:
+    return max(MIN_LIST_FILE_BYTES, config.max_entries * FILE_BYTES_PER_ENTRY)
 
 
 def _file_signature_and_outcome(
@@ -197,7 +207,7 @@ def _file_signature_and_outcome(
     with open(path, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        return signature, f"{what}: larger than {max_bytes} bytes (max_entries × {FILE_BYTES_PER_ENTRY}): not a list"
+        return signature, f"{what}: larger than {max_bytes} bytes: not a list"
     try:
         return signature, parse(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -376,7 +386,7 @@ class Discovery:
                     source.origin,
                     source.file_signature,
                     functools.partial(self._parse, source),
-                    self._config.max_entries * FILE_BYTES_PER_ENTRY,
+                    list_file_max_bytes(self._config),
                     f"{source.name} {source.origin}",
                 ),
                 abandon_on_cancel=True,
@@ -431,6 +441,7 @@ class Discovery:
         return parse_list(self._config, source.list_kind, text, f"{source.name} {source.origin}")
 
     def _apply(self, source: _Source, entries: tuple[HostPort, ...], error: str | None, now: float) -> None:
+        before = source.entries
         source.refreshes_total += 1
         source.last_refresh_at = now
         if error is None and entries:
@@ -443,12 +454,13 @@ class Discovery:
             if error is not None:
                 source.failures_total += 1
                 if error != source.last_error:  # once per new error, not once per refresh
-                    log.warning(
-                        "discovery: %s; its last good entries are kept until stale_after_s (%g s) after they "
-                        "were read",
-                        error,
-                        self._config.stale_after_s,
+                    kept = (
+                        f"its last good entries are kept until stale_after_s ({self._config.stale_after_s:g} s) "
+                        "after they were read"
+                        if source.entries
+                        else "the source has no entries until it can be read"
                     )
+                    log.warning("discovery: %s; %s", error, kept)
                 source.last_error = error
             else:
                 source.empty_total += 1
@@ -456,7 +468,10 @@ class Discovery:
             if source.entries and last_good is not None and now - last_good > self._config.stale_after_s:
                 source.entries = ()
                 source.stale_expiries_total += 1
-        self._publish(now)
+        # The union over every source is rebuilt only when this one's entries changed: a long list
+        # re-read unchanged every refresh_interval_s must not cost the loop its conversion each time.
+        if source.entries is not before and source.entries != before:
+            self._publish(now)
 
     def _publish(self, now: float) -> None:
         kvcm: dict[str, None] = {}

@@ -272,6 +272,13 @@ class Frame:
     payload: dict[str, Any]
 
 
+def child_log_path(path: str, index: int) -> str:
+    """Child ``index``'s decision log under ``kvroute serve --processes N``: its own file beside the
+    configured path (``PATH.p<index>``), since a log file has one writer (each would truncate and rotate
+    its siblings'); empty stays off."""
+    return f"{path}.p{index}" if path else ""
+
+
 def unusable_log_path(path: str) -> str | None:
     """Why ``path`` cannot be this router's decision log, or None: a log rotates what it finds at its
     path away, so whatever is there must be a decision log already (or nothing, or an empty file). A

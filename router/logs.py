@@ -51,11 +51,20 @@ def _plain(value: object) -> object:
 
 def _text_value(value: object) -> str:
     text = str(_plain(value))
-    # Quoted (and escaped) when it holds a separator, or a character a terminal would act on or
-    # render deceptively (control and format characters): context values can be a client's text.
+    # Quoted when it holds a separator; a character a terminal would act on or render deceptively
+    # (control and format characters: context values can be a client's text) is escaped, printable
+    # text of any script is kept as it is, quoted or not.
     if text and all(c.isprintable() and not c.isspace() and c not in '="' for c in text):
         return text
-    return json.dumps(text)
+    return '"' + "".join(_escaped(c) for c in text) + '"'
+
+
+def _escaped(c: str) -> str:
+    if c in '"\\':
+        return "\\" + c
+    if c == " " or c.isprintable():
+        return c
+    return f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}"
 
 
 def _timestamp(record: logging.LogRecord) -> str:

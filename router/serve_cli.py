@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 
 from router.api import open_router
+from router.decision_record import child_log_path
 from router.exception_groups import leaves
 from router.logs import ctx, setup_logging, tag_records
 from router.serve_processes import ADDRESS_LINE, STOP_MARGIN_S, ProcessSupervisor, child_debug_listen, reserve_port
@@ -134,7 +135,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig) -> int:
 
         def command(index: int) -> list[str]:
             return _child_command(
-                args, index, grpc_address, child_debug_listen(debug, index), child_decision_log(decision_log, index)
+                args, index, grpc_address, child_debug_listen(debug, index), child_log_path(decision_log, index)
             )
 
         supervisor = ProcessSupervisor(
@@ -149,12 +150,6 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig) -> int:
                 return await supervisor.run(signals)
 
         return trio.run(supervise)
-
-
-def child_decision_log(path: str, index: int) -> str:
-    """Child ``index``'s decision log: its own file beside the configured path (``PATH.p<index>``), since
-    a log file has one writer (each would truncate and rotate its siblings'); empty stays off."""
-    return f"{path}.p{index}" if path else ""
 
 
 def _child_command(

@@ -115,7 +115,7 @@ def parse_target(entry: str, default_port: int | None = None) -> HostPort:
     if "://" in text:
         raise TargetError(f"target {entry!r}: give host:port, without a scheme such as http://")
     if "@" in text:
-        raise TargetError(f"target {entry!r}: give host:port, without user:password@")
+        raise TargetError(f"target {entry!r}: give host:port, without a user:password prefix")
     if text.startswith("["):
         end = text.find("]")
         if end < 0:

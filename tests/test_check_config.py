@@ -163,14 +163,16 @@ def test_a_list_file_that_cannot_be_used_is_reported_as_a_refresh_would_read_it(
     (tmp_path / "wdir").mkdir()
     (tmp_path / "bad.txt").write_text("127.0.0.1:8000\nbad entry\n")
     (tmp_path / "good.txt").write_text("127.0.0.1:8000\n# a comment\n127.0.0.2:8000\n")
-    for name, why in (("wdir", "Is a directory"), ("bad.txt", "bad host 'bad entry'")):
+    os.mkfifo(tmp_path / "fifo")  # no writer: opening it would wait for one forever
+    cases = (("wdir", "not a regular file"), ("fifo", "not a regular file"), ("bad.txt", "bad host 'bad entry'"))
+    for name, why in cases:
         path = str(tmp_path / name)
         verdict = assess(load_config(base | {"workers_file": path}, {}))
         assert any(line.startswith(f"--workers-file {path}: ") and why in line for line in verdict.will_not_work)
     good = assess(load_config(base | {"workers_file": str(tmp_path / "good.txt")}, {}))
     assert not any("--workers-file" in line for line in good.will_not_work)
     boot = assess(load_config({"kvcm_bootstrap_file": str(tmp_path / "wdir"), "kvcm_instance_id": "i"}, {}))
-    assert any(line.startswith("--kvcm-bootstrap-file") and "Is a directory" in line for line in boot.will_not_work)
+    assert any(line.startswith("--kvcm-bootstrap-file") and "not a regular file" in line for line in boot.will_not_work)
 
 
 def test_background_refresh_on_but_inactive_is_reported() -> None:
@@ -195,6 +197,13 @@ def test_a_decision_log_path_holding_a_directory_or_another_file_is_reported(tmp
         assert any("--decision-log" in line and why in line for line in verdict.will_not_work), name
     ours = assess(load_config(base | {"decision_log": str(tmp_path / "old.log")}, {}))
     assert not any("--decision-log" in line for line in ours.will_not_work)
+    # What the writers would rotate is looked at too: a rotated name, and each child's own file.
+    (tmp_path / "old.log.2").mkdir()
+    rotated = assess(load_config(base | {"decision_log": str(tmp_path / "old.log")}, {}))
+    assert any("old.log.2 is a directory" in line for line in rotated.will_not_work)
+    (tmp_path / "c.log.p1").mkdir()
+    children = assess(load_config(base | {"decision_log": str(tmp_path / "c.log"), "processes": "2"}, {}))
+    assert any("c.log.p1 is a directory" in line for line in children.will_not_work)
 
 
 def test_a_settings_file_that_cannot_be_read_is_blamed_on_what_named_it(tmp_path: Path) -> None:

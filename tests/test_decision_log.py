@@ -754,6 +754,19 @@ def test_the_log_never_rotates_away_or_overwrites_what_is_not_a_decision_log(
     assert notes.read_text() == "important notes" and not (tmp_path / "notes.txt.1").exists()
 
 
+def test_a_rotation_never_deletes_or_replaces_a_rotated_name_that_is_not_a_decision_log(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    first = LogFileWriter(str(path), max_bytes=1 << 20, files=4, header={"v": 1})
+    first.open()  # a log of ours at PATH
+    first.drain(deque(), close_generation=first.generation)
+    (tmp_path / "d.log.3").write_text("someone else's file")  # where the oldest rotation would go
+    writer = LogFileWriter(str(path), max_bytes=1 << 20, files=4, header={"v": 1})
+    writer.open()
+    assert writer.write_errors == 1 and writer.last_error is not None and "d.log.3" in writer.last_error
+    assert (tmp_path / "d.log.3").read_text() == "someone else's file"
+    assert path.read_bytes().startswith(MAGIC[:-1]) and not (tmp_path / "d.log.1").exists()  # nothing moved
+
+
 def test_a_log_that_cannot_be_written_says_so_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     writer = LogFileWriter(str(tmp_path / "nope" / "d.log"), max_bytes=1 << 20, files=2, header={"v": 1})
     with caplog.at_level(logging.WARNING, logger="actors.decision_log"):

@@ -21,10 +21,12 @@ import trio.testing
 
 from actors.discovery import (
     FILE_BYTES_PER_ENTRY,
+    MIN_LIST_FILE_BYTES,
     Discovery,
     DiscoveryConfigError,
     WorkerSnapshot,
     _file_signature_and_outcome,
+    list_file_max_bytes,
 )
 from router.config import KVCM_DEFAULT_PORT, DiscoveryConfig
 from router.types import WorkerAddr
@@ -382,11 +384,12 @@ async def test_an_unreadable_file_is_warned_once_per_new_error_and_its_recovery_
 def test_a_list_file_larger_than_its_entries_can_be_is_refused_unread(tmp_path: Path) -> None:
     big = tmp_path / "workers.txt"
     big.write_text("10.1.0.1:9000\n" * 1000)
-    cfg = dataclasses.replace(CFG, workers_file=str(big), max_entries=2)
-    _signature, outcome = _file_signature_and_outcome(
-        str(big), None, lambda text: (), cfg.max_entries * FILE_BYTES_PER_ENTRY, "workers.file x"
-    )
-    assert outcome == "workers.file x: larger than 1024 bytes (max_entries × 512): not a list"
+    cfg = dataclasses.replace(CFG, workers_file=str(big), max_entries=4_000)
+    assert list_file_max_bytes(cfg) == 4_000 * FILE_BYTES_PER_ENTRY
+    _signature, outcome = _file_signature_and_outcome(str(big), None, lambda text: (), 1024, "workers.file x")
+    assert outcome == "workers.file x: larger than 1024 bytes: not a list"
+    # A small max_entries still leaves a commented list room.
+    assert list_file_max_bytes(dataclasses.replace(CFG, max_entries=2)) == MIN_LIST_FILE_BYTES
 
 
 def _unblock_fifo(fifo: Path) -> None:

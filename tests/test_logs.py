@@ -67,9 +67,13 @@ def test_text_format_escapes_a_context_value_a_terminal_would_act_on(restore_roo
     stream = io.StringIO()
     setup_logging("info", "text", stream)
     spoof = "req\x1b[2K\x1b[1Gfake\u202eevil\x00\x7f"
-    logging.getLogger("kvroute.test.text").warning("m", extra=ctx(request_id=spoof, plain="r-1", wide="请求"))
+    extra = ctx(request_id=spoof, plain="r-1", wide="请求", spaced="请求 1", quote='a"b\\c')
+    logging.getLogger("kvroute.test.text").warning("m", extra=extra)
     (line,) = stream.getvalue().splitlines()
-    assert line.endswith('m request_id="req\\u001b[2K\\u001b[1Gfake\\u202eevil\\u0000\\u007f" plain=r-1 wide=请求')
+    assert line.endswith(
+        'm request_id="req\\u001b[2K\\u001b[1Gfake\\u202eevil\\u0000\\u007f" plain=r-1 wide=请求 '
+        'spaced="请求 1" quote="a\\"b\\\\c"'
+    )
     assert all(c.isprintable() for c in line)
 
 

@@ -279,6 +279,9 @@ def test_grpc_reply_decoding() -> None:
     decoded = decode_schedule_pb(chatty.SerializeToString(), HOST)
     assert isinstance(decoded, MasterBusinessError) and decoded.code == 8503
     assert len(decoded.message) == MAX_MESSAGE_CHARS and decoded.message.endswith("…[cut: 1000000 chars]")
+    bracketed = flexlb_pb.FlexlbScheduleResponsePB(success=True, code=200)
+    bracketed.server_status.add(role="PREFILL", server_ip=" [::1] ", http_port=8000)
+    assert isinstance(decode_schedule_pb(bracketed.SerializeToString(), HOST), MasterRouted)
     long_ip = flexlb_pb.FlexlbScheduleResponsePB(success=True, code=200)
     long_ip.server_status.add(role="PREFILL", server_ip="x" * 100_000, http_port=8000)
     with pytest.raises(GarbledReply, match=r"server_status\[0\].server_ip: not an IP address or host name") as raised:

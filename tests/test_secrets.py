@@ -13,6 +13,7 @@ import httpx
 import pytest
 import trio
 import trustme
+from cryptography.hazmat.primitives import serialization
 
 from actors.metrics_sink import MetricsSink
 from router.check_config_cli import render
@@ -185,8 +186,16 @@ def pems(tmp_path: Path) -> dict[str, str]:
     paths["key"].write_bytes(leaf.private_key_pem.bytes())
     (tmp_path / "not.pem").write_text("hello\n")
     (tmp_path / "other.key").write_bytes(ca.issue_cert("127.0.0.2").private_key_pem.bytes())  # another leaf's key
+    # The leaf's own key behind a passphrase (an empty one decrypts with "": still refused).
+    key = serialization.load_pem_private_key(leaf.private_key_pem.bytes(), password=None)
+    (tmp_path / "locked.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")
+        )
+    )
     return {name: str(path) for name, path in paths.items()} | {
         "other_key": str(tmp_path / "other.key"),
+        "locked_key": str(tmp_path / "locked.key"),
         "garbage": str(tmp_path / "not.pem"),
         "missing": str(tmp_path / "missing.pem"),
     }
@@ -251,6 +260,11 @@ def test_valid_tls_settings_have_no_problem(pems: dict[str, str]) -> None:
             "the certificate and key cannot be used together",
         ),
         ({"upstream_tls_ca": "key"}, "--upstream-tls-ca (KVROUTE_UPSTREAM_TLS_CA): {key}: not a bundle of CA"),
+        (
+            {"upstream_tls_cert": "cert", "upstream_tls_key": "locked_key"},
+            "--upstream-tls-cert (KVROUTE_UPSTREAM_TLS_CERT) / --upstream-tls-key (KVROUTE_UPSTREAM_TLS_KEY): "
+            "the key is passphrase-protected",
+        ),
         ({"debug_token_file": "missing"}, "--debug-token-file (KVROUTE_DEBUG_TOKEN_FILE): cannot read the file"),
         ({"debug_token": "has space"}, "--debug-token (KVROUTE_DEBUG_TOKEN): must be printable ASCII without spaces"),
         ({"debug_token": "x", "debug_token_file": "ca"}, "--debug-token (KVROUTE_DEBUG_TOKEN) / --debug-token-file"),

@@ -318,6 +318,10 @@ def test_a_bad_value_a_higher_source_overrides_is_a_warning_not_a_problem() -> N
     bad_flag = load_config({**GOOD, "block_size": "abc"}, {"KVROUTE_BLOCK_SIZE": "32"})
     assert _names(bad_flag.errors) == {("block_size",)}
     assert "(from flag --block-size)" in str(bad_flag.errors[0])
+    # Two bad values: the one given above is the problem, the other is said not to be used.
+    both = load_config({**GOOD, "block_size": "xyz"}, {"KVROUTE_BLOCK_SIZE": "abc"})
+    assert _names(both.errors) == {("block_size",)} and "'xyz'" in str(both.errors[0])
+    assert len(both.warnings) == 1 and "'abc'" in both.warnings[0] and "is given above it" in both.warnings[0]
 
 
 def test_a_vanishingly_small_duration_is_refused_before_it_divides_a_clock_into_infinity() -> None:

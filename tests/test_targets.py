@@ -50,8 +50,8 @@ def test_bare_host_without_a_default_port_is_an_error_naming_it() -> None:
     [
         ("http://1.2.3.4:8000", "without a scheme"),
         ("grpc://[::1]:50051", "without a scheme"),
-        ("user:pw@1.2.3.4:8000", "without user:password@"),
-        ("admin@10.0.0.1", "without user:password@"),
+        ("user:pw@1.2.3.4:8000", "without a user:password prefix"),
+        ("admin@10.0.0.1", "without a user:password prefix"),
     ],
 )
 def test_an_entry_written_as_a_url_says_what_to_drop(entry: str, says: str) -> None:

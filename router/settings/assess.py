@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from actors.discovery import ListKind, list_file_problem
 from actors.sources.master import DOMAIN_RESERVE_S
 from router.config import KvrouteConfig
-from router.decision_record import unusable_log_path
+from router.decision_record import child_log_path, unusable_log_path
 from router.master_config import master_hosts, master_problems
 from router.settings.load import LoadedConfig
 from router.settings.table import (
@@ -102,11 +102,22 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
             f"{BY_NAME['decision_log'].flag} {redact_userinfo(decision_log)}: its directory does not exist, so "
             "no decision is logged (each write fails; counted in /debug/actors)"
         )
-    elif decision_log and (unusable := unusable_log_path(decision_log)) is not None:
-        broken.append(
-            f"{BY_NAME['decision_log'].flag} {redact_userinfo(decision_log)} {unusable}: it is left as it is, "
-            "and no decision is logged (each write fails; counted in /debug/actors)"
+    elif decision_log:
+        # What each writer's rotation would touch: its file and the rotated names beside it.
+        writers = (
+            [child_log_path(decision_log, i) for i in range(c.serve.processes)]
+            if c.serve.processes > 1
+            else [decision_log]
         )
+        paths = [f"{w}.{i}" if i else w for w in writers for i in range(max(1, c.router.decision_log_files))]
+        for path in paths:
+            unusable = unusable_log_path(path)
+            if unusable is not None:
+                broken.append(
+                    f"{BY_NAME['decision_log'].flag}: {redact_userinfo(path)} {unusable}: it is left as it is, "
+                    "and no decision is logged there (each write fails; counted in /debug/actors)"
+                )
+                break
     for name, kind in (("workers_file", ListKind.WORKERS), ("kvcm_bootstrap_file", ListKind.KVCM)):
         path = value_of(c, name)
         if path and not path_exists(path):

@@ -188,18 +188,21 @@ def resolve_config(
 
     # A value that does not parse is a problem unless a source of higher precedence gives the setting
     # a value of its own: then the bad one is not used, and only a warning says so.
-    unparsed: dict[str, SettingProblem] = {}
+    unparsed: dict[str, list[SettingProblem]] = {}
 
     def take(s: Setting, raw: object, origin: Origin) -> None:
         try:
-            values[s.name] = s.parse_value(raw)
-            sources[s.name] = origin
+            parsed = s.parse_value(raw)
         except SettingValueError as exc:
-            unparsed[s.name] = SettingProblem((s.name,), f"{exc} ({_from(origin)})", s.fallback_part)
+            problem = SettingProblem((s.name,), f"{exc} ({_from(origin)})", s.fallback_part)
+            earlier = unparsed.setdefault(s.name, [])
+            # A bad value above another bad one: that one is not used either.
+            warnings.extend(f"{e}: not used, {origin} is given above it" for e in earlier)
+            unparsed[s.name] = [problem]
             return
-        overridden = unparsed.pop(s.name, None)
-        if overridden is not None:
-            warnings.append(f"{overridden}: not used, {origin} wins")
+        values[s.name] = parsed
+        sources[s.name] = origin
+        warnings.extend(f"{e}: not used, {origin} wins" for e in unparsed.pop(s.name, []))
 
     if file is not None:
         problems.extend(file.problems)
@@ -220,7 +223,7 @@ def resolve_config(
         if raw is not None:
             take(s, raw, Origin(SourceKind.FLAG, s.flag))
 
-    problems.extend(unparsed.values())
+    problems.extend(p for listed in unparsed.values() for p in listed)
     config = _assemble(values)
     problems.extend(validate(config, sources, files))
     effective = _fail_soft(config, problems)

@@ -260,7 +260,8 @@ class Setting:
 
 def _one_of(words: tuple[str, ...], *, ignore_case: bool = False) -> Check:
     def check(value: str) -> str | None:
-        ok = value.casefold() in {w.casefold() for w in words} if ignore_case else value in words
+        # lower() on both sides, as setup_logging normalises (casefold() would accept what it refuses).
+        ok = value.lower() in {w.lower() for w in words} if ignore_case else value in words
         return None if ok else f"must be one of {'|'.join(words)}, got {value!r}"
 
     return check

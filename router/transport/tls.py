@@ -30,6 +30,13 @@ UnusablePair = Callable[[str, str], str | None]
 # PEM bundles are kilobytes; anything far larger is not one (and is not read into memory).
 MAX_PEM_BYTES = 1 << 20
 _PEM_BEGIN = b"-----BEGIN "
+# A PKCS#8 encrypted key, and the traditional PEM encryption header.
+_ENCRYPTED_KEY_MARKERS = (b"ENCRYPTED PRIVATE KEY", b"Proc-Type: 4,ENCRYPTED")
+
+
+def _no_passphrase() -> str:
+    """OpenSSL's passphrase callback: never a prompt on the terminal (a server would wait at it)."""
+    raise ssl.SSLError("the key is passphrase-protected: kvroute needs an unencrypted key")
 
 
 def pem_file_problem(path: str) -> str | None:
@@ -49,10 +56,15 @@ def pem_file_problem(path: str) -> str | None:
 def cert_key_problem(cert: str, key: str) -> str | None:
     """Why the certificate chain at ``cert`` and the private key at ``key`` cannot serve TLS together
     (None when they can): each must be what its name says, and the key the certificate's. Reads both."""
+    try:
+        with open(key, "rb") as file:
+            if any(marker in file.read(MAX_PEM_BYTES) for marker in _ENCRYPTED_KEY_MARKERS):
+                return "the key is passphrase-protected: kvroute (and grpc) need an unencrypted key"
+    except OSError as exc:
+        return f"cannot read the key: {exc.strerror or exc}"
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        # A key behind a passphrase is refused here (no prompt), as grpc cannot use one either.
-        context.load_cert_chain(cert, key, password="")
+        context.load_cert_chain(cert, key, password=_no_passphrase)
     except ssl.SSLError as exc:
         return f"the certificate and key cannot be used together: {exc.reason or exc}"
     except OSError as exc:
@@ -178,5 +190,5 @@ def client_ssl_context(config: UpstreamTlsConfig) -> ssl.SSLContext | None:
         return None
     context = ssl.create_default_context(cafile=config.ca or None)
     if config.cert:
-        context.load_cert_chain(config.cert, config.key)
+        context.load_cert_chain(config.cert, config.key, password=_no_passphrase)
     return context

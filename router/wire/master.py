@@ -225,7 +225,10 @@ def _peer_message(text: str) -> str:
 def _check_server_ip(ip: str, field: str, target: str) -> None:
     """The worker's address as the scheduler gave it is what the caller connects to: an IP address or a
     host name, nothing else (a peer's arbitrary text would also be carried into every record of it)."""
-    if not is_host(ip):
+    bare = ip.strip()
+    if bare.startswith("[") and bare.endswith("]"):
+        bare = bare[1:-1]  # an IPv6 address written as in a URL
+    if not is_host(bare):
         shown = ip if len(ip) <= 64 else f"{ip[:64]}… ({len(ip)} chars)"
         raise GarbledReply(target, f"{field}: not an IP address or host name: {shown!r}")
 
