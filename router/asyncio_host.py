@@ -147,10 +147,13 @@ class AsyncioRouterHost:
         token = self._token
         if token is None:
             raise HostStopped("the router host is not running")
+        if deadline is not None and math.isnan(deadline):
+            raise ValueError("deadline: NaN is no time on the loop's clock")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[RouteDecision] = loop.create_future()
         scope = trio.CancelScope()  # cancelled from this side through the trio token only
-        remaining_s = None if deadline is None else deadline - loop.time()
+        # -inf is a deadline long past (nothing left); +inf is none, ignored on the trio side.
+        remaining_s = None if deadline is None else max(0.0, deadline - loop.time())
         settled_at: list[float] = []  # written by the trio thread before it settles ``future``
         try:
             spawn = partial(self._spawn_call, request, remaining_s, time.monotonic(), scope, loop, future, settled_at)

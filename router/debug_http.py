@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import re
+import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any, Protocol
@@ -264,6 +265,28 @@ def _json(value: object, *, redact: bool = False) -> tuple[int, str, bytes]:
     return 200, _JSON, (redact_userinfo(text) if redact else text).encode()
 
 
+# A connection whose sent bytes stay unacknowledged this long (its client stopped reading) is aborted
+# by the kernel. hypercorn writes a response with no timeout, shielded from cancellation: without this,
+# one client that stops reading would hold its connection, and the router's stop, for ever.
+UNACKED_SEND_TIMEOUT_MS = 10_000
+
+
+def listening_fd(listen: HostPort, unacked_send_timeout_ms: int = UNACKED_SEND_TIMEOUT_MS) -> int:
+    """A TCP socket bound to ``listen`` for hypercorn (``fd://``), whose connections inherit the unacked
+    send timeout where the platform has it; its file descriptor, now hypercorn's."""
+    sock = socket.socket(socket.AF_INET6 if listen.is_ipv6 else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, unacked_send_timeout_ms)
+        sock.bind((listen.host, listen.port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 class DebugServer:
     """Serves :class:`DebugApp` on ``listen`` (HOST:PORT; port 0 = a free port) until cancelled."""
 
@@ -276,8 +299,10 @@ class DebugServer:
         *,
         token: str = "",
         token_file: str = "",
+        unacked_send_timeout_ms: int = UNACKED_SEND_TIMEOUT_MS,
     ) -> None:
         parse_listen(listen)  # a bad address fails here, naming the input, not inside hypercorn
+        self._unacked_send_timeout_ms = unacked_send_timeout_ms
         self._sources, self._sink, self._loaded = sources, sink, loaded
         self._token, self._token_file = token, token_file
         self.app = DebugApp(sources, sink, loaded, token)
@@ -290,8 +315,13 @@ class DebugServer:
             # Read at start (not at construction): the token file may be written by the same deployment step.
             token = await trio.to_thread.run_sync(read_token_file, self._token_file)
             self.app = DebugApp(self._sources, self._sink, self._loaded, token)
+        try:
+            # Bound here (a name in it may need resolving: off the trio thread), handed over by fd.
+            fd = await trio.to_thread.run_sync(listening_fd, parse_listen(self._listen), self._unacked_send_timeout_ms)
+        except OSError as exc:
+            raise OSError(f"--debug-listen: cannot bind {self._listen}: {exc}") from exc
         config = hypercorn.config.Config()
-        config.bind = [self._listen]
+        config.bind = [f"fd://{fd}"]
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup
         config.include_server_header = False

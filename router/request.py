@@ -262,7 +262,8 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
 
     The caller's keys, or no keys, are one slice; token ids are hashed lazily, one slice per
     ``next()``, so a caller may pause (or stop) between two. Raises BadRequest("token_ids") for a
-    token id the key family cannot encode, from the slice that holds it.
+    token id the key family cannot encode, or one that is no integer (a Python caller's list), from the
+    slice that holds it: found by the hashing itself, at no cost to a well-formed prompt.
     """
     if not checked.tokens:
         yield checked.keys
@@ -274,6 +275,8 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
             part = next(slices, None)
         except ValueError as exc:
             raise BadRequest("token_ids", str(exc)) from exc
+        except (TypeError, struct.error):  # an operator or a packer the item does not support
+            raise BadRequest("token_ids", "every token id must be an integer") from None
         if part is None:
             return
         yield part

@@ -124,12 +124,17 @@ async def test_a_deadline_on_the_callers_loop_clock_bounds_the_decision(nursery:
                 now = asyncio.get_running_loop().time()
                 request = RouteRequest("late", token_ids=PROMPT, budget_ms=500)
                 decisions.append(await host.route(request, deadline=now - 1.0))
+                # -inf is as past as a deadline gets; NaN is no deadline at all, refused at the call.
+                decisions.append(await host.route(request, deadline=-math.inf))
+                with pytest.raises(ValueError, match="deadline: NaN"):
+                    await host.route(request, deadline=math.nan)
 
         await _run_asyncio(program)
-        warm, late = decisions
+        warm, late, past = decisions
         assert warm.route_source is RouteSource.KVCM, warm
-        assert (late.route_source, late.reason) == (RouteSource.DOMAIN, Reason.DEADLINE)
-        assert late.worker is not None
+        for answer in (late, past):
+            assert (answer.route_source, answer.reason) == (RouteSource.DOMAIN, Reason.DEADLINE)
+            assert answer.worker is not None
 
 
 async def test_route_from_another_event_loop_thread(nursery: trio.Nursery) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import json
 import math
+import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -218,6 +219,28 @@ async def test_unknown_paths_other_methods_and_failing_sources() -> None:
             broken = await client.get("/debug/actors")
             assert broken.status_code == 500 and "snapshot exploded" in broken.text
             assert (await client.get("/healthz")).status_code == 200  # still serving
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="the kernel's unacked send timeout is Linux's")
+async def test_a_client_that_stops_reading_cannot_hold_the_endpoint_open() -> None:
+    """hypercorn writes a response shielded from cancellation, with no timeout of its own: a client
+    that never reads its responses would hold its connection, and the endpoint's stop, for ever. The
+    kernel aborts such a connection once its sent bytes stay unacknowledged past the timeout."""
+    sink = MetricsSink(MetricsConfig())
+    server = DebugServer(Sources(), sink, load_config(GOOD, {}), "127.0.0.1:0", unacked_send_timeout_ms=300)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            bound = await nursery.start(server.run)
+            await trio.to_thread.run_sync(stalled.connect, (bound.host, bound.port))
+            # Far more response than the two sockets' buffers hold, and never read.
+            await trio.to_thread.run_sync(stalled.sendall, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n" * 300)
+            async with httpx.AsyncClient(base_url=f"http://{bound}", trust_env=False) as client:
+                assert (await client.get("/healthz")).status_code == 200  # the others are still served
+            nursery.cancel_scope.cancel()  # returns once the stalled connection is aborted
+    stalled.close()
 
 
 def test_bad_listen_address_is_rejected_before_serving() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import SupportsIndex, overload
+from typing import Any, SupportsIndex, overload
 
 import pytest
 import trio
@@ -153,6 +153,18 @@ def test_a_token_the_family_cannot_encode_is_refused_from_its_slice() -> None:
     assert len(next(slices)) == 1  # the first slice is fine
     with pytest.raises(BadRequest) as info:
         list(slices)
+    assert info.value.field_name == "token_ids"
+
+
+@pytest.mark.parametrize("family", list(KeyFamily))
+@pytest.mark.parametrize("odd", ["7", 7.0, None, b"7"])
+def test_a_token_id_that_is_no_integer_is_a_bad_request_not_a_router_bug(family: KeyFamily, odd: object) -> None:
+    """A Python caller's list can hold anything: the hashing finds it, and the field is named."""
+    deployment = DeploymentConfig(block_size=BLOCK, key_family=family)
+    tokens: tuple[Any, ...] = (*range(2 * BLOCK), odd, *range(BLOCK))
+    checked = check_request(RouteRequest("r", token_ids=tokens), deployment, LIMITS)
+    with pytest.raises(BadRequest) as info:
+        list(key_slices(checked, BLOCK))
     assert info.value.field_name == "token_ids"
 
 

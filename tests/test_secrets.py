@@ -95,7 +95,9 @@ async def get_all(
     loaded: LoadedConfig, sources: Sources, paths: list[str], headers: dict[str, str] | None = None, **auth: str
 ) -> dict[str, httpx.Response]:
     sink = MetricsSink(MetricsConfig())
-    server = DebugServer(sources, sink, loaded, "127.0.0.1:0", **auth)
+    server = DebugServer(
+        sources, sink, loaded, "127.0.0.1:0", token=auth.get("token", ""), token_file=auth.get("token_file", "")
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         bound = await nursery.start(server.run)
