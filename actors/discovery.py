@@ -278,10 +278,8 @@ class Discovery:
         self._kvcm_static = self._add(ListKind.KVCM, SourceKind.STATIC, "config")
         self._workers_static = self._add(ListKind.WORKERS, SourceKind.STATIC, "config")
         # Valid (checked above): parsing cannot fail.
-        self._kvcm_static.static_entries = parse_entries(
-            config.kvcm_bootstrap, self._kvcm_default, "kvcm_bootstrap", config.max_entries
-        )
-        self._workers_static.static_entries = self._parse_workers(config.workers, "workers")
+        self._kvcm_static.static_entries = parse_list(config, ListKind.KVCM, config.kvcm_bootstrap, "kvcm_bootstrap")
+        self._workers_static.static_entries = parse_list(config, ListKind.WORKERS, config.workers, "workers")
         for list_kind, field, name, default in (
             (ListKind.KVCM, "kvcm_bootstrap_dns", config.kvcm_bootstrap_dns, self._kvcm_default),
             (ListKind.WORKERS, "workers_dns", config.workers_dns, self._worker_default),
@@ -335,7 +333,7 @@ class Discovery:
         Empty counts as an empty refresh: the last good entries stay until ``stale_after_s``.
         """
         try:
-            parsed = self._parse_workers(entries, "workers")
+            parsed = parse_list(self._config, ListKind.WORKERS, entries, "workers")
         except _RefreshFailed as exc:
             raise DiscoveryConfigError([Problem(("workers",), str(exc).removeprefix("workers: "))]) from exc
         self._workers_static.static_entries = parsed
@@ -432,11 +430,6 @@ class Discovery:
         self._sources.append(source)
         return source
 
-    def _parse_workers(self, text: str, what: str) -> tuple[HostPort, ...]:
-        entries = parse_entries(text, self._worker_default, what, self._config.max_entries)
-        to_workers(entries, self._config, what)
-        return entries
-
     def _parse(self, source: _Source, text: str) -> tuple[HostPort, ...]:
         return parse_list(self._config, source.list_kind, text, f"{source.name} {source.origin}")
 
@@ -515,16 +508,8 @@ def discovery_problems(config: DiscoveryConfig) -> list[Problem]:
     worker_port = config.worker_http_port or None
     c = config
     checks: tuple[tuple[str, str, Callable[[], object]], ...] = (
-        (
-            "kvcm_bootstrap",
-            c.kvcm_bootstrap,
-            lambda: parse_entries(c.kvcm_bootstrap, c.kvcm_port, "kvcm_bootstrap", c.max_entries),
-        ),
-        (
-            "workers",
-            c.workers,
-            lambda: to_workers(parse_entries(c.workers, worker_port, "workers", c.max_entries), c, "workers"),
-        ),
+        ("kvcm_bootstrap", c.kvcm_bootstrap, lambda: parse_list(c, ListKind.KVCM, c.kvcm_bootstrap, "kvcm_bootstrap")),
+        ("workers", c.workers, lambda: parse_list(c, ListKind.WORKERS, c.workers, "workers")),
         (
             "kvcm_bootstrap_dns",
             c.kvcm_bootstrap_dns,
