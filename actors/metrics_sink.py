@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from router.config import MetricsConfig, RouterConfig
 from router.policy.deadline_split import SplitEstimates, SplitEstimator
 from router.problems import Problem, range_problems, refuse
-from router.types import RouteDecision, Stage
+from router.types import RouteDecision, Stage, cut_text
 
 logger = logging.getLogger(__name__)
 
@@ -181,14 +181,6 @@ MetricEvent = (
 class DecisionRecord:
     decision: RouteDecision
     at: float  # trio time the sink recorded it
-
-
-def cut_text(text: str, limit: int) -> str:
-    """``text`` when it has at most ``limit`` characters, else its start and a marker saying how long it was."""
-    if len(text) <= limit:
-        return text
-    marker = f"…[cut: {len(text)} chars]"
-    return text[: max(0, limit - len(marker))] + marker
 
 
 def retained_decision(d: RouteDecision, text_chars: int, max_candidates: int) -> RouteDecision:

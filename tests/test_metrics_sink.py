@@ -19,7 +19,6 @@ from actors.metrics_sink import (
     ProbeSkipped,
     ShadowAgreement,
     StatusLookups,
-    cut_text,
     retained_decision,
 )
 from router.config import MetricsConfig
@@ -33,6 +32,7 @@ from router.types import (
     SourceStep,
     Stage,
     WorkerAddr,
+    cut_text,
 )
 
 W1 = WorkerAddr.from_http("10.0.0.1", 8000)

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from router.targets import is_host
 from router.transport.errors import GarbledReply, RemoteError
-from router.types import Role, RoleAddr
+from router.types import Role, RoleAddr, cut_text
 from router.wire import master_flexlb_pb2 as flexlb_pb
 
 CODE_OK = 200
@@ -199,7 +199,7 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
     if entry.get("success") is False:
         # A role the scheduler could not route fails the whole answer with that role's code.
         code = _int_field(entry, "code", f"{field}.code", target, optional=True)
-        message = _peer_message(_str_field(entry, "message", f"{field}.message", target) or "")
+        message = cut_text(_str_field(entry, "message", f"{field}.message", target) or "", MAX_MESSAGE_CHARS)
         code = CODE_NO_AVAILABLE_WORKER if not code else _error_code(code, f"{field}.code", target)
         return MasterBusinessError(code, message, None)
     role = parse_master_role(_str_field(entry, "role", f"{field}.role", target) or "", f"{field}.role", target)
@@ -214,14 +214,6 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
     return RoleAddr(role, ip, http_port, grpc_port)
 
 
-def _peer_message(text: str) -> str:
-    """The scheduler's message, cut to MAX_MESSAGE_CHARS characters with a marker saying how long it was."""
-    if len(text) <= MAX_MESSAGE_CHARS:
-        return text
-    marker = f"…[cut: {len(text)} chars]"
-    return text[: MAX_MESSAGE_CHARS - len(marker)] + marker
-
-
 def _check_server_ip(ip: str, field: str, target: str) -> None:
     """The worker's address as the scheduler gave it is what the caller connects to: an IP address or a
     host name, nothing else (a peer's arbitrary text would also be carried into every record of it)."""
@@ -229,8 +221,7 @@ def _check_server_ip(ip: str, field: str, target: str) -> None:
     if bare.startswith("[") and bare.endswith("]"):
         bare = bare[1:-1]  # an IPv6 address written as in a URL
     if not is_host(bare):
-        shown = ip if len(ip) <= 64 else f"{ip[:64]}… ({len(ip)} chars)"
-        raise GarbledReply(target, f"{field}: not an IP address or host name: {shown!r}")
+        raise GarbledReply(target, f"{field}: not an IP address or host name: {cut_text(ip, 64)!r}")
 
 
 def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
@@ -252,7 +243,7 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
         if success is not True:
             raise GarbledReply(target, f"code: missing in an HTTP {status} reply that is not a success")
         code = CODE_OK
-    message = _peer_message(_str_field(obj, "error_message", "error_message", target) or "")
+    message = cut_text(_str_field(obj, "error_message", "error_message", target) or "", MAX_MESSAGE_CHARS)
     if code == CODE_FALLBACK:
         return MasterFallback(message, status)
     if code != CODE_OK:
@@ -418,9 +409,10 @@ def decode_schedule_pb(data: bytes, target: str) -> MasterReply:
         raise GarbledReply(target, f"schedule: undecodable reply ({exc})") from exc
     code = reply.code or (CODE_OK if reply.success else 0)
     if code == CODE_FALLBACK:
-        return MasterFallback(_peer_message(reply.error_message), None)
+        return MasterFallback(cut_text(reply.error_message, MAX_MESSAGE_CHARS), None)
     if code != CODE_OK:
-        return MasterBusinessError(_error_code(code, "code", target), _peer_message(reply.error_message), None)
+        message = cut_text(reply.error_message, MAX_MESSAGE_CHARS)
+        return MasterBusinessError(_error_code(code, "code", target), message, None)
     if len(reply.server_status) > MAX_ROLE_ADDRS:
         raise GarbledReply(target, f"server_status: {len(reply.server_status)} entries, more than {MAX_ROLE_ADDRS}")
     addrs: list[RoleAddr] = []
