@@ -32,7 +32,7 @@ from router.keys import block_keys
 from router.supervisor import RouterHandle
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import KeyFamily, Reason, Role, RoleAddr, RouteRequest, RouteSource, SourceOutcome
+from router.types import KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteRequest, RouteSource, SourceOutcome
 from router.wire import paths
 from router.wire.master import MasterScheduleRequest
 
@@ -64,8 +64,14 @@ class Rig:
         self.master.set_decide(decide)
         return seen
 
-    async def route(self, rid: str, budget_ms: float = 50) -> object:
+    async def route(self, rid: str, budget_ms: float = 50) -> RouteDecision:
         return await self.handle.route(RouteRequest(rid, token_ids=PROMPT, budget_ms=budget_ms))
+
+    async def timed_route(self, rid: str, budget_ms: float = 50) -> tuple[float, RouteDecision]:
+        """(the trio seconds the route took, its decision)."""
+        start = trio.current_time()
+        decision = await self.route(rid, budget_ms)
+        return trio.current_time() - start, decision
 
 
 @asynccontextmanager
@@ -144,22 +150,20 @@ async def test_a_business_error_ends_the_request_with_its_code(autojump_clock: t
 async def test_a_refused_master_tries_the_slave_in_the_same_window(autojump_clock: trio.testing.MockClock) -> None:
     async with rig() as r:
         r.masters.stop(r.master.addresses().elected)  # refuses: the slave answers
-        start = trio.current_time()
-        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        took, decision = await r.timed_route("r1")
         assert decision.route_source is RouteSource.MASTER
         assert r.masters.call_count(r.master.addresses().hosts[1], paths.MASTER_HTTP_SCHEDULE) == 1
-        assert trio.current_time() - start < 0.001
+        assert took < 0.001
 
 
 async def test_refused_master_and_slave_fall_to_kvcm_at_once(autojump_clock: trio.testing.MockClock) -> None:
     async with rig() as r:
         for host in r.master.addresses().hosts:
             r.masters.stop(host)
-        start = trio.current_time()
-        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        took, decision = await r.timed_route("r1")
         assert decision.route_source is RouteSource.KVCM and decision.worker == r.cluster.worker_addr(2)
         assert decision.sources[0].reason is Reason.MASTER_UNAVAILABLE
-        assert trio.current_time() - start < 0.005
+        assert took < 0.005
 
 
 async def test_a_hanging_master_costs_its_window_until_the_breaker_opens(
@@ -169,11 +173,10 @@ async def test_a_hanging_master_costs_its_window_until_the_breaker_opens(
         r.master.set_faults(0, MasterFaults(hang=True))
         waits = []
         for i in range(6):
-            start = trio.current_time()
-            decision = await r.handle.route(RouteRequest(f"h{i}", token_ids=PROMPT, budget_ms=50))
-            waits.append(trio.current_time() - start)
+            took, decision = await r.timed_route(f"h{i}")
+            waits.append(took)
             assert decision.route_source is RouteSource.KVCM  # the KVCM path kept its time
-            assert trio.current_time() - start <= 0.050
+            assert took <= 0.050
         assert all(w == pytest.approx(0.010) for w in waits[:3])  # the threshold's worth of requests pay the window
         assert all(w < 0.002 for w in waits[3:])  # then nothing: the breaker is open
         health = r.handle.actors()["master_client"]["health"]
@@ -191,9 +194,8 @@ async def test_with_the_kvcm_fallback_off_a_hanging_master_is_judged_and_opens_t
         r.master.set_faults(0, MasterFaults(hang=True))
         waits = []
         for i in range(5):
-            start = trio.current_time()
-            decision = await r.handle.route(RouteRequest(f"h{i}", token_ids=PROMPT, budget_ms=50))
-            waits.append(trio.current_time() - start)
+            took, decision = await r.timed_route(f"h{i}")
+            waits.append(took)
             assert decision.route_source is RouteSource.DOMAIN
             assert decision.reason is (Reason.MASTER_UNAVAILABLE if i < 3 else Reason.MASTER_BREAKER_OPEN)
             assert [s.source for s in decision.sources] == [RouteSource.MASTER, RouteSource.DOMAIN]
@@ -262,11 +264,10 @@ async def test_what_the_scheduler_is_sent_does_not_depend_on_the_kvcm_switch(
 async def test_the_master_window_leaves_the_later_sources_their_time(autojump_clock: trio.testing.MockClock) -> None:
     async with rig(replicas=1, transport_timeout_ms=200, later_sources_ms=20) as r:
         r.master.set_faults(0, MasterFaults(hang=True))
-        start = trio.current_time()
-        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=30))
+        took, decision = await r.timed_route("r1", budget_ms=30)
         assert decision.route_source is RouteSource.KVCM
         assert decision.sources[0].elapsed_ms == pytest.approx(10.0, abs=0.5)  # 30 ms budget − 20 ms kept
-        assert trio.current_time() - start <= 0.030
+        assert took <= 0.030
 
 
 async def test_with_the_kvcm_fallback_off_a_failing_master_means_domain(
@@ -364,12 +365,11 @@ async def test_a_trial_ask_waits_only_within_the_masters_window(autojump_clock: 
         r.master.set_faults(0, MasterFaults())
         r.handle.supervisor.inject_crash("master_client")
         await trio.testing.wait_all_tasks_blocked()
-        start = trio.current_time()
-        decision = await r.handle.route(RouteRequest("asks", token_ids=PROMPT, budget_ms=30))
+        took, decision = await r.timed_route("asks", budget_ms=30)
         assert decision.sources[0].reason is Reason.MASTER_BREAKER_OPEN  # no answer within its window: as if open
         assert decision.route_source is RouteSource.KVCM  # the later sources kept their 20 ms
         assert decision.sources[0].elapsed_ms == pytest.approx(10.0, abs=0.5)
-        assert trio.current_time() - start <= 0.030
+        assert took <= 0.030
         await trio.sleep(1)  # restarted; the abandoned ask took no trial slot
         decision = await r.handle.route(RouteRequest("trial", token_ids=PROMPT, budget_ms=30))
         assert decision.route_source is RouteSource.MASTER
