@@ -23,7 +23,9 @@ Message = dict[str, Any]
 REQUEST = MasterScheduleRequest("r-1", (11, 12), 64, 128)
 
 
-def _app(body: bytes) -> Callable[..., Awaitable[None]]:
+def json_app(body: bytes) -> Callable[..., Awaitable[None]]:
+    """An HTTP server's ASGI app answering every request 200 with ``body`` as JSON."""
+
     async def app(
         scope: Message, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
     ) -> None:
@@ -41,12 +43,16 @@ def _app(body: bytes) -> Callable[..., Awaitable[None]]:
 
 
 @asynccontextmanager
-async def http_server(body: bytes) -> AsyncIterator[str]:
+async def http_server(body: bytes, tls: tuple[str, str] | None = None) -> AsyncIterator[str]:
+    """A loopback server answering every request with ``body`` (``tls``: its certificate and key files):
+    its HOST:PORT while the block runs."""
     config = hypercorn.config.Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
+    if tls is not None:
+        config.certfile, config.keyfile = tls
     async with trio.open_nursery() as nursery:
-        serve = functools.partial(hypercorn.trio.serve, _app(body), config)
+        serve = functools.partial(hypercorn.trio.serve, json_app(body), config)
         binds: list[str] = await nursery.start(serve)
         yield binds[0].partition("://")[2]
         nursery.cancel_scope.cancel()

@@ -8,15 +8,12 @@ TLS, and the master's HTTP client to an HTTPS server; each also fails the way it
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
-import hypercorn.config
-import hypercorn.trio
 import pytest
 import trio
 import trustme
@@ -44,6 +41,7 @@ from router.transport.master_http import HttpMasterTransport
 from router.transport.tls import channel_credentials, client_ssl_context, server_credentials
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
+from tests.test_master_http_limits import http_server
 
 TIMEOUT_S = 5.0
 
@@ -237,40 +235,13 @@ async def test_upstream_client_certificate_is_presented_to_a_server_that_require
 # ---- the master's HTTP client ----------------------------------------------------------------------
 
 
-Message = dict[str, Any]
-
-
-async def _info_app(
-    scope: Message, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
-) -> None:
-    """A scheduler stand-in: every request is answered with a master/info naming no master yet (queue 7)."""
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
-    body = b'{"success": true, "code": 200, "real_master_host": null, "queue_length": 7}'
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body})
-
-
-@asynccontextmanager
-async def https_server(pki: Pki) -> AsyncIterator[str]:
-    config = hypercorn.config.Config()
-    config.bind = ["127.0.0.1:0"]
-    config.certfile = str(pki.server_cert)
-    config.keyfile = str(pki.server_key)
-    config.accesslog = None
-    async with trio.open_nursery() as nursery:
-        serve = functools.partial(hypercorn.trio.serve, _info_app, config)  # type: ignore[arg-type]
-        binds: list[str] = await nursery.start(serve)
-        yield binds[0].partition("://")[2]
-        nursery.cancel_scope.cancel()
+# A scheduler stand-in: every request is answered with a master/info naming no master yet (queue 7).
+INFO_BODY = b'{"success": true, "code": 200, "real_master_host": null, "queue_length": 7}'
 
 
 async def test_master_http_client_speaks_https_with_the_ca_and_fails_without(pki: Pki) -> None:
     with trio.fail_after(20):
-        async with https_server(pki) as host:
+        async with http_server(INFO_BODY, tls=(str(pki.server_cert), str(pki.server_key))) as host:
             context = client_ssl_context(UpstreamTlsConfig(ca=str(pki.ca)))
             async with HttpMasterTransport(MasterConfig(), context) as tls:
                 info = await tls.master_info(host)
