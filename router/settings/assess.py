@@ -109,7 +109,7 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
             if c.serve.processes > 1
             else [decision_log]
         )
-        paths = [f"{w}.{i}" if i else w for w in writers for i in range(max(1, c.router.decision_log_files))]
+        paths = [f"{w}.{i}" if i else w for w in writers for i in range(c.router.decision_log_files)]
         for path in paths:
             unusable = unusable_log_path(path)
             if unusable is not None:
