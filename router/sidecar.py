@@ -75,6 +75,7 @@ from router.admission import InFlightLimit, admits, slot_wait_s
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
+from router.receipt import HandOffGate, ShedRecords
 from router.request import budget_deadline, budget_left_ms, caller_deadline, check_bounds, check_shape, quoted
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
@@ -98,13 +99,6 @@ ANSWER_SLACK_S = 0.05
 INITIAL_IN_FLIGHT_LIMIT = 16  # calls handed to the router at once before any has been answered
 PATH_COST_DECAY = 0.9  # weight the own-path estimate keeps per call (a few calls follow a change)
 CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for take_call_timings()
-# Sheds are recorded on the trio thread in batches at most this long after the first of them (the
-# metrics and the decision log see them that much later); each batch costs one wakeup of the thread.
-SHED_RECORD_BATCH_S = 0.005
-# Sheds answered and not yet recorded at most: a trio thread stalled under a shed storm leaves the
-# ones beyond unrecorded (counted in SidecarStats.sheds_unrecorded); each holds its whole request.
-SHED_RECORDS_MAX = 4096
-SHED_RECORD_TURN = 64  # sheds recorded between two checkpoints of the routing thread
 # The trio thread publishes the router's readiness this often; a health Check answers from the last
 # publication without waiting for the trio thread (this much stale at most, while that thread runs).
 READY_PUBLISH_S = 0.5
@@ -302,79 +296,20 @@ class _TimedPool(ThreadPoolExecutor):
 
 
 class _Counters:
-    """Outcome counts and the calls in the router, written by grpc handler threads (hence the lock).
+    """Outcome counts and the calls in flight, written by grpc handler threads (hence the lock); the
+    calls handed to the router are the gate's."""
 
-    A call that finds the in-flight limit reached may wait (without the GIL) for a place, at most
-    ``waiters`` calls at once: under a closed loop a call answered ``overloaded`` at once comes back
-    at once, and the sheds then take the CPU the routed calls need; a waiting call costs nothing
-    until a routed one is answered."""
-
-    def __init__(self, limit: InFlightLimit, *, waiters: int) -> None:
+    def __init__(self, gate: HandOffGate) -> None:
         self._lock = threading.Lock()
-        self._place_freed = threading.Condition(self._lock)
-        self._limit = limit
-        self._max_waiters = waiters
+        self._gate = gate
         self._in_flight = 0
-        self._in_router = 0  # handed to the router and not yet answered
-        self._waiting = 0  # waiting for a place in the router
         self._shed = 0
-        self._waited = 0
-        self._shed_after_wait = 0
         self._unrecorded = 0
         self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed"), 0)
 
     def enter(self) -> None:
         with self._lock:
             self._in_flight += 1
-
-    def hand_off(self, wait_s: float) -> bool:
-        """Count a call handed to the router, waiting at most ``wait_s`` for the in-flight limit to
-        leave a place; False (nothing counted) when none came."""
-        with self._lock:
-            if self._limit.has_place(self._in_router, time.monotonic()):
-                self._in_router += 1
-                return True
-            if wait_s <= 0.0 or self._waiting >= self._max_waiters:
-                return False
-            self._waiting += 1
-            self._waited += 1
-            try:
-                return self._wait_for_place(time.monotonic() + wait_s)
-            finally:
-                self._waiting -= 1
-
-    def _wait_for_place(self, until: float) -> bool:
-        # Holding the lock; woken by an answer, or when the limit's idle time below one ends.
-        limit = self._limit
-        while True:
-            now = time.monotonic()
-            if limit.has_place(self._in_router, now):
-                self._in_router += 1
-                return True
-            if now >= until:
-                self._shed_after_wait += 1
-                return False
-            wake = until if self._in_router else min(until, max(limit.idle_until, now))
-            self._place_freed.wait(max(0.0, wake - now))
-
-    def hand_off_anyway(self) -> None:
-        with self._lock:
-            self._in_router += 1
-
-    def in_router(self) -> int:
-        return self._in_router  # one int read: no lock needed for a momentary view
-
-    def answered(self, *, handed_at: float, had_s: float, answered: bool, crowded: bool = False) -> None:
-        """A call handed to the router at ``handed_at`` (``time.monotonic()``) with ``had_s`` to spare
-        came back now (``answered`` False: it did not; ``crowded``: see ``InFlightLimit.observe``)."""
-        with self._lock:
-            self._in_router -= 1
-            self._limit.observe(
-                handed_at=handed_at, now=time.monotonic(), had_s=had_s, answered=answered, crowded=crowded
-            )
-            if self._waiting:
-                # Whole places for waiters; below one, one waiter learns when the idle time ends.
-                self._place_freed.notify(max(1, self._limit.limit - self._in_router))
 
     def shed(self, *, recorded: bool) -> None:
         with self._lock:
@@ -388,12 +323,13 @@ class _Counters:
             self._ended[outcome] += 1
 
     def snapshot(self) -> SidecarStats:
+        waited, shed_after_wait = self._gate.waits()
         with self._lock:
             return SidecarStats(
                 in_flight=self._in_flight,
                 shed_at_receipt=self._shed,
-                waited_for_place=self._waited,
-                shed_after_wait=self._shed_after_wait,
+                waited_for_place=waited,
+                shed_after_wait=shed_after_wait,
                 sheds_unrecorded=self._unrecorded,
                 **self._ended,
             )
@@ -457,7 +393,7 @@ class Sidecar:
         self._path_cost_s = 0.0  # running estimate of the sidecar's own path per call
         # A request carrying more than a hash slice's worth of ids (8 bytes each at most) is large.
         self._large_request_bytes = 8 * config.limits.hash_slice_tokens
-        self._counters = _Counters(
+        self._gate = HandOffGate(
             InFlightLimit(
                 initial=min(INITIAL_IN_FLIGHT_LIMIT, config.router.max_in_flight),
                 ceiling=config.router.max_in_flight,
@@ -466,6 +402,7 @@ class Sidecar:
             # Waiting calls hold handler threads: leave at least one for the others.
             waiters=min(config.serve.slot_waiters, config.serve.grpc_max_workers - 1),
         )
+        self._counters = _Counters(self._gate)
         # Appended by handler threads, taken by whoever measures; a deque's append and popleft are atomic.
         self._timings: deque[CallTiming] | None = deque(maxlen=CALL_TIMING_SAMPLES) if keep_call_timings else None
         # Each reply's way back (the decision settled on the trio thread to its bytes on the handler
@@ -480,13 +417,10 @@ class Sidecar:
         self._thread_wait = _ThreadWait()  # per handler thread: its call's wait for the thread
         self._pool: _TimedPool | None = None  # set in run(); read by handler threads
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
-        # Sheds waiting to be recorded on the trio thread: appended by handler threads, drained there,
-        # SHED_RECORDS_MAX at most (see _shed). Each: the request, the answer drawn, the elapsed ms
-        # and the time the call had left.
-        self._sheds: deque[tuple[router_v1_pb2.RouteRequest, RouteDecision, float, float]] = deque()
+        # Sheds waiting to be recorded on the trio thread: added by handler threads, recorded there.
+        self._sheds: ShedRecords[router_v1_pb2.RouteRequest] = ShedRecords(converted, _request_id)
         # The published answers last shed from and their shed_reply_body()s (replaced as a whole).
         self._shed_replies: tuple[tuple[RouteDecision, ...], tuple[bytes, ...]] = ((), ())
-        self._sheds_drain_due = False
         # Set once in run() before serving; read by handler threads.
         self._token: trio.lowlevel.TrioToken | None = None
         # Owned by the trio thread (run() and the callbacks it runs).
@@ -555,6 +489,7 @@ class Sidecar:
         try:
             async with trio.open_nursery() as calls:
                 self._calls = calls
+                self._sheds.open(self._router, calls)
                 self._publish(self._ready_now())
                 publishing = trio.CancelScope()
                 calls.start_soon(self._publish_readiness, publishing)
@@ -574,6 +509,7 @@ class Sidecar:
                 # Leaving the nursery waits for routing tasks whose callers gave up (each ends by its deadline).
         finally:
             self._calls = None
+            self._sheds.close()
             self._ready = False
             server.stop(grace=None)  # after a drain: nothing left; when cancelled: ends every call now
             executor.shutdown(wait=False)
@@ -674,7 +610,7 @@ class Sidecar:
         left_s = routing_s if client_s is None else min(routing_s, client_s - self._reply_margin_ms / 1000.0)
         if named_roles is not None:
             request = named_roles
-            self._counters.hand_off_anyway()
+            self._gate.hand_off_anyway()
         else:
             shed = self._shed_at_receipt(message, left_s, received, context)
             if shed is not None:
@@ -705,7 +641,7 @@ class Sidecar:
         except Exception as exc:
             raise PeerAbort(RpcStatus.INTERNAL, f"router error: {exc!r}") from exc
         finally:
-            self._counters.answered(
+            self._gate.answered(
                 handed_at=handed_at,
                 had_s=max(0.0, left_s - (handed_at - sent_at)),
                 answered=decided,
@@ -733,7 +669,7 @@ class Sidecar:
         and report its answer)."""
         published = self._router.overload_answers()
         if published is None or not published.answers:
-            self._counters.hand_off_anyway()
+            self._gate.hand_off_anyway()
             return None
         estimate = published.estimate
         # While as many calls wait for a handler thread as there are threads, none is handed to the
@@ -741,8 +677,8 @@ class Sidecar:
         # sheds, and the calls waiting behind it are nearer their deadlines with every one.
         if (
             self._pool_backlog() < self._serve.grpc_max_workers
-            and admits(estimate, left_s, in_flight=self._counters.in_router())
-            and self._counters.hand_off(slot_wait_s(estimate, left_s))
+            and admits(estimate, left_s, in_flight=self._gate.in_router())
+            and self._gate.hand_off(slot_wait_s(estimate, left_s))
         ):
             return None
         return self._shed(message, published, left_s, received, context)
@@ -767,20 +703,8 @@ class Sidecar:
         _carry_error(drawn, context)
         elapsed_ms = (time.monotonic() - received) * 1000.0
         reply = shed_reply(bodies[drawn_at], message.request_id, elapsed_ms)
-        # Length and append are two steps: handler threads racing past a full queue overshoot it by
-        # one each at most (grpc_max_workers), still a bound. Beyond it the shed is answered and
-        # counted, not recorded, and a recording is already due.
-        recorded = len(self._sheds) < SHED_RECORDS_MAX
-        self._counters.shed(recorded=recorded)
-        if not recorded:
-            return reply, elapsed_ms
-        self._sheds.append((message, drawn, elapsed_ms, left_s))
-        if not self._sheds_drain_due:  # a lost race costs one empty drain, never a missed one
-            self._sheds_drain_due = True
-            token = self._token
-            if token is not None:
-                with contextlib.suppress(trio.RunFinishedError):
-                    token.run_sync_soon(self._record_sheds_soon)
+        # Beyond SHED_RECORDS_MAX waiting the shed is answered and counted, not recorded.
+        self._counters.shed(recorded=self._sheds.add(message, drawn, elapsed_ms, left_s))
         return reply, elapsed_ms
 
     @contextlib.contextmanager
@@ -835,53 +759,6 @@ class Sidecar:
         """On handler threads: the readiness last published, if the trio thread published it recently.
         A routing thread that has stopped publishing (stuck, or stalled for seconds) is not serving."""
         return self._ready and time.monotonic() - self._ready_at < READY_STALE_S
-
-    def _record_sheds_soon(self) -> None:
-        """Runs in the trio thread (run_sync_soon), woken by the first shed since the last recording:
-        records the sheds after SHED_RECORD_BATCH_S, so a storm of them wakes this thread once per
-        batch rather than once every few sheds."""
-        calls = self._calls
-        if calls is not None:
-            try:
-                calls.start_soon(self._record_sheds_after_batch)
-                return
-            except RuntimeError:  # the calls' nursery closed as the sidecar stopped at once: record now
-                pass
-        self._record_sheds()
-
-    async def _record_sheds_after_batch(self) -> None:
-        try:
-            await trio.sleep(SHED_RECORD_BATCH_S)
-            # In turns, with a checkpoint between them: a storm leaves thousands to record, and with
-            # the decision log on each converts its request (milliseconds for a large prompt), which
-            # must not hold up the routing thread in one go. One recorder at a time: the flag stays
-            # up until the queue is found empty, then the queue is looked at once more (a shed added
-            # between the two found the flag up and started no recorder).
-            while True:
-                if not self._record_sheds(SHED_RECORD_TURN):
-                    self._sheds_drain_due = False
-                    if not self._sheds:
-                        break
-                await trio.lowlevel.checkpoint()
-        finally:  # also when the sidecar stops at once: a shed answered is a shed recorded
-            self._record_sheds()
-
-    def _record_sheds(self, most: int | None = None) -> bool:
-        """Record the sheds handler threads answered since the last recording, ``most`` of them at most
-        (None: all); True when some are left."""
-        if most is None:
-            self._sheds_drain_due = False
-        now = trio.current_time()
-        recorded = 0
-        while most is None or recorded < most:
-            try:
-                message, drawn, elapsed_ms, left_s = self._sheds.popleft()
-            except IndexError:
-                return False
-            decision = drawn.answering(message.request_id, elapsed_ms)
-            self._router.record_shed(partial(converted, message), decision, now + left_s)
-            recorded += 1
-        return bool(self._sheds)
 
     def _spawn(
         self,
@@ -943,6 +820,10 @@ def _carry_error(decision: RouteDecision, context: grpc.ServicerContext) -> None
     """A decision routing nowhere (``route_source=none``) carries its error in the trailing metadata."""
     if decision.route_source is RouteSource.NONE and decision.error:
         context.set_trailing_metadata(((ERROR_METADATA_KEY, metadata_text(decision.error)),))
+
+
+def _request_id(message: router_v1_pb2.RouteRequest) -> str:
+    return message.request_id
 
 
 def metadata_text(text: str) -> str:

@@ -25,7 +25,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from actors.metrics_sink import REPLY_STAGE_LABEL
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
-from router.admission import InFlightLimit
 from router.api import RouterHandle, open_router
 from router.config import (
     DeploymentConfig,
@@ -43,7 +42,6 @@ from router.sidecar import (
     ROUTER_SERVICE,
     Sidecar,
     _CallHops,
-    _Counters,
     _Stopped,
     _ThreadWait,
     _TimedPool,
@@ -392,6 +390,7 @@ async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_
             async with trio.open_nursery() as closed:
                 pass
             sidecar, live = r.sidecar, r.sidecar._calls
+            assert live is not None
             sidecar._calls = closed
             try:
                 message = router_v1_pb2.RouteRequest(request_id="late", block_cache_keys=(1, 2), block_size=BLOCK)
@@ -402,11 +401,13 @@ async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_
                 published = r.handle.router_actor().overload_answers()
                 assert published is not None and published.answers
                 before = r.handle.router_actor().health().overloaded
-                sidecar._sheds.append((message, published.answers[0], 0.05, 0.03))
-                sidecar._record_sheds_soon()
+                sidecar._sheds.open(r.handle.router_actor(), closed)
+                assert sidecar._sheds.add(message, published.answers[0], 0.05, 0.03)
+                sidecar._sheds._record_soon()  # the recorder's wake-up, as run_sync_soon runs it
                 assert r.handle.router_actor().health().overloaded == before + 1  # recorded at once
             finally:
                 sidecar._calls = live
+                sidecar._sheds.open(r.handle.router_actor(), live)
 
 
 async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
@@ -704,48 +705,6 @@ async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlie
             assert r.sidecar.stats().shed_at_receipt == shed_before + 1
             shed_timing = r.sidecar.take_call_timings()[-1]
             assert (shed_timing.handed_s, shed_timing.way_back_s) == (None, None)  # never handed off
-
-
-class _WaitSeen(threading.Condition):
-    """A condition that tells when a thread first waits on it."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        super().__init__(lock)
-        self.entered = threading.Event()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self.entered.set()
-        return super().wait(timeout)
-
-
-def test_a_call_that_finds_the_limit_reached_waits_for_the_place_an_answer_frees() -> None:
-    counters = _Counters(InFlightLimit(initial=1, ceiling=1, floor=RouterConfig().admission_duty_floor), waiters=1)
-    assert counters.hand_off(0.0)  # the one place
-    place_freed = counters._place_freed = _WaitSeen(counters._lock)  # the waiter waits on it for a place
-    placed: list[bool] = []
-    waiter = threading.Thread(target=lambda: placed.append(counters.hand_off(60.0)))
-    waiter.start()
-    try:
-        assert place_freed.entered.wait(10.0), "the call never waited for a place"
-        assert counters.snapshot().waited_for_place == 1
-        assert not counters.hand_off(60.0)  # beyond the waiters' bound: answered at once
-        assert placed == []
-        counters.answered(handed_at=time.monotonic(), had_s=60.0, answered=True)
-    finally:
-        waiter.join(timeout=60.0)
-    assert placed == [True]
-    assert counters.in_router() == 1  # the waiter took the freed place
-    assert not counters.hand_off(0.0)  # no time to wait: answered at once
-    assert not counters.hand_off(0.001)  # nothing is answered meanwhile: the wait ends in a shed
-    stats = counters.snapshot()
-    assert (stats.waited_for_place, stats.shed_after_wait) == (2, 1)
-
-
-def test_with_no_waiters_allowed_a_full_router_sheds_at_once() -> None:
-    counters = _Counters(InFlightLimit(initial=1, ceiling=1, floor=RouterConfig().admission_duty_floor), waiters=0)
-    assert counters.hand_off(60.0)
-    assert not counters.hand_off(60.0)
-    assert counters.snapshot().waited_for_place == 0
 
 
 def test_an_error_carried_in_metadata_is_printable_ascii_and_bounded() -> None:

@@ -20,15 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import RouterHandle, open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig, ServeConfig
-from router.sidecar import (
-    READY_PUBLISH_S,
-    READY_STALE_S,
-    ROUTER_SERVICE,
-    SHED_RECORD_BATCH_S,
-    SHED_RECORD_TURN,
-    SHED_RECORDS_MAX,
-    Sidecar,
-)
+from router.receipt import SHED_RECORD_BATCH_S, SHED_RECORD_TURN, SHED_RECORDS_MAX
+from router.sidecar import READY_PUBLISH_S, READY_STALE_S, ROUTER_SERVICE, Sidecar
 from router.targets import HostPort
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.memory_adapter import MemoryNetwork
@@ -63,7 +56,8 @@ async def test_sheds_beyond_the_bound_are_answered_and_counted_not_queued(
         sidecar = Sidecar(handle, config)
         context = cast(grpc.ServicerContext, object())  # a domain answer carries no trailing metadata
         calls = SHED_RECORDS_MAX + 3
-        sidecar._sheds_drain_due = True  # as the first shed sets it (no trio token here to schedule a recorder)
+        records = sidecar._sheds
+        records._due = True  # as the first shed sets it (not opened: no trio token here to schedule a recorder)
 
         def shed_all() -> list[bytes]:  # on a thread, as grpc's handler threads do
             requests = [router_v1_pb2.RouteRequest(request_id=f"s{i}") for i in range(calls)]
@@ -77,25 +71,26 @@ async def test_sheds_beyond_the_bound_are_answered_and_counted_not_queued(
             RouteSource.DOMAIN.value,
             Reason.OVERLOADED.value,
         )
-        assert len(sidecar._sheds) == SHED_RECORDS_MAX
+        assert records.pending() == SHED_RECORDS_MAX
         stats = sidecar.stats()
         assert (stats.shed_at_receipt, stats.sheds_unrecorded) == (calls, 3)
         before = router.health().overloaded
         # The recording task works in turns of SHED_RECORD_TURN with a checkpoint between them: the
         # routing thread's other tasks run in between (this one sees the queue shrink turn by turn).
         async with trio.open_nursery() as recording:
-            recording.start_soon(sidecar._record_sheds_after_batch)
+            records.open(router, recording)
+            recording.start_soon(records._record_after_batch)
             await trio.sleep(SHED_RECORD_BATCH_S)
             seen = []
             due = []  # while sheds are left the flag stays up: a handler thread starts no second recorder
             for _ in range(2 * SHED_RECORDS_MAX // SHED_RECORD_TURN):
                 await trio.lowlevel.checkpoint()
-                seen.append(len(sidecar._sheds))
-                due.append(sidecar._sheds_drain_due)
-                if not sidecar._sheds:
+                seen.append(records.pending())
+                due.append(records._due)
+                if not records.pending():
                     break
         assert router.health().overloaded == before + SHED_RECORDS_MAX
-        assert not sidecar._sheds and not sidecar._sheds_drain_due
+        assert not records.pending() and not records._due
         assert len([n for n in seen if 0 < n < SHED_RECORDS_MAX]) >= SHED_RECORDS_MAX // SHED_RECORD_TURN // 2
         assert all(flag for n, flag in zip(seen, due, strict=True) if n > 0)
 

@@ -1,0 +1,87 @@
+"""The hand-off gate both ways in share: the requests handed to the router under the learnt in-flight
+limit, with the real threads that wait on it (no clock is read by the assertions)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from router.admission import InFlightLimit
+from router.config import RouterConfig
+from router.receipt import HandOffGate
+
+
+class _WaitSeen(threading.Condition):
+    """A condition that tells when a thread first waits on it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__(lock)
+        self.entered = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.entered.set()
+        return super().wait(timeout)
+
+
+def _gate(*, waiters: int) -> HandOffGate:
+    return HandOffGate(InFlightLimit(initial=1, ceiling=1, floor=RouterConfig().admission_duty_floor), waiters=waiters)
+
+
+def test_a_call_that_finds_the_limit_reached_waits_for_the_place_an_answer_frees() -> None:
+    gate = _gate(waiters=1)
+    assert gate.hand_off(0.0)  # the one place
+    place_freed = gate._place_freed = _WaitSeen(gate._lock)  # the waiter waits on it for a place
+    placed: list[bool] = []
+    waiter = threading.Thread(target=lambda: placed.append(gate.hand_off(60.0)))
+    waiter.start()
+    try:
+        assert place_freed.entered.wait(10.0), "the call never waited for a place"
+        assert gate.waits() == (1, 0)
+        assert not gate.hand_off(60.0)  # beyond the waiters' bound: answered at once
+        assert placed == []
+        gate.answered(handed_at=time.monotonic(), had_s=60.0, answered=True)
+    finally:
+        waiter.join(timeout=60.0)
+    assert placed == [True]
+    assert gate.in_router() == 1  # the waiter took the freed place
+    assert not gate.hand_off(0.0)  # no time to wait: answered at once
+    assert not gate.hand_off(0.001)  # nothing is answered meanwhile: the wait ends in a shed
+    assert gate.waits() == (2, 1)
+
+
+def test_with_no_waiters_allowed_a_full_router_sheds_at_once() -> None:
+    gate = _gate(waiters=0)
+    assert gate.hand_off(60.0)
+    assert not gate.hand_off(60.0)
+    assert gate.waits() == (0, 0)
+
+
+def test_a_withdrawn_call_frees_its_place_and_leaves_the_limit_as_it_was() -> None:
+    """A caller giving up says nothing of the router's pace: an answer that never came would shrink
+    the limit (as a late one does), a withdrawal does not."""
+    late = _gate(waiters=0)
+    assert late.hand_off(0.0)
+    late.answered(handed_at=time.monotonic(), had_s=60.0, answered=False)
+    assert late._limit.share < 1.0  # shrunk below one: a duty cycle
+
+    gate = _gate(waiters=0)
+    assert gate.hand_off(0.0)
+    assert not gate.hand_off(0.0)
+    gate.withdrawn()
+    assert gate.in_router() == 0 and gate._limit.share == 1.0
+    assert gate.hand_off(0.0)  # the place is free again at once
+
+
+def test_a_withdrawal_wakes_a_waiter() -> None:
+    gate = _gate(waiters=1)
+    assert gate.hand_off(0.0)
+    place_freed = gate._place_freed = _WaitSeen(gate._lock)
+    placed: list[bool] = []
+    waiter = threading.Thread(target=lambda: placed.append(gate.hand_off(60.0)))
+    waiter.start()
+    try:
+        assert place_freed.entered.wait(10.0), "the call never waited for a place"
+        gate.withdrawn()
+    finally:
+        waiter.join(timeout=60.0)
+    assert placed == [True] and gate.in_router() == 1
