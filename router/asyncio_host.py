@@ -8,6 +8,15 @@ returns once it is ready (or raises what opening it raised). ``route()`` may be 
 asyncio event loop in any thread, concurrently. ``stop()`` refuses new calls, lets the calls already
 submitted finish (each ends by its own routing deadline), closes the router and joins the thread.
 
+Admission before the hop: a call whose time left (its budget or the cap, and the caller's deadline
+less ``--reply-margin-ms``) cannot cover the router's published admission estimate, or that finds as
+many calls handed to the trio thread and not yet answered as the learnt in-flight limit allows
+(``router/receipt.py``, as the sidecar's handler threads do; it never waits), is answered at once on
+the caller's loop with one of the router's published ``overloaded`` answers, and counted and recorded
+on the trio thread afterwards, in batches. Under a burst of calls the hand-offs would otherwise queue
+on the trio thread and every answer would come after its deadline. A call naming roles, or one the
+router will refuse (its fields, sizes or shape wrong), always goes to the router.
+
 Bridge: each call is handed to trio with ``TrioToken.run_sync_soon``, runs as a task in the host's
 call nursery, and completes an asyncio future with ``loop.call_soon_threadsafe``. The call's budget
 counts from ``route()``: the hop to the trio thread is taken off it. Each answer's way back (settled
@@ -22,11 +31,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from types import TracebackType
 
@@ -34,10 +44,13 @@ import outcome
 import trio
 
 from actors.metrics_sink import RepliesSent
+from actors.router_actor import OverloadAnswers, RouterActor
+from router.admission import InFlightLimit, admits
 from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
 from router.exception_groups import sole_leaf
-from router.request import budget_left_ms, caller_deadline, check_fields, request_deadline
+from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, ShedRecords
+from router.request import budget_deadline, budget_left_ms, caller_deadline, check_admissible, check_fields
 from router.settings import LoadedConfig
 from router.targets import HostPort
 from router.thread_bridge import deliver_outcome, settle_on_loop
@@ -48,6 +61,18 @@ REPLY_SAMPLES = 256  # answers' way-back times kept until the next call hands th
 
 class HostStopped(RuntimeError):
     """The host is not running (never started, stopping, stopped, or its router crashed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostStats:
+    """The host's calls by where they were answered (counted as they are, from any caller's loop)."""
+
+    handed: int  # handed to the router on the trio thread
+    shed_before_hop: int  # answered ``overloaded`` on the caller's loop, never handed over
+    # Of shed_before_hop: answered, but not counted by the router nor written to the decision log
+    # (SHED_RECORDS_MAX were waiting for the trio thread).
+    sheds_unrecorded: int
+    in_router: int  # handed over and not yet answered, now
 
 
 class AsyncioRouterHost:
@@ -69,6 +94,23 @@ class AsyncioRouterHost:
         self._stop_requested: trio.Event | None = None
         # Each answer's way back: appended by the callers' loops, handed to the metrics sink by the trio thread.
         self._reply_times: deque[float] = deque(maxlen=REPLY_SAMPLES)
+        # Admission before the hop, used by the callers' loops (thread-safe). A loop never waits for a place.
+        router = config.router
+        self._gate = HandOffGate(
+            InFlightLimit(
+                initial=min(INITIAL_IN_FLIGHT_LIMIT, router.max_in_flight),
+                ceiling=router.max_in_flight,
+                floor=router.admission_duty_floor,
+            ),
+            waiters=0,
+        )
+        self._sheds: ShedRecords[RouteRequest] = ShedRecords(_as_is, _request_id)
+        self._shed_rng = random.Random()  # callers' loops draw from it (each draw is atomic under the GIL)
+        self._counts_lock = threading.Lock()
+        self._handed = 0
+        self._shed_count = 0
+        self._unrecorded = 0
+        self._router: RouterActor | None = None  # set by the trio thread before the token is
 
     # --- lifecycle (asyncio side) -----------------------------------------------------------------
 
@@ -130,6 +172,11 @@ class AsyncioRouterHost:
 
     # --- the request path (asyncio side) --------------------------------------------------------------
 
+    def stats(self) -> HostStats:
+        """The calls so far by where they were answered; callable from any thread."""
+        with self._counts_lock:
+            return HostStats(self._handed, self._shed_count, self._unrecorded, self._gate.in_router())
+
     @property
     def debug_address(self) -> HostPort | None:
         """Where the debug HTTP endpoint listens (None when it was not started)."""
@@ -150,25 +197,75 @@ class AsyncioRouterHost:
         if deadline is not None and math.isnan(deadline):
             raise ValueError("deadline: NaN is no time on the loop's clock")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[RouteDecision] = loop.create_future()
-        scope = trio.CancelScope()  # cancelled from this side through the trio token only
+        sent_at = time.monotonic()
         # -inf is a deadline long past (nothing left); +inf is none, ignored on the trio side.
         remaining_s = None if deadline is None else max(0.0, deadline - loop.time())
+        left_s = self._time_left(request, remaining_s)
+        router = self._router
+        published = None if router is None else router.overload_answers()
+        if left_s is None or request.roles or published is None or not published.answers:
+            self._gate.hand_off_anyway()
+        elif (left_s > 0 and not admits(published.estimate, left_s, in_flight=self._gate.in_router())) or (
+            not self._gate.hand_off(0.0)
+        ):
+            # As the router admits: a call with nothing left is its to answer (reason deadline), unless
+            # there is no place to hand it to.
+            return self._shed(request, published, left_s, sent_at)
+        with self._counts_lock:
+            self._handed += 1
+        future: asyncio.Future[RouteDecision] = loop.create_future()
+        scope = trio.CancelScope()  # cancelled from this side through the trio token only
         settled_at: list[float] = []  # written by the trio thread before it settles ``future``
+        decided = False
         try:
-            spawn = partial(self._spawn_call, request, remaining_s, time.monotonic(), scope, loop, future, settled_at)
-            token.run_sync_soon(self._spawn, spawn, loop, future)
-        except trio.RunFinishedError:
-            raise HostStopped("the router host has stopped") from None
-        try:
-            decision = await future
-        except asyncio.CancelledError:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(scope.cancel)
-            raise
+            spawn = partial(self._spawn_call, request, remaining_s, sent_at, scope, loop, future, settled_at)
+            try:
+                token.run_sync_soon(self._spawn, spawn, loop, future)
+            except trio.RunFinishedError:
+                raise HostStopped("the router host has stopped") from None
+            try:
+                decision = await future
+            except asyncio.CancelledError:
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(scope.cancel)
+                raise
+            decided = True
+        finally:
+            if decided and left_s is not None:
+                self._gate.answered(handed_at=sent_at, had_s=max(0.0, left_s), answered=True)
+            else:  # refused, cancelled by its caller, or unreadable: nothing learnt of the router's pace
+                self._gate.withdrawn()
         if settled_at:
             self._reply_times.append(time.monotonic() - settled_at[0])
         return decision
+
+    def _time_left(self, request: RouteRequest, remaining_s: float | None) -> float | None:
+        """What the router will have for ``request``, in seconds from now: min(budget, cap), and the
+        caller's time less the reply margin. None: the router will refuse it (its fields, sizes or
+        shape are wrong), which it must be told, not shed."""
+        try:
+            check_admissible(request, self._config.limits)
+        except BadRequest:
+            return None
+        router = self._config.router
+        left_s = budget_deadline(request.budget_ms, 0.0, router.budget_cap_ms)
+        if remaining_s is not None and math.isfinite(remaining_s):
+            left_s = min(left_s, remaining_s - router.reply_margin_ms / 1000.0)
+        return left_s
+
+    def _shed(
+        self, request: RouteRequest, published: OverloadAnswers, left_s: float, sent_at: float
+    ) -> RouteDecision:
+        """One of the router's published ``overloaded`` answers, given on the caller's loop and
+        recorded on the trio thread later."""
+        answers = published.answers
+        drawn = answers[self._shed_rng.randrange(len(answers))]
+        elapsed_ms = (time.monotonic() - sent_at) * 1000.0
+        recorded = self._sheds.add(request, drawn, elapsed_ms, left_s)
+        with self._counts_lock:
+            self._shed_count += 1
+            self._unrecorded += not recorded
+        return drawn.answering(request.request_id, elapsed_ms)
 
     # --- the trio thread --------------------------------------------------------------------------
 
@@ -189,16 +286,19 @@ class AsyncioRouterHost:
 
     async def _trio_main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None]) -> None:
         self._stop_requested = trio.Event()
-        async with (
-            open_router(self._config, loaded=self._loaded, debug_http=self._debug_http) as handle,
-            trio.open_nursery() as calls,
-        ):
-            self._handle = handle
-            self._calls = calls
-            self._token = trio.lowlevel.current_trio_token()
-            settle_on_loop(loop, ready, outcome.Value(None))
-            await self._stop_requested.wait()
-            # Leaving the nursery waits for the calls already accepted; _closing refuses later ones.
+        async with open_router(self._config, loaded=self._loaded, debug_http=self._debug_http) as handle:
+            try:
+                async with trio.open_nursery() as calls:
+                    self._handle = handle
+                    self._calls = calls
+                    self._router = handle.router_actor()
+                    self._sheds.open(self._router, calls)
+                    self._token = trio.lowlevel.current_trio_token()
+                    settle_on_loop(loop, ready, outcome.Value(None))
+                    await self._stop_requested.wait()
+                    # Leaving the nursery waits for the calls already accepted; _closing refuses later ones.
+            finally:
+                self._sheds.close()  # the router is still open: every shed answered so far is recorded
 
     def _begin_stop(self) -> None:
         # Runs in the trio thread (run_sync_soon): synchronous, so atomic with _spawn.
@@ -239,7 +339,7 @@ class AsyncioRouterHost:
         else:
             arrived = time.monotonic()
             # The request's own min(budget, cap) in seconds from route(), before a caller's deadline joins it.
-            routing = (sent_at, request_deadline(request, 0.0, self._config.router.budget_cap_ms))
+            routing = (sent_at, budget_deadline(request.budget_ms, 0.0, self._config.router.budget_cap_ms))
             if remaining_s is not None and math.isfinite(remaining_s):  # an endless deadline adds nothing
                 deadline = caller_deadline(trio.current_time(), remaining_s, sent_at, arrived)
                 if request.deadline is not None:
@@ -279,3 +379,11 @@ class AsyncioRouterHost:
 
         with scope:
             await deliver_outcome(partial(handle.route, request), deliver, HostStopped("the route call was cancelled"))
+
+
+def _as_is(request: RouteRequest) -> RouteRequest:
+    return request
+
+
+def _request_id(request: RouteRequest) -> str:
+    return request.request_id

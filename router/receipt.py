@@ -40,6 +40,7 @@ SHED_RECORD_BATCH_S = 0.005
 # ones beyond unrecorded (counted by the way in); each holds its whole request.
 SHED_RECORDS_MAX = 4096
 SHED_RECORD_TURN = 64  # sheds recorded between two checkpoints of the routing thread
+INITIAL_IN_FLIGHT_LIMIT = 16  # requests handed to the router at once before any has been answered
 
 
 class HandOffGate:

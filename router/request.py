@@ -156,6 +156,22 @@ def check_shape(request_id: str, *, has_tokens: bool, has_keys: bool) -> None:
         raise BadRequest("token_ids", "give exactly one of token_ids or block_cache_keys")
 
 
+def check_admissible(request: RouteRequest, limits: LimitsConfig) -> None:
+    """The checks made before a request may be answered ``overloaded`` (pure, O(1)): its fields' types,
+    its sizes against ``limits`` and its shape. Raise BadRequest naming the field: a malformed request
+    is told so, even under overload."""
+    check_fields(request)
+    check_bounds(
+        limits,
+        request_id=request.request_id,
+        n_tokens=0 if request.token_ids is None else len(request.token_ids),
+        n_keys=0 if request.block_cache_keys is None else len(request.block_cache_keys),
+        n_roles=0 if request.roles is None else len(request.roles),
+    )
+    has_tokens, has_keys = request.token_ids is not None, request.block_cache_keys is not None
+    check_shape(request.request_id, has_tokens=has_tokens, has_keys=has_keys)
+
+
 def check_request(
     request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig, *, hash_tokens: bool = True
 ) -> CheckedRequest:
@@ -167,16 +183,7 @@ def check_request(
     seq_len, when given, must be the prompt's length: with token ids, their count; with keys, at
     least the tokens the keys' blocks cover; never more than ``max_prompt_tokens``.
     """
-    check_fields(request)
-    check_bounds(
-        limits,
-        request_id=request.request_id,
-        n_tokens=0 if request.token_ids is None else len(request.token_ids),
-        n_keys=0 if request.block_cache_keys is None else len(request.block_cache_keys),
-        n_roles=0 if request.roles is None else len(request.roles),
-    )
-    has_tokens, has_keys = request.token_ids is not None, request.block_cache_keys is not None
-    check_shape(request.request_id, has_tokens=has_tokens, has_keys=has_keys)
+    check_admissible(request, limits)
     if request.block_size is not None and request.block_size <= 0:
         raise BadRequest("block_size", f"must be positive, got {request.block_size}")
     if request.block_size is not None and request.block_size > limits.max_prompt_tokens:

@@ -75,7 +75,7 @@ from router.admission import InFlightLimit, admits, slot_wait_s
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
-from router.receipt import HandOffGate, ShedRecords
+from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, ShedRecords
 from router.request import budget_deadline, budget_left_ms, caller_deadline, check_bounds, check_shape, quoted
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
@@ -96,7 +96,6 @@ ERROR_METADATA_KEY = "kvroute-error"
 # The router answers at most a few ms after a request's deadline; a handler thread waits this much
 # longer before it reports DEADLINE_EXCEEDED (only a stuck trio thread gets there).
 ANSWER_SLACK_S = 0.05
-INITIAL_IN_FLIGHT_LIMIT = 16  # calls handed to the router at once before any has been answered
 PATH_COST_DECAY = 0.9  # weight the own-path estimate keeps per call (a few calls follow a change)
 CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for take_call_timings()
 # The trio thread publishes the router's readiness this often; a health Check answers from the last

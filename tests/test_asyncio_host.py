@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -22,11 +22,11 @@ import trio
 
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
-from router.asyncio_host import AsyncioRouterHost, HostStopped
+from router.asyncio_host import AsyncioRouterHost, HostStats, HostStopped
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
 from router.replay import load_log
-from router.types import KeyFamily, Reason, RouteDecision, RouteRequest, RouteSource
+from router.types import KeyFamily, Reason, Role, RouteDecision, RouteRequest, RouteSource
 
 BLOCK = 16
 PROMPT = tuple(range(3000, 3000 + 6 * BLOCK))
@@ -305,3 +305,85 @@ async def test_a_request_whose_fields_cannot_be_read_is_refused_and_the_host_kee
         assert all(d.reason is Reason.BAD_REQUEST and (d.error or "").startswith("budget_ms:") for d in odd), odd
         assert fine.worker is not None and fine.reason is not Reason.BAD_REQUEST
         assert endless.worker is not None and endless.reason is not Reason.BAD_REQUEST, endless.error
+
+
+async def test_a_burst_beyond_the_in_flight_limit_is_answered_overloaded_on_the_callers_loop(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """With the trio thread held, hand-offs cannot be answered: the calls beyond the learnt limit are
+    answered ``overloaded`` at once on the caller's loop (before the hold ends), each with a worker;
+    after it the handed calls are answered by the router, and every shed is recorded in the decision
+    log. A call naming roles and a malformed one always go to the router, whatever the limit."""
+    _, addrs = await _seeded_cluster(nursery)
+    log = tmp_path / "decisions.log"
+    config = dataclasses.replace(_config(addrs), router=RouterConfig(budget_cap_ms=CAP_MS, decision_log=str(log)))
+    burst = 40
+    seen: dict[str, object] = {}
+
+    async def program() -> None:
+        async with AsyncioRouterHost(config) as host:
+            await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
+            token, router = host._token, host._router
+            assert token is not None and router is not None
+            published = router.overload_answers()
+            assert published is not None and published.answers  # the router has published what to shed with
+            holding, gate = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                holding.set()
+                gate.wait(10.0)
+
+            token.run_sync_soon(hold)
+            assert holding.wait(10.0)
+            try:
+                calls = [
+                    asyncio.ensure_future(host.route(RouteRequest(f"b{i}", token_ids=PROMPT, budget_ms=500)))
+                    for i in range(burst)
+                ]
+                named = asyncio.ensure_future(
+                    host.route(RouteRequest("named", token_ids=PROMPT, budget_ms=500, roles=(Role.PREFILL,)))
+                )
+                malformed = asyncio.ensure_future(host.route(RouteRequest("", token_ids=PROMPT, budget_ms=500)))
+                await asyncio.sleep(0)  # each call has run up to its hand-off, or been answered
+                shed = [c.result() for c in calls if c.done()]
+                waiting = [c for c in calls if not c.done()]
+                seen["stats"] = host.stats()
+                seen["pending"] = len(waiting) + (not named.done()) + (not malformed.done())
+            finally:
+                gate.set()
+            seen["shed"] = shed
+            seen["handed"] = await asyncio.gather(*waiting)
+            seen["named"], seen["malformed"] = await named, await malformed
+
+    with trio.fail_after(30):
+        await _run_asyncio(program)
+    shed = cast(list[RouteDecision], seen["shed"])
+    stats = cast(HostStats, seen["stats"])
+    # The warm call answered on time: the limit is the initial one plus a little.
+    assert 0 < len(shed) < burst
+    assert all((d.route_source, d.reason) == (RouteSource.DOMAIN, Reason.OVERLOADED) for d in shed), shed
+    assert all(d.worker is not None and d.request_id.startswith("b") for d in shed)
+    assert stats.shed_before_hop == len(shed) and stats.sheds_unrecorded == 0
+    assert stats.in_router == burst - len(shed) + 2 == seen["pending"]
+    assert cast(RouteDecision, seen["named"]).reason is not Reason.OVERLOADED
+    malformed = cast(RouteDecision, seen["malformed"])
+    assert malformed.reason is Reason.BAD_REQUEST and (malformed.error or "").startswith("request_id")
+    cases = {c.request_id: c for c in load_log([str(log)]).cases}
+    assert all(cases[d.request_id].overloaded for d in shed)  # recorded on the trio thread afterwards
+
+
+async def test_a_call_with_no_time_left_is_the_routers_to_answer_when_there_is_a_place(nursery: trio.Nursery) -> None:
+    """As the router admits: nothing left is reason ``deadline`` (its answer), not ``overloaded``."""
+    with trio.fail_after(20):
+        _cluster, addrs = await _seeded_cluster(nursery)
+        decisions: list[RouteDecision] = []
+
+        async def program() -> None:
+            async with AsyncioRouterHost(_config(addrs)) as host:
+                await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
+                decisions.append(await host.route(RouteRequest("none", token_ids=PROMPT, budget_ms=0.0)))
+                stats = host.stats()
+                assert (stats.shed_before_hop, stats.handed, stats.in_router) == (0, 2, 0)
+
+        await _run_asyncio(program)
+        assert decisions[0].reason is Reason.DEADLINE, decisions
