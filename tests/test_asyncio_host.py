@@ -70,6 +70,20 @@ async def _run_asyncio(program: Callable[[], Coroutine[Any, Any, None]]) -> None
     await trio.to_thread.run_sync(lambda: asyncio.run(program()))
 
 
+def _hold(token: trio.lowlevel.TrioToken) -> threading.Event:
+    """Hold the host's trio thread (in a callback it runs) until the returned event is set; the hold
+    is running when this returns."""
+    holding, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        gate.wait(10.0)
+
+    token.run_sync_soon(hold)
+    assert holding.wait(10.0)
+    return gate
+
+
 async def _seeded_cluster(nursery: trio.Nursery) -> tuple[SimCluster, SimClusterAddresses]:
     cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
     addrs = await nursery.start(cluster.serve_grpc)
@@ -260,14 +274,7 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
             # The hold must already be running before the hand-off is queued: trio runs its queued
             # callbacks in batches with a checkpoint between them, and a hand-off caught in the hold's
             # batch would let the routing task start before the stall.
-            holding, gate = threading.Event(), threading.Event()
-
-            def hold() -> None:
-                holding.set()
-                gate.wait(10.0)
-
-            token.run_sync_soon(hold)
-            assert holding.wait(10.0)
+            gate = _hold(token)
             lagged = asyncio.ensure_future(host.route(RouteRequest("lagged", token_ids=PROMPT, budget_ms=500)))
             await asyncio.sleep(0)  # route() hands the request over
             token.run_sync_soon(time.sleep, 0.2)
@@ -327,14 +334,7 @@ async def test_a_burst_beyond_the_in_flight_limit_is_answered_overloaded_on_the_
             assert token is not None and router is not None
             published = router.overload_answers()
             assert published is not None and published.answers  # the router has published what to shed with
-            holding, gate = threading.Event(), threading.Event()
-
-            def hold() -> None:
-                holding.set()
-                gate.wait(10.0)
-
-            token.run_sync_soon(hold)
-            assert holding.wait(10.0)
+            gate = _hold(token)
             try:
                 calls = [
                     asyncio.ensure_future(host.route(RouteRequest(f"b{i}", token_ids=PROMPT, budget_ms=500)))
