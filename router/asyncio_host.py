@@ -231,9 +231,9 @@ class AsyncioRouterHost:
                 raise
             decided = True
         finally:
-            if decided and left_s is not None:
-                self._gate.answered(handed_at=sent_at, had_s=max(0.0, left_s), answered=True)
-            else:  # refused, cancelled by its caller, or unreadable: nothing learnt of the router's pace
+            if decided and left_s is not None and left_s > 0:
+                self._gate.answered(handed_at=sent_at, had_s=left_s, answered=True)
+            else:  # refused, cancelled, unreadable or late from the start: nothing learnt of the router's pace
                 self._gate.withdrawn()
         if settled_at:
             self._reply_times.append(time.monotonic() - settled_at[0])
@@ -298,6 +298,7 @@ class AsyncioRouterHost:
                     await self._stop_requested.wait()
                     # Leaving the nursery waits for the calls already accepted; _closing refuses later ones.
             finally:
+                self._router = None  # nothing to shed with any more: later calls find the host stopped
                 self._sheds.close()  # the router is still open: every shed answered so far is recorded
 
     def _begin_stop(self) -> None:

@@ -25,6 +25,7 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from router.asyncio_host import AsyncioRouterHost, HostStats, HostStopped
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
+from router.receipt import INITIAL_IN_FLIGHT_LIMIT
 from router.replay import load_log
 from router.types import KeyFamily, Reason, Role, RouteDecision, RouteRequest, RouteSource
 
@@ -381,9 +382,13 @@ async def test_a_call_with_no_time_left_is_the_routers_to_answer_when_there_is_a
         async def program() -> None:
             async with AsyncioRouterHost(_config(addrs)) as host:
                 await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
-                decisions.append(await host.route(RouteRequest("none", token_ids=PROMPT, budget_ms=0.0)))
+                for i in range(20):
+                    decisions.append(await host.route(RouteRequest(f"none{i}", token_ids=PROMPT, budget_ms=0.0)))
                 stats = host.stats()
-                assert (stats.shed_before_hop, stats.handed, stats.in_router) == (0, 2, 0)
+                assert (stats.shed_before_hop, stats.handed, stats.in_router) == (0, 21, 0)
+                # Late from the start, they teach the in-flight limit nothing (as late answers they
+                # would have shrunk it below two).
+                assert host._gate._limit.limit >= INITIAL_IN_FLIGHT_LIMIT
 
         await _run_asyncio(program)
-        assert decisions[0].reason is Reason.DEADLINE, decisions
+        assert all(d.reason is Reason.DEADLINE for d in decisions), decisions
