@@ -338,7 +338,7 @@ def parse_frames(path: str, data: bytes) -> Iterator[Frame]:
             raise LogFormatError(path, offset, "frame checksum mismatch (corrupted)")
         try:
             payload = json.loads(body)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise LogFormatError(path, offset, f"frame payload is not JSON: {exc}") from None
         if not isinstance(payload, dict):
             raise LogFormatError(path, offset, "frame payload is not a JSON object")

@@ -10,6 +10,7 @@ import logging
 import os
 import struct
 import threading
+import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -415,6 +416,12 @@ def test_corrupted_and_truncated_logs_name_the_byte_offset(tmp_path: Path, capsy
     if os.path.exists("/dev/zero"):  # endless: refused from its first bytes, never read whole
         assert main(["replay", "/dev/zero"]) == 2
         assert "not a kvroute decision log" in capsys.readouterr().err
+    nested_payload = b"[" * 3000  # past json's recursion limit: RecursionError, which is no ValueError
+    nested = tmp_path / "nested.log"
+    head = struct.pack(">IBI", len(nested_payload), KIND_HEADER, zlib.crc32(nested_payload))
+    nested.write_bytes(MAGIC + head + nested_payload)
+    with pytest.raises(LogFormatError, match=f"byte offset {len(MAGIC)}: frame payload is not JSON"):
+        load_log([str(nested)])
     huge = tmp_path / "huge.log"
     huge.write_bytes(MAGIC + struct.pack(">IBI", 2**31, ord("D"), 0))
     assert main(["replay", str(huge)]) == 2

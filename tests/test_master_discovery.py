@@ -146,6 +146,34 @@ async def test_garbled_info_counts_as_a_failure(clock: trio.testing.MockClock, n
     assert snap.master == s.hosts[1]
 
 
+async def test_a_reply_nested_past_the_json_parsers_limit_or_a_port_of_thousands_of_digits_is_a_failed_poll(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Both used to raise out of the poll (RecursionError, and int()'s ValueError past 4,300 digits),
+    killing discovery at every restart: the snapshot stayed on a dead master."""
+    s = await start(nursery, elected=0)
+    replies = {
+        s.hosts[1]: b"[" * 3000,
+        s.hosts[2]: b'{"success":true,"code":200,"real_master_host":"10.77.0.3:' + b"9" * 5000 + b'"}',
+    }
+    for host, reply in replies.items():
+        real = s.network._handlers[host]
+
+        async def answer(path: str, body: bytes, real: object = real, reply: bytes = reply) -> tuple[int, bytes]:
+            if path == paths.MASTER_HTTP_INFO:
+                return 200, reply
+            return await real(path, body)  # type: ignore[operator, no-any-return]
+
+        s.network.serve(host, answer)
+    s.network.stop(s.hosts[0])  # the master dies: the one host whose reply is sane names nobody
+    await rounds(5)
+    snap = s.discovery.snapshot()
+    health = {h.host: h for h in snap.hosts}
+    assert not health[s.hosts[1]].healthy and "not JSON" in (health[s.hosts[1]].last_error or "")
+    assert health[s.hosts[2]].healthy  # a master address it cannot read names no master; the host answered
+    assert snap.master == s.hosts[2]
+
+
 async def test_readers_never_wait(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
     s = await start(nursery, elected=0)
     s.sim.set_faults(0, MasterFaults(hang=True))

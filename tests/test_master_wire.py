@@ -161,6 +161,34 @@ def test_a_plain_text_500_is_no_available_worker() -> None:
     assert "java.lang.NullPointerException" in reply.message
 
 
+@pytest.mark.parametrize(
+    ("payload", "said"),
+    [
+        (b"null", "is JSON but not an object"),  # what an exception's null message prints as
+        (b'{"status":500,"error":"Internal Server Error","path":"/rtp_llm/schedule"}', "has no code"),
+        (b"[" * 3000, "is not JSON"),  # nested past the parser's recursion limit, within the size cap
+    ],
+)
+def test_a_500_whose_error_body_the_scheduler_did_not_shape_is_no_available_worker(payload: bytes, said: str) -> None:
+    """An unparsable error body is 8400 (the request fails; no slave, no KVCM), not a connection failure."""
+    reply = decode_schedule_json(500, payload, HOST)
+    assert isinstance(reply, MasterBusinessError)
+    assert (reply.code, reply.http_status) == (CODE_NO_AVAILABLE_WORKER, 500)
+    assert said in reply.message
+
+
+def test_json_nested_past_the_parsers_recursion_limit_is_garbled_not_a_crash() -> None:
+    nested = b"[" * 3000
+    with pytest.raises(GarbledReply, match="not JSON"):
+        decode_schedule_json(200, nested, HOST)
+    with pytest.raises(GarbledReply, match="not JSON"):
+        decode_info_json(200, nested, HOST)
+    with pytest.raises(GarbledReply, match="not an object"):
+        decode_schedule_json(502, b"null", HOST)  # not the scheduler's 500: no reply from it
+    with pytest.raises(BadScheduleRequest, match="body: not JSON"):
+        parse_schedule_json(nested)
+
+
 @pytest.mark.parametrize("http_status", [404, 502, 503, 504])
 def test_another_status_whose_body_is_not_json_is_no_reply_from_the_scheduler(http_status: int) -> None:
     """A proxy's error page, or a host that is no scheduler: the slave and then KVCM are tried."""

@@ -254,6 +254,9 @@ def test_unreadable_and_malformed_files_are_problems_not_crashes(tmp_path: Path)
     broken = tmp_path / "broken.toml"
     broken.write_text("[deployment\nblock_size = ")
     assert any("not valid TOML" in str(p) for p in load_config({}, {}, str(broken)).fatal_errors)
+    nested = tmp_path / "nested.toml"  # tomllib recurses, and raised RecursionError out of loading
+    nested.write_text("a = " + "[" * 5000 + "]" * 5000)
+    assert any("nested too deeply" in str(p) for p in load_config({}, {}, str(nested)).fatal_errors)
 
 
 def test_unknown_kvroute_env_vars_are_warned_about() -> None:

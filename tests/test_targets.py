@@ -59,6 +59,13 @@ def test_an_entry_written_as_a_url_says_what_to_drop(entry: str, says: str) -> N
         parse_target(entry, 80)
 
 
+def test_a_port_of_thousands_of_digits_is_out_of_range_not_a_crash() -> None:
+    """int() refuses more than 4,300 digits with a plain ValueError, which callers do not expect."""
+    with pytest.raises(TargetError, match="port of 5000 digits out of range") as caught:
+        parse_target("10.0.0.2:" + "9" * 5000)
+    assert len(str(caught.value)) < 200  # the entry is cut in the message
+
+
 def test_default_port_out_of_range_is_rejected() -> None:
     with pytest.raises(TargetError, match="default port 0"):
         parse_target("kvcm-0", default_port=0)

@@ -139,6 +139,8 @@ def read_config_file(path: str, named_by: str = "--config") -> ConfigFile:
         return ConfigFile(path, tomllib.loads(text))
     except tomllib.TOMLDecodeError as exc:
         return unusable(f"not valid TOML: {exc}")
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        return unusable("not a settings file: arrays or tables nested too deeply for the TOML parser")
 
 
 def config_path(flags: Mapping[str, object], env: Mapping[str, str]) -> str | None:

@@ -131,11 +131,26 @@ def encode_schedule_json(request: MasterScheduleRequest) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+class _NotJson:
+    """What a body that does not parse as JSON reads as (``null`` is JSON)."""
+
+
+_NOT_JSON = _NotJson()
+
+
+def _json_value(body: bytes) -> object:
+    """The body's JSON value, or _NOT_JSON. Nesting deeper than the parser's recursion limit is no
+    JSON either: it raises RecursionError, which is no ValueError (3 KB of ``[`` fit the size cap)."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return _NOT_JSON
+
+
 def _json_object(status: int, body: bytes, target: str, what: str) -> dict[str, object] | None:
     """The body as a JSON object; None when it is not JSON at all."""
-    try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    value = _json_value(body)
+    if value is _NOT_JSON:
         return None
     if not isinstance(value, dict):
         raise GarbledReply(target, f"{what}: HTTP {status} body is JSON but not an object")
@@ -227,20 +242,27 @@ def _check_server_ip(ip: str, field: str, target: str) -> None:
 def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
     """An HTTP reply of ``POST /rtp_llm/schedule`` → ``MasterReply``; raises for no usable reply."""
     what = "schedule"
-    obj = _json_object(status, body, target, what)
-    if obj is None:
+    value = _json_value(body)
+    # The scheduler's own exceptions answer a 500 whose body is an error it could not shape (plain
+    # text, ``null``, a framework's error object without a code): a usable reply, not a connection
+    # failure, which the reference frontend fails with NO_AVAILABLE_WORKER, and so do we. Any other
+    # status with such a body (a proxy's 502, a 404 from a host that is no scheduler) is no reply
+    # from the scheduler at all.
+    if value is _NOT_JSON:
         if status != _SERVER_EXCEPTION_STATUS:
             raise _not_json(status, body, target, what)
-        # The scheduler's own exceptions answer a plain-text 500: a usable reply, not a connection
-        # failure, which the reference frontend fails with NO_AVAILABLE_WORKER, and so do we. Any
-        # other status with a body that is not JSON (a proxy's 502, a 404 from a host that is no
-        # scheduler) is no reply from the scheduler at all.
-        snippet = body[:120].decode("utf-8", "replace")
-        return MasterBusinessError(CODE_NO_AVAILABLE_WORKER, f"HTTP {status} body is not JSON: {snippet!r}", status)
+        return _unshaped_error(status, body, "is not JSON")
+    if not isinstance(value, dict):
+        if status == _SERVER_EXCEPTION_STATUS:
+            return _unshaped_error(status, body, "is JSON but not an object")
+        raise GarbledReply(target, f"{what}: HTTP {status} body is JSON but not an object")
+    obj: dict[str, object] = value
     code = _int_field(obj, "code", "code", target, optional=True)
     success = obj.get("success")
     if code is None:
         if success is not True:
+            if status == _SERVER_EXCEPTION_STATUS:
+                return _unshaped_error(status, body, "has no code")
             raise GarbledReply(target, f"code: missing in an HTTP {status} reply that is not a success")
         code = CODE_OK
     message = cut_text(_str_field(obj, "error_message", "error_message", target) or "", MAX_MESSAGE_CHARS)
@@ -266,6 +288,11 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
         _str_field(obj, "real_master_host", "real_master_host", target) or None,
         _int_field(obj, "queue_length", "queue_length", target, optional=True),
     )
+
+
+def _unshaped_error(status: int, body: bytes, what: str) -> MasterBusinessError:
+    snippet = body[:120].decode("utf-8", "replace")
+    return MasterBusinessError(CODE_NO_AVAILABLE_WORKER, f"HTTP {status} body {what}: {snippet!r}", status)
 
 
 def decode_info_json(status: int, body: bytes, target: str) -> MasterInfo:
@@ -296,8 +323,8 @@ class BadScheduleRequest(ValueError):
 def parse_schedule_json(body: bytes) -> MasterScheduleRequest:
     try:
         obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadScheduleRequest(f"body: not JSON ({exc})") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise BadScheduleRequest(f"body: not JSON ({exc!r})") from exc
     if not isinstance(obj, dict):
         raise BadScheduleRequest("body: not a JSON object")
     raw_id = obj.get("request_id")
