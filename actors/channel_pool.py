@@ -218,6 +218,9 @@ class ChannelPool(Generic[ChannelT]):
             "_Leased[ChannelT] | _Returned[ChannelT] | _Invalidate | _Open[ChannelT] | _Shutdown | _Sweep"
         ](config.inbox_size)
         self._credits = trio.Semaphore(config.inbox_size)  # one per message in the inbox or promised to it
+        # A cold lease takes two credits in two waits: one taker at a time, or as many takers as free
+        # credits would each hold one and wait for ever for a second.
+        self._taking_two = trio.Lock()
 
         # Published by run() after every batch that changed the map (never mutated once published):
         self._published: Mapping[str, _Entry[ChannelT]] = {}
@@ -331,12 +334,13 @@ class ChannelPool(Generic[ChannelT]):
 
     async def _take_slow(self, key: str) -> _Entry[ChannelT]:
         credits = self._credits
-        await credits.acquire()
-        try:
+        async with self._taking_two:
             await credits.acquire()
-        except BaseException:
-            credits.release()
-            raise
+            try:
+                await credits.acquire()
+            except BaseException:
+                credits.release()
+                raise
         # Read the map again now (no await until the send), never an entry seen before the waits.
         if self._closing:
             credits.release()

@@ -240,6 +240,29 @@ async def test_concurrent_acquire_of_one_target_opens_one_channel(
         assert len(factory.opened) == 1
 
 
+@pytest.mark.parametrize("callers", [63, 64, 65, 200])
+async def test_as_many_cold_leases_at_once_as_there_are_credits_all_get_their_channels(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, callers: int
+) -> None:
+    """A cold lease takes two credits in two waits: 64 takers of 64 credits each holding one would
+    wait for ever for a second (every caller timed out on an idle pool)."""
+    pool, factory = make_pool(inbox_size=64)
+    await nursery.start(pool.run)
+    leased = 0
+
+    async def caller(i: int) -> None:
+        nonlocal leased
+        with trio.move_on_after(1.0):
+            async with pool.lease(f"10.0.{i // 250}.{i % 250 + 1}:9000"):
+                leased += 1
+
+    async with trio.open_nursery() as taking:
+        for i in range(callers):
+            taking.start_soon(caller, i)
+    assert leased == callers and len(factory.opened) == callers
+    assert trio.current_time() < 1.0  # none waited for its deadline
+
+
 @pytest.mark.parametrize("target", ["host.example:99999", "host.example", "::1:80", "bad host:1", ""])
 async def test_malformed_target_is_rejected_naming_it(target: str) -> None:
     pool, factory = make_pool()
