@@ -450,6 +450,7 @@ class WorkerProber:
         self._refresh_short = 0
         self._refresh_idle = 0
         self._refresh_inflight = 0
+        self._health_inflight = 0  # health probes holding a slot
         self._pending_probes = 0
         self._peak_inflight = 0
         self._cache_hits = 0
@@ -534,6 +535,7 @@ class WorkerProber:
         self._flights.clear()
         self._pending_probes = 0
         self._refresh_inflight = 0
+        self._health_inflight = 0
 
     # --- request path ------------------------------------------------------------------------
 
@@ -927,14 +929,16 @@ class WorkerProber:
     def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> None:
         """Probe the next few workers not heard from for an interval (round robin over the fleet).
 
-        Bounded whatever the fleet's size: it looks at most at ``8 × health_max_probes`` workers,
-        probes at most ``health_max_probes``, and takes only tokens already in the bucket, so it
-        never makes requests' probes wait for budget.
+        Bounded whatever the fleet's size: it looks at most at ``8 × health_max_probes`` workers and
+        probes at most ``health_max_probes``. Like a refresh poll, a health probe takes only what
+        requests leave: a token beyond the part of the burst kept for them, and a free slot nobody
+        queues for, within the refresh share of the slots. So it never makes requests' probes wait
+        for budget, also when the workers it probes hang and hold their slots to the timeout.
         """
         n = len(workers)
         if not n:
             return
-        limit = min(self._config.health_max_probes, int(self._bucket.tokens(now)))
+        limit = self._config.health_max_probes
         look = min(n, 8 * self._config.health_max_probes)
         start = self._health_cursor % n
         started = 0
@@ -949,12 +953,22 @@ class WorkerProber:
                 and state.ejected_until <= now
                 and now - state.checked_at >= self._config.health_interval_s
             ):
-                if self._pending_probes >= self._config.max_tracked_workers:
+                if (
+                    self._pending_probes >= self._config.max_tracked_workers
+                    or self._health_inflight >= self._refresh_slots
+                    or not self._bucket.take(now, keep=self._refresh_keep)
+                ):
                     break
-                token_at = self._bucket.reserve(now, now)
-                if token_at is None:
+                scope = trio.CancelScope(deadline=deadline)
+                flight = _Flight(worker, self._touch(worker), now, scope, ProbeKind.HEALTH)
+                try:
+                    self._limiter.acquire_on_behalf_of_nowait(flight)
+                except trio.WouldBlock:
+                    self._bucket.refund(now)
                     break
-                self._start(worker, self._touch(worker), token_at, deadline, ProbeKind.HEALTH, now)
+                flight.slot = True
+                self._health_inflight += 1
+                self._launch(flight, now)
                 started += 1
         self._health_cursor = (start + looked) % n
         self._health_probes += started
@@ -1053,6 +1067,8 @@ class WorkerProber:
         self._pending_probes -= 1
         if flight.kind is ProbeKind.REFRESH:
             self._refresh_inflight -= 1
+        elif flight.kind is ProbeKind.HEALTH:
+            self._health_inflight -= 1
         if flight.state.flight is flight:
             flight.state.flight = None  # the next request starts a new probe
         self._peak_inflight = max(self._peak_inflight, landed.inflight)

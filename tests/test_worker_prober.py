@@ -543,8 +543,32 @@ async def test_background_health_probes_take_only_tokens_in_the_bucket(
     prober = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
     await nursery.start(prober.run)
     await trio.testing.wait_all_tasks_blocked()
-    assert fake.rpcs() == 4  # the burst, not a debt requests would wait behind
-    assert prober.snapshot().budget_tokens == 0
+    # The burst less the part kept for requests (the refresh share's complement), never a debt.
+    assert fake.rpcs() == 2
+    assert prober.snapshot().budget_tokens == 2
+
+
+async def test_health_probes_of_hanging_workers_leave_requests_their_slots(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Health probes used to take every free slot; when the workers a sweep picks hang (the ones not
+    heard from lately, in a partial partition), they held them all to the timeout and a request's
+    probe of a healthy worker was skipped for want of budget."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(200)]
+    for worker in fleet[:64]:
+        fake.hanging.add(worker.status_target)
+    config = dataclasses.replace(ProberConfig(), background_refresh=False)
+    prober = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    await trio.sleep(0.01)
+    snapshot = prober.snapshot()
+    assert snapshot.health_probes > 0 and snapshot.inflight <= snapshot.inflight_cap // 2  # the refresh share
+    handle = prober.probe([fleet[-1]], trio.current_time() + 0.05)
+    with trio.move_on_at(handle.deadline):
+        await handle.wait_all()
+    (result,) = handle.results()
+    assert result.status is not None, result
 
 
 async def test_hanging_worker_is_ejected_even_with_short_request_deadlines(
