@@ -78,7 +78,8 @@ def reserve_port(listen: HostPort, flag: str) -> socket.socket:
             port: int = probe.getsockname()[1]
         held = socket.socket(family, kind, proto)
         try:
-            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # SO_REUSEPORT alone: with SO_REUSEADDR too, any SO_REUSEADDR socket (another parent's
+            # probe, a stranger's server) could bind the port while no child listens on it.
             held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             held.bind((address[0], port, *address[2:]))
         except OSError:

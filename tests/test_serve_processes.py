@@ -212,6 +212,18 @@ def test_reserved_port_is_shared_by_reuseport_sockets_and_refused_when_taken() -
                 reserve_port(HostPort("127.0.0.1", port), "--grpc-listen")
 
 
+def test_a_reserved_port_no_child_listens_on_is_taken_for_another_parent_and_for_strangers() -> None:
+    """While every child is starting or in its restart backoff, only the held socket is on the port:
+    a second ``serve`` on it, or any server binding with SO_REUSEADDR, must be refused, not join it."""
+    with reserve_port(HostPort("127.0.0.1", 0), "--grpc-listen") as held:
+        port = held.getsockname()[1]
+        with pytest.raises(OSError, match=rf"--grpc-listen: cannot bind 127.0.0.1:{port}"):
+            reserve_port(HostPort("127.0.0.1", port), "--grpc-listen")
+        with socket.socket() as stranger, pytest.raises(OSError):
+            stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            stranger.bind(("127.0.0.1", port))
+
+
 def test_each_process_gets_its_own_debug_port() -> None:
     assert child_debug_listen(HostPort("127.0.0.1", 9000), 3) == "127.0.0.1:9003"
     assert child_debug_listen(HostPort("127.0.0.1", 0), 3) == "127.0.0.1:0"
