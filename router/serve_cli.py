@@ -6,15 +6,17 @@ Configuration comes from the settings table (flags, ``KVROUTE_*`` variables, ``-
 - problems confined to the KVCM fallback start it with the fallback off (domain routing) and one
   clear error in the log (also on /readyz and /debug/config).
 
-Once serving it prints one line with the Route gRPC and debug HTTP addresses. On SIGTERM or SIGINT
-it drains: health turns NOT_SERVING, new calls are refused, calls in flight finish within
+Once serving it prints one line with the Route gRPC and debug HTTP addresses. On SIGTERM, SIGINT or
+SIGHUP it drains: health turns NOT_SERVING, new calls are refused, calls in flight finish within
 ``--drain-timeout-s``; then every actor stops and every channel closes, a summary of the calls goes
 to stderr, and the exit status is 0. A second signal during the drain stops at once.
 
 With ``--processes N`` (N > 1) this process supervises N such router processes sharing the gRPC port
 (``router.serve_processes``) and prints the one line once all of them serve. Each child runs this
 module with ``--processes 1`` and the hidden ``--supervised-process I``: it binds with SO_REUSEPORT
-and also drains when its stdin (a pipe from the parent) reaches end-of-file.
+and also drains when its stdin (a pipe from the parent) reaches end-of-file; during its drain only
+its parent's STOP_NOW_SIGNAL stops it at once (a second SIGTERM from a service manager signalling
+the whole group does not).
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ from router.api import open_router
 from router.decision_record import child_log_path
 from router.exception_groups import leaves
 from router.logs import ctx, setup_logging, tag_records
-from router.serve_processes import ADDRESS_LINE, STOP_MARGIN_S, ProcessSupervisor, child_debug_listen, reserve_port
+from router.serve_processes import (
+    ADDRESS_LINE,
+    STOP_MARGIN_S,
+    STOP_NOW_SIGNAL,
+    STOP_SIGNALS,
+    ProcessSupervisor,
+    child_debug_listen,
+    reserve_port,
+)
 from router.settings import SETTINGS, LoadedConfig, add_arguments, load_or_report, log_startup_report, parse_listen
 from router.sidecar import Sidecar, SidecarStats
 from router.targets import format_target
@@ -112,10 +122,18 @@ async def _next_signal(signals: AsyncIterator[int]) -> int:
     raise AssertionError("signal receivers never end")
 
 
-async def _stop_on_signal(signals: AsyncIterator[int], serving: trio.CancelScope) -> None:
-    signum = await _next_signal(signals)
-    log.warning("%s during the drain: stopping now", signal.Signals(signum).name, extra=ctx(reason="drain"))
-    serving.cancel()
+async def _stop_on_signal(signals: AsyncIterator[int], serving: trio.CancelScope, supervised: bool) -> None:
+    """During the drain: a second stop signal stops this process at once. A supervised child takes that
+    only from its parent (STOP_NOW_SIGNAL): a service manager that signals the whole group sends it the
+    parent's SIGTERM twice over, which must not cut its drain short."""
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if supervised and signum != STOP_NOW_SIGNAL:
+            log.info("%s during the drain: already draining", name, extra=ctx(reason="drain"))
+            continue
+        log.warning("%s during the drain: stopping now", name, extra=ctx(reason="drain"))
+        serving.cancel()
+        return
 
 
 def _run_processes(args: argparse.Namespace, loaded: LoadedConfig) -> int:
@@ -146,7 +164,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig) -> int:
         )
 
         async def supervise() -> int:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
                 return await supervisor.run(signals)
 
         return trio.run(supervise)
@@ -208,7 +226,8 @@ async def _first_stop(signals: AsyncIterator[int], supervised: bool) -> str:
 
 async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats:
     config = loaded.effective
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    stop_signals = (*STOP_SIGNALS, STOP_NOW_SIGNAL) if supervised is not None else STOP_SIGNALS
+    with trio.open_signal_receiver(*stop_signals) as signals:
         async with open_router(config, loaded=loaded, debug_http=True) as handle, trio.open_nursery() as watch:
             sidecar = Sidecar(handle, config, reuse_port=supervised is not None)
             async with trio.open_nursery() as serving:
@@ -218,7 +237,7 @@ async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats:
                 reason = await _first_stop(signals, supervised is not None)
                 log.info("%s: draining", reason, extra=ctx(reason="drain"))
                 sidecar.drain()
-                watch.start_soon(_stop_on_signal, signals, serving.cancel_scope)
+                watch.start_soon(_stop_on_signal, signals, serving.cancel_scope, supervised is not None)
             watch.cancel_scope.cancel()  # drained (sidecar.run returned): no more signals to watch
         # open_router's exit stopped every actor and closed every channel.
     return sidecar.stats()

@@ -9,7 +9,9 @@ connection, and so one client channel, stays with one process).
 Why children are subprocesses of the same command, not ``multiprocessing`` workers:
 
 - each starts in its own process group, so a terminal's Ctrl-C reaches only the parent, which
-  forwards exactly one signal (a second signal means "stop at once" to a child);
+  tells each child to drain with one SIGTERM and to stop at once with STOP_NOW_SIGNAL (a supervised
+  child ignores a second SIGTERM: a service manager signalling the whole group, as systemd's default
+  KillMode=control-group does, must not cut its drain short);
 - a child's stdin is a pipe from the parent: when the parent dies however it dies, the child reads
   end-of-file and drains, so no orphan keeps serving;
 - the child reports its addresses on stdout, exactly as a single ``kvroute serve`` does, and its
@@ -26,10 +28,10 @@ own debug port.
 Supervision: a child that exits while the parent is not stopping is restarted after a backoff
 (doubling from RESTART_BACKOFF_MIN_S to RESTART_BACKOFF_MAX_S, back to the minimum once a child has
 served STABLE_AFTER_S), counted and logged. A child that fails its very first start stops the whole
-command with that child's exit status. SIGTERM or SIGINT is forwarded to every child, which drains;
-the parent waits at most ``--drain-timeout-s`` + STOP_MARGIN_S, then kills what is left. A second
-signal is forwarded too (the children stop at once). Exit status 0 when every child drained and
-exited 0, else 1.
+command with that child's exit status. On SIGTERM, SIGINT or SIGHUP every child gets SIGTERM and
+drains; the parent waits at most ``--drain-timeout-s`` + STOP_MARGIN_S, then kills what is left. A
+second signal to the parent sends the children STOP_NOW_SIGNAL (they stop at once). Exit status 0
+when every child drained and exited 0 (or, still starting, ended by the SIGTERM), else 1.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ STOP_MARGIN_S = 10.0  # beyond the children's drain: their actors stop and their
 
 EXIT_OK = 0
 EXIT_CHILD_FAILED = 1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a serve process (a drain)
+DRAIN_SIGNAL = signal.SIGTERM  # what the parent sends a child to drain, whatever signal it got
+STOP_NOW_SIGNAL = signal.SIGUSR1  # what the parent sends a child to stop at once (a second signal)
 
 
 def reserve_port(listen: HostPort, flag: str) -> socket.socket:
@@ -130,7 +135,6 @@ class ProcessSupervisor:
         self._slots = [_Slot(i) for i in range(count)]
         self._stop = trio.Event()
         self._stopping = False
-        self._signum = signal.SIGTERM
         self._failed_start: int | None = None  # a first start's exit status, when one failed
 
     async def run(self, signals: AsyncIterator[int]) -> int:
@@ -152,7 +156,7 @@ class ProcessSupervisor:
         before its handlers were installed, stops that way, which is a stop, not a failure."""
         if slot.killed:
             return False
-        return slot.returncode == 0 or (self._stopping and slot.returncode == -int(self._signum))
+        return slot.returncode == 0 or (self._stopping and slot.returncode == -int(DRAIN_SIGNAL))
 
     # --- tasks ---------------------------------------------------------------------------------------
 
@@ -168,11 +172,10 @@ class ProcessSupervisor:
             name = signal.Signals(signum).name
             if not self._stopping:
                 log.info("%s: draining %d processes", name, len(self._slots), extra=ctx(reason="drain"))
-                self._signum = signal.Signals(signum)
                 self._stop.set()
             else:
-                log.warning("%s during the drain: forwarded, the processes stop now", name, extra=ctx(reason="drain"))
-                self._send_all(signal.Signals(signum))
+                log.warning("%s during the drain: the processes stop now", name, extra=ctx(reason="drain"))
+                self._send_all(STOP_NOW_SIGNAL)
 
     async def _keep_running(self, slot: _Slot) -> None:
         backoff = RESTART_BACKOFF_MIN_S
@@ -228,7 +231,7 @@ class ProcessSupervisor:
         began = 0.0
         try:
             if self._stopping:  # the stop began while it was being started: it missed the forwarded signal
-                process.send_signal(self._signum)
+                process.send_signal(DRAIN_SIGNAL)
             assert process.stdout is not None
             async with trio.open_nursery() as output:
                 debug = await self._address_of(slot, process.stdout)
@@ -293,7 +296,7 @@ class ProcessSupervisor:
         for slot in self._slots:
             if slot.backoff is not None:
                 slot.backoff.cancel()
-        self._send_all(self._signum)
+        self._send_all(DRAIN_SIGNAL)
         with trio.move_on_after(self._stop_wait_s):
             for slot in self._slots:
                 await slot.ended.wait()

@@ -47,6 +47,7 @@ _SUMMARY = re.compile(
     r"timed_out=(\d+) failed=(\d+) cut_at_drain_deadline=(\d+)"
 )
 _DRAINING = re.compile(r"draining: (\d+) Route call\(s\) in flight")
+_CHILD_DRAINING = re.compile(r"SIGTERM: draining process=")
 
 
 def _serve_command(addrs: SimClusterAddresses, *extra: str) -> list[str]:
@@ -266,6 +267,42 @@ async def test_children_drain_and_exit_when_the_parent_dies(nursery: trio.Nurser
         assert alive == [] and len(gone) == 2, log.text()
         await log.wait_for(_SUMMARY, 2)  # each drained and printed its summary (its exit status is not ours to read)
         assert sum("the supervising parent is gone: draining" in line for line in log.lines) == 2
+
+
+@pytest.mark.parametrize("how", ["the whole group gets SIGTERM", "the parent gets SIGHUP", "the parent gets SIGINT"])
+async def test_a_service_managers_stop_drains_every_process(nursery: trio.Nursery, how: str) -> None:
+    """systemd's default KillMode=control-group sends SIGTERM to the parent and every child at once:
+    with the parent's own SIGTERM a child saw two, and the second stopped it without its drain. A
+    terminal's hangup (SIGHUP) used to kill the parent outright, leaving the children as orphans."""
+    with trio.fail_after(90):
+        cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        command = _serve_command(addrs, "--processes=2", "--drain-lame-duck-s=2")
+        proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        log = Lines()
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            nursery.start_soon(log.collect, proc.stderr)
+            assert _ANNOUNCED.search(await _read_line(proc.stdout)), log.text()
+            children = [int(m.group(2)) for m in await log.wait_for(_SERVING, 2)]
+            if how.startswith("the whole group"):
+                # The worst order of the group's signals: the children's own first (two signals that
+                # arrive together may merge into one), then the parent's, which it passes on.
+                for pid in children:
+                    os.kill(pid, signal.SIGTERM)
+                await log.wait_for(_CHILD_DRAINING, 2)
+                proc.send_signal(signal.SIGTERM)
+            else:  # either is passed on as SIGTERM (a child still starting dies of a SIGINT with status 1)
+                proc.send_signal(signal.SIGHUP if how.endswith("SIGHUP") else signal.SIGINT)
+            returncode = await proc.wait()
+            await log.wait_for(re.compile(r"all 2 processes stopped"))
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert returncode == 0, log.text()
+    assert len([m for m in map(_SUMMARY.search, log.lines) if m]) == 2, log.text()
+    assert not any("stopping now" in line for line in log.lines), log.text()
 
 
 async def _listening_above_a_free_port() -> trio.socket.SocketType:
