@@ -872,10 +872,13 @@ class WorkerProber:
             state = self._workers[worker]
             due = state.started_at + interval
             if due <= pull_by and state.flight is None and state.ejected_until <= now:
+                # A worker whose last probe failed is polled on its own: one that hangs would hold the
+                # round's other replies (and the requests waiting on them) to the round's timeout.
+                in_turn = batch if state.consecutive_failures == 0 else None
                 if not self._in_use(worker, now):
                     idle += 1
                     due = now + interval  # looked at again then: a read meanwhile resumes its polls
-                elif self._refresh_one(worker, state, now, batch):
+                elif self._refresh_one(worker, state, now, in_turn):
                     polls += 1
                     due = now + interval
                 else:
@@ -883,8 +886,6 @@ class WorkerProber:
             next_due = min(next_due, due)
         if batch:
             assert self._nursery is not None
-            # Workers whose last probe failed last: one that hangs takes the rest of the round's time.
-            batch.sort(key=lambda flight: flight.state.consecutive_failures > 0)
             self._nursery.start_soon(self._fly_in_turn, batch)
         self._refresh_polls += polls
         self._refresh_short += short
@@ -1008,20 +1009,23 @@ class WorkerProber:
         for flight in flights:
             flight.phase = _Phase.RPC
         asks = [WorkerStatusAsk(f.worker.status_target, f.state.latest_finished_version) for f in flights]
+        started = trio.current_time()
         try:
             replies = await self._transport.get_worker_statuses(asks, self._config.probe_timeout_s)
         finally:
             for flight in flights:
                 self._limiter.release_on_behalf_of(flight)
-        now = trio.current_time()
         for flight, reply in zip(flights, replies, strict=True):
-            landed = _Landed(flight, at=now, inflight=inflight)
-            if reply is None:
+            # Each status is as old as its call's end, not the round's: a reply that waited for the
+            # rest of the round is read as that much older.
+            landed = _Landed(flight, at=started + reply.ended_after_s, inflight=inflight)
+            status = reply.status
+            if status is None:
                 landed.no_budget = True
-            elif isinstance(reply, TransportError):
-                landed.error_kind = reply.kind
+            elif isinstance(status, TransportError):
+                landed.error_kind = status.kind
             else:
-                landed.status = reply
+                landed.status = status
             await self._land(landed)
 
     async def _take_budget(self, flight: _Flight) -> bool:

@@ -313,10 +313,13 @@ async def test_worker_statuses_in_turn_fail_one_by_one_and_share_one_time_allowa
             WorkerStatusAsk(harness.refused_target, -1),
             WorkerStatusAsk(pdfusion, -1),
         ]
-        first, refused, garbled = await harness.status.get_worker_statuses(asks, 5.0)
+        replies = await harness.status.get_worker_statuses(asks, 5.0)
+        first, refused, garbled = (reply.status for reply in replies)
         assert isinstance(first, WorkerStatus) and first.role is Role.PREFILL and first.alive
         assert isinstance(refused, Unavailable)
         assert isinstance(garbled, GarbledReply)
+        ended = [reply.ended_after_s for reply in replies]  # each call's own end, one after another
+        assert 0.0 <= ended[0] <= ended[1] <= ended[2]
 
         # A hung worker takes what is left of the allowance: the asks after it are not made.
         harness.cluster.workers[1].set_faults(WorkerFaults(hang=True))
@@ -326,9 +329,17 @@ async def test_worker_statuses_in_turn_fail_one_by_one_and_share_one_time_allowa
             [WorkerStatusAsk(pdfusion, -1), WorkerStatusAsk(prefill, -1)], within_s
         )
         elapsed = trio.current_time() - start
-        assert isinstance(hung, DeadlineExceeded)
-        assert after is None
+        assert isinstance(hung.status, DeadlineExceeded)
+        assert after.status is None
         assert elapsed >= within_s - 0.01
+        assert hung.ended_after_s >= within_s - 0.01
         if harness.adapter == "memory":
             assert elapsed == pytest.approx(within_s)
+
+        # A reply made before a hung call is as old as its own end, not the batch's.
+        first_reply, hung_after = await harness.status.get_worker_statuses(
+            [WorkerStatusAsk(prefill, -1), WorkerStatusAsk(pdfusion, -1)], within_s
+        )
+        assert isinstance(first_reply.status, WorkerStatus) and isinstance(hung_after.status, DeadlineExceeded)
+        assert first_reply.ended_after_s < hung_after.ended_after_s and hung_after.ended_after_s >= within_s - 0.01
         assert await harness.status.get_worker_statuses([], within_s) == []

@@ -40,6 +40,7 @@ class FakeWorkers:
         self.hanging: set[str] = set()
         self.version_zero: set[str] = set()
         self._versions: dict[str, int] = {}
+        self.replied_at: dict[tuple[str, int], float] = {}  # (target, version) → when that reply was made
 
     def add(self, worker: WorkerAddr) -> WorkerAddr:
         self.net.serve(worker.status_target, functools.partial(self._handle, worker.status_target))
@@ -66,6 +67,7 @@ class FakeWorkers:
             if target in self.version_zero:
                 return engine_pb.WorkerStatusPB(role="RoleType.PREFILL", alive=True).SerializeToString()
             version = self._versions[target] = self._versions.get(target, 0) + 1
+            self.replied_at[target, version] = trio.current_time()
             return engine_pb.WorkerStatusPB(
                 role="RoleType.PREFILL",
                 alive=True,

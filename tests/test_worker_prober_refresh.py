@@ -395,3 +395,32 @@ async def test_a_serial_round_ends_within_the_probe_timeout_and_a_hung_worker_go
     assert prober.cached(hung) is None
     # The hung worker is not counted as failing more often than it was actually asked.
     assert health.failed_by_kind.get("deadline", 0) <= fake.rpcs(hung)
+
+
+async def test_a_hung_worker_neither_holds_up_nor_ages_the_rounds_other_statuses(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A serial round waited for a hung worker to its timeout, then stamped every reply with the
+    round's end: statuses up to several fresh_ttl_s old were served as fresh, and requests waiting on
+    the round's polls waited with them. Two of six hot workers hang (over the ejection cap: nobody is
+    ejected), and every status served as fresh must be fresh."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(6)]
+    healthy = fleet[:4]
+    for worker in fleet[4:]:
+        fake.hanging.add(worker.status_target)
+    prober = await start(nursery, fake, refreshing(serial_refresh=True))
+    ages: list[float] = []
+    for _ in range(150):
+        now = trio.current_time()
+        handle = prober.probe(fleet, now + 0.01)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        for result in handle.results():
+            if result.from_cache and result.worker in healthy and result.status is not None:
+                made = fake.replied_at[result.worker.status_target, result.status.waiting_query_len]
+                ages.append(now - made)
+        await trio.sleep(0.007)
+    assert len(ages) > 150 * len(healthy) // 2  # most reads of a healthy worker are fresh from the cache
+    assert max(ages) <= FRESH_TTL_S
+

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from router.transport.errors import TransportError
-from router.transport.ports import InTurnCall, RawRpc, WorkerStatusAsk
+from router.transport.ports import InTurnCall, RawRpc, WorkerStatusAsk, WorkerStatusReply
 from router.types import CacheQuery, CacheState, ClusterInfo, EngineGeneration, WorkerStatus
 from router.wire import decode, paths
 
@@ -44,15 +44,16 @@ class WorkerStatusClient:
         )
         return decode.decode_worker_status(reply, target, self._generation)
 
-    async def get_worker_statuses(
-        self, asks: Sequence[WorkerStatusAsk], within_s: float
-    ) -> list[WorkerStatus | TransportError | None]:
+    async def get_worker_statuses(self, asks: Sequence[WorkerStatusAsk], within_s: float) -> list[WorkerStatusReply]:
         calls = [
             InTurnCall(ask.target, paths.WORKER_GET_STATUS, decode.encode_status_version(ask.latest_finished_version))
             for ask in asks
         ]
         replies = await self._rpc.call_in_turn(calls, within_s)
-        return [self._decoded(reply, ask.target) for reply, ask in zip(replies, asks, strict=True)]
+        return [
+            WorkerStatusReply(self._decoded(reply.outcome, ask.target), reply.ended_after_s)
+            for reply, ask in zip(replies, asks, strict=True)
+        ]
 
     def _decoded(self, reply: bytes | TransportError | None, target: str) -> WorkerStatus | TransportError | None:
         if not isinstance(reply, bytes):

@@ -29,7 +29,7 @@ import trio
 
 from router.config import ChannelPoolConfig
 from router.transport.errors import DeadlineExceeded, RpcStatus, TransportError, Unavailable, status_to_error
-from router.transport.ports import ChannelLeaser, InTurnCall
+from router.transport.ports import ChannelLeaser, InTurnCall, InTurnReply
 
 # grpc codes our RpcStatus does not name map to UNKNOWN; the original name is kept in the detail.
 _STATUS_BY_CODE = {code: RpcStatus[code.name] for code in grpc.StatusCode if code.name in RpcStatus.__members__}
@@ -188,7 +188,7 @@ class GrpcRawRpc:
                 raise error
             raise self._failure(target, channel, error) from error
 
-    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[bytes | TransportError | None]:
+    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
         """Blocking calls one after another on one worker thread: a blocking call waits on a
         completion queue of its own, where ``.future()`` on an idle channel makes grpcio start a
         thread. Not abandoned on cancel: the thread would go on using channels whose leases ended,
@@ -204,8 +204,11 @@ class GrpcRawRpc:
                 partial(_blocking_in_turn, [(multi, request) for _, multi, request in made], within_s)
             )
         return [
-            self._failure(call.target, channel, outcome) if isinstance(outcome, grpc.RpcError) else outcome
-            for call, (channel, _, _), outcome in zip(calls, made, outcomes, strict=True)
+            InTurnReply(
+                self._failure(call.target, channel, outcome) if isinstance(outcome, grpc.RpcError) else outcome,
+                ended_after_s,
+            )
+            for call, (channel, _, _), (outcome, ended_after_s) in zip(calls, made, outcomes, strict=True)
         ]
 
     def _failure(self, target: str, channel: grpc.Channel, error: grpc.RpcError) -> TransportError:
@@ -221,17 +224,21 @@ class GrpcRawRpc:
 
 def _blocking_in_turn(
     calls: Sequence[tuple[grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]], within_s: float
-) -> list[bytes | grpc.RpcError | None]:
-    """On a worker thread: each call with what is left of ``within_s``; None once too little is left."""
-    ends_at = time.monotonic() + within_s
-    outcomes: list[bytes | grpc.RpcError | None] = []
+) -> list[tuple[bytes | grpc.RpcError | None, float]]:
+    """On a worker thread: each call with what is left of ``within_s`` (None once too little is left),
+    and when it ended in seconds from the start (this thread's, a little after the caller's)."""
+    started = time.monotonic()
+    ends_at = started + within_s
+    outcomes: list[tuple[bytes | grpc.RpcError | None, float]] = []
     for multi, request in calls:
         left = ends_at - time.monotonic()
         if left < _LEAST_CALL_S:
-            outcomes.append(None)
+            outcomes.append((None, time.monotonic() - started))
             continue
+        outcome: bytes | grpc.RpcError
         try:
-            outcomes.append(multi(request, timeout=left))
+            outcome = multi(request, timeout=left)
         except grpc.RpcError as exc:
-            outcomes.append(exc)
+            outcome = exc
+        outcomes.append((outcome, time.monotonic() - started))
     return outcomes

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from router.transport.errors import DeadlineExceeded, PeerAbort, TransportError, Unavailable, status_to_error
-from router.transport.ports import InTurnCall
+from router.transport.ports import InTurnCall, InTurnReply
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
 
@@ -48,13 +48,14 @@ class MemoryNetwork:
         except PeerAbort as abort:
             raise status_to_error(target, abort.status, abort.details) from abort
 
-    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[bytes | TransportError | None]:
+    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
         """The calls one after another, each bounded by what is left of ``within_s`` (virtual time)."""
-        ends_at = trio.current_time() + within_s
-        replies: list[bytes | TransportError | None] = []
+        started = trio.current_time()
+        ends_at = started + within_s
+        replies: list[InTurnReply] = []
         for call in calls:
             if trio.current_time() >= ends_at:
-                replies.append(None)
+                replies.append(InTurnReply(None, trio.current_time() - started))
                 continue
             reply: bytes | TransportError = DeadlineExceeded(call.target, "no reply within the batch's time")
             with trio.move_on_at(ends_at):
@@ -62,7 +63,7 @@ class MemoryNetwork:
                     reply = await self.call(call.target, call.method_path, call.request)
                 except TransportError as exc:
                     reply = exc
-            replies.append(reply)
+            replies.append(InTurnReply(reply, trio.current_time() - started))
         return replies
 
     def invalidate(self, target: str) -> None:

@@ -45,6 +45,15 @@ class InTurnCall(NamedTuple):
     request: bytes
 
 
+class InTurnReply(NamedTuple):
+    """One call of a batch made in turn: its reply, its failure, or None when the time ran out before
+    it was made; and when it ended, in seconds from the batch's start (a reply that waited for the
+    rest of the batch is as old as that)."""
+
+    outcome: bytes | TransportError | None
+    ended_after_s: float
+
+
 class RawRpc(Protocol):
     """A unary call carrying serialized bytes on a pinned method path."""
 
@@ -52,11 +61,11 @@ class RawRpc(Protocol):
         """Raise a ``TransportError`` on failure; ``trio.Cancelled`` if the caller's scope ends."""
         ...
 
-    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[bytes | TransportError | None]:
+    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
         """Make ``calls`` one after another, each bounded by what is left of ``within_s`` from the start:
-        per call its reply, its failure, or None when the time ran out before it was made. An adapter may
-        honour the caller's cancel scope only after the batch (over gRPC the batch is one worker
-        thread's blocking calls, which finish within ``within_s``)."""
+        per call its ``InTurnReply``. An adapter may honour the caller's cancel scope only after the
+        batch (over gRPC the batch is one worker thread's blocking calls, which finish within
+        ``within_s``)."""
         ...
 
     def invalidate(self, target: str) -> None:
@@ -71,6 +80,14 @@ class WorkerStatusAsk(NamedTuple):
     latest_finished_version: int
 
 
+class WorkerStatusReply(NamedTuple):
+    """One status poll of a batch: the status, its failure, or None when the time ran out before it
+    was asked; and when its call ended, in seconds from the batch's start."""
+
+    status: WorkerStatus | TransportError | None
+    ended_after_s: float
+
+
 class KvcmTransport(Protocol):
     async def get_cluster_info(self, target: str, instance_id: str, trace_id: str = "") -> ClusterInfo: ...
 
@@ -80,11 +97,8 @@ class KvcmTransport(Protocol):
 class WorkerStatusTransport(Protocol):
     async def get_worker_status(self, target: str, latest_finished_version: int) -> WorkerStatus: ...
 
-    async def get_worker_statuses(
-        self, asks: Sequence[WorkerStatusAsk], within_s: float
-    ) -> list[WorkerStatus | TransportError | None]:
-        """The statuses in turn (see ``RawRpc.call_in_turn``): per ask its status, its failure, or None
-        when the time ran out before it was asked."""
+    async def get_worker_statuses(self, asks: Sequence[WorkerStatusAsk], within_s: float) -> list[WorkerStatusReply]:
+        """The statuses in turn (see ``RawRpc.call_in_turn``): per ask its ``WorkerStatusReply``."""
         ...
 
 
