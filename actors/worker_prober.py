@@ -135,6 +135,7 @@ class SkipReason(enum.Enum):
     EJECTED = "ejected"
     DEADLINE = "deadline"  # the deadline had passed, or came while the RPC was in flight
     STOPPED = "stopped"  # the prober is not running (e.g. being restarted)
+    GONE = "gone"  # left discovery (a later retain) while the request that named it was on its way
 
 
 class ProbeKind(enum.Enum):
@@ -274,6 +275,7 @@ class _Wanted:
     workers: tuple[WorkerAddr, ...]
     handle: ProbeHandle | None
     ask: tuple[WorkerAddr, ...]
+    epoch: int  # the retains made before it was sent: one made after it must not let it revive a worker
 
 
 _Message = _Wanted | _Landed | None  # None: wake up (a retain was left in the mailbox)
@@ -428,9 +430,13 @@ class WorkerProber:
         # The inbox: a _Wanted per probe() call, a _Landed per probe (at most max_tracked_workers pending).
         self._inbox_capacity = config.max_tracked_workers
         self._send, self._receive = trio.open_memory_channel[_Message](self._inbox_capacity)
-        self._retain_next: frozenset[WorkerAddr] | None = None  # the one-slot mailbox; latest wins
+        # The one-slot mailbox (latest wins) and the count of retains made, which each _Wanted carries.
+        self._retain_next: tuple[int, frozenset[WorkerAddr]] | None = None
+        self._retain_epoch = 0
         self._view = _EMPTY_VIEW
         # --- owned by run()'s task ---
+        self._retained: frozenset[WorkerAddr] = frozenset()  # the last retain applied (none: epoch 0)
+        self._retained_epoch = 0
         self._nursery: trio.Nursery | None = None
         self._workers: OrderedDict[WorkerAddr, _WorkerState] = OrderedDict()  # LRU, bounded
         self._views: dict[WorkerAddr, WorkerView] = {}  # published as ProberView.workers
@@ -512,7 +518,8 @@ class WorkerProber:
 
     def _apply(self, message: _Message) -> None:
         if self._retain_next is not None:
-            keep, self._retain_next = self._retain_next, None
+            (self._retained_epoch, keep), self._retain_next = self._retain_next, None
+            self._retained = keep
             for worker in [w for w in self._workers if w not in keep]:
                 self._forget(worker)
         if isinstance(message, _Landed):
@@ -586,7 +593,7 @@ class WorkerProber:
         if not (ask or tell):
             return handle  # the owner knows these are wanted, and nothing is missing
         try:
-            self._send.send_nowait(_Wanted(handle.workers, handle if ask else None, tuple(ask)))
+            self._send.send_nowait(_Wanted(handle.workers, handle if ask else None, tuple(ask), self._retain_epoch))
         except trio.WouldBlock:
             self._wanted_dropped += 1
             for worker in ask:
@@ -664,8 +671,10 @@ class WorkerProber:
 
     def retain(self, workers: Collection[WorkerAddr]) -> None:
         """Forget every worker not in ``workers`` (call on discovery changes); the owner applies it
-        before the next message it handles."""
-        self._retain_next = frozenset(workers)
+        before the next message it handles. A request sent before it and handled after it is held
+        to it: the workers it named that left are answered GONE, not tracked again."""
+        self._retain_epoch += 1
+        self._retain_next = (self._retain_epoch, frozenset(workers))
         with contextlib.suppress(trio.WouldBlock):  # a full inbox wakes the owner anyway
             self._send.send_nowait(None)
 
@@ -735,7 +744,10 @@ class WorkerProber:
             self._next_refresh = min(self._next_refresh, now + self._config.refresh_interval_s)
         told_after = now - self._touch_every_s / 2
         reads = self._reads
+        retained = self._retained if message.epoch < self._retained_epoch else None
         for worker in message.workers:
+            if retained is not None and worker not in retained:
+                continue  # planned before it left discovery: not tracked again
             state = self._touch(worker)
             if worker not in reads:  # from now on the callers record its reads
                 reads[worker] = _Reads(now, self._config.refresh_interval_s)
@@ -749,6 +761,9 @@ class WorkerProber:
         if handle is None:
             return
         for worker in message.ask:
+            if retained is not None and worker not in retained:
+                handle._deliver(self._skip(worker, SkipReason.GONE))
+                continue
             result = self._lookup(worker, handle, now)
             if result is not None:
                 handle._deliver(result)

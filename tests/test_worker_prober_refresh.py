@@ -424,3 +424,31 @@ async def test_a_hung_worker_neither_holds_up_nor_ages_the_rounds_other_statuses
     assert len(ages) > 150 * len(healthy) // 2  # most reads of a healthy worker are fresh from the cache
     assert max(ages) <= FRESH_TTL_S
 
+
+async def test_a_request_planned_before_a_retain_does_not_bring_back_the_workers_it_dropped(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """The retain mailbox is applied before the next message, so it overtook a request sent before it:
+    two workers gone from discovery were tracked again, hot and failing, until the next discovery
+    change, and on a fleet of ten that was a collective failure for good (no outlier ejected)."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(12)]
+    live, gone = fleet[:10], fleet[10:]
+    prober = await start(nursery, fake, refreshing())
+    for worker in gone:
+        fake.net.stop(worker.status_target)  # two workers die and leave discovery
+    stale = prober.probe(live[:2] + gone, trio.current_time() + 0.05)  # planned on the old snapshot
+    prober.retain(live)  # the next request sees the new snapshot, before the owner ran
+    with trio.move_on_at(stale.deadline):
+        await stale.wait_all()
+    skipped = {r.worker: r.skip_reason for r in stale.results() if r.worker in gone}
+    assert skipped == dict.fromkeys(gone, SkipReason.GONE)
+    for _ in range(100):
+        handle = prober.probe(live, trio.current_time() + 0.01)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        await trio.sleep(0.01)
+    assert not any(worker in prober.view().workers for worker in gone)
+    snapshot = prober.snapshot()
+    assert (snapshot.failing, snapshot.collective_failure) == (0, False)
+

@@ -27,6 +27,7 @@ _SKIP_DROPS = {
     SkipReason.NO_BUDGET: DropReason.PROBE_SKIPPED,
     SkipReason.DEADLINE: DropReason.PROBE_SKIPPED,
     SkipReason.STOPPED: DropReason.PROBE_SKIPPED,
+    SkipReason.GONE: DropReason.PROBE_SKIPPED,
 }
 
 
@@ -102,7 +103,8 @@ class CandidateScoring:
                 missing[worker] = _SKIP_DROPS[result.skip_reason]
             elif result.outcome is ProbeOutcome.FAILED:
                 missing[worker] = DropReason.PROBE_FAILED
-        probed = len(handle.workers) - cache_hits - skipped.get(SkipReason.EJECTED.value, 0)
+        not_asked = skipped.get(SkipReason.EJECTED.value, 0) + skipped.get(SkipReason.GONE.value, 0)
+        probed = len(handle.workers) - cache_hits - not_asked
         ctx.events.append(StatusLookups(cache_hits, from_background, probed))
         for reason, n in skipped.items():
             ctx.events.append(ProbeSkipped(reason, n))
