@@ -184,6 +184,38 @@ async def test_a_hanging_master_costs_its_window_until_the_breaker_opens(
         assert health.breaker.state.value == "open"
 
 
+async def test_a_hanging_master_leaves_the_slave_its_share_of_the_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The master accepts /schedule and never answers while its master/info still does (discovery keeps
+    it): its call used to take every request's whole window, the slave was never asked, and the
+    breaker then skipped the source, slave and all, for the whole outage."""
+    async with rig(transport_timeout_ms=20) as r:
+        hosts = r.master.addresses().hosts
+        r.master.set_faults(0, MasterFaults(hang=True))
+        seen = r.schedules_seen()
+        for i in range(8):
+            took, decision = await r.timed_route(f"h{i}")
+            assert decision.route_source is RouteSource.MASTER, decision  # the slave's answer
+            assert took == pytest.approx(0.010)  # the master's half of the 20 ms window, then the slave at once
+        assert r.masters.call_count(hosts[1], paths.MASTER_HTTP_SCHEDULE) == 8
+        assert {request.generate_timeout_ms for request in seen} == {20}  # the slave is told the whole window
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth)
+        assert health.breaker.state.value == "closed"  # the source answers: nothing to break
+
+
+async def test_with_no_share_for_the_slave_a_hanging_master_takes_the_whole_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig(transport_timeout_ms=10, slave_window_share=0.0) as r:
+        r.master.set_faults(0, MasterFaults(hang=True))
+        for i in range(3):
+            took, decision = await r.timed_route(f"h{i}")
+            assert decision.route_source is RouteSource.KVCM and took == pytest.approx(0.010)
+        assert r.masters.call_count(r.master.addresses().hosts[1], paths.MASTER_HTTP_SCHEDULE) == 0
+
+
 async def test_with_the_kvcm_fallback_off_a_hanging_master_is_judged_and_opens_the_breaker(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -137,6 +137,7 @@ class MasterSource:
         # gRPC, which carries no token ids, the keys this router hashes.
         self.needs_keys = config.master.protocol is MasterProtocol.GRPC
         self._timeout_s = config.master.transport_timeout_ms / 1000.0
+        self._slave_share = config.master.slave_window_share
         self._later_s = kept_after_master(config, later_sources=later_sources)
         self._slow_s = config.master_breaker.slow_query_ms / 1000.0
         self._queue_threshold = config.master.queue_length_reject_threshold
@@ -287,18 +288,22 @@ class MasterSource:
             self._metrics.emit(MasterRequest("no_time"))
             return FellThrough(Reason.DEADLINE)
         hosts = [known.master] + ([known.slave] if known.slave not in (None, known.master) else [])
-        request = self._request(ctx, now, end)
         outcome.called_at = now
         reply: MasterReply | None = None
         error: TransportError | None = None
         with trio.move_on_at(end):
-            for host in hosts:  # the slave once, inside the same window, after a transport failure
+            for i, host in enumerate(hosts):  # the slave once, inside the same window, after a transport failure
+                # The master's call leaves the slave its share of the window; the slave's takes the rest.
+                host_end = end if i == len(hosts) - 1 else end - (end - now) * self._slave_share
                 try:
-                    reply = await self._transport.schedule(host, request)
-                    break
+                    with trio.move_on_at(host_end) as call:
+                        reply = await self._transport.schedule(host, self._request(ctx, now, host_end))
+                    if not call.cancelled_caught:
+                        break
+                    error = DeadlineExceeded(host, "no schedule reply within its share of the window")
                 except TransportError as exc:
                     error = exc
-                    self._metrics.emit(MasterRequest(exc.kind))
+                self._metrics.emit(MasterRequest(error.kind))
         finished = trio.current_time()
         if reply is None:
             if error is None or finished >= end:

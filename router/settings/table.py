@@ -754,6 +754,9 @@ _SPECS: dict[str, _Spec] = {
     "master.later_sources_ms": _Spec(
         "Time of the request's budget kept for the sources after the master (KVCM, shadow)", metavar="MS"
     ),
+    "master.slave_window_share": _Spec(
+        "Share of the attempt window the master's call leaves for the slave (when one is known); 0 = none"
+    ),
     "master.discovery_interval_s": _Spec("How often every scheduler host's master/info is polled", metavar="SECONDS"),
     "master.discovery_timeout_s": _Spec("Bound on one master/info poll of one host", metavar="SECONDS"),
     "master.discovery_failure_threshold": _Spec("Consecutive failed polls that mark a scheduler host unhealthy"),
