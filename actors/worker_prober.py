@@ -924,7 +924,9 @@ class WorkerProber:
     def _refresh_one(self, worker: WorkerAddr, state: _WorkerState, now: float, batch: list[_Flight] | None) -> bool:
         """Start a poll only with what requests leave: a free slot nobody queues for, a token beyond
         the part of the burst kept for requests, within the refresh share of the rate."""
-        if self._refresh_inflight >= self._refresh_slots or self._pending_probes >= self._config.max_tracked_workers:
+        if self._background_inflight() >= self._refresh_slots:
+            return False
+        if self._pending_probes >= self._config.max_tracked_workers:
             return False
         if self._bucket.peek(now) < 1.0 + self._refresh_keep or not self._refresh_bucket.take(now):
             return False
@@ -941,6 +943,10 @@ class WorkerProber:
         self._refresh_inflight += 1
         self._launch(flight, now, batch)
         return True
+
+    def _background_inflight(self) -> int:
+        """Refresh polls and health probes holding a slot: together at most the refresh share of them."""
+        return self._refresh_inflight + self._health_inflight
 
     def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> None:
         """Probe the next few workers not heard from for an interval (round robin over the fleet).
@@ -971,7 +977,7 @@ class WorkerProber:
             ):
                 if (
                     self._pending_probes >= self._config.max_tracked_workers
-                    or self._health_inflight >= self._refresh_slots
+                    or self._background_inflight() >= self._refresh_slots
                     or not self._bucket.take(now, keep=self._refresh_keep)
                 ):
                     break

@@ -213,30 +213,27 @@ class AsyncioRouterHost:
             return self._shed(request, published, left_s, sent_at)
         with self._counts_lock:
             self._handed += 1
-        future: asyncio.Future[RouteDecision] = loop.create_future()
+        handed = _Handed(self._gate, loop, sent_at, left_s)
         scope = trio.CancelScope()  # cancelled from this side through the trio token only
-        settled_at: list[float] = []  # written by the trio thread before it settles ``future``
-        decided = False
         try:
-            spawn = partial(self._spawn_call, request, remaining_s, sent_at, scope, loop, future, settled_at)
-            try:
-                token.run_sync_soon(self._spawn, spawn, loop, future)
-            except trio.RunFinishedError:
-                raise HostStopped("the router host has stopped") from None
-            try:
-                decision = await future
-            except asyncio.CancelledError:
-                with contextlib.suppress(trio.RunFinishedError):
-                    token.run_sync_soon(scope.cancel)
-                raise
-            decided = True
-        finally:
-            if decided and left_s is not None and left_s > 0:
-                self._gate.answered(handed_at=sent_at, had_s=left_s, answered=True)
-            else:  # refused, cancelled, unreadable or late from the start: nothing learnt of the router's pace
-                self._gate.withdrawn()
-        if settled_at:
-            self._reply_times.append(time.monotonic() - settled_at[0])
+            token.run_sync_soon(self._spawn, partial(self._spawn_call, request, remaining_s, scope, handed), handed)
+        except trio.RunFinishedError:
+            self._gate.withdrawn()  # never handed over
+            raise HostStopped("the router host has stopped") from None
+        try:
+            decision = await handed.future
+        except asyncio.CancelledError:
+            handed.give_up()
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(scope.cancel)
+            raise
+        except BaseException:
+            handed.resumed(decided=False)
+            raise
+        handed.resumed(decided=True)
+        settled_at = handed.settled_at
+        if settled_at is not None:  # set before the future was settled
+            self._reply_times.append(time.monotonic() - settled_at)
         return decision
 
     def _time_left(self, request: RouteRequest, remaining_s: float | None) -> float | None:
@@ -308,30 +305,22 @@ class AsyncioRouterHost:
             self._stop_requested.set()
 
     @staticmethod
-    def _spawn(
-        spawn: Callable[[], None], loop: asyncio.AbstractEventLoop, future: asyncio.Future[RouteDecision]
-    ) -> None:
+    def _spawn(spawn: Callable[[], None], handed: _Handed) -> None:
         # Runs in the trio thread (run_sync_soon), in submission order. An exception raised here would
         # end the trio run (and leave this call's future unsettled): whatever fails settles the future.
         try:
             spawn()
         except Exception as exc:
-            settle_on_loop(loop, future, outcome.Error(exc))
+            handed.settle(outcome.Error(exc))
 
     def _spawn_call(
-        self,
-        request: RouteRequest,
-        remaining_s: float | None,
-        sent_at: float,
-        scope: trio.CancelScope,
-        loop: asyncio.AbstractEventLoop,
-        future: asyncio.Future[RouteDecision],
-        settled_at: list[float],
+        self, request: RouteRequest, remaining_s: float | None, scope: trio.CancelScope, handed: _Handed
     ) -> None:
         calls, handle = self._calls, self._handle
         if self._closing or calls is None or handle is None:
-            settle_on_loop(loop, future, outcome.Error(HostStopped("the router host is stopping")))
+            handed.settle(outcome.Error(HostStopped("the router host is stopping")))
             return
+        sent_at = handed.sent_at
         routing: tuple[float, float] | None = None
         try:
             check_fields(request)
@@ -353,9 +342,9 @@ class AsyncioRouterHost:
                     taken.append(self._reply_times.popleft())
             handle.metrics.emit(RepliesSent(tuple(taken)))
         try:
-            calls.start_soon(self._call, handle, request, routing, scope, loop, future, settled_at)
+            calls.start_soon(self._call, handle, request, routing, scope, handed)
         except RuntimeError:  # the calls' nursery closed as the router stopped
-            settle_on_loop(loop, future, outcome.Error(HostStopped("the router host has stopped")))
+            handed.settle(outcome.Error(HostStopped("the router host has stopped")))
 
     @staticmethod
     async def _call(
@@ -363,9 +352,7 @@ class AsyncioRouterHost:
         request: RouteRequest,
         routing: tuple[float, float] | None,
         scope: trio.CancelScope,
-        loop: asyncio.AbstractEventLoop,
-        future: asyncio.Future[RouteDecision],
-        settled_at: list[float],
+        handed: _Handed,
     ) -> None:
         # The budget counts from route(): the hop to this thread and the wait for this task to start
         # are already spent. (None: a request whose fields cannot be read, which the router refuses.)
@@ -374,12 +361,65 @@ class AsyncioRouterHost:
             request = replace(request, budget_ms=budget_left_ms(routing_s, sent_at, time.monotonic()))
 
         # Cancelled by its caller (who no longer waits) or by a crashing router: HostStopped.
-        def deliver(result: outcome.Outcome[RouteDecision]) -> None:
-            settled_at.append(time.monotonic())  # the answer's way back starts here
-            settle_on_loop(loop, future, result)
-
         with scope:
-            await deliver_outcome(partial(handle.route, request), deliver, HostStopped("the route call was cancelled"))
+            await deliver_outcome(
+                partial(handle.route, request), handed.settle, HostStopped("the route call was cancelled")
+            )
+
+
+class _Handed:
+    """A call handed to the trio thread: its future, and who frees its place in the gate. Its caller
+    does when it resumes with the outcome; if the caller gave up waiting first, the trio thread does
+    when it settles the outcome, since only then is the router done with the call. Either way once."""
+
+    __slots__ = ("_caller_gone", "_gate", "_left_s", "_lock", "_settled", "future", "loop", "sent_at", "settled_at")
+
+    def __init__(
+        self, gate: HandOffGate, loop: asyncio.AbstractEventLoop, sent_at: float, left_s: float | None
+    ) -> None:
+        self._gate = gate
+        self._left_s = left_s  # None: unreadable, the router refuses it
+        self._lock = threading.Lock()
+        self._caller_gone = False
+        self._settled = False
+        self.loop = loop
+        self.future: asyncio.Future[RouteDecision] = loop.create_future()
+        self.sent_at = sent_at  # time.monotonic() at route()
+        self.settled_at: float | None = None  # written by the trio thread before it settles ``future``
+
+    def settle(self, result: outcome.Outcome[RouteDecision]) -> None:
+        """From the trio thread, once: the outcome, on its way to the caller's loop."""
+        self.settled_at = time.monotonic()  # the answer's way back starts here
+        with self._lock:
+            self._settled = True
+            caller_gone = self._caller_gone
+        if caller_gone:
+            self._release(answered=False)
+        settle_on_loop(self.loop, self.future, result)
+
+    def give_up(self) -> None:
+        """From the caller's loop: it stops waiting (cancelled)."""
+        with self._lock:
+            self._caller_gone = True
+            settled = self._settled
+        if settled:
+            self._release(answered=False)
+
+    def resumed(self, *, decided: bool) -> None:
+        """From the caller's loop, the outcome in hand (``decided``: a decision, not an error)."""
+        if decided:
+            self._release(answered=True)
+        else:  # refused or failed: nothing learnt of the router's pace
+            self._gate.withdrawn()
+
+    def _release(self, *, answered: bool) -> None:
+        """A decision that reached its caller, or one its caller no longer waited for (too late for it:
+        the congestion signal), teaches the limit; a call with no time left from the start does not."""
+        left_s = self._left_s
+        if left_s is None or left_s <= 0:
+            self._gate.withdrawn()
+        else:
+            self._gate.answered(handed_at=self.sent_at, had_s=left_s, answered=answered)
 
 
 def _as_is(request: RouteRequest) -> RouteRequest:

@@ -152,11 +152,13 @@ class ProcessSupervisor:
         return EXIT_OK if clean else EXIT_CHILD_FAILED
 
     def _stopped_cleanly(self, slot: _Slot) -> bool:
-        """Drained (status 0), or ended by the very signal this parent forwarded: a child still starting,
-        before its handlers were installed, stops that way, which is a stop, not a failure."""
+        """Drained (status 0), or ended by a signal this parent sent it: a child still starting, before
+        its handlers were installed, or already past them at its end, stops that way, which is a stop,
+        not a failure."""
         if slot.killed:
             return False
-        return slot.returncode == 0 or (self._stopping and slot.returncode == -int(DRAIN_SIGNAL))
+        sent = (-int(DRAIN_SIGNAL), -int(STOP_NOW_SIGNAL))
+        return slot.returncode == 0 or (self._stopping and slot.returncode in sent)
 
     # --- tasks ---------------------------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ def _check_port(text: str, entry: str) -> int:
     # isascii: str.isdigit() also accepts "²" and other non-ASCII digits.
     if not (text.isascii() and text.isdigit()):
         raise TargetError(f"bad port {text!r} in target {entry!r}")
-    if len(text) > 5:  # beyond any port, and int() refuses more than 4,300 digits with a ValueError
+    if len(text.lstrip("0")) > 5:  # beyond any port, and int() refuses more than 4,300 digits with a ValueError
         shown = entry if len(entry) <= 80 else entry[:79] + "…"
         raise TargetError(f"port of {len(text)} digits out of range 1..65535 in target {shown!r}")
     port = int(text)

@@ -8,6 +8,7 @@ event loop would run beside kvroute's trio thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import threading
@@ -371,6 +372,43 @@ async def test_a_burst_beyond_the_in_flight_limit_is_answered_overloaded_on_the_
     assert malformed.reason is Reason.BAD_REQUEST and (malformed.error or "").startswith("request_id")
     cases = {c.request_id: c for c in load_log([str(log)]).cases}
     assert all(cases[d.request_id].overloaded for d in shed)  # recorded on the trio thread afterwards
+
+
+async def test_a_call_its_caller_gave_up_on_keeps_its_place_until_the_router_is_done_with_it(
+    nursery: trio.Nursery,
+) -> None:
+    """Freed at the caller's timeout, the places let callers that time out (the storm the gate is
+    for) hand over call after call to a trio thread that had not started the first ones."""
+    _, addrs = await _seeded_cluster(nursery)
+    seen: dict[str, HostStats] = {}
+
+    async def program() -> None:
+        async with AsyncioRouterHost(_config(addrs)) as host:
+            await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
+            token = host._token
+            assert token is not None
+            gate = _hold(token)
+            try:
+
+                async def impatient(i: int) -> None:
+                    request = RouteRequest(f"i{i}", token_ids=PROMPT, budget_ms=500)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(host.route(request), 0.005)
+
+                for round_ in range(2):  # the first round's callers all gave up before the second
+                    await asyncio.gather(*(impatient(100 * round_ + i) for i in range(50)))
+                    seen[f"round {round_}"] = host.stats()
+            finally:
+                gate.set()
+        seen["stopped"] = host.stats()
+
+    with trio.fail_after(30):
+        await _run_asyncio(program)
+    first, second, stopped = seen["round 0"], seen["round 1"], seen["stopped"]
+    assert 0 < first.in_router == first.handed - 1 < 50  # the warm call came back; the rest hold their places
+    assert second.handed == first.handed and second.in_router == first.in_router  # no place freed: all shed
+    assert second.shed_before_hop == first.shed_before_hop + 50
+    assert stopped.in_router == 0  # each freed once the router was done with it
 
 
 async def test_a_call_with_no_time_left_is_the_routers_to_answer_when_there_is_a_place(nursery: trio.Nursery) -> None:

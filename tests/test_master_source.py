@@ -190,19 +190,35 @@ async def test_a_hanging_master_leaves_the_slave_its_share_of_the_window(
     """The master accepts /schedule and never answers while its master/info still does (discovery keeps
     it): its call used to take every request's whole window, the slave was never asked, and the
     breaker then skipped the source, slave and all, for the whole outage."""
-    async with rig(transport_timeout_ms=20) as r:
+    async with rig(transport_timeout_ms=30, later_sources_ms=10) as r:
         hosts = r.master.addresses().hosts
         r.master.set_faults(0, MasterFaults(hang=True))
         seen = r.schedules_seen()
         for i in range(8):
             took, decision = await r.timed_route(f"h{i}")
             assert decision.route_source is RouteSource.MASTER, decision  # the slave's answer
-            assert took == pytest.approx(0.010)  # the master's half of the 20 ms window, then the slave at once
+            assert took == pytest.approx(0.015)  # the master's half of the 30 ms window, then the slave at once
         assert r.masters.call_count(hosts[1], paths.MASTER_HTTP_SCHEDULE) == 8
-        assert {request.generate_timeout_ms for request in seen} == {20}  # the slave is told the whole window
+        assert {request.generate_timeout_ms for request in seen} == {30}  # the slave is told the whole window
         health = r.handle.actors()["master_client"]["health"]
         assert isinstance(health, MasterClientHealth)
         assert health.breaker.state.value == "closed"  # the source answers: nothing to break
+
+
+async def test_a_window_too_short_to_share_and_slow_answers_keep_the_master_its_whole_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Split, a 12 ms window would give each host 6 ms, under a slow answer (slow_query_ms 10): a
+    master and a slave both answering in 8 ms would both be cut, judged failed, and open the breaker."""
+    async with rig(transport_timeout_ms=12) as r:
+        r.master.set_faults(0, MasterFaults(slow_ms=8.0))
+        r.master.set_faults(1, MasterFaults(slow_ms=8.0))
+        for i in range(6):
+            took, decision = await r.timed_route(f"s{i}")
+            assert decision.route_source is RouteSource.MASTER and took == pytest.approx(0.008), decision
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth)
+        assert health.breaker.state.value == "closed"
 
 
 async def test_with_no_share_for_the_slave_a_hanging_master_takes_the_whole_window(

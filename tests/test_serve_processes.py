@@ -351,5 +351,8 @@ def test_a_child_ended_by_the_forwarded_signal_while_starting_is_a_clean_stop() 
     supervisor._stopping = True
     assert supervisor._stopped_cleanly(drained) and supervisor._stopped_cleanly(starting)
     assert not supervisor._stopped_cleanly(crashed)
+    # Told to stop at once (a second signal to the parent) after its handlers were gone, at its end.
+    crashed.returncode = -int(signal.SIGUSR1)
+    assert supervisor._stopped_cleanly(crashed)
     starting.killed = True  # killed by the parent after the stop's wait: not clean
     assert not supervisor._stopped_cleanly(starting)

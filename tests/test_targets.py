@@ -64,6 +64,7 @@ def test_a_port_of_thousands_of_digits_is_out_of_range_not_a_crash() -> None:
     with pytest.raises(TargetError, match="port of 5000 digits out of range") as caught:
         parse_target("10.0.0.2:" + "9" * 5000)
     assert len(str(caught.value)) < 200  # the entry is cut in the message
+    assert parse_target("10.0.0.2:000080") == HostPort("10.0.0.2", 80)  # leading zeros are no digits too many
 
 
 def test_default_port_out_of_range_is_rejected() -> None:

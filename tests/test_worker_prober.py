@@ -573,6 +573,29 @@ async def test_health_probes_of_hanging_workers_leave_requests_their_slots(
     assert result.status is not None, result
 
 
+async def test_refresh_polls_and_health_probes_together_leave_requests_their_slots(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Each kind had the refresh share of the slots to itself: with hanging workers kept hot (refresh)
+    and others not heard from (health), they held every slot between them."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(300)]
+    hanging = fleet[:120]
+    for worker in hanging:
+        fake.hanging.add(worker.status_target)
+    prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    for _ in range(100):  # requests keep 40 hanging workers hot, not waiting for them
+        prober.probe(hanging[:40], trio.current_time())
+        await trio.sleep(0.01)
+    assert prober.snapshot().inflight <= prober.snapshot().inflight_cap // 2  # the refresh share, both kinds
+    handle = prober.probe([fleet[250]], trio.current_time() + 0.02)
+    with trio.move_on_at(handle.deadline):
+        await handle.wait_all()
+    (result,) = handle.results()
+    assert result.status is not None, result
+
+
 async def test_hanging_worker_is_ejected_even_with_short_request_deadlines(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:

@@ -402,16 +402,19 @@ async def test_a_hung_worker_neither_holds_up_nor_ages_the_rounds_other_statuses
 ) -> None:
     """A serial round waited for a hung worker to its timeout, then stamped every reply with the
     round's end: statuses up to several fresh_ttl_s old were served as fresh, and requests waiting on
-    the round's polls waited with them. Two of six hot workers hang (over the ejection cap: nobody is
-    ejected), and every status served as fresh must be fresh."""
+    the round's polls waited with them. Two of seven hot workers hang from the start (over the ejection
+    cap: nobody is ejected) and a third starts hanging while it is polled in the rounds; every status
+    served as fresh must be fresh."""
     fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
-    fleet = [fake.add(w) for w in workers(6)]
-    healthy = fleet[:4]
-    for worker in fleet[4:]:
+    fleet = [fake.add(w) for w in workers(7)]
+    late, healthy = fleet[0], fleet[1:5]  # a round polls the most recently wanted first: ``late`` last
+    for worker in fleet[5:]:
         fake.hanging.add(worker.status_target)
     prober = await start(nursery, fake, refreshing(serial_refresh=True))
     ages: list[float] = []
-    for _ in range(150):
+    for i in range(400):
+        if i == 100:
+            fake.hanging.add(late.status_target)  # its next round waits for it to the timeout
         now = trio.current_time()
         handle = prober.probe(fleet, now + 0.01)
         with trio.move_on_at(handle.deadline):
@@ -420,8 +423,8 @@ async def test_a_hung_worker_neither_holds_up_nor_ages_the_rounds_other_statuses
             if result.from_cache and result.worker in healthy and result.status is not None:
                 made = fake.replied_at[result.worker.status_target, result.status.waiting_query_len]
                 ages.append(now - made)
-        await trio.sleep(0.007)
-    assert len(ages) > 150 * len(healthy) // 2  # most reads of a healthy worker are fresh from the cache
+        await trio.sleep(0.001)  # read often: a round's replies are read in the moment they land
+    assert len(ages) > 400 * len(healthy) // 2  # most reads of a healthy worker are fresh from the cache
     assert max(ages) <= FRESH_TTL_S
 
 

@@ -289,15 +289,22 @@ class MasterSource:
             return FellThrough(Reason.DEADLINE)
         hosts = [known.master] + ([known.slave] if known.slave not in (None, known.master) else [])
         outcome.called_at = now
+        # Once for both hosts: the receipt's wall clock is the request's, whenever each call starts.
+        received_wall_s = time.time() - (now - ctx.received_at)
+        # The master's call leaves the slave its share of the window, unless a part would be shorter
+        # than a slow answer: a healthy pair answering in that time would both be cut and judged failed.
+        slave_s = (end - now) * self._slave_share
+        if min(slave_s, end - now - slave_s) < self._slow_s:
+            slave_s = 0.0
         reply: MasterReply | None = None
         error: TransportError | None = None
         with trio.move_on_at(end):
             for i, host in enumerate(hosts):  # the slave once, inside the same window, after a transport failure
-                # The master's call leaves the slave its share of the window; the slave's takes the rest.
-                host_end = end if i == len(hosts) - 1 else end - (end - now) * self._slave_share
+                host_end = end if i == len(hosts) - 1 else end - slave_s
                 try:
                     with trio.move_on_at(host_end) as call:
-                        reply = await self._transport.schedule(host, self._request(ctx, now, host_end))
+                        request = self._request(ctx, received_wall_s, host_end)
+                        reply = await self._transport.schedule(host, request)
                     if not call.cancelled_caught:
                         break
                     error = DeadlineExceeded(host, "no schedule reply within its share of the window")
@@ -345,15 +352,14 @@ class MasterSource:
         worker = WorkerAddr(pick.ip, pick.http_port, pick.grpc_port, pick.grpc_port)
         return Answered(worker=worker, role=pick.role, reason=Reason.MASTER, role_addrs=addrs)
 
-    def _request(self, ctx: RequestContext, now: float, end: float) -> MasterScheduleRequest:
+    def _request(self, ctx: RequestContext, received_wall_s: float, end: float) -> MasterScheduleRequest:
+        """``received_wall_s``: the wall clock (epoch s) at the request's receipt, which the wire wants
+        (an attempt takes it as its start's wall clock less the request's age on the trio clock)."""
         request, prepared = ctx.request, ctx.prepared
         if request.block_cache_keys is not None:
             keys = prepared.keys or tuple(request.block_cache_keys)
         else:
             keys = prepared.keys if self.needs_keys else ()
-        # The wire wants wall-clock epoch ms of the request's receipt: now's wall clock less the
-        # request's age on the trio clock.
-        received_wall_s = time.time() - (now - ctx.received_at)
         return MasterScheduleRequest(
             request_id=request.request_id,
             block_cache_keys=keys,
