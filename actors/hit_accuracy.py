@@ -70,12 +70,17 @@ class HitAccuracy:
         self._silent_zero = 0
         self._expired = 0
         self._dropped = 0
+        # Predictions sent and not yet applied: a send to a waiting owner hands the message over
+        # without buffering it, so the inbox's buffer alone does not show them.
+        self._predictions_sent = 0
+        self._predictions_applied = 0
         self._health = self._snapshot()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async for message in self._receive:
             if isinstance(message, _Predicted):
+                self._predictions_applied += 1
                 self._predicted(message)
             else:
                 self._status_seen(message.worker, message.status)
@@ -83,23 +88,26 @@ class HitAccuracy:
 
     def predict(self, request_id: str, worker: str, tokens: int, source: RouteSource, now: float) -> None:
         """A decision predicted ``tokens`` cached tokens on ``worker``; never blocks."""
-        self._offer(_Predicted(request_id, worker, tokens, source, now))
+        if self._offer(_Predicted(request_id, worker, tokens, source, now)):
+            self._predictions_sent += 1
 
     def status_seen(self, worker: str, status: WorkerStatus) -> None:
         """A worker's new status (the prober's listener); never blocks."""
-        # Read from the published snapshot (this runs in the prober's task): predictions not yet
-        # applied are still in the inbox, so a status is sent whenever one may be waiting for it.
-        if self._health.pending or self._receive.statistics().current_buffer_used:
+        # Read from the published snapshot (this runs in the prober's task), and sent too while a
+        # prediction is on its way to the owner: a status may be what it waits for.
+        if self._health.pending or self._predictions_sent != self._predictions_applied:
             self._offer(_StatusSeen(worker, status))
 
     def health(self) -> AccuracyHealth:
         return self._health
 
-    def _offer(self, message: _Predicted | _StatusSeen) -> None:
+    def _offer(self, message: _Predicted | _StatusSeen) -> bool:
         try:
             self._send.send_nowait(message)
         except trio.WouldBlock:
             self._dropped += 1
+            return False
+        return True
 
     def _predicted(self, message: _Predicted) -> None:
         self._pending.pop(message.request_id, None)
@@ -120,6 +128,8 @@ class HitAccuracy:
             predicted = self._pending.get(task.request_id)
             if predicted is None or predicted.worker != worker:
                 continue
+            if task.is_waiting and not task.prefix_length_valid:
+                continue  # queued, its prefix not matched yet: a later status reports it
             del self._pending[task.request_id]
             actual = min(task.prefix_length, task.input_length)
             self._matched += 1

@@ -216,12 +216,14 @@ def hit_error_tokens(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[Hos
 
     Measured at KVCM's best holder (its longest ``local`` prefix): |KVCM's blocks − the shadow's
     blocks for that host| × block_size. When KVCM names no holder, the shadow's best prefix is the
-    whole error (it predicted a hit KVCM does not know of).
+    whole error (it predicted a hit KVCM does not know of); so is it when KVCM's hosts hold the prefix
+    only through p2p (no local block): none of them is a holder.
     """
     shadow_local = {h.host_ip_port: h.local for h in shadow_hosts}
-    if not kvcm_hosts:
+    holders = [h for h in kvcm_hosts if h.local >= 1]
+    if not holders:
         return max(shadow_local.values(), default=0) * block_size
-    best = max(kvcm_hosts, key=lambda h: h.local)
+    best = max(holders, key=lambda h: h.local)
     return abs(best.local - shadow_local.get(best.host_ip_port, 0)) * block_size
 
 

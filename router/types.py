@@ -132,6 +132,8 @@ class TaskInfo:
     is_waiting: bool
     remaining_prefill_tokens: int | None = None
     completed_prefill_tokens: int | None = None
+    # False: the engine has not matched the task's prefix yet (a queued task reports 0 then).
+    prefix_length_valid: bool = True
 
     @property
     def uncached_tokens(self) -> int:

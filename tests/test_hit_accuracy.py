@@ -10,15 +10,18 @@ from functools import partial
 import trio
 import trio.testing
 
-from actors.hit_accuracy import AccuracyHealth
+from actors.hit_accuracy import AccuracyHealth, HitAccuracy
+from actors.metrics_sink import MetricsSink
 from kvroute_sim.demo import key_family
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, MetricsConfig
 from router.keys import block_keys
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import KeyFamily, RouteRequest, RouteSource
+from router.types import KeyFamily, RouteRequest, RouteSource, WorkerStatus
+from router.wire import engine_status_pb2 as engine_pb
+from router.wire.decode import decode_worker_status
 
 BLOCK = 16
 PROMPT = tuple(range(5000, 5000 + 8 * BLOCK))
@@ -125,3 +128,45 @@ def test_the_wrong_key_family_scenario_prints_both_families_and_passes() -> None
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("rtp ", "vllm "))}
     assert rows["rtp"][-1] == "no" and rows["vllm"][-1] == "yes"
     assert "readiness warning (wrong family)" in text
+
+
+async def test_a_queued_task_whose_prefix_is_not_matched_yet_leaves_the_prediction_pending(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A queued task reports prefix_length 0 with prefix_length_valid false: taken as the actual hit,
+    it counted a silent zero (the readiness warning of a key-family mismatch) and dropped the
+    prediction before the running task reported the prefix the engine really reused."""
+    worker = "10.0.0.1:8000"
+
+    def status(*, waiting: bool, prefix: int, valid: bool) -> WorkerStatus:
+        task = engine_pb.TaskInfoPB(
+            request_id="req-1", input_length=8192, prefix_length=prefix, is_waiting=waiting, prefix_length_valid=valid
+        )
+        reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=1, running_task_info=[task])
+        return decode_worker_status(reply.SerializeToString(), worker)
+
+    config = MetricsConfig()
+    sink = MetricsSink(config)
+    accuracy = HitAccuracy(config, sink)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await nursery.start(accuracy.run)
+        accuracy.predict("req-1", worker, 4096, RouteSource.KVCM, trio.current_time())
+        accuracy.status_seen(worker, status(waiting=True, prefix=0, valid=False))
+        await trio.testing.wait_all_tasks_blocked()
+        assert (accuracy.health().matched, accuracy.health().pending) == (0, 1)
+        accuracy.status_seen(worker, status(waiting=False, prefix=4096, valid=True))
+        await trio.testing.wait_all_tasks_blocked()
+        health = accuracy.health()
+        assert (health.matched, health.silent_zero, health.pending) == (1, 0, 0)
+        assert health.recent_by_worker[worker] == 1.0
+        # A status right after a prediction, before the owner took it (handed over unbuffered), is
+        # compared too: it used to be dropped as if nothing were waiting for it.
+        accuracy.predict("req-2", worker, 4096, RouteSource.KVCM, trio.current_time())
+        task = engine_pb.TaskInfoPB(request_id="req-2", input_length=8192, prefix_length=2048, prefix_length_valid=True)
+        reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=2, running_task_info=[task])
+        accuracy.status_seen(worker, decode_worker_status(reply.SerializeToString(), worker))
+        await trio.testing.wait_all_tasks_blocked()
+        assert (accuracy.health().matched, accuracy.health().pending) == (2, 0)
+        nursery.cancel_scope.cancel()
+

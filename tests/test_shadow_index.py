@@ -280,3 +280,6 @@ def test_hit_error_tokens_at_kvcms_best_holder() -> None:
     assert hit_error_tokens(kvcm, [HostMatch("b:1", local=3)], 16) == 128  # the shadow misses the holder
     assert hit_error_tokens([], [HostMatch("b:1", local=2)], 16) == 32  # a hit KVCM does not know of
     assert hit_error_tokens([], [], 16) == 0
+    # Hosts holding the prefix only through p2p are no holders: the shadow's 4 local blocks are all error.
+    p2p_only = [HostMatch("a:1", local=0, p2p_fetch=5, p2p_total=5)]
+    assert hit_error_tokens(p2p_only, [HostMatch("b:1", local=4)], 64) == 256

@@ -158,6 +158,7 @@ def _task_k(t: engine_pb.TaskInfoPB) -> TaskInfo:
         input_length=t.input_length,
         prefix_length=t.prefix_length,
         is_waiting=t.is_waiting,
+        prefix_length_valid=t.prefix_length_valid,
         remaining_prefill_tokens=(
             t.remaining_prefill_tokens if t.HasField("remaining_prefill_tokens") else None
         ),
