@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 class PolicyHealth:
     policy: str
     tracked_workers: int  # workers in the selection ledger
-    pending_charges: int  # pre-charges not yet cleared by a newer status
+    # Pre-charges not yet compacted: a charge a newer status covers no longer counts in scoring, but
+    # leaves this count only when its worker is selected again (or forgotten).
+    pending_charges: int
     observed_statuses: int  # per-status scoring views kept for reuse
 
 

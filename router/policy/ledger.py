@@ -118,5 +118,6 @@ class SelectionLedger:
         self._pending_charges += entry.live() - before
 
     def pending_charges(self) -> int:
-        """Charges not yet cleared by a status, over every tracked worker."""
+        """Charges kept over every tracked worker: cleared only as their worker is recorded again (or
+        forgotten), so it counts charges a newer status already covers, which scoring ignores."""
         return self._pending_charges
