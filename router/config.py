@@ -150,7 +150,8 @@ class ScorerConfig:
     seed: int = bounded(0, 0, 2**63 - 1)  # seeds the RNG that breaks exact ties (after least-recently-selected)
     # selection ledger: workers with a last-selected time / pre-charge
     max_tracked_workers: int = bounded(4096, 0, 1_000_000, low_open=True)
-    # Per worker; beyond it the oldest charge's time is forgotten (its tokens join the base: over-counted, safely).
+    # Per worker; beyond it the oldest charge's time is forgotten, not its tokens: they clear only with
+    # the next charge's time, so they stay counted a little longer (over, never under).
     max_pending_charges: int = bounded(256, 2, 100_000)
     # cost-aware only: the price of copying a prefix another candidate holds, per copied token (the
     # eviction it causes, in tokens of future prefill), and a request's fixed cost in tokens
