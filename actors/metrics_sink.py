@@ -185,7 +185,8 @@ class DecisionRecord:
 
 def retained_decision(d: RouteDecision, text_chars: int, max_candidates: int) -> RouteDecision:
     """What the ring keeps of a decision: its request_id and error cut to ``text_chars`` characters
-    (marked), at most ``max_candidates`` candidates (the chosen one always among them). Pure; the
+    (marked), at most ``max_candidates`` candidates (the chosen one among them whenever one is kept:
+    0 keeps none). Pure; the
     decision itself when nothing is over a bound."""
     over_id = len(d.request_id) > text_chars
     over_error = d.error is not None and len(d.error) > text_chars
