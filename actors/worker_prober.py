@@ -1099,6 +1099,8 @@ class WorkerProber:
         self._peak_inflight = max(self._peak_inflight, landed.inflight)
         if landed.no_budget:
             self._bucket.refund(landed.at)
+            if flight.kind is ProbeKind.REFRESH:  # a poll the round's time did not reach took both
+                self._refresh_bucket.refund(landed.at)
             result = self._outcome_skipped(flight, SkipReason.NO_BUDGET)
         elif landed.status is not None:
             result = self._record_status(flight, landed.status, landed.at)

@@ -455,3 +455,22 @@ async def test_a_request_planned_before_a_retain_does_not_bring_back_the_workers
     snapshot = prober.snapshot()
     assert (snapshot.failing, snapshot.collective_failure) == (0, False)
 
+
+async def test_polls_a_round_did_not_reach_give_back_their_refresh_tokens_too(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A poll the round's time did not reach took a token of the rate and one of the refresh share;
+    only the first came back, so a hung worker first in a round drained the refresh share."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(4)]
+    # A slow refill, so what comes back shows: 0.05 tokens/s for refresh polls, a burst of 8.
+    config = refreshing(serial_refresh=True, rate_per_s=0.1, rate_burst=16, refresh_budget_share=0.5)
+    prober = await start(nursery, fake, config)
+    prober.probe(fleet, trio.current_time() + 0.05)  # every worker hot, the last named polled first
+    await trio.sleep(0.01)  # the on-demand probes landed
+    fake.hanging.add(fleet[-1].status_target)  # the first of the next round takes all of its time
+    before = prober._refresh_bucket.peek(trio.current_time())
+    await trio.sleep(INTERVAL_S + config.probe_timeout_s + 0.01)  # one round, to its end
+    after = prober._refresh_bucket.peek(trio.current_time())
+    assert before - after == pytest.approx(1.0, abs=0.05)  # the hung poll's token; the three not made came back
+
