@@ -57,12 +57,14 @@ from router.request import (
     check_request,
     is_sliced,
     key_slices,
+    named_roles,
     request_deadline,
 )
 from router.types import (
     COMPANION_ROLES,
     BadRequest,
     Reason,
+    Role,
     RoleAddr,
     RouteDecision,
     RouteRequest,
@@ -445,10 +447,15 @@ class RouterActor:
         error: str | None = None,
         split: RequestSplit | None = None,
     ) -> RouteDecision:
-        """The domain source's answer outside the chain (bad request, overloaded, deadline, bug)."""
-        result = self._domain.pick(prepared, reason, error)
+        """The domain source's answer outside the chain (bad request, overloaded, deadline, bug), for the
+        roles the request names (checked or not) or else the deployment's."""
+        named = None if prepared is not None else named_roles(request, self._deployment)
+        roles, companions = (None, None) if named is None else named
+        result = self._domain.pick(prepared, reason, error, roles=roles)
         source = RouteSource.DOMAIN if isinstance(result, Answered) else None
-        return self._decision(request, received_at, stages, steps, source, result, prepared, split)
+        return self._decision(
+            request, received_at, stages, steps, source, result, prepared, split, companions=companions
+        )
 
     def _decision(
         self,
@@ -462,7 +469,9 @@ class RouterActor:
         split: RequestSplit | None,
         *,
         rng: random.Random | None = None,
+        companions: tuple[Role, ...] | None = None,
     ) -> RouteDecision:
+        """``companions``: the request's, when it has no ``prepared`` form (else the deployment's)."""
         elapsed = ms(trio.current_time() - received_at)
         stages[Stage.TOTAL] = elapsed
         mode = None if split is None or not split.waits else split.windows.mode
@@ -486,7 +495,10 @@ class RouterActor:
         role_addrs = result.role_addrs or (
             RoleAddr(result.role, result.worker.ip, result.worker.http_port, result.worker.grpc_port),
         )
-        companions = prepared.companions if prepared is not None else self._deployment_companions
+        if prepared is not None:
+            companions = prepared.companions
+        elif companions is None:
+            companions = self._deployment_companions
         if companions:
             role_addrs = self._companions.fill(role_addrs, companions, rng=rng)
         return RouteDecision(

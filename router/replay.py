@@ -601,6 +601,7 @@ class _ReplayDomain(DomainSource):
         error: str | None = None,
         *,
         rng: random.Random | None = None,  # replay draws nothing: the recording names the worker
+        roles: tuple[Role, ...] | None = None,
     ) -> Answered | Ended:
         case = self._current.get()
         expected = case.expected
@@ -608,7 +609,10 @@ class _ReplayDomain(DomainSource):
             # The domain named no worker (none known, none routable, or a bad request with neither):
             # as recorded. The error text is not compared.
             return Ended(Reason(expected["r"]), error or f"as recorded: {expected['r']}")
-        roles: tuple[Role, ...] = prepared.roles if prepared is not None else self._roles
+        if prepared is not None:
+            roles = prepared.roles
+        elif roles is None:
+            roles = self._roles
         addrs = decode_addrs(expected["ra"])
         if expected["rs"] == RouteSource.DOMAIN.value and addrs:
             first = addrs[0]

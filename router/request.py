@@ -172,6 +172,23 @@ def check_admissible(request: RouteRequest, limits: LimitsConfig) -> None:
     check_shape(request.request_id, has_tokens=has_tokens, has_keys=has_keys)
 
 
+def named_roles(
+    request: RouteRequest, deployment: DeploymentConfig
+) -> tuple[tuple[Role, ...], tuple[Role, ...]] | None:
+    """The prefill-capable and the companion roles ``request`` names that ``deployment`` routes, for an
+    answer made before its checks or without them (overloaded, deadline, a bug): None when it names
+    none, names them in a form the checks refuse, or names no prefill-capable one routed here (the
+    deployment's roles answer it then). Pure."""
+    roles = request.roles
+    if not roles or not isinstance(roles, tuple | list) or not all(isinstance(r, Role) for r in roles):
+        return None
+    routed = [r for r in dict.fromkeys(roles) if r in deployment.roles]
+    prefill = tuple(r for r in routed if r in PREFILL_CAPABLE_ROLES)
+    if not prefill:
+        return None
+    return prefill, tuple(r for r in routed if r in COMPANION_ROLES)
+
+
 def check_request(
     request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig, *, hash_tokens: bool = True
 ) -> CheckedRequest:
@@ -197,7 +214,7 @@ def check_request(
         raise BadRequest(
             "seq_len", f"{request.seq_len} is more than the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)"
         )
-    roles = deployment.roles if not request.roles else request.roles
+    roles = deployment.roles if not request.roles else tuple(dict.fromkeys(request.roles))  # each role once
     foreign = [r.value for r in roles if r not in deployment.roles]
     if foreign:
         raise BadRequest("roles", f"{','.join(foreign)} not routed by this deployment ({_names(deployment.roles)})")

@@ -329,6 +329,38 @@ async def test_mixed_deployment_reports_the_workers_real_role(autojump_clock: tr
         assert d.worker == cluster.worker_addr(0) and d.role is Role.PDFUSION
 
 
+async def test_answers_made_outside_the_chain_keep_the_roles_the_request_names(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A deadline or an overloaded answer drew from the deployment's roles: a request limited to
+    PDFUSION was sent to a PREFILL worker exactly when the router was short of time."""
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2
+    specs += [WorkerSpec(role="RoleType.PDFUSION", block_size=BLOCK)] * 2
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PREFILL, Role.PDFUSION), max_in_flight=1) as (handle, _, _):
+        workers = [cluster.worker_addr(i) for i in range(4)]
+        handle.prober().probe(workers, trio.current_time() + 0.05)
+        await trio.sleep(0.02)  # every worker's role is known
+        pdfusion = set(workers[2:])
+        answers = []
+        for i in range(20):
+            late = RouteRequest(f"z{i}", token_ids=PROMPT, budget_ms=0, roles=(Role.PDFUSION,))
+            answers.append(await handle.route(late))
+        async with trio.open_nursery() as burst:  # one place: the others are shed at once
+            for i in range(20):
+
+                async def one(i: int = i) -> None:
+                    request = RouteRequest(f"o{i}", token_ids=PROMPT, budget_ms=50, roles=(Role.PDFUSION,))
+                    answers.append(await handle.route(request))
+
+                burst.start_soon(one)
+        reasons = {d.reason for d in answers}
+        assert {Reason.DEADLINE, Reason.OVERLOADED} <= reasons, reasons
+        assert all(d.worker in pdfusion and d.role is Role.PDFUSION for d in answers), [
+            (d.reason, d.role, d.worker) for d in answers if d.worker not in pdfusion
+        ]
+
+
 async def test_feature_off_is_plain_domain_routing(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
@@ -572,6 +604,9 @@ async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_
         assert set(roles) == {Role.PREFILL, Role.DECODE}
         decode = roles[Role.DECODE]
         assert (decode.ip, decode.http_port) in {(w.ip, w.http_port) for w in decode_workers}
+        # A companion role named twice is one address (it used to come back twice).
+        twice = RouteRequest("pd3", token_ids=PROMPT, budget_ms=50, roles=(Role.PREFILL, Role.DECODE, Role.DECODE))
+        assert [a.role for a in (await handle.route(twice)).role_addrs] == [Role.PREFILL, Role.DECODE]
         # A request may not ask for a companion role alone.
         bad = await handle.route(RouteRequest("pd2", token_ids=PROMPT, budget_ms=50, roles=(Role.DECODE,)))
         assert bad.reason is Reason.BAD_REQUEST and bad.error is not None and "prefill-capable" in bad.error

@@ -65,6 +65,7 @@ class DomainSource:
         error: str | None = None,
         *,
         rng: random.Random | None = None,
+        roles: tuple[Role, ...] | None = None,
     ) -> Answered | Ended:
         """A random routable worker, synchronously (no await: usable when no time is left).
 
@@ -73,14 +74,17 @@ class DomainSource:
         cache (request probes and background health probes), never from a probe made here. With
         none left the request ends ``no_candidates`` naming why, unless the operator chose to
         route blind (then the draw is plain uniform). ``rng``: draw from it instead of the source's
-        own generator.
+        own generator. ``roles``: the request's, when it has no ``prepared`` form (else the deployment's).
         """
         workers = self._fleet.workers()
         if not workers:
             if reason is Reason.BAD_REQUEST:  # the caller's mistake comes first
                 return Ended(reason, f"{error}; discovery has no worker either")
             return Ended(Reason.NO_WORKERS, error or "discovery has no worker: nothing to route to")
-        roles: tuple[Role, ...] = prepared.roles if prepared is not None else self._roles
+        if prepared is not None:
+            roles = prepared.roles
+        elif roles is None:
+            roles = self._roles
         worker = self._draw(workers, roles, self._rng if rng is None else rng)
         if worker is None:
             why = f"{self._prober.unroutable_reason(workers, roles) or 'no routable worker'}; {ROUTE_BLIND_HINT}"
