@@ -268,7 +268,9 @@ def check_request(
             )
         seq_len = len(request.token_ids)
         if hash_tokens:
-            tokens = request.token_ids
+            tokens = request.token_ids  # the hashing checks each id (key_slices)
+        else:
+            check_token_ids(request.token_ids)  # nothing hashes them; a scheduler may be sent them
     return CheckedRequest(
         tokens=tokens,
         keys=keys,
@@ -279,6 +281,15 @@ def check_request(
         family=deployment.key_family,
         lookahead=deployment.lookahead_tokens,
     )
+
+
+def check_token_ids(token_ids: Sequence[int]) -> None:
+    """Raise BadRequest("token_ids") unless every id is a 64-bit integer (pure, one C-level pass): for
+    token ids no key family hashes, which would catch them."""
+    try:
+        struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except (struct.error, TypeError):
+        raise BadRequest("token_ids", "every token id must be a 64-bit integer") from None
 
 
 def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int, ...]]:

@@ -330,6 +330,20 @@ async def test_with_the_kvcm_fallback_off_a_failing_master_means_domain(
         assert r.kvcm_queries() == 0
 
 
+@pytest.mark.parametrize("token_ids", [(1.5, 2.0), (None,), ("a",), (float("nan"),), (2**64,)], ids=repr)
+async def test_token_ids_nobody_hashes_are_still_checked_before_the_scheduler_sees_them(
+    autojump_clock: trio.testing.MockClock, token_ids: tuple[object, ...]
+) -> None:
+    """With the KVCM fallback off and an HTTP scheduler nothing hashes the ids: they went to the
+    scheduler as given (invalid JSON for NaN) and came back as its 8406, not as our bad_request."""
+    async with rig(kvcm_fallback=False) as r:
+        seen = r.schedules_seen()
+        request = RouteRequest("odd", token_ids=token_ids, budget_ms=50)  # type: ignore[arg-type]
+        decision = await r.handle.route(request)
+        assert decision.reason is Reason.BAD_REQUEST and (decision.error or "").startswith("token_ids"), decision
+        assert seen == []
+
+
 async def test_no_master_known_is_its_own_outcome(autojump_clock: trio.testing.MockClock) -> None:
     async with rig() as r:
         for host in r.master.addresses().hosts:
