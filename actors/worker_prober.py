@@ -620,6 +620,12 @@ class WorkerProber:
         not known to serve another role. A worker never probed is routable."""
         return self._routable(self._view.workers.get(worker), roles, trio.current_time())
 
+    def reported_role(self, worker: WorkerAddr) -> Role | None:
+        """The role the worker last reported, however old that status (what routability judged it
+        by); None for a worker never heard from."""
+        seen = self._view.workers.get(worker)
+        return None if seen is None or seen.status is None else seen.status.role
+
     def unroutable_reason(self, workers: Sequence[WorkerAddr], roles: Collection[Role]) -> str | None:
         """None when one of ``workers`` is routable for ``roles``; else why none is.
 

@@ -361,6 +361,29 @@ async def test_answers_made_outside_the_chain_keep_the_roles_the_request_names(
         ]
 
 
+async def test_a_domain_answer_labels_a_worker_with_its_last_reported_role_however_old(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Routability read the last status of any age, the label only a status young enough to score
+    with: past max_status_age_s a PDFUSION worker was answered as the deployment's first role."""
+    cluster = SimCluster(
+        workers=[WorkerSpec(role="RoleType.PDFUSION", block_size=BLOCK)] * 3, kvcm_replicas=1, block_size=BLOCK
+    )
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    roles = (Role.PREFILL, Role.PDFUSION)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, kvcm_fallback=False, roles=roles)
+    async with open_router(config, rpc=network) as handle:
+        workers = [cluster.worker_addr(i) for i in range(3)]
+        handle.prober().probe(workers, trio.current_time() + 0.05)
+        await trio.sleep(0.02)
+        await trio.sleep(config.prober.max_status_age_s + 0.5)  # no probe since: too old to score with
+        assert all(handle.prober().cached(w) is None for w in workers)
+        for i in range(10):
+            decision = await handle.route(RouteRequest(f"s{i}", token_ids=PROMPT, budget_ms=20))
+            assert decision.route_source is RouteSource.DOMAIN and decision.role is Role.PDFUSION, decision
+
+
 async def test_feature_off_is_plain_domain_routing(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()

@@ -91,8 +91,10 @@ class DomainSource:
             if reason is Reason.BAD_REQUEST:
                 return Ended(reason, f"{error}; {why}")  # the caller's mistake comes first
             return Ended(Reason.NO_CANDIDATES, f"{why} (after {reason.value}{f': {error}' if error else ''})")
-        status = self._prober.cached(worker)
-        role = status.role if status is not None and status.role in roles else roles[0]
+        # Labelled by its last reported role, which its routability was judged by: a status too old
+        # to score with (or followed by one failed probe) still says what the worker serves.
+        reported = self._prober.reported_role(worker)
+        role = reported if reported is not None and reported in roles else roles[0]
         if prepared is not None:
             self._scorer.record_nowait(worker, prepared.seq_len, trio.current_time())
         return Answered(worker=worker, role=role, reason=reason, error=error)
