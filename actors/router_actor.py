@@ -316,7 +316,11 @@ class RouterActor:
         # the estimate counts apart); the stage only where no context carried the work back.
         scorer_work_s = None if ctx is None else ctx.scorer_work_s
         score_ms = stages.get(Stage.SCORE, 0.0) if scorer_work_s is None else ms(scorer_work_s)
-        own_ms = stages.get(Stage.KEYS, 0.0) + stages.get(Stage.PLAN, 0.0) + score_ms
+        # The hashing's own time, not the KEYS stage's wall time (which holds a long prompt's rests and
+        # its wait for the turn to hash: with several long prompts, several times their work).
+        hashing_s = None if ctx is None else ctx.hashing_s
+        keys_ms = stages.get(Stage.KEYS, 0.0) if hashing_s is None else ms(hashing_s)
+        own_ms = keys_ms + stages.get(Stage.PLAN, 0.0) + score_ms
         self._estimate.observe_own(own_ms / 1000.0)
         try:
             if ctx is not None:
@@ -362,7 +366,8 @@ class RouterActor:
         t = trio.current_time()
         try:
             checked = check_request(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
-            prepared = checked.with_keys(await self._keys(checked))
+            keys, hashing_s = await self._keys(checked)
+            prepared = checked.with_keys(keys)
         except BadRequest as exc:
             return None, self._fallback(request, None, Reason.BAD_REQUEST, received_at, stages, (), error=str(exc))
         stages[Stage.KEYS] = ms(trio.current_time() - t)
@@ -375,6 +380,7 @@ class RouterActor:
             stages=stages,
             record=record,
             events=events,
+            hashing_s=hashing_s,
         )
         skip_to_last = False
         for source in self._chain:
@@ -412,26 +418,33 @@ class RouterActor:
             )
         raise AssertionError("the domain source always answers or ends the request")  # pragma: no cover
 
-    async def _keys(self, checked: CheckedRequest) -> tuple[int, ...]:
-        """The request's block keys. A long prompt is hashed in slices with a checkpoint after each:
-        other requests run in between, and the request's cancel scope (its deadline, or its caller
-        giving up) stops the hashing there. One long prompt is hashed at a time (the others wait their
-        turn under their own deadlines), so at most one slice of hashing runs per scheduling round
-        however many long prompts arrive. A short one is hashed at once, without an await."""
+    async def _keys(self, checked: CheckedRequest) -> tuple[tuple[int, ...], float]:
+        """The request's block keys, and the time their hashing took (without the rests between slices
+        and the wait for the turn to hash, which the admission estimate must not count as work). A long
+        prompt is hashed in slices with a checkpoint after each: other requests run in between, and the
+        request's cancel scope (its deadline, or its caller giving up) stops the hashing there. One long
+        prompt is hashed at a time (the others wait their turn under their own deadlines), so at most
+        one slice of hashing runs per scheduling round however many long prompts arrive. A short one
+        is hashed at once, without an await."""
         slice_tokens = self._limits.hash_slice_tokens
         slices = key_slices(checked, slice_tokens)
+        started = trio.current_time()
         if not is_sliced(checked, slice_tokens):
-            return join_slices(slices)
+            keys = join_slices(slices)
+            return keys, trio.current_time() - started
         parts: list[tuple[int, ...]] = []
+        hashing_s = 0.0
         async with self._long_hashing:
             started = trio.current_time()
             for part in slices:
                 parts.append(part)
+                took = trio.current_time() - started
+                hashing_s += took
                 # Rest as long as the slice took: the routing thread then blocks in its I/O wait, which
                 # also hands the GIL to the threads delivering other requests' RPC replies.
-                await trio.sleep((trio.current_time() - started) * _HASH_REST_RATIO)
+                await trio.sleep(took * _HASH_REST_RATIO)
                 started = trio.current_time()
-        return join_slices(iter(parts))
+        return join_slices(iter(parts)), hashing_s
 
     # -- answers ------------------------------------------------------------------------------------
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
+from actors import router_actor
 from kvroute_sim.sim.cluster import SimCluster
 from router.admission import AdmissionEstimate, AdmissionView, admits
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
+from router.request import key_slices
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import KeyFamily, Reason, RouteRequest, RouteSource, Stage
 
@@ -163,3 +168,30 @@ async def test_the_own_time_excludes_the_wait_for_the_scorers_turn(autojump_cloc
             assert decision.stage_ms[Stage.SCORE] > 19.0  # the hop's wall time holds the 20 ms wait
         # Hashing, planning and the Scorer's work take no mock time: the waits are not the request's own.
         assert handle.router_actor().health().admission.own_s == 0.0
+
+
+async def test_the_own_time_counts_a_long_prompts_hashing_not_its_rests_and_turn(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KEYS stage is wall time: a sliced prompt's rests after each slice and its wait for the turn
+    to hash. Fed to the admission estimate as work, three long prompts at once counted two, four and
+    six times their hashing, and a short request beside one was shed."""
+    slice_s = 0.001  # what hashing one slice takes here: the mock clock moves that much per slice
+    def timed(*args: Any) -> Iterator[tuple[int, ...]]:
+        for part in key_slices(*args):
+            autojump_clock.jump(slice_s)
+            yield part
+
+    monkeypatch.setattr(router_actor, "key_slices", timed)
+    network, config = _memory_cluster(2, replace(RouterConfig(), budget_cap_ms=1000.0))
+    long_prompt = tuple(range(8 * config.limits.hash_slice_tokens))  # eight slices: 8 ms of hashing
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)
+        admission = handle.router_actor().health
+        for burst in range(5):
+            async with trio.open_nursery() as together:
+                for i in range(3):
+                    request = RouteRequest(f"L{burst}.{i}", token_ids=long_prompt, budget_ms=1000)
+                    together.start_soon(handle.route, request)
+        assert admission().admission.own_s < 8 * slice_s * 1.5  # about one prompt's hashing, not several
+
