@@ -265,6 +265,11 @@ class LogFormatError(ValueError):
         self.offset = offset
 
 
+class TornTail(LogFormatError):
+    """The file ends inside a frame: its writer stopped mid-write (a crash, a full disk). What came
+    before is whole and can be read."""
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
     offset: int
@@ -324,7 +329,7 @@ def parse_frames(path: str, data: bytes) -> Iterator[Frame]:
     while offset < len(data):
         if len(data) - offset < FRAME_HEAD.size:
             have = len(data) - offset
-            raise LogFormatError(path, offset, f"truncated frame header ({have} of {FRAME_HEAD.size} bytes)")
+            raise TornTail(path, offset, f"truncated frame header ({have} of {FRAME_HEAD.size} bytes)")
         length, kind, crc = FRAME_HEAD.unpack_from(data, offset)
         if kind not in (KIND_HEADER, KIND_FLEET, KIND_DECISION):
             raise LogFormatError(path, offset, f"unknown frame kind {kind}")
@@ -333,7 +338,7 @@ def parse_frames(path: str, data: bytes) -> Iterator[Frame]:
         start = offset + FRAME_HEAD.size
         body = data[start : start + length]
         if len(body) < length:
-            raise LogFormatError(path, offset, f"truncated frame ({len(body)} of {length} payload bytes)")
+            raise TornTail(path, offset, f"truncated frame ({len(body)} of {length} payload bytes)")
         if zlib.crc32(body) != crc:
             raise LogFormatError(path, offset, "frame checksum mismatch (corrupted)")
         try:

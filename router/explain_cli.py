@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from router.logs import shown
 from router.route_cli import configure_input, run_command
 from router.types import CandidateExplain, Reason, RouteDecision, SourceStep, StageWindow
 
@@ -65,7 +66,7 @@ def render_table(decision: RouteDecision) -> str:
     else:
         target = f"no worker ({decision.error or 'nothing to route to'})"
     lines = [
-        f"request {decision.request_id}: {decision.route_source.value} / {decision.reason.value} -> {target}",
+        f"request {shown(decision.request_id)}: {decision.route_source.value} / {decision.reason.value} -> {target}",
         f"hit {decision.hit_tokens} tokens ({decision.local_blocks} blocks) in {decision.elapsed_ms:.2f} ms",
     ]
     if decision.sources:

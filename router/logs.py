@@ -59,6 +59,12 @@ def _text_value(value: object) -> str:
     return '"' + "".join(_escaped(c) for c in text) + '"'
 
 
+def shown(text: str) -> str:
+    """``text`` for one line of a terminal: as it is when plain, else quoted with control, format and
+    unpaired surrogate characters escaped (a client's request id can hold any of them)."""
+    return _text_value(text)
+
+
 def _escaped(c: str) -> str:
     if c in '"\\':
         return "\\" + c

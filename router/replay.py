@@ -58,6 +58,7 @@ from router.decision_record import (
     KIND_HEADER,
     READABLE_VERSIONS,
     LogFormatError,
+    TornTail,
     decision_fields,
     decode_addrs,
     decode_fleet,
@@ -193,19 +194,33 @@ class RecordedLog:
     digest: str
     seed: int
     cases: tuple[Case, ...]
+    # Files that end inside a frame (their writer stopped mid-write): read up to it, each said here.
+    torn: tuple[TornTail, ...] = ()
 
 
 def load_log(paths: Sequence[str]) -> RecordedLog:
-    """Every decision of the log files, in order. Raises LogFormatError naming the file and byte offset."""
+    """Every decision of the log files, in order. Raises LogFormatError naming the file and byte offset;
+    a file that ends inside a frame is read up to it (``RecordedLog.torn``)."""
     settings: Mapping[str, str] | None = None
     digest = ""
     seed = 0
     cases: list[Case] = []
+    torn: list[TornTail] = []
     for path in paths:
         fleets: dict[int, Fleet] = {}
         last_fleet: Fleet | None = None
         seen_header = False
-        for frame in read_frames(path):
+        frames = read_frames(path)
+        while True:
+            try:
+                frame = next(frames)
+            except StopIteration:
+                break
+            except TornTail as tail:
+                if not seen_header:
+                    raise
+                torn.append(tail)
+                break
             try:
                 if frame.kind == KIND_HEADER:
                     header = frame.payload
@@ -231,7 +246,7 @@ def load_log(paths: Sequence[str]) -> RecordedLog:
         if not seen_header:
             raise LogFormatError(path, 8, "no header frame")
     assert settings is not None or not paths
-    return RecordedLog(settings or {}, digest, seed, tuple(cases))
+    return RecordedLog(settings or {}, digest, seed, tuple(cases), tuple(torn))
 
 
 def _status(raw: Sequence[Any]) -> WorkerStatus:
@@ -723,10 +738,16 @@ class ReplayConfig:
 
 
 def replay_config(recorded: RecordedLog, overrides: Mapping[str, str]) -> ReplayConfig:
-    """The recorded configuration (its non-default settings over this kvroute's defaults), then ``overrides``."""
+    """The recorded configuration (its non-default settings over this kvroute's defaults), then ``overrides``.
+
+    A problem an override brings is fatal, the fallback's too: served, a bad fallback setting turns
+    the fallback off (fail-soft), which in a what-if would report every decision changing to domain
+    routing for a typo. A problem the recording itself had stays as it was served."""
     base = resolve_config(None, {}, dict(recorded.settings))
     loaded = resolve_config(None, {}, {**recorded.settings, **overrides})
-    return ReplayConfig(loaded.effective, loaded.fatal_errors, config_digest(base.config) == recorded.digest)
+    brought = tuple(p for p in loaded.errors if p not in base.errors)
+    problems = tuple(dict.fromkeys((*loaded.fatal_errors, *brought)))
+    return ReplayConfig(loaded.effective, problems, config_digest(base.config) == recorded.digest)
 
 
 @dataclass(slots=True)

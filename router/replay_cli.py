@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from router.decision_record import LogFormatError
+from router.logs import shown
 from router.replay import ReplayEngine, WhatIf, difference, load_log, replay_config
 from router.settings.table import BY_NAME
 
@@ -49,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     except LogFormatError as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
+    for tail in recorded.torn:
+        print(f"warning: {tail}: the file ends inside a frame (its writer stopped mid-write); "
+              "the decisions before it are replayed", file=sys.stderr)
     setup = replay_config(recorded, overrides)
     if setup.problems:
         print(f"kvroute replay: {len(setup.problems)} configuration problem(s):", file=sys.stderr)
@@ -67,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
         if outcome.identical:
             identical += 1
             if not args.quiet:
-                print(f"identical {case.request_id}")
+                print(f"identical {shown(case.request_id)}")
         else:
-            print(f"different {case.request_id} ({case.path} @{case.offset}): {difference(outcome)}")
+            print(f"different {shown(case.request_id)} ({case.path} @{case.offset}): {difference(outcome)}")
     total = len(recorded.cases)
     if overrides:
         changes = ", ".join(f"{k}={v}" for k, v in overrides.items())

@@ -30,7 +30,7 @@ from google.protobuf.json_format import MessageToDict
 
 from actors.leader_resolver import LeaderUnavailable
 from router.api import RouterHandle, open_router
-from router.logs import setup_logging
+from router.logs import setup_logging, shown
 from router.settings import LoadedConfig, SourceKind, add_arguments, load_or_report, log_startup_report
 from router.sidecar import decision_to_proto
 from router.types import Reason, RouteDecision, RouteRequest, RouteSource
@@ -198,7 +198,7 @@ def decision_json(decision: RouteDecision) -> dict[str, object]:
 
 def decision_line(decision: RouteDecision) -> str:
     """One readable line."""
-    head = f"{decision.request_id}: {decision.route_source.value} {decision.reason.value}"
+    head = f"{shown(decision.request_id)}: {decision.route_source.value} {decision.reason.value}"
     if decision.worker is None:
         return f"{head}: no worker ({decision.error or 'nothing to route to'})"
     role = decision.role.value if decision.role is not None else "?"

@@ -187,6 +187,13 @@ async def record_master_run(log: Path) -> list[RouteDecision]:
     return decisions
 
 
+def _written(tmp_path: Path, data: bytes) -> Path:
+    """``data`` in a file of its own."""
+    path = tmp_path / f"cut-{len(data)}.log"
+    path.write_bytes(data)
+    return path
+
+
 def on_mock_clock(record: Callable[[Path], Awaitable[T]], log: Path) -> T:
     """Record in its own trio run (replay starts a trio run per decision, so it cannot run inside one)."""
     return trio.run(record, log, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -384,6 +391,10 @@ def test_the_replay_command_reports_and_exits_by_identity(
     assert "what-if scorer_max_extra_work_tokens=100000" in out and "decisions change" in out
     assert main(["replay", str(log), "--router-setting", "no_such_setting=1"]) == 2
     assert "no_such_setting" in capsys.readouterr().err
+    # A bad value for a fallback setting is refused too: served, it would turn the fallback off, and
+    # the what-if reported every decision changing to domain routing for a typo.
+    assert main(["replay", str(log), "--router-setting", "deadline_split=fixd"]) == 2
+    assert "--deadline-split" in capsys.readouterr().err
 
 
 def test_a_what_if_changes_decisions(tmp_path: Path) -> None:
@@ -398,10 +409,16 @@ def test_corrupted_and_truncated_logs_name_the_byte_offset(tmp_path: Path, capsy
     on_mock_clock(record_cache_run, log)
     data = log.read_bytes()
     truncated = tmp_path / "truncated.log"
-    truncated.write_bytes(data[:-7])
-    with pytest.raises(LogFormatError, match="byte offset") as caught:
-        load_log([str(truncated)])
-    assert 0 < caught.value.offset < len(data)
+    truncated.write_bytes(data[:-7])  # a writer that stopped mid-frame: read up to the torn frame
+    whole, torn = load_log([str(log)]), load_log([str(truncated)])
+    assert [c.request_id for c in torn.cases] == [c.request_id for c in whole.cases][:-1]
+    (tail,) = torn.torn
+    assert 0 < tail.offset < len(data) and "truncated frame" in str(tail)
+    assert load_log([str(truncated), str(log)]).cases[len(torn.cases) :] == whole.cases  # and the next file
+    assert main(["replay", str(truncated)]) == 0
+    assert "the decisions before it are replayed" in capsys.readouterr().err
+    with pytest.raises(LogFormatError, match="byte offset"):  # torn inside its header: nothing to read
+        load_log([str(_written(tmp_path, data[:10]))])
     flipped = bytearray(data)
     flipped[len(MAGIC) + 20] ^= 0xFF  # inside the header frame's payload
     corrupted = tmp_path / "corrupted.log"

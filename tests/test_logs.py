@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from router.logs import AggregatingLogger, ctx, setup_logging
+from router.logs import AggregatingLogger, ctx, setup_logging, shown
 from router.types import Reason
 
 
@@ -192,3 +192,15 @@ async def test_run_logs_each_total_when_due(
     assert handler.messages == ["a", "b", "2 a in the last 60 s", "2 b in the last 60 s"]
     assert logged_at["2 a in the last 60 s"] == pytest.approx(start + 60)
     assert logged_at["2 b in the last 60 s"] == pytest.approx(start + 80)
+
+
+def test_a_request_id_is_shown_on_one_line_whatever_it_holds() -> None:
+    """Replay, explain and route print request ids: an unpaired surrogate made replay's print raise
+    UnicodeEncodeError (every later decision unreported), a newline split its line."""
+    assert shown("plain-id") == "plain-id"
+    assert shown("prénom-ü") == "prénom-ü"  # printable text of any script stays
+    for odd in ("bad\ud800id", "two\nlines", "bell\x07"):
+        text = shown(odd)
+        text.encode("utf-8")  # printable on any UTF-8 terminal
+        assert "\n" not in text and text.startswith('"') and text.isprintable()
+
