@@ -33,6 +33,7 @@ from outcome import Outcome
 
 from router.config import RouterConfig
 from router.decision_record import (
+    FRAME_HEAD,
     KIND_DECISION,
     KIND_FLEET,
     KIND_HEADER,
@@ -64,8 +65,9 @@ class NotADecisionLog(OSError):
 @dataclass(frozen=True, slots=True)
 class DecisionLogHealth:
     path: str
-    written: int
+    written: int  # flushed to the file
     dropped: int  # the inbox was full, or a stop's STOP_WRITE_S ended before the disk took them
+    lost: int  # in a batch a write error ended (some of it may be on disk, the last one torn)
     oversize: int  # one decision larger than a whole file: not written
     write_errors: int
     last_error: str | None
@@ -89,6 +91,7 @@ class LogFileWriter:
         self._fleet_id = 0
         self.size = 0
         self.written = 0
+        self.lost = 0
         self.oversize = 0
         self.rotations = 0
         self.write_errors = 0
@@ -123,48 +126,60 @@ class LogFileWriter:
             unusable = unusable_log_path(self.path)
             if unusable is not None:  # never rotate away (or overwrite) what is not ours
                 raise NotADecisionLog(f"{unusable}: left as it is")
-            if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+            if _holds_decisions(self.path):  # a file with no decision in it is not worth a rotated name
                 self._shift()
             self._start()
         except OSError as exc:
             self._failed(exc)
 
     def _write(self, records: Sequence[DecisionRecord]) -> None:
+        appended = 0
         try:
             if self._file is None:
                 self._open()
                 if self._file is None:
+                    self.lost += len(records)
                     return
             for record in records:
-                self._append(record)
+                appended += self._append(record)
             assert self._file is not None
             self._file.flush()
         except OSError as exc:
+            # Which of the batch reached the disk is unknown (the last may be torn): all of it is
+            # counted lost, none written. The next write starts a new file; a reader reads a torn
+            # file up to its torn frame.
+            self.lost += len(records)
             self._failed(exc)
+        else:
+            self.written += appended
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
-    def _append(self, record: DecisionRecord) -> None:
+    def _append(self, record: DecisionRecord) -> int:
+        """Write ``record``'s frames; 1, or 0 when it is larger than a whole file (counted oversize)."""
         fleet = record.scorings[0].fleet if record.scorings else None
         frames = self._frames(record, fleet)
         if len(self._header) + len(frames) > self.max_bytes:
             self.oversize += 1
-            return
+            return 0
         if self.size + len(frames) > self.max_bytes:
             self.rotations += 1
             self.close()
             self._shift()
             self._start()
             frames = self._frames(record, fleet)  # a new file describes its fleet again
+            if len(self._header) + len(frames) > self.max_bytes:  # with its fleet it does not fit
+                self.oversize += 1
+                return 0
         assert self._file is not None
         self._file.write(frames)
         self.size += len(frames)
-        self.written += 1
         if fleet is not None:
             self._fleet = fleet
+        return 1
 
     def _frames(self, record: DecisionRecord, fleet: Fleet | None) -> bytes:
         out = b""
@@ -209,6 +224,21 @@ class LogFileWriter:
             self.close()
         except OSError:
             self._file = None
+
+
+def _holds_decisions(path: str) -> bool:
+    """Whether the log at ``path`` holds more than its header frame (a run that logged nothing
+    leaves only the header)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(len(MAGIC) + FRAME_HEAD.size)
+            size = os.fstat(file.fileno()).st_size
+    except FileNotFoundError:
+        return False
+    if len(head) < len(MAGIC) + FRAME_HEAD.size:
+        return size > 0  # a torn header: keep it for a look
+    header_length: int = FRAME_HEAD.unpack_from(head, len(MAGIC))[0]
+    return size > len(MAGIC) + FRAME_HEAD.size + header_length
 
 
 class DecisionLog:
@@ -301,6 +331,7 @@ class DecisionLog:
             path=w.path,
             written=w.written,
             dropped=self._dropped,
+            lost=w.lost,
             oversize=w.oversize,
             write_errors=w.write_errors,
             last_error=w.last_error,

@@ -6,6 +6,7 @@ the real router chain and policy from the log alone, and must come out identical
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -49,10 +50,12 @@ from router.decision_record import (
     MAGIC,
     DecisionRecord,
     LogFormatError,
+    ScoringRecord,
     frame,
     parse_frames,
 )
 from router.keys import block_keys
+from router.policy.plan import CandidateSource, Fleet
 from router.replay import ReplayEngine, load_log, replay_config
 from router.supervisor import RouterHandle, decision_log_header
 from router.transport.master_memory import MemoryMasterNetwork
@@ -68,6 +71,7 @@ from router.types import (
     ScorerPolicy,
     SplitMode,
     Stage,
+    WorkerAddr,
 )
 from router.wire import paths
 
@@ -781,14 +785,93 @@ def test_the_log_never_rotates_away_or_overwrites_what_is_not_a_decision_log(
 def test_a_rotation_never_deletes_or_replaces_a_rotated_name_that_is_not_a_decision_log(tmp_path: Path) -> None:
     path = tmp_path / "d.log"
     first = LogFileWriter(str(path), max_bytes=1 << 20, files=4, header={"v": 1})
-    first.open()  # a log of ours at PATH
-    first.drain(deque(), close_generation=first.generation)
+    first.open()  # a log of ours at PATH, with a decision in it (one without is not rotated)
+    first.drain(deque([[_overloaded(0)]]), close_generation=first.generation)
     (tmp_path / "d.log.3").write_text("someone else's file")  # where the oldest rotation would go
     writer = LogFileWriter(str(path), max_bytes=1 << 20, files=4, header={"v": 1})
     writer.open()
     assert writer.write_errors == 1 and writer.last_error is not None and "d.log.3" in writer.last_error
     assert (tmp_path / "d.log.3").read_text() == "someone else's file"
     assert path.read_bytes().startswith(MAGIC[:-1]) and not (tmp_path / "d.log.1").exists()  # nothing moved
+
+
+def test_a_run_that_logged_nothing_is_not_rotated_over_the_decisions_before_it(tmp_path: Path) -> None:
+    """Each start rotated whatever was at PATH: a crash-looping process pushed the log of the run that
+    failed out with header-only files."""
+    path = tmp_path / "d.log"
+    header = decision_log_header(KvrouteConfig())
+    first = LogFileWriter(str(path), max_bytes=1 << 20, files=3, header=header)
+    first.open()
+    first.drain(deque([[_overloaded(i) for i in range(5)]]), close_generation=first.generation)
+    for _ in range(4):  # restarts that log nothing
+        writer = LogFileWriter(str(path), max_bytes=1 << 20, files=3, header=header)
+        writer.open()
+        writer.drain(deque(), close_generation=writer.generation)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["d.log", "d.log.1"]  # the first restart rotated the decisions once; the others overwrote
+    assert [c.request_id for c in load_log([str(path) + ".1"]).cases] == [f"q{i}" for i in range(5)]
+
+
+class FullDisk:
+    """A file whose disk fills after ``room`` bytes: the write that does not fit raises ENOSPC."""
+
+    def __init__(self, file: IO[bytes], room: int) -> None:
+        self._file = file
+        self._room = room
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self._room:
+            self._file.write(data[: self._room])  # what fitted: the frame is torn
+            self._room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= len(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def test_a_full_disk_loses_its_batch_counted_and_the_torn_file_is_read_up_to_the_tear(tmp_path: Path) -> None:
+    """A write error dropped the rest of its batch uncounted and counted as written what never
+    reached the disk; the file it tore could not be replayed."""
+    path = tmp_path / "d.log"
+    writer = LogFileWriter(str(path), max_bytes=1 << 20, files=3, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    writer.drain(deque([[_overloaded(i) for i in range(3)]]))
+    assert writer._file is not None
+    one = len(frame(KIND_DECISION, {"pad": ""}))  # about a frame's overhead: the disk fills inside a frame
+    writer._file = cast(IO[bytes], FullDisk(writer._file, room=one))
+    writer.drain(deque([[_overloaded(i) for i in range(3, 10)]]))
+    assert (writer.written, writer.lost, writer.write_errors) == (3, 7, 1)
+    writer.drain(deque([[_overloaded(i) for i in range(10, 12)]]), close_generation=writer.generation)
+    assert (writer.written, writer.lost) == (5, 7)  # room again: a new file
+    torn = load_log([str(path) + ".1"])
+    assert [c.request_id for c in torn.cases] == ["q0", "q1", "q2"] and len(torn.torn) == 1
+    assert [c.request_id for c in load_log([str(path)]).cases] == ["q10", "q11"]
+
+
+def test_a_record_that_fits_only_without_its_fleet_is_not_written_past_the_size_bound(tmp_path: Path) -> None:
+    """A record checked against the bound without its fleet frame (its fleet already described) was
+    written after a rotation with the fleet again, past max_bytes."""
+    max_bytes = 4096
+    for n in range(80, 140, 4):
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        fleet = Fleet.of(WorkerAddr(f"10.0.{i // 250}.{i % 250}", 8000, 8001, 8002) for i in range(n))
+
+        def record(rid: str, fleet: Fleet = fleet) -> DecisionRecord:
+            decision = RouteDecision(rid, None, None, RouteSource.DOMAIN, Reason.NO_POSITIVE_MATCH)
+            scoring = ScoringRecord(CandidateSource.HOT, (), fleet, ())
+            return DecisionRecord(RouteRequest(rid, block_cache_keys=(1,)), 0.0, scorings=[scoring], decision=decision)
+
+        header = decision_log_header(KvrouteConfig())
+        writer = LogFileWriter(str(folder / "d.log"), max_bytes=max_bytes, files=3, header=header)
+        writer.open()
+        writer.drain(deque([[record("a"), record("b" * 600)]]), close_generation=writer.generation)
+        assert all(p.stat().st_size <= max_bytes for p in folder.iterdir()), (n, writer.oversize)
 
 
 def test_a_log_that_cannot_be_written_says_so_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
