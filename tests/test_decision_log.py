@@ -401,6 +401,25 @@ def test_the_replay_command_reports_and_exits_by_identity(
     assert "--deadline-split" in capsys.readouterr().err
 
 
+def test_logs_of_processes_that_differ_only_in_where_they_log_replay_together(tmp_path: Path) -> None:
+    """The digest covered every setting: the logs of two --processes children (each its own
+    PATH.p<i>) were refused together as "recorded with another configuration"."""
+    first, second = tmp_path / "decisions.log.p0", tmp_path / "decisions.log.p1"
+    on_mock_clock(record_cache_run, first)
+    on_mock_clock(record_cache_run, second)
+    identical, total = replay_all(first, second)
+    assert identical == total > 0
+
+    async def other_cap(log: Path) -> None:  # a setting decisions depend on
+        async with cluster_router(log, max_in_flight=3) as (handle, _):
+            await handle.route(RouteRequest("one", token_ids=PROMPT, budget_ms=50))
+
+    third = tmp_path / "other.log"
+    on_mock_clock(other_cap, third)
+    with pytest.raises(LogFormatError, match="another configuration"):
+        load_log([str(first), str(third)])
+
+
 def test_a_what_if_changes_decisions(tmp_path: Path) -> None:
     log = tmp_path / "decisions.log"
     on_mock_clock(record_cache_run, log)

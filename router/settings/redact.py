@@ -47,7 +47,23 @@ def non_default_settings(config: KvrouteConfig) -> dict[str, str]:
     return out
 
 
+# Settings no decision depends on: where the process listens and with what credentials, how it logs,
+# what its debug endpoint keeps, its transport's channels, and where its decision log goes. The
+# children of ``--processes N`` differ in some (each its own debug port and log file), and so may two
+# runs whose logs are replayed together.
+_OPERATIONAL_SECTIONS = frozenset({"serve", "metrics", "grpc_tls", "upstream_tls", "channel_pool"})
+_OPERATIONAL_SETTINGS = frozenset(
+    {"decision_log", "decision_log_max_bytes", "decision_log_files", "decision_log_inbox_size"}
+)
+
+
 def config_digest(config: KvrouteConfig) -> str:
-    """A short digest of every setting's value: two configurations that decide alike share it."""
-    text = json.dumps({s.name: s.format(value_of(config, s.name)) for s in SETTINGS}, sort_keys=True)
+    """A short digest of the value of every setting decisions depend on: two configurations that
+    decide alike share it, wherever they listen, log or write their decision log."""
+    decisive = {
+        s.name: s.format(value_of(config, s.name))
+        for s in SETTINGS
+        if s.section not in _OPERATIONAL_SECTIONS and s.name not in _OPERATIONAL_SETTINGS
+    }
+    text = json.dumps(decisive, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
