@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -85,7 +86,11 @@ class LogFileWriter:
         self.path = path
         self.max_bytes = max_bytes
         self.files = files
-        self._header = MAGIC + frame(KIND_HEADER, header)
+        self._header_fields = dict(header)
+        self._header = MAGIC + frame(KIND_HEADER, header)  # the current file's (see _start)
+        # The wall clock less the trio clock, set by the actor on the trio thread: each file's header
+        # carries it, so a decision's receipt (``t``, trio time) reads as a time of day.
+        self.wall_minus_trio_s: float | None = None
         self._file: IO[bytes] | None = None
         self._fleet: Fleet | None = None  # the fleet the current file last described
         self._fleet_id = 0
@@ -189,6 +194,10 @@ class LogFileWriter:
         return out + frame(KIND_DECISION, encode_decision(record, self._fleet_id if fleet is not None else None))
 
     def _start(self) -> None:
+        fields: dict[str, Any] = {**self._header_fields, "opened_wall_s": round(time.time(), 3)}
+        if self.wall_minus_trio_s is not None:
+            fields["wall_minus_trio_s"] = round(self.wall_minus_trio_s, 6)
+        self._header = MAGIC + frame(KIND_HEADER, fields)
         self._file = open(self.path, "wb")  # noqa: SIM115 - kept open across batches, closed by close()
         self._file.write(self._header)
         self._file.flush()
@@ -262,6 +271,7 @@ class DecisionLog:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         writer = self._writer
+        writer.wall_minus_trio_s = time.time() - trio.current_time()
         await self._on_disk(writer.open)
         task_status.started()
         # Pieces handed to the writer's thread, each taken from the left when it is written: what a

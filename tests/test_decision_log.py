@@ -11,6 +11,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -418,6 +419,21 @@ def test_logs_of_processes_that_differ_only_in_where_they_log_replay_together(tm
     on_mock_clock(other_cap, third)
     with pytest.raises(LogFormatError, match="another configuration"):
         load_log([str(first), str(third)])
+
+
+def test_each_file_says_when_it_was_opened_and_how_its_decisions_read_as_times_of_day(tmp_path: Path) -> None:
+    """Decisions carry their receipt on the trio clock, whose origin differs per run: without the
+    wall clock beside it an operator could not find the decisions behind an incident by time."""
+    log = tmp_path / "decisions.log"
+    before = time.time()
+    on_mock_clock(record_cache_run, log)
+    after = time.time()
+    (header,) = [f.payload for f in parse_frames(str(log), log.read_bytes()) if f.kind == KIND_HEADER]
+    assert before - 1 <= header["opened_wall_s"] <= after + 1
+    # The actor's start on both clocks (a mock clock here, which jumps: with the real clock, a
+    # decision's t plus this is its time of day).
+    assert isinstance(header["wall_minus_trio_s"], float)
+    assert load_log([str(log)]).cases  # readers take the new fields in their stride
 
 
 def test_a_what_if_changes_decisions(tmp_path: Path) -> None:
