@@ -78,13 +78,22 @@ class HitAccuracy:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async for message in self._receive:
-            if isinstance(message, _Predicted):
-                self._predictions_applied += 1
-                self._predicted(message)
-            else:
-                self._status_seen(message.worker, message.status)
+        async for first in self._receive:
+            self._apply(first)
+            while True:  # what else is queued, then one snapshot for the batch (it walks the window)
+                try:
+                    message = self._receive.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+                self._apply(message)
             self._health = self._snapshot()
+
+    def _apply(self, message: _Predicted | _StatusSeen) -> None:
+        if isinstance(message, _Predicted):
+            self._predictions_applied += 1
+            self._predicted(message)
+        else:
+            self._status_seen(message.worker, message.status)
 
     def predict(self, request_id: str, worker: str, tokens: int, source: RouteSource, now: float) -> None:
         """A decision predicted ``tokens`` cached tokens on ``worker``; never blocks."""
