@@ -533,8 +533,14 @@ class WorkerProber:
             self._dirty = False
 
     def _stop_flights(self) -> None:
-        """The probe tasks died with the nursery: end their waits and free their workers."""
+        """The probe tasks died with the nursery: end their waits and free their workers, and give
+        back the tokens of those still waiting for budget (their calls will not be made)."""
+        now = trio.current_time()
         for flight in self._flights:
+            if flight.phase is _Phase.BUDGET:
+                self._bucket.refund(now)
+                if flight.kind is ProbeKind.REFRESH:
+                    self._refresh_bucket.refund(now)
             flight.done = True
             if flight.state.flight is flight:
                 flight.state.flight = None

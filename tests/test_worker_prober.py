@@ -662,3 +662,19 @@ async def test_results_stream_as_they_complete(nursery: trio.Nursery, autojump_c
     arrivals: list[tuple[WorkerAddr, bool]] = [(r.worker, r.from_cache) async for r in handle]
     assert arrivals[0] == (fleet[0], True)
     assert sorted(w.ip for w, _ in arrivals[1:]) == sorted(w.ip for w in fleet[1:])
+
+
+async def test_a_stop_gives_back_the_tokens_of_probes_still_waiting_for_budget(autojump_clock: MockClock) -> None:
+    """Their calls will not be made: kept, the debt they reserved held the next run's probes back."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(5)]
+    config = dataclasses.replace(ProberConfig(), background_refresh=False, rate_per_s=0.01, rate_burst=1)
+    prober = WorkerProber(config, WorkerStatusClient(fake.net))
+    async with trio.open_nursery() as run:
+        await run.start(prober.run)
+        prober.probe(fleet, trio.current_time() + 1000.0)  # one token: four wait, each reserving one ahead
+        await trio.testing.wait_all_tasks_blocked()
+        assert prober._bucket.peek(trio.current_time()) < -3
+        run.cancel_scope.cancel()  # the prober stops
+    assert prober._bucket.peek(trio.current_time()) == pytest.approx(0.0, abs=0.01)
+
