@@ -76,6 +76,7 @@ from router.problems import declared_range
 from router.request import PreparedRequest
 from router.settings import resolve_config
 from router.settings.redact import config_digest
+from router.settings.table import BY_NAME
 from router.settings.validate import SettingProblem
 from router.types import (
     DropReason,
@@ -728,6 +729,26 @@ class ReplayEngine:
 
 
 # --- configuration and the what-if ---------------------------------------------------------------------
+
+
+# What replay takes from the recording rather than from the configuration: the fleet (discovery),
+# every remote answer with its time (leader lookups, breakers, probes, the shadow index's match),
+# sheds (admission), tie draws (the seed); and what decides nothing (transport, serving, logging).
+_RECORDED_SECTIONS = frozenset(
+    {"discovery", "leader", "breaker", "master_breaker", "prober", "shadow", "channel_pool", "metrics", "serve"}
+    | {"grpc_tls", "upstream_tls"}
+)
+_RECORDED_SETTINGS = frozenset(
+    {"router_max_in_flight", "router_admission_decay", "router_admission_duty_floor", "router_lag_probe_interval_ms"}
+    | {"decision_log", "decision_log_max_bytes", "decision_log_files", "decision_log_inbox_size", "scorer_seed"}
+    | {"master_discovery_interval_s", "master_discovery_timeout_s", "master_discovery_failure_threshold"}
+    | {"master_discovery_drop_after_s", "master_http_max_connections", "master_http_keepalive_expiry_s"}
+)
+
+
+def taken_from_recording(name: str) -> bool:
+    """Whether replay takes setting ``name``'s effect from the recording: a what-if on it changes nothing."""
+    return name in _RECORDED_SETTINGS or BY_NAME[name].section in _RECORDED_SECTIONS
 
 
 @dataclass(frozen=True, slots=True)

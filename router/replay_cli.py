@@ -12,7 +12,7 @@ import sys
 
 from router.decision_record import LogFormatError
 from router.logs import shown
-from router.replay import ReplayEngine, WhatIf, difference, load_log, replay_config
+from router.replay import ReplayEngine, WhatIf, difference, load_log, replay_config, taken_from_recording
 from router.settings.table import BY_NAME
 
 
@@ -53,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     for tail in recorded.torn:
         print(f"warning: {tail}: the file ends inside a frame (its writer stopped mid-write); "
               "the decisions before it are replayed", file=sys.stderr)
+    for name in overrides:
+        if taken_from_recording(name):
+            print(f"warning: --router-setting {name}: replay takes its effect from the recording (remote answers, "
+                  "the fleet, sheds and draws as they were): this what-if changes no decision", file=sys.stderr)
     setup = replay_config(recorded, overrides)
     if setup.problems:
         print(f"kvroute replay: {len(setup.problems)} configuration problem(s):", file=sys.stderr)

@@ -400,6 +400,13 @@ def test_the_replay_command_reports_and_exits_by_identity(
     # the what-if reported every decision changing to domain routing for a typo.
     assert main(["replay", str(log), "--router-setting", "deadline_split=fixd"]) == 2
     assert "--deadline-split" in capsys.readouterr().err
+    # A what-if on a setting replay takes from the recording says so, rather than a bare "0 change".
+    assert main(["replay", str(log), "--quiet", "--router-setting", "prober_fresh_ttl_s=1"]) == 0
+    captured = capsys.readouterr()
+    assert "prober_fresh_ttl_s: replay takes its effect from the recording" in captured.err
+    assert "0 of" in captured.out
+    assert main(["replay", str(log), "--quiet", "--router-setting", "scorer_max_extra_work_tokens=100000"]) == 0
+    assert "from the recording" not in capsys.readouterr().err
 
 
 def test_logs_of_processes_that_differ_only_in_where_they_log_replay_together(tmp_path: Path) -> None:
