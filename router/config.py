@@ -340,9 +340,10 @@ class MasterConfig:
     # Kept for the sources after the master (KVCM, shadow) when the master cannot answer.
     later_sources_ms: float = bounded(20.0, 0, 60_000)
     # With a slave known, the share of the attempt window the master's call leaves for one to the
-    # slave: a master that hangs while its master/info still answers (so discovery keeps it) would
-    # otherwise take every request's whole window. 0: the master's call may take it all.
-    slave_window_share: float = bounded(0.5, 0, 1, high_open=True)
+    # slave. Off by default: a slave forwards a schedule call to the master, so a master that hangs
+    # usually hangs the slave's try too, while a queueing master answering late in the window would
+    # be cut short. For deployments whose slave routes by itself when the master stalls.
+    slave_window_share: float = bounded(0.0, 0, 1, high_open=True)
     # Background discovery of master and slave through every host's master/info.
     discovery_interval_s: float = bounded(1.0, 0, 3600, low_open=True)
     discovery_timeout_s: float = bounded(0.5, 0, 600, low_open=True)  # bounds one poll of one host

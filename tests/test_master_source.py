@@ -190,7 +190,7 @@ async def test_a_hanging_master_leaves_the_slave_its_share_of_the_window(
     """The master accepts /schedule and never answers while its master/info still does (discovery keeps
     it): its call used to take every request's whole window, the slave was never asked, and the
     breaker then skipped the source, slave and all, for the whole outage."""
-    async with rig(transport_timeout_ms=30, later_sources_ms=10) as r:
+    async with rig(transport_timeout_ms=30, later_sources_ms=10, slave_window_share=0.5) as r:
         hosts = r.master.addresses().hosts
         r.master.set_faults(0, MasterFaults(hang=True))
         seen = r.schedules_seen()
@@ -210,7 +210,7 @@ async def test_a_window_too_short_to_share_and_slow_answers_keep_the_master_its_
 ) -> None:
     """Split, a 12 ms window would give each host 6 ms, under a slow answer (slow_query_ms 10): a
     master and a slave both answering in 8 ms would both be cut, judged failed, and open the breaker."""
-    async with rig(transport_timeout_ms=12) as r:
+    async with rig(transport_timeout_ms=12, slave_window_share=0.5) as r:
         r.master.set_faults(0, MasterFaults(slow_ms=8.0))
         r.master.set_faults(1, MasterFaults(slow_ms=8.0))
         for i in range(6):
@@ -221,10 +221,8 @@ async def test_a_window_too_short_to_share_and_slow_answers_keep_the_master_its_
         assert health.breaker.state.value == "closed"
 
 
-async def test_with_no_share_for_the_slave_a_hanging_master_takes_the_whole_window(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    async with rig(transport_timeout_ms=10, slave_window_share=0.0) as r:
+async def test_by_default_a_hanging_master_takes_the_whole_window(autojump_clock: trio.testing.MockClock) -> None:
+    async with rig(transport_timeout_ms=10) as r:
         r.master.set_faults(0, MasterFaults(hang=True))
         for i in range(3):
             took, decision = await r.timed_route(f"h{i}")
