@@ -187,9 +187,10 @@ async def test_a_hanging_master_costs_its_window_until_the_breaker_opens(
 async def test_a_hanging_master_leaves_the_slave_its_share_of_the_window(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """The master accepts /schedule and never answers while its master/info still does (discovery keeps
-    it): its call used to take every request's whole window, the slave was never asked, and the
-    breaker then skipped the source, slave and all, for the whole outage."""
+    """With a share for the slave (off by default): the master accepts /schedule and never answers
+    while its master/info still does (discovery keeps it); its call would take every request's whole
+    window, the slave never asked, and the breaker then skip the source, slave and all. (The
+    simulated slave answers by itself; a real one forwards to the master first.)"""
     async with rig(transport_timeout_ms=30, later_sources_ms=10, slave_window_share=0.5) as r:
         hosts = r.master.addresses().hosts
         r.master.set_faults(0, MasterFaults(hang=True))
