@@ -130,12 +130,13 @@ class Supervisor:
         backoff = RESTART_BACKOFF_INITIAL_S
         while True:
             crashed: BaseException | None = None
+            started_at: float | None = None  # this incarnation's, once its start-up succeeded
             try:
                 async with trio.open_nursery() as inner:
                     record.nursery = inner
                     value = await inner.start(run)
                     record.state = "running"
-                    record.started_at = trio.current_time()
+                    record.started_at = started_at = trio.current_time()
                     if first is not None:
                         first.started(value)
                         first = None
@@ -147,8 +148,10 @@ class Supervisor:
             if crashed is None:
                 record.state = "stopped"
                 return
-            if trio.current_time() - record.started_at > RESTART_STABLE_S:
-                backoff = RESTART_BACKOFF_INITIAL_S  # it had run stably: a fresh failure, not a crash loop
+            # Only an incarnation that itself ran stably resets the backoff: one whose start-up failed
+            # ran not at all, whatever an earlier one did (else a restart failing at start-up loops).
+            if started_at is not None and trio.current_time() - started_at > RESTART_STABLE_S:
+                backoff = RESTART_BACKOFF_INITIAL_S  # a fresh failure, not a crash loop
             record.restarts += 1
             record.state = "restarting"
             record.last_error = repr(leaves(crashed)[0])

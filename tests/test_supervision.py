@@ -6,6 +6,8 @@ MockClock + MemoryNetwork (in-memory SimCluster); the crash is raised inside the
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import trio
 import trio.testing
@@ -112,3 +114,29 @@ async def test_crashed_channel_pool_restarts_with_its_leases_counted(autojump_cl
         assert fresh.closes == 1
         services.cancel_scope.cancel()
     await pool.aclose()
+
+
+async def test_restarts_failing_at_start_up_back_off_after_a_stable_run(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The backoff reset compared with the last start that succeeded: once it was 30 s old, every
+    restart failing at start-up reset the backoff, and the actor was restarted 20 times a second."""
+    attempts: list[float] = []
+
+    async def actor(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        attempts.append(trio.current_time())
+        if len(attempts) == 1:
+            task_status.started()
+            await trio.sleep(40)  # a stable run
+            raise RuntimeError("crash after a stable run")
+        raise RuntimeError("start-up failure")  # every restart fails before it has started
+
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(nursery)
+        await supervisor.start("flaky", actor)
+        await trio.sleep(100)
+        nursery.cancel_scope.cancel()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(attempts[1:])]
+    assert all(later >= earlier - 1e-6 for earlier, later in itertools.pairwise(gaps)), gaps  # never reset
+    assert len(attempts) < 40, len(attempts)
+
