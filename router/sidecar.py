@@ -135,6 +135,19 @@ def request_from_proto(message: router_v1_pb2.RouteRequest, limits: LimitsConfig
     return converted(message)
 
 
+GRPC_DEFAULT_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
+
+
+def max_request_bytes(limits: LimitsConfig) -> int:
+    """The most bytes a RouteRequest can take on the wire that the limits might still allow, doubled:
+    grpc refuses a larger message before the handler runs (RESOURCE_EXHAUSTED, naming no field), so
+    it is set past the largest legal request, whose checks then name the field and its bound. Never
+    below grpc's own default (pure)."""
+    ids = 10 * (limits.max_prompt_tokens + limits.max_block_keys)  # a packed int64 takes 10 bytes at most
+    legal = ids + 4 * limits.max_request_id_bytes + 32 * limits.max_roles + 64 * 1024
+    return max(GRPC_DEFAULT_MAX_RECEIVE_BYTES, 2 * legal)
+
+
 def check_proto_bounds(message: router_v1_pb2.RouteRequest, limits: LimitsConfig) -> None:
     """Raise BadRequest naming the field when ``message`` is larger than ``limits`` allow (from its sizes)
     or malformed in its shape (no id, not exactly one prompt list): both before it may be shed."""
@@ -471,7 +484,10 @@ class Sidecar:
             # millisecond, so a queue of them drains well within a client's deadline, where a refusal
             # beyond the threads would leave the caller with no answer at all.
             maximum_concurrent_rpcs=self._serve.grpc_max_concurrent_rpcs,
-            options=[("grpc.so_reuseport", int(self._reuse_port))],
+            options=[
+                ("grpc.so_reuseport", int(self._reuse_port)),
+                ("grpc.max_receive_message_length", max_request_bytes(self._limits)),
+            ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:

@@ -98,7 +98,11 @@ class Rig:
 
 @asynccontextmanager
 async def rig(
-    nursery: trio.Nursery, *, serve: ServeConfig | None = None, router: RouterConfig | None = None
+    nursery: trio.Nursery,
+    *,
+    serve: ServeConfig | None = None,
+    router: RouterConfig | None = None,
+    limits: LimitsConfig | None = None,
 ) -> AsyncIterator[Rig]:
     cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
     addrs = await nursery.start(cluster.serve_grpc)
@@ -107,6 +111,7 @@ async def rig(
         discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
         router=router or RouterConfig(budget_cap_ms=1000.0),
         serve=serve or ServeConfig(grpc_listen="127.0.0.1:0"),
+        limits=limits or LimitsConfig(),
     )
     async with open_router(config) as handle, trio.open_nursery() as inner:
         resolver = handle.leader_resolver()
@@ -141,6 +146,20 @@ def _details(outcome: object) -> str:
 
 async def _in_thread(fn: Callable[[], object]) -> object:
     return await trio.to_thread.run_sync(fn)
+
+
+async def test_a_request_past_grpcs_default_size_reaches_the_limits_checks(nursery: trio.Nursery) -> None:
+    """grpc's default 4 MiB receive cap refused a request before the handler ran (RESOURCE_EXHAUSTED,
+    naming no field), also one within limits an operator had raised: the cap now follows the limits."""
+    limits = LimitsConfig(max_block_keys=500_000)
+    keys = [2**62 + i for i in range(500_001)]  # 9 bytes each on the wire: 4.5 MB, one key past the limit
+    over = router_v1_pb2.RouteRequest(request_id="big", block_cache_keys=keys, block_size=BLOCK)
+    assert over.ByteSize() > 4 * 1024 * 1024
+    with trio.fail_after(60):
+        async with rig(nursery, limits=limits) as r:
+            outcome = await _in_thread(lambda: r.route(over, timeout=30.0))
+            assert _status(outcome) is grpc.StatusCode.INVALID_ARGUMENT
+            assert "block_cache_keys" in _details(outcome) and "500000" in _details(outcome)
 
 
 async def test_route_returns_kvcm_decision_for_seeded_prefix_and_health_serving(nursery: trio.Nursery) -> None:
