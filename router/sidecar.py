@@ -315,6 +315,8 @@ class _Counters:
         self._lock = threading.Lock()
         self._gate = gate
         self._in_flight = 0
+        self.idle = threading.Event()  # set while no Route call is in flight (a drain waits for it)
+        self.idle.set()
         self._shed = 0
         self._unrecorded = 0
         self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed"), 0)
@@ -322,6 +324,7 @@ class _Counters:
     def enter(self) -> None:
         with self._lock:
             self._in_flight += 1
+            self.idle.clear()
 
     def shed(self, *, recorded: bool) -> None:
         with self._lock:
@@ -333,6 +336,8 @@ class _Counters:
         with self._lock:
             self._in_flight -= 1
             self._ended[outcome] += 1
+            if not self._in_flight:
+                self.idle.set()
 
     def snapshot(self) -> SidecarStats:
         waited, shed_after_wait = self._gate.waits()
@@ -368,12 +373,19 @@ class _RouterHealth(health.HealthServicer):
     def __init__(self, ready: Callable[[], bool]) -> None:
         super().__init__()
         self._ready = ready  # called on grpc threads: reads, never waits
+        self._serving_lock = threading.Lock()
+        self._serving: bool | None = None
         self.set_serving(False)
 
     def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in _HEALTH_SERVICES:
-            self.set(service, status)  # ignored once a drain began (enter_graceful_shutdown)
+        """Tell Check and every Watch stream, when it changed (a Watch stream is sent each ``set``)."""
+        with self._serving_lock:
+            if serving == self._serving:
+                return
+            self._serving = serving
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in _HEALTH_SERVICES:
+                self.set(service, status)  # ignored once a drain began (enter_graceful_shutdown)
 
     def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
         if request.service in _HEALTH_SERVICES:
@@ -546,6 +558,12 @@ class Sidecar:
         # handed to a handler thread: those clients would not know whether they were routed.
         await trio.sleep(lame_duck)
         stopped = server.stop(grace=grace - lame_duck)  # cancels what is left after the grace
+        # Once no Route call is left the rest is cancelled at once: a health Watch stream never ends
+        # by itself, and would hold every drain to its whole grace.
+        idle = self._counters.idle
+        await trio.to_thread.run_sync(partial(idle.wait, grace - lame_duck), abandon_on_cancel=True)
+        if idle.is_set() and not stopped.is_set():
+            await trio.to_thread.run_sync(partial(server.stop, None), abandon_on_cancel=True)
         # grpc sets the event when the last call has ended or the grace has passed.
         await trio.to_thread.run_sync(stopped.wait, abandon_on_cancel=True)
         after = self.stats()
@@ -769,6 +787,9 @@ class Sidecar:
     def _publish(self, ready: bool) -> None:
         self._ready_at = time.monotonic()  # before the value: a reader seeing it fresh sees that value or a newer
         self._ready = ready
+        # Watch streams (clients' health checking) learn it now, not at the next Check. A stuck
+        # routing thread publishes nothing: a Check on a handler thread finds the publication stale.
+        self._health.set_serving(ready)
 
     def _published_ready(self) -> bool:
         """On handler threads: the readiness last published, if the trio thread published it recently.

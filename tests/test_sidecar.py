@@ -162,6 +162,31 @@ async def test_a_request_past_grpcs_default_size_reaches_the_limits_checks(nurse
             assert "block_cache_keys" in _details(outcome) and "500000" in _details(outcome)
 
 
+async def test_health_watch_streams_follow_readiness_and_do_not_hold_a_drain(nursery: trio.Nursery) -> None:
+    """A Watch stream (what clients' health checking uses) learnt a readiness change only when someone
+    sent a Check; and an open one held every drain to its whole grace (it never ends by itself)."""
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.1, drain_timeout_s=60.0)
+    with trio.fail_after(30):  # against a hang; the drain's grace alone is twice that
+        async with rig(nursery, serve=serve) as r:
+            stub = health_pb2_grpc.HealthStub(r.channel)
+            stream = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60.0)
+            seen: list[int] = []
+
+            def next_status() -> None:
+                seen.append(next(stream).status)
+
+            await _in_thread(next_status)
+            assert seen == [health_pb2.HealthCheckResponse.SERVING]
+            r.sidecar._publish(False)  # as the readiness loop publishes a change: no Check is sent
+            await _in_thread(next_status)
+            r.sidecar._publish(True)
+            await _in_thread(next_status)
+            assert seen[1:] == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
+            r.sidecar.drain()  # no Route call in flight: the drain ends after its lame duck
+            await r.stopped.wait()
+            stream.cancel()
+
+
 async def test_route_returns_kvcm_decision_for_seeded_prefix_and_health_serving(nursery: trio.Nursery) -> None:
     with trio.fail_after(15):
         async with rig(nursery) as r:
