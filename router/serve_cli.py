@@ -9,7 +9,9 @@ Configuration comes from the settings table (flags, ``KVROUTE_*`` variables, ``-
 Once serving it prints one line with the Route gRPC and debug HTTP addresses. On SIGTERM, SIGINT or
 SIGHUP it drains: health turns NOT_SERVING, new calls are refused, calls in flight finish within
 ``--drain-timeout-s``; then every actor stops and every channel closes, a summary of the calls goes
-to stderr, and the exit status is 0. A second signal during the drain stops at once.
+to stderr, and the exit status is 0. A second signal during the drain stops at once. A signal
+during start-up (which can wait as long as a peer's discovery timeout) stops it at once, before it
+serves or prints its addresses, also with status 0.
 
 With ``--processes N`` (N > 1) this process supervises N such router processes sharing the gRPC port
 (``router.serve_processes``) and prints the one line once all of them serve. Each child runs this
@@ -101,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         for error in bind_errors:
             _say(f"{who}: {error}")
         return EXIT_CANNOT_SERVE
+    if isinstance(stats, str):
+        _say(f"{who}: {stats} during start-up: stopped before serving")
+        return EXIT_OK
     _say(
         f"{who}: stopped; Route calls answered={stats.answered} invalid={stats.invalid} "
         f"refused={stats.unavailable} timed_out={stats.timed_out} failed={stats.failed} "
@@ -224,20 +229,38 @@ async def _first_stop(signals: AsyncIterator[int], supervised: bool) -> str:
     return reason
 
 
-async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats:
+async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats | str:
+    """The calls' counts once drained; or the name of the signal that stopped it during start-up (which
+    can take as long as a peer's discovery timeout: a stop must not wait for it, nor see it serve)."""
     config = loaded.effective
     stop_signals = (*STOP_SIGNALS, STOP_NOW_SIGNAL) if supervised is not None else STOP_SIGNALS
+    stopped_by: list[str] = []
     with trio.open_signal_receiver(*stop_signals) as signals:
-        async with open_router(config, loaded=loaded, debug_http=True) as handle, trio.open_nursery() as watch:
-            sidecar = Sidecar(handle, config, reuse_port=supervised is not None)
-            async with trio.open_nursery() as serving:
-                grpc_address = await serving.start(sidecar.run)
-                freeze_start_up()  # the process is ours; embedders decide this for their own
-                print(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address), flush=True)
-                reason = await _first_stop(signals, supervised is not None)
-                log.info("%s: draining", reason, extra=ctx(reason="drain"))
-                sidecar.drain()
-                watch.start_soon(_stop_on_signal, signals, serving.cancel_scope, supervised is not None)
-            watch.cancel_scope.cancel()  # drained (sidecar.run returned): no more signals to watch
-        # open_router's exit stopped every actor and closed every channel.
+        async with trio.open_nursery() as guard:
+            starting = trio.CancelScope()
+            watching = trio.CancelScope()
+
+            async def stop_the_start_up() -> None:
+                with watching:
+                    stopped_by.append(signal.Signals(await _next_signal(signals)).name)
+                    starting.cancel()
+
+            guard.start_soon(stop_the_start_up)
+            with starting:
+                async with open_router(config, loaded=loaded, debug_http=True) as handle, trio.open_nursery() as watch:
+                    sidecar = Sidecar(handle, config, reuse_port=supervised is not None)
+                    async with trio.open_nursery() as serving:
+                        grpc_address = await serving.start(sidecar.run)
+                        watching.cancel()  # started: from here on a signal drains (below)
+                        await trio.lowlevel.checkpoint()  # a stop that came with the start ends it here
+                        freeze_start_up()  # the process is ours; embedders decide this for their own
+                        print(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address), flush=True)
+                        reason = await _first_stop(signals, supervised is not None)
+                        log.info("%s: draining", reason, extra=ctx(reason="drain"))
+                        sidecar.drain()
+                        watch.start_soon(_stop_on_signal, signals, serving.cancel_scope, supervised is not None)
+                    watch.cancel_scope.cancel()  # drained (sidecar.run returned): no more signals to watch
+                # open_router's exit stopped every actor and closed every channel.
+    if stopped_by:
+        return stopped_by[0]
     return sidecar.stats()

@@ -200,6 +200,37 @@ async def _read_all(stream: trio.abc.ReceiveStream) -> str:
     return b"".join(chunks).decode()
 
 
+async def test_a_stop_during_start_up_ends_it_at_once_and_it_never_says_it_serves() -> None:
+    """Signals were read only once serving: a SIGTERM while start-up waited on a scheduler that
+    accepts and never answers took effect after the discovery timeout, and the process printed its
+    serving line first."""
+    with trio.fail_after(60), trio.socket.socket() as blackhole:  # the discovery timeout is twice that
+        await blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen()
+        command = [
+            *CLI_SERVE,
+            "--grpc-listen=127.0.0.1:0",
+            "--debug-listen=127.0.0.1:0",
+            "--workers=127.0.0.1:9",
+            "--kvcm-fallback=false",
+            f"--master-hosts=127.0.0.1:{blackhole.getsockname()[1]}",
+            "--master-discovery-timeout-s=120",
+        ]
+        proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            connection, _ = await blackhole.accept()  # start-up waits on this poll now
+            with connection:
+                proc.send_signal(signal.SIGTERM)
+                code = await proc.wait()
+            stdout, stderr = await _read_all(proc.stdout), await _read_all(proc.stderr)
+        finally:
+            await _stop_process(proc)
+    assert code == 0, stderr
+    assert stdout == ""  # it never announced an address
+    assert "SIGTERM during start-up: stopped before serving" in stderr
+
+
 async def test_fatal_configuration_lists_every_problem_and_exits_2() -> None:
     with trio.fail_after(30):
         code, stdout, stderr = await _run_to_end([*CLI_SERVE, "--grpc-listen=nowhere", "--budget-cap-ms=-5"])
