@@ -550,6 +550,22 @@ async def test_background_health_probes_take_only_tokens_in_the_bucket(
     assert prober.snapshot().budget_tokens == 2
 
 
+def _with_hanging(fake: FakeWorkers, fleet: list[WorkerAddr], hanging: int) -> list[WorkerAddr]:
+    """``fleet`` served by ``fake``, its first ``hanging`` workers accepting and never answering."""
+    served = [fake.add(w) for w in fleet]
+    for worker in served[:hanging]:
+        fake.hanging.add(worker.status_target)
+    return served
+
+
+async def _a_request_probe_gets_a_status(prober: WorkerProber, worker: WorkerAddr, *, within: float) -> None:
+    handle = prober.probe([worker], trio.current_time() + within)
+    with trio.move_on_at(handle.deadline):
+        await handle.wait_all()
+    (result,) = handle.results()
+    assert result.status is not None, result
+
+
 async def test_health_probes_of_hanging_workers_leave_requests_their_slots(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
@@ -557,20 +573,14 @@ async def test_health_probes_of_hanging_workers_leave_requests_their_slots(
     heard from lately, in a partial partition), they held them all to the timeout and a request's
     probe of a healthy worker was skipped for want of budget."""
     fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
-    fleet = [fake.add(w) for w in workers(200)]
-    for worker in fleet[:64]:
-        fake.hanging.add(worker.status_target)
+    fleet = _with_hanging(fake, workers(200), 64)
     config = dataclasses.replace(ProberConfig(), background_refresh=False)
     prober = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
     await nursery.start(prober.run)
     await trio.sleep(0.01)
     snapshot = prober.snapshot()
     assert snapshot.health_probes > 0 and snapshot.inflight <= snapshot.inflight_cap // 2  # the refresh share
-    handle = prober.probe([fleet[-1]], trio.current_time() + 0.05)
-    with trio.move_on_at(handle.deadline):
-        await handle.wait_all()
-    (result,) = handle.results()
-    assert result.status is not None, result
+    await _a_request_probe_gets_a_status(prober, fleet[-1], within=0.05)
 
 
 async def test_refresh_polls_and_health_probes_together_leave_requests_their_slots(
@@ -579,21 +589,15 @@ async def test_refresh_polls_and_health_probes_together_leave_requests_their_slo
     """Each kind had the refresh share of the slots to itself: with hanging workers kept hot (refresh)
     and others not heard from (health), they held every slot between them."""
     fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
-    fleet = [fake.add(w) for w in workers(300)]
+    fleet = _with_hanging(fake, workers(300), 120)
     hanging = fleet[:120]
-    for worker in hanging:
-        fake.hanging.add(worker.status_target)
     prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net), fleet=lambda: fleet)
     await nursery.start(prober.run)
     for _ in range(100):  # requests keep 40 hanging workers hot, not waiting for them
         prober.probe(hanging[:40], trio.current_time())
         await trio.sleep(0.01)
     assert prober.snapshot().inflight <= prober.snapshot().inflight_cap // 2  # the refresh share, both kinds
-    handle = prober.probe([fleet[250]], trio.current_time() + 0.02)
-    with trio.move_on_at(handle.deadline):
-        await handle.wait_all()
-    (result,) = handle.results()
-    assert result.status is not None, result
+    await _a_request_probe_gets_a_status(prober, fleet[250], within=0.02)
 
 
 async def test_hanging_worker_is_ejected_even_with_short_request_deadlines(
