@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.cluster_master import cluster_decide
+from kvroute_sim.sim.master import NoWorkerForRole, SimMaster
 from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import Role
@@ -68,6 +71,20 @@ def test_prefill_decode_separation_names_one_worker_per_role() -> None:
         (Role.DECODE, cluster.worker_addr(3).http_target),  # the least queued decode worker
         (Role.PREFILL, cluster.worker_addr(1).http_target),  # the prefix holder
     ]
+
+
+def test_a_role_the_cluster_has_with_no_reachable_worker_is_the_schedulers_routing_failure() -> None:
+    """A real scheduler answers 8402 (no prefill worker) rather than a routed reply without the role,
+    which the frontend would fill from the role's domain and route."""
+    cluster = _cluster(["RoleType.PREFILL", "RoleType.PREFILL", "RoleType.DECODE"])
+    for i in (0, 1):
+        cluster.workers[i].set_faults(WorkerFaults(dead=True))
+    decide = cluster_decide(cluster, lambda: NOW)
+    with pytest.raises(NoWorkerForRole) as missing:
+        decide(_request())
+    assert (missing.value.role, missing.value.code) == (Role.PREFILL, 8402)
+    master = SimMaster(replicas=1, decide=decide)
+    assert master._schedule_answer(_request())[:2] == (8402, "no available PREFILL worker")
 
 
 def test_the_clock_is_read_per_decision() -> None:

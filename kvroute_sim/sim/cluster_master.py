@@ -8,7 +8,8 @@ cluster's workers report, the reachable worker with the least cost at ``clock()`
 - a companion role (DECODE, VIT) costs its queued tokens.
 
 Ties go to the lowest worker index, so the same cluster state always gives the same answer.
-No reachable worker of a role: that role is left out (no worker at all: the master answers 8400).
+A role the cluster has with no reachable worker: the scheduler's routing failure for it (8402–8405,
+``NoWorkerForRole``), as a real one answers; no worker at all: 8400.
 
 A request that carries token ids and no keys is hashed here in ``family`` (the scheduler's own hash
 family, the deployment's), as the real scheduler hashes ``input_ids``.
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvroute_sim.sim.cluster import SimCluster
-from kvroute_sim.sim.master import Decide
+from kvroute_sim.sim.master import Decide, NoWorkerForRole
 from router.keys import block_keys
 from router.types import KeyFamily, Role, RoleAddr
 from router.wire.master import MASTER_ROLES, MasterScheduleRequest
@@ -42,6 +43,7 @@ def cluster_decide(cluster: SimCluster, clock: Callable[[], float], family: KeyF
         if not keys and request.input_ids:
             keys = block_keys(request.input_ids, cluster.block_size, family)
         chosen: list[RoleAddr] = []
+        any_reachable = any(worker.reachable(now) for worker in cluster.workers)  # none: 8400, not a role's code
         for role in MASTER_ROLES:
             best: tuple[int, int] | None = None  # (cost, worker index)
             for index, worker in enumerate(cluster.workers):
@@ -55,6 +57,8 @@ def cluster_decide(cluster: SimCluster, clock: Callable[[], float], family: KeyF
             if best is not None:
                 addr = addrs[best[1]]
                 chosen.append(RoleAddr(role, addr.ip, addr.http_port, addr.grpc_port))
+            elif role in roles and any_reachable:
+                raise NoWorkerForRole(role)
         return chosen
 
     return decide

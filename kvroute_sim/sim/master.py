@@ -35,7 +35,7 @@ from router.targets import format_target
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import GrpcServer, UnaryBytesHandler, start_grpc_server
 from router.transport.master_memory import MemoryMasterNetwork
-from router.types import RoleAddr
+from router.types import Role, RoleAddr
 from router.wire import paths
 from router.wire.master import (
     CODE_INVALID_REQUEST,
@@ -61,6 +61,18 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 Decide = Callable[[MasterScheduleRequest], Sequence[RoleAddr]]
+
+# The scheduler's routing failure for a role the cluster has but cannot serve now (8402–8405).
+NO_WORKER_CODES = {Role.PREFILL: 8402, Role.DECODE: 8403, Role.PDFUSION: 8404, Role.VIT: 8405}
+
+
+class NoWorkerForRole(Exception):
+    """Raised by a ``Decide``: the cluster has workers of ``role`` and none can take the request."""
+
+    def __init__(self, role: Role) -> None:
+        super().__init__(f"no available {role.value} worker")
+        self.role = role
+        self.code = NO_WORKER_CODES[role]
 """The routing policy: the workers to name (one per role) for a request; none → 8400."""
 
 METHODS = frozenset({paths.MASTER_HTTP_SCHEDULE, paths.MASTER_HTTP_INFO, paths.MASTER_SCHEDULE, paths.MASTER_CANCEL})
@@ -237,7 +249,10 @@ class SimMaster:
 
     def _schedule_answer(self, request: MasterScheduleRequest) -> tuple[int, str, Sequence[RoleAddr]]:
         """(code, message, workers) for a request the replica answers now."""
-        addrs = list(self._decide(request))
+        try:
+            addrs = list(self._decide(request))
+        except NoWorkerForRole as missing:
+            return missing.code, str(missing), ()
         if not addrs:
             return CODE_NO_AVAILABLE_WORKER, "no available worker", ()
         with self._schedules_lock:
