@@ -538,9 +538,7 @@ class WorkerProber:
         now = trio.current_time()
         for flight in self._flights:
             if flight.phase is _Phase.BUDGET:
-                self._bucket.refund(now)
-                if flight.kind is ProbeKind.REFRESH:
-                    self._refresh_bucket.refund(now)
+                self._give_back_tokens(flight, now)
             flight.done = True
             if flight.state.flight is flight:
                 flight.state.flight = None
@@ -905,7 +903,7 @@ class WorkerProber:
                 if not self._in_use(worker, now):
                     idle += 1
                     due = now + interval  # looked at again then: a read meanwhile resumes its polls
-                elif self._refresh_one(worker, state, now, in_turn):
+                elif self._start_background(worker, ProbeKind.REFRESH, now, state=state, batch=in_turn):
                     polls += 1
                     due = now + interval
                 else:
@@ -933,32 +931,52 @@ class WorkerProber:
         keep = min(max(self._config.refresh_idle_gaps * read.gap, self._min_keep_s), self._config.hot_window_s)
         return now - read.at <= keep
 
-    def _refresh_one(self, worker: WorkerAddr, state: _WorkerState, now: float, batch: list[_Flight] | None) -> bool:
-        """Start a poll only with what requests leave: a free slot nobody queues for, a token beyond
-        the part of the burst kept for requests, within the refresh share of the rate."""
-        if self._background_inflight() >= self._refresh_slots:
+    def _start_background(
+        self,
+        worker: WorkerAddr,
+        kind: ProbeKind,
+        now: float,
+        *,
+        state: _WorkerState | None = None,
+        batch: list[_Flight] | None = None,
+    ) -> bool:
+        """Start a refresh poll or a health probe only with what requests leave: a token beyond the
+        part of the burst kept for them (a refresh poll also within the refresh share of the rate), and
+        a free slot nobody queues for, refresh polls and health probes together holding at most the
+        refresh share of the slots. False: nothing started, nothing taken. ``state``: the worker's
+        (None: tracked now); ``batch``: see ``_launch``."""
+        if self._refresh_inflight + self._health_inflight >= self._refresh_slots:
             return False
         if self._pending_probes >= self._config.max_tracked_workers:
             return False
-        if self._bucket.peek(now) < 1.0 + self._refresh_keep or not self._refresh_bucket.take(now):
+        if self._bucket.peek(now) < 1.0 + self._refresh_keep:
             return False
-        flight = _Flight(
-            worker, state, now, trio.CancelScope(deadline=now + self._config.probe_timeout_s), ProbeKind.REFRESH
-        )
+        refresh = kind is ProbeKind.REFRESH
+        if refresh and not self._refresh_bucket.take(now):
+            return False
+        scope = trio.CancelScope(deadline=now + self._config.probe_timeout_s)
+        flight = _Flight(worker, self._touch(worker) if state is None else state, now, scope, kind)
         try:
             self._limiter.acquire_on_behalf_of_nowait(flight)
         except trio.WouldBlock:
-            self._refresh_bucket.refund(now)
+            if refresh:
+                self._refresh_bucket.refund(now)
             return False
         self._bucket.take(now)
         flight.slot = True
-        self._refresh_inflight += 1
+        if refresh:
+            self._refresh_inflight += 1
+        else:
+            self._health_inflight += 1
         self._launch(flight, now, batch)
         return True
 
-    def _background_inflight(self) -> int:
-        """Refresh polls and health probes holding a slot: together at most the refresh share of them."""
-        return self._refresh_inflight + self._health_inflight
+    def _give_back_tokens(self, flight: _Flight, now: float) -> None:
+        """The tokens of a flight whose call was not made: one of the rate, and a refresh poll's one of
+        the refresh share too."""
+        self._bucket.refund(now)
+        if flight.kind is ProbeKind.REFRESH:
+            self._refresh_bucket.refund(now)
 
     def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> None:
         """Probe the next few workers not heard from for an interval (round robin over the fleet).
@@ -977,7 +995,6 @@ class WorkerProber:
         start = self._health_cursor % n
         started = 0
         looked = 0
-        deadline = now + self._config.probe_timeout_s
         while looked < look and started < limit:
             worker = workers[(start + looked) % n]
             looked += 1
@@ -987,22 +1004,8 @@ class WorkerProber:
                 and state.ejected_until <= now
                 and now - state.checked_at >= self._config.health_interval_s
             ):
-                if (
-                    self._pending_probes >= self._config.max_tracked_workers
-                    or self._background_inflight() >= self._refresh_slots
-                    or not self._bucket.take(now, keep=self._refresh_keep)
-                ):
+                if not self._start_background(worker, ProbeKind.HEALTH, now):
                     break
-                scope = trio.CancelScope(deadline=deadline)
-                flight = _Flight(worker, self._touch(worker), now, scope, ProbeKind.HEALTH)
-                try:
-                    self._limiter.acquire_on_behalf_of_nowait(flight)
-                except trio.WouldBlock:
-                    self._bucket.refund(now)
-                    break
-                flight.slot = True
-                self._health_inflight += 1
-                self._launch(flight, now)
                 started += 1
         self._health_cursor = (start + looked) % n
         self._health_probes += started
@@ -1110,9 +1113,7 @@ class WorkerProber:
             flight.state.flight = None  # the next request starts a new probe
         self._peak_inflight = max(self._peak_inflight, landed.inflight)
         if landed.no_budget:
-            self._bucket.refund(landed.at)
-            if flight.kind is ProbeKind.REFRESH:  # a poll the round's time did not reach took both
-                self._refresh_bucket.refund(landed.at)
+            self._give_back_tokens(flight, landed.at)
             result = self._outcome_skipped(flight, SkipReason.NO_BUDGET)
         elif landed.status is not None:
             result = self._record_status(flight, landed.status, landed.at)
