@@ -182,11 +182,15 @@ def named_roles(
     roles = request.roles
     if not roles or not isinstance(roles, tuple | list) or not all(isinstance(r, Role) for r in roles):
         return None
-    routed = [r for r in dict.fromkeys(roles) if r in deployment.roles]
-    prefill = tuple(r for r in routed if r in PREFILL_CAPABLE_ROLES)
+    prefill, companions = _role_parts(tuple(r for r in dict.fromkeys(roles) if r in deployment.roles))
     if not prefill:
         return None
-    return prefill, tuple(r for r in routed if r in COMPANION_ROLES)
+    return prefill, companions
+
+
+def _role_parts(roles: tuple[Role, ...]) -> tuple[tuple[Role, ...], tuple[Role, ...]]:
+    """``roles``' prefill-capable ones and its companion ones, each in order."""
+    return tuple(r for r in roles if r in PREFILL_CAPABLE_ROLES), tuple(r for r in roles if r in COMPANION_ROLES)
 
 
 def check_request(
@@ -218,7 +222,7 @@ def check_request(
     foreign = [r.value for r in roles if r not in deployment.roles]
     if foreign:
         raise BadRequest("roles", f"{','.join(foreign)} not routed by this deployment ({_names(deployment.roles)})")
-    prefill_roles = tuple(r for r in roles if r in PREFILL_CAPABLE_ROLES)
+    prefill_roles, companions = _role_parts(roles)
     if not prefill_roles:
         raise BadRequest("roles", "name a prefill-capable role (PREFILL or PDFUSION) beside any companion role")
     tokens: Sequence[int] = ()
@@ -226,12 +230,8 @@ def check_request(
     if request.block_cache_keys is not None:
         keys = tuple(request.block_cache_keys)
         block_size = request.block_size if request.block_size is not None else deployment.block_size
-        if keys:
-            try:
-                # Packing checks every key's type and range in one pass in C (min and max took two).
-                struct.pack(f"<{len(keys)}q", *keys)
-            except struct.error:
-                raise BadRequest("block_cache_keys", "every key must be a signed 64-bit integer") from None
+        if keys and not _all_int64(keys):
+            raise BadRequest("block_cache_keys", "every key must be a signed 64-bit integer")
         covered = len(keys) * block_size
         if request.seq_len is None:
             if covered > limits.max_prompt_tokens:
@@ -277,19 +277,27 @@ def check_request(
         block_size=block_size,
         seq_len=seq_len,
         roles=prefill_roles,
-        companions=tuple(r for r in roles if r in COMPANION_ROLES),
+        companions=companions,
         family=deployment.key_family,
         lookahead=deployment.lookahead_tokens,
     )
 
 
 def check_token_ids(token_ids: Sequence[int]) -> None:
-    """Raise BadRequest("token_ids") unless every id is a 64-bit integer (pure, one C-level pass): for
-    token ids no key family hashes, which would catch them."""
+    """Raise BadRequest("token_ids") unless every id is a 64-bit integer (pure): for token ids no key
+    family hashes, which would catch them."""
+    if not _all_int64(token_ids):
+        raise BadRequest("token_ids", "every token id must be a 64-bit integer")
+
+
+def _all_int64(values: Sequence[int]) -> bool:
+    """Whether every value is a signed 64-bit integer: packing checks each one's type and range in one
+    pass in C (min and max took two)."""
     try:
-        struct.pack(f"<{len(token_ids)}q", *token_ids)
+        struct.pack(f"<{len(values)}q", *values)
     except (struct.error, TypeError):
-        raise BadRequest("token_ids", "every token id must be a 64-bit integer") from None
+        return False
+    return True
 
 
 def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int, ...]]:
