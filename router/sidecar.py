@@ -522,7 +522,6 @@ class Sidecar:
                 calls.start_soon(self._publish_readiness, publishing)
                 server.start()
                 self.bound = HostPort(self._listen.host, port)
-                self._health.set_serving(self._ready)
                 log.info(
                     "Route gRPC service listening on %s (%s)",
                     self.bound,
