@@ -232,9 +232,9 @@ async def _first_stop(signals: AsyncIterator[int], supervised: bool) -> str:
 async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats | str:
     """The calls' counts once drained; or the name of the signal that stopped it during start-up (which
     can take as long as a peer's discovery timeout: a stop must not wait for it, nor see it serve)."""
-    config = loaded.effective
     stop_signals = (*STOP_SIGNALS, STOP_NOW_SIGNAL) if supervised is not None else STOP_SIGNALS
     stopped_by: list[str] = []
+    stats: SidecarStats | None = None
     with trio.open_signal_receiver(*stop_signals) as signals:
         async with trio.open_nursery() as guard:
             starting = trio.CancelScope()
@@ -247,20 +247,31 @@ async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats |
 
             guard.start_soon(stop_the_start_up)
             with starting:
-                async with open_router(config, loaded=loaded, debug_http=True) as handle, trio.open_nursery() as watch:
-                    sidecar = Sidecar(handle, config, reuse_port=supervised is not None)
-                    async with trio.open_nursery() as serving:
-                        grpc_address = await serving.start(sidecar.run)
-                        watching.cancel()  # started: from here on a signal drains (below)
-                        await trio.lowlevel.checkpoint()  # a stop that came with the start ends it here
-                        freeze_start_up()  # the process is ours; embedders decide this for their own
-                        print(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address), flush=True)
-                        reason = await _first_stop(signals, supervised is not None)
-                        log.info("%s: draining", reason, extra=ctx(reason="drain"))
-                        sidecar.drain()
-                        watch.start_soon(_stop_on_signal, signals, serving.cancel_scope, supervised is not None)
-                    watch.cancel_scope.cancel()  # drained (sidecar.run returned): no more signals to watch
-                # open_router's exit stopped every actor and closed every channel.
+                stats = await _serve_until_drained(loaded, supervised, signals, started=watching)
     if stopped_by:
         return stopped_by[0]
+    assert stats is not None  # not stopped during start-up: served to its end
+    return stats
+
+
+async def _serve_until_drained(
+    loaded: LoadedConfig, supervised: int | None, signals: AsyncIterator[int], *, started: trio.CancelScope
+) -> SidecarStats:
+    """Open the router, serve it, drain on the first stop; ``started`` is cancelled once serving (the
+    start-up's own signal watch ends there)."""
+    config = loaded.effective
+    async with open_router(config, loaded=loaded, debug_http=True) as handle, trio.open_nursery() as watch:
+        sidecar = Sidecar(handle, config, reuse_port=supervised is not None)
+        async with trio.open_nursery() as serving:
+            grpc_address = await serving.start(sidecar.run)
+            started.cancel()  # from here on a signal drains (below)
+            await trio.lowlevel.checkpoint()  # a stop that came with the start ends it here
+            freeze_start_up()  # the process is ours; embedders decide this for their own
+            print(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address), flush=True)
+            reason = await _first_stop(signals, supervised is not None)
+            log.info("%s: draining", reason, extra=ctx(reason="drain"))
+            sidecar.drain()
+            watch.start_soon(_stop_on_signal, signals, serving.cancel_scope, supervised is not None)
+        watch.cancel_scope.cancel()  # drained (sidecar.run returned): no more signals to watch
+    # open_router's exit stopped every actor and closed every channel.
     return sidecar.stats()
