@@ -255,6 +255,25 @@ async def test_with_the_kvcm_fallback_off_a_hanging_master_is_judged_and_opens_t
         assert r.kvcm_queries() == 0
 
 
+async def test_with_nothing_kept_for_kvcm_a_hanging_master_is_still_judged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``later_sources_ms`` 0 keeps nothing for KVCM: the window still ends the domain's reserve
+    before the deadline, so the request's own scope never takes the hung call's cancellation and
+    leaves it unjudged (which would cost every request its whole budget with the breaker closed)."""
+    async with rig(replicas=1, later_sources_ms=0) as r:
+        r.master.set_faults(0, MasterFaults(hang=True))
+        for i in range(5):
+            took, decision = await r.timed_route(f"h{i}")
+            assert decision.sources[0].source is RouteSource.MASTER
+            assert decision.sources[0].reason is (Reason.MASTER_UNAVAILABLE if i < 3 else Reason.MASTER_BREAKER_OPEN)
+            assert took < 0.050
+            await trio.testing.wait_all_tasks_blocked()
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth)
+        assert health.breaker.state.value == "open"
+
+
 async def test_a_decode_first_answer_routes_the_prefill_worker(autojump_clock: trio.testing.MockClock) -> None:
     """A prefill/decode cluster answers [DECODE, PREFILL]; with both roles routed the request's worker is
     the prefill one, and the decode address rides along as the master gave it."""

@@ -58,8 +58,11 @@ DOMAIN_RESERVE_S = 0.001
 
 
 def kept_after_master(config: KvrouteConfig, *, later_sources: bool) -> float:
-    """Seconds of the request's budget the master's window leaves for the sources after it."""
-    return config.master.later_sources_ms / 1000.0 if later_sources else DOMAIN_RESERVE_S
+    """Seconds of the request's budget the master's window leaves for the sources after it: never
+    less than the domain's reserve, so a window kept for KVCM too ends before the request's scope."""
+    if not later_sources:
+        return DOMAIN_RESERVE_S
+    return max(config.master.later_sources_ms / 1000.0, DOMAIN_RESERVE_S)
 
 
 def routed_pick(addrs: Sequence[RoleAddr], roles: Collection[Role]) -> RoleAddr | None:
