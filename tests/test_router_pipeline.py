@@ -188,6 +188,32 @@ async def test_queries_cut_short_by_tight_budgets_do_not_open_the_breaker(
         assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(1)
 
 
+async def test_queries_cut_by_a_query_timeout_below_slow_query_ms_are_judged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The operator's own kvcm_query_timeout_ms (5 ms) bounds a healthy answer, however short: a
+    query it cuts is a KVCM failure, not a tight budget, so a hung KVCM opens the breaker and
+    later requests stop paying the timeout."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, kvcm_query_timeout_ms=5.0) as (handle, _, config):
+        seed(cluster, 1, 8)
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        first = await handle.route(RouteRequest("cut0", token_ids=PROMPT, budget_ms=50))
+        assert first.sources[0].reason is Reason.DEADLINE
+        await trio.testing.wait_all_tasks_blocked()
+        assert resolver.snapshot().queries_cut_short_total == 0
+        assert resolver.snapshot().invalidations_total == 1
+        for i in range(4 * config.breaker.failure_threshold):
+            await handle.route(RouteRequest(f"cut{i + 1}", token_ids=PROMPT, budget_ms=50))
+            await trio.testing.wait_all_tasks_blocked()
+        snap = resolver.snapshot()
+        assert snap.breaker.state is BreakerState.OPEN and snap.queries_cut_short_total == 0
+
+
 async def test_one_kvcm_stall_failing_every_query_in_flight_is_one_failure(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
