@@ -390,15 +390,23 @@ class RouterActor:
             started = trio.current_time()
             window_end = source.window(ctx)
             result: SourceResult
-            if window_end < deadline:
-                with trio.CancelScope(deadline=window_end) as window:
+            try:
+                if window_end < deadline:
+                    with trio.CancelScope(deadline=window_end) as window:
+                        result = await source.attempt(ctx)
+                    if window.cancelled_caught:
+                        result = FellThrough(Reason.DEADLINE)
+                else:
+                    # A window reaching the deadline ends with the request's own scope, which (cancelled at
+                    # the same instant, and outer) takes the cancellation: a window scope would catch nothing.
                     result = await source.attempt(ctx)
-                if window.cancelled_caught:
-                    result = FellThrough(Reason.DEADLINE)
-            else:
-                # A window reaching the deadline ends with the request's own scope, which (cancelled at
-                # the same instant, and outer) takes the cancellation: a window scope would catch nothing.
-                result = await source.attempt(ctx)
+            except BaseException as exc:
+                # The request's deadline (or its caller, or a bug) ended it inside this source: the
+                # decision made from the steps must still say which source the time went to.
+                cut = Reason.DEADLINE if isinstance(exc, trio.Cancelled) else Reason.INTERNAL_ERROR
+                elapsed = ms(trio.current_time() - started)
+                steps.append(SourceStep(source.kind, SourceOutcome.FELL_THROUGH, cut, elapsed))
+                raise
             elapsed = ms(trio.current_time() - started)
             if isinstance(result, Skipped):
                 steps.append(SourceStep(source.kind, SourceOutcome.SKIPPED, None, elapsed))

@@ -18,6 +18,7 @@ import trio.testing
 
 from actors.breaker import BreakerState
 from actors.metrics_sink import MetricsSink
+from actors.scorer import Decided, DecideRequest, Scorer
 from actors.shadow_index import ShadowIndexActor
 from actors.sources.base import FellThrough, RequestContext, RequestSplit
 from actors.sources.shadow import ShadowSource
@@ -50,6 +51,7 @@ from router.types import (
     RouteDecision,
     RouteRequest,
     RouteSource,
+    SourceOutcome,
     SplitMode,
     Stage,
     WorkerAddr,
@@ -821,6 +823,29 @@ async def test_a_bug_on_the_request_path_is_answered_counted_and_logged_once_per
             "actors.router_actor",
             "actors.scorer",
         ]
+
+
+async def test_a_deadline_inside_a_source_still_names_that_source_in_the_decision(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVCM answered, then the Scorer's hop stalled past the request's deadline (whose scope, not a
+    window's, ends it): the deadline answer still says the time went to the KVCM source."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    decide = Scorer.decide
+
+    async def stalled(self: Scorer, request: DecideRequest) -> Decided:
+        await trio.sleep(1)
+        return await decide(self, request)
+
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+        monkeypatch.setattr(Scorer, "decide", stalled)
+        d = await handle.route(RouteRequest("stalled", token_ids=PROMPT, budget_ms=50))
+        assert d.route_source is RouteSource.DOMAIN and d.reason is Reason.DEADLINE
+        assert [(s.source, s.outcome, s.reason) for s in d.sources] == [
+            (RouteSource.KVCM, SourceOutcome.FELL_THROUGH, Reason.DEADLINE)
+        ]
+        assert d.sources[0].elapsed_ms == pytest.approx(50.0)
 
 
 async def test_a_bug_after_the_decision_is_logged_even_in_a_pipeline_bugs_window(
