@@ -15,7 +15,7 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LeaderConfig, RouterConfig
 from router.keys import block_keys
-from router.types import KeyFamily, Reason, RouteRequest, RouteSource
+from router.types import KeyFamily, Reason, RouteRequest, RouteSource, Stage
 from router.wire import paths
 
 BLOCK = 16
@@ -131,3 +131,29 @@ async def test_leader_is_resolved_in_the_background_before_any_request(nursery: 
             assert ready, why
             calls = [cluster.kvcm.stats(node).get(paths.KVCM_GET_CLUSTER_INFO).calls for node in cluster.kvcm.node_ids]
             assert calls == [1, 1, 1]  # one concurrent round over the bootstrap targets, not a storm
+
+
+async def test_a_query_whose_window_passed_before_it_was_sent_counts_as_cut(nursery: trio.Nursery) -> None:
+    """A 1 ms budget leaves the KVCM query a window that ends at once: the gRPC adapter refuses to
+    send it (DeadlineExceeded, no checkpoint, so no scope catches anything), and the split must still
+    learn it as a cut wait, not as a query that answered in no time."""
+    with trio.fail_after(20):
+        cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+        config = KvrouteConfig(
+            deployment=DeploymentConfig(block_size=BLOCK),
+            discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+            router=RouterConfig(budget_cap_ms=BUDGET_CAP_MS),
+        )
+        async with open_router(config) as handle:
+            resolver = handle.leader_resolver()
+            assert resolver is not None
+            await resolver.leader()
+            for i in range(50):  # a loop lagging on a busy machine may have admission shed a 1 ms budget
+                d = await handle.route(RouteRequest(f"tiny{i}", token_ids=PROMPT, budget_ms=1))
+                if d.reason is not Reason.OVERLOADED:
+                    break
+            windows = {w.stage: w for w in d.windows}
+            assert d.sources[0].reason is Reason.DEADLINE
+            assert windows[Stage.CACHE_QUERY].cut

@@ -146,7 +146,10 @@ class KvcmSource:
             self._release_unreported(trial)
             raise
         by_budget = query_end <= query_deadline
-        ctx.split.waited(Stage.CACHE_QUERY, waiting.cancelled_caught and by_budget)
+        # Cut by the window whichever deadline fired first: the scope's, or the transport's own (a gRPC
+        # timeout, or a call not sent because the window had already passed), which the scope never sees.
+        cut = waiting.cancelled_caught or (isinstance(error, DeadlineExceeded) and trio.current_time() >= query_end)
+        ctx.split.waited(Stage.CACHE_QUERY, cut and by_budget)
         ctx.stages[Stage.CACHE_QUERY] = ms(trio.current_time() - t)
         if state is None and error is None:
             bound = "the request's budget" if by_budget else "kvcm_query_timeout_ms"
