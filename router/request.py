@@ -12,9 +12,11 @@ Validation and hashing are separate steps so that a long prompt can be hashed in
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from router.config import DeploymentConfig, LimitsConfig
 from router.keys import block_key_slices, join_slices
@@ -313,6 +315,8 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
         return
     slice_blocks = max(1, slice_tokens // checked.block_size)
     slices = block_key_slices(checked.tokens, checked.block_size, checked.family, checked.lookahead, slice_blocks)
+    given = 0
+    as_python_ints = False
     while True:
         try:
             part = next(slices, None)
@@ -320,8 +324,25 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
             raise BadRequest("token_ids", str(exc)) from exc
         except (TypeError, struct.error):  # an operator or a packer the item does not support
             raise BadRequest("token_ids", "every token id must be an integer") from None
+        except OverflowError:
+            # A fixed-width integer type (numpy's int64) overflows the hash's arithmetic, which Python's
+            # ints do not: hash the same values as Python ints, past the slices already given.
+            if as_python_ints:
+                raise BadRequest("token_ids", "every token id must be a 64-bit integer") from None
+            as_python_ints = True
+            try:
+                tokens = [operator.index(t) for t in checked.tokens]
+            except TypeError:
+                raise BadRequest("token_ids", "every token id must be an integer") from None
+            slices = islice(
+                block_key_slices(tokens, checked.block_size, checked.family, checked.lookahead, slice_blocks),
+                given,
+                None,
+            )
+            continue
         if part is None:
             return
+        given += 1
         yield part
 
 

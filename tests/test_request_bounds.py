@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, SupportsIndex, overload
 
+import numpy
 import pytest
 import trio
 import trio.testing
@@ -167,6 +168,20 @@ def test_a_token_id_that_is_no_integer_is_a_bad_request_not_a_router_bug(family:
     with pytest.raises(BadRequest) as info:
         list(key_slices(checked, BLOCK))
     assert info.value.field_name == "token_ids"
+
+
+@pytest.mark.parametrize("family", list(KeyFamily))
+def test_numpy_integer_token_ids_hash_as_the_same_python_ints(family: KeyFamily) -> None:
+    """A Python caller's token ids as numpy int64, all of them or one in a later slice: numpy's fixed
+    width overflows the rtp hash's arithmetic, yet the keys are those of the same Python ints."""
+    deployment = DeploymentConfig(block_size=BLOCK, key_family=family)
+    plain = tuple(range(1000, 1000 + 5 * BLOCK))
+    expected = join_slices(key_slices(check_request(RouteRequest("r", token_ids=plain), deployment, LIMITS), BLOCK))
+    assert expected
+    all_numpy = tuple(numpy.array(plain, dtype=numpy.int64))
+    for tokens in (all_numpy, (*plain[: 3 * BLOCK], *all_numpy[3 * BLOCK :])):
+        checked = check_request(RouteRequest("r", token_ids=tokens), deployment, LIMITS)
+        assert join_slices(key_slices(checked, BLOCK)) == expected
 
 
 # --- the reply margin ----------------------------------------------------------------------------------
