@@ -354,13 +354,39 @@ class _Counters:
 
 class _CallHops:
     """When the trio thread took a handed-off call and settled its answer (``time.monotonic()``);
-    written there before the answer's future is settled, read by the handler thread after."""
+    written there before the answer's future is settled, read by the handler thread after. And who
+    frees the call's place in the gate when its handler stops waiting first (the client's deadline):
+    the trio thread, once it settles, since only then is the router done with the call. A place freed
+    at the timeout would let a storm of timing-out calls hand over call after call to a stalled thread."""
 
-    __slots__ = ("arrived_at", "settled_at")
+    __slots__ = ("_gave_up", "_lock", "_release_unanswered", "_settled", "arrived_at", "settled_at")
 
-    def __init__(self) -> None:
+    def __init__(self, release_unanswered: Callable[[], None]) -> None:
+        self._release_unanswered = release_unanswered
+        self._lock = threading.Lock()
+        self._gave_up = False
+        self._settled = False
         self.arrived_at: float | None = None
         self.settled_at: float | None = None
+
+    def settle(self, answer: concurrent.futures.Future[RouteDecision], result: Outcome[RouteDecision]) -> None:
+        """From the trio thread, once: settle ``answer``, noting when (the reply's way back starts here)."""
+        self.settled_at = time.monotonic()
+        with self._lock:
+            self._settled = True
+            gave_up = self._gave_up
+        if gave_up:
+            self._release_unanswered()
+        settle(answer, result)
+
+    def give_up(self) -> None:
+        """From the handler thread, which stops waiting: the place is freed now if the router is done
+        with the call, else when it settles."""
+        with self._lock:
+            self._gave_up = True
+            settled = self._settled
+        if settled:
+            self._release_unanswered()
 
 
 class _Stopped(Exception):
@@ -656,9 +682,15 @@ class Sidecar:
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
-        hops = _CallHops()  # written by the trio thread before it settles ``answer``
+        release = partial(
+            self._gate.answered,
+            handed_at=handed_at,
+            had_s=max(0.0, left_s - (handed_at - sent_at)),
+            crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
+        )
+        hops = _CallHops(partial(release, answered=False))  # settled by the trio thread
         token = self._token
-        decided = False
+        decided = gave_up = False
         try:
             if token is None:
                 raise _Stopped
@@ -669,16 +701,14 @@ class Sidecar:
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is shutting down: request not routed") from None
         except concurrent.futures.TimeoutError:
             answer.cancel()
+            gave_up = True
+            hops.give_up()
             raise PeerAbort(RpcStatus.DEADLINE_EXCEEDED, f"no decision within {wait_s * 1000:.1f} ms") from None
         except Exception as exc:
             raise PeerAbort(RpcStatus.INTERNAL, f"router error: {exc!r}") from exc
         finally:
-            self._gate.answered(
-                handed_at=handed_at,
-                had_s=max(0.0, left_s - (handed_at - sent_at)),
-                answered=decided,
-                crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
-            )
+            if not gave_up:
+                release(answered=decided)
         reply = self._reply(decision, context)
         done = time.monotonic()
         if hops.settled_at is not None:  # the future's settling orders the trio thread's write before this read
@@ -808,7 +838,7 @@ class Sidecar:
         (``time.monotonic()``) and its routing deadline (min(budget, cap)) in seconds from then."""
         calls = self._calls
         if calls is None:
-            settle(answer, Error(_Stopped()))
+            hops.settle(answer, Error(_Stopped()))
             return
         arrived = hops.arrived_at = time.monotonic()
         if client_s is not None:
@@ -818,7 +848,7 @@ class Sidecar:
         try:
             calls.start_soon(self._call, request, routing, answer, hops)
         except RuntimeError:  # the calls' nursery closed as the sidecar stopped at once (run() clears it next)
-            settle(answer, Error(_Stopped()))
+            hops.settle(answer, Error(_Stopped()))
 
     def _hand_over_reply_times(self) -> None:
         """Send the replies' way-back times the handler threads measured since the last call to the
@@ -847,7 +877,7 @@ class Sidecar:
         received, routing_s = routing
         request = replace(request, budget_ms=budget_left_ms(routing_s, received, time.monotonic()))
         # Cancelled (the sidecar stopped at once): _Stopped, and the handler answers UNAVAILABLE.
-        deliver = partial(_settle_timed, answer, hops)
+        deliver = partial(hops.settle, answer)
         await deliver_outcome(partial(self._handle.route, request), deliver, _Stopped())
 
 
@@ -870,9 +900,3 @@ def metadata_text(text: str) -> str:
     return escaped
 
 
-def _settle_timed(
-    answer: concurrent.futures.Future[RouteDecision], hops: _CallHops, result: Outcome[RouteDecision]
-) -> None:
-    """Settle ``answer``, noting when (``time.monotonic()``): the reply's way back starts here."""
-    hops.settled_at = time.monotonic()
-    settle(answer, result)

@@ -35,6 +35,7 @@ from router.config import (
     ServeConfig,
 )
 from router.keys import block_keys
+from router.receipt import INITIAL_IN_FLIGHT_LIMIT
 from router.replay import load_log
 from router.request import budget_left_ms, caller_deadline
 from router.sidecar import (
@@ -58,6 +59,7 @@ from router.targets import HostPort
 from router.types import BadRequest, KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteSource, WorkerAddr
 from router.wire import router_v1_pb2
 from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
+from tests.test_asyncio_host import _hold
 
 BLOCK = 16
 LIMITS = LimitsConfig()
@@ -423,6 +425,48 @@ async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
     assert len(cases) == 1 and cases[0].overloaded
 
 
+async def test_a_call_whose_client_gave_up_keeps_its_place_until_the_router_is_done_with_it(
+    nursery: trio.Nursery,
+) -> None:
+    """Freed at the handler's timeout, the places would let clients that time out (the storm the gate
+    is for) hand over call after call to a trio thread that had not started the first ones."""
+    with trio.fail_after(30):
+        async with rig(nursery) as r:
+            gate = r.sidecar._gate
+            request = router_v1_pb2.RouteRequest(request_id="warm", token_ids=PROMPT, budget_ms=500)
+            assert isinstance(await trio.to_thread.run_sync(r.route, request), router_v1_pb2.RouteDecision)
+            token = trio.lowlevel.current_trio_token()
+
+            def impatient_round(first: int) -> list[object]:
+                calls = [
+                    router_v1_pb2.RouteRequest(request_id=f"i{first + i}", token_ids=PROMPT, budget_ms=1000)
+                    for i in range(8)
+                ]
+                with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:  # a second: room on a busy machine
+                    return list(pool.map(functools.partial(r.route, timeout=1.0), calls))
+
+            def two_rounds_while_held() -> tuple[list[object], int, list[object], int]:
+                held = _hold(token)  # the trio thread runs nothing until this is set
+                try:
+                    first = impatient_round(0)
+                    after_first = gate.in_router()
+                    second = impatient_round(100)
+                    return first, after_first, second, gate.in_router()
+                finally:
+                    held.set()
+
+            first, after_first, second, after_second = await trio.to_thread.run_sync(two_rounds_while_held)
+            timed_out = sum(isinstance(c, grpc.RpcError) for c in first)
+            assert after_first > 0 and timed_out == after_first  # each handed call timed out, its place kept
+            assert after_second <= INITIAL_IN_FLIGHT_LIMIT  # never more handed over than the limit
+            assert sum(isinstance(c, grpc.RpcError) for c in second) == after_second - after_first
+            for _ in range(1000):  # each place is freed once the router settles its call
+                if not gate.in_router():
+                    break
+                await trio.sleep(0.01)
+            assert gate.in_router() == 0
+
+
 async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_or_recorded_not_a_crash(
     nursery: trio.Nursery,
 ) -> None:
@@ -440,7 +484,7 @@ async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_
                 message = router_v1_pb2.RouteRequest(request_id="late", block_cache_keys=(1, 2), block_size=BLOCK)
                 answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
                 now = time.monotonic()
-                sidecar._spawn(converted(message), None, (now, 0.03), now, answer, _CallHops())
+                sidecar._spawn(converted(message), None, (now, 0.03), now, answer, _CallHops(lambda: None))
                 assert isinstance(answer.exception(timeout=0), _Stopped)  # refused: UNAVAILABLE, not routed
                 published = r.handle.router_actor().overload_answers()
                 assert published is not None and published.answers
@@ -465,7 +509,8 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
             message = router_v1_pb2.RouteRequest(request_id="lagged", block_cache_keys=keys, block_size=BLOCK)
             answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
             received = time.monotonic() - 1.0  # received a second ago with 1.5 s to route: 500 ms left now
-            r.sidecar._spawn(converted(message), None, (received, 1.5), time.monotonic(), answer, _CallHops())
+            hops = _CallHops(lambda: None)
+            r.sidecar._spawn(converted(message), None, (received, 1.5), time.monotonic(), answer, hops)
             # The loop busy with other work before the routing task can start: blocking it is the point.
             time.sleep(0.2)  # noqa: ASYNC251
             decision = await trio.to_thread.run_sync(answer.result, 10.0)
