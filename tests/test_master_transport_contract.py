@@ -19,8 +19,9 @@ import trio.testing
 
 from actors.channel_pool import ChannelPool
 from kvroute_sim.sim.master import MasterFaults, SimMaster, SimMasterAddresses, SimMasterReplica
-from router.config import ChannelPoolConfig, MasterConfig
+from router.config import ChannelPoolConfig, LimitsConfig, MasterConfig
 from router.transport.errors import DeadlineExceeded, GarbledReply, RemoteError, TransportError, Unavailable
+from router.transport.master_body import SCHEDULE_JSON_SLICE_ITEMS
 from router.transport.master_grpc import GrpcMasterTransport
 from router.transport.master_http import HttpMasterTransport
 from router.transport.master_memory import MemoryMasterNetwork
@@ -124,6 +125,52 @@ async def test_routed_names_every_role_and_the_elected_master(clock: object, har
             reply = await harness.transport.schedule(harness.host(i), REQUEST)
             assert reply == MasterRouted((DECODE, PREFILL), harness.host(1), 7)
         assert harness.sim.schedules == 3
+
+
+async def test_a_long_prompts_ids_arrive_whole_over_http(clock: object, harness: Harness) -> None:
+    """The longest prompt the limits allow, as token ids (no keys: KVCM off), encoded in slices."""
+    if harness.adapter == "grpc":
+        pytest.skip("the gRPC schedule API carries no token ids")
+    ids = tuple(range(100_000, 100_000 + LimitsConfig().max_prompt_tokens))
+    seen: list[MasterScheduleRequest] = []
+
+    def decide(request: MasterScheduleRequest) -> list[RoleAddr]:
+        seen.append(request)
+        return [PREFILL]
+
+    harness.sim.set_decide(decide)
+    with trio.fail_after(LIMIT_S):
+        request = MasterScheduleRequest("long", seq_len=len(ids), input_ids=ids)
+        reply = await harness.transport.schedule(harness.host(1), request)
+    assert isinstance(reply, MasterRouted)
+    assert [request.input_ids for request in seen] == [ids]
+
+
+async def test_a_long_prompts_body_is_encoded_in_slices_other_tasks_running_between(
+    clock: object, harness: Harness
+) -> None:
+    if harness.adapter != "memory":
+        pytest.skip("counted in scheduling rounds, on virtual time")
+    ids = tuple(range(LimitsConfig().max_prompt_tokens))
+    ticks = 0
+    done = trio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    with trio.fail_after(LIMIT_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.lowlevel.checkpoint()  # the ticker is running
+            started = ticks
+            request = MasterScheduleRequest("long", seq_len=len(ids), input_ids=ids)
+            reply = await harness.transport.schedule(harness.host(1), request)
+            done.set()
+    assert isinstance(reply, MasterRouted)
+    assert ticks - started >= len(ids) // SCHEDULE_JSON_SLICE_ITEMS  # it ran between every two slices
 
 
 async def test_single_role_and_default_grpc_port(clock: object, harness: Harness) -> None:

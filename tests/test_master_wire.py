@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ from router.wire.master import (
     parse_cancel_pb,
     parse_schedule_json,
     parse_schedule_pb,
+    schedule_json_parts,
 )
 
 HOST = "10.1.0.1:7001"
@@ -258,6 +260,25 @@ def test_json_request_fields() -> None:
     sent = json.loads(encode_schedule_json(with_ids))
     assert sent["input_ids"] == [5, 6, 7] and "block_size" not in sent
     assert parse_schedule_json(encode_schedule_json(with_ids)) == with_ids
+
+
+@given(
+    keys=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40),
+    ids=st.one_of(st.none(), st.lists(st.integers(0, 2**31 - 1), max_size=40)),
+    slice_items=st.integers(1, 50),
+)
+def test_the_body_in_slices_is_the_body_at_once(keys: list[int], ids: list[int] | None, slice_items: int) -> None:
+    request = MasterScheduleRequest(
+        "r", tuple(keys), 64 if keys else None, 64 * len(keys) or 1, None if ids is None else tuple(ids), 5000, 1
+    )
+    joined = b"".join(schedule_json_parts(request, slice_items))
+    assert json.loads(joined) == json.loads(encode_schedule_json(request))
+    assert parse_schedule_json(joined) == request
+
+
+def test_numpy_integer_ids_are_written_as_the_ints_they_stand_for() -> None:
+    request = MasterScheduleRequest("r", seq_len=3, input_ids=tuple(numpy.array([5, 6, 7], dtype=numpy.int64)))
+    assert json.loads(encode_schedule_json(request))["input_ids"] == [5, 6, 7]
 
 
 def test_server_side_rejects_keys_without_block_size() -> None:

@@ -18,6 +18,7 @@ import httpx
 from router.config import MasterConfig
 from router.targets import TargetError, parse_target
 from router.transport.errors import DeadlineExceeded, GarbledReply, TransportError, Unavailable
+from router.transport.master_body import schedule_body
 from router.wire import paths
 from router.wire.master import (
     MasterInfo,
@@ -25,7 +26,6 @@ from router.wire.master import (
     MasterScheduleRequest,
     decode_info_json,
     decode_schedule_json,
-    encode_schedule_json,
 )
 
 _HEADERS = {"content-type": "application/json", "accept": "application/json"}
@@ -92,7 +92,7 @@ class HttpMasterTransport:
             raise _transport_error(host, exc) from exc
 
     async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
-        status, body = await self._post(host, paths.MASTER_HTTP_SCHEDULE, encode_schedule_json(request))
+        status, body = await self._post(host, paths.MASTER_HTTP_SCHEDULE, await schedule_body(request))
         return decode_schedule_json(status, body, host)
 
     async def master_info(self, host: str) -> MasterInfo:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from router.transport.errors import PeerAbort, Unavailable, status_to_error
+from router.transport.master_body import schedule_body
 from router.wire import paths
 from router.wire.master import (
     MasterInfo,
@@ -20,7 +21,6 @@ from router.wire.master import (
     MasterScheduleRequest,
     decode_info_json,
     decode_schedule_json,
-    encode_schedule_json,
 )
 
 MasterHttpHandler = Callable[[str, bytes], Awaitable[tuple[int, bytes]]]
@@ -55,7 +55,7 @@ class MemoryMasterNetwork:
             raise status_to_error(host, abort.status, abort.details) from abort
 
     async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
-        status, body = await self._post(host, paths.MASTER_HTTP_SCHEDULE, encode_schedule_json(request))
+        status, body = await self._post(host, paths.MASTER_HTTP_SCHEDULE, await schedule_body(request))
         return decode_schedule_json(status, body, host)
 
     async def master_info(self, host: str) -> MasterInfo:

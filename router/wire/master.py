@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -117,18 +118,40 @@ def grpc_request_id(request_id: str) -> int:
 
 
 def encode_schedule_json(request: MasterScheduleRequest) -> bytes:
-    body: dict[str, object] = {
+    """The schedule call's JSON body, at once (see :func:`schedule_json_parts` for a long prompt)."""
+    return b"".join(schedule_json_parts(request, len(request.block_cache_keys) + len(request.input_ids or ())))
+
+
+def schedule_json_items(request: MasterScheduleRequest) -> int:
+    """How many array items (keys and token ids) the schedule body holds: what its encoding costs."""
+    return len(request.block_cache_keys) + len(request.input_ids or ())
+
+
+def schedule_json_parts(request: MasterScheduleRequest, slice_items: int) -> Iterator[bytes]:
+    """The schedule call's JSON body in parts to join, each array in slices of at most ``slice_items``
+    items: a caller may pause between two parts, since the ids of a prompt of the longest allowed
+    length take tens of milliseconds to encode in one go. Integers of other types (numpy's) are
+    written as the Python ints they stand for."""
+    head: dict[str, object] = {
         "request_id": request.request_id,
-        "block_cache_keys": request.block_cache_keys,  # json writes a tuple as an array: no copy
         "seq_len": request.seq_len,
         "generate_timeout": request.generate_timeout_ms,
         "request_time_ms": request.request_time_ms,
     }
     if request.block_size is not None:
-        body["block_size"] = request.block_size
-    if request.input_ids is not None:
-        body["input_ids"] = request.input_ids
-    return json.dumps(body, separators=(",", ":")).encode()
+        head["block_size"] = request.block_size
+    yield json.dumps(head, separators=(",", ":"))[:-1].encode()  # the object stays open for the arrays
+    step = max(1, slice_items)
+    for name, values in (("block_cache_keys", request.block_cache_keys), ("input_ids", request.input_ids)):
+        if values is None:
+            continue
+        yield f',"{name}":['.encode()
+        for start in range(0, len(values), step):
+            # json writes a tuple's slice as an array; the brackets are the whole array's, written once.
+            text = json.dumps(values[start : start + step], separators=(",", ":"), default=operator.index)
+            yield (text[1:-1] if start == 0 else "," + text[1:-1]).encode()
+        yield b"]"
+    yield b"}"
 
 
 class _NotJson:
