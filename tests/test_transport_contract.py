@@ -12,8 +12,10 @@ Every test body runs under an absolute ``trio.fail_after(10)`` (virtual seconds 
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import trio
@@ -300,6 +302,27 @@ async def test_worker_status_decodes(clock: object, harness: Harness) -> None:
         harness.cluster.workers[1].set_faults(WorkerFaults(status_version_zero=True, not_alive=True))
         other = await harness.status.get_worker_status(pdfusion.status_target, -1)
         assert (other.status_version, other.alive) == (0, False)
+
+
+async def test_a_batch_in_turn_has_threads_of_its_own(clock: object, harness: Harness) -> None:
+    """Every thread of trio's default limiter held (as hung DNS lookups of a scheduler's name hold
+    them): a batch of status calls in turn still runs at once, not after the lookups give up."""
+    if harness.adapter == "memory":
+        pytest.skip("threads are the gRPC adapter's")
+    release = threading.Event()
+    default = trio.to_thread.current_default_thread_limiter()
+    with trio.fail_after(LIMIT_S):
+        async with trio.open_nursery() as holders:
+            for _ in range(int(default.total_tokens)):
+                holders.start_soon(partial(trio.to_thread.run_sync, release.wait, abandon_on_cancel=True))
+            await trio.testing.wait_all_tasks_blocked()
+            assert default.borrowed_tokens == default.total_tokens
+            try:
+                prefill = harness.addresses.workers[0].status_target
+                (reply,) = await harness.status.get_worker_statuses([WorkerStatusAsk(prefill, -1)], 5.0)
+                assert isinstance(reply.status, WorkerStatus)
+            finally:
+                release.set()
 
 
 async def test_worker_statuses_in_turn_fail_one_by_one_and_share_one_time_allowance(

@@ -110,6 +110,12 @@ _LEAST_CALL_S = 0.001
 # well under a millisecond, so a few serve any rate; a start finding them all busy waits its turn.
 CALL_STARTERS = 4
 
+# Threads for batches of calls made in turn, trio's default limiter not shared: a DNS lookup that
+# hangs (httpx resolves a scheduler's name on that limiter's threads) must not leave a batch waiting
+# for a thread while requests wait on its flights. One batch at a time is the prober's rule; the rest
+# is for rounds still finishing a hung worker's call.
+IN_TURN_THREADS = 4
+
 
 @dataclass(slots=True)
 class _ChannelCalls:
@@ -141,6 +147,7 @@ class GrpcRawRpc:
         self._leaser = leaser
         self._start_off_loop = start_off_loop
         self._starters = trio.CapacityLimiter(CALL_STARTERS)
+        self._in_turn_threads = trio.CapacityLimiter(IN_TURN_THREADS)
         # Building a multi-callable costs more than a small call's own Python: one per channel and
         # path, dropped with its channel.
         self._channels: weakref.WeakKeyDictionary[grpc.Channel, _ChannelCalls] = weakref.WeakKeyDictionary()
@@ -192,17 +199,25 @@ class GrpcRawRpc:
         """Blocking calls one after another on one worker thread: a blocking call waits on a
         completion queue of its own, where ``.future()`` on an idle channel makes grpcio start a
         thread. Not abandoned on cancel: the thread would go on using channels whose leases ended,
-        and it finishes within ``within_s`` anyway."""
+        and it finishes within ``within_s`` anyway. No thread free within ``within_s``: no call is
+        made (each reply None)."""
         if not calls:
             return []
+        started = time.monotonic()  # the thread's clock: the batch's time counts from here, leases included
         async with contextlib.AsyncExitStack() as leases:
             made: list[tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]] = []
             for call in calls:
                 channel = await leases.enter_async_context(self._leaser.lease(call.target))
                 made.append((channel, self._calls_on(channel).multi_callable(channel, call.method_path), call.request))
-            outcomes = await trio.to_thread.run_sync(
-                partial(_blocking_in_turn, [(multi, request) for _, multi, request in made], within_s)
-            )
+            outcomes: list[tuple[bytes | grpc.RpcError | None, float]] | None = None
+            # Cancellation reaches only the wait for a thread: once started, the batch runs out.
+            with trio.move_on_after(within_s - (time.monotonic() - started)):
+                outcomes = await trio.to_thread.run_sync(
+                    partial(_blocking_in_turn, [(multi, request) for _, multi, request in made], started, within_s),
+                    limiter=self._in_turn_threads,
+                )
+            if outcomes is None:
+                return [InTurnReply(None, time.monotonic() - started) for _ in calls]
         return [
             InTurnReply(
                 self._failure(call.target, channel, outcome) if isinstance(outcome, grpc.RpcError) else outcome,
@@ -223,11 +238,10 @@ class GrpcRawRpc:
 
 
 def _blocking_in_turn(
-    calls: Sequence[tuple[grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]], within_s: float
+    calls: Sequence[tuple[grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]], started: float, within_s: float
 ) -> list[tuple[bytes | grpc.RpcError | None, float]]:
-    """On a worker thread: each call with what is left of ``within_s`` (None once too little is left),
-    and when it ended in seconds from the start (this thread's, a little after the caller's)."""
-    started = time.monotonic()
+    """On a worker thread: each call with what is left of ``within_s`` from ``started``
+    (``time.monotonic()``; None once too little is left), and when it ended in seconds from then."""
     ends_at = started + within_s
     outcomes: list[tuple[bytes | grpc.RpcError | None, float]] = []
     for multi, request in calls:
