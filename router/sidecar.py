@@ -586,11 +586,14 @@ class Sidecar:
         # Once no Route call is left the rest is cancelled at once: a health Watch stream never ends
         # by itself, and would hold every drain to its whole grace.
         idle = self._counters.idle
-        await trio.to_thread.run_sync(partial(idle.wait, grace - lame_duck), abandon_on_cancel=True)
+        # A thread of its own: trio's default ones may all be held (hung name lookups share them), and
+        # a drain must end within its grace.
+        waits = trio.CapacityLimiter(1)
+        await trio.to_thread.run_sync(partial(idle.wait, grace - lame_duck), abandon_on_cancel=True, limiter=waits)
         if idle.is_set() and not stopped.is_set():
-            await trio.to_thread.run_sync(partial(server.stop, None), abandon_on_cancel=True)
+            await trio.to_thread.run_sync(partial(server.stop, None), abandon_on_cancel=True, limiter=waits)
         # grpc sets the event when the last call has ended or the grace has passed.
-        await trio.to_thread.run_sync(stopped.wait, abandon_on_cancel=True)
+        await trio.to_thread.run_sync(stopped.wait, abandon_on_cancel=True, limiter=waits)
         after = self.stats()
         log.info(
             "drained: %d answered and %d refused while draining, %d still in flight at the drain deadline",

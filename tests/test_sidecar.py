@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
+import trio.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from actors.metrics_sink import REPLY_STAGE_LABEL
@@ -423,6 +424,24 @@ async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
             assert after.handled == before.handled  # counted by the router, never routed by it
     cases = [c for c in load_log([str(log)]).cases if c.request_id == "shed-me"]
     assert len(cases) == 1 and cases[0].overloaded
+
+
+async def test_a_drain_ends_with_every_default_trio_thread_held(nursery: trio.Nursery) -> None:
+    """Hung name lookups hold trio's default threads: the drain's waits have a thread of their own."""
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.0, drain_timeout_s=60.0)
+    release = threading.Event()
+    default = trio.to_thread.current_default_thread_limiter()
+    with trio.fail_after(30):  # against a hang; the drain's grace alone is twice that
+        async with rig(nursery, serve=serve) as r, trio.open_nursery() as holders:
+            for _ in range(int(default.total_tokens) - int(default.borrowed_tokens)):
+                holders.start_soon(functools.partial(trio.to_thread.run_sync, release.wait, abandon_on_cancel=True))
+            await trio.testing.wait_all_tasks_blocked()
+            assert default.borrowed_tokens == default.total_tokens
+            try:
+                r.sidecar.drain()  # no Route call in flight: the drain ends after its lame duck
+                await r.stopped.wait()
+            finally:
+                release.set()
 
 
 async def test_a_call_whose_client_gave_up_keeps_its_place_until_the_router_is_done_with_it(
