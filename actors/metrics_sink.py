@@ -545,9 +545,6 @@ class MetricsSink:
         for step in d.sources:
             reason = "" if step.reason is None else step.reason.value
             self._source_counts(step.source.value, step.outcome.value, reason).inc()
-        for candidate in d.candidates:
-            if candidate.dropped is not None:
-                self._dropped_counts(candidate.dropped).inc()
         kept = retained_decision(d, self._config.decision_text_chars, self._config.decision_max_candidates)
         self._ring.append(DecisionRecord(kept, trio.current_time()))
 

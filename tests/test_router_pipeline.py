@@ -889,6 +889,23 @@ async def test_a_bug_after_the_decision_does_not_lose_it(
         assert handle.router_actor().health().internal_errors == 1
 
 
+async def test_candidates_are_counted_by_drop_reason_also_when_every_one_is_dropped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The whole fleet reports another block size: the KVCM source drops every candidate and falls
+    through (the case the counter is for), and the domain answers; the drops are still counted."""
+    cluster = SimCluster([WorkerSpec(block_size=2 * BLOCK)] * 4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+        decision = await handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.sources[0].reason is Reason.NO_CANDIDATES
+        await trio.testing.wait_all_tasks_blocked()  # the metrics sink has applied the decision
+        counted = handle.metrics.registry.get_sample_value(
+            "kvroute_candidates_dropped_total", {"reason": "block_size_mismatch"}
+        )
+        assert counted is not None and counted >= 1
+
+
 async def test_a_blank_host_in_kvcms_answer_is_counted_as_a_malformed_host(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import trio
 
-from actors.metrics_sink import MetricsSink, ProbeSkipped, StatusLookups
+from actors.metrics_sink import CandidatesDropped, MetricsSink, ProbeSkipped, StatusLookups
 from actors.scorer import DecideRequest, Scorer
 from actors.sources.base import Answered, FellThrough, FleetView, RequestContext, SourceResult, ms
 from actors.worker_prober import ProbeOutcome, SkipReason, WorkerProber
@@ -124,6 +124,10 @@ class CandidateScoring:
         )
         ctx.stages[Stage.SCORE] = ms(trio.current_time() - t)
         ctx.scorer_work_s = work_s + (ctx.scorer_work_s or 0.0)  # a second cache source may score too
+        # Counted from every scoring, not from the decision's candidates: a selection that dropped them
+        # all falls through, and a second source's candidates replace the first's in the decision.
+        for drop, n in selection.drop_counts:
+            ctx.events.append(CandidatesDropped(drop.value, n))
         if ctx.record is not None and arrivals is not None:
             r = ctx.record.received_at
             ledger_view = selection.sheet.ledger_view()
