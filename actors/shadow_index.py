@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -158,15 +158,24 @@ class ShadowIndex:
                 if not holders:
                     del self._index[key]
 
-    def match(self, keys: Sequence[int], now: float, limit: int | None = None) -> tuple[HostMatch, ...]:
+    def match(
+        self,
+        keys: Sequence[int],
+        now: float,
+        limit: int | None = None,
+        usable: Callable[[str], bool] | None = None,
+    ) -> tuple[HostMatch, ...]:
         """Per worker, its contiguous stored prefix of ``keys`` in blocks, longest first (read-only).
 
-        Records older than ``ttl_s`` at ``now`` do not count. With ``limit``, the walk stops
-        once at least ``limit`` workers are found: every worker left out holds strictly fewer
-        blocks than every one returned.
+        Records older than ``ttl_s`` at ``now`` do not count. With ``usable``, only workers it
+        accepts are returned: records of workers that left discovery or are ejected live until their
+        TTL, and must not take the places of live holders. With ``limit``, the walk stops once at
+        least ``limit`` workers are found: every worker left out holds strictly fewer blocks than
+        every one returned.
         """
         horizon = now - self.ttl_s
         found: dict[str, int] = {}
+        passed: set[str] = set()
         for position in _positions_deepest_first(len(keys)):
             if limit is not None and len(found) >= limit:
                 break  # every worker not found yet holds at most `position + 1` blocks: fewer
@@ -174,12 +183,15 @@ class ShadowIndex:
             if not holders:
                 continue
             for worker, record_key in holders.items():
-                if worker in found:
+                if worker in found or worker in passed:
                     continue
                 record = self._records[record_key]
                 if record.recorded_at < horizon:
                     continue  # expired (its older records too); not yet purged
                 if position < len(record.keys) and record.keys[position] == keys[position]:
+                    if usable is not None and not usable(worker):
+                        passed.add(worker)
+                        continue
                     found[worker] = _common_prefix(keys, record.keys, position + 1)
         ordered = sorted(found.items(), key=lambda item: -item[1])
         return tuple(HostMatch(worker, local) for worker, local in ordered)
@@ -286,8 +298,10 @@ class ShadowIndexActor:
             return False
         return True
 
-    def match(self, keys: Sequence[int], now: float, limit: int | None = None) -> tuple[HostMatch, ...]:
-        return self.index.match(keys, now, limit)
+    def match(
+        self, keys: Sequence[int], now: float, limit: int | None = None, usable: Callable[[str], bool] | None = None
+    ) -> tuple[HostMatch, ...]:
+        return self.index.match(keys, now, limit, usable)
 
     def health(self) -> ShadowHealth:
         return ShadowHealth(

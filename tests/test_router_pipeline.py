@@ -464,6 +464,29 @@ async def test_a_shadow_miss_is_logged_with_its_reason_what_it_means_and_the_req
     assert record.__dict__["kvroute_context"] == {"reason": "breaker_open", "request_id": "r7"}
 
 
+async def test_shadow_records_of_workers_gone_from_discovery_do_not_crowd_out_a_live_holder(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """KVCM is unreachable, so the shadow index answers. Workers that left discovery (a rolling
+    restart with new addresses) still hold the whole prompt there until their records expire; a live
+    worker holds its first blocks. They must not take the hot places of the live holder."""
+    cluster = SimCluster(workers=6, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config("10.99.0.1:6381", addrs.workers_arg)  # nothing serves KVCM there
+    config = replace(config, scorer=replace(config.scorer, hot_set_size=2, cold_set_size=1))
+    async with open_router(config, rpc=network) as handle:
+        (shadow_source,) = [s for s in handle.router_actor()._chain if isinstance(s, ShadowSource)]
+        shadow = shadow_source._shadow
+        now = trio.current_time()
+        live = cluster.worker_addr(4)
+        shadow.index.record(live.http_target, KEYS[:3], now)
+        for i in range(3):  # deeper holders that left discovery
+            shadow.index.record(f"10.9.0.{i + 1}:8000", KEYS, now)
+        d = await handle.route(RouteRequest("r", token_ids=PROMPT, budget_ms=50))
+        assert d.route_source is RouteSource.SHADOW and d.worker == live and d.hit_tokens == 3 * BLOCK, d
+
+
 async def test_records_the_shadow_index_cannot_take_are_counted(autojump_clock: trio.testing.MockClock) -> None:
     shadow = ShadowIndexActor(replace(ShadowConfig(), inbox_size=1))  # not running: its inbox holds one record
     sink = MetricsSink(MetricsConfig())

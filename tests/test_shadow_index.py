@@ -114,6 +114,31 @@ def test_limit_stops_the_walk_early() -> None:
     assert [m.local for m in index.match(PROMPT, now=1.0, limit=3)] == [99, 50, 20]
 
 
+@given(prompt_forest(), st.integers(1, 6), st.integers(0, 2**16))
+def test_workers_not_usable_neither_show_nor_take_a_place(
+    records: list[tuple[str, tuple[int, ...]]], limit: int, mask: int
+) -> None:
+    """Records of workers that left discovery, or are ejected, live until their TTL: with ``usable``
+    they are passed over, and the limit still returns the longest of the usable ones."""
+    index = ShadowIndex(300.0, 1_000_000)
+    for t, (worker, keys) in enumerate(records):
+        index.record(worker, keys, now=float(t))
+    workers = sorted({worker for worker, _ in records})
+    gone = {w for i, w in enumerate(workers) if mask >> (i % 16) & 1}
+
+    def usable(worker: str) -> bool:
+        return worker not in gone
+
+    query = max((keys for _, keys in records), key=len)
+    full = [m for m in index.match(query, now=100.0) if m.host_ip_port not in gone]
+    top = index.match(query, now=100.0, limit=limit, usable=usable)
+    assert not {m.host_ip_port for m in top} & gone
+    assert len(top) >= min(limit, len(full))
+    assert set(top) <= set(full)
+    left_out = [m.local for m in full if m not in top]
+    assert all(m.local > n for m in top for n in left_out)
+
+
 # --- TTL and capacity --------------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ decision (without its inbox wait, which the SCORE stage holds) goes to ``scorer_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -51,6 +51,18 @@ class CandidateScoring:
         self._prober = prober
         self._fleet = fleet
         self._metrics = metrics
+
+    def plannable(self) -> Callable[[str], bool]:
+        """Whether a host (``ip:port``) can take a hot place in a plan now: a discovered worker, not
+        ejected (the plan drops the others)."""
+        by_target = self._fleet.current().by_http_target
+        ejected = self._prober.ejected()
+
+        def usable(host: str) -> bool:
+            worker = by_target.get(host)
+            return worker is not None and not (ejected and worker in ejected)
+
+        return usable
 
     async def choose(self, ctx: RequestContext, hosts: Sequence[HostMatch], source: CandidateSource) -> SourceResult:
         """The chosen worker for ``hosts``, or a fall-through with NO_CANDIDATES."""

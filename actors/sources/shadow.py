@@ -45,7 +45,8 @@ class ShadowSource:
         if ctx.cache_hosts:
             return Skipped()  # a cache source named holders; standing in for it would only repeat it
         now = trio.current_time()
-        hosts = self._shadow.match(ctx.prepared.keys, now, limit=self._hot_set_size)
+        # Records of workers that left or are ejected would fill the places of live holders.
+        hosts = self._shadow.match(ctx.prepared.keys, now, limit=self._hot_set_size, usable=self._scoring.plannable())
         if ctx.record is not None:
             ctx.record.shadow_hosts = tuple(hosts)
         if not hosts:
