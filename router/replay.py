@@ -87,6 +87,7 @@ from router.types import (
     RouteDecision,
     RouteRequest,
     RouteSource,
+    SourceOutcome,
     Stage,
     TaskInfo,
     WorkerAddr,
@@ -171,10 +172,13 @@ class Case:
         return None
 
     def ran_out_unseen(self) -> bool:
-        """The recorded request ran out of time with no source step finished and no wait cut: its task
-        did not run again before the deadline (a stalled loop) somewhere the log does not time."""
+        """The recorded request ran out of time inside a source, with no wait cut: its task did not run
+        again before the deadline (a stalled loop) somewhere the log does not time. Its last step is
+        that source's, ended by the deadline (logs written before such steps were kept have none)."""
         cut = any(bool(c) for _, _, c in self.expected.get("sw", ()))
-        return self.expected.get("r") == Reason.DEADLINE.value and not self.expected.get("ch") and not cut
+        steps = self.expected.get("ch") or ()
+        ended_inside = not steps or list(steps[-1][1:]) == [SourceOutcome.FELL_THROUGH.value, Reason.DEADLINE.value]
+        return self.expected.get("r") == Reason.DEADLINE.value and ended_inside and not cut
 
     def queried(self) -> bool:
         """Whether the recorded request sent its KVCM query: every query sent runs the query's wait."""

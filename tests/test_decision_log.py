@@ -70,6 +70,7 @@ from router.types import (
     RouteRequest,
     RouteSource,
     ScorerPolicy,
+    SourceOutcome,
     SplitMode,
     Stage,
     WorkerAddr,
@@ -688,7 +689,9 @@ def _stalled_like_a_real_run(payload: dict[str, object], kind: str) -> dict[str,
     elif kind == "ran out unseen":  # the task did not run again before the deadline after the answer
         out.pop("sc")
         out.pop("tl", None)
-        decision.update(r=Reason.DEADLINE.value, rs=RouteSource.DOMAIN.value, ch=[], c=[], hit=0)
+        # The KVCM source's step says the deadline ended it there.
+        ran_out = [RouteSource.KVCM.value, SourceOutcome.FELL_THROUGH.value, Reason.DEADLINE.value]
+        decision.update(r=Reason.DEADLINE.value, rs=RouteSource.DOMAIN.value, ch=[ran_out], c=[], hit=0)
         decision["sw"] = [w for w in windows if w[0] == Stage.CACHE_QUERY.value]
     out["d"] = decision
     return out
