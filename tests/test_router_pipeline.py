@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -449,7 +449,11 @@ async def test_a_shadow_miss_is_logged_with_its_reason_what_it_means_and_the_req
 ) -> None:
     shadow = ShadowIndexActor(ShadowConfig())  # empty: it matches nothing
     warn = AggregatingLogger(logging.getLogger("t.shadow"), interval_s=60.0, max_keys=8)
-    scoring: Any = None  # nothing to score
+    class NothingToScore:
+        def plannable(self) -> Callable[[str], bool]:
+            return lambda host: True
+
+    scoring: Any = NothingToScore()
     sink = MetricsSink(MetricsConfig())
     source = ShadowSource(KvrouteConfig(), shadow=shadow, scoring=scoring, metrics=sink, warn=warn)
     prepared = prepare_request(RouteRequest("r7", token_ids=PROMPT), DeploymentConfig(block_size=BLOCK))
