@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -122,10 +122,13 @@ class Scorer:
         request_id: str,
         source: CandidateSource,
         ejected: Collection[WorkerAddr],
+        cold_skip: Callable[[WorkerAddr], bool] | None = None,
     ) -> CandidatePlan:
         """The policy's candidate plan. Planning reads only the policy's configuration, never its
         ledger, so it runs in the caller's task; deciding goes through the inbox."""
-        return self._policy.plan(hosts, fleet, request_id=request_id, source=source, ejected=ejected)
+        return self._policy.plan(
+            hosts, fleet, request_id=request_id, source=source, ejected=ejected, cold_skip=cold_skip
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the inbox until cancelled: drain what is queued without yielding between messages (each

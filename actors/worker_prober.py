@@ -630,6 +630,17 @@ class WorkerProber:
         seen = self._view.workers.get(worker)
         return None if seen is None or seen.status is None else seen.status.role
 
+    def of_other_roles(self, roles: Collection[Role]) -> Callable[[WorkerAddr], bool]:
+        """Whether a worker last reported a role outside ``roles``, from the published view (a worker
+        never heard from is not: it may serve them)."""
+        known = self._view.workers
+
+        def other(worker: WorkerAddr) -> bool:
+            seen = known.get(worker)
+            return seen is not None and seen.status is not None and seen.status.role not in roles
+
+        return other
+
     def unroutable_reason(self, workers: Sequence[WorkerAddr], roles: Collection[Role]) -> str | None:
         """None when one of ``workers`` is routable for ``roles``; else why none is.
 

@@ -108,6 +108,8 @@ class ScoringRecord:
     fleet: Fleet
     ejected: tuple[str, ...]
     probes: tuple[ProbeRecord, ...] = ()
+    # The workers the cold walk passed over as serving another role (their roles are not recorded).
+    other_roles: tuple[str, ...] = ()
     decided: float = 0.0
     # Per candidate that passed the filters, in tie-draw order: (target, pending charge, last-selected trio
     # time or None (never), tie draw). The last-selected time stays absolute: only its order among the
@@ -200,6 +202,7 @@ def encode_decision(record: DecisionRecord, fleet_id: int | None) -> dict[str, A
                 "s": sc.source.value,
                 "h": _hosts(sc.hosts),
                 "ej": list(sc.ejected),
+                "or": list(sc.other_roles),
                 "p": [
                     [p.target, p.arrived, None if p.status is None else _status(p.status), p.taken,
                      p.missing and p.missing.value]

@@ -119,6 +119,7 @@ class RecordedScoring:
     ledger: Mapping[str, tuple[int, float]]  # target → (pending charge, last selected)
     ties: tuple[float, ...]
     decided: float | None = None  # when it scored, relative to receipt (None: not recorded)
+    other_roles: frozenset[str] = frozenset()  # the workers its cold walk passed over for their role
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +357,7 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
                 ledger,
                 tuple(float(row[3]) for row in sc["lv"]),
                 decided=None if sc.get("at") is None else float(sc["at"]),
+                other_roles=frozenset(str(t) for t in sc.get("or", ())),
             )
         )
         fleet = scoring_fleet
@@ -445,7 +447,15 @@ class _ReplayScoring:
         )
         known = fleet.by_http_target
         ejected = [] if recorded is None else [known[t] for t in recorded.ejected if t in known]
-        plan = policy.plan(hosts, fleet, request_id=ctx.request.request_id, source=source, ejected=ejected)
+        other_roles = frozenset[str]() if recorded is None else recorded.other_roles
+        plan = policy.plan(
+            hosts,
+            fleet,
+            request_id=ctx.request.request_id,
+            source=source,
+            ejected=ejected,
+            cold_skip=lambda worker: worker.http_target in other_roles,
+        )
         probes: Mapping[str, RecordedProbe] = {} if recorded is None else recorded.probes
         r = case.received_at
         in_time = [

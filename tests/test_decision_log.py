@@ -32,7 +32,7 @@ from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
 from kvroute_sim.sim.master import MasterFaults, SimMaster
-from kvroute_sim.sim.worker import WorkerFaults
+from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.api import open_router
 from router.cli import main
 from router.config import (
@@ -211,6 +211,35 @@ def replay_all(*logs: Path, overrides: dict[str, str] | None = None) -> tuple[in
     assert not setup.problems and setup.digest_matches
     outcomes = ReplayEngine(setup.config).replay_all(recorded.cases)
     return sum(o.identical for o in outcomes), len(outcomes)
+
+
+def test_cold_walks_that_passed_over_decode_workers_replay_as_recorded(tmp_path: Path) -> None:
+    """Prefill/decode: the cold walk passed over the decode workers by their reported roles, which the
+    log does not hold; it holds the workers passed over, so replay walks the same way."""
+    log = tmp_path / "decisions.log"
+
+    async def record(log: Path) -> list[RouteDecision]:
+        specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 3
+        specs += [WorkerSpec(role="RoleType.DECODE", block_size=BLOCK)] * 5
+        cluster = SimCluster(specs, kvcm_replicas=1, block_size=BLOCK)
+        network = MemoryNetwork()
+        addrs = cluster.serve_memory(network)
+        config = _config(addrs.kvcm_bootstrap, addrs.workers_arg, log)
+        config = replace(
+            config,
+            deployment=replace(config.deployment, roles=(Role.PREFILL, Role.DECODE)),
+            prober=replace(config.prober, health_interval_s=0.5),
+        )
+        cluster.kvcm.record_prefill(cluster.worker_addr(0).http_target, KEYS[:2])
+        async with open_router(config, rpc=network) as handle:
+            await trio.sleep(2.0)  # health probes: every worker's role is known
+            return [await handle.route(RouteRequest(f"pd{i}", token_ids=PROMPT, budget_ms=50)) for i in range(6)]
+
+    decisions = on_mock_clock(record, log)
+    assert all(d.route_source is RouteSource.KVCM for d in decisions)
+    recorded = load_log([str(log)])
+    assert any(s.other_roles for case in recorded.cases for s in case.scorings)
+    assert replay_all(log) == (6, 6)
 
 
 def test_requests_whose_leader_lookup_failed_replay_without_a_query(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import overload
 
@@ -33,10 +33,18 @@ def plan(
     cold: int = 2,
     ejected: frozenset[WorkerAddr] = frozenset(),
     source: CandidateSource = CandidateSource.HOT,
+    cold_skip: Callable[[WorkerAddr], bool] | None = None,
 ) -> CandidatePlan:
     config = replace(ScorerConfig(), hot_set_size=hot, cold_set_size=cold)
     return plan_candidates(
-        hosts, fleet, request_id=request_id, namespace="ns", config=config, hot_source=source, ejected=ejected
+        hosts,
+        fleet,
+        request_id=request_id,
+        namespace="ns",
+        config=config,
+        hot_source=source,
+        ejected=ejected,
+        cold_skip=cold_skip,
     )
 
 
@@ -166,6 +174,18 @@ def test_cold_candidates_exclude_hot_and_ejected_and_keep_reported_matches() -> 
     matches = {c.worker: c.match for c in p.candidates if c.source is CandidateSource.COLD}
     assert matches[w[5]] is None
     assert [matches[w[i]] for i in (1, 2, 3)] == [hosts[1], hosts[2], hosts[3]]
+
+
+@given(n=st.integers(1, 40), cold=st.integers(0, 10), others=st.integers(0, 2**40))
+def test_the_cold_set_passes_over_workers_of_another_role(n: int, cold: int, others: int) -> None:
+    """A decode worker beside the prefill ones takes no cold place: it would be dropped after its probe."""
+    fleet = fleet_of(n)
+    other = {addr(i) for i in range(n) if others >> i & 1}
+    for r in range(5):
+        p = plan([], fleet, f"req-{r}", cold=cold, cold_skip=other.__contains__)
+        picked = cold_workers(p)
+        assert not set(picked) & other
+        assert len(picked) == min(cold, n - len(other))
 
 
 def test_cold_order_reproducible_per_request_and_different_across_requests() -> None:

@@ -45,6 +45,7 @@ from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
     BadRequest,
+    DropReason,
     KeyFamily,
     Reason,
     Role,
@@ -691,6 +692,25 @@ async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_
 
 
 # --- readiness and routing tell the truth about workers ------------------------------------------
+
+
+async def test_cold_places_go_to_workers_of_the_requests_roles_not_to_decode_workers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Prefill/decode: two prefill workers, six decode ones, every role known from health probes. The
+    cache holder is busy; the idle prefill worker must be found cold, not crowded out by decode workers
+    that the Scorer would drop after their probes."""
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2
+    specs += [WorkerSpec(role="RoleType.DECODE", block_size=BLOCK)] * 6
+    cluster = SimCluster(specs, kvcm_replicas=1, block_size=BLOCK)
+    for i in range(40):  # prefill worker 0, the holder, has a long queue
+        cluster.workers[0].submit(f"bg{i}", 8000, 0, trio.current_time())
+    async with routed(cluster, roles=(Role.PREFILL, Role.DECODE), health_interval_s=0.5) as (handle, _, _):
+        await trio.sleep(2.0)  # health probes: every worker's role is known
+        seed(cluster, 0, 2)
+        d = await handle.route(RouteRequest("r", token_ids=PROMPT, budget_ms=50))
+        assert d.worker == cluster.worker_addr(1) and d.reason is Reason.SHORTEST_TTFT, d
+        assert not [c for c in d.candidates if c.dropped == DropReason.ROLE_NOT_ROUTED.value]
 
 
 async def test_every_worker_dead_is_no_candidates_and_not_ready(autojump_clock: trio.testing.MockClock) -> None:

@@ -45,6 +45,18 @@ def selection_result(selection: Selection) -> SourceResult:
     )
 
 
+def _noting(skip: Callable[[WorkerAddr], bool], skipped: list[str]) -> Callable[[WorkerAddr], bool]:
+    """``skip``, noting the target of each worker it skips in ``skipped``."""
+
+    def noted(worker: WorkerAddr) -> bool:
+        if skip(worker):
+            skipped.append(worker.http_target)
+            return True
+        return False
+
+    return noted
+
+
 class CandidateScoring:
     def __init__(self, *, scorer: Scorer, prober: WorkerProber, fleet: FleetView, metrics: MetricsSink) -> None:
         self._scorer = scorer
@@ -70,12 +82,19 @@ class CandidateScoring:
         t = trio.current_time()
         fleet = self._fleet.current()
         ejected = self._prober.ejected()
+        # A cold place on a worker of another role (a decode worker beside the prefill ones) would be
+        # dropped after its probe: an idle worker of the request's roles would seldom be found.
+        other_role = self._prober.of_other_roles(prepared.roles)
+        passed_over: list[str] = []
+        if ctx.record is not None:  # replay needs the workers passed over, not their roles
+            other_role = _noting(other_role, passed_over)
         plan = self._scorer.plan(
             hosts,
             fleet,
             request_id=ctx.request.request_id,
             source=source,
             ejected=ejected,  # an ejected holder takes no hot slot
+            cold_skip=other_role,
         )
         ctx.stages[Stage.PLAN] = ms(trio.current_time() - t)
 
@@ -149,6 +168,7 @@ class CandidateScoring:
                     hosts=tuple(hosts),
                     fleet=fleet,
                     ejected=tuple(w.http_target for w in ejected),
+                    other_roles=tuple(passed_over),
                     probes=tuple(
                         ProbeRecord(
                             c.target,

@@ -7,7 +7,7 @@ It does no I/O and reads no clock (time is passed in); the Scorer actor owns the
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,8 +39,10 @@ class Policy(Protocol):
         request_id: str,
         source: CandidateSource,
         ejected: Collection[WorkerAddr],
+        cold_skip: Callable[[WorkerAddr], bool] | None = None,
     ) -> CandidatePlan:
-        """The candidates to probe and score for a cache answer's ``hosts``."""
+        """The candidates to probe and score for a cache answer's ``hosts`` (``cold_skip``: workers
+        the cold set must pass over, those known to serve another role)."""
         ...
 
     def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:

@@ -7,8 +7,9 @@ mapped to discovered workers, one per gRPC target, at most ``hot_set_size``. Whe
 exactly at that cut, a per-request rank decides who is in (never the address, never the answer's
 order). Unknown, malformed and ejected hosts are dropped and reported; they take no hot slot.
 
-Cold set: ``cold_set_size`` discovered workers not in the hot set and not ejected, in a
-reproducible per-request order, so idle workers are found and load spreads.
+Cold set: ``cold_set_size`` discovered workers not in the hot set, not ejected and not known to
+serve another role than the request's (``cold_skip``), in a reproducible per-request order, so idle
+workers are found and load spreads.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple
@@ -144,9 +145,14 @@ def _coprime_stride(draw: int, n: int) -> int:
 
 
 def _cold_walk(
-    fleet: Fleet, seed: bytes, count: int, taken: set[int], ejected: Collection[WorkerAddr]
+    fleet: Fleet,
+    seed: bytes,
+    count: int,
+    taken: set[int],
+    ejected: Collection[WorkerAddr],
+    skip: Callable[[WorkerAddr], bool] | None = None,
 ) -> list[tuple[WorkerAddr, int]]:
-    """Up to ``count`` fleet workers (with their indices) not taken (by id) nor ejected, in
+    """Up to ``count`` fleet workers (with their indices) not taken (by id), ejected nor skipped, in
     per-request order.
 
     Ranking every worker per request would cost O(fleet). Here the request seed picks a start
@@ -164,7 +170,7 @@ def _cold_walk(
     picked: list[tuple[WorkerAddr, int]] = []
     for _ in range(n):
         worker = workers[index]
-        if id(worker) not in taken and not (ejected and worker in ejected):
+        if id(worker) not in taken and not (ejected and worker in ejected) and not (skip and skip(worker)):
             picked.append((worker, index))
             taken.add(id(worker))
             if len(picked) == count:
@@ -295,6 +301,7 @@ def plan_candidates(
     config: ScorerConfig,
     hot_source: CandidateSource = CandidateSource.HOT,
     ejected: Collection[WorkerAddr] = frozenset(),
+    cold_skip: Callable[[WorkerAddr], bool] | None = None,
 ) -> CandidatePlan:
     """The hot set then the cold set (see the module docstring).
 
@@ -305,7 +312,7 @@ def plan_candidates(
     builder = _HotSetBuilder(fleet, hot_source, ejected)
     ranked = _rank_hosts(hosts, max(0.0, config.p2p_hit_discount))
     hot = _hot_set(hosts, ranked, max(0, config.hot_set_size), seed, builder)
-    cold_picks = _cold_walk(fleet, seed, config.cold_set_size, builder.taken, ejected)
+    cold_picks = _cold_walk(fleet, seed, config.cold_set_size, builder.taken, ejected, cold_skip)
     cold: list[Candidate] = []
     if cold_picks:
         by_host = dict(zip(map(_host_ip_port, reversed(hosts)), reversed(hosts), strict=True))  # the first entry wins
