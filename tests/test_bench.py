@@ -22,7 +22,7 @@ from kvroute_sim.bench.cli import _router_setting, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, router_config
 from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS
 from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
-from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee
+from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, targets_met
 from kvroute_sim.bench.raw_grpc import paced, slot_wait
 from router.cli import main
 from router.sidecar import CallTiming
@@ -171,6 +171,21 @@ def test_p8_knee_is_where_p99_doubles_or_fallbacks_pass_two_percent() -> None:
     assert knee([at(50, 3.0), at(100, 4.0), at(200, 6.0)]) == 200
     assert knee([at(50, 3.0), at(100, 3.0, fallbacks=3), at(200, 6.0)]) == 100
     assert knee([at(50, 3.0, fallbacks=2)]) is None
+
+
+def test_p8_is_missed_when_a_call_at_the_target_rate_got_no_answer() -> None:
+    """A call with no answer is in no latency sample: 9 of 500 failing at 100/s (under the knee's 2 %)
+    would otherwise leave p50 and p99 taken over the answered calls alone, and the figure met."""
+
+    def at(rate: int, failed: int = 0) -> RateResult:
+        answered = 5 * rate - failed
+        errors = Counter({"DEADLINE_EXCEEDED": failed}) if failed else Counter()
+        outcomes = Counter({"kvcm/CACHE_LEADER": answered})
+        return RateResult(rate, 5 * rate, 5.0, (1.5,) * answered, (2.0,) * answered, errors, outcomes)
+
+    rates = (50, 100, 200, 400, 800)
+    assert targets_met([at(r) for r in rates])
+    assert not targets_met([at(r, failed=9 if r == 100 else 0) for r in rates])
 
 
 def test_p8_floor_calls_keep_the_open_loop_schedule_and_start_at_once_after_an_overrun() -> None:
