@@ -322,8 +322,8 @@ def test_spread_on_a_tiny_workload_separates_affinity_from_random() -> None:
     assert {r.group for r in run.records} == {r.group for r in workload.requests}
 
 
-def _summary(policy: str, hit: float, mean: float, p99: float) -> PolicySummary:
-    return PolicySummary(policy, 1, 0, hit, mean, mean, p99, 1.0, 1.0, 1.0, {}, {}, (1,))
+def _summary(policy: str, hit: float, mean: float, p99: float, unrouted: int = 0) -> PolicySummary:
+    return PolicySummary(policy, 10, unrouted, hit, mean, mean, p99, 1.0, 1.0, 1.0, {}, {}, (1,))
 
 
 def test_targets_met_and_missed() -> None:
@@ -334,9 +334,12 @@ def test_targets_met_and_missed() -> None:
         _summary("oracle", 0.78, 20.0, 100.0),
     ]
     good = check_targets([_summary("kvroute", 0.77, 18.0, 109.0), *baselines])
-    assert [c.met for c in good] == [True, True, True, True, True]
-    bad = check_targets([_summary("kvroute", 0.75, 41.0, 131.0), *baselines])
-    assert [c.met for c in bad] == [False, False, False, False, False]
+    assert [c.met for c in good] == [True, True, True, True, True, True]
+    bad = check_targets([_summary("kvroute", 0.75, 41.0, 131.0, unrouted=4), *baselines])
+    assert [c.met for c in bad] == [False, False, False, False, False, False]
+    # Hit rate and TTFT are over the routed requests only: unrouted ones miss on their own check.
+    (unrouted,) = [c for c in check_targets([_summary("kvroute", 0.77, 18.0, 109.0, 4), *baselines]) if not c.met]
+    assert unrouted.target == "every request routed to a worker" and unrouted.detail.startswith("4 of 10")
     assert check_targets(baselines) == ()  # no kvroute run: nothing to judge
 
 

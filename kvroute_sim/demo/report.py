@@ -228,7 +228,15 @@ def check_targets(summaries: Sequence[PolicySummary]) -> tuple[TargetCheck, ...]
     kv = by_name.get(KVROUTE)
     if kv is None:
         return ()
-    checks = []
+    # Hit rate and TTFT are taken over the routed requests: a request kvroute left without a worker
+    # is in neither, so every request must have been routed for them to say anything.
+    checks = [
+        TargetCheck(
+            "every request routed to a worker",
+            kv.unrouted == 0,
+            f"{kv.unrouted} of {kv.requests} answered without a worker",
+        )
+    ]
     max_hit = by_name.get(MAX_HIT)
     if max_hit is not None:
         ratio = kv.hit_rate / max_hit.hit_rate if max_hit.hit_rate > 0 else math.nan
