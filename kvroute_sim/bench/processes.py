@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 
 import grpc
@@ -115,15 +115,17 @@ def _requests(view: ClusterView, label: str, count: int) -> list[bytes]:
 
 
 def _drive(
-    target: str, requests: Sequence[bytes], warm: Sequence[bytes], max_s: float
+    target: str, requests: Sequence[bytes], warm: Sequence[bytes], max_s: float, at_start: Callable[[], None]
 ) -> tuple[float, list[_CallerResults]]:
     """CALLERS threads, each on its own connection: warm calls first, then all start together and
-    call back to back until the requests are used up or ``max_s`` has passed."""
+    call back to back until the requests are used up or ``max_s`` has passed. ``at_start`` runs once
+    all are warm, before any measured call."""
     serial = itertools.count()  # next() on it is atomic under the GIL
     results = [_CallerResults() for _ in range(CALLERS)]
     clock: dict[str, float] = {}
 
     def all_warm() -> None:  # the barrier's action: runs once, before any caller is let go
+        at_start()  # the measured window starts here: the warm calls and connections are outside it
         clock["began"] = time.perf_counter()
         clock["stop_at"] = time.monotonic() + max_s
 
@@ -185,9 +187,11 @@ def _level(view: ClusterView, processes: int, sizes: ProcessSizes, cpus: Set[int
             tree = psutil.Process(serve.pid)
             warm = _requests(view, f"p9-{processes}-warm", CALLERS * WARM_CALLS_PER_CALLER)
             requests = _requests(view, f"p9-{processes}", sizes.calls)
-            cpu_before = _tree_cpu_s(tree)
-            seconds, results = _drive(target, requests, warm, sizes.max_level_s)
-            cpu_s = _tree_cpu_s(tree) - cpu_before
+            cpu_before: list[float] = []
+            seconds, results = _drive(
+                target, requests, warm, sizes.max_level_s, at_start=lambda: cpu_before.append(_tree_cpu_s(tree))
+            )
+            cpu_s = _tree_cpu_s(tree) - cpu_before[0]
             serve.send_signal(signal.SIGTERM)
             serve.wait(timeout=STOP_TIMEOUT_S)
         finally:
