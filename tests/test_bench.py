@@ -19,11 +19,13 @@ import pytest
 
 from kvroute_sim.bench import thread_cpu
 from kvroute_sim.bench.cli import _router_setting, settings_problems
-from kvroute_sim.bench.harness import ClusterShape, router_config
+from kvroute_sim.bench.harness import ClusterShape, Outcomes, router_config
 from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS
 from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
 from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, targets_met
 from kvroute_sim.bench.raw_grpc import paced, slot_wait
+from kvroute_sim.bench.results import Verdict
+from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
 from router.cli import main
 from router.sidecar import CallTiming
 
@@ -360,3 +362,14 @@ def test_thread_cpu_snapshot_names_this_processs_threads_as_python_knows_them() 
         spinner.join()
     assert {"MainThread", "test-thread-cpu"} <= names
     assert all(t.cpu_s >= 0.0 for t in thread_cpu.snapshot().values())
+
+
+def test_the_soak_misses_on_leaked_descriptors_or_tasks_as_well_as_memory() -> None:
+    def result(rss_mb: float, fds: int, tasks: int) -> SoakResult:
+        start, end = Reading(100.0, 20, 30), Reading(100.0 + rss_mb, 20 + fds, 30 + tasks)
+        return SoakResult(10_000, 1_000, 1.0, start, end, (), Outcomes.empty(), {}, 0, 0)
+
+    assert soak_verdict(result(1.0, 2, 3)) is Verdict.MET
+    assert soak_verdict(result(25.0, 0, 0)) is Verdict.MISSED
+    assert soak_verdict(result(1.0, 5_000, 0)) is Verdict.MISSED
+    assert soak_verdict(result(1.0, 0, 2_000)) is Verdict.MISSED
