@@ -138,7 +138,11 @@ def test_check_config_refuses_what_serve_refuses(capsys: pytest.CaptureFixture[s
 def test_the_report_says_what_the_master_does_and_which_timeouts_the_cap_makes_moot() -> None:
     base = {"workers": "10.0.0.5:8000", "kvcm_bootstrap": "10.0.0.9:6381", "kvcm_instance_id": "x"}
     none = assess(load_config(base, {}))
-    assert any("no central scheduler" in line for line in none.works)
+    assert "no central scheduler (--master-hosts empty): the chain starts at KVCM" in none.works
+    alone = assess(load_config(base | {"kvcm_fallback": "false"}, {}))
+    assert "no central scheduler (--master-hosts empty): the chain is the domain source alone" in alone.works
+    bad = assess(load_config(base | {"master_hosts": "10.0.0.1:99999"}, {}))
+    assert any(line.startswith("no central scheduler (--master-hosts refused") for line in bad.works)
     on = assess(load_config(base | {"master_hosts": "10.0.0.1,10.0.0.2:7001"}, {}))
     asked = next(line for line in on.works if "central scheduler is asked first" in line)
     assert "2 host(s)" in asked and "KVCM, then the shadow index and domain" in asked

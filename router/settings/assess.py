@@ -179,9 +179,12 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
 
 
 def _master_lines(c: KvrouteConfig, said: Callable[[str], str]) -> list[str]:
-    hosts = master_hosts(c.master) if not master_problems(c.master) else ()
+    refused = bool(master_problems(c.master))
+    hosts = master_hosts(c.master) if not refused else ()
     if not hosts:
-        return ["no central scheduler (--master-hosts empty): the chain starts at KVCM"]
+        why = "--master-hosts refused, see below" if refused else "--master-hosts empty"
+        starts = "the chain starts at KVCM" if c.router.kvcm_fallback else "the chain is the domain source alone"
+        return [f"no central scheduler ({why}): {starts}"]
     after = "KVCM, then the shadow index and domain" if c.router.kvcm_fallback else "domain routing"
     kept = (
         f"its budget less {said('master_later_sources_ms')} kept for KVCM"
