@@ -220,6 +220,9 @@ class RouterConfig:
     lag_probe_interval_ms: float = bounded(10.0, 0, 10_000, low_open=True)
     # Route to workers known to be unreachable rather than answer no_candidates (and stay ready).
     route_blind: bool = False
+    # A prompt KVCM says nobody holds, and the shadow index neither: score the cold set by load
+    # (the less loaded of a few) instead of the domain's draw (docs/design.md §4 has the demo runs).
+    score_unmatched: bool = True
     # Kept free before an absolute (caller's) deadline to send the answer back: the router decides
     # this much earlier than the deadline it was given, so the answer arrives in time.
     reply_margin_ms: float = bounded(1.0, 0, 60_000)

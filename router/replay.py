@@ -51,6 +51,7 @@ from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
 from actors.sources.master import kept_after_master, routed_pick
 from actors.sources.scoring import selection_result
+from actors.sources.shadow import scores_unmatched
 from router.config import KvrouteConfig, LimitsConfig, MasterProtocol, RouterConfig
 from router.decision_record import (
     KIND_DECISION,
@@ -595,9 +596,10 @@ class _ReplayShadow:
     kind = RouteSource.SHADOW
     needs_keys = True
 
-    def __init__(self, current: _Current, scoring: _ReplayScoring) -> None:
+    def __init__(self, current: _Current, scoring: _ReplayScoring, *, score_unmatched: bool) -> None:
         self._current = current
         self._scoring = scoring
+        self._score_unmatched = score_unmatched
 
     def window(self, ctx: RequestContext) -> float:
         return ctx.deadline
@@ -610,6 +612,8 @@ class _ReplayShadow:
             return Skipped()
         hosts = self._current.get().shadow_hosts or ()
         if not hosts:
+            if scores_unmatched(ctx, self._score_unmatched):
+                return await self._scoring.choose(ctx, (), CandidateSource.SHADOW)
             return FellThrough(ctx.fallthrough or Reason.NO_POSITIVE_MATCH)
         return await self._scoring.choose(ctx, hosts, CandidateSource.SHADOW)
 
@@ -724,7 +728,7 @@ class ReplayEngine:
             chain.append(_ReplayMaster(config, current, later_sources=config.router.kvcm_fallback))
         if config.router.kvcm_fallback:
             chain.append(_ReplayKvcm(config, current, scoring))
-            chain.append(_ReplayShadow(current, scoring))
+            chain.append(_ReplayShadow(current, scoring, score_unmatched=config.router.score_unmatched))
         chain.append(domain)
         warn = AggregatingLogger(log, interval_s=math.inf, max_keys=16)
         split = case.split_estimates(config.router)

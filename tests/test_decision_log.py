@@ -242,6 +242,22 @@ def test_cold_walks_that_passed_over_decode_workers_replay_as_recorded(tmp_path:
     assert replay_all(log) == (6, 6)
 
 
+def test_prompts_nobody_holds_scored_by_load_replay_as_recorded(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.log"
+
+    async def record(log: Path) -> list[RouteDecision]:
+        async with cluster_router(log, score_unmatched=True) as (handle, cluster):
+            cluster.workers[0].submit("bg", 8000, 0, trio.current_time())
+            return [
+                await handle.route(RouteRequest(f"u{i}", token_ids=tuple(range(9000 * i, 9000 * i + 64)), budget_ms=50))
+                for i in range(1, 7)
+            ]
+
+    decisions = on_mock_clock(record, log)
+    assert {d.reason for d in decisions} == {Reason.SHORTEST_TTFT_LOW_CACHE_HIT}
+    assert replay_all(log) == (6, 6)
+
+
 def test_requests_whose_leader_lookup_failed_replay_without_a_query(tmp_path: Path) -> None:
     """KVCM elects no leader: each request waits for the lookup, which fails inside its window, and
     sends no query; replay puts back the lookup's wait and no query's."""

@@ -413,6 +413,33 @@ async def test_a_domain_answer_labels_a_worker_with_its_last_reported_role_howev
             assert decision.route_source is RouteSource.DOMAIN and decision.role is Role.PDFUSION, decision
 
 
+@pytest.mark.parametrize("score_unmatched", [False, True])
+async def test_a_prompt_nobody_holds_goes_to_the_less_loaded_cold_worker_when_scored(
+    autojump_clock: trio.testing.MockClock, score_unmatched: bool
+) -> None:
+    """KVCM answers that nobody holds the prompt and the shadow index has none: with the switch the
+    cold set is scored (both workers of two, so the idle one wins); without it the domain draws."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    for i in range(20):  # worker 0 has a long queue
+        cluster.workers[0].submit(f"bg{i}", 8000, 0, trio.current_time())
+    async with routed(cluster, score_unmatched=score_unmatched) as (handle, _, _):
+        picks = []
+        for i in range(12):
+            prompt = tuple(range(50_000 * (i + 1), 50_000 * (i + 1) + 8 * BLOCK))  # new every time
+            d = await handle.route(RouteRequest(f"u{i}", token_ids=prompt, budget_ms=50))
+            assert d.sources[0].reason is Reason.NO_POSITIVE_MATCH
+            picks.append(d.worker)
+            if score_unmatched:
+                assert (d.route_source, d.reason) == (RouteSource.SHADOW, Reason.SHORTEST_TTFT_LOW_CACHE_HIT), d
+            else:
+                assert (d.route_source, d.reason) == (RouteSource.DOMAIN, Reason.NO_POSITIVE_MATCH)
+        idle = picks.count(cluster.worker_addr(1))
+        if score_unmatched:
+            assert idle == len(picks)
+        else:
+            assert 0 < idle < len(picks)  # the domain's seeded draws take both
+
+
 async def test_feature_off_is_plain_domain_routing(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()

@@ -19,6 +19,13 @@ from router.policy.plan import CandidateSource
 from router.types import Reason, RouteDecision, RouteSource
 
 
+def scores_unmatched(ctx: RequestContext, enabled: bool) -> bool:
+    """Whether the shadow source, matching nothing, scores the cold set: KVCM answered that nobody
+    holds the prompt (not that it failed), so affinity has nothing to keep and the load decides. A
+    failing KVCM still degrades to the domain's draw at once."""
+    return enabled and ctx.cache_hosts == ()
+
+
 class ShadowSource:
     kind = RouteSource.SHADOW
     needs_keys = True
@@ -33,6 +40,7 @@ class ShadowSource:
         warn: AggregatingLogger,
     ) -> None:
         self._hot_set_size = config.scorer.hot_set_size
+        self._score_unmatched = config.router.score_unmatched
         self._shadow = shadow
         self._scoring = scoring
         self._metrics = metrics
@@ -50,6 +58,8 @@ class ShadowSource:
         if ctx.record is not None:
             ctx.record.shadow_hosts = tuple(hosts)
         if not hosts:
+            if scores_unmatched(ctx, self._score_unmatched):
+                return await self._scoring.choose(ctx, (), CandidateSource.SHADOW)
             why = ctx.fallthrough or Reason.NO_POSITIVE_MATCH
             # Aggregated: the cache path failing is not one line per request.
             self._warn.note(

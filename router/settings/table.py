@@ -606,6 +606,12 @@ _SPECS: dict[str, _Spec] = {
         "asynchronous call each; on-demand probes are unchanged",
         fallback=False,
     ),
+    "router.score_unmatched": _Spec(
+        "A prompt nobody holds (KVCM answered no match, the shadow index has none) goes to the least "
+        "loaded of the cold set, scored, instead of the domain's random draw",
+        short=True,
+        fallback=True,
+    ),
     "router.route_blind": _Spec(
         "Route to workers known to be unreachable (ejected, or refusing probes) instead of answering "
         "no_candidates, and stay ready when none is reachable",
