@@ -49,6 +49,9 @@ class CheckedRequest:
     companions: tuple[Role, ...]  # roles that get one more address each (decode, vit)
     family: KeyFamily
     lookahead: int
+    # Token ids nothing hashes (KVCM fallback off) that a scheduler may be sent: checked in slices,
+    # as hashing would check them, since one pass over the longest prompt holds the loop for ms.
+    ids_to_check: Sequence[int] = ()
 
     def with_keys(self, keys: tuple[int, ...]) -> PreparedRequest:
         return PreparedRequest(
@@ -228,6 +231,7 @@ def check_request(
     if not prefill_roles:
         raise BadRequest("roles", "name a prefill-capable role (PREFILL or PDFUSION) beside any companion role")
     tokens: Sequence[int] = ()
+    ids_to_check: Sequence[int] = ()
     keys: tuple[int, ...] = ()
     if request.block_cache_keys is not None:
         keys = tuple(request.block_cache_keys)
@@ -272,8 +276,9 @@ def check_request(
         if hash_tokens:
             tokens = request.token_ids  # the hashing checks each id (key_slices)
         else:
-            check_token_ids(request.token_ids)  # nothing hashes them; a scheduler may be sent them
+            ids_to_check = request.token_ids  # nothing hashes them; a scheduler may be sent them
     return CheckedRequest(
+        ids_to_check=ids_to_check,
         tokens=tokens,
         keys=keys,
         block_size=block_size,
@@ -310,6 +315,12 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
     token id the key family cannot encode, or one that is no integer (a Python caller's list), from the
     slice that holds it: found by the hashing itself, at no cost to a well-formed prompt.
     """
+    if checked.ids_to_check:
+        ids = checked.ids_to_check
+        for start in range(0, len(ids), max(1, slice_tokens)):
+            check_token_ids(ids[start : start + max(1, slice_tokens)])
+            yield ()
+        return
     if not checked.tokens:
         yield checked.keys
         return
@@ -347,8 +358,9 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
 
 
 def is_sliced(checked: CheckedRequest, slice_tokens: int) -> bool:
-    """Whether hashing ``checked`` takes more than one slice (a caller pauses between slices only then)."""
-    return len(checked.tokens) > slice_tokens
+    """Whether hashing (or checking) ``checked`` takes more than one slice (a caller pauses between
+    slices only then)."""
+    return max(len(checked.tokens), len(checked.ids_to_check)) > slice_tokens
 
 
 def prepare_request(
@@ -364,7 +376,8 @@ def prepare_request(
     """
     limits = LimitsConfig() if limits is None else limits
     checked = check_request(request, deployment, limits, hash_tokens=hash_tokens)
-    return checked.with_keys(join_slices(key_slices(checked, max(1, len(checked.tokens)))))
+    at_once = max(1, len(checked.tokens), len(checked.ids_to_check))
+    return checked.with_keys(join_slices(key_slices(checked, at_once)))
 
 
 def _names(roles: Sequence[Role]) -> str:

@@ -258,10 +258,10 @@ async def routed(cluster: SimCluster, **router_kw: float) -> AsyncIterator[Route
         discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
     )
     async with open_router(config, rpc=network) as handle:
-        resolver = handle.leader_resolver()
-        assert resolver is not None
-        with trio.move_on_after(1):
-            await resolver.leader()
+        resolver = handle.leader_resolver()  # None with the KVCM fallback off
+        if resolver is not None:
+            with trio.move_on_after(1):
+                await resolver.leader()
         # One request first: leader, channels and statuses are warm.
         await handle.route(RouteRequest("warm", token_ids=tuple(range(64)), budget_ms=50))
         yield handle
@@ -279,6 +279,25 @@ async def test_a_maximal_request_does_not_hold_up_a_normal_one(autojump_clock: t
         assert 0 < tokens.slices_read < SLICES_OF_MAX_PROMPT
         assert normal.worker is not None and normal.reason is not Reason.DEADLINE
         assert trio.current_time() - start <= 0.020
+
+
+async def test_with_the_fallback_off_a_maximal_prompts_ids_are_checked_in_slices_too(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Nothing hashes the ids (KVCM fallback off), yet a scheduler may be sent them: they are checked
+    in slices with rests between, as hashing would, and a bad id in the last slice is still named."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, kvcm_fallback=False) as handle, trio.open_nursery() as nursery:
+        tokens = CountedTokens(MAX_PROMPT)
+        nursery.start_soon(handle.route, RouteRequest("huge", token_ids=tokens, budget_ms=50))
+        await tokens.read(1)  # the huge request is being checked
+        normal = await handle.route(RouteRequest("normal", token_ids=tuple(range(256)), budget_ms=20))
+        assert 0 < tokens.slices_read < SLICES_OF_MAX_PROMPT  # answered between two of its slices
+        assert normal.worker is not None and normal.reason is Reason.FEATURE_OFF
+    bad = (*MAX_PROMPT[:-1], 2**63)
+    async with routed(SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK), kvcm_fallback=False) as handle:
+        refused = await handle.route(RouteRequest("bad", token_ids=bad, budget_ms=50))
+        assert refused.reason is Reason.BAD_REQUEST and refused.error is not None and "token_ids" in refused.error
 
 
 async def test_a_cancelled_long_request_stops_hashing(autojump_clock: trio.testing.MockClock) -> None:
