@@ -5,6 +5,9 @@ Real clock, servers on 127.0.0.1:0, an absolute trio.fail_after per test; never 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import httpx
 import trio
 import trio.testing
@@ -15,6 +18,7 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LeaderConfig, RouterConfig
 from router.keys import block_keys
+from router.supervisor import RouterHandle
 from router.types import KeyFamily, Reason, RouteRequest, RouteSource, Stage
 from router.wire import paths
 
@@ -34,22 +38,31 @@ def _decisions_total(text: str) -> dict[tuple[str, str], float]:
     return out
 
 
+@asynccontextmanager
+async def seeded_router(
+    nursery: trio.Nursery, *, kvcm_replicas: int, debug_http: bool = False
+) -> AsyncIterator[tuple[SimCluster, RouterHandle]]:
+    """A router over real loopback gRPC to a simulated cluster whose worker 2 holds PROMPT, its leader known."""
+    cluster = SimCluster(workers=4, kvcm_replicas=kvcm_replicas, block_size=BLOCK)
+    addrs = await nursery.start(cluster.serve_grpc)
+    cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        # The requests' own budgets, not the default 50 ms cap: on a busy machine a stalled loop's
+        # lag can make admission shed a call with little budget, and these must reach KVCM.
+        router=RouterConfig(budget_cap_ms=BUDGET_CAP_MS),
+    )
+    async with open_router(config, debug_http=debug_http) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        await resolver.leader()
+        yield cluster, handle
+
+
 async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> None:
     with trio.fail_after(20):
-        cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
-        addrs = await nursery.start(cluster.serve_grpc)
-        cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
-        config = KvrouteConfig(
-            deployment=DeploymentConfig(block_size=BLOCK),
-            discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-            # The requests' own budgets, not the default 50 ms cap: on a busy machine a stalled loop's
-            # lag can make admission shed a call with little budget, and these must reach KVCM.
-            router=RouterConfig(budget_cap_ms=BUDGET_CAP_MS),
-        )
-        async with open_router(config, debug_http=True) as handle:
-            resolver = handle.leader_resolver()
-            assert resolver is not None
-            await resolver.leader()
+        async with seeded_router(nursery, kvcm_replicas=3, debug_http=True) as (cluster, handle):
             assert handle.debug_address is not None
             base = f"http://{handle.debug_address}"
             async with httpx.AsyncClient(base_url=base) as http:
@@ -138,18 +151,7 @@ async def test_a_query_whose_window_passed_before_it_was_sent_counts_as_cut(nurs
     send it (DeadlineExceeded, no checkpoint, so no scope catches anything), and the split must still
     learn it as a cut wait, not as a query that answered in no time."""
     with trio.fail_after(20):
-        cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-        addrs = await nursery.start(cluster.serve_grpc)
-        cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
-        config = KvrouteConfig(
-            deployment=DeploymentConfig(block_size=BLOCK),
-            discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-            router=RouterConfig(budget_cap_ms=BUDGET_CAP_MS),
-        )
-        async with open_router(config) as handle:
-            resolver = handle.leader_resolver()
-            assert resolver is not None
-            await resolver.leader()
+        async with seeded_router(nursery, kvcm_replicas=1) as (_, handle):
             for i in range(50):  # a loop lagging on a busy machine may have admission shed a 1 ms budget
                 d = await handle.route(RouteRequest(f"tiny{i}", token_ids=PROMPT, budget_ms=1))
                 if d.reason is not Reason.OVERLOADED:
