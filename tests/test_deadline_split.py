@@ -188,6 +188,26 @@ def test_with_kvcm_near_the_budget_the_learned_split_keeps_more_requests_on_kvcm
     assert learned.within_budget == fixed.within_budget == 40  # the same deadline adherence: all in time
 
 
+def test_router_setting_overrides_reach_both_splits_routers() -> None:
+    """A learned split that needs more samples than the run has stays cold: it splits as the fixed one."""
+    fixed, learned = trio.run(
+        lambda: split_budget.measure_splits(
+            split_budget.SPLITS, network=MemoryNetwork(), requests=20, overrides={"split_min_samples": 100_000}
+        ),
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    assert (learned.kvcm, learned.hits, learned.within_budget) == (fixed.kvcm, fixed.hits, fixed.within_budget)
+    out = io.StringIO()
+    split_budget.run(
+        out,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        in_memory=True,
+        requests=4,
+        overrides={"split_min_samples": 100_000},
+    )
+    assert "router settings: budget_cap_ms=50.0, breaker_slow_query_ms=51.0, split_min_samples=100000" in out.getvalue()
+
+
 def test_the_demo_scenario_prints_both_splits_side_by_side() -> None:
     out = io.StringIO()
     status = split_budget.run(out, clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True, requests=20)

@@ -10,14 +10,17 @@ The command (``kvroute demo --scenario all``) keeps its strict checks on the rea
 
 from __future__ import annotations
 
+import argparse
 import gc
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import trio
 import trio.testing
 
+from kvroute_sim.demo import cli as demo_cli
+from kvroute_sim.demo import key_family, scenarios, split_budget
 from kvroute_sim.demo.scenarios import (
     BUDGET_MS,
     SCENARIO_NAMES,
@@ -127,6 +130,113 @@ def test_scenario_command_prints_each_result_and_exits_zero_when_all_pass() -> N
     assert "PASS config-invalid" in text
     assert "PASS kvcm-garbled" in text
     assert "2 of 2 scenarios passed" in text
+
+
+def test_router_setting_overrides_reach_the_scenarios_router_and_are_listed() -> None:
+    """--scenario dropped --router-setting: with the KVCM fallback switched off the scenario must see
+    no KVCM routing at all, and the banner must say it ran with that setting."""
+    out = io.StringIO()
+    code = run_scenarios(
+        ["kvcm-slow"],
+        scale=REAL_CLOCK_SCALE,
+        out=out,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        in_memory=True,
+        overrides={"kvcm_fallback": False, "breaker_cooldown_s": 0.4},
+    )
+    text = out.getvalue()
+    banner = text.splitlines()[0]
+    assert "kvcm_fallback=False" in banner and "breaker_cooldown_s=0.4," in banner, banner
+    assert "breaker_cooldown_s=0.2" not in banner  # the override replaces the scenario's value
+    assert code == 1, text
+    before = next(line for line in text.splitlines() if "before:" in line)
+    assert before.startswith("  FAIL") and "kvcm" not in before.split("(")[0], before
+
+
+def test_master_setting_overrides_are_listed_on_the_master_line() -> None:
+    out = io.StringIO()
+    code = run_scenarios(
+        ["master-down"],
+        scale=REAL_CLOCK_SCALE,
+        out=out,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        in_memory=True,
+        overrides={"master_breaker_cooldown_s": 0.3},
+    )
+    text = out.getvalue()
+    assert code == 0, text
+    banner, master_line = text.splitlines()[:2]
+    assert "master_breaker_cooldown_s" not in banner
+    assert master_line.startswith("master scenarios' router settings:")
+    assert "master_breaker_cooldown_s=0.3," in master_line, master_line
+
+
+def _demo_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvroute demo")
+    demo_cli.configure(parser)
+    return demo_cli.run(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        # A value the settings table refuses: named by its flag, as the comparison does.
+        (["--scenario", "kvcm-slow", "--router-setting", "breaker_cooldown_s=abc"], "--breaker-cooldown-s"),
+        (["--scenario", "wrong-key-family", "--router-setting", "budget_cap_ms=-1"], "--budget-cap-ms"),
+        (["--scenario", "kvcm-slow-budget", "--router-setting", "split_min_samples=0"], "--split-min-samples"),
+        # A setting the scenario sets itself: both flags named.
+        (
+            ["--scenario", "kvcm-slow", "--router-setting", "workers=127.0.0.1:9"],
+            "--router-setting workers cannot be combined with --scenario kvcm-slow",
+        ),
+        (
+            ["--scenario", "all", "--router-setting", "kvcm_bootstrap=127.0.0.1:9"],
+            "--router-setting kvcm_bootstrap cannot be combined with --scenario all",
+        ),
+        (
+            ["--scenario", "kvcm-slow-budget", "--router-setting", "deadline_split=fixed"],
+            "--router-setting deadline_split cannot be combined with --scenario kvcm-slow-budget",
+        ),
+        (
+            ["--scenario", "wrong-key-family", "--router-setting", "key_family=vllm"],
+            "--router-setting key_family cannot be combined with --scenario wrong-key-family",
+        ),
+    ],
+)
+def test_a_scenario_refuses_a_router_setting_it_cannot_take_before_running(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _demo_command(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran
+    assert captured.err.startswith("kvroute demo: error: ") and named in captured.err, captured.err
+
+
+def test_the_command_gives_every_scenario_its_scale_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparisons took neither: kvcm-slow-budget and wrong-key-family ran full length with their
+    own settings whatever --scenario-scale and --router-setting said."""
+    calls: dict[str, dict[str, object]] = {}
+
+    def recorder(name: str) -> Callable[..., int]:
+        def record(*args: object, **kwargs: object) -> int:
+            calls[name] = kwargs
+            return 0
+
+        return record
+
+    monkeypatch.setattr(split_budget, "run_both", recorder(split_budget.NAME))
+    monkeypatch.setattr(key_family, "run", recorder(key_family.NAME))
+    monkeypatch.setattr(scenarios, "run_scenarios", recorder("fault"))
+    setting = ["--router-setting", "split_min_samples=4"]
+    for name in (split_budget.NAME, key_family.NAME, "kvcm-slow"):
+        assert _demo_command(["--scenario", name, "--scenario-scale", "0.1", *setting]) == 0
+    overrides = {"split_min_samples": "4"}
+    assert calls[split_budget.NAME] == {"requests": split_budget.requests_at(0.1), "overrides": overrides}
+    assert calls[key_family.NAME] == {"requests": key_family.requests_at(0.1), "overrides": overrides}
+    assert calls["fault"]["scale"] == 0.1 and calls["fault"]["overrides"] == overrides
+    assert split_budget.requests_at(0.1) == round(split_budget.REQUESTS * 0.1)
+    assert key_family.requests_at(0.1) == key_family.MIN_REQUESTS  # below it the warning cannot fire
+    assert key_family.requests_at(2.0) == 2 * key_family.REQUESTS
 
 
 # ---- the checks on synthetic outcomes (pure) -------------------------------------------------------------

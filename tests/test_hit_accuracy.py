@@ -130,6 +130,24 @@ def test_the_wrong_key_family_scenario_prints_both_families_and_passes() -> None
     assert "readiness warning (wrong family)" in text
 
 
+def test_the_wrong_key_family_scenario_at_its_smallest_scale_still_fires_and_takes_overrides() -> None:
+    """--scenario-scale takes the runs down to MIN_REQUESTS at most: enough compared predictions for the
+    readiness warning. A --router-setting reaches both runs' routers: with the warning off it cannot fire."""
+    requests = key_family.requests_at(0.01)
+    fired = key_family.run(
+        io.StringIO(), clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True, requests=requests
+    )
+    assert fired == 0
+    out = io.StringIO()
+    silenced = {"metrics_accuracy_warn_silent_share": 0.0}
+    status = key_family.run(
+        out, clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True, requests=requests, overrides=silenced
+    )
+    text = out.getvalue()
+    assert status == 1, text
+    assert "router settings: budget_cap_ms=50.0, metrics_accuracy_warn_silent_share=0.0" in text.splitlines()[0]
+
+
 async def test_a_queued_task_whose_prefix_is_not_matched_yet_leaves_the_prediction_pending(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -164,7 +164,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_number(float, 0.0, above=True),
         default=1.0,
         metavar="F",
-        help="multiply every scenario phase by F (default 1; e.g. 0.4 for CI)",
+        help=f"multiply every scenario phase by F (default 1; e.g. 0.4 for CI); {split_budget.NAME} and "
+        f"{key_family.NAME}: their measured requests (the latter at least {key_family.MIN_REQUESTS})",
     )
     parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"where the JSON and PNG go (default {DEFAULT_OUT})"
@@ -197,7 +198,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="override one router setting (repeatable), e.g. scorer_max_extra_work_tokens=512",
+        help="override one router setting (repeatable), e.g. scorer_max_extra_work_tokens=512; with --scenario, "
+        "over the scenario's settings (not the ones it sets itself: its cluster's addresses, block size and key "
+        "family, and what it compares)",
     )
     parser.add_argument(
         "--log-level",
@@ -308,13 +311,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
-    if args.scenario == split_budget.NAME:
-        return split_budget.run_both(sys.stdout)
-    if args.scenario == key_family.NAME:
-        return key_family.run(sys.stdout)
     if args.scenario is not None:
-        names = scenarios.SCENARIO_NAMES if args.scenario == "all" else (args.scenario,)
-        return scenarios.run_scenarios(names, scale=args.scenario_scale, out=sys.stdout)
+        return _scenario(args.scenario, args.scenario_scale, dict(args.router_setting))
     if evidence_requested(args):
         return run_evidence(args)
     try:
@@ -365,6 +363,27 @@ def run(args: argparse.Namespace) -> int:
         if outage is not None:
             print(f"wrote {write_outage_chart(out_dir, outage)}")
     return 0
+
+
+def _scenario(name: str, scale: float, overrides: dict[str, object]) -> int:
+    """``--scenario NAME``: its runs with ``overrides`` (refused with exit 2 before any run when it
+    cannot take them) at phase scale ``scale``."""
+    names = scenarios.SCENARIO_NAMES if name == "all" else (name,)
+    try:
+        if name == split_budget.NAME:
+            split_budget.check_overrides(overrides)
+        elif name == key_family.NAME:
+            key_family.check_overrides(overrides)
+        else:
+            scenarios.check_overrides(names, overrides, asked=name)
+    except DemoConfigError as exc:
+        print(f"kvroute demo: error: {exc}", file=sys.stderr)
+        return 2
+    if name == split_budget.NAME:
+        return split_budget.run_both(sys.stdout, requests=split_budget.requests_at(scale), overrides=overrides)
+    if name == key_family.NAME:
+        return key_family.run(sys.stdout, requests=key_family.requests_at(scale), overrides=overrides)
+    return scenarios.run_scenarios(names, scale=scale, out=sys.stdout, overrides=overrides)
 
 
 def _herding(

@@ -15,17 +15,21 @@ system prompts and each has its own question. Two runs on fresh clusters and rou
 
 After each dispatch the worker is probed at once, so the status listing the request reaches the
 router (as the prober's next status would).
+
+``--scenario-scale`` scales the requests of each run (``requests_at``, at least ``MIN_REQUESTS``).
+``--router-setting`` overrides go over both runs' settings; the key family is the scenario's own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TextIO
 
 import trio
 
-from kvroute_sim.demo.runner import open_kvroute
+from kvroute_sim.demo.runner import check_router_settings, open_kvroute, refuse_fixed_settings
 from kvroute_sim.demo.workload import WorkloadSpec, system_prompt
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.worker import WorkerSpec
@@ -38,6 +42,9 @@ SUMMARY = "the router hashes with another key family than the engines: predicted
 ENGINE_FAMILY = KeyFamily.RTP
 WRONG_FAMILY = KeyFamily.VLLM
 REQUESTS = 60
+# The readiness warning needs 20 compared predictions (actors/hit_accuracy.py) and the first request of
+# each of the GROUPS prompts predicts none: 24 on the simulated clock, and a few more for the real one.
+MIN_REQUESTS = 30
 GROUPS = 4
 SYSTEM_TOKENS = 256
 QUESTION_TOKENS = 64
@@ -45,6 +52,8 @@ WORKERS = 4
 BUDGET_MS = 50.0
 STATUS_WAIT_S = 0.1  # past the status cache's freshness, so the probe after a dispatch is a real one
 _SPEC = WorkloadSpec()
+_SETTINGS: Mapping[str, object] = {"budget_cap_ms": BUDGET_MS}
+FIXED_SETTINGS: Mapping[str, str] = {"key_family": "it runs the router with the engines' key family, then a wrong one"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,14 +87,20 @@ def _prompt(i: int) -> tuple[int, ...]:
 
 
 async def measure_family(
-    router_family: KeyFamily, *, network: MemoryNetwork | None = None, requests: int = REQUESTS
+    router_family: KeyFamily,
+    *,
+    network: MemoryNetwork | None = None,
+    requests: int = REQUESTS,
+    overrides: Mapping[str, object] | None = None,
 ) -> FamilyFigures:
-    """Route and dispatch ``requests`` requests with the router hashing in ``router_family``."""
+    """Route and dispatch ``requests`` requests with the router hashing in ``router_family``
+    (``overrides`` over the router's settings)."""
     block = _SPEC.block_size
     cluster = SimCluster([WorkerSpec(block_size=block)] * WORKERS, block_size=block)
     spec = WorkloadSpec(key_family=router_family)
     predicted = predicted_tokens = actual_tokens = 0
-    async with open_kvroute(cluster, spec, extra_settings={"budget_cap_ms": BUDGET_MS}, network=network) as setup:
+    settings = dict(_SETTINGS) | dict(overrides or {})
+    async with open_kvroute(cluster, spec, extra_settings=settings, network=network) as setup:
         handle = setup.handle
         resolver = handle.leader_resolver()
         if resolver is not None:
@@ -144,17 +159,42 @@ def render(figures: list[FamilyFigures]) -> str:
     return "\n".join(lines)
 
 
-def run(out: TextIO, *, clock: trio.abc.Clock | None = None, in_memory: bool = False, requests: int = REQUESTS) -> int:
-    """Both runs, side by side; 0 when the signal fired with the wrong family only, else 1."""
+def requests_at(scale: float) -> int:
+    """Each run's requests at ``--scenario-scale`` ``scale``."""
+    return max(MIN_REQUESTS, round(REQUESTS * scale))
+
+
+def check_overrides(overrides: Mapping[str, object]) -> None:
+    """Raise ``DemoConfigError`` when ``overrides`` set the key family (or the cluster's settings), or a
+    value the settings table refuses."""
+    refuse_fixed_settings(NAME, overrides, FIXED_SETTINGS)
+    check_router_settings(_SPEC, dict(_SETTINGS) | dict(overrides))
+
+
+def run(
+    out: TextIO,
+    *,
+    clock: trio.abc.Clock | None = None,
+    in_memory: bool = False,
+    requests: int = REQUESTS,
+    overrides: Mapping[str, object] | None = None,
+) -> int:
+    """Both runs, side by side; 0 when the signal fired with the wrong family only, else 1.
+    ``overrides``: checked by ``check_overrides``."""
+    settings = dict(_SETTINGS) | dict(overrides or {})
     print(
         f"{NAME}: {SUMMARY}; engines and KVCM in {ENGINE_FAMILY.value}, {requests} requests over {GROUPS} "
-        f"system prompts",
+        "system prompts; router settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()),
         file=out,
     )
     figures = []
     for family in (ENGINE_FAMILY, WRONG_FAMILY):
         network = MemoryNetwork() if in_memory else None
-        figures.append(trio.run(partial(measure_family, family, network=network, requests=requests), clock=clock))
+        figures.append(
+            trio.run(
+                partial(measure_family, family, network=network, requests=requests, overrides=overrides), clock=clock
+            )
+        )
     print(render(figures), file=out)
     right, wrong = figures
     if wrong.warning:

@@ -312,6 +312,27 @@ def router_settings(kvcm_bootstrap: str, workers: str, workload: WorkloadSpec) -
     }
 
 
+# What points a scenario's router at the simulated cluster it serves (``router_settings`` and the
+# scheduler's replicas): overridden, the router would ask peers, or hash blocks, the simulators do not have.
+CLUSTER_SETTINGS: Mapping[str, str] = {
+    name: "the scenario points the router at its simulated cluster with it"
+    for name in ("kvcm_bootstrap", "workers", "master_hosts", "block_size", "key_family")
+}
+
+
+def refuse_fixed_settings(scenario: str, overrides: Mapping[str, object], fixed: Mapping[str, str]) -> None:
+    """Raise ``DemoConfigError`` naming ``--router-setting`` and ``--scenario`` when ``overrides`` set
+    one of ``CLUSTER_SETTINGS`` or of ``fixed`` (setting name -> why the scenario sets it itself)."""
+    reasons = dict(CLUSTER_SETTINGS) | dict(fixed)
+    clashes = [
+        f"--router-setting {name} cannot be combined with --scenario {scenario}: {reasons[name]}"
+        for name in overrides
+        if name in reasons
+    ]
+    if clashes:
+        raise DemoConfigError("; ".join(clashes))
+
+
 def check_router_settings(workload: WorkloadSpec, extra_settings: Mapping[str, object]) -> None:
     """Validate ``extra_settings`` before anything is served (placeholder addresses); raise
     ``DemoConfigError`` listing every problem, so a bad override fails fast and clearly."""

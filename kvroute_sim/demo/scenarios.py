@@ -22,7 +22,9 @@ KVCM (or at the recovery limit). Invariants, each printed PASS/FAIL:
   ejection time).
 
 Scenario router settings (``SCENARIO_SETTINGS``) shorten the recovery timers so each
-scenario takes a few seconds; they are printed with the results.
+scenario takes a few seconds; they are printed with the results. ``--router-setting`` overrides
+go over them (and over ``MASTER_SETTINGS``); the stated limits stay those of the scenario settings,
+so an override that slows recovery can fail them.
 
 The ``master-*`` scenarios serve a SimMaster too (``MASTER_REPLICAS`` replicas routing with the
 cluster's exact knowledge) and the router asks it first, so healthy routing is ``master``: the
@@ -37,14 +39,20 @@ from __future__ import annotations
 import gc
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TextIO
 
 import trio
 
-from kvroute_sim.demo.runner import KvrouteSetup, open_kvroute, route_request
+from kvroute_sim.demo.runner import (
+    KvrouteSetup,
+    check_router_settings,
+    open_kvroute,
+    refuse_fixed_settings,
+    route_request,
+)
 from kvroute_sim.demo.workload import DemoRequest, WorkloadSpec, build_workload, system_prompt
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.cluster_master import cluster_decide
@@ -793,17 +801,19 @@ async def run_scenario(
     scale: float = 1.0,
     deadline_slack_ms: float = DEADLINE_SLACK_MS,
     network: MemoryNetwork | None = None,
+    overrides: Mapping[str, object] | None = None,
 ) -> ScenarioResult:
     """Run one scenario on a fresh cluster and router; the phases last ``scale`` × their defaults.
 
     By default over loopback gRPC; with ``network``, the cluster and the router meet on that
-    in-memory network (for runs under a MockClock).
+    in-memory network (for runs under a MockClock). ``overrides``: ``--router-setting`` values
+    (``scenario_settings``).
     """
     spec = _SCENARIO_WORKLOAD
     requests = build_workload(spec).requests
     cluster = SimCluster([WorkerSpec(block_size=spec.block_size)] * SCENARIO_WORKERS, block_size=spec.block_size)
     ctx = ScenarioContext(cluster)
-    settings = SCENARIO_SETTINGS | (MASTER_SETTINGS if scenario.master else {}) | scenario.settings
+    settings = scenario_settings(scenario, overrides or {})
     master = None
     if scenario.master:
         # The scheduler reads the clock the sims read (the trio clock; safe from gRPC handler threads).
@@ -844,17 +854,52 @@ async def run_scenario(
     return ScenarioResult(scenario.name, tuple(checks), len(traffic.outcomes), trio.current_time() - began)
 
 
+def scenario_settings(scenario: Scenario, overrides: Mapping[str, object]) -> dict[str, object]:
+    """The router settings ``scenario`` runs with: ``SCENARIO_SETTINGS``, ``MASTER_SETTINGS`` for a
+    master scenario, the scenario's own, then ``overrides`` (``--router-setting``)."""
+    return SCENARIO_SETTINGS | (MASTER_SETTINGS if scenario.master else {}) | scenario.settings | dict(overrides)
+
+
+def check_overrides(names: Sequence[str], overrides: Mapping[str, object], *, asked: str) -> None:
+    """Raise ``DemoConfigError`` when ``overrides`` cannot run with the scenarios ``names``
+    (``--scenario asked``): a setting one of them sets itself (its cluster's addresses, its fault's
+    setting), or a value the settings table refuses in any of their settings."""
+    chosen = [_BY_NAME[name] for name in names]
+    fixed = {name: f"the {s.name} scenario breaks it on purpose" for s in chosen for name in s.settings}
+    refuse_fixed_settings(asked, overrides, fixed)
+    for scenario in chosen:
+        settings = scenario_settings(scenario, overrides)
+        if not scenario.strict_config:  # its own settings are broken on purpose, the overrides must not be
+            settings = {k: v for k, v in settings.items() if k not in scenario.settings}
+        check_router_settings(_SCENARIO_WORKLOAD, settings)
+
+
+def _listed(settings: Mapping[str, object]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
+
+
 def run_scenarios(
-    names: Sequence[str], *, scale: float, out: TextIO, clock: trio.abc.Clock | None = None, in_memory: bool = False
+    names: Sequence[str],
+    *,
+    scale: float,
+    out: TextIO,
+    clock: trio.abc.Clock | None = None,
+    in_memory: bool = False,
+    overrides: Mapping[str, object] | None = None,
 ) -> int:
     """Run ``names`` one after another; print each PASS/FAIL with its checks; 0 if all passed, else 1.
 
     The command runs them on the real clock over loopback gRPC; ``clock`` and ``in_memory`` are for
-    running the same command path under a MockClock on in-memory transports.
+    running the same command path under a MockClock on in-memory transports. ``overrides``
+    (``--router-setting``, checked by ``check_overrides``) go over every scenario's settings.
     """
+    overrides = dict(overrides or {})
+    # Each override is listed once: the scheduler's timers on the master line when one is printed.
+    master_line = any(_BY_NAME[name].master for name in names)
+    general = {k: v for k, v in overrides.items() if not (master_line and k in MASTER_SETTINGS)}
     print(
         f"scenarios at {RATE_PER_S:g} requests/s, budget {BUDGET_MS:g} ms, phase scale {scale:g}; "
-        "router settings: " + ", ".join(f"{k}={v}" for k, v in SCENARIO_SETTINGS.items()),
+        "router settings: " + _listed(SCENARIO_SETTINGS | general),
         file=out,
         flush=True,
     )
@@ -865,12 +910,14 @@ def run_scenarios(
         # The previous scenario's garbage is collected now, not in a GC pass inside this one's checks.
         gc.collect()
         network = MemoryNetwork() if in_memory else None
-        result = trio.run(partial(run_scenario, scenario, scale=scale, network=network), clock=clock)
+        result = trio.run(
+            partial(run_scenario, scenario, scale=scale, network=network, overrides=overrides), clock=clock
+        )
         results.append(result)
         if scenario.master and not printed_master:
             printed_master = True
-            master_settings = ", ".join(f"{k}={v}" for k, v in MASTER_SETTINGS.items())
-            print(f"master scenarios' router settings: {master_settings}", file=out)
+            master_settings = {k: overrides.get(k, v) for k, v in MASTER_SETTINGS.items()}
+            print(f"master scenarios' router settings: {_listed(master_settings)}", file=out)
         print(
             f"{'PASS' if result.passed else 'FAIL'} {name}: {scenario.summary} "
             f"({result.requests} requests, {result.duration_s:.1f} s)",

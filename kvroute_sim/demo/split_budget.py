@@ -17,12 +17,17 @@ differs more from one run to the next than the splits do. The figures count the 
 
 Printed side by side: the share routed from KVCM, the share routed to a holder of the prefix (hit
 rate), and the share answered within the request's budget (deadline adherence).
+
+``--scenario-scale`` scales the slow phase's requests (``requests_at``); the warm-up keeps its length,
+since the learned split learns from it. ``--router-setting`` overrides go over both routers' settings,
+except the ones the comparison sets itself (``FIXED_SETTINGS``).
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -31,7 +36,13 @@ from typing import TextIO
 import trio
 import trio.testing
 
-from kvroute_sim.demo.runner import load_router_config, open_kvroute, router_settings
+from kvroute_sim.demo.runner import (
+    check_router_settings,
+    load_router_config,
+    open_kvroute,
+    refuse_fixed_settings,
+    router_settings,
+)
 from kvroute_sim.demo.workload import WorkloadSpec
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
@@ -78,22 +89,27 @@ class _Tally:
 
 
 async def measure_splits(
-    splits: tuple[str, ...] = SPLITS, *, network: MemoryNetwork | None = None, requests: int = REQUESTS
+    splits: tuple[str, ...] = SPLITS,
+    *,
+    network: MemoryNetwork | None = None,
+    requests: int = REQUESTS,
+    overrides: Mapping[str, object] | None = None,
 ) -> list[SplitFigures]:
     """Route the warm-up, then ``requests`` seeded requests against a slow KVCM, each by one router per
     split (fresh routers on one fresh cluster: loopback gRPC, or ``network`` under a MockClock); count
-    the slow ones per split."""
+    the slow ones per split. ``overrides`` go over every router's settings."""
     cluster = SimCluster([WorkerSpec(block_size=_SPEC.block_size)] * WORKERS, block_size=_SPEC.block_size)
     rng = random.Random(0)
     tallies = {split: _Tally() for split in splits}
+    extra = dict(overrides or {})
     async with AsyncExitStack() as stack:
         first = await stack.enter_async_context(
-            open_kvroute(cluster, _SPEC, extra_settings=_settings(splits[0]), network=network)
+            open_kvroute(cluster, _SPEC, extra_settings=_settings(splits[0]) | extra, network=network)
         )
         handles: dict[str, RouterHandle] = {splits[0]: first.handle}
         for split in splits[1:]:
             settings = router_settings(first.addresses.kvcm_bootstrap, first.addresses.workers_arg, _SPEC)
-            loaded = load_router_config(settings | _settings(split))
+            loaded = load_router_config(settings | _settings(split) | extra)
             handles[split] = await stack.enter_async_context(open_router(loaded.effective, rpc=network, loaded=loaded))
         for handle in handles.values():
             resolver = handle.leader_resolver()
@@ -143,6 +159,27 @@ def _settings(split: str) -> dict[str, object]:
     return {"deadline_split": split, "budget_cap_ms": BUDGET_MS, "breaker_slow_query_ms": BUDGET_MS + 1.0}
 
 
+# The settings of ``_settings``: the verdict compares the splits under them.
+FIXED_SETTINGS: Mapping[str, str] = {
+    "deadline_split": "it runs one router per split, fixed and learned",
+    "budget_cap_ms": f"KVCM's delays are set against its {BUDGET_MS:g} ms budget",
+    "breaker_slow_query_ms": "KVCM is slow there by design: its breaker must not count the slow queries",
+}
+
+
+def requests_at(scale: float) -> int:
+    """The slow phase's requests at ``--scenario-scale`` ``scale``."""
+    return max(1, round(REQUESTS * scale))
+
+
+def check_overrides(overrides: Mapping[str, object]) -> None:
+    """Raise ``DemoConfigError`` when ``overrides`` set one of ``FIXED_SETTINGS`` (or the cluster's), or
+    a value the settings table refuses for either router."""
+    refuse_fixed_settings(NAME, overrides, FIXED_SETTINGS)
+    for split in SPLITS:
+        check_router_settings(_SPEC, _settings(split) | dict(overrides))
+
+
 def render(figures: list[SplitFigures]) -> str:
     """The splits side by side."""
     lines = [
@@ -157,28 +194,46 @@ def render(figures: list[SplitFigures]) -> str:
     return "\n".join(lines)
 
 
-def run_both(out: TextIO, *, requests: int = REQUESTS) -> int:
+def run_both(out: TextIO, *, requests: int = REQUESTS, overrides: Mapping[str, object] | None = None) -> int:
     """The scenario twice: on a simulated clock with the in-memory transports, where only the split's
     rule differs (each stage takes exactly its simulated time), then on the real clock over loopback
     gRPC, where this machine's stalls add to every stage. The exit status is the real-clock run's."""
     print("simulated clock, in-memory transports:", file=out)
-    run(out, clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True, requests=requests)
+    run(
+        out,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        in_memory=True,
+        requests=requests,
+        overrides=overrides,
+    )
     print("real clock, loopback gRPC:", file=out)
-    return run(out, requests=requests)
+    return run(out, requests=requests, overrides=overrides)
 
 
-def run(out: TextIO, *, clock: trio.abc.Clock | None = None, in_memory: bool = False, requests: int = REQUESTS) -> int:
+def run(
+    out: TextIO,
+    *,
+    clock: trio.abc.Clock | None = None,
+    in_memory: bool = False,
+    requests: int = REQUESTS,
+    overrides: Mapping[str, object] | None = None,
+) -> int:
     """Run both splits, print them side by side; 0 when the learned split kept at least the fixed one's
-    KVCM share and hit rate at the same deadline adherence, else 1."""
+    KVCM share and hit rate at the same deadline adherence, else 1. ``overrides``: checked by
+    ``check_overrides``."""
     low, high = (d * 1000.0 for d in QUERY_DELAY_S)
+    common = {k: v for k, v in _settings(SPLITS[0]).items() if k != "deadline_split"} | dict(overrides or {})
     print(
         f"{NAME}: {SUMMARY}; budget {BUDGET_MS:g} ms, GetHostCacheState {low:g}-{high:g} ms, "
         f"after {WARM_REQUESTS} requests at {WARM_QUERY_DELAY_S * 1000:g} ms; status probes "
-        f"{PROBE_DELAY_S * 1000:g} ms; {requests} slow requests, each routed by both splits",
+        f"{PROBE_DELAY_S * 1000:g} ms; {requests} slow requests, each routed by both splits; router settings: "
+        + ", ".join(f"{k}={v}" for k, v in common.items()),
         file=out,
     )
     network = MemoryNetwork() if in_memory else None
-    figures = trio.run(partial(measure_splits, SPLITS, network=network, requests=requests), clock=clock)
+    figures = trio.run(
+        partial(measure_splits, SPLITS, network=network, requests=requests, overrides=overrides), clock=clock
+    )
     print(render(figures), file=out, flush=True)
     fixed, learned = figures
     kept = learned.kvcm >= fixed.kvcm and learned.hits >= fixed.hits and learned.within_budget >= fixed.within_budget
