@@ -9,7 +9,8 @@ Configuration comes from the settings table (flags, ``KVROUTE_*`` variables, ``-
 Once serving it prints one line with the Route gRPC and debug HTTP addresses. On SIGTERM, SIGINT or
 SIGHUP it drains: health turns NOT_SERVING, new calls are refused, calls in flight finish within
 ``--drain-timeout-s``; then every actor stops and every channel closes, a summary of the calls goes
-to stderr, and the exit status is 0. A second signal during the drain stops at once. A signal
+to stderr (with ``--log-format json`` as a log record, like every other line there), and the exit
+status is 0. A second signal during the drain stops at once. A signal
 during start-up (which can wait as long as a peer's discovery timeout) stops it at once, before it
 serves or prints its addresses, also with status 0.
 
@@ -89,36 +90,56 @@ def run(args: argparse.Namespace) -> int:
     supervised: int | None = args.supervised_process
     if supervised is not None:
         tag_records(handler, process=supervised)  # the children of one parent share the stream: whose line it is
-    else:  # a supervising parent reports the settings once; its children, given the same ones, do not
+    say = _Say(
+        "kvroute serve" if supervised is None else f"kvroute serve (process {supervised})",
+        as_records=serve.log_format.lower() == "json",
+    )
+    if supervised is None:  # a supervising parent reports the settings once; its children, given the same ones, do not
         log_startup_report(loaded, log)
         if serve.processes > 1:
-            return _run_processes(args, loaded)
+            return _run_processes(args, loaded, say)
     bind_errors: list[BaseException] = []
     try:
         stats = trio.run(_serve, loaded, supervised)
     except* OSError as group:  # a listen address in use or not assignable
         bind_errors.extend(leaves(group))
-    who = "kvroute serve" if supervised is None else f"kvroute serve (process {supervised})"
     if bind_errors:
         for error in bind_errors:
-            _say(f"{who}: {error}")
+            say(str(error), logging.ERROR)
         return EXIT_CANNOT_SERVE
     if isinstance(stats, str):
-        _say(f"{who}: {stats} during start-up: stopped before serving")
+        say(f"{stats} during start-up: stopped before serving", signal=stats)
         return EXIT_OK
-    _say(
-        f"{who}: stopped; Route calls answered={stats.answered} invalid={stats.invalid} "
-        f"refused={stats.unavailable} timed_out={stats.timed_out} failed={stats.failed} "
-        f"cut_at_drain_deadline={stats.in_flight}"
-    )
+    counts = {
+        "answered": stats.answered,
+        "invalid": stats.invalid,
+        "refused": stats.unavailable,
+        "timed_out": stats.timed_out,
+        "failed": stats.failed,
+        "cut_at_drain_deadline": stats.in_flight,
+    }
+    say("stopped; Route calls " + " ".join(f"{name}={n}" for name, n in counts.items()), **counts)
     return EXIT_OK
 
 
-def _say(line: str) -> None:
-    """One line to stderr in one write: sibling processes share the stream, and print() may write the
-    newline separately, letting another process's line land in between."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+class _Say:
+    """The command's own lines on stderr (why it cannot serve, its stop): ``"kvroute serve: ..."`` with
+    the text log format; with json, a record of this command's logger like every other line there, so
+    a log shipper parses them all."""
+
+    def __init__(self, who: str, *, as_records: bool) -> None:
+        self._who = who
+        self._as_records = as_records
+
+    def __call__(self, message: str, level: int = logging.INFO, **fields: object) -> None:
+        if self._as_records:
+            # Handled whatever --log-level: the text line it stands for shows at every level.
+            log.handle(log.makeRecord(log.name, level, __file__, 0, message, (), None, extra=ctx(**fields)))
+            return
+        # One write: sibling processes share the stream, and print() may write the newline separately,
+        # letting another process's line land in between.
+        sys.stderr.write(f"{self._who}: {message}\n")
+        sys.stderr.flush()
 
 
 async def _next_signal(signals: AsyncIterator[int]) -> int:
@@ -141,12 +162,12 @@ async def _stop_on_signal(signals: AsyncIterator[int], serving: trio.CancelScope
         return
 
 
-def _run_processes(args: argparse.Namespace, loaded: LoadedConfig) -> int:
+def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) -> int:
     serve = loaded.effective.serve
     try:
         held = reserve_port(parse_listen(serve.grpc_listen), "--grpc-listen")
     except OSError as error:
-        _say(f"kvroute serve: {error}")
+        say(str(error), logging.ERROR)
         return EXIT_CANNOT_SERVE
     with held:
         port = held.getsockname()[1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import re
 import signal
 import subprocess
@@ -283,6 +284,61 @@ async def test_listen_address_in_use_exits_1_naming_the_flag(flag: str) -> None:
     assert code == 1, stderr
     assert stdout == ""  # never announced an address
     assert f"{flag}: cannot bind 127.0.0.1:{port}" in stderr
+
+
+def _json_records(stderr: str) -> list[dict[str, object]]:
+    """Every stderr line as a JSON object: a line that is not one fails the test, naming it."""
+    records = []
+    for line in stderr.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise AssertionError(f"not a JSON line on stderr: {line!r}") from None
+        assert isinstance(record, dict), line
+        records.append(record)
+    return records
+
+
+async def test_with_json_logs_the_stop_summary_is_a_json_record_too() -> None:
+    """The summary was a plain "kvroute serve: stopped; ..." line among the JSON ones."""
+    command = [
+        *CLI_SERVE,
+        "--grpc-listen=127.0.0.1:0",
+        "--debug-listen=127.0.0.1:0",
+        "--workers=127.0.0.1:9",
+        "--kvcm-fallback=false",
+        "--log-format=json",
+        "--log-level=error",  # the summary is written at every level, as the text line is
+    ]
+    with trio.fail_after(30):
+        code, stdout, stderr = await _run_to_end(command, signal.SIGTERM)
+    assert code == 0, stderr
+    assert _ADDRESSES.search(stdout), stdout
+    [summary] = [r for r in _json_records(stderr) if str(r["msg"]).startswith("stopped; Route calls")]
+    assert summary["logger"] == "kvroute.serve" and summary["level"] == "INFO"
+    assert _SUMMARY.search(str(summary["msg"])), summary
+    assert summary["answered"] == summary["cut_at_drain_deadline"] == 0
+
+
+async def test_with_json_logs_a_bind_failure_is_a_json_record_naming_the_flag() -> None:
+    with trio.fail_after(30):
+        with trio.socket.socket() as taken:
+            await taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            command = [
+                *CLI_SERVE,
+                "--grpc-listen=127.0.0.1:0",
+                f"--debug-listen=127.0.0.1:{port}",
+                "--workers=127.0.0.1:9",
+                "--kvcm-fallback=false",
+                "--log-format=json",
+            ]
+            code, stdout, stderr = await _run_to_end(command)
+    assert code == 1, stderr
+    assert stdout == ""
+    errors = [r for r in _json_records(stderr) if r["level"] == "ERROR"]
+    assert any(f"--debug-listen: cannot bind 127.0.0.1:{port}" in str(r["msg"]) for r in errors), stderr
 
 
 def test_serving_freezes_the_start_up_heap_and_makes_full_collections_rare() -> None:
