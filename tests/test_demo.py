@@ -432,6 +432,19 @@ async def test_tiny_demo_run_prints_the_table_and_writes_json_and_png(
     assert set(BASELINE_NAMES) < set(POLICY_NAMES)
 
 
+@pytest.mark.parametrize("out", ["a-file/out", "a-file"])
+def test_an_unusable_out_is_refused_before_the_run(
+    out: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was found only when the results were written, after the whole run, as a traceback."""
+    (tmp_path / "a-file").write_text("")
+    argv = ["--out", str(tmp_path / out), "--groups", "2", "--prompts-per-group", "2", "--policies", "random"]
+    assert _demo_command([*argv, "--no-master"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran
+    assert captured.err == f"kvroute demo: --out {tmp_path / out}: Not a directory\n"
+
+
 def test_flags_apply_over_the_presets() -> None:
     parser = argparse.ArgumentParser()
     demo_cli.configure(parser)

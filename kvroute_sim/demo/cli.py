@@ -48,6 +48,7 @@ from kvroute_sim.demo.master_outage import (
 from kvroute_sim.demo.report import (
     check_targets,
     format_table,
+    ready_out_dir,
     results_json,
     summarize,
     write_chart,
@@ -313,6 +314,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.scenario is not None:
         return _scenario(args.scenario, args.scenario_scale, dict(args.router_setting))
+    if args.trace_generate is None:  # that run writes its FILE, every other one --out
+        try:
+            ready_out_dir(Path(args.out))
+        except OSError as exc:
+            print(f"kvroute demo: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     if evidence_requested(args):
         return run_evidence(args)
     try:

@@ -18,8 +18,11 @@ Definitions (per policy, over the routed requests):
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -297,6 +300,16 @@ def results_json(
         "policies": [s.to_json() for s in summaries],
         "targets": [c.to_json() for c in checks],
     }
+
+
+def ready_out_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` and try a file in it: OSError (its ``strerror`` the reason) when the run's
+    results could not be written there, found before the run instead of after it."""
+    if out_dir.exists() and not out_dir.is_dir():  # mkdir would call it "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out_dir):
+        pass
 
 
 def write_results(out_dir: Path, payload: Mapping[str, object]) -> Path:
