@@ -24,7 +24,7 @@ from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS
 from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
 from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, targets_met
 from kvroute_sim.bench.raw_grpc import paced, slot_wait
-from kvroute_sim.bench.results import Verdict
+from kvroute_sim.bench.results import BenchReport, Verdict
 from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
 from router.cli import main
 from router.sidecar import CallTiming
@@ -162,6 +162,28 @@ def test_bad_flags_are_named(argv: list[str], complaint: str, capsys: pytest.Cap
         main(["bench", *argv])
     assert exit_info.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("out", "reason"), [("a-file/bench.json", "Not a directory"), (".", "Is a directory")])
+def test_an_unusable_out_is_refused_before_measuring(
+    out: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was found only when the results were written, after every figure, as a traceback."""
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / out
+    assert main(["bench", "--soak", "50", "--out", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing measured, no table
+    assert captured.err == f"kvroute bench: --out {path}: {reason}\n"
+
+
+def test_the_out_check_leaves_no_file_behind_and_an_earlier_one_as_it_was(tmp_path: Path) -> None:
+    fresh, earlier = tmp_path / "new" / "bench.json", tmp_path / "earlier.json"
+    earlier.write_text("{}\n")
+    BenchReport.ready(fresh)
+    BenchReport.ready(earlier)
+    assert fresh.parent.is_dir() and not fresh.exists()
+    assert earlier.read_text() == "{}\n"
 
 
 def test_p8_knee_is_where_p99_doubles_or_fallbacks_pass_two_percent() -> None:

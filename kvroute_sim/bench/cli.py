@@ -176,6 +176,11 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         print("kvroute bench: --router-setting:\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr)
         return 2
+    try:
+        BenchReport.ready(args.out)
+    except OSError as exc:
+        print(f"kvroute bench: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     with pinned_bench_process() as placement:
         report = BenchReport(
             meta={
@@ -191,7 +196,6 @@ def run(args: argparse.Namespace) -> int:
         )
         _measure(report, selected, sizes, placement, args)
     print(report.render())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     report.write(args.out)
     print(f"\nresults written to {args.out}")
     return 0

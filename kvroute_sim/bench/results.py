@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import errno
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +98,19 @@ class BenchReport:
             "profiles": {key: [r.to_json() for r in rows] for key, rows in self.profiles.items()},
             "tables": dict(self.tables),
         }
+
+    @staticmethod
+    def ready(path: Path) -> None:
+        """Create ``path``'s directory and open ``path`` for writing (a file made here is removed again):
+        OSError (its ``strerror`` the reason) when ``write`` would fail, found before the run."""
+        if path.parent.exists() and not path.parent.is_dir():  # mkdir would call it "File exists"
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with path.open("a", encoding="utf-8"):  # appends nothing: an earlier run's results stay until written
+            pass
+        if not existed:
+            path.unlink()
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n", encoding="utf-8")
