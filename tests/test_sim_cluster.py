@@ -225,6 +225,24 @@ def test_cli_rejects_bad_flags_naming_them() -> None:
     assert negative.returncode == 2 and b"--master-replicas" in negative.stderr
 
 
+@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])  # not this machine's; never resolves
+def test_cli_names_a_host_it_cannot_bind_in_one_line(host: str) -> None:
+    """It printed a 73-line ExceptionGroup traceback."""
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "router.cli", "sim-cluster", "--duration", "1", "--host", host],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 1, stderr
+    assert result.stdout == b""  # no address announced
+    assert "Traceback" not in stderr
+    # gRPC's own logger may add a line of its own; the command says it once, naming the flag.
+    [line] = [line for line in stderr.splitlines() if line.startswith("kvroute sim-cluster:")]
+    assert line.startswith(f"kvroute sim-cluster: --host {host}: cannot bind"), stderr
+
+
 async def test_fleet_stats_count_peak_concurrency_across_workers(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

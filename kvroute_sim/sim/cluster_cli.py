@@ -6,7 +6,8 @@ and queue knowledge (``cluster_decide``).
 
 Prints where everything listens (human-readable lines, or one JSON line with
 ``--print-json``), pre-seeds cached prefixes so a query returns matches, optionally
-runs background traffic, and serves until SIGINT/SIGTERM (exit 0) or ``--duration``.
+runs background traffic, and serves until SIGINT/SIGTERM (exit 0) or ``--duration``. A server
+that cannot bind ``--host`` (not local, not resolvable) is one line naming the flag, exit 1.
 """
 
 from __future__ import annotations
@@ -26,11 +27,17 @@ from kvroute_sim.sim.cluster_master import cluster_decide
 from kvroute_sim.sim.master import SimMaster, SimMasterAddresses
 from kvroute_sim.sim.traffic import SeededPrefix, TrafficSpec, TrafficStats, run_traffic, seed_prefixes
 from kvroute_sim.sim.worker import WorkerSpec
+from router.exception_groups import leaves
 from router.types import KeyFamily, Role
 
 _WORKER = WorkerSpec()
 _TRAFFIC = TrafficSpec()
 DEFAULT_MASTER_REPLICAS = 3
+EXIT_CANNOT_SERVE = 1
+
+
+class HostError(Exception):
+    """A server could not bind ``--host``."""
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:
@@ -158,8 +165,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvroute sim-cluster: error: {exc}", file=sys.stderr)
         return 2
-    trio.run(_serve, cluster, traffic, args)
-    return 0
+    host_errors: list[BaseException] = []
+    try:
+        trio.run(_serve, cluster, traffic, args)
+    except* HostError as group:
+        host_errors.extend(leaves(group))
+    for error in host_errors:
+        print(f"kvroute sim-cluster: {error}", file=sys.stderr)
+    return EXIT_CANNOT_SERVE if host_errors else 0
 
 
 def _build(args: argparse.Namespace) -> tuple[SimCluster, TrafficSpec]:
@@ -191,15 +204,18 @@ async def _serve(cluster: SimCluster, traffic: TrafficSpec, args: argparse.Names
     stats = TrafficStats()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            addresses = await nursery.start(
-                functools.partial(cluster.serve_grpc, host=args.host, max_threads=args.max_threads)
-            )
             master: SimMasterAddresses | None = None
-            if args.master_replicas > 0:
-                # The handlers read the same clock the cluster's servers do (safe off the trio thread).
-                decide = cluster_decide(cluster, trio.lowlevel.current_clock().current_time, traffic.key_family)
-                sim_master = SimMaster(replicas=args.master_replicas, decide=decide)
-                master = await nursery.start(functools.partial(sim_master.run, host=args.host))
+            try:
+                addresses = await nursery.start(
+                    functools.partial(cluster.serve_grpc, host=args.host, max_threads=args.max_threads)
+                )
+                if args.master_replicas > 0:
+                    # The handlers read the same clock the cluster's servers do (safe off the trio thread).
+                    decide = cluster_decide(cluster, trio.lowlevel.current_clock().current_time, traffic.key_family)
+                    sim_master = SimMaster(replicas=args.master_replicas, decide=decide)
+                    master = await nursery.start(functools.partial(sim_master.run, host=args.host))
+            except* OSError as group:  # a server could not bind: the host is not this machine's, or unknown
+                raise HostError(f"--host {args.host}: " + "; ".join(map(str, leaves(group)))) from None
             seeded = () if args.no_seed else seed_prefixes(cluster, traffic)
             _print_addresses(addresses, master, seeded, args.print_json)
             nursery.start_soon(run_traffic, cluster, traffic, stats)
