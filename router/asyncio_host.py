@@ -372,7 +372,7 @@ class _Handed:
     does when it resumes with the outcome; if the caller gave up waiting first, the trio thread does
     when it settles the outcome, since only then is the router done with the call. Either way once."""
 
-    __slots__ = ("_caller_gone", "_gate", "_left_s", "_lock", "_settled", "future", "loop", "sent_at", "settled_at")
+    __slots__ = ("_gate", "_gave_up_at", "_left_s", "_lock", "_settled", "future", "loop", "sent_at", "settled_at")
 
     def __init__(
         self, gate: HandOffGate, loop: asyncio.AbstractEventLoop, sent_at: float, left_s: float | None
@@ -380,7 +380,7 @@ class _Handed:
         self._gate = gate
         self._left_s = left_s  # None: unreadable, the router refuses it
         self._lock = threading.Lock()
-        self._caller_gone = False
+        self._gave_up_at: float | None = None  # time.monotonic() when the caller stopped waiting
         self._settled = False
         self.loop = loop
         self.future: asyncio.Future[RouteDecision] = loop.create_future()
@@ -392,18 +392,19 @@ class _Handed:
         self.settled_at = time.monotonic()  # the answer's way back starts here
         with self._lock:
             self._settled = True
-            caller_gone = self._caller_gone
-        if caller_gone:
-            self._release(answered=False)
+            gave_up_at = self._gave_up_at
+        if gave_up_at is not None:
+            self._release(answered=False, at=gave_up_at)
         settle_on_loop(self.loop, self.future, result)
 
     def give_up(self) -> None:
         """From the caller's loop: it stops waiting (cancelled)."""
+        gave_up_at = time.monotonic()
         with self._lock:
-            self._caller_gone = True
+            self._gave_up_at = gave_up_at
             settled = self._settled
         if settled:
-            self._release(answered=False)
+            self._release(answered=False, at=gave_up_at)
 
     def resumed(self, *, decided: bool) -> None:
         """From the caller's loop, the outcome in hand (``decided``: a decision, not an error)."""
@@ -412,14 +413,15 @@ class _Handed:
         else:  # refused or failed: nothing learnt of the router's pace
             self._gate.withdrawn()
 
-    def _release(self, *, answered: bool) -> None:
+    def _release(self, *, answered: bool, at: float | None = None) -> None:
         """A decision that reached its caller, or one its caller no longer waited for (too late for it:
-        the congestion signal), teaches the limit; a call with no time left from the start does not."""
+        the congestion signal, timed at ``at``, when the caller gave up), teaches the limit; a call with
+        no time left from the start does not."""
         left_s = self._left_s
         if left_s is None or left_s <= 0:
             self._gate.withdrawn()
         else:
-            self._gate.answered(handed_at=self.sent_at, had_s=left_s, answered=answered)
+            self._gate.answered(handed_at=self.sent_at, had_s=left_s, answered=answered, at=at)
 
 
 def _as_is(request: RouteRequest) -> RouteRequest:

@@ -87,6 +87,10 @@ class HandOffGate:
                 return True
             if now >= until:
                 self._shed_after_wait += 1
+                if not self._in_router:
+                    # Below one place, one waiter is woken for the idle time's end: leaving without
+                    # the place, it passes the wake-up on, or the next sleeps while the router is empty.
+                    self._place_freed.notify()
                 return False
             wake = until if self._in_router else min(until, max(limit.idle_until, now))
             self._place_freed.wait(max(0.0, wake - now))
@@ -100,13 +104,22 @@ class HandOffGate:
     def in_router(self) -> int:
         return self._in_router  # one int read: no lock needed for a momentary view
 
-    def answered(self, *, handed_at: float, had_s: float, answered: bool, crowded: bool = False) -> None:
+    def answered(
+        self, *, handed_at: float, had_s: float, answered: bool, crowded: bool = False, at: float | None = None
+    ) -> None:
         """A request handed to the router at ``handed_at`` (``time.monotonic()``) with ``had_s`` to
-        spare came back now (``answered`` False: it did not; ``crowded``: see ``InFlightLimit.observe``)."""
+        spare came back now (``answered`` False: it did not; ``crowded``: see ``InFlightLimit.observe``).
+        ``at``: when its caller stopped waiting, for one whose place was kept until the router was done
+        with it: the call's time is what the caller waited, or one stall's length would set how long the
+        router is then left idle below one place."""
         with self._lock:
             self._in_router -= 1
             self._limit.observe(
-                handed_at=handed_at, now=time.monotonic(), had_s=had_s, answered=answered, crowded=crowded
+                handed_at=handed_at,
+                now=time.monotonic() if at is None else at,
+                had_s=had_s,
+                answered=answered,
+                crowded=crowded,
             )
             self._wake_waiters()
 

@@ -359,12 +359,12 @@ class _CallHops:
     the trio thread, once it settles, since only then is the router done with the call. A place freed
     at the timeout would let a storm of timing-out calls hand over call after call to a stalled thread."""
 
-    __slots__ = ("_gave_up", "_lock", "_release_unanswered", "_settled", "arrived_at", "settled_at")
+    __slots__ = ("_gave_up_at", "_lock", "_release_unanswered", "_settled", "arrived_at", "settled_at")
 
-    def __init__(self, release_unanswered: Callable[[], None]) -> None:
-        self._release_unanswered = release_unanswered
+    def __init__(self, release_unanswered: Callable[[float], None]) -> None:
+        self._release_unanswered = release_unanswered  # given when the handler gave up
         self._lock = threading.Lock()
-        self._gave_up = False
+        self._gave_up_at: float | None = None
         self._settled = False
         self.arrived_at: float | None = None
         self.settled_at: float | None = None
@@ -374,19 +374,20 @@ class _CallHops:
         self.settled_at = time.monotonic()
         with self._lock:
             self._settled = True
-            gave_up = self._gave_up
-        if gave_up:
-            self._release_unanswered()
+            gave_up_at = self._gave_up_at
+        if gave_up_at is not None:
+            self._release_unanswered(gave_up_at)
         settle(answer, result)
 
     def give_up(self) -> None:
         """From the handler thread, which stops waiting: the place is freed now if the router is done
         with the call, else when it settles."""
+        gave_up_at = time.monotonic()
         with self._lock:
-            self._gave_up = True
+            self._gave_up_at = gave_up_at
             settled = self._settled
         if settled:
-            self._release_unanswered()
+            self._release_unanswered(gave_up_at)
 
 
 class _Stopped(Exception):
@@ -691,7 +692,7 @@ class Sidecar:
             had_s=max(0.0, left_s - (handed_at - sent_at)),
             crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
         )
-        hops = _CallHops(partial(release, answered=False))  # settled by the trio thread
+        hops = _CallHops(lambda gave_up_at: release(answered=False, at=gave_up_at))  # settled by the trio thread
         token = self._token
         decided = gave_up = False
         try:

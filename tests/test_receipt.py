@@ -85,3 +85,52 @@ def test_a_withdrawal_wakes_a_waiter() -> None:
     finally:
         waiter.join(timeout=60.0)
     assert placed == [True] and gate.in_router() == 1
+
+
+class _WaitsSeen(threading.Condition):
+    """A condition that counts the threads waiting on it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__(lock)
+        self.waits = 0
+        self.second = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        if self.waits >= 2:
+            self.second.set()
+        return super().wait(timeout)
+
+
+def test_below_one_place_a_waiter_leaving_without_it_passes_the_wake_up_on() -> None:
+    """One late answer leaves the limit below one: the router stays empty for a short idle time, and
+    one waiter is woken for its end. That one's own wait ends first; it leaves without the place and
+    must wake the next, or the next sleeps through the idle time's end while the router is empty."""
+    gate = _gate(waiters=2)
+    assert gate.hand_off(0.0)
+    waits = gate._place_freed = _WaitsSeen(gate._lock)
+    placed: dict[str, bool] = {}
+    impatient = threading.Thread(target=lambda: placed.setdefault("impatient", gate.hand_off(0.1)))
+    patient = threading.Thread(target=lambda: placed.setdefault("patient", gate.hand_off(60.0)))
+    impatient.start()
+    patient.start()
+    try:
+        assert waits.second.wait(10.0), "the calls never waited for a place"
+        now = time.monotonic()
+        gate.answered(handed_at=now - 2.7, had_s=0.1, answered=True)  # late: idle (1/0.9 − 1) × 2.7 s = 0.3 s
+        impatient.join(timeout=10.0)
+        patient.join(timeout=10.0)  # a guard against a hang: without the pass-on it sleeps its whole 60 s
+    finally:
+        gate.withdrawn()  # ends a patient call still waiting, when it failed
+        patient.join()
+    assert placed == {"impatient": False, "patient": True}
+
+
+def test_a_call_given_up_on_is_timed_to_when_its_caller_gave_up_not_to_the_routers_settling() -> None:
+    """Its place is kept until the router is done with it, but its time is what its caller waited:
+    timed to the settling, one stall's length would leave the router idle for many times that."""
+    gate = _gate(waiters=0)
+    assert gate.hand_off(0.0)
+    handed_at = time.monotonic() - 2.0  # handed two seconds ago, given up after 0.1 s, settled now
+    gate.answered(handed_at=handed_at, had_s=0.05, answered=False, at=handed_at + 0.1)
+    assert gate._limit.share < 1.0 and gate._limit.idle_until < time.monotonic()

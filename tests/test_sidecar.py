@@ -486,6 +486,37 @@ async def test_a_call_whose_client_gave_up_keeps_its_place_until_the_router_is_d
             assert gate.in_router() == 0
 
 
+async def test_a_call_whose_client_gave_up_is_timed_to_the_give_up_not_to_the_stall(nursery: trio.Nursery) -> None:
+    """Below one place the router is left idle after each call for a multiple of that call's time. A
+    call whose client timed out during a stall of the trio thread is timed to when its client gave up:
+    timed to the settling, the stall's length would leave the router idle for several times it."""
+    with trio.fail_after(30):
+        async with rig(nursery) as r:
+            gate = r.sidecar._gate
+            request = router_v1_pb2.RouteRequest(request_id="warm", token_ids=PROMPT, budget_ms=1000)
+            assert isinstance(await trio.to_thread.run_sync(r.route, request), router_v1_pb2.RouteDecision)
+            gate._limit._limit = 0.25  # a duty cycle: idle three times each call's time after it
+            token = trio.lowlevel.current_trio_token()
+
+            def one_call_through_a_stall() -> object:
+                held = _hold(token)
+                try:
+                    late = router_v1_pb2.RouteRequest(request_id="late", token_ids=PROMPT, budget_ms=1000)
+                    return r.route(late, timeout=0.1)
+                finally:
+                    time.sleep(1.0)  # the stall goes on after the client gave up
+                    held.set()
+
+            assert isinstance(await trio.to_thread.run_sync(one_call_through_a_stall), grpc.RpcError)
+            for _ in range(1000):  # the place is freed once the router settles the call
+                if not gate.in_router():
+                    break
+                await trio.sleep(0.01)
+            assert gate.in_router() == 0
+            # Timed to the give-up, the idle time (three times about 0.1 s) ended during the stall.
+            assert gate._limit.idle_until < time.monotonic()
+
+
 async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_or_recorded_not_a_crash(
     nursery: trio.Nursery,
 ) -> None:
@@ -503,7 +534,7 @@ async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_
                 message = router_v1_pb2.RouteRequest(request_id="late", block_cache_keys=(1, 2), block_size=BLOCK)
                 answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
                 now = time.monotonic()
-                sidecar._spawn(converted(message), None, (now, 0.03), now, answer, _CallHops(lambda: None))
+                sidecar._spawn(converted(message), None, (now, 0.03), now, answer, _CallHops(lambda gave_up_at: None))
                 assert isinstance(answer.exception(timeout=0), _Stopped)  # refused: UNAVAILABLE, not routed
                 published = r.handle.router_actor().overload_answers()
                 assert published is not None and published.answers
@@ -528,7 +559,7 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
             message = router_v1_pb2.RouteRequest(request_id="lagged", block_cache_keys=keys, block_size=BLOCK)
             answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
             received = time.monotonic() - 1.0  # received a second ago with 1.5 s to route: 500 ms left now
-            hops = _CallHops(lambda: None)
+            hops = _CallHops(lambda gave_up_at: None)
             r.sidecar._spawn(converted(message), None, (received, 1.5), time.monotonic(), answer, hops)
             # The loop busy with other work before the routing task can start: blocking it is the point.
             time.sleep(0.2)  # noqa: ASYNC251
