@@ -465,6 +465,7 @@ class Sidecar:
         self._ready = False
         self._ready_at = -math.inf  # time.monotonic() of the last publication
         self._health = _RouterHealth(self._published_ready)
+        self._health_publisher: concurrent.futures.ThreadPoolExecutor | None = None  # while run() serves
         self._thread_wait = _ThreadWait()  # per handler thread: its call's wait for the thread
         self._pool: _TimedPool | None = None  # set in run(); read by handler threads
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
@@ -540,6 +541,10 @@ class Sidecar:
             # grpc says the same for an address it cannot bind and for credentials it cannot load.
             tls = "" if credentials is None else " (or grpc could not use --grpc-tls-cert / --grpc-tls-key)"
             raise OSError(f"--grpc-listen: cannot bind {self._serve.grpc_listen}{tls}: {exc}") from exc
+        # grpc's health set sends to every Watch stream in turn and waits for each send: tens of
+        # streams hold a caller for milliseconds, which the routing thread must not pay. One thread
+        # keeps the publications in order.
+        self._health_publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvroute-health")
         try:
             async with trio.open_nursery() as calls:
                 self._calls = calls
@@ -566,6 +571,7 @@ class Sidecar:
             self._ready = False
             server.stop(grace=None)  # after a drain: nothing left; when cancelled: ends every call now
             executor.shutdown(wait=False)
+            self._health_publisher.shutdown(wait=False, cancel_futures=True)
 
     async def _drain_server(self, server: grpc.Server) -> None:
         self._health.enter_graceful_shutdown()
@@ -822,7 +828,9 @@ class Sidecar:
         self._ready = ready
         # Watch streams (clients' health checking) learn it now, not at the next Check. A stuck
         # routing thread publishes nothing: a Check on a handler thread finds the publication stale.
-        self._health.set_serving(ready)
+        publisher = self._health_publisher
+        if publisher is not None:
+            publisher.submit(self._health.set_serving, ready)
 
     def _published_ready(self) -> bool:
         """On handler threads: the readiness last published, if the trio thread published it recently.

@@ -426,6 +426,24 @@ async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
     assert len(cases) == 1 and cases[0].overloaded
 
 
+async def test_readiness_reaches_watch_streams_from_a_thread_of_its_own(nursery: trio.Nursery) -> None:
+    """grpc's health set sends to every Watch stream in turn and waits for each: with many streams
+    that holds its caller for milliseconds, so the routing thread hands each publication over."""
+    with trio.fail_after(20):
+        async with rig(nursery) as r:
+            published = threading.Event()
+            ran_on: list[str] = []
+
+            def set_serving(serving: bool) -> None:
+                ran_on.append(threading.current_thread().name)
+                published.set()
+
+            r.sidecar._health.set_serving = set_serving  # type: ignore[method-assign]
+            r.sidecar._publish(False)
+            assert await trio.to_thread.run_sync(published.wait, 10.0)
+            assert ran_on and ran_on[0].startswith("kvroute-health") and ran_on[0] != threading.current_thread().name
+
+
 async def test_a_drain_ends_with_every_default_trio_thread_held(nursery: trio.Nursery) -> None:
     """Hung name lookups hold trio's default threads: the drain's waits have a thread of their own."""
     serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.0, drain_timeout_s=60.0)
