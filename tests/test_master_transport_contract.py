@@ -366,6 +366,29 @@ async def test_hang_is_answered_when_the_fault_clears(clock: object, harness: Ha
 # ---- cancel and connections ----
 
 
+async def test_http_calls_never_wait_for_a_connection_of_the_client(clock: object, harness: Harness) -> None:
+    """More calls at once than the connections kept for reuse all reach the scheduler: a call left
+    waiting for one of ours would spend its window in our queue and be judged a failure of the
+    scheduler (its breaker opening under a burst the scheduler answered in time)."""
+    if harness.adapter != "http":
+        pytest.skip("the HTTP client's connection pool")
+    replica = harness.sim.replicas[1]
+    harness.sim.set_faults(1, MasterFaults(hang=True))
+    replies: list[object] = []
+    with trio.fail_after(LIMIT_S):
+        async with HttpMasterTransport(MasterConfig(http_max_connections=2)) as http:
+
+            async def schedule() -> None:
+                replies.append(await http.schedule(harness.host(1), REQUEST))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(6):
+                    nursery.start_soon(schedule)
+                await harness.until_in_flight(replica, 6)  # all six at the scheduler at once
+                harness.sim.clear_faults()
+    assert len(replies) == 6 and all(isinstance(r, MasterRouted) for r in replies)
+
+
 async def test_http_keeps_one_connection_alive(clock: object, harness: Harness) -> None:
     if harness.adapter != "http":
         pytest.skip("connection reuse is the HTTP adapter's")

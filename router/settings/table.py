@@ -772,7 +772,10 @@ _SPECS: dict[str, _Spec] = {
     "master.queue_length_reject_threshold": _Spec(
         "Reject requests up front (error 429) while the master's queue_length exceeds this; 0 = off"
     ),
-    "master.http_max_connections": _Spec("Connections the scheduler HTTP client keeps (all hosts together)"),
+    "master.http_max_connections": _Spec(
+        "Idle connections the scheduler HTTP client keeps for reuse (all hosts together); calls at once are "
+        "bounded by --router-max-in-flight, never made to wait for a connection"
+    ),
     "master.http_keepalive_expiry_s": _Spec("Idle time after which a pooled scheduler connection is closed"),
     "master_breaker.failure_threshold": _Spec("Consecutive master transport failures that open its breaker"),
     "master_breaker.window_s": _Spec("Sliding window for the master breaker's failure rate", metavar="SECONDS"),

@@ -53,8 +53,12 @@ def _transport_error(host: str, error: httpx.HTTPError) -> TransportError:
 
 class HttpMasterTransport:
     def __init__(self, config: MasterConfig, tls: ssl.SSLContext | None = None) -> None:
+        # No cap on connections at once: calls are already bounded by the router's admission cap, and
+        # a call that waited here for a connection would spend its window in our own queue and be
+        # judged a failure of the scheduler, opening its breaker under a burst it answered in time.
+        # The setting bounds the idle connections kept for reuse.
         limits = httpx.Limits(
-            max_connections=config.http_max_connections,
+            max_connections=None,
             max_keepalive_connections=config.http_max_connections,
             keepalive_expiry=config.http_keepalive_expiry_s,
         )
