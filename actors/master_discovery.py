@@ -78,7 +78,26 @@ def _same_address(a: HostPort, reported: str | None) -> bool:
     try:
         return parse_target(reported) == a
     except TargetError:
+        pass
+    # The scheduler joins ip and port with a colon, brackets or not, so an IPv6 master reads as
+    # "fd00::2:7001", which a target parser refuses as ambiguous: its last colon is the port's.
+    host, _, port = reported.strip().rpartition(":")
+    try:
+        return ipaddress.ip_address(host.strip("[]")) == ipaddress.ip_address(a.host) and int(port) == a.port
+    except ValueError:
         return False
+
+
+def _names(host: _Host, reported: str | None) -> bool:
+    """Whether ``reported`` (a replica's ``real_master_host``, ip:port) is ``host``: by the address we
+    poll it at, or, for a host configured by name, by the ip it reports as its own at that port."""
+    if _same_address(host.address, reported):
+        return True
+    info = host.info
+    if info is None or not reported:
+        return False
+    own = {ip for ip in (info.pod_ip, info.instance_ip) if ip}
+    return any(_same_address(HostPort(ip, host.address.port), reported) for ip in own)
 
 
 class _Host:
@@ -171,8 +190,12 @@ class MasterDiscovery:
 
     def _publish(self, now: float) -> None:
         healthy = [h for h in self._hosts if self._healthy(h)]
-        named = {h.info.real_master_host for h in healthy if h.info is not None and h.info.real_master_host}
-        master = next((h for h in healthy if any(_same_address(h.address, n) for n in named)), None)
+        # A host that names itself is the master by its own word; another's naming it may be stale
+        # (a replica still naming the master before a failover), so it counts only when none does.
+        master = next((h for h in healthy if h.info is not None and _names(h, h.info.real_master_host)), None)
+        if master is None:
+            named = {h.info.real_master_host for h in healthy if h.info is not None and h.info.real_master_host}
+            master = next((h for h in healthy if any(_names(h, n) for n in named)), None)
         if master is None and self._master is not None and self._healthy(self._master):
             master = self._master
         if master is None and healthy:

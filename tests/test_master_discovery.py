@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -185,6 +186,59 @@ async def test_readers_never_wait(clock: trio.testing.MockClock, nursery: trio.N
     assert (snap.master, snap.slave) == (s.hosts[0], s.hosts[1])
     assert trio.current_time() == before
     assert s.discovery.snapshot().rounds_total == rounds_before  # the round was still in flight
+
+
+async def _discover(infos: dict[str, dict[str, object]], hosts: str | None = None) -> tuple[str | None, str | None]:
+    """Master and slave after a few rounds, each host answering master/info with its ``infos`` entry."""
+    network = MemoryMasterNetwork()
+    for host, info in infos.items():
+        body = json.dumps({"success": True, "code": 200, "queue_length": 0, **info}).encode()
+
+        async def answer(path: str, request: bytes, body: bytes = body) -> tuple[int, bytes]:
+            return 200, body
+
+        network.serve(host, answer)
+    discovery = MasterDiscovery(MasterConfig(hosts=hosts or ",".join(infos)), network)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(discovery.run)
+        await rounds(3)
+        snap = discovery.snapshot()
+        nursery.cancel_scope.cancel()
+    return snap.master, snap.slave
+
+
+async def test_a_replica_still_naming_the_old_master_does_not_outweigh_the_one_naming_itself(
+    clock: trio.testing.MockClock,
+) -> None:
+    """After a failover the lowest replica still names the old master (.2), while .2 and .3 agree
+    that .3 is master: the host that names itself is the master by its own word."""
+    a, b, c = "10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.3:7001"
+    infos: dict[str, dict[str, object]] = {
+        a: {"real_master_host": b},
+        b: {"real_master_host": c},
+        c: {"real_master_host": c},
+    }
+    assert await _discover(infos) == (c, a)
+
+
+async def test_an_ipv6_master_named_without_brackets_is_recognised(clock: trio.testing.MockClock) -> None:
+    """The scheduler joins ip and port with a colon, so an IPv6 master reads as fd00::2:7001."""
+    one, two = "[fd00::1]:7001", "[fd00::2]:7001"
+    named: dict[str, object] = {"real_master_host": "fd00::2:7001"}
+    infos: dict[str, dict[str, object]] = {one: named, two: named}
+    assert await _discover(infos) == (two, one)
+
+
+async def test_hosts_configured_by_name_are_matched_by_the_ip_each_reports_as_its_own(
+    clock: trio.testing.MockClock,
+) -> None:
+    """The scheduler names the master by ip; a host we poll by name is matched by its own pod_ip."""
+    a, b = "sched-a.example:7001", "sched-b.example:7001"
+    infos: dict[str, dict[str, object]] = {
+        a: {"real_master_host": "10.0.0.2:7001", "pod_ip": "10.0.0.1"},
+        b: {"real_master_host": "10.0.0.2:7001", "pod_ip": "10.0.0.2"},
+    }
+    assert await _discover(infos) == (b, a)
 
 
 def test_ip_order_is_numeric() -> None:
