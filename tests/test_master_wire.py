@@ -90,6 +90,19 @@ def test_routed_keeps_order_master_and_queue_length() -> None:
     )
 
 
+def test_a_worker_address_is_kept_without_spaces_or_url_brackets_both_protocols() -> None:
+    """Taken as written, " 10.0.0.5 " would become the target " 10.0.0.5 :8000", and "[fd00::5]" a
+    worker whose ip keeps its brackets."""
+    entries = [status("PREFILL", " 10.0.0.5 ", 8000), status("DECODE", "[fd00::5]", 9000)]
+    reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
+    assert isinstance(reply, MasterRouted)
+    assert [a.ip for a in reply.role_addrs] == ["10.0.0.5", "fd00::5"]
+    entry = flexlb_pb.FlexlbServerStatusPB(role="PREFILL", server_ip=" [fd00::6] ", http_port=8000)
+    pb = flexlb_pb.FlexlbScheduleResponsePB(code=200, server_status=[entry])
+    grpc_reply = decode_schedule_pb(pb.SerializeToString(), HOST)
+    assert isinstance(grpc_reply, MasterRouted) and grpc_reply.role_addrs[0].ip == "fd00::6"
+
+
 def test_success_without_code_and_null_optionals() -> None:
     reply = decode_schedule_json(200, body(success=True, server_status=[], real_master_host=None), HOST)
     assert reply == MasterRouted((), None, None)

@@ -7,8 +7,10 @@ cache source after it the window still ends just before the request's deadline: 
 window, not the request's scope, then ends a hung call, so the attempt is judged and the breaker
 learns of it. Inside the window a transport failure of the master tries the slave once. The
 scheduler is told the window's end (from the request's receipt, the time ``request_time_ms``
-names) as the call's ``generate_timeout``, so it never queues the request for longer than the
-frontend waits. Outcomes:
+names) as the call's ``generate_timeout``. A scheduler counting it from its own receipt of the call
+may queue the request a little longer (the time from our receipt to its, the network's); the call
+ending at the window (a closed connection over HTTP, ``Cancel`` over gRPC) tells it to drop the
+request. Outcomes:
 
 - routed: the scheduler's role addresses, as given; the request's worker is the first of a
   prefill-capable role the request routes (a DECODE or VIT address rides along); KVCM is not asked;
@@ -369,8 +371,9 @@ class MasterSource:
             block_size=prepared.block_size if keys else None,
             seq_len=prepared.seq_len,
             input_ids=None if keys else request.token_ids,
-            # Counted from the receipt, as request_time_ms is: however the scheduler reads the pair,
-            # it queues the request no longer than this attempt waits. (Float noise is not a ms.)
+            # Counted from the receipt, as request_time_ms is; a scheduler counting from its own receipt
+            # of the call overshoots by the hop, and the window's end cancels the call. (Float noise
+            # is not a ms.)
             generate_timeout_ms=max(1, math.ceil(round((end - ctx.received_at) * 1000.0, 6))),
             request_time_ms=int(received_wall_s * 1000),
         )

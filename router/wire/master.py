@@ -244,7 +244,7 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
     ip = _str_field(entry, "server_ip", f"{field}.server_ip", target)
     if not ip:
         raise GarbledReply(target, f"{field}.server_ip: missing or empty")
-    _check_server_ip(ip, f"{field}.server_ip", target)
+    ip = _server_ip(ip, f"{field}.server_ip", target)
     raw_http = _int_field(entry, "http_port", f"{field}.http_port", target, optional=False)
     http_port = _port(raw_http, f"{field}.http_port", target)
     grpc = _int_field(entry, "grpc_port", f"{field}.grpc_port", target, optional=True)
@@ -252,14 +252,16 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
     return RoleAddr(role, ip, http_port, grpc_port)
 
 
-def _check_server_ip(ip: str, field: str, target: str) -> None:
-    """The worker's address as the scheduler gave it is what the caller connects to: an IP address or a
-    host name, nothing else (a peer's arbitrary text would also be carried into every record of it)."""
+def _server_ip(ip: str, field: str, target: str) -> str:
+    """The worker's address, as the caller connects to it: an IP address or a host name, nothing else (a
+    peer's arbitrary text would also be carried into every record of it), without the spaces or URL
+    brackets the scheduler may write around it (they would become part of every target built from it)."""
     bare = ip.strip()
     if bare.startswith("[") and bare.endswith("]"):
         bare = bare[1:-1]  # an IPv6 address written as in a URL
     if not is_host(bare):
         raise GarbledReply(target, f"{field}: not an IP address or host name: {cut_text(ip, 64)!r}")
+    return bare
 
 
 def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
@@ -470,11 +472,11 @@ def decode_schedule_pb(data: bytes, target: str) -> MasterReply:
         field = f"server_status[{i}]"
         if not entry.server_ip:
             raise GarbledReply(target, f"{field}.server_ip: missing or empty")
-        _check_server_ip(entry.server_ip, f"{field}.server_ip", target)
+        ip = _server_ip(entry.server_ip, f"{field}.server_ip", target)
         http_port = _port(entry.http_port, f"{field}.http_port", target)
         grpc_port = http_port + 1 if not entry.grpc_port else _port(entry.grpc_port, f"{field}.grpc_port", target)
         role = parse_master_role(entry.role, f"{field}.role", target)
-        addrs.append(RoleAddr(role, entry.server_ip, http_port, grpc_port))
+        addrs.append(RoleAddr(role, ip, http_port, grpc_port))
     return MasterRouted(tuple(addrs), reply.real_master_host or None, reply.queue_length)
 
 
