@@ -15,13 +15,11 @@ _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$"
 )
 _NUMERIC_DOTTED = re.compile(r"^[0-9.]+$")
-# ``user:password@`` before a host, with or without a scheme: everything back to a delimiter that
-# cannot be part of an address written in text (space, quote, comma, '=', brackets) is userinfo.
-# The lookbehind starts a match only where a run of address characters starts: tried from inside a
-# run too, a long run without an address in it cost time quadratic in its length.
-_USERINFO = re.compile(
-    r"""(?<![^\s@,;'"`<>()\[\]{}=])(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?[^\s@,;'"`<>()\[\]{}=]+@(?=[^\s@])"""
-)
+# What ends a run of text that could hold ``user:password`` before an '@', scanning back from it.
+# A password may hold any of RFC 3986's sub-delimiters (``!$&'()*+,;=``) and ':', so those do not.
+_RUN_ENDS = frozenset(' \t\r\n\f\v@"`<>')
+# Inside the run, what ends the user part (which holds no ':'): a list's comma, an assignment's '='.
+_USER_ENDS = frozenset(",;='()[]{}/")
 REDACTED = "<redacted>"
 
 
@@ -100,10 +98,63 @@ def _is_ipv6(text: str) -> bool:
 def redact_userinfo(text: str) -> str:
     """``text`` with the userinfo of every address in it replaced: ``admin:s3cr3t@10.0.0.1:80`` →
     ``<redacted>@10.0.0.1:80``. Whatever prints an address or a message that may quote one (a bad
-    entry, a peer's error) passes it through this first."""
+    entry, a peer's error) passes it through this first. A password may hold any sub-delimiter
+    (``pa;ss``, ``p(ss)``); where a list's comma could be a password's, more is hidden, never less.
+    Linear in the text: each '@' looks back only as far as the previous one."""
     if "@" not in text:
         return text
-    return _USERINFO.sub(lambda m: f"{m['scheme'] or ''}{REDACTED}@", text)
+    out: list[str] = []
+    done = 0  # text[:done] is in out
+    at = text.find("@")
+    while at != -1:
+        start = _userinfo_start(text, done, at)
+        if start is not None:
+            out.append(text[done:start])
+            out.append(REDACTED)
+            done = at
+        at = text.find("@", at + 1)
+    out.append(text[done:])
+    return "".join(out)
+
+
+def _userinfo_start(text: str, floor: int, at: int) -> int | None:
+    """Where the userinfo before the '@' at ``at`` starts (None: there is none), looking back no
+    further than ``floor`` or the previous '@'."""
+    start = at
+    while start > floor and text[start - 1] not in _RUN_ENDS:
+        start -= 1
+    if start > 0 and text[start - 1] == "@":
+        start = _after_host(text, start, at)  # the run begins with the previous address's host[:port]
+    scheme = text.rfind("://", start, at)
+    if scheme != -1:
+        start = scheme + 3
+    colon = text.find(":", start, at)
+    last = at if colon == -1 else colon  # the user part ends at the first ':'
+    for i in range(last - 1, start - 1, -1):
+        if text[i] in _USER_ENDS:
+            start = i + 1
+            break
+    return start if start < at else None
+
+
+def _after_host(text: str, start: int, at: int) -> int:
+    """Past the ``host[:port]`` (and the one separator after it) that opens ``text[start:at]``."""
+    i = start
+    if i < at and text[i] == "[":
+        close = text.find("]", i, at)
+        i = at if close == -1 else close + 1
+    else:
+        while i < at and text[i] not in ":/,;=" :
+            i += 1
+    if i < at and text[i] == ":":
+        j = i + 1
+        while j < at and text[j].isdigit():
+            j += 1
+        if j > i + 1:
+            i = j
+    if i < at and text[i] in _USER_ENDS:
+        i += 1
+    return i
 
 
 def parse_target(entry: str, default_port: int | None = None) -> HostPort:

@@ -52,10 +52,23 @@ class Sources:
         ),
         ('{"k": "admin:pw@h"}', '{"k": "<redacted>@h"}'),
         ("10.0.0.1:80, no credentials", "10.0.0.1:80, no credentials"),
+        # A password may hold any of RFC 3986's sub-delimiters, and ':'.
+        ("admin:pa;ss@10.0.0.1:80", "<redacted>@10.0.0.1:80"),
+        ("admin:p(ss)@10.0.0.1:80", "<redacted>@10.0.0.1:80"),
+        ("target 'admin:Tr0ub4dor&3;x=,y@h:1'", "target '<redacted>@h:1'"),
+        ("http://admin:pa'ss:x@h:80/x", "http://<redacted>@h:80/x"),
+        ("user@[::1]:80,v:w@h2:1", "<redacted>@[::1]:80,<redacted>@h2:1"),
     ],
 )
 def test_redact_userinfo(text: str, shown: str) -> None:
     assert redact_userinfo(text) == shown
+
+
+def test_redact_userinfo_takes_time_linear_in_the_text() -> None:
+    """Each '@' looks back only as far as the previous one: a long text of list items and colons is
+    one pass, however its '@'s fall (a scan from every start would take hours on these)."""
+    for text in (("a:," * 200_000) + "@h", "@a:" * 200_000, "a" * 400_000 + "@h"):
+        assert redact_userinfo(text).endswith(("@h", "@a:"))
 
 
 def test_tls_keys_and_tokens_are_secret_and_certificates_are_not() -> None:

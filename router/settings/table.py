@@ -163,7 +163,7 @@ class Setting:
             for item in value:
                 members.setdefault(self._member(item.strip()) if isinstance(item, str) else self._known(item))
             return tuple(members)
-        raise SettingValueError(f"expected {self._expected()}, got {value!r}")
+        raise SettingValueError(f"expected {self._expected()}, got {self._quoted(value)}")
 
     def format(self, value: object) -> str:
         """The text that parse_text turns back into ``value``."""
@@ -239,7 +239,12 @@ class Setting:
         for member in (self.choices or {}).values():
             if member is value:
                 return member
-        raise SettingValueError(f"expected {self._expected()}, got {value!r}")
+        raise SettingValueError(f"expected {self._expected()}, got {self._quoted(value)}")
+
+    def _quoted(self, value: object) -> str:
+        """A refused value as an error may repeat it: a secret's only by its type (a token given as a
+        number is still the token)."""
+        return f"a value of type {type(value).__name__}" if self.secret else repr(value)
 
     def _expected(self) -> str:
         if self.choices is not None:
