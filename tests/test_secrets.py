@@ -91,6 +91,18 @@ def test_check_config_shows_no_credential_key_path_or_token(tmp_path: Path) -> N
     assert "<redacted>@127.0.0.1:1" in report
 
 
+def test_a_token_given_as_another_type_is_refused_without_repeating_it(tmp_path: Path) -> None:
+    """A token written as a TOML number (or list) is still the token: the refusal names its type."""
+    for value in ("918273645546372819", '["s3cr3t-tok3n"]'):
+        config = tmp_path / "kvroute.toml"
+        config.write_text(f"[serve]\ndebug_token = {value}\n")
+        loaded = load_config({**LEAKY, "config": str(config)}, {})
+        problems = [str(p) for p in loaded.errors if "debug-token" in str(p)]
+        assert problems and "expected a string" in problems[0]
+        shown = value.strip('[]"')
+        assert all(shown not in p for p in problems) and shown not in render(loaded, assess(loaded))
+
+
 def test_the_log_shows_no_credential() -> None:
     stream = io.StringIO()
     handler = setup_logging("INFO", "text", stream)
