@@ -269,6 +269,8 @@ def _json(value: object, *, redact: bool = False) -> tuple[int, str, bytes]:
 # by the kernel. hypercorn writes a response with no timeout, shielded from cancellation: without this,
 # one client that stops reading would hold its connection, and the router's stop, for ever.
 UNACKED_SEND_TIMEOUT_MS = 10_000
+# A connection whose client sends nothing for this long is closed (hypercorn's read timeout).
+DEBUG_READ_TIMEOUT_S = 10
 
 
 def listening_fd(listen: HostPort, unacked_send_timeout_ms: int = UNACKED_SEND_TIMEOUT_MS) -> int:
@@ -300,9 +302,11 @@ class DebugServer:
         token: str = "",
         token_file: str = "",
         unacked_send_timeout_ms: int = UNACKED_SEND_TIMEOUT_MS,
+        read_timeout_s: int = DEBUG_READ_TIMEOUT_S,
     ) -> None:
         parse_listen(listen)  # a bad address fails here, naming the input, not inside hypercorn
         self._unacked_send_timeout_ms = unacked_send_timeout_ms
+        self._read_timeout_s = read_timeout_s
         self._sources, self._sink, self._loaded = sources, sink, loaded
         self._token, self._token_file = token, token_file
         self.app = DebugApp(sources, sink, loaded, token)
@@ -325,6 +329,9 @@ class DebugServer:
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup
         config.include_server_header = False
+        # A client that sends nothing is closed: an HTTP/2 preface stops hypercorn's idle timer, and
+        # without a read timeout such connections were held for ever, each an open descriptor.
+        config.read_timeout = self._read_timeout_s
 
         async def serve(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
             try:

@@ -243,6 +243,29 @@ async def test_a_client_that_stops_reading_cannot_hold_the_endpoint_open() -> No
     stalled.close()
 
 
+async def test_a_client_that_sends_an_http2_preface_and_nothing_more_is_closed() -> None:
+    """The preface stops hypercorn's idle timer: without a read timeout such connections, which need
+    no token, were held for ever, each an open descriptor of the router's process."""
+    sink = MetricsSink(MetricsConfig())
+    server = DebugServer(Sources(), sink, load_config(GOOD, {}), "127.0.0.1:0", read_timeout_s=1)
+    silent = socket.socket()
+    with trio.fail_after(60):  # a guard against a hang: the read timeout closes it after about 1 s
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            bound = await nursery.start(server.run)
+            await trio.to_thread.run_sync(silent.connect, (bound.host, bound.port))
+            preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+            await trio.to_thread.run_sync(silent.sendall, preface)
+
+            def read_until_closed() -> None:
+                while silent.recv(65536):
+                    pass
+
+            await trio.to_thread.run_sync(read_until_closed)  # returns when the server closes it
+            nursery.cancel_scope.cancel()
+    silent.close()
+
+
 def test_bad_listen_address_is_rejected_before_serving() -> None:
     with pytest.raises(TargetError, match="HOST:PORT"):
         DebugServer(Sources(), MetricsSink(MetricsConfig()), load_config(GOOD, {}), "8080")
