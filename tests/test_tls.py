@@ -251,5 +251,7 @@ async def test_master_http_client_speaks_https_with_the_ca_and_fails_without(pki
                     await plain.master_info(host)
             wrong = client_ssl_context(UpstreamTlsConfig(ca=str(pki.other_ca)))
             async with HttpMasterTransport(MasterConfig(), wrong) as untrusted:
-                with pytest.raises(Unavailable):  # the server answers others: this is the handshake
+                with pytest.raises(Unavailable) as refused:  # the server answers others: this is the handshake
                     await untrusted.master_info(host)
+            # The operator is told why: under trio httpx's error has no text, the handshake's is its cause.
+            assert "certificate" in refused.value.detail.lower(), refused.value.detail

@@ -44,11 +44,25 @@ def http_base(host: str, scheme: str = "http") -> str:
 
 def _transport_error(host: str, error: httpx.HTTPError) -> TransportError:
     if isinstance(error, httpx.TimeoutException):
-        return DeadlineExceeded(host, f"{type(error).__name__}: {error}")
+        return DeadlineExceeded(host, f"{type(error).__name__}: {_reason(error)}")
     if isinstance(error, httpx.ConnectError):
-        return Unavailable(host, f"connection failed: {error}")
+        return Unavailable(host, f"connection failed: {_reason(error)}")
     # Reset, closed without a reply, protocol violations: no usable reply.
-    return Unavailable(host, f"{type(error).__name__}: {error}")
+    return Unavailable(host, f"{type(error).__name__}: {_reason(error)}")
+
+
+def _reason(error: BaseException) -> str:
+    """The error's own text, or its cause's: under trio a failed TLS handshake is a ConnectError with
+    no text, the certificate's fault (an unknown issuer, a name mismatch) only in its chain."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        text = str(link)
+        if text:
+            return text if link is error else f"{type(link).__name__}: {text}"
+        link = link.__cause__ or link.__context__
+    return type(error).__name__
 
 
 class HttpMasterTransport:
