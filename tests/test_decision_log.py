@@ -731,18 +731,20 @@ def _stalled_like_a_real_run(payload: dict[str, object], kind: str) -> dict[str,
         scoring["p"], scoring["at"] = probes, end_s + 0.005
         out["sc"] = [scoring]
         decision["sw"] = [[stage, end_ms, 1 if stage == Stage.PROBE.value else cut] for stage, end_ms, cut in windows]
-    elif kind == "ran out unseen":  # the task did not run again before the deadline after the answer
+    elif kind.startswith("ran out unseen"):  # the task did not run again before the deadline after the answer
         out.pop("sc")
         out.pop("tl", None)
-        # The KVCM source's step says the deadline ended it there.
+        # The KVCM source's step says the deadline ended it there; a log written before such steps
+        # were kept has none.
         ran_out = [RouteSource.KVCM.value, SourceOutcome.FELL_THROUGH.value, Reason.DEADLINE.value]
-        decision.update(r=Reason.DEADLINE.value, rs=RouteSource.DOMAIN.value, ch=[ran_out], c=[], hit=0)
+        chain = [] if kind.endswith("old log") else [ran_out]
+        decision.update(r=Reason.DEADLINE.value, rs=RouteSource.DOMAIN.value, ch=chain, c=[], hit=0)
         decision["sw"] = [w for w in windows if w[0] == Stage.CACHE_QUERY.value]
     out["d"] = decision
     return out
 
 
-@pytest.mark.parametrize("kind", ["query kept", "probe in hand", "ran out unseen"])
+@pytest.mark.parametrize("kind", ["query kept", "probe in hand", "ran out unseen", "ran out unseen, old log"])
 def test_a_run_whose_task_resumed_late_replays_as_recorded(tmp_path: Path, kind: str) -> None:
     """On the real clock a stalled loop lets a request keep an answer that was in before its window
     was cut, score with probes that landed before it resumed, or run out of time between steps the
