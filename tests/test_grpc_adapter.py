@@ -33,6 +33,7 @@ from router.transport.errors import (
 )
 from router.transport.grpc_adapter import GrpcRawRpc, channel_options, remaining_timeout
 from router.transport.grpc_server import GrpcServer, method_handlers, serve_grpc, start_grpc_server
+from router.transport.ports import InTurnCall
 
 ECHO = "/kvroute.test.Peer/Echo"
 REMAINING = "/kvroute.test.Peer/Remaining"
@@ -566,3 +567,12 @@ async def test_a_call_on_an_idle_channel_starts_off_the_event_loop_and_one_besid
     assert (first != loop_thread) is start_off_loop
     assert (idle_again != loop_thread) is start_off_loop
     await pool.aclose()
+
+
+
+async def test_a_batch_whose_leases_took_its_whole_allowance_makes_no_call(pool: ChannelPool[grpc.Channel]) -> None:
+    """Each reply None, as for calls the allowance did not reach, not a crash of the prober's task."""
+    rpc = GrpcRawRpc(_SlowLeaser(pool, 0.3), start_off_loop=False)
+    with trio.fail_after(10):
+        replies = await rpc.call_in_turn([InTurnCall("127.0.0.1:1", "/kvroute.test.Echo/Echo", b"")], within_s=0.1)
+    assert [reply.outcome for reply in replies] == [None]

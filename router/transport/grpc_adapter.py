@@ -211,7 +211,9 @@ class GrpcRawRpc:
                 made.append((channel, self._calls_on(channel).multi_callable(channel, call.method_path), call.request))
             outcomes: list[tuple[bytes | grpc.RpcError | None, float]] | None = None
             # Cancellation reaches only the wait for a thread: once started, the batch runs out.
-            with trio.move_on_after(within_s - (time.monotonic() - started)):
+            # A cold lease may have taken the whole allowance (the pool's task restarting): then no
+            # thread is waited for, and no call made.
+            with trio.move_on_after(max(0.0, within_s - (time.monotonic() - started))):
                 outcomes = await trio.to_thread.run_sync(
                     partial(_blocking_in_turn, [(multi, request) for _, multi, request in made], started, within_s),
                     limiter=self._in_turn_threads,
