@@ -393,7 +393,10 @@ async def _topology(
                 tls = None
                 if config.upstream_tls.enabled:  # reading the PEM files is I/O: off the trio thread
                     tls = await trio.to_thread.run_sync(client_ssl_context, config.upstream_tls)
-                http = await stack.enter_async_context(HttpMasterTransport(config.master, tls))
+                calls_at_once = config.router.max_in_flight + len(hosts)
+                http = await stack.enter_async_context(
+                    HttpMasterTransport(config.master, tls, calls_at_once=calls_at_once)
+                )
                 grpc_wanted = config.master.protocol is MasterProtocol.GRPC
                 if grpc_wanted and pool is None:
                     raise ValueError("--master-protocol grpc needs real gRPC channels (no in-memory network)")

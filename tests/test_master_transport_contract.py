@@ -9,6 +9,7 @@ Every test body runs under ``trio.fail_after(LIMIT_S)`` (virtual seconds in memo
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -410,3 +411,51 @@ async def test_every_failure_is_a_transport_error(clock: object, harness: Harnes
             harness.sim.set_faults(0, faults)
             with pytest.raises(TransportError):
                 await harness.transport.schedule(harness.host(0), REQUEST)
+
+
+async def test_http_keeps_as_many_connections_as_calls_at_once_so_a_burst_reuses_them() -> None:
+    """httpcore closes an idle connection whenever more are open than it keeps, busy ones counted:
+    keeping fewer than the calls at once made most calls of a steady burst open a connection."""
+    body = b'{"success":true,"code":200,"queue_length":0,"real_master_host":"127.0.0.1:1"}'
+    accepted = 0
+
+    async def keep_alive_server(stream: trio.SocketStream) -> None:
+        nonlocal accepted
+        accepted += 1
+        pending = b""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while True:
+                while b"\r\n\r\n" not in pending:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    pending += data
+                head, _, pending = pending.partition(b"\r\n\r\n")
+                length = next(
+                    (int(v) for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+                     if k.strip().lower() == b"content-length"),
+                    0,
+                )
+                while len(pending) < length:
+                    pending += await stream.receive_some(65536)
+                pending = pending[length:]
+                await trio.sleep(0.002)  # the scheduler's time to answer: the six overlap
+                reply = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+                await stream.send_all(reply + body)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(trio.serve_tcp, keep_alive_server, 0)
+            host = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+            config = MasterConfig(hosts=host, http_max_connections=2)
+            async with HttpMasterTransport(config, calls_at_once=8) as http:
+
+                async def caller() -> None:
+                    for _ in range(20):
+                        await http.master_info(host)
+
+                async with trio.open_nursery() as callers:
+                    for _ in range(6):
+                        callers.start_soon(caller)
+            nursery.cancel_scope.cancel()
+    assert accepted <= 6  # one per caller at most: every connection reused

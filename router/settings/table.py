@@ -778,8 +778,8 @@ _SPECS: dict[str, _Spec] = {
         "Reject requests up front (error 429) while the master's queue_length exceeds this; 0 = off"
     ),
     "master.http_max_connections": _Spec(
-        "Idle connections the scheduler HTTP client keeps for reuse (all hosts together); calls at once are "
-        "bounded by --router-max-in-flight, never made to wait for a connection"
+        "Connections the scheduler HTTP client keeps for reuse (all hosts together), at least "
+        "--router-max-in-flight plus the hosts; calls at once are never made to wait for a connection"
     ),
     "master.http_keepalive_expiry_s": _Spec("Idle time after which a pooled scheduler connection is closed"),
     "master_breaker.failure_threshold": _Spec("Consecutive master transport failures that open its breaker"),

@@ -66,14 +66,18 @@ def _reason(error: BaseException) -> str:
 
 
 class HttpMasterTransport:
-    def __init__(self, config: MasterConfig, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, config: MasterConfig, tls: ssl.SSLContext | None = None, *, calls_at_once: int = 0) -> None:
+        """``calls_at_once``: how many calls the router may make at once (its admission cap and the
+        discovery polls); the connections kept are at least that many."""
         # No cap on connections at once: calls are already bounded by the router's admission cap, and
         # a call that waited here for a connection would spend its window in our own queue and be
         # judged a failure of the scheduler, opening its breaker under a burst it answered in time.
-        # The setting bounds the idle connections kept for reuse.
+        # Kept connections: httpcore closes an idle one whenever more connections are open than it
+        # keeps, busy ones counted, so keeping fewer than the calls at once would make most calls of a
+        # burst open a connection of their own.
         limits = httpx.Limits(
             max_connections=None,
-            max_keepalive_connections=config.http_max_connections,
+            max_keepalive_connections=max(config.http_max_connections, calls_at_once),
             keepalive_expiry=config.http_keepalive_expiry_s,
         )
         # timeout=None: the caller's trio deadline is the only bound; trust_env=False: no proxies
