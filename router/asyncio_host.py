@@ -49,7 +49,7 @@ from router.admission import InFlightLimit, admits
 from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
 from router.exception_groups import sole_leaf
-from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, ShedRecords
+from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, HeldPlace, ShedRecords
 from router.request import budget_deadline, budget_left_ms, caller_deadline, check_admissible, check_fields
 from router.settings import LoadedConfig
 from router.targets import HostPort
@@ -367,21 +367,19 @@ class AsyncioRouterHost:
             )
 
 
-class _Handed:
-    """A call handed to the trio thread: its future, and who frees its place in the gate. Its caller
-    does when it resumes with the outcome; if the caller gave up waiting first, the trio thread does
-    when it settles the outcome, since only then is the router done with the call. Either way once."""
+class _Handed(HeldPlace):
+    """A call handed to the trio thread: its future, and its place in the gate (``HeldPlace``): freed
+    by its caller when it resumes with the outcome, or, if the caller gave up waiting first, by the
+    trio thread when it settles the outcome, since only then is the router done with the call."""
 
-    __slots__ = ("_gate", "_gave_up_at", "_left_s", "_lock", "_settled", "future", "loop", "sent_at", "settled_at")
+    __slots__ = ("_gate", "_left_s", "future", "loop", "sent_at", "settled_at")
 
     def __init__(
         self, gate: HandOffGate, loop: asyncio.AbstractEventLoop, sent_at: float, left_s: float | None
     ) -> None:
+        super().__init__(lambda gave_up_at: self._release(answered=False, at=gave_up_at))
         self._gate = gate
         self._left_s = left_s  # None: unreadable, the router refuses it
-        self._lock = threading.Lock()
-        self._gave_up_at: float | None = None  # time.monotonic() when the caller stopped waiting
-        self._settled = False
         self.loop = loop
         self.future: asyncio.Future[RouteDecision] = loop.create_future()
         self.sent_at = sent_at  # time.monotonic() at route()
@@ -390,21 +388,8 @@ class _Handed:
     def settle(self, result: outcome.Outcome[RouteDecision]) -> None:
         """From the trio thread, once: the outcome, on its way to the caller's loop."""
         self.settled_at = time.monotonic()  # the answer's way back starts here
-        with self._lock:
-            self._settled = True
-            gave_up_at = self._gave_up_at
-        if gave_up_at is not None:
-            self._release(answered=False, at=gave_up_at)
+        self.router_done()
         settle_on_loop(self.loop, self.future, result)
-
-    def give_up(self) -> None:
-        """From the caller's loop: it stops waiting (cancelled)."""
-        gave_up_at = time.monotonic()
-        with self._lock:
-            self._gave_up_at = gave_up_at
-            settled = self._settled
-        if settled:
-            self._release(answered=False, at=gave_up_at)
 
     def resumed(self, *, decided: bool) -> None:
         """From the caller's loop, the outcome in hand (``decided``: a decision, not an error)."""

@@ -142,6 +142,39 @@ class HandOffGate:
             return self._waited, self._shed_after_wait
 
 
+class HeldPlace:
+    """A call handed to the router keeps its place in the gate until the router is done with it: when
+    its caller stops waiting first (its deadline, a cancel), the place is freed once the router
+    settles the call, else by the caller on resuming. ``release_unanswered`` frees it as unanswered,
+    given when the caller gave up (``time.monotonic()``): the call's time is what its caller waited."""
+
+    __slots__ = ("_gave_up_at", "_lock", "_release_unanswered", "_settled")
+
+    def __init__(self, release_unanswered: Callable[[float], None]) -> None:
+        self._release_unanswered = release_unanswered
+        self._lock = threading.Lock()
+        self._gave_up_at: float | None = None
+        self._settled = False
+
+    def router_done(self) -> None:
+        """From the routing thread, once, as it settles the call."""
+        with self._lock:
+            self._settled = True
+            gave_up_at = self._gave_up_at
+        if gave_up_at is not None:
+            self._release_unanswered(gave_up_at)
+
+    def give_up(self) -> None:
+        """From the caller, which stops waiting: the place is freed now if the router is done with the
+        call, else when it is."""
+        gave_up_at = time.monotonic()
+        with self._lock:
+            self._gave_up_at = gave_up_at
+            settled = self._settled
+        if settled:
+            self._release_unanswered(gave_up_at)
+
+
 class ShedRecords(Generic[M]):
     """Sheds answered on receiving threads, waiting to be counted and recorded on the routing thread.
 

@@ -75,7 +75,7 @@ from router.admission import InFlightLimit, admits, slot_wait_s
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
-from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, ShedRecords
+from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, HeldPlace, ShedRecords
 from router.request import budget_deadline, budget_left_ms, caller_deadline, check_bounds, check_shape, quoted
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
@@ -352,42 +352,24 @@ class _Counters:
             )
 
 
-class _CallHops:
+class _CallHops(HeldPlace):
     """When the trio thread took a handed-off call and settled its answer (``time.monotonic()``);
-    written there before the answer's future is settled, read by the handler thread after. And who
-    frees the call's place in the gate when its handler stops waiting first (the client's deadline):
-    the trio thread, once it settles, since only then is the router done with the call. A place freed
-    at the timeout would let a storm of timing-out calls hand over call after call to a stalled thread."""
+    written there before the answer's future is settled, read by the handler thread after. Its place
+    in the gate is held as for any handed call (``HeldPlace``): a place freed at the handler's timeout
+    would let a storm of timing-out calls hand over call after call to a stalled thread."""
 
-    __slots__ = ("_gave_up_at", "_lock", "_release_unanswered", "_settled", "arrived_at", "settled_at")
+    __slots__ = ("arrived_at", "settled_at")
 
     def __init__(self, release_unanswered: Callable[[float], None]) -> None:
-        self._release_unanswered = release_unanswered  # given when the handler gave up
-        self._lock = threading.Lock()
-        self._gave_up_at: float | None = None
-        self._settled = False
+        super().__init__(release_unanswered)
         self.arrived_at: float | None = None
         self.settled_at: float | None = None
 
     def settle(self, answer: concurrent.futures.Future[RouteDecision], result: Outcome[RouteDecision]) -> None:
         """From the trio thread, once: settle ``answer``, noting when (the reply's way back starts here)."""
         self.settled_at = time.monotonic()
-        with self._lock:
-            self._settled = True
-            gave_up_at = self._gave_up_at
-        if gave_up_at is not None:
-            self._release_unanswered(gave_up_at)
+        self.router_done()
         settle(answer, result)
-
-    def give_up(self) -> None:
-        """From the handler thread, which stops waiting: the place is freed now if the router is done
-        with the call, else when it settles."""
-        gave_up_at = time.monotonic()
-        with self._lock:
-            self._gave_up_at = gave_up_at
-            settled = self._settled
-        if settled:
-            self._release_unanswered(gave_up_at)
 
 
 class _Stopped(Exception):

@@ -119,7 +119,7 @@ def grpc_request_id(request_id: str) -> int:
 
 def encode_schedule_json(request: MasterScheduleRequest) -> bytes:
     """The schedule call's JSON body, at once (see :func:`schedule_json_parts` for a long prompt)."""
-    return b"".join(schedule_json_parts(request, len(request.block_cache_keys) + len(request.input_ids or ())))
+    return b"".join(schedule_json_parts(request, schedule_json_items(request)))
 
 
 def schedule_json_items(request: MasterScheduleRequest) -> int:
