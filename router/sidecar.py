@@ -315,7 +315,10 @@ class _Counters:
         self._lock = threading.Lock()
         self._gate = gate
         self._in_flight = 0
-        self.idle = threading.Event()  # set while no Route call is in flight (a drain waits for it)
+        # Calls whose RPC has not ended: grpc sends a reply after its handler returns, and stopping the
+        # server before then would cancel a decision made (the client told UNAVAILABLE).
+        self._unsent = 0
+        self.idle = threading.Event()  # set while no Route call's RPC is open (a drain waits for it)
         self.idle.set()
         self._shed = 0
         self._unrecorded = 0
@@ -324,6 +327,7 @@ class _Counters:
     def enter(self) -> None:
         with self._lock:
             self._in_flight += 1
+            self._unsent += 1
             self.idle.clear()
 
     def shed(self, *, recorded: bool) -> None:
@@ -333,10 +337,16 @@ class _Counters:
                 self._unrecorded += 1
 
     def leave(self, outcome: str) -> None:
+        """The handler returned (its reply not yet sent)."""
         with self._lock:
             self._in_flight -= 1
             self._ended[outcome] += 1
-            if not self._in_flight:
+
+    def ended(self) -> None:
+        """The call's RPC ended: its reply was sent, or it was cancelled."""
+        with self._lock:
+            self._unsent -= 1
+            if not self._unsent:
                 self.idle.set()
 
     def snapshot(self) -> SidecarStats:
@@ -598,6 +608,8 @@ class Sidecar:
         received = time.monotonic()
         remaining = context.time_remaining()
         self._counters.enter()
+        if not context.add_callback(self._counters.ended):  # the RPC has ended already
+            self._counters.ended()
         outcome = "answered"
         try:
             reply, routing_s, stage_ms, hops = self._route_call(data, context, received)

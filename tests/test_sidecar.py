@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -442,6 +443,44 @@ async def test_readiness_reaches_watch_streams_from_a_thread_of_its_own(nursery:
             r.sidecar._publish(False)
             assert await trio.to_thread.run_sync(published.wait, 10.0)
             assert ran_on and ran_on[0].startswith("kvroute-health") and ran_on[0] != threading.current_thread().name
+
+
+class _EndedByHand:
+    """A handler context whose RPC ends when the test says: grpc sends a reply after the handler
+    returns, and the call has ended only then."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+    def time_remaining(self) -> float | None:
+        return 30.0
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def set_trailing_metadata(self, metadata: object) -> None:
+        pass
+
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback()
+
+
+async def test_a_drain_waits_for_replies_to_be_sent_not_for_handlers_to_return(nursery: trio.Nursery) -> None:
+    """Stopping grpc once every handler had returned cancelled replies not yet sent: the router had
+    decided, and the client was told UNAVAILABLE (a decision lost, seen under CPU load)."""
+    with trio.fail_after(20):
+        async with rig(nursery) as r:
+            idle = r.sidecar._counters.idle
+            context = _EndedByHand()
+            request = router_v1_pb2.RouteRequest(request_id="sent-late", token_ids=PROMPT, budget_ms=500)
+            as_grpc: Any = context  # the handler reads only what it defines
+            reply = await trio.to_thread.run_sync(r.sidecar._route_rpc, request.SerializeToString(), as_grpc)
+            assert router_v1_pb2.RouteDecision.FromString(reply).request_id == "sent-late"
+            assert r.sidecar.stats().in_flight == 0 and not idle.is_set()  # returned, its reply not yet sent
+            context.end()
+            assert idle.is_set()
 
 
 async def test_a_drain_ends_with_every_default_trio_thread_held(nursery: trio.Nursery) -> None:
