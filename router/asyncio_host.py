@@ -377,7 +377,7 @@ class _Handed(HeldPlace):
     def __init__(
         self, gate: HandOffGate, loop: asyncio.AbstractEventLoop, sent_at: float, left_s: float | None
     ) -> None:
-        super().__init__(lambda gave_up_at: self._release(answered=False, at=gave_up_at))
+        super().__init__()
         self._gate = gate
         self._left_s = left_s  # None: unreadable, the router refuses it
         self.loop = loop
@@ -390,6 +390,9 @@ class _Handed(HeldPlace):
         self.settled_at = time.monotonic()  # the answer's way back starts here
         self.router_done()
         settle_on_loop(self.loop, self.future, result)
+
+    def _release_unanswered(self, gave_up_at: float) -> None:
+        self._release(answered=False, at=gave_up_at)
 
     def resumed(self, *, decided: bool) -> None:
         """From the caller's loop, the outcome in hand (``decided``: a decision, not an error)."""

@@ -145,13 +145,14 @@ class HandOffGate:
 class HeldPlace:
     """A call handed to the router keeps its place in the gate until the router is done with it: when
     its caller stops waiting first (its deadline, a cancel), the place is freed once the router
-    settles the call, else by the caller on resuming. ``release_unanswered`` frees it as unanswered,
-    given when the caller gave up (``time.monotonic()``): the call's time is what its caller waited."""
+    settles the call, else by the caller on resuming. A subclass's ``_release_unanswered`` frees it as
+    unanswered, given when the caller gave up (``time.monotonic()``): the call's time is what its
+    caller waited. (A method, not a stored callable: one bound to the call would make each call a
+    reference cycle, freed only by the collector.)"""
 
-    __slots__ = ("_gave_up_at", "_lock", "_release_unanswered", "_settled")
+    __slots__ = ("_gave_up_at", "_lock", "_settled")
 
-    def __init__(self, release_unanswered: Callable[[float], None]) -> None:
-        self._release_unanswered = release_unanswered
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._gave_up_at: float | None = None
         self._settled = False
@@ -173,6 +174,9 @@ class HeldPlace:
             settled = self._settled
         if settled:
             self._release_unanswered(gave_up_at)
+
+    def _release_unanswered(self, gave_up_at: float) -> None:
+        raise NotImplementedError
 
 
 class ShedRecords(Generic[M]):

@@ -368,12 +368,16 @@ class _CallHops(HeldPlace):
     in the gate is held as for any handed call (``HeldPlace``): a place freed at the handler's timeout
     would let a storm of timing-out calls hand over call after call to a stalled thread."""
 
-    __slots__ = ("arrived_at", "settled_at")
+    __slots__ = ("_release", "arrived_at", "settled_at")
 
-    def __init__(self, release_unanswered: Callable[[float], None]) -> None:
-        super().__init__(release_unanswered)
+    def __init__(self, release: Callable[..., None]) -> None:
+        super().__init__()
+        self._release = release  # HandOffGate.answered with the call's own arguments bound
         self.arrived_at: float | None = None
         self.settled_at: float | None = None
+
+    def _release_unanswered(self, gave_up_at: float) -> None:
+        self._release(answered=False, at=gave_up_at)
 
     def settle(self, answer: concurrent.futures.Future[RouteDecision], result: Outcome[RouteDecision]) -> None:
         """From the trio thread, once: settle ``answer``, noting when (the reply's way back starts here)."""
@@ -692,7 +696,7 @@ class Sidecar:
             had_s=max(0.0, left_s - (handed_at - sent_at)),
             crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
         )
-        hops = _CallHops(lambda gave_up_at: release(answered=False, at=gave_up_at))  # settled by the trio thread
+        hops = _CallHops(release)  # settled by the trio thread
         token = self._token
         decided = gave_up = False
         try:

@@ -3,10 +3,13 @@ limit, with the real threads that wait on it (no clock is read by the assertions
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import threading
 import time
 
 from router.admission import InFlightLimit
+from router.asyncio_host import _Handed
 from router.config import RouterConfig
 from router.receipt import HandOffGate
 
@@ -134,3 +137,21 @@ def test_a_call_given_up_on_is_timed_to_when_its_caller_gave_up_not_to_the_route
     handed_at = time.monotonic() - 2.0  # handed two seconds ago, given up after 0.1 s, settled now
     gate.answered(handed_at=handed_at, had_s=0.05, answered=False, at=handed_at + 0.1)
     assert gate._limit.share < 1.0 and gate._limit.idle_until < time.monotonic()
+
+
+def test_a_held_place_makes_no_reference_cycle() -> None:
+    """Each routed call makes one: a call bound to itself would be freed only by the collector."""
+    loop = asyncio.new_event_loop()
+    gate = _gate(waiters=0)
+    try:
+        gc.collect()
+        gc.disable()
+        try:
+            handed = _Handed(gate, loop, time.monotonic(), 0.05)
+            handed.give_up()
+            del handed
+            assert gc.collect() == 0
+        finally:
+            gc.enable()
+    finally:
+        loop.close()

@@ -591,7 +591,7 @@ async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_
                 message = router_v1_pb2.RouteRequest(request_id="late", block_cache_keys=(1, 2), block_size=BLOCK)
                 answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
                 now = time.monotonic()
-                sidecar._spawn(converted(message), None, (now, 0.03), now, answer, _CallHops(lambda gave_up_at: None))
+                sidecar._spawn(converted(message), None, (now, 0.03), now, answer, _CallHops(lambda **_: None))
                 assert isinstance(answer.exception(timeout=0), _Stopped)  # refused: UNAVAILABLE, not routed
                 published = r.handle.router_actor().overload_answers()
                 assert published is not None and published.answers
@@ -616,7 +616,7 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
             message = router_v1_pb2.RouteRequest(request_id="lagged", block_cache_keys=keys, block_size=BLOCK)
             answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
             received = time.monotonic() - 1.0  # received a second ago with 1.5 s to route: 500 ms left now
-            hops = _CallHops(lambda gave_up_at: None)
+            hops = _CallHops(lambda **_: None)
             r.sidecar._spawn(converted(message), None, (received, 1.5), time.monotonic(), answer, hops)
             # The loop busy with other work before the routing task can start: blocking it is the point.
             time.sleep(0.2)  # noqa: ASYNC251
