@@ -274,6 +274,9 @@ class LeaderResolver:
         self._no_leader = False
         self._next_attempt_at: float | None = None
         self._lookup: Trigger | None = None  # the trigger of the lookup in flight
+        # A leader invalidated while a lookup was in flight: that lookup asked replicas before the
+        # failure and may name it again, so its answer must not bring it back.
+        self._invalidated_in_flight: str | None = None
         self._waiters: list[_AskLeader] = []  # callers waiting for the lookup in flight
         self._last_error: str | None = None
         self._last_error_at: float | None = None
@@ -493,7 +496,18 @@ class LeaderResolver:
         elif isinstance(message, _Invalidate):
             self._invalidate(message.target, lookups)
         elif isinstance(message, _LookupDone):
-            self._finish(message, trio.current_time())
+            leader = message.result.leader
+            if leader is not None and leader.target == self._invalidated_in_flight:
+                # Stale: the replicas it asked had not yet seen the failure. Ask again; the waiters
+                # join the new lookup. (Counted as a lookup made, not applied.)
+                self._lookups_total += 1
+                self._lookup_rpcs_total += message.result.rpcs
+                self._lookups_by_trigger[message.trigger.value] += 1
+                self._lookup = None
+                self._invalidated_in_flight = None
+                self._start_lookup(Trigger.INVALIDATED, lookups)
+            else:
+                self._finish(message, trio.current_time())
 
     def _apply_outcome(self, outcome: _Outcome) -> None:
         if outcome.verdict is _Verdict.SUCCESS:
@@ -531,7 +545,9 @@ class LeaderResolver:
         self._leader = None
         self._invalidations_total += 1
         self._changed = True
-        if self._consecutive_failures == 0 and self._lookup is None:
+        if self._lookup is not None:
+            self._invalidated_in_flight = target
+        elif self._consecutive_failures == 0:
             self._start_lookup(Trigger.INVALIDATED, lookups)
         # While backing off, the lookup runs at the scheduled time; requests fail fast until then.
 
@@ -544,6 +560,7 @@ class LeaderResolver:
         await self._send.send(_LookupDone(trigger, started, result))
 
     def _finish(self, done: _LookupDone, now: float) -> None:
+        self._invalidated_in_flight = None
         self._last_lookup_s = now - done.started
         self._apply(done.result, now)
         self._lookups_by_trigger[done.trigger.value] += 1

@@ -318,6 +318,34 @@ async def test_not_leader_invalidates_and_next_request_finds_new_leader_in_one_r
     assert (await resolver.leader()).target == NODES[2]
 
 
+async def test_a_lookup_in_flight_at_an_invalidation_does_not_bring_the_old_leader_back(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """The scheduled refresh is in flight when the leader moves and a query reports NotLeader: the
+    replicas it asked answered with the leader they knew then, the invalidated one. Installed, the
+    next request would query it again; a fresh lookup finds the new one."""
+    network = MemoryNetwork()
+    seen = {"leader": NODES[0]}
+
+    async def replica(node: str, method: str, request: bytes) -> bytes:
+        known = seen["leader"]  # what the replica knows when asked
+        await trio.sleep(0.1)
+        return cluster_info_reply(known, node)
+
+    for node in NODES:
+        network.serve(node, functools.partial(replica, node))
+    resolver = await start_resolver(nursery, network)
+    assert (await resolver.leader()).target == NODES[0]
+    await trio.sleep_until(LEADER_CFG.refresh_interval_s + 0.15)  # the refresh is asking the replicas
+    assert resolver.snapshot().lookups_total == 1
+    seen["leader"] = NODES[2]
+    resolver.report_failure(NODES[0], NotLeader(NODES[0], "moved", kvcm_pb.SERVER_NOT_LEADER, "SERVER_NOT_LEADER"))
+    await trio.testing.wait_all_tasks_blocked()  # the resolver's task applies the report
+    assert (await resolver.leader()).target == NODES[2]
+    snap = resolver.snapshot()
+    assert snap.leader_target == NODES[2] and snap.lookups_by_trigger["invalidated"] == 1
+
+
 @pytest.mark.parametrize(
     ("error", "invalidates"),
     [
