@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 import trio
@@ -118,14 +118,23 @@ def test_every_issue_scenario_exists() -> None:
     assert all(s.master and s.healthy_source == "master" for s in SCENARIOS if s.name.startswith("master-"))
 
 
+def _in_memory(names: list[str], overrides: Mapping[str, object] | None = None) -> tuple[int, str]:
+    """``run_scenarios`` on the mock clock with the in-memory transports: its exit status and output."""
+    out = io.StringIO()
+    code = run_scenarios(
+        names,
+        scale=REAL_CLOCK_SCALE,
+        out=out,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        in_memory=True,
+        overrides=overrides,
+    )
+    return code, out.getvalue()
+
+
 def test_scenario_command_prints_each_result_and_exits_zero_when_all_pass() -> None:
     """The command's path (run_scenarios: one trio.run per scenario, printing), on the mock clock."""
-    out = io.StringIO()
-    names = ["config-invalid", "kvcm-garbled"]
-    code = run_scenarios(
-        names, scale=REAL_CLOCK_SCALE, out=out, clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True
-    )
-    text = out.getvalue()
+    code, text = _in_memory(["config-invalid", "kvcm-garbled"])
     assert code == 0, text
     assert "PASS config-invalid" in text
     assert "PASS kvcm-garbled" in text
@@ -135,16 +144,7 @@ def test_scenario_command_prints_each_result_and_exits_zero_when_all_pass() -> N
 def test_router_setting_overrides_reach_the_scenarios_router_and_are_listed() -> None:
     """--scenario dropped --router-setting: with the KVCM fallback switched off the scenario must see
     no KVCM routing at all, and the banner must say it ran with that setting."""
-    out = io.StringIO()
-    code = run_scenarios(
-        ["kvcm-slow"],
-        scale=REAL_CLOCK_SCALE,
-        out=out,
-        clock=trio.testing.MockClock(autojump_threshold=0),
-        in_memory=True,
-        overrides={"kvcm_fallback": False, "breaker_cooldown_s": 0.4},
-    )
-    text = out.getvalue()
+    code, text = _in_memory(["kvcm-slow"], overrides={"kvcm_fallback": False, "breaker_cooldown_s": 0.4})
     banner = text.splitlines()[0]
     assert "kvcm_fallback=False" in banner and "breaker_cooldown_s=0.4," in banner, banner
     assert "breaker_cooldown_s=0.2" not in banner  # the override replaces the scenario's value
@@ -154,16 +154,7 @@ def test_router_setting_overrides_reach_the_scenarios_router_and_are_listed() ->
 
 
 def test_master_setting_overrides_are_listed_on_the_master_line() -> None:
-    out = io.StringIO()
-    code = run_scenarios(
-        ["master-down"],
-        scale=REAL_CLOCK_SCALE,
-        out=out,
-        clock=trio.testing.MockClock(autojump_threshold=0),
-        in_memory=True,
-        overrides={"master_breaker_cooldown_s": 0.3},
-    )
-    text = out.getvalue()
+    code, text = _in_memory(["master-down"], overrides={"master_breaker_cooldown_s": 0.3})
     assert code == 0, text
     banner, master_line = text.splitlines()[:2]
     assert "master_breaker_cooldown_s" not in banner

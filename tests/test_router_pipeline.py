@@ -102,6 +102,14 @@ async def routed(
         yield handle, network, config
 
 
+def fault_the_leader(cluster: SimCluster, faults: KvcmFaults) -> str:
+    """Give the KVCM leader ``faults``; its target."""
+    leader = cluster.kvcm.leader
+    assert leader is not None
+    cluster.kvcm.set_faults(leader, faults)
+    return leader
+
+
 def seed(cluster: SimCluster, worker: int, blocks: int) -> None:
     cluster.kvcm.record_prefill(cluster.worker_addr(worker).http_target, KEYS[:blocks])
 
@@ -145,9 +153,7 @@ async def test_every_decision_within_deadline_when_kvcm_hangs(autojump_clock: tr
     cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
     async with routed(cluster, budget_cap_ms=50.0) as (handle, _, _):
         seed(cluster, 1, 8)
-        leader = cluster.kvcm.leader
-        assert leader is not None
-        cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+        fault_the_leader(cluster, KvcmFaults(hang=True))
         decisions = []
         for i in range(8):
             start = trio.current_time()
@@ -173,9 +179,7 @@ async def test_queries_cut_short_by_tight_budgets_do_not_open_the_breaker(
     cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
     async with routed(cluster, budget_cap_ms=50.0) as (handle, _, config):
         seed(cluster, 1, 8)
-        leader = cluster.kvcm.leader
-        assert leader is not None
-        cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.008))
+        fault_the_leader(cluster, KvcmFaults(delay_s=0.008))
         resolver = handle.leader_resolver()
         assert resolver is not None
         for i in range(4 * config.breaker.failure_threshold):
@@ -200,9 +204,7 @@ async def test_queries_cut_by_a_query_timeout_below_slow_query_ms_are_judged(
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     async with routed(cluster, kvcm_query_timeout_ms=5.0) as (handle, _, config):
         seed(cluster, 1, 8)
-        leader = cluster.kvcm.leader
-        assert leader is not None
-        cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+        fault_the_leader(cluster, KvcmFaults(hang=True))
         resolver = handle.leader_resolver()
         assert resolver is not None
         first = await handle.route(RouteRequest("cut0", token_ids=PROMPT, budget_ms=50))
@@ -257,9 +259,7 @@ async def test_kvcm_slow_answers_within_budget(autojump_clock: trio.testing.Mock
     cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
     async with routed(cluster) as (handle, _, _):
         seed(cluster, 3, 8)
-        leader = cluster.kvcm.leader
-        assert leader is not None
-        cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.030))
+        fault_the_leader(cluster, KvcmFaults(delay_s=0.030))
         start = trio.current_time()
         d = await handle.route(RouteRequest("slow", token_ids=PROMPT, budget_ms=10))
         assert trio.current_time() - start <= 0.010 + 1e-9
@@ -543,9 +543,7 @@ async def test_records_the_shadow_index_cannot_take_are_counted(autojump_clock: 
 async def test_over_the_admission_cap_answers_at_once(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
     async with routed(cluster, max_in_flight=1) as (handle, _, _):
-        leader = cluster.kvcm.leader
-        assert leader is not None
-        cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.010))
+        fault_the_leader(cluster, KvcmFaults(delay_s=0.010))
         seed(cluster, 0, 8)
         results = []
 
