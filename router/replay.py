@@ -179,7 +179,7 @@ class Case:
         that source's, ended by the deadline (logs written before such steps were kept have none)."""
         cut = any(bool(c) for _, _, c in self.expected.get("sw", ()))
         steps = self.expected.get("ch") or ()
-        ended_inside = not steps or list(steps[-1][1:]) == [SourceOutcome.FELL_THROUGH.value, Reason.DEADLINE.value]
+        ended_inside = not steps or _ended_by_the_deadline(steps[-1])
         return self.expected.get("r") == Reason.DEADLINE.value and ended_inside and not cut
 
     def queried(self) -> bool:
@@ -697,13 +697,16 @@ class Outcome:
         replayed = {k: v for k, v in self.replayed.items() if k in self.case.expected}
         expected = self.case.expected
         chain = replayed.get("ch")
-        if expected.get("ch") == [] and chain and self.case.ran_out_unseen():
-            # Written before a source the deadline ended kept its step: the step replay adds for it
-            # is not in the record.
-            last = chain[-1]
-            if list(last[1:]) == [SourceOutcome.FELL_THROUGH.value, Reason.DEADLINE.value]:
-                replayed = {**replayed, "ch": chain[:-1]}
+        # Written before a source the deadline ended kept its step: the step replay adds for it is not
+        # in the record.
+        if expected.get("ch") == [] and chain and self.case.ran_out_unseen() and _ended_by_the_deadline(chain[-1]):
+            replayed = {**replayed, "ch": chain[:-1]}
         return dict(expected) == replayed
+
+
+def _ended_by_the_deadline(step: Sequence[Any]) -> bool:
+    """Whether a logged chain step (source, outcome, reason) is a source the request's deadline ended."""
+    return list(step[1:]) == [SourceOutcome.FELL_THROUGH.value, Reason.DEADLINE.value]
 
 
 def normalized(decision: RouteDecision) -> dict[str, Any]:

@@ -316,9 +316,9 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
     slice that holds it: found by the hashing itself, at no cost to a well-formed prompt.
     """
     if checked.ids_to_check:
-        ids = checked.ids_to_check
-        for start in range(0, len(ids), max(1, slice_tokens)):
-            check_token_ids(ids[start : start + max(1, slice_tokens)])
+        ids, step = checked.ids_to_check, max(1, slice_tokens)
+        for start in range(0, len(ids), step):
+            check_token_ids(ids[start : start + step])
             yield ()
         return
     if not checked.tokens:

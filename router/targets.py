@@ -144,7 +144,7 @@ def _after_host(text: str, start: int, at: int) -> int:
         close = text.find("]", i, at)
         i = at if close == -1 else close + 1
     else:
-        while i < at and text[i] not in ":/,;=" :
+        while i < at and text[i] not in ":/,;=":
             i += 1
     if i < at and text[i] == ":":
         j = i + 1
