@@ -459,12 +459,12 @@ async def _topology(
         )
         if debug_http:
             from router.debug_http import DebugServer  # upper module: imported only when serving HTTP
-            from router.settings import load_config
+            from router.settings import given_in_code
 
             server = DebugServer(
                 handle,
                 metrics,
-                loaded or load_config({}, {}),
+                loaded or given_in_code(config),  # built in code: the debug views show it as given
                 config.serve.debug_listen,
                 token=config.serve.debug_token,
                 token_file=config.serve.debug_token_file,

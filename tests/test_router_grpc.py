@@ -66,7 +66,16 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
             assert handle.debug_address is not None
             base = f"http://{handle.debug_address}"
             async with httpx.AsyncClient(base_url=base) as http:
-                assert (await http.get("/readyz")).status_code == 200
+                ready = await http.get("/readyz")
+                assert ready.status_code == 200
+                # A configuration built in code is what the debug views describe, not the defaults.
+                assert "configuration problems" not in ready.text
+                shown = (await http.get("/debug/config")).json()
+                assert shown["effective"]["deployment"]["block_size"] == BLOCK
+                assert shown["effective"]["router"]["kvcm_fallback"] is True
+                assert (shown["errors"], shown["kvcm_fallback_disabled_by_errors"]) == ([], False)
+                assert shown["sources"]["deployment.block_size"] == "given in code"
+                assert shown["sources"]["router.kvcm_query_timeout_ms"] == "default"
                 decisions = [
                     await handle.route(RouteRequest(f"g{i}", token_ids=PROMPT, budget_ms=BUDGET_CAP_MS))
                     for i in range(5)

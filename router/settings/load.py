@@ -273,6 +273,16 @@ def load_config(
     return replace(loaded, errors=unknown + loaded.errors) if unknown else loaded
 
 
+def given_in_code(config: KvrouteConfig) -> LoadedConfig:
+    """The loaded form of a configuration an embedder built in code: the values as given (those not at
+    their default attributed to the code), with no file behind them and no problems found in loading."""
+    sources = {
+        s.name: DEFAULT_ORIGIN if value_of(config, s.name) == s.default else Origin(SourceKind.CODE)
+        for s in SETTINGS
+    }
+    return LoadedConfig(config, config, sources, (), (), None)
+
+
 def load_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LoadedConfig:
     """load_config for a namespace made by add_arguments (``--config`` included); env: os.environ."""
     return load_config(args, os.environ if env is None else env)

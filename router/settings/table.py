@@ -53,6 +53,7 @@ class SourceKind(enum.Enum):
     FILE = "config file"
     ENV = "environment"
     FLAG = "command line"
+    CODE = "the embedding code"  # a KvrouteConfig built in code and handed to open_router
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,8 @@ class Origin:
             return f"config file {self.where}"
         if self.kind is SourceKind.ENV:
             return f"env {self.where}"
+        if self.kind is SourceKind.CODE:
+            return "given in code"
         return f"flag {self.where}"
 
 
