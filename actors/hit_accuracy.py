@@ -9,11 +9,14 @@ predicted: a key family, block size or KVCM namespace that does not match the en
 
 Messages arrive through one bounded inbox (``send_nowait``; dropped and counted when full): the
 router's predictions and the prober's statuses. The state is owned by ``run``; ``health`` reads an
-immutable snapshot it publishes.
+immutable snapshot it publishes. A prediction expires ``accuracy_ttl_s`` after it was made, on a timer
+of ``run``'s own: a status arriving later is not compared with it, and with no traffic at all the
+snapshot still shows it expired.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -50,6 +53,7 @@ class AccuracyHealth:
     matched: int
     silent_zero: int
     expired: int  # predictions no status listed within the TTL
+    evicted: int  # predictions pushed out by the pending bound (--metrics-accuracy-pending-max) first
     dropped: int  # messages the full inbox refused
     recent_by_worker: dict[str, float] = field(default_factory=dict)  # mean actual/predicted, recent
     silent_zero_share: float = 0.0  # over the last comparisons (at most 200)
@@ -69,6 +73,7 @@ class HitAccuracy:
         self._matched = 0
         self._silent_zero = 0
         self._expired = 0
+        self._evicted = 0
         self._dropped = 0
         # Predictions sent and not yet applied: a send to a waiting owner hands the message over
         # without buffering it, so the inbox's buffer alone does not show them.
@@ -78,15 +83,39 @@ class HitAccuracy:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async for first in self._receive:
-            self._apply(first)
-            while True:  # what else is queued, then one snapshot for the batch (it walks the window)
+        while True:
+            first: _Predicted | _StatusSeen | None = None
+            with trio.move_on_at(self._next_expiry()):  # woken for the oldest prediction's expiry too
                 try:
-                    message = self._receive.receive_nowait()
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-                self._apply(message)
+                    first = await self._receive.receive()
+                except trio.EndOfChannel:
+                    return
+            self._expire(trio.current_time())
+            if first is not None:
+                self._apply(first)
+                while True:  # what else is queued, then one snapshot for the batch (it walks the window)
+                    try:
+                        message = self._receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    self._apply(message)
             self._health = self._snapshot()
+
+    def _next_expiry(self) -> float:
+        """When the oldest pending prediction expires (never, with none pending)."""
+        for oldest in self._pending.values():
+            return oldest.at + self._ttl_s
+        return math.inf
+
+    def _expire(self, now: float) -> None:
+        """Forget the predictions made the TTL or more before ``now`` (the oldest are first): the same
+        instant as ``_next_expiry``, or the timer would fire again at once."""
+        while self._pending:
+            oldest = next(iter(self._pending.values()))
+            if oldest.at + self._ttl_s > now:
+                break
+            self._pending.popitem(last=False)
+            self._expired += 1
 
     def _apply(self, message: _Predicted | _StatusSeen) -> None:
         if isinstance(message, _Predicted):
@@ -123,14 +152,7 @@ class HitAccuracy:
         self._pending[message.request_id] = message
         while len(self._pending) > self._max_pending:
             self._pending.popitem(last=False)
-            self._expired += 1
-        horizon = message.at - self._ttl_s
-        while self._pending:
-            oldest = next(iter(self._pending.values()))
-            if oldest.at >= horizon:
-                break
-            self._pending.popitem(last=False)
-            self._expired += 1
+            self._evicted += 1
 
     def _status_seen(self, worker: str, status: WorkerStatus) -> None:
         for task in (*status.waiting, *status.running):
@@ -165,6 +187,7 @@ class HitAccuracy:
             matched=self._matched,
             silent_zero=self._silent_zero,
             expired=self._expired,
+            evicted=self._evicted,
             dropped=self._dropped,
             recent_by_worker={w: round(sum(r) / len(r), 3) for w, r in self._recent.items() if r},
             silent_zero_share=share,

@@ -188,3 +188,33 @@ async def test_a_queued_task_whose_prefix_is_not_matched_yet_leaves_the_predicti
         assert (accuracy.health().matched, accuracy.health().pending) == (2, 0)
         nursery.cancel_scope.cancel()
 
+
+
+async def test_a_prediction_expires_on_time_with_no_traffic_and_a_late_status_is_not_compared(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Predictions expired only when a newer one arrived: once traffic stopped they stayed pending for
+    ever, and a status listing one an hour later was still compared (a silent zero, here)."""
+    worker = "10.0.0.1:8000"
+    config = MetricsConfig(accuracy_ttl_s=60.0, accuracy_pending_max=2)
+    sink = MetricsSink(config)
+    accuracy = HitAccuracy(config, sink)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await nursery.start(accuracy.run)
+        for i in range(3):  # one more than the bound: the first is evicted, not expired
+            accuracy.predict(f"req-{i}", worker, 4096, RouteSource.KVCM, trio.current_time())
+        await trio.testing.wait_all_tasks_blocked()
+        health = accuracy.health()
+        assert (health.pending, health.evicted, health.expired) == (2, 1, 0)
+        await trio.sleep(59.0)
+        assert accuracy.health().pending == 2
+        await trio.sleep(2.0)  # no message arrives: the owner's timer expires them
+        health = accuracy.health()
+        assert (health.pending, health.evicted, health.expired) == (0, 1, 2)
+        task = engine_pb.TaskInfoPB(request_id="req-2", input_length=8192, prefix_length=0, prefix_length_valid=True)
+        reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=1, running_task_info=[task])
+        accuracy.status_seen(worker, decode_worker_status(reply.SerializeToString(), worker))
+        await trio.testing.wait_all_tasks_blocked()
+        assert (accuracy.health().matched, accuracy.health().silent_zero) == (0, 0)
+        nursery.cancel_scope.cancel()
