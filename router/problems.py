@@ -78,17 +78,25 @@ class Range:
             # Such a value passes every range, then divides a clock reading into infinity.
             return f"too small to use: a non-zero value is at least {MIN_MAGNITUDE:g} in size, got {value}"
         if self.low_open and not value > self.low:
-            return f"must be > {_num(self.low)}, got {value}"
+            return f"must be > {_num(self.low)}, got {_shown(value)}"
         if not self.low_open and not value >= self.low:
-            return f"must be >= {_num(self.low)}, got {value}"
+            return f"must be >= {_num(self.low)}, got {_shown(value)}"
         if self.high_open and not value < self.high:
-            return f"must be < {_num(self.high)}, got {value}"
+            return f"must be < {_num(self.high)}, got {_shown(value)}"
         if not self.high_open and not value <= self.high:
-            return f"must be <= {_num(self.high)}, got {value}"
+            return f"must be <= {_num(self.high)}, got {_shown(value)}"
         return None
 
     def __str__(self) -> str:
         return f"{'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}{')' if self.high_open else ']'}"
+
+
+def _shown(value: float) -> str:
+    """``value`` for a message: an integer too long to read (or to print at all, past Python's digit
+    limit) by its size."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return str(value)
 
 
 def _num(x: float) -> str:

@@ -257,6 +257,20 @@ def test_unreadable_and_malformed_files_are_problems_not_crashes(tmp_path: Path)
     nested = tmp_path / "nested.toml"  # tomllib recurses, and raised RecursionError out of loading
     nested.write_text("a = " + "[" * 5000 + "]" * 5000)
     assert any("nested too deeply" in str(p) for p in load_config({}, {}, str(nested)).fatal_errors)
+    digits = tmp_path / "digits.toml"  # past int()'s digit limit tomllib raises a plain ValueError
+    digits.write_text("[router]\nmax_in_flight = " + "9" * 5000 + "\n")
+    assert any("digits" in str(p) for p in load_config({}, {}, str(digits)).fatal_errors)
+
+
+def test_numbers_beyond_any_float_or_too_long_to_print_are_named_by_their_size(tmp_path: Path) -> None:
+    """An integer too large for a float setting, or too long for a message, is a problem naming the
+    setting and the integer's size, not an OverflowError or a digit-limit ValueError out of loading."""
+    huge = tmp_path / "huge.toml"
+    huge.write_text("[router]\nbudget_cap_ms = 1" + "0" * 400 + "\n")
+    problems = [str(p) for p in load_config({}, {}, str(huge)).errors if "budget" in str(p)]
+    assert problems and "an integer of 1329 bits, beyond any float" in problems[0]
+    too_long = [str(p) for p in load_config({"block_size": 10**5000}, {}).errors if "block-size" in str(p)]
+    assert too_long and "must be <= 65536, got an integer of 16610 bits" in too_long[0]
 
 
 def test_unknown_kvroute_env_vars_are_warned_about() -> None:

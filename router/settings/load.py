@@ -141,6 +141,8 @@ def read_config_file(path: str, named_by: str = "--config") -> ConfigFile:
         return unusable(f"not valid TOML: {exc}")
     except RecursionError:  # tomllib recurses into nested arrays and inline tables
         return unusable("not a settings file: arrays or tables nested too deeply for the TOML parser")
+    except ValueError as exc:  # tomllib lets int()'s digit limit through as a plain ValueError
+        return unusable(f"not a settings file: {exc}")
 
 
 def config_path(flags: Mapping[str, object], env: Mapping[str, str]) -> str | None:

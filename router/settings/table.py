@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -158,6 +159,11 @@ class Setting:
         if self.kind is Kind.INT and isinstance(value, int) and not isinstance(value, bool):
             return value
         if self.kind is Kind.FLOAT and isinstance(value, int | float) and not isinstance(value, bool):
+            if isinstance(value, int) and abs(value) > sys.float_info.max:
+                # Named by its size: float() would overflow, and its digits may be thousands.
+                raise SettingValueError(
+                    f"expected {self._expected()}, got an integer of {value.bit_length()} bits, beyond any float"
+                )
             return float(value)
         if self.kind is Kind.ENUM:
             return self._known(value)
