@@ -209,6 +209,7 @@ async def test_queries_cut_by_a_query_timeout_below_slow_query_ms_are_judged(
         assert resolver is not None
         first = await handle.route(RouteRequest("cut0", token_ids=PROMPT, budget_ms=50))
         assert first.sources[0].reason is Reason.DEADLINE
+        assert first.sources[0].elapsed_ms == pytest.approx(5.0)  # the query timeout ended it, not the budget
         await trio.testing.wait_all_tasks_blocked()
         assert resolver.snapshot().queries_cut_short_total == 0
         assert resolver.snapshot().invalidations_total == 1
@@ -387,6 +388,26 @@ async def test_answers_made_outside_the_chain_keep_the_roles_the_request_names(
         assert {Reason.DEADLINE, Reason.OVERLOADED} <= reasons, reasons
         assert all(d.worker in pdfusion and d.role is Role.PDFUSION for d in answers), [
             (d.reason, d.role, d.worker) for d in answers if d.worker not in pdfusion
+        ]
+
+
+async def test_answers_made_outside_the_chain_draw_from_the_deployments_roles(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request naming no roles, answered outside the chain (its deadline gone, or a bad request), goes
+    to a worker of the deployment's roles: a PDFUSION-only deployment never gets a PREFILL worker."""
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2
+    specs += [WorkerSpec(role="RoleType.PDFUSION", block_size=BLOCK)] * 2
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PDFUSION,)) as (handle, _, _):
+        workers = [cluster.worker_addr(i) for i in range(4)]
+        handle.prober().probe(workers, trio.current_time() + 0.05)
+        await trio.sleep(0.02)  # every worker's role is known
+        answers = [await handle.route(RouteRequest(f"z{i}", token_ids=PROMPT, budget_ms=0)) for i in range(20)]
+        answers.append(await handle.route(RouteRequest("bad", budget_ms=50)))  # no prompt: bad_request
+        assert {d.reason for d in answers} == {Reason.DEADLINE, Reason.BAD_REQUEST}
+        assert all(d.worker in set(workers[2:]) and d.role is Role.PDFUSION for d in answers), [
+            (d.reason, d.role, d.worker) for d in answers
         ]
 
 
