@@ -1003,3 +1003,14 @@ def test_a_request_with_roles_of_the_wrong_type_is_refused_before_the_log_sees_i
     assert decision.reason is Reason.BAD_REQUEST and (decision.error or "").startswith("roles:")
     assert submitted == ["fine"]
     assert [case.request_id for case in load_log([str(log)]).cases] == ["fine"]
+
+
+def test_a_full_inbox_drops_and_counts_each_record_it_refuses(tmp_path: Path) -> None:
+    """The inbox is bounded by decision_log_inbox_size: what a full one refuses is dropped and counted,
+    never queued without bound behind a slow disk."""
+    router = RouterConfig(decision_log=str(tmp_path / "decisions.log"), decision_log_inbox_size=3)
+    log = DecisionLog(router, decision_log_header(KvrouteConfig(router=router)))  # not running: nothing drains
+    taken = [log.submit(_overloaded(i)) for i in range(5)]
+    assert taken == [True, True, True, False, False]
+    health = log.health()
+    assert (health.dropped, health.inbox_depth, health.inbox_capacity) == (2, 3, 3)

@@ -218,3 +218,19 @@ async def test_a_prediction_expires_on_time_with_no_traffic_and_a_late_status_is
         await trio.testing.wait_all_tasks_blocked()
         assert (accuracy.health().matched, accuracy.health().silent_zero) == (0, 0)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_full_inbox_drops_and_counts_the_messages_it_refuses(autojump_clock: trio.testing.MockClock) -> None:
+    """The inbox is bounded by accuracy_inbox_size: predictions sent while the owner cannot keep up
+    are dropped and counted, not queued without bound."""
+    config = MetricsConfig(accuracy_inbox_size=2)
+    sink = MetricsSink(config)
+    accuracy = HitAccuracy(config, sink)
+    for i in range(5):  # before the owner runs: only the inbox's room is taken
+        accuracy.predict(f"req-{i}", "10.0.0.1:8000", 4096, RouteSource.KVCM, trio.current_time())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await nursery.start(accuracy.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (accuracy.health().pending, accuracy.health().dropped) == (2, 3)
+        nursery.cancel_scope.cancel()
