@@ -560,7 +560,10 @@ class Sidecar:
                 await self._drain_requested.wait()
                 publishing.cancel()  # drain() published not ready, for good
                 await self._drain_server(server)
-                # Leaving the nursery waits for routing tasks whose callers gave up (each ends by its deadline).
+                # The grace is over and grpc has ended every call still open: routing work left (a call
+                # cut at the drain deadline, or one whose caller gave up) has nobody to answer, and
+                # waiting for its own deadline would hold the stop past the grace.
+                calls.cancel_scope.cancel()
         finally:
             self._calls = None
             self._sheds.close()

@@ -735,6 +735,20 @@ async def test_drain_stops_the_server_once_calls_are_done(nursery: trio.Nursery)
             assert (final.answered, final.in_flight, final.timed_out) == (1, 0, 0)
 
 
+async def test_a_drain_ends_at_its_timeout_with_a_call_still_in_the_router(nursery: trio.Nursery) -> None:
+    """The drain's grace bounds it: a call still waiting in the router (KVCM hangs, for longer than the
+    test) when --drain-timeout-s runs out is cut, and run() returns while KVCM still hangs."""
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.0, drain_timeout_s=0.5)
+    with trio.fail_after(30):
+        async with rig(nursery, serve=serve, router=HOLDING) as r:
+
+            async def stopped_while_kvcm_hangs() -> None:
+                await r.stopped.wait()  # the grace, not the call's end: KVCM answers only after this
+
+            cut = await _drain_with_one_call_in_flight(r, stopped_while_kvcm_hangs)
+            assert not isinstance(cut, router_v1_pb2.RouteDecision), cut
+
+
 def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None:
     message = router_v1_pb2.RouteRequest(request_id="x", token_ids=[1, 2], roles=["pdfusion"])
     request = request_from_proto(message, LIMITS)
