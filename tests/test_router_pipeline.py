@@ -129,6 +129,22 @@ async def test_kvcm_routes_to_the_cache_holder(autojump_clock: trio.testing.Mock
         assert decision.elapsed_ms <= 50
 
 
+async def test_a_prompt_shorter_than_one_block_is_no_match_without_a_query(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A prompt with no whole block has no keys: KVCM cannot hold any of it, so the source falls
+    through as no match at once, without a query (the decision routes by load on the cold set)."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        leader = cluster.kvcm.leader
+        assert leader is not None
+        d = await handle.route(RouteRequest("short", token_ids=PROMPT[: BLOCK - 1], budget_ms=50))
+        assert d.worker is not None and d.reason is not Reason.INTERNAL_ERROR
+        assert (d.sources[0].source, d.sources[0].outcome) == (RouteSource.KVCM, SourceOutcome.FELL_THROUGH)
+        assert d.sources[0].reason is Reason.NO_POSITIVE_MATCH
+        assert cluster.kvcm.stats(leader).get(paths.KVCM_GET_HOST_CACHE_STATE).calls == 0
+
+
 async def test_shadow_agreement_is_measured_before_the_decision_is_learned(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
