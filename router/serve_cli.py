@@ -165,7 +165,9 @@ async def _stop_on_signal(signals: AsyncIterator[int], serving: trio.CancelScope
 def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) -> int:
     serve = loaded.effective.serve
     try:
-        held = reserve_port(parse_listen(serve.grpc_listen), "--grpc-listen")
+        held = reserve_port(
+            parse_listen(serve.grpc_listen), "--grpc-listen", on_wait=lambda why: say(why, logging.WARNING)
+        )
     except OSError as error:
         say(str(error), logging.ERROR)
         return EXIT_CANNOT_SERVE

@@ -36,6 +36,7 @@ when every child drained and exited 0 (or, still starting, ended by the SIGTERM)
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import signal
@@ -45,6 +46,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+import tenacity
 import trio
 
 from router.logs import ctx
@@ -68,30 +70,82 @@ DRAIN_SIGNAL = signal.SIGTERM  # what the parent sends a child to drain, whateve
 STOP_NOW_SIGNAL = signal.SIGUSR1  # what the parent sends a child to stop at once (a second signal)
 
 
-def reserve_port(listen: HostPort, flag: str) -> socket.socket:
+# How long a parent waits for closed connections to leave its port: a server that had the port
+# without SO_REUSEPORT leaves them in TIME_WAIT for a minute (Linux), and until then the held socket
+# cannot bind. A single serve binds through them (SO_REUSEADDR), so N processes wait instead of failing.
+CLOSING_CONNECTIONS_WAIT_S = 65.0
+CLOSING_CONNECTIONS_RETRY_S = 0.5
+
+
+class _OnlyClosingConnections(OSError):
+    """The port has no owner (a plain bind takes it), yet the held socket cannot bind: what is left
+    there are closed connections waiting out TIME_WAIT."""
+
+
+def reserve_port(
+    listen: HostPort,
+    flag: str,
+    *,
+    wait_closing_s: float = CLOSING_CONNECTIONS_WAIT_S,
+    on_wait: Callable[[str], None] | None = None,
+) -> socket.socket:
     """A socket bound with SO_REUSEPORT to ``listen`` (port 0: a free port), held while the children run.
 
     Raises OSError naming ``flag`` when the address is taken (also when taken by a socket that would
-    share it: the children must never join a stranger's port group).
+    share it: the children must never join a stranger's port group). An address held only by closed
+    connections is retried for up to ``wait_closing_s`` (blocking: the parent has nothing else to do
+    yet), ``on_wait`` told why once.
     """
+    told = False
+
+    def waiting(state: tenacity.RetryCallState) -> None:
+        nonlocal told
+        if on_wait is not None and not told:
+            told = True
+            on_wait(
+                f"{flag}: {format_target(listen.host, listen.port)} has closed connections still in TIME_WAIT "
+                f"(a server without SO_REUSEPORT had it): waiting up to {wait_closing_s:g} s for them to leave"
+            )
+
     try:
-        infos = socket.getaddrinfo(listen.host, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are no owner
-            probe.bind(address)
-            port: int = probe.getsockname()[1]
-        held = socket.socket(family, kind, proto)
-        try:
-            # SO_REUSEPORT alone: with SO_REUSEADDR too, any SO_REUSEADDR socket (another parent's
-            # probe, a stranger's server) could bind the port while no child listens on it.
-            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            held.bind((address[0], port, *address[2:]))
-        except OSError:
-            held.close()
-            raise
+        for attempt in tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(_OnlyClosingConnections),
+            stop=tenacity.stop_after_delay(wait_closing_s),
+            wait=tenacity.wait_fixed(CLOSING_CONNECTIONS_RETRY_S),
+            before_sleep=waiting,
+            reraise=True,
+        ):
+            with attempt:
+                return _bind_held(listen)
+    except _OnlyClosingConnections as exc:
+        raise OSError(
+            f"{flag}: cannot bind {format_target(listen.host, listen.port)}: only closed connections hold it "
+            f"(TIME_WAIT, left by a server that had it without SO_REUSEPORT), still there after "
+            f"{wait_closing_s:g} s: {exc}"
+        ) from exc
     except OSError as exc:
         raise OSError(f"{flag}: cannot bind {format_target(listen.host, listen.port)}: {exc}") from exc
+    raise AssertionError("tenacity either returned or raised")  # pragma: no cover
+
+
+def _bind_held(listen: HostPort) -> socket.socket:
+    infos = socket.getaddrinfo(listen.host, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are no owner
+        probe.bind(address)
+        port: int = probe.getsockname()[1]
+    held = socket.socket(family, kind, proto)
+    try:
+        # SO_REUSEPORT alone: with SO_REUSEADDR too, any SO_REUSEADDR socket (another parent's
+        # probe, a stranger's server) could bind the port while no child listens on it.
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind((address[0], port, *address[2:]))
+    except OSError as exc:
+        held.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise _OnlyClosingConnections(exc.errno, exc.strerror) from exc
+        raise
     return held
 
 

@@ -225,6 +225,57 @@ def test_a_reserved_port_no_child_listens_on_is_taken_for_another_parent_and_for
             stranger.bind(("127.0.0.1", port))
 
 
+def _port_left_in_time_wait() -> int:
+    """A loopback port whose server (bound without SO_REUSEPORT) closed a connection first and then
+    its listener: only that connection, in TIME_WAIT, is left on the port."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port: int = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # the server's side closes first: its end waits out TIME_WAIT
+            assert client.recv(1) == b""
+    return port
+
+
+def test_a_port_left_only_closed_connections_is_waited_for_and_named_when_they_outlast_the_wait() -> None:
+    """A server without SO_REUSEPORT that died on the port leaves closed connections there for a
+    minute, which the held socket cannot bind through, though no process holds the port: the parent
+    waits for them (saying why), and past its wait says what holds the port, not a bare EADDRINUSE."""
+    port = _port_left_in_time_wait()
+    said: list[str] = []
+    with pytest.raises(OSError, match="only closed connections hold it") as info:
+        reserve_port(HostPort("127.0.0.1", port), "--grpc-listen", wait_closing_s=1.0, on_wait=said.append)
+    assert f"--grpc-listen: cannot bind 127.0.0.1:{port}" in str(info.value)
+    assert len(said) == 1 and "TIME_WAIT" in said[0] and "waiting up to 1 s" in said[0]
+    with socket.socket() as single:  # what a single serve does binds at once
+        single.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        single.bind(("127.0.0.1", port))
+
+
+def test_the_parent_binds_once_what_only_a_plain_bind_could_share_has_left() -> None:
+    """The retry's way out, with a leftover the test can end: a socket bound with SO_REUSEADDR and not
+    listening blocks the held socket as TIME_WAIT does, and lets a plain bind through; once it closes,
+    the waiting parent binds the port."""
+    leftover = socket.socket()
+    leftover.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    leftover.bind(("127.0.0.1", 0))
+    port = leftover.getsockname()[1]
+    said: list[str] = []
+    closer = threading.Timer(0.3, leftover.close)
+    closer.start()
+    try:
+        reserved = reserve_port(HostPort("127.0.0.1", port), "--grpc-listen", wait_closing_s=60.0, on_wait=said.append)
+        with reserved as held:
+            assert held.getsockname()[1] == port
+    finally:
+        closer.cancel()
+        leftover.close()
+    assert len(said) == 1
+
+
 def test_each_process_gets_its_own_debug_port() -> None:
     assert child_debug_listen(HostPort("127.0.0.1", 9000), 3) == "127.0.0.1:9003"
     assert child_debug_listen(HostPort("127.0.0.1", 0), 3) == "127.0.0.1:0"
