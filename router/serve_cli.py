@@ -46,6 +46,7 @@ from router.serve_processes import (
     ProcessSupervisor,
     child_debug_listen,
     reserve_port,
+    startup_timeout,
 )
 from router.settings import SETTINGS, LoadedConfig, add_arguments, load_or_report, log_startup_report, parse_listen
 from router.sidecar import Sidecar, SidecarStats
@@ -189,6 +190,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
             command=command,
             grpc_address=grpc_address,
             stop_wait_s=serve.drain_timeout_s + STOP_MARGIN_S,
+            startup_timeout_s=startup_timeout(loaded.effective.discovery.refresh_timeout_s),
         )
 
         async def supervise() -> int:

@@ -60,7 +60,9 @@ _ADDRESS = re.compile(r"Route gRPC on (\S+), debug HTTP on http://(\S+)")
 RESTART_BACKOFF_MIN_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a child that served this long restarts after the shortest backoff again
-STARTUP_TIMEOUT_S = 60.0  # a child that has not printed its addresses by then is killed (a failed start)
+# A child that has not printed its addresses by this long (beyond discovery's first refresh, which its
+# start waits for: startup_timeout_s) is killed, a failed start.
+STARTUP_TIMEOUT_S = 60.0
 STOP_MARGIN_S = 10.0  # beyond the children's drain: their actors stop and their channels close
 
 EXIT_OK = 0
@@ -149,6 +151,12 @@ def _bind_held(listen: HostPort) -> socket.socket:
     return held
 
 
+def startup_timeout(discovery_refresh_timeout_s: float) -> float:
+    """How long a child may take to print its addresses: its own start, plus discovery's first refresh
+    (a slow source holds the start for up to ``--discovery-refresh-timeout-s``)."""
+    return STARTUP_TIMEOUT_S + discovery_refresh_timeout_s
+
+
 def child_debug_listen(debug: HostPort, index: int) -> str:
     """Process ``index``'s debug address: the base port + index, or a free port of its own for port 0."""
     return format_target(debug.host, debug.port + index if debug.port else 0)
@@ -182,10 +190,12 @@ class ProcessSupervisor:
         command: Callable[[int], Sequence[str]],
         grpc_address: str,
         stop_wait_s: float,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
     ) -> None:
         self._command = command
         self._grpc_address = grpc_address
         self._stop_wait_s = stop_wait_s
+        self._startup_timeout_s = startup_timeout_s
         self._slots = [_Slot(i) for i in range(count)]
         self._stop = trio.Event()
         self._stopping = False
@@ -324,7 +334,7 @@ class ProcessSupervisor:
     async def _address_of(self, slot: _Slot, stdout: trio.abc.ReceiveStream) -> str | None:
         """The debug address from the child's address line; None when it exits or stalls first."""
         data = b""
-        with trio.move_on_after(STARTUP_TIMEOUT_S):
+        with trio.move_on_after(self._startup_timeout_s):
             while not data.endswith(b"\n"):
                 chunk = await stdout.receive_some(4096)
                 if not chunk:
@@ -336,7 +346,10 @@ class ProcessSupervisor:
                 return None
             return found.group(2)
         log.error(
-            "process %d gave no addresses within %.0f s", slot.index, STARTUP_TIMEOUT_S, extra=ctx(process=slot.index)
+            "process %d gave no addresses within %.0f s",
+            slot.index,
+            self._startup_timeout_s,
+            extra=ctx(process=slot.index),
         )
         return None
 

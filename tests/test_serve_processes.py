@@ -26,7 +26,14 @@ from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.keys import block_keys
 from router.replay import load_log
-from router.serve_processes import ProcessSupervisor, child_debug_listen, reserve_port
+from router.serve_processes import (
+    ADDRESS_LINE,
+    STARTUP_TIMEOUT_S,
+    ProcessSupervisor,
+    child_debug_listen,
+    reserve_port,
+    startup_timeout,
+)
 from router.settings import load_config
 from router.targets import HostPort
 from router.types import KeyFamily
@@ -407,3 +414,29 @@ def test_a_child_ended_by_the_forwarded_signal_while_starting_is_a_clean_stop() 
     assert supervisor._stopped_cleanly(crashed)
     starting.killed = True  # killed by the parent after the stop's wait: not clean
     assert not supervisor._stopped_cleanly(starting)
+
+
+async def test_a_child_may_take_discoverys_refresh_timeout_on_top_of_its_own_start(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A child's start waits for discovery's first refresh, up to --discovery-refresh-timeout-s (up to
+    an hour): the parent's wait for its addresses counts that in, where a fixed 60 s killed a child
+    a single serve would have started."""
+    limit = startup_timeout(120.0)
+    assert limit == STARTUP_TIMEOUT_S + 120.0
+    supervisor = ProcessSupervisor(
+        count=1, command=lambda i: ["true"], grpc_address="127.0.0.1:1", stop_wait_s=1.0, startup_timeout_s=limit
+    )
+    line = ADDRESS_LINE.format(grpc="127.0.0.1:1", debug="127.0.0.1:2") + "\n"
+    for after_s, expected in ((150.0, "127.0.0.1:2"), (limit + 1.0, None)):
+        send, receive = trio.testing.memory_stream_one_way_pair()
+
+        async def slow_start(after_s: float = after_s, send: trio.abc.SendStream = send) -> None:
+            await trio.sleep(after_s)
+            await send.send_all(line.encode())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow_start)
+            assert await supervisor._address_of(supervisor._slots[0], receive) == expected
+            nursery.cancel_scope.cancel()
+
