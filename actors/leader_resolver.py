@@ -32,9 +32,11 @@ construction): the first at once, then a refresh ``refresh_interval_s`` after th
 in steady state no request waits), failures retried after a tenacity backoff with jitter, "no
 leader" after ``no_leader_retry_s``. A lookup calls GetClusterInfo on all bootstrap targets
 concurrently; the first valid leader wins and the other calls are cancelled; the round is bounded
-by ``lookup_timeout_s``; its result comes back through the inbox. A failed refresh keeps the
-previous leader for up to ``max_staleness_s`` after it was last confirmed. All policy time is
-``trio.current_time()``.
+by ``lookup_timeout_s``; its result comes back through the inbox. A leader invalidated in the last
+``invalidated_suspect_s`` is suspect: a replica naming it (other than itself) does not win at once;
+the round takes it only if no other replica names another leader or "no leader" before it ends. A
+failed refresh keeps the previous leader for up to ``max_staleness_s`` after it was last confirmed.
+All policy time is ``trio.current_time()``.
 """
 
 from __future__ import annotations
@@ -55,10 +57,14 @@ from router.config import BreakerConfig, LeaderConfig
 from router.problems import Problem, range_problems, refuse
 from router.transport.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
 from router.transport.ports import KvcmTransport
-from router.types import LeaderEndpoint
+from router.types import ClusterInfo, LeaderEndpoint
 
 # Query errors that mean "the cached leader may be wrong": look it up again.
 _INVALIDATING_ERRORS = (NotLeader, Unavailable, DeadlineExceeded)
+
+# Suspect leaders remembered at once: a cluster has a handful of nodes, so more means leadership
+# moving faster than the suspicion lasts; the oldest is forgotten first.
+_SUSPECTS_MAX = 8
 
 
 class LeaderState(enum.Enum):
@@ -127,10 +133,12 @@ class _LookupResult:
 class _Round:
     """What the concurrent GetClusterInfo calls of one lookup found (written by its tasks)."""
 
-    __slots__ = ("errors", "leader", "no_leader_from")
+    __slots__ = ("errors", "leader", "no_leader_from", "suspect", "suspects")
 
-    def __init__(self) -> None:
+    def __init__(self, suspects: frozenset[str]) -> None:
+        self.suspects = suspects  # targets of leaders recently invalidated
         self.leader: LeaderEndpoint | None = None
+        self.suspect: LeaderEndpoint | None = None  # the first suspect named: the round's answer if nothing else comes
         self.no_leader_from: list[str] = []
         self.errors: dict[str, str] = {}
 
@@ -277,6 +285,9 @@ class LeaderResolver:
         # A leader invalidated while a lookup was in flight: that lookup asked replicas before the
         # failure and may name it again, so its answer must not bring it back.
         self._invalidated_in_flight: str | None = None
+        # Targets of leaders invalidated recently, with the trio time each stops being suspect (in the
+        # order they were invalidated): a replica that has not yet seen the leader go still names it.
+        self._suspects: dict[str, float] = {}
         self._waiters: list[_AskLeader] = []  # callers waiting for the lookup in flight
         self._last_error: str | None = None
         self._last_error_at: float | None = None
@@ -545,6 +556,7 @@ class LeaderResolver:
         self._leader = None
         self._invalidations_total += 1
         self._changed = True
+        self._suspect(target, trio.current_time())
         if self._lookup is not None:
             self._invalidated_in_flight = target
         elif self._consecutive_failures == 0:
@@ -553,10 +565,11 @@ class LeaderResolver:
 
     def _start_lookup(self, trigger: Trigger, lookups: trio.Nursery) -> None:
         self._lookup = trigger
-        lookups.start_soon(self._lookup_task, trigger, trio.current_time())
+        now = trio.current_time()
+        lookups.start_soon(self._lookup_task, trigger, now, self._current_suspects(now))
 
-    async def _lookup_task(self, trigger: Trigger, started: float) -> None:
-        result = await self._lookup_round(self._bootstrap())
+    async def _lookup_task(self, trigger: Trigger, started: float, suspects: frozenset[str]) -> None:
+        result = await self._lookup_round(self._bootstrap(), suspects)
         await self._send.send(_LookupDone(trigger, started, result))
 
     def _finish(self, done: _LookupDone, now: float) -> None:
@@ -605,11 +618,13 @@ class LeaderResolver:
 
     # --- lookups (the child task) and state (run only) ---------------------------------------
 
-    async def _lookup_round(self, targets: tuple[str, ...]) -> _LookupResult:
-        """One round: GetClusterInfo on every bootstrap target at once; the first valid leader wins."""
+    async def _lookup_round(self, targets: tuple[str, ...], suspects: frozenset[str]) -> _LookupResult:
+        """One round: GetClusterInfo on every bootstrap target at once; the first valid leader wins,
+        unless it is one of ``suspects`` named by another node: then the round goes on, and takes it
+        only if no other answer names a leader or "no leader" before every call ends or times out."""
         if not targets:
             return _LookupResult(None, False, "no KVCM bootstrap target is known", 0)
-        found = _Round()
+        found = _Round(suspects)
         with trio.move_on_after(self._config.lookup_timeout_s):
             async with trio.open_nursery() as nursery:
                 for target in targets:
@@ -618,6 +633,8 @@ class LeaderResolver:
             return _LookupResult(found.leader, False, None, len(targets))
         if found.no_leader_from:
             return _LookupResult(None, True, None, len(targets))
+        if found.suspect is not None:
+            return _LookupResult(found.suspect, False, None, len(targets))
         unanswered = [t for t in targets if t not in found.errors]
         parts = [f"{t}: {why}" for t, why in found.errors.items()]
         parts += [f"{t}: no answer within {self._config.lookup_timeout_s}s" for t in unanswered]
@@ -636,6 +653,10 @@ class LeaderResolver:
         self._count("ok" if info.leader is not None else "no_leader")
         if info.leader is None:
             found.no_leader_from.append(target)
+        elif info.leader.target in found.suspects and not _names_itself(info):
+            # Maybe a replica that has not yet seen this leader go: the others may know better.
+            if found.suspect is None:
+                found.suspect = info.leader
         elif found.leader is None:
             found.leader = info.leader
             round_scope.cancel()  # first valid leader wins; the other calls are cancelled
@@ -676,6 +697,19 @@ class LeaderResolver:
             self._retry_state.attempt_number = self._consecutive_failures
             self._next_attempt_at = now + self._backoff(self._retry_state)
 
+    def _suspect(self, target: str, now: float) -> None:
+        self._current_suspects(now)
+        suspects = self._suspects
+        suspects.pop(target, None)
+        if len(suspects) >= _SUSPECTS_MAX:
+            del suspects[next(iter(suspects))]  # the oldest: every entry lasts as long, so the first in expires first
+        suspects[target] = now + self._config.invalidated_suspect_s
+
+    def _current_suspects(self, now: float) -> frozenset[str]:
+        """The targets still suspect at ``now`` (the expired ones are forgotten)."""
+        self._suspects = {target: until for target, until in self._suspects.items() if until > now}
+        return frozenset(self._suspects)
+
     def _usable(self, now: float) -> bool:
         return now - self._confirmed_at <= self._config.max_staleness_s
 
@@ -697,3 +731,8 @@ class LeaderResolver:
         if self._lookup is not None:
             return LeaderState.RESOLVING
         return LeaderState.UNKNOWN
+
+
+def _names_itself(info: ClusterInfo) -> bool:
+    """The answering node says it is the leader: its own word, not a relay of what it last heard."""
+    return info.leader is not None and bool(info.self_node_id) and info.self_node_id == info.leader.node_id

@@ -68,6 +68,10 @@ class LeaderConfig:
     backoff_jitter_s: float = bounded(0.05, 0, 60)
     # "no leader elected yet" is retried this soon (not a failure, no backoff)
     no_leader_retry_s: float = bounded(0.2, 0, 60, low_open=True)
+    # A leader a query found wrong (NotLeader, Unavailable, DeadlineExceeded) stays suspect this long: a
+    # replica naming it, other than itself, does not win a lookup round while another answer may still
+    # name someone else (a replica that has not yet seen the leader go). 0 trusts the first answer.
+    invalidated_suspect_s: float = bounded(30.0, 0, 3600)
 
 
 @dataclass(frozen=True, slots=True)

@@ -346,6 +346,97 @@ async def test_a_lookup_in_flight_at_an_invalidation_does_not_bring_the_old_lead
     assert snap.leader_target == NODES[2] and snap.lookups_by_trigger["invalidated"] == 1
 
 
+def _replica(node: str, names: str | None, delay: float) -> Handler:
+    """A KVCM node that names ``names`` as leader in GetClusterInfo (as itself, when it is that node) and
+    answers queries, after ``delay``."""
+    self_node = f"node-{node}"  # the id cluster_info_reply gives a named leader
+
+    async def handler(method: str, request: bytes) -> bytes:
+        await trio.sleep(delay)
+        if method == paths.KVCM_GET_CLUSTER_INFO:
+            return cluster_info_reply(names, self_node)
+        return cache_state_reply()
+
+    return handler
+
+
+async def test_a_replica_still_naming_the_invalidated_leader_does_not_keep_it(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """The old leader is dead; the fastest replica has not seen it go and still names it, the others
+    name the new one. Taken at its word after the invalidation, it would send every request to the
+    dead leader again; one failed query is all it costs."""
+    dead, stale, new, follower = "10.0.0.1:6381", "10.0.0.2:6381", "10.0.0.3:6381", "10.0.0.4:6381"
+    network = MemoryNetwork()  # nothing serves the dead leader: connection refused
+    network.serve(stale, _replica(stale, dead, 0.0))
+    network.serve(new, _replica(new, new, 0.001))
+    network.serve(follower, _replica(follower, new, 0.001))
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: (dead, stale, new, follower))
+    client = KvcmClient(network)
+    outcomes = [await query_kvcm(resolver, client) for _ in range(200)]  # one request every 50 ms ...
+    assert outcomes == ["unavailable"] + ["ok"] * 199  # ... the first found the dead leader, the rest the new
+    snap = resolver.snapshot()
+    assert (snap.leader_target, snap.invalidations_total, snap.lookups_total) == (new, 1, 2)
+
+
+async def test_a_suspect_leader_is_taken_when_it_names_itself_or_no_replica_names_another(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    hung: set[str] = set()
+
+    def serve(node: str, delay: float) -> None:
+        replica = _replica(node, NODES[0], delay)
+
+        async def handler(method: str, request: bytes) -> bytes:
+            if node in hung:
+                await trio.sleep_forever()
+            return await replica(method, request)
+
+        network.serve(node, handler)
+
+    serve(NODES[0], 0.003)  # the leader names itself, after the others
+    serve(NODES[1], 0.001)
+    serve(NODES[2], 0.002)
+    resolver = await start_resolver(nursery, network)
+    assert (await resolver.leader()).target == NODES[0]
+    down = Unavailable(NODES[0], "reset")  # a passing failure: it is still the leader
+
+    async def invalidated_then_found() -> float:
+        resolver.report_failure(NODES[0], down)
+        await trio.testing.wait_all_tasks_blocked()  # applied; the lookup is asking
+        elapsed, outcome = await timed_leader(resolver)
+        assert outcome == NODES[0]
+        return elapsed
+
+    hung.add(NODES[2])
+    assert await invalidated_then_found() == pytest.approx(0.003)  # its own word, not the round's timeout
+    network.stop(NODES[0])  # only the followers answer: both name it, one of them late ...
+    hung.clear()
+    assert await invalidated_then_found() == pytest.approx(0.002)
+    hung.add(NODES[2])  # ... or never: the round ends at its timeout
+    assert await invalidated_then_found() == pytest.approx(LEADER_CFG.lookup_timeout_s)
+    assert resolver.snapshot().lookups_total == 4
+
+
+async def test_a_leader_stays_suspect_for_a_bounded_time(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    network.serve(NODES[1], _replica(NODES[1], NODES[0], 0.001))  # still names the old leader
+    network.serve(NODES[2], _replica(NODES[2], NODES[2], 0.002))
+    config = dataclasses.replace(LEADER_CFG, refresh_interval_s=20.0, invalidated_suspect_s=25.0)
+    resolver = await start_resolver(nursery, network, config=config)
+    assert (await resolver.leader()).target == NODES[0]
+    resolver.report_failure(NODES[0], Unavailable(NODES[0], "reset"))
+    await trio.testing.wait_all_tasks_blocked()
+    assert (await resolver.leader()).target == NODES[2]
+    await trio.sleep_until(21.0)  # the refresh at 20 s is within the suspicion ...
+    assert resolver.snapshot().leader_target == NODES[2]
+    await trio.sleep_until(41.0)  # ... the one at 40 s after it: the first answer wins again
+    assert resolver.snapshot().leader_target == NODES[0]
+
+
 @pytest.mark.parametrize(
     ("error", "invalidates"),
     [
@@ -646,6 +737,7 @@ def test_config_validation_names_every_bad_field() -> None:
         backoff_max_s=-1.0,
         backoff_jitter_s=-0.1,
         no_leader_retry_s=0.0,
+        invalidated_suspect_s=-1.0,
     )
     named = {name for problem in leader_problems(bad) for name in problem.fields}
     for field in dataclasses.fields(LeaderConfig):

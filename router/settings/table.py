@@ -537,6 +537,11 @@ _SPECS: dict[str, _Spec] = {
     "leader.no_leader_retry_s": _Spec(
         "Retry delay when KVCM says no leader is elected yet", metavar="SECONDS"
     ),
+    "leader.invalidated_suspect_s": _Spec(
+        "How long a leader a query found wrong stays suspect: a lookup takes it only when no other KVCM "
+        "replica names another leader, or when it names itself",
+        metavar="SECONDS",
+    ),
     # breaker
     "breaker.failure_threshold": _Spec("Consecutive KVCM failures that open the breaker"),
     "breaker.window_s": _Spec("Sliding window for the failure-rate trigger", metavar="SECONDS"),
