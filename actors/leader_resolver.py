@@ -30,13 +30,13 @@ ignored by the breaker, which has moved on).
 Lookups (``run``'s child task; only ``run`` starts one, so refresh is single-flight by
 construction): the first at once, then a refresh ``refresh_interval_s`` after the last success (so
 in steady state no request waits), failures retried after a tenacity backoff with jitter, "no
-leader" after ``no_leader_retry_s``. A lookup calls GetClusterInfo on all bootstrap targets
-concurrently; the first valid leader wins and the other calls are cancelled; the round is bounded
-by ``lookup_timeout_s``; its result comes back through the inbox. A leader invalidated in the last
-``invalidated_suspect_s`` is suspect: a replica naming it (other than itself) does not win at once;
-the round takes it only if no other replica names another leader or "no leader" before it ends. A
-failed refresh keeps the previous leader for up to ``max_staleness_s`` after it was last confirmed.
-All policy time is ``trio.current_time()``.
+leader" and "no bootstrap target" (not failures) after ``no_leader_retry_s``. A lookup calls
+GetClusterInfo on all bootstrap targets concurrently; the first valid leader wins and the other
+calls are cancelled; the round is bounded by ``lookup_timeout_s``; its result comes back through
+the inbox. A leader invalidated in the last ``invalidated_suspect_s`` is suspect: a replica naming
+it (other than itself) does not win at once; the round takes it only if no other replica names
+another leader or "no leader" before it ends. A failed refresh keeps the previous leader for up to
+``max_staleness_s`` after it was last confirmed. All policy time is ``trio.current_time()``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class LeaderState(enum.Enum):
     RESOLVING = "resolving"  # a lookup is in flight and requests wait for it
     LEADER = "leader"  # a usable leader is cached
     NO_LEADER = "no_leader"  # the cluster answered: no leader elected yet
+    NO_BOOTSTRAP = "no_bootstrap"  # the last lookup had no KVCM target to ask; looked for again soon
     BACKING_OFF = "backing_off"  # lookups are failing; requests fail fast until one succeeds
 
 
@@ -126,8 +127,9 @@ class LeaderSnapshot:
 class _LookupResult:
     leader: LeaderEndpoint | None
     no_leader: bool  # some node answered "no leader elected" and none named a leader
-    error: str | None  # why no leader was found, when it is a failure
+    error: str | None  # why no leader was found
     rpcs: int
+    no_bootstrap: bool = False  # discovery knew no KVCM target: nobody was asked, and nothing failed
 
 
 class _Round:
@@ -280,6 +282,7 @@ class LeaderResolver:
         self._confirmed_at = 0.0  # trio time the cached leader was last confirmed
         self._consecutive_failures = 0
         self._no_leader = False
+        self._no_bootstrap = False  # the last lookup had no target to ask
         self._next_attempt_at: float | None = None
         self._lookup: Trigger | None = None  # the trigger of the lookup in flight
         # A leader invalidated while a lookup was in flight: that lookup asked replicas before the
@@ -623,7 +626,7 @@ class LeaderResolver:
         unless it is one of ``suspects`` named by another node: then the round goes on, and takes it
         only if no other answer names a leader or "no leader" before every call ends or times out."""
         if not targets:
-            return _LookupResult(None, False, "no KVCM bootstrap target is known", 0)
+            return _LookupResult(None, False, "no KVCM bootstrap target is known", 0, no_bootstrap=True)
         found = _Round(suspects)
         with trio.move_on_after(self._config.lookup_timeout_s):
             async with trio.open_nursery() as nursery:
@@ -682,16 +685,26 @@ class LeaderResolver:
             self._confirmed_at = now
             self._consecutive_failures = 0
             self._no_leader = False
+            self._no_bootstrap = False
             self._next_attempt_at = None
         elif result.no_leader:
             # Not a failure: an election is in progress. Retry soon, without backoff.
             self._leader = None
             self._consecutive_failures = 0
             self._no_leader = True
+            self._no_bootstrap = False
+            self._next_attempt_at = now + self._config.no_leader_retry_s
+        elif result.no_bootstrap:
+            # Not a KVCM failure either: discovery has found no target yet. Looked for as soon as
+            # "no leader" is, so targets that appear are used then, not after a backoff grown meanwhile.
+            self._consecutive_failures = 0
+            self._no_leader = False
+            self._no_bootstrap = True
             self._next_attempt_at = now + self._config.no_leader_retry_s
         else:
             self._consecutive_failures += 1
             self._no_leader = False
+            self._no_bootstrap = False
             self._last_error = result.error
             self._last_error_at = now
             self._retry_state.attempt_number = self._consecutive_failures
@@ -726,6 +739,8 @@ class LeaderResolver:
             return LeaderState.LEADER
         if self._no_leader:
             return LeaderState.NO_LEADER
+        if self._no_bootstrap:
+            return LeaderState.NO_BOOTSTRAP
         if self._consecutive_failures > 0:
             return LeaderState.BACKING_OFF
         if self._lookup is not None:

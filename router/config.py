@@ -66,7 +66,7 @@ class LeaderConfig:
     backoff_initial_s: float = bounded(0.05, 0, 3600, low_open=True)
     backoff_max_s: float = bounded(5.0, 0, 3600, low_open=True)
     backoff_jitter_s: float = bounded(0.05, 0, 60)
-    # "no leader elected yet" is retried this soon (not a failure, no backoff)
+    # "no leader elected yet", and a lookup with no KVCM target known, are retried this soon (not failures, no backoff)
     no_leader_retry_s: float = bounded(0.2, 0, 60, low_open=True)
     # A leader a query found wrong (NotLeader, Unavailable, DeadlineExceeded) stays suspect this long: a
     # replica naming it, other than itself, does not win a lookup round while another answer may still

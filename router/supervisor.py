@@ -274,8 +274,8 @@ class RouterHandle:
             return True, f"leader {snap.leader_target}"
         if snap.breaker.state is BreakerState.OPEN:
             return True, "KVCM breaker open: domain fallback answers"
-        if snap.state in (LeaderState.BACKING_OFF, LeaderState.NO_LEADER):
-            # Lookups fail fast while backing off: every request gets domain fallback at once.
+        if snap.state in (LeaderState.BACKING_OFF, LeaderState.NO_LEADER, LeaderState.NO_BOOTSTRAP):
+            # Leader waits fail fast in these states: every request gets domain fallback at once.
             return True, f"no KVCM leader ({snap.state.value}; last error {snap.last_error}): domain fallback answers"
         return False, f"KVCM leader not resolved yet (state {snap.state.value})"
 

@@ -686,6 +686,31 @@ async def test_no_bootstrap_fails_fast_without_rpc(
     assert (await resolver.leader()).target == NODES[0]
 
 
+async def test_bootstrap_targets_found_late_are_used_at_once(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Discovery finds no KVCM target for a minute (DNS or file not ready): nobody is asked, so nothing
+    failed, and the targets are used once they appear, not after a backoff grown meanwhile."""
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    targets: list[tuple[str, ...]] = [()]
+    asking = await start_resolver(nursery, network, bootstrap=lambda: targets[0])  # a request will ask
+    waiting = await start_resolver(nursery, network, bootstrap=lambda: targets[0])  # no request
+    await trio.sleep(60.0)
+    for resolver in (asking, waiting):
+        snap = resolver.snapshot()
+        assert (snap.state, snap.consecutive_failures) == (LeaderState.NO_BOOTSTRAP, 0)
+        assert snap.next_attempt_at is not None
+        assert snap.next_attempt_at - trio.current_time() <= LEADER_CFG.no_leader_retry_s
+    assert network.call_count() == 0
+    assert await timed_leader(asking) == (0.0, UnavailableReason.NO_BOOTSTRAP)
+
+    targets[0] = NODES
+    assert await timed_leader(asking) == (0.0, NODES[0])  # the request's own lookup
+    await trio.sleep(LEADER_CFG.no_leader_retry_s)
+    assert waiting.snapshot().leader_target == NODES[0]  # the next scheduled one
+
+
 async def test_waiters_are_released_when_the_resolver_stops(autojump_clock: trio.testing.MockClock) -> None:
     network = MemoryNetwork()
     kvcm = FakeKvcm(network)

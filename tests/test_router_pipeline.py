@@ -10,6 +10,7 @@ import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -721,6 +722,21 @@ async def test_bootstrap_dead_at_start_is_ready_for_domain_routing(autojump_cloc
         assert trio.current_time() - start == 0  # backing off: no RPC, no wait
         assert network.call_count() == before
         assert d.route_source is RouteSource.DOMAIN and d.reason is Reason.KVCM_ERROR
+
+
+async def test_no_bootstrap_target_yet_is_ready_for_domain_routing(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config("", addrs.workers_arg)
+    # The bootstrap file is not written yet: discovery knows no KVCM target.
+    discovery = replace(config.discovery, kvcm_bootstrap_file=str(tmp_path / "kvcm.txt"))
+    async with open_router(replace(config, discovery=discovery), rpc=network) as handle:
+        await trio.sleep(1.0)
+        ready, why = handle.ready()
+        assert ready and "no_bootstrap" in why and "domain fallback" in why
 
 
 async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_pick(

@@ -535,7 +535,7 @@ _SPECS: dict[str, _Spec] = {
     "leader.backoff_max_s": _Spec("Longest wait between failed leader lookups", metavar="SECONDS"),
     "leader.backoff_jitter_s": _Spec("Random extra wait added to each backoff", metavar="SECONDS"),
     "leader.no_leader_retry_s": _Spec(
-        "Retry delay when KVCM says no leader is elected yet", metavar="SECONDS"
+        "Retry delay when KVCM says no leader is elected yet, or no KVCM target is known", metavar="SECONDS"
     ),
     "leader.invalidated_suspect_s": _Spec(
         "How long a leader a query found wrong stays suspect: a lookup takes it only when no other KVCM "
