@@ -7,6 +7,9 @@
 returns once it is ready (or raises what opening it raised). ``route()`` may be awaited from any
 asyncio event loop in any thread, concurrently. ``stop()`` refuses new calls, lets the calls already
 submitted finish (each ends by its own routing deadline), closes the router and joins the thread.
+A call waits for its answer as long as the router may take (min(budget, cap), or the caller's
+deadline) and ``ANSWER_SLACK_S``; beyond that, only reached while the trio thread is stalled, it is
+given up and raises ``AnswerTimeout``, as the sidecar answers DEADLINE_EXCEEDED.
 
 Admission before the hop: a call whose time left (its budget or the cap, and the caller's deadline
 less ``--reply-margin-ms``) cannot cover the router's published admission estimate, or that finds as
@@ -53,7 +56,7 @@ from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, HeldPlace, Shed
 from router.request import budget_deadline, budget_left_ms, caller_deadline, check_admissible, check_fields
 from router.settings import LoadedConfig
 from router.targets import HostPort
-from router.thread_bridge import deliver_outcome, settle_on_loop
+from router.thread_bridge import ANSWER_SLACK_S, deliver_outcome, settle_on_loop
 from router.types import BadRequest, RouteDecision, RouteRequest
 
 REPLY_SAMPLES = 256  # answers' way-back times kept until the next call hands them to the metrics sink
@@ -61,6 +64,13 @@ REPLY_SAMPLES = 256  # answers' way-back times kept until the next call hands th
 
 class HostStopped(RuntimeError):
     """The host is not running (never started, stopping, stopped, or its router crashed)."""
+
+
+class AnswerTimeout(TimeoutError):
+    """No answer came from the router's thread within the call's time (min(budget, cap), or the
+    caller's deadline, whichever is first) and ``ANSWER_SLACK_S``. The router answers a few ms after a
+    deadline at most, so only a stalled trio thread gets here: the call was given up, and its routing
+    task is cancelled if it ever starts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +200,10 @@ class AsyncioRouterHost:
         ``deadline`` is when this caller needs the answer, on its own loop's clock (``loop.time()``):
         the router decides ``--reply-margin-ms`` before it, leaving that for the way back to this loop.
         (``request.deadline``, by contrast, is on the trio thread's clock.)
+
+        Raises ``HostStopped`` when the host is not running, and ``AnswerTimeout`` when the router's
+        thread gave no answer within the call's time and ``ANSWER_SLACK_S`` (it is stalled): a call
+        handed over is not answered on this loop, since the router may still decide and record it.
         """
         token = self._token
         if token is None:
@@ -198,9 +212,10 @@ class AsyncioRouterHost:
             raise ValueError("deadline: NaN is no time on the loop's clock")
         loop = asyncio.get_running_loop()
         sent_at = time.monotonic()
+        started = loop.time()
         # -inf is a deadline long past (nothing left); +inf is none, ignored on the trio side.
-        remaining_s = None if deadline is None else max(0.0, deadline - loop.time())
-        left_s = self._time_left(request, remaining_s)
+        remaining_s = None if deadline is None else max(0.0, deadline - started)
+        routing_s, left_s = self._time_left(request, remaining_s)
         router = self._router
         published = None if router is None else router.overload_answers()
         if left_s is None or request.roles or published is None or not published.answers:
@@ -220,9 +235,13 @@ class AsyncioRouterHost:
         except trio.RunFinishedError:
             self._gate.withdrawn()  # never handed over
             raise HostStopped("the router host has stopped") from None
+        # The answer is awaited as long as the router may take, counted from route(), and a slack.
+        wait_s = routing_s if remaining_s is None else min(routing_s, remaining_s)
+        timer = loop.call_at(started + wait_s + ANSWER_SLACK_S, handed.time_out, wait_s + ANSWER_SLACK_S)
         try:
             decision = await handed.future
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, AnswerTimeout):
+            # Its caller gave up, or the router's thread is stalled: the call is not waited for any more.
             handed.give_up()
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(scope.cancel)
@@ -230,25 +249,29 @@ class AsyncioRouterHost:
         except BaseException:
             handed.resumed(decided=False)
             raise
+        finally:
+            timer.cancel()
         handed.resumed(decided=True)
         settled_at = handed.settled_at
         if settled_at is not None:  # set before the future was settled
             self._reply_times.append(time.monotonic() - settled_at)
         return decision
 
-    def _time_left(self, request: RouteRequest, remaining_s: float | None) -> float | None:
-        """What the router will have for ``request``, in seconds from now: min(budget, cap), and the
-        caller's time less the reply margin. None: the router will refuse it (its fields, sizes or
-        shape are wrong), which it must be told, not shed."""
+    def _time_left(self, request: RouteRequest, remaining_s: float | None) -> tuple[float, float | None]:
+        """The request's own routing time, min(budget, cap) (the cap for one the router will refuse),
+        and what the router will have for it: that and the caller's time less the reply margin, in
+        seconds from now. None: the router will refuse it (its fields, sizes or shape are wrong),
+        which it must be told, not shed."""
+        router = self._config.router
         try:
             check_admissible(request, self._config.limits)
         except BadRequest:
-            return None
-        router = self._config.router
-        left_s = budget_deadline(request.budget_ms, 0.0, router.budget_cap_ms)
+            return router.budget_cap_ms / 1000.0, None
+        routing_s = budget_deadline(request.budget_ms, 0.0, router.budget_cap_ms)
+        left_s = routing_s
         if remaining_s is not None and math.isfinite(remaining_s):
             left_s = min(left_s, remaining_s - router.reply_margin_ms / 1000.0)
-        return left_s
+        return routing_s, left_s
 
     def _shed(
         self, request: RouteRequest, published: OverloadAnswers, left_s: float, sent_at: float
@@ -390,6 +413,12 @@ class _Handed(HeldPlace):
         self.settled_at = time.monotonic()  # the answer's way back starts here
         self.router_done()
         settle_on_loop(self.loop, self.future, result)
+
+    def time_out(self, waited_s: float) -> None:
+        """On the caller's loop, when the answer's wait ends: ``AnswerTimeout``, unless it came."""
+        if not self.future.done():
+            message = f"no decision from the router's thread within {waited_s * 1000:.1f} ms"
+            self.future.set_exception(AnswerTimeout(message))
 
     def _release_unanswered(self, gave_up_at: float) -> None:
         self._release(answered=False, at=gave_up_at)

@@ -79,7 +79,7 @@ from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, HeldPlace, Shed
 from router.request import budget_deadline, budget_left_ms, caller_deadline, check_bounds, check_shape, quoted
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
-from router.thread_bridge import deliver_outcome, settle
+from router.thread_bridge import ANSWER_SLACK_S, deliver_outcome, settle
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import method_handlers
 from router.transport.tls import server_credentials
@@ -93,9 +93,6 @@ _T = TypeVar("_T")
 
 ROUTER_SERVICE = "kvroute.v1.Router"
 ERROR_METADATA_KEY = "kvroute-error"
-# The router answers at most a few ms after a request's deadline; a handler thread waits this much
-# longer before it reports DEADLINE_EXCEEDED (only a stuck trio thread gets there).
-ANSWER_SLACK_S = 0.05
 PATH_COST_DECAY = 0.9  # weight the own-path estimate keeps per call (a few calls follow a change)
 CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for take_call_timings()
 # The trio thread publishes the router's readiness this often; a health Check answers from the last

@@ -17,6 +17,10 @@ import outcome
 
 T = TypeVar("T")
 
+# The router answers at most a few ms after a call's deadline; a caller in another thread waits this
+# much longer for the answer before it gives the call up (only a stuck trio thread gets there).
+ANSWER_SLACK_S = 0.05
+
 
 def settle(future: concurrent.futures.Future[T] | asyncio.Future[T], result: outcome.Outcome[T]) -> None:
     """Complete ``future`` with ``result`` unless its waiter cancelled it first.

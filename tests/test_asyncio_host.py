@@ -23,7 +23,7 @@ import trio
 
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
-from router.asyncio_host import AsyncioRouterHost, HostStats, HostStopped
+from router.asyncio_host import AnswerTimeout, AsyncioRouterHost, HostStats, HostStopped
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT
@@ -430,3 +430,40 @@ async def test_a_call_with_no_time_left_is_the_routers_to_answer_when_there_is_a
 
         await _run_asyncio(program)
         assert all(d.reason is Reason.DEADLINE for d in decisions), decisions
+
+
+async def test_a_call_to_a_stalled_router_thread_ends_by_its_time_not_the_stall(nursery: trio.Nursery) -> None:
+    """The answer is awaited for the call's time (its budget, or its caller's deadline) and a slack:
+    with the trio thread held until the calls have returned, each raises AnswerTimeout, the host keeps
+    serving once the thread runs again, and each given-up call's place is freed when the router is
+    done with it."""
+    _, addrs = await _seeded_cluster(nursery)
+    seen: dict[str, object] = {}
+
+    async def program() -> None:
+        async with AsyncioRouterHost(_config(addrs)) as host:
+            await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
+            token = host._token
+            assert token is not None
+            loop = asyncio.get_running_loop()
+            gate = _hold(token)
+            try:
+                by_budget = host.route(RouteRequest("budget", token_ids=PROMPT, budget_ms=50))
+                with pytest.raises(AnswerTimeout, match="no decision from the router's thread"):
+                    await asyncio.wait_for(by_budget, 30)
+                patient = RouteRequest("deadline", token_ids=PROMPT, budget_ms=CAP_MS)
+                by_deadline = host.route(patient, deadline=loop.time() + 0.05)
+                with pytest.raises(AnswerTimeout):
+                    await asyncio.wait_for(by_deadline, 30)
+                seen["held"] = gate.is_set()  # the calls returned while the thread was still held
+            finally:
+                gate.set()
+            seen["after"] = await host.route(RouteRequest("after", token_ids=PROMPT, budget_ms=CAP_MS))
+        seen["stopped"] = host.stats()
+
+    with trio.fail_after(30):
+        await _run_asyncio(program)
+    assert seen["held"] is False
+    after = cast(RouteDecision, seen["after"])
+    assert after.request_id == "after" and after.worker is not None
+    assert cast(HostStats, seen["stopped"]).in_router == 0
