@@ -6,7 +6,8 @@
 ``start()`` starts one thread running ``trio.run``, opens the router there (``open_router``) and
 returns once it is ready (or raises what opening it raised). ``route()`` may be awaited from any
 asyncio event loop in any thread, concurrently. ``stop()`` refuses new calls, lets the calls already
-submitted finish (each ends by its own routing deadline), closes the router and joins the thread.
+submitted finish (each ends by its own routing deadline), closes the router and joins the thread;
+begun while ``start()`` is still opening the router, it waits for the opening, then stops it.
 A call waits for its answer as long as the router may take (min(budget, cap), or the caller's
 deadline) and ``ANSWER_SLACK_S``; beyond that, only reached while the trio thread is stalled, it is
 given up and raises ``AnswerTimeout``, as the sidecar answers DEADLINE_EXCEEDED.
@@ -93,6 +94,7 @@ class AsyncioRouterHost:
         self._loaded = loaded
         self._debug_http = debug_http
         self._thread: threading.Thread | None = None
+        self._ready: asyncio.Future[None] | None = None
         self._finished: asyncio.Future[None] | None = None
         # Set by the trio thread before start() returns; cleared by stop() (asyncio side) so that no
         # new call is submitted once stopping began.
@@ -129,7 +131,7 @@ class AsyncioRouterHost:
         if self._thread is not None:
             raise RuntimeError("AsyncioRouterHost.start: already started")
         loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
+        ready = self._ready = loop.create_future()
         self._finished = loop.create_future()
         self._thread = threading.Thread(
             target=self._thread_main, args=(loop, ready, self._finished), name="kvroute-router", daemon=True
@@ -158,9 +160,14 @@ class AsyncioRouterHost:
         await self._shut_down()
 
     async def _shut_down(self) -> None:
-        thread, finished, token = self._thread, self._finished, self._token
-        assert thread is not None and finished is not None
-        self._token = None
+        thread, ready, finished = self._thread, self._ready, self._finished
+        assert thread is not None and ready is not None and finished is not None
+        if not ready.done():
+            # Stopping while start() opens the router: the token to stop it with comes before
+            # ``ready``; without it the stop would never reach the trio thread.
+            with contextlib.suppress(Exception):  # start() raises what opening raised
+                await asyncio.shield(ready)
+        token, self._token = self._token, None
         if token is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self._begin_stop)

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,6 +23,8 @@ import trio
 
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
+from router import asyncio_host
+from router.api import RouterHandle, open_router
 from router.asyncio_host import AnswerTimeout, AsyncioRouterHost, HostStats, HostStopped
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
@@ -467,3 +469,44 @@ async def test_a_call_to_a_stalled_router_thread_ends_by_its_time_not_the_stall(
     after = cast(RouteDecision, seen["after"])
     assert after.request_id == "after" and after.worker is not None
     assert cast(HostStats, seen["stopped"]).in_router == 0
+
+
+async def test_stop_while_start_opens_the_router_stops_it_once_open(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop() begun while start() is still opening the router used to find no way to reach the
+    trio thread yet, queue no stop and wait for ever, the host serving on."""
+    _, addrs = await _seeded_cluster(nursery)
+    opening, go = threading.Event(), threading.Event()
+    real_open = open_router
+
+    @contextlib.asynccontextmanager
+    async def held_open(config: KvrouteConfig, **kwargs: Any) -> AsyncIterator[RouterHandle]:
+        opening.set()
+        await trio.to_thread.run_sync(go.wait, 30.0)
+        async with real_open(config, **kwargs) as handle:
+            yield handle
+
+    monkeypatch.setattr(asyncio_host, "open_router", held_open)
+    seen: dict[str, bool] = {}
+
+    async def program() -> None:
+        host = AsyncioRouterHost(_config(addrs))
+        starting = asyncio.ensure_future(host.start())
+        try:
+            assert await asyncio.get_running_loop().run_in_executor(None, opening.wait, 30.0)
+            stopping = asyncio.ensure_future(host.stop())
+            await asyncio.sleep(0)  # stop() begins while the router is still opening
+            seen["stop began while opening"] = not stopping.done() and not starting.done()
+            go.set()
+            await asyncio.wait_for(starting, 30)
+            await asyncio.wait_for(stopping, 30)
+            with pytest.raises(HostStopped):
+                await host.route(RouteRequest("late", token_ids=PROMPT))
+        finally:
+            go.set()
+            await host.stop()  # a second stop ends a host the first left running
+
+    with trio.fail_after(60):
+        await _run_asyncio(program)
+    assert seen == {"stop began while opening": True}
