@@ -78,12 +78,14 @@ class AnswerTimeout(TimeoutError):
 class HostStats:
     """The host's calls by where they were answered (counted as they are, from any caller's loop)."""
 
-    handed: int  # handed to the router on the trio thread
+    # Reached the router: a routing task started on the trio thread (counted there, so not the calls
+    # still queued for it, nor those refused as the host stops).
+    handed: int
     shed_before_hop: int  # answered ``overloaded`` on the caller's loop, never handed over
     # Of shed_before_hop: answered, but not counted by the router nor written to the decision log
     # (SHED_RECORDS_MAX were waiting for the trio thread).
     sheds_unrecorded: int
-    in_router: int  # handed over and not yet answered, now
+    in_router: int  # handed to the trio thread (queued for it or routing) and not yet answered, now
 
 
 class AsyncioRouterHost:
@@ -233,8 +235,6 @@ class AsyncioRouterHost:
             # As the router admits: a call with nothing left is its to answer (reason deadline), unless
             # there is no place to hand it to.
             return self._shed(request, published, left_s, sent_at)
-        with self._counts_lock:
-            self._handed += 1
         handed = _Handed(self._gate, loop, sent_at, left_s)
         scope = trio.CancelScope()  # cancelled from this side through the trio token only
         try:
@@ -375,6 +375,9 @@ class AsyncioRouterHost:
             calls.start_soon(self._call, handle, request, routing, scope, handed)
         except RuntimeError:  # the calls' nursery closed as the router stopped
             handed.settle(outcome.Error(HostStopped("the router host has stopped")))
+            return
+        with self._counts_lock:
+            self._handed += 1
 
     @staticmethod
     async def _call(

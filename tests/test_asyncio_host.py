@@ -407,10 +407,14 @@ async def test_a_call_its_caller_gave_up_on_keeps_its_place_until_the_router_is_
     with trio.fail_after(30):
         await _run_asyncio(program)
     first, second, stopped = seen["round 0"], seen["round 1"], seen["stopped"]
-    assert 0 < first.in_router == first.handed - 1 < 50  # the warm call came back; the rest hold their places
+    # The warm call came back; the calls handed over since hold their places (queued for the held
+    # thread, none has reached the router); the rest were shed.
+    assert first.handed == 1 and 0 < first.in_router < 50
+    assert first.shed_before_hop == 50 - first.in_router
     assert second.handed == first.handed and second.in_router == first.in_router  # no place freed: all shed
     assert second.shed_before_hop == first.shed_before_hop + 50
-    assert stopped.in_router == 0  # each freed once the router was done with it
+    # Once the thread ran again each reached the router, which was then done with it: freed.
+    assert stopped.handed == 1 + first.in_router and stopped.in_router == 0
 
 
 async def test_a_call_with_no_time_left_is_the_routers_to_answer_when_there_is_a_place(nursery: trio.Nursery) -> None:
@@ -510,3 +514,39 @@ async def test_stop_while_start_opens_the_router_stops_it_once_open(
     with trio.fail_after(60):
         await _run_asyncio(program)
     assert seen == {"stop began while opening": True}
+
+
+async def test_only_calls_that_reached_the_router_count_as_handed(nursery: trio.Nursery) -> None:
+    """A call queued for the trio thread and refused there as the host stops, and one whose hand-off
+    finds the trio run over, are HostStopped and were never the router's."""
+    _, addrs = await _seeded_cluster(nursery)
+    seen: dict[str, HostStats] = {}
+
+    async def program() -> None:
+        host = AsyncioRouterHost(_config(addrs))
+        await host.start()
+        try:
+            await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
+            token, thread = host._token, host._thread
+            assert token is not None and thread is not None
+            gate = _hold(token)
+            try:
+                # As a stop() from another loop does, after this loop's route() read the token.
+                token.run_sync_soon(host._begin_stop)
+                refused = asyncio.ensure_future(host.route(RouteRequest("refused", token_ids=PROMPT)))
+                await asyncio.sleep(0)  # handed to the trio thread, behind the stop
+            finally:
+                gate.set()
+            with pytest.raises(HostStopped, match="stopping"):
+                await asyncio.wait_for(refused, 30)
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, 30.0)
+            with pytest.raises(HostStopped, match="has stopped"):  # the trio run is over
+                await host.route(RouteRequest("after", token_ids=PROMPT))
+            seen["stats"] = host.stats()
+        finally:
+            await host.stop()
+
+    with trio.fail_after(30):
+        await _run_asyncio(program)
+    stats = seen["stats"]
+    assert (stats.handed, stats.shed_before_hop, stats.in_router) == (1, 0, 0)
