@@ -217,8 +217,8 @@ class AsyncioRouterHost:
         token = self._token
         if token is None:
             raise HostStopped("the router host is not running")
-        if deadline is not None and math.isnan(deadline):
-            raise ValueError("deadline: NaN is no time on the loop's clock")
+        if deadline is not None:
+            deadline = _loop_time(deadline)
         loop = asyncio.get_running_loop()
         sent_at = time.monotonic()
         started = loop.time()
@@ -449,6 +449,20 @@ class _Handed(HeldPlace):
             self._gate.withdrawn()
         else:
             self._gate.answered(handed_at=self.sent_at, had_s=left_s, answered=answered, at=at)
+
+
+def _loop_time(deadline: object) -> float:
+    """``route()``'s ``deadline`` as a time on the loop's clock; a ValueError naming it otherwise, as a
+    bad request field is named (a caller can pass anything). -inf is long past, +inf none."""
+    if isinstance(deadline, bool) or not isinstance(deadline, int | float):
+        raise ValueError(f"deadline: must be a time on the loop's clock, got {type(deadline).__name__}")
+    try:
+        value = float(deadline)
+    except OverflowError:  # an int too large for a float
+        raise ValueError("deadline: an integer beyond any time on the loop's clock") from None
+    if math.isnan(value):
+        raise ValueError("deadline: NaN is no time on the loop's clock")
+    return value
 
 
 def _as_is(request: RouteRequest) -> RouteRequest:

@@ -146,6 +146,10 @@ async def test_a_deadline_on_the_callers_loop_clock_bounds_the_decision(nursery:
                 decisions.append(await host.route(request, deadline=-math.inf))
                 with pytest.raises(ValueError, match="deadline: NaN"):
                     await host.route(request, deadline=math.nan)
+                # Not a time at all: refused naming the argument, not with the error reading it raised.
+                for odd in ("soon", True, 10**400):
+                    with pytest.raises(ValueError, match=r"^deadline: "):
+                        await host.route(request, deadline=odd)  # type: ignore[arg-type]
 
         await _run_asyncio(program)
         warm, late, past = decisions
