@@ -295,7 +295,8 @@ async def open_router(
     ``master`` None → the scheduler transport ``--master-protocol`` names (when ``--master-hosts`` is
     set); pass a MemoryMasterNetwork for in-memory schedulers.
     A single failure (a start-up error such as a bad ``--workers`` entry, or the body's own
-    exception) comes out as itself, not wrapped in an ExceptionGroup.
+    exception, ``SystemExit`` and ``KeyboardInterrupt`` included) comes out as itself, not wrapped in
+    an ExceptionGroup.
     """
     try:
         async with _topology(config, rpc=rpc, master=master, loaded=loaded, debug_http=debug_http) as handle:
@@ -307,10 +308,11 @@ async def open_router(
         raise single from None
 
 
-def _single_exception(group: BaseExceptionGroup[BaseException]) -> Exception | None:
-    """The one ordinary exception a (nested) group holds, or None."""
+def _single_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception a (nested) group holds (a body's ``sys.exit()`` or KeyboardInterrupt too),
+    or None. A lone ``trio.Cancelled`` stays in its group: it is the enclosing cancel scope's."""
     leaf = sole_leaf(group)
-    return leaf if isinstance(leaf, Exception) else None
+    return None if isinstance(leaf, trio.Cancelled) else leaf
 
 
 @asynccontextmanager

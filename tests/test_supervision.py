@@ -140,3 +140,23 @@ async def test_restarts_failing_at_start_up_back_off_after_a_stable_run(
     assert all(later >= earlier - 1e-6 for earlier, later in itertools.pairwise(gaps)), gaps  # never reset
     assert len(attempts) < 40, len(attempts)
 
+
+
+@pytest.mark.parametrize("leaving", [SystemExit(3), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"])
+async def test_a_body_leaving_by_a_base_exception_gets_it_back_unwrapped(
+    leaving: BaseException, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A frontend's sys.exit(3) inside open_router comes out as SystemExit(3), as an ordinary error
+    does, not wrapped in the actors' nursery's BaseExceptionGroup."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    with pytest.raises(type(leaving)) as raised:
+        async with open_router(config, rpc=network):
+            await trio.sleep(0.05)
+            raise leaving
+    assert raised.value is leaving
