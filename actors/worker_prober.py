@@ -72,7 +72,9 @@ with what it has (an "anytime" decision).
   the bucket holds more than the ``1 − refresh_budget_share`` part of its burst
   kept for requests' probes, and at most ``refresh_budget_share`` of the rate.
   With ``serial_refresh`` a round's polls are one transport call made in turn
-  (``_fly_in_turn``) instead of a task each.
+  (``_fly_in_turn``) instead of a task each; a worker whose last probe failed, or
+  whose last call took more than half of ``fresh_ttl_s − refresh_interval_s``, is
+  polled on its own, since the round's replies land only when the round returns.
 - **Background health probes** (with a ``fleet`` and ``health_interval_s`` > 0):
   every interval the next ``health_max_probes`` discovered workers not heard
   from for an interval are probed, taking only the rate tokens already in the
@@ -118,6 +120,10 @@ _GAP_WEIGHT = 1 / 4
 # A worker is polled while read within at least this many refresh intervals, whatever its usual gap:
 # a stall of the event loop (a long collection) delays reads of every worker at once.
 _MIN_KEEP_INTERVALS = 2
+# Of the time a polled status has to spare (fresh_ttl_s − refresh_interval_s): a worker whose last call
+# took longer is polled on its own, outside the serial round. The round's replies land only when it
+# returns, so one slow answer would age every other status of the round past that spare.
+_SLOW_CALL_OF_SPARE = 1 / 2
 PROBE_TIMEOUT_KIND = "probe_timeout"  # failure kind when a started RPC outlives probe_timeout_s
 
 
@@ -201,6 +207,7 @@ class _WorkerState:
     latest_finished_version: int = -1  # echoed on the next probe
     checked_at: float = _NEVER  # the last probe's end: an answer or a failure
     started_at: float = _NEVER  # the last probe's start (refresh is due a refresh interval after it)
+    call_s: float = 0.0  # how long the last call made to it took (an answer or a failure)
     wanted_at: float = _NEVER  # the last time a request named it
     last_error: str = ""  # the last failure's kind
     unreachable: bool = False  # the last probe was refused: known unreachable until a good probe
@@ -266,6 +273,7 @@ class _Landed:
     error_kind: str = ""  # set when the RPC failed
     no_budget: bool = False  # no slot before the deadline: the token goes back
     inflight: int = 0  # RPCs in flight when this one started
+    call_s: float | None = None  # how long the call took (None: no call was made)
 
 
 @dataclass(eq=False, slots=True)
@@ -427,6 +435,7 @@ class WorkerProber:
         self._refresh_active = config.background_refresh and config.refresh_interval_s < config.fresh_ttl_s
         self._touch_every_s = _TOUCH_EVERY * config.hot_window_s
         self._min_keep_s = _MIN_KEEP_INTERVALS * config.refresh_interval_s
+        self._slow_call_s = _SLOW_CALL_OF_SPARE * (config.fresh_ttl_s - config.refresh_interval_s)
         # The inbox: a _Wanted per probe() call, a _Landed per probe (at most max_tracked_workers pending).
         self._inbox_capacity = config.max_tracked_workers
         self._send, self._receive = trio.open_memory_channel[_Message](self._inbox_capacity)
@@ -908,9 +917,10 @@ class WorkerProber:
             state = self._workers[worker]
             due = state.started_at + interval
             if due <= pull_by and state.flight is None and state.ejected_until <= now:
-                # A worker whose last probe failed is polled on its own: one that hangs would hold the
-                # round's other replies (and the requests waiting on them) to the round's timeout.
-                in_turn = batch if state.consecutive_failures == 0 else None
+                # A worker whose last probe failed or answered slowly is polled on its own: the round's
+                # replies (and the requests waiting on them) land only when its last call returns.
+                on_its_own = state.consecutive_failures > 0 or state.call_s > self._slow_call_s
+                in_turn = None if on_its_own else batch
                 if not self._in_use(worker, now):
                     idle += 1
                     due = now + interval  # looked at again then: a read meanwhile resumes its polls
@@ -1032,7 +1042,9 @@ class WorkerProber:
                 flight.slot = True
                 flight.phase = _Phase.RPC
                 landed.inflight = self._limiter.borrowed_tokens
+                called_at = trio.current_time()
                 landed.status, landed.error_kind = await self._call(flight)
+                landed.call_s = trio.current_time() - called_at
             else:
                 landed.no_budget = True
         finally:
@@ -1062,6 +1074,7 @@ class WorkerProber:
         finally:
             for flight in flights:
                 self._limiter.release_on_behalf_of(flight)
+        previous_end_s = 0.0
         for flight, reply in zip(flights, replies, strict=True):
             # Each status is as old as its call's end, not the round's: a reply that waited for the
             # rest of the round is read as that much older.
@@ -1069,10 +1082,13 @@ class WorkerProber:
             status = reply.status
             if status is None:
                 landed.no_budget = True
-            elif isinstance(status, TransportError):
-                landed.error_kind = status.kind
             else:
-                landed.status = status
+                landed.call_s = reply.ended_after_s - previous_end_s  # the calls are made one after another
+                previous_end_s = reply.ended_after_s
+                if isinstance(status, TransportError):
+                    landed.error_kind = status.kind
+                else:
+                    landed.status = status
             await self._land(landed)
 
     async def _take_budget(self, flight: _Flight) -> bool:
@@ -1123,6 +1139,8 @@ class WorkerProber:
         if flight.state.flight is flight:
             flight.state.flight = None  # the next request starts a new probe
         self._peak_inflight = max(self._peak_inflight, landed.inflight)
+        if landed.call_s is not None:
+            flight.state.call_s = landed.call_s
         if landed.no_budget:
             self._give_back_tokens(flight, landed.at)
             result = self._outcome_skipped(flight, SkipReason.NO_BUDGET)

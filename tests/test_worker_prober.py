@@ -38,6 +38,7 @@ class FakeWorkers:
         self.echoed: dict[str, list[int]] = {}  # target → latest_finished_version sent, in order
         self.failing: set[str] = set()
         self.hanging: set[str] = set()
+        self.slow: dict[str, float] = {}  # target → its own latency, in place of latency_s
         self.version_zero: set[str] = set()
         self._versions: dict[str, int] = {}
         self.replied_at: dict[tuple[str, int], float] = {}  # (target, version) → when that reply was made
@@ -61,7 +62,7 @@ class FakeWorkers:
         try:
             if target in self.hanging:
                 await trio.sleep_forever()
-            await trio.sleep(self.latency_s)
+            await trio.sleep(self.slow.get(target, self.latency_s))
             if target in self.failing:
                 raise PeerAbort(RpcStatus.UNAVAILABLE, "worker down")
             if target in self.version_zero:

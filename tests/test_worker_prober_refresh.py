@@ -428,6 +428,37 @@ async def test_a_hung_worker_neither_holds_up_nor_ages_the_rounds_other_statuses
     assert max(ages) <= FRESH_TTL_S
 
 
+async def test_a_slow_but_answering_worker_neither_holds_up_nor_ages_the_rounds_other_statuses(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Only a worker whose last poll failed was taken out of the serial round: one answering within
+    probe_timeout_s, but slowly, stayed in, and the round's replies landed only when it returned, so
+    the other workers' statuses arrived already older than fresh_ttl_s and requests joined to their
+    flights were skipped at their deadline."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    fleet = [fake.add(w) for w in workers(10)]
+    slow, fast = fleet[0], fleet[1:]
+    fake.slow[slow.status_target] = 0.15  # answers, well within the 200 ms probe timeout
+    prober = await start(nursery, fake, refreshing(serial_refresh=True))
+    outcomes: dict[ProbeOutcome, int] = {}
+    ages: list[float] = []
+    for i in range(200):  # a request every 10 ms, each waiting 20 ms at most
+        now = trio.current_time()
+        handle = prober.probe(fleet, now + 0.02)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        if i >= 20:  # past the first probes on demand
+            for result in handle.results():
+                if result.worker in fast:
+                    outcomes[result.outcome] = outcomes.get(result.outcome, 0) + 1
+                    if result.observed_at is not None:
+                        ages.append(now - result.observed_at)
+        await trio.sleep(0.01)
+    assert outcomes == {ProbeOutcome.OK: 180 * len(fast)}
+    assert max(ages) < FRESH_TTL_S
+    assert prober.cached(slow) is not None  # polled on its own, it is not failing
+
+
 async def test_a_request_planned_before_a_retain_does_not_bring_back_the_workers_it_dropped(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
