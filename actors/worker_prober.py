@@ -297,10 +297,15 @@ class ProbeHandle:
     the request's deadline; nothing is queued for the request past it.
     """
 
-    def __init__(self, workers: tuple[WorkerAddr, ...], deadline: float) -> None:
+    def __init__(self, workers: tuple[WorkerAddr, ...], deadline: float, skipped: dict[SkipReason, int]) -> None:
+        """``skipped``: the prober's count of skips, to which ``results()`` adds those it reports."""
         self.workers = workers
         self.deadline = deadline
+        self._skipped = skipped
         self._delivered: dict[WorkerAddr, ProbeResult] = {}
+        # Pending workers results() reported as skipped (and counted): a skip the owner delivers them
+        # later is not counted again.
+        self._reported: set[WorkerAddr] = set()
         self._flights: dict[WorkerAddr, _Flight] = {}
         # Made on first iteration only: most requests just wait_all(), and a channel per request
         # is measurable on the hot path.
@@ -331,7 +336,7 @@ class ProbeHandle:
     def results(self) -> tuple[ProbeResult, ...]:
         """One result per requested worker, in request order. A probe still pending counts as
         skipped: ``deadline`` if its RPC is in flight, else ``no_budget`` (waiting for budget, or
-        for the prober to take the request)."""
+        for the prober to take the request); counted in the prober's ``skipped`` once per worker."""
         out: list[ProbeResult] = []
         for worker in self.workers:
             result = self._delivered.get(worker)
@@ -340,6 +345,9 @@ class ProbeHandle:
                 in_rpc = flight is not None and flight.phase is _Phase.RPC
                 reason = SkipReason.DEADLINE if in_rpc else SkipReason.NO_BUDGET
                 result = ProbeResult(worker, ProbeOutcome.SKIPPED, skip_reason=reason)
+                if worker not in self._reported:
+                    self._reported.add(worker)
+                    self._skipped[reason] += 1
             out.append(result)
         return tuple(out)
 
@@ -384,7 +392,7 @@ class ProberHealth:
     probes_failed: int
     probes_no_status: int  # replies with status_version 0 (ignored)
     failed_by_kind: dict[str, int]
-    skipped: dict[str, int]  # per requested worker, by SkipReason value
+    skipped: dict[str, int]  # per requested worker, by SkipReason value (as each request's results() read)
     ejected_until: dict[str, float]  # status target → trio time the ejection ends
     failing: int  # tracked workers with eject_after_failures or more consecutive failures
     collective_failure: bool  # more failing than may be ejected: nobody is ejected now
@@ -567,7 +575,7 @@ class WorkerProber:
         Duplicates in ``workers`` are probed once.
         """
         now = trio.current_time()
-        handle = ProbeHandle(tuple(dict.fromkeys(workers)), deadline)
+        handle = ProbeHandle(tuple(dict.fromkeys(workers)), deadline, self._view_skipped)
         view = self._view
         known = view.workers
         fresh_ttl = self._config.fresh_ttl_s
@@ -1151,7 +1159,8 @@ class WorkerProber:
         self._finish(flight, result)
 
     def _outcome_skipped(self, flight: _Flight, reason: SkipReason) -> ProbeResult:
-        self._skipped[reason] += len(flight.waiters)
+        # A waiter that read its results at its deadline has had this worker counted skipped already.
+        self._skipped[reason] += sum(flight.worker not in handle._reported for handle in flight.waiters)
         return ProbeResult(flight.worker, ProbeOutcome.SKIPPED, skip_reason=reason)
 
     def _record_status(self, flight: _Flight, status: WorkerStatus, now: float) -> ProbeResult:

@@ -138,11 +138,17 @@ async def test_requests_waiting_for_budget_are_skipped_at_their_deadline(
         SkipReason.DEADLINE: 16,
         SkipReason.NO_BUDGET: 152,
     }
+    assert tuple(r for h in handles for r in h.results()) == results  # read again: the same, not recounted
     await trio.sleep(1.0)
     assert fake.rpcs() == 48
     assert max(fake.rpc_starts) < deadline  # nothing started for a request past its deadline
     health = prober.snapshot()
-    assert health.skipped[SkipReason.NO_BUDGET.value] == 152
+    # Counted once per worker and request, also those still pending when the request read its
+    # results (the RPCs in flight then, whose answers came after the deadline).
+    assert {reason: n for reason, n in health.skipped.items() if n} == {
+        SkipReason.NO_BUDGET.value: 152,
+        SkipReason.DEADLINE.value: 16,
+    }
     assert (health.inflight, health.waiting_for_budget, health.probes_ok) == (0, 0, 48)
     assert health.budget_tokens == 1000  # the 152 unused tokens were refunded
 
@@ -176,6 +182,29 @@ async def test_a_request_with_time_left_does_not_join_a_probe_whose_budget_wait_
     await second.wait_all()
     assert by_outcome(first.results()) == {SkipReason.NO_BUDGET: 1}
     assert by_outcome(second.results()) == {ProbeOutcome.OK: 1}
+
+
+async def test_a_skip_read_before_the_probe_gives_up_is_counted_once(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A request may stop waiting before its deadline and decide: the worker still waiting for budget
+    reads as skipped no_budget, and when that probe gives up at the deadline its skip is not counted
+    for the same request again."""
+    fake = FakeWorkers(MemoryNetwork())
+    held, target = workers(2)
+    fake.add(held)
+    fake.add(target)
+    fake.hanging.add(held.status_target)
+    prober = await start_prober(nursery, fake, inflight_cap=1)
+    prober.probe([held], trio.current_time() + 10.0)  # takes the only slot and keeps it
+    await trio.testing.wait_all_tasks_blocked()
+    assert fake.active == 1
+    handle = prober.probe([target], trio.current_time() + 0.02)
+    await trio.sleep(0.01)  # the request decides before its deadline
+    assert by_outcome(handle.results()) == {SkipReason.NO_BUDGET: 1}
+    await trio.sleep(0.02)  # the probe gave up at the deadline
+    assert by_outcome(handle.results()) == {SkipReason.NO_BUDGET: 1}
+    assert prober.snapshot().skipped[SkipReason.NO_BUDGET.value] == 1
 
 
 async def test_rate_budget_over_a_window(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
