@@ -76,9 +76,12 @@ with what it has (an "anytime" decision).
   whose last call took more than half of ``fresh_ttl_s − refresh_interval_s``, is
   polled on its own, since the round's replies land only when the round returns.
 - **Background health probes** (with a ``fleet`` and ``health_interval_s`` > 0):
-  every interval the next ``health_max_probes`` discovered workers not heard
-  from for an interval are probed, taking only the rate tokens already in the
-  bucket, so routability is known in domain routing too.
+  every interval a pass over the discovered workers probes those not heard from
+  for an interval, in steps of at most ``health_max_probes``, each step going on
+  where the last stopped as background probes land; they take only the rate
+  tokens already in the bucket beyond a refresh round's, and at most half of the
+  background slots, so routability (and a status to read from the cache) is
+  known in domain routing too.
 """
 
 from __future__ import annotations
@@ -440,6 +443,9 @@ class WorkerProber:
         )
         self._refresh_keep = math.floor((1.0 - share) * config.rate_burst)  # tokens kept for requests
         self._refresh_slots = max(1, math.floor(share * config.inflight_cap))
+        # Health probes hold at most half of those, so a health pass that goes on as slots free never
+        # leaves a refresh round without a slot.
+        self._health_slots = max(1, self._refresh_slots // 2)
         self._refresh_active = config.background_refresh and config.refresh_interval_s < config.fresh_ttl_s
         self._touch_every_s = _TOUCH_EVERY * config.hot_window_s
         self._min_keep_s = _MIN_KEEP_INTERVALS * config.refresh_interval_s
@@ -469,6 +475,8 @@ class WorkerProber:
         self._collective_failures = 0
         self._health_probes = 0
         self._health_cursor = 0
+        self._health_pass_at = _FOREVER  # when the next pass over the fleet starts (every health interval)
+        self._health_left = 0  # workers this pass has still to look at: it goes on as slots free
         self._refresh_polls = 0
         self._refresh_short = 0
         self._refresh_idle = 0
@@ -500,6 +508,7 @@ class WorkerProber:
                 self._nursery = nursery
                 now = trio.current_time()
                 self._next_health = now if self._fleet is not None and self._config.health_interval_s > 0 else _FOREVER
+                self._health_pass_at = self._next_health
                 self._next_refresh = now if self._refresh_active else _FOREVER
                 self._dirty = True
                 self._publish()
@@ -898,8 +907,12 @@ class WorkerProber:
         if now >= self._next_refresh:
             self._refresh(now)
         if now >= self._next_health and self._fleet is not None:
-            self._health_sweep(self._fleet(), now)
-            self._next_health = now + self._config.health_interval_s
+            fleet = self._fleet()
+            if now >= self._health_pass_at:
+                self._health_pass_at = now + self._config.health_interval_s
+                self._health_left = len(fleet)
+            self._health_sweep(fleet, now)
+            self._next_health = self._health_pass_at
 
     def _refresh(self, now: float) -> None:
         """Poll every hot worker whose last probe started a refresh interval ago; forget the cold.
@@ -972,15 +985,21 @@ class WorkerProber:
         """Start a refresh poll or a health probe only with what requests leave: a token beyond the
         part of the burst kept for them (a refresh poll also within the refresh share of the rate), and
         a free slot nobody queues for, refresh polls and health probes together holding at most the
-        refresh share of the slots. False: nothing started, nothing taken. ``state``: the worker's
+        refresh share of the slots (health probes at most half of it, and leaving a token per hot worker
+        for the next refresh round). False: nothing started, nothing taken. ``state``: the worker's
         (None: tracked now); ``batch``: see ``_launch``."""
         if self._refresh_inflight + self._health_inflight >= self._refresh_slots:
             return False
+        refresh = kind is ProbeKind.REFRESH
+        if not refresh and self._health_inflight >= self._health_slots:
+            return False
         if self._pending_probes >= self._config.max_tracked_workers:
             return False
-        if self._bucket.peek(now) < 1.0 + self._refresh_keep:
+        # A health probe also leaves a refresh round its tokens (one per hot worker): a health pass that
+        # goes on as slots free would otherwise take the spare tokens as they refill.
+        keep = self._refresh_keep if refresh else self._refresh_keep + len(self._hot)
+        if self._bucket.peek(now) < 1.0 + keep:
             return False
-        refresh = kind is ProbeKind.REFRESH
         if refresh and not self._refresh_bucket.take(now):
             return False
         scope = trio.CancelScope(deadline=now + self._config.probe_timeout_s)
@@ -1010,23 +1029,27 @@ class WorkerProber:
     def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> None:
         """Probe the next few workers not heard from for an interval (round robin over the fleet).
 
-        Bounded whatever the fleet's size: it looks at most at ``8 × health_max_probes`` workers and
-        probes at most ``health_max_probes``. Like a refresh poll, a health probe takes only what
-        requests leave: a token beyond the part of the burst kept for them, and a free slot nobody
-        queues for, within the refresh share of the slots. So it never makes requests' probes wait
-        for budget, also when the workers it probes hang and hold their slots to the timeout.
+        One step of the interval's pass over the fleet, bounded whatever the fleet's size: it looks
+        at most at ``8 × health_max_probes`` workers, probes at most ``health_max_probes``, and stops
+        at the first probe refused for want of a slot or a token. The pass goes on with the next step
+        when a background probe lands (its slot free again), until it has looked at every worker once.
+        Like a refresh poll, a health probe takes only what requests leave: a token beyond the part of
+        the burst kept for them, and a free slot nobody queues for, within the refresh share of the
+        slots. So it never makes requests' probes wait for budget, also when the workers it probes
+        hang and hold their slots to the timeout; and it leaves a refresh round its tokens and half of
+        those slots (see ``_start_background``).
         """
         n = len(workers)
         if not n:
+            self._health_left = 0
             return
         limit = self._config.health_max_probes
-        look = min(n, 8 * self._config.health_max_probes)
+        look = min(n, self._health_left, 8 * self._config.health_max_probes)
         start = self._health_cursor % n
         started = 0
         looked = 0
         while looked < look and started < limit:
             worker = workers[(start + looked) % n]
-            looked += 1
             state = self._workers.get(worker)
             if state is None or (
                 state.flight is None
@@ -1034,9 +1057,11 @@ class WorkerProber:
                 and now - state.checked_at >= self._config.health_interval_s
             ):
                 if not self._start_background(worker, ProbeKind.HEALTH, now):
-                    break
+                    break  # refused: the pass's next step starts with it
                 started += 1
+            looked += 1
         self._health_cursor = (start + looked) % n
+        self._health_left -= looked
         self._health_probes += started
         if started and self._on_probes is not None:
             self._on_probes(ProbeKind.HEALTH, started)
@@ -1144,6 +1169,8 @@ class WorkerProber:
             self._refresh_inflight -= 1
         elif flight.kind is ProbeKind.HEALTH:
             self._health_inflight -= 1
+        if flight.kind is not ProbeKind.ON_DEMAND and self._health_left > 0:
+            self._next_health = landed.at  # the health pass was cut short, and a background slot is free again
         if flight.state.flight is flight:
             flight.state.flight = None  # the next request starts a new probe
         self._peak_inflight = max(self._peak_inflight, landed.inflight)

@@ -117,8 +117,10 @@ class ProberConfig:
     max_tracked_workers: int = bounded(4096, 0, 1_000_000, low_open=True)
     engine_generation: EngineGeneration = EngineGeneration.K
     # Background health probes of discovered workers, so routability is known without probing on
-    # the request path: every interval, up to health_max_probes workers not heard from for an
-    # interval, taking only rate tokens already in the bucket (0 = no background probes).
+    # the request path: every interval a pass over the fleet probes the workers not heard from for an
+    # interval, taking only rate tokens already in the bucket and at most half of the background slots;
+    # each step of a pass probes up to health_max_probes and the pass goes on as its probes land
+    # (health_interval_s 0 = no background probes).
     health_interval_s: float = bounded(1.0, 0, 3600)
     health_max_probes: int = bounded(64, 0, 100_000, low_open=True)
     # Background refresh of the hot workers (candidates of a request within hot_window_s): each is

@@ -540,15 +540,15 @@ async def test_collective_failure_ejects_nobody_and_readmits_on_the_first_good_p
 async def test_background_health_probes_find_dead_workers_without_requests(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
-    fake = FakeWorkers(MemoryNetwork())
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.01)
     fleet = [fake.add(w) for w in workers(6)]
     config = dataclasses.replace(ProberConfig(), health_interval_s=1.0, health_max_probes=4)
     prober = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
     await nursery.start(prober.run)
-    await trio.sleep(0.5)
-    assert fake.rpcs() == 4  # the first sweep: at most health_max_probes
-    await trio.sleep(1.0)  # the second goes on round robin: every worker heard from
-    assert fake.rpcs() == 8 and all(fake.rpcs(w) >= 1 for w in fleet)
+    await trio.testing.wait_all_tasks_blocked()
+    assert fake.rpcs() == 4  # the pass's first step: at most health_max_probes
+    await trio.sleep(0.5)  # the pass went on as those landed: every worker heard from
+    assert fake.rpcs() == 6 and all(fake.rpcs(w) == 1 for w in fleet)
     assert all(prober.cached(w) is not None for w in fleet)
     fake.failing.update(w.status_target for w in fleet[:2])
     await trio.sleep(2.0)
@@ -558,10 +558,36 @@ async def test_background_health_probes_find_dead_workers_without_requests(
         "unavailable)"
     )
     assert prober.unroutable_reason(fleet, (Role.PREFILL,)) is None
-    # Bounded by health_max_probes per interval, whatever the fleet size.
+    # Each worker once per interval, at most.
     before = fake.rpcs()
     await trio.sleep(10.0)
-    assert fake.rpcs() - before == 4 * 10 and prober.snapshot().health_probes == fake.rpcs()
+    assert fake.rpcs() - before <= 6 * 10 and prober.snapshot().health_probes == fake.rpcs()
+
+
+async def test_health_passes_keep_a_fleet_larger_than_their_slots_usable(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A sweep stopped at the first probe refused for want of a slot, once per interval: with the
+    defaults 32 probes a second, so in a fleet of 400 most statuses nobody requests (a DECODE
+    companion's, read only from the cache) were older than max_status_age_s. A pass goes on as its
+    probes land, and never takes the tokens or slots a refresh round needs."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    fleet = [fake.add(w) for w in workers(400)]
+    hot = fleet[:8]
+    prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    await trio.sleep(5.0)
+    fresh = 0
+    for _ in range(300):  # requests read the hot workers every 10 ms for 3 s
+        now = trio.current_time()
+        handle = prober.probe(hot, now + 0.02)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        fresh += sum(r.from_cache for r in handle.results())
+        assert all(prober.cached(w) is not None for w in fleet)
+        await trio.sleep(0.01)
+    assert fresh >= 300 * len(hot) - 2 * len(hot)  # after their first probes, answered from the refresh
+    assert prober.snapshot().refresh_short_of_budget == 0
 
 
 async def test_background_health_probes_take_only_tokens_in_the_bucket(

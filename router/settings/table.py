@@ -592,7 +592,8 @@ _SPECS: dict[str, _Spec] = {
         metavar="SECONDS",
     ),
     "prober.health_max_probes": _Spec(
-        "Most background health probes per interval (the workers heard from longest ago first)",
+        "Most background health probes started at once; each interval's pass over the fleet goes on "
+        "(round robin) as they land, until every worker not heard from for an interval is probed",
         fallback=False,
     ),
     "prober.background_refresh": _Spec(
