@@ -128,6 +128,11 @@ _MIN_KEEP_INTERVALS = 2
 # returns, so one slow answer would age every other status of the round past that spare.
 _SLOW_CALL_OF_SPARE = 1 / 2
 PROBE_TIMEOUT_KIND = "probe_timeout"  # failure kind when a started RPC outlives probe_timeout_s
+# A failure's detail (a garbled reply's names the broken field) is kept to this many characters a worker:
+# a peer's text must not grow the owner's state or the debug snapshot.
+_DETAIL_CHARS = 200
+# The snapshot lists the failures of at most this many workers, those checked most recently.
+_ERRORS_SHOWN = 16
 
 
 class ProbeOutcome(enum.Enum):
@@ -180,6 +185,7 @@ class WorkerView:
     unreachable: bool  # the last probe was refused
     ejected_until: float
     last_error: str
+    last_error_detail: str  # what the last failure said (at most _DETAIL_CHARS)
     background: bool  # the status came from a background poll
     wanted_at: float  # a request named it then (the owner's record, renewed at most every _TOUCH_EVERY)
 
@@ -213,6 +219,7 @@ class _WorkerState:
     call_s: float = 0.0  # how long the last call made to it took (an answer or a failure)
     wanted_at: float = _NEVER  # the last time a request named it
     last_error: str = ""  # the last failure's kind
+    last_error_detail: str = ""  # and what it said (at most _DETAIL_CHARS)
     unreachable: bool = False  # the last probe was refused: known unreachable until a good probe
     consecutive_failures: int = 0
     times_ejected: int = 0
@@ -227,6 +234,7 @@ class _WorkerState:
             self.unreachable,
             self.ejected_until,
             self.last_error,
+            self.last_error_detail,
             self.status_background,
             self.wanted_at,
         )
@@ -274,6 +282,7 @@ class _Landed:
     at: float = 0.0
     status: WorkerStatus | None = None
     error_kind: str = ""  # set when the RPC failed
+    error_detail: str = ""  # what the failure said
     no_budget: bool = False  # no slot before the deadline: the token goes back
     inflight: int = 0  # RPCs in flight when this one started
     call_s: float | None = None  # how long the call took (None: no call was made)
@@ -395,6 +404,8 @@ class ProberHealth:
     probes_failed: int
     probes_no_status: int  # replies with status_version 0 (ignored)
     failed_by_kind: dict[str, int]
+    # status target → "kind: detail" of the workers whose last probe failed (the _ERRORS_SHOWN checked last)
+    last_errors: dict[str, str]
     skipped: dict[str, int]  # per requested worker, by SkipReason value (as each request's results() read)
     ejected_until: dict[str, float]  # status target → trio time the ejection ends
     failing: int  # tracked workers with eject_after_failures or more consecutive failures
@@ -749,6 +760,7 @@ class WorkerProber:
             probes_failed=sum(self._failed_by_kind.values()),
             probes_no_status=self._probes_no_status,
             failed_by_kind=dict(self._failed_by_kind),
+            last_errors=self._last_errors(),
             skipped=skipped,
             ejected_until={w.status_target: until for w, until in self._ejected.items() if until > now},
             failing=len(self._failing),
@@ -765,6 +777,14 @@ class WorkerProber:
             inbox_depth=self._receive.statistics().current_buffer_used,
             inbox_capacity=self._inbox_capacity,
         )
+
+    def _last_errors(self) -> dict[str, str]:
+        failed = [(worker, state) for worker, state in self._workers.items() if state.consecutive_failures]
+        failed.sort(key=lambda entry: entry[1].checked_at, reverse=True)
+        return {
+            worker.status_target: f"{state.last_error}: {state.last_error_detail}"
+            for worker, state in failed[:_ERRORS_SHOWN]
+        }
 
     def _view_skip(self, worker: WorkerAddr, reason: SkipReason) -> ProbeResult:
         self._view_skipped[reason] += 1
@@ -1076,7 +1096,7 @@ class WorkerProber:
                 flight.phase = _Phase.RPC
                 landed.inflight = self._limiter.borrowed_tokens
                 called_at = trio.current_time()
-                landed.status, landed.error_kind = await self._call(flight)
+                landed.status, landed.error_kind, landed.error_detail = await self._call(flight)
                 landed.call_s = trio.current_time() - called_at
             else:
                 landed.no_budget = True
@@ -1119,7 +1139,7 @@ class WorkerProber:
                 landed.call_s = reply.ended_after_s - previous_end_s  # the calls are made one after another
                 previous_end_s = reply.ended_after_s
                 if isinstance(status, TransportError):
-                    landed.error_kind = status.kind
+                    landed.error_kind, landed.error_detail = status.kind, status.detail
                 else:
                     landed.status = status
             await self._land(landed)
@@ -1142,8 +1162,9 @@ class WorkerProber:
             self._limiter.release_on_behalf_of(flight)
         return False
 
-    async def _call(self, flight: _Flight) -> tuple[WorkerStatus | None, str]:
-        """The RPC, bounded by probe_timeout_s alone (see the module docstring)."""
+    async def _call(self, flight: _Flight) -> tuple[WorkerStatus | None, str, str]:
+        """The RPC, bounded by probe_timeout_s alone (see the module docstring): the status, or the
+        failure's kind and detail."""
         with trio.move_on_after(self._config.probe_timeout_s):
             try:
                 return (
@@ -1151,10 +1172,11 @@ class WorkerProber:
                         flight.worker.status_target, flight.state.latest_finished_version
                     ),
                     "",
+                    "",
                 )
             except TransportError as exc:
-                return None, exc.kind
-        return None, PROBE_TIMEOUT_KIND
+                return None, exc.kind, exc.detail
+        return None, PROBE_TIMEOUT_KIND, f"no answer within probe_timeout_s ({self._config.probe_timeout_s} s)"
 
     # --- applying outcomes (the owner) -------------------------------------------------------
 
@@ -1182,7 +1204,7 @@ class WorkerProber:
         elif landed.status is not None:
             result = self._record_status(flight, landed.status, landed.at)
         else:
-            result = self._record_failure(flight, landed.error_kind, landed.at)
+            result = self._record_failure(flight, landed.error_kind, landed.error_detail, landed.at)
         self._finish(flight, result)
 
     def _outcome_skipped(self, flight: _Flight, reason: SkipReason) -> ProbeResult:
@@ -1210,11 +1232,12 @@ class WorkerProber:
             listener(flight.worker, status)
         return ProbeResult(flight.worker, ProbeOutcome.OK, status, observed_at=now)
 
-    def _record_failure(self, flight: _Flight, kind: str, now: float) -> ProbeResult:
+    def _record_failure(self, flight: _Flight, kind: str, detail: str, now: float) -> ProbeResult:
         state = flight.state
         state.consecutive_failures += 1
         state.checked_at = now
         state.last_error = kind
+        state.last_error_detail = detail[:_DETAIL_CHARS]
         state.unreachable = kind == Unavailable.kind
         self._failed_by_kind[kind] = self._failed_by_kind.get(kind, 0) + 1
         worker = flight.worker

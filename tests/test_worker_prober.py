@@ -656,6 +656,37 @@ async def test_refresh_polls_and_health_probes_together_leave_requests_their_slo
     await _a_request_probe_gets_a_status(prober, fleet[250], within=0.02)
 
 
+@pytest.mark.parametrize("serial", [False, True], ids=["task-per-poll", "serial-rounds"])
+async def test_a_garbled_replys_detail_is_kept_for_the_debug_snapshot(
+    nursery: trio.Nursery, autojump_clock: MockClock, serial: bool
+) -> None:
+    """A garbled reply's detail (which field broke the contract) was thrown away: only its kind was kept."""
+    net = MemoryNetwork()
+    broken, verbose = workers(2)
+
+    async def garbled(method_path: str, request: bytes) -> bytes:
+        return engine_pb.WorkerStatusPB(status_version=1, block_size=-5).SerializeToString()
+
+    async def refusing_at_length(method_path: str, request: bytes) -> bytes:
+        raise PeerAbort(RpcStatus.UNAVAILABLE, "x" * 1000)
+
+    net.serve(broken.status_target, garbled)
+    net.serve(verbose.status_target, refusing_at_length)
+    config = dataclasses.replace(ProberConfig(), serial_refresh=serial, health_interval_s=0.0)
+    prober: WorkerProber = await nursery.start(WorkerProber(config, WorkerStatusClient(net)).run)
+    for _ in range(5):  # on demand, then by the refresh (serial rounds, if on)
+        handle = prober.probe([broken, verbose], trio.current_time() + 0.05)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        await trio.sleep(0.1)
+    view = prober.view().workers
+    assert view[broken].last_error == "garbled" and "block_size" in view[broken].last_error_detail
+    assert 0 < len(view[verbose].last_error_detail) <= 200  # a peer's text does not grow the state
+    last_errors = prober.snapshot().last_errors
+    assert set(last_errors) == {broken.status_target, verbose.status_target}
+    assert last_errors[broken.status_target] == "garbled: " + view[broken].last_error_detail
+
+
 async def test_hanging_worker_is_ejected_even_with_short_request_deadlines(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
