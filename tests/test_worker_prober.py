@@ -118,6 +118,22 @@ async def test_inflight_cap_is_exact_at_the_server(nursery: trio.Nursery, autoju
     assert trio.current_time() - start == pytest.approx(0.13)
 
 
+async def test_a_full_inbox_skips_the_probes_it_refuses_and_counts_them(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """The owner's inbox is bounded (max_tracked_workers): probe() calls made faster than the owner
+    runs, beyond that room, are answered at once as no_budget and counted, not queued without bound."""
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(7)]
+    prober = await start_prober(nursery, fake, max_tracked_workers=4)
+    deadline = trio.current_time() + 1.0
+    # No checkpoint between: the owner, waiting, takes the first hand to hand; four wait in the inbox.
+    handles = [prober.probe([worker], deadline) for worker in fleet]
+    assert prober.snapshot().wanted_dropped == 2
+    for refused in handles[5:]:
+        assert by_outcome(refused.results()) == {SkipReason.NO_BUDGET: 1}
+
+
 async def test_requests_waiting_for_budget_are_skipped_at_their_deadline(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
