@@ -88,6 +88,23 @@ def _hold(token: trio.lowlevel.TrioToken) -> threading.Event:
     return gate
 
 
+@contextlib.asynccontextmanager
+async def _warm_with_its_thread_held(
+    addrs: SimClusterAddresses,
+) -> AsyncIterator[tuple[AsyncioRouterHost, threading.Event]]:
+    """A started host, warmed by one call, whose trio thread is then held (``_hold``) until the body
+    sets the gate or ends."""
+    async with AsyncioRouterHost(_config(addrs)) as host:
+        await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
+        token = host._token
+        assert token is not None
+        gate = _hold(token)
+        try:
+            yield host, gate
+        finally:
+            gate.set()
+
+
 async def _seeded_cluster(nursery: trio.Nursery) -> tuple[SimCluster, SimClusterAddresses]:
     cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
     addrs = await nursery.start(cluster.serve_grpc)
@@ -389,23 +406,16 @@ async def test_a_call_its_caller_gave_up_on_keeps_its_place_until_the_router_is_
     seen: dict[str, HostStats] = {}
 
     async def program() -> None:
-        async with AsyncioRouterHost(_config(addrs)) as host:
-            await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
-            token = host._token
-            assert token is not None
-            gate = _hold(token)
-            try:
+        async with _warm_with_its_thread_held(addrs) as (host, _):
 
-                async def impatient(i: int) -> None:
-                    request = RouteRequest(f"i{i}", token_ids=PROMPT, budget_ms=500)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(host.route(request), 0.005)
+            async def impatient(i: int) -> None:
+                request = RouteRequest(f"i{i}", token_ids=PROMPT, budget_ms=500)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(host.route(request), 0.005)
 
-                for round_ in range(2):  # the first round's callers all gave up before the second
-                    await asyncio.gather(*(impatient(100 * round_ + i) for i in range(50)))
-                    seen[f"round {round_}"] = host.stats()
-            finally:
-                gate.set()
+            for round_ in range(2):  # the first round's callers all gave up before the second
+                await asyncio.gather(*(impatient(100 * round_ + i) for i in range(50)))
+                seen[f"round {round_}"] = host.stats()
         seen["stopped"] = host.stats()
 
     with trio.fail_after(30):
@@ -451,23 +461,17 @@ async def test_a_call_to_a_stalled_router_thread_ends_by_its_time_not_the_stall(
     seen: dict[str, object] = {}
 
     async def program() -> None:
-        async with AsyncioRouterHost(_config(addrs)) as host:
-            await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
-            token = host._token
-            assert token is not None
+        async with _warm_with_its_thread_held(addrs) as (host, gate):
             loop = asyncio.get_running_loop()
-            gate = _hold(token)
-            try:
-                by_budget = host.route(RouteRequest("budget", token_ids=PROMPT, budget_ms=50))
-                with pytest.raises(AnswerTimeout, match="no decision from the router's thread"):
-                    await asyncio.wait_for(by_budget, 30)
-                patient = RouteRequest("deadline", token_ids=PROMPT, budget_ms=CAP_MS)
-                by_deadline = host.route(patient, deadline=loop.time() + 0.05)
-                with pytest.raises(AnswerTimeout):
-                    await asyncio.wait_for(by_deadline, 30)
-                seen["held"] = gate.is_set()  # the calls returned while the thread was still held
-            finally:
-                gate.set()
+            by_budget = host.route(RouteRequest("budget", token_ids=PROMPT, budget_ms=50))
+            with pytest.raises(AnswerTimeout, match="no decision from the router's thread"):
+                await asyncio.wait_for(by_budget, 30)
+            patient = RouteRequest("deadline", token_ids=PROMPT, budget_ms=CAP_MS)
+            by_deadline = host.route(patient, deadline=loop.time() + 0.05)
+            with pytest.raises(AnswerTimeout):
+                await asyncio.wait_for(by_deadline, 30)
+            seen["held"] = gate.is_set()  # the calls returned while the thread was still held
+            gate.set()
             seen["after"] = await host.route(RouteRequest("after", token_ids=PROMPT, budget_ms=CAP_MS))
         seen["stopped"] = host.stats()
 

@@ -148,6 +148,15 @@ def test_the_wrong_key_family_scenario_at_its_smallest_scale_still_fires_and_tak
     assert "router settings: budget_cap_ms=50.0, metrics_accuracy_warn_silent_share=0.0" in text.splitlines()[0]
 
 
+def _running(worker: str, request_id: str, *, prefix: int, version: int) -> WorkerStatus:
+    """``worker``'s status listing ``request_id`` running, with ``prefix`` tokens found cached."""
+    task = engine_pb.TaskInfoPB(
+        request_id=request_id, input_length=8192, prefix_length=prefix, prefix_length_valid=True
+    )
+    reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=version, running_task_info=[task])
+    return decode_worker_status(reply.SerializeToString(), worker)
+
+
 async def test_a_queued_task_whose_prefix_is_not_matched_yet_leaves_the_prediction_pending(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -181,13 +190,10 @@ async def test_a_queued_task_whose_prefix_is_not_matched_yet_leaves_the_predicti
         # A status right after a prediction, before the owner took it (handed over unbuffered), is
         # compared too: it used to be dropped as if nothing were waiting for it.
         accuracy.predict("req-2", worker, 4096, RouteSource.KVCM, trio.current_time())
-        task = engine_pb.TaskInfoPB(request_id="req-2", input_length=8192, prefix_length=2048, prefix_length_valid=True)
-        reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=2, running_task_info=[task])
-        accuracy.status_seen(worker, decode_worker_status(reply.SerializeToString(), worker))
+        accuracy.status_seen(worker, _running(worker, "req-2", prefix=2048, version=2))
         await trio.testing.wait_all_tasks_blocked()
         assert (accuracy.health().matched, accuracy.health().pending) == (2, 0)
         nursery.cancel_scope.cancel()
-
 
 
 async def test_a_prediction_expires_on_time_with_no_traffic_and_a_late_status_is_not_compared(
@@ -212,9 +218,7 @@ async def test_a_prediction_expires_on_time_with_no_traffic_and_a_late_status_is
         await trio.sleep(2.0)  # no message arrives: the owner's timer expires them
         health = accuracy.health()
         assert (health.pending, health.evicted, health.expired) == (0, 1, 2)
-        task = engine_pb.TaskInfoPB(request_id="req-2", input_length=8192, prefix_length=0, prefix_length_valid=True)
-        reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=1, running_task_info=[task])
-        accuracy.status_seen(worker, decode_worker_status(reply.SerializeToString(), worker))
+        accuracy.status_seen(worker, _running(worker, "req-2", prefix=0, version=1))
         await trio.testing.wait_all_tasks_blocked()
         assert (accuracy.health().matched, accuracy.health().silent_zero) == (0, 0)
         nursery.cancel_scope.cancel()

@@ -16,7 +16,7 @@ import trio
 import trio.testing
 from trio.testing import MockClock
 
-from actors.worker_prober import PROBE_TIMEOUT_KIND, ProbeOutcome, ProbeResult, SkipReason, WorkerProber
+from actors.worker_prober import PROBE_TIMEOUT_KIND, ProbeHandle, ProbeOutcome, ProbeResult, SkipReason, WorkerProber
 from router.config import ProberConfig
 from router.transport.clients import WorkerStatusClient
 from router.transport.errors import PeerAbort, RpcStatus
@@ -169,21 +169,30 @@ async def test_requests_waiting_for_budget_are_skipped_at_their_deadline(
     assert health.budget_tokens == 1000  # the 152 unused tokens were refunded
 
 
+async def _the_only_slot_held(
+    nursery: trio.Nursery, fake: FakeWorkers
+) -> tuple[WorkerProber, WorkerAddr, WorkerAddr, ProbeHandle]:
+    """A prober with one in-flight slot, held by a probe of a hanging worker (``held``); ``target``
+    is the other worker, whose probes wait for that slot. The holding probe's handle last."""
+    held, target = workers(2)
+    fake.add(held)
+    fake.add(target)
+    fake.hanging.add(held.status_target)
+    prober = await start_prober(nursery, fake, inflight_cap=1)
+    holder = prober.probe([held], trio.current_time() + 10.0)  # takes the only slot and keeps it
+    await trio.testing.wait_all_tasks_blocked()
+    assert fake.active == 1
+    return prober, held, target, holder
+
+
 async def test_a_request_with_time_left_does_not_join_a_probe_whose_budget_wait_was_cancelled(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
     """A probe waiting for an in-flight slot whose requesters' deadline passed lands no_budget; a request
     asking for the same worker in between, with time left, gets a probe of its own, not that skip."""
     fake = FakeWorkers(MemoryNetwork())
-    held, target = workers(2)
-    fake.add(held)
-    fake.add(target)
-    fake.hanging.add(held.status_target)
-    prober = await start_prober(nursery, fake, inflight_cap=1)
+    prober, held, target, holder = await _the_only_slot_held(nursery, fake)
     now = trio.current_time()
-    holder = prober.probe([held], now + 10.0)  # takes the only slot and keeps it
-    await trio.testing.wait_all_tasks_blocked()
-    assert fake.active == 1
     first = prober.probe([target], now + 0.005)  # waits for the slot
     await trio.testing.wait_all_tasks_blocked()
     flight = prober._workers[target].flight
@@ -206,15 +215,7 @@ async def test_a_skip_read_before_the_probe_gives_up_is_counted_once(
     """A request may stop waiting before its deadline and decide: the worker still waiting for budget
     reads as skipped no_budget, and when that probe gives up at the deadline its skip is not counted
     for the same request again."""
-    fake = FakeWorkers(MemoryNetwork())
-    held, target = workers(2)
-    fake.add(held)
-    fake.add(target)
-    fake.hanging.add(held.status_target)
-    prober = await start_prober(nursery, fake, inflight_cap=1)
-    prober.probe([held], trio.current_time() + 10.0)  # takes the only slot and keeps it
-    await trio.testing.wait_all_tasks_blocked()
-    assert fake.active == 1
+    prober, _, target, _ = await _the_only_slot_held(nursery, FakeWorkers(MemoryNetwork()))
     handle = prober.probe([target], trio.current_time() + 0.02)
     await trio.sleep(0.01)  # the request decides before its deadline
     assert by_outcome(handle.results()) == {SkipReason.NO_BUDGET: 1}
