@@ -215,6 +215,8 @@ class DebugApp:
     def _readyz(self, scope: Scope) -> tuple[int, str, bytes]:
         ready, why = self._sources.ready()
         lines = [f"{'ready' if ready else 'not ready'}: {why}"]
+        if self._loaded.supervised is not None:
+            lines.append(f"this is {self._loaded.supervised}")
         if self._loaded.fallback_disabled_by_errors:
             lines.append("KVCM fallback disabled by configuration problems (routing by domain):")
             lines += [f"  - {p}" for p in self._loaded.fallback_errors]

@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import trio
 
@@ -48,7 +49,15 @@ from router.serve_processes import (
     reserve_port,
     startup_timeout,
 )
-from router.settings import SETTINGS, LoadedConfig, add_arguments, load_or_report, log_startup_report, parse_listen
+from router.settings import (
+    SETTINGS,
+    LoadedConfig,
+    SupervisedProcess,
+    add_arguments,
+    load_or_report,
+    log_startup_report,
+    parse_listen,
+)
 from router.sidecar import Sidecar, SidecarStats
 from router.targets import format_target
 
@@ -80,6 +89,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
     # Set only by a supervising parent (--processes N) on its children; not an operator's setting.
     parser.add_argument("--supervised-process", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--supervised-processes", type=int, default=None, help=argparse.SUPPRESS)  # the parent's N
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     supervised: int | None = args.supervised_process
     if supervised is not None:
         tag_records(handler, process=supervised)  # the children of one parent share the stream: whose line it is
+        # Its own processes is 1: the debug views say which of the parent's N this is.
+        loaded = replace(loaded, supervised=SupervisedProcess(supervised, args.supervised_processes or 1))
     say = _Say(
         "kvroute serve" if supervised is None else f"kvroute serve (process {supervised})",
         as_records=serve.log_format.lower() == "json",
@@ -182,7 +194,12 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
 
         def command(index: int) -> list[str]:
             return _child_command(
-                args, index, grpc_address, child_debug_listen(debug, index), child_log_path(decision_log, index)
+                args,
+                index,
+                serve.processes,
+                grpc_address,
+                child_debug_listen(debug, index),
+                child_log_path(decision_log, index),
             )
 
         supervisor = ProcessSupervisor(
@@ -201,7 +218,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
 
 
 def _child_command(
-    args: argparse.Namespace, index: int, grpc_listen: str, debug_listen: str, decision_log: str
+    args: argparse.Namespace, index: int, count: int, grpc_listen: str, debug_listen: str, decision_log: str
 ) -> list[str]:
     """``kvroute serve`` for child ``index``: this command's own flags (the environment and the config
     file reach the child as they reached this process), one process, the resolved addresses, its own
@@ -218,7 +235,7 @@ def _child_command(
         value = overrides.get(setting.name, given.get(setting.name))
         if value is not None:
             flags.append(f"{setting.flag}={value}")
-    return [*CHILD_INTERPRETER, "serve", *flags, f"--supervised-process={index}"]
+    return [*CHILD_INTERPRETER, "serve", *flags, f"--supervised-process={index}", f"--supervised-processes={count}"]
 
 
 # -P: never import a same-named package from the working directory instead of the installed one.

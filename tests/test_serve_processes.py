@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import grpc
+import httpx
 import psutil
 import pytest
 import trio
@@ -149,6 +150,12 @@ async def test_two_processes_share_the_port_replace_a_killed_one_and_drain_on_si
             assert debug_0 != debug_1
             first = {int(m.group(1)): int(m.group(2)) for m in await log.wait_for(_SERVING, 2)}
             assert set(first) == {0, 1}
+            # Each process's debug endpoint says which of the two it is (its own processes is 1).
+            async with httpx.AsyncClient(trust_env=False) as http:
+                for index, debug in enumerate((debug_0, debug_1)):
+                    shown = (await http.get(f"http://{debug}/debug/config")).json()
+                    assert shown["process"] == f"process {index} of 2 (serve --processes 2)"
+                    assert f"this is process {index} of 2" in (await http.get(f"http://{debug}/readyz")).text
 
             # A killed process is replaced, on the same port.
             os.kill(first[1], signal.SIGKILL)

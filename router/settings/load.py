@@ -82,6 +82,18 @@ FILE_CHECKS = FileChecks(
 
 
 @dataclass(frozen=True, slots=True)
+class SupervisedProcess:
+    """This process is one of the children a ``serve --processes N`` parent runs: it serves as one
+    process (its own ``processes`` is 1), and the debug views say which of the N it is."""
+
+    index: int
+    count: int
+
+    def __str__(self) -> str:
+        return f"process {self.index} of {self.count} (serve --processes {self.count})"
+
+
+@dataclass(frozen=True, slots=True)
 class LoadedConfig:
     config: KvrouteConfig  # as given (may hold invalid values when there are errors)
     effective: KvrouteConfig  # fail-soft: invalid fallback settings → defaults and kvcm_fallback off
@@ -89,6 +101,7 @@ class LoadedConfig:
     errors: tuple[SettingProblem, ...]
     warnings: tuple[str, ...]
     config_path: str | None
+    supervised: SupervisedProcess | None = None  # set by serve in a supervising parent's child
 
     @property
     def fallback_errors(self) -> tuple[SettingProblem, ...]:

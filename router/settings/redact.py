@@ -28,6 +28,7 @@ def redacted(config: KvrouteConfig) -> dict[str, dict[str, object]]:
 def debug_config_view(loaded: LoadedConfig) -> dict[str, object]:
     """What /debug/config shows: the effective config (redacted), each value's source, and the problems."""
     return {
+        "process": None if loaded.supervised is None else str(loaded.supervised),
         "config_file": loaded.config_path,
         "effective": redacted(loaded.effective),
         "sources": {s.toml_key: str(loaded.sources[s.name]) for s in SETTINGS},
