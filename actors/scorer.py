@@ -9,7 +9,7 @@ carries the policy's own time in the Scorer's task apart from the wait for it: a
 time across the hop also holds the inbox and every task the loop ran first.
 
 Readers that must not wait use :meth:`Scorer.health`, an immutable snapshot the task publishes
-after every message.
+once per batch of messages it drained.
 """
 
 from __future__ import annotations

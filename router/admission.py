@@ -44,7 +44,7 @@ def _covers(remaining_s: float, lag_s: float, own_s: float, in_flight: int) -> b
 
 def slot_wait_s(view: AdmissionView, left_s: float) -> float:
     """How long a request with ``left_s`` to go may wait for a place among the requests in flight:
-    at most half of it, so that the chain still has the time its remote calls need once it is
+    at most a quarter of it, so that the chain still has the time its remote calls need once it is
     handed over, and never beyond what leaves the expected cost covered (0: it may not wait)."""
     return max(0.0, min(left_s / 4, left_s - view.expected_s))
 
