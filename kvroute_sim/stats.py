@@ -46,3 +46,26 @@ class Summary:
 
     def to_json(self) -> dict[str, float]:
         return {"n": self.n, "p50": self.p50, "p99": self.p99, "mean": self.mean, "max": self.max}
+
+
+def shown_against(value: float, places: int, *, at_least: bool) -> float:
+    """``value`` rounded to ``places`` decimals toward the side of its target it could miss on (down
+    for an at-least target, up for an at-most one), so a printed figure equal to its target has met it:
+    98.97 % shown as 99.0 % beside MISSED read as a contradiction."""
+    scale = 10.0**places
+    if not math.isfinite(value):
+        return value
+    return (math.floor if at_least else math.ceil)(round(value * scale, 9)) / scale
+
+
+def json_safe(value: object) -> object:
+    """``value`` with every non-finite float (an empty sample's NaN, a missing rate's inf) as None:
+    JSON has neither."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
+

@@ -26,6 +26,7 @@ from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, ta
 from kvroute_sim.bench.raw_grpc import paced, slot_wait
 from kvroute_sim.bench.results import BenchReport, Verdict
 from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
+from kvroute_sim.stats import shown_against
 from router.cli import main
 from router.sidecar import CallTiming
 
@@ -395,3 +396,30 @@ def test_the_soak_misses_on_leaked_descriptors_or_tasks_as_well_as_memory() -> N
     assert soak_verdict(result(25.0, 0, 0)) is Verdict.MISSED
     assert soak_verdict(result(1.0, 5_000, 0)) is Verdict.MISSED
     assert soak_verdict(result(1.0, 0, 2_000)) is Verdict.MISSED
+
+
+def test_a_printed_figure_equal_to_its_target_has_met_it() -> None:
+    """Rounded to its target's precision a figure could print as the target beside MISSED (98.97 % as
+    "99.0 % on time", a 2.004 ms p50 as "2.00 ms"): it is rounded toward the side it misses on."""
+    assert shown_against(98.967, 1, at_least=True) == 98.9
+    assert shown_against(99.0, 1, at_least=True) == 99.0
+    assert shown_against(2.004, 2, at_least=False) == 2.01
+    assert shown_against(2.0, 2, at_least=False) == 2.0
+    assert shown_against(1.53, 2, at_least=False) == 1.53
+
+
+def test_the_results_file_is_strict_json_with_undefined_figures_as_null(tmp_path: Path) -> None:
+    """A rate or level with no answered call has no percentile (NaN, or inf for a missing rate):
+    written as such, the file was not JSON a strict parser reads."""
+    report = BenchReport(meta={"empty": float("nan")})
+    report.notes.append("n")
+    report.tables["t"] = "x"
+    report.meta["levels"] = [{"p99_lateness_ms": float("nan"), "sidecar_p50_ms": float("inf"), "n": 3}]
+    path = tmp_path / "results.json"
+    report.write(path)
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    written = json.loads(path.read_text(), parse_constant=refuse)
+    assert written["meta"] == {"empty": None, "levels": [{"p99_lateness_ms": None, "sidecar_p50_ms": None, "n": 3}]}

@@ -33,7 +33,7 @@ from kvroute_sim.bench.callers import CallerResults, Level, caller_process
 from kvroute_sim.bench.harness import ClusterView, prime, router_config
 from kvroute_sim.bench.harness import Requests as RouterRequests
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
-from kvroute_sim.stats import Summary, percentile
+from kvroute_sim.stats import Summary, percentile, shown_against
 from router.api import open_router
 from router.config import KvrouteConfig
 from router.serve_cli import freeze_start_up
@@ -470,7 +470,8 @@ def measure(report: BenchReport, view: ClusterView, sizes: LoadSizes, caller_cpu
     levels = trio.run(_run, view, sizes, caller_cpus)
     met = all(lv.met for lv in levels)
     result = "; ".join(
-        f"{lv.callers}: {lv.within_share:.1%} on time, {lv.no_answer} unanswered, "
+        f"{lv.callers}: {shown_against(100 * lv.within_share, 1, at_least=True):.1f}% on time, "
+        f"{lv.no_answer} unanswered, "
         f"{lv.share(reason='overloaded'):.0%} overloaded"
         for lv in levels
     )

@@ -42,7 +42,7 @@ from kvroute_sim.bench.harness import ClusterView
 from kvroute_sim.bench.overload import full_collections, reply_outcomes, route_requests, serving_sidecar
 from kvroute_sim.bench.raw_grpc import RawClient
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
-from kvroute_sim.stats import percentile
+from kvroute_sim.stats import percentile, shown_against
 from router.sidecar import CallTiming
 
 RATES = (50, 100, 200, 400, 800)  # calls/s offered
@@ -313,7 +313,8 @@ def measure(
             f"added routing latency (sidecar receipt to reply) at open-loop rates {', '.join(map(str, RATES))}/s "
             f"over loopback gRPC (sims in a separate process), budget {BUDGET_MS} ms; knee: p99 × "
             f"{KNEE_P99_FACTOR:.0f} the lowest rate's or fallbacks > {KNEE_FALLBACK_SHARE:.0%}",
-            f"at {TARGET_RATE}/s p50 {at_target.p(50):.2f} ms, p99 {at_target.p(99):.2f} ms, fallbacks "
+            f"at {TARGET_RATE}/s p50 {shown_against(at_target.p(50), 2, at_least=False):.2f} ms, "
+            f"p99 {shown_against(at_target.p(99), 2, at_least=False):.2f} ms, fallbacks "
             f"{at_target.fallback_share:.1%}, calls without an answer {sum(at_target.errors.values())}"
             f"{floor_text}; {knee_text}",
             f"p50 ≤ {P50_TARGET_MS:.0f} ms and p99 ≤ {P99_TARGET_MS:.0f} ms at {TARGET_RATE}/s with every call "

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvroute_sim.stats import json_safe
+
 
 class Verdict(enum.Enum):
     MET = "met"
@@ -113,4 +115,6 @@ class BenchReport:
             path.unlink()
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        # Strict JSON: an undefined figure (no sample) is null, not NaN or Infinity.
+        text = json.dumps(json_safe(self.to_json()), indent=2, sort_keys=False, allow_nan=False)
+        path.write_text(text + "\n", encoding="utf-8")
