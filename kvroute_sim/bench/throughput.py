@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -185,6 +185,13 @@ def measure_memory(report: BenchReport, shape: ClusterShape, sizes: ThroughputSi
         )
 
 
+def rounds_rate(rates: Sequence[float]) -> float:
+    """The rate over rounds of as many calls each, at ``rates``: all the calls over all the rounds'
+    time (their harmonic mean), as the router's rate is taken. Their plain mean is never lower, and
+    put the raw client ahead by the rounds' spread alone."""
+    return statistics.harmonic_mean(rates)
+
+
 def measure_grpc(report: BenchReport, view: ClusterView, raw: RawClient, sizes: ThroughputSizes) -> None:
     raw_rates: list[float] = []
     raw_cpu_s: list[float] = []
@@ -195,11 +202,11 @@ def measure_grpc(report: BenchReport, view: ClusterView, raw: RawClient, sizes: 
         raw_cpu_s.append(time.process_time() - cpu_before)
 
     def missed(run: _Run) -> bool:
-        return run.rate / statistics.fmean(raw_rates) < P3_GRPC_TARGET_RATIO
+        return run.rate / rounds_rate(raw_rates) < P3_GRPC_TARGET_RATIO
 
     raw.warm_up(sizes.warm_up)
     run, profile = trio.run(_router_run, view, None, sizes, raw_round, missed)
-    raw_rate = statistics.fmean(raw_rates)
+    raw_rate = rounds_rate(raw_rates)
     ratio = run.rate / raw_rate
     raw_cpu_ms = sum(raw_cpu_s) * 1e3 / (sizes.decisions_per_round * len(raw_cpu_s))
     report.figures.append(
