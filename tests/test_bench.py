@@ -12,15 +12,17 @@ import json
 import os
 import threading
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import psutil
 import pytest
+import trio
 
 from kvroute_sim.bench import thread_cpu
 from kvroute_sim.bench.cli import _router_setting, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, Outcomes, router_config
-from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS
+from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS, SCENARIOS, OutageSizes, _scenario
 from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
 from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, targets_met
 from kvroute_sim.bench.raw_grpc import paced, slot_wait
@@ -29,6 +31,7 @@ from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
 from kvroute_sim.bench.throughput import rounds_rate
 from kvroute_sim.stats import shown_against
 from router.cli import main
+from router.config import BreakerConfig
 from router.sidecar import CallTiming
 
 QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,P7,P8,soak"
@@ -431,3 +434,12 @@ def test_the_raw_clients_rate_over_rounds_is_taken_as_the_routers_is() -> None:
     in 3.25 s. The plain mean (3,000/s) beat a router with the very same rounds, timed whole, by 8 %."""
     assert rounds_rate([4000.0, 2000.0, 3000.0]) == pytest.approx(9000 / 3.25)
     assert rounds_rate([2500.0, 2500.0]) == pytest.approx(2500.0)
+
+
+def test_p4_counts_kvcm_written_off_by_the_last_route_it_allows() -> None:
+    """With as many detection routes allowed as the breaker needs failures, the last one opens it: that
+    was recorded as never detected, which misses the judged figure."""
+    needed = BreakerConfig().failure_threshold
+    sizes = OutageSizes(healthy=5, outage=5, detect_max=needed, warm_up=5)
+    result = trio.run(partial(_scenario, ClusterShape(), SCENARIOS[0], sizes, domain_baseline=False))
+    assert (result.detected, len(result.detection_ms)) == ("breaker open", needed)

@@ -131,6 +131,8 @@ async def _scenario(
                         break
                     latencies, _ = await sequential(router, requests, 1)
                     result.detection_ms += latencies
+                else:  # the last route allowed may be the one that wrote KVCM off
+                    result.detected = _written_off(resolver) or result.detected
                 result.outage_ms, result.outage_outcomes = await sequential(router, requests, sizes.outage)
                 result.breaker_opened = resolver.snapshot().breaker.opened_total
                 cluster.kvcm.clear_faults()  # release hung handler threads before the servers stop
