@@ -477,6 +477,12 @@ class Sidecar:
     def stats(self) -> SidecarStats:
         return self._counters.snapshot()
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block (any thread but the trio one) until no Route call's RPC is open, at most ``timeout_s``;
+        whether none is. A measurement's calls that its clients gave up on may still be queued for a
+        handler thread when the clients return."""
+        return self._counters.idle.wait(timeout_s)
+
     def take_call_timings(self) -> list[CallTiming]:
         """The timings of the answered calls since the last take (at most CALL_TIMING_SAMPLES, the latest;
         none unless the sidecar was made with ``keep_call_timings``)."""

@@ -749,6 +749,20 @@ async def test_a_drain_ends_at_its_timeout_with_a_call_still_in_the_router(nurse
             assert not isinstance(cut, router_v1_pb2.RouteDecision), cut
 
 
+async def test_wait_idle_returns_once_no_route_call_is_open(nursery: trio.Nursery) -> None:
+    """What a measurement waits on before reading the sidecar's timings: a call still in the router
+    keeps it from returning true; once the call's reply is sent it does."""
+    with trio.fail_after(30):
+        async with rig(nursery, serve=ServeConfig(grpc_listen="127.0.0.1:0"), router=HOLDING) as r:
+
+            async def while_held() -> None:
+                assert not await _in_thread(lambda: r.sidecar.wait_idle(0.05))
+
+            (answer,) = await _with_calls_in_router(r, 1, while_held)
+            assert isinstance(answer, router_v1_pb2.RouteDecision), answer
+            assert await _in_thread(lambda: r.sidecar.wait_idle(10.0))
+
+
 def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None:
     message = router_v1_pb2.RouteRequest(request_id="x", token_ids=[1, 2], roles=["pdfusion"])
     request = request_from_proto(message, LIMITS)

@@ -39,7 +39,13 @@ import trio
 
 from kvroute_sim.bench.callers import Level, caller_process
 from kvroute_sim.bench.harness import ClusterView
-from kvroute_sim.bench.overload import full_collections, reply_outcomes, route_requests, serving_sidecar
+from kvroute_sim.bench.overload import (
+    SETTLE_S,
+    full_collections,
+    reply_outcomes,
+    route_requests,
+    serving_sidecar,
+)
 from kvroute_sim.bench.raw_grpc import RawClient
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import percentile, shown_against
@@ -212,6 +218,8 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                 cpu_before = time.process_time()
                 with full_collections() as pauses:
                     run = await trio.to_thread.run_sync(client.run, level)
+                    # Calls its client gave up on may still wait for a handler: this rate's, not the next's.
+                    await trio.to_thread.run_sync(sidecar.wait_idle, SETTLE_S)
                 cpu_s = time.process_time() - cpu_before
                 seen = run.results[0]
                 timings = sidecar.take_call_timings()
