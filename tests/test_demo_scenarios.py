@@ -11,6 +11,7 @@ The command (``kvroute demo --scenario all``) keeps its strict checks on the rea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import io
 from collections.abc import Callable, Iterator, Mapping
@@ -34,6 +35,7 @@ from kvroute_sim.demo.scenarios import (
     run_scenarios,
 )
 from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.master import MasterFaults
 from router.transport.memory_adapter import MemoryNetwork
 
 # Over real gRPC: phases at 40 % (warm-up 0.4 s, fault 0.6 s), and a few scenarios that cover the
@@ -324,3 +326,18 @@ def test_master_fallback_and_business_error_fail_when_kvcm_was_asked() -> None:
     unexplained[60].error_code = 0
     unexplained[60].lost = "answered without a worker: none"
     assert _master_run("master-business-error", unexplained)["answered"] is False
+
+
+def test_an_answer_without_a_worker_counts_as_answered_only_with_the_scenarios_own_error_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """master-business-error expects the scheduler's 8400 passed on; any other code (here 8402) is an
+    answer without a worker, lost: it used to pass the answered check as long as the code was not 0."""
+    expected = scenarios._BY_NAME["master-business-error"]
+    assert expected.error_code == 8400
+    other = dataclasses.replace(expected, inject=scenarios._master_all(MasterFaults(business_error=8402)))
+    monkeypatch.setitem(scenarios._BY_NAME, expected.name, other)
+    code, text = _in_memory([expected.name])
+    assert code == 1, text
+    assert "first lost: answered without a worker" in text
+

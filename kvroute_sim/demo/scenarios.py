@@ -632,7 +632,7 @@ class _Traffic:
             outcome.source, outcome.reason = decision.route_source.value, decision.reason.value
             outcome.error_code = decision.error_code
             # The scheduler's business error, passed on, is an answer: the frontend fails the request with it.
-            passed_on = self._scenario.error_code is not None and decision.error_code != 0
+            passed_on = self._scenario.error_code is not None and decision.error_code == self._scenario.error_code
             if decision.worker is None and not passed_on:
                 outcome.lost = f"answered without a worker: {decision.error}"
             elif decision.worker is not None:
