@@ -40,6 +40,7 @@ import trio
 
 from router.config import ShadowConfig
 from router.problems import Problem, range_problems, refuse
+from router.targets import TargetError, format_target, parse_target
 from router.types import HostMatch
 
 _DRAIN_BATCH = 31  # records applied after a received one without yielding (a bounded slice of the loop)
@@ -203,7 +204,18 @@ def _top_hosts(hosts: Sequence[HostMatch], k: int) -> set[str]:
     if not positive:
         return set()
     cut = positive[min(k, len(positive)) - 1]
-    return {h.host_ip_port for h in hosts if h.local >= cut}
+    return {canonical_host(h.host_ip_port) for h in hosts if h.local >= cut}
+
+
+def canonical_host(host_ip_port: str) -> str:
+    """``host_ip_port`` as the shadow index names its worker (the canonical target): KVCM may spell
+    the same worker otherwise (an IPv6 address written out in full, a port with leading zeros). A
+    host that does not parse stays as given."""
+    try:
+        parsed = parse_target(host_ip_port)
+    except TargetError:
+        return host_ip_port
+    return format_target(parsed.host, parsed.port)
 
 
 def agreement(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[HostMatch], k: int = 1) -> float:
@@ -236,7 +248,7 @@ def hit_error_tokens(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[Hos
     if not holders:
         return max(shadow_local.values(), default=0) * block_size
     best = max(holders, key=lambda h: h.local)
-    return abs(best.local - shadow_local.get(best.host_ip_port, 0)) * block_size
+    return abs(best.local - shadow_local.get(canonical_host(best.host_ip_port), 0)) * block_size
 
 
 @dataclass(frozen=True, slots=True)

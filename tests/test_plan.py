@@ -291,7 +291,24 @@ def test_plan_examines_a_bounded_number_of_fleet_entries(n: int) -> None:
         workers.reads = by_target.reads = 0
         p = plan(hosts, fleet, f"req-{r}", hot=8, cold=2, ejected=ejected)
         assert len(p.candidates) == min(7, n)
-        assert by_target.reads == 6  # one lookup per reported host, none per fleet worker
+        # A lookup per reported host for the hot set and one for the cold set's matches, none per fleet worker.
+        assert by_target.reads == 2 * len(hosts)
         # The walk reads the 2 picks plus the hot or ejected workers it steps on (at most 6),
         # whatever the fleet size.
         assert 2 <= workers.reads <= min(n, 2 + 6)
+
+
+def test_a_cold_worker_the_answer_names_in_another_spelling_keeps_its_match() -> None:
+    """The cold walk names workers by canonical target; the answer may spell one otherwise (an IPv6
+    address written out in full): the cold candidate lost its match, and was scored with no hit."""
+    workers = [WorkerAddr.from_http(f"2001:db8::{i}", 8000) for i in range(1, 5)]
+    fleet = Fleet.of(workers)
+    spelled_out = "[2001:0db8:0000:0000:0000:0000:0000:0002]:8000"
+    hosts = (HostMatch("[2001:db8::1]:8000", 10, 0, 10), HostMatch(spelled_out, 9, 0, 9))
+    plan = plan_candidates(
+        hosts, fleet, request_id="r1", namespace="ns", config=ScorerConfig(hot_set_size=1, cold_set_size=3)
+    )
+    by_target = {c.target: c for c in plan.candidates}
+    second = by_target["[2001:db8::2]:8000"]
+    assert second.source is CandidateSource.COLD
+    assert second.match is not None and second.match.local == 9

@@ -308,3 +308,12 @@ def test_hit_error_tokens_at_kvcms_best_holder() -> None:
     # Hosts holding the prefix only through p2p are no holders: the shadow's 4 local blocks are all error.
     p2p_only = [HostMatch("a:1", local=0, p2p_fetch=5, p2p_total=5)]
     assert hit_error_tokens(p2p_only, [HostMatch("b:1", local=4)], 64) == 256
+
+
+def test_kvcm_naming_a_holder_in_another_spelling_agrees_with_the_shadows_canonical_one() -> None:
+    """KVCM may write a worker's address out in full; the shadow index names it by canonical target.
+    The same holder with the same blocks read as full disagreement and a whole prefix of error."""
+    kvcm = (HostMatch("[2001:0db8:0000:0000:0000:0000:0000:0002]:08000", 9, 0, 9),)
+    shadow = (HostMatch("[2001:db8::2]:8000", 9, 0, 9),)
+    assert agreement(kvcm, shadow) == 1.0
+    assert hit_error_tokens(kvcm, shadow, 64) == 0

@@ -19,7 +19,6 @@ import hashlib
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import NamedTuple
 
 from router.config import ScorerConfig
@@ -84,9 +83,6 @@ class CandidatePlan:
 
     candidates: tuple[Candidate, ...]
     dropped: tuple[CandidateExplain, ...] = ()  # cache-answer hosts that could not become candidates
-
-
-_host_ip_port = attrgetter("host_ip_port")
 
 
 def request_seed(request_id: str, namespace: str) -> bytes:
@@ -315,7 +311,13 @@ def plan_candidates(
     cold_picks = _cold_walk(fleet, seed, config.cold_set_size, builder.taken, ejected, cold_skip)
     cold: list[Candidate] = []
     if cold_picks:
-        by_host = dict(zip(map(_host_ip_port, reversed(hosts)), reversed(hosts), strict=True))  # the first entry wins
+        # By canonical target, as the cold walk names workers: an answer may spell a host otherwise
+        # (an expanded IPv6 address, a port with leading zeros) and still be that worker.
+        by_host: dict[str, HostMatch] = {}
+        for match in reversed(hosts):  # the first entry wins
+            resolved = _resolve_host(match.host_ip_port, fleet)
+            if not isinstance(resolved, DropReason):
+                by_host[resolved[1]] = match
         targets = fleet.targets
         cold = [
             Candidate(worker, targets[i], by_host.get(targets[i]), CandidateSource.COLD) for worker, i in cold_picks
