@@ -112,6 +112,10 @@ class Scorer:
         self._errors = 0
         self._last_error: str | None = None
         self._error_log = AggregatingLogger(log, interval_s=error_log_interval_s, max_keys=1, level=logging.ERROR)
+        # Set from a run's end to the next run's start: a decision asked for between a crash and the
+        # restart fails at once, as the prober's and the resolver's do, instead of waiting out the
+        # request's whole budget in an inbox nobody reads. (Before the first run a decision waits.)
+        self._stopped = False
         self._health = self._snapshot()
 
     def plan(
@@ -135,22 +139,47 @@ class Scorer:
         is short and bounded, and nothing can add to the inbox meanwhile), publish the health snapshot
         once per batch, then wait for the next message."""
         receive = self._receive
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._error_log.run)  # logs the failures' totals when their interval ends
-            task_status.started()
-            while True:
-                try:
-                    message = receive.receive_nowait()
-                except trio.WouldBlock:
-                    self._health = self._snapshot()
-                    message = await receive.receive()
-                if isinstance(message, _Record):
-                    self._policy.record(message.worker, message.uncached_tokens, message.now)
-                    self._records += 1
-                elif message.abandoned:
-                    self._abandoned += 1
-                else:
-                    self._decide(message)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._error_log.run)  # logs the failures' totals when their interval ends
+                self._stopped = False
+                task_status.started()
+                while True:
+                    try:
+                        message = receive.receive_nowait()
+                    except trio.WouldBlock:
+                        self._health = self._snapshot()
+                        message = await receive.receive()
+                    if isinstance(message, _Record):
+                        self._policy.record(message.worker, message.uncached_tokens, message.now)
+                        self._records += 1
+                    elif message.abandoned:
+                        self._abandoned += 1
+                    else:
+                        self._decide(message)
+        finally:
+            self._stopped = True
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """At the task's end: the decisions still queued fail now (their callers fall back at once);
+        the dispatch records are queued again for the next run, which applies them."""
+        records: list[_Record] = []
+        while True:
+            try:
+                message = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if isinstance(message, _Record):
+                records.append(message)
+                continue
+            message.error = "the Scorer stopped before deciding"
+            message.done = True
+            if message.waiting:
+                message.waiting = False
+                trio.lowlevel.reschedule(message.caller)
+        for record in records:  # the inbox was just emptied: there is room for them again
+            self._send.send_nowait(record)
 
     async def decide(self, request: DecideRequest) -> Decided:
         """The policy's selection for ``request``, recorded in its ledger, and the policy's time on it.
@@ -159,6 +188,8 @@ class Scorer:
         while waiting leaves nothing recorded unless the Scorer had already decided.
         Raises :class:`ScorerUnavailable` when the policy failed on this request.
         """
+        if self._stopped:
+            raise ScorerUnavailable("the Scorer is not running (it is restarting)")
         message = _Decision(request, trio.lowlevel.current_task())
 
         def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:

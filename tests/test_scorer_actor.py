@@ -100,6 +100,33 @@ async def test_record_nowait_charges_a_fallback_dispatch(nursery: trio.Nursery) 
     assert scorer.health().records == 1
 
 
+async def test_a_stopped_scorer_fails_decisions_at_once_and_its_next_run_applies_the_records(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Between a run's end (a crash) and the next run, a decision fails at once instead of waiting in
+    an inbox nobody reads; dispatches recorded meanwhile, or queued when the run ended, are kept for
+    the next run."""
+    scorer = make_scorer()
+    a, b = addr(1), addr(2)
+    plan = plan_of((a, 10), (b, 10))
+    async with trio.open_nursery() as first_run:
+        await first_run.start(scorer.run)
+        assert scorer.record_nowait(a, 100, now=0.0)  # queued, not yet applied, when the run ends
+        first_run.cancel_scope.cancel()
+    start = trio.current_time()
+    with trio.fail_after(1), pytest.raises(ScorerUnavailable, match="not running"):
+        await scorer.decide(request(plan, {a: status(), b: status()}, now=1.0))
+    assert trio.current_time() == start
+    assert scorer.record_nowait(b, 100, now=1.0)
+    async with trio.open_nursery() as second_run:
+        await second_run.start(scorer.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert scorer.health().records == 2
+        selection, _ = await scorer.decide(request(plan, {a: status(), b: status()}, now=2.0))
+        assert selection.worker is not None
+        second_run.cancel_scope.cancel()
+
+
 async def test_a_full_inbox_drops_and_counts_records() -> None:
     scorer = make_scorer(inbox=2)  # not running: nothing drains the inbox
     assert [scorer.record_nowait(addr(1), 10, now=0.0) for _ in range(4)] == [True, True, False, False]

@@ -19,7 +19,7 @@ from router.config import ChannelPoolConfig, DeploymentConfig, DiscoveryConfig, 
 from router.keys import block_keys
 from router.supervisor import Supervisor
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import KeyFamily, RouteRequest, RouteSource
+from router.types import KeyFamily, Reason, RouteRequest, RouteSource
 
 BLOCK = 16
 PROMPT = tuple(range(4 * BLOCK))
@@ -69,6 +69,36 @@ async def test_crashed_actor_restarts_and_routing_continues(actor: str, autojump
         assert sources[-1] is RouteSource.KVCM
         others = {name: v["restarts"] for name, v in handle.actors_health().items() if name != actor}
         assert set(others.values()) == {0}
+
+
+async def test_requests_while_the_scorer_restarts_fall_back_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    """Between a Scorer crash and its restart (its backoff), a decision was queued in an inbox nobody
+    read: every cache-path request waited out its whole budget, then fell back. It fails at once now,
+    as a request finding the prober or the resolver down does."""
+    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        with trio.fail_after(1):
+            await resolver.leader()
+        handle.supervisor.inject_crash("scorer")
+        await trio.testing.wait_all_tasks_blocked()
+        assert handle.actors_health()["scorer"]["state"] == "restarting"
+        start = trio.current_time()
+        decision = await handle.route(RouteRequest("while-down", token_ids=PROMPT, budget_ms=30))
+        assert trio.current_time() == start  # not its 30 ms budget
+        assert decision.worker is not None and decision.reason is Reason.INTERNAL_ERROR
+        await trio.sleep(1.0)  # past the restart's backoff
+        assert handle.actors_health()["scorer"]["state"] == "running"
+        after = await handle.route(RouteRequest("after", token_ids=PROMPT, budget_ms=30))
+        assert after.route_source is RouteSource.KVCM
 
 
 class _Channel:
