@@ -321,9 +321,12 @@ class DebugServer:
             # Read at start (not at construction): the token file may be written by the same deployment step.
             token = await trio.to_thread.run_sync(read_token_file, self._token_file)
             self.app = DebugApp(self._sources, self._sink, self._loaded, token)
+        # A restart binds the address the first run bound and announced: with port 0 a fresh port would
+        # leave everyone scraping the announced one refused.
+        listen = self.bound if self.bound is not None else parse_listen(self._listen)
         try:
             # Bound here (a name in it may need resolving: off the trio thread), handed over by fd.
-            fd = await trio.to_thread.run_sync(listening_fd, parse_listen(self._listen), self._unacked_send_timeout_ms)
+            fd = await trio.to_thread.run_sync(listening_fd, listen, self._unacked_send_timeout_ms)
         except OSError as exc:
             raise OSError(f"--debug-listen: cannot bind {self._listen}: {exc}") from exc
         config = hypercorn.config.Config()
@@ -335,18 +338,21 @@ class DebugServer:
         # without a read timeout such connections were held for ever, each an open descriptor.
         config.read_timeout = self._read_timeout_s
 
+        serving = False
+
         async def serve(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
             try:
                 # hypercorn types scopes as TypedDicts; the app takes the same messages as plain mappings.
                 await hypercorn.trio.serve(self.app, config, task_status=task_status)  # type: ignore[arg-type]
             except* OSError as group:
-                if self.bound is not None:  # serving already: not a bind error
+                if serving:  # not a bind error
                     raise
                 first = leaves(group)[0]
                 raise OSError(f"--debug-listen: cannot bind {self._listen}: {first}") from first
 
         async with trio.open_nursery() as nursery:
             binds: list[str] = await nursery.start(serve)
+            serving = True
             self.bound = parse_target(binds[0].partition("://")[2])
             logger.info("debug HTTP listening on http://%s", self.bound, extra=ctx(target=str(self.bound)))
             task_status.started(self.bound)

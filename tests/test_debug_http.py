@@ -107,6 +107,23 @@ async def test_binds_a_free_loopback_port_and_serves_health() -> None:
             assert (not_ready.status_code, not_ready.text) == (503, "not ready: discovery has no worker\n")
 
 
+async def test_a_restarted_server_listens_where_the_first_run_announced() -> None:
+    """Bound to port 0, a restarted server (the supervisor runs the same object again after a crash)
+    took a fresh port: the address announced at start went dark."""
+    with trio.fail_after(10):
+        sink = MetricsSink(MetricsConfig())
+        server = DebugServer(Sources(), sink, load_config(GOOD, {}), "127.0.0.1:0")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            async with trio.open_nursery() as first_run:
+                announced = await first_run.start(server.run)
+                first_run.cancel_scope.cancel()  # as a crash ends it
+            assert await nursery.start(server.run) == announced
+            async with httpx.AsyncClient(base_url=f"http://{announced}", trust_env=False) as client:
+                assert (await client.get("/healthz")).status_code == 200
+            nursery.cancel_scope.cancel()
+
+
 async def test_readyz_and_config_report_a_fallback_disabled_by_configuration() -> None:
     loaded = load_config({**GOOD, "block_size": "0", "kvcm_instance_id": ""}, {})
     with trio.fail_after(10):
