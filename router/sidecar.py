@@ -3,7 +3,7 @@
 A :class:`Sidecar` serves a running router (``open_router``) on ``--grpc-listen``:
 
 - Route calls arrive on grpc's handler threads (``--grpc-max-workers`` of them). gRPC holds at
-  most ``--grpc-max-concurrent-rpcs`` calls at once, health calls and Watch streams included: those
+  most ``--grpc-max-concurrent-rpcs`` calls at once, health checks included (an open Watch stream holds no place): those
   beyond the threads wait for one (holding no thread), and a call beyond the cap is refused with
   RESOURCE_EXHAUSTED. A closed loop of more callers than threads is then answered, not refused:
   a call that waited reaches its thread with less time left and is answered ``overloaded`` at once
