@@ -366,7 +366,14 @@ class RouterActor:
         t = trio.current_time()
         try:
             checked = check_request(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
-            keys, hashing_s = await self._keys(checked)
+            try:
+                keys, hashing_s = await self._keys(checked)
+            except trio.Cancelled:
+                # Cut while hashing a long prompt: no keys and no context, so the record says so itself,
+                # or it would read as a request refused by its checks.
+                if record is not None:
+                    record.hashing_cut = checked.seq_len
+                raise
             prepared = checked.with_keys(keys)
         except BadRequest as exc:
             return None, self._fallback(request, None, Reason.BAD_REQUEST, received_at, stages, (), error=str(exc))

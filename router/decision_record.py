@@ -5,7 +5,7 @@ is on. The sources fill it with what they were answered and when; the router add
 hands it to the log actor after the reply. Encoding happens in the log actor's writer thread, so
 the request pays for a few attribute writes only.
 
-The log (format version 3; versions 1 and 2 are still read) is a file that starts with :data:`MAGIC`
+The log (format version 4; versions 1 to 3 are still read) is a file that starts with :data:`MAGIC`
 and continues with frames::
 
     u32 payload length | u8 kind | u32 crc32(payload) | payload (UTF-8 JSON object)
@@ -44,10 +44,11 @@ from router.types import (
     WorkerStatus,
 )
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # 2 added the deadline split: its estimates (``se``) and windows (``sm``, ``sw``); 3 the tail: its estimate
-# (the fifth ``se`` value) and the request's own (``tl``).
-READABLE_VERSIONS = (1, 2, 3)
+# (the fifth ``se`` value) and the request's own (``tl``); 4 a prompt the deadline cut while it was hashed
+# (``hc``: its token count), which has no keys to record.
+READABLE_VERSIONS = (1, 2, 3, 4)
 MAGIC = b"KVRDLOG" + bytes([FORMAT_VERSION])
 FRAME_HEAD = struct.Struct(">IBI")  # payload length, kind, crc32 of the payload
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -129,6 +130,9 @@ class DecisionRecord:
     shadow_hosts: tuple[HostMatch, ...] | None = None
     scorings: list[ScoringRecord] = field(default_factory=list)
     split: SplitEstimates | None = None  # the deadline split's estimates the request's windows came from
+    # The token count of a checked prompt whose hashing the request's deadline cut (None: not cut): it
+    # has no keys, so without it the record would read as a request refused before its checks.
+    hashing_cut: int | None = None
     decision: RouteDecision | None = None
 
 
@@ -182,6 +186,8 @@ def encode_decision(record: DecisionRecord, fleet_id: int | None) -> dict[str, A
         out["k"] = keys_field(prepared.keys)
         out["sl"] = prepared.seq_len
         out["bs"] = prepared.block_size
+    if record.hashing_cut is not None:
+        out["hc"] = record.hashing_cut
     if record.overloaded:
         out["ov"] = 1
     if record.master is not None:

@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -74,7 +74,7 @@ from router.policy.deadline_split import COLD, SplitEstimates
 from router.policy.ledger import NEVER, SelectionLedger
 from router.policy.plan import CandidateSource, Fleet
 from router.problems import declared_range
-from router.request import PreparedRequest
+from router.request import CheckedRequest, PreparedRequest, is_sliced
 from router.settings import resolve_config
 from router.settings.redact import config_digest
 from router.settings.table import BY_NAME
@@ -156,6 +156,16 @@ class Case:
     split: SplitEstimates = COLD  # the deadline split's estimates the recorded request used
     # A version 2 record: its learned split left reserve_min + lag + score after the probes, not a tail.
     split_without_tail: bool = False
+    # The token count of a prompt the recorded deadline cut while it was hashed (None: not cut). Its
+    # request is built with a stand-in prompt of that length at replay (``replayed_request``), not held.
+    hashing_cut: int | None = None
+
+    def replayed_request(self) -> RouteRequest:
+        """The request to route: the recorded one, with a stand-in prompt (zeros, the recorded length) for
+        one whose hashing was cut; its keys were never made, and only its length and slicing decide."""
+        if self.hashing_cut is None:
+            return self.request
+        return replace(self.request, token_ids=(0,) * self.hashing_cut)
 
     def split_estimates(self, router: RouterConfig) -> SplitEstimates:
         """The estimates the recorded request's windows came from, under ``router``'s split rule."""
@@ -294,6 +304,7 @@ def _answer(raw: Sequence[Any]) -> RecordedAnswer:
 # The most keys a request can have (the upper bound of limits.max_block_keys): a recorded count
 # beyond it is a garbled log, not a request to rebuild.
 _MAX_RECORDED_KEYS = int(declared_range(LimitsConfig, "max_block_keys").high)
+_MAX_RECORDED_TOKENS = int(declared_range(LimitsConfig, "max_prompt_tokens").high)  # likewise for a prompt
 # What a decision's "d" must hold for replay to compare it (decision_fields; "sm"/"sw" are optional).
 _DECISION_FIELDS = frozenset({"w", "r", "rs", "ra", "ch", "c", "hit", "ec"})
 
@@ -326,8 +337,13 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
             deadline=deadline,
             roles=roles,
         )
-    else:  # refused before it had keys (bad request) or never admitted (overloaded)
+    else:  # cut while hashing, refused before it had keys (bad request) or never admitted (overloaded)
         request = RouteRequest(str(p["id"]), budget_ms=budget, deadline=deadline, roles=roles)
+    hashing_cut = None
+    if "hc" in p:
+        hashing_cut = int(p["hc"])
+        if not 0 < hashing_cut <= _MAX_RECORDED_TOKENS:
+            raise ValueError(f"a recorded prompt of {hashing_cut} tokens, beyond 1..{_MAX_RECORDED_TOKENS}")
     kvcm = None
     if "kv" in p:
         raw = p["kv"]
@@ -384,6 +400,7 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
         expected=expected,
         split=split,
         split_without_tail=split_without_tail,
+        hashing_cut=hashing_cut,
     )
 
 
@@ -671,6 +688,37 @@ class _ReplayCompanions(CompanionPicker):
 
 
 class _ReplayRouter(RouterActor):
+    def __init__(
+        self,
+        config: KvrouteConfig,
+        current: _Current,
+        *,
+        chain: Sequence[Source],
+        domain: DomainSource,
+        companions: CompanionPicker,
+        metrics: MetricsSink,
+        warn: AggregatingLogger,
+        split_estimates: Callable[[], SplitEstimates],
+    ) -> None:
+        super().__init__(
+            config,
+            chain=chain,
+            domain=domain,
+            companions=companions,
+            metrics=metrics,
+            warn=warn,
+            split_estimates=split_estimates,
+        )
+        self._current = current
+
+    async def _keys(self, checked: CheckedRequest) -> tuple[tuple[int, ...], float]:
+        """A prompt whose recorded hashing the deadline cut is hashed until the deadline cuts it again:
+        the log holds neither its keys nor how long the rest would have taken (a what-if giving it more
+        time cannot know), as a source that had not answered by then never answers."""
+        if self._current.get().hashing_cut is not None and is_sliced(checked, self._limits.hash_slice_tokens):
+            await trio.sleep_forever()
+        return await super()._keys(checked)
+
     async def route_overloaded(self, request: RouteRequest) -> RouteDecision:
         """Route with every admission token held, as when the recorded request found none."""
         holders = [object() for _ in range(int(self._limiter.total_tokens))]
@@ -745,6 +793,7 @@ class ReplayEngine:
         split = case.split_estimates(config.router)
         router = _ReplayRouter(
             config,
+            current,
             chain=chain,
             domain=domain,
             companions=_ReplayCompanions(current),
@@ -752,9 +801,10 @@ class ReplayEngine:
             warn=warn,
             split_estimates=lambda: split,
         )
+        request = case.replayed_request()
         if case.overloaded:
-            return await router.route_overloaded(case.request)
-        return await router.route(case.request)
+            return await router.route_overloaded(request)
+        return await router.route(request)
 
 
 # --- configuration and the what-if ---------------------------------------------------------------------

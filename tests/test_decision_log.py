@@ -40,6 +40,7 @@ from router.config import (
     DeploymentConfig,
     DiscoveryConfig,
     KvrouteConfig,
+    LimitsConfig,
     MasterConfig,
     ProberConfig,
     RouterConfig,
@@ -426,6 +427,63 @@ def test_a_version_2_log_still_replays_with_the_split_it_was_recorded_under(tmp_
         assert e.tail == pytest.approx(router.reserve_min_ms / 1000.0 + e.lag + e.score)
     identical, total = replay_all(old)
     assert total == len(decisions) and identical >= 1  # readable and replayed (the cold decisions as recorded)
+
+
+@pytest.mark.parametrize("kvcm_fallback", [True, False])
+def test_long_prompts_the_deadline_cut_while_hashing_replay_as_deadline(tmp_path: Path, kvcm_fallback: bool) -> None:
+    """A prompt longer than hash_slice_tokens is hashed (without the KVCM fallback: its ids checked) in
+    slices with awaits; a deadline passing there answers ``deadline`` before the request has keys or a
+    context. Its record held no keys and replayed as a request refused by its checks (bad_request); it
+    now holds the prompt's length, and a version 3 log without it still loads."""
+    log = tmp_path / "decisions.log"
+    long_prompt = tuple(range(1000, 1000 + 3000))
+    assert len(long_prompt) > LimitsConfig().hash_slice_tokens
+
+    async def record(log: Path) -> list[RouteDecision]:
+        cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+        network = MemoryNetwork()
+        addrs = cluster.serve_memory(network)
+        config = _config(addrs.kvcm_bootstrap, addrs.workers_arg, log, kvcm_fallback=kvcm_fallback)
+        async with open_router(config, rpc=network) as handle:
+            await trio.sleep(1.0)  # discovery and the leader
+            return [
+                await handle.route(RouteRequest("long-ok", token_ids=long_prompt, budget_ms=50)),
+                await handle.route(RouteRequest("long-b0", token_ids=long_prompt, budget_ms=0)),
+                await handle.route(
+                    RouteRequest("long-past", token_ids=long_prompt, deadline=trio.current_time() - 0.001)
+                ),
+            ]
+
+    decisions = on_mock_clock(record, log)
+    assert [(d.reason, d.sources) for d in decisions[1:]] == [(Reason.DEADLINE, ())] * 2
+    recorded = load_log([str(log)])
+    assert [c.hashing_cut for c in recorded.cases] == [None, len(long_prompt), len(long_prompt)]
+    assert replay_all(log) == (3, 3)
+    frames = list(parse_frames(str(log), log.read_bytes()))
+    # On the real clock the hashing itself can outlast a budget (MockClock hashes in no time): the
+    # stand-in prompt must not be hashed at once and walk the chain (without the KVCM fallback, straight
+    # to the domain's answer), it is cut where it was.
+    slow = tmp_path / "slow.log"
+    body = bytearray(MAGIC)
+    for f in frames:
+        payload = dict(f.payload)
+        if f.kind == KIND_DECISION and payload.get("b") == 0:
+            payload["b"] = 50
+        body += frame(f.kind, payload)
+    slow.write_bytes(bytes(body))
+    assert replay_all(slow) == (3, 3)
+    # A version 3 log (no ``hc``) still loads: its decisions with keys replay as before.
+    old = tmp_path / "v3.log"
+    body = bytearray(MAGIC[:-1] + bytes([3]))
+    for f in frames:
+        payload = dict(f.payload)
+        if f.kind == KIND_HEADER:
+            payload["v"] = 3
+        if f.kind == KIND_DECISION and "hc" in payload:
+            continue
+        body += frame(f.kind, payload)
+    old.write_bytes(bytes(body))
+    assert replay_all(old) == (1, 1)
 
 
 def test_the_replay_command_reports_and_exits_by_identity(
