@@ -3,16 +3,20 @@
 Same input and exit status as ``kvroute route``. The table lists each candidate the decision
 considered: where it came from (KVCM's hot set, discovery's cold picks, the shadow index), its role,
 cached blocks, hit and work in tokens, and its outcome: WON (with the decision's reason), dropped
-(with the drop reason), or why it lost against the winner in the order the reason used.
+(with the drop reason), or why it lost against the winner in the order the reason used, under the
+configured ``--scorer-policy``: cache-affinity orders by hit and work; cost-aware by a cost the table
+does not show (work plus a fixed cost per request queued and a copy price), then may spread near-ties.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from router.config import ScorerConfig
 from router.logs import shown
+from router.policy.cost_aware import SPREAD_REASONS
 from router.route_cli import configure_input, run_command
-from router.types import CandidateExplain, Reason, RouteDecision, SourceStep, StageWindow
+from router.types import CandidateExplain, Reason, RouteDecision, ScorerPolicy, SourceStep, StageWindow
 
 # Reasons whose winner is the first in TTFT order (least work); the others follow the cache-leader
 # order (most hit, then least work) — the policy's leader order.
@@ -26,20 +30,27 @@ _TTFT_ORDER = frozenset(
     }
 )
 _TIE = "lost a tie: spread to the least recently selected worker (then a seeded random choice)"
+# Every decision is made in the Scorer's one task and its pick is the answer: no claim can take a worker
+# from under it, so a loss these orders do not explain is not put down to one.
+_UNEXPLAINED = "not chosen, though its hit and work rank it ahead of the winner in this order"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     configure_input(parser)
 
 
-def outcome(candidate: CandidateExplain, winner: CandidateExplain | None, reason: Reason) -> str:
-    """Why ``candidate`` won, was dropped, or lost to ``winner`` (pure)."""
+def outcome(
+    candidate: CandidateExplain, winner: CandidateExplain | None, reason: Reason, scorer: ScorerConfig
+) -> str:
+    """Why ``candidate`` won, was dropped, or lost to ``winner`` under ``scorer``'s policy (pure)."""
     if candidate.chosen:
         return f"WON: {reason.value}"
     if candidate.dropped is not None:
         return f"dropped: {candidate.dropped}"
     if winner is None or winner.work_tokens is None or candidate.work_tokens is None:
         return "scored, not chosen"
+    if scorer.policy is ScorerPolicy.COST_AWARE:
+        return _cost_outcome(candidate, winner, reason, scorer)
     more_work = candidate.work_tokens > winner.work_tokens
     work = f"more work ({candidate.work_tokens} > {winner.work_tokens} tokens)"
     if reason in _TTFT_ORDER:
@@ -47,7 +58,7 @@ def outcome(candidate: CandidateExplain, winner: CandidateExplain | None, reason
             return f"lost: {work}"
         if candidate.work_tokens == winner.work_tokens:
             return _TIE
-        return "not chosen: less work, but the guard or a concurrent claim ruled it out"
+        return _UNEXPLAINED
     if candidate.hit_tokens < winner.hit_tokens:
         return f"lost: smaller hit ({candidate.hit_tokens} < {winner.hit_tokens} tokens)"
     if candidate.hit_tokens == winner.hit_tokens:
@@ -55,11 +66,34 @@ def outcome(candidate: CandidateExplain, winner: CandidateExplain | None, reason
             return f"lost: same hit, {work}"
         if candidate.work_tokens == winner.work_tokens:
             return _TIE
-    return "not chosen: its extra work was over --scorer-max-extra-work-tokens, or a concurrent claim took it"
+    return _UNEXPLAINED
 
 
-def render_table(decision: RouteDecision) -> str:
-    """The decision summary, its stage timings, and one row per candidate (pure)."""
+def _cost_outcome(candidate: CandidateExplain, winner: CandidateExplain, reason: Reason, scorer: ScorerConfig) -> str:
+    """A loss under cost-aware: its orders rank the cost (:func:`policy_line`), not the work shown, so a
+    candidate with less work (or more hit, in the shortest-TTFT order) lost on what the cost adds, or to
+    near-tie spreading; a smaller hit still loses the cache-leader order."""
+    if reason not in _TTFT_ORDER and candidate.hit_tokens < winner.hit_tokens:
+        return f"lost: smaller hit ({candidate.hit_tokens} < {winner.hit_tokens} tokens)"
+    why = "lost on cost: its cost was over the winner's (or equal, and the tie went to the winner)"
+    if scorer.near_tie_tokens > 0 and candidate.hit_tokens == winner.hit_tokens and reason in SPREAD_REASONS:
+        why += f", or within {scorer.near_tie_tokens} tokens of it and near-tie spreading drew the winner"
+    return why
+
+
+def policy_line(scorer: ScorerConfig) -> str:
+    """The policy the outcomes are read under, and for cost-aware what its cost is made of (pure)."""
+    if scorer.policy is not ScorerPolicy.COST_AWARE:
+        return f"policy: {scorer.policy.value}"
+    return (
+        f"policy: {scorer.policy.value}: ranks cost = work + {scorer.request_cost_tokens} x (waiting requests + 1)"
+        f" + {scorer.copy_cost_weight:g} x pressure x (the best hit - its hit); the work column is the work alone"
+    )
+
+
+def render_table(decision: RouteDecision, scorer: ScorerConfig) -> str:
+    """The decision summary, its stage timings, and one row per candidate, the outcomes under ``scorer``'s
+    policy (pure)."""
     if decision.worker is not None:
         role = decision.role.value if decision.role is not None else "?"
         target = f"{decision.worker.http_target} ({role})"
@@ -77,10 +111,12 @@ def render_table(decision: RouteDecision) -> str:
         lines.append(f"split: {decision.split.value}: " + ", ".join(_window(w) for w in decision.windows))
     if decision.error and decision.worker is not None:
         lines.append(f"note: {decision.error}")
-    lines.append("")
     if not decision.candidates:
+        lines.append("")
         lines.append(f"no candidates were scored: {decision.route_source.value} routing ({decision.reason.value})")
         return "\n".join(lines)
+    lines.append(policy_line(scorer))
+    lines.append("")
     winner = next((c for c in decision.candidates if c.chosen), None)
     header = ("worker", "from", "role", "blocks", "hit", "work", "outcome")
     rows = [
@@ -91,7 +127,7 @@ def render_table(decision: RouteDecision) -> str:
             str(c.local_blocks),
             str(c.hit_tokens) if c.dropped is None else "-",
             "-" if c.work_tokens is None else str(c.work_tokens),
-            outcome(c, winner, decision.reason),
+            outcome(c, winner, decision.reason, scorer),
         )
         for c in decision.candidates
     ]
@@ -104,7 +140,7 @@ def render_table(decision: RouteDecision) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_command(args, "explain", lambda decision, _args: render_table(decision))
+    return run_command(args, "explain", lambda decision, _args, config: render_table(decision, config.scorer))
 
 
 def _window(window: StageWindow) -> str:

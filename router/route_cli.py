@@ -30,6 +30,7 @@ from google.protobuf.json_format import MessageToDict
 
 from actors.leader_resolver import LeaderUnavailable
 from router.api import RouterHandle, open_router
+from router.config import KvrouteConfig
 from router.logs import setup_logging, shown
 from router.settings import LoadedConfig, SourceKind, add_arguments, load_or_report, log_startup_report
 from router.sidecar import decision_to_proto
@@ -147,8 +148,9 @@ async def _route_once(loaded: LoadedConfig, request: RouteRequest, warmup_s: flo
         return await handle.route(request)
 
 
-def decide(args: argparse.Namespace, command: str) -> RouteDecision | int:
-    """Load the configuration, route the request once; an exit status instead when that is impossible."""
+def decide(args: argparse.Namespace, command: str) -> tuple[RouteDecision, KvrouteConfig] | int:
+    """Load the configuration, route the request once: the decision and the configuration it was made
+    under; an exit status instead when that is impossible."""
     loaded = load_or_report(args, command)
     if loaded is None:
         return EXIT_USAGE
@@ -166,7 +168,7 @@ def decide(args: argparse.Namespace, command: str) -> RouteDecision | int:
     if decision.reason is Reason.BAD_REQUEST:
         print(f"kvroute {command}: bad request: {decision.error}", file=sys.stderr)
         return EXIT_USAGE
-    return decision
+    return decision, loaded.effective
 
 
 def exit_status(decision: RouteDecision) -> int:
@@ -208,7 +210,7 @@ def decision_line(decision: RouteDecision) -> str:
     )
 
 
-def _render(decision: RouteDecision, args: argparse.Namespace) -> str:
+def _render(decision: RouteDecision, args: argparse.Namespace, _config: KvrouteConfig) -> str:
     if args.json:
         return json.dumps(decision_json(decision), sort_keys=True)
     return decision_line(decision)
@@ -219,12 +221,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_command(
-    args: argparse.Namespace, command: str, render: Callable[[RouteDecision, argparse.Namespace], str]
+    args: argparse.Namespace,
+    command: str,
+    render: Callable[[RouteDecision, argparse.Namespace, KvrouteConfig], str],
 ) -> int:
     outcome = decide(args, command)
     if isinstance(outcome, int):
         return outcome
-    print(render(outcome, args), flush=True)
-    if outcome.route_source is RouteSource.NONE:
-        print(f"kvroute {command}: not routed: {outcome.error}", file=sys.stderr)
-    return exit_status(outcome)
+    decision, config = outcome
+    print(render(decision, args, config), flush=True)
+    if decision.route_source is RouteSource.NONE:
+        print(f"kvroute {command}: not routed: {decision.error}", file=sys.stderr)
+    return exit_status(decision)

@@ -45,7 +45,7 @@ from router.policy.ledger import SelectionLedger
 from router.types import Reason
 
 # The guard's fallbacks are not spread: they are the least bad of workers already over the threshold.
-_SPREAD_REASONS = frozenset({Reason.CACHE_LEADER, Reason.SHORTEST_TTFT, Reason.SHORTEST_TTFT_LOW_CACHE_HIT})
+SPREAD_REASONS = frozenset({Reason.CACHE_LEADER, Reason.SHORTEST_TTFT, Reason.SHORTEST_TTFT_LOW_CACHE_HIT})
 
 
 def candidate_cost(work: int, waiting: int, hit: int, best_hit: int, pressure: float, *, config: ScorerConfig) -> int:
@@ -107,7 +107,7 @@ def respread_near_ties(
 ) -> int:
     """Near-tie spreading (:func:`spread_near_ties`) of a choice whose reason allows it: a near-tie
     has the preferred one's hit, so the reason stands."""
-    if reason not in _SPREAD_REASONS:
+    if reason not in SPREAD_REASONS:
         return preferred
     return spread_near_ties(preferred, eligible, config.near_tie_tokens, filtered.hits)
 
