@@ -6,12 +6,32 @@ decoding are shared here, so one contract test suite covers both.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TypeVar
+
+import trio
 
 from router.transport.errors import TransportError
 from router.transport.ports import InTurnCall, RawRpc, WorkerStatusAsk, WorkerStatusReply
 from router.types import CacheQuery, CacheState, ClusterInfo, EngineGeneration, WorkerStatus
 from router.wire import decode, paths
+
+_T = TypeVar("_T")
+
+# A reply larger than this is decoded on a thread: decoding is Python work per entry (a KVCM answer's
+# hosts, a worker's tasks), and a reply near the message cap would hold the routing thread for a
+# second. A reply of a few entries decodes at once, as a hop to a thread costs more than it.
+LARGE_REPLY_BYTES = 16 * 1024
+DECODE_THREADS = 2  # threads of their own: trio's default ones may all be held (hung name lookups)
+
+
+async def decoded(decode_reply: Callable[[], _T], size: int, threads: trio.CapacityLimiter) -> _T:
+    """``decode_reply()``, here for a small reply, on one of ``threads`` for a large one (``size``
+    bytes). Abandoned on cancel: decoding touches nothing but the reply."""
+    if size <= LARGE_REPLY_BYTES:
+        return decode_reply()
+    return await trio.to_thread.run_sync(decode_reply, limiter=threads, abandon_on_cancel=True)
 
 
 class KvcmClient:
@@ -19,6 +39,7 @@ class KvcmClient:
 
     def __init__(self, rpc: RawRpc) -> None:
         self._rpc = rpc
+        self._decode_threads = trio.CapacityLimiter(DECODE_THREADS)
 
     async def get_cluster_info(self, target: str, instance_id: str, trace_id: str = "") -> ClusterInfo:
         reply = await self._rpc.call(
@@ -28,7 +49,7 @@ class KvcmClient:
 
     async def get_host_cache_state(self, target: str, query: CacheQuery) -> CacheState:
         reply = await self._rpc.call(target, paths.KVCM_GET_HOST_CACHE_STATE, decode.encode_cache_query(query))
-        return decode.decode_cache_state(reply, target)
+        return await decoded(partial(decode.decode_cache_state, reply, target), len(reply), self._decode_threads)
 
 
 class WorkerStatusClient:
@@ -37,12 +58,14 @@ class WorkerStatusClient:
     def __init__(self, rpc: RawRpc, generation: EngineGeneration = EngineGeneration.K) -> None:
         self._rpc = rpc
         self._generation = generation
+        self._decode_threads = trio.CapacityLimiter(DECODE_THREADS)
 
     async def get_worker_status(self, target: str, latest_finished_version: int) -> WorkerStatus:
         reply = await self._rpc.call(
             target, paths.WORKER_GET_STATUS, decode.encode_status_version(latest_finished_version)
         )
-        return decode.decode_worker_status(reply, target, self._generation)
+        status = partial(decode.decode_worker_status, reply, target, self._generation)
+        return await decoded(status, len(reply), self._decode_threads)
 
     async def get_worker_statuses(self, asks: Sequence[WorkerStatusAsk], within_s: float) -> list[WorkerStatusReply]:
         calls = [
@@ -50,10 +73,15 @@ class WorkerStatusClient:
             for ask in asks
         ]
         replies = await self._rpc.call_in_turn(calls, within_s)
-        return [
-            WorkerStatusReply(self._decoded(reply.outcome, ask.target), reply.ended_after_s)
-            for reply, ask in zip(replies, asks, strict=True)
-        ]
+
+        def batch() -> list[WorkerStatusReply]:
+            return [
+                WorkerStatusReply(self._decoded(reply.outcome, ask.target), reply.ended_after_s)
+                for reply, ask in zip(replies, asks, strict=True)
+            ]
+
+        size = sum(len(reply.outcome) for reply in replies if isinstance(reply.outcome, bytes))
+        return await decoded(batch, size, self._decode_threads)
 
     def _decoded(self, reply: bytes | TransportError | None, target: str) -> WorkerStatus | TransportError | None:
         if not isinstance(reply, bytes):
