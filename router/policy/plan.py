@@ -288,6 +288,34 @@ def _hot_set(
     return hot
 
 
+# Hosts spelled otherwise than their worker's canonical target that one plan parses to find its cold
+# picks' matches: the spelling is rare, and parsing costs microseconds a host.
+_COLD_MATCH_PARSES = 256
+
+
+def _matches_of(hosts: Sequence[HostMatch], fleet: Fleet, wanted: set[str]) -> dict[str, HostMatch]:
+    """The answer's matches by canonical target, as the cold walk names workers, for the ``wanted``
+    targets (the first entry wins). An answer may spell a worker otherwise (an IPv6 address written
+    out in full, a port with leading zeros): such hosts are parsed, at most ``_COLD_MATCH_PARSES``,
+    and only while a wanted target is still unmatched."""
+    by_http_target = fleet.by_http_target
+    found: dict[str, HostMatch] = {}
+    spelled_otherwise: list[HostMatch] = []
+    for match in hosts:
+        target = match.host_ip_port
+        if target not in by_http_target:
+            spelled_otherwise.append(match)
+        elif target in wanted and target not in found:
+            found[target] = match
+    for match in spelled_otherwise[:_COLD_MATCH_PARSES]:
+        if len(found) == len(wanted):
+            break
+        resolved = _resolve_host(match.host_ip_port, fleet)
+        if not isinstance(resolved, DropReason) and resolved[1] in wanted:
+            found.setdefault(resolved[1], match)
+    return found
+
+
 def plan_candidates(
     hosts: Sequence[HostMatch],
     fleet: Fleet,
@@ -311,13 +339,7 @@ def plan_candidates(
     cold_picks = _cold_walk(fleet, seed, config.cold_set_size, builder.taken, ejected, cold_skip)
     cold: list[Candidate] = []
     if cold_picks:
-        # By canonical target, as the cold walk names workers: an answer may spell a host otherwise
-        # (an expanded IPv6 address, a port with leading zeros) and still be that worker.
-        by_host: dict[str, HostMatch] = {}
-        for match in reversed(hosts):  # the first entry wins
-            resolved = _resolve_host(match.host_ip_port, fleet)
-            if not isinstance(resolved, DropReason):
-                by_host[resolved[1]] = match
+        by_host = _matches_of(hosts, fleet, {fleet.targets[i] for _, i in cold_picks})
         targets = fleet.targets
         cold = [
             Candidate(worker, targets[i], by_host.get(targets[i]), CandidateSource.COLD) for worker, i in cold_picks
