@@ -676,10 +676,14 @@ class Sidecar:
         client_s = (
             max(0.0, remaining - self._path_cost_s) if remaining is not None and math.isfinite(remaining) else None
         )
-        # The router's own deadline (min(budget, cap)), measured from now, plus the slack.
+        # The router's own deadline (min(budget, cap)), counted from receipt as the router counts it.
         routing_s = budget_deadline(budget_ms(message), 0.0, self._cap_ms)
-        # What the router will have: its deadline, or the client's less the reply margin.
-        left_s = routing_s if client_s is None else min(routing_s, client_s - self._reply_margin_ms / 1000.0)
+        # What the router will have, from now: its deadline less what reading the call took (a large
+        # request's wait for its reading turn is spent), or the client's less the reply margin.
+        routing_left_s = max(0.0, routing_s - (sent_at - received))
+        left_s = (
+            routing_left_s if client_s is None else min(routing_left_s, client_s - self._reply_margin_ms / 1000.0)
+        )
         if named_roles is not None:
             request = named_roles
             self._gate.hand_off_anyway()
@@ -696,12 +700,19 @@ class Sidecar:
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
-        release = partial(
-            self._gate.answered,
-            handed_at=handed_at,
-            had_s=max(0.0, left_s - (handed_at - sent_at)),
-            crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
-        )
+        had_s = left_s - (handed_at - sent_at)
+        release: Callable[..., None]
+        if had_s > 0:
+            release = partial(
+                self._gate.answered,
+                handed_at=handed_at,
+                had_s=had_s,
+                crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
+            )
+        else:
+            # No time left from the start (a call naming roles goes to the router anyway): however
+            # fast its answer, it would count as late and shrink the limit; it teaches it nothing.
+            release = self._withdraw
         hops = _CallHops(release)  # settled by the trio thread
         token = self._token
         decided = gave_up = False
@@ -729,6 +740,10 @@ class Sidecar:
             self._reply_times.append(done - hops.settled_at)
         self._observe_path_cost(done - handed_at - decision.elapsed_ms / 1000.0)
         return reply, routing_s, decision.stage_ms, hops
+
+    def _withdraw(self, *, answered: bool, at: float | None = None) -> None:
+        """Release a handed call that says nothing of the router's pace (see ``_route_call``)."""
+        self._gate.withdrawn()
 
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
         if decision.reason is Reason.BAD_REQUEST:

@@ -58,6 +58,7 @@ from router.sidecar import (
     shed_reply_body,
 )
 from router.targets import HostPort
+from router.transport.errors import PeerAbort, RpcStatus
 from router.types import BadRequest, KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteSource, WorkerAddr
 from router.wire import router_v1_pb2
 from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
@@ -761,6 +762,66 @@ async def test_wait_idle_returns_once_no_route_call_is_open(nursery: trio.Nurser
             (answer,) = await _with_calls_in_router(r, 1, while_held)
             assert isinstance(answer, router_v1_pb2.RouteDecision), answer
             assert await _in_thread(lambda: r.sidecar.wait_idle(10.0))
+
+
+class _LittleLeft(_EndedByHand):
+    """A handler context whose client has ``left_s`` of its deadline."""
+
+    def __init__(self, left_s: float) -> None:
+        super().__init__()
+        self.left_s = left_s
+
+    def time_remaining(self) -> float | None:
+        return self.left_s
+
+
+async def test_calls_naming_roles_with_no_time_left_teach_the_in_flight_limit_nothing(nursery: trio.Nursery) -> None:
+    """A call naming roles goes to the router even with no time left; released as answered with no
+    time to spare it counted as late however fast it came back, so forty of them shrank the limit to
+    a fraction of a place and the next calls, with ample time, were shed on an idle router."""
+    with trio.fail_after(30):
+        async with rig(nursery, router=RouterConfig(budget_cap_ms=1000.0)) as r:
+
+            async def call(request_id: str, left_s: float, roles: tuple[str, ...] = ()) -> str:
+                message = router_v1_pb2.RouteRequest(request_id=request_id, token_ids=PROMPT, budget_ms=100)
+                message.roles.extend(roles)
+                as_grpc: Any = _LittleLeft(left_s)  # the handler reads only what it defines
+                try:
+                    reply = await trio.to_thread.run_sync(r.sidecar._route_rpc, message.SerializeToString(), as_grpc)
+                except PeerAbort as abort:  # the handler waits no longer than the client's deadline
+                    assert abort.status is RpcStatus.DEADLINE_EXCEEDED
+                    return "deadline"
+                return router_v1_pb2.RouteDecision.FromString(reply).reason
+
+            await call("warm", 5.0)
+            share = r.sidecar._gate._limit.share
+            for i in range(40):  # 0.5 ms left: less than the reply margin
+                assert await call(f"late-{i}", 0.0005, ("PREFILL",)) == "deadline"
+            assert r.sidecar._gate._limit.share >= share
+            assert await call("ample", 5.0) != "overloaded"
+
+
+async def test_a_large_requests_wait_for_its_reading_turn_counts_against_its_budget(nursery: trio.Nursery) -> None:
+    """The router counts a call's budget from receipt, the wait to be read included; the sidecar's
+    admission counted it from after that wait, so a call whose budget the wait had used up was handed
+    over anyway (and answered deadline by the router) instead of shed at once."""
+    with trio.fail_after(30):
+        async with rig(nursery, router=RouterConfig(budget_cap_ms=1000.0)) as r:
+            sidecar = r.sidecar
+            prompt = tuple(range(100_000, 106_000))  # above the large-request size: read in turn
+            message = router_v1_pb2.RouteRequest(request_id="big", token_ids=prompt, budget_ms=60)
+            data = message.SerializeToString()
+            assert len(data) > sidecar._large_request_bytes
+
+            def read_after_another() -> router_v1_pb2.RouteDecision:
+                sidecar._large_requests.acquire()  # another large request is being read ...
+                threading.Timer(0.1, sidecar._large_requests.release).start()  # ... for longer than 60 ms
+                as_grpc: Any = _EndedByHand()  # the handler reads only what it defines
+                return router_v1_pb2.RouteDecision.FromString(sidecar._route_rpc(data, as_grpc))
+
+            decision = await trio.to_thread.run_sync(read_after_another)
+            assert decision.reason == "overloaded"
+            assert sidecar.stats().shed_at_receipt == 1
 
 
 def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None:
