@@ -284,10 +284,13 @@ class RouterActor:
         split = RequestSplit(split_windows(received_at, deadline, estimates, self._config.router))
         if record is not None:
             record.split = estimates
+        # The request's context as soon as the walk makes it: a walk the deadline (or a bug) ends
+        # returns none, and the work it measured (hashing, scoring) must still reach the estimate.
+        made: list[RequestContext] = []
         try:
             with trio.CancelScope(deadline=deadline):
                 ctx, decision = await self._walk(
-                    request, received_at, deadline, split, stages, steps, events=events, record=record
+                    request, received_at, deadline, split, stages, steps, events=events, record=record, made=made
                 )
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
@@ -314,11 +317,12 @@ class RouterActor:
         self._handled += 1
         # The Scorer's work, not the SCORE stage's wall time (which holds the inbox wait, the loop lag
         # the estimate counts apart); the stage only where no context carried the work back.
-        scorer_work_s = None if ctx is None else ctx.scorer_work_s
+        worked = made[0] if made else None
+        scorer_work_s = None if worked is None else worked.scorer_work_s
         score_ms = stages.get(Stage.SCORE, 0.0) if scorer_work_s is None else ms(scorer_work_s)
         # The hashing's own time, not the KEYS stage's wall time (which holds a long prompt's rests and
         # its wait for the turn to hash: with several long prompts, several times their work).
-        hashing_s = None if ctx is None else ctx.hashing_s
+        hashing_s = None if worked is None else worked.hashing_s
         keys_ms = stages.get(Stage.KEYS, 0.0) if hashing_s is None else ms(hashing_s)
         own_ms = keys_ms + stages.get(Stage.PLAN, 0.0) + score_ms
         self._estimate.observe_own(own_ms / 1000.0)
@@ -362,6 +366,7 @@ class RouterActor:
         *,
         events: list[MetricEvent],
         record: DecisionRecord | None = None,
+        made: list[RequestContext] | None = None,
     ) -> tuple[RequestContext | None, RouteDecision]:
         t = trio.current_time()
         try:
@@ -389,6 +394,8 @@ class RouterActor:
             events=events,
             hashing_s=hashing_s,
         )
+        if made is not None:
+            made.append(ctx)
         skip_to_last = False
         for source in self._chain:
             if skip_to_last and source is not self._chain[-1]:

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from actors import router_actor
+from actors.scorer import Decided, DecideRequest, Scorer
 from kvroute_sim.sim.cluster import SimCluster
 from router.admission import AdmissionEstimate, AdmissionView, admits
 from router.api import open_router
@@ -194,4 +195,43 @@ async def test_the_own_time_counts_a_long_prompts_hashing_not_its_rests_and_turn
                     request = RouteRequest(f"L{burst}.{i}", token_ids=long_prompt, budget_ms=1000)
                     together.start_soon(handle.route, request)
         assert admission().admission.own_s < 8 * slice_s * 1.5  # about one prompt's hashing, not several
+
+
+async def test_the_own_time_of_a_request_its_deadline_ended_is_its_work_too(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt's request that its deadline ends in the chain (here: the Scorer too slow) has no
+    context when it is answered; the estimate then took the KEYS stage's wall time, its rests and its
+    turn included, and three such requests counted several times their hashing."""
+    slice_s = 0.001
+
+    def timed(*args: Any) -> Iterator[tuple[int, ...]]:
+        for part in key_slices(*args):
+            autojump_clock.jump(slice_s)
+            yield part
+
+    decide = Scorer.decide
+
+    async def stalled(self: Scorer, request: DecideRequest) -> Decided:
+        await trio.sleep(1)
+        return await decide(self, request)
+
+    monkeypatch.setattr(router_actor, "key_slices", timed)
+    monkeypatch.setattr(Scorer, "decide", stalled)
+    network, config = _memory_cluster(2, replace(RouterConfig(), budget_cap_ms=1000.0))
+    long_prompt = tuple(range(8 * config.limits.hash_slice_tokens))  # eight slices: 8 ms of hashing
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)
+        reasons = set()
+        for burst in range(5):
+            async with trio.open_nursery() as together:
+                for i in range(3):
+
+                    async def one(i: int = i, burst: int = burst) -> None:
+                        request = RouteRequest(f"L{burst}.{i}", token_ids=long_prompt, budget_ms=100)
+                        reasons.add((await handle.route(request)).reason)
+
+                    together.start_soon(one)
+        assert reasons == {Reason.DEADLINE}
+        assert handle.router_actor().health().admission.own_s < 8 * slice_s * 1.5
 
