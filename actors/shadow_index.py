@@ -207,10 +207,12 @@ def _top_hosts(hosts: Sequence[HostMatch], k: int) -> set[str]:
     return {canonical_host(h.host_ip_port) for h in hosts if h.local >= cut}
 
 
+@functools.lru_cache(maxsize=4096)
 def canonical_host(host_ip_port: str) -> str:
     """``host_ip_port`` as the shadow index names its worker (the canonical target): KVCM may spell
     the same worker otherwise (an IPv6 address written out in full, a port with leading zeros). A
-    host that does not parse stays as given."""
+    host that does not parse stays as given. Cached: every KVCM answer's holders are compared, the
+    same few spellings each time, and parsing one costs more than the rest of the comparison."""
     try:
         parsed = parse_target(host_ip_port)
     except TargetError:
