@@ -315,6 +315,12 @@ class DebugServer:
         self._listen = listen
         self.bound: HostPort | None = None
 
+    def _tried(self, listen: HostPort) -> str:
+        """The address a bind tried, as an error names it: a restart's is the one first announced."""
+        if listen is self.bound:
+            return f"{listen} (the address announced at the first start; held by another process now?)"
+        return self._listen
+
     async def run(self, *, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the bound address through ``task_status.started(HostPort)``, serve until cancelled."""
         if self._token_file:
@@ -328,7 +334,7 @@ class DebugServer:
             # Bound here (a name in it may need resolving: off the trio thread), handed over by fd.
             fd = await trio.to_thread.run_sync(listening_fd, listen, self._unacked_send_timeout_ms)
         except OSError as exc:
-            raise OSError(f"--debug-listen: cannot bind {self._listen}: {exc}") from exc
+            raise OSError(f"--debug-listen: cannot bind {self._tried(listen)}: {exc}") from exc
         config = hypercorn.config.Config()
         config.bind = [f"fd://{fd}"]
         config.accesslog = None
@@ -348,7 +354,7 @@ class DebugServer:
                 if serving:  # not a bind error
                     raise
                 first = leaves(group)[0]
-                raise OSError(f"--debug-listen: cannot bind {self._listen}: {first}") from first
+                raise OSError(f"--debug-listen: cannot bind {self._tried(listen)}: {first}") from first
 
         async with trio.open_nursery() as nursery:
             binds: list[str] = await nursery.start(serve)

@@ -118,9 +118,17 @@ async def test_a_restarted_server_listens_where_the_first_run_announced() -> Non
             async with trio.open_nursery() as first_run:
                 announced = await first_run.start(server.run)
                 first_run.cancel_scope.cancel()  # as a crash ends it
-            assert await nursery.start(server.run) == announced
-            async with httpx.AsyncClient(base_url=f"http://{announced}", trust_env=False) as client:
-                assert (await client.get("/healthz")).status_code == 200
+            async with trio.open_nursery() as second_run:
+                assert await second_run.start(server.run) == announced
+                async with httpx.AsyncClient(base_url=f"http://{announced}", trust_env=False) as client:
+                    assert (await client.get("/healthz")).status_code == 200
+                second_run.cancel_scope.cancel()
+            # Taken meanwhile by another process: the error names the port tried, not the configured 0.
+            with socket.socket() as taker:
+                taker.bind((announced.host, announced.port))
+                taker.listen()
+                with pytest.raises(OSError, match=rf"cannot bind {announced} \(the address announced"):
+                    await nursery.start(server.run)
             nursery.cancel_scope.cancel()
 
 

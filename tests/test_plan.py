@@ -312,3 +312,16 @@ def test_a_cold_worker_the_answer_names_in_another_spelling_keeps_its_match() ->
     second = by_target["[2001:db8::2]:8000"]
     assert second.source is CandidateSource.COLD
     assert second.match is not None and second.match.local == 9
+
+
+def test_a_cold_worker_named_twice_in_two_spellings_keeps_the_first_entry() -> None:
+    workers = [WorkerAddr.from_http(f"2001:db8::{i}", 8000) for i in range(1, 5)]
+    fleet = Fleet.of(workers)
+    first = HostMatch("[2001:0db8:0000:0000:0000:0000:0000:0002]:8000", 7, 0, 7)
+    later = HostMatch("[2001:db8::2]:8000", 3, 0, 3)
+    hosts = (HostMatch("[2001:db8::1]:8000", 10, 0, 10), first, later)
+    plan = plan_candidates(
+        hosts, fleet, request_id="r1", namespace="ns", config=ScorerConfig(hot_set_size=1, cold_set_size=3)
+    )
+    second = {c.target: c for c in plan.candidates}["[2001:db8::2]:8000"]
+    assert second.source is CandidateSource.COLD and second.match == first

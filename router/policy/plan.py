@@ -295,25 +295,26 @@ _COLD_MATCH_PARSES = 256
 
 def _matches_of(hosts: Sequence[HostMatch], fleet: Fleet, wanted: set[str]) -> dict[str, HostMatch]:
     """The answer's matches by canonical target, as the cold walk names workers, for the ``wanted``
-    targets (the first entry wins). An answer may spell a worker otherwise (an IPv6 address written
-    out in full, a port with leading zeros): such hosts are parsed, at most ``_COLD_MATCH_PARSES``,
-    and only while a wanted target is still unmatched."""
+    targets (the first entry for a worker wins). An answer may spell a worker otherwise (an IPv6
+    address written out in full, a port with leading zeros): such hosts are parsed, at most
+    ``_COLD_MATCH_PARSES``."""
     by_http_target = fleet.by_http_target
-    found: dict[str, HostMatch] = {}
-    spelled_otherwise: list[HostMatch] = []
-    for match in hosts:
+    found: dict[str, tuple[int, HostMatch]] = {}
+    spelled_otherwise: list[tuple[int, HostMatch]] = []
+    for i, match in enumerate(hosts):
         target = match.host_ip_port
         if target not in by_http_target:
-            spelled_otherwise.append(match)
+            spelled_otherwise.append((i, match))
         elif target in wanted and target not in found:
-            found[target] = match
-    for match in spelled_otherwise[:_COLD_MATCH_PARSES]:
-        if len(found) == len(wanted):
-            break
+            found[target] = (i, match)
+    for i, match in spelled_otherwise[:_COLD_MATCH_PARSES]:
         resolved = _resolve_host(match.host_ip_port, fleet)
-        if not isinstance(resolved, DropReason) and resolved[1] in wanted:
-            found.setdefault(resolved[1], match)
-    return found
+        if isinstance(resolved, DropReason) or resolved[1] not in wanted:
+            continue
+        earlier = found.get(resolved[1])
+        if earlier is None or i < earlier[0]:
+            found[resolved[1]] = (i, match)
+    return {target: match for target, (_, match) in found.items()}
 
 
 def plan_candidates(
