@@ -457,6 +457,10 @@ class WorkerProber:
         # Health probes hold at most half of those, so a health pass that goes on as slots free never
         # leaves a refresh round without a slot.
         self._health_slots = max(1, self._refresh_slots // 2)
+        # The most a health probe leaves for the next refresh round beyond the requests' part: half of
+        # what the burst holds above it, so a health probe can still start with the bucket not full
+        # (a token per hot worker with 32 or more hot ones could never be met, and health probes stopped).
+        self._refresh_reserve_max = max(0, (math.floor(config.rate_burst) - self._refresh_keep) // 2)
         self._refresh_active = config.background_refresh and config.refresh_interval_s < config.fresh_ttl_s
         self._touch_every_s = _TOUCH_EVERY * config.hot_window_s
         self._min_keep_s = _MIN_KEEP_INTERVALS * config.refresh_interval_s
@@ -829,7 +833,7 @@ class WorkerProber:
             return
         for worker in message.ask:
             if retained is not None and worker not in retained:
-                handle._deliver(self._skip(worker, SkipReason.GONE))
+                handle._deliver(self._skip(worker, SkipReason.GONE, handle))
                 continue
             result = self._lookup(worker, handle, now)
             if result is not None:
@@ -846,7 +850,7 @@ class WorkerProber:
             self._cache_hits += 1
             return ProbeResult(worker, ProbeOutcome.OK, state.status, from_cache=True, observed_at=state.status_at)
         if state.ejected_until > now:
-            return self._skip(worker, SkipReason.EJECTED)
+            return self._skip(worker, SkipReason.EJECTED, handle)
         flight = state.flight
         # A probe whose wait for its budget is over by its waiters' deadline (cancelled, or past it
         # and about to give up) lands no_budget whatever deadline is set now: a request with time
@@ -861,12 +865,12 @@ class WorkerProber:
             handle._attach(flight)
             return None
         if handle.deadline <= now:
-            return self._skip(worker, SkipReason.DEADLINE)
+            return self._skip(worker, SkipReason.DEADLINE, handle)
         if self._pending_probes >= self._config.max_tracked_workers:
-            return self._skip(worker, SkipReason.NO_BUDGET)
+            return self._skip(worker, SkipReason.NO_BUDGET, handle)
         token_at = self._bucket.reserve(now, handle.deadline)
         if token_at is None:
-            return self._skip(worker, SkipReason.NO_BUDGET)
+            return self._skip(worker, SkipReason.NO_BUDGET, handle)
         flight = self._start(worker, state, token_at, handle.deadline, ProbeKind.ON_DEMAND, now)
         handle._attach(flight)
         self._probes_started += 1
@@ -892,8 +896,10 @@ class WorkerProber:
         else:
             batch.append(flight)
 
-    def _skip(self, worker: WorkerAddr, reason: SkipReason) -> ProbeResult:
-        self._skipped[reason] += 1
+    def _skip(self, worker: WorkerAddr, reason: SkipReason, handle: ProbeHandle | None = None) -> ProbeResult:
+        """A skip, counted unless ``handle``'s ``results()`` already counted it for ``worker``."""
+        if handle is None or worker not in handle._reported:
+            self._skipped[reason] += 1
         return ProbeResult(worker, ProbeOutcome.SKIPPED, skip_reason=reason)
 
     def _touch(self, worker: WorkerAddr) -> _WorkerState:
@@ -1017,7 +1023,7 @@ class WorkerProber:
             return False
         # A health probe also leaves a refresh round its tokens (one per hot worker): a health pass that
         # goes on as slots free would otherwise take the spare tokens as they refill.
-        keep = self._refresh_keep if refresh else self._refresh_keep + len(self._hot)
+        keep = self._refresh_keep if refresh else self._refresh_keep + min(len(self._hot), self._refresh_reserve_max)
         if self._bucket.peek(now) < 1.0 + keep:
             return False
         if refresh and not self._refresh_bucket.take(now):

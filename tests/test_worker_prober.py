@@ -224,6 +224,23 @@ async def test_a_skip_read_before_the_probe_gives_up_is_counted_once(
     assert prober.snapshot().skipped[SkipReason.NO_BUDGET.value] == 1
 
 
+async def test_a_skip_read_before_the_owner_took_the_request_is_counted_once(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A request may read its results before the prober's owner has taken it: the pending worker reads
+    as skipped and is counted then; the owner's own skip for it (no token before the deadline) was
+    counted a second time."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    first, second = [fake.add(w) for w in workers(2)]
+    prober = await start_prober(nursery, fake, health_interval_s=0.0, rate_per_s=1.0, rate_burst=1)
+    await prober.probe([first], trio.current_time() + 1.0).wait_all()  # takes the one token
+    handle = prober.probe([second], trio.current_time() + 0.05)
+    assert by_outcome(handle.results()) == {SkipReason.NO_BUDGET: 1}  # read before the owner ran
+    await trio.sleep(0.1)
+    assert by_outcome(handle.results()) == {SkipReason.NO_BUDGET: 1}
+    assert {k: v for k, v in prober.snapshot().skipped.items() if v} == {SkipReason.NO_BUDGET.value: 1}
+
+
 async def test_rate_budget_over_a_window(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
     fake = FakeWorkers(MemoryNetwork())
     fleet = [fake.add(w) for w in workers(600)]
@@ -605,6 +622,28 @@ async def test_health_passes_keep_a_fleet_larger_than_their_slots_usable(
         await trio.sleep(0.01)
     assert fresh >= 300 * len(hot) - 2 * len(hot)  # after their first probes, answered from the refresh
     assert prober.snapshot().refresh_short_of_budget == 0
+
+
+async def test_health_passes_go_on_with_as_many_hot_workers_as_the_refresh_share_holds(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A health probe left a token per hot worker for the next refresh round: with 32 hot workers and
+    the defaults that asked for more than the bucket ever holds, health probes stopped for good and the
+    statuses nobody requests grew too old to use."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    fleet = [fake.add(w) for w in workers(400)]
+    hot = fleet[:32]
+    prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    await trio.sleep(5.0)
+    before = prober.snapshot().health_probes
+    for _ in range(300):  # requests read the hot workers every 10 ms for 3 s
+        handle = prober.probe(hot, trio.current_time() + 0.02)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        await trio.sleep(0.01)
+    assert prober.snapshot().health_probes - before >= len(fleet) - len(hot)  # a pass over the rest at least
+    assert all(prober.cached(w) is not None for w in fleet[len(hot) :])
 
 
 async def test_background_health_probes_take_only_tokens_in_the_bucket(
