@@ -1142,7 +1142,11 @@ class WorkerProber:
             if status is None:
                 landed.no_budget = True
             else:
-                landed.call_s = reply.ended_after_s - previous_end_s  # the calls are made one after another
+                # The call's own time: from its start where the transport says it (the first call of a
+                # round starts after the round's leases and its wait for a thread), else from the
+                # previous call's end (the calls are made one after another).
+                began = previous_end_s if reply.began_after_s is None else reply.began_after_s
+                landed.call_s = reply.ended_after_s - began
                 previous_end_s = reply.ended_after_s
                 if isinstance(status, TransportError):
                     landed.error_kind, landed.error_detail = status.kind, status.detail

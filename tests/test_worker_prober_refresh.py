@@ -7,6 +7,7 @@ prober is the real one with the real WorkerStatusClient.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 import trio
@@ -20,6 +21,7 @@ from router.api import RouteRequest
 from router.config import ProberConfig
 from router.transport.clients import WorkerStatusClient
 from router.transport.memory_adapter import MemoryNetwork
+from router.transport.ports import InTurnCall, InTurnReply
 from router.types import RouteSource, Stage, WorkerAddr
 from router.wire import paths
 from tests.test_router_pipeline import BLOCK, PROMPT, routed, seed
@@ -457,6 +459,52 @@ async def test_a_slow_but_answering_worker_neither_holds_up_nor_ages_the_rounds_
     assert outcomes == {ProbeOutcome.OK: 180 * len(fast)}
     assert max(ages) < FRESH_TTL_S
     assert prober.cached(slow) is not None  # polled on its own, it is not failing
+
+
+class _SlowRoundStart(MemoryNetwork):
+    """A serial round that waits ``setup_s`` before its first call (its leases, a thread to run on),
+    timing each call from before that wait, as the gRPC adapter does; counts the calls made alone."""
+
+    def __init__(self, setup_s: float) -> None:
+        super().__init__()
+        self.setup_s = setup_s
+        self.alone = 0
+
+    async def call(self, target: str, method_path: str, request: bytes) -> bytes:
+        self.alone += 1
+        return await super().call(target, method_path, request)
+
+    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
+        await trio.sleep(self.setup_s)
+        replies = []
+        for call in calls:  # the in-turn calls are not counted as made alone
+            began = trio.current_time()
+            outcome = await MemoryNetwork.call(self, call.target, call.method_path, call.request)
+            replies.append((outcome, began))
+        start = replies[0][1] - self.setup_s if replies else trio.current_time()
+        ended = trio.current_time()
+        return [InTurnReply(outcome, ended - start, began - start) for outcome, began in replies]
+
+
+async def test_a_rounds_start_up_is_not_charged_to_its_first_worker(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A serial round's replies were timed from before its leases and its wait for a thread: the
+    first worker's call took that too, read as slow, and the worker was polled alone the next round,
+    then rejoined, and the next first worker went alone instead. The call's own start is used now."""
+    network = _SlowRoundStart(setup_s=0.015)  # beyond the 12.5 ms a poll may take in the round here
+    fake = FakeWorkers(network, latency_s=0.001)
+    fleet = [fake.add(w) for w in workers(8)]
+    prober = await start(nursery, fake, refreshing(serial_refresh=True))
+    for i in range(100):  # a request every 10 ms
+        if i == 20:  # past the first probes on demand
+            network.alone = 0
+        handle = prober.probe(fleet, trio.current_time() + 0.02)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        await trio.sleep(0.01)
+    assert network.alone == 0
+    assert prober.snapshot().refresh_polls > 0
 
 
 async def test_a_request_planned_before_a_retain_does_not_bring_back_the_workers_it_dropped(

@@ -76,7 +76,7 @@ class WorkerStatusClient:
 
         def batch() -> list[WorkerStatusReply]:
             return [
-                WorkerStatusReply(self._decoded(reply.outcome, ask.target), reply.ended_after_s)
+                WorkerStatusReply(self._decoded(reply.outcome, ask.target), reply.ended_after_s, reply.began_after_s)
                 for reply, ask in zip(replies, asks, strict=True)
             ]
 

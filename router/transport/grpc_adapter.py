@@ -209,7 +209,7 @@ class GrpcRawRpc:
             for call in calls:
                 channel = await leases.enter_async_context(self._leaser.lease(call.target))
                 made.append((channel, self._calls_on(channel).multi_callable(channel, call.method_path), call.request))
-            outcomes: list[tuple[bytes | grpc.RpcError | None, float]] | None = None
+            outcomes: list[tuple[bytes | grpc.RpcError | None, float, float | None]] | None = None
             # Cancellation reaches only the wait for a thread: once started, the batch runs out.
             # A cold lease may have taken the whole allowance (the pool's task restarting): then no
             # thread is waited for, and no call made.
@@ -224,8 +224,11 @@ class GrpcRawRpc:
             InTurnReply(
                 self._failure(call.target, channel, outcome) if isinstance(outcome, grpc.RpcError) else outcome,
                 ended_after_s,
+                began_after_s,
             )
-            for call, (channel, _, _), (outcome, ended_after_s) in zip(calls, made, outcomes, strict=True)
+            for call, (channel, _, _), (outcome, ended_after_s, began_after_s) in zip(
+                calls, made, outcomes, strict=True
+            )
         ]
 
     def _failure(self, target: str, channel: grpc.Channel, error: grpc.RpcError) -> TransportError:
@@ -241,20 +244,22 @@ class GrpcRawRpc:
 
 def _blocking_in_turn(
     calls: Sequence[tuple[grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]], started: float, within_s: float
-) -> list[tuple[bytes | grpc.RpcError | None, float]]:
+) -> list[tuple[bytes | grpc.RpcError | None, float, float | None]]:
     """On a worker thread: each call with what is left of ``within_s`` from ``started``
-    (``time.monotonic()``; None once too little is left), and when it ended in seconds from then."""
+    (``time.monotonic()``; None once too little is left), when it ended and when it began, in seconds
+    from then (None: not made)."""
     ends_at = started + within_s
-    outcomes: list[tuple[bytes | grpc.RpcError | None, float]] = []
+    outcomes: list[tuple[bytes | grpc.RpcError | None, float, float | None]] = []
     for multi, request in calls:
-        left = ends_at - time.monotonic()
+        began = time.monotonic()
+        left = ends_at - began
         if left < _LEAST_CALL_S:
-            outcomes.append((None, time.monotonic() - started))
+            outcomes.append((None, time.monotonic() - started, None))
             continue
         outcome: bytes | grpc.RpcError
         try:
             outcome = multi(request, timeout=left)
         except grpc.RpcError as exc:
             outcome = exc
-        outcomes.append((outcome, time.monotonic() - started))
+        outcomes.append((outcome, time.monotonic() - started, began - started))
     return outcomes

@@ -58,12 +58,13 @@ class MemoryNetwork:
                 replies.append(InTurnReply(None, trio.current_time() - started))
                 continue
             reply: bytes | TransportError = DeadlineExceeded(call.target, "no reply within the batch's time")
+            began = trio.current_time() - started
             with trio.move_on_at(ends_at):
                 try:
                     reply = await self.call(call.target, call.method_path, call.request)
                 except TransportError as exc:
                     reply = exc
-            replies.append(InTurnReply(reply, trio.current_time() - started))
+            replies.append(InTurnReply(reply, trio.current_time() - started, began))
         return replies
 
     def invalidate(self, target: str) -> None:

@@ -52,6 +52,9 @@ class InTurnReply(NamedTuple):
 
     outcome: bytes | TransportError | None
     ended_after_s: float
+    # When the call itself began, from the same start (None: not made): the first call of a batch
+    # begins after the batch's leases and its wait for a thread, which are not that worker's time.
+    began_after_s: float | None = None
 
 
 class RawRpc(Protocol):
@@ -86,6 +89,7 @@ class WorkerStatusReply(NamedTuple):
 
     status: WorkerStatus | TransportError | None
     ended_after_s: float
+    began_after_s: float | None = None  # when its call began, from the batch's start (None: not made)
 
 
 class KvcmTransport(Protocol):
