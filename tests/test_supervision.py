@@ -7,6 +7,8 @@ MockClock + MemoryNetwork (in-memory SimCluster); the crash is raised inside the
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -17,7 +19,7 @@ from kvroute_sim.sim.cluster import SimCluster
 from router.api import open_router
 from router.config import ChannelPoolConfig, DeploymentConfig, DiscoveryConfig, KvrouteConfig
 from router.keys import block_keys
-from router.supervisor import Supervisor
+from router.supervisor import RouterHandle, Supervisor
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import KeyFamily, Reason, RouteRequest, RouteSource
 
@@ -35,8 +37,9 @@ ACTORS = (
 )
 
 
-@pytest.mark.parametrize("actor", ACTORS)
-async def test_crashed_actor_restarts_and_routing_continues(actor: str, autojump_clock: trio.testing.MockClock) -> None:
+@asynccontextmanager
+async def _routing() -> AsyncIterator[RouterHandle]:
+    """A router over an in-memory cluster whose worker 1 holds PROMPT, its KVCM leader known."""
     cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
@@ -50,6 +53,12 @@ async def test_crashed_actor_restarts_and_routing_continues(actor: str, autojump
         assert resolver is not None
         with trio.fail_after(1):
             await resolver.leader()
+        yield handle
+
+
+@pytest.mark.parametrize("actor", ACTORS)
+async def test_crashed_actor_restarts_and_routing_continues(actor: str, autojump_clock: trio.testing.MockClock) -> None:
+    async with _routing() as handle:
         assert handle.actors_health()[actor]["state"] == "running"
         handle.supervisor.inject_crash(actor)
         sources = []
@@ -75,19 +84,7 @@ async def test_requests_while_the_scorer_restarts_fall_back_at_once(autojump_clo
     """Between a Scorer crash and its restart (its backoff), a decision was queued in an inbox nobody
     read: every cache-path request waited out its whole budget, then fell back. It fails at once now,
     as a request finding the prober or the resolver down does."""
-    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
-    network = MemoryNetwork()
-    addrs = cluster.serve_memory(network)
-    cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(PROMPT, BLOCK, KeyFamily.RTP))
-    config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK),
-        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-    )
-    async with open_router(config, rpc=network) as handle:
-        resolver = handle.leader_resolver()
-        assert resolver is not None
-        with trio.fail_after(1):
-            await resolver.leader()
+    async with _routing() as handle:
         handle.supervisor.inject_crash("scorer")
         await trio.testing.wait_all_tasks_blocked()
         assert handle.actors_health()["scorer"]["state"] == "restarting"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -598,6 +599,29 @@ async def test_background_health_probes_find_dead_workers_without_requests(
     assert fake.rpcs() - before <= 6 * 10 and prober.snapshot().health_probes == fake.rpcs()
 
 
+async def _fleet_with_hot_reads(
+    nursery: trio.Nursery,
+    fleet: list[WorkerAddr],
+    hot: int,
+    each_read: Callable[[WorkerProber, ProbeHandle], None],
+) -> WorkerProber:
+    """A prober over a fleet of 400 (filled into ``fleet``) with the default settings, its health
+    passes left 5 s to cover it; then for 3 s a request every 10 ms reads the first ``hot`` workers,
+    ``each_read`` called after each."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    fleet.extend(fake.add(w) for w in workers(400))
+    prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    await trio.sleep(5.0)
+    for _ in range(300):
+        handle = prober.probe(fleet[:hot], trio.current_time() + 0.02)
+        with trio.move_on_at(handle.deadline):
+            await handle.wait_all()
+        each_read(prober, handle)
+        await trio.sleep(0.01)
+    return prober
+
+
 async def test_health_passes_keep_a_fleet_larger_than_their_slots_usable(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
@@ -605,22 +629,17 @@ async def test_health_passes_keep_a_fleet_larger_than_their_slots_usable(
     defaults 32 probes a second, so in a fleet of 400 most statuses nobody requests (a DECODE
     companion's, read only from the cache) were older than max_status_age_s. A pass goes on as its
     probes land, and never takes the tokens or slots a refresh round needs."""
-    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
-    fleet = [fake.add(w) for w in workers(400)]
-    hot = fleet[:8]
-    prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net), fleet=lambda: fleet)
-    await nursery.start(prober.run)
-    await trio.sleep(5.0)
+    fleet: list[WorkerAddr] = []
+    hot = 8
     fresh = 0
-    for _ in range(300):  # requests read the hot workers every 10 ms for 3 s
-        now = trio.current_time()
-        handle = prober.probe(hot, now + 0.02)
-        with trio.move_on_at(handle.deadline):
-            await handle.wait_all()
+
+    def each_read(prober: WorkerProber, handle: ProbeHandle) -> None:
+        nonlocal fresh
         fresh += sum(r.from_cache for r in handle.results())
         assert all(prober.cached(w) is not None for w in fleet)
-        await trio.sleep(0.01)
-    assert fresh >= 300 * len(hot) - 2 * len(hot)  # after their first probes, answered from the refresh
+
+    prober = await _fleet_with_hot_reads(nursery, fleet, hot, each_read)
+    assert fresh >= 300 * hot - 2 * hot  # after their first probes, answered from the refresh
     assert prober.snapshot().refresh_short_of_budget == 0
 
 
@@ -630,20 +649,17 @@ async def test_health_passes_go_on_with_as_many_hot_workers_as_the_refresh_share
     """A health probe left a token per hot worker for the next refresh round: with 32 hot workers and
     the defaults that asked for more than the bucket ever holds, health probes stopped for good and the
     statuses nobody requests grew too old to use."""
-    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
-    fleet = [fake.add(w) for w in workers(400)]
-    hot = fleet[:32]
-    prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net), fleet=lambda: fleet)
-    await nursery.start(prober.run)
-    await trio.sleep(5.0)
-    before = prober.snapshot().health_probes
-    for _ in range(300):  # requests read the hot workers every 10 ms for 3 s
-        handle = prober.probe(hot, trio.current_time() + 0.02)
-        with trio.move_on_at(handle.deadline):
-            await handle.wait_all()
-        await trio.sleep(0.01)
-    assert prober.snapshot().health_probes - before >= len(fleet) - len(hot)  # a pass over the rest at least
-    assert all(prober.cached(w) is not None for w in fleet[len(hot) :])
+    fleet: list[WorkerAddr] = []
+    hot = 32
+    before: list[int] = []
+
+    def each_read(prober: WorkerProber, handle: ProbeHandle) -> None:
+        if not before:
+            before.append(prober.snapshot().health_probes)
+
+    prober = await _fleet_with_hot_reads(nursery, fleet, hot, each_read)
+    assert prober.snapshot().health_probes - before[0] >= len(fleet) - hot  # a pass over the rest at least
+    assert all(prober.cached(w) is not None for w in fleet[hot:])
 
 
 async def test_background_health_probes_take_only_tokens_in_the_bucket(
