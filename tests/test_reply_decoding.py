@@ -5,11 +5,17 @@ the trio thread. Small ones decode at once."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from typing import cast
 
 import trio
 import trio.lowlevel
+import trio.testing
 
-from router.transport.clients import LARGE_REPLY_BYTES, decoded
+from router.transport.clients import LARGE_REPLY_BYTES, WorkerStatusClient, decoded
+from router.transport.ports import InTurnCall, InTurnReply, RawRpc, WorkerStatusAsk
+from router.types import WorkerStatus
+from router.wire import engine_status_pb2 as engine_pb
 
 
 async def test_a_small_reply_decodes_on_the_trio_thread_and_a_large_one_on_another() -> None:
@@ -34,3 +40,40 @@ async def test_a_large_decode_leaves_the_trio_thread_free_for_other_tasks() -> N
     async with trio.open_nursery() as nursery:
         nursery.start_soon(release_soon)
         assert await decoded(decode_reply, 10 * LARGE_REPLY_BYTES, trio.CapacityLimiter(1))
+
+
+class _RoundOf:
+    """A ``RawRpc`` whose serial round returns ``replies`` at once (no checkpoint)."""
+
+    def __init__(self, replies: list[bytes]) -> None:
+        self.replies = replies
+
+    async def call(self, target: str, method_path: str, request: bytes) -> bytes:
+        raise AssertionError("only rounds here")
+
+    async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
+        return [InTurnReply(reply, 0.001, 0.0) for reply in self.replies]
+
+    def invalidate(self, target: str) -> None:
+        pass
+
+
+def _status_with_tasks(tasks: int) -> bytes:
+    running = [
+        engine_pb.TaskInfoPB(request_id=f"request-{i:06d}", input_length=4096, prefix_length=1024) for i in range(tasks)
+    ]
+    status = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=1, running_task_info=running)
+    return status.SerializeToString()
+
+
+async def test_a_round_of_ordinary_statuses_decodes_at_once_whatever_their_total() -> None:
+    """A round is judged by its largest reply: eight ordinary statuses of a few KiB each, more than
+    LARGE_REPLY_BYTES together, went to a thread, and under a mock clock the time jumped meanwhile
+    (the demo's simulated runs lost their determinism)."""
+    replies = [_status_with_tasks(200) for _ in range(8)]
+    assert max(map(len, replies)) <= LARGE_REPLY_BYTES < sum(map(len, replies))
+    client = WorkerStatusClient(cast(RawRpc, _RoundOf(replies)))
+    asks = [WorkerStatusAsk(f"10.0.0.{i}:8001", 0) for i in range(8)]
+    with trio.testing.assert_no_checkpoints():
+        statuses = await client.get_worker_statuses(asks, 0.1)
+    assert all(len(cast(WorkerStatus, s.status).running) == 200 for s in statuses)

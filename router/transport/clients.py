@@ -80,8 +80,9 @@ class WorkerStatusClient:
                 for reply, ask in zip(replies, asks, strict=True)
             ]
 
-        size = sum(len(reply.outcome) for reply in replies if isinstance(reply.outcome, bytes))
-        return await decoded(batch, size, self._decode_threads)
+        # Judged by its largest reply: a round of many ordinary statuses decodes at once, as each would.
+        largest = max((len(reply.outcome) for reply in replies if isinstance(reply.outcome, bytes)), default=0)
+        return await decoded(batch, largest, self._decode_threads)
 
     def _decoded(self, reply: bytes | TransportError | None, target: str) -> WorkerStatus | TransportError | None:
         if not isinstance(reply, bytes):
