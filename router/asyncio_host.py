@@ -443,9 +443,9 @@ class _Handed(HeldPlace):
     def _release(self, *, answered: bool, at: float | None = None) -> None:
         """A decision that reached its caller, or one its caller no longer waited for (too late for it:
         the congestion signal, timed at ``at``, when the caller gave up), teaches the limit; a call with
-        no time left from the start does not."""
+        no time left from the start does not (the gate's rule)."""
         left_s = self._left_s
-        if left_s is None or left_s <= 0:
+        if left_s is None:
             self._gate.withdrawn()
         else:
             self._gate.answered(handed_at=self.sent_at, had_s=left_s, answered=answered, at=at)

@@ -111,7 +111,12 @@ class HandOffGate:
         spare came back now (``answered`` False: it did not; ``crowded``: see ``InFlightLimit.observe``).
         ``at``: when its caller stopped waiting, for one whose place was kept until the router was done
         with it: the call's time is what the caller waited, or one stall's length would set how long the
-        router is then left idle below one place."""
+        router is then left idle below one place. A request with no time to spare from the start
+        (``had_s`` ≤ 0: one naming roles goes to the router anyway) says nothing of the router's pace:
+        however fast it came back it would count as late, and shrink the limit."""
+        if had_s <= 0:
+            self.withdrawn()
+            return
         with self._lock:
             self._in_router -= 1
             self._limit.observe(

@@ -700,19 +700,12 @@ class Sidecar:
         if remaining is not None and math.isfinite(remaining):
             wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
-        had_s = left_s - (handed_at - sent_at)
-        release: Callable[..., None]
-        if had_s > 0:
-            release = partial(
-                self._gate.answered,
-                handed_at=handed_at,
-                had_s=had_s,
-                crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
-            )
-        else:
-            # No time left from the start (a call naming roles goes to the router anyway): however
-            # fast its answer, it would count as late and shrink the limit; it teaches it nothing.
-            release = self._withdraw
+        release = partial(
+            self._gate.answered,
+            handed_at=handed_at,
+            had_s=left_s - (handed_at - sent_at),  # none to spare: the gate learns nothing from it
+            crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
+        )
         hops = _CallHops(release)  # settled by the trio thread
         token = self._token
         decided = gave_up = False
@@ -740,10 +733,6 @@ class Sidecar:
             self._reply_times.append(done - hops.settled_at)
         self._observe_path_cost(done - handed_at - decision.elapsed_ms / 1000.0)
         return reply, routing_s, decision.stage_ms, hops
-
-    def _withdraw(self, *, answered: bool, at: float | None = None) -> None:
-        """Release a handed call that says nothing of the router's pace (see ``_route_call``)."""
-        self._gate.withdrawn()
 
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
         if decision.reason is Reason.BAD_REQUEST:
