@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -688,34 +688,14 @@ class _ReplayCompanions(CompanionPicker):
 
 
 class _ReplayRouter(RouterActor):
-    def __init__(
-        self,
-        config: KvrouteConfig,
-        current: _Current,
-        *,
-        chain: Sequence[Source],
-        domain: DomainSource,
-        companions: CompanionPicker,
-        metrics: MetricsSink,
-        warn: AggregatingLogger,
-        split_estimates: Callable[[], SplitEstimates],
-    ) -> None:
-        super().__init__(
-            config,
-            chain=chain,
-            domain=domain,
-            companions=companions,
-            metrics=metrics,
-            warn=warn,
-            split_estimates=split_estimates,
-        )
-        self._current = current
+    # Set for the case it replays (a router is made per case): the recorded deadline cut its hashing.
+    hashing_was_cut = False
 
     async def _keys(self, checked: CheckedRequest) -> tuple[tuple[int, ...], float]:
         """A prompt whose recorded hashing the deadline cut is hashed until the deadline cuts it again:
         the log holds neither its keys nor how long the rest would have taken (a what-if giving it more
         time cannot know), as a source that had not answered by then never answers."""
-        if self._current.get().hashing_cut is not None and is_sliced(checked, self._limits.hash_slice_tokens):
+        if self.hashing_was_cut and is_sliced(checked, self._limits.hash_slice_tokens):
             await trio.sleep_forever()
         return await super()._keys(checked)
 
@@ -793,7 +773,6 @@ class ReplayEngine:
         split = case.split_estimates(config.router)
         router = _ReplayRouter(
             config,
-            current,
             chain=chain,
             domain=domain,
             companions=_ReplayCompanions(current),
@@ -801,6 +780,7 @@ class ReplayEngine:
             warn=warn,
             split_estimates=lambda: split,
         )
+        router.hashing_was_cut = case.hashing_cut is not None
         request = case.replayed_request()
         if case.overloaded:
             return await router.route_overloaded(request)
