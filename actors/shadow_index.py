@@ -40,7 +40,7 @@ import trio
 
 from router.config import ShadowConfig
 from router.problems import Problem, range_problems, refuse
-from router.targets import TargetError, format_target, parse_target
+from router.targets import TargetError, parse_target
 from router.types import HostMatch
 
 _DRAIN_BATCH = 31  # records applied after a received one without yielding (a bounded slice of the loop)
@@ -214,10 +214,9 @@ def canonical_host(host_ip_port: str) -> str:
     host that does not parse stays as given. Cached: every KVCM answer's holders are compared, the
     same few spellings each time, and parsing one costs more than the rest of the comparison."""
     try:
-        parsed = parse_target(host_ip_port)
+        return str(parse_target(host_ip_port))  # HostPort's text is format_target's one spelling
     except TargetError:
         return host_ip_port
-    return format_target(parsed.host, parsed.port)
 
 
 def agreement(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[HostMatch], k: int = 1) -> float:
