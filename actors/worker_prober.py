@@ -896,9 +896,9 @@ class WorkerProber:
         else:
             batch.append(flight)
 
-    def _skip(self, worker: WorkerAddr, reason: SkipReason, handle: ProbeHandle | None = None) -> ProbeResult:
+    def _skip(self, worker: WorkerAddr, reason: SkipReason, handle: ProbeHandle) -> ProbeResult:
         """A skip, counted unless ``handle``'s ``results()`` already counted it for ``worker``."""
-        if handle is None or worker not in handle._reported:
+        if worker not in handle._reported:
             self._skipped[reason] += 1
         return ProbeResult(worker, ProbeOutcome.SKIPPED, skip_reason=reason)
 
