@@ -42,6 +42,7 @@ from router.logs import AggregatingLogger
 from router.policy.cache_affinity import CacheAffinityFirst
 from router.policy.deadline_split import SplitWindows
 from router.request import prepare_request
+from router.sidecar import decision_to_proto
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
@@ -1055,6 +1056,35 @@ async def test_a_blank_host_in_kvcms_answer_is_counted_as_a_malformed_host(
         await trio.testing.wait_all_tasks_blocked()  # the metrics sink has applied the decision
         registry = handle.metrics.registry
         assert registry.get_sample_value("kvroute_candidates_dropped_total", {"reason": "malformed_host"}) == 1
+
+
+async def test_a_kvcm_answer_claiming_more_blocks_than_asked_falls_through_as_garbled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A match is a prefix of the keys asked: more blocks than that is a broken answer, never a hit
+    (nor a decision whose block count the sidecar's reply cannot carry)."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, network, config):
+        seed(cluster, 2, 8)
+        (node_target,) = config.discovery.kvcm_bootstrap.split(",")
+        kvcm = memory_handler(cluster.kvcm.replica(cluster.kvcm.node_ids[0]))
+
+        async def claiming_too_much(method_path: str, request: bytes) -> bytes:
+            reply = await kvcm(method_path, request)
+            if method_path != paths.KVCM_GET_HOST_CACHE_STATE:
+                return reply
+            answer = kvcm_pb.GetHostCacheStateResponse.FromString(reply)
+            for host in answer.hosts:
+                host.local = host.p2p_1_total_match = 2**33
+            return answer.SerializeToString()
+
+        network.serve(node_target, claiming_too_much)
+        decision = await handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.route_source is not RouteSource.KVCM
+        assert decision.local_blocks <= len(PROMPT) // BLOCK
+        kvcm_step = next(step for step in decision.sources if step.source is RouteSource.KVCM)
+        assert kvcm_step.reason is Reason.KVCM_ERROR
+        decision_to_proto(decision).SerializeToString()  # the sidecar can answer it
 
 
 async def test_a_kvcm_trial_whose_caller_leaves_frees_the_breakers_trial_slot(

@@ -148,7 +148,7 @@ def test_cli_is_queried_by_a_plain_grpc_client_and_exits_0_on_sigterm() -> None:
         seeded = document["seeded_prefixes"][0]
         query = CacheQuery("", QueryType.PREFIX_MATCH, tuple(seeded["block_keys"]))
         raw = _plain_call(leader, paths.KVCM_GET_HOST_CACHE_STATE, decode.encode_cache_query(query))
-        state = decode.decode_cache_state(raw, leader)
+        state = decode.decode_cache_state(raw, leader, len(query.block_keys))
         assert {h.host_ip_port: h.local for h in state.hosts} == dict.fromkeys(
             seeded["workers"], len(seeded["block_keys"])
         )

@@ -304,15 +304,15 @@ def test_no_leader_elected_cluster_wide_and_per_replica() -> None:
     cluster.set_leader(None)
     assert decode.decode_cluster_info(_info(cluster, "n0"), "n0").leader is None
     with pytest.raises(NotLeader, match="no leader elected"):
-        decode.decode_cache_state(_state(cluster, "n0"), "n0")
+        decode.decode_cache_state(_state(cluster, "n0"), "n0", len(KEYS))
 
 
 def test_leader_answers_queries_followers_say_not_leader() -> None:
     cluster = _cluster()
-    state = decode.decode_cache_state(_state(cluster, "n0"), "n0")
+    state = decode.decode_cache_state(_state(cluster, "n0"), "n0", len(KEYS))
     assert state.hosts == (HostMatch(A, 4, 0, 4),)
     with pytest.raises(NotLeader) as caught:
-        decode.decode_cache_state(_state(cluster, "n1"), "n1")
+        decode.decode_cache_state(_state(cluster, "n1"), "n1", len(KEYS))
     assert caught.value.code == kvcm_pb.SERVER_NOT_LEADER
     assert "leader is n0" in str(caught.value)
 
@@ -321,18 +321,18 @@ def test_leader_moves() -> None:
     cluster = _cluster()
     cluster.set_leader("n2")
     with pytest.raises(NotLeader):
-        decode.decode_cache_state(_state(cluster, "n0"), "n0")
-    assert decode.decode_cache_state(_state(cluster, "n2"), "n2").hosts == (HostMatch(A, 4, 0, 4),)
+        decode.decode_cache_state(_state(cluster, "n0"), "n0", len(KEYS))
+    assert decode.decode_cache_state(_state(cluster, "n2"), "n2", len(KEYS)).hosts == (HostMatch(A, 4, 0, 4),)
     info = decode.decode_cluster_info(_info(cluster, "n0"), "n0")
     assert info.leader is not None and info.leader.target == "127.0.1.3:6381"
 
 
 def test_followers_may_answer_queries() -> None:
     cluster = _cluster(followers_answer_queries=True)
-    assert decode.decode_cache_state(_state(cluster, "n1"), "n1").hosts == (HostMatch(A, 4, 0, 4),)
+    assert decode.decode_cache_state(_state(cluster, "n1"), "n1", len(KEYS)).hosts == (HostMatch(A, 4, 0, 4),)
     cluster.set_followers_answer_queries(False)
     with pytest.raises(NotLeader):
-        decode.decode_cache_state(_state(cluster, "n1"), "n1")
+        decode.decode_cache_state(_state(cluster, "n1"), "n1", len(KEYS))
 
 
 def test_p2p_host_count_reaches_the_index_and_trace_id_is_echoed() -> None:
@@ -341,7 +341,8 @@ def test_p2p_host_count_reaches_the_index_and_trace_id_is_echoed() -> None:
     cluster.record_prefill(B, KEYS[:6])
     query = CacheQuery("inst", QueryType.PREFIX_MATCH, KEYS, trace_id="req-9", p2p_host_count=2)
     raw = _state(cluster, "n0", query)
-    assert decode.decode_cache_state(raw, "n0").hosts == (HostMatch(B, 6, 0, 6), HostMatch(A, 4, 2, 6))
+    state = decode.decode_cache_state(raw, "n0", len(query.block_keys))
+    assert state.hosts == (HostMatch(B, 6, 0, 6), HostMatch(A, 4, 2, 6))
     reply = kvcm_pb.GetHostCacheStateResponse.FromString(raw)
     assert reply.header.request_id == "req-9"
 
@@ -370,7 +371,7 @@ def test_a_served_answer_is_the_stores_of_the_moment_and_echoes_its_trace_id(
                 "inst", QueryType.PREFIX_MATCH, tuple(keys), trace_id=f"req-{serial}", p2p_host_count=p2p
             )
             raw = _state(cluster, "n0", query)
-            assert decode.decode_cache_state(raw, "n0").hosts == _brute_force(stores, keys, p2p)
+            assert decode.decode_cache_state(raw, "n0", len(keys)).hosts == _brute_force(stores, keys, p2p)
             assert kvcm_pb.GetHostCacheStateResponse.FromString(raw).header.request_id == f"req-{serial}"
 
 
@@ -378,7 +379,8 @@ def test_kept_answers_are_bounded() -> None:
     cluster = _cluster()
     for n in range(KEPT_ANSWERS * 3):
         query = CacheQuery("inst", QueryType.PREFIX_MATCH, (*KEYS[:4], 1000 + n), trace_id=f"req-{n}")
-        assert decode.decode_cache_state(_state(cluster, "n0", query), "n0").hosts == (HostMatch(A, 4, 0, 4),)
+        state = decode.decode_cache_state(_state(cluster, "n0", query), "n0", len(query.block_keys))
+        assert state.hosts == (HostMatch(A, 4, 0, 4),)
     assert cluster.kept_answers == KEPT_ANSWERS
 
 
@@ -386,12 +388,13 @@ def test_unsupported_query_type_and_unknown_instance() -> None:
     cluster = _cluster(instance_id="inst")
     batch = CacheQuery("inst", QueryType.BATCH_GET, KEYS)
     with pytest.raises(RemoteError, match="UNSUPPORTED"):
-        decode.decode_cache_state(_state(cluster, "n0", batch), "n0")
+        decode.decode_cache_state(_state(cluster, "n0", batch), "n0", len(batch.block_keys))
     other = CacheQuery("other", QueryType.PREFIX_MATCH, KEYS)
     with pytest.raises(RemoteError, match="INSTANCE_NOT_EXIST"):
-        decode.decode_cache_state(_state(cluster, "n0", other), "n0")
+        decode.decode_cache_state(_state(cluster, "n0", other), "n0", len(other.block_keys))
     mamba = CacheQuery("inst", QueryType.PREFIX_MATCH_WITH_MAMBA, KEYS)
-    assert decode.decode_cache_state(_state(cluster, "n0", mamba), "n0").hosts == (HostMatch(A, 4, 0, 4),)
+    state = decode.decode_cache_state(_state(cluster, "n0", mamba), "n0", len(mamba.block_keys))
+    assert state.hosts == (HostMatch(A, 4, 0, 4),)
 
 
 def test_error_code_fault_and_method_filter() -> None:
@@ -401,7 +404,7 @@ def test_error_code_fault_and_method_filter() -> None:
         KvcmFaults(error_code=kvcm_pb.INTERNAL_ERROR, methods=frozenset({paths.KVCM_GET_HOST_CACHE_STATE})),
     )
     with pytest.raises(RemoteError) as caught:
-        decode.decode_cache_state(_state(cluster, "n0"), "n0")
+        decode.decode_cache_state(_state(cluster, "n0"), "n0", len(KEYS))
     assert (caught.value.code, caught.value.code_name) == (kvcm_pb.INTERNAL_ERROR, "INTERNAL_ERROR")
     assert not isinstance(caught.value, NotLeader)
     assert decode.decode_cluster_info(_info(cluster, "n0"), "n0").leader is not None  # not filtered in
@@ -417,11 +420,11 @@ def test_garbled_replies_fail_decoding(garble: Garble) -> None:
     with pytest.raises(GarbledReply):
         decode.decode_cluster_info(_info(cluster, "n0"), "n0")
     with pytest.raises(GarbledReply):
-        decode.decode_cache_state(_state(cluster, "n0"), "n0")
+        decode.decode_cache_state(_state(cluster, "n0"), "n0", len(KEYS))
     if garble is Garble.CONTRACT:  # it does decode as protobuf: only the contract is broken
         kvcm_pb.GetClusterInfoResponse.FromString(_info(cluster, "n0"))
     cluster.clear_faults()
-    assert decode.decode_cache_state(_state(cluster, "n0"), "n0").hosts == (HostMatch(A, 4, 0, 4),)
+    assert decode.decode_cache_state(_state(cluster, "n0"), "n0", len(KEYS)).hosts == (HostMatch(A, 4, 0, 4),)
 
 
 def test_plan_dead_hang_delay_and_method_filter() -> None:
@@ -516,4 +519,4 @@ def test_cluster_clear_worker_empties_its_cache() -> None:
     assert cluster.local_prefix(A, KEYS) == 4
     cluster.clear_worker(A)
     assert cluster.local_prefix(A, KEYS) == 0
-    assert decode.decode_cache_state(_state(cluster, "n0"), "n0").hosts == ()
+    assert decode.decode_cache_state(_state(cluster, "n0"), "n0", len(KEYS)).hosts == ()

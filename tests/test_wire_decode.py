@@ -14,6 +14,7 @@ from router.wire import kvcm_meta_pb2 as kvcm_pb
 from router.wire.decode import (
     MAX_CACHE_HOSTS,
     MAX_HOST_PORT_CHARS,
+    MAX_WORKER_TASKS,
     decode_cache_state,
     decode_cluster_info,
     decode_worker_status,
@@ -23,6 +24,7 @@ from router.wire.decode import (
 )
 
 PEER = "10.9.9.9:6381"
+ASKED = 16  # the keys a query asked about: no count in its answer may exceed them
 GARBAGE = b"\xff\xfe garbage \x00\x01"
 
 
@@ -191,12 +193,12 @@ def test_cache_query_encodes_every_field() -> None:
 
 
 def test_cache_state_values() -> None:
-    state = decode_cache_state(cache_reply(("10.0.0.1:8000", 3, 2, 5), ("[::1]:8000", 1, 0, 1)), PEER)
+    state = decode_cache_state(cache_reply(("10.0.0.1:8000", 3, 2, 5), ("[::1]:8000", 1, 0, 1)), PEER, ASKED)
     assert state.hosts == (HostMatch("10.0.0.1:8000", 3, 2, 5), HostMatch("[::1]:8000", 1, 0, 1))
 
 
 def test_cache_state_blank_hosts_are_skipped() -> None:
-    state = decode_cache_state(cache_reply(("", 9, 0, 9), ("  ", 9, 0, 9), ("a:1", 2, 0, 2)), PEER)
+    state = decode_cache_state(cache_reply(("", 9, 0, 9), ("  ", 9, 0, 9), ("a:1", 2, 0, 2)), PEER, ASKED)
     assert [h.host_ip_port for h in state.hosts] == ["a:1"]
     assert state.blank_hosts == 2  # counted by the KVCM source as malformed hosts
 
@@ -204,11 +206,11 @@ def test_cache_state_blank_hosts_are_skipped() -> None:
 def test_cache_state_with_more_hosts_than_a_fleet_has_is_garbled_before_decoding_them() -> None:
     many = [(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}:8000", 1, 0, 1) for i in range(MAX_CACHE_HOSTS + 1)]
     with pytest.raises(GarbledReply, match=f"hosts: {MAX_CACHE_HOSTS + 1} entries, more than {MAX_CACHE_HOSTS}"):
-        decode_cache_state(cache_reply(*many), PEER)
+        decode_cache_state(cache_reply(*many), PEER, ASKED)
 
 
 def test_cache_state_keeps_a_host_longer_than_any_host_port_cut_so_no_parse_accepts_it() -> None:
-    state = decode_cache_state(cache_reply(("w" * 100_000, 4, 0, 4), ("a:1", 2, 0, 2)), PEER)
+    state = decode_cache_state(cache_reply(("w" * 100_000, 4, 0, 4), ("a:1", 2, 0, 2)), PEER, ASKED)
     cut, kept = state.hosts
     assert len(cut.host_ip_port) == MAX_HOST_PORT_CHARS + 1 and cut.host_ip_port.endswith("…")
     assert cut.local == 4 and kept.host_ip_port == "a:1"
@@ -217,41 +219,60 @@ def test_cache_state_keeps_a_host_longer_than_any_host_port_cut_so_no_parse_acce
 
 
 def test_cache_state_duplicate_host_keeps_the_last_entry() -> None:
-    state = decode_cache_state(cache_reply(("a:1", 5, 0, 5), ("b:1", 1, 0, 1), ("a:1", 2, 1, 3)), PEER)
+    state = decode_cache_state(cache_reply(("a:1", 5, 0, 5), ("b:1", 1, 0, 1), ("a:1", 2, 1, 3)), PEER, ASKED)
     assert set(state.hosts) == {HostMatch("b:1", 1, 0, 1), HostMatch("a:1", 2, 1, 3)}
     assert len(state.hosts) == 2
 
 
 def test_cache_state_total_below_local_means_not_evaluated() -> None:
     """An older server leaves p2p_1_total_match unset (0) for hosts it did not evaluate: total = local."""
-    state = decode_cache_state(cache_reply(("a:1", 4, 0, 0)), PEER)
+    state = decode_cache_state(cache_reply(("a:1", 4, 0, 0)), PEER, ASKED)
     assert state.hosts == (HostMatch("a:1", 4, 0, 4),)
 
 
-@pytest.mark.parametrize("counts", [(-1, 0, 0), (1, -1, 1), (1, 0, -1)])
-def test_cache_state_negative_counts_are_garbled(counts: tuple[int, int, int]) -> None:
-    with pytest.raises(GarbledReply, match=r"hosts\[1\]: negative"):
-        decode_cache_state(cache_reply(("ok:1", 1, 0, 1), ("bad:1", *counts)), PEER)
+@pytest.mark.parametrize(
+    ("counts", "field"),
+    [
+        ((-1, 0, 0), "local: -1"),
+        ((1, -1, 1), "p2p_1_fetch: -1"),
+        ((1, 0, -1), "p2p_1_total_match: -1"),
+        ((ASKED + 1, 0, ASKED + 1), f"local: {ASKED + 1}"),
+        ((2**33, 0, 2**33), f"local: {2**33}"),
+        ((1, ASKED + 1, 1), f"p2p_1_fetch: {ASKED + 1}"),
+        ((1, 3, ASKED + 1), f"p2p_1_total_match: {ASKED + 1}"),
+    ],
+)
+def test_cache_state_counts_outside_the_keys_asked_are_garbled_naming_the_field(
+    counts: tuple[int, int, int], field: str
+) -> None:
+    """A match is a prefix of the keys asked: a count below zero or above them is a broken answer."""
+    with pytest.raises(GarbledReply, match=rf"hosts\[1\]\.{field} blocks, not in 0\.\.{ASKED}"):
+        decode_cache_state(cache_reply(("ok:1", 1, 0, 1), ("bad:1", *counts)), PEER, ASKED)
+
+
+def test_cache_state_counts_equal_to_the_keys_asked_are_whole_matches() -> None:
+    state = decode_cache_state(cache_reply(("a:1", ASKED, 0, ASKED), ("b:1", 2, ASKED - 2, ASKED)), PEER, ASKED)
+    assert state.hosts == (HostMatch("a:1", ASKED, 0, ASKED), HostMatch("b:1", 2, ASKED - 2, ASKED))
 
 
 def test_cache_state_not_leader_and_other_codes() -> None:
     with pytest.raises(NotLeader):
-        decode_cache_state(cache_reply(code=kvcm_pb.SERVER_NOT_LEADER), PEER)
+        decode_cache_state(cache_reply(code=kvcm_pb.SERVER_NOT_LEADER), PEER, ASKED)
     with pytest.raises(RemoteError) as info:
-        decode_cache_state(cache_reply(code=kvcm_pb.INSTANCE_NOT_EXIST), PEER)
+        decode_cache_state(cache_reply(code=kvcm_pb.INSTANCE_NOT_EXIST), PEER, ASKED)
     assert not isinstance(info.value, NotLeader)
     assert info.value.code_name == "INSTANCE_NOT_EXIST"
 
 
 def test_cache_state_garbage_is_garbled_naming_the_message() -> None:
     with pytest.raises(GarbledReply, match="GetHostCacheStateResponse: undecodable"):
-        decode_cache_state(GARBAGE, PEER)
+        decode_cache_state(GARBAGE, PEER, ASKED)
 
 
 def test_cache_state_missing_header_is_garbled() -> None:
     data = kvcm_pb.GetHostCacheStateResponse(hosts=[kvcm_pb.HostCacheMatch(host_ip_port="a:1", local=1)])
     with pytest.raises(GarbledReply, match=r"GetHostCacheStateResponse\.header: missing"):
-        decode_cache_state(data.SerializeToString(), PEER)
+        decode_cache_state(data.SerializeToString(), PEER, ASKED)
 
 
 # --- GetWorkerStatus -----------------------------------------------------------------------------
@@ -376,6 +397,18 @@ def test_negative_task_length_is_garbled_naming_the_task() -> None:
     reply.running_task_info.add(request_id="ok", input_length=1)
     reply.running_task_info.add(request_id="bad", input_length=-1)
     with pytest.raises(GarbledReply, match=r"WorkerStatusPB.running_task_info\[1\]: negative"):
+        decode_worker_status(reply.SerializeToString(), WORKER)
+
+
+def test_a_status_listing_more_tasks_than_any_worker_runs_is_garbled_before_decoding_them() -> None:
+    reply = status_reply()
+    for i in range(MAX_WORKER_TASKS):
+        reply.running_task_info.add(request_id=f"t{i}", input_length=1)
+    assert len(decode_worker_status(reply.SerializeToString(), WORKER).running) == MAX_WORKER_TASKS
+    reply.running_task_info.add()
+    with pytest.raises(
+        GarbledReply, match=f"running_task_info: {MAX_WORKER_TASKS + 1} entries, more than {MAX_WORKER_TASKS}"
+    ):
         decode_worker_status(reply.SerializeToString(), WORKER)
 
 

@@ -49,7 +49,8 @@ class KvcmClient:
 
     async def get_host_cache_state(self, target: str, query: CacheQuery) -> CacheState:
         reply = await self._rpc.call(target, paths.KVCM_GET_HOST_CACHE_STATE, decode.encode_cache_query(query))
-        return await decoded(partial(decode.decode_cache_state, reply, target), len(reply), self._decode_threads)
+        state = partial(decode.decode_cache_state, reply, target, len(query.block_keys))
+        return await decoded(state, len(reply), self._decode_threads)
 
 
 class WorkerStatusClient:

@@ -37,6 +37,10 @@ MAX_CACHE_HOSTS = 65_536
 # longer one is kept cut, which no parse accepts: it is dropped as malformed, and no decision, record or
 # log carries a peer's arbitrarily long string.
 MAX_HOST_PORT_CHARS = 259
+# The tasks one worker status may list: many times any engine's running batch and waiting queue (a
+# worker queued that deep is dropped as queue-full long before). More is garbage: every task is an
+# object to build, and each new status is summed over its tasks on the routing thread.
+MAX_WORKER_TASKS = 16_384
 _NOT_LEADER = kvcm_pb.SERVER_NOT_LEADER
 
 
@@ -117,9 +121,9 @@ def encode_cache_query(query: CacheQuery) -> bytes:
     ).SerializeToString()
 
 
-def decode_cache_state(data: bytes, target: str) -> CacheState:
-    """Blank hosts are skipped (and counted); a duplicate host keeps its last entry; negative counts
-    are garbled."""
+def decode_cache_state(data: bytes, target: str, blocks_asked: int) -> CacheState:
+    """Blank hosts are skipped (and counted); a duplicate host keeps its last entry; a count below zero
+    or above ``blocks_asked`` (the query's keys: a match is a prefix of them) is garbled."""
     msg = _parse(kvcm_pb.GetHostCacheStateResponse, data, target, "GetHostCacheStateResponse")
     assert isinstance(msg, kvcm_pb.GetHostCacheStateResponse)
     _check_header(msg, target, "GetHostCacheStateResponse")
@@ -136,8 +140,14 @@ def decode_cache_state(data: bytes, target: str) -> CacheState:
             continue
         if len(name) > MAX_HOST_PORT_CHARS:
             name = name[:MAX_HOST_PORT_CHARS] + "…"
-        if h.local < 0 or h.p2p_1_fetch < 0 or h.p2p_1_total_match < 0:
-            raise GarbledReply(target, f"GetHostCacheStateResponse.hosts[{i}]: negative block count")
+        counts = (("local", h.local), ("p2p_1_fetch", h.p2p_1_fetch), ("p2p_1_total_match", h.p2p_1_total_match))
+        for field, count in counts:
+            if not 0 <= count <= blocks_asked:
+                raise GarbledReply(
+                    target,
+                    f"GetHostCacheStateResponse.hosts[{i}].{field}: {count} blocks, not in 0..{blocks_asked}"
+                    " (the keys asked)",
+                )
         hosts.pop(name, None)
         hosts[name] = HostMatch(name, h.local, h.p2p_1_fetch, max(h.p2p_1_total_match, h.local))
     return CacheState(hosts=tuple(hosts.values()), blank_hosts=blank)
@@ -171,6 +181,11 @@ def _task_k(t: engine_pb.TaskInfoPB) -> TaskInfo:
 def _decode_generation_k(data: bytes, target: str) -> WorkerStatus:
     msg = _parse(engine_pb.WorkerStatusPB, data, target, "WorkerStatusPB")
     assert isinstance(msg, engine_pb.WorkerStatusPB)
+    if len(msg.running_task_info) > MAX_WORKER_TASKS:
+        raise GarbledReply(
+            target,
+            f"WorkerStatusPB.running_task_info: {len(msg.running_task_info)} entries, more than {MAX_WORKER_TASKS}",
+        )
     tasks = [_task_k(t) for t in msg.running_task_info]
     for i, t in enumerate(tasks):
         if t.input_length < 0 or t.prefix_length < 0:
