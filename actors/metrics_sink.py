@@ -113,8 +113,9 @@ class ShadowRecordDropped:
 
 @dataclass(frozen=True, slots=True)
 class MasterRequest:
-    """One step of the master source: routed, fallback, business_error, no_master, breaker_open,
-    no_time, or a transport error kind (unavailable, deadline, garbled, remote_error)."""
+    """One step of the master source: routed, fallback, business_error, queue_timeout, no_master,
+    breaker_open, no_time, queue_full, or a transport error kind (unavailable, deadline, garbled,
+    remote_error)."""
 
     outcome: str
 

@@ -184,6 +184,33 @@ async def test_a_hanging_master_costs_its_window_until_the_breaker_opens(
         assert health.breaker.state.value == "open"
 
 
+@pytest.mark.parametrize("early_ms", [0.0, 0.5, 1.0, 3.0])
+async def test_a_queueing_masters_queue_timeout_at_its_window_falls_through_to_kvcm(
+    autojump_clock: trio.testing.MockClock, early_ms: float
+) -> None:
+    """The scheduler is told the window's end as generate_timeout, and a queueing one answers 8503 when
+    it passes, on its own clock: at the window's end or a little before it (request_time_ms is
+    rounded down; its clock may be ahead). That answer is no routing within the window, not the
+    request's failure: the time kept for KVCM is still there."""
+    async with rig(replicas=1, transport_timeout_ms=30) as r:
+        r.master.set_faults(0, MasterFaults(queue_timeout_early_ms=early_ms))
+        for i in range(4):
+            took, decision = await r.timed_route(f"q{i}", budget_ms=50)
+            assert decision.route_source is RouteSource.KVCM and not decision.error_code, decision
+            assert decision.sources[0].reason is (Reason.MASTER_UNAVAILABLE if i < 3 else Reason.MASTER_BREAKER_OPEN)
+            assert took <= 0.050
+        registry = r.handle.metrics.registry
+        queued = registry.get_sample_value("kvroute_master_requests_total", {"outcome": "queue_timeout"}) or 0
+        cut = registry.get_sample_value("kvroute_master_requests_total", {"outcome": "deadline"}) or 0
+        assert queued + cut == 3  # each attempt counted once; the breaker (threshold 3) then skips the master
+        assert queued == (3 if early_ms > 0 else 0)
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth) and health.breaker.state.value == "open"
+        if early_ms > 0:
+            host = r.master.addresses().hosts[0]
+            assert (health.last_error or "").startswith(f"{host}: deadline: QUEUE_TIMEOUT (8503)")
+
+
 async def test_a_hanging_master_leaves_the_slave_its_share_of_the_window(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

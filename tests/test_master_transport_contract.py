@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import trio
@@ -197,6 +197,15 @@ async def test_business_error_codes(clock: object, harness: Harness, code: int) 
         reply = await harness.transport.schedule(harness.host(2), REQUEST)
         assert isinstance(reply, MasterBusinessError)
         assert reply.code == code and str(code) in reply.message
+
+
+async def test_a_queueing_scheduler_answers_8503_once_generate_timeout_passes(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        harness.sim.set_faults(0, MasterFaults(queue_timeout_early_ms=0.0))
+        start = trio.current_time()
+        reply = await harness.transport.schedule(harness.host(0), replace(REQUEST, generate_timeout_ms=20))
+        assert isinstance(reply, MasterBusinessError) and reply.code == 8503
+        assert trio.current_time() - start >= 0.020
 
 
 async def test_no_worker_is_8400(clock: object, harness: Harness) -> None:

@@ -15,6 +15,9 @@ request. Outcomes:
 - routed: the scheduler's role addresses, as given; the request's worker is the first of a
   prefill-capable role the request routes (a DECODE or VIT address rides along); KVCM is not asked;
 - 8600 (not in a 200 reply): domain routing, the cache sources skipped;
+- 8503 (QUEUE_TIMEOUT): the scheduler queued the request until the ``generate_timeout`` we sent,
+  the window's end (a millisecond early by its rounding, more by its clock's skew): no answer within
+  the window, as if the call had been cut there (the slave in its share, then the next source);
 - any other code: the request ends with that code and message (the frontend fails it);
 - no master known, the breaker open, no usable reply: fall through to the next source.
 
@@ -48,7 +51,14 @@ from router.config import KvrouteConfig, MasterProtocol
 from router.transport.errors import DeadlineExceeded, TransportError
 from router.transport.ports import MasterTransport
 from router.types import Reason, Role, RoleAddr, RouteDecision, RouteSource, WorkerAddr
-from router.wire.master import MasterBusinessError, MasterFallback, MasterReply, MasterRouted, MasterScheduleRequest
+from router.wire.master import (
+    CODE_QUEUE_TIMEOUT,
+    MasterBusinessError,
+    MasterFallback,
+    MasterReply,
+    MasterRouted,
+    MasterScheduleRequest,
+)
 
 _HTTP_OK = 200
 _QUEUE_FULL_CODE = 429
@@ -303,6 +313,7 @@ class MasterSource:
             slave_s = 0.0
         reply: MasterReply | None = None
         error: TransportError | None = None
+        queue_timeout: TransportError | None = None
         with trio.move_on_at(end):
             for i, host in enumerate(hosts):  # the slave once, inside the same window, after a transport failure
                 host_end = end if i == len(hosts) - 1 else end - slave_s
@@ -310,6 +321,13 @@ class MasterSource:
                     with trio.move_on_at(host_end) as call:
                         request = self._request(ctx, received_wall_s, host_end)
                         reply = await self._transport.schedule(host, request)
+                    if isinstance(reply, MasterBusinessError) and reply.code == CODE_QUEUE_TIMEOUT:
+                        reply = None
+                        error = queue_timeout = DeadlineExceeded(
+                            host, f"QUEUE_TIMEOUT ({CODE_QUEUE_TIMEOUT}): queued until the window's end, not routed"
+                        )
+                        self._metrics.emit(MasterRequest("queue_timeout"))
+                        continue
                     if not call.cancelled_caught:
                         break
                     error = DeadlineExceeded(host, "no schedule reply within its share of the window")
@@ -318,10 +336,10 @@ class MasterSource:
                 self._metrics.emit(MasterRequest(error.kind))
         finished = trio.current_time()
         if reply is None:
-            if error is None or finished >= end:
+            if error is None or (finished >= end and error is not queue_timeout):
                 error = DeadlineExceeded(hosts[-1], "no schedule reply within the master's window")
                 self._metrics.emit(MasterRequest(error.kind))
-            outcome.error = f"{error.target}: {error}"
+            outcome.error = f"{error.target}: {error.kind}: {error.detail}"
             if finished >= end and end == by_budget and end - now < self._slow_s:
                 # The request's own budget cut the attempt short: it says nothing of the master.
                 outcome.verdict = _Verdict.NOT_JUDGED

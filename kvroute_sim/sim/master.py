@@ -8,7 +8,8 @@ and ``/Cancel`` (gRPC on the HTTP port + 2, grpcio's thread pool). Routing is a 
 Fault knobs per replica (``MasterFaults``): refuse (the listeners close; in memory the host has
 no server), hang (accept, never answer until the knob changes or the caller goes away), slow,
 8600, a business error code, a garbled body (a 200 that is not JSON / undecodable bytes), a
-plain-text 500, and flapping (refusing during every other period). ``serve_memory`` puts the
+plain-text 500, flapping (refusing during every other period), and a queue that routes nothing
+(8503 once the call's ``generate_timeout`` has passed). ``serve_memory`` puts the
 same replicas on a ``MemoryMasterNetwork`` for MockClock tests.
 
 Knobs are changed from the trio thread; gRPC handler threads read them under a lock.
@@ -40,6 +41,7 @@ from router.wire import paths
 from router.wire.master import (
     CODE_INVALID_REQUEST,
     CODE_NO_AVAILABLE_WORKER,
+    CODE_QUEUE_TIMEOUT,
     MASTER_ROLES,
     BadScheduleRequest,
     MasterScheduleRequest,
@@ -90,6 +92,10 @@ class MasterFaults:
     garbled: bool = False  # a 200 whose body is not JSON (gRPC: undecodable bytes)
     server_error: bool = False  # a plain-text 500 (gRPC: INTERNAL)
     flapping_period_s: float = 0.0  # > 0: refuse during every other period of this length
+    # Not None: every schedule call is queued and never routed, and answered QUEUE_TIMEOUT (8503) once
+    # its generate_timeout has passed, counted from this replica's receipt less this many ms (a
+    # scheduler counting from request_time_ms, which the client rounds down, or whose clock is ahead).
+    queue_timeout_early_ms: float | None = None
 
 
 def pick_from(workers: Sequence[RoleAddr]) -> Decide:
@@ -101,6 +107,13 @@ def pick_from(workers: Sequence[RoleAddr]) -> Decide:
         return [group[digest % len(group)] for group in by_role.values() if group]
 
     return decide
+
+
+def _queued_s(faults: MasterFaults, request: MasterScheduleRequest) -> float | None:
+    """How long a queueing replica holds ``request`` before its QUEUE_TIMEOUT (None: not queueing)."""
+    if faults.queue_timeout_early_ms is None:
+        return None
+    return max(0.0, request.generate_timeout_ms - faults.queue_timeout_early_ms) / 1000
 
 
 def _http_status(code: int) -> int:
@@ -288,6 +301,10 @@ class SimMaster:
             request = parse_schedule_json(body)
         except BadScheduleRequest as exc:
             return 400, error_json(CODE_INVALID_REQUEST, str(exc))
+        queued_s = _queued_s(faults, request)
+        if queued_s is not None:
+            await trio.sleep(queued_s)
+            return _http_status(CODE_QUEUE_TIMEOUT), error_json(CODE_QUEUE_TIMEOUT, "QUEUE_TIMEOUT")
         code, message, addrs = self._schedule_answer(request)
         if code != 200:
             return _http_status(code), error_json(code, message)
@@ -489,6 +506,11 @@ def _grpc_routes(master: SimMaster, replica: SimMasterReplica) -> dict[str, Unar
                 _, parsed = parse_schedule_pb(request)
             except BadScheduleRequest as exc:
                 return error_pb(CODE_INVALID_REQUEST, str(exc))
+            queued_s = _queued_s(faults, parsed)
+            if queued_s is not None:
+                if ended.wait(queued_s):
+                    return b""
+                return error_pb(CODE_QUEUE_TIMEOUT, "QUEUE_TIMEOUT")
             code, message, addrs = master._schedule_answer(parsed)
             if code != 200:
                 return error_pb(code, message)

@@ -28,6 +28,7 @@ from router.wire import master_flexlb_pb2 as flexlb_pb
 CODE_OK = 200
 CODE_NO_AVAILABLE_WORKER = 8400  # also the code of a per-role failure that names none
 CODE_INVALID_REQUEST = 8406
+CODE_QUEUE_TIMEOUT = 8503  # a queueing scheduler's answer once the call's generate_timeout has passed
 CODE_FALLBACK = 8600  # "route by yourself"
 DEFAULT_GENERATE_TIMEOUT_MS = 3_600_000
 # Roles a scheduler may name in an answer.
