@@ -77,9 +77,18 @@ def check_bounds(limits: LimitsConfig, *, request_id: str, n_tokens: int, n_keys
     if n_roles > limits.max_roles:
         raise BadRequest("roles", f"{n_roles} roles, more than the limit of {limits.max_roles} (--max-roles)")
     limit = limits.max_request_id_bytes
+    too_long = BadRequest("request_id", f"longer than the limit of {limit} UTF-8 bytes (--max-request-id-bytes)")
     # A character is at least one UTF-8 byte: a long id is refused without encoding it.
-    if len(request_id) > limit or len(request_id.encode("utf-8", "surrogatepass")) > limit:
-        raise BadRequest("request_id", f"longer than the limit of {limit} UTF-8 bytes (--max-request-id-bytes)")
+    if len(request_id) > limit:
+        raise too_long
+    try:
+        encoded = request_id.encode("utf-8")
+    except UnicodeEncodeError as exc:  # the id goes out as UTF-8 (KVCM's trace_id, the master's request)
+        raise BadRequest(
+            "request_id", f"not Unicode text: an unpaired surrogate {request_id[exc.start]!a} at index {exc.start}"
+        ) from None
+    if len(encoded) > limit:
+        raise too_long
 
 
 def quoted(text: str) -> str:
@@ -185,7 +194,8 @@ def named_roles(
     none, names them in a form the checks refuse, or names no prefill-capable one routed here (the
     deployment's roles answer it then). Pure."""
     roles = request.roles
-    if not roles or not isinstance(roles, tuple | list) or not all(isinstance(r, Role) for r in roles):
+    # The type first: a value of another type may not even have a truth value (a numpy array).
+    if not isinstance(roles, tuple | list) or not roles or not all(isinstance(r, Role) for r in roles):
         return None
     prefill, companions = _role_parts(tuple(r for r in dict.fromkeys(roles) if r in deployment.roles))
     if not prefill:

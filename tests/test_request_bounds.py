@@ -71,7 +71,10 @@ def test_request_id_is_measured_in_utf8_bytes() -> None:
     limits = LimitsConfig(max_request_id_bytes=4)
     assert prepare_request(RouteRequest("éé", token_ids=(1,)), DEPLOYMENT, limits).seq_len == 1
     assert refused(RouteRequest("éée", token_ids=(1,)), limits).field_name == "request_id"
-    assert refused(RouteRequest("\ud800\ud800", token_ids=(1,)), limits).field_name == "request_id"  # lone surrogates
+    lone = refused(RouteRequest("\ud800\ud800", token_ids=(1,)), limits)
+    assert lone.field_name == "request_id" and "unpaired surrogate '\\ud800' at index 0" in str(lone), lone
+    # Within the length limit too: the id goes out as UTF-8 (KVCM's trace_id, the master's request).
+    assert refused(RouteRequest("a\udc80", token_ids=(1,)), limits).field_name == "request_id"
 
 
 def test_keys_may_not_cover_more_than_the_longest_prompt() -> None:

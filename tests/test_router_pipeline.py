@@ -612,6 +612,13 @@ async def test_bad_request_still_gets_an_answer(autojump_clock: trio.testing.Moc
         assert d.reason is Reason.BAD_REQUEST and d.error is not None and "roles" in d.error
 
 
+class _NoTruthValue:
+    """A value whose truth is undefined (as a numpy array of two elements): asking raises."""
+
+    def __bool__(self) -> bool:
+        raise ValueError("the truth value is ambiguous")
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
@@ -631,6 +638,8 @@ async def test_bad_request_still_gets_an_answer(autojump_clock: trio.testing.Moc
         ({"seq_len": 12.5}, "seq_len"),
         ({"token_ids": "abc"}, "token_ids"),
         ({"roles": ("PREFILL",)}, "roles"),
+        ({"roles": _NoTruthValue()}, "roles"),
+        ({"request_id": "lone\udc80surrogate"}, "request_id"),
     ],
 )
 async def test_a_field_of_the_wrong_type_or_value_is_refused_naming_it(
