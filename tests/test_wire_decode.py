@@ -7,7 +7,14 @@ from typing import cast
 import pytest
 
 from router.targets import TargetError, parse_target
-from router.transport.errors import GarbledReply, NotLeader, RemoteError
+from router.transport.errors import (
+    MAX_PEER_TEXT_CHARS,
+    GarbledReply,
+    NotLeader,
+    RemoteError,
+    RpcStatus,
+    status_to_error,
+)
 from router.types import CacheQuery, HostMatch, KvCacheGroupMode, LeaderEndpoint, QueryType, Role
 from router.wire import engine_status_pb2 as engine_pb
 from router.wire import kvcm_meta_pb2 as kvcm_pb
@@ -142,6 +149,17 @@ def test_non_ok_codes_are_remote_errors(code: int, name: str) -> None:
     assert not isinstance(info.value, NotLeader)
     assert (info.value.code, info.value.code_name, info.value.target) == (code, name, PEER)
     assert "why" in str(info.value)
+
+
+def test_a_remote_errors_message_is_kept_to_a_bound_whatever_its_length() -> None:
+    """A peer's text reaches logs, decisions, /readyz and /debug/actors: a megabyte of it stays out."""
+    for code in (kvcm_pb.SERVICE_NOT_READY, kvcm_pb.SERVER_NOT_LEADER):
+        with pytest.raises(RemoteError) as info:
+            decode_cluster_info(cluster_reply(code=code, message="why" + "x" * 1_000_000, endpoint=endpoint()), PEER)
+        assert info.value.detail.count("x") < MAX_PEER_TEXT_CHARS and "[cut: 1000003 chars]" in info.value.detail
+        assert len(str(info.value)) < MAX_PEER_TEXT_CHARS + 100
+    grpc_status = status_to_error(PEER, RpcStatus.INTERNAL, "y" * 100_000)
+    assert grpc_status.detail.count("y") < MAX_PEER_TEXT_CHARS and "[cut: 100000 chars]" in grpc_status.detail
 
 
 def test_server_not_leader_is_not_leader() -> None:

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import enum
 
+from router.types import cut_text
+
+# A peer's own text in an error (a gRPC status's details, a KVCM status message) is kept to this many
+# characters: it can be of any length, and it reaches logs, decisions, /readyz and /debug/actors.
+MAX_PEER_TEXT_CHARS = 1024
+
 
 class RpcStatus(enum.Enum):
     """The gRPC status codes an adapter can see (names match grpc.StatusCode)."""
@@ -79,6 +85,7 @@ class NotLeader(RemoteError):
 
 def status_to_error(target: str, status: RpcStatus, details: str) -> TransportError:
     """Map a failed gRPC status to our hierarchy (one place for both adapters)."""
+    details = cut_text(details, MAX_PEER_TEXT_CHARS)
     if status is RpcStatus.UNAVAILABLE:
         return Unavailable(target, details or "unavailable")
     if status is RpcStatus.DEADLINE_EXCEEDED:
