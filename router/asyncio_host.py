@@ -405,7 +405,7 @@ class _Handed(HeldPlace):
     by its caller when it resumes with the outcome, or, if the caller gave up waiting first, by the
     trio thread when it settles the outcome, since only then is the router done with the call."""
 
-    __slots__ = ("_gate", "_left_s", "future", "loop", "sent_at", "settled_at")
+    __slots__ = ("_gate", "_left_s", "decided", "future", "loop", "sent_at", "settled_at")
 
     def __init__(
         self, gate: HandOffGate, loop: asyncio.AbstractEventLoop, sent_at: float, left_s: float | None
@@ -417,10 +417,12 @@ class _Handed(HeldPlace):
         self.future: asyncio.Future[RouteDecision] = loop.create_future()
         self.sent_at = sent_at  # time.monotonic() at route()
         self.settled_at: float | None = None  # written by the trio thread before it settles ``future``
+        self.decided = False  # and whether it settles it with a decision
 
     def settle(self, result: outcome.Outcome[RouteDecision]) -> None:
         """From the trio thread, once: the outcome, on its way to the caller's loop."""
         self.settled_at = time.monotonic()  # the answer's way back starts here
+        self.decided = isinstance(result, outcome.Value)
         self.router_done()
         settle_on_loop(self.loop, self.future, result)
 
@@ -431,7 +433,13 @@ class _Handed(HeldPlace):
             self.future.set_exception(AnswerTimeout(message))
 
     def _release_unanswered(self, gave_up_at: float) -> None:
-        self._release(answered=False, at=gave_up_at)
+        settled_at, left_s = self.settled_at, self._left_s
+        if settled_at is None or left_s is None or settled_at - self.sent_at > left_s:
+            self._release(answered=False, at=gave_up_at)  # the router was late for it
+        elif self.decided:  # its caller left first, and the router answered in time: its pace
+            self._release(answered=True, at=settled_at)
+        else:  # its caller left (a user's abort), and the router dropped the call in time: nothing learnt
+            self._gate.withdrawn()
 
     def resumed(self, *, decided: bool) -> None:
         """From the caller's loop, the outcome in hand (``decided``: a decision, not an error)."""

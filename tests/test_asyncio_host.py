@@ -18,17 +18,19 @@ from pathlib import Path
 from typing import Any, cast
 
 import httpx
+import outcome
 import pytest
 import trio
 
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router import asyncio_host
+from router.admission import InFlightLimit
 from router.api import RouterHandle, open_router
 from router.asyncio_host import AnswerTimeout, AsyncioRouterHost, HostStats, HostStopped
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
-from router.receipt import INITIAL_IN_FLIGHT_LIMIT
+from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate
 from router.replay import load_log
 from router.types import KeyFamily, Reason, Role, RouteDecision, RouteRequest, RouteSource
 
@@ -429,6 +431,38 @@ async def test_a_call_its_caller_gave_up_on_keeps_its_place_until_the_router_is_
     assert second.shed_before_hop == first.shed_before_hop + 50
     # Once the thread ran again each reached the router, which was then done with it: freed.
     assert stopped.handed == 1 + first.in_router and stopped.in_router == 0
+
+
+@pytest.mark.parametrize(
+    ("router_took_s", "decided", "limit_moves"),
+    [
+        (0.0, False, "stays"),  # a user's abort: the router dropped the call in time
+        (0.0, True, "grows"),  # the router answered in time, after its caller had left
+        (5.0, False, "shrinks"),  # the router was late for it (a stalled thread): the congestion signal
+        (5.0, True, "shrinks"),
+    ],
+)
+def test_a_call_its_caller_cancelled_teaches_the_limit_only_the_routers_own_pace(
+    router_took_s: float, decided: bool, limit_moves: str
+) -> None:
+    """Every cancelled call counted as late: 40 user aborts took the limit from 16 to 0.7, and the idle
+    router then shed 39 of 40 calls overloaded."""
+    gate = HandOffGate(InFlightLimit(initial=16, ceiling=256, floor=0.05), waiters=0)
+    loop = asyncio.new_event_loop()
+    try:
+        gate.hand_off_anyway()
+        handed = asyncio_host._Handed(gate, loop, time.monotonic() - router_took_s, 1.0)
+        before = gate._limit.share
+        handed.give_up()  # its caller stops waiting first
+        settled: outcome.Outcome[RouteDecision] = (
+            outcome.Value(cast(RouteDecision, object())) if decided else outcome.Error(HostStopped("cancelled"))
+        )
+        handed.settle(settled)  # then the routing thread is done with it: the place is freed
+        assert gate.in_router() == 0
+        after = gate._limit.share
+        assert {"stays": after == before, "grows": after > before, "shrinks": after < before}[limit_moves], after
+    finally:
+        loop.close()
 
 
 async def test_a_call_with_no_time_left_is_the_routers_to_answer_when_there_is_a_place(nursery: trio.Nursery) -> None:
