@@ -198,6 +198,23 @@ class ShadowIndex:
         return tuple(HostMatch(worker, local) for worker, local in ordered)
 
 
+    def compare(
+        self, kvcm_hosts: Sequence[HostMatch], keys: Sequence[int], now: float, limit: int, block_size: int
+    ) -> tuple[float, int]:
+        """How this index would have answered a query KVCM answered with ``kvcm_hosts``: the
+        ``agreement`` of the two and the ``hit_error_tokens`` (read-only). The view is ``match`` with
+        ``limit``; KVCM's best holder, when that view left it out (more holders of longer prefixes
+        here), is looked up alone, so its error is its own prefix's, not KVCM's whole hit."""
+        view = self.match(keys, now, limit=limit)
+        error_view = view
+        best = best_holder(kvcm_hosts)
+        if best is not None:
+            host = canonical_host(best.host_ip_port)
+            if all(h.host_ip_port != host for h in view):
+                error_view = self.match(keys, now, usable=host.__eq__)
+        return agreement(kvcm_hosts, view), hit_error_tokens(kvcm_hosts, error_view, block_size)
+
+
 def _top_hosts(hosts: Sequence[HostMatch], k: int) -> set[str]:
     """Hosts whose ``local`` is at least the k-th largest positive ``local`` (ties included)."""
     positive = sorted((h.local for h in hosts if h.local >= 1), reverse=True)
@@ -245,11 +262,16 @@ def hit_error_tokens(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[Hos
     only through p2p (no local block): none of them is a holder.
     """
     shadow_local = {h.host_ip_port: h.local for h in shadow_hosts}
-    holders = [h for h in kvcm_hosts if h.local >= 1]
-    if not holders:
+    best = best_holder(kvcm_hosts)
+    if best is None:
         return max(shadow_local.values(), default=0) * block_size
-    best = max(holders, key=lambda h: h.local)
     return abs(best.local - shadow_local.get(canonical_host(best.host_ip_port), 0)) * block_size
+
+
+def best_holder(kvcm_hosts: Sequence[HostMatch]) -> HostMatch | None:
+    """KVCM's best holder: the first host with the longest ``local`` prefix (None: no local block)."""
+    holders = [h for h in kvcm_hosts if h.local >= 1]
+    return max(holders, key=lambda h: h.local) if holders else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +337,11 @@ class ShadowIndexActor:
         self, keys: Sequence[int], now: float, limit: int | None = None, usable: Callable[[str], bool] | None = None
     ) -> tuple[HostMatch, ...]:
         return self.index.match(keys, now, limit, usable)
+
+    def compare(
+        self, kvcm_hosts: Sequence[HostMatch], keys: Sequence[int], now: float, limit: int, block_size: int
+    ) -> tuple[float, int]:
+        return self.index.compare(kvcm_hosts, keys, now, limit, block_size)
 
     def health(self) -> ShadowHealth:
         return ShadowHealth(

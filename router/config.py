@@ -176,7 +176,7 @@ class ShadowConfig:
     # a record is forgotten this long after it was last recorded
     ttl_s: float = bounded(300.0, 0, 604_800, low_open=True)
     # Blocks held by all records together (LRU): the index's memory bound (docs/design.md §7 has the
-    # bytes per block).
+    # bytes per block, most for prompts of one block).
     capacity_blocks: int = bounded(131_072, 0, 100_000_000, low_open=True)
     # records waiting to be applied; beyond it they are dropped (counted)
     inbox_size: int = bounded(1024, 0, 1_000_000, low_open=True)

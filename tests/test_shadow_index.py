@@ -310,6 +310,25 @@ def test_hit_error_tokens_at_kvcms_best_holder() -> None:
     assert hit_error_tokens(p2p_only, [HostMatch("b:1", local=4)], 64) == 256
 
 
+def test_the_comparison_finds_kvcms_best_holder_even_when_the_views_limit_leaves_it_out() -> None:
+    """Compared under the hot set's limit, a KVCM holder the shadow holds with fewer blocks than that
+    many other workers was cut from the view, and its error read as KVCM's whole hit."""
+    index = ShadowIndex(300.0, 10_000)
+    keys = tuple(range(1, 17))
+    index.record("10.0.0.100:8000", keys[:4], now=1.0)  # KVCM's holder: here too with its 4 blocks
+    for i in range(8):  # eight workers the shadow thinks hold the whole prompt
+        index.record(f"10.0.0.{i + 1}:8000", keys, now=1.0)
+    kvcm = (HostMatch("10.0.0.100:8000", 4),)
+    assert all(h.host_ip_port != "10.0.0.100:8000" for h in index.match(keys, 2.0, limit=8))
+    ratio, error = index.compare(kvcm, keys, 2.0, 8, 64)
+    assert (ratio, error) == (0.0, 0)  # the best holders differ; the holder's own prefix agrees
+    assert index.compare((HostMatch("10.0.0.100:8000", 6),), keys, 2.0, 8, 64) == (0.0, 2 * 64)
+    # A holder the shadow never saw is its whole prefix of error, looked up or not.
+    assert index.compare((HostMatch("10.0.0.200:8000", 5),), keys, 2.0, 8, 64) == (0.0, 5 * 64)
+    # One in the view is read from it (one of the shadow's eight tied best holders: 1/8 agreement).
+    assert index.compare((HostMatch("10.0.0.1:8000", 16),), keys, 2.0, 8, 64) == (0.125, 0)
+
+
 def test_kvcm_naming_a_holder_in_another_spelling_agrees_with_the_shadows_canonical_one() -> None:
     """KVCM may write a worker's address out in full; the shadow index names it by canonical target.
     The same holder with the same blocks read as full disagreement and a whole prefix of error."""

@@ -18,7 +18,7 @@ import trio
 from actors.breaker import Admission
 from actors.leader_resolver import LeaderResolver, LeaderUnavailable, UnavailableReason
 from actors.metrics_sink import CandidatesDropped, KvcmRequest, MetricsSink, ShadowAgreement
-from actors.shadow_index import ShadowIndexActor, agreement, hit_error_tokens
+from actors.shadow_index import ShadowIndexActor
 from actors.sources.base import FellThrough, RequestContext, SourceResult, ms
 from actors.sources.scoring import CandidateScoring
 from router.config import KvrouteConfig
@@ -73,13 +73,10 @@ class KvcmSource:
             return
         # How well the shadow index would have answered: no await since the decision, so the shadow
         # index has not yet applied this request's own record.
-        shadow_view = self._shadow.match(ctx.prepared.keys, trio.current_time(), limit=self._hot_set_size)
-        ctx.events.append(
-            ShadowAgreement(
-                agreement(ctx.cache_hosts, shadow_view),
-                hit_error_tokens(ctx.cache_hosts, shadow_view, ctx.prepared.block_size),
-            )
+        ratio, error_tokens = self._shadow.compare(
+            ctx.cache_hosts, ctx.prepared.keys, trio.current_time(), self._hot_set_size, ctx.prepared.block_size
         )
+        ctx.events.append(ShadowAgreement(ratio, error_tokens))
 
     def _release_unreported(self, trial: bool) -> None:
         """The request left (cancelled by its caller, or its own deadline's scope took the wait's
