@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import cast
 
 import pytest
@@ -13,6 +14,7 @@ from router.transport.errors import (
     NotLeader,
     RemoteError,
     RpcStatus,
+    TransportError,
     status_to_error,
 )
 from router.types import CacheQuery, HostMatch, KvCacheGroupMode, LeaderEndpoint, QueryType, Role
@@ -29,6 +31,7 @@ from router.wire.decode import (
     encode_cluster_info_request,
     encode_status_version,
 )
+from router.wire.master import parse_master_role
 
 PEER = "10.9.9.9:6381"
 ASKED = 16  # the keys a query asked about: no count in its answer may exceed them
@@ -151,15 +154,24 @@ def test_non_ok_codes_are_remote_errors(code: int, name: str) -> None:
     assert "why" in str(info.value)
 
 
-def test_a_remote_errors_message_is_kept_to_a_bound_whatever_its_length() -> None:
-    """A peer's text reaches logs, decisions, /readyz and /debug/actors: a megabyte of it stays out."""
+def test_a_peers_text_in_an_error_is_kept_to_a_bound_whatever_its_length() -> None:
+    """A peer's text reaches logs, decisions, /readyz and /debug/actors: a megabyte of it stays out,
+    whichever field carried it."""
+    errors: list[TransportError] = []
     for code in (kvcm_pb.SERVICE_NOT_READY, kvcm_pb.SERVER_NOT_LEADER):
-        with pytest.raises(RemoteError) as info:
+        with pytest.raises(RemoteError) as remote:
             decode_cluster_info(cluster_reply(code=code, message="why" + "x" * 1_000_000, endpoint=endpoint()), PEER)
-        assert info.value.detail.count("x") < MAX_PEER_TEXT_CHARS and "[cut: 1000003 chars]" in info.value.detail
-        assert len(str(info.value)) < MAX_PEER_TEXT_CHARS + 100
-    grpc_status = status_to_error(PEER, RpcStatus.INTERNAL, "y" * 100_000)
-    assert grpc_status.detail.count("y") < MAX_PEER_TEXT_CHARS and "[cut: 100000 chars]" in grpc_status.detail
+        errors.append(remote.value)
+    with pytest.raises(GarbledReply) as garbled:  # a leader host no parse accepts, named twice in the error
+        decode_cluster_info(cluster_reply(endpoint=endpoint(host="h" * 1_000_000)), PEER)
+    errors.append(garbled.value)
+    with pytest.raises(GarbledReply) as role:  # the master's reply naming a role nobody knows
+        parse_master_role("R" * 1_000_000, "server_status[0].role", PEER)
+    errors.append(role.value)
+    errors.append(status_to_error(PEER, RpcStatus.INTERNAL, "y" * 100_000))
+    for error in errors:
+        assert len(error.detail) <= MAX_PEER_TEXT_CHARS and re.search(r"…\[cut: \d+ chars\]$", error.detail), error
+        assert len(str(error)) <= len(PEER) + 2 + MAX_PEER_TEXT_CHARS
 
 
 def test_server_not_leader_is_not_leader() -> None:

@@ -6,8 +6,9 @@ import enum
 
 from router.types import cut_text
 
-# A peer's own text in an error (a gRPC status's details, a KVCM status message) is kept to this many
-# characters: it can be of any length, and it reaches logs, decisions, /readyz and /debug/actors.
+# An error's detail is kept to this many characters: it often holds a peer's own text (a status's
+# message, a field's value, a host) of any length, and it reaches logs, decisions, /readyz and
+# /debug/actors.
 MAX_PEER_TEXT_CHARS = 1024
 
 
@@ -43,6 +44,7 @@ class TransportError(Exception):
     kind = "error"
 
     def __init__(self, target: str, detail: str) -> None:
+        detail = cut_text(detail, MAX_PEER_TEXT_CHARS)
         super().__init__(f"{target}: {detail}")
         self.target = target
         self.detail = detail
@@ -85,7 +87,6 @@ class NotLeader(RemoteError):
 
 def status_to_error(target: str, status: RpcStatus, details: str) -> TransportError:
     """Map a failed gRPC status to our hierarchy (one place for both adapters)."""
-    details = cut_text(details, MAX_PEER_TEXT_CHARS)
     if status is RpcStatus.UNAVAILABLE:
         return Unavailable(target, details or "unavailable")
     if status is RpcStatus.DEADLINE_EXCEEDED:

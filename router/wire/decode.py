@@ -13,7 +13,7 @@ from typing import assert_never, cast
 from google.protobuf.message import DecodeError
 
 from router.targets import TargetError, format_target, parse_target
-from router.transport.errors import MAX_PEER_TEXT_CHARS, GarbledReply, NotLeader, RemoteError
+from router.transport.errors import GarbledReply, NotLeader, RemoteError
 from router.types import (
     CacheQuery,
     CacheState,
@@ -25,7 +25,6 @@ from router.types import (
     Role,
     TaskInfo,
     WorkerStatus,
-    cut_text,
 )
 from router.wire import engine_status_pb2 as engine_pb
 from router.wire import kvcm_meta_pb2 as kvcm_pb
@@ -63,10 +62,9 @@ def _check_header(header_holder: object, target: str, what: str) -> None:
     if code == _OK:
         return
     name = kvcm_pb.ErrorCode.Name(code) if code in kvcm_pb.ErrorCode.values() else f"CODE_{code}"
-    message = cut_text(status.message, MAX_PEER_TEXT_CHARS)
     if code == _NOT_LEADER:
-        raise NotLeader(target, message, code, name)
-    raise RemoteError(target, message, code, name)
+        raise NotLeader(target, status.message, code, name)
+    raise RemoteError(target, status.message, code, name)
 
 
 # --- KVCM: GetClusterInfo --------------------------------------------------------------
