@@ -211,6 +211,41 @@ async def test_a_queueing_masters_queue_timeout_at_its_window_falls_through_to_k
             assert (health.last_error or "").startswith(f"{host}: deadline: QUEUE_TIMEOUT (8503)")
 
 
+@pytest.mark.parametrize("early_ms", [0.0, 1.0])
+async def test_a_queue_timeout_in_a_window_the_requests_budget_cut_short_is_not_judged(
+    autojump_clock: trio.testing.MockClock, early_ms: float
+) -> None:
+    """As a call cut there would not be: a 25 ms budget leaves the master 5 ms, less than a slow answer,
+    and three such 8503s opened the breaker on a master that then answered a longer request."""
+    async with rig(replicas=1, transport_timeout_ms=30, later_sources_ms=20) as r:
+        r.master.set_faults(0, MasterFaults(queue_timeout_early_ms=early_ms))
+        for i in range(4):
+            decision = await r.route(f"q{i}", budget_ms=25)
+            assert decision.sources[0].reason is Reason.MASTER_UNAVAILABLE and decision.route_source is RouteSource.KVCM
+        r.master.clear_faults()
+        decision = await r.route("long", budget_ms=200)
+        assert decision.route_source is RouteSource.MASTER
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth) and health.breaker.state.value == "closed"
+
+
+async def test_a_slave_cut_at_the_windows_end_after_the_masters_queue_timeout_is_counted_and_named(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig(transport_timeout_ms=30, slave_window_share=0.5) as r:
+        slave = r.master.addresses().hosts[1]
+        r.master.set_faults(0, MasterFaults(queue_timeout_early_ms=1.0))
+        r.master.set_faults(1, MasterFaults(hang=True))
+        decision = await r.route("q", budget_ms=100)
+        assert decision.route_source is RouteSource.KVCM
+        registry = r.handle.metrics.registry
+        for outcome in ("queue_timeout", "deadline"):  # the master's 8503, then the slave's cut
+            assert registry.get_sample_value("kvroute_master_requests_total", {"outcome": outcome}) == 1, outcome
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth)
+        assert (health.last_error or "").startswith(f"{slave}: deadline: no schedule reply within the master's window")
+
+
 async def test_a_hanging_master_leaves_the_slave_its_share_of_the_window(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

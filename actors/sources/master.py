@@ -317,6 +317,7 @@ class MasterSource:
         with trio.move_on_at(end):
             for i, host in enumerate(hosts):  # the slave once, inside the same window, after a transport failure
                 host_end = end if i == len(hosts) - 1 else end - slave_s
+                queue_timeout = None  # an 8503 stands for the window's end only as the last call's answer
                 try:
                     with trio.move_on_at(host_end) as call:
                         request = self._request(ctx, received_wall_s, host_end)
@@ -336,11 +337,12 @@ class MasterSource:
                 self._metrics.emit(MasterRequest(error.kind))
         finished = trio.current_time()
         if reply is None:
-            if error is None or (finished >= end and error is not queue_timeout):
+            queued = error is not None and error is queue_timeout  # the window ended as the 8503 came
+            if error is None or (finished >= end and not queued):
                 error = DeadlineExceeded(hosts[-1], "no schedule reply within the master's window")
                 self._metrics.emit(MasterRequest(error.kind))
             outcome.error = f"{error.target}: {error.kind}: {error.detail}"
-            if finished >= end and end == by_budget and end - now < self._slow_s:
+            if (finished >= end or queued) and end == by_budget and end - now < self._slow_s:
                 # The request's own budget cut the attempt short: it says nothing of the master.
                 outcome.verdict = _Verdict.NOT_JUDGED
             else:
