@@ -907,10 +907,21 @@ class WorkerProber:
         if state is None:
             state = self._workers[worker] = _WorkerState()
             while len(self._workers) > self._config.max_tracked_workers:
-                self._forget(next(iter(self._workers)))
+                self._forget(self._evictable(worker))
         else:
             self._workers.move_to_end(worker)
         return state
+
+    def _evictable(self, keep: WorkerAddr) -> WorkerAddr:
+        """The least recently used worker whose history does not matter: not ejected, no failure in a
+        row. A fleet larger than the cache has its health passes track every worker in turn, and a
+        failing worker, skipped by requests and passes alike, was always the oldest: forgotten, its
+        failures never added up to an ejection. The oldest of all when every one has such a history;
+        never ``keep``, the worker being tracked."""
+        for worker, state in self._workers.items():
+            if worker != keep and state.consecutive_failures == 0 and worker not in self._ejected:
+                return worker
+        return next(iter(self._workers))  # the oldest: ``keep``, just added, is the newest
 
     def _forget(self, worker: WorkerAddr) -> None:
         # A pending probe of a forgotten worker still completes, updating only its orphaned state.

@@ -430,6 +430,45 @@ async def test_status_cache_is_bounded_lru(nursery: trio.Nursery, autojump_clock
     assert prober.cached(fleet[13]) is None
 
 
+async def test_the_cache_keeps_a_failing_workers_history_over_older_healthy_ones(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(12)]
+    prober = await start_prober(nursery, fake, max_tracked_workers=4, eject_after_failures=2)
+    fake.failing.add(fleet[0].status_target)
+    await prober.probe([fleet[0]], trio.current_time() + 1.0).wait_all()  # one failure: not yet ejected
+    for worker in fleet[1:]:  # healthy workers tracked after it, more than the cache holds
+        await prober.probe([worker], trio.current_time() + 1.0).wait_all()
+    assert prober.snapshot().tracked_workers == 4
+    await trio.sleep(0.1)
+    await prober.probe([fleet[0]], trio.current_time() + 1.0).wait_all()  # its second failure in a row
+    assert fleet[0] in prober.ejected()
+
+
+async def test_a_fleet_larger_than_the_cache_keeps_a_dead_worker_ejected(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Health passes track every worker in turn: a dead worker, skipped by requests and passes alike,
+    was always the oldest entry, forgotten with its ejection a second after it (fleet 120, cache 100)."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(120)]
+    dead = fleet[0]
+    fake.failing.add(dead.status_target)
+    config = dataclasses.replace(ProberConfig(), max_tracked_workers=100, background_refresh=False)
+    actor = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    prober: WorkerProber = await nursery.start(actor.run)
+    for _ in range(3):  # requests name the dead worker until it is ejected
+        await prober.probe([dead], trio.current_time() + 0.5).wait_all()
+        await trio.sleep(0.01)
+    assert dead in prober.ejected()
+    ejected_at = trio.current_time()
+    eject_s = config.eject_base_s
+    await trio.sleep(eject_s - 1.0)
+    assert dead in prober.ejected() and not prober.is_routable(dead), trio.current_time() - ejected_at
+    assert prober.snapshot().tracked_workers == 100
+
+
 async def test_retain_prunes_dropped_workers(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
     fake = FakeWorkers(MemoryNetwork())
     fleet = [fake.add(w) for w in workers(6)]
