@@ -168,10 +168,6 @@ def list_file_problem(config: DiscoveryConfig, list_kind: ListKind, path: str, w
     if not os.path.lexists(path):
         return None
     try:
-        # Opened only when a plain file: a FIFO or a device could hold this thread forever, and
-        # check-config has no thread to abandon (a refresh reads on one).
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            return f"{what}: not a regular file"
         _signature, outcome = _file_signature_and_outcome(
             path, None, lambda text: parse_list(config, list_kind, text, what), list_file_max_bytes(config), what
         )
@@ -200,12 +196,20 @@ def _file_signature_and_outcome(
 ) -> tuple[tuple[int, int, int], tuple[HostPort, ...] | str | None]:
     """Runs in a worker thread: (signature, the parsed entries or why the file cannot be used), the
     outcome None when the signature is unchanged. Parsed here too: a long list must not hold the loop."""
-    st = os.stat(path)
-    signature = (st.st_mtime_ns, st.st_size, st.st_ino)
-    if signature == last:
-        return signature, None
-    with open(path, "rb") as f:
-        data = f.read(max_bytes + 1)
+    # Opened without blocking and checked before any read: a FIFO or a device at the path would hold
+    # the thread for good (a refresh abandons it, but it keeps the source's one read slot).
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if signature == last:
+            return signature, None
+        if not stat.S_ISREG(st.st_mode):
+            return signature, f"{what}: not a regular file"
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
     if len(data) > max_bytes:
         return signature, f"{what}: larger than {max_bytes} bytes: not a list"
     try:

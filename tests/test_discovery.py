@@ -14,11 +14,13 @@ import os
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
+from actors import discovery
 from actors.discovery import (
     FILE_BYTES_PER_ENTRY,
     MIN_LIST_FILE_BYTES,
@@ -370,7 +372,7 @@ async def test_an_unreadable_file_is_warned_once_per_new_error_and_its_recovery_
                 await trio.sleep(0.01)
             warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
             assert len(warned) == 1
-            assert warned[0].startswith(f"discovery: workers.file {workers}: Is a directory")
+            assert warned[0].startswith(f"discovery: workers.file {workers}: not a regular file")
             workers.rmdir()
             generation = d.generation
             write(workers, "10.1.0.7\n")
@@ -392,32 +394,28 @@ def test_a_list_file_larger_than_its_entries_can_be_is_refused_unread(tmp_path: 
     assert list_file_max_bytes(dataclasses.replace(CFG, max_entries=2)) == MIN_LIST_FILE_BYTES
 
 
-def _unblock_fifo(fifo: Path) -> None:
-    """Open the FIFO's write end once, so a reader blocked in open() sees EOF and its thread ends."""
-    try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:  # ENXIO: no reader is waiting
-        return
-    os.close(fd)
-
-
-async def test_a_blocked_file_read_never_blocks_the_event_loop(tmp_path: Path) -> None:
-    """review-lessons §1: a read stuck in the kernel (a FIFO with no writer) runs off the loop thread.
+async def test_a_blocked_file_read_never_blocks_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """review-lessons §1: a read stuck in the kernel (a slow or hung file system) runs off the loop
+    thread. The read is held here by an event the test sets at its end.
 
     An observer task waits until every task is blocked (the loop is idle while the first
     round's read is pending) and runs before that round ends at refresh_timeout_s. Were the
-    read on the loop thread, the loop would never be idle before the round's end (the
-    safety timer unblocking the FIFO), and the observer would run only after it.
+    read on the loop thread, the loop would never be idle before the round's end (the read
+    released), and the observer would run only after it.
     """
-    fifo = tmp_path / "workers.fifo"
-    os.mkfifo(fifo)
-    safety = threading.Timer(8.0, _unblock_fifo, (fifo,))  # turns a regression into a failure, not a hang
-    safety.start()
+    path = tmp_path / "workers.txt"
+    write(path, "10.1.0.2:9000\n")
+    released = threading.Event()
+    read_file = discovery._file_signature_and_outcome
+
+    def stuck(*args: Any) -> Any:
+        released.wait(8.0)  # a regression is a failure, not a hang
+        return read_file(*args)
+
+    monkeypatch.setattr(discovery, "_file_signature_and_outcome", stuck)
     timeout = 1.0  # the window in which the idle loop must be noticed (room for a stalled process)
     try:
-        cfg = dataclasses.replace(
-            CFG, workers="10.1.0.1:9000", workers_file=str(fifo), refresh_timeout_s=timeout
-        )
+        cfg = dataclasses.replace(CFG, workers="10.1.0.1:9000", workers_file=str(path), refresh_timeout_s=timeout)
         with trio.fail_after(10):
             d = Discovery(cfg)
             observed: list[tuple[float, list[str]]] = []
@@ -429,7 +427,7 @@ async def test_a_blocked_file_read_never_blocks_the_event_loop(tmp_path: Path) -
             async with trio.open_nursery() as nursery:
                 start = trio.current_time()
                 nursery.start_soon(observer)
-                await nursery.start(d.run)  # the first round waits for the FIFO up to refresh_timeout_s
+                await nursery.start(d.run)  # the first round waits for the read up to refresh_timeout_s
                 round_done = trio.current_time()  # no checkpoint since start() returned
                 assert round_done - start >= timeout
                 assert len(observed) == 1  # it ran while the read was stuck, before the round ended
@@ -441,5 +439,27 @@ async def test_a_blocked_file_read_never_blocks_the_event_loop(tmp_path: Path) -
                 assert source.last_error is not None and "refresh_timeout_s" in source.last_error
                 nursery.cancel_scope.cancel()
     finally:
-        safety.cancel()
-        _unblock_fifo(fifo)
+        released.set()
+
+
+async def test_a_fifo_at_a_list_files_path_is_refused_without_holding_the_read_and_then_replaced(
+    tmp_path: Path,
+) -> None:
+    """Opened to be read, a FIFO with no writer held the source's one read slot for good: the file
+    replaced by a good one was never read again until a restart."""
+    path = tmp_path / "workers"
+    os.mkfifo(path)
+    cfg = dataclasses.replace(CFG, workers="", workers_file=str(path), refresh_interval_s=0.2, refresh_timeout_s=0.3)
+    with trio.fail_after(10):
+        d = Discovery(cfg)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)
+            source = next(s for s in d.snapshot().sources if s.name == "workers.file")
+            assert source.last_error == f"workers.file {path}: not a regular file"
+            replacement = tmp_path / "workers.new"
+            write(replacement, "10.1.0.1:9000\n10.1.0.2:9000\n")
+            os.replace(replacement, path)
+            generation = d.generation
+            await d.wait_for_change(generation)
+            assert http_targets(d.workers()) == ["10.1.0.1:9000", "10.1.0.2:9000"]
+            nursery.cancel_scope.cancel()
