@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from router.cli import main
-from router.settings import load_config
+from router.settings import SETTINGS, load_config
 from router.settings.assess import assess
 
 BROKEN_TOML = """
@@ -177,6 +177,23 @@ def test_a_list_file_that_cannot_be_used_is_reported_as_a_refresh_would_read_it(
     assert not any("--workers-file" in line for line in good.will_not_work)
     boot = assess(load_config({"kvcm_bootstrap_file": str(tmp_path / "wdir"), "kvcm_instance_id": "i"}, {}))
     assert any(line.startswith("--kvcm-bootstrap-file") and "not a regular file" in line for line in boot.will_not_work)
+
+
+def test_a_path_holding_a_nul_character_is_refused_naming_its_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TOML strings can hold U+0000, and open() raises ValueError on it, not OSError: check-config and
+    serve ended in a traceback for the TLS and token files, and passed it for the others."""
+    paths = [s for s in SETTINGS if s.metavar in ("FILE", "PATH")]
+    assert {s.name for s in paths} >= {"workers_file", "decision_log", "grpc_tls_cert", "debug_token_file"}
+    for setting in paths:
+        toml = tmp_path / f"{setting.name}.toml"
+        section, key = setting.toml_key.split(".")
+        toml.write_text(f'[{section}]\n{key} = "a\\u0000b"\n')
+        code = main(["check-config", "--config", str(toml), "--workers", "127.0.0.1:1", "--kvcm-fallback", "off"])
+        out = capsys.readouterr().out
+        assert code == 1, (setting.name, out)
+        assert f"x {setting.flag} ({setting.env}): a path cannot hold a NUL character" in out, (setting.name, out)
 
 
 def test_background_refresh_on_but_inactive_is_reported() -> None:

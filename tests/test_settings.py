@@ -323,6 +323,13 @@ def test_every_problem_is_reported_at_once_naming_flag_and_env() -> None:
     assert "(from env KVROUTE_BREAKER_FAILURE_RATE)" in text[("breaker_failure_rate",)]
 
 
+def test_a_bad_listen_address_with_port_zero_is_quoted_as_given() -> None:
+    loaded = load_config({**GOOD, "debug_listen": "999.1.1.1:0", "grpc_listen": "a b:0"}, {})
+    text = {p.settings: str(p) for p in loaded.errors}
+    assert "'999.1.1.1:0'" in text[("debug_listen",)] and ":1'" not in text[("debug_listen",)]
+    assert "'a b:0'" in text[("grpc_listen",)]
+
+
 def test_a_bad_value_a_higher_source_overrides_is_a_warning_not_a_problem() -> None:
     overridden = load_config({**GOOD, "block_size": "32"}, {"KVROUTE_BLOCK_SIZE": "abc"})
     assert overridden.errors == ()

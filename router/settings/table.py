@@ -298,8 +298,21 @@ def parse_listen(text: str) -> HostPort:
     if not sep or not host:
         raise TargetError(f"listen address {text!r} must be HOST:PORT (port 0 = any free port)")
     if port == "0":
-        return HostPort(parse_target(f"{host}:1").host, 0)
+        stand_in = f"{host}:1"  # the host checked as a target's, with a port a target may have
+        try:
+            return HostPort(parse_target(stand_in).host, 0)
+        except TargetError as exc:  # named as given, not as the stand-in
+            raise TargetError(str(exc).replace(repr(stand_in), repr(text))) from None
     return parse_target(text)
+
+
+# Settings naming a file: a NUL character (which TOML and env values can hold) is no path, and
+# open() raises ValueError, not OSError, on it.
+_PATH_METAVARS = frozenset({"FILE", "PATH"})
+
+
+def _path(value: str) -> str | None:
+    return "a path cannot hold a NUL character" if "\0" in value else None
 
 
 def _listen(value: str) -> str | None:
@@ -897,6 +910,7 @@ def _build_table() -> tuple[Setting, ...]:
             fallback = spec.fallback
             if fallback is None:
                 fallback = section in _FALLBACK_SECTIONS or section == "deployment"
+            metavar = spec.metavar or _default_metavar(kind, choices)
             settings.append(
                 Setting(
                     name=f.name if unprefixed else f"{section}_{f.name}",
@@ -905,13 +919,13 @@ def _build_table() -> tuple[Setting, ...]:
                     kind=kind,
                     default=getattr(defaults, f.name),
                     help=spec.help,
-                    checks=spec.checks,
+                    checks=spec.checks + ((_path,) if metavar in _PATH_METAVARS else ()),
                     range=declared,
                     choices=choices,
                     required_when=spec.required_when,
                     fallback_part=fallback,
                     secret=spec.secret or is_secret_field(f.name),
-                    metavar=spec.metavar or _default_metavar(kind, choices),
+                    metavar=metavar,
                 )
             )
     _check_unique(settings)

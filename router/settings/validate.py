@@ -102,16 +102,19 @@ class FileChecks:
     ca_bundle: Unusable  # a bundle of CA certificates
 
 
-def _section_rules(files: FileChecks | None) -> Mapping[str, Callable[[Any], list[Problem]]]:
+def _section_rules(
+    files: FileChecks | None, malformed: frozenset[str]
+) -> Mapping[str, Callable[[Any], list[Problem]]]:
+    """The sections' rules; ``files`` reads the TLS files of a section none of whose settings is
+    ``malformed`` (a value already refused by its own check, such as a path holding a NUL character,
+    which open() would raise ValueError on)."""
     if files is None:
         return SECTION_PROBLEMS
-    return {
-        **SECTION_PROBLEMS,
-        "grpc_tls": partial(grpc_tls_problems, unusable=files.pem, pair=files.cert_key, bundle=files.ca_bundle),
-        "upstream_tls": partial(
-            upstream_tls_problems, unusable=files.pem, pair=files.cert_key, bundle=files.ca_bundle
-        ),
-    }
+    rules = dict(SECTION_PROBLEMS)
+    for section, problems in (("grpc_tls", grpc_tls_problems), ("upstream_tls", upstream_tls_problems)):
+        if not any(s.section == section and s.name in malformed for s in SETTINGS):
+            rules[section] = partial(problems, unusable=files.pem, pair=files.cert_key, bundle=files.ca_bundle)
+    return rules
 
 
 MAX_PORT = 65_535
@@ -171,10 +174,12 @@ def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
             )
 
 
-def _token_problems(c: KvrouteConfig, files: FileChecks | None) -> Iterator[tuple[tuple[str, ...], str]]:
+def _token_problems(
+    c: KvrouteConfig, files: FileChecks | None, malformed: frozenset[str]
+) -> Iterator[tuple[tuple[str, ...], str]]:
     if c.serve.debug_token and c.serve.debug_token_file:
         yield ("debug_token", "debug_token_file"), "give the debug token one way, not both"
-    if files is not None and c.serve.debug_token_file:
+    if files is not None and c.serve.debug_token_file and "debug_token_file" not in malformed:
         why = files.token(c.serve.debug_token_file)
         if why is not None:
             yield ("debug_token_file",), why
@@ -210,14 +215,15 @@ def validate(
     for s in SETTINGS:
         for message in s.validate(value_of(config, s.name)):
             problems.append(_problem((s.name,), f"{message} ({_from(origins.get(s.name, DEFAULT_ORIGIN))})"))
-    for section, rules in _section_rules(files).items():
+    malformed = frozenset(p.settings[0] for p in problems)
+    for section, rules in _section_rules(files, malformed).items():
         for found in rules(getattr(config, section)):
             names = tuple(BY_TOML_KEY[f"{section}.{name}"].name for name in found.fields)
             message = _in_flags(section, found.message)
             if len(names) == 1:
                 message += f" ({_from(origins.get(names[0], DEFAULT_ORIGIN))})"
             problems.append(_problem(names, message))
-    for names, message in (*_joint_problems(config), *_token_problems(config, files)):
+    for names, message in (*_joint_problems(config), *_token_problems(config, files, malformed)):
         problems.append(_problem(names, message))
     # One setting's problems first, in table order; then those joining settings, as found.
     order = {s.name: i for i, s in enumerate(SETTINGS)}
