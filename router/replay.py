@@ -75,7 +75,7 @@ from router.policy.ledger import NEVER, SelectionLedger
 from router.policy.plan import CandidateSource, Fleet
 from router.problems import declared_range
 from router.request import CheckedRequest, PreparedRequest, is_sliced
-from router.settings import resolve_config
+from router.settings import ROUTER_SETTING_OPTION, resolve_config
 from router.settings.redact import config_digest
 from router.settings.table import BY_NAME
 from router.settings.validate import SettingProblem
@@ -824,7 +824,7 @@ def replay_config(recorded: RecordedLog, overrides: Mapping[str, str]) -> Replay
     the fallback off (fail-soft), which in a what-if would report every decision changing to domain
     routing for a typo. A problem the recording itself had stays as it was served."""
     base = resolve_config(None, {}, dict(recorded.settings))
-    loaded = resolve_config(None, {}, {**recorded.settings, **overrides})
+    loaded = resolve_config(None, {}, {**recorded.settings, **overrides}, flags_given_as=ROUTER_SETTING_OPTION)
     brought = tuple(p for p in loaded.errors if p not in base.errors)
     problems = tuple(dict.fromkeys((*loaded.fatal_errors, *brought)))
     return ReplayConfig(loaded.effective, problems, config_digest(base.config) == recorded.digest)

@@ -13,13 +13,13 @@ import sys
 from router.decision_record import LogFormatError
 from router.logs import shown
 from router.replay import ReplayEngine, WhatIf, difference, load_log, replay_config, taken_from_recording
-from router.settings.table import BY_NAME
+from router.settings.table import BY_NAME, ROUTER_SETTING_OPTION
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH", help="decision log files (oldest first: PATH.1 PATH)")
     parser.add_argument(
-        "--router-setting",
+        ROUTER_SETTING_OPTION,
         action="append",
         default=[],
         metavar="NAME=VALUE",

@@ -503,7 +503,8 @@ def test_the_replay_command_reports_and_exits_by_identity(
     # A bad value for a fallback setting is refused too: served, it would turn the fallback off, and
     # the what-if reported every decision changing to domain routing for a typo.
     assert main(["replay", str(log), "--router-setting", "deadline_split=fixd"]) == 2
-    assert "--deadline-split" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--deadline-split" in err and "(from flag --router-setting)" in err  # as typed, not its own flag
     # A what-if on a setting replay takes from the recording says so, rather than a bare "0 change".
     assert main(["replay", str(log), "--quiet", "--router-setting", "prober_fresh_ttl_s=1"]) == 0
     captured = capsys.readouterr()

@@ -166,6 +166,8 @@ def test_trace_flags_generate_and_reject_a_bad_trace(tmp_path: Path, capsys: pyt
     out = tmp_path / "g.jsonl"
     assert demo_cli.run(parser.parse_args(["--trace-generate", str(out), "--trace-generate-sessions", "5"])) == 0
     assert read_trace(out)
+    assert demo_cli.run(parser.parse_args(["--trace-generate", str(tmp_path)])) == 2  # a directory: named, no traceback
+    assert capsys.readouterr().err.startswith(f"kvroute demo: --trace-generate {tmp_path}: ")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0}\n')
     assert demo_cli.run(parser.parse_args(["--trace", str(bad)])) == 2

@@ -36,7 +36,7 @@ from kvroute_sim.bench.raw_grpc import RawClient
 from kvroute_sim.bench.results import BenchReport
 from kvroute_sim.bench.simproc import sim_process
 from kvroute_sim.bench.throughput import ThroughputSizes
-from router.settings import BY_NAME, Origin, SettingValueError, SourceKind, validate
+from router.settings import BY_NAME, ROUTER_SETTING_OPTION, Origin, SettingValueError, SourceKind, validate
 
 FIGURES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "soak")
 DEFAULT_OUT = "bench-results.json"
@@ -121,7 +121,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=f"JSON results (default {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, default=0, help="seed for the decision-CPU cases")
     parser.add_argument(
-        "--router-setting",
+        ROUTER_SETTING_OPTION,
         type=_router_setting,
         action="append",
         default=[],
@@ -138,7 +138,7 @@ def settings_problems(router_settings: tuple[tuple[str, object], ...]) -> list[s
 
     def problems(chosen: tuple[tuple[str, object], ...]) -> list[str]:
         view = ClusterView("127.0.0.1:1", "127.0.0.1:2", ClusterShape().block_size, (), chosen)
-        origins = {name: Origin(SourceKind.FLAG, "--router-setting") for name, _ in chosen}
+        origins = {name: Origin(SourceKind.FLAG, ROUTER_SETTING_OPTION) for name, _ in chosen}
         return [str(p) for p in validate(router_config(view, status_ttl_s=None), origins)]
 
     baseline = set(problems(()))

@@ -67,7 +67,7 @@ from kvroute_sim.demo.runner import (
 )
 from kvroute_sim.demo.workload import Workload, WorkloadSpec, build_workload
 from router.logs import setup_logging
-from router.settings import BY_NAME
+from router.settings import BY_NAME, ROUTER_SETTING_OPTION
 from router.types import KeyFamily
 
 DEFAULT_OUT = "demo-out"
@@ -194,7 +194,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"near-tie spreading; prints the table and writes {HERDING_FILE}",
     )
     parser.add_argument(
-        "--router-setting",
+        ROUTER_SETTING_OPTION,
         type=_setting,
         action="append",
         default=[],

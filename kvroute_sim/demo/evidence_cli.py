@@ -117,7 +117,11 @@ def run_evidence(args: argparse.Namespace) -> int:
 
     if args.trace_generate is not None:
         spec = TraceGenSpec(sessions=args.trace_generate_sessions, seed=args.seed or 0)
-        path = write_trace(args.trace_generate, generate_trace(spec))
+        try:
+            path = write_trace(args.trace_generate, generate_trace(spec))
+        except OSError as exc:
+            print(f"kvroute demo: --trace-generate {args.trace_generate}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         print(f"wrote {path}")
         return 0
     workload: Workload

@@ -39,7 +39,7 @@ from kvroute_sim.sim.grpc_server import Clock
 from kvroute_sim.sim.master import SimMaster, SimMasterAddresses
 from kvroute_sim.sim.worker import PlannedTask, WorkerSpec
 from router.api import RouteRequest, RouterHandle, open_router
-from router.settings import LoadedConfig, load_config
+from router.settings import ROUTER_SETTING_OPTION, LoadedConfig, load_config
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import HostMatch
@@ -345,7 +345,7 @@ def load_router_config(settings: Mapping[str, object], *, strict: bool = True) -
     ``strict``: any problem raises ``DemoConfigError`` listing all of them; otherwise the caller
     gets the fail-soft result (``.effective``) and the problems.
     """
-    loaded = load_config(settings, {})
+    loaded = load_config(settings, {}, flags_given_as=ROUTER_SETTING_OPTION)
     if strict and loaded.errors:
         raise DemoConfigError("router settings: " + "; ".join(str(p) for p in loaded.errors))
     return loaded

@@ -191,12 +191,16 @@ def resolve_config(
     env: Mapping[str, str],
     flags: Mapping[str, object],
     files: FileChecks | None = None,
+    *,
+    flags_given_as: str | None = None,
 ) -> LoadedConfig:
     """Pure: the configuration from defaults < ``file`` < ``env`` < ``flags``, validated.
 
     ``flags`` maps setting name → value (text as on the command line, or a value of the setting's
     type); None or absent means not given. ``files`` checks the files the settings name (see
-    :func:`~router.settings.validate.validate`). Every problem is in ``errors``.
+    :func:`~router.settings.validate.validate`). ``flags_given_as``: the option the values were given
+    with, where it is not each setting's own flag (``--router-setting``), so a problem names what the
+    operator typed. Every problem is in ``errors``.
     """
     values: dict[str, object] = {s.name: s.default for s in SETTINGS}
     sources: dict[str, Origin] = {s.name: DEFAULT_ORIGIN for s in SETTINGS}
@@ -238,7 +242,7 @@ def resolve_config(
     for s in SETTINGS:
         raw = flags.get(s.name)
         if raw is not None:
-            take(s, raw, Origin(SourceKind.FLAG, s.flag))
+            take(s, raw, Origin(SourceKind.FLAG, flags_given_as or s.flag))
 
     problems.extend(p for listed in unparsed.values() for p in listed)
     config = _assemble(values)
@@ -265,6 +269,8 @@ def load_config(
     cli: argparse.Namespace | Mapping[str, object],
     env: Mapping[str, str],
     toml_path: str | None = None,
+    *,
+    flags_given_as: str | None = None,
 ) -> LoadedConfig:
     """Read the settings file (I/O) and :func:`resolve_config` it with ``env`` and ``cli``.
 
@@ -276,7 +282,8 @@ def load_config(
     flags = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli)
     path = toml_path if toml_path is not None else config_path(flags, env)
     named_by = CONFIG_ENV if toml_path is None and path and not flags.get("config") else "--config"
-    loaded = resolve_config(read_config_file(path, named_by) if path else None, env, flags, FILE_CHECKS)
+    file = read_config_file(path, named_by) if path else None
+    loaded = resolve_config(file, env, flags, FILE_CHECKS, flags_given_as=flags_given_as)
     if isinstance(cli, argparse.Namespace):
         return loaded  # a namespace also carries the command's own arguments
     # A mapping names settings only: a misspelt name must not be ignored silently.

@@ -77,6 +77,8 @@ class Origin:
 
 
 DEFAULT_ORIGIN = Origin(SourceKind.DEFAULT)
+# The option the commands that open routers of their own (replay, demo, bench) take a setting with.
+ROUTER_SETTING_OPTION = "--router-setting"
 
 Check = Callable[[Any], str | None]
 
