@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "refused": stats.unavailable,
         "timed_out": stats.timed_out,
         "failed": stats.failed,
-        "cut_at_drain_deadline": stats.in_flight,
+        "cut_at_drain_deadline": stats.cut_at_drain_deadline,
     }
     say("stopped; Route calls " + " ".join(f"{name}={n}" for name, n in counts.items()), **counts)
     return EXIT_OK

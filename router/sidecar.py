@@ -225,6 +225,8 @@ class SidecarStats:
     # Of shed_at_receipt: answered, but not counted by the router nor written to the decision log
     # (SHED_RECORDS_MAX were waiting for the trio thread).
     sheds_unrecorded: int = 0
+    # Calls still being routed when the drain's grace ended, not routed (not in ``unavailable``).
+    cut_at_drain_deadline: int = 0
 
 
 _OUTCOME_BY_STATUS = {
@@ -320,6 +322,8 @@ class _Counters:
         self._shed = 0
         self._unrecorded = 0
         self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed"), 0)
+        self._past_drain_deadline = False
+        self._cut = 0
 
     def enter(self) -> None:
         with self._lock:
@@ -337,7 +341,16 @@ class _Counters:
         """The handler returned (its reply not yet sent)."""
         with self._lock:
             self._in_flight -= 1
-            self._ended[outcome] += 1
+            if outcome == "unavailable" and self._past_drain_deadline:
+                self._cut += 1  # its routing stopped with the sidecar: cut, not refused
+            else:
+                self._ended[outcome] += 1
+
+    def drain_deadline_passed(self) -> int:
+        """The drain's grace is over: the calls in flight now are cut. Their count."""
+        with self._lock:
+            self._past_drain_deadline = True
+            return self._in_flight
 
     def ended(self) -> None:
         """The call's RPC ended: its reply was sent, or it was cancelled."""
@@ -355,6 +368,7 @@ class _Counters:
                 waited_for_place=waited,
                 shed_after_wait=shed_after_wait,
                 sheds_unrecorded=self._unrecorded,
+                cut_at_drain_deadline=self._cut,
                 **self._ended,
             )
 
@@ -603,12 +617,13 @@ class Sidecar:
             await trio.to_thread.run_sync(partial(server.stop, None), abandon_on_cancel=True, limiter=waits)
         # grpc sets the event when the last call has ended or the grace has passed.
         await trio.to_thread.run_sync(stopped.wait, abandon_on_cancel=True, limiter=waits)
+        cut = self._counters.drain_deadline_passed()
         after = self.stats()
         log.info(
             "drained: %d answered and %d refused while draining, %d still in flight at the drain deadline",
             after.answered - before.answered,
             after.unavailable - before.unavailable,
-            after.in_flight,
+            cut,
             extra=ctx(reason="drain"),
         )
 

@@ -748,6 +748,20 @@ async def test_a_drain_ends_at_its_timeout_with_a_call_still_in_the_router(nurse
 
             cut = await _drain_with_one_call_in_flight(r, stopped_while_kvcm_hangs)
             assert not isinstance(cut, router_v1_pb2.RouteDecision), cut
+            # Counted as cut, not as refused: the stop's summary read 0 cut (it took the calls in
+            # flight after they had ended) and the cut calls among the refused.
+            assert await _in_thread(lambda: _handlers_returned(r.sidecar))
+            stats = r.sidecar.stats()
+            assert (stats.cut_at_drain_deadline, stats.unavailable, stats.in_flight) == (1, 0, 0), stats
+
+
+def _handlers_returned(sidecar: Sidecar, within_s: float = 10.0) -> bool:
+    """Whether every Route handler has returned within ``within_s`` (a cut call's handler returns just
+    after the sidecar's run: its routing task is cancelled last)."""
+    until = time.monotonic() + within_s
+    while sidecar.stats().in_flight and time.monotonic() < until:
+        time.sleep(0.001)
+    return not sidecar.stats().in_flight
 
 
 async def test_wait_idle_returns_once_no_route_call_is_open(nursery: trio.Nursery) -> None:
