@@ -769,10 +769,11 @@ class Sidecar:
         estimate = published.estimate
         # While as many calls wait for a handler thread as there are threads, none is handed to the
         # router: a routed call holds its thread for its whole routing time and costs the CPU of many
-        # sheds, and the calls waiting behind it are nearer their deadlines with every one.
+        # sheds, and the calls waiting behind it are nearer their deadlines with every one. As the
+        # router admits, a call with no time left is its to answer (reason deadline, not overloaded).
         if (
             self._pool_backlog() < self._serve.grpc_max_workers
-            and admits(estimate, left_s, in_flight=self._gate.in_router())
+            and (left_s <= 0 or admits(estimate, left_s, in_flight=self._gate.in_router()))
             and self._gate.hand_off(slot_wait_s(estimate, left_s))
         ):
             return None
