@@ -882,14 +882,14 @@ def test_a_stop_on_a_hung_disk_ends_by_its_bound_and_counts_what_the_disk_did_no
             log._writer._file = cast(IO[bytes], disk)
             if hung == "in a batch":
                 log.submit(_overloaded(0))
-                await trio.to_thread.run_sync(disk.writing.wait)
+                assert await trio.to_thread.run_sync(partial(disk.writing.wait, DISK_BACK_S))  # a failure, not a hang
             for i in range(total - queued, total):
                 assert log.submit(_overloaded(i))
             nursery.cancel_scope.cancel()
         dropped = log.health().dropped
         assert not disk.back.is_set()  # the stop ended with the disk still hung
         disk.back.set()
-        await trio.to_thread.run_sync(partial(disk.closed.wait, DISK_BACK_S))
+        assert await trio.to_thread.run_sync(partial(disk.closed.wait, DISK_BACK_S))  # closed after its piece
         return dropped, log.health().written
 
     dropped, written = trio.run(stop_on_a_hung_disk, clock=trio.testing.MockClock(autojump_threshold=0))
