@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
@@ -131,6 +132,8 @@ PROBE_TIMEOUT_KIND = "probe_timeout"  # failure kind when a started RPC outlives
 # A failure's detail (a garbled reply's names the broken field) is kept to this many characters a worker:
 # a peer's text must not grow the owner's state or the debug snapshot.
 _DETAIL_CHARS = 200
+# A full status cache looks this far from its least recently used end for a worker to forget (_evictable).
+_EVICTION_SCAN = 32
 # The snapshot lists the failures of at most this many workers, those checked most recently.
 _ERRORS_SHOWN = 16
 
@@ -916,12 +919,14 @@ class WorkerProber:
         """The least recently used worker whose history does not matter: not ejected, no failure in a
         row. A fleet larger than the cache has its health passes track every worker in turn, and a
         failing worker, skipped by requests and passes alike, was always the oldest: forgotten, its
-        failures never added up to an ejection. The oldest of all when every one has such a history;
-        never ``keep``, the worker being tracked."""
-        for worker, state in self._workers.items():
+        failures never added up to an ejection. Looked for among the ``_EVICTION_SCAN`` oldest only
+        (a walk of the whole cache per new worker, in a collective failure of a fleet larger than
+        the cache, took the routing thread's CPU; ejections are suspended then anyway); else the
+        oldest. Never ``keep``, the worker being tracked (the newest)."""
+        for worker, state in itertools.islice(self._workers.items(), _EVICTION_SCAN):
             if worker != keep and state.consecutive_failures == 0 and worker not in self._ejected:
                 return worker
-        return next(iter(self._workers))  # the oldest: ``keep``, just added, is the newest
+        return next(iter(self._workers))
 
     def _forget(self, worker: WorkerAddr) -> None:
         # A pending probe of a forgotten worker still completes, updating only its orphaned state.
