@@ -824,7 +824,10 @@ def replay_config(recorded: RecordedLog, overrides: Mapping[str, str]) -> Replay
     the fallback off (fail-soft), which in a what-if would report every decision changing to domain
     routing for a typo. A problem the recording itself had stays as it was served."""
     base = resolve_config(None, {}, dict(recorded.settings))
-    loaded = resolve_config(None, {}, {**recorded.settings, **overrides}, flags_given_as=ROUTER_SETTING_OPTION)
+    # Only the overrides were given with --router-setting: a recorded setting's problem must read as
+    # in ``base``, or it would count as one the overrides brought.
+    given_as = dict.fromkeys(overrides, ROUTER_SETTING_OPTION)
+    loaded = resolve_config(None, {}, {**recorded.settings, **overrides}, flags_given_as=given_as)
     brought = tuple(p for p in loaded.errors if p not in base.errors)
     problems = tuple(dict.fromkeys((*loaded.fatal_errors, *brought)))
     return ReplayConfig(loaded.effective, problems, config_digest(base.config) == recorded.digest)

@@ -58,7 +58,7 @@ from router.decision_record import (
 )
 from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet
-from router.replay import ReplayEngine, load_log, replay_config
+from router.replay import RecordedLog, ReplayEngine, load_log, replay_config
 from router.supervisor import RouterHandle, decision_log_header
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
@@ -856,6 +856,17 @@ class HungDisk:
 def _overloaded(i: int) -> DecisionRecord:
     decision = RouteDecision(f"q{i}", None, None, RouteSource.DOMAIN, Reason.OVERLOADED)
     return DecisionRecord(RouteRequest(f"q{i}", block_cache_keys=(1, 2)), 0.0, overloaded=True, decision=decision)
+
+
+def test_a_problem_the_recording_had_stays_as_served_and_only_an_overrides_is_named_by_its_option() -> None:
+    """The recorded settings and the overrides are resolved together: labelled all as --router-setting,
+    a recorded value this kvroute refuses read as one the overrides brought, and replay stopped."""
+    settings = {"workers": "10.0.0.1:8000", "kvcm_instance_id": "i", "kvcm_bootstrap": "10.0.0.2:6381"}
+    recorded = RecordedLog(settings={**settings, "deadline_split": "fixd"}, digest="", seed=0, cases=())
+    assert replay_config(recorded, {}).problems == ()
+    assert replay_config(recorded, {"scorer_max_extra_work_tokens": "100000"}).problems == ()
+    (brought,) = replay_config(RecordedLog(settings, "", 0, ()), {"deadline_split": "fixd"}).problems
+    assert "--deadline-split" in str(brought) and "(from flag --router-setting)" in str(brought)
 
 
 @pytest.mark.parametrize("hung", ["at the stop", "in a batch"])

@@ -345,7 +345,7 @@ def load_router_config(settings: Mapping[str, object], *, strict: bool = True) -
     ``strict``: any problem raises ``DemoConfigError`` listing all of them; otherwise the caller
     gets the fail-soft result (``.effective``) and the problems.
     """
-    loaded = load_config(settings, {}, flags_given_as=ROUTER_SETTING_OPTION)
+    loaded = load_config(settings, {}, flags_given_as=dict.fromkeys(settings, ROUTER_SETTING_OPTION))
     if strict and loaded.errors:
         raise DemoConfigError("router settings: " + "; ".join(str(p) for p in loaded.errors))
     return loaded

@@ -192,15 +192,15 @@ def resolve_config(
     flags: Mapping[str, object],
     files: FileChecks | None = None,
     *,
-    flags_given_as: str | None = None,
+    flags_given_as: Mapping[str, str] | None = None,
 ) -> LoadedConfig:
     """Pure: the configuration from defaults < ``file`` < ``env`` < ``flags``, validated.
 
     ``flags`` maps setting name → value (text as on the command line, or a value of the setting's
     type); None or absent means not given. ``files`` checks the files the settings name (see
-    :func:`~router.settings.validate.validate`). ``flags_given_as``: the option the values were given
-    with, where it is not each setting's own flag (``--router-setting``), so a problem names what the
-    operator typed. Every problem is in ``errors``.
+    :func:`~router.settings.validate.validate`). ``flags_given_as``: per setting name, the option its
+    value was given with where that is not the setting's own flag (``--router-setting``), so a problem
+    names what the operator typed. Every problem is in ``errors``.
     """
     values: dict[str, object] = {s.name: s.default for s in SETTINGS}
     sources: dict[str, Origin] = {s.name: DEFAULT_ORIGIN for s in SETTINGS}
@@ -242,7 +242,8 @@ def resolve_config(
     for s in SETTINGS:
         raw = flags.get(s.name)
         if raw is not None:
-            take(s, raw, Origin(SourceKind.FLAG, flags_given_as or s.flag))
+            given_as = flags_given_as.get(s.name) if flags_given_as is not None else None
+            take(s, raw, Origin(SourceKind.FLAG, given_as or s.flag))
 
     problems.extend(p for listed in unparsed.values() for p in listed)
     config = _assemble(values)
@@ -270,7 +271,7 @@ def load_config(
     env: Mapping[str, str],
     toml_path: str | None = None,
     *,
-    flags_given_as: str | None = None,
+    flags_given_as: Mapping[str, str] | None = None,
 ) -> LoadedConfig:
     """Read the settings file (I/O) and :func:`resolve_config` it with ``env`` and ``cli``.
 
