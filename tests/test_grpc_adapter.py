@@ -146,12 +146,13 @@ async def settled(pool: ChannelPool[grpc.Channel]) -> ChannelPoolSnapshot:
     return pool.snapshot()
 
 
-def dead_target() -> str:
-    """A loopback port nobody listens on: bind, read the port, close."""
+@pytest.fixture
+def dead_target() -> Iterator[str]:
+    """A loopback port bound but not listening: connections to it are refused for the whole test (a
+    port closed again could be taken by another server meanwhile)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 async def test_round_trip_carries_raw_bytes(
@@ -338,9 +339,9 @@ async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
 
 
 async def test_dead_port_is_unavailable_and_invalidates_the_channel(
-    start_off_loop: bool, pool: ChannelPool[grpc.Channel]
+    start_off_loop: bool, pool: ChannelPool[grpc.Channel], dead_target: str
 ) -> None:
-    target = dead_target()
+    target = dead_target
     rpc = GrpcRawRpc(pool, start_off_loop=start_off_loop)
     with trio.fail_after(10):
         with pytest.raises(Unavailable) as info:

@@ -99,13 +99,14 @@ def refusing_port() -> Iterator[int]:
 
 
 @pytest.fixture
-async def harness(adapter: str, nursery: trio.Nursery, refusing_port: int) -> AsyncIterator[Harness]:
+async def harness(adapter: str, nursery: trio.Nursery, request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     sim = SimMaster([PREFILL, DECODE], replicas=3, elected=1, queue_length=7)
     if adapter == "memory":
         network = MemoryMasterNetwork()
         yield Harness(adapter, sim, sim.serve_memory(network), network, "10.99.0.1:7001")
         return
     addresses = await nursery.start(sim.run)
+    refusing_port: int = request.getfixturevalue("refusing_port")  # real adapters only: no socket under MockClock
     refused = f"127.0.0.1:{refusing_port - 2}" if adapter == "grpc" else f"127.0.0.1:{refusing_port}"
     async with HttpMasterTransport(MasterConfig()) as http:
         if adapter == "http":

@@ -120,7 +120,9 @@ def test_below_one_place_a_waiter_leaving_without_it_passes_the_wake_up_on() -> 
     try:
         assert waits.second.wait(10.0), "the calls never waited for a place"
         now = time.monotonic()
-        gate.answered(handed_at=now - 2.7, had_s=0.1, answered=True)  # late: idle (1/0.9 − 1) × 2.7 s = 0.3 s
+        # Late: idle (1/0.9 − 1) × 18 s = 2 s, long past the impatient call's 0.1 s however slow the
+        # machine (a thread descheduled past the idle time's end would rightly take the place).
+        gate.answered(handed_at=now - 18.0, had_s=0.1, answered=True)
         impatient.join(timeout=10.0)
         patient.join(timeout=10.0)  # a guard against a hang: without the pass-on it sleeps its whole 60 s
     finally:

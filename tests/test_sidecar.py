@@ -220,7 +220,9 @@ async def test_route_returns_kvcm_decision_for_seeded_prefix_and_health_serving(
             assert (reply.route_source, reply.ip, reply.http_port) == ("kvcm", holder.ip, holder.http_port)
             assert r.sidecar.stats().answered == 2
             # Each KVCM answer was planned, probed and scored within the router's time, beside its query.
-            for timing in r.sidecar.take_call_timings():
+            timings = r.sidecar.take_call_timings()
+            assert len(timings) == 2
+            for timing in timings:
                 assert timing.query_s is not None and timing.scoring_s is not None
                 assert 0 < timing.scoring_s <= timing.router_s - timing.query_s
 

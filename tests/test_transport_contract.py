@@ -89,7 +89,7 @@ def refusing_port() -> Iterator[int]:
 
 
 @pytest.fixture
-async def harness(adapter: str, nursery: trio.Nursery, refusing_port: int) -> AsyncIterator[Harness]:
+async def harness(adapter: str, nursery: trio.Nursery, request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     cluster = SimCluster(
         [WorkerSpec(prefill_tokens_per_s=1000.0), WorkerSpec(role="RoleType.PDFUSION", block_size=None)],
         kvcm_replicas=3,
@@ -107,6 +107,7 @@ async def harness(adapter: str, nursery: trio.Nursery, refusing_port: int) -> As
     pool = ChannelPool(ChannelPoolConfig())
     await nursery.start(pool.run)
     rpc = GrpcRawRpc(pool, start_off_loop=True)
+    refusing_port: int = request.getfixturevalue("refusing_port")  # real adapters only: no socket under MockClock
     refused = f"127.0.0.1:{refusing_port}"
     yield Harness(adapter, cluster, addresses, rpc, KvcmClient(rpc), WorkerStatusClient(rpc), refused)
     await pool.aclose()
