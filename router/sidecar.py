@@ -769,11 +769,10 @@ class Sidecar:
         estimate = published.estimate
         # While as many calls wait for a handler thread as there are threads, none is handed to the
         # router: a routed call holds its thread for its whole routing time and costs the CPU of many
-        # sheds, and the calls waiting behind it are nearer their deadlines with every one. As the
-        # router admits, a call with no time left is its to answer (reason deadline, not overloaded).
+        # sheds, and the calls waiting behind it are nearer their deadlines with every one.
         if (
             self._pool_backlog() < self._serve.grpc_max_workers
-            and (left_s <= 0 or admits(estimate, left_s, in_flight=self._gate.in_router()))
+            and admits(estimate, left_s, in_flight=self._gate.in_router())
             and self._gate.hand_off(slot_wait_s(estimate, left_s))
         ):
             return None
