@@ -12,20 +12,22 @@ import json
 import os
 import threading
 from collections import Counter
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
+from typing import Any, cast
 
 import psutil
 import pytest
 import trio
 
-from kvroute_sim.bench import thread_cpu
+from kvroute_sim.bench import decision_cpu, latency, thread_cpu
 from kvroute_sim.bench.cli import _router_setting, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, Outcomes, router_config
 from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS, SCENARIOS, OutageSizes, _scenario
 from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
 from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, targets_met
-from kvroute_sim.bench.raw_grpc import paced, slot_wait
+from kvroute_sim.bench.raw_grpc import FloorSamples, paced, slot_wait
 from kvroute_sim.bench.results import BenchReport, Verdict
 from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
 from kvroute_sim.bench.throughput import rounds_rate
@@ -410,6 +412,37 @@ def test_a_printed_figure_equal_to_its_target_has_met_it() -> None:
     assert shown_against(2.004, 2, at_least=False) == 2.01
     assert shown_against(2.0, 2, at_least=False) == 2.0
     assert shown_against(1.53, 2, at_least=False) == 1.53
+
+
+def test_figures_round_their_result_toward_a_miss_and_need_the_kvcm_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P1 printed 'p50 100.0 µs' beside MISSED for a 100.04 µs p50; and P2 and P3 judged every decision
+    whatever its route, so with the KVCM fallback off (no remote call at all) P2 cold was met at 0.06×
+    a floor made of the very calls it did not make."""
+
+    def crafted(cases: Iterable[decision_cpu.Case], repeats: int) -> None:
+        for case in cases:
+            if not case.samples:
+                case.samples[:] = [100.04] * 10
+
+    monkeypatch.setattr(decision_cpu, "run_interleaved", crafted)
+    report = BenchReport(meta={})
+    decision_cpu.measure(report, p1=True, p6=False, repeats=1, seed=0)
+    (p1,) = report.figures
+    assert p1.verdict is Verdict.MISSED and p1.result.startswith("p50 100.1 µs")
+
+    async def routes(*args: object) -> object:
+        floor = FloorSamples([0.5] * 10, [0.5] * 10)
+        via = {"warm": Counter({"kvcm/ok": 10}), "cold": Counter({"domain/feature_off": 10})}
+        rows = {name: latency._Row([0.9] * 10, Outcomes(outcomes)) for name, outcomes in via.items()}
+        return floor, latency._Fanout(4, [2.0] * 10), rows, {}
+
+    monkeypatch.setattr(latency, "_measure", routes)
+    report = BenchReport(meta={})
+    latency.measure(report, cast(Any, None), cast(Any, None), cast(Any, None))
+    verdicts = {figure.key: figure for figure in report.figures}
+    assert verdicts["P2 warm"].verdict is Verdict.MET  # 0.90× its floor, every decision via kvcm
+    assert verdicts["P2 cold"].verdict is Verdict.MISSED
+    assert "not the route the target is about" in verdicts["P2 cold"].result
 
 
 def test_the_results_file_is_strict_json_with_undefined_figures_as_null(tmp_path: Path) -> None:

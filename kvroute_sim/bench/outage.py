@@ -27,7 +27,7 @@ from actors.leader_resolver import LeaderResolver, LeaderState
 from kvroute_sim.bench.harness import WARM_TTL_S, ClusterShape, Outcomes, Requests, prime, router_config, sequential
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_most
 from kvroute_sim.sim.kvcm import KvcmFaults
-from kvroute_sim.stats import Summary
+from kvroute_sim.stats import Summary, shown_against
 from router.api import open_router
 from router.wire import paths
 
@@ -163,7 +163,8 @@ def measure(report: BenchReport, shape: ClusterShape, sizes: OutageSizes) -> Non
                 f"P4 {name}",
                 f"{scenario.what} (in-process loopback gRPC sims): detection cost, then steady outage vs healthy",
                 f"{detect_text}; then p50 {outage.p50:.3f} / p99 {outage.p99:.3f} ms vs healthy "
-                f"{healthy.p50:.3f} / {healthy.p99:.3f} ms → added p50 {added_p50:+.3f}, p99 {added_p99:+.3f} ms; "
+                f"{healthy.p50:.3f} / {healthy.p99:.3f} ms → added p50 {added_p50:+.3f}, p99 "
+                f"{shown_against(added_p99, 3, at_least=False):+.3f} ms; "
                 f"{result.outage_outcomes.fraction_from('kvcm'):.0%} via kvcm" + _versus_domain(result),
                 f"added p99 ≤ {P4_TARGET_ADDED_P99_MS} ms, breaker open" if judged else "",
                 verdict,

@@ -19,6 +19,24 @@ class Verdict(enum.Enum):
     NO_TARGET = "-"
 
 
+# The share of its decisions a figure about the KVCM route must have made by that route for its verdict:
+# below it the figure times fallbacks (the feature off, calls shed overloaded), which make no remote call,
+# against a floor made of those calls.
+KVCM_SHARE_MIN = 0.99
+
+
+def via_kvcm(verdict: Verdict, kvcm_share: float) -> Verdict:
+    """``verdict``, or MISSED when fewer than ``KVCM_SHARE_MIN`` of the decisions came via KVCM."""
+    return verdict if kvcm_share >= KVCM_SHARE_MIN else Verdict.MISSED
+
+
+def kvcm_share_note(kvcm_share: float) -> str:
+    """What the result says when ``via_kvcm`` refuses its verdict (else nothing)."""
+    if kvcm_share >= KVCM_SHARE_MIN:
+        return ""
+    return f" (under {KVCM_SHARE_MIN:.0%} via kvcm: not the route the target is about)"
+
+
 def at_most(value: float, limit: float) -> Verdict:
     return Verdict.MET if value <= limit else Verdict.MISSED
 

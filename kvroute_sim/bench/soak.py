@@ -19,6 +19,7 @@ import trio
 
 from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes, Requests, concurrent, prime, router_config
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_most
+from kvroute_sim.stats import shown_against
 from router.api import RouterHandle, open_router
 from router.transport.memory_adapter import MemoryNetwork
 
@@ -158,7 +159,8 @@ def measure(report: BenchReport, shape: ClusterShape, requests_total: int, concu
         Figure(
             "soak",
             f"{label}, in-memory transports, {concurrency} in flight; after a {result.warm_up:,}-route warm-up",
-            f"RSS {result.start.rss_mb:.1f} → {result.end.rss_mb:.1f} MB ({growth:+.1f} MB); open fds "
+            f"RSS {result.start.rss_mb:.1f} → {result.end.rss_mb:.1f} MB "
+            f"({shown_against(growth, 1, at_least=False):+.1f} MB); open fds "
             f"{result.start.open_fds} → {result.end.open_fds}; live tasks {result.start.live_tasks} → "
             f"{result.end.live_tasks}; pool: none (in-memory); "
             f"{(requests_total - result.warm_up) / result.seconds:,.0f} decisions/s, "

@@ -28,7 +28,8 @@ import trio
 from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes, Requests, concurrent, prime, router_config
 from kvroute_sim.bench.profiling import WindowProfile
 from kvroute_sim.bench.raw_grpc import RawClient
-from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_least
+from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_least, kvcm_share_note, via_kvcm
+from kvroute_sim.stats import shown_against
 from router.api import RouterHandle, open_router
 from router.config import ProberConfig
 from router.transport.ports import RawRpc
@@ -150,11 +151,11 @@ def _rate_row(
     return Figure(
         key,
         measured,
-        f"{run.rate:,.0f} decisions/s{extra}; process CPU {run.cpu_ms_per_decision:.3f} ms/decision; "
-        f"{kvcm:.0%} via kvcm; status hit ratio "
+        f"{shown_against(run.rate, 0, at_least=True):,.0f} decisions/s{extra}; process CPU "
+        f"{run.cpu_ms_per_decision:.3f} ms/decision; {kvcm:.0%} via kvcm{kvcm_share_note(kvcm)}; status hit ratio "
         f"{run.cache_hit_ratio:.3f}; {run.budget_note()}",
         target,
-        verdict,
+        via_kvcm(verdict, kvcm),
         {**run.to_json(), **data},
     )
 
@@ -215,7 +216,8 @@ def measure_grpc(report: BenchReport, view: ClusterView, raw: RawClient, sizes: 
             f"decisions/s over loopback gRPC (sims in a separate process), {sizes.concurrency} in flight, "
             "vs raw concurrent GetHostCacheState calls/s",
             run,
-            f" vs raw {raw_rate:,.0f} calls/s ({raw_cpu_ms:.3f} ms CPU/call) → {ratio:.2f}×",
+            f" vs raw {raw_rate:,.0f} calls/s ({raw_cpu_ms:.3f} ms CPU/call) → "
+            f"{shown_against(ratio, 2, at_least=True):.2f}×",
             f"≥ {P3_GRPC_TARGET_RATIO}× raw",
             at_least(ratio, P3_GRPC_TARGET_RATIO),
             {

@@ -271,7 +271,7 @@ def check_targets(summaries: Sequence[PolicySummary]) -> tuple[TargetCheck, ...]
                 TargetCheck(
                     f"{what} TTFT <= {limit}x the TTFT oracle's",
                     mine <= limit * theirs,
-                    f"{mine:.1f} ms vs {theirs:.1f} ms ({mine / theirs:.2f}x)",
+                    f"{mine:.1f} ms vs {theirs:.1f} ms ({shown_against(mine / theirs, 2, at_least=False):.2f}x)",
                 )
             )
     least = by_name.get(LEAST_LOADED)
@@ -281,7 +281,8 @@ def check_targets(summaries: Sequence[PolicySummary]) -> tuple[TargetCheck, ...]
             TargetCheck(
                 f"p99 TTFT <= {P99_OF_LEAST_LOADED_MAX}x least-loaded's",
                 kv.ttft_p99_ms <= limit,
-                f"{kv.ttft_p99_ms:.1f} ms vs {least.ttft_p99_ms:.1f} ms ({kv.ttft_p99_ms / least.ttft_p99_ms:.2f}x)",
+                f"{kv.ttft_p99_ms:.1f} ms vs {least.ttft_p99_ms:.1f} ms "
+                f"({shown_against(kv.ttft_p99_ms / least.ttft_p99_ms, 2, at_least=False):.2f}x)",
             )
         )
     return tuple(checks)
