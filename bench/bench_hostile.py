@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import grpc
 
+from kvroute_sim.stats import percentile
 from router.wire import router_v1_pb2
 
 ROUTE = "/kvroute.v1.Router/Route"
@@ -36,8 +37,7 @@ BUDGET_MS = 30
 
 
 def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))] if ordered else float("nan")
+    return percentile(values, q)  # the one definition (nearest rank)
 
 
 def _rss_mb(pid: int) -> float:
