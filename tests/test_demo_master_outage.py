@@ -50,6 +50,13 @@ async def test_each_arm_routes_the_window_from_its_source(arm: str, autojump_clo
     sources = Counter(r.route_source for r in during.records)
     expected = {MASTER_HEALTHY: "master", KVROUTE_KVCM_PATH: "kvcm", PRE_CHANGE: "domain"}[arm]
     assert sources[expected] >= 0.9 * len(during.records), sources
+    # The window's figures are its own: its load is its requests' uncached tokens (it was the whole
+    # run's), and what any worker held for each request and its group are filled in (they were 0 and -1).
+    uncached = [0] * CLUSTER.workers
+    for record in during.records:
+        uncached[record.worker] += record.input_tokens - record.cached_tokens
+    assert during.worker_prefill_tokens == tuple(uncached) != whole.worker_prefill_tokens
+    assert all(r.group >= 0 for r in during.records) and any(r.best_cached_tokens > 0 for r in during.records)
 
 
 async def test_the_kvcm_path_keeps_the_hit_rate_the_domain_loses(autojump_clock: trio.testing.MockClock) -> None:
@@ -86,6 +93,8 @@ async def test_the_command_prints_writes_and_charts_the_comparison(
     outage = json.loads((tmp_path / RESULTS_FILE).read_text())["master_outage"]
     assert [a["arm"] for a in outage["arms"]] == list(ARMS)
     assert all(0.0 <= a["during_outage"]["hit_rate"] <= 1.0 for a in outage["arms"])
+    for arm in outage["arms"]:  # no decision time on this clock: null, never a made-up 0
+        assert arm["during_outage"]["decision_p50_us"] is None
     assert (tmp_path / OUTAGE_CHART_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

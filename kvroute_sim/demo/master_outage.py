@@ -37,6 +37,7 @@ from kvroute_sim.demo.runner import (
     RequestRecord,
     build_cluster,
     open_kvroute,
+    prefix_group,
     route_request,
 )
 from kvroute_sim.demo.workload import Workload
@@ -130,14 +131,20 @@ async def run_arm(
                 for index in range(len(master.replicas)):
                     master.set_faults(index, MasterFaults(refuse=down))
             decision = await setup.handle.route(route_request(request, workload.spec.block_size))
+            now = trio.current_time()
             source, reason = decision.route_source.value, decision.reason.value
+            group = prefix_group(request)
+            unmeasured = math.nan  # no decision time on this clock (module doc): null, not 0, in the JSON
             if decision.worker is None:
-                records.append(
-                    RequestRecord(request.request_id, -1, request.input_tokens, 0, math.nan, 0.0, source, reason)
-                )
+                unrouted = (request.request_id, -1, request.input_tokens, 0, math.nan, unmeasured, source, reason)
+                records.append(RequestRecord(*unrouted, group=group))
             else:
                 worker = cluster.worker_index(decision.worker.http_target)
-                now = trio.current_time()
+                # Before the prefill stores the request's keys: what any worker held for it on arrival.
+                best_blocks = max(
+                    (cluster.kvcm.local_prefix(a.http_target, request.keys) for a in cluster.addresses.workers),
+                    default=0,
+                )
                 outcome = cluster.run_prefill(worker, request.request_id, request.keys, request.input_tokens, now)
                 records.append(
                     RequestRecord(
@@ -146,9 +153,11 @@ async def run_arm(
                         request.input_tokens,
                         outcome.cached_tokens,
                         outcome.ttft_s,
-                        0.0,
+                        unmeasured,
                         source,
                         reason,
+                        group=group,
+                        best_cached_tokens=min(best_blocks * cluster.block_size, request.input_tokens),
                     )
                 )
                 cached += outcome.cached_tokens
@@ -157,7 +166,12 @@ async def run_arm(
                 progress(arm, done, len(workload.requests), cached / total_input if total_input else 0.0)
     loads = tuple(w.prefill_tokens_submitted for w in cluster.workers)
     in_window = tuple(r for r, q in zip(records, workload.requests, strict=True) if window.holds(q.arrival_s))
-    return PolicyRun(arm, tuple(records), loads), PolicyRun(arm, in_window, loads)
+    # The window's own load: the uncached tokens its requests sent each worker (not the whole run's).
+    window_loads = [0] * len(cluster.workers)
+    for record in in_window:
+        if record.worker >= 0:
+            window_loads[record.worker] += record.input_tokens - record.cached_tokens
+    return PolicyRun(arm, tuple(records), loads), PolicyRun(arm, in_window, tuple(window_loads))
 
 
 def run_master_outage(
