@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import trio
 import trio.lowlevel
 
+from kvroute_sim.stats import percentile
 from router.keys import block_key_slices, block_keys
 from router.types import KeyFamily
 
@@ -54,7 +55,7 @@ async def _measure(
     short_times.sort()
     print(
         f"{name:>8}: long prompt {took * 1000:7.1f} ms; loop held at most {max(gaps) * 1000:6.2f} ms; "
-        f"short prompt p50 {short_times[len(short_times) // 2] * 1e6:6.0f} us, max {short_times[-1] * 1e6:6.0f} us "
+        f"short prompt p50 {percentile(short_times, 50) * 1e6:6.0f} us, max {short_times[-1] * 1e6:6.0f} us "
         f"({len(short_times)} hashed meanwhile)"
     )
 

@@ -8,11 +8,13 @@ is given back — never the speed: targets are the benchmark's business, not CI'
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -21,7 +23,7 @@ import psutil
 import pytest
 import trio
 
-from kvroute_sim.bench import decision_cpu, latency, thread_cpu
+from kvroute_sim.bench import callers, decision_cpu, latency, thread_cpu
 from kvroute_sim.bench.cli import _router_setting, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, Outcomes, router_config
 from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS, SCENARIOS, OutageSizes, _scenario
@@ -217,6 +219,35 @@ def test_p8_is_missed_when_a_call_at_the_target_rate_got_no_answer() -> None:
     rates = (50, 100, 200, 400, 800)
     assert targets_met([at(r) for r in rates])
     assert not targets_met([at(r, failed=9 if r == 100 else 0) for r in rates])
+
+
+def test_an_open_loop_stalled_past_its_time_stops_and_counts_what_it_never_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stall guard compared the schedule, which never passes max_s, so a stalled client sent its
+    backlog at once; stopping, the calls it never sent were neither answered nor errors, and P8's
+    'every call answered' could not see them."""
+
+    class Channel:
+        def unary_unary(self, *args: object) -> Callable[..., Awaitable[bytes]]:
+            async def call(request: bytes, timeout: float) -> bytes:  # noqa: ASYNC109 - grpc's own signature
+                return b""
+
+            return call
+
+    pause = asyncio.sleep
+    stalls = iter([0.05])
+
+    async def sleep_after_a_stall(seconds: float) -> None:
+        time.sleep(next(stalls, 0.0))  # noqa: ASYNC251 - the client's process stalled once, past the level's time
+        await pause(seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep_after_a_stall)
+    requests = tuple(b"r%d" % i for i in range(20))  # 20 ms of schedule at 1,000/s
+    level = callers.Level("x", requests, 1, max_s=0.03, client_deadline_s=0.1, rate_per_s=1000)
+    _, (seen,) = asyncio.run(callers._drive_open_loop(cast(Any, Channel()), level))
+    assert 0 < len(seen.replies) < len(requests)
+    assert seen.errors == [callers.NOT_SENT] * (len(requests) - len(seen.replies))
 
 
 def test_p8_floor_calls_keep_the_open_loop_schedule_and_start_at_once_after_an_overrun() -> None:

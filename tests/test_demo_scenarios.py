@@ -288,6 +288,22 @@ def test_checks_fail_on_loss_lateness_no_switch_and_no_recovery() -> None:
     assert _run(late_before, 2.02)["before"] is False
 
 
+def test_a_failed_check_never_prints_its_limit() -> None:
+    """Rounded plainly, a check printed its limit beside FAIL: '+5.0 ms (limit +5 ms)', 'kvcm 90%
+    (>= 90% expected)', '1.00 s (limit 1 s)'. They are rounded toward the side they missed on."""
+    scenario = dataclasses.replace(next(s for s in SCENARIOS if s.name == "kvcm-garbled"), recovery_s=1.0)
+    outcomes = _healthy()
+    outcomes[60] = _outcome(60, 1.2, "shadow", elapsed_ms=BUDGET_MS + 5.04)
+    before = [o for o in outcomes if 0.5 <= o.ended < 1.0]  # the half window 'before' judges
+    for o in before[: max(1, len(before) // 10 + 1)]:  # just over a tenth: under 90 % kvcm
+        outcomes[o.index] = _outcome(o.index, o.started, "domain")
+    timeline = Timeline(0.0, 1.0, 2.0, 3.004)  # recovered 1.004 s after the clear
+    checks = {c.name: c for c in evaluate(scenario, ScenarioContext(SimCluster(2)), outcomes, timeline)}
+    assert not checks["deadline"].ok and "+5.1 ms" in checks["deadline"].detail
+    assert not checks["before"].ok and "kvcm 90%" not in checks["before"].detail
+    assert not checks["recovery"].ok and "1.01 s after the clear" in checks["recovery"].detail
+
+
 def _master_run(name: str, outcomes: list[Outcome], kvcm_queries: tuple[int, int] = (0, 0)) -> dict[str, bool]:
     scenario = next(s for s in SCENARIOS if s.name == name)
     ctx = ScenarioContext(SimCluster(2))

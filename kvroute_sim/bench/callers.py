@@ -47,6 +47,9 @@ class Level:
     rate_per_s: float = 0.0
 
 
+NOT_SENT = "NOT_SENT"  # the status name of an open loop's call its stalled client never sent
+
+
 @dataclass(slots=True)
 class CallerResults:
     """What one caller saw."""
@@ -108,6 +111,8 @@ async def _drive_open_loop(channel: grpc.aio.Channel, level: Level) -> tuple[flo
     for i, request in enumerate(level.requests):
         due = began + i / level.rate_per_s
         if max(due, time.perf_counter()) - began > level.max_s:
+            # Never sent: calls without an answer too, so a figure that needs every call answered misses.
+            into.errors.extend([NOT_SENT] * (len(level.requests) - i))
             break
         pause = due - time.perf_counter()
         if pause > 0:

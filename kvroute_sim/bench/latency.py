@@ -23,7 +23,7 @@ import trio
 from kvroute_sim.bench.harness import WARM_TTL_S, ClusterView, Outcomes, Requests, prime, router_config, sequential
 from kvroute_sim.bench.profiling import WindowProfile
 from kvroute_sim.bench.raw_grpc import FloorSamples, RawClient
-from kvroute_sim.bench.results import BenchReport, Figure, at_most, kvcm_share_note, via_kvcm
+from kvroute_sim.bench.results import BenchReport, Figure, at_most, kvcm_share_note, kvcm_share_text, via_kvcm
 from kvroute_sim.stats import Summary, shown_against
 from router.api import open_router
 
@@ -111,7 +111,7 @@ def measure(report: BenchReport, cluster: ClusterView, raw: RawClient, sizes: La
                 f"route on loopback gRPC, {name} status cache, sims in a separate process, "
                 "vs raw floor (bare GetHostCacheState + bare GetWorkerStatus RTT)",
                 f"p50 {summary.p50:.3f} ms, p99 {summary.p99:.3f} ms; floor p50 {floor_p50:.3f} ms → "
-                f"{shown_against(ratio, 2, at_least=False):.2f}×; {kvcm_share:.0%} via kvcm{context}"
+                f"{shown_against(ratio, 2, at_least=False):.2f}×; {kvcm_share_text(kvcm_share)}{context}"
                 + kvcm_share_note(kvcm_share),
                 f"p50 ≤ {P2_TARGET_RATIO}× floor",
                 verdict,

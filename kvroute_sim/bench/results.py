@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute_sim.stats import json_safe
+from kvroute_sim.stats import json_safe, shown_against
 
 
 class Verdict(enum.Enum):
@@ -28,6 +28,11 @@ KVCM_SHARE_MIN = 0.99
 def via_kvcm(verdict: Verdict, kvcm_share: float) -> Verdict:
     """``verdict``, or MISSED when fewer than ``KVCM_SHARE_MIN`` of the decisions came via KVCM."""
     return verdict if kvcm_share >= KVCM_SHARE_MIN else Verdict.MISSED
+
+
+def kvcm_share_text(kvcm_share: float) -> str:
+    """'N% via kvcm', rounded down: 98.9 % printed as 99 % beside the 99 % rule read as met."""
+    return f"{shown_against(100 * kvcm_share, 0, at_least=True):.0f}% via kvcm"
 
 
 def kvcm_share_note(kvcm_share: float) -> str:

@@ -28,7 +28,7 @@ import trio
 from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes, Requests, concurrent, prime, router_config
 from kvroute_sim.bench.profiling import WindowProfile
 from kvroute_sim.bench.raw_grpc import RawClient
-from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_least, kvcm_share_note, via_kvcm
+from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_least, kvcm_share_note, kvcm_share_text, via_kvcm
 from kvroute_sim.stats import shown_against
 from router.api import RouterHandle, open_router
 from router.config import ProberConfig
@@ -152,7 +152,7 @@ def _rate_row(
         key,
         measured,
         f"{shown_against(run.rate, 0, at_least=True):,.0f} decisions/s{extra}; process CPU "
-        f"{run.cpu_ms_per_decision:.3f} ms/decision; {kvcm:.0%} via kvcm{kvcm_share_note(kvcm)}; status hit ratio "
+        f"{run.cpu_ms_per_decision:.3f} ms/decision; {kvcm_share_text(kvcm)}{kvcm_share_note(kvcm)}; status hit ratio "
         f"{run.cache_hit_ratio:.3f}; {run.budget_note()}",
         target,
         via_kvcm(verdict, kvcm),

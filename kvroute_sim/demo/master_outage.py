@@ -145,7 +145,10 @@ async def run_arm(
                     (cluster.kvcm.local_prefix(a.http_target, request.keys) for a in cluster.addresses.workers),
                     default=0,
                 )
-                outcome = cluster.run_prefill(worker, request.request_id, request.keys, request.input_tokens, now)
+                # As the comparison runs it: the answer's decode holds running KV after the prefill.
+                outcome = cluster.run_prefill(
+                    worker, request.request_id, request.keys, request.input_tokens, now, request.output_tokens
+                )
                 records.append(
                     RequestRecord(
                         request.request_id,

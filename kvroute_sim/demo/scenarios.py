@@ -60,6 +60,7 @@ from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
 from kvroute_sim.sim.master import MasterFaults, SimMaster
 from kvroute_sim.sim.worker import NO_WORKER_FAULTS, WorkerFaults, WorkerSpec
+from kvroute_sim.stats import shown_against
 from router.api import RouterHandle
 from router.keys import block_keys
 from router.transport.memory_adapter import MemoryNetwork
@@ -675,7 +676,9 @@ def _mix(outcomes: Sequence[Outcome]) -> str:
         key = o.source or "lost"
         counts[key] = counts.get(key, 0) + 1
     total = len(outcomes)
-    return ", ".join(f"{k} {100 * n / total:.0f}%" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+    # Rounded down, as the shares are judged against at-least targets: 89.6 % is not "90%" beside FAIL.
+    shares = sorted(counts.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {shown_against(100 * n / total, 0, at_least=True):.0f}%" for k, n in shares) or "none"
 
 
 def _heal_time(outcomes: Sequence[Outcome], since: float) -> float | None:
@@ -723,7 +726,8 @@ def evaluate(
         Check(
             "deadline",
             worst <= deadline_slack_ms,
-            f"latest answer {worst:+.1f} ms vs its deadline (limit +{deadline_slack_ms:g} ms)",
+            f"latest answer {shown_against(worst, 1, at_least=False):+.1f} ms vs its deadline "
+            f"(limit +{deadline_slack_ms:g} ms)",
         ),
     ]
     if not scenario.kvcm_routed:
@@ -792,7 +796,8 @@ def _kvcm_state(ctx: ScenarioContext) -> str:
 
 
 def _seconds(value: float | None) -> str:
-    return "never" if value is None else f"{max(0.0, value):.2f} s"
+    # Rounded up, as the times are judged against at-most limits: 1.004 s is not "1.00 s" beside FAIL.
+    return "never" if value is None else f"{shown_against(max(0.0, value), 2, at_least=False):.2f} s"
 
 
 async def run_scenario(
