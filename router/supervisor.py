@@ -340,6 +340,9 @@ async def _topology(
             if config.upstream_tls.enabled:  # reading the PEM files is I/O: off the trio thread
                 credentials = await trio.to_thread.run_sync(channel_credentials, config.upstream_tls)
             pool = ChannelPool(config.channel_pool, credentials=credentials)
+            # Closed however open_router ends, a failed start-up too (a debug port in use): the lookups
+            # and probes begun meanwhile opened channels (aclose is idempotent; the stack exits last).
+            stack.push_async_callback(_close_shielded, pool)
             pool.on_evict(lambda reason: metrics.emit(ChannelEvicted(reason.value)))
             await supervisor.start("channel_pool", pool.run, snapshot=pool.snapshot)
             rpc = GrpcRawRpc(pool, start_off_loop=config.channel_pool.start_off_loop)
@@ -479,6 +482,11 @@ async def _topology(
             if pool is not None:
                 with trio.CancelScope(shield=True):
                     await pool.aclose()  # every channel closed, leased ones when their lease returns
+
+
+async def _close_shielded(pool: ChannelPool[Any]) -> None:
+    with trio.CancelScope(shield=True):
+        await pool.aclose()  # every channel closed, leased ones when their lease returns
 
 
 def decision_log_header(config: KvrouteConfig) -> dict[str, object]:

@@ -5,18 +5,23 @@ Real clock, servers on 127.0.0.1:0, an absolute trio.fail_after per test; never 
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
+import pytest
 import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.channel_pool import ChannelPool
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
+from router import supervisor
 from router.api import open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LeaderConfig, RouterConfig
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LeaderConfig, RouterConfig, ServeConfig
 from router.keys import block_keys
 from router.supervisor import RouterHandle
 from router.types import KeyFamily, Reason, RouteRequest, RouteSource, Stage
@@ -168,3 +173,34 @@ async def test_a_query_whose_window_passed_before_it_was_sent_counts_as_cut(nurs
             windows = {w.stage: w for w in d.windows}
             assert d.sources[0].reason is Reason.DEADLINE
             assert windows[Stage.CACHE_QUERY].cut
+
+
+async def test_a_start_up_that_fails_closes_the_channels_it_opened(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The debug port is taken: open_router fails after the leader lookups and health probes opened
+    channels, and the pool was never closed (its channels and sockets left for the collector)."""
+    pools: list[ChannelPool[Any]] = []
+
+    class Seen(ChannelPool[Any]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(supervisor, "ChannelPool", Seen)
+    cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
+    addrs = await nursery.start(cluster.serve_grpc)
+    with socket.socket() as taken, trio.fail_after(30):
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = KvrouteConfig(
+            deployment=DeploymentConfig(block_size=BLOCK),
+            discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+            serve=ServeConfig(debug_listen=f"127.0.0.1:{taken.getsockname()[1]}"),
+        )
+        with pytest.raises(OSError, match="--debug-listen"):
+            async with open_router(config, debug_http=True):
+                pass
+    (pool,) = pools
+    snapshot = pool.snapshot()
+    assert pool._closing and snapshot.size == 0 and snapshot.closed == snapshot.opened, snapshot
