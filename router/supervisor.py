@@ -277,6 +277,10 @@ class RouterHandle:
         if snap.state in (LeaderState.BACKING_OFF, LeaderState.NO_LEADER, LeaderState.NO_BOOTSTRAP):
             # Leader waits fail fast in these states: every request gets domain fallback at once.
             return True, f"no KVCM leader ({snap.state.value}; last error {snap.last_error}): domain fallback answers"
+        if snap.last_lookup_s is not None:
+            # Looked up again (a failover): requests wait at most their window for it, then fall back.
+            # Unready here, every router seeing the same failover would leave the fleet at once.
+            return True, f"KVCM leader being looked up again (state {snap.state.value}): requests fall back meanwhile"
         return False, f"KVCM leader not resolved yet (state {snap.state.value})"
 
 

@@ -734,6 +734,40 @@ async def test_bootstrap_dead_at_start_is_ready_for_domain_routing(autojump_cloc
         assert d.route_source is RouteSource.DOMAIN and d.reason is Reason.KVCM_ERROR
 
 
+async def test_a_leader_failover_leaves_the_router_ready_while_it_answers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Unready while the leader was looked up again (every router sees the same failover, so the whole
+    fleet would go NOT_SERVING at once), though every request was answered within its budget."""
+    cluster = SimCluster(workers=3, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 1, 8)
+        assert handle.ready()[0]
+        fault_the_leader(cluster, KvcmFaults(hang=True))
+        seen: set[str] = set()
+        unready: list[str] = []
+
+        async def watch(stop: trio.Event) -> None:
+            while not stop.is_set():
+                ready, why = handle.ready()
+                seen.add(why.split(" (")[0])
+                if not ready:
+                    unready.append(why)
+                await trio.sleep(0.001)
+
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+            nursery.start_soon(watch, stop)
+            for i in range(40):
+                started = trio.current_time()
+                await handle.route(RouteRequest(f"f{i}", token_ids=PROMPT, budget_ms=30))
+                assert trio.current_time() - started <= 0.030
+                await trio.sleep(0.01)
+            stop.set()
+        assert not unready, unready
+        assert "KVCM leader being looked up again" in seen  # the failover was watched through
+
+
 async def test_no_bootstrap_target_yet_is_ready_for_domain_routing(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
