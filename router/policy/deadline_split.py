@@ -37,8 +37,8 @@ The tail is heavy-tailed (a scheduling stall of the routing thread, the GIL held
 for its switch interval): most replies leave within a millisecond, a few take several. A mean plus
 deviations jumps after each stall and sits below the stalls in between, so the tail's estimate is
 a quantile of the recent samples (:class:`RecentQuantile`: ``TAIL_QUANTILE`` of the tails among the
-last ``TAIL_WINDOW`` decisions that ran the query): two long tails among the recent ones raise it at
-once, and it comes down once they have left the window.
+last ``TAIL_WINDOW`` decisions that ran the query or brought a tail, a shadow-scored one's too): two
+long tails among the recent ones raise it at once, and it comes down once they have left the window.
 
 Pure: values in, values out; time is passed in.
 """
@@ -112,7 +112,7 @@ class SplitWindows:
 
 
 LAG_RESERVE_FACTOR = 2.0  # the decision reserve is at least this many times the loop's average lag
-TAIL_WINDOW = 40  # the recent decisions (that ran the query) whose tails the tail's estimate is taken from
+TAIL_WINDOW = 40  # the recent decisions (that ran the query or brought a tail) whose tails make the estimate
 TAIL_QUANTILE = 0.97  # ... and the share of those tails it covers (of 40: the second longest)
 
 
@@ -207,7 +207,8 @@ class SplitEstimator:
     that ran the query is forgotten: the split is cold again, so the fixed split lets the request reach
     it and it is measured afresh. Without that, an estimate that made the split cut every query would
     never be corrected, since no request would reach the stage again. The tail's window counts the
-    decisions that ran the query, so it empties (cold) after ``TAIL_WINDOW`` of them without a tail.
+    decisions that ran the query or brought a tail (a shadow-scored one's too), so it empties (cold)
+    after ``TAIL_WINDOW`` queries without a tail.
 
     The tail is the router's part (``stage_ms[Stage.TAIL]``, from the end of the probe wait to the
     decision leaving the router) plus, once a transport reports them (:meth:`observe_replies`), the
