@@ -76,8 +76,14 @@ def _cost_outcome(candidate: CandidateExplain, winner: CandidateExplain, reason:
     if reason not in _TTFT_ORDER and candidate.hit_tokens < winner.hit_tokens:
         return f"lost: smaller hit ({candidate.hit_tokens} < {winner.hit_tokens} tokens)"
     why = "lost on cost: its cost was over the winner's (or equal, and the tie went to the winner)"
-    if scorer.near_tie_tokens > 0 and candidate.hit_tokens == winner.hit_tokens and reason in SPREAD_REASONS:
-        why += f", or within {scorer.near_tie_tokens} tokens of it and near-tie spreading drew the winner"
+    if scorer.near_tie_tokens > 0 and reason in SPREAD_REASONS:
+        if candidate.hit_tokens == winner.hit_tokens:
+            why += f", or within {scorer.near_tie_tokens} tokens of it and near-tie spreading drew the winner"
+        else:  # spreading moved the choice among the first pick's near-ties: they share its hit, the winner's
+            why += (
+                f", or cheaper than the winner, and near-tie spreading draws only among workers holding the "
+                f"first pick's hit ({winner.hit_tokens} tokens)"
+            )
     return why
 
 

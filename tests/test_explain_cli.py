@@ -40,6 +40,21 @@ def test_cost_aware_losses_are_put_down_to_cost_not_the_extra_work_bound(tmp_pat
             assert "claim" not in row and "max-extra-work" not in row, row
 
 
+def test_a_cheaper_candidate_with_another_hit_is_told_spreading_passed_it_over() -> None:
+    """Spreading draws among the first pick's near-ties, which hold its hit: it can move the choice to
+    a costlier worker past a cheaper one holding another hit, which explain told 'its cost was over
+    the winner's'."""
+    scorer = ScorerConfig(policy=ScorerPolicy.COST_AWARE, near_tie_tokens=10)
+    winner = CandidateExplain("w:4", "cold", 0, 0, 103, "PREFILL", None, chosen=True)
+    cache_holder = CandidateExplain("w:2", "hot", 5, 50, 101, "PREFILL", None)  # cheaper, another hit
+    said = outcome(cache_holder, winner, Reason.SHORTEST_TTFT, scorer)
+    assert said.startswith("lost on cost: ") and "draws only among workers holding the first pick's hit (0" in said
+    same_hit = CandidateExplain("w:1", "cold", 0, 0, 100, "PREFILL", None)
+    assert "near-tie spreading drew the winner" in outcome(same_hit, winner, Reason.SHORTEST_TTFT, scorer)
+    unspread = ScorerConfig(policy=ScorerPolicy.COST_AWARE, near_tie_tokens=0)
+    assert "spreading" not in outcome(cache_holder, winner, Reason.SHORTEST_TTFT, unspread)
+
+
 def test_cache_affinity_losses_name_no_concurrent_claim() -> None:
     """A loss cache-affinity's order does not explain is not put down to a claim that cannot happen."""
     scorer = ScorerConfig()
