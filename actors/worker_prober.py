@@ -55,9 +55,10 @@ with what it has (an "anytime" decision).
   and readmitted by its first good probe.
 - **Usable status** (``cached``): the last valid status, younger than
   ``max_status_age_s``, the worker not ejected and its last probe not failed.
-  **Routable** (``is_routable``): not ejected and its last probe was not
-  refused (``unavailable``). A worker never probed is routable; so is one whose
-  probe was slow or garbled (unusable for scoring, not known to be down).
+  **Routable** (``is_routable``): not ejected, its last probe was not refused
+  (``unavailable``), and no status younger than ``max_status_age_s`` says it is
+  not alive. A worker never probed is routable; so is one whose probe was slow
+  or garbled (unusable for scoring, not known to be down).
 - **Background refresh** (``background_refresh``, while ``refresh_interval_s <
   fresh_ttl_s``): a worker a request named as a candidate within
   ``hot_window_s`` is *hot*; the owner polls each hot worker every
@@ -204,6 +205,12 @@ class ProberView:
 
 _EMPTY_VIEW = ProberView(running=False, workers={}, ejected={})
 _NO_WORKERS: frozenset[WorkerAddr] = frozenset()
+
+
+def _reported_down(seen: WorkerView, now: float, max_age_s: float) -> bool:
+    """Its last status, younger than ``max_age_s``, says it is not alive (an older one says nothing
+    now: without a probe since, it would keep a recovered worker out for good)."""
+    return seen.status is not None and not seen.status.alive and now - seen.status_at < max_age_s
 
 
 class _Phase(enum.Enum):
@@ -445,6 +452,7 @@ class WorkerProber:
         not block)."""
         refuse("prober", prober_problems(config))
         self._config = config
+        self._max_status_age_s = config.max_status_age_s
         self._transport = transport
         self._fleet = fleet
         self._on_probes = on_probes
@@ -666,7 +674,7 @@ class WorkerProber:
     def is_routable(self, worker: WorkerAddr, roles: Collection[Role] | None = None) -> bool:
         """Not known to be unreachable (not ejected, last probe not refused) and, with ``roles``,
         not known to serve another role. A worker never probed is routable."""
-        return self._routable(self._view.workers.get(worker), roles, trio.current_time())
+        return self._routable(self._view.workers.get(worker), roles, trio.current_time(), self._max_status_age_s)
 
     def reported_role(self, worker: WorkerAddr) -> Role | None:
         """The role the worker last reported, however old that status (what routability judged it
@@ -674,16 +682,21 @@ class WorkerProber:
         seen = self._view.workers.get(worker)
         return None if seen is None or seen.status is None else seen.status.role
 
-    def of_other_roles(self, roles: Collection[Role]) -> Callable[[WorkerAddr], bool]:
-        """Whether a worker last reported a role outside ``roles``, from the published view (a worker
-        never heard from is not: it may serve them)."""
+    def unfit_for(self, roles: Collection[Role]) -> Callable[[WorkerAddr], bool]:
+        """Whether a worker last reported a role outside ``roles``, or a status younger than
+        ``max_status_age_s`` said it is not alive, from the published view (a worker never heard from
+        is fit: it may serve them). A cold place given to one would be dropped after its probe."""
         known = self._view.workers
+        now = trio.current_time()
+        max_age_s = self._max_status_age_s
 
-        def other(worker: WorkerAddr) -> bool:
+        def unfit(worker: WorkerAddr) -> bool:
             seen = known.get(worker)
-            return seen is not None and seen.status is not None and seen.status.role not in roles
+            if seen is None or seen.status is None:
+                return False
+            return seen.status.role not in roles or _reported_down(seen, now, max_age_s)
 
-        return other
+        return unfit
 
     def unroutable_reason(self, workers: Sequence[WorkerAddr], roles: Collection[Role]) -> str | None:
         """None when one of ``workers`` is routable for ``roles``; else why none is.
@@ -692,9 +705,10 @@ class WorkerProber:
         """
         now = trio.current_time()
         known = self._view.workers
-        if any(self._routable(known.get(w), roles, now) for w in workers):
+        max_age_s = self._max_status_age_s
+        if any(self._routable(known.get(w), roles, now, max_age_s) for w in workers):
             return None
-        ejected = failing = other_role = 0
+        ejected = failing = not_alive = other_role = 0
         kinds: set[str] = set()
         for worker in workers:
             seen = known.get(worker)
@@ -704,6 +718,9 @@ class WorkerProber:
                 ejected += 1
             elif seen.unreachable:
                 failing += 1
+            elif _reported_down(seen, now, max_age_s):
+                not_alive += 1
+                continue
             else:
                 other_role += 1
                 continue
@@ -713,6 +730,8 @@ class WorkerProber:
             parts.append(f"{ejected} ejected")
         if failing:
             parts.append(f"{failing} refusing probes")
+        if not_alive:
+            parts.append(f"{not_alive} reporting themselves not alive")
         if other_role:
             parts.append(f"{other_role} reporting a role not routed")
         detail = ", ".join(parts) + (f"; last errors: {', '.join(sorted(kinds))}" if kinds else "")
@@ -798,10 +817,10 @@ class WorkerProber:
         return ProbeResult(worker, ProbeOutcome.SKIPPED, skip_reason=reason)
 
     @staticmethod
-    def _routable(seen: WorkerView | None, roles: Collection[Role] | None, now: float) -> bool:
+    def _routable(seen: WorkerView | None, roles: Collection[Role] | None, now: float, max_age_s: float) -> bool:
         if seen is None:
             return True
-        if seen.unreachable or seen.ejected_until > now:
+        if seen.unreachable or seen.ejected_until > now or _reported_down(seen, now, max_age_s):
             return False
         return roles is None or seen.status is None or seen.status.role in roles
 

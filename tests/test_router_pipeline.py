@@ -864,6 +864,29 @@ async def test_every_worker_dead_is_no_candidates_and_not_ready(autojump_clock: 
         assert d.worker is not None
 
 
+async def test_workers_reporting_themselves_not_alive_get_no_request_while_one_alive_does(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Three of four workers say alive=false: the domain source drew them (18 of 25 domain answers in an
+    audit's run), as they counted routable, and the cold set filled with them, to be dropped."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, health_interval_s=0.5) as (handle, _, _):
+        for i in (0, 1, 2):
+            cluster.workers[i].set_faults(WorkerFaults(not_alive=True))
+        await trio.sleep(1.2)  # the health passes have read every status
+        targets: list[str] = []
+        for phase in ("kvcm answers", "kvcm down"):
+            if phase == "kvcm down":
+                fault_the_leader(cluster, KvcmFaults(dead=True))
+            for n in range(20):
+                prompt = tuple(range(n * 1000, n * 1000 + 8 * BLOCK))  # nobody holds it
+                decision = await handle.route(RouteRequest(f"{phase}{n}", token_ids=prompt, budget_ms=50))
+                assert decision.worker is not None
+                targets.append(decision.worker.http_target)
+                await trio.sleep(0.01)
+        assert set(targets) == {cluster.worker_addr(3).http_target}
+
+
 async def test_feature_off_avoids_dead_workers_found_by_health_probes(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -41,6 +41,7 @@ class FakeWorkers:
         self.hanging: set[str] = set()
         self.slow: dict[str, float] = {}  # target → its own latency, in place of latency_s
         self.version_zero: set[str] = set()
+        self.not_alive: set[str] = set()  # targets whose statuses say alive=false
         self._versions: dict[str, int] = {}
         self.replied_at: dict[tuple[str, int], float] = {}  # (target, version) → when that reply was made
 
@@ -72,7 +73,7 @@ class FakeWorkers:
             self.replied_at[target, version] = trio.current_time()
             return engine_pb.WorkerStatusPB(
                 role="RoleType.PREFILL",
-                alive=True,
+                alive=target not in self.not_alive,
                 status_version=version,
                 latest_finished_version=100 + version,
                 waiting_query_len=version,
@@ -467,6 +468,27 @@ async def test_a_fleet_larger_than_the_cache_keeps_a_dead_worker_ejected(
     await trio.sleep(eject_s - 1.0)
     assert dead in prober.ejected() and not prober.is_routable(dead), trio.current_time() - ejected_at
     assert prober.snapshot().tracked_workers == 100
+
+
+async def test_a_worker_whose_fresh_status_says_not_alive_is_not_routable(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Routability read only refusals and ejections: a worker reporting alive=false was drawn by the
+    domain source (preferred, as one with a status) and filled cold places the Scorer then dropped."""
+    fake = FakeWorkers(MemoryNetwork())
+    down, up = fake.add(workers(2)[0]), fake.add(workers(2)[1])
+    fake.not_alive.add(down.status_target)
+    prober = await start_prober(nursery, fake)
+    await prober.probe([down, up], trio.current_time() + 1.0).wait_all()
+    assert not prober.is_routable(down) and prober.is_routable(up)
+    assert prober.unfit_for({Role.PREFILL})(down) and not prober.unfit_for({Role.PREFILL})(up)
+    assert prober.unroutable_reason([up], (Role.PREFILL,)) is None
+    why = prober.unroutable_reason([down], (Role.PREFILL,))
+    assert why is not None and "1 reporting themselves not alive" in why
+    # A status older than max_status_age_s says nothing now: with no probe since, it would keep a
+    # recovered worker out for good.
+    await trio.sleep(ProberConfig().max_status_age_s)
+    assert prober.is_routable(down) and not prober.unfit_for({Role.PREFILL})(down)
 
 
 async def test_retain_prunes_dropped_workers(nursery: trio.Nursery, autojump_clock: MockClock) -> None:

@@ -82,9 +82,10 @@ class CandidateScoring:
         t = trio.current_time()
         fleet = self._fleet.current()
         ejected = self._prober.ejected()
-        # A cold place on a worker of another role (a decode worker beside the prefill ones) would be
-        # dropped after its probe: an idle worker of the request's roles would seldom be found.
-        other_role = self._prober.of_other_roles(prepared.roles)
+        # A cold place on a worker of another role (a decode worker beside the prefill ones), or on one
+        # that says it is not alive, would be dropped after its probe: a usable idle worker of the
+        # request's roles would seldom be found.
+        other_role = self._prober.unfit_for(prepared.roles)
         passed_over: list[str] = []
         if ctx.record is not None:  # replay needs the workers passed over, not their roles
             other_role = _noting(other_role, passed_over)
