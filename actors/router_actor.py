@@ -312,8 +312,13 @@ class RouterActor:
             ctx = None
         if decision is None:
             self._deadline_fallbacks += 1
-            decision = self._fallback(request, None, Reason.DEADLINE, received_at, stages, tuple(steps), split=split)
-            ctx = None
+            # The worker still gets the request: with a context made, its ledger charge and its
+            # sources' bookkeeping (the shadow's write-on-route) follow as for an answer in the chain.
+            ctx = made[0] if made else None
+            prepared = None if ctx is None else ctx.prepared
+            decision = self._fallback(
+                request, prepared, Reason.DEADLINE, received_at, stages, tuple(steps), split=split
+            )
         self._handled += 1
         # The Scorer's work, not the SCORE stage's wall time (which holds the inbox wait, the loop lag
         # the estimate counts apart); the stage only where no context carried the work back.

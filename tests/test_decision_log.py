@@ -145,6 +145,11 @@ async def record_cache_run(log: Path) -> list[RouteDecision]:
             for rid in ("burst0", "burst1", "burst2"):
                 nursery.start_soon(one, rid)
         cluster.kvcm.set_faults(leader, KvcmFaults())
+        for w in cluster.workers:  # every probe misses decide_at, past the statuses' usable age
+            w.set_faults(WorkerFaults(delay_s=0.5))
+        await trio.sleep(ProberConfig().max_status_age_s + 0.5)
+        fresh = tuple(range(7000, 7000 + len(PROMPT)))  # nobody holds it, nor has the shadow seen it
+        decisions.append(await route(RouteRequest("all-slow", token_ids=fresh, budget_ms=50)))  # no_positive_match
         for w in cluster.workers:
             w.set_faults(WorkerFaults(not_alive=True))
         await trio.sleep(1)  # past the fresh status TTL: the next probes see not_alive
@@ -318,7 +323,7 @@ def test_a_recorded_cache_run_replays_identically(tmp_path: Path) -> None:
         (RouteSource.DOMAIN, Reason.BAD_REQUEST),
         (RouteSource.DOMAIN, Reason.OVERLOADED),
         (RouteSource.DOMAIN, Reason.DEADLINE),
-        (RouteSource.DOMAIN, Reason.NO_CANDIDATES),
+        (RouteSource.NONE, Reason.NO_CANDIDATES),  # every worker says it is not alive: none to name
     } <= by_reason, by_reason
     identical, total = replay_all(log)
     assert (identical, total) == (len(decisions), len(decisions))

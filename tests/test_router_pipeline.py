@@ -19,8 +19,8 @@ import trio.testing
 
 from actors.breaker import BreakerState
 from actors.metrics_sink import MetricsSink
-from actors.scorer import Decided, DecideRequest, Scorer
-from actors.shadow_index import ShadowIndexActor
+from actors.scorer import Decided, DecideRequest, Scorer, ScorerHealth
+from actors.shadow_index import ShadowHealth, ShadowIndexActor
 from actors.sources.base import FellThrough, RequestContext, RequestSplit
 from actors.sources.shadow import ShadowSource
 from kvroute_sim.sim.cluster import SimCluster
@@ -1038,6 +1038,37 @@ async def test_a_deadline_inside_a_source_still_names_that_source_in_the_decisio
             (RouteSource.KVCM, SourceOutcome.FELL_THROUGH, Reason.DEADLINE)
         ]
         assert d.sources[0].elapsed_ms == pytest.approx(50.0)
+
+
+async def test_a_deadline_answer_is_charged_and_written_into_the_shadow_as_a_chain_answer_is(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker a deadline answer names still gets the request: it was neither charged to the
+    Scorer's ledger nor written into the shadow index, under exactly the load that brings such answers."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    decide = Scorer.decide
+
+    async def stalled(self: Scorer, request: DecideRequest) -> Decided:
+        await trio.sleep(1)
+        return await decide(self, request)
+
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+
+        def counts() -> tuple[int, int]:
+            actors = handle.actors()
+            scorer, shadow = actors["scorer"]["health"], actors["shadow_index"]["health"]
+            assert isinstance(scorer, ScorerHealth) and isinstance(shadow, ShadowHealth)
+            return scorer.records, shadow.applied
+
+        before = counts()
+        monkeypatch.setattr(Scorer, "decide", stalled)
+        for i in range(5):
+            d = await handle.route(RouteRequest(f"late{i}", token_ids=PROMPT, budget_ms=50))
+            assert d.reason is Reason.DEADLINE and d.worker is not None
+        await trio.testing.wait_all_tasks_blocked()
+        charged, written = counts()
+        assert (charged - before[0], written - before[1]) == (5, 5)
 
 
 async def test_a_bug_after_the_decision_is_logged_even_in_a_pipeline_bugs_window(
