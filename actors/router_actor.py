@@ -77,6 +77,7 @@ from router.types import (
 log = logging.getLogger(__name__)
 
 _HASH_REST_RATIO = 1.0  # a long prompt's hashing takes at most half of the routing thread
+_MIN_REST_S = 0.001  # the shortest rest the I/O wait can take (it sleeps whole milliseconds)
 OVERLOAD_DRAWS = 16  # overloaded answers drawn ahead for threads that shed before the loop
 OVERLOAD_REDRAW_EVERY = 10  # lag measurements between two draws (the estimate is published at each)
 
@@ -287,10 +288,20 @@ class RouterActor:
         # The request's context as soon as the walk makes it: a walk the deadline (or a bug) ends
         # returns none, and the work it measured (hashing, scoring) must still reach the estimate.
         made: list[RequestContext] = []
+        hashed = [0.0]  # the hashing's own time so far: a deadline may cut it before any context is made
         try:
             with trio.CancelScope(deadline=deadline):
                 ctx, decision = await self._walk(
-                    request, received_at, deadline, split, stages, steps, events=events, record=record, made=made
+                    request,
+                    received_at,
+                    deadline,
+                    split,
+                    stages,
+                    steps,
+                    events=events,
+                    record=record,
+                    made=made,
+                    hashed=hashed,
                 )
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
@@ -327,7 +338,7 @@ class RouterActor:
         score_ms = stages.get(Stage.SCORE, 0.0) if scorer_work_s is None else ms(scorer_work_s)
         # The hashing's own time, not the KEYS stage's wall time (which holds a long prompt's rests and
         # its wait for the turn to hash: with several long prompts, several times their work).
-        hashing_s = None if worked is None else worked.hashing_s
+        hashing_s = hashed[0] if worked is None else worked.hashing_s
         keys_ms = stages.get(Stage.KEYS, 0.0) if hashing_s is None else ms(hashing_s)
         own_ms = keys_ms + stages.get(Stage.PLAN, 0.0) + score_ms
         self._estimate.observe_own(own_ms / 1000.0)
@@ -372,12 +383,13 @@ class RouterActor:
         events: list[MetricEvent],
         record: DecisionRecord | None = None,
         made: list[RequestContext] | None = None,
+        hashed: list[float] | None = None,
     ) -> tuple[RequestContext | None, RouteDecision]:
         t = trio.current_time()
         try:
             checked = check_request(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
             try:
-                keys, hashing_s = await self._keys(checked)
+                keys, hashing_s = await self._keys(checked, hashed)
             except trio.Cancelled:
                 # Cut while hashing a long prompt: no keys and no context, so the record says so itself,
                 # or it would read as a request refused by its checks.
@@ -445,9 +457,10 @@ class RouterActor:
             )
         raise AssertionError("the domain source always answers or ends the request")  # pragma: no cover
 
-    async def _keys(self, checked: CheckedRequest) -> tuple[tuple[int, ...], float]:
+    async def _keys(self, checked: CheckedRequest, hashed: list[float] | None = None) -> tuple[tuple[int, ...], float]:
         """The request's block keys, and the time their hashing took (without the rests between slices
-        and the wait for the turn to hash, which the admission estimate must not count as work). A long
+        and the wait for the turn to hash, which the admission estimate must not count as work), kept in
+        ``hashed[0]`` as it grows too, for a deadline that cuts it. A long
         prompt is hashed in slices with a checkpoint after each: other requests run in between, and the
         request's cancel scope (its deadline, or its caller giving up) stops the hashing there. One long
         prompt is hashed at a time (the others wait their turn under their own deadlines), so at most
@@ -460,16 +473,27 @@ class RouterActor:
             keys = join_slices(slices)
             return keys, trio.current_time() - started
         parts: list[tuple[int, ...]] = []
-        hashing_s = 0.0
+        hashing_s = owed_s = 0.0
         async with self._long_hashing:
             started = trio.current_time()
             for part in slices:
                 parts.append(part)
                 took = trio.current_time() - started
                 hashing_s += took
-                # Rest as long as the slice took: the routing thread then blocks in its I/O wait, which
-                # also hands the GIL to the threads delivering other requests' RPC replies.
-                await trio.sleep(took * _HASH_REST_RATIO)
+                # Rest as long as the slices took: the routing thread then blocks in its I/O wait, which
+                # also hands the GIL to the threads delivering other requests' RPC replies. The I/O wait
+                # sleeps whole milliseconds, so a rest is taken once a millisecond is owed (a sleep per
+                # sub-millisecond slice rested two to three times its work), a rest longer than owed is
+                # counted against the next, and a checkpoint lets others run in between.
+                if hashed is not None:
+                    hashed[0] = hashing_s
+                owed_s += took * _HASH_REST_RATIO
+                if owed_s >= _MIN_REST_S:
+                    rest_from = trio.current_time()
+                    await trio.sleep(owed_s)
+                    owed_s -= trio.current_time() - rest_from
+                else:
+                    await trio.lowlevel.checkpoint()
                 started = trio.current_time()
         return join_slices(iter(parts)), hashing_s
 

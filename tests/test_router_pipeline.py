@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+from actors import router_actor
 from actors.breaker import BreakerState
 from actors.metrics_sink import MetricsSink
 from actors.scorer import Decided, DecideRequest, Scorer, ScorerHealth
@@ -27,6 +28,7 @@ from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
 from kvroute_sim.sim.memory_server import memory_handler
 from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
+from router.admission import AdmissionEstimate
 from router.api import open_router
 from router.config import (
     DeploymentConfig,
@@ -41,7 +43,7 @@ from router.keys import block_keys
 from router.logs import AggregatingLogger
 from router.policy.cache_affinity import CacheAffinityFirst
 from router.policy.deadline_split import SplitWindows
-from router.request import prepare_request
+from router.request import CheckedRequest, key_slices, prepare_request
 from router.sidecar import decision_to_proto
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
@@ -1069,6 +1071,41 @@ async def test_a_deadline_answer_is_charged_and_written_into_the_shadow_as_a_cha
         await trio.testing.wait_all_tasks_blocked()
         charged, written = counts()
         assert (charged - before[0], written - before[1]) == (5, 5)
+
+
+@pytest.mark.parametrize("slice_ms", [0.3, 1.5])
+async def test_a_long_prompts_hashing_rests_as_long_as_it_worked_and_a_cut_still_counts_its_work(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, slice_ms: float
+) -> None:
+    """Each slice of hashing made to take ``slice_ms`` on the mock clock. A rest per slice of under a
+    millisecond lasted a whole millisecond (the I/O wait's step), so a long prompt took 2-3 times its
+    work; and a hashing the deadline cut reached the admission estimate as 0 ms of own time."""
+    real_slices = key_slices
+
+    def timed(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int, ...]]:
+        for part in real_slices(checked, slice_tokens):
+            autojump_clock.jump(slice_ms / 1000)  # this slice's hashing, as the routing thread's time
+            yield part
+
+    monkeypatch.setattr(router_actor, "key_slices", timed)
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, budget_cap_ms=5000.0) as (handle, _, config):
+        long_prompt = tuple(range(40 * config.limits.hash_slice_tokens))  # 40 slices
+        work_ms = 40 * slice_ms
+        d = await handle.route(RouteRequest("whole", token_ids=long_prompt, budget_ms=5000))
+        keys_ms = d.stage_ms[Stage.KEYS]
+        assert 2 * work_ms - 1e-6 <= keys_ms <= 2 * work_ms + 1.0 + 1e-6, keys_ms  # work, as much rest, one step
+        observed: list[float] = []
+        observe_own = AdmissionEstimate.observe_own
+
+        def seen(self: AdmissionEstimate, seconds: float) -> None:
+            observed.append(seconds)
+            observe_own(self, seconds)
+
+        monkeypatch.setattr(AdmissionEstimate, "observe_own", seen)
+        cut = await handle.route(RouteRequest("cut", token_ids=long_prompt, budget_ms=work_ms / 2))
+        assert cut.reason is Reason.DEADLINE
+        assert observed[-1] >= work_ms / 8 / 1000, observed  # its hashing counted, not 0 ms
 
 
 async def test_a_bug_after_the_decision_is_logged_even_in_a_pipeline_bugs_window(
