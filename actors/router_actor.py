@@ -46,7 +46,7 @@ from actors.sources.companions import CompanionPicker
 from actors.sources.domain import DomainSource
 from router.admission import AdmissionEstimate, AdmissionView
 from router.config import KvrouteConfig
-from router.decision_record import DecisionRecord
+from router.decision_record import DecisionRecord, without_prompt
 from router.keys import join_slices
 from router.logs import AggregatingLogger
 from router.policy.deadline_split import SplitEstimates, WithLag, split_windows
@@ -202,7 +202,8 @@ class RouterActor:
         self._emit(decision)
         if self._decision_log is not None:
             now = trio.current_time()
-            self._decision_log.submit(DecisionRecord(request(), now, deadline, overloaded=True, decision=decision))
+            record = DecisionRecord(without_prompt(request()), now, deadline, overloaded=True, decision=decision)
+            self._decision_log.submit(record)
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
@@ -249,7 +250,8 @@ class RouterActor:
         self._overloaded += 1
         decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
         if self._decision_log is not None:
-            self._decision_log.submit(DecisionRecord(request, now, deadline, overloaded=True, decision=decision))
+            record = DecisionRecord(without_prompt(request), now, deadline, overloaded=True, decision=decision)
+            self._decision_log.submit(record)
         await trio.lowlevel.checkpoint()
         return decision
 
@@ -280,7 +282,7 @@ class RouterActor:
         events: list[MetricEvent] = []  # the sources' observations, sent with the decision
         ctx: RequestContext | None = None
         decision: RouteDecision | None = None
-        record = None if self._decision_log is None else DecisionRecord(request, received_at, deadline)
+        record = None if self._decision_log is None else DecisionRecord(without_prompt(request), received_at, deadline)
         estimates = self._split_estimates()
         split = RequestSplit(split_windows(received_at, deadline, estimates, self._config.router))
         if record is not None:

@@ -25,7 +25,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.policy.deadline_split import SplitEstimates
@@ -118,9 +118,18 @@ class ScoringRecord:
     ledger: tuple[tuple[str, int, float | None, float], ...] = ()
 
 
+def without_prompt(request: RouteRequest) -> RouteRequest:
+    """``request`` as a record keeps it: without its token ids and keys, which the log never writes
+    (the keys go as the prepared ones' digest), while a record may wait in the log's inbox: holding a
+    262,144-token prompt, each held 10 MiB."""
+    if request.token_ids is None and request.block_cache_keys is None:
+        return request
+    return replace(request, token_ids=None, block_cache_keys=None)
+
+
 @dataclass(slots=True)
 class DecisionRecord:
-    request: RouteRequest
+    request: RouteRequest  # without its prompt (``without_prompt``)
     received_at: float
     deadline: float = 0.0
     prepared: PreparedRequest | None = None
