@@ -1089,3 +1089,26 @@ def test_a_full_inbox_drops_and_counts_each_record_it_refuses(tmp_path: Path) ->
     assert taken == [True, True, True, False, False]
     health = log.health()
     assert (health.dropped, health.inbox_depth, health.inbox_capacity) == (2, 3, 3)
+
+
+def test_a_queued_record_keeps_no_prompt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log writes a request's id, budget, deadline and roles and its keys' digest; a record that
+    kept the whole request held every token id while it waited in the log's inbox."""
+    queued: list[DecisionRecord] = []
+    submit = DecisionLog.submit
+
+    def kept(self: DecisionLog, record: DecisionRecord) -> bool:
+        queued.append(record)
+        return submit(self, record)
+
+    monkeypatch.setattr(DecisionLog, "submit", kept)
+
+    async def route(log: Path) -> None:
+        async with cluster_router(log, max_in_flight=1) as (handle, _):
+            await handle.route(RouteRequest("prompt", token_ids=PROMPT, budget_ms=50))
+            await handle.route(RouteRequest("keys", block_cache_keys=KEYS, block_size=BLOCK, budget_ms=50))
+
+    on_mock_clock(route, tmp_path / "decisions.log")
+    assert [r.request.request_id for r in queued] == ["prompt", "keys"]
+    assert all(r.request.token_ids is None and r.request.block_cache_keys is None for r in queued)
+    assert all(r.prepared is not None and r.prepared.keys == KEYS for r in queued)  # what the log writes
