@@ -1166,25 +1166,39 @@ async def test_candidates_are_counted_by_drop_reason_also_when_every_one_is_drop
         assert counted is not None and counted >= 1
 
 
+def serve_cache_answers_edited(
+    cluster: SimCluster,
+    network: MemoryNetwork,
+    config: KvrouteConfig,
+    edit: Callable[[kvcm_pb.GetHostCacheStateResponse], None],
+) -> None:
+    """Serve the one KVCM replica's answers with ``edit`` applied to each GetHostCacheState answer."""
+    (node_target,) = config.discovery.kvcm_bootstrap.split(",")
+    kvcm = memory_handler(cluster.kvcm.replica(cluster.kvcm.node_ids[0]))
+
+    async def edited(method_path: str, request: bytes) -> bytes:
+        reply = await kvcm(method_path, request)
+        if method_path != paths.KVCM_GET_HOST_CACHE_STATE:
+            return reply
+        answer = kvcm_pb.GetHostCacheStateResponse.FromString(reply)
+        edit(answer)
+        return answer.SerializeToString()
+
+    network.serve(node_target, edited)
+
+
 async def test_a_blank_host_in_kvcms_answer_is_counted_as_a_malformed_host(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     async with routed(cluster) as (handle, network, config):
         seed(cluster, 2, 8)
-        (node_target,) = config.discovery.kvcm_bootstrap.split(",")
-        kvcm = memory_handler(cluster.kvcm.replica(cluster.kvcm.node_ids[0]))
 
-        async def with_a_blank_host(method_path: str, request: bytes) -> bytes:
+        def with_a_blank_host(answer: kvcm_pb.GetHostCacheStateResponse) -> None:
             """A KVCM bug: the answer also lists an entry with no host."""
-            reply = await kvcm(method_path, request)
-            if method_path != paths.KVCM_GET_HOST_CACHE_STATE:
-                return reply
-            answer = kvcm_pb.GetHostCacheStateResponse.FromString(reply)
             answer.hosts.add(host_ip_port=" ", local=8)
-            return answer.SerializeToString()
 
-        network.serve(node_target, with_a_blank_host)
+        serve_cache_answers_edited(cluster, network, config, with_a_blank_host)
         decision = await handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
         assert decision.route_source is RouteSource.KVCM and decision.worker == cluster.worker_addr(2)
         await trio.testing.wait_all_tasks_blocked()  # the metrics sink has applied the decision
@@ -1200,19 +1214,12 @@ async def test_a_kvcm_answer_claiming_more_blocks_than_asked_falls_through_as_ga
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     async with routed(cluster) as (handle, network, config):
         seed(cluster, 2, 8)
-        (node_target,) = config.discovery.kvcm_bootstrap.split(",")
-        kvcm = memory_handler(cluster.kvcm.replica(cluster.kvcm.node_ids[0]))
 
-        async def claiming_too_much(method_path: str, request: bytes) -> bytes:
-            reply = await kvcm(method_path, request)
-            if method_path != paths.KVCM_GET_HOST_CACHE_STATE:
-                return reply
-            answer = kvcm_pb.GetHostCacheStateResponse.FromString(reply)
+        def claiming_too_much(answer: kvcm_pb.GetHostCacheStateResponse) -> None:
             for host in answer.hosts:
                 host.local = host.p2p_1_total_match = 2**33
-            return answer.SerializeToString()
 
-        network.serve(node_target, claiming_too_much)
+        serve_cache_answers_edited(cluster, network, config, claiming_too_much)
         decision = await handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
         assert decision.route_source is not RouteSource.KVCM
         assert decision.local_blocks <= len(PROMPT) // BLOCK
