@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -1019,21 +1019,27 @@ async def test_a_bug_on_the_request_path_is_answered_counted_and_logged_once_per
         ]
 
 
+def _stalled_past_every_deadline(
+    decide: Callable[[Scorer, DecideRequest], Awaitable[Decided]],
+) -> Callable[[Scorer, DecideRequest], Awaitable[Decided]]:
+    """``Scorer.decide`` whose hop stalls a second first: past the deadline of any request here."""
+
+    async def stalled(self: Scorer, request: DecideRequest) -> Decided:
+        await trio.sleep(1)
+        return await decide(self, request)
+
+    return stalled
+
+
 async def test_a_deadline_inside_a_source_still_names_that_source_in_the_decision(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """KVCM answered, then the Scorer's hop stalled past the request's deadline (whose scope, not a
     window's, ends it): the deadline answer still says the time went to the KVCM source."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    decide = Scorer.decide
-
-    async def stalled(self: Scorer, request: DecideRequest) -> Decided:
-        await trio.sleep(1)
-        return await decide(self, request)
-
     async with routed(cluster) as (handle, _, _):
         seed(cluster, 2, 8)
-        monkeypatch.setattr(Scorer, "decide", stalled)
+        monkeypatch.setattr(Scorer, "decide", _stalled_past_every_deadline(Scorer.decide))
         d = await handle.route(RouteRequest("stalled", token_ids=PROMPT, budget_ms=50))
         assert d.route_source is RouteSource.DOMAIN and d.reason is Reason.DEADLINE
         assert [(s.source, s.outcome, s.reason) for s in d.sources] == [
@@ -1048,12 +1054,6 @@ async def test_a_deadline_answer_is_charged_and_written_into_the_shadow_as_a_cha
     """The worker a deadline answer names still gets the request: it was neither charged to the
     Scorer's ledger nor written into the shadow index, under exactly the load that brings such answers."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    decide = Scorer.decide
-
-    async def stalled(self: Scorer, request: DecideRequest) -> Decided:
-        await trio.sleep(1)
-        return await decide(self, request)
-
     async with routed(cluster) as (handle, _, _):
         seed(cluster, 2, 8)
 
@@ -1064,7 +1064,7 @@ async def test_a_deadline_answer_is_charged_and_written_into_the_shadow_as_a_cha
             return scorer.records, shadow.applied
 
         before = counts()
-        monkeypatch.setattr(Scorer, "decide", stalled)
+        monkeypatch.setattr(Scorer, "decide", _stalled_past_every_deadline(Scorer.decide))
         for i in range(5):
             d = await handle.route(RouteRequest(f"late{i}", token_ids=PROMPT, budget_ms=50))
             assert d.reason is Reason.DEADLINE and d.worker is not None
