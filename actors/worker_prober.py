@@ -733,9 +733,9 @@ class WorkerProber:
         if not_alive:
             parts.append(f"{not_alive} reporting themselves not alive")
         if other_role:
-            parts.append(f"{other_role} reporting a role not routed")
+            parts.append(f"{other_role} reporting another role")
         detail = ", ".join(parts) + (f"; last errors: {', '.join(sorted(kinds))}" if kinds else "")
-        return f"no routable worker: none of the {len(workers)} discovered workers can be reached ({detail})"
+        return f"no routable worker: none of the {len(workers)} discovered workers can take a request ({detail})"
 
     def ejected(self) -> Collection[WorkerAddr]:
         """The workers ejected now (for the candidate plan to skip)."""

@@ -109,7 +109,8 @@ class ScoringRecord:
     fleet: Fleet
     ejected: tuple[str, ...]
     probes: tuple[ProbeRecord, ...] = ()
-    # The workers the cold walk passed over as serving another role (their roles are not recorded).
+    # The workers the cold walk passed over as unfit (serving another role, or saying they are not
+    # alive; why is not recorded).
     other_roles: tuple[str, ...] = ()
     decided: float = 0.0
     # Per candidate that passed the filters, in tie-draw order: (target, pending charge, last-selected trio

@@ -120,7 +120,7 @@ class RecordedScoring:
     ledger: Mapping[str, tuple[int, float]]  # target → (pending charge, last selected)
     ties: tuple[float, ...]
     decided: float | None = None  # when it scored, relative to receipt (None: not recorded)
-    other_roles: frozenset[str] = frozenset()  # the workers its cold walk passed over for their role
+    other_roles: frozenset[str] = frozenset()  # the workers its cold walk passed over as unfit (role, not alive)
 
 
 @dataclass(frozen=True, slots=True)

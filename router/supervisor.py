@@ -63,7 +63,7 @@ from router.transport.master_grpc import GrpcMasterTransport
 from router.transport.master_http import HttpMasterTransport
 from router.transport.ports import MasterTransport, RawRpc
 from router.transport.tls import channel_credentials, client_ssl_context
-from router.types import RouteDecision, RouteRequest
+from router.types import PREFILL_CAPABLE_ROLES, RouteDecision, RouteRequest
 
 log = logging.getLogger(__name__)
 log_router = logging.getLogger("actors.router_actor")  # the chain's aggregated warnings keep the router's logger
@@ -257,14 +257,16 @@ class RouterHandle:
         return ready, why if warning is None else f"{why}; warning: {warning}"
 
     def _routable(self) -> tuple[bool, str]:
-        """Routable when discovery has workers, one of them of a routed role is not known to be
-        unreachable (unless the operator routes blind), and, with the fallback on, a leader is known
-        or the breaker is deliberately open (domain fallback then answers at once)."""
+        """Routable when discovery has workers, one of them of a routed prefill-capable role (a request's
+        worker is one; a decode worker only rides along) can take a request (unless the operator routes
+        blind), and, with the fallback on, a leader is known or the breaker is deliberately open (domain
+        fallback then answers at once)."""
         workers = self._discovery.workers().workers
         if not workers:
             return False, "discovery has no worker"
         if not self.config.router.route_blind:
-            unroutable = self._prober.unroutable_reason(workers, self.config.deployment.roles)
+            roles = tuple(r for r in self.config.deployment.roles if r in PREFILL_CAPABLE_ROLES)
+            unroutable = self._prober.unroutable_reason(workers, roles)
             if unroutable is not None:
                 return False, f"{unroutable}; {ROUTE_BLIND_HINT}"
         if self._resolver is None:

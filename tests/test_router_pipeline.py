@@ -770,6 +770,32 @@ async def test_a_leader_failover_leaves_the_router_ready_while_it_answers(
         assert "KVCM leader being looked up again" in seen  # the failover was watched through
 
 
+async def test_a_decode_worker_does_not_make_a_router_ready_whose_prefill_workers_cannot_serve(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Readiness asked for a routable worker of the deployment's roles, DECODE included, though a
+    request's worker is always a prefill-capable one: live decode workers kept it ready while every
+    request ended no_candidates."""
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2 + [
+        WorkerSpec(role="RoleType.DECODE", block_size=BLOCK)
+    ] * 2
+    cluster = SimCluster(specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PREFILL, Role.DECODE), health_interval_s=0.5) as (handle, _, _):
+        await trio.sleep(1.2)
+        assert handle.ready()[0]
+        for i in (0, 1):
+            cluster.workers[i].set_faults(WorkerFaults(not_alive=True))
+        await trio.sleep(1.2)
+        ready, why = handle.ready()
+        assert not ready and "2 reporting themselves not alive, 2 reporting another role" in why, why
+        d = await handle.route(RouteRequest("r", token_ids=PROMPT, budget_ms=50))
+        assert d.reason is Reason.NO_CANDIDATES and d.worker is None
+        for i in (0, 1):
+            cluster.workers[i].set_faults(WorkerFaults())
+        await trio.sleep(1.2)
+        assert handle.ready()[0]
+
+
 async def test_no_bootstrap_target_yet_is_ready_for_domain_routing(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
@@ -848,7 +874,7 @@ async def test_every_worker_dead_is_no_candidates_and_not_ready(autojump_clock: 
         await trio.sleep(2.0)
         ready, why = handle.ready()
         assert not ready
-        assert why.startswith("no routable worker: none of the 3 discovered workers can be reached")
+        assert why.startswith("no routable worker: none of the 3 discovered workers can take a request")
         assert "--route-blind" in why
         seed(cluster, 0, 8)
         for i in range(5):

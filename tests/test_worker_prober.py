@@ -650,7 +650,7 @@ async def test_background_health_probes_find_dead_workers_without_requests(
     await trio.sleep(2.0)
     assert [w for w in fleet if not prober.is_routable(w)] == fleet[:2]
     assert prober.unroutable_reason(fleet[:2], (Role.PREFILL,)) == (
-        "no routable worker: none of the 2 discovered workers can be reached (2 refusing probes; last errors: "
+        "no routable worker: none of the 2 discovered workers can take a request (2 refusing probes; last errors: "
         "unavailable)"
     )
     assert prober.unroutable_reason(fleet, (Role.PREFILL,)) is None
