@@ -78,6 +78,36 @@ log = logging.getLogger(__name__)
 
 _HASH_REST_RATIO = 1.0  # a long prompt's hashing takes at most half of the routing thread
 _MIN_REST_S = 0.001  # the shortest rest the I/O wait can take (it sleeps whole milliseconds)
+
+
+class RestOwed:
+    """The rest a long prompt's hashing owes the routing thread: as long as its slices worked (times
+    ``_HASH_REST_RATIO``), taken once ``_MIN_REST_S`` is owed, the I/O wait a rest blocks in sleeping
+    whole milliseconds (a rest per sub-millisecond slice rested two to three times its work); a rest
+    longer than owed is counted against the next. Pure: the times are passed in."""
+
+    __slots__ = ("owed_s",)
+
+    def __init__(self) -> None:
+        self.owed_s = 0.0
+
+    def after(self, worked_s: float) -> float:
+        """The rest to take after a slice that worked ``worked_s`` (0: none yet, only a checkpoint)."""
+        self.owed_s += worked_s * _HASH_REST_RATIO
+        return self.owed_s if self.owed_s >= _MIN_REST_S else 0.0
+
+    def rested(self, rested_s: float) -> None:
+        self.owed_s -= rested_s
+
+
+@dataclass(slots=True)
+class HashingProgress:
+    """What a request's hashing has done so far, kept outside its scope for a deadline that cuts it:
+    the work's own time (for the admission estimate) and the checked request (for the ledger charge
+    of the worker its deadline answer names)."""
+
+    work_s: float = 0.0
+    checked: CheckedRequest | None = None
 OVERLOAD_DRAWS = 16  # overloaded answers drawn ahead for threads that shed before the loop
 OVERLOAD_REDRAW_EVERY = 10  # lag measurements between two draws (the estimate is published at each)
 
@@ -290,7 +320,7 @@ class RouterActor:
         # The request's context as soon as the walk makes it: a walk the deadline (or a bug) ends
         # returns none, and the work it measured (hashing, scoring) must still reach the estimate.
         made: list[RequestContext] = []
-        hashed = [0.0]  # the hashing's own time so far: a deadline may cut it before any context is made
+        hashing = HashingProgress()  # a deadline may cut the hashing before any context is made
         try:
             with trio.CancelScope(deadline=deadline):
                 ctx, decision = await self._walk(
@@ -303,7 +333,7 @@ class RouterActor:
                     events=events,
                     record=record,
                     made=made,
-                    hashed=hashed,
+                    hashing=hashing,
                 )
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
@@ -329,6 +359,8 @@ class RouterActor:
             # sources' bookkeeping (the shadow's write-on-route) follow as for an answer in the chain.
             ctx = made[0] if made else None
             prepared = None if ctx is None else ctx.prepared
+            if prepared is None and hashing.checked is not None:  # cut while hashing: charged by its length
+                prepared = hashing.checked.with_keys(())
             decision = self._fallback(
                 request, prepared, Reason.DEADLINE, received_at, stages, tuple(steps), split=split
             )
@@ -340,7 +372,7 @@ class RouterActor:
         score_ms = stages.get(Stage.SCORE, 0.0) if scorer_work_s is None else ms(scorer_work_s)
         # The hashing's own time, not the KEYS stage's wall time (which holds a long prompt's rests and
         # its wait for the turn to hash: with several long prompts, several times their work).
-        hashing_s = hashed[0] if worked is None else worked.hashing_s
+        hashing_s = hashing.work_s if worked is None else worked.hashing_s
         keys_ms = stages.get(Stage.KEYS, 0.0) if hashing_s is None else ms(hashing_s)
         own_ms = keys_ms + stages.get(Stage.PLAN, 0.0) + score_ms
         self._estimate.observe_own(own_ms / 1000.0)
@@ -385,13 +417,15 @@ class RouterActor:
         events: list[MetricEvent],
         record: DecisionRecord | None = None,
         made: list[RequestContext] | None = None,
-        hashed: list[float] | None = None,
+        hashing: HashingProgress | None = None,
     ) -> tuple[RequestContext | None, RouteDecision]:
         t = trio.current_time()
         try:
             checked = check_request(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
+            if hashing is not None:
+                hashing.checked = checked
             try:
-                keys, hashing_s = await self._keys(checked, hashed)
+                keys, hashing_s = await self._keys(checked, hashing)
             except trio.Cancelled:
                 # Cut while hashing a long prompt: no keys and no context, so the record says so itself,
                 # or it would read as a request refused by its checks.
@@ -459,10 +493,12 @@ class RouterActor:
             )
         raise AssertionError("the domain source always answers or ends the request")  # pragma: no cover
 
-    async def _keys(self, checked: CheckedRequest, hashed: list[float] | None = None) -> tuple[tuple[int, ...], float]:
+    async def _keys(
+        self, checked: CheckedRequest, hashing: HashingProgress | None = None
+    ) -> tuple[tuple[int, ...], float]:
         """The request's block keys, and the time their hashing took (without the rests between slices
         and the wait for the turn to hash, which the admission estimate must not count as work), kept in
-        ``hashed[0]`` as it grows too, for a deadline that cuts it. A long
+        ``hashing`` as it grows too, for a deadline that cuts it. A long
         prompt is hashed in slices with a checkpoint after each: other requests run in between, and the
         request's cancel scope (its deadline, or its caller giving up) stops the hashing there. One long
         prompt is hashed at a time (the others wait their turn under their own deadlines), so at most
@@ -475,25 +511,24 @@ class RouterActor:
             keys = join_slices(slices)
             return keys, trio.current_time() - started
         parts: list[tuple[int, ...]] = []
-        hashing_s = owed_s = 0.0
+        hashing_s = 0.0
+        rest = RestOwed()
         async with self._long_hashing:
             started = trio.current_time()
             for part in slices:
                 parts.append(part)
                 took = trio.current_time() - started
                 hashing_s += took
-                # Rest as long as the slices took: the routing thread then blocks in its I/O wait, which
-                # also hands the GIL to the threads delivering other requests' RPC replies. The I/O wait
-                # sleeps whole milliseconds, so a rest is taken once a millisecond is owed (a sleep per
-                # sub-millisecond slice rested two to three times its work), a rest longer than owed is
-                # counted against the next, and a checkpoint lets others run in between.
-                if hashed is not None:
-                    hashed[0] = hashing_s
-                owed_s += took * _HASH_REST_RATIO
-                if owed_s >= _MIN_REST_S:
+                if hashing is not None:
+                    hashing.work_s = hashing_s
+                # Rest as long as the slices took (``RestOwed``): the routing thread then blocks in its I/O
+                # wait, which also hands the GIL to the threads delivering other requests' RPC replies; a
+                # checkpoint between rests lets other requests run.
+                owe = rest.after(took)
+                if owe > 0:
                     rest_from = trio.current_time()
-                    await trio.sleep(owed_s)
-                    owed_s -= trio.current_time() - rest_from
+                    await trio.sleep(owe)
+                    rest.rested(trio.current_time() - rest_from)
                 else:
                     await trio.lowlevel.checkpoint()
                 started = trio.current_time()

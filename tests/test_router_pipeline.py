@@ -20,6 +20,7 @@ import trio.testing
 from actors import router_actor
 from actors.breaker import BreakerState
 from actors.metrics_sink import MetricsSink
+from actors.router_actor import RestOwed
 from actors.scorer import Decided, DecideRequest, Scorer, ScorerHealth
 from actors.shadow_index import ShadowHealth, ShadowIndexActor
 from actors.sources.base import FellThrough, RequestContext, RequestSplit
@@ -1129,9 +1130,31 @@ async def test_a_long_prompts_hashing_rests_as_long_as_it_worked_and_a_cut_still
             observe_own(self, seconds)
 
         monkeypatch.setattr(AdmissionEstimate, "observe_own", seen)
+        scorer = handle.actors()["scorer"]["health"]
+        assert isinstance(scorer, ScorerHealth)
         cut = await handle.route(RouteRequest("cut", token_ids=long_prompt, budget_ms=work_ms / 2))
-        assert cut.reason is Reason.DEADLINE
+        assert cut.reason is Reason.DEADLINE and cut.worker is not None
         assert observed[-1] >= work_ms / 8 / 1000, observed  # its hashing counted, not 0 ms
+        await trio.testing.wait_all_tasks_blocked()
+        charged = handle.actors()["scorer"]["health"]
+        assert isinstance(charged, ScorerHealth) and charged.records == scorer.records + 1  # its worker, by length
+
+
+def test_a_long_prompts_rest_is_taken_once_a_millisecond_is_owed() -> None:
+    """The I/O wait a rest blocks in sleeps whole milliseconds: a rest per 0.3 ms slice lasted 1 ms."""
+    rest = RestOwed()
+    rests = []
+    for _ in range(40):
+        rests.append(rest.after(0.0003))
+        rest.rested(rests[-1])  # taken as long as asked
+    taken = [r for r in rests if r > 0]
+    assert all(r >= 0.001 for r in taken) and sum(taken) == pytest.approx(0.012 - rest.owed_s)
+    assert len(taken) == 10  # 40 x 0.3 ms of work owes 12 ms, taken as soon as a millisecond is due
+    assert rests[:4] == [0.0, 0.0, 0.0, pytest.approx(0.0012)]
+    over = RestOwed()
+    assert over.after(0.001) == 0.001
+    over.rested(0.0015)  # the I/O wait overslept by half a millisecond: counted against the next
+    assert over.after(0.0005) == 0.0 and over.after(0.001) == pytest.approx(0.001)
 
 
 async def test_a_bug_after_the_decision_is_logged_even_in_a_pipeline_bugs_window(
