@@ -1,7 +1,7 @@
 """The domain source: a random routable worker from discovery, what a frontend without kvroute does.
 
 It always answers, or ends the request with ``no_workers`` (discovery has none) or
-``no_candidates`` (every discovered worker is known to be unreachable), so it is the last link of
+``no_candidates`` (no discovered worker can take it: unreachable, not alive, another role), so it is the last link of
 every chain, and the router's own answer when a request cannot walk the chain at all (bad
 request, overloaded, deadline, internal error).
 """
@@ -69,8 +69,9 @@ class DomainSource:
     ) -> Answered | Ended:
         """A random routable worker, synchronously (no await: usable when no time is left).
 
-        A worker the prober knows to be unreachable (ejected, or its last probe refused) or to
-        serve none of the request's roles is not drawn; what the prober knows comes from its
+        A worker the prober knows to be unreachable (ejected, or its last probe refused), to say it is
+        not alive (a status younger than ``max_status_age_s``) or to serve none of the request's roles
+        is not drawn; what the prober knows comes from its
         cache (request probes and background health probes), never from a probe made here. With
         none left the request ends ``no_candidates`` naming why, unless the operator chose to
         route blind (then the draw is plain uniform). ``rng``: draw from it instead of the source's
