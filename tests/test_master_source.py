@@ -182,6 +182,7 @@ async def test_a_hanging_master_costs_its_window_until_the_breaker_opens(
         health = r.handle.actors()["master_client"]["health"]
         assert isinstance(health, MasterClientHealth)
         assert health.breaker.state.value == "open"
+        assert health.breaker.rejected_total == 3  # turned away by the published view: counted too
 
 
 @pytest.mark.parametrize("early_ms", [0.0, 0.5, 1.0, 3.0])

@@ -37,7 +37,7 @@ import enum
 import math
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 
@@ -170,6 +170,7 @@ class MasterSource:
         self._inbox_size = 2 * config.router.max_in_flight
         self._send, self._receive = trio.open_memory_channel[_Attempted | _AskTrial](self._inbox_size)
         self._reports_dropped = 0  # kept by callers (a count only)
+        self._view_rejections = 0  # admissions the published view refused, without a hop (callers' count)
 
     def window(self, ctx: RequestContext) -> float:
         return ctx.deadline  # the attempt's own window is set inside, so a timeout is judged here
@@ -178,7 +179,7 @@ class MasterSource:
         """A copy of the task's state for /debug/actors (never the request path)."""
         return MasterClientHealth(
             discovery=self._discovery.snapshot(),
-            breaker=self._breaker.snapshot(trio.current_time()),
+            breaker=self._breaker_snapshot(),
             last_error=self._last_error,
             requests=self._requests,
             routed=self._routed,
@@ -188,6 +189,10 @@ class MasterSource:
             inbox_depth=self._receive.statistics().current_buffer_used,
             inbox_capacity=self._inbox_size,
         )
+
+    def _breaker_snapshot(self) -> BreakerSnapshot:
+        breaker = self._breaker.snapshot(trio.current_time())
+        return replace(breaker, rejected_total=breaker.rejected_total + self._view_rejections)
 
     def breaker_state(self) -> BreakerState:
         """The state the task last published."""
@@ -245,6 +250,8 @@ class MasterSource:
         most until ``until`` (then REJECT, so the later sources keep their time)."""
         admission = self._view.admits(trio.current_time())
         if admission is not None:
+            if admission is Admission.REJECT:
+                self._view_rejections += 1
             return admission
         with trio.move_on_at(until):
             return await ask(self._send, _AskTrial(), self._release_unclaimed)
