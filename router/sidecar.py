@@ -558,6 +558,11 @@ class Sidecar:
         # streams hold a caller for milliseconds, which the routing thread must not pay. One thread
         # keeps the publications in order.
         self._health_publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvroute-health")
+        stop_watching = threading.Event()
+        watchdog = threading.Thread(
+            target=self._watch_publications, args=(stop_watching,), name="kvroute-health-watchdog", daemon=True
+        )
+        watchdog.start()
         try:
             async with trio.open_nursery() as calls:
                 self._calls = calls
@@ -588,6 +593,16 @@ class Sidecar:
             server.stop(grace=None)  # after a drain: nothing left; when cancelled: ends every call now
             executor.shutdown(wait=False)
             self._health_publisher.shutdown(wait=False, cancel_futures=True)
+            stop_watching.set()
+            watchdog.join(READY_PUBLISH_S)  # it wakes at once; at most one publication in progress
+
+    def _watch_publications(self, stop: threading.Event) -> None:
+        """A thread of its own: a stuck routing thread publishes nothing, so Watch streams (a load
+        balancer's health checking uses them, not Check) kept its last SERVING for the whole stall; a
+        publication gone stale tells them NOT_SERVING, and the next one restores it."""
+        while not stop.wait(READY_PUBLISH_S):
+            if not self._published_ready():
+                self._health.set_serving(False)
 
     async def _drain_server(self, server: grpc.Server) -> None:
         self._health.enter_graceful_shutdown()

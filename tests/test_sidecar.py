@@ -192,6 +192,32 @@ async def test_health_watch_streams_follow_readiness_and_do_not_hold_a_drain(nur
             stream.cancel()
 
 
+async def test_a_watch_stream_learns_a_stuck_routing_thread_is_not_serving(nursery: trio.Nursery) -> None:
+    """A stuck routing thread publishes nothing: a Check found its publication stale, but a Watch
+    stream (a load balancer's health checking) kept the last SERVING for the whole stall."""
+    with trio.fail_after(60):
+        async with rig(nursery) as r:
+            stub = health_pb2_grpc.HealthStub(r.channel)
+            stream = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60.0)
+            assert next(stream).status == health_pb2.HealthCheckResponse.SERVING
+            told = threading.Event()
+            statuses: list[int] = []
+
+            def watch() -> None:
+                for reply in stream:
+                    statuses.append(reply.status)
+                    told.set()
+                    return
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            # The routing thread stuck until the stream has been told (no Check is sent meanwhile).
+            held_until_told = told.wait(30.0)  # blocks the trio thread: the stall
+            watcher.join(10.0)
+            stream.cancel()
+            assert held_until_told and statuses == [health_pb2.HealthCheckResponse.NOT_SERVING]
+
+
 async def test_route_returns_kvcm_decision_for_seeded_prefix_and_health_serving(nursery: trio.Nursery) -> None:
     with trio.fail_after(15):
         async with rig(nursery) as r:
