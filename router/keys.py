@@ -28,6 +28,8 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _RTP_OFFSET = (_GOLDEN - (1 << 31)) & _MASK64
 _INT32_MIN = -(1 << 31)
 _INT32_MAX = (1 << 31) - 1
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
 
 # CBOR (RFC 8949) major types, pre-shifted into the initial byte.
 _CBOR_UINT = 0x00
@@ -103,7 +105,13 @@ def rtp_key_slices(tokens: Sequence[int], block_size: int, slice_blocks: int) ->
     g = sign
     for first, stop in _slices(n_blocks, slice_blocks):
         part = toks[first * block_size : stop * block_size]
-        if min(part) < _INT32_MIN or max(part) > _INT32_MAX:
+        low, high = min(part), max(part)
+        if low < _INT32_MIN or high > _INT32_MAX:
+            # The engine truncates to 32 bits, but a token id is a 64-bit integer: one beyond is no id
+            # (checked here, off the common path, so a Python int of any size is not hashed as one).
+            if low < _INT64_MIN or high > _INT64_MAX:
+                outside = low if low < _INT64_MIN else high
+                raise ValueError(f"tokens: token id {outside} does not fit in 64 bits")
             # Truncate to signed 32 bits once, up front, so the hot loop is the same for every input.
             part = [((t & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for t in part]
         keys: list[int] = []

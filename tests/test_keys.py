@@ -336,3 +336,12 @@ def test_tokens_are_converted_once(family: KeyFamily, lookahead: int) -> None:
     assert block_keys(seq, 16, family, lookahead) == block_keys(items, 16, family, lookahead)
     assert seq.iterations == 1
     assert seq.index_calls == 0
+
+
+def test_rtp_refuses_a_token_id_beyond_64_bits_it_would_truncate() -> None:
+    """The engine truncates ids to 32 bits, but an id is a 64-bit integer: one beyond is no id (a
+    request of them routed as a well-formed prompt, while with nothing hashing them it was refused)."""
+    assert block_keys([2**40] * 4, 4, KeyFamily.RTP) == block_keys([2**40 & 0xFFFFFFFF] * 4, 4, KeyFamily.RTP)
+    for beyond in (2**63, -(2**63) - 1, 2**70):
+        with pytest.raises(ValueError, match=f"token id {beyond} does not fit in 64 bits"):
+            block_keys([1, 2, beyond, 4], 4, KeyFamily.RTP)

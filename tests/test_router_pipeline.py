@@ -643,6 +643,11 @@ class _NoTruthValue:
         ({"roles": ("PREFILL",)}, "roles"),
         ({"roles": _NoTruthValue()}, "roles"),
         ({"request_id": "lone\udc80surrogate"}, "request_id"),
+        # Hashed with the fallback on: an id beyond 64 bits (the rtp family truncates to 32), and one
+        # after the last whole block (hashed by no key) passed as a well-formed prompt.
+        ({"token_ids": (2**70,) * (2 * BLOCK)}, "token_ids"),
+        ({"token_ids": (*range(BLOCK), "x")}, "token_ids"),
+        ({"token_ids": (*range(BLOCK), -(2**80))}, "token_ids"),
     ],
 )
 async def test_a_field_of_the_wrong_type_or_value_is_refused_naming_it(
