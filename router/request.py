@@ -284,7 +284,7 @@ def check_request(
             )
         seq_len = len(request.token_ids)
         if hash_tokens:
-            tokens = request.token_ids  # the hashing checks each id (key_slices)
+            tokens = request.token_ids  # the hashing checks each id, and key_slices the ids it leaves
         else:
             ids_to_check = request.token_ids  # nothing hashes them; a scheduler may be sent them
     return CheckedRequest(
@@ -323,7 +323,8 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
     The caller's keys, or no keys, are one slice; token ids are hashed lazily, one slice per
     ``next()``, so a caller may pause (or stop) between two. Raises BadRequest("token_ids") for a
     token id the key family cannot encode, or one that is no integer (a Python caller's list), from the
-    slice that holds it: found by the hashing itself, at no cost to a well-formed prompt.
+    slice that holds it: found by the hashing itself, at no cost to a well-formed prompt; the ids after
+    the last whole block, which no key covers, are checked once the last slice is given.
     """
     if checked.ids_to_check:
         ids, step = checked.ids_to_check, max(1, slice_tokens)
