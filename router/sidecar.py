@@ -414,16 +414,25 @@ class _RouterHealth(health.HealthServicer):
     def set_serving(self, serving: bool) -> None:
         """Tell Check and every Watch stream, when it changed (a Watch stream is sent each ``set``)."""
         with self._serving_lock:
-            if serving == self._serving:
-                return
-            self._serving = serving
-            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            for service in _HEALTH_SERVICES:
-                self.set(service, status)  # ignored once a drain began (enter_graceful_shutdown)
+            self._set(serving)
+
+    def refresh(self) -> None:
+        """Set what ``ready`` says now, read under the lock: a value read before a publication and set
+        after it would undo it until the next one."""
+        with self._serving_lock:
+            self._set(self._ready())
+
+    def _set(self, serving: bool) -> None:  # holding the lock
+        if serving == self._serving:
+            return
+        self._serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in _HEALTH_SERVICES:
+            self.set(service, status)  # ignored once a drain began (enter_graceful_shutdown)
 
     def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
         if request.service in _HEALTH_SERVICES:
-            self.set_serving(self._ready())
+            self.refresh()
         return super().Check(request, context)
 
 
@@ -469,8 +478,9 @@ class Sidecar:
         # The router's readiness, published by the trio thread (run(), drain(), _publish_readiness) and
         # read by health Checks on handler threads, which never wait for that thread: a stalled loop
         # must not pin a handler thread per probe.
-        self._ready = False
-        self._ready_at = -math.inf  # time.monotonic() of the last publication
+        # The readiness last published and when (time.monotonic()), one value: read on other threads,
+        # two fields could be seen torn (an old value with a fresh time).
+        self._published: tuple[bool, float] = (False, -math.inf)
         self._health = _RouterHealth(self._published_ready)
         self._health_publisher: concurrent.futures.ThreadPoolExecutor | None = None  # while run() serves
         self._thread_wait = _ThreadWait()  # per handler thread: its call's wait for the thread
@@ -520,7 +530,7 @@ class Sidecar:
         Call from the trio thread.
         """
         self._draining = True
-        self._ready = False
+        self._published = (False, self._published[1])
         self._drain_requested.set()
 
     async def run(self, *, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:
@@ -589,7 +599,7 @@ class Sidecar:
         finally:
             self._calls = None
             self._sheds.close()
-            self._ready = False
+            self._published = (False, self._published[1])
             server.stop(grace=None)  # after a drain: nothing left; when cancelled: ends every call now
             executor.shutdown(wait=False)
             self._health_publisher.shutdown(wait=False, cancel_futures=True)
@@ -601,8 +611,7 @@ class Sidecar:
         balancer's health checking uses them, not Check) kept its last SERVING for the whole stall; a
         publication gone stale tells them NOT_SERVING, and the next one restores it."""
         while not stop.wait(READY_PUBLISH_S):
-            if not self._published_ready():
-                self._health.set_serving(False)
+            self._health.refresh()
 
     async def _drain_server(self, server: grpc.Server) -> None:
         self._health.enter_graceful_shutdown()
@@ -862,8 +871,7 @@ class Sidecar:
                 self._publish(self._ready_now())
 
     def _publish(self, ready: bool) -> None:
-        self._ready_at = time.monotonic()  # before the value: a reader seeing it fresh sees that value or a newer
-        self._ready = ready
+        self._published = (ready, time.monotonic())
         # Watch streams (clients' health checking) learn it now, not at the next Check. A stuck
         # routing thread publishes nothing: a Check on a handler thread finds the publication stale.
         publisher = self._health_publisher
@@ -873,7 +881,8 @@ class Sidecar:
     def _published_ready(self) -> bool:
         """On handler threads: the readiness last published, if the trio thread published it recently.
         A routing thread that has stopped publishing (stuck, or stalled for seconds) is not serving."""
-        return self._ready and time.monotonic() - self._ready_at < READY_STALE_S
+        ready, at = self._published
+        return ready and time.monotonic() - at < READY_STALE_S
 
     def _spawn(
         self,

@@ -127,10 +127,10 @@ async def test_health_answers_the_readiness_the_trio_thread_publishes(
         await _one_publication()
         assert _check(sidecar, "") == SERVING
         # A routing thread that stopped publishing (stuck) is not serving, whatever it last said.
-        published_at = sidecar._ready_at
-        sidecar._ready_at = published_at - READY_STALE_S
+        published = sidecar._published
+        sidecar._published = (published[0], published[1] - READY_STALE_S)
         assert _check(sidecar, "") == NOT_SERVING
-        sidecar._ready_at = published_at
+        sidecar._published = published
         sidecar.drain()  # not ready from the drain on, at once
         assert _check(sidecar, "") == NOT_SERVING
         await _one_publication()
