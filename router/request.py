@@ -363,9 +363,11 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
             )
             continue
         if part is None:
-            # The ids after the last whole block are hashed by no key: checked here, or a token id
-            # that is no integer (or beyond 64 bits) there passed as a well-formed prompt.
-            check_token_ids(checked.tokens[len(checked.tokens) // checked.block_size * checked.block_size :])
+            # The ids after the last whole block the family hashed (a lookahead holds the last ones
+            # back) are hashed by no key: checked here, or a token id that is no integer (or beyond 64
+            # bits) there passed as a well-formed prompt. Ids checked twice are harmless.
+            bs = checked.block_size
+            check_token_ids(checked.tokens[max(0, len(checked.tokens) - checked.lookahead) // bs * bs :])
             return
         given += 1
         yield part

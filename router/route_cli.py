@@ -6,7 +6,8 @@
 The router starts against the configured bootstrap and workers and is given a short, bounded
 warm-up (discovery has workers and the KVCM leader is resolved, or ``--warmup-ms`` has passed),
 then routes the request once. Output: one line, or with ``--json`` one JSON object with the
-``kvroute.v1.RouteDecision`` fields plus ``stage_ms``, ``error`` and ``candidates``.
+``kvroute.v1.RouteDecision`` fields plus ``stage_ms``, ``error``, ``candidates``, ``sources``, ``split``
+and ``windows``.
 
 Exit status: 0 with a worker, 1 when nothing could be routed (no worker known), 2 for a bad request
 or a configuration that stops kvroute (every problem listed). ``kvroute explain`` (explain_cli) takes

@@ -665,6 +665,22 @@ async def test_a_field_of_the_wrong_type_or_value_is_refused_naming_it(
         assert trio.current_time() == start
 
 
+@pytest.mark.parametrize("length", [BLOCK - 1, BLOCK, 2 * BLOCK])
+async def test_with_a_lookahead_the_ids_no_key_covers_are_checked_too(
+    autojump_clock: trio.testing.MockClock, length: int
+) -> None:
+    """sglang with a lookahead of one hashes (N - 1) // block_size pages: at a whole number of blocks the
+    last block's ids after its first were neither hashed nor checked (one block: none of them)."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg)
+    config = replace(config, deployment=replace(config.deployment, key_family=KeyFamily.SGLANG, lookahead_tokens=1))
+    async with open_router(config, rpc=network) as handle:
+        d = await handle.route(RouteRequest("odd", token_ids=(*range(length - 1), "x"), budget_ms=50))  # type: ignore[arg-type]
+        assert d.reason is Reason.BAD_REQUEST and (d.error or "").startswith("token_ids:"), d
+
+
 async def test_a_bad_request_with_no_worker_to_name_is_still_bad_request(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
