@@ -101,13 +101,16 @@ class RestOwed:
 
 
 @dataclass(slots=True)
-class HashingProgress:
-    """What a request's hashing has done so far, kept outside its scope for a deadline that cuts it:
-    the work's own time (for the admission estimate) and the checked request (for the ledger charge
-    of the worker its deadline answer names)."""
+class WalkProgress:
+    """How far a request's walk got, kept outside its scope for a deadline (or a bug) that cuts it:
+    the checked request (for the ledger charge of the worker its deadline answer names), the keys'
+    hashing time so far (for the admission estimate: the KEYS stage holds a long prompt's rests and
+    its wait for the turn to hash too) and the context once made (the Scorer's work, and the sources'
+    bookkeeping of a deadline answer)."""
 
-    work_s: float = 0.0
     checked: CheckedRequest | None = None
+    hashing_s: float = 0.0
+    ctx: RequestContext | None = None
 OVERLOAD_DRAWS = 16  # overloaded answers drawn ahead for threads that shed before the loop
 OVERLOAD_REDRAW_EVERY = 10  # lag measurements between two draws (the estimate is published at each)
 
@@ -317,10 +320,9 @@ class RouterActor:
         split = RequestSplit(split_windows(received_at, deadline, estimates, self._config.router))
         if record is not None:
             record.split = estimates
-        # The request's context as soon as the walk makes it: a walk the deadline (or a bug) ends
-        # returns none, and the work it measured (hashing, scoring) must still reach the estimate.
-        made: list[RequestContext] = []
-        hashing = HashingProgress()  # a deadline may cut the hashing before any context is made
+        # A walk the deadline (or a bug) ends returns no context, and the work it measured (hashing,
+        # scoring) must still reach the estimate.
+        progress = WalkProgress()
         try:
             with trio.CancelScope(deadline=deadline):
                 ctx, decision = await self._walk(
@@ -332,8 +334,7 @@ class RouterActor:
                     steps,
                     events=events,
                     record=record,
-                    made=made,
-                    hashing=hashing,
+                    progress=progress,
                 )
         except Exception as exc:  # one request's bug must not take the router down: answer and count it
             self._internal_errors += 1
@@ -357,24 +358,21 @@ class RouterActor:
             self._deadline_fallbacks += 1
             # The worker still gets the request: with a context made, its ledger charge and its
             # sources' bookkeeping (the shadow's write-on-route) follow as for an answer in the chain.
-            ctx = made[0] if made else None
+            ctx = progress.ctx
             prepared = None if ctx is None else ctx.prepared
-            if prepared is None and hashing.checked is not None:  # cut while hashing: charged by its length
-                prepared = hashing.checked.with_keys(())
+            if prepared is None and progress.checked is not None:  # cut while hashing: charged by its length
+                prepared = progress.checked.with_keys(())
             decision = self._fallback(
                 request, prepared, Reason.DEADLINE, received_at, stages, tuple(steps), split=split
             )
         self._handled += 1
         # The Scorer's work, not the SCORE stage's wall time (which holds the inbox wait, the loop lag
         # the estimate counts apart); the stage only where no context carried the work back.
-        worked = made[0] if made else None
-        scorer_work_s = None if worked is None else worked.scorer_work_s
+        scorer_work_s = None if progress.ctx is None else progress.ctx.scorer_work_s
         score_ms = stages.get(Stage.SCORE, 0.0) if scorer_work_s is None else ms(scorer_work_s)
         # The hashing's own time, not the KEYS stage's wall time (which holds a long prompt's rests and
         # its wait for the turn to hash: with several long prompts, several times their work).
-        hashing_s = hashing.work_s if worked is None else worked.hashing_s
-        keys_ms = stages.get(Stage.KEYS, 0.0) if hashing_s is None else ms(hashing_s)
-        own_ms = keys_ms + stages.get(Stage.PLAN, 0.0) + score_ms
+        own_ms = ms(progress.hashing_s) + stages.get(Stage.PLAN, 0.0) + score_ms
         self._estimate.observe_own(own_ms / 1000.0)
         try:
             if ctx is not None:
@@ -416,16 +414,14 @@ class RouterActor:
         *,
         events: list[MetricEvent],
         record: DecisionRecord | None = None,
-        made: list[RequestContext] | None = None,
-        hashing: HashingProgress | None = None,
+        progress: WalkProgress,
     ) -> tuple[RequestContext | None, RouteDecision]:
         t = trio.current_time()
         try:
             checked = check_request(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
-            if hashing is not None:
-                hashing.checked = checked
+            progress.checked = checked
             try:
-                keys, hashing_s = await self._keys(checked, hashing)
+                keys = await self._keys(checked, progress)
             except trio.Cancelled:
                 # Cut while hashing a long prompt: no keys and no context, so the record says so itself,
                 # or it would read as a request refused by its checks.
@@ -445,10 +441,8 @@ class RouterActor:
             stages=stages,
             record=record,
             events=events,
-            hashing_s=hashing_s,
         )
-        if made is not None:
-            made.append(ctx)
+        progress.ctx = ctx
         skip_to_last = False
         for source in self._chain:
             if skip_to_last and source is not self._chain[-1]:
@@ -493,12 +487,10 @@ class RouterActor:
             )
         raise AssertionError("the domain source always answers or ends the request")  # pragma: no cover
 
-    async def _keys(
-        self, checked: CheckedRequest, hashing: HashingProgress | None = None
-    ) -> tuple[tuple[int, ...], float]:
-        """The request's block keys, and the time their hashing took (without the rests between slices
-        and the wait for the turn to hash, which the admission estimate must not count as work), kept in
-        ``hashing`` as it grows too, for a deadline that cuts it. A long
+    async def _keys(self, checked: CheckedRequest, progress: WalkProgress) -> tuple[int, ...]:
+        """The request's block keys; the time their hashing took (without the rests between slices and
+        the wait for the turn to hash, which the admission estimate must not count as work) is kept in
+        ``progress.hashing_s`` as it grows, for a deadline that cuts it. A long
         prompt is hashed in slices with a checkpoint after each: other requests run in between, and the
         request's cancel scope (its deadline, or its caller giving up) stops the hashing there. One long
         prompt is hashed at a time (the others wait their turn under their own deadlines), so at most
@@ -509,18 +501,16 @@ class RouterActor:
         started = trio.current_time()
         if not is_sliced(checked, slice_tokens):
             keys = join_slices(slices)
-            return keys, trio.current_time() - started
+            progress.hashing_s = trio.current_time() - started
+            return keys
         parts: list[tuple[int, ...]] = []
-        hashing_s = 0.0
         rest = RestOwed()
         async with self._long_hashing:
             started = trio.current_time()
             for part in slices:
                 parts.append(part)
                 took = trio.current_time() - started
-                hashing_s += took
-                if hashing is not None:
-                    hashing.work_s = hashing_s
+                progress.hashing_s += took
                 # Rest as long as the slices took (``RestOwed``): the routing thread then blocks in its I/O
                 # wait, which also hands the GIL to the threads delivering other requests' RPC replies; a
                 # checkpoint between rests lets other requests run.
@@ -532,7 +522,7 @@ class RouterActor:
                 else:
                     await trio.lowlevel.checkpoint()
                 started = trio.current_time()
-        return join_slices(iter(parts)), hashing_s
+        return join_slices(iter(parts))
 
     # -- answers ------------------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ import trio
 import trio.testing
 
 from actors.metrics_sink import MetricsSink
-from actors.router_actor import HashingProgress, RouterActor
+from actors.router_actor import RouterActor, WalkProgress
 from actors.sources.base import (
     Answered,
     Ended,
@@ -691,15 +691,13 @@ class _ReplayRouter(RouterActor):
     # Set for the case it replays (a router is made per case): the recorded deadline cut its hashing.
     hashing_was_cut = False
 
-    async def _keys(
-        self, checked: CheckedRequest, hashing: HashingProgress | None = None
-    ) -> tuple[tuple[int, ...], float]:
+    async def _keys(self, checked: CheckedRequest, progress: WalkProgress) -> tuple[int, ...]:
         """A prompt whose recorded hashing the deadline cut is hashed until the deadline cuts it again:
         the log holds neither its keys nor how long the rest would have taken (a what-if giving it more
         time cannot know), as a source that had not answered by then never answers."""
         if self.hashing_was_cut and is_sliced(checked, self._limits.hash_slice_tokens):
             await trio.sleep_forever()
-        return await super()._keys(checked, hashing)
+        return await super()._keys(checked, progress)
 
     async def route_overloaded(self, request: RouteRequest) -> RouteDecision:
         """Route with every admission token held, as when the recorded request found none."""

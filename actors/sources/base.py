@@ -90,7 +90,6 @@ class RequestContext:
     # stage is the hop's wall time, which also holds the wait in the Scorer's inbox behind the loop's
     # other tasks: admission counts that wait as the loop's lag, not as the request's own time.
     scorer_work_s: float | None = None
-    hashing_s: float | None = None  # the keys' hashing alone (the KEYS stage holds its waits too)
 
     def __post_init__(self) -> None:
         if self.record is not None:
