@@ -235,19 +235,23 @@ def test_an_open_loop_stalled_past_its_time_stops_and_counts_what_it_never_sent(
 
             return call
 
+    # The client's clock, its sleeps and one stall of its process, on a clock of the test's own.
+    now = [0.0]
+    stalls = iter([0.05])  # the first sleep comes back 50 ms late: past the level's 30 ms
     pause = asyncio.sleep
-    stalls = iter([0.05])
 
-    async def sleep_after_a_stall(seconds: float) -> None:
-        time.sleep(next(stalls, 0.0))  # noqa: ASYNC251 - the client's process stalled once, past the level's time
-        await pause(seconds)
+    async def sleep_through_a_stall(seconds: float) -> None:
+        now[0] += max(0.0, seconds) + next(stalls, 0.0)
+        await pause(0)
 
-    monkeypatch.setattr(asyncio, "sleep", sleep_after_a_stall)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(asyncio, "sleep", sleep_through_a_stall)
     requests = tuple(b"r%d" % i for i in range(20))  # 20 ms of schedule at 1,000/s
     level = callers.Level("x", requests, 1, max_s=0.03, client_deadline_s=0.1, rate_per_s=1000)
     _, (seen,) = asyncio.run(callers._drive_open_loop(cast(Any, Channel()), level))
-    assert 0 < len(seen.replies) < len(requests)
-    assert seen.errors == [callers.NOT_SENT] * (len(requests) - len(seen.replies))
+    # Call 0 at once, call 1 after the stalled sleep; then 51 ms have passed: the other 18 are not sent.
+    assert len(seen.replies) == 2
+    assert seen.errors == [callers.NOT_SENT] * 18
 
 
 def test_p8_floor_calls_keep_the_open_loop_schedule_and_start_at_once_after_an_overrun() -> None:
