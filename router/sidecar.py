@@ -66,7 +66,7 @@ from typing import Any, ParamSpec, TypeVar
 import grpc
 import trio
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from outcome import Error, Outcome
 
 from actors.metrics_sink import RepliesSent
@@ -401,18 +401,31 @@ class _Stopped(Exception):
     """The sidecar stopped before the call could be routed."""
 
 
-class _RouterHealth(health.HealthServicer):
-    """The standard health service; a Check of "" or the Router answers the readiness last published."""
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+class _RouterHealth:
+    """The standard health service (Check, List, Watch): "" and the Router both answer the readiness
+    last published.
+
+    Our own, not grpc_health's reference servicer, which kept state for good for every service name a
+    client watched (any string, up to the request size) and went on sending every publication to a
+    Watch stream that ended before its close callback was added. Here a name not served is answered
+    SERVICE_UNKNOWN with nothing kept, and only open streams of the served names are held."""
 
     def __init__(self, ready: Callable[[], bool]) -> None:
-        super().__init__()
         self._ready = ready  # called on grpc threads: reads, never waits
-        self._serving_lock = threading.Lock()
+        self._serving_lock = threading.Lock()  # a publication: what ``ready`` says and its sending, together
+        self._lock = threading.Lock()  # the status and the open streams
         self._serving: bool | None = None
-        self.set_serving(False)
+        self._status: int = _NOT_SERVING
+        self._streams: set[Callable[[Any], None]] = set()
+        self._shutting_down = False
 
     def set_serving(self, serving: bool) -> None:
-        """Tell Check and every Watch stream, when it changed (a Watch stream is sent each ``set``)."""
+        """Tell Check and every Watch stream, when it changed."""
         with self._serving_lock:
             self._set(serving)
 
@@ -422,18 +435,59 @@ class _RouterHealth(health.HealthServicer):
         with self._serving_lock:
             self._set(self._ready())
 
-    def _set(self, serving: bool) -> None:  # holding the lock
-        if serving == self._serving:
+    def enter_graceful_shutdown(self) -> None:
+        """NOT_SERVING for good (a drain): later publications are ignored."""
+        with self._serving_lock:
+            self._set(False)
+            self._shutting_down = True
+
+    def _set(self, serving: bool) -> None:  # holding the serving lock
+        if self._shutting_down or serving == self._serving:
             return
         self._serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in _HEALTH_SERVICES:
-            self.set(service, status)  # ignored once a drain began (enter_graceful_shutdown)
+        status = _SERVING if serving else _NOT_SERVING
+        with self._lock:
+            self._status = status
+            streams = tuple(self._streams)
+        # Each send waits for grpc to take the message: not under the lock a new Watch and every Check
+        # take. A stream opened since was sent this status when it registered.
+        reply = health_pb2.HealthCheckResponse(status=status)
+        for send in streams:
+            send(reply)
 
     def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
-        if request.service in _HEALTH_SERVICES:
-            self.refresh()
-        return super().Check(request, context)
+        if request.service not in _HEALTH_SERVICES:
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            return health_pb2.HealthCheckResponse()
+        self.refresh()
+        return health_pb2.HealthCheckResponse(status=self._status)
+
+    def List(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.refresh()
+        return health_pb2.HealthListResponse(
+            statuses={service: health_pb2.HealthCheckResponse(status=self._status) for service in _HEALTH_SERVICES}
+        )
+
+    def Watch(self, request: Any, context: grpc.ServicerContext, send: Callable[[Any], None]) -> None:
+        """Non-blocking (grpc passes ``send``; ``send(None)`` ends the stream). A stream stays open until
+        its client ends it or the server stops: a drain's stop cancels what is left."""
+        if request.service not in _HEALTH_SERVICES:  # never known here: nothing kept by its name
+            send(health_pb2.HealthCheckResponse(status=_SERVICE_UNKNOWN))
+            return
+
+        def closed() -> None:
+            with self._lock:
+                self._streams.discard(send)
+
+        with self._lock:
+            # Sent under the lock: a publication then either finds the stream registered or was
+            # already counted in the status sent here.
+            send(health_pb2.HealthCheckResponse(status=self._status))
+            self._streams.add(send)
+        if not context.add_callback(closed):  # the stream ended already: its callback never runs
+            closed()
+
+    Watch.experimental_non_blocking = True  # type: ignore[attr-defined]
 
 
 class Sidecar:
