@@ -46,6 +46,7 @@ from actors.inbox import Alarm, Ask
 from router.config import ChannelPoolConfig
 from router.problems import Problem, range_problems, refuse
 from router.targets import parse_target
+from router.transport.errors import Unavailable
 from router.transport.grpc_adapter import open_channel
 
 
@@ -157,13 +158,20 @@ class _Invalidate:
 
 
 class _Open(Ask[_Entry[ChannelT]]):
-    """A cold target: open (or find) its channel and count this lease (request/reply)."""
+    """A cold target: open (or find) its channel and count this lease (request/reply); ``failure``
+    when opening it raised."""
 
-    __slots__ = ("key",)
+    __slots__ = ("failure", "key")
 
     def __init__(self, key: str) -> None:
         super().__init__()
         self.key = key
+        self.failure: str | None = None
+
+    def fail(self, failure: str) -> None:
+        """Called by the owner's task only: the open raised (``failure`` names the error)."""
+        self.failure = failure
+        self.done.set()
 
 
 class _Shutdown(Ask[bool]):
@@ -246,8 +254,8 @@ class ChannelPool(Generic[ChannelT]):
 
     def lease(self, target: str) -> _Lease[ChannelT]:
         """``async with pool.lease("host:port") as channel: ...`` — raises TargetError naming a malformed
-        target, ``trio.ClosedResourceError`` once the pool is closed. Waits (a cold target, or no
-        credit left) only within the caller's deadline."""
+        target, ``trio.ClosedResourceError`` once the pool is closed, ``Unavailable`` when opening the
+        channel raised. Waits (a cold target, or no credit left) only within the caller's deadline."""
         return _Lease(self, target)
 
     def lease_nowait(self, target: str) -> _HeldLease[ChannelT] | None:
@@ -361,6 +369,9 @@ class ChannelPool(Generic[ChannelT]):
             else:
                 credits.release()  # the credit kept for a return that will not come
             raise
+        if message.failure is not None:
+            credits.release()  # the credit kept for a return that will not come
+            raise Unavailable(key, f"channel not opened: {message.failure}")
         assert message.reply is not None  # set before done fires
         return message.reply
 
@@ -422,7 +433,14 @@ class ChannelPool(Generic[ChannelT]):
             self._count_return(message.entry)
         elif isinstance(message, _Open):
             if not message.abandoned:  # (an abandoning caller gave back the credit kept for its return)
-                message.answer(self._open(message.key))
+                try:
+                    opened = self._open(message.key)
+                except Exception as exc:
+                    # Answered before the task fails and restarts: the message is gone with it, and a
+                    # caller waiting with no deadline of its own would wait for good.
+                    message.fail(repr(exc))
+                    raise
+                message.answer(opened)
         elif isinstance(message, _Invalidate):
             entry = self._entries.get(message.key)
             if entry is not None and (message.channel is None or entry.channel is message.channel):

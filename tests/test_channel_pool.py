@@ -16,6 +16,7 @@ import trio.testing
 from actors.channel_pool import ChannelPool
 from router.config import ChannelPoolConfig
 from router.targets import TargetError
+from router.transport.errors import Unavailable
 
 
 class FakeChannel:
@@ -330,6 +331,46 @@ async def test_a_stopped_task_leaves_callers_to_their_deadlines_and_full_inbox_i
     assert len(factory.opened) == 1
     await pool.aclose()
     assert factory.opened[0].closes == 1
+
+
+async def test_an_open_that_raises_answers_its_caller_before_the_task_fails(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The task fails (and its supervisor restarts it), but the request it was answering went with it:
+    a caller with no deadline of its own (a refresh round's leases) waited for good."""
+    pool, factory = make_pool()
+    broken = True
+
+    def opens(target: str) -> FakeChannel:
+        if broken:
+            raise RuntimeError("cannot open " + target)
+        return factory(target)
+
+    pool._factory = opens
+    failed: list[BaseException] = []
+
+    async def run_pool(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await pool.run(task_status=task_status)
+        except* RuntimeError as group:  # from within the task's own nursery
+            failed.extend(group.exceptions)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_pool)
+        with trio.fail_after(10), pytest.raises(Unavailable, match=r"b\.example:1.*channel not opened: RuntimeError"):
+            async with pool.lease("b.example:1"):  # no deadline of its own: before, a wait for good
+                pass
+    assert [str(exc) for exc in failed] == ["cannot open b.example:1"]
+    broken = False
+    async with trio.open_nursery() as nursery:  # restarted
+        await nursery.start(pool.run)
+        async with pool.lease("b.example:1") as channel:
+            assert channel is factory.opened[0]
+        await settle()
+        snap = pool.snapshot()
+        assert (snap.leased, snap.inbox_depth, snap.size) == (0, 0, 1)
+        nursery.cancel_scope.cancel()
+    await pool.aclose()
 
 
 async def test_aclose_closes_all_and_rejects_new_leases(autojump_clock: trio.testing.MockClock) -> None:

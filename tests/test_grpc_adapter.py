@@ -577,3 +577,22 @@ async def test_a_batch_whose_leases_took_its_whole_allowance_makes_no_call(pool:
     with trio.fail_after(10):
         replies = await rpc.call_in_turn([InTurnCall("127.0.0.1:1", "/kvroute.test.Echo/Echo", b"")], within_s=0.1)
     assert [reply.outcome for reply in replies] == [None]
+
+
+async def test_a_batch_whose_leases_cannot_all_be_had_within_its_allowance_makes_no_call(
+    peer: tuple[Peer, GrpcServer], dead_target: str, nursery: trio.Nursery
+) -> None:
+    """The leases used to be taken with no deadline: a pool whose inbox has room for one lease and its
+    return (the smallest ``channel_pool.inbox_size``) left the second lease waiting for a credit the
+    first holds until the batch ends, and the prober's refresh round never ended."""
+    _, server = peer
+    pool = ChannelPool(ChannelPoolConfig(inbox_size=2))
+    await nursery.start(pool.run)
+    rpc = GrpcRawRpc(pool, start_off_loop=False)
+    calls = [InTurnCall(server.target, ECHO, b"first"), InTurnCall(dead_target, ECHO, b"second")]
+    with trio.fail_after(10):
+        replies = await rpc.call_in_turn(calls, within_s=0.2)
+    assert [reply.outcome for reply in replies] == [None, None]
+    await trio.testing.wait_all_tasks_blocked()  # the pool's task has counted the leases given back
+    assert pool.snapshot().leased == 0
+    await pool.aclose()

@@ -206,9 +206,16 @@ class GrpcRawRpc:
         started = time.monotonic()  # the thread's clock: the batch's time counts from here, leases included
         async with contextlib.AsyncExitStack() as leases:
             made: list[tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]] = []
-            for call in calls:
-                channel = await leases.enter_async_context(self._leaser.lease(call.target))
-                made.append((channel, self._calls_on(channel).multi_callable(channel, call.method_path), call.request))
+            # The leases within the allowance too: a cold one waits for the pool's task (restarting,
+            # or its inbox full of other leases), and the round must end however long that takes.
+            with trio.move_on_after(within_s):
+                for call in calls:
+                    channel = await leases.enter_async_context(self._leaser.lease(call.target))
+                    made.append(
+                        (channel, self._calls_on(channel).multi_callable(channel, call.method_path), call.request)
+                    )
+            if len(made) < len(calls):
+                return [InTurnReply(None, time.monotonic() - started) for _ in calls]
             outcomes: list[tuple[bytes | grpc.RpcError | None, float, float | None]] | None = None
             # Cancellation reaches only the wait for a thread: once started, the batch runs out.
             # A cold lease may have taken the whole allowance (the pool's task restarting): then no
