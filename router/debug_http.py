@@ -37,7 +37,7 @@ from urllib.parse import parse_qs
 import hypercorn.config
 import hypercorn.trio
 import trio
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 
 from actors.metrics_sink import DecisionRecord, MetricsSink
 from router.exception_groups import leaves
@@ -229,7 +229,10 @@ class DebugApp:
         accept = ", ".join(
             value.decode("latin-1") for name, value in scope.get("headers", ()) if name.lower() == b"accept"
         )
-        encoder, content_type = choose_encoder(accept)
+        try:
+            encoder, content_type = choose_encoder(accept)
+        except (TypeError, ValueError):  # a version it cannot compare ("version=abc"): the default format
+            encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
         return 200, content_type, encoder(self._sink.registry)
 
     def _actors(self, scope: Scope) -> tuple[int, str, bytes]:

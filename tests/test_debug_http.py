@@ -190,6 +190,13 @@ async def test_metrics_scrape_parses_and_moves_with_events() -> None:
             )
             assert om.headers["content-type"].startswith("application/openmetrics-text")
             assert om.text.endswith("# EOF\n")
+            # A version prometheus_client cannot compare raised in its encoder choice: a 500 and a
+            # traceback logged per scrape. An Accept we cannot read is ignored, as HTTP allows.
+            for accept in ("application/openmetrics-text; version=abc", "text/plain; version=1.x"):
+                odd = await client.get("/metrics", headers={"accept": accept})
+                assert odd.status_code == 200, accept
+                assert odd.headers["content-type"].startswith("text/plain; version=0.0.4"), accept
+                assert 'kvroute_route_decisions_total{reason="CACHE_LEADER",route_source="kvcm"} 4.0' in odd.text
 
 
 async def test_debug_actors_and_decisions() -> None:
