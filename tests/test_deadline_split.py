@@ -150,6 +150,20 @@ def test_each_stage_needs_its_samples_before_the_split_uses_it() -> None:
     assert e.warm and e.probe is not None and e.probe >= 0.0021  # plan + probes, at least as observed
 
 
+@pytest.mark.parametrize("min_samples", [TAIL_WINDOW, TAIL_WINDOW + 1, 100])
+def test_more_samples_asked_than_the_tails_window_holds_warm_once_it_is_full(min_samples: int) -> None:
+    """The setting allows up to 100,000, the tail's window holds TAIL_WINDOW: above it the learned
+    split stayed cold for the life of the process, and ``--deadline-split learned`` did nothing."""
+    estimator = SplitEstimator(replace(RouterConfig(), split_min_samples=min_samples))
+    stages = {Stage.CACHE_QUERY: 10.0, Stage.PLAN: 0.1, Stage.PROBE: 2.0, Stage.SCORE: 0.2, Stage.TAIL: 0.5}
+    for _ in range(min_samples - 1):
+        estimator.observe(stages, ())
+    assert not estimator.estimates().warm  # the other stages still count every sample asked
+    estimator.observe(stages, ())
+    e = estimator.estimates()
+    assert e.warm and e.tail == pytest.approx(0.0005)
+
+
 async def test_the_sink_counts_cuts_per_stage_and_publishes_estimates(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -273,8 +273,13 @@ class SplitEstimator:
         return bool(seconds)
 
     def estimates(self) -> SplitEstimates:
+        # The tail's windows hold TAIL_WINDOW entries at most: asked for more samples, they would keep
+        # the split cold for good.
+        windowed = min(self._min_samples, TAIL_WINDOW)
+
         def high(latency: StageLatency | RecentQuantile) -> float | None:
-            return latency.high if latency.samples >= self._min_samples else None
+            needed = windowed if isinstance(latency, RecentQuantile) else self._min_samples
+            return latency.high if latency.samples >= needed else None
 
         stages = self._stages
         tail = high(self._tail)
