@@ -78,6 +78,21 @@ def test_grpc_port_is_http_plus_one_when_absent_or_zero() -> None:
     assert [a.grpc_port for a in reply.role_addrs] == [8001, 8101, 8201, 9999]
 
 
+def test_no_grpc_port_beside_http_port_65535_is_garbled_both_protocols() -> None:
+    """http + 1 was taken as is: a worker at port 65536 went into the decision (and the sidecar's
+    reply), where discovery refuses the same worker for its port."""
+    entries = [status(http=65535, grpc_port=None)]
+    with pytest.raises(GarbledReply, match=r"server_status\[0\]\.grpc_port: missing, and http_port \+ 1 = 65536"):
+        decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
+    entry = flexlb_pb.FlexlbServerStatusPB(role="PREFILL", server_ip="10.0.0.5", http_port=65535)
+    pb = flexlb_pb.FlexlbScheduleResponsePB(code=200, server_status=[entry])
+    with pytest.raises(GarbledReply, match=r"server_status\[0\]\.grpc_port: missing"):
+        decode_schedule_pb(pb.SerializeToString(), HOST)
+    entries = [status(http=65535, grpc_port=65534)]  # named: kept
+    reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
+    assert isinstance(reply, MasterRouted) and reply.role_addrs[0].grpc_port == 65534
+
+
 def test_routed_keeps_order_master_and_queue_length() -> None:
     entries = [status("DECODE", "10.0.0.2", 9000), status("PREFILL", "10.0.0.1", 8000)]
     reply = decode_schedule_json(

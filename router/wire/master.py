@@ -231,6 +231,16 @@ def _port(value: int | None, field: str, target: str) -> int:
     return value
 
 
+def _grpc_port(grpc_port: int | None, http_port: int, field: str, target: str) -> int:
+    """The entry's gRPC port; without one, the scheduler's convention (http + 1), which must be a port
+    too (http_port 65535 would give 65536, refused everywhere else)."""
+    if grpc_port:
+        return _port(grpc_port, f"{field}.grpc_port", target)
+    if http_port == 65535:
+        raise GarbledReply(target, f"{field}.grpc_port: missing, and http_port + 1 = 65536 is not a port")
+    return http_port + 1
+
+
 def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | MasterBusinessError:
     field = f"server_status[{index}]"
     if not isinstance(entry, dict):
@@ -249,7 +259,7 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
     raw_http = _int_field(entry, "http_port", f"{field}.http_port", target, optional=False)
     http_port = _port(raw_http, f"{field}.http_port", target)
     grpc = _int_field(entry, "grpc_port", f"{field}.grpc_port", target, optional=True)
-    grpc_port = http_port + 1 if not grpc else _port(grpc, f"{field}.grpc_port", target)
+    grpc_port = _grpc_port(grpc, http_port, field, target)
     return RoleAddr(role, ip, http_port, grpc_port)
 
 
@@ -475,7 +485,7 @@ def decode_schedule_pb(data: bytes, target: str) -> MasterReply:
             raise GarbledReply(target, f"{field}.server_ip: missing or empty")
         ip = _server_ip(entry.server_ip, f"{field}.server_ip", target)
         http_port = _port(entry.http_port, f"{field}.http_port", target)
-        grpc_port = http_port + 1 if not entry.grpc_port else _port(entry.grpc_port, f"{field}.grpc_port", target)
+        grpc_port = _grpc_port(entry.grpc_port, http_port, field, target)
         role = parse_master_role(entry.role, f"{field}.role", target)
         addrs.append(RoleAddr(role, ip, http_port, grpc_port))
     return MasterRouted(tuple(addrs), reply.real_master_host or None, reply.queue_length)
