@@ -66,6 +66,7 @@ log = logging.getLogger("kvroute.serve")
 EXIT_OK = 0
 EXIT_CANNOT_SERVE = 1  # e.g. a listen address already in use
 EXIT_CONFIG = 2
+PARENT_GONE = "the supervising parent is gone"  # why a supervised child drains when its parent has died
 
 
 # Second-generation collections between two full ones once serving (CPython's default: 10).
@@ -249,6 +250,21 @@ async def _wait_for_parent_gone() -> None:
             pass
 
 
+def _print_addresses(line: str) -> bool:
+    """Print the address line; False when nobody reads standard output any more (a supervised child's
+    parent died during its start-up; a standalone serve's reader took what it needed, as
+    ``| head -1`` does). Standard output then goes to /dev/null: the interpreter's own flush at exit
+    would fail the same way."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return False
+    return True
+
+
 async def _first_stop(signals: AsyncIterator[int], supervised: bool) -> str:
     """The name of what asks this process to drain: a signal, or (supervised) its parent's end."""
     reason = ""
@@ -262,7 +278,7 @@ async def _first_stop(signals: AsyncIterator[int], supervised: bool) -> str:
         async def on_parent_gone() -> None:
             nonlocal reason
             await _wait_for_parent_gone()
-            reason = "the supervising parent is gone"
+            reason = PARENT_GONE
             waiting.cancel_scope.cancel()
 
         waiting.start_soon(on_signal)
@@ -309,8 +325,13 @@ async def _serve_until_drained(
             started.cancel()  # from here on a signal drains (below)
             await trio.lowlevel.checkpoint()  # a stop that came with the start ends it here
             freeze_start_up()  # the process is ours; embedders decide this for their own
-            print(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address), flush=True)
-            reason = await _first_stop(signals, supervised is not None)
+            told = _print_addresses(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address))
+            if not told:
+                log.warning("standard output is closed: the address line was not printed (%s)", grpc_address)
+            if not told and supervised is not None:  # the parent reading it is gone: as at its stdin's end
+                reason = PARENT_GONE
+            else:
+                reason = await _first_stop(signals, supervised is not None)
             log.info("%s: draining", reason, extra=ctx(reason="drain"))
             sidecar.drain()
             watch.start_soon(_stop_on_signal, signals, serving.cancel_scope, supervised is not None)

@@ -447,3 +447,38 @@ async def test_a_child_may_take_discoverys_refresh_timeout_on_top_of_its_own_sta
             assert await supervisor._address_of(supervisor._slots[0], receive) == expected
             nursery.cancel_scope.cancel()
 
+
+
+@pytest.mark.parametrize("supervised", [True, False], ids=["a supervised child", "a standalone serve"])
+async def test_a_serve_whose_stdout_reader_is_gone_before_the_address_line_is_not_a_listen_failure(
+    nursery: trio.Nursery, supervised: bool
+) -> None:
+    """The address line's write raised BrokenPipeError, which the listen-failure handler reported as
+    "[Errno 32] Broken pipe" with status 1, without a drain. A supervised child's parent that died
+    during its start-up is gone: it drains, as at its stdin's end. A standalone serve goes on serving
+    (its reader, as ``| head -1``, took what it needed) until it is stopped."""
+    with trio.fail_after(90):
+        cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+        addrs = await nursery.start(cluster.serve_grpc)
+        extra = ("--supervised-process=0", "--supervised-processes=1") if supervised else ()
+        proc = await trio.lowlevel.open_process(
+            _serve_command(addrs, *extra), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        log = Lines()
+        try:
+            assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+            nursery.start_soon(log.collect, proc.stderr)
+            await proc.stdout.aclose()  # nobody reads the address line
+            await log.wait_for(re.compile("standard output is closed: the address line was not printed"))
+            if supervised:
+                await log.wait_for(re.compile("the supervising parent is gone: draining"))
+            else:
+                assert proc.returncode is None, log.text()
+                proc.send_signal(signal.SIGTERM)
+            assert await proc.wait() == 0, log.text()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        await log.wait_for(_SUMMARY if supervised else re.compile(r"kvroute serve: stopped; Route calls"))
+        assert not any("Broken pipe" in line for line in log.lines), log.text()
