@@ -39,6 +39,7 @@ from router.decision_record import (
     KIND_FLEET,
     KIND_HEADER,
     MAGIC,
+    MAX_FRAME_BYTES,
     DecisionRecord,
     encode_decision,
     encode_fleet,
@@ -164,10 +165,11 @@ class LogFileWriter:
             self._file = None
 
     def _append(self, record: DecisionRecord) -> int:
-        """Write ``record``'s frames; 1, or 0 when it is larger than a whole file (counted oversize)."""
+        """Write ``record``'s frames; 1, or 0 when it is larger than a whole file or than a frame a
+        reader takes (counted oversize)."""
         fleet = record.scorings[0].fleet if record.scorings else None
         frames = self._frames(record, fleet)
-        if len(self._header) + len(frames) > self.max_bytes:
+        if frames is None or len(self._header) + len(frames) > self.max_bytes:
             self.oversize += 1
             return 0
         if self.size + len(frames) > self.max_bytes:
@@ -176,7 +178,7 @@ class LogFileWriter:
             self._shift()
             self._start()
             frames = self._frames(record, fleet)  # a new file describes its fleet again
-            if len(self._header) + len(frames) > self.max_bytes:  # with its fleet it does not fit
+            if frames is None or len(self._header) + len(frames) > self.max_bytes:  # with its fleet it does not fit
                 self.oversize += 1
                 return 0
         assert self._file is not None
@@ -186,12 +188,17 @@ class LogFileWriter:
             self._fleet = fleet
         return 1
 
-    def _frames(self, record: DecisionRecord, fleet: Fleet | None) -> bytes:
+    def _frames(self, record: DecisionRecord, fleet: Fleet | None) -> bytes | None:
+        """The record's frames (its fleet's first when the file has not described it); None when one
+        is larger than a reader takes (``MAX_FRAME_BYTES``): written, it would make the file unreadable."""
         out = b""
         if fleet is not None and fleet is not self._fleet:
             self._fleet_id += 1
             out = frame(KIND_FLEET, encode_fleet(self._fleet_id, fleet))
-        return out + frame(KIND_DECISION, encode_decision(record, self._fleet_id if fleet is not None else None))
+        decision = frame(KIND_DECISION, encode_decision(record, self._fleet_id if fleet is not None else None))
+        if max(len(out), len(decision)) - FRAME_HEAD.size > MAX_FRAME_BYTES:
+            return None
+        return out + decision
 
     def _start(self) -> None:
         fields: dict[str, Any] = {**self._header_fields, "opened_wall_s": round(time.time(), 3)}

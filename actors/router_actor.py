@@ -235,8 +235,11 @@ class RouterActor:
         self._emit(decision)
         if self._decision_log is not None:
             now = trio.current_time()
-            record = DecisionRecord(without_prompt(request()), now, deadline, overloaded=True, decision=decision)
+            record = DecisionRecord(self._recorded(request()), now, deadline, overloaded=True, decision=decision)
             self._decision_log.submit(record)
+
+    def _recorded(self, request: RouteRequest) -> RouteRequest:
+        return without_prompt(request, self._config.limits.max_request_id_bytes)
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
@@ -283,7 +286,7 @@ class RouterActor:
         self._overloaded += 1
         decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
         if self._decision_log is not None:
-            record = DecisionRecord(without_prompt(request), now, deadline, overloaded=True, decision=decision)
+            record = DecisionRecord(self._recorded(request), now, deadline, overloaded=True, decision=decision)
             self._decision_log.submit(record)
         await trio.lowlevel.checkpoint()
         return decision
@@ -315,7 +318,7 @@ class RouterActor:
         events: list[MetricEvent] = []  # the sources' observations, sent with the decision
         ctx: RequestContext | None = None
         decision: RouteDecision | None = None
-        record = None if self._decision_log is None else DecisionRecord(without_prompt(request), received_at, deadline)
+        record = None if self._decision_log is None else DecisionRecord(self._recorded(request), received_at, deadline)
         estimates = self._split_estimates()
         split = RequestSplit(split_windows(received_at, deadline, estimates, self._config.router))
         if record is not None:

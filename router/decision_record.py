@@ -119,13 +119,18 @@ class ScoringRecord:
     ledger: tuple[tuple[str, int, float | None, float], ...] = ()
 
 
-def without_prompt(request: RouteRequest) -> RouteRequest:
+def without_prompt(request: RouteRequest, max_id_chars: int) -> RouteRequest:
     """``request`` as a record keeps it: without its token ids and keys, which the log never writes
     (the keys go as the prepared ones' digest), while a record may wait in the log's inbox: holding a
-    262,144-token prompt, each held 10 MiB."""
-    if request.token_ids is None and request.block_cache_keys is None:
+    262,144-token prompt, each held 10 MiB. An id longer than ``max_id_chars`` (the id limit) is cut
+    to one character past it: still refused as too long when replayed, where the whole of a 17 MiB id
+    made a frame no reader takes, and every decision of its file unreadable."""
+    request_id = request.request_id
+    long_id = isinstance(request_id, str) and len(request_id) > max_id_chars + 1
+    if request.token_ids is None and request.block_cache_keys is None and not long_id:
         return request
-    return replace(request, token_ids=None, block_cache_keys=None)
+    kept_id = request_id[: max_id_chars + 1] if long_id else request_id
+    return replace(request, token_ids=None, block_cache_keys=None, request_id=kept_id)
 
 
 @dataclass(slots=True)

@@ -257,7 +257,7 @@ def load_log(paths: Sequence[str]) -> RecordedLog:
                     cases.append(_case(path, frame.offset, frame.payload, fleets, last_fleet))
             except LogFormatError:
                 raise
-            except (KeyError, TypeError, ValueError, IndexError) as exc:
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:  # (a huge number)
                 why = f"malformed frame payload ({type(exc).__name__}: {exc})"
                 raise LogFormatError(path, frame.offset, why) from None
         if not seen_header:

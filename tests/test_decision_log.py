@@ -606,6 +606,7 @@ def test_corrupted_and_truncated_logs_name_the_byte_offset(tmp_path: Path, capsy
     [
         (lambda p: {**p, "d": {}}, "the decision lacks"),
         (lambda p: {**p, "k": "sha256-prefix:100000000000"}, "recorded key count"),
+        (lambda p: {**p, "t": 10**400}, "OverflowError"),  # a number no float holds: a traceback, exit 1
     ],
 )
 def test_a_decision_record_garbled_inside_valid_frames_exits_2_naming_its_offset(
@@ -1112,3 +1113,35 @@ def test_a_queued_record_keeps_no_prompt(tmp_path: Path, monkeypatch: pytest.Mon
     assert [r.request.request_id for r in queued] == ["prompt", "keys"]
     assert all(r.request.token_ids is None and r.request.block_cache_keys is None for r in queued)
     assert all(r.prepared is not None and r.prepared.keys == KEYS for r in queued)  # what the log writes
+
+
+def test_a_request_refused_for_its_long_id_is_recorded_with_its_id_cut_and_the_file_replays(tmp_path: Path) -> None:
+    """The id limit is checked on the routing path, after the record was made with the whole id: a
+    17 MiB id made a frame over what a reader takes, and every decision of its file unreplayable."""
+    log = tmp_path / "decisions.log"
+    limit = LimitsConfig().max_request_id_bytes
+    huge = "x" * (17 * 2**20)
+
+    async def record(log: Path) -> list[RouteDecision]:
+        async with cluster_router(log) as (handle, _):
+            ids = ("before", huge, "after")
+            return [await handle.route(RouteRequest(rid, token_ids=PROMPT, budget_ms=50)) for rid in ids]
+
+    decisions = on_mock_clock(record, log)
+    assert decisions[1].reason is Reason.BAD_REQUEST and (decisions[1].error or "").startswith("request_id:")
+    assert [case.request_id for case in load_log([str(log)]).cases] == ["before", "x" * (limit + 1), "after"]
+    assert replay_all(log) == (3, 3)  # the cut id is still refused as too long
+
+
+def test_a_record_with_a_frame_over_what_a_reader_takes_is_counted_oversize_not_written(tmp_path: Path) -> None:
+    """Checked only against the file's size bound (64 MiB by default), such a frame made the file
+    unreadable from its offset on, the decisions before it included."""
+    path = tmp_path / "d.log"
+    writer = LogFileWriter(str(path), max_bytes=64 * 2**20, files=2, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    big = _overloaded(1)
+    big.request = RouteRequest("y" * (17 * 2**20), block_cache_keys=(1, 2))  # past the record's own cut
+    writer.drain(deque([[_overloaded(0), big, _overloaded(2)]]), close_generation=writer.generation)
+    writer.close()
+    assert writer.oversize == 1
+    assert [case.request_id for case in load_log([str(path)]).cases] == ["q0", "q2"]
