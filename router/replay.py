@@ -75,7 +75,7 @@ from router.policy.ledger import NEVER, SelectionLedger
 from router.policy.plan import CandidateSource, Fleet
 from router.problems import declared_range
 from router.request import CheckedRequest, PreparedRequest, is_sliced
-from router.settings import ROUTER_SETTING_OPTION, resolve_config
+from router.settings import ROUTER_SETTING_OPTION, LoadedConfig, resolve_config
 from router.settings.redact import config_digest
 from router.settings.table import BY_NAME
 from router.settings.validate import SettingProblem
@@ -802,6 +802,7 @@ _RECORDED_SETTINGS = frozenset(
     | {"decision_log", "decision_log_max_bytes", "decision_log_files", "decision_log_inbox_size", "scorer_seed"}
     | {"master_discovery_interval_s", "master_discovery_timeout_s", "master_discovery_failure_threshold"}
     | {"master_discovery_drop_after_s", "master_http_max_connections", "master_http_keepalive_expiry_s"}
+    | {"block_size", "key_family"}  # the keys are replayed as recorded, not hashed again
 )
 
 
@@ -829,8 +830,26 @@ def replay_config(recorded: RecordedLog, overrides: Mapping[str, str]) -> Replay
     given_as = dict.fromkeys(overrides, ROUTER_SETTING_OPTION)
     loaded = resolve_config(None, {}, {**recorded.settings, **overrides}, flags_given_as=given_as)
     brought = tuple(p for p in loaded.errors if p not in base.errors)
-    problems = tuple(dict.fromkeys((*loaded.fatal_errors, *brought)))
+    problems = tuple(dict.fromkeys((*loaded.fatal_errors, *brought, *_unrecorded_sources(base, loaded))))
     return ReplayConfig(loaded.effective, problems, config_digest(base.config) == recorded.digest)
+
+
+def _unrecorded_sources(recorded: LoadedConfig, what_if: LoadedConfig) -> list[SettingProblem]:
+    """A what-if that turns on a source the recording never asked: it has no answers of it to replay,
+    and a source that never answered in the recording never does in replay, so every request would
+    wait it out (a master) or find nothing (KVCM without recorded keys): a made-up result."""
+    problems: list[SettingProblem] = []
+    if not recorded.effective.master.hosts and what_if.effective.master.hosts:
+        problems.append(
+            SettingProblem(("master_hosts",), "the log was recorded without a master: it has no master answers", False)
+        )
+    if not recorded.effective.router.kvcm_fallback and what_if.effective.router.kvcm_fallback:
+        problems.append(
+            SettingProblem(
+                ("kvcm_fallback",), "the log was recorded with the KVCM fallback off: it has no KVCM answers", False
+            )
+        )
+    return problems
 
 
 @dataclass(slots=True)

@@ -560,6 +560,34 @@ def test_a_what_if_changes_decisions(tmp_path: Path) -> None:
     assert identical < total  # every cache decision becomes a domain one
 
 
+def test_a_what_if_that_turns_on_a_source_the_log_never_asked_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Replayed, a source that never answered in the recording never does: a master turned on made
+    every request wait it out ("7 x kvcm/CACHE_LEADER -> domain/deadline"), KVCM turned on found
+    nothing, both reported as what the change would do."""
+    log = tmp_path / "decisions.log"
+    on_mock_clock(record_cache_run, log)  # no master
+    assert main(["replay", str(log), "--router-setting", "master_hosts=127.0.0.1:1"]) == 2
+    assert "the log was recorded without a master" in capsys.readouterr().err
+
+    async def record_without_kvcm(log: Path) -> None:
+        cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+        network = MemoryNetwork()
+        addrs = cluster.serve_memory(network)
+        config = _config(addrs.kvcm_bootstrap, addrs.workers_arg, log, kvcm_fallback=False)
+        async with open_router(config, rpc=network) as handle:
+            await trio.sleep(1.0)  # discovery
+            await handle.route(RouteRequest("off", token_ids=PROMPT, budget_ms=50))
+
+    off = tmp_path / "off.log"
+    on_mock_clock(record_without_kvcm, off)
+    assert main(["replay", str(off), "--router-setting", "kvcm_fallback=true"]) == 2
+    assert "recorded with the KVCM fallback off" in capsys.readouterr().err
+    assert main(["replay", str(off), "--router-setting", "block_size=32"]) == 0  # replayed from the recorded keys
+    assert "--router-setting block_size: replay takes its effect from the recording" in capsys.readouterr().err
+
+
 def test_corrupted_and_truncated_logs_name_the_byte_offset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "decisions.log"
     on_mock_clock(record_cache_run, log)
