@@ -141,6 +141,8 @@ class LogFileWriter:
     def _write(self, records: Sequence[DecisionRecord]) -> None:
         appended = 0
         try:
+            if self._file is not None and not self._still_at_path():
+                self.close()  # opened again below, not rotated: what is at the path now is not this file
             if self._file is None:
                 self._open()
                 if self._file is None:
@@ -158,6 +160,18 @@ class LogFileWriter:
             self._failed(exc)
         else:
             self.written += appended
+
+    def _still_at_path(self) -> bool:
+        """Whether the open file is still the one at ``path``: deleted (or its directory) or replaced,
+        records went on into a file nobody can read, counted written, and the next rotation's rename
+        failed and lost a whole batch."""
+        assert self._file is not None
+        try:
+            at_path = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        ours = os.fstat(self._file.fileno())
+        return (at_path.st_dev, at_path.st_ino) == (ours.st_dev, ours.st_ino)
 
     def close(self) -> None:
         if self._file is not None:

@@ -882,6 +882,9 @@ class HungDisk:
     def flush(self) -> None:
         self._file.flush()
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def close(self) -> None:
         self._file.close()
         self.closed.set()
@@ -1014,6 +1017,9 @@ class FullDisk:
     def __init__(self, file: IO[bytes], room: int) -> None:
         self._file = file
         self._room = room
+
+    def fileno(self) -> int:
+        return self._file.fileno()
 
     def write(self, data: bytes) -> int:
         if len(data) > self._room:
@@ -1173,3 +1179,29 @@ def test_a_record_with_a_frame_over_what_a_reader_takes_is_counted_oversize_not_
     writer.close()
     assert writer.oversize == 1
     assert [case.request_id for case in load_log([str(path)]).cases] == ["q0", "q2"]
+
+
+@pytest.mark.parametrize("gone", ["the file", "the directory"])
+def test_a_log_file_deleted_under_the_writer_is_started_again_or_its_batches_counted_lost(
+    tmp_path: Path, gone: str
+) -> None:
+    """Records went on into the deleted file, counted written, until the next rotation's rename failed
+    and lost a whole batch."""
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    path = folder / "d.log"
+    writer = LogFileWriter(str(path), max_bytes=64 * 2**20, files=2, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    writer.drain(deque([[_overloaded(0), _overloaded(1)]]))
+    if gone == "the file":
+        path.unlink()
+    else:
+        path.unlink()
+        folder.rmdir()
+    writer.drain(deque([[_overloaded(2), _overloaded(3)]]), close_generation=writer.generation)
+    if gone == "the file":
+        assert (writer.written, writer.lost) == (4, 0)
+        assert [case.request_id for case in load_log([str(path)]).cases] == ["q2", "q3"]
+    else:
+        assert (writer.written, writer.lost, writer.write_errors) == (2, 2, 1)
+        assert writer.last_error is not None and "d.log" in writer.last_error
