@@ -418,7 +418,7 @@ class _RouterHealth:
     def __init__(self, ready: Callable[[], bool]) -> None:
         self._ready = ready  # called on grpc threads: reads, never waits
         self._serving_lock = threading.Lock()  # a publication: what ``ready`` says and its sending, together
-        self._lock = threading.Lock()  # the status and the open streams
+        self._lock = threading.Lock()  # the open streams; never held across a send
         self._serving: bool | None = None
         self._status: int = _NOT_SERVING
         self._streams: set[Callable[[Any], None]] = set()
@@ -445,12 +445,9 @@ class _RouterHealth:
         if self._shutting_down or serving == self._serving:
             return
         self._serving = serving
-        status = _SERVING if serving else _NOT_SERVING
+        status = self._status = _SERVING if serving else _NOT_SERVING
         with self._lock:
-            self._status = status
             streams = tuple(self._streams)
-        # Each send waits for grpc to take the message: not under the lock a new Watch and every Check
-        # take. A stream opened since was sent this status when it registered.
         reply = health_pb2.HealthCheckResponse(status=status)
         for send in streams:
             send(reply)
@@ -479,11 +476,14 @@ class _RouterHealth:
             with self._lock:
                 self._streams.discard(send)
 
-        with self._lock:
-            # Sent under the lock: a publication then either finds the stream registered or was
-            # already counted in the status sent here.
+        with self._serving_lock:
+            # As a publication holds it: the stream is sent the status and registered with no
+            # publication between. Never ``_lock`` across a send: grpc's one event thread, which
+            # completes every send, also runs an ended stream's ``closed``, which takes ``_lock`` (a
+            # Watch answered while another stream ended had held all of grpc).
             send(health_pb2.HealthCheckResponse(status=self._status))
-            self._streams.add(send)
+            with self._lock:
+                self._streams.add(send)
         if not context.add_callback(closed):  # the stream ended already: its callback never runs
             closed()
 
@@ -668,7 +668,13 @@ class Sidecar:
             self._health.refresh()
 
     async def _drain_server(self, server: grpc.Server) -> None:
-        self._health.enter_graceful_shutdown()
+        # On the publisher's thread, after what it has queued: it sends to every Watch stream, and a
+        # send waits for grpc (Checks meanwhile read the not-ready drain() published).
+        publisher = self._health_publisher
+        if publisher is None:
+            self._health.enter_graceful_shutdown()
+        else:
+            publisher.submit(self._health.enter_graceful_shutdown)
         grace = self._serve.drain_timeout_s
         lame_duck = min(self._serve.drain_lame_duck_s, grace)
         before = self.stats()

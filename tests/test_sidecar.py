@@ -255,6 +255,67 @@ def test_a_watch_stream_that_ended_before_its_close_callback_is_not_sent_to() ->
     assert sent == [health_pb2.HealthCheckResponse.SERVING]
 
 
+class _DiscardSeen(set[Callable[[Any], None]]):
+    """The health service's open streams, telling when one is forgotten (its close callback ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.discarded = threading.Event()
+
+    def discard(self, element: object) -> None:
+        super().discard(element)
+        self.discarded.set()
+
+
+def test_a_watch_answered_while_another_stream_ends_does_not_wait_on_grpcs_event_thread() -> None:
+    """A Watch's first send waits for grpc's one event thread, which also runs an ended stream's close
+    callback: sent under the lock that callback takes, each waited for the other for good, and no
+    call was answered again (an audit wedged a sidecar with three clients opening and cancelling
+    Watch streams). Here the first send waits until the other stream's callback has run."""
+    first_send_waited: list[bool] = []
+    sending = threading.Event()
+    sent = threading.Event()
+
+    class _Held(_RouterHealth):
+        def Watch(self, request: Any, context: grpc.ServicerContext, send: Callable[[Any], None]) -> None:
+            if ("held", "1") not in tuple(context.invocation_metadata()):
+                return super().Watch(request, context, send)
+
+            def send_after_the_other_ended(reply: Any) -> None:
+                sending.set()
+                ran = streams.discarded.wait(10.0)
+                first_send_waited.append(ran)
+                if ran:  # else not sent: the held lock is let go, or grpc stays wedged past the test
+                    send(reply)
+                sent.set()
+
+            return super().Watch(request, context, send_after_the_other_ended)
+
+        Watch.experimental_non_blocking = True  # type: ignore[attr-defined]
+
+    health = _Held(lambda: True)
+    health.set_serving(True)
+    streams = health._streams = _DiscardSeen()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            other = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30.0)
+            assert next(other).status == health_pb2.HealthCheckResponse.SERVING
+            held = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30.0, metadata=(("held", "1"),))
+            assert sending.wait(10.0)
+            other.cancel()
+            assert sent.wait(20.0)
+            assert first_send_waited == [True], "the ended stream's callback waited for the Watch's lock"
+            assert next(held).status == health_pb2.HealthCheckResponse.SERVING
+            held.cancel()
+    finally:
+        server.stop(grace=None)
+
+
 async def test_a_watch_stream_learns_a_stuck_routing_thread_is_not_serving(nursery: trio.Nursery) -> None:
     """A stuck routing thread publishes nothing: a Check found its publication stale, but a Watch
     stream (a load balancer's health checking) kept the last SERVING for the whole stall."""
