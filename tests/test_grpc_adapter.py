@@ -596,3 +596,33 @@ async def test_a_batch_whose_leases_cannot_all_be_had_within_its_allowance_makes
     await trio.testing.wait_all_tasks_blocked()  # the pool's task has counted the leases given back
     assert pool.snapshot().leased == 0
     await pool.aclose()
+
+
+async def test_a_batch_whose_channel_cannot_be_opened_fails_that_call_and_makes_none(
+    peer: tuple[Peer, GrpcServer], dead_target: str, nursery: trio.Nursery
+) -> None:
+    """A lease raising (the pool answers a failed open with Unavailable) went out of the batch and
+    took the prober's task down with it, every round, for as long as the open failed."""
+    _, server = peer
+
+    def opens(target: str) -> grpc.Channel:
+        if target == dead_target:
+            raise RuntimeError("cannot open " + target)
+        return grpc.insecure_channel(target, options=channel_options(ChannelPoolConfig()))
+
+    pool = ChannelPool(ChannelPoolConfig(), opens)
+
+    async def run_pool(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await pool.run(task_status=task_status)
+        except* RuntimeError:  # the pool's task fails after answering (its supervisor would restart it)
+            pass
+
+    await nursery.start(run_pool)
+    rpc = GrpcRawRpc(pool, start_off_loop=False)
+    calls = [InTurnCall(target, ECHO, b"") for target in (server.target, dead_target, server.target)]
+    with trio.fail_after(10):
+        replies = await rpc.call_in_turn(calls, within_s=5.0)
+    first, failed, last = (reply.outcome for reply in replies)
+    assert first is None and last is None  # not made
+    assert isinstance(failed, Unavailable) and "channel not opened" in failed.detail

@@ -208,14 +208,23 @@ class GrpcRawRpc:
             made: list[tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable[bytes, bytes], bytes]] = []
             # The leases within the allowance too: a cold one waits for the pool's task (restarting,
             # or its inbox full of other leases), and the round must end however long that takes.
+            failed: TransportError | None = None
             with trio.move_on_after(within_s):
                 for call in calls:
-                    channel = await leases.enter_async_context(self._leaser.lease(call.target))
+                    try:
+                        channel = await leases.enter_async_context(self._leaser.lease(call.target))
+                    except TransportError as exc:  # its channel could not be opened: that call's failure
+                        failed = exc
+                        break
                     made.append(
                         (channel, self._calls_on(channel).multi_callable(channel, call.method_path), call.request)
                     )
-            if len(made) < len(calls):
-                return [InTurnReply(None, time.monotonic() - started) for _ in calls]
+            if len(made) < len(calls):  # no call made; the one whose lease failed fails, the rest get None
+                after_s = time.monotonic() - started
+                return [
+                    InTurnReply(failed if i == len(made) and failed is not None else None, after_s)
+                    for i in range(len(calls))
+                ]
             outcomes: list[tuple[bytes | grpc.RpcError | None, float, float | None]] | None = None
             # Cancellation reaches only the wait for a thread: once started, the batch runs out.
             # A cold lease may have taken the whole allowance (the pool's task restarting): then no
