@@ -46,6 +46,7 @@ from router.serve_processes import (
     STOP_SIGNALS,
     ProcessSupervisor,
     child_debug_listen,
+    print_line,
     reserve_port,
     startup_timeout,
 )
@@ -250,21 +251,6 @@ async def _wait_for_parent_gone() -> None:
             pass
 
 
-def _print_addresses(line: str) -> bool:
-    """Print the address line; False when nobody reads standard output any more (a supervised child's
-    parent died during its start-up; a standalone serve's reader took what it needed, as
-    ``| head -1`` does). Standard output then goes to /dev/null: the interpreter's own flush at exit
-    would fail the same way."""
-    try:
-        print(line, flush=True)
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return False
-    return True
-
-
 async def _first_stop(signals: AsyncIterator[int], supervised: bool) -> str:
     """The name of what asks this process to drain: a signal, or (supervised) its parent's end."""
     reason = ""
@@ -325,11 +311,11 @@ async def _serve_until_drained(
             started.cancel()  # from here on a signal drains (below)
             await trio.lowlevel.checkpoint()  # a stop that came with the start ends it here
             freeze_start_up()  # the process is ours; embedders decide this for their own
-            told = _print_addresses(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address))
-            if not told:
-                log.warning("standard output is closed: the address line was not printed (%s)", grpc_address)
-            if not told and supervised is not None:  # the parent reading it is gone: as at its stdin's end
-                reason = PARENT_GONE
+            failed = print_line(ADDRESS_LINE.format(grpc=grpc_address, debug=handle.debug_address))
+            if failed is not None:
+                log.warning("the address line could not be printed (%s): %s", grpc_address, failed)
+            if isinstance(failed, BrokenPipeError) and supervised is not None:
+                reason = PARENT_GONE  # the parent reading it is gone: as at its stdin's end
             else:
                 reason = await _first_stop(signals, supervised is not None)
             log.info("%s: draining", reason, extra=ctx(reason="drain"))

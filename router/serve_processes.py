@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
 import signal
 import socket
@@ -162,6 +163,22 @@ def child_debug_listen(debug: HostPort, index: int) -> str:
     return format_target(debug.host, debug.port + index if debug.port else 0)
 
 
+
+def print_line(line: str) -> OSError | None:
+    """Print ``line`` to standard output; the error when it cannot be written (its reader gone:
+    BrokenPipeError, as a parent that died or ``| head -1``; a full disk; a hung-up terminal).
+    Standard output then goes to /dev/null, or the interpreter's own flush at exit fails the same way."""
+    try:
+        print(line, flush=True)
+    except OSError as exc:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+        return exc
+    return None
+
 @dataclass(slots=True)
 class _Slot:
     """One child position: the process now in it, and its history. Owned by the supervisor's tasks."""
@@ -231,7 +248,9 @@ class ProcessSupervisor:
             await slot.ready.wait()
         debug = ", ".join(f"http://{s.debug_address} (process {s.index})" for s in self._slots)
         # The first debug address stays where a single process prints its own: readers of that line work.
-        print(f"kvroute serve: Route gRPC on {self._grpc_address}, debug HTTP on {debug}", flush=True)
+        failed = print_line(f"kvroute serve: Route gRPC on {self._grpc_address}, debug HTTP on {debug}")
+        if failed is not None:  # nobody can read it: the processes serve on all the same
+            log.warning("the address line could not be printed (%s): %s", self._grpc_address, failed)
 
     async def _watch_signals(self, signals: AsyncIterator[int]) -> None:
         async for signum in signals:

@@ -449,28 +449,41 @@ async def test_a_child_may_take_discoverys_refresh_timeout_on_top_of_its_own_sta
 
 
 
-@pytest.mark.parametrize("supervised", [True, False], ids=["a supervised child", "a standalone serve"])
-async def test_a_serve_whose_stdout_reader_is_gone_before_the_address_line_is_not_a_listen_failure(
-    nursery: trio.Nursery, supervised: bool
+@pytest.mark.parametrize(
+    "case", ["a supervised child", "a standalone serve", "a standalone serve on a full disk", "a parent of 2"]
+)
+async def test_a_serve_whose_address_line_cannot_be_written_is_not_a_listen_failure(
+    nursery: trio.Nursery, case: str
 ) -> None:
-    """The address line's write raised BrokenPipeError, which the listen-failure handler reported as
-    "[Errno 32] Broken pipe" with status 1, without a drain. A supervised child's parent that died
-    during its start-up is gone: it drains, as at its stdin's end. A standalone serve goes on serving
-    (its reader, as ``| head -1``, took what it needed) until it is stopped."""
+    """The address line's write error (BrokenPipeError with its reader gone, ENOSPC on /dev/full) was
+    caught by the listen-failure handler: "[Errno 32] Broken pipe", status 1, no drain; a parent of
+    ``--processes`` died of it with a traceback and took its children along. A supervised child
+    whose parent died during its start-up is gone: it drains, as at its stdin's end. Any other serve
+    says so and goes on serving until it is stopped."""
     with trio.fail_after(90):
         cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
         addrs = await nursery.start(cluster.serve_grpc)
-        extra = ("--supervised-process=0", "--supervised-processes=1") if supervised else ()
-        proc = await trio.lowlevel.open_process(
-            _serve_command(addrs, *extra), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
+        extra = {
+            "a supervised child": ("--supervised-process=0", "--supervised-processes=1"),
+            "a parent of 2": ("--processes=2",),
+        }.get(case, ())
+        full_disk = case.endswith("full disk")
+        stdout = os.open("/dev/full", os.O_WRONLY) if full_disk else subprocess.PIPE
+        try:
+            proc = await trio.lowlevel.open_process(
+                _serve_command(addrs, *extra), stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.PIPE
+            )
+        finally:
+            if full_disk:
+                os.close(stdout)
         log = Lines()
         try:
-            assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+            assert proc.stdin is not None and proc.stderr is not None
             nursery.start_soon(log.collect, proc.stderr)
-            await proc.stdout.aclose()  # nobody reads the address line
-            await log.wait_for(re.compile("standard output is closed: the address line was not printed"))
-            if supervised:
+            if proc.stdout is not None:
+                await proc.stdout.aclose()  # nobody reads the address line
+            await log.wait_for(re.compile("the address line could not be printed"))
+            if case == "a supervised child":
                 await log.wait_for(re.compile("the supervising parent is gone: draining"))
             else:
                 assert proc.returncode is None, log.text()
@@ -480,5 +493,7 @@ async def test_a_serve_whose_stdout_reader_is_gone_before_the_address_line_is_no
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-        await log.wait_for(_SUMMARY if supervised else re.compile(r"kvroute serve: stopped; Route calls"))
-        assert not any("Broken pipe" in line for line in log.lines), log.text()
+        summaries = 2 if case == "a parent of 2" else 1
+        await log.wait_for(_SUMMARY if extra else re.compile(r"kvroute serve: stopped; Route calls"), summaries)
+        failure = re.compile(r"kvroute serve(?: \(process \d\))?: \[Errno|Traceback")  # as a listen failure said it
+        assert not any(failure.search(line) for line in log.lines), log.text()
