@@ -162,6 +162,10 @@ def test_more_samples_asked_than_the_tails_window_holds_warm_once_it_is_full(min
     estimator.observe(stages, ())
     e = estimator.estimates()
     assert e.warm and e.tail == pytest.approx(0.0005)
+    for i in range(10 * TAIL_WINDOW):  # a query cut now and then brings no tail: the split stays warm
+        cut = i % 5 == 0
+        estimator.observe({Stage.CACHE_QUERY: 30.0} if cut else stages, ())
+        assert estimator.estimates().warm, i
 
 
 async def test_the_sink_counts_cuts_per_stage_and_publishes_estimates(

@@ -273,9 +273,10 @@ class SplitEstimator:
         return bool(seconds)
 
     def estimates(self) -> SplitEstimates:
-        # The tail's windows hold TAIL_WINDOW entries at most: asked for more samples, they would keep
-        # the split cold for good.
-        windowed = min(self._min_samples, TAIL_WINDOW)
+        # The tail's windows hold TAIL_WINDOW entries, and a decision whose query was cut brings none:
+        # asked for more than half of them, a cut query now and then (what the learned split itself
+        # makes) held the split cold, and for more than all of them, for good.
+        windowed = min(self._min_samples, TAIL_WINDOW // 2)
 
         def high(latency: StageLatency | RecentQuantile) -> float | None:
             needed = windowed if isinstance(latency, RecentQuantile) else self._min_samples
