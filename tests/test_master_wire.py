@@ -93,6 +93,20 @@ def test_no_grpc_port_beside_http_port_65535_is_garbled_both_protocols() -> None
     assert isinstance(reply, MasterRouted) and reply.role_addrs[0].grpc_port == 65534
 
 
+def test_a_worker_address_is_kept_in_discoverys_one_spelling_both_protocols() -> None:
+    """Taken as written, an IPv6 address written out in full (as a Java scheduler writes it) or a host
+    name in capitals named a worker discovery never lists: the shadow index recorded the master's
+    answers under it, and never matched them."""
+    entries = [status("PREFILL", "2001:DB8:0:0:0:0:0:5", 8000), status("DECODE", "Worker-1.Example.", 9000)]
+    reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
+    assert isinstance(reply, MasterRouted)
+    assert [a.ip for a in reply.role_addrs] == ["2001:db8::5", "worker-1.example"]
+    entry = flexlb_pb.FlexlbServerStatusPB(role="PREFILL", server_ip="[2001:db8:0::5]", http_port=8000)
+    pb = flexlb_pb.FlexlbScheduleResponsePB(code=200, server_status=[entry])
+    grpc_reply = decode_schedule_pb(pb.SerializeToString(), HOST)
+    assert isinstance(grpc_reply, MasterRouted) and grpc_reply.role_addrs[0].ip == "2001:db8::5"
+
+
 def test_routed_keeps_order_master_and_queue_length() -> None:
     entries = [status("DECODE", "10.0.0.2", 9000), status("PREFILL", "10.0.0.1", 8000)]
     reply = decode_schedule_json(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from router.targets import is_host
+from router.targets import TargetError, format_target, is_host, parse_target
 from router.transport.errors import GarbledReply, RemoteError
 from router.types import Role, RoleAddr, cut_text
 from router.wire import master_flexlb_pb2 as flexlb_pb
@@ -272,7 +272,13 @@ def _server_ip(ip: str, field: str, target: str) -> str:
         bare = bare[1:-1]  # an IPv6 address written as in a URL
     if not is_host(bare):
         raise GarbledReply(target, f"{field}: not an IP address or host name: {cut_text(ip, 64)!r}")
-    return bare
+    # In the one spelling discovery's targets have (an IPv6 address shortened, a name in lower case):
+    # the decision's worker is matched against them, and the shadow index records under it; a Java
+    # scheduler writes "2001:db8:0:0:0:0:0:5", and that record was never matched.
+    try:
+        return parse_target(format_target(bare, 1)).host
+    except TargetError as exc:
+        raise GarbledReply(target, f"{field}: {exc}") from None
 
 
 def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
