@@ -574,7 +574,8 @@ class _ReplayKvcm:
     async def attempt(self, ctx: RequestContext) -> SourceResult:
         case = self._current.get()
         recorded = case.kvcm
-        if not ctx.prepared.keys:
+        if not ctx.prepared.keys:  # as the KVCM source: known without asking, the load decides
+            ctx.cache_hosts = ()
             return FellThrough(Reason.NO_POSITIVE_MATCH)
         if recorded is None:
             await trio.sleep_forever()

@@ -138,15 +138,22 @@ async def test_a_prompt_shorter_than_one_block_is_no_match_without_a_query(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A prompt with no whole block has no keys: KVCM cannot hold any of it, so the source falls
-    through as no match at once, without a query (the decision routes by load on the cold set)."""
-    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    through as no match at once, without a query, and the decision routes by load on the cold set
+    as for a prompt KVCM says nobody holds. It fell to the domain's uniform draw, half of these
+    prompts to a worker with a long queue."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    for i in range(20):  # worker 0 busy
+        cluster.workers[0].submit(f"queued{i}", 8000, 0, trio.current_time())
     async with routed(cluster) as (handle, _, _):
         leader = cluster.kvcm.leader
         assert leader is not None
-        d = await handle.route(RouteRequest("short", token_ids=PROMPT[: BLOCK - 1], budget_ms=50))
-        assert d.worker is not None and d.reason is not Reason.INTERNAL_ERROR
-        assert (d.sources[0].source, d.sources[0].outcome) == (RouteSource.KVCM, SourceOutcome.FELL_THROUGH)
-        assert d.sources[0].reason is Reason.NO_POSITIVE_MATCH
+        for i in range(12):
+            short = tuple(range(50_000 * (i + 1), 50_000 * (i + 1) + BLOCK - 1))
+            d = await handle.route(RouteRequest(f"short{i}", token_ids=short, budget_ms=50))
+            assert (d.sources[0].source, d.sources[0].outcome) == (RouteSource.KVCM, SourceOutcome.FELL_THROUGH)
+            assert d.sources[0].reason is Reason.NO_POSITIVE_MATCH
+            assert (d.route_source, d.worker) == (RouteSource.SHADOW, cluster.worker_addr(1)), d
+            await trio.testing.wait_all_tasks_blocked()
         assert cluster.kvcm.stats(leader).get(paths.KVCM_GET_HOST_CACHE_STATE).calls == 0
 
 

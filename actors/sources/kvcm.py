@@ -69,7 +69,7 @@ class KvcmSource:
         return await self._scoring.choose(ctx, hosts, CandidateSource.HOT)
 
     def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
-        if ctx.cache_hosts is None:
+        if ctx.cache_hosts is None or not ctx.prepared.keys:  # no answer, or none asked: nothing to compare
             return
         # How well the shadow index would have answered: no await since the decision, so the shadow
         # index has not yet applied this request's own record.
@@ -88,7 +88,8 @@ class KvcmSource:
     async def _query(self, ctx: RequestContext) -> tuple[HostMatch, ...] | FellThrough:
         """KVCM's positive hosts, or why KVCM could not help this request."""
         resolver = self._resolver
-        if not ctx.prepared.keys:
+        if not ctx.prepared.keys:  # no whole block: nobody holds any of it, known without asking
+            ctx.cache_hosts = ()  # as KVCM's own empty answer: the load decides (the shadow's cold set)
             return FellThrough(Reason.NO_POSITIVE_MATCH)
         admission = await resolver.admit(ctx.decide_at)
         if admission is Admission.REJECT:
