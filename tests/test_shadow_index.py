@@ -11,7 +11,7 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.shadow_index import ShadowIndex, ShadowIndexActor, agreement, hit_error_tokens
+from actors.shadow_index import TIDY_STEP, ShadowIndex, ShadowIndexActor, agreement, hit_error_tokens
 from router.config import ScorerConfig, ShadowConfig
 from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet, plan_candidates
@@ -190,6 +190,45 @@ def test_memory_stays_bounded_and_the_index_never_leaks(ops: list[tuple[int, int
     assert index.indexed_keys <= sum(len(k).bit_length() for k in live.values())
     index.expire(now=1e9)
     assert (index.records, index.blocks, index.indexed_keys) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("why", ["a lull past the ttl", "a long prompt into short records"])
+def test_one_record_drops_a_bounded_step_and_the_owner_tidies_the_rest_in_steps(why: str) -> None:
+    """One record used to expire, or evict to make room, every record due at once: after a lull, an
+    index of 131,072 one-block records held the routing thread for 163 ms (an audit's real-clock
+    scratch). A record now drops at most TIDY_STEP; ``tidy`` the rest, a step at a time."""
+    n = 4 * TIDY_STEP
+    index = ShadowIndex(300.0, n)
+    for i in range(n):
+        index.record(f"10.5.{i // 250}.{i % 250}:8000", (i + 1,), now=1.0)
+    assert (index.records, index.blocks) == (n, n)
+    keys: tuple[int, ...]
+    if why == "a lull past the ttl":
+        now, keys = 1000.0, (10**9,)
+    else:
+        now, keys = 2.0, tuple(range(10**9, 10**9 + n // 2))
+    index.record(W1, keys, now=now)  # a step before it is added (expired ones), a step after (capacity)
+    dropped = 2 * TIDY_STEP if why == "a lull past the ttl" else TIDY_STEP
+    assert index.records == n + 1 - dropped
+    assert index.match(keys, now=now) == (HostMatch(W1, len(keys)),)
+    steps = 1  # the calls, the last (False) one included
+    while index.tidy(now, TIDY_STEP):
+        steps += 1
+    kept = 0 if why == "a lull past the ttl" else n // 2  # the newest short records fit beside it
+    assert (index.records, index.blocks) == (kept + 1, kept + len(keys))
+    assert steps == (n - kept - dropped) // TIDY_STEP
+
+
+async def test_the_owner_tidies_what_a_record_left_without_a_further_record() -> None:
+    actor = ShadowIndexActor(ShadowConfig(inbox_size=8, capacity_blocks=4 * TIDY_STEP))
+    for i in range(4 * TIDY_STEP):
+        actor.index.record(f"10.6.{i // 250}.{i % 250}:8000", (i + 1,), now=1.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        assert actor.record_nowait(W1, PROMPT[:12], now=1000.0)  # every other record expired
+        await trio.testing.wait_all_tasks_blocked()
+        assert (actor.index.records, actor.index.blocks) == (1, 12)
+        nursery.cancel_scope.cancel()
 
 
 def test_bad_configuration_names_every_field() -> None:
