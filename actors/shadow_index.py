@@ -223,11 +223,9 @@ class ShadowIndex:
         here), is looked up alone, so its error is its own prefix's, not KVCM's whole hit."""
         view = self.match(keys, now, limit=limit)
         error_view = view
-        best = best_holder(kvcm_hosts)
-        if best is not None:
-            host = canonical_host(best.host_ip_port)
-            if all(h.host_ip_port != host for h in view):
-                error_view = self.match(keys, now, usable=host.__eq__)
+        best = {canonical_host(h.host_ip_port) for h in best_holders(kvcm_hosts)}
+        if best - {h.host_ip_port for h in view}:
+            error_view = self.match(keys, now, usable=best.__contains__)
         return agreement(kvcm_hosts, view), hit_error_tokens(kvcm_hosts, error_view, block_size)
 
 
@@ -273,21 +271,23 @@ def hit_error_tokens(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[Hos
     """How far the shadow's predicted hit is from KVCM's reported one, in tokens, for one query.
 
     Measured at KVCM's best holder (its longest ``local`` prefix): |KVCM's blocks − the shadow's
-    blocks for that host| × block_size. When KVCM names no holder, the shadow's best prefix is the
-    whole error (it predicted a hit KVCM does not know of); so is it when KVCM's hosts hold the prefix
-    only through p2p (no local block): none of them is a holder.
+    blocks for that host| × block_size; of several holding it equally, the one the shadow knows best
+    (which KVCM listed first decided it, and a shadow that saw only another of them, as a second
+    router's does, counted the whole prefix as error). When KVCM names no holder, the shadow's best
+    prefix is the whole error (it predicted a hit KVCM does not know of); so is it when KVCM's hosts
+    hold the prefix only through p2p (no local block): none of them is a holder.
     """
     shadow_local = {h.host_ip_port: h.local for h in shadow_hosts}
-    best = best_holder(kvcm_hosts)
-    if best is None:
+    best = best_holders(kvcm_hosts)
+    if not best:
         return max(shadow_local.values(), default=0) * block_size
-    return abs(best.local - shadow_local.get(canonical_host(best.host_ip_port), 0)) * block_size
+    return min(abs(h.local - shadow_local.get(canonical_host(h.host_ip_port), 0)) for h in best) * block_size
 
 
-def best_holder(kvcm_hosts: Sequence[HostMatch]) -> HostMatch | None:
-    """KVCM's best holder: the first host with the longest ``local`` prefix (None: no local block)."""
-    holders = [h for h in kvcm_hosts if h.local >= 1]
-    return max(holders, key=lambda h: h.local) if holders else None
+def best_holders(kvcm_hosts: Sequence[HostMatch]) -> list[HostMatch]:
+    """KVCM's best holders: the hosts with the longest ``local`` prefix (none: no local block)."""
+    longest = max((h.local for h in kvcm_hosts), default=0)
+    return [h for h in kvcm_hosts if h.local == longest] if longest >= 1 else []
 
 
 @dataclass(frozen=True, slots=True)

@@ -347,6 +347,12 @@ def test_hit_error_tokens_at_kvcms_best_holder() -> None:
     # Hosts holding the prefix only through p2p are no holders: the shadow's 4 local blocks are all error.
     p2p_only = [HostMatch("a:1", local=0, p2p_fetch=5, p2p_total=5)]
     assert hit_error_tokens(p2p_only, [HostMatch("b:1", local=4)], 64) == 256
+    # Of holders KVCM names with the same prefix, the one the shadow knows: KVCM's order decided it, and
+    # a shadow that saw only the second (a second router's does) counted the whole prefix as error.
+    tied = [HostMatch("a:1", local=8), HostMatch("b:1", local=8)]
+    for kvcm_order in (tied, tied[::-1]):
+        assert hit_error_tokens(kvcm_order, [HostMatch("b:1", local=8)], 16) == 0
+        assert hit_error_tokens(kvcm_order, [HostMatch("a:1", local=6)], 16) == 32
 
 
 def test_the_comparison_finds_kvcms_best_holder_even_when_the_views_limit_leaves_it_out() -> None:
