@@ -575,7 +575,10 @@ class _ReplayKvcm:
         case = self._current.get()
         recorded = case.kvcm
         if not ctx.prepared.keys:  # as the KVCM source: known without asking, the load decides
-            ctx.cache_hosts = ()
+            # A log written before 2026-12-06 recorded no answer (None) and sent such a prompt to the
+            # domain's draw: replayed as it was.
+            if recorded is None or recorded.hosts is not None:
+                ctx.cache_hosts = ()
             return FellThrough(Reason.NO_POSITIVE_MATCH)
         if recorded is None:
             await trio.sleep_forever()

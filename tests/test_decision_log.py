@@ -28,6 +28,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from actors.decision_log import _BATCH, STOP_WRITE_S, DecisionLog, LogFileWriter
+from actors.sources.base import FellThrough, RequestContext
+from actors.sources.kvcm import KvcmSource
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
@@ -63,6 +65,7 @@ from router.supervisor import RouterHandle, decision_log_header
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
+    HostMatch,
     KeyFamily,
     Reason,
     Role,
@@ -1205,3 +1208,35 @@ def test_a_log_file_deleted_under_the_writer_is_started_again_or_its_batches_cou
     else:
         assert (writer.written, writer.lost, writer.write_errors) == (2, 2, 1)
         assert writer.last_error is not None and "d.log" in writer.last_error
+
+
+def test_prompts_shorter_than_a_block_replay_as_recorded_in_logs_from_before_they_were_scored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Such a prompt is now scored on the cold set, KVCM's known empty answer recorded as (); a log
+    written before, with no answer (None), sent it to the domain's draw and must replay so, not as
+    a change (which a what-if would blame on its setting)."""
+    new_log, old_log = tmp_path / "new.log", tmp_path / "old.log"
+
+    async def record(log: Path) -> list[RouteDecision]:
+        async with cluster_router(log) as (handle, cluster):
+            for i in range(10):  # worker 0 busy: the load decides where the draw did not
+                cluster.workers[0].submit(f"queued{i}", 8000, 0, trio.current_time())
+            shorts = [tuple(range(50_000 * (i + 1), 50_000 * (i + 1) + BLOCK - 1)) for i in range(8)]
+            return [await handle.route(RouteRequest(f"s{i}", token_ids=p, budget_ms=50)) for i, p in enumerate(shorts)]
+
+    scored = on_mock_clock(record, new_log)
+    assert {(d.route_source, d.reason) for d in scored} == {(RouteSource.SHADOW, Reason.SHORTEST_TTFT_LOW_CACHE_HIT)}
+    assert replay_all(new_log) == (8, 8)
+    query = KvcmSource._query
+
+    async def as_before(self: KvcmSource, ctx: RequestContext) -> tuple[HostMatch, ...] | FellThrough:
+        if not ctx.prepared.keys:  # the writer before: no answer set
+            return FellThrough(Reason.NO_POSITIVE_MATCH)
+        return await query(self, ctx)
+
+    monkeypatch.setattr(KvcmSource, "_query", as_before)
+    drawn = on_mock_clock(record, old_log)
+    monkeypatch.undo()
+    assert {(d.route_source, d.reason) for d in drawn} == {(RouteSource.DOMAIN, Reason.NO_POSITIVE_MATCH)}
+    assert replay_all(old_log) == (8, 8)
