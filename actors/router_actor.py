@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import trio
@@ -55,6 +55,7 @@ from router.request import (
     PreparedRequest,
     check_fields,
     check_request,
+    given_prompt_tokens,
     is_sliced,
     key_slices,
     named_roles,
@@ -72,6 +73,7 @@ from router.types import (
     SourceOutcome,
     SourceStep,
     Stage,
+    WorkerAddr,
 )
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,13 @@ class WalkProgress:
     checked: CheckedRequest | None = None
     hashing_s: float = 0.0
     ctx: RequestContext | None = None
+
+    def prepared(self) -> PreparedRequest | None:
+        """The request as far as it was prepared, for the ledger charge of an answer outside the chain:
+        with its keys once made, else (cut while hashing) by its length alone; None: not checked."""
+        if self.ctx is not None:
+            return self.ctx.prepared
+        return None if self.checked is None else self.checked.with_keys(())
 OVERLOAD_DRAWS = 16  # overloaded answers drawn ahead for threads that shed before the loop
 OVERLOAD_REDRAW_EVERY = 10  # lag measurements between two draws (the estimate is published at each)
 
@@ -229,8 +238,9 @@ class RouterActor:
 
     def record_shed(self, request: Callable[[], RouteRequest], decision: RouteDecision, deadline: float) -> None:
         """Count and record a request another thread answered ``overloaded`` from
-        :meth:`overload_answers`, as :meth:`route` records its own sheds. ``request`` builds the
-        request: only the decision log keeps it, and a shed answer is cheap only if nothing else does."""
+        :meth:`overload_answers`, as :meth:`route` does its own sheds (their charges come in sums:
+        :meth:`charge_sheds`). ``request`` builds the request: only the decision log keeps it, and a
+        shed answer is cheap only if nothing else does."""
         self._overloaded += 1
         self._emit(decision)
         if self._decision_log is not None:
@@ -240,6 +250,12 @@ class RouterActor:
 
     def _recorded(self, request: RouteRequest) -> RouteRequest:
         return without_prompt(request, self._config.limits.max_request_id_bytes)
+
+    def charge_sheds(self, tokens: Mapping[WorkerAddr, int]) -> None:
+        """Charge the workers named by sheds other threads answered: the tokens each was sent (their
+        prompts' lengths as given, ``given_prompt_tokens``), one charge per worker for a batch."""
+        for worker, sent in tokens.items():
+            self._domain.charge(worker, sent)
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
@@ -285,6 +301,9 @@ class RouterActor:
         probe would wait for it, and the lag it measured would shed everything after."""
         self._overloaded += 1
         decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
+        if decision.worker is not None:  # the worker gets it: the Scorer must see it (its length as given)
+            tokens = given_prompt_tokens(request, self._deployment.block_size, self._limits)
+            self._domain.charge(decision.worker, tokens)
         if self._decision_log is not None:
             record = DecisionRecord(self._recorded(request), now, deadline, overloaded=True, decision=decision)
             self._decision_log.submit(record)
@@ -346,9 +365,12 @@ class RouterActor:
                 Reason.INTERNAL_ERROR, trio.current_time(), f"route pipeline failed: {exc!r}",
                 exc_info=exc, request_id=request.request_id,
             )
+            # The worker still gets the request, as for a deadline answer below (a Scorer restarting
+            # answers every scored request so: uncharged, the Scorer would not see them).
+            ctx = progress.ctx
             decision = self._fallback(
                 request,
-                None,
+                progress.prepared(),
                 Reason.INTERNAL_ERROR,
                 received_at,
                 stages,
@@ -356,17 +378,13 @@ class RouterActor:
                 error=f"internal error: {exc!r}",
                 split=split,
             )
-            ctx = None
         if decision is None:
             self._deadline_fallbacks += 1
             # The worker still gets the request: with a context made, its ledger charge and its
             # sources' bookkeeping (the shadow's write-on-route) follow as for an answer in the chain.
             ctx = progress.ctx
-            prepared = None if ctx is None else ctx.prepared
-            if prepared is None and progress.checked is not None:  # cut while hashing: charged by its length
-                prepared = progress.checked.with_keys(())
             decision = self._fallback(
-                request, prepared, Reason.DEADLINE, received_at, stages, tuple(steps), split=split
+                request, progress.prepared(), Reason.DEADLINE, received_at, stages, tuple(steps), split=split
             )
         self._handled += 1
         # The Scorer's work, not the SCORE stage's wall time (which holds the inbox wait, the loop lag

@@ -89,6 +89,12 @@ class ScorerHealth:
     inbox_capacity: int
 
 
+# Room the inbox keeps beyond its requests' own for charging sheds (``charge_nowait``): a request in
+# flight sends a decision and a fallback record at most, and sheds are not bounded by the requests in
+# flight.
+SHED_CHARGE_ROOM = 256
+
+
 class Scorer:
     """Owns one :class:`Policy`; ``run`` is the only task that touches it."""
 
@@ -223,6 +229,15 @@ class Scorer:
             self._records_dropped += 1
             return False
         return True
+
+    def charge_nowait(self, worker: WorkerAddr, uncached_tokens: int, now: float) -> bool:
+        """Charge dispatches of requests that never were in flight (answered ``overloaded``): as
+        :meth:`record_nowait`, but only while fewer than ``SHED_CHARGE_ROOM`` messages wait, so however
+        many sheds come, the requests in flight keep the inbox's room for their own (False, counted)."""
+        if self._receive.statistics().current_buffer_used >= SHED_CHARGE_ROOM:
+            self._records_dropped += 1
+            return False
+        return self.record_nowait(worker, uncached_tokens, now)
 
     def health(self) -> ScorerHealth:
         """The snapshot the Scorer's task last published, with the counters callers keep themselves."""

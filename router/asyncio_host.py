@@ -54,7 +54,14 @@ from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
 from router.exception_groups import sole_leaf
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, HeldPlace, ShedRecords
-from router.request import budget_deadline, budget_left_ms, caller_deadline, check_admissible, check_fields
+from router.request import (
+    budget_deadline,
+    budget_left_ms,
+    caller_deadline,
+    check_admissible,
+    check_fields,
+    given_prompt_tokens,
+)
 from router.settings import LoadedConfig
 from router.targets import HostPort
 from router.thread_bridge import ANSWER_SLACK_S, deliver_outcome, settle_on_loop
@@ -118,7 +125,8 @@ class AsyncioRouterHost:
             ),
             waiters=0,
         )
-        self._sheds: ShedRecords[RouteRequest] = ShedRecords(_as_is, _request_id)
+        tokens = partial(given_prompt_tokens, block_size=config.deployment.block_size, limits=config.limits)
+        self._sheds: ShedRecords[RouteRequest] = ShedRecords(_as_is, _request_id, tokens)
         self._shed_rng = random.Random()  # callers' loops draw from it (each draw is atomic under the GIL)
         self._counts_lock = threading.Lock()
         self._handed = 0

@@ -29,7 +29,7 @@ import trio
 
 from actors.router_actor import RouterActor
 from router.admission import InFlightLimit
-from router.types import RouteDecision, RouteRequest
+from router.types import RouteDecision, RouteRequest, WorkerAddr
 
 M = TypeVar("M")  # a request as its way in received it
 
@@ -192,9 +192,14 @@ class ShedRecords(Generic[M]):
     with a checkpoint between turns (with the decision log on, each record converts its request).
     ``convert`` turns a received request into the router's; it runs only where a record keeps it."""
 
-    def __init__(self, convert: Callable[[M], RouteRequest], request_id: Callable[[M], str]) -> None:
+    def __init__(
+        self, convert: Callable[[M], RouteRequest], request_id: Callable[[M], str], tokens: Callable[[M], int]
+    ) -> None:
+        """``tokens``: a received request's prompt length as its fields give it (charged to the worker its
+        answer names), read without converting it."""
         self._convert = convert
         self._request_id = request_id
+        self._tokens = tokens
         # Each: the request, the answer drawn, the elapsed ms and the time the request had left.
         self._queue: deque[tuple[M, RouteDecision, float, float]] = deque()
         self._due = False
@@ -269,13 +274,20 @@ class ShedRecords(Generic[M]):
             self._due = False
         now = trio.current_time()
         recorded = 0
-        while most is None or recorded < most:
-            try:
-                message, drawn, elapsed_ms, left_s = self._queue.popleft()
-            except IndexError:
-                return False
-            decision = drawn.answering(self._request_id(message), elapsed_ms)
-            router.record_shed(partial(self._convert, message), decision, now + left_s)
-            recorded += 1
-        return bool(self._queue)
+        # Charged in a sum per worker: the answers were drawn among a few (OVERLOAD_DRAWS).
+        sent: dict[WorkerAddr, int] = {}
+        try:
+            while most is None or recorded < most:
+                try:
+                    message, drawn, elapsed_ms, left_s = self._queue.popleft()
+                except IndexError:
+                    return False
+                decision = drawn.answering(self._request_id(message), elapsed_ms)
+                router.record_shed(partial(self._convert, message), decision, now + left_s)
+                if decision.worker is not None:
+                    sent[decision.worker] = sent.get(decision.worker, 0) + self._tokens(message)
+                recorded += 1
+            return bool(self._queue)
+        finally:
+            router.charge_sheds(sent)
 

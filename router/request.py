@@ -170,6 +170,21 @@ def check_shape(request_id: str, *, has_tokens: bool, has_keys: bool) -> None:
         raise BadRequest("token_ids", "give exactly one of token_ids or block_cache_keys")
 
 
+def given_prompt_tokens(request: RouteRequest, block_size: int, limits: LimitsConfig) -> int:
+    """A prompt's length as its fields give it, unchecked beyond ``check_fields`` (pure, O(1)): its ids'
+    count, else its ``seq_len``, else its keys × block size (the request's, else ``block_size``),
+    within 0..max_prompt_tokens. What a request answered ``overloaded`` is charged to the ledger."""
+    if request.token_ids is not None:
+        tokens = len(request.token_ids)
+    elif request.block_cache_keys is None:
+        tokens = 0
+    elif request.seq_len is not None:
+        tokens = request.seq_len
+    else:
+        tokens = len(request.block_cache_keys) * (request.block_size or block_size)
+    return max(0, min(tokens, limits.max_prompt_tokens))
+
+
 def check_admissible(request: RouteRequest, limits: LimitsConfig) -> None:
     """The checks made before a request may be answered ``overloaded`` (pure, O(1)): its fields' types,
     its sizes against ``limits`` and its shape. Raise BadRequest naming the field: a malformed request

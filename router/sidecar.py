@@ -168,6 +168,13 @@ def converted(message: router_v1_pb2.RouteRequest) -> RouteRequest:
     )
 
 
+def shed_tokens(message: router_v1_pb2.RouteRequest, block_size: int, limits: LimitsConfig) -> int:
+    """A shed call's prompt length as its fields give it, without converting it (``given_prompt_tokens``
+    on the message: 0 means not given)."""
+    keys = len(message.block_cache_keys) * (message.block_size or block_size)
+    return min(len(message.token_ids) or message.seq_len or keys, limits.max_prompt_tokens)
+
+
 def budget_ms(message: router_v1_pb2.RouteRequest) -> float | None:
     return float(message.budget_ms) or None  # 0: not given
 
@@ -541,7 +548,9 @@ class Sidecar:
         self._pool: _TimedPool | None = None  # set in run(); read by handler threads
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
         # Sheds waiting to be recorded on the trio thread: added by handler threads, recorded there.
-        self._sheds: ShedRecords[router_v1_pb2.RouteRequest] = ShedRecords(converted, _request_id)
+        self._sheds: ShedRecords[router_v1_pb2.RouteRequest] = ShedRecords(
+            converted, _request_id, partial(shed_tokens, block_size=config.deployment.block_size, limits=config.limits)
+        )
         # The published answers last shed from and their shed_reply_body()s (replaced as a whole).
         self._shed_replies: tuple[tuple[RouteDecision, ...], tuple[bytes, ...]] = ((), ())
         # Set once in run() before serving; read by handler threads.

@@ -38,7 +38,7 @@ from actors.leader_resolver import LeaderResolver, LeaderState
 from actors.master_discovery import MasterDiscovery
 from actors.metrics_sink import BREAKER_STATE_VALUES, BackgroundProbes, ChannelEvicted, MetricsSink
 from actors.router_actor import RouterActor
-from actors.scorer import Scorer
+from actors.scorer import SHED_CHARGE_ROOM, Scorer
 from actors.shadow_index import ShadowIndexActor
 from actors.sources.base import FleetView, Source
 from actors.sources.companions import CompanionPicker
@@ -384,7 +384,8 @@ async def _topology(
 
         scorer = Scorer(
             make_policy(config.scorer, config.deployment),
-            inbox_size=2 * config.router.max_in_flight,  # a decision and a fallback record per request at most
+            # A decision and a fallback record per request at most, and the room for sheds' charges.
+            inbox_size=2 * config.router.max_in_flight + SHED_CHARGE_ROOM,
             max_warned_workers=config.scorer.max_tracked_workers,
             error_log_interval_s=config.serve.log_aggregate_interval_s,
         )

@@ -11,10 +11,10 @@ import trio
 import trio.testing
 
 from actors import router_actor
-from actors.scorer import Decided, DecideRequest, Scorer
+from actors.scorer import Decided, DecideRequest, Scorer, ScorerHealth
 from kvroute_sim.sim.cluster import SimCluster
 from router.admission import AdmissionEstimate, AdmissionView, admits
-from router.api import open_router
+from router.api import RouterHandle, open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
 from router.request import key_slices
@@ -130,10 +130,23 @@ async def test_the_router_publishes_overloaded_answers_and_counts_the_sheds_othe
             assert (answer.route_source, answer.reason) == (RouteSource.DOMAIN, Reason.OVERLOADED)
             assert answer.worker is not None and answer.worker.http_target in workers
         before = router.health()
-        router.record_shed(lambda: RouteRequest("shed", token_ids=PROMPT), published.answers[0], trio.current_time())
+        charged = _scorer_records(handle)
+        shed = RouteRequest("shed", token_ids=PROMPT)
+        router.record_shed(lambda: shed, published.answers[0], trio.current_time())
         after = router.health()
         assert after.overloaded == before.overloaded + 1
         assert after.handled == before.handled  # never entered the pipeline
+        worker = published.answers[0].worker
+        assert worker is not None
+        router.charge_sheds({worker: 3 * len(PROMPT)})  # their worker gets them: charged, in a sum
+        await trio.testing.wait_all_tasks_blocked()
+        assert _scorer_records(handle) == charged + 1
+
+
+def _scorer_records(handle: RouterHandle) -> int:
+    scorer = handle.actors()["scorer"]["health"]
+    assert isinstance(scorer, ScorerHealth)
+    return scorer.records
 
 
 class StallBeforeTheScorer(trio.abc.Instrument):

@@ -24,10 +24,19 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LimitsConfig, RouterConfig
 from router.keys import block_key_slices, block_keys, join_slices
-from router.request import check_request, is_sliced, key_slices, prepare_request, request_deadline
+from router.request import (
+    check_request,
+    given_prompt_tokens,
+    is_sliced,
+    key_slices,
+    prepare_request,
+    request_deadline,
+)
+from router.sidecar import shed_tokens
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteRequest
+from router.wire import router_v1_pb2
 
 BLOCK = 16
 DEPLOYMENT = DeploymentConfig(block_size=BLOCK)
@@ -341,3 +350,24 @@ async def test_a_long_request_past_its_deadline_stops_hashing_and_is_answered(
         assert tokens.slices_read < SLICES_OF_MAX_PROMPT
         [decision] = decisions
         assert decision.reason is Reason.DEADLINE and decision.worker is not None
+
+
+@pytest.mark.parametrize(
+    ("fields", "tokens"),
+    [
+        ({"token_ids": tuple(range(100))}, 100),
+        ({"block_cache_keys": (1, 2, 3)}, 3 * BLOCK),  # the deployment's block size
+        ({"block_cache_keys": (1, 2, 3), "block_size": 64}, 3 * 64),
+        ({"block_cache_keys": (1, 2, 3), "seq_len": 40}, 40),
+        ({}, 0),
+        ({"block_cache_keys": tuple(range(10)), "block_size": 10**9}, LIMITS.max_prompt_tokens),
+    ],
+)
+def test_a_shed_request_is_charged_its_prompts_length_as_its_fields_give_it_in_both_forms(
+    fields: dict[str, Any], tokens: int
+) -> None:
+    """Unchecked (a shed is answered before the checks), read alike from the router's request and the
+    sidecar's message without converting it, and never beyond the longest prompt."""
+    assert given_prompt_tokens(RouteRequest("r", **fields), BLOCK, LIMITS) == tokens
+    message = router_v1_pb2.RouteRequest(request_id="r", **{k: v for k, v in fields.items()})
+    assert shed_tokens(message, BLOCK, LIMITS) == tokens

@@ -1128,6 +1128,57 @@ async def test_a_deadline_answer_is_charged_and_written_into_the_shadow_as_a_cha
         assert (charged - before[0], written - before[1]) == (5, 5)
 
 
+def _charged_and_written(handle: RouterHandle) -> tuple[int, int]:
+    actors = handle.actors()
+    scorer, shadow = actors["scorer"]["health"], actors["shadow_index"]["health"]
+    assert isinstance(scorer, ScorerHealth) and isinstance(shadow, ShadowHealth)
+    return scorer.records, shadow.applied
+
+
+async def test_an_internal_error_answer_is_charged_and_written_into_the_shadow_as_a_deadline_one_is(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug on the path (every scored request while the Scorer restarts is answered so) sent its
+    request to the drawn worker uncharged and unrecorded: the Scorer did not see them."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+        before = _charged_and_written(handle)
+
+        async def broken(self: Scorer, request: DecideRequest) -> Decided:
+            raise RuntimeError("a bug in the Scorer's path")
+
+        monkeypatch.setattr(Scorer, "decide", broken)
+        for i in range(5):
+            d = await handle.route(RouteRequest(f"bug{i}", token_ids=PROMPT, budget_ms=50))
+            assert d.reason is Reason.INTERNAL_ERROR and d.worker is not None
+        monkeypatch.undo()
+        await trio.testing.wait_all_tasks_blocked()
+        charged, written = _charged_and_written(handle)
+        assert (charged - before[0], written - before[1]) == (5, 5)
+
+
+async def test_an_overloaded_answer_is_charged_to_the_worker_it_names(autojump_clock: trio.testing.MockClock) -> None:
+    """A shed request goes to the domain's drawn worker all the same: uncharged, exactly when balance
+    matters most the Scorer went on seeing those workers as idle until their next status."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, max_in_flight=1) as (handle, _, _):
+        seed(cluster, 2, 8)
+        before = _charged_and_written(handle)
+        decisions: list[RouteDecision] = []
+
+        async def one(i: int) -> None:
+            decisions.append(await handle.route(RouteRequest(f"c{i}", token_ids=PROMPT, budget_ms=50)))
+
+        async with trio.open_nursery() as callers:
+            for i in range(8):
+                callers.start_soon(one, i)
+        await trio.testing.wait_all_tasks_blocked()
+        shed = [d for d in decisions if d.reason is Reason.OVERLOADED]
+        assert shed and all(d.worker is not None for d in shed)
+        assert _charged_and_written(handle)[0] - before[0] == len(shed)
+
+
 @pytest.mark.parametrize("slice_ms", [0.3, 1.5])
 async def test_a_long_prompts_hashing_rests_as_long_as_it_worked_and_a_cut_still_counts_its_work(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, slice_ms: float

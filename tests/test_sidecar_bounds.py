@@ -17,6 +17,7 @@ import trio
 import trio.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from actors.scorer import ScorerHealth
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import RouterHandle, open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig, ServeConfig
@@ -60,7 +61,7 @@ async def test_sheds_beyond_the_bound_are_answered_and_counted_not_queued(
         records._due = True  # as the first shed sets it (not opened: no trio token here to schedule a recorder)
 
         def shed_all() -> list[bytes]:  # on a thread, as grpc's handler threads do
-            requests = [router_v1_pb2.RouteRequest(request_id=f"s{i}") for i in range(calls)]
+            requests = [router_v1_pb2.RouteRequest(request_id=f"s{i}", token_ids=range(32)) for i in range(calls)]
             return [sidecar._shed(r, published, 0.01, time.monotonic(), context)[0] for r in requests]
 
         replies = await trio.to_thread.run_sync(shed_all)
@@ -75,6 +76,7 @@ async def test_sheds_beyond_the_bound_are_answered_and_counted_not_queued(
         stats = sidecar.stats()
         assert (stats.shed_at_receipt, stats.sheds_unrecorded) == (calls, 3)
         before = router.health().overloaded
+        charged = _scorer(handle)
         # The recording task works in turns of SHED_RECORD_TURN with a checkpoint between them: the
         # routing thread's other tasks run in between (this one sees the queue shrink turn by turn).
         async with trio.open_nursery() as recording:
@@ -91,8 +93,21 @@ async def test_sheds_beyond_the_bound_are_answered_and_counted_not_queued(
                     break
         assert router.health().overloaded == before + SHED_RECORDS_MAX
         assert not records.pending() and not records._due
+        # Their workers get them: charged, a sum per worker and turn (the answers were drawn among a few).
+        await trio.testing.wait_all_tasks_blocked()
+        after = _scorer(handle)
+        workers = {d.worker for d in published.answers}
+        turns = SHED_RECORDS_MAX // SHED_RECORD_TURN
+        assert 0 < after.records - charged.records <= turns * len(workers)
+        assert after.records_dropped == charged.records_dropped
         assert len([n for n in seen if 0 < n < SHED_RECORDS_MAX]) >= SHED_RECORDS_MAX // SHED_RECORD_TURN // 2
         assert all(flag for n, flag in zip(seen, due, strict=True) if n > 0)
+
+
+def _scorer(handle: RouterHandle) -> ScorerHealth:
+    health = handle.actors()["scorer"]["health"]
+    assert isinstance(health, ScorerHealth)
+    return health
 
 
 def _check(sidecar: Sidecar, service: str) -> int:

@@ -58,6 +58,12 @@ class DomainSource:
     def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
         return None
 
+    def charge(self, worker: WorkerAddr, tokens: int) -> None:
+        """Charge ``tokens`` sent to ``worker`` by requests answered ``overloaded`` (drawn here, ahead
+        or not); never blocks, dropped when the Scorer's room for them is full."""
+        if tokens > 0:
+            self._scorer.charge_nowait(worker, tokens, trio.current_time())
+
     def pick(
         self,
         prepared: PreparedRequest | None,
