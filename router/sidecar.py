@@ -784,8 +784,10 @@ class Sidecar:
         client_s = (
             max(0.0, remaining - self._path_cost_s) if remaining is not None and math.isfinite(remaining) else None
         )
-        # The router's own deadline (min(budget, cap)), counted from receipt as the router counts it.
-        routing_s = budget_deadline(budget_ms(message), 0.0, self._cap_ms)
+        # The router's own deadline (min(budget, cap)), counted from receipt as the router counts it,
+        # less the call's wait for this handler thread: queued in this process, it was the sidecar's
+        # time (a call behind a held thread had its whole budget again once it got one).
+        routing_s = max(0.0, budget_deadline(budget_ms(message), 0.0, self._cap_ms) - self._thread_wait.waited_s)
         # What the router will have, from now: its deadline less what reading the call took (a large
         # request's wait for its reading turn is spent), or the client's less the reply margin.
         routing_left_s = max(0.0, routing_s - (sent_at - received))

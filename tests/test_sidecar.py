@@ -536,6 +536,39 @@ async def test_while_as_many_calls_wait_for_a_thread_as_there_are_threads_none_i
             assert r.sidecar.stats().shed_at_receipt == 1
 
 
+async def test_a_calls_wait_for_a_handler_thread_is_counted_against_its_budget(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget was counted from when a handler thread took the call: a call that waited behind a
+    held thread longer than its budget got all of it again, and was routed long after it (an audit:
+    answered 264 ms after it was sent with a budget of 100)."""
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=1, grpc_max_concurrent_rpcs=8)
+    with trio.fail_after(30):
+        async with rig(nursery, serve=serve, router=HOLDING) as r:
+            waiting_for_thread = _pool_waiting(r.sidecar, monkeypatch)
+            short = router_v1_pb2.RouteRequest(request_id="short", token_ids=PROMPT, budget_ms=100)
+            later: list[object] = []
+            handled = r.handle.router_actor().health().handled
+
+            async def behind_the_held_thread() -> None:
+                async def one() -> None:
+                    later.append(await _in_thread(lambda: r.route(short, timeout=HOLD_S)))
+
+                async with trio.open_nursery() as calls:
+                    try:
+                        calls.start_soon(one)
+                        assert await _in_thread(lambda: waiting_for_thread(1)), "the call never waited"
+                        await trio.sleep(0.2)  # at least twice its budget waiting for the thread
+                    finally:
+                        r.cluster.kvcm.clear_faults()  # the held call is answered: the thread frees up
+
+            await _with_calls_in_router(r, 1, behind_the_held_thread)
+            (reply,) = later
+            assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            assert reply.route_source == "domain", reply  # answered at once: not handed to the router
+            assert r.handle.router_actor().health().handled == handled + 1  # the held call alone
+
+
 async def test_the_grpc_call_cap_refuses_the_call_beyond_it(nursery: trio.Nursery) -> None:
     serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=2, grpc_max_concurrent_rpcs=2)
     with trio.fail_after(30):
