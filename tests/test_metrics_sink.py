@@ -212,6 +212,23 @@ async def test_run_can_be_restarted_and_keeps_its_state(autojump_clock: trio.tes
     assert sample(sink, "kvroute_worker_status_cache_hits_total") == 6
 
 
+async def test_a_decision_of_seconds_lands_in_a_bucket_of_its_own(autojump_clock: trio.testing.MockClock) -> None:
+    """The buckets stopped at 250 ms while the budget cap may be seconds: a deployment whose master
+    answers in 400 ms had every decision in +Inf, every quantile read as 250 ms."""
+    sink = MetricsSink(MetricsConfig())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        sink.emit(DecisionMade(decision(1, stage_ms={Stage.TOTAL: 400.0}, elapsed_ms=400.0)))
+        sink.emit(DecisionMade(decision(2, stage_ms={Stage.TOTAL: 3000.0}, elapsed_ms=3000.0)))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    name = "kvroute_route_duration_seconds_bucket"
+    assert sample(sink, name, stage="total", le="0.25") == 0
+    assert sample(sink, name, stage="total", le="0.5") == 1
+    assert sample(sink, name, stage="total", le="2.5") == 1
+    assert sample(sink, name, stage="total", le="10.0") == 2
+
+
 async def test_decision_ring_is_bounded_newest_first(autojump_clock: trio.testing.MockClock) -> None:
     sink = MetricsSink(MetricsConfig(inbox_size=16, decision_ring_size=3))
     async with trio.open_nursery() as nursery:
