@@ -392,7 +392,7 @@ async def test_each_answered_call_leaves_one_timing_against_its_deadline_and_a_t
             assert _status(await _in_thread(lambda: r.route(bad))) == grpc.StatusCode.INVALID_ARGUMENT
 
             first, second = r.sidecar.take_call_timings()  # the refused call left none
-            assert first.allowed_s == pytest.approx(0.6)
+            assert 0.0 < first.allowed_s <= 0.6  # its budget, less its wait for a handler thread
             assert 0.0 < second.allowed_s <= 0.85  # below the 1 s cap (grpc rounds the deadline)
             for timing in (first, second):
                 assert timing.elapsed_s > 0 and timing.lateness_s == timing.elapsed_s - timing.allowed_s
