@@ -24,7 +24,7 @@ from typing import assert_never
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.config import MetricsConfig, RouterConfig
@@ -48,6 +48,14 @@ SOURCE_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "kvroute_workers_ejected": ("Workers currently ejected by outlier detection", ()),
     "kvroute_channel_pool_channels": ("gRPC channels held by the channel pool", ()),
     "kvroute_inbox_depth": ("Messages waiting in an actor's inbox", ("actor",)),
+    "kvroute_sidecar_calls_in_flight": ("Route calls the gRPC sidecar is handling", ()),
+}
+# Counters kept by a way in on its own threads, read at scrape time (their names without _total).
+SOURCE_COUNTERS: Mapping[str, tuple[str, tuple[str, ...]]] = {
+    "kvroute_sidecar_calls": (
+        "Route calls the gRPC sidecar ended, by how (answered includes shed_at_receipt)",
+        ("outcome",),
+    ),
 }
 REPLY_STAGE_LABEL = "reply"  # the duration histogram's stage label for a transport's way back (RepliesSent)
 DRAIN_BATCH = 32  # events applied per scheduling round at most (about 1 ms of work)
@@ -243,21 +251,27 @@ class _CountersByLabels:
 
 
 class _SourceGauges(Collector):
-    """Reads the registered snapshot callables at scrape time."""
+    """Reads the registered snapshot callables at scrape time (gauges, and counters kept elsewhere)."""
 
     def __init__(self) -> None:
         self.sources: dict[tuple[str, tuple[str, ...]], Callable[[], float]] = {}
         self.failed: set[tuple[str, tuple[str, ...]]] = set()  # bounded by sources: logged once each
 
-    def describe(self) -> Iterator[Metric]:
-        for name, (help_text, labels) in SOURCE_GAUGES.items():
-            yield GaugeMetricFamily(name, help_text, labels=labels)
-
-    def collect(self) -> Iterator[Metric]:
-        families = {
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             name: GaugeMetricFamily(name, help_text, labels=labels)
             for name, (help_text, labels) in SOURCE_GAUGES.items()
         }
+        for name, (help_text, labels) in SOURCE_COUNTERS.items():
+            families[name] = CounterMetricFamily(name, help_text, labels=labels)
+        return families
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families().values()
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
         for key, read in self.sources.items():
             name, label_values = key
             try:
@@ -422,14 +436,16 @@ class MetricsSink:
             self._dropped.inc()
 
     def register_gauge_source(self, name: str, read: Callable[[], float], **labels: str) -> None:
-        """Read ``read()`` at every scrape as gauge ``name`` (one of SOURCE_GAUGES) with ``labels``.
+        """Read ``read()`` at every scrape as gauge ``name`` (one of SOURCE_GAUGES) with ``labels``, or
+        as counter ``name`` (one of SOURCE_COUNTERS: ``read`` must never go down).
 
         Registering the same name and labels again replaces the source (an actor restarted by the
         supervisor re-registers). ``read`` runs in the scraping task: it must be cheap and not await.
         """
-        if name not in SOURCE_GAUGES:
-            raise ValueError(f"unknown source gauge {name!r}; known: {', '.join(SOURCE_GAUGES)}")
-        label_names = SOURCE_GAUGES[name][1]
+        known = {**SOURCE_GAUGES, **SOURCE_COUNTERS}
+        if name not in known:
+            raise ValueError(f"unknown source gauge {name!r}; known: {', '.join(known)}")
+        label_names = known[name][1]
         if set(labels) != set(label_names):
             raise ValueError(f"gauge {name} takes labels {list(label_names)}, got {sorted(labels)}")
         key = (name, tuple(labels[n] for n in label_names))

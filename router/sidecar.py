@@ -236,6 +236,18 @@ class SidecarStats:
     cut_at_drain_deadline: int = 0
 
 
+# The SidecarStats counts /metrics carries as kvroute_sidecar_calls_total{outcome}.
+_SCRAPED_OUTCOMES: Mapping[str, Callable[[SidecarStats], int]] = {
+    "answered": lambda stats: stats.answered,
+    "invalid": lambda stats: stats.invalid,
+    "unavailable": lambda stats: stats.unavailable,
+    "timed_out": lambda stats: stats.timed_out,
+    "failed": lambda stats: stats.failed,
+    "shed_at_receipt": lambda stats: stats.shed_at_receipt,
+    "sheds_unrecorded": lambda stats: stats.sheds_unrecorded,
+    "cut_at_drain_deadline": lambda stats: stats.cut_at_drain_deadline,
+}
+
 _OUTCOME_BY_STATUS = {
     RpcStatus.INVALID_ARGUMENT: "invalid",
     RpcStatus.UNAVAILABLE: "unavailable",
@@ -551,6 +563,12 @@ class Sidecar:
         self._sheds: ShedRecords[router_v1_pb2.RouteRequest] = ShedRecords(
             converted, _request_id, partial(shed_tokens, block_size=config.deployment.block_size, limits=config.limits)
         )
+        # On /metrics too, not only in the summary at the stop: the calls refused before the router
+        # (INVALID_ARGUMENT on the message alone), timed out or cut never reach its decision counts.
+        metrics = handle.metrics
+        for outcome, count in _SCRAPED_OUTCOMES.items():
+            metrics.register_gauge_source("kvroute_sidecar_calls", partial(self._count, count), outcome=outcome)
+        metrics.register_gauge_source("kvroute_sidecar_calls_in_flight", lambda: self.stats().in_flight)
         # The published answers last shed from and their shed_reply_body()s (replaced as a whole).
         self._shed_replies: tuple[tuple[RouteDecision, ...], tuple[bytes, ...]] = ((), ())
         # Set once in run() before serving; read by handler threads.
@@ -563,6 +581,9 @@ class Sidecar:
 
     def stats(self) -> SidecarStats:
         return self._counters.snapshot()
+
+    def _count(self, count: Callable[[SidecarStats], int]) -> int:
+        return count(self.stats())
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Block (any thread but the trio one) until no Route call's RPC is open, at most ``timeout_s``;

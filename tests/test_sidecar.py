@@ -408,6 +408,29 @@ async def test_each_answered_call_leaves_one_timing_against_its_deadline_and_a_t
             assert r.sidecar.take_call_timings() == []
 
 
+async def test_the_sidecars_call_outcomes_are_on_metrics(nursery: trio.Nursery) -> None:
+    """A call refused from its message alone never reaches the router's decision counts: the sidecar's
+    counts were only in the summary printed at its stop, not on /metrics."""
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            good = router_v1_pb2.RouteRequest(request_id="good", token_ids=PROMPT, budget_ms=600)
+            assert isinstance(await _in_thread(lambda: r.route(good)), router_v1_pb2.RouteDecision)
+            for i in range(2):
+                bad = router_v1_pb2.RouteRequest(request_id=f"bad{i}", token_ids=[1, 2], block_cache_keys=[3])
+                assert _status(await _in_thread(functools.partial(r.route, bad))) == grpc.StatusCode.INVALID_ARGUMENT
+            registry = r.handle.metrics.registry
+
+            def calls(outcome: str) -> float | None:
+                return registry.get_sample_value("kvroute_sidecar_calls_total", {"outcome": outcome})
+
+            assert (calls("answered"), calls("invalid"), calls("timed_out")) == (1.0, 2.0, 0.0)
+            assert registry.get_sample_value("kvroute_sidecar_calls_in_flight") == 0.0
+            decisions = registry.get_sample_value(
+                "kvroute_route_decisions_total", {"route_source": "domain", "reason": "bad_request"}
+            )
+            assert decisions is None  # the router never saw them
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
