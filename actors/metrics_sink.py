@@ -34,10 +34,11 @@ from router.types import RouteDecision, Stage, cut_text
 
 logger = logging.getLogger(__name__)
 
-# Sub-millisecond to the 50 ms budget cap and a little past it.
-# Up to 10 s: a budget cap (or a master's window under it) may be seconds, and beyond the top bucket
-# every quantile reads as that bucket.
-DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+# Sub-millisecond stages to the default 50 ms cap, and on to the largest cap a setting allows (600 s):
+# beyond the top bucket every quantile reads as that bucket.
+DURATION_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0, 600.0
+)
 
 # Gauges read at scrape time from registered sources: name → (help, label names).
 SOURCE_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {

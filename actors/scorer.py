@@ -82,7 +82,7 @@ class ScorerHealth:
     no_candidates: int
     abandoned: int  # decisions whose caller had left before the Scorer reached them
     records: int  # fallback dispatches charged to the ledger
-    records_dropped: int  # fallback dispatches not charged: the inbox was full
+    records_dropped: int  # fallback dispatches not charged: the inbox (for sheds' charges, its room) was full
     errors: int
     last_error: str | None
     inbox_depth: int

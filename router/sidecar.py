@@ -260,7 +260,9 @@ class CallTiming:
     """One answered Route call, seen by the sidecar: from its handler's start to the reply's bytes."""
 
     elapsed_s: float  # receipt (the handler thread started) to the serialised reply
-    allowed_s: float  # the call's deadline at receipt: min(budget, --budget-cap-ms, the client's remaining time)
+    # The call's deadline at receipt: min(budget less its wait for the handler thread, --budget-cap-ms,
+    # the client's remaining time), at least 0.
+    allowed_s: float
     # The router's own time, from taking the request to deciding (the decision's stage total);
     # elapsed_s less it is this sidecar's own path: decoding, the hop to the trio thread and back,
     # encoding.
@@ -272,6 +274,8 @@ class CallTiming:
     way_back_s: float | None = None
     # Of router_s: planning, probing and scoring the candidates (None: the decision scored none).
     scoring_s: float | None = None
+    # The client's deadline left at receipt (None: it set none): at most 0, the client had given up.
+    client_left_s: float | None = None
 
     @property
     def own_path_s(self) -> float:
@@ -769,6 +773,7 @@ class Sidecar:
                     handed_s=None if hops is None or hops.arrived_at is None else hops.arrived_at - received,
                     way_back_s=None if hops is None or hops.settled_at is None else done - hops.settled_at,
                     scoring_s=sum(scoring_ms) / 1000.0 if scoring_ms else None,
+                    client_left_s=remaining if remaining is not None and math.isfinite(remaining) else None,
                 )
             )
             return reply

@@ -352,19 +352,22 @@ def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:
 
 
 def test_p7_counts_the_calls_that_reached_the_sidecar_with_no_deadline_left() -> None:
-    on_time = CallTiming(elapsed_s=0.001, allowed_s=0.030)
-    past = CallTiming(elapsed_s=0.0001, allowed_s=0.0)  # the client's deadline was gone at receipt
+    on_time = CallTiming(elapsed_s=0.001, allowed_s=0.030, client_left_s=0.1)
+    past = CallTiming(elapsed_s=0.0001, allowed_s=0.0, client_left_s=-0.002)  # the client had given up
+    # Its budget spent waiting for a handler thread, with the client still waiting: answered in time
+    # for it, not a call that reached the sidecar too late (counted as one once the wait was taken off).
+    budget_spent = CallTiming(elapsed_s=0.0001, allowed_s=0.0, client_left_s=0.05)
     level = LevelResult(
         callers=256,
-        calls=3,
+        calls=4,
         seconds=1.0,
         client_ms=(5.0,),
         errors=Counter({"DEADLINE_EXCEEDED": 2}),
         outcomes=Counter({"domain/overloaded": 1}),
-        timings=(on_time, past),
+        timings=(on_time, past, budget_spent),
         sidecar_cpu_s=0.001,
         caller_cpu_s=0.001,
-        echo=EchoFloor(calls=3, seconds=1.0, no_answer=0, client_p99_ms=1.0),
+        echo=EchoFloor(calls=4, seconds=1.0, no_answer=0, client_p99_ms=1.0),
     )
     assert level.reached_late == 1
     assert level.to_json()["reached_sidecar_past_deadline"] == 1

@@ -394,6 +394,10 @@ async def test_each_answered_call_leaves_one_timing_against_its_deadline_and_a_t
             first, second = r.sidecar.take_call_timings()  # the refused call left none
             assert 0.0 < first.allowed_s <= 0.6  # its budget, less its wait for a handler thread
             assert 0.0 < second.allowed_s <= 0.85  # below the 1 s cap (grpc rounds the deadline)
+            # The client's own time left at receipt rides along (what the bench counts a call reaching
+            # the sidecar too late by, not allowed_s, which a wait for a handler thread can empty).
+            assert first.client_left_s is not None and 0.0 < first.client_left_s <= CLIENT_TIMEOUT_S + 0.05
+            assert second.client_left_s is not None and 0.0 < second.client_left_s <= 0.85
             for timing in (first, second):
                 assert timing.elapsed_s > 0 and timing.lateness_s == timing.elapsed_s - timing.allowed_s
                 # The router's own time rides along: it is part of the call's, the rest is the
