@@ -279,7 +279,7 @@ class AsyncioRouterHost:
         which it must be told, not shed."""
         router = self._config.router
         try:
-            check_admissible(request, self._config.limits)
+            check_admissible(request, self._config.deployment.block_size, self._config.limits)
         except BadRequest:
             return router.budget_cap_ms / 1000.0, None
         routing_s = budget_deadline(request.budget_ms, 0.0, router.budget_cap_ms)

@@ -185,20 +185,88 @@ def given_prompt_tokens(request: RouteRequest, block_size: int, limits: LimitsCo
     return max(0, min(tokens, limits.max_prompt_tokens))
 
 
-def check_admissible(request: RouteRequest, limits: LimitsConfig) -> None:
+def check_admissible(request: RouteRequest, deployment_block_size: int, limits: LimitsConfig) -> tuple[int, int]:
     """The checks made before a request may be answered ``overloaded`` (pure, O(1)): its fields' types,
-    its sizes against ``limits`` and its shape. Raise BadRequest naming the field: a malformed request
-    is told so, even under overload."""
+    its sizes against ``limits``, its shape and its geometry (``check_geometry``, whose block size and
+    prompt length it returns). Raise BadRequest naming the field: a malformed request is told so, even
+    under overload."""
     check_fields(request)
+    n_tokens = None if request.token_ids is None else len(request.token_ids)
+    n_keys = None if request.block_cache_keys is None else len(request.block_cache_keys)
     check_bounds(
         limits,
         request_id=request.request_id,
-        n_tokens=0 if request.token_ids is None else len(request.token_ids),
-        n_keys=0 if request.block_cache_keys is None else len(request.block_cache_keys),
+        n_tokens=n_tokens or 0,
+        n_keys=n_keys or 0,
         n_roles=0 if request.roles is None else len(request.roles),
     )
-    has_tokens, has_keys = request.token_ids is not None, request.block_cache_keys is not None
-    check_shape(request.request_id, has_tokens=has_tokens, has_keys=has_keys)
+    check_shape(request.request_id, has_tokens=n_tokens is not None, has_keys=n_keys is not None)
+    return check_geometry(
+        n_tokens=n_tokens,
+        n_keys=n_keys,
+        block_size=request.block_size,
+        seq_len=request.seq_len,
+        deployment_block_size=deployment_block_size,
+        limits=limits,
+    )
+
+
+def check_geometry(
+    *,
+    n_tokens: int | None,
+    n_keys: int | None,
+    block_size: int | None,
+    seq_len: int | None,
+    deployment_block_size: int,
+    limits: LimitsConfig,
+) -> tuple[int, int]:
+    """The block size and the prompt's length a request's counts give (pure, O(1): from the counts
+    alone, so a request may be checked before it is converted or shed). ``n_keys`` None: token ids
+    were given (``n_tokens`` of them). seq_len, when given, must be the prompt's length: with token
+    ids, their count; with keys, at least the tokens the keys' blocks cover; never more than
+    ``max_prompt_tokens``. Raise BadRequest naming the field."""
+    if block_size is not None and block_size <= 0:
+        raise BadRequest("block_size", f"must be positive, got {block_size}")
+    if block_size is not None and block_size > limits.max_prompt_tokens:
+        raise BadRequest(
+            "block_size",
+            f"{block_size} is more than the limit of {limits.max_prompt_tokens} tokens (--max-prompt-tokens)",
+        )
+    if seq_len is not None and seq_len < 0:
+        raise BadRequest("seq_len", f"must not be negative, got {seq_len}")
+    if seq_len is not None and seq_len > limits.max_prompt_tokens:
+        raise BadRequest(
+            "seq_len", f"{seq_len} is more than the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)"
+        )
+    if n_keys is not None:
+        size = block_size if block_size is not None else deployment_block_size
+        covered = n_keys * size
+        if seq_len is None:
+            if covered > limits.max_prompt_tokens:
+                raise BadRequest(
+                    "block_cache_keys",
+                    f"{n_keys} keys of {size} tokens cover {covered} tokens, more than the limit of "
+                    f"{limits.max_prompt_tokens} (--max-prompt-tokens)",
+                )
+            return size, covered
+        if seq_len < covered:
+            raise BadRequest(
+                "seq_len", f"{seq_len} is shorter than the {covered} tokens the {n_keys} keys of {size} tokens cover"
+            )
+        return size, seq_len
+    if not n_tokens:
+        raise BadRequest("token_ids", "must not be empty")
+    if block_size is not None and block_size != deployment_block_size:
+        raise BadRequest(
+            "block_size",
+            f"{block_size} differs from the deployment's {deployment_block_size}, "
+            "which token ids are hashed with; send block_cache_keys to use another",
+        )
+    if seq_len is not None and seq_len != n_tokens:
+        raise BadRequest(
+            "seq_len", f"{seq_len} differs from the {n_tokens} token ids given (leave it out to use their count)"
+        )
+    return deployment_block_size, n_tokens
 
 
 def named_roles(
@@ -234,20 +302,7 @@ def check_request(
     seq_len, when given, must be the prompt's length: with token ids, their count; with keys, at
     least the tokens the keys' blocks cover; never more than ``max_prompt_tokens``.
     """
-    check_admissible(request, limits)
-    if request.block_size is not None and request.block_size <= 0:
-        raise BadRequest("block_size", f"must be positive, got {request.block_size}")
-    if request.block_size is not None and request.block_size > limits.max_prompt_tokens:
-        raise BadRequest(
-            "block_size",
-            f"{request.block_size} is more than the limit of {limits.max_prompt_tokens} tokens (--max-prompt-tokens)",
-        )
-    if request.seq_len is not None and request.seq_len < 0:
-        raise BadRequest("seq_len", f"must not be negative, got {request.seq_len}")
-    if request.seq_len is not None and request.seq_len > limits.max_prompt_tokens:
-        raise BadRequest(
-            "seq_len", f"{request.seq_len} is more than the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)"
-        )
+    block_size, seq_len = check_admissible(request, deployment.block_size, limits)
     roles = deployment.roles if not request.roles else tuple(dict.fromkeys(request.roles))  # each role once
     foreign = [r.value for r in roles if r not in deployment.roles]
     if foreign:
@@ -260,44 +315,10 @@ def check_request(
     keys: tuple[int, ...] = ()
     if request.block_cache_keys is not None:
         keys = tuple(request.block_cache_keys)
-        block_size = request.block_size if request.block_size is not None else deployment.block_size
         if keys and not _all_int64(keys):
             raise BadRequest("block_cache_keys", "every key must be a signed 64-bit integer")
-        covered = len(keys) * block_size
-        if request.seq_len is None:
-            if covered > limits.max_prompt_tokens:
-                raise BadRequest(
-                    "block_cache_keys",
-                    f"{len(keys)} keys of {block_size} tokens cover {covered} tokens, more than the limit of "
-                    f"{limits.max_prompt_tokens} (--max-prompt-tokens)",
-                )
-            seq_len = covered
-        elif request.seq_len < covered:
-            raise BadRequest(
-                "seq_len",
-                f"{request.seq_len} is shorter than the {covered} tokens the {len(keys)} keys of "
-                f"{block_size} tokens cover",
-            )
-        else:
-            seq_len = request.seq_len
     else:
         assert request.token_ids is not None
-        if not request.token_ids:
-            raise BadRequest("token_ids", "must not be empty")
-        if request.block_size is not None and request.block_size != deployment.block_size:
-            raise BadRequest(
-                "block_size",
-                f"{request.block_size} differs from the deployment's {deployment.block_size}, "
-                "which token ids are hashed with; send block_cache_keys to use another",
-            )
-        block_size = deployment.block_size
-        if request.seq_len is not None and request.seq_len != len(request.token_ids):
-            raise BadRequest(
-                "seq_len",
-                f"{request.seq_len} differs from the {len(request.token_ids)} token ids given (leave it out "
-                "to use their count)",
-            )
-        seq_len = len(request.token_ids)
         if hash_tokens:
             tokens = request.token_ids  # the hashing checks each id, and key_slices the ids it leaves
         else:

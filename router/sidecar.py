@@ -76,7 +76,15 @@ from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.logs import ctx
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, HeldPlace, ShedRecords
-from router.request import budget_deadline, budget_left_ms, caller_deadline, check_bounds, check_shape, quoted
+from router.request import (
+    budget_deadline,
+    budget_left_ms,
+    caller_deadline,
+    check_bounds,
+    check_geometry,
+    check_shape,
+    quoted,
+)
 from router.settings import parse_listen
 from router.targets import HostPort, format_target
 from router.thread_bridge import ANSWER_SLACK_S, deliver_outcome, settle
@@ -118,17 +126,19 @@ def _role(name: str) -> Role:
     return role
 
 
-def request_from_proto(message: router_v1_pb2.RouteRequest, limits: LimitsConfig) -> RouteRequest:
+def request_from_proto(
+    message: router_v1_pb2.RouteRequest, limits: LimitsConfig, deployment_block_size: int
+) -> RouteRequest:
     """The router's request for a ``kvroute.v1.RouteRequest``; raises BadRequest naming the field.
 
     A request larger than ``limits`` is refused from its sizes, and one without an id or without
     exactly one of the two lists from its shape, before anything is converted. proto3 cannot tell an
     unset scalar from 0: block_size, seq_len and budget_ms 0 mean "not given" (budget: use the cap),
-    and an empty token_ids / block_cache_keys list is not given. Everything else (block size,
-    seq_len, roles the deployment routes) is checked by the router, which answers reason=bad_request
-    with an error naming the field.
+    and an empty token_ids / block_cache_keys list is not given. Block size and seq_len against the
+    lists are checked here too (``check_geometry``); the rest (roles the deployment routes, each id)
+    by the router, which answers reason=bad_request with an error naming the field.
     """
-    check_proto_bounds(message, limits)
+    check_proto_bounds(message, limits, deployment_block_size)
     return converted(message)
 
 
@@ -145,12 +155,22 @@ def max_request_bytes(limits: LimitsConfig) -> int:
     return max(GRPC_DEFAULT_MAX_RECEIVE_BYTES, 2 * legal)
 
 
-def check_proto_bounds(message: router_v1_pb2.RouteRequest, limits: LimitsConfig) -> None:
-    """Raise BadRequest naming the field when ``message`` is larger than ``limits`` allow (from its sizes)
-    or malformed in its shape (no id, not exactly one prompt list): both before it may be shed."""
+def check_proto_bounds(message: router_v1_pb2.RouteRequest, limits: LimitsConfig, deployment_block_size: int) -> None:
+    """Raise BadRequest naming the field when ``message`` is larger than ``limits`` allow (from its sizes),
+    malformed in its shape (no id, not exactly one prompt list) or in its geometry (block size and
+    seq_len against its lists: ``check_geometry``): all before it may be shed, which would otherwise
+    give a request the router refuses a worker under overload."""
     n_tokens, n_keys = len(message.token_ids), len(message.block_cache_keys)
     check_bounds(limits, request_id=message.request_id, n_tokens=n_tokens, n_keys=n_keys, n_roles=len(message.roles))
     check_shape(message.request_id, has_tokens=n_tokens > 0, has_keys=n_keys > 0)
+    check_geometry(
+        n_tokens=n_tokens,
+        n_keys=n_keys if n_keys else None,
+        block_size=message.block_size or None,  # 0: not given
+        seq_len=message.seq_len or None,
+        deployment_block_size=deployment_block_size,
+        limits=limits,
+    )
 
 
 def converted(message: router_v1_pb2.RouteRequest) -> RouteRequest:
@@ -533,6 +553,7 @@ class Sidecar:
         self._cap_ms = config.router.budget_cap_ms
         self._reply_margin_ms = config.router.reply_margin_ms
         self._limits = config.limits
+        self._block_size = config.deployment.block_size
         self._large_requests = threading.Semaphore(1)
         self._path_cost_s = 0.0  # running estimate of the sidecar's own path per call
         # A request carrying more than a hash slice's worth of ids (8 bytes each at most) is large.
@@ -794,7 +815,7 @@ class Sidecar:
         try:
             with self._reading_turn(len(data), context):
                 message.ParseFromString(data)
-                check_proto_bounds(message, self._limits)
+                check_proto_bounds(message, self._limits, self._block_size)
                 # A request naming roles always goes to the router: converted now, a bad role is
                 # refused before the call counts as handed over. Others are converted once admitted.
                 named_roles = converted(message) if message.roles else None

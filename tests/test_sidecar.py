@@ -611,6 +611,30 @@ async def test_the_grpc_call_cap_refuses_the_call_beyond_it(nursery: trio.Nurser
             assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in outcomes), outcomes
 
 
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"token_ids": [1, 2, 3], "seq_len": 10**9}, "seq_len"),  # past --max-prompt-tokens
+        ({"token_ids": [1, 2, 3], "block_size": 2 * BLOCK}, "block_size"),  # ids hashed with another size
+        ({"token_ids": [1, 2, 3], "seq_len": 7}, "seq_len"),  # not the ids' count
+        ({"block_cache_keys": [1, 2, 3], "block_size": 200_000}, "block_cache_keys"),  # covering past the limit
+    ],
+)
+async def test_a_request_the_router_would_refuse_is_refused_when_it_would_be_shed(
+    nursery: trio.Nursery, fields: dict[str, Any], named: str
+) -> None:
+    """Only the sizes and the shape were checked before a shed: under overload these got a worker
+    (domain/overloaded) where at normal load they are refused, naming the field."""
+    router = RouterConfig(budget_cap_ms=1000.0, reply_margin_ms=30_000.0)  # every call naming no roles is shed
+    with trio.fail_after(15):
+        async with rig(nursery, router=router) as r:
+            request = router_v1_pb2.RouteRequest(request_id="odd", **fields)
+            outcome = await _in_thread(lambda: r.route(request, timeout=10.0))
+            assert _status(outcome) is grpc.StatusCode.INVALID_ARGUMENT
+            assert _details(outcome).startswith(f"{named}:"), _details(outcome)
+            assert r.sidecar.stats().shed_at_receipt == 0
+
+
 async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
@@ -1052,19 +1076,20 @@ async def test_a_large_requests_wait_for_its_reading_turn_counts_against_its_bud
 
 def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None:
     message = router_v1_pb2.RouteRequest(request_id="x", token_ids=[1, 2], roles=["pdfusion"])
-    request = request_from_proto(message, LIMITS)
+    request = request_from_proto(message, LIMITS, BLOCK)
     assert request.token_ids == (1, 2)
     assert request.block_cache_keys is None
     assert (request.block_size, request.seq_len, request.budget_ms) == (None, None, None)
     assert request.roles == (Role.PDFUSION,)
     full = request_from_proto(
-        router_v1_pb2.RouteRequest(request_id="y", block_cache_keys=[9], block_size=32, seq_len=20, budget_ms=7),
+        router_v1_pb2.RouteRequest(request_id="y", block_cache_keys=[9], block_size=32, seq_len=40, budget_ms=7),
         LIMITS,
+        BLOCK,
     )
-    assert (full.block_cache_keys, full.block_size, full.seq_len, full.budget_ms) == ((9,), 32, 20, 7.0)
+    assert (full.block_cache_keys, full.block_size, full.seq_len, full.budget_ms) == ((9,), 32, 40, 7.0)
     for bad in ("UNKNOWN", "nope", ""):
         with pytest.raises(BadRequest) as info:
-            request_from_proto(router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=[bad]), LIMITS)
+            request_from_proto(router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=[bad]), LIMITS, BLOCK)
         assert info.value.field_name == "roles"
 
 
@@ -1099,7 +1124,8 @@ async def test_each_replys_way_back_reaches_the_deadline_splits_tail(nursery: tr
 
 def test_a_huge_role_name_is_quoted_cut_short() -> None:
     with pytest.raises(BadRequest) as info:
-        request_from_proto(router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=["X" * 100_000]), LIMITS)
+        huge = router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=["X" * 100_000])
+        request_from_proto(huge, LIMITS, BLOCK)
     assert info.value.field_name == "roles"
     assert len(str(info.value)) < 200 and "100000 chars" in str(info.value)
 
@@ -1116,11 +1142,11 @@ def test_oversized_fields_are_refused_from_their_sizes_naming_the_bound() -> Non
     ]
     for message, field, says in cases:
         with pytest.raises(BadRequest) as info:
-            request_from_proto(message, limits)
+            request_from_proto(message, limits, BLOCK)
         assert info.value.field_name == field
         assert says in str(info.value), str(info.value)
     at_the_bounds = router_v1_pb2.RouteRequest(request_id="abc", token_ids=[1] * 4, roles=["PREFILL"])
-    assert request_from_proto(at_the_bounds, limits).token_ids == (1, 1, 1, 1)
+    assert request_from_proto(at_the_bounds, limits, BLOCK).token_ids == (1, 1, 1, 1)
 
 
 def test_decision_conversion_keeps_every_field() -> None:
@@ -1240,5 +1266,5 @@ def test_a_malformed_shape_is_refused_before_the_call_could_be_shed(fields: dict
     """Checked with the sizes, before admission may answer the call ``overloaded``: a malformed call is
     refused naming the field, never answered with a worker."""
     with pytest.raises(BadRequest, match=f"^{named}:"):
-        check_proto_bounds(router_v1_pb2.RouteRequest(**fields), LIMITS)  # type: ignore[arg-type]
-    check_proto_bounds(router_v1_pb2.RouteRequest(request_id="r", token_ids=[1, 2]), LIMITS)  # well formed
+        check_proto_bounds(router_v1_pb2.RouteRequest(**fields), LIMITS, BLOCK)  # type: ignore[arg-type]
+    check_proto_bounds(router_v1_pb2.RouteRequest(request_id="r", token_ids=[1, 2]), LIMITS, BLOCK)  # well formed
