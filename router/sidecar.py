@@ -308,6 +308,7 @@ class CallTiming:
 
 
 _SCORING_STAGES = (Stage.PLAN, Stage.PROBE, Stage.SCORE)
+_NO_DEADLINE_S = 1e9  # a client's time left beyond this is grpc's way of saying it set none
 
 
 def crowded(waited_s: float, remaining_s: float | None, share: float) -> bool:
@@ -794,7 +795,8 @@ class Sidecar:
                     handed_s=None if hops is None or hops.arrived_at is None else hops.arrived_at - received,
                     way_back_s=None if hops is None or hops.settled_at is None else done - hops.settled_at,
                     scoring_s=sum(scoring_ms) / 1000.0 if scoring_ms else None,
-                    client_left_s=remaining if remaining is not None and math.isfinite(remaining) else None,
+                    # grpc gives a call without a deadline about 9.2e18 s: none.
+                    client_left_s=remaining if remaining is not None and remaining < _NO_DEADLINE_S else None,
                 )
             )
             return reply

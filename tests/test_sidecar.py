@@ -410,6 +410,16 @@ async def test_each_answered_call_leaves_one_timing_against_its_deadline_and_a_t
                 assert timing.handed_s > 0 and timing.way_back_s > 0
                 assert timing.handed_s + timing.router_s + timing.way_back_s <= timing.elapsed_s
             assert r.sidecar.take_call_timings() == []
+            # A client that sets no deadline: grpc reports about 9.2e18 s left, which is none.
+            no_deadline = router_v1_pb2.RouteRequest(request_id="open", token_ids=PROMPT, budget_ms=600)
+            call = r.channel.unary_unary(
+                ROUTER_ROUTE,
+                request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
+                response_deserializer=router_v1_pb2.RouteDecision.FromString,
+            )
+            await _in_thread(lambda: call(no_deadline))
+            (open_ended,) = r.sidecar.take_call_timings()
+            assert open_ended.client_left_s is None
 
 
 async def test_the_sidecars_call_outcomes_are_on_metrics(nursery: trio.Nursery) -> None:
