@@ -60,6 +60,7 @@ from router.request import (
     key_slices,
     named_roles,
     request_deadline,
+    sheddable,
 )
 from router.types import (
     COMPANION_ROLES,
@@ -251,11 +252,11 @@ class RouterActor:
     def _recorded(self, request: RouteRequest) -> RouteRequest:
         return without_prompt(request, self._config.limits.max_request_id_bytes)
 
-    def charge_sheds(self, tokens: Mapping[WorkerAddr, int]) -> None:
-        """Charge the workers named by sheds other threads answered: the tokens each was sent (their
-        prompts' lengths as given, ``given_prompt_tokens``), one charge per worker for a batch."""
-        for worker, sent in tokens.items():
-            self._domain.charge(worker, sent)
+    def charge_sheds(self, sent: Mapping[WorkerAddr, tuple[int, int]]) -> None:
+        """Charge the workers named by sheds other threads answered: (tokens, requests) each was sent
+        (the prompts' lengths as given, ``given_prompt_tokens``), one charge per worker for a batch."""
+        for worker, (tokens, requests) in sent.items():
+            self._domain.charge(worker, tokens, requests)
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
@@ -272,11 +273,11 @@ class RouterActor:
         # has no room for.
         in_flight = int(self._limiter.borrowed_tokens)
         if remaining > 0 and not self._estimate.admits(remaining, in_flight=in_flight):
-            return await self._shed(request, now, deadline)
+            return await self._shed_or_refuse(request, now, deadline)
         try:
             self._limiter.acquire_on_behalf_of_nowait(ticket)
         except trio.WouldBlock:
-            return await self._shed(request, now, deadline)
+            return await self._shed_or_refuse(request, now, deadline)
         try:
             self._peak = max(self._peak, int(self._limiter.borrowed_tokens))
             decision = await self._handle(request, now, deadline)
@@ -293,6 +294,13 @@ class RouterActor:
         decision = self._emit(self._fallback(request, None, Reason.BAD_REQUEST, now, {}, (), error=str(problem)))
         await trio.lowlevel.checkpoint()
         return decision
+
+    async def _shed_or_refuse(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
+        """The shed's answer, unless the checks refuse the request: then theirs (``bad_request``, naming
+        the field, made and logged as any), which must not become a worker under overload."""
+        if sheddable(request, self._deployment.block_size, self._limits):
+            return await self._shed(request, now, deadline)
+        return await self._handle(request, now, deadline)  # refused by its checks at once, no place taken
 
     async def _shed(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
         """The domain answer ``overloaded``, before any work on the request (recorded like any decision).

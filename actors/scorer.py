@@ -73,6 +73,7 @@ class _Record:
     worker: WorkerAddr
     uncached_tokens: int
     now: float
+    requests: int = 1  # the dispatches it charges (sheds come in sums)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +158,10 @@ class Scorer:
                         self._health = self._snapshot()
                         message = await receive.receive()
                     if isinstance(message, _Record):
-                        self._policy.record(message.worker, message.uncached_tokens, message.now)
-                        self._records += 1
+                        self._policy.record(
+                            message.worker, message.uncached_tokens, message.now, requests=message.requests
+                        )
+                        self._records += message.requests
                     elif message.abandoned:
                         self._abandoned += 1
                     else:
@@ -230,14 +233,20 @@ class Scorer:
             return False
         return True
 
-    def charge_nowait(self, worker: WorkerAddr, uncached_tokens: int, now: float) -> bool:
-        """Charge dispatches of requests that never were in flight (answered ``overloaded``): as
-        :meth:`record_nowait`, but only while fewer than ``SHED_CHARGE_ROOM`` messages wait, so however
-        many sheds come, the requests in flight keep the inbox's room for their own (False, counted)."""
+    def charge_nowait(self, worker: WorkerAddr, uncached_tokens: int, now: float, *, requests: int = 1) -> bool:
+        """Charge ``requests`` dispatches of requests that never were in flight (answered
+        ``overloaded``), ``uncached_tokens`` in all: as :meth:`record_nowait`, but only while fewer than
+        ``SHED_CHARGE_ROOM`` messages wait, so however many sheds come, the requests in flight keep the
+        inbox's room for their own (False, and the requests counted dropped)."""
         if self._receive.statistics().current_buffer_used >= SHED_CHARGE_ROOM:
-            self._records_dropped += 1
+            self._records_dropped += requests
             return False
-        return self.record_nowait(worker, uncached_tokens, now)
+        try:
+            self._send.send_nowait(_Record(worker, uncached_tokens, now, requests))
+        except trio.WouldBlock:
+            self._records_dropped += requests
+            return False
+        return True
 
     def health(self) -> ScorerHealth:
         """The snapshot the Scorer's task last published, with the counters callers keep themselves."""

@@ -19,7 +19,8 @@ many calls handed to the trio thread and not yet answered as the learnt in-fligh
 the caller's loop with one of the router's published ``overloaded`` answers, and counted and recorded
 on the trio thread afterwards, in batches. Under a burst of calls the hand-offs would otherwise queue
 on the trio thread and every answer would come after its deadline. A call naming roles, or one the
-router will refuse (its fields, sizes or shape wrong), always goes to the router.
+router will refuse (its fields, sizes, shape, geometry or ids wrong: ``sheddable``), always goes to
+the router.
 
 Bridge: each call is handed to trio with ``TrioToken.run_sync_soon``, runs as a task in the host's
 call nursery, and completes an asyncio future with ``loop.call_soon_threadsafe``. The call's budget
@@ -61,6 +62,7 @@ from router.request import (
     check_admissible,
     check_fields,
     given_prompt_tokens,
+    sheddable,
 )
 from router.settings import LoadedConfig
 from router.targets import HostPort
@@ -241,8 +243,11 @@ class AsyncioRouterHost:
             not self._gate.hand_off(0.0)
         ):
             # As the router admits: a call with nothing left is its to answer (reason deadline), unless
-            # there is no place to hand it to.
-            return self._shed(request, published, left_s, sent_at)
+            # there is no place to hand it to. One the router refuses (an id that is no 64-bit
+            # integer) is handed over all the same, to be told so.
+            if sheddable(request, self._config.deployment.block_size, self._config.limits):
+                return self._shed(request, published, left_s, sent_at)
+            self._gate.hand_off_anyway()
         handed = _Handed(self._gate, loop, sent_at, left_s)
         scope = trio.CancelScope()  # cancelled from this side through the trio token only
         try:

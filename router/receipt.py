@@ -275,7 +275,7 @@ class ShedRecords(Generic[M]):
         now = trio.current_time()
         recorded = 0
         # Charged in a sum per worker: the answers were drawn among a few (OVERLOAD_DRAWS).
-        sent: dict[WorkerAddr, int] = {}
+        sent: dict[WorkerAddr, tuple[int, int]] = {}  # tokens and requests per worker
         try:
             while most is None or recorded < most:
                 try:
@@ -285,7 +285,8 @@ class ShedRecords(Generic[M]):
                 decision = drawn.answering(self._request_id(message), elapsed_ms)
                 router.record_shed(partial(self._convert, message), decision, now + left_s)
                 if decision.worker is not None:
-                    sent[decision.worker] = sent.get(decision.worker, 0) + self._tokens(message)
+                    tokens, requests = sent.get(decision.worker, (0, 0))
+                    sent[decision.worker] = (tokens + self._tokens(message), requests + 1)
                 recorded += 1
             return bool(self._queue)
         finally:

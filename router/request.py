@@ -336,6 +336,18 @@ def check_request(
     )
 
 
+def sheddable(request: RouteRequest, deployment_block_size: int, limits: LimitsConfig) -> bool:
+    """Whether ``request`` may be answered ``overloaded`` (pure): only one the router would not refuse
+    from its fields alone, so a malformed request is told so even under overload. Its admissible
+    fields (``check_admissible``, O(1)) and each token id and key a 64-bit integer (O(n), in C: a
+    prompt of 262,144 ids about 3 ms)."""
+    try:
+        check_admissible(request, deployment_block_size, limits)
+    except BadRequest:
+        return False
+    return all(ids is None or _all_int64(ids) for ids in (request.token_ids, request.block_cache_keys))
+
+
 def check_token_ids(token_ids: Sequence[int]) -> None:
     """Raise BadRequest("token_ids") unless every id is a 64-bit integer (pure): for token ids no key
     family hashes, which would catch them."""

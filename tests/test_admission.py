@@ -138,9 +138,9 @@ async def test_the_router_publishes_overloaded_answers_and_counts_the_sheds_othe
         assert after.handled == before.handled  # never entered the pipeline
         worker = published.answers[0].worker
         assert worker is not None
-        router.charge_sheds({worker: 3 * len(PROMPT)})  # their worker gets them: charged, in a sum
+        router.charge_sheds({worker: (3 * len(PROMPT), 3)})  # their worker gets them: charged, in a sum
         await trio.testing.wait_all_tasks_blocked()
-        assert _scorer_records(handle) == charged + 1
+        assert _scorer_records(handle) == charged + 3  # the dispatches charged, not the messages
 
 
 def _scorer_records(handle: RouterHandle) -> int:

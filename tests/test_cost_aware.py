@@ -145,6 +145,9 @@ def test_the_pre_charge_carries_the_fixed_cost() -> None:
     assert policy.ledger.view(w.http_target, 0.0)[0] == 1000 + 300
     policy.record(w, 500, 2.0)
     assert policy.ledger.view(w.http_target, 0.0)[0] == 1000 + 300 + 500 + 300
+    # Sheds come in sums: each of them carries the fixed cost (one charge for four used to carry one).
+    policy.record(w, 4 * 96, 3.0, requests=4)
+    assert policy.ledger.view(w.http_target, 2.5)[0] == 4 * 96 + 4 * 300
 
 
 def test_spread_near_ties_takes_the_cheaper_of_the_two_lowest_draws_with_the_same_hit() -> None:

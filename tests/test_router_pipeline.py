@@ -35,6 +35,7 @@ from router.config import (
     DeploymentConfig,
     DiscoveryConfig,
     KvrouteConfig,
+    LimitsConfig,
     MetricsConfig,
     ProberConfig,
     RouterConfig,
@@ -44,7 +45,7 @@ from router.keys import block_keys
 from router.logs import AggregatingLogger
 from router.policy.cache_affinity import CacheAffinityFirst
 from router.policy.deadline_split import SplitWindows
-from router.request import CheckedRequest, key_slices, prepare_request
+from router.request import CheckedRequest, key_slices, prepare_request, sheddable
 from router.sidecar import decision_to_proto
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
@@ -1177,6 +1178,45 @@ async def test_an_overloaded_answer_is_charged_to_the_worker_it_names(autojump_c
         shed = [d for d in decisions if d.reason is Reason.OVERLOADED]
         assert shed and all(d.worker is not None for d in shed)
         assert _charged_and_written(handle)[0] - before[0] == len(shed)
+
+
+async def test_a_request_its_checks_refuse_is_refused_not_shed_under_overload(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Only the fields' types were checked before a shed: under overload a seq_len past the limit, or
+    a key beyond 64 bits, got a worker (domain/overloaded) where at normal load it is refused."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    bad = [
+        RouteRequest("long-seq", token_ids=PROMPT, seq_len=10**9, budget_ms=50),
+        RouteRequest("wide-key", block_cache_keys=(1, 2**70), budget_ms=50),
+        RouteRequest("foreign-size", token_ids=PROMPT, block_size=2 * BLOCK, budget_ms=50),
+    ]
+    async with routed(cluster, max_in_flight=1) as (handle, _, _):
+        decisions: list[RouteDecision] = []
+
+        async def one(request: RouteRequest) -> None:
+            decisions.append(await handle.route(request))
+
+        async with trio.open_nursery() as callers:
+            callers.start_soon(one, RouteRequest("takes-the-place", token_ids=PROMPT, budget_ms=50))
+            for request in bad * 3:
+                callers.start_soon(one, request)
+        refused = [d for d in decisions if d.request_id != "takes-the-place"]
+        assert len(refused) == 9
+        assert all(d.reason is Reason.BAD_REQUEST for d in refused), [
+            (d.request_id, d.reason) for d in refused
+        ]
+
+
+def test_only_a_request_its_checks_pass_is_sheddable() -> None:
+    limits, size = LimitsConfig(), BLOCK
+    assert sheddable(RouteRequest("ok", token_ids=PROMPT), size, limits)
+    assert sheddable(RouteRequest("ok-keys", block_cache_keys=(1, 2, 3), seq_len=48), size, limits)
+    assert not sheddable(RouteRequest("seq", token_ids=PROMPT, seq_len=10**9), size, limits)
+    assert not sheddable(RouteRequest("size", token_ids=PROMPT, block_size=2 * size), size, limits)
+    assert not sheddable(RouteRequest("wide", block_cache_keys=(1, 2**70)), size, limits)
+    assert not sheddable(RouteRequest("str", token_ids=("a", "b")), size, limits)  # type: ignore[arg-type]
+    assert not sheddable(RouteRequest("both", token_ids=PROMPT, block_cache_keys=(1,)), size, limits)
 
 
 @pytest.mark.parametrize("slice_ms", [0.3, 1.5])

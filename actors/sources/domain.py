@@ -58,11 +58,11 @@ class DomainSource:
     def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
         return None
 
-    def charge(self, worker: WorkerAddr, tokens: int) -> None:
-        """Charge ``tokens`` sent to ``worker`` by requests answered ``overloaded`` (drawn here, ahead
-        or not); never blocks, dropped when the Scorer's room for them is full."""
-        if tokens > 0:
-            self._scorer.charge_nowait(worker, tokens, trio.current_time())
+    def charge(self, worker: WorkerAddr, tokens: int, requests: int = 1) -> None:
+        """Charge ``requests`` sent to ``worker``, ``tokens`` in all, answered ``overloaded`` (drawn
+        here, ahead or not); never blocks, dropped when the Scorer's room for them is full."""
+        if requests > 0:
+            self._scorer.charge_nowait(worker, tokens, trio.current_time(), requests=requests)
 
     def pick(
         self,

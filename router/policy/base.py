@@ -64,9 +64,16 @@ class Policy(Protocol):
         ...
 
     def record(
-        self, worker: WorkerAddr, uncached_tokens: int, now: float, status_taken_at: float | None = None
+        self,
+        worker: WorkerAddr,
+        uncached_tokens: int,
+        now: float,
+        status_taken_at: float | None = None,
+        *,
+        requests: int = 1,
     ) -> None:
-        """Record a dispatch the policy did not decide (a fallback's)."""
+        """Record dispatches the policy did not decide (a fallback's): ``requests`` of them (sheds are
+        charged in sums), ``uncached_tokens`` in all."""
         ...
 
     def health(self) -> PolicyHealth: ...

@@ -687,10 +687,18 @@ class LedgerPolicy:
         return selection
 
     def record(
-        self, worker: WorkerAddr, uncached_tokens: int, now: float, status_taken_at: float | None = None
+        self,
+        worker: WorkerAddr,
+        uncached_tokens: int,
+        now: float,
+        status_taken_at: float | None = None,
+        *,
+        requests: int = 1,
     ) -> None:
-        """Charge a dispatch the policy did not decide (shadow or domain fallback) to the ledger."""
-        self.ledger.record(worker.http_target, uncached_tokens + self._charge_tokens, now, status_taken_at)
+        """Charge dispatches the policy did not decide (shadow or domain fallback, sheds in sums) to the
+        ledger: their tokens and each one's fixed cost."""
+        charge = uncached_tokens + requests * self._charge_tokens
+        self.ledger.record(worker.http_target, charge, now, status_taken_at)
 
     def health(self) -> PolicyHealth:
         return PolicyHealth(
