@@ -311,6 +311,13 @@ _SCORING_STAGES = (Stage.PLAN, Stage.PROBE, Stage.SCORE)
 _NO_DEADLINE_S = 1e9  # a client's time left beyond this is grpc's way of saying it set none
 
 
+def client_time_left(context: grpc.ServicerContext) -> float | None:
+    """The client's deadline left, in seconds; None when it set none (grpc then reports about 9.2e18 s,
+    which is finite: taken as a deadline, it reached the decision log as the call's ``dl``)."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining < _NO_DEADLINE_S else None
+
+
 def crowded(waited_s: float, remaining_s: float | None, share: float) -> bool:
     """Whether a call that waited ``waited_s`` for a handler thread and then had ``remaining_s`` of its
     client's deadline left spent more than ``share`` of that deadline waiting (no deadline: never).
@@ -771,7 +778,7 @@ class Sidecar:
 
     def _route_rpc(self, data: bytes, context: grpc.ServicerContext) -> bytes:
         received = time.monotonic()
-        remaining = context.time_remaining()
+        remaining = client_time_left(context)
         self._counters.enter()
         if not context.add_callback(self._counters.ended):  # the RPC has ended already
             self._counters.ended()
@@ -781,7 +788,7 @@ class Sidecar:
             timings = self._timings
             if timings is None:
                 return reply
-            if remaining is not None and math.isfinite(remaining):
+            if remaining is not None:
                 routing_s = min(routing_s, remaining)
             query_ms = stage_ms.get(Stage.CACHE_QUERY)
             scoring_ms = [stage_ms[stage] for stage in _SCORING_STAGES if stage in stage_ms]
@@ -795,8 +802,7 @@ class Sidecar:
                     handed_s=None if hops is None or hops.arrived_at is None else hops.arrived_at - received,
                     way_back_s=None if hops is None or hops.settled_at is None else done - hops.settled_at,
                     scoring_s=sum(scoring_ms) / 1000.0 if scoring_ms else None,
-                    # grpc gives a call without a deadline about 9.2e18 s: none.
-                    client_left_s=remaining if remaining is not None and remaining < _NO_DEADLINE_S else None,
+                    client_left_s=remaining,
                 )
             )
             return reply
@@ -825,14 +831,12 @@ class Sidecar:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, f"request: not a kvroute.v1.RouteRequest ({exc})") from None
         except BadRequest as exc:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, str(exc)) from None
-        remaining = context.time_remaining()
+        remaining = client_time_left(context)
         sent_at = time.monotonic()
         # The client's deadline less what this sidecar's own path (hand-off to the trio thread, the
         # answer's way back, serialising and sending it) has been costing: decided that much earlier,
         # the answer reaches the client in time. The router keeps --reply-margin-ms on top.
-        client_s = (
-            max(0.0, remaining - self._path_cost_s) if remaining is not None and math.isfinite(remaining) else None
-        )
+        client_s = None if remaining is None else max(0.0, remaining - self._path_cost_s)
         # The router's own deadline (min(budget, cap)), counted from receipt as the router counts it,
         # less the call's wait for this handler thread: queued in this process, it was the sidecar's
         # time (a call behind a held thread had its whole budget again once it got one).
@@ -855,9 +859,11 @@ class Sidecar:
         # A call may have waited for its place: the client's deadline above counts that wait (from
         # sent_at); the in-flight limit and the own-path estimate count from the hand-off.
         handed_at = time.monotonic()
-        wait_s = routing_s + ANSWER_SLACK_S
-        if remaining is not None and math.isfinite(remaining):
-            wait_s = min(wait_s, max(0.0, remaining))  # the handler waits the client's whole deadline
+        # From now: the time the call already spent (read, a wait for its place) is off both deadlines,
+        # or a stalled trio thread held the handler that much past them.
+        wait_s = max(0.0, routing_s - (handed_at - received)) + ANSWER_SLACK_S
+        if remaining is not None:  # the handler waits the client's whole deadline
+            wait_s = min(wait_s, max(0.0, remaining - (handed_at - sent_at)))
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
         release = partial(
             self._gate.answered,
@@ -957,7 +963,7 @@ class Sidecar:
             return
         # At most the client's deadline, and never longer than any call's routing deadline can be (the
         # cap): a client without a deadline has about 9e18 s left, which the wait cannot take.
-        remaining = context.time_remaining()
+        remaining = client_time_left(context)
         wait_s = self._cap_ms / 1000.0 + ANSWER_SLACK_S
         if remaining is not None:
             wait_s = min(wait_s, remaining)

@@ -621,6 +621,31 @@ async def test_the_grpc_call_cap_refuses_the_call_beyond_it(nursery: trio.Nurser
             assert all(isinstance(o, router_v1_pb2.RouteDecision) for o in outcomes), outcomes
 
 
+async def test_a_call_without_a_client_deadline_reaches_the_router_with_none(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """grpc reports about 9.2e18 s left for a call without a deadline, which is finite: it became the
+    request's deadline, and the decision log wrote it as the call's ``dl``."""
+    log = tmp_path / "decisions.log"
+    router = RouterConfig(budget_cap_ms=1000.0, decision_log=str(log))
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.0)
+    with trio.fail_after(15):
+        async with rig(nursery, router=router, serve=serve) as r:
+            call = r.channel.unary_unary(
+                ROUTER_ROUTE,
+                request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
+                response_deserializer=router_v1_pb2.RouteDecision.FromString,
+            )
+            for request_id, timeout in (("open", None), ("timed", 5.0)):
+                request = router_v1_pb2.RouteRequest(request_id=request_id, token_ids=PROMPT, budget_ms=600)
+                await _in_thread(functools.partial(call, request, timeout=timeout))
+            r.sidecar.drain()
+            await r.stopped.wait()
+    deadlines = {case.request_id: case.request.deadline for case in load_log([str(log)]).cases}
+    assert deadlines["open"] is None
+    assert deadlines["timed"] is not None
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
