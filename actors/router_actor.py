@@ -298,9 +298,12 @@ class RouterActor:
     async def _shed_or_refuse(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
         """The shed's answer, unless the checks refuse the request: then theirs (``bad_request``, naming
         the field, made and logged as any), which must not become a worker under overload."""
-        if sheddable(request, self._deployment.block_size, self._limits):
+        if self._sheddable(request):
             return await self._shed(request, now, deadline)
         return await self._handle(request, now, deadline)  # refused by its checks at once, no place taken
+
+    def _sheddable(self, request: RouteRequest) -> bool:
+        return sheddable(request, self._deployment.block_size, self._limits)
 
     async def _shed(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
         """The domain answer ``overloaded``, before any work on the request (recorded like any decision).

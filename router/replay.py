@@ -649,6 +649,9 @@ class _ReplayDomain(DomainSource):
         self._roles = config.deployment.roles
         self._current = current
 
+    def charge(self, worker: WorkerAddr, tokens: int, requests: int = 1) -> None:
+        """Nothing: replay reads each decision's ledger from the recording, and has no Scorer."""
+
     def pick(
         self,
         prepared: PreparedRequest | None,
@@ -702,6 +705,10 @@ class _ReplayRouter(RouterActor):
         if self.hashing_was_cut and is_sliced(checked, self._limits.hash_slice_tokens):
             await trio.sleep_forever()
         return await super()._keys(checked, progress)
+
+    def _sheddable(self, request: RouteRequest) -> bool:
+        """A recorded shed passed the checks when it was made; its record keeps no prompt to check again."""
+        return True
 
     async def route_overloaded(self, request: RouteRequest) -> RouteDecision:
         """Route with every admission token held, as when the recorded request found none."""
