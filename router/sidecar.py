@@ -859,10 +859,11 @@ class Sidecar:
         # A call may have waited for its place: the client's deadline above counts that wait (from
         # sent_at); the in-flight limit and the own-path estimate count from the hand-off.
         handed_at = time.monotonic()
-        # From now: the time the call already spent (read, a wait for its place) is off both deadlines,
-        # or a stalled trio thread held the handler that much past them.
-        wait_s = max(0.0, routing_s - (handed_at - received)) + ANSWER_SLACK_S
-        if remaining is not None:  # the handler waits the client's whole deadline
+        # The routing deadline and a slack from now: a stalled trio thread's late answer still reaches a
+        # client that waits. Never past the client's deadline, though, the time the call already spent
+        # (a wait for its place) off it: nobody waits for the answer then.
+        wait_s = routing_s + ANSWER_SLACK_S
+        if remaining is not None:
             wait_s = min(wait_s, max(0.0, remaining - (handed_at - sent_at)))
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
         release = partial(
