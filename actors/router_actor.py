@@ -55,7 +55,6 @@ from router.request import (
     PreparedRequest,
     check_fields,
     check_request,
-    given_prompt_tokens,
     is_sliced,
     key_slices,
     named_roles,
@@ -254,7 +253,7 @@ class RouterActor:
 
     def charge_sheds(self, sent: Mapping[WorkerAddr, tuple[int, int]]) -> None:
         """Charge the workers named by sheds other threads answered: (tokens, requests) each was sent
-        (the prompts' lengths as given, ``given_prompt_tokens``), one charge per worker for a batch."""
+        (the prompts' lengths, as ``sheddable`` gave them), one charge per worker for a batch."""
         for worker, (tokens, requests) in sent.items():
             self._domain.charge(worker, tokens, requests)
 
@@ -298,22 +297,22 @@ class RouterActor:
     async def _shed_or_refuse(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
         """The shed's answer, unless the checks refuse the request: then theirs (``bad_request``, naming
         the field, made and logged as any), which must not become a worker under overload."""
-        if self._sheddable(request):
-            return await self._shed(request, now, deadline)
+        tokens = self._sheddable(request)
+        if tokens is not None:
+            return await self._shed(request, now, deadline, tokens)
         return await self._handle(request, now, deadline)  # refused by its checks at once, no place taken
 
-    def _sheddable(self, request: RouteRequest) -> bool:
+    def _sheddable(self, request: RouteRequest) -> int | None:
         return sheddable(request, self._deployment.block_size, self._limits)
 
-    async def _shed(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
+    async def _shed(self, request: RouteRequest, now: float, deadline: float, tokens: int) -> RouteDecision:
         """The domain answer ``overloaded``, before any work on the request (recorded like any decision).
 
         Still a checkpoint: a caller looping over shed requests would otherwise never yield, the lag
         probe would wait for it, and the lag it measured would shed everything after."""
         self._overloaded += 1
         decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
-        if decision.worker is not None:  # the worker gets it: the Scorer must see it (its length as given)
-            tokens = given_prompt_tokens(request, self._deployment.block_size, self._limits)
+        if decision.worker is not None:  # the worker gets it: the Scorer must see it (``tokens``, its length)
             self._domain.charge(decision.worker, tokens)
         if self._decision_log is not None:
             record = DecisionRecord(self._recorded(request), now, deadline, overloaded=True, decision=decision)

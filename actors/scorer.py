@@ -224,12 +224,13 @@ class Scorer:
             raise ScorerUnavailable(message.error or "no selection")
         return Decided(message.selection, message.work_s)
 
-    def record_nowait(self, worker: WorkerAddr, uncached_tokens: int, now: float) -> bool:
-        """Charge a dispatch the policy did not decide; never blocks. False (and counted) when full."""
+    def record_nowait(self, worker: WorkerAddr, uncached_tokens: int, now: float, *, requests: int = 1) -> bool:
+        """Charge ``requests`` dispatches the policy did not decide, ``uncached_tokens`` in all; never
+        blocks. False (and the requests counted dropped) when full."""
         try:
-            self._send.send_nowait(_Record(worker, uncached_tokens, now))
+            self._send.send_nowait(_Record(worker, uncached_tokens, now, requests))
         except trio.WouldBlock:
-            self._records_dropped += 1
+            self._records_dropped += requests
             return False
         return True
 
@@ -241,12 +242,7 @@ class Scorer:
         if self._receive.statistics().current_buffer_used >= SHED_CHARGE_ROOM:
             self._records_dropped += requests
             return False
-        try:
-            self._send.send_nowait(_Record(worker, uncached_tokens, now, requests))
-        except trio.WouldBlock:
-            self._records_dropped += requests
-            return False
-        return True
+        return self.record_nowait(worker, uncached_tokens, now, requests=requests)
 
     def health(self) -> ScorerHealth:
         """The snapshot the Scorer's task last published, with the counters callers keep themselves."""

@@ -61,7 +61,6 @@ from router.request import (
     caller_deadline,
     check_admissible,
     check_fields,
-    given_prompt_tokens,
     sheddable,
 )
 from router.settings import LoadedConfig
@@ -127,8 +126,7 @@ class AsyncioRouterHost:
             ),
             waiters=0,
         )
-        tokens = partial(given_prompt_tokens, block_size=config.deployment.block_size, limits=config.limits)
-        self._sheds: ShedRecords[RouteRequest] = ShedRecords(_as_is, _request_id, tokens)
+        self._sheds: ShedRecords[RouteRequest] = ShedRecords(_as_is, _request_id)
         self._shed_rng = random.Random()  # callers' loops draw from it (each draw is atomic under the GIL)
         self._counts_lock = threading.Lock()
         self._handed = 0
@@ -245,8 +243,9 @@ class AsyncioRouterHost:
             # As the router admits: a call with nothing left is its to answer (reason deadline), unless
             # there is no place to hand it to. One the router refuses (an id that is no 64-bit
             # integer) is handed over all the same, to be told so.
-            if sheddable(request, self._config.deployment.block_size, self._config.limits):
-                return self._shed(request, published, left_s, sent_at)
+            tokens = sheddable(request, self._config.deployment.block_size, self._config.limits)
+            if tokens is not None:
+                return self._shed(request, published, left_s, sent_at, tokens)
             self._gate.hand_off_anyway()
         handed = _Handed(self._gate, loop, sent_at, left_s)
         scope = trio.CancelScope()  # cancelled from this side through the trio token only
@@ -294,14 +293,14 @@ class AsyncioRouterHost:
         return routing_s, left_s
 
     def _shed(
-        self, request: RouteRequest, published: OverloadAnswers, left_s: float, sent_at: float
+        self, request: RouteRequest, published: OverloadAnswers, left_s: float, sent_at: float, tokens: int
     ) -> RouteDecision:
         """One of the router's published ``overloaded`` answers, given on the caller's loop and
         recorded on the trio thread later."""
         answers = published.answers
         drawn = answers[self._shed_rng.randrange(len(answers))]
         elapsed_ms = (time.monotonic() - sent_at) * 1000.0
-        recorded = self._sheds.add(request, drawn, elapsed_ms, left_s)
+        recorded = self._sheds.add(request, drawn, elapsed_ms, left_s, tokens)
         with self._counts_lock:
             self._shed_count += 1
             self._unrecorded += not recorded

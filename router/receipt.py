@@ -192,16 +192,12 @@ class ShedRecords(Generic[M]):
     with a checkpoint between turns (with the decision log on, each record converts its request).
     ``convert`` turns a received request into the router's; it runs only where a record keeps it."""
 
-    def __init__(
-        self, convert: Callable[[M], RouteRequest], request_id: Callable[[M], str], tokens: Callable[[M], int]
-    ) -> None:
-        """``tokens``: a received request's prompt length as its fields give it (charged to the worker its
-        answer names), read without converting it."""
+    def __init__(self, convert: Callable[[M], RouteRequest], request_id: Callable[[M], str]) -> None:
         self._convert = convert
         self._request_id = request_id
-        self._tokens = tokens
-        # Each: the request, the answer drawn, the elapsed ms and the time the request had left.
-        self._queue: deque[tuple[M, RouteDecision, float, float]] = deque()
+        # Each: the request, the answer drawn, the elapsed ms, the time the request had left and its
+        # prompt's length (charged to the worker the answer names).
+        self._queue: deque[tuple[M, RouteDecision, float, float, int]] = deque()
         self._due = False
         # Set on the trio thread by open(); read by receiving threads.
         self._token: trio.lowlevel.TrioToken | None = None
@@ -220,14 +216,14 @@ class ShedRecords(Generic[M]):
         self._nursery = None
         self.record()
 
-    def add(self, message: M, drawn: RouteDecision, elapsed_ms: float, left_s: float) -> bool:
+    def add(self, message: M, drawn: RouteDecision, elapsed_ms: float, left_s: float, tokens: int) -> bool:
         """Queue one shed (``drawn``, the published answer it was given, ``elapsed_ms`` after receipt,
         with ``left_s`` to go); False: SHED_RECORDS_MAX are waiting, and this one is not recorded."""
         # Length and append are two steps: threads racing past a full queue overshoot it by one each
         # at most, still a bound.
         if len(self._queue) >= SHED_RECORDS_MAX:
             return False
-        self._queue.append((message, drawn, elapsed_ms, left_s))
+        self._queue.append((message, drawn, elapsed_ms, left_s, tokens))
         if not self._due:  # a lost race costs one empty recording, never a missed one
             self._due = True
             token = self._token
@@ -279,14 +275,14 @@ class ShedRecords(Generic[M]):
         try:
             while most is None or recorded < most:
                 try:
-                    message, drawn, elapsed_ms, left_s = self._queue.popleft()
+                    message, drawn, elapsed_ms, left_s, tokens = self._queue.popleft()
                 except IndexError:
                     return False
                 decision = drawn.answering(self._request_id(message), elapsed_ms)
                 router.record_shed(partial(self._convert, message), decision, now + left_s)
                 if decision.worker is not None:
-                    tokens, requests = sent.get(decision.worker, (0, 0))
-                    sent[decision.worker] = (tokens + self._tokens(message), requests + 1)
+                    charged, requests = sent.get(decision.worker, (0, 0))
+                    sent[decision.worker] = (charged + tokens, requests + 1)
                 recorded += 1
             return bool(self._queue)
         finally:

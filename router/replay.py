@@ -706,9 +706,10 @@ class _ReplayRouter(RouterActor):
             await trio.sleep_forever()
         return await super()._keys(checked, progress)
 
-    def _sheddable(self, request: RouteRequest) -> bool:
-        """A recorded shed passed the checks when it was made; its record keeps no prompt to check again."""
-        return True
+    def _sheddable(self, request: RouteRequest) -> int | None:
+        """A recorded shed passed the checks when it was made; its record keeps no prompt to check again
+        (nor is anything charged: replay has no Scorer)."""
+        return 0
 
     async def route_overloaded(self, request: RouteRequest) -> RouteDecision:
         """Route with every admission token held, as when the recorded request found none."""

@@ -170,21 +170,6 @@ def check_shape(request_id: str, *, has_tokens: bool, has_keys: bool) -> None:
         raise BadRequest("token_ids", "give exactly one of token_ids or block_cache_keys")
 
 
-def given_prompt_tokens(request: RouteRequest, block_size: int, limits: LimitsConfig) -> int:
-    """A prompt's length as its fields give it, unchecked beyond ``check_fields`` (pure, O(1)): its ids'
-    count, else its ``seq_len``, else its keys × block size (the request's, else ``block_size``),
-    within 0..max_prompt_tokens. What a request answered ``overloaded`` is charged to the ledger."""
-    if request.token_ids is not None:
-        tokens = len(request.token_ids)
-    elif request.block_cache_keys is None:
-        tokens = 0
-    elif request.seq_len is not None:
-        tokens = request.seq_len
-    else:
-        tokens = len(request.block_cache_keys) * (request.block_size or block_size)
-    return max(0, min(tokens, limits.max_prompt_tokens))
-
-
 def check_admissible(request: RouteRequest, deployment_block_size: int, limits: LimitsConfig) -> tuple[int, int]:
     """The checks made before a request may be answered ``overloaded`` (pure, O(1)): its fields' types,
     its sizes against ``limits``, its shape and its geometry (``check_geometry``, whose block size and
@@ -336,16 +321,18 @@ def check_request(
     )
 
 
-def sheddable(request: RouteRequest, deployment_block_size: int, limits: LimitsConfig) -> bool:
-    """Whether ``request`` may be answered ``overloaded`` (pure): only one the router would not refuse
-    from its fields alone, so a malformed request is told so even under overload. Its admissible
-    fields (``check_admissible``, O(1)) and each token id and key a 64-bit integer (O(n), in C: a
-    prompt of 262,144 ids about 3 ms)."""
+def sheddable(request: RouteRequest, deployment_block_size: int, limits: LimitsConfig) -> int | None:
+    """The prompt's length (what a shed charges its worker) when ``request`` may be answered
+    ``overloaded``; None when the router would refuse it from its fields alone, so a malformed request
+    is told so even under overload (pure). Its admissible fields (``check_admissible``, O(1)) and each
+    token id and key a 64-bit integer (O(n), in C: a prompt of 262,144 ids about 3 ms)."""
     try:
-        check_admissible(request, deployment_block_size, limits)
+        _, seq_len = check_admissible(request, deployment_block_size, limits)
     except BadRequest:
-        return False
-    return all(ids is None or _all_int64(ids) for ids in (request.token_ids, request.block_cache_keys))
+        return None
+    if all(ids is None or _all_int64(ids) for ids in (request.token_ids, request.block_cache_keys)):
+        return seq_len
+    return None
 
 
 def check_token_ids(token_ids: Sequence[int]) -> None:

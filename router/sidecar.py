@@ -155,15 +155,16 @@ def max_request_bytes(limits: LimitsConfig) -> int:
     return max(GRPC_DEFAULT_MAX_RECEIVE_BYTES, 2 * legal)
 
 
-def check_proto_bounds(message: router_v1_pb2.RouteRequest, limits: LimitsConfig, deployment_block_size: int) -> None:
+def check_proto_bounds(message: router_v1_pb2.RouteRequest, limits: LimitsConfig, deployment_block_size: int) -> int:
     """Raise BadRequest naming the field when ``message`` is larger than ``limits`` allow (from its sizes),
     malformed in its shape (no id, not exactly one prompt list) or in its geometry (block size and
     seq_len against its lists: ``check_geometry``): all before it may be shed, which would otherwise
-    give a request the router refuses a worker under overload."""
+    give a request the router refuses a worker under overload. Returns the prompt's length (what a
+    shed charges its worker)."""
     n_tokens, n_keys = len(message.token_ids), len(message.block_cache_keys)
     check_bounds(limits, request_id=message.request_id, n_tokens=n_tokens, n_keys=n_keys, n_roles=len(message.roles))
     check_shape(message.request_id, has_tokens=n_tokens > 0, has_keys=n_keys > 0)
-    check_geometry(
+    _, seq_len = check_geometry(
         n_tokens=n_tokens,
         n_keys=n_keys if n_keys else None,
         block_size=message.block_size or None,  # 0: not given
@@ -171,6 +172,7 @@ def check_proto_bounds(message: router_v1_pb2.RouteRequest, limits: LimitsConfig
         deployment_block_size=deployment_block_size,
         limits=limits,
     )
+    return seq_len
 
 
 def converted(message: router_v1_pb2.RouteRequest) -> RouteRequest:
@@ -186,13 +188,6 @@ def converted(message: router_v1_pb2.RouteRequest) -> RouteRequest:
         budget_ms=budget_ms(message),
         roles=tuple(_role(name) for name in message.roles) or None,
     )
-
-
-def shed_tokens(message: router_v1_pb2.RouteRequest, block_size: int, limits: LimitsConfig) -> int:
-    """A shed call's prompt length as its fields give it, without converting it (``given_prompt_tokens``
-    on the message: 0 means not given)."""
-    keys = len(message.block_cache_keys) * (message.block_size or block_size)
-    return min(len(message.token_ids) or message.seq_len or keys, limits.max_prompt_tokens)
 
 
 def budget_ms(message: router_v1_pb2.RouteRequest) -> float | None:
@@ -593,9 +588,7 @@ class Sidecar:
         self._pool: _TimedPool | None = None  # set in run(); read by handler threads
         self._shed_rng = random.Random()  # handler threads draw from it (each draw is atomic under the GIL)
         # Sheds waiting to be recorded on the trio thread: added by handler threads, recorded there.
-        self._sheds: ShedRecords[router_v1_pb2.RouteRequest] = ShedRecords(
-            converted, _request_id, partial(shed_tokens, block_size=config.deployment.block_size, limits=config.limits)
-        )
+        self._sheds: ShedRecords[router_v1_pb2.RouteRequest] = ShedRecords(converted, _request_id)
         # On /metrics too, not only in the summary at the stop: the calls refused before the router
         # (INVALID_ARGUMENT on the message alone), timed out or cut never reach its decision counts.
         metrics = handle.metrics
@@ -823,7 +816,7 @@ class Sidecar:
         try:
             with self._reading_turn(len(data), context):
                 message.ParseFromString(data)
-                check_proto_bounds(message, self._limits, self._block_size)
+                tokens = check_proto_bounds(message, self._limits, self._block_size)
                 # A request naming roles always goes to the router: converted now, a bad role is
                 # refused before the call counts as handed over. Others are converted once admitted.
                 named_roles = converted(message) if message.roles else None
@@ -851,7 +844,7 @@ class Sidecar:
             request = named_roles
             self._gate.hand_off_anyway()
         else:
-            shed = self._shed_at_receipt(message, left_s, received, context)
+            shed = self._shed_at_receipt(message, left_s, received, context, tokens)
             if shed is not None:
                 reply, elapsed_ms = shed
                 return reply, routing_s, {Stage.TOTAL: elapsed_ms}, None
@@ -907,7 +900,12 @@ class Sidecar:
         return decision_to_proto(decision).SerializeToString()
 
     def _shed_at_receipt(
-        self, message: router_v1_pb2.RouteRequest, left_s: float, received: float, context: grpc.ServicerContext
+        self,
+        message: router_v1_pb2.RouteRequest,
+        left_s: float,
+        received: float,
+        context: grpc.ServicerContext,
+        tokens: int,
     ) -> tuple[bytes, float] | None:
         """The reply (and its elapsed ms) of the router's ``overloaded`` answer when this call (naming
         no roles) cannot be served in time, decided here on the handler thread from what the router
@@ -927,7 +925,7 @@ class Sidecar:
             and self._gate.hand_off(slot_wait_s(estimate, left_s))
         ):
             return None
-        return self._shed(message, published, left_s, received, context)
+        return self._shed(message, published, left_s, received, context, tokens)
 
     def _shed(
         self,
@@ -936,6 +934,7 @@ class Sidecar:
         left_s: float,
         received: float,
         context: grpc.ServicerContext,
+        tokens: int,
     ) -> tuple[bytes, float]:
         # A shed is the cheapest answer only if it stays cheap: the reply is the drawn answer's
         # bytes serialised once per draw, and the decision to record is built on the trio thread.
@@ -950,7 +949,7 @@ class Sidecar:
         elapsed_ms = (time.monotonic() - received) * 1000.0
         reply = shed_reply(bodies[drawn_at], message.request_id, elapsed_ms)
         # Beyond SHED_RECORDS_MAX waiting the shed is answered and counted, not recorded.
-        self._counters.shed(recorded=self._sheds.add(message, drawn, elapsed_ms, left_s))
+        self._counters.shed(recorded=self._sheds.add(message, drawn, elapsed_ms, left_s, tokens))
         return reply, elapsed_ms
 
     @contextlib.contextmanager

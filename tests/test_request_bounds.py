@@ -26,13 +26,13 @@ from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, Limi
 from router.keys import block_key_slices, block_keys, join_slices
 from router.request import (
     check_request,
-    given_prompt_tokens,
     is_sliced,
     key_slices,
     prepare_request,
     request_deadline,
+    sheddable,
 )
-from router.sidecar import shed_tokens
+from router.sidecar import check_proto_bounds
 from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteRequest
@@ -358,16 +358,22 @@ async def test_a_long_request_past_its_deadline_stops_hashing_and_is_answered(
         ({"token_ids": tuple(range(100))}, 100),
         ({"block_cache_keys": (1, 2, 3)}, 3 * BLOCK),  # the deployment's block size
         ({"block_cache_keys": (1, 2, 3), "block_size": 64}, 3 * 64),
-        ({"block_cache_keys": (1, 2, 3), "seq_len": 40}, 40),
-        ({}, 0),
-        ({"block_cache_keys": tuple(range(10)), "block_size": 10**9}, LIMITS.max_prompt_tokens),
+        ({"block_cache_keys": (1, 2, 3), "seq_len": 60}, 60),
+        ({}, None),  # neither list: refused
+        ({"block_cache_keys": tuple(range(10)), "block_size": 10**9}, None),  # past the longest prompt
+        ({"block_cache_keys": (1, 2, 3), "seq_len": 40}, None),  # shorter than the keys cover
     ],
 )
-def test_a_shed_request_is_charged_its_prompts_length_as_its_fields_give_it_in_both_forms(
-    fields: dict[str, Any], tokens: int
+def test_a_shed_request_is_charged_the_length_its_checks_gave_it_in_both_forms(
+    fields: dict[str, Any], tokens: int | None
 ) -> None:
-    """Unchecked (a shed is answered before the checks), read alike from the router's request and the
-    sidecar's message without converting it, and never beyond the longest prompt."""
-    assert given_prompt_tokens(RouteRequest("r", **fields), BLOCK, LIMITS) == tokens
+    """The prompt's length comes from the same checks that decide a request may be shed, read alike
+    from the router's request and the sidecar's message without converting it; a request they refuse
+    is not shed at all."""
+    assert sheddable(RouteRequest("r", **fields), BLOCK, LIMITS) == tokens
     message = router_v1_pb2.RouteRequest(request_id="r", **{k: v for k, v in fields.items()})
-    assert shed_tokens(message, BLOCK, LIMITS) == tokens
+    if tokens is None:
+        with pytest.raises(BadRequest):
+            check_proto_bounds(message, LIMITS, BLOCK)
+    else:
+        assert check_proto_bounds(message, LIMITS, BLOCK) == tokens

@@ -1210,13 +1210,13 @@ async def test_a_request_its_checks_refuse_is_refused_not_shed_under_overload(
 
 def test_only_a_request_its_checks_pass_is_sheddable() -> None:
     limits, size = LimitsConfig(), BLOCK
-    assert sheddable(RouteRequest("ok", token_ids=PROMPT), size, limits)
-    assert sheddable(RouteRequest("ok-keys", block_cache_keys=(1, 2, 3), seq_len=48), size, limits)
-    assert not sheddable(RouteRequest("seq", token_ids=PROMPT, seq_len=10**9), size, limits)
-    assert not sheddable(RouteRequest("size", token_ids=PROMPT, block_size=2 * size), size, limits)
-    assert not sheddable(RouteRequest("wide", block_cache_keys=(1, 2**70)), size, limits)
-    assert not sheddable(RouteRequest("str", token_ids=("a", "b")), size, limits)  # type: ignore[arg-type]
-    assert not sheddable(RouteRequest("both", token_ids=PROMPT, block_cache_keys=(1,)), size, limits)
+    assert sheddable(RouteRequest("ok", token_ids=PROMPT), size, limits) == len(PROMPT)
+    assert sheddable(RouteRequest("ok-keys", block_cache_keys=(1, 2, 3), seq_len=48), size, limits) == 48
+    assert sheddable(RouteRequest("seq", token_ids=PROMPT, seq_len=10**9), size, limits) is None
+    assert sheddable(RouteRequest("size", token_ids=PROMPT, block_size=2 * size), size, limits) is None
+    assert sheddable(RouteRequest("wide", block_cache_keys=(1, 2**70)), size, limits) is None
+    assert sheddable(RouteRequest("str", token_ids=("a", "b")), size, limits) is None  # type: ignore[arg-type]
+    assert sheddable(RouteRequest("both", token_ids=PROMPT, block_cache_keys=(1,)), size, limits) is None
 
 
 @pytest.mark.parametrize("slice_ms", [0.3, 1.5])

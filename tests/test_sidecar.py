@@ -869,7 +869,7 @@ async def test_a_hand_off_or_a_shed_racing_the_calls_nursery_closing_is_refused_
                 assert published is not None and published.answers
                 before = r.handle.router_actor().health().overloaded
                 sidecar._sheds.open(r.handle.router_actor(), closed)
-                assert sidecar._sheds.add(message, published.answers[0], 0.05, 0.03)
+                assert sidecar._sheds.add(message, published.answers[0], 0.05, 0.03, len(message.token_ids))
                 sidecar._sheds._record_soon()  # the recorder's wake-up, as run_sync_soon runs it
                 assert r.handle.router_actor().health().overloaded == before + 1  # recorded at once
             finally:

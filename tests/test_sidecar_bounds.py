@@ -62,7 +62,7 @@ async def test_sheds_beyond_the_bound_are_answered_and_counted_not_queued(
 
         def shed_all() -> list[bytes]:  # on a thread, as grpc's handler threads do
             requests = [router_v1_pb2.RouteRequest(request_id=f"s{i}", token_ids=range(32)) for i in range(calls)]
-            return [sidecar._shed(r, published, 0.01, time.monotonic(), context)[0] for r in requests]
+            return [sidecar._shed(r, published, 0.01, time.monotonic(), context, 32)[0] for r in requests]
 
         replies = await trio.to_thread.run_sync(shed_all)
         last = router_v1_pb2.RouteDecision.FromString(replies[-1])
