@@ -154,6 +154,21 @@ class RouterHealth:
 
 _ANY_REQUEST = RouteRequest(request_id="")  # the drawn answers' placeholder; each shed fills in its own id
 
+# Answers a request's path may have made without awaiting anything: the domain's pick (the chain's
+# last source, or a refusal) and none. The master's, KVCM's and the shadow's each waited for a peer or
+# for the Scorer's task.
+_MAY_NOT_HAVE_WAITED = frozenset((RouteSource.DOMAIN, RouteSource.NONE))
+
+
+async def _yielded(decision: RouteDecision) -> RouteDecision:
+    """``decision``, after one scheduling round if its path may not have had one: a caller routing in a
+    loop in one task would otherwise never let the other actors run (the metrics sink, the breakers'
+    owners), and the lag probe, waiting for the loop, would count it all as lag and shed what follows.
+    Shielded: the decision is made, and a cancellation arriving now must not lose it."""
+    if decision.route_source in _MAY_NOT_HAVE_WAITED:
+        await trio.lowlevel.cancel_shielded_checkpoint()
+    return decision
+
 
 class RouterActor:
     def __init__(
@@ -282,7 +297,7 @@ class RouterActor:
             decision = await self._handle(request, now, deadline)
         finally:
             self._limiter.release_on_behalf_of(ticket)
-        return decision
+        return await _yielded(decision)
 
     async def _refuse(self, request: RouteRequest, now: float, problem: BadRequest) -> RouteDecision:
         """The answer ``bad_request`` to a request whose fields cannot even be read (a wrong type, a
@@ -300,7 +315,8 @@ class RouterActor:
         tokens = self._sheddable(request)
         if tokens is not None:
             return await self._shed(request, now, deadline, tokens)
-        return await self._handle(request, now, deadline)  # refused by its checks at once, no place taken
+        # Refused by its checks at once, no place taken.
+        return await _yielded(await self._handle(request, now, deadline))
 
     def _sheddable(self, request: RouteRequest) -> int | None:
         return sheddable(request, self._deployment.block_size, self._limits)

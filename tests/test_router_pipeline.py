@@ -509,6 +509,42 @@ async def test_feature_off_is_plain_domain_routing(autojump_clock: trio.testing.
         assert len(counts) == 4 and min(counts.values()) >= 25  # uniform random over discovery
 
 
+async def test_a_loop_of_answers_made_without_io_lets_the_other_tasks_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With the fallback off every answer is the domain's, made without awaiting anything: a caller
+    routing in a loop in one task must still yield at each route, or the metrics sink (and every other
+    actor) waits for the whole loop."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, kvcm_fallback=False)
+    routes = 50
+    ran = 0
+    done = trio.Event()
+
+    async def another_task() -> None:
+        nonlocal ran
+        for _ in range(100 * routes):  # bounded: ends with the loop, or after this many rounds
+            if done.is_set():
+                return
+            ran += 1
+            await trio.lowlevel.checkpoint()
+
+    async with open_router(config, rpc=network) as handle, trio.open_nursery() as nursery:
+        nursery.start_soon(another_task)
+        await trio.lowlevel.checkpoint()  # it has started
+        before = ran
+        for i in range(routes):
+            d = await handle.route(RouteRequest(f"loop{i}", token_ids=PROMPT, budget_ms=20))
+            assert d.route_source is RouteSource.DOMAIN and d.reason is Reason.FEATURE_OFF
+        during = ran - before
+        done.set()
+        peak = handle.metrics.snapshot().inbox_peak
+    assert routes - 1 <= during <= 2 * routes  # a round per route (the last may end the batch): not none
+    assert peak <= 2  # the sink took each decision as it came, not the loop's all at once
+
+
 def test_feature_off_does_not_hash_token_ids() -> None:
     """Nothing uses keys with the fallback off, so a long prompt costs no hashing; the request is
     still validated and its length still counts (seq_len feeds the domain pre-charge)."""
