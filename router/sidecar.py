@@ -275,8 +275,9 @@ class CallTiming:
     """One answered Route call, seen by the sidecar: from its handler's start to the reply's bytes."""
 
     elapsed_s: float  # receipt (the handler thread started) to the serialised reply
-    # The call's deadline at receipt: min(budget less its wait for the handler thread, --budget-cap-ms,
-    # the client's remaining time), at least 0.
+    # The call's allowance from receipt: min(budget, --budget-cap-ms) less its wait for the handler
+    # thread, or the client's remaining time if less. Below 0 for a call that waited longer than its
+    # budget: its lateness then counts the whole wait, as a shorter wait's does.
     allowed_s: float
     # The router's own time, from taking the request to deciding (the decision's stage total);
     # elapsed_s less it is this sidecar's own path: decoding, the hop to the trio thread and back,
@@ -291,6 +292,8 @@ class CallTiming:
     scoring_s: float | None = None
     # The client's deadline left at receipt (None: it set none): at most 0, the client had given up.
     client_left_s: float | None = None
+    # The answer's source (None: answered overloaded at receipt, on the handler thread).
+    route_source: RouteSource | None = None
 
     @property
     def own_path_s(self) -> float:
@@ -777,25 +780,26 @@ class Sidecar:
             self._counters.ended()
         outcome = "answered"
         try:
-            reply, routing_s, stage_ms, hops = self._route_call(data, context, received)
+            reply, allowed_s, stage_ms, hops, source = self._route_call(data, context, received)
             timings = self._timings
             if timings is None:
                 return reply
             if remaining is not None:
-                routing_s = min(routing_s, remaining)
+                allowed_s = min(allowed_s, remaining)
             query_ms = stage_ms.get(Stage.CACHE_QUERY)
             scoring_ms = [stage_ms[stage] for stage in _SCORING_STAGES if stage in stage_ms]
             done = time.monotonic()
             timings.append(
                 CallTiming(
                     elapsed_s=done - received,
-                    allowed_s=routing_s,
+                    allowed_s=allowed_s,
                     router_s=stage_ms.get(Stage.TOTAL, 0.0) / 1000.0,
                     query_s=None if query_ms is None else query_ms / 1000.0,
                     handed_s=None if hops is None or hops.arrived_at is None else hops.arrived_at - received,
                     way_back_s=None if hops is None or hops.settled_at is None else done - hops.settled_at,
                     scoring_s=sum(scoring_ms) / 1000.0 if scoring_ms else None,
                     client_left_s=remaining,
+                    route_source=source,
                 )
             )
             return reply
@@ -807,9 +811,10 @@ class Sidecar:
 
     def _route_call(
         self, data: bytes, context: grpc.ServicerContext, received: float
-    ) -> tuple[bytes, float, Mapping[Stage, float], _CallHops | None]:
-        """The serialised decision, the routing deadline (min(budget, cap)) in seconds from receipt,
-        the decision's stage times and, for a call handed to the router, its hops."""
+    ) -> tuple[bytes, float, Mapping[Stage, float], _CallHops | None, RouteSource | None]:
+        """The serialised decision, the call's allowance in seconds from receipt (its routing deadline,
+        min(budget, cap), less its wait for the handler thread: below 0 when it waited longer), the
+        decision's stage times and, for a call handed to the router, its hops and its answer's source."""
         if self._draining:  # written by the trio thread; a call racing the flip is routed normally
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is draining: request not routed")
         message = router_v1_pb2.RouteRequest()
@@ -833,7 +838,8 @@ class Sidecar:
         # The router's own deadline (min(budget, cap)), counted from receipt as the router counts it,
         # less the call's wait for this handler thread: queued in this process, it was the sidecar's
         # time (a call behind a held thread had its whole budget again once it got one).
-        routing_s = max(0.0, budget_deadline(budget_ms(message), 0.0, self._cap_ms) - self._thread_wait.waited_s)
+        allowance_s = budget_deadline(budget_ms(message), 0.0, self._cap_ms) - self._thread_wait.waited_s
+        routing_s = max(0.0, allowance_s)
         # What the router will have, from now: its deadline less what reading the call took (a large
         # request's wait for its reading turn is spent), or the client's less the reply margin.
         routing_left_s = max(0.0, routing_s - (sent_at - received))
@@ -847,7 +853,7 @@ class Sidecar:
             shed = self._shed_at_receipt(message, left_s, received, context, tokens)
             if shed is not None:
                 reply, elapsed_ms = shed
-                return reply, routing_s, {Stage.TOTAL: elapsed_ms}, None
+                return reply, allowance_s, {Stage.TOTAL: elapsed_ms}, None, None
             request = converted(message)  # no roles: nothing left to refuse
         # A call may have waited for its place: the client's deadline above counts that wait (from
         # sent_at); the in-flight limit and the own-path estimate count from the hand-off.
@@ -891,7 +897,7 @@ class Sidecar:
         if hops.settled_at is not None:  # the future's settling orders the trio thread's write before this read
             self._reply_times.append(done - hops.settled_at)
         self._observe_path_cost(done - handed_at - decision.elapsed_ms / 1000.0)
-        return reply, routing_s, decision.stage_ms, hops
+        return reply, allowance_s, decision.stage_ms, hops, decision.route_source
 
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
         if decision.reason is Reason.BAD_REQUEST:

@@ -190,8 +190,8 @@ class LevelResult:
         """Calls the sidecar answered that reached its handler with none of the client's deadline left:
         they waited it out in gRPC's queues before the sidecar saw them (the client's, the transport,
         the server's thread pool), and the client, already gone, counted them unanswered. (Not an
-        ``allowed_s`` of 0: a budget spent waiting for a handler thread leaves none, and the client,
-        still waiting, gets the answer.)"""
+        ``allowed_s`` at or below 0: a budget spent waiting for a handler thread leaves none, and the
+        client, still waiting, gets the answer, late by the wait beyond the budget.)"""
         return sum(t.client_left_s is not None and t.client_left_s <= 0.0 for t in self.timings)
 
     @property
