@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -24,11 +25,12 @@ import pytest
 import trio
 
 from kvroute_sim.bench import callers, decision_cpu, latency, thread_cpu
-from kvroute_sim.bench.cli import _router_setting, settings_problems
+from kvroute_sim.bench import cli as bench_cli
+from kvroute_sim.bench.cli import _router_setting, _selected, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, Outcomes, router_config
 from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS, SCENARIOS, OutageSizes, _scenario
 from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
-from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, targets_met
+from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, knee_free_through, targets_met
 from kvroute_sim.bench.raw_grpc import FloorSamples, paced, slot_wait
 from kvroute_sim.bench.results import BenchReport, Verdict
 from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
@@ -37,6 +39,7 @@ from kvroute_sim.stats import shown_against
 from router.cli import main
 from router.config import BreakerConfig
 from router.sidecar import CallTiming
+from router.types import RouteSource
 
 QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,P7,P8,soak"
 EXPECTED_ROWS = [
@@ -110,7 +113,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         if os.path.isdir("/proc/self/task"):  # where this process's CPU went, by thread role
             assert set(level["thread_cpu_us_per_call"]) == {"handlers", "trio loop", "grpcio", "other"}
     rates = by_key["P8"]["data"]["rates"]
-    assert [r["rate"] for r in rates] == [50, 100, 200, 400, 800]
+    assert [r["rate"] for r in rates] == [50, 100, 200, 400, 500, 800]
     for r in rates:  # every call sent is answered by the sidecar or seen failing by the client
         assert r["sent"] > 0 and r["answered_by_sidecar"] + sum(r["errors"].values()) >= r["sent"]
         assert 0 <= r["fallback_share"] <= 1 and sum(r["outcomes"].values()) <= r["sent"]
@@ -121,7 +124,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         assert r["floor_queries"] == min(r["sent"], 20)
         assert 0 < r["floor_query_p50_ms"] <= r["floor_query_p99_ms"]
     assert "plain client's KVCM query at this rate" in by_key["P8"]["result"]
-    assert by_key["P8"]["data"]["knee"] in {None, 50, 100, 200, 400, 800}
+    assert by_key["P8"]["data"]["knee"] in {None, 50, 100, 200, 400, 500, 800}
     soak = by_key["soak"]["data"]
     assert soak["requests"] == 2_000 and soak["warm_up"] == 1_000
     assert sum(soak["outcomes"].values()) == soak["requests"] - soak["warm_up"]
@@ -147,6 +150,15 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
     assert "P7 load curve" in printed
     assert "P8 latency against offered rate" in printed
     assert "plain query p50/p99 ms" in printed
+
+
+def test_a_soak_asked_for_beside_only_runs_with_its_figures() -> None:
+    parser = argparse.ArgumentParser()
+    bench_cli.configure(parser)
+    assert _selected(parser.parse_args(["--only", "P1", "--soak", "5000"])) == {"P1", "soak"}
+    assert _selected(parser.parse_args(["--only", "P1"])) == {"P1"}
+    assert _selected(parser.parse_args(["--soak", "5000"])) == {"soak"}
+    assert _selected(parser.parse_args([])) == set(bench_cli.FIGURES)
 
 
 def test_soak_alone_runs_only_the_soak(tmp_path: Path) -> None:
@@ -206,6 +218,26 @@ def test_p8_knee_is_where_p99_doubles_or_fallbacks_pass_two_percent() -> None:
     assert knee([at(50, 3.0, fallbacks=2)]) is None
 
 
+def test_p8_knee_target_is_met_only_where_its_own_rate_was_measured_knee_free() -> None:
+    """A knee found at 800/s after 400/s lies anywhere in (400, 800]: "beyond 500/s" is not shown
+    (an audit: such a run was counted met)."""
+
+    def at(rate: int, p99_ms: float) -> RateResult:
+        calls = 5 * rate
+        tail = calls // 50  # the slowest 2 %: the p99
+        outcomes = Counter({"kvcm/CACHE_LEADER": calls})
+        return RateResult(rate, calls, 5.0, (1.5,) * (calls - tail) + (p99_ms,) * tail, (), Counter(), outcomes)
+
+    skipped_500 = [at(50, 3.0), at(100, 3.0), at(200, 3.0), at(400, 5.9), at(800, 12.0)]
+    assert knee(skipped_500) == 800 and knee_free_through(skipped_500) == 400
+    assert not targets_met(skipped_500)
+    measured_500 = [at(50, 3.0), at(100, 3.0), at(200, 3.0), at(400, 5.0), at(500, 5.9), at(800, 12.0)]
+    assert knee_free_through(measured_500) == 500 and targets_met(measured_500)
+    knee_at_500 = [at(50, 3.0), at(100, 3.0), at(200, 3.0), at(400, 5.0), at(500, 6.0), at(800, 12.0)]
+    assert knee_free_through(knee_at_500) == 400 and not targets_met(knee_at_500)
+    assert targets_met([at(r, 3.0) for r in (50, 100, 200, 400, 500, 800)])  # no knee at all
+
+
 def test_p8_is_missed_when_a_call_at_the_target_rate_got_no_answer() -> None:
     """A call with no answer is in no latency sample: 9 of 500 failing at 100/s (under the knee's 2 %)
     would otherwise leave p50 and p99 taken over the answered calls alone, and the figure met."""
@@ -216,7 +248,7 @@ def test_p8_is_missed_when_a_call_at_the_target_rate_got_no_answer() -> None:
         outcomes = Counter({"kvcm/CACHE_LEADER": answered})
         return RateResult(rate, 5 * rate, 5.0, (1.5,) * answered, (2.0,) * answered, errors, outcomes)
 
-    rates = (50, 100, 200, 400, 800)
+    rates = (50, 100, 200, 400, 500, 800)
     assert targets_met([at(r) for r in rates])
     assert not targets_met([at(r, failed=9 if r == 100 else 0) for r in rates])
 
@@ -314,11 +346,21 @@ def test_p8_path_segments_split_a_kvcm_call_along_its_path_and_leave_out_the_oth
         handed_s=0.0002,
         way_back_s=0.0003,
         scoring_s=0.0001,
+        route_source=RouteSource.KVCM,
     )
-    shadow = CallTiming(elapsed_s=0.0010, allowed_s=0.03, router_s=0.0005, handed_s=0.0002, way_back_s=0.0002)
+    shadow = CallTiming(
+        elapsed_s=0.0010,
+        allowed_s=0.03,
+        router_s=0.0005,
+        handed_s=0.0002,
+        way_back_s=0.0002,
+        route_source=RouteSource.SHADOW,
+    )
+    # A KVCM query cut short (it has a query stage), then the shadow's answer: not a KVCM call either.
+    after_a_cut_query = replace(shadow, elapsed_s=0.050, router_s=0.048, query_s=0.045, scoring_s=0.001)
     shed = CallTiming(elapsed_s=0.0001, allowed_s=0.03, router_s=0.0001)  # answered overloaded at receipt
-    segments = PathSegments.of([kvcm, shadow, shed])
-    assert segments.elapsed == pytest.approx((2.0,))  # only the call answered after a KVCM query
+    segments = PathSegments.of([kvcm, shadow, after_a_cut_query, shed])
+    assert segments.elapsed == pytest.approx((2.0,))  # only the call KVCM's source answered
     assert segments.to_trio == pytest.approx((0.2,))
     assert segments.task_start == pytest.approx((0.3,))  # 2.0 - 0.2 - 1.2 - 0.3
     assert segments.router_work == pytest.approx((0.4,))
