@@ -427,6 +427,16 @@ def test_required_when_on_is_checked_only_then() -> None:
     )
 
 
+def test_an_instance_id_that_is_not_utf8_is_refused_and_turns_the_fallback_off() -> None:
+    """A flag or environment value may hold bytes that are not UTF-8 (surrogate escapes): it passed,
+    then every KVCM query failed to encode it and the leader resolver crashed again and again."""
+    loaded = load_config({**GOOD, "kvcm_instance_id": "d\udcff", "workers": "10.1.0.1:80"}, {})
+    assert _names(loaded.fallback_errors) == {("kvcm_instance_id",)}
+    assert "UTF-8" in str(loaded.fallback_errors[0]) and "--kvcm-instance-id" in str(loaded.fallback_errors[0])
+    assert loaded.effective.router.kvcm_fallback is False
+    assert load_config({**GOOD, "kvcm_instance_id": "dépl_64", "workers": "10.1.0.1:80"}, {}).errors == ()
+
+
 def test_fail_soft_invalid_fallback_part_turns_the_fallback_off_and_keeps_defaults() -> None:
     loaded = load_config(
         {**GOOD, "block_size": "0", "prober_inflight_cap": "-3", "workers": "10.1.0.1:80"}, {}

@@ -65,9 +65,21 @@ def _deployment_problems(config: DeploymentConfig) -> list[Problem]:
     problems = range_problems(config)
     if config.roles and not any(r in PREFILL_CAPABLE_ROLES for r in config.roles):
         problems.append(Problem(("roles",), "name a prefill-capable role (PREFILL or PDFUSION) beside DECODE/VIT"))
+    if not _utf8(config.kvcm_instance_id):
+        # A flag or environment value may carry bytes that are not UTF-8 (as surrogate escapes): KVCM is
+        # sent the id as a protobuf string, and encoding it failed in every query, crashing the resolver.
+        problems.append(Problem(("kvcm_instance_id",), "must be UTF-8 text (KVCM is sent it as a string)"))
     if not problems:
         problems += geometry_problems(config.block_size, config.key_family, config.lookahead_tokens)
     return problems
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # Each section's rules: its component's own check, or its declared ranges when no component of this
