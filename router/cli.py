@@ -11,6 +11,7 @@ import argparse
 import importlib
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -98,16 +99,34 @@ def extra_hint(command: str, extra: str, missing: Sequence[str]) -> str:
     )
 
 
+class WholeNamesHelpFormatter(argparse.HelpFormatter):
+    """argparse's help with words never broken across lines: a long environment variable, TOML key or
+    flag name (``KVROUTE_MASTER_BREAKER_OVERLAPPING_FAILURES_COUNT_ONCE``) stays whole, so it can be
+    found and copied from a narrow terminal's help."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
+
+
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the ``selected`` subcommand's module is imported to add its flags."""
     # No abbreviated flags: "--budget-cap 7" must not quietly mean --budget-cap-ms, nor stop working
     # (or change meaning) the day another flag starts with the same words.
     parser = argparse.ArgumentParser(
-        prog="kvroute", description="KV-cache-aware request router for LLM serving", allow_abbrev=False
+        prog="kvroute",
+        description="KV-cache-aware request router for LLM serving",
+        allow_abbrev=False,
+        formatter_class=WholeNamesHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
-        sp = sub.add_parser(name, help=command.help, description=command.help, allow_abbrev=False)
+        sp = sub.add_parser(
+            name,
+            help=command.help,
+            description=command.help,
+            allow_abbrev=False,
+            formatter_class=WholeNamesHelpFormatter,
+        )
         if name == selected:
             module = importlib.import_module(command.module)
             module.configure(sp)

@@ -248,3 +248,19 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_starts(capsys:
         main(["check-config", "--budget-cap", "7"])
     assert exited.value.code == 2
     assert "unrecognized arguments: --budget-cap 7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("columns", [60, 80])
+def test_help_keeps_every_flag_env_var_and_toml_key_whole_on_a_narrow_terminal(
+    columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse broke long words at the line's end: at 80 columns
+    KVROUTE_MASTER_BREAKER_OVERLAPPING_FAILURES_COUNT_ONCE was split in two, and at 60 dozens of names
+    (an audit), which then could not be found or copied from the help."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    with pytest.raises(SystemExit):
+        main(["check-config", "--help"])
+    text = capsys.readouterr().out
+    assert [s.flag for s in SETTINGS if s.flag not in text] == []
+    assert [s.env for s in SETTINGS if s.env not in text] == []
+    assert [s.toml_key for s in SETTINGS if s.toml_key not in text] == []
