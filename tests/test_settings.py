@@ -427,6 +427,19 @@ def test_required_when_on_is_checked_only_then() -> None:
     )
 
 
+def test_a_huge_or_long_refused_number_is_named_by_its_size_not_repeated() -> None:
+    """Beyond the interpreter's 4,300-digit limit an integer was "expected an integer" and the whole
+    value came back in the message; any refused value is quoted cut (an audit: a line of 4,413
+    characters)."""
+    huge = load_config({**GOOD, "scorer_seed": "1" * 4301}, {})
+    (problem,) = [p for p in huge.errors if p.settings == ("scorer_seed",)]
+    assert "4301 digits" in str(problem) and len(str(problem)) < 200
+    long_text = load_config({**GOOD, "scorer_seed": "x" + "1" * 400}, {})
+    (problem,) = [p for p in long_text.errors if p.settings == ("scorer_seed",)]
+    assert "expected an integer" in str(problem) and "cut: 401 chars" in str(problem) and len(str(problem)) < 250
+    assert "got 'abc'" in str(load_config({**GOOD, "prober_inflight_cap": "abc"}, {}).errors[0])
+
+
 def test_an_instance_id_that_is_not_utf8_is_refused_and_turns_the_fallback_off() -> None:
     """A flag or environment value may hold bytes that are not UTF-8 (surrogate escapes): it passed,
     then every KVCM query failed to encode it and the leader resolver crashed again and again."""

@@ -23,7 +23,7 @@ from router.config import MASTER_GRPC_PORT_OFFSET, MASTER_HTTP_PORT, DeadlineSpl
 from router.logs import LOG_FORMATS, LOG_LEVELS
 from router.problems import Range, range_of
 from router.targets import REDACTED, HostPort, TargetError, parse_target, redact_userinfo
-from router.types import QueryType, Role, ScorerPolicy
+from router.types import QueryType, Role, ScorerPolicy, cut_text
 
 ENV_PREFIX = "KVROUTE_"
 CONFIG_ENV = "KVROUTE_CONFIG"  # the TOML file, when --config is not given
@@ -129,19 +129,21 @@ class Setting:
             try:
                 return int(raw, 10)
             except ValueError:
-                raise SettingValueError(f"expected an integer, got {text!r}") from None
+                if raw.lstrip("+-").isdigit():  # beyond the interpreter's digit limit for int()
+                    raise SettingValueError(f"got an integer of {len(raw)} digits, beyond any allowed value") from None
+                raise SettingValueError(f"expected an integer, got {_quoted(text)}") from None
         if self.kind is Kind.FLOAT:
             try:
                 return float(raw)
             except ValueError:
-                raise SettingValueError(f"expected a number, got {text!r}") from None
+                raise SettingValueError(f"expected a number, got {_quoted(text)}") from None
         if self.kind is Kind.BOOL:
             word = raw.lower()
             if word in _TRUE_WORDS:
                 return True
             if word in _FALSE_WORDS:
                 return False
-            raise SettingValueError(f"expected true/false/1/0/yes/no/on/off, got {text!r}")
+            raise SettingValueError(f"expected true/false/1/0/yes/no/on/off, got {_quoted(text)}")
         if self.kind is Kind.STR:
             return raw
         if self.kind is Kind.ENUM:
@@ -947,6 +949,15 @@ def _default_metavar(kind: Kind, choices: Mapping[str, enum.Enum] | None) -> str
         words = "|".join(choices)
         return f"{words}[,...]" if kind is Kind.ENUM_TUPLE else words
     return {Kind.INT: "N", Kind.FLOAT: "X", Kind.BOOL: "BOOL", Kind.STR: "TEXT"}[kind]
+
+
+_QUOTED_CHARS = 64  # a refused value quoted in a message: its start, and how long it was
+
+
+def _quoted(text: str) -> str:
+    """A refused flag or environment value as a message quotes it: a value of thousands of characters
+    made a message of thousands."""
+    return repr(cut_text(text, _QUOTED_CHARS))
 
 
 def _check_unique(settings: list[Setting]) -> None:
