@@ -273,6 +273,21 @@ def test_numbers_beyond_any_float_or_too_long_to_print_are_named_by_their_size(t
     assert too_long and "must be <= 65536, got an integer of 16610 bits" in too_long[0]
 
 
+def test_a_section_that_is_not_a_table_is_named_as_such(tmp_path: Path) -> None:
+    """``[[router]]`` or ``router = 5`` was an "unknown setting" whose message listed router among the
+    valid sections (an audit); a top-level key that is no section stays unknown."""
+    toml = tmp_path / "kv.toml"
+    toml.write_text("[[router]]\nkvcm_fallback = false\n[[router]]\nbudget_cap_ms = 20\n")
+    (problem,) = [p for p in load_config({}, {}, str(toml)).errors if not p.settings]  # the file's own
+    assert str(problem).endswith("[router] must be a table of settings ([router], then key = value lines), "
+                                 "not an array of tables ([[router]])")
+    toml.write_text("master = 5\nstray = 1\n")
+    errors = sorted(str(p) for p in load_config({}, {}, str(toml)).errors if not p.settings)
+    assert len(errors) == 2
+    assert errors[0].endswith("[master] must be a table of settings ([master], then key = value lines), not a value")
+    assert errors[1].startswith("unknown setting") and "top-level key 'stray'" in errors[1]
+
+
 def test_unknown_kvroute_env_vars_are_warned_about() -> None:
     loaded = load_config(
         {}, {"KVROUTE_BLOK_SIZE": "64", "HOME": "/root", **{"KVROUTE_WORKERS": "1.1.1.1:80"}}

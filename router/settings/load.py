@@ -171,15 +171,26 @@ def _toml_values(path: str, data: Mapping[str, object]) -> Iterator[tuple[Settin
     """(setting or None if unknown, value, "file [section] key") for every key of the file."""
     for section, table in data.items():
         if not isinstance(table, dict):
-            yield (
-                None,
-                table,
-                f"{path}: top-level key {section!r} (settings live in [section] tables: "
-                f"{', '.join(SECTIONS)})",
-            )
-            continue
+            continue  # not a table of settings: _misplaced says what it is
         for key, value in table.items():
             yield BY_TOML_KEY.get(f"{section}.{key}"), value, f"{path} [{section}] {key}"
+
+
+def _misplaced(path: str, data: Mapping[str, object]) -> Iterator[str]:
+    """A problem for each top-level key of the file that is not a table of settings. A section's name
+    written as an array of tables (``[[router]]``) or given a value was once an "unknown setting" whose
+    message listed that very section among the valid ones."""
+    for section, table in data.items():
+        if isinstance(table, dict):
+            continue
+        if section in SECTIONS:
+            form = f"an array of tables ([[{section}]])" if isinstance(table, list) else "a value"
+            yield f"{path}: [{section}] must be a table of settings ([{section}], then key = value lines), not {form}"
+        else:
+            yield (
+                f"unknown setting {path}: top-level key {section!r} (settings live in [section] tables: "
+                f"{', '.join(SECTIONS)})"
+            )
 
 
 def _from(origin: Origin) -> str:
@@ -227,6 +238,7 @@ def resolve_config(
 
     if file is not None:
         problems.extend(file.problems)
+        problems.extend(SettingProblem((), message, False) for message in _misplaced(file.path, file.tables))
         for setting, value, where in _toml_values(file.path, file.tables):
             if setting is None:
                 problems.append(SettingProblem((), f"unknown setting {where}", False))
