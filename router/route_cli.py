@@ -74,7 +74,8 @@ def configure_input(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_WARMUP_MS,
         help="at most this long to wait for discovery and the KVCM leader before routing (default %(default)s)",
     )
-    add_arguments(parser)
+    # These commands print the decision: they log only problems unless a level is asked for (``decide``).
+    add_arguments(parser, notes={"log_level": "Here (route, explain): WARNING unless given."})
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -264,3 +264,17 @@ def test_help_keeps_every_flag_env_var_and_toml_key_whole_on_a_narrow_terminal(
     assert [s.flag for s in SETTINGS if s.flag not in text] == []
     assert [s.env for s in SETTINGS if s.env not in text] == []
     assert [s.toml_key for s in SETTINGS if s.toml_key not in text] == []
+
+
+@pytest.mark.parametrize("command", ["route", "explain"])
+def test_route_and_explain_help_say_they_log_warnings_unless_a_level_is_given(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Their help gave serve's default (INFO) while they log WARNING unless --log-level is given (an
+    audit); check-config's help keeps the setting's own default alone."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "WARNING unless given" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["check-config", "--help"])
+    assert "WARNING unless given" not in " ".join(capsys.readouterr().out.split())

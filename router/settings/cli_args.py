@@ -10,8 +10,9 @@ from router.settings.load import LoadedConfig, load_from_args
 from router.settings.table import CONFIG_ENV, SECTIONS, SETTINGS, Kind
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, notes: Mapping[str, str] | None = None) -> None:
     """Add ``--config`` and one option per setting (grouped by section); --help is generated from the table.
+    ``notes``: text appended to a setting's help (by setting name) where a command uses it its own way.
 
     Options default to None (= not given) and are parsed by load_config, so every bad value is
     reported at once instead of argparse stopping at the first.
@@ -28,7 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for s in SETTINGS:
             if s.section != section:
                 continue
-            help_text = s.help_text().replace("%", "%%")
+            help_text = s.help_text()
+            if notes and s.name in notes:
+                help_text = f"{help_text} {notes[s.name]}"
+            help_text = help_text.replace("%", "%%")
             if s.kind is Kind.BOOL:
                 group.add_argument(
                     s.flag,
