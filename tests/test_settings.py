@@ -17,6 +17,7 @@ from hypothesis import settings as settings_profile
 from hypothesis import strategies as st
 
 from router import settings
+from router.cli import WholeNamesHelpFormatter
 from router.config import KvrouteConfig
 from router.settings import (
     BY_NAME,
@@ -48,7 +49,7 @@ class _Closable:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvroute-test")
+    parser = argparse.ArgumentParser(prog="kvroute-test", formatter_class=WholeNamesHelpFormatter)  # as kvroute's
     add_arguments(parser)
     return parser
 
@@ -271,6 +272,18 @@ def test_numbers_beyond_any_float_or_too_long_to_print_are_named_by_their_size(t
     assert problems and "an integer of 1329 bits, beyond any float" in problems[0]
     too_long = [str(p) for p in load_config({"block_size": 10**5000}, {}).errors if "block-size" in str(p)]
     assert too_long and "must be <= 65536, got an integer of 16610 bits" in too_long[0]
+
+
+def test_help_says_one_bootstrap_source_is_enough_and_the_instance_id_is_required() -> None:
+    """All three bootstrap settings said "[required when --kvcm-fallback is on]", as if each one were
+    (an audit); validation asks for one of them."""
+    either = (
+        "[one of --kvcm-bootstrap, --kvcm-bootstrap-file, --kvcm-bootstrap-dns required when --kvcm-fallback is on]"
+    )
+    for name in ("kvcm_bootstrap", "kvcm_bootstrap_file", "kvcm_bootstrap_dns"):
+        assert either in settings.BY_NAME[name].help_text()
+    alone = settings.BY_NAME["kvcm_instance_id"].help_text()
+    assert "[required when --kvcm-fallback is on]" in alone and "one of" not in alone
 
 
 def test_a_section_that_is_not_a_table_is_named_as_such(tmp_path: Path) -> None:

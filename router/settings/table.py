@@ -101,6 +101,8 @@ class Setting:
     range: Range | None  # every INT and FLOAT setting has one (declared with the default)
     choices: Mapping[str, enum.Enum] | None  # word → member, for ENUM and ENUM_TUPLE
     required_when: str | None  # name of the bool setting that makes this one required
+    # With required_when: the settings (names, this one among them) of which any one is enough.
+    required_one_of: tuple[str, ...]
     fallback_part: bool  # only the KVCM fallback uses it (invalid → fallback off, not a crash)
     secret: bool
     metavar: str
@@ -227,7 +229,12 @@ class Setting:
         if self.range is not None:
             parts.append(f"Range: {self.range}.")
         if self.required_when is not None:
-            parts.append(f"[required when --{self.required_when.replace('_', '-')} is on]")
+            when = f"required when --{self.required_when.replace('_', '-')} is on"
+            if self.required_one_of:
+                flags = ", ".join("--" + name.replace("_", "-") for name in self.required_one_of)
+                parts.append(f"[one of {flags} {when}]")
+            else:
+                parts.append(f"[{when}]")
         if self.fallback_part:
             parts.append("[KVCM fallback]")
         default = self.format(self.default)
@@ -338,12 +345,16 @@ class _Spec:
     short: bool = False  # the setting's name is the field's name, without the section prefix
     fallback: bool | None = None  # None: decided by the section
     required_when: str | None = None
+    required_one_of: tuple[str, ...] = ()
     choices: Mapping[str, enum.Enum] | None = None
     metavar: str | None = None
     secret: bool = False  # shown as <redacted> (fields named like a secret are, whatever this says)
 
 
 _TARGETS = "HOST:PORT[,...]"
+
+# The KVCM bootstrap sources: with the fallback on, any one of them is enough.
+_BOOTSTRAP = ("kvcm_bootstrap", "kvcm_bootstrap_file", "kvcm_bootstrap_dns")
 
 _SPECS: dict[str, _Spec] = {
     # deployment
@@ -479,6 +490,7 @@ _SPECS: dict[str, _Spec] = {
         short=True,
         fallback=True,
         required_when="kvcm_fallback",
+        required_one_of=_BOOTSTRAP,
         metavar=_TARGETS,
     ),
     "discovery.kvcm_bootstrap_file": _Spec(
@@ -486,6 +498,7 @@ _SPECS: dict[str, _Spec] = {
         short=True,
         fallback=True,
         required_when="kvcm_fallback",
+        required_one_of=_BOOTSTRAP,
         metavar="FILE",
     ),
     "discovery.kvcm_bootstrap_dns": _Spec(
@@ -493,6 +506,7 @@ _SPECS: dict[str, _Spec] = {
         short=True,
         fallback=True,
         required_when="kvcm_fallback",
+        required_one_of=_BOOTSTRAP,
         metavar="HOST[:PORT]",
     ),
     "discovery.kvcm_port": _Spec(
@@ -927,6 +941,7 @@ def _build_table() -> tuple[Setting, ...]:
                     range=declared,
                     choices=choices,
                     required_when=spec.required_when,
+                    required_one_of=spec.required_one_of,
                     fallback_part=fallback,
                     secret=spec.secret or is_secret_field(f.name),
                     metavar=metavar,
@@ -973,7 +988,7 @@ SETTINGS: tuple[Setting, ...] = _build_table()
 BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 BY_TOML_KEY: Mapping[str, Setting] = {s.toml_key: s for s in SETTINGS}
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(KvrouteConfig))
-BOOTSTRAP_SETTINGS = ("kvcm_bootstrap", "kvcm_bootstrap_file", "kvcm_bootstrap_dns")
+BOOTSTRAP_SETTINGS = _BOOTSTRAP
 WORKER_SOURCE_SETTINGS = ("workers", "workers_file", "workers_dns")
 
 
