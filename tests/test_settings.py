@@ -384,6 +384,24 @@ def test_a_vanishingly_small_duration_is_refused_before_it_divides_a_clock_into_
     assert load_config({**GOOD, "prober_max_ejected_fraction": "0"}, {}).errors == ()  # zero is not small
 
 
+@pytest.mark.parametrize(
+    ("grpc_listen", "debug_listen", "clash"),
+    [
+        ("0.0.0.0:7000", "127.0.0.1:7000", True),  # a wildcard holds the port on every address
+        ("127.0.0.1:7000", "[::]:7000", True),
+        ("0.0.0.0:7000", "[::]:7000", True),  # dual-stack: [::] takes IPv4 too
+        ("127.0.0.1:7000", "127.0.0.2:7000", False),  # two addresses, one port each
+        ("0.0.0.0:7000", "0.0.0.0:7001", False),
+        ("0.0.0.0:0", "0.0.0.0:0", False),  # any free port, each its own
+    ],
+)
+def test_grpc_and_debug_listeners_may_not_take_one_address(grpc_listen: str, debug_listen: str, clash: bool) -> None:
+    """Only the same address and port was refused: a wildcard beside a host on the same port passed
+    check-config, then serve failed to bind (an audit)."""
+    loaded = load_config({**GOOD, "grpc_listen": grpc_listen, "debug_listen": debug_listen}, {})
+    assert (("grpc_listen", "debug_listen") in _names(loaded.errors)) is clash
+
+
 def test_cross_field_checks() -> None:
     loaded = load_config(
         {

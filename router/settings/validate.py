@@ -130,6 +130,13 @@ def _section_rules(
 
 
 MAX_PORT = 65_535
+_WILDCARD_HOSTS = frozenset(("0.0.0.0", "::"))  # a listener there holds the port on every address
+
+
+def _hosts_overlap(a: str, b: str) -> bool:
+    """Whether listeners on hosts ``a`` and ``b`` at one port would take the same address: the same
+    host, or either one a wildcard (the second bind then fails at start-up instead of here)."""
+    return a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS
 
 
 def _from(origin: Origin) -> str:
@@ -172,14 +179,16 @@ def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
         grpc, debug = parse_listen(c.serve.grpc_listen), parse_listen(c.serve.debug_listen)
     except TargetError:
         return  # reported by the per-setting check
-    if grpc.port != 0 and grpc == debug:
-        yield ("grpc_listen", "debug_listen"), f"both listen on {grpc}"
+    if grpc.port != 0 and grpc.port == debug.port and _hosts_overlap(grpc.host, debug.host):
+        yield ("grpc_listen", "debug_listen"), (
+            f"both listen on {grpc}" if grpc == debug else f"{grpc} and {debug} share port {grpc.port}"
+        )
     processes = c.serve.processes
     if processes > 1 and debug.port != 0:
         last = debug.port + processes - 1
         if last > MAX_PORT:
             yield ("processes", "debug_listen"), f"{processes} processes need debug ports {debug.port}..{last}"
-        elif grpc.host == debug.host and debug.port < grpc.port <= last:
+        elif _hosts_overlap(grpc.host, debug.host) and debug.port < grpc.port <= last:
             yield (
                 ("processes", "grpc_listen", "debug_listen"),
                 f"the debug ports of {processes} processes ({debug.port}..{last}) include the gRPC port {grpc.port}",
