@@ -221,12 +221,23 @@ class ShadowIndex:
         ``agreement`` of the two and the ``hit_error_tokens`` (read-only). The view is ``match`` with
         ``limit``; KVCM's best holder, when that view left it out (more holders of longer prefixes
         here), is looked up alone, so its error is its own prefix's, not KVCM's whole hit."""
+        # ``agreement`` (k = 1) and ``hit_error_tokens`` of the views, fused: both need KVCM's best
+        # holders, and a view is ordered longest first, so its top is its first entries. Every KVCM
+        # answer is compared; the two calls each found the best holders and sorted both answers again.
         view = self.match(keys, now, limit=limit)
-        error_view = view
-        best = {canonical_host(h.host_ip_port) for h in best_holders(kvcm_hosts)}
-        if best - {h.host_ip_port for h in view}:
-            error_view = self.match(keys, now, usable=best.__contains__)
-        return agreement(kvcm_hosts, view), hit_error_tokens(kvcm_hosts, error_view, block_size)
+        best = best_holders(kvcm_hosts)
+        kvcm_top = {canonical_host(h.host_ip_port) for h in best}
+        shadow_local = {h.host_ip_port: h.local for h in view}
+        error_local = shadow_local
+        if not kvcm_top <= shadow_local.keys():
+            error_local = {h.host_ip_port: h.local for h in self.match(keys, now, usable=kvcm_top.__contains__)}
+        longest = view[0].local if view else 0
+        shadow_top = {canonical_host(h.host_ip_port) for h in view if h.local == longest} if longest >= 1 else set()
+        union = kvcm_top | shadow_top
+        ratio = len(kvcm_top & shadow_top) / len(union) if union else 1.0
+        if not best:
+            return ratio, max(error_local.values(), default=0) * block_size
+        return ratio, min(abs(h.local - error_local.get(canonical_host(h.host_ip_port), 0)) for h in best) * block_size
 
 
 def _top_hosts(hosts: Sequence[HostMatch], k: int) -> set[str]:

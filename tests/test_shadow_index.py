@@ -11,7 +11,14 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.shadow_index import TIDY_STEP, ShadowIndex, ShadowIndexActor, agreement, hit_error_tokens
+from actors.shadow_index import (
+    TIDY_STEP,
+    ShadowIndex,
+    ShadowIndexActor,
+    agreement,
+    best_holders,
+    hit_error_tokens,
+)
 from router.config import ScorerConfig, ShadowConfig
 from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet, plan_candidates
@@ -372,6 +379,35 @@ def test_the_comparison_finds_kvcms_best_holder_even_when_the_views_limit_leaves
     assert index.compare((HostMatch("10.0.0.200:8000", 5),), keys, 2.0, 8, 64) == (0.0, 5 * 64)
     # One in the view is read from it (one of the shadow's eight tied best holders: 1/8 agreement).
     assert index.compare((HostMatch("10.0.0.1:8000", 16),), keys, 2.0, 8, 64) == (0.125, 0)
+
+
+@given(
+    prompt_forest(),
+    st.lists(st.integers(0, 3), max_size=80),
+    st.lists(st.tuples(st.integers(1, 6), st.integers(0, 30)), max_size=6),
+    st.integers(1, 4),
+)
+def test_the_comparison_is_agreement_and_hit_error_of_its_views(
+    records: list[tuple[str, tuple[int, ...]]],
+    query_tokens: list[int],
+    kvcm_answer: list[tuple[int, int]],
+    limit: int,
+) -> None:
+    """``compare`` fuses the two measures for speed: it must equal them, taken on its views (``match``
+    with ``limit``; for the hit error, KVCM's best holders looked up alone when the view left one out)."""
+    index = ShadowIndex(capacity_blocks=10_000, ttl_s=100.0)
+    for worker, keys in records:
+        index.record(worker, keys, 1.0)
+    query = chained(query_tokens)
+    # KVCM's answer: hosts the shadow knows (and some it does not), spelled as the shadow spells them.
+    locals_by_host = {f"10.2.0.{host}:8000": local for host, local in kvcm_answer}  # one entry per host
+    kvcm = tuple(HostMatch(host, local) for host, local in locals_by_host.items())
+    view = index.match(query, 2.0, limit=limit)
+    best = {h.host_ip_port for h in best_holders(kvcm)}
+    error_view = view if best <= {h.host_ip_port for h in view} else index.match(query, 2.0, usable=best.__contains__)
+    ratio, error = index.compare(kvcm, query, 2.0, limit, 16)
+    assert ratio == pytest.approx(agreement(kvcm, view))
+    assert error == hit_error_tokens(kvcm, error_view, 16)
 
 
 def test_kvcm_naming_a_holder_in_another_spelling_agrees_with_the_shadows_canonical_one() -> None:
