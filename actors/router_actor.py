@@ -30,7 +30,7 @@ import trio
 
 from actors.decision_log import DecisionLog
 from actors.hit_accuracy import HitAccuracy
-from actors.metrics_sink import DecisionMade, MetricEvent, MetricsSink
+from actors.metrics_sink import DRAIN_BATCH, DecisionMade, MetricEvent, MetricsSink
 from actors.sources.base import (
     Answered,
     Ended,
@@ -154,20 +154,12 @@ class RouterHealth:
 
 _ANY_REQUEST = RouteRequest(request_id="")  # the drawn answers' placeholder; each shed fills in its own id
 
-# Answers a request's path may have made without awaiting anything: the domain's pick (the chain's
-# last source, or a refusal) and none. The master's, KVCM's and the shadow's each waited for a peer or
-# for the Scorer's task.
-_MAY_NOT_HAVE_WAITED = frozenset((RouteSource.DOMAIN, RouteSource.NONE))
-
-
-async def _yielded(decision: RouteDecision) -> RouteDecision:
-    """``decision``, after one scheduling round if its path may not have had one: a caller routing in a
-    loop in one task would otherwise never let the other actors run (the metrics sink, the breakers'
-    owners), and the lag probe, waiting for the loop, would count it all as lag and shed what follows.
-    Shielded: the decision is made, and a cancellation arriving now must not lose it."""
-    if decision.route_source in _MAY_NOT_HAVE_WAITED:
-        await trio.lowlevel.cancel_shielded_checkpoint()
-    return decision
+# Answers made in a row without the lag probe's task getting to run between them, after which the
+# next one yields (``RouterActor._answered``). A caller answered without one await (the domain's pick,
+# a refusal, a scheduler over an in-memory transport) then yields every this many, and each round lets
+# the metrics sink take as many decisions as were made (one event each). On a loop that cycles the probe
+# runs every lag interval: this many answers within one is beyond the routing rates measured.
+ANSWERS_PER_ROUND = DRAIN_BATCH
 
 
 class RouterActor:
@@ -213,6 +205,7 @@ class RouterActor:
         self._peak = 0
         self._handled = 0
         self._overloaded = 0
+        self._unyielded = 0  # answers since this actor's lag probe last ran (``_answered``)
         self._deadline_fallbacks = 0
         self._internal_errors = 0
 
@@ -236,6 +229,7 @@ class RouterActor:
             self._overload_answers = OverloadAnswers(self._estimate.view(), answers)
             due = trio.current_time() + self._lag_interval_s
             await trio.sleep_until(due)
+            self._unyielded = 0  # the loop cycled: this task ran
             self._estimate.observe_lag(trio.current_time() - due)
 
     def _draw_overload_answers(self) -> tuple[RouteDecision, ...]:
@@ -297,7 +291,20 @@ class RouterActor:
             decision = await self._handle(request, now, deadline)
         finally:
             self._limiter.release_on_behalf_of(ticket)
-        return await _yielded(decision)
+        return await self._answered(decision)
+
+    async def _answered(self, decision: RouteDecision) -> RouteDecision:
+        """``decision``, after a scheduling round if ANSWERS_PER_ROUND answers came since the lag probe
+        last ran: a caller routing in a loop in one task, answered without awaiting anything, would
+        otherwise never let the other actors run (the metrics sink, the breakers' owners), and the probe,
+        waiting for the loop, would count it all as lag and shed what follows. Only then: an answer made
+        after a wait (a peer's reply, a deadline's cancellation) must not wait a batch more. Shielded: a
+        decision made is not lost to a cancellation."""
+        self._unyielded += 1
+        if self._unyielded >= ANSWERS_PER_ROUND:
+            self._unyielded = 0
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return decision
 
     async def _refuse(self, request: RouteRequest, now: float, problem: BadRequest) -> RouteDecision:
         """The answer ``bad_request`` to a request whose fields cannot even be read (a wrong type, a
@@ -306,7 +313,7 @@ class RouterActor:
         if not isinstance(request.request_id, str):
             request = replace(request, request_id=repr(request.request_id))
         decision = self._emit(self._fallback(request, None, Reason.BAD_REQUEST, now, {}, (), error=str(problem)))
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.cancel_shielded_checkpoint()  # made and counted: a cancellation must not lose it
         return decision
 
     async def _shed_or_refuse(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
@@ -316,7 +323,7 @@ class RouterActor:
         if tokens is not None:
             return await self._shed(request, now, deadline, tokens)
         # Refused by its checks at once, no place taken.
-        return await _yielded(await self._handle(request, now, deadline))
+        return await self._answered(await self._handle(request, now, deadline))
 
     def _sheddable(self, request: RouteRequest) -> int | None:
         return sheddable(request, self._deployment.block_size, self._limits)
@@ -324,8 +331,9 @@ class RouterActor:
     async def _shed(self, request: RouteRequest, now: float, deadline: float, tokens: int) -> RouteDecision:
         """The domain answer ``overloaded``, before any work on the request (recorded like any decision).
 
-        Still a checkpoint: a caller looping over shed requests would otherwise never yield, the lag
-        probe would wait for it, and the lag it measured would shed everything after."""
+        Still a scheduling round: a caller looping over shed requests would otherwise never yield, the lag
+        probe would wait for it, and the lag it measured would shed everything after. Shielded: the shed
+        is counted, charged and logged, and a cancellation must not lose it."""
         self._overloaded += 1
         decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
         if decision.worker is not None:  # the worker gets it: the Scorer must see it (``tokens``, its length)
@@ -333,7 +341,7 @@ class RouterActor:
         if self._decision_log is not None:
             record = DecisionRecord(self._recorded(request), now, deadline, overloaded=True, decision=decision)
             self._decision_log.submit(record)
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.cancel_shielded_checkpoint()
         return decision
 
     def health(self) -> RouterHealth:
