@@ -49,9 +49,14 @@ def slot_wait_s(view: AdmissionView, left_s: float) -> float:
     return max(0.0, min(left_s / 4, left_s - view.expected_s))
 
 
+# The limit's steps: a late answer multiplies it by _DECREASE; below one, an answer in time by _REGROWTH.
+_DECREASE = 0.9
+_REGROWTH = 1.1
+
+
 class InFlightLimit:
     """How many requests may be in the router at once: additive increase while they are answered
-    within ``late_share`` of the time they had, multiplicative decrease when one is not (the
+    within the time they had, multiplicative decrease (``_DECREASE``) when one is not (the
     congestion signal of a saturated loop: requests queue for the CPU and come back late; the
     router answers by its deadline, so one answered later than that waited for the CPU).
 
@@ -62,29 +67,17 @@ class InFlightLimit:
     Below one it is a duty cycle: the share of the time one request is in the router. After each
     answer the router is left idle for (1/limit - 1) times that request's time, so a loop whose
     lone requests come back late (the CPU taken by other threads) gets fewer of them, down to
-    ``floor``. Down there an answer in time multiplies it by ``regrowth`` instead of adding to it:
+    ``floor``. Down there an answer in time multiplies it by ``_REGROWTH`` instead of adding to it:
     a lone request alone on time is no proof the next will be, and adding one would undo every
     decrease at once. Times are passed in (one clock for ``handed_at`` and ``now``). Not
     thread-safe: its owner serialises the calls."""
 
-    __slots__ = ("_ceiling", "_decrease", "_floor", "_idle_until", "_late_share", "_limit", "_regrowth")
+    __slots__ = ("_ceiling", "_floor", "_idle_until", "_limit")
 
-    def __init__(
-        self,
-        *,
-        initial: int,
-        ceiling: int,
-        floor: float,
-        late_share: float = 1.0,
-        decrease: float = 0.9,
-        regrowth: float = 1.1,
-    ) -> None:
+    def __init__(self, *, initial: int, ceiling: int, floor: float) -> None:
         self._ceiling = float(max(1, ceiling))
         self._limit = min(float(max(1, initial)), self._ceiling)
-        self._late_share = late_share
-        self._decrease = decrease
         self._floor = min(1.0, floor)
-        self._regrowth = regrowth
         self._idle_until = -math.inf
 
     @property
@@ -115,10 +108,10 @@ class InFlightLimit:
         taken it had waited for more than half its caller's deadline — the process is short of CPU,
         and a routed request is what costs the most of it, so that counts as late too."""
         limit = self._limit
-        if answered and not crowded and now - handed_at <= self._late_share * had_s:
-            limit = min(self._ceiling, limit + 1.0 / limit if limit >= 1.0 else min(1.0, limit * self._regrowth))
+        if answered and not crowded and now - handed_at <= had_s:
+            limit = min(self._ceiling, limit + 1.0 / limit if limit >= 1.0 else min(1.0, limit * _REGROWTH))
         else:
-            limit = max(self._floor, limit * self._decrease)
+            limit = max(self._floor, limit * _DECREASE)
         self._limit = limit
         self._idle_until = now + (now - handed_at) * (1.0 / limit - 1.0) if limit < 1.0 else -math.inf
 

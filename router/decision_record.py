@@ -268,15 +268,6 @@ def encode_fleet(fleet_id: int, fleet: Fleet) -> dict[str, Any]:
     return {"f": fleet_id, "w": [[w.ip, w.http_port, w.grpc_port, w.status_port] for w in fleet.workers]}
 
 
-def relative(record: DecisionRecord, at: float) -> float:
-    """``at`` as the log stores it: seconds after the request was received."""
-    return at - record.received_at
-
-
-def relative_or_none(record: DecisionRecord, at: float | None) -> float | None:
-    return _rel(at, record.received_at)
-
-
 # --- decoding ------------------------------------------------------------------------------------
 
 

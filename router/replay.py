@@ -439,7 +439,6 @@ class RecordedTies(random.Random):
 @dataclass(slots=True)
 class _Current:
     case: Case | None = None
-    scorings_used: int = 0
 
     def get(self) -> Case:
         assert self.case is not None

@@ -1032,12 +1032,10 @@ class Sidecar:
             hops.settle(answer, Error(_Stopped()))
             return
         arrived = hops.arrived_at = time.monotonic()
-        if client_s is not None:
-            deadline = caller_deadline(trio.current_time(), client_s, sent_at, arrived)
-            request = replace(request, deadline=deadline)
+        deadline = None if client_s is None else caller_deadline(trio.current_time(), client_s, sent_at, arrived)
         self._hand_over_reply_times()
         try:
-            calls.start_soon(self._call, request, routing, answer, hops)
+            calls.start_soon(self._call, request, deadline, routing, answer, hops)
         except RuntimeError:  # the calls' nursery closed as the sidecar stopped at once (run() clears it next)
             hops.settle(answer, Error(_Stopped()))
 
@@ -1058,15 +1056,20 @@ class Sidecar:
     async def _call(
         self,
         request: RouteRequest,
+        deadline: float | None,
         routing: tuple[float, float],
         answer: concurrent.futures.Future[RouteDecision],
         hops: _CallHops,
     ) -> None:
+        """``deadline``: the client's, on the trio clock (None: it set none)."""
         # The budget counts from the call's receipt: its time in this sidecar (reading it, the hop to
         # this thread, the wait for this task to start behind the loop's other work) is already spent,
-        # so the router gets what is left of it.
+        # so the router gets what is left of it. One copy of the request for both fields.
         received, routing_s = routing
-        request = replace(request, budget_ms=budget_left_ms(routing_s, received, time.monotonic()))
+        budget = budget_left_ms(routing_s, received, time.monotonic())
+        request = replace(request, budget_ms=budget) if deadline is None else replace(
+            request, budget_ms=budget, deadline=deadline
+        )
         # Cancelled (the sidecar stopped at once): _Stopped, and the handler answers UNAVAILABLE.
         deliver = partial(hops.settle, answer)
         await deliver_outcome(partial(self._handle.route, request), deliver, _Stopped())

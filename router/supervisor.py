@@ -166,7 +166,7 @@ class Supervisor:
             backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
 
     def inject_crash(self, name: str) -> None:
-        """Crash a running actor as a bug would (chaos tests, the demo's scenarios): the supervisor
+        """Crash a running actor as a bug would (a test hook, for the chaos tests): the supervisor
         sees the failure, records it and restarts the actor with backoff."""
         record = self.records[name]
         if record.nursery is None:

@@ -388,10 +388,8 @@ class MasterSource:
         """``received_wall_s``: the wall clock (epoch s) at the request's receipt, which the wire wants
         (an attempt takes it as its start's wall clock less the request's age on the trio clock)."""
         request, prepared = ctx.request, ctx.prepared
-        if request.block_cache_keys is not None:
-            keys = prepared.keys or tuple(request.block_cache_keys)
-        else:
-            keys = prepared.keys if self.needs_keys else ()
+        # The caller's keys, as given (check_request keeps them); keys hashed from token ids if wanted.
+        keys = prepared.keys if request.block_cache_keys is not None or self.needs_keys else ()
         return MasterScheduleRequest(
             request_id=request.request_id,
             block_cache_keys=keys,
