@@ -50,31 +50,39 @@ def format_target(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+_SHOWN_CHARS = 80  # a refused target, host or port quoted in a message: its start
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for an error message, cut to its start: a target list of thousands of characters
+    made a message of thousands."""
+    return repr(text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…")
+
+
 def _check_port(text: str, entry: str) -> int:
     # isascii: str.isdigit() also accepts "²" and other non-ASCII digits.
     if not (text.isascii() and text.isdigit()):
-        raise TargetError(f"bad port {text!r} in target {entry!r}")
+        raise TargetError(f"bad port {_shown(text)} in target {_shown(entry)}")
     if len(text.lstrip("0")) > 5:  # beyond any port, and int() refuses more than 4,300 digits with a ValueError
-        shown = entry if len(entry) <= 80 else entry[:79] + "…"
-        raise TargetError(f"port of {len(text)} digits out of range 1..65535 in target {shown!r}")
+        raise TargetError(f"port of {len(text)} digits out of range 1..65535 in target {_shown(entry)}")
     port = int(text)
     if not 1 <= port <= 65535:
-        raise TargetError(f"port {port} out of range 1..65535 in target {entry!r}")
+        raise TargetError(f"port {port} out of range 1..65535 in target {_shown(entry)}")
     return port
 
 
 def _check_host(host: str, entry: str) -> str:
     if not host:
-        raise TargetError(f"empty host in target {entry!r}")
+        raise TargetError(f"empty host in target {_shown(entry)}")
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:
         pass
     if _NUMERIC_DOTTED.match(host):
         # "1.2.3" or "010.0.0.1" would reach a resolver as some other IPv4 address (inet_aton forms).
-        raise TargetError(f"bad IPv4 address {host!r} in target {entry!r}")
+        raise TargetError(f"bad IPv4 address {_shown(host)} in target {_shown(entry)}")
     if not _HOSTNAME.match(host):
-        raise TargetError(f"bad host {host!r} in target {entry!r}")
+        raise TargetError(f"bad host {_shown(host)} in target {_shown(entry)}")
     return host.rstrip(".").lower()
 
 
@@ -167,25 +175,25 @@ def parse_target(entry: str, default_port: int | None = None) -> HostPort:
     if not text:
         raise TargetError("empty target entry")
     if "://" in text:
-        raise TargetError(f"target {entry!r}: give host:port, without a scheme such as http://")
+        raise TargetError(f"target {_shown(entry)}: give host:port, without a scheme such as http://")
     if "@" in text:
-        raise TargetError(f"target {entry!r}: give host:port, without a user:password prefix")
+        raise TargetError(f"target {_shown(entry)}: give host:port, without a user:password prefix")
     if text.startswith("["):
         end = text.find("]")
         if end < 0:
-            raise TargetError(f"unclosed '[' in target {entry!r}")
+            raise TargetError(f"unclosed '[' in target {_shown(entry)}")
         host = text[1:end]
         try:
             ipaddress.IPv6Address(host)
         except ValueError as exc:
-            raise TargetError(f"bad IPv6 address {host!r} in target {entry!r}") from exc
+            raise TargetError(f"bad IPv6 address {_shown(host)} in target {_shown(entry)}") from exc
         rest = text[end + 1 :]
         if rest == "":
             port_text = None
         elif rest.startswith(":"):
             port_text = rest[1:]
         else:
-            raise TargetError(f"unexpected {rest!r} after ']' in target {entry!r}")
+            raise TargetError(f"unexpected {_shown(rest)} after ']' in target {_shown(entry)}")
         host = str(ipaddress.IPv6Address(host))
     elif text.count(":") > 1:
         # Unbracketed IPv6: only an address that cannot also be read as addr:port is unambiguous
@@ -193,10 +201,10 @@ def parse_target(entry: str, default_port: int | None = None) -> HostPort:
         try:
             host = str(ipaddress.IPv6Address(text))
         except ValueError as exc:
-            raise TargetError(f"ambiguous target {entry!r}: bracket IPv6 hosts as [addr]:port") from exc
+            raise TargetError(f"ambiguous target {_shown(entry)}: bracket IPv6 hosts as [addr]:port") from exc
         head, _, tail = text.rpartition(":")
         if tail.isascii() and tail.isdigit() and _is_ipv6(head):
-            raise TargetError(f"ambiguous target {entry!r}: bracket IPv6 hosts as [addr]:port")
+            raise TargetError(f"ambiguous target {_shown(entry)}: bracket IPv6 hosts as [addr]:port")
         port_text = None
     else:
         host, sep, port_text_raw = text.partition(":")
@@ -204,9 +212,9 @@ def parse_target(entry: str, default_port: int | None = None) -> HostPort:
         host = _check_host(host, entry)
     if port_text is None:
         if default_port is None:
-            raise TargetError(f"target {entry!r} {NO_PORT}")
+            raise TargetError(f"target {_shown(entry)} {NO_PORT}")
         if not 1 <= default_port <= 65535:
-            raise TargetError(f"default port {default_port} out of range 1..65535 for target {entry!r}")
+            raise TargetError(f"default port {default_port} out of range 1..65535 for target {_shown(entry)}")
         return HostPort(host, default_port)
     return HostPort(host, _check_port(port_text, entry))
 

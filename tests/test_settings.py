@@ -484,6 +484,22 @@ def test_a_huge_or_long_refused_number_is_named_by_its_size_not_repeated() -> No
     (problem,) = [p for p in long_text.errors if p.settings == ("scorer_seed",)]
     assert "expected an integer" in str(problem) and "cut: 401 chars" in str(problem) and len(str(problem)) < 250
     assert "got 'abc'" in str(load_config({**GOOD, "prober_inflight_cap": "abc"}, {}).errors[0])
+    # Not an integer however it looks: signs twice, a digit int() does not take.
+    for odd in ("+-5", "--5", "²"):
+        (problem,) = load_config({**GOOD, "scorer_seed": odd}, {}).errors
+        assert "expected an integer" in str(problem), odd
+    assert "4301 digits" in str(load_config({**GOOD, "scorer_seed": "-" + "5" * 4301}, {}).errors[0])
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["roles", "key_family", "query_type", "log_level", "debug_listen", "workers", "kvcm_bootstrap", "master_hosts"],
+)
+def test_a_long_refused_word_or_target_is_quoted_cut(name: str) -> None:
+    """Enums, one-of checks, listen addresses and targets repeated a refused value whole (an audit:
+    messages of 5,000-10,000 characters for a value of 5,000)."""
+    errors = load_config({**GOOD, name: "q" * 5000}, {}).errors
+    assert errors and all(len(str(p)) < 400 for p in errors), [len(str(p)) for p in errors]
 
 
 def test_an_instance_id_that_is_not_utf8_is_refused_and_turns_the_fallback_off() -> None:
@@ -494,6 +510,9 @@ def test_an_instance_id_that_is_not_utf8_is_refused_and_turns_the_fallback_off()
     assert "UTF-8" in str(loaded.fallback_errors[0]) and "--kvcm-instance-id" in str(loaded.fallback_errors[0])
     assert loaded.effective.router.kvcm_fallback is False
     assert load_config({**GOOD, "kvcm_instance_id": "dépl_64", "workers": "10.1.0.1:80"}, {}).errors == ()
+    # Beside a geometry problem, both are reported (the id's once hid the geometry's).
+    both = load_config({**GOOD, "kvcm_instance_id": "d\udcff", "lookahead_tokens": "3", "workers": "10.1.0.1:80"}, {})
+    assert _names(both.fallback_errors) == {("kvcm_instance_id",), ("key_family", "lookahead_tokens")}
 
 
 def test_fail_soft_invalid_fallback_part_turns_the_fallback_off_and_keeps_defaults() -> None:

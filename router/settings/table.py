@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import sys
 import typing
 from collections.abc import Callable, Mapping
@@ -131,8 +132,11 @@ class Setting:
             try:
                 return int(raw, 10)
             except ValueError:
-                if raw.lstrip("+-").isdigit():  # beyond the interpreter's digit limit for int()
-                    raise SettingValueError(f"got an integer of {len(raw)} digits, beyond any allowed value") from None
+                digits = _INTEGER.fullmatch(raw)
+                if digits is not None:  # an integer int() refused: beyond the interpreter's digit limit
+                    raise SettingValueError(
+                        f"got an integer of {len(digits[1])} digits, beyond any allowed value"
+                    ) from None
                 raise SettingValueError(f"expected an integer, got {_quoted(text)}") from None
         if self.kind is Kind.FLOAT:
             try:
@@ -253,7 +257,7 @@ class Setting:
             for choice, member in self.choices.items():
                 if choice.lower() == word.lower():
                     return member
-        raise SettingValueError(f"expected {self._expected()}, got {word!r}")
+        raise SettingValueError(f"expected {self._expected()}, got {_quoted(word)}")
 
     def _known(self, value: object) -> enum.Enum:
         for member in (self.choices or {}).values():
@@ -264,7 +268,7 @@ class Setting:
     def _quoted(self, value: object) -> str:
         """A refused value as an error may repeat it: a secret's only by its type (a token given as a
         number is still the token)."""
-        return f"a value of type {type(value).__name__}" if self.secret else repr(value)
+        return f"a value of type {type(value).__name__}" if self.secret else cut_text(repr(value), _QUOTED_CHARS)
 
     def _expected(self) -> str:
         if self.choices is not None:
@@ -287,7 +291,7 @@ def _one_of(words: tuple[str, ...], *, ignore_case: bool = False) -> Check:
     def check(value: str) -> str | None:
         # lower() on both sides, as setup_logging normalises (casefold() would accept what it refuses).
         ok = value.lower() in {w.lower() for w in words} if ignore_case else value in words
-        return None if ok else f"must be one of {'|'.join(words)}, got {value!r}"
+        return None if ok else f"must be one of {'|'.join(words)}, got {_quoted(value)}"
 
     return check
 
@@ -307,7 +311,7 @@ def parse_listen(text: str) -> HostPort:
     """``HOST:PORT`` to listen on; port 0 asks the OS for a free port. Raises TargetError naming the input."""
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host:
-        raise TargetError(f"listen address {text!r} must be HOST:PORT (port 0 = any free port)")
+        raise TargetError(f"listen address {_quoted(text)} must be HOST:PORT (port 0 = any free port)")
     if port == "0":
         stand_in = f"{host}:1"  # the host checked as a target's, with a port a target may have
         try:
@@ -967,6 +971,7 @@ def _default_metavar(kind: Kind, choices: Mapping[str, enum.Enum] | None) -> str
 
 
 _QUOTED_CHARS = 64  # a refused value quoted in a message: its start, and how long it was
+_INTEGER = re.compile(r"[+-]?([0-9]+)")  # ASCII digits only, as int() takes them
 
 
 def _quoted(text: str) -> str:

@@ -65,12 +65,12 @@ def _deployment_problems(config: DeploymentConfig) -> list[Problem]:
     problems = range_problems(config)
     if config.roles and not any(r in PREFILL_CAPABLE_ROLES for r in config.roles):
         problems.append(Problem(("roles",), "name a prefill-capable role (PREFILL or PDFUSION) beside DECODE/VIT"))
+    if not problems:  # the geometry's rules read the ranged values: only once they are in range
+        problems += geometry_problems(config.block_size, config.key_family, config.lookahead_tokens)
     if not _utf8(config.kvcm_instance_id):
         # A flag or environment value may carry bytes that are not UTF-8 (as surrogate escapes): KVCM is
         # sent the id as a protobuf string, and encoding it failed in every query, crashing the resolver.
         problems.append(Problem(("kvcm_instance_id",), "must be UTF-8 text (KVCM is sent it as a string)"))
-    if not problems:
-        problems += geometry_problems(config.block_size, config.key_family, config.lookahead_tokens)
     return problems
 
 
