@@ -3,9 +3,11 @@
 A blocking ``getaddrinfo`` on the trio thread would stall every request in flight for as long as the
 resolver takes (seconds, for a DNS server that does not answer). Real loopback servers and the real
 clock: KVCM, the scheduler and the workers are all named ``localhost:<port>``, so every lookup of
-them is a real one, and a spy on ``socket.getaddrinfo`` notes the thread each ran on. trio first
-tries a name as a numeric address on the calling thread (``AI_NUMERICHOST``, which never blocks);
-those tries are not lookups.
+them is a real one, and a spy on ``socket.getaddrinfo`` notes the thread each ran on: the lookups
+Python makes (the scheduler's discovery and calls over HTTP, discovery's DNS sources). gRPC's C core
+resolves the names its channels use (KVCM, the workers, the scheduler over gRPC) on threads of its
+own, which the spy does not see. trio first tries a name as a numeric address on the calling thread
+(``AI_NUMERICHOST``, which never blocks); those tries are not lookups.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Where the time goes, per rate: the router's own time per decision (its stage ``t
 query within it (stage ``cache_query``, one remote call), the sidecar's own path (receipt to reply
 less the router's time: decoding, the hop to the trio thread and back, encoding), and this
 process's CPU per call over the rate's run (the sidecar, the router and its background work).
-A second table splits the calls answered from a KVCM query along their path (``PathSegments``):
+A second table splits the calls KVCM's source answered along their path (``PathSegments``):
 the hand-off to the trio thread, the routing task's start and the settling of its answer, the
 router's own work beside its query (and of it planning, probing and scoring), the query, and the
 way back to the handler thread; beside them this process's full collections during the rate (each
