@@ -471,6 +471,9 @@ def test_thread_cpu_snapshot_names_this_processs_threads_as_python_knows_them() 
         spinner.join()
     assert {"MainThread", "test-thread-cpu"} <= names
     assert all(t.cpu_s >= 0.0 for t in thread_cpu.snapshot().values())
+    # The main thread's own time: some (it imported and collected), and within the process's.
+    (main_thread,) = [t for t in thread_cpu.snapshot().values() if t.name == "MainThread"]
+    assert 0.0 < main_thread.cpu_s <= time.process_time() + 0.02  # a tick's rounding
 
 
 def test_the_soak_misses_on_leaked_descriptors_or_tasks_as_well_as_memory() -> None:
