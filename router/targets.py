@@ -11,6 +11,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from router.text import cut_text
+
 _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$"
 )
@@ -50,13 +52,13 @@ def format_target(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-_SHOWN_CHARS = 80  # a refused target, host or port quoted in a message: its start
+_SHOWN_CHARS = 80  # a refused target, host or port quoted in a message: its start, and how long it was
 
 
 def _shown(text: str) -> str:
     """``text`` quoted for an error message, cut to its start: a target list of thousands of characters
     made a message of thousands."""
-    return repr(text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…")
+    return repr(cut_text(text, _SHOWN_CHARS))
 
 
 def _check_port(text: str, entry: str) -> int:
