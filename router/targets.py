@@ -57,8 +57,9 @@ _SHOWN_CHARS = 80  # a refused target, host or port quoted in a message: its sta
 
 def _shown(text: str) -> str:
     """``text`` quoted for an error message, cut to its start: a target list of thousands of characters
-    made a message of thousands."""
-    return repr(cut_text(text, _SHOWN_CHARS))
+    made a message of thousands. Redacted first: a cut that drops the '@' would leave the userinfo
+    before it for the message's own redaction to miss."""
+    return repr(cut_text(redact_userinfo(text), _SHOWN_CHARS))
 
 
 def _check_port(text: str, entry: str) -> int:

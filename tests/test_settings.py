@@ -502,6 +502,31 @@ def test_a_long_refused_word_or_target_is_quoted_cut(name: str) -> None:
     assert errors and all(len(str(p)) < 400 for p in errors), [len(str(p)) for p in errors]
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("workers", "admin:{secret}@10.0.0.1:80"),
+        ("kvcm_bootstrap", "http://admin:{secret}@10.0.0.1:6381"),
+        ("master_hosts", "admin:{secret}@[::1]:7001"),
+        ("debug_listen", "admin:{secret}@0.0.0.0"),
+    ],
+)
+def test_a_long_password_in_a_refused_address_is_redacted_before_the_quote_is_cut(name: str, value: str) -> None:
+    """Cutting the quoted value dropped the '@', and the message's redaction, which looks for it,
+    then let the password's start through (a review of 2221f71)."""
+    secret = "S3CRETtoken" + "x" * 80
+    errors = load_config({**GOOD, name: value.format(secret=secret)}, {}).errors
+    assert errors and not [str(p) for p in errors if "S3CRET" in str(p)]
+
+
+def test_a_long_password_in_a_toml_value_of_the_wrong_type_is_redacted(tmp_path: Path) -> None:
+    toml = tmp_path / "kv.toml"
+    toml.write_text('[discovery]\nworkers = ["admin:S3CRETtoken' + "x" * 80 + '@10.0.0.1:80"]\n')
+    errors = load_config({}, {}, str(toml)).errors
+    assert any(p.settings == ("workers",) for p in errors)
+    assert not [str(p) for p in errors if "S3CRET" in str(p)]
+
+
 def test_an_instance_id_that_is_not_utf8_is_refused_and_turns_the_fallback_off() -> None:
     """A flag or environment value may hold bytes that are not UTF-8 (surrogate escapes): it passed,
     then every KVCM query failed to encode it and the leader resolver crashed again and again."""

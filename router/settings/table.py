@@ -268,7 +268,9 @@ class Setting:
     def _quoted(self, value: object) -> str:
         """A refused value as an error may repeat it: a secret's only by its type (a token given as a
         number is still the token)."""
-        return f"a value of type {type(value).__name__}" if self.secret else cut_text(repr(value), _QUOTED_CHARS)
+        if self.secret:
+            return f"a value of type {type(value).__name__}"
+        return cut_text(redact_userinfo(repr(value)), _QUOTED_CHARS)  # redacted before a cut drops the '@'
 
     def _expected(self) -> str:
         if self.choices is not None:
@@ -976,8 +978,9 @@ _INTEGER = re.compile(r"[+-]?([0-9]+)")  # ASCII digits only, as int() takes the
 
 def _quoted(text: str) -> str:
     """A refused flag or environment value as a message quotes it: a value of thousands of characters
-    made a message of thousands."""
-    return repr(cut_text(text, _QUOTED_CHARS))
+    made a message of thousands. Redacted first: a cut that drops the '@' would leave an address's
+    userinfo before it for the message's own redaction to miss."""
+    return repr(cut_text(redact_userinfo(text), _QUOTED_CHARS))
 
 
 def _check_unique(settings: list[Setting]) -> None:
