@@ -267,7 +267,10 @@ class RouterActor:
             self._domain.charge(worker, tokens, requests)
 
     async def route(self, request: RouteRequest) -> RouteDecision:
-        """Always returns a decision, at the latest at the request's deadline (plus the domain pick)."""
+        """Always returns a decision, at the latest at the request's deadline (plus the domain pick);
+        raises Cancelled for a caller already cancelled, before anything is made or counted (what is
+        made after is not lost: the rounds that follow a decision are shielded)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         now = trio.current_time()
         router = self._config.router
         try:

@@ -550,20 +550,29 @@ async def test_a_loop_of_answers_made_without_io_lets_the_other_tasks_run(
     assert peak <= 2 * router_actor.ANSWERS_PER_ROUND  # the sink kept up: not the loop's all at once
 
 
-async def test_a_refusal_made_in_a_cancelled_scope_is_still_returned(autojump_clock: trio.testing.MockClock) -> None:
-    """The refusal is made, counted and sent to the metrics before the route's scheduling round: a
-    cancellation arriving there raised Cancelled and lost the answer the router had already counted
-    (an audit)."""
+async def test_a_cancelled_caller_gets_cancelled_before_anything_is_counted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A caller already cancelled is told so before its request is refused, shed or routed: the shed
+    and the early refusal once counted the request and then raised Cancelled, losing the answer they
+    had counted; made shielded, they then ran on for a cancelled caller looping over route() (two
+    reviews). Nothing is counted, and the caller's scope catches its cancellation."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
     config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, kvcm_fallback=False)
     async with open_router(config, rpc=network) as handle:
-        with trio.CancelScope() as scope:
-            scope.cancel()
-            refused = await handle.route(RouteRequest("nan", token_ids=PROMPT, budget_ms=math.nan))
-        assert refused.reason is Reason.BAD_REQUEST and "budget_ms" in (refused.error or "")
-        assert not scope.cancelled_caught  # no Cancelled reached the scope: the answer came back
+        for request in (
+            RouteRequest("nan", token_ids=PROMPT, budget_ms=math.nan),  # refused before admission
+            RouteRequest("ok", token_ids=PROMPT, budget_ms=20),  # the domain's answer
+        ):
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await handle.route(request)
+                raise AssertionError("route() returned to a cancelled caller")  # pragma: no cover
+            assert scope.cancelled_caught
+        health = handle.router_actor().health()
+        assert (health.handled, health.overloaded) == (0, 0)
 
 
 def test_feature_off_does_not_hash_token_ids() -> None:
