@@ -28,7 +28,7 @@ from router.types import RouteSource, WorkerStatus
 
 _RECENT_PER_WORKER = 32  # comparisons kept per worker for its recent accuracy
 _WINDOW = 200  # recent comparisons the silent-zero share is taken over
-_WINDOW_MIN = 20  # comparisons needed before the share can raise a warning
+WARNING_MIN_COMPARISONS = 20  # comparisons needed before the share can raise a warning
 _WORKERS_SHOWN = 64  # workers in the health snapshot (the most recently compared)
 
 
@@ -177,7 +177,7 @@ class HitAccuracy:
     def _snapshot(self) -> AccuracyHealth:
         share = sum(self._window) / len(self._window) if self._window else 0.0
         warning = None
-        if self._warn_share > 0 and len(self._window) >= _WINDOW_MIN and share > self._warn_share:
+        if self._warn_share > 0 and len(self._window) >= WARNING_MIN_COMPARISONS and share > self._warn_share:
             warning = (
                 f"{share:.0%} of the last {len(self._window)} routed requests found no cached prefix where one was "
                 "predicted: check the key family, block size and KVCM namespace against the engines'"

@@ -226,6 +226,20 @@ def test_router_setting_overrides_reach_both_splits_routers() -> None:
     assert "router settings: budget_cap_ms=50.0, breaker_slow_query_ms=51.0, split_min_samples=100000" in out.getvalue()
 
 
+def test_on_the_simulated_clock_a_learned_split_that_does_no_better_fails_and_so_does_the_scenario() -> None:
+    """On the simulated clock only the split's rule differs: a learned split held cold (as the fixed
+    one) tied and passed, and a simulated FAIL left the scenario's exit 0 (an audit)."""
+    cold = {"split_min_samples": 100_000}
+    out = io.StringIO()
+    status = split_budget.run(
+        out, clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True, requests=4, overrides=cold, better=True
+    )
+    assert status == 1 and out.getvalue().rstrip().endswith("FAIL kvcm-slow-budget")
+    both = io.StringIO()
+    assert split_budget.run_both(both, requests=4, overrides=cold) == 1  # whatever the real clock's run says
+    assert "FAIL kvcm-slow-budget" in both.getvalue().split("real clock, loopback gRPC:")[0]
+
+
 def test_the_demo_scenario_prints_both_splits_side_by_side() -> None:
     out = io.StringIO()
     status = split_budget.run(out, clock=trio.testing.MockClock(autojump_threshold=0), in_memory=True, requests=20)
@@ -390,7 +404,8 @@ async def test_the_router_records_each_requests_tail_and_uses_the_learned_one(
 
 
 def test_the_demo_scenario_runs_on_both_clocks_and_exits_by_the_real_one() -> None:
-    """Real loopback gRPC (no timing asserted): the simulated-clock table first, then the real one."""
+    """Real loopback gRPC (no timing asserted): the simulated-clock table first, then the real one; with
+    the simulated run passing, the exit status is the real one's."""
     out = io.StringIO()
     status = split_budget.run_both(out, requests=4)
     text = out.getvalue()

@@ -10,7 +10,7 @@ from functools import partial
 import trio
 import trio.testing
 
-from actors.hit_accuracy import AccuracyHealth, HitAccuracy
+from actors.hit_accuracy import WARNING_MIN_COMPARISONS, AccuracyHealth, HitAccuracy
 from actors.metrics_sink import MetricsSink
 from kvroute_sim.demo import key_family
 from kvroute_sim.sim.cluster import SimCluster
@@ -238,3 +238,18 @@ async def test_a_full_inbox_drops_and_counts_the_messages_it_refuses(autojump_cl
         await trio.testing.wait_all_tasks_blocked()
         assert (accuracy.health().pending, accuracy.health().dropped) == (2, 3)
         nursery.cancel_scope.cancel()
+
+
+def test_the_wrong_key_family_verdict_needs_the_right_family_judged_as_often_as_the_warning_needs() -> None:
+    """A right-family run with no comparison has no silent zero either: a router that predicted nothing
+    passed (an audit)."""
+
+    def figures(family: KeyFamily, *, compared: int, silent_zero: int, warning: str | None) -> key_family.FamilyFigures:
+        return key_family.FamilyFigures(family, 30, compared, 100 * compared, 0, silent_zero, compared, 0.0, warning)
+
+    wrong = figures(key_family.WRONG_FAMILY, compared=26, silent_zero=26, warning="check the key family")
+    judged = figures(key_family.ENGINE_FAMILY, compared=WARNING_MIN_COMPARISONS, silent_zero=0, warning=None)
+    assert key_family.passes(judged, wrong)
+    unjudged = figures(key_family.ENGINE_FAMILY, compared=WARNING_MIN_COMPARISONS - 1, silent_zero=0, warning=None)
+    assert not key_family.passes(unjudged, wrong)
+    assert not key_family.passes(judged, figures(key_family.WRONG_FAMILY, compared=26, silent_zero=26, warning=None))

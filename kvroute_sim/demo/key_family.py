@@ -29,6 +29,7 @@ from typing import TextIO
 
 import trio
 
+from actors.hit_accuracy import WARNING_MIN_COMPARISONS
 from kvroute_sim.demo.runner import check_router_settings, open_kvroute, refuse_fixed_settings
 from kvroute_sim.demo.workload import WorkloadSpec, system_prompt
 from kvroute_sim.sim.cluster import SimCluster
@@ -42,7 +43,7 @@ SUMMARY = "the router hashes with another key family than the engines: predicted
 ENGINE_FAMILY = KeyFamily.RTP
 WRONG_FAMILY = KeyFamily.VLLM
 REQUESTS = 60
-# The readiness warning needs 20 compared predictions (actors/hit_accuracy.py) and the first request of
+# The readiness warning needs WARNING_MIN_COMPARISONS (20) compared predictions and the first request of
 # each of the GROUPS prompts predicts none: 24 on the simulated clock, and a few more for the real one.
 MIN_REQUESTS = 30
 GROUPS = 4
@@ -159,6 +160,19 @@ def render(figures: list[FamilyFigures]) -> str:
     return "\n".join(lines)
 
 
+def passes(right: FamilyFigures, wrong: FamilyFigures) -> bool:
+    """The scenario's verdict: the wrong family's predictions found nothing and the readiness warning
+    fired, while the right family's, compared as often as the warning needs, never missed (no silent
+    zero among no comparisons proves nothing: a router that predicted nothing once passed)."""
+    return (
+        wrong.silent_zero > 0
+        and wrong.warning is not None
+        and right.compared >= WARNING_MIN_COMPARISONS
+        and right.silent_zero == 0
+        and right.warning is None
+    )
+
+
 def requests_at(scale: float) -> int:
     """Each run's requests at ``--scenario-scale`` ``scale``."""
     return max(MIN_REQUESTS, round(REQUESTS * scale))
@@ -199,6 +213,6 @@ def run(
     right, wrong = figures
     if wrong.warning:
         print(f"readiness warning (wrong family): {wrong.warning}", file=out)
-    fired = wrong.silent_zero > 0 and wrong.warning is not None and right.silent_zero == 0 and right.warning is None
+    fired = passes(right, wrong)
     print(f"{'PASS' if fired else 'FAIL'} {NAME}", file=out, flush=True)
     return 0 if fired else 1
