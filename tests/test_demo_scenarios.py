@@ -20,6 +20,7 @@ import pytest
 import trio
 import trio.testing
 
+from actors.discovery import Discovery
 from kvroute_sim.demo import cli as demo_cli
 from kvroute_sim.demo import key_family, scenarios, split_budget
 from kvroute_sim.demo.scenarios import (
@@ -45,15 +46,16 @@ REAL_CLOCK_SCALE = 0.4
 REAL_CLOCK_SCENARIOS = ("leader-killed", "kvcm-blackhole", "workers-slow", "master-hang")
 
 
-_MASTER_EXTRA_CHECKS = {
+_EXTRA_CHECKS = {
     "master-hang": {"hang cost"},
     "master-fallback": {"kvcm not asked"},
     "master-business-error": {"error code", "kvcm not asked"},
+    "discovery-empty": {"kept"},  # the fault reached discovery, and the last good workers were kept
 }
 
 
 def _expected_checks(scenario: Scenario) -> set[str]:
-    names = {"answered", "deadline"} | _MASTER_EXTRA_CHECKS.get(scenario.name, set())
+    names = {"answered", "deadline"} | _EXTRA_CHECKS.get(scenario.name, set())
     if scenario.kvcm_routed:
         names |= {"switch" if scenario.switches else "during", "recovery"}
         if not scenario.at_start:
@@ -74,6 +76,18 @@ async def test_scenario_invariants_hold_under_the_mock_clock(
     assert result.passed, f"{result.name}:\n{report}"
     assert _expected_checks(scenario) <= {check.name for check in result.checks}, report
     assert result.requests > 0
+
+
+async def test_discovery_empty_fails_when_its_fault_never_reaches_discovery(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router ignoring the emptied worker list passed every check (an audit): ``kept`` now asks that
+    the workers source refreshed empty while the fault lasted."""
+    monkeypatch.setattr(Discovery, "set_static_workers", lambda self, entries: None)
+    scenario = next(s for s in SCENARIOS if s.name == "discovery-empty")
+    result = await run_scenario(scenario, scale=1.0, deadline_slack_ms=0.0, network=MemoryNetwork())
+    kept = next(check for check in result.checks if check.name == "kept")
+    assert not kept.ok and not result.passed, kept.line()
 
 
 @pytest.fixture

@@ -273,12 +273,38 @@ def _flapper_checks(ctx: ScenarioContext, outcomes: Sequence[Outcome], injected:
     ]
 
 
+def _workers_source_empties(ctx: ScenarioContext) -> int:
+    """How often the static workers source has refreshed empty."""
+    sources = ctx.router().discovery().snapshot().sources
+    return sum(source.empty_total for source in sources if source.name == "workers.static")
+
+
 def _empty_discovery(ctx: ScenarioContext) -> None:
+    ctx.counts["empties_before"] = _workers_source_empties(ctx)
     ctx.router().discovery().set_static_workers("")
 
 
 def _restore_discovery(ctx: ScenarioContext) -> None:
+    # What the fault did, read before it is undone: the source went empty, and the snapshot kept the
+    # last good workers.
+    ctx.counts["empties_during"] = _workers_source_empties(ctx) - ctx.counts["empties_before"]
+    ctx.counts["workers_kept"] = ctx.router().discovery().snapshot().workers
     ctx.router().discovery().set_static_workers(ctx.opened().addresses.workers_arg)
+
+
+def _discovery_checks(
+    ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float
+) -> list[Check]:
+    """The fault reached discovery (its workers source refreshed empty) and the last good snapshot was
+    kept: without it, a fault that never reached the router passed (an audit)."""
+    empties, kept, fleet = ctx.counts["empties_during"], ctx.counts["workers_kept"], len(ctx.cluster.workers)
+    return [
+        Check(
+            "kept",
+            empties > 0 and kept == fleet,
+            f"the workers source refreshed empty {empties} times; the snapshot kept {kept} of {fleet} workers",
+        )
+    ]
 
 
 def _nothing(ctx: ScenarioContext) -> None:
@@ -538,6 +564,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         _restore_discovery,
         switches=False,
         recovery_s=_LEADER_RECOVERY_S,
+        extra_checks=_discovery_checks,
     ),
     Scenario(
         "bootstrap-dead-at-start",
