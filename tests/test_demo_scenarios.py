@@ -27,6 +27,7 @@ from kvroute_sim.demo.scenarios import (
     BUDGET_MS,
     SCENARIO_NAMES,
     SCENARIOS,
+    Check,
     Outcome,
     Scenario,
     ScenarioContext,
@@ -371,3 +372,49 @@ def test_an_answer_without_a_worker_counts_as_answered_only_with_the_scenarios_o
     assert code == 1, text
     assert "first lost: answered without a worker" in text
 
+
+
+def _run_of(sources_during: Callable[[int], str], healthy: str) -> tuple[list[Outcome], Timeline]:
+    """A crafted run at 50 requests/s: the healthy source before and after a fault from 0.4 s to 1.2 s,
+    ``sources_during(i)`` for the fault's i-th request."""
+    outcomes: list[Outcome] = []
+    injected, cleared = 0.4, 1.2
+    for i in range(100):
+        start = i / 50
+        during = injected <= start + 0.01 < cleared
+        source = sources_during(i - int(injected * 50)) if during else healthy
+        outcomes.append(Outcome(i, started=start, ended=start + 0.01, elapsed_ms=10.0, source=source, worker="w"))
+    return outcomes, Timeline(0.0, injected, cleared, cleared + 0.01)
+
+
+def _switch(name: str, sources_during: Callable[[int], str]) -> Check:
+    scenario = next(s for s in SCENARIOS if s.name == name)
+    outcomes, timeline = _run_of(sources_during, scenario.healthy_source)
+    checks = evaluate(scenario, ScenarioContext(SimCluster(workers=1)), outcomes, timeline)
+    return next(check for check in checks if check.name == "switch")
+
+
+def test_switch_needs_the_fault_to_hold_decisions_off_the_healthy_source_or_to_alternate() -> None:
+    """One decision off KVCM during a blackhole once passed 'switch' (an audit); so did a flapping
+    scheduler never asked while it flapped."""
+    assert _switch("kvcm-blackhole", lambda i: "shadow").ok
+    assert not _switch("kvcm-blackhole", lambda i: "shadow" if i == 0 else "kvcm").ok
+    assert not _switch("kvcm-blackhole", lambda i: "shadow" if i < 20 else "kvcm").ok  # back before the clear
+    assert _switch("master-flapping", lambda i: "master" if (i // 12) % 2 else "kvcm").ok
+    assert not _switch("master-flapping", lambda i: "kvcm").ok
+
+
+def test_heal_needs_a_stretch_of_kvcm_decisions_not_the_last_one_alone() -> None:
+    """One KVCM decision just before the clear, alone in its stretch, once counted as healed."""
+    last_alone = _switch_outcomes("leader-killed", lambda i, n: "kvcm" if i == n - 1 else "shadow")
+    assert scenarios._heal_time(last_alone, 0.4) is None
+    healed = _switch_outcomes("leader-killed", lambda i, n: "shadow" if i < 5 else "kvcm")
+    assert scenarios._heal_time(healed, 0.4) == pytest.approx(0.11)  # the 6th request of the fault, ended
+
+
+def _switch_outcomes(name: str, sources_during: Callable[[int, int], str]) -> list[Outcome]:
+    """The fault's decisions of a crafted run (see ``_run_of``): ``sources_during(i, n)`` of n."""
+    scenario = next(s for s in SCENARIOS if s.name == name)
+    n = sum(1 for i in range(100) if 0.4 <= i / 50 + 0.01 < 1.2)
+    outcomes, _ = _run_of(lambda i: sources_during(i, n), scenario.healthy_source)
+    return [o for o in outcomes if 0.4 <= o.ended < 1.2]

@@ -74,6 +74,7 @@ WARM_S = 1.0
 FAULT_S = 1.5
 RECOVERED_STREAK = 10  # consecutive KVCM decisions after the clear that count as recovered
 SHARE = 0.9  # "routed from KVCM" means at least this share of a window's decisions
+SWITCHED_SHARE = 0.5  # "moved off" a source means at least this share of the fault's second half
 LOST_AFTER_S = 1.0  # a route() call still unanswered this long after its deadline is lost
 SCENARIO_WORKERS = 8
 HOLDERS_PER_GROUP = 2
@@ -186,6 +187,9 @@ class Scenario:
     healthy_source: str = _KVCM  # the source of healthy routing (before the fault, after recovery)
     during_sources: frozenset[str] = _FALLBACK_SOURCES  # switches=True: where the fault may move decisions
     error_code: int | None = None  # an answer without a worker carrying this code is expected, not lost
+    # switches=True: the fault comes and goes while it lasts, so decisions alternate between the healthy
+    # source and the others instead of moving off for good.
+    alternates: bool = False
 
 
 # ---- the faults ------------------------------------------------------------------------------------
@@ -428,6 +432,7 @@ def _master_scenario(
     switches: bool = True,
     extra_checks: Callable[[ScenarioContext, Sequence[Outcome], float, float], list[Check]] | None = None,
     error_code: int | None = None,
+    alternates: bool = False,
 ) -> Scenario:
     return Scenario(
         name,
@@ -443,6 +448,7 @@ def _master_scenario(
         healthy_source=_MASTER,
         during_sources=during,
         error_code=error_code,
+        alternates=alternates,
     )
 
 
@@ -482,6 +488,7 @@ MASTER_SCENARIOS: tuple[Scenario, ...] = (
         f"every scheduler replica refuses every other {_MASTER_FLAP_PERIOD_S:g} s; master and the KVCM path alternate",
         _master_all(MasterFaults(flapping_period_s=_MASTER_FLAP_PERIOD_S)),
         frozenset({_KVCM}),
+        alternates=True,
     ),
     _master_scenario(
         "master-and-kvcm-down",
@@ -709,10 +716,14 @@ def _mix(outcomes: Sequence[Outcome]) -> str:
 
 
 def _heal_time(outcomes: Sequence[Outcome], since: float) -> float | None:
-    """Earliest end ≥ ``since`` of a KVCM decision from which on ≥ SHARE of the decisions are KVCM."""
+    """Earliest end ≥ ``since`` of a KVCM decision from which on ≥ SHARE of the decisions are KVCM,
+    and at least RECOVERED_STREAK of them: one KVCM decision just before the clear, alone in its
+    stretch, once counted as healed (an audit)."""
     window = sorted((o for o in outcomes if o.ended >= since), key=lambda o: o.ended)
     kvcm_after = sum(1 for o in window if o.source == _KVCM)
     for i, o in enumerate(window):
+        if len(window) - i < RECOVERED_STREAK:
+            break
         if o.source == _KVCM and kvcm_after / (len(window) - i) >= SHARE:
             return o.ended - since
         kvcm_after -= o.source == _KVCM
@@ -769,12 +780,28 @@ def evaluate(
     if scenario.switches:
         off = [o for o in during if o.source != healthy]
         unexpected = sorted({o.source for o in off} - scenario.during_sources)
+        # Moved off for good, not one decision: a fault that does not heal holds most of the fault's
+        # second half off the healthy source (a router saying "KVCM" for all but one decision of a
+        # blackhole once passed). A fault that heals comes back within it: its own check, below.
+        late = [o for o in during if o.ended >= injected + (cleared - injected) / 2]
+        if scenario.alternates:  # both while it lasts: the healthy source in its up phases, the others in its down
+            moved = bool(off) and len(off) < len(during)
+        else:
+            moved = scenario.heal_s is not None or (bool(late) and _share(late, healthy) <= 1 - SWITCHED_SHARE)
         checks.append(
             Check(
                 "switch",
-                bool(off) and not unexpected,
+                bool(off) and not unexpected and moved,
                 f"{_mix(during)} ({healthy} -> {'/'.join(sorted(scenario.during_sources))} expected"
-                + (f"; unexpected {unexpected})" if unexpected else ")"),
+                + (f"; unexpected {unexpected}" if unexpected else "")
+                + (
+                    f"; both {healthy} and the others expected"
+                    if scenario.alternates
+                    else ""
+                    if scenario.heal_s is not None
+                    else f"; second half: {_mix(late)}, off {healthy} >= {SWITCHED_SHARE:.0%} expected"
+                )
+                + ")",
             )
         )
     else:
