@@ -553,10 +553,10 @@ def test_each_file_says_when_it_was_opened_and_how_its_decisions_read_as_times_o
     # The actor's start on both clocks (a mock clock here, which jumps: with the real clock, a
     # decision's t plus this is its time of day).
     assert isinstance(header["wall_minus_trio_s"], float)
-    cases = load_log([str(log)]).cases  # readers take the new fields in their stride
-    # The first decision, received near the run's start: its t plus the offset is a time of that run
-    # (the mock clock's jumps add at most the run's few simulated seconds).
-    assert before - 1 <= header["wall_minus_trio_s"] + min(c.received_at for c in cases) <= after + 60
+    assert load_log([str(log)]).cases  # readers take the new fields in their stride
+    # The mock clock starts at 0 and the actor with the run, so the offset is the run's time of day
+    # (an offset from another clock, such as the monotonic one, is not: an audit's mutation).
+    assert before - 1 <= header["wall_minus_trio_s"] <= after + 1
 
 
 def test_a_what_if_changes_decisions(tmp_path: Path) -> None:
