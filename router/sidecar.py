@@ -275,9 +275,10 @@ class CallTiming:
     """One answered Route call, seen by the sidecar: from its handler's start to the reply's bytes."""
 
     elapsed_s: float  # receipt (the handler thread started) to the serialised reply
-    # The call's allowance from receipt: min(budget, --budget-cap-ms) less its wait for the handler
-    # thread, or the client's remaining time if less. Below 0 for a call that waited longer than its
-    # budget: its lateness then counts the whole wait, as a shorter wait's does.
+    # The time the call had left at receipt: min(budget, --budget-cap-ms) less its wait for the handler
+    # thread, or the client's remaining time if less; at least 0. The sidecar is judged from its receipt
+    # (P7): a call whose wait for a thread took its whole budget is owed an answer at once, and the wait
+    # itself is gRPC's queueing, reported beside (the client's latency; P7's "budget gone at receipt").
     allowed_s: float
     # The router's own time, from taking the request to deciding (the decision's stage total);
     # elapsed_s less it is this sidecar's own path: decoding, the hop to the trio thread and back,
@@ -812,9 +813,9 @@ class Sidecar:
     def _route_call(
         self, data: bytes, context: grpc.ServicerContext, received: float
     ) -> tuple[bytes, float, Mapping[Stage, float], _CallHops | None, RouteSource | None]:
-        """The serialised decision, the call's allowance in seconds from receipt (its routing deadline,
-        min(budget, cap), less its wait for the handler thread: below 0 when it waited longer), the
-        decision's stage times and, for a call handed to the router, its hops and its answer's source."""
+        """The serialised decision, the time it had left at receipt in seconds (its routing deadline,
+        min(budget, cap), less its wait for the handler thread, at least 0), the decision's stage times
+        and, for a call handed to the router, its hops and its answer's source."""
         if self._draining:  # written by the trio thread; a call racing the flip is routed normally
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is draining: request not routed")
         message = router_v1_pb2.RouteRequest()
@@ -838,8 +839,7 @@ class Sidecar:
         # The router's own deadline (min(budget, cap)), counted from receipt as the router counts it,
         # less the call's wait for this handler thread: queued in this process, it was the sidecar's
         # time (a call behind a held thread had its whole budget again once it got one).
-        allowance_s = budget_deadline(budget_ms(message), 0.0, self._cap_ms) - self._thread_wait.waited_s
-        routing_s = max(0.0, allowance_s)
+        routing_s = max(0.0, budget_deadline(budget_ms(message), 0.0, self._cap_ms) - self._thread_wait.waited_s)
         # What the router will have, from now: its deadline less what reading the call took (a large
         # request's wait for its reading turn is spent), or the client's less the reply margin.
         routing_left_s = max(0.0, routing_s - (sent_at - received))
@@ -853,7 +853,7 @@ class Sidecar:
             shed = self._shed_at_receipt(message, left_s, received, context, tokens)
             if shed is not None:
                 reply, elapsed_ms = shed
-                return reply, allowance_s, {Stage.TOTAL: elapsed_ms}, None, None
+                return reply, routing_s, {Stage.TOTAL: elapsed_ms}, None, None
             request = converted(message)  # no roles: nothing left to refuse
         # A call may have waited for its place: the client's deadline above counts that wait (from
         # sent_at); the in-flight limit and the own-path estimate count from the hand-off.
@@ -897,7 +897,7 @@ class Sidecar:
         if hops.settled_at is not None:  # the future's settling orders the trio thread's write before this read
             self._reply_times.append(done - hops.settled_at)
         self._observe_path_cost(done - handed_at - decision.elapsed_ms / 1000.0)
-        return reply, allowance_s, decision.stage_ms, hops, decision.route_source
+        return reply, routing_s, decision.stage_ms, hops, decision.route_source
 
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
         if decision.reason is Reason.BAD_REQUEST:

@@ -604,11 +604,11 @@ async def test_a_calls_wait_for_a_handler_thread_is_counted_against_its_budget(
             assert isinstance(reply, router_v1_pb2.RouteDecision), reply
             assert reply.route_source == "domain", reply  # answered at once: not handed to the router
             assert r.handle.router_actor().health().handled == handled + 1  # the held call alone
-            # Its timing counts the whole wait, beyond the budget too: an allowance below 0, and late by
-            # more than its time on the handler thread (it was once an allowance of 0, late by that
-            # time alone, and counted on time by the bench).
-            (waited,) = [t for t in r.sidecar.take_call_timings() if t.allowed_s < 0]
-            assert waited.lateness_s > waited.elapsed_s
+            # Judged from its receipt: its wait took its whole budget, so it was owed an answer at once,
+            # and its lateness is its time on the handler thread (the wait is gRPC's queueing, which P7
+            # reports beside, as a budget gone at receipt).
+            (waited,) = [t for t in r.sidecar.take_call_timings() if t.allowed_s == 0.0]
+            assert waited.lateness_s == waited.elapsed_s
 
 
 async def test_the_grpc_call_cap_refuses_the_call_beyond_it(nursery: trio.Nursery) -> None:
