@@ -418,3 +418,14 @@ def _switch_outcomes(name: str, sources_during: Callable[[int, int], str]) -> li
     n = sum(1 for i in range(100) if 0.4 <= i / 50 + 0.01 < 1.2)
     outcomes, _ = _run_of(lambda i: sources_during(i, n), scenario.healthy_source)
     return [o for o in outcomes if 0.4 <= o.ended < 1.2]
+
+
+@pytest.mark.parametrize(("name", "scale"), [("leader-killed", 0.1), ("leader-moves", 0.1), ("workers-slow", 0.2)])
+async def test_the_stricter_checks_still_pass_a_short_fault(
+    name: str, scale: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A review: with a stretch of RECOVERED_STREAK required, a fault of 0.15 s (7 decisions) could not
+    show a heal; workers-slow's second half, at 0.3 s of fault, came before its statuses aged out."""
+    scenario = next(s for s in SCENARIOS if s.name == name)
+    result = await run_scenario(scenario, scale=scale, deadline_slack_ms=0.0, network=MemoryNetwork())
+    assert result.passed, "\n".join(check.line() for check in result.checks)

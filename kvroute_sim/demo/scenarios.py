@@ -92,6 +92,9 @@ _BREAKER_RECOVERY_S = 2.0  # cooldown_max 1.0 s + leader backoff 0.5 s + trial
 _LEADER_RECOVERY_S = 1.0  # one invalidation and one lookup round
 _EJECTION_RECOVERY_S = 2.0  # ejection ≤ 1.0 s + status age 0.3 s + probes
 _BACKOFF_RECOVERY_S = 1.5  # lookup backoff ≤ 0.5 s + jitter + one lookup round
+# How long slow probes take to move decisions off KVCM: the cached statuses age out (0.3 s), then the
+# probes time out.
+_STATUS_STALE_S = 0.4
 
 MASTER_REPLICAS = 3
 MASTER_SETTINGS: dict[str, object] = {
@@ -190,6 +193,9 @@ class Scenario:
     # switches=True: the fault comes and goes while it lasts, so decisions alternate between the healthy
     # source and the others instead of moving off for good.
     alternates: bool = False
+    # switches=True: how long after the injection the fault takes to move decisions (a shorter fault,
+    # at a small --scenario-scale, cannot show them held off).
+    settle_s: float = 0.0
 
 
 # ---- the faults ------------------------------------------------------------------------------------
@@ -550,6 +556,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         _workers_all(NO_WORKER_FAULTS),
         switches=True,
         recovery_s=_EJECTION_RECOVERY_S,
+        settle_s=_STATUS_STALE_S,
     ),
     Scenario(
         "worker-flapping",
@@ -717,12 +724,14 @@ def _mix(outcomes: Sequence[Outcome]) -> str:
 
 def _heal_time(outcomes: Sequence[Outcome], since: float) -> float | None:
     """Earliest end ≥ ``since`` of a KVCM decision from which on ≥ SHARE of the decisions are KVCM,
-    and at least RECOVERED_STREAK of them: one KVCM decision just before the clear, alone in its
-    stretch, once counted as healed (an audit)."""
+    a stretch of at least RECOVERED_STREAK of them (or, in a short fault, half of the fault's, at least
+    two): one KVCM decision just before the clear, alone in its stretch, once counted as healed."""
     window = sorted((o for o in outcomes if o.ended >= since), key=lambda o: o.ended)
     kvcm_after = sum(1 for o in window if o.source == _KVCM)
+    # A stretch of decisions, as many as a short fault (a small --scenario-scale) can hold after healing.
+    stretch = min(RECOVERED_STREAK, max(2, len(window) // 2))
     for i, o in enumerate(window):
-        if len(window) - i < RECOVERED_STREAK:
+        if len(window) - i < stretch:
             break
         if o.source == _KVCM and kvcm_after / (len(window) - i) >= SHARE:
             return o.ended - since
@@ -783,11 +792,12 @@ def evaluate(
         # Moved off for good, not one decision: a fault that does not heal holds most of the fault's
         # second half off the healthy source (a router saying "KVCM" for all but one decision of a
         # blackhole once passed). A fault that heals comes back within it: its own check, below.
-        late = [o for o in during if o.ended >= injected + (cleared - injected) / 2]
+        # The second half, and only once the fault can have moved decisions at all.
+        late = [o for o in during if o.ended >= max(injected + (cleared - injected) / 2, injected + scenario.settle_s)]
         if scenario.alternates:  # both while it lasts: the healthy source in its up phases, the others in its down
             moved = bool(off) and len(off) < len(during)
         else:
-            moved = scenario.heal_s is not None or (bool(late) and _share(late, healthy) <= 1 - SWITCHED_SHARE)
+            moved = scenario.heal_s is not None or not late or _share(late, healthy) <= 1 - SWITCHED_SHARE
         checks.append(
             Check(
                 "switch",
@@ -800,6 +810,8 @@ def evaluate(
                     else ""
                     if scenario.heal_s is not None
                     else f"; second half: {_mix(late)}, off {healthy} >= {SWITCHED_SHARE:.0%} expected"
+                    if late
+                    else f"; not held off: the fault ended within its {scenario.settle_s:g} s to act"
                 )
                 + ")",
             )
