@@ -785,8 +785,8 @@ class Sidecar:
             timings = self._timings
             if timings is None:
                 return reply
-            if remaining is not None:
-                allowed_s = min(allowed_s, remaining)
+            if remaining is not None:  # a client already gone at receipt left nothing either: 0, not less
+                allowed_s = max(0.0, min(allowed_s, remaining))
             query_ms = stage_ms.get(Stage.CACHE_QUERY)
             scoring_ms = [stage_ms[stage] for stage in _SCORING_STAGES if stage in stage_ms]
             done = time.monotonic()

@@ -196,10 +196,13 @@ class LevelResult:
 
     @property
     def budget_gone(self) -> int:
-        """Calls that reached the sidecar's handler with none of their budget left: they waited it out
-        for a handler thread (gRPC's queueing, which P7's on-time share, judged from the receipt, leaves
-        out: such a call is on time if answered at once)."""
-        return sum(t.allowed_s <= 0.0 for t in self.timings)
+        """Calls that reached the sidecar's handler with none of their budget left while their client
+        still waited: they waited it out for a handler thread (gRPC's queueing, which P7's on-time
+        share, judged from the receipt, leaves out: such a call is on time if answered at once). The
+        calls whose client had already gone are ``reached_late``'s, not counted here too."""
+        return sum(
+            t.allowed_s <= 0.0 and not (t.client_left_s is not None and t.client_left_s <= 0.0) for t in self.timings
+        )
 
     @property
     def within_share(self) -> float:
