@@ -645,6 +645,8 @@ class Sidecar:
         """
         self._draining = True
         self._published = (False, self._published[1])
+        # /readyz too: a load balancer probing over HTTP stops sending as one probing gRPC health does.
+        self._handle.mark_draining("draining: new calls are refused")
         self._drain_requested.set()
 
     async def run(self, *, task_status: trio.TaskStatus[HostPort] = trio.TASK_STATUS_IGNORED) -> None:

@@ -214,6 +214,7 @@ class RouterHandle:
         self.config = config
         self.loaded = loaded
         self.debug_address: HostPort | None = None
+        self._draining: str | None = None  # why the process stops taking requests (its server drains)
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         return await self._router.route(request)
@@ -249,9 +250,16 @@ class RouterHandle:
     def actors(self) -> Mapping[str, Mapping[str, object]]:
         return self.actors_health()
 
+    def mark_draining(self, why: str) -> None:
+        """The server in front of this router drains: from now on not ready, saying ``why``, on every
+        readiness view (the debug endpoint's /readyz as well as the server's own health)."""
+        self._draining = why
+
     def ready(self) -> tuple[bool, str]:
-        """Routable (see :meth:`_routable`); the reason carries a warning while predicted cache hits
-        keep finding nothing on the engines (a key or namespace mismatch)."""
+        """Routable (see :meth:`_routable`), unless a drain began; the reason carries a warning while
+        predicted cache hits keep finding nothing on the engines (a key or namespace mismatch)."""
+        if self._draining is not None:
+            return False, self._draining
         ready, why = self._routable()
         warning = None if self._accuracy is None else self._accuracy.health().warning
         return ready, why if warning is None else f"{why}; warning: {warning}"

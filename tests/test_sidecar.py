@@ -981,6 +981,8 @@ async def test_drain_lame_duck_refuses_new_calls_and_says_not_serving(nursery: t
 
             async def during_lame_duck() -> None:
                 assert await _in_thread(lambda: r.health("")) == health_pb2.HealthCheckResponse.NOT_SERVING
+                # Every readiness view agrees (the debug endpoint's /readyz reads this one).
+                assert r.handle.ready() == (False, "draining: new calls are refused")
                 late = router_v1_pb2.RouteRequest(request_id="late", token_ids=PROMPT)
                 refused.append(await _in_thread(lambda: r.route(late)))
 
