@@ -24,7 +24,7 @@ import psutil
 import pytest
 import trio
 
-from kvroute_sim.bench import callers, decision_cpu, latency, thread_cpu
+from kvroute_sim.bench import callers, chart, decision_cpu, latency, thread_cpu
 from kvroute_sim.bench import cli as bench_cli
 from kvroute_sim.bench.cli import _router_setting, _selected, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, Outcomes, router_config
@@ -77,6 +77,8 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
 
     assert psutil.Process().children(recursive=True) == []  # the simulator child was stopped
     assert os.sched_getaffinity(0) == affinity  # the CPU pinning was undone
+    # P7's load curve and P8's latency against rate, drawn beside the results.
+    assert (tmp_path / "nested" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     document = json.loads(out.read_text(encoding="utf-8"))
     figures = document["figures"]
     assert [f["key"] for f in figures] == EXPECTED_ROWS
@@ -143,6 +145,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
     }
 
     printed = capsys.readouterr().out
+    assert "chart of P7 and P8 written to" in printed
     rows = _table_rows(printed)
     assert [row[0] for row in rows] == EXPECTED_ROWS
     assert [row[4] for row in rows] == [f["verdict"] for f in figures]
@@ -563,3 +566,32 @@ def test_p4_counts_kvcm_written_off_by_the_last_route_it_allows() -> None:
     sizes = OutageSizes(healthy=5, outage=5, detect_max=needed, warm_up=5)
     result = trio.run(partial(_scenario, ClusterShape(), SCENARIOS[0], sizes, domain_baseline=False))
     assert (result.detected, len(result.detection_ms)) == ("breaker open", needed)
+
+
+def test_the_chart_draws_what_the_saved_results_hold_and_nothing_without_p7_or_p8(tmp_path: Path) -> None:
+    """Drawn from the JSON the bench wrote (a figure without a sample is null there), one panel each."""
+    level = {"callers": 8, "within_deadline_plus_5ms": 1.0, "kvcm_share": 1.0, "overloaded_share": 0.0}
+    levels = [
+        {**level, "p99_lateness_ms": None, "no_answer": 0},
+        {**level, "callers": 64, "p99_lateness_ms": 3.0, "no_answer": 2},
+    ]
+    rate = {"rate": 50, "sidecar_p50_ms": 2.0, "sidecar_p99_ms": 4.0, "floor_query_p50_ms": 1.0, "fallback_share": 0.0}
+    rates = [rate, {**rate, "rate": 800, "sidecar_p99_ms": None}]
+    report = {
+        "figures": [
+            {"key": "P7", "data": {"budget_ms": 30, "late_slack_ms": 5, "levels": levels}},
+            {"key": "P8", "data": {"budget_ms": 30, "knee": 800, "rates": rates}},
+        ]
+    }
+    results = tmp_path / "bench.json"
+    path = chart.draw(report, chart.chart_path(results))
+    assert path == tmp_path / "bench.png" and path.read_bytes()[:4] == b"\x89PNG"
+    assert chart.draw({"figures": [{"key": "P1", "data": {}}]}, tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_no_chart_skips_the_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--only", "P1", "--no-chart", "--out", str(out)]) == 0
+    assert out.exists() and not (tmp_path / "bench.png").exists()
+    assert "chart of P7 and P8" not in capsys.readouterr().out

@@ -17,6 +17,7 @@ holds for the router and for the raw client it is compared with.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import time
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvroute_sim.bench import decision_cpu, latency, outage, overload, processes, quality, rate, soak, throughput
+from kvroute_sim.bench.chart import chart_path, draw
 from kvroute_sim.bench.cpus import Placement, pinned_bench_process
 from kvroute_sim.bench.harness import ClusterShape, ClusterView, router_config
 from kvroute_sim.bench.latency import LatencySizes
@@ -118,7 +120,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"soak with N requests (default {FULL_SOAK:,}; in-memory transports); without --only, runs only "
         f"the soak; with it, beside the figures it names (the default run soaks {FULL.soak_requests:,})",
     )
-    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=f"JSON results (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT),
+        help=f"JSON results (default {DEFAULT_OUT}); the chart of P7 and P8 goes beside it, as .png",
+    )
+    parser.add_argument("--no-chart", action="store_true", help="skip the PNG of P7's load curve and P8's latency")
     parser.add_argument("--seed", type=int, default=0, help="seed for the decision-CPU cases")
     parser.add_argument(
         ROUTER_SETTING_OPTION,
@@ -199,6 +207,10 @@ def run(args: argparse.Namespace) -> int:
     print(report.render())
     report.write(args.out)
     print(f"\nresults written to {args.out}")
+    if not args.no_chart:
+        chart = draw(json.loads(args.out.read_text(encoding="utf-8")), chart_path(args.out))  # what was saved
+        if chart is not None:
+            print(f"chart of P7 and P8 written to {chart}")
     return 0
 
 
