@@ -590,6 +590,23 @@ def test_the_chart_draws_what_the_saved_results_hold_and_nothing_without_p7_or_p
     assert not (tmp_path / "none.png").exists()
 
 
+def test_the_chart_goes_beside_the_results_never_over_them() -> None:
+    """A review: ``--out bench.png`` had its results replaced by the chart, and ``results.v1`` and
+    ``results.v2`` shared one."""
+    assert chart.chart_path(Path("out/bench-results.json")) == Path("out/bench-results.png")
+    assert chart.chart_path(Path("bench.png")) == Path("bench.png.png")
+    assert chart.chart_path(Path("results.v1")) != chart.chart_path(Path("results.v2"))
+    assert chart.chart_path(Path("results")) == Path("results.png")
+
+
+def test_a_chart_path_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path) -> None:
+    (tmp_path / "bench.png").mkdir()  # where the chart of bench.json would go
+    assert main(["bench", "--quick", "--only", "P1", "--out", str(tmp_path / "bench.json")]) == 2
+    assert not (tmp_path / "bench.json").exists()  # refused before measuring, nothing written
+    # Results to a device (not a regular file) get no chart beside them, and no error.
+    assert main(["bench", "--quick", "--only", "P1", "--out", os.devnull]) == 0
+
+
 def test_no_chart_skips_the_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--only", "P1", "--no-chart", "--out", str(out)]) == 0

@@ -16,8 +16,12 @@ CHART_SUFFIX = ".png"
 
 
 def chart_path(results: Path) -> Path:
-    """Where the chart of the results written to ``results`` goes: beside them, ``.png`` for ``.json``."""
-    return results.with_suffix(CHART_SUFFIX)
+    """Where the chart of the results written to ``results`` goes: beside them, ``.png`` for ``.json``,
+    else ``.png`` added (``results.v1`` and ``results.v2`` do not share one, nor ``bench.png`` become
+    its own results' chart)."""
+    if results.suffix == ".json":
+        return results.with_suffix(CHART_SUFFIX)
+    return results.with_name(results.name + CHART_SUFFIX)
 
 
 def _number(value: object) -> float:

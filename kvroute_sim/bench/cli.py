@@ -17,7 +17,6 @@ holds for the router and for the raw client it is compared with.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -190,6 +189,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvroute bench: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    # The chart goes beside the results when they go to a file (not /dev/null, say): tried before the run too.
+    chart = None if args.no_chart or not _regular_file_or_new(args.out) else chart_path(args.out)
+    if chart is not None:
+        try:
+            BenchReport.ready(chart)
+        except OSError as exc:
+            print(f"kvroute bench: the chart beside --out, {chart}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     with pinned_bench_process() as placement:
         report = BenchReport(
             meta={
@@ -207,11 +214,20 @@ def run(args: argparse.Namespace) -> int:
     print(report.render())
     report.write(args.out)
     print(f"\nresults written to {args.out}")
-    if not args.no_chart:
-        chart = draw(json.loads(args.out.read_text(encoding="utf-8")), chart_path(args.out))  # what was saved
-        if chart is not None:
-            print(f"chart of P7 and P8 written to {chart}")
+    if chart is not None:
+        try:
+            drawn = draw(report.saved(), chart)  # what was saved, nulls included
+        except (OSError, ValueError) as exc:  # the results are written: say so, and why there is no chart
+            print(f"kvroute bench: no chart ({chart}): {exc}", file=sys.stderr)
+        else:
+            if drawn is not None:
+                print(f"chart of P7 and P8 written to {drawn}")
     return 0
+
+
+def _regular_file_or_new(path: Path) -> bool:
+    """Whether ``path`` is a regular file or does not exist yet (a device such as /dev/null is neither)."""
+    return path.is_file() or not path.exists()
 
 
 def _measure(

@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 from kvroute_sim.stats import json_safe, shown_against
 
@@ -137,7 +138,11 @@ class BenchReport:
         if not existed:
             path.unlink()
 
+    def saved(self) -> dict[str, Any]:
+        """What ``write`` saves: the report with an undefined figure (no sample) as null, not NaN or
+        Infinity (strict JSON)."""
+        return cast(dict[str, Any], json_safe(self.to_json()))  # a dict stays a dict
+
     def write(self, path: Path) -> None:
-        # Strict JSON: an undefined figure (no sample) is null, not NaN or Infinity.
-        text = json.dumps(json_safe(self.to_json()), indent=2, sort_keys=False, allow_nan=False)
+        text = json.dumps(self.saved(), indent=2, sort_keys=False, allow_nan=False)
         path.write_text(text + "\n", encoding="utf-8")
