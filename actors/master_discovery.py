@@ -21,6 +21,7 @@ the published snapshot is replaced, never mutated. Time is ``trio.current_time()
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass
 
 import trio
@@ -147,12 +148,18 @@ class MasterDiscovery:
     # --- the actor -------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Poll rounds forever; ``started`` after the first round, so a master is known at start."""
+        """Poll rounds forever, one every ``discovery_interval_s`` from the start (a round that a hung
+        host held to its timeout does not push the next ones later: sleeping the interval after each
+        round made every host's period the interval plus the slowest poll, and a master's loss was seen
+        that much later); ``started`` after the first round, so a master is known at start."""
         self._started_at = trio.current_time()
         await self._round()
         task_status.started()
+        interval = self._config.discovery_interval_s
         while True:
-            await trio.sleep(self._config.discovery_interval_s)
+            # The next grid point still ahead: a round longer than the interval skips the ones it overran.
+            elapsed = trio.current_time() - self._started_at
+            await trio.sleep_until(self._started_at + (math.floor(elapsed / interval) + 1) * interval)
             await self._round()
 
     async def _round(self) -> None:

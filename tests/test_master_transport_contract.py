@@ -21,7 +21,7 @@ import trio.testing
 from actors.channel_pool import ChannelPool
 from kvroute_sim.sim.master import MasterFaults, SimMaster, SimMasterAddresses, SimMasterReplica
 from router.config import ChannelPoolConfig, LimitsConfig, MasterConfig
-from router.transport.errors import DeadlineExceeded, GarbledReply, RemoteError, TransportError, Unavailable
+from router.transport.errors import DeadlineExceeded, GarbledReply, NotSent, RemoteError, TransportError, Unavailable
 from router.transport.master_body import SCHEDULE_JSON_SLICE_ITEMS
 from router.transport.master_grpc import GrpcMasterTransport
 from router.transport.master_http import HttpMasterTransport
@@ -355,6 +355,20 @@ async def test_hang_ends_at_the_callers_deadline_and_the_server_sees_it(clock: o
         if harness.adapter == "grpc":  # the abandoned call is followed by a best-effort Cancel
             assert await trio.to_thread.run_sync(replica.wait_cancels, 1, 5.0)
             assert replica.cancels[0][0] == grpc_request_id(REQUEST.request_id)
+
+
+async def test_a_schedule_never_sent_is_never_cancelled(clock: object, harness: Harness) -> None:
+    """Over gRPC a call whose deadline had passed before it could be sent was followed by a Cancel
+    naming a request the scheduler never saw (a review)."""
+    if harness.adapter != "grpc":
+        pytest.skip("the best-effort Cancel is the gRPC protocol's")
+    with trio.fail_after(LIMIT_S):
+        replica = harness.sim.replicas[0]
+        await harness.transport.schedule(harness.host(0), REQUEST)  # the channel is open: only the deadline stops it
+        with trio.CancelScope(deadline=trio.current_time() - 1), pytest.raises(NotSent):  # already passed
+            await harness.transport.schedule(harness.host(0), REQUEST)
+        # A Cancel for it would be an RPC of its own: one call's worth of time for it to arrive.
+        assert not await trio.to_thread.run_sync(replica.wait_cancels, 1, 0.5)
 
 
 async def test_hang_is_answered_when_the_fault_clears(clock: object, harness: Harness) -> None:

@@ -62,6 +62,10 @@ class DeadlineExceeded(TransportError):
     kind = "deadline"
 
 
+class NotSent(DeadlineExceeded):
+    """The caller's deadline had passed before the call could be sent: the peer never saw it."""
+
+
 class GarbledReply(TransportError):
     """The reply could not be decoded or broke the wire contract; ``detail`` names the field."""
 

@@ -28,7 +28,7 @@ import grpc
 import trio
 
 from router.config import ChannelPoolConfig
-from router.transport.errors import DeadlineExceeded, RpcStatus, TransportError, Unavailable, status_to_error
+from router.transport.errors import NotSent, RpcStatus, TransportError, Unavailable, status_to_error
 from router.transport.ports import ChannelLeaser, InTurnCall, InTurnReply
 
 # grpc codes our RpcStatus does not name map to UNKNOWN; the original name is kept in the detail.
@@ -173,13 +173,13 @@ class GrpcRawRpc:
     async def call(self, target: str, method_path: str, request: bytes) -> bytes:
         timeout = remaining_timeout()
         if timeout is not None and timeout <= 0:
-            raise DeadlineExceeded(target, "deadline already passed; not sent")
+            raise NotSent(target, "deadline already passed; not sent")
         async with self._leaser.lease(target) as channel:
             if timeout is not None:
                 # A cold target's lease waited for its channel to open: the server gets what is left.
                 timeout = remaining_timeout()
                 if timeout is not None and timeout <= 0:
-                    raise DeadlineExceeded(target, "deadline passed while the channel opened; not sent")
+                    raise NotSent(target, "deadline passed while the channel opened; not sent")
             calls = self._calls_on(channel)
             future = await self._start(calls, channel, method_path, request, timeout)
             calls.in_flight += 1

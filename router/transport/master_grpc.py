@@ -17,7 +17,7 @@ import trio
 
 from router.config import MASTER_GRPC_PORT_OFFSET
 from router.targets import TargetError, format_target, parse_target
-from router.transport.errors import DeadlineExceeded, Unavailable
+from router.transport.errors import DeadlineExceeded, NotSent, Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.ports import ChannelLeaser, MasterTransport
 from router.wire import paths
@@ -57,6 +57,8 @@ class GrpcMasterTransport:
             reply = await self._rpc.call(target, paths.MASTER_SCHEDULE, encode_schedule_pb(request))
         except trio.Cancelled:
             self._cancel_nowait(target, request.request_id, deadline_exceeded=False)
+            raise
+        except NotSent:  # the scheduler never saw it: nothing to cancel
             raise
         except DeadlineExceeded:
             self._cancel_nowait(target, request.request_id, deadline_exceeded=True)
