@@ -26,7 +26,7 @@ from actors.shadow_index import ShadowHealth, ShadowIndexActor
 from actors.sources.base import FellThrough, RequestContext, RequestSplit
 from actors.sources.shadow import ShadowSource
 from kvroute_sim.sim.cluster import SimCluster
-from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.kvcm import KvcmFaults, SimKvcmCluster
 from kvroute_sim.sim.memory_server import memory_handler
 from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.admission import AdmissionEstimate
@@ -53,6 +53,7 @@ from router.types import (
     BadRequest,
     DropReason,
     KeyFamily,
+    QueryType,
     Reason,
     Role,
     RouteDecision,
@@ -573,6 +574,52 @@ async def test_a_cancelled_caller_gets_cancelled_before_anything_is_counted(
             assert scope.cancelled_caught
         health = handle.router_actor().health()
         assert (health.handled, health.overloaded) == (0, 0)
+
+
+@pytest.mark.parametrize("query_type", [QueryType.PREFIX_MATCH, QueryType.PREFIX_MATCH_WITH_MAMBA])
+async def test_each_cache_query_carries_the_deployments_namespace_query_type_and_p2p_count(
+    query_type: QueryType, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulated KVCM accepted any namespace and query type, so the step building each query from
+    the configuration was checked by no test (an audit: wrong values there passed 334 tests). A spy on
+    the simulator reads what it was asked; a KVCM serving one namespace refuses another."""
+    asked: list[kvcm_pb.GetHostCacheStateRequest] = []
+    answer = SimKvcmCluster.answer
+
+    def spy(self: SimKvcmCluster, node_id: str, method_path: str, request: bytes) -> bytes:
+        if method_path == paths.KVCM_GET_HOST_CACHE_STATE:
+            asked.append(kvcm_pb.GetHostCacheStateRequest.FromString(request))
+        return answer(self, node_id, method_path, request)
+
+    monkeypatch.setattr(SimKvcmCluster, "answer", spy)
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK, instance_id="ns_16")
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    base = make_config(addrs.kvcm_bootstrap, addrs.workers_arg)
+    config = replace(
+        base,
+        deployment=replace(base.deployment, kvcm_instance_id="ns_16", query_type=query_type, p2p_host_count=3),
+    )
+    seed(cluster, 1, 8)
+    async with open_router(config, rpc=network) as handle:
+        decision = await handle.route(RouteRequest("asked", token_ids=PROMPT, budget_ms=50))
+    (query,) = asked
+    assert (query.instance_id, query.query_type, query.p2p_host_count, query.trace_id) == (
+        "ns_16",
+        query_type.value,
+        3,
+        "asked",
+    )
+    assert list(query.block_cache_keys) == list(KEYS)
+    assert decision.sources[0].source is RouteSource.KVCM
+    if query_type is QueryType.PREFIX_MATCH:  # the simulated workers' mode: full attention only
+        assert decision.route_source is RouteSource.KVCM
+    # Another deployment's namespace: the KVCM refuses it, and the request falls through.
+    other = replace(config, deployment=replace(config.deployment, kvcm_instance_id="other_16"))
+    async with open_router(other, rpc=network) as handle:
+        refused = await handle.route(RouteRequest("other", token_ids=PROMPT, budget_ms=50))
+    assert refused.route_source is not RouteSource.KVCM
+    assert refused.sources[0].reason is Reason.KVCM_ERROR
 
 
 def test_feature_off_does_not_hash_token_ids() -> None:
