@@ -155,7 +155,8 @@ class HitAccuracy:
             self._evicted += 1
 
     def _status_seen(self, worker: str, status: WorkerStatus) -> None:
-        for task in (*status.waiting, *status.running):
+        # The finished tasks too: a prefill that began and ended between two polls is only there.
+        for task in (*status.waiting, *status.running, *status.finished):
             predicted = self._pending.get(task.request_id)
             if predicted is None or predicted.worker != worker:
                 continue

@@ -156,6 +156,9 @@ class WorkerStatus:
     kv_cache_group_mode: KvCacheGroupMode = KvCacheGroupMode.UNSPECIFIED
     available_kv_cache: int | None = None
     total_kv_cache: int | None = None
+    # Tasks the engine finished since the version the poll acknowledged: no load any more, but each the
+    # prefix it found (hit accuracy compares a prefill that began and ended between two polls).
+    finished: tuple[TaskInfo, ...] = ()
 
     @property
     def waiting_count(self) -> int:

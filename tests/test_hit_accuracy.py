@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 from functools import partial
 
+import pytest
 import trio
 import trio.testing
 
@@ -18,6 +19,7 @@ from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, MetricsConfig
 from router.keys import block_keys
 from router.supervisor import RouterHandle
+from router.transport.errors import GarbledReply
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import KeyFamily, RouteRequest, RouteSource, WorkerStatus
 from router.wire import engine_status_pb2 as engine_pb
@@ -253,3 +255,36 @@ def test_the_wrong_key_family_verdict_needs_the_right_family_judged_as_often_as_
     unjudged = figures(key_family.ENGINE_FAMILY, compared=WARNING_MIN_COMPARISONS - 1, silent_zero=0, warning=None)
     assert not key_family.passes(unjudged, wrong)
     assert not key_family.passes(judged, figures(key_family.WRONG_FAMILY, compared=26, silent_zero=26, warning=None))
+
+
+async def test_a_prefill_finished_between_two_polls_is_compared_from_the_finished_list(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request whose prefill began and ended between two status polls is only in the finished task
+    list, which kvroute did not read: its prediction expired uncompared (an audit), so the accuracy
+    figures and the silent-zero warning came from longer prefills alone."""
+    worker = "10.0.0.1:8000"
+    finished = engine_pb.TaskInfoPB(request_id="short", input_length=1024, prefix_length=512, prefix_length_valid=True)
+    reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=3, finished_task_list=[finished])
+    status = decode_worker_status(reply.SerializeToString(), worker)
+    assert status.finished[0].request_id == "short" and status.running == status.waiting == ()
+    assert status.outstanding_uncached_tokens == 0  # finished: no load any more
+    config = MetricsConfig()
+    sink = MetricsSink(config)
+    accuracy = HitAccuracy(config, sink)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await nursery.start(accuracy.run)
+        accuracy.predict("short", worker, 512, RouteSource.KVCM, trio.current_time())
+        accuracy.status_seen(worker, status)
+        await trio.testing.wait_all_tasks_blocked()
+        health = accuracy.health()
+        assert (health.matched, health.silent_zero, health.pending) == (1, 0, 0)
+        nursery.cancel_scope.cancel()
+
+
+def test_a_finished_task_with_a_negative_length_is_garbled() -> None:
+    bad = engine_pb.TaskInfoPB(request_id="x", input_length=-1, prefix_length=0)
+    reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=1, finished_task_list=[bad])
+    with pytest.raises(GarbledReply, match=r"finished_task_list\[0\]: negative length"):
+        decode_worker_status(reply.SerializeToString(), "10.0.0.1:8000")

@@ -186,10 +186,17 @@ def _decode_generation_k(data: bytes, target: str) -> WorkerStatus:
             target,
             f"WorkerStatusPB.running_task_info: {len(msg.running_task_info)} entries, more than {MAX_WORKER_TASKS}",
         )
+    if len(msg.finished_task_list) > MAX_WORKER_TASKS:
+        raise GarbledReply(
+            target,
+            f"WorkerStatusPB.finished_task_list: {len(msg.finished_task_list)} entries, more than {MAX_WORKER_TASKS}",
+        )
     tasks = [_task_k(t) for t in msg.running_task_info]
-    for i, t in enumerate(tasks):
-        if t.input_length < 0 or t.prefix_length < 0:
-            raise GarbledReply(target, f"WorkerStatusPB.running_task_info[{i}]: negative length")
+    finished = tuple(_task_k(t) for t in msg.finished_task_list)
+    for field_name, listed in (("running_task_info", tasks), ("finished_task_list", finished)):
+        for i, t in enumerate(listed):
+            if t.input_length < 0 or t.prefix_length < 0:
+                raise GarbledReply(target, f"WorkerStatusPB.{field_name}[{i}]: negative length")
     try:
         mode = KvCacheGroupMode(msg.kv_cache_group_mode)
     except ValueError:
@@ -219,6 +226,7 @@ def _decode_generation_k(data: bytes, target: str) -> WorkerStatus:
         kv_cache_group_mode=mode,
         available_kv_cache=msg.available_kv_cache if msg.total_kv_cache > 0 else None,
         total_kv_cache=msg.total_kv_cache if msg.total_kv_cache > 0 else None,
+        finished=finished,
     )
 
 
