@@ -358,8 +358,9 @@ class MasterConfig:
     discovery_timeout_s: float = bounded(0.5, 0, 600, low_open=True)  # bounds one poll of one host
     discovery_failure_threshold: int = bounded(2, 0, 1000, low_open=True)  # consecutive failed polls: unhealthy
     discovery_drop_after_s: float = bounded(30.0, 0, 86_400, low_open=True)  # unhealthy this long: forgotten
-    # A known queue_length above this rejects requests up front (error 429); 0 = off.
-    queue_length_reject_threshold: int = bounded(0, 0, 1_000_000_000)
+    # A known queue_length above this rejects requests up front (error 429); 0 = off. The reference
+    # frontend's default, as the discovery settings above are its.
+    queue_length_reject_threshold: int = bounded(100_000, 0, 1_000_000_000)
     # HTTP client pool (one client for all hosts): connections kept and their idle expiry (below common
     # server idle timeouts, so a pooled connection is not reused just as the server drops it).
     http_max_connections: int = bounded(64, 0, 10_000, low_open=True)

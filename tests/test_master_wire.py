@@ -394,7 +394,8 @@ def test_default_config_is_valid_and_off() -> None:
     assert (master_hosts(config), config.protocol, config.transport_timeout_ms) == ((), MasterProtocol.HTTP, 200.0)
     assert (config.discovery_interval_s, config.discovery_timeout_s) == (1.0, 0.5)
     assert (config.discovery_failure_threshold, config.discovery_drop_after_s) == (2, 30.0)
-    assert config.queue_length_reject_threshold == 0
+    # The reference frontend's default: a queue longer than 100,000 rejects up front (an audit found it off).
+    assert config.queue_length_reject_threshold == 100_000
 
 
 def test_a_bare_host_takes_the_default_port_and_an_explicit_one_is_kept() -> None:
