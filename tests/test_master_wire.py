@@ -245,7 +245,6 @@ def test_another_status_whose_body_is_not_json_is_no_reply_from_the_scheduler(ht
     ("payload", "field"),
     [
         (b"[1, 2]", "not an object"),
-        (body(success=False, error_message="x"), "code"),
         (body(success=True, code=200, server_status="x"), "server_status"),
         (body(success=True, code=200, server_status=["x"]), "server_status[0]"),
         (body(success=True, code=200, server_status=[status(ip="")]), "server_status[0].server_ip"),
@@ -263,6 +262,20 @@ def test_another_status_whose_body_is_not_json_is_no_reply_from_the_scheduler(ht
 def test_broken_fields_are_garbled_naming_the_field(payload: bytes, field: str) -> None:
     with pytest.raises(GarbledReply, match=field.replace("[", r"\[").replace("]", r"\]")):
         decode_schedule_json(200, payload, HOST)
+
+
+def test_the_schedulers_failure_without_a_code_is_8400_both_protocols() -> None:
+    """The reference frontend takes an error of unknown code as 8400: the scheduler's own 200 saying
+    success false, or its gRPC reply with success false and no code, ended as garbled (no reply), so
+    the slave and then KVCM were asked and the breaker counted a failure (an audit)."""
+    reply = decode_schedule_json(200, body(success=False, error_message="no route"), HOST)
+    assert isinstance(reply, MasterBusinessError) and reply.code == CODE_NO_AVAILABLE_WORKER
+    pb = flexlb_pb.FlexlbScheduleResponsePB(success=False, error_message="no route")
+    grpc_reply = decode_schedule_pb(pb.SerializeToString(), HOST)
+    assert grpc_reply == MasterBusinessError(CODE_NO_AVAILABLE_WORKER, "no route", None)
+    # Such a body under another status is a proxy's or another host's, not the scheduler's: no reply.
+    with pytest.raises(GarbledReply, match="code"):
+        decode_schedule_json(503, body(success=False, error_message="x"), HOST)
 
 
 def test_code_200_under_a_5xx_is_not_routed() -> None:

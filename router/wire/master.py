@@ -303,7 +303,9 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
     success = obj.get("success")
     if code is None:
         if success is not True:
-            if status == _SERVER_EXCEPTION_STATUS:
+            # The scheduler's own failure without its code (a 500 it could not shape, or its 200 saying
+            # success false): an error of unknown code, which the reference frontend takes as 8400.
+            if status == _SERVER_EXCEPTION_STATUS or (status == 200 and success is False):
                 return _unshaped_error(status, body, "has no code")
             raise GarbledReply(target, f"code: missing in an HTTP {status} reply that is not a success")
         code = CODE_OK
@@ -476,7 +478,9 @@ def decode_schedule_pb(data: bytes, target: str) -> MasterReply:
         reply.ParseFromString(data)
     except DecodeError as exc:
         raise GarbledReply(target, f"schedule: undecodable reply ({exc})") from exc
-    code = reply.code or (CODE_OK if reply.success else 0)
+    # A reply of the scheduler's service saying success false without a code: an error of unknown code,
+    # which the reference frontend takes as 8400 (not a garbled reply: the slave and KVCM are not asked).
+    code = reply.code or (CODE_OK if reply.success else CODE_NO_AVAILABLE_WORKER)
     if code == CODE_FALLBACK:
         return MasterFallback(cut_text(reply.error_message, MAX_MESSAGE_CHARS), None)
     if code != CODE_OK:
