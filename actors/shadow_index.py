@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -221,9 +221,9 @@ class ShadowIndex:
         ``agreement`` of the two and the ``hit_error_tokens`` (read-only). The view is ``match`` with
         ``limit``; KVCM's best holder, when that view left it out (more holders of longer prefixes
         here), is looked up alone, so its error is its own prefix's, not KVCM's whole hit."""
-        # ``agreement`` (k = 1) and ``hit_error_tokens`` of the views, fused: both need KVCM's best
-        # holders, and a view is ordered longest first, so its top is its first entries. Every KVCM
-        # answer is compared; the two calls each found the best holders and sorted both answers again.
+        # ``agreement`` (k = 1) and ``hit_error_tokens`` of the views from their shared parts: KVCM's
+        # best holders are found once (its top-1 set, and where the error is measured). Every KVCM
+        # answer is compared; the two calls each found the best holders and sorted KVCM's answer again.
         view = self.match(keys, now, limit=limit)
         best = best_holders(kvcm_hosts)
         kvcm_top = {canonical_host(h.host_ip_port) for h in best}
@@ -231,13 +231,7 @@ class ShadowIndex:
         error_local = shadow_local
         if not kvcm_top <= shadow_local.keys():
             error_local = {h.host_ip_port: h.local for h in self.match(keys, now, usable=kvcm_top.__contains__)}
-        longest = view[0].local if view else 0
-        shadow_top = {canonical_host(h.host_ip_port) for h in view if h.local == longest} if longest >= 1 else set()
-        union = kvcm_top | shadow_top
-        ratio = len(kvcm_top & shadow_top) / len(union) if union else 1.0
-        if not best:
-            return ratio, max(error_local.values(), default=0) * block_size
-        return ratio, min(abs(h.local - error_local.get(canonical_host(h.host_ip_port), 0)) for h in best) * block_size
+        return _jaccard(kvcm_top, _top_hosts(view, 1)), _hit_error(best, error_local, block_size)
 
 
 def _top_hosts(hosts: Sequence[HostMatch], k: int) -> set[str]:
@@ -271,7 +265,10 @@ def agreement(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[HostMatch]
     """
     if k < 1:
         raise ValueError(f"k: must be >= 1, got {k}")
-    kvcm_top, shadow_top = _top_hosts(kvcm_hosts, k), _top_hosts(shadow_hosts, k)
+    return _jaccard(_top_hosts(kvcm_hosts, k), _top_hosts(shadow_hosts, k))
+
+
+def _jaccard(kvcm_top: set[str], shadow_top: set[str]) -> float:
     union = kvcm_top | shadow_top
     if not union:
         return 1.0
@@ -288,8 +285,11 @@ def hit_error_tokens(kvcm_hosts: Sequence[HostMatch], shadow_hosts: Sequence[Hos
     prefix is the whole error (it predicted a hit KVCM does not know of); so is it when KVCM's hosts
     hold the prefix only through p2p (no local block): none of them is a holder.
     """
-    shadow_local = {h.host_ip_port: h.local for h in shadow_hosts}
-    best = best_holders(kvcm_hosts)
+    return _hit_error(best_holders(kvcm_hosts), {h.host_ip_port: h.local for h in shadow_hosts}, block_size)
+
+
+def _hit_error(best: Sequence[HostMatch], shadow_local: Mapping[str, int], block_size: int) -> int:
+    """``hit_error_tokens`` from KVCM's best holders and the shadow's blocks by host."""
     if not best:
         return max(shadow_local.values(), default=0) * block_size
     return min(abs(h.local - shadow_local.get(canonical_host(h.host_ip_port), 0)) for h in best) * block_size
