@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvroute_sim.demo.figures import png
+
 CHART_SUFFIX = ".png"
 
 
@@ -36,23 +38,13 @@ def draw(report: Mapping[str, Any], path: Path) -> Path | None:
     panels = [(key, by_key[key]["data"]) for key in ("P7", "P8") if key in by_key]
     if not panels:
         return None
-    import matplotlib  # the demo extra (the bench needs it); imported only to draw
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
-    try:
+    title = "kvroute bench: the sidecar under load (sims in a separate process)"
+    with png(path, title, 1, len(panels), figsize=(7 * len(panels), 5), squeeze=False) as (_, axes):
         for ax, (key, data) in zip(axes[0], panels, strict=True):
             if key == "P7":
                 _p7(ax, data)
             else:
                 _p8(ax, data)
-        fig.suptitle("kvroute bench: the sidecar under load (sims in a separate process)")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
     return path
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
+from kvroute_sim.demo.figures import png
 from kvroute_sim.demo.lineup import (
     COST_AWARE_SETTINGS,
     KVROUTE,
@@ -256,17 +257,11 @@ def ladder_targets(rungs: Sequence[LadderRung], up_to_load: float = 0.9) -> tupl
 
 def write_ladder_chart(out_dir: Path, rungs: Sequence[LadderRung], slo_ms: float, title: str) -> Path:
     """Mean TTFT, p99 TTFT (log) and goodput against load, one line per policy."""
-    import matplotlib  # the demo extra; imported only when a chart is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LADDER_CHART_FILE
     loads = [100 * r.load for r in rungs]
     names = [e.summary.policy for e in rungs[0].entries] if rungs else []
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
-    try:
+    with png(path, title, 1, 3, figsize=(16, 5)) as (_, axes):
         for name in names:
             entries = [next(e for e in r.entries if e.summary.policy == name) for r in rungs]
             style = {"linewidth": 2.5, "color": "tab:green"} if name == KVROUTE else {}
@@ -283,9 +278,4 @@ def write_ladder_chart(out_dir: Path, rungs: Sequence[LadderRung], slo_ms: float
         axes[0].set_yscale("log")
         axes[1].set_yscale("log")
         axes[2].legend(fontsize=8)
-        fig.suptitle(title)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
     return path

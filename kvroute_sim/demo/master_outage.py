@@ -29,6 +29,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
+from kvroute_sim.demo.figures import png
 from kvroute_sim.demo.report import PolicySummary, source_mix, summarize
 from kvroute_sim.demo.runner import (
     COMPARISON_SETTINGS,
@@ -239,19 +240,14 @@ def outage_json(results: Sequence[OutageResult], window: OutageWindow) -> dict[s
 
 def write_outage_chart(out_dir: Path, results: Sequence[OutageResult]) -> Path:
     """A 1×2 PNG: hit rate and simulated TTFT (mean/p50/p99) of each arm during the outage."""
-    import matplotlib  # the demo extra; imported only when a chart is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / OUTAGE_CHART_FILE
     names = [r.arm for r in results]
     palette = {MASTER_HEALTHY: "tab:gray", KVROUTE_KVCM_PATH: "tab:green", PRE_CHANGE: "tab:red"}
     colors = [palette.get(n, "tab:blue") for n in names]
     x = list(range(len(names)))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    try:
+    title = "kvroute demo: the central scheduler down for the middle third of the requests"
+    with png(path, title, 1, 2, figsize=(12, 4.5)) as (_, axes):
         ax = axes[0]
         ax.bar(x, [100 * r.during.hit_rate for r in results], color=colors)
         ax.set_title("prefix hit rate during the outage (%)")
@@ -268,9 +264,4 @@ def write_outage_chart(out_dir: Path, results: Sequence[OutageResult]) -> Path:
         for ax in axes:
             ax.set_xticks(x)
             ax.set_xticklabels(names, rotation=10, ha="right")
-        fig.suptitle("kvroute demo: the central scheduler down for the middle third of the requests")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
     return path

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute_sim.demo.baselines import KVROUTE, LEAST_LOADED
+from kvroute_sim.demo.figures import png
 from kvroute_sim.demo.lineup import MAX_HIT, ORACLE, PRACTICAL_BASELINES
 from kvroute_sim.demo.runner import NO_SOURCE, ClusterSpec, PolicyRun, RequestRecord
 from kvroute_sim.demo.workload import Workload
@@ -323,18 +324,12 @@ def write_results(out_dir: Path, payload: Mapping[str, object]) -> Path:
 
 def write_chart(out_dir: Path, summaries: Sequence[PolicySummary]) -> Path:
     """A 2×2 PNG: hit rate, simulated TTFT (mean/p50/p99), load imbalance, decision latency (log)."""
-    import matplotlib  # the demo extra; imported only when a chart is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / CHART_FILE
     names = [s.policy for s in summaries]
     colors = ["tab:green" if n == KVROUTE else "tab:gray" if n == ORACLE else "tab:blue" for n in names]
     x = list(range(len(names)))
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    try:
+    with png(path, "kvroute demo: policies on identical arrivals", 2, 2, figsize=(12, 8)) as (_, axes):
         ax = axes[0][0]
         ax.bar(x, [100 * s.hit_rate for s in summaries], color=colors)
         ax.set_title("prefix hit rate (%)")
@@ -362,9 +357,4 @@ def write_chart(out_dir: Path, summaries: Sequence[PolicySummary]) -> Path:
             for ax in row:
                 ax.set_xticks(x)
                 ax.set_xticklabels(names, rotation=20, ha="right")
-        fig.suptitle("kvroute demo: policies on identical arrivals")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
     return path
