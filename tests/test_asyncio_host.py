@@ -289,7 +289,7 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
 ) -> None:
     _, addrs = await _seeded_cluster(nursery)
     log = tmp_path / "decisions.log"
-    config = dataclasses.replace(_config(addrs), router=RouterConfig(budget_cap_ms=1000.0, decision_log=str(log)))
+    config = dataclasses.replace(_config(addrs), router=RouterConfig(budget_cap_ms=10_000.0, decision_log=str(log)))
 
     async def program() -> None:
         async with AsyncioRouterHost(config) as host:
@@ -302,7 +302,7 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
             # callbacks in batches with a checkpoint between them, and a hand-off caught in the hold's
             # batch would let the routing task start before the stall.
             gate = _hold(token)
-            lagged = asyncio.ensure_future(host.route(RouteRequest("lagged", token_ids=PROMPT, budget_ms=500)))
+            lagged = asyncio.ensure_future(host.route(RouteRequest("lagged", token_ids=PROMPT, budget_ms=5000)))
             await asyncio.sleep(0)  # route() hands the request over
             token.run_sync_soon(time.sleep, 0.2)
             gate.set()
@@ -311,9 +311,9 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
     with trio.fail_after(30):
         await _run_asyncio(program)
     (case,) = [c for c in load_log([str(log)]).cases if c.request_id == "lagged"]
-    # What the router was given is what was left when its task started, not at the hand-off.
-    # Neither more than it had, nor nothing (the wait counted twice would leave none).
-    assert case.request.budget_ms is not None and 0.0 < case.request.budget_ms <= 300.0
+    # What the router was given is what was left when its task started, not at the hand-off: at most
+    # the 5 s budget less the 200 ms stall, and not nothing (seconds of slack, however busy the machine).
+    assert case.request.budget_ms is not None and 0.0 < case.request.budget_ms <= 4800.0
 
 
 async def test_a_request_whose_fields_cannot_be_read_is_refused_and_the_host_keeps_serving(

@@ -892,17 +892,20 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
             keys = tuple(range(1, 65))
             message = router_v1_pb2.RouteRequest(request_id="lagged", block_cache_keys=keys, block_size=BLOCK)
             answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
-            received = time.monotonic() - 1.0  # received a second ago with 1.5 s to route: 500 ms left now
+            # Received 5 s ago with 8 s to route: 3 s left now, at most 2.8 s once the stall below has
+            # passed, and (the wait counted twice: 10.4 s of 8) none if the wait were counted twice.
+            received = time.monotonic() - 5.0
             hops = _CallHops(lambda **_: None)
-            r.sidecar._spawn(converted(message), None, (received, 1.5), time.monotonic(), answer, hops)
+            r.sidecar._spawn(converted(message), None, (received, 8.0), time.monotonic(), answer, hops)
             # The loop busy with other work before the routing task can start: blocking it is the point.
             time.sleep(0.2)  # noqa: ASYNC251
             decision = await trio.to_thread.run_sync(answer.result, 10.0)
             assert decision.request_id == "lagged"
     (case,) = [c for c in load_log([str(log)]).cases if c.request_id == "lagged"]
     # What the router was given is what was left when its task started, not at the hand-off.
-    # Neither more than it had, nor nothing (the wait counted twice leaves none: an audit's mutation).
-    assert case.request.budget_ms is not None and 0.0 < case.request.budget_ms <= 300.0
+    # Neither more than it had, nor nothing (the wait counted twice leaves none: an audit's mutation);
+    # the seconds of slack below 2.8 s hold however busy the machine.
+    assert case.request.budget_ms is not None and 0.0 < case.request.budget_ms <= 2800.0
 
 
 def _slow_request(request_id: str) -> router_v1_pb2.RouteRequest:
