@@ -161,11 +161,14 @@ def check_fields(request: RouteRequest) -> None:
 
 
 def check_shape(request_id: str, *, has_tokens: bool, has_keys: bool) -> None:
-    """The checks a request's shape alone decides (pure, O(1)): an id, and exactly one prompt list.
-    The sidecar runs them on a message before it may shed it, so a malformed call is refused, never
-    answered ``overloaded`` with a worker. Raise BadRequest naming the field."""
+    """The checks a request's shape alone decides (pure; the id already within ``check_bounds``' limit):
+    an id, and exactly one prompt list. The sidecar runs them on a message before it may shed it, so a
+    malformed call is refused, never answered ``overloaded`` with a worker. Raise BadRequest naming the
+    field."""
     if not request_id:
         raise BadRequest("request_id", "must not be empty")
+    if request_id.isspace():  # the scheduler refuses a blank id (8406): refused here, named, at once
+        raise BadRequest("request_id", "must not be blank (whitespace only)")
     if has_tokens == has_keys:
         raise BadRequest("token_ids", "give exactly one of token_ids or block_cache_keys")
 

@@ -76,6 +76,13 @@ def test_the_largest_legal_request_is_accepted_and_one_more_is_refused_naming_th
     assert rid not in str(long_id)  # the id is not echoed back
 
 
+def test_a_blank_request_id_is_refused_naming_it() -> None:
+    for blank in (" ", "\t\n", "\u3000"):
+        err = refused(RouteRequest(blank, token_ids=(1,)))
+        assert err.field_name == "request_id" and "blank" in str(err), err
+    assert prepare_request(RouteRequest(" r ", token_ids=(1,)), DEPLOYMENT).seq_len == 1
+
+
 def test_request_id_is_measured_in_utf8_bytes() -> None:
     limits = LimitsConfig(max_request_id_bytes=4)
     assert prepare_request(RouteRequest("éé", token_ids=(1,)), DEPLOYMENT, limits).seq_len == 1

@@ -1304,6 +1304,7 @@ def test_an_error_carried_in_metadata_is_printable_ascii_and_bounded() -> None:
     ("fields", "named"),
     [
         ({"request_id": "", "token_ids": [1, 2]}, "request_id"),
+        ({"request_id": " \t", "token_ids": [1, 2]}, "request_id"),
         ({"request_id": "r"}, "token_ids"),
         ({"request_id": "r", "token_ids": [1], "block_cache_keys": [2]}, "token_ids"),
     ],
