@@ -94,6 +94,8 @@ class HostStats:
     # (SHED_RECORDS_MAX were waiting for the trio thread).
     sheds_unrecorded: int
     in_router: int  # handed to the trio thread (queued for it or routing) and not yet answered, now
+    # Raised AnswerTimeout: the router's thread gave no answer within the call's time and the slack.
+    answer_timeouts: int = 0
 
 
 class AsyncioRouterHost:
@@ -132,6 +134,7 @@ class AsyncioRouterHost:
         self._handed = 0
         self._shed_count = 0
         self._unrecorded = 0
+        self._answer_timeouts = 0
         self._router: RouterActor | None = None  # set by the trio thread before the token is
 
     # --- lifecycle (asyncio side) -----------------------------------------------------------------
@@ -202,7 +205,9 @@ class AsyncioRouterHost:
     def stats(self) -> HostStats:
         """The calls so far by where they were answered; callable from any thread."""
         with self._counts_lock:
-            return HostStats(self._handed, self._shed_count, self._unrecorded, self._gate.in_router())
+            return HostStats(
+                self._handed, self._shed_count, self._unrecorded, self._gate.in_router(), self._answer_timeouts
+            )
 
     @property
     def debug_address(self) -> HostPort | None:
@@ -259,9 +264,12 @@ class AsyncioRouterHost:
         timer = loop.call_at(started + wait_s + ANSWER_SLACK_S, handed.time_out, wait_s + ANSWER_SLACK_S)
         try:
             decision = await handed.future
-        except (asyncio.CancelledError, AnswerTimeout):
+        except (asyncio.CancelledError, AnswerTimeout) as exc:
             # Its caller gave up, or the router's thread is stalled: the call is not waited for any more.
             handed.give_up()
+            if isinstance(exc, AnswerTimeout):
+                with self._counts_lock:
+                    self._answer_timeouts += 1
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(scope.cancel)
             raise

@@ -391,7 +391,7 @@ async def test_a_burst_beyond_the_in_flight_limit_is_answered_overloaded_on_the_
     assert 0 < len(shed) < burst
     assert all((d.route_source, d.reason) == (RouteSource.DOMAIN, Reason.OVERLOADED) for d in shed), shed
     assert all(d.worker is not None and d.request_id.startswith("b") for d in shed)
-    assert stats.shed_before_hop == len(shed) and stats.sheds_unrecorded == 0
+    assert stats.shed_before_hop == len(shed) and stats.sheds_unrecorded == 0 and stats.answer_timeouts == 0
     assert stats.in_router == burst - len(shed) + 2 == seen["pending"]
     assert cast(RouteDecision, seen["named"]).reason is not Reason.OVERLOADED
     malformed = cast(RouteDecision, seen["malformed"])
@@ -515,7 +515,8 @@ async def test_a_call_to_a_stalled_router_thread_ends_by_its_time_not_the_stall(
     assert seen["held"] is False
     after = cast(RouteDecision, seen["after"])
     assert after.request_id == "after" and after.worker is not None
-    assert cast(HostStats, seen["stopped"]).in_router == 0
+    stopped = cast(HostStats, seen["stopped"])
+    assert stopped.in_router == 0 and stopped.answer_timeouts == 2
 
 
 async def test_stop_while_start_opens_the_router_stops_it_once_open(
