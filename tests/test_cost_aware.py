@@ -184,6 +184,27 @@ def test_near_ties_reach_more_than_one_worker() -> None:
     assert plain == {workers[0]}
 
 
+def test_the_guards_redirect_spreads_over_near_ties_too() -> None:
+    """The holder over the outstanding-tokens threshold: the guard sends the request to the shortest
+    worker under it, and that choice is as herd-prone as any shortest pick (its fallbacks, the least
+    bad of workers all over the threshold, are not spread)."""
+    workers = [addr(i) for i in range(5)]
+    plan = plan_of((workers[0], 10), *((w, None) for w in workers[1:]))
+    statuses = {workers[0]: status(40_000), **{w: status(100 * i) for i, w in enumerate(workers[1:], 1)}}
+    guarded = replace(
+        COST,
+        copy_cost_weight=0.0,
+        outstanding_uncached_tokens_threshold=60_000,  # the others: 50,000 to prefill and 100-400 queued
+        max_extra_work_tokens=10**6,
+        near_tie_tokens=1_000,
+    )
+    picks = [run_costs(plan, statuses, config=guarded, seed=s) for s in range(40)]
+    assert {sel.reason for sel in picks} == {Reason.SHORTEST_TTFT_OUTSTANDING_GUARD}
+    assert len({sel.worker for sel in picks}) >= 3 and workers[0] not in {sel.worker for sel in picks}
+    unspread = {run_costs(plan, statuses, config=replace(guarded, near_tie_tokens=0), seed=s).worker for s in range(40)}
+    assert unspread == {workers[1]}
+
+
 def test_the_setting_chooses_the_policy() -> None:
     deployment = DeploymentConfig(block_size=BS)
     assert isinstance(make_policy(ScorerConfig(), deployment), CacheAffinityFirst)  # the default

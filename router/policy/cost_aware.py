@@ -44,8 +44,16 @@ from router.policy.cache_affinity import FilteredPlan, LedgerPolicy, PassedRow, 
 from router.policy.ledger import SelectionLedger
 from router.types import Reason
 
-# The guard's fallbacks are not spread: they are the least bad of workers already over the threshold.
-SPREAD_REASONS = frozenset({Reason.CACHE_LEADER, Reason.SHORTEST_TTFT, Reason.SHORTEST_TTFT_LOW_CACHE_HIT})
+# The guard's redirect (the shortest under the threshold) is spread as any shortest pick; its fallbacks
+# are not: they are the least bad of workers already over the threshold.
+SPREAD_REASONS = frozenset(
+    {
+        Reason.CACHE_LEADER,
+        Reason.SHORTEST_TTFT,
+        Reason.SHORTEST_TTFT_LOW_CACHE_HIT,
+        Reason.SHORTEST_TTFT_OUTSTANDING_GUARD,
+    }
+)
 
 
 def candidate_cost(work: int, waiting: int, hit: int, best_hit: int, pressure: float, *, config: ScorerConfig) -> int:

@@ -711,7 +711,8 @@ _SPECS: dict[str, _Spec] = {
         "cost-aware: a request's fixed cost in tokens, counted for this request and each one queued ahead"
     ),
     "scorer.near_tie_tokens": _Spec(
-        "cost-aware: candidates within this many tokens of the cheapest are near-ties; the power of two "
+        "cost-aware: candidates within this many tokens of the chosen one's cost, holding its hit, are "
+        "near-ties; the power of two "
         "choices among them spreads independent routers (0 = off)"
     ),
     "scorer.cost_aware_cold_set_size": _Spec(
