@@ -322,7 +322,8 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """What a frontend asks. Either ``token_ids`` or ``block_cache_keys`` (used as given)."""
+    """What a frontend asks. Either ``token_ids`` or ``block_cache_keys`` (used as given: the chained
+    keys of the prompt's full blocks, key i standing for the whole prefix up to block i)."""
 
     request_id: str
     token_ids: tuple[int, ...] | None = None
