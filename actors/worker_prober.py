@@ -170,7 +170,10 @@ class ProbeResult:
     outcome: ProbeOutcome
     status: WorkerStatus | None = None  # set exactly when outcome is OK
     from_cache: bool = False  # OK without an RPC for this request
-    observed_at: float | None = None  # trio time the status was received
+    observed_at: float | None = None  # trio time the status was received (its age counts from here)
+    # Trio time its call was sent: the status holds no dispatch decided after it, so pre-charges are
+    # cleared only up to here (the reply's arrival would also clear those made while it was in flight).
+    sent_at: float | None = None
     error_kind: str | None = None  # TransportError.kind or PROBE_TIMEOUT_KIND, when FAILED
     skip_reason: SkipReason | None = None  # when SKIPPED
     background: bool = False  # from the cache, and that status came from a background poll
@@ -185,6 +188,7 @@ class WorkerView:
 
     status: WorkerStatus | None  # the last valid status
     status_at: float
+    status_sent_at: float  # when that status's call was sent (``ProbeResult.sent_at``)
     failed: bool  # a probe failed since that status: not usable for scoring
     unreachable: bool  # the last probe was refused
     ejected_until: float
@@ -222,6 +226,7 @@ class _Phase(enum.Enum):
 class _WorkerState:
     status: WorkerStatus | None = None  # last valid status (status_version != 0)
     status_at: float = _NEVER
+    status_sent_at: float = _NEVER  # when that status's call was sent
     status_background: bool = False  # that status came from a background poll
     latest_finished_version: int = -1  # echoed on the next probe
     checked_at: float = _NEVER  # the last probe's end: an answer or a failure
@@ -240,6 +245,7 @@ class _WorkerState:
         return WorkerView(
             self.status,
             self.status_at,
+            self.status_sent_at,
             self.consecutive_failures > 0,
             self.unreachable,
             self.ejected_until,
@@ -296,6 +302,7 @@ class _Landed:
     no_budget: bool = False  # no slot before the deadline: the token goes back
     inflight: int = 0  # RPCs in flight when this one started
     call_s: float | None = None  # how long the call took (None: no call was made)
+    sent_at: float = 0.0  # when the call was sent (set with call_s)
 
 
 @dataclass(eq=False, slots=True)
@@ -635,6 +642,7 @@ class WorkerProber:
                         seen.status,
                         from_cache=True,
                         observed_at=seen.status_at,
+                        sent_at=seen.status_sent_at,
                         background=seen.background,
                     )
                 )
@@ -662,14 +670,14 @@ class WorkerProber:
         return None if observed is None else observed[0]
 
     def cached_observed(self, worker: WorkerAddr) -> tuple[WorkerStatus, float] | None:
-        """Like :meth:`cached`, with the trio time the status was received (for pre-charge clearing)."""
+        """Like :meth:`cached`, with the trio time the status's call was sent (for pre-charge clearing)."""
         seen = self._view.workers.get(worker)
         if seen is None or seen.status is None or seen.failed:
             return None
         now = trio.current_time()
         if seen.ejected_until > now or now - seen.status_at >= self._config.max_status_age_s:
             return None
-        return seen.status, seen.status_at
+        return seen.status, seen.status_sent_at
 
     def is_routable(self, worker: WorkerAddr, roles: Collection[Role] | None = None) -> bool:
         """Not known to be unreachable (not ejected, last probe not refused) and, with ``roles``,
@@ -870,7 +878,14 @@ class WorkerProber:
             and now - state.status_at < self._config.fresh_ttl_s
         ):
             self._cache_hits += 1
-            return ProbeResult(worker, ProbeOutcome.OK, state.status, from_cache=True, observed_at=state.status_at)
+            return ProbeResult(
+                worker,
+                ProbeOutcome.OK,
+                state.status,
+                from_cache=True,
+                observed_at=state.status_at,
+                sent_at=state.status_sent_at,
+            )
         if state.ejected_until > now:
             return self._skip(worker, SkipReason.EJECTED, handle)
         flight = state.flight
@@ -1136,7 +1151,7 @@ class WorkerProber:
                 flight.slot = True
                 flight.phase = _Phase.RPC
                 landed.inflight = self._limiter.borrowed_tokens
-                called_at = trio.current_time()
+                landed.sent_at = called_at = trio.current_time()
                 landed.status, landed.error_kind, landed.error_detail = await self._call(flight)
                 landed.call_s = trio.current_time() - called_at
             else:
@@ -1182,6 +1197,7 @@ class WorkerProber:
                 # previous call's end (the calls are made one after another).
                 began = previous_end_s if reply.began_after_s is None else reply.began_after_s
                 landed.call_s = reply.ended_after_s - began
+                landed.sent_at = started + began
                 previous_end_s = reply.ended_after_s
                 if isinstance(status, TransportError):
                     landed.error_kind, landed.error_detail = status.kind, status.detail
@@ -1247,7 +1263,7 @@ class WorkerProber:
             self._give_back_tokens(flight, landed.at)
             result = self._outcome_skipped(flight, SkipReason.NO_BUDGET)
         elif landed.status is not None:
-            result = self._record_status(flight, landed.status, landed.at)
+            result = self._record_status(flight, landed.status, landed.at, landed.sent_at)
         else:
             result = self._record_failure(flight, landed.error_kind, landed.error_detail, landed.at)
         self._finish(flight, result)
@@ -1257,7 +1273,7 @@ class WorkerProber:
         self._skipped[reason] += sum(flight.worker not in handle._reported for handle in flight.waiters)
         return ProbeResult(flight.worker, ProbeOutcome.SKIPPED, skip_reason=reason)
 
-    def _record_status(self, flight: _Flight, status: WorkerStatus, now: float) -> ProbeResult:
+    def _record_status(self, flight: _Flight, status: WorkerStatus, now: float, sent_at: float) -> ProbeResult:
         state = flight.state
         state.checked_at = now  # it answered: reachable, whatever the answer
         if status.status_version == 0:
@@ -1265,6 +1281,7 @@ class WorkerProber:
             return ProbeResult(flight.worker, ProbeOutcome.NO_STATUS)
         state.status = status
         state.status_at = now
+        state.status_sent_at = sent_at
         state.status_background = flight.kind is not ProbeKind.ON_DEMAND
         state.latest_finished_version = status.latest_finished_version
         state.consecutive_failures = 0
@@ -1275,7 +1292,7 @@ class WorkerProber:
         self._probes_ok += 1
         for listener in self._status_listeners:
             listener(flight.worker, status)
-        return ProbeResult(flight.worker, ProbeOutcome.OK, status, observed_at=now)
+        return ProbeResult(flight.worker, ProbeOutcome.OK, status, observed_at=now, sent_at=sent_at)
 
     def _record_failure(self, flight: _Flight, kind: str, detail: str, now: float) -> ProbeResult:
         state = flight.state

@@ -92,7 +92,7 @@ class ProbeRecord:
     """One planned candidate's status as the decision got it.
 
     ``arrived``: when its probe result came (None: not before waiting stopped). ``status`` and
-    ``taken`` (the status's trio time, relative): the status scored with, possibly an older cached
+    ``taken`` (when the status's call was sent, trio time, relative): the status scored with, possibly an older cached
     one; ``missing``: why it had none (None with no status: the policy's default)."""
 
     target: str

@@ -251,6 +251,32 @@ def test_cold_walks_that_passed_over_decode_workers_replay_as_recorded(tmp_path:
     assert replay_all(log) == (6, 6)
 
 
+def test_a_probed_status_is_scored_as_taken_when_its_call_was_sent(tmp_path: Path) -> None:
+    """The status a decision scores is dated by its call's send time (the pre-charge cut): a dispatch
+    decided while the call was in flight may be missing from it. Its arrival is later by the reply's
+    delay, and it replays as recorded."""
+    log = tmp_path / "decisions.log"
+    delay_s = 0.004
+
+    async def record(log: Path) -> list[RouteDecision]:
+        async with cluster_router(log) as (handle, cluster):
+            cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
+            for worker in cluster.workers:
+                worker.set_faults(WorkerFaults(delay_s=delay_s))
+            await trio.sleep(0.2)  # the start-up's statuses are stale: the request probes its candidates
+            return [await handle.route(RouteRequest("cold-statuses", token_ids=PROMPT, budget_ms=50))]
+
+    (decision,) = on_mock_clock(record, log)
+    assert decision.route_source is RouteSource.KVCM
+    (case,) = load_log([str(log)]).cases
+    probed = [p for s in case.scorings for p in s.probes.values() if p.status is not None]
+    assert probed
+    for probe in probed:
+        assert probe.arrived is not None and probe.taken is not None
+        assert probe.arrived - probe.taken == pytest.approx(delay_s), probe
+    assert replay_all(log) == (1, 1)
+
+
 def test_prompts_nobody_holds_scored_by_load_replay_as_recorded(tmp_path: Path) -> None:
     log = tmp_path / "decisions.log"
 

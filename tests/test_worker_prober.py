@@ -353,6 +353,27 @@ async def test_coalesced_probe_outlives_its_first_requester(
     assert fake.rpcs(worker) == 1
 
 
+async def test_a_status_is_taken_when_its_call_was_sent_and_ages_from_its_arrival(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """The pre-charge cut is the call's send time: a dispatch decided while the call was in flight
+    may be missing from the status, so its charge must outlive it. Freshness counts from the arrival."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.01)
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.05)
+    sent_at = trio.current_time()
+    probe = prober.probe([worker], sent_at + 1.0)
+    await probe.wait_all()
+    arrived_at = trio.current_time()
+    assert arrived_at > sent_at
+    (result,) = probe.results()
+    assert (result.sent_at, result.observed_at) == (sent_at, arrived_at)
+    assert prober.cached_observed(worker) == (result.status, sent_at)
+    await trio.sleep(0.049)
+    (cached,) = prober.probe([worker], trio.current_time() + 1.0).results()
+    assert cached.from_cache and (cached.sent_at, cached.observed_at) == (sent_at, arrived_at)
+
+
 async def test_fresh_cache_hit_issues_no_rpc(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
     fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
     (worker,) = [fake.add(w) for w in workers(1)]

@@ -7,6 +7,7 @@ prober is the real one with the real WorkerStatusClient.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -505,6 +506,15 @@ async def test_a_rounds_start_up_is_not_charged_to_its_first_worker(
         await trio.sleep(0.01)
     assert network.alone == 0
     assert prober.snapshot().refresh_polls > 0
+    # A polled status is taken when its own call was sent (one after another, 1 ms apart), not when
+    # the round began its 15 ms set-up; here every reply of a round lands at the round's end.
+    polled = [r for r in handle.results() if r.background]
+    sent = sorted(r.sent_at for r in polled if r.sent_at is not None)
+    assert len(sent) == len(fleet) and all(b - a == pytest.approx(0.001) for a, b in itertools.pairwise(sent))
+    longest = len(fleet) * 0.001 + 1e-9
+    assert all(
+        r.observed_at is not None and r.sent_at is not None and 0 < r.observed_at - r.sent_at <= longest for r in polled
+    )
 
 
 async def test_a_request_planned_before_a_retain_does_not_bring_back_the_workers_it_dropped(

@@ -121,10 +121,10 @@ class CandidateScoring:
         skipped: dict[str, int] = {}
         for result in handle.results():
             worker = result.worker
-            if result.status is not None and result.observed_at is not None:
+            if result.status is not None and result.sent_at is not None:
                 cache_hits += result.from_cache
                 from_background += result.background
-                statuses[worker] = (result.status, result.observed_at)
+                statuses[worker] = (result.status, result.sent_at)
                 continue
             if result.outcome is ProbeOutcome.SKIPPED and result.skip_reason is not None:
                 skipped[result.skip_reason.value] = skipped.get(result.skip_reason.value, 0) + 1

@@ -67,10 +67,11 @@ def hit_tokens(match: HostMatch | None, block_size: int, seq_len: int, p2p_hit_d
 
 @dataclass(frozen=True, slots=True)
 class ObservedStatus:
-    """A worker status and the (trio) time it was taken (the prober's ``observed_at``).
+    """A worker status and the (trio) time it was taken: its call's send time (the prober's
+    ``sent_at``), a time the status cannot be older than.
 
-    A status clears the pre-charges made before ``taken_at``; the probe's send time would be
-    the exact cut, its receive time also clears a dispatch made while the probe was in flight.
+    A status clears the pre-charges made before ``taken_at``: a dispatch decided while its call was
+    in flight may not be in it, so it stays charged (a reply's arrival would clear it).
 
     Build one per status received and reuse it for every decision while it is fresh: the
     outstanding uncached tokens (a sum over the worker's tasks) are computed once, here.
