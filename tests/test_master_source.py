@@ -7,7 +7,7 @@ discovery, the breaker, the chain and every other actor are real.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
@@ -15,6 +15,7 @@ import pytest
 import trio
 import trio.testing
 
+from actors.breaker import BreakerState
 from actors.sources.master import MasterClientHealth
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.master import MasterFaults, SimMaster
@@ -495,6 +496,55 @@ async def test_reports_wait_for_the_masters_task_and_a_full_inbox_drops_and_coun
         await trio.sleep(1)  # restarted: it applies what waited for it
         health = master_health(r)
         assert (health.requests, health.routed, health.inbox_depth, health.reports_dropped) == (3, 3, 0, 1)
+
+
+async def test_a_trials_success_is_applied_under_a_burst_the_breaker_refuses(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The requests the half-open breaker refused sent a report each into the same bounded inbox as the
+    trial's: a burst filled it, the trial's success was dropped, and the breaker held half-open until
+    the trial timed out, then reopened though the master had answered. Now the refused requests are
+    only counted, and the trial's report is never dropped."""
+    async with rig(kvcm_fallback=False, max_in_flight=16, transport_timeout_ms=10) as r:  # an inbox of 32
+        r.schedules_seen()
+        r.master.set_faults(0, MasterFaults(hang=True))
+        for i in range(3):
+            await r.route(f"hang{i}")
+        await trio.testing.wait_all_tasks_blocked()
+        assert master_health(r).breaker.state is BreakerState.OPEN
+        await trio.sleep(1.0)  # the cooldown is over: the next request is the trial
+        r.master.set_faults(0, MasterFaults(slow_ms=5.0))
+        trial: list[RouteDecision] = []
+
+        answers_at = trio.current_time() + 0.005
+        decisions: list[RouteDecision] = []
+
+        async def burst(i: int) -> None:
+            await trio.sleep_until(answers_at)  # arriving as the master answers the trial
+            for j in range(20):
+                decisions.append(await r.route(f"b{i}-{j}"))
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _append(trial, r.route("trial")))
+            await trio.testing.wait_all_tasks_blocked()  # the trial is admitted and waits for the master
+            for i in range(100):
+                nursery.start_soon(burst, i)
+        await trio.testing.wait_all_tasks_blocked()
+        assert trial[0].route_source is RouteSource.MASTER
+        health = master_health(r)
+        assert health.breaker.state is BreakerState.CLOSED, health.breaker
+        assert health.reports_dropped == 0
+        # Every request that reached the master source is counted, the refused ones by their callers
+        # (the router's admission shed the rest: they never reach a source).
+        shed = sum(d.reason is Reason.OVERLOADED for d in decisions)
+        assert len(decisions) == 2000 and 0 < shed < 2000
+        assert health.requests == 3 + 1 + 2000 - shed
+        assert health.requests == health.routed + health.fell_through + health.ended
+
+
+async def _append(into: list[RouteDecision], decision: Awaitable[RouteDecision]) -> None:
+    into.append(await decision)
 
 
 async def test_a_trial_ask_waits_only_within_the_masters_window(autojump_clock: trio.testing.MockClock) -> None:

@@ -33,6 +33,7 @@ counted when the inbox is full). ``health()`` is a copy of its state for /debug/
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import time
@@ -109,7 +110,8 @@ class _Verdict(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class _Attempted:
-    """One request's attempt, reported when it ends (the only message a request always sends)."""
+    """One request's attempt, reported when it ends: sent when it asked the master, kept aside
+    when it was the breaker's trial, only counted when the master was not asked."""
 
     verdict: _Verdict
     trial: bool
@@ -120,6 +122,13 @@ class _Attempted:
 
 class _AskTrial(Ask[Admission]):
     """May this request be the breaker's trial? (request/reply)"""
+
+
+class _TrialEnded:
+    """A wake-up: a trial's report waits in ``MasterSource._trial_reports`` (never dropped)."""
+
+
+_TRIAL_ENDED = _TrialEnded()
 
 
 class _Outcome:
@@ -166,11 +175,17 @@ class MasterSource:
         self._requests = self._routed = self._fell_through = self._ended = 0
         self._view: BreakerView = self._breaker.view()
         self._view_changes = self._breaker.changes
-        # An attempt report per request and a trial ask at most.
+        # An attempt report per request that asked the master, and a trial ask at most.
         self._inbox_size = 2 * config.router.max_in_flight
-        self._send, self._receive = trio.open_memory_channel[_Attempted | _AskTrial](self._inbox_size)
+        self._send, self._receive = trio.open_memory_channel[_Attempted | _AskTrial | _TrialEnded](self._inbox_size)
         self._reports_dropped = 0  # kept by callers (a count only)
         self._view_rejections = 0  # admissions the published view refused, without a hop (callers' count)
+        # A trial's report, kept out of the droppable inbox: lost, it would leave the breaker half-open
+        # until the trial timed out, then reopen it though the master answered. One trial at a time.
+        self._trial_reports: list[_Attempted] = []
+        # Requests that never asked the master (its queue full, none known, the breaker refusing, no
+        # time): counted by the callers, not sent (a burst of them filled the inbox). (Callers' counts.)
+        self._unasked_fell_through = self._unasked_ended = 0
 
     def window(self, ctx: RequestContext) -> float:
         return ctx.deadline  # the attempt's own window is set inside, so a timeout is judged here
@@ -181,10 +196,10 @@ class MasterSource:
             discovery=self._discovery.snapshot(),
             breaker=self._breaker_snapshot(),
             last_error=self._last_error,
-            requests=self._requests,
+            requests=self._requests + self._unasked_fell_through + self._unasked_ended,
             routed=self._routed,
-            fell_through=self._fell_through,
-            ended=self._ended,
+            fell_through=self._fell_through + self._unasked_fell_through,
+            ended=self._ended + self._unasked_ended,
             reports_dropped=self._reports_dropped,
             inbox_depth=self._receive.statistics().current_buffer_used,
             inbox_capacity=self._inbox_size,
@@ -209,12 +224,16 @@ class MasterSource:
                 if isinstance(message, _AskTrial):
                     if not message.abandoned:
                         message.answer(self._breaker.admit(trio.current_time()))
-                else:
+                elif isinstance(message, _Attempted):
                     self._apply(message)
                 try:
                     message = receive.receive_nowait()
                 except trio.WouldBlock:
                     break
+            # After the batch: a trial report's wake-up may have found the inbox full, and then the
+            # batch that emptied it came first.
+            while self._trial_reports:
+                self._apply(self._trial_reports.pop())
             if self._breaker.changes != self._view_changes:
                 self._view_changes = self._breaker.changes
                 self._view = self._breaker.view()
@@ -240,6 +259,18 @@ class MasterSource:
             self._ended += 1
 
     def _report(self, attempted: _Attempted) -> None:
+        if attempted.trial:
+            self._trial_reports.append(attempted)
+            with contextlib.suppress(trio.WouldBlock):  # a full inbox wakes the task anyway
+                self._send.send_nowait(_TRIAL_ENDED)
+            return
+        if attempted.verdict is _Verdict.NOT_ASKED and attempted.error is None:
+            if isinstance(attempted.result, Ended):
+                self._unasked_ended += 1
+                return
+            if isinstance(attempted.result, FellThrough):
+                self._unasked_fell_through += 1
+                return
         try:
             self._send.send_nowait(attempted)
         except trio.WouldBlock:
