@@ -106,8 +106,12 @@ class LeaderSnapshot:
     age_s: float | None  # since the leader was last confirmed
     consecutive_failures: int
     next_attempt_at: float | None  # trio time of the next scheduled lookup (None: a request starts it)
-    last_error: str | None
+    last_error: str | None  # the last lookup's failure
     last_error_at: float | None
+    # The last judged failure of a cache query to the leader (its peer and what it said: a wrong
+    # instance id, say, which the lookups never see).
+    last_query_error: str | None
+    last_query_error_at: float | None
     last_lookup_s: float | None  # duration of the last lookup round
     lookups_total: int
     lookups_by_trigger: Mapping[str, int]  # by Trigger value
@@ -203,6 +207,7 @@ class _Outcome:
     cut_short: bool = False  # a query or leader wait a tight budget cut off
     leader_miss: bool = False  # a request that waited for a leader and found none
     started_at: float = -math.inf  # a failure: when its call (or leader wait) began
+    error: str | None = None  # a failed query: what failed
 
 
 _SUCCESS = _Outcome(_Verdict.SUCCESS, trial=False)  # the common report, made once
@@ -294,6 +299,8 @@ class LeaderResolver:
         self._waiters: list[_AskLeader] = []  # callers waiting for the lookup in flight
         self._last_error: str | None = None
         self._last_error_at: float | None = None
+        self._last_query_error: str | None = None
+        self._last_query_error_at: float | None = None
         self._last_lookup_s: float | None = None
         self._lookups_total = 0
         self._lookups_by_trigger = dict.fromkeys((t.value for t in Trigger), 0)
@@ -383,7 +390,7 @@ class LeaderResolver:
             self._report(_Outcome(_Verdict.NOT_JUDGED, trial, cut_short=True))
             return False
         else:
-            self._report(_Outcome(_Verdict.FAILURE, trial, started_at=started_at))
+            self._report(_Outcome(_Verdict.FAILURE, trial, started_at=started_at, error=str(error)))
         return True
 
     def record_leader_miss(
@@ -427,6 +434,8 @@ class LeaderResolver:
             next_attempt_at=self._next_due(now) if self._lookup is None else None,
             last_error=self._last_error,
             last_error_at=self._last_error_at,
+            last_query_error=self._last_query_error,
+            last_query_error_at=self._last_query_error_at,
             last_lookup_s=self._last_lookup_s,
             lookups_total=self._lookups_total,
             lookups_by_trigger=MappingProxyType(dict(self._lookups_by_trigger)),
@@ -529,6 +538,8 @@ class LeaderResolver:
         elif outcome.verdict is _Verdict.FAILURE:
             if outcome.leader_miss:
                 self._leader_misses_total += 1
+            if outcome.error is not None:
+                self._last_query_error, self._last_query_error_at = outcome.error, trio.current_time()
             self._breaker.record_failure(trio.current_time(), outcome.trial, started_at=outcome.started_at)
         else:
             if outcome.cut_short:

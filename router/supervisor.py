@@ -440,7 +440,9 @@ async def _topology(
         if resolver is not None and kvcm is not None:
             scoring = CandidateScoring(scorer=scorer, prober=prober, fleet=fleet, metrics=metrics)
             chain.append(
-                KvcmSource(config, resolver=resolver, kvcm=kvcm, scoring=scoring, shadow=shadow, metrics=metrics)
+                KvcmSource(
+                    config, resolver=resolver, kvcm=kvcm, scoring=scoring, shadow=shadow, metrics=metrics, warn=warn
+                )
             )
             chain.append(ShadowSource(config, shadow=shadow, scoring=scoring, metrics=metrics, warn=warn))
         chain.append(domain)

@@ -622,6 +622,33 @@ async def test_each_cache_query_carries_the_deployments_namespace_query_type_and
     assert refused.sources[0].reason is Reason.KVCM_ERROR
 
 
+async def test_what_kvcm_said_when_it_refused_a_query_is_shown_and_logged(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wrong instance id: KVCM refuses every query. Its words used to reach only a count (the
+    breaker opening, the decisions saying kvcm_error); the resolver's snapshot now holds them, and
+    the first of each logging interval is logged."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK, instance_id="ns_16")
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    base = make_config(addrs.kvcm_bootstrap, addrs.workers_arg)
+    config = replace(base, deployment=replace(base.deployment, kvcm_instance_id="other_16"))
+    with caplog.at_level(logging.WARNING, logger="actors.router_actor"):
+        async with open_router(config, rpc=network) as handle:
+            resolver = handle.leader_resolver()
+            assert resolver is not None
+            assert resolver.snapshot().last_query_error is None
+            for i in range(3):
+                decision = await handle.route(RouteRequest(f"wrong{i}", token_ids=PROMPT, budget_ms=50))
+                assert decision.sources[0].reason is Reason.KVCM_ERROR
+            await trio.testing.wait_all_tasks_blocked()
+            snapshot = resolver.snapshot()
+    assert snapshot.last_query_error is not None and "'other_16' does not exist" in snapshot.last_query_error
+    assert snapshot.last_query_error_at is not None
+    logged = [r.getMessage() for r in caplog.records if "kvcm_query_failed" in r.getMessage()]
+    assert len(logged) == 1 and "'other_16' does not exist" in logged[0], logged
+
+
 def test_feature_off_does_not_hash_token_ids() -> None:
     """Nothing uses keys with the fallback off, so a long prompt costs no hashing; the request is
     still validated and its length still counts (seq_len feeds the domain pre-charge)."""

@@ -23,6 +23,7 @@ from actors.sources.base import FellThrough, RequestContext, SourceResult, ms
 from actors.sources.scoring import CandidateScoring
 from router.config import KvrouteConfig
 from router.decision_record import KvcmAnswer
+from router.logs import AggregatingLogger
 from router.policy.plan import CandidateSource
 from router.transport.errors import DeadlineExceeded, TransportError
 from router.transport.ports import KvcmTransport
@@ -42,6 +43,7 @@ class KvcmSource:
         scoring: CandidateScoring,
         shadow: ShadowIndexActor,
         metrics: MetricsSink,
+        warn: AggregatingLogger,
     ) -> None:
         self._deployment = config.deployment
         self._query_timeout_s = config.router.kvcm_query_timeout_ms / 1000.0
@@ -51,6 +53,7 @@ class KvcmSource:
         self._scoring = scoring
         self._shadow = shadow
         self._metrics = metrics
+        self._warn = warn
 
     def window(self, ctx: RequestContext) -> float:
         return ctx.deadline  # it stops each wait at the split's window by itself, and decides in the reserve
@@ -159,6 +162,10 @@ class KvcmSource:
         if error is not None:
             if judged:  # a query cut short by a tight budget does not make the leader suspect
                 resolver.report_failure(leader.target, error)
+            if not isinstance(error, DeadlineExceeded):
+                # What KVCM said (a wrong instance id, say) reaches the log, not only a count: once per
+                # interval, with the total of the rest.
+                self._warn.note("kvcm_query_failed", trio.current_time(), str(error))
             ctx.events.append(KvcmRequest("GetHostCacheState", error.kind))
             return FellThrough(Reason.DEADLINE if isinstance(error, DeadlineExceeded) else Reason.KVCM_ERROR)
         assert state is not None
