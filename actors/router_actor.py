@@ -68,6 +68,7 @@ from router.types import (
     Role,
     RoleAddr,
     RouteDecision,
+    RouterClosed,
     RouteRequest,
     RouteSource,
     SourceOutcome,
@@ -208,6 +209,9 @@ class RouterActor:
         self._unyielded = 0  # answers since this actor's lag probe last ran (``_answered``)
         self._deadline_fallbacks = 0
         self._internal_errors = 0
+        # Closing (``close_to_new``): new requests are refused; the last one out sets ``_idle``.
+        self._closing = False
+        self._idle: trio.Event | None = None
 
     # -- entry points --------------------------------------------------------------------------
 
@@ -271,6 +275,8 @@ class RouterActor:
         raises Cancelled for a caller already cancelled, before anything is made or counted (what is
         made after is not lost: the rounds that follow a decision are shielded)."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        if self._closing:
+            raise RouterClosed("the router is closed: route() after its open_router block ended")
         now = trio.current_time()
         router = self._config.router
         try:
@@ -294,7 +300,19 @@ class RouterActor:
             decision = await self._handle(request, now, deadline)
         finally:
             self._limiter.release_on_behalf_of(ticket)
+            if self._idle is not None and not self._limiter.borrowed_tokens:
+                self._idle.set()
         return await self._answered(decision)
+
+    def close_to_new(self) -> None:
+        """Refuse every request from now on (``RouterClosed``); those in flight go on."""
+        self._closing = True
+
+    async def wait_idle(self) -> None:
+        """Return once no request is being routed (after ``close_to_new``, none will be again)."""
+        if self._limiter.borrowed_tokens:
+            self._idle = trio.Event()
+            await self._idle.wait()
 
     async def _answered(self, decision: RouteDecision) -> RouteDecision:
         """``decision``, after a scheduling round if ANSWERS_PER_ROUND answers came since the lag probe

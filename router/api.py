@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from router.config import KvrouteConfig
 from router.supervisor import RouterHandle, open_router
-from router.types import Reason, Role, RouteDecision, RouteRequest, RouteSource, WorkerAddr
+from router.types import Reason, Role, RouteDecision, RouterClosed, RouteRequest, RouteSource, WorkerAddr
 
 __all__ = [
     "KvrouteConfig",
@@ -13,6 +13,7 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RouteSource",
+    "RouterClosed",
     "RouterHandle",
     "WorkerAddr",
     "open_router",

@@ -495,6 +495,11 @@ async def _topology(
         try:
             yield handle
         finally:
+            # Requests still routing (from tasks outside the block) get their answers; new ones are
+            # refused. They end by their deadlines; the drain's bound caps the wait all the same.
+            router.close_to_new()
+            with trio.CancelScope(shield=True), trio.move_on_after(config.serve.drain_timeout_s):
+                await router.wait_idle()
             services.cancel_scope.cancel()
             if pool is not None:
                 with trio.CancelScope(shield=True):

@@ -312,6 +312,10 @@ class ScorerPolicy(enum.Enum):
     COST_AWARE = "cost-aware"  # prices a prefix copy and a request's fixed cost (router.policy.cost_aware)
 
 
+class RouterClosed(RuntimeError):
+    """``route()`` on a router whose ``open_router`` block has ended (or is ending)."""
+
+
 class BadRequest(ValueError):
     """A malformed route request; the message names the field."""
 

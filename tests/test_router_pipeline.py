@@ -58,6 +58,7 @@ from router.types import (
     Role,
     RouteDecision,
     RouteRequest,
+    RouterClosed,
     RouteSource,
     SourceOutcome,
     SplitMode,
@@ -647,6 +648,35 @@ async def test_what_kvcm_said_when_it_refused_a_query_is_shown_and_logged(
     assert snapshot.last_query_error_at is not None
     logged = [r.getMessage() for r in caplog.records if "kvcm_query_failed" in r.getMessage()]
     assert len(logged) == 1 and "'other_16' does not exist" in logged[0], logged
+
+
+async def test_closing_answers_the_requests_in_flight_and_refuses_new_ones(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Requests routing from tasks outside the ``open_router`` block when it ends used to meet the
+    actors' teardown and be answered internal_error ("the Scorer is restarting"), counted as bugs; a
+    request after the close was still answered. Now the close waits for those in flight (they end by
+    their deadlines) and a request after it raises RouterClosed."""
+    cluster = SimCluster(workers=3, kvcm_replicas=1, block_size=BLOCK)
+    decisions: list[RouteDecision] = []
+    async with trio.open_nursery() as callers:
+        async with routed(cluster) as (handle, _, _):
+            fault_the_leader(cluster, KvcmFaults(hang=True))  # each request waits out its budget
+
+            async def caller(i: int) -> None:
+                decisions.append(await handle.route(RouteRequest(f"c{i}", token_ids=PROMPT, budget_ms=40)))
+
+            for i in range(10):
+                callers.start_soon(caller, i)
+            await trio.sleep(0.01)
+            assert handle.router_actor().in_flight() == 10
+            closed_at = trio.current_time()
+        assert trio.current_time() - closed_at <= 0.04  # no longer than their deadlines
+        internal_errors = handle.router_actor().health().internal_errors
+    assert len(decisions) == 10 and {d.reason for d in decisions} == {Reason.DEADLINE}, decisions
+    assert all(d.worker is not None for d in decisions) and internal_errors == 0
+    with pytest.raises(RouterClosed, match="the router is closed"):
+        await handle.route(RouteRequest("after", token_ids=PROMPT, budget_ms=40))
 
 
 def test_feature_off_does_not_hash_token_ids() -> None:
