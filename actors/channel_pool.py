@@ -437,10 +437,13 @@ class ChannelPool(Generic[ChannelT]):
                     opened = self._open(message.key)
                 except Exception as exc:
                     # Answered before the task fails and restarts: the message is gone with it, and a
-                    # caller waiting with no deadline of its own would wait for good.
+                    # caller waiting with no deadline of its own would wait for good. While closing the
+                    # shutdown goes on: raised, it would leave every channel open.
                     message.fail(repr(exc))
-                    raise
-                message.answer(opened)
+                    if not self._closing:
+                        raise
+                else:
+                    message.answer(opened)
         elif isinstance(message, _Invalidate):
             entry = self._entries.get(message.key)
             if entry is not None and (message.channel is None or entry.channel is message.channel):

@@ -406,6 +406,46 @@ async def test_aclose_after_the_task_was_cancelled_closes_everything(autojump_cl
     assert [c.closes for c in factory.opened] == [1]
 
 
+async def test_aclose_with_a_failing_open_still_waiting_closes_every_channel(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The task is down (between a crash and its restart) with a cold open waiting whose factory
+    raises: aclose() applies it inline, and its error used to stop the shutdown there and come out of
+    aclose(), every channel left open (and a second aclose() returned at once)."""
+    pool, factory = make_pool()
+
+    def opens(target: str) -> FakeChannel:
+        if target.startswith("bad"):
+            raise OSError("cannot open " + target)
+        return factory(target)
+
+    pool._factory = opens
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        async with pool.lease("good.example:1"):
+            pass
+        await settle()
+        nursery.cancel_scope.cancel()  # the task stops
+    failed: list[BaseException] = []
+    async with trio.open_nursery() as callers:
+
+        async def cold() -> None:
+            try:
+                async with pool.lease("bad.example:1"):
+                    pass
+            except Unavailable as exc:
+                failed.append(exc)
+
+        callers.start_soon(cold)
+        await settle()  # its open waits in the inbox
+        assert pool.snapshot().inbox_depth == 1
+        with trio.fail_after(1):
+            await pool.aclose()
+    assert [c.closes for c in factory.opened] == [1]
+    assert pool.snapshot().size == 0
+    assert len(failed) == 1 and "cannot open bad.example:1" in str(failed[0])
+
+
 def test_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match=r"channel_pool\.max_channels"):
         ChannelPool(ChannelPoolConfig(max_channels=0), FakeFactory())
