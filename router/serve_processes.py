@@ -31,7 +31,8 @@ served STABLE_AFTER_S), counted and logged. A child that fails its very first st
 command with that child's exit status. On SIGTERM, SIGINT or SIGHUP every child gets SIGTERM and
 drains; the parent waits at most ``--drain-timeout-s`` + STOP_MARGIN_S, then kills what is left. A
 second signal to the parent sends the children STOP_NOW_SIGNAL (they stop at once). Exit status 0
-when every child drained and exited 0 (or, still starting, ended by the SIGTERM), else 1.
+when every child drained and exited 0 (or, still starting, ended by the SIGTERM; or, restarting after
+a crash, had none running), else 1.
 """
 
 from __future__ import annotations
@@ -191,6 +192,9 @@ class _Slot:
     restarts: int = 0
     ever_served: bool = False
     returncode: int | None = None  # the last child's status once the supervisor stops
+    # Between a child's exit (logged, counted as a restart) and its replacement's start: a stop then
+    # finds no child in the slot, and the slot's stop is clean whatever that exit was.
+    restart_pending: bool = False
     killed: bool = False
     ready: trio.Event = field(default_factory=trio.Event)
     ended: trio.Event = field(default_factory=trio.Event)
@@ -235,9 +239,12 @@ class ProcessSupervisor:
     def _stopped_cleanly(self, slot: _Slot) -> bool:
         """Drained (status 0), or ended by a signal this parent sent it: a child still starting, before
         its handlers were installed, or already past them at its end, stops that way, which is a stop,
-        not a failure."""
+        not a failure. A slot waiting to restart a child when the stop came had nothing to stop: its
+        child's exit was a crash already logged and counted, whenever the stop came after it."""
         if slot.killed:
             return False
+        if self._stopping and slot.restart_pending:
+            return True
         sent = (-int(DRAIN_SIGNAL), -int(STOP_NOW_SIGNAL))
         return slot.returncode == 0 or (self._stopping and slot.returncode in sent)
 
@@ -295,9 +302,13 @@ class ProcessSupervisor:
                     backoff,
                     extra=ctx(process=slot.index, restarts=slot.restarts),
                 )
+                slot.restart_pending = True
                 with trio.CancelScope() as slot.backoff:
                     await trio.sleep(backoff)
                 slot.backoff = None
+                if self._stopping:
+                    return
+                slot.restart_pending = False
                 backoff = min(2 * backoff, RESTART_BACKOFF_MAX_S)
         finally:
             slot.ended.set()

@@ -8,6 +8,7 @@ connection of its own (SO_REUSEPORT spreads connections, not calls, over the pro
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -421,6 +423,65 @@ def test_a_child_ended_by_the_forwarded_signal_while_starting_is_a_clean_stop() 
     assert supervisor._stopped_cleanly(crashed)
     starting.killed = True  # killed by the parent after the stop's wait: not clean
     assert not supervisor._stopped_cleanly(starting)
+
+
+# A child that announces itself, then on its first start dies by SIGKILL; restarted, it serves until SIGTERM.
+_CRASHING_ONCE = """
+import os, signal, sys, time
+sys.stdout.write("kvroute serve: Route gRPC on 127.0.0.1:1, debug HTTP on http://127.0.0.1:2\\n")
+sys.stdout.flush()
+marker = sys.argv[1]
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+time.sleep(60)
+"""
+
+
+async def test_a_stop_during_a_restarts_backoff_is_as_clean_as_one_just_after_it(tmp_path: Path) -> None:
+    """One crash, restarted, then a stop: the status used to depend on when the stop came. During the
+    backoff the slot kept the crash's -9 and the parent exited 1; a moment later the restarted child
+    drained and it exited 0."""
+    marker = tmp_path / "crashed-once"
+    supervisor = ProcessSupervisor(
+        count=1,
+        command=lambda i: [sys.executable, "-c", _CRASHING_ONCE, str(marker)],
+        grpc_address="127.0.0.1:1",
+        stop_wait_s=10.0,
+    )
+    (slot,) = supervisor._slots
+    send, receive = trio.open_memory_channel[int](1)
+
+    async def signals() -> AsyncIterator[int]:
+        async for signum in receive:
+            yield signum
+
+    restart_logged = trio.Event()
+
+    class OnRestart(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:  # on the trio thread, just before the backoff
+            if "restart 1 in" in record.getMessage():
+                restart_logged.set()
+
+    handler = OnRestart()
+    logging.getLogger("kvroute.serve").addHandler(handler)
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                status: list[int] = []
+
+                async def run() -> None:
+                    status.append(await supervisor.run(signals()))
+
+                nursery.start_soon(run)
+                await restart_logged.wait()
+                assert slot.backoff is not None  # in its backoff (0.5 s): no child in the slot
+                assert slot.restarts == 1 and slot.returncode == -int(signal.SIGKILL)
+                await send.send(int(signal.SIGTERM))
+    finally:
+        logging.getLogger("kvroute.serve").removeHandler(handler)
+    assert status == [0]
 
 
 async def test_a_child_may_take_discoverys_refresh_timeout_on_top_of_its_own_start(
