@@ -133,12 +133,12 @@ class Scorer:
         request_id: str,
         source: CandidateSource,
         ejected: Collection[WorkerAddr],
-        cold_skip: Callable[[WorkerAddr], bool] | None = None,
+        unfit: Callable[[WorkerAddr], bool] | None = None,
     ) -> CandidatePlan:
         """The policy's candidate plan. Planning reads only the policy's configuration, never its
         ledger, so it runs in the caller's task; deciding goes through the inbox."""
         return self._policy.plan(
-            hosts, fleet, request_id=request_id, source=source, ejected=ejected, cold_skip=cold_skip
+            hosts, fleet, request_id=request_id, source=source, ejected=ejected, unfit=unfit
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

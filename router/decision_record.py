@@ -109,8 +109,8 @@ class ScoringRecord:
     fleet: Fleet
     ejected: tuple[str, ...]
     probes: tuple[ProbeRecord, ...] = ()
-    # The workers the cold walk passed over as unfit (serving another role, or saying they are not
-    # alive; why is not recorded).
+    # The workers the plan passed over as unfit, in the hot set or the cold walk (serving another role,
+    # or saying they are not alive; why is not recorded).
     other_roles: tuple[str, ...] = ()
     decided: float = 0.0
     # Per candidate that passed the filters, in tie-draw order: (target, pending charge, last-selected trio

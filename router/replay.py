@@ -120,7 +120,7 @@ class RecordedScoring:
     ledger: Mapping[str, tuple[int, float]]  # target → (pending charge, last selected)
     ties: tuple[float, ...]
     decided: float | None = None  # when it scored, relative to receipt (None: not recorded)
-    other_roles: frozenset[str] = frozenset()  # the workers its cold walk passed over as unfit (role, not alive)
+    other_roles: frozenset[str] = frozenset()  # the workers its plan passed over as unfit (role, not alive)
 
 
 @dataclass(frozen=True, slots=True)
@@ -471,7 +471,7 @@ class _ReplayScoring:
             request_id=ctx.request.request_id,
             source=source,
             ejected=ejected,
-            cold_skip=lambda worker: worker.http_target in other_roles,
+            unfit=lambda worker: worker.http_target in other_roles,
         )
         probes: Mapping[str, RecordedProbe] = {} if recorded is None else recorded.probes
         r = case.received_at

@@ -33,7 +33,7 @@ def plan(
     cold: int = 2,
     ejected: frozenset[WorkerAddr] = frozenset(),
     source: CandidateSource = CandidateSource.HOT,
-    cold_skip: Callable[[WorkerAddr], bool] | None = None,
+    unfit: Callable[[WorkerAddr], bool] | None = None,
 ) -> CandidatePlan:
     config = replace(ScorerConfig(), hot_set_size=hot, cold_set_size=cold)
     return plan_candidates(
@@ -44,7 +44,7 @@ def plan(
         config=config,
         hot_source=source,
         ejected=ejected,
-        cold_skip=cold_skip,
+        unfit=unfit,
     )
 
 
@@ -182,10 +182,29 @@ def test_the_cold_set_passes_over_workers_of_another_role(n: int, cold: int, oth
     fleet = fleet_of(n)
     other = {addr(i) for i in range(n) if others >> i & 1}
     for r in range(5):
-        p = plan([], fleet, f"req-{r}", cold=cold, cold_skip=other.__contains__)
+        p = plan([], fleet, f"req-{r}", cold=cold, unfit=other.__contains__)
         picked = cold_workers(p)
         assert not set(picked) & other
         assert len(picked) == min(cold, n - len(other))
+
+
+def test_a_holder_of_another_role_takes_no_hot_slot_from_one_that_can_serve() -> None:
+    """Decode workers holding the prefix (KVCM lists them too) filled the hot set and pushed the
+    prefill holder out, to be dropped for their role after their probes; now they are passed over."""
+    fleet = fleet_of(12)
+    w = fleet.workers
+    decode = {w[0], w[1]}
+    hosts = [
+        HostMatch(w[0].http_target, local=10),
+        HostMatch(w[1].http_target, local=10),
+        HostMatch(w[2].http_target, local=9),
+        HostMatch(w[3].http_target, local=8),
+    ]
+    assert hot_targets(plan(hosts, fleet, hot=2)) == [w[0].http_target, w[1].http_target]
+    p = plan(hosts, fleet, hot=2, cold=4, unfit=decode.__contains__)
+    assert hot_targets(p) == [w[2].http_target, w[3].http_target]
+    assert not {c.worker for c in p.candidates} & decode  # nor a cold place
+    assert not p.dropped  # passed over, as the cold walk passes over, not reported as dropped
 
 
 def test_cold_order_reproducible_per_request_and_different_across_requests() -> None:

@@ -363,6 +363,7 @@ async def test_pdfusion_only_deployment_never_gets_prefill(autojump_clock: trio.
         seed(cluster, 0, 8)  # the best cache holder is a PREFILL worker
         seed(cluster, 2, 4)
         sources = set()
+        passed_over: list[bool] = []
         for i in range(20):
             d = await handle.route(RouteRequest(f"p{i}", token_ids=PROMPT, budget_ms=20))
             sources.add(d.route_source)
@@ -372,10 +373,15 @@ async def test_pdfusion_only_deployment_never_gets_prefill(autojump_clock: trio.
             assert d.worker in (cluster.worker_addr(2), cluster.worker_addr(3))
             dropped_roles = [c for c in d.candidates if c.dropped == "role_not_routed"]
             assert all(c.target != d.worker.http_target for c in dropped_roles)
+            prefill_holder = cluster.worker_addr(0).http_target
             if d.route_source is RouteSource.KVCM:
-                # The PREFILL holder of the longest prefix was a candidate, dropped for its role.
-                assert cluster.worker_addr(0).http_target in {c.target for c in dropped_roles}
+                # The PREFILL holder of the longest prefix: dropped for its role while its role was
+                # unknown; once known, passed over by the plan (no hot slot, no probe).
+                planned = {c.target: c.dropped for c in d.candidates}
+                assert planned.get(prefill_holder, "role_not_routed") == "role_not_routed"
+                passed_over.append(prefill_holder not in planned)
         assert RouteSource.KVCM in sources
+        assert passed_over and passed_over[-1]
 
 
 async def test_mixed_deployment_reports_the_workers_real_role(autojump_clock: trio.testing.MockClock) -> None:

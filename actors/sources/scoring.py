@@ -82,9 +82,10 @@ class CandidateScoring:
         t = trio.current_time()
         fleet = self._fleet.current()
         ejected = self._prober.ejected()
-        # A cold place on a worker of another role (a decode worker beside the prefill ones), or on one
-        # that says it is not alive, would be dropped after its probe: a usable idle worker of the
-        # request's roles would seldom be found.
+        # A place on a worker of another role (a decode worker beside the prefill ones, or holding the
+        # prefix too), or on one that says it is not alive, would be dropped after its probe: a usable
+        # idle worker of the request's roles would seldom be found, and a holder that can serve the
+        # request could lose its hot slot.
         other_role = self._prober.unfit_for(prepared.roles)
         passed_over: list[str] = []
         if ctx.record is not None:  # replay needs the workers passed over, not their roles
@@ -95,7 +96,7 @@ class CandidateScoring:
             request_id=ctx.request.request_id,
             source=source,
             ejected=ejected,  # an ejected holder takes no hot slot
-            cold_skip=other_role,
+            unfit=other_role,
         )
         ctx.stages[Stage.PLAN] = ms(trio.current_time() - t)
 

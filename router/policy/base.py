@@ -39,10 +39,10 @@ class Policy(Protocol):
         request_id: str,
         source: CandidateSource,
         ejected: Collection[WorkerAddr],
-        cold_skip: Callable[[WorkerAddr], bool] | None = None,
+        unfit: Callable[[WorkerAddr], bool] | None = None,
     ) -> CandidatePlan:
-        """The candidates to probe and score for a cache answer's ``hosts`` (``cold_skip``: workers
-        the cold set must pass over, those known to serve another role)."""
+        """The candidates to probe and score for a cache answer's ``hosts`` (``unfit``: workers the
+        plan passes over, hot or cold, those known to serve another role or to be down)."""
         ...
 
     def observe(self, worker: WorkerAddr, status: WorkerStatus, taken_at: float) -> ObservedStatus:

@@ -634,7 +634,7 @@ class LedgerPolicy:
         request_id: str,
         source: CandidateSource,
         ejected: Collection[WorkerAddr],
-        cold_skip: Callable[[WorkerAddr], bool] | None = None,
+        unfit: Callable[[WorkerAddr], bool] | None = None,
     ) -> CandidatePlan:
         return plan_candidates(
             hosts,
@@ -644,7 +644,7 @@ class LedgerPolicy:
             config=self._plan_config,
             hot_source=source,
             ejected=ejected,
-            cold_skip=cold_skip,
+            unfit=unfit,
         )
 
     def decide(

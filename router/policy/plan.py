@@ -5,11 +5,13 @@ Pure: values in, values out; no I/O, no clock.
 Hot set: the answer's hosts with ``local ≥ 1`` or ``p2p_total ≥ 1``, best effective blocks first,
 mapped to discovered workers, one per gRPC target, at most ``hot_set_size``. Where hosts tie
 exactly at that cut, a per-request rank decides who is in (never the address, never the answer's
-order). Unknown, malformed and ejected hosts are dropped and reported; they take no hot slot.
+order). Unknown, malformed and ejected hosts are dropped and reported; they take no hot slot. Nor
+does a worker known unfit for the request (``unfit``: it reported another role, or lately that it is
+not alive): passed over, as the cold walk passes it over, it leaves its slot to a holder that can
+serve the request (a decode worker holding the prefix would otherwise be dropped after its probe).
 
-Cold set: ``cold_set_size`` discovered workers not in the hot set, not ejected and not known to
-serve another role than the request's (``cold_skip``), in a reproducible per-request order, so idle
-workers are found and load spreads.
+Cold set: ``cold_set_size`` discovered workers not in the hot set, not ejected and not known unfit
+(``unfit``), in a reproducible per-request order, so idle workers are found and load spreads.
 """
 
 from __future__ import annotations
@@ -181,12 +183,19 @@ RankedHost = tuple[float, int, int]  # (−effective blocks, −local, answer in
 class _HotSetBuilder:
     """Maps ranked cache-answer hosts to planned candidates, each fleet worker at most once."""
 
-    __slots__ = ("_ejected", "_fleet", "_source", "dropped", "taken")
+    __slots__ = ("_ejected", "_fleet", "_source", "_unfit", "dropped", "taken")
 
-    def __init__(self, fleet: Fleet, source: CandidateSource, ejected: Collection[WorkerAddr]) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        source: CandidateSource,
+        ejected: Collection[WorkerAddr],
+        unfit: Callable[[WorkerAddr], bool] | None = None,
+    ) -> None:
         self._fleet = fleet
         self._source = source
         self._ejected = ejected
+        self._unfit = unfit
         self.taken: set[int] = set()  # ids of fleet workers already planned (fleet objects are unique)
         self.dropped: list[CandidateExplain] = []
 
@@ -209,7 +218,7 @@ class _HotSetBuilder:
         a call per host would cost more than the mapping.
         """
         by_http_target = self._fleet.by_http_target
-        ejected, taken, source = self._ejected, self.taken, self._source
+        ejected, taken, source, unfit = self._ejected, self.taken, self._source, self._unfit
         end = len(ranked)
         if len(admitted) >= limit:
             return position
@@ -229,6 +238,8 @@ class _HotSetBuilder:
             key = id(worker)
             if key in taken:
                 continue  # a second entry for a worker already planned (by gRPC target)
+            if unfit is not None and unfit(worker):
+                continue  # passed over: it cannot serve the request
             taken.add(key)
             # tuple.__new__: a NamedTuple's own constructor is a Python-level call
             admitted.append(tuple.__new__(Candidate, (worker, target, match, source)))
@@ -326,7 +337,7 @@ def plan_candidates(
     config: ScorerConfig,
     hot_source: CandidateSource = CandidateSource.HOT,
     ejected: Collection[WorkerAddr] = frozenset(),
-    cold_skip: Callable[[WorkerAddr], bool] | None = None,
+    unfit: Callable[[WorkerAddr], bool] | None = None,
 ) -> CandidatePlan:
     """The hot set then the cold set (see the module docstring).
 
@@ -334,10 +345,10 @@ def plan_candidates(
     of m hosts, plus O(cold + skipped) fleet entries.
     """
     seed = request_seed(request_id, namespace)
-    builder = _HotSetBuilder(fleet, hot_source, ejected)
+    builder = _HotSetBuilder(fleet, hot_source, ejected, unfit)
     ranked = _rank_hosts(hosts, max(0.0, config.p2p_hit_discount))
     hot = _hot_set(hosts, ranked, max(0, config.hot_set_size), seed, builder)
-    cold_picks = _cold_walk(fleet, seed, config.cold_set_size, builder.taken, ejected, cold_skip)
+    cold_picks = _cold_walk(fleet, seed, config.cold_set_size, builder.taken, ejected, unfit)
     cold: list[Candidate] = []
     if cold_picks:
         by_host = _matches_of(hosts, fleet, {fleet.targets[i] for _, i in cold_picks})
