@@ -212,7 +212,9 @@ def check_geometry(
     alone, so a request may be checked before it is converted or shed). ``n_keys`` None: token ids
     were given (``n_tokens`` of them). seq_len, when given, must be the prompt's length: with token
     ids, their count; with keys, at least the tokens the keys' blocks cover; never more than
-    ``max_prompt_tokens``. Raise BadRequest naming the field."""
+    ``max_prompt_tokens``. An empty prompt is refused in either form: no token ids, or no keys and
+    no seq_len (empty keys with a seq_len are a prompt shorter than one block, as a decision log
+    records one). Raise BadRequest naming the field."""
     if block_size is not None and block_size <= 0:
         raise BadRequest("block_size", f"must be positive, got {block_size}")
     if block_size is not None and block_size > limits.max_prompt_tokens:
@@ -227,6 +229,11 @@ def check_geometry(
             "seq_len", f"{seq_len} is more than the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)"
         )
     if n_keys is not None:
+        if not n_keys and not seq_len:  # as empty token ids: no prompt to route (proto3: not given)
+            raise BadRequest(
+                "block_cache_keys",
+                "must not be empty without a seq_len (give seq_len for a prompt shorter than a block)",
+            )
         size = block_size if block_size is not None else deployment_block_size
         covered = n_keys * size
         if seq_len is None:

@@ -137,6 +137,15 @@ def test_seq_len_agreeing_with_the_prompt_is_taken() -> None:
     assert prepare_request(RouteRequest("r", block_cache_keys=keys), DEPLOYMENT).seq_len == 1024
 
 
+def test_an_empty_prompt_is_refused_in_either_form() -> None:
+    assert refused(RouteRequest("r", token_ids=())).field_name == "token_ids"
+    for empty in (RouteRequest("r", block_cache_keys=()), RouteRequest("r", block_cache_keys=(), seq_len=0)):
+        err = refused(empty)
+        assert err.field_name == "block_cache_keys" and "must not be empty" in str(err), err
+    # A prompt shorter than one block has no key: empty keys with its length (a decision log's record).
+    assert prepare_request(RouteRequest("r", block_cache_keys=(), seq_len=5), DEPLOYMENT).seq_len == 5
+
+
 # --- slices ------------------------------------------------------------------------------------------
 
 FAMILIES = [(KeyFamily.RTP, 0), (KeyFamily.VLLM, 0), (KeyFamily.VLLM, 3), (KeyFamily.SGLANG, 0), (KeyFamily.SGLANG, 1)]
