@@ -54,7 +54,7 @@ SOURCE_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
 # Counters kept by a way in on its own threads, read at scrape time (their names without _total).
 SOURCE_COUNTERS: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "kvroute_sidecar_calls": (
-        "Route calls the gRPC sidecar ended, by how (answered includes shed_at_receipt)",
+        "Route calls the gRPC sidecar ended, by how (answered and client_gone include shed_at_receipt)",
         ("outcome",),
     ),
 }

@@ -241,7 +241,8 @@ class SidecarStats:
     timed_out: int  # DEADLINE_EXCEEDED: no decision before the call's deadline
     failed: int  # INTERNAL: the router raised
     in_flight: int
-    shed_at_receipt: int  # of the answered: answered overloaded on the handler thread, never handed to the router
+    # Of the answered (and client_gone): answered overloaded on the handler thread, never handed to the router.
+    shed_at_receipt: int
     waited_for_place: int = 0  # calls that found the in-flight limit reached and waited for a place
     shed_after_wait: int = 0  # of those: no place came in the time they could wait (in shed_at_receipt too)
     # Of shed_at_receipt: answered, but not counted by the router nor written to the decision log
@@ -249,6 +250,9 @@ class SidecarStats:
     sheds_unrecorded: int = 0
     # Calls still being routed when the drain's grace ended, not routed (not in ``unavailable``).
     cut_at_drain_deadline: int = 0
+    # A decision was made, but the client had cancelled or its deadline had passed before the reply:
+    # nobody received it (not in ``answered``; a shed's is in ``shed_at_receipt`` too).
+    client_gone: int = 0
 
 
 # The SidecarStats counts /metrics carries as kvroute_sidecar_calls_total{outcome}.
@@ -261,6 +265,7 @@ _SCRAPED_OUTCOMES: Mapping[str, Callable[[SidecarStats], int]] = {
     "shed_at_receipt": lambda stats: stats.shed_at_receipt,
     "sheds_unrecorded": lambda stats: stats.sheds_unrecorded,
     "cut_at_drain_deadline": lambda stats: stats.cut_at_drain_deadline,
+    "client_gone": lambda stats: stats.client_gone,
 }
 
 _OUTCOME_BY_STATUS = {
@@ -272,7 +277,8 @@ _OUTCOME_BY_STATUS = {
 
 @dataclass(frozen=True, slots=True)
 class CallTiming:
-    """One answered Route call, seen by the sidecar: from its handler's start to the reply's bytes."""
+    """One Route call the sidecar made a reply for (answered, or its client gone by then), seen by the
+    sidecar: from its handler's start to the reply's bytes."""
 
     elapsed_s: float  # receipt (the handler thread started) to the serialised reply
     # The time the call had left at receipt: min(budget, --budget-cap-ms) less its wait for the handler
@@ -371,7 +377,7 @@ class _Counters:
         self.idle.set()
         self._shed = 0
         self._unrecorded = 0
-        self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed"), 0)
+        self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed", "client_gone"), 0)
         self._past_drain_deadline = False
         self._cut = 0
 
@@ -784,6 +790,10 @@ class Sidecar:
         outcome = "answered"
         try:
             reply, allowed_s, stage_ms, hops, source = self._route_call(data, context, received)
+            # A client that cancelled, or whose deadline passed, receives no reply: not "answered" (its
+            # timing is kept, though: a reply made too late is what the timings are to show).
+            if not context.is_active():
+                outcome = "client_gone"
             timings = self._timings
             if timings is None:
                 return reply

@@ -445,6 +445,46 @@ async def test_the_sidecars_call_outcomes_are_on_metrics(nursery: trio.Nursery) 
             assert decisions is None  # the router never saw them
 
 
+async def test_a_decision_made_after_its_client_cancelled_is_counted_client_gone_not_answered(
+    nursery: trio.Nursery,
+) -> None:
+    """A reply nobody received was counted answered: a client that cancelled (or whose deadline passed)
+    while the router was still deciding."""
+    with trio.fail_after(30):
+        async with rig(nursery, router=HOLDING) as r:
+            leader = r.cluster.kvcm.leader
+            assert leader is not None
+            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+            kvcm = r.cluster.kvcm.stats(leader)
+            call = r.channel.unary_unary(
+                ROUTER_ROUTE,
+                request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
+                response_deserializer=router_v1_pb2.RouteDecision.FromString,
+            )
+            pending: grpc.Future[router_v1_pb2.RouteDecision] = call.future(_slow_request("gone"), timeout=HOLD_S)
+            try:
+                assert await _in_thread(lambda: kvcm.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 1, 10.0))
+                pending.cancel()
+                # The RPC has ended on the server (its close callback ran); the router still waits on KVCM.
+                assert await _in_thread(lambda: r.sidecar.wait_idle(10.0))
+                assert r.sidecar.stats().in_flight == 1
+            finally:
+                r.cluster.kvcm.clear_faults()  # the router decides, and the handler returns its reply
+            for _ in range(1000):
+                if not r.sidecar.stats().in_flight:
+                    break
+                await trio.sleep(0.01)
+            gone = r.sidecar.stats()
+            assert (gone.in_flight, gone.answered, gone.client_gone) == (0, 0, 1)
+            registry = r.handle.metrics.registry
+            assert registry.get_sample_value("kvroute_sidecar_calls_total", {"outcome": "client_gone"}) == 1.0
+            assert registry.get_sample_value("kvroute_sidecar_calls_total", {"outcome": "answered"}) == 0.0
+            # A client that waits for its reply is answered, as before.
+            kept = router_v1_pb2.RouteRequest(request_id="kept", token_ids=PROMPT, budget_ms=600)
+            assert isinstance(await _in_thread(lambda: r.route(kept)), router_v1_pb2.RouteDecision)
+            assert (r.sidecar.stats().answered, r.sidecar.stats().client_gone) == (1, 1)
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
@@ -728,6 +768,7 @@ class _EndedByHand:
 
     def __init__(self) -> None:
         self.callbacks: list[Callable[[], None]] = []
+        self.ended = False
 
     def time_remaining(self) -> float | None:
         return 30.0
@@ -739,7 +780,11 @@ class _EndedByHand:
     def set_trailing_metadata(self, metadata: object) -> None:
         pass
 
+    def is_active(self) -> bool:
+        return not self.ended
+
     def end(self) -> None:
+        self.ended = True
         for callback in self.callbacks:
             callback()
 
