@@ -94,6 +94,7 @@ from router.transport.tls import server_credentials
 from router.types import BadRequest, Reason, Role, RouteDecision, RouteRequest, RouteSource, Stage
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
+from router.wire.strings import first_bad_utf8
 
 log = logging.getLogger(__name__)
 _P = ParamSpec("_P")
@@ -112,6 +113,16 @@ ERROR_METADATA_CHARS = 1024
 REPLY_SAMPLES = 256  # replies' way-back times kept until the next call hands them to the metrics sink
 _HEALTH_SERVICES = ("", ROUTER_SERVICE)
 _ROLE_NAMES = ", ".join(r.value for r in Role if r is not Role.UNKNOWN)
+# RouteRequest's string fields by number (request_id, roles): what a refusal names when one is not UTF-8.
+_STRING_FIELDS = {
+    f.number: (f.name, f.is_repeated)
+    for f in router_v1_pb2.RouteRequest.DESCRIPTOR.fields
+    if f.type == f.TYPE_STRING
+}
+# The fields a message that does not parse is walked over to find a string that is not UTF-8: a
+# message in field order holds its request id first and its roles after the two packed lists; a
+# message of many unpacked fields stops the walk there, bounding the handler thread's work.
+UTF8_WALK_MAX_FIELDS = 1024
 
 # --- conversion (pure) ---------------------------------------------------------------------------
 
@@ -839,6 +850,10 @@ class Sidecar:
                 # refused before the call counts as handed over. Others are converted once admitted.
                 named_roles = converted(message) if message.roles else None
         except DecodeError as exc:
+            # protobuf's error names no field for a string that is not UTF-8: the walk finds which.
+            bad = first_bad_utf8(data, _STRING_FIELDS, max_fields=UTF8_WALK_MAX_FIELDS)
+            if bad is not None:
+                raise PeerAbort(RpcStatus.INVALID_ARGUMENT, str(BadRequest(bad.field, str(bad)))) from None
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, f"request: not a kvroute.v1.RouteRequest ({exc})") from None
         except BadRequest as exc:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, str(exc)) from None

@@ -537,6 +537,40 @@ async def test_undecodable_request_is_invalid_argument(nursery: trio.Nursery) ->
             assert _details(outcome).startswith("request:")
 
 
+@pytest.mark.parametrize(
+    ("data", "details"),
+    [
+        (
+            b"\x0a\x02a\xff" + router_v1_pb2.RouteRequest(token_ids=PROMPT).SerializeToString(),
+            "request_id: not valid UTF-8 at byte 1",
+        ),
+        (
+            router_v1_pb2.RouteRequest(request_id="r", token_ids=PROMPT, roles=["PREFILL"]).SerializeToString()
+            + b"\x3a\x08\xffPREFILL",
+            "roles: not valid UTF-8 at byte 0 of roles[1]",
+        ),
+    ],
+)
+async def test_a_string_that_is_not_utf8_is_invalid_argument_naming_its_field(
+    nursery: trio.Nursery, data: bytes, details: str
+) -> None:
+    """protobuf's own error ("String field had bad UTF-8") named no field."""
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            raw = r.channel.unary_unary(ROUTER_ROUTE, request_serializer=None, response_deserializer=None)
+
+            def call() -> object:
+                try:
+                    return raw(data, timeout=CLIENT_TIMEOUT_S)
+                except grpc.RpcError as exc:
+                    return exc
+
+            outcome = await _in_thread(call)
+            assert _status(outcome) is grpc.StatusCode.INVALID_ARGUMENT
+            assert _details(outcome) == details
+            assert r.sidecar.stats().invalid == 1
+
+
 async def test_client_deadline_shorter_than_budget_bounds_the_decision(nursery: trio.Nursery) -> None:
     # A reply margin far above the default: the answer's way back must fit in it on a busy machine.
     router = RouterConfig(budget_cap_ms=5000.0, reply_margin_ms=300.0)
