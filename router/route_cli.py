@@ -33,9 +33,10 @@ from actors.leader_resolver import LeaderUnavailable
 from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
 from router.logs import setup_logging, shown
+from router.request import check_request, check_token_ids
 from router.settings import LoadedConfig, SourceKind, add_arguments, load_or_report, log_startup_report
 from router.sidecar import decision_to_proto
-from router.types import Reason, RouteDecision, RouteRequest, RouteSource
+from router.types import BadRequest, Reason, RouteDecision, RouteRequest, RouteSource
 
 log = logging.getLogger("kvroute.route")
 # A token file is read no further than this: far beyond any prompt the limits allow (a token id is at
@@ -130,6 +131,35 @@ def request_from_args(args: argparse.Namespace) -> RouteRequest:
     )
 
 
+# The flag each request field comes from (token_ids: --tokens or --tokens-file, whichever was given).
+_FLAGS = {
+    "request_id": "--request-id",
+    "block_cache_keys": "--keys",
+    "seq_len": "--seq-len",
+    "budget_ms": "--budget-ms",
+}
+
+
+def flag_of(field_name: str, args: argparse.Namespace) -> str:
+    """The flag that gave the request field ``field_name`` (the field's name for one no flag gives)."""
+    if field_name == "token_ids":
+        return "--tokens" if args.tokens is not None else "--tokens-file"
+    return _FLAGS.get(field_name, field_name)
+
+
+def check_input(request: RouteRequest, config: KvrouteConfig, args: argparse.Namespace) -> None:
+    """Raise InputError naming the flag when the router would refuse ``request`` by its pure checks
+    (router.request: every field, and each token id a 64-bit integer), before a router is started and
+    warmed up for it. A token id a key family cannot encode is left to the routing: the ids are hashed
+    only when a source needs keys."""
+    try:
+        check_request(request, config.deployment, config.limits, hash_tokens=False)
+        if request.token_ids is not None:
+            check_token_ids(request.token_ids)
+    except BadRequest as exc:
+        raise InputError(f"{flag_of(exc.field_name, args)}: {exc.detail}") from None
+
+
 async def warm_up(handle: RouterHandle, within_s: float) -> None:
     """Wait until discovery has workers and the KVCM leader is resolved, or ``within_s`` has passed."""
     with trio.move_on_after(within_s):
@@ -163,12 +193,15 @@ def decide(args: argparse.Namespace, command: str) -> tuple[RouteDecision, Kvrou
     log_startup_report(loaded, log)
     try:
         request = request_from_args(args)
+        check_input(request, loaded.effective, args)
     except InputError as exc:
         print(f"kvroute {command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     decision = trio.run(_route_once, loaded, request, args.warmup_ms / 1000.0)
-    if decision.reason is Reason.BAD_REQUEST:
-        print(f"kvroute {command}: bad request: {decision.error}", file=sys.stderr)
+    if decision.reason is Reason.BAD_REQUEST:  # a token id the key family cannot encode, say
+        field_name, colon, detail = (decision.error or "").partition(": ")
+        error = f"{flag_of(field_name, args)}: {detail}" if colon else decision.error
+        print(f"kvroute {command}: bad request: {error}", file=sys.stderr)
         return EXIT_USAGE
     return decision, loaded.effective
 

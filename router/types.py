@@ -322,6 +322,7 @@ class BadRequest(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field_name = field_name
+        self.detail = message  # what is wrong, without the field's name (a CLI names its flag instead)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,16 +8,20 @@ pointed at it with the operator flags.
 from __future__ import annotations
 
 import json
+import select
 import selectors
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from router.cli import main
 from router.wire import router_v1_pb2
 
 CLI = [sys.executable, "-P", "-m", "router.cli"]
@@ -142,6 +146,40 @@ def test_a_token_file_that_is_not_text_and_an_endless_warm_up_exit_2_naming_the_
     for warmup in ("nan", "1e12", "-1"):
         result = _run(*base, "--tokens", "1,2", "--warmup-ms", warmup)
         assert result.returncode == 2 and "--warmup-ms" in result.stderr, (warmup, result.stderr)
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "message"),
+    [
+        ("route", ["--tokens", "1,2,3", "--seq-len", "5"], "--seq-len: 5 differs from the 3 token ids given"),
+        ("route", ["--tokens", "1,2,3", "--budget-ms", "nan"], "--budget-ms: must be finite and not negative"),
+        ("explain", ["--tokens", "1,2,3", "--request-id", " "], "--request-id: must not be blank"),
+        ("route", ["--tokens", f"1,{2**64}"], "--tokens: every token id must be a 64-bit integer"),
+        ("explain", ["--keys", "1,2", "--seq-len", "3"], "--seq-len: 3 is shorter than the 128 tokens"),
+    ],
+)
+def test_a_request_the_router_would_refuse_exits_2_naming_the_flag_before_anything_starts(
+    command: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The request was checked only by the router, once it had started and warmed up against the
+    bootstrap, and the error named the request's field, not the flag."""
+    with socket.create_server(("127.0.0.1", 0)) as hung_kvcm:  # accepts connections, never answers
+        host, port = hung_kvcm.getsockname()
+        argv = [
+            command,
+            *("--kvcm-bootstrap", f"{host}:{port}", "--workers", "127.0.0.1:9", "--kvcm-instance-id", "x"),
+            *("--block-size", "64", "--warmup-ms", "600000"),  # a warm-up the test would not outlive
+            *flags,
+        ]
+        exit_codes: list[int] = []
+        thread = threading.Thread(target=lambda: exit_codes.append(main(argv)), daemon=True)
+        thread.start()
+        thread.join(TIMEOUT_S)
+        assert not thread.is_alive(), "the command is still warming up against the hung KVCM"
+        assert exit_codes == [2]
+        assert select.select([hung_kvcm], [], [], 0)[0] == [], "a router connected to the bootstrap"
+    err = capsys.readouterr().err
+    assert f"kvroute {command}: {message}" in err, err
 
 
 def test_no_worker_known_prints_route_source_none_and_exits_1() -> None:
