@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import selectors
 import signal
@@ -16,6 +17,7 @@ import trio
 import trio.testing
 
 from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.cluster_cli import configure
 from kvroute_sim.sim.traffic import TrafficSpec, TrafficStats, run_traffic, seed_prefixes, system_prompt
 from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.keys import block_keys
@@ -223,6 +225,27 @@ def test_cli_rejects_bad_flags_naming_them() -> None:
         check=False,
     )
     assert negative.returncode == 2 and b"--master-replicas" in negative.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("-1", "must be a finite number > 0, got -1"),
+        ("0", "must be a finite number > 0, got 0"),
+        ("inf", "must be a finite number > 0, got inf"),
+        ("soon", "'soon' is not a number"),
+    ],
+)
+def test_a_positive_flag_says_what_it_takes(
+    given: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--duration -1 was refused as not ">= 0", while 0 too is refused."""
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--duration", given])
+    assert f"argument --duration: {message}\n" in capsys.readouterr().err
+    assert parser.parse_args(["--duration", "0.5"]).duration == 0.5
 
 
 @pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])  # not this machine's; never resolves
