@@ -1,6 +1,7 @@
 """The debug HTTP endpoint: a small hand-written ASGI app served by hypercorn on trio.
 
-Routes (GET only; anything else 405, unknown paths 404):
+Routes (GET only; anything else 405, unknown paths 404; a WebSocket upgrade 400, or 404 on an
+unknown path):
 
 - ``/healthz``            200 while the process runs.
 - ``/readyz``             200 when the router can route, else 503; the body says why (and lists any
@@ -135,7 +136,7 @@ class _BadRequest(Exception):
 
 
 class DebugApp:
-    """The ASGI application (HTTP and lifespan scopes)."""
+    """The ASGI application (HTTP and lifespan scopes; WebSocket ones are refused)."""
 
     def __init__(self, sources: DebugSources, sink: MetricsSink, loaded: LoadedConfig, token: str = "") -> None:
         self._sources = sources
@@ -156,15 +157,18 @@ class DebugApp:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
+        if scope["type"] == "websocket":
+            await self._refuse_websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             return
         route = self._routes.get(scope["path"])
         headers: list[tuple[bytes, bytes]] = []
         if not self._authorized(scope):
-            status, content_type, body = 401, _TEXT, b"unauthorized: send Authorization: Bearer <token>\n"
-            headers.append((b"www-authenticate", b'Bearer realm="kvroute debug"'))
+            status, content_type, body = 401, _TEXT, _UNAUTHORIZED
+            headers.append(_WWW_AUTHENTICATE)
         elif route is None:
-            status, content_type, body = 404, _TEXT, f"no such path: {scope['path']}\n".encode()
+            status, content_type, body = 404, _TEXT, _no_such_path(scope)
         elif scope["method"] != "GET":
             status, content_type, body = (
                 405,
@@ -188,6 +192,27 @@ class DebugApp:
         headers += [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def _refuse_websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """No path speaks WebSocket: the upgrade is refused with a 4xx saying why (401 and 404 as for
+        a plain GET), where returning without an answer made the server send a 500."""
+        message = await receive()
+        if message["type"] != "websocket.connect":  # the client went away first
+            return
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            await send({"type": "websocket.close"})  # the server answers 403
+            return
+        headers = [(b"content-type", _TEXT.encode())]
+        if not self._authorized(scope):
+            status, body = 401, _UNAUTHORIZED
+            headers.append(_WWW_AUTHENTICATE)
+        elif scope["path"] not in self._routes:
+            status, body = 404, _no_such_path(scope)
+        else:
+            status, body = 400, f"no WebSocket here: GET {scope['path']} as plain HTTP\n".encode()
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
 
     def _authorized(self, scope: Scope) -> bool:
         """Without a token, or for /healthz (liveness probes carry none): yes. Else the bearer token must match."""
@@ -263,6 +288,12 @@ class DebugApp:
 
 
 _LIMIT_TEXT = re.compile(r"[0-9]{1,9}")
+_UNAUTHORIZED = b"unauthorized: send Authorization: Bearer <token>\n"
+_WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="kvroute debug"')
+
+
+def _no_such_path(scope: Scope) -> bytes:
+    return f"no such path: {scope['path']}\n".encode()
 
 
 def _json(value: object, *, redact: bool = False) -> tuple[int, str, bytes]:

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import json
 import math
+import re
 import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -251,6 +252,55 @@ async def test_unknown_paths_other_methods_and_failing_sources() -> None:
             broken = await client.get("/debug/actors")
             assert broken.status_code == 500 and "snapshot exploded" in broken.text
             assert (await client.get("/healthz")).status_code == 200  # still serving
+
+
+async def _upgrade(port: int, path: str, authorization: str | None = None) -> bytes:
+    """A WebSocket upgrade request for ``path``; the answer's head and body as received."""
+    lines = [
+        f"GET {path} HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "Upgrade: websocket",
+        "Connection: Upgrade",
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+        "Sec-WebSocket-Version: 13",
+    ]
+    if authorization is not None:
+        lines.append(f"Authorization: {authorization}")
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode())
+        answer = b""
+        while True:
+            head, _, body = answer.partition(b"\r\n\r\n")
+            length = re.search(rb"content-length: (\d+)", head, re.IGNORECASE)
+            if length is not None and len(body) >= int(length[1]):
+                return answer
+            chunk = await stream.receive_some()
+            if not chunk:
+                return answer
+            answer += chunk
+
+
+async def test_a_websocket_upgrade_is_refused_with_a_4xx_saying_why() -> None:
+    """Returning without answering a WebSocket scope made the server answer 500."""
+    sink = MetricsSink(MetricsConfig())
+    with trio.fail_after(10):
+        for token in ("", "s3cret"):
+            server = DebugServer(Sources(), sink, load_config(GOOD, {}), "127.0.0.1:0", token=token)
+            async with trio.open_nursery() as nursery:
+                bound = await nursery.start(server.run)
+                auth = f"Bearer {token}" if token else None
+                known = await _upgrade(bound.port, "/metrics", auth)
+                assert known.startswith(b"HTTP/1.1 400 "), known
+                assert known.endswith(b"\r\n\r\nno WebSocket here: GET /metrics as plain HTTP\n"), known
+                unknown = await _upgrade(bound.port, "/ws", auth)
+                assert unknown.startswith(b"HTTP/1.1 404 "), unknown
+                if token:
+                    refused = await _upgrade(bound.port, "/metrics")
+                    assert refused.startswith(b"HTTP/1.1 401 "), refused
+                    assert b"www-authenticate: Bearer" in refused, refused
+                assert (await _upgrade(bound.port, "/healthz")).startswith(b"HTTP/1.1 400 ")
+                nursery.cancel_scope.cancel()
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="the kernel's unacked send timeout is Linux's")
