@@ -6,7 +6,9 @@ unknown path):
 - ``/healthz``            200 while the process runs.
 - ``/readyz``             200 when the router can route, else 503; the body says why (and lists any
                           configuration problems that turned the KVCM fallback off).
-- ``/metrics``            Prometheus exposition of the MetricsSink's registry (OpenMetrics on request).
+- ``/metrics``            Prometheus exposition of the MetricsSink's registry (OpenMetrics on request),
+                          built at most once per ``METRICS_MAX_AGE_S`` per format: a read within that
+                          of the last build gets the same bytes.
 - ``/debug/actors``       JSON per actor, from the supervisor's :class:`DebugSources`.
 - ``/debug/decisions``    the last N decisions with their explanation (``?limit=N``, default 20),
                           newest first, up to ``--metrics-decisions-body-max-bytes`` of JSON
@@ -129,6 +131,9 @@ async def decisions_body(records: Sequence[DecisionRecord], now: float, limit: i
 
 
 DEBUG_REST_RATIO = 9  # /debug/decisions takes at most a tenth of the routing thread
+# The exposition is built on the routing thread, all at once: reused for this long, a client reading
+# /metrics in a loop costs one build a second, not one a read. Scrapes come every several seconds.
+METRICS_MAX_AGE_S = 1.0
 
 
 class _BadRequest(Exception):
@@ -138,8 +143,18 @@ class _BadRequest(Exception):
 class DebugApp:
     """The ASGI application (HTTP and lifespan scopes; WebSocket ones are refused)."""
 
-    def __init__(self, sources: DebugSources, sink: MetricsSink, loaded: LoadedConfig, token: str = "") -> None:
+    def __init__(
+        self,
+        sources: DebugSources,
+        sink: MetricsSink,
+        loaded: LoadedConfig,
+        token: str = "",
+        *,
+        metrics_max_age_s: float = METRICS_MAX_AGE_S,
+    ) -> None:
         self._sources = sources
+        self._metrics_max_age_s = metrics_max_age_s
+        self._expositions: dict[str, tuple[float, bytes]] = {}  # content type → (built at, body)
         self._sink = sink
         self._loaded = loaded
         self._token = token.encode("ascii") if token else None  # None: no token asked for
@@ -258,7 +273,11 @@ class DebugApp:
             encoder, content_type = choose_encoder(accept)
         except (TypeError, ValueError):  # a version it cannot compare ("version=abc"): the default format
             encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
-        return 200, content_type, encoder(self._sink.registry)
+        now = trio.current_time()
+        built = self._expositions.get(content_type)
+        if built is None or now - built[0] >= self._metrics_max_age_s:
+            built = self._expositions[content_type] = (now, encoder(self._sink.registry))
+        return 200, content_type, built[1]
 
     def _actors(self, scope: Scope) -> tuple[int, str, bytes]:
         return _json(self._sources.actors(), redact=True)  # last errors may quote a configured address
@@ -339,13 +358,15 @@ class DebugServer:
         token_file: str = "",
         unacked_send_timeout_ms: int = UNACKED_SEND_TIMEOUT_MS,
         read_timeout_s: int = DEBUG_READ_TIMEOUT_S,
+        metrics_max_age_s: float = METRICS_MAX_AGE_S,
     ) -> None:
         parse_listen(listen)  # a bad address fails here, naming the input, not inside hypercorn
         self._unacked_send_timeout_ms = unacked_send_timeout_ms
         self._read_timeout_s = read_timeout_s
         self._sources, self._sink, self._loaded = sources, sink, loaded
         self._token, self._token_file = token, token_file
-        self.app = DebugApp(sources, sink, loaded, token)
+        self._metrics_max_age_s = metrics_max_age_s
+        self.app = DebugApp(sources, sink, loaded, token, metrics_max_age_s=metrics_max_age_s)
         self._listen = listen
         self.bound: HostPort | None = None
 
@@ -360,7 +381,9 @@ class DebugServer:
         if self._token_file:
             # Read at start (not at construction): the token file may be written by the same deployment step.
             token = await trio.to_thread.run_sync(read_token_file, self._token_file)
-            self.app = DebugApp(self._sources, self._sink, self._loaded, token)
+            self.app = DebugApp(
+                self._sources, self._sink, self._loaded, token, metrics_max_age_s=self._metrics_max_age_s
+            )
         # A restart binds the address the first run bound and announced: with port 0 a fresh port would
         # leave everyone scraping the announced one refused.
         listen = self.bound if self.bound is not None else parse_listen(self._listen)

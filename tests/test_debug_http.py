@@ -8,7 +8,7 @@ import json
 import math
 import re
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
@@ -20,7 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.metrics_sink import DecisionMade, DecisionRecord, MetricsSink
 from router.config import MetricsConfig
-from router.debug_http import DECISIONS_PER_PIECE, DebugServer, decisions_body, to_jsonable
+from router.debug_http import (
+    DECISIONS_PER_PIECE,
+    METRICS_MAX_AGE_S,
+    DebugApp,
+    DebugServer,
+    decisions_body,
+    to_jsonable,
+)
 from router.settings import LoadedConfig, load_config
 from router.targets import TargetError
 from router.types import CandidateExplain, Reason, Role, RouteDecision, RouteSource, Stage, WorkerAddr
@@ -79,9 +86,9 @@ def decision(n: int) -> RouteDecision:
 
 @asynccontextmanager
 async def serving(
-    sources: Sources, sink: MetricsSink, loaded: LoadedConfig
+    sources: Sources, sink: MetricsSink, loaded: LoadedConfig, *, metrics_max_age_s: float = METRICS_MAX_AGE_S
 ) -> AsyncIterator[tuple[httpx.AsyncClient, DebugServer]]:
-    server = DebugServer(sources, sink, loaded, "127.0.0.1:0")
+    server = DebugServer(sources, sink, loaded, "127.0.0.1:0", metrics_max_age_s=metrics_max_age_s)
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         bound = await nursery.start(server.run)
@@ -159,7 +166,8 @@ async def test_metrics_scrape_parses_and_moves_with_events() -> None:
     sink = MetricsSink(MetricsConfig())
     sink.register_gauge_source("kvroute_probe_inflight", lambda: 3)
     with trio.fail_after(10):
-        async with serving(Sources(), sink, load_config(GOOD, {})) as (client, _):
+        # Built afresh for every read: this test reads the moves at once (the reuse has its own test).
+        async with serving(Sources(), sink, load_config(GOOD, {}), metrics_max_age_s=0) as (client, _):
             for n in range(3):
                 sink.emit(DecisionMade(decision(n)))
             await trio.testing.wait_all_tasks_blocked()
@@ -198,6 +206,41 @@ async def test_metrics_scrape_parses_and_moves_with_events() -> None:
                 assert odd.status_code == 200, accept
                 assert odd.headers["content-type"].startswith("text/plain; version=0.0.4"), accept
                 assert 'kvroute_route_decisions_total{reason="CACHE_LEADER",route_source="kvcm"} 4.0' in odd.text
+
+
+async def _get(app: DebugApp, path: str, accept: str = "") -> tuple[int, bytes]:
+    """One GET through the ASGI app itself (no server): its status and body."""
+    sent: list[Mapping[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: MutableMapping[str, object]) -> None:
+        sent.append(message)
+
+    headers = [(b"accept", accept.encode())] if accept else []
+    await app({"type": "http", "method": "GET", "path": path, "headers": headers}, receive, send)
+    status, body = sent[0]["status"], sent[1]["body"]
+    assert isinstance(status, int) and isinstance(body, bytes)
+    return status, body
+
+
+async def test_metrics_are_built_at_most_once_per_max_age(autojump_clock: trio.testing.MockClock) -> None:
+    """Every read built the exposition on the routing thread: a client reading in a loop held it."""
+    inflight = [1.0]
+    sink = MetricsSink(MetricsConfig())
+    sink.register_gauge_source("kvroute_probe_inflight", lambda: inflight[0])
+    app = DebugApp(Sources(), sink, load_config(GOOD, {}))
+    openmetrics = "application/openmetrics-text; version=1.0.0"
+    assert b"kvroute_probe_inflight 1.0" in (await _get(app, "/metrics"))[1]
+    inflight[0] = 2.0
+    await trio.sleep(METRICS_MAX_AGE_S / 2)
+    assert b"kvroute_probe_inflight 1.0" in (await _get(app, "/metrics"))[1]  # the same build
+    assert b"kvroute_probe_inflight 2.0" in (await _get(app, "/metrics", openmetrics))[1]  # each format its own
+    await trio.sleep(METRICS_MAX_AGE_S / 2)
+    assert b"kvroute_probe_inflight 2.0" in (await _get(app, "/metrics"))[1]  # built again
+    inflight[0] = 3.0
+    assert b"kvroute_probe_inflight 2.0" in (await _get(app, "/metrics", openmetrics))[1]
 
 
 async def test_debug_actors_and_decisions() -> None:
