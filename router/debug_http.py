@@ -9,7 +9,10 @@ unknown path):
 - ``/metrics``            Prometheus exposition of the MetricsSink's registry (OpenMetrics on request),
                           built at most once per ``METRICS_MAX_AGE_S`` per format: a read within that
                           of the last build gets the same bytes.
-- ``/debug/actors``       JSON per actor, from the supervisor's :class:`DebugSources`.
+- ``/debug/actors``       ``{"now": ..., "actors": {name: ...}}``: JSON per actor, from the supervisor's
+                          :class:`DebugSources`. Its times (``last_error_at``, ``ejected_until``, ...)
+                          are trio clock readings, whose zero is arbitrary: ``now`` is the same clock
+                          at the read, so ``now - t`` is an age and ``t - now`` a wait.
 - ``/debug/decisions``    the last N decisions with their explanation (``?limit=N``, default 20),
                           newest first, up to ``--metrics-decisions-body-max-bytes`` of JSON
                           (``truncated`` says when decisions were left out). Serialised in pieces
@@ -280,7 +283,9 @@ class DebugApp:
         return 200, content_type, built[1]
 
     def _actors(self, scope: Scope) -> tuple[int, str, bytes]:
-        return _json(self._sources.actors(), redact=True)  # last errors may quote a configured address
+        # The snapshots' times are trio clock readings (an arbitrary zero): now is what relates them.
+        body = {"now": trio.current_time(), "actors": self._sources.actors()}
+        return _json(body, redact=True)  # last errors may quote a configured address
 
     async def _decisions(self, scope: Scope) -> Answer:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)

@@ -96,6 +96,7 @@ class ActorRecord:
             "restarts": self.restarts,
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
+            "last_error_age_s": None if self.last_error_at is None else round(now - self.last_error_at, 3),
         }
         if self.inbox is not None:
             out["inbox"] = dict(self.inbox())

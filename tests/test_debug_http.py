@@ -247,13 +247,20 @@ async def test_debug_actors_and_decisions() -> None:
     sink = MetricsSink(MetricsConfig(decision_ring_size=3))
     with trio.fail_after(10):
         async with serving(Sources(), sink, load_config(GOOD, {})) as (client, _):
+            before = trio.current_time()
             actors = (await client.get("/debug/actors")).json()
+            after = trio.current_time()
+            # The snapshots' times are trio clock readings, with an arbitrary zero: now, the same
+            # clock at the read, is what relates them (the server runs in this trio run).
+            assert before <= actors.pop("now") <= after
             assert actors == {
-                "leader_resolver": {
-                    "state": "running",
-                    "restarts": 1,
-                    "last_error": None,
-                    "health": {"target": None, "breaker": "open", "next_attempt": "inf"},
+                "actors": {
+                    "leader_resolver": {
+                        "state": "running",
+                        "restarts": 1,
+                        "last_error": None,
+                        "health": {"target": None, "breaker": "open", "next_attempt": "inf"},
+                    }
                 }
             }
             for n in range(5):

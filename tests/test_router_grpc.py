@@ -92,7 +92,7 @@ async def test_route_over_grpc_with_debug_endpoint(nursery: trio.Nursery) -> Non
                 metrics = (await http.get("/metrics")).text
                 counted = sum(v for (src, _), v in _decisions_total(metrics).items() if src == "kvcm")
                 assert counted == 5
-                actors = (await http.get("/debug/actors")).json()
+                actors = (await http.get("/debug/actors")).json()["actors"]
                 expected = {"channel_pool", "metrics_sink", "discovery", "leader_resolver", "worker_prober"}
                 assert expected | {"shadow_index", "scorer", "hit_accuracy", "router", "debug_http"} == set(actors)
                 assert {a["state"] for a in actors.values()} == {"running"}

@@ -129,6 +129,9 @@ async def test_crashed_channel_pool_restarts_with_its_leases_counted(autojump_cl
         await trio.sleep(1)  # past the restart backoff
         view = supervisor.views()["channel_pool"]
         assert (view["state"], view["restarts"]) == ("running", 1)
+        crashed_at = view["last_error_at"]
+        assert isinstance(crashed_at, float)
+        assert view["last_error_age_s"] == round(trio.current_time() - crashed_at, 3) >= 1  # slept 1 s since
         snap = pool.snapshot()
         assert (snap.leased, snap.draining, snap.size, snap.inbox_depth) == (1, 1, 0, 0)
         assert channel.closes == 0  # evicted, but still leased
