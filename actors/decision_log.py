@@ -46,6 +46,7 @@ from router.decision_record import (
     frame,
     unusable_log_path,
 )
+from router.files import open_regular_file
 from router.policy.plan import Fleet
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ def _holds_decisions(path: str) -> bool:
     """Whether the log at ``path`` holds more than its header frame (a run that logged nothing
     leaves only the header)."""
     try:
-        with open(path, "rb") as file:
+        with open_regular_file(path) as file:
             head = file.read(len(MAGIC) + FRAME_HEAD.size)
             size = os.fstat(file.fileno()).st_size
     except FileNotFoundError:

@@ -22,12 +22,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from router.files import kind_of, open_regular_file
 from router.policy.deadline_split import SplitEstimates
 from router.policy.plan import CandidateSource, Fleet
 from router.request import PreparedRequest
@@ -302,13 +304,22 @@ def child_log_path(path: str, index: int) -> str:
 def unusable_log_path(path: str) -> str | None:
     """Why ``path`` cannot be this router's decision log, or None: a log rotates what it finds at its
     path away, so whatever is there must be a decision log already (or nothing, or an empty file). A
-    directory or another file is left as it is, and no decision is logged."""
+    directory, anything else but a regular file, or another file is left as it is, and no decision is
+    logged."""
     try:
-        if os.path.isdir(path):
-            return "is a directory"
-        if not os.path.exists(path) or os.path.getsize(path) == 0:
-            return None
-        with open(path, "rb") as file:
+        mode_and_size = os.stat(path)
+    except (FileNotFoundError, ValueError):  # ValueError: a NUL in it, refused by the setting's own check
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if stat.S_ISDIR(mode_and_size.st_mode):
+        return "is a directory"
+    if not stat.S_ISREG(mode_and_size.st_mode):  # a FIFO would hold the reader (and writer) for good
+        return f"is not a regular file ({kind_of(mode_and_size.st_mode)})"
+    if mode_and_size.st_size == 0:
+        return None
+    try:
+        with open_regular_file(path) as file:
             head = file.read(len(MAGIC) - 1)
     except OSError as exc:
         return f"cannot be read ({exc.strerror or exc})"
@@ -321,7 +332,7 @@ def read_frames(path: str) -> Iterator[Frame]:
     """Every frame of one log file, in order. Raises :class:`LogFormatError` naming the byte offset of
     the first thing that is not a whole, intact frame (truncation, a bad checksum, non-JSON)."""
     try:
-        with open(path, "rb") as file:
+        with open_regular_file(path) as file:
             head = file.read(len(MAGIC))
             # The magic first: a file that is no log (a device, a stray file) is refused before it
             # is read whole.

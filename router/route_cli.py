@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from google.protobuf.json_format import MessageToDict
 from actors.leader_resolver import LeaderUnavailable
 from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
+from router.files import open_regular_file
 from router.logs import setup_logging, shown
 from router.request import check_request, check_token_ids
 from router.settings import LoadedConfig, SourceKind, add_arguments, load_or_report, log_startup_report
@@ -109,7 +111,7 @@ def request_from_args(args: argparse.Namespace) -> RouteRequest:
         tokens = parse_ints(args.tokens, "--tokens")
     elif args.tokens_file is not None:
         try:
-            with open(args.tokens_file, encoding="utf-8") as file:
+            with io.TextIOWrapper(open_regular_file(args.tokens_file), encoding="utf-8") as file:
                 text = file.read(TOKENS_FILE_MAX_CHARS + 1)
         except OSError as exc:
             raise InputError(f"--tokens-file: cannot read {args.tokens_file}: {exc.strerror}") from None

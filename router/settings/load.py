@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from router.config import KvrouteConfig
+from router.files import open_regular_file
 from router.settings.table import (
     BY_NAME,
     BY_TOML_KEY,
@@ -51,7 +52,7 @@ class TokenFileError(ValueError):
 def read_token_file(path: str) -> str:
     """The token in ``path`` (surrounding whitespace stripped). Reads the file; raises TokenFileError."""
     try:
-        with open(path, "rb") as file:
+        with open_regular_file(path) as file:
             raw = file.read(MAX_TOKEN_FILE_BYTES + 1)
     except OSError as exc:
         raise TokenFileError(f"cannot read the file: {exc.strerror or exc}") from None
@@ -138,7 +139,7 @@ def read_config_file(path: str, named_by: str = "--config") -> ConfigFile:
         return ConfigFile(path, {}, (SettingProblem((), f"{named_by} {path}: {why}", False),))
 
     try:
-        with open(path, "rb") as file:
+        with open_regular_file(path) as file:
             raw = file.read(MAX_CONFIG_FILE_BYTES + 1)
     except OSError as exc:
         return unusable(f"cannot read the file: {exc.strerror or exc}")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import grpc
 
 from router.config import GrpcTlsConfig, UpstreamTlsConfig
+from router.files import open_regular_file
 from router.problems import Problem
 
 # Why a file cannot be used (None: it can); e.g. pem_file_problem.
@@ -42,7 +43,7 @@ def _no_passphrase() -> str:
 def pem_file_problem(path: str) -> str | None:
     """Why ``path`` is not a readable PEM file (None when it is). Reads the file."""
     try:
-        with open(path, "rb") as file:
+        with open_regular_file(path) as file:
             data = file.read(MAX_PEM_BYTES + 1)
     except OSError as exc:
         return f"cannot read the file: {exc.strerror or exc}"
@@ -57,7 +58,7 @@ def cert_key_problem(cert: str, key: str) -> str | None:
     """Why the certificate chain at ``cert`` and the private key at ``key`` cannot serve TLS together
     (None when they can): each must be what its name says, and the key the certificate's. Reads both."""
     try:
-        with open(key, "rb") as file:
+        with open_regular_file(key) as file:
             if any(marker in file.read(MAX_PEM_BYTES) for marker in _ENCRYPTED_KEY_MARKERS):
                 return "the key is passphrase-protected: kvroute (and grpc) need an unencrypted key"
     except OSError as exc:
@@ -153,7 +154,7 @@ def upstream_tls_problems(
 def _read(path: str, setting: str) -> bytes:
     """The file's bytes; an OSError names the setting (``section.field``), and a key's path is not repeated."""
     try:
-        with open(path, "rb") as file:
+        with open_regular_file(path) as file:
             return file.read(MAX_PEM_BYTES)
     except OSError as exc:
         shown = "" if setting.endswith(".key") else f" {path}:"
