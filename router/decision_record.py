@@ -5,7 +5,7 @@ is on. The sources fill it with what they were answered and when; the router add
 hands it to the log actor after the reply. Encoding happens in the log actor's writer thread, so
 the request pays for a few attribute writes only.
 
-The log (format version 4; versions 1 to 3 are still read) is a file that starts with :data:`MAGIC`
+The log (format version 5; versions 1 to 4 are still read) is a file that starts with :data:`MAGIC`
 and continues with frames::
 
     u32 payload length | u8 kind | u32 crc32(payload) | payload (UTF-8 JSON object)
@@ -46,11 +46,12 @@ from router.types import (
     WorkerStatus,
 )
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # 2 added the deadline split: its estimates (``se``) and windows (``sm``, ``sw``); 3 the tail: its estimate
 # (the fifth ``se`` value) and the request's own (``tl``); 4 a prompt the deadline cut while it was hashed
-# (``hc``: its token count), which has no keys to record.
-READABLE_VERSIONS = (1, 2, 3, 4)
+# (``hc``: its token count), which has no keys to record; 5 a status's KV cache group mode (the seventh
+# value of a probe's status row), which the filter checks against the query type.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MAGIC = b"KVRDLOG" + bytes([FORMAT_VERSION])
 FRAME_HEAD = struct.Struct(">IBI")  # payload length, kind, crc32 of the payload
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -166,8 +167,15 @@ def _hosts(hosts: Sequence[HostMatch]) -> list[list[Any]]:
 
 
 def _status(s: WorkerStatus) -> list[Any]:
+    """Every field of a status the filters and scoring read (``filter_candidate``, the policies' work)."""
     return [
-        s.role.value, int(s.alive), s.waiting_count, s.outstanding_uncached_tokens, s.block_size, s.lookahead_tokens
+        s.role.value,
+        int(s.alive),
+        s.waiting_count,
+        s.outstanding_uncached_tokens,
+        s.block_size,
+        s.lookahead_tokens,
+        s.kv_cache_group_mode.value,
     ]
 
 

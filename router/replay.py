@@ -82,6 +82,7 @@ from router.settings.validate import SettingProblem
 from router.types import (
     DropReason,
     HostMatch,
+    KvCacheGroupMode,
     Reason,
     Role,
     RoleAddr,
@@ -267,7 +268,9 @@ def load_log(paths: Sequence[str]) -> RecordedLog:
 
 
 def _status(raw: Sequence[Any]) -> WorkerStatus:
-    """A status with exactly the fields scoring reads (role, alive, queue, outstanding work, geometry)."""
+    """A status with exactly the fields scoring reads (role, alive, queue, outstanding work, geometry,
+    KV cache group mode: a row from before version 5 has none, read as unspecified, which every query
+    type accepts)."""
     role = Role(raw[0])
     outstanding = int(raw[3])
     running = (TaskInfo("recorded", outstanding, 0, False),) if outstanding else ()
@@ -281,6 +284,7 @@ def _status(raw: Sequence[Any]) -> WorkerStatus:
         waiting_query_len=int(raw[2]),
         block_size=None if raw[4] is None else int(raw[4]),
         lookahead_tokens=None if raw[5] is None else int(raw[5]),
+        kv_cache_group_mode=KvCacheGroupMode(raw[6]) if len(raw) > 6 else KvCacheGroupMode.UNSPECIFIED,
     )
 
 

@@ -65,8 +65,10 @@ from router.supervisor import RouterHandle, decision_log_header
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
+    DropReason,
     HostMatch,
     KeyFamily,
+    KvCacheGroupMode,
     Reason,
     Role,
     RoleAddr,
@@ -356,6 +358,51 @@ def test_a_recorded_cache_run_replays_identically(tmp_path: Path) -> None:
     } <= by_reason, by_reason
     identical, total = replay_all(log)
     assert (identical, total) == (len(decisions), len(decisions))
+
+
+def test_a_worker_dropped_for_its_kv_cache_group_mode_replays_dropped(tmp_path: Path) -> None:
+    """The filter drops a worker whose KV cache group mode does not fit the query type; the status rows
+    left the mode out, so replay read every status as unspecified and chose the worker dropped live. A
+    version 4 log (rows without the mode) still replays."""
+    log = tmp_path / "decisions.log"
+
+    async def record(log: Path) -> list[RouteDecision]:
+        specs = [WorkerSpec(block_size=BLOCK, kv_cache_group_mode=KvCacheGroupMode.WITH_MAMBA)]
+        specs += [WorkerSpec(block_size=BLOCK)] * 3
+        cluster = SimCluster(specs, kvcm_replicas=1, block_size=BLOCK)
+        network = MemoryNetwork()
+        addrs = cluster.serve_memory(network)
+        mamba = cluster.worker_addr(0).http_target
+        cluster.kvcm.record_prefill(mamba, KEYS)  # the cache leader is the worker the filter drops
+        async with open_router(_config(addrs.kvcm_bootstrap, addrs.workers_arg, log), rpc=network) as handle:
+            await trio.sleep(1.0)  # discovery and the leader
+            decisions = [
+                await handle.route(RouteRequest(f"g{i}", token_ids=PROMPT, budget_ms=50)) for i in range(3)
+            ]
+        for d in decisions:
+            assert d.worker is not None and d.worker.http_target != mamba
+            assert [c.dropped for c in d.candidates if c.target == mamba] == [DropReason.QUERY_TYPE_MISMATCH.value]
+        return decisions
+
+    on_mock_clock(record, log)
+    assert replay_all(log) == (3, 3)
+
+    cache_log = tmp_path / "cache.log"
+    cache_decisions = on_mock_clock(record_cache_run, cache_log)
+    old = tmp_path / "v4.log"
+    body = bytearray(MAGIC[:-1] + bytes([4]))
+    for f in parse_frames(str(cache_log), cache_log.read_bytes()):
+        payload = dict(f.payload)
+        if f.kind == KIND_HEADER:
+            payload["v"] = 4
+        for scoring in payload.get("sc", ()):
+            for probe in scoring["p"]:
+                if probe[2] is not None:
+                    assert len(probe[2]) == 7
+                    probe[2] = probe[2][:6]
+        body += frame(f.kind, payload)
+    old.write_bytes(bytes(body))
+    assert replay_all(old) == (len(cache_decisions), len(cache_decisions))
 
 
 async def record_cost_aware_run(log: Path) -> tuple[list[RouteDecision], str]:
