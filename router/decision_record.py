@@ -20,6 +20,7 @@ Pure apart from :func:`read_frames`, which reads a file.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import stat
@@ -27,7 +28,7 @@ import struct
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, BinaryIO
 
 from router.files import kind_of, open_regular_file
 from router.policy.deadline_split import SplitEstimates
@@ -337,43 +338,76 @@ def unusable_log_path(path: str) -> str | None:
 
 
 def read_frames(path: str) -> Iterator[Frame]:
-    """Every frame of one log file, in order. Raises :class:`LogFormatError` naming the byte offset of
-    the first thing that is not a whole, intact frame (truncation, a bad checksum, non-JSON)."""
+    """Every frame of one log file, in order, read a frame at a time (a file is never held whole).
+    Raises :class:`LogFormatError` naming the byte offset of the first thing that is not a whole,
+    intact frame (truncation, a bad checksum, non-JSON); :class:`TornTail` when that is the file's end."""
     try:
-        with open_regular_file(path) as file:
-            head = file.read(len(MAGIC))
-            # The magic first: a file that is no log (a device, a stray file) is refused before it
-            # is read whole.
-            if len(head) < len(MAGIC) or head[: len(MAGIC) - 1] != MAGIC[:-1]:
-                raise LogFormatError(path, 0, "not a kvroute decision log (no KVRDLOG header)")
-            data = head + file.read()
+        file = open_regular_file(path)
     except OSError as exc:
         raise LogFormatError(path, 0, f"cannot read the file: {exc.strerror or exc}") from None
-    yield from parse_frames(path, data)
+    with file:
+        yield from _frames(path, file)
 
 
 def parse_frames(path: str, data: bytes) -> Iterator[Frame]:
-    if len(data) < len(MAGIC) or data[: len(MAGIC) - 1] != MAGIC[:-1]:
+    """Every frame of a log file's contents ``data``, as :func:`read_frames` reads them."""
+    yield from _frames(path, io.BytesIO(data))
+
+
+_KINDS = frozenset({KIND_HEADER, KIND_FLEET, KIND_DECISION})
+ZERO_TAIL_CHUNK = 1024 * 1024  # how much of a zero tail is read at a time
+
+
+def _read(path: str, file: BinaryIO, size: int, offset: int) -> bytes:
+    try:
+        return file.read(size)
+    except OSError as exc:
+        raise LogFormatError(path, offset, f"cannot read the file: {exc.strerror or exc}") from None
+
+
+def _zeros_to_the_end(path: str, file: BinaryIO, offset: int) -> int | None:
+    """How many bytes are left in ``file``, if every one is zero (None when one is not). Read in
+    bounded pieces: a zero tail can be as long as the file system extended the file."""
+    left = 0
+    while chunk := _read(path, file, ZERO_TAIL_CHUNK, offset):
+        if chunk.count(0) != len(chunk):
+            return None
+        left += len(chunk)
+    return left
+
+
+def _frames(path: str, file: BinaryIO) -> Iterator[Frame]:
+    head = _read(path, file, len(MAGIC), 0)
+    # The magic first: a file that is no log (a device, a stray file) is refused before it is read on.
+    if len(head) < len(MAGIC) or head[: len(MAGIC) - 1] != MAGIC[:-1]:
         raise LogFormatError(path, 0, "not a kvroute decision log (no KVRDLOG header)")
-    if data[len(MAGIC) - 1] not in READABLE_VERSIONS:
+    if head[-1] not in READABLE_VERSIONS:
         readable = " and ".join(str(v) for v in READABLE_VERSIONS)
-        found = data[len(MAGIC) - 1]
-        raise LogFormatError(path, len(MAGIC) - 1, f"format version {found}, this kvroute reads {readable}")
+        raise LogFormatError(path, len(MAGIC) - 1, f"format version {head[-1]}, this kvroute reads {readable}")
     offset = len(MAGIC)
-    while offset < len(data):
-        if len(data) - offset < FRAME_HEAD.size:
-            have = len(data) - offset
+    while frame_head := _read(path, file, FRAME_HEAD.size, offset):
+        if len(frame_head) < FRAME_HEAD.size:
+            have = len(frame_head)
             raise TornTail(path, offset, f"truncated frame header ({have} of {FRAME_HEAD.size} bytes)")
-        length, kind, crc = FRAME_HEAD.unpack_from(data, offset)
-        if kind not in (KIND_HEADER, KIND_FLEET, KIND_DECISION):
-            raise LogFormatError(path, offset, f"unknown frame kind {kind}")
-        if length > MAX_FRAME_BYTES:
+        length, kind, crc = FRAME_HEAD.unpack(frame_head)
+        if kind not in _KINDS or length > MAX_FRAME_BYTES:
+            # A file system that extends the file before its data lands leaves zeros where a crash cut
+            # the last write: zeros from the kind byte to the end of the file are a torn tail.
+            zeros = _zeros_to_the_end(path, file, offset) if frame_head.count(0, 4) == len(frame_head) - 4 else None
+            if zeros is not None:
+                raise TornTail(path, offset, _zero_tail(FRAME_HEAD.size + zeros))
+            if kind not in _KINDS:
+                raise LogFormatError(path, offset, f"unknown frame kind {kind}")
             raise LogFormatError(path, offset, f"frame length {length} is over {MAX_FRAME_BYTES}")
-        start = offset + FRAME_HEAD.size
-        body = data[start : start + length]
+        body = _read(path, file, length, offset)
         if len(body) < length:
             raise TornTail(path, offset, f"truncated frame ({len(body)} of {length} payload bytes)")
         if zlib.crc32(body) != crc:
+            # A payload (JSON) holds no zero byte: one that ends in zeros running to the end of the file
+            # is a write cut by a crash, as above.
+            zeros = _zeros_to_the_end(path, file, offset) if body.endswith(b"\0") else None
+            if zeros is not None:
+                raise TornTail(path, offset, _zero_tail(FRAME_HEAD.size + length + zeros))
             raise LogFormatError(path, offset, "frame checksum mismatch (corrupted)")
         try:
             payload = json.loads(body)
@@ -382,7 +416,12 @@ def parse_frames(path: str, data: bytes) -> Iterator[Frame]:
         if not isinstance(payload, dict):
             raise LogFormatError(path, offset, "frame payload is not a JSON object")
         yield Frame(offset, kind, payload)
-        offset = start + length
+        offset += FRAME_HEAD.size + length
+
+
+def _zero_tail(left: int) -> str:
+    why = "its data never reached the disk"
+    return f"zero bytes from inside this frame to the end of the file ({left} bytes from here): {why}"
 
 
 def decode_hosts(raw: Sequence[Sequence[Any]]) -> tuple[HostMatch, ...]:

@@ -35,6 +35,7 @@ from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
 from kvroute_sim.sim.master import MasterFaults, SimMaster
 from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
+from router import decision_record
 from router.api import open_router
 from router.cli import main
 from router.config import (
@@ -706,6 +707,46 @@ def test_corrupted_and_truncated_logs_name_the_byte_offset(tmp_path: Path, capsy
     huge.write_bytes(MAGIC + struct.pack(">IBI", 2**31, ord("D"), 0))
     assert main(["replay", str(huge)]) == 2
     assert f"byte offset {len(MAGIC)}" in capsys.readouterr().err
+
+
+def test_a_file_whose_last_write_left_zero_bytes_is_read_up_to_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system can extend a file before the data lands: a crash then leaves zero bytes where the
+    last frames were to be, which read as "unknown frame kind 0" or a checksum mismatch and made the
+    whole file unreplayable. Zeros running to the end of the file are a torn tail; a corrupt frame
+    with anything but zeros after it is still refused."""
+    monkeypatch.setattr(decision_record, "ZERO_TAIL_CHUNK", 7)  # the tails below take many pieces
+    log = tmp_path / "decisions.log"
+    on_mock_clock(record_cache_run, log)
+    data = log.read_bytes()
+    whole = load_log([str(log)])
+    *_, last = parse_frames(str(log), data)
+    ids = [c.request_id for c in whole.cases]
+
+    def torn(body: bytes) -> tuple[list[str], int]:
+        read = load_log([str(_written(tmp_path, body))])
+        (tail,) = read.torn
+        assert "zero bytes from inside this frame" in str(tail)
+        return [c.request_id for c in read.cases], tail.offset
+
+    assert torn(data + bytes(4096)) == (ids, len(data))  # frame headers of zeros
+    # The header's length landed, the rest of it (kind, checksum) did not.
+    assert torn(data + struct.pack(">I", 596) + bytes(100)) == (ids, len(data))
+    # The last frame's header and the start of its payload landed: zeros from inside it on.
+    cut = last.offset + 9 + 20
+    assert torn(data[:cut] + bytes(len(data) - cut + 50)) == (ids[:-1], last.offset)
+    assert main(["replay", str(_written(tmp_path, data[:cut] + bytes(len(data) - cut + 50)))]) == 0
+    assert "the decisions before it are replayed" in capsys.readouterr().err
+    # Not zeros to the end: corrupt, and the file is refused.
+    with pytest.raises(LogFormatError, match=f"byte offset {len(data)}: unknown frame kind 0"):
+        load_log([str(_written(tmp_path, data + bytes(100) + b"x"))])
+    with pytest.raises(LogFormatError, match=f"byte offset {last.offset}: frame checksum mismatch"):
+        load_log([str(_written(tmp_path, data[:cut] + bytes(len(data) - cut - 1) + b"x"))])
+    flipped = bytearray(data)
+    flipped[-2] ^= 0xFF  # the last frame corrupted, not zeroed, at the end of the file
+    with pytest.raises(LogFormatError, match=f"byte offset {last.offset}: frame checksum mismatch"):
+        load_log([str(_written(tmp_path, bytes(flipped)))])
 
 
 @pytest.mark.parametrize(
