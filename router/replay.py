@@ -160,13 +160,21 @@ class Case:
     # The token count of a prompt the recorded deadline cut while it was hashed (None: not cut). Its
     # request is built with a stand-in prompt of that length at replay (``replayed_request``), not held.
     hashing_cut: int | None = None
+    # The count of keys recorded as a digest (None: none, or recorded as given in ``request``): stand-in
+    # keys of that count are built at replay, not held, since a loaded case would hold 8 bytes a key.
+    digested_keys: int | None = None
 
     def replayed_request(self) -> RouteRequest:
-        """The request to route: the recorded one, with a stand-in prompt (zeros, the recorded length) for
-        one whose hashing was cut; its keys were never made, and only its length and slicing decide."""
-        if self.hashing_cut is None:
-            return self.request
-        return replace(self.request, token_ids=(0,) * self.hashing_cut)
+        """The request to route: the recorded one, with stand-in keys (zeros, the recorded count) for keys
+        recorded as a digest, where only their count matters; and a stand-in prompt (zeros, the recorded
+        length) for one whose hashing was cut: its keys were never made, and only its length and slicing
+        decide."""
+        request = self.request
+        if self.digested_keys is not None:
+            request = replace(request, block_cache_keys=(0,) * self.digested_keys)
+        if self.hashing_cut is not None:
+            request = replace(request, token_ids=(0,) * self.hashing_cut)
+        return request
 
     def split_estimates(self, router: RouterConfig) -> SplitEstimates:
         """The estimates the recorded request's windows came from, under ``router``'s split rule."""
@@ -313,14 +321,16 @@ _MAX_RECORDED_TOKENS = int(declared_range(LimitsConfig, "max_prompt_tokens").hig
 _DECISION_FIELDS = frozenset({"w", "r", "rs", "ra", "ch", "c", "hit", "ec"})
 
 
-def _keys(raw: Any) -> tuple[int, ...]:
+def _keys(raw: Any) -> tuple[int, ...] | int:
+    """The recorded keys, or for long keys (recorded as a digest, where only their count matters to
+    replay) their count."""
     if isinstance(raw, list):
         return tuple(int(k) for k in raw)
     _, _, length = str(raw).rpartition(":")
     count = int(length)
     if not 0 <= count <= _MAX_RECORDED_KEYS:
         raise ValueError(f"a recorded key count of {count}, beyond 0..{_MAX_RECORDED_KEYS}")
-    return (0,) * count  # long keys are recorded as a digest: only their count matters to replay
+    return count
 
 
 def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fleet], fleet: Fleet | None) -> Case:
@@ -331,10 +341,17 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
     roles = None if "ro" not in p else tuple(Role(r) for r in p["ro"])
     deadline = None if "dl" not in p else received + float(p["dl"])
     budget = None if "b" not in p else float(p["b"])
+    digested_keys = None
     if "k" in p:
+        recorded_keys = _keys(p["k"])
+        keys = None
+        if isinstance(recorded_keys, int):
+            digested_keys = recorded_keys
+        else:
+            keys = recorded_keys
         request = RouteRequest(
             str(p["id"]),
-            block_cache_keys=_keys(p["k"]),
+            block_cache_keys=keys,
             block_size=int(p["bs"]),
             seq_len=int(p["sl"]),
             budget_ms=budget,
@@ -405,6 +422,7 @@ def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fle
         split=split,
         split_without_tail=split_without_tail,
         hashing_cut=hashing_cut,
+        digested_keys=digested_keys,
     )
 
 

@@ -361,6 +361,27 @@ def test_a_recorded_cache_run_replays_identically(tmp_path: Path) -> None:
     assert (identical, total) == (len(decisions), len(decisions))
 
 
+def test_keys_recorded_as_a_digest_are_held_as_their_count_and_replay_identically(tmp_path: Path) -> None:
+    """Long keys are recorded as a digest and their count; a loaded case held zeros of that count (8 bytes
+    a key, per case held), where its count is all replay needs: the stand-in keys are made when it
+    replays."""
+    log = tmp_path / "decisions.log"
+    long_prompt = tuple(range(20_000, 20_000 + 40 * BLOCK))
+    long_keys = block_keys(long_prompt, BLOCK, KeyFamily.RTP)
+
+    async def record(log: Path) -> list[RouteDecision]:
+        async with cluster_router(log) as (handle, cluster):
+            cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, long_keys)
+            return [await handle.route(RouteRequest(f"long{i}", token_ids=long_prompt, budget_ms=50)) for i in range(3)]
+
+    decisions = on_mock_clock(record, log)
+    assert {d.route_source for d in decisions} == {RouteSource.KVCM}
+    cases = load_log([str(log)]).cases
+    assert [(c.request.block_cache_keys, c.digested_keys) for c in cases] == [(None, 40)] * 3
+    assert all(c.replayed_request().block_cache_keys == (0,) * 40 for c in cases)
+    assert replay_all(log) == (3, 3)
+
+
 def test_a_worker_dropped_for_its_kv_cache_group_mode_replays_dropped(tmp_path: Path) -> None:
     """The filter drops a worker whose KV cache group mode does not fit the query type; the status rows
     left the mode out, so replay read every status as unspecified and chose the worker dropped live. A
