@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -224,55 +224,103 @@ class RecordedLog:
     torn: tuple[TornTail, ...] = ()
 
 
-def load_log(paths: Sequence[str]) -> RecordedLog:
-    """Every decision of the log files, in order. Raises LogFormatError naming the file and byte offset;
-    a file that ends inside a frame is read up to it (``RecordedLog.torn``)."""
-    settings: Mapping[str, str] | None = None
-    digest = ""
-    seed = 0
-    cases: list[Case] = []
-    torn: list[TornTail] = []
-    for path in paths:
-        fleets: dict[int, Fleet] = {}
-        last_fleet: Fleet | None = None
-        seen_header = False
-        frames = read_frames(path)
-        while True:
-            try:
-                frame = next(frames)
-            except StopIteration:
-                break
-            except TornTail as tail:
-                if not seen_header:
+@dataclass(frozen=True, slots=True)
+class _Header:
+    settings: Mapping[str, str]
+    digest: str
+    seed: int
+
+
+class LogReader:
+    """The decisions of log files, read as they are taken from :meth:`cases`, a frame at a time: a log
+    set is never held whole (a replay needs one decision at a time).
+
+    Made, it reads up to the first file's header, whose settings a replay is configured from
+    (``settings``, ``digest``, ``seed``). Raises LogFormatError naming the file and byte offset, when
+    made or when :meth:`cases` reaches it; a file that ends inside a frame is read up to it, and the
+    tear given to ``on_torn`` and kept in ``torn``."""
+
+    def __init__(self, paths: Sequence[str], on_torn: Callable[[TornTail], None] | None = None) -> None:
+        self.torn: list[TornTail] = []
+        self._on_torn = on_torn
+        self._items = self._read(tuple(paths))
+        first = next(self._items, _Header({}, "", 0))  # no paths: no header, no decision
+        assert isinstance(first, _Header)  # every file starts with one, or _read raised
+        self.settings, self.digest, self.seed = first.settings, first.digest, first.seed
+
+    def cases(self) -> Iterator[Case]:
+        """Every decision of the files, in order, each read when it is taken (once: the files are read
+        once)."""
+        for item in self._items:
+            if isinstance(item, Case):
+                yield item
+
+    def _read(self, paths: tuple[str, ...]) -> Iterator[_Header | Case]:
+        digest: str | None = None
+        for path in paths:
+            fleets: dict[int, Fleet] = {}
+            last_fleet: Fleet | None = None
+            seen_header = False
+            frames = read_frames(path)
+            while True:
+                try:
+                    frame = next(frames)
+                except StopIteration:
+                    break
+                except TornTail as tail:
+                    if not seen_header:
+                        raise
+                    self.torn.append(tail)
+                    if self._on_torn is not None:
+                        self._on_torn(tail)
+                    break
+                try:
+                    if frame.kind == KIND_HEADER:
+                        header = _header(frame.payload)
+                        if header is None:
+                            raise LogFormatError(
+                                path, frame.offset, f"header format version {frame.payload.get('v')!r}"
+                            )
+                        if digest is not None and header.digest != digest:
+                            why = "recorded with another configuration than the files before"
+                            raise LogFormatError(path, frame.offset, why)
+                        digest = header.digest
+                        seen_header = True
+                        item: _Header | Case = header
+                    elif not seen_header:
+                        raise LogFormatError(path, frame.offset, "a frame before the header")
+                    elif frame.kind == KIND_FLEET:
+                        last_fleet = fleets[int(frame.payload["f"])] = decode_fleet(frame.payload)
+                        continue
+                    elif frame.kind == KIND_DECISION:
+                        item = _case(path, frame.offset, frame.payload, fleets, last_fleet)
+                    else:  # pragma: no cover  (read_frames yields no other kind)
+                        continue
+                except LogFormatError:
                     raise
-                torn.append(tail)
-                break
-            try:
-                if frame.kind == KIND_HEADER:
-                    header = frame.payload
-                    if header.get("v") not in READABLE_VERSIONS:
-                        raise LogFormatError(path, frame.offset, f"header format version {header.get('v')!r}")
-                    given = {str(k): str(v) for k, v in dict(header["settings"]).items()}
-                    if settings is not None and str(header["digest"]) != digest:
-                        why = "recorded with another configuration than the files before"
-                        raise LogFormatError(path, frame.offset, why)
-                    settings, digest, seed = given, str(header["digest"]), int(header["seed"])
-                    seen_header = True
-                elif not seen_header:
-                    raise LogFormatError(path, frame.offset, "a frame before the header")
-                elif frame.kind == KIND_FLEET:
-                    last_fleet = fleets[int(frame.payload["f"])] = decode_fleet(frame.payload)
-                elif frame.kind == KIND_DECISION:
-                    cases.append(_case(path, frame.offset, frame.payload, fleets, last_fleet))
-            except LogFormatError:
-                raise
-            except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:  # (a huge number)
-                why = f"malformed frame payload ({type(exc).__name__}: {exc})"
-                raise LogFormatError(path, frame.offset, why) from None
-        if not seen_header:
-            raise LogFormatError(path, 8, "no header frame")
-    assert settings is not None or not paths
-    return RecordedLog(settings or {}, digest, seed, tuple(cases), tuple(torn))
+                except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:  # (a huge number)
+                    why = f"malformed frame payload ({type(exc).__name__}: {exc})"
+                    raise LogFormatError(path, frame.offset, why) from None
+                yield item
+            if not seen_header:
+                raise LogFormatError(path, 8, "no header frame")
+
+
+def _header(payload: Mapping[str, Any]) -> _Header | None:
+    """A header frame's settings (None: a format version this kvroute does not read)."""
+    if payload.get("v") not in READABLE_VERSIONS:
+        return None
+    settings = {str(k): str(v) for k, v in dict(payload["settings"]).items()}
+    return _Header(settings, str(payload["digest"]), int(payload["seed"]))
+
+
+def load_log(paths: Sequence[str]) -> RecordedLog:
+    """Every decision of the log files, in order, held (:class:`LogReader` reads them one at a time).
+    Raises LogFormatError naming the file and byte offset; a file that ends inside a frame is read up
+    to it (``RecordedLog.torn``)."""
+    reader = LogReader(paths)
+    cases = tuple(reader.cases())
+    return RecordedLog(reader.settings, reader.digest, reader.seed, cases, tuple(reader.torn))
 
 
 def _status(raw: Sequence[Any]) -> WorkerStatus:
@@ -851,7 +899,7 @@ class ReplayConfig:
     digest_matches: bool
 
 
-def replay_config(recorded: RecordedLog, overrides: Mapping[str, str]) -> ReplayConfig:
+def replay_config(recorded: RecordedLog | LogReader, overrides: Mapping[str, str]) -> ReplayConfig:
     """The recorded configuration (its non-default settings over this kvroute's defaults), then ``overrides``.
 
     A problem an override brings is fatal, the fallback's too: served, a bad fallback setting turns

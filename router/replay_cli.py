@@ -3,6 +3,9 @@
 Exit status: 0 when every decision replays identically, 1 when some differ, 2 when the log cannot be
 read or a ``--router-setting`` is not valid. With ``--router-setting NAME=VALUE`` (a what-if) it
 reports how the decisions change under those settings and exits 0 once the report is printed.
+
+The files are read as their decisions are replayed, one at a time (a log set held whole takes many
+times its size): a fault found partway stops the replay there, after the decisions before it.
 """
 
 from __future__ import annotations
@@ -10,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from router.decision_record import LogFormatError
+from router.decision_record import LogFormatError, TornTail
 from router.logs import shown
-from router.replay import ReplayEngine, WhatIf, difference, load_log, replay_config, taken_from_recording
+from router.replay import LogReader, ReplayEngine, WhatIf, difference, replay_config, taken_from_recording
 from router.settings.table import BY_NAME, ROUTER_SETTING_OPTION
 
 
@@ -46,18 +49,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute replay: {overrides}", file=sys.stderr)
         return 2
     try:
-        recorded = load_log(args.paths)
+        log = LogReader(args.paths, on_torn=_warn_torn)
     except LogFormatError as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
-    for tail in recorded.torn:
-        print(f"warning: {tail}: the file ends inside a frame (its writer stopped mid-write); "
-              "the decisions before it are replayed", file=sys.stderr)
     for name in overrides:
         if taken_from_recording(name):
             print(f"warning: --router-setting {name}: replay takes its effect from the recording (remote answers, "
                   "the fleet, sheds and draws as they were): this what-if changes no decision", file=sys.stderr)
-    setup = replay_config(recorded, overrides)
+    setup = replay_config(log, overrides)
     if setup.problems:
         print(f"kvroute replay: {len(setup.problems)} configuration problem(s):", file=sys.stderr)
         for problem in setup.problems:
@@ -69,16 +69,20 @@ def run(args: argparse.Namespace) -> int:
     engine = ReplayEngine(setup.config)
     what_if = WhatIf()
     identical = 0
-    for case in recorded.cases:
-        outcome = engine.replay(case)
-        what_if.add(outcome)
-        if outcome.identical:
-            identical += 1
-            if not args.quiet:
-                print(f"identical {shown(case.request_id)}")
-        else:
-            print(f"different {shown(case.request_id)} ({case.path} @{case.offset}): {difference(outcome)}")
-    total = len(recorded.cases)
+    try:
+        for case in log.cases():
+            outcome = engine.replay(case)
+            what_if.add(outcome)
+            if outcome.identical:
+                identical += 1
+                if not args.quiet:
+                    print(f"identical {shown(case.request_id)}")
+            else:
+                print(f"different {shown(case.request_id)} ({case.path} @{case.offset}): {difference(outcome)}")
+    except LogFormatError as exc:
+        print(f"kvroute replay: {exc} (replay stopped there, after {what_if.total} decisions)", file=sys.stderr)
+        return 2
+    total = what_if.total
     if overrides:
         changes = ", ".join(f"{k}={v}" for k, v in overrides.items())
         print(f"what-if {changes}: {what_if.changed} of {total} decisions change")
@@ -90,3 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if overrides:
         return 0
     return 0 if identical == total else 1
+
+
+def _warn_torn(tail: TornTail) -> None:
+    print(f"warning: {tail}: the file ends inside a frame (its writer stopped mid-write); "
+          "the decisions before it are replayed", file=sys.stderr)

@@ -7,6 +7,7 @@ the real router chain and policy from the log alone, and must come out identical
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import struct
@@ -61,7 +62,7 @@ from router.decision_record import (
 )
 from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet
-from router.replay import RecordedLog, ReplayEngine, load_log, replay_config
+from router.replay import LogReader, RecordedLog, ReplayEngine, load_log, replay_config
 from router.supervisor import RouterHandle, decision_log_header
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
@@ -615,6 +616,38 @@ def test_the_replay_command_reports_and_exits_by_identity(
     assert "0 of" in captured.out
     assert main(["replay", str(log), "--quiet", "--router-setting", "scorer_max_extra_work_tokens=100000"]) == 0
     assert "from the recording" not in capsys.readouterr().err
+
+
+def test_the_replay_command_reads_each_decision_as_it_replays_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The files were read whole, every decision of every file held, before the first replay: a log set
+    took many times its size. They are read as they are replayed, so a fault in a later file is found
+    after the decisions before it have replayed; it still exits 2, naming the fault's byte offset."""
+    first, second = tmp_path / "decisions.log.1", tmp_path / "decisions.log"
+    on_mock_clock(record_cache_run, first)
+    ids = [c.request_id for c in load_log([str(first)]).cases]
+    body = bytearray(MAGIC)
+    fault = 0
+    for f in parse_frames(str(first), first.read_bytes()):
+        if f.kind == KIND_DECISION and not fault:
+            fault = len(body)
+            body += frame(f.kind, {**f.payload, "d": {}})  # intact frame, a decision replay cannot compare
+        else:
+            body += frame(f.kind, f.payload)
+    second.write_bytes(bytes(body))
+
+    reader = LogReader([str(first), str(second)])
+    cases = reader.cases()
+    assert [c.request_id for c in itertools.islice(cases, len(ids))] == ids  # taken before the fault is read
+    with pytest.raises(LogFormatError, match=f"byte offset {fault}: malformed frame payload"):
+        next(cases)
+
+    assert main(["replay", str(first), str(second)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"identical {i}" for i in ids]
+    assert f"{second}: byte offset {fault}" in captured.err
+    assert f"replay stopped there, after {len(ids)} decisions" in captured.err
 
 
 def test_logs_of_processes_that_differ_only_in_where_they_log_replay_together(tmp_path: Path) -> None:
