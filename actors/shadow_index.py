@@ -25,13 +25,15 @@ Design (pure core, time passed in, memory bounded):
   ``limit`` stops the walk once that many are found — exactly the top ``limit``.
 
 :class:`ShadowIndexActor` owns an index: records arrive through a bounded inbox
-(``record_nowait``: never blocks, drops are counted) and are applied by its ``run`` task;
-``match`` is a synchronous read (no await, so it is atomic on trio's thread).
+(``record_nowait``: never blocks, drops are counted) and are applied by its ``run`` task, which
+also wakes at the oldest record's expiry to drop it; ``match`` is a synchronous read (no await, so
+it is atomic on trio's thread).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -152,6 +154,17 @@ class ShadowIndex:
         return bool(self._records) and (
             self._blocks > self.capacity_blocks or next(iter(self._records.values())).recorded_at < horizon
         )
+
+    def next_expiry(self) -> float:
+        """The earliest time ``tidy`` drops the oldest record as expired (inf with none): the first past
+        ``recorded_at + ttl_s``, where ``now - ttl_s`` passes the record's time (``match`` counts it
+        until then). Waking sooner would drop nothing and wake again at once."""
+        for oldest in self._records.values():
+            at = oldest.recorded_at + self.ttl_s
+            while at - self.ttl_s <= oldest.recorded_at:  # a few ulps at most: the float sum rounds
+                at = math.nextafter(at, math.inf)
+            return at
+        return math.inf
 
     def expire(self, now: float) -> None:
         """Drop every record last recorded more than ``ttl_s`` before ``now`` (and any beyond the
@@ -336,9 +349,23 @@ class ShadowIndexActor:
         self._dropped = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Apply records as they arrive, until cancelled."""
+        """Apply records as they arrive, and drop each as it expires, until cancelled."""
         task_status.started()
-        async for message in self._receive:
+        while True:
+            received: _Recorded | None = None
+            # Woken at the oldest record's expiry too: with no traffic, expired records would otherwise
+            # stay in memory (and in the health's counts) until the next record.
+            with trio.move_on_at(self.index.next_expiry()):
+                try:
+                    received = await self._receive.receive()
+                except trio.EndOfChannel:
+                    return
+            if received is None:
+                now = trio.current_time()
+                while self.index.tidy(now, TIDY_STEP):  # a step per scheduling round, as below
+                    await trio.lowlevel.checkpoint()
+                continue
+            message = received
             self.index.record(message.worker, message.keys, message.now)
             self._applied += 1
             # Apply what else is queued now: a receive of a queued record still yields once each.

@@ -3,6 +3,7 @@ agreement, and its owner actor's bounded inbox."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -226,7 +227,9 @@ def test_one_record_drops_a_bounded_step_and_the_owner_tidies_the_rest_in_steps(
     assert steps == (n - kept - dropped) // TIDY_STEP
 
 
-async def test_the_owner_tidies_what_a_record_left_without_a_further_record() -> None:
+async def test_the_owner_tidies_what_a_record_left_without_a_further_record(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     actor = ShadowIndexActor(ShadowConfig(inbox_size=8, capacity_blocks=4 * TIDY_STEP))
     for i in range(4 * TIDY_STEP):
         actor.index.record(f"10.6.{i // 250}.{i % 250}:8000", (i + 1,), now=1.0)
@@ -235,6 +238,46 @@ async def test_the_owner_tidies_what_a_record_left_without_a_further_record() ->
         assert actor.record_nowait(W1, PROMPT[:12], now=1000.0)  # every other record expired
         await trio.testing.wait_all_tasks_blocked()
         assert (actor.index.records, actor.index.blocks) == (1, 12)
+        nursery.cancel_scope.cancel()
+
+
+@given(
+    st.floats(0.0, 1e9, allow_nan=False),
+    st.floats(1e-6, 604_800.0, allow_nan=False),
+)
+def test_the_next_expiry_is_the_first_time_a_record_is_dropped(recorded_at: float, ttl_s: float) -> None:
+    """The owner wakes at ``next_expiry``: a record matches until just before it and is dropped at it
+    (sooner, the tidy would drop nothing and the timer fire again at once), whatever the float sum rounds."""
+    index = ShadowIndex(ttl_s, 100)
+    index.record(W1, PROMPT[:4], now=recorded_at)
+    at = index.next_expiry()
+    assert at >= recorded_at + ttl_s
+    assert index.match(PROMPT, now=math.nextafter(at, -math.inf)) == (HostMatch(W1, 4),)
+    assert index.match(PROMPT, now=at) == ()
+    assert not index.tidy(at, TIDY_STEP) and index.records == 0
+    assert index.next_expiry() == math.inf
+
+
+async def test_the_owner_drops_records_as_they_expire_without_traffic(autojump_clock: trio.testing.MockClock) -> None:
+    """Expired records were dropped only when a further record came: an idle router held them, and
+    /debug/actors counted them, for good. The owner wakes at the oldest record's expiry."""
+    actor = ShadowIndexActor(ShadowConfig(ttl_s=10.0, inbox_size=8))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        start = trio.current_time()
+        assert actor.record_nowait(W1, PROMPT[:12], now=start)
+        await trio.sleep(4.0)
+        assert actor.record_nowait(W2, PROMPT[:8], now=trio.current_time())
+        await trio.sleep_until(start + 10.0)  # W1's last moment
+        assert (actor.health().records, actor.health().blocks) == (2, 20)
+        await trio.sleep_until(start + 10.001)
+        assert (actor.health().records, actor.health().blocks) == (1, 8)
+        await trio.sleep(3600.0)  # an hour without traffic (a timer that fired again at once would hang here)
+        health = actor.health()
+        assert (health.records, health.blocks, health.indexed_keys, health.applied) == (0, 0, 0, 2)
+        assert actor.record_nowait(W3, PROMPT[:4], now=trio.current_time())  # and it records on
+        await trio.testing.wait_all_tasks_blocked()
+        assert actor.match(PROMPT, now=trio.current_time()) == (HostMatch(W3, 4),)
         nursery.cancel_scope.cancel()
 
 
@@ -305,7 +348,7 @@ def test_shadow_answer_becomes_the_hot_set() -> None:
 # --- the owner actor ----------------------------------------------------------------------------
 
 
-async def test_actor_applies_records_and_answers_matches() -> None:
+async def test_actor_applies_records_and_answers_matches(autojump_clock: trio.testing.MockClock) -> None:
     actor = ShadowIndexActor(ShadowConfig(inbox_size=8))
     async with trio.open_nursery() as nursery:
         await nursery.start(actor.run)
@@ -324,7 +367,7 @@ async def test_actor_applies_records_and_answers_matches() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_actor_inbox_is_bounded_and_drops_are_counted() -> None:
+async def test_actor_inbox_is_bounded_and_drops_are_counted(autojump_clock: trio.testing.MockClock) -> None:
     actor = ShadowIndexActor(ShadowConfig(inbox_size=4))
     accepted = [actor.record_nowait(f"10.4.0.{i}:8000", PROMPT[: i + 1], now=1.0) for i in range(10)]
     assert accepted == [True] * 4 + [False] * 6
