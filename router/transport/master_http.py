@@ -28,7 +28,9 @@ from router.wire.master import (
     decode_schedule_json,
 )
 
-_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+# identity: a compressed reply is inflated as it is read, a few kilobytes sent becoming megabytes on the
+# routing thread before MAX_REPLY_BYTES could stop it; the bound is on the bytes the scheduler sends.
+_HEADERS = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
 # A schedule or master/info reply is a few hundred bytes (one entry per role); a larger one is read no
 # further, since it is decoded on the routing thread.
 MAX_REPLY_BYTES = 65_536
@@ -102,9 +104,14 @@ class HttpMasterTransport:
         url = http_base(host, self._scheme) + path
         try:
             async with self._client.stream("POST", url, content=body) as response:
+                encodings = [e for e in response.headers.get_list("content-encoding", split_commas=True) if e]
+                if any(e.lower() != "identity" for e in encodings):  # leaving the block closes the connection
+                    raise GarbledReply(
+                        host, f"{path}: reply in Content-Encoding {', '.join(encodings)}, where identity was asked for"
+                    )
                 chunks: list[bytes] = []
                 size = 0
-                async for chunk in response.aiter_bytes():
+                async for chunk in response.aiter_raw():  # as sent: never decompressed
                     size += len(chunk)
                     if size > MAX_REPLY_BYTES:  # leaving the block closes the connection
                         raise GarbledReply(host, f"{path}: reply body larger than {MAX_REPLY_BYTES} bytes")
