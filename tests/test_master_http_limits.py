@@ -19,8 +19,8 @@ import trio
 
 from router.config import MasterConfig
 from router.transport.errors import GarbledReply
-from router.transport.master_http import MAX_REPLY_BYTES, HttpMasterTransport
-from router.wire.master import MasterRouted, MasterScheduleRequest
+from router.transport.master_http import HttpMasterTransport
+from router.wire.master import MAX_REPLY_BYTES, MasterRouted, MasterScheduleRequest
 
 Message = dict[str, Any]
 REQUEST = MasterScheduleRequest("r-1", (11, 12), 64, 128)

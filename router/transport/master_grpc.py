@@ -17,11 +17,12 @@ import trio
 
 from router.config import MASTER_GRPC_PORT_OFFSET
 from router.targets import TargetError, format_target, parse_target
-from router.transport.errors import DeadlineExceeded, NotSent, Unavailable
+from router.transport.errors import DeadlineExceeded, GarbledReply, NotSent, Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.ports import ChannelLeaser, MasterTransport
 from router.wire import paths
 from router.wire.master import (
+    MAX_REPLY_BYTES,
     MasterInfo,
     MasterReply,
     MasterScheduleRequest,
@@ -63,6 +64,11 @@ class GrpcMasterTransport:
         except DeadlineExceeded:
             self._cancel_nowait(target, request.request_id, deadline_exceeded=True)
             raise
+        # The shared channel takes messages up to max_message_bytes (for KVCM's replies); parsing one that
+        # long would hold the routing thread.
+        if len(reply) > MAX_REPLY_BYTES:
+            too_long = f"reply of {len(reply)} bytes, more than {MAX_REPLY_BYTES}"
+            raise GarbledReply(target, f"{paths.MASTER_SCHEDULE}: {too_long}")
         return decode_schedule_pb(reply, target)
 
     async def master_info(self, host: str) -> MasterInfo:

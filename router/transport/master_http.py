@@ -21,6 +21,7 @@ from router.transport.errors import DeadlineExceeded, GarbledReply, TransportErr
 from router.transport.master_body import schedule_body
 from router.wire import paths
 from router.wire.master import (
+    MAX_REPLY_BYTES,
     MasterInfo,
     MasterReply,
     MasterScheduleRequest,
@@ -31,9 +32,6 @@ from router.wire.master import (
 # identity: a compressed reply is inflated as it is read, a few kilobytes sent becoming megabytes on the
 # routing thread before MAX_REPLY_BYTES could stop it; the bound is on the bytes the scheduler sends.
 _HEADERS = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
-# A schedule or master/info reply is a few hundred bytes (one entry per role); a larger one is read no
-# further, since it is decoded on the routing thread.
-MAX_REPLY_BYTES = 65_536
 
 
 def http_base(host: str, scheme: str = "http") -> str:

@@ -193,6 +193,9 @@ _CODE_MAX = 2**31 - 1  # the gRPC API's int32; our reply's error_code is uint32
 # A routed reply names one worker per role the cluster has (four roles exist); more is garbage, and
 # decoding it would hold the routing thread.
 MAX_ROLE_ADDRS = 16
+# A schedule or master/info reply is a few hundred bytes (one entry per role): a longer one, over either
+# protocol, is refused unread, since it would be decoded on the routing thread.
+MAX_REPLY_BYTES = 65_536
 # The scheduler's error message is carried to the caller and into every record of the decision: kept
 # to this many characters (a gRPC reply may be megabytes long).
 MAX_MESSAGE_CHARS = 1024
