@@ -441,12 +441,13 @@ class Discovery:
         before = source.entries
         source.refreshes_total += 1
         source.last_refresh_at = now
+        if error is None and source.last_error is not None:
+            # Read, if only an empty list: the error is over, and its return is news again.
+            log.info("discovery: %s %s is readable again", source.name, source.origin)
+            source.last_error = None
         if error is None and entries:
-            if source.last_error is not None:
-                log.info("discovery: %s %s is readable again", source.name, source.origin)
             source.entries = entries
             source.last_good_at = now
-            source.last_error = None
         else:
             if error is not None:
                 source.failures_total += 1

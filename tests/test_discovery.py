@@ -261,6 +261,34 @@ async def test_dns_answer_over_max_entries_is_a_failed_refresh(
     assert dns.last_error is not None and "max_entries=4" in dns.last_error
 
 
+async def test_an_empty_dns_answer_ends_the_error_and_its_return_is_warned_again(
+    autojump_clock: trio.testing.MockClock,
+    nursery: trio.Nursery,
+    fake_dns: FakeDns,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake_dns.fail = True
+    with caplog.at_level(logging.INFO, logger="actors.discovery"):
+        d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example"))
+        await nursery.start(d.run)
+        dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
+        assert dns.last_error is not None and "workers.example" in dns.last_error
+        fake_dns.fail = False  # answers, with no address
+        await trio.sleep(CFG.refresh_interval_s + 0.1)  # past the next refresh
+        dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
+        assert (dns.last_error, dns.empty_total, dns.failures_total) == (None, 1, 1)
+        fake_dns.fail = True
+        await trio.sleep(CFG.refresh_interval_s)
+    messages = [(r.levelno, r.getMessage().partition(";")[0]) for r in caplog.records]
+    lookup_failed = socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")  # as FakeDns fails
+    failed = f"discovery: workers.dns workers.example: {lookup_failed}"
+    assert messages == [
+        (logging.WARNING, failed),
+        (logging.INFO, "discovery: workers.dns workers.example is readable again"),
+        (logging.WARNING, failed),
+    ]
+
+
 async def test_real_dns_localhost() -> None:
     with trio.fail_after(10):
         d = Discovery(dataclasses.replace(CFG, workers_dns="localhost", kvcm_bootstrap_dns="localhost:7001"))
@@ -380,6 +408,39 @@ async def test_an_unreadable_file_is_warned_once_per_new_error_and_its_recovery_
             nursery.cancel_scope.cancel()
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
         f"discovery: workers.file {workers} is readable again"
+    ]
+
+
+async def test_an_empty_list_file_ends_the_error_and_its_return_is_warned_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    workers = tmp_path / "workers.txt"  # missing at first
+    cfg = dataclasses.replace(CFG, refresh_interval_s=0.01, workers_file=str(workers))
+
+    def health() -> discovery.SourceHealth:
+        return next(s for s in d.snapshot().sources if s.name == "workers.file")
+
+    with trio.fail_after(10), caplog.at_level(logging.INFO, logger="actors.discovery"):
+        d = Discovery(cfg)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)
+            assert health().last_error is not None
+            write(workers, "# no workers yet\n")
+            # An empty read publishes nothing to wait on.
+            while health().empty_total == 0:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            assert health().last_error is None
+            failures = health().failures_total
+            workers.unlink()
+            while health().failures_total == failures:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            assert health().last_error is not None
+            nursery.cancel_scope.cancel()
+    missing = f"discovery: workers.file {workers}: No such file or directory"
+    assert [(r.levelno, r.getMessage().partition(";")[0]) for r in caplog.records] == [
+        (logging.WARNING, missing),
+        (logging.INFO, f"discovery: workers.file {workers} is readable again"),
+        (logging.WARNING, missing),
     ]
 
 
