@@ -6,8 +6,10 @@ never a wait. A background task per source refreshes it every ``refresh_interval
   once); ``set_static_workers`` replaces it at runtime (operators, tests, the demo);
 - file: re-read when its (mtime, size, inode) changes; stat and read run in a worker
   thread (``trio.to_thread.run_sync``, abandoned on timeout), never on the event loop;
-- DNS: A/AAAA answers via ``trio.socket.getaddrinfo`` (a thread, or trio's custom
-  resolver hook), with the name's explicit port or the default port.
+- DNS: A/AAAA answers from the system's ``socket.getaddrinfo`` in a worker thread of the
+  source's own (abandoned on timeout; a refresh that finds it still running fails at once),
+  or from a ``trio.abc.HostnameResolver`` given to ``Discovery``; with the name's explicit
+  port or the default port.
 Each refresh is bounded by ``refresh_timeout_s``. A source whose refresh fails or comes
 back empty keeps its last good entries until ``stale_after_s`` after they were last good,
 then drops to empty (counted). The published snapshot is the union of all sources.
@@ -100,6 +102,10 @@ class DiscoverySnapshot:
     kvcm_bootstrap: tuple[str, ...]
     generation: int  # bumps on every published change (workers or KVCM)
     sources: tuple[SourceHealth, ...]
+
+
+# One getaddrinfo answer: (family, type, proto, canonname, sockaddr), the address first in sockaddr.
+_AddrInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[object, ...]]
 
 
 class _RefreshFailed(Exception):
@@ -245,9 +251,11 @@ class _Source:
         self.static_entries: tuple[HostPort, ...] = ()
         self.file_signature: tuple[int, int, int] | None = None
         self.file_outcome: tuple[HostPort, ...] | str = ()
-        # One thread per file at a time: a read stuck in the kernel (abandoned at the refresh
-        # timeout) holds its token, so a hung file costs at most one thread and delays only itself.
-        self.file_limiter = trio.CapacityLimiter(1)
+        # One worker thread per source at a time (a file's read, a name's lookup), never one of trio's
+        # shared default ones, which every to_thread caller needs: a read stuck in the kernel or a
+        # lookup a DNS server never answers (abandoned at the refresh timeout) holds this token, so it
+        # costs at most one thread and delays only its own source.
+        self.thread_limiter = trio.CapacityLimiter(1)
 
     @property
     def name(self) -> str:
@@ -269,10 +277,14 @@ class _Source:
 
 
 class Discovery:
-    """Construct inside a trio run (the first snapshot is stamped with ``trio.current_time()``)."""
+    """Construct inside a trio run (the first snapshot is stamped with ``trio.current_time()``).
 
-    def __init__(self, config: DiscoveryConfig) -> None:
+    ``resolver``: answers the DNS sources' lookups in trio (none: the system's, each source in a
+    worker thread of its own)."""
+
+    def __init__(self, config: DiscoveryConfig, *, resolver: trio.abc.HostnameResolver | None = None) -> None:
         self._config = config
+        self._resolver = resolver
         problems = discovery_problems(config)
         if problems:
             raise DiscoveryConfigError(problems)
@@ -392,7 +404,7 @@ class Discovery:
                     f"{source.name} {source.origin}",
                 ),
                 abandon_on_cancel=True,
-                limiter=source.file_limiter,
+                limiter=source.thread_limiter,
             )
         except OSError as exc:
             source.file_signature = None
@@ -408,7 +420,7 @@ class Discovery:
         name = source.dns_target
         assert name is not None  # set for every DNS source
         try:
-            answers = await trio.socket.getaddrinfo(name.host, name.port, type=socket.SOCK_STREAM)
+            answers = await self._lookup(source, name)
         except OSError as exc:
             raise _RefreshFailed(f"{source.name} {source.origin}: {exc}") from exc
         addresses = sorted(
@@ -424,6 +436,17 @@ class Discovery:
         if source.list_kind is ListKind.WORKERS:
             to_workers(entries, self._config, f"{source.name} {source.origin}")
         return entries
+
+    async def _lookup(self, source: _Source, name: HostPort) -> Sequence[_AddrInfo]:
+        if self._resolver is not None:
+            # Hosts are ASCII (parse_target refuses others), as a HostnameResolver takes them.
+            return await self._resolver.getaddrinfo(name.host.encode("ascii"), name.port, type=socket.SOCK_STREAM)
+        if source.thread_limiter.borrowed_tokens:
+            # An earlier refresh's lookup, abandoned at its timeout, still holds the source's thread:
+            # waiting for it could only time out again.
+            raise _RefreshFailed(f"{source.name} {source.origin}: an earlier lookup of the name has not answered yet")
+        lookup = functools.partial(socket.getaddrinfo, name.host, name.port, type=socket.SOCK_STREAM)
+        return await trio.to_thread.run_sync(lookup, abandon_on_cancel=True, limiter=source.thread_limiter)
 
     # --- state (synchronous, atomic) -------------------------------------------------------------
 

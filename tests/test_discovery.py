@@ -1,7 +1,7 @@
 """Discovery: static lists, file and DNS sources, stale handling, and that nothing blocks the loop.
 
-Static and DNS tests run under MockClock(autojump) with trio's custom hostname resolver
-hook standing in for the DNS server (in-trio, no threads). File tests and the real
+Static and DNS tests run under MockClock(autojump) with a trio HostnameResolver given to
+Discovery standing in for the DNS server (in-trio, no threads). File tests and the real
 "localhost" lookup do real I/O in worker threads, so they use the real clock with an
 absolute ``trio.fail_after`` and wait on published changes, never on sleeps.
 """
@@ -136,11 +136,11 @@ async def test_empty_refresh_keeps_last_snapshot_until_stale(
     assert static.empty_total >= 5
 
 
-# --- DNS (a fake DNS server through trio's resolver hook) --------------------------------------------
+# --- DNS (a fake DNS server given as Discovery's resolver) -------------------------------------------
 
 
 class FakeDns(trio.abc.HostnameResolver):
-    """Only the DNS server is fake: trio.socket.getaddrinfo calls this for non-numeric names."""
+    """Only the DNS server is fake: Discovery's DNS sources ask it instead of the system's resolver."""
 
     def __init__(self) -> None:
         self.answers: dict[str, list[str]] = {}
@@ -185,10 +185,8 @@ class FakeDns(trio.abc.HostnameResolver):
 
 
 @pytest.fixture
-async def fake_dns() -> FakeDns:
-    dns = FakeDns()
-    trio.socket.set_custom_hostname_resolver(dns)  # a RunVar: scoped to this test's trio run
-    return dns
+def fake_dns() -> FakeDns:
+    return FakeDns()
 
 
 async def test_dns_answers_with_default_and_explicit_ports(
@@ -197,7 +195,8 @@ async def test_dns_answers_with_default_and_explicit_ports(
     fake_dns.answers["kvcm.example"] = ["10.0.0.2", "10.0.0.1", "10.0.0.1"]
     fake_dns.answers["workers.example"] = ["fd00::7", "10.1.0.1"]
     d = Discovery(
-        dataclasses.replace(CFG, kvcm_bootstrap_dns="kvcm.example", workers_dns="workers.example:9000")
+        dataclasses.replace(CFG, kvcm_bootstrap_dns="kvcm.example", workers_dns="workers.example:9000"),
+        resolver=fake_dns,
     )
     await nursery.start(d.run)  # the first round completes before started()
     assert d.kvcm_bootstrap() == (f"10.0.0.1:{KVCM_DEFAULT_PORT}", f"10.0.0.2:{KVCM_DEFAULT_PORT}")
@@ -214,7 +213,7 @@ async def test_dns_failure_keeps_last_answer_until_stale(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
 ) -> None:
     fake_dns.answers["workers.example"] = ["10.1.0.1", "10.1.0.2"]
-    d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example"))
+    d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example"), resolver=fake_dns)
     await nursery.start(d.run)
     good_at = trio.current_time()
     assert len(d.workers().workers) == 2
@@ -239,7 +238,7 @@ async def test_hanging_dns_times_out_and_never_stalls_readers(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
 ) -> None:
     fake_dns.hang = True
-    d = Discovery(dataclasses.replace(CFG, workers="10.1.0.1", workers_dns="workers.example"))
+    d = Discovery(dataclasses.replace(CFG, workers="10.1.0.1", workers_dns="workers.example"), resolver=fake_dns)
     start = trio.current_time()
     await nursery.start(d.run)
     # The first round waited for the DNS source only up to refresh_timeout_s.
@@ -254,7 +253,7 @@ async def test_dns_answer_over_max_entries_is_a_failed_refresh(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
 ) -> None:
     fake_dns.answers["workers.example"] = [f"10.1.0.{i}" for i in range(1, 6)]
-    d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example", max_entries=4))
+    d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example", max_entries=4), resolver=fake_dns)
     await nursery.start(d.run)
     assert d.workers().workers == ()
     dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
@@ -269,7 +268,7 @@ async def test_an_empty_dns_answer_ends_the_error_and_its_return_is_warned_again
 ) -> None:
     fake_dns.fail = True
     with caplog.at_level(logging.INFO, logger="actors.discovery"):
-        d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example"))
+        d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example"), resolver=fake_dns)
         await nursery.start(d.run)
         dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
         assert dns.last_error is not None and "workers.example" in dns.last_error
@@ -287,6 +286,44 @@ async def test_an_empty_dns_answer_ends_the_error_and_its_return_is_warned_again
         (logging.INFO, "discovery: workers.dns workers.example is readable again"),
         (logging.WARNING, failed),
     ]
+
+
+async def test_a_lookup_that_never_answers_holds_one_thread_of_its_sources_own(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The system's resolver, for a name whose DNS server never answers: the lookup holds one worker
+    thread of the source's own, never one of trio's shared ones, and a refresh that finds it still
+    running fails at once rather than starting another (each took a shared thread until none was left)."""
+    hung = "workers.hung.example"
+    entered = threading.Event()
+    released = threading.Event()
+    lookups: list[str] = []
+    system_lookup = socket.getaddrinfo
+
+    def never_answers(host: str | bytes, *args: Any, **kwargs: Any) -> Any:
+        name = host.decode() if isinstance(host, bytes) else host  # trio's own lookups pass bytes
+        flags = args[4] if len(args) > 4 else kwargs.get("flags", 0)
+        if name != hung or flags & socket.AI_NUMERICHOST:  # a numeric-only lookup asks no server
+            return system_lookup(host, *args, **kwargs)
+        lookups.append(name)
+        entered.set()
+        released.wait(8.0)  # a regression is a failure, not a hang
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", never_answers)
+    shared = trio.to_thread.current_default_thread_limiter()
+    try:
+        d = Discovery(dataclasses.replace(CFG, workers_dns=f"{hung}:9000"))
+        await nursery.start(d.run)  # the first round's lookup is abandoned at refresh_timeout_s
+        await trio.sleep(5 * CFG.refresh_interval_s + 0.1)  # five more refreshes
+        dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
+        assert dns.failures_total == 6
+        assert dns.last_error == f"workers.dns {hung}:9000: an earlier lookup of the name has not answered yet"
+        assert shared.borrowed_tokens == 0
+        assert await trio.to_thread.run_sync(entered.wait, 8.0)
+        assert lookups == [hung]  # one thread, however many refreshes
+    finally:
+        released.set()
 
 
 async def test_real_dns_localhost() -> None:
