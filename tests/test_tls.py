@@ -38,7 +38,7 @@ from router.transport.clients import WorkerStatusClient
 from router.transport.errors import Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.master_http import HttpMasterTransport
-from router.transport.tls import channel_credentials, client_ssl_context, server_credentials
+from router.transport.tls import channel_credentials, client_ssl_context, server_credentials, system_ca_bundle
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
 from tests.test_master_http_limits import http_server
@@ -255,3 +255,34 @@ async def test_master_http_client_speaks_https_with_the_ca_and_fails_without(pki
                     await untrusted.master_info(host)
             # The operator is told why: under trio httpx's error has no text, the handshake's is its cause.
             assert "certificate" in refused.value.detail.lower(), refused.value.detail
+
+
+# ---- no CA given: the system's bundle, for both ----------------------------------------------------
+
+
+async def test_without_a_ca_the_channels_and_the_https_client_trust_the_same_system_bundle(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The system's bundle is OpenSSL's default file, here named by the environment: the throwaway CA.
+    monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca))
+    upstream = UpstreamTlsConfig(cert=str(pki.client_cert), key=str(pki.client_key))  # TLS, and no CA given
+    with trio.fail_after(20):
+        async with tls_worker(pki) as target:
+            status = await probe_through_pool(target, upstream)
+            assert not isinstance(status, Exception), status
+        async with http_server(INFO_BODY, tls=(str(pki.server_cert), str(pki.server_key))) as host:
+            async with HttpMasterTransport(MasterConfig(), client_ssl_context(upstream)) as client:
+                info = await client.master_info(host)
+            assert info.queue_length == 7
+
+
+async def test_without_a_readable_system_bundle_the_channels_fall_back_to_grpcs_roots(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "missing.pem"))
+    assert system_ca_bundle() is None
+    upstream = UpstreamTlsConfig(cert=str(pki.client_cert), key=str(pki.client_key))
+    with trio.fail_after(20):
+        async with tls_worker(pki) as target:
+            # Credentials all the same; grpc's default roots do not hold the throwaway CA.
+            assert isinstance(await probe_through_pool(target, upstream), Unavailable)

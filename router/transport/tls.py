@@ -174,12 +174,31 @@ def server_credentials(config: GrpcTlsConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def system_ca_bundle() -> bytes | None:
+    """The system's CA bundle, as the HTTP clients' default SSL context trusts it: OpenSSL's default CA
+    file (``SSL_CERT_FILE`` when set). None when there is no readable one (no such file, or only a
+    directory of certificates), and grpc's own default roots stand in. Reads the file."""
+    path = ssl.get_default_verify_paths().cafile  # the environment's override first, None if no file
+    if path is None:
+        return None
+    try:
+        with open_regular_file(path) as file:
+            data = file.read(MAX_PEM_BYTES + 1)
+    except OSError:
+        return None
+    # Cut short, the bundle's last certificate would be broken: grpc's default is the lesser surprise.
+    return data if len(data) <= MAX_PEM_BYTES else None
+
+
 def channel_credentials(config: UpstreamTlsConfig) -> grpc.ChannelCredentials | None:
     """Credentials for kvroute's gRPC channels (None: plaintext). Reads the files; raises OSError."""
     if not config.enabled:
         return None
+    # Without a CA, the system's bundle: grpc's own default is the roots.pem it ships (or
+    # GRPC_DEFAULT_SSL_ROOTS_FILE_PATH), which would trust other CAs than the HTTPS client does.
+    roots = _read(config.ca, "upstream_tls.ca") if config.ca else system_ca_bundle()
     return grpc.ssl_channel_credentials(
-        root_certificates=_read_optional(config.ca, "upstream_tls.ca"),  # None: grpc's default roots
+        root_certificates=roots,
         private_key=_read_optional(config.key, "upstream_tls.key"),
         certificate_chain=_read_optional(config.cert, "upstream_tls.cert"),
     )
