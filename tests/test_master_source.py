@@ -6,6 +6,7 @@ discovery, the breaker, the chain and every other actor are real.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -16,7 +17,7 @@ import trio
 import trio.testing
 
 from actors.breaker import BreakerState
-from actors.sources.master import MasterClientHealth
+from actors.sources.master import MasterClientHealth, MasterSource, _Attempted, _Verdict
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.master import MasterFaults, SimMaster
 from router.api import open_router
@@ -541,6 +542,52 @@ async def test_a_trials_success_is_applied_under_a_burst_the_breaker_refuses(
         assert len(decisions) == 2000 and 0 < shed < 2000
         assert health.requests == 3 + 1 + 2000 - shed
         assert health.requests == health.routed + health.fell_through + health.ended
+
+
+async def test_a_trials_report_is_applied_when_it_finds_the_inbox_full(autojump_clock: trio.testing.MockClock) -> None:
+    """The trial ends while the master source's task is down and its inbox full (reports of requests
+    that asked the master, waiting for it): its report used to be dropped there, and the breaker held
+    half-open until the trial timed out. It is kept aside and applied once the task is back."""
+    async with rig(kvcm_fallback=False, max_in_flight=1, transport_timeout_ms=30) as r:  # an inbox of 2
+        r.schedules_seen()
+        r.master.set_faults(0, MasterFaults(hang=True))
+        for i in range(3):
+            await r.route(f"hang{i}")
+        await trio.testing.wait_all_tasks_blocked()
+        assert master_health(r).breaker.state is BreakerState.OPEN
+        await trio.sleep(1.0)  # the cooldown is over: the next request is the trial
+        r.master.set_faults(0, MasterFaults(slow_ms=20.0))
+        source = next(s for s in r.handle.router_actor()._chain if isinstance(s, MasterSource))
+        trial: list[RouteDecision] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _append(trial, r.route("trial")))
+            await trio.testing.wait_all_tasks_blocked()  # admitted: the master answers in 20 ms
+            r.handle.supervisor.inject_crash("master_client")
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(2):  # the task is down: reports wait for it and fill its inbox
+                source._send.send_nowait(_Attempted(_Verdict.NOT_JUDGED, False, None, None, -math.inf))
+        assert trial[0].route_source is RouteSource.MASTER
+        await trio.sleep(1.0)  # restarted: it applies what waited for it
+        health = master_health(r)
+        assert health.breaker.state is BreakerState.CLOSED, health.breaker
+        assert health.reports_dropped == 0
+
+
+async def test_requests_with_no_time_for_the_master_are_counted_without_a_report(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An admitted request whose window leaves the master no time is not called: counted by its caller,
+    as the other requests that never ask the master, not sent (and dropped) as a report."""
+    async with rig(max_in_flight=1, later_sources_ms=20) as r:  # an inbox of 2
+        await r.route("warm")
+        await trio.testing.wait_all_tasks_blocked()
+        r.handle.supervisor.inject_crash("master_client")
+        await trio.testing.wait_all_tasks_blocked()  # the task is down: a report would wait, or be dropped
+        for i in range(3):
+            decision = await r.handle.route(RouteRequest(f"no-time{i}", token_ids=PROMPT, budget_ms=15))
+            assert decision.sources[0].reason is Reason.DEADLINE
+        health = master_health(r)
+        assert (health.requests, health.fell_through, health.inbox_depth, health.reports_dropped) == (4, 3, 0, 0)
 
 
 async def _append(into: list[RouteDecision], decision: Awaitable[RouteDecision]) -> None:

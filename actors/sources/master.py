@@ -337,7 +337,8 @@ class MasterSource:
         by_budget = ctx.deadline - self._later_s
         end = min(now + self._timeout_s, by_budget)
         if end <= now:
-            outcome.verdict = _Verdict.NOT_JUDGED
+            # Not called: a trial's slot is released (judged nothing); another request is only counted.
+            outcome.verdict = _Verdict.NOT_JUDGED if outcome.trial else _Verdict.NOT_ASKED
             self._metrics.emit(MasterRequest("no_time"))
             return FellThrough(Reason.DEADLINE)
         hosts = [known.master] + ([known.slave] if known.slave not in (None, known.master) else [])
