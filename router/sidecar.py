@@ -639,8 +639,9 @@ class Sidecar:
         return self._counters.idle.wait(timeout_s)
 
     def take_call_timings(self) -> list[CallTiming]:
-        """The timings of the answered calls since the last take (at most CALL_TIMING_SAMPLES, the latest;
-        none unless the sidecar was made with ``keep_call_timings``)."""
+        """The timings of the calls a reply was made for since the last take (answered, or their client
+        gone by then: ``client_gone``; at most CALL_TIMING_SAMPLES, the latest; none unless the
+        sidecar was made with ``keep_call_timings``)."""
         taken: list[CallTiming] = []
         timings = self._timings
         if timings is None:

@@ -110,6 +110,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         assert level["calls"] > 0 and level["answered_by_sidecar"] + level["no_answer"] >= level["calls"]
         assert level["no_answer"] == sum(level["errors"].values())
         assert 0 <= level["reached_sidecar_past_deadline"] <= level["answered_by_sidecar"]
+        assert 0 <= level["client_gone"] <= level["answered_by_sidecar"]
         assert 0 <= level["within_deadline_plus_5ms"] <= 1 and 0 <= level["overloaded_share"] <= 1
         assert 0 <= level["kvcm_share"] <= 1
         if os.path.isdir("/proc/self/task"):  # where this process's CPU went, by thread role

@@ -168,12 +168,14 @@ class LevelResult:
     client_ms: tuple[float, ...]  # answered calls, as the client saw them
     errors: Counter[str]
     outcomes: Counter[str]  # "route_source/reason" of the answered calls
-    timings: tuple[CallTiming, ...]  # the sidecar's own, answered calls
+    # The sidecar's own, of every call it made a reply for (its client may have gone by then: client_gone).
+    timings: tuple[CallTiming, ...]
     sidecar_cpu_s: float  # this process's CPU over the level: the sidecar, the router, grpc's threads
     caller_cpu_s: float  # the caller process's CPU over the level
     echo: EchoFloor  # the same level against a grpcio echo server with the sidecar's thread pool
     full_collection_s: tuple[float, ...] = ()  # this process's gen-2 collections during the level
     waited: int = 0  # calls that found the in-flight limit reached and waited for a place
+    client_gone: int = 0  # of the timed calls, those whose client had gone when the reply was made
     shed_after_wait: int = 0  # of those, answered overloaded when no place came in time
     thread_cpu_s: Mapping[str, float] = field(default_factory=dict)  # by THREAD_ROLES role (empty off Linux)
 
@@ -238,7 +240,8 @@ class LevelResult:
             "calls": self.calls,
             "seconds": self.seconds,
             "calls_per_s": self.calls / self.seconds if self.seconds else 0.0,
-            "answered_by_sidecar": len(self.timings),
+            "answered_by_sidecar": len(self.timings),  # a reply made (client_gone ones included)
+            "client_gone": self.client_gone,
             "reached_sidecar_past_deadline": self.reached_late,
             "reached_sidecar_with_budget_gone": self.budget_gone,
             "within_deadline_plus_5ms": self.within_share,
@@ -321,6 +324,7 @@ def _level_result(
     full_collection_s: Sequence[float],
     waits: tuple[int, int] = (0, 0),
     thread_cpu_s: Mapping[str, float] | None = None,
+    client_gone: int = 0,
 ) -> LevelResult:
     outcomes = reply_outcomes(raw for r in results for raw in r.replies)
     return LevelResult(
@@ -338,6 +342,7 @@ def _level_result(
         waited=waits[0],
         shed_after_wait=waits[1],
         thread_cpu_s=dict(thread_cpu_s or {}),
+        client_gone=client_gone,
     )
 
 
@@ -381,6 +386,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                         after.waited_for_place - before.waited_for_place,
                         after.shed_after_wait - before.shed_after_wait,
                     )
+                    client_gone = after.client_gone - before.client_gone
                     timings = sidecar.take_call_timings()
                     echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
                     echo_threads_after = await trio.to_thread.run_sync(thread_cpu.snapshot)
@@ -403,6 +409,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                             pauses,
                             waits,
                             thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
+                            client_gone,
                         )
                     )
         finally:
