@@ -289,6 +289,9 @@ class DropReason(enum.Enum):
     NO_STATUS = "no_status"
     EJECTED = "ejected"
     ROLE_NOT_ROUTED = "role_not_routed"
+    # A cache holder the plan passed over: known to serve another role, or lately reported down (which
+    # of the two is not kept: a decision log's replay must give the same reason).
+    UNFIT = "unfit"
     QUEUE_FULL = "queue_full"
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     LOOKAHEAD_MISMATCH = "lookahead_mismatch"

@@ -244,12 +244,15 @@ def test_cold_walks_that_passed_over_decode_workers_replay_as_recorded(tmp_path:
             prober=replace(config.prober, health_interval_s=0.5),
         )
         cluster.kvcm.record_prefill(cluster.worker_addr(0).http_target, KEYS[:2])
+        cluster.kvcm.record_prefill(cluster.worker_addr(5).http_target, KEYS[:3])  # a decode holder: unfit
         async with open_router(config, rpc=network) as handle:
             await trio.sleep(2.0)  # health probes: every worker's role is known
             return [await handle.route(RouteRequest(f"pd{i}", token_ids=PROMPT, budget_ms=50)) for i in range(6)]
 
     decisions = on_mock_clock(record, log)
     assert all(d.route_source is RouteSource.KVCM for d in decisions)
+    decode_holder = {(c.target, c.dropped) for d in decisions for c in d.candidates if c.target.startswith("127.1.0.6")}
+    assert decode_holder == {("127.1.0.6:8000", "unfit")}, decode_holder
     recorded = load_log([str(log)])
     assert any(s.other_roles for case in recorded.cases for s in case.scorings)
     assert replay_all(log) == (6, 6)

@@ -204,7 +204,7 @@ def test_a_holder_of_another_role_takes_no_hot_slot_from_one_that_can_serve() ->
     p = plan(hosts, fleet, hot=2, cold=4, unfit=decode.__contains__)
     assert hot_targets(p) == [w[2].http_target, w[3].http_target]
     assert not {c.worker for c in p.candidates} & decode  # nor a cold place
-    assert not p.dropped  # passed over, as the cold walk passes over, not reported as dropped
+    assert [(d.target, d.dropped) for d in p.dropped] == [(w[0].http_target, "unfit"), (w[1].http_target, "unfit")]
 
 
 def test_cold_order_reproducible_per_request_and_different_across_requests() -> None:

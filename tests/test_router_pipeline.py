@@ -375,11 +375,11 @@ async def test_pdfusion_only_deployment_never_gets_prefill(autojump_clock: trio.
             assert all(c.target != d.worker.http_target for c in dropped_roles)
             prefill_holder = cluster.worker_addr(0).http_target
             if d.route_source is RouteSource.KVCM:
-                # The PREFILL holder of the longest prefix: dropped for its role while its role was
-                # unknown; once known, passed over by the plan (no hot slot, no probe).
-                planned = {c.target: c.dropped for c in d.candidates}
-                assert planned.get(prefill_holder, "role_not_routed") == "role_not_routed"
-                passed_over.append(prefill_holder not in planned)
+                # The PREFILL holder of the longest prefix: dropped for its role after its probe while
+                # its role was unknown; once known, by the plan (no hot slot, no probe): unfit.
+                dropped = {c.target: c.dropped for c in d.candidates}[prefill_holder]
+                assert dropped in ("role_not_routed", "unfit"), dropped
+                passed_over.append(dropped == "unfit")
         assert RouteSource.KVCM in sources
         assert passed_over and passed_over[-1]
 

@@ -7,8 +7,8 @@ mapped to discovered workers, one per gRPC target, at most ``hot_set_size``. Whe
 exactly at that cut, a per-request rank decides who is in (never the address, never the answer's
 order). Unknown, malformed and ejected hosts are dropped and reported; they take no hot slot. Nor
 does a worker known unfit for the request (``unfit``: it reported another role, or lately that it is
-not alive): passed over, as the cold walk passes it over, it leaves its slot to a holder that can
-serve the request (a decode worker holding the prefix would otherwise be dropped after its probe).
+not alive): dropped and reported (``unfit``), it leaves its slot to a holder that can serve the
+request (a decode worker holding the prefix would otherwise be dropped after its probe).
 
 Cold set: ``cold_set_size`` discovered workers not in the hot set, not ejected and not known unfit
 (``unfit``), in a reproducible per-request order, so idle workers are found and load spreads.
@@ -238,8 +238,9 @@ class _HotSetBuilder:
             key = id(worker)
             if key in taken:
                 continue  # a second entry for a worker already planned (by gRPC target)
-            if unfit is not None and unfit(worker):
-                continue  # passed over: it cannot serve the request
+            if unfit is not None and unfit(worker):  # passed over, reported: it cannot serve the request
+                self.dropped.append(_drop_explain(match, source, DropReason.UNFIT))
+                continue
             taken.add(key)
             # tuple.__new__: a NamedTuple's own constructor is a Python-level call
             admitted.append(tuple.__new__(Candidate, (worker, target, match, source)))
