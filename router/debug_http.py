@@ -137,6 +137,27 @@ DEBUG_REST_RATIO = 9  # /debug/decisions takes at most a tenth of the routing th
 # The exposition is built on the routing thread, all at once: reused for this long, a client reading
 # /metrics in a loop costs one build a second, not one a read. Scrapes come every several seconds.
 METRICS_MAX_AGE_S = 1.0
+_OPENMETRICS = "application/openmetrics-text"
+
+
+def metrics_format(accept: str) -> tuple[Callable[[Any], bytes], str]:
+    """The exposition's encoder and content type for an Accept header, from a small fixed set: the
+    client's OpenMetrics version is taken as 1.0.0 or 2.0.0 (by its major number), its escaping is one
+    of four. The content type keys the cache of built expositions: a version the client made up must
+    neither add an entry nor force a build."""
+    try:
+        encoder, content_type = choose_encoder(accept)
+    except (TypeError, ValueError):  # a version it cannot compare ("version=abc"): the default format
+        return generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+    if not content_type.startswith(_OPENMETRICS) or "; escaping=" not in content_type:
+        return encoder, content_type  # a fixed default, or text/plain with one of four escapings
+    params = dict(p.split("=", 1) for p in content_type.split("; ")[1:] if "=" in p)
+    try:
+        major = int(params.get("version", "1").split(".", 1)[0])
+    except ValueError:
+        major = 1
+    canonical = "2.0.0" if major >= 2 else "1.0.0"
+    return choose_encoder(f"{_OPENMETRICS}; version={canonical}; escaping={params.get('escaping', '')}")
 
 
 class _BadRequest(Exception):
@@ -272,10 +293,7 @@ class DebugApp:
         accept = ", ".join(
             value.decode("latin-1") for name, value in scope.get("headers", ()) if name.lower() == b"accept"
         )
-        try:
-            encoder, content_type = choose_encoder(accept)
-        except (TypeError, ValueError):  # a version it cannot compare ("version=abc"): the default format
-            encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+        encoder, content_type = metrics_format(accept)
         now = trio.current_time()
         built = self._expositions.get(content_type)
         if built is None or now - built[0] >= self._metrics_max_age_s:

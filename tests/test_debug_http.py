@@ -210,6 +210,12 @@ async def test_metrics_scrape_parses_and_moves_with_events() -> None:
 
 async def _get(app: DebugApp, path: str, accept: str = "") -> tuple[int, bytes]:
     """One GET through the ASGI app itself (no server): its status and body."""
+    status, body, _ = await _get_with_headers(app, path, accept)
+    return status, body
+
+
+async def _get_with_headers(app: DebugApp, path: str, accept: str = "") -> tuple[int, bytes, dict[bytes, bytes]]:
+    """One GET through the ASGI app itself (no server): its status, body and headers."""
     sent: list[Mapping[str, object]] = []
 
     async def receive() -> dict[str, object]:
@@ -220,9 +226,9 @@ async def _get(app: DebugApp, path: str, accept: str = "") -> tuple[int, bytes]:
 
     headers = [(b"accept", accept.encode())] if accept else []
     await app({"type": "http", "method": "GET", "path": path, "headers": headers}, receive, send)
-    status, body = sent[0]["status"], sent[1]["body"]
-    assert isinstance(status, int) and isinstance(body, bytes)
-    return status, body
+    status, body, raw_headers = sent[0]["status"], sent[1]["body"], sent[0].get("headers", [])
+    assert isinstance(status, int) and isinstance(body, bytes) and isinstance(raw_headers, list)
+    return status, body, {bytes(k): bytes(v) for k, v in raw_headers}
 
 
 async def test_metrics_are_built_at_most_once_per_max_age(autojump_clock: trio.testing.MockClock) -> None:
@@ -241,6 +247,26 @@ async def test_metrics_are_built_at_most_once_per_max_age(autojump_clock: trio.t
     assert b"kvroute_probe_inflight 2.0" in (await _get(app, "/metrics"))[1]  # built again
     inflight[0] = 3.0
     assert b"kvroute_probe_inflight 2.0" in (await _get(app, "/metrics", openmetrics))[1]
+
+
+async def test_a_made_up_openmetrics_version_neither_grows_the_cache_nor_forces_a_build(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The cache was keyed by the content type, which carried the client's version: each made-up
+    version added an entry holding a whole exposition, and was built on the routing thread."""
+    sink = MetricsSink(MetricsConfig())
+    app = DebugApp(Sources(), sink, load_config(GOOD, {}))
+    content_types = set()
+    for i in range(200):
+        status, _, headers = await _get_with_headers(app, "/metrics", f"application/openmetrics-text; version=1.0.{i}")
+        assert status == 200
+        content_types.add(headers[b"content-type"])
+    assert content_types == {b"application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores"}
+    assert len(app._expositions) == 1
+    for version, escaping in (("2.7.1", "dots"), ("3.0.0", "values"), ("1.9", "bogus")):
+        await _get(app, "/metrics", f"application/openmetrics-text; version={version}; escaping={escaping}")
+    # 2.0.0 with dots, 2.0.0 with values; 1.9 with an unknown escaping is 1.0.0 with underscores again.
+    assert len(app._expositions) == 3
 
 
 async def test_debug_actors_and_decisions() -> None:
