@@ -8,6 +8,7 @@ TLS, and the master's HTTP client to an HTTPS server; each also fails the way it
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -38,7 +39,13 @@ from router.transport.clients import WorkerStatusClient
 from router.transport.errors import Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.master_http import HttpMasterTransport
-from router.transport.tls import channel_credentials, client_ssl_context, server_credentials, system_ca_bundle
+from router.transport.tls import (
+    MAX_SYSTEM_CA_BYTES,
+    channel_credentials,
+    client_ssl_context,
+    server_credentials,
+    system_ca_bundle,
+)
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
 from tests.test_master_http_limits import http_server
@@ -277,12 +284,31 @@ async def test_without_a_ca_the_channels_and_the_https_client_trust_the_same_sys
 
 
 async def test_without_a_readable_system_bundle_the_channels_fall_back_to_grpcs_roots(
-    pki: Pki, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    pki: Pki, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "missing.pem"))
-    assert system_ca_bundle() is None
+    with caplog.at_level(logging.WARNING, logger="router.transport.tls"):
+        assert system_ca_bundle() is None
+    assert "the gRPC channels check servers against grpc's own roots" in caplog.text
     upstream = UpstreamTlsConfig(cert=str(pki.client_cert), key=str(pki.client_key))
     with trio.fail_after(20):
         async with tls_worker(pki) as target:
             # Credentials all the same; grpc's default roots do not hold the throwaway CA.
             assert isinstance(await probe_through_pool(target, upstream), Unavailable)
+
+
+def test_a_system_bundle_past_its_bound_or_a_certificate_directory_is_said_not_silently_dropped(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bundle over the bound fell back to grpc's roots unsaid; a directory of certificates, which the
+    HTTPS client trusts, is not grpc's to take: both are logged."""
+    big = tmp_path / "big.pem"
+    big.write_bytes(pki.ca.read_bytes() + b"\n" * MAX_SYSTEM_CA_BYTES)
+    monkeypatch.setenv("SSL_CERT_FILE", str(big))
+    monkeypatch.setenv("SSL_CERT_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="router.transport.tls"):
+        assert system_ca_bundle() is None
+    assert f"larger than {MAX_SYSTEM_CA_BYTES} bytes" in caplog.text
+    assert "SSL_CERT_DIR=" in caplog.text and "HTTPS scheduler's only" in caplog.text
+    monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca))
+    assert system_ca_bundle() == pki.ca.read_bytes()

@@ -881,7 +881,7 @@ _SPECS: dict[str, _Spec] = {
     "upstream_tls.cert": _Spec(
         "PEM client certificate chain kvroute presents to KVCM, workers and the master (mTLS); "
         "without --upstream-tls-ca the system's CA bundle (OpenSSL's default file, or $SSL_CERT_FILE) checks the "
-        "servers, for gRPC and HTTPS alike",
+        "servers, for gRPC and HTTPS alike ($SSL_CERT_DIR: HTTPS only)",
         metavar="FILE",
     ),
     "upstream_tls.key": _Spec("PEM private key of --upstream-tls-cert", metavar="FILE", secret=True),

@@ -14,6 +14,8 @@ The builders read the files (blocking I/O: call them in a worker thread from tri
 
 from __future__ import annotations
 
+import logging
+import os
 import ssl
 from collections.abc import Callable
 
@@ -28,8 +30,12 @@ Unusable = Callable[[str], str | None]
 # Why a certificate and a key cannot be used together (None: they can); e.g. cert_key_problem.
 UnusablePair = Callable[[str, str], str | None]
 
+log = logging.getLogger(__name__)
+
 # PEM bundles are kilobytes; anything far larger is not one (and is not read into memory).
 MAX_PEM_BYTES = 1 << 20
+# The system's CA bundle holds every public root (some hundred kilobytes): read once, with more room.
+MAX_SYSTEM_CA_BYTES = 8 << 20
 _PEM_BEGIN = b"-----BEGIN "
 # A PKCS#8 encrypted key, and the traditional PEM encryption header.
 _ENCRYPTED_KEY_MARKERS = (b"ENCRYPTED PRIVATE KEY", b"Proc-Type: 4,ENCRYPTED")
@@ -176,18 +182,38 @@ def server_credentials(config: GrpcTlsConfig) -> grpc.ServerCredentials | None:
 
 def system_ca_bundle() -> bytes | None:
     """The system's CA bundle, as the HTTP clients' default SSL context trusts it: OpenSSL's default CA
-    file (``SSL_CERT_FILE`` when set). None when there is no readable one (no such file, or only a
-    directory of certificates), and grpc's own default roots stand in. Reads the file."""
-    path = ssl.get_default_verify_paths().cafile  # the environment's override first, None if no file
+    file (``SSL_CERT_FILE`` when set). None when there is no usable one (no such file, unreadable, or
+    past MAX_SYSTEM_CA_BYTES), and grpc's own default roots stand in: logged, since they are other
+    CAs. A directory of certificates (``SSL_CERT_DIR``) is the HTTPS client's alone: grpc takes one
+    bundle. Reads the file."""
+    paths = ssl.get_default_verify_paths()
+    if os.environ.get(paths.openssl_capath_env):
+        log.warning(
+            "%s=%s: its certificates check the HTTPS scheduler's only; the gRPC channels check the CA "
+            "file (give --upstream-tls-ca to check both against one bundle)",
+            paths.openssl_capath_env,
+            os.environ[paths.openssl_capath_env],
+        )
+    path = paths.cafile  # the environment's override first, None if no such file
     if path is None:
+        log.warning("no system CA file (%s): the gRPC channels check servers against grpc's own roots",
+                    paths.openssl_cafile)
         return None
     try:
         with open_regular_file(path) as file:
-            data = file.read(MAX_PEM_BYTES + 1)
-    except OSError:
+            data = file.read(MAX_SYSTEM_CA_BYTES + 1)
+    except OSError as exc:
+        log.warning("system CA file %s: %s: the gRPC channels check servers against grpc's own roots", path, exc)
         return None
     # Cut short, the bundle's last certificate would be broken: grpc's default is the lesser surprise.
-    return data if len(data) <= MAX_PEM_BYTES else None
+    if len(data) > MAX_SYSTEM_CA_BYTES:
+        log.warning(
+            "system CA file %s: larger than %d bytes: the gRPC channels check servers against grpc's own roots",
+            path,
+            MAX_SYSTEM_CA_BYTES,
+        )
+        return None
+    return data
 
 
 def channel_credentials(config: UpstreamTlsConfig) -> grpc.ChannelCredentials | None:
