@@ -25,9 +25,9 @@ Design (pure core, time passed in, memory bounded):
   ``limit`` stops the walk once that many are found — exactly the top ``limit``.
 
 :class:`ShadowIndexActor` owns an index: records arrive through a bounded inbox
-(``record_nowait``: never blocks, drops are counted) and are applied by its ``run`` task, which
-also wakes at the oldest record's expiry to drop it; ``match`` is a synchronous read (no await, so
-it is atomic on trio's thread).
+(``record_nowait``: never blocks, drops are counted) and are applied by its ``run`` task, whose
+child task wakes at the oldest record's expiry to drop it; ``match`` is a synchronous read (no
+await, so it is atomic on trio's thread).
 """
 
 from __future__ import annotations
@@ -336,8 +336,9 @@ class _Recorded:
 class ShadowIndexActor:
     """Owns a ShadowIndex: records in through a bounded inbox, matches read synchronously.
 
-    Only the ``run`` task mutates the index. ``match`` and ``health`` never await, so on
-    trio's single thread they read a consistent index between two applied records.
+    Only the ``run`` task and its expiry task mutate the index, each between two awaits. ``match``
+    and ``health`` never await, so on trio's single thread they read a consistent index between two
+    applied records.
     """
 
     def __init__(self, config: ShadowConfig) -> None:
@@ -347,37 +348,45 @@ class ShadowIndexActor:
         self._inbox_size = config.inbox_size
         self._applied = 0
         self._dropped = 0
+        self._filled = trio.Event()  # set when a record goes into an empty index
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply records as they arrive, and drop each as it expires, until cancelled."""
-        task_status.started()
-        while True:
-            received: _Recorded | None = None
-            # Woken at the oldest record's expiry too: with no traffic, expired records would otherwise
-            # stay in memory (and in the health's counts) until the next record.
-            with trio.move_on_at(self.index.next_expiry()):
-                try:
-                    received = await self._receive.receive()
-                except trio.EndOfChannel:
-                    return
-            if received is None:
-                now = trio.current_time()
-                while self.index.tidy(now, TIDY_STEP):  # a step per scheduling round, as below
-                    await trio.lowlevel.checkpoint()
-                continue
-            message = received
-            self.index.record(message.worker, message.keys, message.now)
-            self._applied += 1
-            # Apply what else is queued now: a receive of a queued record still yields once each.
-            for _ in range(_DRAIN_BATCH):
-                try:
-                    message = self._receive.receive_nowait()
-                except trio.WouldBlock:
-                    break
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._expire_when_due)
+            task_status.started()
+            async for message in self._receive:
+                was_empty = not self.index.records
                 self.index.record(message.worker, message.keys, message.now)
                 self._applied += 1
-            # What the records left to drop, a step per scheduling round: requests run in between.
-            while self.index.tidy(message.now, TIDY_STEP):
+                # Apply what else is queued now: a receive of a queued record still yields once each.
+                for _ in range(_DRAIN_BATCH):
+                    try:
+                        message = self._receive.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    self.index.record(message.worker, message.keys, message.now)
+                    self._applied += 1
+                if was_empty and self.index.records:
+                    # Records come in the order of their times (each is queued at its decision's), so
+                    # the oldest record's expiry gets earlier only from none to one: wake the expiry task.
+                    self._filled.set()
+                # What the records left to drop, a step per scheduling round: requests run in between.
+                while self.index.tidy(message.now, TIDY_STEP):
+                    await trio.lowlevel.checkpoint()
+            nursery.cancel_scope.cancel()
+
+    async def _expire_when_due(self) -> None:
+        """Drop records as they expire, waking at the oldest one's expiry (or when an empty index gets
+        one): with no traffic, expired records would otherwise stay in memory (and in the health's
+        counts) until the next record. Its own task, so that a receive of a record enters no cancel
+        scope."""
+        while True:
+            with trio.move_on_at(self.index.next_expiry()):
+                await self._filled.wait()
+            self._filled = trio.Event()
+            now = trio.current_time()
+            while self.index.tidy(now, TIDY_STEP):  # a step per scheduling round, as the owner's
                 await trio.lowlevel.checkpoint()
 
     def record_nowait(self, worker: str, keys: Sequence[int], now: float) -> bool:

@@ -281,6 +281,25 @@ async def test_the_owner_drops_records_as_they_expire_without_traffic(autojump_c
         nursery.cancel_scope.cancel()
 
 
+async def test_a_record_into_an_empty_index_wakes_the_owner_at_its_expiry(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The owner's expiry task sleeps until the oldest record's expiry, and with none, for good: a record
+    into an empty index is the one way that expiry gets earlier, and must wake it to sleep until it."""
+    actor = ShadowIndexActor(ShadowConfig(ttl_s=10.0, inbox_size=8))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        for _ in range(2):  # and again, once it has emptied the index
+            await trio.sleep(100.0)  # idle, empty: the expiry task sleeps with no deadline
+            start = trio.current_time()
+            assert actor.record_nowait(W1, PROMPT[:4], now=start)
+            await trio.sleep_until(start + 10.0)
+            assert actor.health().records == 1
+            await trio.sleep_until(start + 10.001)
+            assert (actor.health().records, actor.health().blocks) == (0, 0)
+        nursery.cancel_scope.cancel()
+
+
 def test_bad_configuration_names_every_field() -> None:
     with pytest.raises(ValueError, match=r"ttl_s.*capacity_blocks"):
         ShadowIndex(0.0, 0)
