@@ -26,7 +26,7 @@ import os
 import stat
 import struct
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO
 
@@ -337,7 +337,7 @@ def unusable_log_path(path: str) -> str | None:
     return None
 
 
-def read_frames(path: str) -> Iterator[Frame]:
+def read_frames(path: str) -> Generator[Frame, None, None]:
     """Every frame of one log file, in order, read a frame at a time (a file is never held whole).
     Raises :class:`LogFormatError` naming the byte offset of the first thing that is not a whole,
     intact frame (truncation, a bad checksum, non-JSON); :class:`TornTail` when that is the file's end."""

@@ -57,7 +57,9 @@ from router.decision_record import (
     KIND_DECISION,
     KIND_FLEET,
     KIND_HEADER,
+    MAGIC,
     READABLE_VERSIONS,
+    Frame,
     LogFormatError,
     TornTail,
     decision_fields,
@@ -235,18 +237,20 @@ class LogReader:
     """The decisions of log files, read as they are taken from :meth:`cases`, a frame at a time: a log
     set is never held whole (a replay needs one decision at a time).
 
-    Made, it reads up to the first file's header, whose settings a replay is configured from
-    (``settings``, ``digest``, ``seed``). Raises LogFormatError naming the file and byte offset, when
-    made or when :meth:`cases` reaches it; a file that ends inside a frame is read up to it, and the
-    tear given to ``on_torn`` and kept in ``torn``."""
+    Made, it reads every file's header and no further: the first one's settings configure a replay
+    (``settings``, ``digest``, ``seed``), and a file that cannot be opened, has no header, or has one
+    of a version this kvroute does not read or of another configuration is refused then, before any
+    decision. Raises LogFormatError naming the file and byte offset, when made or when :meth:`cases`
+    reaches it; a file that ends inside a frame is read up to it, and the tear given to ``on_torn``
+    and kept in ``torn``."""
 
     def __init__(self, paths: Sequence[str], on_torn: Callable[[TornTail], None] | None = None) -> None:
         self.torn: list[TornTail] = []
         self._on_torn = on_torn
-        self._items = self._read(tuple(paths))
-        first = next(self._items, _Header({}, "", 0))  # no paths: no header, no decision
-        assert isinstance(first, _Header)  # every file starts with one, or _read raised
+        paths = tuple(paths)
+        first = _check_headers(paths) or _Header({}, "", 0)  # no paths: no header, no decision
         self.settings, self.digest, self.seed = first.settings, first.digest, first.seed
+        self._items = self._read(paths)
 
     def cases(self) -> Iterator[Case]:
         """Every decision of the files, in order, each read when it is taken (once: the files are read
@@ -276,19 +280,12 @@ class LogReader:
                     break
                 try:
                     if frame.kind == KIND_HEADER:
-                        header = _header(frame.payload)
-                        if header is None:
-                            raise LogFormatError(
-                                path, frame.offset, f"header format version {frame.payload.get('v')!r}"
-                            )
-                        if digest is not None and header.digest != digest:
-                            why = "recorded with another configuration than the files before"
-                            raise LogFormatError(path, frame.offset, why)
+                        header = _checked_header(path, frame, digest)
                         digest = header.digest
                         seen_header = True
                         item: _Header | Case = header
                     elif not seen_header:
-                        raise LogFormatError(path, frame.offset, "a frame before the header")
+                        raise LogFormatError(path, frame.offset, _BEFORE_THE_HEADER)
                     elif frame.kind == KIND_FLEET:
                         last_fleet = fleets[int(frame.payload["f"])] = decode_fleet(frame.payload)
                         continue
@@ -303,7 +300,46 @@ class LogReader:
                     raise LogFormatError(path, frame.offset, why) from None
                 yield item
             if not seen_header:
-                raise LogFormatError(path, 8, "no header frame")
+                raise LogFormatError(path, len(MAGIC), _NO_HEADER)
+
+
+_BEFORE_THE_HEADER = "a frame before the header"
+_NO_HEADER = "no header frame"
+
+
+def _check_headers(paths: tuple[str, ...]) -> _Header | None:
+    """The first file's header, each file's read (its magic and first frame, no further) and checked as
+    :meth:`LogReader._read` checks it when it gets there: what one read finds is refused before any
+    decision replays, not after every earlier file's. None with no paths."""
+    first: _Header | None = None
+    for path in paths:
+        frames = read_frames(path)
+        try:
+            frame = next(frames, None)
+        finally:
+            frames.close()
+        if frame is None:
+            raise LogFormatError(path, len(MAGIC), _NO_HEADER)
+        if frame.kind != KIND_HEADER:
+            raise LogFormatError(path, frame.offset, _BEFORE_THE_HEADER)
+        header = _checked_header(path, frame, None if first is None else first.digest)
+        first = first or header
+    return first
+
+
+def _checked_header(path: str, frame: Frame, digest: str | None) -> _Header:
+    """A header frame's settings, refused when its version is not one this kvroute reads or its digest is
+    not ``digest`` (the files before's; None: the first file)."""
+    try:
+        header = _header(frame.payload)
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:  # (a huge number)
+        why = f"malformed frame payload ({type(exc).__name__}: {exc})"
+        raise LogFormatError(path, frame.offset, why) from None
+    if header is None:
+        raise LogFormatError(path, frame.offset, f"header format version {frame.payload.get('v')!r}")
+    if digest is not None and header.digest != digest:
+        raise LogFormatError(path, frame.offset, "recorded with another configuration than the files before")
+    return header
 
 
 def _header(payload: Mapping[str, Any]) -> _Header | None:

@@ -4,8 +4,10 @@ Exit status: 0 when every decision replays identically, 1 when some differ, 2 wh
 read or a ``--router-setting`` is not valid. With ``--router-setting NAME=VALUE`` (a what-if) it
 reports how the decisions change under those settings and exits 0 once the report is printed.
 
-The files are read as their decisions are replayed, one at a time (a log set held whole takes many
-times its size): a fault found partway stops the replay there, after the decisions before it.
+Every file's header is read and checked first: a file that cannot be opened, has no header, or one
+of another version or configuration is refused before any replay. The decisions are read as they
+are replayed, one at a time (a log set held whole takes many times its size): a fault found partway
+stops the replay there, after the decisions before it.
 """
 
 from __future__ import annotations

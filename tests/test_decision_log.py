@@ -653,6 +653,51 @@ def test_the_replay_command_reads_each_decision_as_it_replays_it(
     assert f"replay stopped there, after {len(ids)} decisions" in captured.err
 
 
+def test_a_later_file_that_one_read_finds_unreadable_is_refused_before_any_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Read as they replay, the files' faults were found only when every earlier file had replayed,
+    even those their first frame shows (a wrong path, no header, a header of another version or
+    configuration), which were refused at once when the files were read whole. Each file's header is
+    read and checked before the first decision replays."""
+    first = tmp_path / "decisions.log.1"
+    on_mock_clock(record_cache_run, first)
+    frames = list(parse_frames(str(first), first.read_bytes()))
+    header = frames[0]
+    assert header.kind == KIND_HEADER
+
+    def written(name: str, data: bytes) -> Path:
+        path = tmp_path / name
+        path.write_bytes(data)
+        return path
+
+    def with_header(**changed: Any) -> bytes:
+        rest = b"".join(frame(f.kind, f.payload) for f in frames[1:])
+        return MAGIC + frame(KIND_HEADER, {**header.payload, **changed}) + rest
+
+    later = {
+        "cannot read the file": tmp_path / "missing.log",
+        f"byte offset {len(MAGIC)}: no header frame": written("empty.log", MAGIC),
+        f"byte offset {len(MAGIC)}: a frame before the header": written(
+            "headless.log", MAGIC + b"".join(frame(f.kind, f.payload) for f in frames[1:])
+        ),
+        f"byte offset {len(MAGIC)}: recorded with another configuration": written(
+            "other.log", with_header(digest="another")
+        ),
+        f"byte offset {len(MAGIC) - 1}: format version 99": written(
+            "future.log", MAGIC[:-1] + bytes([99]) + with_header()[len(MAGIC) :]
+        ),
+        f"byte offset {len(MAGIC)}: header format version 99": written("future-header.log", with_header(v=99)),
+    }
+    for why, path in later.items():
+        with pytest.raises(LogFormatError, match=why):
+            LogReader([str(first), str(path)])
+        assert main(["replay", str(first), str(path)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""  # no decision replayed
+        assert f"{path}: " in captured.err and why in captured.err
+
+
 def test_logs_of_processes_that_differ_only_in_where_they_log_replay_together(tmp_path: Path) -> None:
     """The digest covered every setting: the logs of two --processes children (each its own
     PATH.p<i>) were refused together as "recorded with another configuration"."""
