@@ -7,7 +7,8 @@ reports how the decisions change under those settings and exits 0 once the repor
 Every file's header is read and checked first: a file that cannot be opened, has no header, or one
 of another version or configuration is refused before any replay. The decisions are read as they
 are replayed, one at a time (a log set held whole takes many times its size): a fault found partway
-stops the replay there, after the decisions before it.
+stops the replay there, after the decisions before it, whose summary (the what-if's too) is printed,
+said to cover them; it exits 2.
 """
 
 from __future__ import annotations
@@ -82,20 +83,28 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"different {shown(case.request_id)} ({case.path} @{case.offset}): {difference(outcome)}")
     except LogFormatError as exc:
+        if what_if.total:  # what the decisions before it came to is known: said, not lost with the fault
+            _summary(overrides, what_if, identical, of=" (the decisions before the fault)")
         print(f"kvroute replay: {exc} (replay stopped there, after {what_if.total} decisions)", file=sys.stderr)
         return 2
+    _summary(overrides, what_if, identical)
+    if overrides:
+        return 0
+    return 0 if identical == what_if.total else 1
+
+
+def _summary(overrides: dict[str, str], what_if: WhatIf, identical: int, of: str = "") -> None:
+    """The what-if's report (with ``overrides``) and the count of identical decisions; ``of`` says which
+    decisions they cover when not every one."""
     total = what_if.total
     if overrides:
         changes = ", ".join(f"{k}={v}" for k, v in overrides.items())
-        print(f"what-if {changes}: {what_if.changed} of {total} decisions change")
+        print(f"what-if {changes}: {what_if.changed} of {total} decisions change{of}")
         for (before, after), n in sorted(what_if.transitions.items(), key=lambda item: -item[1]):
             print(f"  {n} x {before} -> {after}")
         print(f"  workers changed: {what_if.workers_changed}")
         print(f"  predicted hit tokens: {what_if.hit_delta:+d}; chosen worker's work tokens: {what_if.work_delta:+d}")
-    print(f"{identical} of {total} decisions identical")
-    if overrides:
-        return 0
-    return 0 if identical == total else 1
+    print(f"{identical} of {total} decisions identical{of}")
 
 
 def _warn_torn(tail: TornTail) -> None:

@@ -648,8 +648,18 @@ def test_the_replay_command_reads_each_decision_as_it_replays_it(
 
     assert main(["replay", str(first), str(second)]) == 2
     captured = capsys.readouterr()
-    assert captured.out.splitlines() == [f"identical {i}" for i in ids]
+    before_the_fault = f"{len(ids)} of {len(ids)} decisions identical (the decisions before the fault)"
+    assert captured.out.splitlines() == [*(f"identical {i}" for i in ids), before_the_fault]
     assert f"{second}: byte offset {fault}" in captured.err
+    assert f"replay stopped there, after {len(ids)} decisions" in captured.err
+    # A what-if stopped by the fault reports what the decisions before it came to: it printed nothing
+    # but the errors, though they were counted.
+    setting = "scorer_max_extra_work_tokens=100000"
+    assert main(["replay", "--quiet", str(first), str(second), "--router-setting", setting]) == 2
+    captured = capsys.readouterr()
+    assert f"what-if {setting}: " in captured.out
+    assert f" of {len(ids)} decisions change (the decisions before the fault)" in captured.out
+    assert f" of {len(ids)} decisions identical (the decisions before the fault)" in captured.out.splitlines()[-1]
     assert f"replay stopped there, after {len(ids)} decisions" in captured.err
 
 
