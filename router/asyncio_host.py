@@ -19,8 +19,8 @@ many calls handed to the trio thread and not yet answered as the learnt in-fligh
 the caller's loop with one of the router's published ``overloaded`` answers, and counted and recorded
 on the trio thread afterwards, in batches. Under a burst of calls the hand-offs would otherwise queue
 on the trio thread and every answer would come after its deadline. A call naming roles, or one the
-router will refuse (its fields, sizes, shape, geometry or ids wrong: ``sheddable``), always goes to
-the router.
+router will refuse (its fields, sizes, shape, geometry, roles or ids wrong: ``sheddable``), always goes
+to the router.
 
 Bridge: each call is handed to trio with ``TrioToken.run_sync_soon``, runs as a task in the host's
 call nursery, and completes an asyncio future with ``loop.call_soon_threadsafe``. The call's budget
@@ -248,7 +248,7 @@ class AsyncioRouterHost:
             # As the router admits: a call with nothing left is its to answer (reason deadline), unless
             # there is no place to hand it to. One the router refuses (an id that is no 64-bit
             # integer) is handed over all the same, to be told so.
-            tokens = sheddable(request, self._config.deployment.block_size, self._config.limits)
+            tokens = sheddable(request, self._config.deployment, self._config.limits)
             if tokens is not None:
                 return self._shed(request, published, left_s, sent_at, tokens)
             self._gate.hand_off_anyway()
@@ -287,11 +287,11 @@ class AsyncioRouterHost:
     def _time_left(self, request: RouteRequest, remaining_s: float | None) -> tuple[float, float | None]:
         """The request's own routing time, min(budget, cap) (the cap for one the router will refuse),
         and what the router will have for it: that and the caller's time less the reply margin, in
-        seconds from now. None: the router will refuse it (its fields, sizes or shape are wrong),
-        which it must be told, not shed."""
+        seconds from now. None: the router will refuse it (its fields, sizes, shape, geometry or roles
+        are wrong), which it must be told, not shed."""
         router = self._config.router
         try:
-            check_admissible(request, self._config.deployment.block_size, self._config.limits)
+            check_admissible(request, self._config.deployment, self._config.limits)
         except BadRequest:
             return router.budget_cap_ms / 1000.0, None
         routing_s = budget_deadline(request.budget_ms, 0.0, router.budget_cap_ms)

@@ -173,11 +173,21 @@ def check_shape(request_id: str, *, has_tokens: bool, has_keys: bool) -> None:
         raise BadRequest("token_ids", "give exactly one of token_ids or block_cache_keys")
 
 
-def check_admissible(request: RouteRequest, deployment_block_size: int, limits: LimitsConfig) -> tuple[int, int]:
+@dataclass(frozen=True, slots=True)
+class Admissible:
+    """What the checks made before a shed found: the block size, the prompt's length, and the roles."""
+
+    block_size: int
+    seq_len: int
+    roles: tuple[Role, ...]  # the prefill-capable roles the pick may take
+    companions: tuple[Role, ...]  # roles that get one more address each (decode, vit)
+
+
+def check_admissible(request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig) -> Admissible:
     """The checks made before a request may be answered ``overloaded`` (pure, O(1)): its fields' types,
-    its sizes against ``limits``, its shape and its geometry (``check_geometry``, whose block size and
-    prompt length it returns). Raise BadRequest naming the field: a malformed request is told so, even
-    under overload."""
+    its sizes against ``limits``, its shape, its geometry (``check_geometry``) and its roles
+    (``check_roles``). Raise BadRequest naming the field: a malformed request is told so, even under
+    overload."""
     check_fields(request)
     n_tokens = None if request.token_ids is None else len(request.token_ids)
     n_keys = None if request.block_cache_keys is None else len(request.block_cache_keys)
@@ -189,14 +199,30 @@ def check_admissible(request: RouteRequest, deployment_block_size: int, limits: 
         n_roles=0 if request.roles is None else len(request.roles),
     )
     check_shape(request.request_id, has_tokens=n_tokens is not None, has_keys=n_keys is not None)
-    return check_geometry(
+    block_size, seq_len = check_geometry(
         n_tokens=n_tokens,
         n_keys=n_keys,
         block_size=request.block_size,
         seq_len=request.seq_len,
-        deployment_block_size=deployment_block_size,
+        deployment_block_size=deployment.block_size,
         limits=limits,
     )
+    roles, companions = check_roles(request.roles, deployment.roles)
+    return Admissible(block_size=block_size, seq_len=seq_len, roles=roles, companions=companions)
+
+
+def check_roles(roles: Sequence[Role] | None, routed: Sequence[Role]) -> tuple[tuple[Role, ...], tuple[Role, ...]]:
+    """The prefill-capable and the companion roles a request names (the deployment's ``routed`` ones
+    when it names none), each once and in order (pure, O(max_roles): ``roles``' type and count already
+    checked). Every one must be routed here, and one prefill-capable. Raise BadRequest("roles")."""
+    named = tuple(routed) if not roles else tuple(dict.fromkeys(roles))  # each role once
+    foreign = [r.value for r in named if r not in routed]
+    if foreign:
+        raise BadRequest("roles", f"{','.join(foreign)} not routed by this deployment ({_names(routed)})")
+    prefill, companions = _role_parts(named)
+    if not prefill:
+        raise BadRequest("roles", "name a prefill-capable role (PREFILL or PDFUSION) beside any companion role")
+    return prefill, companions
 
 
 def check_geometry(
@@ -297,14 +323,7 @@ def check_request(
     seq_len, when given, must be the prompt's length: with token ids, their count; with keys, at
     least the tokens the keys' blocks cover; never more than ``max_prompt_tokens``.
     """
-    block_size, seq_len = check_admissible(request, deployment.block_size, limits)
-    roles = deployment.roles if not request.roles else tuple(dict.fromkeys(request.roles))  # each role once
-    foreign = [r.value for r in roles if r not in deployment.roles]
-    if foreign:
-        raise BadRequest("roles", f"{','.join(foreign)} not routed by this deployment ({_names(deployment.roles)})")
-    prefill_roles, companions = _role_parts(roles)
-    if not prefill_roles:
-        raise BadRequest("roles", "name a prefill-capable role (PREFILL or PDFUSION) beside any companion role")
+    admissible = check_admissible(request, deployment, limits)
     tokens: Sequence[int] = ()
     ids_to_check: Sequence[int] = ()
     keys: tuple[int, ...] = ()
@@ -322,22 +341,23 @@ def check_request(
         ids_to_check=ids_to_check,
         tokens=tokens,
         keys=keys,
-        block_size=block_size,
-        seq_len=seq_len,
-        roles=prefill_roles,
-        companions=companions,
+        block_size=admissible.block_size,
+        seq_len=admissible.seq_len,
+        roles=admissible.roles,
+        companions=admissible.companions,
         family=deployment.key_family,
         lookahead=deployment.lookahead_tokens,
     )
 
 
-def sheddable(request: RouteRequest, deployment_block_size: int, limits: LimitsConfig) -> int | None:
+def sheddable(request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig) -> int | None:
     """The prompt's length (what a shed charges its worker) when ``request`` may be answered
     ``overloaded``; None when the router would refuse it from its fields alone, so a malformed request
-    is told so even under overload (pure). Its admissible fields (``check_admissible``, O(1)) and each
-    token id and key a 64-bit integer (O(n), in C: a prompt of 262,144 ids about 3 ms)."""
+    is told so even under overload (pure). Its admissible fields (``check_admissible``, O(1), its roles
+    among them) and each token id and key a 64-bit integer (O(n), in C: a prompt of 262,144 ids about
+    3 ms)."""
     try:
-        _, seq_len = check_admissible(request, deployment_block_size, limits)
+        seq_len = check_admissible(request, deployment, limits).seq_len
     except BadRequest:
         return None
     if all(ids is None or _all_int64(ids) for ids in (request.token_ids, request.block_cache_keys)):

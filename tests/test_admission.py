@@ -19,7 +19,7 @@ from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, Rout
 from router.keys import block_keys
 from router.request import key_slices
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import KeyFamily, Reason, RouteRequest, RouteSource, Stage
+from router.types import KeyFamily, Reason, Role, RouteRequest, RouteSource, Stage
 
 BLOCK = 16
 PROMPT = tuple(range(4 * BLOCK))
@@ -76,6 +76,34 @@ async def test_a_saturated_loop_sheds_at_admission_and_recovers(autojump_clock: 
         again = await handle.route(RouteRequest("again", token_ids=PROMPT, budget_ms=8))
         assert again.reason is not Reason.OVERLOADED
         assert handle.router_actor().health().admission.lag_s < 0.001
+
+
+async def test_a_request_naming_roles_not_routed_here_is_refused_not_shed_under_lag(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The roles were checked only once a request was admitted: under overload a role this deployment
+    does not route was dropped from the shed's roles, and the request got a worker (domain/overloaded,
+    charged) where at normal load it is refused, naming the field."""
+    network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_interval_ms=5.0))
+    assert config.deployment.roles == (Role.PREFILL,)
+    foreign = [(Role.DECODE,), (Role.VIT,), (Role.PREFILL, Role.VIT)]
+    async with open_router(config, rpc=network) as handle:
+        await trio.sleep(0.1)
+        for _ in range(40):  # the loop runs 30 ms late at every turn: a stall with no checkpoint
+            autojump_clock.jump(0.030)
+            await trio.sleep(0.005)
+        router = handle.router_actor()
+        assert router.health().admission.lag_s > 0.010
+        shed = await handle.route(RouteRequest("shed", token_ids=PROMPT, budget_ms=8, roles=(Role.PREFILL,)))
+        assert shed.reason is Reason.OVERLOADED  # a budget the lag does not cover is shed
+        overloaded = router.health().overloaded
+        for roles in foreign:
+            request = RouteRequest(f"foreign-{roles[-1].value}", token_ids=PROMPT, budget_ms=8, roles=roles)
+            decision = await handle.route(request)
+            assert decision.reason is Reason.BAD_REQUEST, (roles, decision.reason)
+            assert decision.error is not None and decision.error.startswith("roles:"), decision.error
+            assert roles[-1].value in decision.error
+        assert router.health().overloaded == overloaded
 
 
 def test_an_own_time_above_every_budget_ages_while_everything_is_shed() -> None:

@@ -25,7 +25,9 @@ from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LimitsConfig, RouterConfig
 from router.keys import block_key_slices, block_keys, join_slices
 from router.request import (
+    check_admissible,
     check_request,
+    check_roles,
     is_sliced,
     key_slices,
     prepare_request,
@@ -386,10 +388,44 @@ def test_a_shed_request_is_charged_the_length_its_checks_gave_it_in_both_forms(
     """The prompt's length comes from the same checks that decide a request may be shed, read alike
     from the router's request and the sidecar's message without converting it; a request they refuse
     is not shed at all."""
-    assert sheddable(RouteRequest("r", **fields), BLOCK, LIMITS) == tokens
+    assert sheddable(RouteRequest("r", **fields), DEPLOYMENT, LIMITS) == tokens
     message = router_v1_pb2.RouteRequest(request_id="r", **{k: v for k, v in fields.items()})
     if tokens is None:
         with pytest.raises(BadRequest):
             check_proto_bounds(message, LIMITS, BLOCK)
     else:
         assert check_proto_bounds(message, LIMITS, BLOCK) == tokens
+
+
+@pytest.mark.parametrize(
+    "roles",
+    [(Role.DECODE,), (Role.VIT,), (Role.PREFILL, Role.VIT), (Role.DECODE, Role.PDFUSION)],
+)
+def test_a_request_naming_a_role_not_routed_here_is_not_sheddable(roles: tuple[Role, ...]) -> None:
+    """The roles are among the checks made before a shed, with the rule the router's own check applies:
+    under overload a role the deployment does not route was dropped from the answer and the request
+    given a worker, where at normal load it is refused."""
+    request = RouteRequest("r", token_ids=tuple(range(40)), roles=roles)
+    assert sheddable(request, DEPLOYMENT, LIMITS) is None
+    with pytest.raises(BadRequest) as admissible:
+        check_admissible(request, DEPLOYMENT, LIMITS)
+    with pytest.raises(BadRequest) as checked:
+        check_request(request, DEPLOYMENT, LIMITS)
+    assert admissible.value.field_name == checked.value.field_name == "roles"
+    assert str(admissible.value) == str(checked.value)
+
+
+def test_the_roles_a_request_may_name() -> None:
+    routed = (Role.PREFILL, Role.PDFUSION, Role.DECODE)
+    assert check_roles(None, routed) == ((Role.PREFILL, Role.PDFUSION), (Role.DECODE,))
+    assert check_roles((), routed) == ((Role.PREFILL, Role.PDFUSION), (Role.DECODE,))  # none named: the deployment's
+    assert check_roles((Role.DECODE, Role.PDFUSION, Role.PDFUSION), routed) == ((Role.PDFUSION,), (Role.DECODE,))
+    for roles in [(Role.DECODE,), (Role.VIT, Role.PREFILL)]:  # no prefill-capable one; one not routed
+        with pytest.raises(BadRequest) as refused:
+            check_roles(roles, routed)
+        assert refused.value.field_name == "roles"
+    with pytest.raises(BadRequest, match="name a prefill-capable role"):
+        check_roles(None, (Role.DECODE,))
+    deployment = DeploymentConfig(block_size=BLOCK, roles=routed)
+    request = RouteRequest("r", token_ids=tuple(range(40)), roles=(Role.DECODE, Role.PREFILL))
+    assert sheddable(request, deployment, LIMITS) == 40

@@ -1362,13 +1362,15 @@ async def test_an_overloaded_answer_is_charged_to_the_worker_it_names(autojump_c
 async def test_a_request_its_checks_refuse_is_refused_not_shed_under_overload(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Only the fields' types were checked before a shed: under overload a seq_len past the limit, or
-    a key beyond 64 bits, got a worker (domain/overloaded) where at normal load it is refused."""
+    """Only the fields' types were checked before a shed: under overload a seq_len past the limit, a
+    key beyond 64 bits or a role the deployment does not route got a worker (domain/overloaded) where
+    at normal load it is refused."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     bad = [
         RouteRequest("long-seq", token_ids=PROMPT, seq_len=10**9, budget_ms=50),
         RouteRequest("wide-key", block_cache_keys=(1, 2**70), budget_ms=50),
         RouteRequest("foreign-size", token_ids=PROMPT, block_size=2 * BLOCK, budget_ms=50),
+        RouteRequest("foreign-role", token_ids=PROMPT, roles=(Role.PREFILL, Role.DECODE), budget_ms=50),
     ]
     async with routed(cluster, max_in_flight=1) as (handle, _, _):
         decisions: list[RouteDecision] = []
@@ -1381,21 +1383,22 @@ async def test_a_request_its_checks_refuse_is_refused_not_shed_under_overload(
             for request in bad * 3:
                 callers.start_soon(one, request)
         refused = [d for d in decisions if d.request_id != "takes-the-place"]
-        assert len(refused) == 9
+        assert len(refused) == 12
         assert all(d.reason is Reason.BAD_REQUEST for d in refused), [
             (d.request_id, d.reason) for d in refused
         ]
 
 
 def test_only_a_request_its_checks_pass_is_sheddable() -> None:
-    limits, size = LimitsConfig(), BLOCK
-    assert sheddable(RouteRequest("ok", token_ids=PROMPT), size, limits) == len(PROMPT)
-    assert sheddable(RouteRequest("ok-keys", block_cache_keys=(1, 2, 3), seq_len=48), size, limits) == 48
-    assert sheddable(RouteRequest("seq", token_ids=PROMPT, seq_len=10**9), size, limits) is None
-    assert sheddable(RouteRequest("size", token_ids=PROMPT, block_size=2 * size), size, limits) is None
-    assert sheddable(RouteRequest("wide", block_cache_keys=(1, 2**70)), size, limits) is None
-    assert sheddable(RouteRequest("str", token_ids=("a", "b")), size, limits) is None  # type: ignore[arg-type]
-    assert sheddable(RouteRequest("both", token_ids=PROMPT, block_cache_keys=(1,)), size, limits) is None
+    limits, deployment = LimitsConfig(), DeploymentConfig(block_size=BLOCK)
+    assert sheddable(RouteRequest("ok", token_ids=PROMPT), deployment, limits) == len(PROMPT)
+    assert sheddable(RouteRequest("ok-keys", block_cache_keys=(1, 2, 3), seq_len=48), deployment, limits) == 48
+    assert sheddable(RouteRequest("seq", token_ids=PROMPT, seq_len=10**9), deployment, limits) is None
+    assert sheddable(RouteRequest("size", token_ids=PROMPT, block_size=2 * BLOCK), deployment, limits) is None
+    assert sheddable(RouteRequest("wide", block_cache_keys=(1, 2**70)), deployment, limits) is None
+    assert sheddable(RouteRequest("str", token_ids=("a", "b")), deployment, limits) is None  # type: ignore[arg-type]
+    assert sheddable(RouteRequest("both", token_ids=PROMPT, block_cache_keys=(1,)), deployment, limits) is None
+    assert sheddable(RouteRequest("decode", token_ids=PROMPT, roles=(Role.DECODE,)), deployment, limits) is None
 
 
 @pytest.mark.parametrize("slice_ms", [0.3, 1.5])

@@ -749,6 +749,41 @@ async def test_a_request_the_router_would_refuse_is_refused_when_it_would_be_she
             assert r.sidecar.stats().shed_at_receipt == 0
 
 
+async def test_a_call_naming_a_role_not_routed_here_is_refused_when_the_router_would_shed_it(
+    nursery: trio.Nursery,
+) -> None:
+    """A call naming roles goes to the router, whose shed checked no roles: with its one place taken,
+    a role this deployment does not route got a worker (domain/overloaded), where at normal load it is
+    INVALID_ARGUMENT naming roles."""
+    with trio.fail_after(30):
+        async with rig(nursery, router=dataclasses.replace(HOLDING, max_in_flight=1)) as r:
+            leader = r.cluster.kvcm.leader
+            assert leader is not None
+            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+            kvcm = r.cluster.kvcm.stats(leader)
+            call = r.channel.unary_unary(
+                ROUTER_ROUTE,
+                request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
+                response_deserializer=router_v1_pb2.RouteDecision.FromString,
+            )
+            holding: grpc.Future[router_v1_pb2.RouteDecision] = call.future(_slow_request("holds"), timeout=HOLD_S)
+            try:
+                assert await _in_thread(lambda: kvcm.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 1, 10.0))
+                named = router_v1_pb2.RouteRequest(request_id="named", token_ids=PROMPT, budget_ms=600)
+                named.roles.append("PREFILL")
+                shed = await _in_thread(lambda: r.route(named))
+                assert isinstance(shed, router_v1_pb2.RouteDecision), shed
+                assert shed.reason == "overloaded"  # the router's one place is taken
+                foreign = router_v1_pb2.RouteRequest(request_id="foreign", token_ids=PROMPT, budget_ms=600)
+                foreign.roles.extend(["PREFILL", "DECODE"])
+                outcome = await _in_thread(lambda: r.route(foreign))
+                assert _status(outcome) is grpc.StatusCode.INVALID_ARGUMENT
+                assert _details(outcome).startswith("roles: DECODE not routed"), _details(outcome)
+            finally:
+                r.cluster.kvcm.clear_faults()  # the router decides, and the held call is answered
+            assert isinstance(await _in_thread(holding.result), router_v1_pb2.RouteDecision)
+
+
 async def test_a_call_shed_at_receipt_is_answered_counted_and_logged(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
