@@ -224,7 +224,8 @@ class RouterConfig:
     admission_duty_floor: float = bounded(1 / 32, 0, 1, low_open=True)
     # How often the routing loop's lag is measured (a timer's lateness), in ms.
     lag_probe_interval_ms: float = bounded(10.0, 0, 10_000, low_open=True)
-    # Route to workers known to be unreachable rather than answer no_candidates (and stay ready).
+    # Route to workers known to be unreachable rather than answer no_candidates (and stay ready); the
+    # request's roles still hold unless no worker may serve them.
     route_blind: bool = False
     # A prompt KVCM says nobody holds, and the shadow index neither: score the cold set by load
     # (the less loaded of a few) instead of the domain's draw (docs/design.md §4 has the demo runs).

@@ -24,8 +24,11 @@ BLOCK = 16
 ROLES = {Role.PREFILL: "RoleType.PREFILL", Role.PDFUSION: "RoleType.PDFUSION", Role.DECODE: "RoleType.DECODE"}
 
 
-def _route_all(fleet: list[Role], deployment: tuple[Role, ...], seed: int) -> list[tuple[Role | None, Role | None]]:
-    """(reported role of the chosen worker, label in the answer) for domain answers after start-up."""
+def _route_all(
+    fleet: list[Role], deployment: tuple[Role, ...], seed: int, *, route_blind: bool = False, unreachable: int = 0
+) -> list[tuple[Role | None, Role | None]]:
+    """(reported role of the chosen worker, label in the answer) for domain answers after start-up; the
+    first ``unreachable`` workers stop answering probes once they have reported their role."""
     cluster = SimCluster(
         workers=[WorkerSpec(role=ROLES[r], block_size=BLOCK) for r in fleet], kvcm_replicas=1, block_size=BLOCK
     )
@@ -34,7 +37,7 @@ def _route_all(fleet: list[Role], deployment: tuple[Role, ...], seed: int) -> li
     reported = {cluster.worker_addr(i): fleet[i] for i in range(len(fleet))}
     config = KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, roles=deployment),
-        router=RouterConfig(kvcm_fallback=False),
+        router=RouterConfig(kvcm_fallback=False, route_blind=route_blind),
         discovery=DiscoveryConfig(workers=addrs.workers_arg),
         prober=ProberConfig(health_interval_s=0.5),
     )
@@ -43,6 +46,11 @@ def _route_all(fleet: list[Role], deployment: tuple[Role, ...], seed: int) -> li
     async def main() -> None:
         async with open_router(config, rpc=network) as handle:
             await trio.sleep(2.0)  # background health probes have heard from every worker
+            for i in range(unreachable):
+                network.stop(cluster.worker_addr(i).status_target)
+            if unreachable:
+                await trio.sleep(2.0)
+                assert not any(handle.prober().is_routable(cluster.worker_addr(i)) for i in range(unreachable))
             for i in range(12):
                 d = await handle.route(RouteRequest(f"r{seed}-{i}", token_ids=tuple(range(64)), budget_ms=20))
                 assert d.route_source in (RouteSource.DOMAIN, RouteSource.NONE)
@@ -66,6 +74,35 @@ def test_domain_answers_never_name_a_foreign_role(fleet: list[Role], deployment:
             continue
         assert reported in prefill_roles  # never a foreign role (a decode worker is no prefill pick)
         assert label is reported  # labelled with the role it reported
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    fleet=st.lists(st.sampled_from([Role.PREFILL, Role.PDFUSION, Role.DECODE]), min_size=1, max_size=8),
+    deployment=st.sampled_from([(Role.PDFUSION,), (Role.PREFILL,), (Role.PREFILL, Role.DECODE)]),
+    seed=st.integers(0, 1000),
+    unreachable=st.integers(0, 8),
+)
+def test_route_blind_ignores_reachability_not_the_role(
+    fleet: list[Role], deployment: tuple[Role, ...], seed: int, unreachable: int
+) -> None:
+    """--route-blind drew uniformly from the whole fleet and labelled the worker with the request's
+    first role: a decode worker was answered as PREFILL while a prefill worker was there. It skips only
+    what the prober knows of reachability: a worker of another role is drawn only when none may serve
+    the request, and every worker is labelled with the role it reported."""
+    prefill_roles = {r for r in deployment if r in (Role.PREFILL, Role.PDFUSION)}
+    answers = _route_all(fleet, deployment, seed, route_blind=True, unreachable=min(unreachable, len(fleet)))
+    for reported, label in answers:
+        assert reported is not None  # blind: always a worker
+        if prefill_roles & set(fleet):
+            assert reported in prefill_roles, (fleet, deployment, reported)
+        assert label is reported
+
+
+def test_route_blind_routes_to_an_unreachable_worker_of_the_role_not_to_a_live_one_of_another() -> None:
+    fleet = [Role.PREFILL, Role.DECODE, Role.DECODE]
+    answers = _route_all(fleet, (Role.PREFILL, Role.DECODE), 0, route_blind=True, unreachable=1)
+    assert answers == [(Role.PREFILL, Role.PREFILL)] * 12
 
 
 async def test_a_pick_looks_at_a_bounded_number_of_workers_when_statuses_are_stale(

@@ -80,8 +80,10 @@ class DomainSource:
         is not drawn; what the prober knows comes from its
         cache (request probes and background health probes), never from a probe made here. With
         none left the request ends ``no_candidates`` naming why, unless the operator chose to
-        route blind (then the draw is plain uniform). ``rng``: draw from it instead of the source's
-        own generator. ``roles``: the request's, when it has no ``prepared`` form (else the deployment's).
+        route blind: then reachability and liveness are ignored, the role is not (``_draw_blind``).
+        The answer's role is the worker's last reported one, else the first of ``roles``. ``rng``: draw
+        from it instead of the source's own generator. ``roles``: the request's, when it has no
+        ``prepared`` form (else the deployment's).
         """
         workers = self._fleet.workers()
         if not workers:
@@ -99,9 +101,10 @@ class DomainSource:
                 return Ended(reason, f"{error}; {why}")  # the caller's mistake comes first
             return Ended(Reason.NO_CANDIDATES, f"{why} (after {reason.value}{f': {error}' if error else ''})")
         # Labelled by its last reported role, which its routability was judged by: a status too old
-        # to score with (or followed by one failed probe) still says what the worker serves.
+        # to score with (or followed by one failed probe) still says what the worker serves. Only a
+        # blind draw from a fleet none of whose workers may serve the roles gives one of another role.
         reported = self._prober.reported_role(worker)
-        role = reported if reported is not None and reported in roles else roles[0]
+        role = roles[0] if reported is None else reported
         if prepared is not None:
             self._scorer.record_nowait(worker, prepared.seq_len, trio.current_time())
         return Answered(worker=worker, role=role, reason=reason, error=error)
@@ -116,7 +119,7 @@ class DomainSource:
         only when no routable worker has been seen).
         """
         if self._route_blind:
-            return workers[rng.randrange(len(workers))]
+            return self._draw_blind(workers, roles, rng)
         unknown: WorkerAddr | None = None
         give_up_at = -1  # where the look for a known one ends, once a routable unknown one is seen
         for looked, worker in enumerate(self._search_order(workers, rng)):
@@ -129,6 +132,16 @@ class DomainSource:
             if looked == give_up_at:
                 break
         return unknown
+
+    def _draw_blind(self, workers: Sequence[WorkerAddr], roles: tuple[Role, ...], rng: random.Random) -> WorkerAddr:
+        """A worker drawn whatever the prober knows of its reachability and liveness, but not of its
+        role: one that may serve ``roles`` (its last reported role one of them, or none reported yet),
+        in the order of ``_search_order``; any worker, uniformly, only when none may."""
+        for worker in self._search_order(workers, rng):
+            reported = self._prober.reported_role(worker)
+            if reported is None or reported in roles:
+                return worker
+        return workers[rng.randrange(len(workers))]
 
     def _search_order(self, workers: Sequence[WorkerAddr], rng: random.Random) -> Iterator[WorkerAddr]:
         """A few uniform draws, then every worker once from a random start (drawn only if reached)."""

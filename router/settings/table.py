@@ -671,7 +671,8 @@ _SPECS: dict[str, _Spec] = {
     ),
     "router.route_blind": _Spec(
         "Route to workers known to be unreachable (ejected, or refusing probes) instead of answering "
-        "no_candidates, and stay ready when none is reachable",
+        "no_candidates, and stay ready when none is reachable; a worker reporting another role than the "
+        "request's is still taken only when none may serve it",
         short=True,
         fallback=False,
     ),
