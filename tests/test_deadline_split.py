@@ -16,6 +16,7 @@ from actors.sources.base import RequestSplit
 from kvroute_sim.demo import split_budget
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
+from kvroute_sim.sim.worker import WorkerFaults
 from router.api import open_router
 from router.config import DeadlineSplit, DeploymentConfig, DiscoveryConfig, KvrouteConfig, MetricsConfig, RouterConfig
 from router.keys import block_keys
@@ -401,6 +402,57 @@ async def test_the_router_records_each_requests_tail_and_uses_the_learned_one(
             slow = await handle.route(RouteRequest(f"tail-{tail_ms:g}", token_ids=prompt, budget_ms=50))
             assert slow.split is SplitMode.LEARNED and slow.route_source is RouteSource.KVCM
             assert {w.stage: w.end_ms for w in slow.windows}[Stage.PROBE] == pytest.approx(probe_end_ms)
+
+
+async def test_a_request_the_deadline_cuts_in_its_probe_wait_brings_its_tail_and_the_next_keep_a_reserve(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A loop stall across the probe window's end wakes the request's task after its deadline: the
+    deadline cancels the wait, and the lateness past the window is still the request's tail, so the
+    learned split learns it and leaves the requests after it that much before their deadline."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=16)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=16, kvcm_instance_id="ns"),
+        router=replace(LEARNED, split_min_samples=2),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    prompt = tuple(range(1000, 1000 + 8 * 16))
+    async with open_router(config, rpc=network) as handle:
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        await resolver.leader()
+        cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(prompt, 16, KeyFamily.RTP))
+        for i in range(3):
+            await handle.route(RouteRequest(f"warm-{i}", token_ids=prompt, budget_ms=50))
+        await trio.testing.wait_all_tasks_blocked()
+        assert handle.metrics.split_estimates().tail == 0.0  # MockClock: no time passes after the wait
+        for worker in cluster.workers:  # every probe waits until its window ends
+            worker.set_faults(WorkerFaults(delay_s=0.5))
+        await trio.sleep(4.0)  # the cached statuses are too old to use
+
+        start = trio.current_time()
+        probe_end = split_windows(start, start + 0.050, handle.metrics.split_estimates(), config.router).probe_end
+        assert probe_end - start == pytest.approx(0.049)  # reserve_min
+
+        async def stall() -> None:
+            await trio.sleep_until(probe_end - 0.0001)
+            autojump_clock.jump(0.002)  # the loop stalls across the window's end and past the deadline
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stall)
+            cut = await handle.route(RouteRequest("stalled", token_ids=prompt, budget_ms=50))
+        assert cut.reason is Reason.DEADLINE
+        assert cut.stage_ms[Stage.TAIL] == pytest.approx(1.9)  # from the window's end to the answer
+        assert {w.stage: w.cut for w in cut.windows}[Stage.PROBE]
+        await trio.testing.wait_all_tasks_blocked()
+
+        # The longest of the few recent tails (a window this short holds no longer one to leave out).
+        assert handle.metrics.split_estimates().tail == pytest.approx(0.0019)
+        after = await handle.route(RouteRequest("after", token_ids=prompt, budget_ms=50))
+        assert after.split is SplitMode.LEARNED
+        assert {w.stage: w.end_ms for w in after.windows}[Stage.PROBE] == pytest.approx(48.1)  # the tail's reserve
 
 
 def test_the_demo_scenario_runs_on_both_clocks_and_exits_by_the_real_one() -> None:

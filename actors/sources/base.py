@@ -45,8 +45,9 @@ class RequestSplit:
 
     windows: SplitWindows
     waits: dict[Stage, bool] = field(default_factory=dict)
-    # When the last probe wait ended (trio time; its window's end when the window cut it, since the
-    # task then runs late by the loop's lag): the tail is measured from here.
+    # When the last probe wait ended, however it ended (trio time; its window's end when the window or,
+    # past it, the deadline cut it, since the task then runs late by the loop's lag): the tail is
+    # measured from here.
     probes_ended_at: float | None = None
 
     def waited(self, stage: Stage, cut: bool) -> None:

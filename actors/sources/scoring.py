@@ -103,19 +103,26 @@ class CandidateScoring:
         t = trio.current_time()
         handle = self._prober.probe([c.worker for c in plan.candidates], ctx.decide_at)
         arrivals: dict[WorkerAddr, float] | None = None
-        if ctx.record is not None:  # the decision log wants each result's arrival time
-            arrivals = {}
-            with trio.move_on_at(ctx.decide_at) as waiting:
-                async for arrived in handle:
-                    arrivals[arrived.worker] = trio.current_time() - ctx.record.received_at
-            ctx.split.waited(Stage.PROBE, waiting.cancelled_caught)
-        elif handle.pending:  # all fresh from the cache (the warm case): nothing to wait for
-            with trio.move_on_at(ctx.decide_at) as waiting:
-                await handle.wait_all()
-            ctx.split.waited(Stage.PROBE, waiting.cancelled_caught)
-        else:
-            ctx.split.waited(Stage.PROBE, False)
-        ctx.split.probes_ended(trio.current_time())
+        cut: bool | None = None  # whether the probe window ended the wait (None: the wait raised)
+        try:
+            if ctx.record is not None:  # the decision log wants each result's arrival time
+                arrivals = {}
+                with trio.move_on_at(ctx.decide_at) as waiting:
+                    async for arrived in handle:
+                        arrivals[arrived.worker] = trio.current_time() - ctx.record.received_at
+                cut = waiting.cancelled_caught
+            elif handle.pending:  # all fresh from the cache (the warm case): nothing to wait for
+                with trio.move_on_at(ctx.decide_at) as waiting:
+                    await handle.wait_all()
+                cut = waiting.cancelled_caught
+            else:
+                cut = False
+        finally:
+            # However the wait ends: a task woken after the request's deadline is cancelled by the deadline
+            # here, not by the window, and its lateness is the tail the split exists to leave room for.
+            now = trio.current_time()
+            ctx.split.waited(Stage.PROBE, now >= ctx.decide_at if cut is None else cut)
+            ctx.split.probes_ended(now)
         statuses: dict[WorkerAddr, tuple[WorkerStatus, float]] = {}
         missing: dict[WorkerAddr, DropReason] = {}
         cache_hits = from_background = 0

@@ -16,8 +16,9 @@ of the fixed reserve the later stages do not need::
 
 ``probe`` (plan + probes) and ``query`` are the estimates of those stages; ``tail`` is the time from
 the end of the last wait (the probes') to the reply leaving kvroute: the late wake-up of the
-request's task, the Scorer round trip, building and emitting the decision and, where a transport
-reports it, the reply's way back to the caller. Measured whole, it covers what no stage estimate
+request's task (one woken after its deadline too, up to its deadline answer), the Scorer round
+trip, building and emitting the decision and, where a transport reports it, the reply's way back
+to the caller. Measured whole, it covers what no stage estimate
 does (a first version left ``reserve_min + lag + score`` there, and its replies reached callers
 late). No end is before the fixed split's: the learned split only lends the waits the part of the
 fixed reserve that the measured tail does not need (when the tail needs all of it, the split is
