@@ -29,10 +29,12 @@ estimate has ``min_samples`` observations (cold start) the fixed split applies.
 
 The estimate of the query and the probes is the mean plus ``deviations`` mean absolute deviations,
 both exponentially weighted with ``weight`` per sample, so a sudden change moves it within a few
-requests. A stage the split cut short was observed for less than it would have taken: such a
-sample is used only when it is at least the current estimate (then the stage is at least that
-slow); below it, it says nothing. A later stage no request reached for a while is forgotten
-(:class:`SplitEstimator`), so a bad estimate cannot lock the split into cutting every query.
+requests. A sample is at most what the stage's window left it (past that the task was running
+late, the tail's part). A stage the split cut short was observed for less than it would have taken:
+such a sample counts as it is when it is at least the current estimate (then the stage is at least
+that slow); below it, it says nothing of the mean, which it never lowers, but lets the deviation
+fade. A later stage no request reached for a while is forgotten (:class:`SplitEstimator`), so a
+bad estimate cannot lock the split into cutting every query.
 
 The tail is heavy-tailed (a scheduling stall of the routing thread, the GIL held by another thread
 for its switch interval): most replies leave within a millisecond, a few take several. A mean plus
@@ -156,10 +158,12 @@ class StageLatency:
     def observe(self, seconds: float, *, censored: bool = False) -> None:
         """One sample; ``censored``: the stage was stopped after ``seconds`` (it would have taken longer).
 
-        A censored sample below the estimate says nothing (the stage was given less than the estimate);
-        one at or above it says the stage takes at least that long, and counts as it is."""
+        A censored sample at or above the estimate says the stage takes at least that long, and counts
+        as it is. Below it, it says the stage takes at least that long, not how long: it counts as the
+        mean when it is below the mean, so a cut never lowers the mean, but the deviation fades (a
+        spread that only one outlier brought would otherwise be kept for as long as every sample is cut)."""
         if censored and self.samples and seconds < self.high:
-            return
+            seconds = max(seconds, self._mean)
         if not self.samples:
             self._mean, self._deviation = seconds, seconds / 2.0
         else:
@@ -199,6 +203,12 @@ class RecentQuantile:
 
     def pass_over(self) -> None:
         self._recent.append(None)
+
+
+def _within(sample_ms: float, end_ms: float | None, before_ms: float) -> float:
+    """A stage's sample, at most what its window (ending ``end_ms`` after receipt; None: the stage had
+    none) left it after the stages before it (``before_ms``)."""
+    return sample_ms if end_ms is None else min(sample_ms, max(0.0, end_ms - before_ms))
 
 
 class SplitEstimator:
@@ -244,14 +254,21 @@ class SplitEstimator:
                 if self._since[stage] > self.STALE_AFTER * self._min_samples and self._stages[stage].samples:
                     self._stages[stage].forget()
                     changed = True
+        # A waiting stage takes at most the time its window left it: the window's end after receipt less
+        # the stages before it. Past that the request's task was running late (a stalled loop), which the
+        # tail measures; counted here, one stall would hold the estimate up for as long as the stage is cut.
+        ends = {w.stage: w.end_ms for w in windows}
+        before = stage_ms.get(Stage.KEYS, 0.0) + stage_ms.get(Stage.LEADER, 0.0)
         query = stage_ms.get(Stage.CACHE_QUERY)
         if query is not None:
-            self._stages[Stage.CACHE_QUERY].observe(query / 1000.0, censored=Stage.CACHE_QUERY in cut)
+            sample = _within(query, ends.get(Stage.CACHE_QUERY), before)
+            self._stages[Stage.CACHE_QUERY].observe(sample / 1000.0, censored=Stage.CACHE_QUERY in cut)
+            before += query
             changed = True
         probe = stage_ms.get(Stage.PROBE)
         if probe is not None:
-            plan = stage_ms.get(Stage.PLAN, 0.0)
-            self._stages[Stage.PROBE].observe((plan + probe) / 1000.0, censored=Stage.PROBE in cut)
+            sample = _within(stage_ms.get(Stage.PLAN, 0.0) + probe, ends.get(Stage.PROBE), before)
+            self._stages[Stage.PROBE].observe(sample / 1000.0, censored=Stage.PROBE in cut)
             changed = True
         score = stage_ms.get(Stage.SCORE)
         if score is not None:
