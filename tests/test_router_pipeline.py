@@ -64,6 +64,7 @@ from router.types import (
     SplitMode,
     Stage,
     WorkerAddr,
+    WorkerStatus,
 )
 from router.wire import kvcm_meta_pb2 as kvcm_pb
 from router.wire import paths
@@ -1018,6 +1019,54 @@ async def test_no_bootstrap_target_yet_is_ready_for_domain_routing(
         await trio.sleep(1.0)
         ready, why = handle.ready()
         assert ready and "no_bootstrap" in why and "domain fallback" in why
+
+
+async def test_companions_are_the_least_loaded_and_a_redraw_walks_the_fleet_once(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The overloaded answers drawn ahead name the least loaded decode worker (exact ties at random
+    among the tied), and their sixteen draws read each worker's status once, not once per draw."""
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2 + [
+        WorkerSpec(role="RoleType.DECODE", block_size=BLOCK, prefill_tokens_per_s=1.0)
+    ] * 6
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PREFILL, Role.DECODE)) as (handle, _, _):
+        router = handle.router_actor()
+        prober = handle.prober()
+        fleet = [cluster.worker_addr(i) for i in range(8)]
+        decode = set(fleet[2:])
+
+        async def loaded(tasks: dict[int, int]) -> None:
+            """Give decode worker ``i`` ``tasks[i]`` requests (a minute of prefill each) and bring every status
+            afresh."""
+            for i, n in tasks.items():
+                for j in range(n):
+                    cluster.workers[i].submit(f"w{i}-{j}", 64, 0, trio.current_time())
+            await trio.sleep(1.0)  # the statuses in hand are no longer fresh: probed again
+            await prober.probe(fleet, trio.current_time() + 0.05).wait_all()
+
+        def picked(answers: tuple[RouteDecision, ...]) -> set[str]:
+            return {f"{a.ip}:{a.http_port}" for d in answers for a in d.role_addrs if a.role is Role.DECODE}
+
+        reads = 0
+        cached = prober.cached
+
+        def counted(worker: WorkerAddr) -> WorkerStatus | None:
+            nonlocal reads
+            reads += worker in decode  # the domain draw reads prefill workers' only
+            return cached(worker)
+
+        monkeypatch.setattr(prober, "cached", counted)
+        await loaded({2: 3, 3: 1, 4: 2, 5: 1})  # 6 and 7 idle: tied
+        reads = 0
+        answers = router._draw_overload_answers()
+        assert len(answers) == router_actor.OVERLOAD_DRAWS
+        assert reads <= len(decode) + router_actor.OVERLOAD_DRAWS  # one walk, then one check per pick
+        assert picked(answers) == {fleet[6].http_target, fleet[7].http_target}  # both tied ones drawn
+        await loaded({7: 1})  # a new view: 6 alone is the least loaded
+        assert picked(router._draw_overload_answers()) == {fleet[6].http_target}
+        await loaded({6: 2})  # 3 and 5 (one task each) now
+        assert picked(router._draw_overload_answers()) == {fleet[3].http_target, fleet[5].http_target}
 
 
 async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_pick(

@@ -3,19 +3,40 @@ role (DECODE, VIT) beside the prefill worker the chain chose.
 
 A worker's role is what it reports in its status, so only workers the prober holds a usable status
 for can be named: the least loaded by that status (outstanding uncached tokens, then waiting tasks),
-exact ties broken at random. It reads the prober's cache and never probes on the request path; it
-walks the fleet once per answer, which only deployments with companion roles pay.
+exact ties broken at random. It reads the prober's cache and never probes on the request path.
+
+Finding the least loaded walks the fleet, summing every worker's tasks: the walk's result (each
+role's least loaded workers) is kept for as long as the fleet and the prober's published view are
+the same objects (both are replaced, never changed) and no ejection ends, so the overloaded answers
+drawn ahead and a burst of sheds walk it once, not once per answer. A kept worker whose status has
+since aged out is noticed when it is picked, and the fleet is walked again.
 """
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import trio
 
 from actors.sources.base import FleetView
-from actors.worker_prober import WorkerProber
+from actors.worker_prober import ProberView, WorkerProber
 from router.config import KvrouteConfig
-from router.types import Role, RoleAddr
+from router.policy.plan import Fleet
+from router.types import COMPANION_ROLES, Role, RoleAddr, WorkerAddr
+
+
+@dataclass(frozen=True, slots=True)
+class _Least:
+    """One walk of ``fleet`` under ``view``: each companion role's least loaded workers (exact ties, in
+    fleet order)."""
+
+    fleet: Fleet
+    view: ProberView
+    until: float  # the first ejection end after the walk: an ejected worker may then be the least loaded
+    tied: Mapping[Role, tuple[tuple[WorkerAddr, RoleAddr], ...]]
 
 
 class CompanionPicker:
@@ -23,6 +44,7 @@ class CompanionPicker:
         self._fleet = fleet
         self._prober = prober
         self._rng = random.Random(config.scorer.seed)
+        self._least: _Least | None = None
 
     def fill(
         self, given: tuple[RoleAddr, ...], companions: Sequence[Role], *, rng: random.Random | None = None
@@ -33,13 +55,44 @@ class CompanionPicker:
         if not missing:
             return given
         rng = self._rng if rng is None else rng
-        best: dict[Role, tuple[tuple[int, int, float], RoleAddr]] = {}
-        for worker in self._fleet.workers():
+        picks: list[RoleAddr] = []
+        for role in missing:
+            for fresh in (False, True):
+                tied = self._tied(role, fresh=fresh)
+                if not tied:
+                    break
+                worker, addr = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
+                if self._prober.cached(worker) is not None:  # its status may have aged out since the walk
+                    picks.append(addr)
+                    break
+        return given + tuple(picks)
+
+    def _tied(self, role: Role, *, fresh: bool) -> tuple[tuple[WorkerAddr, RoleAddr], ...]:
+        fleet = self._fleet.current()
+        view = self._prober.view()
+        now = trio.current_time()
+        least = self._least
+        if fresh or least is None or least.fleet is not fleet or least.view is not view or now >= least.until:
+            least = self._least = self._walk(fleet, view, now)
+        return least.tied.get(role, ())
+
+    def _walk(self, fleet: Fleet, view: ProberView, now: float) -> _Least:
+        until = math.inf
+        best: dict[Role, tuple[tuple[int, int], list[tuple[WorkerAddr, RoleAddr]]]] = {}
+        for worker in fleet.workers:
             status = self._prober.cached(worker)
-            if status is None or not status.alive or status.role not in missing:
+            if status is None:
+                seen = view.workers.get(worker)
+                if seen is not None and seen.ejected_until > now:
+                    until = min(until, seen.ejected_until)
                 continue
-            load = (status.outstanding_uncached_tokens, status.waiting_count, rng.random())
+            if not status.alive or status.role not in COMPANION_ROLES:
+                continue
+            load = (status.outstanding_uncached_tokens, status.waiting_count)
+            entry = (worker, RoleAddr(status.role, worker.ip, worker.http_port, worker.grpc_port))
             held = best.get(status.role)
             if held is None or load < held[0]:
-                best[status.role] = (load, RoleAddr(status.role, worker.ip, worker.http_port, worker.grpc_port))
-        return given + tuple(best[role][1] for role in missing if role in best)
+                best[status.role] = (load, [entry])
+            elif load == held[0]:
+                held[1].append(entry)
+        return _Least(fleet, view, until, {role: tuple(tied) for role, (_, tied) in best.items()})
