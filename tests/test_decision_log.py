@@ -226,6 +226,37 @@ def replay_all(*logs: Path, overrides: dict[str, str] | None = None) -> tuple[in
     return sum(o.identical for o in outcomes), len(outcomes)
 
 
+def test_a_request_the_deadline_ends_in_its_probe_wait_replays_as_recorded(tmp_path: Path) -> None:
+    """A stall across the probe window's end and past the deadline: the request's tail is learnt, and
+    its probe window, which the deadline and not the window ended, is not recorded cut (a replay reads
+    a cut window as the decision's own moment to score, and scored it)."""
+    log = tmp_path / "decisions.log"
+    clock = trio.testing.MockClock(autojump_threshold=0)
+
+    async def record(log: Path) -> RouteDecision:
+        async with cluster_router(log) as (handle, cluster):
+            cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
+            for i in range(3):
+                await handle.route(RouteRequest(f"warm{i}", token_ids=PROMPT, budget_ms=50))
+            for worker in cluster.workers:
+                worker.set_faults(WorkerFaults(delay_s=0.5))  # the probes run to their window
+            await trio.sleep(4.0)  # the statuses in hand are stale
+            probe_end = trio.current_time() + 0.045  # the fixed split: decide_at = deadline - 5 ms
+
+            async def stall() -> None:
+                await trio.sleep_until(probe_end - 0.0001)
+                clock.jump(0.007)  # the loop stalls across the window's end and past the deadline
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stall)
+                return await handle.route(RouteRequest("stalled", token_ids=PROMPT, budget_ms=50))
+
+    stalled = trio.run(record, log, clock=clock)
+    assert stalled.reason is Reason.DEADLINE
+    assert not {w.stage: w.cut for w in stalled.windows}.get(Stage.PROBE, False)
+    assert replay_all(log) == (4, 4)
+
+
 def test_cold_walks_that_passed_over_decode_workers_replay_as_recorded(tmp_path: Path) -> None:
     """Prefill/decode: the cold walk passed over the decode workers by their reported roles, which the
     log does not hold; it holds the workers passed over, so replay walks the same way."""

@@ -120,9 +120,10 @@ class CandidateScoring:
         finally:
             # However the wait ends: a task woken after the request's deadline is cancelled by the deadline
             # here, not by the window, and its lateness is the tail the split exists to leave room for.
-            now = trio.current_time()
-            ctx.split.waited(Stage.PROBE, now >= ctx.decide_at if cut is None else cut)
-            ctx.split.probes_ended(now)
+            # Its window is not marked cut: the deadline, not the window, ended it (as a replay reads it).
+            if cut is not None:
+                ctx.split.waited(Stage.PROBE, cut)
+            ctx.split.probes_ended(trio.current_time())
         statuses: dict[WorkerAddr, tuple[WorkerStatus, float]] = {}
         missing: dict[WorkerAddr, DropReason] = {}
         cache_hits = from_background = 0
