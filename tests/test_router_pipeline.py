@@ -1050,11 +1050,12 @@ async def test_companions_are_the_least_loaded_and_a_redraw_walks_the_fleet_once
 
         reads = 0
         cached = prober.cached
+        aged: set[WorkerAddr] = set()  # statuses aged out since (the view the walk was kept for unchanged)
 
         def counted(worker: WorkerAddr) -> WorkerStatus | None:
             nonlocal reads
             reads += worker in decode  # the domain draw reads prefill workers' only
-            return cached(worker)
+            return None if worker in aged else cached(worker)
 
         monkeypatch.setattr(prober, "cached", counted)
         await loaded({2: 3, 3: 1, 4: 2, 5: 1})  # 6 and 7 idle: tied
@@ -1067,6 +1068,8 @@ async def test_companions_are_the_least_loaded_and_a_redraw_walks_the_fleet_once
         assert picked(router._draw_overload_answers()) == {fleet[6].http_target}
         await loaded({6: 2})  # 3 and 5 (one task each) now
         assert picked(router._draw_overload_answers()) == {fleet[3].http_target, fleet[5].http_target}
+        aged.add(fleet[3])  # its status aged out, the kept walk still names it: noticed at the pick
+        assert picked(router._draw_overload_answers()) == {fleet[5].http_target}
 
 
 async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_pick(

@@ -36,7 +36,7 @@ class _Least:
     fleet: Fleet
     view: ProberView
     until: float  # the first ejection end after the walk: an ejected worker may then be the least loaded
-    tied: Mapping[Role, tuple[tuple[WorkerAddr, RoleAddr], ...]]
+    tied: Mapping[Role, tuple[WorkerAddr, ...]]
 
 
 class CompanionPicker:
@@ -61,13 +61,13 @@ class CompanionPicker:
                 tied = self._tied(role, fresh=fresh)
                 if not tied:
                     break
-                worker, addr = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
+                worker = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
                 if self._prober.cached(worker) is not None:  # its status may have aged out since the walk
-                    picks.append(addr)
+                    picks.append(RoleAddr(role, worker.ip, worker.http_port, worker.grpc_port))
                     break
         return given + tuple(picks)
 
-    def _tied(self, role: Role, *, fresh: bool) -> tuple[tuple[WorkerAddr, RoleAddr], ...]:
+    def _tied(self, role: Role, *, fresh: bool) -> tuple[WorkerAddr, ...]:
         fleet = self._fleet.current()
         view = self._prober.view()
         now = trio.current_time()
@@ -78,7 +78,9 @@ class CompanionPicker:
 
     def _walk(self, fleet: Fleet, view: ProberView, now: float) -> _Least:
         until = math.inf
-        best: dict[Role, tuple[tuple[int, int], list[tuple[WorkerAddr, RoleAddr]]]] = {}
+        # The walk runs whenever the prober's view changed (on the request path, most times): it keeps
+        # the bare workers, and an address is made only for the one picked.
+        best: dict[Role, tuple[tuple[int, int], list[WorkerAddr]]] = {}
         for worker in fleet.workers:
             status = self._prober.cached(worker)
             if status is None:
@@ -89,10 +91,9 @@ class CompanionPicker:
             if not status.alive or status.role not in COMPANION_ROLES:
                 continue
             load = (status.outstanding_uncached_tokens, status.waiting_count)
-            entry = (worker, RoleAddr(status.role, worker.ip, worker.http_port, worker.grpc_port))
             held = best.get(status.role)
             if held is None or load < held[0]:
-                best[status.role] = (load, [entry])
+                best[status.role] = (load, [worker])
             elif load == held[0]:
-                held[1].append(entry)
+                held[1].append(worker)
         return _Least(fleet, view, until, {role: tuple(tied) for role, (_, tied) in best.items()})
