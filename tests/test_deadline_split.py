@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import pytest
@@ -31,6 +33,7 @@ from router.policy.deadline_split import (
     WithLag,
     split_windows,
 )
+from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
     KeyFamily,
@@ -419,11 +422,13 @@ def test_the_probe_wait_ends_at_its_window_when_the_window_cut_it() -> None:
     assert split.probes_ended_at == split.windows.probe_end
 
 
-async def test_the_router_records_each_requests_tail_and_uses_the_learned_one(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """A whole router under MockClock: each decision that probed records its tail; the sink learns it;
-    after replies have taken 8 ms for three requests, the probes end 8 ms before the deadline."""
+LEARNED_PROMPT = tuple(range(1000, 1000 + 8 * 16))
+
+
+@asynccontextmanager
+async def learned_router() -> AsyncIterator[tuple[RouterHandle, SimCluster]]:
+    """A router on the learned split (two samples warm it) over two simulated workers, its KVCM leader
+    known and worker 1 holding LEARNED_PROMPT."""
     cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=16)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
@@ -432,12 +437,22 @@ async def test_the_router_records_each_requests_tail_and_uses_the_learned_one(
         router=replace(LEARNED, split_min_samples=2),
         discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
     )
-    prompt = tuple(range(1000, 1000 + 8 * 16))
     async with open_router(config, rpc=network) as handle:
         resolver = handle.leader_resolver()
         assert resolver is not None
         await resolver.leader()
-        cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(prompt, 16, KeyFamily.RTP))
+        keys = block_keys(LEARNED_PROMPT, 16, KeyFamily.RTP)
+        cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, keys)
+        yield handle, cluster
+
+
+async def test_the_router_records_each_requests_tail_and_uses_the_learned_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A whole router under MockClock: each decision that probed records its tail; the sink learns it;
+    after replies have taken 8 ms for three requests, the probes end 8 ms before the deadline."""
+    prompt = LEARNED_PROMPT
+    async with learned_router() as (handle, cluster):
         leader = cluster.kvcm.leader
         assert leader is not None
         cluster.kvcm.set_faults(leader, KvcmFaults(delay_s=0.002, methods=frozenset({paths.KVCM_GET_HOST_CACHE_STATE})))
@@ -469,20 +484,8 @@ async def test_a_request_the_deadline_cuts_in_its_probe_wait_brings_its_tail_and
     """A loop stall across the probe window's end wakes the request's task after its deadline: the
     deadline cancels the wait, and the lateness past the window is still the request's tail, so the
     learned split learns it and leaves the requests after it that much before their deadline."""
-    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=16)
-    network = MemoryNetwork()
-    addrs = cluster.serve_memory(network)
-    config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=16, kvcm_instance_id="ns"),
-        router=replace(LEARNED, split_min_samples=2),
-        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-    )
-    prompt = tuple(range(1000, 1000 + 8 * 16))
-    async with open_router(config, rpc=network) as handle:
-        resolver = handle.leader_resolver()
-        assert resolver is not None
-        await resolver.leader()
-        cluster.kvcm.record_prefill(cluster.worker_addr(1).http_target, block_keys(prompt, 16, KeyFamily.RTP))
+    prompt = LEARNED_PROMPT
+    async with learned_router() as (handle, cluster):
         for i in range(3):
             await handle.route(RouteRequest(f"warm-{i}", token_ids=prompt, budget_ms=50))
         await trio.testing.wait_all_tasks_blocked()
@@ -492,7 +495,8 @@ async def test_a_request_the_deadline_cuts_in_its_probe_wait_brings_its_tail_and
         await trio.sleep(4.0)  # the cached statuses are too old to use
 
         start = trio.current_time()
-        probe_end = split_windows(start, start + 0.050, handle.metrics.split_estimates(), config.router).probe_end
+        estimates = handle.metrics.split_estimates()
+        probe_end = split_windows(start, start + 0.050, estimates, handle.config.router).probe_end
         assert probe_end - start == pytest.approx(0.049)  # reserve_min
 
         async def stall() -> None:

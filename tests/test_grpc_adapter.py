@@ -115,14 +115,6 @@ def start_off_loop(request: pytest.FixtureRequest) -> bool:
     return value
 
 
-@pytest.fixture
-async def pool(nursery: trio.Nursery) -> AsyncIterator[ChannelPool[grpc.Channel]]:
-    channels = ChannelPool(ChannelPoolConfig())
-    await nursery.start(channels.run)
-    yield channels
-    await channels.aclose()
-
-
 @asynccontextmanager
 async def hanging_call(rpc: GrpcRawRpc, server: GrpcServer, state: Peer) -> AsyncIterator[trio.CancelScope]:
     """A HANG call in flight (the server has it) for the block; cancelled, by its scope, when the block ends."""

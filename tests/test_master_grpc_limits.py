@@ -4,14 +4,12 @@ decoded."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import grpc
 import pytest
 import trio
 
 from actors.channel_pool import ChannelPool
-from router.config import MASTER_GRPC_PORT_OFFSET, ChannelPoolConfig, MasterConfig
+from router.config import MASTER_GRPC_PORT_OFFSET, MasterConfig
 from router.transport.errors import GarbledReply
 from router.transport.grpc_server import start_grpc_server
 from router.transport.master_grpc import GrpcMasterTransport
@@ -32,14 +30,6 @@ def error_reply(size: int) -> bytes:
     data = reply.SerializeToString()
     assert len(data) == size
     return data
-
-
-@pytest.fixture
-async def pool(nursery: trio.Nursery) -> AsyncIterator[ChannelPool[grpc.Channel]]:
-    channels = ChannelPool(ChannelPoolConfig())
-    await nursery.start(channels.run)
-    yield channels
-    await channels.aclose()
 
 
 @pytest.mark.parametrize("size", [MAX_REPLY_BYTES, MAX_REPLY_BYTES + 1])

@@ -499,6 +499,17 @@ async def test_reports_wait_for_the_masters_task_and_a_full_inbox_drops_and_coun
         assert (health.requests, health.routed, health.inbox_depth, health.reports_dropped) == (3, 3, 0, 1)
 
 
+async def open_the_breaker_until_a_trial_is_due(r: Rig) -> None:
+    """The scheduler hangs until the breaker opens; then its cooldown passes: the next request is the trial."""
+    r.schedules_seen()
+    r.master.set_faults(0, MasterFaults(hang=True))
+    for i in range(3):
+        await r.route(f"hang{i}")
+    await trio.testing.wait_all_tasks_blocked()
+    assert master_health(r).breaker.state is BreakerState.OPEN
+    await trio.sleep(1.0)
+
+
 async def test_a_trials_success_is_applied_under_a_burst_the_breaker_refuses(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -507,13 +518,7 @@ async def test_a_trials_success_is_applied_under_a_burst_the_breaker_refuses(
     the trial timed out, then reopened though the master had answered. Now the refused requests are
     only counted, and the trial's report is never dropped."""
     async with rig(kvcm_fallback=False, max_in_flight=16, transport_timeout_ms=10) as r:  # an inbox of 32
-        r.schedules_seen()
-        r.master.set_faults(0, MasterFaults(hang=True))
-        for i in range(3):
-            await r.route(f"hang{i}")
-        await trio.testing.wait_all_tasks_blocked()
-        assert master_health(r).breaker.state is BreakerState.OPEN
-        await trio.sleep(1.0)  # the cooldown is over: the next request is the trial
+        await open_the_breaker_until_a_trial_is_due(r)
         r.master.set_faults(0, MasterFaults(slow_ms=5.0))
         trial: list[RouteDecision] = []
 
@@ -549,13 +554,7 @@ async def test_a_trials_report_is_applied_when_it_finds_the_inbox_full(autojump_
     that asked the master, waiting for it): its report used to be dropped there, and the breaker held
     half-open until the trial timed out. It is kept aside and applied once the task is back."""
     async with rig(kvcm_fallback=False, max_in_flight=1, transport_timeout_ms=30) as r:  # an inbox of 2
-        r.schedules_seen()
-        r.master.set_faults(0, MasterFaults(hang=True))
-        for i in range(3):
-            await r.route(f"hang{i}")
-        await trio.testing.wait_all_tasks_blocked()
-        assert master_health(r).breaker.state is BreakerState.OPEN
-        await trio.sleep(1.0)  # the cooldown is over: the next request is the trial
+        await open_the_breaker_until_a_trial_is_due(r)
         r.master.set_faults(0, MasterFaults(slow_ms=20.0))
         source = next(s for s in r.handle.router_actor()._chain if isinstance(s, MasterSource))
         trial: list[RouteDecision] = []

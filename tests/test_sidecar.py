@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from actors.metrics_sink import REPLY_STAGE_LABEL
 from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.faults import CallStats
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import RouterHandle, open_router
 from router.config import (
@@ -412,11 +413,7 @@ async def test_each_answered_call_leaves_one_timing_against_its_deadline_and_a_t
             assert r.sidecar.take_call_timings() == []
             # A client that sets no deadline: grpc reports about 9.2e18 s left, which is none.
             no_deadline = router_v1_pb2.RouteRequest(request_id="open", token_ids=PROMPT, budget_ms=600)
-            call = r.channel.unary_unary(
-                ROUTER_ROUTE,
-                request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
-                response_deserializer=router_v1_pb2.RouteDecision.FromString,
-            )
+            call = _route_call(r.channel)
             await _in_thread(lambda: call(no_deadline))
             (open_ended,) = r.sidecar.take_call_timings()
             assert open_ended.client_left_s is None
@@ -452,15 +449,8 @@ async def test_a_decision_made_after_its_client_cancelled_is_counted_client_gone
     while the router was still deciding."""
     with trio.fail_after(30):
         async with rig(nursery, router=HOLDING) as r:
-            leader = r.cluster.kvcm.leader
-            assert leader is not None
-            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
-            kvcm = r.cluster.kvcm.stats(leader)
-            call = r.channel.unary_unary(
-                ROUTER_ROUTE,
-                request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
-                response_deserializer=router_v1_pb2.RouteDecision.FromString,
-            )
+            kvcm = _hang_the_kvcm_leader(r.cluster)
+            call = _route_call(r.channel)
             pending: grpc.Future[router_v1_pb2.RouteDecision] = call.future(_slow_request("gone"), timeout=HOLD_S)
             try:
                 assert await _in_thread(lambda: kvcm.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 1, 10.0))
@@ -710,11 +700,7 @@ async def test_a_call_without_a_client_deadline_reaches_the_router_with_none(
     serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=0.0)
     with trio.fail_after(15):
         async with rig(nursery, router=router, serve=serve) as r:
-            call = r.channel.unary_unary(
-                ROUTER_ROUTE,
-                request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
-                response_deserializer=router_v1_pb2.RouteDecision.FromString,
-            )
+            call = _route_call(r.channel)
             for request_id, timeout in (("open", None), ("timed", 5.0)):
                 request = router_v1_pb2.RouteRequest(request_id=request_id, token_ids=PROMPT, budget_ms=600)
                 await _in_thread(functools.partial(call, request, timeout=timeout))
@@ -757,15 +743,8 @@ async def test_a_call_naming_a_role_not_routed_here_is_refused_when_the_router_w
     INVALID_ARGUMENT naming roles."""
     with trio.fail_after(30):
         async with rig(nursery, router=dataclasses.replace(HOLDING, max_in_flight=1)) as r:
-            leader = r.cluster.kvcm.leader
-            assert leader is not None
-            r.cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
-            kvcm = r.cluster.kvcm.stats(leader)
-            call = r.channel.unary_unary(
-                ROUTER_ROUTE,
-                request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
-                response_deserializer=router_v1_pb2.RouteDecision.FromString,
-            )
+            kvcm = _hang_the_kvcm_leader(r.cluster)
+            call = _route_call(r.channel)
             holding: grpc.Future[router_v1_pb2.RouteDecision] = call.future(_slow_request("holds"), timeout=HOLD_S)
             try:
                 assert await _in_thread(lambda: kvcm.wait_in_flight(KVCM_GET_HOST_CACHE_STATE, 1, 10.0))
@@ -1020,6 +999,25 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
     # Neither more than it had, nor nothing (the wait counted twice leaves none: an audit's mutation);
     # the seconds of slack below 2.8 s hold however busy the machine.
     assert case.request.budget_ms is not None and 0.0 < case.request.budget_ms <= 2800.0
+
+
+def _route_call(
+    channel: grpc.Channel,
+) -> grpc.UnaryUnaryMultiCallable[router_v1_pb2.RouteRequest, router_v1_pb2.RouteDecision]:
+    """The Route method on ``channel``, with messages (its futures can be cancelled)."""
+    return channel.unary_unary(
+        ROUTER_ROUTE,
+        request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
+        response_deserializer=router_v1_pb2.RouteDecision.FromString,
+    )
+
+
+def _hang_the_kvcm_leader(cluster: SimCluster) -> CallStats:
+    """The KVCM leader accepts calls and never answers; its call counts."""
+    leader = cluster.kvcm.leader
+    assert leader is not None
+    cluster.kvcm.set_faults(leader, KvcmFaults(hang=True))
+    return cluster.kvcm.stats(leader)
 
 
 def _slow_request(request_id: str) -> router_v1_pb2.RouteRequest:
