@@ -290,6 +290,7 @@ async def test_without_a_readable_system_bundle_the_channels_fall_back_to_grpcs_
     with caplog.at_level(logging.WARNING, logger="router.transport.tls"):
         assert system_ca_bundle() is None
     assert "the gRPC channels check servers against grpc's own roots" in caplog.text
+    assert str(tmp_path / "missing.pem") in caplog.text  # the file looked for, not OpenSSL's built-in one
     upstream = UpstreamTlsConfig(cert=str(pki.client_cert), key=str(pki.client_key))
     with trio.fail_after(20):
         async with tls_worker(pki) as target:

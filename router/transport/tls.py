@@ -196,8 +196,8 @@ def system_ca_bundle() -> bytes | None:
         )
     path = paths.cafile  # the environment's override first, None if no such file
     if path is None:
-        log.warning("no system CA file (%s): the gRPC channels check servers against grpc's own roots",
-                    paths.openssl_cafile)
+        tried = os.environ.get(paths.openssl_cafile_env) or paths.openssl_cafile  # the one OpenSSL looked for
+        log.warning("no system CA file (%s): the gRPC channels check servers against grpc's own roots", tried)
         return None
     try:
         with open_regular_file(path) as file:
