@@ -130,6 +130,9 @@ _MIN_KEEP_INTERVALS = 2
 # returns, so one slow answer would age every other status of the round past that spare.
 _SLOW_CALL_OF_SPARE = 1 / 2
 PROBE_TIMEOUT_KIND = "probe_timeout"  # failure kind when a started RPC outlives probe_timeout_s
+# A health pass refused a probe with none of its own out to land retries no sooner than this (a slot
+# refused frees with a request's probe, which does not wake the pass).
+HEALTH_RETRY_MIN_S = 0.005
 # A failure's detail (a garbled reply's names the broken field) is kept to this many characters a worker:
 # a peer's text must not grow the owner's state or the debug snapshot.
 _DETAIL_CHARS = 200
@@ -987,8 +990,7 @@ class WorkerProber:
             if now >= self._health_pass_at:
                 self._health_pass_at = now + self._config.health_interval_s
                 self._health_left = len(fleet)
-            self._health_sweep(fleet, now)
-            self._next_health = self._health_pass_at
+            self._next_health = self._health_sweep(fleet, now)
 
     def _refresh(self, now: float) -> None:
         """Poll every hot worker whose last probe started a refresh interval ago; forget the cold.
@@ -1102,13 +1104,18 @@ class WorkerProber:
         if flight.kind is ProbeKind.REFRESH:
             self._refresh_bucket.refund(now)
 
-    def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> None:
-        """Probe the next few workers not heard from for an interval (round robin over the fleet).
+    def _health_sweep(self, workers: Sequence[WorkerAddr], now: float) -> float:
+        """Probe the next few workers not heard from for an interval (round robin over the fleet);
+        when the pass's next step is due.
 
         One step of the interval's pass over the fleet, bounded whatever the fleet's size: it looks
         at most at ``8 × health_max_probes`` workers, probes at most ``health_max_probes``, and stops
         at the first probe refused for want of a slot or a token. The pass goes on with the next step
-        when a background probe lands (its slot free again), until it has looked at every worker once.
+        when a background probe lands (its slot free again), until it has looked at every worker once;
+        with none in flight to land (a window whose workers were all heard from lately, or a refusal
+        with no background probe out), the next step is due at once, or when the tokens it wanted are
+        back: else the pass would wait for the next interval, and workers only requests' probes kept
+        fresh in the window would leave the rest unheard from past ``max_status_age_s``.
         Like a refresh poll, a health probe takes only what requests leave: a token beyond the part of
         the burst kept for them, and a free slot nobody queues for, within the refresh share of the
         slots. So it never makes requests' probes wait for budget, also when the workers it probes
@@ -1118,12 +1125,13 @@ class WorkerProber:
         n = len(workers)
         if not n:
             self._health_left = 0
-            return
+            return self._health_pass_at
         limit = self._config.health_max_probes
         look = min(n, self._health_left, 8 * self._config.health_max_probes)
         start = self._health_cursor % n
         started = 0
         looked = 0
+        refused = False
         while looked < look and started < limit:
             worker = workers[(start + looked) % n]
             state = self._workers.get(worker)
@@ -1133,6 +1141,7 @@ class WorkerProber:
                 and now - state.checked_at >= self._config.health_interval_s
             ):
                 if not self._start_background(worker, ProbeKind.HEALTH, now):
+                    refused = True
                     break  # refused: the pass's next step starts with it
                 started += 1
             looked += 1
@@ -1141,6 +1150,15 @@ class WorkerProber:
         self._health_probes += started
         if started and self._on_probes is not None:
             self._on_probes(ProbeKind.HEALTH, started)
+        if self._health_left <= 0 or started >= limit or self._health_inflight + self._refresh_inflight:
+            return self._health_pass_at  # done, or a background probe's landing goes on with the pass
+        if not refused:
+            return now  # the whole window heard from lately: the next one at once (the pass shrank)
+        # Refused with nothing out to land: again when a health probe's token is back (a slot refused
+        # frees with a request's probe: at the floor's pace), never busy.
+        keep = self._refresh_keep + min(len(self._hot), self._refresh_reserve_max)
+        wanted = 1.0 + keep - self._bucket.peek(now)
+        return min(self._health_pass_at, now + max(wanted / self._config.rate_per_s, HEALTH_RETRY_MIN_S))
 
     # --- probe tasks (they only wait and call; the owner applies what they bring back) -----------
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from collections.abc import Callable
+import itertools
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -758,6 +759,38 @@ async def test_background_health_probes_take_only_tokens_in_the_bucket(
     # The burst less the part kept for requests (the refresh share's complement), never a debt.
     assert fake.rpcs() == 2
     assert prober.snapshot().budget_tokens == 2
+
+
+async def test_the_health_pass_goes_on_past_a_window_requests_keep_fresh(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Half the fleet is probed by requests (no background refresh), so a health step whose window
+    holds only those workers starts nothing; with no health probe out to land, the pass waited for the
+    next interval, and the other half went unheard from past max_status_age_s."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(64)]
+    hot, cold = fleet[:32], fleet[32:]
+    probed: dict[str, list[float]] = {w.status_target: [] for w in fleet}
+
+    def recording(target: str) -> Callable[[str, bytes], Awaitable[bytes]]:
+        async def handle(method_path: str, request: bytes) -> bytes:
+            probed[target].append(trio.current_time())
+            return await fake._handle(target, method_path, request)
+
+        return handle
+
+    for worker in fleet:
+        fake.net.serve(worker.status_target, recording(worker.status_target))
+    config = dataclasses.replace(ProberConfig(), background_refresh=False, health_max_probes=4)
+    prober = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    end = trio.current_time() + 20.0
+    while trio.current_time() < end:
+        await prober.probe(hot, trio.current_time() + 0.03).wait_all()
+        await trio.sleep(0.1)
+    gaps = [b - a for w in cold for a, b in itertools.pairwise(probed[w.status_target])]
+    # Heard from every one or two intervals (a probe's own latency beside), within max_status_age_s.
+    assert gaps and max(gaps) <= 2 * config.health_interval_s + 0.05 < config.max_status_age_s, max(gaps)
 
 
 def _with_hanging(fake: FakeWorkers, fleet: list[WorkerAddr], hanging: int) -> list[WorkerAddr]:
