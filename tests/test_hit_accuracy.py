@@ -5,6 +5,8 @@ as a frontend would)."""
 from __future__ import annotations
 
 import io
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 
 import pytest
@@ -159,6 +161,18 @@ def _running(worker: str, request_id: str, *, prefix: int, version: int) -> Work
     return decode_worker_status(reply.SerializeToString(), worker)
 
 
+@asynccontextmanager
+async def running_accuracy(config: MetricsConfig) -> AsyncIterator[HitAccuracy]:
+    """A HitAccuracy actor and its metrics sink, both running for the block."""
+    sink = MetricsSink(config)
+    accuracy = HitAccuracy(config, sink)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await nursery.start(accuracy.run)
+        yield accuracy
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_queued_task_whose_prefix_is_not_matched_yet_leaves_the_prediction_pending(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -174,12 +188,7 @@ async def test_a_queued_task_whose_prefix_is_not_matched_yet_leaves_the_predicti
         reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=1, running_task_info=[task])
         return decode_worker_status(reply.SerializeToString(), worker)
 
-    config = MetricsConfig()
-    sink = MetricsSink(config)
-    accuracy = HitAccuracy(config, sink)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sink.run)
-        await nursery.start(accuracy.run)
+    async with running_accuracy(MetricsConfig()) as accuracy:
         accuracy.predict("req-1", worker, 4096, RouteSource.KVCM, trio.current_time())
         accuracy.status_seen(worker, status(waiting=True, prefix=0, valid=False))
         await trio.testing.wait_all_tasks_blocked()
@@ -195,7 +204,6 @@ async def test_a_queued_task_whose_prefix_is_not_matched_yet_leaves_the_predicti
         accuracy.status_seen(worker, _running(worker, "req-2", prefix=2048, version=2))
         await trio.testing.wait_all_tasks_blocked()
         assert (accuracy.health().matched, accuracy.health().pending) == (2, 0)
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_prediction_expires_on_time_with_no_traffic_and_a_late_status_is_not_compared(
@@ -204,12 +212,7 @@ async def test_a_prediction_expires_on_time_with_no_traffic_and_a_late_status_is
     """Predictions expired only when a newer one arrived: once traffic stopped they stayed pending for
     ever, and a status listing one an hour later was still compared (a silent zero, here)."""
     worker = "10.0.0.1:8000"
-    config = MetricsConfig(accuracy_ttl_s=60.0, accuracy_pending_max=2)
-    sink = MetricsSink(config)
-    accuracy = HitAccuracy(config, sink)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sink.run)
-        await nursery.start(accuracy.run)
+    async with running_accuracy(MetricsConfig(accuracy_ttl_s=60.0, accuracy_pending_max=2)) as accuracy:
         for i in range(3):  # one more than the bound: the first is evicted, not expired
             accuracy.predict(f"req-{i}", worker, 4096, RouteSource.KVCM, trio.current_time())
         await trio.testing.wait_all_tasks_blocked()
@@ -223,7 +226,6 @@ async def test_a_prediction_expires_on_time_with_no_traffic_and_a_late_status_is
         accuracy.status_seen(worker, _running(worker, "req-2", prefix=0, version=1))
         await trio.testing.wait_all_tasks_blocked()
         assert (accuracy.health().matched, accuracy.health().silent_zero) == (0, 0)
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_full_inbox_drops_and_counts_the_messages_it_refuses(autojump_clock: trio.testing.MockClock) -> None:
@@ -269,18 +271,12 @@ async def test_a_prefill_finished_between_two_polls_is_compared_from_the_finishe
     status = decode_worker_status(reply.SerializeToString(), worker)
     assert status.finished[0].request_id == "short" and status.running == status.waiting == ()
     assert status.outstanding_uncached_tokens == 0  # finished: no load any more
-    config = MetricsConfig()
-    sink = MetricsSink(config)
-    accuracy = HitAccuracy(config, sink)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sink.run)
-        await nursery.start(accuracy.run)
+    async with running_accuracy(MetricsConfig()) as accuracy:
         accuracy.predict("short", worker, 512, RouteSource.KVCM, trio.current_time())
         accuracy.status_seen(worker, status)
         await trio.testing.wait_all_tasks_blocked()
         health = accuracy.health()
         assert (health.matched, health.silent_zero, health.pending) == (1, 0, 0)
-        nursery.cancel_scope.cancel()
 
 
 def test_a_finished_task_with_a_negative_length_is_garbled() -> None:
