@@ -244,6 +244,43 @@ async def test_a_skip_read_before_the_owner_took_the_request_is_counted_once(
     assert {k: v for k, v in prober.snapshot().skipped.items() if v} == {SkipReason.NO_BUDGET.value: 1}
 
 
+async def test_on_demand_probes_pending_at_once_are_bounded(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
+    """Probes started and not yet landed (in flight or waiting for a slot) are at most
+    max_tracked_workers: beyond that a request's workers are skipped no_budget at once, not queued
+    without bound behind hanging workers."""
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(8)]
+    fake.hanging.update(w.status_target for w in fleet)
+    prober = await start_prober(nursery, fake, max_tracked_workers=4, inflight_cap=1, rate_per_s=1e6, rate_burst=1000)
+    prober.probe(fleet, trio.current_time() + 1.0)
+    await trio.testing.wait_all_tasks_blocked()
+    health = prober.snapshot()
+    assert (health.probes_started, health.inflight, health.waiting_for_budget) == (4, 1, 3)
+    assert {reason: n for reason, n in health.skipped.items() if n} == {SkipReason.NO_BUDGET.value: 4}
+
+
+async def test_a_slot_handed_over_after_the_deadline_starts_no_rpc(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """trio hands a freed slot to a parked waiter without a checkpoint after it, so a probe whose task
+    runs late gets its slot with the deadline already past; it must give the slot back, not call.
+    White-box: only a release made in the same tick as the clock passes the deadline reaches this, and
+    no worker's reply can be timed into that tick, so the slot is held and handed over by hand."""
+    fake = FakeWorkers(MemoryNetwork())
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start_prober(nursery, fake, inflight_cap=1)
+    holder = object()
+    prober._limiter.acquire_on_behalf_of_nowait(holder)  # the only slot, as another probe holds it
+    handle = prober.probe([worker], trio.current_time() + 0.01)
+    await trio.testing.wait_all_tasks_blocked()  # the probe waits for the slot
+    autojump_clock.jump(0.02)  # the loop runs late: the deadline passes ...
+    prober._limiter.release_on_behalf_of(holder)  # ... as the slot is handed over, in the same tick
+    await trio.sleep(0.5)
+    assert fake.rpcs(worker) == 0
+    assert by_outcome(handle.results()) == {SkipReason.NO_BUDGET: 1}
+    assert prober.snapshot().inflight == 0  # the slot was given back
+
+
 async def test_rate_budget_over_a_window(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
     fake = FakeWorkers(MemoryNetwork())
     fleet = [fake.add(w) for w in workers(600)]
@@ -587,6 +624,25 @@ async def test_flapping_worker_is_ejected_and_readmitted_per_backoff(
     assert prober.snapshot().failed_by_kind == {"unavailable": 10}
 
 
+async def test_an_ejected_worker_is_skipped_at_once_from_the_view(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """probe() answers an ejected worker skipped(ejected) itself, before any hop to the owner: the
+    request neither waits for it nor sends the owner work for it."""
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(4)]
+    dead = fleet[0]
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.0)
+    await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+    fake.failing.add(dead.status_target)
+    for _ in range(3):
+        await probe_one(prober, dead)
+    assert dead.status_target in prober.snapshot().ejected_until
+    handle = prober.probe([dead], trio.current_time() + 1.0)
+    assert handle.pending == 0
+    assert by_outcome(handle.results()) == {SkipReason.EJECTED: 1}
+
+
 async def test_outliers_are_ejected_up_to_the_cap(nursery: trio.Nursery, autojump_clock: MockClock) -> None:
     fake = FakeWorkers(MemoryNetwork())
     fleet = [fake.add(w) for w in workers(10)]
@@ -625,8 +681,9 @@ async def test_collective_failure_ejects_nobody_and_readmits_on_the_first_good_p
 ) -> None:
     """The whole fleet frozen for 8 s, then back: nobody stays out after the cause has gone.
 
-    With half the fleet ejectable, the first failing workers are ejected before the failure shows
-    itself as collective; those ejections end when it does.
+    The whole fleet fails in the same round, so nobody is ejected before the failure shows itself
+    as collective (test_a_collective_failure_gives_back_the_ejections_it_ends has the ejections
+    that come first).
     """
     fake = FakeWorkers(MemoryNetwork())
     fleet = [fake.add(w) for w in workers(8)]
@@ -648,11 +705,40 @@ async def test_collective_failure_ejects_nobody_and_readmits_on_the_first_good_p
     assert all(prober.is_routable(w) and prober.cached(w) is not None for w in fleet)
     health = prober.snapshot()
     assert not health.collective_failure and health.failing == 0
-    # An outlier after the event is ejected for base × 1: the collective event's ejections were given back.
+    # An outlier after the event is ejected as one: for base × 1.
     fake.failing.add(fleet[0].status_target)
     for _ in range(3):
         await prober.probe([fleet[0]], trio.current_time() + 1.0).wait_all()
     assert prober.snapshot().ejected_until == {fleet[0].status_target: trio.current_time() + 30.0}
+
+
+async def test_a_collective_failure_gives_back_the_ejections_it_ends(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """The workers ejected as a collective failure began were its first signs, not outliers: their
+    ejection counts are given back, so the next time one of them fails alone it is out for base × 1,
+    not base × 2."""
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(10)]
+    first, second = fleet[:2]
+    prober = await start_prober(nursery, fake, fresh_ttl_s=0.0, eject_base_s=30.0, eject_max_s=300.0)
+    await prober.probe(fleet, trio.current_time() + 1.0).wait_all()
+
+    async def fail_three_times(worker: WorkerAddr) -> None:
+        fake.failing.add(worker.status_target)
+        for _ in range(3):
+            await probe_one(prober, worker)
+
+    await fail_three_times(first)
+    assert first.status_target in prober.snapshot().ejected_until
+    await fail_three_times(second)  # over the cap: a collective failure, which ends the ejection
+    health = prober.snapshot()
+    assert health.collective_failure and health.ejected_until == {}
+    for worker in (first, second):
+        fake.failing.discard(worker.status_target)
+        assert (await probe_one(prober, worker)).outcome is ProbeOutcome.OK
+    await fail_three_times(first)
+    assert prober.snapshot().ejected_until == {first.status_target: trio.current_time() + 30.0}
 
 
 async def test_background_health_probes_find_dead_workers_without_requests(
@@ -807,6 +893,40 @@ async def _a_request_probe_gets_a_status(prober: WorkerProber, worker: WorkerAdd
         await handle.wait_all()
     (result,) = handle.results()
     assert result.status is not None, result
+
+
+async def test_a_health_pass_skips_workers_heard_from_within_the_interval(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A health pass probes only workers not heard from for health_interval_s: those a request's
+    probe heard from lately are known alive already and cost no second probe."""
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = [fake.add(w) for w in workers(4)]
+    config = dataclasses.replace(ProberConfig(), background_refresh=False, health_interval_s=1.0)
+    start = trio.current_time()
+    prober = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    await trio.sleep_until(start + 0.9)
+    assert [fake.rpcs(w) for w in fleet] == [1, 1, 1, 1]  # the first pass
+    await prober.probe(fleet[:2], trio.current_time() + 0.05).wait_all()  # a request hears from two
+    await trio.sleep_until(start + 1.5)  # past the second pass
+    assert [fake.rpcs(w) for w in fleet] == [2, 2, 2, 2]
+
+
+async def test_health_probes_hold_at_most_half_of_the_background_slots(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Hanging health probes hold at most half of the refresh share of the slots, so a health pass that
+    goes on as slots free never leaves a refresh round without one."""
+    fake = FakeWorkers(MemoryNetwork())
+    fleet = _with_hanging(fake, workers(10), 10)
+    config = dataclasses.replace(
+        ProberConfig(), background_refresh=False, health_interval_s=1.0, inflight_cap=8, refresh_budget_share=0.5
+    )
+    prober = WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet)
+    await nursery.start(prober.run)
+    await trio.sleep(0.1)
+    assert fake.active == 2  # half of the 4 slots of the refresh share
 
 
 async def test_health_probes_of_hanging_workers_leave_requests_their_slots(
