@@ -120,6 +120,26 @@ async def test_background_refresh_stops_polling_a_worker_gone_cold(
     assert prober.snapshot().hot_workers == 0
 
 
+async def test_a_refused_poll_makes_a_status_still_within_its_ttl_unusable(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A poll refused since the last status says more than that status's age: a request reading the
+    worker within fresh_ttl_s is not answered from the cache with it but probes the worker itself."""
+    fake = FakeWorkers(MemoryNetwork())
+    (worker,) = [fake.add(w) for w in workers(1)]
+    prober = await start(nursery, fake, refreshing(serial_refresh=False))
+    start_at = trio.current_time()
+    assert await want(prober, [worker]) == (0, 0)  # probed on demand: the status the poll follows
+    fake.failing.add(worker.status_target)
+    await trio.sleep_until(start_at + INTERVAL_S + 0.005)  # the poll after one interval was refused
+    assert prober.snapshot().probes_failed == 1
+    assert trio.current_time() - start_at < FRESH_TTL_S  # the status is still within its ttl
+    handle = prober.probe([worker], trio.current_time() + 0.01)
+    await handle.wait_all()
+    (result,) = handle.results()
+    assert result.outcome is ProbeOutcome.FAILED and not result.from_cache
+
+
 async def test_background_polls_take_only_their_share_and_never_starve_requests(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
