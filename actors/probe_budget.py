@@ -62,10 +62,10 @@ class TokenBucket:
             return min(self._burst, self._tokens + (now - self._updated) * self._rate)
         return self._tokens
 
-    def take(self, now: float, *, keep: float = 0.0) -> bool:
-        """Take one token only if it is in the bucket now with ``keep`` more left over; never a debt."""
+    def take(self, now: float) -> bool:
+        """Take one token only if it is in the bucket now; never a debt."""
         self._refill(now)
-        if self._tokens < 1.0 + keep:
+        if self._tokens < 1.0:
             return False
         self._tokens -= 1.0
         return True
