@@ -127,6 +127,46 @@ async def test_a_stopped_scorer_fails_decisions_at_once_and_its_next_run_applies
         second_run.cancel_scope.cancel()
 
 
+class _RecordFailsOnce(CacheAffinityFirst):
+    """A policy whose first record() raises, as a bug would: the Scorer's run ends there."""
+
+    def __init__(self) -> None:
+        super().__init__(ScorerConfig(), DeploymentConfig(block_size=BS))
+        self.failed = False
+
+    def record(
+        self,
+        worker: WorkerAddr,
+        uncached_tokens: int,
+        now: float,
+        status_taken_at: float | None = None,
+        *,
+        requests: int = 1,
+    ) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a bug in record()")
+        super().record(worker, uncached_tokens, now, status_taken_at, requests=requests)
+
+
+async def test_records_still_queued_when_a_run_crashes_are_applied_by_the_next_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A run that ends with dispatch records in its inbox (a crash on the one before them) gives them
+    to the next run: lost, the workers they charge would look idle and draw the next requests."""
+    scorer = Scorer(_RecordFailsOnce(), inbox_size=8, max_warned_workers=64, error_log_interval_s=ERROR_LOG_INTERVAL_S)
+    a, b = addr(1), addr(2)
+    assert [scorer.record_nowait(w, 100, now=0.0) for w in (a, a, b)] == [True, True, True]
+    with pytest.raises(BaseExceptionGroup) as crashed:
+        await scorer.run()  # the first record raises; the other two are still queued
+    assert crashed.group_contains(RuntimeError, match="a bug in record")
+    async with trio.open_nursery() as second_run:
+        await second_run.start(scorer.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert scorer.health().records == 2
+        second_run.cancel_scope.cancel()
+
+
 async def test_a_full_inbox_drops_and_counts_records() -> None:
     scorer = make_scorer(inbox=2)  # not running: nothing drains the inbox
     assert [scorer.record_nowait(addr(1), 10, now=0.0) for _ in range(4)] == [True, True, False, False]
