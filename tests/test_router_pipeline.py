@@ -100,9 +100,12 @@ async def routed(
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
     metrics_inbox = router_kw.pop("metrics_inbox", None)
+    scorer = router_kw.pop("scorer", None)  # ScorerConfig fields to override
     config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, **router_kw)
     if isinstance(metrics_inbox, int):
         config = replace(config, metrics=MetricsConfig(inbox_size=metrics_inbox))
+    if isinstance(scorer, dict):
+        config = replace(config, scorer=replace(config.scorer, **scorer))
     async with open_router(config, rpc=network) as handle:
         resolver = handle.leader_resolver()
         assert resolver is not None
@@ -353,6 +356,72 @@ async def test_anytime_decision_uses_the_answers_in_hand(autojump_clock: trio.te
         assert len(scored) == 3
         assert dropped == {cluster.worker_addr(3).http_target: "probe_skipped"}
         assert d.worker == cluster.worker_addr(0)
+
+
+async def test_a_candidate_whose_probe_is_cut_is_scored_with_the_status_in_hand(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The holder's status is no longer fresh, so it is probed, and that probe is still in flight at
+    decide_at; the status in hand is younger than max_status_age_s and still scores it: the holder
+    keeps its hit instead of being dropped for the missing answer."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, config):
+        seed(cluster, 2, 8)
+        holder = cluster.worker_addr(2)
+        prober = handle.prober()
+        await prober.probe([holder], trio.current_time() + 0.05).wait_all()
+        await trio.sleep(config.prober.fresh_ttl_s)
+        assert prober.cached(holder) is not None  # not fresh, yet usable for scoring
+        cluster.workers[2].set_faults(WorkerFaults(delay_s=0.5))
+        d = await handle.route(RouteRequest("cut", token_ids=PROMPT, budget_ms=20))
+        assert d.route_source is RouteSource.KVCM and d.worker == holder and d.hit_tokens == len(PROMPT), d
+
+
+async def _ejected(handle: RouterHandle, network: MemoryNetwork, cluster: SimCluster, worker: WorkerAddr) -> None:
+    """The fleet heard from, then ``worker`` stops answering probes and is probed until it is ejected
+    (an outlier among workers known to answer, not a collective failure)."""
+    prober = handle.prober()
+    fleet = [cluster.worker_addr(i) for i in range(len(cluster.workers))]
+    await prober.probe(fleet, trio.current_time() + 0.05).wait_all()
+    await trio.sleep(1.0)  # the statuses in hand are no longer fresh: probed again
+    network.stop(worker.status_target)
+    for _ in range(3):
+        await prober.probe([worker], trio.current_time() + 0.05).wait_all()
+    assert worker.status_target in prober.snapshot().ejected_until
+
+
+async def test_an_ejected_holder_leaves_the_only_hot_place_to_the_next_holder(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With one hot place and KVCM naming two holders, the deeper one ejected: the plan passes it over
+    for the other, which is chosen with its hit (the ejected one in the place would be dropped after
+    its probe was skipped, leaving no candidate)."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, scorer={"hot_set_size": 1, "cold_set_size": 0}) as (handle, network, _):
+        seed(cluster, 1, 8)
+        seed(cluster, 2, 4)
+        await _ejected(handle, network, cluster, cluster.worker_addr(1))
+        d = await handle.route(RouteRequest("ej", token_ids=PROMPT, budget_ms=50))
+        assert d.route_source is RouteSource.KVCM, d
+        assert d.worker == cluster.worker_addr(2) and d.hit_tokens == 4 * BLOCK
+
+
+async def test_an_ejected_holder_leaves_the_only_hot_place_to_the_next_holder_in_the_shadow_index(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The same when KVCM is down and the shadow index answers: its match takes only hosts that can
+    take a hot place, so the ejected deeper holder does not crowd out the other."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, scorer={"hot_set_size": 1, "cold_set_size": 0}) as (handle, network, _):
+        (shadow_source,) = [s for s in handle.router_actor()._chain if isinstance(s, ShadowSource)]
+        now = trio.current_time()
+        shadow_source._shadow.index.record(cluster.worker_addr(1).http_target, KEYS, now)
+        shadow_source._shadow.index.record(cluster.worker_addr(2).http_target, KEYS[:4], now)
+        await _ejected(handle, network, cluster, cluster.worker_addr(1))
+        fault_the_leader(cluster, KvcmFaults(dead=True))
+        d = await handle.route(RouteRequest("ej", token_ids=PROMPT, budget_ms=50))
+        assert d.route_source is RouteSource.SHADOW, d
+        assert d.worker == cluster.worker_addr(2) and d.hit_tokens == 4 * BLOCK
 
 
 async def test_pdfusion_only_deployment_never_gets_prefill(autojump_clock: trio.testing.MockClock) -> None:
