@@ -1171,6 +1171,27 @@ async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_
         assert bad.reason is Reason.BAD_REQUEST and bad.error is not None and "prefill-capable" in bad.error
 
 
+async def test_a_decode_worker_saying_it_is_not_alive_is_never_the_companion_however_idle(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The idle decode worker says alive=false, the other has a task: the decode address beside the
+    prefill pick names the live one, not the least loaded."""
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 3 + [
+        WorkerSpec(role="RoleType.DECODE", block_size=BLOCK, prefill_tokens_per_s=1.0)
+    ] * 2
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PREFILL, Role.DECODE)) as (handle, _, _):
+        idle, busy = cluster.worker_addr(3), cluster.worker_addr(4)
+        cluster.workers[3].set_faults(WorkerFaults(not_alive=True))
+        cluster.workers[4].submit("busy", 64, 0, trio.current_time())
+        await handle.prober().probe([idle, busy], trio.current_time() + 0.05).wait_all()
+        seed(cluster, 1, 8)
+        for n in range(5):
+            d = await handle.route(RouteRequest(f"pd{n}", token_ids=PROMPT, budget_ms=50))
+            (decode,) = [a for a in d.role_addrs if a.role is Role.DECODE]
+            assert (decode.ip, decode.http_port) == (busy.ip, busy.http_port), d
+
+
 # --- readiness and routing tell the truth about workers ------------------------------------------
 
 
