@@ -24,6 +24,7 @@ from actors.router_actor import RestOwed
 from actors.scorer import Decided, DecideRequest, Scorer, ScorerHealth
 from actors.shadow_index import ShadowHealth, ShadowIndexActor
 from actors.sources.base import FellThrough, RequestContext, RequestSplit
+from actors.sources.kvcm import KvcmSource
 from actors.sources.shadow import ShadowSource
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults, SimKvcmCluster
@@ -1423,6 +1424,36 @@ async def test_a_deadline_inside_a_source_still_names_that_source_in_the_decisio
             (RouteSource.KVCM, SourceOutcome.FELL_THROUGH, Reason.DEADLINE)
         ]
         assert d.sources[0].elapsed_ms == pytest.approx(50.0)
+
+
+async def test_a_source_is_ended_at_its_windows_end_and_the_next_one_answers(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router holds each source to its window itself: a KVCM source whose attempt never returns
+    falls through with DEADLINE when its window (10 ms here) ends, and the next source answers then,
+    long before the request's deadline."""
+
+    def window(self: KvcmSource, ctx: RequestContext) -> float:
+        return ctx.received_at + 0.010
+
+    async def attempt(self: KvcmSource, ctx: RequestContext) -> FellThrough:
+        await trio.sleep_forever()
+
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        monkeypatch.setattr(KvcmSource, "window", window)
+        monkeypatch.setattr(KvcmSource, "attempt", attempt)
+        start = trio.current_time()
+        d = await handle.route(RouteRequest("hung", token_ids=PROMPT, budget_ms=50))
+        assert trio.current_time() - start == pytest.approx(0.010)
+        assert d.worker is not None and d.route_source is not RouteSource.KVCM
+        kvcm, *later = d.sources
+        assert (kvcm.source, kvcm.outcome, kvcm.reason) == (
+            RouteSource.KVCM,
+            SourceOutcome.FELL_THROUGH,
+            Reason.DEADLINE,
+        )
+        assert kvcm.elapsed_ms == pytest.approx(10.0) and later, d.sources
 
 
 async def test_a_deadline_answer_is_charged_and_written_into_the_shadow_as_a_chain_answer_is(
