@@ -134,3 +134,25 @@ async def test_a_pick_looks_at_a_bounded_number_of_workers_when_statuses_are_sta
             d = await handle.route(RouteRequest(f"r{i}", token_ids=tuple(range(64)), budget_ms=20))
             assert d.route_source is RouteSource.DOMAIN and d.worker is not None
             assert 0 < len(looked) <= _REDRAWS + 1 + _KNOWN_SCAN  # the draws, then the bounded look
+
+
+async def test_a_pick_prefers_workers_known_to_serve_the_role_over_never_probed_ones(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two of eight workers have reported their role (prefill), the others were never probed: every
+    domain pick is one of the two, whose answer is labelled with a role they said they serve."""
+    cluster = SimCluster(workers=8, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        router=RouterConfig(kvcm_fallback=False),
+        discovery=DiscoveryConfig(workers=addrs.workers_arg),
+        prober=ProberConfig(health_interval_s=0.0),
+    )
+    known = {cluster.worker_addr(0), cluster.worker_addr(1)}
+    async with open_router(config, rpc=network) as handle:
+        await handle.prober().probe(list(known), trio.current_time() + 0.05).wait_all()
+        for i in range(30):
+            d = await handle.route(RouteRequest(f"r{i}", token_ids=tuple(range(64)), budget_ms=20))
+            assert d.route_source is RouteSource.DOMAIN and d.worker in known and d.role is Role.PREFILL, d
