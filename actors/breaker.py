@@ -141,7 +141,11 @@ class _Window:
         return calls, failures
 
     def clear(self) -> None:
+        # The counts go too: an epoch of -1 is still inside the window while the clock is below
+        # (n - 1) × width, so stale counts left behind would be summed again.
         self._epochs = [-1] * self._n
+        self._calls = [0] * self._n
+        self._failures = [0] * self._n
 
 
 class KvcmBreaker:

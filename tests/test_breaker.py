@@ -143,6 +143,27 @@ def test_window_bounds_memory_at_any_call_rate() -> None:
     assert 89_990 <= snap.window_calls <= 100_000
 
 
+def test_closing_forgets_the_window_near_clock_zero() -> None:
+    """A breaker opened on the failure rate early in the clock's life (MockClock starts at 0) closes
+    on a good trial with an empty window: one failure after that is one call of a fresh window."""
+    config = dataclasses.replace(CFG, failure_threshold=1000)  # isolate the rate rule
+    b = KvcmBreaker(config)
+    t = 0.5  # inside the first of the window's buckets
+    for _ in range(config.window_min_calls):
+        b.record_failure(t, trial=False, started_at=t)
+    assert state(b) is BreakerState.OPEN
+    assert b.snapshot(t).window_calls == 0
+    t += config.cooldown_s
+    assert b.admit(t) is Admission.TRIAL
+    b.record_success(t, trial=True)
+    assert state(b) is BreakerState.CLOSED
+    assert b.snapshot(t).window_calls == 0
+    b.record_failure(t, trial=False, started_at=t)
+    assert state(b) is BreakerState.CLOSED
+    snap = b.snapshot(t)
+    assert (snap.window_calls, snap.window_failures) == (1, 1)
+
+
 # --- OPEN ----------------------------------------------------------------------------
 
 
