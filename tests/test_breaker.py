@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from actors.breaker import Admission, BreakerState, KvcmBreaker, breaker_problems
 from router.config import BreakerConfig, KvrouteConfig
+from router.problems import ConfigError
 
 CFG = BreakerConfig(
     failure_threshold=3,
@@ -296,6 +297,21 @@ def test_trial_never_reported_counts_as_failed_after_timeout() -> None:
     assert b.admit(at + 2 * CFG.cooldown_s) is Admission.TRIAL
 
 
+def test_view_leaves_a_timed_out_trial_to_the_owner() -> None:
+    """The published view rejects while the trial is out, but once it is overdue only the owner may
+    decide (count it failed and reopen): a view that went on rejecting would hold HALF_OPEN for good."""
+    config = BreakerConfig(failure_threshold=1)
+    b = opened(at=100.0, config=config)
+    trial_at = 100.0 + config.cooldown_s
+    assert b.admit(trial_at) is Admission.TRIAL
+    view = b.view()
+    assert view.admits(trial_at + config.trial_timeout_s - 0.1) is Admission.REJECT
+    assert view.admits(trial_at + config.trial_timeout_s) is None
+    assert b.admit(trial_at + config.trial_timeout_s) is Admission.REJECT
+    assert state(b) is BreakerState.OPEN
+    assert b.snapshot(trial_at + config.trial_timeout_s).trial_timeouts_total == 1
+
+
 def test_full_cycle_both_directions() -> None:
     b = KvcmBreaker(CFG)
     seen = [b.state]
@@ -440,3 +456,11 @@ def test_config_validation_names_every_bad_field() -> None:
     ):
         assert name in str(info.value) and name in named
     assert breaker_problems(BreakerConfig()) == []  # defaults are valid
+
+
+def test_cooldown_above_its_maximum_is_refused() -> None:
+    bad = BreakerConfig(cooldown_s=60.0, cooldown_max_s=30.0)  # each within its own range
+    with pytest.raises(ConfigError) as info:
+        KvcmBreaker(bad)
+    assert [problem.fields for problem in info.value.problems] == [("cooldown_s", "cooldown_max_s")]
+    assert "breaker.cooldown_s" in str(info.value) and "breaker.cooldown_max_s" in str(info.value)
