@@ -36,7 +36,7 @@ from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteRequest, RouteSource, SourceOutcome
 from router.wire import paths
-from router.wire.master import MasterScheduleRequest
+from router.wire.master import CODE_FALLBACK, MasterScheduleRequest, error_json, info_json
 
 BLOCK = 16
 PROMPT = tuple(range(1000, 1000 + 8 * BLOCK))
@@ -146,6 +146,26 @@ async def test_a_business_error_ends_the_request_with_its_code(autojump_clock: t
         assert decision.worker is None and decision.route_source is RouteSource.NONE
         assert (decision.reason, decision.error_code) == (Reason.MASTER_ERROR, 8402)
         assert decision.error is not None and "8402" in decision.error
+        assert r.kvcm_queries() == before
+
+
+async def test_8600_inside_a_200_is_a_business_error_not_a_fallback(autojump_clock: trio.testing.MockClock) -> None:
+    """The reference frontend falls back only on an 8600 in a non-200 reply; inside a 200 it fails the
+    request with the code, and no cache source is asked."""
+    async with rig(replicas=1) as r:
+        host = r.master.addresses().elected
+
+        async def fallback_in_200(path: str, body: bytes) -> tuple[int, bytes]:
+            if path == paths.MASTER_HTTP_INFO:
+                return 200, info_json(host, 0, host.rpartition(":")[0])
+            return 200, error_json(CODE_FALLBACK, "x")
+
+        r.masters.serve(host, fallback_in_200)
+        before = r.kvcm_queries()
+        decision = await r.handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        assert decision.worker is None and decision.route_source is RouteSource.NONE
+        assert (decision.reason, decision.error_code) == (Reason.MASTER_ERROR, CODE_FALLBACK)
+        assert [(s.source, s.outcome) for s in decision.sources] == [(RouteSource.MASTER, SourceOutcome.ENDED)]
         assert r.kvcm_queries() == before
 
 
@@ -614,3 +634,44 @@ async def test_a_trial_ask_waits_only_within_the_masters_window(autojump_clock: 
         assert decision.route_source is RouteSource.MASTER
         await trio.testing.wait_all_tasks_blocked()
         assert master_health(r).breaker.state.value == "closed"
+
+
+@pytest.mark.parametrize("how", ["budget", "cancelled"])
+async def test_a_trial_that_ends_unjudged_frees_its_slot_at_once(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    """A trial whose window the request's own budget cut short (under a slow answer), or whose caller
+    cancelled it mid-call, says nothing of the master: the slot is free for the next request at once,
+    where it would hold the breaker half-open until the trial timed out and then reopen it."""
+    async with rig(replicas=1, transport_timeout_ms=30, later_sources_ms=20) as r:
+        await open_the_breaker_until_a_trial_is_due(r)  # the master still hangs
+        if how == "budget":
+            decision = await r.route("short", budget_ms=25)  # leaves the master 5 ms, under slow_query_ms
+            assert decision.sources[0].reason is Reason.MASTER_UNAVAILABLE
+        else:
+            with trio.move_on_after(0.005):
+                await r.route("cancelled")
+        await trio.testing.wait_all_tasks_blocked()
+        breaker = master_health(r).breaker
+        assert (breaker.state, breaker.trial_started_at) == (BreakerState.HALF_OPEN, None)
+        r.master.clear_faults()
+        decision = await r.route("trial")
+        assert decision.route_source is RouteSource.MASTER
+        await trio.testing.wait_all_tasks_blocked()
+        breaker = master_health(r).breaker
+        assert (breaker.state, breaker.trial_timeouts_total, breaker.opened_total) == (BreakerState.CLOSED, 0, 1)
+
+
+async def test_a_caller_cancelling_during_the_masters_call_is_no_failure_of_the_master(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig(replicas=1, transport_timeout_ms=30) as r:
+        r.master.set_faults(0, MasterFaults(hang=True))
+        for i in range(3):  # the breaker's threshold, had they counted
+            with trio.move_on_after(0.005):
+                await r.route(f"cancelled{i}")
+        await trio.testing.wait_all_tasks_blocked()
+        health = master_health(r)
+        breaker = health.breaker
+        assert (breaker.state, breaker.opened_total, breaker.consecutive_failures) == (BreakerState.CLOSED, 0, 0)
+        assert health.requests == 3
