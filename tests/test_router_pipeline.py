@@ -1091,6 +1091,24 @@ async def test_no_bootstrap_target_yet_is_ready_for_domain_routing(
         assert ready and "no_bootstrap" in why and "domain fallback" in why
 
 
+async def test_no_bootstrap_target_falls_through_kvcm_as_no_leader(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """No KVCM target known yet is no leader elected, as the decision records it: not a KVCM error."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config("", addrs.workers_arg)
+    discovery = replace(config.discovery, kvcm_bootstrap_file=str(tmp_path / "kvcm.txt"))
+    async with open_router(replace(config, discovery=discovery), rpc=network) as handle:
+        await trio.sleep(1.0)
+        d = await handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        kvcm_step = d.sources[0]
+        assert (kvcm_step.source, kvcm_step.outcome) == (RouteSource.KVCM, SourceOutcome.FELL_THROUGH)
+        assert kvcm_step.reason is Reason.NO_LEADER
+        assert d.worker is not None
+
+
 async def test_companions_are_the_least_loaded_and_a_redraw_walks_the_fleet_once(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1727,6 +1745,31 @@ async def test_a_blank_host_in_kvcms_answer_is_counted_as_a_malformed_host(
         await trio.testing.wait_all_tasks_blocked()  # the metrics sink has applied the decision
         registry = handle.metrics.registry
         assert registry.get_sample_value("kvroute_candidates_dropped_total", {"reason": "malformed_host"}) == 1
+
+
+async def test_a_host_holding_the_prefix_only_through_a_peer_is_a_kvcm_candidate(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A host with no local block whose peer-to-peer fetch would match is a positive holder: KVCM
+    answers the request, where it fell through as no positive match."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, network, config):
+        seed(cluster, 2, 8)
+
+        def through_a_peer_only(answer: kvcm_pb.GetHostCacheStateResponse) -> None:
+            (host,) = answer.hosts
+            host.local = 0
+            host.p2p_1_fetch = host.p2p_1_total_match = 8
+
+        serve_cache_answers_edited(cluster, network, config, through_a_peer_only)
+        decision = await handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
+        kvcm_step = decision.sources[0]
+        assert (kvcm_step.source, kvcm_step.outcome, kvcm_step.reason) == (
+            RouteSource.KVCM,
+            SourceOutcome.ANSWERED,
+            Reason.CACHE_LEADER,
+        )
+        assert (decision.route_source, decision.worker) == (RouteSource.KVCM, cluster.worker_addr(2))
 
 
 async def test_a_kvcm_answer_claiming_more_blocks_than_asked_falls_through_as_garbled(
