@@ -134,6 +134,46 @@ async def test_use_restarts_the_idle_clock_and_a_leased_channel_never_expires(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_leased_channel_skipped_by_the_sweep_does_not_shield_the_idle_ones_after_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A held lease on the oldest channel must not shield the idle ones after it from expiry."""
+    pool, factory = make_pool(idle_expiry_s=1.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        async with pool.lease("a.example:1"):
+            async with pool.lease("b.example:1"):
+                pass
+            await trio.sleep(2.0)
+            a, b = factory.opened
+            assert (a.closes, b.closes) == (0, 1)
+            assert pool.snapshot().evicted["idle"] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lease_makes_its_channel_the_most_recently_used(autojump_clock: trio.testing.MockClock) -> None:
+    """At the cap a new target evicts the channel least recently leased or returned: not one leased
+    since the other was returned."""
+    pool, factory = make_pool(max_channels=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        for target in ("a.example:1", "b.example:1"):
+            async with pool.lease(target):
+                pass
+        async with pool.lease("a.example:1") as held_a:
+            await settle()  # the task has counted the lease
+            async with pool.lease("c.example:1"):
+                pass
+            await settle()
+            a, b, _ = factory.opened
+            assert held_a is a
+            assert (a.closes, b.closes) == (0, 1)
+            assert pool.snapshot().evicted["lru"] == 1
+            async with pool.lease("a.example:1") as again:
+                assert again is a  # still in the map
+        nursery.cancel_scope.cancel()
+
+
 async def test_evicted_channel_closes_only_when_its_last_lease_returns(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
