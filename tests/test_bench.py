@@ -16,7 +16,6 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,7 +27,7 @@ from kvroute_sim.bench import callers, chart, decision_cpu, latency, thread_cpu
 from kvroute_sim.bench import cli as bench_cli
 from kvroute_sim.bench.cli import _router_setting, _selected, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, Outcomes, router_config
-from kvroute_sim.bench.outage import P4_TARGET_ADDED_P99_MS, SCENARIOS, OutageSizes, _scenario
+from kvroute_sim.bench.outage import NOT_DETECTED, P4_TARGET_ADDED_P99_MS, until_written_off
 from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
 from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, knee_free_through, targets_met
 from kvroute_sim.bench.raw_grpc import FloorSamples, paced, slot_wait
@@ -37,7 +36,6 @@ from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
 from kvroute_sim.bench.throughput import rounds_rate
 from kvroute_sim.stats import shown_against
 from router.cli import main
-from router.config import BreakerConfig
 from router.sidecar import CallTiming
 from router.types import RouteSource
 
@@ -560,13 +558,26 @@ def test_the_raw_clients_rate_over_rounds_is_taken_as_the_routers_is() -> None:
     assert rounds_rate([2500.0, 2500.0]) == pytest.approx(2500.0)
 
 
-def test_p4_counts_kvcm_written_off_by_the_last_route_it_allows() -> None:
+@pytest.mark.parametrize(
+    ("written_off_after", "routes", "detected"),
+    [(5, 5, "breaker open"), (2, 2, "breaker open"), (None, 5, NOT_DETECTED)],
+)
+def test_p4_counts_kvcm_written_off_by_the_last_route_it_allows(
+    written_off_after: int | None, routes: int, detected: str
+) -> None:
     """With as many detection routes allowed as the breaker needs failures, the last one opens it: that
     was recorded as never detected, which misses the judged figure."""
-    needed = BreakerConfig().failure_threshold
-    sizes = OutageSizes(healthy=5, outage=5, detect_max=needed, warm_up=5)
-    result = trio.run(partial(_scenario, ClusterShape(), SCENARIOS[0], sizes, domain_baseline=False))
-    assert (result.detected, len(result.detection_ms)) == ("breaker open", needed)
+    routed: list[float] = []
+
+    async def route_once() -> float:
+        routed.append(float(len(routed) + 1))
+        return routed[-1]
+
+    def written_off() -> str | None:
+        return "breaker open" if written_off_after is not None and len(routed) >= written_off_after else None
+
+    result = trio.run(until_written_off, route_once, written_off, 5)
+    assert result == ([float(n) for n in range(1, routes + 1)], detected)
 
 
 def test_the_chart_draws_what_the_saved_results_hold_and_nothing_without_p7_or_p8(tmp_path: Path) -> None:

@@ -18,7 +18,9 @@ fine — each failed query counts on the breaker, which opens after 5), ``KVCM b
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import trio
 
@@ -33,6 +35,7 @@ from router.wire import paths
 
 P4_TARGET_ADDED_P99_MS = 0.5
 SCENARIO_TIMEOUT_S = 300.0
+NOT_DETECTED = "not detected"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,7 @@ SCENARIOS = (
 class ScenarioResult:
     healthy_ms: list[float] = field(default_factory=list)
     detection_ms: list[float] = field(default_factory=list)  # every route until KVCM was written off
-    detected: str = "not detected"  # what wrote KVCM off
+    detected: str = NOT_DETECTED  # what wrote KVCM off
     outage_ms: list[float] = field(default_factory=list)
     outage_outcomes: Outcomes = field(default_factory=Outcomes.empty)
     breaker_opened: int = 0
@@ -101,6 +104,21 @@ def _written_off(resolver: LeaderResolver) -> str | None:
     return None
 
 
+async def until_written_off(
+    route_once: Callable[[], Awaitable[float]], written_off: Callable[[], str | None], most: int
+) -> tuple[list[float], str]:
+    """Route one request at a time until ``written_off`` says what wrote KVCM off, at most ``most``
+    routes: each route's ms, and what wrote it off (``not detected`` when nothing did)."""
+    routes_ms: list[float] = []
+    for _ in range(most):
+        detected = written_off()
+        if detected is not None:
+            return routes_ms, detected
+        routes_ms.append(await route_once())
+    # The last route allowed may be the one that wrote KVCM off.
+    return routes_ms, written_off() or NOT_DETECTED
+
+
 async def _scenario(
     shape: ClusterShape, scenario: Scenario, sizes: OutageSizes, *, domain_baseline: bool
 ) -> ScenarioResult:
@@ -124,15 +142,14 @@ async def _scenario(
                 result.healthy_ms, _ = await sequential(router, requests, sizes.healthy)
                 for node in cluster.kvcm.node_ids:
                     cluster.kvcm.set_faults(node, scenario.faults)
-                for _ in range(sizes.detect_max):
-                    detected = _written_off(resolver)
-                    if detected is not None:
-                        result.detected = detected
-                        break
+
+                async def route_once() -> float:
                     latencies, _ = await sequential(router, requests, 1)
-                    result.detection_ms += latencies
-                else:  # the last route allowed may be the one that wrote KVCM off
-                    result.detected = _written_off(resolver) or result.detected
+                    return latencies[0]
+
+                result.detection_ms, result.detected = await until_written_off(
+                    route_once, partial(_written_off, resolver), sizes.detect_max
+                )
                 result.outage_ms, result.outage_outcomes = await sequential(router, requests, sizes.outage)
                 result.breaker_opened = resolver.snapshot().breaker.opened_total
                 cluster.kvcm.clear_faults()  # release hung handler threads before the servers stop
