@@ -106,8 +106,18 @@ async def fleet(nursery: trio.Nursery) -> AsyncIterator[Fleet]:
 
 
 async def test_inflight_cap_is_exact_at_real_servers(fleet: Fleet) -> None:
-    with trio.fail_after(10):
-        handle = fleet.prober.probe(fleet.addrs, trio.current_time() + 8.0)
+    # The held workers answer only once the servers have seen every slot taken: 50 ms answers alone
+    # let the first probes end before a loaded machine has started the sixteenth. A deadline far
+    # beyond them: a probe skipped at it would change the counts this test is about.
+    held_sims = fleet.sims[HELD]
+    for sim in held_sims:
+        sim.set_faults(WorkerFaults(hang=True))
+    with trio.fail_after(PROBE_TIMEOUT_S + 20.0):
+        handle = fleet.prober.probe(fleet.addrs, trio.current_time() + PROBE_TIMEOUT_S + 15.0)
+        reached = await trio.to_thread.run_sync(fleet.stats.wait_in_flight, paths.WORKER_GET_STATUS, CAP, 15.0)
+        assert reached  # every slot is taken by a call at its server
+        for sim in held_sims:
+            sim.set_faults(WorkerFaults(delay_s=DELAY_S))
         await handle.wait_all()
     outcomes: dict[object, int] = {}
     for r in handle.results():
