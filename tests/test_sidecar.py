@@ -45,6 +45,7 @@ from router.replay import load_log
 from router.request import budget_left_ms, caller_deadline
 from router.sidecar import (
     ERROR_METADATA_CHARS,
+    ERROR_METADATA_KEY,
     ROUTER_SERVICE,
     Sidecar,
     _CallHops,
@@ -112,12 +113,16 @@ async def rig(
     serve: ServeConfig | None = None,
     router: RouterConfig | None = None,
     limits: LimitsConfig | None = None,
+    workers: str | None = None,
 ) -> AsyncIterator[Rig]:
+    """``workers``: what discovery is given (default: the cluster's workers)."""
     cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
     addrs = await nursery.start(cluster.serve_grpc)
     config = KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
-        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        discovery=DiscoveryConfig(
+            kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg if workers is None else workers
+        ),
         router=router or RouterConfig(budget_cap_ms=1000.0),
         serve=serve or ServeConfig(grpc_listen="127.0.0.1:0"),
         limits=limits or LimitsConfig(),
@@ -473,6 +478,31 @@ async def test_a_decision_made_after_its_client_cancelled_is_counted_client_gone
             kept = router_v1_pb2.RouteRequest(request_id="kept", token_ids=PROMPT, budget_ms=600)
             assert isinstance(await _in_thread(lambda: r.route(kept)), router_v1_pb2.RouteDecision)
             assert (r.sidecar.stats().answered, r.sidecar.stats().client_gone) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("reply_margin_ms", "shed"),
+    [(RouterConfig().reply_margin_ms, False), (30_000.0, True)],  # past the deadline: shed at receipt
+    ids=["routed", "shed"],
+)
+async def test_an_answer_routing_nowhere_carries_its_error_in_the_trailing_metadata(
+    nursery: trio.Nursery, reply_margin_ms: float, shed: bool
+) -> None:
+    """``route_source=none`` is a reply, not a gRPC error: why nothing was routed (here, no worker is
+    known) reaches the client only in the trailing metadata, whether the router answered the call or
+    the handler thread shed it."""
+    router = RouterConfig(budget_cap_ms=1000.0, reply_margin_ms=reply_margin_ms)
+    with trio.fail_after(15):
+        async with rig(nursery, router=router, workers="") as r:
+            request = router_v1_pb2.RouteRequest(request_id="nowhere", token_ids=PROMPT, budget_ms=1000)
+            reply, call = await trio.to_thread.run_sync(
+                lambda: _route_call(r.channel).with_call(request, timeout=10.0)
+            )
+            assert (reply.request_id, reply.route_source, reply.ip) == ("nowhere", "none", "")
+            assert r.sidecar.stats().shed_at_receipt == int(shed)
+            trailer = dict(call.trailing_metadata() or ())
+            error = trailer.get(ERROR_METADATA_KEY)
+            assert isinstance(error, str) and error.startswith("discovery has no worker"), trailer
 
 
 @pytest.mark.parametrize(
@@ -911,6 +941,11 @@ async def test_a_call_whose_client_gave_up_keeps_its_place_until_the_router_is_d
                     break
                 await trio.sleep(0.01)
             assert gate.in_router() == 0
+            # A handler that waited out its deadline for a decision counts it as timed out, not failed:
+            # the two are told apart on the metrics.
+            assert await _in_thread(lambda: _handlers_returned(r.sidecar))
+            stats = r.sidecar.stats()
+            assert (stats.timed_out, stats.failed) == (after_second, 0)
 
 
 async def test_a_call_whose_client_gave_up_is_timed_to_the_give_up_not_to_the_stall(nursery: trio.Nursery) -> None:
@@ -1110,6 +1145,17 @@ async def test_drain_lame_duck_refuses_new_calls_and_says_not_serving(nursery: t
             final = r.sidecar.stats()
             assert (final.answered, final.unavailable, final.in_flight, final.timed_out) == (1, 1, 0, 0)
             assert not r.stopped.is_set()  # still within the lame duck
+
+
+async def test_a_lame_duck_longer_than_the_drain_timeout_ends_with_the_timeout(nursery: trio.Nursery) -> None:
+    """The lame duck is the first part of the drain, not added to it: a --drain-lame-duck-s beyond
+    --drain-timeout-s is cut to it, and the drain ends within the timeout."""
+    serve = ServeConfig(grpc_listen="127.0.0.1:0", drain_lame_duck_s=HOLD_S, drain_timeout_s=0.3)
+    with trio.fail_after(30):
+        async with rig(nursery, serve=serve) as r:
+            r.sidecar.drain()
+            with trio.fail_after(5):  # the timeout and ample room; the lame duck alone would outlast the test
+                await r.stopped.wait()
 
 
 async def test_drain_stops_the_server_once_calls_are_done(nursery: trio.Nursery) -> None:
