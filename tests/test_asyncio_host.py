@@ -178,6 +178,29 @@ async def test_a_deadline_on_the_callers_loop_clock_bounds_the_decision(nursery:
             assert answer.worker is not None
 
 
+async def test_the_earlier_of_the_requests_deadline_and_the_callers_bounds_the_decision(
+    nursery: trio.Nursery,
+) -> None:
+    """A request may carry its own deadline on the router's clock beside the one route() is given on
+    the caller's: the earlier one wins, here the request's (long past), answered at once by the
+    deadline fallback while the caller's would have left KVCM its whole budget."""
+    with trio.fail_after(20):
+        _cluster, addrs = await _seeded_cluster(nursery)
+        decisions: list[RouteDecision] = []
+
+        async def program() -> None:
+            async with AsyncioRouterHost(_config(addrs)) as host:
+                decisions.append(await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=CAP_MS)))
+                later = asyncio.get_running_loop().time() + 30.0
+                past = RouteRequest("past", token_ids=PROMPT, budget_ms=CAP_MS, deadline=-1e9)  # past on any clock
+                decisions.append(await host.route(past, deadline=later))
+
+        await _run_asyncio(program)
+        warm, past = decisions
+        assert warm.route_source is RouteSource.KVCM, warm
+        assert (past.route_source, past.reason) == (RouteSource.DOMAIN, Reason.DEADLINE), past
+
+
 async def test_route_from_another_event_loop_thread(nursery: trio.Nursery) -> None:
     """route() is thread-safe: a second asyncio loop in another thread shares the same host."""
     with trio.fail_after(20):
@@ -485,6 +508,37 @@ async def test_a_call_with_no_time_left_is_the_routers_to_answer_when_there_is_a
 
         await _run_asyncio(program)
         assert all(d.reason is Reason.DEADLINE for d in decisions), decisions
+
+
+async def test_a_call_whose_caller_left_less_than_the_reply_margin_teaches_the_limit_nothing(
+    nursery: trio.Nursery,
+) -> None:
+    """The reply margin comes off the caller's time before the call is judged: a caller whose deadline
+    is within the margin left the router nothing, so its call (answered ``deadline``) says nothing of
+    the router's pace. Judged on the caller's whole time, each quick answer would grow the limit."""
+    with trio.fail_after(20):
+        _cluster, addrs = await _seeded_cluster(nursery)
+        router = RouterConfig(budget_cap_ms=CAP_MS, reply_margin_ms=30_000.0)
+        config = dataclasses.replace(_config(addrs), router=router)
+        decisions: list[RouteDecision] = []
+        shares: list[float] = []
+
+        async def program() -> None:
+            async with AsyncioRouterHost(config) as host:
+                await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=500))
+                shares.append(host._gate._limit.share)
+                loop = asyncio.get_running_loop()
+                for i in range(5):
+                    request = RouteRequest(f"m{i}", token_ids=PROMPT, budget_ms=CAP_MS)
+                    decisions.append(await host.route(request, deadline=loop.time() + 10.0))
+                shares.append(host._gate._limit.share)
+                stats = host.stats()
+                assert (stats.shed_before_hop, stats.handed, stats.in_router) == (0, 6, 0)
+
+        await _run_asyncio(program)
+        assert all(d.reason is Reason.DEADLINE for d in decisions), decisions
+        before, after = shares
+        assert after == before
 
 
 async def test_a_call_to_a_stalled_router_thread_ends_by_its_time_not_the_stall(nursery: trio.Nursery) -> None:
