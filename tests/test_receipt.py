@@ -1,5 +1,6 @@
 """The hand-off gate both ways in share: the requests handed to the router under the learnt in-flight
-limit, with the real threads that wait on it (no clock is read by the assertions)."""
+limit, with the real threads that wait on it (no clock is read by the assertions); and the sheds they
+answer, recorded on the routing thread."""
 
 from __future__ import annotations
 
@@ -7,11 +8,19 @@ import asyncio
 import gc
 import threading
 import time
+from collections.abc import Callable, Mapping
+from typing import cast
 
+import outcome
+import trio
+import trio.testing
+
+from actors.router_actor import RouterActor
 from router.admission import InFlightLimit
 from router.asyncio_host import _Handed
 from router.config import RouterConfig
-from router.receipt import HandOffGate
+from router.receipt import HandOffGate, ShedRecords
+from router.types import Reason, RouteDecision, RouteRequest, RouteSource, WorkerAddr
 
 
 class _WaitSeen(threading.Condition):
@@ -158,3 +167,67 @@ def test_a_held_place_makes_no_reference_cycle() -> None:
             gc.enable()
     finally:
         loop.close()
+
+
+def test_a_call_the_router_settled_before_its_caller_gave_up_frees_its_place_at_the_give_up() -> None:
+    """The router may settle a call just before its caller stops waiting (its deadline, a cancel): the
+    caller then never resumes with the outcome, and the give-up is the last chance to free the place."""
+    loop = asyncio.new_event_loop()
+    gate = _gate(waiters=0)
+    try:
+        gate.hand_off_anyway()
+        handed = _Handed(gate, loop, time.monotonic(), 60.0)
+        handed.settle(outcome.Value(cast(RouteDecision, object())))  # the routing thread is done with it
+        assert gate.in_router() == 1  # the caller may still resume with it
+        handed.give_up()
+        assert gate.in_router() == 0
+        assert gate.hand_off(0.0)  # the one place is free again
+    finally:
+        loop.close()
+
+
+class _RecordingRouter:
+    """What the shed records give the router: each shed recorded, and the charges summed per worker."""
+
+    def __init__(self) -> None:
+        self.recorded: list[tuple[str, float]] = []  # request id, deadline
+        self.charged: dict[WorkerAddr, tuple[int, int]] = {}
+
+    def record_shed(self, request: Callable[[], RouteRequest], decision: RouteDecision, deadline: float) -> None:
+        assert request().request_id == decision.request_id
+        self.recorded.append((decision.request_id, deadline))
+
+    def charge_sheds(self, sent: Mapping[WorkerAddr, tuple[int, int]]) -> None:
+        for worker, (tokens, requests) in sent.items():
+            charged, counted = self.charged.get(worker, (0, 0))
+            self.charged[worker] = (charged + tokens, counted + requests)
+
+
+async def test_sheds_are_recorded_with_their_deadline_and_charged_to_their_worker_by_prompt_length(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A shed answered off the routing thread is charged to the worker its answer names as the router
+    charges its own: the prompt's tokens and one request each (uncharged, sheds pile onto the workers
+    the drawn answers name); an answer naming no worker charges nobody. Its record's deadline is the
+    time it had to go, not the moment it is recorded."""
+    a, b = WorkerAddr("10.0.0.1", 8000, 8001, 8001), WorkerAddr("10.0.0.2", 8000, 8001, 8001)
+
+    def overloaded(worker: WorkerAddr | None) -> RouteDecision:
+        source = RouteSource.NONE if worker is None else RouteSource.DOMAIN
+        return RouteDecision("", worker, None, source, Reason.OVERLOADED)
+
+    router = _RecordingRouter()
+    sheds: ShedRecords[RouteRequest] = ShedRecords(lambda request: request, lambda request: request.request_id)
+    async with trio.open_nursery() as nursery:
+        sheds.open(cast(RouterActor, router), nursery)
+        for request_id, worker, left_s, tokens in [
+            ("a1", a, 0.25, 100),
+            ("b1", b, 0.5, 30),
+            ("a2", a, 0.75, 50),
+            ("none", None, 1.0, 70),
+        ]:
+            assert sheds.add(RouteRequest(request_id), overloaded(worker), 1.0, left_s, tokens)
+        now = trio.current_time()
+        sheds.close()  # records what is queued, now
+    assert router.recorded == [("a1", now + 0.25), ("b1", now + 0.5), ("a2", now + 0.75), ("none", now + 1.0)]
+    assert router.charged == {a: (150, 2), b: (30, 1)}
