@@ -14,6 +14,7 @@ from actors.metrics_sink import (
     CandidatesDropped,
     ChannelEvicted,
     DecisionMade,
+    HitObserved,
     KvcmRequest,
     LeaderChanged,
     MetricsSink,
@@ -164,6 +165,23 @@ async def test_scripted_events_give_exact_counts(autojump_clock: trio.testing.Mo
     assert sample(sink, "kvroute_metrics_events_dropped_total") == 0
     snap = sink.snapshot()
     assert (snap.processed, snap.dropped, snap.last_leader, snap.decisions_kept) == (22, 0, "10.0.0.8:6381", 4)
+
+
+async def test_only_a_predicted_hit_the_worker_did_not_find_is_a_silent_zero(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The silent-zero signal (a wrong key family or block size: the router predicts hits no worker
+    finds) counts a predicted hit the worker reported none of; a cold request (none predicted, none
+    found) is no such sign, and counted it would raise the alarm on every cold prompt."""
+    sink = MetricsSink(MetricsConfig(inbox_size=64))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for predicted, actual in ((64, 0), (0, 0), (64, 32), (0, 16), (128, 0)):
+            sink.emit(HitObserved("kvcm", predicted, actual))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert sample(sink, "kvroute_hit_silent_zero_total", route_source="kvcm") == 2
+    assert sample(sink, "kvroute_hit_actual_over_predicted_count", route_source="kvcm") == 5  # every one seen
 
 
 async def test_full_inbox_drops_and_counts_and_never_waits(autojump_clock: trio.testing.MockClock) -> None:
