@@ -172,6 +172,30 @@ async def test_restarts_failing_at_start_up_back_off_after_a_stable_run(
 
 
 
+async def test_an_actor_crashing_right_after_each_start_restarts_with_a_growing_backoff(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Only an incarnation that ran stably resets the backoff: one crashing right after each start is a
+    crash loop, restarted less and less often, not at the initial backoff (20 times a second) for ever."""
+    starts: list[float] = []
+
+    async def actor(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        starts.append(trio.current_time())
+        task_status.started()
+        await trio.lowlevel.checkpoint()  # it runs, then crashes
+        raise RuntimeError("crash right after starting")
+
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(nursery)
+        await supervisor.start("crashing", actor)
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(starts)]
+    assert all(later > earlier for earlier, later in itertools.pairwise(gaps)), gaps  # doubling, never reset
+    assert 3 <= len(starts) <= 6, starts
+    assert supervisor.records["crashing"].restarts == len(starts)  # each start crashed
+
+
 @pytest.mark.parametrize("leaving", [SystemExit(3), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"])
 async def test_a_body_leaving_by_a_base_exception_gets_it_back_unwrapped(
     leaving: BaseException, autojump_clock: trio.testing.MockClock
