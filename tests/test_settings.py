@@ -31,6 +31,7 @@ from router.settings import (
     load_from_args,
     redacted,
 )
+from router.settings.load import MAX_TOKEN_FILE_BYTES
 from router.types import KeyFamily, QueryType, Role
 
 # A configuration on which everything validates, as flags.
@@ -439,6 +440,16 @@ def test_cross_field_checks() -> None:
     assert load_config({**GOOD, "grpc_listen": "127.0.0.1:0"}, {}).errors == ()
 
 
+def test_a_decision_reserve_the_budget_cap_leaves_nothing_of_is_refused_naming_both() -> None:
+    """The least time kept to decide comes out of the budget: a reserve as large as the cap leaves the
+    sources none at all."""
+    equal = load_config({**GOOD, "router_reserve_min_ms": "50", "budget_cap_ms": "50"}, {})
+    (problem,) = equal.errors
+    assert problem.settings == ("router_reserve_min_ms", "budget_cap_ms")
+    assert "--router-reserve-min-ms" in str(problem) and "--budget-cap-ms" in str(problem)
+    assert load_config({**GOOD, "router_reserve_min_ms": "49", "budget_cap_ms": "50"}, {}).errors == ()
+
+
 def test_a_scheduler_window_the_budget_cap_leaves_nothing_of_is_refused_naming_both() -> None:
     never = load_config({**GOOD, "master_hosts": "10.0.0.9", "master_later_sources_ms": "50"}, {})
     (problem,) = never.errors
@@ -561,6 +572,16 @@ def test_main_path_problems_are_fatal_not_fail_soft() -> None:
     assert _names(loaded.fatal_errors) == {("workers",), ("metrics_inbox_size",)}
     assert loaded.fallback_errors == ()
     assert loaded.effective.router.kvcm_fallback is True
+
+
+def test_a_main_path_problem_a_bad_fallback_setting_hid_is_still_fatal() -> None:
+    """The worker list is parsed only once its port settings are valid: a --worker-status-port out of
+    range (a fallback setting) hides a bad --workers entry until fail-soft resets the port, and with
+    the port reset the entry would stop kvroute: it is listed, fatal, beside the fallback problem."""
+    loaded = load_config({**GOOD, "worker_status_port": "70000", "workers": "10.1.0.1:99999"}, {})
+    assert _names(loaded.fallback_errors) == {("worker_status_port",)}
+    [fatal] = loaded.fatal_errors
+    assert fatal.settings == ("workers",) and "--workers" in str(fatal) and "99999" in str(fatal)
 
 
 # --- views ------------------------------------------------------------------------------------
@@ -717,6 +738,21 @@ def test_non_utf8_oversized_and_directory_files_are_problems_naming_the_file(tmp
         file_problems = [str(p) for p in loaded.fatal_errors if p.settings == ()]
         assert len(file_problems) == 1, file_problems
         assert file_problems[0].startswith(f"--config {path}: {why}"), file_problems[0]
+
+
+def test_a_token_file_past_its_size_limit_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    """A bearer token is a line of text: a larger file is no token file, and a token cut from its
+    first bytes would not be the one the operator meant."""
+    token = tmp_path / "token"
+    token.write_text("x" * MAX_TOKEN_FILE_BYTES)  # the largest a token file may be
+    assert load_config({**GOOD, "debug_token_file": str(token)}, {}).errors == ()
+    large = tmp_path / "large"
+    large.write_text("x" * 5000)
+    loaded = load_config({**GOOD, "debug_token_file": str(large)}, {})
+    [problem] = [str(p) for p in loaded.errors]
+    assert problem.startswith(
+        f"--debug-token-file (KVROUTE_DEBUG_TOKEN_FILE): larger than {MAX_TOKEN_FILE_BYTES} bytes"
+    ), problem
 
 
 def test_resolve_config_is_pure_and_load_config_is_it_over_the_file_read(tmp_path: Path) -> None:
