@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from importlib.metadata import Distribution, distribution
+from importlib.metadata import Distribution, distributions
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -75,7 +75,11 @@ def module_name(relative: PurePosixPath) -> str:
 
 @pytest.fixture(scope="module")
 def dist() -> Distribution:
-    return distribution(DIST_NAME)
+    """The installed distribution: ``python -m pytest`` puts the checkout on the path first, where an
+    editable build leaves its ``kvroute.egg-info`` (metadata of no install)."""
+    installs = [d for d in distributions(name=DIST_NAME) if Path(str(d.locate_file(""))).resolve() != SOURCE_ROOT]
+    assert installs, f"{DIST_NAME} is not installed"
+    return installs[0]
 
 
 @pytest.fixture(scope="module")
