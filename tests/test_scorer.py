@@ -701,6 +701,33 @@ def test_ledger_is_bounded_lru_over_workers() -> None:
     assert len(ledger) == 3
 
 
+def test_a_charge_recorded_out_of_order_still_counts() -> None:
+    """A decision made at 3.0 recorded after one made at 5.0 (a caller's clock stepped back): the charge
+    is kept as made at 5.0, so a status taken at 4.0 clears neither — over-, never under-counted."""
+    ledger = SelectionLedger(4, 8)
+    ledger.record("w:1", 100, now=5.0)
+    ledger.record("w:1", 50, now=3.0)
+    assert ledger.view("w:1", 4.0)[0] == 150
+    assert ledger.view("w:1", 5.5)[0] == 0
+
+
+def test_the_last_selected_time_never_moves_back() -> None:
+    # A selection recorded late does not make the worker look less recently selected than it is.
+    ledger = SelectionLedger(4, 8)
+    ledger.record("w:1", 100, now=5.0)
+    ledger.record("w:1", 50, now=3.0)
+    assert ledger.view("w:1", 0.0) == (150, 5.0)
+
+
+def test_the_pending_charges_gauge_forgets_the_charges_of_an_evicted_worker() -> None:
+    ledger = SelectionLedger(1, 8)
+    ledger.record("w:1", 10, now=1.0)
+    ledger.record("w:1", 10, now=2.0)
+    ledger.record("w:2", 10, now=3.0)  # evicts w:1 and its two charges
+    assert ledger.view("w:1", 0.0) == (0, -math.inf)
+    assert ledger.pending_charges() == 1
+
+
 def test_burst_sharing_one_prefix_spreads_once_pre_charge_makes_workers_comparable() -> None:
     """1,000 requests, one prefix held by one worker (hit 75 % of the prompt), 8 idle workers,
     statuses never refreshed during the burst. Each pick of the holder costs 2,000 uncached
