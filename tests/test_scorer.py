@@ -217,6 +217,39 @@ def test_guard_threshold_is_inclusive() -> None:
     assert run(WORKED_PLAN, WORKED_STATUSES, config=config).reason is Reason.CACHE_LEADER
 
 
+def test_a_worker_exactly_at_the_threshold_is_eligible_for_the_guards_pick() -> None:
+    # Works: leader 24000, shortest 20000, third 21000. The shortest sits exactly at the threshold.
+    config = replace(
+        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=20_000
+    )
+    sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
+    assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_OUTSTANDING_GUARD)
+
+
+def test_a_leader_below_the_min_hit_rate_is_reported_so_even_when_beyond_the_guard() -> None:
+    # The leader's hit is 32000 / 50000 = 64 %, under an 80 % gate, and its work (24000) is over the
+    # threshold too: the gate is checked first, so the reason names the low hit.
+    config = replace(
+        ScorerConfig(),
+        max_extra_work_tokens=25_000,
+        outstanding_uncached_tokens_threshold=20_000,
+        min_hit_rate=80.0,
+    )
+    sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
+    assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_LOW_CACHE_HIT)
+
+
+def test_the_claim_order_passes_over_affinity_workers_beyond_the_guard() -> None:
+    # Threshold 21000: the shortest (20000) and the third (21000) are eligible, the leader (24000) is
+    # not; within the bound and holding more than the shortest, it would otherwise be tried first.
+    config = replace(
+        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=21_000
+    )
+    sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
+    assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_OUTSTANDING_GUARD)
+    assert sel.alternates() == ((THIRD, Reason.SHORTEST_TTFT_FALLBACK), (LEADER, Reason.SHORTEST_TTFT_FALLBACK))
+
+
 CLAIM_A, CLAIM_E, CLAIM_B, CLAIM_F = addr(1), addr(5), addr(2), addr(6)
 # bs 2000, seq_len 10000: hits a 6000, e 4000, b 0, f 2000.
 CLAIM_PLAN = plan_of((CLAIM_A, 3), (CLAIM_E, 2), (CLAIM_B, None), (CLAIM_F, 1))
@@ -391,6 +424,12 @@ def test_unknown_and_decode_roles_are_dropped() -> None:
         {a: status(0, role=Role.UNKNOWN), b: status(0, role=Role.DECODE), c: status(0)},
     )
     assert sel.worker == c and dict(sel.drop_counts) == {DropReason.ROLE_NOT_ROUTED: 2}
+
+
+def test_a_dead_worker_is_dropped_as_not_alive_whatever_its_role() -> None:
+    a, b = addr(1), addr(2)
+    sel = run(plan_of((a, 20), (b, None)), {a: status(0, alive=False, role=Role.DECODE), b: status(0)})
+    assert sel.worker == b and dict(sel.drop_counts) == {DropReason.NOT_ALIVE: 1}
 
 
 def test_queue_threshold_is_exclusive() -> None:
@@ -657,6 +696,19 @@ def test_selection_pre_charges_until_a_newer_status_arrives() -> None:
     assert {r.target: r.work_tokens for r in third.explain()}[b.http_target] == 20_000 + 20_000
 
 
+def test_a_decision_clears_the_charges_its_status_covers() -> None:
+    w = addr(1)
+    plan = plan_of((w, 5))  # each decision charges its 40000 uncached tokens
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=BS))
+    first = scorer.decide(plan, {w: ObservedStatus(status(0), 0.0)}, seq_len=SEQ, block_size=BS, now=1.0)
+    assert first.status_taken_at == 0.0
+    # A status taken at 1.5 already reflects the dispatch at 1.0: recording the next one drops it.
+    scorer.decide(plan, {w: ObservedStatus(status(0), 1.5)}, seq_len=SEQ, block_size=BS, now=2.0)
+    assert scorer.health().pending_charges == 1
+    # A status older than the newest one recorded with is charged only what remains.
+    assert scorer.ledger.view(w.http_target, 0.0)[0] == 40_000
+
+
 def test_status_taken_at_the_charge_instant_keeps_the_charge() -> None:
     ledger = SelectionLedger(4, 8)
     ledger.record("w:1", 100, now=5.0)
@@ -781,6 +833,17 @@ def test_policy_roles_default_to_the_deployments_and_can_be_overridden() -> None
     assert (
         scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0, roles=(Role.PDFUSION,)).worker == a
     )
+
+
+def test_the_policys_default_roles_leave_out_the_deployments_decode_role() -> None:
+    """A deployment with prefill/decode separation lists its decode role too, yet a decode worker
+    never takes the prefill, however much of the prompt it holds."""
+    d, p = addr(1), addr(2)
+    plan = plan_of((d, 20), (p, None))
+    statuses = observed({d: status(0, role=Role.DECODE), p: status(0)})
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(roles=(Role.PREFILL, Role.DECODE), block_size=BS))
+    sel = scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0)
+    assert sel.worker == p and dict(sel.drop_counts) == {DropReason.ROLE_NOT_ROUTED: 1}
 
 
 def test_policy_rejects_bad_config_naming_every_field() -> None:
