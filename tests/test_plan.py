@@ -76,6 +76,15 @@ def test_hot_set_sorted_by_effective_blocks_then_local_top_h() -> None:
     assert all(c.source is CandidateSource.HOT for c in p.candidates)
 
 
+def test_of_two_hosts_with_equal_effective_blocks_the_one_holding_more_locally_takes_the_last_slot() -> None:
+    fleet = fleet_of(4)
+    a, b = addr(1), addr(2)
+    # a: 2 local + 5 P2P-only × 0.2 = 3 effective blocks; b: 3 local, none of them to fetch.
+    hosts = [HostMatch(a.http_target, local=2, p2p_total=7), HostMatch(b.http_target, local=3)]
+    for r in range(16):
+        assert hot_targets(plan(hosts, fleet, f"req-{r}", hot=1)) == [b.http_target]
+
+
 def test_hot_set_default_size_is_eight() -> None:
     fleet = fleet_of(40)
     hosts = [HostMatch(addr(i).http_target, local=100 - i) for i in range(30)]
@@ -136,6 +145,16 @@ def test_exact_ties_at_the_cut_are_ranked_per_request_not_by_address_or_answer_o
     # Each of the six tied holders gets a fair share of the two remaining slots (~100 of 600).
     assert set(firsts) == {addr(i).http_target for i in range(6)}
     assert min(firsts.values()) >= 60 and max(firsts.values()) <= 140
+
+
+def test_a_tie_at_the_cut_is_among_hosts_with_as_many_local_blocks_too() -> None:
+    fleet = fleet_of(8)
+    a, b, c = addr(1), addr(2), addr(3)
+    # a and b hold 3 local blocks each, tied at the cut; c's 2 local + 5 P2P-only × 0.2 are worth as
+    # many, but it holds fewer locally: it ranks below the tie and never takes the slot.
+    hosts = [HostMatch(a.http_target, 3), HostMatch(b.http_target, 3), HostMatch(c.http_target, 2, p2p_total=7)]
+    for r in range(16):
+        assert hot_targets(plan(hosts, fleet, f"req-{r}", hot=1, cold=0))[0] in {a.http_target, b.http_target}
 
 
 def test_tied_holders_left_out_of_the_hot_set_may_still_be_cold_with_their_match() -> None:
@@ -228,6 +247,14 @@ def test_cold_order_does_not_depend_on_discovery_order() -> None:
     workers = [addr(i) for i in range(30)]
     shuffled = Fleet.of(reversed(workers))
     assert cold_workers(plan([], fleet_of(30), "r", cold=5)) == cold_workers(plan([], shuffled, "r", cold=5))
+
+
+def test_of_workers_sharing_a_grpc_target_the_fleet_keeps_the_lowest_http_target() -> None:
+    # The first in the canonical order (by HTTP target) is kept, whatever order discovery listed them in.
+    low = WorkerAddr("10.0.0.1", 8000, 9000, 9000)
+    high = WorkerAddr("10.0.0.1", 8010, 9000, 9000)
+    assert Fleet.of([high, low]).workers == (low,)
+    assert Fleet.of([low, high]).workers == (low,)
 
 
 def test_cold_first_pick_is_spread_uniformly() -> None:
@@ -344,3 +371,14 @@ def test_a_cold_worker_named_twice_in_two_spellings_keeps_the_first_entry() -> N
     )
     second = {c.target: c for c in plan.candidates}["[2001:db8::2]:8000"]
     assert second.source is CandidateSource.COLD and second.match == first
+
+
+
+def test_a_cold_worker_the_answer_lists_twice_keeps_the_first_entry() -> None:
+    fleet = fleet_of(3)
+    hot, twice = addr(0), addr(1)
+    first = HostMatch(twice.http_target, 2)
+    hosts = [HostMatch(hot.http_target, 5), first, HostMatch(twice.http_target, 1)]
+    p = plan(hosts, fleet, hot=1, cold=2)
+    cold = {c.target: c.match for c in p.candidates if c.source is CandidateSource.COLD}
+    assert cold[twice.http_target] == first
