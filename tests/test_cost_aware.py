@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.config import DeploymentConfig, ScorerConfig
-from router.policy.cache_affinity import CacheAffinityFirst, Selection, score
+from router.policy.cache_affinity import CacheAffinityFirst, LedgerPolicy, Selection, score
 from router.policy.choice import make_policy
-from router.policy.cost_aware import CostAware, copy_pressure, score_costs, spread_near_ties
+from router.policy.cost_aware import CostAware, candidate_cost, copy_pressure, score_costs, spread_near_ties
 from router.policy.ledger import SelectionLedger
-from router.policy.plan import CandidatePlan
+from router.policy.plan import CandidatePlan, CandidateSource, Fleet
 from router.settings import load_config
 from router.types import Reason, Role, ScorerPolicy, WorkerAddr, WorkerStatus
 from tests.test_scorer import BS, SEQ, Scenario, addr, observed, passes_filters, plan_of, scenarios, status
@@ -126,6 +126,12 @@ def test_copy_costs_nothing_while_a_candidate_is_idle() -> None:
     assert copy_pressure(10 * SEQ, SEQ) == 1.0
 
 
+def test_an_empty_prompt_is_priced_at_full_pressure_once_no_candidate_is_idle() -> None:
+    assert copy_pressure(5, 0) == 1.0  # any queued work is a request's worth of an empty one
+    w = addr(0)
+    assert run_costs(plan_of((w, None)), {w: status(5)}, seq_len=0).worker == w
+
+
 def test_fixed_cost_counts_each_waiting_request() -> None:
     few, many = addr(0), addr(1)
     plan = plan_of((few, None), (many, None))
@@ -134,6 +140,13 @@ def test_fixed_cost_counts_each_waiting_request() -> None:
     for seed in range(20):
         sel = run_costs(plan, statuses, config=replace(COST, request_cost_tokens=100), seed=seed)
         assert sel.worker == few
+
+
+def test_the_fixed_cost_counts_this_request_as_well_as_those_waiting() -> None:
+    # Not only a difference between candidates: the guard's threshold compares the cost itself.
+    config = replace(COST, request_cost_tokens=10, copy_cost_weight=0.0)
+    assert candidate_cost(100, 0, 0, 0, 0.0, config=config) == 110
+    assert candidate_cost(100, 2, 0, 0, 0.0, config=config) == 130
 
 
 def test_the_pre_charge_carries_the_fixed_cost() -> None:
@@ -160,6 +173,12 @@ def test_spread_near_ties_takes_the_cheaper_of_the_two_lowest_draws_with_the_sam
     # 2 holds less of the prompt: not a near-tie; of 0 and 1 the cheaper is 0
     assert spread_near_ties(0, rows, 60, [64, 64, 0, 0]) == 0
     assert spread_near_ties(1, rows, 60, [0, 64, 64, 0]) == 2
+
+
+def test_a_candidate_exactly_the_margin_away_is_a_near_tie() -> None:
+    rows = [(100, 0.0, 0.5, 0), (110, 0.0, 0.1, 1), (105, 0.0, 0.2, 2)]
+    # 1 is 10 away, within a margin of 10: the two lowest draws are 1 and 2, and 2 is the cheaper.
+    assert spread_near_ties(0, rows, 10, [5, 5, 5]) == 2
 
 
 @settings(deadline=None)
@@ -203,6 +222,18 @@ def test_the_guards_redirect_spreads_over_near_ties_too() -> None:
     assert len({sel.worker for sel in picks}) >= 3 and workers[0] not in {sel.worker for sel in picks}
     unspread = {run_costs(plan, statuses, config=replace(guarded, near_tie_tokens=0), seed=s).worker for s in range(40)}
     assert unspread == {workers[1]}
+
+
+def test_cost_aware_plans_its_own_cold_set_size() -> None:
+    config = replace(COST, cold_set_size=2, cost_aware_cold_set_size=6)
+    fleet = Fleet.of(addr(i) for i in range(10))
+
+    def cold(policy: LedgerPolicy) -> int:
+        p = policy.plan([], fleet, request_id="r", source=CandidateSource.HOT, ejected=frozenset())
+        return sum(c.source is CandidateSource.COLD for c in p.candidates)
+
+    assert cold(CostAware(config, DeploymentConfig())) == 6
+    assert cold(CacheAffinityFirst(config, DeploymentConfig())) == 2
 
 
 def test_the_setting_chooses_the_policy() -> None:
