@@ -85,6 +85,12 @@ def test_the_last_window_leaves_at_least_reserve_min_and_a_cold_tail_is_the_fixe
     assert cold.leader_end == cold.query_end == cold.probe_end == 10.045  # the fixed reserve
 
 
+def test_the_lag_reserve_takes_at_most_half_the_budget() -> None:
+    # Twice a 30 ms lag would end every wait before the request was received; half of 40 ms is left.
+    w = split_windows(0.0, 0.040, SplitEstimates(lag=0.030), LEARNED)
+    assert (w.leader_end, w.query_end, w.probe_end) == pytest.approx((0.020, 0.020, 0.020))
+
+
 @given(
     st.floats(0, 1, allow_nan=False),
     st.floats(0, 1, allow_nan=False),
@@ -113,6 +119,13 @@ def test_an_estimate_follows_a_sudden_change_within_a_few_samples() -> None:
     assert latency.high < 0.003
 
 
+def test_a_first_sample_brings_a_deviation_of_half_itself() -> None:
+    # One sample says nothing of the spread: the estimate leaves room above it until more come.
+    latency = StageLatency(0.1, 2.0)
+    latency.observe(0.010)
+    assert latency.high == pytest.approx(0.020)
+
+
 def test_a_censored_sample_below_the_estimate_keeps_the_mean_and_one_above_raises_it() -> None:
     latency = StageLatency(0.25, 2.0)
     for _ in range(10):
@@ -126,6 +139,15 @@ def test_a_censored_sample_below_the_estimate_keeps_the_mean_and_one_above_raise
     for _ in range(100):  # a stage that hangs, cut after the same 47 ms every time
         latency.observe(0.047, censored=True)
     assert 0.047 <= latency.high < 0.07  # at least what it was given, and no ratchet beyond
+
+
+def test_cut_queries_never_lower_the_query_estimate() -> None:
+    estimator = SplitEstimator(replace(LEARNED, split_min_samples=1))
+    estimator.observe({Stage.CACHE_QUERY: 20.0}, (StageWindow(Stage.CACHE_QUERY, 100.0, False),))
+    for _ in range(20):  # cut after 5 ms: at least that slow, which says nothing of how slow
+        estimator.observe({Stage.CACHE_QUERY: 5.0}, (StageWindow(Stage.CACHE_QUERY, 5.0, True),))
+    query = estimator.estimates().query
+    assert query is not None and query >= 0.020
 
 
 def _probes_cut_at(estimator: SplitEstimator, probe_ms: float, *, cut: bool) -> None:
@@ -157,6 +179,18 @@ def test_one_stalled_probe_wait_counts_only_what_its_window_left_it_and_cut_samp
         _probes_cut_at(estimator, 20.0, cut=True)
     recovered = estimator.estimates().probe
     assert recovered == pytest.approx(0.0201, abs=1e-4)  # at least what they were given, and no more
+
+
+def test_a_cut_probe_wait_counts_what_its_window_left_after_the_keys_and_the_query() -> None:
+    config = replace(LEARNED, split_min_samples=1)
+    estimator = SplitEstimator(config)
+    # Keys 5 ms and the query 20 ms, then probes cut by a window ending 45 ms after receipt: 20 ms were
+    # theirs, though the stalled task noticed only after 30.
+    estimator.observe(
+        {Stage.KEYS: 5.0, Stage.CACHE_QUERY: 20.0, Stage.PLAN: 0.0, Stage.PROBE: 30.0, Stage.TAIL: 1.0},
+        (StageWindow(Stage.CACHE_QUERY, 40.0, False), StageWindow(Stage.PROBE, 45.0, True)),
+    )
+    assert estimator.estimates().probe == pytest.approx(0.020 * (1 + config.split_deviations / 2))
 
 
 @given(
@@ -420,6 +454,21 @@ def test_the_probe_wait_ends_at_its_window_when_the_window_cut_it() -> None:
     assert split.probes_ended_at == 10.030
     split.probes_ended(10.052)  # cut, and the task ran 3.5 ms late: that lateness is part of the tail
     assert split.probes_ended_at == split.windows.probe_end
+
+
+def test_each_wait_reports_the_end_of_its_own_window() -> None:
+    fast = SplitEstimates(query=0.002, probe=0.001, score=0.0005, tail=0.0015)
+    split = RequestSplit(split_windows(10.0, 10.050, fast, LEARNED))
+    split.waited(Stage.LEADER, True)
+    split.waited(Stage.CACHE_QUERY, False)
+    split.waited(Stage.PROBE, False)
+    windows = split.stage_windows(10.0)
+    assert [(w.stage, w.cut) for w in windows] == [
+        (Stage.LEADER, True),
+        (Stage.CACHE_QUERY, False),
+        (Stage.PROBE, False),
+    ]
+    assert [w.end_ms for w in windows] == pytest.approx([45.5, 47.5, 48.5])
 
 
 LEARNED_PROMPT = tuple(range(1000, 1000 + 8 * 16))
