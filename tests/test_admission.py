@@ -13,7 +13,7 @@ import trio.testing
 from actors import router_actor
 from actors.scorer import Decided, DecideRequest, Scorer, ScorerHealth
 from kvroute_sim.sim.cluster import SimCluster
-from router.admission import AdmissionEstimate, AdmissionView, admits
+from router.admission import AdmissionEstimate, AdmissionView, admits, slot_wait_s
 from router.api import RouterHandle, open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
@@ -130,6 +130,14 @@ def test_a_request_alone_is_judged_by_the_lag_only_so_a_stale_own_estimate_recov
     estimate.observe_lag(1.0)
     assert not estimate.admits(0.050, in_flight=0)  # a late loop still sheds it
     assert admits(AdmissionView(own_s=1.0, lag_s=0.001, expected_s=1.001), 0.002, in_flight=0)
+
+
+def test_a_request_waits_for_a_place_at_most_a_quarter_of_its_time_and_never_past_its_expected_cost() -> None:
+    # The rest is for the remote calls once it is handed over.
+    assert slot_wait_s(AdmissionView(own_s=0.0, lag_s=0.0, expected_s=0.0), 0.040) == pytest.approx(0.010)
+    # 36 ms left, 30 expected: a wait of 9 ms would leave too little to be answered in time.
+    assert slot_wait_s(AdmissionView(own_s=0.030, lag_s=0.0, expected_s=0.030), 0.036) == pytest.approx(0.006)
+    assert slot_wait_s(AdmissionView(own_s=0.050, lag_s=0.0, expected_s=0.050), 0.040) == 0.0
 
 
 async def test_a_stale_own_estimate_does_not_shed_forever(autojump_clock: trio.testing.MockClock) -> None:

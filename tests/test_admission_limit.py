@@ -144,6 +144,18 @@ def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_on
     assert limit.limit == int(64 * 0.9)  # a call never answered is late
 
 
+def test_a_call_never_answered_shrinks_the_limit_even_within_the_time_it_had() -> None:
+    limit = InFlightLimit(initial=4, ceiling=64, floor=FLOOR)
+    limit.observe(handed_at=0.0, now=0.001, had_s=0.030, answered=False)
+    assert limit.share == pytest.approx(4 * 0.9)
+
+
+def test_the_limit_grows_by_one_a_round_of_timely_answers_not_one_an_answer() -> None:
+    limit = InFlightLimit(initial=4, ceiling=64, floor=FLOOR)
+    limit.observe(handed_at=0.0, now=0.001, had_s=0.030)
+    assert limit.share == pytest.approx(4.25)  # 1/limit an answer: one more place for each round of four
+
+
 def test_an_answer_in_time_for_a_call_that_queued_for_most_of_its_deadline_shrinks_the_limit() -> None:
     limit = InFlightLimit(initial=16, ceiling=64, floor=FLOOR)
     limit.observe(handed_at=0.0, now=0.001, had_s=0.030, crowded=True)  # in time, but crowded: late
