@@ -17,8 +17,10 @@ from router.config import DeploymentConfig, ScorerConfig
 from router.policy.cache_affinity import (
     CONTRACT_DROPS,
     CacheAffinityFirst,
+    FilteredPlan,
     ObservedStatus,
     Selection,
+    TtftRow,
     expected_group_mode,
     hit_tokens,
     round_half_up,
@@ -498,6 +500,33 @@ def test_missing_statuses_use_the_callers_reason() -> None:
     )
     assert sel.worker == c
     assert dict(sel.drop_counts) == {DropReason.EJECTED: 1, DropReason.NO_STATUS: 1}
+
+
+def test_the_filtered_plan_a_policy_respreads_with_keeps_its_passed_rows_in_plan_order() -> None:
+    # The plan lists targets out of order: the tie draws go by target, the rows a policy reads stay as planned.
+    a, b, c = addr(3), addr(1), addr(2)
+    plan = plan_of((a, 5), (b, 5), (c, None))
+    seen: list[list[int]] = []
+
+    def respread(
+        preferred: int, reason: Reason, eligible: list[TtftRow], filtered: FilteredPlan, config: ScorerConfig
+    ) -> int:
+        seen.append([row[1] for row in filtered.passed])
+        return preferred
+
+    score(
+        plan,
+        observed({a: status(0), b: status(0), c: status(0)}),
+        SelectionLedger(8, 8),
+        config=ScorerConfig(),
+        roles=(Role.PREFILL,),
+        seq_len=SEQ,
+        block_size=BS,
+        lookahead_tokens=0,
+        tie_rng=random.Random(0),
+        respread=respread,
+    )
+    assert seen == [[0, 1, 2]]
 
 
 def test_no_candidate_left_is_no_candidates_with_explanation() -> None:

@@ -310,11 +310,10 @@ def ttft_order(passed: list[PassedRow], tie_rng: random.Random) -> list[TtftRow]
 
     Exact ties on (work, last selected) are broken by draws from ``tie_rng`` handed out in
     target order (targets are unique), so the result does not depend on the order the
-    candidates came in.
+    candidates came in. ``passed`` is left in its order (a filtered plan's stays in plan order).
     """
-    passed.sort()
     draw = tie_rng.random
-    order = [(work, last_selected, draw(), index) for _, index, work, last_selected, _ in passed]
+    order = [(work, last_selected, draw(), index) for _, index, work, last_selected, _ in sorted(passed)]
     order.sort()
     return order
 
