@@ -17,6 +17,7 @@ from router.wire import master_flexlb_pb2 as flexlb_pb
 from router.wire.master import (
     CODE_NO_AVAILABLE_WORKER,
     MAX_MESSAGE_CHARS,
+    MAX_REPLY_BYTES,
     MAX_ROLE_ADDRS,
     BadScheduleRequest,
     MasterBusinessError,
@@ -143,6 +144,15 @@ def test_a_failed_role_entry_fails_the_answer_with_its_code() -> None:
     assert reply == MasterBusinessError(8402, "no prefill", 200)
 
 
+@pytest.mark.parametrize("extra", [{}, {"code": None}, {"code": 0}])
+def test_a_failed_role_entry_without_an_error_code_is_8400(extra: dict[str, object]) -> None:
+    """A role the scheduler could not route fails the answer as an error of unknown code (no slave, no
+    KVCM asked), not as an entry garbled for lack of a server_ip."""
+    entries = [status("DECODE"), {"role": "PREFILL", "success": False, "message": "no prefill", **extra}]
+    reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
+    assert reply == MasterBusinessError(CODE_NO_AVAILABLE_WORKER, "no prefill", 200)
+
+
 # ---- fallback and business errors ----
 
 
@@ -156,6 +166,17 @@ def test_8600_is_a_fallback_whatever_the_http_status() -> None:
 def test_business_errors(http_status: int, code: int) -> None:
     reply = decode_schedule_json(http_status, body(success=False, code=code, error_message="why"), HOST)
     assert reply == MasterBusinessError(code, "why", http_status)
+
+
+@pytest.mark.parametrize("code", [8400, 8600])
+def test_a_long_error_message_is_cut(code: int) -> None:
+    """The message goes into every record of the decision: kept to MAX_MESSAGE_CHARS, as over gRPC."""
+    reply = decode_schedule_json(500, body(success=False, code=code, error_message="x" * 1_000_000), HOST)
+    assert isinstance(reply, MasterBusinessError | MasterFallback)
+    assert len(reply.message) == MAX_MESSAGE_CHARS and reply.message.endswith("…[cut: 1000000 chars]")
+    entry = {"role": "PREFILL", "success": False, "code": code, "message": "y" * 100_000}
+    failed = decode_schedule_json(200, body(success=True, code=200, server_status=[entry]), HOST)
+    assert isinstance(failed, MasterBusinessError) and len(failed.message) == MAX_MESSAGE_CHARS
 
 
 # ---- no usable reply ----
@@ -189,6 +210,10 @@ def test_more_role_entries_than_roles_exist_is_garbled() -> None:
     )
     with pytest.raises(GarbledReply, match="server_status: 17 entries"):
         decode_schedule_pb(reply.SerializeToString(), HOST)
+
+
+def test_the_reply_bound_is_the_64_kib_the_design_states() -> None:
+    assert MAX_REPLY_BYTES == 64 * 1024
 
 
 def test_200_not_json_is_garbled() -> None:
@@ -246,6 +271,8 @@ def test_another_status_whose_body_is_not_json_is_no_reply_from_the_scheduler(ht
     [
         (b"[1, 2]", "not an object"),
         (body(success=True, code=200, server_status="x"), "server_status"),
+        (body(success=True, code=200, server_status=5), "server_status"),
+        (body(success=True, code=200, server_status=True), "server_status"),
         (body(success=True, code=200, server_status=["x"]), "server_status[0]"),
         (body(success=True, code=200, server_status=[status(ip="")]), "server_status[0].server_ip"),
         (body(success=True, code=200, server_status=[status(ip="10.0.0.1; rm")]), "server_status[0].server_ip"),
@@ -253,6 +280,10 @@ def test_another_status_whose_body_is_not_json_is_no_reply_from_the_scheduler(ht
         (body(success=True, code=200, server_status=[status(http=0)]), "server_status[0].http_port"),
         (body(success=True, code=200, server_status=[status(http="80")]), "server_status[0].http_port"),
         (body(success=True, code=200, server_status=[status(http=None)]), "server_status[0].http_port"),
+        # JSON true is no integer, though Python's bool is one: not port 1, nor error code 1.
+        (body(success=True, code=200, server_status=[status(http=True)]), "server_status[0].http_port"),
+        (body(success=True, code=200, server_status=[status(grpc_port=True)]), "server_status[0].grpc_port"),
+        (body(success=False, code=True), "code"),
         (body(success=True, code=200, server_status=[status(grpc_port=70000)]), "server_status[0].grpc_port"),
         (body(success=True, code=200, server_status=[status("FRONTEND")]), "server_status[0].role"),
         (body(success=True, code=200, server_status=[], queue_length="many"), "queue_length"),
@@ -294,6 +325,8 @@ def test_info_decodes() -> None:
 def test_info_failure_and_garbage() -> None:
     with pytest.raises(RemoteError):
         decode_info_json(500, body(success=False, code=8400, error_message="x"), HOST)
+    with pytest.raises(RemoteError, match="not ready"):  # a 200 saying it failed is no answer
+        decode_info_json(200, body(success=False, code=8400, error_message="not ready"), HOST)
     with pytest.raises(GarbledReply):
         decode_info_json(200, b"nope", HOST)
 
