@@ -424,22 +424,30 @@ def test_unknown_group_mode_is_unspecified() -> None:
     )
 
 
-def test_negative_task_length_is_garbled_naming_the_task() -> None:
+@pytest.mark.parametrize("listed", ["running_task_info", "finished_task_list"])
+@pytest.mark.parametrize("lengths", [{"input_length": -1}, {"input_length": 100, "prefix_length": -50}])
+def test_negative_task_length_is_garbled_naming_the_task(listed: str, lengths: dict[str, int]) -> None:
+    """A negative prefix would count more uncached tokens than the task has."""
     reply = status_reply()
-    reply.running_task_info.add(request_id="ok", input_length=1)
-    reply.running_task_info.add(request_id="bad", input_length=-1)
-    with pytest.raises(GarbledReply, match=r"WorkerStatusPB.running_task_info\[1\]: negative"):
+    tasks = getattr(reply, listed)
+    tasks.add(request_id="ok", input_length=1)
+    tasks.add(request_id="bad", **lengths)
+    with pytest.raises(GarbledReply, match=rf"WorkerStatusPB.{listed}\[1\]: negative"):
         decode_worker_status(reply.SerializeToString(), WORKER)
 
 
-def test_a_status_listing_more_tasks_than_any_worker_runs_is_garbled_before_decoding_them() -> None:
+@pytest.mark.parametrize(("listed", "kept"), [("running_task_info", "running"), ("finished_task_list", "finished")])
+def test_a_status_listing_more_tasks_than_any_worker_runs_is_garbled_before_decoding_them(
+    listed: str, kept: str
+) -> None:
     reply = status_reply()
+    tasks = getattr(reply, listed)
     for i in range(MAX_WORKER_TASKS):
-        reply.running_task_info.add(request_id=f"t{i}", input_length=1)
-    assert len(decode_worker_status(reply.SerializeToString(), WORKER).running) == MAX_WORKER_TASKS
-    reply.running_task_info.add()
+        tasks.add(request_id=f"t{i}", input_length=1)
+    assert len(getattr(decode_worker_status(reply.SerializeToString(), WORKER), kept)) == MAX_WORKER_TASKS
+    tasks.add()
     with pytest.raises(
-        GarbledReply, match=f"running_task_info: {MAX_WORKER_TASKS + 1} entries, more than {MAX_WORKER_TASKS}"
+        GarbledReply, match=f"{listed}: {MAX_WORKER_TASKS + 1} entries, more than {MAX_WORKER_TASKS}"
     ):
         decode_worker_status(reply.SerializeToString(), WORKER)
 
