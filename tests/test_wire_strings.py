@@ -59,9 +59,11 @@ def test_a_role_that_is_not_utf8_is_named_after_packed_lists_and_scalars() -> No
 
 def test_unpacked_ints_and_fixed_width_fields_are_walked_over() -> None:
     unpacked = b"".join(b"\x10" + bytes([n]) for n in range(5))  # token_ids = 2 as single varints
+    minus_one = b"\x10" + b"\xff" * 9 + b"\x01"  # a negative int64 is the longest varint: ten bytes
     fixed = b"\x41" + bytes(8) + b"\x4d" + bytes(4)  # unknown fields 8 (fixed64) and 9 (fixed32)
-    data = unpacked + fixed + b"\x0a\x01\x80"
-    assert walk(data) == BadUtf8("request_id", None, 0)
+    data = unpacked + minus_one + fixed + ROLE_FIELD + b"\x02D\xff"
+    assert not parses(data)
+    assert walk(data) == BadUtf8("roles", 0, 1)
 
 
 def test_a_well_formed_message_has_no_bad_string() -> None:
