@@ -94,6 +94,20 @@ async def test_worker_grpc_port_out_of_range_is_named() -> None:
         Discovery(dataclasses.replace(CFG, workers="10.1.0.1:9000,10.1.0.9:65535"))
 
 
+async def test_a_stale_timeout_shorter_than_the_refresh_interval_is_refused() -> None:
+    """Every failed refresh would drop the source's entries at once, not keep its last good ones."""
+    with pytest.raises(DiscoveryConfigError, match="stale timeout") as info:
+        Discovery(dataclasses.replace(CFG, refresh_interval_s=10.0, stale_after_s=5.0))
+    assert [p.fields for p in info.value.problems] == [("stale_after_s", "refresh_interval_s")]
+
+
+async def test_a_setting_out_of_range_is_named_alone_not_the_lists_parsed_with_it() -> None:
+    bad = dataclasses.replace(CFG, worker_http_port=70000, max_entries=0, workers="10.1.0.1", kvcm_bootstrap="10.0.0.1")
+    with pytest.raises(DiscoveryConfigError) as info:
+        Discovery(bad)
+    assert sorted(p.fields for p in info.value.problems) == [("max_entries",), ("worker_http_port",)]
+
+
 async def test_dns_name_without_port_needs_a_default() -> None:
     with pytest.raises(DiscoveryConfigError, match="workers_dns"):
         Discovery(dataclasses.replace(CFG, worker_http_port=0, workers_dns="workers.example"))
@@ -258,6 +272,20 @@ async def test_dns_answer_over_max_entries_is_a_failed_refresh(
     assert d.workers().workers == ()
     dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
     assert dns.last_error is not None and "max_entries=4" in dns.last_error
+
+
+async def test_dns_workers_whose_grpc_port_is_no_port_are_a_failed_refresh(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
+) -> None:
+    """Refused when read, as a static entry is: published, they would end the actor at every refresh."""
+    fake_dns.answers["workers.example"] = ["10.1.0.7"]
+    d = Discovery(dataclasses.replace(CFG, workers="10.1.0.1", workers_dns="workers.example:65535"), resolver=fake_dns)
+    await nursery.start(d.run)
+    await trio.sleep(2.5 * CFG.refresh_interval_s)  # two refreshes more
+    assert http_targets(d.workers()) == ["10.1.0.1:8080"]  # the other source's workers are still served
+    dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
+    assert dns.entries == 0 and dns.failures_total == 3
+    assert dns.last_error is not None and "10.1.0.7:65535: grpc port 65536" in dns.last_error
 
 
 async def test_an_empty_dns_answer_ends_the_error_and_its_return_is_warned_again(
