@@ -42,6 +42,7 @@ ABORT = "/kvroute.test.Peer/Abort"
 DENY = "/kvroute.test.Peer/Deny"
 CRASH = "/kvroute.test.Peer/Crash"
 FLAKY = "/kvroute.test.Peer/Flaky"
+BIG = "/kvroute.test.Peer/Big"
 
 
 class Peer:
@@ -84,6 +85,9 @@ class Peer:
     def crash(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         raise RuntimeError("handler bug")
 
+    def big(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        return b"x" * int(request)
+
     def flaky(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         self.count(FLAKY)
         if self.calls[FLAKY] == 1:
@@ -102,6 +106,7 @@ def peer() -> Iterator[tuple[Peer, GrpcServer]]:
         DENY: state.deny,
         CRASH: state.crash,
         FLAKY: state.flaky,
+        BIG: state.big,
     }
     server = start_grpc_server(routes)
     yield state, server
@@ -330,6 +335,28 @@ async def test_a_reply_that_arrived_while_the_loop_was_stalled_is_kept(
     await recording_pool.aclose()
 
 
+class _RecordingLeaser:
+    """The pool's leases, noting each channel leased and each invalidate() asked for."""
+
+    def __init__(self, pool: ChannelPool[grpc.Channel]) -> None:
+        self.pool = pool
+        self.leased: list[grpc.Channel] = []
+        self.invalidated: list[tuple[str, object | None]] = []
+
+    @asynccontextmanager
+    async def lease(self, target: str) -> AsyncIterator[grpc.Channel]:
+        async with self.pool.lease(target) as channel:
+            self.leased.append(channel)
+            yield channel
+
+    def lease_nowait(self, target: str) -> None:
+        return None
+
+    def invalidate(self, target: str, channel: object | None = None) -> None:
+        self.invalidated.append((target, channel))
+        self.pool.invalidate(target, channel)
+
+
 async def test_dead_port_is_unavailable_and_invalidates_the_channel(
     start_off_loop: bool, pool: ChannelPool[grpc.Channel], dead_target: str
 ) -> None:
@@ -341,6 +368,40 @@ async def test_dead_port_is_unavailable_and_invalidates_the_channel(
     assert info.value.target == target
     snap = await settled(pool)
     assert (snap.size, snap.opened, snap.evicted["invalidated"]) == (0, 1, 1)
+
+
+async def test_unavailable_invalidates_only_the_channel_the_call_failed_on(
+    start_off_loop: bool, pool: ChannelPool[grpc.Channel], dead_target: str
+) -> None:
+    """A channel another call reopened to the recovered peer meanwhile is not dropped with it."""
+    leaser = _RecordingLeaser(pool)
+    rpc = GrpcRawRpc(leaser, start_off_loop=start_off_loop)
+    with trio.fail_after(10), pytest.raises(Unavailable):
+        await rpc.call(dead_target, ECHO, b"x")
+    assert leaser.invalidated == [(dead_target, leaser.leased[0])]
+
+
+def test_channel_options_bound_messages_and_keep_subchannels_per_channel() -> None:
+    options = dict(channel_options(ChannelPoolConfig(max_message_bytes=65_536)))
+    assert options["grpc.max_send_message_length"] == options["grpc.max_receive_message_length"] == 65_536
+    assert options["grpc.use_local_subchannel_pool"] == 1
+
+
+async def test_a_reply_over_max_message_bytes_is_refused_by_our_channel(
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], nursery: trio.Nursery
+) -> None:
+    """The bound on a peer's reply, which is parsed on the routing thread, is our config's, not grpc's."""
+    _, server = peer
+    config = ChannelPoolConfig(max_message_bytes=65_536)
+    channels = ChannelPool(config)
+    await nursery.start(channels.run)
+    rpc = GrpcRawRpc(channels, start_off_loop=start_off_loop)
+    with trio.fail_after(10):
+        assert len(await rpc.call(server.target, BIG, b"1000")) == 1000
+        with pytest.raises(RemoteError) as info:
+            await rpc.call(server.target, BIG, str(4 * config.max_message_bytes).encode())
+    assert info.value.code_name == "grpc:RESOURCE_EXHAUSTED"
+    await channels.aclose()
 
 
 @pytest.mark.parametrize(
