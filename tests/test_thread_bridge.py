@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 
 import outcome
 import trio
 import trio.testing
 
 from router.exception_groups import leaves, sole_leaf
-from router.thread_bridge import deliver_outcome, settle
+from router.thread_bridge import deliver_outcome, settle, settle_on_loop
 
 
 def test_leaves_flatten_nested_groups_in_order() -> None:
@@ -37,7 +38,7 @@ def test_settle_a_concurrent_future_with_a_value_or_an_error() -> None:
     assert failed.exception(timeout=0) is error
 
 
-def test_settle_drops_the_outcome_when_the_waiter_cancelled_first() -> None:
+def test_settle_drops_the_outcome_when_the_waiter_cancelled_or_was_answered_first() -> None:
     gone: concurrent.futures.Future[int] = concurrent.futures.Future()
     assert gone.cancel()
     settle(gone, outcome.Value(7))  # no InvalidStateError: nobody waits
@@ -52,8 +53,25 @@ def test_settle_drops_the_outcome_when_the_waiter_cancelled_first() -> None:
         answered: asyncio.Future[int] = loop.create_future()
         settle(answered, outcome.Value(3))
         assert answered.result() == 3
+        settle(answered, outcome.Value(4))  # answered first (the host's timer): kept, no InvalidStateError
+        assert answered.result() == 3
     finally:
         loop.close()
+
+
+def test_settle_on_loop_reaches_a_running_loop_from_another_thread_and_a_closed_one_is_a_no_op() -> None:
+    async def waiter() -> int:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+        threading.Thread(target=settle_on_loop, args=(loop, future, outcome.Value(5))).start()
+        return await asyncio.wait_for(future, 5)
+
+    assert asyncio.run(waiter()) == 5
+    loop = asyncio.new_event_loop()
+    orphan: asyncio.Future[int] = loop.create_future()
+    loop.close()
+    settle_on_loop(loop, orphan, outcome.Value(1))  # nobody waits on a closed loop: no RuntimeError
+    assert not orphan.done()
 
 
 async def test_deliver_outcome_hands_over_the_value_or_the_error_once() -> None:
