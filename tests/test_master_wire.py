@@ -144,10 +144,10 @@ def test_a_failed_role_entry_fails_the_answer_with_its_code() -> None:
     assert reply == MasterBusinessError(8402, "no prefill", 200)
 
 
-@pytest.mark.parametrize("extra", [{}, {"code": None}, {"code": 0}])
+@pytest.mark.parametrize("extra", [{}, {"code": None}, {"code": 0}, {"code": 200}])
 def test_a_failed_role_entry_without_an_error_code_is_8400(extra: dict[str, object]) -> None:
     """A role the scheduler could not route fails the answer as an error of unknown code (no slave, no
-    KVCM asked), not as an entry garbled for lack of a server_ip."""
+    KVCM asked), not as an entry garbled for lack of a server_ip, nor as an error of code 200."""
     entries = [status("DECODE"), {"role": "PREFILL", "success": False, "message": "no prefill", **extra}]
     reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
     assert reply == MasterBusinessError(CODE_NO_AVAILABLE_WORKER, "no prefill", 200)

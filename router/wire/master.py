@@ -26,7 +26,7 @@ from router.types import Role, RoleAddr, cut_text
 from router.wire import master_flexlb_pb2 as flexlb_pb
 
 CODE_OK = 200
-CODE_NO_AVAILABLE_WORKER = 8400  # also the code of a per-role failure that names none
+CODE_NO_AVAILABLE_WORKER = 8400  # also the code of a per-role failure that names no error code
 CODE_INVALID_REQUEST = 8406
 CODE_QUEUE_TIMEOUT = 8503  # a queueing scheduler's answer once the call's generate_timeout has passed
 CODE_FALLBACK = 8600  # "route by yourself"
@@ -252,7 +252,8 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
         # A role the scheduler could not route fails the whole answer with that role's code.
         code = _int_field(entry, "code", f"{field}.code", target, optional=True)
         message = cut_text(_str_field(entry, "message", f"{field}.message", target) or "", MAX_MESSAGE_CHARS)
-        code = CODE_NO_AVAILABLE_WORKER if not code else _error_code(code, f"{field}.code", target)
+        # The OK code on a failed role names no error either: its role was not routed all the same.
+        code = CODE_NO_AVAILABLE_WORKER if code in (None, 0, CODE_OK) else _error_code(code, f"{field}.code", target)
         return MasterBusinessError(code, message, None)
     role = parse_master_role(_str_field(entry, "role", f"{field}.role", target) or "", f"{field}.role", target)
     ip = _str_field(entry, "server_ip", f"{field}.server_ip", target)
