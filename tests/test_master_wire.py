@@ -327,6 +327,9 @@ def test_info_failure_and_garbage() -> None:
         decode_info_json(500, body(success=False, code=8400, error_message="x"), HOST)
     with pytest.raises(RemoteError, match="not ready"):  # a 200 saying it failed is no answer
         decode_info_json(200, body(success=False, code=8400, error_message="not ready"), HOST)
+    with pytest.raises(RemoteError, match="not ready") as caught:  # nor is one carrying an error code
+        decode_info_json(200, body(code=8400, error_message="not ready"), HOST)
+    assert caught.value.code == 8400
     with pytest.raises(GarbledReply):
         decode_info_json(200, b"nope", HOST)
 

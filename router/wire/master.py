@@ -349,10 +349,12 @@ def decode_info_json(status: int, body: bytes, target: str) -> MasterInfo:
     obj = _json_object(status, body, target, what)
     if obj is None:
         raise _not_json(status, body, target, what)
-    if status != 200 or obj.get("success") is False:
-        code = _int_field(obj, "code", "code", target, optional=True) or status
+    code = _int_field(obj, "code", "code", target, optional=True)
+    # An answer is a 200 that says neither success false nor an error code: a replica not ready to
+    # answer would otherwise count as healthy, and its word on the master be taken.
+    if status != 200 or obj.get("success") is False or code not in (None, CODE_OK):
         message = _str_field(obj, "error_message", "error_message", target) or ""
-        raise RemoteError(target, f"{what}: {message}", code, f"http:{status}")
+        raise RemoteError(target, f"{what}: {message}", code or status, f"http:{status}")
     return MasterInfo(
         _str_field(obj, "real_master_host", "real_master_host", target) or None,
         _int_field(obj, "queue_length", "queue_length", target, optional=True),
