@@ -133,6 +133,36 @@ def test_a_worker_address_is_kept_without_spaces_or_url_brackets_both_protocols(
     assert isinstance(grpc_reply, MasterRouted) and grpc_reply.role_addrs[0].ip == "fd00::6"
 
 
+@pytest.mark.parametrize(
+    ("reported", "kept"),
+    [
+        ("10.0.0.9:7001", "10.0.0.9:7001"),
+        (" sched-a.example:7001 ", "sched-a.example:7001"),
+        ("fd00::2:7001", "fd00::2:7001"),  # the scheduler joins an IPv6 address and its port unbracketed
+        ("[fd00::2]:7001", "[fd00::2]:7001"),
+        ("10.0.0.9", None),  # no port
+        ("10.0.0.9:0", None),
+        ("10.0.0.9:70000", None),
+        ("10.0.0.9:" + "0" * 300 + "7001", None),  # a port, but longer than any host:port
+        ("10.77.0.3:" + "9" * 5000, None),
+        ("10.0.0.9; rm -rf /:7001", None),
+        ("admin:secret@10.0.0.9:7001", None),
+        ("x" * 65_000, None),
+    ],
+)
+def test_a_master_address_that_is_no_host_and_port_is_absent_both_protocols_and_master_info(
+    reported: str, kept: str | None
+) -> None:
+    """Its replica names no master (the reply is still an answer): a peer's text of up to a whole reply
+    would otherwise be carried into the discovery snapshot and /debug/actors."""
+    routed = decode_schedule_json(200, body(success=True, code=200, server_status=[], real_master_host=reported), HOST)
+    assert routed == MasterRouted((), kept, None)
+    pb = flexlb_pb.FlexlbScheduleResponsePB(success=True, code=200, real_master_host=reported)
+    assert decode_schedule_pb(pb.SerializeToString(), HOST) == MasterRouted((), kept, 0)
+    info = decode_info_json(200, body(success=True, code=200, real_master_host=reported), HOST)
+    assert info == MasterInfo(kept, None)
+
+
 def test_success_without_code_and_null_optionals() -> None:
     reply = decode_schedule_json(200, body(success=True, server_status=[], real_master_host=None), HOST)
     assert reply == MasterRouted((), None, None)

@@ -24,6 +24,7 @@ from router.targets import TargetError, format_target, is_host, parse_target
 from router.transport.errors import GarbledReply, RemoteError
 from router.types import Role, RoleAddr, cut_text
 from router.wire import master_flexlb_pb2 as flexlb_pb
+from router.wire.decode import MAX_HOST_PORT_CHARS
 
 CODE_OK = 200
 CODE_NO_AVAILABLE_WORKER = 8400  # also the code of a per-role failure that names no error code
@@ -285,6 +286,22 @@ def _server_ip(ip: str, field: str, target: str) -> str:
         raise GarbledReply(target, f"{field}: {exc}") from None
 
 
+def _master_host(reported: str | None) -> str | None:
+    """The replica a reply names as master: ``host:port`` as the scheduler joins them (an IPv6 address
+    unbracketed, so read by its last colon). Anything else, or longer than any host:port, reads as absent:
+    its replica names no master (it answered all the same), and a peer's text reaches no snapshot."""
+    text = (reported or "").strip()
+    host, sep, port = text.rpartition(":")
+    if not sep or len(text) > MAX_HOST_PORT_CHARS:
+        return None
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        parse_target(f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}")
+    except TargetError:
+        return None
+    return text
+
+
 def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
     """An HTTP reply of ``POST /rtp_llm/schedule`` → ``MasterReply``; raises for no usable reply."""
     what = "schedule"
@@ -333,7 +350,7 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
         addrs.append(decoded)
     return MasterRouted(
         tuple(addrs),
-        _str_field(obj, "real_master_host", "real_master_host", target) or None,
+        _master_host(_str_field(obj, "real_master_host", "real_master_host", target)),
         _int_field(obj, "queue_length", "queue_length", target, optional=True),
     )
 
@@ -356,7 +373,7 @@ def decode_info_json(status: int, body: bytes, target: str) -> MasterInfo:
         message = _str_field(obj, "error_message", "error_message", target) or ""
         raise RemoteError(target, f"{what}: {message}", code or status, f"http:{status}")
     return MasterInfo(
-        _str_field(obj, "real_master_host", "real_master_host", target) or None,
+        _master_host(_str_field(obj, "real_master_host", "real_master_host", target)),
         _int_field(obj, "queue_length", "queue_length", target, optional=True),
         _str_field(obj, "pod_ip", "pod_ip", target),
         _str_field(obj, "instance_ip", "instance_ip", target),
@@ -504,7 +521,7 @@ def decode_schedule_pb(data: bytes, target: str) -> MasterReply:
         grpc_port = _grpc_port(entry.grpc_port, http_port, field, target)
         role = parse_master_role(entry.role, f"{field}.role", target)
         addrs.append(RoleAddr(role, ip, http_port, grpc_port))
-    return MasterRouted(tuple(addrs), reply.real_master_host or None, reply.queue_length)
+    return MasterRouted(tuple(addrs), _master_host(reply.real_master_host), reply.queue_length)
 
 
 def parse_schedule_pb(data: bytes) -> tuple[int, MasterScheduleRequest]:
