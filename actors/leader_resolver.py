@@ -597,6 +597,11 @@ class LeaderResolver:
         for waiter in self._waiters:
             if result.leader is not None:
                 waiter.answer(result.leader)
+            elif result.no_bootstrap:
+                # Discovery lost the targets between this caller's check and the lookup's own read:
+                # nobody was asked, so it is the fast failure a caller a moment earlier got (not waited,
+                # so not judged as a KVCM failure).
+                waiter.answer(self._unavailable(UnavailableReason.NO_BOOTSTRAP, "no KVCM bootstrap target is known"))
             elif result.no_leader:
                 waiter.answer(
                     LeaderUnavailable(

@@ -712,6 +712,31 @@ async def test_bootstrap_targets_found_late_are_used_at_once(
     assert waiting.snapshot().leader_target == NODES[0]  # the next scheduled one
 
 
+async def test_a_waiter_whose_lookup_finds_the_bootstrap_targets_gone_gets_no_bootstrap_not_judged(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Discovery loses the KVCM targets between the resolver's check of a request's ask and the
+    lookup's own read a step later: nobody was asked, so the request gets what one a moment earlier
+    got (NO_BOOTSTRAP, a fast failure the breaker does not judge), not a failed lookup it waited for."""
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    # Read by the start-up lookup, by the request's leader(), by the task's answer to its ask, and by
+    # the lookup that answer starts.
+    reads = iter([(), NODES, NODES])
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: next(reads, ()))
+    await trio.testing.wait_all_tasks_blocked()  # the start-up lookup found no target
+    with pytest.raises(LeaderUnavailable) as info:
+        await resolver.leader()
+    assert next(reads, None) is None  # every scripted read was made: the request did ask the task
+    assert (info.value.reason, info.value.waited) == (UnavailableReason.NO_BOOTSTRAP, False)
+    assert resolver.record_leader_miss(info.value, trial=False, given_s=1.0, started_at=0.0) is False
+    await trio.testing.wait_all_tasks_blocked()
+    snap = resolver.snapshot()
+    assert (snap.state, snap.leader_misses_total, snap.fast_failures_total) == (LeaderState.NO_BOOTSTRAP, 0, 1)
+    assert (snap.breaker.consecutive_failures, snap.breaker.window_failures) == (0, 0)
+    assert network.call_count() == 0
+
+
 async def test_waiters_are_released_when_the_resolver_stops(autojump_clock: trio.testing.MockClock) -> None:
     network = MemoryNetwork()
     kvcm = FakeKvcm(network)
