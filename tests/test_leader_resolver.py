@@ -18,11 +18,14 @@ import trio
 import trio.testing
 
 from actors.breaker import Admission, BreakerState
+from actors.inbox import ask
 from actors.leader_resolver import (
     LeaderResolver,
     LeaderState,
     LeaderUnavailable,
     UnavailableReason,
+    _AskLeader,
+    _Invalidate,
     leader_problems,
 )
 from actors.metrics_sink import MetricsSink
@@ -347,6 +350,66 @@ async def test_a_lookup_in_flight_at_an_invalidation_does_not_bring_the_old_lead
     assert snap.leader_target == NODES[2] and snap.lookups_by_trigger["invalidated"] == 1
 
 
+async def test_a_leader_invalidated_during_a_refresh_and_still_leader_is_found_again(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """A passing failure invalidates the leader while the refresh is asking: the refresh names it
+    again and is asked afresh. That fresh lookup's answer, the same leader, is the cluster's word
+    after the failure and is taken; treated as stale again, every round would throw it away."""
+    network = MemoryNetwork()
+    for node in NODES:
+        network.serve(node, _replica(node, NODES[0], 0.1))  # every node names NODES[0]; it names itself
+    resolver = await start_resolver(nursery, network)
+    assert (await resolver.leader()).target == NODES[0]
+    await trio.sleep_until(LEADER_CFG.refresh_interval_s + 0.15)  # the refresh is asking
+    resolver.report_failure(NODES[0], Unavailable(NODES[0], "reset"))  # passing: still the leader
+    await trio.testing.wait_all_tasks_blocked()
+    with trio.fail_after(1.0):
+        assert (await resolver.leader()).target == NODES[0]
+    await trio.sleep(1.0)
+    assert resolver.snapshot().lookups_total == 3  # start-up, the refresh (stale), its fresh lookup
+
+
+async def test_an_invalidation_about_a_replaced_leader_reaching_the_task_keeps_the_current_one(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """A request that read the view before the leader was replaced reports the old one; the task
+    checks again and ignores it. Sent as the private message: the public ``report_failure`` filters
+    it on the newer view, and the interleaving where the view is still the old one when it is sent
+    but the task has moved on by the time it reads it is not one the public API can schedule."""
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    resolver = await start_resolver(nursery, network)
+    assert (await resolver.leader()).target == NODES[0]
+    kvcm.leader = NODES[1]
+    resolver.report_failure(NODES[0], Unavailable(NODES[0], "reset"))
+    await trio.testing.wait_all_tasks_blocked()
+    assert (await resolver.leader()).target == NODES[1]
+    resolver._report(_Invalidate(NODES[0]))  # sent by a request that read the old view
+    await trio.testing.wait_all_tasks_blocked()
+    snap = resolver.snapshot()
+    assert (snap.leader_target, snap.invalidations_total) == (NODES[1], 1)
+
+
+async def test_an_invalidation_while_backing_off_waits_for_the_scheduled_retry(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    config = dataclasses.replace(LEADER_CFG, backoff_initial_s=3.0, backoff_jitter_s=0.0)
+    resolver = await start_resolver(nursery, network, config=config)
+    assert (await resolver.leader()).target == NODES[0]
+    for node in NODES:
+        network.stop(node)
+    await trio.sleep_until(config.refresh_interval_s + 0.5)  # the refresh failed; the next try at 13 s
+    assert resolver.snapshot().consecutive_failures == 1
+    calls = cluster_info_calls(network)
+    resolver.report_failure(NODES[0], NotLeader(NODES[0], "moved", kvcm_pb.SERVER_NOT_LEADER, "SERVER_NOT_LEADER"))
+    await trio.testing.wait_all_tasks_blocked()
+    assert resolver.snapshot().invalidations_total == 1
+    assert cluster_info_calls(network) == calls  # no round before the backoff's
+
+
 def _replica(node: str, names: str | None, delay: float) -> Handler:
     """A KVCM node that names ``names`` as leader in GetClusterInfo (as itself, when it is that node) and
     answers queries, after ``delay``."""
@@ -436,6 +499,26 @@ async def test_a_leader_stays_suspect_for_a_bounded_time(
     assert resolver.snapshot().leader_target == NODES[2]
     await trio.sleep_until(41.0)  # ... the one at 40 s after it: the first answer wins again
     assert resolver.snapshot().leader_target == NODES[0]
+
+
+async def test_a_suspect_leader_loses_to_a_replica_answering_no_leader(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """The leader dies and an election starts: one replica still names the dead leader, another
+    says no leader is elected. The election is the newer news; the dead one is not taken back."""
+    dead, stale, electing = NODES
+    network = MemoryNetwork()
+    network.serve(dead, _replica(dead, dead, 0.0))
+    network.serve(stale, _replica(stale, dead, 0.001))
+    resolver = await start_resolver(nursery, network)
+    assert (await resolver.leader()).target == dead
+    network.stop(dead)
+    network.serve(electing, _fixed_reply(cluster_info_reply(None), delay=0.002))
+    resolver.report_failure(dead, Unavailable(dead, "refused"))
+    await trio.testing.wait_all_tasks_blocked()
+    await trio.sleep(LEADER_CFG.lookup_timeout_s + 0.01)
+    assert resolver.cached_leader() is None
+    assert resolver.snapshot().state is LeaderState.NO_LEADER
 
 
 @pytest.mark.parametrize(
@@ -587,6 +670,38 @@ async def test_a_named_leader_beats_a_node_that_knows_none(
     assert elapsed == pytest.approx(0.004)
 
 
+async def test_a_refresh_answered_no_leader_drops_the_cached_leader(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """An election started: the old leader is not the leader any more, however fresh it was."""
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    resolver = await start_resolver(nursery, network)
+    assert (await resolver.leader()).target == NODES[0]
+    kvcm.leader = None
+    await trio.sleep(LEADER_CFG.refresh_interval_s + 0.01)  # the refresh hears "no leader"
+    assert resolver.cached_leader() is None
+    assert resolver.snapshot().state is LeaderState.NO_LEADER
+    assert await timed_leader(resolver) == (0.0, UnavailableReason.NO_LEADER)
+
+
+async def test_a_lookup_failing_after_no_leader_is_backing_off(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    kvcm.leader = None
+    resolver = await start_resolver(nursery, network)
+    await trio.testing.wait_all_tasks_blocked()
+    assert resolver.snapshot().state is LeaderState.NO_LEADER
+    for node in NODES:
+        network.stop(node)
+    await trio.sleep(LEADER_CFG.no_leader_retry_s + 0.01)
+    snap = resolver.snapshot()
+    assert (snap.state, snap.consecutive_failures) == (LeaderState.BACKING_OFF, 1)
+    assert await timed_leader(resolver) == (0.0, UnavailableReason.BACKING_OFF)
+
+
 def _fixed_reply(reply: bytes, delay: float = 0.0) -> Handler:
     async def handler(method: str, request: bytes) -> bytes:
         await trio.sleep(delay)
@@ -672,6 +787,25 @@ async def test_failed_refresh_keeps_leader_until_max_staleness(
     assert resolver.snapshot().state is LeaderState.BACKING_OFF
 
 
+async def test_a_stale_leader_is_not_answered_while_its_refresh_is_in_flight(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """With ``max_staleness_s`` equal to ``refresh_interval_s`` (allowed), the leader goes stale while
+    its refresh is asking: a request then waits for the refresh instead of taking the stale one."""
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    for node in NODES:
+        kvcm.delay[node] = 0.1
+    config = dataclasses.replace(LEADER_CFG, refresh_interval_s=10.0, max_staleness_s=10.0)
+    resolver = await start_resolver(nursery, network, config=config)
+    assert (await resolver.leader()).target == NODES[0]  # confirmed at 0.1 s
+    kvcm.leader = NODES[1]
+    await trio.sleep_until(10.15)  # the refresh started at 10.1 s, when the leader went stale
+    elapsed, outcome = await timed_leader(resolver)
+    assert outcome == NODES[1]  # the refresh's answer, not the stale leader
+    assert elapsed == pytest.approx(0.05)
+
+
 async def test_no_bootstrap_fails_fast_without_rpc(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
@@ -710,6 +844,26 @@ async def test_bootstrap_targets_found_late_are_used_at_once(
     assert await timed_leader(asking) == (0.0, NODES[0])  # the request's own lookup
     await trio.sleep(LEADER_CFG.no_leader_retry_s)
     assert waiting.snapshot().leader_target == NODES[0]  # the next scheduled one
+
+
+async def test_losing_the_bootstrap_targets_ends_the_backoff(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """KVCM unreachable, then discovery loses its targets: a lookup with nobody to ask is not a
+    failure, so targets that come back are looked up by the next request at once, not failed fast
+    on a backoff grown before."""
+    network = MemoryNetwork()  # nothing answers yet
+    targets: list[tuple[str, ...]] = [NODES]
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: targets[0])
+    await trio.sleep(1.0)
+    assert resolver.snapshot().consecutive_failures > 1
+    targets[0] = ()
+    await trio.sleep(LEADER_CFG.backoff_max_s + LEADER_CFG.backoff_jitter_s + 0.01)
+    snap = resolver.snapshot()
+    assert (snap.state, snap.consecutive_failures) == (LeaderState.NO_BOOTSTRAP, 0)
+    FakeKvcm(network)
+    targets[0] = NODES
+    assert await timed_leader(resolver) == (0.0, NODES[0])  # the request's own lookup
 
 
 async def test_a_waiter_whose_lookup_finds_the_bootstrap_targets_gone_gets_no_bootstrap_not_judged(
@@ -921,6 +1075,66 @@ async def test_a_cut_short_trial_is_not_judged_and_frees_its_slot(
     assert resolver.snapshot().queries_cut_short_total == 1
 
 
+async def test_a_trial_whose_leader_failed_fast_frees_its_slot(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """A fast failure cost the trial nothing and judges nothing; kept, its slot would reject every
+    request until ``trial_timeout_s``."""
+    _, resolver, _ = await half_open_breaker(nursery)
+    assert await resolver.admit() is Admission.TRIAL
+    fast = LeaderUnavailable(UnavailableReason.BACKING_OFF, "lookups failing")
+    assert resolver.record_leader_miss(fast, trial=True, given_s=1.0, started_at=trio.current_time()) is False
+    await trio.testing.wait_all_tasks_blocked()
+    assert resolver.snapshot().breaker.state is BreakerState.HALF_OPEN
+    assert await resolver.admit() is Admission.TRIAL  # the slot is free again
+
+
+async def test_a_leader_lookup_the_request_waited_for_and_that_found_none_is_judged(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()  # refused everywhere: the first lookup fails
+    resolver = await start_resolver(nursery, network)
+    with pytest.raises(LeaderUnavailable) as info:
+        await resolver.leader()
+    assert info.value.waited
+    assert resolver.record_leader_miss(info.value, trial=False, given_s=1.0, started_at=0.0) is True
+    await trio.testing.wait_all_tasks_blocked()
+    snap = resolver.snapshot()
+    assert (snap.leader_misses_total, snap.breaker.consecutive_failures) == (1, 1)
+
+
+async def test_only_a_deadline_cut_below_slow_query_ms_is_spared_judging(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    resolver = await start_resolver(nursery, network)
+    slow = BREAKER_CFG.slow_query_ms / 1000.0
+    # A leader wait the request's deadline ended after exactly slow_query_ms had long enough.
+    assert resolver.record_leader_miss(None, trial=False, given_s=slow, started_at=0.0) is True
+    # A refused connection is a failure however tight the budget was: the budget did not cause it.
+    for _ in range(BREAKER_CFG.failure_threshold - 1):
+        assert resolver.record_kvcm(Unavailable(NODES[0], "refused"), trial=False, given_s=slow / 2, started_at=0.0)
+    await trio.testing.wait_all_tasks_blocked()
+    snap = resolver.snapshot()
+    assert (snap.breaker.state, snap.queries_cut_short_total) == (BreakerState.OPEN, 0)
+
+
+async def test_the_last_failed_query_shows_in_the_snapshot(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """The debug endpoint's only view of a query failure the lookups never see (a wrong instance id)."""
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    resolver = await start_resolver(nursery, network)
+    await trio.sleep(1.0)
+    resolver.record_kvcm(Unavailable(NODES[0], "refused"), trial=False, given_s=1.0, started_at=0.0)
+    await trio.testing.wait_all_tasks_blocked()
+    snap = resolver.snapshot()
+    assert snap.last_query_error is not None and "refused" in snap.last_query_error
+    assert snap.last_query_error_at == 1.0
+
+
 # --- the inbox: state changed by the resolver's own task only ------------------------------------
 
 
@@ -984,6 +1198,63 @@ async def test_a_trial_ask_waits_only_until_the_callers_limit_and_an_abandoned_o
         assert await resolver.admit() is Admission.TRIAL
         assert await resolver.admit() is Admission.REJECT
         service.cancel_scope.cancel()
+
+
+async def test_an_abandoned_leader_ask_starts_no_lookup(autojump_clock: trio.testing.MockClock) -> None:
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    targets: list[tuple[str, ...]] = [()]
+    resolver = LeaderResolver(
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: targets[0], instance_id=INSTANCE, inbox_size=64
+    )
+    async with trio.open_nursery() as service:
+        await service.start(resolver.run)
+        await trio.testing.wait_all_tasks_blocked()  # no target: looked for again at no_leader_retry_s
+        service.cancel_scope.cancel()  # the resolver's task is down (as between a crash and its restart)
+    targets[0] = NODES
+    with trio.move_on_after(0.005) as scope:  # the caller leaves before the task reads its ask
+        await resolver.leader()
+    assert scope.cancelled_caught
+    async with trio.open_nursery() as service:
+        await service.start(resolver.run)  # restarted before the scheduled lookup: the ask is skipped
+        await trio.testing.wait_all_tasks_blocked()
+        assert cluster_info_calls(network) == 0
+        service.cancel_scope.cancel()
+
+
+async def test_an_ask_reaching_the_task_after_lookups_began_failing_fails_fast_without_a_lookup(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """A request that read the view before the failure it is about to show asks the task, which
+    answers from its own state. Sent as the private ask: which of a request and a lookup result the
+    task reads first within one scheduling round is not something the public API can arrange."""
+    network = MemoryNetwork()  # refused everywhere
+    resolver = await start_resolver(nursery, network, config=dataclasses.replace(LEADER_CFG, backoff_initial_s=3.0))
+    await trio.testing.wait_all_tasks_blocked()
+    calls = cluster_info_calls(network)
+    reply = await ask(resolver._send, _AskLeader())
+    assert isinstance(reply, LeaderUnavailable)
+    assert (reply.reason, reply.waited) == (UnavailableReason.BACKING_OFF, False)
+    await trio.testing.wait_all_tasks_blocked()
+    assert cluster_info_calls(network) == calls
+
+
+async def test_an_ask_reaching_the_task_after_the_bootstrap_targets_went_fails_fast_without_a_lookup(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """As above, with discovery losing the targets after the request read them: no lookup is started
+    for nobody to ask. Sent as the private ask for the same reason."""
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    resolver = await start_resolver(nursery, network, bootstrap=lambda: ())
+    await trio.testing.wait_all_tasks_blocked()
+    lookups = resolver.snapshot().lookups_total
+    reply = await ask(resolver._send, _AskLeader())
+    assert isinstance(reply, LeaderUnavailable)
+    assert (reply.reason, reply.waited) == (UnavailableReason.NO_BOOTSTRAP, False)
+    await trio.testing.wait_all_tasks_blocked()
+    snap = resolver.snapshot()
+    assert (snap.lookups_total, snap.lookups_by_trigger["request"]) == (lookups, 0)
 
 
 async def test_a_crashed_task_answers_its_waiters_and_the_restarted_one_resolves(
