@@ -54,6 +54,15 @@ def test_match_reports_each_workers_contiguous_prefix_longest_first() -> None:
     assert index.match((), now=2.0) == ()
 
 
+def test_holders_found_at_one_position_come_out_longest_first() -> None:
+    """Holders whose prefixes end between the same two probed positions are found together, and
+    still come out longest first (the order the shadow source's hot set and the decision log read)."""
+    index = ShadowIndex(300.0, 10_000)
+    index.record(W1, PROMPT[:5], now=1.0)
+    index.record(W2, PROMPT[:7], now=1.0)
+    assert index.match(PROMPT[:20], now=2.0) == (HostMatch(W2, 7), HostMatch(W1, 5))
+
+
 def test_match_finds_every_length_exactly_with_one_record_per_worker() -> None:
     index = ShadowIndex(300.0, 100_000)
     for length in range(1, 100):
@@ -163,6 +172,19 @@ def test_ttl_expiry_and_refresh() -> None:
     assert index.match(PROMPT, now=650.1) == ()
     index.expire(now=651.0)
     assert (index.records, index.blocks, index.indexed_keys) == (0, 0, 0)
+
+
+def test_an_older_record_expiring_leaves_the_entries_of_the_workers_newer_one() -> None:
+    """A worker's two prompts share their head: the newer record owns those entries now, so the older
+    one expiring must not take them (the newer would stop matching at its own head)."""
+    index = ShadowIndex(100.0, 10_000)
+    older, newer = PROMPT[:4], chained([0, 1, 7])
+    assert newer[:2] == older[:2] and newer[2] != older[2]
+    index.record(W1, older, now=0.0)
+    index.record(W1, newer, now=50.0)
+    index.expire(120.0)  # the older record expires, the newer one lives
+    assert index.records == 1
+    assert index.match(newer, now=120.0) == (HostMatch(W1, 3),)
 
 
 def test_capacity_evicts_least_recently_recorded() -> None:
