@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from actors.master_discovery import MasterDiscovery, ip_order
+from actors.master_discovery import MasterDiscovery, MasterDiscoverySnapshot, ip_order
 from kvroute_sim.sim.master import MasterFaults, SimMaster
 from router.config import MasterConfig
 from router.transport.master_memory import MemoryMasterNetwork
@@ -59,6 +59,20 @@ async def test_the_elected_replica_is_master_and_the_lowest_other_is_slave(
     snap = s.discovery.snapshot()
     assert (snap.master, snap.slave, snap.queue_length) == (s.hosts[1], s.hosts[0], 9)
     assert snap.master_changes_total == 2
+
+
+async def test_a_host_that_never_answered_is_not_healthy(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    """Down from the start, one failed poll is below the failure threshold, but nothing says it was
+    ever up: it is neither master nor slave."""
+    sim = SimMaster(replicas=3, elected=2, queue_length=5)
+    network = MemoryMasterNetwork()
+    hosts = sim.serve_memory(network).hosts
+    network.stop(hosts[0])
+    discovery = MasterDiscovery(MasterConfig(hosts=",".join(hosts)), network)
+    await nursery.start(discovery.run)
+    snap = discovery.snapshot()
+    assert (snap.master, snap.slave) == (hosts[2], hosts[1])
+    assert snap.hosts[0].consecutive_failures == 1 and not snap.hosts[0].healthy
 
 
 async def test_polls_every_host_once_per_interval(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
@@ -114,6 +128,19 @@ async def test_previous_master_kept_when_nobody_names_a_healthy_one(
     assert snap.slave == s.hosts[2]
 
 
+async def test_previous_master_kept_even_when_a_lower_ip_is_healthy(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    s = await start(nursery, elected=2)
+    s.network.stop(s.hosts[0])
+    await rounds(2)  # hosts[0] unhealthy
+    s.sim.elect(0)  # the replicas now name the host that is down
+    await rounds(2)
+    snap = s.discovery.snapshot()
+    assert snap.master == s.hosts[2]  # the previous master, still healthy; not hosts[1], the lowest
+    assert snap.slave == s.hosts[1]
+
+
 async def test_unhealthy_host_dropped_after_drop_after_then_back(
     clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
@@ -130,6 +157,20 @@ async def test_unhealthy_host_dropped_after_drop_after_then_back(
     snap = s.discovery.snapshot()
     assert [h.host for h in snap.hosts] == list(s.hosts)
     assert snap.hosts[2].healthy
+
+
+async def test_a_host_failing_late_is_listed_until_drop_after_its_last_success(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    s = await start(nursery, elected=0)  # discovery_drop_after_s 30 s by default
+    await rounds(100)
+    s.network.stop(s.hosts[2])  # last answered at 100 s
+    await rounds(29)
+    snap = s.discovery.snapshot()
+    listed = {h.host: h for h in snap.hosts}
+    assert s.hosts[2] in listed and not listed[s.hosts[2]].healthy
+    await rounds(1)  # 130 s: drop_after since its last success, to the round
+    assert [h.host for h in s.discovery.snapshot().hosts] == list(s.hosts[:2])
 
 
 async def test_no_healthy_host_means_no_master(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
@@ -193,6 +234,12 @@ async def test_readers_never_wait(clock: trio.testing.MockClock, nursery: trio.N
 
 async def _discover(infos: dict[str, dict[str, object]], hosts: str | None = None) -> tuple[str | None, str | None]:
     """Master and slave after a few rounds, each host answering master/info with its ``infos`` entry."""
+    snap = await _discovered(infos, hosts)
+    return snap.master, snap.slave
+
+
+async def _discovered(infos: dict[str, dict[str, object]], hosts: str | None = None) -> MasterDiscoverySnapshot:
+    """The snapshot after a few rounds, each host answering master/info with its ``infos`` entry."""
     network = MemoryMasterNetwork()
     for host, info in infos.items():
         body = json.dumps({"success": True, "code": 200, "queue_length": 0, **info}).encode()
@@ -207,7 +254,7 @@ async def _discover(infos: dict[str, dict[str, object]], hosts: str | None = Non
         await rounds(3)
         snap = discovery.snapshot()
         nursery.cancel_scope.cancel()
-    return snap.master, snap.slave
+    return snap
 
 
 async def test_a_replica_still_naming_the_old_master_does_not_outweigh_the_one_naming_itself(
@@ -222,6 +269,17 @@ async def test_a_replica_still_naming_the_old_master_does_not_outweigh_the_one_n
         c: {"real_master_host": c},
     }
     assert await _discover(infos) == (c, a)
+
+
+async def test_the_queue_length_is_the_masters_own(clock: trio.testing.MockClock) -> None:
+    a, b, c = "10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.3:7001"
+    infos: dict[str, dict[str, object]] = {
+        a: {"real_master_host": b, "queue_length": 3},
+        b: {"real_master_host": b, "queue_length": 7},
+        c: {"real_master_host": b, "queue_length": 11},
+    }
+    snap = await _discovered(infos)
+    assert (snap.master, snap.queue_length) == (b, 7)
 
 
 async def test_an_ipv6_master_named_without_brackets_is_recognised(clock: trio.testing.MockClock) -> None:
