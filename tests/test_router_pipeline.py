@@ -49,6 +49,7 @@ from router.policy.deadline_split import SplitWindows
 from router.request import CheckedRequest, key_slices, prepare_request, sheddable
 from router.sidecar import decision_to_proto
 from router.supervisor import RouterHandle
+from router.transport.errors import Unavailable
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
     BadRequest,
@@ -1825,3 +1826,35 @@ async def test_a_kvcm_trial_whose_caller_leaves_frees_the_breakers_trial_slot(
         assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(2)
         await trio.testing.wait_all_tasks_blocked()
         assert resolver.snapshot().breaker.state is BreakerState.CLOSED
+
+
+async def test_a_kvcm_trial_whose_caller_leaves_while_it_waits_for_the_leader_frees_the_trial_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The same when the trial's caller gives up earlier, while it waits for a leader lookup."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, config):
+        seed(cluster, 2, 8)
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        node = cluster.kvcm.node_ids[0]
+        query_only = frozenset({paths.KVCM_GET_HOST_CACHE_STATE})
+        cluster.kvcm.set_faults(node, KvcmFaults(error_code=kvcm_pb.INTERNAL_ERROR, methods=query_only))
+        for i in range(config.breaker.failure_threshold):
+            await handle.route(RouteRequest(f"fail{i}", token_ids=PROMPT, budget_ms=50))
+        await trio.testing.wait_all_tasks_blocked()
+        assert resolver.snapshot().breaker.state is BreakerState.OPEN
+        await trio.sleep(config.breaker.cooldown_s)  # a trial is due
+        leader = resolver.cached_leader()
+        assert leader is not None
+        # The leader is reported wrong and its lookup hangs: the trial's request waits for it.
+        cluster.kvcm.set_faults(node, KvcmFaults(hang=True, methods=frozenset({paths.KVCM_GET_CLUSTER_INFO})))
+        resolver.report_failure(leader.target, Unavailable(leader.target, "reset"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert resolver.cached_leader() is None
+        with trio.move_on_after(0.005) as caller:  # gives up while its trial waits for the leader
+            await handle.route(RouteRequest("trial", token_ids=PROMPT, budget_ms=50))
+        assert caller.cancelled_caught
+        await trio.testing.wait_all_tasks_blocked()
+        breaker = resolver.snapshot().breaker
+        assert (breaker.state, breaker.trial_started_at) == (BreakerState.HALF_OPEN, None)
