@@ -426,6 +426,27 @@ async def test_an_ejected_holder_leaves_the_only_hot_place_to_the_next_holder_in
         assert d.worker == cluster.worker_addr(2) and d.hit_tokens == 4 * BLOCK
 
 
+async def test_every_shadow_holder_up_to_the_hot_set_size_is_a_candidate(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """KVCM is down and the shadow index answers: its match fills the whole hot set, not only the
+    deepest holder, so the load still decides among the holders."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, scorer={"hot_set_size": 3, "cold_set_size": 0}) as (handle, _, _):
+        (shadow_source,) = [s for s in handle.router_actor()._chain if isinstance(s, ShadowSource)]
+        now = trio.current_time()
+        for worker, blocks in ((1, 8), (2, 6), (3, 4)):
+            shadow_source._shadow.index.record(cluster.worker_addr(worker).http_target, KEYS[:blocks], now)
+        fault_the_leader(cluster, KvcmFaults(dead=True))
+        d = await handle.route(RouteRequest("r", token_ids=PROMPT, budget_ms=50))
+        assert d.route_source is RouteSource.SHADOW, d
+        assert {c.target: c.local_blocks for c in d.candidates} == {
+            cluster.worker_addr(1).http_target: 8,
+            cluster.worker_addr(2).http_target: 6,
+            cluster.worker_addr(3).http_target: 4,
+        }
+
+
 async def test_pdfusion_only_deployment_never_gets_prefill(autojump_clock: trio.testing.MockClock) -> None:
     specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2 + [
         WorkerSpec(role="RoleType.PDFUSION", block_size=BLOCK)
