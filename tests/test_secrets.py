@@ -175,10 +175,18 @@ async def test_without_a_token_every_path_is_open() -> None:
     "authorization",
     [None, "Bearer wrong-token-0123456789", f"Basic {TOKEN}", f"Bearer {TOKEN}x", "Bearer", f"bearer{TOKEN}"],
 )
-async def test_with_a_token_every_path_but_healthz_needs_it(authorization: str | None) -> None:
+@pytest.mark.parametrize("given", ["token", "token_file"])
+async def test_with_a_token_every_path_but_healthz_needs_it(
+    authorization: str | None, given: str, tmp_path: Path
+) -> None:
+    # A token from --debug-token-file is required as much as one given inline: a file never read would
+    # leave the endpoint open while the deployment believes it closed.
     headers = {} if authorization is None else {"authorization": authorization}
+    token_file = tmp_path / "token"
+    token_file.write_text(f"{TOKEN}\n")
+    auth = {"token": TOKEN} if given == "token" else {"token_file": str(token_file)}
     with trio.fail_after(10):
-        answers = await get_all(load_config({}, {}), Sources(), ALL_PATHS, headers, token=TOKEN)
+        answers = await get_all(load_config({}, {}), Sources(), ALL_PATHS, headers, **auth)
     assert answers["/healthz"].status_code == 200
     for path in ALL_PATHS[1:]:
         assert answers[path].status_code == 401, path
