@@ -62,7 +62,7 @@ from router.decision_record import (
 )
 from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet
-from router.replay import LogReader, RecordedLog, ReplayEngine, load_log, replay_config
+from router.replay import LogReader, Outcome, RecordedLog, ReplayEngine, WhatIf, load_log, replay_config
 from router.supervisor import RouterHandle, decision_log_header
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
@@ -781,6 +781,65 @@ def test_a_what_if_changes_decisions(tmp_path: Path) -> None:
     on_mock_clock(record_cache_run, log)
     identical, total = replay_all(log, overrides={"kvcm_fallback": "false"})
     assert identical < total  # every cache decision becomes a domain one
+
+
+def _logged_case(tmp_path: Path, record: DecisionRecord, header: dict[str, object] | None = None) -> Path:
+    """``record`` alone in a log file, under ``header`` (this kvroute's defaults' when None)."""
+    path = tmp_path / "d.log"
+    writer = LogFileWriter(str(path), max_bytes=1 << 20, files=2, header=header or decision_log_header(KvrouteConfig()))
+    writer.open()
+    writer.drain(deque([[record]]), close_generation=writer.generation)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("w", "10.0.0.9:8000"),
+        ("r", Reason.CACHE_LEADER.value),
+        ("rs", RouteSource.KVCM.value),
+        ("ra", [["PREFILL", "10.0.0.9", 8000, 8001]]),
+        ("ch", [["kvcm", "fell_through", "deadline"]]),
+        ("c", [["10.0.0.9:8000", "hot", 2, 32, 100, "PREFILL", None, 1]]),
+        ("hit", 32),
+        ("ec", 3),
+        ("sm", SplitMode.FIXED.value),
+        ("sw", [["cache_query", 5.0, 1]]),
+    ],
+)
+def test_a_decision_that_differs_in_any_compared_field_is_not_identical(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    """Identical means equal in every compared field: a replay that moved only the candidate rows, the
+    split's windows or the role addresses is a changed decision, not a pass."""
+    (case,) = load_log([str(_logged_case(tmp_path, _overloaded(0)))]).cases
+    assert field in case.expected and case.expected[field] != value
+    assert Outcome(case, dict(case.expected)).identical
+    assert not Outcome(case, {**case.expected, field: value}).identical
+
+
+def test_a_what_if_counts_the_hit_change_with_its_sign_and_the_workers_it_moved(tmp_path: Path) -> None:
+    (case,) = load_log([str(_logged_case(tmp_path, _overloaded(0)))]).cases
+    what_if = WhatIf()
+    what_if.add(Outcome(case, dict(case.expected)))
+    what_if.add(Outcome(case, {**case.expected, "hit": int(case.expected["hit"]) + 32, "w": "10.0.0.9:8000"}))
+    assert (what_if.total, what_if.changed, what_if.hit_delta, what_if.workers_changed) == (2, 1, 32, 1)
+
+
+def test_a_recorded_digest_this_kvroute_does_not_compute_is_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The settings were read differently when recorded (defaults changed between versions): the
+    decisions still replay, and the command warns that they may differ for that reason."""
+    header = decision_log_header(KvrouteConfig())
+    right = _logged_case(tmp_path, _overloaded(0), header)
+    (tmp_path / "other").mkdir()
+    wrong = _logged_case(tmp_path / "other", _overloaded(0), {**header, "digest": "0123456789abcdef"})
+    # The exit status is the decisions' (this record's fleet was never logged): only the warning is looked at.
+    main(["replay", str(right)])
+    assert "digest differs" not in capsys.readouterr().err
+    main(["replay", str(wrong)])
+    assert "configuration digest differs" in capsys.readouterr().err
 
 
 def test_a_what_if_that_turns_on_a_source_the_log_never_asked_is_refused(
