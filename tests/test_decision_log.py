@@ -56,6 +56,7 @@ from router.decision_record import (
     MAGIC,
     DecisionRecord,
     LogFormatError,
+    ProbeRecord,
     ScoringRecord,
     frame,
     parse_frames,
@@ -63,6 +64,7 @@ from router.decision_record import (
 from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet
 from router.replay import LogReader, Outcome, RecordedLog, ReplayEngine, WhatIf, load_log, replay_config
+from router.request import PreparedRequest
 from router.supervisor import RouterHandle, decision_log_header
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
@@ -82,6 +84,7 @@ from router.types import (
     SplitMode,
     Stage,
     WorkerAddr,
+    WorkerStatus,
 )
 from router.wire import paths
 
@@ -979,6 +982,58 @@ def test_a_decision_record_garbled_inside_valid_frames_exits_2_naming_its_offset
     assert main(["replay", str(garbled)]) == 2
     err = capsys.readouterr().err
     assert f"byte offset {offsets[0]}" in err and named in err and "Traceback" not in err
+
+
+def test_a_frame_length_garbled_mid_file_is_corruption_not_a_torn_tail(tmp_path: Path) -> None:
+    """A length over what a reader takes, with frames after it, is not a write a crash cut short: read as
+    a torn tail it would be a warning, and the decisions after it silently not replayed."""
+    path = _logged_case(tmp_path, _overloaded(0))
+    data = bytearray(path.read_bytes())
+    first = next(f.offset for f in parse_frames(str(path), bytes(data)) if f.kind == KIND_DECISION)
+    struct.pack_into(">I", data, first, decision_record.MAX_FRAME_BYTES + 1)
+    data += frame(KIND_DECISION, {"pad": "x" * 64})
+    path.write_bytes(bytes(data))
+    with pytest.raises(LogFormatError) as raised:
+        load_log([str(path)])
+    assert not isinstance(raised.value, decision_record.TornTail)
+    assert raised.value.offset == first
+
+
+@pytest.mark.parametrize(
+    ("count", "inline"), [(decision_record.KEYS_INLINE_MAX, True), (decision_record.KEYS_INLINE_MAX + 1, False)]
+)
+def test_every_recorded_input_reads_back_as_it_was_recorded(tmp_path: Path, count: int, inline: bool) -> None:
+    """A replay starts from what the request had: its deadline (given absolute, as the sidecar gives it,
+    and logged relative to receipt), its roles, its keys (as given up to KEYS_INLINE_MAX, else their
+    count), the shadow's match, and each scoring's decide time and probes."""
+    fleet = Fleet.of([WorkerAddr("10.0.0.1", 8000, 8001, 8002)])
+    received = 1000.0
+    request = RouteRequest("q", budget_ms=80.0, deadline=received + 0.05, roles=(Role.PREFILL,))
+    status = WorkerStatus(
+        role=Role.PREFILL, role_reported="PREFILL", alive=True, status_version=1, latest_finished_version=0,
+        waiting_query_len=3,
+    )
+    keys = tuple(range(1, count + 1))
+    match = (HostMatch("10.0.0.1:8000", 2),)
+    probe = ProbeRecord("10.0.0.1:8000", 0.004, status, 0.001, None)
+    record = DecisionRecord(
+        request, received, overloaded=True,
+        decision=RouteDecision("q", None, None, RouteSource.DOMAIN, Reason.OVERLOADED),
+        prepared=PreparedRequest(keys, BLOCK, count * BLOCK, (Role.PREFILL,)), shadow_hosts=match,
+        scorings=[ScoringRecord(CandidateSource.SHADOW, match, fleet, (), probes=(probe,), decided=0.007)],
+    )
+    (case,) = load_log([str(_logged_case(tmp_path, record))]).cases
+    assert case.request.deadline == pytest.approx(received + 0.05, abs=1e-9)
+    assert (case.request.budget_ms, case.request.roles, case.overloaded) == (80.0, (Role.PREFILL,), True)
+    if inline:
+        assert (case.request.block_cache_keys, case.digested_keys) == (keys, None)
+    else:
+        assert (case.request.block_cache_keys, case.digested_keys) == (None, count)
+    assert case.shadow_hosts == match
+    (scoring,) = case.scorings
+    assert scoring.decided == 0.007
+    read = scoring.probes["10.0.0.1:8000"]
+    assert (read.arrived, read.taken, read.status and read.status.waiting_query_len) == (0.004, 0.001, 3)
 
 
 def test_rotation_keeps_the_size_bound_and_each_file_replays(tmp_path: Path) -> None:
