@@ -484,6 +484,54 @@ async def test_a_stop_during_a_restarts_backoff_is_as_clean_as_one_just_after_it
     assert status == [0]
 
 
+# A child that announces itself and drains for longer than any test waits: SIGTERM is only noted (in
+# argv[1]); STOP_NOW_SIGNAL ends it at once, with status 0.
+_DRAINING_FOR_LONG = """
+import signal, sys, time
+marker = sys.argv[1]
+signal.signal(signal.SIGTERM, lambda *_: open(marker, "w").close())
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(0))
+sys.stdout.write("kvroute serve: Route gRPC on 127.0.0.1:1, debug HTTP on http://127.0.0.1:2\\n")
+sys.stdout.flush()
+time.sleep(120)
+"""
+
+
+async def test_a_second_signal_during_the_drain_stops_the_children_at_once(tmp_path: Path) -> None:
+    """The operator's second Ctrl-C (or a second SIGTERM) means stop now: the children are told with
+    STOP_NOW_SIGNAL, not sent the drain again, which a child draining long requests would let wait out
+    the whole stop wait before being killed."""
+    draining = tmp_path / "draining"
+    supervisor = ProcessSupervisor(
+        count=1,
+        command=lambda i: [sys.executable, "-c", _DRAINING_FOR_LONG, str(draining)],
+        grpc_address="127.0.0.1:1",
+        stop_wait_s=120.0,  # past the hang guard: only the stop-now signal ends this child in time
+    )
+    (slot,) = supervisor._slots
+    send, receive = trio.open_memory_channel[int](2)
+
+    async def signals() -> AsyncIterator[int]:
+        async for signum in receive:
+            yield signum
+
+    status: list[int] = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+
+            async def run() -> None:
+                status.append(await supervisor.run(signals()))
+
+            nursery.start_soon(run)
+            await slot.ready.wait()
+            await send.send(int(signal.SIGTERM))
+            while not draining.exists():  # noqa: ASYNC110 (a file the child writes: no event to wait on)
+                await trio.sleep(0.05)
+            await send.send(int(signal.SIGINT))
+    assert status == [0]
+    assert slot.returncode == 0 and not slot.killed
+
+
 async def test_a_child_may_take_discoverys_refresh_timeout_on_top_of_its_own_start(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
