@@ -52,6 +52,7 @@ from router.config import (
 )
 from router.decision_record import (
     KIND_DECISION,
+    KIND_FLEET,
     KIND_HEADER,
     MAGIC,
     DecisionRecord,
@@ -1386,6 +1387,90 @@ def test_a_run_that_logged_nothing_is_not_rotated_over_the_decisions_before_it(t
     kept = sorted(p.name for p in tmp_path.iterdir())
     assert kept == ["d.log", "d.log.1"]  # the first restart rotated the decisions once; the others overwrote
     assert [c.request_id for c in load_log([str(path) + ".1"]).cases] == [f"q{i}" for i in range(5)]
+
+
+def _kinds(path: Path) -> list[int]:
+    return [f.kind for f in parse_frames(str(path), path.read_bytes())]
+
+
+def test_a_started_log_and_each_batch_it_counts_written_are_on_disk_while_its_file_is_open(tmp_path: Path) -> None:
+    """``written`` counts records that reached the file, and a run that dies before its first decision
+    leaves a readable log: a reader (or a crash) while the log runs finds the header at once and each
+    batch once it is counted, not in the writer's buffer."""
+    path = tmp_path / "d.log"
+    writer = LogFileWriter(str(path), max_bytes=1 << 20, files=2, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    assert _kinds(path) == [KIND_HEADER]
+    writer.drain(deque([[_overloaded(0)]]))  # the file stays open for the next batch
+    assert writer.written == 1
+    assert _kinds(path) == [KIND_HEADER, KIND_DECISION]
+    writer.close()
+
+
+def test_no_file_grows_past_max_bytes_and_each_rotation_is_counted(tmp_path: Path) -> None:
+    """A file never grows past decision_log_max_bytes, checked after every record of varying size over
+    many rotations; /debug/actors' rotations are the files started for size."""
+    path = tmp_path / "d.log"
+    max_bytes = 4096
+    writer = LogFileWriter(str(path), max_bytes=max_bytes, files=3, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    seen, size = 0, os.path.getsize(path)
+    for i in range(600):
+        rid = "r" * (1 + i % 97)
+        decision = RouteDecision(rid, None, None, RouteSource.DOMAIN, Reason.OVERLOADED)
+        record = DecisionRecord(RouteRequest(rid, block_cache_keys=(1, 2)), 0.0, overloaded=True, decision=decision)
+        writer.drain(deque([[record]]))
+        now = os.path.getsize(path)
+        assert now <= max_bytes, i
+        seen += now < size  # one record a batch: a file that shrank is a new one
+        size = now
+    writer.close()
+    assert writer.rotations == seen > 10
+
+
+def test_one_file_kept_means_one_file_on_disk(tmp_path: Path) -> None:
+    """decision_log_files=1: a rotation replaces PATH, no PATH.1 beside it (the disk bound is files x
+    max_bytes), and a restart overwrites what it finds."""
+    path = tmp_path / "d.log"
+    for _ in range(2):
+        writer = LogFileWriter(str(path), max_bytes=4096, files=1, header=decision_log_header(KvrouteConfig()))
+        writer.open()
+        writer.drain(deque([[_overloaded(i) for i in range(60)]]), close_generation=writer.generation)
+        assert writer.rotations >= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.log"]
+
+
+def test_a_file_describes_each_fleet_once_not_before_every_decision(tmp_path: Path) -> None:
+    """The fleet frame comes before the first decision that planned on a new fleet: decisions on the
+    same fleet share it, or the file holds the fleet once a decision."""
+
+    def planned_on(i: int, fleet: Fleet) -> DecisionRecord:
+        decision = RouteDecision(f"q{i}", None, None, RouteSource.DOMAIN, Reason.NO_POSITIVE_MATCH)
+        scoring = ScoringRecord(CandidateSource.HOT, (), fleet, ())
+        return DecisionRecord(RouteRequest(f"q{i}", block_cache_keys=(1,)), 0.0, scorings=[scoring], decision=decision)
+
+    one = Fleet.of([WorkerAddr("10.0.0.1", 8000, 8001, 8002), WorkerAddr("10.0.0.2", 8000, 8001, 8002)])
+    other = Fleet.of([WorkerAddr("10.0.0.3", 8000, 8001, 8002)])
+    path = tmp_path / "d.log"
+    writer = LogFileWriter(str(path), max_bytes=1 << 20, files=2, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    records = [planned_on(0, one), planned_on(1, one), planned_on(2, other), planned_on(3, other)]
+    writer.drain(deque([records]), close_generation=writer.generation)
+    described = [KIND_FLEET, KIND_DECISION, KIND_DECISION]
+    assert _kinds(path) == [KIND_HEADER, *described, *described]
+
+
+def test_a_file_whose_header_a_crash_cut_short_is_rotated_away_not_overwritten(tmp_path: Path) -> None:
+    """Cut inside its header it is still a decision log, perhaps the only trace of the run that crashed:
+    kept as PATH.1 for a look, not truncated by the next start."""
+    path = tmp_path / "d.log"
+    torn = MAGIC + b"\x00\x00\x01"
+    path.write_bytes(torn)
+    writer = LogFileWriter(str(path), max_bytes=1 << 20, files=2, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    writer.close()
+    assert (tmp_path / "d.log.1").read_bytes() == torn
+    assert _kinds(path) == [KIND_HEADER]
 
 
 class FullDisk:
