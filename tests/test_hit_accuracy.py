@@ -152,10 +152,10 @@ def test_the_wrong_key_family_scenario_at_its_smallest_scale_still_fires_and_tak
     assert "router settings: budget_cap_ms=50.0, metrics_accuracy_warn_silent_share=0.0" in text.splitlines()[0]
 
 
-def _running(worker: str, request_id: str, *, prefix: int, version: int) -> WorkerStatus:
+def _running(worker: str, request_id: str, *, prefix: int, version: int, input_length: int = 8192) -> WorkerStatus:
     """``worker``'s status listing ``request_id`` running, with ``prefix`` tokens found cached."""
     task = engine_pb.TaskInfoPB(
-        request_id=request_id, input_length=8192, prefix_length=prefix, prefix_length_valid=True
+        request_id=request_id, input_length=input_length, prefix_length=prefix, prefix_length_valid=True
     )
     reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=version, running_task_info=[task])
     return decode_worker_status(reply.SerializeToString(), worker)
@@ -284,3 +284,81 @@ def test_a_finished_task_with_a_negative_length_is_garbled() -> None:
     reply = engine_pb.WorkerStatusPB(role="PREFILL", alive=True, status_version=1, finished_task_list=[bad])
     with pytest.raises(GarbledReply, match=r"finished_task_list\[0\]: negative length"):
         decode_worker_status(reply.SerializeToString(), "10.0.0.1:8000")
+
+
+async def test_the_same_request_listed_by_another_worker_is_not_compared(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The comparison is with the prefix the predicted worker reports: the id on another worker's status
+    (the frontend sent it elsewhere) is not what the prediction was about, and must not count as a
+    silent zero."""
+    routed, other = "10.0.0.1:8000", "10.0.0.2:8000"
+    async with running_accuracy(MetricsConfig()) as accuracy:
+        accuracy.predict("r1", routed, 4096, RouteSource.KVCM, trio.current_time())
+        accuracy.status_seen(other, _running(other, "r1", prefix=0, version=1))
+        await trio.testing.wait_all_tasks_blocked()
+        health = accuracy.health()
+        assert (health.pending, health.matched, health.silent_zero) == (1, 0, 0)
+        accuracy.status_seen(routed, _running(routed, "r1", prefix=4096, version=1))
+        await trio.testing.wait_all_tasks_blocked()
+        health = accuracy.health()
+        assert (health.pending, health.matched, health.silent_zero) == (0, 1, 0)
+        assert health.recent_by_worker == {routed: 1.0}
+
+
+async def test_a_reported_prefix_longer_than_the_prompt_counts_as_the_whole_prompt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The hit is at most the prompt: an engine reporting a prefix past its input must not show an
+    accuracy above what could have been cached."""
+    worker = "10.0.0.1:8000"
+    async with running_accuracy(MetricsConfig()) as accuracy:
+        accuracy.predict("r1", worker, 200, RouteSource.KVCM, trio.current_time())
+        accuracy.status_seen(worker, _running(worker, "r1", prefix=9000, version=1, input_length=100))
+        await trio.testing.wait_all_tasks_blocked()
+        health = accuracy.health()
+        assert health.matched == 1 and health.recent_by_worker == {worker: 0.5}
+
+
+async def _compared(accuracy: HitAccuracy, silent: list[bool]) -> AccuracyHealth:
+    """One prediction compared per entry (a silent zero where True); the health after them."""
+    worker = "10.0.0.1:8000"
+    for zero in silent:
+        rid = f"r{accuracy.health().matched}"
+        accuracy.predict(rid, worker, 4096, RouteSource.KVCM, trio.current_time())
+        accuracy.status_seen(worker, _running(worker, rid, prefix=0 if zero else 4096, version=1))
+        await trio.testing.wait_all_tasks_blocked()
+    return accuracy.health()
+
+
+async def test_the_silent_zero_warning_needs_at_least_its_minimum_of_comparisons_and_comes_at_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A few unlucky dispatches at start-up are no key-family mismatch; WARNING_MIN_COMPARISONS are."""
+    async with running_accuracy(MetricsConfig()) as accuracy:
+        before = await _compared(accuracy, [True] * (WARNING_MIN_COMPARISONS - 1))
+        assert before.silent_zero == WARNING_MIN_COMPARISONS - 1 and before.warning is None
+        assert (await _compared(accuracy, [True])).warning is not None
+
+
+async def test_a_silent_zero_share_of_exactly_the_threshold_does_not_warn(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The warning is for a share above accuracy_warn_silent_share: at it, readiness still says nothing."""
+    async with running_accuracy(MetricsConfig(accuracy_warn_silent_share=0.25)) as accuracy:
+        exactly = await _compared(accuracy, [True] * 5 + [False] * 15)
+        assert exactly.silent_zero_share == 0.25 and exactly.warning is None
+        assert (await _compared(accuracy, [True])).warning is not None
+
+
+async def test_the_snapshot_shows_the_64_workers_compared_most_recently(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """/debug/actors' recent_by_worker is bounded: a large fleet shows its latest compared workers."""
+    workers = [f"10.0.{i}.1:8000" for i in range(70)]
+    async with running_accuracy(MetricsConfig()) as accuracy:
+        for i, worker in enumerate(workers):
+            accuracy.predict(f"r{i}", worker, 4096, RouteSource.KVCM, trio.current_time())
+            accuracy.status_seen(worker, _running(worker, f"r{i}", prefix=4096, version=1))
+            await trio.testing.wait_all_tasks_blocked()
+        assert list(accuracy.health().recent_by_worker) == workers[-64:]
