@@ -1098,17 +1098,24 @@ async def test_a_decode_worker_does_not_make_a_router_ready_whose_prefill_worker
         assert handle.ready()[0]
 
 
-async def test_no_bootstrap_target_yet_is_ready_for_domain_routing(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
-) -> None:
+@asynccontextmanager
+async def no_bootstrap_router(tmp_path: Path) -> AsyncIterator[RouterHandle]:
+    """A router whose KVCM bootstrap file is not written yet (discovery knows no KVCM target), its
+    first discovery round done."""
     cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
     config = make_config("", addrs.workers_arg)
-    # The bootstrap file is not written yet: discovery knows no KVCM target.
     discovery = replace(config.discovery, kvcm_bootstrap_file=str(tmp_path / "kvcm.txt"))
     async with open_router(replace(config, discovery=discovery), rpc=network) as handle:
         await trio.sleep(1.0)
+        yield handle
+
+
+async def test_no_bootstrap_target_yet_is_ready_for_domain_routing(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with no_bootstrap_router(tmp_path) as handle:
         ready, why = handle.ready()
         assert ready and "no_bootstrap" in why and "domain fallback" in why
 
@@ -1117,13 +1124,7 @@ async def test_no_bootstrap_target_falls_through_kvcm_as_no_leader(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     """No KVCM target known yet is no leader elected, as the decision records it: not a KVCM error."""
-    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
-    network = MemoryNetwork()
-    addrs = cluster.serve_memory(network)
-    config = make_config("", addrs.workers_arg)
-    discovery = replace(config.discovery, kvcm_bootstrap_file=str(tmp_path / "kvcm.txt"))
-    async with open_router(replace(config, discovery=discovery), rpc=network) as handle:
-        await trio.sleep(1.0)
+    async with no_bootstrap_router(tmp_path) as handle:
         d = await handle.route(RouteRequest("r1", token_ids=PROMPT, budget_ms=50))
         kvcm_step = d.sources[0]
         assert (kvcm_step.source, kvcm_step.outcome) == (RouteSource.KVCM, SourceOutcome.FELL_THROUGH)
