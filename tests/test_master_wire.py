@@ -360,6 +360,9 @@ def test_info_failure_and_garbage() -> None:
     with pytest.raises(RemoteError, match="not ready") as caught:  # nor is one carrying an error code
         decode_info_json(200, body(code=8400, error_message="not ready"), HOST)
     assert caught.value.code == 8400
+    with pytest.raises(RemoteError) as caught:  # a code that is not success's is carried as given
+        decode_info_json(200, body(success=True, code=0, real_master_host="10.0.0.1:7001"), HOST)
+    assert caught.value.code == 0
     with pytest.raises(GarbledReply):
         decode_info_json(200, b"nope", HOST)
 

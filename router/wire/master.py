@@ -371,7 +371,9 @@ def decode_info_json(status: int, body: bytes, target: str) -> MasterInfo:
     # answer would otherwise count as healthy, and its word on the master be taken.
     if status != 200 or obj.get("success") is False or code not in (None, CODE_OK):
         message = _str_field(obj, "error_message", "error_message", target) or ""
-        raise RemoteError(target, f"{what}: {message}", code or status, f"http:{status}")
+        # The scheduler's own code where it gave one other than success's, else the HTTP status.
+        error_code = code if code not in (None, CODE_OK) else status
+        raise RemoteError(target, f"{what}: {message}", error_code, f"http:{status}")
     return MasterInfo(
         _master_host(_str_field(obj, "real_master_host", "real_master_host", target)),
         _int_field(obj, "queue_length", "queue_length", target, optional=True),
