@@ -942,10 +942,12 @@ async def test_a_call_whose_client_gave_up_keeps_its_place_until_the_router_is_d
                 await trio.sleep(0.01)
             assert gate.in_router() == 0
             # A handler that waited out its deadline for a decision counts it as timed out, not failed:
-            # the two are told apart on the metrics.
+            # the two are told apart on the metrics. (A handler whose wait outlasted its client's by a
+            # hair may get the decision once the thread runs again: its client is gone by then.)
             assert await _in_thread(lambda: _handlers_returned(r.sidecar))
             stats = r.sidecar.stats()
-            assert (stats.timed_out, stats.failed) == (after_second, 0)
+            assert stats.timed_out >= after_first and stats.failed == 0
+            assert stats.timed_out + stats.client_gone == after_second
 
 
 async def test_a_call_whose_client_gave_up_is_timed_to_the_give_up_not_to_the_stall(nursery: trio.Nursery) -> None:
