@@ -31,7 +31,6 @@ import ipaddress
 import logging
 import os
 import socket
-import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -39,6 +38,7 @@ from types import MappingProxyType
 import trio
 
 from router.config import DiscoveryConfig
+from router.files import open_regular_file
 from router.problems import ConfigError, Problem, range_problems
 from router.targets import NO_PORT, HostPort, TargetError, parse_target, parse_target_list
 from router.types import WorkerAddr
@@ -202,20 +202,14 @@ def _file_signature_and_outcome(
 ) -> tuple[tuple[int, int, int], tuple[HostPort, ...] | str | None]:
     """Runs in a worker thread: (signature, the parsed entries or why the file cannot be used), the
     outcome None when the signature is unchanged. Parsed here too: a long list must not hold the loop."""
-    # Opened without blocking and checked before any read: a FIFO or a device at the path would hold
-    # the thread for good (a refresh abandons it, but it keeps the source's one read slot).
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
+    # Refused before any read unless a regular file (an OSError): a FIFO or a device at the path would
+    # hold the thread for good (a refresh abandons it, but it keeps the source's one read slot).
+    with open_regular_file(path) as f:
+        st = os.fstat(f.fileno())
         signature = (st.st_mtime_ns, st.st_size, st.st_ino)
         if signature == last:
             return signature, None
-        if not stat.S_ISREG(st.st_mode):
-            return signature, f"{what}: not a regular file"
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read(max_bytes + 1)
-    finally:
-        os.close(fd)
+        data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         return signature, f"{what}: larger than {max_bytes} bytes: not a list"
     try:

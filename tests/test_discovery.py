@@ -581,7 +581,7 @@ async def test_a_fifo_at_a_list_files_path_is_refused_without_holding_the_read_a
         async with trio.open_nursery() as nursery:
             await nursery.start(d.run)
             source = next(s for s in d.snapshot().sources if s.name == "workers.file")
-            assert source.last_error == f"workers.file {path}: not a regular file"
+            assert source.last_error == f"workers.file {path}: not a regular file (a named pipe)"
             replacement = tmp_path / "workers.new"
             write(replacement, "10.1.0.1:9000\n10.1.0.2:9000\n")
             os.replace(replacement, path)
