@@ -22,7 +22,7 @@ from actors.breaker import BreakerState
 from actors.metrics_sink import MetricsSink
 from actors.router_actor import RestOwed
 from actors.scorer import Decided, DecideRequest, Scorer, ScorerHealth
-from actors.shadow_index import ShadowHealth, ShadowIndexActor
+from actors.shadow_index import ShadowHealth, ShadowIndex, ShadowIndexActor
 from actors.sources.base import FellThrough, RequestContext, RequestSplit
 from actors.sources.kvcm import KvcmSource
 from actors.sources.shadow import ShadowSource
@@ -379,6 +379,12 @@ async def test_a_candidate_whose_probe_is_cut_is_scored_with_the_status_in_hand(
         assert d.route_source is RouteSource.KVCM and d.worker == holder and d.hit_tokens == len(PROMPT), d
 
 
+def shadow_index(handle: RouterHandle) -> ShadowIndex:
+    """The router's shadow index, written to directly to set up what it holds."""
+    (shadow_source,) = [s for s in handle.router_actor()._chain if isinstance(s, ShadowSource)]
+    return shadow_source._shadow.index
+
+
 async def _ejected(handle: RouterHandle, network: MemoryNetwork, cluster: SimCluster, worker: WorkerAddr) -> None:
     """The fleet heard from, then ``worker`` stops answering probes and is probed until it is ejected
     (an outlier among workers known to answer, not a collective failure)."""
@@ -415,10 +421,9 @@ async def test_an_ejected_holder_leaves_the_only_hot_place_to_the_next_holder_in
     take a hot place, so the ejected deeper holder does not crowd out the other."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     async with routed(cluster, scorer={"hot_set_size": 1, "cold_set_size": 0}) as (handle, network, _):
-        (shadow_source,) = [s for s in handle.router_actor()._chain if isinstance(s, ShadowSource)]
-        now = trio.current_time()
-        shadow_source._shadow.index.record(cluster.worker_addr(1).http_target, KEYS, now)
-        shadow_source._shadow.index.record(cluster.worker_addr(2).http_target, KEYS[:4], now)
+        index, now = shadow_index(handle), trio.current_time()
+        index.record(cluster.worker_addr(1).http_target, KEYS, now)
+        index.record(cluster.worker_addr(2).http_target, KEYS[:4], now)
         await _ejected(handle, network, cluster, cluster.worker_addr(1))
         fault_the_leader(cluster, KvcmFaults(dead=True))
         d = await handle.route(RouteRequest("ej", token_ids=PROMPT, budget_ms=50))
@@ -433,10 +438,9 @@ async def test_every_shadow_holder_up_to_the_hot_set_size_is_a_candidate(
     deepest holder, so the load still decides among the holders."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     async with routed(cluster, scorer={"hot_set_size": 3, "cold_set_size": 0}) as (handle, _, _):
-        (shadow_source,) = [s for s in handle.router_actor()._chain if isinstance(s, ShadowSource)]
-        now = trio.current_time()
+        index, now = shadow_index(handle), trio.current_time()
         for worker, blocks in ((1, 8), (2, 6), (3, 4)):
-            shadow_source._shadow.index.record(cluster.worker_addr(worker).http_target, KEYS[:blocks], now)
+            index.record(cluster.worker_addr(worker).http_target, KEYS[:blocks], now)
         fault_the_leader(cluster, KvcmFaults(dead=True))
         d = await handle.route(RouteRequest("r", token_ids=PROMPT, budget_ms=50))
         assert d.route_source is RouteSource.SHADOW, d
@@ -830,13 +834,11 @@ async def test_shadow_records_of_workers_gone_from_discovery_do_not_crowd_out_a_
     config = make_config("10.99.0.1:6381", addrs.workers_arg)  # nothing serves KVCM there
     config = replace(config, scorer=replace(config.scorer, hot_set_size=2, cold_set_size=1))
     async with open_router(config, rpc=network) as handle:
-        (shadow_source,) = [s for s in handle.router_actor()._chain if isinstance(s, ShadowSource)]
-        shadow = shadow_source._shadow
-        now = trio.current_time()
+        index, now = shadow_index(handle), trio.current_time()
         live = cluster.worker_addr(4)
-        shadow.index.record(live.http_target, KEYS[:3], now)
+        index.record(live.http_target, KEYS[:3], now)
         for i in range(3):  # deeper holders that left discovery
-            shadow.index.record(f"10.9.0.{i + 1}:8000", KEYS, now)
+            index.record(f"10.9.0.{i + 1}:8000", KEYS, now)
         d = await handle.route(RouteRequest("r", token_ids=PROMPT, budget_ms=50))
         assert d.route_source is RouteSource.SHADOW and d.worker == live and d.hit_tokens == 3 * BLOCK, d
 
