@@ -278,3 +278,96 @@ def test_route_and_explain_help_say_they_log_warnings_unless_a_level_is_given(
     with pytest.raises(SystemExit):
         main(["check-config", "--help"])
     assert "WARNING unless given" not in " ".join(capsys.readouterr().out.split())
+
+
+# A configuration on which everything validates, as flags.
+GOOD = {"kvcm_bootstrap": "10.0.0.1:6381", "kvcm_instance_id": "x", "workers": "10.1.0.1:80"}
+
+
+def test_problems_confined_to_the_fallback_turn_it_off_and_do_not_stop_kvroute(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in GOOD.items()]
+    assert main(["check-config", *flags, "--block-size=0"]) == 1
+    out = capsys.readouterr().out
+    assert "  - KVCM fallback requested but DISABLED: 1 problem(s) in its settings" in out
+    assert "kvroute will not start" not in out
+    assert out.endswith("result: 1 error(s); kvroute would start with the KVCM fallback off\n")
+    # The DISABLED line says the fallback is off; a "fallback off" line would blame the default.
+    assert not any(line.startswith("  + KVCM fallback off") for line in out.splitlines())
+    # Each row shows the value in effect, and the one given that the fallback's problems set aside.
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("    --")}
+    assert rows["--block-size"].split()[1] == "64"
+    assert rows["--block-size"].endswith("flag --block-size; '0' not used: the KVCM fallback settings have problems")
+    assert rows["--kvcm-fallback"].split()[1] == "false"
+    assert rows["--kvcm-fallback"].endswith("default; 'true' not used: the KVCM fallback settings have problems")
+
+
+def test_fallback_problems_with_the_fallback_off_do_not_say_it_was_disabled() -> None:
+    verdict = assess(load_config(GOOD | {"kvcm_fallback": "off", "block_size": "0"}, {}))
+    assert not any("DISABLED" in line for line in verdict.will_not_work)
+    assert any(
+        line.startswith("KVCM fallback off (--kvcm-fallback=false (flag --kvcm-fallback))") for line in verdict.works
+    )
+
+
+def test_localhost_is_loopback_for_both_listeners() -> None:
+    verdict = assess(load_config(GOOD | {"debug_listen": "localhost:0", "grpc_listen": "localhost:50051"}, {}))
+    assert "debug HTTP (/healthz /readyz /metrics /debug/*) on localhost, a free port chosen at start (logged)" in (
+        verdict.works
+    )
+    assert not any("not loopback" in line for line in verdict.will_not_work)
+
+
+def test_a_debug_listener_off_loopback_is_reported_unless_a_token_guards_it(tmp_path: Path) -> None:
+    off_loopback = GOOD | {"debug_listen": "0.0.0.0:9"}
+    open_to_all = assess(load_config(off_loopback, {}))
+    assert any(
+        line.startswith("debug HTTP binds 0.0.0.0, not loopback") and "by anyone" in line
+        for line in open_to_all.will_not_work
+    )
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    for guard in ({"debug_token": "s3cret"}, {"debug_token_file": str(token)}):
+        loaded = load_config(off_loopback | guard, {})
+        assert loaded.errors == (), guard
+        verdict = assess(loaded)
+        assert not any("debug HTTP binds" in line for line in verdict.will_not_work), guard
+        assert "debug HTTP binds 0.0.0.0: every path but /healthz requires the bearer token" in verdict.works, guard
+
+
+def test_a_relative_decision_log_is_checked_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare file name's directory is the working directory, which exists; os.path.dirname alone gives ''."""
+    monkeypatch.chdir(tmp_path)
+    here = assess(load_config(GOOD | {"decision_log": "d.log"}, {}))
+    assert not any("--decision-log" in line for line in here.will_not_work)
+    missing = assess(load_config(GOOD | {"decision_log": "nope/d.log"}, {}))
+    assert any(
+        line.startswith("--decision-log nope/d.log: its directory does not exist") for line in missing.will_not_work
+    )
+
+
+def test_a_timeout_equal_to_the_budget_cap_is_reported_as_not_bounding() -> None:
+    """A request's deadline is at most the cap, so a timeout equal to it never ends a query or attempt first."""
+    kvcm = "--router-kvcm-query-timeout-ms=500.0 (default) does not bound a query"
+    at_cap = assess(load_config(GOOD | {"budget_cap_ms": "500"}, {}))
+    assert any(line.startswith(kvcm) for line in at_cap.works)
+    above = assess(load_config(GOOD | {"budget_cap_ms": "500.5"}, {}))
+    assert not any(line.startswith(kvcm) for line in above.works)
+    master = "--master-transport-timeout-ms=200.0 (default) does not bound an attempt"
+    with_master = GOOD | {"master_hosts": "10.0.0.3"}
+    at_cap = assess(load_config(with_master | {"budget_cap_ms": "200"}, {}))
+    assert any(line.startswith(master) for line in at_cap.works)
+    above = assess(load_config(with_master | {"budget_cap_ms": "200.5"}, {}))
+    assert not any(line.startswith(master) for line in above.works)
+
+
+def test_background_refresh_at_its_fresh_ttl_is_inactive() -> None:
+    """The prober refreshes in the background only while the interval is below the fresh ttl."""
+    at_ttl = assess(load_config(GOOD | {"prober_refresh_interval_s": "0.05"}, {}))
+    assert any(
+        "is on but inactive: --prober-refresh-interval-s=0.05" in line and "--prober-fresh-ttl-s=0.05 (default)" in line
+        for line in at_ttl.will_not_work
+    )
