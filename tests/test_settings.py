@@ -843,6 +843,14 @@ def test_key_geometry_the_family_cannot_hash_is_refused_up_front() -> None:
     assert load_config({**GOOD, "lookahead_tokens": "1", "key_family": "vllm"}, {}).errors == ()
 
 
+def test_a_roles_problem_and_a_geometry_problem_are_reported_together() -> None:
+    """Every problem at once: a --roles without a prefill-capable role held the key-geometry rules
+    back as a range problem does, so the rtp family's lookahead was reported only once --roles was
+    fixed."""
+    loaded = load_config({**GOOD, "roles": "DECODE", "lookahead_tokens": "1"}, {})
+    assert _names(loaded.errors) == {("roles",), ("key_family", "lookahead_tokens")}
+
+
 def test_prober_freshness_within_the_max_age_is_one_rule_for_settings_and_prober() -> None:
     from actors.probe_budget import prober_problems
     from actors.worker_prober import WorkerProber

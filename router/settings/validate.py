@@ -62,11 +62,14 @@ class SettingProblem:
 
 
 def _deployment_problems(config: DeploymentConfig) -> list[Problem]:
-    problems = range_problems(config)
+    ranged = range_problems(config)
+    problems = list(ranged)
+    # The geometry's rules read the ranged values: only once they are in range. Only a range problem
+    # holds them back: a problem with another setting (--roles) must not hide the geometry's.
+    if not ranged:
+        problems += geometry_problems(config.block_size, config.key_family, config.lookahead_tokens)
     if config.roles and not any(r in PREFILL_CAPABLE_ROLES for r in config.roles):
         problems.append(Problem(("roles",), "name a prefill-capable role (PREFILL or PDFUSION) beside DECODE/VIT"))
-    if not problems:  # the geometry's rules read the ranged values: only once they are in range
-        problems += geometry_problems(config.block_size, config.key_family, config.lookahead_tokens)
     if not _utf8(config.kvcm_instance_id):
         # A flag or environment value may carry bytes that are not UTF-8 (as surrogate escapes): KVCM is
         # sent the id as a protobuf string, and encoding it failed in every query, crashing the resolver.
