@@ -391,6 +391,11 @@ def test_a_vanishingly_small_duration_is_refused_before_it_divides_a_clock_into_
         ("0.0.0.0:7000", "127.0.0.1:7000", True),  # a wildcard holds the port on every address
         ("127.0.0.1:7000", "[::]:7000", True),
         ("0.0.0.0:7000", "[::]:7000", True),  # dual-stack: [::] takes IPv4 too
+        ("[::]:7000", "[::1]:7000", True),  # and every IPv6 address
+        ("0.0.0.0:7000", "[::1]:7000", False),  # IPv4's wildcard leaves IPv6 addresses free
+        ("[::1]:7000", "0.0.0.0:7000", False),
+        ("0.0.0.0:7000", "[::ffff:127.0.0.1]:7000", True),  # an IPv4-mapped address is IPv4's
+        ("localhost:7000", "0.0.0.0:7000", True),  # a name may resolve to IPv4
         ("127.0.0.1:7000", "127.0.0.2:7000", False),  # two addresses, one port each
         ("0.0.0.0:7000", "0.0.0.0:7001", False),
         ("0.0.0.0:0", "0.0.0.0:0", False),  # any free port, each its own
@@ -398,7 +403,8 @@ def test_a_vanishingly_small_duration_is_refused_before_it_divides_a_clock_into_
 )
 def test_grpc_and_debug_listeners_may_not_take_one_address(grpc_listen: str, debug_listen: str, clash: bool) -> None:
     """Only the same address and port was refused: a wildcard beside a host on the same port passed
-    check-config, then serve failed to bind (an audit)."""
+    check-config, then serve failed to bind (an audit). 0.0.0.0 beside an IPv6 address was refused,
+    although both bind."""
     loaded = load_config({**GOOD, "grpc_listen": grpc_listen, "debug_listen": debug_listen}, {})
     assert (("grpc_listen", "debug_listen") in _names(loaded.errors)) is clash
 

@@ -9,6 +9,7 @@ are confined to the KVCM fallback (fail-soft) and which stop kvroute.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -133,13 +134,31 @@ def _section_rules(
 
 
 MAX_PORT = 65_535
-_WILDCARD_HOSTS = frozenset(("0.0.0.0", "::"))  # a listener there holds the port on every address
+_ANY_IPV4 = "0.0.0.0"  # a listener there holds the port on every IPv4 address
+_ANY_ADDRESS = "::"  # dual-stack: a listener there holds the port on every address, IPv4 too
+
+
+def _ipv6_address(host: str) -> bool:
+    """Whether ``host`` is an IPv6 address that is not an IPv4-mapped one (a name may resolve to
+    IPv4: it is not)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is None
 
 
 def _hosts_overlap(a: str, b: str) -> bool:
-    """Whether listeners on hosts ``a`` and ``b`` at one port would take the same address: the same
-    host, or either one a wildcard (the second bind then fails at start-up instead of here)."""
-    return a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS
+    """Whether listeners on hosts ``a`` and ``b`` at one port would take the same address (the second
+    bind would then fail at start-up instead of here): the same host, either one ``::``, or either one
+    0.0.0.0 and the other not an IPv6 address (which binds beside it)."""
+    if a == b or _ANY_ADDRESS in (a, b):
+        return True
+    if a == _ANY_IPV4:
+        return not _ipv6_address(b)
+    if b == _ANY_IPV4:
+        return not _ipv6_address(a)
+    return False
 
 
 def _from(origin: Origin) -> str:
