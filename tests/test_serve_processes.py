@@ -309,6 +309,15 @@ def test_debug_ports_of_all_processes_are_checked() -> None:
     assert load_config({**base, "processes": "64", "debug_listen": "127.0.0.1:0"}, {}).errors == ()
 
 
+def test_debug_ports_up_to_the_last_port_and_beside_another_grpc_address_are_accepted() -> None:
+    base = {"workers": "10.0.0.1:80", "kvcm_fallback": "false"}
+    # Two processes from 65534: the second's debug port is 65535, the last port there is.
+    assert load_config({**base, "processes": "2", "debug_listen": "127.0.0.1:65534"}, {}).errors == ()
+    # The debug ports may take the gRPC port's number on another address.
+    beside = {"processes": "3", "debug_listen": "127.0.0.1:9000", "grpc_listen": "10.0.0.1:9002"}
+    assert load_config({**base, **beside}, {}).errors == ()
+
+
 async def test_children_drain_and_exit_when_the_parent_dies(nursery: trio.Nursery) -> None:
     with trio.fail_after(90):
         cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)

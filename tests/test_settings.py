@@ -158,6 +158,7 @@ def test_config_path_from_env_when_no_flag(tmp_path: Path) -> None:
     toml.write_text("[deployment]\nblock_size = 16\n")
     loaded = load_config({}, {"KVROUTE_CONFIG": str(toml)})
     assert loaded.config.deployment.block_size == 16
+    assert loaded.warnings == ()  # KVROUTE_CONFIG is kvroute's own variable, though no setting
     # --config= given empty reads no file, whatever the environment names.
     none = load_config({"config": ""}, {"KVROUTE_CONFIG": str(toml)})
     assert none.config_path is None and none.config.deployment.block_size != 16
@@ -248,6 +249,28 @@ def test_toml_natives_lists_and_type_errors(tmp_path: Path) -> None:
     assert any("unknown setting" in e and "[nosuch] x" in e for e in errors)
     assert any("unknown setting" in e and "[scorer] hot_set" in e for e in errors)
     assert len(errors) == 4
+
+
+def test_a_misspelt_toml_key_stops_kvroute_and_leaves_the_fallback_on(tmp_path: Path) -> None:
+    """A misspelt key is no fallback problem: as one it would switch the KVCM fallback off for a typo
+    while the setting meant kept its default, and kvroute would start."""
+    toml = tmp_path / "kv.toml"
+    toml.write_text("[scorer]\nhot_set = 3\n")
+    loaded = load_config(GOOD, {}, str(toml))
+    assert [str(p) for p in loaded.fatal_errors] == [f"unknown setting {toml} [scorer] hot_set"]
+    assert loaded.fallback_errors == ()
+    assert loaded.effective.router.kvcm_fallback is True
+
+
+def test_an_empty_environment_variable_is_a_value_above_the_file(tmp_path: Path) -> None:
+    """An environment variable set to "" gives the setting "": it is not taken as unset."""
+    toml = tmp_path / "kv.toml"
+    toml.write_text('[deployment]\nkvcm_instance_id = "x"\n')
+    flags = {name: value for name, value in GOOD.items() if name != "kvcm_instance_id"}
+    loaded = load_config(flags, {"KVROUTE_KVCM_INSTANCE_ID": ""}, str(toml))
+    assert loaded.config.deployment.kvcm_instance_id == ""
+    assert loaded.sources["kvcm_instance_id"] == settings.Origin(SourceKind.ENV, "KVROUTE_KVCM_INSTANCE_ID")
+    assert ("kvcm_instance_id",) in _names(loaded.fallback_errors)  # "" is what validation judges
 
 
 def test_unreadable_and_malformed_files_are_problems_not_crashes(tmp_path: Path) -> None:
@@ -761,6 +784,17 @@ def test_a_token_file_past_its_size_limit_is_refused_naming_the_flag(tmp_path: P
     ), problem
 
 
+def test_a_blank_token_file_is_refused_not_read_as_no_token(tmp_path: Path) -> None:
+    """The debug endpoint takes an empty token as none asked for: a token file holding only whitespace
+    would open /metrics and /debug to anyone."""
+    blank = tmp_path / "token"
+    blank.write_text("\n  \n")
+    [problem] = [str(p) for p in load_config({**GOOD, "debug_token_file": str(blank)}, {}).errors]
+    assert problem.startswith("--debug-token-file (KVROUTE_DEBUG_TOKEN_FILE): "), problem
+    with pytest.raises(settings.TokenFileError):
+        settings.read_token_file(str(blank))
+
+
 def test_resolve_config_is_pure_and_load_config_is_it_over_the_file_read(tmp_path: Path) -> None:
     # No file is opened: the path is only a name for the sources.
     given = settings.ConfigFile("/nonexistent/kv.toml", {"deployment": {"block_size": 32}})
@@ -847,6 +881,13 @@ def test_key_geometry_the_family_cannot_hash_is_refused_up_front() -> None:
     loaded = load_config({**GOOD, "lookahead_tokens": "1"}, {})
     assert _names(loaded.errors) == {("key_family", "lookahead_tokens")}
     assert load_config({**GOOD, "lookahead_tokens": "1", "key_family": "vllm"}, {}).errors == ()
+
+
+@pytest.mark.parametrize("roles", ["PREFILL,DECODE", "PDFUSION,VIT"])
+def test_one_prefill_capable_role_is_enough_beside_decode_or_vit(roles: str) -> None:
+    """DECODE and VIT each add an address beside the cache-aware pick, which needs one role that can
+    prefill: PREFILL or PDFUSION, not every role."""
+    assert load_config({**GOOD, "roles": roles}, {}).errors == ()
 
 
 def test_a_roles_problem_and_a_geometry_problem_are_reported_together() -> None:
