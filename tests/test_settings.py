@@ -203,6 +203,30 @@ def test_bare_boolean_flag_means_true_and_argparse_keeps_text_for_load_config() 
     assert ("block_size",) in _names(loaded.errors)  # argparse did not stop at the bad value
 
 
+def test_an_empty_boolean_is_refused_not_taken_for_a_word() -> None:
+    loaded = load_config(GOOD, {"KVROUTE_KVCM_FALLBACK": ""})
+    [problem] = [str(p) for p in loaded.errors]
+    assert problem.startswith("--kvcm-fallback (KVROUTE_KVCM_FALLBACK): expected true/false"), problem
+
+
+def test_text_is_stripped_and_an_integer_is_decimal() -> None:
+    assert load_config({**GOOD, "kvcm_instance_id": " ns "}, {}).config.deployment.kvcm_instance_id == "ns"
+    assert load_config({**GOOD, "block_size": "010"}, {}).config.deployment.block_size == 10  # not octal
+    hexadecimal = load_config({**GOOD, "block_size": "0x40"}, {})
+    [problem] = [str(p) for p in hexadecimal.errors]
+    assert problem.startswith("--block-size (KVROUTE_BLOCK_SIZE): expected an integer, got '0x40'"), problem
+
+
+def test_a_toml_boolean_is_no_number(tmp_path: Path) -> None:
+    """``budget_cap_ms = true`` is a mistake, not a budget cap of 1 ms."""
+    toml = tmp_path / "kv.toml"
+    toml.write_text("[router]\nbudget_cap_ms = true\n")
+    loaded = load_config(GOOD, {}, str(toml))
+    [problem] = [str(p) for p in loaded.errors]
+    assert problem.startswith("--budget-cap-ms (KVROUTE_BUDGET_CAP_MS): expected a number"), problem
+    assert loaded.config.router.budget_cap_ms == KvrouteConfig().router.budget_cap_ms
+
+
 def test_enums_and_tuples() -> None:
     loaded = load_config(
         {"query_type": "prefix-with-mamba", "key_family": "VLLM", "roles": "pdfusion, PREFILL,PDFUSION"}, {}
@@ -820,6 +844,29 @@ def test_every_numeric_setting_is_bounded_above_and_refused_beyond_naming_its_fl
     loaded = load_config({**GOOD, setting.name: str(int(beyond) if setting.kind is Kind.INT else beyond)}, {})
     [problem] = [p for p in loaded.errors if p.settings == (setting.name,)]
     assert str(problem).startswith(f"{setting.flag} ({setting.env}): must be <")
+
+
+@pytest.mark.parametrize(
+    ("name", "refused", "accepted"),
+    [
+        pytest.param("router_reserve_fraction", "1", "0.99", id="a reserve of the whole deadline leaves no wait"),
+        pytest.param("router_admission_decay", "1", "0.99", id="an estimate keeping all its weight never learns"),
+        pytest.param("master_slave_window_share", "1", "0.99", id="the master's call is left some of its window"),
+        pytest.param("decision_log_max_bytes", "4095", "4096", id="a decision log file holds at least 4 KiB"),
+        pytest.param("decision_log_files", "0", "1", id="the current decision log file is one of those kept"),
+        pytest.param("processes", "0", "1", id="at least one process serves"),
+        pytest.param("metrics_decision_text_chars", "31", "32", id="room for a cut text's start and its marker"),
+        pytest.param("kvcm_port", "0", "1", id="a KVCM entry's port is one to connect to"),
+        pytest.param("worker_status_port", "65536", "65535", id="a port is at most 65535"),
+        pytest.param("scorer_max_pending_charges", "1", "2", id="a forgotten charge clears with the next's time"),
+        pytest.param("breaker_failure_rate", "0", "1", id="a failure rate of 0 would open on no failure"),
+    ],
+)
+def test_the_ends_of_a_range_mean_what_the_setting_needs(name: str, refused: str, accepted: str) -> None:
+    flag = BY_NAME[name].flag
+    problems = [str(p) for p in load_config({**GOOD, name: refused}, {}).errors]
+    assert len(problems) == 1 and problems[0].startswith(f"{flag} ("), problems
+    assert load_config({**GOOD, name: accepted}, {}).errors == ()
 
 
 def test_grpc_max_workers_beyond_its_bound_stops_serve() -> None:
