@@ -627,6 +627,29 @@ def test_main_path_problems_are_fatal_not_fail_soft() -> None:
     assert loaded.effective.router.kvcm_fallback is True
 
 
+@pytest.mark.parametrize(
+    ("name", "bad", "fallback"),
+    [
+        ("shadow_ttl_s", "0", True),
+        ("channel_pool_max_channels", "0", True),
+        ("router_reserve_fraction", "1", True),
+        ("router_reserve_min_ms", "-1", True),
+        ("split_min_samples", "0", True),
+        ("roles", "DECODE", False),  # every answer needs its roles, the domain fallback's too
+        ("prober_health_interval_s", "-1", False),  # the domain fallback knows dead workers from them too
+    ],
+)
+def test_a_bad_value_turns_the_fallback_off_or_stops_kvroute_by_whether_it_is_a_fallback_setting(
+    name: str, bad: str, fallback: bool
+) -> None:
+    """A fallback setting's bad value goes back to its default with the KVCM fallback off, and kvroute
+    starts; any other stops it."""
+    loaded = load_config({**GOOD, name: bad}, {})
+    assert _names(loaded.fallback_errors if fallback else loaded.fatal_errors) == {(name,)}
+    assert (loaded.fatal_errors if fallback else loaded.fallback_errors) == ()
+    assert loaded.effective.router.kvcm_fallback is not fallback
+
+
 def test_a_main_path_problem_a_bad_fallback_setting_hid_is_still_fatal() -> None:
     """The worker list is parsed only once its port settings are valid: a --worker-status-port out of
     range (a fallback setting) hides a bad --workers entry until fail-soft resets the port, and with
