@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import typing
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from hypothesis import example, given
 from hypothesis import settings as settings_profile
 from hypothesis import strategies as st
 
-from router import settings
+from router import request, settings
 from router.cli import WholeNamesHelpFormatter
 from router.config import KvrouteConfig
 from router.settings import (
@@ -124,6 +125,72 @@ def test_pinned_operator_names() -> None:
     assert BY_NAME["debug_listen"].default == "127.0.0.1:0"
     # One KVCM instance id setting, not two.
     assert [s.toml_key for s in SETTINGS if "instance_id" in s.field] == ["deployment.kvcm_instance_id"]
+
+
+_README = Path(__file__).resolve().parents[1] / "README.md"
+# README's sections about settings: every flag they name is a setting's (the others name commands' own).
+_SETTINGS_SECTIONS = (
+    "### `kvroute serve`",
+    "### Request bounds and the reply margin",
+    "## Debug endpoints",
+    "## Security",
+    "## Readiness and dead workers",
+)
+_BACKTICKED_FLAG = re.compile(r"`(--[a-z0-9][a-z0-9-]*)(\*?)[^`]*`")
+
+
+def _readme_sections(headings: typing.Iterable[str]) -> str:
+    wanted = set(headings)
+    kept: list[str] = []
+    keep = False
+    for line in _README.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            keep = line in wanted
+            wanted.discard(line)
+        elif keep:
+            kept.append(line)
+    assert not wanted, f"README.md has no section {sorted(wanted)}"
+    return "\n".join(kept)
+
+
+def test_the_flags_readme_and_refused_requests_name_are_settings() -> None:
+    """An operator types the flag README or a refused request names: --max-prompt-tokens (not
+    --limits-max-prompt-tokens), --reply-margin-ms (not --router-reply-margin-ms)."""
+    flags = {s.flag for s in SETTINGS}
+    in_readme = {m[1] + m[2] for m in _BACKTICKED_FLAG.finditer(_readme_sections(_SETTINGS_SECTIONS))}
+    assert {"--max-prompt-tokens", "--reply-margin-ms", "--grpc-tls-cert"} <= in_readme  # the parse found them
+    for named in sorted(in_readme - {"--config"}):
+        if named.endswith("*"):  # a family: --master-breaker-*
+            assert any(flag.startswith(named[:-1]) for flag in flags), named
+        else:
+            assert named in flags, f"README.md names {named}, which is no setting's flag"
+    in_request = set(re.findall(r"\((--[a-z0-9-]+)\)", Path(request.__file__).read_text(encoding="utf-8")))
+    assert "--max-prompt-tokens" in in_request
+    assert in_request <= flags, in_request - flags
+
+
+# "`--flag` (default 2,048", "`--flag N` (4 MiB)": a default README states, in its unit.
+_STATED_DEFAULT = re.compile(r"`(--[a-z0-9-]+)(?: [A-Z]+)?` \((?:default )?([0-9][0-9,]*)( MiB| %| ms| s)?[),;: ]")
+_UNIT = {"": 1.0, " ms": 1.0, " s": 1.0, " MiB": 1024.0 * 1024.0, " %": 0.01}
+
+
+def test_the_defaults_readme_states_are_the_settings_defaults() -> None:
+    by_flag = {s.flag: s for s in SETTINGS}
+    stated: list[tuple[str, float]] = []
+    for m in _STATED_DEFAULT.finditer(_README.read_text(encoding="utf-8")):
+        if m[1] in by_flag:  # a command's own flag (--warmup-ms) is no setting
+            stated.append((m[1], float(m[2].replace(",", "")) * _UNIT[m[3] or ""]))
+    # The request bounds table: "| `token_ids` | 262,144 token ids | `--max-prompt-tokens` |".
+    for row in _readme_sections(["### Request bounds and the reply margin"]).splitlines():
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        bound = re.match(r"[0-9][0-9,]*", cells[1]) if len(cells) == 3 else None
+        if bound is not None and cells[2].startswith("`--"):
+            stated.append((cells[2].strip("`"), float(bound[0].replace(",", ""))))
+    assert len({flag for flag, _ in stated}) >= 10, stated  # the parse found them
+    for flag, value in stated:
+        default = by_flag[flag].default
+        assert isinstance(default, int | float)
+        assert math.isclose(value, default), f"README.md says {flag} defaults to {value}, the table {default}"
 
 
 # --- sources and parsing ----------------------------------------------------------------------
