@@ -30,7 +30,8 @@ Supervision: a child that exits while the parent is not stopping is restarted af
 served STABLE_AFTER_S), counted and logged. A child that fails its very first start stops the whole
 command with that child's exit status. On SIGTERM, SIGINT or SIGHUP every child gets SIGTERM and
 drains; the parent waits at most ``--drain-timeout-s`` + STOP_MARGIN_S, then kills what is left. A
-second signal to the parent sends the children STOP_NOW_SIGNAL (they stop at once). Exit status 0
+second signal to the parent sends the children STOP_NOW_SIGNAL (they stop at once), however soon it
+follows the first: one read before the drain signal went out is sent right after it. Exit status 0
 when every child drained and exited 0 (or, still starting, ended by the SIGTERM; or, restarting after
 a crash, had none running), else 1.
 """
@@ -220,6 +221,8 @@ class ProcessSupervisor:
         self._slots = [_Slot(i) for i in range(count)]
         self._stop = trio.Event()
         self._stopping = False
+        # A second signal read before the shutdown sent the drain signal: the shutdown sends it on.
+        self._stop_now_asked = False
         self._failed_start: int | None = None  # a first start's exit status, when one failed
 
     async def run(self, signals: AsyncIterator[int]) -> int:
@@ -262,12 +265,17 @@ class ProcessSupervisor:
     async def _watch_signals(self, signals: AsyncIterator[int]) -> None:
         async for signum in signals:
             name = signal.Signals(signum).name
-            if not self._stopping:
+            # First or second by the stop asked for, not by the shutdown begun: two signals together
+            # (a quick double Ctrl-C, SIGTERM with SIGINT) are both read before run() resumes into it.
+            if not self._stop.is_set():
                 log.info("%s: draining %d processes", name, len(self._slots), extra=ctx(reason="drain"))
                 self._stop.set()
             else:
                 log.warning("%s during the drain: the processes stop now", name, extra=ctx(reason="drain"))
-                self._send_all(STOP_NOW_SIGNAL)
+                if self._stopping:
+                    self._send_all(STOP_NOW_SIGNAL)
+                else:  # the drain signal has not gone out yet: the stop-now follows it
+                    self._stop_now_asked = True
 
     async def _keep_running(self, slot: _Slot) -> None:
         backoff = RESTART_BACKOFF_MIN_S
@@ -396,6 +404,8 @@ class ProcessSupervisor:
             if slot.backoff is not None:
                 slot.backoff.cancel()
         self._send_all(DRAIN_SIGNAL)
+        if self._stop_now_asked:
+            self._send_all(STOP_NOW_SIGNAL)
         with trio.move_on_after(self._stop_wait_s):
             for slot in self._slots:
                 await slot.ended.wait()

@@ -541,6 +541,30 @@ async def test_a_second_signal_during_the_drain_stops_the_children_at_once(tmp_p
     assert slot.returncode == 0 and not slot.killed
 
 
+async def test_two_signals_read_before_the_shutdown_began_are_a_drain_then_a_stop_now(tmp_path: Path) -> None:
+    """SIGTERM and SIGINT together (or a quick double Ctrl-C): both can be read before run() resumes
+    into its shutdown. The second was taken for another first one and dropped, and the children
+    drained for the whole stop wait and were killed (exit status 1)."""
+    supervisor = ProcessSupervisor(
+        count=1,
+        command=lambda i: [sys.executable, "-c", _DRAINING_FOR_LONG, str(tmp_path / "draining")],
+        grpc_address="127.0.0.1:1",
+        stop_wait_s=1000.0,  # past the hang guard: only the stop-now signal ends this child in time
+    )
+    (slot,) = supervisor._slots
+
+    async def signals() -> AsyncIterator[int]:
+        await slot.ready.wait()
+        # No checkpoint between the two: the watcher reads both before run() can resume.
+        yield int(signal.SIGTERM)
+        yield int(signal.SIGINT)
+        await trio.sleep_forever()
+
+    with trio.fail_after(15):
+        assert await supervisor.run(signals()) == 0
+    assert slot.returncode == 0 and not slot.killed
+
+
 async def test_a_child_may_take_discoverys_refresh_timeout_on_top_of_its_own_start(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
