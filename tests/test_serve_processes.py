@@ -8,6 +8,7 @@ connection of its own (SO_REUSEPORT spreads connections, not calls, over the pro
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -27,10 +28,16 @@ import trio
 
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
+from router import serve_processes
 from router.keys import block_keys
 from router.replay import load_log
 from router.serve_processes import (
     ADDRESS_LINE,
+    EXIT_CHILD_FAILED,
+    EXIT_OK,
+    RESTART_BACKOFF_MAX_S,
+    RESTART_BACKOFF_MIN_S,
+    STABLE_AFTER_S,
     STARTUP_TIMEOUT_S,
     ProcessSupervisor,
     child_debug_listen,
@@ -639,3 +646,136 @@ async def test_a_serve_whose_address_line_cannot_be_written_is_not_a_listen_fail
         await log.wait_for(_SUMMARY if extra else re.compile(r"kvroute serve: stopped; Route calls"), summaries)
         failure = re.compile(r"kvroute serve(?: \(process \d\))?: \[Errno|Traceback")  # as a listen failure said it
         assert not any(failure.search(line) for line in log.lines), log.text()
+
+
+# --- supervision, with stand-in children ------------------------------------------------------------
+
+_ANNOUNCE = 'sys.stdout.write("kvroute serve: Route gRPC on 127.0.0.1:1, debug HTTP on http://127.0.0.1:2\\n")\n'
+
+
+def _stand_in(body: str) -> list[str]:
+    """A child that runs ``body`` (``os``, ``signal``, ``sys`` and ``time`` imported); it sleeps far
+    past any hang guard, so only what the parent does to it ends it in time."""
+    return [sys.executable, "-c", "import os, signal, sys, time\n" + body + "sys.stdout.flush()\ntime.sleep(1000)\n"]
+
+
+async def _signals_once_serving(ready: trio.Event, *signums: signal.Signals) -> AsyncIterator[int]:
+    """The parent's signals: none until ``ready`` (a slot's child serving), then ``signums``."""
+    await ready.wait()
+    for signum in signums:
+        yield int(signum)
+    await trio.sleep_forever()
+
+
+def _script_children(
+    supervisor: ProcessSupervisor, monkeypatch: pytest.MonkeyPatch, served_s: list[float]
+) -> list[float]:
+    """Replace the supervisor's children with a script: start i served ``served_s[i]`` and exited 1;
+    the last one asks for the stop. Returns the (clock) times of the starts, filled in as they come."""
+    starts: list[float] = []
+
+    async def scripted_child(slot: serve_processes._Slot) -> float:
+        starts.append(trio.current_time())
+        slot.ever_served, slot.returncode = True, 1
+        if len(starts) == len(served_s):
+            supervisor._stop.set()
+        return served_s[len(starts) - 1]
+
+    monkeypatch.setattr(supervisor, "_run_child", scripted_child)
+    return starts
+
+
+async def test_restart_backoff_doubles_to_its_cap_and_is_short_again_after_a_stable_run(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    supervisor = ProcessSupervisor(count=1, command=lambda i: ["true"], grpc_address="127.0.0.1:1", stop_wait_s=1.0)
+    crashes = 8  # enough doublings to reach the cap and stay there
+    starts = _script_children(supervisor, monkeypatch, [1.0] * crashes + [STABLE_AFTER_S, 1.0, 1.0])
+    assert await supervisor.run(_signals_once_serving(trio.Event())) == EXIT_OK
+    doubling = [min(RESTART_BACKOFF_MIN_S * 2**n, RESTART_BACKOFF_MAX_S) for n in range(crashes)]
+    assert doubling[-2:] == [RESTART_BACKOFF_MAX_S] * 2  # capped, not doubled past it
+    gaps = [later - earlier for earlier, later in itertools.pairwise(starts)]
+    assert gaps == [*doubling, RESTART_BACKOFF_MIN_S, 2 * RESTART_BACKOFF_MIN_S]
+
+
+async def test_a_stop_during_a_restart_backoff_does_not_wait_it_out(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serve_processes, "RESTART_BACKOFF_MIN_S", 1000.0)
+    supervisor = ProcessSupervisor(count=1, command=lambda i: ["true"], grpc_address="127.0.0.1:1", stop_wait_s=1.0)
+    starts = _script_children(supervisor, monkeypatch, [1.0, 1.0])
+    stopped_at: list[float] = []
+
+    async def signals() -> AsyncIterator[int]:
+        await trio.sleep(1.0)  # the child crashed at 0: its slot waits out a 1000 s backoff
+        stopped_at.append(trio.current_time())
+        yield int(signal.SIGTERM)
+        await trio.sleep_forever()
+
+    assert await supervisor.run(signals()) == EXIT_OK  # nothing was running: a clean stop
+    assert len(starts) == 1 and trio.current_time() == stopped_at[0]
+
+
+async def test_a_first_start_that_fails_with_a_configuration_error_exits_2() -> None:
+    supervisor = ProcessSupervisor(
+        count=1, command=lambda i: _stand_in("sys.exit(2)\n"), grpc_address="127.0.0.1:1", stop_wait_s=10.0
+    )
+    with trio.fail_after(15):
+        assert await supervisor.run(_signals_once_serving(supervisor._slots[0].ready)) == 2
+
+
+@pytest.mark.parametrize("start_up", ["print('no addresses here')\n", ""], ids=["garbage", "nothing"])
+async def test_a_child_without_its_address_line_is_killed_and_fails_the_start(start_up: str) -> None:
+    supervisor = ProcessSupervisor(
+        count=1,
+        command=lambda i: _stand_in(start_up),
+        grpc_address="127.0.0.1:1",
+        stop_wait_s=10.0,
+        startup_timeout_s=1.0,
+    )
+    (slot,) = supervisor._slots
+    with trio.fail_after(15):  # not killed, the child sleeps 1000 s
+        assert await supervisor.run(_signals_once_serving(slot.ready)) == EXIT_CHILD_FAILED
+    assert slot.returncode == -int(signal.SIGKILL) and not slot.ever_served
+
+
+async def test_a_child_started_while_stopping_is_told_to_drain_at_once() -> None:
+    """It missed the drain signal sent to the children running when the stop began."""
+    supervisor = ProcessSupervisor(
+        count=1,
+        command=lambda i: _stand_in("signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n" + _ANNOUNCE),
+        grpc_address="127.0.0.1:1",
+        stop_wait_s=10.0,
+    )
+    (slot,) = supervisor._slots
+    supervisor._stopping = True
+    with trio.fail_after(15):  # not signalled, the child sleeps 1000 s
+        await supervisor._run_child(slot)
+    # Drained, or ended by the signal before its handler was in place.
+    assert slot.returncode in (0, -int(signal.SIGTERM))
+
+
+async def test_a_child_that_does_not_drain_within_the_stop_wait_is_killed_and_the_exit_says_so() -> None:
+    supervisor = ProcessSupervisor(
+        count=1,
+        command=lambda i: _stand_in("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + _ANNOUNCE),
+        grpc_address="127.0.0.1:1",
+        stop_wait_s=0.5,
+    )
+    (slot,) = supervisor._slots
+    with trio.fail_after(15):  # not killed, the child sleeps 1000 s
+        assert await supervisor.run(_signals_once_serving(slot.ready, signal.SIGTERM)) == EXIT_CHILD_FAILED
+    assert slot.killed and slot.returncode == -int(signal.SIGKILL)
+
+
+async def test_a_child_whose_drain_fails_makes_the_exit_status_1_and_is_not_restarted() -> None:
+    supervisor = ProcessSupervisor(
+        count=1,
+        command=lambda i: _stand_in("signal.signal(signal.SIGTERM, lambda *_: os._exit(3))\n" + _ANNOUNCE),
+        grpc_address="127.0.0.1:1",
+        stop_wait_s=10.0,
+    )
+    (slot,) = supervisor._slots
+    with trio.fail_after(15):
+        assert await supervisor.run(_signals_once_serving(slot.ready, signal.SIGTERM)) == EXIT_CHILD_FAILED
+    assert slot.returncode == 3 and slot.restarts == 0 and slot.starts == 1
