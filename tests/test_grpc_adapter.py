@@ -25,6 +25,7 @@ from actors.channel_pool import ChannelPool, ChannelPoolSnapshot
 from router.config import ChannelPoolConfig
 from router.transport.errors import (
     DeadlineExceeded,
+    NotSent,
     PeerAbort,
     RemoteError,
     RpcStatus,
@@ -43,6 +44,7 @@ DENY = "/kvroute.test.Peer/Deny"
 CRASH = "/kvroute.test.Peer/Crash"
 FLAKY = "/kvroute.test.Peer/Flaky"
 BIG = "/kvroute.test.Peer/Big"
+SLOW = "/kvroute.test.Peer/Slow"
 
 
 class Peer:
@@ -88,6 +90,10 @@ class Peer:
     def big(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         return b"x" * int(request)
 
+    def slow(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        time.sleep(float(request))
+        return b"slow"
+
     def flaky(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         self.count(FLAKY)
         if self.calls[FLAKY] == 1:
@@ -107,6 +113,7 @@ def peer() -> Iterator[tuple[Peer, GrpcServer]]:
         CRASH: state.crash,
         FLAKY: state.flaky,
         BIG: state.big,
+        SLOW: state.slow,
     }
     server = start_grpc_server(routes)
     yield state, server
@@ -265,6 +272,29 @@ async def test_the_timeout_passed_counts_the_wait_for_the_channel(
         assert 0 < seen <= scope.deadline - leaser.leased_at + 0.002
 
 
+class _LateLeaser(_SlowLeaser):
+    """A lease that hands its channel over ``delay_s`` late with no checkpoint that could be
+    cancelled, as one whose answer was queued while the loop stalled."""
+
+    @asynccontextmanager
+    async def lease(self, target: str) -> AsyncIterator[grpc.Channel]:
+        async with self.pool.lease(target) as channel:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(self.delay_s)
+            yield channel
+
+
+async def test_a_call_whose_lease_came_back_past_its_deadline_is_not_sent(
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    state, server = peer
+    rpc = GrpcRawRpc(_LateLeaser(pool, delay_s=0.5), start_off_loop=start_off_loop)
+    with trio.fail_after(10):
+        with pytest.raises(NotSent), trio.move_on_after(0.2):
+            await rpc.call(server.target, ECHO, b"x")
+    assert state.calls.get(ECHO, 0) == 0
+
+
 async def test_expired_deadline_raises_without_sending(
     start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
 ) -> None:
@@ -379,6 +409,12 @@ async def test_unavailable_invalidates_only_the_channel_the_call_failed_on(
     with trio.fail_after(10), pytest.raises(Unavailable):
         await rpc.call(dead_target, ECHO, b"x")
     assert leaser.invalidated == [(dead_target, leaser.leased[0])]
+
+
+def test_channel_options_carry_the_configured_keepalive() -> None:
+    options = dict(channel_options(ChannelPoolConfig(keepalive_time_ms=12_345, keepalive_timeout_ms=678)))
+    assert options["grpc.keepalive_time_ms"] == 12_345
+    assert options["grpc.keepalive_timeout_ms"] == 678
 
 
 def test_channel_options_bound_messages_and_keep_subchannels_per_channel() -> None:
@@ -679,3 +715,42 @@ async def test_a_batch_whose_channel_cannot_be_opened_fails_that_call_and_makes_
     first, failed, last = (reply.outcome for reply in replies)
     assert first is None and last is None  # not made
     assert isinstance(failed, Unavailable) and "channel not opened" in failed.detail
+
+
+async def test_an_unreachable_peer_in_a_batch_forgets_the_channel_the_call_failed_on(
+    pool: ChannelPool[grpc.Channel], dead_target: str
+) -> None:
+    leaser = _RecordingLeaser(pool)
+    rpc = GrpcRawRpc(leaser, start_off_loop=False)
+    with trio.fail_after(10):
+        (reply,) = await rpc.call_in_turn([InTurnCall(dead_target, ECHO, b"")], within_s=5.0)
+    assert isinstance(reply.outcome, Unavailable)
+    assert leaser.invalidated == [(dead_target, leaser.leased[0])]
+
+
+# A batch's allowance, and the part of it a slow step used up (a slow machine only uses up more).
+WITHIN_S = 5.0
+USED_S = 1.0
+
+
+async def test_a_later_call_of_a_batch_is_given_what_the_earlier_ones_left(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    _, server = peer
+    rpc = GrpcRawRpc(pool, start_off_loop=False)
+    calls = [InTurnCall(server.target, SLOW, str(USED_S).encode()), InTurnCall(server.target, REMAINING, b"")]
+    with trio.fail_after(10):
+        slow, later = await rpc.call_in_turn(calls, within_s=WITHIN_S)
+    assert slow.outcome == b"slow" and isinstance(later.outcome, bytes)
+    assert 0 < float(later.outcome) <= WITHIN_S - USED_S + 0.3  # not the whole allowance
+
+
+async def test_a_batchs_leases_count_in_its_allowance(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    _, server = peer
+    rpc = GrpcRawRpc(_SlowLeaser(pool, delay_s=USED_S), start_off_loop=False)
+    with trio.fail_after(10):
+        (reply,) = await rpc.call_in_turn([InTurnCall(server.target, REMAINING, b"")], within_s=WITHIN_S)
+    assert isinstance(reply.outcome, bytes)
+    assert 0 < float(reply.outcome) <= WITHIN_S - USED_S + 0.3  # the time from the batch's start, not the thread's
