@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
+import ssl
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ from router.config import (
     ServeConfig,
     UpstreamTlsConfig,
 )
+from router.settings import load_config
 from router.sidecar import Sidecar
 from router.targets import HostPort
 from router.transport.clients import WorkerStatusClient
@@ -40,9 +44,11 @@ from router.transport.errors import Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.master_http import HttpMasterTransport
 from router.transport.tls import (
+    MAX_PEM_BYTES,
     MAX_SYSTEM_CA_BYTES,
     channel_credentials,
     client_ssl_context,
+    pem_file_problem,
     server_credentials,
     system_ca_bundle,
 )
@@ -262,6 +268,60 @@ async def test_master_http_client_speaks_https_with_the_ca_and_fails_without(pki
                     await untrusted.master_info(host)
             # The operator is told why: under trio httpx's error has no text, the handshake's is its cause.
             assert "certificate" in refused.value.detail.lower(), refused.value.detail
+
+
+def test_the_https_clients_context_presents_its_client_certificate(pki: Pki) -> None:
+    """To a scheduler that requires one (the gRPC channels' own test is above)."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(pki.server_cert, pki.server_key)
+    server.load_verify_locations(pki.ca)
+    server.verify_mode = ssl.CERT_REQUIRED
+    seen: list[object] = []  # the client's certificate as the server checked it, or why it refused
+    context = client_ssl_context(UpstreamTlsConfig(ca=str(pki.ca), cert=str(pki.client_cert), key=str(pki.client_key)))
+    assert context is not None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT_S)
+
+        def accept_one() -> None:
+            try:
+                connection, _ = listener.accept()
+                with server.wrap_socket(connection, server_side=True) as tls:
+                    seen.append(tls.getpeercert())
+            except OSError as exc:  # ssl.SSLError among them
+                seen.append(exc)
+
+        thread = threading.Thread(target=accept_one)
+        thread.start()
+        try:
+            with (
+                socket.create_connection(listener.getsockname(), timeout=TIMEOUT_S) as raw,
+                context.wrap_socket(raw, server_hostname="127.0.0.1"),
+            ):
+                pass
+        finally:
+            thread.join(TIMEOUT_S)
+    assert len(seen) == 1 and isinstance(seen[0], dict) and seen[0], seen
+
+
+# ---- the files' bounds ------------------------------------------------------------------------------
+
+
+def test_a_pem_file_past_its_bound_is_refused_and_named(pki: Pki, tmp_path: Path) -> None:
+    big = tmp_path / "big.pem"
+    big.write_bytes(pki.ca.read_bytes() + b"\n" * MAX_PEM_BYTES)
+    assert pem_file_problem(str(big)) == f"larger than {MAX_PEM_BYTES} bytes: not a PEM file"
+    errors = [str(problem) for problem in load_config({"upstream_tls_ca": str(big)}, {}).errors]
+    assert any("larger than" in error and "--upstream-tls-ca" in error for error in errors), errors
+
+
+def test_a_ca_bundle_as_large_as_a_systems_is_accepted(tmp_path: Path) -> None:
+    """Every public root is some hundred kilobytes of PEM: within the bound."""
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(b"".join(trustme.CA().cert_pem.bytes() for _ in range(400)))
+    assert bundle.stat().st_size > 200_000
+    assert pem_file_problem(str(bundle)) is None
+    settings = {"workers": "10.0.0.1:80", "kvcm_fallback": "false", "upstream_tls_ca": str(bundle)}
+    assert load_config(settings, {}).errors == ()
 
 
 # ---- no CA given: the system's bundle, for both ----------------------------------------------------
