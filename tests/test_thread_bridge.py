@@ -59,6 +59,28 @@ def test_settle_drops_the_outcome_when_the_waiter_cancelled_or_was_answered_firs
         loop.close()
 
 
+
+class _CancelledJustAfterALook(concurrent.futures.Future[int]):
+    """A waiter whose cancel, from its own thread, lands right after any look at whether the future
+    is cancelled or done: between a look and a set, where it can always land."""
+
+    def cancelled(self) -> bool:
+        looked = super().cancelled()
+        self.cancel()
+        return looked
+
+    def done(self) -> bool:
+        looked = super().done()
+        self.cancel()
+        return looked
+
+
+def test_settle_takes_a_concurrent_future_atomically_against_its_waiters_cancel() -> None:
+    """A look, then a set, raised InvalidStateError on the trio thread when the cancel came between."""
+    future = _CancelledJustAfterALook()
+    settle(future, outcome.Value(7))
+    assert future.result(timeout=0) == 7  # settled first: the later cancel finds it running, and fails
+
 def test_settle_on_loop_reaches_a_running_loop_from_another_thread_and_a_closed_one_is_a_no_op() -> None:
     async def waiter() -> int:
         loop = asyncio.get_running_loop()
