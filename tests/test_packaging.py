@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from router import api
 from router.cli import COMMANDS
 
 DIST_NAME = "kvroute"
@@ -266,3 +267,16 @@ def test_generated_code_is_not_tracked_by_git() -> None:
     ).stdout.decode()
     generated = [f for f in tracked.split("\0") if "_pb2" in PurePosixPath(f).name]
     assert generated == [], f"generated protobuf code is committed: {generated}"
+
+
+
+def test_the_public_api_exports_what_the_docs_name_and_each_name_resolves() -> None:
+    assert [name for name in api.__all__ if not hasattr(api, name)] == []
+    docs = (SOURCE_ROOT / "README.md").read_text() + (SOURCE_ROOT / "docs" / "design.md").read_text()
+    imports = re.findall(r"from router\.api import ([\w, ]+)", docs)
+    imported = {name.strip() for line in imports for name in line.split(",")}
+    assert {"KvrouteConfig", "RouteRequest", "open_router"} <= imported  # the docs' example still imports them
+    # And what a caller catches or holds: route() on a closed router raises RouterClosed; open_router
+    # yields a RouterHandle, route() returns a RouteDecision.
+    named = imported | {"RouterClosed", "RouterHandle", "RouteDecision"}
+    assert named <= set(api.__all__), named - set(api.__all__)
