@@ -347,7 +347,7 @@ class RouterActor:
         return await self._answered(await self._handle(request, now, deadline))
 
     def _sheddable(self, request: RouteRequest) -> int | None:
-        return sheddable(request, self._deployment, self._limits)
+        return sheddable(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
 
     async def _shed(self, request: RouteRequest, now: float, deadline: float, tokens: int) -> RouteDecision:
         """The domain answer ``overloaded``, before any work on the request (recorded like any decision).

@@ -246,8 +246,8 @@ class AsyncioRouterHost:
             not self._gate.hand_off(0.0)
         ):
             # As the router admits: a call with nothing left is its to answer (reason deadline), unless
-            # there is no place to hand it to. One the router refuses (an id that is no 64-bit
-            # integer) is handed over all the same, to be told so.
+            # there is no place to hand it to. One the router refuses (an id outside its key family's
+            # range) is handed over all the same, to be told so.
             tokens = sheddable(request, self._config.deployment, self._config.limits)
             if tokens is not None:
                 return self._shed(request, published, left_s, sent_at, tokens)

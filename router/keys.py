@@ -2,7 +2,8 @@
 
 A prompt of N tokens and block size ``bs`` has floor(N / bs) keys (for ``sglang``
 with lookahead 1, floor((N - 1) / bs): its logical length is N - 1). An incomplete
-tail block has no key. Keys are signed 64-bit integers.
+tail block has no key. Keys are signed 64-bit integers. Each family hashes the token ids of its
+``token_id_range``: ``rtp`` and ``vllm`` any signed 64-bit integer, ``sglang`` a uint32.
 
 - ``rtp``: the engine's rolling hash, carried across blocks.
 - ``vllm``: sha256 over canonical CBOR ``[parent digest, [tokens], null]``, chained.
@@ -17,6 +18,7 @@ import hashlib
 import itertools
 import struct
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import assert_never
 
 from router.problems import Problem
@@ -28,8 +30,6 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _RTP_OFFSET = (_GOLDEN - (1 << 31)) & _MASK64
 _INT32_MIN = -(1 << 31)
 _INT32_MAX = (1 << 31) - 1
-_INT64_MIN = -(1 << 63)
-_INT64_MAX = (1 << 63) - 1
 
 # CBOR (RFC 8949) major types, pre-shifted into the initial byte.
 _CBOR_UINT = 0x00
@@ -46,6 +46,51 @@ _PACK_U64 = struct.Struct(">BQ").pack
 _UNPACK_I64 = struct.Struct(">q").unpack_from
 
 
+@dataclass(frozen=True, slots=True)
+class IntRange:
+    """The integers ``low``..``high``, called ``name``; ``struct_code`` packs exactly those."""
+
+    name: str
+    low: int
+    high: int
+    struct_code: str
+
+    def holds_all(self, values: Sequence[int]) -> bool:
+        """Whether every value is an integer in the range: packing checks each one's type and range in
+        one pass in C (min and max took two)."""
+        try:
+            struct.pack(f"<{len(values)}{self.struct_code}", *values)
+        except (struct.error, TypeError):
+            return False
+        return True
+
+    def problem(self, family: KeyFamily, value: int) -> str:
+        """Why ``family`` cannot hash the token id ``value`` (outside the range)."""
+        return f"tokens: token id {value} is not {self.name}, as the {family.value} family hashes them"
+
+
+INT64 = IntRange("a 64-bit integer", -(1 << 63), (1 << 63) - 1, "q")
+"""A request's token ids and block cache keys."""
+UINT32 = IntRange("a uint32 (0..4294967295)", 0, (1 << 32) - 1, "I")
+
+
+def token_id_range(family: KeyFamily) -> IntRange:
+    """The token ids ``family`` hashes; one beyond is refused (``rtp`` truncates ids to 32 bits, but
+    an id is a 64-bit integer; ``vllm``'s CBOR could carry more, but no request may)."""
+    match family:
+        case KeyFamily.RTP | KeyFamily.VLLM:
+            return INT64
+        case KeyFamily.SGLANG:
+            return UINT32
+        case _:
+            assert_never(family)
+
+
+_RTP_IDS = token_id_range(KeyFamily.RTP)
+_VLLM_IDS = token_id_range(KeyFamily.VLLM)
+_SGLANG_IDS = token_id_range(KeyFamily.SGLANG)
+
+
 def _cbor_head(major: int, value: int) -> bytes:
     """The initial byte(s) of a CBOR item: major type plus its argument in minimal width."""
     if value < 24:
@@ -60,12 +105,11 @@ def _cbor_head(major: int, value: int) -> bytes:
 
 
 def _cbor_int(value: int) -> bytes:
+    """A token id's CBOR integer; only the vllm family's ids (CBOR itself could carry ±2**64)."""
+    if not _VLLM_IDS.low <= value <= _VLLM_IDS.high:
+        raise ValueError(_VLLM_IDS.problem(KeyFamily.VLLM, value))
     if value >= 0:
-        if value > _MASK64:
-            raise ValueError(f"tokens: token id {value} does not fit in 64 bits")
         return _cbor_head(_CBOR_UINT, value)
-    if value < -(1 << 64):
-        raise ValueError(f"tokens: token id {value} does not fit in 64 bits")
     return _cbor_head(_CBOR_NEGINT, -1 - value)
 
 
@@ -107,11 +151,10 @@ def rtp_key_slices(tokens: Sequence[int], block_size: int, slice_blocks: int) ->
         part = toks[first * block_size : stop * block_size]
         low, high = min(part), max(part)
         if low < _INT32_MIN or high > _INT32_MAX:
-            # The engine truncates to 32 bits, but a token id is a 64-bit integer: one beyond is no id
-            # (checked here, off the common path, so a Python int of any size is not hashed as one).
-            if low < _INT64_MIN or high > _INT64_MAX:
-                outside = low if low < _INT64_MIN else high
-                raise ValueError(f"tokens: token id {outside} does not fit in 64 bits")
+            # The engine truncates to 32 bits, but only the family's ids are hashed (checked here, off
+            # the common path, so a Python int of any size is not hashed as one).
+            if low < _RTP_IDS.low or high > _RTP_IDS.high:
+                raise ValueError(_RTP_IDS.problem(KeyFamily.RTP, low if low < _RTP_IDS.low else high))
             # Truncate to signed 32 bits once, up front, so the hot loop is the same for every input.
             part = [((t & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for t in part]
         keys: list[int] = []
@@ -239,8 +282,9 @@ def sglang_key_slices(
     for first, stop in _slices(n_pages, slice_blocks):
         begin, used = first * block_size, stop * block_size
         ids = toks[begin : used + lookahead]
-        if min(ids) < 0 or max(ids) > 0xFFFFFFFF:
-            raise ValueError("tokens: the sglang family hashes token ids as uint32; got one outside 0..2**32-1")
+        low, high = min(ids), max(ids)
+        if low < _SGLANG_IDS.low or high > _SGLANG_IDS.high:
+            raise ValueError(_SGLANG_IDS.problem(KeyFamily.SGLANG, low if low < _SGLANG_IDS.low else high))
         if lookahead:
             # Interleave (t_i, t_{i+1}) for each logical position i.
             flat = [0] * (2 * (used - begin))

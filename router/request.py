@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from router.config import DeploymentConfig, LimitsConfig
-from router.keys import block_key_slices, join_slices
+from router.keys import INT64, IntRange, block_key_slices, join_slices, token_id_range
 from router.problems import declared_range
 from router.types import COMPANION_ROLES, PREFILL_CAPABLE_ROLES, BadRequest, KeyFamily, Role, RouteRequest
 
@@ -329,7 +329,7 @@ def check_request(
     keys: tuple[int, ...] = ()
     if request.block_cache_keys is not None:
         keys = tuple(request.block_cache_keys)
-        if keys and not _all_int64(keys):
+        if keys and not INT64.holds_all(keys):
             raise BadRequest("block_cache_keys", "every key must be a signed 64-bit integer")
     else:
         assert request.token_ids is not None
@@ -350,36 +350,38 @@ def check_request(
     )
 
 
-def sheddable(request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig) -> int | None:
+def sheddable(
+    request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig, *, hash_tokens: bool = True
+) -> int | None:
     """The prompt's length (what a shed charges its worker) when ``request`` may be answered
     ``overloaded``; None when the router would refuse it from its fields alone, so a malformed request
     is told so even under overload (pure). Its admissible fields (``check_admissible``, O(1), its roles
-    among them) and each token id and key a 64-bit integer (O(n), in C: a prompt of 262,144 ids about
-    3 ms)."""
+    among them), each key a 64-bit integer and each token id one the router takes (``accepted_token_ids``,
+    ``hash_tokens`` as ``check_request`` is given it; left True, a request is never shed that the router
+    would refuse) (O(n), in C: a prompt of 262,144 ids about 3 ms)."""
     try:
         seq_len = check_admissible(request, deployment, limits).seq_len
     except BadRequest:
         return None
-    if all(ids is None or _all_int64(ids) for ids in (request.token_ids, request.block_cache_keys)):
-        return seq_len
-    return None
+    if request.block_cache_keys is not None and not INT64.holds_all(request.block_cache_keys):
+        return None
+    ids = accepted_token_ids(deployment.key_family, hash_tokens=hash_tokens)
+    if request.token_ids is not None and not ids.holds_all(request.token_ids):
+        return None
+    return seq_len
 
 
-def check_token_ids(token_ids: Sequence[int]) -> None:
-    """Raise BadRequest("token_ids") unless every id is a 64-bit integer (pure): for token ids no key
-    family hashes, which would catch them."""
-    if not _all_int64(token_ids):
-        raise BadRequest("token_ids", "every token id must be a 64-bit integer")
+def accepted_token_ids(family: KeyFamily, *, hash_tokens: bool) -> IntRange:
+    """The token ids the router takes: those its deployment's ``family`` hashes when it hashes them
+    (``hash_tokens``), else any 64-bit integer (a scheduler may be sent them: ``check_token_ids``)."""
+    return token_id_range(family) if hash_tokens else INT64
 
 
-def _all_int64(values: Sequence[int]) -> bool:
-    """Whether every value is a signed 64-bit integer: packing checks each one's type and range in one
-    pass in C (min and max took two)."""
-    try:
-        struct.pack(f"<{len(values)}q", *values)
-    except (struct.error, TypeError):
-        return False
-    return True
+def check_token_ids(token_ids: Sequence[int], ids: IntRange = INT64) -> None:
+    """Raise BadRequest("token_ids") unless every id is in ``ids`` (pure): for token ids no key hashes,
+    which its family's hashing would catch, or none does (every token id a 64-bit integer)."""
+    if not ids.holds_all(token_ids):
+        raise BadRequest("token_ids", f"every token id must be {ids.name}")
 
 
 def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int, ...]]:
@@ -429,10 +431,12 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
             continue
         if part is None:
             # The ids after the last whole block the family hashed (a lookahead holds the last ones
-            # back) are hashed by no key: checked here, or a token id that is no integer (or beyond 64
-            # bits) there passed as a well-formed prompt. Ids checked twice are harmless.
+            # back) are hashed by no key: checked here against the family's range, or an id there that
+            # the family would refuse in a whole block passed as a well-formed prompt. Ids checked
+            # twice are harmless.
             bs = checked.block_size
-            check_token_ids(checked.tokens[max(0, len(checked.tokens) - checked.lookahead) // bs * bs :])
+            tail = checked.tokens[max(0, len(checked.tokens) - checked.lookahead) // bs * bs :]
+            check_token_ids(tail, token_id_range(checked.family))
             return
         given += 1
         yield part

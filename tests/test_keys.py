@@ -104,8 +104,8 @@ def test_vllm_cbor_bytes_golden() -> None:
         (-(1 << 32) - 1, "3b0000000100000000"),
         ((1 << 32) - 1, "1affffffff"),
         (1 << 32, "1b0000000100000000"),
-        ((1 << 64) - 1, "1bffffffffffffffff"),
-        (-(1 << 64), "3bffffffffffffffff"),
+        ((1 << 63) - 1, "1b7fffffffffffffff"),
+        (-(1 << 63), "3b7fffffffffffffff"),
     ],
 )
 def test_vllm_cbor_integer_widths(token: int, encoding: str) -> None:
@@ -152,10 +152,14 @@ def test_sglang_rejects_ids_outside_uint32(token: int) -> None:
         sglang_keys([1, token], 2)
 
 
-@pytest.mark.parametrize("token", [1 << 64, -(1 << 64) - 1])
+@pytest.mark.parametrize("token", [1 << 63, -(1 << 63) - 1, 1 << 64, -(1 << 64) - 1])
 def test_vllm_rejects_ids_beyond_64_bits(token: int) -> None:
-    with pytest.raises(ValueError, match=r"^tokens:"):
+    """A token id is a signed 64-bit integer; CBOR could carry up to 2**64 - 1 and down to -2**64, and
+    the vllm family hashed those, where every other check refuses them."""
+    with pytest.raises(ValueError, match=rf"^tokens: token id {token} is not a 64-bit integer"):
         vllm_keys([1, token], 2)
+    with pytest.raises(ValueError, match=r"^tokens:"):
+        vllm_block_cbor(NONE_HASH, [token])
 
 
 def test_vllm_parent_digest_must_be_32_bytes() -> None:
@@ -224,7 +228,7 @@ def test_rtp_matches_spec_reference(tokens: list[int], bs: int) -> None:
 
 
 @given(
-    st.lists(st.integers(min_value=-(1 << 64), max_value=(1 << 64) - 1), max_size=60), block_sizes, lookaheads
+    st.lists(st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1), max_size=60), block_sizes, lookaheads
 )
 def test_vllm_matches_spec_reference(tokens: list[int], bs: int, lookahead: int) -> None:
     assert list(vllm_keys(tokens, bs, lookahead)) == reference_vllm(tokens, bs, lookahead)
@@ -343,5 +347,5 @@ def test_rtp_refuses_a_token_id_beyond_64_bits_it_would_truncate() -> None:
     request of them routed as a well-formed prompt, while with nothing hashing them it was refused)."""
     assert block_keys([2**40] * 4, 4, KeyFamily.RTP) == block_keys([2**40 & 0xFFFFFFFF] * 4, 4, KeyFamily.RTP)
     for beyond in (2**63, -(2**63) - 1, 2**70):
-        with pytest.raises(ValueError, match=f"token id {beyond} does not fit in 64 bits"):
+        with pytest.raises(ValueError, match=f"token id {beyond} is not a 64-bit integer"):
             block_keys([1, 2, beyond, 4], 4, KeyFamily.RTP)

@@ -330,6 +330,43 @@ async def test_with_the_fallback_off_a_maximal_prompts_ids_are_checked_in_slices
         assert refused.reason is Reason.BAD_REQUEST and refused.error is not None and "token_ids" in refused.error
 
 
+@pytest.mark.parametrize("kvcm_fallback", [True, False])
+@pytest.mark.parametrize(("family", "token_id"), [(KeyFamily.SGLANG, 2**32), (KeyFamily.VLLM, 2**63)])
+async def test_under_overload_a_token_id_is_shed_or_refused_as_the_hashing_would_take_it(
+    autojump_clock: trio.testing.MockClock, kvcm_fallback: bool, family: KeyFamily, token_id: int
+) -> None:
+    """An id the deployment's family does not hash (sglang: a uint32) is refused while the family hashes
+    the ids (the KVCM fallback on), and shed like any request while nothing does; one that is no 64-bit
+    integer is refused either way. The shed pre-check knew only int64, so an sglang id of 2**32 got a
+    worker under overload, and one it said the router refuses but the router took was routed with no
+    admission place."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, key_family=family),
+        router=RouterConfig(max_in_flight=1, kvcm_fallback=kvcm_fallback),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    refused_at_normal_load = kvcm_fallback or family is KeyFamily.VLLM  # the KVCM source hashes the ids
+    prompt = tuple(range(8 * BLOCK))
+    odd = [
+        RouteRequest("in-a-block", token_ids=(token_id, *prompt[1:]), budget_ms=50),
+        RouteRequest("in-the-tail", token_ids=(*prompt, token_id), budget_ms=50),
+    ]
+    async with open_router(config, rpc=network) as handle:
+        async with trio.open_nursery() as nursery:
+            tokens = CountedTokens(MAX_PROMPT)
+            nursery.start_soon(handle.route, RouteRequest("takes-the-place", token_ids=tokens, budget_ms=50))
+            await tokens.read(1)  # hashed or checked in slices: it holds the one place
+            answered = [(await handle.route(request)).reason for request in odd]
+            assert tokens.slices_read < SLICES_OF_MAX_PROMPT  # answered while the place was taken
+        assert answered == [Reason.BAD_REQUEST if refused_at_normal_load else Reason.OVERLOADED] * 2, answered
+        for request in odd:  # at normal load
+            decision = await handle.route(request)
+            assert (decision.reason is Reason.BAD_REQUEST) == refused_at_normal_load, decision
+
+
 async def test_a_cancelled_long_request_stops_hashing(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
     async with routed(cluster) as handle:
@@ -413,6 +450,61 @@ def test_a_request_naming_a_role_not_routed_here_is_not_sheddable(roles: tuple[R
         check_request(request, DEPLOYMENT, LIMITS)
     assert admissible.value.field_name == checked.value.field_name == "roles"
     assert str(admissible.value) == str(checked.value)
+
+
+# Per family, an id just inside and just outside the ids it hashes; with nothing hashing them, the
+# request's own contract (a 64-bit integer) decides.
+INT64_EDGES = ((2**63 - 1, -(2**63)), (2**63, -(2**63) - 1))
+UINT32_EDGES = ((2**32 - 1, 0), (2**32, -1))
+ID_EDGES = {KeyFamily.RTP: INT64_EDGES, KeyFamily.VLLM: INT64_EDGES, KeyFamily.SGLANG: UINT32_EDGES}
+
+
+@pytest.mark.parametrize("family", list(KeyFamily))
+@pytest.mark.parametrize("hash_tokens", [True, False])
+@pytest.mark.parametrize("at", [1, 5], ids=["in-a-whole-block", "in-the-tail"])
+def test_a_token_id_is_refused_at_normal_load_exactly_when_it_may_not_be_shed(
+    family: KeyFamily, hash_tokens: bool, at: int
+) -> None:
+    """One rule decides: the ids the family hashes when it hashes them, else any 64-bit integer. The
+    shed pre-check checked int64 alone, the vllm family took any uint64 (down to -2**64) and sglang
+    uint32, and the tail was checked as int64: an sglang id of 2**32 was shed under overload and
+    refused at normal load, a vllm one of 2**63 accepted or refused by its position alone."""
+    deployment = DeploymentConfig(block_size=4, key_family=family)
+    inside = ID_EDGES[family][0] if hash_tokens else INT64_EDGES[0]
+    for token_id in sorted({*inside, *UINT32_EDGES[1], *INT64_EDGES[1]}):
+        tokens = [1, 2, 3, 4, 5, 6]  # one whole block, a tail of two
+        tokens[at] = token_id
+        request = RouteRequest("r", token_ids=tuple(tokens))
+        try:
+            prepare_request(request, deployment, LIMITS, hash_tokens=hash_tokens)
+        except BadRequest as exc:
+            assert exc.field_name == "token_ids"
+            accepted = False
+        else:
+            accepted = True
+        assert accepted == (min(inside) <= token_id <= max(inside)), (token_id, accepted)
+        shed = sheddable(request, deployment, LIMITS, hash_tokens=hash_tokens)
+        assert (shed is not None) == accepted, (token_id, shed)
+        if accepted:
+            assert shed == len(tokens)
+        if hash_tokens:  # nothing may be shed that the router refuses: the default is the strict rule
+            assert (sheddable(request, deployment, LIMITS) is not None) == accepted
+
+
+def test_the_vllm_and_sglang_ids_the_shed_pre_check_disagreed_on() -> None:
+    cases = [
+        (KeyFamily.VLLM, (2**63, 2, 3, 4, 5)),  # was accepted, and not sheddable
+        (KeyFamily.VLLM, (1, 2, 3, 4, 2**63)),  # refused, not sheddable
+        (KeyFamily.SGLANG, (2**32, 2, 3, 4, 5)),  # refused, yet sheddable
+        (KeyFamily.SGLANG, (1, 2, 3, 4, 2**32)),  # was accepted, and sheddable
+    ]
+    for family, tokens in cases:
+        deployment = DeploymentConfig(block_size=4, key_family=family)
+        request = RouteRequest("r", token_ids=tokens)
+        with pytest.raises(BadRequest) as info:
+            prepare_request(request, deployment, LIMITS)
+        assert info.value.field_name == "token_ids"
+        assert sheddable(request, deployment, LIMITS) is None
 
 
 def test_the_roles_a_request_may_name() -> None:
