@@ -17,6 +17,9 @@ _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$"
 )
 _NUMERIC_DOTTED = re.compile(r"^[0-9.]+$")
+# One to four labels, each a number in decimal, octal or hexadecimal: inet_aton's forms of an IPv4
+# address ("127.1", "0x7f.1", "0x7f000001"), which a resolver reads as one.
+_INET_ATON_FORM = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+)){0,3}\.?", re.IGNORECASE | re.ASCII)
 # What ends a run of text that could hold ``user:password`` before an '@', scanning back from it.
 # A password may hold any of RFC 3986's sub-delimiters (``!$&'()*+,;=``) and ':', so those do not.
 _RUN_ENDS = frozenset(' \t\r\n\f\v@"`<>')
@@ -81,8 +84,8 @@ def _check_host(host: str, entry: str) -> str:
         return str(ipaddress.ip_address(host))
     except ValueError:
         pass
-    if _NUMERIC_DOTTED.match(host):
-        # "1.2.3" or "010.0.0.1" would reach a resolver as some other IPv4 address (inet_aton forms).
+    if _NUMERIC_DOTTED.match(host) or _INET_ATON_FORM.fullmatch(host):
+        # "1.2.3", "010.0.0.1" or "0x7f.1" would reach a resolver as some other IPv4 address.
         raise TargetError(f"bad IPv4 address {_shown(host)} in target {_shown(entry)}")
     if not _HOSTNAME.match(host):
         raise TargetError(f"bad host {_shown(host)} in target {_shown(entry)}")

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from router.targets import HostPort, TargetError, format_target, parse_target, parse_target_list
+from router.targets import HostPort, TargetError, format_target, is_host, parse_target, parse_target_list
 
 
 @pytest.mark.parametrize(
@@ -118,6 +118,25 @@ def test_port_range_both_bounds(port: str, accepted: bool) -> None:
 def test_bad_entries_are_rejected_naming_the_entry(entry: str, fragment: str) -> None:
     with pytest.raises(TargetError, match=re.escape(fragment)):
         parse_target(entry, default_port=6381)
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["0x7f000001", "0x7f.1", "0x7f.0.0.1", "0X7F.0.0.1", "0x7f.0.0.1.", "0x", "127.1", "1.2.3", "017700000001"],
+)
+def test_a_host_a_resolver_reads_as_another_ipv4_address_is_refused(host: str) -> None:
+    """Every label a number, in decimal, octal or hexadecimal: inet_aton's forms, which getaddrinfo
+    reads as an IPv4 address ("0x7f.1" is 127.0.0.1). The hexadecimal ones got past the guard, and the
+    master's reported host (``is_host``) with them."""
+    with pytest.raises(TargetError, match=re.escape(f"bad IPv4 address {host!r} in target '{host}:80'")):
+        parse_target(f"{host}:80")
+    assert not is_host(host)
+
+
+@pytest.mark.parametrize("host", ["0xcafe.example", "x0x1", "0x7f.0.0.1.example", "0xg"])
+def test_a_name_with_a_label_that_is_no_number_is_a_host_name(host: str) -> None:
+    assert parse_target(f"{host}:80") == HostPort(host, 80)
+    assert is_host(host)
 
 
 def test_format_target_brackets_ipv6_only() -> None:
