@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from router.text import cut_text
 
+# At most 253 characters without the trailing dot, which only marks the name as absolute.
 _HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$"
+    r"^(?=.{1,253}\.?$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$"
 )
 _NUMERIC_DOTTED = re.compile(r"^[0-9.]+$")
 # One to four labels, each a number in decimal, octal or hexadecimal: inet_aton's forms of an IPv4

@@ -139,6 +139,25 @@ def test_a_name_with_a_label_that_is_no_number_is_a_host_name(host: str) -> None
     assert is_host(host)
 
 
+def test_a_host_name_is_at_most_253_characters_without_its_trailing_dot_and_a_label_63() -> None:
+    label = "a" * 63
+    assert parse_target(f"{label}:1") == HostPort(label, 1)
+    assert parse_target(f"x.{label}:1") == HostPort(f"x.{label}", 1)
+    for long_label in (f"{label}a", f"x.{label}a"):
+        with pytest.raises(TargetError, match=re.escape(f"bad host '{long_label}'")):
+            parse_target(f"{long_label}:1")
+    name = ".".join([label] * 3 + ["b" * 61])
+    assert len(name) == 253
+    # The trailing dot only marks the name as absolute: it counted, and refused a legal name.
+    for written in (name, f"{name}."):
+        assert parse_target(f"{written}:1") == HostPort(name, 1)
+        assert is_host(written)
+    for longer in (f"{name}b", f"{name}b."):
+        with pytest.raises(TargetError, match="bad host"):
+            parse_target(f"{longer}:1")
+        assert not is_host(longer)
+
+
 def test_format_target_brackets_ipv6_only() -> None:
     assert format_target("10.0.0.1", 80) == "10.0.0.1:80"
     assert format_target("::1", 80) == "[::1]:80"
