@@ -100,6 +100,8 @@ def test_vllm_cbor_bytes_golden() -> None:
         (-25, "3818"),
         (-256, "38ff"),
         (-257, "390100"),
+        (-65536, "39ffff"),
+        (-65537, "3a00010000"),
         (-(1 << 32), "3affffffff"),
         (-(1 << 32) - 1, "3b0000000100000000"),
         ((1 << 32) - 1, "1affffffff"),
@@ -118,6 +120,9 @@ def test_vllm_cbor_array_header_widths() -> None:
     assert vllm_block_cbor(NONE_HASH, [0] * 23)[35:36].hex() == "97"
     assert vllm_block_cbor(NONE_HASH, [0] * 24)[35:37].hex() == "9818"
     assert vllm_block_cbor(NONE_HASH, [0] * 256)[35:38].hex() == "990100"
+    assert vllm_block_cbor(NONE_HASH, [0] * 65535)[35:38].hex() == "99ffff"
+    assert vllm_block_cbor(NONE_HASH, [0] * 65536)[35:40].hex() == "9a00010000"
+    assert len(vllm_keys([0] * 65536, 65536)) == 1  # a block of 65,536 tokens: a 4-byte array header
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -150,6 +155,11 @@ def test_rtp_has_no_lookahead() -> None:
 def test_sglang_rejects_ids_outside_uint32(token: int) -> None:
     with pytest.raises(ValueError, match=r"^tokens:"):
         sglang_keys([1, token], 2)
+
+
+def test_sglang_hashes_every_uint32_id() -> None:
+    assert sglang_keys([0xFFFFFFFF] * 4, 4) == (6541097565471264777,)
+    assert sglang_keys([0] * 4, 4) == sglang_keys([0, 0, 0, 0, 0xFFFFFFFF], 4)
 
 
 @pytest.mark.parametrize("token", [1 << 63, -(1 << 63) - 1, 1 << 64, -(1 << 64) - 1])
@@ -346,6 +356,9 @@ def test_rtp_refuses_a_token_id_beyond_64_bits_it_would_truncate() -> None:
     """The engine truncates ids to 32 bits, but an id is a 64-bit integer: one beyond is no id (a
     request of them routed as a well-formed prompt, while with nothing hashing them it was refused)."""
     assert block_keys([2**40] * 4, 4, KeyFamily.RTP) == block_keys([2**40 & 0xFFFFFFFF] * 4, 4, KeyFamily.RTP)
+    # The extremes are ids, truncated as any other: 2**63 - 1 to -1, -2**63 to 0.
+    assert rtp_keys([2**63 - 1, 0, 0, 0], 4) == rtp_keys([-1, 0, 0, 0], 4)
+    assert rtp_keys([-(2**63), 0, 0, 0], 4) == rtp_keys([0, 0, 0, 0], 4)
     for beyond in (2**63, -(2**63) - 1, 2**70):
         with pytest.raises(ValueError, match=f"token id {beyond} is not a 64-bit integer"):
             block_keys([1, 2, beyond, 4], 4, KeyFamily.RTP)
