@@ -8,7 +8,7 @@ it one slice at a time.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, SupportsIndex, overload
 
@@ -102,6 +102,56 @@ def test_keys_may_not_cover_more_than_the_longest_prompt() -> None:
         "block_cache_keys"
     )
     assert refused(RouteRequest("r", block_cache_keys=(1,), block_size=65), limits).field_name == "block_size"
+
+
+def test_a_block_size_is_positive_and_at_most_the_longest_prompt() -> None:
+    assert refused(RouteRequest("r", block_cache_keys=(1, 2), block_size=0)).field_name == "block_size"
+    longest = LIMITS.max_prompt_tokens
+    assert prepare_request(RouteRequest("r", block_cache_keys=(1,), block_size=longest), DEPLOYMENT).seq_len == longest
+    over = refused(RouteRequest("r", block_cache_keys=(1,), block_size=longest + 1))
+    assert over.field_name == "block_size" and "--max-prompt-tokens" in str(over)
+
+
+def test_the_longest_prompt_may_say_its_seq_len_in_either_form() -> None:
+    longest = LIMITS.max_prompt_tokens
+    given = RouteRequest("r", token_ids=MAX_PROMPT, seq_len=longest)
+    assert prepare_request(given, DEPLOYMENT, hash_tokens=False).seq_len == longest
+    assert prepare_request(RouteRequest("r", block_cache_keys=(1,), seq_len=longest), DEPLOYMENT).seq_len == longest
+    over = refused(RouteRequest("r", block_cache_keys=(1,), seq_len=longest + 1))
+    assert over.field_name == "seq_len" and "--max-prompt-tokens" in str(over)
+
+
+class CountedRoles(Sequence[Role]):
+    """Roles that say there are very many, and count the items read."""
+
+    def __init__(self) -> None:
+        self.read = 0
+
+    def __len__(self) -> int:
+        return 10**9
+
+    @overload
+    def __getitem__(self, index: int) -> Role: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Role]: ...
+    def __getitem__(self, index: int | slice) -> Role | Sequence[Role]:
+        self.read += 1
+        if isinstance(index, slice) or index >= 4:  # a walk ends soon, so a test of the walk ends too
+            raise IndexError(index)
+        return Role.PREFILL
+
+
+def test_too_many_roles_are_refused_before_any_is_read() -> None:
+    """A caller's sequence of roles is counted before its items are looked at one by one."""
+    roles = CountedRoles()
+    assert refused(RouteRequest("r", token_ids=(1,), roles=roles)).field_name == "roles"  # type: ignore[arg-type]
+    assert roles.read == 0
+
+
+def test_roles_given_as_a_string_are_refused_naming_them() -> None:
+    """A str is a sequence, but of characters: an empty one named no role and took the deployment's."""
+    for text in ("", "PREFILL"):
+        assert refused(RouteRequest("r", token_ids=(1,), roles=text)).field_name == "roles"  # type: ignore[arg-type]
 
 
 # --- seq_len -----------------------------------------------------------------------------------------
@@ -224,6 +274,8 @@ def test_the_router_decides_the_reply_margin_before_an_absolute_deadline() -> No
     assert request_deadline(RouteRequest("r", budget_ms=5, deadline=10.020), 10.0, 50.0, 1.0) == pytest.approx(10.005)
     assert request_deadline(RouteRequest("r", budget_ms=5), 10.0, 50.0, 1.0) == pytest.approx(10.005)
     assert request_deadline(RouteRequest("r", deadline=11.0), 10.0, 50.0, 1.0) == pytest.approx(10.050)
+    # A budget past the cap is capped.
+    assert request_deadline(RouteRequest("r", token_ids=(1,), budget_ms=10_000), 100.0, 50.0) == pytest.approx(100.05)
 
 
 async def test_a_caller_deadline_is_answered_a_margin_early(autojump_clock: trio.testing.MockClock) -> None:
