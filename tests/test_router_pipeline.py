@@ -546,6 +546,30 @@ async def test_answers_made_outside_the_chain_draw_from_the_deployments_roles(
         ]
 
 
+async def test_answers_made_outside_the_chain_keep_only_the_named_roles_the_deployment_routes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request naming a role the deployment does not route is refused, late (no budget) or with no
+    prompt, and its answer, made outside the chain, draws from the deployment's roles: the role it
+    names is no worker's to give here."""
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2
+    specs += [WorkerSpec(role="RoleType.PDFUSION", block_size=BLOCK)] * 2
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PDFUSION,)) as (handle, _, _):
+        workers = [cluster.worker_addr(i) for i in range(4)]
+        handle.prober().probe(workers, trio.current_time() + 0.05)
+        await trio.sleep(0.02)  # every worker's role is known
+        answers = []
+        for i in range(10):
+            late = RouteRequest(f"z{i}", token_ids=PROMPT, budget_ms=0, roles=(Role.PREFILL,))
+            answers.append(await handle.route(late))
+            answers.append(await handle.route(RouteRequest(f"b{i}", token_ids=(), roles=(Role.PREFILL,))))
+        assert {d.reason for d in answers} == {Reason.BAD_REQUEST}  # the role is not routed here
+        assert all(d.worker in set(workers[2:]) and d.role is Role.PDFUSION for d in answers), [
+            (d.reason, d.role, d.worker) for d in answers
+        ]
+
+
 async def test_a_domain_answer_labels_a_worker_with_its_last_reported_role_however_old(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
