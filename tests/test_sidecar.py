@@ -114,12 +114,13 @@ async def rig(
     router: RouterConfig | None = None,
     limits: LimitsConfig | None = None,
     workers: str | None = None,
+    key_family: KeyFamily = KeyFamily.RTP,
 ) -> AsyncIterator[Rig]:
     """``workers``: what discovery is given (default: the cluster's workers)."""
     cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
     addrs = await nursery.start(cluster.serve_grpc)
     config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
+        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test", key_family=key_family),
         discovery=DiscoveryConfig(
             kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg if workers is None else workers
         ),
@@ -763,6 +764,27 @@ async def test_a_request_the_router_would_refuse_is_refused_when_it_would_be_she
             assert _status(outcome) is grpc.StatusCode.INVALID_ARGUMENT
             assert _details(outcome).startswith(f"{named}:"), _details(outcome)
             assert r.sidecar.stats().shed_at_receipt == 0
+
+
+async def test_a_token_id_the_family_does_not_hash_is_refused_when_the_call_would_be_shed(
+    nursery: trio.Nursery,
+) -> None:
+    """A message's ids are 64-bit integers, and were shed as such: an sglang deployment's id past a
+    uint32 got a worker (domain/overloaded) where at normal load it is refused, naming token_ids."""
+    router = RouterConfig(budget_cap_ms=1000.0, reply_margin_ms=30_000.0)  # every call naming no roles is shed
+    with trio.fail_after(15):
+        async with rig(nursery, router=router, key_family=KeyFamily.SGLANG) as r:
+            for at, token_id in ((0, 2**32), (len(PROMPT) - 1, -1)):
+                tokens = list(PROMPT)
+                tokens[at] = token_id
+                request = router_v1_pb2.RouteRequest(request_id="odd", token_ids=tokens)
+                outcome = await _in_thread(functools.partial(r.route, request, timeout=10.0))
+                assert _status(outcome) is grpc.StatusCode.INVALID_ARGUMENT, outcome
+                assert _details(outcome).startswith("token_ids:"), _details(outcome)
+            assert r.sidecar.stats().shed_at_receipt == 0
+            shed = await _in_thread(lambda: r.route(router_v1_pb2.RouteRequest(request_id="ok", token_ids=PROMPT)))
+            assert isinstance(shed, router_v1_pb2.RouteDecision) and shed.reason == "overloaded", shed
+            assert r.sidecar.stats().shed_at_receipt == 1
 
 
 async def test_a_call_naming_a_role_not_routed_here_is_refused_when_the_router_would_shed_it(
