@@ -88,7 +88,7 @@ def _check_host(host: str, entry: str) -> str:
     if _NUMERIC_DOTTED.match(host) or _INET_ATON_FORM.fullmatch(host):
         # "1.2.3", "010.0.0.1" or "0x7f.1" would reach a resolver as some other IPv4 address.
         raise TargetError(f"bad IPv4 address {_shown(host)} in target {_shown(entry)}")
-    if not _HOSTNAME.match(host):
+    if not _HOSTNAME.fullmatch(host):  # match's $ would let a final newline through
         raise TargetError(f"bad host {_shown(host)} in target {_shown(entry)}")
     return host.rstrip(".").lower()
 

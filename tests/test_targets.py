@@ -158,6 +158,12 @@ def test_a_host_name_is_at_most_253_characters_without_its_trailing_dot_and_a_la
         assert not is_host(longer)
 
 
+@pytest.mark.parametrize("host", ["host\n", "10.0.0.1\n", "host.\n"])
+def test_a_host_with_a_final_newline_is_no_host(host: str) -> None:
+    """A pattern's $ also matches before a final newline: the master's reported host was taken with it."""
+    assert not is_host(host)
+
+
 def test_format_target_brackets_ipv6_only() -> None:
     assert format_target("10.0.0.1", 80) == "10.0.0.1:80"
     assert format_target("::1", 80) == "[::1]:80"
