@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.keys import NONE_HASH, block_keys, rtp_keys, sglang_keys, vllm_block_cbor, vllm_keys
+from router.keys import NONE_HASH, block_keys, geometry_problems, rtp_keys, sglang_keys, vllm_block_cbor, vllm_keys
 from router.types import KeyFamily
 
 INT64_MIN = -(1 << 63)
@@ -362,3 +362,12 @@ def test_rtp_refuses_a_token_id_beyond_64_bits_it_would_truncate() -> None:
     for beyond in (2**63, -(2**63) - 1, 2**70):
         with pytest.raises(ValueError, match=f"token id {beyond} is not a 64-bit integer"):
             block_keys([1, 2, beyond, 4], 4, KeyFamily.RTP)
+
+
+def test_geometry_problems_name_each_field_of_a_geometry_no_family_can_hash() -> None:
+    """A total check of its own: the settings reach it only with ranged values, an embedder with any."""
+    assert geometry_problems(64, KeyFamily.SGLANG, 1) == []
+    assert [p.fields for p in geometry_problems(0, KeyFamily.VLLM, 0)] == [("block_size",)]
+    assert [p.fields for p in geometry_problems(-1, KeyFamily.RTP, -1)] == [("block_size",), ("lookahead_tokens",)]
+    assert [p.fields for p in geometry_problems(64, KeyFamily.SGLANG, 2)] == [("key_family", "lookahead_tokens")]
+    assert [p.fields for p in geometry_problems(64, KeyFamily.RTP, 1)] == [("key_family", "lookahead_tokens")]
