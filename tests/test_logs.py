@@ -99,6 +99,15 @@ def test_json_format_is_one_object_per_line_with_context_and_exception(restore_r
     assert second["actor"] == "prober" and "RuntimeError: boom" in second["exc"]
 
 
+def test_json_format_redacts_an_addresss_credentials_in_the_message(restore_root: None) -> None:
+    stream = io.StringIO()
+    setup_logging("INFO", "json", stream)
+    logging.getLogger("kvroute.test.json").warning("peer %s failed", "ops:s3cr3t@10.0.0.9:80")
+    assert "s3cr3t" not in stream.getvalue()
+    (line,) = stream.getvalue().splitlines()
+    assert json.loads(line)["msg"] == "peer <redacted>@10.0.0.9:80 failed"
+
+
 def test_setup_logging_replaces_its_own_handler_and_rejects_bad_values(restore_root: None) -> None:
     root = logging.getLogger()
     # Another test in the same process may have called setup_logging already: count the others.
@@ -140,6 +149,18 @@ def test_aggregation_logs_first_then_the_total_once_per_interval(
     assert agg.tracked_keys == 0
     agg.note(Reason.NO_POSITIVE_MATCH, 61.0)
     assert handler.messages[3:] == ["no_positive_match"]
+
+
+def test_the_first_occurrence_of_a_window_is_logged_with_its_traceback(
+    captured: tuple[logging.Logger, ListHandler],
+) -> None:
+    logger, handler = captured
+    agg = AggregatingLogger(logger, interval_s=60.0, max_keys=16)
+    error = RuntimeError("probe exploded")
+    agg.note("probe_failed", 0.0, "x", exc_info=error)
+    agg.note("probe_failed", 1.0, "x", exc_info=error)  # counted, not logged
+    (first,) = handler.records
+    assert first.exc_info is not None and first.exc_info[1] is error
 
 
 def test_a_late_occurrence_closes_the_old_window_itself(captured: tuple[logging.Logger, ListHandler]) -> None:
