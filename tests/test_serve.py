@@ -9,12 +9,13 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import logging
 import re
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -24,8 +25,11 @@ import trio
 
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
+from router import serve_cli
+from router.cli import build_parser
 from router.keys import block_keys
 from router.serve_cli import SERVE_FULL_COLLECTION_EVERY, freeze_start_up
+from router.sidecar import SidecarStats
 from router.types import KeyFamily
 from router.wire import router_v1_pb2
 from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
@@ -320,7 +324,8 @@ async def test_with_json_logs_the_stop_summary_is_a_json_record_too() -> None:
     assert summary["answered"] == summary["cut_at_drain_deadline"] == 0
 
 
-async def test_with_json_logs_a_bind_failure_is_a_json_record_naming_the_flag() -> None:
+@pytest.mark.parametrize("log_format", ["json", "JSON"])  # any case, as --log-format takes it
+async def test_with_json_logs_a_bind_failure_is_a_json_record_naming_the_flag(log_format: str) -> None:
     with trio.fail_after(30):
         with trio.socket.socket() as taken:
             await taken.bind(("127.0.0.1", 0))
@@ -332,13 +337,44 @@ async def test_with_json_logs_a_bind_failure_is_a_json_record_naming_the_flag() 
                 f"--debug-listen=127.0.0.1:{port}",
                 "--workers=127.0.0.1:9",
                 "--kvcm-fallback=false",
-                "--log-format=json",
+                f"--log-format={log_format}",
             ]
             code, stdout, stderr = await _run_to_end(command)
     assert code == 1, stderr
     assert stdout == ""
     errors = [r for r in _json_records(stderr) if r["level"] == "ERROR"]
     assert any(f"--debug-listen: cannot bind 127.0.0.1:{port}" in str(r["msg"]) for r in errors), stderr
+
+
+@pytest.fixture
+def restore_root_logging() -> Iterator[None]:
+    """serve_cli.run sets up logging on the root logger: put it back as it was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_the_stop_summary_gives_each_count_its_own_label(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_root_logging: None
+) -> None:
+    stats = SidecarStats(
+        answered=1,
+        invalid=2,
+        unavailable=3,
+        timed_out=4,
+        failed=5,
+        in_flight=0,
+        shed_at_receipt=0,
+        cut_at_drain_deadline=6,
+        client_gone=7,
+    )
+    monkeypatch.setattr(trio, "run", lambda *_: stats)  # served, drained, and stopped with these
+    args = build_parser("serve").parse_args(["serve", "--workers=127.0.0.1:9", "--kvcm-fallback=false"])
+    assert serve_cli.run(args) == 0
+    summary = "answered=1 invalid=2 refused=3 timed_out=4 failed=5 cut_at_drain_deadline=6 client_gone=7"
+    assert f"kvroute serve: stopped; Route calls {summary}\n" in capsys.readouterr().err
 
 
 def test_serving_freezes_the_start_up_heap_and_makes_full_collections_rare() -> None:

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -28,7 +28,8 @@ import trio
 
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
-from router import serve_processes
+from router import serve_cli, serve_processes
+from router.cli import build_parser
 from router.keys import block_keys
 from router.replay import load_log
 from router.serve_processes import (
@@ -39,6 +40,7 @@ from router.serve_processes import (
     RESTART_BACKOFF_MIN_S,
     STABLE_AFTER_S,
     STARTUP_TIMEOUT_S,
+    STOP_MARGIN_S,
     ProcessSupervisor,
     child_debug_listen,
     reserve_port,
@@ -302,6 +304,46 @@ def test_the_parent_binds_once_what_only_a_plain_bind_could_share_has_left() -> 
 def test_each_process_gets_its_own_debug_port() -> None:
     assert child_debug_listen(HostPort("127.0.0.1", 9000), 3) == "127.0.0.1:9003"
     assert child_debug_listen(HostPort("127.0.0.1", 0), 3) == "127.0.0.1:0"
+
+
+@pytest.fixture
+def restore_root_logging() -> Iterator[None]:
+    """serve_cli.run sets up logging on the root logger: put it back as it was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_the_supervisor_waits_for_a_childs_drain_and_for_discoverys_first_refresh(
+    monkeypatch: pytest.MonkeyPatch, restore_root_logging: None
+) -> None:
+    supervisors: list[dict[str, object]] = []
+
+    class Recorded:
+        def __init__(self, **kwargs: object) -> None:
+            supervisors.append(kwargs)
+
+    monkeypatch.setattr(serve_cli, "ProcessSupervisor", Recorded)
+    monkeypatch.setattr(trio, "run", lambda *_: EXIT_OK)  # supervised, and all stopped
+    flags = ["--workers=127.0.0.1:9", "--kvcm-fallback=false", "--grpc-listen=127.0.0.1:0"]
+    flags += ["--debug-listen=127.0.0.1:0", "--drain-timeout-s=7", "--discovery-refresh-timeout-s=3"]
+    args = build_parser("serve").parse_args(["serve", "--processes=2", *flags])
+    assert serve_cli.run(args) == EXIT_OK
+    [supervisor] = supervisors
+    assert supervisor["count"] == 2
+    assert supervisor["stop_wait_s"] == 7 + STOP_MARGIN_S  # a child's whole drain, then its stop
+    assert supervisor["startup_timeout_s"] == startup_timeout(3)
+
+
+def test_each_child_reads_the_parents_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "kvroute.toml"
+    config.write_text("")
+    args = build_parser("serve").parse_args(["serve", "--config", str(config), "--processes", "2"])
+    command = serve_cli._child_command(args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "")
+    assert f"--config={config}" in command
+    assert command[-2:] == ["--supervised-process=1", "--supervised-processes=2"]
 
 
 def test_debug_ports_of_all_processes_are_checked() -> None:
