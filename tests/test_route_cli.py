@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 
-from router.cli import main
+from router import route_cli
+from router.cli import build_parser, main
+from router.route_cli import InputError, flag_of, parse_ints, request_from_args
 from router.wire import router_v1_pb2
 
 CLI = [sys.executable, "-P", "-m", "router.cli"]
@@ -88,6 +90,7 @@ def test_route_json_prints_the_kvcm_decision_for_a_seeded_prefix(cluster: dict[s
     # Every seeded holder was a hot candidate with the whole prefix cached.
     hot = {c["target"]: c["local_blocks"] for c in decision["candidates"] if c["source"] == "hot"}
     assert hot == dict.fromkeys(prefix["workers"], len(prefix["block_keys"]))
+    assert "cache_query" in [w["stage"] for w in decision["windows"]]  # the deadline split's wait for KVCM
 
 
 def test_route_by_keys_file_and_plain_output(cluster: dict[str, Any], tmp_path: Path) -> None:
@@ -180,6 +183,42 @@ def test_a_request_the_router_would_refuse_exits_2_naming_the_flag_before_anythi
         assert select.select([hung_kvcm], [], [], 0)[0] == [], "a router connected to the bootstrap"
     err = capsys.readouterr().err
     assert f"kvroute {command}: {message}" in err, err
+
+
+def test_a_token_file_longer_than_the_bound_is_refused_naming_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(route_cli, "TOKENS_FILE_MAX_CHARS", 16)
+    tokens_file = tmp_path / "prompt.txt"
+    tokens_file.write_text("1," * 8)  # 16 characters: at the bound
+    args = build_parser("route").parse_args(["route", "--tokens-file", str(tokens_file)])
+    assert request_from_args(args).token_ids == (1,) * 8
+    tokens_file.write_text("1," * 20)
+    with pytest.raises(InputError, match=f"^--tokens-file: {tokens_file} is longer than 16 characters$"):
+        request_from_args(args)
+
+
+def test_token_ids_may_be_given_in_brackets() -> None:
+    assert parse_ints("[1, 2, 3]", "--tokens") == (1, 2, 3)
+    assert parse_ints(" [4 5]\n", "--tokens") == (4, 5)
+
+
+def test_the_token_ids_field_is_named_by_the_flag_that_gave_it() -> None:
+    by_file = build_parser("route").parse_args(["route", "--tokens-file", "prompt.txt"])
+    assert flag_of("token_ids", by_file) == "--tokens-file"
+    by_flag = build_parser("route").parse_args(["route", "--tokens", "1,2"])
+    assert flag_of("token_ids", by_flag) == "--tokens"
+
+
+def test_log_level_is_honoured_only_when_given() -> None:
+    """route and explain print the decision: they log only problems unless a level is asked for."""
+    base = ("route", "--kvcm-fallback", "false", "--tokens", "1,2,3", "--warmup-ms", "0")
+    result = _run(*base, "--log-level", "INFO")
+    assert result.returncode == 1, result.stderr  # no worker known
+    assert " INFO kvroute.route: " in result.stderr
+    result = _run(*base)
+    assert result.returncode == 1, result.stderr
+    assert " INFO " not in result.stderr and " WARNING kvroute.route: " in result.stderr
 
 
 def test_no_worker_known_prints_route_source_none_and_exits_1() -> None:
