@@ -410,7 +410,8 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
         try:
             part = next(slices, None)
         except ValueError as exc:
-            raise BadRequest("token_ids", str(exc)) from exc
+            # The hashing names its own parameter (tokens): the field named here stands for it.
+            raise BadRequest("token_ids", str(exc).removeprefix("tokens: ")) from exc
         except (TypeError, struct.error):  # an operator or a packer the item does not support
             raise BadRequest("token_ids", "every token id must be an integer") from None
         except OverflowError:

@@ -236,6 +236,8 @@ def test_a_token_the_family_cannot_encode_is_refused_from_its_slice() -> None:
     with pytest.raises(BadRequest) as info:
         list(slices)
     assert info.value.field_name == "token_ids"
+    # The field is named once, not again by the hashing's own parameter name.
+    assert str(info.value) == "token_ids: token id -1 is not a uint32 (0..4294967295), as the sglang family hashes them"
 
 
 @pytest.mark.parametrize("family", list(KeyFamily))

@@ -185,6 +185,19 @@ def test_a_request_the_router_would_refuse_exits_2_naming_the_flag_before_anythi
     assert f"kvroute {command}: {message}" in err, err
 
 
+def test_a_token_id_the_key_family_cannot_hash_exits_2_naming_the_flag_once() -> None:
+    """Found only by the routing's hashing (any 64-bit id passes the checks before it): the message
+    named the field twice, "--tokens: tokens: token id ..."."""
+    result = _run(
+        "route",
+        *("--kvcm-bootstrap", "127.0.0.1:9", "--kvcm-instance-id", "x", "--workers", "127.0.0.1:9"),
+        *("--key-family", "sglang", "--block-size", "4", "--tokens", "1,2,3,-1", "--warmup-ms", "0"),
+    )
+    assert result.returncode == 2, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("kvroute route: bad request: ")]
+    assert line.startswith("kvroute route: bad request: --tokens: token id -1 is not a uint32"), line
+
+
 def test_a_token_file_longer_than_the_bound_is_refused_naming_the_flag(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
