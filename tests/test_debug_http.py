@@ -11,6 +11,7 @@ import socket
 from collections.abc import AsyncIterator, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import Any
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.metrics_sink import DecisionMade, DecisionRecord, MetricsSink
 from router.config import MetricsConfig
 from router.debug_http import (
+    DEBUG_REST_RATIO,
     DECISIONS_PER_PIECE,
     METRICS_MAX_AGE_S,
     DebugApp,
@@ -476,6 +478,69 @@ async def test_decisions_are_serialised_in_pieces_with_routing_running_between()
     assert [d["decision"]["request_id"] for d in parsed["decisions"][:2]] == ["r0", "r1"]
     # The other task ran between every two pieces: the serialisation never held the thread throughout.
     assert during >= 1024 // DECISIONS_PER_PIECE // 2
+
+
+def _each_dump_takes_a_millisecond(monkeypatch: pytest.MonkeyPatch, clock: trio.testing.MockClock) -> float:
+    """Make serialising one decision (and the body's head) cost 1 ms of the trio clock; returns 1 ms."""
+    real_dumps = json.dumps
+
+    def costly_dumps(value: object, **kwargs: Any) -> str:
+        clock.jump(0.001)
+        return real_dumps(value, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", costly_dumps)  # what debug_http serialises each decision with
+    return 0.001
+
+
+async def test_the_decisions_body_rests_its_ratio_after_each_piece(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = [_record(n) for n in range(2 * DECISIONS_PER_PIECE + 1)]
+    ms = _each_dump_takes_a_millisecond(monkeypatch, autojump_clock)
+    start = trio.current_time()
+    body = await decisions_body(records, 0.0, len(records), 1 << 20)
+    elapsed = trio.current_time() - start
+    assert json.loads(body)["count"] == len(records)
+    # Three pieces (8, 8 and 1 decisions) and the head: after each of the first two, a rest of
+    # DEBUG_REST_RATIO times its work, so the endpoint holds its share of the routing thread.
+    work = (len(records) + 1) * ms
+    assert elapsed == pytest.approx(work + 2 * DECISIONS_PER_PIECE * ms * DEBUG_REST_RATIO)
+
+
+async def test_concurrent_decisions_reads_take_turns(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One body at a time: two readers' pieces interleaved, one's rest would be the other's work, and
+    together they would hold more than the paced share of the routing thread."""
+    sink = MetricsSink(MetricsConfig())
+    app = DebugApp(Sources(), sink, load_config(GOOD, {}))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for n in range(2 * DECISIONS_PER_PIECE + 1):
+            sink.emit(DecisionMade(decision(n)))
+        await trio.testing.wait_all_tasks_blocked()
+        _each_dump_takes_a_millisecond(monkeypatch, autojump_clock)
+        start = trio.current_time()
+        status, body = await _get(app, "/debug/decisions")
+        alone = trio.current_time() - start
+        assert (status, json.loads(body)["count"]) == (200, 2 * DECISIONS_PER_PIECE + 1)
+        start = trio.current_time()
+        async with trio.open_nursery() as readers:
+            for _ in range(2):
+                readers.start_soon(_get, app, "/debug/decisions")
+        together = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    assert together == pytest.approx(2 * alone)
+
+
+async def test_decisions_are_json_and_openmetrics_2_is_served_as_asked() -> None:
+    app = DebugApp(Sources(), MetricsSink(MetricsConfig()), load_config(GOOD, {}))
+    status, _, headers = await _get_with_headers(app, "/debug/decisions")
+    assert (status, headers[b"content-type"]) == (200, b"application/json")
+    status, body, headers = await _get_with_headers(app, "/metrics", "application/openmetrics-text; version=2.0.0")
+    assert status == 200 and body.endswith(b"# EOF\n")
+    openmetrics_2 = b"application/openmetrics-text; version=2.0.0; charset=utf-8; escaping=underscores"
+    assert headers[b"content-type"] == openmetrics_2
 
 
 async def test_decisions_body_stops_at_its_byte_bound_and_says_so() -> None:
