@@ -216,6 +216,12 @@ def test_token_ids_may_be_given_in_brackets() -> None:
     assert parse_ints(" [4 5]\n", "--tokens") == (4, 5)
 
 
+def test_token_ids_are_decimal_as_every_integer_flag_is() -> None:
+    assert parse_ints("010, -7", "--tokens") == (10, -7)
+    with pytest.raises(InputError, match=r"^--tokens: entry 2 \(.0x10.\) is not an integer$"):
+        parse_ints("1 0x10", "--tokens")
+
+
 def test_the_token_ids_field_is_named_by_the_flag_that_gave_it() -> None:
     by_file = build_parser("route").parse_args(["route", "--tokens-file", "prompt.txt"])
     assert flag_of("token_ids", by_file) == "--tokens-file"
