@@ -837,16 +837,23 @@ class Outcome:
     replayed: Mapping[str, Any]
 
     @property
-    def identical(self) -> bool:
+    def compared(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The recorded and the replayed decision's fields as they compare (what ``identical`` and
+        :func:`difference` both read)."""
         # A version 1 log recorded no split: its decisions compare without it.
         replayed = {k: v for k, v in self.replayed.items() if k in self.case.expected}
-        expected = self.case.expected
+        expected = dict(self.case.expected)
         chain = replayed.get("ch")
         # Written before a source the deadline ended kept its step: the step replay adds for it is not
         # in the record.
         if expected.get("ch") == [] and chain and self.case.ran_out_unseen() and _ended_by_the_deadline(chain[-1]):
             replayed = {**replayed, "ch": chain[:-1]}
-        return dict(expected) == replayed
+        return expected, replayed
+
+    @property
+    def identical(self) -> bool:
+        expected, replayed = self.compared
+        return expected == replayed
 
 
 def _ended_by_the_deadline(step: Sequence[Any]) -> bool:
@@ -1003,7 +1010,7 @@ def chosen_work(fields: Mapping[str, Any]) -> int:
 
 def difference(outcome: Outcome) -> str:
     """What differs, in a few words: ``worker a -> b; reason x -> y``."""
-    before, after = outcome.case.expected, outcome.replayed
+    before, after = outcome.compared  # a field the record does not hold (a version 1 split) is not named
     names = {
         "w": "worker",
         "r": "reason",

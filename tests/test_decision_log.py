@@ -64,7 +64,16 @@ from router.decision_record import (
 )
 from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet
-from router.replay import LogReader, Outcome, RecordedLog, ReplayEngine, WhatIf, load_log, replay_config
+from router.replay import (
+    LogReader,
+    Outcome,
+    RecordedLog,
+    ReplayEngine,
+    WhatIf,
+    difference,
+    load_log,
+    replay_config,
+)
 from router.request import PreparedRequest
 from router.supervisor import RouterHandle, decision_log_header
 from router.transport.master_memory import MemoryMasterNetwork
@@ -828,6 +837,39 @@ def test_a_what_if_counts_the_hit_change_with_its_sign_and_the_workers_it_moved(
     what_if.add(Outcome(case, dict(case.expected)))
     what_if.add(Outcome(case, {**case.expected, "hit": int(case.expected["hit"]) + 32, "w": "10.0.0.9:8000"}))
     assert (what_if.total, what_if.changed, what_if.hit_delta, what_if.workers_changed) == (2, 1, 32, 1)
+
+
+def _as_version_1(log: Path, old: Path) -> Path:
+    """``log`` rewritten as a version 1 log (its decisions without the split mode and stage windows) at ``old``."""
+    body = bytearray(MAGIC)
+    for f in parse_frames(str(log), log.read_bytes()):
+        payload = dict(f.payload)
+        if f.kind == KIND_HEADER:
+            payload["v"] = 1
+        if f.kind == KIND_DECISION:
+            payload["d"] = {k: v for k, v in payload["d"].items() if k not in ("sm", "sw")}
+        body += frame(f.kind, payload)
+    old.write_bytes(bytes(body))
+    return old
+
+
+def test_a_changed_decision_of_a_version_1_log_names_only_the_fields_it_recorded(tmp_path: Path) -> None:
+    """A what-if that changes a version 1 decision names what differs of what it recorded: what the same
+    decision recorded with its split names, less the split mode and stage windows."""
+    log = tmp_path / "d.log"
+    on_mock_clock(record_cache_run, log)
+    old = _as_version_1(log, tmp_path / "v1.log")
+
+    def differences(path: Path) -> dict[str, str]:
+        recorded = load_log([str(path)])
+        engine = ReplayEngine(replay_config(recorded, {"budget_cap_ms": "20"}).config)
+        return {o.case.request_id: difference(o) for o in engine.replay_all(recorded.cases) if not o.identical}
+
+    now, then = differences(log), differences(old)
+    split_parts = {"split differ", "stage windows differ"}
+    assert any(split_parts & set(named.split("; ")) for named in now.values())
+    without_split = {rid: "; ".join(p for p in named.split("; ") if p not in split_parts) for rid, named in now.items()}
+    assert then and then == {rid: named for rid, named in without_split.items() if named}
 
 
 def test_a_recorded_digest_this_kvroute_does_not_compute_is_said(
