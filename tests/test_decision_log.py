@@ -853,6 +853,14 @@ def _as_version_1(log: Path, old: Path) -> Path:
     return old
 
 
+def test_a_version_1_log_replays_identically(tmp_path: Path) -> None:
+    """Its decisions compare without the split they never recorded."""
+    log = tmp_path / "d.log"
+    decisions = on_mock_clock(record_cache_run, log)
+    old = _as_version_1(log, tmp_path / "v1.log")
+    assert replay_all(old) == (len(decisions), len(decisions))
+
+
 def test_a_changed_decision_of_a_version_1_log_names_only_the_fields_it_recorded(tmp_path: Path) -> None:
     """A what-if that changes a version 1 decision names what differs of what it recorded: what the same
     decision recorded with its split names, less the split mode and stage windows."""
@@ -870,6 +878,37 @@ def test_a_changed_decision_of_a_version_1_log_names_only_the_fields_it_recorded
     assert any(split_parts & set(named.split("; ")) for named in now.values())
     without_split = {rid: "; ".join(p for p in named.split("; ") if p not in split_parts) for rid, named in now.items()}
     assert then and then == {rid: named for rid, named in without_split.items() if named}
+
+
+def test_a_what_if_counts_each_change_by_its_transition_worker_hit_and_chosen_work(tmp_path: Path) -> None:
+    """One changed decision keeps its worker (only its chain moved); the other moves from the KVCM cache
+    leader to the domain on another worker, losing its hit, its chosen worker's work 100 -> 300 (the
+    work read from the chosen row, not the first)."""
+    (case,) = load_log([str(_logged_case(tmp_path, _overloaded(0)))]).cases
+
+    def row(target: str, hit: int, work: int, chosen: bool) -> list[object]:
+        return [target, "hot", 2, hit, work, "PREFILL", None, int(chosen)]
+
+    before = {
+        **case.expected,
+        "rs": "kvcm",
+        "r": "cache_leader",
+        "w": "10.0.0.1:8000",
+        "hit": 64,
+        "c": [row("10.0.0.2:8000", 16, 900, False), row("10.0.0.1:8000", 64, 100, True)],
+    }
+    case = replace(case, expected=before)
+    what_if = WhatIf()
+    what_if.add(Outcome(case, {**before, "ch": [["kvcm", "fell_through", "deadline"]]}))
+    moved = [row("10.0.0.2:8000", 0, 300, True), row("10.0.0.1:8000", 64, 100, False)]
+    after = {**before, "rs": "domain", "r": "no_positive_match", "w": "10.0.0.2:8000", "hit": 0, "c": moved}
+    what_if.add(Outcome(case, after))
+    assert (what_if.total, what_if.changed, what_if.workers_changed) == (2, 2, 1)
+    assert (what_if.hit_delta, what_if.work_delta) == (-64, 300 - 100)
+    assert what_if.transitions == {
+        ("kvcm/cache_leader", "kvcm/cache_leader"): 1,
+        ("kvcm/cache_leader", "domain/no_positive_match"): 1,
+    }
 
 
 def test_a_recorded_digest_this_kvroute_does_not_compute_is_said(
@@ -1324,6 +1363,20 @@ def test_a_problem_the_recording_had_stays_as_served_and_only_an_overrides_is_na
     assert replay_config(recorded, {"scorer_max_extra_work_tokens": "100000"}).problems == ()
     (brought,) = replay_config(RecordedLog(settings, "", 0, ()), {"deadline_split": "fixd"}).problems
     assert "--deadline-split" in str(brought) and "(from flag --router-setting)" in str(brought)
+
+
+def test_a_recorded_setting_this_kvroute_finds_fatal_stops_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Served under this kvroute the recording's settings would not start: there is no configuration to
+    replay its decisions under, so replay refuses rather than replay them under another."""
+    settings = {"workers": "10.0.0.1:8000", "kvcm_instance_id": "i", "kvcm_bootstrap": "10.0.0.2:6381"}
+    (problem,) = replay_config(RecordedLog({**settings, "budget_cap_ms": "-5"}, "", 0, ()), {}).problems
+    assert "--budget-cap-ms" in str(problem)
+    header = decision_log_header(KvrouteConfig())
+    log = _logged_case(tmp_path, _overloaded(0), {**header, "settings": {**settings, "budget_cap_ms": "-5"}})
+    assert main(["replay", str(log)]) == 2
+    assert "--budget-cap-ms" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("hung", ["at the stop", "in a batch"])
