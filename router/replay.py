@@ -194,6 +194,15 @@ class Case:
                 return float(end_ms) / 1000.0
         return None
 
+    def scored_past_its_window(self, decided: float) -> bool:
+        """Whether a recorded scoring at ``decided`` (relative to receipt) came after the recorded probe
+        window's end: its task resumed late (a stalled loop). True when the record holds no probe window
+        (a version 1 log, or no wait): its scoring moment stands as recorded."""
+        for stage, end_ms, _ in self.expected.get("sw", ()):
+            if stage == Stage.PROBE.value:
+                return decided * 1000.0 > float(end_ms) + 0.001  # past the end's rounding to the µs
+        return True
+
     def ran_out_unseen(self) -> bool:
         """The recorded request ran out of time inside a source, with no wait cut: its task did not run
         again before the deadline (a stalled loop) somewhere the log does not time. Its last step is
@@ -596,9 +605,10 @@ class _ReplayScoring:
         )
         ctx.split.waited(Stage.PROBE, late)
         # A recorded run whose task resumed after decide_at (a stalled loop) scored with the results in
-        # hand when it did: those are the ones that had arrived by its recorded scoring moment.
+        # hand when it did: those are the ones that had arrived by its recorded scoring moment. One that
+        # scored by its decide_at had in hand what had come by then; a what-if's decide_at says that alone.
         in_hand_by = ctx.decide_at
-        if recorded is not None and recorded.decided is not None:
+        if recorded is not None and recorded.decided is not None and case.scored_past_its_window(recorded.decided):
             in_hand_by = max(in_hand_by, r + recorded.decided)
         statuses: dict[WorkerAddr, ObservedStatus] = {}
         missing: dict[WorkerAddr, DropReason] = {}

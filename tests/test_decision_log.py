@@ -1317,6 +1317,54 @@ def test_a_run_whose_task_resumed_late_replays_as_recorded(tmp_path: Path, kind:
     assert identical == total
 
 
+def test_a_what_if_that_moves_decide_at_scores_with_the_probes_in_hand_by_the_new_one(tmp_path: Path) -> None:
+    """Recorded under a 40 ms cap (decide_at at 36 ms), the probes landed at 30 ms, late in their window,
+    and the decision scored them then. A 30 ms cap ends the window at 27 ms, before they land: none is
+    in hand, every candidate is dropped (KVCM finds none), none scored with a status that came after
+    decide_at.
+    A 50 ms cap (45 ms) keeps every one as recorded."""
+    log = tmp_path / "decisions.log"
+
+    async def record(log: Path) -> RouteDecision:
+        async with cluster_router(log, budget_cap_ms=40.0) as (handle, cluster):
+            cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
+            for worker in cluster.workers:
+                worker.set_faults(WorkerFaults(delay_s=0.030))
+            await trio.sleep(5.0)  # past the statuses' usable age: the request probes each candidate
+            return await handle.route(RouteRequest("late-probes", token_ids=PROMPT, budget_ms=50))
+
+    decision = on_mock_clock(record, log)
+    probe_end_ms = {w.stage: w.end_ms for w in decision.windows}[Stage.PROBE]
+    assert decision.reason is Reason.CACHE_LEADER and probe_end_ms == pytest.approx(36.0)
+    (case,) = load_log([str(log)]).cases
+    (scoring,) = case.scorings
+    assert scoring.probes and all(p.arrived == pytest.approx(0.030) for p in scoring.probes.values())
+    assert replay_all(log) == (1, 1)
+
+    def replayed(cap_ms: str) -> Outcome:
+        (outcome,) = ReplayEngine(replay_config(load_log([str(log)]), {"budget_cap_ms": cap_ms}).config).replay_all(
+            [case]
+        )
+        return outcome
+
+    shortened = replayed("30")
+    assert shortened.replayed["ch"][0] == [RouteSource.KVCM.value, "fell_through", Reason.NO_CANDIDATES.value]
+    assert (shortened.replayed["rs"], shortened.replayed["r"]) == ("domain", Reason.NO_CANDIDATES.value)
+    lengthened = replayed("50")
+    assert lengthened.replayed["c"] == case.expected["c"] and lengthened.replayed["w"] == case.expected["w"]
+
+
+def test_a_scoring_is_past_its_window_by_more_than_the_window_ends_rounding(tmp_path: Path) -> None:
+    """The window's end is logged to the µs: a scoring at the end it was cut at reads as on time, one
+    a stalled loop let run 2 ms later as past it, and one of a record with no probe window as recorded."""
+    (case,) = load_log([str(_logged_case(tmp_path, _overloaded(0)))]).cases
+    windowed = replace(case, expected={**case.expected, "sw": [["cache_query", 36.0, 0], ["probe", 36.0, 1]]})
+    assert not windowed.scored_past_its_window(0.0360004)  # 36.0004 ms, logged as 36.0
+    assert windowed.scored_past_its_window(0.038)
+    assert not windowed.scored_past_its_window(0.030)
+    assert replace(case, expected={**case.expected, "sw": []}).scored_past_its_window(0.030)
+
+
 # How long a hung disk's write waits for the test before it goes on by itself: a backstop that ends
 # a failing test instead of hanging it, well past the stop's bound; a passing test lets the disk
 # back as soon as the stop has ended.
