@@ -413,6 +413,17 @@ def test_server_side_rejects_keys_without_block_size() -> None:
     assert parse_schedule_json(body(request_id=42)).request_id == "42"
 
 
+@pytest.mark.parametrize(("raw", "request_id"), [(b"42", "42"), (b"12.0", "12"), (b"1e3", "1000"), (b"-0.0", "0")])
+def test_server_side_coerces_a_json_number_request_id_to_the_integers_text(raw: bytes, request_id: str) -> None:
+    assert parse_schedule_json(b'{"request_id": ' + raw + b"}").request_id == request_id
+
+
+@pytest.mark.parametrize("raw", [b"12.5", b"NaN", b"Infinity", b"1e400"])
+def test_server_side_refuses_a_request_id_number_that_is_no_whole_one(raw: bytes) -> None:
+    with pytest.raises(BadScheduleRequest, match="request_id"):
+        parse_schedule_json(b'{"request_id": ' + raw + b"}")
+
+
 @given(st.text(min_size=1, max_size=40))
 def test_grpc_request_id_is_a_stable_non_negative_int64(request_id: str) -> None:
     value = grpc_request_id(request_id)

@@ -397,6 +397,12 @@ def parse_schedule_json(body: bytes) -> MasterScheduleRequest:
     if not isinstance(obj, dict):
         raise BadScheduleRequest("body: not a JSON object")
     raw_id = obj.get("request_id")
+    if isinstance(raw_id, float):
+        # A JSON number is coerced to the id's text whatever its notation (12.0, 1e3); one that names
+        # no whole id has no text to coerce to.
+        if not raw_id.is_integer():  # nor is NaN or an infinity
+            raise BadScheduleRequest(f"request_id: a number must be a whole one, got {raw_id!r}")
+        raw_id = int(raw_id)
     if isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or not str(raw_id).strip():
         raise BadScheduleRequest("request_id: required, non-blank")
     keys = _int_list(obj.get("block_cache_keys"), "block_cache_keys")
