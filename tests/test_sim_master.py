@@ -65,3 +65,16 @@ async def test_http_api_paths_and_methods(nursery: trio.Nursery) -> None:
             info = await client.post(paths.MASTER_HTTP_INFO, content=b"{}")
             assert info.headers["content-type"] == "application/json"
             assert info.json()["real_master_host"] == addresses.elected
+
+
+async def test_http_refuses_keys_with_a_block_size_of_no_tokens(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        sim = SimMaster(WORKERS, replicas=1)
+        addresses = await nursery.start(sim.run)
+        async with httpx.AsyncClient(base_url=f"http://{addresses.hosts[0]}", trust_env=False) as client:
+            for block_size in (-4, 0):
+                body = {"request_id": "a", "block_cache_keys": [1], "block_size": block_size}
+                reply = await client.post(paths.MASTER_HTTP_SCHEDULE, json=body)
+                assert (reply.status_code, reply.json()["code"]) == (400, 8406)
+                assert "block_size" in reply.json()["error_message"]
+            assert sim.schedules == 0

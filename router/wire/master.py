@@ -409,8 +409,10 @@ def parse_schedule_json(body: bytes) -> MasterScheduleRequest:
     block_size = obj.get("block_size")
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
         raise BadScheduleRequest(f"block_size: expected an integer, got {block_size!r}")
-    if keys and not block_size:
-        raise BadScheduleRequest("block_size: required when block_cache_keys is non-empty")
+    # Keys cost block_size tokens each: with keys, a size of no tokens is as unusable as none (the
+    # gRPC side refuses cache_key_block_size <= 0 alike).
+    if keys and (block_size is None or block_size <= 0):
+        raise BadScheduleRequest(f"block_size: a positive one is required with block_cache_keys, got {block_size!r}")
     ids = obj.get("input_ids")
     return MasterScheduleRequest(
         request_id=str(raw_id),
