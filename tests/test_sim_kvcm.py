@@ -264,6 +264,25 @@ def test_every_answer_is_the_stores_of_the_moment(
             assert index.match(keys, p2p) == _brute_force(stores, keys, p2p)
 
 
+
+def test_ties_by_plain_host_string() -> None:
+    hosts = ["10.0.0.2:8000", "10.0.0.1:8001", "10.0.0.10:8000", "10.0.0.9:8000"]
+    index = _index(*hosts)
+    for host in hosts:
+        index.record_prefill(host, KEYS[:1])
+    # Text order, not by address nor by the string read backwards.
+    assert [m.host_ip_port for m in index.match(KEYS)] == sorted(hosts)
+
+
+def test_p2p_one_peer_among_several_holders_of_the_first_miss() -> None:
+    index = _index(A, B, C)
+    index.record_prefill(A, [KEYS[0]])
+    index.record_prefill(B, [KEYS[1], KEYS[2]])
+    index.record_prefill(C, [KEYS[1], KEYS[3]])
+    # B and C both hold A's first miss; B alone reaches block 2, and no one peer reaches block 3.
+    assert index.match(KEYS[:4], 1)[0] == HostMatch(A, 1, 2, 3)
+
+
 # ---- cluster: leader, followers, faults ----
 
 
@@ -294,6 +313,20 @@ def test_any_replica_answers_cluster_info_with_the_leader() -> None:
         assert info.self_node_id == node
         assert info.leader is not None
         assert (info.leader.node_id, info.leader.target) == ("n0", "127.0.1.1:6381")
+
+
+def test_a_followers_cluster_info_names_the_leader_and_echoes_the_trace_id() -> None:
+    cluster = _cluster()
+    request = decode.encode_cluster_info_request("inst", "trace-1")
+    info = kvcm_pb.GetClusterInfoResponse.FromString(cluster.answer("n1", paths.KVCM_GET_CLUSTER_INFO, request))
+    assert (info.header.status.code, info.header.request_id) == (kvcm_pb.OK, "trace-1")
+    assert (info.self_node_id, info.leader_node_id, info.leader_endpoint.node_id) == ("n1", "n0", "n0")
+    assert (info.leader_endpoint.host, info.leader_endpoint.meta_rpc_port) == ("127.0.1.1", 6381)
+    cluster.set_leader(None)
+    request = decode.encode_cluster_info_request("inst", "trace-2")
+    info = kvcm_pb.GetClusterInfoResponse.FromString(cluster.answer("n1", paths.KVCM_GET_CLUSTER_INFO, request))
+    assert (info.header.status.code, info.header.request_id) == (kvcm_pb.OK, "trace-2")
+    assert info.leader_node_id == "" and not info.HasField("leader_endpoint")
 
 
 def test_no_leader_elected_cluster_wide_and_per_replica() -> None:
