@@ -129,6 +129,46 @@ def test_finished_tasks_newer_than_the_callers_version() -> None:
     assert raw.latest_finished_version > first.latest_finished_version
 
 
+def _raw_status(worker: SimWorker, now: float, latest_finished_version: int = -1) -> engine_pb.WorkerStatusPB:
+    """The reply to a status call, as the engine's message (its presence bits unread by the decoder)."""
+    request = engine_pb.StatusVersionPB(latest_cache_version=-1, latest_finished_version=latest_finished_version)
+    return engine_pb.WorkerStatusPB.FromString(worker.answer(paths.WORKER_GET_STATUS, request.SerializeToString(), now))
+
+
+def test_a_decoding_task_is_running_with_nothing_left_to_prefill() -> None:
+    worker = _worker(decode_tokens_per_s=40.0)
+    worker.submit("a", 1500, 500, 0.0, output_tokens=40)  # prefill ends at 1.0, decoding at 2.0
+    raw = _raw_status(worker, 1.5)
+    assert [t.request_id for t in raw.running_task_info] == ["a"]
+    task = raw.running_task_info[0]
+    assert not task.is_waiting and task.prefix_length_valid and task.prefix_length == 500
+    assert task.HasField("remaining_prefill_tokens") and task.remaining_prefill_tokens == 0
+    assert (raw.waiting_query_len, raw.running_query_len) == (0, 1)
+
+
+def test_queued_tasks_say_their_prefix_is_valid() -> None:
+    worker = _worker()
+    worker.submit("a", 1000, 0, 0.0)
+    worker.submit("b", 1000, 200, 0.0)
+    raw = _raw_status(worker, 0.1)
+    assert [(t.request_id, t.is_waiting, t.prefix_length_valid) for t in raw.running_task_info] == [
+        ("a", False, True),
+        ("b", True, True),
+    ]
+
+
+def test_latest_finished_version_is_the_newest_finished_tasks_and_the_request_filters() -> None:
+    worker = _worker()
+    worker.submit("a", 100, 0, 0.0)  # finishes at 0.1
+    first = _raw_status(worker, 0.2)
+    assert [t.request_id for t in first.finished_task_list] == ["a"]
+    worker.submit("b", 1000, 0, 0.3)  # a change, but no task finishing
+    later = _raw_status(worker, 0.31, first.latest_finished_version)
+    assert later.latest_finished_version == first.latest_finished_version < later.status_version
+    assert list(later.finished_task_list) == []  # a was already seen
+    assert [t.request_id for t in _raw_status(worker, 0.31).finished_task_list] == ["a"]
+
+
 def test_finished_tasks_kept_are_bounded() -> None:
     worker = _worker(finished_kept=3)
     for i in range(10):
