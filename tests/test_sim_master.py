@@ -67,6 +67,32 @@ async def test_http_api_paths_and_methods(nursery: trio.Nursery) -> None:
             assert info.json()["real_master_host"] == addresses.elected
 
 
+async def test_http_status_follows_the_error_code(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        sim = SimMaster(WORKERS, replicas=1)
+        addresses = await nursery.start(sim.run)
+        async with httpx.AsyncClient(base_url=f"http://{addresses.hosts[0]}", trust_env=False) as client:
+            for code, status in ((8406, 400), (8502, 503), (8503, 500), (8400, 500)):
+                sim.set_faults(0, MasterFaults(business_error=code))
+                reply = await client.post(paths.MASTER_HTTP_SCHEDULE, json={"request_id": "r", "seq_len": 4})
+                assert (reply.status_code, reply.json()["code"]) == (status, code)
+
+
+async def test_a_numeric_request_id_is_coerced_and_echoed_under_bare_role_names(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        sim = SimMaster(WORKERS, replicas=1)
+        addresses = await nursery.start(sim.run)
+        async with httpx.AsyncClient(base_url=f"http://{addresses.hosts[0]}", trust_env=False) as client:
+            for raw, request_id in ((b"42", "42"), (b"12.0", "12"), (b"1e3", "1000")):
+                reply = await client.post(paths.MASTER_HTTP_SCHEDULE, content=b'{"request_id": ' + raw + b"}")
+                assert reply.status_code == 200
+                entries = [(e["role"], e["request_id"]) for e in reply.json()["server_status"]]
+                assert entries == [("DECODE", request_id), ("PREFILL", request_id)]
+            fractional = await client.post(paths.MASTER_HTTP_SCHEDULE, content=b'{"request_id": 12.5}')
+            assert (fractional.status_code, fractional.json()["code"]) == (400, 8406)
+            assert "request_id" in fractional.json()["error_message"]
+
+
 async def test_http_refuses_keys_with_a_block_size_of_no_tokens(nursery: trio.Nursery) -> None:
     with trio.fail_after(10):
         sim = SimMaster(WORKERS, replicas=1)
