@@ -20,7 +20,10 @@ import pytest
 import trio
 import trio.testing
 
+from actors.breaker import KvcmBreaker
 from actors.discovery import Discovery
+from actors.sources.base import Skipped
+from actors.sources.shadow import ShadowSource
 from kvroute_sim.demo import cli as demo_cli
 from kvroute_sim.demo import key_family, scenarios, split_budget
 from kvroute_sim.demo.scenarios import (
@@ -38,7 +41,10 @@ from kvroute_sim.demo.scenarios import (
 )
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.master import MasterFaults
+from router.transport.errors import TransportError
+from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
+from router.wire.master import MasterReply, MasterScheduleRequest
 
 # Over real gRPC: phases at 40 % (warm-up 0.4 s, fault 0.6 s), and a few scenarios that cover the
 # peers gRPC must survive: a dead leader, a hanging KVCM, slow worker probes; and a scheduler that
@@ -47,7 +53,13 @@ REAL_CLOCK_SCALE = 0.4
 REAL_CLOCK_SCENARIOS = ("leader-killed", "kvcm-blackhole", "workers-slow", "master-hang")
 
 
+_KVCM_OUTAGE_CHECKS = {"breaker", "kvcm spared", "no deadline", "shadow"}
 _EXTRA_CHECKS = {
+    "kvcm-blackhole": _KVCM_OUTAGE_CHECKS,
+    "kvcm-slow": _KVCM_OUTAGE_CHECKS,
+    "kvcm-garbled": _KVCM_OUTAGE_CHECKS,
+    "master-down": {"breaker", "no wait"},
+    "master-flapping": {"breaker", "no wait"},
     "master-hang": {"hang cost"},
     "master-fallback": {"kvcm not asked"},
     "master-business-error": {"error code", "kvcm not asked"},
@@ -89,6 +101,88 @@ async def test_discovery_empty_fails_when_its_fault_never_reaches_discovery(
     result = await run_scenario(scenario, scale=1.0, deadline_slack_ms=0.0, network=MemoryNetwork())
     kept = next(check for check in result.checks if check.name == "kept")
     assert not kept.ok and not result.passed, kept.line()
+
+
+async def _checks_of(name: str) -> dict[str, Check]:
+    """``name`` run as the invariants test runs it (MockClock, in memory, full length): its checks."""
+    scenario = next(s for s in SCENARIOS if s.name == name)
+    result = await run_scenario(scenario, scale=1.0, deadline_slack_ms=0.0, network=MemoryNetwork())
+    return {check.name: check for check in result.checks}
+
+
+async def test_a_kvcm_outage_fails_when_the_kvcm_breaker_never_opens(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a breaker that never opened, every KVCM outage scenario still moved decisions off KVCM and
+    passed (an audit): ``breaker`` now asks that it opened, ``kvcm spared`` that KVCM was not asked
+    for every request."""
+    monkeypatch.setattr(KvcmBreaker, "_open", lambda self, now: None)
+    checks = await _checks_of("kvcm-garbled")
+    assert not checks["breaker"].ok, checks["breaker"].line()
+    assert not checks["kvcm spared"].ok, checks["kvcm spared"].line()
+
+
+async def test_a_kvcm_outage_fails_when_the_shadow_index_never_answers(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the shadow index never asked, domain alone passed the switch check (an audit)."""
+
+    async def skipped(self: ShadowSource, ctx: object) -> Skipped:
+        return Skipped()
+
+    monkeypatch.setattr(ShadowSource, "attempt", skipped)
+    checks = await _checks_of("kvcm-garbled")
+    assert checks["switch"].ok, checks["switch"].line()  # the weaker check this one adds to
+    assert not checks["shadow"].ok, checks["shadow"].line()
+
+
+def test_a_kvcm_outage_fails_when_its_decisions_wait_for_the_deadline_backstop() -> None:
+    """A query outwaiting its timeout ran every fault request out to its deadline, answered there
+    from domain: the switch check passed (an audit)."""
+    scenario = next(s for s in SCENARIOS if s.name == "kvcm-blackhole")
+    assert scenario.extra_checks is not None
+    outcomes, timeline = _run_of(lambda i: "shadow", "kvcm")
+    ctx = ScenarioContext(SimCluster(workers=1))
+    ctx.counts.update(breaker_opened_at_clear=1, kvcm_queries_at_clear=3)
+
+    def checks() -> dict[str, bool]:
+        assert scenario.extra_checks is not None
+        return {c.name: c.ok for c in scenario.extra_checks(ctx, outcomes, timeline.injected, timeline.cleared)}
+
+    assert all(checks().values()), checks()
+    during = [o for o in outcomes if timeline.injected <= o.ended < timeline.cleared]
+    second_half = during[len(during) // 2 - 1 :]
+    for o in second_half:
+        o.reason = "deadline"
+    assert checks()["no deadline"] is False
+    for o in second_half:
+        o.reason, o.source = "", "domain"
+    assert checks()["shadow"] is False
+    ctx.counts["kvcm_queries_at_clear"] = len(during)
+    assert checks()["kvcm spared"] is False
+
+
+async def test_a_flapping_master_fails_when_its_breaker_never_opens_and_refusals_wait_the_window(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A master source that never opened its breaker and waited out its window on every refusal still
+    alternated master and the KVCM path, and passed (an audit): ``breaker`` asks that it opened, and
+    ``no wait`` that the fault's second half did not wait on the master."""
+    refuse = MemoryMasterNetwork.schedule
+
+    async def refusal_waits(self: MemoryMasterNetwork, host: str, request: MasterScheduleRequest) -> MasterReply:
+        try:
+            return await refuse(self, host, request)
+        except TransportError:
+            await trio.sleep(10.0)  # cut at the end of the master's window
+            raise
+
+    monkeypatch.setattr(KvcmBreaker, "_open", lambda self, now: None)
+    monkeypatch.setattr(MemoryMasterNetwork, "schedule", refusal_waits)
+    checks = await _checks_of("master-flapping")
+    assert checks["switch"].ok, checks["switch"].line()  # the weaker check these add to
+    assert not checks["breaker"].ok, checks["breaker"].line()
+    assert not checks["no wait"].ok, checks["no wait"].line()
 
 
 @pytest.fixture
@@ -259,6 +353,7 @@ def _outcome(i: int, at: float, source: str, elapsed_ms: float = 5.0, lost: str 
 def _run(outcomes: list[Outcome], recovered_at: float | None) -> dict[str, bool]:
     scenario = next(s for s in SCENARIOS if s.name == "kvcm-garbled")  # must switch; breaker recovery limit
     ctx = ScenarioContext(SimCluster(2))
+    ctx.counts["breaker_opened_at_clear"] = 1  # the breaker opened during the fault, as it must
     checks = evaluate(scenario, ctx, outcomes, Timeline(0.0, 1.0, 2.0, recovered_at))
     return {c.name: c.ok for c in checks}
 
@@ -277,6 +372,10 @@ def test_checks_pass_on_the_expected_pattern() -> None:
         "before": True,
         "switch": True,
         "recovery": True,
+        "breaker": True,
+        "kvcm spared": True,
+        "no deadline": True,
+        "shadow": True,
     }
 
 
@@ -323,6 +422,7 @@ def _master_run(name: str, outcomes: list[Outcome], kvcm_queries: tuple[int, int
     scenario = next(s for s in SCENARIOS if s.name == name)
     ctx = ScenarioContext(SimCluster(2))
     ctx.counts["kvcm_queries_at_injection"], ctx.counts["kvcm_queries_at_clear"] = kvcm_queries
+    ctx.counts["breaker_opened_at_clear"] = 1  # the master's breaker opened during the fault, as it must
     checks = evaluate(scenario, ctx, outcomes, Timeline(0.0, 1.0, 2.0, 2.02))
     return {c.name: c.ok for c in checks}
 

@@ -46,6 +46,7 @@ from typing import TextIO
 
 import trio
 
+from actors.sources.master import MasterClientHealth
 from kvroute_sim.demo.runner import (
     KvrouteSetup,
     check_router_settings,
@@ -62,9 +63,10 @@ from kvroute_sim.sim.master import MasterFaults, SimMaster
 from kvroute_sim.sim.worker import NO_WORKER_FAULTS, WorkerFaults, WorkerSpec
 from kvroute_sim.stats import shown_against
 from router.api import RouterHandle
+from router.config import MasterConfig
 from router.keys import block_keys
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import RouteSource
+from router.types import Reason, RouteSource
 from router.wire import paths
 
 RATE_PER_S = 50.0
@@ -75,6 +77,10 @@ FAULT_S = 1.5
 RECOVERED_STREAK = 10  # consecutive KVCM decisions after the clear that count as recovered
 SHARE = 0.9  # "routed from KVCM" means at least this share of a window's decisions
 SWITCHED_SHARE = 0.5  # "moved off" a source means at least this share of the fault's second half
+KVCM_ASKED_SHARE = 0.5  # a KVCM outage behind an opened breaker: at most this many queries per fault decision
+DEADLINE_ANSWERED_SHARE = 0.25  # ... and at most this share of its second half answered at the deadline
+MASTER_WAITED_SHARE = 0.1  # a refusing master behind an opened breaker: at most this share of the fault's
+# second half waits on it (a stall on a busy machine, not the master)
 LOST_AFTER_S = 1.0  # a route() call still unanswered this long after its deadline is lost
 SCENARIO_WORKERS = 8
 HOLDERS_PER_GROUP = 2
@@ -379,6 +385,65 @@ def _kvcm_queries(cluster: SimCluster) -> int:
     return sum(cluster.kvcm.stats(node).get(paths.KVCM_GET_HOST_CACHE_STATE).calls for node in cluster.kvcm.node_ids)
 
 
+def _breaker_opened(ctx: ScenarioContext) -> int:
+    """How often the breaker in front of the scenario's healthy source has opened so far: the master
+    client's in a master scenario, else the KVCM resolver's (0 with the KVCM fallback off)."""
+    setup = ctx.opened()
+    if setup.master is not None:
+        health = setup.handle.actors_health()["master_client"].get("health")
+        assert isinstance(health, MasterClientHealth)
+        return health.breaker.opened_total
+    resolver = setup.handle.leader_resolver()
+    return 0 if resolver is None else resolver.snapshot().breaker.opened_total
+
+
+def _breaker_opened_check(ctx: ScenarioContext, what: str) -> Check:
+    opened = ctx.counts["breaker_opened_at_clear"] - ctx.counts["breaker_opened_at_injection"]
+    return Check("breaker", opened >= 1, f"the {what} breaker opened {opened}x while the fault lasted (>= 1 expected)")
+
+
+def _kvcm_outage_checks(
+    ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float, *, shadow_late: bool
+) -> list[Check]:
+    """A KVCM that fails every call must open its breaker, so the fault's requests stop asking it and
+    none runs out its budget: with a breaker that never opened, or a query that outwaited its timeout
+    (the deadline backstop answering), these scenarios still moved decisions off KVCM and passed. With
+    ``shadow_late`` the prompts were seen before the fault, so the shadow index, not domain, answers
+    its second half."""
+    during = [o for o in outcomes if injected <= o.ended < cleared]
+    late = [o for o in during if o.ended >= injected + (cleared - injected) / 2]
+    asked = ctx.counts["kvcm_queries_at_clear"] - ctx.counts["kvcm_queries_at_injection"]
+    # The second half: before the breaker opens, a request started before a stalled call was judged
+    # may still run out its budget on a busy machine; after, none waits on KVCM but a trial (one of
+    # 17 answered at the deadline in a real-clock blackhole at scale 0.4).
+    at_deadline = sum(1 for o in late if o.reason == Reason.DEADLINE.value)
+    checks = [
+        _breaker_opened_check(ctx, "KVCM"),
+        Check(
+            "kvcm spared",
+            asked <= KVCM_ASKED_SHARE * len(during),
+            f"{asked} KVCM cache queries for the fault's {len(during)} decisions "
+            f"(<= {KVCM_ASKED_SHARE:.0%} of them expected)",
+        ),
+        Check(
+            "no deadline",
+            at_deadline <= DEADLINE_ANSWERED_SHARE * len(late),
+            f"{at_deadline} of the fault's second half's {len(late)} decisions answered by the deadline backstop "
+            f"(<= {DEADLINE_ANSWERED_SHARE:.0%} expected)",
+        ),
+    ]
+    if shadow_late:
+        share = _share(late, RouteSource.SHADOW.value)
+        checks.append(
+            Check(
+                "shadow",
+                bool(late) and share >= SWITCHED_SHARE,
+                f"second half: {_mix(late)} (shadow >= {SWITCHED_SHARE:.0%} expected: its prompts were seen before)",
+            )
+        )
+    return checks
+
+
 def _kvcm_not_asked(ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float) -> list[Check]:
     asked = ctx.counts["kvcm_queries_at_clear"] - ctx.counts["kvcm_queries_at_injection"]
     return [Check("kvcm not asked", asked == 0, f"{asked} KVCM cache queries while the master answered the fault")]
@@ -399,6 +464,34 @@ def _error_code_checks(
     ]
 
 
+def _master_window_ms(ctx: ScenarioContext) -> float:
+    """How long one request may wait on the master before the KVCM path: its attempt's window. Crafted
+    outcomes, judged with no router open, are judged by the default master settings the scenarios keep."""
+    master = MasterConfig() if ctx.setup is None else ctx.setup.handle.config.master
+    return min(master.transport_timeout_ms, BUDGET_MS - master.later_sources_ms)
+
+
+def _master_outage_checks(
+    ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float
+) -> list[Check]:
+    """A master refusing calls must open its breaker, so the fault's later requests take the KVCM path
+    without waiting on it: a master source that never opened its breaker and waited out its window on
+    every refusal still moved decisions to the KVCM path and passed (an audit). The bound is half the
+    window, so a busy machine's stall is not taken for a wait."""
+    window_ms = _master_window_ms(ctx)
+    late = [o for o in outcomes if injected + (cleared - injected) / 2 <= o.ended < cleared and o.lost is None]
+    waited = [o for o in late if o.elapsed_ms >= window_ms / 2]
+    return [
+        _breaker_opened_check(ctx, "master"),
+        Check(
+            "no wait",
+            len(waited) <= MASTER_WAITED_SHARE * len(late),
+            f"{len(waited)} of the fault's second half's {len(late)} decisions took half the {window_ms:g} ms "
+            f"master window or more (<= {MASTER_WAITED_SHARE:.0%} expected)",
+        ),
+    ]
+
+
 def _hang_cost_checks(
     ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float
 ) -> list[Check]:
@@ -406,9 +499,8 @@ def _hang_cost_checks(
     take the KVCM path without waiting. It opens after its threshold of failures (counting each; with
     overlapping failures counted once, each counted one is about a window of arrivals, or the
     window's failure rate trips it sooner), plus the few already waiting then."""
-    config = ctx.opened().handle.config
-    window_ms = min(config.master.transport_timeout_ms, BUDGET_MS - config.master.later_sources_ms)
-    breaker = config.master_breaker
+    window_ms = _master_window_ms(ctx)
+    breaker = ctx.opened().handle.config.master_breaker
     in_flight = math.ceil(window_ms / 1000.0 * RATE_PER_S)
     per_failure = in_flight if breaker.overlapping_failures_count_once else 1
     limit = min(breaker.failure_threshold * per_failure, breaker.window_min_calls) + in_flight
@@ -466,6 +558,7 @@ MASTER_SCENARIOS: tuple[Scenario, ...] = (
         "every scheduler replica refuses connections; the KVCM path routes at once",
         _master_all(MasterFaults(refuse=True)),
         frozenset({_KVCM}),
+        extra_checks=_master_outage_checks,
     ),
     _master_scenario(
         "master-hang",
@@ -494,6 +587,7 @@ MASTER_SCENARIOS: tuple[Scenario, ...] = (
         f"every scheduler replica refuses every other {_MASTER_FLAP_PERIOD_S:g} s; master and the KVCM path alternate",
         _master_all(MasterFaults(flapping_period_s=_MASTER_FLAP_PERIOD_S)),
         frozenset({_KVCM}),
+        extra_checks=_master_outage_checks,
         alternates=True,
     ),
     _master_scenario(
@@ -532,6 +626,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         _kvcm_clear,
         switches=True,
         recovery_s=_BREAKER_RECOVERY_S,
+        extra_checks=partial(_kvcm_outage_checks, shadow_late=True),
     ),
     Scenario(
         "kvcm-slow",
@@ -540,6 +635,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         _kvcm_clear,
         switches=True,
         recovery_s=_BREAKER_RECOVERY_S,
+        extra_checks=partial(_kvcm_outage_checks, shadow_late=True),
     ),
     Scenario(
         "kvcm-garbled",
@@ -548,6 +644,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         _kvcm_clear,
         switches=True,
         recovery_s=_BREAKER_RECOVERY_S,
+        extra_checks=partial(_kvcm_outage_checks, shadow_late=True),
     ),
     Scenario(
         "workers-slow",
@@ -912,9 +1009,11 @@ async def run_scenario(
                 injected = trio.current_time()
                 scenario.inject(ctx)
             ctx.counts["kvcm_queries_at_injection"] = _kvcm_queries(cluster)
+            ctx.counts["breaker_opened_at_injection"] = _breaker_opened(ctx)
             await trio.sleep_until(injected + FAULT_S * scale)
             cleared = trio.current_time()
             ctx.counts["kvcm_queries_at_clear"] = _kvcm_queries(cluster)
+            ctx.counts["breaker_opened_at_clear"] = _breaker_opened(ctx)
             traffic.cleared_at = cleared
             scenario.clear(ctx)
             with trio.move_on_after(scenario.recovery_s + RECOVERED_STREAK / RATE_PER_S + 0.1):
