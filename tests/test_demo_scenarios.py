@@ -44,7 +44,7 @@ from kvroute_sim.sim.master import MasterFaults
 from router.transport.errors import TransportError
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
-from router.wire.master import MasterReply, MasterScheduleRequest
+from router.wire.master import MasterBusinessError, MasterReply, MasterScheduleRequest
 
 # Over real gRPC: phases at 40 % (warm-up 0.4 s, fault 0.6 s), and a few scenarios that cover the
 # peers gRPC must survive: a dead leader, a hanging KVCM, slow worker probes; and a scheduler that
@@ -183,6 +183,23 @@ async def test_a_flapping_master_fails_when_its_breaker_never_opens_and_refusals
     assert checks["switch"].ok, checks["switch"].line()  # the weaker check these add to
     assert not checks["breaker"].ok, checks["breaker"].line()
     assert not checks["no wait"].ok, checks["no wait"].line()
+
+
+async def test_master_business_error_fails_when_the_router_does_not_pass_the_schedulers_code_on(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scenario injected 8400, the code the router puts in place of an error body it cannot read,
+    so a router ending every such request with 8400 passed (an audit). Here every business error
+    reaches the router as 8400."""
+    answer = MemoryMasterNetwork.schedule
+
+    async def as_8400(self: MemoryMasterNetwork, host: str, request: MasterScheduleRequest) -> MasterReply:
+        reply = await answer(self, host, request)
+        return dataclasses.replace(reply, code=8400) if isinstance(reply, MasterBusinessError) else reply
+
+    monkeypatch.setattr(MemoryMasterNetwork, "schedule", as_8400)
+    checks = await _checks_of("master-business-error")
+    assert not checks["error code"].ok, checks["error code"].line()
 
 
 @pytest.fixture
@@ -449,11 +466,13 @@ def test_master_checks_read_master_as_healthy_and_the_named_sources_as_expected(
 def test_master_fallback_and_business_error_fail_when_kvcm_was_asked() -> None:
     assert all(_master_run("master-fallback", _master_pattern("domain")).values())
     assert _master_run("master-fallback", _master_pattern("domain"), (3, 4))["kvcm not asked"] is False
-    checks = _master_run("master-business-error", _master_pattern("none", code=8400))
+    checks = _master_run("master-business-error", _master_pattern("none", code=8405))
     assert all(checks.values()), checks
+    # 8400 is the router's own stand-in for an error body it could not read, not the injected code.
+    assert _master_run("master-business-error", _master_pattern("none", code=8400))["error code"] is False
     assert _master_run("master-business-error", _master_pattern("none", code=8503))["error code"] is False
     # Without the scheduler's code, an answer without a worker is a lost request.
-    unexplained = _master_pattern("none", code=8400)
+    unexplained = _master_pattern("none", code=8405)
     unexplained[60].error_code = 0
     unexplained[60].lost = "answered without a worker: none"
     assert _master_run("master-business-error", unexplained)["answered"] is False
@@ -462,10 +481,10 @@ def test_master_fallback_and_business_error_fail_when_kvcm_was_asked() -> None:
 def test_an_answer_without_a_worker_counts_as_answered_only_with_the_scenarios_own_error_code(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """master-business-error expects the scheduler's 8400 passed on; any other code (here 8402) is an
+    """master-business-error expects the scheduler's 8405 passed on; any other code (here 8402) is an
     answer without a worker, lost: it used to pass the answered check as long as the code was not 0."""
     expected = scenarios._BY_NAME["master-business-error"]
-    assert expected.error_code == 8400
+    assert expected.error_code == 8405
     other = dataclasses.replace(expected, inject=scenarios._master_all(MasterFaults(business_error=8402)))
     monkeypatch.setitem(scenarios._BY_NAME, expected.name, other)
     code, text = _in_memory([expected.name])

@@ -112,7 +112,9 @@ MASTER_SETTINGS: dict[str, object] = {
 # Master recovery: discovery sees the master again within one poll (0.1 s + 0.05 s timeout), and
 # its breaker's open period ends within cooldown_max (1.0 s), then one half-open trial.
 _MASTER_RECOVERY_S = 1.5
-_BUSINESS_ERROR = 8400  # NO_AVAILABLE_WORKER
+# NO_VIT_WORKER, a code the router passes on: not 8400, which it puts in place of an error body it cannot
+# read, so a router that passed on no code at all showed the injected one.
+_BUSINESS_ERROR = 8405
 
 _SCENARIO_WORKLOAD = WorkloadSpec(
     groups=8, prompts_per_group=128, system_prompt_tokens=512, question_tokens=64, multi_turn_fraction=0.0
