@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import gc
 import io
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 
 import pytest
@@ -22,8 +23,10 @@ import trio.testing
 
 from actors.breaker import KvcmBreaker
 from actors.discovery import Discovery
+from actors.leader_resolver import LeaderResolver
 from actors.sources.base import Skipped
 from actors.sources.shadow import ShadowSource
+from actors.worker_prober import WorkerProber
 from kvroute_sim.demo import cli as demo_cli
 from kvroute_sim.demo import key_family, scenarios, split_budget
 from kvroute_sim.demo.scenarios import (
@@ -200,6 +203,59 @@ async def test_master_business_error_fails_when_the_router_does_not_pass_the_sch
     monkeypatch.setattr(MemoryMasterNetwork, "schedule", as_8400)
     checks = await _checks_of("master-business-error")
     assert not checks["error code"].ok, checks["error code"].line()
+
+
+async def test_leader_moves_fails_heal_when_the_router_never_hears_of_the_failed_leader(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(LeaderResolver, "report_failure", lambda self, target, error: None)
+    checks = await _checks_of("leader-moves")
+    assert not checks["heal"].ok, checks["heal"].line()
+
+
+async def test_master_hang_fails_hang_cost_when_the_breaker_opens_late(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The master's breaker ignores its first 20 reasons to open: far more requests wait the window
+    than its threshold allows, though later ones still do not (so the count, not only the tail, fails)."""
+    ignored = Counter[str]()
+    open_breaker = KvcmBreaker._open
+
+    def opens_late(self: KvcmBreaker, now: float) -> None:
+        ignored["opens"] += 1
+        if ignored["opens"] > 20:
+            open_breaker(self, now)
+
+    monkeypatch.setattr(KvcmBreaker, "_open", opens_late)
+    checks = await _checks_of("master-hang")
+    assert "the 0 after them" not in checks["hang cost"].detail, checks["hang cost"].line()
+    assert not checks["hang cost"].ok, checks["hang cost"].line()
+
+
+async def test_worker_flapping_fails_ejected_when_the_prober_never_ejects(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(WorkerProber, "_eject", lambda self, worker, state, now: None)
+    checks = await _checks_of("worker-flapping")
+    assert not checks["ejected"].ok, checks["ejected"].line()
+
+
+def test_discovery_empty_fails_kept_when_the_snapshot_lost_workers() -> None:
+    ctx = ScenarioContext(SimCluster(workers=8))
+    ctx.counts.update(empties_during=3, workers_kept=8)
+    assert scenarios._discovery_checks(ctx, [], 0.4, 1.2)[0].ok
+    ctx.counts["workers_kept"] = 5
+    assert not scenarios._discovery_checks(ctx, [], 0.4, 1.2)[0].ok
+
+
+def test_a_scenario_that_must_not_switch_fails_during_when_the_fault_moves_decisions() -> None:
+    scenario = next(s for s in SCENARIOS if s.name == "discovery-empty")
+    ctx = ScenarioContext(SimCluster(workers=1))
+    ctx.counts.update(empties_during=1, workers_kept=1)
+    for sources_during, ok in ((lambda i: "kvcm", True), (lambda i: "shadow" if i % 2 else "kvcm", False)):
+        outcomes, timeline = _run_of(sources_during, "kvcm")
+        during = next(c for c in evaluate(scenario, ctx, outcomes, timeline) if c.name == "during")
+        assert during.ok is ok, during.line()
 
 
 @pytest.fixture
