@@ -416,8 +416,7 @@ def _kvcm_outage_checks(
     late = [o for o in during if o.ended >= injected + (cleared - injected) / 2]
     asked = ctx.counts["kvcm_queries_at_clear"] - ctx.counts["kvcm_queries_at_injection"]
     # The second half: before the breaker opens, a request started before a stalled call was judged
-    # may still run out its budget on a busy machine; after, none waits on KVCM but a trial (one of
-    # 17 answered at the deadline in a real-clock blackhole at scale 0.4).
+    # may still run out its budget on a busy machine; after, none waits on KVCM but a trial.
     at_deadline = sum(1 for o in late if o.reason == Reason.DEADLINE.value)
     checks = [
         _breaker_opened_check(ctx, "KVCM"),
@@ -478,7 +477,7 @@ def _master_outage_checks(
 ) -> list[Check]:
     """A master refusing calls must open its breaker, so the fault's later requests take the KVCM path
     without waiting on it: a master source that never opened its breaker and waited out its window on
-    every refusal still moved decisions to the KVCM path and passed (an audit). The bound is half the
+    every refusal still moved decisions to the KVCM path and passed. The bound is half the
     window, so a busy machine's stall is not taken for a wait."""
     window_ms = _master_window_ms(ctx)
     late = [o for o in outcomes if injected + (cleared - injected) / 2 <= o.ended < cleared and o.lost is None]
