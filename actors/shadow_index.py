@@ -141,8 +141,7 @@ class ShadowIndex:
     def tidy(self, now: float, most: int) -> bool:
         """Drop at most ``most`` records, oldest first: those expired at ``now``, then those beyond the
         capacity. True when more are due. In steps, since after a lull longer than ``ttl_s``, or a long
-        prompt into an index of short ones, the whole of it stalled its thread (an audit: 163 ms for
-        131,072 one-block records)."""
+        prompt into an index of short ones, the whole of it stalled its thread."""
         horizon = now - self.ttl_s
         for _ in range(most):
             if not self._records:

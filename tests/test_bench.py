@@ -222,7 +222,7 @@ def test_p8_knee_is_where_p99_doubles_or_fallbacks_pass_two_percent() -> None:
 
 def test_p8_knee_target_is_met_only_where_its_own_rate_was_measured_knee_free() -> None:
     """A knee found at 800/s after 400/s lies anywhere in (400, 800]: "beyond 500/s" is not shown
-    (an audit: such a run was counted met)."""
+    (such a run was counted met)."""
 
     def at(rate: int, p99_ms: float) -> RateResult:
         calls = 5 * rate

@@ -255,8 +255,8 @@ def test_help_keeps_every_flag_env_var_and_toml_key_whole_on_a_narrow_terminal(
     columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """argparse broke long words at the line's end: at 80 columns
-    KVROUTE_MASTER_BREAKER_OVERLAPPING_FAILURES_COUNT_ONCE was split in two, and at 60 dozens of names
-    (an audit), which then could not be found or copied from the help."""
+    KVROUTE_MASTER_BREAKER_OVERLAPPING_FAILURES_COUNT_ONCE was split in two, and at 60 dozens of names,
+    which then could not be found or copied from the help."""
     monkeypatch.setenv("COLUMNS", str(columns))
     with pytest.raises(SystemExit):
         main(["check-config", "--help"])
@@ -270,8 +270,8 @@ def test_help_keeps_every_flag_env_var_and_toml_key_whole_on_a_narrow_terminal(
 def test_route_and_explain_help_say_they_log_warnings_unless_a_level_is_given(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Their help gave serve's default (INFO) while they log WARNING unless --log-level is given (an
-    audit); check-config's help keeps the setting's own default alone."""
+    """Their help gave serve's default (INFO) while they log WARNING unless --log-level is given;
+    check-config's help keeps the setting's own default alone."""
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert "WARNING unless given" in " ".join(capsys.readouterr().out.split())

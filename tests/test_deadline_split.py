@@ -325,7 +325,7 @@ def test_router_setting_overrides_reach_both_splits_routers() -> None:
 
 def test_on_the_simulated_clock_a_learned_split_that_does_no_better_fails_and_so_does_the_scenario() -> None:
     """On the simulated clock only the split's rule differs: a learned split held cold (as the fixed
-    one) tied and passed, and a simulated FAIL left the scenario's exit 0 (an audit)."""
+    one) tied and passed, and a simulated FAIL left the scenario's exit 0."""
     cold = {"split_min_samples": 100_000}
     out = io.StringIO()
     status = split_budget.run(

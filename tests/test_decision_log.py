@@ -785,7 +785,7 @@ def test_each_file_says_when_it_was_opened_and_how_its_decisions_read_as_times_o
     assert isinstance(header["wall_minus_trio_s"], float)
     assert load_log([str(log)]).cases  # readers take the new fields in their stride
     # The mock clock starts at 0 and the actor with the run, so the offset is the run's time of day
-    # (an offset from another clock, such as the monotonic one, is not: an audit's mutation).
+    # (an offset from another clock, such as the monotonic one, is not).
     assert before - 1 <= header["wall_minus_trio_s"] <= after + 1
 
 

@@ -97,7 +97,7 @@ async def test_scenario_invariants_hold_under_the_mock_clock(
 async def test_discovery_empty_fails_when_its_fault_never_reaches_discovery(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A router ignoring the emptied worker list passed every check (an audit): ``kept`` now asks that
+    """A router ignoring the emptied worker list passed every check: ``kept`` now asks that
     the workers source refreshed empty while the fault lasted."""
     monkeypatch.setattr(Discovery, "set_static_workers", lambda self, entries: None)
     scenario = next(s for s in SCENARIOS if s.name == "discovery-empty")
@@ -117,7 +117,7 @@ async def test_a_kvcm_outage_fails_when_the_kvcm_breaker_never_opens(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With a breaker that never opened, every KVCM outage scenario still moved decisions off KVCM and
-    passed (an audit): ``breaker`` now asks that it opened, ``kvcm spared`` that KVCM was not asked
+    passed: ``breaker`` now asks that it opened, ``kvcm spared`` that KVCM was not asked
     for every request."""
     monkeypatch.setattr(KvcmBreaker, "_open", lambda self, now: None)
     checks = await _checks_of("kvcm-garbled")
@@ -128,7 +128,7 @@ async def test_a_kvcm_outage_fails_when_the_kvcm_breaker_never_opens(
 async def test_a_kvcm_outage_fails_when_the_shadow_index_never_answers(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the shadow index never asked, domain alone passed the switch check (an audit)."""
+    """With the shadow index never asked, domain alone passed the switch check."""
 
     async def skipped(self: ShadowSource, ctx: object) -> Skipped:
         return Skipped()
@@ -141,7 +141,7 @@ async def test_a_kvcm_outage_fails_when_the_shadow_index_never_answers(
 
 def test_a_kvcm_outage_fails_when_its_decisions_wait_for_the_deadline_backstop() -> None:
     """A query outwaiting its timeout ran every fault request out to its deadline, answered there
-    from domain: the switch check passed (an audit)."""
+    from domain: the switch check passed."""
     scenario = next(s for s in SCENARIOS if s.name == "kvcm-blackhole")
     assert scenario.extra_checks is not None
     outcomes, timeline = _run_of(lambda i: "shadow", "kvcm")
@@ -169,7 +169,7 @@ async def test_a_flapping_master_fails_when_its_breaker_never_opens_and_refusals
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A master source that never opened its breaker and waited out its window on every refusal still
-    alternated master and the KVCM path, and passed (an audit): ``breaker`` asks that it opened, and
+    alternated master and the KVCM path, and passed: ``breaker`` asks that it opened, and
     ``no wait`` that the fault's second half did not wait on the master."""
     refuse = MemoryMasterNetwork.schedule
 
@@ -192,7 +192,7 @@ async def test_master_business_error_fails_when_the_router_does_not_pass_the_sch
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The scenario injected 8400, the code the router puts in place of an error body it cannot read,
-    so a router ending every such request with 8400 passed (an audit). Here every business error
+    so a router ending every such request with 8400 passed. Here every business error
     reaches the router as 8400."""
     answer = MemoryMasterNetwork.schedule
 
@@ -570,7 +570,7 @@ def _switch(name: str, sources_during: Callable[[int], str]) -> Check:
 
 
 def test_switch_needs_the_fault_to_hold_decisions_off_the_healthy_source_or_to_alternate() -> None:
-    """One decision off KVCM during a blackhole once passed 'switch' (an audit); so did a flapping
+    """One decision off KVCM during a blackhole once passed 'switch'; so did a flapping
     scheduler never asked while it flapped."""
     assert _switch("kvcm-blackhole", lambda i: "shadow").ok
     assert not _switch("kvcm-blackhole", lambda i: "shadow" if i == 0 else "kvcm").ok

@@ -246,7 +246,7 @@ async def test_a_full_inbox_drops_and_counts_the_messages_it_refuses(autojump_cl
 
 def test_the_wrong_key_family_verdict_needs_the_right_family_judged_as_often_as_the_warning_needs() -> None:
     """A right-family run with no comparison has no silent zero either: a router that predicted nothing
-    passed (an audit)."""
+    passed."""
 
     def figures(family: KeyFamily, *, compared: int, silent_zero: int, warning: str | None) -> key_family.FamilyFigures:
         return key_family.FamilyFigures(family, 30, compared, 100 * compared, 0, silent_zero, compared, 0.0, warning)
@@ -263,7 +263,7 @@ async def test_a_prefill_finished_between_two_polls_is_compared_from_the_finishe
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A request whose prefill began and ended between two status polls is only in the finished task
-    list, which kvroute did not read: its prediction expired uncompared (an audit), so the accuracy
+    list, which kvroute did not read: its prediction expired uncompared, so the accuracy
     figures and the silent-zero warning came from longer prefills alone."""
     worker = "10.0.0.1:8000"
     finished = engine_pb.TaskInfoPB(request_id="short", input_length=1024, prefix_length=512, prefix_length_valid=True)

@@ -328,7 +328,7 @@ def test_broken_fields_are_garbled_naming_the_field(payload: bytes, field: str) 
 def test_the_schedulers_failure_without_a_code_is_8400_both_protocols() -> None:
     """The reference frontend takes an error of unknown code as 8400: the scheduler's own 200 saying
     success false, or its gRPC reply with success false and no code, ended as garbled (no reply), so
-    the slave and then KVCM were asked and the breaker counted a failure (an audit)."""
+    the slave and then KVCM were asked and the breaker counted a failure."""
     reply = decode_schedule_json(200, body(success=False, error_message="no route"), HOST)
     assert isinstance(reply, MasterBusinessError) and reply.code == CODE_NO_AVAILABLE_WORKER
     pb = flexlb_pb.FlexlbScheduleResponsePB(success=False, error_message="no route")
@@ -487,7 +487,7 @@ def test_default_config_is_valid_and_off() -> None:
     assert (master_hosts(config), config.protocol, config.transport_timeout_ms) == ((), MasterProtocol.HTTP, 200.0)
     assert (config.discovery_interval_s, config.discovery_timeout_s) == (1.0, 0.5)
     assert (config.discovery_failure_threshold, config.discovery_drop_after_s) == (2, 30.0)
-    # The reference frontend's default: a queue longer than 100,000 rejects up front (an audit found it off).
+    # The reference frontend's default: a queue longer than 100,000 rejects up front.
     assert config.queue_length_reject_threshold == 100_000
 
 

@@ -644,7 +644,7 @@ async def test_a_loop_of_answers_made_without_io_lets_the_other_tasks_run(
 ) -> None:
     """With the fallback off every answer is the domain's, made without awaiting anything: a caller
     routing in a loop in one task must still yield every ANSWERS_PER_ROUND answers, or the metrics
-    sink (and every other actor) waits for the whole loop (an audit: 2,000 routes, 0 rounds)."""
+    sink (and every other actor) waits for the whole loop (2,000 routes once made no round)."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
@@ -709,7 +709,7 @@ async def test_each_cache_query_carries_the_deployments_namespace_query_type_and
     query_type: QueryType, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The simulated KVCM accepted any namespace and query type, so the step building each query from
-    the configuration was checked by no test (an audit: wrong values there passed 334 tests). A spy on
+    the configuration was checked by no test (wrong values there passed every test). A spy on
     the simulator reads what it was asked; a KVCM serving one namespace refuses another."""
     asked: list[kvcm_pb.GetHostCacheStateRequest] = []
     answer = SimKvcmCluster.answer
@@ -1314,8 +1314,8 @@ async def test_every_worker_dead_is_no_candidates_and_not_ready(autojump_clock: 
 async def test_workers_reporting_themselves_not_alive_get_no_request_while_one_alive_does(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Three of four workers say alive=false: the domain source drew them (18 of 25 domain answers in an
-    audit's run), as they counted routable, and the cold set filled with them, to be dropped."""
+    """Three of four workers say alive=false: the domain source drew them (most of the domain
+    answers), as they counted routable, and the cold set filled with them, to be dropped."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     async with routed(cluster, health_interval_s=0.5) as (handle, _, _):
         for i in (0, 1, 2):

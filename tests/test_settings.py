@@ -391,7 +391,7 @@ def test_numbers_beyond_any_float_or_too_long_to_print_are_named_by_their_size(t
 
 def test_help_says_one_bootstrap_source_is_enough_and_the_instance_id_is_required() -> None:
     """All three bootstrap settings said "[required when --kvcm-fallback is on]", as if each one were
-    (an audit); validation asks for one of them."""
+    required; validation asks for one of them."""
     either = (
         "[one of --kvcm-bootstrap, --kvcm-bootstrap-file, --kvcm-bootstrap-dns required when --kvcm-fallback is on]"
     )
@@ -403,7 +403,7 @@ def test_help_says_one_bootstrap_source_is_enough_and_the_instance_id_is_require
 
 def test_a_section_that_is_not_a_table_is_named_as_such(tmp_path: Path) -> None:
     """``[[router]]`` or ``router = 5`` was an "unknown setting" whose message listed router among the
-    valid sections (an audit); a top-level key that is no section stays unknown."""
+    valid sections; a top-level key that is no section stays unknown."""
     toml = tmp_path / "kv.toml"
     toml.write_text("[[router]]\nkvcm_fallback = false\n[[router]]\nbudget_cap_ms = 20\n")
     (problem,) = [p for p in load_config({}, {}, str(toml)).errors if not p.settings]  # the file's own
@@ -517,7 +517,7 @@ def test_a_vanishingly_small_duration_is_refused_before_it_divides_a_clock_into_
 )
 def test_grpc_and_debug_listeners_may_not_take_one_address(grpc_listen: str, debug_listen: str, clash: bool) -> None:
     """Only the same address and port was refused: a wildcard beside a host on the same port passed
-    check-config, then serve failed to bind (an audit). 0.0.0.0 beside an IPv6 address was refused,
+    check-config, then serve failed to bind. 0.0.0.0 beside an IPv6 address was refused,
     although both bind."""
     loaded = load_config({**GOOD, "grpc_listen": grpc_listen, "debug_listen": debug_listen}, {})
     assert (("grpc_listen", "debug_listen") in _names(loaded.errors)) is clash
@@ -606,7 +606,7 @@ def test_required_when_on_is_checked_only_then() -> None:
 
 def test_a_huge_or_long_refused_number_is_named_by_its_size_not_repeated() -> None:
     """Beyond the interpreter's 4,300-digit limit an integer was "expected an integer" and the whole
-    value came back in the message; any refused value is quoted cut (an audit: a line of 4,413
+    value came back in the message; any refused value is quoted cut (a line of 4,413
     characters)."""
     huge = load_config({**GOOD, "scorer_seed": "1" * 4301}, {})
     (problem,) = [p for p in huge.errors if p.settings == ("scorer_seed",)]
@@ -627,8 +627,8 @@ def test_a_huge_or_long_refused_number_is_named_by_its_size_not_repeated() -> No
     ["roles", "key_family", "query_type", "log_level", "debug_listen", "workers", "kvcm_bootstrap", "master_hosts"],
 )
 def test_a_long_refused_word_or_target_is_quoted_cut(name: str) -> None:
-    """Enums, one-of checks, listen addresses and targets repeated a refused value whole (an audit:
-    messages of 5,000-10,000 characters for a value of 5,000)."""
+    """Enums, one-of checks, listen addresses and targets repeated a refused value whole (messages
+    of 5,000-10,000 characters for a value of 5,000)."""
     errors = load_config({**GOOD, name: "q" * 5000}, {}).errors
     assert errors and all(len(str(p)) < 400 for p in errors), [len(str(p)) for p in errors]
 

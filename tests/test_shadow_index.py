@@ -225,8 +225,8 @@ def test_memory_stays_bounded_and_the_index_never_leaks(ops: list[tuple[int, int
 @pytest.mark.parametrize("why", ["a lull past the ttl", "a long prompt into short records"])
 def test_one_record_drops_a_bounded_step_and_the_owner_tidies_the_rest_in_steps(why: str) -> None:
     """One record used to expire, or evict to make room, every record due at once: after a lull, an
-    index of 131,072 one-block records held the routing thread for 163 ms (an audit's real-clock
-    scratch). A record now drops at most TIDY_STEP; ``tidy`` the rest, a step at a time."""
+    index of 131,072 one-block records held the routing thread for 163 ms (on the real
+    clock). A record now drops at most TIDY_STEP; ``tidy`` the rest, a step at a time."""
     n = 4 * TIDY_STEP
     index = ShadowIndex(300.0, n)
     for i in range(n):

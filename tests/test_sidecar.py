@@ -246,7 +246,7 @@ def test_a_watch_stream_that_ended_before_its_close_callback_is_not_sent_to() ->
     """A client cancelling right after the first answer ends the stream before the servicer adds its
     close callback: grpc's context then refuses the callback (``add_callback`` returns False) and never
     runs it. The reference servicer ignored that and kept sending every publication to the dead
-    stream, each send holding the publisher (an audit counted 1,398 left after 3,000 such watches)."""
+    stream, each send holding the publisher (1,398 left after 3,000 such watches)."""
     health = _RouterHealth(lambda: True)
     health.set_serving(True)
 
@@ -277,8 +277,8 @@ class _DiscardSeen(set[Callable[[Any], None]]):
 def test_a_watch_answered_while_another_stream_ends_does_not_wait_on_grpcs_event_thread() -> None:
     """A Watch's first send waits for grpc's one event thread, which also runs an ended stream's close
     callback: sent under the lock that callback takes, each waited for the other for good, and no
-    call was answered again (an audit wedged a sidecar with three clients opening and cancelling
-    Watch streams). Here the first send waits until the other stream's callback has run."""
+    call was answered again (three clients opening and cancelling Watch streams wedged a
+    sidecar). Here the first send waits until the other stream's callback has run."""
     first_send_waited: list[bool] = []
     sending = threading.Event()
     sent = threading.Event()
@@ -672,7 +672,7 @@ async def test_a_calls_wait_for_a_handler_thread_is_counted_against_its_budget(
     nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The budget was counted from when a handler thread took the call: a call that waited behind a
-    held thread longer than its budget got all of it again, and was routed long after it (an audit:
+    held thread longer than its budget got all of it again, and was routed long after it (one was
     answered 264 ms after it was sent with a budget of 100)."""
     serve = ServeConfig(grpc_listen="127.0.0.1:0", grpc_max_workers=1, grpc_max_concurrent_rpcs=8)
     with trio.fail_after(30):
@@ -1055,7 +1055,7 @@ async def test_the_routing_budget_counts_the_wait_for_the_routing_task_to_start(
             assert decision.request_id == "lagged"
     (case,) = [c for c in load_log([str(log)]).cases if c.request_id == "lagged"]
     # What the router was given is what was left when its task started, not at the hand-off.
-    # Neither more than it had, nor nothing (the wait counted twice leaves none: an audit's mutation);
+    # Neither more than it had, nor nothing (the wait counted twice leaves none);
     # the seconds of slack below 2.8 s hold however busy the machine.
     assert case.request.budget_ms is not None and 0.0 < case.request.budget_ms <= 2800.0
 

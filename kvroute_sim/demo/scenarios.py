@@ -314,7 +314,7 @@ def _discovery_checks(
     ctx: ScenarioContext, outcomes: Sequence[Outcome], injected: float, cleared: float
 ) -> list[Check]:
     """The fault reached discovery (its workers source refreshed empty) and the last good snapshot was
-    kept: without it, a fault that never reached the router passed (an audit)."""
+    kept: without it, a fault that never reached the router passed."""
     empties, kept, fleet = ctx.counts["empties_during"], ctx.counts["workers_kept"], len(ctx.cluster.workers)
     return [
         Check(
