@@ -331,3 +331,13 @@ def test_p5_is_kvroutes_hit_rate_over_max_hits_judged_by_the_demos_targets_only(
     assert figure.data["hit_rate_of_max_hit"] == pytest.approx(0.96)
     checks = [_Check(HIT_RATE_CHECK, False), _Check("p99 TTFT <= 1.3x the TTFT oracle's", True)]
     assert _p5(monkeypatch, 0.48, 0.5, checks).verdict is Verdict.MISSED
+
+
+def test_p5_with_no_hit_for_max_hit_reports_it_missed_instead_of_failing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A max-hit hit rate of 0 leaves no fraction to take: the demo's own check calls it missed, and P5
+    divided by it, losing every figure measured before it."""
+    checks = [_Check(HIT_RATE_CHECK, False), _Check("every request routed to a worker", True)]
+    figure = _p5(monkeypatch, 0.0, 0.0, checks)
+    assert figure.verdict is Verdict.MISSED
+    assert math.isnan(cast(float, figure.data["hit_rate_of_max_hit"]))
+    assert "max-hit had no hit" in figure.result
