@@ -23,7 +23,7 @@ import psutil
 import pytest
 import trio
 
-from kvroute_sim.bench import callers, chart, decision_cpu, latency, thread_cpu
+from kvroute_sim.bench import callers, chart, decision_cpu, latency, overload, thread_cpu
 from kvroute_sim.bench import cli as bench_cli
 from kvroute_sim.bench.cli import _router_setting, _selected, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, Outcomes, router_config
@@ -286,6 +286,35 @@ def test_an_open_loop_stalled_past_its_time_stops_and_counts_what_it_never_sent(
     # Call 0 at once, call 1 after the stalled sleep; then 51 ms have passed: the other 18 are not sent.
     assert len(seen.replies) == 2
     assert seen.errors == [callers.NOT_SENT] * 18
+
+
+def test_a_closed_loop_past_its_time_says_how_many_calls_it_never_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A P7 level stops starting calls once max_level_s has passed; the calls it dropped were in neither
+    the answered nor the unanswered, so a level cut short read as a whole one."""
+
+    # Each call takes 0.3 s of a clock of the test's own: calls start at 0, 0.3, 0.6 and 0.9 s of a 1 s level.
+    now = [0.0]
+
+    class Channel:
+        def unary_unary(self, *args: object) -> Callable[..., Awaitable[bytes]]:
+            async def call(request: bytes, timeout: float) -> bytes:  # noqa: ASYNC109 - grpc's own signature
+                now[0] += 0.3
+                return b""
+
+            return call
+
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    requests = tuple(b"r%d" % i for i in range(10))
+    level = callers.Level("x", requests, 2, max_s=1.0, client_deadline_s=0.1)
+    _, seen, not_started = asyncio.run(callers.drive_level(cast(Any, Channel()), level))
+    assert sum(len(r.replies) for r in seen) == 4 and not_started == 6
+    _, _, none_left = asyncio.run(callers.drive_level(cast(Any, Channel()), replace(level, max_s=100.0)))
+    assert none_left == 0
+
+    echo = EchoFloor(calls=1, seconds=1.0, no_answer=0, client_p99_ms=1.0)
+    cut_short = overload._level_result(2, 1.2, seen, [], 0.0, 0.0, echo, [], not_started=not_started)
+    assert cut_short.to_json()["not_started"] == 6
+    assert overload._curve([cut_short]).splitlines()[1].endswith("| cut short: 6")
 
 
 def test_p8_floor_calls_keep_the_open_loop_schedule_and_start_at_once_after_an_overrun() -> None:

@@ -75,12 +75,16 @@ class LevelRun:
     seconds: float
     results: tuple[CallerResults, ...]
     cpu_s: float  # the child's own CPU over the level (its callers and grpc)
+    not_started: int = 0  # a closed loop's calls still to start when ``max_s`` passed
 
 
-async def drive_level(channel: grpc.aio.Channel, level: Level) -> tuple[float, list[CallerResults]]:
-    """Run ``level`` on ``channel``: the elapsed seconds and each caller's results."""
+async def drive_level(channel: grpc.aio.Channel, level: Level) -> tuple[float, list[CallerResults], int]:
+    """Run ``level`` on ``channel``: the elapsed seconds, each caller's results and, for a closed loop,
+    how many of its calls were never started (its callers stop starting them once ``max_s`` has
+    passed; an open loop counts its unsent calls among its errors, as ``NOT_SENT``)."""
     if level.rate_per_s > 0:
-        return await _drive_open_loop(channel, level)
+        seconds, results = await _drive_open_loop(channel, level)
+        return seconds, results, 0
     call = channel.unary_unary(ROUTER_ROUTE, None, None)
     serial = itertools.count()
     results = [CallerResults() for _ in range(level.callers)]
@@ -96,7 +100,9 @@ async def drive_level(channel: grpc.aio.Channel, level: Level) -> tuple[float, l
 
     began = time.perf_counter()
     await asyncio.gather(*(caller(r) for r in results))
-    return time.perf_counter() - began, results
+    # Every call started drew its index; callers that found none left drew one past the end each.
+    started = min(next(serial), len(requests))
+    return time.perf_counter() - began, results, len(requests) - started
 
 
 async def _drive_open_loop(channel: grpc.aio.Channel, level: Level) -> tuple[float, list[CallerResults]]:
@@ -136,8 +142,8 @@ async def _serve_levels(commands: BinaryIO, replies: BinaryIO) -> None:
                     level.target, options=[("grpc.enable_retries", 0)]
                 )
             cpu_before = time.process_time()
-            seconds, results = await drive_level(channel, level)
-            pickle.dump(LevelRun(seconds, tuple(results), time.process_time() - cpu_before), replies)
+            seconds, results, not_started = await drive_level(channel, level)
+            pickle.dump(LevelRun(seconds, tuple(results), time.process_time() - cpu_before, not_started), replies)
             replies.flush()
     finally:
         for channel in channels.values():

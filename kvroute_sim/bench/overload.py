@@ -178,6 +178,7 @@ class LevelResult:
     client_gone: int = 0  # of the timed calls, those whose client had gone when the reply was made
     shed_after_wait: int = 0  # of those, answered overloaded when no place came in time
     thread_cpu_s: Mapping[str, float] = field(default_factory=dict)  # by THREAD_ROLES role (empty off Linux)
+    not_started: int = 0  # calls the level planned and never started: it ran past max_level_s
 
     @property
     def late_split(self) -> LateSplit:
@@ -260,6 +261,7 @@ class LevelResult:
             "full_collections_ms": [round(p * 1e3, 1) for p in self.full_collection_s],
             "waited_for_place": self.waited,
             "shed_after_wait": self.shed_after_wait,
+            "not_started": self.not_started,
             "thread_cpu_us_per_call": per_call_us(self.thread_cpu_s, self.calls),
             "met": self.met,
         }
@@ -325,6 +327,7 @@ def _level_result(
     waits: tuple[int, int] = (0, 0),
     thread_cpu_s: Mapping[str, float] | None = None,
     client_gone: int = 0,
+    not_started: int = 0,
 ) -> LevelResult:
     outcomes = reply_outcomes(raw for r in results for raw in r.replies)
     return LevelResult(
@@ -343,6 +346,7 @@ def _level_result(
         shed_after_wait=waits[1],
         thread_cpu_s=dict(thread_cpu_s or {}),
         client_gone=client_gone,
+        not_started=not_started,
     )
 
 
@@ -410,6 +414,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                             waits,
                             thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
                             client_gone,
+                            run.not_started,
                         )
                     )
         finally:
@@ -438,7 +443,7 @@ def _curve(levels: Sequence[LevelResult]) -> str:
         "callers | calls | calls/s | within dl+5ms | no answer | reached past deadline | budget gone at receipt"
         " | kvcm | overloaded"
         " | p99 late ms | client p99 ms | sidecar CPU ms/call | waited (shed after) | echo unanswered"
-        " | echo client p99 ms | unanswered by status"
+        " | echo client p99 ms | unanswered by status | not started"
     )
     lines = [header]
     for lv in levels:
@@ -450,6 +455,7 @@ def _curve(levels: Sequence[LevelResult]) -> str:
             f"{lv.p99_lateness_ms:>11.1f} | {client_p99:>13.1f} | {lv.sidecar_cpu_ms_per_call:>18.3f} | "
             f"{f'{lv.waited} ({lv.shed_after_wait})':>19} | {lv.echo.no_answer:>15} | {lv.echo.client_p99_ms:>18.1f} | "
             + (", ".join(f"{code} {n}" for code, n in lv.errors.most_common()) or "-")
+            + f" | {f'cut short: {lv.not_started}' if lv.not_started else '-'}"
         )
     return "\n".join(lines)
 
@@ -498,6 +504,7 @@ def measure(report: BenchReport, view: ClusterView, sizes: LoadSizes, caller_cpu
         f"{lv.callers}: {shown_against(100 * lv.within_share, 1, at_least=True):.1f}% on time, "
         f"{lv.no_answer} unanswered, "
         f"{lv.share(reason='overloaded'):.0%} overloaded"
+        + (f", cut short: {lv.not_started} not started" if lv.not_started else "")
         for lv in levels
     )
     report.figures.append(
