@@ -354,7 +354,30 @@ async def test_hang_ends_at_the_callers_deadline_and_the_server_sees_it(clock: o
             assert replica.disconnects == 1
         if harness.adapter == "grpc":  # the abandoned call is followed by a best-effort Cancel
             assert await trio.to_thread.run_sync(replica.wait_cancels, 1, 5.0)
-            assert replica.cancels[0][0] == grpc_request_id(REQUEST.request_id)
+            # Past the deadline the reason is DEADLINE_EXCEEDED, whichever of the caller's scope and
+            # gRPC's own timeout fired first.
+            assert replica.cancels == [(grpc_request_id(REQUEST.request_id), True)]
+
+
+async def test_a_schedule_cancelled_before_its_deadline_is_cancelled_by_the_client(
+    clock: object, harness: Harness
+) -> None:
+    if harness.adapter != "grpc":
+        pytest.skip("the best-effort Cancel and its reason are the gRPC protocol's")
+    with trio.fail_after(LIMIT_S):
+        replica = harness.sim.replicas[0]
+        harness.sim.set_faults(0, MasterFaults(hang=True))
+        with trio.CancelScope(deadline=trio.current_time() + LIMIT_S) as scope:
+
+            async def schedule() -> None:
+                await harness.transport.schedule(harness.host(0), REQUEST)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(schedule)
+                await harness.until_in_flight(replica, 1)
+                scope.cancel()  # long before the deadline: the caller went away
+        assert await trio.to_thread.run_sync(replica.wait_cancels, 1, 5.0)
+        assert replica.cancels == [(grpc_request_id(REQUEST.request_id), False)]
 
 
 async def test_a_schedule_never_sent_is_never_cancelled(clock: object, harness: Harness) -> None:

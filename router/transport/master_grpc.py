@@ -3,7 +3,8 @@
 Calls go through ``GrpcRawRpc`` (the future bridge and the channel pool), so the caller's trio
 deadline is the RPC's ``timeout=`` and cancelling the caller's scope cancels the RPC. A schedule
 call that is abandoned (cancelled, or past its deadline) is followed by a best-effort
-``/FlexlbService/Cancel`` that nobody waits for. The gRPC API has no master/info: discovery
+``/FlexlbService/Cancel`` that nobody waits for, with reason DEADLINE_EXCEEDED when the deadline had
+passed and CLIENT_CANCELLED otherwise. The gRPC API has no master/info: discovery
 goes through the HTTP adapter given as ``info``. TLS is the leaser's: a ChannelPool built with
 channel credentials (``router.transport.tls.channel_credentials``) opens secure channels.
 """
@@ -54,10 +55,14 @@ class GrpcMasterTransport:
 
     async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
         target = grpc_target(host)
+        deadline = trio.current_effective_deadline()
         try:
             reply = await self._rpc.call(target, paths.MASTER_SCHEDULE, encode_schedule_pb(request))
         except trio.Cancelled:
-            self._cancel_nowait(target, request.request_id, deadline_exceeded=False)
+            # gRPC's timeout= is the same instant as the caller's deadline and the caller's scope
+            # usually fires first: the reason is whether the deadline has passed, not which fired.
+            past_deadline = trio.current_time() >= deadline
+            self._cancel_nowait(target, request.request_id, deadline_exceeded=past_deadline)
             raise
         except NotSent:  # the scheduler never saw it: nothing to cancel
             raise
