@@ -1,7 +1,8 @@
 """``WorkerAddr`` keeps its hash from construction: equal addresses hash equal however they were
 built (constructor, ``from_http``, ``replace``, copy, pickle, the decision log's decoder), and the
 stored hash shows nowhere a user reads an address (``repr``, ``fields``/``asdict``, the /debug JSON,
-``kvroute route --json``, the decision log and replay records), pinned here as they print."""
+``kvroute route --json``, the decision log and replay records), pinned here as they print. Also what
+an address's status target and a reported task's uncached tokens are."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from router.types import (
     SplitMode,
     Stage,
     StageWindow,
+    TaskInfo,
     WorkerAddr,
 )
 
@@ -165,3 +167,21 @@ def test_a_drawn_answer_given_to_a_request_keeps_every_other_field() -> None:
         assert getattr(drawn, f.name) != default, f.name
     given = drawn.answering("r9", 2.5)
     assert given == dataclasses.replace(drawn, request_id="r9", elapsed_ms=2.5, stage_ms={Stage.TOTAL: 2.5})
+
+
+def test_the_status_target_is_on_the_status_port() -> None:
+    addr = WorkerAddr.from_http("10.0.0.1", 8000, 1, 9999)
+    assert (addr.grpc_target, addr.status_target) == ("10.0.0.1:8001", "10.0.0.1:9999")
+    assert WorkerAddr.from_http("10.0.0.1", 8000).status_target == "10.0.0.1:8001"  # none given: the gRPC port
+
+
+def test_a_waiting_task_costs_its_uncached_input_whatever_it_reports_remaining() -> None:
+    waiting = TaskInfo("t1", input_length=100, prefix_length=30, is_waiting=True, remaining_prefill_tokens=5)
+    assert waiting.uncached_tokens == 70
+
+
+def test_a_running_task_costs_what_remains_of_its_prefill_never_below_zero() -> None:
+    running = TaskInfo("t2", input_length=100, prefix_length=30, is_waiting=False, remaining_prefill_tokens=5)
+    assert running.uncached_tokens == 5
+    overrun = TaskInfo("t3", input_length=100, prefix_length=30, is_waiting=False, remaining_prefill_tokens=-7)
+    assert overrun.uncached_tokens == 0
