@@ -1239,6 +1239,32 @@ async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_
         assert bad.reason is Reason.BAD_REQUEST and bad.error is not None and "prefill-capable" in bad.error
 
 
+async def test_a_request_naming_prefill_and_vit_gets_a_vit_worker_beside_the_cache_pick(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """VIT is a companion role as DECODE is: one address of it beside the prefill pick."""
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 3 + [
+        WorkerSpec(role="RoleType.DECODE", block_size=BLOCK),
+        WorkerSpec(role="RoleType.VIT", block_size=BLOCK),
+    ]
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PREFILL, Role.DECODE, Role.VIT)) as (handle, _, _):
+        seed(cluster, 1, 8)
+        vit_worker = cluster.worker_addr(4)
+        prober = handle.prober()
+        for _ in range(20):  # the VIT worker is known once probed
+            prober.probe([vit_worker], trio.current_time() + 0.05)
+            await trio.sleep(0.01)
+            if prober.cached(vit_worker) is not None:
+                break
+        request = RouteRequest("pv1", token_ids=PROMPT, budget_ms=50, roles=(Role.PREFILL, Role.VIT))
+        decision = await handle.route(request)
+        assert decision.route_source is RouteSource.KVCM and decision.worker == cluster.worker_addr(1)
+        assert [a.role for a in decision.role_addrs] == [Role.PREFILL, Role.VIT]
+        vit = decision.role_addrs[1]
+        assert (vit.ip, vit.http_port) == (vit_worker.ip, vit_worker.http_port)
+
+
 async def test_a_decode_worker_saying_it_is_not_alive_is_never_the_companion_however_idle(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
