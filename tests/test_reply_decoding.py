@@ -1,6 +1,7 @@
 """Large upstream replies are decoded off the routing thread (``router.transport.clients.decoded``): a
 KVCM answer near the message cap, or a worker reporting many tasks, took up to a second of Python on
-the trio thread. Small ones decode at once."""
+the trio thread. Small ones decode at once. And the KVCM client holds a reply to the query it answers:
+a host matching more blocks than the query asked about is garbled."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import threading
 from collections.abc import Sequence
 from typing import cast
 
+import pytest
 import trio
 import trio.lowlevel
 import trio.testing
 
-from router.transport.clients import LARGE_REPLY_BYTES, WorkerStatusClient, decoded
+from router.transport.clients import LARGE_REPLY_BYTES, KvcmClient, WorkerStatusClient, decoded
+from router.transport.errors import GarbledReply
+from router.transport.memory_adapter import MemoryNetwork
 from router.transport.ports import InTurnCall, InTurnReply, RawRpc, WorkerStatusAsk
-from router.types import WorkerStatus
+from router.types import CacheQuery, QueryType, WorkerStatus
 from router.wire import engine_status_pb2 as engine_pb
+from router.wire import kvcm_meta_pb2 as kvcm_pb
 
 
 async def test_a_small_reply_decodes_on_the_trio_thread_and_a_large_one_on_another() -> None:
@@ -77,3 +82,27 @@ async def test_a_round_of_ordinary_statuses_decodes_at_once_whatever_their_total
     with trio.testing.assert_no_checkpoints():
         statuses = await client.get_worker_statuses(asks, 0.1)
     assert all(len(cast(WorkerStatus, s.status).running) == 200 for s in statuses)
+
+
+async def test_a_kvcm_host_matching_more_blocks_than_the_query_has_keys_is_garbled() -> None:
+    def matching(local: int) -> bytes:
+        reply = kvcm_pb.GetHostCacheStateResponse(
+            header=kvcm_pb.CommonResponseHeader(status=kvcm_pb.Status(code=kvcm_pb.OK))
+        )
+        reply.hosts.add(host_ip_port="10.0.0.1:8000", local=local)
+        return reply.SerializeToString()
+
+    local = 10
+    network = MemoryNetwork()
+
+    async def answer(method_path: str, request: bytes) -> bytes:
+        return matching(local)
+
+    network.serve("kvcm:1", answer)
+    client = KvcmClient(network)
+    query = CacheQuery("instance", QueryType.PREFIX_MATCH, (1, 2, 3))
+    with pytest.raises(GarbledReply, match=r"local: 10 blocks, not in 0\.\.3"):
+        await client.get_host_cache_state("kvcm:1", query)
+    local = 3  # all three keys: a whole match
+    state = await client.get_host_cache_state("kvcm:1", query)
+    assert [(h.host_ip_port, h.local) for h in state.hosts] == [("10.0.0.1:8000", 3)]
