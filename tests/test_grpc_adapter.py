@@ -189,6 +189,16 @@ async def test_serve_grpc_reports_its_address_and_stops_when_cancelled(
             await rpc.call(server.target, ECHO, b"down")
 
 
+def test_a_second_server_on_a_taken_port_is_refused() -> None:
+    """An explicit port already served is an OSError naming it, not a second server sharing the port."""
+    first = start_grpc_server({ECHO: Peer().echo})
+    try:
+        with pytest.raises(OSError, match=f"cannot bind gRPC server to 127.0.0.1:{first.port}"):
+            start_grpc_server({ECHO: Peer().echo}, port=first.port).stop()
+    finally:
+        first.stop()
+
+
 @pytest.mark.parametrize("path", ["Peer/Echo", "/Echo", "/a.Peer/Echo/extra"])
 def test_method_paths_must_be_full(path: str) -> None:
     with pytest.raises(ValueError, match="is not a full"):
