@@ -206,9 +206,6 @@ class HostMatch:
     p2p_fetch: int = 0
     p2p_total: int = 0
 
-    def effective_blocks(self, p2p_hit_discount: float) -> float:
-        return self.local + max(0, self.p2p_total - self.local) * max(0.0, p2p_hit_discount)
-
 
 @dataclass(frozen=True, slots=True)
 class CacheState:
