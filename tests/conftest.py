@@ -1,6 +1,7 @@
 """Settings and fixtures shared by the test modules."""
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -24,3 +25,14 @@ async def pool(nursery: trio.Nursery) -> AsyncIterator[ChannelPool[grpc.Channel]
     await nursery.start(channels.run)
     yield channels
     await channels.aclose()
+
+
+@pytest.fixture
+def restore_root_logging() -> Iterator[None]:
+    """Logging set-up (setup_logging, serve_cli.run) replaces the root logger's handlers and level:
+    put them back as they were."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -39,16 +39,7 @@ def captured() -> Iterator[tuple[logging.Logger, ListHandler]]:
     logger.removeHandler(handler)
 
 
-@pytest.fixture
-def restore_root() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def test_text_format_appends_context(restore_root: None) -> None:
+def test_text_format_appends_context(restore_root_logging: None) -> None:
     stream = io.StringIO()
     setup_logging("info", "text", stream)
     log = logging.getLogger("kvroute.test.text")
@@ -61,7 +52,7 @@ def test_text_format_appends_context(restore_root: None) -> None:
     assert line[:4].isdigit() and line[19:24].startswith(".")
 
 
-def test_text_format_escapes_a_context_value_a_terminal_would_act_on(restore_root: None) -> None:
+def test_text_format_escapes_a_context_value_a_terminal_would_act_on(restore_root_logging: None) -> None:
     """A request id is the client's text: an escape sequence, a NUL or a right-to-left override in it
     reaches the line escaped, never raw."""
     stream = io.StringIO()
@@ -77,7 +68,7 @@ def test_text_format_escapes_a_context_value_a_terminal_would_act_on(restore_roo
     assert all(c.isprintable() for c in line)
 
 
-def test_json_format_is_one_object_per_line_with_context_and_exception(restore_root: None) -> None:
+def test_json_format_is_one_object_per_line_with_context_and_exception(restore_root_logging: None) -> None:
     stream = io.StringIO()
     setup_logging("DEBUG", "json", stream)
     log = logging.getLogger("kvroute.test.json")
@@ -99,7 +90,7 @@ def test_json_format_is_one_object_per_line_with_context_and_exception(restore_r
     assert second["actor"] == "prober" and "RuntimeError: boom" in second["exc"]
 
 
-def test_json_format_redacts_an_addresss_credentials_in_the_message(restore_root: None) -> None:
+def test_json_format_redacts_an_addresss_credentials_in_the_message(restore_root_logging: None) -> None:
     stream = io.StringIO()
     setup_logging("INFO", "json", stream)
     logging.getLogger("kvroute.test.json").warning("peer %s failed", "ops:s3cr3t@10.0.0.9:80")
@@ -108,7 +99,7 @@ def test_json_format_redacts_an_addresss_credentials_in_the_message(restore_root
     assert json.loads(line)["msg"] == "peer <redacted>@10.0.0.9:80 failed"
 
 
-def test_setup_logging_replaces_its_own_handler_and_rejects_bad_values(restore_root: None) -> None:
+def test_setup_logging_replaces_its_own_handler_and_rejects_bad_values(restore_root_logging: None) -> None:
     root = logging.getLogger()
     # Another test in the same process may have called setup_logging already: count the others.
     others = [h for h in root.handlers if type(h).__name__ != "_KvrouteHandler"]

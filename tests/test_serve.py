@@ -9,13 +9,12 @@ from __future__ import annotations
 import gc
 import itertools
 import json
-import logging
 import re
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -344,16 +343,6 @@ async def test_with_json_logs_a_bind_failure_is_a_json_record_naming_the_flag(lo
     assert stdout == ""
     errors = [r for r in _json_records(stderr) if r["level"] == "ERROR"]
     assert any(f"--debug-listen: cannot bind 127.0.0.1:{port}" in str(r["msg"]) for r in errors), stderr
-
-
-@pytest.fixture
-def restore_root_logging() -> Iterator[None]:
-    """serve_cli.run sets up logging on the root logger: put it back as it was."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_the_stop_summary_gives_each_count_its_own_label(

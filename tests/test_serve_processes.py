@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -304,16 +304,6 @@ def test_the_parent_binds_once_what_only_a_plain_bind_could_share_has_left() -> 
 def test_each_process_gets_its_own_debug_port() -> None:
     assert child_debug_listen(HostPort("127.0.0.1", 9000), 3) == "127.0.0.1:9003"
     assert child_debug_listen(HostPort("127.0.0.1", 0), 3) == "127.0.0.1:0"
-
-
-@pytest.fixture
-def restore_root_logging() -> Iterator[None]:
-    """serve_cli.run sets up logging on the root logger: put it back as it was."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_the_supervisor_waits_for_a_childs_drain_and_for_discoverys_first_refresh(
