@@ -526,11 +526,10 @@ async def test_answers_made_outside_the_chain_keep_the_roles_the_request_names(
         ]
 
 
-async def test_answers_made_outside_the_chain_draw_from_the_deployments_roles(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """A request naming no roles, answered outside the chain (its deadline gone, or a bad request), goes
-    to a worker of the deployment's roles: a PDFUSION-only deployment never gets a PREFILL worker."""
+@asynccontextmanager
+async def pdfusion_only_router() -> AsyncIterator[tuple[RouterHandle, list[WorkerAddr]]]:
+    """A router for PDFUSION only, over two PREFILL workers and two PDFUSION ones (in that order),
+    every worker's role known to it."""
     specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2
     specs += [WorkerSpec(role="RoleType.PDFUSION", block_size=BLOCK)] * 2
     cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
@@ -538,6 +537,15 @@ async def test_answers_made_outside_the_chain_draw_from_the_deployments_roles(
         workers = [cluster.worker_addr(i) for i in range(4)]
         handle.prober().probe(workers, trio.current_time() + 0.05)
         await trio.sleep(0.02)  # every worker's role is known
+        yield handle, workers
+
+
+async def test_answers_made_outside_the_chain_draw_from_the_deployments_roles(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request naming no roles, answered outside the chain (its deadline gone, or a bad request), goes
+    to a worker of the deployment's roles: a PDFUSION-only deployment never gets a PREFILL worker."""
+    async with pdfusion_only_router() as (handle, workers):
         answers = [await handle.route(RouteRequest(f"z{i}", token_ids=PROMPT, budget_ms=0)) for i in range(20)]
         answers.append(await handle.route(RouteRequest("bad", budget_ms=50)))  # no prompt: bad_request
         assert {d.reason for d in answers} == {Reason.DEADLINE, Reason.BAD_REQUEST}
@@ -552,13 +560,7 @@ async def test_answers_made_outside_the_chain_keep_only_the_named_roles_the_depl
     """A request naming a role the deployment does not route is refused, late (no budget) or with no
     prompt, and its answer, made outside the chain, draws from the deployment's roles: the role it
     names is no worker's to give here."""
-    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2
-    specs += [WorkerSpec(role="RoleType.PDFUSION", block_size=BLOCK)] * 2
-    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster, roles=(Role.PDFUSION,)) as (handle, _, _):
-        workers = [cluster.worker_addr(i) for i in range(4)]
-        handle.prober().probe(workers, trio.current_time() + 0.05)
-        await trio.sleep(0.02)  # every worker's role is known
+    async with pdfusion_only_router() as (handle, workers):
         answers = []
         for i in range(10):
             late = RouteRequest(f"z{i}", token_ids=PROMPT, budget_ms=0, roles=(Role.PREFILL,))
