@@ -105,6 +105,18 @@ def test_route_blind_routes_to_an_unreachable_worker_of_the_role_not_to_a_live_o
     assert answers == [(Role.PREFILL, Role.PREFILL)] * 12
 
 
+def _domain_only(cluster: SimCluster, network: MemoryNetwork) -> KvrouteConfig:
+    """A router over ``cluster`` served on ``network`` with the KVCM fallback off and no health probes:
+    the prober holds only the statuses a test asks for."""
+    addrs = cluster.serve_memory(network)
+    return KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        router=RouterConfig(kvcm_fallback=False),
+        discovery=DiscoveryConfig(workers=addrs.workers_arg),
+        prober=ProberConfig(health_interval_s=0.0),
+    )
+
+
 async def test_a_pick_looks_at_a_bounded_number_of_workers_when_statuses_are_stale(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -113,13 +125,7 @@ async def test_a_pick_looks_at_a_bounded_number_of_workers_when_statuses_are_sta
     workers = 400
     cluster = SimCluster(workers=workers, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
-    addrs = cluster.serve_memory(network)
-    config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK),
-        router=RouterConfig(kvcm_fallback=False),
-        discovery=DiscoveryConfig(workers=addrs.workers_arg),
-        prober=ProberConfig(health_interval_s=0.0),
-    )
+    config = _domain_only(cluster, network)
     looked: list[int] = []
     real = WorkerProber.is_routable
 
@@ -143,13 +149,7 @@ async def test_a_pick_prefers_workers_known_to_serve_the_role_over_never_probed_
     domain pick is one of the two, whose answer is labelled with a role they said they serve."""
     cluster = SimCluster(workers=8, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
-    addrs = cluster.serve_memory(network)
-    config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK),
-        router=RouterConfig(kvcm_fallback=False),
-        discovery=DiscoveryConfig(workers=addrs.workers_arg),
-        prober=ProberConfig(health_interval_s=0.0),
-    )
+    config = _domain_only(cluster, network)
     known = {cluster.worker_addr(0), cluster.worker_addr(1)}
     async with open_router(config, rpc=network) as handle:
         await handle.prober().probe(list(known), trio.current_time() + 0.05).wait_all()

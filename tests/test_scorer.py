@@ -187,43 +187,39 @@ def test_worked_example_min_hit_gate(
 # --- outstanding guard (§2.5, §2.6) -------------------------------------------------------------
 
 
+def guarded(threshold: int) -> ScorerConfig:
+    """The worked example's config with the outstanding-work guard at ``threshold`` (extra work allowed
+    up to 25,000 tokens, so only the guard stops the leader)."""
+    return replace(ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=threshold)
+
+
 def test_guard_off_by_default_and_when_not_positive() -> None:
     for threshold in (0, -5):
-        config = replace(
-            ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=threshold
-        )
+        config = guarded(threshold)
         assert run(WORKED_PLAN, WORKED_STATUSES, config=config).reason is Reason.CACHE_LEADER
 
 
 def test_guard_leader_not_eligible_takes_shortest() -> None:
     # Works: leader 24000, shortest 20000, third 21000. Threshold 22000 excludes only the leader.
-    config = replace(
-        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=22_000
-    )
+    config = guarded(22_000)
     sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
     assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_OUTSTANDING_GUARD)
 
 
 def test_guard_none_eligible_falls_back_to_ttft_order() -> None:
-    config = replace(
-        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=19_999
-    )
+    config = guarded(19_999)
     sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
     assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_OUTSTANDING_GUARD_FALLBACK)
 
 
 def test_guard_threshold_is_inclusive() -> None:
-    config = replace(
-        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=24_000
-    )
+    config = guarded(24_000)
     assert run(WORKED_PLAN, WORKED_STATUSES, config=config).reason is Reason.CACHE_LEADER
 
 
 def test_a_worker_exactly_at_the_threshold_is_eligible_for_the_guards_pick() -> None:
     # Works: leader 24000, shortest 20000, third 21000. The shortest sits exactly at the threshold.
-    config = replace(
-        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=20_000
-    )
+    config = guarded(20_000)
     sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
     assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_OUTSTANDING_GUARD)
 
@@ -231,12 +227,7 @@ def test_a_worker_exactly_at_the_threshold_is_eligible_for_the_guards_pick() -> 
 def test_a_leader_below_the_min_hit_rate_is_reported_so_even_when_beyond_the_guard() -> None:
     # The leader's hit is 32000 / 50000 = 64 %, under an 80 % gate, and its work (24000) is over the
     # threshold too: the gate is checked first, so the reason names the low hit.
-    config = replace(
-        ScorerConfig(),
-        max_extra_work_tokens=25_000,
-        outstanding_uncached_tokens_threshold=20_000,
-        min_hit_rate=80.0,
-    )
+    config = replace(guarded(20_000), min_hit_rate=80.0)
     sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
     assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_LOW_CACHE_HIT)
 
@@ -244,9 +235,7 @@ def test_a_leader_below_the_min_hit_rate_is_reported_so_even_when_beyond_the_gua
 def test_the_claim_order_passes_over_affinity_workers_beyond_the_guard() -> None:
     # Threshold 21000: the shortest (20000) and the third (21000) are eligible, the leader (24000) is
     # not; within the bound and holding more than the shortest, it would otherwise be tried first.
-    config = replace(
-        ScorerConfig(), max_extra_work_tokens=25_000, outstanding_uncached_tokens_threshold=21_000
-    )
+    config = guarded(21_000)
     sel = run(WORKED_PLAN, WORKED_STATUSES, config=config)
     assert (sel.worker, sel.reason) == (SHORTEST, Reason.SHORTEST_TTFT_OUTSTANDING_GUARD)
     assert sel.alternates() == ((THIRD, Reason.SHORTEST_TTFT_FALLBACK), (LEADER, Reason.SHORTEST_TTFT_FALLBACK))
