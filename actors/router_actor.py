@@ -47,12 +47,13 @@ from actors.sources.domain import DomainSource
 from router.admission import AdmissionEstimate, AdmissionView
 from router.config import KvrouteConfig
 from router.decision_record import DecisionRecord, without_prompt
-from router.keys import join_slices
+from router.keys import IntRange, join_slices
 from router.logs import AggregatingLogger
 from router.policy.deadline_split import SplitEstimates, WithLag, split_windows
 from router.request import (
     CheckedRequest,
     PreparedRequest,
+    accepted_token_ids,
     check_fields,
     check_request,
     is_sliced,
@@ -340,13 +341,20 @@ class RouterActor:
     async def _shed_or_refuse(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
         """The shed's answer, unless the checks refuse the request: then theirs (``bad_request``, naming
         the field, made and logged as any), which must not become a worker under overload."""
-        tokens = self._sheddable(request)
+        tokens = self.sheddable(request)
         if tokens is not None:
             return await self._shed(request, now, deadline, tokens)
         # Refused by its checks at once, no place taken.
         return await self._answered(await self._handle(request, now, deadline))
 
-    def _sheddable(self, request: RouteRequest) -> int | None:
+    def accepted_token_ids(self) -> IntRange:
+        """The token ids this router takes: its family's when a source hashes them, else any 64-bit
+        integer (set at start: any thread may read it)."""
+        return accepted_token_ids(self._deployment.key_family, hash_tokens=self._needs_keys)
+
+    def sheddable(self, request: RouteRequest) -> int | None:
+        """``request``'s length when it may be answered ``overloaded``, None when this router would
+        refuse it: the one rule the ways in shed by, read from settings fixed at start (any thread)."""
         return sheddable(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
 
     async def _shed(self, request: RouteRequest, now: float, deadline: float, tokens: int) -> RouteDecision:

@@ -19,7 +19,7 @@ many calls handed to the trio thread and not yet answered as the learnt in-fligh
 the caller's loop with one of the router's published ``overloaded`` answers, and counted and recorded
 on the trio thread afterwards, in batches. Under a burst of calls the hand-offs would otherwise queue
 on the trio thread and every answer would come after its deadline. A call naming roles, or one the
-router will refuse (its fields, sizes, shape, geometry, roles or ids wrong: ``sheddable``), always goes
+router will refuse (its fields, sizes, shape, geometry, roles or ids wrong: ``RouterActor.sheddable``), always goes
 to the router.
 
 Bridge: each call is handed to trio with ``TrioToken.run_sync_soon``, runs as a task in the host's
@@ -61,7 +61,6 @@ from router.request import (
     caller_deadline,
     check_admissible,
     check_fields,
-    sheddable,
 )
 from router.settings import LoadedConfig
 from router.targets import HostPort
@@ -248,7 +247,8 @@ class AsyncioRouterHost:
             # As the router admits: a call with nothing left is its to answer (reason deadline), unless
             # there is no place to hand it to. One the router refuses (an id outside its key family's
             # range) is handed over all the same, to be told so.
-            tokens = sheddable(request, self._config.deployment, self._config.limits)
+            assert router is not None  # the answers were its
+            tokens = router.sheddable(request)
             if tokens is not None:
                 return self._shed(request, published, left_s, sent_at, tokens)
             self._gate.hand_off_anyway()

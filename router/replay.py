@@ -821,7 +821,7 @@ class _ReplayRouter(RouterActor):
             await trio.sleep_forever()
         return await super()._keys(checked, progress)
 
-    def _sheddable(self, request: RouteRequest) -> int | None:
+    def sheddable(self, request: RouteRequest) -> int | None:
         """A recorded shed passed the checks when it was made; its record keeps no prompt to check again
         (nor is anything charged: replay has no Scorer)."""
         return 0

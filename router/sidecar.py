@@ -74,7 +74,7 @@ from actors.router_actor import OverloadAnswers
 from router.admission import InFlightLimit, admits, slot_wait_s
 from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
-from router.keys import INT64, token_id_range
+from router.keys import INT64
 from router.logs import ctx
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, HeldPlace, ShedRecords
 from router.request import (
@@ -579,9 +579,9 @@ class Sidecar:
         self._reply_margin_ms = config.router.reply_margin_ms
         self._limits = config.limits
         self._block_size = config.deployment.block_size
-        # The ids a call may carry and be shed: those the deployment's family hashes (a message's are
-        # 64-bit integers already, so only a narrower family's are checked).
-        self._shed_ids = token_id_range(config.deployment.key_family)
+        # The ids a call may carry and be shed: those the router takes (a message's are 64-bit integers
+        # already, so only a narrower range, sglang's when a source hashes them, is checked).
+        self._shed_ids = self._router.accepted_token_ids()
         self._large_requests = threading.Semaphore(1)
         self._path_cost_s = 0.0  # running estimate of the sidecar's own path per call
         # A request carrying more than a hash slice's worth of ids (8 bytes each at most) is large.
