@@ -6,8 +6,9 @@ import argparse
 import itertools
 import json
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 import trio
@@ -19,6 +20,7 @@ from kvroute_sim.demo.lineup import KVROUTE, LINEUP, LINEUP_BASELINES, ORACLE, l
 from kvroute_sim.demo.load import offered_load, scale_arrivals, scale_to_load, workers_for_load
 from kvroute_sim.demo.oracle import FAMILY, TtftOracleBaseline, run_oracle
 from kvroute_sim.demo.report import summarize
+from kvroute_sim.demo.request_view import RequestView
 from kvroute_sim.demo.runner import (
     COMPARISON_SETTINGS,
     ClusterSpec,
@@ -27,7 +29,7 @@ from kvroute_sim.demo.runner import (
     route_request,
     run_baseline,
 )
-from kvroute_sim.demo.sglang_baseline import ApproxRadixTree
+from kvroute_sim.demo.sglang_baseline import ApproxRadixTree, SglangCacheAwareBaseline
 from kvroute_sim.demo.trace import (
     TRACE_BLOCK_TOKENS,
     TraceFormatError,
@@ -127,6 +129,76 @@ def test_sglang_tree_matches_the_longest_routed_prefix() -> None:
     assert tree.match((1, 2, 9, 9)) == (3, 1)
     assert tree.match((1, 2)) == (2, 1)  # both hold it: the most recently chosen
     assert tree.match((7,)) == (0, None)
+
+
+def test_sglang_tree_counts_each_workers_units_through_splits() -> None:
+    tree = ApproxRadixTree()
+    tree.insert((1, 2, 3, 4), 0)
+    tree.insert((1, 2, 9), 1)  # splits (1, 2, 3, 4): worker 0 keeps its 4 units
+    tree.insert((1, 2, 3, 4), 0)  # nothing new for worker 0
+    assert (tree.units(0), tree.units(1), tree.units(2)) == (4, 3, 0)
+    assert tree.smallest(3) == 2  # never routed to: the most room
+    assert tree.smallest(2) == 1
+    tree.insert((5,), 2)
+    tree.insert((6,), 3)
+    assert tree.smallest(4) == 2  # a tie: the first registered
+
+
+@dataclass
+class _SglangView:
+    """What the SGLang baseline reads of a cluster: the request and the requests in flight."""
+
+    request: DemoRequest
+    in_flight: list[int]
+
+    @property
+    def hosts(self) -> list[str]:
+        return [f"w{i}" for i in range(len(self.in_flight))]
+
+    def requests_in_flight(self, worker: int) -> int:
+        return self.in_flight[worker]
+
+
+def _prompt(tokens: tuple[int, ...], *, keys: tuple[int, ...] = (), input_tokens: int | None = None) -> DemoRequest:
+    return DemoRequest("r", 0.0, 0, 0, 0, tokens, keys, len(tokens) if input_tokens is None else input_tokens)
+
+
+def _sglang_choose(baseline: SglangCacheAwareBaseline, request: DemoRequest, in_flight: list[int]) -> int:
+    return baseline.choose((), cast(RequestView, _SglangView(request, in_flight)))
+
+
+def test_sglang_baseline_sends_a_cold_prompt_to_the_smallest_tree_not_the_least_loaded() -> None:
+    baseline = SglangCacheAwareBaseline(16)
+    assert _sglang_choose(baseline, _prompt(tuple(range(1000))), [0, 0, 0]) == 0
+    assert _sglang_choose(baseline, _prompt(tuple(range(2000, 2010))), [0, 0, 0]) == 1
+    # Worker 2 is the busiest but holds the least of the tree: a prompt the tree barely knows goes there.
+    assert _sglang_choose(baseline, _prompt(tuple(range(3000, 3100))), [1, 1, 5]) == 2
+    # Worker 1 holds 10 units, worker 2 100, worker 0 1,000: the next cold prompt goes to worker 1.
+    assert _sglang_choose(baseline, _prompt(tuple(range(4000, 4050))), [0, 9, 0]) == 1
+
+
+def test_sglang_baseline_follows_a_match_above_its_threshold_while_balanced() -> None:
+    baseline = SglangCacheAwareBaseline(16)
+    shared = tuple(range(100))
+    assert _sglang_choose(baseline, _prompt(shared), [0, 0]) == 0
+    assert _sglang_choose(baseline, _prompt(tuple(range(500, 510))), [0, 0]) == 1
+    # 40 of 100 matched (above 0.3): worker 0, though worker 1 holds less of the tree.
+    assert _sglang_choose(baseline, _prompt(shared[:40] + tuple(range(900, 960))), [0, 0]) == 0
+    # 20 of 100 matched (not above 0.3): the smallest tree, worker 1.
+    assert _sglang_choose(baseline, _prompt(shared[:20] + tuple(range(700, 780))), [0, 0]) == 1
+    # Imbalanced only when both thresholds are passed: loads 70 and 10 differ by 60 (not above 64), so
+    # the match still decides.
+    assert _sglang_choose(baseline, _prompt(shared), [70, 10]) == 0
+    # Both passed (difference 80 > 64, and 90 > 1.5 × 10): the least loaded, whatever the match.
+    assert _sglang_choose(baseline, _prompt(shared), [90, 10]) == 1
+
+
+def test_sglang_baseline_matches_a_trace_prompt_by_its_blocks() -> None:
+    baseline = SglangCacheAwareBaseline(16)
+    assert _sglang_choose(baseline, _prompt((), keys=(1, 2, 3, 4), input_tokens=64), [0, 0, 0]) == 0
+    assert _sglang_choose(baseline, _prompt((), keys=(9,), input_tokens=16), [0, 0, 0]) == 1
+    # 2 of 4 blocks matched: 32 of 64 tokens, above 0.3 (counted in units it would be 2 of 64).
+    assert _sglang_choose(baseline, _prompt((), keys=(1, 2, 7, 8), input_tokens=64), [0, 0, 0]) == 0
 
 
 def test_every_baseline_replays_and_the_oracle_is_deterministic() -> None:

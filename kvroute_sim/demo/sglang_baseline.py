@@ -10,8 +10,10 @@ It is what a user would otherwise deploy, so the comparison replays it on the sa
 - if ``max_load - min_load > balance_abs_threshold`` and ``max_load > balance_rel_threshold *
   min_load``, the request goes to the least loaded worker; otherwise, if the prompt's best
   prefix match in the tree is above ``cache_threshold`` of its length, to that match's worker;
-  otherwise to the least loaded. Least loaded ties go to the first registered worker. Either
-  way the prompt is inserted into the tree for the chosen worker.
+  otherwise to the worker whose part of the tree is smallest (the fewest units routed to it, its
+  "smallest tenant": the most cache room, as the router sees it). Ties of either kind go to the
+  first registered worker (the router takes whichever its map yields). Either way the prompt is
+  inserted into the tree for the chosen worker.
 
 The router matches prompt characters. Here a prompt is its token ids (one unit per token) when
 the workload has them, or its block keys when only those are known (a replayed trace: sharing
@@ -56,6 +58,15 @@ class ApproxRadixTree:
     def __init__(self) -> None:
         self._root = _Node(())
         self._clock = 0
+        self._units: dict[int, int] = {}  # worker -> units of the nodes it is a tenant of
+
+    def units(self, worker: int) -> int:
+        """The units of the tree's nodes ``worker`` is a tenant of (a split keeps the sum)."""
+        return self._units.get(worker, 0)
+
+    def smallest(self, workers: int) -> int:
+        """Of workers ``0..workers-1``, the one with the fewest units (ties: the lowest index)."""
+        return min(range(workers), key=self.units)
 
     def match(self, units: Sequence[int]) -> tuple[int, int | None]:
         """(units matched, the worker of the deepest matched node or None)."""
@@ -81,6 +92,7 @@ class ApproxRadixTree:
             if child is None:
                 leaf = _Node(tuple(units[at:]), tenants={worker: self._clock})
                 node.children[units[at]] = leaf
+                self._units[worker] = self.units(worker) + len(leaf.edge)
                 return
             common = _common(child.edge, units, at)
             if common < len(child.edge):  # split the edge: the shared part keeps every tenant
@@ -89,6 +101,8 @@ class ApproxRadixTree:
                 head.children[child.edge[0]] = child
                 node.children[units[at]] = head
                 child = head
+            if worker not in child.tenants:
+                self._units[worker] = self.units(worker) + len(child.edge)
             child.tenants[worker] = self._clock
             at += common
             node = child
@@ -125,5 +139,7 @@ class SglangCacheAwareBaseline:
                 self._cache_threshold * request.input_tokens
             ):
                 chosen = worker
+            else:
+                chosen = self._tree.smallest(len(loads))
         self._tree.insert(units, chosen)
         return chosen
