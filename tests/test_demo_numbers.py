@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import trio
+import trio.testing
 
+from kvroute_sim.demo.baselines import MaxHitBaseline
 from kvroute_sim.demo.lineup import (
     KVROUTE,
     LINEUP_BASELINES,
@@ -27,11 +30,21 @@ from kvroute_sim.demo.report import (
     summarize,
 )
 from kvroute_sim.demo.runner import (
+    COMPARISON_SETTINGS,
+    ClusterSpec,
     PolicyRun,
     RequestRecord,
+    SimClock,
+    build_cluster,
+    open_kvroute,
+    run_baseline,
+    run_kvroute,
 )
 from kvroute_sim.demo.sglang_baseline import SGLANG_CACHE_AWARE
-from kvroute_sim.demo.workload import WorkloadSpec
+from kvroute_sim.demo.trace import TraceRecord, trace_workload
+from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec, build_workload, bulk_span, bulk_window
+from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS
+from router.transport.memory_adapter import MemoryNetwork
 
 TINY = WorkloadSpec(
     groups=4, prompts_per_group=3, system_prompt_tokens=128, question_tokens=32, output_tokens=32, seed=1
@@ -101,3 +114,95 @@ def test_the_oracle_checks_hold_the_mean_and_the_p99_to_their_own_limits() -> No
     mean = by_target[f"mean TTFT <= {MEAN_OF_ORACLE_MAX}x the TTFT oracle's"]
     p99 = by_target[f"p99 TTFT <= {P99_OF_ORACLE_MAX}x the TTFT oracle's"]
     assert (mean.met, p99.met) == (False, True)
+
+
+# ---- the runner's records -----------------------------------------------------------------------------
+
+
+def _trace(*records: tuple[float, int, tuple[int, ...]]) -> Workload:
+    return trace_workload([TraceRecord(ts, length, 8, ids) for ts, length, ids in records])
+
+
+def test_the_best_prefix_elsewhere_is_capped_at_the_prompt() -> None:
+    # 700 tokens name two 512-token blocks; the second request finds both on the first one's worker,
+    # which is all of its prompt, not 1,024 tokens of it.
+    workload = _trace((0.0, 700, (11, 12)), (1000.0, 700, (11, 12)))
+    run = run_baseline(MaxHitBaseline(0), workload, ClusterSpec(workers=2, kv_capacity_blocks=16))
+    assert all(r.best_cached_tokens <= r.input_tokens for r in run.records)
+    assert run.records[1].cached_tokens == run.records[1].best_cached_tokens == 700
+    assert summarize(run).missed_elsewhere == 0.0
+
+
+def test_a_trace_request_belongs_to_the_group_of_its_first_block() -> None:
+    workload = _trace((0.0, 1024, (11, 12)), (500.0, 1024, (11, 13)), (1000.0, 1024, (21, 22)))
+    run = run_baseline(MaxHitBaseline(0), workload, ClusterSpec(workers=2, kv_capacity_blocks=16))
+    assert [r.group for r in run.records] == [request.keys[0] for request in workload.requests]
+    assert summarize(run).workers_per_group == 1.0  # max-hit keeps group 11 on its holder
+
+
+class _RecordingClock(SimClock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_to: list[float] = []
+
+    def set(self, now: float) -> None:
+        self.set_to.append(now)
+        super().set(now)
+
+
+async def test_run_kvroute_sets_the_sim_clock_to_each_arrival_in_turn(autojump_clock: trio.testing.MockClock) -> None:
+    workload = build_workload(TINY)
+    cluster = build_cluster(ClusterSpec(workers=2), workload)
+    clock = _RecordingClock()
+    async with open_kvroute(
+        cluster, workload.spec, clock=clock.now, extra_settings=COMPARISON_SETTINGS, network=MemoryNetwork()
+    ) as setup:
+        run = await run_kvroute(setup, clock, workload)
+    assert clock.set_to == [r.arrival_s for r in workload.requests]
+    assert len(run.records) == len(workload.requests)
+
+
+def test_the_documented_cluster_and_status_ttl_of_the_comparison() -> None:
+    # docs/design.md §11: "8 workers, 3 KVCM replicas, 384 KV blocks per worker", and
+    # "prober_fresh_ttl_s = 0.001 so each decision sees the queues at its own arrival".
+    spec = ClusterSpec()
+    assert (spec.workers, spec.kvcm_replicas, spec.kv_capacity_blocks) == (8, 3, 384)
+    assert (DEFAULT_WORKERS, DEFAULT_KVCM_REPLICAS) == (8, 3)
+    assert COMPARISON_SETTINGS == {"prober_fresh_ttl_s": 0.001}
+
+
+# ---- the workload -------------------------------------------------------------------------------------
+
+
+def test_mean_turns_counts_the_follow_up_turns_of_the_multi_turn_share() -> None:
+    assert WorkloadSpec().mean_turns == pytest.approx(1.6)  # 1 + 30 % x 2 follow-ups
+    assert WorkloadSpec(multi_turn_fraction=0.5, turns=3).mean_turns == 2.0
+    assert WorkloadSpec(multi_turn_fraction=1.0, turns=1).mean_turns == 1.0
+
+
+def test_multi_turn_sessions_keep_the_request_rate_at_rate_per_s() -> None:
+    # Half the conversations have 3 turns (2 requests each on average) and answer at once: sessions
+    # start at half the rate, so requests arrive at about rate_per_s.
+    spec = WorkloadSpec(
+        groups=4,
+        prompts_per_group=250,
+        system_prompt_tokens=16,
+        question_tokens=8,
+        output_tokens=8,
+        block_size=16,
+        multi_turn_fraction=0.5,
+        turns=3,
+        think_time_s=0.001,
+        rate_per_s=100.0,
+        seed=3,
+    )
+    workload = build_workload(spec)
+    rate = len(workload.requests) / workload.duration_s
+    assert 90.0 <= rate <= 110.0
+
+
+def test_the_bulk_span_starts_at_the_bulk_windows_first_arrival() -> None:
+    arrivals = [0.0] + [10.0 + 0.25 * i for i in range(9)]  # one early straggler, then the bulk
+    requests = tuple(DemoRequest(f"r{i}", at, 0, i, 0, (), (), 1) for i, at in enumerate(arrivals))
+    assert bulk_window(arrivals) == (1, 9)
+    assert bulk_span(Workload(WorkloadSpec(), requests)) == (10.0, 11.75)
