@@ -7,7 +7,9 @@ tables still looked plausible."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 
 import pytest
 import trio
@@ -19,8 +21,11 @@ from kvroute_sim.demo.lineup import (
     LINEUP_BASELINES,
     MAX_HIT,
     ORACLE,
+    POWER_OF_TWO,
     PRACTICAL_BASELINES,
+    PowerOfTwoBaseline,
 )
+from kvroute_sim.demo.oracle import OracleWeights, TtftOracleBaseline
 from kvroute_sim.demo.report import (
     MEAN_OF_ORACLE_MAX,
     P99_OF_ORACLE_MAX,
@@ -44,7 +49,9 @@ from kvroute_sim.demo.sglang_baseline import SGLANG_CACHE_AWARE
 from kvroute_sim.demo.trace import TraceRecord, trace_workload
 from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec, build_workload, bulk_span, bulk_window
 from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS
+from kvroute_sim.sim.worker import PlannedTask
 from router.transport.memory_adapter import MemoryNetwork
+from router.types import HostMatch
 
 TINY = WorkloadSpec(
     groups=4, prompts_per_group=3, system_prompt_tokens=128, question_tokens=32, output_tokens=32, seed=1
@@ -206,3 +213,95 @@ def test_the_bulk_span_starts_at_the_bulk_windows_first_arrival() -> None:
     requests = tuple(DemoRequest(f"r{i}", at, 0, i, 0, (), (), 1) for i, at in enumerate(arrivals))
     assert bulk_window(arrivals) == (1, 9)
     assert bulk_span(Workload(WorkloadSpec(), requests)) == (10.0, 11.75)
+
+
+# ---- power-of-two and the oracle on hand-built views --------------------------------------------------
+
+
+class _View:
+    """A ``RequestView`` of fixed figures per worker, for one request."""
+
+    def __init__(
+        self,
+        request: DemoRequest,
+        *,
+        plans: Sequence[PlannedTask],
+        outstanding: Sequence[int] = (),
+        in_flight: Sequence[int] = (),
+        cached: Sequence[int] = (),
+    ) -> None:
+        self.request = request
+        self.hosts = tuple(f"10.0.0.{i}:80" for i in range(len(plans)))
+        self._plans = plans
+        self._outstanding = outstanding or [0] * len(plans)
+        self._in_flight = in_flight or [0] * len(plans)
+        self._cached = cached or [0] * len(plans)
+
+    def outstanding_tokens(self, worker: int) -> int:
+        return self._outstanding[worker]
+
+    def cached_blocks(self, worker: int, keys: Sequence[int]) -> int:
+        return self._cached[worker]
+
+    def kvcm_matches(self, keys: Sequence[int]) -> Sequence[HostMatch]:
+        return ()
+
+    def ttft_if_routed(self, worker: int) -> float:
+        return self._plans[worker].finish_at - self.request.arrival_s
+
+    def plan_if_routed(self, worker: int) -> PlannedTask:
+        return self._plans[worker]
+
+    def requests_in_flight(self, worker: int) -> int:
+        return self._in_flight[worker]
+
+
+def _request_at(at: float) -> DemoRequest:
+    return DemoRequest(f"r{at:g}", at, 0, 0, 0, (), (1, 2), 128)
+
+
+def _plan(start: float, finish: float, uncached: int = 100) -> PlannedTask:
+    return PlannedTask(uncached, start, finish, finish, 1)
+
+
+def _tied_view(at: float, workers: int, *, cached: Sequence[int] = ()) -> _View:
+    return _View(_request_at(at), plans=[_plan(at, at + 0.1)] * workers, cached=cached)
+
+
+def test_power_of_two_draws_two_different_workers_and_compares_outstanding_work() -> None:
+    # Worker 1 has less prefill work but more requests in flight: two different draws out of two
+    # workers always compare both, and the less outstanding work wins.
+    view = _View(_request_at(0.0), plans=[_plan(0.0, 0.1)] * 2, outstanding=[10_000, 0], in_flight=[0, 5])
+    policy = PowerOfTwoBaseline(seed=0)
+    assert policy.name == POWER_OF_TWO
+    assert {policy.choose((), view) for _ in range(200)} == {1}
+
+
+def test_the_oracle_breaks_an_exact_tie_to_the_longest_cached_prefix() -> None:
+    oracle = TtftOracleBaseline(0)
+    assert oracle.choose((), _tied_view(0.0, 3, cached=[1, 3, 2])) == 1
+
+
+def test_spread_ties_alternate_between_tied_workers() -> None:
+    oracle = TtftOracleBaseline(0, weights=OracleWeights(spread_ties=True))
+    picks = [oracle.choose((), _tied_view(float(t), 2)) for t in range(12)]
+    assert all(a != b for a, b in itertools.pairwise(picks)), picks
+
+
+def test_the_delay_term_counts_only_arrivals_after_now() -> None:
+    # The arrivals at the request's own instant (itself and three more) are not later ones: none
+    # arrives after it and before either prefill ends, so the TTFT decides, 0.5 against 0.6 (counting
+    # them would charge worker 0's longer prefill 4 x 0.5 / 2 and send the request to worker 1).
+    arrivals = (1.0, 1.0, 1.0, 1.0, 5.0)
+    oracle = TtftOracleBaseline(0, weights=OracleWeights(delay=1.0), arrivals=arrivals)
+    view = _View(_request_at(1.0), plans=[_plan(1.0, 1.5), _plan(1.55, 1.6)])
+    assert oracle.choose((), view) == 0
+
+
+def test_the_delay_term_is_shared_among_the_workers() -> None:
+    # Two later arrivals on either worker, one in n = 2 landing behind the prefill:
+    # worker 0: 0.5 + 0.5 x 2 / 2 = 1.0; worker 1: 0.95 + 0.1 x 2 / 2 = 1.05.
+    arrivals = (1.0, 1.2, 1.3, 5.0)
+    oracle = TtftOracleBaseline(0, weights=OracleWeights(delay=1.0), arrivals=arrivals)
+    view = _View(_request_at(1.0), plans=[_plan(1.0, 1.5), _plan(1.85, 1.95)])
+    assert oracle.choose((), view) == 0
