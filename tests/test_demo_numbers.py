@@ -7,15 +7,26 @@ tables still looked plausible."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
+from kvroute_sim.demo import split_budget
 from kvroute_sim.demo.baselines import MaxHitBaseline
+from kvroute_sim.demo.herding import DEFAULT_NEAR_TIE_TOKENS, default_variants, open_routers
+from kvroute_sim.demo.key_family import ENGINE_FAMILY, WRONG_FAMILY, FamilyFigures, passes
+from kvroute_sim.demo.ladder import LadderEntry, LadderRung, ladder_targets, replay_through, run_kvroute_in_memory
 from kvroute_sim.demo.lineup import (
     KVROUTE,
     LINEUP_BASELINES,
@@ -25,7 +36,8 @@ from kvroute_sim.demo.lineup import (
     PRACTICAL_BASELINES,
     PowerOfTwoBaseline,
 )
-from kvroute_sim.demo.oracle import OracleWeights, TtftOracleBaseline
+from kvroute_sim.demo.load import scale_to_load
+from kvroute_sim.demo.oracle import OracleWeights, TtftOracleBaseline, run_oracle
 from kvroute_sim.demo.report import (
     MEAN_OF_ORACLE_MAX,
     P99_OF_ORACLE_MAX,
@@ -37,21 +49,25 @@ from kvroute_sim.demo.report import (
 from kvroute_sim.demo.runner import (
     COMPARISON_SETTINGS,
     ClusterSpec,
+    KvrouteSetup,
     PolicyRun,
     RequestRecord,
     SimClock,
+    _Tally,
     build_cluster,
     open_kvroute,
     run_baseline,
     run_kvroute,
 )
 from kvroute_sim.demo.sglang_baseline import SGLANG_CACHE_AWARE
-from kvroute_sim.demo.trace import TraceRecord, trace_workload
+from kvroute_sim.demo.split_budget import SplitFigures, measure_splits
+from kvroute_sim.demo.trace import TraceRecord, read_trace, trace_workload, write_trace
 from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec, build_workload, bulk_span, bulk_window
 from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS
 from kvroute_sim.sim.worker import PlannedTask
+from router.api import RouterHandle, open_router
 from router.transport.memory_adapter import MemoryNetwork
-from router.types import HostMatch
+from router.types import HostMatch, KeyFamily, RouteDecision, RouteRequest
 
 TINY = WorkloadSpec(
     groups=4, prompts_per_group=3, system_prompt_tokens=128, question_tokens=32, output_tokens=32, seed=1
@@ -305,3 +321,169 @@ def test_the_delay_term_is_shared_among_the_workers() -> None:
     oracle = TtftOracleBaseline(0, weights=OracleWeights(delay=1.0), arrivals=arrivals)
     view = _View(_request_at(1.0), plans=[_plan(1.0, 1.5), _plan(1.85, 1.95)])
     assert oracle.choose((), view) == 0
+
+
+# ---- the ladder and the herding table -----------------------------------------------------------------
+
+
+async def test_replay_through_takes_the_routers_in_turn(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workload = build_workload(TINY)
+    cluster = build_cluster(ClusterSpec(workers=2), workload)
+    clock = SimClock(trio.current_time())
+    routed: Counter[int] = Counter()
+
+    def counted(handle: RouterHandle, index: int) -> None:
+        route = handle.route
+
+        async def counting(request: RouteRequest) -> RouteDecision:
+            routed[index] += 1
+            return await route(request)
+
+        monkeypatch.setattr(handle, "route", counting)
+
+    async with open_routers(cluster, workload.spec, {}, 2, MemoryNetwork(), clock=clock) as handles:
+        for index, handle in enumerate(handles):
+            counted(handle, index)
+        n = len(workload.requests)
+        await replay_through(handles, cluster, clock, workload, _Tally(KVROUTE, n, None))
+    assert routed == {0: (n + 1) // 2, 1: n // 2}
+
+
+def test_a_replayed_prefill_runs_at_the_requests_shifted_arrival() -> None:
+    # A worker queues a prefill at the later of the time given and the last time it was read. Under
+    # the router's own status TTL (not the comparison's 1 ms) it is not read at every arrival, so a
+    # prefill given the unshifted arrival would run before the measured window; given the shifted
+    # one, kvroute does at least about the oracle's best-reuse work in it.
+    cluster = ClusterSpec(workers=4, kv_capacity_blocks=96)
+    base = build_workload(WorkloadSpec(groups=4, prompts_per_group=6, rate_per_s=100.0, seed=5))
+    workload = scale_to_load(base, cluster, 0.3)
+    kvroute = trio.run(
+        partial(run_kvroute_in_memory, workload, cluster, {}), clock=trio.testing.MockClock(autojump_threshold=0)
+    )
+    oracle = run_oracle(0, workload, cluster)
+    assert kvroute.busy_share >= 0.8 * oracle.busy_share, (kvroute.busy_share, oracle.busy_share)
+
+
+def test_ladder_targets_judge_the_rungs_up_to_the_load_given() -> None:
+    entries = tuple(LadderEntry(_summary(policy, 20.0, 100.0), 1.0, 0.5) for policy in (KVROUTE, ORACLE))
+    rungs = [LadderRung(load, load, entries) for load in (0.3, 0.9, 1.1)]
+    judged = {line.split(":")[0] for line in ladder_targets(rungs, up_to_load=0.9)}
+    assert judged == {"load 30%", "load 90%"}
+
+
+def test_each_herding_variant_runs_the_policy_its_label_names() -> None:
+    variants = default_variants({"prober_fresh_ttl_s": 0.01})
+    assert [(v.label, dict(v.settings)) for v in variants] == [
+        ("cache-affinity", {"prober_fresh_ttl_s": 0.01, "scorer_policy": "cache-affinity"}),
+        ("cost-aware", {"prober_fresh_ttl_s": 0.01, "scorer_policy": "cost-aware", "scorer_near_tie_tokens": 0}),
+        (
+            f"cost-aware, spread {DEFAULT_NEAR_TIE_TOKENS}",
+            {
+                "prober_fresh_ttl_s": 0.01,
+                "scorer_policy": "cost-aware",
+                "scorer_near_tie_tokens": DEFAULT_NEAR_TIE_TOKENS,
+            },
+        ),
+    ]
+
+
+# ---- the trace reader ---------------------------------------------------------------------------------
+
+
+def test_read_trace_returns_the_records_in_timestamp_order(tmp_path: Path) -> None:
+    records = [TraceRecord(float(ts), 512, 8, (ts,)) for ts in (0, 100, 200, 300)]
+    path = write_trace(tmp_path / "reversed.jsonl", reversed(records))
+    assert read_trace(path) == tuple(records)
+
+
+# ---- the scenarios' verdicts --------------------------------------------------------------------------
+
+
+def test_the_split_verdict_fails_a_learned_split_that_answers_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    # More from KVCM and more hits, bought with answers past the request's budget.
+    async def measured(*args: object, **kwargs: object) -> list[SplitFigures]:
+        return [
+            SplitFigures("fixed", requests=10, kvcm=5, hits=5, within_budget=10),
+            SplitFigures("learned", requests=10, kvcm=8, hits=8, within_budget=6),
+        ]
+
+    monkeypatch.setattr(split_budget, "measure_splits", measured)
+    out = io.StringIO()
+    assert split_budget.run(out, better=True) == 1
+    assert out.getvalue().rstrip().endswith(f"FAIL {split_budget.NAME}")
+
+
+def _spy_on_routes(monkeypatch: pytest.MonkeyPatch, calls: list[str], late_split: str | None = None) -> None:
+    """Record every request id the scenario's routers are handed, in order; ``late_split``'s router
+    answers 60 ms after the request at the earliest (past the budget, within twice it)."""
+
+    def spied(handle: RouterHandle) -> None:
+        route = handle.route
+
+        async def recording(request: RouteRequest) -> RouteDecision:
+            calls.append(request.request_id)
+            started = trio.current_time()
+            decision = await route(request)
+            if late_split is not None and request.request_id.startswith(f"{late_split}-"):
+                await trio.sleep_until(started + 0.060)
+            return decision
+
+        monkeypatch.setattr(handle, "route", recording)
+
+    @asynccontextmanager
+    async def spied_kvroute(*args: Any, **kwargs: Any) -> AsyncIterator[KvrouteSetup]:
+        async with open_kvroute(*args, **kwargs) as setup:
+            spied(setup.handle)
+            yield setup
+
+    @asynccontextmanager
+    async def spied_router(*args: Any, **kwargs: Any) -> AsyncIterator[RouterHandle]:
+        async with open_router(*args, **kwargs) as handle:
+            spied(handle)
+            yield handle
+
+    monkeypatch.setattr(split_budget, "open_kvroute", spied_kvroute)
+    monkeypatch.setattr(split_budget, "open_router", spied_router)
+
+
+def _measure(requests: int) -> list[SplitFigures]:
+    return trio.run(
+        partial(measure_splits, network=MemoryNetwork(), requests=requests),
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+
+
+def test_each_request_goes_to_the_splits_in_alternating_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    _spy_on_routes(monkeypatch, calls)
+    _measure(requests=2)
+    rounds = split_budget.WARM_REQUESTS + 2
+    expected = [
+        f"{split}-{i}"
+        for i in range(rounds)
+        for split in (split_budget.SPLITS if i % 2 == 0 else reversed(split_budget.SPLITS))
+    ]
+    assert calls == expected
+
+
+def test_an_answer_past_the_budget_is_not_within_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    _spy_on_routes(monkeypatch, calls, late_split="learned")
+    fixed, learned = _measure(requests=3)
+    assert (fixed.split, learned.split) == ("fixed", "learned")
+    assert fixed.within_budget == 3
+    assert learned.within_budget == 0
+
+
+def _family(family: KeyFamily, *, silent_zero: int, warning: str | None) -> FamilyFigures:
+    return FamilyFigures(family, 40, 40, 40 * 64, 0 if silent_zero else 40 * 64, silent_zero, 40, 0.0, warning)
+
+
+def test_the_key_family_verdict_needs_the_right_family_free_of_the_warning() -> None:
+    wrong = _family(WRONG_FAMILY, silent_zero=40, warning="predicted hits the engines did not find")
+    clean = _family(ENGINE_FAMILY, silent_zero=0, warning=None)
+    assert passes(clean, wrong)
+    assert not passes(replace(clean, warning="predicted hits the engines did not find"), wrong)
+
