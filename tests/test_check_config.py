@@ -311,12 +311,19 @@ def test_fallback_problems_with_the_fallback_off_do_not_say_it_was_disabled() ->
     )
 
 
-def test_localhost_is_loopback_for_both_listeners() -> None:
-    verdict = assess(load_config(GOOD | {"debug_listen": "localhost:0", "grpc_listen": "localhost:50051"}, {}))
+@pytest.mark.parametrize("name", ["localhost", "LocalHost", "localhost."])
+def test_localhost_is_loopback_for_both_listeners(name: str) -> None:
+    # A name is read case-insensitively and without its trailing dot: each spelling is localhost.
+    verdict = assess(load_config(GOOD | {"debug_listen": f"{name}:0", "grpc_listen": f"{name}:50051"}, {}))
     assert "debug HTTP (/healthz /readyz /metrics /debug/*) on localhost, a free port chosen at start (logged)" in (
         verdict.works
     )
     assert not any("not loopback" in line for line in verdict.will_not_work)
+
+
+def test_a_name_that_only_begins_like_localhost_is_not_loopback() -> None:
+    verdict = assess(load_config(GOOD | {"debug_listen": "localhost.example:9"}, {}))
+    assert any(line.startswith("debug HTTP binds localhost.example, not loopback") for line in verdict.will_not_work)
 
 
 def test_a_debug_listener_off_loopback_is_reported_unless_a_token_guards_it(tmp_path: Path) -> None:
