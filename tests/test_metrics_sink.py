@@ -9,7 +9,10 @@ import trio
 import trio.testing
 from prometheus_client import generate_latest
 
+from actors.breaker import BreakerState
 from actors.metrics_sink import (
+    BREAKER_STATE_VALUES,
+    SOURCE_GAUGES,
     BackgroundProbes,
     CandidatesDropped,
     ChannelEvicted,
@@ -17,13 +20,15 @@ from actors.metrics_sink import (
     HitObserved,
     KvcmRequest,
     LeaderChanged,
+    MetricEvent,
     MetricsSink,
     ProbeSkipped,
+    RepliesSent,
     ShadowAgreement,
     StatusLookups,
     retained_decision,
 )
-from router.config import MetricsConfig
+from router.config import MetricsConfig, RouterConfig
 from router.types import (
     CandidateExplain,
     Reason,
@@ -367,3 +372,118 @@ async def test_the_ring_keeps_decisions_cut_to_their_bounds(autojump_clock: trio
         assert len(record.decision.request_id) == 100
         assert len(record.decision.candidates) == 3
         nursery.cancel_scope.cancel()
+
+
+# --- pins: the estimates, the ring's bounds, the labels and buckets ----------------------------------
+
+
+async def applied(sink: MetricsSink, *events: MetricEvent) -> MetricsSink:
+    """``sink`` after its run() has applied ``events``, each in a drained batch of its own."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for event in events:
+            sink.emit(event)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    return sink
+
+
+async def test_reply_times_alone_republish_the_split_estimates(autojump_clock: trio.testing.MockClock) -> None:
+    """A transport's first reply times make the tail cold until it has enough of them, and enough make
+    it the router's part plus theirs: both published with no decision in the same batch."""
+    sink = MetricsSink(MetricsConfig(), split=replace(RouterConfig(), split_min_samples=2))
+    stages = {Stage.CACHE_QUERY: 5.0, Stage.PROBE: 0.5, Stage.SCORE: 0.2, Stage.TAIL: 1.0}
+    await applied(sink, DecisionMade(decision(1, stage_ms=stages)), DecisionMade(decision(2, stage_ms=stages)))
+    assert sink.split_estimates().tail == pytest.approx(0.001)
+    await applied(sink, RepliesSent((0.002,)))
+    assert sink.split_estimates().tail is None
+    await applied(sink, RepliesSent((0.002,)))
+    assert sink.split_estimates().tail == pytest.approx(0.003)
+
+
+def test_retained_decision_cuts_a_long_error_alone() -> None:
+    d = replace(decision(1), error="e" * 100_000)
+    kept = retained_decision(d, text_chars=64, max_candidates=8)
+    assert kept.error is not None and len(kept.error) == 64 and kept.error.endswith("[cut: 100000 chars]")
+    assert kept.request_id == "r1"
+
+
+def _candidates(n: int, chosen_at: int) -> tuple[CandidateExplain, ...]:
+    return tuple(
+        CandidateExplain(f"10.0.1.{i}:8000", "hot", 0, 0, None, None, None, chosen=i == chosen_at) for i in range(n)
+    )
+
+
+def test_retained_decision_keeps_the_chosen_candidate_just_past_the_cap() -> None:
+    candidates = _candidates(5, chosen_at=3)
+    kept = retained_decision(replace(decision(1), candidates=candidates), text_chars=64, max_candidates=3)
+    assert kept.candidates == (*candidates[:2], candidates[3])
+
+
+async def test_a_ring_keeping_no_candidates_keeps_a_decision_with_a_chosen_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    sink = MetricsSink(MetricsConfig(decision_max_candidates=0))
+    await applied(sink, DecisionMade(replace(decision(1), candidates=_candidates(3, chosen_at=2))), StatusLookups())
+    [record] = sink.recent_decisions(1)
+    assert record.decision.request_id == "r1" and record.decision.candidates == ()
+    assert sink.snapshot().processed == 2  # the sink went on to the next event
+
+
+@pytest.mark.parametrize(
+    ("state", "value"), [(BreakerState.CLOSED, 0), (BreakerState.HALF_OPEN, 1), (BreakerState.OPEN, 2)]
+)
+def test_a_breakers_state_scrapes_as_its_help_text_says(state: BreakerState, value: float) -> None:
+    sink = MetricsSink(MetricsConfig())
+    for name in ("kvroute_kvcm_breaker_state", "kvroute_master_breaker_state"):
+        sink.register_gauge_source(name, lambda: BREAKER_STATE_VALUES[state.value])
+        assert f"{value} {state.value.replace('_', '-')}" in SOURCE_GAUGES[name][0]
+        assert f"\n{name} {float(value)}\n" in generate_latest(sink.registry).decode()
+
+
+async def test_hit_accuracy_keeps_the_route_source_it_was_observed_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    observed = (HitObserved("shadow", 64, 0), HitObserved("shadow", 96, 0), HitObserved("shadow", 64, 80))
+    sink = await applied(MetricsSink(MetricsConfig()), *observed)
+    assert sample(sink, "kvroute_hit_silent_zero_total", route_source="shadow") == 2
+    for name in ("kvroute_hit_silent_zero_total", "kvroute_hit_actual_over_predicted_count"):
+        assert sample(sink, name, route_source="kvcm") is None, name
+    assert sample(sink, "kvroute_hit_actual_over_predicted_count", route_source="shadow") == 3
+    # One error observation per hit, a silent zero's the whole predicted hit.
+    assert sample(sink, "kvroute_hit_error_tokens_count", route_source="shadow") == 3
+    assert sample(sink, "kvroute_hit_error_tokens_sum", route_source="shadow") == 64 + 96 + 16
+
+
+async def test_an_exact_hit_is_told_apart_from_a_small_miss(autojump_clock: trio.testing.MockClock) -> None:
+    sink = await applied(MetricsSink(MetricsConfig()), HitObserved("master", 64, 64))
+    bucket = "kvroute_hit_actual_over_predicted_bucket"
+    assert sample(sink, bucket, route_source="master", le="0.9") == 0
+    assert sample(sink, bucket, route_source="master", le="1.0") == 1
+
+
+async def test_a_decision_of_minutes_lands_in_a_bucket_of_its_own(autojump_clock: trio.testing.MockClock) -> None:
+    """The largest cap a setting allows is 600 s: a decision of minutes is not read as the 10 s bucket."""
+    sink = await applied(
+        MetricsSink(MetricsConfig()),
+        DecisionMade(decision(1, stage_ms={Stage.TOTAL: 30_000.0})),
+        DecisionMade(decision(2, stage_ms={Stage.TOTAL: 300_000.0})),
+    )
+    name = "kvroute_route_duration_seconds_bucket"
+    assert sample(sink, name, stage="total", le="10.0") == 0
+    assert sample(sink, name, stage="total", le="60.0") == 1
+    assert sample(sink, name, stage="total", le="600.0") == 2
+
+
+async def test_a_source_step_without_a_reason_has_an_empty_reason_label(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    step = SourceStep(RouteSource.MASTER, SourceOutcome.FELL_THROUGH, None, 1.0)
+    sink = await applied(MetricsSink(MetricsConfig()), DecisionMade(decision(1, sources=(step,))))
+    assert sample(sink, "kvroute_source_outcomes_total", source="master", outcome="fell_through", reason="") == 1
+
+
+async def test_a_negative_agreement_counts_as_none_in_the_window(autojump_clock: trio.testing.MockClock) -> None:
+    sink = MetricsSink(MetricsConfig(shadow_agreement_window=2))
+    await applied(sink, ShadowAgreement(-1.0), ShadowAgreement(1.0))
+    assert sample(sink, "kvroute_shadow_agreement_ratio") == 0.5
