@@ -309,6 +309,19 @@ async def test_flapping_alternates_refusing_and_answering(clock: object, harness
         assert outcomes == ["refused", "routed"] * 2
 
 
+async def test_a_call_to_a_host_nothing_serves_is_counted_in_memory(clock: object, harness: Harness) -> None:
+    """Tests count the calls a host was sent, refused ones too (discovery's polls of a dead replica)."""
+    if not isinstance(harness.transport, MemoryMasterNetwork):
+        pytest.skip("call counts are the in-memory network's")
+    with trio.fail_after(LIMIT_S):
+        with pytest.raises(Unavailable):
+            await harness.transport.schedule(harness.refused_host, REQUEST)
+        with pytest.raises(Unavailable):
+            await harness.transport.master_info(harness.refused_host)
+    assert harness.transport.call_count(harness.refused_host, paths.MASTER_HTTP_SCHEDULE) == 1
+    assert harness.transport.call_count(harness.refused_host, paths.MASTER_HTTP_INFO) == 1
+
+
 async def test_bad_host_is_unavailable_naming_it(clock: object, harness: Harness) -> None:
     with trio.fail_after(LIMIT_S), pytest.raises(Unavailable, match="no-port"):
         await harness.transport.schedule("no-port", REQUEST)

@@ -326,6 +326,29 @@ async def test_a_batch_in_turn_has_threads_of_its_own(clock: object, harness: Ha
                 release.set()
 
 
+async def test_calls_in_turn_share_the_allowance_and_each_begins_where_the_one_before_ended(
+    clock: object, harness: Harness
+) -> None:
+    """A hung call after a slow one gets what the slow one left of the allowance, not an allowance of
+    its own, and its start is its own, not the batch's."""
+    with trio.fail_after(LIMIT_S):
+        prefill, pdfusion = (w.status_target for w in harness.addresses.workers)
+        harness.cluster.workers[0].set_faults(WorkerFaults(delay_s=0.2))
+        harness.cluster.workers[1].set_faults(WorkerFaults(hang=True))
+        within_s = 1.0
+        start = trio.current_time()
+        slow, hung = await harness.status.get_worker_statuses(
+            [WorkerStatusAsk(prefill, -1), WorkerStatusAsk(pdfusion, -1)], within_s
+        )
+        elapsed = trio.current_time() - start
+        assert isinstance(slow.status, WorkerStatus) and isinstance(hung.status, DeadlineExceeded)
+        assert hung.began_after_s is not None and slow.ended_after_s >= 0.2
+        assert hung.began_after_s >= slow.ended_after_s and hung.ended_after_s >= within_s - 0.01
+        if harness.adapter == "memory":
+            assert slow.ended_after_s == pytest.approx(0.2) and hung.began_after_s == pytest.approx(0.2)
+            assert hung.ended_after_s == pytest.approx(within_s) and elapsed == pytest.approx(within_s)
+
+
 async def test_worker_statuses_in_turn_fail_one_by_one_and_share_one_time_allowance(
     clock: object, harness: Harness
 ) -> None:
