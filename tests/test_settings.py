@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from router import request, settings
 from router.cli import WholeNamesHelpFormatter
 from router.config import KvrouteConfig
+from router.problems import bounded
 from router.settings import (
     BY_NAME,
     SETTINGS,
@@ -957,6 +958,14 @@ def test_the_ends_of_a_range_mean_what_the_setting_needs(name: str, refused: str
     problems = [str(p) for p in load_config({**GOOD, name: refused}, {}).errors]
     assert len(problems) == 1 and problems[0].startswith(f"{flag} ("), problems
     assert load_config({**GOOD, name: accepted}, {}).errors == ()
+
+
+def test_a_range_refuses_its_own_default_outside_it() -> None:
+    with pytest.raises(ValueError, match=re.escape("default 5 is outside its own range [0, 1]")):
+        bounded(5, 0, 1)
+    with pytest.raises(ValueError, match=re.escape("default 1 is outside its own range [0, 1)")):
+        bounded(1, 0, 1, high_open=True)
+    bounded(1, 0, 1)  # an end that belongs to the range is a default
 
 
 def test_grpc_max_workers_beyond_its_bound_stops_serve() -> None:
