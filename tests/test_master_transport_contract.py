@@ -31,6 +31,7 @@ from router.types import Role, RoleAddr
 from router.wire import paths
 from router.wire.master import (
     CODE_NO_AVAILABLE_WORKER,
+    MAX_REPLY_BYTES,
     MasterBusinessError,
     MasterFallback,
     MasterRouted,
@@ -246,6 +247,18 @@ async def test_garbled_body_is_garbled(clock: object, harness: Harness) -> None:
         if harness.adapter != "grpc":  # gRPC's master_info goes over HTTP as well
             with pytest.raises(GarbledReply):
                 await harness.transport.master_info(harness.host(0))
+
+
+async def test_a_reply_longer_than_the_bound_is_garbled_naming_the_bound(clock: object, harness: Harness) -> None:
+    """A well-formed reply past MAX_REPLY_BYTES is refused unread: decoded, it would hold the routing thread."""
+    with trio.fail_after(LIMIT_S):
+        harness.sim.set_faults(0, MasterFaults(oversized=True))
+        with pytest.raises(GarbledReply, match=f"{harness.schedule_path}: .*{MAX_REPLY_BYTES}"):
+            await harness.transport.schedule(harness.host(0), REQUEST)
+        with pytest.raises(GarbledReply, match=f"{paths.MASTER_HTTP_INFO}: .*{MAX_REPLY_BYTES}"):
+            await harness.transport.master_info(harness.host(0))  # over HTTP for the gRPC adapter too
+        harness.sim.clear_faults()
+        assert isinstance(await harness.transport.schedule(harness.host(0), REQUEST), MasterRouted)
 
 
 async def test_a_server_exception_is_no_available_worker_over_http_and_internal_over_grpc(

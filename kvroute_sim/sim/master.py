@@ -43,6 +43,7 @@ from router.wire.master import (
     CODE_NO_AVAILABLE_WORKER,
     CODE_QUEUE_TIMEOUT,
     MASTER_ROLES,
+    MAX_REPLY_BYTES,
     BadScheduleRequest,
     MasterScheduleRequest,
     error_json,
@@ -91,6 +92,7 @@ class MasterFaults:
     business_error: int | None = None  # answer this error code
     garbled: bool = False  # a 200 whose body is not JSON (gRPC: undecodable bytes)
     server_error: bool = False  # a plain-text 500 (gRPC: INTERNAL)
+    oversized: bool = False  # a well-formed error reply longer than MAX_REPLY_BYTES, its message the padding
     flapping_period_s: float = 0.0  # > 0: refuse during every other period of this length
     # Not None: every schedule call is queued and never routed, and answered QUEUE_TIMEOUT (8503) once
     # its generate_timeout has passed, counted from this replica's receipt less this many ms (a
@@ -292,6 +294,8 @@ class SimMaster:
             return 200, GARBLED_BODY
         if faults.server_error:
             return 500, b"java.lang.IllegalStateException: simulated"
+        if faults.oversized:
+            return _http_status(CODE_QUEUE_TIMEOUT), error_json(CODE_QUEUE_TIMEOUT, "e" * MAX_REPLY_BYTES)
         if path == paths.MASTER_HTTP_INFO:
             return 200, info_json(self.elected.host, self.queue_length, replica.host.rpartition(":")[0])
         fault = self._fault_code(faults)
@@ -499,6 +503,8 @@ def _grpc_routes(master: SimMaster, replica: SimMasterReplica) -> dict[str, Unar
                 return UNDECODABLE_REPLY
             if faults.server_error:
                 raise PeerAbort(RpcStatus.INTERNAL, "simulated")
+            if faults.oversized:
+                return error_pb(CODE_QUEUE_TIMEOUT, "e" * MAX_REPLY_BYTES)
             fault = master._fault_code(faults)
             if fault is not None:
                 return error_pb(*fault)

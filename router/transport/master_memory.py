@@ -1,21 +1,22 @@
 """In-memory adapter of ``MasterTransport``: HTTP-shaped exchanges with handlers, for MockClock tests.
 
 A handler answers ``(path, body) -> (http status, body)`` exactly as the scheduler's HTTP API
-would, and the replies go through the same decoders as the HTTP adapter's, so a garbled body,
-a non-JSON 500 or an 8600 means the same thing here. A host with no handler refuses the
-connection (``Unavailable``); a handler raising ``PeerAbort(UNAVAILABLE)`` is a reset. Delays
-and hangs are the handler's trio sleeps, so they run on virtual time and end at the caller's
-deadline.
+would, and the replies go through the same bound and decoders as the HTTP adapter's, so a body
+longer than ``MAX_REPLY_BYTES``, a garbled body, a non-JSON 500 or an 8600 means the same thing
+here. A host with no handler refuses the connection (``Unavailable``); a handler raising
+``PeerAbort(UNAVAILABLE)`` is a reset. Delays and hangs are the handler's trio sleeps, so they run
+on virtual time and end at the caller's deadline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from router.transport.errors import PeerAbort, Unavailable, status_to_error
+from router.transport.errors import GarbledReply, PeerAbort, Unavailable, status_to_error
 from router.transport.master_body import schedule_body
 from router.wire import paths
 from router.wire.master import (
+    MAX_REPLY_BYTES,
     MasterInfo,
     MasterReply,
     MasterScheduleRequest,
@@ -50,9 +51,12 @@ class MemoryMasterNetwork:
         if handler is None:
             raise Unavailable(host, "connection refused (no server at this host)")
         try:
-            return await handler(path, body)
+            status, reply = await handler(path, body)
         except PeerAbort as abort:
             raise status_to_error(host, abort.status, abort.details) from abort
+        if len(reply) > MAX_REPLY_BYTES:  # as the HTTP adapter: refused unread
+            raise GarbledReply(host, f"{path}: reply body larger than {MAX_REPLY_BYTES} bytes")
+        return status, reply
 
     async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
         status, body = await self._post(host, paths.MASTER_HTTP_SCHEDULE, await schedule_body(request))
