@@ -28,7 +28,7 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
 from router.config import ChannelPoolConfig
 from router.transport.clients import KvcmClient, WorkerStatusClient
-from router.transport.errors import DeadlineExceeded, GarbledReply, NotLeader, RemoteError, Unavailable
+from router.transport.errors import DeadlineExceeded, GarbledReply, NotLeader, NotSent, RemoteError, Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.memory_adapter import MemoryNetwork
 from router.transport.ports import RawRpc, WorkerStatusAsk
@@ -253,6 +253,24 @@ async def test_hang_ends_at_the_callers_deadline(clock: object, harness: Harness
         assert harness.cluster.kvcm.faults(node).hang
 
 
+async def test_a_call_whose_deadline_has_passed_is_not_sent(clock: object, harness: Harness) -> None:
+    """NotSent, a DeadlineExceeded the peer never saw: a caller may retry it elsewhere, and a fake peer
+    that answered it would hide from MockClock tests what the real adapter does."""
+    with trio.fail_after(LIMIT_S):
+        node, target = harness.node(0)
+        stats = harness.cluster.kvcm.stats(node)
+        await harness.kvcm.get_cluster_info(target, INSTANCE)  # the channel is open: only the deadline stops it
+        with trio.CancelScope(deadline=trio.current_time() - 1) as scope:
+            with pytest.raises(NotSent):
+                await harness.kvcm.get_cluster_info(target, INSTANCE)
+            with pytest.raises(NotSent):  # before the target is looked at
+                await harness.kvcm.get_cluster_info(harness.refused_target, INSTANCE)
+        assert not scope.cancelled_caught
+        assert stats.get(paths.KVCM_GET_CLUSTER_INFO).calls == 1
+        if isinstance(harness.rpc, MemoryNetwork):
+            assert harness.rpc.call_count(method_path=paths.KVCM_GET_CLUSTER_INFO) == 1
+
+
 async def test_hang_is_answered_when_the_fault_clears(clock: object, harness: Harness) -> None:
     with trio.fail_after(LIMIT_S):
         node, target = harness.node(0)
@@ -347,6 +365,17 @@ async def test_calls_in_turn_share_the_allowance_and_each_begins_where_the_one_b
         if harness.adapter == "memory":
             assert slow.ended_after_s == pytest.approx(0.2) and hung.began_after_s == pytest.approx(0.2)
             assert hung.ended_after_s == pytest.approx(within_s) and elapsed == pytest.approx(within_s)
+
+
+async def test_a_batch_in_turn_whose_deadline_has_passed_is_cancelled_with_no_call_made(
+    clock: object, harness: Harness
+) -> None:
+    with trio.fail_after(LIMIT_S):
+        prefill = harness.addresses.workers[0].status_target
+        with trio.CancelScope(deadline=trio.current_time() - 1) as scope:
+            await harness.status.get_worker_statuses([WorkerStatusAsk(prefill, -1)], 1.0)
+        assert scope.cancelled_caught
+        assert harness.cluster.workers[0].stats.get(paths.WORKER_GET_STATUS).calls == 0
 
 
 async def test_worker_statuses_in_turn_fail_one_by_one_and_share_one_time_allowance(

@@ -11,7 +11,14 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
-from router.transport.errors import DeadlineExceeded, PeerAbort, TransportError, Unavailable, status_to_error
+from router.transport.errors import (
+    DeadlineExceeded,
+    NotSent,
+    PeerAbort,
+    TransportError,
+    Unavailable,
+    status_to_error,
+)
 from router.transport.ports import InTurnCall, InTurnReply
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
@@ -38,6 +45,9 @@ class MemoryNetwork:
         )
 
     async def call(self, target: str, method_path: str, request: bytes) -> bytes:
+        # As GrpcRawRpc: a call whose deadline has passed is neither sent nor counted.
+        if trio.current_effective_deadline() <= trio.current_time():
+            raise NotSent(target, "deadline already passed; not sent")
         key = (target, method_path)
         self.calls[key] = self.calls.get(key, 0) + 1
         handler = self._handlers.get(target)
@@ -57,6 +67,9 @@ class MemoryNetwork:
             if trio.current_time() >= ends_at:
                 replies.append(InTurnReply(None, trio.current_time() - started))
                 continue
+            # The caller's own deadline passed: cancelled, as the gRPC adapter's leases are, not a
+            # NotSent reply per call.
+            await trio.lowlevel.checkpoint_if_cancelled()
             reply: bytes | TransportError = DeadlineExceeded(call.target, "no reply within the batch's time")
             began = trio.current_time() - started
             with trio.move_on_at(ends_at):
