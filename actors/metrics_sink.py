@@ -68,11 +68,13 @@ BREAKER_STATE_VALUES: Mapping[str, float] = {"closed": 0.0, "half_open": 1.0, "o
 
 @dataclass(frozen=True, slots=True)
 class DecisionMade:
-    """A routing decision: counted by route_source/reason, its stage_ms and elapsed_ms observed,
-    every candidate with a ``dropped`` reason counted, and the decision kept in the ring (cut to
-    bounded size: see :func:`retained_decision`). ``events``: what the request's sources observed
-    on its way (KVCM outcome, status cache hits, ...), applied with it: one inbox message per
-    decision instead of one per observation."""
+    """A routing decision: counted by route_source/reason, its stage_ms and elapsed_ms observed, and
+    the decision kept in the ring (cut to bounded size: see :func:`retained_decision`). Its
+    candidates' ``dropped`` reasons are not counted here: the sources count their drops with
+    :class:`CandidatesDropped` events (a decision's candidates are only those it explains).
+    ``events``: what the request's sources observed on its way (KVCM outcome, status cache hits,
+    dropped candidates, ...), applied with it: one inbox message per decision instead of one per
+    observation."""
 
     decision: RouteDecision
     events: tuple[MetricEvent, ...] = ()
