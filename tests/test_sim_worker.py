@@ -211,6 +211,53 @@ def test_spec_validation_names_the_field() -> None:
         WorkerFaults(garbled="undecodable")  # type: ignore[arg-type]
 
 
+# ---- the running KV pool, busy time and load ----
+
+
+def _pooled_worker() -> SimWorker:
+    """A 10-block running pool of 100-token blocks; a sequence decodes 10 tokens a second."""
+    return _worker(decode_tokens_per_s=10.0, running_kv_blocks=10, kv_block_tokens=100)
+
+
+def test_a_prompt_that_fills_the_pool_exactly_starts_at_once() -> None:
+    worker = _pooled_worker()
+    worker.submit("a", 500, 0, 0.0, output_tokens=100)  # 6 blocks, held until 0.5 + 10 s
+    assert worker.submit("b", 300, 0, 1.0, output_tokens=100) == pytest.approx(0.3)  # 4 more: exactly 10
+    assert worker.held_kv_blocks(1.1) == 10
+
+
+def test_a_request_larger_than_the_pool_waits_for_the_pool_to_empty_then_runs_alone() -> None:
+    worker = _pooled_worker()
+    worker.submit("a", 50, 0, 0.0, output_tokens=50)  # 1 block, held until 0.05 + 5 s
+    # 20 blocks can never fit beside anything: it starts when "a" leaves, at 5.05, and prefills 2 s.
+    assert worker.submit("big", 2000, 0, 1.0) == pytest.approx(5.05 - 1.0 + 2.0)
+
+
+def test_held_kv_counts_only_the_prefills_that_started() -> None:
+    worker = _worker(kv_block_tokens=100)
+    worker.submit("a", 1000, 0, 0.0)  # 10 blocks, prefill 0..1
+    worker.submit("b", 500, 0, 0.0)  # 5 blocks, waits until 1
+    assert worker.held_kv_blocks(0.0) == 10
+    assert worker.held_kv_blocks(0.5) == 10
+    assert worker.held_kv_blocks(1.2) == 5
+
+
+def test_busy_time_counts_a_prefill_straddling_the_window_start() -> None:
+    worker = _worker()
+    worker.submit("a", 1000, 0, 0.0)  # prefill 0..1
+    worker.submit("b", 1000, 0, 0.0)  # prefill 1..2
+    assert worker.busy_s(0.5, 1.5) == pytest.approx(1.0)
+    assert worker.busy_s(0.25, 0.75) == pytest.approx(0.5)
+
+
+def test_available_concurrency_falls_with_the_tasks_in_flight() -> None:
+    worker = _worker(max_tasks=4)
+    assert _raw_status(worker, 0.0).available_concurrency == 4
+    worker.submit("a", 1000, 0, 0.0)
+    worker.submit("b", 1000, 0, 0.0)
+    assert _raw_status(worker, 0.1).available_concurrency == 2
+
+
 # ---- faults ----
 
 
@@ -289,3 +336,24 @@ async def test_memory_server_status_follows_the_trio_clock(autojump_clock: trio.
     await trio.sleep(0.25)
     status = await client.get_worker_status("w", -1)
     assert status.running[0].remaining_prefill_tokens == 750
+
+
+async def test_clearing_a_hang_answers_every_hung_call(autojump_clock: trio.testing.MockClock) -> None:
+    worker = _worker()
+    network = MemoryNetwork()
+    network.serve("w", memory_handler(worker))
+    client = WorkerStatusClient(network)
+    worker.set_faults(WorkerFaults(hang=True))
+    answered: list[WorkerStatus] = []
+
+    async def call() -> None:
+        answered.append(await client.get_worker_status("w", -1))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(call)
+            await trio.testing.wait_all_tasks_blocked()
+            assert worker.stats.get(paths.WORKER_GET_STATUS).in_flight == 3 and answered == []
+            worker.set_faults(WorkerFaults())
+    assert len(answered) == 3
