@@ -258,6 +258,17 @@ def test_available_concurrency_falls_with_the_tasks_in_flight() -> None:
     assert _raw_status(worker, 0.1).available_concurrency == 2
 
 
+def test_a_finished_tasks_end_time_is_when_it_left_after_its_decode() -> None:
+    """A task that decoded reported the end of its prefill as its end time."""
+    worker = _worker(decode_tokens_per_s=40.0)
+    worker.submit("decoded", 1000, 0, 0.0, output_tokens=40)  # prefill 0..1, decode 1..2
+    worker.submit("prefill-only", 500, 0, 0.0)  # prefill 1..1.5, no decode
+    assert {t.request_id: t.end_time_ms for t in _raw_status(worker, 3.0).finished_task_list} == {
+        "prefill-only": 1500,
+        "decoded": 2000,
+    }
+
+
 # ---- faults ----
 
 

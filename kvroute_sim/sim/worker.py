@@ -14,7 +14,8 @@ batched with the others). From the start of its prefill to the end of its decode
 head of the queue until enough running requests end (FIFO, no overtaking), which is how a
 worker full of long decodes queues new prompts. A request larger than the whole pool runs
 alone. Decoding requests are reported as running tasks with nothing left to prefill and
-finish when their decode ends; with ``output_tokens`` 0 a request finishes with its prefill.
+finish when their decode ends; with ``output_tokens`` 0 a request finishes with its prefill. A
+finished task's ``end_time_ms`` is when it finished (left the worker), on the simulation's clock.
 
 ``status_version`` starts at 1 and increases on every
 change (a task queued, started or finished); each finished task gets the version of its
@@ -489,7 +490,7 @@ class SimWorker:
                     input_length=done.task.input_length,
                     prefix_length=done.task.cached,
                     prefix_length_valid=True,
-                    end_time_ms=round(done.task.finish_at * 1000),
+                    end_time_ms=round(done.task.release_at * 1000),  # when it left: after its decode, if any
                 )
         return reply
 
