@@ -17,11 +17,12 @@ import trio
 import trio.testing
 
 from kvroute_sim.sim.cluster import SimCluster
-from kvroute_sim.sim.cluster_cli import configure
+from kvroute_sim.sim.cluster_cli import build_cluster, configure
 from kvroute_sim.sim.traffic import TrafficSpec, TrafficStats, run_traffic, seed_prefixes, system_prompt
-from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
+from kvroute_sim.sim.worker import SimWorkerOverloaded, WorkerFaults, WorkerSpec
 from router.keys import block_keys
 from router.transport.clients import KvcmClient, WorkerStatusClient
+from router.transport.errors import NotLeader, RemoteError
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import CacheQuery, HostMatch, KeyFamily, QueryType, WorkerAddr
 from router.wire import decode, paths
@@ -58,6 +59,31 @@ def test_run_prefill_hits_the_cache_and_records_the_prompt() -> None:
     assert cluster.kvcm.match(KEYS) == (HostMatch(host0, 7, 0, 7),)
     with pytest.raises(ValueError, match="worker"):
         cluster.run_prefill("10.0.0.1:1", "d", KEYS, 10, 3.0)
+
+
+def test_a_rejected_prefill_is_not_recorded_in_the_index() -> None:
+    cluster = SimCluster([WorkerSpec(max_tasks=1)])
+    cluster.serve_memory(MemoryNetwork())
+    cluster.run_prefill(0, "a", (1, 2), 2 * cluster.block_size, 0.0)
+    with pytest.raises(SimWorkerOverloaded):
+        cluster.run_prefill(0, "b", (7, 8), 2 * cluster.block_size, 0.0)
+    assert cluster.kvcm.match((7, 8)) == ()
+
+
+async def test_followers_answer_queries_when_the_cluster_says_so(autojump_clock: trio.testing.MockClock) -> None:
+    for followers_answer in (False, True):
+        cluster = SimCluster(2, kvcm_replicas=2, followers_answer_queries=followers_answer)
+        network = MemoryNetwork()
+        addresses = cluster.serve_memory(network)
+        cluster.run_prefill(0, "seed", KEYS, len(KEYS) * cluster.block_size, 0.0)
+        follower = next(target for node, target in addresses.kvcm_nodes if node != addresses.leader)
+        query = KvcmClient(network).get_host_cache_state(follower, CacheQuery("", QueryType.PREFIX_MATCH, KEYS))
+        if not followers_answer:
+            with pytest.raises(NotLeader):
+                await query
+            continue
+        state = await query
+        assert [(h.host_ip_port, h.local) for h in state.hosts] == [(addresses.workers[0].http_target, len(KEYS))]
 
 
 def test_unserved_cluster_and_bad_sizes() -> None:
@@ -100,6 +126,30 @@ async def test_traffic_loads_workers_and_caches(autojump_clock: trio.testing.Moc
     assert state.hosts and all(h.local == len(keys) for h in state.hosts)
     status = await WorkerStatusClient(network).get_worker_status(addresses.workers[0].status_target, -1)
     assert status.status_version > 1
+
+
+async def test_full_affinity_traffic_goes_to_the_holder(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster(4)
+    cluster.serve_memory(MemoryNetwork())
+    spec = TrafficSpec(groups=1, system_prompt_tokens=512, holders_per_group=1, rate_per_s=100.0, affinity=1.0)
+    [seeded] = seed_prefixes(cluster, spec)
+    stats = TrafficStats()
+    with trio.move_on_after(1.0):
+        await run_traffic(cluster, spec, stats)
+    holder = cluster.worker_index(seeded.workers[0])
+    assert stats.sent > 50 and stats.rejected == 0
+    assert [w.requests_submitted for w in cluster.workers] == [stats.sent if i == holder else 0 for i in range(4)]
+
+
+async def test_traffic_arrives_on_the_trio_clock(autojump_clock: trio.testing.MockClock) -> None:
+    cluster = SimCluster([WorkerSpec(prefill_tokens_per_s=1e9)] * 2)
+    cluster.serve_memory(MemoryNetwork())
+    spec = TrafficSpec(groups=1, system_prompt_tokens=128, rate_per_s=200.0)
+    with trio.move_on_after(1.0):
+        await run_traffic(cluster, spec)
+    # Each prefill takes under a microsecond: the workers were busy in the second half of the run
+    # only if requests arrived then, at the trio time they were sent.
+    assert cluster.busy_share(0.5, 1.0) > 0
 
 
 async def test_grpc_serving_stops_cleanly_on_cancel() -> None:
@@ -246,6 +296,34 @@ def test_a_positive_flag_says_what_it_takes(
         parser.parse_args(["--duration", given])
     assert f"argument --duration: {message}\n" in capsys.readouterr().err
     assert parser.parse_args(["--duration", "0.5"]).duration == 0.5
+
+
+async def test_sim_cluster_flags_reach_the_cluster_and_traffic(autojump_clock: trio.testing.MockClock) -> None:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(
+        [
+            *("--workers", "2", "--role", "PDFUSION", "--no-report-block-size", "--block-size", "16"),
+            *("--followers-answer-queries", "--instance-id", "dep_16", "--key-family", "vllm"),
+            *("--traffic-rate", "5", "--kv-capacity-blocks", "99", "--prefill-tokens-per-s", "1234"),
+        ]
+    )
+    cluster, traffic = build_cluster(args)
+    assert cluster.block_size == 16
+    assert {w.spec for w in cluster.workers} == {
+        WorkerSpec(role="RoleType.PDFUSION", block_size=None, kv_capacity_blocks=99, prefill_tokens_per_s=1234.0)
+    }
+    assert (traffic.rate_per_s, traffic.key_family) == (5.0, KeyFamily.VLLM)
+    network = MemoryNetwork()
+    addresses = cluster.serve_memory(network)
+    kvcm = KvcmClient(network)
+    # A follower answers a query under the instance id; the leader refuses another instance id.
+    follower = next(target for node, target in addresses.kvcm_nodes if node != addresses.leader)
+    state = await kvcm.get_host_cache_state(follower, CacheQuery("dep_16", QueryType.PREFIX_MATCH, KEYS))
+    assert state.hosts == ()
+    leader = dict(addresses.kvcm_nodes)[addresses.leader or ""]
+    with pytest.raises(RemoteError, match="instance_id"):
+        await kvcm.get_host_cache_state(leader, CacheQuery("other", QueryType.PREFIX_MATCH, KEYS))
 
 
 @pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])  # not this machine's; never resolves

@@ -165,7 +165,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cluster, traffic = _build(args)
+        cluster, traffic = build_cluster(args)
     except ValueError as exc:
         print(f"kvroute sim-cluster: error: {exc}", file=sys.stderr)
         return 2
@@ -179,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_CANNOT_SERVE if host_errors else 0
 
 
-def _build(args: argparse.Namespace) -> tuple[SimCluster, TrafficSpec]:
+def build_cluster(args: argparse.Namespace) -> tuple[SimCluster, TrafficSpec]:
+    """The cluster and its seeding and traffic, from the parsed flags (nothing served yet)."""
     worker_spec = WorkerSpec(
         role=f"RoleType.{args.role}",
         prefill_tokens_per_s=args.prefill_tokens_per_s,
