@@ -7,16 +7,20 @@ the transport.
 
 Autojump and real sockets never meet: the ``clock`` fixture is a MockClock only for ``memory``.
 Every test body runs under an absolute ``trio.fail_after(10)`` (virtual seconds in memory).
+The last section is the gRPC sim server's own: when it reads its clock, and ``CallStats``' waits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from functools import partial
 
+import grpc
 import pytest
 import trio
 import trio.testing
@@ -24,8 +28,9 @@ import trio.testing
 from actors.channel_pool import ChannelPool
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.faults import CallStats, Garble
+from kvroute_sim.sim.grpc_server import serve_endpoint
 from kvroute_sim.sim.kvcm import KvcmFaults
-from kvroute_sim.sim.worker import WorkerFaults, WorkerSpec
+from kvroute_sim.sim.worker import SimWorker, WorkerFaults, WorkerSpec
 from router.config import ChannelPoolConfig
 from router.transport.clients import KvcmClient, WorkerStatusClient
 from router.transport.errors import DeadlineExceeded, GarbledReply, NotLeader, NotSent, RemoteError, Unavailable
@@ -292,6 +297,34 @@ async def test_hang_is_answered_when_the_fault_clears(clock: object, harness: Ha
         ]
 
 
+async def test_a_hung_call_follows_the_fault_it_changes_to(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        worker = harness.cluster.workers[1]
+        target = harness.addresses.workers[1].status_target
+        worker.set_faults(WorkerFaults(hang=True))
+
+        async def ask() -> None:
+            with pytest.raises(Unavailable):
+                await harness.status.get_worker_status(target, -1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            await harness.until_in_flight(worker.stats, paths.WORKER_GET_STATUS, 1)
+            worker.set_faults(WorkerFaults(dead=True))  # the hang becomes a dead peer, not an answer
+
+
+async def test_a_delayed_call_ends_on_the_server_when_the_caller_leaves(clock: object, harness: Harness) -> None:
+    with trio.fail_after(LIMIT_S):
+        worker = harness.cluster.workers[1]
+        target = harness.addresses.workers[1].status_target
+        worker.set_faults(WorkerFaults(delay_s=30.0))  # far longer than the test waits
+        with trio.move_on_after(0.3):
+            with contextlib.suppress(DeadlineExceeded):  # gRPC's own timeout may fire first
+                await harness.status.get_worker_status(target, -1)
+        # The handler (a thread under gRPC) is free again although the delay has not run out.
+        await harness.until_in_flight(worker.stats, paths.WORKER_GET_STATUS, 0)
+
+
 # ---- GetWorkerStatus ----
 
 
@@ -419,3 +452,31 @@ async def test_worker_statuses_in_turn_fail_one_by_one_and_share_one_time_allowa
         assert isinstance(first_reply.status, WorkerStatus) and isinstance(hung_after.status, DeadlineExceeded)
         assert first_reply.ended_after_s < hung_after.ended_after_s and hung_after.ended_after_s >= within_s - 0.01
         assert await harness.status.get_worker_statuses([], within_s) == []
+
+
+# ---- the gRPC server's clock and its call counts ----
+
+
+async def test_a_delayed_grpc_reply_reads_the_clock_when_it_answers(
+    nursery: trio.Nursery, pool: ChannelPool[grpc.Channel]
+) -> None:
+    """The reply shows the worker as it is when the delay is over, not as it was when the call arrived."""
+    with trio.fail_after(LIMIT_S):
+        ticks = itertools.count(0.0, 10.0)  # each read of the server's clock is 10 s after the last
+        worker = SimWorker("w", WorkerSpec(prefill_tokens_per_s=1000.0))
+        worker.submit("a", 5000, 0, 0.0)  # prefill 0..5 s
+        worker.set_faults(WorkerFaults(delay_s=0.05))
+        server = await nursery.start(partial(serve_endpoint, worker, clock=lambda: next(ticks)))
+        status = await WorkerStatusClient(GrpcRawRpc(pool, start_off_loop=True)).get_worker_status(server.target, -1)
+        assert [t.request_id for t in status.finished] == ["a"] and status.running == ()
+
+
+def test_wait_in_flight_waits_for_the_exact_count() -> None:
+    method = paths.WORKER_GET_STATUS
+    stats = CallStats(frozenset({method}))
+    stats.begin(method)
+    assert not stats.wait_in_flight(method, 0, 0.05)
+    assert not stats.wait_in_flight(method, 2, 0.05)
+    assert stats.wait_in_flight(method, 1, 0.05)
+    stats.end(method)
+    assert stats.wait_in_flight(method, 0, 0.05)
