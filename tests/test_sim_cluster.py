@@ -326,9 +326,9 @@ async def test_sim_cluster_flags_reach_the_cluster_and_traffic(autojump_clock: t
         await kvcm.get_host_cache_state(leader, CacheQuery("other", QueryType.PREFIX_MATCH, KEYS))
 
 
-@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])  # not this machine's; never resolves
-def test_cli_names_a_host_it_cannot_bind_in_one_line(host: str) -> None:
+def test_cli_names_a_host_it_cannot_bind_in_one_line() -> None:
     """It printed a 73-line ExceptionGroup traceback."""
+    host = "192.0.2.1"  # a documentation address: not this machine's
     result = subprocess.run(
         [sys.executable, "-P", "-m", "router.cli", "sim-cluster", "--duration", "1", "--host", host],
         capture_output=True,
@@ -342,6 +342,30 @@ def test_cli_names_a_host_it_cannot_bind_in_one_line(host: str) -> None:
     # gRPC's own logger may add a line of its own; the command says it once, naming the flag.
     [line] = [line for line in stderr.splitlines() if line.startswith("kvroute sim-cluster:")]
     assert line.startswith(f"kvroute sim-cluster: --host {host}: cannot bind"), stderr
+
+
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        ("localhost", "must be an IP address"),
+        ("no-such-host.invalid", "must be an IP address"),
+        ("0.0.0.0", "not the wildcard 0.0.0.0"),
+        ("::", "not the wildcard ::"),
+    ],
+)
+def test_a_host_name_or_wildcard_is_refused_naming_the_flag(
+    host: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--host`` is advertised as the replicas' and workers' ip:port: a name or a wildcard was
+    advertised as it was given (localhost:41001, 0.0.0.0:41001)."""
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--host", host])
+    [error] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert "argument --host: must be " in error and message in error
+    assert parser.parse_args(["--host", "::1"]).host == "::1"
+    assert parser.parse_args([]).host == "127.0.0.1"
 
 
 async def test_fleet_stats_count_peak_concurrency_across_workers(

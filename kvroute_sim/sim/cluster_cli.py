@@ -6,14 +6,16 @@ and queue knowledge (``cluster_decide``).
 
 Prints where everything listens (human-readable lines, or one JSON line with
 ``--print-json``), pre-seeds cached prefixes so a query returns matches, optionally
-runs background traffic, and serves until SIGINT/SIGTERM (exit 0) or ``--duration``. A server
-that cannot bind ``--host`` (not local, not resolvable) is one line naming the flag, exit 1.
+runs background traffic, and serves until SIGINT/SIGTERM (exit 0) or ``--duration``. ``--host`` is
+an IP address (a name or a wildcard is refused, naming the flag, exit 2); a server that cannot bind
+it (not this machine's) is one line naming the flag, exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import ipaddress
 import json
 import math
 import signal
@@ -74,6 +76,23 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _advertised_ip(text: str) -> str:
+    """``--host`` is where the servers bind and also the address they advertise (KVCM's host_ip_port
+    entries and leader endpoint, the printed flags), which the wire contract makes an ``ip:port``: a
+    name or a wildcard there would send clients to an address that is not one."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an IP address, as the servers advertise it (e.g. 127.0.0.1), got {text!r}"
+        ) from None
+    if address.is_unspecified:
+        raise argparse.ArgumentTypeError(
+            f"must be one address the servers can advertise, not the wildcard {text}"
+        )
+    return str(address)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers", type=_at_least(1), default=DEFAULT_WORKERS, help="number of simulated workers"
@@ -125,7 +144,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--instance-id", default="", help="KVCM instance id to accept (default: any)")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address every server binds (port 0: any free port)"
+        "--host",
+        type=_advertised_ip,
+        default="127.0.0.1",
+        help="IP address every server binds and advertises (port 0: any free port)",
     )
     parser.add_argument("--max-threads", type=_at_least(1), default=8, help="handler threads per server")
     parser.add_argument(
@@ -219,7 +241,7 @@ async def _serve(cluster: SimCluster, traffic: TrafficSpec, args: argparse.Names
                     decide = cluster_decide(cluster, trio.lowlevel.current_clock().current_time, traffic.key_family)
                     sim_master = SimMaster(replicas=args.master_replicas, decide=decide)
                     master = await nursery.start(functools.partial(sim_master.run, host=args.host))
-            except* OSError as group:  # a server could not bind: the host is not this machine's, or unknown
+            except* OSError as group:  # a server could not bind: the address is not this machine's
                 raise HostError(f"--host {args.host}: " + "; ".join(map(str, leaves(group)))) from None
             seeded = () if args.no_seed else seed_prefixes(cluster, traffic)
             _print_addresses(addresses, master, seeded, args.print_json)
