@@ -104,7 +104,7 @@ _T = TypeVar("_T")
 ROUTER_SERVICE = "kvroute.v1.Router"
 ERROR_METADATA_KEY = "kvroute-error"
 PATH_COST_DECAY = 0.9  # weight the own-path estimate keeps per call (a few calls follow a change)
-CALL_TIMING_SAMPLES = 65_536  # the most recent answered calls' timings kept for take_call_timings()
+CALL_TIMING_SAMPLES = 65_536  # the most recent calls' timings kept for take_call_timings()
 # The trio thread publishes the router's readiness this often; a health Check answers from the last
 # publication without waiting for the trio thread (this much stale at most, while that thread runs).
 READY_PUBLISH_S = 0.5
@@ -311,8 +311,13 @@ class CallTiming:
     scoring_s: float | None = None
     # The client's deadline left at receipt (None: it set none): at most 0, the client had given up.
     client_left_s: float | None = None
-    # The answer's source (None: answered overloaded at receipt, on the handler thread).
+    # The answer's source (None: answered overloaded at receipt, on the handler thread, or not answered).
     route_source: RouteSource | None = None
+    # False: handed to the router, the call got no reply: the handler gave up at its wait's end
+    # (DEADLINE_EXCEEDED), the router stopped (UNAVAILABLE) or failed (INTERNAL); elapsed_s is its
+    # receipt to that end. Kept, as the slowest calls are: a latency over the replies alone would
+    # leave them out.
+    answered: bool = True
 
     @property
     def own_path_s(self) -> float:
@@ -644,8 +649,9 @@ class Sidecar:
 
     def take_call_timings(self) -> list[CallTiming]:
         """The timings of the calls a reply was made for since the last take (answered, or their client
-        gone by then: ``client_gone``; at most CALL_TIMING_SAMPLES, the latest; none unless the
-        sidecar was made with ``keep_call_timings``)."""
+        gone by then: ``client_gone``), and of those handed to the router that got none
+        (``CallTiming.answered`` false); at most CALL_TIMING_SAMPLES, the latest; none unless the
+        sidecar was made with ``keep_call_timings``."""
         taken: list[CallTiming] = []
         timings = self._timings
         if timings is None:
@@ -805,7 +811,7 @@ class Sidecar:
             self._counters.ended()
         outcome = "answered"
         try:
-            reply, allowed_s, stage_ms, hops, source = self._route_call(data, context, received)
+            reply, allowed_s, stage_ms, hops, source = self._route_call(data, context, received, remaining)
             # A client that cancelled, or whose deadline passed, receives no reply: not "answered" (its
             # timing is kept, though: a reply made too late is what the timings are to show).
             if not context.is_active():
@@ -839,7 +845,7 @@ class Sidecar:
             self._counters.leave(outcome)
 
     def _route_call(
-        self, data: bytes, context: grpc.ServicerContext, received: float
+        self, data: bytes, context: grpc.ServicerContext, received: float, left_at_receipt: float | None
     ) -> tuple[bytes, float, Mapping[Stage, float], _CallHops | None, RouteSource | None]:
         """The serialised decision, the time it had left at receipt in seconds (its routing deadline,
         min(budget, cap), less its wait for the handler thread, at least 0), the decision's stage times
@@ -924,12 +930,30 @@ class Sidecar:
         finally:
             if not gave_up:
                 release(answered=decided)
+            if not decided:
+                self._keep_unanswered(received, routing_s, left_at_receipt, hops)
         reply = self._reply(decision, context)
         done = time.monotonic()
         if hops.settled_at is not None:  # the future's settling orders the trio thread's write before this read
             self._reply_times.append(done - hops.settled_at)
         self._observe_path_cost(done - handed_at - decision.elapsed_ms / 1000.0)
         return reply, routing_s, decision.stage_ms, hops, decision.route_source
+
+    def _keep_unanswered(self, received: float, routing_s: float, remaining: float | None, hops: _CallHops) -> None:
+        """A handed call that got no decision: its timing, if timings are kept (``CallTiming.answered``).
+        ``remaining``: the client's time left at receipt."""
+        timings = self._timings
+        if timings is None:
+            return
+        timings.append(
+            CallTiming(
+                elapsed_s=time.monotonic() - received,
+                allowed_s=routing_s if remaining is None else max(0.0, min(routing_s, remaining)),
+                handed_s=None if hops.arrived_at is None else hops.arrived_at - received,
+                client_left_s=remaining,
+                answered=False,
+            )
+        )
 
     def _reply(self, decision: RouteDecision, context: grpc.ServicerContext) -> bytes:
         if decision.reason is Reason.BAD_REQUEST:

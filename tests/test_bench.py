@@ -424,6 +424,44 @@ def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:
     assert LateSplit.of([on_time]).late == 0
 
 
+def test_p7_counts_a_handed_call_with_no_reply_as_late_whatever_its_timing() -> None:
+    """The sidecar gives up on a handed call at its client's deadline: its lateness from the routing
+    deadline can be under the slack, yet it was never answered."""
+    answered = CallTiming(elapsed_s=0.020, allowed_s=0.030, router_s=0.015, handed_s=0.001, way_back_s=0.001)
+    given_up = CallTiming(elapsed_s=0.0300, allowed_s=0.0299, handed_s=0.002, answered=False)
+    never_taken = CallTiming(elapsed_s=0.0300, allowed_s=0.0299, answered=False)  # the trio thread never took it
+    split = LateSplit.of([answered, given_up, never_taken])
+    assert (split.late, split.shed_at_receipt) == (2, 0)
+    assert split.to_trio_ms == pytest.approx((2.0, 2.0))
+    assert split.router_ms == (0.0, 0.0)  # no decision: nothing of the router's to show
+    level = LevelResult(
+        callers=8,
+        calls=3,
+        seconds=1.0,
+        client_ms=(20.0,),
+        errors=Counter({"DEADLINE_EXCEEDED": 2}),
+        outcomes=Counter({"kvcm/CACHE_LEADER": 1}),
+        timings=(answered, given_up, never_taken),
+        sidecar_cpu_s=0.001,
+        caller_cpu_s=0.001,
+        echo=EchoFloor(calls=3, seconds=1.0, no_answer=0, client_p99_ms=1.0),
+    )
+    assert level.within_share == pytest.approx(1 / 3)
+    assert (level.to_json()["answered_by_sidecar"], level.to_json()["unanswered_by_sidecar"]) == (1, 2)
+
+
+def test_p8_breaks_down_only_the_answered_calls_but_times_every_call_the_sidecar_handed() -> None:
+    answered = CallTiming(elapsed_s=0.002, allowed_s=0.030, router_s=0.0015, query_s=0.001)
+    given_up = CallTiming(elapsed_s=0.080, allowed_s=0.030, answered=False)
+    router_ms, query_ms, own_ms = breakdown([answered, given_up])
+    assert router_ms == pytest.approx((1.5,)) and query_ms == pytest.approx((1.0,))
+    assert own_ms == pytest.approx((0.5,))
+    failed = Counter({"DEADLINE_EXCEEDED": 1})
+    result = RateResult(100, 2, 1.0, (2.0, 80.0), (2.0,), failed, Counter(), unanswered_by_sidecar=1)
+    assert result.p(99) == 80.0
+    assert (result.to_json()["answered_by_sidecar"], result.to_json()["unanswered_by_sidecar"]) == (1, 1)
+
+
 def test_p7_counts_the_calls_that_reached_the_sidecar_with_no_deadline_left() -> None:
     on_time = CallTiming(elapsed_s=0.001, allowed_s=0.030, client_left_s=0.1)
     past = CallTiming(elapsed_s=0.0001, allowed_s=0.0, client_left_s=-0.002)  # the client had given up

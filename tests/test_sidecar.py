@@ -972,6 +972,42 @@ async def test_a_call_whose_client_gave_up_keeps_its_place_until_the_router_is_d
             assert stats.timed_out + stats.client_gone == after_second
 
 
+async def test_a_handed_call_that_got_no_reply_leaves_a_timing_marked_unanswered(nursery: trio.Nursery) -> None:
+    """A latency taken over the replies alone leaves out the slowest calls, those the sidecar gave up
+    on: each leaves a timing too, to the giving up, marked unanswered and never on time."""
+    with trio.fail_after(30):
+        async with rig(nursery) as r:
+            request = router_v1_pb2.RouteRequest(request_id="warm", token_ids=PROMPT, budget_ms=500)
+            assert isinstance(await trio.to_thread.run_sync(r.route, request), router_v1_pb2.RouteDecision)
+            r.sidecar.take_call_timings()
+            token = trio.lowlevel.current_trio_token()
+
+            def round_while_held() -> list[object]:
+                # The client waits longer than the budget (and its slack): the sidecar gives up first.
+                calls = [
+                    router_v1_pb2.RouteRequest(request_id=f"h{i}", token_ids=PROMPT, budget_ms=300) for i in range(4)
+                ]
+                held = _hold(token)  # the trio thread takes no call until this is set
+                try:
+                    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+                        return list(pool.map(functools.partial(r.route, timeout=5.0), calls))
+                finally:
+                    held.set()
+
+            replies = await trio.to_thread.run_sync(round_while_held)
+            assert await _in_thread(lambda: _handlers_returned(r.sidecar))
+            stats = r.sidecar.stats()
+            timings = r.sidecar.take_call_timings()
+            unanswered = [t for t in timings if not t.answered]
+            # Each call was shed, answered, or handed and given up on; the last leave unanswered timings.
+            assert len(timings) == len(replies)
+            assert len(unanswered) == stats.timed_out + stats.unavailable + stats.failed
+            assert unanswered, "the held trio thread left some handed call unanswered"
+            for timing in unanswered:
+                assert timing.route_source is None and timing.handed_s is None  # the trio thread never took it
+                assert timing.elapsed_s > 0 and timing.client_left_s is not None
+
+
 async def test_a_call_whose_client_gave_up_is_timed_to_the_give_up_not_to_the_stall(nursery: trio.Nursery) -> None:
     """Below one place the router is left idle after each call for a multiple of that call's time. A
     call whose client timed out during a stall of the trio thread is timed to when its client gave up:

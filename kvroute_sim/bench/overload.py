@@ -103,9 +103,10 @@ def _p50_max(values: Sequence[float]) -> tuple[float, float]:
 
 @dataclass(frozen=True, slots=True)
 class LateSplit:
-    """Where the calls answered after their deadline + LATE_SLACK_S spent their time (ms, p50 and max
-    over them): receipt to the trio thread taking the call, the router's own decision, the decision
-    settled to the serialised reply. A call answered overloaded at receipt has none of the three."""
+    """Where the calls answered after their deadline + LATE_SLACK_S, or handed to the router and never
+    answered, spent their time (ms, p50 and max over them): receipt to the trio thread taking the call,
+    the router's own decision, the decision settled to the serialised reply (the last two: answered
+    calls). A call answered overloaded at receipt has none of the three."""
 
     late: int
     shed_at_receipt: int
@@ -116,15 +117,16 @@ class LateSplit:
 
     @classmethod
     def of(cls, timings: Iterable[CallTiming]) -> LateSplit:
-        late = [t for t in timings if t.lateness_s > LATE_SLACK_S]
-        handed = [t for t in late if t.handed_s is not None]
+        late = [t for t in timings if not t.answered or t.lateness_s > LATE_SLACK_S]
+        shed = [t for t in late if t.answered and t.handed_s is None]
+        decided = [t for t in late if t.answered and t.handed_s is not None]
         return cls(
             late=len(late),
-            shed_at_receipt=len(late) - len(handed),
+            shed_at_receipt=len(shed),
             late_by_ms=_p50_max([t.lateness_s * 1e3 for t in late]),
-            to_trio_ms=_p50_max([(t.handed_s or 0.0) * 1e3 for t in handed]),
-            router_ms=_p50_max([t.router_s * 1e3 for t in handed]),
-            way_back_ms=_p50_max([(t.way_back_s or 0.0) * 1e3 for t in handed]),
+            to_trio_ms=_p50_max([t.handed_s * 1e3 for t in late if t.handed_s is not None]),
+            router_ms=_p50_max([t.router_s * 1e3 for t in decided]),
+            way_back_ms=_p50_max([(t.way_back_s or 0.0) * 1e3 for t in decided]),
         )
 
     def to_json(self) -> dict[str, object]:
@@ -168,7 +170,8 @@ class LevelResult:
     client_ms: tuple[float, ...]  # answered calls, as the client saw them
     errors: Counter[str]
     outcomes: Counter[str]  # "route_source/reason" of the answered calls
-    # The sidecar's own, of every call it made a reply for (its client may have gone by then: client_gone).
+    # The sidecar's own, of every call it made a reply for (its client may have gone by then: client_gone)
+    # and of every call it handed to the router and got no reply for (CallTiming.answered false).
     timings: tuple[CallTiming, ...]
     sidecar_cpu_s: float  # this process's CPU over the level: the sidecar, the router, grpc's threads
     caller_cpu_s: float  # the caller process's CPU over the level
@@ -190,7 +193,7 @@ class LevelResult:
 
     @property
     def reached_late(self) -> int:
-        """Calls the sidecar answered that reached its handler with none of the client's deadline left:
+        """Calls that reached the sidecar's handler with none of the client's deadline left (answered or not):
         they waited it out in gRPC's queues before the sidecar saw them (the client's, the transport,
         the server's thread pool), and the client, already gone, counted them unanswered. (Not an
         ``allowed_s`` of 0: a budget spent waiting for a handler thread leaves none, and the client,
@@ -211,7 +214,7 @@ class LevelResult:
     def within_share(self) -> float:
         if not self.timings:
             return 0.0
-        return sum(t.lateness_s <= LATE_SLACK_S for t in self.timings) / len(self.timings)
+        return sum(t.answered and t.lateness_s <= LATE_SLACK_S for t in self.timings) / len(self.timings)
 
     def share(self, *, source: str | None = None, reason: str | None = None) -> float:
         total = sum(self.outcomes.values())
@@ -241,7 +244,8 @@ class LevelResult:
             "calls": self.calls,
             "seconds": self.seconds,
             "calls_per_s": self.calls / self.seconds if self.seconds else 0.0,
-            "answered_by_sidecar": len(self.timings),  # a reply made (client_gone ones included)
+            "answered_by_sidecar": sum(t.answered for t in self.timings),  # a reply made (client_gone ones included)
+            "unanswered_by_sidecar": sum(not t.answered for t in self.timings),  # handed, no reply: timed out
             "client_gone": self.client_gone,
             "reached_sidecar_past_deadline": self.reached_late,
             "reached_sidecar_with_budget_gone": self.budget_gone,

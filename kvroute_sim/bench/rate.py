@@ -8,7 +8,8 @@ a slow router meets the same offered load), each
 with ``budget_ms`` = BUDGET_MS and a client deadline, for a fixed time per rate.
 
 Added latency is the sidecar's own, from its handler's receipt of a call to its serialised reply
-(gRPC's queueing before the handler is in the client's latency, reported beside it). A fallback is
+(gRPC's queueing before the handler is in the client's latency, reported beside it); a call handed to
+the router that got no reply counts with its receipt to the sidecar's giving up. A fallback is
 an answer not from the KVCM source. The knee is the first rate whose p99 is twice the lowest rate's,
 or whose fallbacks exceed 2 %.
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 import trio
 
-from kvroute_sim.bench.callers import Level, caller_process
+from kvroute_sim.bench.callers import NOT_SENT, Level, caller_process
 from kvroute_sim.bench.harness import ClusterView
 from kvroute_sim.bench.overload import (
     SETTLE_S,
@@ -125,7 +126,9 @@ class RateResult:
     rate: int
     sent: int
     seconds: float  # from the first send to the last answer
-    sidecar_ms: tuple[float, ...]  # receipt to reply, answered calls
+    # Receipt to reply, answered calls, and receipt to the sidecar's giving up, handed calls it never
+    # answered (the slowest of all: left out, they would flatter the p99 the knee is found by).
+    sidecar_ms: tuple[float, ...]
     client_ms: tuple[float, ...]
     errors: Counter[str]  # grpc status names of calls the client saw fail
     outcomes: Counter[str]  # "route_source/reason" of the answered calls
@@ -133,6 +136,7 @@ class RateResult:
     query_ms: tuple[float, ...] = ()  # the KVCM query stage, calls that made one
     own_path_ms: tuple[float, ...] = ()  # the sidecar's own path per answered call
     cpu_ms_per_call: float = 0.0  # this process's CPU over the rate's run, per call sent
+    unanswered_by_sidecar: int = 0  # of sidecar_ms, the calls handed to the router that got no reply
     floor_query_ms: tuple[float, ...] = ()  # a plain client's bare KVCM query at this rate, after the run
     segments: PathSegments = PathSegments()
     full_collection_s: tuple[float, ...] = ()  # this process's gen-2 collections during the rate's run
@@ -153,7 +157,8 @@ class RateResult:
             "rate": self.rate,
             "sent": self.sent,
             "seconds": self.seconds,
-            "answered_by_sidecar": len(self.sidecar_ms),
+            "answered_by_sidecar": len(self.sidecar_ms) - self.unanswered_by_sidecar,
+            "unanswered_by_sidecar": self.unanswered_by_sidecar,
             "sidecar_p50_ms": self.p(50),
             "sidecar_p99_ms": self.p(99),
             "client_p50_ms": percentile(self.client_ms, 50) if self.client_ms else None,
@@ -185,9 +190,10 @@ def breakdown(
 ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """Per answered call (ms): the router's own time, the KVCM query (calls that made one), the
     sidecar's own path."""
-    router = tuple(t.router_s * 1e3 for t in timings)
-    query = tuple(t.query_s * 1e3 for t in timings if t.query_s is not None)
-    own = tuple(t.own_path_s * 1e3 for t in timings)
+    answered = [t for t in timings if t.answered]
+    router = tuple(t.router_s * 1e3 for t in answered)
+    query = tuple(t.query_s * 1e3 for t in answered if t.query_s is not None)
+    own = tuple(t.own_path_s * 1e3 for t in answered)
     return router, query, own
 
 
@@ -253,7 +259,8 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                         router_ms=router_ms,
                         query_ms=query_ms,
                         own_path_ms=own_path_ms,
-                        cpu_ms_per_call=cpu_s * 1e3 / len(requests),
+                        cpu_ms_per_call=cpu_s * 1e3 / max(1, len(requests) - seen.errors.count(NOT_SENT)),
+                        unanswered_by_sidecar=sum(not t.answered for t in timings),
                         floor_query_ms=tuple(floor_ms),
                         segments=PathSegments.of(timings),
                         full_collection_s=tuple(pauses),
