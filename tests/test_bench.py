@@ -26,16 +26,17 @@ import trio
 from kvroute_sim.bench import callers, chart, decision_cpu, latency, overload, thread_cpu
 from kvroute_sim.bench import cli as bench_cli
 from kvroute_sim.bench.cli import _router_setting, _selected, settings_problems
-from kvroute_sim.bench.harness import ClusterShape, Outcomes, router_config
+from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes, router_config
 from kvroute_sim.bench.outage import NOT_DETECTED, P4_TARGET_ADDED_P99_MS, until_written_off
 from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
+from kvroute_sim.bench.processes import _serve_command
 from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, knee_free_through, targets_met
 from kvroute_sim.bench.raw_grpc import FloorSamples, paced, slot_wait
 from kvroute_sim.bench.results import BenchReport, Verdict
 from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
 from kvroute_sim.bench.throughput import rounds_rate
 from kvroute_sim.stats import shown_against
-from router.cli import main
+from router.cli import build_parser, main
 from router.sidecar import CallTiming
 from router.types import RouteSource
 
@@ -486,6 +487,19 @@ def test_p7_counts_the_calls_that_reached_the_sidecar_with_no_deadline_left() ->
     # the one whose client still waited in its own column, the other as reached past its deadline.
     assert level.budget_gone == 1 and level.to_json()["reached_sidecar_with_budget_gone"] == 1
     assert level.within_share == 1.0  # each answered at once from its receipt
+
+
+def test_p9_passes_the_router_settings_to_kvroute_serve_and_keeps_its_own_flags() -> None:
+    """P9 runs ``kvroute serve`` itself: a --router-setting the other figures' routers took was once not
+    passed to it, so a comparison of two settings compared two identical P9 runs."""
+    settings = tuple(_router_setting(t) for t in ("budget_cap_ms=7", "kvcm_fallback=false", "grpc_max_workers=8"))
+    view = ClusterView("127.0.0.1:1", "127.0.0.1:2", 16, (), settings)
+    command = _serve_command(view, 2)
+    assert command[4] == "serve"
+    parsed = vars(build_parser("serve").parse_args(command[4:]))
+    assert (parsed["budget_cap_ms"], parsed["kvcm_fallback"]) == ("7.0", "false")
+    # The figure's own flags come last and win: the processes compared, the threads it sizes.
+    assert (parsed["processes"], parsed["grpc_max_workers"]) == ("2", "64")
 
 
 def test_a_router_setting_reaches_every_view_the_bench_builds_and_their_routers_configs() -> None:

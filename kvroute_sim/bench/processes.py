@@ -34,6 +34,7 @@ import psutil
 
 from kvroute_sim.bench.harness import ClusterView
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
+from router.settings import BY_NAME
 from router.wire import router_v1_pb2
 from router.wire.paths import ROUTER_ROUTE
 
@@ -88,12 +89,16 @@ class LevelResult:
 
 
 def _serve_command(view: ClusterView, processes: int) -> list[str]:
+    """``kvroute serve`` with the bench's router settings as flags, then the figure's own (which win:
+    the processes compared, the listeners, the simulated cluster, the handler threads)."""
+    settings = [f"{BY_NAME[name].flag}={BY_NAME[name].format(value)}" for name, value in view.router_settings]
     return [
         sys.executable,
         "-P",  # the installed package, never a source checkout in the working directory
         "-m",
         "router.cli",
         "serve",
+        *settings,
         f"--processes={processes}",
         "--grpc-listen=127.0.0.1:0",
         "--debug-listen=127.0.0.1:0",
