@@ -11,34 +11,40 @@ import argparse
 import asyncio
 import json
 import os
+import selectors
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import psutil
 import pytest
 import trio
 
-from kvroute_sim.bench import callers, chart, decision_cpu, latency, overload, thread_cpu
+from kvroute_sim.bench import callers, chart, decision_cpu, latency, overload, thread_cpu, throughput
 from kvroute_sim.bench import cli as bench_cli
+from kvroute_sim.bench import rate as p8_rate
 from kvroute_sim.bench.cli import _router_setting, _selected, settings_problems
 from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes, router_config
 from kvroute_sim.bench.outage import NOT_DETECTED, P4_TARGET_ADDED_P99_MS, until_written_off
 from kvroute_sim.bench.overload import EchoFloor, LateSplit, LevelResult
 from kvroute_sim.bench.processes import _serve_command
 from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, knee_free_through, targets_met
-from kvroute_sim.bench.raw_grpc import FloorSamples, paced, slot_wait
+from kvroute_sim.bench.raw_grpc import FloorSamples, RawClient, paced, slot_wait
 from kvroute_sim.bench.results import BenchReport, Verdict
 from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
 from kvroute_sim.bench.throughput import rounds_rate
 from kvroute_sim.stats import shown_against
 from router.cli import build_parser, main
-from router.sidecar import CallTiming
+from router.config import KvrouteConfig
+from router.sidecar import CallTiming, SidecarStats
 from router.types import RouteSource
+from router.wire import kvcm_meta_pb2 as kvcm_pb
 
 QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,P7,P8,soak"
 EXPECTED_ROWS = [
@@ -340,6 +346,232 @@ def test_p8_floor_calls_keep_the_open_loop_schedule_and_start_at_once_after_an_o
     assert samples == pytest.approx([5.0, 25.0, 2.0, 2.0, 2.0])  # each call's own time, not its lateness
     assert slot_wait(0.0, 3, 100.0, now=0.05) == 0.0
     assert slot_wait(0.0, 3, 100.0, now=0.01) == pytest.approx(0.02)
+
+
+class _JumpingSelector(selectors.SelectSelector):
+    """Never blocks: a wait for the loop's next timer moves the loop's clock on to it at once."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__()
+        self._clock = clock
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if timeout is None:  # nothing scheduled: every task waits on something that will never come
+            raise RuntimeError("every task waits on something other than the clock")
+        self._clock[0] += timeout
+        return super().select(0)
+
+
+class _VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop whose time passes only while every task waits for it, and then at once (as trio's
+    MockClock with autojump_threshold=0): what runs in it keeps its schedule however busy the machine."""
+
+    def __init__(self) -> None:
+        self._clock = [0.0]
+        super().__init__(_JumpingSelector(self._clock))
+
+    def time(self) -> float:
+        return self._clock[0]
+
+
+def test_an_open_loop_sends_each_call_on_its_schedule_while_the_earlier_ones_wait_for_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P8 offers a fixed rate: call i goes at start + i / rate whether or not earlier calls were answered.
+    A loop that waited for each answer before the next send would offer a slow router less load."""
+    sent: list[float] = []
+
+    class Channel:
+        def unary_unary(self, *args: object) -> Callable[..., Awaitable[bytes]]:
+            async def call(request: bytes, timeout: float) -> bytes:  # noqa: ASYNC109 - grpc's own signature
+                sent.append(time.perf_counter())
+                await asyncio.sleep(0.05)  # each call is answered 50 ms after it was sent
+                return b""
+
+            return call
+
+    loop = _VirtualTimeLoop()
+    monkeypatch.setattr(time, "perf_counter", loop.time)  # the client's clock is the loop's
+    requests = tuple(b"r%d" % i for i in range(10))
+    level = callers.Level("x", requests, 1, max_s=1.0, client_deadline_s=0.1, rate_per_s=100)
+    try:
+        seconds, (seen,) = loop.run_until_complete(callers._drive_open_loop(cast(Any, Channel()), level))
+    finally:
+        loop.close()
+    # 10 ms apart: calls 1 to 4 went while call 0 still waited for its answer at 50 ms.
+    assert sent == pytest.approx([i / 100 for i in range(10)])
+    assert seen.client_ms == pytest.approx([50.0] * 10) and seen.errors == []
+    assert seconds == pytest.approx(0.14)  # the last sent at 90 ms, answered 50 ms later
+
+
+class _TimingSidecar:
+    """A sidecar as P7 and P8 use it: it times each call a fake client sends it (``_SendingClient``)."""
+
+    def __init__(self) -> None:
+        self.timings: list[CallTiming] = []
+
+    def take_call_timings(self) -> list[CallTiming]:
+        taken, self.timings = self.timings, []
+        return taken
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        return True
+
+    def stats(self) -> SidecarStats:
+        return SidecarStats(0, 0, 0, 0, 0, 0, 0)
+
+
+class _SendingClient:
+    """The callers' process: each call to the sidecar timed there (a warm-up call 1 s, any other 2 ms)
+    at 1 ms of this process's CPU (``cpu``); a call to the echo server at 1 s of it, outside the
+    sidecar's."""
+
+    def __init__(self, sidecar: _TimingSidecar, cpu: list[float]) -> None:
+        self._sidecar = sidecar
+        self._cpu = cpu
+
+    def run(self, level: callers.Level) -> callers.LevelRun:
+        seen = callers.CallerResults()
+        for request in level.requests:
+            if level.target == "echo":
+                self._cpu[0] += 1.0
+            else:
+                warm_up = b"warm" in request
+                self._sidecar.timings.append(CallTiming(elapsed_s=1.0 if warm_up else 0.002, allowed_s=0.03))
+                self._cpu[0] += 0.001
+            seen.replies.append(b"")
+            seen.client_ms.append(2.0)
+        return callers.LevelRun(0.1, (seen,), 0.0)
+
+
+def _fake_sidecar_run(monkeypatch: pytest.MonkeyPatch, module: object) -> tuple[_TimingSidecar, list[float]]:
+    """``module``'s (P7's or P8's) sidecar, callers' process and requests replaced by fakes, this process's
+    CPU by a counter of the test's own; the sidecar and the counter."""
+    sidecar = _TimingSidecar()
+    cpu = [0.0]
+
+    @asynccontextmanager
+    async def serving(view: object, label: str, warm_up: int) -> AsyncIterator[tuple[Any, str, KvrouteConfig]]:
+        yield sidecar, "sidecar", KvrouteConfig()
+
+    def requests(view: object, label: str, count: int, budget_ms: int = 30) -> tuple[bytes, ...]:
+        return tuple(f"{label}-{i}".encode() for i in range(count))
+
+    monkeypatch.setattr(module, "serving_sidecar", serving)
+    monkeypatch.setattr(module, "caller_process", lambda cpus: nullcontext(_SendingClient(sidecar, cpu)))
+    monkeypatch.setattr(module, "route_requests", requests)
+    monkeypatch.setattr(time, "process_time", lambda: cpu[0])
+    return sidecar, cpu
+
+
+def test_p8_times_each_rate_by_its_own_calls_and_their_cpu_with_the_warm_up_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each rate's latencies are its own calls' (the warm-up's, slow as a cold router's, dropped before
+    the first rate) and its CPU per call is this process's over its client's run (not over the floor's
+    plain client run after it)."""
+    _, cpu = _fake_sidecar_run(monkeypatch, p8_rate)
+
+    class FloorClient:
+        def warm_up(self, calls: int) -> None:
+            cpu[0] += 1.0
+
+        def paced_cache_queries(self, calls: int, rate_per_s: float) -> list[float]:
+            cpu[0] += 1.0
+            return [1.0] * calls
+
+    sizes = p8_rate.RateSizes(seconds_per_rate=0.02, warm_up=3, floor_calls=2)
+    results = trio.run(p8_rate._run, cast(Any, None), cast(Any, FloorClient()), sizes, None)
+    assert [r.sent for r in results] == [1, 2, 4, 8, 10, 16]
+    for result in results:
+        assert result.sidecar_ms == pytest.approx((2.0,) * result.sent), result.rate
+        assert result.cpu_ms_per_call == pytest.approx(1.0), result.rate
+
+
+def test_p7_times_each_level_by_its_own_calls_and_their_cpu_with_the_warm_up_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As P8's: a level's timings are its own calls' (the warm-up's dropped before the first level) and
+    its sidecar CPU is this process's over its callers' run, not over the echo server's after it."""
+    _fake_sidecar_run(monkeypatch, overload)
+
+    class EchoServer:
+        def stop(self, grace: float | None) -> None:
+            pass
+
+    monkeypatch.setattr(overload, "_echo_server", lambda workers, limit: (EchoServer(), "echo"))
+    monkeypatch.setattr(thread_cpu, "snapshot", dict)
+    sizes = overload.LoadSizes(calls_per_level=(1, 2, 3, 4), max_level_s=1.0, warm_up=3)
+    levels = trio.run(overload._run, cast(Any, None), sizes, None)
+    assert [lv.calls for lv in levels] == [1, 2, 3, 4]
+    for level in levels:
+        assert [t.elapsed_s for t in level.timings] == [0.002] * level.calls, level.callers
+        assert level.sidecar_cpu_ms_per_call == pytest.approx(1.0), level.callers
+
+
+def test_p7_counts_a_call_on_time_within_its_deadline_plus_5_ms() -> None:
+    late_by_4_ms = CallTiming(elapsed_s=0.034, allowed_s=0.030)
+    late_by_6_ms = CallTiming(elapsed_s=0.036, allowed_s=0.030)
+    level = LevelResult(
+        callers=1,
+        calls=2,
+        seconds=1.0,
+        client_ms=(35.0, 37.0),
+        errors=Counter(),
+        outcomes=Counter({"kvcm/CACHE_LEADER": 2}),
+        timings=(late_by_4_ms, late_by_6_ms),
+        sidecar_cpu_s=0.001,
+        caller_cpu_s=0.001,
+        echo=EchoFloor(calls=2, seconds=1.0, no_answer=0, client_p99_ms=1.0),
+    )
+    assert level.within_share == 0.5
+    assert level.late_split.late == 1
+
+
+def test_p3_gives_the_raw_clients_cpu_per_call_over_its_own_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw client's CPU per call beside the router's: its rounds' CPU over all their calls, not the
+    router's windows between them nor its warm-up."""
+    cpu = [0.0]
+    monkeypatch.setattr(time, "process_time", lambda: cpu[0])
+
+    class Raw:
+        def warm_up(self, calls: int) -> None:
+            cpu[0] += 1.0
+
+        def concurrent_rate(self, calls: int, concurrency: int) -> float:
+            cpu[0] += 0.0005 * calls
+            return 1000.0
+
+    async def router_rounds(
+        view: object, rpc: object, sizes: throughput.ThroughputSizes, between_rounds: Callable[[], None], missed: object
+    ) -> tuple[throughput._Run, None]:
+        for _ in range(sizes.rounds):
+            between_rounds()
+            cpu[0] += 1.0  # the router's own window
+        return throughput._Run(decisions=sizes.rounds * sizes.decisions_per_round, seconds=1.0), None
+
+    monkeypatch.setattr(throughput, "_router_run", router_rounds)
+    report = BenchReport(meta={})
+    sizes = throughput.ThroughputSizes(rounds=3, decisions_per_round=4, concurrency=2, warm_up=5)
+    throughput.measure_grpc(report, cast(Any, None), cast(Any, Raw()), sizes)
+    (figure,) = report.figures
+    assert figure.data["raw_process_cpu_ms_per_call"] == pytest.approx(0.5)
+
+
+def test_p8_floor_queries_go_through_the_seeded_prompts_in_turn() -> None:
+    """The floor at each rate is the query a steady-state decision makes, over the same prompts in turn
+    as the router's requests, not the first prompt's every time."""
+    prompts = ((1, 2), (3, 4), (5, 6))
+    sim = SimpleNamespace(view=SimpleNamespace(prompts=prompts), leader_target="127.0.0.1:1", workers=())
+    raw = RawClient(cast(Any, sim))
+    sent: list[bytes] = []
+    try:
+        raw._kvcm = cast(Any, lambda request, timeout: sent.append(request))
+        raw.paced_cache_queries(5, 1e9)
+    finally:
+        raw.close()
+    queried = [tuple(kvcm_pb.GetHostCacheStateRequest.FromString(request).block_cache_keys) for request in sent]
+    assert queried == [prompts[0], prompts[1], prompts[2], prompts[0], prompts[1]]
 
 
 def test_p8_breakdown_splits_each_call_into_the_routers_time_its_query_and_the_sidecars_own_path() -> None:
