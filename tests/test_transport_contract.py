@@ -36,7 +36,7 @@ from router.transport.clients import KvcmClient, WorkerStatusClient
 from router.transport.errors import DeadlineExceeded, GarbledReply, NotLeader, NotSent, RemoteError, Unavailable
 from router.transport.grpc_adapter import GrpcRawRpc
 from router.transport.memory_adapter import MemoryNetwork
-from router.transport.ports import RawRpc, WorkerStatusAsk
+from router.transport.ports import LEAST_IN_TURN_CALL_S, RawRpc, WorkerStatusAsk
 from router.types import CacheQuery, HostMatch, QueryType, Role, WorkerStatus
 from router.wire import kvcm_meta_pb2 as kvcm_pb
 from router.wire import paths
@@ -398,6 +398,23 @@ async def test_calls_in_turn_share_the_allowance_and_each_begins_where_the_one_b
         if harness.adapter == "memory":
             assert slow.ended_after_s == pytest.approx(0.2) and hung.began_after_s == pytest.approx(0.2)
             assert hung.ended_after_s == pytest.approx(within_s) and elapsed == pytest.approx(within_s)
+
+
+async def test_a_call_in_turn_with_under_a_millisecond_left_is_not_made(clock: object, harness: Harness) -> None:
+    """It could only time out. Only virtual time leaves exactly that little: the gRPC adapter's rule,
+    which the in-memory network follows, is shown here on the in-memory one."""
+    if harness.adapter != "memory":
+        pytest.skip("a real clock cannot leave a batch exactly half a millisecond")
+    with trio.fail_after(LIMIT_S):
+        prefill, pdfusion = (w.status_target for w in harness.addresses.workers)
+        within_s = 1.0
+        harness.cluster.workers[0].set_faults(WorkerFaults(delay_s=within_s - LEAST_IN_TURN_CALL_S / 2))
+        slow, skipped = await harness.status.get_worker_statuses(
+            [WorkerStatusAsk(prefill, -1), WorkerStatusAsk(pdfusion, -1)], within_s
+        )
+        assert isinstance(slow.status, WorkerStatus)
+        assert skipped.status is None and skipped.began_after_s is None
+        assert harness.cluster.workers[1].stats.get(paths.WORKER_GET_STATUS).calls == 0
 
 
 async def test_a_batch_in_turn_whose_deadline_has_passed_is_cancelled_with_no_call_made(

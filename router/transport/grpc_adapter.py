@@ -29,7 +29,7 @@ import trio
 
 from router.config import ChannelPoolConfig
 from router.transport.errors import NotSent, RpcStatus, TransportError, Unavailable, status_to_error
-from router.transport.ports import ChannelLeaser, InTurnCall, InTurnReply
+from router.transport.ports import LEAST_IN_TURN_CALL_S, ChannelLeaser, InTurnCall, InTurnReply
 
 # grpc codes our RpcStatus does not name map to UNKNOWN; the original name is kept in the detail.
 _STATUS_BY_CODE = {code: RpcStatus[code.name] for code in grpc.StatusCode if code.name in RpcStatus.__members__}
@@ -102,9 +102,6 @@ async def wait_future(future: grpc.Future[bytes]) -> None:
     future.add_done_callback(on_done)
     await trio.lowlevel.wait_task_rescheduled(abort)
 
-
-# A call of a batch made in turn with less time left than this is not made (it could only time out).
-_LEAST_CALL_S = 0.001
 
 # Threads that start calls for the event loop (see ``GrpcRawRpc``): a start takes a thread for
 # well under a millisecond, so a few serve any rate; a start finding them all busy waits its turn.
@@ -269,7 +266,7 @@ def _blocking_in_turn(
     for multi, request in calls:
         began = time.monotonic()
         left = ends_at - began
-        if left < _LEAST_CALL_S:
+        if left < LEAST_IN_TURN_CALL_S:
             outcomes.append((None, time.monotonic() - started, None))
             continue
         outcome: bytes | grpc.RpcError

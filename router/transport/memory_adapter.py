@@ -19,7 +19,7 @@ from router.transport.errors import (
     Unavailable,
     status_to_error,
 )
-from router.transport.ports import InTurnCall, InTurnReply
+from router.transport.ports import LEAST_IN_TURN_CALL_S, InTurnCall, InTurnReply
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
 
@@ -59,12 +59,13 @@ class MemoryNetwork:
             raise status_to_error(target, abort.status, abort.details) from abort
 
     async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
-        """The calls one after another, each bounded by what is left of ``within_s`` (virtual time)."""
+        """The calls one after another, each bounded by what is left of ``within_s`` (virtual time); as
+        over gRPC, a call with less than LEAST_IN_TURN_CALL_S left is not made."""
         started = trio.current_time()
         ends_at = started + within_s
         replies: list[InTurnReply] = []
         for call in calls:
-            if trio.current_time() >= ends_at:
+            if ends_at - trio.current_time() < LEAST_IN_TURN_CALL_S:
                 replies.append(InTurnReply(None, trio.current_time() - started))
                 continue
             # The caller's own deadline passed: cancelled, as the gRPC adapter's leases are, not a

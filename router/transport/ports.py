@@ -37,6 +37,10 @@ class ChannelLeaser(Protocol[ChannelT_co]):
         ...
 
 
+# A call of a batch made in turn with less time left than this is not made (it could only time out).
+LEAST_IN_TURN_CALL_S = 0.001
+
+
 class InTurnCall(NamedTuple):
     """One call of a batch made in turn."""
 
