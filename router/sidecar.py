@@ -340,6 +340,12 @@ def client_time_left(context: grpc.ServicerContext) -> float | None:
     return remaining if remaining is not None and remaining < _NO_DEADLINE_S else None
 
 
+def allowed_at_receipt(routing_s: float, remaining_s: float | None) -> float:
+    """A call's ``CallTiming.allowed_s``: its routing time, or the client's time left at receipt if
+    less (a client already gone at receipt left nothing either: 0, not less)."""
+    return routing_s if remaining_s is None else max(0.0, min(routing_s, remaining_s))
+
+
 def crowded(waited_s: float, remaining_s: float | None, share: float) -> bool:
     """Whether a call that waited ``waited_s`` for a handler thread and then had ``remaining_s`` of its
     client's deadline left spent more than ``share`` of that deadline waiting (no deadline: never).
@@ -819,8 +825,7 @@ class Sidecar:
             timings = self._timings
             if timings is None:
                 return reply
-            if remaining is not None:  # a client already gone at receipt left nothing either: 0, not less
-                allowed_s = max(0.0, min(allowed_s, remaining))
+            allowed_s = allowed_at_receipt(allowed_s, remaining)
             query_ms = stage_ms.get(Stage.CACHE_QUERY)
             scoring_ms = [stage_ms[stage] for stage in _SCORING_STAGES if stage in stage_ms]
             done = time.monotonic()
@@ -948,7 +953,7 @@ class Sidecar:
         timings.append(
             CallTiming(
                 elapsed_s=time.monotonic() - received,
-                allowed_s=routing_s if remaining is None else max(0.0, min(routing_s, remaining)),
+                allowed_s=allowed_at_receipt(routing_s, remaining),
                 handed_s=None if hops.arrived_at is None else hops.arrived_at - received,
                 client_left_s=remaining,
                 answered=False,
