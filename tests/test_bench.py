@@ -37,7 +37,6 @@ from kvroute_sim.bench.processes import _serve_command
 from kvroute_sim.bench.rate import PathSegments, RateResult, breakdown, knee, knee_free_through, targets_met
 from kvroute_sim.bench.raw_grpc import FloorSamples, RawClient, paced, slot_wait
 from kvroute_sim.bench.results import BenchReport, Verdict
-from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
 from kvroute_sim.bench.throughput import rounds_rate
 from kvroute_sim.stats import shown_against
 from router.cli import build_parser, main
@@ -793,17 +792,6 @@ def test_thread_cpu_snapshot_names_this_processs_threads_as_python_knows_them() 
     # The main thread's own time: some (it imported and collected), and within the process's.
     (main_thread,) = [t for t in thread_cpu.snapshot().values() if t.name == "MainThread"]
     assert 0.0 < main_thread.cpu_s <= time.process_time() + 0.02  # a tick's rounding
-
-
-def test_the_soak_misses_on_leaked_descriptors_or_tasks_as_well_as_memory() -> None:
-    def result(rss_mb: float, fds: int, tasks: int) -> SoakResult:
-        start, end = Reading(100.0, 20, 30), Reading(100.0 + rss_mb, 20 + fds, 30 + tasks)
-        return SoakResult(10_000, 1_000, 1.0, start, end, (), Outcomes.empty(), {}, 0, 0)
-
-    assert soak_verdict(result(1.0, 2, 3)) is Verdict.MET
-    assert soak_verdict(result(25.0, 0, 0)) is Verdict.MISSED
-    assert soak_verdict(result(1.0, 5_000, 0)) is Verdict.MISSED
-    assert soak_verdict(result(1.0, 0, 2_000)) is Verdict.MISSED
 
 
 def test_a_printed_figure_equal_to_its_target_has_met_it() -> None:

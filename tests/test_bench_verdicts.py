@@ -247,12 +247,16 @@ def test_p4_judges_added_p99_and_is_missed_when_the_breaker_never_opened(monkeyp
 # The soak.
 
 
-def test_soak_growth_exactly_at_its_bound_is_met() -> None:
+def test_the_soak_misses_on_leaked_descriptors_or_tasks_as_well_as_memory_and_meets_at_its_bounds() -> None:
     def growth(rss_mb: float, fds: int, tasks: int) -> SoakResult:
         start, end = Reading(100.0, 20, 30), Reading(100.0 + rss_mb, 20 + fds, 30 + tasks)
         return SoakResult(10_000, 1_000, 1.0, start, end, (), Outcomes.empty(), {}, 0, 0)
 
-    assert soak_verdict(growth(20.0, 16, 16)) is Verdict.MET
+    assert soak_verdict(growth(1.0, 2, 3)) is Verdict.MET
+    assert soak_verdict(growth(25.0, 0, 0)) is Verdict.MISSED
+    assert soak_verdict(growth(1.0, 5_000, 0)) is Verdict.MISSED
+    assert soak_verdict(growth(1.0, 0, 2_000)) is Verdict.MISSED
+    assert soak_verdict(growth(20.0, 16, 16)) is Verdict.MET  # exactly at each bound
     assert soak_verdict(growth(20.5, 0, 0)) is Verdict.MISSED
     assert soak_verdict(growth(0.0, 17, 0)) is Verdict.MISSED
     assert soak_verdict(growth(0.0, 0, 17)) is Verdict.MISSED
