@@ -68,6 +68,11 @@ class IntRange:
         """Why ``family`` cannot hash the token id ``value`` (outside the range)."""
         return f"tokens: token id {value} is not {self.name}, as the {family.value} family hashes them"
 
+    def check_span(self, family: KeyFamily, low: int, high: int) -> None:
+        """Raise ValueError naming the first bound outside the range of ids spanning ``low``..``high``."""
+        if low < self.low or high > self.high:
+            raise ValueError(self.problem(family, low if low < self.low else high))
+
 
 INT64 = IntRange("a 64-bit integer", -(1 << 63), (1 << 63) - 1, "q")
 """A request's token ids and block cache keys."""
@@ -106,7 +111,7 @@ def _cbor_head(major: int, value: int) -> bytes:
 
 def _cbor_int(value: int) -> bytes:
     """A token id's CBOR integer; only the vllm family's ids (CBOR itself could carry ±2**64)."""
-    if not _VLLM_IDS.low <= value <= _VLLM_IDS.high:
+    if not _VLLM_IDS.low <= value <= _VLLM_IDS.high:  # inline: once per token id
         raise ValueError(_VLLM_IDS.problem(KeyFamily.VLLM, value))
     if value >= 0:
         return _cbor_head(_CBOR_UINT, value)
@@ -153,8 +158,7 @@ def rtp_key_slices(tokens: Sequence[int], block_size: int, slice_blocks: int) ->
         if low < _INT32_MIN or high > _INT32_MAX:
             # The engine truncates to 32 bits, but only the family's ids are hashed (checked here, off
             # the common path, so a Python int of any size is not hashed as one).
-            if low < _RTP_IDS.low or high > _RTP_IDS.high:
-                raise ValueError(_RTP_IDS.problem(KeyFamily.RTP, low if low < _RTP_IDS.low else high))
+            _RTP_IDS.check_span(KeyFamily.RTP, low, high)
             # Truncate to signed 32 bits once, up front, so the hot loop is the same for every input.
             part = [((t & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for t in part]
         keys: list[int] = []
@@ -282,9 +286,7 @@ def sglang_key_slices(
     for first, stop in _slices(n_pages, slice_blocks):
         begin, used = first * block_size, stop * block_size
         ids = toks[begin : used + lookahead]
-        low, high = min(ids), max(ids)
-        if low < _SGLANG_IDS.low or high > _SGLANG_IDS.high:
-            raise ValueError(_SGLANG_IDS.problem(KeyFamily.SGLANG, low if low < _SGLANG_IDS.low else high))
+        _SGLANG_IDS.check_span(KeyFamily.SGLANG, min(ids), max(ids))
         if lookahead:
             # Interleave (t_i, t_{i+1}) for each logical position i.
             flat = [0] * (2 * (used - begin))
