@@ -55,8 +55,8 @@ _REGROWTH = 1.1
 
 
 class InFlightLimit:
-    """How many requests may be in the router at once: additive increase while they are answered
-    within the time they had, multiplicative decrease (``_DECREASE``) when one is not (the
+    """How many requests may be in the router at once: additive increase while they fill it and are
+    answered within the time they had, multiplicative decrease (``_DECREASE``) when one is not (the
     congestion signal of a saturated loop: requests queue for the CPU and come back late; the
     router answers by its deadline, so one answered later than that waited for the CPU).
 
@@ -101,15 +101,29 @@ class InFlightLimit:
         return in_router == 0 and now >= self._idle_until
 
     def observe(
-        self, *, handed_at: float, now: float, had_s: float, answered: bool = True, crowded: bool = False
+        self,
+        *,
+        handed_at: float,
+        now: float,
+        had_s: float,
+        in_router: int,
+        answered: bool = True,
+        crowded: bool = False,
     ) -> None:
         """One admitted request, handed to the router at ``handed_at`` with ``had_s`` to spare, came
-        back at ``now`` (``answered`` False: it never did, which is late). ``crowded``: before it was
-        taken it had waited for more than half its caller's deadline — the process is short of CPU,
-        and a routed request is what costs the most of it, so that counts as late too."""
+        back at ``now`` (``answered`` False: it never did, which is late); ``in_router``: the most
+        requests in the router since the previous answer, itself included. ``crowded``: before it
+        was taken it had waited for more than half its caller's deadline — the process is short of
+        CPU, and a routed request is what costs the most of it, so that counts as late too.
+
+        The limit grows only while it binds (``in_router`` reached its whole part): a light load,
+        every answer on time, says nothing of what more requests at once would cost, and a limit
+        grown far past what it ever held would take one late answer per tenth of it to come down when
+        the load came."""
         limit = self._limit
         if answered and not crowded and now - handed_at <= had_s:
-            limit = min(self._ceiling, limit + 1.0 / limit if limit >= 1.0 else min(1.0, limit * _REGROWTH))
+            if in_router >= int(limit):
+                limit = min(self._ceiling, limit + 1.0 / limit if limit >= 1.0 else min(1.0, limit * _REGROWTH))
         else:
             limit = max(self._floor, limit * _DECREASE)
         self._limit = limit

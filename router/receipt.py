@@ -57,6 +57,7 @@ class HandOffGate:
         self._limit = limit
         self._max_waiters = waiters
         self._in_router = 0  # handed to the router and not yet answered
+        self._in_router_peak = 0  # the most there since the last answer: what that answer shared it with
         self._waiting = 0  # waiting for a place in the router
         self._waited = 0
         self._shed_after_wait = 0
@@ -66,7 +67,7 @@ class HandOffGate:
         leave a place; False (nothing counted) when none came."""
         with self._lock:
             if self._limit.has_place(self._in_router, time.monotonic()):
-                self._in_router += 1
+                self._enter()
                 return True
             if wait_s <= 0.0 or self._waiting >= self._max_waiters:
                 return False
@@ -83,7 +84,7 @@ class HandOffGate:
         while True:
             now = time.monotonic()
             if limit.has_place(self._in_router, now):
-                self._in_router += 1
+                self._enter()
                 return True
             if now >= until:
                 self._shed_after_wait += 1
@@ -99,7 +100,11 @@ class HandOffGate:
         """Count a request handed to the router whatever the limit (one that must reach it: it names
         roles, or nothing has been published to shed it with)."""
         with self._lock:
-            self._in_router += 1
+            self._enter()
+
+    def _enter(self) -> None:  # holding the lock
+        self._in_router += 1
+        self._in_router_peak = max(self._in_router_peak, self._in_router)
 
     def in_router(self) -> int:
         return self._in_router  # one int read: no lock needed for a momentary view
@@ -118,14 +123,16 @@ class HandOffGate:
             self.withdrawn()
             return
         with self._lock:
-            self._in_router -= 1
             self._limit.observe(
                 handed_at=handed_at,
                 now=time.monotonic() if at is None else at,
                 had_s=had_s,
+                in_router=max(self._in_router_peak, self._in_router),
                 answered=answered,
                 crowded=crowded,
             )
+            self._in_router -= 1
+            self._in_router_peak = self._in_router
             self._wake_waiters()
 
     def withdrawn(self) -> None:

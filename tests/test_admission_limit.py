@@ -44,11 +44,16 @@ class _SharedCpu:
         self.now = 0.0
         self.calls: list[_Call] = []
         self.done: list[_Done] = []
+        self.peak = 0  # the most routed calls in flight since the last routed answer, as the gate counts
+
+    def routed_in_flight(self) -> int:
+        return sum(c.routed for c in self.calls)
 
     def arrive(self) -> None:
-        ahead = sum(c.routed for c in self.calls)
+        ahead = self.routed_in_flight()
         if self.limit.has_place(ahead, self.now):
             self.calls.append(_Call(self.routed_cpu, True, self.now))
+            self.peak = max(self.peak, ahead + 1)
         else:
             self.calls.append(_Call(self.shed_cpu, False, self.now))
 
@@ -65,9 +70,13 @@ class _SharedCpu:
         self.now += step
         if first.work_s > 1e-12:
             return 0
+        in_router = self.routed_in_flight()  # the answered one included
         self.calls.remove(first)
         if first.routed:
-            self.limit.observe(handed_at=first.handed_at, now=self.now, had_s=self.budget_s)
+            self.limit.observe(
+                handed_at=first.handed_at, now=self.now, had_s=self.budget_s, in_router=max(self.peak, in_router)
+            )
+            self.peak = in_router - 1
         self.done.append(_Done(first.routed, first.handed_at, self.now))
         return 1
 
@@ -77,13 +86,17 @@ def _open_loop(
 ) -> list[_Done]:
     """Calls arriving every 1/rate_per_s whether or not earlier ones were answered."""
     cpu = _SharedCpu(limit, routed_cpu, shed_cpu)
-    due = 0.0
-    while due < seconds:
+    _arrive_every(cpu, 1.0 / rate_per_s, seconds)
+    return cpu.done
+
+
+def _arrive_every(cpu: _SharedCpu, gap_s: float, until: float) -> None:
+    due = cpu.now
+    while due < until:
         while cpu.run_until(due):
             pass
         cpu.arrive()
-        due += 1.0 / rate_per_s
-    return cpu.done
+        due += gap_s
 
 
 @settings(max_examples=50, deadline=None)
@@ -97,7 +110,7 @@ def test_each_call_a_stall_made_late_shrinks_the_limit_and_timely_answers_grow_i
 ) -> None:
     limit = InFlightLimit(initial=initial, ceiling=256, floor=FLOOR)
     for i in range(in_flight):  # every call in flight when the loop stalled comes back late, together
-        limit.observe(handed_at=0.0, now=stall_s + i * 1e-6, had_s=0.030)
+        limit.observe(handed_at=0.0, now=stall_s + i * 1e-6, had_s=0.030, in_router=in_flight - i)
     expected = float(initial)
     for _ in range(in_flight):
         expected = max(FLOOR, expected * 0.9)
@@ -105,8 +118,8 @@ def test_each_call_a_stall_made_late_shrinks_the_limit_and_timely_answers_grow_i
     now = stall_s + 1.0
     # Below one, x1.1 each (at most 37 from the floor); then 1/limit each: about half the limit's square.
     most = initial * initial // 2 + 2 + math.ceil(math.log(1 / FLOOR) / math.log(1.1))
-    for _ in range(most):  # the loop is on time again
-        limit.observe(handed_at=now, now=now + 0.005, had_s=0.030)
+    for _ in range(most):  # the loop is on time again, and as many calls as it may take in it
+        limit.observe(handed_at=now, now=now + 0.005, had_s=0.030, in_router=max(1, limit.limit))
         now += 0.001
         if limit.limit >= initial:
             break
@@ -129,41 +142,72 @@ def test_the_in_flight_limit_shrinks_on_late_answers_and_grows_back_on_timely_on
     limit = InFlightLimit(initial=16, ceiling=64, floor=FLOOR)
     now = 0.0
     for _ in range(30):  # one call at a time, each answered after its deadline: it waited for the CPU
-        limit.observe(handed_at=now, now=now + 0.040, had_s=0.030)
+        limit.observe(handed_at=now, now=now + 0.040, had_s=0.030, in_router=1)
         now += 0.040
     assert limit.limit < 1 + 16 * 0.9**25
     low = limit.limit
-    for _ in range(200):
-        limit.observe(handed_at=now, now=now + 0.005, had_s=0.030)
+    for _ in range(200):  # timely, as many at once as the limit takes
+        limit.observe(handed_at=now, now=now + 0.005, had_s=0.030, in_router=max(1, limit.limit))
         now += 0.005
     assert low < limit.limit <= 64
     for _ in range(100_000):
-        limit.observe(handed_at=now, now=now + 0.001, had_s=0.030)
+        limit.observe(handed_at=now, now=now + 0.001, had_s=0.030, in_router=limit.limit)
     assert limit.limit == 64  # never beyond the ceiling
-    limit.observe(handed_at=now, now=now + 0.1, had_s=0.030, answered=False)
+    limit.observe(handed_at=now, now=now + 0.1, had_s=0.030, in_router=64, answered=False)
     assert limit.limit == int(64 * 0.9)  # a call never answered is late
 
 
 def test_a_call_never_answered_shrinks_the_limit_even_within_the_time_it_had() -> None:
     limit = InFlightLimit(initial=4, ceiling=64, floor=FLOOR)
-    limit.observe(handed_at=0.0, now=0.001, had_s=0.030, answered=False)
+    limit.observe(handed_at=0.0, now=0.001, had_s=0.030, in_router=4, answered=False)
     assert limit.share == pytest.approx(4 * 0.9)
 
 
 def test_the_limit_grows_by_one_a_round_of_timely_answers_not_one_an_answer() -> None:
     limit = InFlightLimit(initial=4, ceiling=64, floor=FLOOR)
-    limit.observe(handed_at=0.0, now=0.001, had_s=0.030)
+    limit.observe(handed_at=0.0, now=0.001, had_s=0.030, in_router=4)
     assert limit.share == pytest.approx(4.25)  # 1/limit an answer: one more place for each round of four
+
+
+def test_the_limit_grows_only_while_it_binds() -> None:
+    limit = InFlightLimit(initial=4, ceiling=64, floor=FLOOR)
+    for _ in range(1000):  # three at a time, each on time: the fourth place is never taken
+        limit.observe(handed_at=0.0, now=0.001, had_s=0.030, in_router=3)
+    assert limit.share == 4.0
+    limit.observe(handed_at=0.0, now=0.001, had_s=0.030, in_router=4)
+    assert limit.share == pytest.approx(4.25)
+
+
+def test_a_long_light_load_leaves_the_limit_where_an_overload_costs_one_burst_of_late_answers() -> None:
+    """A minute of light load, every answer on time with about one call in the router, then twice
+    what the CPU can route: the overload's first late answers are the one burst the limit let in
+    before any came back, where a limit grown by every light answer (to about 110) let in several
+    times that before it had come down."""
+    routed_cpu, shed_cpu = 0.0025, 0.0005
+    limit = InFlightLimit(initial=16, ceiling=256, floor=FLOOR)
+    cpu = _SharedCpu(limit, routed_cpu, shed_cpu)
+    _arrive_every(cpu, 0.010, 60.0)
+    assert all(d.answered_at - d.handed_at <= BUDGET_S for d in cpu.done)
+    assert limit.limit == 16
+    overload_at = cpu.now
+    _arrive_every(cpu, routed_cpu / 2, overload_at + 1.0)
+    late = [
+        d
+        for d in cpu.done
+        if d.routed and overload_at <= d.handed_at < overload_at + 0.2 and d.answered_at - d.handed_at > BUDGET_S
+    ]
+    assert 0 < len(late) <= 16
 
 
 def test_an_answer_in_time_for_a_call_that_queued_for_most_of_its_deadline_shrinks_the_limit() -> None:
     limit = InFlightLimit(initial=16, ceiling=64, floor=FLOOR)
-    limit.observe(handed_at=0.0, now=0.001, had_s=0.030, crowded=True)  # in time, but crowded: late
+    limit.observe(handed_at=0.0, now=0.001, had_s=0.030, in_router=16, crowded=True)  # in time, but crowded
     assert limit.share == pytest.approx(16 * 0.9)
     for _ in range(100):
-        limit.observe(handed_at=0.0, now=0.001, had_s=0.030, crowded=True)
+        limit.observe(handed_at=0.0, now=0.001, had_s=0.030, in_router=16, crowded=True)
     assert limit.share == FLOOR  # never below the floor
-    limit.observe(handed_at=0.0, now=0.001, had_s=0.030)  # the same answer, uncrowded, grows it back
+    # The same answer, uncrowded, grows it back.
+    limit.observe(handed_at=0.0, now=0.001, had_s=0.030, in_router=1)
     assert limit.share > FLOOR
 
 
@@ -172,7 +216,7 @@ def test_below_one_the_limit_is_a_duty_cycle_that_leaves_the_router_idle_after_e
     now = 0.0
     for _ in range(7):  # lone calls, each 40 ms for its 30: the CPU is taken by something else
         assert limit.has_place(0, now)
-        limit.observe(handed_at=now, now=now + 0.040, had_s=0.030)
+        limit.observe(handed_at=now, now=now + 0.040, had_s=0.030, in_router=1)
         now += 0.040
         assert not limit.has_place(0, now)  # idle now: (1/limit - 1) x 40 ms
         now = limit.idle_until
@@ -182,14 +226,14 @@ def test_below_one_the_limit_is_a_duty_cycle_that_leaves_the_router_idle_after_e
     assert limit.idle_until == pytest.approx(now)  # set from the last late call: 40 ms x (1/share - 1)
     assert not limit.has_place(1, now + 10.0)  # one in the router is the whole duty cycle
     assert limit.has_place(0, now)
-    limit.observe(handed_at=now, now=now + 0.010, had_s=0.030)  # in time: x1.1, not +1/limit
+    limit.observe(handed_at=now, now=now + 0.010, had_s=0.030, in_router=1)  # in time: x1.1, not +1/limit
     assert limit.share == pytest.approx(share * 1.1)
     assert limit.idle_until == pytest.approx(now + 0.010 + 0.010 * (1 / limit.share - 1))
     for _ in range(1000):  # never below the floor
-        limit.observe(handed_at=0.0, now=1.0, had_s=0.030, answered=False)
+        limit.observe(handed_at=0.0, now=1.0, had_s=0.030, in_router=1, answered=False)
     assert limit.share == pytest.approx(FLOOR)
     for _ in range(math.ceil(math.log(1 / FLOOR) / math.log(1.1))):  # back to whole places in time
-        limit.observe(handed_at=5.0, now=5.001, had_s=0.030)
+        limit.observe(handed_at=5.0, now=5.001, had_s=0.030, in_router=1)
     assert limit.limit == 1
     assert limit.has_place(0, 5.001)
 

@@ -471,7 +471,8 @@ def test_a_call_its_caller_cancelled_teaches_the_limit_only_the_routers_own_pace
 ) -> None:
     """Every cancelled call counted as late: 40 user aborts took the limit from 16 to 0.7, and the idle
     router then shed 39 of 40 calls overloaded."""
-    gate = HandOffGate(InFlightLimit(initial=16, ceiling=256, floor=0.05), waiters=0)
+    # One place: the call fills it, so an answer in time grows it (a limit nothing fills stays).
+    gate = HandOffGate(InFlightLimit(initial=1, ceiling=256, floor=0.05), waiters=0)
     loop = asyncio.new_event_loop()
     try:
         gate.hand_off_anyway()
