@@ -875,17 +875,21 @@ class Sidecar:
             raise PeerAbort(RpcStatus.INVALID_ARGUMENT, str(exc)) from None
         remaining = client_time_left(context)
         sent_at = time.monotonic()
-        # The client's deadline less what this sidecar's own path (hand-off to the trio thread, the
-        # answer's way back, serialising and sending it) has been costing: decided that much earlier,
-        # the answer reaches the client in time. The router keeps --reply-margin-ms on top.
-        client_s = None if remaining is None else max(0.0, remaining - self._path_cost_s)
-        # The router's own deadline (min(budget, cap)), counted from receipt as the router counts it,
+        # What this sidecar's own path (hand-off to the trio thread, the answer's way back, serialising
+        # and sending it) has been costing: decided that much earlier, the answer leaves in time.
+        path_cost_s = self._path_cost_s
+        # The client's deadline less that path. The router keeps --reply-margin-ms on top.
+        client_s = None if remaining is None else max(0.0, remaining - path_cost_s)
+        # The call's routing time (min(budget, cap)), counted from receipt as the router counts it,
         # less the call's wait for this handler thread: queued in this process, it was the sidecar's
         # time (a call behind a held thread had its whole budget again once it got one).
         routing_s = max(0.0, budget_deadline(budget_ms(message), 0.0, self._cap_ms) - self._thread_wait.waited_s)
+        # The router's deadline from receipt: the routing time less the sidecar's own path, so that
+        # the reply, not only the decision, is made within it.
+        decide_s = max(0.0, routing_s - path_cost_s)
         # What the router will have, from now: its deadline less what reading the call took (a large
         # request's wait for its reading turn is spent), or the client's less the reply margin.
-        routing_left_s = max(0.0, routing_s - (sent_at - received))
+        routing_left_s = max(0.0, decide_s - (sent_at - received))
         left_s = (
             routing_left_s if client_s is None else min(routing_left_s, client_s - self._reply_margin_ms / 1000.0)
         )
@@ -920,7 +924,7 @@ class Sidecar:
         try:
             if token is None:
                 raise _Stopped
-            token.run_sync_soon(self._spawn, request, client_s, (received, routing_s), sent_at, answer, hops)
+            token.run_sync_soon(self._spawn, request, client_s, (received, decide_s), sent_at, answer, hops)
             decision = answer.result(timeout=wait_s)
             decided = True
         except (trio.RunFinishedError, _Stopped):

@@ -87,8 +87,9 @@ class Rig:
     channel: grpc.Channel
     stopped: trio.Event  # set when sidecar.run() has returned
 
-    def route(self, request: router_v1_pb2.RouteRequest, timeout: float = CLIENT_TIMEOUT_S) -> object:
-        """One blocking Route call (run it on a thread); returns the decision or the grpc.RpcError."""
+    def route(self, request: router_v1_pb2.RouteRequest, timeout: float | None = CLIENT_TIMEOUT_S) -> object:
+        """One blocking Route call (run it on a thread; ``timeout`` None: no deadline); returns the
+        decision or the grpc.RpcError."""
         call = self.channel.unary_unary(
             ROUTER_ROUTE,
             request_serializer=router_v1_pb2.RouteRequest.SerializeToString,
@@ -1485,7 +1486,8 @@ def test_a_shed_reply_spliced_from_the_drawn_answers_bytes_parses_as_the_whole_d
 
 async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlier(nursery: trio.Nursery) -> None:
     """Every answered call measures what the sidecar's own path cost beyond the routing itself; a client
-    deadline is shortened by that estimate before the router gets it (structural: no timing bound)."""
+    deadline and the routing budget are shortened by that estimate before the router gets them
+    (structural: no timing bound)."""
     with trio.fail_after(15):
         async with rig(nursery) as r:
             assert r.sidecar.path_cost_ms() == 0.0
@@ -1508,6 +1510,13 @@ async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlie
             assert r.sidecar.stats().shed_at_receipt == shed_before + 1
             shed_timing = r.sidecar.take_call_timings()[-1]
             assert (shed_timing.handed_s, shed_timing.way_back_s) == (None, None)  # never handed off
+            # No client deadline: the budget alone, shortened by the same estimate, leaves the router no
+            # time for KVCM (its whole budget would have routed the call via KVCM, as above).
+            reply = await _in_thread(lambda: r.route(request, timeout=None))
+            assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            assert reply.route_source == "domain" and reply.reason in ("overloaded", "deadline"), reply
+            # Judged against the whole budget (less the call's wait for a thread), not less the estimate.
+            assert r.sidecar.take_call_timings()[-1].allowed_s > 0.5
 
 
 def test_an_error_carried_in_metadata_is_printable_ascii_and_bounded() -> None:
