@@ -104,7 +104,11 @@ class _RecordingLeaser:
 class _DeadlineRpc:
     """A schedule call that ends in gRPC's own DEADLINE_EXCEEDED (its timeout= fired first)."""
 
-    async def call(self, target: str, method_path: str, request: bytes) -> bytes:
+    async def call(
+        self, target: str, method_path: str, request: bytes, *, on_sent: Callable[[], None] | None = None
+    ) -> bytes:
+        if on_sent is not None:
+            on_sent()  # sent, then timed out by gRPC
         raise DeadlineExceeded(target, "DEADLINE_EXCEEDED")
 
 

@@ -420,6 +420,39 @@ async def test_a_schedule_never_sent_is_never_cancelled(clock: object, harness: 
         assert not await trio.to_thread.run_sync(replica.wait_cancels, 1, 0.5)
 
 
+async def test_a_schedule_cancelled_while_it_waited_to_start_is_never_cancelled(
+    clock: object, harness: Harness
+) -> None:
+    """A caller cancelled while its call waited for a start thread (every one busy): the request never
+    left, and the Cancel that followed named a request the scheduler never saw."""
+    if harness.adapter != "grpc":
+        pytest.skip("the best-effort Cancel is the gRPC protocol's")
+    transport = harness.transport
+    assert isinstance(transport, GrpcMasterTransport)
+    with trio.fail_after(LIMIT_S):
+        replica = harness.sim.replicas[0]
+        await transport.schedule(harness.host(0), REQUEST)  # the channel is open: only the start waits
+        sent_before = replica.stats.get(harness.schedule_path).calls
+        starters = transport._rpc._starters
+        holders = [object() for _ in range(int(starters.total_tokens))]
+        for holder in holders:
+            starters.acquire_on_behalf_of_nowait(holder)
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(transport.schedule, harness.host(0), REQUEST)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert starters.statistics().tasks_waiting == 1  # the call waits for a start thread
+                    scope.cancel()
+        finally:
+            for holder in holders:
+                starters.release_on_behalf_of(holder)
+        assert scope.cancelled_caught
+        assert replica.stats.get(harness.schedule_path).calls == sent_before
+        # A Cancel for it would be an RPC of its own: one call's worth of time for it to arrive.
+        assert not await trio.to_thread.run_sync(replica.wait_cancels, 1, 0.5)
+
+
 async def test_hang_is_answered_when_the_fault_clears(clock: object, harness: Harness) -> None:
     with trio.fail_after(LIMIT_S):
         replica = harness.sim.replicas[0]

@@ -20,7 +20,7 @@ import contextlib
 import math
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -167,7 +167,11 @@ class GrpcRawRpc:
             partial(call.future, request, timeout=rpc_timeout_s), limiter=self._starters
         )
 
-    async def call(self, target: str, method_path: str, request: bytes) -> bytes:
+    async def call(
+        self, target: str, method_path: str, request: bytes, *, on_sent: Callable[[], None] | None = None
+    ) -> bytes:
+        """``on_sent``: called once the call has started (its request handed to grpc). A caller
+        cancelled before that (waiting for the channel or for a start thread) sent nothing."""
         timeout = remaining_timeout()
         if timeout is not None and timeout <= 0:
             raise NotSent(target, "deadline already passed; not sent")
@@ -179,6 +183,8 @@ class GrpcRawRpc:
                     raise NotSent(target, "deadline passed while the channel opened; not sent")
             calls = self._calls_on(channel)
             future = await self._start(calls, channel, method_path, request, timeout)
+            if on_sent is not None:
+                on_sent()
             calls.in_flight += 1
             try:
                 await wait_future(future)

@@ -56,13 +56,22 @@ class GrpcMasterTransport:
     async def schedule(self, host: str, request: MasterScheduleRequest) -> MasterReply:
         target = grpc_target(host)
         deadline = trio.current_effective_deadline()
+        sent = False
+
+        def mark_sent() -> None:
+            nonlocal sent
+            sent = True
+
         try:
-            reply = await self._rpc.call(target, paths.MASTER_SCHEDULE, encode_schedule_pb(request))
+            reply = await self._rpc.call(target, paths.MASTER_SCHEDULE, encode_schedule_pb(request), on_sent=mark_sent)
         except trio.Cancelled:
-            # gRPC's timeout= is the same instant as the caller's deadline and the caller's scope
-            # usually fires first: the reason is whether the deadline has passed, not which fired.
-            past_deadline = trio.current_time() >= deadline
-            self._cancel_nowait(target, request.request_id, deadline_exceeded=past_deadline)
+            # Cancelled while it waited for its channel or a start thread, the call never left: the
+            # scheduler would be told of a request it never saw.
+            if sent:
+                # gRPC's timeout= is the same instant as the caller's deadline and the caller's scope
+                # usually fires first: the reason is whether the deadline has passed, not which fired.
+                past_deadline = trio.current_time() >= deadline
+                self._cancel_nowait(target, request.request_id, deadline_exceeded=past_deadline)
             raise
         except NotSent:  # the scheduler never saw it: nothing to cancel
             raise
