@@ -340,6 +340,14 @@ def client_time_left(context: grpc.ServicerContext) -> float | None:
     return remaining if remaining is not None and remaining < _NO_DEADLINE_S else None
 
 
+def next_path_cost(estimate_s: float, sample_s: float, routing_s: float) -> float:
+    """The sidecar's own-path estimate after one routed call's ``sample_s``: a running mean, each
+    sample counted at most as the call's routing time. The estimate is taken off the next calls'
+    budgets: a path longer than a whole budget was a stall of the process, not the path, and counted
+    whole it would leave the next calls little of theirs."""
+    return PATH_COST_DECAY * estimate_s + (1 - PATH_COST_DECAY) * min(max(0.0, sample_s), routing_s)
+
+
 def allowed_at_receipt(routing_s: float, remaining_s: float | None) -> float:
     """A call's ``CallTiming.allowed_s``: its routing time, or the client's time left at receipt if
     less (a client already gone at receipt left nothing either: 0, not less)."""
@@ -945,7 +953,7 @@ class Sidecar:
         done = time.monotonic()
         if hops.settled_at is not None:  # the future's settling orders the trio thread's write before this read
             self._reply_times.append(done - hops.settled_at)
-        self._observe_path_cost(done - handed_at - decision.elapsed_ms / 1000.0)
+        self._observe_path_cost(done - handed_at - decision.elapsed_ms / 1000.0, routing_s)
         return reply, routing_s, decision.stage_ms, hops, decision.route_source
 
     def _keep_unanswered(self, received: float, routing_s: float, remaining: float | None, hops: _CallHops) -> None:
@@ -1050,10 +1058,10 @@ class Sidecar:
         finally:
             self._large_requests.release()
 
-    def _observe_path_cost(self, seconds: float) -> None:
+    def _observe_path_cost(self, seconds: float, routing_s: float) -> None:
         """Fold one call's own-path cost into the running estimate (handler threads write it; a float
         assignment is atomic, and a lost update only delays the estimate by a call)."""
-        self._path_cost_s = PATH_COST_DECAY * self._path_cost_s + (1 - PATH_COST_DECAY) * max(0.0, seconds)
+        self._path_cost_s = next_path_cost(self._path_cost_s, seconds, routing_s)
 
     def _pool_backlog(self) -> int:
         pool = self._pool

@@ -58,6 +58,7 @@ from router.sidecar import (
     crowded,
     decision_to_proto,
     metadata_text,
+    next_path_cost,
     request_from_proto,
     shed_reply,
     shed_reply_body,
@@ -1517,6 +1518,13 @@ async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlie
             assert reply.route_source == "domain" and reply.reason in ("overloaded", "deadline"), reply
             # Judged against the whole budget (less the call's wait for a thread), not less the estimate.
             assert r.sidecar.take_call_timings()[-1].allowed_s > 0.5
+
+
+def test_a_stall_counts_in_the_own_path_estimate_at_most_as_the_calls_routing_time() -> None:
+    assert next_path_cost(0.001, 0.003, 0.030) == pytest.approx(0.9 * 0.001 + 0.1 * 0.003)
+    # A 200 ms stall of a call with 30 ms to route: a tenth of 30 ms, not of 200.
+    assert next_path_cost(0.001, 0.200, 0.030) == pytest.approx(0.9 * 0.001 + 0.1 * 0.030)
+    assert next_path_cost(0.001, -0.5, 0.030) == pytest.approx(0.9 * 0.001)  # never below zero
 
 
 def test_an_error_carried_in_metadata_is_printable_ascii_and_bounded() -> None:
