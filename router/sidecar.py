@@ -923,7 +923,9 @@ class Sidecar:
         release = partial(
             self._gate.answered,
             handed_at=handed_at,
-            had_s=left_s - (handed_at - sent_at),  # none to spare: the gate learns nothing from it
+            # The gate times the call to its release, the sidecar's own way back included: the router's
+            # time and that path's allowance (none to spare: the gate learns nothing from the call).
+            had_s=left_s + path_cost_s - (handed_at - sent_at),
             crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
         )
         hops = _CallHops(release)  # settled by the trio thread

@@ -30,6 +30,7 @@ from actors.metrics_sink import REPLY_STAGE_LABEL
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.faults import CallStats
 from kvroute_sim.sim.kvcm import KvcmFaults
+from router.admission import InFlightLimit
 from router.api import RouterHandle, open_router
 from router.config import (
     DeploymentConfig,
@@ -40,7 +41,7 @@ from router.config import (
     ServeConfig,
 )
 from router.keys import block_keys
-from router.receipt import INITIAL_IN_FLIGHT_LIMIT
+from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate
 from router.replay import load_log
 from router.request import budget_left_ms, caller_deadline
 from router.sidecar import (
@@ -1518,6 +1519,35 @@ async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlie
             assert reply.route_source == "domain" and reply.reason in ("overloaded", "deadline"), reply
             # Judged against the whole budget (less the call's wait for a thread), not less the estimate.
             assert r.sidecar.take_call_timings()[-1].allowed_s > 0.5
+
+
+class _RecordingGate(HandOffGate):
+    def __init__(self) -> None:
+        super().__init__(InFlightLimit(initial=16, ceiling=256, floor=RouterConfig().admission_duty_floor), waiters=0)
+        self.had_s: list[float] = []
+
+    def answered(
+        self, *, handed_at: float, had_s: float, answered: bool, crowded: bool = False, at: float | None = None
+    ) -> None:
+        self.had_s.append(had_s)
+        super().answered(handed_at=handed_at, had_s=had_s, answered=answered, crowded=crowded, at=at)
+
+
+async def test_the_in_flight_limit_judges_a_call_by_its_budget_with_the_own_path_in_it(nursery: trio.Nursery) -> None:
+    """The router decides the own-path estimate before the budget's end; the gate times the call to
+    its release, that path included, so it is judged against the whole budget: taken off twice, the
+    estimate made answers in time count late and shrank the limit (structural: no timing bound)."""
+    with trio.fail_after(15):
+        async with rig(nursery) as r:
+            gate = _RecordingGate()
+            r.sidecar._gate = gate
+            r.sidecar._path_cost_s = 0.5  # half of the budget below
+            request = router_v1_pb2.RouteRequest(request_id="had", token_ids=PROMPT, budget_ms=1000)
+            reply = await _in_thread(lambda: r.route(request, timeout=None))
+            assert isinstance(reply, router_v1_pb2.RouteDecision), reply
+            assert reply.reason != "overloaded", reply  # routed: half the budget is plenty
+            [had_s] = gate.had_s
+            assert had_s > 0.75  # the budget less the hand-off, not less the estimate as well
 
 
 def test_a_stall_counts_in_the_own_path_estimate_at_most_as_the_calls_routing_time() -> None:
