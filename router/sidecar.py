@@ -920,12 +920,15 @@ class Sidecar:
         if remaining is not None:
             wait_s = min(wait_s, max(0.0, remaining - (handed_at - sent_at)))
         answer: concurrent.futures.Future[RouteDecision] = concurrent.futures.Future()
+        had_s = left_s - (handed_at - sent_at)  # none to spare: the gate learns nothing from the call
+        if had_s > 0.0:
+            # The gate times the call to its release, the sidecar's own way back included: the router's
+            # time and that path's allowance.
+            had_s += path_cost_s
         release = partial(
             self._gate.answered,
             handed_at=handed_at,
-            # The gate times the call to its release, the sidecar's own way back included: the router's
-            # time and that path's allowance (none to spare: the gate learns nothing from the call).
-            had_s=left_s + path_cost_s - (handed_at - sent_at),
+            had_s=had_s,
             crowded=crowded(self._thread_wait.waited_s, remaining, self._serve.crowded_wait_share),
         )
         hops = _CallHops(release)  # settled by the trio thread

@@ -1310,11 +1310,17 @@ async def test_calls_naming_roles_with_no_time_left_teach_the_in_flight_limit_no
                     return "deadline"
                 return router_v1_pb2.RouteDecision.FromString(reply).reason
 
+            gate = _RecordingGate()
+            r.sidecar._gate = gate
             await call("warm", 5.0)
-            share = r.sidecar._gate._limit.share
+            share = gate._limit.share
+            # The own path's allowance is no time to spare for a call that had none for the router.
+            r.sidecar._path_cost_s = 0.010
             for i in range(40):  # 0.5 ms left: less than the reply margin
                 assert await call(f"late-{i}", 0.0005, ("PREFILL",)) == "deadline"
-            assert r.sidecar._gate._limit.share >= share
+            assert len(gate.had_s) == 41 and all(had_s <= 0 for had_s in gate.had_s[1:]), gate.had_s
+            assert gate._limit.share >= share
+            r.sidecar._path_cost_s = 0.0
             assert await call("ample", 5.0) != "overloaded"
 
 
