@@ -72,18 +72,18 @@ def test_an_answer_in_time_grows_the_limit_only_if_the_router_held_as_many_since
     gate = HandOffGate(InFlightLimit(initial=2, ceiling=8, floor=RouterConfig().admission_duty_floor), waiters=0)
     share = gate._limit.share
     assert gate.hand_off(0.0)
-    gate.answered(handed_at=time.monotonic(), had_s=1.0, answered=True)  # alone in two places
+    gate.answered(handed_at=time.monotonic(), had_s=60.0, answered=True)  # alone in two places
     assert gate._limit.share == share
     assert gate.hand_off(0.0) and gate.hand_off(0.0)
-    gate.answered(handed_at=time.monotonic(), had_s=1.0, answered=True)  # both places held
+    gate.answered(handed_at=time.monotonic(), had_s=60.0, answered=True)  # both places held
     assert gate._limit.share == share + 1 / share
     share = gate._limit.share
     # One in the router since that answer: the next answer says nothing of two at once.
-    gate.answered(handed_at=time.monotonic(), had_s=1.0, answered=True)
+    gate.answered(handed_at=time.monotonic(), had_s=60.0, answered=True)
     assert gate._limit.share == share
     assert gate.hand_off(0.0) and gate.hand_off(0.0)
     gate.withdrawn()  # a place held meanwhile counts, though its call left without an answer
-    gate.answered(handed_at=time.monotonic(), had_s=1.0, answered=True)
+    gate.answered(handed_at=time.monotonic(), had_s=60.0, answered=True)
     assert gate._limit.share == share + 1 / share
     assert gate.in_router() == 0
 
