@@ -20,8 +20,8 @@ request tasks (no await between read and write); the debug view reads :meth:`hea
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -123,7 +123,7 @@ class WalkProgress:
             return self.ctx.prepared
         return None if self.checked is None else self.checked.with_keys(())
 OVERLOAD_DRAWS = 16  # overloaded answers drawn ahead for threads that shed before the loop
-OVERLOAD_REDRAW_EVERY = 10  # lag measurements between two draws (the estimate is published at each)
+OVERLOAD_REDRAW_EVERY = 10  # lag probe intervals between two draws (the estimate is published at each probe)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +204,12 @@ class RouterActor:
         self._overload_rng = random.Random(config.scorer.seed)
         self._overload_answers: OverloadAnswers | None = None
         self._lag_interval_s = config.router.lag_probe_interval_ms / 1000.0
+        # 0: the probe keeps its interval when idle (``lag_probe_idle_ms`` not above it).
+        idle_s = config.router.lag_probe_idle_ms / 1000.0
+        self._lag_idle_s = idle_s if idle_s > self._lag_interval_s else 0.0
+        self._last_arrival = -math.inf  # trio time of the last call to route()
+        # The idle probe's wait, which a request cuts short, with when it began and is due (trio time).
+        self._lag_wake: tuple[trio.CancelScope, float, float] | None = None
         self._peak = 0
         self._handled = 0
         self._overloaded = 0
@@ -226,16 +232,51 @@ class RouterActor:
 
     async def _measure_lag(self) -> None:
         """How late a timer fires is how long a due task waits for the loop: feed the admission
-        estimate and publish it."""
+        estimate and publish it. Once no request has come for ``lag_probe_idle_ms`` and none is in
+        flight, probe that often instead until ``route`` wakes the probe: an idle loop has nothing
+        due to be late, and the estimate ages as the skipped probes would have aged it."""
         answers: tuple[RouteDecision, ...] = ()
-        for turn in itertools.count():
-            if turn % OVERLOAD_REDRAW_EVERY == 0:
+        since_draw = float(OVERLOAD_REDRAW_EVERY)  # probe intervals since the answers were drawn
+        base_s = self._lag_interval_s
+        while True:
+            if since_draw >= OVERLOAD_REDRAW_EVERY:
                 answers = self._draw_overload_answers()
+                since_draw = 0.0
             self._overload_answers = OverloadAnswers(self._estimate.view(), answers)
-            due = trio.current_time() + self._lag_interval_s
-            await trio.sleep_until(due)
+            start = trio.current_time()
+            idle = self._quiet(start)
+            intervals = self._lag_idle_s / base_s if idle else 1.0  # the probes this wait stands for
+            due = start + (self._lag_idle_s if idle else base_s)
+            with trio.CancelScope() as wait:
+                self._lag_wake = (wait, start, due) if idle else None
+                await trio.sleep_until(due)
+            self._lag_wake = None
             self._unyielded = 0  # the loop cycled: this task ran
-            self._estimate.observe_lag(trio.current_time() - due)
+            now = trio.current_time()
+            if wait.cancel_called:  # a request came and took the sample (``_arrived``), due or not
+                intervals = (now - start) / base_s
+            else:
+                self._estimate.observe_lag(now - due, intervals=intervals)
+            since_draw += intervals
+
+    def _arrived(self, now: float) -> None:
+        """A request came: the lag probe, if it waits as for an idle loop, goes back to its interval, and
+        the estimate takes the wait's sample now, before the request is judged by it: aged for the wait
+        so far, and late only if the timer was already due (the loop stalled past it)."""
+        self._last_arrival = now
+        if self._lag_wake is not None:
+            wait, since, due = self._lag_wake
+            self._lag_wake = None
+            self._estimate.observe_lag(max(0.0, now - due), intervals=(now - since) / self._lag_interval_s)
+            wait.cancel()
+
+    def _quiet(self, now: float) -> bool:
+        """Whether the lag probe may wait ``lag_probe_idle_ms``: no request for that long, none in flight."""
+        return (
+            self._lag_idle_s > 0.0
+            and not self._limiter.borrowed_tokens
+            and now - self._last_arrival >= self._lag_idle_s
+        )
 
     def _draw_overload_answers(self) -> tuple[RouteDecision, ...]:
         now = trio.current_time()
@@ -256,6 +297,7 @@ class RouterActor:
         :meth:`charge_sheds`). ``request`` builds the request: only the decision log keeps it, and a
         shed answer is cheap only if nothing else does."""
         self._overloaded += 1
+        self._arrived(trio.current_time())  # calls shed elsewhere still load this process
         self._emit(decision)
         if self._decision_log is not None:
             now = trio.current_time()
@@ -279,6 +321,7 @@ class RouterActor:
         if self._closing:
             raise RouterClosed("the router is closed: route() after its open_router block ended")
         now = trio.current_time()
+        self._arrived(now)
         router = self._config.router
         try:
             check_fields(request)  # the deadline below reads the timing fields

@@ -147,12 +147,20 @@ class AdmissionEstimate:
         self._own_s = self._own_s * self._decay + max(0.0, seconds) * (1 - self._decay)
         self._own_fresh = True
 
-    def observe_lag(self, seconds: float) -> None:
+    def observe_lag(self, seconds: float, *, intervals: float = 1.0) -> None:
         """One measured lag of the routing loop (how late a timer fired); ages an own time no
-        admitted request has refreshed since the previous lag sample."""
-        self._lag_s = self._lag_s * self._decay + max(0.0, seconds) * (1 - self._decay)
+        admitted request has refreshed since the previous lag sample.
+
+        ``intervals``: the probe intervals the timer stood for (an idle loop probes less often). The
+        averages move as that many probes would have moved them: the ones before this sample found
+        nothing due, so they count as no lag, and each ages a stale own time. ``seconds`` 0 with
+        fewer intervals than one ages the averages by that part of a probe (a request cut the wait
+        short)."""
+        keep = self._decay ** max(0.0, intervals)
+        sample_weight = 1 - self._decay if intervals >= 1.0 else 1 - keep
+        self._lag_s = self._lag_s * keep + max(0.0, seconds) * sample_weight
         if not self._own_fresh:
-            self._own_s *= self._decay
+            self._own_s *= keep
         self._own_fresh = False
 
     def expected_s(self) -> float:

@@ -224,6 +224,10 @@ class RouterConfig:
     admission_duty_floor: float = bounded(1 / 32, 0, 1, low_open=True)
     # How often the routing loop's lag is measured (a timer's lateness), in ms.
     lag_probe_interval_ms: float = bounded(10.0, 0, 10_000, low_open=True)
+    # Once no request has come for this long and none is in flight, the lag is measured this often
+    # instead, until the next request (which brings back lag_probe_interval_ms at once): an idle
+    # router's probe was most of its CPU. 0, or not above lag_probe_interval_ms: never slower.
+    lag_probe_idle_ms: float = bounded(250.0, 0, 60_000)
     # Route to workers known to be unreachable rather than answer no_candidates (and stay ready); the
     # request's roles still hold unless no worker may serve them.
     route_blind: bool = False

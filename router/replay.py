@@ -933,6 +933,7 @@ _RECORDED_SECTIONS = frozenset(
 )
 _RECORDED_SETTINGS = frozenset(
     {"router_max_in_flight", "router_admission_decay", "router_admission_duty_floor", "router_lag_probe_interval_ms"}
+    | {"router_lag_probe_idle_ms"}
     | {"decision_log", "decision_log_max_bytes", "decision_log_files", "decision_log_inbox_size", "scorer_seed"}
     | {"master_discovery_interval_s", "master_discovery_timeout_s", "master_discovery_failure_threshold"}
     | {"master_discovery_drop_after_s", "master_http_max_connections", "master_http_keepalive_expiry_s"}

@@ -1002,9 +1002,11 @@ class Sidecar:
         estimate = published.estimate
         # While as many calls wait for a handler thread as there are threads, none is handed to the
         # router: a routed call holds its thread for its whole routing time and costs the CPU of many
-        # sheds, and the calls waiting behind it are nearer their deadlines with every one.
+        # sheds, and the calls waiting behind it are nearer their deadlines with every one. A call with
+        # no time left is answered here, whatever the estimate (an idle loop's lag is about nothing).
         if (
-            self._pool_backlog() < self._serve.grpc_max_workers
+            left_s > 0.0
+            and self._pool_backlog() < self._serve.grpc_max_workers
             and admits(estimate, left_s, in_flight=self._gate.in_router())
             and self._gate.hand_off(slot_wait_s(estimate, left_s))
         ):

@@ -59,7 +59,9 @@ def _memory_cluster(
 
 
 async def test_a_saturated_loop_sheds_at_admission_and_recovers(autojump_clock: trio.testing.MockClock) -> None:
-    network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_interval_ms=5.0))
+    # Idle probing off: the stall below is modelled without requests, which an idle router's probe
+    # would sample only every lag_probe_idle_ms.
+    network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_interval_ms=5.0, lag_probe_idle_ms=0.0))
     async with open_router(config, rpc=network) as handle:
         await trio.sleep(0.1)
         for _ in range(40):  # the loop runs 30 ms late at every turn: a stall with no checkpoint
@@ -84,7 +86,9 @@ async def test_a_request_naming_roles_not_routed_here_is_refused_not_shed_under_
     """The roles were checked only once a request was admitted: under overload a role this deployment
     does not route was dropped from the shed's roles, and the request got a worker (domain/overloaded,
     charged) where at normal load it is refused, naming the field."""
-    network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_interval_ms=5.0))
+    # Idle probing off: the stall below is modelled without requests, which an idle router's probe
+    # would sample only every lag_probe_idle_ms.
+    network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_interval_ms=5.0, lag_probe_idle_ms=0.0))
     assert config.deployment.roles == (Role.PREFILL,)
     foreign = [(Role.DECODE,), (Role.VIT,), (Role.PREFILL, Role.VIT)]
     async with open_router(config, rpc=network) as handle:
@@ -130,6 +134,134 @@ def test_a_request_alone_is_judged_by_the_lag_only_so_a_stale_own_estimate_recov
     estimate.observe_lag(1.0)
     assert not estimate.admits(0.050, in_flight=0)  # a late loop still sheds it
     assert admits(AdmissionView(own_s=1.0, lag_s=0.001, expected_s=1.001), 0.002, in_flight=0)
+
+
+def test_a_lag_sample_after_a_long_wait_moves_the_averages_as_the_skipped_probes_would() -> None:
+    probed = AdmissionEstimate(RouterConfig())
+    idle = AdmissionEstimate(RouterConfig())
+    for estimate in (probed, idle):
+        estimate.observe_own(0.040)
+        estimate.observe_lag(0.020)
+    for _ in range(24):  # an idle loop probed every interval: nothing due, so no lateness, and no request
+        probed.observe_lag(0.0)
+    probed.observe_lag(0.003)
+    idle.observe_lag(0.003, intervals=25.0)  # one wait of 25 intervals, 3 ms late
+    assert idle.view().lag_s == pytest.approx(probed.view().lag_s)
+    assert idle.view().own_s == pytest.approx(probed.view().own_s)
+    # A wait a request cut short ages them by the part of an interval it lasted, and samples nothing.
+    cut = AdmissionEstimate(RouterConfig())
+    cut.observe_lag(0.010)
+    cut.observe_lag(0.0, intervals=0.5)
+    assert cut.view().lag_s == pytest.approx(0.010 * (1 - 0.9) * 0.9**0.5)
+
+
+async def _publications(handle: RouterHandle, seconds: float, every_s: float = 0.001) -> int:
+    """How many times the router published its overload answers over ``seconds`` (one per lag probe)."""
+    router = handle.router_actor()
+    seen = router.overload_answers()
+    count = 0
+    for _ in range(round(seconds / every_s)):
+        await trio.sleep(every_s)
+        if router.overload_answers() is not seen:
+            seen = router.overload_answers()
+            count += 1
+    return count
+
+
+async def _next_publication(handle: RouterHandle, within_s: float = 1.0) -> None:
+    """Return just after the router's next lag probe published (within a millisecond)."""
+    router = handle.router_actor()
+    seen = router.overload_answers()
+    for _ in range(round(within_s / 0.001)):
+        await trio.sleep(0.001)
+        if router.overload_answers() is not seen:
+            return
+    raise AssertionError(f"no lag probe published within {within_s} s")
+
+
+@pytest.mark.parametrize(("idle_ms", "expected"), [(250.0, range(3, 6)), (0.0, range(95, 101)), (10.0, range(95, 101))])
+async def test_an_idle_router_probes_its_lag_every_lag_probe_idle_ms(
+    autojump_clock: trio.testing.MockClock, idle_ms: float, expected: range
+) -> None:
+    """Probing every 10 ms was most of an idle router's CPU. 0, or not above the interval: never slower."""
+    network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_interval_ms=10.0, lag_probe_idle_ms=idle_ms))
+    async with open_router(config, rpc=network) as handle:
+        await handle.route(RouteRequest("warm", token_ids=PROMPT))
+        await trio.sleep(0.5)  # quiet for longer than lag_probe_idle_ms
+        assert await _publications(handle, 1.0) in expected
+        published = handle.router_actor().overload_answers()
+        assert published is not None and published.answers  # still drawn for threads that shed
+
+
+async def test_a_request_brings_an_idle_router_back_to_its_lag_probe_interval_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_interval_ms=10.0, lag_probe_idle_ms=250.0))
+    async with open_router(config, rpc=network) as handle:
+        router = handle.router_actor()
+        await trio.sleep(0.5)
+        await _next_publication(handle)  # an idle probe: the next is 250 ms away
+        published = router.overload_answers()
+        await handle.route(RouteRequest("wakes", token_ids=PROMPT))
+        await trio.sleep(0.011)
+        assert router.overload_answers() is not published
+        for i in range(20):  # requests keep coming: a probe every interval
+            await handle.route(RouteRequest(f"r{i}", token_ids=PROMPT))
+            await trio.sleep(0.005)
+        assert await _publications(handle, 0.1) >= 9
+        # A call another thread shed counts as one too: the process is busy.
+        await trio.sleep(0.5)
+        await _next_publication(handle)
+        published = router.overload_answers()
+        assert published is not None
+        shed = RouteRequest("shed", token_ids=PROMPT)
+        router.record_shed(lambda: shed, published.answers[0], trio.current_time())
+        await trio.sleep(0.011)
+        assert router.overload_answers() is not published
+
+
+async def test_a_request_after_an_idle_probe_fell_due_takes_its_lateness(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The loop stalled past an idle probe's time and a request ran before the probe's task: the sample
+    is the request's to take, late by the stall, once."""
+    network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_interval_ms=10.0, lag_probe_idle_ms=250.0))
+    async with open_router(config, rpc=network) as handle:
+        router = handle.router_actor()
+        await trio.sleep(1.0)
+        await _next_publication(handle)  # an idle probe: the next is due in 249–250 ms
+        autojump_clock.jump(0.300)  # a stall with no checkpoint, past that probe's time by 50–51 ms
+        before = trio.current_time()
+        await handle.route(RouteRequest("first", token_ids=PROMPT))
+        probes_since = (trio.current_time() - before) / 0.010 + 1
+        assert 0.050 * 0.1 * 0.9**probes_since <= router.health().admission.lag_s <= 0.051 * 0.1
+
+
+async def test_the_next_request_finds_a_stale_own_estimate_aged_as_if_probed_every_interval(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[float] = []
+    admits = AdmissionEstimate.admits
+
+    def judged(estimate: AdmissionEstimate, remaining_s: float, *, in_flight: int = 1) -> bool:
+        seen.append(estimate.view().own_s)
+        return admits(estimate, remaining_s, in_flight=in_flight)
+
+    own: dict[float, float] = {}
+    for idle_ms in (250.0, 0.0):
+        network, config = _memory_cluster(2, replace(RouterConfig(), lag_probe_idle_ms=idle_ms))
+        async with open_router(config, rpc=network) as handle:
+            await handle.route(RouteRequest("warm", token_ids=PROMPT))
+            router = handle.router_actor()
+            router._estimate.observe_own(5.0)  # as if that request had stalled for seconds
+            await trio.sleep(0.6)  # then nothing, into the middle of an idle probe's wait
+            seen.clear()
+            with monkeypatch.context() as patched:
+                patched.setattr(AdmissionEstimate, "admits", judged)
+                await handle.route(RouteRequest("next", token_ids=PROMPT))
+            own[idle_ms] = seen[0]
+    assert own[0.0] < 5.0 * 0.9**55  # about 60 probes of 10 ms aged it
+    assert 0.9**2 < own[250.0] / own[0.0] < 0.9**-2  # the same within a probe or two either side
 
 
 def test_a_request_waits_for_a_place_at_most_a_quarter_of_its_time_and_never_past_its_expected_cost() -> None:

@@ -419,6 +419,11 @@ _SPECS: dict[str, _Spec] = {
         metavar="SHARE",
     ),
     "router.lag_probe_interval_ms": _Spec("How often the routing loop's lag is measured", metavar="MS"),
+    "router.lag_probe_idle_ms": _Spec(
+        "Once no request has come for this long (none in flight), the loop's lag is measured this often "
+        "instead, until the next request; 0, or not above --router-lag-probe-interval-ms: never slower",
+        metavar="MS",
+    ),
     "router.kvcm_query_timeout_ms": _Spec(
         "Cap on one GetHostCacheState call, in ms", fallback=True, metavar="MS"
     ),
