@@ -1003,7 +1003,8 @@ class Sidecar:
         # While as many calls wait for a handler thread as there are threads, none is handed to the
         # router: a routed call holds its thread for its whole routing time and costs the CPU of many
         # sheds, and the calls waiting behind it are nearer their deadlines with every one. A call with
-        # no time left is answered here, whatever the estimate (an idle loop's lag is about nothing).
+        # no time left is answered here whatever the estimate: an idle loop's lag can be 0, which
+        # no time left would cover.
         if (
             left_s > 0.0
             and self._pool_backlog() < self._serve.grpc_max_workers
