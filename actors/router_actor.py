@@ -297,10 +297,10 @@ class RouterActor:
         :meth:`charge_sheds`). ``request`` builds the request: only the decision log keeps it, and a
         shed answer is cheap only if nothing else does."""
         self._overloaded += 1
-        self._arrived(trio.current_time())  # calls shed elsewhere still load this process
+        now = trio.current_time()
+        self._arrived(now)  # calls shed elsewhere still load this process
         self._emit(decision)
         if self._decision_log is not None:
-            now = trio.current_time()
             record = DecisionRecord(self._recorded(request()), now, deadline, overloaded=True, decision=decision)
             self._decision_log.submit(record)
 
