@@ -1535,8 +1535,9 @@ async def test_the_sidecar_learns_its_own_path_cost_and_decides_that_much_earlie
             reply = await _in_thread(lambda: r.route(request, timeout=None))
             assert isinstance(reply, router_v1_pb2.RouteDecision), reply
             assert reply.route_source == "domain" and reply.reason in ("overloaded", "deadline"), reply
-            # Judged against the whole budget (less the call's wait for a thread), not less the estimate.
-            assert r.sidecar.take_call_timings()[-1].allowed_s > 0.5
+            # Judged against the whole budget (less the call's wait for a thread), not less the estimate,
+            # which would leave it none: no bound on that wait, which a busy machine makes long.
+            assert r.sidecar.take_call_timings()[-1].allowed_s > 0.0
 
 
 async def test_the_in_flight_limit_judges_a_call_by_its_budget_with_the_own_path_in_it(nursery: trio.Nursery) -> None:
