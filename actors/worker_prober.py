@@ -199,6 +199,8 @@ class WorkerView:
     last_error_detail: str  # what the last failure said (at most _DETAIL_CHARS)
     background: bool  # the status came from a background poll
     wanted_at: float  # a request named it then (the owner's record, renewed at most every _TOUCH_EVERY)
+    # What a request reads of this status while it is fresh: built once per view, not per read.
+    cached: ProbeResult | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +246,18 @@ class _WorkerState:
     ejected_until: float = _NEVER
     flight: _Flight | None = None
 
-    def view(self) -> WorkerView:
+    def view(self, worker: WorkerAddr) -> WorkerView:
+        cached = None
+        if self.status is not None:
+            cached = ProbeResult(
+                worker,
+                ProbeOutcome.OK,
+                self.status,
+                from_cache=True,
+                observed_at=self.status_at,
+                sent_at=self.status_sent_at,
+                background=self.status_background,
+            )
         return WorkerView(
             self.status,
             self.status_at,
@@ -256,6 +269,7 @@ class _WorkerState:
             self.last_error_detail,
             self.status_background,
             self.wanted_at,
+            cached,
         )
 
 
@@ -635,20 +649,10 @@ class WorkerProber:
             seen = known.get(worker)
             if seen is None or seen.wanted_at < told_after:
                 tell = True
-            if seen is not None and seen.status is not None and not seen.failed and now - seen.status_at < fresh_ttl:
+            if seen is not None and seen.cached is not None and not seen.failed and now - seen.status_at < fresh_ttl:
                 self._view_hits += 1
                 self._view_background_hits += seen.background
-                handle._deliver(
-                    ProbeResult(
-                        worker,
-                        ProbeOutcome.OK,
-                        seen.status,
-                        from_cache=True,
-                        observed_at=seen.status_at,
-                        sent_at=seen.status_sent_at,
-                        background=seen.background,
-                    )
-                )
+                handle._deliver(seen.cached)
             elif seen is not None and seen.ejected_until > now:
                 handle._deliver(self._view_skip(worker, SkipReason.EJECTED))
             elif not view.running:
@@ -977,7 +981,7 @@ class WorkerProber:
 
     def _changed(self, worker: WorkerAddr, state: _WorkerState) -> None:
         if self._workers.get(worker) is state:
-            self._views[worker] = state.view()
+            self._views[worker] = state.view(worker)
             self._dirty = True
 
     # --- background polls (the owner's timers) ---------------------------------------------------
