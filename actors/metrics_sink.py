@@ -23,10 +23,11 @@ from dataclasses import dataclass, replace
 from typing import assert_never
 
 import trio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from actors.metric_families import OwnedCounter, OwnedFamilies, OwnedGauge, OwnedHistogram
 from router.config import MetricsConfig, RouterConfig
 from router.policy.deadline_split import SplitEstimates, SplitEstimator
 from router.problems import Problem, range_problems, refuse
@@ -235,24 +236,6 @@ class MetricsSinkSnapshot:
     last_leader: str | None
 
 
-class _CountersByLabels:
-    """The children of one labelled counter, kept by their label values: ``labels()`` builds its key
-    on every call, and the sink counts a few children many times per decision."""
-
-    __slots__ = ("_children", "_counter")
-
-    def __init__(self, counter: Counter) -> None:
-        self._counter = counter
-        self._children: dict[tuple[str, ...], Counter] = {}
-
-    def __call__(self, *values: str) -> Counter:
-        """The child for ``values`` (in the counter's label order)."""
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._counter.labels(*values)
-        return child
-
-
 class _SourceGauges(Collector):
     """Reads the registered snapshot callables at scrape time (gauges, and counters kept elsewhere)."""
 
@@ -301,111 +284,115 @@ class MetricsSink:
         self._config = config
         self._send, self._receive = trio.open_memory_channel[MetricEvent](config.inbox_size)
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self._dropped = Counter("kvroute_metrics_events_dropped", "Telemetry events dropped: inbox full", registry=r)
-        self._decisions = Counter(
-            "kvroute_route_decisions", "Routing decisions", ("route_source", "reason"), registry=r
+        f = OwnedFamilies()
+        self._dropped = OwnedCounter(
+            "kvroute_metrics_events_dropped", "Telemetry events dropped: inbox full", families=f
         )
-        self._duration = Histogram(
+        self._decisions = OwnedCounter(
+            "kvroute_route_decisions", "Routing decisions", ("route_source", "reason"), families=f
+        )
+        self._duration = OwnedHistogram(
             "kvroute_route_duration_seconds",
             "Time spent per routing stage (total = the whole decision)",
             ("stage",),
             buckets=DURATION_BUCKETS,
-            registry=r,
+            families=f,
         )
-        self._source_outcomes = Counter(
+        self._source_outcomes = OwnedCounter(
             "kvroute_source_outcomes",
             "What each source of the chain did with a request (reason: why it fell through or ended)",
             ("source", "outcome", "reason"),
-            registry=r,
+            families=f,
         )
-        self._hit_ratio = Histogram(
+        self._hit_ratio = OwnedHistogram(
             "kvroute_hit_actual_over_predicted",
             "The prefix a worker reported for a routed request / the hit the router predicted",
             ("route_source",),
             buckets=(0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0),
-            registry=r,
+            families=f,
         )
-        self._hit_error = Histogram(
+        self._hit_error = OwnedHistogram(
             "kvroute_hit_error_tokens",
             "|reported prefix − predicted hit| in tokens",
             ("route_source",),
             buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
-            registry=r,
+            families=f,
         )
-        self._silent_zero = Counter(
+        self._silent_zero = OwnedCounter(
             "kvroute_hit_silent_zero",
             "Routed requests whose worker found no cached prefix where the router predicted one",
             ("route_source",),
-            registry=r,
+            families=f,
         )
-        self._shadow_hit_error = Histogram(
+        self._shadow_hit_error = OwnedHistogram(
             "kvroute_shadow_hit_error_tokens",
             "|the shadow index's predicted hit − KVCM's reported hit| at KVCM's best holder, in tokens",
             buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
-            registry=r,
+            families=f,
         )
-        self._master_requests = Counter(
-            "kvroute_master_requests", "Master source outcomes and transport errors", ("outcome",), registry=r
+        self._master_requests = OwnedCounter(
+            "kvroute_master_requests", "Master source outcomes and transport errors", ("outcome",), families=f
         )
-        self._kvcm_requests = Counter(
-            "kvroute_kvcm_requests", "KVCM RPCs by outcome", ("method", "outcome"), registry=r
+        self._kvcm_requests = OwnedCounter(
+            "kvroute_kvcm_requests", "KVCM RPCs by outcome", ("method", "outcome"), families=f
         )
-        self._leader_changes = Counter(
+        self._leader_changes = OwnedCounter(
             "kvroute_kvcm_leader_changes",
             "KVCM leaders the leader resolver found that differ from the last it found (the first counts)",
-            registry=r,
+            families=f,
         )
-        self._probe_skipped = Counter("kvroute_probe_skipped", "Worker probes skipped", ("reason",), registry=r)
-        self._cache_hits = Counter(
-            "kvroute_worker_status_cache_hits", "Worker statuses served from the status cache", registry=r
+        self._probe_skipped = OwnedCounter("kvroute_probe_skipped", "Worker probes skipped", ("reason",), families=f)
+        self._cache_hits = OwnedCounter(
+            "kvroute_worker_status_cache_hits", "Worker statuses served from the status cache", families=f
         )
-        self._fresh_from_background = Counter(
+        self._fresh_from_background = OwnedCounter(
             "kvroute_worker_status_fresh_from_background",
             "Worker statuses served fresh from the cache that a background poll had fetched",
-            registry=r,
+            families=f,
         )
-        self._probed_per_request = Histogram(
+        self._probed_per_request = OwnedHistogram(
             "kvroute_probes_per_request",
             "Candidates per scored request without a fresh status (each asked for a probe)",
             buckets=(0, 1, 2, 4, 8, 16, 32),
-            registry=r,
+            families=f,
         )
-        self._background_probes = Counter(
-            "kvroute_probe_background", "Worker probes the prober started on its own", ("kind",), registry=r
+        self._background_probes = OwnedCounter(
+            "kvroute_probe_background", "Worker probes the prober started on its own", ("kind",), families=f
         )
-        self._shadow_dropped = Counter(
-            "kvroute_shadow_records_dropped", "Decisions the shadow index missed (its inbox was full)", registry=r
+        self._shadow_dropped = OwnedCounter(
+            "kvroute_shadow_records_dropped", "Decisions the shadow index missed (its inbox was full)", families=f
         )
-        self._evictions = Counter(
-            "kvroute_channel_pool_evictions", "gRPC channels evicted from the pool", ("reason",), registry=r
+        self._evictions = OwnedCounter(
+            "kvroute_channel_pool_evictions", "gRPC channels evicted from the pool", ("reason",), families=f
         )
-        self._candidates_dropped = Counter(
-            "kvroute_candidates_dropped", "Candidates dropped before scoring", ("reason",), registry=r
+        self._candidates_dropped = OwnedCounter(
+            "kvroute_candidates_dropped", "Candidates dropped before scoring", ("reason",), families=f
         )
-        self._split_cuts = Counter(
+        self._split_cuts = OwnedCounter(
             "kvroute_deadline_split_cuts",
             "Waits of a request the deadline split's window ended (the stage had not finished)",
             ("stage",),
-            registry=r,
+            families=f,
         )
-        self._shadow_comparisons = Counter(
-            "kvroute_shadow_comparisons", "Shadow-index predictions compared with KVCM answers", registry=r
+        self._shadow_comparisons = OwnedCounter(
+            "kvroute_shadow_comparisons", "Shadow-index predictions compared with KVCM answers", families=f
         )
-        self._shadow_ratio = Gauge(
+        self._shadow_ratio = OwnedGauge(
             "kvroute_shadow_agreement_ratio",
             "Mean agreement of the shadow index with KVCM over the last comparisons",
-            registry=r,
+            families=f,
         )
-        # Children per label set, looked up once: labels() costs ~5 µs, the sink's hot loop runs per decision.
-        self._stage_durations = {stage: self._duration.labels(stage=stage.value) for stage in Stage}
-        self._stage_cuts = {stage: self._split_cuts.labels(stage=stage.value) for stage in Stage}
-        self._reply_duration = self._duration.labels(stage=REPLY_STAGE_LABEL)
-        self._decision_counts = _CountersByLabels(self._decisions)
-        self._source_counts = _CountersByLabels(self._source_outcomes)
-        self._dropped_counts = _CountersByLabels(self._candidates_dropped)
-        self._kvcm_counts = _CountersByLabels(self._kvcm_requests)
-        self._skipped_counts = _CountersByLabels(self._probe_skipped)
+        # The stages' children looked up once: the sink's hot loop observes each stage per decision.
+        self._stage_durations = {stage: self._duration.labels(stage.value) for stage in Stage}
+        self._stage_cuts = {stage: self._split_cuts.labels(stage.value) for stage in Stage}
+        self._reply_duration = self._duration.labels(REPLY_STAGE_LABEL)
+        self._decision_counts = self._decisions.labels
+        self._source_counts = self._source_outcomes.labels
+        self._dropped_counts = self._candidates_dropped.labels
+        self._kvcm_counts = self._kvcm_requests.labels
+        self._skipped_counts = self._probe_skipped.labels
+        r = self.registry
+        r.register(f)
         self._gauges = _SourceGauges()
         r.register(self._gauges)
         self.register_gauge_source("kvroute_inbox_depth", self.inbox_depth, actor="metrics_sink")
@@ -518,12 +505,12 @@ class MetricsSink:
             case KvcmRequest(method, outcome):
                 self._kvcm_counts(method, outcome).inc()
             case HitObserved(route_source, predicted, actual):
-                self._hit_ratio.labels(route_source=route_source).observe(actual / predicted if predicted else 0.0)
-                self._hit_error.labels(route_source=route_source).observe(abs(actual - predicted))
+                self._hit_ratio.labels(route_source).observe(actual / predicted if predicted else 0.0)
+                self._hit_error.labels(route_source).observe(abs(actual - predicted))
                 if actual == 0 and predicted > 0:
-                    self._silent_zero.labels(route_source=route_source).inc()
+                    self._silent_zero.labels(route_source).inc()
             case MasterRequest(outcome):
-                self._master_requests.labels(outcome=outcome).inc()
+                self._master_requests.labels(outcome).inc()
             case ProbeSkipped(reason, n):
                 self._skipped_counts(reason).inc(n)
             case CandidatesDropped(reason, n):
@@ -535,12 +522,12 @@ class MetricsSink:
                     self._fresh_from_background.inc(from_background)
                 self._probed_per_request.observe(probed)
             case BackgroundProbes(kind, n):
-                self._background_probes.labels(kind=kind).inc(n)
+                self._background_probes.labels(kind).inc(n)
             case LeaderChanged(target):
                 self._last_leader = target
                 self._leader_changes.inc()
             case ChannelEvicted(reason, n):
-                self._evictions.labels(reason=reason).inc(n)
+                self._evictions.labels(reason).inc(n)
             case ShadowAgreement(ratio, hit_error_tokens):
                 self._record_agreement(ratio)
                 self._shadow_hit_error.observe(hit_error_tokens)
