@@ -24,6 +24,7 @@ import trio
 
 from actors.metrics_sink import HitObserved, MetricsSink
 from router.config import MetricsConfig
+from router.slot_init import slot_init
 from router.types import RouteSource, WorkerStatus
 
 _RECENT_PER_WORKER = 32  # comparisons kept per worker for its recent accuracy
@@ -32,6 +33,7 @@ WARNING_MIN_COMPARISONS = 20  # comparisons needed before the share can raise a 
 _WORKERS_SHOWN = 64  # workers in the health snapshot (the most recently compared)
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class _Predicted:
     request_id: str

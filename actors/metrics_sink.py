@@ -31,6 +31,7 @@ from actors.metric_families import OwnedCounter, OwnedFamilies, OwnedGauge, Owne
 from router.config import MetricsConfig, RouterConfig
 from router.policy.deadline_split import SplitEstimates, SplitEstimator
 from router.problems import Problem, range_problems, refuse
+from router.slot_init import slot_init
 from router.types import RouteDecision, Stage, cut_text
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ BREAKER_STATE_VALUES: Mapping[str, float] = {"closed": 0.0, "half_open": 1.0, "o
 # --- events (small frozen values; producers build them, only run() reads them) -------------------
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class DecisionMade:
     """A routing decision: counted by route_source/reason, its stage_ms and elapsed_ms observed, and
@@ -81,6 +83,7 @@ class DecisionMade:
     events: tuple[MetricEvent, ...] = ()
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class KvcmRequest:
     method: str  # "GetClusterInfo" | "GetHostCacheState"
@@ -102,6 +105,7 @@ class ProbeSkipped:
     n: int = 1
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class StatusLookups:
     """One request's candidate statuses: answered fresh from the cache (``from_background`` of
@@ -157,6 +161,7 @@ class ChannelEvicted:
     n: int = 1
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class ShadowAgreement:
     """One shadow-vs-KVCM comparison: top-holder agreement (1.0 full, 0.0 none), and the shadow's

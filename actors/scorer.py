@@ -26,11 +26,13 @@ from router.logs import AggregatingLogger
 from router.policy.base import Policy, PolicyHealth
 from router.policy.cache_affinity import CONTRACT_DROPS, ObservedStatus, ScoreSheet, Selection
 from router.policy.plan import CandidatePlan, CandidateSource, Fleet
+from router.slot_init import slot_init
 from router.types import DropReason, HostMatch, Role, WorkerAddr, WorkerStatus
 
 log = logging.getLogger(__name__)
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class DecideRequest:
     """One decision's inputs: the plan, the statuses in hand (status, trio time taken), and why

@@ -42,6 +42,7 @@ import trio
 
 from router.config import ShadowConfig
 from router.problems import Problem, range_problems, refuse
+from router.slot_init import slot_init
 from router.targets import TargetError, parse_target
 from router.types import HostMatch
 
@@ -325,6 +326,7 @@ class ShadowHealth:
     dropped: int  # records dropped because the inbox was full
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class _Recorded:
     worker: str

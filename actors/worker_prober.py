@@ -107,6 +107,7 @@ from actors.probe_budget import (
 )
 from router.config import ProberConfig
 from router.problems import refuse
+from router.slot_init import slot_init
 from router.transport.errors import TransportError, Unavailable
 from router.transport.ports import WorkerStatusAsk, WorkerStatusTransport
 from router.types import Role, WorkerAddr, WorkerStatus
@@ -167,6 +168,7 @@ class ProbeKind(enum.Enum):
     HEALTH = "health"  # background health probe of a discovered worker
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     worker: WorkerAddr
@@ -185,6 +187,7 @@ class ProbeResult:
         return None if self.observed_at is None else now - self.observed_at
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     """What the owner last knew of one worker, as published (immutable)."""

@@ -21,11 +21,13 @@ from itertools import islice
 from router.config import DeploymentConfig, LimitsConfig
 from router.keys import INT64, IntRange, block_key_slices, join_slices, token_id_range
 from router.problems import declared_range
+from router.slot_init import slot_init
 from router.types import COMPANION_ROLES, PREFILL_CAPABLE_ROLES, BadRequest, KeyFamily, Role, RouteRequest
 
 _QUOTED_CHARS = 40  # of a client's text quoted back in an error
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
     """A validated request: the block keys to query, their block size, seq_len and roles."""
@@ -37,6 +39,7 @@ class PreparedRequest:
     companions: tuple[Role, ...] = ()  # roles that get one more address each (decode, vit)
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class CheckedRequest:
     """A request that passed every check; its token ids, if they are to be hashed, are not yet."""
@@ -173,6 +176,7 @@ def check_shape(request_id: str, *, has_tokens: bool, has_keys: bool) -> None:
         raise BadRequest("token_ids", "give exactly one of token_ids or block_cache_keys")
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Admissible:
     """What the checks made before a shed found: the block size, the prompt's length, and the roles."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from router.slot_init import slot_init
 from router.targets import format_target
 from router.text import cut_text as cut_text  # where the product has long kept it
 
@@ -188,6 +189,7 @@ class ClusterInfo:
     leader: LeaderEndpoint | None
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class CacheQuery:
     instance_id: str
@@ -197,6 +199,7 @@ class CacheQuery:
     p2p_host_count: int = 0
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class HostMatch:
     """One host of a GetHostCacheState answer (``host_ip_port`` is ``ip:http_port``)."""
@@ -207,6 +210,7 @@ class HostMatch:
     p2p_total: int = 0
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class CacheState:
     hosts: tuple[HostMatch, ...]
@@ -325,6 +329,7 @@ class BadRequest(ValueError):
         self.detail = message  # what is wrong, without the field's name (a CLI names its flag instead)
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What a frontend asks. Either ``token_ids`` or ``block_cache_keys`` (used as given: the chained
@@ -340,6 +345,7 @@ class RouteRequest:
     roles: tuple[Role, ...] | None = None  # None: the deployment's roles
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class CandidateExplain:
     """One candidate as the decision saw it (for explain and /debug/decisions)."""
@@ -354,6 +360,7 @@ class CandidateExplain:
     chosen: bool = False
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class SourceStep:
     """One source's part in a decision: what it did, why, and the time it took."""
@@ -373,6 +380,7 @@ class SplitMode(enum.StrEnum):
     COLD = "cold"
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class StageWindow:
     """One waiting stage's window: its end, in ms after the request's receipt, and whether the split's
@@ -383,6 +391,7 @@ class StageWindow:
     cut: bool
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     request_id: str
@@ -427,6 +436,7 @@ class RouteDecision:
         )
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class RoleAddr:
     """One role's worker in an answer (prefill/decode separation names one per role)."""

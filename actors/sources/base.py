@@ -23,6 +23,7 @@ from router.decision_record import DecisionRecord, SourceAnswer
 from router.policy.deadline_split import SplitWindows
 from router.policy.plan import Fleet
 from router.request import PreparedRequest
+from router.slot_init import slot_init
 from router.types import (
     CandidateExplain,
     HostMatch,
@@ -102,6 +103,7 @@ class RequestContext:
         return self.split.windows.probe_end
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Answered:
     worker: WorkerAddr
@@ -114,6 +116,7 @@ class Answered:
     role_addrs: tuple[RoleAddr, ...] = ()  # empty: the chosen worker under its role
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class FellThrough:
     reason: Reason

@@ -28,6 +28,7 @@ from router.policy.base import PolicyHealth
 from router.policy.ledger import SelectionLedger
 from router.policy.plan import Candidate, CandidatePlan, CandidateSource, Fleet, effective_blocks, plan_candidates
 from router.problems import Problem, range_problems, refuse
+from router.slot_init import slot_init
 from router.types import (
     PREFILL_CAPABLE_ROLES,
     CandidateExplain,
@@ -65,6 +66,7 @@ def hit_tokens(match: HostMatch | None, block_size: int, seq_len: int, p2p_hit_d
     return min(seq_len, round_half_up(effective * block_size))
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class ObservedStatus:
     """A worker status and the (trio) time it was taken: its call's send time (the prober's
@@ -222,6 +224,7 @@ class ScoreSheet:
         return self._drops
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Selection:
     """The policy's decision for one request.

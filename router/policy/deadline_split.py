@@ -54,6 +54,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from router.config import DeadlineSplit, RouterConfig
+from router.slot_init import slot_init
 from router.types import SplitMode, Stage, StageWindow
 
 # The stages whose latency the split estimates, in the order a cache source runs them.
@@ -97,6 +98,7 @@ class WithLag:
         return self._result
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class SplitWindows:
     """One request's wait ends (trio time). The fixed split: all three are ``decide_at``."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from router.config import ScorerConfig
+from router.slot_init import slot_init
 from router.targets import TargetError, format_target, parse_target
 from router.types import CandidateExplain, DropReason, HostMatch, WorkerAddr
 
@@ -78,6 +79,7 @@ class Candidate(NamedTuple):
     source: CandidateSource
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class CandidatePlan:
     """Candidates to probe and score, each worker once: the hot set (best first), then the
