@@ -23,6 +23,7 @@ from router.keys import INT64, IntRange, block_key_slices, join_slices, token_id
 from router.problems import declared_range
 from router.slot_init import slot_init
 from router.types import COMPANION_ROLES, PREFILL_CAPABLE_ROLES, BadRequest, KeyFamily, Role, RouteRequest
+from router.wire.decode import encode_block_keys
 
 _QUOTED_CHARS = 40  # of a client's text quoted back in an error
 
@@ -37,6 +38,7 @@ class PreparedRequest:
     seq_len: int
     roles: tuple[Role, ...]  # the prefill-capable roles the pick may take
     companions: tuple[Role, ...] = ()  # roles that get one more address each (decode, vit)
+    encoded_keys: bytes | None = None  # ``keys`` as the KVCM query sends them, when the checks encoded them
 
 
 @slot_init
@@ -55,10 +57,17 @@ class CheckedRequest:
     # Token ids nothing hashes (KVCM fallback off) that a scheduler may be sent: checked in slices,
     # as hashing would check them, since one pass over the longest prompt holds the loop for ms.
     ids_to_check: Sequence[int] = ()
+    # The caller's keys as the KVCM query sends them: how they were checked (``encode_block_keys``).
+    encoded_keys: bytes | None = None
 
     def with_keys(self, keys: tuple[int, ...]) -> PreparedRequest:
         return PreparedRequest(
-            keys=keys, block_size=self.block_size, seq_len=self.seq_len, roles=self.roles, companions=self.companions
+            keys=keys,
+            block_size=self.block_size,
+            seq_len=self.seq_len,
+            roles=self.roles,
+            companions=self.companions,
+            encoded_keys=self.encoded_keys if keys is self.keys and keys else None,
         )
 
 
@@ -331,10 +340,11 @@ def check_request(
     tokens: Sequence[int] = ()
     ids_to_check: Sequence[int] = ()
     keys: tuple[int, ...] = ()
+    encoded_keys: bytes | None = None
     if request.block_cache_keys is not None:
         keys = tuple(request.block_cache_keys)
-        if keys and not INT64.holds_all(keys):
-            raise BadRequest("block_cache_keys", "every key must be a signed 64-bit integer")
+        if keys:
+            encoded_keys = _encoded_block_keys(keys)
     else:
         assert request.token_ids is not None
         if hash_tokens:
@@ -351,7 +361,18 @@ def check_request(
         companions=admissible.companions,
         family=deployment.key_family,
         lookahead=deployment.lookahead_tokens,
+        encoded_keys=encoded_keys,
     )
+
+
+def _encoded_block_keys(keys: Sequence[int]) -> bytes:
+    """``keys`` encoded as the KVCM query sends them; raise BadRequest("block_cache_keys") for one that
+    is not a signed 64-bit integer (a bool neither: the wire has no such key, and the query's encoding
+    would refuse it later, as a bug)."""
+    try:
+        return encode_block_keys(keys)
+    except ValueError:
+        raise BadRequest("block_cache_keys", "every key must be a signed 64-bit integer (an int, not a bool)") from None
 
 
 def sheddable(
@@ -367,8 +388,11 @@ def sheddable(
         seq_len = check_admissible(request, deployment, limits).seq_len
     except BadRequest:
         return None
-    if request.block_cache_keys is not None and not INT64.holds_all(request.block_cache_keys):
-        return None
+    if request.block_cache_keys is not None:
+        try:
+            encode_block_keys(request.block_cache_keys)
+        except ValueError:
+            return None
     ids = accepted_token_ids(deployment.key_family, hash_tokens=hash_tokens)
     if request.token_ids is not None and not ids.holds_all(request.token_ids):
         return None

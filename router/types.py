@@ -197,6 +197,9 @@ class CacheQuery:
     block_keys: tuple[int, ...]
     trace_id: str = ""
     p2p_host_count: int = 0
+    # ``block_keys`` as the wire sends them (``encode_block_keys``), when the request's checks already
+    # encoded them; None: the query encodes them.
+    encoded_keys: bytes | None = None
 
 
 @slot_init

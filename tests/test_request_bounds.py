@@ -39,6 +39,7 @@ from router.supervisor import RouterHandle
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import BadRequest, KeyFamily, Reason, Role, RouteRequest
 from router.wire import router_v1_pb2
+from router.wire.decode import encode_block_keys
 
 BLOCK = 16
 DEPLOYMENT = DeploymentConfig(block_size=BLOCK)
@@ -171,12 +172,25 @@ def test_a_seq_len_the_prompt_contradicts_is_refused(request_: RouteRequest) -> 
     assert refused(request_).field_name == "seq_len"
 
 
-@pytest.mark.parametrize("bad_key", [2**63, -(2**63) - 1, 1.5, "7"])
+@pytest.mark.parametrize("bad_key", [2**63, -(2**63) - 1, 1.5, "7", True, None, pytest.param(10**5000, id="huge")])
 def test_a_key_that_is_not_a_signed_64_bit_integer_is_refused(bad_key: object) -> None:
+    """A bool among them: an int to Python, but no key on the wire (the KVCM query's encoding refused it
+    once the request was admitted, and the request was answered as an internal error)."""
     keys = (-(2**63), 2**63 - 1)  # the extremes are keys
     assert prepare_request(RouteRequest("r", block_cache_keys=keys), DEPLOYMENT).keys == keys
     bad = RouteRequest("r", block_cache_keys=(1, bad_key, 2))  # type: ignore[arg-type]
-    assert refused(bad).field_name == "block_cache_keys"
+    error = refused(bad)
+    assert error.field_name == "block_cache_keys"
+    assert len(str(error)) < 200  # the key is not quoted back, however large
+    assert sheddable(bad, DEPLOYMENT, LIMITS) is None  # refused under overload too, never shed
+
+
+def test_the_caller_s_keys_reach_the_query_as_the_checks_encoded_them() -> None:
+    keys = (5, -(2**63), 2**63 - 1)
+    prepared = prepare_request(RouteRequest("r", block_cache_keys=keys), DEPLOYMENT)
+    assert prepared.encoded_keys == encode_block_keys(keys)
+    hashed = prepare_request(RouteRequest("r", token_ids=tuple(range(3 * BLOCK))), DEPLOYMENT)
+    assert hashed.keys and hashed.encoded_keys is None  # the router's own keys: the query encodes them
 
 
 def test_seq_len_agreeing_with_the_prompt_is_taken() -> None:
@@ -363,6 +377,18 @@ async def test_a_maximal_request_does_not_hold_up_a_normal_one(autojump_clock: t
         assert 0 < tokens.slices_read < SLICES_OF_MAX_PROMPT
         assert normal.worker is not None and normal.reason is not Reason.DEADLINE
         assert trio.current_time() - start <= 0.020
+
+
+async def test_a_bool_among_the_keys_is_answered_bad_request_not_as_a_bug(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as handle:
+        decision = await handle.route(RouteRequest("b", block_cache_keys=(1, True, 3), budget_ms=50))
+        assert decision.reason is Reason.BAD_REQUEST, decision
+        assert decision.error is not None and "block_cache_keys" in decision.error
+        good = await handle.route(RouteRequest("g", block_cache_keys=(1, 2, 3), budget_ms=50))
+        assert good.worker is not None and good.reason is not Reason.BAD_REQUEST
 
 
 async def test_with_the_fallback_off_a_maximal_prompts_ids_are_checked_in_slices_too(

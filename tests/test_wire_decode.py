@@ -6,6 +6,8 @@ import re
 from typing import cast
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.targets import TargetError, parse_target
 from router.transport.errors import (
@@ -27,6 +29,7 @@ from router.wire.decode import (
     decode_cache_state,
     decode_cluster_info,
     decode_worker_status,
+    encode_block_keys,
     encode_cache_query,
     encode_cluster_info_request,
     encode_status_version,
@@ -222,6 +225,38 @@ def test_cache_query_encodes_every_field() -> None:
     assert request.p2p_host_count == 3
     assert list(request.medium) == []  # empty = all media
     assert b"\x22" in data  # field 4, wire type 2: the keys are packed
+
+
+@given(
+    keys=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40).map(tuple),
+    trace_id=st.text(max_size=12),
+    p2p=st.integers(0, 2**31 - 1),
+    query_type=st.sampled_from(QueryType),
+)
+def test_a_query_with_its_keys_encoded_by_the_checks_is_byte_for_byte_the_one_message(
+    keys: tuple[int, ...], trace_id: str, p2p: int, query_type: QueryType
+) -> None:
+    """The keys' field written apart and joined: the same bytes as one message with every field, in
+    field-number order, whether the checks encoded the keys or the query does."""
+    one_message = kvcm_pb.GetHostCacheStateRequest(
+        trace_id=trace_id,
+        instance_id="deploy_16",
+        query_type=cast(kvcm_pb.QueryType, query_type.value),
+        block_cache_keys=keys,
+        p2p_host_count=p2p,
+    ).SerializeToString()
+    query = CacheQuery("deploy_16", query_type, keys, trace_id=trace_id, p2p_host_count=p2p)
+    assert encode_cache_query(query) == one_message
+    with_encoded = CacheQuery(
+        "deploy_16", query_type, keys, trace_id=trace_id, p2p_host_count=p2p, encoded_keys=encode_block_keys(keys)
+    )
+    assert encode_cache_query(with_encoded) == one_message
+
+
+@pytest.mark.parametrize("bad", [True, 2**63, -(2**63) - 1, 1.0, "1"])
+def test_encoding_a_key_that_is_not_a_signed_64_bit_integer_fails(bad: object) -> None:
+    with pytest.raises(ValueError, match="a key is not a signed 64-bit integer"):
+        encode_block_keys((1, bad))  # type: ignore[arg-type]
 
 
 def test_cache_state_values() -> None:

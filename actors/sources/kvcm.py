@@ -132,6 +132,7 @@ class KvcmSource:
             block_keys=ctx.prepared.keys,
             trace_id=ctx.request.request_id,
             p2p_host_count=self._deployment.p2p_host_count,
+            encoded_keys=ctx.prepared.encoded_keys,
         )
         query_end = ctx.split.windows.query_end
         query_deadline = min(query_end, t + self._query_timeout_s)

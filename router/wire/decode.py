@@ -8,6 +8,7 @@ in-memory and gRPC paths decode identically.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import assert_never, cast
 
 from google.protobuf.message import DecodeError
@@ -111,14 +112,29 @@ def decode_cluster_info(data: bytes, target: str) -> ClusterInfo:
 # --- KVCM: GetHostCacheState -----------------------------------------------------------
 
 
+def encode_block_keys(keys: Sequence[int]) -> bytes:
+    """``keys`` as ``GetHostCacheStateRequest.block_cache_keys`` on the wire: that field alone, encoded.
+    Raises ValueError when a key is not a signed 64-bit integer (protobuf checks each as it converts
+    it, and refuses a bool: checking the keys and encoding them is one pass). The error does not quote
+    the key: protobuf would write out a caller's integer of any size."""
+    try:
+        return kvcm_pb.GetHostCacheStateRequest(block_cache_keys=keys).SerializeToString()
+    except (TypeError, ValueError):
+        raise ValueError("a key is not a signed 64-bit integer") from None
+
+
 def encode_cache_query(query: CacheQuery) -> bytes:
-    return kvcm_pb.GetHostCacheStateRequest(
+    """The request, its fields in field-number order. The keys' field comes from ``query.encoded_keys``
+    when the request's checks already encoded them: encoded messages concatenate into their merge, so
+    the parts are written on their own and joined, byte for byte what one message would write."""
+    keys = query.encoded_keys if query.encoded_keys is not None else encode_block_keys(query.block_keys)
+    head = kvcm_pb.GetHostCacheStateRequest(
         trace_id=query.trace_id,
         instance_id=query.instance_id,
         query_type=cast(kvcm_pb.QueryType, query.query_type.value),
-        block_cache_keys=query.block_keys,
-        p2p_host_count=query.p2p_host_count,
     ).SerializeToString()
+    tail = kvcm_pb.GetHostCacheStateRequest(p2p_host_count=query.p2p_host_count).SerializeToString()
+    return head + keys + tail
 
 
 def decode_cache_state(data: bytes, target: str, blocks_asked: int) -> CacheState:
