@@ -249,18 +249,20 @@ class _WorkerState:
     ejected_until: float = _NEVER
     flight: _Flight | None = None
 
+    def cache_hit(self, worker: WorkerAddr, status: WorkerStatus) -> ProbeResult:
+        """What a request reads of ``status`` (this worker's last valid one) while it is fresh."""
+        return ProbeResult(
+            worker,
+            ProbeOutcome.OK,
+            status,
+            from_cache=True,
+            observed_at=self.status_at,
+            sent_at=self.status_sent_at,
+            background=self.status_background,
+        )
+
     def view(self, worker: WorkerAddr) -> WorkerView:
-        cached = None
-        if self.status is not None:
-            cached = ProbeResult(
-                worker,
-                ProbeOutcome.OK,
-                self.status,
-                from_cache=True,
-                observed_at=self.status_at,
-                sent_at=self.status_sent_at,
-                background=self.status_background,
-            )
+        cached = None if self.status is None else self.cache_hit(worker, self.status)
         return WorkerView(
             self.status,
             self.status_at,
@@ -548,6 +550,7 @@ class WorkerProber:
         # --- the callers' own counters (each caller only adds) ---
         self._view_hits = 0
         self._view_background_hits = 0
+        self._background_hits = 0  # the owner's cache hits whose status came from a background poll
         self._view_skipped: dict[SkipReason, int] = dict.fromkeys(SkipReason, 0)
         self._wanted_dropped = 0
 
@@ -816,7 +819,7 @@ class WorkerProber:
             refresh_short_of_budget=self._refresh_short,
             refresh_idle_skips=self._refresh_idle,
             hot_workers=len(self._hot),
-            fresh_from_background=self._view_background_hits,
+            fresh_from_background=self._view_background_hits + self._background_hits,
             wanted_dropped=self._wanted_dropped,
             inbox_depth=self._receive.statistics().current_buffer_used,
             inbox_capacity=self._inbox_capacity,
@@ -888,14 +891,8 @@ class WorkerProber:
             and now - state.status_at < self._config.fresh_ttl_s
         ):
             self._cache_hits += 1
-            return ProbeResult(
-                worker,
-                ProbeOutcome.OK,
-                state.status,
-                from_cache=True,
-                observed_at=state.status_at,
-                sent_at=state.status_sent_at,
-            )
+            self._background_hits += state.status_background
+            return state.cache_hit(worker, state.status)
         if state.ejected_until > now:
             return self._skip(worker, SkipReason.EJECTED, handle)
         flight = state.flight

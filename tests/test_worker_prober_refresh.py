@@ -96,6 +96,29 @@ async def test_a_hot_worker_stays_fresh_without_probes_of_its_own(
     assert made <= health.refresh_polls <= made + (health.inflight if serial else 0)
 
 
+async def test_a_background_status_the_owner_answers_from_its_cache_says_so_and_is_counted(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A request asks the owner for a worker its snapshot had no fresh status of (published before a
+    poll landed): the owner's cache answers it, and marks and counts a background poll's status as the
+    snapshot's own answers are (it once said ``background=False`` and left it out of the count)."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.002)
+    [worker] = [fake.add(w) for w in workers(1)]
+    prober = await start(nursery, fake, refreshing())
+    await want(prober, [worker])  # probed on demand; hot from here on
+    for _ in range(5):  # statuses from background polls only
+        await trio.sleep(0.007)
+        await want(prober, [worker])
+    assert prober._workers[worker].status_background
+    before = prober.snapshot().fresh_from_background
+    prober._view = dataclasses.replace(prober._view, workers={})  # a snapshot from before the poll landed
+    handle = prober.probe([worker], trio.current_time() + 0.01)
+    await handle.wait_all()
+    [result] = handle.results()
+    assert result.from_cache and result.background
+    assert prober.snapshot().fresh_from_background == before + 1
+
+
 @pytest.mark.parametrize("serial", [False, True], ids=["task-per-poll", "serial-rounds"])
 async def test_background_refresh_stops_polling_a_worker_gone_cold(
     nursery: trio.Nursery, autojump_clock: MockClock, serial: bool
