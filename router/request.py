@@ -15,7 +15,7 @@ import math
 import operator
 import struct
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 
 from router.config import DeploymentConfig, LimitsConfig
@@ -38,7 +38,8 @@ class PreparedRequest:
     seq_len: int
     roles: tuple[Role, ...]  # the prefill-capable roles the pick may take
     companions: tuple[Role, ...] = ()  # roles that get one more address each (decode, vit)
-    encoded_keys: bytes | None = None  # ``keys`` as the KVCM query sends them, when the checks encoded them
+    # ``keys`` as the KVCM query sends them, when the checks encoded them (derived: not shown, not compared).
+    encoded_keys: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @slot_init
@@ -58,7 +59,7 @@ class CheckedRequest:
     # as hashing would check them, since one pass over the longest prompt holds the loop for ms.
     ids_to_check: Sequence[int] = ()
     # The caller's keys as the KVCM query sends them: how they were checked (``encode_block_keys``).
-    encoded_keys: bytes | None = None
+    encoded_keys: bytes | None = field(default=None, repr=False, compare=False)
 
     def with_keys(self, keys: tuple[int, ...]) -> PreparedRequest:
         return PreparedRequest(

@@ -198,8 +198,8 @@ class CacheQuery:
     trace_id: str = ""
     p2p_host_count: int = 0
     # ``block_keys`` as the wire sends them (``encode_block_keys``), when the request's checks already
-    # encoded them; None: the query encodes them.
-    encoded_keys: bytes | None = None
+    # encoded them; None: the query encodes them. Derived from block_keys: not shown, not compared.
+    encoded_keys: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @slot_init
