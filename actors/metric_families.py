@@ -1,4 +1,4 @@
-"""Counters, histograms and gauges the MetricsSink's task alone changes, exposed through a registry.
+"""Counters and histograms the MetricsSink's task alone changes, exposed through a registry.
 
 prometheus-client's own metrics take a lock on every increment and observation, so that threads
 may share them; a routed decision makes about thirty of those, each several times the cost of the
@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar, cast
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -47,17 +47,7 @@ class HistogramChild:
         self.sum += value
 
 
-class GaugeChild:
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def set(self, value: float) -> None:
-        self.value = value
-
-
-Child = TypeVar("Child", CounterChild, HistogramChild, GaugeChild)
+Child = TypeVar("Child", CounterChild, HistogramChild)
 
 
 class _Family(Generic[Child]):
@@ -150,29 +140,15 @@ class OwnedHistogram(_Family[HistogramChild]):
         return family
 
 
-class OwnedGauge(_Family[GaugeChild]):
-    def _new_child(self) -> GaugeChild:
-        return GaugeChild()
-
-    def set(self, value: float) -> None:
-        self._only().set(value)
-
-    def collect(self) -> Metric:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self.children():
-            family.add_metric(values, child.value)
-        return family
-
-
 class OwnedFamilies(Collector):
     """The families made with it (``families=``); a scrape collects them in that order. Register it
     with a registry once its families are made (an auto-describing registry reads their names then)."""
 
     def __init__(self) -> None:
-        self._families: list[_Family[CounterChild] | _Family[HistogramChild] | _Family[GaugeChild]] = []
+        self._families: list[_Family[CounterChild] | _Family[HistogramChild]] = []
         self._names: set[str] = set()
 
-    def add(self, family: _Family[CounterChild] | _Family[HistogramChild] | _Family[GaugeChild]) -> None:
+    def add(self, family: _Family[CounterChild] | _Family[HistogramChild]) -> None:
         if family.name in self._names:
             raise ValueError(f"metric {family.name} registered twice")
         self._names.add(family.name)

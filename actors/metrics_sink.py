@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from actors.metric_families import OwnedCounter, OwnedFamilies, OwnedGauge, OwnedHistogram
+from actors.metric_families import OwnedCounter, OwnedFamilies, OwnedHistogram
 from router.config import MetricsConfig, RouterConfig
 from router.policy.deadline_split import SplitEstimates, SplitEstimator
 from router.problems import Problem, range_problems, refuse
@@ -52,6 +52,10 @@ SOURCE_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "kvroute_channel_pool_channels": ("gRPC channels held by the channel pool", ()),
     "kvroute_inbox_depth": ("Messages waiting in an actor's inbox", ("actor",)),
     "kvroute_sidecar_calls_in_flight": ("Route calls the gRPC sidecar is handling", ()),
+    "kvroute_shadow_agreement_ratio": (
+        "Mean agreement of the shadow index with KVCM over the last comparisons",
+        (),
+    ),
 }
 # Counters kept by a way in on its own threads, read at scrape time (their names without _total).
 SOURCE_COUNTERS: Mapping[str, tuple[str, tuple[str, ...]]] = {
@@ -382,11 +386,6 @@ class MetricsSink:
         self._shadow_comparisons = OwnedCounter(
             "kvroute_shadow_comparisons", "Shadow-index predictions compared with KVCM answers", families=f
         )
-        self._shadow_ratio = OwnedGauge(
-            "kvroute_shadow_agreement_ratio",
-            "Mean agreement of the shadow index with KVCM over the last comparisons",
-            families=f,
-        )
         # The stages' children looked up once: the sink's hot loop observes each stage per decision.
         self._stage_durations = {stage: self._duration.labels(stage.value) for stage in Stage}
         self._stage_cuts = {stage: self._split_cuts.labels(stage.value) for stage in Stage}
@@ -401,6 +400,8 @@ class MetricsSink:
         self._gauges = _SourceGauges()
         r.register(self._gauges)
         self.register_gauge_source("kvroute_inbox_depth", self.inbox_depth, actor="metrics_sink")
+        # Read at scrape time: the window's mean is needed only then, not at every comparison.
+        self.register_gauge_source("kvroute_shadow_agreement_ratio", self._agreement_ratio)
         # Owned by run() (mutated only there, or in synchronous non-awaiting methods).
         self._ring: deque[DecisionRecord] = deque(maxlen=config.decision_ring_size)
         self._agreements: deque[float] = deque(maxlen=config.shadow_agreement_window)
@@ -572,4 +573,9 @@ class MetricsSink:
         self._agreements.append(ratio)
         self._agreement_sum += ratio
         self._shadow_comparisons.inc()
-        self._shadow_ratio.set(min(1.0, max(0.0, self._agreement_sum / len(self._agreements))))
+
+    def _agreement_ratio(self) -> float:
+        """The mean of the agreement window (0.0 before the first comparison)."""
+        if not self._agreements:
+            return 0.0
+        return min(1.0, max(0.0, self._agreement_sum / len(self._agreements)))

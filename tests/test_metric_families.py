@@ -1,4 +1,4 @@
-"""The sink's own counters, histograms and gauges expose what prometheus-client's would.
+"""The sink's own counters and histograms expose what prometheus-client's would.
 
 Each test applies the same operations to a family of ours and to prometheus-client's metric of
 the same kind, each in its own registry, and compares the two expositions (text and OpenMetrics)
@@ -13,11 +13,11 @@ from typing import cast
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from actors.metric_families import OwnedCounter, OwnedFamilies, OwnedGauge, OwnedHistogram
+from actors.metric_families import OwnedCounter, OwnedFamilies, OwnedHistogram
 from actors.metrics_sink import DURATION_BUCKETS
 
 LABELS = ("a", "b", "c")
@@ -74,16 +74,6 @@ def test_counters_expose_what_prometheus_clients_would(increments: list[tuple[st
         reference.labels(source=source, reason=reason).inc(n)
         plain.inc()
         plain_reference.inc()
-    _same_exposition(families, theirs)
-
-
-def test_a_gauge_exposes_its_last_value() -> None:
-    families, theirs = OwnedFamilies(), CollectorRegistry()
-    ours = OwnedGauge("ratio", "help", families=families)
-    reference = Gauge("ratio", "help", registry=theirs)
-    for value in (0.5, 0.25, 1.0):
-        ours.set(value)
-        reference.set(value)
     _same_exposition(families, theirs)
 
 

@@ -269,6 +269,7 @@ async def test_decision_ring_is_bounded_newest_first(autojump_clock: trio.testin
 
 async def test_shadow_agreement_is_a_sliding_window(autojump_clock: trio.testing.MockClock) -> None:
     sink = MetricsSink(MetricsConfig(shadow_agreement_window=2))
+    assert sample(sink, "kvroute_shadow_agreement_ratio") == 0.0  # before the first comparison
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         sink.emit(ShadowAgreement(1.0))
@@ -299,7 +300,8 @@ def test_gauge_sources_are_read_at_scrape_time() -> None:
     # Re-registering (an actor restarted) replaces the source.
     sink.register_gauge_source("kvroute_workers_ejected", lambda: 0)
     assert sample(sink, "kvroute_workers_ejected") == 0
-    assert sink.snapshot().gauge_sources == 5
+    # The four registered here, and the sink's own two (its inbox depth, the shadow agreement ratio).
+    assert sink.snapshot().gauge_sources == 6
     assert sample(sink, "kvroute_channel_pool_channels") is None  # declared, no source yet
     assert b"# TYPE kvroute_channel_pool_channels gauge" in generate_latest(sink.registry)
 
