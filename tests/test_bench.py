@@ -130,8 +130,19 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         # the plain client's floor beside it: one query per call sent, up to the quick cap
         assert r["floor_queries"] == min(r["sent"], 20)
         assert 0 < r["floor_query_p50_ms"] <= r["floor_query_p99_ms"]
+        # and the relay floor: the rate's first calls, each answered by the relay or failed at the client
+        relay = r["relay"]
+        assert relay["sent"] == min(r["sent"], 20) and 0 <= relay["fallback_share"] <= 1
+        assert relay["answered"] <= relay["sent"] and relay["cpu_ms_per_call"] > 0
+        if relay["answered"]:
+            assert 0 < relay["p50_ms"] <= relay["p99_ms"]
+        if os.path.isdir("/proc/self/task"):  # where this process's CPU went, by thread role
+            for split in (r["thread_cpu_us_per_call"], relay["thread_cpu_us_per_call"]):
+                assert set(split) == {"handlers", "trio loop", "grpcio", "other"}
     assert "plain client's KVCM query at this rate" in by_key["P8"]["result"]
+    assert "a plain grpcio relay on this core" in by_key["P8"]["result"]
     assert by_key["P8"]["data"]["knee"] in {None, 50, 100, 200, 400, 500, 800}
+    assert by_key["P8"]["data"]["relay_knee"] in {None, 50, 100, 200, 400, 500, 800}
     soak = by_key["soak"]["data"]
     assert soak["requests"] == 2_000 and soak["warm_up"] == 1_000
     assert sum(soak["outcomes"].values()) == soak["requests"] - soak["warm_up"]
@@ -422,8 +433,8 @@ class _TimingSidecar:
 
 class _SendingClient:
     """The callers' process: each call to the sidecar timed there (a warm-up call 1 s, any other 2 ms)
-    at 1 ms of this process's CPU (``cpu``); a call to the echo server at 1 s of it, outside the
-    sidecar's."""
+    at 1 ms of this process's CPU (``cpu``); a call to the echo server or the relay at 1 s of it,
+    outside the sidecar's."""
 
     def __init__(self, sidecar: _TimingSidecar, cpu: list[float]) -> None:
         self._sidecar = sidecar
@@ -432,7 +443,7 @@ class _SendingClient:
     def run(self, level: callers.Level) -> callers.LevelRun:
         seen = callers.CallerResults()
         for request in level.requests:
-            if level.target == "echo":
+            if level.target in {"echo", "relay"}:
                 self._cpu[0] += 1.0
             else:
                 warm_up = b"warm" in request
@@ -468,10 +479,13 @@ def test_p8_times_each_rate_by_its_own_calls_and_their_cpu_with_the_warm_up_drop
 ) -> None:
     """Each rate's latencies are its own calls' (the warm-up's, slow as a cold router's, dropped before
     the first rate) and its CPU per call is this process's over its client's run (not over the floor's
-    plain client run after it)."""
+    plain client run after it, nor over the relay floor's); the relay's calls are the rate's first
+    ``floor_calls``, on its schedule, timed and charged by themselves, and it is stopped at the end."""
     _, cpu = _fake_sidecar_run(monkeypatch, p8_rate)
 
     class FloorClient:
+        kvcm_target = "kvcm-leader"
+
         def warm_up(self, calls: int) -> None:
             cpu[0] += 1.0
 
@@ -479,12 +493,35 @@ def test_p8_times_each_rate_by_its_own_calls_and_their_cpu_with_the_warm_up_drop
             cpu[0] += 1.0
             return [1.0] * calls
 
+    class Relay:
+        target = "relay"
+        stopped = False
+
+        def take_ms(self) -> list[float]:
+            return [0.5] * 2  # the fake client's calls to the relay are not timed here: two per take
+
+        def stop(self) -> None:
+            Relay.stopped = True
+
+    made: list[tuple[str, int, int]] = []
+
+    def relay_floor(kvcm_target: str, workers: int, max_concurrent_rpcs: int) -> Relay:
+        made.append((kvcm_target, workers, max_concurrent_rpcs))
+        return Relay()
+
+    monkeypatch.setattr(p8_rate, "relay_floor", relay_floor)
     sizes = p8_rate.RateSizes(seconds_per_rate=0.02, warm_up=3, floor_calls=2)
     results = trio.run(p8_rate._run, cast(Any, None), cast(Any, FloorClient()), sizes, None)
+    serve = KvrouteConfig().serve
+    assert made == [("kvcm-leader", serve.grpc_max_workers, serve.grpc_max_concurrent_rpcs)] and Relay.stopped
     assert [r.sent for r in results] == [1, 2, 4, 8, 10, 16]
     for result in results:
         assert result.sidecar_ms == pytest.approx((2.0,) * result.sent), result.rate
         assert result.cpu_ms_per_call == pytest.approx(1.0), result.rate
+        assert result.relay is not None
+        assert result.relay.sent == min(result.sent, 2), result.rate
+        assert result.relay.cpu_ms_per_call == pytest.approx(1e3), result.rate  # 1 s per relayed call
+        assert result.relay.fallback_share == 1.0  # the fake's empty replies are no KVCM answers
 
 
 def test_p7_times_each_level_by_its_own_calls_and_their_cpu_with_the_warm_up_dropped(

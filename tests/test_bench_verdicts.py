@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import pytest
@@ -18,7 +18,16 @@ import pytest
 from kvroute_sim.bench import decision_cpu, latency, outage, overload, quality, throughput
 from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes
 from kvroute_sim.bench.overload import EchoFloor, LevelResult
-from kvroute_sim.bench.rate import KNEE_TARGET, RATES, RateResult, knee, knee_free_through, targets_met
+from kvroute_sim.bench.rate import (
+    KNEE_TARGET,
+    RATES,
+    RateResult,
+    RelayRun,
+    knee,
+    knee_free_through,
+    relay_knee,
+    targets_met,
+)
 from kvroute_sim.bench.raw_grpc import FloorSamples
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_least, at_most, via_kvcm
 from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
@@ -83,6 +92,30 @@ def test_a_rate_with_no_answered_call_is_the_knee() -> None:
 def test_p8_latency_is_the_sidecars_not_the_clients() -> None:
     result = RateResult(100, 3, 1.0, (1.0, 1.0, 1.0), (9.0, 9.0, 9.0), Counter(), Counter({"kvcm/x": 3}))
     assert result.p(99) == 1.0
+
+
+def relayed(result: RateResult, p99: float = 1.0, fallback_share: float = 0.0) -> RateResult:
+    """``result`` with a relay floor run of 100 calls, the slowest 2 at ``p99`` ms."""
+    relay = RelayRun(100, (0.5,) * 98 + (p99,) * 2, fallback_share, 0.6)
+    return replace(result, relay=relay)
+
+
+def test_the_relay_knee_is_found_by_the_sidecars_rule_on_the_relays_own_calls() -> None:
+    # The sidecar's knee at 400/s leaves the relay's alone: its p99 is its own.
+    results = [relayed(at(50)), relayed(at(100)), relayed(at(400, p99=9.0)), relayed(at(800), p99=2.5)]
+    assert knee(results) == 400
+    assert relay_knee(results) == 800  # 2.5 ms is 2.5× the relay's lowest rate's 1 ms
+    assert relay_knee([relayed(at(50)), relayed(at(100), fallback_share=0.03)]) == 100
+    assert relay_knee([relayed(at(50)), relayed(at(100), p99=1.9)]) is None
+    # Rates the relay did not run at are left out, not counted as knees.
+    assert relay_knee([relayed(at(50)), at(100), relayed(at(200))]) is None
+    assert relay_knee([at(50), at(100)]) is None
+
+
+def test_a_relay_run_with_no_answered_call_is_its_knee() -> None:
+    silent = replace(at(100), relay=RelayRun(100, (), 1.0, 0.6))
+    assert silent.relay is not None and silent.relay.p(99) == math.inf
+    assert relay_knee([relayed(at(50)), silent]) == 100
 
 
 def test_the_knee_target_rate_is_one_of_the_measured_rates() -> None:

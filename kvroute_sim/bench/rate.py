@@ -27,27 +27,36 @@ Beside them, the floor: right after each rate's sidecar run, a plain blocking gr
 (``RawClient``) in this process, on the same core, with the router's background work still
 running, makes bare GetHostCacheState calls on the same open-loop schedule. The sidecar makes
 exactly this call per steady-state decision, so its receipt-to-reply cannot beat this column.
+And the relay floor (``relay.RelayFloor``): right after that, the same client sends the rate's first
+calls on the same schedule to a grpcio server built as the sidecar's whose handler makes that one
+query, blocking, and answers from it, with no router. Its p99 and knee are what grpcio's server and
+client allow on this core; where its knee lies beyond the sidecar's, the gap is the router's own work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
-from collections.abc import Sequence, Set
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, field, replace
 
 import trio
 
-from kvroute_sim.bench.callers import NOT_SENT, Level, caller_process
+from kvroute_sim.bench import thread_cpu
+from kvroute_sim.bench.callers import NOT_SENT, CallerProcess, Level, caller_process
 from kvroute_sim.bench.harness import ClusterView
 from kvroute_sim.bench.overload import (
     SETTLE_S,
+    THREAD_ROLES,
     full_collections,
+    per_call_us,
     reply_outcomes,
     route_requests,
     serving_sidecar,
 )
 from kvroute_sim.bench.raw_grpc import RawClient
+from kvroute_sim.bench.relay import RelayFloor
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import percentile, shown_against
 from router.sidecar import CallTiming
@@ -122,6 +131,32 @@ class PathSegments:
 
 
 @dataclass(frozen=True, slots=True)
+class RelayRun:
+    """The relay floor at one rate: the rate's first calls (at most ``RateSizes.floor_calls``) on the
+    same schedule, right after the sidecar's run and the plain client's."""
+
+    sent: int
+    elapsed_ms: tuple[float, ...]  # receipt to reply, each call the relay answered
+    fallback_share: float  # calls not answered from KVCM's reply (failed calls included)
+    cpu_ms_per_call: float  # this process's CPU over the relay's run, per call sent
+    thread_cpu_s: Mapping[str, float] = field(default_factory=dict)  # by THREAD_ROLES role (empty off Linux)
+
+    def p(self, q: float) -> float:
+        return percentile(self.elapsed_ms, q) if self.elapsed_ms else float("inf")
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "sent": self.sent,
+            "answered": len(self.elapsed_ms),
+            "p50_ms": _p(self.elapsed_ms, 50),
+            "p99_ms": _p(self.elapsed_ms, 99),
+            "fallback_share": self.fallback_share,
+            "cpu_ms_per_call": self.cpu_ms_per_call,
+            "thread_cpu_us_per_call": per_call_us(self.thread_cpu_s, self.sent),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class RateResult:
     rate: int
     sent: int
@@ -140,17 +175,16 @@ class RateResult:
     floor_query_ms: tuple[float, ...] = ()  # a plain client's bare KVCM query at this rate, after the run
     segments: PathSegments = PathSegments()
     full_collection_s: tuple[float, ...] = ()  # this process's gen-2 collections during the rate's run
+    relay: RelayRun | None = None  # the relay floor at this rate, after the run
+    # This process's CPU over the rate's run by THREAD_ROLES role (empty off Linux).
+    thread_cpu_s: Mapping[str, float] = field(default_factory=dict)
 
     def p(self, q: float) -> float:
         return percentile(self.sidecar_ms, q) if self.sidecar_ms else float("inf")
 
     @property
     def fallback_share(self) -> float:
-        """Calls not answered by the KVCM source (failed calls count as fallbacks)."""
-        answered = sum(self.outcomes.values())
-        total = answered + sum(self.errors.values())
-        kvcm = sum(n for key, n in self.outcomes.items() if key.split("/", 1)[0] == "kvcm")
-        return (total - kvcm) / total if total else 0.0
+        return fallback_share(self.outcomes, self.errors)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -176,9 +210,18 @@ class RateResult:
             "floor_query_p99_ms": _p(self.floor_query_ms, 99),
             "segments_p50_ms": {**self.segments.p50s(), "calls": len(self.segments.elapsed)},
             "full_collections_ms": [round(p * 1e3, 1) for p in self.full_collection_s],
+            "relay": self.relay.to_json() if self.relay is not None else None,
+            "thread_cpu_us_per_call": per_call_us(self.thread_cpu_s, self.sent),
             "errors": dict(self.errors.most_common()),
             "outcomes": dict(self.outcomes.most_common()),
         }
+
+
+def fallback_share(outcomes: Counter[str], errors: Counter[str]) -> float:
+    """Calls not answered by the KVCM source (failed calls count as fallbacks)."""
+    total = sum(outcomes.values()) + sum(errors.values())
+    kvcm = sum(n for key, n in outcomes.items() if key.split("/", 1)[0] == "kvcm")
+    return (total - kvcm) / total if total else 0.0
 
 
 def _p(values: Sequence[float], q: float) -> float | None:
@@ -200,12 +243,22 @@ def breakdown(
 def knee(results: Sequence[RateResult]) -> int | None:
     """The first rate whose p99 is KNEE_P99_FACTOR × the lowest rate's or whose fallbacks exceed
     KNEE_FALLBACK_SHARE; None when no measured rate reaches it."""
-    if not results:
+    return _knee([(r.rate, r.p(99), r.fallback_share) for r in results])
+
+
+def relay_knee(results: Sequence[RateResult]) -> int | None:
+    """The relay floor's knee, by the same rule over the rates it ran at."""
+    return _knee([(r.rate, r.relay.p(99), r.relay.fallback_share) for r in results if r.relay is not None])
+
+
+def _knee(rows: Sequence[tuple[int, float, float]]) -> int | None:
+    """``rows``: (rate, p99, fallback share), lowest rate first."""
+    if not rows:
         return None
-    base = results[0].p(99)
-    for r in results:
-        if r.p(99) >= KNEE_P99_FACTOR * base or r.fallback_share > KNEE_FALLBACK_SHARE:
-            return r.rate
+    base = rows[0][1]
+    for rate, p99, fallbacks in rows:
+        if p99 >= KNEE_P99_FACTOR * base or fallbacks > KNEE_FALLBACK_SHARE:
+            return rate
     return None
 
 
@@ -221,32 +274,40 @@ def knee_free_through(results: Sequence[RateResult]) -> int | None:
 
 async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus: Set[int] | None) -> list[RateResult]:
     results: list[RateResult] = []
-    async with serving_sidecar(view, "p8", sizes.warm_up) as (sidecar, bound, _):
+    async with serving_sidecar(view, "p8", sizes.warm_up) as (sidecar, bound, config):
         # Blocking calls go to a thread throughout, so the trio loop and the router keep running.
         await trio.to_thread.run_sync(raw.warm_up, FLOOR_WARM_UP)
         max_s = OPEN_LOOP_SLACK * sizes.seconds_per_rate
+        relay = relay_floor(raw.kvcm_target, config.serve.grpc_max_workers, config.serve.grpc_max_concurrent_rpcs)
         # The client runs in its own process (grpc.aio, one open loop): a client thread here
         # would share this process's core and GIL with the sidecar it measures.
-        with caller_process(caller_cpus) as client:
+        with contextlib.ExitStack() as stack:
+            stack.callback(relay.stop)
+            client = stack.enter_context(caller_process(caller_cpus))
             warm = route_requests(view, "p8-warm", sizes.warm_up, BUDGET_MS)
             level = Level(str(bound), warm, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=RATES[0])
             await trio.to_thread.run_sync(client.run, level)
+            await trio.to_thread.run_sync(client.run, replace(level, target=relay.target))
             sidecar.take_call_timings()  # the warm-up's, dropped
+            relay.take_ms()
             for rate in RATES:
                 count = max(1, round(rate * sizes.seconds_per_rate))
                 requests = route_requests(view, f"p8-{rate}", count, BUDGET_MS)
                 level = Level(str(bound), requests, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=rate)
+                threads_before = await trio.to_thread.run_sync(thread_cpu.snapshot)
                 cpu_before = time.process_time()
                 with full_collections() as pauses:
                     run = await trio.to_thread.run_sync(client.run, level)
                     # Calls its client gave up on may still wait for a handler: this rate's, not the next's.
                     await trio.to_thread.run_sync(sidecar.wait_idle, SETTLE_S)
                 cpu_s = time.process_time() - cpu_before
+                threads_after = await trio.to_thread.run_sync(thread_cpu.snapshot)
                 seen = run.results[0]
                 timings = sidecar.take_call_timings()
                 router_ms, query_ms, own_path_ms = breakdown(timings)
                 floor_calls = min(len(requests), sizes.floor_calls)
                 floor_ms = await trio.to_thread.run_sync(raw.paced_cache_queries, floor_calls, rate)
+                relay_run = await _relay_run(client, relay, replace(level, requests=requests[:floor_calls]))
                 results.append(
                     RateResult(
                         rate=rate,
@@ -264,9 +325,34 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                         floor_query_ms=tuple(floor_ms),
                         segments=PathSegments.of(timings),
                         full_collection_s=tuple(pauses),
+                        relay=relay_run,
+                        thread_cpu_s=thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
                     )
                 )
     return results
+
+
+def relay_floor(kvcm_target: str, workers: int, max_concurrent_rpcs: int) -> RelayFloor:
+    """The relay floor's server, started (a seam: the tests' fake client has no KVCM to relay to)."""
+    return RelayFloor(kvcm_target, workers=workers, max_concurrent_rpcs=max_concurrent_rpcs)
+
+
+async def _relay_run(client: CallerProcess, relay: RelayFloor, level: Level) -> RelayRun:
+    """``level`` (the rate's schedule) against the relay floor."""
+    threads_before = await trio.to_thread.run_sync(thread_cpu.snapshot)
+    cpu_before = time.process_time()
+    run = await trio.to_thread.run_sync(client.run, replace(level, target=relay.target))
+    cpu_s = time.process_time() - cpu_before
+    threads_after = await trio.to_thread.run_sync(thread_cpu.snapshot)
+    seen = run.results[0]
+    errors = Counter(seen.errors)
+    return RelayRun(
+        sent=len(level.requests),
+        elapsed_ms=tuple(relay.take_ms()),
+        fallback_share=fallback_share(reply_outcomes(seen.replies), errors),
+        cpu_ms_per_call=cpu_s * 1e3 / max(1, len(level.requests) - errors[NOT_SENT]),
+        thread_cpu_s=thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -277,6 +363,7 @@ def _curve(results: Sequence[RateResult]) -> str:
     lines = [
         "rate/s | calls | sidecar p50 ms | sidecar p99 ms | client p99 ms | fallbacks | failed calls"
         " | router p50/p99 ms | kvcm query p50/p99 ms | plain query p50/p99 ms | own path p50/p99 ms | CPU ms/call"
+        " | relay p50/p99 ms | relay fallbacks | relay CPU ms/call"
     ]
     for r in results:
         client_p99 = percentile(r.client_ms, 99) if r.client_ms else float("nan")
@@ -288,8 +375,18 @@ def _curve(results: Sequence[RateResult]) -> str:
             f" | {_ms(_p(r.query_ms, 50))}/{_ms(_p(r.query_ms, 99))}"
             f" | {_ms(_p(r.floor_query_ms, 50))}/{_ms(_p(r.floor_query_ms, 99))}"
             f" | {_ms(_p(r.own_path_ms, 50))}/{_ms(_p(r.own_path_ms, 99))} | {r.cpu_ms_per_call:.2f}"
+            + _relay_cells(r.relay)
         )
     return "\n".join(lines)
+
+
+def _relay_cells(relay: RelayRun | None) -> str:
+    if relay is None:
+        return " | - | - | -"
+    return (
+        f" | {_ms(_p(relay.elapsed_ms, 50))}/{_ms(_p(relay.elapsed_ms, 99))}"
+        f" | {relay.fallback_share:.1%} | {relay.cpu_ms_per_call:.2f}"
+    )
 
 
 def _segments(results: Sequence[RateResult]) -> str:
@@ -305,6 +402,24 @@ def _segments(results: Sequence[RateResult]) -> str:
             f"{_ms(p['way_back']):>8} | {_ms(p['elapsed']):>16} | "
             f"{len(r.full_collection_s)} ({max(r.full_collection_s, default=0.0) * 1e3:.1f})"
         )
+    return "\n".join(lines)
+
+
+def _thread_table(results: Sequence[RateResult]) -> str | None:
+    """µs of CPU per call by thread role at each rate, the sidecar's run beside the relay floor's (None
+    off Linux)."""
+    if not any(r.thread_cpu_s for r in results):
+        return None
+    roles = [*dict.fromkeys(role for role, _ in THREAD_ROLES), "other"]
+    names = " / ".join(roles)
+    lines = [f"rate/s | sidecar µs/call: {names} = total | relay µs/call: {names} = total"]
+    for r in results:
+        cells = []
+        relay: tuple[Mapping[str, float], int] = (r.relay.thread_cpu_s, r.relay.sent) if r.relay else ({}, 0)
+        for seconds, calls in ((r.thread_cpu_s, r.sent), relay):
+            us = per_call_us(seconds, calls)
+            cells.append(" / ".join(f"{us.get(role, 0.0):.0f}" for role in roles) + f" = {sum(us.values()):.0f}")
+        lines.append(f"{r.rate:>6} | " + " | ".join(cells))
     return "\n".join(lines)
 
 
@@ -330,6 +445,13 @@ def measure(
     found = knee(results)
     met = targets_met(results)
     knee_text = f"knee at {found}/s" if found is not None else f"no knee up to {RATES[-1]}/s"
+    relay_found = relay_knee(results)
+    relay_text = (
+        "; a plain grpcio relay on this core (the same server, one blocking KVCM query per call, no router): "
+        + (f"knee at {relay_found}/s" if relay_found is not None else f"no knee up to {RATES[-1]}/s")
+        if any(r.relay is not None for r in results)
+        else ""
+    )
     floor_text = (
         f" (a plain client's KVCM query at this rate: p50 {percentile(at_target.floor_query_ms, 50):.2f}, "
         f"p99 {percentile(at_target.floor_query_ms, 99):.2f} ms)"
@@ -345,7 +467,7 @@ def measure(
             f"at {TARGET_RATE}/s p50 {shown_against(at_target.p(50), 2, at_least=False):.2f} ms, "
             f"p99 {shown_against(at_target.p(99), 2, at_least=False):.2f} ms, fallbacks "
             f"{at_target.fallback_share:.1%}, calls without an answer {sum(at_target.errors.values())}"
-            f"{floor_text}; {knee_text}",
+            f"{floor_text}; {knee_text}{relay_text}",
             f"p50 ≤ {P50_TARGET_MS:.0f} ms and p99 ≤ {P99_TARGET_MS:.0f} ms at {TARGET_RATE}/s with every call "
             f"answered; knee > {KNEE_TARGET}/s",
             Verdict.MET if met else Verdict.MISSED,
@@ -353,6 +475,7 @@ def measure(
                 "budget_ms": BUDGET_MS,
                 "client_deadline_ms": CLIENT_DEADLINE_S * 1e3,
                 "knee": found,
+                "relay_knee": relay_found,
                 "rates": [r.to_json() for r in results],
             },
         )
@@ -361,3 +484,9 @@ def measure(
     report.tables[
         "P8 where a call answered from KVCM spends its time (p50 of each segment, ms; the medians need not add up)"
     ] = _segments(results)
+    threads = _thread_table(results)
+    if threads is not None:
+        report.tables[
+            "P8 CPU per call by thread (this process: the sidecar's run, then the relay floor's;"
+            " other: the refresh rounds' worker threads, the bench's own waits)"
+        ] = threads

@@ -98,6 +98,7 @@ class RawClient:
             for keys in sim.view.prompts
         ]
         self._status_request = decode.encode_status_version(-1)
+        self.kvcm_target = sim.leader_target  # the KVCM leader its queries go to
         self._kvcm = stub(sim.leader_target, paths.KVCM_GET_HOST_CACHE_STATE)
         self._workers = [stub(w.status_target, paths.WORKER_GET_STATUS) for w in sim.workers]
 

@@ -1,0 +1,109 @@
+"""P8's relay floor against a real simulated KVCM served over gRPC on loopback (real clock).
+
+The relay is a yardstick: these tests pin that it routes as P8 counts routing (a KVCM answer names
+the host holding the most of the prompt's blocks) and that every way its one query can fail is still
+an answer, a fallback, with each call timed. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from functools import partial
+
+import grpc
+import pytest
+import trio
+
+from kvroute_sim.bench.relay import RelayFloor
+from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
+from kvroute_sim.sim.faults import Garble
+from kvroute_sim.sim.kvcm import KvcmFaults
+from router.wire import paths, router_v1_pb2
+
+KEYS = tuple(range(5000, 5016))
+LIMIT_S = 10
+
+
+@pytest.fixture
+async def cluster(nursery: trio.Nursery) -> AsyncIterator[tuple[SimCluster, SimClusterAddresses]]:
+    sim = SimCluster(2, kvcm_replicas=1)
+    addresses = await nursery.start(sim.serve_grpc)
+    yield sim, addresses
+
+
+def _route(relay: RelayFloor, request: router_v1_pb2.RouteRequest) -> router_v1_pb2.RouteDecision:
+    with grpc.insecure_channel(relay.target) as channel:
+        reply = channel.unary_unary(paths.ROUTER_ROUTE, None, None)(request.SerializeToString(), timeout=LIMIT_S)
+    return router_v1_pb2.RouteDecision.FromString(reply)
+
+
+async def _routed(relay: RelayFloor, request: router_v1_pb2.RouteRequest) -> router_v1_pb2.RouteDecision:
+    with trio.fail_after(LIMIT_S):
+        return await trio.to_thread.run_sync(partial(_route, relay, request))
+
+
+def _relay(addresses: SimClusterAddresses) -> RelayFloor:
+    _, leader = addresses.kvcm_nodes[0]
+    return RelayFloor(leader, workers=2, max_concurrent_rpcs=8)
+
+
+async def test_the_relay_answers_with_the_host_holding_the_most_blocks(
+    cluster: tuple[SimCluster, SimClusterAddresses],
+) -> None:
+    sim, addresses = cluster
+    sim.run_prefill(0, "seed-0", KEYS[:4], 4 * sim.block_size, trio.current_time())
+    sim.run_prefill(1, "seed-1", KEYS, len(KEYS) * sim.block_size, trio.current_time())
+    relay = _relay(addresses)
+    try:
+        decision = await _routed(relay, router_v1_pb2.RouteRequest(request_id="r-1", block_cache_keys=KEYS))
+        holder = addresses.workers[1]
+        assert (decision.request_id, decision.ip, decision.http_port) == ("r-1", holder.ip, holder.http_port)
+        assert (decision.route_source, decision.reason, decision.local_blocks) == ("kvcm", "CACHE_LEADER", 16)
+        unknown = await _routed(relay, router_v1_pb2.RouteRequest(request_id="r-2", block_cache_keys=(1, 2)))
+        assert (unknown.route_source, unknown.reason) == ("domain", "no_positive_match")
+        assert len(relay.take_ms()) == 2 and relay.take_ms() == []
+    finally:
+        relay.stop()
+
+
+async def test_a_request_without_block_keys_is_a_fallback(cluster: tuple[SimCluster, SimClusterAddresses]) -> None:
+    relay = _relay(cluster[1])
+    try:
+        decision = await _routed(relay, router_v1_pb2.RouteRequest(request_id="t", token_ids=range(64)))
+        assert (decision.request_id, decision.route_source, decision.reason) == ("t", "domain", "bad_request")
+    finally:
+        relay.stop()
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [KvcmFaults(dead=True), KvcmFaults(garbled=Garble.UNDECODABLE), KvcmFaults(garbled=Garble.CONTRACT)],
+    ids=["dead", "undecodable", "contract"],
+)
+async def test_a_failed_query_is_still_answered_as_a_fallback_and_timed(
+    cluster: tuple[SimCluster, SimClusterAddresses], faults: KvcmFaults
+) -> None:
+    sim, addresses = cluster
+    sim.run_prefill(1, "seed-1", KEYS, len(KEYS) * sim.block_size, trio.current_time())
+    node, _ = addresses.kvcm_nodes[0]
+    sim.kvcm.set_faults(node, faults)
+    relay = _relay(addresses)
+    try:
+        decision = await _routed(relay, router_v1_pb2.RouteRequest(request_id="f", block_cache_keys=KEYS))
+        assert (decision.route_source, decision.reason) == ("domain", "kvcm_error")
+        assert len(relay.take_ms()) == 1
+    finally:
+        relay.stop()
+
+
+async def test_a_hung_query_ends_at_the_requests_budget(cluster: tuple[SimCluster, SimClusterAddresses]) -> None:
+    sim, addresses = cluster
+    node, _ = addresses.kvcm_nodes[0]
+    sim.kvcm.set_faults(node, KvcmFaults(hang=True))
+    relay = _relay(addresses)
+    try:
+        request = router_v1_pb2.RouteRequest(request_id="h", block_cache_keys=KEYS, budget_ms=50)
+        decision = await _routed(relay, request)
+        assert (decision.route_source, decision.reason) == ("domain", "kvcm_error")
+    finally:
+        relay.stop()
