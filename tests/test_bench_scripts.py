@@ -30,6 +30,24 @@ def test_pipeline_load_names_a_bad_flag() -> None:
     result = _run("pipeline_load.py", "--decisions", "0")
     assert result.returncode == 2
     assert "--decisions must be >= 1" in result.stderr
+    for rate in ("0", "-5", "nan"):
+        result = _run("pipeline_load.py", "--rate", rate)
+        assert result.returncode == 2
+        assert f"--rate must be > 0, got {float(rate)}" in result.stderr
+
+
+def test_pipeline_load_runs_an_open_loop_and_splits_the_loops_cpu_by_task() -> None:
+    result = _run("pipeline_load.py", "--decisions", "40", "--rate", "400", "--steps")
+    assert result.returncode == 0, result.stderr
+    assert "(40 in" in result.stdout and "open loop at 400/s)" in result.stdout
+    assert "'kvcm/CACHE_LEADER'" in result.stdout
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("trio loop CPU per decision:") for line in lines)
+    # Each route is a task of the open loop's own, stepped at least once; the Scorer's hop shows beside it.
+    route_rows = [line for line in lines if line.endswith("open_loop.<locals>.one")]
+    assert len(route_rows) == 1
+    assert float(route_rows[0].split("|")[1]) >= 1.0
+    assert any(line.endswith("actors.scorer.Scorer.run") for line in lines)
 
 
 def test_spy_summary_shares_and_callees(tmp_path: Path) -> None:
