@@ -503,17 +503,16 @@ def test_p8_times_each_rate_by_its_own_calls_and_their_cpu_with_the_warm_up_drop
         def stop(self) -> None:
             Relay.stopped = True
 
-    made: list[tuple[str, int, int]] = []
+    made: list[tuple[str, KvrouteConfig]] = []
 
-    def relay_floor(kvcm_target: str, workers: int, max_concurrent_rpcs: int) -> Relay:
-        made.append((kvcm_target, workers, max_concurrent_rpcs))
+    def relay_floor(kvcm_target: str, config: KvrouteConfig) -> Relay:
+        made.append((kvcm_target, config))
         return Relay()
 
     monkeypatch.setattr(p8_rate, "relay_floor", relay_floor)
     sizes = p8_rate.RateSizes(seconds_per_rate=0.02, warm_up=3, floor_calls=2)
     results = trio.run(p8_rate._run, cast(Any, None), cast(Any, FloorClient()), sizes, None)
-    serve = KvrouteConfig().serve
-    assert made == [("kvcm-leader", serve.grpc_max_workers, serve.grpc_max_concurrent_rpcs)] and Relay.stopped
+    assert made == [("kvcm-leader", KvrouteConfig())] and Relay.stopped  # the sidecar's configuration
     assert [r.sent for r in results] == [1, 2, 4, 8, 10, 16]
     for result in results:
         assert result.sidecar_ms == pytest.approx((2.0,) * result.sent), result.rate

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import trio
 
-from kvroute_sim.bench.relay import RelayFloor
+from kvroute_sim.bench.relay import RelayFloor, query_timeout_s
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
@@ -42,9 +42,9 @@ async def _routed(relay: RelayFloor, request: router_v1_pb2.RouteRequest) -> rou
         return await trio.to_thread.run_sync(partial(_route, relay, request))
 
 
-def _relay(addresses: SimClusterAddresses) -> RelayFloor:
+def _relay(addresses: SimClusterAddresses, budget_cap_ms: float = 5_000.0) -> RelayFloor:
     _, leader = addresses.kvcm_nodes[0]
-    return RelayFloor(leader, workers=2, max_concurrent_rpcs=8)
+    return RelayFloor(leader, workers=2, max_concurrent_rpcs=8, budget_cap_ms=budget_cap_ms)
 
 
 async def test_the_relay_answers_with_the_host_holding_the_most_blocks(
@@ -96,14 +96,32 @@ async def test_a_failed_query_is_still_answered_as_a_fallback_and_timed(
         relay.stop()
 
 
-async def test_a_hung_query_ends_at_the_requests_budget(cluster: tuple[SimCluster, SimClusterAddresses]) -> None:
+def test_the_query_gets_the_requests_budget_at_most_the_routers_cap() -> None:
+    assert query_timeout_s(30, 50.0) == pytest.approx(0.030)
+    assert query_timeout_s(500, 50.0) == pytest.approx(0.050)
+    assert query_timeout_s(0, 50.0) == pytest.approx(0.050)  # proto3's 0: no budget given
+
+
+async def test_a_hung_query_is_answered_as_a_fallback(cluster: tuple[SimCluster, SimClusterAddresses]) -> None:
     sim, addresses = cluster
     node, _ = addresses.kvcm_nodes[0]
     sim.kvcm.set_faults(node, KvcmFaults(hang=True))
+    relay = _relay(addresses, budget_cap_ms=50.0)
+    try:
+        request = router_v1_pb2.RouteRequest(request_id="h", block_cache_keys=KEYS)
+        decision = await _routed(relay, request)
+        assert (decision.route_source, decision.reason) == ("domain", "kvcm_error")
+    finally:
+        relay.stop()
+
+
+async def test_a_host_that_is_no_host_port_is_a_failed_query(cluster: tuple[SimCluster, SimClusterAddresses]) -> None:
+    sim, addresses = cluster
+    sim.kvcm.add_worker("no-port-here", 1_000)
+    sim.kvcm.record_prefill("no-port-here", KEYS)
     relay = _relay(addresses)
     try:
-        request = router_v1_pb2.RouteRequest(request_id="h", block_cache_keys=KEYS, budget_ms=50)
-        decision = await _routed(relay, request)
+        decision = await _routed(relay, router_v1_pb2.RouteRequest(request_id="p", block_cache_keys=KEYS))
         assert (decision.route_source, decision.reason) == ("domain", "kvcm_error")
     finally:
         relay.stop()

@@ -59,6 +59,7 @@ from kvroute_sim.bench.raw_grpc import RawClient
 from kvroute_sim.bench.relay import RelayFloor
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import percentile, shown_against
+from router.config import KvrouteConfig
 from router.sidecar import CallTiming
 from router.types import RouteSource
 
@@ -278,7 +279,7 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
         # Blocking calls go to a thread throughout, so the trio loop and the router keep running.
         await trio.to_thread.run_sync(raw.warm_up, FLOOR_WARM_UP)
         max_s = OPEN_LOOP_SLACK * sizes.seconds_per_rate
-        relay = relay_floor(raw.kvcm_target, config.serve.grpc_max_workers, config.serve.grpc_max_concurrent_rpcs)
+        relay = relay_floor(raw.kvcm_target, config)
         # The client runs in its own process (grpc.aio, one open loop): a client thread here
         # would share this process's core and GIL with the sidecar it measures.
         with contextlib.ExitStack() as stack:
@@ -332,9 +333,15 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
     return results
 
 
-def relay_floor(kvcm_target: str, workers: int, max_concurrent_rpcs: int) -> RelayFloor:
-    """The relay floor's server, started (a seam: the tests' fake client has no KVCM to relay to)."""
-    return RelayFloor(kvcm_target, workers=workers, max_concurrent_rpcs=max_concurrent_rpcs)
+def relay_floor(kvcm_target: str, config: KvrouteConfig) -> RelayFloor:
+    """The relay floor's server, started, with the sidecar's thread count and limit and the router's
+    budget cap (a seam: the tests' fake client has no KVCM to relay to)."""
+    return RelayFloor(
+        kvcm_target,
+        workers=config.serve.grpc_max_workers,
+        max_concurrent_rpcs=config.serve.grpc_max_concurrent_rpcs,
+        budget_cap_ms=config.router.budget_cap_ms,
+    )
 
 
 async def _relay_run(client: CallerProcess, relay: RelayFloor, level: Level) -> RelayRun:

@@ -8,9 +8,10 @@ grpcio's server and client cost per routed call on this core. Its knee under P8'
 highest any router built on grpcio's sync server and client could show here, so where it lies beyond
 the sidecar's, the gap is the router's own work, not the transport's.
 
-Each call is timed from its handler's start to its serialised reply, as the sidecar's are. A request
-without block keys, or a query that fails, is answered from the domain with the failure's reason (a
-fallback, as P8 counts them).
+Each call is timed from its handler's start to its serialised reply, as the sidecar's are. The query
+gets the request's ``budget_ms``, or the router's cap when it names none. A request without block keys,
+or a query that fails (refused, timed out, garbled, or naming a host that is no ``host:port``), is
+answered from the domain with the failure's reason (a fallback, as P8 counts them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from router.config import ChannelPoolConfig, DeploymentConfig
+from router.targets import TargetError, parse_target
 from router.transport.errors import TransportError
 from router.transport.grpc_adapter import channel_options
 from router.transport.grpc_server import method_handlers
@@ -29,14 +31,14 @@ from router.types import CacheQuery, Reason, RouteSource
 from router.wire import decode, paths, router_v1_pb2
 
 THREAD_PREFIX = "p8-relay"
-_QUERY_TIMEOUT_S = 0.03  # a request that names no budget: P8's own
 
 
 class RelayFloor:
     """Started on construction (a loopback port of its own, ``target``); ``stop()`` ends it."""
 
-    def __init__(self, kvcm_target: str, *, workers: int, max_concurrent_rpcs: int) -> None:
+    def __init__(self, kvcm_target: str, *, workers: int, max_concurrent_rpcs: int, budget_cap_ms: float) -> None:
         deployment = DeploymentConfig()
+        self._budget_cap_ms = budget_cap_ms
         self._instance_id = deployment.kvcm_instance_id
         self._query_type = deployment.query_type
         self._kvcm_target = kvcm_target
@@ -79,23 +81,28 @@ class RelayFloor:
         if not keys:
             return _fallback(request, Reason.BAD_REQUEST)
         query = decode.encode_cache_query(CacheQuery(self._instance_id, self._query_type, keys))
-        timeout_s = request.budget_ms / 1e3 if request.budget_ms > 0 else _QUERY_TIMEOUT_S
         try:
-            state = decode.decode_cache_state(self._kvcm(query, timeout=timeout_s), self._kvcm_target, len(keys))
-        except (grpc.RpcError, TransportError):  # failed, garbled, or an error in the reply's header
+            reply = self._kvcm(query, timeout=query_timeout_s(request.budget_ms, self._budget_cap_ms))
+            state = decode.decode_cache_state(reply, self._kvcm_target, len(keys))
+            best = max(state.hosts, key=lambda host: host.local, default=None)
+            host = parse_target(best.host_ip_port) if best is not None and best.local > 0 else None
+        except (grpc.RpcError, TransportError, TargetError):  # failed, garbled, an error in the reply's header
             return _fallback(request, Reason.KVCM_ERROR)
-        best = max(state.hosts, key=lambda host: host.local, default=None)
-        if best is None or best.local <= 0:
+        if best is None or host is None:
             return _fallback(request, Reason.NO_POSITIVE_MATCH)
-        ip, _, port = best.host_ip_port.rpartition(":")
         return router_v1_pb2.RouteDecision(
             request_id=request.request_id,
-            ip=ip,
-            http_port=int(port),
+            ip=host.host,
+            http_port=host.port,
             route_source=RouteSource.KVCM.value,
             reason=Reason.CACHE_LEADER.value,
             local_blocks=best.local,
         )
+
+
+def query_timeout_s(budget_ms: float, budget_cap_ms: float) -> float:
+    """What the router would give the query: the request's budget (0: none given), at most the cap."""
+    return (min(budget_ms, budget_cap_ms) if budget_ms > 0 else budget_cap_ms) / 1e3
 
 
 def _fallback(request: router_v1_pb2.RouteRequest, reason: Reason) -> router_v1_pb2.RouteDecision:
