@@ -390,11 +390,6 @@ class MetricsSink:
         self._stage_durations = {stage: self._duration.labels(stage.value) for stage in Stage}
         self._stage_cuts = {stage: self._split_cuts.labels(stage.value) for stage in Stage}
         self._reply_duration = self._duration.labels(REPLY_STAGE_LABEL)
-        self._decision_counts = self._decisions.labels
-        self._source_counts = self._source_outcomes.labels
-        self._dropped_counts = self._candidates_dropped.labels
-        self._kvcm_counts = self._kvcm_requests.labels
-        self._skipped_counts = self._probe_skipped.labels
         r = self.registry
         r.register(f)
         self._gauges = _SourceGauges()
@@ -509,7 +504,7 @@ class MetricsSink:
                 for carried in events:
                     self._apply(carried)
             case KvcmRequest(method, outcome):
-                self._kvcm_counts(method, outcome).inc()
+                self._kvcm_requests.labels(method, outcome).inc()
             case HitObserved(route_source, predicted, actual):
                 self._hit_ratio.labels(route_source).observe(actual / predicted if predicted else 0.0)
                 self._hit_error.labels(route_source).observe(abs(actual - predicted))
@@ -518,9 +513,9 @@ class MetricsSink:
             case MasterRequest(outcome):
                 self._master_requests.labels(outcome).inc()
             case ProbeSkipped(reason, n):
-                self._skipped_counts(reason).inc(n)
+                self._probe_skipped.labels(reason).inc(n)
             case CandidatesDropped(reason, n):
-                self._dropped_counts(reason).inc(n)
+                self._candidates_dropped.labels(reason).inc(n)
             case StatusLookups(cache_hits, from_background, probed):
                 if cache_hits:
                     self._cache_hits.inc(cache_hits)
@@ -549,7 +544,7 @@ class MetricsSink:
                 assert_never(event)
 
     def _record_decision(self, d: RouteDecision) -> None:
-        self._decision_counts(d.route_source.value, d.reason.value).inc()
+        self._decisions.labels(d.route_source.value, d.reason.value).inc()
         durations = self._stage_durations
         for stage, ms in d.stage_ms.items():
             durations[stage].observe(ms / 1000.0)
@@ -562,7 +557,7 @@ class MetricsSink:
             self._estimates_changed = True
         for step in d.sources:
             reason = "" if step.reason is None else step.reason.value
-            self._source_counts(step.source.value, step.outcome.value, reason).inc()
+            self._source_outcomes.labels(step.source.value, step.outcome.value, reason).inc()
         kept = retained_decision(d, self._config.decision_text_chars, self._config.decision_max_candidates)
         self._ring.append(DecisionRecord(kept, trio.current_time()))
 

@@ -391,8 +391,8 @@ def sheddable(
         return None
     if request.block_cache_keys is not None:
         try:
-            encode_block_keys(request.block_cache_keys)
-        except ValueError:
+            _encoded_block_keys(request.block_cache_keys)
+        except BadRequest:
             return None
     ids = accepted_token_ids(deployment.key_family, hash_tokens=hash_tokens)
     if request.token_ids is not None and not ids.holds_all(request.token_ids):
