@@ -130,19 +130,20 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         # the plain client's floor beside it: one query per call sent, up to the quick cap
         assert r["floor_queries"] == min(r["sent"], 20)
         assert 0 < r["floor_query_p50_ms"] <= r["floor_query_p99_ms"]
-        # and the relay floor: the rate's first calls, each answered by the relay or failed at the client
-        relay = r["relay"]
-        assert relay["sent"] == min(r["sent"], 20) and 0 <= relay["fallback_share"] <= 1
-        assert relay["answered"] <= relay["sent"] and relay["cpu_ms_per_call"] > 0
-        if relay["answered"]:
-            assert 0 < relay["p50_ms"] <= relay["p99_ms"]
+        # and the relays: the rate's first calls, each answered by the relay or failed at the client
+        for relay in (r["relay"], r["bridged"]):
+            assert relay["sent"] == min(r["sent"], 20) and 0 <= relay["fallback_share"] <= 1
+            assert relay["answered"] <= relay["sent"] and relay["cpu_ms_per_call"] > 0
+            if relay["answered"]:
+                assert 0 < relay["p50_ms"] <= relay["p99_ms"]
         if os.path.isdir("/proc/self/task"):  # where this process's CPU went, by thread role
-            for split in (r["thread_cpu_us_per_call"], relay["thread_cpu_us_per_call"]):
-                assert set(split) == {"handlers", "trio loop", "grpcio", "other"}
+            for run in (r, r["relay"], r["bridged"]):
+                assert set(run["thread_cpu_us_per_call"]) == {"handlers", "trio loop", "grpcio", "other"}
     assert "plain client's KVCM query at this rate" in by_key["P8"]["result"]
     assert "a plain grpcio relay on this core" in by_key["P8"]["result"]
-    assert by_key["P8"]["data"]["knee"] in {None, 50, 100, 200, 400, 500, 800}
-    assert by_key["P8"]["data"]["relay_knee"] in {None, 50, 100, 200, 400, 500, 800}
+    assert "the same relay through the sidecar's hand-off to its trio thread" in by_key["P8"]["result"]
+    for found in ("knee", "relay_knee", "bridged_knee"):
+        assert by_key["P8"]["data"][found] in {None, 50, 100, 200, 400, 500, 800}
     soak = by_key["soak"]["data"]
     assert soak["requests"] == 2_000 and soak["warm_up"] == 1_000
     assert sum(soak["outcomes"].values()) == soak["requests"] - soak["warm_up"]
@@ -443,7 +444,7 @@ class _SendingClient:
     def run(self, level: callers.Level) -> callers.LevelRun:
         seen = callers.CallerResults()
         for request in level.requests:
-            if level.target in {"echo", "relay"}:
+            if level.target in {"echo", "relay", "bridged"}:
                 self._cpu[0] += 1.0
             else:
                 warm_up = b"warm" in request
@@ -480,7 +481,8 @@ def test_p8_times_each_rate_by_its_own_calls_and_their_cpu_with_the_warm_up_drop
     """Each rate's latencies are its own calls' (the warm-up's, slow as a cold router's, dropped before
     the first rate) and its CPU per call is this process's over its client's run (not over the floor's
     plain client run after it, nor over the relay floor's); the relay's calls are the rate's first
-    ``floor_calls``, on its schedule, timed and charged by themselves, and it is stopped at the end."""
+    ``floor_calls``, on its schedule, timed and charged by themselves, and it is stopped at the end;
+    the bridged relay's likewise, after it."""
     _, cpu = _fake_sidecar_run(monkeypatch, p8_rate)
 
     class FloorClient:
@@ -494,25 +496,35 @@ def test_p8_times_each_rate_by_its_own_calls_and_their_cpu_with_the_warm_up_drop
             return [1.0] * calls
 
     class Relay:
-        target = "relay"
-        stopped = False
+        def __init__(self, target: str) -> None:
+            self.target = target
+            self.stopped = False
 
         def take_ms(self) -> list[float]:
             return [0.5] * 2  # the fake client's calls to the relay are not timed here: two per take
 
         def stop(self) -> None:
-            Relay.stopped = True
+            self.stopped = True
 
     made: list[tuple[str, KvrouteConfig]] = []
+    relays: list[Relay] = []
 
     def relay_floor(kvcm_target: str, config: KvrouteConfig) -> Relay:
         made.append((kvcm_target, config))
-        return Relay()
+        relays.append(Relay("relay"))
+        return relays[-1]
+
+    def bridged_relay_floor(kvcm_target: str, config: KvrouteConfig, nursery: trio.Nursery) -> Relay:
+        made.append((kvcm_target, config))
+        relays.append(Relay("bridged"))
+        return relays[-1]
 
     monkeypatch.setattr(p8_rate, "relay_floor", relay_floor)
+    monkeypatch.setattr(p8_rate, "bridged_relay_floor", bridged_relay_floor)
     sizes = p8_rate.RateSizes(seconds_per_rate=0.02, warm_up=3, floor_calls=2)
     results = trio.run(p8_rate._run, cast(Any, None), cast(Any, FloorClient()), sizes, None)
-    assert made == [("kvcm-leader", KvrouteConfig())] and Relay.stopped  # the sidecar's configuration
+    assert made == [("kvcm-leader", KvrouteConfig())] * 2  # the sidecar's configuration, for both relays
+    assert [(relay.target, relay.stopped) for relay in relays] == [("relay", True), ("bridged", True)]
     assert [r.sent for r in results] == [1, 2, 4, 8, 10, 16]
     for result in results:
         assert result.sidecar_ms == pytest.approx((2.0,) * result.sent), result.rate
@@ -521,6 +533,8 @@ def test_p8_times_each_rate_by_its_own_calls_and_their_cpu_with_the_warm_up_drop
         assert result.relay.sent == min(result.sent, 2), result.rate
         assert result.relay.cpu_ms_per_call == pytest.approx(1e3), result.rate  # 1 s per relayed call
         assert result.relay.fallback_share == 1.0  # the fake's empty replies are no KVCM answers
+        assert result.bridged is not None and result.bridged.sent == result.relay.sent, result.rate
+        assert result.bridged.cpu_ms_per_call == pytest.approx(1e3), result.rate
 
 
 def test_p7_times_each_level_by_its_own_calls_and_their_cpu_with_the_warm_up_dropped(

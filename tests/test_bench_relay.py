@@ -1,20 +1,21 @@
-"""P8's relay floor against a real simulated KVCM served over gRPC on loopback (real clock).
+"""P8's relays against a real simulated KVCM served over gRPC on loopback (real clock).
 
-The relay is a yardstick: these tests pin that it routes as P8 counts routing (a KVCM answer names
+Each relay is a yardstick: these tests pin, for the plain relay floor and for the bridged one (its
+calls handed to this test's trio thread), that it routes as P8 counts routing (a KVCM answer names
 the host holding the most of the prompt's blocks) and that every way its one query can fail is still
 an answer, a fallback, with each call timed. No timing is asserted.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 
 import grpc
 import pytest
 import trio
 
-from kvroute_sim.bench.relay import RelayFloor, query_timeout_s
+from kvroute_sim.bench.relay import BridgedRelayFloor, RelayFloor, query_timeout_s
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.faults import Garble
 from kvroute_sim.sim.kvcm import KvcmFaults
@@ -42,18 +43,31 @@ async def _routed(relay: RelayFloor, request: router_v1_pb2.RouteRequest) -> rou
         return await trio.to_thread.run_sync(partial(_route, relay, request))
 
 
-def _relay(addresses: SimClusterAddresses, budget_cap_ms: float = 5_000.0) -> RelayFloor:
-    _, leader = addresses.kvcm_nodes[0]
-    return RelayFloor(leader, workers=2, max_concurrent_rpcs=8, budget_cap_ms=budget_cap_ms)
+MakeRelay = Callable[..., RelayFloor]
+
+
+@pytest.fixture(params=["plain", "bridged"])
+def make_relay(request: pytest.FixtureRequest, nursery: trio.Nursery) -> MakeRelay:
+    """A relay of either kind on the cluster's KVCM leader; the bridged one's calls run in ``nursery``."""
+
+    def make(addresses: SimClusterAddresses, budget_cap_ms: float = 5_000.0) -> RelayFloor:
+        _, leader = addresses.kvcm_nodes[0]
+        if request.param == "plain":
+            return RelayFloor(leader, workers=2, max_concurrent_rpcs=8, budget_cap_ms=budget_cap_ms)
+        return BridgedRelayFloor(
+            leader, nursery=nursery, workers=2, max_concurrent_rpcs=8, budget_cap_ms=budget_cap_ms
+        )
+
+    return make
 
 
 async def test_the_relay_answers_with_the_host_holding_the_most_blocks(
-    cluster: tuple[SimCluster, SimClusterAddresses],
+    cluster: tuple[SimCluster, SimClusterAddresses], make_relay: MakeRelay
 ) -> None:
     sim, addresses = cluster
     sim.run_prefill(0, "seed-0", KEYS[:4], 4 * sim.block_size, trio.current_time())
     sim.run_prefill(1, "seed-1", KEYS, len(KEYS) * sim.block_size, trio.current_time())
-    relay = _relay(addresses)
+    relay = make_relay(addresses)
     try:
         decision = await _routed(relay, router_v1_pb2.RouteRequest(request_id="r-1", block_cache_keys=KEYS))
         holder = addresses.workers[1]
@@ -66,8 +80,10 @@ async def test_the_relay_answers_with_the_host_holding_the_most_blocks(
         relay.stop()
 
 
-async def test_a_request_without_block_keys_is_a_fallback(cluster: tuple[SimCluster, SimClusterAddresses]) -> None:
-    relay = _relay(cluster[1])
+async def test_a_request_without_block_keys_is_a_fallback(
+    cluster: tuple[SimCluster, SimClusterAddresses], make_relay: MakeRelay
+) -> None:
+    relay = make_relay(cluster[1])
     try:
         decision = await _routed(relay, router_v1_pb2.RouteRequest(request_id="t", token_ids=range(64)))
         assert (decision.request_id, decision.route_source, decision.reason) == ("t", "domain", "bad_request")
@@ -81,13 +97,13 @@ async def test_a_request_without_block_keys_is_a_fallback(cluster: tuple[SimClus
     ids=["dead", "undecodable", "contract"],
 )
 async def test_a_failed_query_is_still_answered_as_a_fallback_and_timed(
-    cluster: tuple[SimCluster, SimClusterAddresses], faults: KvcmFaults
+    cluster: tuple[SimCluster, SimClusterAddresses], faults: KvcmFaults, make_relay: MakeRelay
 ) -> None:
     sim, addresses = cluster
     sim.run_prefill(1, "seed-1", KEYS, len(KEYS) * sim.block_size, trio.current_time())
     node, _ = addresses.kvcm_nodes[0]
     sim.kvcm.set_faults(node, faults)
-    relay = _relay(addresses)
+    relay = make_relay(addresses)
     try:
         decision = await _routed(relay, router_v1_pb2.RouteRequest(request_id="f", block_cache_keys=KEYS))
         assert (decision.route_source, decision.reason) == ("domain", "kvcm_error")
@@ -102,11 +118,13 @@ def test_the_query_gets_the_requests_budget_at_most_the_routers_cap() -> None:
     assert query_timeout_s(0, 50.0) == pytest.approx(0.050)  # proto3's 0: no budget given
 
 
-async def test_a_hung_query_is_answered_as_a_fallback(cluster: tuple[SimCluster, SimClusterAddresses]) -> None:
+async def test_a_hung_query_is_answered_as_a_fallback(
+    cluster: tuple[SimCluster, SimClusterAddresses], make_relay: MakeRelay
+) -> None:
     sim, addresses = cluster
     node, _ = addresses.kvcm_nodes[0]
     sim.kvcm.set_faults(node, KvcmFaults(hang=True))
-    relay = _relay(addresses, budget_cap_ms=50.0)
+    relay = make_relay(addresses, budget_cap_ms=50.0)
     try:
         request = router_v1_pb2.RouteRequest(request_id="h", block_cache_keys=KEYS)
         decision = await _routed(relay, request)
@@ -115,13 +133,31 @@ async def test_a_hung_query_is_answered_as_a_fallback(cluster: tuple[SimCluster,
         relay.stop()
 
 
-async def test_a_host_that_is_no_host_port_is_a_failed_query(cluster: tuple[SimCluster, SimClusterAddresses]) -> None:
+async def test_a_host_that_is_no_host_port_is_a_failed_query(
+    cluster: tuple[SimCluster, SimClusterAddresses], make_relay: MakeRelay
+) -> None:
     sim, addresses = cluster
     sim.kvcm.add_worker("no-port-here", 1_000)
     sim.kvcm.record_prefill("no-port-here", KEYS)
-    relay = _relay(addresses)
+    relay = make_relay(addresses)
     try:
         decision = await _routed(relay, router_v1_pb2.RouteRequest(request_id="p", block_cache_keys=KEYS))
         assert (decision.route_source, decision.reason) == ("domain", "kvcm_error")
+    finally:
+        relay.stop()
+
+
+async def test_a_bridged_call_finding_the_nursery_closed_is_still_answered(
+    cluster: tuple[SimCluster, SimClusterAddresses],
+) -> None:
+    """The bench's nursery closes after the relays stop; a handler thread still handing a call over
+    then gets a fallback, not a crash of the trio thread nor a wait for ever."""
+    _, leader = cluster[1].kvcm_nodes[0]
+    async with trio.open_nursery() as closed:
+        pass
+    relay = BridgedRelayFloor(leader, nursery=closed, workers=2, max_concurrent_rpcs=8, budget_cap_ms=5_000.0)
+    try:
+        decision = await _routed(relay, router_v1_pb2.RouteRequest(request_id="c", block_cache_keys=KEYS))
+        assert (decision.request_id, decision.route_source, decision.reason) == ("c", "domain", "internal_error")
     finally:
         relay.stop()

@@ -23,6 +23,7 @@ from kvroute_sim.bench.rate import (
     RATES,
     RateResult,
     RelayRun,
+    bridged_knee,
     knee,
     knee_free_through,
     relay_knee,
@@ -110,6 +111,17 @@ def test_the_relay_knee_is_found_by_the_sidecars_rule_on_the_relays_own_calls() 
     # Rates the relay did not run at are left out, not counted as knees.
     assert relay_knee([relayed(at(50)), at(100), relayed(at(200))]) is None
     assert relay_knee([at(50), at(100)]) is None
+
+
+def test_the_bridged_relays_knee_is_its_own_calls_not_the_plain_relays() -> None:
+    bridged = RelayRun(100, (0.5,) * 98 + (4.0,) * 2, 0.0, 0.9)
+    results = [relayed(at(50)), relayed(at(100)), replace(relayed(at(200)), bridged=bridged)]
+    assert relay_knee(results) is None  # the plain relay's p99 stays at 1 ms
+    assert bridged_knee(results) is None  # its only run is its own lowest rate
+    lowest = RelayRun(100, (0.5,) * 98 + (1.5,) * 2, 0.0, 0.9)
+    assert bridged_knee([replace(at(50), bridged=lowest), replace(at(100), bridged=bridged)]) == 100
+    assert bridged_knee([replace(at(50), bridged=lowest), replace(at(100), bridged=lowest)]) is None
+    assert bridged_knee([replace(at(50), bridged=lowest), replace(at(100), relay=bridged)]) is None
 
 
 def test_a_relay_run_with_no_answered_call_is_its_knee() -> None:

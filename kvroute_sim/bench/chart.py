@@ -76,22 +76,26 @@ def _p7(ax: Any, data: Mapping[str, Any]) -> None:
 
 
 def _p8(ax: Any, data: Mapping[str, Any]) -> None:
-    """Open loop: offered rate → the sidecar's p50 and p99, the plain client's query, the relay floor's
-    p99, fallbacks."""
+    """Open loop: offered rate → the sidecar's p50 and p99, the plain client's query, the relays' p99s,
+    fallbacks."""
     rates: Sequence[Mapping[str, Any]] = data["rates"]
     offered = [r["rate"] for r in rates]
     ax.plot(offered, [_number(r["sidecar_p50_ms"]) for r in rates], "o-", label="sidecar p50")
     ax.plot(offered, [_number(r["sidecar_p99_ms"]) for r in rates], "s-", label="sidecar p99")
     ax.plot(offered, [_number(r["floor_query_p50_ms"]) for r in rates], "x:", label="plain client's KVCM query p50")
-    relayed = [r for r in rates if r.get("relay")]
-    if relayed:
-        ax.plot(
-            [r["rate"] for r in relayed],
-            [_number(r["relay"]["p99_ms"]) for r in relayed],
-            "^:",
-            color="tab:purple",
-            label="a plain grpcio relay's p99 (no router)",
-        )
+    for key, marker, color, label in (
+        ("relay", "^:", "tab:purple", "a plain grpcio relay's p99 (no router)"),
+        ("bridged", "v:", "tab:brown", "the relay through the trio hand-off, p99 (no router)"),
+    ):
+        relayed = [r for r in rates if r.get(key)]
+        if relayed:
+            ax.plot(
+                [r["rate"] for r in relayed],
+                [_number(r[key]["p99_ms"]) for r in relayed],
+                marker,
+                color=color,
+                label=label,
+            )
     ax.axhline(2.0, color="tab:blue", linewidth=0.8, linestyle=":", label="targets at 100/s: p50 2 ms, p99 5 ms")
     ax.axhline(5.0, color="tab:orange", linewidth=0.8, linestyle=":")
     ax.axvline(500, color="gray", linewidth=0.8, linestyle="--", label="the knee must lie beyond 500/s")

@@ -32,6 +32,7 @@ from kvroute_sim.bench import thread_cpu
 from kvroute_sim.bench.callers import CallerResults, Level, caller_process
 from kvroute_sim.bench.harness import ClusterView, prime, router_config
 from kvroute_sim.bench.harness import Requests as RouterRequests
+from kvroute_sim.bench.relay import BRIDGED_THREAD_PREFIX as BRIDGED_RELAY_THREADS
 from kvroute_sim.bench.relay import THREAD_PREFIX as RELAY_THREADS
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import Summary, percentile, shown_against
@@ -53,7 +54,7 @@ LATE_SLACK_S = 0.005  # "on time": answered within the call's deadline plus this
 WITHIN_TARGET = 0.99
 FIGURE_TIMEOUT_S = 300.0
 # This process's threads by role (thread_cpu.split): the handler threads of the sidecar, of the echo
-# server and of P8's relay floor, the trio loop (the bench's main thread: the router's and the
+# server and of P8's relays, the trio loop (the bench's main thread: the router's and the
 # sidecar's trio side), grpcio's own threads (its server polling threads and client spin threads are
 # unnamed Python threads; the event engine's are C threads), the rest (the bench's own waits on the
 # callers' process, trio's worker threads).
@@ -61,6 +62,7 @@ THREAD_ROLES = (
     ("handlers", "kvroute-sidecar"),
     ("handlers", "p7-echo"),
     ("handlers", RELAY_THREADS),
+    ("handlers", BRIDGED_RELAY_THREADS),
     ("trio loop", "MainThread"),
     ("grpcio", "Thread-"),
     ("grpcio", "event_engine"),

@@ -31,6 +31,10 @@ And the relay floor (``relay.RelayFloor``): right after that, the same client se
 calls on the same schedule to a grpcio server built as the sidecar's whose handler makes that one
 query, blocking, and answers from it, with no router. Its p99 and knee are what grpcio's server and
 client allow on this core; where its knee lies beyond the sidecar's, the gap is the router's own work.
+Last, the bridged relay (``relay.BridgedRelayFloor``): the same relay with the sidecar's hand-off, each
+call handed to this process's trio thread and its query made there as the router makes it. Between
+the two relays lies what the hand-off to trio costs; between the bridged relay and the sidecar, what
+the router's own work does.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from kvroute_sim.bench.overload import (
     serving_sidecar,
 )
 from kvroute_sim.bench.raw_grpc import RawClient
-from kvroute_sim.bench.relay import RelayFloor
+from kvroute_sim.bench.relay import BridgedRelayFloor, RelayFloor
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict
 from kvroute_sim.stats import percentile, shown_against
 from router.config import KvrouteConfig
@@ -177,6 +181,7 @@ class RateResult:
     segments: PathSegments = PathSegments()
     full_collection_s: tuple[float, ...] = ()  # this process's gen-2 collections during the rate's run
     relay: RelayRun | None = None  # the relay floor at this rate, after the run
+    bridged: RelayRun | None = None  # the bridged relay at this rate, after the relay floor
     # This process's CPU over the rate's run by THREAD_ROLES role (empty off Linux).
     thread_cpu_s: Mapping[str, float] = field(default_factory=dict)
 
@@ -212,6 +217,7 @@ class RateResult:
             "segments_p50_ms": {**self.segments.p50s(), "calls": len(self.segments.elapsed)},
             "full_collections_ms": [round(p * 1e3, 1) for p in self.full_collection_s],
             "relay": self.relay.to_json() if self.relay is not None else None,
+            "bridged": self.bridged.to_json() if self.bridged is not None else None,
             "thread_cpu_us_per_call": per_call_us(self.thread_cpu_s, self.sent),
             "errors": dict(self.errors.most_common()),
             "outcomes": dict(self.outcomes.most_common()),
@@ -252,6 +258,11 @@ def relay_knee(results: Sequence[RateResult]) -> int | None:
     return _knee([(r.rate, r.relay.p(99), r.relay.fallback_share) for r in results if r.relay is not None])
 
 
+def bridged_knee(results: Sequence[RateResult]) -> int | None:
+    """The bridged relay's knee, by the same rule over the rates it ran at."""
+    return _knee([(r.rate, r.bridged.p(99), r.bridged.fallback_share) for r in results if r.bridged is not None])
+
+
 def _knee(rows: Sequence[tuple[int, float, float]]) -> int | None:
     """``rows``: (rate, p99, fallback share), lowest rate first."""
     if not rows:
@@ -275,22 +286,26 @@ def knee_free_through(results: Sequence[RateResult]) -> int | None:
 
 async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus: Set[int] | None) -> list[RateResult]:
     results: list[RateResult] = []
-    async with serving_sidecar(view, "p8", sizes.warm_up) as (sidecar, bound, config):
+    async with serving_sidecar(view, "p8", sizes.warm_up) as (sidecar, bound, config), trio.open_nursery() as calls:
         # Blocking calls go to a thread throughout, so the trio loop and the router keep running.
         await trio.to_thread.run_sync(raw.warm_up, FLOOR_WARM_UP)
         max_s = OPEN_LOOP_SLACK * sizes.seconds_per_rate
         relay = relay_floor(raw.kvcm_target, config)
+        bridged = bridged_relay_floor(raw.kvcm_target, config, calls)
         # The client runs in its own process (grpc.aio, one open loop): a client thread here
         # would share this process's core and GIL with the sidecar it measures.
         with contextlib.ExitStack() as stack:
             stack.callback(relay.stop)
+            stack.callback(bridged.stop)
             client = stack.enter_context(caller_process(caller_cpus))
             warm = route_requests(view, "p8-warm", sizes.warm_up, BUDGET_MS)
             level = Level(str(bound), warm, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=RATES[0])
             await trio.to_thread.run_sync(client.run, level)
             await trio.to_thread.run_sync(client.run, replace(level, target=relay.target))
+            await trio.to_thread.run_sync(client.run, replace(level, target=bridged.target))
             sidecar.take_call_timings()  # the warm-up's, dropped
             relay.take_ms()
+            bridged.take_ms()
             for rate in RATES:
                 count = max(1, round(rate * sizes.seconds_per_rate))
                 requests = route_requests(view, f"p8-{rate}", count, BUDGET_MS)
@@ -309,6 +324,7 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                 floor_calls = min(len(requests), sizes.floor_calls)
                 floor_ms = await trio.to_thread.run_sync(raw.paced_cache_queries, floor_calls, rate)
                 relay_run = await _relay_run(client, relay, replace(level, requests=requests[:floor_calls]))
+                bridged_run = await _relay_run(client, bridged, replace(level, requests=requests[:floor_calls]))
                 results.append(
                     RateResult(
                         rate=rate,
@@ -327,6 +343,7 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                         segments=PathSegments.of(timings),
                         full_collection_s=tuple(pauses),
                         relay=relay_run,
+                        bridged=bridged_run,
                         thread_cpu_s=thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
                     )
                 )
@@ -344,8 +361,20 @@ def relay_floor(kvcm_target: str, config: KvrouteConfig) -> RelayFloor:
     )
 
 
+def bridged_relay_floor(kvcm_target: str, config: KvrouteConfig, nursery: trio.Nursery) -> RelayFloor:
+    """The bridged relay's server, started, as ``relay_floor``'s, its calls' tasks in ``nursery`` (a seam
+    as that one is)."""
+    return BridgedRelayFloor(
+        kvcm_target,
+        nursery=nursery,
+        workers=config.serve.grpc_max_workers,
+        max_concurrent_rpcs=config.serve.grpc_max_concurrent_rpcs,
+        budget_cap_ms=config.router.budget_cap_ms,
+    )
+
+
 async def _relay_run(client: CallerProcess, relay: RelayFloor, level: Level) -> RelayRun:
-    """``level`` (the rate's schedule) against the relay floor."""
+    """``level`` (the rate's schedule) against a relay (the floor, or the bridged one)."""
     threads_before = await trio.to_thread.run_sync(thread_cpu.snapshot)
     cpu_before = time.process_time()
     run = await trio.to_thread.run_sync(client.run, replace(level, target=relay.target))
@@ -362,6 +391,14 @@ async def _relay_run(client: CallerProcess, relay: RelayFloor, level: Level) -> 
     )
 
 
+def _relay_text(description: str, at_target: RelayRun | None, found: int | None) -> str:
+    """A relay's part of P8's result: its p50 at the target rate and its knee ("" when it did not run)."""
+    if at_target is None:
+        return ""
+    knee_text = f"knee at {found}/s" if found is not None else f"no knee up to {RATES[-1]}/s"
+    return f"; {description}: p50 {at_target.p(50):.2f} ms at {TARGET_RATE}/s, {knee_text}"
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -371,6 +408,7 @@ def _curve(results: Sequence[RateResult]) -> str:
         "rate/s | calls | sidecar p50 ms | sidecar p99 ms | client p99 ms | fallbacks | failed calls"
         " | router p50/p99 ms | kvcm query p50/p99 ms | plain query p50/p99 ms | own path p50/p99 ms | CPU ms/call"
         " | relay p50/p99 ms | relay fallbacks | relay CPU ms/call"
+        " | bridged p50/p99 ms | bridged fallbacks | bridged CPU ms/call"
     ]
     for r in results:
         client_p99 = percentile(r.client_ms, 99) if r.client_ms else float("nan")
@@ -383,6 +421,7 @@ def _curve(results: Sequence[RateResult]) -> str:
             f" | {_ms(_p(r.floor_query_ms, 50))}/{_ms(_p(r.floor_query_ms, 99))}"
             f" | {_ms(_p(r.own_path_ms, 50))}/{_ms(_p(r.own_path_ms, 99))} | {r.cpu_ms_per_call:.2f}"
             + _relay_cells(r.relay)
+            + _relay_cells(r.bridged)
         )
     return "\n".join(lines)
 
@@ -413,17 +452,21 @@ def _segments(results: Sequence[RateResult]) -> str:
 
 
 def _thread_table(results: Sequence[RateResult]) -> str | None:
-    """µs of CPU per call by thread role at each rate, the sidecar's run beside the relay floor's (None
-    off Linux)."""
+    """µs of CPU per call by thread role at each rate, the sidecar's run beside the relay floor's and the
+    bridged relay's (None off Linux)."""
     if not any(r.thread_cpu_s for r in results):
         return None
     roles = [*dict.fromkeys(role for role, _ in THREAD_ROLES), "other"]
     names = " / ".join(roles)
-    lines = [f"rate/s | sidecar µs/call: {names} = total | relay µs/call: {names} = total"]
+    lines = [
+        f"rate/s | sidecar µs/call: {names} = total | relay µs/call: {names} = total"
+        f" | bridged µs/call: {names} = total"
+    ]
     for r in results:
         cells = []
-        relay: tuple[Mapping[str, float], int] = (r.relay.thread_cpu_s, r.relay.sent) if r.relay else ({}, 0)
-        for seconds, calls in ((r.thread_cpu_s, r.sent), relay):
+        runs: list[tuple[Mapping[str, float], int]] = [(r.thread_cpu_s, r.sent)]
+        runs.extend((run.thread_cpu_s, run.sent) if run else ({}, 0) for run in (r.relay, r.bridged))
+        for seconds, calls in runs:
             us = per_call_us(seconds, calls)
             cells.append(" / ".join(f"{us.get(role, 0.0):.0f}" for role in roles) + f" = {sum(us.values()):.0f}")
         lines.append(f"{r.rate:>6} | " + " | ".join(cells))
@@ -453,11 +496,16 @@ def measure(
     met = targets_met(results)
     knee_text = f"knee at {found}/s" if found is not None else f"no knee up to {RATES[-1]}/s"
     relay_found = relay_knee(results)
-    relay_text = (
-        "; a plain grpcio relay on this core (the same server, one blocking KVCM query per call, no router): "
-        + (f"knee at {relay_found}/s" if relay_found is not None else f"no knee up to {RATES[-1]}/s")
-        if any(r.relay is not None for r in results)
-        else ""
+    bridged_found = bridged_knee(results)
+    relay_text = _relay_text(
+        "a plain grpcio relay on this core (the same server, one blocking KVCM query per call, no router)",
+        at_target.relay,
+        relay_found,
+    ) + _relay_text(
+        "the same relay through the sidecar's hand-off to its trio thread (the query made there as the router"
+        " makes it)",
+        at_target.bridged,
+        bridged_found,
     )
     floor_text = (
         f" (a plain client's KVCM query at this rate: p50 {percentile(at_target.floor_query_ms, 50):.2f}, "
@@ -483,6 +531,7 @@ def measure(
                 "client_deadline_ms": CLIENT_DEADLINE_S * 1e3,
                 "knee": found,
                 "relay_knee": relay_found,
+                "bridged_knee": bridged_found,
                 "rates": [r.to_json() for r in results],
             },
         )
@@ -494,6 +543,6 @@ def measure(
     threads = _thread_table(results)
     if threads is not None:
         report.tables[
-            "P8 CPU per call by thread (this process: the sidecar's run, then the relay floor's;"
-            " other: the refresh rounds' worker threads, the bench's own waits)"
+            "P8 CPU per call by thread (this process: the sidecar's run, then the relay floor's, then the"
+            " bridged relay's; other: the refresh rounds' worker threads, the bench's own waits)"
         ] = threads
