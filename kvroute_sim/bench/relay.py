@@ -180,7 +180,7 @@ class BridgedRelayFloor(RelayFloor):
         answer: concurrent.futures.Future[router_v1_pb2.RouteDecision],
     ) -> None:
         # Whatever happens here, the handler thread gets an answer (a bug still raises, after it).
-        decision = _fallback(request, Reason.INTERNAL_ERROR)
+        decision: router_v1_pb2.RouteDecision | None = None
         try:
             keys = tuple(request.block_cache_keys)
             if not keys:
@@ -197,6 +197,8 @@ class BridgedRelayFloor(RelayFloor):
             else:
                 decision = self._answer(request, keys, future.result())
         finally:
+            if decision is None:
+                decision = _fallback(request, Reason.INTERNAL_ERROR)
             settle(answer, outcome.Value(decision))
 
 
