@@ -274,6 +274,9 @@ class MetricsConfig:
     accuracy_warn_silent_share: float = bounded(0.2, 0, 1)
     # comparisons averaged into kvroute_shadow_agreement_ratio
     shadow_agreement_window: int = bounded(1000, 0, 1_000_000, low_open=True)
+    # One KVCM answer in this many is compared with the shadow index (the first is): a comparison
+    # matches the prompt against the index on the request's path, and the ratio needs only a sample.
+    shadow_compare_every: int = bounded(8, 1, 1_000_000)
 
 
 @dataclass(frozen=True, slots=True)

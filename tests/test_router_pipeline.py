@@ -103,11 +103,14 @@ async def routed(
     addrs = cluster.serve_memory(network)
     metrics_inbox = router_kw.pop("metrics_inbox", None)
     scorer = router_kw.pop("scorer", None)  # ScorerConfig fields to override
+    metrics = router_kw.pop("metrics", None)  # MetricsConfig fields to override
     config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, **router_kw)
     if isinstance(metrics_inbox, int):
         config = replace(config, metrics=MetricsConfig(inbox_size=metrics_inbox))
     if isinstance(scorer, dict):
         config = replace(config, scorer=replace(config.scorer, **scorer))
+    if isinstance(metrics, dict):
+        config = replace(config, metrics=replace(config.metrics, **metrics))
     async with open_router(config, rpc=network) as handle:
         resolver = handle.leader_resolver()
         assert resolver is not None
@@ -169,10 +172,10 @@ async def test_a_prompt_shorter_than_one_block_is_no_match_without_a_query(
 async def test_shadow_agreement_is_measured_before_the_decision_is_learned(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Each KVCM answer is compared with the shadow index as it stood before that decision: the first
-    request finds the shadow empty (0.0), the next four find the first one's record (1.0 each)."""
+    """Each KVCM answer compared is compared with the shadow index as it stood before that decision: the
+    first request finds the shadow empty (0.0), the next four find the first one's record (1.0 each)."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster) as (handle, _, _):
+    async with routed(cluster, metrics={"shadow_compare_every": 1}) as (handle, _, _):
         seed(cluster, 2, 8)
         for i in range(5):
             d = await handle.route(RouteRequest(f"a{i}", token_ids=PROMPT, budget_ms=50))
@@ -184,6 +187,23 @@ async def test_shadow_agreement_is_measured_before_the_decision_is_learned(
         # The sources' observations travel with each decision and are counted as before.
         ok = {"method": "GetHostCacheState", "outcome": "ok"}
         assert registry.get_sample_value("kvroute_kvcm_requests_total", ok) == 5
+
+
+async def test_one_kvcm_answer_in_shadow_compare_every_is_compared(autojump_clock: trio.testing.MockClock) -> None:
+    """The first answer is compared (the shadow still empty: 0.0), then every fourth (the fifth and the
+    ninth find the first one's record: 1.0 each); the answers between are routed as ever, uncompared."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, metrics={"shadow_compare_every": 4}) as (handle, _, _):
+        seed(cluster, 2, 8)
+        for i in range(9):
+            d = await handle.route(RouteRequest(f"c{i}", token_ids=PROMPT, budget_ms=50))
+            assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(2)
+        await trio.testing.wait_all_tasks_blocked()
+        registry = handle.metrics.registry
+        assert registry.get_sample_value("kvroute_shadow_comparisons_total") == 3
+        assert registry.get_sample_value("kvroute_shadow_agreement_ratio") == pytest.approx(2 / 3)
+        ok = {"method": "GetHostCacheState", "outcome": "ok"}
+        assert registry.get_sample_value("kvroute_kvcm_requests_total", ok) == 9
 
 
 async def test_every_decision_within_deadline_when_kvcm_hangs(autojump_clock: trio.testing.MockClock) -> None:

@@ -48,6 +48,8 @@ class KvcmSource:
         self._deployment = config.deployment
         self._query_timeout_s = config.router.kvcm_query_timeout_ms / 1000.0
         self._hot_set_size = config.scorer.hot_set_size
+        self._compare_every = config.metrics.shadow_compare_every
+        self._answers_until_compare = 0  # KVCM answers to pass before the next comparison
         self._resolver = resolver
         self._kvcm = kvcm
         self._scoring = scoring
@@ -74,6 +76,10 @@ class KvcmSource:
     def after_reply(self, ctx: RequestContext, decision: RouteDecision) -> None:
         if ctx.cache_hosts is None or not ctx.prepared.keys:  # no answer, or none asked: nothing to compare
             return
+        if self._answers_until_compare:
+            self._answers_until_compare -= 1
+            return
+        self._answers_until_compare = self._compare_every - 1
         # How well the shadow index would have answered: no await since the decision, so the shadow
         # index has not yet applied this request's own record.
         ratio, error_tokens = self._shadow.compare(

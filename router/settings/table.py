@@ -748,6 +748,9 @@ _SPECS: dict[str, _Spec] = {
     "metrics.shadow_agreement_window": _Spec(
         "Shadow-vs-KVCM comparisons averaged into the agreement ratio"
     ),
+    "metrics.shadow_compare_every": _Spec(
+        "Compare one KVCM answer in N with the shadow index (the first one is; 1: every answer)", metavar="N"
+    ),
     # serve
     "serve.grpc_listen": _Spec(
         "kvroute serve: HOST:PORT of the Route gRPC service (port 0 = any free port)",
