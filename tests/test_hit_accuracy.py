@@ -351,6 +351,20 @@ async def test_a_silent_zero_share_of_exactly_the_threshold_does_not_warn(
         assert (await _compared(accuracy, [True])).warning is not None
 
 
+async def test_the_silent_zero_share_is_of_the_last_200_comparisons_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The window moves: the first 100 comparisons (silent zeros) leave it as 300 more come, the silent
+    ones among those counted as they enter and again as they leave; the all-time count keeps them all."""
+    async with running_accuracy(MetricsConfig(accuracy_warn_silent_share=0.5)) as accuracy:
+        full = await _compared(accuracy, [True] * 100 + [False, True] * 50)
+        assert full.silent_zero_share == 0.75 and full.warning is not None
+        moved = await _compared(accuracy, [False] * 150)  # the last 50 alternating remain: 25 silent
+        assert moved.silent_zero_share == 0.125 and moved.warning is None and moved.silent_zero == 150
+        cleared = await _compared(accuracy, [False] * 50)
+        assert cleared.silent_zero_share == 0.0 and cleared.matched == 400
+
+
 async def test_the_snapshot_shows_the_64_workers_compared_most_recently(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
