@@ -808,13 +808,13 @@ def test_a_bad_router_setting_is_refused_naming_it() -> None:
 
 def test_thread_cpu_splits_each_threads_time_by_the_first_role_its_name_starts_with() -> None:
     T = thread_cpu.ThreadTime
-    before = {1: T("kvroute-sidecar_0", 1.0), 2: T("MainThread", 5.0), 3: T("Thread-7 (_serve)", 0.5)}
+    before = {1: T("kvroute-sidecar_0", 1.0, 10), 2: T("MainThread", 5.0, 1), 3: T("Thread-7 (_serve)", 0.5, 20)}
     after = {
-        1: T("kvroute-sidecar_0", 1.25),
-        2: T("MainThread", 5.5),
-        3: T("Thread-7 (_serve)", 0.75),
-        4: T("event_engine", 0.125),  # started meanwhile: counted from zero
-        5: T("Trio thread 3", 0.0625),
+        1: T("kvroute-sidecar_0", 1.25, 10),
+        2: T("MainThread", 5.5, 1),
+        3: T("Thread-7 (_serve)", 0.75, 20),
+        4: T("event_engine", 0.125, 30),  # started meanwhile: counted from zero
+        5: T("Trio thread 3", 0.0625, 40),
     }
     roles = (("handlers", "kvroute-sidecar"), ("trio loop", "MainThread"), ("grpcio", "Thread-"), ("grpcio", "event_"))
     assert thread_cpu.split(before, after, roles) == {
@@ -823,8 +823,12 @@ def test_thread_cpu_splits_each_threads_time_by_the_first_role_its_name_starts_w
         "grpcio": 0.375,
         "other": 0.0625,
     }
-    # A thread id reused by a new thread of another name counts from zero, never negative.
-    assert thread_cpu.split({1: T("old", 9.0)}, {1: T("kvroute-sidecar_1", 0.5)}, roles)["handlers"] == 0.5
+    # A thread id reused by a new thread (started later) counts from zero, never negative.
+    assert thread_cpu.split({1: T("old", 9.0, 5)}, {1: T("kvroute-sidecar_1", 0.5, 50)}, roles)["handlers"] == 0.5
+    # A thread renamed meanwhile (trio's worker threads take each job's name) is the same thread: only
+    # what it used in between counts, under the name it has now.
+    renamed = thread_cpu.split({6: T("Trio thread 0", 3.0, 7)}, {6: T("kvroute-sidecar_2", 3.5, 7)}, roles)
+    assert renamed["handlers"] == 0.5 and renamed["other"] == 0.0
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU is read from Linux's /proc")
@@ -842,6 +846,28 @@ def test_thread_cpu_snapshot_names_this_processs_threads_as_python_knows_them() 
     # The main thread's own time: some (it imported and collected), and within the process's.
     (main_thread,) = [t for t in thread_cpu.snapshot().values() if t.name == "MainThread"]
     assert 0.0 < main_thread.cpu_s <= time.process_time() + 0.02  # a tick's rounding
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU is read from Linux's /proc")
+def test_thread_cpu_knows_a_renamed_thread_by_its_start_time() -> None:
+    """A thread that takes another name between two snapshots (as trio's worker threads do per job) keeps
+    its id and its start time, which is no earlier than the main thread's."""
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: stop.wait(10.0), name="test-before-job")
+    spinner.start()
+    try:
+        before = thread_cpu.snapshot()
+        spinner.name = "test-in-a-job"
+        after = thread_cpu.snapshot()
+    finally:
+        stop.set()
+        spinner.join()
+    assert spinner.native_id is not None
+    then, now = before[spinner.native_id], after[spinner.native_id]
+    assert (then.name, now.name) == ("test-before-job", "test-in-a-job")
+    assert then.started == now.started > 0
+    main_id = threading.main_thread().native_id
+    assert main_id is not None and 0 < after[main_id].started <= now.started
 
 
 def test_a_printed_figure_equal_to_its_target_has_met_it() -> None:

@@ -4,8 +4,10 @@
 elsewhere it returns nothing and the figures leave the split out) and names it by its Python
 thread name where Python knows the thread, else by the kernel's (grpc's C threads, e.g.
 ``event_engine``). ``split()`` turns two snapshots into seconds per role, where a role is the
-first of ``roles`` whose prefix the thread's name starts with ("other" for none); a thread that
-started or ended between the two counts from zero or not at all.
+first of ``roles`` whose prefix the thread's name at the second snapshot starts with ("other" for
+none); a thread that started or ended between the two counts from zero or not at all. A thread is
+known by its id and its start time, not its name: trio's cached worker threads take each job's name
+while they run it, and a renamed thread counted from zero would charge a window with its whole life.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _TASKS = Path("/proc/self/task")
 class ThreadTime:
     name: str
     cpu_s: float  # user + system
+    started: int  # clock ticks since boot: a thread id the kernel gives again is a thread that started later
 
 
 def snapshot() -> dict[int, ThreadTime]:
@@ -42,7 +45,8 @@ def snapshot() -> dict[int, ThreadTime]:
         # The command name may hold spaces and parentheses: the fields after it start past the last ")".
         fields = stat[stat.rindex(")") + 2 :].split()
         ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-        threads[tid] = ThreadTime(python_names.get(tid, kernel_name), ticks / tick)
+        started = int(fields[19])  # starttime (field 22)
+        threads[tid] = ThreadTime(python_names.get(tid, kernel_name), ticks / tick, started)
     return threads
 
 
@@ -54,7 +58,7 @@ def split(
     seconds = dict.fromkeys([role for role, _ in roles] + ["other"], 0.0)
     for tid, now in after.items():
         earlier = before.get(tid)
-        used = now.cpu_s - (earlier.cpu_s if earlier is not None and earlier.name == now.name else 0.0)
+        used = now.cpu_s - (earlier.cpu_s if earlier is not None and earlier.started == now.started else 0.0)
         role = next((r for r, prefix in roles if now.name.startswith(prefix)), "other")
         seconds[role] += max(0.0, used)
     return seconds
