@@ -235,8 +235,8 @@ class ShadowIndex:
         ``limit``; KVCM's best holder, when that view left it out (more holders of longer prefixes
         here), is looked up alone, so its error is its own prefix's, not KVCM's whole hit."""
         # ``agreement`` (k = 1) and ``hit_error_tokens`` of the views from their shared parts: KVCM's
-        # best holders are found once (its top-1 set, and where the error is measured). Every KVCM
-        # answer is compared; the two calls each found the best holders and sorted KVCM's answer again.
+        # best holders are found once (its top-1 set, and where the error is measured). Many KVCM
+        # answers are compared; the two calls each found the best holders and sorted KVCM's answer again.
         view = self.match(keys, now, limit=limit)
         best = best_holders(kvcm_hosts)
         kvcm_top = {canonical_host(h.host_ip_port) for h in best}
@@ -260,8 +260,8 @@ def _top_hosts(hosts: Sequence[HostMatch], k: int) -> set[str]:
 def canonical_host(host_ip_port: str) -> str:
     """``host_ip_port`` as the shadow index names its worker (the canonical target): KVCM may spell
     the same worker otherwise (an IPv6 address written out in full, a port with leading zeros). A
-    host that does not parse stays as given. Cached: every KVCM answer's holders are compared, the
-    same few spellings each time, and parsing one costs more than the rest of the comparison."""
+    host that does not parse stays as given. Cached: the compared KVCM answers' holders are the same
+    few spellings each time, and parsing one costs more than the rest of the comparison."""
     try:
         return str(parse_target(host_ip_port))  # HostPort's text is format_target's one spelling
     except TargetError:

@@ -49,7 +49,9 @@ class KvcmSource:
         self._query_timeout_s = config.router.kvcm_query_timeout_ms / 1000.0
         self._hot_set_size = config.scorer.hot_set_size
         self._compare_every = config.metrics.shadow_compare_every
-        self._answers_until_compare = 0  # KVCM answers to pass before the next comparison
+        # KVCM answers to pass before the next comparison: a count the requests' tasks step on the trio
+        # thread with no await between its read and its write, as the domain source's draws are.
+        self._answers_until_compare = 0
         self._resolver = resolver
         self._kvcm = kvcm
         self._scoring = scoring
