@@ -169,41 +169,27 @@ async def test_a_prompt_shorter_than_one_block_is_no_match_without_a_query(
         assert cluster.kvcm.stats(leader).get(paths.KVCM_GET_HOST_CACHE_STATE).calls == 0
 
 
+@pytest.mark.parametrize(("every", "routes", "compared", "ratio"), [(1, 5, 5, 0.8), (4, 9, 3, 2 / 3)])
 async def test_shadow_agreement_is_measured_before_the_decision_is_learned(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, every: int, routes: int, compared: int, ratio: float
 ) -> None:
-    """Each KVCM answer compared is compared with the shadow index as it stood before that decision: the
-    first request finds the shadow empty (0.0), the next four find the first one's record (1.0 each)."""
+    """A compared KVCM answer is compared with the shadow index as it stood before that decision: the
+    first request finds the shadow empty (0.0), later ones the first one's record (1.0 each). The first
+    answer is compared, then one in ``shadow_compare_every`` (every one with 1; with 4 the fifth and the
+    ninth); the answers between are routed and counted as ever."""
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster, metrics={"shadow_compare_every": 1}) as (handle, _, _):
+    async with routed(cluster, metrics={"shadow_compare_every": every}) as (handle, _, _):
         seed(cluster, 2, 8)
-        for i in range(5):
+        for i in range(routes):
             d = await handle.route(RouteRequest(f"a{i}", token_ids=PROMPT, budget_ms=50))
             assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(2)
         await trio.testing.wait_all_tasks_blocked()
         registry = handle.metrics.registry
-        assert registry.get_sample_value("kvroute_shadow_comparisons_total") == 5
-        assert registry.get_sample_value("kvroute_shadow_agreement_ratio") == 0.8
+        assert registry.get_sample_value("kvroute_shadow_comparisons_total") == compared
+        assert registry.get_sample_value("kvroute_shadow_agreement_ratio") == pytest.approx(ratio)
         # The sources' observations travel with each decision and are counted as before.
         ok = {"method": "GetHostCacheState", "outcome": "ok"}
-        assert registry.get_sample_value("kvroute_kvcm_requests_total", ok) == 5
-
-
-async def test_one_kvcm_answer_in_shadow_compare_every_is_compared(autojump_clock: trio.testing.MockClock) -> None:
-    """The first answer is compared (the shadow still empty: 0.0), then every fourth (the fifth and the
-    ninth find the first one's record: 1.0 each); the answers between are routed as ever, uncompared."""
-    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
-    async with routed(cluster, metrics={"shadow_compare_every": 4}) as (handle, _, _):
-        seed(cluster, 2, 8)
-        for i in range(9):
-            d = await handle.route(RouteRequest(f"c{i}", token_ids=PROMPT, budget_ms=50))
-            assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(2)
-        await trio.testing.wait_all_tasks_blocked()
-        registry = handle.metrics.registry
-        assert registry.get_sample_value("kvroute_shadow_comparisons_total") == 3
-        assert registry.get_sample_value("kvroute_shadow_agreement_ratio") == pytest.approx(2 / 3)
-        ok = {"method": "GetHostCacheState", "outcome": "ok"}
-        assert registry.get_sample_value("kvroute_kvcm_requests_total", ok) == 9
+        assert registry.get_sample_value("kvroute_kvcm_requests_total", ok) == routes
 
 
 async def test_every_decision_within_deadline_when_kvcm_hangs(autojump_clock: trio.testing.MockClock) -> None:
