@@ -33,6 +33,7 @@ import outcome
 import trio
 
 from router.config import ChannelPoolConfig, DeploymentConfig
+from router.request import budget_deadline
 from router.targets import TargetError, parse_target
 from router.thread_bridge import ANSWER_SLACK_S, settle
 from router.transport.errors import TransportError
@@ -203,8 +204,9 @@ class BridgedRelayFloor(RelayFloor):
 
 
 def query_timeout_s(budget_ms: float, budget_cap_ms: float) -> float:
-    """What the router would give the query: the request's budget (0: none given), at most the cap."""
-    return (min(budget_ms, budget_cap_ms) if budget_ms > 0 else budget_cap_ms) / 1e3
+    """What the router would give the query: the request's budget (proto3's 0: none given), at most the
+    cap, as the sidecar reads it."""
+    return budget_deadline(float(budget_ms) or None, 0.0, budget_cap_ms)
 
 
 def _fallback(request: router_v1_pb2.RouteRequest, reason: Reason) -> router_v1_pb2.RouteDecision:
