@@ -395,8 +395,11 @@ def _relay_text(description: str, at_target: RelayRun | None, found: int | None)
     """A relay's part of P8's result: its p50 at the target rate and its knee ("" when it did not run)."""
     if at_target is None:
         return ""
-    knee_text = f"knee at {found}/s" if found is not None else f"no knee up to {RATES[-1]}/s"
-    return f"; {description}: p50 {at_target.p(50):.2f} ms at {TARGET_RATE}/s, {knee_text}"
+    return f"; {description}: p50 {at_target.p(50):.2f} ms at {TARGET_RATE}/s, {_knee_text(found)}"
+
+
+def _knee_text(found: int | None) -> str:
+    return f"knee at {found}/s" if found is not None else f"no knee up to {RATES[-1]}/s"
 
 
 def _ms(value: float | None) -> str:
@@ -494,7 +497,6 @@ def measure(
     at_target = next(r for r in results if r.rate == TARGET_RATE)
     found = knee(results)
     met = targets_met(results)
-    knee_text = f"knee at {found}/s" if found is not None else f"no knee up to {RATES[-1]}/s"
     relay_found = relay_knee(results)
     bridged_found = bridged_knee(results)
     relay_text = _relay_text(
@@ -522,7 +524,7 @@ def measure(
             f"at {TARGET_RATE}/s p50 {shown_against(at_target.p(50), 2, at_least=False):.2f} ms, "
             f"p99 {shown_against(at_target.p(99), 2, at_least=False):.2f} ms, fallbacks "
             f"{at_target.fallback_share:.1%}, calls without an answer {sum(at_target.errors.values())}"
-            f"{floor_text}; {knee_text}{relay_text}",
+            f"{floor_text}; {_knee_text(found)}{relay_text}",
             f"p50 ≤ {P50_TARGET_MS:.0f} ms and p99 ≤ {P99_TARGET_MS:.0f} ms at {TARGET_RATE}/s with every call "
             f"answered; knee > {KNEE_TARGET}/s",
             Verdict.MET if met else Verdict.MISSED,
