@@ -14,13 +14,20 @@ each step (0: back to back):
 Per row and gap: the p50 and p90 in microseconds over ``--samples`` steps. No assertion: the
 figures are the machine's (docs/design.md, Routing latency).
 
-Run: ``python bench/bench_idle_wake.py [--samples N]`` (about 15 s with the defaults).
+``--keep-awake`` runs the same steps with a spinning process at ``SCHED_IDLE`` on each CPU this
+process may run on (Linux only): it yields to any other task at once, so it takes no CPU the steps
+want, but an idle gap no longer halts the CPU. What the steps lose then is what the halt cost them
+(on a virtual machine the host may run another guest there meanwhile); what they keep is the rest of
+the cold path. The spinners are stopped when the script ends.
+
+Run: ``python bench/bench_idle_wake.py [--samples N] [--keep-awake]`` (about 15 s with the defaults).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import statistics
 import threading
@@ -28,6 +35,7 @@ import time
 
 import trio
 
+from kvroute_sim.bench.cpus import KeepAwakeError, cpus_kept_awake
 from kvroute_sim.stats import percentile
 
 GAPS_S = (0.0, 0.001, 0.01)
@@ -103,14 +111,30 @@ def _us(values: list[float], pct: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=300, help="steps per row and gap (default 300)")
+    parser.add_argument(
+        "--keep-awake", action="store_true", help="a SCHED_IDLE spinner on each allowed CPU while measuring"
+    )
     args = parser.parse_args()
     if args.samples < 10:
         parser.error("--samples: at least 10")
+    if not args.keep_awake:
+        _measure(args.samples)
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            cpus = stack.enter_context(cpus_kept_awake())
+        except KeepAwakeError as exc:
+            parser.error(f"--keep-awake: {exc}")
+        print(f"CPUs {cpus} kept awake by SCHED_IDLE spinners")
+        _measure(args.samples)
+
+
+def _measure(samples: int) -> None:
     rows = (("python work", python_work), ("trio hop", trio_hop), ("thread wake", thread_wake))
     print("step        | gap ms | p50 us   | p90 us")
     for name, measure in rows:
         for gap_s in GAPS_S:
-            took = measure(gap_s, args.samples)
+            took = measure(gap_s, samples)
             mean = statistics.fmean(took) * 1e6
             print(f"{name:<11} | {gap_s * 1e3:6.0f} | {_us(took, 50)} | {_us(took, 90)}  (mean {mean:.1f})")
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import selectors
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ import psutil
 import pytest
 import trio
 
-from kvroute_sim.bench import callers, chart, decision_cpu, latency, overload, thread_cpu, throughput
+from kvroute_sim.bench import callers, chart, cpus, decision_cpu, latency, overload, thread_cpu, throughput
 from kvroute_sim.bench import cli as bench_cli
 from kvroute_sim.bench import rate as p8_rate
 from kvroute_sim.bench.cli import _router_setting, _selected, settings_problems
@@ -994,6 +995,55 @@ def test_a_chart_path_that_cannot_be_written_is_refused_before_the_run(tmp_path:
     assert not (tmp_path / "bench.json").exists()  # refused before measuring, nothing written
     # Results to a device (not a regular file) get no chart beside them, and no error.
     assert main(["bench", "--quick", "--only", "P1", "--out", os.devnull]) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_keep_cpus_awake_runs_a_spinner_per_cpu_for_the_run_and_records_it(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    spinning: list[int] = []
+    real_measure = bench_cli._measure
+
+    def measure_and_count(*args: Any) -> None:
+        spinning.append(len(_idle_spinners()))
+        real_measure(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_cli, "_measure", measure_and_count)
+        assert main(["bench", "--quick", "--only", "P1", "--no-chart", "--keep-cpus-awake", "--out", str(out)]) == 0
+    allowed = sorted(os.sched_getaffinity(0))
+    assert spinning == [len(allowed)]  # one a CPU while the figures ran
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["cpus_kept_awake"] == allowed
+    assert _idle_spinners() == []  # and none after
+    assert main(["bench", "--quick", "--only", "P1", "--no-chart", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["cpus_kept_awake"] == []
+
+
+def test_keep_cpus_awake_that_cannot_start_is_refused_naming_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    @contextlib.contextmanager
+    def cannot() -> Iterator[list[int]]:
+        raise cpus.KeepAwakeError("a spinner ended at once: no such CPU")
+        yield []
+
+    monkeypatch.setattr(bench_cli, "cpus_kept_awake", cannot)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--only", "P1", "--keep-cpus-awake", "--out", str(out)]) == 2
+    assert "kvroute bench: --keep-cpus-awake: a spinner ended at once: no such CPU" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def _idle_spinners() -> list[int]:
+    """The processes running at SCHED_IDLE that are this process's children."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if os.sched_getscheduler(child.pid) == os.SCHED_IDLE:
+                found.append(child.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return found
 
 
 def test_no_chart_skips_the_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

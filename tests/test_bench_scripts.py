@@ -6,9 +6,12 @@ here measures speed.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -104,3 +107,26 @@ def test_spy_summary_charges_samples_to_the_innermost_package_outside_the_standa
     lines = [line.strip() for line in within.stdout.splitlines()]
     packages = lines[lines.index("by package (innermost frame outside the standard library):") + 1 :][:2]
     assert packages == ["40.0 %  grpcio", "26.7 %  kvroute"]  # shares still of the 75 samples kept
+
+
+def _spinners_left() -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # a process that ended meanwhile
+            continue
+        if "SCHED_IDLE" in text and "while True: pass" in text:
+            found.append(text)
+    return found
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_idle_wake_keeps_each_cpu_awake_while_it_measures_and_stops_its_spinners() -> None:
+    result = _run("bench_idle_wake.py", "--samples", "10", "--keep-awake")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"CPUs {sorted(os.sched_getaffinity(0))} kept awake by SCHED_IDLE spinners"
+    rows = [line.split("|")[0].strip() for line in lines[2:]]
+    assert rows == ["python work"] * 3 + ["trio hop"] * 3 + ["thread wake"] * 3
+    assert _spinners_left() == []

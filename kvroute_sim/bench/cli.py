@@ -17,6 +17,7 @@ holds for the router and for the raw client it is compared with.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import sys
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from kvroute_sim.bench import decision_cpu, latency, outage, overload, processes, quality, rate, soak, throughput
 from kvroute_sim.bench.chart import chart_path, draw
-from kvroute_sim.bench.cpus import Placement, pinned_bench_process
+from kvroute_sim.bench.cpus import KeepAwakeError, Placement, cpus_kept_awake, pinned_bench_process
 from kvroute_sim.bench.harness import ClusterShape, ClusterView, router_config
 from kvroute_sim.bench.latency import LatencySizes
 from kvroute_sim.bench.outage import OutageSizes
@@ -128,6 +129,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG of P7's load curve and P8's latency")
     parser.add_argument("--seed", type=int, default=0, help="seed for the decision-CPU cases")
     parser.add_argument(
+        "--keep-cpus-awake",
+        action="store_true",
+        help="run a spinner at SCHED_IDLE on each allowed CPU (Linux): it takes no CPU time anything else "
+        "wants, but no CPU halts while idle; compare a run with it and one without for what the halt between "
+        "calls costs the figures",
+    )
+    parser.add_argument(
         ROUTER_SETTING_OPTION,
         type=_router_setting,
         action="append",
@@ -197,7 +205,15 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"kvroute bench: the chart beside --out, {chart}: {exc.strerror or exc}", file=sys.stderr)
             return 2
-    with pinned_bench_process() as placement:
+    with contextlib.ExitStack() as stack:
+        # Spinners first, one on each CPU this process may use, before it pins itself to one of them.
+        try:
+            awake = stack.enter_context(cpus_kept_awake()) if args.keep_cpus_awake else []
+        except KeepAwakeError as exc:
+            print(f"kvroute bench: --keep-cpus-awake: {exc}", file=sys.stderr)
+            return 2
+        placement = stack.enter_context(pinned_bench_process())
+        kept_awake = f"CPUs {awake} kept awake by SCHED_IDLE spinners" if awake else "no CPU kept awake"
         report = BenchReport(
             meta={
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -206,9 +222,10 @@ def run(args: argparse.Namespace) -> int:
                 "quick": args.quick,
                 "figures": sorted(selected),
                 "cpu_placement": placement.describe(),
+                "cpus_kept_awake": awake,
                 "sizes": asdict(sizes),
             },
-            notes=[f"CPU placement: {placement.describe()}"],
+            notes=[f"CPU placement: {placement.describe()}; {kept_awake}"],
         )
         _measure(report, selected, sizes, placement, args)
     print(report.render())

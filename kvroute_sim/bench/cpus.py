@@ -9,6 +9,9 @@ nothing is pinned and the table says so.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator, Set
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,3 +54,48 @@ def pinned_bench_process() -> Iterator[Placement]:
         yield Placement(mine, allowed - mine)
     finally:
         _pin_all_threads(allowed)
+
+
+class KeepAwakeError(Exception):
+    """The CPUs cannot be kept awake here (not Linux, or a spinner could not start)."""
+
+
+# A process of its own: a spinning thread in the measuring process would hold the GIL its steps need.
+_SPIN = (
+    "import os, sys\n"
+    "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+    "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+    "while True: pass"
+)
+_SPINNER_START_S = 0.2  # long enough for a spinner that cannot pin itself or lower its priority to end
+
+
+@contextmanager
+def cpus_kept_awake() -> Iterator[list[int]]:
+    """One spinning process at ``SCHED_IDLE`` pinned to each CPU this process may run on, for the
+    block's duration; yields the CPUs, sorted. A ``SCHED_IDLE`` task yields to any other at once, so
+    it takes no CPU time anyone else wants, but an idle CPU never halts: what a measurement loses with
+    the spinners is what the halt between two calls cost it (on a virtual machine the host may run
+    another guest on the CPU meanwhile). Raises KeepAwakeError before the block when it cannot."""
+    if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getaffinity"):
+        raise KeepAwakeError("needs Linux (SCHED_IDLE and sched_setaffinity)")
+    cpus = sorted(os.sched_getaffinity(0))
+    spinners: list[subprocess.Popen[bytes]] = []
+    try:
+        for cpu in cpus:
+            spin = [sys.executable, "-c", _SPIN, str(cpu)]
+            spinners.append(
+                subprocess.Popen(spin, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            )
+        time.sleep(_SPINNER_START_S)
+        for spinner in spinners:
+            if spinner.poll() is not None and spinner.stderr is not None:
+                error = spinner.stderr.read().decode(errors="replace").strip()
+                raise KeepAwakeError(f"a spinner ended at once: {error}")
+        yield cpus
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+            if spinner.stderr is not None:
+                spinner.stderr.close()
