@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import trio
 
+from actors.inbox import Alarm
 from router.config import ShadowConfig
 from router.problems import Problem, range_problems, refuse
 from router.slot_init import slot_init
@@ -334,61 +335,61 @@ class _Recorded:
     now: float
 
 
+@dataclass(frozen=True, slots=True)
+class _Expire:
+    """The expiry alarm's wake-up: the oldest record's expiry has come."""
+
+
+_EXPIRE = _Expire()
+
+
 class ShadowIndexActor:
     """Owns a ShadowIndex: records in through a bounded inbox, matches read synchronously.
 
-    Only the ``run`` task and its expiry task mutate the index, each between two awaits. ``match``
-    and ``health`` never await, so on trio's single thread they read a consistent index between two
-    applied records.
+    Only the ``run`` task mutates the index, each change between two awaits; its expiry alarm only
+    posts a wake-up into the inbox. ``match``, ``compare`` and ``health`` never await, so on trio's
+    single thread they read a consistent index between two applied records.
     """
 
     def __init__(self, config: ShadowConfig) -> None:
         refuse("shadow", shadow_problems(config))
         self.index = ShadowIndex(config.ttl_s, config.capacity_blocks)
-        self._send, self._receive = trio.open_memory_channel[_Recorded](config.inbox_size)
+        self._send, self._receive = trio.open_memory_channel[_Recorded | _Expire](config.inbox_size)
         self._inbox_size = config.inbox_size
         self._applied = 0
         self._dropped = 0
-        self._filled = trio.Event()  # set when a record goes into an empty index
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Apply records as they arrive, and drop each as it expires, until cancelled."""
+        """Apply records as they arrive, and drop each as it expires, until cancelled. With no traffic,
+        expired records would otherwise stay in memory (and in the health's counts) until the next
+        record: an alarm at the oldest one's expiry wakes this task for them."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._expire_when_due)
+            alarm = Alarm(self._send, _EXPIRE)
+            await nursery.start(alarm.run)
             task_status.started()
             async for message in self._receive:
-                was_empty = not self.index.records
-                self.index.record(message.worker, message.keys, message.now)
-                self._applied += 1
+                now = self._apply(message)
                 # Apply what else is queued now: a receive of a queued record still yields once each.
                 for _ in range(_DRAIN_BATCH):
                     try:
                         message = self._receive.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    self.index.record(message.worker, message.keys, message.now)
-                    self._applied += 1
-                if was_empty and self.index.records:
-                    # Records come in the order of their times (each is queued at its decision's), so
-                    # the oldest record's expiry gets earlier only from none to one: wake the expiry task.
-                    self._filled.set()
+                    now = max(now, self._apply(message))
                 # What the records left to drop, a step per scheduling round: requests run in between.
-                while self.index.tidy(message.now, TIDY_STEP):
+                while self.index.tidy(now, TIDY_STEP):
                     await trio.lowlevel.checkpoint()
+                alarm.set(self.index.next_expiry())
             nursery.cancel_scope.cancel()
 
-    async def _expire_when_due(self) -> None:
-        """Drop records as they expire, waking at the oldest one's expiry (or when an empty index gets
-        one): with no traffic, expired records would otherwise stay in memory (and in the health's
-        counts) until the next record. Its own task, so that a receive of a record enters no cancel
-        scope."""
-        while True:
-            with trio.move_on_at(self.index.next_expiry()):
-                await self._filled.wait()
-            self._filled = trio.Event()
-            now = trio.current_time()
-            while self.index.tidy(now, TIDY_STEP):  # a step per scheduling round, as the owner's
-                await trio.lowlevel.checkpoint()
+    def _apply(self, message: _Recorded | _Expire) -> float:
+        """Apply ``message``; the time to tidy the index at after it (a record's own, which comes in
+        the order of the decisions: each is queued at its decision's)."""
+        if isinstance(message, _Expire):
+            return trio.current_time()
+        self.index.record(message.worker, message.keys, message.now)
+        self._applied += 1
+        return message.now
 
     def record_nowait(self, worker: str, keys: Sequence[int], now: float) -> bool:
         """Queue a record (``worker``'s http target, the request's keys, trio time of the

@@ -306,8 +306,8 @@ async def test_the_owner_drops_records_as_they_expire_without_traffic(autojump_c
 async def test_a_record_into_an_empty_index_wakes_the_owner_at_its_expiry(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """The owner's expiry task sleeps until the oldest record's expiry, and with none, for good: a record
-    into an empty index is the one way that expiry gets earlier, and must wake it to sleep until it."""
+    """The owner's expiry alarm is set for the oldest record's expiry, and with none, never: a record
+    into an empty index is the one way that expiry gets earlier, and must set it again."""
     actor = ShadowIndexActor(ShadowConfig(ttl_s=10.0, inbox_size=8))
     async with trio.open_nursery() as nursery:
         await nursery.start(actor.run)
@@ -320,6 +320,35 @@ async def test_a_record_into_an_empty_index_wakes_the_owner_at_its_expiry(
             await trio.sleep_until(start + 10.001)
             assert (actor.health().records, actor.health().blocks) == (0, 0)
         nursery.cancel_scope.cancel()
+
+
+async def test_only_the_owners_task_writes_the_index(autojump_clock: trio.testing.MockClock) -> None:
+    """Records and expiries alike: the expiry alarm only wakes the owner (its child task once dropped
+    expired records itself, a second writer of the index)."""
+    actor = ShadowIndexActor(ShadowConfig(ttl_s=10.0, inbox_size=8))
+    writers: set[str] = set()
+    index = actor.index
+    record, tidy = index.record, index.tidy
+
+    def recording(worker: str, keys: Sequence[int], now: float) -> None:
+        writers.add(trio.lowlevel.current_task().name)
+        record(worker, keys, now)
+
+    def tidying(now: float, most: int) -> bool:
+        writers.add(trio.lowlevel.current_task().name)
+        return tidy(now, most)
+
+    index.record = recording  # type: ignore[method-assign]
+    index.tidy = tidying  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        assert actor.record_nowait(W1, PROMPT[:12], now=trio.current_time())
+        await trio.sleep(60.0)  # expired with no traffic
+        assert actor.record_nowait(W2, PROMPT[:8], now=trio.current_time())
+        await trio.sleep(60.0)
+        assert actor.health().records == 0
+        nursery.cancel_scope.cancel()
+    assert len(writers) == 1 and next(iter(writers)).endswith("ShadowIndexActor.run"), writers
 
 
 def test_bad_configuration_names_every_field() -> None:
