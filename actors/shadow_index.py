@@ -25,9 +25,9 @@ Design (pure core, time passed in, memory bounded):
   ``limit`` stops the walk once that many are found — exactly the top ``limit``.
 
 :class:`ShadowIndexActor` owns an index: records arrive through a bounded inbox
-(``record_nowait``: never blocks, drops are counted) and are applied by its ``run`` task, whose
-child task wakes at the oldest record's expiry to drop it; ``match`` is a synchronous read (no
-await, so it is atomic on trio's thread).
+(``record_nowait``: never blocks, drops are counted) and are applied by its ``run`` task, which
+also drops a record once it expires, woken by an alarm in its inbox; ``match`` is a synchronous
+read (no await, so it is atomic on trio's thread).
 """
 
 from __future__ import annotations
@@ -368,28 +368,34 @@ class ShadowIndexActor:
             await nursery.start(alarm.run)
             task_status.started()
             async for message in self._receive:
-                now = self._apply(message)
-                # Apply what else is queued now: a receive of a queued record still yields once each.
-                for _ in range(_DRAIN_BATCH):
+                was_empty = not self.index.records
+                rung = False
+                now = -math.inf
+                queued = 0
+                while True:
+                    if isinstance(message, _Expire):
+                        rung = True
+                        now = max(now, trio.current_time())
+                    else:
+                        self.index.record(message.worker, message.keys, message.now)
+                        self._applied += 1
+                        now = max(now, message.now)
+                    # Apply what else is queued now too: a receive of a queued record still yields once each.
+                    queued += 1
+                    if queued > _DRAIN_BATCH:
+                        break
                     try:
                         message = self._receive.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    now = max(now, self._apply(message))
                 # What the records left to drop, a step per scheduling round: requests run in between.
                 while self.index.tidy(now, TIDY_STEP):
                     await trio.lowlevel.checkpoint()
-                alarm.set(self.index.next_expiry())
+                # The oldest record's expiry gets earlier only from none to one; a later one (its record
+                # dropped or recorded again) rings early, finds nothing due, and is set again here.
+                if rung or (was_empty and self.index.records):
+                    alarm.set(self.index.next_expiry())
             nursery.cancel_scope.cancel()
-
-    def _apply(self, message: _Recorded | _Expire) -> float:
-        """Apply ``message``; the time to tidy the index at after it (a record's own, which comes in
-        the order of the decisions: each is queued at its decision's)."""
-        if isinstance(message, _Expire):
-            return trio.current_time()
-        self.index.record(message.worker, message.keys, message.now)
-        self._applied += 1
-        return message.now
 
     def record_nowait(self, worker: str, keys: Sequence[int], now: float) -> bool:
         """Queue a record (``worker``'s http target, the request's keys, trio time of the
