@@ -2,8 +2,9 @@
 
 prometheus-client's own metrics take a lock on every increment and observation, so that threads
 may share them; a routed decision makes about thirty of those, each several times the cost of the
-addition it guards. The sink's metrics have one writer, the sink's task, and one reader, the
-scrape, which runs on the same trio thread between that task's steps: plain numbers need no lock.
+addition it guards. The sink's metrics have one writer, the sink's task (but for the count of
+events dropped at a full inbox, which their senders add to), and one reader, the scrape; all run on
+the same trio thread, each between the others' steps: plain numbers need no lock.
 prometheus-client still does the exposition: each family here yields its ``*MetricFamily`` at
 collection time, with the names, label order and bucket bounds (``le``) its metric classes give.
 """

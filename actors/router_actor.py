@@ -14,8 +14,9 @@ leave the later stages their estimated time — and the sources decide with what
 Whatever happens — a source raises, the deadline passes first — the request is answered by the
 domain fallback, never lost.
 
-State: the admission limiter and counters. They are changed only by synchronous sections of
-request tasks (no await between read and write); the debug view reads :meth:`health`.
+State: the admission limiter and counters, and the admission estimate. They are changed only by
+synchronous sections (no await between read and write) of request tasks and, for the estimate's lag
+samples, of ``run``'s lag task; the debug view reads :meth:`health`.
 """
 
 from __future__ import annotations

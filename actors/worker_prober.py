@@ -547,10 +547,10 @@ class WorkerProber:
         self._probes_no_status = 0
         self._failed_by_kind: dict[str, int] = {}
         self._skipped: dict[SkipReason, int] = dict.fromkeys(SkipReason, 0)
+        self._background_hits = 0  # the owner's cache hits whose status came from a background poll
         # --- the callers' own counters (each caller only adds) ---
         self._view_hits = 0
         self._view_background_hits = 0
-        self._background_hits = 0  # the owner's cache hits whose status came from a background poll
         self._view_skipped: dict[SkipReason, int] = dict.fromkeys(SkipReason, 0)
         self._wanted_dropped = 0
 
