@@ -582,6 +582,25 @@ def test_a_scheduler_window_the_budget_cap_leaves_nothing_of_is_refused_naming_b
     assert load_config({**alone, "master_later_sources_ms": "50"}, {}).errors == ()
 
 
+def test_a_breaker_trial_given_up_on_within_the_budget_cap_is_refused_naming_both() -> None:
+    """A breaker's trial report names no trial: one given up on while its request still runs would
+    report into the next trial. No request outlasts the budget cap, so the trial timeout must."""
+    kvcm = load_config({**GOOD, "breaker_trial_timeout_s": "0.05", "budget_cap_ms": "50"}, {})
+    (problem,) = kvcm.errors
+    assert problem.settings == ("breaker_trial_timeout_s", "budget_cap_ms")
+    assert "--breaker-trial-timeout-s" in str(problem) and "--budget-cap-ms" in str(problem)
+    assert "KVCM breaker" in str(problem)
+    assert load_config({**GOOD, "breaker_trial_timeout_s": "0.051", "budget_cap_ms": "50"}, {}).errors == ()
+    master = load_config({**GOOD, "master_hosts": "10.0.0.9", "master_breaker_trial_timeout_s": "0.05"}, {})
+    (problem,) = master.errors
+    assert problem.settings == ("master_breaker_trial_timeout_s", "budget_cap_ms")
+    assert "master breaker" in str(problem)
+    # A breaker nothing uses is not judged: no master hosts, or the KVCM fallback off.
+    assert load_config({**GOOD, "master_breaker_trial_timeout_s": "0.05"}, {}).errors == ()
+    alone = {"kvcm_fallback": "off", "workers": "10.1.0.1:80"}
+    assert load_config({**alone, "breaker_trial_timeout_s": "0.05"}, {}).errors == ()
+
+
 def test_a_leader_stale_before_its_next_refresh_is_refused_naming_both() -> None:
     stale = load_config({**GOOD, "leader_max_staleness_s": "5", "leader_refresh_interval_s": "10"}, {})
     assert _names(stale.errors) == {("leader_max_staleness_s", "leader_refresh_interval_s")}

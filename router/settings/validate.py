@@ -185,6 +185,20 @@ def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
             f"the time kept for the sources after the scheduler ({c.master.later_sources_ms} ms) leaves it "
             f"nothing of the budget cap ({c.router.budget_cap_ms} ms): it would never be asked",
         )
+    # A breaker takes the next trial's verdict from the first trial report it gets, so a trial must not
+    # be given up on while its request may still report: no request lasts past the budget cap.
+    breakers = (
+        (c.router.kvcm_fallback, c.breaker.trial_timeout_s, "breaker_trial_timeout_s", "KVCM"),
+        (bool(c.master.hosts), c.master_breaker.trial_timeout_s, "master_breaker_trial_timeout_s", "master"),
+    )
+    for used, trial_timeout_s, name, which in breakers:
+        if used and trial_timeout_s * 1000.0 <= c.router.budget_cap_ms:
+            yield (
+                (name, "budget_cap_ms"),
+                f"the {which} breaker would give up on a half-open trial ({trial_timeout_s} s) while its request "
+                f"may still run (up to the budget cap, {c.router.budget_cap_ms} ms), and take that trial's late "
+                "report for the next one's verdict (keep it longer than the cap)",
+            )
     if c.serve.grpc_max_concurrent_rpcs < c.serve.grpc_max_workers:
         yield (
             ("grpc_max_concurrent_rpcs", "grpc_max_workers"),
