@@ -255,12 +255,17 @@ def knee(results: Sequence[RateResult]) -> int | None:
 
 def relay_knee(results: Sequence[RateResult]) -> int | None:
     """The relay floor's knee, by the same rule over the rates it ran at."""
-    return _knee([(r.rate, r.relay.p(99), r.relay.fallback_share) for r in results if r.relay is not None])
+    return _runs_knee([(r.rate, r.relay) for r in results])
 
 
 def bridged_knee(results: Sequence[RateResult]) -> int | None:
     """The bridged relay's knee, by the same rule over the rates it ran at."""
-    return _knee([(r.rate, r.bridged.p(99), r.bridged.fallback_share) for r in results if r.bridged is not None])
+    return _runs_knee([(r.rate, r.bridged) for r in results])
+
+
+def _runs_knee(runs: Sequence[tuple[int, RelayRun | None]]) -> int | None:
+    """The knee of a relay's runs, (rate, run) lowest rate first, over the rates it ran at."""
+    return _knee([(rate, run.p(99), run.fallback_share) for rate, run in runs if run is not None])
 
 
 def _knee(rows: Sequence[tuple[int, float, float]]) -> int | None:
