@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -414,6 +415,28 @@ def test_the_tails_estimate_covers_all_but_the_longest_few_of_the_recent_ones() 
     assert tail.samples == TAIL_WINDOW and tail.high == pytest.approx(0.039)
     tail.observe(0.0005)  # the 39 ms one leaves: one long tail among the recent ones is not enough
     assert tail.high == pytest.approx(0.0005)
+
+
+@given(
+    window=st.integers(1, 12),
+    quantile=st.sampled_from((0.5, 0.9, TAIL_QUANTILE, 1.0)),
+    entries=st.lists(st.one_of(st.none(), st.sampled_from((0.0, 0.001, 0.002)), st.floats(0.0, 1.0)), max_size=60),
+)
+def test_the_recent_quantile_kept_in_order_reads_as_the_sorted_window(
+    window: int, quantile: float, entries: list[float | None]
+) -> None:
+    """After any mix of samples (repeats among them) and passes, the quantile read from the ordered copy is
+    the nearest-rank quantile of the samples among the last ``window`` entries, and so is the count."""
+    recent = RecentQuantile(window, quantile)
+    for i, entry in enumerate(entries):
+        if entry is None:
+            recent.pass_over()
+        else:
+            recent.observe(entry)
+        in_window = sorted(e for e in entries[max(0, i + 1 - window) : i + 1] if e is not None)
+        assert recent.samples == len(in_window)
+        expected = in_window[max(0, math.ceil(quantile * len(in_window)) - 1)] if in_window else 0.0
+        assert recent.high == expected
 
 
 def test_a_stalled_start_leaves_the_tails_window_with_the_requests_even_when_none_reaches_the_probes() -> None:

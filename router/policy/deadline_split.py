@@ -48,6 +48,7 @@ Pure: values in, values out; time is passed in.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -183,28 +184,42 @@ class RecentQuantile:
     """A quantile (nearest rank: ``quantile`` of them are at most it) of the samples among the last
     ``window`` entries. :meth:`pass_over` enters one without a sample, so old samples also leave when
     the requests that would have brought new ones stop reaching the stage (a stalled start would
-    otherwise be kept for as long as the split cut every query)."""
+    otherwise be kept for as long as the split cut every query).
 
-    __slots__ = ("_quantile", "_recent")
+    Read once per decision the metrics sink records: the window's samples are also kept in order, so
+    a read is an index, not a sort of the window."""
+
+    __slots__ = ("_ordered", "_quantile", "_recent")
 
     def __init__(self, window: int, quantile: float) -> None:
         self._recent: deque[float | None] = deque(maxlen=window)
+        self._ordered: list[float] = []  # the samples in _recent, ascending
         self._quantile = quantile
 
     @property
     def samples(self) -> int:
-        return sum(1 for sample in self._recent if sample is not None)
+        return len(self._ordered)
 
     @property
     def high(self) -> float:
-        ordered = sorted(sample for sample in self._recent if sample is not None)
+        ordered = self._ordered
         return ordered[max(0, math.ceil(self._quantile * len(ordered)) - 1)] if ordered else 0.0
 
     def observe(self, seconds: float) -> None:
-        self._recent.append(seconds)
+        self._enter(seconds)
+        bisect.insort(self._ordered, seconds)
 
     def pass_over(self) -> None:
-        self._recent.append(None)
+        self._enter(None)
+
+    def _enter(self, entry: float | None) -> None:
+        recent = self._recent
+        if len(recent) == recent.maxlen:
+            leaving = recent[0]
+            if leaving is not None:
+                ordered = self._ordered
+                del ordered[bisect.bisect_left(ordered, leaving)]
+        recent.append(entry)
 
 
 def _within(sample_ms: float, end_ms: float | None, before_ms: float) -> float:
