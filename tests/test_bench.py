@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import selectors
@@ -685,13 +686,46 @@ def test_p8_path_segments_split_a_kvcm_call_along_its_path_and_leave_out_the_oth
     assert parts + segments.way_back[0] == pytest.approx(segments.elapsed[0])
     assert segments.p50s()["query"] == pytest.approx(0.8)
     assert PathSegments.of([shed]).p50s()["elapsed"] is None
-    result = RateResult(
-        100, 1, 1.0, (2.0,), (), Counter(), Counter(), segments=segments, full_collection_s=(0.0123,)
-    ).to_json()
+    rate = RateResult(
+        100,
+        1,
+        1.0,
+        (2.0,),
+        (),
+        Counter(),
+        Counter(),
+        segments=segments,
+        full_collection_s=(0.0123,),
+        young_collection_s=((0.0004, 0.0011), (0.0042,)),
+    )
+    result = rate.to_json()
     segments_json = result["segments_p50_ms"]
     assert isinstance(segments_json, dict)
     assert segments_json["calls"] == 1
     assert result["full_collections_ms"] == [12.3]
+    assert result["gen0_collections"] == {"count": 2, "total_ms": 1.5, "max_ms": 1.1}
+    assert result["gen1_collections"] == {"count": 1, "total_ms": 4.2, "max_ms": 4.2}
+    row = p8_rate._segments([rate]).splitlines()[1]
+    assert row.endswith(" | 2 (1.1) / 1 (4.2) / 1 (12.3)")
+
+
+def test_collections_are_timed_by_generation_while_the_block_runs() -> None:
+    """The collector's own callbacks name the generation: each forced collection lands in its own."""
+    was_enabled = gc.isenabled()
+    gc.disable()  # no automatic collection among the forced ones
+    try:
+        with overload.collections_timed() as pauses:
+            gc.collect(0)
+            gc.collect(1)
+            gc.collect(1)
+            gc.collect(2)
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert (len(pauses.of(0)), len(pauses.of(1)), len(pauses.full)) == (1, 2, 1)
+    assert all(seconds >= 0.0 for seconds in (*pauses.of(0), *pauses.of(1), *pauses.full))
+    gc.collect(1)  # after the block: not counted
+    assert len(pauses.of(1)) == 2
 
 
 def test_p7_late_split_says_where_the_late_calls_spent_their_time() -> None:

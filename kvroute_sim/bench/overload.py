@@ -145,20 +145,40 @@ class LateSplit:
         }
 
 
+class CollectionPauses:
+    """The wall time (s) of each of this process's collections while a block runs, by generation: a
+    collection holds the GIL, so every thread of the sidecar waits it out."""
+
+    __slots__ = ("_by_generation",)
+
+    def __init__(self) -> None:
+        self._by_generation: dict[int, list[float]] = {}
+
+    def of(self, generation: int) -> tuple[float, ...]:
+        return tuple(self._by_generation.get(generation, ()))
+
+    @property
+    def full(self) -> tuple[float, ...]:
+        return self.of(FULL_GENERATION)
+
+    def add(self, generation: int, seconds: float) -> None:
+        self._by_generation.setdefault(generation, []).append(seconds)
+
+
+FULL_GENERATION = 2  # CPython's oldest generation: a collection of it walks every tracked object
+
+
 @contextmanager
-def full_collections() -> Iterator[list[float]]:
-    """The wall time (s) of each full (gen-2) collection in this process while the block runs: it holds
-    the GIL, so every thread of the sidecar waits it out."""
-    pauses: list[float] = []
+def collections_timed() -> Iterator[CollectionPauses]:
+    """This process's collections of every generation while the block runs (``CollectionPauses``)."""
+    pauses = CollectionPauses()
     started: list[float] = []
 
     def timed(phase: str, info: dict[str, int]) -> None:
-        if info["generation"] != 2:
-            return
         if phase == "start":
             started.append(time.perf_counter())
         elif started:
-            pauses.append(time.perf_counter() - started.pop())
+            pauses.add(info["generation"], time.perf_counter() - started.pop())
 
     gc.callbacks.append(timed)
     try:
@@ -388,7 +408,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                     threads_before = await trio.to_thread.run_sync(thread_cpu.snapshot)
                     cpu_before = time.process_time()
                     before = sidecar.stats()
-                    with full_collections() as pauses:
+                    with collections_timed() as pauses:
                         run = await trio.to_thread.run_sync(callers_child.run, level)
                         # Calls its clients gave up on may still wait for a handler: this level's, not the next's.
                         await trio.to_thread.run_sync(sidecar.wait_idle, SETTLE_S)
@@ -419,7 +439,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                             cpu_s,
                             run.cpu_s,
                             echo_floor,
-                            pauses,
+                            pauses.full,
                             waits,
                             thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
                             client_gone,

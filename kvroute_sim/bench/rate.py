@@ -53,7 +53,7 @@ from kvroute_sim.bench.harness import ClusterView
 from kvroute_sim.bench.overload import (
     SETTLE_S,
     THREAD_ROLES,
-    full_collections,
+    collections_timed,
     per_call_us,
     reply_outcomes,
     route_requests,
@@ -180,6 +180,9 @@ class RateResult:
     floor_query_ms: tuple[float, ...] = ()  # a plain client's bare KVCM query at this rate, after the run
     segments: PathSegments = PathSegments()
     full_collection_s: tuple[float, ...] = ()  # this process's gen-2 collections during the rate's run
+    # ... and its younger ones, gen 0 and gen 1: each also holds the GIL, and a gen-1 collection walks
+    # what survived the last ten gen-0 ones (a rate's recent decisions among it).
+    young_collection_s: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
     relay: RelayRun | None = None  # the relay floor at this rate, after the run
     bridged: RelayRun | None = None  # the bridged relay at this rate, after the relay floor
     # This process's CPU over the rate's run by THREAD_ROLES role (empty off Linux).
@@ -216,6 +219,8 @@ class RateResult:
             "floor_query_p99_ms": _p(self.floor_query_ms, 99),
             "segments_p50_ms": {**self.segments.p50s(), "calls": len(self.segments.elapsed)},
             "full_collections_ms": [round(p * 1e3, 1) for p in self.full_collection_s],
+            "gen0_collections": _pauses_json(self.young_collection_s[0]),
+            "gen1_collections": _pauses_json(self.young_collection_s[1]),
             "relay": self.relay.to_json() if self.relay is not None else None,
             "bridged": self.bridged.to_json() if self.bridged is not None else None,
             "thread_cpu_us_per_call": per_call_us(self.thread_cpu_s, self.sent),
@@ -317,7 +322,7 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                 level = Level(str(bound), requests, 1, max_s, CLIENT_DEADLINE_S, rate_per_s=rate)
                 threads_before = await trio.to_thread.run_sync(thread_cpu.snapshot)
                 cpu_before = time.process_time()
-                with full_collections() as pauses:
+                with collections_timed() as pauses:
                     run = await trio.to_thread.run_sync(client.run, level)
                     # Calls its client gave up on may still wait for a handler: this rate's, not the next's.
                     await trio.to_thread.run_sync(sidecar.wait_idle, SETTLE_S)
@@ -346,7 +351,8 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                         unanswered_by_sidecar=sum(not t.answered for t in timings),
                         floor_query_ms=tuple(floor_ms),
                         segments=PathSegments.of(timings),
-                        full_collection_s=tuple(pauses),
+                        full_collection_s=pauses.full,
+                        young_collection_s=(pauses.of(0), pauses.of(1)),
                         relay=relay_run,
                         bridged=bridged_run,
                         thread_cpu_s=thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
@@ -446,7 +452,7 @@ def _relay_cells(relay: RelayRun | None) -> str:
 def _segments(results: Sequence[RateResult]) -> str:
     lines = [
         "rate/s | calls | to trio thread | task start, settle | router less query | of it plan/probe/score"
-        " | kvcm query | way back | receipt to reply | full collections (max ms)"
+        " | kvcm query | way back | receipt to reply | collections gen 0 / 1 / full (max ms)"
     ]
     for r in results:
         p = r.segments.p50s()
@@ -454,9 +460,23 @@ def _segments(results: Sequence[RateResult]) -> str:
             f"{r.rate:>6} | {len(r.segments.elapsed):>5} | {_ms(p['to_trio']):>14} | {_ms(p['task_start']):>18} | "
             f"{_ms(p['router_work']):>17} | {_ms(p['scoring']):>22} | {_ms(p['query']):>10} | "
             f"{_ms(p['way_back']):>8} | {_ms(p['elapsed']):>16} | "
-            f"{len(r.full_collection_s)} ({max(r.full_collection_s, default=0.0) * 1e3:.1f})"
+            + " / ".join(_pauses_cell(pauses) for pauses in (*r.young_collection_s, r.full_collection_s))
         )
     return "\n".join(lines)
+
+
+def _pauses_cell(pauses: Sequence[float]) -> str:
+    return f"{len(pauses)} ({max(pauses, default=0.0) * 1e3:.1f})"
+
+
+def _pauses_json(pauses: Sequence[float]) -> dict[str, float | int]:
+    """A generation's collections during a rate: how many, their total and longest ms (gen 0 runs
+    hundreds of times a rate; each is not worth a line)."""
+    return {
+        "count": len(pauses),
+        "total_ms": round(sum(pauses) * 1e3, 1),
+        "max_ms": round(max(pauses, default=0.0) * 1e3, 2),
+    }
 
 
 def _thread_table(results: Sequence[RateResult]) -> str | None:
