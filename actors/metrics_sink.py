@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from actors.metric_families import OwnedCounter, OwnedFamilies, OwnedHistogram
 from router.config import MetricsConfig, RouterConfig
+from router.decision_pack import pack_decision, unpack_decision
 from router.policy.deadline_split import SplitEstimates, SplitEstimator
 from router.problems import Problem, range_problems, refuse
 from router.slot_init import slot_init
@@ -206,6 +207,12 @@ MetricEvent = (
 class DecisionRecord:
     decision: RouteDecision
     at: float  # trio time the sink recorded it
+
+    @classmethod
+    def unpacked(cls, packed: bytes) -> DecisionRecord:
+        """A decision as the ring keeps it (``pack_decision``), made whole again."""
+        decision, at = unpack_decision(packed)
+        return cls(decision, at)
 
 
 def retained_decision(d: RouteDecision, text_chars: int, max_candidates: int) -> RouteDecision:
@@ -398,7 +405,10 @@ class MetricsSink:
         # Read at scrape time: the window's mean is needed only then, not at every comparison.
         self.register_gauge_source("kvroute_shadow_agreement_ratio", self._agreement_ratio)
         # Owned by run() (mutated only there, or in synchronous non-awaiting methods).
-        self._ring: deque[DecisionRecord] = deque(maxlen=config.decision_ring_size)
+        # Packed (router/decision_pack.py): one bytes object a decision, which the collector does not
+        # walk, where the decision itself is some fifteen objects it would walk at every collection of
+        # the generation the ring's newer ones are in.
+        self._ring: deque[bytes] = deque(maxlen=config.decision_ring_size)
         self._agreements: deque[float] = deque(maxlen=config.shadow_agreement_window)
         self._agreement_sum = 0.0
         self._processed = 0
@@ -445,8 +455,9 @@ class MetricsSink:
 
     # --- readers (debug endpoint) ---
 
-    def recent_decisions(self, limit: int) -> list[DecisionRecord]:
-        """The last ``limit`` decisions, newest first."""
+    def recent_decisions(self, limit: int) -> list[bytes]:
+        """The last ``limit`` decisions, newest first, packed (``DecisionRecord.unpacked`` reads one): a
+        snapshot of references, so a reader unpacks them at its own pace."""
         if limit < 1:
             return []
         # Not by index: a deque's item is found by walking from its nearer end, and ``ring[-i]`` for
@@ -559,7 +570,7 @@ class MetricsSink:
             reason = "" if step.reason is None else step.reason.value
             self._source_outcomes.labels(step.source.value, step.outcome.value, reason).inc()
         kept = retained_decision(d, self._config.decision_text_chars, self._config.decision_max_candidates)
-        self._ring.append(DecisionRecord(kept, trio.current_time()))
+        self._ring.append(pack_decision(kept, trio.current_time()))
 
     def _record_agreement(self, ratio: float) -> None:
         ratio = min(1.0, max(0.0, ratio))

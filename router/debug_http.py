@@ -105,12 +105,13 @@ def decision_entry(record: DecisionRecord, now: float) -> object:
     return {"age_s": round(now - record.at, 6), "decision": to_jsonable(record.decision)}
 
 
-async def decisions_body(records: Sequence[DecisionRecord], now: float, limit: int, max_bytes: int) -> bytes:
-    """The /debug/decisions JSON for ``records`` (newest first), at most about ``max_bytes`` long.
+async def decisions_body(records: Sequence[bytes], now: float, limit: int, max_bytes: int) -> bytes:
+    """The /debug/decisions JSON for ``records`` (packed, as the sink's ring keeps them; newest first),
+    at most about ``max_bytes`` long.
 
-    Each decision is serialised on its own, a checkpoint after every few: the records are immutable,
-    so the decisions recorded meanwhile change nothing, and the routing thread is held for one
-    piece at a time. Decisions that would take the body past ``max_bytes`` are left out
+    Each decision is unpacked and serialised on its own, a checkpoint after every few: the records
+    are immutable, so the decisions recorded meanwhile change nothing, and the routing thread is held
+    for one piece at a time. Decisions that would take the body past ``max_bytes`` are left out
     (``truncated``).
     """
     entries: list[str] = []
@@ -123,7 +124,7 @@ async def decisions_body(records: Sequence[DecisionRecord], now: float, limit: i
             # the endpoint is read it holds at most 1 / (1 + DEBUG_REST_RATIO) of the routing thread.
             await trio.sleep((trio.current_time() - piece_started) * DEBUG_REST_RATIO)
             piece_started = trio.current_time()
-        text = json.dumps(decision_entry(record, now), indent=2)
+        text = json.dumps(decision_entry(DecisionRecord.unpacked(record), now), indent=2)
         size += len(text) + 2
         if size > max_bytes:
             truncated = True

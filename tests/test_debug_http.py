@@ -30,6 +30,7 @@ from router.debug_http import (
     decisions_body,
     to_jsonable,
 )
+from router.decision_pack import pack_decision
 from router.settings import LoadedConfig, load_config
 from router.targets import TargetError
 from router.types import CandidateExplain, Reason, Role, RouteDecision, RouteSource, Stage, WorkerAddr
@@ -451,8 +452,8 @@ def test_to_jsonable() -> None:
 # --- /debug/decisions: bounded, and serialised in pieces ------------------------------------------
 
 
-def _record(n: int, request_id: str | None = None) -> DecisionRecord:
-    return DecisionRecord(replace(decision(n), request_id=request_id or f"r{n}"), at=0.0)
+def _record(n: int, request_id: str | None = None) -> bytes:
+    return pack_decision(replace(decision(n), request_id=request_id or f"r{n}"), 0.0)
 
 
 async def test_decisions_are_serialised_in_pieces_with_routing_running_between() -> None:
@@ -558,7 +559,7 @@ async def test_a_huge_request_id_is_kept_cut_in_the_ring_and_served_bounded() ->
             for n in range(4):
                 sink.emit(DecisionMade(replace(decision(n), request_id="i" * 4_000_000)))
             await trio.testing.wait_all_tasks_blocked()
-            kept = sink.recent_decisions(4)
+            kept = [DecisionRecord.unpacked(packed) for packed in sink.recent_decisions(4)]
             assert all(len(r.decision.request_id) <= MetricsConfig().decision_text_chars for r in kept)
             response = await client.get("/debug/decisions", params={"limit": "1024"})
             assert response.status_code == 200

@@ -17,6 +17,7 @@ from actors.metrics_sink import (
     CandidatesDropped,
     ChannelEvicted,
     DecisionMade,
+    DecisionRecord,
     HitObserved,
     KvcmRequest,
     LeaderChanged,
@@ -69,6 +70,11 @@ def decision(
         candidates=candidates,
         sources=sources,
     )
+
+
+def kept(sink: MetricsSink, limit: int) -> list[DecisionRecord]:
+    """The sink's last ``limit`` kept decisions, unpacked, newest first."""
+    return [DecisionRecord.unpacked(packed) for packed in sink.recent_decisions(limit)]
 
 
 def sample(sink: MetricsSink, name: str, **labels: str) -> float | None:
@@ -202,7 +208,7 @@ async def test_full_inbox_drops_and_counts_and_never_waits(autojump_clock: trio.
         await nursery.start(sink.run)
         await trio.testing.wait_all_tasks_blocked()
         assert sample(sink, "kvroute_route_decisions_total", route_source="kvcm", reason="CACHE_LEADER") == 4
-        assert [r.decision.request_id for r in sink.recent_decisions(10)] == ["r3", "r2", "r1", "r0"]
+        assert [r.decision.request_id for r in kept(sink, 10)] == ["r3", "r2", "r1", "r0"]
         # The consumer is waiting now: one more event is handed over, not dropped.
         sink.emit(StatusLookups())
         await trio.testing.wait_all_tasks_blocked()
@@ -260,10 +266,10 @@ async def test_decision_ring_is_bounded_newest_first(autojump_clock: trio.testin
             sink.emit(DecisionMade(decision(n)))
             await trio.sleep(1)
         nursery.cancel_scope.cancel()
-    records = sink.recent_decisions(10)
+    records = kept(sink, 10)
     assert [r.decision.request_id for r in records] == ["r4", "r3", "r2"]
     assert records[0].at - records[1].at == 1.0
-    assert [r.decision.request_id for r in sink.recent_decisions(2)] == ["r4", "r3"]
+    assert [r.decision.request_id for r in kept(sink, 2)] == ["r4", "r3"]
     assert sink.recent_decisions(0) == []
 
 
@@ -370,7 +376,7 @@ async def test_the_ring_keeps_decisions_cut_to_their_bounds(autojump_clock: trio
         huge = replace(decision(1, dropped=("busy",) * 50), request_id="i" * 4_000_000)
         sink.emit(DecisionMade(huge))
         await trio.testing.wait_all_tasks_blocked()
-        [record] = sink.recent_decisions(1)
+        [record] = kept(sink, 1)
         assert len(record.decision.request_id) == 100
         assert len(record.decision.candidates) == 3
         nursery.cancel_scope.cancel()
@@ -427,7 +433,7 @@ async def test_a_ring_keeping_no_candidates_keeps_a_decision_with_a_chosen_one(
 ) -> None:
     sink = MetricsSink(MetricsConfig(decision_max_candidates=0))
     await applied(sink, DecisionMade(replace(decision(1), candidates=_candidates(3, chosen_at=2))), StatusLookups())
-    [record] = sink.recent_decisions(1)
+    [record] = kept(sink, 1)
     assert record.decision.request_id == "r1" and record.decision.candidates == ()
     assert sink.snapshot().processed == 2  # the sink went on to the next event
 
