@@ -43,6 +43,13 @@ class _Predicted:
     at: float
 
 
+# A prediction waiting for a status that lists its request: (worker, tokens, route source label, at).
+# A plain tuple of strings and numbers, which the collector stops tracking at its first collection:
+# where no engine lists request ids, every decision's waits out the TTL (tens of thousands at a few
+# hundred decisions a second), and each kept as an object would be walked by every full collection.
+_Pending = tuple[str, int, str, float]
+
+
 @dataclass(frozen=True, slots=True)
 class _StatusSeen:
     worker: str
@@ -70,7 +77,7 @@ class HitAccuracy:
         self._ttl_s = config.accuracy_ttl_s
         self._metrics = metrics
         self._send, self._receive = trio.open_memory_channel[_Predicted | _StatusSeen](config.accuracy_inbox_size)
-        self._pending: OrderedDict[str, _Predicted] = OrderedDict()  # by request id, oldest first
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()  # by request id, oldest first
         self._recent: OrderedDict[str, deque[float]] = OrderedDict()  # by worker, least recently compared first
         self._matched = 0
         self._silent_zero = 0
@@ -105,16 +112,16 @@ class HitAccuracy:
 
     def _next_expiry(self) -> float:
         """When the oldest pending prediction expires (never, with none pending)."""
-        for oldest in self._pending.values():
-            return oldest.at + self._ttl_s
+        for *_, made_at in self._pending.values():
+            return made_at + self._ttl_s
         return math.inf
 
     def _expire(self, now: float) -> None:
         """Forget the predictions made the TTL or more before ``now`` (the oldest are first): the same
         instant as ``_next_expiry``, or the timer would fire again at once."""
         while self._pending:
-            oldest = next(iter(self._pending.values()))
-            if oldest.at + self._ttl_s > now:
+            *_, made_at = next(iter(self._pending.values()))
+            if made_at + self._ttl_s > now:
                 break
             self._pending.popitem(last=False)
             self._expired += 1
@@ -151,7 +158,7 @@ class HitAccuracy:
 
     def _predicted(self, message: _Predicted) -> None:
         self._pending.pop(message.request_id, None)
-        self._pending[message.request_id] = message
+        self._pending[message.request_id] = (message.worker, message.tokens, message.source.value, message.at)
         while len(self._pending) > self._max_pending:
             self._pending.popitem(last=False)
             self._evicted += 1
@@ -160,7 +167,10 @@ class HitAccuracy:
         # The finished tasks too: a prefill that began and ended between two polls is only there.
         for task in (*status.waiting, *status.running, *status.finished):
             predicted = self._pending.get(task.request_id)
-            if predicted is None or predicted.worker != worker:
+            if predicted is None:
+                continue
+            predicted_worker, tokens, source, _ = predicted
+            if predicted_worker != worker:
                 continue
             if task.is_waiting and not task.prefix_length_valid:
                 continue  # queued, its prefix not matched yet: a later status reports it
@@ -170,9 +180,9 @@ class HitAccuracy:
             silent = actual == 0
             self._silent_zero += silent
             self._window.append(silent)
-            self._metrics.emit(HitObserved(predicted.source.value, predicted.tokens, actual))
+            self._metrics.emit(HitObserved(source, tokens, actual))
             recent = self._recent.pop(worker, None) or deque(maxlen=_RECENT_PER_WORKER)
-            recent.append(actual / predicted.tokens)
+            recent.append(actual / tokens)
             self._recent[worker] = recent
             while len(self._recent) > _WORKERS_SHOWN:
                 self._recent.popitem(last=False)

@@ -4,6 +4,7 @@ as a frontend would)."""
 
 from __future__ import annotations
 
+import gc
 import io
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -376,3 +377,26 @@ async def test_the_snapshot_shows_the_64_workers_compared_most_recently(
             accuracy.status_seen(worker, _running(worker, f"r{i}", prefix=4096, version=1))
             await trio.testing.wait_all_tasks_blocked()
         assert list(accuracy.health().recent_by_worker) == workers[-64:]
+
+
+async def test_predictions_waiting_out_their_ttl_cost_the_collector_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Where no engine lists request ids, every prediction waits out the TTL: thousands at a time. Kept
+    as tuples of strings and numbers, which the collector stops tracking, they add no object the
+    collector walks (objects of their own would add one each)."""
+    metrics = MetricsSink(MetricsConfig())
+    accuracy = HitAccuracy(MetricsConfig(accuracy_inbox_size=4096), metrics)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(accuracy.run)
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        tracked_before = len(gc.get_objects())
+        for i in range(2000):
+            accuracy.predict(f"r{i}", "10.0.0.1:8000", 512, RouteSource.KVCM, trio.current_time())
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        tracked_after = len(gc.get_objects())
+        assert accuracy.health().pending == 2000
+        assert tracked_after - tracked_before < 200
+        nursery.cancel_scope.cancel()
