@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from actors.inbox import Alarm
 from actors.metrics_sink import HitObserved, MetricsSink
 from router.config import MetricsConfig
 from router.slot_init import slot_init
@@ -57,6 +58,14 @@ class _StatusSeen:
 
 
 @dataclass(frozen=True, slots=True)
+class _Expire:
+    """The expiry alarm's wake-up: the oldest prediction's TTL has passed."""
+
+
+_EXPIRE = _Expire()
+
+
+@dataclass(frozen=True, slots=True)
 class AccuracyHealth:
     pending: int  # predictions waiting for a status that lists their request
     matched: int
@@ -76,7 +85,9 @@ class HitAccuracy:
         self._window: deque[bool] = deque(maxlen=_WINDOW)  # recent comparisons: silent zero or not
         self._ttl_s = config.accuracy_ttl_s
         self._metrics = metrics
-        self._send, self._receive = trio.open_memory_channel[_Predicted | _StatusSeen](config.accuracy_inbox_size)
+        self._send, self._receive = trio.open_memory_channel[_Predicted | _StatusSeen | _Expire](
+            config.accuracy_inbox_size
+        )
         self._pending: OrderedDict[str, _Pending] = OrderedDict()  # by request id, oldest first
         self._recent: OrderedDict[str, deque[float]] = OrderedDict()  # by worker, least recently compared first
         self._matched = 0
@@ -91,24 +102,34 @@ class HitAccuracy:
         self._health = self._snapshot()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            first: _Predicted | _StatusSeen | None = None
-            with trio.move_on_at(self._next_expiry()):  # woken for the oldest prediction's expiry too
-                try:
-                    first = await self._receive.receive()
-                except trio.EndOfChannel:
-                    return
-            self._expire(trio.current_time())
-            if first is not None:
-                self._apply(first)
+        """Apply predictions and statuses as they arrive, and drop each prediction as its TTL passes,
+        until cancelled. The expiry is an alarm that posts into the inbox, not a cancel scope around
+        each receive: a scope with a deadline stays in trio's deadline heap, holding the scope, until
+        that deadline (the TTL) passes or the heap is pruned, and a batch a decision made one each."""
+        async with trio.open_nursery() as nursery:
+            alarm = Alarm(self._send, _EXPIRE)
+            await nursery.start(alarm.run)
+            task_status.started()
+            async for message in self._receive:
+                was_empty = not self._pending
+                rung = False
+                self._expire(trio.current_time())  # first: a status arriving after the TTL is not compared
                 while True:  # what else is queued, then one snapshot for the batch (it walks the window)
+                    if isinstance(message, _Expire):
+                        rung = True
+                    else:
+                        self._apply(message)
                     try:
                         message = self._receive.receive_nowait()
-                    except (trio.WouldBlock, trio.EndOfChannel):
+                    except trio.WouldBlock:
                         break
-                    self._apply(message)
-            self._health = self._snapshot()
+                # The oldest prediction's expiry gets earlier only from none to one; a later one (its
+                # prediction matched, evicted or made again) rings early, finds nothing due, and is set
+                # again here.
+                if rung or (was_empty and self._pending):
+                    alarm.set(self._next_expiry())
+                self._health = self._snapshot()
+            nursery.cancel_scope.cancel()
 
     def _next_expiry(self) -> float:
         """When the oldest pending prediction expires (never, with none pending)."""

@@ -229,6 +229,47 @@ async def test_a_prediction_expires_on_time_with_no_traffic_and_a_late_status_is
         assert (accuracy.health().matched, accuracy.health().silent_zero) == (0, 0)
 
 
+async def test_a_prediction_after_a_compared_one_still_expires_on_time_with_no_traffic(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The expiry alarm is set at the oldest prediction's TTL; when that one is compared first, the alarm
+    rings early, finds nothing due, and is set again for the next."""
+    worker = "10.0.0.1:8000"
+    async with running_accuracy(MetricsConfig(accuracy_ttl_s=60.0)) as accuracy:
+        accuracy.predict("req-a", worker, 4096, RouteSource.KVCM, trio.current_time())
+        await trio.sleep(10.0)
+        accuracy.predict("req-b", worker, 4096, RouteSource.KVCM, trio.current_time())
+        await trio.sleep(10.0)
+        accuracy.status_seen(worker, _running(worker, "req-a", prefix=4096, version=1))
+        await trio.testing.wait_all_tasks_blocked()
+        assert (accuracy.health().matched, accuracy.health().pending) == (1, 1)
+        await trio.sleep(49.0)  # t = 69: req-b was made at 10
+        assert (accuracy.health().pending, accuracy.health().expired) == (1, 0)
+        await trio.sleep(2.0)
+        assert (accuracy.health().pending, accuracy.health().expired) == (0, 1)
+
+
+async def test_a_batch_leaves_no_cancel_scope_behind(autojump_clock: trio.testing.MockClock) -> None:
+    """A decision's prediction is a batch of its own at a few hundred decisions a second. Waiting for
+    the next with a deadline scope left one scope a batch in trio's deadline heap until the TTL passed:
+    the heap drops an exited scope's entry only once it is at the top, and a router always has an
+    earlier deadline there (a request's, the lag probe's), so thousands of them waited to be pruned."""
+    worker = "10.0.0.1:8000"
+    async with running_accuracy(MetricsConfig(accuracy_ttl_s=60.0)) as accuracy:
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        scopes_before = sum(isinstance(o, trio.CancelScope) for o in gc.get_objects())
+        with trio.CancelScope(deadline=trio.current_time() + 30.0):  # the earlier deadline on top
+            for i in range(300):
+                accuracy.predict(f"req-{i}", worker, 4096, RouteSource.KVCM, trio.current_time())
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.01)
+            gc.collect()
+            scopes_after = sum(isinstance(o, trio.CancelScope) for o in gc.get_objects())
+        assert accuracy.health().pending == 300
+        assert scopes_after - scopes_before < 30
+
+
 async def test_a_full_inbox_drops_and_counts_the_messages_it_refuses(autojump_clock: trio.testing.MockClock) -> None:
     """The inbox is bounded by accuracy_inbox_size: predictions sent while the owner cannot keep up
     are dropped and counted, not queued without bound."""
