@@ -9,9 +9,9 @@ predicted: a key family, block size or KVCM namespace that does not match the en
 
 Messages arrive through one bounded inbox (``send_nowait``; dropped and counted when full): the
 router's predictions and the prober's statuses. The state is owned by ``run``; ``health`` reads an
-immutable snapshot it publishes. A prediction expires ``accuracy_ttl_s`` after it was made, on a timer
-of ``run``'s own: a status arriving later is not compared with it, and with no traffic at all the
-snapshot still shows it expired.
+immutable snapshot it publishes. A prediction expires ``accuracy_ttl_s`` after it was made, woken by an
+alarm of ``run``'s own (a child task posting into the inbox): a status arriving later is not compared
+with it, and with no traffic at all the snapshot still shows it expired.
 """
 
 from __future__ import annotations
@@ -104,8 +104,9 @@ class HitAccuracy:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply predictions and statuses as they arrive, and drop each prediction as its TTL passes,
         until cancelled. The expiry is an alarm that posts into the inbox, not a cancel scope around
-        each receive: a scope with a deadline stays in trio's deadline heap, holding the scope, until
-        that deadline (the TTL) passes or the heap is pruned, and a batch a decision made one each."""
+        each receive: an exited scope's entry stays in trio's deadline heap, holding the scope, until
+        its deadline (the TTL away) comes to the top or the heap is pruned, and with a batch for every
+        decision that was one scope kept for each."""
         async with trio.open_nursery() as nursery:
             alarm = Alarm(self._send, _EXPIRE)
             await nursery.start(alarm.run)
