@@ -27,7 +27,8 @@ from router.types import (
     WorkerAddr,
 )
 
-_text = st.text(max_size=12)
+# Any str a caller may pass as an id (lone surrogates too: a JSON body can carry them), NUL included.
+_text = st.text(st.characters(exclude_categories=()), max_size=12)
 _count = st.integers(min_value=0, max_value=1 << 40)
 _ms = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
 _port = st.integers(min_value=1, max_value=65535)
