@@ -329,6 +329,47 @@ class CallTiming:
         return self.elapsed_s - self.allowed_s
 
 
+# A call's timing as the sidecar keeps it until taken: CallTiming's fields in order, the answer's
+# source by its value. A tuple of numbers, strings and None, which the collector stops tracking at its
+# first collection: a measurement keeps every call of a rate, up to CALL_TIMING_SAMPLES, and kept as
+# objects they were what the process's young collections walked most.
+_TimingRow = tuple[
+    float, float, float, float | None, float | None, float | None, float | None, float | None, str | None, bool
+]
+
+
+def _timing_row(t: CallTiming) -> _TimingRow:
+    source = None if t.route_source is None else t.route_source.value
+    return (
+        t.elapsed_s,
+        t.allowed_s,
+        t.router_s,
+        t.query_s,
+        t.handed_s,
+        t.way_back_s,
+        t.scoring_s,
+        t.client_left_s,
+        source,
+        t.answered,
+    )
+
+
+def _call_timing(row: _TimingRow) -> CallTiming:
+    elapsed_s, allowed_s, router_s, query_s, handed_s, way_back_s, scoring_s, client_left_s, source, answered = row
+    return CallTiming(
+        elapsed_s,
+        allowed_s,
+        router_s,
+        query_s,
+        handed_s,
+        way_back_s,
+        scoring_s,
+        client_left_s,
+        None if source is None else RouteSource(source),
+        answered,
+    )
+
+
 _SCORING_STAGES = (Stage.PLAN, Stage.PROBE, Stage.SCORE)
 _NO_DEADLINE_S = 1e9  # a client's time left beyond this is grpc's way of saying it set none
 
@@ -616,7 +657,7 @@ class Sidecar:
         )
         self._counters = _Counters(self._gate)
         # Appended by handler threads, taken by whoever measures; a deque's append and popleft are atomic.
-        self._timings: deque[CallTiming] | None = deque(maxlen=CALL_TIMING_SAMPLES) if keep_call_timings else None
+        self._timings: deque[_TimingRow] | None = deque(maxlen=CALL_TIMING_SAMPLES) if keep_call_timings else None
         # Each reply's way back (the decision settled on the trio thread to its bytes on the handler
         # thread): appended by handler threads, handed to the metrics sink by the trio thread.
         self._reply_times: deque[float] = deque(maxlen=REPLY_SAMPLES)
@@ -672,7 +713,7 @@ class Sidecar:
             return taken
         while True:
             try:
-                taken.append(timings.popleft())
+                taken.append(_call_timing(timings.popleft()))
             except IndexError:
                 return taken
 
@@ -838,16 +879,18 @@ class Sidecar:
             scoring_ms = [stage_ms[stage] for stage in _SCORING_STAGES if stage in stage_ms]
             done = time.monotonic()
             timings.append(
-                CallTiming(
-                    elapsed_s=done - received,
-                    allowed_s=allowed_s,
-                    router_s=stage_ms.get(Stage.TOTAL, 0.0) / 1000.0,
-                    query_s=None if query_ms is None else query_ms / 1000.0,
-                    handed_s=None if hops is None or hops.arrived_at is None else hops.arrived_at - received,
-                    way_back_s=None if hops is None or hops.settled_at is None else done - hops.settled_at,
-                    scoring_s=sum(scoring_ms) / 1000.0 if scoring_ms else None,
-                    client_left_s=remaining,
-                    route_source=source,
+                _timing_row(
+                    CallTiming(
+                        elapsed_s=done - received,
+                        allowed_s=allowed_s,
+                        router_s=stage_ms.get(Stage.TOTAL, 0.0) / 1000.0,
+                        query_s=None if query_ms is None else query_ms / 1000.0,
+                        handed_s=None if hops is None or hops.arrived_at is None else hops.arrived_at - received,
+                        way_back_s=None if hops is None or hops.settled_at is None else done - hops.settled_at,
+                        scoring_s=sum(scoring_ms) / 1000.0 if scoring_ms else None,
+                        client_left_s=remaining,
+                        route_source=source,
+                    )
                 )
             )
             return reply
@@ -968,12 +1011,14 @@ class Sidecar:
         if timings is None:
             return
         timings.append(
-            CallTiming(
-                elapsed_s=time.monotonic() - received,
-                allowed_s=allowed_at_receipt(routing_s, remaining),
-                handed_s=None if hops.arrived_at is None else hops.arrived_at - received,
-                client_left_s=remaining,
-                answered=False,
+            _timing_row(
+                CallTiming(
+                    elapsed_s=time.monotonic() - received,
+                    allowed_s=allowed_at_receipt(routing_s, remaining),
+                    handed_s=None if hops.arrived_at is None else hops.arrived_at - received,
+                    client_left_s=remaining,
+                    answered=False,
+                )
             )
         )
 

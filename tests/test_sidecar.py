@@ -25,6 +25,8 @@ import pytest
 import trio
 import trio.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import given
+from hypothesis import strategies as st
 
 from actors.metrics_sink import REPLY_STAGE_LABEL
 from kvroute_sim.sim.cluster import SimCluster
@@ -48,12 +50,15 @@ from router.sidecar import (
     ERROR_METADATA_CHARS,
     ERROR_METADATA_KEY,
     ROUTER_SERVICE,
+    CallTiming,
     Sidecar,
+    _call_timing,
     _CallHops,
     _RouterHealth,
     _Stopped,
     _ThreadWait,
     _TimedPool,
+    _timing_row,
     check_proto_bounds,
     converted,
     crowded,
@@ -1593,3 +1598,27 @@ def test_a_malformed_shape_is_refused_before_the_call_could_be_shed(fields: dict
     with pytest.raises(BadRequest, match=f"^{named}:"):
         check_proto_bounds(router_v1_pb2.RouteRequest(**fields), LIMITS, BLOCK)  # type: ignore[arg-type]
     check_proto_bounds(router_v1_pb2.RouteRequest(request_id="r", token_ids=[1, 2]), LIMITS, BLOCK)  # well formed
+
+
+@given(
+    timing=st.builds(
+        CallTiming,
+        elapsed_s=st.floats(allow_nan=False),
+        allowed_s=st.floats(allow_nan=False),
+        router_s=st.floats(allow_nan=False),
+        query_s=st.none() | st.floats(allow_nan=False),
+        handed_s=st.none() | st.floats(allow_nan=False),
+        way_back_s=st.none() | st.floats(allow_nan=False),
+        scoring_s=st.none() | st.floats(allow_nan=False),
+        client_left_s=st.none() | st.floats(allow_nan=False),
+        route_source=st.none() | st.sampled_from(RouteSource),
+        answered=st.booleans(),
+    )
+)
+def test_a_kept_call_timing_reads_back_equal_and_leaves_the_collectors_view(timing: CallTiming) -> None:
+    """The timings a measurement keeps (every call of a rate) are rows the collector stops tracking at
+    its first collection; taken, each is the CallTiming it was."""
+    row = _timing_row(timing)
+    gc.collect(1)  # the row is young: the collections of its generations untrack it
+    assert not gc.is_tracked(row)
+    assert _call_timing(row) == timing
