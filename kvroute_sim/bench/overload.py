@@ -168,6 +168,11 @@ class CollectionPauses:
 FULL_GENERATION = 2  # CPython's oldest generation: a collection of it walks every tracked object
 
 
+def pauses_cell(pauses: Sequence[float]) -> str:
+    """A table cell for a run's collections of one generation: how many, and the longest in ms."""
+    return f"{len(pauses)} ({max(pauses, default=0.0) * 1e3:.1f})"
+
+
 @contextmanager
 def collections_timed() -> Iterator[CollectionPauses]:
     """This process's collections of every generation while the block runs (``CollectionPauses``)."""
@@ -520,7 +525,7 @@ def _late_table(levels: Sequence[LevelResult]) -> str:
                 f"{p50:.1f} / {top:.1f}"
                 for p50, top in (split.late_by_ms, split.to_trio_ms, split.router_ms, split.way_back_ms)
             )
-            + f" | {len(pauses)} ({max(pauses, default=0.0) * 1e3:.1f})"
+            + f" | {pauses_cell(pauses)}"
         )
     return "\n".join(lines)
 

@@ -54,6 +54,7 @@ from kvroute_sim.bench.overload import (
     SETTLE_S,
     THREAD_ROLES,
     collections_timed,
+    pauses_cell,
     per_call_us,
     reply_outcomes,
     route_requests,
@@ -460,13 +461,9 @@ def _segments(results: Sequence[RateResult]) -> str:
             f"{r.rate:>6} | {len(r.segments.elapsed):>5} | {_ms(p['to_trio']):>14} | {_ms(p['task_start']):>18} | "
             f"{_ms(p['router_work']):>17} | {_ms(p['scoring']):>22} | {_ms(p['query']):>10} | "
             f"{_ms(p['way_back']):>8} | {_ms(p['elapsed']):>16} | "
-            + " / ".join(_pauses_cell(pauses) for pauses in (*r.young_collection_s, r.full_collection_s))
+            + " / ".join(pauses_cell(pauses) for pauses in (*r.young_collection_s, r.full_collection_s))
         )
     return "\n".join(lines)
-
-
-def _pauses_cell(pauses: Sequence[float]) -> str:
-    return f"{len(pauses)} ({max(pauses, default=0.0) * 1e3:.1f})"
 
 
 def _pauses_json(pauses: Sequence[float]) -> dict[str, float | int]:
