@@ -22,7 +22,15 @@ from router.config import DeploymentConfig, LimitsConfig
 from router.keys import INT64, IntRange, block_key_slices, join_slices, token_id_range
 from router.problems import declared_range
 from router.slot_init import slot_init
-from router.types import COMPANION_ROLES, PREFILL_CAPABLE_ROLES, BadRequest, KeyFamily, Role, RouteRequest
+from router.types import (
+    COMPANION_ROLES,
+    PREFILL_CAPABLE_ROLES,
+    BadRequest,
+    KeyFamily,
+    Role,
+    RouteRequest,
+    WireRouteRequest,
+)
 from router.wire.decode import encode_block_keys
 
 _QUOTED_CHARS = 40  # of a client's text quoted back in an error
@@ -345,7 +353,9 @@ def check_request(
     if request.block_cache_keys is not None:
         keys = tuple(request.block_cache_keys)
         if keys:
-            encoded_keys = _encoded_block_keys(keys)
+            encoded_keys = _encoded_on_the_wire(request, keys)
+            if encoded_keys is None:
+                encoded_keys = _encoded_block_keys(keys)
     else:
         assert request.token_ids is not None
         if hash_tokens:
@@ -364,6 +374,16 @@ def check_request(
         lookahead=deployment.lookahead_tokens,
         encoded_keys=encoded_keys,
     )
+
+
+def _encoded_on_the_wire(request: RouteRequest, keys: tuple[int, ...]) -> bytes | None:
+    """The keys' encoding a request read off the wire came with, while ``keys`` are still the keys it
+    was encoded from: keys protobuf read are signed 64-bit integers, so they need no other check."""
+    if isinstance(request, WireRouteRequest) and request.encoded_keys is not None:
+        encoded_from, encoded = request.encoded_keys
+        if encoded_from is keys:
+            return encoded
+    return None
 
 
 def _encoded_block_keys(keys: Sequence[int]) -> bytes:
@@ -389,7 +409,7 @@ def sheddable(
         seq_len = check_admissible(request, deployment, limits).seq_len
     except BadRequest:
         return None
-    if request.block_cache_keys is not None:
+    if request.block_cache_keys is not None and _encoded_on_the_wire(request, request.block_cache_keys) is None:
         try:
             _encoded_block_keys(request.block_cache_keys)
         except BadRequest:

@@ -92,8 +92,9 @@ from router.thread_bridge import ANSWER_SLACK_S, deliver_outcome, settle
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import method_handlers
 from router.transport.tls import server_credentials
-from router.types import BadRequest, Reason, Role, RouteDecision, RouteRequest, RouteSource, Stage
+from router.types import BadRequest, Reason, Role, RouteDecision, RouteRequest, RouteSource, Stage, WireRouteRequest
 from router.wire import router_v1_pb2
+from router.wire.decode import encode_block_keys
 from router.wire.paths import ROUTER_ROUTE
 from router.wire.strings import first_bad_utf8
 
@@ -187,18 +188,21 @@ def check_proto_bounds(message: router_v1_pb2.RouteRequest, limits: LimitsConfig
     return seq_len
 
 
-def converted(message: router_v1_pb2.RouteRequest) -> RouteRequest:
+def converted(message: router_v1_pb2.RouteRequest) -> WireRouteRequest:
     """The router's request for a message whose sizes were checked (:func:`check_proto_bounds`); raises
     BadRequest only for an unknown role. Most of its cost is the lists' copy into Python ints, which a
-    request answered ``overloaded`` at receipt never needs."""
-    return RouteRequest(
+    request answered ``overloaded`` at receipt never needs. Block keys come with their encoding for
+    the KVCM query, made here from protobuf's own list (``WireRouteRequest``)."""
+    keys = tuple(message.block_cache_keys)
+    return WireRouteRequest(
         request_id=message.request_id,
         token_ids=tuple(message.token_ids) or None,
-        block_cache_keys=tuple(message.block_cache_keys) or None,
+        block_cache_keys=keys or None,
         block_size=message.block_size or None,
         seq_len=message.seq_len or None,
         budget_ms=budget_ms(message),
         roles=tuple(_role(name) for name in message.roles) or None,
+        encoded_keys=(keys, encode_block_keys(message.block_cache_keys)) if keys else None,
     )
 
 

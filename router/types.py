@@ -350,6 +350,19 @@ class RouteRequest:
 
 @slot_init
 @dataclass(frozen=True, slots=True)
+class WireRouteRequest(RouteRequest):
+    """A RouteRequest read off the wire (the sidecar's), with its block keys already encoded as the KVCM
+    query sends them: encoded from protobuf's own list on the handler thread that read them, the keys
+    cost a third of what encoding the same keys as Python ints costs the routing thread.
+    ``encoded_keys`` holds the keys tuple it was encoded from beside the bytes, and the checks use the
+    bytes only while ``block_cache_keys`` is that very tuple: a copy made with other keys (``replace``)
+    is encoded again. Not shown, not compared."""
+
+    encoded_keys: tuple[tuple[int, ...], bytes] | None = field(default=None, repr=False, compare=False)
+
+
+@slot_init
+@dataclass(frozen=True, slots=True)
 class CandidateExplain:
     """One candidate as the decision saw it (for explain and /debug/decisions)."""
 

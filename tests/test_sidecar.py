@@ -45,7 +45,7 @@ from router.config import (
 from router.keys import block_keys
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate
 from router.replay import load_log
-from router.request import budget_left_ms, caller_deadline
+from router.request import budget_left_ms, caller_deadline, check_request, sheddable
 from router.sidecar import (
     ERROR_METADATA_CHARS,
     ERROR_METADATA_KEY,
@@ -71,8 +71,19 @@ from router.sidecar import (
 )
 from router.targets import HostPort
 from router.transport.errors import PeerAbort, RpcStatus
-from router.types import BadRequest, KeyFamily, Reason, Role, RoleAddr, RouteDecision, RouteSource, WorkerAddr
+from router.types import (
+    BadRequest,
+    KeyFamily,
+    Reason,
+    Role,
+    RoleAddr,
+    RouteDecision,
+    RouteSource,
+    WireRouteRequest,
+    WorkerAddr,
+)
 from router.wire import router_v1_pb2
+from router.wire.decode import encode_block_keys
 from router.wire.paths import KVCM_GET_HOST_CACHE_STATE, ROUTER_ROUTE
 from tests.test_asyncio_host import _hold
 
@@ -1383,6 +1394,35 @@ def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None
         with pytest.raises(BadRequest) as info:
             request_from_proto(router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=[bad]), LIMITS, BLOCK)
         assert info.value.field_name == "roles"
+
+
+@given(keys=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=600))
+def test_keys_read_off_the_wire_reach_the_query_encoded_once(keys: list[int]) -> None:
+    """The sidecar encodes a request's keys for the KVCM query from protobuf's own list, and the checks
+    take that encoding as it is: the same bytes as encoding the keys as Python ints, made once."""
+    message = router_v1_pb2.RouteRequest.FromString(
+        router_v1_pb2.RouteRequest(request_id="k", block_cache_keys=keys).SerializeToString()
+    )
+    request = request_from_proto(message, LIMITS, BLOCK)
+    assert isinstance(request, WireRouteRequest) and request.encoded_keys is not None
+    carried = request.encoded_keys[1]
+    assert carried == encode_block_keys(keys)
+    deployment = DeploymentConfig(block_size=BLOCK)
+    checked = check_request(request, deployment, LIMITS)
+    assert checked.keys == tuple(keys)
+    assert checked.encoded_keys is carried  # taken, not encoded again
+    # A copy with the budget the sidecar sets keeps the keys, and their encoding with them.
+    assert check_request(dataclasses.replace(request, budget_ms=5.0), deployment, LIMITS).encoded_keys is carried
+    assert sheddable(request, deployment, LIMITS) == len(keys) * BLOCK
+
+
+def test_a_copy_with_other_keys_is_encoded_again() -> None:
+    message = router_v1_pb2.RouteRequest(request_id="k", block_cache_keys=[1, 2, 3])
+    request = request_from_proto(message, LIMITS, BLOCK)
+    other = dataclasses.replace(request, block_cache_keys=(7, 8))
+    checked = check_request(other, DeploymentConfig(block_size=BLOCK), LIMITS)
+    assert checked.keys == (7, 8)
+    assert checked.encoded_keys == encode_block_keys((7, 8))
 
 
 def test_the_client_deadline_counts_the_wait_to_reach_the_trio_thread() -> None:
