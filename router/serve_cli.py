@@ -49,6 +49,7 @@ from router.serve_processes import (
     print_line,
     reserve_port,
     startup_timeout,
+    unblock_stop_signals,
 )
 from router.settings import (
     SETTINGS,
@@ -100,6 +101,12 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     serve = loaded.effective.serve
     handler = setup_logging(serve.log_level, serve.log_format)
+    unblocked = unblock_stop_signals()  # before any thread starts: they inherit the mask
+    if unblocked:
+        log.warning(
+            "started with %s blocked (a mask inherited from its parent): unblocked, so a stop drains",
+            ", ".join(s.name for s in unblocked),
+        )
     supervised: int | None = args.supervised_process
     if supervised is not None:
         tag_records(handler, process=supervised)  # the children of one parent share the stream: whose line it is

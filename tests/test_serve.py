@@ -323,6 +323,48 @@ async def test_with_json_logs_the_stop_summary_is_a_json_record_too() -> None:
     assert summary["answered"] == summary["cut_at_drain_deadline"] == 0
 
 
+def _blocked_signals(pid: int) -> int:
+    """The signal mask of process ``pid``'s main thread (bit n - 1: signal n)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+
+
+def test_a_serve_started_with_its_stop_signals_blocked_unblocks_them_and_drains_on_sigterm() -> None:
+    """A signal mask passes through fork and exec: started from a thread with SIGTERM blocked, the
+    process left every SIGTERM pending and never drained (a supervisor's child, started from one of
+    trio's worker threads with every signal blocked, was seen to)."""
+    command = [*CLI_SERVE, "--grpc-listen=127.0.0.1:0", "--debug-listen=127.0.0.1:0", "--workers=127.0.0.1:9"]
+    command.append("--kvcm-fallback=false")
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start_blocked() -> None:  # on a thread of its own, so that no thread kept afterwards has the mask
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        started.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+
+    starter = threading.Thread(target=start_blocked)
+    starter.start()
+    starter.join()
+    [proc] = started
+    hang_guard = threading.Timer(60.0, proc.kill)  # a stop that never comes fails the test, not the run
+    hang_guard.start()
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert _ADDRESSES.search(line), line
+        assert not _blocked_signals(proc.pid) & (1 << (signal.SIGTERM - 1))
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate()
+    finally:
+        hang_guard.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = stderr.decode()
+    assert proc.returncode == 0, text
+    assert "started with SIGINT, SIGTERM blocked (a mask inherited from its parent): unblocked" in text
+    assert _SUMMARY.search(text), text
+
+
 @pytest.mark.parametrize("log_format", ["json", "JSON"])  # any case, as --log-format takes it
 async def test_with_json_logs_a_bind_failure_is_a_json_record_naming_the_flag(log_format: str) -> None:
     with trio.fail_after(30):

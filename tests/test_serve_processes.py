@@ -473,9 +473,14 @@ def test_a_child_ended_by_the_forwarded_signal_while_starting_is_a_clean_stop() 
     assert not supervisor._stopped_cleanly(starting)
 
 
+# What every stand-in child does first, as `kvroute serve` does (unblock_stop_signals): started from
+# one of trio's worker threads, it may have inherited a mask with every signal blocked.
+_UNBLOCK_AS_SERVE = (
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1))\n"
+)
+
 # A child that announces itself, then on its first start dies by SIGKILL; restarted, it serves until SIGTERM.
-_CRASHING_ONCE = """
-import os, signal, sys, time
+_CRASHING_ONCE = "import os, signal, sys, time\n" + _UNBLOCK_AS_SERVE + """
 sys.stdout.write("kvroute serve: Route gRPC on 127.0.0.1:1, debug HTTP on http://127.0.0.1:2\\n")
 sys.stdout.flush()
 marker = sys.argv[1]
@@ -534,8 +539,7 @@ async def test_a_stop_during_a_restarts_backoff_is_as_clean_as_one_just_after_it
 
 # A child that announces itself and drains for longer than any test waits: SIGTERM is only noted (in
 # argv[1]); STOP_NOW_SIGNAL ends it at once, with status 0.
-_DRAINING_FOR_LONG = """
-import signal, sys, time
+_DRAINING_FOR_LONG = "import signal, sys, time\n" + _UNBLOCK_AS_SERVE + """
 marker = sys.argv[1]
 signal.signal(signal.SIGTERM, lambda *_: open(marker, "w").close())
 signal.signal(signal.SIGUSR1, lambda *_: sys.exit(0))
@@ -688,7 +692,11 @@ _ANNOUNCE = 'sys.stdout.write("kvroute serve: Route gRPC on 127.0.0.1:1, debug H
 def _stand_in(body: str) -> list[str]:
     """A child that runs ``body`` (``os``, ``signal``, ``sys`` and ``time`` imported); it sleeps far
     past any hang guard, so only what the parent does to it ends it in time."""
-    return [sys.executable, "-c", "import os, signal, sys, time\n" + body + "sys.stdout.flush()\ntime.sleep(1000)\n"]
+    return [
+        sys.executable,
+        "-c",
+        "import os, signal, sys, time\n" + _UNBLOCK_AS_SERVE + body + "sys.stdout.flush()\ntime.sleep(1000)\n",
+    ]
 
 
 async def _signals_once_serving(ready: trio.Event, *signums: signal.Signals) -> AsyncIterator[int]:
