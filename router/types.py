@@ -352,8 +352,8 @@ class RouteRequest:
 @dataclass(frozen=True, slots=True)
 class WireRouteRequest(RouteRequest):
     """A RouteRequest read off the wire (the sidecar's), with its block keys already encoded as the KVCM
-    query sends them: encoded from protobuf's own list on the handler thread that read them, the keys
-    cost a third of what encoding the same keys as Python ints costs the routing thread.
+    query sends them: encoded from protobuf's own list, which is cheaper than encoding the Python ints
+    copied from it, and on the handler thread that read them instead of the routing thread.
     ``encoded_keys`` holds the keys tuple it was encoded from beside the bytes, and the checks use the
     bytes only while ``block_cache_keys`` is that very tuple: a copy made with other keys (``replace``)
     is encoded again. Not shown, not compared."""
