@@ -354,11 +354,17 @@ class WireRouteRequest(RouteRequest):
     """A RouteRequest read off the wire (the sidecar's), with its block keys already encoded as the KVCM
     query sends them: encoded from protobuf's own list, which is cheaper than encoding the Python ints
     copied from it, and on the handler thread that read them instead of the routing thread.
-    ``encoded_keys`` holds the keys tuple it was encoded from beside the bytes, and the checks use the
-    bytes only while ``block_cache_keys`` is that very tuple: a copy made with other keys (``replace``)
-    is encoded again. Not shown, not compared."""
+    ``encoded_keys`` holds the keys tuple it was encoded from beside the bytes, and is kept only while
+    ``block_cache_keys`` is that very tuple: a copy made with other keys or none (``replace``) has
+    none, and its keys are encoded again when checked. Not shown, not compared."""
 
     encoded_keys: tuple[tuple[int, ...], bytes] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # A copy with other keys or none (``replace``: the decision log's record drops the prompt) keeps
+        # no encoding of the keys it no longer has, nor the keys themselves through it.
+        if self.encoded_keys is not None and self.encoded_keys[0] is not self.block_cache_keys:
+            object.__setattr__(self, "encoded_keys", None)
 
 
 @slot_init

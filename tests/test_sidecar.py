@@ -42,6 +42,7 @@ from router.config import (
     RouterConfig,
     ServeConfig,
 )
+from router.decision_record import without_prompt
 from router.keys import block_keys
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate
 from router.replay import load_log
@@ -1346,6 +1347,9 @@ async def test_calls_naming_roles_with_no_time_left_teach_the_in_flight_limit_no
             r.sidecar._path_cost_s = 0.010
             for i in range(40):  # 0.5 ms left: less than the reply margin
                 assert await call(f"late-{i}", 0.0005, ("PREFILL",)) == "deadline"
+            # A handler that gave up holds its place until the router answers, and the release comes
+            # with that answer: the last one's may not have come when its handler returned.
+            await trio.testing.wait_all_tasks_blocked()
             assert len(gate.had_s) == 41 and all(had_s <= 0 for had_s in gate.had_s[1:]), gate.had_s
             assert gate._limit.share >= share
             r.sidecar._path_cost_s = 0.0
@@ -1416,13 +1420,18 @@ def test_keys_read_off_the_wire_reach_the_query_encoded_once(keys: list[int]) ->
     assert sheddable(request, deployment, LIMITS) == len(keys) * BLOCK
 
 
-def test_a_copy_with_other_keys_is_encoded_again() -> None:
+def test_a_copy_with_other_keys_is_encoded_again_and_one_without_them_keeps_none() -> None:
     message = router_v1_pb2.RouteRequest(request_id="k", block_cache_keys=[1, 2, 3])
     request = request_from_proto(message, LIMITS, BLOCK)
     other = dataclasses.replace(request, block_cache_keys=(7, 8))
+    assert isinstance(other, WireRouteRequest) and other.encoded_keys is None
     checked = check_request(other, DeploymentConfig(block_size=BLOCK), LIMITS)
     assert checked.keys == (7, 8)
     assert checked.encoded_keys == encode_block_keys((7, 8))
+    # The decision log's record drops the prompt, which a waiting record must not hold through its encoding.
+    kept = without_prompt(request, LIMITS.max_request_id_bytes)
+    assert kept.block_cache_keys is None
+    assert isinstance(kept, WireRouteRequest) and kept.encoded_keys is None
 
 
 def test_the_client_deadline_counts_the_wait_to_reach_the_trio_thread() -> None:
