@@ -77,11 +77,9 @@ STOP_NOW_SIGNAL = signal.SIGUSR1  # what the parent sends a child to stop at onc
 
 def unblock_stop_signals() -> list[signal.Signals]:
     """Let this process's stop signals (STOP_SIGNALS and STOP_NOW_SIGNAL) reach it; the ones that were
-    blocked. A signal mask passes through fork and exec: a process started from a thread that had
-    them blocked would leave every SIGTERM pending, and never drain. Such threads were seen: in the
-    test suite two of trio's worker threads, which start child processes, had every signal blocked,
-    and a child started from one never saw the SIGTERM meant to drain it. Threads started after this
-    call inherit the mask it leaves."""
+    blocked. A signal mask passes through fork and exec: a process started with them blocked (by a
+    service manager, a shell or a supervisor whose spawning thread had them blocked) would leave every
+    SIGTERM pending, and never drain. Threads started after this call inherit the mask it leaves."""
     wanted = {*STOP_SIGNALS, STOP_NOW_SIGNAL}
     was = signal.pthread_sigmask(signal.SIG_UNBLOCK, wanted)
     return sorted(wanted & was)

@@ -331,8 +331,7 @@ def _blocked_signals(pid: int) -> int:
 
 def test_a_serve_started_with_its_stop_signals_blocked_unblocks_them_and_drains_on_sigterm() -> None:
     """A signal mask passes through fork and exec: started from a thread with SIGTERM blocked, the
-    process left every SIGTERM pending and never drained (a supervisor's child, started from one of
-    trio's worker threads with every signal blocked, was seen to)."""
+    process left every SIGTERM pending and never drained."""
     command = [*CLI_SERVE, "--grpc-listen=127.0.0.1:0", "--debug-listen=127.0.0.1:0", "--workers=127.0.0.1:9"]
     command.append("--kvcm-fallback=false")
     started: list[subprocess.Popen[bytes]] = []

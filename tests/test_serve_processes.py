@@ -473,8 +473,8 @@ def test_a_child_ended_by_the_forwarded_signal_while_starting_is_a_clean_stop() 
     assert not supervisor._stopped_cleanly(starting)
 
 
-# What every stand-in child does first, as `kvroute serve` does (unblock_stop_signals): started from
-# one of trio's worker threads, it may have inherited a mask with every signal blocked.
+# What every stand-in child does first, as `kvroute serve` does (unblock_stop_signals): no signal mask it
+# inherits keeps the parent's signals pending.
 _UNBLOCK_AS_SERVE = (
     "signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1))\n"
 )
