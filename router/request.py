@@ -353,7 +353,7 @@ def check_request(
     if request.block_cache_keys is not None:
         keys = tuple(request.block_cache_keys)
         if keys:
-            encoded_keys = _encoded_on_the_wire(request, keys)
+            encoded_keys = _encoded_on_the_wire(request)
             if encoded_keys is None:
                 encoded_keys = _encoded_block_keys(keys)
     else:
@@ -376,13 +376,12 @@ def check_request(
     )
 
 
-def _encoded_on_the_wire(request: RouteRequest, keys: tuple[int, ...]) -> bytes | None:
-    """The keys' encoding a request read off the wire came with, while ``keys`` are still the keys it
-    was encoded from: keys protobuf read are signed 64-bit integers, so they need no other check."""
+def _encoded_on_the_wire(request: RouteRequest) -> bytes | None:
+    """The encoding of its keys a request read off the wire came with (``WireRouteRequest`` keeps one
+    only while it is of the keys it holds): keys protobuf read are signed 64-bit integers, so they
+    need no other check."""
     if isinstance(request, WireRouteRequest) and request.encoded_keys is not None:
-        encoded_from, encoded = request.encoded_keys
-        if encoded_from is keys:
-            return encoded
+        return request.encoded_keys[1]
     return None
 
 
@@ -409,7 +408,7 @@ def sheddable(
         seq_len = check_admissible(request, deployment, limits).seq_len
     except BadRequest:
         return None
-    if request.block_cache_keys is not None and _encoded_on_the_wire(request, request.block_cache_keys) is None:
+    if request.block_cache_keys is not None and _encoded_on_the_wire(request) is None:
         try:
             _encoded_block_keys(request.block_cache_keys)
         except BadRequest:
