@@ -1,15 +1,19 @@
-"""Build hook: generate the protobuf modules from proto/ at build time.
+"""Build hook: generate the protobuf modules from proto/ at build time, and build the optional
+C encoder of packed int64 fields.
 
 Generated code is never committed. A regular build writes it into the wheel's
 build directory; an editable install writes it next to the sources (git-ignored)
 so `pip install -e .` regenerates it.
+
+The C extension (``router.wire._packed``) is optional: without a compiler or Python's headers the
+build warns and goes on, and ``router.wire.decode`` encodes block keys with protobuf instead.
 """
 
 from __future__ import annotations
 
 import pathlib
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = pathlib.Path(__file__).parent.resolve()
@@ -54,4 +58,7 @@ class BuildPyWithProtos(build_py):
         return outputs
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+setup(
+    cmdclass={"build_py": BuildPyWithProtos},
+    ext_modules=[Extension("router.wire._packed", ["router/wire/_packed.c"], optional=True)],
+)

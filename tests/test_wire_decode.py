@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import re
+from collections.abc import Sequence
 from typing import cast
 
+import numpy
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -23,6 +26,7 @@ from router.types import CacheQuery, HostMatch, KvCacheGroupMode, LeaderEndpoint
 from router.wire import engine_status_pb2 as engine_pb
 from router.wire import kvcm_meta_pb2 as kvcm_pb
 from router.wire.decode import (
+    COMPILED_KEYS_ENCODER,
     MAX_CACHE_HOSTS,
     MAX_HOST_PORT_CHARS,
     MAX_WORKER_TASKS,
@@ -30,11 +34,17 @@ from router.wire.decode import (
     decode_cluster_info,
     decode_worker_status,
     encode_block_keys,
+    encode_block_keys_with_protobuf,
     encode_cache_query,
     encode_cluster_info_request,
     encode_status_version,
 )
 from router.wire.master import parse_master_role
+
+try:
+    from router.wire._packed import packed_int64
+except ImportError:  # built without a C compiler: only protobuf's way is there to test
+    packed_int64 = None  # type: ignore[assignment]
 
 PEER = "10.9.9.9:6381"
 ASKED = 16  # the keys a query asked about: no count in its answer may exceed them
@@ -257,6 +267,72 @@ def test_a_query_with_its_keys_encoded_by_the_checks_is_byte_for_byte_the_one_me
 def test_encoding_a_key_that_is_not_a_signed_64_bit_integer_fails(bad: object) -> None:
     with pytest.raises(ValueError, match="a key is not a signed 64-bit integer"):
         encode_block_keys((1, bad))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a key is not a signed 64-bit integer"):
+        encode_block_keys_with_protobuf((1, bad))  # type: ignore[arg-type]
+
+
+BLOCK_KEYS_FIELD = kvcm_pb.GetHostCacheStateRequest.DESCRIPTOR.fields_by_name["block_cache_keys"].number
+INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+# The ends of the range and the varints' length steps, besides any int64.
+EDGES = st.sampled_from([0, 1, -1, 127, 128, 2**63 - 1, -(2**63), 2**35, -(2**35)])
+needs_compiled = pytest.mark.skipif(packed_int64 is None, reason="router.wire._packed was not built (no C compiler)")
+
+
+def test_the_compiled_keys_encoder_is_in_use_when_it_was_built() -> None:
+    assert COMPILED_KEYS_ENCODER is (packed_int64 is not None)
+
+
+@given(keys=st.lists(st.one_of(INT64, EDGES), max_size=600), as_list=st.booleans())
+def test_block_keys_encode_to_protobufs_own_bytes_either_way(keys: list[int], as_list: bool) -> None:
+    """The encoder in use (compiled when built) writes what protobuf writes, for a tuple or a list."""
+    values = keys if as_list else tuple(keys)
+    expected = kvcm_pb.GetHostCacheStateRequest(block_cache_keys=keys).SerializeToString()
+    assert encode_block_keys(values) == expected
+    assert encode_block_keys_with_protobuf(values) == expected
+    if packed_int64 is not None:
+        assert packed_int64(BLOCK_KEYS_FIELD, values) == expected
+
+
+class _Index(enum.IntEnum):
+    SEVEN = 7
+
+
+@needs_compiled
+@pytest.mark.parametrize(
+    "keys",
+    [
+        (1, True),  # a bool is refused by protobuf
+        (1, 2**63),  # out of range
+        (-(2**63) - 1,),
+        (1, 1.0),
+        (1, "1"),
+        (1, _Index.SEVEN),  # an int subclass: protobuf takes its value
+        (1, numpy.int64(7)),  # __index__: protobuf takes it
+        range(3),  # neither a tuple nor a list
+    ],
+    ids=["bool", "past-max", "past-min", "float", "str", "int-subclass", "numpy", "range"],
+)
+def test_the_compiled_encoder_leaves_to_protobuf_what_it_does_not_take(keys: Sequence[object]) -> None:
+    assert packed_int64 is not None
+    assert packed_int64(BLOCK_KEYS_FIELD, keys) is None  # type: ignore[arg-type]
+    try:
+        expected: bytes | str = encode_block_keys_with_protobuf(keys)  # type: ignore[arg-type]
+    except ValueError as exc:
+        expected = str(exc)
+    try:
+        got: bytes | str = encode_block_keys(keys)  # type: ignore[arg-type]
+    except ValueError as exc:
+        got = str(exc)
+    assert got == expected
+
+
+@needs_compiled
+def test_the_compiled_encoder_refuses_a_field_number_protobuf_cannot_have() -> None:
+    assert packed_int64 is not None
+    for bad in (0, -1, 2**29):
+        with pytest.raises(ValueError, match="field_number"):
+            packed_int64(bad, (1,))
+    assert packed_int64(2**29 - 1, ()) == b""
 
 
 def test_cache_state_values() -> None:

@@ -1,0 +1,3 @@
+from collections.abc import Sequence
+
+def packed_int64(field_number: int, values: Sequence[int], /) -> bytes | None: ...
