@@ -46,6 +46,7 @@ from router.config import KvrouteConfig
 from router.sidecar import CallTiming, SidecarStats
 from router.types import RouteSource
 from router.wire import kvcm_meta_pb2 as kvcm_pb
+from router.wire.decode import COMPILED_KEYS_ENCODER
 
 QUICK_FIGURES = "P1,P2,P3,P4,P5,P6,P7,P8,soak"
 EXPECTED_ROWS = [
@@ -1029,6 +1030,16 @@ def test_a_chart_path_that_cannot_be_written_is_refused_before_the_run(tmp_path:
     assert not (tmp_path / "bench.json").exists()  # refused before measuring, nothing written
     # Results to a device (not a regular file) get no chart beside them, and no error.
     assert main(["bench", "--quick", "--only", "P1", "--out", os.devnull]) == 0
+
+
+def test_the_results_say_which_encoder_encoded_the_block_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--only", "P1", "--no-chart", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["compiled_keys_encoder"] is COMPILED_KEYS_ENCODER
+    said = "compiled (router.wire._packed)" if COMPILED_KEYS_ENCODER else "protobuf (no compiled encoder)"
+    assert f"block keys encoded by {said}" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")

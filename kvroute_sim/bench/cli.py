@@ -39,6 +39,7 @@ from kvroute_sim.bench.results import BenchReport
 from kvroute_sim.bench.simproc import sim_process
 from kvroute_sim.bench.throughput import ThroughputSizes
 from router.settings import BY_NAME, ROUTER_SETTING_OPTION, Origin, SettingValueError, SourceKind, validate
+from router.wire.decode import COMPILED_KEYS_ENCODER
 
 FIGURES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "soak")
 DEFAULT_OUT = "bench-results.json"
@@ -214,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         placement = stack.enter_context(pinned_bench_process())
         kept_awake = f"CPUs {awake} kept awake by SCHED_IDLE spinners" if awake else "no CPU kept awake"
+        keys_encoder = "compiled (router.wire._packed)" if COMPILED_KEYS_ENCODER else "protobuf (no compiled encoder)"
         report = BenchReport(
             meta={
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -223,9 +225,10 @@ def run(args: argparse.Namespace) -> int:
                 "figures": sorted(selected),
                 "cpu_placement": placement.describe(),
                 "cpus_kept_awake": awake,
+                "compiled_keys_encoder": COMPILED_KEYS_ENCODER,
                 "sizes": asdict(sizes),
             },
-            notes=[f"CPU placement: {placement.describe()}; {kept_awake}"],
+            notes=[f"CPU placement: {placement.describe()}; {kept_awake}; block keys encoded by {keys_encoder}"],
         )
         _measure(report, selected, sizes, placement, args)
     print(report.render())
