@@ -154,6 +154,9 @@ class SkipReason(enum.Enum):
     """Values double as metric labels (``kvroute_probe_skipped_total{reason}``)."""
 
     NO_BUDGET = "no_budget"  # no token or in-flight slot before the deadline (or no room in the inbox)
+    # The request stopped waiting before the prober's task had taken it from the inbox: nothing was
+    # decided about its probe (the loop was busy), so nothing is said about the budget.
+    QUEUED = "queued"
     EJECTED = "ejected"
     DEADLINE = "deadline"  # the deadline had passed, or came while the RPC was in flight
     STOPPED = "stopped"  # the prober is not running (e.g. being restarted)
@@ -386,15 +389,20 @@ class ProbeHandle:
 
     def results(self) -> tuple[ProbeResult, ...]:
         """One result per requested worker, in request order. A probe still pending counts as
-        skipped: ``deadline`` if its RPC is in flight, else ``no_budget`` (waiting for budget, or
-        for the prober to take the request); counted in the prober's ``skipped`` once per worker."""
+        skipped: ``deadline`` if its RPC is in flight, ``no_budget`` if it waits for budget, ``queued``
+        if the prober has not taken the request yet; counted in the prober's ``skipped`` once per
+        worker."""
         out: list[ProbeResult] = []
         for worker in self.workers:
             result = self._delivered.get(worker)
             if result is None:
                 flight = self._flights.get(worker)
-                in_rpc = flight is not None and flight.phase is _Phase.RPC
-                reason = SkipReason.DEADLINE if in_rpc else SkipReason.NO_BUDGET
+                if flight is None:
+                    reason = SkipReason.QUEUED
+                elif flight.phase is _Phase.RPC:
+                    reason = SkipReason.DEADLINE
+                else:
+                    reason = SkipReason.NO_BUDGET
                 result = ProbeResult(worker, ProbeOutcome.SKIPPED, skip_reason=reason)
                 if worker not in self._reported:
                     self._reported.add(worker)

@@ -231,17 +231,33 @@ async def test_a_skip_read_before_the_owner_took_the_request_is_counted_once(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
     """A request may read its results before the prober's owner has taken it: the pending worker reads
-    as skipped and is counted then; the owner's own skip for it (no token before the deadline) was
-    counted a second time."""
+    as skipped ``queued`` (nothing was decided about its probe, the budget included) and is counted
+    then; the owner's own skip for it (no token before the deadline) was counted a second time."""
     fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
     first, second = [fake.add(w) for w in workers(2)]
     prober = await start_prober(nursery, fake, health_interval_s=0.0, rate_per_s=1.0, rate_burst=1)
     await prober.probe([first], trio.current_time() + 1.0).wait_all()  # takes the one token
     handle = prober.probe([second], trio.current_time() + 0.05)
-    assert by_outcome(handle.results()) == {SkipReason.NO_BUDGET: 1}  # read before the owner ran
+    assert by_outcome(handle.results()) == {SkipReason.QUEUED: 1}  # read before the owner ran
     await trio.sleep(0.1)
+    assert by_outcome(handle.results()) == {SkipReason.NO_BUDGET: 1}  # the owner's verdict, delivered since
+    assert {k: v for k, v in prober.snapshot().skipped.items() if v} == {SkipReason.QUEUED.value: 1}
+
+
+async def test_a_probe_read_after_the_owner_took_it_waiting_for_budget_is_skipped_no_budget(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Taken by the owner and waiting for a rate token when the request stops waiting: ``no_budget``,
+    the budget's verdict, not ``queued``."""
+    fake = FakeWorkers(MemoryNetwork(), latency_s=0.001)
+    first, second = [fake.add(w) for w in workers(2)]
+    prober = await start_prober(nursery, fake, health_interval_s=0.0, rate_per_s=10.0, rate_burst=1)
+    await prober.probe([first], trio.current_time() + 1.0).wait_all()  # takes the one token
+    handle = prober.probe([second], trio.current_time() + 1.0)  # the next token comes within the deadline
+    await trio.testing.wait_all_tasks_blocked()  # the owner took it: its probe waits for the token
+    flight = prober._workers[second].flight
+    assert flight is not None and flight.phase.value == "budget"
     assert by_outcome(handle.results()) == {SkipReason.NO_BUDGET: 1}
-    assert {k: v for k, v in prober.snapshot().skipped.items() if v} == {SkipReason.NO_BUDGET.value: 1}
 
 
 async def test_on_demand_probes_pending_at_once_are_bounded(nursery: trio.Nursery, autojump_clock: MockClock) -> None:

@@ -28,6 +28,7 @@ _SKIP_DROPS = {
     SkipReason.DEADLINE: DropReason.PROBE_SKIPPED,
     SkipReason.STOPPED: DropReason.PROBE_SKIPPED,
     SkipReason.GONE: DropReason.PROBE_SKIPPED,
+    SkipReason.QUEUED: DropReason.PROBE_SKIPPED,
 }
 
 
