@@ -3,7 +3,8 @@
 Optional: built when a C compiler is at hand (setup.py marks the extension optional), and
 ``router.wire.decode`` encodes with protobuf when it is not. For 512 block keys protobuf spends most
 of its time turning each 64-bit int into a machine integer through CPython's general byte-array path
-and writing its varint; this reads each int's digits directly and writes the same bytes.
+and writing its varint; this converts each int with CPython's digit loop
+(``PyLong_AsLongLongAndOverflow``) and writes the same bytes.
 
 Anything but exact ints in a tuple or list, or an int outside the signed 64-bit range, returns None:
 the caller encodes those with protobuf, whose answer (its error included) is then the only one.
@@ -61,11 +62,19 @@ packed_int64(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     unsigned char *end = buffer + HEAD_ROOM;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = items[i];
-        int overflow = 0;
-        long long value = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
-        if (!PyLong_CheckExact(item) || overflow) {
+        if (!PyLong_CheckExact(item)) {
             PyMem_Free(buffer);
             Py_RETURN_NONE;
+        }
+        int overflow = 0;
+        long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow) {
+            PyMem_Free(buffer);
+            Py_RETURN_NONE;
+        }
+        if (value == -1 && PyErr_Occurred()) {
+            PyMem_Free(buffer);
+            return NULL;
         }
         end = put_varint(end, (unsigned long long)value); /* a negative int64 is its two's complement */
     }
