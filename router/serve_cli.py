@@ -139,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
         "timed_out": stats.timed_out,
         "failed": stats.failed,
         "cut_at_drain_deadline": stats.cut_at_drain_deadline,
-        "client_gone": stats.client_gone,  # last: the fields before it keep their places in the line
+        # Appended: the fields before each keep their places in the line.
+        "client_gone": stats.client_gone,
+        "expired_at_receipt": stats.expired_at_receipt,
     }
     say("stopped; Route calls " + " ".join(f"{name}={n}" for name, n in counts.items()), **counts)
     return EXIT_OK

@@ -269,6 +269,9 @@ class SidecarStats:
     # A decision was made, but the client had cancelled or its deadline had passed before the reply:
     # nobody received it (not in ``answered``; a shed's is in ``shed_at_receipt`` too).
     client_gone: int = 0
+    # The client's deadline had passed before a handler thread took the call (it waited in gRPC's
+    # queues): ended DEADLINE_EXCEEDED unread, neither routed nor shed (not in ``timed_out``).
+    expired_at_receipt: int = 0
 
 
 # The SidecarStats counts /metrics carries as kvroute_sidecar_calls_total{outcome}.
@@ -282,6 +285,7 @@ _SCRAPED_OUTCOMES: Mapping[str, Callable[[SidecarStats], int]] = {
     "sheds_unrecorded": lambda stats: stats.sheds_unrecorded,
     "cut_at_drain_deadline": lambda stats: stats.cut_at_drain_deadline,
     "client_gone": lambda stats: stats.client_gone,
+    "expired_at_receipt": lambda stats: stats.expired_at_receipt,
 }
 
 _OUTCOME_BY_STATUS = {
@@ -313,7 +317,8 @@ class CallTiming:
     way_back_s: float | None = None
     # Of router_s: planning, probing and scoring the candidates (None: the decision scored none).
     scoring_s: float | None = None
-    # The client's deadline left at receipt (None: it set none): at most 0, the client had given up.
+    # The client's deadline left at receipt (None: it set none); always above 0: a call with none left is
+    # ended unread and not timed (``SidecarStats.expired_at_receipt``).
     client_left_s: float | None = None
     # The answer's source (None: answered overloaded at receipt, on the handler thread, or not answered).
     route_source: RouteSource | None = None
@@ -453,7 +458,9 @@ class _Counters:
         self.idle.set()
         self._shed = 0
         self._unrecorded = 0
-        self._ended = dict.fromkeys(("answered", "invalid", "unavailable", "timed_out", "failed", "client_gone"), 0)
+        self._ended = dict.fromkeys(
+            ("answered", "invalid", "unavailable", "timed_out", "failed", "client_gone", "expired_at_receipt"), 0
+        )
         self._past_drain_deadline = False
         self._cut = 0
 
@@ -868,6 +875,14 @@ class Sidecar:
         self._counters.enter()
         if not context.add_callback(self._counters.ended):  # the RPC has ended already
             self._counters.ended()
+        if remaining is not None and remaining <= 0.0:
+            # It waited out its client's deadline in gRPC's queues: the client has given up and gRPC
+            # ends the call whatever the handler returns. Reading, shedding and recording it would
+            # spend the CPU the calls queued behind it need to be answered in time.
+            self._counters.leave("expired_at_receipt")
+            raise PeerAbort(
+                RpcStatus.DEADLINE_EXCEEDED, "the client's deadline passed before a handler thread took the call"
+            )
         outcome = "answered"
         try:
             reply, allowed_s, stage_ms, hops, source = self._route_call(data, context, received, remaining)

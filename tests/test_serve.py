@@ -399,11 +399,14 @@ def test_the_stop_summary_gives_each_count_its_own_label(
         shed_at_receipt=0,
         cut_at_drain_deadline=6,
         client_gone=7,
+        expired_at_receipt=8,
     )
     monkeypatch.setattr(trio, "run", lambda *_: stats)  # served, drained, and stopped with these
     args = build_parser("serve").parse_args(["serve", "--workers=127.0.0.1:9", "--kvcm-fallback=false"])
     assert serve_cli.run(args) == 0
-    summary = "answered=1 invalid=2 refused=3 timed_out=4 failed=5 cut_at_drain_deadline=6 client_gone=7"
+    summary = (
+        "answered=1 invalid=2 refused=3 timed_out=4 failed=5 cut_at_drain_deadline=6 client_gone=7 expired_at_receipt=8"
+    )
     assert f"kvroute serve: stopped; Route calls {summary}\n" in capsys.readouterr().err
 
 

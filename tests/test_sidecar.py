@@ -1321,6 +1321,37 @@ class _RecordingGate(HandOffGate):
         super().answered(handed_at=handed_at, had_s=had_s, answered=answered, crowded=crowded, at=at)
 
 
+async def test_a_call_whose_client_gave_up_before_a_handler_took_it_is_ended_unread(nursery: trio.Nursery) -> None:
+    """Under a shed storm calls reached the handler threads after their clients' deadlines had passed in
+    gRPC's queues, and each was read, shed and recorded: CPU the calls queued behind it needed to be
+    answered in time."""
+    with trio.fail_after(30):
+        async with rig(nursery) as r:
+            registry = r.handle.metrics.registry
+            handled = r.handle.router_actor().health().handled
+            for left_s in (0.0, -0.010):
+                as_grpc: Any = _LittleLeft(left_s)  # the handler reads only what it defines
+                with pytest.raises(PeerAbort) as ended:
+                    # Not a RouteRequest: read, it would be refused INVALID_ARGUMENT.
+                    await trio.to_thread.run_sync(r.sidecar._route_rpc, b"\xff\xff\xff", as_grpc)
+                assert ended.value.status is RpcStatus.DEADLINE_EXCEEDED
+            stats = r.sidecar.stats()
+            assert (stats.expired_at_receipt, stats.invalid, stats.timed_out, stats.shed_at_receipt) == (2, 0, 0, 0)
+            assert stats.in_flight == 0
+            expired = registry.get_sample_value("kvroute_sidecar_calls_total", {"outcome": "expired_at_receipt"})
+            assert expired == 2.0
+            assert r.sidecar.take_call_timings() == []
+            # A call with a little of its client's deadline left is still answered, and timed.
+            little = router_v1_pb2.RouteRequest(request_id="little", token_ids=PROMPT, budget_ms=100)
+            as_grpc = _LittleLeft(0.0005)
+            reply = await trio.to_thread.run_sync(r.sidecar._route_rpc, little.SerializeToString(), as_grpc)
+            assert router_v1_pb2.RouteDecision.FromString(reply).request_id == "little"
+            (timing,) = r.sidecar.take_call_timings()
+            assert timing.client_left_s == 0.0005
+            assert r.sidecar.stats().expired_at_receipt == 2
+            assert r.handle.router_actor().health().handled <= handled + 1  # the router never saw the two
+
+
 async def test_calls_naming_roles_with_no_time_left_teach_the_in_flight_limit_nothing(nursery: trio.Nursery) -> None:
     """A call naming roles goes to the router even with no time left; released as answered with no
     time to spare it counted as late however fast it came back, so forty of them shrank the limit to

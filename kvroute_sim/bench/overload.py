@@ -212,6 +212,10 @@ class LevelResult:
     shed_after_wait: int = 0  # of those, answered overloaded when no place came in time
     thread_cpu_s: Mapping[str, float] = field(default_factory=dict)  # by THREAD_ROLES role (empty off Linux)
     not_started: int = 0  # calls the level planned and never started: it ran past max_level_s
+    # Calls that reached the sidecar's handler with none of the client's deadline left: they waited it
+    # out in gRPC's queues (the client's, the transport, the server's thread pool), the client had
+    # counted them unanswered, and the sidecar ended them unread (SidecarStats.expired_at_receipt).
+    expired_at_receipt: int = 0
 
     @property
     def late_split(self) -> LateSplit:
@@ -222,23 +226,12 @@ class LevelResult:
         return sum(self.errors.values())
 
     @property
-    def reached_late(self) -> int:
-        """Calls that reached the sidecar's handler with none of the client's deadline left (answered or not):
-        they waited it out in gRPC's queues before the sidecar saw them (the client's, the transport,
-        the server's thread pool), and the client, already gone, counted them unanswered. (Not an
-        ``allowed_s`` of 0: a budget spent waiting for a handler thread leaves none, and the client,
-        still waiting, gets the answer: ``budget_gone``.)"""
-        return sum(t.client_left_s is not None and t.client_left_s <= 0.0 for t in self.timings)
-
-    @property
     def budget_gone(self) -> int:
         """Calls that reached the sidecar's handler with none of their budget left while their client
         still waited: they waited it out for a handler thread (gRPC's queueing, which P7's on-time
         share, judged from the receipt, leaves out: such a call is on time if answered at once). The
-        calls whose client had already gone are ``reached_late``'s, not counted here too."""
-        return sum(
-            t.allowed_s <= 0.0 and not (t.client_left_s is not None and t.client_left_s <= 0.0) for t in self.timings
-        )
+        calls whose client had already gone are ``expired_at_receipt``, not timed."""
+        return sum(t.allowed_s <= 0.0 for t in self.timings)
 
     @property
     def within_share(self) -> float:
@@ -277,7 +270,7 @@ class LevelResult:
             "answered_by_sidecar": sum(t.answered for t in self.timings),  # a reply made (client_gone ones included)
             "unanswered_by_sidecar": sum(not t.answered for t in self.timings),  # handed, no reply: timed out
             "client_gone": self.client_gone,
-            "reached_sidecar_past_deadline": self.reached_late,
+            "reached_sidecar_past_deadline": self.expired_at_receipt,
             "reached_sidecar_with_budget_gone": self.budget_gone,
             "within_deadline_plus_5ms": self.within_share,
             "no_answer": self.no_answer,
@@ -362,6 +355,7 @@ def _level_result(
     thread_cpu_s: Mapping[str, float] | None = None,
     client_gone: int = 0,
     not_started: int = 0,
+    expired_at_receipt: int = 0,
 ) -> LevelResult:
     outcomes = reply_outcomes(raw for r in results for raw in r.replies)
     return LevelResult(
@@ -381,6 +375,7 @@ def _level_result(
         thread_cpu_s=dict(thread_cpu_s or {}),
         client_gone=client_gone,
         not_started=not_started,
+        expired_at_receipt=expired_at_receipt,
     )
 
 
@@ -425,6 +420,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                         after.shed_after_wait - before.shed_after_wait,
                     )
                     client_gone = after.client_gone - before.client_gone
+                    expired = after.expired_at_receipt - before.expired_at_receipt
                     timings = sidecar.take_call_timings()
                     echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
                     echo_threads_after = await trio.to_thread.run_sync(thread_cpu.snapshot)
@@ -449,6 +445,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                             thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
                             client_gone,
                             run.not_started,
+                            expired,
                         )
                     )
         finally:
@@ -484,8 +481,8 @@ def _curve(levels: Sequence[LevelResult]) -> str:
         client_p99 = percentile(lv.client_ms, 99)
         lines.append(
             f"{lv.callers:>7} | {lv.calls:>5} | {lv.calls / lv.seconds:>7,.0f} | {lv.within_share:>13.1%} | "
-            f"{lv.no_answer:>9} | {lv.reached_late:>21} | {lv.budget_gone:>22} | {lv.share(source='kvcm'):>4.0%} | "
-            f"{lv.share(reason='overloaded'):>10.1%} | "
+            f"{lv.no_answer:>9} | {lv.expired_at_receipt:>21} | {lv.budget_gone:>22} | "
+            f"{lv.share(source='kvcm'):>4.0%} | {lv.share(reason='overloaded'):>10.1%} | "
             f"{lv.p99_lateness_ms:>11.1f} | {client_p99:>13.1f} | {lv.sidecar_cpu_ms_per_call:>18.3f} | "
             f"{f'{lv.waited} ({lv.shed_after_wait})':>19} | {lv.echo.no_answer:>15} | {lv.echo.client_p99_ms:>18.1f} | "
             + (", ".join(f"{code} {n}" for code, n in lv.errors.most_common()) or "-")
