@@ -76,6 +76,9 @@ with what it has (an "anytime" decision).
   (``_fly_in_turn``) instead of a task each; a worker whose last probe failed, or
   whose last call took more than half of ``fresh_ttl_s − refresh_interval_s``, is
   polled on its own, since the round's replies land only when the round returns.
+  A poll or health probe made on its own is a background call to the transport
+  (``background=True``: nobody waits for it, so over gRPC its start on an idle
+  channel is made off the event loop); a request's probe is not.
 - **Background health probes** (with a ``fleet`` and ``health_interval_s`` > 0):
   every interval a pass over the discovered workers probes those not heard from
   for an interval, in steps of at most ``health_max_probes``, each step going on
@@ -1260,7 +1263,9 @@ class WorkerProber:
             try:
                 return (
                     await self._transport.get_worker_status(
-                        flight.worker.status_target, flight.state.latest_finished_version
+                        flight.worker.status_target,
+                        flight.state.latest_finished_version,
+                        background=flight.kind is not ProbeKind.ON_DEMAND,
                     ),
                     "",
                     "",

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import pytest
@@ -34,7 +34,7 @@ from router.transport.errors import (
 )
 from router.transport.grpc_adapter import GrpcRawRpc, channel_options, remaining_timeout
 from router.transport.grpc_server import GrpcServer, method_handlers, serve_grpc, start_grpc_server
-from router.transport.ports import InTurnCall
+from router.transport.ports import ChannelLeaser, InTurnCall
 
 ECHO = "/kvroute.test.Peer/Echo"
 REMAINING = "/kvroute.test.Peer/Remaining"
@@ -264,6 +264,64 @@ class _SlowLeaser:
 
     def invalidate(self, target: str, channel: object | None = None) -> None:
         self.pool.invalidate(target, channel)
+
+
+class _StartsSeen:
+    """The pool's channels behind a wrapper that notes the thread each call is started on."""
+
+    def __init__(self, pool: ChannelPool[grpc.Channel]) -> None:
+        self.pool = pool
+        self.started_on: list[int] = []
+        self.watched: dict[grpc.Channel, _Watched] = {}  # one per channel: the adapter keys its calls on it
+
+    @asynccontextmanager
+    async def lease(self, target: str) -> AsyncIterator[_Watched]:
+        async with self.pool.lease(target) as channel:
+            yield self.watched.setdefault(channel, _Watched(channel, self.started_on))
+
+    def lease_nowait(self, target: str) -> None:
+        return None
+
+    def invalidate(self, target: str, channel: object | None = None) -> None:
+        self.pool.invalidate(target)
+
+
+class _Watched:
+    def __init__(self, channel: grpc.Channel, started_on: list[int]) -> None:
+        self.channel = channel
+        self.started_on = started_on
+
+    def unary_unary(self, method_path: str, serializer: None, deserializer: None) -> _WatchedCall:
+        return _WatchedCall(self.channel.unary_unary(method_path, serializer, deserializer), self.started_on)
+
+
+class _WatchedCall:
+    def __init__(self, call: grpc.UnaryUnaryMultiCallable[bytes, bytes], started_on: list[int]) -> None:
+        self.call = call
+        self.started_on = started_on
+
+    def future(self, request: bytes, timeout: float | None = None) -> grpc.Future[bytes]:
+        self.started_on.append(threading.get_ident())
+        return self.call.future(request, timeout=timeout)
+
+
+async def test_a_background_call_on_an_idle_channel_is_started_off_the_event_loop(
+    peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    """A background poll's start held the event loop, with every request on it, until the thread grpcio
+    starts for a call on an idle channel had the GIL: milliseconds under a shed storm."""
+    state, server = peer
+    leaser = _StartsSeen(pool)
+    rpc = GrpcRawRpc(cast("ChannelLeaser[grpc.Channel]", leaser), start_off_loop=False)
+    loop = threading.get_ident()
+    with trio.fail_after(10):
+        assert await rpc.call(server.target, ECHO, b"a") == b"a"
+        assert await rpc.call(server.target, ECHO, b"b", background=True) == b"b"
+        async with hanging_call(rpc, server, state):  # a call of ours in flight: grpcio's thread runs
+            assert await rpc.call(server.target, ECHO, b"c", background=True) == b"c"
+    # A request's call on the loop; the background one on a starter thread, but beside a call in flight
+    # (no thread to start), where the hand-off would cost more than the start.
+    assert [on == loop for on in leaser.started_on] == [True, False, True, True]
 
 
 async def test_the_timeout_passed_counts_the_wait_for_the_channel(

@@ -53,7 +53,7 @@ class _RoundOf:
     def __init__(self, replies: list[bytes]) -> None:
         self.replies = replies
 
-    async def call(self, target: str, method_path: str, request: bytes) -> bytes:
+    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
         raise AssertionError("only rounds here")
 
     async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:

@@ -505,6 +505,43 @@ async def test_a_slow_but_answering_worker_neither_holds_up_nor_ages_the_rounds_
     assert prober.cached(slow) is not None  # polled on its own, it is not failing
 
 
+class _BackgroundNoted(MemoryNetwork):
+    """Notes, per call made alone, whether it was made as background work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.background: list[bool] = []
+
+    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
+        self.background.append(background)
+        return await super().call(target, method_path, request, background=background)
+
+
+async def test_only_a_probe_a_request_waits_for_is_called_as_a_requests_call(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """Over gRPC a background poll's start on an idle channel held the event loop, with every request
+    on it, until the thread grpcio starts for the call had the GIL: the transport starts a call it is
+    told is background work off the loop."""
+    network = _BackgroundNoted()
+    fake = FakeWorkers(network, latency_s=0.002)
+    fleet = [fake.add(w) for w in workers(3)]
+    config = refreshing(serial_refresh=False, health_interval_s=1.0)
+    prober: WorkerProber = await nursery.start(
+        WorkerProber(config, WorkerStatusClient(fake.net), fleet=lambda: fleet).run
+    )
+    noted = network.background
+    await trio.sleep(0.1)  # the first health pass, its statuses expired since
+    assert noted == [True] * prober.snapshot().health_probes != []
+    before = len(noted)
+    await want(prober, fleet[:2])  # on demand: a request waits for them
+    assert noted[before:] == [False, False]
+    await trio.sleep(2.5)  # the two hot workers polled, the fleet's health probed again
+    health = prober.snapshot()
+    assert health.refresh_polls and health.health_probes > before
+    assert noted[before + 2 :] == [True] * (health.refresh_polls + health.health_probes - before)
+
+
 class _SlowRoundStart(MemoryNetwork):
     """A serial round that waits ``setup_s`` before its first call (its leases, a thread to run on),
     timing each call from before that wait, as the gRPC adapter does; counts the calls made alone."""
@@ -514,9 +551,9 @@ class _SlowRoundStart(MemoryNetwork):
         self.setup_s = setup_s
         self.alone = 0
 
-    async def call(self, target: str, method_path: str, request: bytes) -> bytes:
+    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
         self.alone += 1
-        return await super().call(target, method_path, request)
+        return await super().call(target, method_path, request, background=background)
 
     async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
         await trio.sleep(self.setup_s)

@@ -61,9 +61,14 @@ class WorkerStatusClient:
         self._generation = generation
         self._decode_threads = trio.CapacityLimiter(DECODE_THREADS)
 
-    async def get_worker_status(self, target: str, latest_finished_version: int) -> WorkerStatus:
+    async def get_worker_status(
+        self, target: str, latest_finished_version: int, *, background: bool = False
+    ) -> WorkerStatus:
         reply = await self._rpc.call(
-            target, paths.WORKER_GET_STATUS, decode.encode_status_version(latest_finished_version)
+            target,
+            paths.WORKER_GET_STATUS,
+            decode.encode_status_version(latest_finished_version),
+            background=background,
         )
         status = partial(decode.decode_worker_status, reply, target, self._generation)
         return await decoded(status, len(reply), self._decode_threads)

@@ -138,6 +138,8 @@ class GrpcRawRpc:
     of ours (grpcio's thread is running) starts inline. Off (the default), every call starts on the
     event loop: the handoff to a starter thread and back waits for the GIL twice, which costs more
     than the stall it saves once the routing thread is CPU-bound (docs/design.md §6).
+    A background call (``call(..., background=True)``: the prober's refresh polls and health probes,
+    which no request waits for) is started off the loop on an idle channel either way.
     """
 
     def __init__(self, leaser: ChannelLeaser[grpc.Channel], *, start_off_loop: bool) -> None:
@@ -156,10 +158,16 @@ class GrpcRawRpc:
         return calls
 
     async def _start(
-        self, calls: _ChannelCalls, channel: grpc.Channel, method_path: str, request: bytes, rpc_timeout_s: float | None
+        self,
+        calls: _ChannelCalls,
+        channel: grpc.Channel,
+        method_path: str,
+        request: bytes,
+        rpc_timeout_s: float | None,
+        off_loop: bool,
     ) -> grpc.Future[bytes]:
         call = calls.multi_callable(channel, method_path)
-        if not self._start_off_loop or calls.in_flight > 0:
+        if not off_loop or calls.in_flight > 0:
             return call.future(request, timeout=rpc_timeout_s)
         # Not abandoned on cancel: the start is short, and the future it returns must reach
         # ``wait_future``, whose cancellation cancels the RPC.
@@ -168,10 +176,20 @@ class GrpcRawRpc:
         )
 
     async def call(
-        self, target: str, method_path: str, request: bytes, *, on_sent: Callable[[], None] | None = None
+        self,
+        target: str,
+        method_path: str,
+        request: bytes,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        background: bool = False,
     ) -> bytes:
         """``on_sent``: called once the call has started (its request handed to grpc). A caller
-        cancelled before that (waiting for the channel or for a start thread) sent nothing."""
+        cancelled before that (waiting for the channel or for a start thread) sent nothing.
+        ``background``: no request waits for the reply, so a call on an idle channel is started on a
+        starter thread whatever ``start_off_loop`` says: the thread grpcio starts for it would hold
+        the event loop, and every request on it, for as long as the process's other threads keep the
+        GIL (milliseconds under a shed storm)."""
         timeout = remaining_timeout()
         if timeout is not None and timeout <= 0:
             raise NotSent(target, "deadline already passed; not sent")
@@ -182,7 +200,9 @@ class GrpcRawRpc:
                 if timeout is not None and timeout <= 0:
                     raise NotSent(target, "deadline passed while the channel opened; not sent")
             calls = self._calls_on(channel)
-            future = await self._start(calls, channel, method_path, request, timeout)
+            future = await self._start(
+                calls, channel, method_path, request, timeout, self._start_off_loop or background
+            )
             if on_sent is not None:
                 on_sent()
             calls.in_flight += 1

@@ -44,7 +44,8 @@ class MemoryNetwork:
             if (target is None or t == target) and (method_path is None or m == method_path)
         )
 
-    async def call(self, target: str, method_path: str, request: bytes) -> bytes:
+    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
+        """``background`` changes nothing here: a call in memory starts no thread."""
         # As GrpcRawRpc: a call whose deadline has passed is neither sent nor counted.
         if trio.current_effective_deadline() <= trio.current_time():
             raise NotSent(target, "deadline already passed; not sent")

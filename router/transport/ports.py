@@ -64,8 +64,10 @@ class InTurnReply(NamedTuple):
 class RawRpc(Protocol):
     """A unary call carrying serialized bytes on a pinned method path."""
 
-    async def call(self, target: str, method_path: str, request: bytes) -> bytes:
-        """Raise a ``TransportError`` on failure; ``trio.Cancelled`` if the caller's scope ends."""
+    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
+        """Raise a ``TransportError`` on failure; ``trio.Cancelled`` if the caller's scope ends.
+        ``background``: no request waits for the reply; the adapter may start the call where it holds
+        up the event loop least (over gRPC, off it), at the cost of a hand-off."""
         ...
 
     async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
@@ -103,7 +105,9 @@ class KvcmTransport(Protocol):
 
 
 class WorkerStatusTransport(Protocol):
-    async def get_worker_status(self, target: str, latest_finished_version: int) -> WorkerStatus: ...
+    async def get_worker_status(
+        self, target: str, latest_finished_version: int, *, background: bool = False
+    ) -> WorkerStatus: ...
 
     async def get_worker_statuses(self, asks: Sequence[WorkerStatusAsk], within_s: float) -> list[WorkerStatusReply]:
         """The statuses in turn (see ``RawRpc.call_in_turn``): per ask its ``WorkerStatusReply``."""
