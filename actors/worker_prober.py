@@ -111,7 +111,7 @@ from actors.probe_budget import (
 from router.config import ProberConfig
 from router.problems import refuse
 from router.slot_init import slot_init
-from router.transport.errors import TransportError, Unavailable
+from router.transport.errors import NotSent, TransportError, Unavailable
 from router.transport.ports import WorkerStatusAsk, WorkerStatusTransport
 from router.types import Role, WorkerAddr, WorkerStatus
 
@@ -156,7 +156,9 @@ class ProbeOutcome(enum.Enum):
 class SkipReason(enum.Enum):
     """Values double as metric labels (``kvroute_probe_skipped_total{reason}``)."""
 
-    NO_BUDGET = "no_budget"  # no token or in-flight slot before the deadline (or no room in the inbox)
+    # No token or in-flight slot before the deadline (or no room in the inbox), or the probe's time ran out
+    # before its request was on its way to the worker (waiting for its channel or a thread).
+    NO_BUDGET = "no_budget"
     # The request stopped waiting before the prober's task had taken it from the inbox: nothing was
     # decided about its probe (the loop was busy), so nothing is said about the budget.
     QUEUED = "queued"
@@ -1185,8 +1187,12 @@ class WorkerProber:
                 flight.phase = _Phase.RPC
                 landed.inflight = self._limiter.borrowed_tokens
                 landed.sent_at = called_at = trio.current_time()
-                landed.status, landed.error_kind, landed.error_detail = await self._call(flight)
-                landed.call_s = trio.current_time() - called_at
+                outcome = await self._call(flight)
+                if outcome is None:  # it never reached the worker: as for want of budget, its token back
+                    landed.no_budget = True
+                else:
+                    landed.status, landed.error_kind, landed.error_detail = outcome
+                    landed.call_s = trio.current_time() - called_at
             else:
                 landed.no_budget = True
         finally:
@@ -1256,9 +1262,16 @@ class WorkerProber:
             self._limiter.release_on_behalf_of(flight)
         return False
 
-    async def _call(self, flight: _Flight) -> tuple[WorkerStatus | None, str, str]:
+    async def _call(self, flight: _Flight) -> tuple[WorkerStatus | None, str, str] | None:
         """The RPC, bounded by probe_timeout_s alone (see the module docstring): the status, or the
-        failure's kind and detail."""
+        failure's kind and detail; None when the request never reached the worker (its time ran out
+        waiting for a channel, or for a thread to start it on): nothing to hold against the worker."""
+        sent = False
+
+        def mark_sent() -> None:
+            nonlocal sent
+            sent = True
+
         with trio.move_on_after(self._config.probe_timeout_s):
             try:
                 return (
@@ -1266,12 +1279,17 @@ class WorkerProber:
                         flight.worker.status_target,
                         flight.state.latest_finished_version,
                         background=flight.kind is not ProbeKind.ON_DEMAND,
+                        on_sent=mark_sent,
                     ),
                     "",
                     "",
                 )
+            except NotSent:
+                return None
             except TransportError as exc:
                 return None, exc.kind, exc.detail
+        if not sent:
+            return None
         return None, PROBE_TIMEOUT_KIND, f"no answer within probe_timeout_s ({self._config.probe_timeout_s} s)"
 
     # --- applying outcomes (the owner) -------------------------------------------------------

@@ -6,7 +6,7 @@ a host matching more blocks than the query asked about is garbled."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import pytest
@@ -53,7 +53,15 @@ class _RoundOf:
     def __init__(self, replies: list[bytes]) -> None:
         self.replies = replies
 
-    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
+    async def call(
+        self,
+        target: str,
+        method_path: str,
+        request: bytes,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        background: bool = False,
+    ) -> bytes:
         raise AssertionError("only rounds here")
 
     async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import trio
@@ -512,9 +512,17 @@ class _BackgroundNoted(MemoryNetwork):
         super().__init__()
         self.background: list[bool] = []
 
-    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
+    async def call(
+        self,
+        target: str,
+        method_path: str,
+        request: bytes,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        background: bool = False,
+    ) -> bytes:
         self.background.append(background)
-        return await super().call(target, method_path, request, background=background)
+        return await super().call(target, method_path, request, on_sent=on_sent, background=background)
 
 
 async def test_only_a_probe_a_request_waits_for_is_called_as_a_requests_call(
@@ -542,6 +550,52 @@ async def test_only_a_probe_a_request_waits_for_is_called_as_a_requests_call(
     assert noted[before + 2 :] == [True] * (health.refresh_polls + health.health_probes - before)
 
 
+class _SlowToSend(MemoryNetwork):
+    """A call that waits ``wait_s`` before it is on its way (for its channel, or a thread to start it on)."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__()
+        self.wait_s = wait_s
+
+    async def call(
+        self,
+        target: str,
+        method_path: str,
+        request: bytes,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        background: bool = False,
+    ) -> bytes:
+        await trio.sleep(self.wait_s)
+        return await super().call(target, method_path, request, on_sent=on_sent, background=background)
+
+
+@pytest.mark.parametrize("sent_after_s", [0.3, 0.1], ids=["never-sent", "sent-then-hung"])
+async def test_a_probe_whose_time_ran_out_before_it_reached_the_worker_is_not_held_against_it(
+    nursery: trio.Nursery, autojump_clock: MockClock, sent_after_s: float
+) -> None:
+    """A background probe waits for a starter thread over gRPC, and any probe for its channel: a wait
+    past probe_timeout_s counted as the worker's own timeout, and enough of them ejected a worker that
+    was never asked."""
+    network = _SlowToSend(sent_after_s)
+    fake = FakeWorkers(network)
+    [worker] = [fake.add(w) for w in workers(1)]
+    fake.hanging.add(worker.status_target)  # once it has the request, it never answers
+    config = dataclasses.replace(ProberConfig(), probe_timeout_s=0.2, eject_after_failures=1)
+    prober = await start(nursery, fake, config)
+    handle = prober.probe([worker], trio.current_time() + 1.0)
+    await handle.wait_all()
+    [result] = handle.results()
+    health = prober.snapshot()
+    if sent_after_s < config.probe_timeout_s:  # on its way, then no answer in time: the worker's timeout
+        assert result.outcome is ProbeOutcome.FAILED and health.failed_by_kind == {"probe_timeout": 1}
+        assert health.failing == 1
+    else:  # its time ran out before it was sent: skipped as for want of budget, nothing held against it
+        assert result.skip_reason is SkipReason.NO_BUDGET and health.probes_failed == 0
+        assert health.failing == 0 and not health.ejected_until
+        assert fake.rpcs(worker) == 0
+
+
 class _SlowRoundStart(MemoryNetwork):
     """A serial round that waits ``setup_s`` before its first call (its leases, a thread to run on),
     timing each call from before that wait, as the gRPC adapter does; counts the calls made alone."""
@@ -551,9 +605,17 @@ class _SlowRoundStart(MemoryNetwork):
         self.setup_s = setup_s
         self.alone = 0
 
-    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
+    async def call(
+        self,
+        target: str,
+        method_path: str,
+        request: bytes,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        background: bool = False,
+    ) -> bytes:
         self.alone += 1
-        return await super().call(target, method_path, request, background=background)
+        return await super().call(target, method_path, request, on_sent=on_sent, background=background)
 
     async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
         await trio.sleep(self.setup_s)

@@ -62,12 +62,18 @@ class WorkerStatusClient:
         self._decode_threads = trio.CapacityLimiter(DECODE_THREADS)
 
     async def get_worker_status(
-        self, target: str, latest_finished_version: int, *, background: bool = False
+        self,
+        target: str,
+        latest_finished_version: int,
+        *,
+        background: bool = False,
+        on_sent: Callable[[], None] | None = None,
     ) -> WorkerStatus:
         reply = await self._rpc.call(
             target,
             paths.WORKER_GET_STATUS,
             decode.encode_status_version(latest_finished_version),
+            on_sent=on_sent,
             background=background,
         )
         status = partial(decode.decode_worker_status, reply, target, self._generation)

@@ -44,13 +44,23 @@ class MemoryNetwork:
             if (target is None or t == target) and (method_path is None or m == method_path)
         )
 
-    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
+    async def call(
+        self,
+        target: str,
+        method_path: str,
+        request: bytes,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        background: bool = False,
+    ) -> bytes:
         """``background`` changes nothing here: a call in memory starts no thread."""
         # As GrpcRawRpc: a call whose deadline has passed is neither sent nor counted.
         if trio.current_effective_deadline() <= trio.current_time():
             raise NotSent(target, "deadline already passed; not sent")
         key = (target, method_path)
         self.calls[key] = self.calls.get(key, 0) + 1
+        if on_sent is not None:
+            on_sent()
         handler = self._handlers.get(target)
         if handler is None:
             raise Unavailable(target, "connection refused (no server at this target)")

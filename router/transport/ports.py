@@ -8,7 +8,7 @@ exception is a batch made in turn (``call_in_turn``), whose calls share one time
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -64,8 +64,18 @@ class InTurnReply(NamedTuple):
 class RawRpc(Protocol):
     """A unary call carrying serialized bytes on a pinned method path."""
 
-    async def call(self, target: str, method_path: str, request: bytes, *, background: bool = False) -> bytes:
+    async def call(
+        self,
+        target: str,
+        method_path: str,
+        request: bytes,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        background: bool = False,
+    ) -> bytes:
         """Raise a ``TransportError`` on failure; ``trio.Cancelled`` if the caller's scope ends.
+        ``on_sent``: called once the request is on its way to the peer; a call that ends before (its
+        deadline passed waiting for a channel or a thread) never reached it.
         ``background``: no request waits for the reply; the adapter may start the call where it holds
         up the event loop least (over gRPC, off it), at the cost of a hand-off."""
         ...
@@ -106,8 +116,15 @@ class KvcmTransport(Protocol):
 
 class WorkerStatusTransport(Protocol):
     async def get_worker_status(
-        self, target: str, latest_finished_version: int, *, background: bool = False
-    ) -> WorkerStatus: ...
+        self,
+        target: str,
+        latest_finished_version: int,
+        *,
+        background: bool = False,
+        on_sent: Callable[[], None] | None = None,
+    ) -> WorkerStatus:
+        """``background`` and ``on_sent``: as ``RawRpc.call``'s."""
+        ...
 
     async def get_worker_statuses(self, asks: Sequence[WorkerStatusAsk], within_s: float) -> list[WorkerStatusReply]:
         """The statuses in turn (see ``RawRpc.call_in_turn``): per ask its ``WorkerStatusReply``."""
