@@ -18,8 +18,8 @@ With ``--processes N`` (N > 1) this process supervises N such router processes s
 (``router.serve_processes``) and prints the one line once all of them serve. Each child runs this
 module with ``--processes 1`` and the hidden ``--supervised-process I``: it binds with SO_REUSEPORT
 and also drains when its stdin (a pipe from the parent) reaches end-of-file; during its drain only
-its parent's STOP_NOW_SIGNAL stops it at once (a second SIGTERM from a service manager signalling
-the whole group does not).
+its parent's STOP_NOW_SIGNAL stops it at once, also when it is the first stop read (a second SIGTERM
+from a service manager signalling the whole group does not).
 """
 
 from __future__ import annotations
@@ -165,6 +165,9 @@ class _Say:
         # letting another process's line land in between.
         sys.stderr.write(f"{self._who}: {message}\n")
         sys.stderr.flush()
+
+
+STOP_NOW_NAME = signal.Signals(STOP_NOW_SIGNAL).name
 
 
 async def _next_signal(signals: AsyncIterator[int]) -> int:
@@ -328,9 +331,15 @@ async def _serve_until_drained(
                 reason = PARENT_GONE  # the parent reading it is gone: as at its stdin's end
             else:
                 reason = await _first_stop(signals, supervised is not None)
-            log.info("%s: draining", reason, extra=ctx(reason="drain"))
-            sidecar.drain()
-            watch.start_soon(_stop_on_signal, signals, serving.cancel_scope, supervised is not None)
+            if reason == STOP_NOW_NAME:
+                # The parent sends its drain signal and then, for a second stop, this one; pending
+                # together they are handled in signal-number order, so this one can be read first.
+                log.warning("%s: stopping now", reason, extra=ctx(reason="drain"))
+                serving.cancel_scope.cancel()
+            else:
+                log.info("%s: draining", reason, extra=ctx(reason="drain"))
+                sidecar.drain()
+                watch.start_soon(_stop_on_signal, signals, serving.cancel_scope, supervised is not None)
         watch.cancel_scope.cancel()  # drained (sidecar.run returned): no more signals to watch
     # open_router's exit stopped every actor and closed every channel.
     return sidecar.stats()

@@ -235,6 +235,40 @@ async def test_a_stop_during_start_up_ends_it_at_once_and_it_never_says_it_serve
     assert "SIGTERM during start-up: stopped before serving" in stderr
 
 
+async def test_a_supervised_child_stops_at_once_when_the_stop_now_is_the_first_signal_it_reads() -> None:
+    """The parent sends a child its drain signal (SIGTERM) and, on a second stop, STOP_NOW_SIGNAL
+    (SIGUSR1) right after it. Pending together, a process handles signals in number order, so the
+    child read SIGUSR1 first: it took it for its drain signal, then ignored the SIGTERM as a second
+    drain signal from a service manager, and drained out its whole lame duck."""
+    command = [
+        *CLI_SERVE,
+        "--grpc-listen=127.0.0.1:0",
+        "--debug-listen=127.0.0.1:0",
+        "--workers=127.0.0.1:9",
+        "--kvcm-fallback=false",
+        "--drain-lame-duck-s=600",  # a drain outlasts the test's bound: only a stop at once ends in it
+        "--drain-timeout-s=600",
+        "--supervised-process=0",
+        "--supervised-processes=1",
+    ]
+    with trio.fail_after(60):
+        proc = await trio.lowlevel.open_process(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
+            assert _ADDRESSES.search(await _read_line(proc.stdout))
+            proc.send_signal(serve_cli.STOP_NOW_SIGNAL)
+            stderr = await _read_all(proc.stderr)
+            code = await proc.wait()
+        finally:
+            await _stop_process(proc)
+    assert code == 0, stderr
+    assert "SIGUSR1: stopping now" in stderr, stderr
+    assert "draining" not in stderr.replace("SIGUSR1: stopping now", ""), stderr
+    assert _SUMMARY.search(stderr), stderr
+
+
 async def test_fatal_configuration_lists_every_problem_and_exits_2() -> None:
     with trio.fail_after(30):
         code, stdout, stderr = await _run_to_end([*CLI_SERVE, "--grpc-listen=nowhere", "--budget-cap-ms=-5"])
