@@ -28,6 +28,7 @@ from router import serve_cli
 from router.cli import build_parser
 from router.keys import block_keys
 from router.serve_cli import SERVE_FULL_COLLECTION_EVERY, freeze_start_up
+from router.serve_processes import STOP_NOW_SIGNAL
 from router.sidecar import SidecarStats
 from router.types import KeyFamily
 from router.wire import router_v1_pb2
@@ -258,7 +259,7 @@ async def test_a_supervised_child_stops_at_once_when_the_stop_now_is_the_first_s
         try:
             assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
             assert _ADDRESSES.search(await _read_line(proc.stdout))
-            proc.send_signal(serve_cli.STOP_NOW_SIGNAL)
+            proc.send_signal(STOP_NOW_SIGNAL)
             stderr = await _read_all(proc.stderr)
             code = await proc.wait()
         finally:
