@@ -163,9 +163,18 @@ class SkipReason(enum.Enum):
     # decided about its probe (the loop was busy), so nothing is said about the budget.
     QUEUED = "queued"
     EJECTED = "ejected"
-    DEADLINE = "deadline"  # the deadline had passed, or came while the RPC was in flight
+    # The deadline had passed, or came while the RPC was in flight; or the worker answered within
+    # probe_timeout_s and the time ran out decoding its reply.
+    DEADLINE = "deadline"
     STOPPED = "stopped"  # the prober is not running (e.g. being restarted)
     GONE = "gone"  # left discovery (a later retain) while the request that named it was on its way
+
+
+class _Unjudged(enum.Enum):
+    """Why a probe's call ended with nothing to hold for or against its worker."""
+
+    NOT_SENT = "not_sent"  # its time ran out before the request was on its way (a channel, a thread)
+    ANSWERED_LATE = "answered_late"  # answered in time; the time ran out decoding the reply
 
 
 class ProbeKind(enum.Enum):
@@ -330,6 +339,9 @@ class _Landed:
     error_kind: str = ""  # set when the RPC failed
     error_detail: str = ""  # what the failure said
     no_budget: bool = False  # no slot before the deadline: the token goes back
+    # The worker answered within probe_timeout_s, and the time ran out while its reply was decoded (a
+    # large reply waiting for a decode thread, or this thread stalled): no status, nothing against it.
+    answered_late: bool = False
     inflight: int = 0  # RPCs in flight when this one started
     call_s: float | None = None  # how long the call took (None: no call was made)
     sent_at: float = 0.0  # when the call was sent (set with call_s)
@@ -1188,8 +1200,10 @@ class WorkerProber:
                 landed.inflight = self._limiter.borrowed_tokens
                 landed.sent_at = called_at = trio.current_time()
                 outcome = await self._call(flight)
-                if outcome is None:  # it never reached the worker: as for want of budget, its token back
+                if outcome is _Unjudged.NOT_SENT:  # it never reached the worker: as for want of budget
                     landed.no_budget = True
+                elif outcome is _Unjudged.ANSWERED_LATE:
+                    landed.answered_late = True
                 else:
                     landed.status, landed.error_kind, landed.error_detail = outcome
                     landed.call_s = trio.current_time() - called_at
@@ -1262,15 +1276,20 @@ class WorkerProber:
             self._limiter.release_on_behalf_of(flight)
         return False
 
-    async def _call(self, flight: _Flight) -> tuple[WorkerStatus | None, str, str] | None:
+    async def _call(self, flight: _Flight) -> tuple[WorkerStatus | None, str, str] | _Unjudged:
         """The RPC, bounded by probe_timeout_s alone (see the module docstring): the status, or the
-        failure's kind and detail; None when the request never reached the worker (its time ran out
-        waiting for a channel, or for a thread to start it on): nothing to hold against the worker."""
-        sent = False
+        failure's kind and detail; or why the worker is neither credited nor blamed: the request never
+        reached it (its time ran out waiting for a channel, or for a thread to start it on), or it
+        answered and the time ran out decoding the reply."""
+        sent = answered = False
 
         def mark_sent() -> None:
             nonlocal sent
             sent = True
+
+        def mark_answered() -> None:
+            nonlocal answered
+            answered = True
 
         with trio.move_on_after(self._config.probe_timeout_s):
             try:
@@ -1280,16 +1299,19 @@ class WorkerProber:
                         flight.state.latest_finished_version,
                         background=flight.kind is not ProbeKind.ON_DEMAND,
                         on_sent=mark_sent,
+                        on_answered=mark_answered,
                     ),
                     "",
                     "",
                 )
             except NotSent:
-                return None
+                return _Unjudged.NOT_SENT
             except TransportError as exc:
                 return None, exc.kind, exc.detail
         if not sent:
-            return None
+            return _Unjudged.NOT_SENT
+        if answered:
+            return _Unjudged.ANSWERED_LATE
         return None, PROBE_TIMEOUT_KIND, f"no answer within probe_timeout_s ({self._config.probe_timeout_s} s)"
 
     # --- applying outcomes (the owner) -------------------------------------------------------
@@ -1317,6 +1339,9 @@ class WorkerProber:
             result = self._outcome_skipped(flight, SkipReason.NO_BUDGET)
         elif landed.status is not None:
             result = self._record_status(flight, landed.status, landed.at, landed.sent_at)
+        elif landed.answered_late:
+            flight.state.checked_at = landed.at  # it answered: reachable
+            result = self._outcome_skipped(flight, SkipReason.DEADLINE)
         else:
             result = self._record_failure(flight, landed.error_kind, landed.error_detail, landed.at)
         self._finish(flight, result)

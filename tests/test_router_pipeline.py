@@ -49,6 +49,7 @@ from router.policy.deadline_split import SplitWindows
 from router.request import CheckedRequest, key_slices, prepare_request, sheddable
 from router.sidecar import decision_to_proto
 from router.supervisor import RouterHandle
+from router.transport.clients import LARGE_REPLY_BYTES
 from router.transport.errors import Unavailable
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
@@ -97,9 +98,9 @@ def make_config(cluster_addrs_bootstrap: str, workers: str, **router_kw: object)
 
 @asynccontextmanager
 async def routed(
-    cluster: SimCluster, **router_kw: object
+    cluster: SimCluster, network: MemoryNetwork | None = None, **router_kw: object
 ) -> AsyncIterator[tuple[RouterHandle, MemoryNetwork, KvrouteConfig]]:
-    network = MemoryNetwork()
+    network = MemoryNetwork() if network is None else network
     addrs = cluster.serve_memory(network)
     metrics_inbox = router_kw.pop("metrics_inbox", None)
     scorer = router_kw.pop("scorer", None)  # ScorerConfig fields to override
@@ -117,6 +118,50 @@ async def routed(
         with trio.move_on_after(1):
             await resolver.leader()
         yield handle, network, config
+
+
+def padded(reply: bytes, to_bytes: int) -> bytes:
+    """``reply`` with an unknown length-delimited field (number 1000) appended: the same message to a
+    decoder, ``to_bytes`` long or more on the wire."""
+    tag = bytes([(1000 << 3 | 2) & 0x7F | 0x80, (1000 << 3 | 2) >> 7])
+    size = max(0, to_bytes - len(reply))
+    length = bytearray()
+    rest = size
+    while True:
+        byte, rest = rest & 0x7F, rest >> 7
+        length.append(byte | (0x80 if rest else 0))
+        if not rest:
+            break
+    return reply + tag + bytes(length) + b"x" * size
+
+
+class StalledOnTheReply(MemoryNetwork):
+    """Each reply on ``method_path`` (any, when None) comes in padded to ``reply_bytes`` and this
+    thread then stalls for ``stall_s`` (a collection, a long step elsewhere), the reply in hand."""
+
+    def __init__(
+        self, clock: trio.testing.MockClock, reply_bytes: int, stall_s: float, method_path: str | None = None
+    ) -> None:
+        super().__init__()
+        self.clock = clock
+        self.reply_bytes = reply_bytes
+        self.stall_s = stall_s
+        self.method_path = method_path
+
+    async def call(
+        self,
+        target: str,
+        method_path: str,
+        request: bytes,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        background: bool = False,
+    ) -> bytes:
+        reply = await super().call(target, method_path, request, on_sent=on_sent, background=background)
+        if self.method_path is not None and method_path != self.method_path:
+            return reply
+        self.clock.jump(self.stall_s)
+        return padded(reply, self.reply_bytes)
 
 
 def fault_the_leader(cluster: SimCluster, faults: KvcmFaults) -> str:
@@ -261,6 +306,31 @@ async def test_queries_cut_by_a_query_timeout_below_slow_query_ms_are_judged(
             await trio.testing.wait_all_tasks_blocked()
         snap = resolver.snapshot()
         assert snap.breaker.state is BreakerState.OPEN and snap.queries_cut_short_total == 0
+
+
+async def test_a_kvcm_reply_in_hand_when_the_querys_time_ran_out_is_not_judged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reply larger than LARGE_REPLY_BYTES is decoded on a thread, and the hop there is a checkpoint:
+    with the query's time gone meanwhile (this thread stalled with KVCM's answer in hand) the answer was
+    dropped and judged a KVCM failure, and the leader that had answered in time was invalidated."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    network = StalledOnTheReply(autojump_clock, LARGE_REPLY_BYTES + 1, 0.0, paths.KVCM_GET_HOST_CACHE_STATE)
+    async with routed(cluster, network, kvcm_query_timeout_ms=5.0) as (handle, _, _):
+        seed(cluster, 1, 8)
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        network.stall_s = 0.01  # past the query's timeout, well within the request's budget
+        stalled = await handle.route(RouteRequest("stalled", token_ids=PROMPT, budget_ms=50))
+        assert stalled.route_source is not RouteSource.KVCM and stalled.worker is not None
+        assert stalled.sources[0].reason is Reason.DEADLINE
+        await trio.testing.wait_all_tasks_blocked()
+        snap = resolver.snapshot()
+        assert snap.invalidations_total == 0 and snap.breaker.window_failures == 0
+        assert snap.queries_cut_short_total == 1
+        network.stall_s, network.reply_bytes = 0.0, 0  # a large one's wait for its thread would let the clock jump
+        d = await handle.route(RouteRequest("after", token_ids=PROMPT, budget_ms=50))
+        assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(1)
 
 
 async def test_one_kvcm_stall_failing_every_query_in_flight_is_one_failure(

@@ -20,12 +20,12 @@ from actors.worker_prober import ProbeKind, ProbeOutcome, SkipReason, WorkerProb
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import RouteRequest
 from router.config import ProberConfig
-from router.transport.clients import WorkerStatusClient
+from router.transport.clients import LARGE_REPLY_BYTES, WorkerStatusClient
 from router.transport.memory_adapter import MemoryNetwork
 from router.transport.ports import InTurnCall, InTurnReply
 from router.types import RouteSource, Stage, WorkerAddr
 from router.wire import paths
-from tests.test_router_pipeline import BLOCK, PROMPT, routed, seed
+from tests.test_router_pipeline import BLOCK, PROMPT, StalledOnTheReply, routed, seed
 from tests.test_worker_prober import FakeWorkers, workers
 
 FRESH_TTL_S = 0.05
@@ -594,6 +594,32 @@ async def test_a_probe_whose_time_ran_out_before_it_reached_the_worker_is_not_he
         assert result.skip_reason is SkipReason.NO_BUDGET and health.probes_failed == 0
         assert health.failing == 0 and not health.ejected_until
         assert fake.rpcs(worker) == 0
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small-reply", "large-reply"])
+async def test_a_reply_in_hand_when_the_probes_time_ran_out_is_not_held_against_the_worker(
+    nursery: trio.Nursery, autojump_clock: MockClock, large: bool
+) -> None:
+    """A reply larger than LARGE_REPLY_BYTES is decoded on a thread, and the hop there is a checkpoint:
+    with probe_timeout_s gone meanwhile (this thread stalled with the reply in hand, or the reply waited
+    for a decode thread) the reply was dropped and counted as the worker's probe_timeout, and
+    eject_after_failures of them ejected a worker that had answered in time. A small reply decodes at
+    once and is kept."""
+    network = StalledOnTheReply(autojump_clock, LARGE_REPLY_BYTES + 1 if large else 0, stall_s=0.3)
+    fake = FakeWorkers(network, latency_s=0.002)
+    [worker] = [fake.add(w) for w in workers(1)]
+    config = dataclasses.replace(ProberConfig(), probe_timeout_s=0.2, eject_after_failures=1)
+    prober = await start(nursery, fake, config)
+    handle = prober.probe([worker], trio.current_time() + 1.0)
+    await handle.wait_all()
+    [result] = handle.results()
+    health = prober.snapshot()
+    assert health.probes_failed == 0 and health.failing == 0 and not health.ejected_until, health
+    if large:  # no status to use, and nothing against the worker
+        assert result.outcome is ProbeOutcome.SKIPPED and result.skip_reason is SkipReason.DEADLINE
+        assert health.skipped[SkipReason.DEADLINE.value] == 1
+    else:
+        assert result.outcome is ProbeOutcome.OK
 
 
 class _SlowRoundStart(MemoryNetwork):

@@ -146,10 +146,16 @@ class KvcmSource:
         query_deadline = min(query_end, t + self._query_timeout_s)
         error: TransportError | None = None
         state: CacheState | None = None
+        answered = False
+
+        def mark_answered() -> None:
+            nonlocal answered
+            answered = True
+
         try:
             with trio.move_on_at(query_deadline) as waiting:
                 try:
-                    state = await self._kvcm.get_host_cache_state(leader.target, query)
+                    state = await self._kvcm.get_host_cache_state(leader.target, query, on_answered=mark_answered)
                 except TransportError as exc:
                     error = exc
         except BaseException:
@@ -163,10 +169,15 @@ class KvcmSource:
         ctx.stages[Stage.CACHE_QUERY] = ms(trio.current_time() - t)
         if state is None and error is None:
             bound = "the request's budget" if by_budget else "kvcm_query_timeout_ms"
-            error = DeadlineExceeded(leader.target, f"GetHostCacheState did not answer within {bound}")
+            what = "answered, but its reply was not decoded" if answered else "did not answer"
+            error = DeadlineExceeded(leader.target, f"GetHostCacheState {what} within {bound}")
         # Only a window the request's budget cut is spared judging: the configured timeout is the
-        # operator's own bound on a healthy answer, however short.
+        # operator's own bound on a healthy answer, however short. A reply that was in when the time
+        # ran out (a large one waiting to be decoded, or this thread stalled) is not judged at all:
+        # as a query given no time.
         given_s = query_deadline - t if by_budget else math.inf
+        if answered and state is None:
+            given_s = 0.0
         judged = resolver.record_kvcm(error, trial=trial, given_s=given_s, started_at=t)
         if error is not None:
             if judged:  # a query cut short by a tight budget does not make the leader suspect

@@ -28,7 +28,9 @@ DECODE_THREADS = 2  # threads of their own: trio's default ones may all be held 
 
 async def decoded(decode_reply: Callable[[], _T], size: int, threads: trio.CapacityLimiter) -> _T:
     """``decode_reply()``, here for a small reply, on one of ``threads`` for a large one (``size``
-    bytes). Abandoned on cancel: decoding touches nothing but the reply."""
+    bytes). Abandoned on cancel: decoding touches nothing but the reply. A large reply's hop is a
+    checkpoint, so a caller's time can run out here with the reply in hand: the callers' ``on_answered``
+    tells them so."""
     if size <= LARGE_REPLY_BYTES:
         return decode_reply()
     return await trio.to_thread.run_sync(decode_reply, limiter=threads, abandon_on_cancel=True)
@@ -47,8 +49,12 @@ class KvcmClient:
         )
         return decode.decode_cluster_info(reply, target)
 
-    async def get_host_cache_state(self, target: str, query: CacheQuery) -> CacheState:
+    async def get_host_cache_state(
+        self, target: str, query: CacheQuery, *, on_answered: Callable[[], None] | None = None
+    ) -> CacheState:
         reply = await self._rpc.call(target, paths.KVCM_GET_HOST_CACHE_STATE, decode.encode_cache_query(query))
+        if on_answered is not None:
+            on_answered()
         state = partial(decode.decode_cache_state, reply, target, len(query.block_keys))
         return await decoded(state, len(reply), self._decode_threads)
 
@@ -68,6 +74,7 @@ class WorkerStatusClient:
         *,
         background: bool = False,
         on_sent: Callable[[], None] | None = None,
+        on_answered: Callable[[], None] | None = None,
     ) -> WorkerStatus:
         reply = await self._rpc.call(
             target,
@@ -76,6 +83,8 @@ class WorkerStatusClient:
             on_sent=on_sent,
             background=background,
         )
+        if on_answered is not None:
+            on_answered()
         status = partial(decode.decode_worker_status, reply, target, self._generation)
         return await decoded(status, len(reply), self._decode_threads)
 

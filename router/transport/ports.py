@@ -111,7 +111,12 @@ class WorkerStatusReply(NamedTuple):
 class KvcmTransport(Protocol):
     async def get_cluster_info(self, target: str, instance_id: str, trace_id: str = "") -> ClusterInfo: ...
 
-    async def get_host_cache_state(self, target: str, query: CacheQuery) -> CacheState: ...
+    async def get_host_cache_state(
+        self, target: str, query: CacheQuery, *, on_answered: Callable[[], None] | None = None
+    ) -> CacheState:
+        """``on_answered``: called once the reply's bytes are in, before they are decoded (a large
+        reply on a thread): a caller whose time runs out after it knows the peer answered in time."""
+        ...
 
 
 class WorkerStatusTransport(Protocol):
@@ -122,8 +127,10 @@ class WorkerStatusTransport(Protocol):
         *,
         background: bool = False,
         on_sent: Callable[[], None] | None = None,
+        on_answered: Callable[[], None] | None = None,
     ) -> WorkerStatus:
-        """``background`` and ``on_sent``: as ``RawRpc.call``'s."""
+        """``background`` and ``on_sent``: as ``RawRpc.call``'s; ``on_answered``: as
+        ``KvcmTransport.get_host_cache_state``'s."""
         ...
 
     async def get_worker_statuses(self, asks: Sequence[WorkerStatusAsk], within_s: float) -> list[WorkerStatusReply]:
