@@ -54,7 +54,8 @@ from router.exception_groups import leaves, sole_leaf
 from router.logs import AggregatingLogger
 from router.master_config import master_hosts
 from router.policy.choice import make_policy
-from router.settings import LoadedConfig
+from router.problems import refuse
+from router.settings import SECTION_PROBLEMS, LoadedConfig
 from router.settings.redact import config_digest, non_default_settings
 from router.targets import HostPort
 from router.transport.clients import KvcmClient, WorkerStatusClient
@@ -339,6 +340,13 @@ async def _topology(
     loaded: LoadedConfig | None,
     debug_http: bool,
 ) -> AsyncIterator[RouterHandle]:
+    # The sections no actor's constructor refuses (each actor refuses its own), before any actor is
+    # built on them: a configuration built in code reaches here without the settings' validation (a NaN
+    # budget cap answered every request internal_error; no request in flight failed on an inbox sized
+    # from it).
+    refuse("deployment", SECTION_PROBLEMS["deployment"](config.deployment))
+    refuse("router", SECTION_PROBLEMS["router"](config.router))
+    refuse("limits", SECTION_PROBLEMS["limits"](config.limits))
     async with AsyncExitStack() as stack, trio.open_nursery() as services:
         supervisor = Supervisor(services)
         metrics = MetricsSink(config.metrics, split=config.router)

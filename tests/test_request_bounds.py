@@ -24,6 +24,7 @@ from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LimitsConfig, RouterConfig
 from router.keys import block_key_slices, block_keys, join_slices
+from router.problems import ConfigError
 from router.request import (
     check_admissible,
     check_request,
@@ -55,6 +56,26 @@ def refused(request: RouteRequest, limits: LimitsConfig = LIMITS) -> BadRequest:
 
 
 # --- bounds ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        (KvrouteConfig(router=RouterConfig(budget_cap_ms=float("nan"))), r"router\.budget_cap_ms: must be a finite"),
+        (KvrouteConfig(router=RouterConfig(max_in_flight=0)), r"router\.max_in_flight: must be > 0"),
+        (KvrouteConfig(limits=LimitsConfig(max_prompt_tokens=0)), r"limits\.max_prompt_tokens: must be > 0"),
+        (KvrouteConfig(deployment=DeploymentConfig(block_size=0)), r"deployment\.block_size: must be > 0"),
+    ],
+    ids=["nan-budget-cap", "no-request-in-flight", "no-prompt-token", "no-block-size"],
+)
+async def test_a_configuration_built_in_code_is_refused_naming_the_field(config: KvrouteConfig, named: str) -> None:
+    """An embedder's KvrouteConfig reaches open_router without the settings' validation, and the
+    router and limits sections were refused by nobody: a NaN budget cap answered every request
+    internal_error, no request in flight answered every one overloaded."""
+    with pytest.raises(ConfigError, match=named):
+        async with open_router(config, rpc=MemoryNetwork()):
+            raise AssertionError("the router started")
+
 
 
 def test_the_largest_legal_request_is_accepted_and_one_more_is_refused_naming_the_bound() -> None:
