@@ -537,7 +537,12 @@ def discovery_problems(config: DiscoveryConfig) -> list[Problem]:
             c.kvcm_bootstrap_dns,
             lambda: _dns_name(c.kvcm_bootstrap_dns, c.kvcm_port, "kvcm_bootstrap_dns"),
         ),
-        ("workers_dns", c.workers_dns, lambda: _dns_name(c.workers_dns, worker_port, "workers_dns")),
+        (
+            "workers_dns",
+            c.workers_dns,
+            # Its answers take the name's port: the ports derived from it are checked as a list's are.
+            lambda: to_workers((_dns_name(c.workers_dns, worker_port, "workers_dns"),), c, "workers_dns"),
+        ),
     )
     for name, given, parse in checks:
         # Each list is parsed with its port settings and max_entries: only when those are valid.

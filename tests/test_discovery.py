@@ -94,6 +94,15 @@ async def test_worker_grpc_port_out_of_range_is_named() -> None:
         Discovery(dataclasses.replace(CFG, workers="10.1.0.1:9000,10.1.0.9:65535"))
 
 
+async def test_a_dns_names_port_whose_grpc_port_is_out_of_range_is_named() -> None:
+    """A DNS name's answers take its port, as a static entry does: it passed unchecked, and every
+    refresh then failed with a warning naming the offset's field, not the flag."""
+    with pytest.raises(DiscoveryConfigError, match=r"workers_dns: workers\.example:65535: grpc port 65536") as info:
+        Discovery(dataclasses.replace(CFG, workers_dns="workers.example:65535"))
+    assert [p.fields for p in info.value.problems] == [("workers_dns",)]
+    Discovery(dataclasses.replace(CFG, workers_dns="workers.example:65534", worker_grpc_port_offset=1))
+
+
 async def test_a_stale_timeout_shorter_than_the_refresh_interval_is_refused() -> None:
     """Every failed refresh would drop the source's entries at once, not keep its last good ones."""
     with pytest.raises(DiscoveryConfigError, match="stale timeout") as info:
@@ -272,20 +281,6 @@ async def test_dns_answer_over_max_entries_is_a_failed_refresh(
     assert d.workers().workers == ()
     dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
     assert dns.last_error is not None and "max_entries=4" in dns.last_error
-
-
-async def test_dns_workers_whose_grpc_port_is_no_port_are_a_failed_refresh(
-    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
-) -> None:
-    """Refused when read, as a static entry is: published, they would end the actor at every refresh."""
-    fake_dns.answers["workers.example"] = ["10.1.0.7"]
-    d = Discovery(dataclasses.replace(CFG, workers="10.1.0.1", workers_dns="workers.example:65535"), resolver=fake_dns)
-    await nursery.start(d.run)
-    await trio.sleep(2.5 * CFG.refresh_interval_s)  # two refreshes more
-    assert http_targets(d.workers()) == ["10.1.0.1:8080"]  # the other source's workers are still served
-    dns = next(s for s in d.snapshot().sources if s.name == "workers.dns")
-    assert dns.entries == 0 and dns.failures_total == 3
-    assert dns.last_error is not None and "10.1.0.7:65535: grpc port 65536" in dns.last_error
 
 
 async def test_an_empty_dns_answer_ends_the_error_and_its_return_is_warned_again(
