@@ -550,9 +550,12 @@ def discovery_problems(config: DiscoveryConfig) -> list[Problem]:
         if not given or inputs & out_of_range:
             continue
         try:
-            parse()
+            parsed = parse()
         except _TooManyEntries as exc:
             problems.append(Problem((name, "max_entries"), str(exc).removeprefix(f"{name}: ")))
         except _RefreshFailed as exc:
             problems.append(Problem((name,), str(exc).removeprefix(f"{name}: ")))
+        else:
+            if parsed == ():  # given, so counted as a source by every check of "is one set"
+                problems.append(Problem((name,), f"names no entry, only separators ({given!r})"))
     return problems

@@ -39,4 +39,7 @@ def master_problems(config: MasterConfig) -> list[Problem]:
         if str(target) in seen:
             found.append(Problem(("hosts",), f"{entry!r} is listed twice"))
         seen.add(str(target))
+    if config.hosts and not any(e.strip() for e in config.hosts.split(",")):
+        # Given, so the breaker rules read a scheduler as configured where there is none.
+        found.append(Problem(("hosts",), f"names no entry, only separators ({config.hosts!r})"))
     return found

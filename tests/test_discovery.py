@@ -94,6 +94,20 @@ async def test_worker_grpc_port_out_of_range_is_named() -> None:
         Discovery(dataclasses.replace(CFG, workers="10.1.0.1:9000,10.1.0.9:65535"))
 
 
+@pytest.mark.parametrize("name", ["workers", "kvcm_bootstrap"])
+async def test_a_list_of_separators_alone_is_refused(name: str) -> None:
+    """Given, a list with no entry counted as a source set: check-config said the fallback's leader
+    and the workers came from it, and routing then found no worker."""
+    if name == "workers":
+        given = dataclasses.replace(CFG, workers=" , ")
+    else:
+        given = dataclasses.replace(CFG, kvcm_bootstrap=" , ")
+    with pytest.raises(DiscoveryConfigError) as info:
+        Discovery(given)
+    expected = [((name,), "names no entry, only separators (' , ')")]
+    assert [(p.fields, p.message) for p in info.value.problems] == expected
+
+
 async def test_a_dns_names_port_whose_grpc_port_is_out_of_range_is_named() -> None:
     """A DNS name's answers take its port, as a static entry does: it passed unchecked, and every
     refresh then failed with a warning naming the offset's field, not the flag."""

@@ -501,6 +501,14 @@ def test_a_bare_host_takes_the_default_port_and_an_explicit_one_is_kept() -> Non
     ]
 
 
+def test_a_host_list_of_separators_alone_is_refused() -> None:
+    """Given, it counted as a scheduler configured: its breaker's rules were applied to a router
+    whose assessment said there was no scheduler."""
+    assert [(p.fields, p.message) for p in master_problems(MasterConfig(hosts=" , ,"))] == [
+        (("hosts",), "names no entry, only separators (' , ,')")
+    ]
+
+
 def test_problems_name_every_bad_field() -> None:
     config = MasterConfig(
         hosts="10.0.0.1:7001, 10.0.0.1:7001,bad host,10.0.0.2:65534",
