@@ -56,8 +56,8 @@ def test_broken_config_lists_every_problem_and_exits_nonzero(
     for start in expected_starts:
         assert sum(line.startswith(start) for line in errors) == 1, start
     assert "errors (6):" in out
-    assert "result: 6 error(s); 2 outside the KVCM fallback: kvroute will not start" in out
-    assert "KVCM fallback requested but DISABLED: 4 problem(s) in its settings" in out
+    assert "result: 6 error(s); 3 outside the KVCM fallback: kvroute will not start" in out
+    assert "KVCM fallback requested but DISABLED: 3 problem(s) in its settings" in out
     # Sources: a value from the file names the file and key.
     assert "--query-type" in out and f"config file {config} [deployment] query_type" in out
 

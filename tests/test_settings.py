@@ -693,16 +693,16 @@ def test_an_instance_id_that_is_not_utf8_is_refused_and_turns_the_fallback_off()
 
 def test_fail_soft_invalid_fallback_part_turns_the_fallback_off_and_keeps_defaults() -> None:
     loaded = load_config(
-        {**GOOD, "block_size": "0", "prober_inflight_cap": "-3", "workers": "10.1.0.1:80"}, {}
+        {**GOOD, "block_size": "0", "shadow_ttl_s": "-3", "workers": "10.1.0.1:80"}, {}
     )
     assert loaded.fatal_errors == ()
-    assert _names(loaded.fallback_errors) == {("block_size",), ("prober_inflight_cap",)}
+    assert _names(loaded.fallback_errors) == {("block_size",), ("shadow_ttl_s",)}
     assert loaded.fallback_disabled_by_errors
     assert loaded.config.deployment.block_size == 0  # as given
     eff = loaded.effective
     assert eff.router.kvcm_fallback is False
     assert eff.deployment.block_size == KvrouteConfig().deployment.block_size
-    assert eff.prober.inflight_cap == KvrouteConfig().prober.inflight_cap
+    assert eff.shadow.ttl_s == KvrouteConfig().shadow.ttl_s
     assert eff.discovery.workers == "10.1.0.1:80"  # the main path is untouched
     assert settings.validate(eff) == []  # nothing invalid reaches an actor
 
@@ -718,7 +718,7 @@ def test_main_path_problems_are_fatal_not_fail_soft() -> None:
     ("name", "bad", "fallback"),
     [
         ("shadow_ttl_s", "0", True),
-        ("channel_pool_max_channels", "0", True),
+        ("channel_pool_max_channels", "0", False),  # the health probes' channels, the fallback off too
         ("router_reserve_fraction", "1", True),
         ("router_reserve_min_ms", "-1", True),
         ("split_min_samples", "0", True),
@@ -737,14 +737,31 @@ def test_a_bad_value_turns_the_fallback_off_or_stops_kvroute_by_whether_it_is_a_
     assert loaded.effective.router.kvcm_fallback is not fallback
 
 
-def test_a_main_path_problem_a_bad_fallback_setting_hid_is_still_fatal() -> None:
-    """The worker list is parsed only once its port settings are valid: a --worker-status-port out of
-    range (a fallback setting) hides a bad --workers entry until fail-soft resets the port, and with
-    the port reset the entry would stop kvroute: it is listed, fatal, beside the fallback problem."""
-    loaded = load_config({**GOOD, "worker_status_port": "70000", "workers": "10.1.0.1:99999"}, {})
-    assert _names(loaded.fallback_errors) == {("worker_status_port",)}
-    [fatal] = loaded.fatal_errors
-    assert fatal.settings == ("workers",) and "--workers" in str(fatal) and "99999" in str(fatal)
+def test_the_settings_the_health_probes_use_are_the_main_path() -> None:
+    """The prober runs with the KVCM fallback off too: its health probes, to --worker-status-port over
+    the channel pool, tell domain routing which workers are reachable. Such a setting given out of
+    range was reset to its default as a fallback setting, and kvroute started probing the gRPC port
+    with a 0.2 s timeout where the operator had said otherwise."""
+    loaded = load_config(
+        {**GOOD, "worker_status_port": "70000", "prober_probe_timeout_s": "0", "channel_pool_max_channels": "0"}, {}
+    )
+    assert loaded.fallback_errors == ()
+    assert _names(loaded.fatal_errors) == {
+        ("worker_status_port",),
+        ("prober_probe_timeout_s",),
+        ("channel_pool_max_channels",),
+    }
+
+
+def test_a_bad_key_geometry_is_fatal_when_a_scheduler_over_grpc_is_sent_keys_made_with_it() -> None:
+    """Fail-soft reset a bad --block-size to its default: the KVCM fallback went off, but the gRPC
+    scheduler went on being sent keys, made with the default block size."""
+    bad = {**GOOD, "block_size": "70000", "master_hosts": "10.0.0.9:7001"}
+    over_http = load_config(bad, {})
+    assert over_http.fatal_errors == () and _names(over_http.fallback_errors) == {("block_size",)}
+    over_grpc = load_config({**bad, "master_protocol": "grpc"}, {})
+    [fatal] = over_grpc.fatal_errors
+    assert fatal.settings == ("block_size",) and "the scheduler is sent block keys made with it" in str(fatal)
 
 
 # --- views ------------------------------------------------------------------------------------

@@ -36,7 +36,9 @@ _SECRET_WORDS = frozenset({"secret", "token", "password", "passwd", "credential"
 # Sections whose settings carry no section prefix (their field names are already the operator's words).
 _UNPREFIXED_SECTIONS = frozenset({"deployment", "serve", "limits"})
 # Sections used only by the KVCM fallback; the rest are the main path unless a field says otherwise.
-_FALLBACK_SECTIONS = frozenset({"leader", "breaker", "prober", "scorer", "shadow", "channel_pool"})
+# Not the prober's or the channel pool's: the prober runs with the fallback off too, its health probes
+# (over the pool's channels) telling domain routing which workers are reachable.
+_FALLBACK_SECTIONS = frozenset({"leader", "breaker", "scorer", "shadow"})
 
 
 class Kind(enum.Enum):
@@ -546,7 +548,6 @@ _SPECS: dict[str, _Spec] = {
     "discovery.worker_status_port": _Spec(
         "Port of GetWorkerStatus (0 = the worker's gRPC port)",
         short=True,
-        fallback=True,
         metavar="PORT",
     ),
     "discovery.refresh_interval_s": _Spec(
@@ -630,43 +631,36 @@ _SPECS: dict[str, _Spec] = {
     "prober.health_interval_s": _Spec(
         "Background health probes of discovered workers run this often, so a dead worker is known "
         "without probing on the request path (0 = off)",
-        fallback=False,
         metavar="SECONDS",
     ),
     "prober.health_max_probes": _Spec(
         "Most background health probes started at once; each interval's pass over the fleet goes on "
         "(round robin) as they land, until every worker not heard from for an interval is probed",
-        fallback=False,
     ),
     "prober.background_refresh": _Spec(
         "Keep the statuses of recently wanted workers fresh by polling them in the background, so a "
         "request makes no probe of its own (only while refresh-interval is below fresh-ttl)",
-        fallback=False,
     ),
     "prober.refresh_interval_s": _Spec(
-        "Background refresh: how often each hot worker's status is polled", fallback=False, metavar="SECONDS"
+        "Background refresh: how often each hot worker's status is polled", metavar="SECONDS"
     ),
     "prober.hot_window_s": _Spec(
         "Background refresh: a worker is hot (polled) while a request named it as a candidate this recently",
-        fallback=False,
         metavar="SECONDS",
     ),
     "prober.refresh_budget_share": _Spec(
         "Background refresh: most of the probe rate budget it may use; it takes only tokens beyond the "
         "rest, which stays for requests' own probes",
-        fallback=False,
     ),
     "prober.refresh_idle_gaps": _Spec(
         "Background refresh: a hot worker is polled only while a request read its status within this many "
         "of its usual gaps between reads (at least two refresh intervals, at most hot-window), so polls "
         "stop soon after a worker's reads stop",
-        fallback=False,
     ),
     "prober.serial_refresh": _Spec(
         "Background refresh: make a round's polls one after another on one worker thread (blocking gRPC "
         "calls, each bounded by what is left of probe-timeout for the round) instead of a task and an "
         "asynchronous call each; on-demand probes are unchanged",
-        fallback=False,
     ),
     "router.score_unmatched": _Spec(
         "A prompt nobody holds (KVCM answered no match, the shadow index has none) goes to the least "

@@ -23,7 +23,7 @@ from actors.leader_resolver import leader_problems
 from actors.metrics_sink import metrics_problems
 from actors.probe_budget import prober_problems
 from actors.shadow_index import shadow_problems
-from router.config import DeploymentConfig, KvrouteConfig
+from router.config import DeploymentConfig, KvrouteConfig, MasterProtocol
 from router.keys import geometry_problems
 from router.master_config import master_problems
 from router.policy.cache_affinity import scorer_problems
@@ -231,6 +231,24 @@ def _joint_problems(c: KvrouteConfig) -> Iterator[tuple[tuple[str, ...], str]]:
             )
 
 
+# The deployment's settings a scheduler over gRPC is sent block keys made with.
+_KEY_GEOMETRY = frozenset({"block_size", "lookahead_tokens", "key_family"})
+
+
+def _keyed_master_problems(c: KvrouteConfig) -> list[SettingProblem]:
+    """The key geometry's problems again, on the main path, when a scheduler over gRPC is sent keys made
+    with it: fail-soft would reset the geometry to its defaults and send the scheduler wrong keys."""
+    if not c.master.hosts.strip(", ") or c.master.protocol is not MasterProtocol.GRPC:
+        return []
+    found = []
+    for problem in _deployment_problems(c.deployment):
+        if set(problem.fields) <= _KEY_GEOMETRY:
+            names = tuple(BY_TOML_KEY[f"deployment.{name}"].name for name in problem.fields)
+            message = f"{_in_flags('deployment', problem.message)} (the scheduler is sent block keys made with it)"
+            found.append(SettingProblem(names, message, fallback=False))
+    return found
+
+
 def _token_problems(
     c: KvrouteConfig, files: FileChecks | None, malformed: frozenset[str]
 ) -> Iterator[tuple[tuple[str, ...], str]]:
@@ -282,6 +300,7 @@ def validate(
             problems.append(_problem(names, message))
     for names, message in (*_joint_problems(config), *_token_problems(config, files, malformed)):
         problems.append(_problem(names, message))
+    problems += _keyed_master_problems(config)
     # One setting's problems first, in table order; then those joining settings, as found.
     order = {s.name: i for i, s in enumerate(SETTINGS)}
     return sorted(problems, key=lambda p: order[p.settings[0]] if len(p.settings) == 1 else len(order))
