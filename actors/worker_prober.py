@@ -30,7 +30,9 @@ with what it has (an "anytime" decision).
 - **A started RPC is bounded by ``probe_timeout_s`` only**, not by the waiting
   requests' deadlines: a slow or black-holed worker must still accrue failures
   (and be ejected) when every request's budget is shorter than the probe
-  timeout, and a late answer refreshes the cache for the next request.
+  timeout, and a late answer refreshes the cache for the next request. The
+  worker has that long from the request's sending: a wait before it (for the
+  channel, for a thread to start it on) is not the worker's time.
 - **Coalescing.** At most one probe per worker is pending; a request for a worker
   with a pending probe joins it and gets the same result; its own deadline
   bounds only its own wait.
@@ -1282,16 +1284,20 @@ class WorkerProber:
         reached it (its time ran out waiting for a channel, or for a thread to start it on), or it
         answered and the time ran out decoding the reply."""
         sent = answered = False
+        timeout_s = self._config.probe_timeout_s
 
         def mark_sent() -> None:
             nonlocal sent
             sent = True
+            # The worker is judged on the time it had: a wait for a channel or a starter thread that took
+            # most of probe_timeout_s left a healthy worker milliseconds, and counted it timed out.
+            bound.deadline = max(bound.deadline, trio.current_time() + timeout_s)
 
         def mark_answered() -> None:
             nonlocal answered
             answered = True
 
-        with trio.move_on_after(self._config.probe_timeout_s):
+        with trio.move_on_after(timeout_s) as bound:
             try:
                 return (
                     await self._transport.get_worker_status(

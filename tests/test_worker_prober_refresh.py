@@ -622,6 +622,24 @@ async def test_a_reply_in_hand_when_the_probes_time_ran_out_is_not_held_against_
         assert result.outcome is ProbeOutcome.OK
 
 
+async def test_a_worker_has_probe_timeout_s_from_the_sending_however_long_the_wait_before_it(
+    nursery: trio.Nursery, autojump_clock: MockClock
+) -> None:
+    """A probe that waited most of probe_timeout_s for its channel or a starter thread left the worker
+    the rest: a healthy worker answering in 10 ms after a 195 ms wait was counted timed out, and
+    ejected at eject_after_failures."""
+    network = _SlowToSend(0.195)
+    fake = FakeWorkers(network, latency_s=0.01)
+    [worker] = [fake.add(w) for w in workers(1)]
+    config = dataclasses.replace(ProberConfig(), probe_timeout_s=0.2, eject_after_failures=1)
+    prober = await start(nursery, fake, config)
+    handle = prober.probe([worker], trio.current_time() + 1.0)
+    await handle.wait_all()
+    [result] = handle.results()
+    assert result.outcome is ProbeOutcome.OK, (result, prober.snapshot().failed_by_kind)
+    assert prober.snapshot().probes_failed == 0
+
+
 class _SlowRoundStart(MemoryNetwork):
     """A serial round that waits ``setup_s`` before its first call (its leases, a thread to run on),
     timing each call from before that wait, as the gRPC adapter does; counts the calls made alone."""
