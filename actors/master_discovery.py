@@ -156,10 +156,17 @@ class MasterDiscovery:
         await self._round()
         task_status.started()
         interval = self._config.discovery_interval_s
+        point = 0  # the grid point of the round just made, counted: each round gets a later one
         while True:
             # The next grid point still ahead: a round longer than the interval skips the ones it overran.
-            elapsed = trio.current_time() - self._started_at
-            await trio.sleep_until(self._started_at + (math.floor(elapsed / interval) + 1) * interval)
+            # Stepped on past ``now`` as well: a round that took no time ends on its own point, and the
+            # division can come out a hair short of it, naming that point again (a second round at the
+            # same instant; on a mock clock, rounds at one instant for ever).
+            now = trio.current_time()
+            point = max(point + 1, math.floor((now - self._started_at) / interval) + 1)
+            while self._started_at + point * interval <= now:
+                point += 1
+            await trio.sleep_until(self._started_at + point * interval)
             await self._round()
 
     async def _round(self) -> None:

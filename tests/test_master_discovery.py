@@ -14,6 +14,7 @@ from kvroute_sim.sim.master import MasterFaults, SimMaster
 from router.config import MasterConfig
 from router.transport.master_memory import MemoryMasterNetwork
 from router.wire import paths
+from router.wire.master import MasterInfo
 
 
 @pytest.fixture
@@ -81,6 +82,38 @@ async def test_polls_every_host_once_per_interval(clock: trio.testing.MockClock,
     for host in s.hosts:
         assert s.network.call_count(host, paths.MASTER_HTTP_INFO) == 4
     assert s.discovery.snapshot().rounds_total == 4
+
+
+class _OncePerInstant(MemoryMasterNetwork):
+    """Refuses (fails the run) a second poll of one host at one instant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polled: set[tuple[str, float]] = set()
+
+    async def master_info(self, host: str) -> MasterInfo:
+        at = (host, trio.current_time())
+        assert at not in self.polled, f"{host} polled twice at t={at[1]!r}"
+        self.polled.add(at)
+        return await super().master_info(host)
+
+
+@pytest.mark.parametrize("interval_s", [0.1, 1.0])
+async def test_one_round_per_grid_point_whatever_the_start(
+    clock: trio.testing.MockClock, nursery: trio.Nursery, interval_s: float
+) -> None:
+    """A round that takes no time ends on its own grid point, and the next point was computed from
+    floor(elapsed / interval), which float rounding can leave one short: the same point again, a second
+    round at the same instant, and on a mock clock rounds at that instant for ever (the run hung). A
+    start off the grid's multiples, as after a restart, met it within the minute."""
+    sim = SimMaster(replicas=2, elected=0, queue_length=5)
+    network = _OncePerInstant()
+    hosts = sim.serve_memory(network).hosts
+    await trio.sleep(0.3)
+    discovery = MasterDiscovery(MasterConfig(hosts=",".join(hosts), discovery_interval_s=interval_s), network)
+    await nursery.start(discovery.run)
+    await trio.sleep(60.5 * interval_s)
+    assert discovery.snapshot().rounds_total == 61  # the first, at the start, and one per interval
 
 
 async def test_unhealthy_after_two_failures_then_master_moves(
