@@ -250,8 +250,13 @@ class RouterActor:
             due = start + (self._lag_idle_s if idle else base_s)
             with trio.CancelScope() as wait:
                 self._lag_wake = (wait, start, due) if idle else None
-                await trio.sleep_until(due)
-            self._lag_wake = None
+                try:
+                    await trio.sleep_until(due)
+                finally:
+                    # Also when this task ends here (its actor crashed, a stop): a request meanwhile, the
+                    # task down for a restart's backoff, took a lag sample from the dead wait, however
+                    # long ago it was due, and the estimate it left shed every request until the restart.
+                    self._lag_wake = None
             self._unyielded = 0  # the loop cycled: this task ran
             now = trio.current_time()
             if wait.cancel_called:  # a request came and took the sample (``_arrived``), due or not

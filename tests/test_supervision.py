@@ -98,6 +98,30 @@ async def test_requests_while_the_scorer_restarts_fall_back_at_once(autojump_clo
         assert after.route_source is RouteSource.KVCM
 
 
+async def test_requests_while_the_router_task_restarts_take_no_lag_from_its_dead_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The router's own task, crashed while its lag probe waited as for an idle loop, left that wait
+    published: a request during the restart's backoff took a lag sample from it (its due, however long
+    ago), and nothing aged the estimate until the restart, so every request was shed overloaded."""
+    async with _routing() as handle:
+        first = await handle.route(RouteRequest("before", token_ids=PROMPT, budget_ms=30))
+        assert first.route_source is RouteSource.KVCM
+        await trio.sleep(1.0)  # idle: the lag probe waits as for an idle loop
+        for _ in range(5):  # five crashes in a row: the backoff grows to 0.8 s
+            while handle.actors_health()["router"]["state"] != "running":  # noqa: ASYNC110 (no event for it)
+                await trio.sleep(0.001)
+            await trio.testing.wait_all_tasks_blocked()
+            handle.supervisor.inject_crash("router")
+            await trio.testing.wait_all_tasks_blocked()
+        assert handle.actors_health()["router"]["state"] == "restarting"
+        await trio.sleep(0.7)  # within the backoff
+        decisions = [
+            await handle.route(RouteRequest(f"during-{i}", token_ids=PROMPT, budget_ms=30)) for i in range(2)
+        ]
+        assert all(d.reason is not Reason.OVERLOADED for d in decisions), [d.reason for d in decisions]
+
+
 class _Channel:
     def __init__(self, target: str) -> None:
         self.target = target
