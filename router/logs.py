@@ -79,11 +79,20 @@ def _timestamp(record: logging.LogRecord) -> str:
     return f"{seconds}.{int(record.msecs):03d}Z"
 
 
+def _one_line(text: str) -> str:
+    """``text`` with its control, format and unpaired surrogate characters escaped, the rest as it is:
+    a message carries a peer's text (KVCM's refusal, a worker's error detail), and a newline in it began
+    a line of its own that read as a record of ours."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escaped(c) for c in text)
+
+
 class TextFormatter(logging.Formatter):
     """``2025-01-02T03:04:05.678Z WARNING actors.worker_prober: probe failed target=10.0.0.1:8001``"""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_timestamp(record)} {record.levelname} {record.name}: {record.getMessage()}"
+        line = f"{_timestamp(record)} {record.levelname} {record.name}: {_one_line(record.getMessage())}"
         fields = _context(record)
         if fields:
             line += " " + " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())

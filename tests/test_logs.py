@@ -68,6 +68,28 @@ def test_text_format_escapes_a_context_value_a_terminal_would_act_on(restore_roo
     assert all(c.isprintable() for c in line)
 
 
+def test_text_format_keeps_a_message_carrying_a_peers_text_on_its_line(restore_root_logging: None) -> None:
+    """A message carries a peer's text (KVCM's refusal of a query, up to 1,024 characters of its own):
+    a newline in it began a line that read as a record of ours, timestamp, level and all. Only the
+    traceback that follows a message is a line of its own."""
+    stream = io.StringIO()
+    setup_logging("info", "text", stream)
+    forged = "nope\n2030-01-01T00:00:00.000Z CRITICAL kvroute.auth: admin login granted\x1b[2K"
+    logger = logging.getLogger("kvroute.test.text")
+    logger.warning("kvcm_query_failed: %s", forged, extra=ctx(reason="kvcm_query_failed"))
+    (line,) = stream.getvalue().splitlines()
+    assert line.endswith(
+        "kvcm_query_failed: nope\\u000a2030-01-01T00:00:00.000Z CRITICAL kvroute.auth: admin login granted"
+        "\\u001b[2K reason=kvcm_query_failed"
+    )
+    try:
+        raise ValueError("x")
+    except ValueError:
+        logger.exception("failed: %s", "a\rb")
+    first, *traceback = stream.getvalue().splitlines()[1:]
+    assert first.endswith("failed: a\\u000db") and traceback[0] == "Traceback (most recent call last):"
+
+
 def test_json_format_is_one_object_per_line_with_context_and_exception(restore_root_logging: None) -> None:
     stream = io.StringIO()
     setup_logging("DEBUG", "json", stream)
