@@ -163,16 +163,18 @@ class LogFileWriter:
             self.written += appended
 
     def _still_at_path(self) -> bool:
-        """Whether the open file is still the one at ``path``: deleted (or its directory) or replaced,
-        records went on into a file nobody can read, counted written, and the next rotation's rename
-        failed and lost a whole batch."""
+        """Whether the open file is still the one at ``path`` as written: deleted (or its directory) or
+        replaced, records went on into a file nobody can read, counted written, and the next rotation's
+        rename failed and lost a whole batch. Shortened under it (logrotate's ``copytruncate``, ``: >
+        PATH``), records went on at the old offset after a run of zero bytes and no header: a file no
+        reader takes, which the next rotations then refused to move, losing every batch after."""
         assert self._file is not None
         try:
             at_path = os.stat(self.path)
         except FileNotFoundError:
             return False
         ours = os.fstat(self._file.fileno())
-        return (at_path.st_dev, at_path.st_ino) == (ours.st_dev, ours.st_ino)
+        return (at_path.st_dev, at_path.st_ino) == (ours.st_dev, ours.st_ino) and ours.st_size >= self.size
 
     def close(self) -> None:
         if self._file is not None:

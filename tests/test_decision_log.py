@@ -1812,6 +1812,20 @@ def test_a_log_file_deleted_under_the_writer_is_started_again_or_its_batches_cou
         assert writer.last_error is not None and "d.log" in writer.last_error
 
 
+def test_a_log_file_truncated_under_the_writer_starts_again_with_its_header(tmp_path: Path) -> None:
+    """logrotate's copytruncate (or ``: > PATH``) keeps the inode: records went on at the old offset
+    after a run of zero bytes and no header, counted written and read by nobody, and the next
+    rotations refused to move the file, losing every batch after."""
+    path = tmp_path / "t.log"
+    writer = LogFileWriter(str(path), max_bytes=64 * 2**20, files=2, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    writer.drain(deque([[_overloaded(0), _overloaded(1)]]))
+    os.truncate(path, 0)
+    writer.drain(deque([[_overloaded(2), _overloaded(3)]]), close_generation=writer.generation)
+    assert (writer.written, writer.lost, writer.write_errors) == (4, 0, 0)
+    assert [case.request_id for case in load_log([str(path)]).cases] == ["q2", "q3"]
+
+
 def test_prompts_shorter_than_a_block_replay_as_recorded_in_logs_from_before_they_were_scored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
