@@ -426,10 +426,32 @@ def _keys(raw: Any) -> tuple[int, ...] | int:
     return count
 
 
-def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fleet], fleet: Fleet | None) -> Case:
-    missing = _DECISION_FIELDS - set(dict(p["d"]))
+def _rows(fields: Mapping[str, Any], name: str, width: int) -> None:
+    rows = fields[name]
+    if not isinstance(rows, list) or not all(isinstance(row, list) and len(row) == width for row in rows):
+        raise ValueError(f"the decision's {name!r} is not a list of {width}-field rows")
+
+
+def _check_expected(fields: Mapping[str, Any]) -> None:
+    """The recorded decision's fields that comparing and the what-if read, in their shapes: a record
+    garbled inside frames whose checksums hold otherwise failed the what-if with a traceback."""
+    missing = _DECISION_FIELDS - set(fields)
     if missing:
         raise KeyError(f"the decision lacks {', '.join(sorted(missing))}")
+    for name in ("hit", "ec"):
+        if fields[name] is not None and type(fields[name]) is not int:
+            raise ValueError(f"the decision's {name!r} is not an integer: {fields[name]!r:.40}")
+    _rows(fields, "ch", 3)
+    _rows(fields, "c", 8)
+    if "sw" in fields:
+        _rows(fields, "sw", 3)
+    for row in fields["c"]:
+        if row[4] is not None and type(row[4]) is not int:
+            raise ValueError(f"a candidate's work in the decision is not an integer: {row[4]!r:.40}")
+
+
+def _case(path: str, offset: int, p: Mapping[str, Any], fleets: Mapping[int, Fleet], fleet: Fleet | None) -> Case:
+    _check_expected(dict(p["d"]))
     received = float(p["t"])
     roles = None if "ro" not in p else tuple(Role(r) for r in p["ro"])
     deadline = None if "dl" not in p else received + float(p["dl"])

@@ -1042,6 +1042,10 @@ def test_a_file_whose_last_write_left_zero_bytes_is_read_up_to_them(
         (lambda p: {**p, "d": {}}, "the decision lacks"),
         (lambda p: {**p, "k": "sha256-prefix:100000000000"}, "recorded key count"),
         (lambda p: {**p, "t": 10**400}, "OverflowError"),  # a number no float holds: a traceback, exit 1
+        # Fields the what-if reads (a traceback, exit 1, until 2026-12-07):
+        (lambda p: {**p, "d": {**p["d"], "hit": "12x"}}, "the decision's 'hit' is not an integer"),
+        (lambda p: {**p, "d": {**p["d"], "c": [[1]]}}, "the decision's 'c' is not a list of 8-field rows"),
+        (lambda p: {**p, "d": {**p["d"], "ch": [5]}}, "the decision's 'ch' is not a list of 3-field rows"),
     ],
 )
 def test_a_decision_record_garbled_inside_valid_frames_exits_2_naming_its_offset(
