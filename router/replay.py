@@ -731,6 +731,11 @@ class _ReplayKvcm:
                 return FellThrough(recorded.reason or Reason.NO_LEADER)
         query_end = ctx.split.windows.query_end
         end = min(query_end, trio.current_time() + self._query_timeout_s)
+        if end <= trio.current_time():
+            # The window over before the query: the transport refuses it unsent (``NotSent``), with no
+            # checkpoint, and the chain goes on; a wait here would meet the request's own expired scope.
+            ctx.split.waited(Stage.CACHE_QUERY, query_end <= end)
+            return FellThrough(Reason.DEADLINE)
         lands = recorded.arrived
         kept_by = case.kept_by(Stage.CACHE_QUERY)
         if recorded.hosts is not None and kept_by is not None and lands > kept_by:

@@ -239,6 +239,24 @@ def replay_all(*logs: Path, overrides: dict[str, str] | None = None) -> tuple[in
     return sum(o.identical for o in outcomes), len(outcomes)
 
 
+def test_a_request_whose_time_was_gone_on_arrival_replays_as_it_was_decided(tmp_path: Path) -> None:
+    """With no time left when it came (a budget of 0, a deadline past or within the reply margin) its
+    query is refused unsent with no checkpoint, and the whole chain runs to the domain's answer; replay
+    waited for the query instead, met the request's expired scope, and ended on the first source."""
+    log = tmp_path / "gone.log"
+
+    async def record(log: Path) -> None:
+        async with cluster_router(log) as (handle, cluster):
+            cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
+            await handle.route(RouteRequest("b0", token_ids=PROMPT, budget_ms=0))
+            await handle.route(RouteRequest("past", token_ids=PROMPT, deadline=trio.current_time() - 0.001))
+            await handle.route(RouteRequest("keys-b0", block_cache_keys=(1, 2, 3), block_size=BLOCK, budget_ms=0))
+            await handle.route(RouteRequest("ok", token_ids=PROMPT, budget_ms=50))
+
+    on_mock_clock(record, log)
+    assert replay_all(log) == (4, 4)
+
+
 def test_a_request_the_deadline_ends_in_its_probe_wait_replays_as_recorded(tmp_path: Path) -> None:
     """A stall across the probe window's end and past the deadline: the request's tail is learnt, and
     its probe window, which the deadline and not the window ended, is not recorded cut (a replay reads
