@@ -444,7 +444,10 @@ class _Handed(HeldPlace):
         self.settled_at = time.monotonic()  # the answer's way back starts here
         self.decided = isinstance(result, outcome.Value)
         self.router_done()
-        settle_on_loop(self.loop, self.future, result)
+        if not settle_on_loop(self.loop, self.future, result):
+            # The caller's loop was closed with this call pending: it never resumes to free the place,
+            # and places so held, once the in-flight limit's worth, shed every later call from any loop.
+            self.give_up()
 
     def time_out(self, waited_s: float) -> None:
         """On the caller's loop, when the answer's wait ends: ``AnswerTimeout``, unless it came."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -40,10 +39,14 @@ def settle(future: concurrent.futures.Future[T] | asyncio.Future[T], result: out
         future.set_exception(result.error)
 
 
-def settle_on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], result: outcome.Outcome[T]) -> None:
-    """``settle`` an asyncio future on its own loop, from any thread; a closed loop has nobody waiting."""
-    with contextlib.suppress(RuntimeError):
+def settle_on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], result: outcome.Outcome[T]) -> bool:
+    """``settle`` an asyncio future on its own loop, from any thread; False when the loop is closed (nobody
+    is waiting there, nor will resume to do what a waiter does after)."""
+    try:
         loop.call_soon_threadsafe(settle, future, result)
+    except RuntimeError:
+        return False
+    return True
 
 
 async def deliver_outcome(

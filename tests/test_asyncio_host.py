@@ -231,6 +231,51 @@ async def test_route_from_another_event_loop_thread(nursery: trio.Nursery) -> No
         assert all(d.worker is not None for d in from_other_loop), from_other_loop
 
 
+async def test_calls_left_pending_on_a_closed_loop_give_their_places_back(nursery: trio.Nursery) -> None:
+    """A loop on another thread closed with route() calls pending, not cancelled: their answers found it
+    closed and were dropped, and their places in the in-flight limit were never freed, so once the
+    limit's worth were held every later call from any loop was answered overloaded, the router idle."""
+    with trio.fail_after(30):
+        _cluster, addrs = await _seeded_cluster(nursery)
+        seen: dict[str, Any] = {}
+
+        async def program() -> None:
+            async with AsyncioRouterHost(_config(addrs)) as host:
+                await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=CAP_MS))
+                assert host._token is not None
+                gate = _hold(host._token)  # the calls below reach the router while it is held
+
+                def closed_with_calls_pending() -> None:
+                    loop = asyncio.new_event_loop()
+                    loop.set_exception_handler(lambda _loop, _context: None)  # its tasks die pending, as meant
+                    calls = [
+                        loop.create_task(host.route(RouteRequest(f"x{i}", token_ids=PROMPT, budget_ms=CAP_MS)))
+                        for i in range(40)
+                    ]
+                    loop.run_until_complete(asyncio.sleep(0.01))  # handed over, pending
+                    loop.close()
+                    seen["pending"] = sum(not call.done() for call in calls)
+
+                other = threading.Thread(target=closed_with_calls_pending)
+                other.start()
+                await asyncio.get_running_loop().run_in_executor(None, other.join)
+                seen["held"] = host.stats().in_router
+                gate.set()
+                for _ in range(200):  # a hang guard: the router answers them (to a closed loop) at once
+                    if host.stats().in_router == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                seen["after"] = host.stats().in_router
+                seen["later"] = [
+                    await host.route(RouteRequest(f"y{i}", token_ids=PROMPT, budget_ms=CAP_MS)) for i in range(5)
+                ]
+
+        await _run_asyncio(program)
+        assert seen["pending"] > 0 and seen["held"] > 0
+        assert seen["after"] == 0
+        assert all(d.reason is not Reason.OVERLOADED for d in seen["later"]), seen["later"]
+
+
 async def test_cancelled_call_and_calls_around_start_and_stop(nursery: trio.Nursery) -> None:
     with trio.fail_after(20):
         cluster, addrs = await _seeded_cluster(nursery)
