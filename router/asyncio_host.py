@@ -153,8 +153,11 @@ class AsyncioRouterHost:
             await asyncio.shield(ready)
         except asyncio.CancelledError:
             # Let the opening finish, then close it: the thread must not outlive a cancelled start().
-            with contextlib.suppress(Exception):
-                await ready
+            # Shielded, and waited out through further cancellations: a second one cancelled ``ready``
+            # itself, skipped the close, and left the router serving and a later stop() waiting for good.
+            while not ready.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(ready)
             await self._shut_down()
             raise
         except Exception:

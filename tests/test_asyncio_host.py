@@ -671,6 +671,50 @@ async def test_stop_while_start_opens_the_router_stops_it_once_open(
     assert seen == {"stop began while opening": True}
 
 
+async def test_a_start_cancelled_twice_while_opening_still_closes_the_router(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled start() waits for the opening and closes it; a second cancellation meanwhile (an
+    outer scope, a second Ctrl-C) cancelled the opening's future itself, skipped the close, and left the
+    thread serving, with a later stop() waiting for good."""
+    _, addrs = await _seeded_cluster(nursery)
+    opening, go = threading.Event(), threading.Event()
+    real_open = open_router
+
+    @contextlib.asynccontextmanager
+    async def held_open(config: KvrouteConfig, **kwargs: Any) -> AsyncIterator[RouterHandle]:
+        opening.set()
+        await trio.to_thread.run_sync(go.wait, 30.0)
+        async with real_open(config, **kwargs) as handle:
+            yield handle
+
+    monkeypatch.setattr(asyncio_host, "open_router", held_open)
+    seen: dict[str, bool] = {}
+
+    async def program() -> None:
+        host = AsyncioRouterHost(_config(addrs))
+        starting = asyncio.ensure_future(host.start())
+        try:
+            assert await asyncio.get_running_loop().run_in_executor(None, opening.wait, 30.0)
+            starting.cancel()
+            await asyncio.sleep(0.01)  # start() now waits for the opening
+            starting.cancel()
+            await asyncio.sleep(0.01)
+            seen["start still closing"] = not starting.done()
+            go.set()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(starting, 30)
+            with pytest.raises(HostStopped):
+                await host.route(RouteRequest("late", token_ids=PROMPT))
+            await asyncio.wait_for(host.stop(), 30)
+        finally:
+            go.set()
+
+    with trio.fail_after(60):
+        await _run_asyncio(program)
+    assert seen == {"start still closing": True}
+
+
 async def test_only_calls_that_reached_the_router_count_as_handed(nursery: trio.Nursery) -> None:
     """A call queued for the trio thread and refused there as the host stops, and one whose hand-off
     finds the trio run over, are HostStopped and were never the router's."""
