@@ -17,6 +17,8 @@ from router.text import cut_text
 _HOSTNAME = re.compile(
     r"^(?=.{1,253}\.?$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$"
 )
+# An interface name or index, as the kernel names them (IFNAMSIZ: 15 characters and the NUL).
+_ZONE_ID = re.compile(r"[A-Za-z0-9_.@:-]{1,15}")
 _NUMERIC_DOTTED = re.compile(r"^[0-9.]+$")
 # One to four labels, each a number in decimal, octal or hexadecimal: inet_aton's forms of an IPv4
 # address ("127.1", "0x7f.1", "0x7f000001"), which a resolver reads as one.
@@ -82,9 +84,16 @@ def _check_host(host: str, entry: str) -> str:
     if not host:
         raise TargetError(f"empty host in target {_shown(entry)}")
     try:
-        return str(ipaddress.ip_address(host))
+        address = ipaddress.ip_address(host)
     except ValueError:
         pass
+    else:
+        # An IPv6 zone id is whatever follows "%" but "%" and "/": a peer's host field (a scheduler's
+        # server_ip, KVCM's leader host) carried newlines and kilobytes of text through it.
+        zone = address.scope_id if isinstance(address, ipaddress.IPv6Address) else None
+        if zone is not None and not _ZONE_ID.fullmatch(zone):
+            raise TargetError(f"bad IPv6 zone id {_shown(zone)} in target {_shown(entry)}")
+        return str(address)
     if _NUMERIC_DOTTED.match(host) or _INET_ATON_FORM.fullmatch(host):
         # "1.2.3", "010.0.0.1" or "0x7f.1" would reach a resolver as some other IPv4 address.
         raise TargetError(f"bad IPv4 address {_shown(host)} in target {_shown(entry)}")
@@ -201,14 +210,15 @@ def parse_target(entry: str, default_port: int | None = None) -> HostPort:
             port_text = rest[1:]
         else:
             raise TargetError(f"unexpected {_shown(rest)} after ']' in target {_shown(entry)}")
-        host = str(ipaddress.IPv6Address(host))
+        host = _check_host(host, entry)  # its zone id too
     elif text.count(":") > 1:
         # Unbracketed IPv6: only an address that cannot also be read as addr:port is unambiguous
         # ("fe80::1:8080" is an address, and also fe80::1 port 8080).
         try:
-            host = str(ipaddress.IPv6Address(text))
+            ipaddress.IPv6Address(text)
         except ValueError as exc:
             raise TargetError(f"ambiguous target {_shown(entry)}: bracket IPv6 hosts as [addr]:port") from exc
+        host = _check_host(text, entry)  # its zone id too
         head, _, tail = text.rpartition(":")
         if tail.isascii() and tail.isdigit() and _is_ipv6(head):
             raise TargetError(f"ambiguous target {_shown(entry)}: bracket IPv6 hosts as [addr]:port")

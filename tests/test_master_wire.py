@@ -296,6 +296,14 @@ def test_another_status_whose_body_is_not_json_is_no_reply_from_the_scheduler(ht
     assert caught.value.code_name == f"http:{http_status}"
 
 
+def test_a_lone_surrogate_in_a_schedulers_text_is_replaced_not_carried() -> None:
+    """JSON's \\ud800 decodes to a lone surrogate, which no UTF-8 wire takes: a scheduler's error message
+    so made failed the sidecar's reply to its caller (an UNKNOWN status, counted answered)."""
+    decoded = decode_schedule_json(500, b'{"success":false,"code":8400,"error_message":"a\\ud800b"}', HOST)
+    assert isinstance(decoded, MasterBusinessError) and decoded.message == "a?b"
+    decoded.message.encode("utf-8")
+
+
 @pytest.mark.parametrize(
     ("payload", "field"),
     [
@@ -307,6 +315,9 @@ def test_another_status_whose_body_is_not_json_is_no_reply_from_the_scheduler(ht
         (body(success=True, code=200, server_status=[status(ip="")]), "server_status[0].server_ip"),
         (body(success=True, code=200, server_status=[status(ip="10.0.0.1; rm")]), "server_status[0].server_ip"),
         (body(success=True, code=200, server_status=[status(ip="h" * 300)]), "server_status[0].server_ip"),
+        # An IPv6 zone id takes any text but "%" and "/": a peer's newlines and kilobytes came through it.
+        (body(success=True, code=200, server_status=[status(ip="fe80::1%x\n<log line>" + "A" * 3000)]), "server_ip"),
+        (body(success=True, code=200, server_status=[status(ip="fe80::1%\ud800")]), "server_status[0].server_ip"),
         (body(success=True, code=200, server_status=[status(http=0)]), "server_status[0].http_port"),
         (body(success=True, code=200, server_status=[status(http="80")]), "server_status[0].http_port"),
         (body(success=True, code=200, server_status=[status(http=None)]), "server_status[0].http_port"),

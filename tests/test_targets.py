@@ -113,6 +113,9 @@ def test_port_range_both_bounds(port: str, accepted: bool) -> None:
         ("[::1]80", "unexpected '80' after ']'"),
         ("[::1]:", "bad port ''"),
         ("", "empty target entry"),
+        # A zone id is an interface's name or index: a peer's host field carried any text through it.
+        ("[fe80::1%x y]:80", "bad IPv6 zone id 'x y'"),
+        ("[fe80::1%" + "A" * 16 + "]:80", "bad IPv6 zone id"),
     ],
 )
 def test_bad_entries_are_rejected_naming_the_entry(entry: str, fragment: str) -> None:

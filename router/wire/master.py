@@ -226,7 +226,9 @@ def _str_field(obj: Mapping[str, object], key: str, field: str, target: str) -> 
         return None
     if not isinstance(value, str):
         raise GarbledReply(target, f"{field}: expected a string, got {value!r}")
-    return value
+    # JSON's \ud800 (and bytes decoded with surrogatepass) give a lone surrogate, which no UTF-8 wire
+    # takes: a scheduler's error message so made failed the sidecar's reply to its caller.
+    return value if value.isascii() else value.encode("utf-8", "replace").decode("utf-8")
 
 
 def _port(value: int | None, field: str, target: str) -> int:
