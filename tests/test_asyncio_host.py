@@ -630,12 +630,8 @@ async def test_a_call_to_a_stalled_router_thread_ends_by_its_time_not_the_stall(
     assert stopped.in_router == 0 and stopped.answer_timeouts == 2
 
 
-async def test_stop_while_start_opens_the_router_stops_it_once_open(
-    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A stop() begun while start() is still opening the router used to find no way to reach the
-    trio thread yet, queue no stop and wait for ever, the host serving on."""
-    _, addrs = await _seeded_cluster(nursery)
+def _hold_the_opening(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """The host's open_router held before it opens until ``go`` is set; ``opening`` is set once it waits."""
     opening, go = threading.Event(), threading.Event()
     real_open = open_router
 
@@ -647,6 +643,16 @@ async def test_stop_while_start_opens_the_router_stops_it_once_open(
             yield handle
 
     monkeypatch.setattr(asyncio_host, "open_router", held_open)
+    return opening, go
+
+
+async def test_stop_while_start_opens_the_router_stops_it_once_open(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop() begun while start() is still opening the router used to find no way to reach the
+    trio thread yet, queue no stop and wait for ever, the host serving on."""
+    _, addrs = await _seeded_cluster(nursery)
+    opening, go = _hold_the_opening(monkeypatch)
     seen: dict[str, bool] = {}
 
     async def program() -> None:
@@ -678,17 +684,7 @@ async def test_a_start_cancelled_twice_while_opening_still_closes_the_router(
     outer scope, a second Ctrl-C) cancelled the opening's future itself, skipped the close, and left the
     thread serving, with a later stop() waiting for good."""
     _, addrs = await _seeded_cluster(nursery)
-    opening, go = threading.Event(), threading.Event()
-    real_open = open_router
-
-    @contextlib.asynccontextmanager
-    async def held_open(config: KvrouteConfig, **kwargs: Any) -> AsyncIterator[RouterHandle]:
-        opening.set()
-        await trio.to_thread.run_sync(go.wait, 30.0)
-        async with real_open(config, **kwargs) as handle:
-            yield handle
-
-    monkeypatch.setattr(asyncio_host, "open_router", held_open)
+    opening, go = _hold_the_opening(monkeypatch)
     seen: dict[str, bool] = {}
 
     async def program() -> None:
