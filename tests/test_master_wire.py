@@ -327,6 +327,10 @@ def test_a_lone_surrogate_in_a_schedulers_text_is_replaced_not_carried() -> None
         (body(success=False, code=True), "code"),
         (body(success=True, code=200, server_status=[status(grpc_port=70000)]), "server_status[0].grpc_port"),
         (body(success=True, code=200, server_status=[status("FRONTEND")]), "server_status[0].role"),
+        # Only an empty role is PDFUSION; a text that reduces to no name was taken as it, and upper-casing
+        # read a dotless "ı" as "I".
+        (body(success=True, code=200, server_status=[status("RoleType.")]), "server_status[0].role"),
+        (body(success=True, code=200, server_status=[status("prefıll")]), "server_status[0].role"),
         (body(success=True, code=200, server_status=[], queue_length="many"), "queue_length"),
         (body(success=True, code="200"), "code"),
     ],

@@ -95,9 +95,14 @@ class MasterInfo:
 
 def parse_master_role(reported: str, field: str, target: str) -> Role:
     """ "PREFILL", "RoleType.PREFILL", "ROLE_TYPE_PREFILL"; empty means PDFUSION."""
-    name = reported.strip().rpartition(".")[2].upper().removeprefix("ROLE_TYPE_")
-    if not name:
+    text = reported.strip()
+    if not text:
         return Role.PDFUSION
+    # ASCII alone: str.upper() maps a dotless "ı" to "I", and "prefıll" read as PREFILL. A text that
+    # reduces to no name ("RoleType.", "ROLE_TYPE_") is no role; only an empty one means PDFUSION.
+    name = text.rpartition(".")[2].upper().removeprefix("ROLE_TYPE_") if text.isascii() else ""
+    if not name:
+        raise GarbledReply(target, f"{field}: unknown role {reported!r}")
     try:
         role = Role(name)
     except ValueError:
