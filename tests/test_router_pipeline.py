@@ -135,7 +135,31 @@ def padded(reply: bytes, to_bytes: int) -> bytes:
     return reply + tag + bytes(length) + b"x" * size
 
 
-class StalledOnTheReply(MemoryNetwork):
+class CallWatched(MemoryNetwork):
+    """A MemoryNetwork whose calls made alone pass ``before`` on their way out and ``after`` with their
+    reply: the hooks a test overrides, the call's signature written once."""
+
+    async def before(self, target: str, method_path: str, background: bool) -> None:
+        return None
+
+    def after(self, method_path: str, reply: bytes) -> bytes:
+        return reply
+
+    async def call(
+        self,
+        target: str,
+        method_path: str,
+        request: bytes,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        background: bool = False,
+    ) -> bytes:
+        await self.before(target, method_path, background)
+        reply = await super().call(target, method_path, request, on_sent=on_sent, background=background)
+        return self.after(method_path, reply)
+
+
+class StalledOnTheReply(CallWatched):
     """Each reply on ``method_path`` (any, when None) comes in padded to ``reply_bytes`` and this
     thread then stalls for ``stall_s`` (a collection, a long step elsewhere), the reply in hand."""
 
@@ -148,16 +172,7 @@ class StalledOnTheReply(MemoryNetwork):
         self.stall_s = stall_s
         self.method_path = method_path
 
-    async def call(
-        self,
-        target: str,
-        method_path: str,
-        request: bytes,
-        *,
-        on_sent: Callable[[], None] | None = None,
-        background: bool = False,
-    ) -> bytes:
-        reply = await super().call(target, method_path, request, on_sent=on_sent, background=background)
+    def after(self, method_path: str, reply: bytes) -> bytes:
         if self.method_path is not None and method_path != self.method_path:
             return reply
         self.clock.jump(self.stall_s)

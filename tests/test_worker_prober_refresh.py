@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 import trio
@@ -25,7 +25,7 @@ from router.transport.memory_adapter import MemoryNetwork
 from router.transport.ports import InTurnCall, InTurnReply
 from router.types import RouteSource, Stage, WorkerAddr
 from router.wire import paths
-from tests.test_router_pipeline import BLOCK, PROMPT, StalledOnTheReply, routed, seed
+from tests.test_router_pipeline import BLOCK, PROMPT, CallWatched, StalledOnTheReply, routed, seed
 from tests.test_worker_prober import FakeWorkers, workers
 
 FRESH_TTL_S = 0.05
@@ -505,24 +505,15 @@ async def test_a_slow_but_answering_worker_neither_holds_up_nor_ages_the_rounds_
     assert prober.cached(slow) is not None  # polled on its own, it is not failing
 
 
-class _BackgroundNoted(MemoryNetwork):
+class _BackgroundNoted(CallWatched):
     """Notes, per call made alone, whether it was made as background work."""
 
     def __init__(self) -> None:
         super().__init__()
         self.background: list[bool] = []
 
-    async def call(
-        self,
-        target: str,
-        method_path: str,
-        request: bytes,
-        *,
-        on_sent: Callable[[], None] | None = None,
-        background: bool = False,
-    ) -> bytes:
+    async def before(self, target: str, method_path: str, background: bool) -> None:
         self.background.append(background)
-        return await super().call(target, method_path, request, on_sent=on_sent, background=background)
 
 
 async def test_only_a_probe_a_request_waits_for_is_called_as_a_requests_call(
@@ -550,24 +541,15 @@ async def test_only_a_probe_a_request_waits_for_is_called_as_a_requests_call(
     assert noted[before + 2 :] == [True] * (health.refresh_polls + health.health_probes - before)
 
 
-class _SlowToSend(MemoryNetwork):
+class _SlowToSend(CallWatched):
     """A call that waits ``wait_s`` before it is on its way (for its channel, or a thread to start it on)."""
 
     def __init__(self, wait_s: float) -> None:
         super().__init__()
         self.wait_s = wait_s
 
-    async def call(
-        self,
-        target: str,
-        method_path: str,
-        request: bytes,
-        *,
-        on_sent: Callable[[], None] | None = None,
-        background: bool = False,
-    ) -> bytes:
+    async def before(self, target: str, method_path: str, background: bool) -> None:
         await trio.sleep(self.wait_s)
-        return await super().call(target, method_path, request, on_sent=on_sent, background=background)
 
 
 @pytest.mark.parametrize("sent_after_s", [0.3, 0.1], ids=["never-sent", "sent-then-hung"])
@@ -640,7 +622,7 @@ async def test_a_worker_has_probe_timeout_s_from_the_sending_however_long_the_wa
     assert prober.snapshot().probes_failed == 0
 
 
-class _SlowRoundStart(MemoryNetwork):
+class _SlowRoundStart(CallWatched):
     """A serial round that waits ``setup_s`` before its first call (its leases, a thread to run on),
     timing each call from before that wait, as the gRPC adapter does; counts the calls made alone."""
 
@@ -649,17 +631,8 @@ class _SlowRoundStart(MemoryNetwork):
         self.setup_s = setup_s
         self.alone = 0
 
-    async def call(
-        self,
-        target: str,
-        method_path: str,
-        request: bytes,
-        *,
-        on_sent: Callable[[], None] | None = None,
-        background: bool = False,
-    ) -> bytes:
+    async def before(self, target: str, method_path: str, background: bool) -> None:
         self.alone += 1
-        return await super().call(target, method_path, request, on_sent=on_sent, background=background)
 
     async def call_in_turn(self, calls: Sequence[InTurnCall], within_s: float) -> list[InTurnReply]:
         await trio.sleep(self.setup_s)
