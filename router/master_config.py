@@ -24,9 +24,11 @@ def master_problems(config: MasterConfig) -> list[Problem]:
     """Every problem of the master section; empty when it is valid."""
     found = range_problems(config)
     seen: set[str] = set()
+    named = False
     for entry in (e.strip() for e in config.hosts.split(",")):
         if not entry:
             continue
+        named = True
         try:
             target = parse_target(entry, MASTER_HTTP_PORT)
         except TargetError as exc:
@@ -39,7 +41,7 @@ def master_problems(config: MasterConfig) -> list[Problem]:
         if str(target) in seen:
             found.append(Problem(("hosts",), f"{entry!r} is listed twice"))
         seen.add(str(target))
-    if config.hosts and not any(e.strip() for e in config.hosts.split(",")):
+    if config.hosts and not named:
         # Given, so the breaker rules read a scheduler as configured where there is none.
         found.append(Problem(("hosts",), f"names no entry, only separators ({config.hosts!r})"))
     return found
