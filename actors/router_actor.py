@@ -62,6 +62,7 @@ from router.request import (
     named_roles,
     request_deadline,
     sheddable,
+    with_plain_id,
 )
 from router.types import (
     COMPANION_ROLES,
@@ -333,6 +334,7 @@ class RouterActor:
             check_fields(request)  # the deadline below reads the timing fields
         except BadRequest as exc:
             return await self._refuse(request, now, exc)
+        request = with_plain_id(request)
         deadline = request_deadline(request, now, router.budget_cap_ms, router.reply_margin_ms)
         remaining = deadline - now
         ticket = object()  # the limiter's borrower: one per request

@@ -61,6 +61,7 @@ from router.request import (
     caller_deadline,
     check_admissible,
     check_fields,
+    with_plain_id,
 )
 from router.settings import LoadedConfig
 from router.targets import HostPort
@@ -232,6 +233,7 @@ class AsyncioRouterHost:
         token = self._token
         if token is None:
             raise HostStopped("the router host is not running")
+        request = with_plain_id(request)  # a shed answers here, and its decision is recorded as the router's
         if deadline is not None:
             deadline = _loop_time(deadline)
         loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ import math
 import operator
 import struct
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 
 from router.config import DeploymentConfig, LimitsConfig
@@ -179,6 +179,17 @@ def check_fields(request: RouteRequest) -> None:
             raise BadRequest("roles", f"{len(roles)} roles, more than {_MAX_ROLES}")
         if not all(isinstance(r, Role) for r in roles):
             raise BadRequest("roles", "must be a sequence of Role values")
+
+
+def with_plain_id(request: RouteRequest) -> RouteRequest:
+    """``request`` with an id of a ``str`` subclass (a ``StrEnum`` member, ``numpy.str_``) made a plain
+    ``str`` of the same text, any other unchanged (pure). Such an id passes the checks, but the decisions
+    the metrics sink keeps are packed with ``marshal``, which takes only the built-in types: the sink
+    crashed on each one."""
+    request_id = request.request_id
+    if type(request_id) is str or not isinstance(request_id, str):
+        return request
+    return replace(request, request_id=str.__str__(request_id))  # str() would call the subclass's __str__
 
 
 def check_shape(request_id: str, *, has_tokens: bool, has_keys: bool) -> None:

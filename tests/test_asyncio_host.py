@@ -410,13 +410,18 @@ async def test_a_request_whose_fields_cannot_be_read_is_refused_and_the_host_kee
         assert endless.worker is not None and endless.reason is not Reason.BAD_REQUEST, endless.error
 
 
+class RequestId(str):
+    """An application's own id type: a ``str`` to every check."""
+
+
 async def test_a_burst_beyond_the_in_flight_limit_is_answered_overloaded_on_the_callers_loop(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     """With the trio thread held, hand-offs cannot be answered: the calls beyond the learnt limit are
     answered ``overloaded`` at once on the caller's loop (before the hold ends), each with a worker;
     after it the handed calls are answered by the router, and every shed is recorded in the decision
-    log. A call naming roles and a malformed one always go to the router, whatever the limit."""
+    log. A call naming roles and a malformed one always go to the router, whatever the limit. The
+    burst's ids are of a ``str`` subclass, answered as plain ``str``."""
     _, addrs = await _seeded_cluster(nursery)
     log = tmp_path / "decisions.log"
     config = dataclasses.replace(_config(addrs), router=RouterConfig(budget_cap_ms=CAP_MS, decision_log=str(log)))
@@ -433,7 +438,7 @@ async def test_a_burst_beyond_the_in_flight_limit_is_answered_overloaded_on_the_
             gate = _hold(token)
             try:
                 calls = [
-                    asyncio.ensure_future(host.route(RouteRequest(f"b{i}", token_ids=PROMPT, budget_ms=500)))
+                    asyncio.ensure_future(host.route(RouteRequest(RequestId(f"b{i}"), token_ids=PROMPT, budget_ms=500)))
                     for i in range(burst)
                 ]
                 named = asyncio.ensure_future(
@@ -459,6 +464,8 @@ async def test_a_burst_beyond_the_in_flight_limit_is_answered_overloaded_on_the_
     assert 0 < len(shed) < burst
     assert all((d.route_source, d.reason) == (RouteSource.DOMAIN, Reason.OVERLOADED) for d in shed), shed
     assert all(d.worker is not None and d.request_id.startswith("b") for d in shed)
+    # Each shed's decision goes to the metrics sink's ring, which packs it with marshal: plain ids only.
+    assert all(type(d.request_id) is str for d in shed)
     assert stats.shed_before_hop == len(shed) and stats.sheds_unrecorded == 0 and stats.answer_timeouts == 0
     assert stats.in_router == burst - len(shed) + 2 == seen["pending"]
     assert cast(RouteDecision, seen["named"]).reason is not Reason.OVERLOADED

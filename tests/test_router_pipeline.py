@@ -42,6 +42,7 @@ from router.config import (
     RouterConfig,
     ShadowConfig,
 )
+from router.decision_pack import unpack_decision
 from router.keys import block_keys
 from router.logs import AggregatingLogger
 from router.policy.cache_affinity import CacheAffinityFirst
@@ -204,6 +205,28 @@ async def test_kvcm_routes_to_the_cache_holder(autojump_clock: trio.testing.Mock
         assert decision.role is Role.PREFILL
         assert {"keys", "leader", "cache_query", "plan", "probe", "score", "total"} <= set(decision.stage_ms)
         assert decision.elapsed_ms <= 50
+
+
+class RequestId(str):
+    """An application's own id type: a ``str`` to every check."""
+
+
+async def test_a_request_id_of_a_str_subclass_is_kept_by_the_metrics_sink(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The sink packs each decision it keeps with ``marshal``, which refused the id (only built-in
+    types): the sink crashed on every such request, its ring and the decision's carried events lost.
+    The id is kept as its plain text."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 1, 8)
+        decision = await handle.route(RouteRequest(RequestId("sub-1"), token_ids=PROMPT, budget_ms=50))
+        assert decision.worker == cluster.worker_addr(1)
+        assert type(decision.request_id) is str and decision.request_id == "sub-1"
+        await trio.testing.wait_all_tasks_blocked()
+        assert handle.actors()["metrics_sink"]["restarts"] == 0
+        kept = [unpack_decision(packed)[0] for packed in handle.metrics.recent_decisions(10)]
+        assert [d.request_id for d in kept] == ["sub-1"]
 
 
 async def test_a_prompt_shorter_than_one_block_is_no_match_without_a_query(
