@@ -130,8 +130,10 @@ UTF8_WALK_MAX_FIELDS = 1024
 
 
 def _role(name: str) -> Role:
+    text = name.strip()
     try:
-        role = Role(name.strip().upper())
+        # ASCII alone: str.upper() maps a dotless "ı" to "I", and "prefıll" read as PREFILL.
+        role = Role(text.upper()) if text.isascii() else Role.UNKNOWN
     except ValueError:
         role = Role.UNKNOWN
     if role is Role.UNKNOWN:

@@ -1425,7 +1425,8 @@ def test_request_conversion_maps_zero_to_not_given_and_names_bad_roles() -> None
         BLOCK,
     )
     assert (full.block_cache_keys, full.block_size, full.seq_len, full.budget_ms) == ((9,), 32, 40, 7.0)
-    for bad in ("UNKNOWN", "nope", ""):
+    # A dotless "ı" upper-cases to "I": "prefıll" was read as PREFILL.
+    for bad in ("UNKNOWN", "nope", "", "prefıll", "vıt"):
         with pytest.raises(BadRequest) as info:
             request_from_proto(router_v1_pb2.RouteRequest(request_id="z", token_ids=[1], roles=[bad]), LIMITS, BLOCK)
         assert info.value.field_name == "roles"
