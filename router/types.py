@@ -24,7 +24,9 @@ class Role(enum.Enum):
     @classmethod
     def parse(cls, reported: str) -> Role:
         """Map an engine's reported role ("RoleType.PREFILL" or "PREFILL") to a Role; unknown → UNKNOWN."""
-        name = reported.strip().rpartition(".")[2].upper()
+        # ASCII alone: str.upper() maps a dotless "ı" to "I", and "prefıll" read as PREFILL.
+        text = reported.strip()
+        name = text.rpartition(".")[2].upper() if text.isascii() else ""
         try:
             return cls(name)
         except ValueError:

@@ -520,6 +520,8 @@ def test_tasks_split_by_is_waiting_with_optional_presence_kept() -> None:
         ("decode", Role.DECODE),
         ("RoleType.SOMETHING_NEW", Role.UNKNOWN),
         ("", Role.UNKNOWN),
+        ("RoleType.PREFıLL", Role.UNKNOWN),  # a dotless ı upper-cases to I: it was read as PREFILL
+        ("vıt", Role.UNKNOWN),
     ],
 )
 def test_roles(reported: str, role: Role) -> None:
