@@ -92,7 +92,17 @@ from router.thread_bridge import ANSWER_SLACK_S, deliver_outcome, settle
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import method_handlers
 from router.transport.tls import server_credentials
-from router.types import BadRequest, Reason, Role, RouteDecision, RouteRequest, RouteSource, Stage, WireRouteRequest
+from router.types import (
+    BadRequest,
+    Reason,
+    Role,
+    RouteDecision,
+    RouterClosed,
+    RouteRequest,
+    RouteSource,
+    Stage,
+    WireRouteRequest,
+)
 from router.wire import router_v1_pb2
 from router.wire.decode import encode_block_keys
 from router.wire.paths import ROUTER_ROUTE
@@ -1004,7 +1014,7 @@ class Sidecar:
             token.run_sync_soon(self._spawn, request, client_s, (received, decide_s), sent_at, answer, hops)
             decision = answer.result(timeout=wait_s)
             decided = True
-        except (trio.RunFinishedError, _Stopped):
+        except (trio.RunFinishedError, _Stopped, RouterClosed):
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is shutting down: request not routed") from None
         except concurrent.futures.TimeoutError:
             answer.cancel()

@@ -254,8 +254,10 @@ class RouterHandle:
 
     def mark_draining(self, why: str) -> None:
         """The server in front of this router drains: from now on not ready, saying ``why``, on every
-        readiness view (the debug endpoint's /readyz as well as the server's own health)."""
-        self._draining = why
+        readiness view (the debug endpoint's /readyz as well as the server's own health). The first
+        reason stays: the router's close follows its server's drain."""
+        if self._draining is None:
+            self._draining = why
 
     def ready(self) -> tuple[bool, str]:
         """Routable (see :meth:`_routable`), unless a drain began; the reason carries a warning while
@@ -507,6 +509,8 @@ async def _topology(
             # Requests still routing (from tasks outside the block) get their answers; new ones are
             # refused. They end by their deadlines; the drain's bound caps the wait all the same.
             router.close_to_new()
+            # A server still in front of it (a task outside the block) must stop being sent requests.
+            handle.mark_draining("the router is closed: its open_router block ended")
             with trio.CancelScope(shield=True), trio.move_on_after(config.serve.drain_timeout_s):
                 await router.wait_idle()
             services.cancel_scope.cancel()

@@ -197,6 +197,51 @@ async def test_a_request_past_grpcs_default_size_reaches_the_limits_checks(nurse
             assert "block_cache_keys" in _details(outcome) and "500000" in _details(outcome)
 
 
+async def test_a_sidecar_serving_past_its_routers_close_refuses_unavailable_and_is_not_serving(
+    nursery: trio.Nursery,
+) -> None:
+    """A sidecar in a task outside the ``open_router`` block, still serving when the block ends: the
+    router refuses new requests (``RouterClosed``). The call was answered INTERNAL "router error" and
+    counted failed, not UNAVAILABLE (not routed, as in a drain), which clients retry elsewhere; and the
+    health service kept answering SERVING, the load balancer sending it calls that all failed."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    addrs = await nursery.start(cluster.serve_grpc)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        router=RouterConfig(budget_cap_ms=1000.0),
+        serve=ServeConfig(grpc_listen="127.0.0.1:0"),
+    )
+    with trio.fail_after(60):
+        async with trio.open_nursery() as outside:
+            async with open_router(config) as handle:
+                sidecar = Sidecar(handle, config)
+                bound = await outside.start(sidecar.run)
+            channel = grpc.insecure_channel(str(bound), options=[("grpc.enable_retries", 0)])
+            try:
+                r = Rig(cluster, handle, sidecar, channel, trio.Event())
+                request = router_v1_pb2.RouteRequest(request_id="late", token_ids=PROMPT)
+                outcome = await _in_thread(lambda: r.route(request))
+                assert _status(outcome) is grpc.StatusCode.UNAVAILABLE, _details(outcome)
+                assert (sidecar.stats().unavailable, sidecar.stats().failed) == (1, 0)
+
+                def until_not_serving() -> None:
+                    stream = health_pb2_grpc.HealthStub(channel).Watch(
+                        health_pb2.HealthCheckRequest(service=""), timeout=30.0
+                    )
+                    try:
+                        while next(stream).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                            pass
+                    finally:
+                        stream.cancel()
+
+                await _in_thread(until_not_serving)  # a deadline error if it never comes
+                assert "the router is closed" in handle.ready()[1]
+            finally:
+                channel.close()
+                outside.cancel_scope.cancel()
+
+
 async def test_health_watch_streams_follow_readiness_and_do_not_hold_a_drain(nursery: trio.Nursery) -> None:
     """A Watch stream (what clients' health checking uses) learnt a readiness change only when someone
     sent a Check; and an open one held every drain to its whole grace (it never ends by itself)."""
