@@ -19,6 +19,7 @@ from router.settings import (
     load_from_args,
 )
 from router.targets import redact_userinfo
+from router.text import one_line
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +73,9 @@ def render(loaded: LoadedConfig, verdict: Assessment) -> str:
     else:
         lines += ["", "result: OK"]
     # Every value above is redacted; the free text (the assessment, warnings) may quote an address too.
-    return redact_userinfo("\n".join(lines)) + "\n"
+    # Each line kept to one printable line: a value can hold a newline, or a file name's undecodable
+    # byte, which a strict UTF-8 stdout refused with a traceback in place of the report.
+    return redact_userinfo("\n".join(one_line(line) for line in lines)) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:

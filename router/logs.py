@@ -30,6 +30,7 @@ from typing import TextIO
 import trio
 
 from router.targets import redact_userinfo
+from router.text import escaped_char, one_line
 
 CONTEXT_ATTR = "kvroute_context"
 _BASE_KEYS = frozenset({"ts", "level", "logger", "msg", "exc"})
@@ -56,7 +57,7 @@ def _text_value(value: object) -> str:
     # text of any script is kept as it is, quoted or not.
     if text and all(c.isprintable() and not c.isspace() and c not in '="' for c in text):
         return text
-    return '"' + "".join(_escaped(c) for c in text) + '"'
+    return '"' + "".join(escaped_char(c) for c in text) + '"'
 
 
 def shown(text: str) -> str:
@@ -65,34 +66,17 @@ def shown(text: str) -> str:
     return _text_value(text)
 
 
-def _escaped(c: str) -> str:
-    if c in '"\\':
-        return "\\" + c
-    if c == " " or c.isprintable():
-        return c
-    return f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}"
-
-
 def _timestamp(record: logging.LogRecord) -> str:
     # Wall-clock time for the reader; policy never reads it.
     seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
     return f"{seconds}.{int(record.msecs):03d}Z"
 
 
-def _one_line(text: str) -> str:
-    """``text`` with its control, format and unpaired surrogate characters escaped, the rest as it is:
-    a message carries a peer's text (KVCM's refusal, a worker's error detail), and a newline in it began
-    a line of its own that read as a record of ours."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else _escaped(c) for c in text)
-
-
 class TextFormatter(logging.Formatter):
     """``2025-01-02T03:04:05.678Z WARNING actors.worker_prober: probe failed target=10.0.0.1:8001``"""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_timestamp(record)} {record.levelname} {record.name}: {_one_line(record.getMessage())}"
+        line = f"{_timestamp(record)} {record.levelname} {record.name}: {one_line(record.getMessage())}"
         fields = _context(record)
         if fields:
             line += " " + " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())

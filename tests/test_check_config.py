@@ -378,3 +378,26 @@ def test_background_refresh_at_its_fresh_ttl_is_inactive() -> None:
         "is on but inactive: --prober-refresh-interval-s=0.05" in line and "--prober-fresh-ttl-s=0.05 (default)" in line
         for line in at_ttl.will_not_work
     )
+
+
+def test_a_value_with_an_undecodable_byte_or_a_newline_is_reported_on_its_line(tmp_path: Path) -> None:
+    """A file name's byte that is not UTF-8 reaches Python as an unpaired surrogate: a strict UTF-8
+    stdout (the usual locales') refused the report with a traceback, exit 1 on a config that was
+    fine. A newline in a value broke the table's line in two."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env["PYTHONIOENCODING"] = "utf-8:strict"
+    env["KVROUTE_KVCM_INSTANCE_ID"] = "inst\nance"  # not used with the fallback off, but shown
+    log_flag = os.fsencode(tmp_path) + b"/\xff.log"
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "router.cli", "check-config", "--kvcm-fallback", "false",
+         "--workers", "10.1.0.1:8000", "--decision-log", log_flag],
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    out = result.stdout.decode()
+    assert "result: OK" in out
+    assert "\\udcff.log" in out  # the flag's value, the undecodable byte escaped
+    assert any(line.split()[:2] == ["--kvcm-instance-id", "inst\\u000aance"] for line in out.splitlines()), out
