@@ -349,6 +349,7 @@ async def _topology(
     refuse("deployment", SECTION_PROBLEMS["deployment"](config.deployment))
     refuse("router", SECTION_PROBLEMS["router"](config.router))
     refuse("limits", SECTION_PROBLEMS["limits"](config.limits))
+    refuse("serve", SECTION_PROBLEMS["serve"](config.serve))  # the warnings' logger and the close's wait
     async with AsyncExitStack() as stack, trio.open_nursery() as services:
         supervisor = Supervisor(services)
         metrics = MetricsSink(config.metrics, split=config.router)

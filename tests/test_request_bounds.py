@@ -22,7 +22,14 @@ from hypothesis import strategies as st
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.api import open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LimitsConfig, RouterConfig
+from router.config import (
+    DeploymentConfig,
+    DiscoveryConfig,
+    KvrouteConfig,
+    LimitsConfig,
+    RouterConfig,
+    ServeConfig,
+)
 from router.keys import block_key_slices, block_keys, join_slices
 from router.problems import ConfigError
 from router.request import (
@@ -65,8 +72,12 @@ def refused(request: RouteRequest, limits: LimitsConfig = LIMITS) -> BadRequest:
         (KvrouteConfig(router=RouterConfig(max_in_flight=0)), r"router\.max_in_flight: must be > 0"),
         (KvrouteConfig(limits=LimitsConfig(max_prompt_tokens=0)), r"limits\.max_prompt_tokens: must be > 0"),
         (KvrouteConfig(deployment=DeploymentConfig(block_size=0)), r"deployment\.block_size: must be > 0"),
+        # The close waited on a NaN drain bound (ValueError from trio after serving), and the warnings'
+        # logger refused its interval naming no field.
+        (KvrouteConfig(serve=ServeConfig(drain_timeout_s=float("nan"))), r"serve\.drain_timeout_s: must be a finite"),
+        (KvrouteConfig(serve=ServeConfig(log_aggregate_interval_s=0)), r"serve\.log_aggregate_interval_s: must be > 0"),
     ],
-    ids=["nan-budget-cap", "no-request-in-flight", "no-prompt-token", "no-block-size"],
+    ids=["nan-budget-cap", "no-request-in-flight", "no-prompt-token", "no-block-size", "nan-drain", "no-log-interval"],
 )
 async def test_a_configuration_built_in_code_is_refused_naming_the_field(config: KvrouteConfig, named: str) -> None:
     """An embedder's KvrouteConfig reaches open_router without the settings' validation, and the
