@@ -151,8 +151,9 @@ class _Window:
 class KvcmBreaker:
     """The breaker's state. Every method is synchronous and takes the time it needs."""
 
-    def __init__(self, config: BreakerConfig) -> None:
-        refuse("breaker", breaker_problems(config))
+    def __init__(self, config: BreakerConfig, *, section: str = "breaker") -> None:
+        """``section``: the configuration section ``config`` is, named in a refusal."""
+        refuse(section, breaker_problems(config))
         self._config = config
         self._state = BreakerState.CLOSED
         self._consecutive_failures = 0

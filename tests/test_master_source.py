@@ -31,6 +31,7 @@ from router.config import (
     RouterConfig,
 )
 from router.keys import block_keys
+from router.problems import ConfigError
 from router.supervisor import RouterHandle
 from router.transport.master_memory import MemoryMasterNetwork
 from router.transport.memory_adapter import MemoryNetwork
@@ -675,3 +676,21 @@ async def test_a_caller_cancelling_during_the_masters_call_is_no_failure_of_the_
         breaker = health.breaker
         assert (breaker.state, breaker.opened_total, breaker.consecutive_failures) == (BreakerState.CLOSED, 0, 0)
         assert health.requests == 3
+
+
+async def test_a_bad_master_breaker_built_in_code_is_refused_naming_its_own_section(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The breaker refused it as ``breaker.cooldown_s``: the KVCM breaker's section, which was fine."""
+    masters = MemoryMasterNetwork()
+    hosts = SimMaster([RoleAddr(Role.PREFILL, "10.0.0.1", 8000, 8001)]).serve_memory(masters)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        router=RouterConfig(kvcm_fallback=False),
+        discovery=DiscoveryConfig(workers="10.0.0.1:8000"),
+        master=MasterConfig(hosts=",".join(hosts.hosts)),
+        master_breaker=replace(BreakerConfig(), cooldown_s=-1.0),
+    )
+    with pytest.raises(ConfigError, match=r"master_breaker\.cooldown_s: must be > 0"):
+        async with open_router(config, rpc=MemoryNetwork(), master=masters):
+            raise AssertionError("the router started")

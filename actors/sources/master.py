@@ -170,7 +170,7 @@ class MasterSource:
         self._domain = domain
         self._metrics = metrics
         # Owned by run():
-        self._breaker = KvcmBreaker(config.master_breaker)
+        self._breaker = KvcmBreaker(config.master_breaker, section="master_breaker")
         self._last_error: str | None = None
         self._requests = self._routed = self._fell_through = self._ended = 0
         self._view: BreakerView = self._breaker.view()
