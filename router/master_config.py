@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.config import MASTER_GRPC_PORT_OFFSET, MASTER_HTTP_PORT, MasterConfig
+from router.config import MASTER_GRPC_PORT_OFFSET, MASTER_HTTP_PORT, MasterConfig, MasterProtocol
 from router.problems import Problem, range_problems
 from router.targets import TargetError, parse_target
 
@@ -34,9 +34,14 @@ def master_problems(config: MasterConfig) -> list[Problem]:
         except TargetError as exc:
             found.append(Problem(("hosts",), str(exc)))
             continue
-        if target.port + MASTER_GRPC_PORT_OFFSET > 65535:
+        # Over HTTP nothing is sent to the gRPC port (the scheduler's info goes over HTTP too).
+        if config.protocol is MasterProtocol.GRPC and target.port + MASTER_GRPC_PORT_OFFSET > 65535:
             found.append(
-                Problem(("hosts",), f"{entry!r}: port + {MASTER_GRPC_PORT_OFFSET} (the gRPC port) exceeds 65535")
+                Problem(
+                    ("hosts", "protocol"),
+                    f"{entry!r}: port + {MASTER_GRPC_PORT_OFFSET} (the gRPC port the grpc protocol calls) "
+                    "exceeds 65535",
+                )
             )
         if str(target) in seen:
             found.append(Problem(("hosts",), f"{entry!r} is listed twice"))

@@ -527,6 +527,7 @@ def test_a_host_list_of_separators_alone_is_refused() -> None:
 def test_problems_name_every_bad_field() -> None:
     config = MasterConfig(
         hosts="10.0.0.1:7001, 10.0.0.1:7001,bad host,10.0.0.2:65534",
+        protocol=MasterProtocol.GRPC,
         transport_timeout_ms=0,
         discovery_interval_s=-1,
         discovery_timeout_s=0,
@@ -540,6 +541,7 @@ def test_problems_name_every_bad_field() -> None:
     assert fields.count("hosts") == 3
     assert set(fields) == {
         "hosts",
+        "protocol",  # with the port + 2 beyond 65535
         "transport_timeout_ms",
         "discovery_interval_s",
         "discovery_timeout_s",
@@ -550,3 +552,10 @@ def test_problems_name_every_bad_field() -> None:
     }
     messages = " | ".join(p.message for p in found)
     assert "listed twice" in messages and "'bad host'" in messages and "65534" in messages
+
+
+def test_a_port_whose_grpc_port_does_not_exist_is_refused_only_for_the_grpc_protocol() -> None:
+    """Over HTTP nothing is sent to port + 2: a scheduler on port 65534 was refused all the same."""
+    assert master_problems(MasterConfig(hosts="10.0.0.2:65534,10.0.0.3:65535")) == []
+    refused = master_problems(MasterConfig(hosts="10.0.0.2:65533,10.0.0.3:65534", protocol=MasterProtocol.GRPC))
+    assert [(p.fields, "65534" in p.message) for p in refused] == [(("hosts", "protocol"), True)]
