@@ -44,7 +44,7 @@ class DecideRequest:
     seq_len: int
     block_size: int
     roles: Collection[Role]
-    now: float
+    now: float  # the request's trio time; the charge is made at the later of it and the Scorer's decision
 
 
 class Decided(NamedTuple):
@@ -267,7 +267,9 @@ class Scorer:
                 statuses,
                 seq_len=request.seq_len,
                 block_size=request.block_size,
-                now=request.now,
+                # Charged as decided now, not when asked: a status sent while the request waited in
+                # this inbox cannot hold its dispatch, and clears the charges made before it.
+                now=max(request.now, started),
                 roles=request.roles,
                 missing=request.missing,
             )

@@ -90,6 +90,36 @@ async def test_decisions_are_recorded_so_the_next_one_sees_the_precharge(nursery
     assert health.policy.policy == "cache_affinity_first"
 
 
+async def test_a_decision_is_charged_when_it_is_made_not_when_it_was_asked_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R1 asks at t=0 and waits in the Scorer's inbox (a busy loop) until t=0.010. A status of A sent at
+    t=0.005 cannot hold R1's dispatch, decided after it; but R1's charge was stamped with the time it
+    asked, before the status, so the status cleared it and R2 piled onto A with R1."""
+    scorer = make_scorer(max_extra_work_tokens=0)
+    a, b = addr(1), addr(2)
+    plan = plan_of((a, 10), (b, None))  # A holds 10 blocks (160 tokens of 1600); B is idle with none
+    picks: list[WorkerAddr | None] = []
+    async with trio.open_nursery() as nursery:
+
+        async def asks_first() -> None:
+            selection, _ = await scorer.decide(request(plan, {a: status(), b: status()}, now=trio.current_time()))
+            picks.append(selection.worker)
+
+        nursery.start_soon(asks_first)
+        await trio.sleep(0.010)
+        await nursery.start(scorer.run)  # the Scorer's task runs only now
+        await trio.testing.wait_all_tasks_blocked()
+        assert picks == [a]
+        r2 = replace(
+            request(plan, {a: status(), b: status()}, now=trio.current_time()),
+            statuses={a: (status(), 0.005), b: (status(), 0.0)},  # A's status sent while R1 waited
+        )
+        selection, _ = await scorer.decide(r2)
+        assert selection.worker == b  # R1's uncached 1,440 tokens on A, in no status of A
+        nursery.cancel_scope.cancel()
+
+
 async def test_record_nowait_charges_a_fallback_dispatch(nursery: trio.Nursery) -> None:
     scorer = make_scorer()
     await nursery.start(scorer.run)
