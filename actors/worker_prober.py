@@ -1305,6 +1305,7 @@ class WorkerProber:
                         flight.state.latest_finished_version,
                         background=flight.kind is not ProbeKind.ON_DEMAND,
                         on_sent=mark_sent,
+                        sent_timeout_s=timeout_s,  # grpc's own deadline moves with ``bound``
                         on_answered=mark_answered,
                     ),
                     "",

@@ -60,6 +60,7 @@ class _RoundOf:
         request: bytes,
         *,
         on_sent: Callable[[], None] | None = None,
+        sent_timeout_s: float | None = None,
         background: bool = False,
     ) -> bytes:
         raise AssertionError("only rounds here")

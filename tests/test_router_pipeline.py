@@ -153,10 +153,13 @@ class CallWatched(MemoryNetwork):
         request: bytes,
         *,
         on_sent: Callable[[], None] | None = None,
+        sent_timeout_s: float | None = None,
         background: bool = False,
     ) -> bytes:
         await self.before(target, method_path, background)
-        reply = await super().call(target, method_path, request, on_sent=on_sent, background=background)
+        reply = await super().call(
+            target, method_path, request, on_sent=on_sent, sent_timeout_s=sent_timeout_s, background=background
+        )
         return self.after(method_path, reply)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -192,3 +193,45 @@ async def test_request_waiting_for_budget_is_skipped_at_its_deadline(fleet: Flee
     skipped_total = health.skipped[SkipReason.NO_BUDGET.value] - before.skipped.get(SkipReason.NO_BUDGET.value, 0)
     assert skipped_total == FLEET - CAP
     assert (health.inflight, health.waiting_for_budget, health.peak_inflight) == (0, 0, CAP)
+
+
+class SlowToLease:
+    """The real pool, each lease taking ``wait_s`` first: a channel slow to open."""
+
+    def __init__(self, pool: ChannelPool[grpc.Channel], wait_s: float) -> None:
+        self._pool = pool
+        self._wait_s = wait_s
+
+    @asynccontextmanager
+    async def lease(self, target: str) -> AsyncIterator[grpc.Channel]:
+        await trio.sleep(self._wait_s)
+        async with self._pool.lease(target) as channel:
+            yield channel
+
+    def lease_nowait(self, target: str) -> AbstractContextManager[grpc.Channel] | None:
+        return None
+
+    def invalidate(self, target: str, channel: object | None = None) -> None:
+        self._pool.invalidate(target, channel)
+
+
+async def test_a_probe_that_waited_for_its_channel_gives_the_worker_its_whole_timeout(nursery: trio.Nursery) -> None:
+    """The prober gives a worker ``probe_timeout_s`` from the probe's sending, but grpc's own deadline
+    was set from what was left after the lease: 1.5 s of a 2 s timeout spent opening the channel left
+    the worker 0.5 s on the wire, and a worker answering in 1 s was counted failed (``deadline``)."""
+    sim = SimWorker("slow-to-reach")
+    sim.set_faults(WorkerFaults(delay_s=1.0))
+    server = await nursery.start(functools.partial(serve_endpoint, sim, max_threads=2))
+    worker = WorkerAddr.from_http(server.host, server.port - 1)
+    pool: ChannelPool[grpc.Channel] = ChannelPool(ChannelPoolConfig())
+    await nursery.start(pool.run)
+    config = ProberConfig(probe_timeout_s=2.0, background_refresh=False)
+    rpc = GrpcRawRpc(SlowToLease(pool, wait_s=1.5), start_off_loop=True)
+    prober = WorkerProber(config, WorkerStatusClient(rpc))
+    await nursery.start(prober.run)
+    with trio.fail_after(30):
+        handle = prober.probe([worker], trio.current_time() + 10.0)
+        await handle.wait_all()
+    [result] = handle.results()
+    await pool.aclose()
+    assert result.outcome is ProbeOutcome.OK, (result, prober.snapshot().last_errors)

@@ -74,6 +74,7 @@ class WorkerStatusClient:
         *,
         background: bool = False,
         on_sent: Callable[[], None] | None = None,
+        sent_timeout_s: float | None = None,
         on_answered: Callable[[], None] | None = None,
     ) -> WorkerStatus:
         reply = await self._rpc.call(
@@ -81,6 +82,7 @@ class WorkerStatusClient:
             paths.WORKER_GET_STATUS,
             decode.encode_status_version(latest_finished_version),
             on_sent=on_sent,
+            sent_timeout_s=sent_timeout_s,
             background=background,
         )
         if on_answered is not None:

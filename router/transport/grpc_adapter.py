@@ -182,6 +182,7 @@ class GrpcRawRpc:
         request: bytes,
         *,
         on_sent: Callable[[], None] | None = None,
+        sent_timeout_s: float | None = None,
         background: bool = False,
     ) -> bytes:
         """``on_sent``: called once the call has started (its request handed to grpc). A caller
@@ -200,8 +201,11 @@ class GrpcRawRpc:
                 if timeout is not None and timeout <= 0:
                     raise NotSent(target, "deadline passed while the channel opened; not sent")
             calls = self._calls_on(channel)
+            # A caller whose bound moves to the sending gives the peer's time itself: what its scope left
+            # before (a wait for the channel) would cut the call short on grpc's own deadline.
+            rpc_timeout_s = timeout if sent_timeout_s is None else sent_timeout_s
             future = await self._start(
-                calls, channel, method_path, request, timeout, self._start_off_loop or background
+                calls, channel, method_path, request, rpc_timeout_s, self._start_off_loop or background
             )
             if on_sent is not None:
                 on_sent()

@@ -51,9 +51,12 @@ class MemoryNetwork:
         request: bytes,
         *,
         on_sent: Callable[[], None] | None = None,
+        sent_timeout_s: float | None = None,
         background: bool = False,
     ) -> bytes:
-        """``background`` changes nothing here: a call in memory starts no thread."""
+        """``background`` changes nothing here: a call in memory starts no thread. Nor does
+        ``sent_timeout_s``: a call in memory has no deadline of its own, only the caller's scope, which
+        the caller moves to the sending itself."""
         # As GrpcRawRpc: a call whose deadline has passed is neither sent nor counted.
         if trio.current_effective_deadline() <= trio.current_time():
             raise NotSent(target, "deadline already passed; not sent")

@@ -71,11 +71,15 @@ class RawRpc(Protocol):
         request: bytes,
         *,
         on_sent: Callable[[], None] | None = None,
+        sent_timeout_s: float | None = None,
         background: bool = False,
     ) -> bytes:
         """Raise a ``TransportError`` on failure; ``trio.Cancelled`` if the caller's scope ends.
         ``on_sent``: called once the request is on its way to the peer; a call that ends before (its
         deadline passed waiting for a channel or a thread) never reached it.
+        ``sent_timeout_s``: the peer's time, counted from the sending, for a caller whose own bound moves
+        to the sending (``on_sent``); None: what the caller's scope leaves. The checks before sending
+        (``NotSent``) still go by the caller's scope.
         ``background``: no request waits for the reply; the adapter may start the call where it holds
         up the event loop least (over gRPC, off it), at the cost of a hand-off."""
         ...
@@ -127,9 +131,10 @@ class WorkerStatusTransport(Protocol):
         *,
         background: bool = False,
         on_sent: Callable[[], None] | None = None,
+        sent_timeout_s: float | None = None,
         on_answered: Callable[[], None] | None = None,
     ) -> WorkerStatus:
-        """``background`` and ``on_sent``: as ``RawRpc.call``'s; ``on_answered``: as
+        """``background``, ``on_sent`` and ``sent_timeout_s``: as ``RawRpc.call``'s; ``on_answered``: as
         ``KvcmTransport.get_host_cache_state``'s."""
         ...
 
