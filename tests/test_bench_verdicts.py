@@ -16,6 +16,7 @@ from typing import Any, cast
 import pytest
 
 from kvroute_sim.bench import decision_cpu, latency, outage, overload, quality, throughput
+from kvroute_sim.bench.callers import NOT_SENT
 from kvroute_sim.bench.harness import ClusterShape, ClusterView, Outcomes
 from kvroute_sim.bench.overload import EchoFloor, LevelResult
 from kvroute_sim.bench.rate import (
@@ -29,6 +30,7 @@ from kvroute_sim.bench.rate import (
     relay_knee,
     targets_met,
 )
+from kvroute_sim.bench.rate import _curve as rate_curve
 from kvroute_sim.bench.raw_grpc import FloorSamples
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_least, at_most, via_kvcm
 from kvroute_sim.bench.soak import Reading, SoakResult, soak_verdict
@@ -162,6 +164,34 @@ def test_a_p7_level_needs_99_percent_within_deadline_plus_5_ms_and_no_call_witho
     assert not level(100, 0, Counter({"DEADLINE_EXCEEDED": 1})).met
     assert not level(100, 0, Counter({"NOT_SENT": 2})).met  # a call never sent got no answer either
     assert level(100, 0, Counter({"NOT_SENT": 2, "UNAVAILABLE": 3})).no_answer == 5
+
+
+def test_the_load_curves_print_a_missed_figure_on_the_side_it_missed() -> None:
+    """The rows rounded a figure toward the side of its target it could miss on; the curves under them
+    rounded to nearest, so a missed level or rate showed its target there: 98.97 % on time as 99.0%, a
+    p99 of 5.004 ms as 5.00, 2.04 % fallbacks (the knee) as 2.0%."""
+    missed = level(2969, 31)
+    assert not missed.met
+    assert overload._curve([missed]).splitlines()[1].split("|")[3].strip() == "98.9%"
+    slow = RateResult(100, 100, 1.0, (1.0,) * 98 + (5.004,) * 2, (), Counter(), Counter({"kvcm/x": 100}))
+    assert at_most(slow.p(99), 5.0) is Verdict.MISSED
+    assert rate_curve([slow]).splitlines()[1].split("|")[3].strip() == "5.01"
+    over = RateResult(500, 10_000, 20.0, (1.0,) * 10_000, (), Counter(), Counter({"kvcm/x": 9796, "domain/x": 204}))
+    assert over.fallback_share > 0.02 and rate_curve([over]).splitlines()[1].split("|")[5].strip() == "2.1%"
+
+
+def test_p8s_cpu_by_thread_is_per_call_made_as_its_cpu_per_call_is() -> None:
+    """Calls the open loop never sent were counted in the thread table's calls but not in the CPU per
+    call beside it, so the threads' parts added up to less than their whole."""
+    errors = Counter({NOT_SENT: 50})
+    stalled = RateResult(
+        100, 100, 1.0, (1.0,) * 50, (), errors, Counter({"kvcm/x": 50}),
+        cpu_ms_per_call=20.0, thread_cpu_s={"trio loop": 1.0},  # 1 s over the 50 calls made
+    )
+    by_thread = cast(dict[str, float], stalled.to_json()["thread_cpu_us_per_call"])
+    assert sum(by_thread.values()) == 20_000.0
+    relay = RelayRun(100, (1.0,) * 50, 0.0, 20.0, {"trio loop": 1.0}, not_sent=50)
+    assert relay.to_json()["thread_cpu_us_per_call"] == {"trio loop": 20_000.0}
 
 
 def test_p7_needs_every_level_met(monkeypatch: pytest.MonkeyPatch) -> None:
