@@ -110,6 +110,8 @@ class HitAccuracy:
         async with trio.open_nursery() as nursery:
             alarm = Alarm(self._send, _EXPIRE)
             await nursery.start(alarm.run)
+            if self._pending:  # a restart's: set below only on a change, none might come
+                alarm.set(self._next_expiry())
             task_status.started()
             async for message in self._receive:
                 was_empty = not self._pending

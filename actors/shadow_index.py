@@ -366,6 +366,8 @@ class ShadowIndexActor:
         async with trio.open_nursery() as nursery:
             alarm = Alarm(self._send, _EXPIRE)
             await nursery.start(alarm.run)
+            if self.index.records:  # a restart's: set below only on a change, none might come
+                alarm.set(self.index.next_expiry())
             task_status.started()
             async for message in self._receive:
                 was_empty = not self.index.records

@@ -229,6 +229,28 @@ async def test_a_prediction_expires_on_time_with_no_traffic_and_a_late_status_is
         assert (accuracy.health().matched, accuracy.health().silent_zero) == (0, 0)
 
 
+async def test_predictions_held_across_a_restart_still_expire_with_no_traffic(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A restarted task made a new expiry alarm but set it only on a change: the predictions it took
+    over stayed pending, with no traffic, for good."""
+    worker = "10.0.0.1:8000"
+    sink = MetricsSink(MetricsConfig())
+    accuracy = HitAccuracy(MetricsConfig(accuracy_ttl_s=60.0), sink)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        async with trio.open_nursery() as first_run:
+            await first_run.start(accuracy.run)
+            accuracy.predict("req-1", worker, 4096, RouteSource.KVCM, trio.current_time())
+            await trio.testing.wait_all_tasks_blocked()
+            assert accuracy.health().pending == 1
+            first_run.cancel_scope.cancel()  # its task ends, as a crash ends it
+        await nursery.start(accuracy.run)  # as a supervisor restarts it
+        await trio.sleep(61.0)
+        assert (accuracy.health().pending, accuracy.health().expired) == (0, 1)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_prediction_after_a_compared_one_still_expires_on_time_with_no_traffic(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -530,3 +530,22 @@ def test_kvcm_naming_a_holder_in_another_spelling_agrees_with_the_shadows_canoni
     shadow = (HostMatch("[2001:db8::2]:8000", 9, 0, 9),)
     assert agreement(kvcm, shadow) == 1.0
     assert hit_error_tokens(kvcm, shadow, 64) == 0
+
+
+async def test_records_held_across_a_restart_still_expire_with_no_traffic(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A restarted task made a new expiry alarm but set it only on a change: the records it took over
+    stayed in memory (and in the health's counts), with no traffic, for good."""
+    shadow = ShadowIndexActor(ShadowConfig(ttl_s=10.0))
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as first_run:
+            await first_run.start(shadow.run)
+            shadow.record_nowait("10.0.0.1:8000", [1, 2, 3], trio.current_time())
+            await trio.testing.wait_all_tasks_blocked()
+            assert shadow.health().records == 1
+            first_run.cancel_scope.cancel()  # its task ends, as a crash ends it
+        await nursery.start(shadow.run)  # as a supervisor restarts it
+        await trio.sleep(11.0)
+        assert shadow.health().records == 0
+        nursery.cancel_scope.cancel()
