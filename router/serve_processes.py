@@ -273,13 +273,19 @@ class ProcessSupervisor:
             log.warning("the address line could not be printed (%s): %s", self._grpc_address, failed)
 
     async def _watch_signals(self, signals: AsyncIterator[int]) -> None:
+        signalled = False
         async for signum in signals:
             name = signal.Signals(signum).name
-            # First or second by the stop asked for, not by the shutdown begun: two signals together
-            # (a quick double Ctrl-C, SIGTERM with SIGINT) are both read before run() resumes into it.
-            if not self._stop.is_set():
-                log.info("%s: draining %d processes", name, len(self._slots), extra=ctx(reason="drain"))
-                self._stop.set()
+            # First or second by the signals read, not by the shutdown begun: two signals together (a
+            # quick double Ctrl-C, SIGTERM with SIGINT) are both read before run() resumes into it, and
+            # a drain a failed start began is no operator's first stop.
+            if not signalled:
+                signalled = True
+                if self._stop.is_set():
+                    log.info("%s: the processes are draining already", name, extra=ctx(reason="drain"))
+                else:
+                    log.info("%s: draining %d processes", name, len(self._slots), extra=ctx(reason="drain"))
+                    self._stop.set()
             else:
                 log.warning("%s during the drain: the processes stop now", name, extra=ctx(reason="drain"))
                 if self._stopping:

@@ -608,6 +608,32 @@ async def test_two_signals_read_before_the_shutdown_began_are_a_drain_then_a_sto
     assert slot.returncode == 0 and not slot.killed
 
 
+async def test_the_first_signal_during_a_drain_a_failed_start_began_is_not_a_stop_now(tmp_path: Path) -> None:
+    """A child whose first start fails stops every process (a drain). The operator's (or service
+    manager's) one SIGTERM then was taken for a second signal: the serving sibling was told to stop
+    now and its calls were cut, where a first signal drains."""
+    supervisor = ProcessSupervisor(
+        count=2,
+        command=lambda i: (
+            [sys.executable, "-c", _DRAINING_FOR_LONG, str(tmp_path / "draining")]
+            if i == 0
+            else _stand_in("signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n" + "time.sleep(1.0)\nsys.exit(1)\n")
+        ),
+        grpc_address="127.0.0.1:1",
+        stop_wait_s=6.0,  # the draining sibling outlasts it: killed, unless told to stop now
+    )
+    serving = supervisor._slots[0]
+
+    async def signals() -> AsyncIterator[int]:
+        await supervisor._stop.wait()  # the failed start's drain is under way
+        yield int(signal.SIGTERM)
+        await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        assert await supervisor.run(signals()) == 1  # the failed start's status
+    assert serving.killed  # drained for the whole stop wait: no stop-now reached it
+
+
 async def test_a_child_may_take_discoverys_refresh_timeout_on_top_of_its_own_start(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
