@@ -150,7 +150,7 @@ class RouterHealth:
     max_in_flight: int
     handled: int
     overloaded: int
-    deadline_fallbacks: int  # requests whose deadline passed inside the chain: domain answered
+    deadline_fallbacks: int  # requests whose deadline passed before a source answered (or on arrival): domain
     internal_errors: int
     chain: tuple[str, ...]  # the sources, in the order a request asks them
     admission: AdmissionView
@@ -330,23 +330,27 @@ class RouterActor:
         now = trio.current_time()
         self._arrived(now)
         router = self._config.router
+        request = with_plain_id(request)  # before any answer: a refusal's is recorded too
         try:
             check_fields(request)  # the deadline below reads the timing fields
         except BadRequest as exc:
             return await self._refuse(request, now, exc)
-        request = with_plain_id(request)
         deadline = request_deadline(request, now, router.budget_cap_ms, router.reply_margin_ms)
         remaining = deadline - now
+        if remaining <= 0:
+            # No time at all (a budget of 0, the caller's deadline past): answered ``deadline`` at once,
+            # outside the chain, not shed; a source answering without a wait made it look routed in time.
+            return await self._outside_or_refuse(request, now, deadline, Reason.DEADLINE)
         ticket = object()  # the limiter's borrower: one per request
         # Shed at once what would only be answered late (the admission estimate) or what the cap
         # has no room for.
         in_flight = int(self._limiter.borrowed_tokens)
-        if remaining > 0 and not self._estimate.admits(remaining, in_flight=in_flight):
-            return await self._shed_or_refuse(request, now, deadline)
+        if not self._estimate.admits(remaining, in_flight=in_flight):
+            return await self._outside_or_refuse(request, now, deadline, Reason.OVERLOADED)
         try:
             self._limiter.acquire_on_behalf_of_nowait(ticket)
         except trio.WouldBlock:
-            return await self._shed_or_refuse(request, now, deadline)
+            return await self._outside_or_refuse(request, now, deadline, Reason.OVERLOADED)
         try:
             self._peak = max(self._peak, int(self._limiter.borrowed_tokens))
             decision = await self._handle(request, now, deadline)
@@ -389,12 +393,15 @@ class RouterActor:
         await trio.lowlevel.cancel_shielded_checkpoint()  # made and counted: a cancellation must not lose it
         return decision
 
-    async def _shed_or_refuse(self, request: RouteRequest, now: float, deadline: float) -> RouteDecision:
-        """The shed's answer, unless the checks refuse the request: then theirs (``bad_request``, naming
-        the field, made and logged as any), which must not become a worker under overload."""
+    async def _outside_or_refuse(
+        self, request: RouteRequest, now: float, deadline: float, reason: Reason
+    ) -> RouteDecision:
+        """The answer outside the chain (``overloaded``: a shed; ``deadline``: no time on arrival), unless
+        the checks refuse the request: then theirs (``bad_request``, naming the field, made and logged as
+        any), which must not become a worker under overload."""
         tokens = self.sheddable(request)
         if tokens is not None:
-            return await self._shed(request, now, deadline, tokens)
+            return await self._outside(request, now, deadline, tokens, reason)
         # Refused by its checks at once, no place taken.
         return await self._answered(await self._handle(request, now, deadline))
 
@@ -408,18 +415,25 @@ class RouterActor:
         refuse it: the one rule the ways in shed by, read from settings fixed at start (any thread)."""
         return sheddable(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
 
-    async def _shed(self, request: RouteRequest, now: float, deadline: float, tokens: int) -> RouteDecision:
-        """The domain answer ``overloaded``, before any work on the request (recorded like any decision).
+    async def _outside(
+        self, request: RouteRequest, now: float, deadline: float, tokens: int, reason: Reason
+    ) -> RouteDecision:
+        """The domain answer ``reason`` (``overloaded`` or ``deadline``), before any work on the request
+        (recorded like any decision; a replay finds a shed by its record's flag, no time by its times).
 
         Still a scheduling round: a caller looping over shed requests would otherwise never yield, the lag
-        probe would wait for it, and the lag it measured would shed everything after. Shielded: the shed
+        probe would wait for it, and the lag it measured would shed everything after. Shielded: the answer
         is counted, charged and logged, and a cancellation must not lose it."""
-        self._overloaded += 1
-        decision = self._emit(self._fallback(request, None, Reason.OVERLOADED, now, {}, ()))
+        shed = reason is Reason.OVERLOADED
+        if shed:
+            self._overloaded += 1
+        else:
+            self._deadline_fallbacks += 1
+        decision = self._emit(self._fallback(request, None, reason, now, {}, ()))
         if decision.worker is not None:  # the worker gets it: the Scorer must see it (``tokens``, its length)
             self._domain.charge(decision.worker, tokens)
         if self._decision_log is not None:
-            record = DecisionRecord(self._recorded(request), now, deadline, overloaded=True, decision=decision)
+            record = DecisionRecord(self._recorded(request), now, deadline, overloaded=shed, decision=decision)
             self._decision_log.submit(record)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return decision

@@ -613,15 +613,25 @@ def test_long_prompts_the_deadline_cut_while_hashing_replay_as_deadline(tmp_path
         network = MemoryNetwork()
         addrs = cluster.serve_memory(network)
         config = _config(addrs.kvcm_bootstrap, addrs.workers_arg, log, kvcm_fallback=kvcm_fallback)
+        clock = trio.lowlevel.current_clock()
+        assert isinstance(clock, trio.testing.MockClock)
         async with open_router(config, rpc=network) as handle:
             await trio.sleep(1.0)  # discovery and the leader
-            return [
-                await handle.route(RouteRequest("long-ok", token_ids=long_prompt, budget_ms=50)),
-                await handle.route(RouteRequest("long-b0", token_ids=long_prompt, budget_ms=0)),
-                await handle.route(
-                    RouteRequest("long-past", token_ids=long_prompt, deadline=trio.current_time() - 0.001)
-                ),
-            ]
+            decisions = [await handle.route(RouteRequest("long-ok", token_ids=long_prompt, budget_ms=50))]
+            async with trio.open_nursery() as nursery:
+
+                async def slow_machine() -> None:
+                    # The mock clock hashes in no time: each scheduling round here takes 10 ms instead.
+                    while True:
+                        await trio.lowlevel.checkpoint()
+                        clock.jump(0.010)
+
+                nursery.start_soon(slow_machine)
+                decisions.append(await handle.route(RouteRequest("long-b5", token_ids=long_prompt, budget_ms=5)))
+                soon = trio.current_time() + 0.005 + config.router.reply_margin_ms / 1000.0
+                decisions.append(await handle.route(RouteRequest("long-dl", token_ids=long_prompt, deadline=soon)))
+                nursery.cancel_scope.cancel()
+            return decisions
 
     decisions = on_mock_clock(record, log)
     assert [(d.reason, d.sources) for d in decisions[1:]] == [(Reason.DEADLINE, ())] * 2
@@ -636,7 +646,7 @@ def test_long_prompts_the_deadline_cut_while_hashing_replay_as_deadline(tmp_path
     body = bytearray(MAGIC)
     for f in frames:
         payload = dict(f.payload)
-        if f.kind == KIND_DECISION and payload.get("b") == 0:
+        if f.kind == KIND_DECISION and payload.get("b") == 5:
             payload["b"] = 50
         body += frame(f.kind, payload)
     slow.write_bytes(bytes(body))

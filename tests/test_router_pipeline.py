@@ -226,10 +226,13 @@ async def test_a_request_id_of_a_str_subclass_is_kept_by_the_metrics_sink(
         decision = await handle.route(RouteRequest(RequestId("sub-1"), token_ids=PROMPT, budget_ms=50))
         assert decision.worker == cluster.worker_addr(1)
         assert type(decision.request_id) is str and decision.request_id == "sub-1"
+        # Refused before its deadline is computed (a budget that is no number) as well.
+        refused = await handle.route(RouteRequest(RequestId("sub-2"), token_ids=PROMPT, budget_ms=math.nan))
+        assert refused.reason is Reason.BAD_REQUEST
         await trio.testing.wait_all_tasks_blocked()
         assert handle.actors()["metrics_sink"]["restarts"] == 0
         kept = [unpack_decision(packed)[0] for packed in handle.metrics.recent_decisions(10)]
-        assert [d.request_id for d in kept] == ["sub-1"]
+        assert [d.request_id for d in kept] == ["sub-2", "sub-1"]
 
 
 async def test_a_prompt_shorter_than_one_block_is_no_match_without_a_query(
@@ -756,6 +759,40 @@ async def test_feature_off_is_plain_domain_routing(autojump_clock: trio.testing.
         assert network.call_count() == 0
         counts = {w: chosen.count(w) for w in set(chosen)}
         assert len(counts) == 4 and min(counts.values()) >= 25  # uniform random over discovery
+
+
+async def test_a_request_with_no_time_left_on_arrival_is_answered_deadline_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No time at all (a budget of 0, the caller's deadline past) is answered ``deadline`` outside the
+    chain, not hashed or walked: a source answering without a wait made it look routed in time (the
+    domain's ``feature_off`` with the fallback off), and with the cap full it was shed ``overloaded``.
+    A request its checks refuse is still told so."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = make_config(addrs.kvcm_bootstrap, addrs.workers_arg, kvcm_fallback=False)
+    answers: list[RouteDecision] = []
+    async with open_router(config, rpc=network) as handle:
+        answers.append(await handle.route(RouteRequest("b0", token_ids=PROMPT, budget_ms=0)))
+        past = trio.current_time() - 1.0
+        answers.append(await handle.route(RouteRequest("past", token_ids=PROMPT, deadline=past)))
+        refused = await handle.route(RouteRequest("bad", token_ids=(), budget_ms=0))
+        assert refused.reason is Reason.BAD_REQUEST and (refused.error or "").startswith("token_ids")
+    hung = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(hung, max_in_flight=1) as (handle, _, _):
+        fault_the_leader(hung, KvcmFaults(hang=True))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(handle.route, RouteRequest("holds-the-place", token_ids=PROMPT, budget_ms=1000))
+            await trio.testing.wait_all_tasks_blocked()
+            assert handle.router_actor().in_flight() == 1  # the cap is full
+            answers.append(await handle.route(RouteRequest("full", token_ids=PROMPT, budget_ms=0)))
+            health = handle.router_actor().health()
+            nursery.cancel_scope.cancel()
+        assert (health.deadline_fallbacks, health.overloaded) == (1, 0)
+    for d in answers:
+        assert (d.route_source, d.reason, d.sources) == (RouteSource.DOMAIN, Reason.DEADLINE, ()), d
+        assert d.worker is not None
 
 
 async def test_a_loop_of_answers_made_without_io_lets_the_other_tasks_run(
