@@ -355,6 +355,7 @@ def parse_frames(path: str, data: bytes) -> Iterator[Frame]:
 
 
 _KINDS = frozenset({KIND_HEADER, KIND_FLEET, KIND_DECISION})
+_PAYLOAD_BYTES = bytes(range(0x20, 0x7F))  # what a payload is written in (``json.dumps``, ASCII escapes)
 ZERO_TAIL_CHUNK = 1024 * 1024  # how much of a zero tail is read at a time
 
 
@@ -401,6 +402,11 @@ def _frames(path: str, file: BinaryIO) -> Iterator[Frame]:
             raise LogFormatError(path, offset, f"frame length {length} is over {MAX_FRAME_BYTES}")
         body = _read(path, file, length, offset)
         if len(body) < length:
+            # A write cut short leaves the start of one payload (JSON in printable ASCII), zeros after it at
+            # most; anything else, frame heads among it, is a length garbled to run over the frames after
+            # it, whose decisions a torn tail would drop with a warning.
+            if body.rstrip(b"\0").translate(None, _PAYLOAD_BYTES):
+                raise LogFormatError(path, offset, f"frame length {length} runs over the frames after it (corrupted)")
             raise TornTail(path, offset, f"truncated frame ({len(body)} of {length} payload bytes)")
         if zlib.crc32(body) != crc:
             # A payload (JSON) holds no zero byte: one that ends in zeros running to the end of the file

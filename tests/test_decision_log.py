@@ -1111,6 +1111,14 @@ def test_a_frame_length_garbled_mid_file_is_corruption_not_a_torn_tail(tmp_path:
         load_log([str(path)])
     assert not isinstance(raised.value, decision_record.TornTail)
     assert raised.value.offset == first
+    # A length within what a reader takes that runs past the end of the file over the frames after it:
+    # it read as a write cut short, and the decisions after it were dropped with a warning, exit 0.
+    struct.pack_into(">I", data, first, len(data))
+    path.write_bytes(bytes(data))
+    with pytest.raises(LogFormatError, match="runs over the frames after it") as raised:
+        load_log([str(path)])
+    assert not isinstance(raised.value, decision_record.TornTail)
+    assert raised.value.offset == first
 
 
 @pytest.mark.parametrize(
