@@ -438,11 +438,13 @@ def _check_expected(fields: Mapping[str, Any]) -> None:
     missing = _DECISION_FIELDS - set(fields)
     if missing:
         raise KeyError(f"the decision lacks {', '.join(sorted(missing))}")
-    for name in ("hit", "ec"):
-        if fields[name] is not None and type(fields[name]) is not int:
+    for name, optional in (("hit", False), ("ec", True)):
+        if not (optional and fields[name] is None) and type(fields[name]) is not int:
             raise ValueError(f"the decision's {name!r} is not an integer: {fields[name]!r:.40}")
     _rows(fields, "ch", 3)
     _rows(fields, "c", 8)
+    _rows(fields, "ra", 4)
+    decode_addrs(fields["ra"])  # the replayed domain and companions read them so: roles and ports
     if "sw" in fields:
         _rows(fields, "sw", 3)
     for row in fields["c"]:

@@ -1074,6 +1074,9 @@ def test_a_file_whose_last_write_left_zero_bytes_is_read_up_to_them(
         (lambda p: {**p, "d": {**p["d"], "hit": "12x"}}, "the decision's 'hit' is not an integer"),
         (lambda p: {**p, "d": {**p["d"], "c": [[1]]}}, "the decision's 'c' is not a list of 8-field rows"),
         (lambda p: {**p, "d": {**p["d"], "ch": [5]}}, "the decision's 'ch' is not a list of 3-field rows"),
+        (lambda p: {**p, "d": {**p["d"], "hit": None}}, "the decision's 'hit' is not an integer"),
+        (lambda p: {**p, "d": {**p["d"], "ra": [["PREFILL"]]}}, "the decision's 'ra' is not a list of 4-field rows"),
+        (lambda p: {**p, "d": {**p["d"], "ra": [["BOGUS", "10.0.0.1", 1, 2]]}}, "'BOGUS' is not a valid Role"),
     ],
 )
 def test_a_decision_record_garbled_inside_valid_frames_exits_2_naming_its_offset(
