@@ -48,6 +48,7 @@ from router.decision_record import (
 )
 from router.files import open_regular_file
 from router.policy.plan import Fleet
+from router.problems import Problem, refuse
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ STOP_WRITE_S = 2.0
 # can be cancelled.
 _DISK_THREADS = 4
 
+
+# What each file's header adds to the settings when it is written (its wall times): the most it can be.
+HEADER_WALL_FIELDS_BYTES = len(',"opened_wall_s":99999999999.999,"wall_minus_trio_s":-99999999999.999999')
 
 class NotADecisionLog(OSError):
     """What is at the log's path is not a decision log (a directory, another file): it is not touched."""
@@ -276,6 +280,18 @@ def _holds_decisions(path: str) -> bool:
 
 class DecisionLog:
     def __init__(self, config: RouterConfig, header: Mapping[str, Any]) -> None:
+        # The header records the settings given, and a long --workers list can make it larger than a
+        # file may be: every file then broke the bound at its first write, and every decision was
+        # dropped as oversize. Half a file at most, so a file holds decisions too.
+        header_bytes = len(MAGIC) + len(frame(KIND_HEADER, header)) + HEADER_WALL_FIELDS_BYTES
+        if 2 * header_bytes > config.decision_log_max_bytes:
+            # Rounded up to whole KiB with room: the header records this setting too, its digits with it.
+            enough = -(-(2 * header_bytes + 64) // 1024) * 1024
+            refuse("router", [Problem(
+                ("decision_log_max_bytes",),
+                f"each file's header, which records the settings given, takes {header_bytes} bytes, over half "
+                f"of {config.decision_log_max_bytes}: give at least {enough}",
+            )])
         self._config = config
         self._send, self._receive = trio.open_memory_channel[DecisionRecord](config.decision_log_inbox_size)
         self._writer = LogFileWriter(

@@ -64,6 +64,7 @@ from router.decision_record import (
 )
 from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet
+from router.problems import ConfigError
 from router.replay import (
     LogReader,
     Outcome,
@@ -1899,3 +1900,19 @@ def test_prompts_shorter_than_a_block_replay_as_recorded_in_logs_from_before_the
     monkeypatch.undo()
     assert {(d.route_source, d.reason) for d in drawn} == {(RouteSource.DOMAIN, Reason.NO_POSITIVE_MATCH)}
     assert replay_all(old_log) == (8, 8)
+
+
+async def test_a_file_size_the_header_alone_would_fill_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    """Each file's header records the settings given: with a long workers list it was larger than the
+    smallest file size allowed, every file broke the bound at its first write, and every decision was
+    dropped as oversize, with nothing said."""
+    workers = ",".join(f"10.1.{i // 250}.{i % 250}:8000" for i in range(300))
+    config = _config("10.0.0.1:6381", workers, tmp_path / "d.log", decision_log_max_bytes=4096)
+    with pytest.raises(ConfigError, match=r"router\.decision_log_max_bytes: each file's header") as refused:
+        async with open_router(config, rpc=MemoryNetwork()):
+            raise AssertionError("the router started")
+    assert not (tmp_path / "d.log").exists()
+    needed = int(str(refused.value).rpartition(" ")[2])
+    enough = replace(config, router=replace(config.router, decision_log_max_bytes=needed))
+    async with open_router(enough, rpc=MemoryNetwork()):
+        pass
