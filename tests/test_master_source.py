@@ -16,8 +16,8 @@ import pytest
 import trio
 import trio.testing
 
-from actors.breaker import BreakerState
-from actors.sources.master import MasterClientHealth, MasterSource, _Attempted, _Verdict
+from actors.breaker import Admission, BreakerState
+from actors.sources.master import MasterClientHealth, MasterSource, _AskTrial, _Attempted, _Verdict
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.master import MasterFaults, SimMaster
 from router.api import open_router
@@ -694,3 +694,34 @@ async def test_a_bad_master_breaker_built_in_code_is_refused_naming_its_own_sect
     with pytest.raises(ConfigError, match=r"master_breaker\.cooldown_s: must be > 0"):
         async with open_router(config, rpc=MemoryNetwork(), master=masters):
             raise AssertionError("the router started")
+
+
+async def test_a_trial_its_asker_left_as_it_was_granted_is_released_not_counted_as_a_request(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request asks to be the breaker's trial and is cancelled in the round the grant comes: the
+    grant is released for the next request, and its release was counted as a request beside the
+    caller's own report of the same one: one request, two in ``requests``."""
+    async with rig(kvcm_fallback=False, transport_timeout_ms=30) as r:
+        await open_the_breaker_until_a_trial_is_due(r)
+        r.master.set_faults(0, MasterFaults())
+        before = master_health(r)
+        caller = trio.CancelScope()
+        grant = _AskTrial.answer
+
+        def answered_as_the_caller_leaves(ask: _AskTrial, admission: Admission) -> None:
+            caller.cancel()
+            grant(ask, admission)
+
+        monkeypatch.setattr(_AskTrial, "answer", answered_as_the_caller_leaves)
+        with caller:
+            await r.route("left-as-it-was-granted")
+        monkeypatch.undo()
+        await trio.testing.wait_all_tasks_blocked()
+        after = master_health(r)
+        assert caller.cancelled_caught
+        assert after.requests - before.requests == 1
+        # Released: the next request is the trial, and the scheduler answering it closes the breaker.
+        assert (await r.route("the-trial")).route_source is RouteSource.MASTER
+        await trio.testing.wait_all_tasks_blocked()
+        assert master_health(r).breaker.state is BreakerState.CLOSED

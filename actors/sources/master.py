@@ -118,6 +118,8 @@ class _Attempted:
     result: SourceResult | None  # None: the request was cancelled
     error: str | None  # the master's transport failure, for last_error
     called_at: float  # when the schedule call went out (-inf: it did not)
+    # A trial granted to a caller already gone, given back: no request of its own (its caller reports).
+    released: bool = False
 
 
 class _AskTrial(Ask[Admission]):
@@ -247,6 +249,8 @@ class MasterSource:
             self._breaker.record_failure(now, attempted.trial, started_at=attempted.called_at)
         elif verdict is _Verdict.NOT_JUDGED and attempted.trial:
             self._breaker.release_trial()
+        if attempted.released:
+            return
         if attempted.error is not None:
             self._last_error = attempted.error
         self._requests += 1
@@ -290,7 +294,7 @@ class MasterSource:
 
     def _release_unclaimed(self, admission: Admission) -> None:
         if admission is Admission.TRIAL:
-            self._report(_Attempted(_Verdict.NOT_JUDGED, True, None, None, -math.inf))
+            self._report(_Attempted(_Verdict.NOT_JUDGED, True, None, None, -math.inf, released=True))
 
     def queue_length(self) -> int:
         """The master's last reported queue length, -1 when unknown."""
