@@ -33,7 +33,7 @@ from router.decision_pack import pack_decision, unpack_decision
 from router.policy.deadline_split import SplitEstimates, SplitEstimator
 from router.problems import Problem, range_problems, refuse
 from router.slot_init import slot_init
-from router.types import RouteDecision, Stage, cut_text
+from router.types import RouteDecision, RouteSource, Stage, cut_text
 
 logger = logging.getLogger(__name__)
 
@@ -564,7 +564,9 @@ class MetricsSink:
         for window in d.windows:
             if window.cut:
                 self._stage_cuts[window.stage].inc()
-        if self._split_estimator.observe(d.stage_ms, d.windows):
+        # The master's attempt came before the cache source's windows: time they no longer had.
+        ahead_ms = sum(step.elapsed_ms for step in d.sources if step.source is RouteSource.MASTER)
+        if self._split_estimator.observe(d.stage_ms, d.windows, ahead_ms=ahead_ms):
             self._estimates_changed = True
         for step in d.sources:
             reason = "" if step.reason is None else step.reason.value

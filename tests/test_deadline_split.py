@@ -194,6 +194,21 @@ def test_a_cut_probe_wait_counts_what_its_window_left_after_the_keys_and_the_que
     assert estimator.estimates().probe == pytest.approx(0.020 * (1 + config.split_deviations / 2))
 
 
+def test_a_query_wait_after_the_masters_counts_what_its_window_left_after_the_master() -> None:
+    """The master took 30 ms of its window before the KVCM source; the query's window ended 45 ms
+    after receipt, leaving it 15, and a stalled task noticed its reply only after 45: the sample was
+    capped at 45 ms (keys and leader alone counted before it), raising the estimate by the master's
+    time on every such stall."""
+    config = replace(LEARNED, split_min_samples=1)
+    estimator = SplitEstimator(config)
+    estimator.observe(
+        {Stage.KEYS: 0.0, Stage.LEADER: 0.0, Stage.CACHE_QUERY: 45.0, Stage.TAIL: 1.0},
+        (StageWindow(Stage.CACHE_QUERY, 45.0, False),),
+        ahead_ms=30.0,
+    )
+    assert estimator.estimates().query == pytest.approx(0.015 * (1 + config.split_deviations / 2))
+
+
 @given(
     st.lists(
         st.tuples(

@@ -39,6 +39,7 @@ from router.types import (
     SourceOutcome,
     SourceStep,
     Stage,
+    StageWindow,
     WorkerAddr,
     cut_text,
 )
@@ -407,6 +408,22 @@ async def test_reply_times_alone_republish_the_split_estimates(autojump_clock: t
     assert sink.split_estimates().tail is None
     await applied(sink, RepliesSent((0.002,)))
     assert sink.split_estimates().tail == pytest.approx(0.003)
+
+
+async def test_a_query_after_the_masters_attempt_is_learnt_within_what_its_window_left_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The master's attempt is no stage: the sink tells the split what it took, or a stalled query's
+    sample was capped as though its window had the master's time too."""
+    split = replace(RouterConfig(), split_min_samples=1)
+    sink = MetricsSink(MetricsConfig(), split=split)
+    master = SourceStep(RouteSource.MASTER, SourceOutcome.FELL_THROUGH, Reason.DEADLINE, 30.0)
+    d = replace(
+        decision(1, stage_ms={Stage.CACHE_QUERY: 45.0, Stage.TAIL: 1.0}, sources=(master,)),
+        windows=(StageWindow(Stage.CACHE_QUERY, 45.0, False),),
+    )
+    await applied(sink, DecisionMade(d))
+    assert sink.split_estimates().query == pytest.approx(0.015 * (1 + split.split_deviations / 2))
 
 
 def test_retained_decision_cuts_a_long_error_alone() -> None:

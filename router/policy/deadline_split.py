@@ -258,8 +258,11 @@ class SplitEstimator:
         # Decisions that ran the query but not this stage.
         self._since = {Stage.PROBE: 0, Stage.SCORE: 0}
 
-    def observe(self, stage_ms: Mapping[Stage, float], windows: tuple[StageWindow, ...]) -> bool:
-        """Feed one decision's stage times; True when an estimate changed."""
+    def observe(
+        self, stage_ms: Mapping[Stage, float], windows: tuple[StageWindow, ...], *, ahead_ms: float = 0.0
+    ) -> bool:
+        """Feed one decision's stage times; True when an estimate changed. ``ahead_ms``: what the chain
+        spent before the cache source, which is no stage (the master's attempt)."""
         cut = {w.stage for w in windows if w.cut}
         changed = False
         if Stage.CACHE_QUERY in stage_ms:
@@ -275,7 +278,7 @@ class SplitEstimator:
         # the stages before it. Past that the request's task was running late (a stalled loop), which the
         # tail measures; counted here, one stall would hold the estimate up for as long as the stage is cut.
         ends = {w.stage: w.end_ms for w in windows}
-        before = stage_ms.get(Stage.KEYS, 0.0) + stage_ms.get(Stage.LEADER, 0.0)
+        before = stage_ms.get(Stage.KEYS, 0.0) + ahead_ms + stage_ms.get(Stage.LEADER, 0.0)
         query = stage_ms.get(Stage.CACHE_QUERY)
         if query is not None:
             sample = _within(query, ends.get(Stage.CACHE_QUERY), before)
