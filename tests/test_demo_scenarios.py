@@ -63,7 +63,7 @@ _EXTRA_CHECKS = {
     "kvcm-garbled": _KVCM_OUTAGE_CHECKS,
     "master-down": {"breaker", "no wait"},
     "master-flapping": {"breaker", "no wait"},
-    "master-hang": {"hang cost"},
+    "master-hang": {"breaker", "hang cost"},
     "master-fallback": {"kvcm not asked"},
     "master-business-error": {"error code", "kvcm not asked"},
     "discovery-empty": {"kept"},  # the fault reached discovery, and the last good workers were kept
@@ -230,6 +230,16 @@ async def test_master_hang_fails_hang_cost_when_the_breaker_opens_late(
     checks = await _checks_of("master-hang")
     assert "the 0 after them" not in checks["hang cost"].detail, checks["hang cost"].line()
     assert not checks["hang cost"].ok, checks["hang cost"].line()
+
+
+async def test_master_hang_fails_breaker_when_the_breaker_never_opens(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's info hangs too, so discovery marks it down soon: the waits stopped even with
+    the breaker the scenario says opens never opening, and nothing checked it."""
+    monkeypatch.setattr(KvcmBreaker, "_open", lambda self, now: None)
+    checks = await _checks_of("master-hang")
+    assert not checks["breaker"].ok, checks["breaker"].line()
 
 
 async def test_worker_flapping_fails_ejected_when_the_prober_never_ejects(
