@@ -16,6 +16,7 @@ from router.problems import bounded
 from router.types import EngineGeneration, KeyFamily, QueryType, Role, ScorerPolicy
 
 KVCM_DEFAULT_PORT = 6381
+SEED_MAX = 2**63 - 1  # the largest scorer seed (a signed 64-bit integer, as a TOML file holds one)
 _GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC sizes are signed 32-bit
 
 
@@ -153,7 +154,7 @@ class ScorerConfig:
     outstanding_uncached_tokens_threshold: int = bounded(0, 0, 1_000_000_000)
     hot_set_size: int = bounded(8, 0, 1024, low_open=True)
     cold_set_size: int = bounded(2, 0, 1024)
-    seed: int = bounded(0, 0, 2**63 - 1)  # seeds the RNG that breaks exact ties (after least-recently-selected)
+    seed: int = bounded(0, 0, SEED_MAX)  # seeds the RNG that breaks exact ties (after least-recently-selected)
     # selection ledger: workers with a last-selected time / pre-charge
     max_tracked_workers: int = bounded(4096, 0, 1_000_000, low_open=True)
     # Per worker; beyond it the oldest charge's time is forgotten, not its tokens: they clear only with

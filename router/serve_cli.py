@@ -36,6 +36,7 @@ from dataclasses import replace
 import trio
 
 from router.api import open_router
+from router.config import SEED_MAX
 from router.decision_record import child_log_path
 from router.exception_groups import leaves
 from router.logs import ctx, setup_logging, tag_records
@@ -206,6 +207,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
         log.info("serving with %d processes on %s", serve.processes, grpc_address, extra=ctx(target=grpc_address))
 
         decision_log = loaded.effective.router.decision_log
+        seed = loaded.effective.scorer.seed
 
         def command(index: int) -> list[str]:
             return _child_command(
@@ -215,6 +217,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
                 grpc_address,
                 child_debug_listen(debug, index),
                 child_log_path(decision_log, index),
+                child_seed(seed, index),
             )
 
         supervisor = ProcessSupervisor(
@@ -232,12 +235,25 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
         return trio.run(supervise)
 
 
+def child_seed(seed: int, index: int) -> int:
+    """Child ``index``'s ``scorer_seed`` under ``kvroute serve --processes N``: the given one for child 0,
+    the next ones for the others (wrapping within the setting's range). With one seed the children's tie,
+    near-tie and domain draws came in the same order, which makes routers that share nothing herd."""
+    return (seed + index) % (SEED_MAX + 1)
+
+
 def _child_command(
-    args: argparse.Namespace, index: int, count: int, grpc_listen: str, debug_listen: str, decision_log: str
+    args: argparse.Namespace,
+    index: int,
+    count: int,
+    grpc_listen: str,
+    debug_listen: str,
+    decision_log: str,
+    seed: int,
 ) -> list[str]:
     """``kvroute serve`` for child ``index``: this command's own flags (the environment and the config
     file reach the child as they reached this process), one process, the resolved addresses, its own
-    decision log."""
+    decision log and seed."""
     given = vars(args)
     flags: list[str] = [f"--config={args.config}"] if args.config is not None else []
     overrides = {
@@ -245,6 +261,7 @@ def _child_command(
         "grpc_listen": grpc_listen,
         "debug_listen": debug_listen,
         "decision_log": decision_log,
+        "scorer_seed": str(seed),
     }
     for setting in SETTINGS:
         value = overrides.get(setting.name, given.get(setting.name))

@@ -113,22 +113,25 @@ def _leader(cluster: SimCluster) -> str:
     return leader
 
 
-def _config(addrs_bootstrap: str, workers: str, log: Path, **router_kw: object) -> KvrouteConfig:
+def _config(
+    addrs_bootstrap: str, workers: str, log: Path, *, scorer_seed: int = 0, **router_kw: object
+) -> KvrouteConfig:
     return KvrouteConfig(
         deployment=DeploymentConfig(block_size=BLOCK, roles=(Role.PREFILL,), kvcm_instance_id="ns"),
         router=RouterConfig(decision_log=str(log), **router_kw),  # type: ignore[arg-type]
         discovery=DiscoveryConfig(kvcm_bootstrap=addrs_bootstrap, workers=workers),
+        scorer=ScorerConfig(seed=scorer_seed),
     )
 
 
 @asynccontextmanager
 async def cluster_router(
-    log: Path, workers: int = 4, **router_kw: object
+    log: Path, workers: int = 4, scorer_seed: int = 0, **router_kw: object
 ) -> AsyncIterator[tuple[RouterHandle, SimCluster]]:
     cluster = SimCluster(workers=workers, kvcm_replicas=1, block_size=BLOCK)
     network = MemoryNetwork()
     addrs = cluster.serve_memory(network)
-    config = _config(addrs.kvcm_bootstrap, addrs.workers_arg, log, **router_kw)
+    config = _config(addrs.kvcm_bootstrap, addrs.workers_arg, log, scorer_seed=scorer_seed, **router_kw)
     async with open_router(config, rpc=network) as handle:
         resolver = handle.leader_resolver()
         assert resolver is not None
@@ -137,12 +140,12 @@ async def cluster_router(
         yield handle, cluster
 
 
-async def record_cache_run(log: Path) -> list[RouteDecision]:
+async def record_cache_run(log: Path, scorer_seed: int = 0) -> list[RouteDecision]:
     """Every cache-path source and fallback reason: KVCM leader and shortest-TTFT picks, the shadow
     index standing in, domain answers for no_positive_match / deadline / bad_request / overloaded,
     probes cut off at decide_at, no_candidates."""
     decisions: list[RouteDecision] = []
-    async with cluster_router(log, max_in_flight=2) as (handle, cluster):
+    async with cluster_router(log, max_in_flight=2, scorer_seed=scorer_seed) as (handle, cluster):
         cluster.kvcm.record_prefill(cluster.worker_addr(2).http_target, KEYS)
         route = handle.route
         for i in range(4):  # cache leader, then pre-charges spread the burst
@@ -783,10 +786,11 @@ def test_a_later_file_that_one_read_finds_unreadable_is_refused_before_any_repla
 
 def test_logs_of_processes_that_differ_only_in_where_they_log_replay_together(tmp_path: Path) -> None:
     """The digest covered every setting: the logs of two --processes children (each its own
-    PATH.p<i>) were refused together as "recorded with another configuration"."""
+    PATH.p<i>, and since 2026-12-07 its own seed, whose draws the log records) were refused together as
+    "recorded with another configuration"."""
     first, second = tmp_path / "decisions.log.p0", tmp_path / "decisions.log.p1"
     on_mock_clock(record_cache_run, first)
-    on_mock_clock(record_cache_run, second)
+    on_mock_clock(partial(record_cache_run, scorer_seed=1), second)
     identical, total = replay_all(first, second)
     assert identical == total > 0
 

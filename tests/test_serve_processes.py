@@ -30,6 +30,7 @@ from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router import serve_cli, serve_processes
 from router.cli import build_parser
+from router.config import SEED_MAX
 from router.keys import block_keys
 from router.replay import load_log
 from router.serve_processes import (
@@ -331,9 +332,20 @@ def test_each_child_reads_the_parents_config_file(tmp_path: Path) -> None:
     config = tmp_path / "kvroute.toml"
     config.write_text("")
     args = build_parser("serve").parse_args(["serve", "--config", str(config), "--processes", "2"])
-    command = serve_cli._child_command(args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "")
+    command = serve_cli._child_command(args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 1)
     assert f"--config={config}" in command
     assert command[-2:] == ["--supervised-process=1", "--supervised-processes=2"]
+
+
+def test_each_child_draws_from_a_seed_of_its_own() -> None:
+    """With the parent's one seed the children's tie, near-tie and domain draws came in the same order:
+    routers that share nothing, herding alike. Child 0 keeps the seed given, the others the next ones,
+    in place of the parent's flag."""
+    assert [serve_cli.child_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert serve_cli.child_seed(SEED_MAX, 1) == 0  # within the setting's range
+    args = build_parser("serve").parse_args(["serve", "--processes", "2", "--scorer-seed", "7"])
+    command = serve_cli._child_command(args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", serve_cli.child_seed(7, 1))
+    assert [flag for flag in command if flag.startswith("--scorer-seed")] == ["--scorer-seed=8"]
 
 
 def test_debug_ports_of_all_processes_are_checked() -> None:

@@ -49,12 +49,13 @@ def non_default_settings(config: KvrouteConfig) -> dict[str, str]:
 
 
 # Settings no decision depends on: where the process listens and with what credentials, how it logs,
-# what its debug endpoint keeps, its transport's channels, and where its decision log goes. The
-# children of ``--processes N`` differ in some (each its own debug port and log file), and so may two
-# runs whose logs are replayed together.
+# what its debug endpoint keeps, its transport's channels, and where its decision log goes; and the
+# seed, whose draws a log records and a replay takes from it. The children of ``--processes N``
+# differ in some (each its own debug port, log file and seed), and so may two runs whose logs are
+# replayed together.
 _OPERATIONAL_SECTIONS = frozenset({"serve", "metrics", "grpc_tls", "upstream_tls", "channel_pool"})
 _OPERATIONAL_SETTINGS = frozenset(
-    {"decision_log", "decision_log_max_bytes", "decision_log_files", "decision_log_inbox_size"}
+    {"decision_log", "decision_log_max_bytes", "decision_log_files", "decision_log_inbox_size", "scorer_seed"}
 )
 
 
