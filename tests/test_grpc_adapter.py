@@ -340,6 +340,25 @@ async def test_the_timeout_passed_counts_the_wait_for_the_channel(
         assert 0 < seen <= scope.deadline - leaser.leased_at + 0.002
 
 
+async def test_a_caller_whose_bound_moves_to_the_sending_gives_the_servers_time_itself(
+    start_off_loop: bool, peer: tuple[Peer, GrpcServer], pool: ChannelPool[grpc.Channel]
+) -> None:
+    """A caller that moves its own bound to the sending (the prober, by ``on_sent``) passes the peer's
+    time from the sending: grpc's deadline was what the scope left after the lease, and cut the call
+    short of the time its caller gave it."""
+    _, server = peer
+    rpc = GrpcRawRpc(_SlowLeaser(pool, delay_s=1.0), start_off_loop=start_off_loop)
+    with trio.fail_after(10):
+        with trio.move_on_after(2.0) as bound:
+
+            def moved() -> None:
+                bound.deadline = trio.current_time() + 8.0
+
+            seen = float(await rpc.call(server.target, REMAINING, b"", on_sent=moved, sent_timeout_s=8.0))
+        assert not bound.cancelled_caught
+        assert 2.0 < seen <= 8.0 + 0.002  # past all the scope ever had before the sending
+
+
 class _LateLeaser(_SlowLeaser):
     """A lease that hands its channel over ``delay_s`` late with no checkpoint that could be
     cancelled, as one whose answer was queued while the loop stalled."""
