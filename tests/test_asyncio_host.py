@@ -72,8 +72,9 @@ def _threads() -> set[threading.Thread]:
 
 
 async def _run_asyncio(program: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Run ``program`` as its own asyncio program (asyncio.run) on a thread."""
-    await trio.to_thread.run_sync(lambda: asyncio.run(program()))
+    """Run ``program`` as its own asyncio program (asyncio.run) on a thread; abandoned on cancel, so a
+    test's ``fail_after`` ends a program that hangs instead of hanging the run."""
+    await trio.to_thread.run_sync(lambda: asyncio.run(program()), abandon_on_cancel=True)
 
 
 def _hold(token: trio.lowlevel.TrioToken) -> threading.Event:

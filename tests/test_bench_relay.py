@@ -9,7 +9,6 @@ an answer, a fallback, with each call timed. No timing is asserted.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
@@ -184,9 +183,9 @@ async def test_a_bridged_call_the_stuck_trio_thread_never_takes_up_is_answered_b
             request = router_v1_pb2.RouteRequest(request_id="s", block_cache_keys=KEYS)
             caller = threading.Thread(target=lambda: replies.append(_route(relay, request)))
             caller.start()
-            # The stuck loop, on purpose: ten times the handler's wait of 50 ms and its slack.
-            time.sleep(1.0)  # noqa: ASYNC251
-            await trio.to_thread.run_sync(caller.join, LIMIT_S)
+            # The stuck loop, on purpose, until the handler has answered by itself (a sleep of a fixed
+            # second here let a caller thread that started late reach a loop running again).
+            caller.join(LIMIT_S)
         finally:
             relay.stop()
     assert [(r.request_id, r.route_source, r.reason) for r in replies] == [("s", "domain", "deadline")]

@@ -281,10 +281,11 @@ def quiet_heap() -> Iterator[None]:
 @pytest.mark.parametrize("name", REAL_CLOCK_SCENARIOS)
 @pytest.mark.usefixtures("quiet_heap")
 async def test_scenario_over_real_grpc_answers_every_request(name: str) -> None:
-    """Liveness only: no request lost (each answered with a worker, at most 1 s past its deadline)."""
+    """Liveness only: no request lost (each answered with a worker in the end). The demo's own bound,
+    an answer at most 1 s past its deadline, is the command's to check: a CI machine can stall that long."""
     scenario = next(s for s in SCENARIOS if s.name == name)
-    with trio.fail_after(30):
-        result = await run_scenario(scenario, scale=REAL_CLOCK_SCALE)
+    with trio.fail_after(60):
+        result = await run_scenario(scenario, scale=REAL_CLOCK_SCALE, lost_after_s=20.0)
     checks = {check.name: check for check in result.checks}
     assert result.requests > 0
     assert checks["answered"].ok, checks["answered"].line()

@@ -1020,9 +1020,11 @@ async def test_a_call_whose_client_gave_up_keeps_its_place_until_the_router_is_d
 
             first, after_first, second, after_second = await trio.to_thread.run_sync(two_rounds_while_held)
             timed_out = sum(isinstance(c, grpc.RpcError) for c in first)
-            assert after_first > 0 and timed_out == after_first  # each handed call timed out, its place kept
+            # Each handed call timed out, its place kept (on a busy machine a call can also time out in
+            # grpc's queue, never handed: at least as many timed out as places are held).
+            assert 0 < after_first <= timed_out
             assert after_second <= INITIAL_IN_FLIGHT_LIMIT  # never more handed over than the limit
-            assert sum(isinstance(c, grpc.RpcError) for c in second) == after_second - after_first
+            assert sum(isinstance(c, grpc.RpcError) for c in second) >= after_second - after_first
             for _ in range(1000):  # each place is freed once the router settles its call
                 if not gate.in_router():
                     break
