@@ -978,7 +978,9 @@ def _default_metavar(kind: Kind, choices: Mapping[str, enum.Enum] | None) -> str
 
 
 _QUOTED_CHARS = 64  # a refused value quoted in a message: its start, and how long it was
-_INTEGER = re.compile(r"[+-]?([0-9]+)")  # ASCII digits only, as int() takes them
+# What int() refused only for its length: a run of ASCII digits (int() also takes other scripts' digits
+# and underscores between digits, which a refusal for length never is about).
+_INTEGER = re.compile(r"[+-]?([0-9]+)")
 
 
 def _quoted(text: str) -> str:
