@@ -76,6 +76,7 @@ from router.api import RouterHandle
 from router.config import KvrouteConfig, LimitsConfig
 from router.keys import INT64
 from router.logs import ctx
+from router.problems import refuse
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, HeldPlace, ShedRecords
 from router.request import (
     budget_deadline,
@@ -86,7 +87,7 @@ from router.request import (
     check_shape,
     quoted,
 )
-from router.settings import parse_listen
+from router.settings import parse_listen, section_problems
 from router.targets import HostPort, format_target
 from router.thread_bridge import ANSWER_SLACK_S, deliver_outcome, settle
 from router.transport.errors import PeerAbort, RpcStatus
@@ -656,6 +657,9 @@ class Sidecar:
         self._reuse_port = reuse_port
         self._router = handle.router_actor()
         self._serve = config.serve
+        # A configuration built in code was never validated: mTLS asked without a certificate served
+        # plaintext, to any client.
+        refuse("grpc_tls", section_problems("grpc_tls", config.grpc_tls))
         self._tls = config.grpc_tls
         self._listen = parse_listen(config.serve.grpc_listen)  # a bad address fails here, naming it
         self._cap_ms = config.router.budget_cap_ms

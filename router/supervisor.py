@@ -55,7 +55,7 @@ from router.logs import AggregatingLogger
 from router.master_config import master_hosts
 from router.policy.choice import make_policy
 from router.problems import refuse
-from router.settings import SECTION_PROBLEMS, LoadedConfig
+from router.settings import LoadedConfig, section_problems
 from router.settings.redact import config_digest, non_default_settings
 from router.targets import HostPort
 from router.transport.clients import KvcmClient, WorkerStatusClient
@@ -346,10 +346,10 @@ async def _topology(
     # built on them: a configuration built in code reaches here without the settings' validation (a NaN
     # budget cap answered every request internal_error; no request in flight failed on an inbox sized
     # from it).
-    refuse("deployment", SECTION_PROBLEMS["deployment"](config.deployment))
-    refuse("router", SECTION_PROBLEMS["router"](config.router))
-    refuse("limits", SECTION_PROBLEMS["limits"](config.limits))
-    refuse("serve", SECTION_PROBLEMS["serve"](config.serve))  # the warnings' logger and the close's wait
+    # The serve section: the warnings' logger, the close's wait, the debug endpoint's token. The upstream
+    # TLS: a client certificate without its key aborted the process in grpc's core at the first channel.
+    for section in ("deployment", "router", "limits", "serve", "upstream_tls"):
+        refuse(section, section_problems(section, getattr(config, section)))
     async with AsyncExitStack() as stack, trio.open_nursery() as services:
         supervisor = Supervisor(services)
         metrics = MetricsSink(config.metrics, split=config.router)

@@ -29,6 +29,7 @@ from router.config import (
     LimitsConfig,
     RouterConfig,
     ServeConfig,
+    UpstreamTlsConfig,
 )
 from router.keys import block_key_slices, block_keys, join_slices
 from router.problems import ConfigError
@@ -76,8 +77,18 @@ def refused(request: RouteRequest, limits: LimitsConfig = LIMITS) -> BadRequest:
         # logger refused its interval naming no field.
         (KvrouteConfig(serve=ServeConfig(drain_timeout_s=float("nan"))), r"serve\.drain_timeout_s: must be a finite"),
         (KvrouteConfig(serve=ServeConfig(log_aggregate_interval_s=0)), r"serve\.log_aggregate_interval_s: must be > 0"),
+        # A setting's form, which only the loaders checked: a bare UnicodeEncodeError at the first request.
+        (KvrouteConfig(serve=ServeConfig(debug_token="tøken")), r"serve\.debug_token: must be printable ASCII"),
+        # grpc's core aborted the whole process at the first channel (no exception to catch).
+        (
+            KvrouteConfig(upstream_tls=UpstreamTlsConfig(ca="/etc/ca.pem", cert="/etc/client.pem")),
+            r"upstream_tls\.cert, upstream_tls\.key: a certificate without its private key",
+        ),
     ],
-    ids=["nan-budget-cap", "no-request-in-flight", "no-prompt-token", "no-block-size", "nan-drain", "no-log-interval"],
+    ids=[
+        "nan-budget-cap", "no-request-in-flight", "no-prompt-token", "no-block-size", "nan-drain", "no-log-interval",
+        "debug-token-not-ascii", "client-cert-without-key",
+    ],
 )
 async def test_a_configuration_built_in_code_is_refused_naming_the_field(config: KvrouteConfig, named: str) -> None:
     """An embedder's KvrouteConfig reaches open_router without the settings' validation, and the

@@ -37,6 +37,7 @@ from router.api import RouterHandle, open_router
 from router.config import (
     DeploymentConfig,
     DiscoveryConfig,
+    GrpcTlsConfig,
     KvrouteConfig,
     LimitsConfig,
     RouterConfig,
@@ -44,6 +45,7 @@ from router.config import (
 )
 from router.decision_record import without_prompt
 from router.keys import block_keys
+from router.problems import ConfigError
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate
 from router.replay import load_log
 from router.request import budget_left_ms, caller_deadline, check_request, sheddable
@@ -72,6 +74,7 @@ from router.sidecar import (
 )
 from router.targets import HostPort
 from router.transport.errors import PeerAbort, RpcStatus
+from router.transport.memory_adapter import MemoryNetwork
 from router.types import (
     BadRequest,
     KeyFamily,
@@ -240,6 +243,23 @@ async def test_a_sidecar_serving_past_its_routers_close_refuses_unavailable_and_
             finally:
                 channel.close()
                 outside.cancel_scope.cancel()
+
+
+async def test_a_sidecar_given_mtls_without_a_certificate_in_code_is_refused_not_served_plaintext(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A configuration built in code is validated by no loader: a client CA (mTLS asked) and a key
+    without the certificate made no server credentials, and the sidecar served plaintext to anyone."""
+    network = MemoryNetwork()
+    addrs = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK).serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        grpc_tls=GrpcTlsConfig(key="/etc/kvroute/server.key", client_ca="/etc/kvroute/clients.pem"),
+    )
+    async with open_router(config, rpc=network) as handle:
+        with pytest.raises(ConfigError, match=r"grpc_tls\.client_ca, grpc_tls\.cert: client certificates"):
+            Sidecar(handle, config)
 
 
 async def test_health_watch_streams_follow_readiness_and_do_not_hold_a_drain(nursery: trio.Nursery) -> None:

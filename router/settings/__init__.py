@@ -54,7 +54,7 @@ from router.settings.table import (
     value_of,
     with_value,
 )
-from router.settings.validate import SECTION_PROBLEMS, FileChecks, SettingProblem, validate
+from router.settings.validate import SECTION_PROBLEMS, FileChecks, SettingProblem, section_problems, validate
 
 __all__ = [
     "BY_NAME",
@@ -98,6 +98,7 @@ __all__ = [
     "read_token_file",
     "redacted",
     "resolve_config",
+    "section_problems",
     "validate",
     "value_of",
     "with_value",

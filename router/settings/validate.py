@@ -108,6 +108,19 @@ SECTION_PROBLEMS: Mapping[str, Callable[[Any], list[Problem]]] = {
 }
 
 
+def section_problems(section: str, value: Any) -> list[Problem]:
+    """Pure: the problems of one section of a configuration built in code, which no loader validated:
+    each setting's form (a debug token's characters, an enum's type) and the section's rules. Its files
+    are not looked at: they are read, naming the setting, when they are used."""
+    problems = [
+        Problem((s.field,), message)
+        for s in SETTINGS
+        if s.section == section
+        for message in s.validate(getattr(value, s.field))
+    ]
+    return problems + SECTION_PROBLEMS[section](value)
+
+
 @dataclass(frozen=True, slots=True)
 class FileChecks:
     """How validation asks whether a named file can be used (I/O, passed in by the loaders)."""
