@@ -146,7 +146,11 @@ def assess(loaded: LoadedConfig, path_exists: Callable[[str], bool] = os.path.ex
         works.append(f"debug HTTP (/healthz /readyz /metrics /debug/*) on {debug.host}, {port}")
         if not _is_loopback(debug.host):
             if c.serve.debug_token or c.serve.debug_token_file:
-                works.append(f"debug HTTP binds {debug.host}: every path but /healthz requires the bearer token")
+                works.append(
+                    f"debug HTTP binds {debug.host}: every path but /healthz requires the bearer token, which "
+                    "crosses the network in the clear (the debug endpoint has no TLS: keep it on a trusted "
+                    "network or behind a TLS proxy)"
+                )
             else:
                 broken.append(
                     f"debug HTTP binds {debug.host}, not loopback, without --debug-token(-file): /metrics and "
