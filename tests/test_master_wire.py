@@ -354,6 +354,21 @@ def test_the_schedulers_failure_without_a_code_is_8400_both_protocols() -> None:
         decode_schedule_json(503, body(success=False, error_message="x"), HOST)
 
 
+@pytest.mark.parametrize("http_status", [200, 500])
+def test_code_0_is_no_code_over_http_as_over_grpc(http_status: int) -> None:
+    """A Java scheduler's int code never set reads 0: over gRPC it is proto3's no code, and over HTTP
+    it was garbled, so the same answer asked the slave and KVCM and counted a breaker failure."""
+    failed = decode_schedule_json(http_status, body(success=False, code=0, error_message="no route"), HOST)
+    pb = flexlb_pb.FlexlbScheduleResponsePB(success=False, code=0, error_message="no route")
+    assert isinstance(failed, MasterBusinessError) and failed.code == CODE_NO_AVAILABLE_WORKER
+    assert decode_schedule_pb(pb.SerializeToString(), HOST) == MasterBusinessError(
+        CODE_NO_AVAILABLE_WORKER, "no route", None
+    )
+    if http_status == 200:
+        routed = decode_schedule_json(200, body(success=True, code=0, server_status=[status()]), HOST)
+        assert isinstance(routed, MasterRouted) and routed.role_addrs
+
+
 def test_code_200_under_a_5xx_is_not_routed() -> None:
     with pytest.raises(RemoteError):
         decode_schedule_json(503, body(success=True, code=200, server_status=[]), HOST)

@@ -329,7 +329,9 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
     obj: dict[str, object] = value
     code = _int_field(obj, "code", "code", target, optional=True)
     success = obj.get("success")
-    if code is None:
+    # 0 is no code, as the gRPC reply's proto3 default and a server_status entry's read: a Java
+    # scheduler's int code never set sends it. Garbled here, the scheduler's own failure opened its breaker.
+    if code is None or code == 0:
         if success is not True:
             # The scheduler's own failure without its code (a 500 it could not shape, or its 200 saying
             # success false): an error of unknown code, which the reference frontend takes as 8400.
