@@ -507,7 +507,8 @@ _SPECS: dict[str, _Spec] = {
         metavar=_TARGETS,
     ),
     "discovery.kvcm_bootstrap_file": _Spec(
-        "File of KVCM bootstrap targets (one per line or comma-separated), re-read when it changes",
+        "File of KVCM bootstrap targets (one per line or comma-separated), re-read when it changes; "
+        "replace it atomically, as --workers-file",
         short=True,
         fallback=True,
         required_when="kvcm_fallback",
@@ -532,7 +533,10 @@ _SPECS: dict[str, _Spec] = {
         "Static worker list, ip:http_port entries", short=True, metavar="IP:HTTP_PORT[,...]"
     ),
     "discovery.workers_file": _Spec(
-        "File of worker entries (ip:http_port), re-read when it changes", short=True, metavar="FILE"
+        "File of worker entries (ip:http_port), re-read when it changes; replace it atomically (write a "
+        "temporary file, rename it over this one): one caught mid-write is applied as it is",
+        short=True,
+        metavar="FILE",
     ),
     "discovery.workers_dns": _Spec(
         "DNS name (HOST[:PORT]) whose A/AAAA records are the workers", short=True, metavar="HOST[:PORT]"
