@@ -152,11 +152,17 @@ def to_workers(entries: tuple[HostPort, ...], config: DiscoveryConfig, what: str
 
 
 def _dns_name(text: str, default_port: int | None, field: str) -> HostPort:
+    """The name to look up and the port to give its addresses. An absolute name (a final dot) keeps its
+    dot: without it the resolver's search list applies again (with Kubernetes' ndots of 5, search
+    domains are asked first, and one with a wildcard record answers for it)."""
     try:
-        return parse_target(text, default_port)
+        target = parse_target(text, default_port)
     except TargetError as exc:
         hint = " (give name:port, or set worker_http_port)" if NO_PORT in str(exc) else ""
         raise _RefreshFailed(f"{field}: {exc}{hint}") from exc
+    # The host part of a name (an IPv6 literal is bracketed; an IPv4 address ending in a dot is refused).
+    absolute = text.strip().split(":")[0].endswith(".")
+    return HostPort(f"{target.host}.", target.port) if absolute else target
 
 
 def parse_list(config: DiscoveryConfig, list_kind: ListKind, text: str, what: str) -> tuple[HostPort, ...]:

@@ -246,6 +246,18 @@ async def test_dns_answers_with_default_and_explicit_ports(
     assert http_targets(d.workers()) == ["10.1.0.5:9000"]
 
 
+async def test_an_absolute_dns_name_is_looked_up_with_its_final_dot(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
+) -> None:
+    """The dot was dropped before the lookup: the resolver's search list applied to the name again (with
+    Kubernetes' ndots of 5, the search domains first, and one with a wildcard record answered for it)."""
+    fake_dns.answers["workers.example."] = ["10.1.0.1"]
+    fake_dns.answers["workers.example"] = ["10.9.9.9"]  # what a search domain's wildcard would answer
+    d = Discovery(dataclasses.replace(CFG, workers_dns="workers.example.:9000"), resolver=fake_dns)
+    await nursery.start(d.run)
+    assert http_targets(d.workers()) == ["10.1.0.1:9000"]
+
+
 async def test_dns_failure_keeps_last_answer_until_stale(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, fake_dns: FakeDns
 ) -> None:
