@@ -470,7 +470,10 @@ class _Handed(HeldPlace):
             self._gate.withdrawn()
 
     def resumed(self, *, decided: bool) -> None:
-        """From the caller's loop, the outcome in hand (``decided``: a decision, not an error)."""
+        """From the caller's loop, the outcome in hand (``decided``: a decision, not an error); or closed
+        unresumed (its loop closed: a ``GeneratorExit``), the place perhaps freed already."""
+        if not self.take_the_place_back():
+            return
         if decided:
             self._release(answered=True)
         else:  # refused or failed: nothing learnt of the router's pace

@@ -162,30 +162,49 @@ class HeldPlace:
     caller waited. (A method, not a stored callable: one bound to the call would make each call a
     reference cycle, freed only by the collector.)"""
 
-    __slots__ = ("_gave_up_at", "_lock", "_settled")
+    __slots__ = ("_freed", "_gave_up_at", "_lock", "_settled")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._gave_up_at: float | None = None
         self._settled = False
+        # Whichever path frees the place takes this first: a caller giving up, then its loop closing as
+        # the router settled, freed it twice, and the gate's count went below the calls in the router.
+        self._freed = False
 
     def router_done(self) -> None:
         """From the routing thread, once, as it settles the call."""
         with self._lock:
             self._settled = True
             gave_up_at = self._gave_up_at
-        if gave_up_at is not None:
+            free = gave_up_at is not None and self._take_the_freeing()
+        if free:
+            assert gave_up_at is not None
             self._release_unanswered(gave_up_at)
 
     def give_up(self) -> None:
-        """From the caller, which stops waiting: the place is freed now if the router is done with the
-        call, else when it is."""
-        gave_up_at = time.monotonic()
+        """From the caller, which stops waiting (again, harmlessly: the first time counts): the place is
+        freed now if the router is done with the call, else when it is."""
+        now = time.monotonic()
         with self._lock:
-            self._gave_up_at = gave_up_at
-            settled = self._settled
-        if settled:
+            if self._gave_up_at is None:
+                self._gave_up_at = now
+            gave_up_at = self._gave_up_at
+            free = self._settled and self._take_the_freeing()
+        if free:
             self._release_unanswered(gave_up_at)
+
+    def take_the_place_back(self) -> bool:
+        """For a caller resuming with its outcome: True, once, when no other path has freed the place."""
+        with self._lock:
+            return self._take_the_freeing()
+
+    def _take_the_freeing(self) -> bool:
+        """Under ``_lock``: True the first time only."""
+        if self._freed:
+            return False
+        self._freed = True
+        return True
 
     def _release_unanswered(self, gave_up_at: float) -> None:
         raise NotImplementedError

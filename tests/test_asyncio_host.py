@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import math
 import threading
 import time
@@ -256,6 +257,7 @@ async def test_calls_left_pending_on_a_closed_loop_give_their_places_back(nurser
                     loop.run_until_complete(asyncio.sleep(0.01))  # handed over, pending
                     loop.close()
                     seen["pending"] = sum(not call.done() for call in calls)
+                    seen["tasks"] = calls  # alive until collected, below
 
                 other = threading.Thread(target=closed_with_calls_pending)
                 other.start()
@@ -267,14 +269,62 @@ async def test_calls_left_pending_on_a_closed_loop_give_their_places_back(nurser
                         break
                     await asyncio.sleep(0.05)
                 seen["after"] = host.stats().in_router
+                # Collected, each task's coroutine is closed where it waited (GeneratorExit): its place,
+                # freed when the router answered to the closed loop, was freed again.
+                del seen["tasks"]
+                gc.collect()
+                seen["collected"] = host.stats().in_router
                 seen["later"] = [
                     await host.route(RouteRequest(f"y{i}", token_ids=PROMPT, budget_ms=CAP_MS)) for i in range(5)
                 ]
 
         await _run_asyncio(program)
         assert seen["pending"] > 0 and seen["held"] > 0
-        assert seen["after"] == 0
+        assert seen["after"] == 0 and seen["collected"] == 0
         assert all(d.reason is not Reason.OVERLOADED for d in seen["later"]), seen["later"]
+
+
+async def test_calls_their_callers_cancelled_on_a_loop_then_closed_give_their_places_back_once(
+    nursery: trio.Nursery,
+) -> None:
+    """Calls cancelled by their callers keep their places until the router settles them; their loop
+    then closed before it did, and the settling freed each place twice (once for the caller gone, once
+    for the answer the closed loop could not take): the gate counted fewer calls in the router than
+    there were, below zero, and let as many more through for good."""
+    with trio.fail_after(30):
+        _cluster, addrs = await _seeded_cluster(nursery)
+        seen: dict[str, int] = {}
+
+        async def program() -> None:
+            async with AsyncioRouterHost(_config(addrs)) as host:
+                await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=CAP_MS))
+                assert host._token is not None
+                gate = _hold(host._token)  # the calls below reach the router while it is held
+
+                async def cancelled_then_closed() -> None:  # asyncio.run cancels, then closes the loop
+                    calls = [
+                        asyncio.create_task(host.route(RouteRequest(f"x{i}", token_ids=PROMPT, budget_ms=CAP_MS)))
+                        for i in range(10)
+                    ]
+                    await asyncio.sleep(0.01)  # handed over
+                    for call in calls:
+                        call.cancel()
+                    await asyncio.gather(*calls, return_exceptions=True)
+
+                other = threading.Thread(target=lambda: asyncio.run(cancelled_then_closed()))
+                other.start()
+                await asyncio.get_running_loop().run_in_executor(None, other.join)
+                seen["held"] = host.stats().in_router
+                gate.set()
+                for _ in range(200):  # a hang guard: the router settles them at once
+                    if host.stats().in_router <= 0:
+                        break
+                    await asyncio.sleep(0.05)
+                await host.route(RouteRequest("after", token_ids=PROMPT, budget_ms=CAP_MS))  # a round after
+                seen["after"] = host.stats().in_router
+
+        await _run_asyncio(program)
+        assert seen == {"held": 10, "after": 0}
 
 
 async def test_cancelled_call_and_calls_around_start_and_stop(nursery: trio.Nursery) -> None:
