@@ -158,7 +158,13 @@ def metrics_format(accept: str) -> tuple[Callable[[Any], bytes], str]:
     except ValueError:
         major = 1
     canonical = "2.0.0" if major >= 2 else "1.0.0"
-    return choose_encoder(f"{_OPENMETRICS}; version={canonical}; escaping={params.get('escaping', '')}")
+    escaping = params.get("escaping", "")
+    if escaping == "values":
+        # Every name of ours is a valid legacy name, which every escaping leaves as it is; prometheus-client
+        # escapes the sample names under "values" all the same (not their families'), and a parser refuses
+        # the result. Underscores escaping writes the same names as they are, and says so.
+        escaping = "underscores"
+    return choose_encoder(f"{_OPENMETRICS}; version={canonical}; escaping={escaping}")
 
 
 class _BadRequest(Exception):

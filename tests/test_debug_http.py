@@ -17,6 +17,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.metrics_sink import DecisionMade, DecisionRecord, MetricsSink
@@ -268,8 +269,29 @@ async def test_a_made_up_openmetrics_version_neither_grows_the_cache_nor_forces_
     assert len(app._expositions) == 1
     for version, escaping in (("2.7.1", "dots"), ("3.0.0", "values"), ("1.9", "bogus")):
         await _get(app, "/metrics", f"application/openmetrics-text; version={version}; escaping={escaping}")
-    # 2.0.0 with dots, 2.0.0 with values; 1.9 with an unknown escaping is 1.0.0 with underscores again.
+    # 2.0.0 with dots, 2.0.0 with values (written as underscores); 1.9 with an unknown escaping is 1.0.0
+    # with underscores again.
     assert len(app._expositions) == 3
+
+
+@pytest.mark.parametrize("version", ["1.0.0", "2.0.0"])
+async def test_openmetrics_asked_with_values_escaping_parses_as_openmetrics(version: str) -> None:
+    """prometheus-client escapes the sample names under "values" but not their families', and its own
+    parser refused the exposition ("Clashing name"); our names need no escaping, and are served under
+    underscores escaping, which leaves them as they are."""
+    sink = MetricsSink(MetricsConfig())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        sink.emit(DecisionMade(decision(1)))  # a histogram with samples
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    app = DebugApp(Sources(), sink, load_config(GOOD, {}))
+    asked = f"application/openmetrics-text; version={version}; escaping=values"
+    status, body, headers = await _get_with_headers(app, "/metrics", asked)
+    assert status == 200 and headers[b"content-type"].endswith(b"; escaping=underscores")
+    parsed = openmetrics_parser.text_string_to_metric_families(body.decode())  # type: ignore[no-untyped-call]
+    names = {f.name for f in parsed}
+    assert "kvroute_route_duration_seconds" in names
 
 
 async def test_debug_actors_and_decisions() -> None:
