@@ -242,10 +242,8 @@ async def test_calls_left_pending_on_a_closed_loop_give_their_places_back(nurser
         seen: dict[str, Any] = {}
 
         async def program() -> None:
-            async with AsyncioRouterHost(_config(addrs)) as host:
-                await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=CAP_MS))
-                assert host._token is not None
-                gate = _hold(host._token)  # the calls below reach the router while it is held
+            # The calls below reach the router while its thread is held.
+            async with _warm_with_its_thread_held(addrs) as (host, gate):
 
                 def closed_with_calls_pending() -> None:
                     loop = asyncio.new_event_loop()
@@ -296,10 +294,8 @@ async def test_calls_their_callers_cancelled_on_a_loop_then_closed_give_their_pl
         seen: dict[str, int] = {}
 
         async def program() -> None:
-            async with AsyncioRouterHost(_config(addrs)) as host:
-                await host.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=CAP_MS))
-                assert host._token is not None
-                gate = _hold(host._token)  # the calls below reach the router while it is held
+            # The calls below reach the router while its thread is held.
+            async with _warm_with_its_thread_held(addrs) as (host, gate):
 
                 async def cancelled_then_closed() -> None:  # asyncio.run cancels, then closes the loop
                     calls = [

@@ -29,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.metrics_sink import REPLY_STAGE_LABEL
-from kvroute_sim.sim.cluster import SimCluster
+from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.faults import CallStats
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router.admission import InFlightLimit
@@ -129,6 +129,28 @@ class Rig:
         return status
 
 
+def served_config(
+    addrs: SimClusterAddresses,
+    *,
+    serve: ServeConfig | None = None,
+    router: RouterConfig | None = None,
+    limits: LimitsConfig | None = None,
+    workers: str | None = None,
+    key_family: KeyFamily = KeyFamily.RTP,
+) -> KvrouteConfig:
+    """A router over the cluster at ``addrs`` (``workers``: what discovery is given instead of its
+    workers), its Route service to listen on a free loopback port."""
+    return KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test", key_family=key_family),
+        discovery=DiscoveryConfig(
+            kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg if workers is None else workers
+        ),
+        router=router or RouterConfig(budget_cap_ms=1000.0),
+        serve=serve or ServeConfig(grpc_listen="127.0.0.1:0"),
+        limits=limits or LimitsConfig(),
+    )
+
+
 @asynccontextmanager
 async def rig(
     nursery: trio.Nursery,
@@ -142,15 +164,7 @@ async def rig(
     """``workers``: what discovery is given (default: the cluster's workers)."""
     cluster = SimCluster(workers=4, kvcm_replicas=2, block_size=BLOCK)
     addrs = await nursery.start(cluster.serve_grpc)
-    config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test", key_family=key_family),
-        discovery=DiscoveryConfig(
-            kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg if workers is None else workers
-        ),
-        router=router or RouterConfig(budget_cap_ms=1000.0),
-        serve=serve or ServeConfig(grpc_listen="127.0.0.1:0"),
-        limits=limits or LimitsConfig(),
-    )
+    config = served_config(addrs, serve=serve, router=router, limits=limits, workers=workers, key_family=key_family)
     async with open_router(config) as handle, trio.open_nursery() as inner:
         resolver = handle.leader_resolver()
         assert resolver is not None
@@ -208,13 +222,7 @@ async def test_a_sidecar_serving_past_its_routers_close_refuses_unavailable_and_
     counted failed, not UNAVAILABLE (not routed, as in a drain), which clients retry elsewhere; and the
     health service kept answering SERVING, the load balancer sending it calls that all failed."""
     cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
-    addrs = await nursery.start(cluster.serve_grpc)
-    config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
-        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-        router=RouterConfig(budget_cap_ms=1000.0),
-        serve=ServeConfig(grpc_listen="127.0.0.1:0"),
-    )
+    config = served_config(await nursery.start(cluster.serve_grpc))
     with trio.fail_after(60):
         async with trio.open_nursery() as outside:
             async with open_router(config) as handle:

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from actors.scorer import ScorerHealth
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import RouterHandle, open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig, ServeConfig
+from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig
 from router.receipt import SHED_RECORD_BATCH_S, SHED_RECORD_TURN, SHED_RECORDS_MAX
 from router.sidecar import READY_PUBLISH_S, READY_STALE_S, ROUTER_SERVICE, Sidecar
 from router.targets import HostPort
@@ -28,6 +28,7 @@ from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.memory_adapter import MemoryNetwork
 from router.types import Reason, RouteSource
 from router.wire import router_v1_pb2
+from tests.test_sidecar import served_config
 
 BLOCK = 16
 CLIENT_TIMEOUT_S = 5.0
@@ -159,13 +160,7 @@ def _block_trio_thread_until(answered: threading.Event, prober: threading.Thread
 
 async def test_a_health_check_is_answered_while_the_trio_thread_is_blocked(nursery: trio.Nursery) -> None:
     cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
-    addrs = await nursery.start(cluster.serve_grpc)
-    config = KvrouteConfig(
-        deployment=DeploymentConfig(block_size=BLOCK, kvcm_instance_id="test"),
-        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
-        router=RouterConfig(budget_cap_ms=1000.0),
-        serve=ServeConfig(grpc_listen="127.0.0.1:0"),
-    )
+    config = served_config(await nursery.start(cluster.serve_grpc))
     with trio.fail_after(15):
         async with open_router(config) as handle, trio.open_nursery() as inner:
             await _warm(handle)
