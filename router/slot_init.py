@@ -12,12 +12,14 @@ Used on the value types a routed decision builds (several dozen per decision), n
 dataclass: elsewhere the stock ``__init__`` is cheap enough and needs no second look. The class
 keeps the stock one as ``__dataclass_init__``, against which the tests check each decorated type.
 Refused at import: a class that is not a frozen, slotted dataclass with a generated ``__init__``,
-or one with ``InitVar`` or keyword-only fields (not needed so far, so not written).
+or one with ``InitVar``, ``ClassVar`` or keyword-only fields (not needed so far, so not written), or a
+field named as the generated code's own names (``self``, ``_FACTORY``, ``_s0``…).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -33,6 +35,7 @@ class _Factory:
 
 
 _FACTORY = _Factory()
+_GENERATED_NAME = re.compile(r"_[sdf][0-9]+")  # the generated __init__'s names for setters, defaults, factories
 
 
 def slot_init(cls: type[T]) -> type[T]:
@@ -52,7 +55,11 @@ def slot_init(cls: type[T]) -> type[T]:
     for i, field in enumerate(fields):
         if field.kw_only:
             raise TypeError(f"@slot_init: {cls.__qualname__}.{field.name} is keyword-only")
-        # Names of our own making (``_s3``) in the generated code, so a field's name never shadows one.
+        if field.name == "self" or field.name == "_FACTORY" or _GENERATED_NAME.fullmatch(field.name):
+            # A parameter of that name would shadow the generated code's own (a field ``_FACTORY`` made a
+            # factory's field hold the marker): refused, as no field of ours needs one.
+            raise TypeError(f"@slot_init: {cls.__qualname__}.{field.name} is a name the generated __init__ uses")
+        # Names of our own making (``_s3``) in the generated code, refused as fields' names above.
         setter, default, factory = f"_s{i}", f"_d{i}", f"_f{i}"
         namespace[setter] = getattr(cls, field.name).__set__
         has_default = field.default is not dataclasses.MISSING

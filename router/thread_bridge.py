@@ -57,15 +57,13 @@ async def deliver_outcome(
     The caller gets the call's value or its error (an ``Exception``; the trio side keeps serving);
     if this task is cancelled first, it gets ``cancelled`` and the cancellation goes on.
     """
-    delivered = False
     try:
-        try:
-            value = await call()
-        except Exception as exc:
-            deliver(outcome.Error(exc))
-        else:
-            deliver(outcome.Value(value))
-        delivered = True
-    finally:
-        if not delivered:
-            deliver(outcome.Error(cancelled))
+        result: outcome.Outcome[T] = outcome.Value(await call())
+    except Exception as exc:
+        result = outcome.Error(exc)
+    except BaseException:
+        deliver(outcome.Error(cancelled))
+        raise
+    # Once, outside the try: a deliver that raised was called again with ``cancelled`` (its caller told
+    # the call was cancelled after its value), and that second raise replaced the first.
+    deliver(result)

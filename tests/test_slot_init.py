@@ -127,7 +127,19 @@ def test_what_it_cannot_build_is_refused_at_decoration() -> None:
     class Plain:
         __slots__ = ("a",)
 
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class ShadowsTheMarker:  # its factory's field held the marker, the parameter shadowing it
+        _FACTORY: int
+        b: list[int] = dataclasses.field(default_factory=list)
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class ShadowsASetter:
+        a: int
+        _s0: int
+
     for cls, says in (
+        (ShadowsTheMarker, "ShadowsTheMarker._FACTORY is a name the generated __init__ uses"),
+        (ShadowsASetter, "ShadowsASetter._s0 is a name the generated __init__ uses"),
         (NoSlots, "must be a @dataclass"),
         (NotFrozen, "must be a frozen dataclass"),
         (KeywordOnly, "KeywordOnly.a is keyword-only"),

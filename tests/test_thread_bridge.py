@@ -7,6 +7,7 @@ import concurrent.futures
 import threading
 
 import outcome
+import pytest
 import trio
 import trio.testing
 
@@ -110,6 +111,24 @@ async def test_deliver_outcome_hands_over_the_value_or_the_error_once() -> None:
     assert len(got) == 2
     assert got[0] == outcome.Value(7)
     assert isinstance(got[1], outcome.Error) and isinstance(got[1].error, ValueError)
+
+
+async def test_a_deliver_that_raises_is_not_called_again_with_the_cancelled_error() -> None:
+    """The outcome was marked delivered only after ``deliver`` returned: one that raised (a future
+    settled twice) was called again with ``cancelled``, telling its caller the call was cancelled after
+    its value, and that second raise replaced the first."""
+    got: list[outcome.Outcome[int]] = []
+
+    def refuses(result: outcome.Outcome[int]) -> None:
+        got.append(result)
+        raise RuntimeError("already settled")
+
+    async def seven() -> int:
+        return 7
+
+    with pytest.raises(RuntimeError, match="already settled"):
+        await deliver_outcome(seven, refuses, ValueError("cancelled"))
+    assert got == [outcome.Value(7)]
 
 
 async def test_a_cancelled_delivery_hands_over_the_cancelled_error_and_stays_cancelled(
