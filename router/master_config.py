@@ -20,15 +20,18 @@ def master_hosts(config: MasterConfig) -> tuple[str, ...]:
     return tuple(hosts)
 
 
+def names_a_host(config: MasterConfig) -> bool:
+    """Whether the host list names any entry (a list of separators alone names none)."""
+    return any(entry.strip() for entry in config.hosts.split(","))
+
+
 def master_problems(config: MasterConfig) -> list[Problem]:
     """Every problem of the master section; empty when it is valid."""
     found = range_problems(config)
     seen: set[str] = set()
-    named = False
     for entry in (e.strip() for e in config.hosts.split(",")):
         if not entry:
             continue
-        named = True
         try:
             target = parse_target(entry, MASTER_HTTP_PORT)
         except TargetError as exc:
@@ -46,7 +49,7 @@ def master_problems(config: MasterConfig) -> list[Problem]:
         if str(target) in seen:
             found.append(Problem(("hosts",), f"{entry!r} is listed twice"))
         seen.add(str(target))
-    if config.hosts and not named:
+    if config.hosts and not names_a_host(config):
         # Given, so the breaker rules read a scheduler as configured where there is none.
         found.append(Problem(("hosts",), f"names no entry, only separators ({config.hosts!r})"))
     return found

@@ -25,7 +25,7 @@ from actors.probe_budget import prober_problems
 from actors.shadow_index import shadow_problems
 from router.config import DeploymentConfig, KvrouteConfig, MasterProtocol
 from router.keys import geometry_problems
-from router.master_config import master_problems
+from router.master_config import master_problems, names_a_host
 from router.policy.cache_affinity import scorer_problems
 from router.problems import Problem, range_problems
 from router.settings.table import (
@@ -251,7 +251,7 @@ _KEY_GEOMETRY = frozenset({"block_size", "lookahead_tokens", "key_family"})
 def _keyed_master_problems(c: KvrouteConfig) -> list[SettingProblem]:
     """The key geometry's problems again, on the main path, when a scheduler over gRPC is sent keys made
     with it: fail-soft would reset the geometry to its defaults and send the scheduler wrong keys."""
-    if not c.master.hosts.strip(", ") or c.master.protocol is not MasterProtocol.GRPC:
+    if not names_a_host(c.master) or c.master.protocol is not MasterProtocol.GRPC:
         return []
     found = []
     for problem in _deployment_problems(c.deployment):
