@@ -16,7 +16,7 @@ import trio.testing
 from trio.testing import MockClock
 
 from actors.probe_budget import prober_problems
-from actors.worker_prober import ProbeKind, ProbeOutcome, SkipReason, WorkerProber
+from actors.worker_prober import ProbeKind, ProbeOutcome, ProbeResult, ProberHealth, SkipReason, WorkerProber
 from kvroute_sim.sim.cluster import SimCluster
 from router.api import RouteRequest
 from router.config import ProberConfig
@@ -578,6 +578,21 @@ async def test_a_probe_whose_time_ran_out_before_it_reached_the_worker_is_not_he
         assert fake.rpcs(worker) == 0
 
 
+async def _probe_one_worker(
+    nursery: trio.Nursery, network: MemoryNetwork, *, latency_s: float
+) -> tuple[ProbeResult, ProberHealth]:
+    """One request's probe of one worker over ``network``, a 200 ms probe timeout and ejection at the
+    first failure: its result, and the prober's health after it."""
+    fake = FakeWorkers(network, latency_s=latency_s)
+    [worker] = [fake.add(w) for w in workers(1)]
+    config = dataclasses.replace(ProberConfig(), probe_timeout_s=0.2, eject_after_failures=1)
+    prober = await start(nursery, fake, config)
+    handle = prober.probe([worker], trio.current_time() + 1.0)
+    await handle.wait_all()
+    [result] = handle.results()
+    return result, prober.snapshot()
+
+
 @pytest.mark.parametrize("large", [False, True], ids=["small-reply", "large-reply"])
 async def test_a_reply_in_hand_when_the_probes_time_ran_out_is_not_held_against_the_worker(
     nursery: trio.Nursery, autojump_clock: MockClock, large: bool
@@ -588,14 +603,7 @@ async def test_a_reply_in_hand_when_the_probes_time_ran_out_is_not_held_against_
     eject_after_failures of them ejected a worker that had answered in time. A small reply decodes at
     once and is kept."""
     network = StalledOnTheReply(autojump_clock, LARGE_REPLY_BYTES + 1 if large else 0, stall_s=0.3)
-    fake = FakeWorkers(network, latency_s=0.002)
-    [worker] = [fake.add(w) for w in workers(1)]
-    config = dataclasses.replace(ProberConfig(), probe_timeout_s=0.2, eject_after_failures=1)
-    prober = await start(nursery, fake, config)
-    handle = prober.probe([worker], trio.current_time() + 1.0)
-    await handle.wait_all()
-    [result] = handle.results()
-    health = prober.snapshot()
+    result, health = await _probe_one_worker(nursery, network, latency_s=0.002)
     assert health.probes_failed == 0 and health.failing == 0 and not health.ejected_until, health
     if large:  # no status to use, and nothing against the worker
         assert result.outcome is ProbeOutcome.SKIPPED and result.skip_reason is SkipReason.DEADLINE
@@ -610,16 +618,9 @@ async def test_a_worker_has_probe_timeout_s_from_the_sending_however_long_the_wa
     """A probe that waited most of probe_timeout_s for its channel or a starter thread left the worker
     the rest: a healthy worker answering in 10 ms after a 195 ms wait was counted timed out, and
     ejected at eject_after_failures."""
-    network = _SlowToSend(0.195)
-    fake = FakeWorkers(network, latency_s=0.01)
-    [worker] = [fake.add(w) for w in workers(1)]
-    config = dataclasses.replace(ProberConfig(), probe_timeout_s=0.2, eject_after_failures=1)
-    prober = await start(nursery, fake, config)
-    handle = prober.probe([worker], trio.current_time() + 1.0)
-    await handle.wait_all()
-    [result] = handle.results()
-    assert result.outcome is ProbeOutcome.OK, (result, prober.snapshot().failed_by_kind)
-    assert prober.snapshot().probes_failed == 0
+    result, health = await _probe_one_worker(nursery, _SlowToSend(0.195), latency_s=0.01)
+    assert result.outcome is ProbeOutcome.OK, (result, health.failed_by_kind)
+    assert health.probes_failed == 0
 
 
 class _SlowRoundStart(CallWatched):
