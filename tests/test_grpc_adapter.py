@@ -348,15 +348,15 @@ async def test_a_caller_whose_bound_moves_to_the_sending_gives_the_servers_time_
     short of the time its caller gave it."""
     _, server = peer
     rpc = GrpcRawRpc(_SlowLeaser(pool, delay_s=1.0), start_off_loop=start_off_loop)
-    with trio.fail_after(10):
-        with trio.move_on_after(2.0) as bound:
+    with trio.fail_after(30):
+        with trio.move_on_after(5.0) as bound:  # room for a busy machine's stalls before the sending
 
             def moved() -> None:
-                bound.deadline = trio.current_time() + 8.0
+                bound.deadline = trio.current_time() + 20.0
 
-            seen = float(await rpc.call(server.target, REMAINING, b"", on_sent=moved, sent_timeout_s=8.0))
+            seen = float(await rpc.call(server.target, REMAINING, b"", on_sent=moved, sent_timeout_s=20.0))
         assert not bound.cancelled_caught
-        assert 2.0 < seen <= 8.0 + 0.002  # past all the scope ever had before the sending
+        assert 5.0 < seen <= 20.0 + 0.002  # past all the scope ever had before the sending
 
 
 class _LateLeaser(_SlowLeaser):

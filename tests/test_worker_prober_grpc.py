@@ -217,16 +217,17 @@ class SlowToLease:
 
 async def test_a_probe_that_waited_for_its_channel_gives_the_worker_its_whole_timeout(nursery: trio.Nursery) -> None:
     """The prober gives a worker ``probe_timeout_s`` from the probe's sending, but grpc's own deadline
-    was set from what was left after the lease: 1.9 s of a 2 s timeout spent opening the channel left
-    the worker 0.1 s on the wire, and a worker answering in 0.2 s was counted failed (``deadline``)."""
+    was set from what was left after the lease: 4.9 s of a 5 s timeout spent opening the channel left
+    the worker 0.1 s on the wire, and a worker answering in 0.2 s was counted failed (``deadline``).
+    With the fix it has 5 s from the sending: room for a busy machine's stalls."""
     sim = SimWorker("slow-to-reach")
     sim.set_faults(WorkerFaults(delay_s=0.2))
     server = await nursery.start(functools.partial(serve_endpoint, sim, max_threads=2))
     worker = WorkerAddr.from_http(server.host, server.port - 1)
     pool: ChannelPool[grpc.Channel] = ChannelPool(ChannelPoolConfig())
     await nursery.start(pool.run)
-    config = ProberConfig(probe_timeout_s=2.0, background_refresh=False)
-    rpc = GrpcRawRpc(SlowToLease(pool, wait_s=1.9), start_off_loop=True)
+    config = ProberConfig(probe_timeout_s=5.0, background_refresh=False)
+    rpc = GrpcRawRpc(SlowToLease(pool, wait_s=4.9), start_off_loop=True)
     prober = WorkerProber(config, WorkerStatusClient(rpc))
     await nursery.start(prober.run)
     with trio.fail_after(30):
