@@ -315,6 +315,11 @@ async def test_by_default_a_hanging_master_takes_the_whole_window(autojump_clock
             took, decision = await r.timed_route(f"h{i}")
             assert decision.route_source is RouteSource.KVCM and took == pytest.approx(0.010)
         assert r.masters.call_count(r.master.addresses().hosts[1], paths.MASTER_HTTP_SCHEDULE) == 0
+        # The window's end cut the master's call: the master is named, not the slave nobody called.
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth)
+        master = r.master.addresses().hosts[0]
+        assert (health.last_error or "").startswith(f"{master}: deadline: no schedule reply within the master's window")
 
 
 async def test_with_the_kvcm_fallback_off_a_hanging_master_is_judged_and_opens_the_breaker(

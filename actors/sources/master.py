@@ -357,8 +357,10 @@ class MasterSource:
         reply: MasterReply | None = None
         error: TransportError | None = None
         queue_timeout: TransportError | None = None
+        calling = hosts[0]  # the host whose call the window's end cuts, if it does
         with trio.move_on_at(end):
             for i, host in enumerate(hosts):  # the slave once, inside the same window, after a transport failure
+                calling = host
                 host_end = end if i == len(hosts) - 1 else end - slave_s
                 queue_timeout = None  # an 8503 stands for the window's end only as the last call's answer
                 try:
@@ -382,7 +384,7 @@ class MasterSource:
         if reply is None:
             queued = error is not None and error is queue_timeout  # the window ended as the 8503 came
             if error is None or (finished >= end and not queued):
-                error = DeadlineExceeded(hosts[-1], "no schedule reply within the master's window")
+                error = DeadlineExceeded(calling, "no schedule reply within the master's window")
                 self._metrics.emit(MasterRequest(error.kind))
             outcome.error = f"{error.target}: {error.kind}: {error.detail}"
             if (finished >= end or queued) and end == by_budget and end - now < self._slow_s:
