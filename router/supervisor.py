@@ -426,9 +426,12 @@ async def _topology(
                 if config.upstream_tls.enabled:  # reading the PEM files is I/O: off the trio thread
                     tls = await trio.to_thread.run_sync(client_ssl_context, config.upstream_tls)
                 calls_at_once = config.router.max_in_flight + len(hosts)
-                http = await stack.enter_async_context(
-                    HttpMasterTransport(config.master, tls, calls_at_once=calls_at_once)
+                # Building the client loads and parses the CA bundle, TLS or not: off the trio thread,
+                # where the actors started so far are already running.
+                built = await trio.to_thread.run_sync(
+                    partial(HttpMasterTransport, config.master, tls, calls_at_once=calls_at_once)
                 )
+                http = await stack.enter_async_context(built)
                 grpc_wanted = config.master.protocol is MasterProtocol.GRPC
                 if grpc_wanted and pool is None:
                     raise ValueError("--master-protocol grpc needs real gRPC channels (no in-memory network)")

@@ -21,9 +21,18 @@ from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.kvcm import KvcmFaults
 from router import supervisor
 from router.api import open_router
-from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, LeaderConfig, RouterConfig, ServeConfig
+from router.config import (
+    DeploymentConfig,
+    DiscoveryConfig,
+    KvrouteConfig,
+    LeaderConfig,
+    MasterConfig,
+    RouterConfig,
+    ServeConfig,
+)
 from router.keys import block_keys
 from router.supervisor import RouterHandle
+from router.transport.master_http import HttpMasterTransport
 from router.types import KeyFamily, Reason, RouteRequest, RouteSource, Stage
 from router.wire import paths
 
@@ -204,3 +213,33 @@ async def test_a_start_up_that_fails_closes_the_channels_it_opened(
     (pool,) = pools
     snapshot = pool.snapshot()
     assert pool._closing and snapshot.size == 0 and snapshot.closed == snapshot.opened, snapshot
+
+
+async def test_the_schedulers_http_client_is_built_off_the_trio_thread(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Building httpx's client loads the CA bundle even for plain http: done on the trio thread, it
+    held every actor started before it (the leader lookups, the probes) for as long."""
+    built_on_trio_thread: list[bool] = []
+
+    class Seen(HttpMasterTransport):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built_on_trio_thread.append(trio.lowlevel.in_trio_run())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(supervisor, "HttpMasterTransport", Seen)
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    addrs = await nursery.start(cluster.serve_grpc)
+    with socket.socket() as closed:  # a scheduler address nothing answers on
+        closed.bind(("127.0.0.1", 0))
+        scheduler = f"127.0.0.1:{closed.getsockname()[1]}"
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=BLOCK),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+        master=MasterConfig(hosts=scheduler),
+    )
+    with trio.fail_after(30):
+        async with open_router(config) as handle:
+            decision = await handle.route(RouteRequest("m", token_ids=PROMPT, budget_ms=1000))
+    assert built_on_trio_thread == [False]
+    assert decision.worker is not None  # no scheduler answers: routed by KVCM or the domain
