@@ -61,7 +61,7 @@ from router.request import (
     key_slices,
     named_roles,
     request_deadline,
-    sheddable,
+    shed_check,
     with_plain_id,
 )
 from router.types import (
@@ -399,11 +399,16 @@ class RouterActor:
         """The answer outside the chain (``overloaded``: a shed; ``deadline``: no time on arrival), unless
         the checks refuse the request: then theirs (``bad_request``, naming the field, made and logged as
         any), which must not become a worker under overload."""
-        tokens = self.sheddable(request)
-        if tokens is not None:
-            return await self._outside(request, now, deadline, tokens, reason)
-        # Refused by its checks at once, no place taken.
-        return await self._answered(await self._handle(request, now, deadline))
+        checked = self.shed_check(request)
+        if not isinstance(checked, BadRequest):
+            return await self._outside(request, now, deadline, checked, reason)
+        # Refused at once, from the same checks: not by walking the chain, where a long prompt's hashing
+        # (in slices, with checkpoints) is cut by a deadline already past before it reaches the bad id.
+        decision = self._emit(self._fallback(request, None, Reason.BAD_REQUEST, now, {}, (), error=str(checked)))
+        if self._decision_log is not None:
+            self._decision_log.submit(DecisionRecord(self._recorded(request), now, deadline, decision=decision))
+        await trio.lowlevel.cancel_shielded_checkpoint()  # made and counted: a cancellation must not lose it
+        return decision
 
     def accepted_token_ids(self) -> IntRange:
         """The token ids this router takes: its family's when a source hashes them, else any 64-bit
@@ -413,7 +418,12 @@ class RouterActor:
     def sheddable(self, request: RouteRequest) -> int | None:
         """``request``'s length when it may be answered ``overloaded``, None when this router would
         refuse it: the one rule the ways in shed by, read from settings fixed at start (any thread)."""
-        return sheddable(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
+        checked = self.shed_check(request)
+        return None if isinstance(checked, BadRequest) else checked
+
+    def shed_check(self, request: RouteRequest) -> int | BadRequest:
+        """``request``'s length when it may be answered outside the chain, else this router's refusal."""
+        return shed_check(request, self._deployment, self._limits, hash_tokens=self._needs_keys)
 
     async def _outside(
         self, request: RouteRequest, now: float, deadline: float, tokens: int, reason: Reason

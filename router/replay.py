@@ -82,6 +82,7 @@ from router.settings.redact import config_digest
 from router.settings.table import BY_NAME
 from router.settings.validate import SettingProblem
 from router.types import (
+    BadRequest,
     DropReason,
     HostMatch,
     KvCacheGroupMode,
@@ -850,10 +851,14 @@ class _ReplayRouter(RouterActor):
             await trio.sleep_forever()
         return await super()._keys(checked, progress)
 
-    def sheddable(self, request: RouteRequest) -> int | None:
-        """A recorded shed passed the checks when it was made; its record keeps no prompt to check again
-        (nor is anything charged: replay has no Scorer)."""
-        return 0
+    # Set per case: the recorded answer outside the chain was the checks' refusal.
+    refused: BadRequest | None = None
+
+    def shed_check(self, request: RouteRequest) -> int | BadRequest:
+        """A recorded shed (or answer with no time left) passed the checks when it was made, and a
+        recorded refusal did not; the record keeps no prompt to check again (nor is anything charged:
+        replay has no Scorer)."""
+        return 0 if self.refused is None else self.refused
 
     async def route_overloaded(self, request: RouteRequest) -> RouteDecision:
         """Route with every admission token held, as when the recorded request found none."""
@@ -944,6 +949,8 @@ class ReplayEngine:
             split_estimates=lambda: split,
         )
         router.hashing_was_cut = case.hashing_cut is not None
+        if case.expected.get("r") == Reason.BAD_REQUEST.value:
+            router.refused = BadRequest("request", "refused by its checks when it was recorded")
         request = case.replayed_request()
         if case.overloaded:
             return await router.route_overloaded(request)

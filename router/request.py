@@ -410,23 +410,28 @@ def sheddable(
     request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig, *, hash_tokens: bool = True
 ) -> int | None:
     """The prompt's length (what a shed charges its worker) when ``request`` may be answered
-    ``overloaded``; None when the router would refuse it from its fields alone, so a malformed request
-    is told so even under overload (pure). Its admissible fields (``check_admissible``, O(1), its roles
-    among them), each key a 64-bit integer and each token id one the router takes (``accepted_token_ids``,
-    ``hash_tokens`` as ``check_request`` is given it; left True, a request is never shed that the router
-    would refuse) (O(n), in C: a prompt of 262,144 ids about 3 ms)."""
+    ``overloaded``; None when the router would refuse it from its fields alone (``shed_check``)."""
+    checked = shed_check(request, deployment, limits, hash_tokens=hash_tokens)
+    return None if isinstance(checked, BadRequest) else checked
+
+
+def shed_check(
+    request: RouteRequest, deployment: DeploymentConfig, limits: LimitsConfig, *, hash_tokens: bool = True
+) -> int | BadRequest:
+    """The prompt's length when ``request`` may be answered outside the chain (``overloaded``, or
+    ``deadline`` with no time on arrival); else the refusal the router's checks would give it, so a
+    malformed request is told so even under overload (pure). Its admissible fields (``check_admissible``,
+    O(1), its roles among them), each key a 64-bit integer and each token id one the router takes
+    (``accepted_token_ids``, ``hash_tokens`` as ``check_request`` is given it; left True, a request is
+    never shed that the router would refuse) (O(n), in C: a prompt of 262,144 ids about 3 ms)."""
     try:
         seq_len = check_admissible(request, deployment, limits).seq_len
-    except BadRequest:
-        return None
-    if request.block_cache_keys is not None and _encoded_on_the_wire(request) is None:
-        try:
+        if request.block_cache_keys is not None and _encoded_on_the_wire(request) is None:
             _encoded_block_keys(request.block_cache_keys)
-        except BadRequest:
-            return None
-    ids = accepted_token_ids(deployment.key_family, hash_tokens=hash_tokens)
-    if request.token_ids is not None and not ids.holds_all(request.token_ids):
-        return None
+        if request.token_ids is not None:
+            check_token_ids(request.token_ids, accepted_token_ids(deployment.key_family, hash_tokens=hash_tokens))
+    except BadRequest as exc:
+        return exc
     return seq_len
 
 

@@ -255,10 +255,12 @@ def test_a_request_whose_time_was_gone_on_arrival_replays_as_it_was_decided(tmp_
             await handle.route(RouteRequest("b0", token_ids=PROMPT, budget_ms=0))
             await handle.route(RouteRequest("past", token_ids=PROMPT, deadline=trio.current_time() - 0.001))
             await handle.route(RouteRequest("keys-b0", block_cache_keys=(1, 2, 3), block_size=BLOCK, budget_ms=0))
+            refused = await handle.route(RouteRequest("bad-b0", token_ids=(), budget_ms=0))  # its checks refuse it
+            assert refused.reason is Reason.BAD_REQUEST
             await handle.route(RouteRequest("ok", token_ids=PROMPT, budget_ms=50))
 
     on_mock_clock(record, log)
-    assert replay_all(log) == (4, 4)
+    assert replay_all(log) == (5, 5)
 
 
 def test_a_request_the_deadline_ends_in_its_probe_wait_replays_as_recorded(tmp_path: Path) -> None:

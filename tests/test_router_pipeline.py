@@ -795,6 +795,35 @@ async def test_a_request_with_no_time_left_on_arrival_is_answered_deadline_at_on
         assert d.worker is not None
 
 
+async def test_a_long_prompt_its_checks_refuse_is_refused_with_no_time_left_or_the_cap_full(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Refused outside the chain from the checks themselves, not by walking it: a long prompt is hashed
+    in slices with checkpoints, and a deadline already past cut the hashing before it reached the bad
+    id, so the request was answered ``deadline``. Under a full cap the walk ran without a place."""
+    long_bad = tuple(range(1000, 1000 + 4095)) + (2**70,)  # past hash_slice_tokens: hashed in slices
+    hung = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(hung, max_in_flight=1) as (handle, _, _):
+        router = handle.router_actor()
+        assert len(long_bad) > LimitsConfig().hash_slice_tokens
+        answers = [
+            await handle.route(RouteRequest("b0", token_ids=long_bad, budget_ms=0)),
+            await handle.route(RouteRequest("past", token_ids=long_bad, deadline=trio.current_time() - 1.0)),
+        ]
+        fault_the_leader(hung, KvcmFaults(hang=True))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(handle.route, RouteRequest("holds-the-place", token_ids=PROMPT, budget_ms=1000))
+            await trio.testing.wait_all_tasks_blocked()
+            assert router.in_flight() == 1  # the cap is full
+            answers.append(await handle.route(RouteRequest("full", token_ids=long_bad, budget_ms=1000)))
+            health = router.health()
+            nursery.cancel_scope.cancel()
+    for d in answers:
+        assert (d.reason, d.sources) == (Reason.BAD_REQUEST, ()), d
+        assert (d.error or "").startswith("token_ids: "), d
+    assert (health.deadline_fallbacks, health.overloaded) == (0, 0)
+
+
 async def test_a_loop_of_answers_made_without_io_lets_the_other_tasks_run(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
