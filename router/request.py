@@ -476,13 +476,15 @@ def key_slices(checked: CheckedRequest, slice_tokens: int) -> Iterator[tuple[int
         except ValueError as exc:
             # The hashing names its own parameter (tokens): the field named here stands for it.
             raise BadRequest("token_ids", str(exc).removeprefix("tokens: ")) from exc
-        except (TypeError, struct.error):  # an operator or a packer the item does not support
-            raise BadRequest("token_ids", "every token id must be an integer") from None
-        except OverflowError:
-            # A fixed-width integer type (numpy's int64) overflows the hash's arithmetic, which Python's
-            # ints do not: hash the same values as Python ints, past the slices already given.
+        except (TypeError, struct.error, OverflowError) as exc:
+            # An integer the hashing does not take as it is: a fixed-width type (numpy's int64) overflows
+            # its arithmetic, which Python's ints do not, and an object that is an integer only through
+            # ``__index__`` (as the shed check's packer, and the scheduler's JSON, read it) supports
+            # none of its operators. Hash the same values as Python ints, past the slices already given.
             if as_python_ints:
-                raise BadRequest("token_ids", "every token id must be a 64-bit integer") from None
+                if isinstance(exc, OverflowError):
+                    raise BadRequest("token_ids", "every token id must be a 64-bit integer") from None
+                raise BadRequest("token_ids", "every token id must be an integer") from None
             as_python_ints = True
             try:
                 tokens = [operator.index(t) for t in checked.tokens]

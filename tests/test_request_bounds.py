@@ -323,6 +323,30 @@ def test_numpy_integer_token_ids_hash_as_the_same_python_ints(family: KeyFamily)
         assert join_slices(key_slices(checked, BLOCK)) == expected
 
 
+class _IndexOnly:
+    """An integer only through ``__index__`` (as ``operator.index``, struct and json's default read it)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+@pytest.mark.parametrize("family", list(KeyFamily))
+def test_a_token_id_that_is_an_integer_through_index_hashes_as_that_int_and_may_be_shed(family: KeyFamily) -> None:
+    """The shed check's packer took such an id and the hashing refused it: the request was refused
+    ``bad_request`` at normal load and shed ``overloaded``, with a worker charged, under a full cap."""
+    deployment = DeploymentConfig(block_size=BLOCK, key_family=family)
+    plain = tuple(range(1000, 1000 + 5 * BLOCK))
+    expected = join_slices(key_slices(check_request(RouteRequest("r", token_ids=plain), deployment, LIMITS), BLOCK))
+    for at in (0, 4 * BLOCK + 1):  # the first slice, the last
+        tokens: tuple[Any, ...] = (*plain[:at], _IndexOnly(plain[at]), *plain[at + 1 :])
+        request = RouteRequest("r", token_ids=tokens)
+        assert join_slices(key_slices(check_request(request, deployment, LIMITS), BLOCK)) == expected
+        assert sheddable(request, deployment, LIMITS) == len(tokens)
+
+
 # --- the reply margin ----------------------------------------------------------------------------------
 
 
