@@ -54,6 +54,7 @@ from router.admission import InFlightLimit, admits
 from router.api import RouterHandle, open_router
 from router.config import KvrouteConfig
 from router.exception_groups import sole_leaf
+from router.problems import refuse
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate, HeldPlace, ShedRecords
 from router.request import (
     budget_deadline,
@@ -63,7 +64,7 @@ from router.request import (
     check_fields,
     with_plain_id,
 )
-from router.settings import LoadedConfig
+from router.settings import LoadedConfig, section_problems
 from router.targets import HostPort
 from router.thread_bridge import ANSWER_SLACK_S, deliver_outcome, settle_on_loop
 from router.types import BadRequest, RouteDecision, RouteRequest
@@ -119,6 +120,8 @@ class AsyncioRouterHost:
         # Each answer's way back: appended by the callers' loops, handed to the metrics sink by the trio thread.
         self._reply_times: deque[float] = deque(maxlen=REPLY_SAMPLES)
         # Admission before the hop, used by the callers' loops (thread-safe). A loop never waits for a place.
+        # Its settings are read here, before open_router checks them: checked here first, naming them.
+        refuse("router", section_problems("router", config.router))
         router = config.router
         self._gate = HandOffGate(
             InFlightLimit(

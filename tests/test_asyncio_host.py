@@ -31,6 +31,7 @@ from router.api import RouterHandle, open_router
 from router.asyncio_host import AnswerTimeout, AsyncioRouterHost, HostStats, HostStopped
 from router.config import DeploymentConfig, DiscoveryConfig, KvrouteConfig, RouterConfig
 from router.keys import block_keys
+from router.problems import ConfigError
 from router.receipt import INITIAL_IN_FLIGHT_LIMIT, HandOffGate
 from router.replay import load_log
 from router.types import KeyFamily, Reason, Role, RouteDecision, RouteRequest, RouteSource
@@ -799,3 +800,19 @@ async def test_only_calls_that_reached_the_router_count_as_handed(nursery: trio.
         await _run_asyncio(program)
     stats = seen["stats"]
     assert (stats.handed, stats.shed_before_hop, stats.in_router) == (1, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("router", "named"),
+    [
+        (RouterConfig(max_in_flight=None), r"router\.max_in_flight: expected an integer, got None"),  # type: ignore[arg-type]
+        (None, r"invalid router configuration: must be a RouterConfig"),
+    ],
+    ids=["none-for-int", "no-section"],
+)
+def test_a_host_built_on_a_mistyped_router_section_is_refused_naming_it(router: Any, named: str) -> None:
+    """The host reads the router's in-flight cap as it is built, before open_router checks the
+    configuration: a bare TypeError (or AttributeError) naming nothing."""
+    config = dataclasses.replace(KvrouteConfig(), router=router)
+    with pytest.raises(ConfigError, match=named):
+        AsyncioRouterHost(config)

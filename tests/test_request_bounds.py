@@ -84,10 +84,23 @@ def refused(request: RouteRequest, limits: LimitsConfig = LIMITS) -> BadRequest:
             KvrouteConfig(upstream_tls=UpstreamTlsConfig(ca="/etc/ca.pem", cert="/etc/client.pem")),
             r"upstream_tls\.cert, upstream_tls\.key: a certificate without its private key",
         ),
+        # A value of another type: a str or None raised a bare TypeError from the range check; a float
+        # where an int goes opened, then refused well-formed long prompts as the caller's bad token_ids.
+        (
+            KvrouteConfig(limits=LimitsConfig(hash_slice_tokens="2048")),  # type: ignore[arg-type]
+            r"limits\.hash_slice_tokens: expected an integer, got '2048'",
+        ),
+        (
+            KvrouteConfig(limits=LimitsConfig(hash_slice_tokens=2048.0)),  # type: ignore[arg-type]
+            r"limits\.hash_slice_tokens: expected an integer, got 2048\.0",
+        ),
+        (KvrouteConfig(router=RouterConfig(budget_cap_ms=True)), r"router\.budget_cap_ms: expected a number, got True"),
+        (KvrouteConfig(router=None), r"invalid router configuration: must be a RouterConfig, got a NoneType"),  # type: ignore[arg-type]
     ],
     ids=[
         "nan-budget-cap", "no-request-in-flight", "no-prompt-token", "no-block-size", "nan-drain", "no-log-interval",
-        "debug-token-not-ascii", "client-cert-without-key",
+        "debug-token-not-ascii", "client-cert-without-key", "str-for-int", "float-for-int", "bool-for-float",
+        "no-section",
     ],
 )
 async def test_a_configuration_built_in_code_is_refused_naming_the_field(config: KvrouteConfig, named: str) -> None:

@@ -216,6 +216,24 @@ class Setting:
             return REDACTED
         return redact_userinfo(self.format(value))
 
+    def type_problem(self, value: object) -> str | None:
+        """Pure: why ``value``, as a configuration built in code holds it, is not of this setting's type
+        (None when it is). Nothing is parsed: text is no number, a bool is none either, a float no int."""
+        if self.kind is Kind.STR:
+            typed = isinstance(value, str)
+        elif isinstance(value, str):
+            typed = False
+        elif self.kind is Kind.ENUM_TUPLE:
+            members = (self.choices or {}).values()
+            typed = isinstance(value, tuple) and all(any(v is m for m in members) for v in value)
+        else:
+            try:
+                self.parse_value(value)
+            except SettingValueError as exc:
+                return str(exc)
+            typed = True
+        return None if typed else f"expected {self._expected()}, got {self._quoted(value)}"
+
     def validate(self, value: object) -> list[str]:
         """Pure: the problems with the form of ``value`` (empty when valid); ranges are checked per section."""
         problems = []

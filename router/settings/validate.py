@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -108,10 +109,26 @@ SECTION_PROBLEMS: Mapping[str, Callable[[Any], list[Problem]]] = {
 }
 
 
+# Each section's dataclass, as KvrouteConfig declares it.
+_SECTION_TYPES: Mapping[str, type] = typing.get_type_hints(KvrouteConfig)
+
+
 def section_problems(section: str, value: Any) -> list[Problem]:
     """Pure: the problems of one section of a configuration built in code, which no loader validated:
     each setting's form (a debug token's characters, an enum's type) and the section's rules. Its files
     are not looked at: they are read, naming the setting, when they are used."""
+    expected = _SECTION_TYPES[section]
+    if not isinstance(value, expected):
+        return [Problem((), f"must be a {expected.__name__}, got a {type(value).__name__}")]
+    # The forms and the section's rules compare and read values of the declared types: a str where a
+    # number goes raised a bare TypeError, a float where an int goes failed requests later.
+    mistyped = [
+        Problem((s.field,), message)
+        for s in SETTINGS
+        if s.section == section and (message := s.type_problem(getattr(value, s.field))) is not None
+    ]
+    if mistyped:
+        return mistyped
     problems = [
         Problem((s.field,), message)
         for s in SETTINGS
