@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -73,6 +73,8 @@ class AccuracyHealth:
     expired: int  # predictions no status listed within the TTL
     evicted: int  # predictions pushed out by the pending bound (--metrics-accuracy-pending-max) first
     dropped: int  # messages the full inbox refused
+    inbox_depth: int
+    inbox_capacity: int
     recent_by_worker: dict[str, float] = field(default_factory=dict)  # mean actual/predicted, recent
     silent_zero_share: float = 0.0  # over the last comparisons (at most 200)
     warning: str | None = None  # set while the share is above --metrics-accuracy-warn-silent-share
@@ -85,9 +87,8 @@ class HitAccuracy:
         self._window: deque[bool] = deque(maxlen=_WINDOW)  # recent comparisons: silent zero or not
         self._ttl_s = config.accuracy_ttl_s
         self._metrics = metrics
-        self._send, self._receive = trio.open_memory_channel[_Predicted | _StatusSeen | _Expire](
-            config.accuracy_inbox_size
-        )
+        self._inbox_size = config.accuracy_inbox_size
+        self._send, self._receive = trio.open_memory_channel[_Predicted | _StatusSeen | _Expire](self._inbox_size)
         self._pending: OrderedDict[str, _Pending] = OrderedDict()  # by request id, oldest first
         self._recent: OrderedDict[str, deque[float]] = OrderedDict()  # by worker, least recently compared first
         self._matched = 0
@@ -170,7 +171,8 @@ class HitAccuracy:
             self._offer(_StatusSeen(worker, status))
 
     def health(self) -> AccuracyHealth:
-        return self._health
+        """The snapshot the task last published, with what the senders count and the inbox as it is now."""
+        return replace(self._health, dropped=self._dropped, inbox_depth=self._receive.statistics().current_buffer_used)
 
     def _offer(self, message: _Predicted | _StatusSeen) -> bool:
         try:
@@ -226,6 +228,8 @@ class HitAccuracy:
             expired=self._expired,
             evicted=self._evicted,
             dropped=self._dropped,
+            inbox_depth=self._receive.statistics().current_buffer_used,
+            inbox_capacity=self._inbox_size,
             recent_by_worker={w: round(sum(r) / len(r), 3) for w, r in self._recent.items() if r},
             silent_zero_share=share,
             warning=warning,

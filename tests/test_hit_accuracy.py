@@ -300,6 +300,9 @@ async def test_a_full_inbox_drops_and_counts_the_messages_it_refuses(autojump_cl
     accuracy = HitAccuracy(config, sink)
     for i in range(5):  # before the owner runs: only the inbox's room is taken
         accuracy.predict(f"req-{i}", "10.0.0.1:8000", 4096, RouteSource.KVCM, trio.current_time())
+    # Seen before the owner publishes anything: the senders' count and the inbox as it is.
+    health = accuracy.health()
+    assert (health.dropped, health.inbox_depth, health.inbox_capacity) == (3, 2, 2)
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         await nursery.start(accuracy.run)
