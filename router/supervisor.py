@@ -481,7 +481,9 @@ async def _topology(
         )
         await supervisor.start("router", router.run, snapshot=router.health)
 
-        _register_gauges(metrics, resolver, prober, pool, router, shadow, master_source)
+        _register_gauges(
+            metrics, resolver, prober, pool, router, shadow, master_source, scorer, accuracy, decision_log
+        )
         handle = RouterHandle(
             router=router,
             supervisor=supervisor,
@@ -547,6 +549,9 @@ def _register_gauges(
     router: RouterActor,
     shadow: ShadowIndexActor,
     master: MasterSource | None,
+    scorer: Scorer,
+    accuracy: HitAccuracy,
+    decision_log: DecisionLog | None,
 ) -> None:
     if master is not None:
         metrics.register_gauge_source(
@@ -577,4 +582,15 @@ def _register_gauges(
     if master is not None:
         metrics.register_gauge_source(
             "kvroute_inbox_depth", lambda: float(master.health().inbox_depth), actor="master_client"
+        )
+    metrics.register_gauge_source("kvroute_inbox_depth", lambda: float(scorer.health().inbox_depth), actor="scorer")
+    metrics.register_gauge_source(
+        "kvroute_inbox_depth", lambda: float(prober.snapshot().inbox_depth), actor="worker_prober"
+    )
+    metrics.register_gauge_source(
+        "kvroute_inbox_depth", lambda: float(accuracy.health().inbox_depth), actor="hit_accuracy"
+    )
+    if decision_log is not None:
+        metrics.register_gauge_source(
+            "kvroute_inbox_depth", lambda: float(decision_log.health().inbox_depth), actor="decision_log"
         )

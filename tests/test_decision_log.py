@@ -1922,3 +1922,23 @@ async def test_a_file_size_the_header_alone_would_fill_is_refused_naming_the_set
     enough = replace(config, router=replace(config.router, decision_log_max_bytes=needed))
     async with open_router(enough, rpc=MemoryNetwork()):
         pass
+
+
+async def test_every_actor_with_an_inbox_reports_its_depth_on_metrics(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The scorer's, the prober's, hit accuracy's and the decision log's inboxes were on /debug/actors
+    only (hit accuracy's nowhere)."""
+    async with cluster_router(tmp_path / "decisions.log") as (handle, _):
+        await handle.route(RouteRequest("r", token_ids=PROMPT, budget_ms=50))
+        registry = handle.metrics.registry
+        reported = {
+            actor
+            for actor in ("router", "metrics_sink", "shadow_index", "leader_resolver", "scorer", "worker_prober",
+                          "hit_accuracy", "decision_log")
+            if registry.get_sample_value("kvroute_inbox_depth", {"actor": actor}) is not None
+        }
+    assert reported == {
+        "router", "metrics_sink", "shadow_index", "leader_resolver", "scorer", "worker_prober", "hit_accuracy",
+        "decision_log",
+    }
