@@ -21,6 +21,7 @@ the published snapshot is replaced, never mutated. Time is ``trio.current_time()
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from router.targets import HostPort, TargetError, parse_target
 from router.transport.errors import TransportError
 from router.transport.ports import MasterTransport
 from router.wire.master import MasterInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +219,14 @@ class MasterDiscovery:
             master = healthy[0]
         if master is not self._master:
             self._master_changes_total += 1
+            # Logged on the change only: requests count their "no master" and failover answers, but
+            # say nothing of why (a round's errors; the health of each host is on /debug/actors).
+            if master is None:
+                log.warning("master discovery: no scheduler master known (%s)", self._last_error or "no host answered")
+            elif self._master is None:
+                log.info("master discovery: the scheduler master is %s", master.host)
+            else:
+                log.warning("master discovery: the scheduler master is now %s (was %s)", master.host, self._master.host)
             self._master = master
         slave = next((h for h in healthy if h is not master), None)
         listed = tuple(self._health(h) for h in self._hosts if self._listed(h, now))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import pytest
@@ -117,9 +118,10 @@ async def test_one_round_per_grid_point_whatever_the_start(
 
 
 async def test_unhealthy_after_two_failures_then_master_moves(
-    clock: trio.testing.MockClock, nursery: trio.Nursery
+    clock: trio.testing.MockClock, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     s = await start(nursery, elected=0)
+    caplog.set_level(logging.INFO, logger="actors.master_discovery")
     s.network.stop(s.hosts[0])
     await rounds(1)
     snap = s.discovery.snapshot()
@@ -131,6 +133,9 @@ async def test_unhealthy_after_two_failures_then_master_moves(
     assert "unavailable" in (snap.last_error or "")
     # The others still name replica 0, which is unhealthy: the lowest-IP healthy host takes over.
     assert (snap.master, snap.slave) == (s.hosts[1], s.hosts[2])
+    # The operator is told once, on the change (requests only count their failovers).
+    moved = [r.getMessage() for r in caplog.records if "master is now" in r.getMessage()]
+    assert moved == [f"master discovery: the scheduler master is now {s.hosts[1]} (was {s.hosts[0]})"]
 
 
 async def test_a_hanging_host_times_out(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
@@ -206,13 +211,18 @@ async def test_a_host_failing_late_is_listed_until_drop_after_its_last_success(
     assert [h.host for h in s.discovery.snapshot().hosts] == list(s.hosts[:2])
 
 
-async def test_no_healthy_host_means_no_master(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+async def test_no_healthy_host_means_no_master(
+    clock: trio.testing.MockClock, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
     s = await start(nursery, replicas=2)
     for host in s.hosts:
         s.network.stop(host)
-    await rounds(2)
+    await rounds(4)
     snap = s.discovery.snapshot()
     assert (snap.master, snap.slave, snap.queue_length) == (None, None, None)
+    lost = [r for r in caplog.records if "no scheduler master known" in r.getMessage()]
+    assert len(lost) == 1 and lost[0].levelno == logging.WARNING  # once, on the loss
+    assert "unavailable" in lost[0].getMessage()  # with why: the round's last error
 
 
 async def test_garbled_info_counts_as_a_failure(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
