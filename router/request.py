@@ -185,7 +185,10 @@ def with_plain_id(request: RouteRequest) -> RouteRequest:
     """``request`` with an id of a ``str`` subclass (a ``StrEnum`` member, ``numpy.str_``) made a plain
     ``str`` of the same text, any other unchanged (pure). Such an id passes the checks, but the decisions
     the metrics sink keeps are packed with ``marshal``, which takes only the built-in types: the sink
-    crashed on each one."""
+    crashed on each one. Raise TypeError for what is no ``RouteRequest`` (a caller's bug, not a bad
+    request: there is no field to name, and an ``AttributeError`` from deeper in said nothing)."""
+    if not isinstance(request, RouteRequest):
+        raise TypeError(f"route() takes a RouteRequest, got a {type(request).__name__}")
     request_id = request.request_id
     if type(request_id) is str or not isinstance(request_id, str):
         return request

@@ -235,6 +235,15 @@ async def test_a_request_id_of_a_str_subclass_is_kept_by_the_metrics_sink(
         assert [d.request_id for d in kept] == ["sub-2", "sub-1"]
 
 
+async def test_what_is_no_route_request_raises_a_type_error_naming_it(autojump_clock: trio.testing.MockClock) -> None:
+    """A caller's bug, not a bad request: it raised an AttributeError from deep in the checks."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        with pytest.raises(TypeError, match="route\\(\\) takes a RouteRequest, got a dict"):
+            await handle.route({"request_id": "r", "token_ids": PROMPT})  # type: ignore[arg-type]
+        assert (await handle.route(RouteRequest("after", token_ids=PROMPT, budget_ms=50))).worker is not None
+
+
 async def test_a_prompt_shorter_than_one_block_is_no_match_without_a_query(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -801,7 +810,7 @@ async def test_a_long_prompt_its_checks_refuse_is_refused_with_no_time_left_or_t
     """Refused outside the chain from the checks themselves, not by walking it: a long prompt is hashed
     in slices with checkpoints, and a deadline already past cut the hashing before it reached the bad
     id, so the request was answered ``deadline``. Under a full cap the walk ran without a place."""
-    long_bad = tuple(range(1000, 1000 + 4095)) + (2**70,)  # past hash_slice_tokens: hashed in slices
+    long_bad = (*range(1000, 1000 + 4095), 2**70)  # past hash_slice_tokens: hashed in slices
     hung = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
     async with routed(hung, max_in_flight=1) as (handle, _, _):
         router = handle.router_actor()
