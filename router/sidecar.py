@@ -781,10 +781,12 @@ class Sidecar:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
             address = format_target(self._listen.host, self._listen.port)
+            # Off the trio thread, where the router's actors already run: grpc resolves a host name
+            # to bind with a blocking lookup.
             if credentials is None:
-                port = server.add_insecure_port(address)
+                port = await trio.to_thread.run_sync(server.add_insecure_port, address)
             else:
-                port = server.add_secure_port(address, credentials)
+                port = await trio.to_thread.run_sync(server.add_secure_port, address, credentials)
         except RuntimeError as exc:
             executor.shutdown(wait=False)
             # grpc says the same for an address it cannot bind and for credentials it cannot load.

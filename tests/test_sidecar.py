@@ -442,6 +442,39 @@ async def test_a_watch_stream_learns_a_stuck_routing_thread_is_not_serving(nurse
             assert held_until_told and statuses == [health_pb2.HealthCheckResponse.NOT_SERVING]
 
 
+async def test_the_route_service_binds_its_address_off_the_trio_thread(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grpc resolves a host name to bind with a blocking lookup: on the trio thread a slow resolver
+    held the router's actors, already running, for as long."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    addrs = await nursery.start(cluster.serve_grpc)
+    bound_on_trio_thread: list[bool] = []
+    real_server = grpc.server
+
+    class Binding:
+        """The real server, its binds watched."""
+
+        def __init__(self, server: grpc.Server) -> None:
+            self._server = server
+
+        def add_insecure_port(self, address: str) -> int:
+            bound_on_trio_thread.append(trio.lowlevel.in_trio_run())
+            return self._server.add_insecure_port(address)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._server, name)
+
+    monkeypatch.setattr(grpc, "server", lambda *args, **kwargs: Binding(real_server(*args, **kwargs)))
+    config = served_config(addrs, serve=ServeConfig(grpc_listen="localhost:0"))
+    with trio.fail_after(30):
+        async with open_router(config) as handle, trio.open_nursery() as inner:
+            bound: HostPort = await inner.start(Sidecar(handle, config).run)
+            inner.cancel_scope.cancel()
+    assert bound_on_trio_thread == [False]
+    assert bound.port > 0
+
+
 async def test_route_returns_kvcm_decision_for_seeded_prefix_and_health_serving(nursery: trio.Nursery) -> None:
     with trio.fail_after(15):
         async with rig(nursery) as r:
