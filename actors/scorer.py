@@ -70,6 +70,17 @@ class _Decision:
     abandoned: bool = False  # the caller left (its deadline passed): do not decide or record
 
 
+def _fail(message: _Decision) -> None:
+    """A decision the Scorer stopped before making (unless made already): its caller falls back at once."""
+    if message.done:
+        return
+    message.error = "the Scorer stopped before deciding"
+    message.done = True
+    if message.waiting:
+        message.waiting = False
+        trio.lowlevel.reschedule(message.caller)
+
+
 @dataclass(frozen=True, slots=True)
 class _Record:
     worker: WorkerAddr
@@ -148,6 +159,7 @@ class Scorer:
         is short and bounded, and nothing can add to the inbox meanwhile), publish the health snapshot
         once per batch, then wait for the next message."""
         receive = self._receive
+        deciding: _Decision | None = None  # the decision in hand: a bug while making it fails it too
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._error_log.run)  # logs the failures' totals when their interval ends
@@ -167,9 +179,13 @@ class Scorer:
                     elif message.abandoned:
                         self._abandoned += 1
                     else:
+                        deciding = message
                         self._decide(message)
+                        deciding = None
         finally:
             self._stopped = True
+            if deciding is not None:
+                _fail(deciding)
             self._fail_queued()
 
     def _fail_queued(self) -> None:
@@ -184,11 +200,7 @@ class Scorer:
             if isinstance(message, _Record):
                 records.append(message)
                 continue
-            message.error = "the Scorer stopped before deciding"
-            message.done = True
-            if message.waiting:
-                message.waiting = False
-                trio.lowlevel.reschedule(message.caller)
+            _fail(message)
         for record in records:  # the inbox was just emptied: there is room for them again
             self._send.send_nowait(record)
 

@@ -157,6 +157,37 @@ async def test_a_stopped_scorer_fails_decisions_at_once_and_its_next_run_applies
         second_run.cancel_scope.cancel()
 
 
+async def test_the_decision_in_hand_when_the_scorer_crashes_fails_at_once(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug while making a decision (outside the policy, whose failure that request alone falls back
+    on) ends the Scorer's run with the decision in hand: the queued ones failed at once, but its
+    caller was never woken and waited out its whole window."""
+    scorer = make_scorer()
+    a, b = addr(1), addr(2)
+    plan = plan_of((a, 10), (b, 10))
+
+    def bug(message: object) -> None:
+        raise RuntimeError("a bug while deciding")
+
+    monkeypatch.setattr(scorer, "_decide", bug)
+    crashed: list[BaseException] = []
+
+    async def run(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await scorer.run(task_status=task_status)
+        except* RuntimeError as group:  # as the supervisor sees it
+            crashed.extend(group.exceptions)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run)
+        start = trio.current_time()
+        with trio.fail_after(1), pytest.raises(ScorerUnavailable, match="stopped before deciding"):
+            await scorer.decide(request(plan, {a: status(), b: status()}, now=1.0))
+        assert trio.current_time() == start
+    assert [str(exc) for exc in crashed] == ["a bug while deciding"]
+
+
 class _RecordFailsOnce(CacheAffinityFirst):
     """A policy whose first record() raises, as a bug would: the Scorer's run ends there."""
 
