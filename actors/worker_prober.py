@@ -580,6 +580,7 @@ class WorkerProber:
         self._view_background_hits = 0
         self._view_skipped: dict[SkipReason, int] = dict.fromkeys(SkipReason, 0)
         self._wanted_dropped = 0
+        self._in_hand: _Wanted | None = None  # the request being applied (a bug there ends the run)
 
     # --- the owner ------------------------------------------------------------------------
 
@@ -600,6 +601,7 @@ class WorkerProber:
         finally:
             self._nursery = None
             self._stop_flights()
+            self._stop_wanted()
             self._dirty = True
             self._publish()
 
@@ -634,12 +636,40 @@ class WorkerProber:
         if isinstance(message, _Landed):
             self._landed(message)
         elif isinstance(message, _Wanted):
+            self._in_hand = message
             self._wanted(message)
+            self._in_hand = None
 
     def _publish(self) -> None:
         if self._dirty:
             self._view = ProberView(self._nursery is not None, dict(self._views), dict(self._ejected))
             self._dirty = False
+
+    def _stop_wanted(self) -> None:
+        """At the task's end: the probes asked of it and not answered end ``stopped`` for their callers
+        at once (those of the message in hand, if a bug ended the run there, and those queued behind
+        it), instead of at their deadlines; the outcomes queued are kept for the next run."""
+        wanted = [] if self._in_hand is None else [self._in_hand]
+        self._in_hand = None
+        kept: list[_Message] = []
+        while True:
+            try:
+                message = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if isinstance(message, _Wanted):
+                wanted.append(message)
+            else:
+                kept.append(message)
+        for message in wanted:
+            handle = message.handle
+            if handle is None:
+                continue
+            for worker in message.ask:
+                if worker not in handle._delivered:
+                    handle._deliver(self._skip(worker, SkipReason.STOPPED, handle))
+        for message in kept:  # the inbox was just emptied: there is room for them again
+            self._send.send_nowait(message)
 
     def _stop_flights(self) -> None:
         """The probe tasks died with the nursery: end their waits and free their workers, and give

@@ -1046,6 +1046,45 @@ async def test_new_and_stale_workers_are_not_usable(nursery: trio.Nursery, autoj
     assert prober.is_routable(worker)
 
 
+async def test_the_probes_asked_when_a_bug_ends_the_run_end_stopped_at_once(
+    autojump_clock: MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug while applying a request's probes ended the run with that request in hand: its workers
+    not yet reached, and the requests queued behind it, waited out their deadlines although the
+    prober was known down (only the probes already in flight ended ``stopped``)."""
+    fake = FakeWorkers(MemoryNetwork())
+    a, b, c = [fake.add(w) for w in workers(3)]
+    prober = WorkerProber(ProberConfig(), WorkerStatusClient(fake.net))
+    real_lookup = prober._lookup
+
+    def lookup(worker: WorkerAddr, handle: ProbeHandle, now: float) -> ProbeResult | None:
+        if worker == b:
+            raise RuntimeError("a bug while probing")
+        return real_lookup(worker, handle, now)
+
+    monkeypatch.setattr(prober, "_lookup", lookup)
+    crashed: list[BaseException] = []
+
+    async def run(*, task_status: trio.TaskStatus[WorkerProber] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await prober.run(task_status=task_status)
+        except* RuntimeError as group:  # as the supervisor sees it
+            crashed.extend(group.exceptions)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run)
+        start = trio.current_time()
+        in_hand = prober.probe([a, b], start + 1.0)  # handed to the owner, which is waiting for it
+        queued = prober.probe([c], start + 1.0)  # behind it in the inbox
+        with trio.fail_after(1):
+            await in_hand.wait_all()
+            await queued.wait_all()
+        assert trio.current_time() == start
+    reasons = {r.worker: r.skip_reason for r in (*in_hand.results(), *queued.results())}
+    assert reasons == {a: SkipReason.STOPPED, b: SkipReason.STOPPED, c: SkipReason.STOPPED}
+    assert [str(exc) for exc in crashed] == ["a bug while probing"]
+
+
 async def test_probe_before_run_or_after_deadline_is_skipped(
     nursery: trio.Nursery, autojump_clock: MockClock
 ) -> None:
