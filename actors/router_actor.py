@@ -205,6 +205,7 @@ class RouterActor:
         # Its own generator: draws made ahead for other threads must not shift the domain source's.
         self._overload_rng = random.Random(config.scorer.seed)
         self._overload_answers: OverloadAnswers | None = None
+        self._lag_down_since: float | None = None  # set while the router's own task is down
         self._lag_interval_s = config.router.lag_probe_interval_ms / 1000.0
         # 0: the probe keeps its interval when idle (``lag_probe_idle_ms`` not above it).
         idle_s = config.router.lag_probe_idle_ms / 1000.0
@@ -227,10 +228,15 @@ class RouterActor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The router's own tasks measure the loop's lag and flush aggregated warnings; requests run in
         their callers' tasks."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._warn.run)
-            nursery.start_soon(self._measure_lag)
-            task_status.started()
+        self._lag_down_since = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._warn.run)
+                nursery.start_soon(self._measure_lag)
+                task_status.started()
+        finally:
+            # Down (a crash, a stop): nothing ages the estimate but the requests that come meanwhile.
+            self._lag_down_since = trio.current_time()
 
     async def _measure_lag(self) -> None:
         """How late a timer fires is how long a due task waits for the loop: feed the admission
@@ -271,6 +277,16 @@ class RouterActor:
         the estimate takes the wait's sample now, before the request is judged by it: aged for the wait
         so far, and late only if the timer was already due (the loop stalled past it)."""
         self._last_arrival = now
+        down_since = self._lag_down_since
+        if down_since is not None:
+            # The lag probe is down with the router's task (a restart's backoff, up to seconds in a
+            # crash loop): age the estimate as the probes it misses would, none of them late, or an
+            # estimate left high by a stall before the crash sheds every request until the restart.
+            self._lag_down_since = now
+            self._estimate.observe_lag(0.0, intervals=(now - down_since) / self._lag_interval_s)
+            published = self._overload_answers
+            if published is not None:  # the ways in shed by the published estimate: the aged one
+                self._overload_answers = OverloadAnswers(self._estimate.view(), published.answers)
         if self._lag_wake is not None:
             wait, since, due = self._lag_wake
             self._lag_wake = None

@@ -122,6 +122,39 @@ async def test_requests_while_the_router_task_restarts_take_no_lag_from_its_dead
         assert all(d.reason is not Reason.OVERLOADED for d in decisions), [d.reason for d in decisions]
 
 
+async def test_while_the_router_task_restarts_requests_age_the_lag_a_stall_left(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Only the lag probe aged the admission estimate, and it is down with the router's task: an
+    estimate a stall had left high just before a crash shed every request until the restart, in a
+    crash loop for seconds. The requests that come age it meanwhile, as the probes would have."""
+    async with _routing() as handle:
+        await handle.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=30))
+        for _ in range(5):  # five crashes in a row: the next backoff is 1.6 s
+            while handle.actors_health()["router"]["state"] != "running":  # noqa: ASYNC110 (no event for it)
+                await trio.sleep(0.001)
+            await trio.testing.wait_all_tasks_blocked()
+            handle.supervisor.inject_crash("router")
+            await trio.testing.wait_all_tasks_blocked()
+        while handle.actors_health()["router"]["state"] != "running":  # noqa: ASYNC110 (no event for it)
+            await trio.sleep(0.001)
+        await trio.testing.wait_all_tasks_blocked()
+        autojump_clock.jump(2.0)  # the loop stalls: the lag probe's timer fires late by most of two seconds
+        await trio.testing.wait_all_tasks_blocked()
+        handle.supervisor.inject_crash("router")
+        await trio.testing.wait_all_tasks_blocked()
+        shed: list[int] = []
+        for i in range(100):  # a request every 10 ms for a second, the router's task down throughout
+            decision = await handle.route(RouteRequest(f"during-{i}", token_ids=PROMPT, budget_ms=30))
+            if decision.reason is Reason.OVERLOADED:
+                shed.append(i)
+            await trio.sleep(0.01)
+        assert handle.actors_health()["router"]["state"] == "restarting"
+        # Aged at a running probe's pace (with it running, the same stall sheds the first 20 of these),
+        # not shed until the restart.
+        assert shed and max(shed) < 30, f"{len(shed)} shed, the last at {max(shed)}"
+
+
 class _Channel:
     def __init__(self, target: str) -> None:
         self.target = target
