@@ -109,12 +109,39 @@ class LogFileWriter:
         self.last_error: str | None = None
         self._lock = threading.Lock()
         self.generation = 0  # one per open(): a run of the actor
+        self._started: tuple[int, int] | None = None  # the file this writer last started (device, inode)
 
     def open(self) -> None:
-        """Start a fresh file: whatever a previous run left at ``path`` is rotated away first."""
+        """Start a fresh file: whatever a previous run left at ``path`` is rotated away first, unless it
+        is the file this writer started, as it left it: a restarted run writes on in it (the same
+        process, the same header), or every crash would rotate a file away and a crash loop would
+        delete the files kept."""
         with self._lock:
             self.generation += 1
-            self._open()
+            if not self._resume():
+                self._open()
+
+    def _resume(self) -> bool:
+        """Reopen for appending the file this writer last started, if it is still at ``path`` and as
+        long as this writer made it (no torn write, nobody else's bytes)."""
+        started = self._started
+        if started is None:
+            return False
+        try:
+            self.close()
+            file = open(self.path, "ab")  # noqa: SIM115 - kept open across batches, closed by close()
+        except OSError:
+            return False
+        try:
+            ours = os.fstat(file.fileno())
+        except OSError:
+            file.close()
+            return False
+        if (ours.st_dev, ours.st_ino) != started or ours.st_size != self.size:
+            file.close()
+            return False
+        self._file = file
+        return True
 
     def drain(self, pieces: deque[list[DecisionRecord]], *, close_generation: int | None = None) -> None:
         """Write the pieces, each taken from the left of ``pieces`` just before it is written (the
@@ -231,6 +258,8 @@ class LogFileWriter:
         self._file.flush()
         self.size = len(self._header)
         self._fleet = None
+        started = os.fstat(self._file.fileno())
+        self._started = (started.st_dev, started.st_ino)
 
     def _shift(self) -> None:
         """PATH → PATH.1 → … ; the oldest beyond ``files`` is deleted (one file: PATH is replaced).

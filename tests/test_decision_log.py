@@ -1582,6 +1582,29 @@ def test_a_run_that_logged_nothing_is_not_rotated_over_the_decisions_before_it(t
     assert [c.request_id for c in load_log([str(path) + ".1"]).cases] == [f"q{i}" for i in range(5)]
 
 
+def test_a_restarted_run_writes_on_in_the_file_it_left_and_rotates_nothing(tmp_path: Path) -> None:
+    """Each run of the actor rotated what was at PATH if it held a decision: every crash (one decision
+    logged after each) rotated a file away, and with three files kept three crashes deleted the log
+    of everything before them."""
+    path = tmp_path / "d.log"
+    writer = LogFileWriter(str(path), max_bytes=1 << 20, files=3, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    writer.drain(deque([[_overloaded(i) for i in range(5)]]), close_generation=writer.generation)
+    for run in range(3):  # the actor restarted in the same process, each run logging one decision
+        writer.open()
+        writer.drain(deque([[_overloaded(5 + run)]]), close_generation=writer.generation)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.log"]
+    assert [c.request_id for c in load_log([str(path)]).cases] == [f"q{i}" for i in range(8)]
+    assert writer.rotations == 0
+    # A file not as this writer left it (another's bytes, a write torn short) is rotated away, as a
+    # previous process's is.
+    with path.open("ab") as file:
+        file.write(b"x")
+    writer.open()
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.log", "d.log.1"]
+
+
 def _kinds(path: Path) -> list[int]:
     return [f.kind for f in parse_frames(str(path), path.read_bytes())]
 
