@@ -136,7 +136,16 @@ class Scorer:
         # restart fails at once, as the prober's and the resolver's do, instead of waiting out the
         # request's whole budget in an inbox nobody reads. (Before the first run a decision waits.)
         self._stopped = False
+        # The workers discovery lists, when that changed since the task last looked (latest wins): the
+        # policy forgets the others before its next message.
+        self._retain_next: frozenset[WorkerAddr] | None = None
         self._health = self._snapshot()
+
+    def retain(self, workers: Collection[WorkerAddr]) -> None:
+        """Keep only ``workers``' ledger entries and scoring views from the next message on (any task on
+        the trio thread; a departed worker's last status is otherwise held until as many newer workers
+        push it out)."""
+        self._retain_next = frozenset(workers)
 
     def plan(
         self,
@@ -171,6 +180,9 @@ class Scorer:
                     except trio.WouldBlock:
                         self._health = self._snapshot()
                         message = await receive.receive()
+                    if self._retain_next is not None:
+                        self._policy.retain(self._retain_next)
+                        self._retain_next = None
                     if isinstance(message, _Record):
                         self._policy.record(
                             message.worker, message.uncached_tokens, message.now, requests=message.requests

@@ -412,7 +412,7 @@ async def _topology(
         await supervisor.start("scorer", scorer.run, snapshot=scorer.health)
 
         # The chain of sources, in the order a request asks them; the domain source ends every chain.
-        fleet = FleetView(discovery, prober)
+        fleet = FleetView(discovery, prober, scorer)
         warn = AggregatingLogger(
             log_router, interval_s=config.serve.log_aggregate_interval_s, max_keys=config.serve.log_max_keys
         )

@@ -195,6 +195,26 @@ def seed(cluster: SimCluster, worker: int, blocks: int) -> None:
     cluster.kvcm.record_prefill(cluster.worker_addr(worker).http_target, KEYS[:blocks])
 
 
+async def test_workers_discovery_drops_are_forgotten_by_the_scorer(autojump_clock: trio.testing.MockClock) -> None:
+    """The prober was told which workers discovery lists, the Scorer not: its ledger entries and
+    scoring views of departed workers stayed until as many newer workers pushed them out."""
+    cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster) as (handle, _, _):
+        seed(cluster, 2, 8)
+        for i in range(4):
+            await handle.route(RouteRequest(f"r{i}", token_ids=PROMPT, budget_ms=50))
+        await trio.testing.wait_all_tasks_blocked()
+        before = handle.actors()["scorer"]["health"]
+        assert isinstance(before, ScorerHealth) and before.policy.observed_statuses > 2
+        kept = [cluster.worker_addr(i) for i in (1, 2)]
+        handle.discovery().set_static_workers(",".join(f"{w.ip}:{w.http_port}" for w in kept))
+        await handle.route(RouteRequest("after", token_ids=PROMPT, budget_ms=50))
+        await trio.testing.wait_all_tasks_blocked()
+        after = handle.actors()["scorer"]["health"]
+        assert isinstance(after, ScorerHealth)
+        assert after.policy.observed_statuses <= 2 and after.policy.tracked_workers <= 2
+
+
 async def test_kvcm_routes_to_the_cache_holder(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
     async with routed(cluster) as (handle, _, _):

@@ -90,6 +90,26 @@ async def test_decisions_are_recorded_so_the_next_one_sees_the_precharge(nursery
     assert health.policy.policy == "cache_affinity_first"
 
 
+async def test_a_worker_discovery_no_longer_lists_is_forgotten_by_the_ledger_and_the_views(
+    nursery: trio.Nursery,
+) -> None:
+    """A departed worker's ledger entry and scoring view (its last status, whole) stayed until as many
+    newer workers pushed them out: with the default bound, thousands of dead workers' statuses."""
+    scorer = make_scorer(max_extra_work_tokens=0)
+    await nursery.start(scorer.run)
+    a, b = addr(1), addr(2)
+    plan = plan_of((a, 10), (b, 10))
+    for now in (1.0, 1.1):
+        await scorer.decide(request(plan, {a: status(), b: status()}, now=now))
+    policy = scorer.health().policy
+    assert (policy.tracked_workers, policy.observed_statuses, policy.pending_charges) == (2, 2, 2)
+    scorer.retain([b])  # a left discovery
+    selection, _ = await scorer.decide(request(plan_of((b, 10)), {b: status()}, now=1.2))
+    assert selection.worker == b
+    policy = scorer.health().policy
+    assert (policy.tracked_workers, policy.observed_statuses, policy.pending_charges) == (1, 1, 2)
+
+
 async def test_a_decision_is_charged_when_it_is_made_not_when_it_was_asked_for(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from actors.discovery import Discovery
 from actors.metrics_sink import MetricEvent
+from actors.scorer import Scorer
 from actors.worker_prober import WorkerProber
 from router.decision_record import DecisionRecord, SourceAnswer
 from router.policy.deadline_split import SplitWindows
@@ -158,14 +159,16 @@ class Source(Protocol):
 class FleetView:
     """The discovery snapshot indexed for planning, rebuilt only when discovery publishes anew.
 
-    Shared by the sources of one router; rebuilding also tells the prober which workers to keep.
+    Shared by the sources of one router; rebuilding also tells the prober and the Scorer which
+    workers to keep.
     """
 
-    __slots__ = ("_discovery", "_fleet", "_prober", "_version")
+    __slots__ = ("_discovery", "_fleet", "_prober", "_scorer", "_version")
 
-    def __init__(self, discovery: Discovery, prober: WorkerProber) -> None:
+    def __init__(self, discovery: Discovery, prober: WorkerProber, scorer: Scorer) -> None:
         self._discovery = discovery
         self._prober = prober
+        self._scorer = scorer
         self._version = -1
         self._fleet = Fleet.of(())
 
@@ -175,6 +178,7 @@ class FleetView:
             self._fleet = Fleet.of(snapshot.workers)
             self._version = snapshot.version
             self._prober.retain(snapshot.workers)
+            self._scorer.retain(snapshot.workers)
         return self._fleet
 
     def workers(self) -> Sequence[WorkerAddr]:

@@ -131,6 +131,11 @@ class StatusViews:
             self._unindex(evicted)
         return fresh
 
+    def retain(self, workers: Collection[WorkerAddr]) -> None:
+        """Forget the views of every worker not in ``workers`` (each holds its last status whole)."""
+        for worker in [w for w in self._views if w not in workers]:
+            self._unindex(self._views.pop(worker))
+
     def _unindex(self, view: ObservedStatus) -> None:
         key = id(view.status)
         known = self._by_status.get(key)
@@ -702,6 +707,11 @@ class LedgerPolicy:
         ledger: their tokens and each one's fixed cost."""
         charge = uncached_tokens + requests * self._charge_tokens
         self.ledger.record(worker.http_target, charge, now, status_taken_at)
+
+    def retain(self, workers: Collection[WorkerAddr]) -> None:
+        """Forget what the ledger and the scoring views hold of every worker not in ``workers``."""
+        self.ledger.retain({worker.http_target for worker in workers})
+        self._observed.retain(workers)
 
     def health(self) -> PolicyHealth:
         return PolicyHealth(

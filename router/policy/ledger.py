@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Collection
 
 NEVER = -math.inf  # last-selected time of a worker never selected: sorts first (preferred)
 
@@ -116,6 +117,12 @@ class SelectionLedger:
         if now > entry.last_selected:
             entry.last_selected = now
         self._pending_charges += entry.live() - before
+
+    def retain(self, workers: Collection[str]) -> None:
+        """Forget every worker not in ``workers`` (http targets): those discovery lists no more, whose
+        entries would otherwise stay until as many newer workers pushed them out."""
+        for worker in [w for w in self._entries if w not in workers]:
+            self._pending_charges -= self._entries.pop(worker).live()
 
     def pending_charges(self) -> int:
         """Charges kept over every tracked worker: cleared only as their worker is recorded again (or
