@@ -6,7 +6,9 @@ the workload through kvroute, then replays the same arrivals with every baseline
 in-memory clusters; prints live progress, the table and the targets; then the master-outage
 comparison (``master_outage``: a SimMaster in front, down for the middle third of the requests;
 ``--no-master`` skips it); writes ``demo-results.json``, ``demo-chart.png`` and
-``demo-master-outage.png`` to ``--out``. Exit 0 (2 on bad flags).
+``demo-master-outage.png`` to ``--out``. Exit 0; 2 on bad flags, in one line naming them: a value out
+of its range, a flag that needs another (``--trace-speedup`` without ``--trace``, ``flag_conflict``)
+or one the chosen run would ignore (``--groups`` with ``--trace``).
 
 The demo's flags are its own (``--sim-workers``, not ``--workers``); router settings can be
 overridden with ``--router-setting NAME=VALUE`` (the names of ``kvroute check-config``).
@@ -65,7 +67,16 @@ from kvroute_sim.demo.runner import (
     open_kvroute,
     run_kvroute,
 )
-from kvroute_sim.demo.workload import Workload, WorkloadSpec, build_workload
+from kvroute_sim.demo.workload import (
+    GROUP_STRIDE,
+    MAX_ARRIVAL_S,
+    MAX_THINK_TIME_S,
+    MULTI_TURN_FRACTION_RANGE,
+    RATE_PER_S_RANGE,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+)
 from router.logs import setup_logging
 from router.settings import BY_NAME, ROUTER_SETTING_OPTION
 from router.types import KeyFamily
@@ -74,17 +85,35 @@ DEFAULT_OUT = "demo-out"
 MAX_ROUTERS = 16
 
 
-def _number(kind: type[int] | type[float], minimum: float, *, above: bool = False) -> Callable[[str], float]:
+def _number(
+    kind: type[int] | type[float], minimum: float, maximum: float = math.inf, *, above: bool = False
+) -> Callable[[str], float]:
+    """A parser of ``kind`` numbers >= ``minimum`` (> with ``above``) and <= ``maximum``."""
+
     def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
-        if not math.isfinite(value) or value < minimum or (above and value == minimum):
-            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {minimum}, got {text}")
+        try:
+            infinite = not math.isfinite(value)
+        except OverflowError:  # an integer beyond float's range
+            raise argparse.ArgumentTypeError(f"too large, got {text}") from None
+        if infinite or value < minimum or (above and value == minimum) or value > maximum:
+            if maximum == math.inf:
+                wanted = f"{'>' if above else '>='} {minimum}"
+            elif above:
+                wanted = f"> {_word(minimum)} and <= {_word(maximum)}"
+            else:
+                wanted = f"in {_word(minimum)}..{_word(maximum)}"
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
         return value
 
     return parse
+
+
+def _word(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def _setting(text: str) -> tuple[str, str]:
@@ -119,13 +148,38 @@ def _policies(text: str) -> tuple[str, ...]:
 _WORKLOAD_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] = (
     ("--groups", "groups", _number(int, 1), "N", "shared-system-prompt groups"),
     ("--prompts-per-group", "prompts_per_group", _number(int, 1), "N", "conversations = groups x this"),
-    ("--system-prompt-tokens", "system_prompt_tokens", _number(int, 1), "N", "tokens per system prompt"),
+    (
+        "--system-prompt-tokens",
+        "system_prompt_tokens",
+        _number(int, 1, GROUP_STRIDE),
+        "N",
+        f"tokens per system prompt, at most {GROUP_STRIDE}",
+    ),
     ("--question-tokens", "question_tokens", _number(int, 1), "N", "tokens per question"),
     ("--output-tokens", "output_tokens", _number(int, 0), "N", "tokens per answer (extends the next turn)"),
-    ("--multi-turn-fraction", "multi_turn_fraction", _number(float, 0.0), "F", "share of multi-turn conversations"),
+    (
+        "--multi-turn-fraction",
+        "multi_turn_fraction",
+        _number(float, *MULTI_TURN_FRACTION_RANGE),
+        "F",
+        "share of multi-turn conversations, in {:g}..{:g}".format(*MULTI_TURN_FRACTION_RANGE),
+    ),
     ("--turns", "turns", _number(int, 1), "N", "turns of a multi-turn conversation"),
-    ("--think-time-s", "think_time_s", _number(float, 0.0, above=True), "F", "mean gap between turns (s)"),
-    ("--rate", "rate_per_s", _number(float, 0.0, above=True), "F", "mean arrivals per simulated second"),
+    (
+        "--think-time-s",
+        "think_time_s",
+        _number(float, 0.0, MAX_THINK_TIME_S, above=True),
+        "F",
+        f"mean gap between turns (s), at most {MAX_THINK_TIME_S:g}",
+    ),
+    (
+        "--rate",
+        "rate_per_s",
+        _number(float, *RATE_PER_S_RANGE),
+        "F",
+        "mean arrivals per simulated second, in {:g}..{:g}; every request must arrive within {:g} simulated s "
+        "(a week)".format(*RATE_PER_S_RANGE, MAX_ARRIVAL_S),
+    ),
     ("--zipf-s", "zipf_s", _number(float, 0.0), "F", "Zipf exponent of group popularity (0 = uniform)"),
     ("--seed", "seed", _number(int, 0), "N", "workload and baseline seed"),
     ("--block-size", "block_size", _number(int, 1), "N", "tokens per KV block"),
@@ -139,6 +193,62 @@ _CLUSTER_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] =
     ("--decode-tokens-per-s", "decode_tokens_per_s", _number(float, 0.0, above=True), "F", "decode speed per sequence"),
     ("--running-kv-blocks", "running_kv_blocks", _number(int, 1), "N", "running requests' KV per worker (blocks)"),
 )
+
+
+# Flags that only mean something with another one, and flags a mode would ignore: given together,
+# ``flag_conflict`` refuses them (exit 2) rather than run without what was asked. A flag is given
+# when its value is not its default (None, False or []; flags whose default means something else
+# take None and the default where they are read).
+_NEEDS: tuple[tuple[str, str], ...] = (
+    ("--scenario-scale", "--scenario"),
+    ("--trace-speedup", "--trace"),
+    ("--trace-limit", "--trace"),
+    ("--trace-generate-sessions", "--trace-generate"),
+    ("--ladder-loads", "--ladder"),
+    ("--slo-ms", "--ladder"),
+)
+_EVIDENCE_MODES = ("--trace", "--ladder", "--target-load")
+_SPEC_FLAGS = (*(flag for flag, *_ in _WORKLOAD_FLAGS), *(flag for flag, *_ in _CLUSTER_FLAGS), "--full-size")
+_TRACE_IGNORES = tuple(flag for flag, name, *_ in _WORKLOAD_FLAGS if name != "seed")  # a trace is the workload
+_GENERATE_IGNORES = tuple(flag for flag in _SPEC_FLAGS if flag != "--seed")  # --seed seeds the generated trace
+_CONFLICTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("--scenario", ("--trace-generate", "--routers", *_EVIDENCE_MODES, "--policies", *_SPEC_FLAGS)),
+    (
+        "--trace-generate",  # writes the trace (--trace-generate-sessions, --seed) and exits
+        ("--routers", *_EVIDENCE_MODES, "--policies", ROUTER_SETTING_OPTION, *_GENERATE_IGNORES),
+    ),
+    ("--routers", (*_EVIDENCE_MODES, "--policies")),  # its own comparison: fixed variants, one workload
+    ("--trace", _TRACE_IGNORES),
+    ("--target-load", ("--sim-workers",)),  # it sets the number of workers
+)
+_DESTS = {
+    **{flag: name for flag, name, *_ in _WORKLOAD_FLAGS},
+    **{flag: f"cluster_{name}" for flag, name, *_ in _CLUSTER_FLAGS},
+}
+
+
+def _given(args: argparse.Namespace, flag: str) -> bool:
+    value = getattr(args, _DESTS.get(flag, flag.removeprefix("--").replace("-", "_")))
+    return value is not None and value is not False and not (isinstance(value, list) and not value)
+
+
+def flag_conflict(args: argparse.Namespace) -> str | None:
+    """The first flag given without the one it needs, or with one its mode ignores (both named); None if none."""
+    for flag, needed in _NEEDS:
+        if _given(args, flag) and not _given(args, needed):
+            return f"argument {flag}: only applies with argument {needed}"
+    for mode, ignored in _CONFLICTS:
+        if _given(args, mode):
+            for flag in ignored:
+                if _given(args, flag):
+                    return f"argument {flag}: not allowed with argument {mode}"
+    return None
+
+
+def selected_policies(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--policies``, all of them when not given."""
+    policies: tuple[str, ...] = POLICY_NAMES if args.policies is None else args.policies
+    return policies
 
 
 def _preset_help(text: str, scaled: object, full: object) -> str:
@@ -163,10 +273,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scenario-scale",
         type=_number(float, 0.0, above=True),
-        default=1.0,
+        default=None,
         metavar="F",
-        help=f"multiply every scenario phase by F (default 1; e.g. 0.4 for CI); {split_budget.NAME} and "
-        f"{key_family.NAME}: their measured requests (the latter at least {key_family.MIN_REQUESTS})",
+        help=f"multiply every scenario phase by F (default {scenarios.DEFAULT_SCALE:g}; e.g. 0.4 for CI); "
+        f"{split_budget.NAME} and {key_family.NAME}: their measured requests "
+        f"(the latter at least {key_family.MIN_REQUESTS})",
     )
     parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"where the JSON and PNG go (default {DEFAULT_OUT})"
@@ -180,7 +291,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         type=_policies,
-        default=POLICY_NAMES,
+        default=None,
         metavar="LIST",
         help=f"policies to compare (default all: {','.join(POLICY_NAMES)})",
     )
@@ -307,13 +418,17 @@ async def compare(
 
 
 def run(args: argparse.Namespace) -> int:
+    if (conflict := flag_conflict(args)) is not None:
+        print(f"kvroute demo: error: {conflict}", file=sys.stderr)
+        return 2
     try:
         setup_logging(args.log_level, "text")
     except ValueError as exc:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
     if args.scenario is not None:
-        return _scenario(args.scenario, args.scenario_scale, dict(args.router_setting))
+        scale = scenarios.DEFAULT_SCALE if args.scenario_scale is None else args.scenario_scale
+        return _scenario(args.scenario, scale, dict(args.router_setting))
     if args.trace_generate is None:  # that run writes its FILE, every other one --out
         try:
             ready_out_dir(Path(args.out))
@@ -332,7 +447,8 @@ def run(args: argparse.Namespace) -> int:
         return _herding(workload_spec, cluster_spec, args.routers, overrides, Path(args.out))
     try:
         check_router_settings(workload_spec, dict(COMPARISON_SETTINGS) | overrides)
-    except DemoConfigError as exc:
+        workload = build_workload(workload_spec)
+    except (DemoConfigError, ValueError) as exc:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
     print(
@@ -341,9 +457,9 @@ def run(args: argparse.Namespace) -> int:
         f"cluster: {cluster_spec.workers} workers, {cluster_spec.kvcm_replicas} KVCM replicas",
         flush=True,
     )
-    workload = build_workload(workload_spec)
     print(f"{len(workload.requests)} requests over {workload.duration_s:.1f} simulated seconds", flush=True)
-    runs = trio.run(partial(compare, workload, cluster_spec, args.policies, router_overrides=overrides, out=sys.stdout))
+    policies = selected_policies(args)
+    runs = trio.run(partial(compare, workload, cluster_spec, policies, router_overrides=overrides, out=sys.stdout))
     summaries = [summarize(r) for r in runs]
     checks = check_targets(summaries)
     print()
@@ -405,10 +521,10 @@ def _herding(
     try:
         for variant in variants:
             check_router_settings(workload_spec, variant.settings)
-    except DemoConfigError as exc:
+        workload = build_workload(workload_spec)
+    except (DemoConfigError, ValueError) as exc:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
-    workload = build_workload(workload_spec)
     print(
         f"{len(workload.requests)} requests over {workload.duration_s:.1f} simulated seconds through "
         f"{','.join(map(str, counts))} independent routers (in memory, simulated time; requests to the routers "

@@ -27,6 +27,8 @@ from kvroute_sim.demo.load import offered_load, workers_for_load
 from kvroute_sim.demo.report import check_targets, format_table, results_json, summarize, write_chart, write_results
 from kvroute_sim.demo.runner import COMPARISON_SETTINGS, DemoConfigError, check_router_settings
 from kvroute_sim.demo.trace import (
+    DEFAULT_SPEEDUP,
+    SPEEDUP_RANGE,
     TraceFormatError,
     TraceGenSpec,
     generate_trace,
@@ -34,7 +36,7 @@ from kvroute_sim.demo.trace import (
     trace_workload,
     write_trace,
 )
-from kvroute_sim.demo.workload import BULK_SHARE, Workload, build_workload, bulk_span
+from kvroute_sim.demo.workload import BULK_SHARE, MAX_ARRIVAL_S, Workload, build_workload, bulk_span
 
 # A trace's prompts are tens of thousands of tokens: per worker, 2 M tokens of prefix cache and
 # 512 K of running KV (blocks of 512 tokens), unless the cluster flags say otherwise.
@@ -55,6 +57,17 @@ def _positive(kind: type[int] | type[float]) -> argparse._ActionType:
     return parse
 
 
+def _speedup(text: str) -> float:
+    low, high = SPEEDUP_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be in {low:g}..{high:g}, got {text}")
+    return value
+
+
 def _loads(text: str) -> tuple[float, ...]:
     try:
         loads = tuple(float(x) / 100.0 for x in text.split(",") if x.strip())
@@ -68,7 +81,13 @@ def _loads(text: str) -> tuple[float, ...]:
 def configure_evidence(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("trace replay and load ladder")
     g.add_argument("--trace", type=Path, metavar="FILE", help="replay a Mooncake-format JSONL trace (512-token blocks)")
-    g.add_argument("--trace-speedup", type=_positive(float), default=1.0, metavar="X", help="compress time X-fold")
+    g.add_argument(
+        "--trace-speedup",
+        type=_speedup,
+        metavar="X",
+        help="compress time X-fold, X in {:g}..{:g} (default {:g}); every request must arrive within {:g} simulated s "
+        "(a week)".format(*SPEEDUP_RANGE, DEFAULT_SPEEDUP, MAX_ARRIVAL_S),
+    )
     g.add_argument("--trace-limit", type=_positive(int), metavar="N", help="the first N requests of the trace")
     g.add_argument(
         "--target-load",
@@ -83,7 +102,6 @@ def configure_evidence(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--trace-generate-sessions",
         type=_positive(int),
-        default=TraceGenSpec().sessions,
         metavar="N",
         help=f"sessions in the generated trace (default {TraceGenSpec().sessions})",
     )
@@ -91,7 +109,6 @@ def configure_evidence(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ladder-loads",
         type=_loads,
-        default=DEFAULT_LOADS,
         metavar="PCTS",
         help="loads in percent of prefill capacity (default " + ",".join(f"{100 * x:.0f}" for x in DEFAULT_LOADS) + ")",
     )
@@ -116,7 +133,8 @@ def run_evidence(args: argparse.Namespace) -> int:
     from kvroute_sim.demo import cli  # the comparison itself; imported here, cli imports this module
 
     if args.trace_generate is not None:
-        spec = TraceGenSpec(sessions=args.trace_generate_sessions, seed=args.seed or 0)
+        sessions = TraceGenSpec().sessions if args.trace_generate_sessions is None else args.trace_generate_sessions
+        spec = TraceGenSpec(sessions=sessions, seed=args.seed or 0)
         try:
             path = write_trace(args.trace_generate, generate_trace(spec))
         except OSError as exc:
@@ -125,13 +143,18 @@ def run_evidence(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
     workload: Workload
+    if args.trace is not None:  # read first: its errors name the flag and the file
+        try:
+            records = read_trace(args.trace, limit=args.trace_limit)
+        except (OSError, TraceFormatError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            print(f"kvroute demo: --trace {args.trace}: {reason}", file=sys.stderr)
+            return 2
     try:
         workload_spec, cluster_spec = cli.specs_from_args(args)
         if args.trace is not None:
-            records = read_trace(args.trace, limit=args.trace_limit)
-            workload = trace_workload(
-                records, speedup=args.trace_speedup, source=str(args.trace), seed=workload_spec.seed
-            )
+            speedup = DEFAULT_SPEEDUP if args.trace_speedup is None else args.trace_speedup
+            workload = trace_workload(records, speedup=speedup, source=str(args.trace), seed=workload_spec.seed)
             if args.cluster_kv_capacity_blocks is None:
                 cluster_spec = replace(cluster_spec, kv_capacity_blocks=TRACE_KV_CAPACITY_BLOCKS)
             if args.cluster_running_kv_blocks is None:
@@ -141,9 +164,10 @@ def run_evidence(args: argparse.Namespace) -> int:
         if args.target_load is not None:
             workers = workers_for_load(workload, cluster_spec, args.target_load)
             cluster_spec = replace(cluster_spec, workers=workers)
-    except (OSError, TraceFormatError, ValueError) as exc:
+    except ValueError as exc:
         print(f"kvroute demo: error: {exc}", file=sys.stderr)
         return 2
+    policies = cli.selected_policies(args)
     overrides: dict[str, object] = dict(args.router_setting)
     settings = dict(COMPARISON_SETTINGS) | overrides
     try:
@@ -159,9 +183,7 @@ def run_evidence(args: argparse.Namespace) -> int:
         f"(best-reuse prefill work over the {BULK_SHARE:.0%} of requests arriving in {start:.1f}..{end:.1f} s)",
         flush=True,
     )
-    runs = trio.run(
-        partial(cli.compare, workload, cluster_spec, args.policies, router_overrides=overrides, out=sys.stdout)
-    )
+    runs = trio.run(partial(cli.compare, workload, cluster_spec, policies, router_overrides=overrides, out=sys.stdout))
     summaries = [summarize(r) for r in runs]
     checks = check_targets(summaries)
     print()
@@ -172,18 +194,17 @@ def run_evidence(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     if args.ladder:
         slo_ms = args.slo_ms or default_slo_ms(workload, cluster_spec)
-        print(
-            f"\nload ladder: {', '.join(f'{x:.0%}' for x in args.ladder_loads)}; TTFT SLO {slo_ms:.0f} ms", flush=True
-        )
+        loads = DEFAULT_LOADS if args.ladder_loads is None else args.ladder_loads
+        print(f"\nload ladder: {', '.join(f'{x:.0%}' for x in loads)}; TTFT SLO {slo_ms:.0f} ms", flush=True)
         rungs = run_ladder(
             workload,
             cluster_spec,
-            args.policies,
-            loads=args.ladder_loads,
+            policies,
+            loads=loads,
             slo_ms=slo_ms,
             router_settings=settings,
             progress=cli.ProgressLine(sys.stdout),
-            rung_started=partial(_rung_started, len(args.ladder_loads), time.monotonic()),
+            rung_started=partial(_rung_started, len(loads), time.monotonic()),
         )
         print()
         print(format_ladder(rungs, slo_ms))

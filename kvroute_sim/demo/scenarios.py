@@ -971,10 +971,13 @@ def _seconds(value: float | None) -> str:
     return "never" if value is None else f"{shown_against(max(0.0, value), 2, at_least=False):.2f} s"
 
 
+DEFAULT_SCALE = 1.0  # every phase as long as written
+
+
 async def run_scenario(
     scenario: Scenario,
     *,
-    scale: float = 1.0,
+    scale: float = DEFAULT_SCALE,
     deadline_slack_ms: float = DEADLINE_SLACK_MS,
     network: MemoryNetwork | None = None,
     overrides: Mapping[str, object] | None = None,

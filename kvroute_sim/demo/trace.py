@@ -23,9 +23,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute_sim.demo.workload import DemoRequest, Workload, WorkloadSpec
+from kvroute_sim.demo.workload import MAX_ARRIVAL_S, DemoRequest, Workload, WorkloadSpec
 
 TRACE_BLOCK_TOKENS = 512
+SPEEDUP_RANGE = (0.001, 1_000_000.0)  # ``trace_workload``'s speedup (``kvroute demo --trace-speedup``)
+DEFAULT_SPEEDUP = 1.0  # a trace replayed in its own time
 _MAX_KEY = 2**63 - 1
 
 
@@ -56,7 +58,17 @@ def _field_int(obj: dict[str, object], name: str, low: int, where: str) -> int:
         raise TraceFormatError(f"{where}: {name!r} must be an integer, got {value!r}")
     if value < low:
         raise TraceFormatError(f"{where}: {name!r} must be >= {low}, got {value}")
+    if value > _MAX_KEY:
+        raise TraceFormatError(f"{where}: {name!r} must be <= 2^63-1, got {value}")
     return value
+
+
+def _finite(number: float) -> bool:
+    """Finite as a float: an integer beyond float's range is not."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def parse_line(text: str, where: str) -> TraceRecord:
@@ -65,10 +77,14 @@ def parse_line(text: str, where: str) -> TraceRecord:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"{where}: not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise TraceFormatError(f"{where}: JSON nested too deeply to read") from None
+    except ValueError as exc:  # an integer of more digits than int() converts: the advice after ';' is Python's
+        raise TraceFormatError(f"{where}: unreadable JSON ({str(exc).partition(';')[0]})") from None
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     ts = obj.get("timestamp")
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not _finite(ts) or ts < 0:
         raise TraceFormatError(f"{where}: 'timestamp' must be a number of ms >= 0, got {ts!r}")
     input_length = _field_int(obj, "input_length", 1, where)
     output_length = _field_int(obj, "output_length", 0, where)
@@ -87,14 +103,22 @@ def parse_line(text: str, where: str) -> TraceRecord:
 
 
 def read_trace(path: Path, *, limit: int | None = None) -> tuple[TraceRecord, ...]:
-    """The first ``limit`` records of ``path`` (blank lines skipped), sorted by timestamp (stable)."""
+    """The first ``limit`` records of ``path`` (blank lines skipped), sorted by timestamp (stable).
+
+    TraceFormatError names the line that is not UTF-8 text or not a record; OSError, the file's."""
     records: list[TraceRecord] = []
-    with path.open(encoding="utf-8") as lines:
+    # Undecodable bytes become lone surrogates, which no UTF-8 text decodes to: found per line.
+    with path.open(encoding="utf-8", errors="surrogateescape") as lines:
         for number, line in enumerate(lines, start=1):
             if limit is not None and len(records) >= limit:
                 break
+            where = f"{path.name} line {number}"
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                raise TraceFormatError(f"{where}: not UTF-8 text") from None
             if line.strip():
-                records.append(parse_line(line, f"{path.name} line {number}"))
+                records.append(parse_line(line, where))
     if not records:
         raise TraceFormatError(f"{path.name}: no records")
     records.sort(key=lambda r: r.timestamp_ms)
@@ -114,7 +138,7 @@ class TraceWorkload(Workload):
     """A replayed trace: requests with block keys but no token ids."""
 
     source: str = ""
-    speedup: float = 1.0
+    speedup: float = DEFAULT_SPEEDUP
 
     def to_json(self) -> dict[str, object]:
         n = len(self.requests)
@@ -131,11 +155,23 @@ class TraceWorkload(Workload):
 
 
 def trace_workload(
-    records: Sequence[TraceRecord], *, speedup: float = 1.0, source: str = "", seed: int = 0
+    records: Sequence[TraceRecord], *, speedup: float = DEFAULT_SPEEDUP, source: str = "", seed: int = 0
 ) -> TraceWorkload:
-    """The records as a workload: arrival = timestamp / speedup, keys = hash_ids, block size 512."""
-    if not (math.isfinite(speedup) and speedup > 0):
-        raise ValueError(f"speedup: must be > 0, got {speedup}")
+    """The records as a workload: arrival = timestamp / speedup, keys = hash_ids, block size 512.
+
+    ValueError, naming ``kvroute demo``'s flag, for a speedup outside ``SPEEDUP_RANGE`` or a record
+    arriving after ``MAX_ARRIVAL_S``."""
+    low, high = SPEEDUP_RANGE
+    if not low <= speedup <= high:
+        raise ValueError(f"--trace-speedup: must be in {low:g}..{high:g}, got {speedup}")
+    for r in records:
+        arrival_s = r.timestamp_ms / 1000.0 / speedup
+        if not arrival_s <= MAX_ARRIVAL_S:
+            raise ValueError(
+                f"{source or 'trace'}: the record at timestamp {r.timestamp_ms:g} ms would arrive at "
+                f"{arrival_s:.6g} simulated s with --trace-speedup {speedup:g}, after the last arrival allowed "
+                f"({MAX_ARRIVAL_S:g} s, a week); raise --trace-speedup or replay fewer records (--trace-limit)"
+            )
     spec = WorkloadSpec(block_size=TRACE_BLOCK_TOKENS, seed=seed)
     requests = tuple(
         DemoRequest(

@@ -35,7 +35,13 @@ from router.keys import block_keys
 from router.types import KeyFamily
 
 BULK_SHARE = 0.8  # of the requests: the bulk window, where the load is measured (``load``)
-GROUP_STRIDE = 1_000_000  # token ids per group's system prompt range
+GROUP_STRIDE = 1_000_000  # token ids per group's system prompt range (and the longest system prompt)
+# No request of a workload (or a replayed trace) arrives later than this on the simulated clock:
+# a week. The simulators report times in int64 milliseconds and a later arrival is a mistake.
+MAX_ARRIVAL_S = 7 * 24 * 3600.0
+RATE_PER_S_RANGE = (0.001, 1_000_000.0)  # ``rate_per_s``: mean arrivals per simulated second
+MAX_THINK_TIME_S = 3600.0  # ``think_time_s`` (> 0): an hour between a session's turns, on average
+MULTI_TURN_FRACTION_RANGE = (0.0, 1.0)
 _MAX_TOKEN_ID = 2**31 - 1
 _DEPLOYMENT = DeploymentConfig()
 
@@ -72,14 +78,14 @@ class WorkloadSpec:
                 raise ValueError(f"{name}: must be >= {low}, got {value}")
         if self.system_prompt_tokens > GROUP_STRIDE:
             raise ValueError(f"system_prompt_tokens: must be <= {GROUP_STRIDE}, got {self.system_prompt_tokens}")
-        if not 0.0 <= self.multi_turn_fraction <= 1.0:
-            raise ValueError(f"multi_turn_fraction: must be in 0..1, got {self.multi_turn_fraction}")
-        for name, number in (
-            ("think_time_s", self.think_time_s),
-            ("rate_per_s", self.rate_per_s),
-        ):
-            if not (math.isfinite(number) and number > 0):
-                raise ValueError(f"{name}: must be a finite number > 0, got {number}")
+        least, most = MULTI_TURN_FRACTION_RANGE
+        if not least <= self.multi_turn_fraction <= most:
+            raise ValueError(f"multi_turn_fraction: must be in {least:g}..{most:g}, got {self.multi_turn_fraction}")
+        if not 0 < self.think_time_s <= MAX_THINK_TIME_S:
+            raise ValueError(f"think_time_s: must be > 0 and <= {MAX_THINK_TIME_S:g}, got {self.think_time_s}")
+        least, most = RATE_PER_S_RANGE
+        if not least <= self.rate_per_s <= most:
+            raise ValueError(f"rate_per_s: must be in {least:g}..{most:g}, got {self.rate_per_s}")
         if not (math.isfinite(self.zipf_s) and self.zipf_s >= 0):
             raise ValueError(f"zipf_s: must be a finite number >= 0, got {self.zipf_s}")
 
@@ -168,9 +174,18 @@ def zipf_weights(n: int, s: float) -> tuple[float, ...]:
     """Normalised Zipf weights for ranks 1..n: w_r ∝ 1 / r^s (s = 0 is uniform)."""
     if n < 1:
         raise ValueError(f"n: must be >= 1, got {n}")
-    raw = [1.0 / (rank**s) for rank in range(1, n + 1)]
+    raw = [_inverse_power(rank, s) for rank in range(1, n + 1)]
     total = sum(raw)
     return tuple(w / total for w in raw)
+
+
+def _inverse_power(rank: int, s: float) -> float:
+    """``1 / rank^s``; 0 where ``rank^s`` overflows a float (its inverse is below the smallest one)."""
+    try:
+        power: float = float(rank) ** s  # what int ** float computes
+    except OverflowError:
+        return 0.0
+    return 1.0 / power
 
 
 def system_prompt(group: int, tokens: int) -> range:
@@ -179,7 +194,9 @@ def system_prompt(group: int, tokens: int) -> range:
 
 
 def build_workload(spec: WorkloadSpec) -> Workload:
-    """Every request of ``spec``, sorted by arrival (ties by request id). Deterministic for a spec."""
+    """Every request of ``spec``, sorted by arrival (ties by request id). Deterministic for a spec.
+
+    ValueError, naming the demo's flag, when a request would arrive after ``MAX_ARRIVAL_S``."""
     rng = random.Random(spec.seed)
     cumulative = list(itertools.accumulate(zipf_weights(spec.groups, spec.zipf_s)))
     groups = range(spec.groups)
@@ -189,6 +206,12 @@ def build_workload(spec: WorkloadSpec) -> Workload:
     started_at = 0.0
     for session in range(spec.conversations):
         started_at += rng.expovariate(start_rate)
+        if not started_at <= MAX_ARRIVAL_S:
+            raise ValueError(
+                f"--rate {spec.rate_per_s:g}: conversation {session + 1} of {spec.conversations} would start "
+                f"at {started_at:.6g} simulated s, after the last arrival allowed ({MAX_ARRIVAL_S:g} s, a week); "
+                "raise --rate or start fewer conversations (--groups, --prompts-per-group)"
+            )
         group = rng.choices(groups, cum_weights=cumulative)[0]
         turns = spec.turns if rng.random() < spec.multi_turn_fraction else 1
         prompt = list(system_prompt(group, spec.system_prompt_tokens))
@@ -197,6 +220,12 @@ def build_workload(spec: WorkloadSpec) -> Workload:
             if turn > 0:
                 prompt.extend(itertools.islice(fresh, spec.output_tokens))  # the previous turn's answer
                 arrival += rng.expovariate(1.0 / spec.think_time_s)
+                if not arrival <= MAX_ARRIVAL_S:
+                    raise ValueError(
+                        f"--think-time-s {spec.think_time_s:g}: turn {turn + 1} of conversation {session + 1} "
+                        f"would arrive at {arrival:.6g} simulated s, after the last arrival allowed "
+                        f"({MAX_ARRIVAL_S:g} s, a week); lower --think-time-s, --turns or --rate"
+                    )
             prompt.extend(itertools.islice(fresh, spec.question_tokens))
             tokens = tuple(prompt)
             requests.append(

@@ -27,7 +27,14 @@ import trio
 from kvroute_sim.sim.cluster import DEFAULT_KVCM_REPLICAS, DEFAULT_WORKERS, SimCluster, SimClusterAddresses
 from kvroute_sim.sim.cluster_master import cluster_decide
 from kvroute_sim.sim.master import SimMaster, SimMasterAddresses
-from kvroute_sim.sim.traffic import SeededPrefix, TrafficSpec, TrafficStats, run_traffic, seed_prefixes
+from kvroute_sim.sim.traffic import (
+    MAX_SYSTEM_PROMPT_TOKENS,
+    SeededPrefix,
+    TrafficSpec,
+    TrafficStats,
+    run_traffic,
+    seed_prefixes,
+)
 from kvroute_sim.sim.worker import WorkerSpec
 from router.exception_groups import leaves
 from router.types import KeyFamily, Role
@@ -42,7 +49,7 @@ class HostError(Exception):
     """A server could not bind ``--host``."""
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
+def _at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -50,6 +57,8 @@ def _at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
 
     return parse
@@ -158,9 +167,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompt-tokens",
-        type=_at_least(1),
+        type=_at_least(1, MAX_SYSTEM_PROMPT_TOKENS),
         default=_TRAFFIC.system_prompt_tokens,
-        help="tokens per system prompt",
+        help=f"tokens per system prompt (at most {MAX_SYSTEM_PROMPT_TOKENS})",
     )
     parser.add_argument(
         "--holders-per-group",

@@ -23,6 +23,7 @@ from router.types import KeyFamily
 
 _GROUP_STRIDE = 1_000_000
 _QUESTION_BASE = 900_000  # question tokens sit in each group's id range, after the system prompt
+MAX_SYSTEM_PROMPT_TOKENS = _QUESTION_BASE  # a system prompt ends before its group's question ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +41,9 @@ class TrafficSpec:
         for name, value in (("groups", self.groups), ("system_prompt_tokens", self.system_prompt_tokens)):
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
-        if self.system_prompt_tokens > _QUESTION_BASE:
+        if self.system_prompt_tokens > MAX_SYSTEM_PROMPT_TOKENS:
             raise ValueError(
-                f"system_prompt_tokens: must be <= {_QUESTION_BASE}, got {self.system_prompt_tokens}"
+                f"system_prompt_tokens: must be <= {MAX_SYSTEM_PROMPT_TOKENS}, got {self.system_prompt_tokens}"
             )
         if self.question_tokens < 0 or self.holders_per_group < 1:
             raise ValueError("question_tokens must be >= 0 and holders_per_group >= 1")
