@@ -215,6 +215,7 @@ async def test_no_healthy_host_means_no_master(
     clock: trio.testing.MockClock, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     s = await start(nursery, replicas=2)
+    caplog.set_level(logging.INFO, logger="actors.master_discovery")
     for host in s.hosts:
         s.network.stop(host)
     await rounds(4)
