@@ -56,6 +56,20 @@ async def _routing() -> AsyncIterator[RouterHandle]:
         yield handle
 
 
+async def _until_the_router_runs(handle: RouterHandle) -> None:
+    while handle.actors_health()["router"]["state"] != "running":  # noqa: ASYNC110 (no event for it)
+        await trio.sleep(0.001)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def _crash_the_router_in_a_row(handle: RouterHandle, times: int) -> None:
+    """Crash the router's task ``times`` times, each as soon as it runs again: its backoff grows."""
+    for _ in range(times):
+        await _until_the_router_runs(handle)
+        handle.supervisor.inject_crash("router")
+        await trio.testing.wait_all_tasks_blocked()
+
+
 @pytest.mark.parametrize("actor", ACTORS)
 async def test_crashed_actor_restarts_and_routing_continues(actor: str, autojump_clock: trio.testing.MockClock) -> None:
     async with _routing() as handle:
@@ -108,12 +122,7 @@ async def test_requests_while_the_router_task_restarts_take_no_lag_from_its_dead
         first = await handle.route(RouteRequest("before", token_ids=PROMPT, budget_ms=30))
         assert first.route_source is RouteSource.KVCM
         await trio.sleep(1.0)  # idle: the lag probe waits as for an idle loop
-        for _ in range(5):  # five crashes in a row: the backoff grows to 0.8 s
-            while handle.actors_health()["router"]["state"] != "running":  # noqa: ASYNC110 (no event for it)
-                await trio.sleep(0.001)
-            await trio.testing.wait_all_tasks_blocked()
-            handle.supervisor.inject_crash("router")
-            await trio.testing.wait_all_tasks_blocked()
+        await _crash_the_router_in_a_row(handle, 5)  # the backoff grows to 0.8 s
         assert handle.actors_health()["router"]["state"] == "restarting"
         await trio.sleep(0.7)  # within the backoff
         decisions = [
@@ -130,15 +139,8 @@ async def test_while_the_router_task_restarts_requests_age_the_lag_a_stall_left(
     crash loop for seconds. The requests that come age it meanwhile, as the probes would have."""
     async with _routing() as handle:
         await handle.route(RouteRequest("warm", token_ids=PROMPT, budget_ms=30))
-        for _ in range(5):  # five crashes in a row: the next backoff is 1.6 s
-            while handle.actors_health()["router"]["state"] != "running":  # noqa: ASYNC110 (no event for it)
-                await trio.sleep(0.001)
-            await trio.testing.wait_all_tasks_blocked()
-            handle.supervisor.inject_crash("router")
-            await trio.testing.wait_all_tasks_blocked()
-        while handle.actors_health()["router"]["state"] != "running":  # noqa: ASYNC110 (no event for it)
-            await trio.sleep(0.001)
-        await trio.testing.wait_all_tasks_blocked()
+        await _crash_the_router_in_a_row(handle, 5)  # the next backoff is 1.6 s
+        await _until_the_router_runs(handle)
         autojump_clock.jump(2.0)  # the loop stalls: the lag probe's timer fires late by most of two seconds
         await trio.testing.wait_all_tasks_blocked()
         handle.supervisor.inject_crash("router")
