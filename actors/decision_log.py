@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -127,21 +128,25 @@ class LogFileWriter:
         started = self._started
         if started is None:
             return False
+        self.close()
+        # Without blocking or creating: a FIFO put at PATH meanwhile would hold a plain open until
+        # something read it (ENXIO instead), and a PATH removed meanwhile is not resumed.
         try:
-            self.close()
-            file = open(self.path, "ab")  # noqa: SIM115 - kept open across batches, closed by close()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             return False
         try:
-            ours = os.fstat(file.fileno())
+            ours = os.fstat(fd)
+            resumable = (
+                stat.S_ISREG(ours.st_mode) and (ours.st_dev, ours.st_ino) == started and ours.st_size == self.size
+            )
+            if resumable:
+                self._file = os.fdopen(fd, "ab")
+                return True
         except OSError:
-            file.close()
-            return False
-        if (ours.st_dev, ours.st_ino) != started or ours.st_size != self.size:
-            file.close()
-            return False
-        self._file = file
-        return True
+            pass
+        os.close(fd)
+        return False
 
     def drain(self, pieces: deque[list[DecisionRecord]], *, close_generation: int | None = None) -> None:
         """Write the pieces, each taken from the left of ``pieces`` just before it is written (the

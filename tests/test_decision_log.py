@@ -1605,6 +1605,22 @@ def test_a_restarted_run_writes_on_in_the_file_it_left_and_rotates_nothing(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.log", "d.log.1"]
 
 
+def test_a_restarted_run_never_blocks_on_a_fifo_put_where_its_file_was(tmp_path: Path) -> None:
+    """The resume opened PATH plainly: a FIFO there held the open (and the writer's lock) until
+    something read it, so the restarted actor never started."""
+    path = tmp_path / "d.log"
+    writer = LogFileWriter(str(path), max_bytes=1 << 20, files=2, header=decision_log_header(KvrouteConfig()))
+    writer.open()
+    writer.drain(deque([[_overloaded(0)]]), close_generation=writer.generation)
+    path.unlink()
+    os.mkfifo(path)
+    opened = threading.Thread(target=writer.open, daemon=True)
+    opened.start()
+    opened.join(10)  # the real clock: a blocked open never returns
+    assert not opened.is_alive()
+    assert writer.last_error is not None and "named pipe" in writer.last_error
+
+
 def _kinds(path: Path) -> list[int]:
     return [f.kind for f in parse_frames(str(path), path.read_bytes())]
 
