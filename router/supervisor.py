@@ -55,7 +55,7 @@ from router.logs import AggregatingLogger
 from router.master_config import master_hosts
 from router.policy.choice import make_policy
 from router.problems import refuse
-from router.settings import LoadedConfig, section_problems
+from router.settings import SECTIONS, LoadedConfig, section_problems, section_type_problems
 from router.settings.redact import config_digest, non_default_settings
 from router.targets import HostPort
 from router.transport.clients import KvcmClient, WorkerStatusClient
@@ -348,6 +348,9 @@ async def _topology(
     # from it).
     # The serve section: the warnings' logger, the close's wait, the debug endpoint's token. The upstream
     # TLS: a client certificate without its key aborted the process in grpc's core at the first channel.
+    # Every section first of its declared types: the actors' own checks compare what they are given.
+    for section in SECTIONS:
+        refuse(section, section_type_problems(section, getattr(config, section)))
     for section in ("deployment", "router", "limits", "serve", "upstream_tls"):
         refuse(section, section_problems(section, getattr(config, section)))
     async with AsyncExitStack() as stack, trio.open_nursery() as services:

@@ -27,7 +27,9 @@ from router.config import (
     DiscoveryConfig,
     KvrouteConfig,
     LimitsConfig,
+    ProberConfig,
     RouterConfig,
+    ScorerConfig,
     ServeConfig,
     UpstreamTlsConfig,
 )
@@ -96,11 +98,15 @@ def refused(request: RouteRequest, limits: LimitsConfig = LIMITS) -> BadRequest:
         ),
         (KvrouteConfig(router=RouterConfig(budget_cap_ms=True)), r"router\.budget_cap_ms: expected a number, got True"),
         (KvrouteConfig(router=None), r"invalid router configuration: must be a RouterConfig, got a NoneType"),  # type: ignore[arg-type]
+        # The actors' own sections too: their checks compared a str (TypeError) or took a float.
+        (KvrouteConfig(prober=ProberConfig(fresh_ttl_s="1")), r"prober\.fresh_ttl_s: expected a number, got '1'"),  # type: ignore[arg-type]
+        (KvrouteConfig(scorer=ScorerConfig(near_tie_tokens=1.5)), r"scorer\.near_tie_tokens: expected an integer"),  # type: ignore[arg-type]
+        (KvrouteConfig(prober=None), r"invalid prober configuration: must be a ProberConfig"),  # type: ignore[arg-type]
     ],
     ids=[
         "nan-budget-cap", "no-request-in-flight", "no-prompt-token", "no-block-size", "nan-drain", "no-log-interval",
         "debug-token-not-ascii", "client-cert-without-key", "str-for-int", "float-for-int", "bool-for-float",
-        "no-section",
+        "no-section", "actor-str-for-float", "actor-float-for-int", "no-actor-section",
     ],
 )
 async def test_a_configuration_built_in_code_is_refused_naming_the_field(config: KvrouteConfig, named: str) -> None:
@@ -111,6 +117,21 @@ async def test_a_configuration_built_in_code_is_refused_naming_the_field(config:
         async with open_router(config, rpc=MemoryNetwork()):
             raise AssertionError("the router started")
 
+
+
+async def test_a_configuration_built_in_code_may_use_numpy_numbers_and_a_list_of_roles() -> None:
+    """What worked before the types were checked still opens: a number of another library's type, a
+    list where a tuple of members goes."""
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    config = KvrouteConfig(
+        deployment=DeploymentConfig(block_size=numpy.int64(BLOCK), roles=[Role.PREFILL]),  # type: ignore[arg-type]
+        router=RouterConfig(budget_cap_ms=numpy.float64(50.0)),
+        discovery=DiscoveryConfig(kvcm_bootstrap=addrs.kvcm_bootstrap, workers=addrs.workers_arg),
+    )
+    async with open_router(config, rpc=network) as handle:
+        assert (await handle.route(RouteRequest("r", token_ids=tuple(range(4 * BLOCK))))).worker is not None
 
 
 def test_the_largest_legal_request_is_accepted_and_one_more_is_refused_naming_the_bound() -> None:

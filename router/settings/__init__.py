@@ -54,7 +54,14 @@ from router.settings.table import (
     value_of,
     with_value,
 )
-from router.settings.validate import SECTION_PROBLEMS, FileChecks, SettingProblem, section_problems, validate
+from router.settings.validate import (
+    SECTION_PROBLEMS,
+    FileChecks,
+    SettingProblem,
+    section_problems,
+    section_type_problems,
+    validate,
+)
 
 __all__ = [
     "BY_NAME",
@@ -99,6 +106,7 @@ __all__ = [
     "redacted",
     "resolve_config",
     "section_problems",
+    "section_type_problems",
     "validate",
     "value_of",
     "with_value",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import re
 import sys
 import typing
@@ -218,20 +219,23 @@ class Setting:
 
     def type_problem(self, value: object) -> str | None:
         """Pure: why ``value``, as a configuration built in code holds it, is not of this setting's type
-        (None when it is). Nothing is parsed: text is no number, a bool is none either, a float no int."""
-        if self.kind is Kind.STR:
-            typed = isinstance(value, str)
-        elif isinstance(value, str):
-            typed = False
-        elif self.kind is Kind.ENUM_TUPLE:
-            members = (self.choices or {}).values()
-            typed = isinstance(value, tuple) and all(any(v is m for m in members) for v in value)
-        else:
-            try:
-                self.parse_value(value)
-            except SettingValueError as exc:
-                return str(exc)
-            typed = True
+        (None when it is). Nothing is parsed: text is no number, a bool is none either, a float no
+        integer; a number type of another library (numpy's) is one, and a list of members is as good
+        as a tuple."""
+        members = (self.choices or {}).values()
+        match self.kind:
+            case Kind.STR:
+                typed = isinstance(value, str)
+            case Kind.BOOL:
+                typed = isinstance(value, bool)
+            case Kind.INT:
+                typed = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            case Kind.FLOAT:
+                typed = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            case Kind.ENUM:
+                typed = any(value is m for m in members)
+            case Kind.ENUM_TUPLE:
+                typed = isinstance(value, tuple | list) and all(any(v is m for m in members) for v in value)
         return None if typed else f"expected {self._expected()}, got {self._quoted(value)}"
 
     def validate(self, value: object) -> list[str]:

@@ -113,20 +113,26 @@ SECTION_PROBLEMS: Mapping[str, Callable[[Any], list[Problem]]] = {
 _SECTION_TYPES: Mapping[str, type] = typing.get_type_hints(KvrouteConfig)
 
 
-def section_problems(section: str, value: Any) -> list[Problem]:
-    """Pure: the problems of one section of a configuration built in code, which no loader validated:
-    each setting's form (a debug token's characters, an enum's type) and the section's rules. Its files
-    are not looked at: they are read, naming the setting, when they are used."""
+def section_type_problems(section: str, value: Any) -> list[Problem]:
+    """Pure: whether one section of a configuration built in code is its dataclass, and each of its
+    settings of its declared type. The forms, the rules and the actors' own checks compare and read
+    values of those types: a str where a number goes raised a bare TypeError, a float where an int
+    goes failed requests later."""
     expected = _SECTION_TYPES[section]
     if not isinstance(value, expected):
         return [Problem((), f"must be a {expected.__name__}, got a {type(value).__name__}")]
-    # The forms and the section's rules compare and read values of the declared types: a str where a
-    # number goes raised a bare TypeError, a float where an int goes failed requests later.
-    mistyped = [
+    return [
         Problem((s.field,), message)
         for s in SETTINGS
         if s.section == section and (message := s.type_problem(getattr(value, s.field))) is not None
     ]
+
+
+def section_problems(section: str, value: Any) -> list[Problem]:
+    """Pure: the problems of one section of a configuration built in code, which no loader validated:
+    each setting's form (a debug token's characters, an enum's type) and the section's rules. Its files
+    are not looked at: they are read, naming the setting, when they are used."""
+    mistyped = section_type_problems(section, value)
     if mistyped:
         return mistyped
     problems = [
