@@ -113,10 +113,18 @@ class Scorer:
     """Owns one :class:`Policy`; ``run`` is the only task that touches it."""
 
     def __init__(
-        self, policy: Policy, *, inbox_size: int, max_warned_workers: int, error_log_interval_s: float
+        self,
+        policy: Policy,
+        *,
+        inbox_size: int,
+        max_warned_workers: int,
+        error_log_interval_s: float,
+        retain_settle_s: float,
     ) -> None:
         """``error_log_interval_s``: a failing policy's traceback is logged at most once per interval,
-        and the count of the others when the interval ends (a bug would otherwise log one per request)."""
+        and the count of the others when the interval ends (a bug would otherwise log one per request).
+        ``retain_settle_s``: how long a request planned on the fleet before a ``retain`` may still send
+        its decision or charge (the longest routing time): the retain is applied again after it."""
         if inbox_size < 1:
             raise ValueError(f"inbox_size: must be >= 1, got {inbox_size}")
         self._policy = policy
@@ -139,6 +147,10 @@ class Scorer:
         # The workers discovery lists, when that changed since the task last looked (latest wins): the
         # policy forgets the others before its next message.
         self._retain_next: frozenset[WorkerAddr] | None = None
+        # The last retain and when to apply it again: a request planned before it may name a departed
+        # worker until then, and its decision or charge would track that worker again.
+        self._retain_again: tuple[frozenset[WorkerAddr], float] | None = None
+        self._retain_settle_s = retain_settle_s
         self._health = self._snapshot()
 
     def retain(self, workers: Collection[WorkerAddr]) -> None:
@@ -180,9 +192,14 @@ class Scorer:
                     except trio.WouldBlock:
                         self._health = self._snapshot()
                         message = await receive.receive()
+                    now = message.now if isinstance(message, _Record) else message.request.now
                     if self._retain_next is not None:
                         self._policy.retain(self._retain_next)
+                        self._retain_again = (self._retain_next, now + self._retain_settle_s)
                         self._retain_next = None
+                    elif self._retain_again is not None and now >= self._retain_again[1]:
+                        self._policy.retain(self._retain_again[0])
+                        self._retain_again = None
                     if isinstance(message, _Record):
                         self._policy.record(
                             message.worker, message.uncached_tokens, message.now, requests=message.requests

@@ -411,6 +411,9 @@ async def _topology(
             inbox_size=2 * config.router.max_in_flight + SHED_CHARGE_ROOM,
             max_warned_workers=config.scorer.max_tracked_workers,
             error_log_interval_s=config.serve.log_aggregate_interval_s,
+            # A request routes for its budget at most: planned before a discovery change, it is decided
+            # and charged by then.
+            retain_settle_s=config.router.budget_cap_ms / 1000.0,
         )
         await supervisor.start("scorer", scorer.run, snapshot=scorer.health)
 

@@ -20,6 +20,7 @@ from router.types import DropReason, HostMatch, Reason, Role, TaskInfo, WorkerAd
 BS = 16
 SEQ = 1600
 ERROR_LOG_INTERVAL_S = 60.0
+RETAIN_SETTLE_S = 0.05
 
 
 def addr(i: int) -> WorkerAddr:
@@ -74,6 +75,7 @@ def make_scorer(inbox: int = 8, **scorer_fields: object) -> Scorer:
         inbox_size=inbox,
         max_warned_workers=64,
         error_log_interval_s=ERROR_LOG_INTERVAL_S,
+        retain_settle_s=RETAIN_SETTLE_S,
     )
 
 
@@ -108,6 +110,12 @@ async def test_a_worker_discovery_no_longer_lists_is_forgotten_by_the_ledger_and
     assert selection.worker == b
     policy = scorer.health().policy
     assert (policy.tracked_workers, policy.observed_statuses, policy.pending_charges) == (1, 1, 2)
+    # A request planned before the change still names a; once such requests are over, a is dropped again.
+    await scorer.decide(request(plan_of((a, 10)), {a: status()}, now=1.2))
+    assert scorer.health().policy.observed_statuses == 2
+    await scorer.decide(request(plan_of((b, 10)), {b: status()}, now=1.2 + RETAIN_SETTLE_S))
+    policy = scorer.health().policy
+    assert (policy.tracked_workers, policy.observed_statuses) == (1, 1)
 
 
 async def test_a_decision_is_charged_when_it_is_made_not_when_it_was_asked_for(
@@ -235,7 +243,13 @@ async def test_records_still_queued_when_a_run_crashes_are_applied_by_the_next_r
 ) -> None:
     """A run that ends with dispatch records in its inbox (a crash on the one before them) gives them
     to the next run: lost, the workers they charge would look idle and draw the next requests."""
-    scorer = Scorer(_RecordFailsOnce(), inbox_size=8, max_warned_workers=64, error_log_interval_s=ERROR_LOG_INTERVAL_S)
+    scorer = Scorer(
+        _RecordFailsOnce(),
+        inbox_size=8,
+        max_warned_workers=64,
+        error_log_interval_s=ERROR_LOG_INTERVAL_S,
+        retain_settle_s=RETAIN_SETTLE_S,
+    )
     a, b = addr(1), addr(2)
     assert [scorer.record_nowait(w, 100, now=0.0) for w in (a, a, b)] == [True, True, True]
     with pytest.raises(BaseExceptionGroup) as crashed:
@@ -347,6 +361,7 @@ async def test_the_reply_carries_the_policys_work_and_not_the_wait_in_the_inbox(
         inbox_size=8,
         max_warned_workers=64,
         error_log_interval_s=ERROR_LOG_INTERVAL_S,
+        retain_settle_s=RETAIN_SETTLE_S,
     )
     a, b = addr(1), addr(2)
     plan = plan_of((a, 10), (b, 10))
