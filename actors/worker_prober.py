@@ -648,7 +648,8 @@ class WorkerProber:
     def _stop_wanted(self) -> None:
         """At the task's end: the probes asked of it and not answered end ``stopped`` for their callers
         at once (those of the message in hand, if a bug ended the run there, and those queued behind
-        it), instead of at their deadlines; the outcomes queued are kept for the next run."""
+        it), instead of at their deadlines; the outcomes queued, and what the queued requests say of
+        the workers they named (hot, wanted), are kept for the next run."""
         wanted = [] if self._in_hand is None else [self._in_hand]
         self._in_hand = None
         kept: list[_Message] = []
@@ -659,6 +660,7 @@ class WorkerProber:
                 break
             if isinstance(message, _Wanted):
                 wanted.append(message)
+                kept.append(_Wanted(message.workers, None, (), message.epoch))
             else:
                 kept.append(message)
         for message in wanted:

@@ -1083,6 +1083,13 @@ async def test_the_probes_asked_when_a_bug_ends_the_run_end_stopped_at_once(
     reasons = {r.worker: r.skip_reason for r in (*in_hand.results(), *queued.results())}
     assert reasons == {a: SkipReason.STOPPED, b: SkipReason.STOPPED, c: SkipReason.STOPPED}
     assert [str(exc) for exc in crashed] == ["a bug while probing"]
+    # What the queued request said of its worker (wanted) is the next run's, as before.
+    monkeypatch.undo()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(prober.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert prober.snapshot().tracked_workers == 3  # a and b, of the request in hand, and c
+        nursery.cancel_scope.cancel()
 
 
 async def test_probe_before_run_or_after_deadline_is_skipped(
