@@ -192,6 +192,17 @@ def test_8600_is_a_fallback_whatever_the_http_status() -> None:
         assert reply == MasterFallback("FALLBACK", http_status)
 
 
+@pytest.mark.parametrize("message", [{"detail": "why"}, 42, ["why"]], ids=["object", "number", "list"])
+def test_an_error_whose_message_is_no_string_is_still_the_schedulers_error(message: object) -> None:
+    """The code is the answer; the message only describes it. Garbled for its message, the scheduler's
+    own error became a connection failure: the slave and KVCM asked, the breaker charged."""
+    reply = decode_schedule_json(500, body(success=False, code=8400, error_message=message), HOST)
+    assert reply == MasterBusinessError(8400, json.dumps(message), 500)
+    entries = [{"role": "PREFILL", "success": False, "code": 8402, "message": message}]
+    reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
+    assert reply == MasterBusinessError(8402, json.dumps(message), 200)
+
+
 @pytest.mark.parametrize(("http_status", "code"), [(500, 8400), (400, 8406), (503, 8502), (500, 8503), (500, 7777)])
 def test_business_errors(http_status: int, code: int) -> None:
     reply = decode_schedule_json(http_status, body(success=False, code=code, error_message="why"), HOST)

@@ -236,6 +236,19 @@ def _str_field(obj: Mapping[str, object], key: str, field: str, target: str) -> 
     return value if value.isascii() else value.encode("utf-8", "replace").decode("utf-8")
 
 
+def _message(obj: Mapping[str, object], key: str) -> str:
+    """An error message, cut to ``MAX_MESSAGE_CHARS``; one that is not a string is shown as its JSON:
+    it only describes the error its code names, and garbling the reply for it turned a scheduler's own
+    answer into a connection failure (the slave and KVCM asked, its breaker charged)."""
+    value = obj.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        value = json.dumps(value)[: MAX_MESSAGE_CHARS + 1]
+    text = value if value.isascii() else value.encode("utf-8", "replace").decode("utf-8")
+    return cut_text(text, MAX_MESSAGE_CHARS)
+
+
 def _port(value: int | None, field: str, target: str) -> int:
     if value is None or not 1 <= value <= 65535:
         raise GarbledReply(target, f"{field}: port out of range 1..65535, got {value!r}")
@@ -259,7 +272,7 @@ def _role_addr_json(entry: object, index: int, target: str) -> RoleAddr | Master
     if entry.get("success") is False:
         # A role the scheduler could not route fails the whole answer with that role's code.
         code = _int_field(entry, "code", f"{field}.code", target, optional=True)
-        message = cut_text(_str_field(entry, "message", f"{field}.message", target) or "", MAX_MESSAGE_CHARS)
+        message = _message(entry, "message")
         # The OK code on a failed role names no error either: its role was not routed all the same.
         code = CODE_NO_AVAILABLE_WORKER if code in (None, 0, CODE_OK) else _error_code(code, f"{field}.code", target)
         return MasterBusinessError(code, message, None)
@@ -339,7 +352,7 @@ def decode_schedule_json(status: int, body: bytes, target: str) -> MasterReply:
                 return _unshaped_error(status, body, "has no code")
             raise GarbledReply(target, f"code: missing in an HTTP {status} reply that is not a success")
         code = CODE_OK
-    message = cut_text(_str_field(obj, "error_message", "error_message", target) or "", MAX_MESSAGE_CHARS)
+    message = _message(obj, "error_message")
     if code == CODE_FALLBACK:
         return MasterFallback(message, status)
     if code != CODE_OK:
