@@ -423,6 +423,12 @@ class ChannelPool(Generic[ChannelT]):
                 self._drain_inline()
                 if not self._finished:
                     self._shutdown()
+            elif self._map_changed and not self._closing:
+                # Crashed in the middle of a batch: publish the map it changed, or warm leases would take
+                # the channels it evicted (invalidated, say) until the restarted task's first batch.
+                # What it evicted is closed at that batch's end, once the leases queued for it are counted.
+                self._map_changed = False
+                self._published = dict(self._entries)
 
     def _handle(self, message: object) -> bool:
         """Apply one message; True when it was the shutdown (done, the task stops)."""
@@ -443,7 +449,10 @@ class ChannelPool(Generic[ChannelT]):
                     if not self._closing:
                         raise
                 else:
-                    message.answer(opened)
+                    if isinstance(opened, str):
+                        message.fail(opened)  # that target's failure (its caller's Unavailable), not the task's
+                    else:
+                        message.answer(opened)
         elif isinstance(message, _Invalidate):
             entry = self._entries.get(message.key)
             if entry is not None and (message.channel is None or entry.channel is message.channel):
@@ -459,10 +468,17 @@ class ChannelPool(Generic[ChannelT]):
             return True
         return False
 
-    def _open(self, key: str) -> _Entry[ChannelT]:
+    def _open(self, key: str) -> _Entry[ChannelT] | str:
+        """The leased entry of ``key``, opened if need be; or what the factory raised: that target's
+        failure, its lease's to report (raised, it crashed the task, and a target the factory always
+        refused kept it restarting, every other cold lease waiting out the backoff)."""
         entry = self._entries.get(key)
         if entry is None:
-            entry = _Entry(key, self._factory(key))
+            try:
+                channel = self._factory(key)
+            except Exception as exc:
+                return repr(exc)
+            entry = _Entry(key, channel)
             self._opened += 1
             if len(self._entries) >= self._config.max_channels:
                 self._evict(next(iter(self._entries.values())), EvictReason.LRU)

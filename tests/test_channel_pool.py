@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from actors.channel_pool import ChannelPool
+from actors.channel_pool import ChannelPool, EvictReason
 from router.config import ChannelPoolConfig
 from router.targets import TargetError
 from router.transport.errors import Unavailable
@@ -373,42 +373,73 @@ async def test_a_stopped_task_leaves_callers_to_their_deadlines_and_full_inbox_i
     assert factory.opened[0].closes == 1
 
 
-async def test_an_open_that_raises_answers_its_caller_before_the_task_fails(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """The task fails (and its supervisor restarts it), but the request it was answering went with it:
-    a caller with no deadline of its own (a refresh round's leases) waited for good."""
+async def test_an_open_that_raises_fails_its_own_lease_not_the_task(autojump_clock: trio.testing.MockClock) -> None:
+    """A factory raising for one target failed the task: restarted with a growing backoff by its
+    supervisor, every cold lease of any other target waited out the restarts (1.6 s after six leases of
+    the bad one). The bad target's lease fails (``Unavailable``), and the task goes on."""
     pool, factory = make_pool()
-    broken = True
 
     def opens(target: str) -> FakeChannel:
-        if broken:
-            raise RuntimeError("cannot open " + target)
+        if target.startswith("bad"):
+            raise OSError("cannot open " + target)
         return factory(target)
 
     pool._factory = opens
-    failed: list[BaseException] = []
-
-    async def run_pool(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            await pool.run(task_status=task_status)
-        except* RuntimeError as group:  # from within the task's own nursery
-            failed.extend(group.exceptions)
-
     async with trio.open_nursery() as nursery:
-        await nursery.start(run_pool)
-        with trio.fail_after(10), pytest.raises(Unavailable, match=r"b\.example:1.*channel not opened: RuntimeError"):
-            async with pool.lease("b.example:1"):  # no deadline of its own: before, a wait for good
-                pass
-    assert [str(exc) for exc in failed] == ["cannot open b.example:1"]
-    broken = False
-    async with trio.open_nursery() as nursery:  # restarted
         await nursery.start(pool.run)
-        async with pool.lease("b.example:1") as channel:
+        for _ in range(3):
+            with trio.fail_after(10), pytest.raises(Unavailable, match=r"bad\.example:1.*channel not opened: OSError"):
+                async with pool.lease("bad.example:1"):  # no deadline of its own: never a wait for good
+                    pass
+        start = trio.current_time()
+        async with pool.lease("good.example:1") as channel:  # the task still runs: no restart to wait for
             assert channel is factory.opened[0]
+        assert trio.current_time() == start
         await settle()
         snap = pool.snapshot()
-        assert (snap.leased, snap.inbox_depth, snap.size) == (0, 0, 1)
+        assert (snap.leased, snap.inbox_depth, snap.size, snap.opened) == (0, 0, 1, 1)
+        nursery.cancel_scope.cancel()
+    await pool.aclose()
+    assert factory.opened[0].closes == 1
+
+
+async def test_a_crash_in_the_middle_of_a_batch_publishes_the_channels_it_evicted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The map was published only at a batch's end: a crash after an invalidation in the same batch
+    left the invalidated channel published, and warm leases took it until the restarted task's first
+    batch (for the whole restart backoff)."""
+    pool, factory = make_pool()
+    evictions: list[EvictReason] = []
+
+    def listener(reason: EvictReason) -> None:
+        evictions.append(reason)
+        if len(evictions) == 2:
+            raise RuntimeError("a bug in the eviction listener")
+
+    pool.on_evict(listener)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        for target in ("a.example:1", "b.example:1"):
+            async with pool.lease(target):
+                pass
+        await settle()
+        nursery.cancel_scope.cancel()  # the task stops: the two reports below wait for it, one batch
+    pool.invalidate("a.example:1")
+    pool.invalidate("b.example:1")  # its eviction fails the task, the batch unfinished
+    with pytest.raises(BaseExceptionGroup):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run)
+    assert evictions == [EvictReason.INVALIDATED] * 2
+    # Between the crash and the restart: no warm lease on either invalidated channel.
+    assert pool.lease_nowait("a.example:1") is None
+    assert pool.lease_nowait("b.example:1") is None
+    async with trio.open_nursery() as nursery:  # restarted
+        await nursery.start(pool.run)
+        async with pool.lease("a.example:1") as fresh:
+            assert fresh is factory.opened[2]
+        await settle()
+        assert [c.closes for c in factory.opened] == [1, 1, 0]  # the evicted ones, closed by its first batch
         nursery.cancel_scope.cancel()
     await pool.aclose()
 
