@@ -290,6 +290,10 @@ class LeaderResolver:
         self._no_bootstrap = False  # the last lookup had no target to ask
         self._next_attempt_at: float | None = None
         self._lookup: Trigger | None = None  # the trigger of the lookup in flight
+        # The result of the lookup in flight once its round ended (set by its child task as it queues
+        # it): a run() stopped with it still queued applies it in its finally, and the queued copy is
+        # then skipped by the restarted run(), not applied a second time.
+        self._lookup_done: _LookupDone | None = None
         # A leader invalidated while a lookup was in flight: that lookup asked replicas before the
         # failure and may name it again, so its answer must not bring it back.
         self._invalidated_in_flight: str | None = None
@@ -489,10 +493,16 @@ class LeaderResolver:
         finally:
             # Stopped or crashed: a lookup in flight is cancelled with the nursery; its waiters get an
             # answer now instead of waiting out their deadlines, and a restarted run() starts afresh.
+            # A result already queued (a crash in the middle of the batch that would have applied it)
+            # is the lookup's answer: its waiters get it, and it is applied here, once.
             if self._lookup is not None:
                 now = trio.current_time()
-                result = _LookupResult(None, False, "resolver stopped during the lookup", 0)
-                self._finish(_LookupDone(self._lookup, now, result), now)
+                done = self._lookup_done
+                if done is None or self._stale(done):
+                    rpcs = 0 if done is None else done.result.rpcs
+                    result = _LookupResult(None, False, "resolver stopped during the lookup", rpcs)
+                    done = _LookupDone(self._lookup, now, result)
+                self._finish(done, now)
                 self._view = self._publish()
 
     def _end_batch(self, alarm: Alarm) -> None:
@@ -519,8 +529,9 @@ class LeaderResolver:
         elif isinstance(message, _Invalidate):
             self._invalidate(message.target, lookups)
         elif isinstance(message, _LookupDone):
-            leader = message.result.leader
-            if leader is not None and leader.target == self._invalidated_in_flight:
+            if message is not self._lookup_done:
+                return  # already applied by the finally of the run() that stopped with it queued
+            if self._stale(message):
                 # Stale: the replicas it asked had not yet seen the failure. Ask again; the waiters
                 # join the new lookup. (Counted as a lookup made, not applied.)
                 self._lookups_total += 1
@@ -577,16 +588,24 @@ class LeaderResolver:
             self._start_lookup(Trigger.INVALIDATED, lookups)
         # While backing off, the lookup runs at the scheduled time; requests fail fast until then.
 
+    def _stale(self, done: _LookupDone) -> bool:
+        """The lookup names the leader invalidated while it was in flight."""
+        leader = done.result.leader
+        return leader is not None and leader.target == self._invalidated_in_flight
+
     def _start_lookup(self, trigger: Trigger, lookups: trio.Nursery) -> None:
         self._lookup = trigger
+        self._lookup_done = None
         now = trio.current_time()
         lookups.start_soon(self._lookup_task, trigger, now, self._current_suspects(now))
 
     async def _lookup_task(self, trigger: Trigger, started: float, suspects: frozenset[str]) -> None:
         result = await self._lookup_round(self._bootstrap(), suspects)
-        await self._send.send(_LookupDone(trigger, started, result))
+        self._lookup_done = done = _LookupDone(trigger, started, result)
+        await self._send.send(done)
 
     def _finish(self, done: _LookupDone, now: float) -> None:
+        self._lookup_done = None
         self._invalidated_in_flight = None
         self._last_lookup_s = now - done.started
         self._apply(done.result, now)

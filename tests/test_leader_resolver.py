@@ -26,6 +26,8 @@ from actors.leader_resolver import (
     UnavailableReason,
     _AskLeader,
     _Invalidate,
+    _LookupResult,
+    _Outcome,
     leader_problems,
 )
 from actors.metrics_sink import MetricsSink
@@ -1294,3 +1296,54 @@ async def test_a_crashed_task_answers_its_waiters_and_the_restarted_one_resolves
 async def _record(outcomes: list[tuple[float, UnavailableReason | str]], resolver: LeaderResolver) -> None:
     with trio.fail_after(10):
         outcomes.append(await timed_leader(resolver))
+
+
+async def test_a_lookup_result_queued_when_the_task_crashes_is_applied_once_and_answers_its_waiters(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash in the middle of a batch left the lookup's result queued behind the message that
+    crashed: the finally failed the waiters ("resolver stopped during the lookup", judged as a leader
+    miss) and backed off, then the restarted task applied the queued result as well (two lookups
+    counted for one round). The finally applies the queued result, and the restarted task skips it."""
+    network = MemoryNetwork()
+    kvcm = FakeKvcm(network)
+    for node in NODES:
+        kvcm.delay[node] = 0.01
+    resolver = LeaderResolver(
+        LEADER_CFG, BREAKER_CFG, KvcmClient(network), lambda: NODES, instance_id=INSTANCE, inbox_size=64
+    )
+    apply_outcome = resolver._apply_outcome
+    crashes = [RuntimeError("a bug in the resolver")]
+
+    def crash_once(outcome: _Outcome) -> None:
+        if crashes:
+            raise crashes.pop()
+        apply_outcome(outcome)
+
+    lookup_round = resolver._lookup_round
+
+    async def round_then_report(targets: tuple[str, ...], suspects: frozenset[str]) -> _LookupResult:
+        result = await lookup_round(targets, suspects)
+        # Taken by the waiting task at once; the result, queued next without a checkpoint, is in its batch.
+        resolver.record_kvcm(None, trial=False, given_s=math.inf, started_at=0.0)
+        return result
+
+    monkeypatch.setattr(resolver, "_apply_outcome", crash_once)
+    monkeypatch.setattr(resolver, "_lookup_round", round_then_report)
+    outcomes: list[tuple[float, UnavailableReason | str]] = []
+    async with trio.open_nursery() as callers:
+        callers.start_soon(_record, outcomes, resolver)
+        with pytest.raises(BaseExceptionGroup):  # the crash ends the resolver's nursery
+            async with trio.open_nursery() as service:
+                await service.start(resolver.run)
+    assert outcomes == [(0.01, NODES[0])]  # the round's answer, not "resolver stopped during the lookup"
+    snap = resolver.snapshot()
+    assert (snap.state, snap.consecutive_failures, snap.inbox_depth) == (LeaderState.LEADER, 0, 1)
+    async with trio.open_nursery() as service:
+        await service.start(resolver.run)  # restarted: the queued result is skipped, not applied again
+        await trio.testing.wait_all_tasks_blocked()
+        snap = resolver.snapshot()
+        assert (snap.lookups_total, sum(snap.lookups_by_trigger.values()), snap.lookup_rpcs_total) == (1, 1, len(NODES))
+        assert (snap.state, snap.leader_target, snap.inbox_depth) == (LeaderState.LEADER, NODES[0], 0)
+        assert cluster_info_calls(network) == len(NODES)
+        service.cancel_scope.cancel()
