@@ -135,7 +135,10 @@ class MasterDiscovery:
         self._config = config
         self._transport = transport
         self._hosts = sorted((_Host(h) for h in master_hosts(config)), key=lambda h: h.order)
-        self._started_at = 0.0
+        self._started_at = 0.0  # this incarnation's start: the rounds' grid
+        # The first run's start: a host that never answered is listed until drop_after past it (not
+        # past a restart's, which listed such hosts again for drop_after after every crash).
+        self._first_started_at: float | None = None
         self._master: _Host | None = None
         self._snapshot = EMPTY_SNAPSHOT
         self._rounds_total = 0
@@ -156,6 +159,8 @@ class MasterDiscovery:
         round made every host's period the interval plus the slowest poll, and a master's loss was seen
         that much later); ``started`` after the first round, so a master is known at start."""
         self._started_at = trio.current_time()
+        if self._first_started_at is None:
+            self._first_started_at = self._started_at
         await self._round()
         task_status.started()
         interval = self._config.discovery_interval_s
@@ -245,7 +250,9 @@ class MasterDiscovery:
     def _listed(self, host: _Host, now: float) -> bool:
         if self._healthy(host):
             return True
-        since = self._started_at if host.last_success_at is None else host.last_success_at
+        since = host.last_success_at
+        if since is None:
+            since = self._started_at if self._first_started_at is None else self._first_started_at
         return now - since < self._config.discovery_drop_after_s
 
     def _health(self, host: _Host) -> MasterHostHealth:

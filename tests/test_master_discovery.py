@@ -362,3 +362,21 @@ def test_bad_config_is_rejected_naming_the_fields() -> None:
         MasterDiscovery(MasterConfig(hosts="nope:x", discovery_timeout_s=0), MemoryMasterNetwork())
     assert "discovery_timeout_s" in str(caught.value)
 
+
+async def test_a_host_that_never_answered_stays_dropped_across_a_restart(clock: trio.testing.MockClock) -> None:
+    """A host down since the start is dropped drop_after past the first start, not past each restart's:
+    every crash of discovery listed it again for drop_after."""
+    sim = SimMaster(replicas=3, elected=2, queue_length=5)
+    network = MemoryMasterNetwork()
+    hosts = sim.serve_memory(network).hosts
+    network.stop(hosts[0])
+    discovery = MasterDiscovery(MasterConfig(hosts=",".join(hosts), discovery_drop_after_s=5.0), network)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(discovery.run)
+        await rounds(10)
+        assert [h.host for h in discovery.snapshot().hosts] == list(hosts[1:])
+        nursery.cancel_scope.cancel()  # the task stops (as between a crash and its restart)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(discovery.run)  # restarted: its first round is published at once
+        assert [h.host for h in discovery.snapshot().hosts] == list(hosts[1:])
+        nursery.cancel_scope.cancel()
