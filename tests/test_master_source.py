@@ -730,3 +730,41 @@ async def test_a_trial_its_asker_left_as_it_was_granted_is_released_not_counted_
         assert (await r.route("the-trial")).route_source is RouteSource.MASTER
         await trio.testing.wait_all_tasks_blocked()
         assert master_health(r).breaker.state is BreakerState.CLOSED
+
+
+@pytest.mark.parametrize("crashing", ["the_trials_report", "a_report_after_its_wake_up"])
+async def test_a_crash_applying_a_batch_does_not_hold_the_breaker_half_open_until_the_trial_times_out(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, crashing: str
+) -> None:
+    """The master answered the trial, and the task crashed applying its report (popped, then lost) or a
+    report behind its wake-up in the same batch (the report kept aside, but the restarted task waited
+    for a message, which the half-open view kept from coming): the breaker held half-open until the
+    trial timed out, then reopened though the master had answered. Now the restarted task applies a
+    report left aside at once, and one whose application crashed frees the trial's slot at least."""
+    async with rig(kvcm_fallback=False, transport_timeout_ms=30) as r:
+        await open_the_breaker_until_a_trial_is_due(r)
+        r.master.set_faults(0, MasterFaults())
+        source = next(s for s in r.handle.router_actor()._chain if isinstance(s, MasterSource))
+        assert await source._admit(math.inf) is Admission.TRIAL
+        apply = source._apply
+        crashes = [RuntimeError("a bug applying a report")]
+
+        def crash_once(attempted: _Attempted) -> None:
+            if crashes and attempted.trial == (crashing == "the_trials_report"):
+                raise crashes.pop()
+            apply(attempted)
+
+        monkeypatch.setattr(source, "_apply", crash_once)
+        # One batch: the trial's wake-up (taken by the waiting task), then a report queued behind it.
+        source._report(_Attempted(_Verdict.SUCCESS, True, None, None, trio.current_time()))
+        source._send.send_nowait(_Attempted(_Verdict.NOT_JUDGED, False, None, None, -math.inf))
+        await trio.testing.wait_all_tasks_blocked()
+        assert not crashes
+        await trio.sleep(1.0)  # restarted (well within the trial's 5 s timeout)
+        view = r.handle.actors_health()["master_client"]
+        assert (view["state"], view["restarts"]) == ("running", 1)
+        decision = await r.route("after")
+        assert decision.route_source is RouteSource.MASTER, decision.reason
+        await trio.testing.wait_all_tasks_blocked()
+        breaker = master_health(r).breaker
+        assert (breaker.state, breaker.trial_timeouts_total, breaker.opened_total) == (BreakerState.CLOSED, 0, 1)

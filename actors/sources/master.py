@@ -220,25 +220,41 @@ class MasterSource:
         the breaker's view."""
         task_status.started()
         receive = self._receive
-        while True:
-            message = await receive.receive()
+        try:
             while True:
-                if isinstance(message, _AskTrial):
-                    if not message.abandoned:
-                        message.answer(self._breaker.admit(trio.current_time()))
-                elif isinstance(message, _Attempted):
-                    self._apply(message)
-                try:
-                    message = receive.receive_nowait()
-                except trio.WouldBlock:
-                    break
-            # After the batch: a trial report's wake-up may have found the inbox full, and then the
-            # batch that emptied it came first.
-            while self._trial_reports:
-                self._apply(self._trial_reports.pop())
-            if self._breaker.changes != self._view_changes:
-                self._view_changes = self._breaker.changes
-                self._view = self._breaker.view()
+                # Before each batch (the first too: a crashed task's, its wake-up taken by the batch that
+                # crashed, waited for a message the half-open view kept from coming) and after it (its
+                # wake-up may have found the inbox full, and then the batch that emptied it came first).
+                while self._trial_reports:
+                    self._apply_trial(self._trial_reports.pop())
+                self._publish_view()
+                message = await receive.receive()
+                while True:
+                    if isinstance(message, _AskTrial):
+                        if not message.abandoned:
+                            message.answer(self._breaker.admit(trio.current_time()))
+                    elif isinstance(message, _Attempted):
+                        self._apply(message)
+                    try:
+                        message = receive.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+        finally:
+            self._publish_view()  # a crash in the middle of a batch: what it applied, published at once
+
+    def _publish_view(self) -> None:
+        if self._breaker.changes != self._view_changes:
+            self._view_changes = self._breaker.changes
+            self._view = self._breaker.view()
+
+    def _apply_trial(self, attempted: _Attempted) -> None:
+        try:
+            self._apply(attempted)
+        except BaseException:
+            # Its verdict is lost with the crash (applied again, it would crash the restarted task too):
+            # the slot is freed at least, not held half-open until the trial times out and then reopened.
+            self._breaker.release_trial()
+            raise
 
     def _apply(self, attempted: _Attempted) -> None:
         now = trio.current_time()
