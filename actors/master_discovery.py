@@ -140,6 +140,7 @@ class MasterDiscovery:
         # past a restart's, which listed such hosts again for drop_after after every crash).
         self._first_started_at: float | None = None
         self._master: _Host | None = None
+        self._master_told = False  # the first round's finding is logged, a master or none
         self._snapshot = EMPTY_SNAPSHOT
         self._rounds_total = 0
         self._polls_failed_total = 0
@@ -222,17 +223,21 @@ class MasterDiscovery:
             master = self._master
         if master is None and healthy:
             master = healthy[0]
-        if master is not self._master:
+        changed = master is not self._master
+        if changed:
             self._master_changes_total += 1
-            # Logged on the change only: requests count their "no master" and failover answers, but
-            # say nothing of why (a round's errors; the health of each host is on /debug/actors).
+        if changed or not self._master_told:
+            # Logged on the change only (and the first round's finding, a master or none): requests
+            # count their "no master" and failover answers, but say nothing of why (a round's errors;
+            # the health of each host is on /debug/actors).
+            self._master_told = True
             if master is None:
                 log.warning("master discovery: no scheduler master known (%s)", self._last_error or "no host answered")
             elif self._master is None:
                 log.info("master discovery: the scheduler master is %s", master.host)
             else:
                 log.warning("master discovery: the scheduler master is now %s (was %s)", master.host, self._master.host)
-            self._master = master
+        self._master = master
         slave = next((h for h in healthy if h is not master), None)
         listed = tuple(self._health(h) for h in self._hosts if self._listed(h, now))
         self._snapshot = MasterDiscoverySnapshot(

@@ -226,6 +226,28 @@ async def test_no_healthy_host_means_no_master(
     assert "unavailable" in lost[0].getMessage()  # with why: the round's last error
 
 
+async def test_no_master_at_start_is_warned_once_and_finding_one_later_is_told(
+    clock: trio.testing.MockClock, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no host answering from the start, nothing changed (no master before, none after): the
+    operator was never told the scheduler could not be found."""
+    caplog.set_level(logging.INFO, logger="actors.master_discovery")
+    sim = SimMaster(replicas=2)
+    network = MemoryMasterNetwork()
+    addresses = sim.serve_memory(network)
+    for host in addresses.hosts:
+        network.stop(host)
+    discovery = MasterDiscovery(MasterConfig(hosts=",".join(addresses.hosts)), network)
+    await nursery.start(discovery.run)
+    await rounds(3)
+    told = [r for r in caplog.records if r.name == "actors.master_discovery"]
+    assert [(r.levelno, "no scheduler master known" in r.getMessage()) for r in told] == [(logging.WARNING, True)]
+    sim.serve_memory(network)  # the replicas answer again; replica 0 is the elected one
+    await rounds(1)
+    messages = [r.getMessage() for r in caplog.records if r.name == "actors.master_discovery"]
+    assert messages[1:] == [f"master discovery: the scheduler master is {addresses.hosts[0]}"]
+
+
 async def test_garbled_info_counts_as_a_failure(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
     s = await start(nursery, elected=0)
     s.sim.set_faults(0, MasterFaults(garbled=True))
