@@ -89,7 +89,7 @@ from router.request import (
 )
 from router.settings import parse_listen, section_problems
 from router.targets import HostPort, format_target
-from router.thread_bridge import ANSWER_SLACK_S, deliver_outcome, settle
+from router.thread_bridge import ANSWER_SLACK_S, answer_within, deliver_outcome, settle
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import method_handlers
 from router.transport.tls import server_credentials
@@ -1018,12 +1018,11 @@ class Sidecar:
             if token is None:
                 raise _Stopped
             token.run_sync_soon(self._spawn, request, client_s, (received, decide_s), sent_at, answer, hops)
-            decision = answer.result(timeout=wait_s)
+            decision = answer_within(answer, wait_s)
             decided = True
         except (trio.RunFinishedError, _Stopped, RouterClosed):
             raise PeerAbort(RpcStatus.UNAVAILABLE, "kvroute is shutting down: request not routed") from None
         except concurrent.futures.TimeoutError:
-            answer.cancel()
             gave_up = True
             hops.give_up()
             raise PeerAbort(RpcStatus.DEADLINE_EXCEEDED, f"no decision within {wait_s * 1000:.1f} ms") from None

@@ -39,6 +39,19 @@ def settle(future: concurrent.futures.Future[T] | asyncio.Future[T], result: out
         future.set_exception(result.error)
 
 
+def answer_within(answer: concurrent.futures.Future[T], timeout_s: float) -> T:
+    """``answer``'s result, waited for ``timeout_s``; then it is cancelled, and TimeoutError raised. One
+    being settled at that moment (``settle`` took it first, and the cancel failed) is waited for and
+    returned: thrown away, the client got no answer and the decision made was counted unanswered."""
+    try:
+        return answer.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        if answer.cancel():
+            raise
+        # ``settle`` sets the result right after taking the future: it is there, or a moment away.
+        return answer.result(timeout=ANSWER_SLACK_S)
+
+
 def settle_on_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], result: outcome.Outcome[T]) -> bool:
     """``settle`` an asyncio future on its own loop, from any thread; False when the loop is closed (nobody
     is waiting there, nor will resume to do what a waiter does after)."""

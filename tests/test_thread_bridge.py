@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from router.exception_groups import leaves, sole_leaf
-from router.thread_bridge import deliver_outcome, settle, settle_on_loop
+from router.thread_bridge import answer_within, deliver_outcome, settle, settle_on_loop
 
 
 def test_leaves_flatten_nested_groups_in_order() -> None:
@@ -146,3 +146,28 @@ async def test_a_cancelled_delivery_hands_over_the_cancelled_error_and_stays_can
     assert scope.cancelled_caught
     assert len(got) == 1 and isinstance(got[0], outcome.Error) and got[0].error is stopped
 
+
+
+class _SettledAsTheWaitEnds(concurrent.futures.Future[str]):
+    """The trio thread settles it between the waiter's timeout and its cancel (``settle`` took it first)."""
+
+    def result(self, timeout: float | None = None) -> str:
+        try:
+            return super().result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self.set_running_or_notify_cancel():
+                self.set_result("decided")
+            raise
+
+
+def test_an_answer_settled_as_the_wait_ends_is_taken_not_thrown_away() -> None:
+    """The cancel after the wait's end failed, the answer was about to be set, and the waiter gave the
+    call up all the same: the client got DEADLINE_EXCEEDED for a decision made in time."""
+    assert answer_within(_SettledAsTheWaitEnds(), 0.0) == "decided"
+
+
+def test_an_answer_that_never_came_is_cancelled_and_a_timeout_raised() -> None:
+    answer: concurrent.futures.Future[str] = concurrent.futures.Future()
+    with pytest.raises(concurrent.futures.TimeoutError):
+        answer_within(answer, 0.0)
+    assert answer.cancelled()
