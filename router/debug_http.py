@@ -143,27 +143,30 @@ _OPENMETRICS = "application/openmetrics-text"
 
 def metrics_format(accept: str) -> tuple[Callable[[Any], bytes], str]:
     """The exposition's encoder and content type for an Accept header, from a small fixed set: the
-    client's OpenMetrics version is taken as 1.0.0 or 2.0.0 (by its major number), its escaping is one
-    of four. The content type keys the cache of built expositions: a version the client made up must
-    neither add an entry nor force a build."""
+    client's OpenMetrics version is taken as 1.0.0 or 2.0.0 (by its major number), its escaping is
+    allow-utf-8 or underscores. The content type keys the cache of built expositions: a version the
+    client made up must neither add an entry nor force a build."""
     try:
         encoder, content_type = choose_encoder(accept)
     except (TypeError, ValueError):  # a version it cannot compare ("version=abc"): the default format
         return generate_latest, CONTENT_TYPE_PLAIN_0_0_4
-    if not content_type.startswith(_OPENMETRICS) or "; escaping=" not in content_type:
-        return encoder, content_type  # a fixed default, or text/plain with one of four escapings
+    if "; escaping=" not in content_type:
+        return encoder, content_type  # a fixed default
     params = dict(p.split("=", 1) for p in content_type.split("; ")[1:] if "=" in p)
+    escaping = params.get("escaping", "")
+    if escaping in ("values", "dots"):
+        # Every name of ours is a valid legacy name, which every escaping leaves as it is; prometheus-client
+        # escapes each whole sample name under these all the same, its suffix with it (a histogram's
+        # `_bucket` as `__bucket`), so the samples leave their families: types lost, and a parser refuses
+        # OpenMetrics 2.0.0. Underscores escaping writes the same names as they are, and says so.
+        escaping = "underscores"
+    if not content_type.startswith(_OPENMETRICS):
+        return choose_encoder(f"text/plain; version={params.get('version', '1.0.0')}; escaping={escaping}")
     try:
         major = int(params.get("version", "1").split(".", 1)[0])
     except ValueError:
         major = 1
     canonical = "2.0.0" if major >= 2 else "1.0.0"
-    escaping = params.get("escaping", "")
-    if escaping == "values":
-        # Every name of ours is a valid legacy name, which every escaping leaves as it is; prometheus-client
-        # escapes the sample names under "values" all the same (not their families'), and a parser refuses
-        # the result. Underscores escaping writes the same names as they are, and says so.
-        escaping = "underscores"
     return choose_encoder(f"{_OPENMETRICS}; version={canonical}; escaping={escaping}")
 
 

@@ -267,18 +267,19 @@ async def test_a_made_up_openmetrics_version_neither_grows_the_cache_nor_forces_
         content_types.add(headers[b"content-type"])
     assert content_types == {b"application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores"}
     assert len(app._expositions) == 1
-    for version, escaping in (("2.7.1", "dots"), ("3.0.0", "values"), ("1.9", "bogus")):
+    for version, escaping in (("2.7.1", "allow-utf-8"), ("3.0.0", "values"), ("2.1", "dots"), ("1.9", "bogus")):
         await _get(app, "/metrics", f"application/openmetrics-text; version={version}; escaping={escaping}")
-    # 2.0.0 with dots, 2.0.0 with values (written as underscores); 1.9 with an unknown escaping is 1.0.0
-    # with underscores again.
+    # 2.0.0 with allow-utf-8, 2.0.0 with values and dots (both written as underscores); 1.9 with an
+    # unknown escaping is 1.0.0 with underscores again.
     assert len(app._expositions) == 3
 
 
+@pytest.mark.parametrize("escaping", ["values", "dots"])
 @pytest.mark.parametrize("version", ["1.0.0", "2.0.0"])
-async def test_openmetrics_asked_with_values_escaping_parses_as_openmetrics(version: str) -> None:
-    """prometheus-client escapes the sample names under "values" but not their families', and its own
-    parser refused the exposition ("Clashing name"); our names need no escaping, and are served under
-    underscores escaping, which leaves them as they are."""
+async def test_an_exposition_asked_with_values_or_dots_escaping_parses(version: str, escaping: str) -> None:
+    """prometheus-client escapes each whole sample name under "values" and "dots", its suffix with it,
+    but not their families': types lost, and its own parser refused the exposition ("Clashing name");
+    our names need no escaping, and are served under underscores escaping, which leaves them as they are."""
     sink = MetricsSink(MetricsConfig())
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
@@ -286,12 +287,18 @@ async def test_openmetrics_asked_with_values_escaping_parses_as_openmetrics(vers
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     app = DebugApp(Sources(), sink, load_config(GOOD, {}))
-    asked = f"application/openmetrics-text; version={version}; escaping=values"
+    asked = f"application/openmetrics-text; version={version}; escaping={escaping}"
     status, body, headers = await _get_with_headers(app, "/metrics", asked)
     assert status == 200 and headers[b"content-type"].endswith(b"; escaping=underscores")
     parsed = openmetrics_parser.text_string_to_metric_families(body.decode())  # type: ignore[no-untyped-call]
-    names = {f.name for f in parsed}
-    assert "kvroute_route_duration_seconds" in names
+    types = {f.name: f.type for f in parsed}
+    assert types["kvroute_route_duration_seconds"] == "histogram"
+    # The text format as well: each family keeps its samples and its type.
+    status, body, headers = await _get_with_headers(app, "/metrics", f"text/plain; version=1.0.0; escaping={escaping}")
+    assert status == 200 and headers[b"content-type"].endswith(b"; escaping=underscores")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert families["kvroute_route_duration_seconds"].type == "histogram"
+    assert families["kvroute_route_duration_seconds"].samples
 
 
 async def test_debug_actors_and_decisions() -> None:
