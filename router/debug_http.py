@@ -22,7 +22,7 @@ unknown path):
 Binds 127.0.0.1 by default; port 0 picks a free port, and the bound address is logged and handed to
 the starter through ``task_status``. With a bearer token (``--debug-token`` or ``--debug-token-file``)
 every path except ``/healthz`` answers 401 unless the request carries ``Authorization: Bearer <token>``
-(compared in constant time). Addresses' userinfo is redacted in /readyz, /debug/actors and /debug/config.
+(compared in constant time). Addresses' userinfo is redacted in /readyz and every /debug/ path.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ async def decisions_body(records: Sequence[bytes], now: float, limit: int, max_b
             # the endpoint is read it holds at most 1 / (1 + DEBUG_REST_RATIO) of the routing thread.
             await trio.sleep((trio.current_time() - piece_started) * DEBUG_REST_RATIO)
             piece_started = trio.current_time()
-        text = json.dumps(decision_entry(DecisionRecord.unpacked(record), now), indent=2)
+        # A decision's error may quote a peer's message, and that an address with its userinfo.
+        text = redact_userinfo(json.dumps(decision_entry(DecisionRecord.unpacked(record), now), indent=2))
         size += len(text) + 2
         if size > max_bytes:
             truncated = True

@@ -510,6 +510,14 @@ async def test_decisions_are_serialised_in_pieces_with_routing_running_between()
     assert during >= 1024 // DECISIONS_PER_PIECE // 2
 
 
+async def test_a_decisions_error_quoting_an_address_with_its_userinfo_is_redacted() -> None:
+    """/debug/actors and /debug/config were redacted, /debug/decisions not: a scheduler's error quoting
+    a configured address carried its password out."""
+    quoted = replace(decision(1), error="10.9.0.1:7001: unavailable: connect to admin:s3cr3t@10.9.0.1:7001 refused")
+    body = await decisions_body([pack_decision(quoted, 0.0)], 0.0, 1, 1 << 20)
+    assert b"s3cr3t" not in body and b"<redacted>@10.9.0.1:7001" in body
+
+
 def _each_dump_takes_a_millisecond(monkeypatch: pytest.MonkeyPatch, clock: trio.testing.MockClock) -> float:
     """Make serialising one decision (and the body's head) cost 1 ms of the trio clock; returns 1 ms."""
     real_dumps = json.dumps
