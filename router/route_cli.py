@@ -163,17 +163,21 @@ def check_input(request: RouteRequest, config: KvrouteConfig, args: argparse.Nam
 
 
 async def warm_up(handle: RouterHandle, within_s: float) -> None:
-    """Wait until discovery has workers and the KVCM leader is resolved, or ``within_s`` has passed."""
-    with trio.move_on_after(within_s):
+    """Wait until discovery has workers, the KVCM leader is resolved and each worker has been probed
+    once, or ``within_s`` has passed."""
+    with trio.move_on_after(within_s) as scope:
         discovery = handle.discovery()
         generation = discovery.generation
         while not discovery.workers().workers:
             generation = await discovery.wait_for_change(generation)
         resolver = handle.leader_resolver()
         if resolver is not None:
-            # A failed lookup ends the warm-up at once: the request then falls back, and says so.
+            # A failed lookup ends this wait at once: the request then falls back, and says so.
             with contextlib.suppress(LeaderUnavailable):
                 await resolver.leader()
+        # A worker never heard from is routable: with the cluster down, the fallback's pick named one
+        # and the command said "routed". Probed once, one that refuses is known down and passed over.
+        await handle.prober().probe(discovery.workers().workers, scope.deadline).wait_all()
 
 
 async def _route_once(loaded: LoadedConfig, request: RouteRequest, warmup_s: float) -> RouteDecision:

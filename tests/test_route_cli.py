@@ -240,6 +240,26 @@ def test_log_level_is_honoured_only_when_given() -> None:
     assert " INFO " not in result.stderr and " WARNING kvroute.route: " in result.stderr
 
 
+def test_a_cluster_that_is_down_is_not_routed_and_exits_1() -> None:
+    """Every peer refused: the warm-up ended at the failed leader lookup, and the fallback's pick named
+    a worker never heard from (so routable), and the command said routed, exit 0."""
+    dead: list[str] = []
+    for _ in range(5):
+        with socket.socket() as closed:  # a port nothing listens on any more
+            closed.bind(("127.0.0.1", 0))
+            dead.append(f"127.0.0.1:{closed.getsockname()[1]}")
+    result = _run(
+        "route", "--kvcm-bootstrap", ",".join(dead[:3]), "--workers", ",".join(dead[3:]), "--kvcm-instance-id",
+        "test", "--tokens", ",".join(map(str, range(1024))), "--json", "--warmup-ms", "10000",
+        # Without the background health probes, which may or may not have reached the workers by then.
+        "--prober-health-interval-s", "0",
+    )
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    decision = json.loads(result.stdout)
+    assert (decision["route_source"], decision["ip"]) == ("none", "")
+    assert "not routed" in result.stderr
+
+
 def test_no_worker_known_prints_route_source_none_and_exits_1() -> None:
     result = _run("route", "--kvcm-fallback", "false", "--tokens", "1,2,3", "--json", "--warmup-ms", "0")
     assert result.returncode == 1, result.stderr
