@@ -32,7 +32,7 @@ import trio
 from actors.breaker import BreakerState
 from actors.channel_pool import ChannelPool
 from actors.decision_log import DecisionLog
-from actors.discovery import Discovery
+from actors.discovery import Discovery, ListKind
 from actors.hit_accuracy import HitAccuracy
 from actors.leader_resolver import LeaderResolver, LeaderState
 from actors.master_discovery import MasterDiscovery
@@ -275,7 +275,13 @@ class RouterHandle:
         fallback then answers at once)."""
         workers = self._discovery.workers().workers
         if not workers:
-            return False, "discovery has no worker"
+            # With why, where a worker source says: its file, name or list failing since.
+            failing = [
+                f"{s.name} {s.origin}: {s.last_error}"
+                for s in self._discovery.snapshot().sources
+                if s.name.startswith(f"{ListKind.WORKERS.value}.") and s.last_error
+            ]
+            return False, "discovery has no worker" + (f" ({'; '.join(failing)})" if failing else "")
         if not self.config.router.route_blind:
             roles = tuple(r for r in self.config.deployment.roles if r in PREFILL_CAPABLE_ROLES)
             unroutable = self._prober.unroutable_reason(workers, roles)

@@ -422,7 +422,10 @@ async def test_file_changes_are_picked_up(tmp_path: Path) -> None:
             nursery.cancel_scope.cancel()
 
 
-async def test_bad_file_keeps_last_good_until_stale_and_names_the_entry(tmp_path: Path) -> None:
+async def test_bad_file_keeps_last_good_until_stale_and_names_the_entry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="actors.discovery")
     workers = tmp_path / "workers.txt"
     write(workers, "10.1.0.1:9000\n")
     stale = 0.3
@@ -445,6 +448,9 @@ async def test_bad_file_keeps_last_good_until_stale_and_names_the_entry(tmp_path
             assert source.stale_expiries_total == 1
             assert source.last_error is not None
             assert "10.1.0.2" in source.last_error and "worker_http_port" in source.last_error
+            # The drop is said as it happens, with why: the list went empty silently.
+            dropped = [r.getMessage() for r in caplog.records if "are dropped" in r.getMessage()]
+            assert len(dropped) == 1 and str(workers) in dropped[0] and "10.1.0.2" in dropped[0], dropped
 
             generation = d.generation
             write(workers, "10.1.0.2:9000\n")

@@ -1233,6 +1233,23 @@ async def test_no_workers_is_route_source_none(autojump_clock: trio.testing.Mock
         assert handle.ready() == (False, "discovery has no worker")
 
 
+async def test_readiness_with_no_worker_says_which_worker_source_fails_and_why(tmp_path: Path) -> None:
+    """It said "discovery has no worker" alone: a workers file with a bad entry had emptied the list,
+    and only /debug/actors showed why."""
+    cluster = SimCluster(workers=1, kvcm_replicas=1, block_size=BLOCK)
+    network = MemoryNetwork()
+    addrs = cluster.serve_memory(network)
+    bad = tmp_path / "workers.txt"
+    bad.write_text("not-an-addr:xx\n")
+    config = make_config(addrs.kvcm_bootstrap, "")
+    config = replace(config, discovery=replace(config.discovery, workers_file=str(bad)))
+    with trio.fail_after(10):
+        async with open_router(config, rpc=network) as handle:
+            ready, why = handle.ready()
+    assert not ready and why.startswith(f"discovery has no worker (workers.file {bad}: "), why
+    assert "xx" in why
+
+
 async def test_burst_spreads_with_precharge(autojump_clock: trio.testing.MockClock) -> None:
     cluster = SimCluster(workers=4, kvcm_replicas=1, block_size=BLOCK)
     # The Scorer decides what is queued in one batch, so up to all 200 decisions (several events each) can
