@@ -88,7 +88,7 @@ from router.request import (
     quoted,
 )
 from router.settings import parse_listen, section_problems
-from router.targets import HostPort, format_target
+from router.targets import HostPort, format_target, redact_userinfo
 from router.thread_bridge import ANSWER_SLACK_S, answer_within, deliver_outcome, settle
 from router.transport.errors import PeerAbort, RpcStatus
 from router.transport.grpc_server import method_handlers
@@ -714,6 +714,7 @@ class Sidecar:
         # Owned by the trio thread (run() and the callbacks it runs).
         self._calls: trio.Nursery | None = None
         self._draining = False
+        self._ready_told: bool | None = None  # the readiness last logged (trio thread)
         self._drain_requested = trio.Event()
         self.bound: HostPort | None = None
 
@@ -1159,7 +1160,18 @@ class Sidecar:
     # --- the trio thread -------------------------------------------------------------------------------
 
     def _ready_now(self) -> bool:
-        return not self._draining and self._handle.ready()[0]
+        if self._draining:  # the drain says so itself
+            return False
+        ready, why = self._handle.ready()
+        if ready is not self._ready_told:
+            # Said as it changes (and first): a whole outage showed only as requests answered from the
+            # domain, and readiness on the endpoints no one was reading.
+            self._ready_told = ready
+            if ready:
+                log.info("ready: %s", redact_userinfo(why))
+            else:
+                log.warning("not ready: %s", redact_userinfo(why))
+        return ready
 
     async def _publish_readiness(self, scope: trio.CancelScope) -> None:
         # Readiness follows several actors' state and the clock (a worker's ejection ends), with no

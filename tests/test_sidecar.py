@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import gc
+import logging
 import math
 import threading
 import time
@@ -440,6 +441,28 @@ async def test_a_watch_stream_learns_a_stuck_routing_thread_is_not_serving(nurse
             watcher.join(10.0)
             stream.cancel()
             assert held_until_told and statuses == [health_pb2.HealthCheckResponse.NOT_SERVING]
+
+
+async def test_readiness_is_logged_as_it_changes(nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    """A whole outage left one line in the log: readiness turning false, and back, was on the health
+    endpoints alone."""
+    caplog.set_level(logging.INFO, logger="router.sidecar")
+    cluster = SimCluster(workers=2, kvcm_replicas=1, block_size=BLOCK)
+    addrs = await nursery.start(cluster.serve_grpc)
+    config = served_config(addrs, workers="")  # no worker: not ready
+    with trio.fail_after(30):
+        async with open_router(config) as handle, trio.open_nursery() as inner:
+            await inner.start(Sidecar(handle, config).run)
+            handle.discovery().set_static_workers(addrs.workers_arg)
+            resolver = handle.leader_resolver()
+            assert resolver is not None
+            await resolver.leader()
+            while sum("ready: leader" in r.getMessage() for r in caplog.records) == 0:  # noqa: ASYNC110
+                await trio.sleep(0.05)  # the next publication (every READY_PUBLISH_S)
+            inner.cancel_scope.cancel()
+    told = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "router.sidecar" and "ready:" in r.msg]
+    assert told[0] == (logging.WARNING, "not ready: discovery has no worker")
+    assert told[1][0] == logging.INFO and told[1][1].startswith("ready: leader") and len(told) == 2, told
 
 
 async def test_the_route_service_binds_its_address_off_the_trio_thread(
