@@ -53,6 +53,7 @@ SOURCE_GAUGES: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "kvroute_channel_pool_channels": ("gRPC channels held by the channel pool", ()),
     "kvroute_inbox_depth": ("Messages waiting in an actor's inbox", ("actor",)),
     "kvroute_sidecar_calls_in_flight": ("Route calls the gRPC sidecar is handling", ()),
+    "kvroute_ready": ("1 while the router can route (its /readyz and gRPC health), else 0", ()),
     "kvroute_shadow_agreement_ratio": (
         "Mean agreement of the shadow index with KVCM over the last comparisons",
         (),

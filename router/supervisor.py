@@ -508,6 +508,8 @@ async def _topology(
             pool=pool,
             accuracy=accuracy,
         )
+        # An outage as a series to alert on: readiness was on the health endpoints alone.
+        metrics.register_gauge_source("kvroute_ready", lambda: float(handle.ready()[0]))
         if debug_http:
             from router.debug_http import DebugServer  # upper module: imported only when serving HTTP
             from router.settings import given_in_code

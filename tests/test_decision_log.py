@@ -1977,7 +1977,10 @@ async def test_every_actor_with_an_inbox_reports_its_depth_on_metrics(
                           "hit_accuracy", "decision_log")
             if registry.get_sample_value("kvroute_inbox_depth", {"actor": actor}) is not None
         }
+        # And whether the router can route, as its readiness says, to alert on.
+        assert registry.get_sample_value("kvroute_ready") == 1.0, handle.ready()
     assert reported == {
         "router", "metrics_sink", "shadow_index", "leader_resolver", "scorer", "worker_prober", "hit_accuracy",
         "decision_log",
     }
+    assert registry.get_sample_value("kvroute_ready") == 0.0  # closed: it routes no more
