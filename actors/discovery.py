@@ -489,13 +489,12 @@ class Discovery:
             if source.entries and last_good is not None and now - last_good > self._config.stale_after_s:
                 source.entries = ()
                 source.stale_expiries_total += 1
-                # Said once, as it happens: the list may now be empty, and the router unready.
+                # Said once, as it happens: the list may now be empty, and the router unready. The last
+                # error names the source itself.
                 log.warning(
-                    "discovery: %s %s: its last good entries are older than stale_after_s (%g s) and are dropped (%s)",
-                    source.name,
-                    source.origin,
+                    "discovery: %s; its last good entries are older than stale_after_s (%g s) and are dropped",
+                    source.last_error or f"{source.name} {source.origin}: it has read no entry since",
                     self._config.stale_after_s,
-                    source.last_error or "it has read no entry since",
                 )
         # The union over every source is rebuilt only when this one's entries changed: a long list
         # re-read unchanged every refresh_interval_s must not cost the loop its conversion each time.

@@ -276,8 +276,8 @@ class RouterHandle:
         workers = self._discovery.workers().workers
         if not workers:
             # With why, where a worker source says: its file, name or list failing since.
-            failing = [
-                f"{s.name} {s.origin}: {s.last_error}"
+            failing = [  # each error names its source (its kind and origin) itself
+                s.last_error
                 for s in self._discovery.snapshot().sources
                 if s.name.startswith(f"{ListKind.WORKERS.value}.") and s.last_error
             ]

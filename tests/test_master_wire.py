@@ -198,6 +198,9 @@ def test_an_error_whose_message_is_no_string_is_still_the_schedulers_error(messa
     own error became a connection failure: the slave and KVCM asked, the breaker charged."""
     reply = decode_schedule_json(500, body(success=False, code=8400, error_message=message), HOST)
     assert reply == MasterBusinessError(8400, json.dumps(message), 500)
+    long_message = {"detail": "x" * 5000}  # cut as a string is, its length told as it was
+    reply = decode_schedule_json(500, body(success=False, code=8400, error_message=long_message), HOST)
+    assert isinstance(reply, MasterBusinessError) and reply.message.endswith(f"{len(json.dumps(long_message))} chars]")
     entries = [{"role": "PREFILL", "success": False, "code": 8402, "message": message}]
     reply = decode_schedule_json(200, body(success=True, code=200, server_status=entries), HOST)
     assert reply == MasterBusinessError(8402, json.dumps(message), 200)

@@ -1247,7 +1247,7 @@ async def test_readiness_with_no_worker_says_which_worker_source_fails_and_why(t
         async with open_router(config, rpc=network) as handle:
             ready, why = handle.ready()
     assert not ready and why.startswith(f"discovery has no worker (workers.file {bad}: "), why
-    assert "xx" in why
+    assert "xx" in why and why.count(str(bad)) == 1, why
 
 
 async def test_burst_spreads_with_precharge(autojump_clock: trio.testing.MockClock) -> None:

@@ -147,7 +147,6 @@ async def test_a_cancelled_delivery_hands_over_the_cancelled_error_and_stays_can
     assert len(got) == 1 and isinstance(got[0], outcome.Error) and got[0].error is stopped
 
 
-
 class _SettledAsTheWaitEnds(concurrent.futures.Future[str]):
     """The trio thread settles it between the waiter's timeout and its cancel (``settle`` took it first)."""
 

@@ -244,7 +244,7 @@ def _message(obj: Mapping[str, object], key: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        value = json.dumps(value)[: MAX_MESSAGE_CHARS + 1]
+        value = json.dumps(value)  # as long as the reply, which is bounded
     text = value if value.isascii() else value.encode("utf-8", "replace").decode("utf-8")
     return cut_text(text, MAX_MESSAGE_CHARS)
 
@@ -392,7 +392,7 @@ def decode_info_json(status: int, body: bytes, target: str) -> MasterInfo:
     # An answer is a 200 that says neither success false nor an error code: a replica not ready to
     # answer would otherwise count as healthy, and its word on the master be taken.
     if status != 200 or obj.get("success") is False or code not in (None, CODE_OK):
-        message = _str_field(obj, "error_message", "error_message", target) or ""
+        message = _message(obj, "error_message")
         # The scheduler's own code where it gave one other than success's, else the HTTP status.
         error_code = code if code not in (None, CODE_OK) else status
         raise RemoteError(target, f"{what}: {message}", error_code, f"http:{status}")
