@@ -208,10 +208,24 @@ class Case:
         """The recorded request ran out of time inside a source, with no wait cut: its task did not run
         again before the deadline (a stalled loop) somewhere the log does not time. Its last step is
         that source's, ended by the deadline (logs written before such steps were kept have none)."""
-        cut = any(bool(c) for _, _, c in self.expected.get("sw", ()))
-        steps = self.expected.get("ch") or ()
+        steps: Sequence[Any] = self.expected.get("ch") or ()
+        # The last source's own waits only: a query the split cut in KVCM's source, before the shadow
+        # source took the rest, says nothing of where the shadow source's time went.
+        own = (Stage.PROBE.value,) if steps and steps[-1][0] == RouteSource.SHADOW.value else None
+        cut = any(bool(c) for stage, _, c in self.expected.get("sw", ()) if own is None or stage in own)
         ended_inside = not steps or _ended_by_the_deadline(steps[-1])
         return self.expected.get("r") == Reason.DEADLINE.value and ended_inside and not cut
+
+    def ended_unscored_in(self, source: RouteSource) -> bool:
+        """Whether the recorded request's deadline ended it in ``source``'s step (its last): with no
+        scoring recorded for that source, it ran out before it scored."""
+        steps: Sequence[Any] = self.expected.get("ch") or ()
+        return (
+            self.expected.get("r") == Reason.DEADLINE.value
+            and bool(steps)
+            and steps[-1][0] == source.value
+            and _ended_by_the_deadline(steps[-1])
+        )
 
     def queried(self) -> bool:
         """Whether the recorded request sent its KVCM query: every query sent runs the query's wait."""
@@ -585,6 +599,14 @@ class _Current:
         return self.case
 
 
+# The source whose scoring a plan's hot candidates come from.
+_SOURCE_OF: Mapping[CandidateSource, RouteSource] = {
+    CandidateSource.HOT: RouteSource.KVCM,
+    CandidateSource.SHADOW: RouteSource.SHADOW,
+    CandidateSource.COLD: RouteSource.KVCM,
+}
+
+
 class _ReplayScoring:
     def __init__(self, config: KvrouteConfig, current: _Current) -> None:
         self._config = config
@@ -629,6 +651,10 @@ class _ReplayScoring:
             for c in plan.candidates
         )
         ctx.split.waited(Stage.PROBE, late)
+        if recorded is None and case.ended_unscored_in(_SOURCE_OF[source]):
+            # The recorded deadline ended it after its probe wait, before it scored: here too, not by
+            # scoring nothing (no statuses, so no candidates) where the recording had no time to.
+            await trio.sleep_forever()
         # A recorded run whose task resumed after decide_at (a stalled loop) scored with the results in
         # hand when it did: those are the ones that had arrived by its recorded scoring moment. One that
         # scored by its decide_at had in hand what had come by then; a what-if's decide_at says that alone.

@@ -66,6 +66,7 @@ from router.keys import block_keys
 from router.policy.plan import CandidateSource, Fleet
 from router.problems import ConfigError
 from router.replay import (
+    Case,
     LogReader,
     Outcome,
     RecordedLog,
@@ -292,6 +293,37 @@ def test_a_request_the_deadline_ends_in_its_probe_wait_replays_as_recorded(tmp_p
     assert stalled.reason is Reason.DEADLINE
     assert not {w.stage: w.cut for w in stalled.windows}.get(Stage.PROBE, False)
     assert replay_all(log) == (4, 4)
+
+
+def _ended(chain: list[list[str]], windows: list[list[object]]) -> Case:
+    """A recorded decision the deadline ended, with its chain and stage windows as the log keeps them."""
+    expected = {"r": "deadline", "rs": "domain", "ch": chain, "sw": windows}
+    return Case("log", 0, "r", 0.0, RouteRequest("r", token_ids=PROMPT), False, None, None, None, (), None, expected)
+
+
+def test_a_query_cut_in_kvcms_source_says_nothing_of_where_the_shadow_sources_time_went() -> None:
+    """Recorded: KVCM's query cut by its window, then the loop stalled in the shadow source past the
+    deadline. Any cut window counted, so replay took the shadow source's time as seen, scored, and
+    found no candidates where the recording ran out of time (live logs of `serve --processes 2`)."""
+    kvcm_cut = ["kvcm", "fell_through", "deadline"]
+    shadow_cut = ["shadow", "fell_through", "deadline"]
+    assert _ended([kvcm_cut, shadow_cut], [["cache_query", 0.357, 1]]).ran_out_unseen()
+    # The shadow source's own probe wait cut: its time is seen, as before.
+    assert not _ended([kvcm_cut, shadow_cut], [["cache_query", 0.357, 1], ["probe", 9.0, 1]]).ran_out_unseen()
+    # Ended in KVCM's source itself by its cut query: seen, as before.
+    assert not _ended([kvcm_cut], [["cache_query", 0.357, 1]]).ran_out_unseen()
+
+
+def test_a_source_the_deadline_ended_after_its_cut_probe_wait_is_known_to_have_scored_nothing() -> None:
+    """Recorded: KVCM answered, the probe window ended cut, and the loop stalled past the deadline
+    before the Scorer decided, so no scoring was recorded. Replay scored nothing in its place, no
+    statuses and so no candidates, where the recording ran out of time (live logs of `serve
+    --processes 2`); it now ends there by the deadline too (``ended_unscored_in``)."""
+    ended = _ended([["kvcm", "fell_through", "deadline"]], [["cache_query", 13.154, 0], ["probe", 13.154, 1]])
+    assert ended.ended_unscored_in(RouteSource.KVCM)
+    assert not ended.ended_unscored_in(RouteSource.SHADOW)
+    answered = replace(ended, expected={**ended.expected, "r": "CACHE_LEADER", "ch": [["kvcm", "answered", "x"]]})
+    assert not answered.ended_unscored_in(RouteSource.KVCM)
 
 
 def test_cold_walks_that_passed_over_decode_workers_replay_as_recorded(tmp_path: Path) -> None:
