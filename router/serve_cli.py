@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 
 import trio
@@ -55,6 +56,8 @@ from router.serve_processes import (
 from router.settings import (
     SETTINGS,
     LoadedConfig,
+    Origin,
+    SourceKind,
     SupervisedProcess,
     add_arguments,
     load_or_report,
@@ -94,6 +97,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # Set only by a supervising parent (--processes N) on its children; not an operator's setting.
     parser.add_argument("--supervised-process", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--supervised-processes", type=int, default=None, help=argparse.SUPPRESS)  # the parent's N
+    parser.add_argument("--supervised-origins", default=None, help=argparse.SUPPRESS)  # JSON: name → origin
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if supervised is not None:
         tag_records(handler, process=supervised)  # the children of one parent share the stream: whose line it is
         # Its own processes is 1: the debug views say which of the parent's N this is.
-        loaded = replace(loaded, supervised=SupervisedProcess(supervised, args.supervised_processes or 1))
+        loaded = replace(
+            with_parent_origins(loaded, args.supervised_origins),
+            supervised=SupervisedProcess(supervised, args.supervised_processes or 1),
+        )
     say = _Say(
         "kvroute serve" if supervised is None else f"kvroute serve (process {supervised})",
         as_records=serve.log_format.lower() == "json",
@@ -218,6 +225,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
                 child_debug_listen(debug, index),
                 child_log_path(decision_log, index),
                 child_seed(seed, index),
+                origins=loaded.sources,
             )
 
         supervisor = ProcessSupervisor(
@@ -250,10 +258,13 @@ def _child_command(
     debug_listen: str,
     decision_log: str,
     seed: int,
+    *,
+    origins: Mapping[str, Origin],
 ) -> list[str]:
     """``kvroute serve`` for child ``index``: this command's own flags (the environment and the config
     file reach the child as they reached this process), one process, the resolved addresses, its own
-    decision log and seed."""
+    decision log and seed, and where those came from to this process (``origins``: its sources), which
+    the child shows as theirs, not as the flags they reach it by."""
     given = vars(args)
     flags: list[str] = [f"--config={args.config}"] if args.config is not None else []
     overrides = {
@@ -267,7 +278,27 @@ def _child_command(
         value = overrides.get(setting.name, given.get(setting.name))
         if value is not None:
             flags.append(f"{setting.flag}={value}")
-    return [*CHILD_INTERPRETER, "serve", *flags, f"--supervised-process={index}", f"--supervised-processes={count}"]
+    resolved = json.dumps({name: str(origins[name]) for name in overrides if name in origins})
+    return [
+        *CHILD_INTERPRETER,
+        "serve",
+        *flags,
+        f"--supervised-process={index}",
+        f"--supervised-processes={count}",
+        f"--supervised-origins={resolved}",
+    ]
+
+
+def with_parent_origins(loaded: LoadedConfig, origins_json: str | None) -> LoadedConfig:
+    """A child's configuration with the settings its parent resolved for it named by where they came
+    from to the parent (``--supervised-origins``), not as the flags they reached the child by."""
+    if not origins_json:
+        return loaded
+    sources = dict(loaded.sources)
+    for name, origin in json.loads(origins_json).items():
+        if name in sources:
+            sources[name] = Origin(SourceKind.PARENT, origin)
+    return replace(loaded, sources=sources)
 
 
 # -P: never import a same-named package from the working directory instead of the installed one.

@@ -47,7 +47,7 @@ from router.serve_processes import (
     reserve_port,
     startup_timeout,
 )
-from router.settings import load_config
+from router.settings import load_config, load_or_report
 from router.targets import HostPort
 from router.types import KeyFamily
 from router.wire import router_v1_pb2
@@ -332,9 +332,9 @@ def test_each_child_reads_the_parents_config_file(tmp_path: Path) -> None:
     config = tmp_path / "kvroute.toml"
     config.write_text("")
     args = build_parser("serve").parse_args(["serve", "--config", str(config), "--processes", "2"])
-    command = serve_cli._child_command(args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 1)
+    command = serve_cli._child_command(args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 1, origins={})
     assert f"--config={config}" in command
-    assert command[-2:] == ["--supervised-process=1", "--supervised-processes=2"]
+    assert command[-3:-1] == ["--supervised-process=1", "--supervised-processes=2"]
 
 
 def test_each_child_draws_from_a_seed_of_its_own() -> None:
@@ -344,8 +344,32 @@ def test_each_child_draws_from_a_seed_of_its_own() -> None:
     assert [serve_cli.child_seed(7, i) for i in range(3)] == [7, 8, 9]
     assert serve_cli.child_seed(SEED_MAX, 1) == 0  # within the setting's range
     args = build_parser("serve").parse_args(["serve", "--processes", "2", "--scorer-seed", "7"])
-    command = serve_cli._child_command(args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", serve_cli.child_seed(7, 1))
+    command = serve_cli._child_command(
+        args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", serve_cli.child_seed(7, 1), origins={}
+    )
     assert [flag for flag in command if flag.startswith("--scorer-seed")] == ["--scorer-seed=8"]
+
+
+def test_a_childs_config_names_where_the_values_its_parent_resolved_came_from(tmp_path: Path) -> None:
+    """The parent passes a child its listen addresses, decision log and seed as flags: the child's
+    /debug/config named each `flag --grpc-listen`, a seed nobody gave among them."""
+    config = tmp_path / "kvroute.toml"
+    config.write_text('[serve]\ngrpc_listen = "127.0.0.1:0"\n')
+    argv = ["serve", "--config", str(config), "--processes", "2", "--workers=127.0.0.1:9", "--kvcm-fallback=false"]
+    parent = load_or_report(build_parser("serve").parse_args(argv), "serve")
+    assert parent is not None
+    command = serve_cli._child_command(
+        build_parser("serve").parse_args(argv), 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 8, origins=parent.sources
+    )
+    child_args = build_parser("serve").parse_args(command[command.index("serve") :])
+    child = load_or_report(child_args, "serve")
+    assert child is not None
+    child = serve_cli.with_parent_origins(child, child_args.supervised_origins)
+    assert str(child.sources["grpc_listen"]) == (
+        f"config file {config} [serve] grpc_listen, as the supervising parent resolved it for this process"
+    )
+    assert str(child.sources["scorer_seed"]) == "default, as the supervising parent resolved it for this process"
+    assert str(child.sources["workers"]) == "flag --workers"  # given to the parent as it is to the child
 
 
 def test_debug_ports_of_all_processes_are_checked() -> None:

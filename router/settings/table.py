@@ -59,6 +59,7 @@ class SourceKind(enum.Enum):
     ENV = "environment"
     FLAG = "command line"
     CODE = "the embedding code"  # a KvrouteConfig built in code and handed to open_router
+    PARENT = "the supervising parent"  # a value `serve --processes` resolved for its child (where: its own origin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,8 @@ class Origin:
             return f"env {self.where}"
         if self.kind is SourceKind.CODE:
             return "given in code"
+        if self.kind is SourceKind.PARENT:
+            return f"{self.where}, as the supervising parent resolved it for this process"
         return f"flag {self.where}"
 
 
