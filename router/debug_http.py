@@ -1,7 +1,7 @@
 """The debug HTTP endpoint: a small hand-written ASGI app served by hypercorn on trio.
 
-Routes (GET only; anything else 405, unknown paths 404; a WebSocket upgrade 400, or 404 on an
-unknown path):
+Routes (GET, and HEAD for its status and headers alone; anything else 405, unknown paths 404; a
+WebSocket upgrade 400, or 404 on an unknown path):
 
 - ``/healthz``            200 while the process runs.
 - ``/readyz``             200 when the router can route, else 503; the body says why (and lists any
@@ -219,13 +219,13 @@ class DebugApp:
             headers.append(_WWW_AUTHENTICATE)
         elif route is None:
             status, content_type, body = 404, _TEXT, _no_such_path(scope)
-        elif scope["method"] != "GET":
+        elif scope["method"] not in ("GET", "HEAD"):
             status, content_type, body = (
                 405,
                 _TEXT,
                 f"method {scope['method']} not allowed; use GET\n".encode(),
             )
-            headers.append((b"allow", b"GET"))
+            headers.append((b"allow", b"GET, HEAD"))
         else:
             try:
                 answer = route(scope)
@@ -241,7 +241,8 @@ class DebugApp:
                 )
         headers += [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        # HEAD: GET's status and headers, no body (load balancers' health checks may ask so).
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
 
     async def _refuse_websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """No path speaks WebSocket: the upgrade is refused with a 4xx saying why (401 and 404 as for

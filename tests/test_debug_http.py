@@ -354,8 +354,13 @@ async def test_unknown_paths_other_methods_and_failing_sources() -> None:
             missing = await client.get("/debug/nope")
             assert (missing.status_code, missing.text) == (404, "no such path: /debug/nope\n")
             post = await client.post("/healthz", content=b"x")
-            assert post.status_code == 405 and post.headers["allow"] == "GET"
+            assert post.status_code == 405 and post.headers["allow"] == "GET, HEAD"
             assert (await client.delete("/metrics")).status_code == 405
+            # HEAD, as load balancers' health checks may send it: GET's status and headers, no body.
+            get, head = await client.get("/healthz"), await client.head("/healthz")
+            assert (head.status_code, head.content) == (200, b"")
+            assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
+            assert (await client.head("/debug/nope")).status_code == 404
             sources.fail_actors = True
             broken = await client.get("/debug/actors")
             assert broken.status_code == 500 and "snapshot exploded" in broken.text
