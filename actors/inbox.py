@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 import trio
 
 T = TypeVar("T")
+M = TypeVar("M")
 
 
 class Ask(Generic[T]):
@@ -100,3 +101,14 @@ class Alarm:
                     await self._send.send(self._message)
         finally:
             self._scope = None
+
+
+def take_queued(receive: trio.MemoryReceiveChannel[M]) -> list[M]:
+    """Every message waiting in an inbox now, without waiting: what a stopped actor still owes an
+    answer, or keeps for its next run (put back, they find the room they left)."""
+    queued: list[M] = []
+    while True:
+        try:
+            queued.append(receive.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return queued

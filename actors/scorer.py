@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import trio
 
+from actors.inbox import take_queued
 from router.logs import AggregatingLogger
 from router.policy.base import Policy, PolicyHealth
 from router.policy.cache_affinity import CONTRACT_DROPS, ObservedStatus, ScoreSheet, Selection
@@ -220,18 +221,11 @@ class Scorer:
     def _fail_queued(self) -> None:
         """At the task's end: the decisions still queued fail now (their callers fall back at once);
         the dispatch records are queued again for the next run, which applies them."""
-        records: list[_Record] = []
-        while True:
-            try:
-                message = self._receive.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
+        for message in take_queued(self._receive):
             if isinstance(message, _Record):
-                records.append(message)
-                continue
-            _fail(message)
-        for record in records:  # the inbox was just emptied: there is room for them again
-            self._send.send_nowait(record)
+                self._send.send_nowait(message)
+            else:
+                _fail(message)
 
     async def decide(self, request: DecideRequest) -> Decided:
         """The policy's selection for ``request``, recorded in its ledger, and the policy's time on it.

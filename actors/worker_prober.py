@@ -102,6 +102,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from actors.inbox import take_queued
 from actors.probe_budget import (
     TokenBucket,
     collective_failure,
@@ -652,17 +653,11 @@ class WorkerProber:
         the workers they named (hot, wanted), are kept for the next run."""
         wanted = [] if self._in_hand is None else [self._in_hand]
         self._in_hand = None
-        kept: list[_Message] = []
-        while True:
-            try:
-                message = self._receive.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
+        for message in take_queued(self._receive):
             if isinstance(message, _Wanted):
                 wanted.append(message)
-                kept.append(_Wanted(message.workers, None, (), message.epoch))
-            else:
-                kept.append(message)
+                message = _Wanted(message.workers, None, (), message.epoch)
+            self._send.send_nowait(message)
         for message in wanted:
             handle = message.handle
             if handle is None:
@@ -670,8 +665,6 @@ class WorkerProber:
             for worker in message.ask:
                 if worker not in handle._delivered:
                     handle._deliver(self._skip(worker, SkipReason.STOPPED, handle))
-        for message in kept:  # the inbox was just emptied: there is room for them again
-            self._send.send_nowait(message)
 
     def _stop_flights(self) -> None:
         """The probe tasks died with the nursery: end their waits and free their workers, and give
