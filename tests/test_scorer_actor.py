@@ -16,6 +16,7 @@ from router.config import DeploymentConfig, ScorerConfig
 from router.policy.cache_affinity import CacheAffinityFirst, Selection
 from router.policy.plan import Candidate, CandidatePlan, CandidateSource
 from router.types import DropReason, HostMatch, Reason, Role, TaskInfo, WorkerAddr, WorkerStatus
+from tests.test_supervision import run_until_it_crashes
 
 BS = 16
 SEQ = 1600
@@ -200,15 +201,8 @@ async def test_the_decision_in_hand_when_the_scorer_crashes_fails_at_once(
 
     monkeypatch.setattr(scorer, "_decide", bug)
     crashed: list[BaseException] = []
-
-    async def run(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            await scorer.run(task_status=task_status)
-        except* RuntimeError as group:  # as the supervisor sees it
-            crashed.extend(group.exceptions)
-
     async with trio.open_nursery() as nursery:
-        await nursery.start(run)
+        await nursery.start(run_until_it_crashes, scorer.run, crashed)
         start = trio.current_time()
         with trio.fail_after(1), pytest.raises(ScorerUnavailable, match="stopped before deciding"):
             await scorer.decide(request(plan, {a: status(), b: status()}, now=1.0))

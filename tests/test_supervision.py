@@ -7,8 +7,9 @@ MockClock + MemoryNetwork (in-memory SimCluster); the crash is raised inside the
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import trio
@@ -54,6 +55,20 @@ async def _routing() -> AsyncIterator[RouterHandle]:
         with trio.fail_after(1):
             await resolver.leader()
         yield handle
+
+
+async def run_until_it_crashes(
+    run: Callable[..., Awaitable[object]],
+    crashed: list[BaseException],
+    *,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """An actor's ``run`` started as the supervisor starts it (``nursery.start``), the RuntimeErrors a
+    crash raises out of its nursery kept in ``crashed`` rather than raised."""
+    try:
+        await run(task_status=task_status)
+    except* RuntimeError as group:
+        crashed.extend(group.exceptions)
 
 
 async def _until_the_router_runs(handle: RouterHandle) -> None:

@@ -26,6 +26,7 @@ from router.transport.memory_adapter import MemoryNetwork
 from router.types import Role, WorkerAddr
 from router.wire import engine_status_pb2 as engine_pb
 from router.wire import paths
+from tests.test_supervision import run_until_it_crashes
 
 
 class FakeWorkers:
@@ -1064,15 +1065,8 @@ async def test_the_probes_asked_when_a_bug_ends_the_run_end_stopped_at_once(
 
     monkeypatch.setattr(prober, "_lookup", lookup)
     crashed: list[BaseException] = []
-
-    async def run(*, task_status: trio.TaskStatus[WorkerProber] = trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            await prober.run(task_status=task_status)
-        except* RuntimeError as group:  # as the supervisor sees it
-            crashed.extend(group.exceptions)
-
     async with trio.open_nursery() as nursery:
-        await nursery.start(run)
+        await nursery.start(run_until_it_crashes, prober.run, crashed)
         start = trio.current_time()
         in_hand = prober.probe([a, b], start + 1.0)  # handed to the owner, which is waiting for it
         queued = prober.probe([c], start + 1.0)  # behind it in the inbox
