@@ -399,13 +399,18 @@ class RouterActor:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return decision
 
-    async def _refuse(self, request: RouteRequest, now: float, problem: BadRequest) -> RouteDecision:
-        """The answer ``bad_request`` to a request whose fields cannot even be read (a wrong type, a
-        budget that is not a finite number): before admission, and not written to the decision log,
-        whose encoder expects the declared types."""
+    async def _refuse(
+        self, request: RouteRequest, now: float, problem: BadRequest, *, logged_until: float | None = None
+    ) -> RouteDecision:
+        """The answer ``bad_request``, outside the chain. ``logged_until`` (the request's deadline): its
+        fields could be read, and it is written to the decision log as any decision; None for one whose
+        fields cannot even be read (a wrong type, a budget that is not a finite number), not written,
+        since the log's encoder expects the declared types."""
         if not isinstance(request.request_id, str):
             request = replace(request, request_id=repr(request.request_id))
         decision = self._emit(self._fallback(request, None, Reason.BAD_REQUEST, now, {}, (), error=str(problem)))
+        if logged_until is not None and self._decision_log is not None:
+            self._decision_log.submit(DecisionRecord(self._recorded(request), now, logged_until, decision=decision))
         await trio.lowlevel.cancel_shielded_checkpoint()  # made and counted: a cancellation must not lose it
         return decision
 
@@ -420,11 +425,7 @@ class RouterActor:
             return await self._outside(request, now, deadline, checked, reason)
         # Refused at once, from the same checks: not by walking the chain, where a long prompt's hashing
         # (in slices, with checkpoints) is cut by a deadline already past before it reaches the bad id.
-        decision = self._emit(self._fallback(request, None, Reason.BAD_REQUEST, now, {}, (), error=str(checked)))
-        if self._decision_log is not None:
-            self._decision_log.submit(DecisionRecord(self._recorded(request), now, deadline, decision=decision))
-        await trio.lowlevel.cancel_shielded_checkpoint()  # made and counted: a cancellation must not lose it
-        return decision
+        return await self._refuse(request, now, checked, logged_until=deadline)
 
     def accepted_token_ids(self) -> IntRange:
         """The token ids this router takes: its family's when a source hashes them, else any 64-bit
