@@ -231,9 +231,13 @@ def _str_field(obj: Mapping[str, object], key: str, field: str, target: str) -> 
         return None
     if not isinstance(value, str):
         raise GarbledReply(target, f"{field}: expected a string, got {value!r}")
-    # JSON's \ud800 (and bytes decoded with surrogatepass) give a lone surrogate, which no UTF-8 wire
-    # takes: a scheduler's error message so made failed the sidecar's reply to its caller.
-    return value if value.isascii() else value.encode("utf-8", "replace").decode("utf-8")
+    return _sendable(value)
+
+
+def _sendable(text: str) -> str:
+    """``text`` as any UTF-8 wire takes it: JSON's \ud800 (and bytes decoded with surrogatepass) give a
+    lone surrogate, and a scheduler's error message so made failed the sidecar's reply to its caller."""
+    return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _message(obj: Mapping[str, object], key: str) -> str:
@@ -245,8 +249,7 @@ def _message(obj: Mapping[str, object], key: str) -> str:
         return ""
     if not isinstance(value, str):
         value = json.dumps(value)  # as long as the reply, which is bounded
-    text = value if value.isascii() else value.encode("utf-8", "replace").decode("utf-8")
-    return cut_text(text, MAX_MESSAGE_CHARS)
+    return cut_text(_sendable(value), MAX_MESSAGE_CHARS)
 
 
 def _port(value: int | None, field: str, target: str) -> int:
