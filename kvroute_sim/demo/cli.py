@@ -30,6 +30,7 @@ import trio
 
 from kvroute_sim.demo import key_family, scenarios, split_budget
 from kvroute_sim.demo.evidence_cli import configure_evidence, evidence_requested, run_evidence
+from kvroute_sim.demo.flag_values import number
 from kvroute_sim.demo.herding import HERDING_FILE, default_variants, format_herding, run_herding, write_herding
 from kvroute_sim.demo.lineup import (
     COST_AWARE_SETTINGS,
@@ -85,37 +86,6 @@ DEFAULT_OUT = "demo-out"
 MAX_ROUTERS = 16
 
 
-def _number(
-    kind: type[int] | type[float], minimum: float, maximum: float = math.inf, *, above: bool = False
-) -> Callable[[str], float]:
-    """A parser of ``kind`` numbers >= ``minimum`` (> with ``above``) and <= ``maximum``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
-        try:
-            infinite = not math.isfinite(value)
-        except OverflowError:  # an integer beyond float's range
-            raise argparse.ArgumentTypeError(f"too large, got {text}") from None
-        if infinite or value < minimum or (above and value == minimum) or value > maximum:
-            if maximum == math.inf:
-                wanted = f"{'>' if above else '>='} {minimum}"
-            elif above:
-                wanted = f"> {_word(minimum)} and <= {_word(maximum)}"
-            else:
-                wanted = f"in {_word(minimum)}..{_word(maximum)}"
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
-        return value
-
-    return parse
-
-
-def _word(value: float) -> str:
-    return str(value) if isinstance(value, int) else f"{value:g}"
-
-
 def _setting(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     name = name.strip().replace("-", "_").removeprefix("__")
@@ -146,52 +116,52 @@ def _policies(text: str) -> tuple[str, ...]:
 
 # Workload and cluster flags: (flag, spec field, parser, metavar, help). Defaults come from the presets.
 _WORKLOAD_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] = (
-    ("--groups", "groups", _number(int, 1), "N", "shared-system-prompt groups"),
-    ("--prompts-per-group", "prompts_per_group", _number(int, 1), "N", "conversations = groups x this"),
+    ("--groups", "groups", number(int, 1), "N", "shared-system-prompt groups"),
+    ("--prompts-per-group", "prompts_per_group", number(int, 1), "N", "conversations = groups x this"),
     (
         "--system-prompt-tokens",
         "system_prompt_tokens",
-        _number(int, 1, GROUP_STRIDE),
+        number(int, 1, GROUP_STRIDE),
         "N",
         f"tokens per system prompt, at most {GROUP_STRIDE}",
     ),
-    ("--question-tokens", "question_tokens", _number(int, 1), "N", "tokens per question"),
-    ("--output-tokens", "output_tokens", _number(int, 0), "N", "tokens per answer (extends the next turn)"),
+    ("--question-tokens", "question_tokens", number(int, 1), "N", "tokens per question"),
+    ("--output-tokens", "output_tokens", number(int, 0), "N", "tokens per answer (extends the next turn)"),
     (
         "--multi-turn-fraction",
         "multi_turn_fraction",
-        _number(float, *MULTI_TURN_FRACTION_RANGE),
+        number(float, *MULTI_TURN_FRACTION_RANGE),
         "F",
         "share of multi-turn conversations, in {:g}..{:g}".format(*MULTI_TURN_FRACTION_RANGE),
     ),
-    ("--turns", "turns", _number(int, 1), "N", "turns of a multi-turn conversation"),
+    ("--turns", "turns", number(int, 1), "N", "turns of a multi-turn conversation"),
     (
         "--think-time-s",
         "think_time_s",
-        _number(float, 0.0, MAX_THINK_TIME_S, above=True),
+        number(float, 0.0, MAX_THINK_TIME_S, above=True),
         "F",
         f"mean gap between turns (s), at most {MAX_THINK_TIME_S:g}",
     ),
     (
         "--rate",
         "rate_per_s",
-        _number(float, *RATE_PER_S_RANGE),
+        number(float, *RATE_PER_S_RANGE),
         "F",
         "mean arrivals per simulated second, in {:g}..{:g}; every request must arrive within {:g} simulated s "
         "(a week)".format(*RATE_PER_S_RANGE, MAX_ARRIVAL_S),
     ),
-    ("--zipf-s", "zipf_s", _number(float, 0.0), "F", "Zipf exponent of group popularity (0 = uniform)"),
-    ("--seed", "seed", _number(int, 0), "N", "workload and baseline seed"),
-    ("--block-size", "block_size", _number(int, 1), "N", "tokens per KV block"),
+    ("--zipf-s", "zipf_s", number(float, 0.0), "F", "Zipf exponent of group popularity (0 = uniform)"),
+    ("--seed", "seed", number(int, 0), "N", "workload and baseline seed"),
+    ("--block-size", "block_size", number(int, 1), "N", "tokens per KV block"),
     ("--key-family", "key_family", KeyFamily, "FAMILY", "block key family: " + "|".join(f.value for f in KeyFamily)),
 )
 _CLUSTER_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] = (
-    ("--sim-workers", "workers", _number(int, 1), "N", "simulated workers"),
-    ("--kvcm-replicas", "kvcm_replicas", _number(int, 1), "N", "KVCM replicas (the first leads)"),
-    ("--prefill-tokens-per-s", "prefill_tokens_per_s", _number(float, 0.0, above=True), "F", "prefill per worker"),
-    ("--kv-capacity-blocks", "kv_capacity_blocks", _number(int, 1), "N", "KV capacity per worker (blocks, LRU)"),
-    ("--decode-tokens-per-s", "decode_tokens_per_s", _number(float, 0.0, above=True), "F", "decode speed per sequence"),
-    ("--running-kv-blocks", "running_kv_blocks", _number(int, 1), "N", "running requests' KV per worker (blocks)"),
+    ("--sim-workers", "workers", number(int, 1), "N", "simulated workers"),
+    ("--kvcm-replicas", "kvcm_replicas", number(int, 1), "N", "KVCM replicas (the first leads)"),
+    ("--prefill-tokens-per-s", "prefill_tokens_per_s", number(float, 0.0, above=True), "F", "prefill per worker"),
+    ("--kv-capacity-blocks", "kv_capacity_blocks", number(int, 1), "N", "KV capacity per worker (blocks, LRU)"),
+    ("--decode-tokens-per-s", "decode_tokens_per_s", number(float, 0.0, above=True), "F", "decode speed per sequence"),
+    ("--running-kv-blocks", "running_kv_blocks", number(int, 1), "N", "running requests' KV per worker (blocks)"),
 )
 
 
@@ -272,7 +242,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scenario-scale",
-        type=_number(float, 0.0, above=True),
+        type=number(float, 0.0, above=True),
         default=None,
         metavar="F",
         help=f"multiply every scenario phase by F (default {scenarios.DEFAULT_SCALE:g}; e.g. 0.4 for CI); "

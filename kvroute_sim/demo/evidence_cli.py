@@ -15,6 +15,7 @@ from pathlib import Path
 
 import trio
 
+from kvroute_sim.demo.flag_values import number
 from kvroute_sim.demo.ladder import (
     DEFAULT_LOADS,
     default_slo_ms,
@@ -57,17 +58,6 @@ def _positive(kind: type[int] | type[float]) -> argparse._ActionType:
     return parse
 
 
-def _speedup(text: str) -> float:
-    low, high = SPEEDUP_RANGE
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not low <= value <= high:
-        raise argparse.ArgumentTypeError(f"must be in {low:g}..{high:g}, got {text}")
-    return value
-
-
 def _loads(text: str) -> tuple[float, ...]:
     try:
         loads = tuple(float(x) / 100.0 for x in text.split(",") if x.strip())
@@ -83,7 +73,7 @@ def configure_evidence(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", type=Path, metavar="FILE", help="replay a Mooncake-format JSONL trace (512-token blocks)")
     g.add_argument(
         "--trace-speedup",
-        type=_speedup,
+        type=number(float, *SPEEDUP_RANGE),
         metavar="X",
         help="compress time X-fold, X in {:g}..{:g} (default {:g}); every request must arrive within {:g} simulated s "
         "(a week)".format(*SPEEDUP_RANGE, DEFAULT_SPEEDUP, MAX_ARRIVAL_S),
