@@ -98,10 +98,9 @@ def check_bounds(limits: LimitsConfig, *, request_id: str, n_tokens: int, n_keys
     if n_roles > limits.max_roles:
         raise BadRequest("roles", f"{n_roles} roles, more than the limit of {limits.max_roles} (--max-roles)")
     limit = limits.max_request_id_bytes
-    too_long = BadRequest("request_id", f"longer than the limit of {limit} UTF-8 bytes (--max-request-id-bytes)")
     # A character is at least one UTF-8 byte: a long id is refused without encoding it.
     if len(request_id) > limit:
-        raise too_long
+        raise _id_too_long(limit)
     try:
         encoded = request_id.encode("utf-8")
     except UnicodeEncodeError as exc:  # the id goes out as UTF-8 (KVCM's trace_id, the master's request)
@@ -109,7 +108,12 @@ def check_bounds(limits: LimitsConfig, *, request_id: str, n_tokens: int, n_keys
             "request_id", f"not Unicode text: an unpaired surrogate {request_id[exc.start]!a} at index {exc.start}"
         ) from None
     if len(encoded) > limit:
-        raise too_long
+        raise _id_too_long(limit)
+
+
+def _id_too_long(limit: int) -> BadRequest:
+    # Built only when raised: every request, a shed one included, passes the check above.
+    return BadRequest("request_id", f"longer than the limit of {limit} UTF-8 bytes (--max-request-id-bytes)")
 
 
 def quoted(text: str) -> str:
