@@ -71,7 +71,7 @@ from router.decision_record import (
 from router.logs import AggregatingLogger
 from router.master_config import master_hosts
 from router.policy.cache_affinity import ObservedStatus
-from router.policy.choice import make_policy
+from router.policy.choice import make_policy, status_horizon_s
 from router.policy.deadline_split import COLD, SplitEstimates
 from router.policy.ledger import NEVER, SelectionLedger
 from router.policy.plan import CandidateSource, Fleet
@@ -565,7 +565,7 @@ class RecordedLedger(SelectionLedger):
     """The ledger as the recorded decision read it; recording into it changes nothing."""
 
     def __init__(self, view: Mapping[str, tuple[int, float]]) -> None:
-        super().__init__(1, 2)
+        super().__init__(1, 2, status_horizon_s=0.0)  # records nothing: no charge to keep
         self._view = view
 
     def view(self, worker: str, status_taken_at: float) -> tuple[int, float]:
@@ -621,6 +621,7 @@ class _ReplayScoring:
         policy = make_policy(
             self._config.scorer,
             self._config.deployment,
+            status_horizon_s=status_horizon_s(self._config),
             tie_rng=RecordedTies(() if recorded is None else recorded.ties, self._config.scorer.seed),
             ledger=RecordedLedger({} if recorded is None else recorded.ledger),
         )

@@ -53,7 +53,7 @@ from router.decision_record import FORMAT_VERSION
 from router.exception_groups import leaves, sole_leaf
 from router.logs import AggregatingLogger
 from router.master_config import master_hosts
-from router.policy.choice import make_policy
+from router.policy.choice import make_policy, status_horizon_s
 from router.problems import refuse
 from router.settings import SECTIONS, LoadedConfig, section_problems, section_type_problems
 from router.settings.redact import config_digest, non_default_settings
@@ -412,7 +412,7 @@ async def _topology(
         await supervisor.start("shadow_index", shadow.run, snapshot=shadow.health)
 
         scorer = Scorer(
-            make_policy(config.scorer, config.deployment),
+            make_policy(config.scorer, config.deployment, status_horizon_s=status_horizon_s(config)),
             # A decision and a fallback record per request at most, and the room for sheds' charges.
             inbox_size=2 * config.router.max_in_flight + SHED_CHARGE_ROOM,
             max_warned_workers=config.scorer.max_tracked_workers,

@@ -40,7 +40,7 @@ def run_costs(
     return score_costs(
         plan,
         observed(statuses),
-        ledger or SelectionLedger(64, 64),
+        ledger or SelectionLedger(64, 64, status_horizon_s=0.0),
         config=config,
         roles=roles,
         seq_len=seq_len,
@@ -84,7 +84,7 @@ def test_with_no_prices_and_no_spreading_it_chooses_as_cache_affinity_first(scen
     reference = score(
         plan,
         observed(statuses),
-        SelectionLedger(64, 64),
+        SelectionLedger(64, 64, status_horizon_s=0.0),
         config=config,
         roles=roles,
         seq_len=seq_len,
@@ -150,7 +150,7 @@ def test_the_fixed_cost_counts_this_request_as_well_as_those_waiting() -> None:
 
 
 def test_the_pre_charge_carries_the_fixed_cost() -> None:
-    policy = CostAware(replace(COST, request_cost_tokens=300), DeploymentConfig(block_size=BS))
+    policy = CostAware(replace(COST, request_cost_tokens=300), DeploymentConfig(block_size=BS), status_horizon_s=0.0)
     w = addr(0)
     plan = plan_of((w, None))
     sel = policy.decide(plan, observed({w: status(0)}), seq_len=1000, block_size=BS, now=1.0)
@@ -232,14 +232,14 @@ def test_cost_aware_plans_its_own_cold_set_size() -> None:
         p = policy.plan([], fleet, request_id="r", source=CandidateSource.HOT, ejected=frozenset())
         return sum(c.source is CandidateSource.COLD for c in p.candidates)
 
-    assert cold(CostAware(config, DeploymentConfig())) == 6
-    assert cold(CacheAffinityFirst(config, DeploymentConfig())) == 2
+    assert cold(CostAware(config, DeploymentConfig(), status_horizon_s=0.0)) == 6
+    assert cold(CacheAffinityFirst(config, DeploymentConfig(), status_horizon_s=0.0)) == 2
 
 
 def test_the_setting_chooses_the_policy() -> None:
     deployment = DeploymentConfig(block_size=BS)
-    assert isinstance(make_policy(ScorerConfig(), deployment), CacheAffinityFirst)  # the default
-    assert isinstance(make_policy(COST, deployment), CostAware)
+    assert isinstance(make_policy(ScorerConfig(), deployment, status_horizon_s=0.0), CacheAffinityFirst)  # the default
+    assert isinstance(make_policy(COST, deployment, status_horizon_s=0.0), CostAware)
     loaded = load_config({"scorer_policy": "cost-aware", "scorer_near_tie_tokens": "128"}, {})
     assert loaded.effective.scorer.policy is ScorerPolicy.COST_AWARE
     assert loaded.effective.scorer.near_tie_tokens == 128

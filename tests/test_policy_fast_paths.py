@@ -117,7 +117,7 @@ def test_scored_hit_is_hit_tokens(local: int, p2p_extra: int, block_size: int, s
     selection = score(
         plan,
         {worker: ObservedStatus(worker_status(1), 0.0)},
-        SelectionLedger(4, 4),
+        SelectionLedger(4, 4, status_horizon_s=0.0),
         config=config,
         roles=(Role.PREFILL,),
         seq_len=seq_len,

@@ -115,7 +115,7 @@ def run(
     return score(
         plan,
         observed(statuses),
-        ledger or SelectionLedger(64, 64),
+        ledger or SelectionLedger(64, 64, status_horizon_s=0.0),
         config=config,
         roles=roles,
         seq_len=seq_len,
@@ -478,7 +478,7 @@ def test_missing_statuses_use_the_callers_reason() -> None:
     sel = score(
         plan,
         observed({c: status(0)}),
-        SelectionLedger(8, 8),
+        SelectionLedger(8, 8, status_horizon_s=0.0),
         config=ScorerConfig(),
         roles=(Role.PREFILL,),
         seq_len=SEQ,
@@ -506,7 +506,7 @@ def test_the_filtered_plan_a_policy_respreads_with_keeps_its_passed_rows_in_plan
     score(
         plan,
         observed({a: status(0), b: status(0), c: status(0)}),
-        SelectionLedger(8, 8),
+        SelectionLedger(8, 8, status_horizon_s=0.0),
         config=ScorerConfig(),
         roles=(Role.PREFILL,),
         seq_len=SEQ,
@@ -557,7 +557,7 @@ def test_exact_ties_are_not_broken_by_address() -> None:
 def test_least_recently_selected_wins_an_exact_work_tie() -> None:
     a, b, c = addr(1), addr(2), addr(3)
     plan = plan_of((a, 10), (b, 10), (c, 10))
-    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=BS))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=BS), status_horizon_s=0.0)
     chosen = []
     for step in range(9):
         now = float(step)
@@ -580,7 +580,7 @@ def test_result_invariant_under_input_order(seed: int, data: st.DataObject) -> N
     ledger_ops = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, 20_000)), max_size=6))
 
     def ledger() -> SelectionLedger:
-        built = SelectionLedger(64, 64)
+        built = SelectionLedger(64, 64, status_horizon_s=0.0)
         for t, (i, tokens) in enumerate(ledger_ops):
             built.record(workers[i].http_target, tokens, now=float(t))
         return built
@@ -696,7 +696,11 @@ def test_leader_chosen_whenever_within_bound_and_gate(scenario: Scenario, seed: 
 def test_selection_pre_charges_until_a_newer_status_arrives() -> None:
     a, b = addr(1), addr(2)
     plan = plan_of((a, 16), (b, 15))
-    scorer = CacheAffinityFirst(replace(ScorerConfig(), max_extra_work_tokens=0), DeploymentConfig(block_size=BS))
+    scorer = CacheAffinityFirst(
+        replace(ScorerConfig(), max_extra_work_tokens=0),
+        DeploymentConfig(block_size=BS),
+        status_horizon_s=0.0,
+    )
     first = scorer.decide(
         plan, observed({a: status(0), b: status(0)}, taken_at=0.0), seq_len=SEQ, block_size=BS, now=1.0
     )
@@ -717,7 +721,7 @@ def test_selection_pre_charges_until_a_newer_status_arrives() -> None:
 def test_a_decision_clears_the_charges_its_status_covers() -> None:
     w = addr(1)
     plan = plan_of((w, 5))  # each decision charges its 40000 uncached tokens
-    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=BS))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=BS), status_horizon_s=0.0)
     first = scorer.decide(plan, {w: ObservedStatus(status(0), 0.0)}, seq_len=SEQ, block_size=BS, now=1.0)
     assert first.status_taken_at == 0.0
     # A status taken at 1.5 already reflects the dispatch at 1.0: recording the next one drops it.
@@ -728,7 +732,7 @@ def test_a_decision_clears_the_charges_its_status_covers() -> None:
 
 
 def test_status_taken_at_the_charge_instant_keeps_the_charge() -> None:
-    ledger = SelectionLedger(4, 8)
+    ledger = SelectionLedger(4, 8, status_horizon_s=0.0)
     ledger.record("w:1", 100, now=5.0)
     assert ledger.view("w:1", 5.0) == (100, 5.0)
     assert ledger.view("w:1", 5.000001) == (0, 5.0)
@@ -736,7 +740,7 @@ def test_status_taken_at_the_charge_instant_keeps_the_charge() -> None:
 
 
 def test_ledger_clears_charges_made_before_a_status() -> None:
-    ledger = SelectionLedger(4, 64)
+    ledger = SelectionLedger(4, 64, status_horizon_s=0.0)
     for t in range(1, 6):
         ledger.record("w:1", 10 * t, now=float(t))  # 10, 20, 30, 40, 50 at t = 1..5
     assert ledger.view("w:1", 0.0)[0] == 150
@@ -747,7 +751,7 @@ def test_ledger_clears_charges_made_before_a_status() -> None:
 
 
 def test_ledger_merges_old_charges_beyond_the_cap_without_losing_tokens() -> None:
-    ledger = SelectionLedger(4, 3)
+    ledger = SelectionLedger(4, 3, status_horizon_s=0.0)
     for t in range(1, 11):
         ledger.record("w:1", 1, now=float(t))
     assert ledger.view("w:1", 0.0)[0] == 10  # nothing lost
@@ -760,7 +764,7 @@ def test_ledger_merges_old_charges_beyond_the_cap_without_losing_tokens() -> Non
 
 
 def test_ledger_is_bounded_lru_over_workers() -> None:
-    ledger = SelectionLedger(3, 8)
+    ledger = SelectionLedger(3, 8, status_horizon_s=0.0)
     for i in range(10):
         ledger.record(f"w:{i}", 5, now=float(i))
     assert len(ledger) == 3
@@ -774,7 +778,7 @@ def test_ledger_is_bounded_lru_over_workers() -> None:
 def test_a_charge_recorded_out_of_order_still_counts() -> None:
     """A decision made at 3.0 recorded after one made at 5.0 (a caller's clock stepped back): the charge
     is kept as made at 5.0, so a status taken at 4.0 clears neither — over-, never under-counted."""
-    ledger = SelectionLedger(4, 8)
+    ledger = SelectionLedger(4, 8, status_horizon_s=0.0)
     ledger.record("w:1", 100, now=5.0)
     ledger.record("w:1", 50, now=3.0)
     assert ledger.view("w:1", 4.0)[0] == 150
@@ -783,14 +787,14 @@ def test_a_charge_recorded_out_of_order_still_counts() -> None:
 
 def test_the_last_selected_time_never_moves_back() -> None:
     # A selection recorded late does not make the worker look less recently selected than it is.
-    ledger = SelectionLedger(4, 8)
+    ledger = SelectionLedger(4, 8, status_horizon_s=0.0)
     ledger.record("w:1", 100, now=5.0)
     ledger.record("w:1", 50, now=3.0)
     assert ledger.view("w:1", 0.0) == (150, 5.0)
 
 
 def test_the_pending_charges_gauge_forgets_the_charges_of_an_evicted_worker() -> None:
-    ledger = SelectionLedger(1, 8)
+    ledger = SelectionLedger(1, 8, status_horizon_s=0.0)
     ledger.record("w:1", 10, now=1.0)
     ledger.record("w:1", 10, now=2.0)
     ledger.record("w:2", 10, now=3.0)  # evicts w:1 and its two charges
@@ -808,7 +812,7 @@ def test_burst_sharing_one_prefix_spreads_once_pre_charge_makes_workers_comparab
     seq_len, block = 8000, 16
     plan = plan_of(*((w, 375 if w == holder else None) for w in workers))
     statuses = observed({w: status(0) for w in workers}, taken_at=0.0)
-    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=block))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=block), status_horizon_s=0.0)
     counts: Counter[WorkerAddr | None] = Counter()
     for i in range(1000):
         selection = scorer.decide(plan, statuses, seq_len=seq_len, block_size=block, now=1.0 + i * 1e-4)
@@ -823,7 +827,7 @@ def test_burst_over_equal_holders_spreads_evenly() -> None:
     workers = [addr(i) for i in range(4)]
     plan = plan_of(*((w, 100) for w in workers))
     statuses = observed({w: status(0) for w in workers}, taken_at=0.0)
-    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=16))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=16), status_horizon_s=0.0)
     counts = Counter(
         scorer.decide(plan, statuses, seq_len=4000, block_size=16, now=1.0 + i).worker for i in range(1000)
     )
@@ -836,7 +840,7 @@ def test_burst_over_equal_holders_spreads_evenly() -> None:
 def test_policy_record_charges_fallback_dispatches() -> None:
     a, b = addr(1), addr(2)
     plan = plan_of((a, None), (b, None))
-    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=BS))
+    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(block_size=BS), status_horizon_s=0.0)
     scorer.record(a, 5000, now=1.0)  # e.g. a domain-fallback dispatch
     sel = scorer.decide(plan, observed({a: status(0), b: status(0)}), seq_len=SEQ, block_size=BS, now=2.0)
     assert sel.worker == b
@@ -846,7 +850,11 @@ def test_policy_roles_default_to_the_deployments_and_can_be_overridden() -> None
     a = addr(1)
     plan = plan_of((a, 5))
     statuses = observed({a: status(0, role=Role.PDFUSION)})
-    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(roles=(Role.PREFILL,), block_size=BS))
+    scorer = CacheAffinityFirst(
+        ScorerConfig(),
+        DeploymentConfig(roles=(Role.PREFILL,), block_size=BS),
+        status_horizon_s=0.0,
+    )
     assert scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0).worker is None
     assert (
         scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0, roles=(Role.PDFUSION,)).worker == a
@@ -859,7 +867,11 @@ def test_the_policys_default_roles_leave_out_the_deployments_decode_role() -> No
     d, p = addr(1), addr(2)
     plan = plan_of((d, 20), (p, None))
     statuses = observed({d: status(0, role=Role.DECODE), p: status(0)})
-    scorer = CacheAffinityFirst(ScorerConfig(), DeploymentConfig(roles=(Role.PREFILL, Role.DECODE), block_size=BS))
+    scorer = CacheAffinityFirst(
+        ScorerConfig(),
+        DeploymentConfig(roles=(Role.PREFILL, Role.DECODE), block_size=BS),
+        status_horizon_s=0.0,
+    )
     sel = scorer.decide(plan, statuses, seq_len=SEQ, block_size=BS, now=0.0)
     assert sel.worker == p and dict(sel.drop_counts) == {DropReason.ROLE_NOT_ROUTED: 1}
 
@@ -882,9 +894,9 @@ def test_policy_rejects_bad_config_naming_every_field() -> None:
         ("hot_set_size", "cold_set_size"),
     ]
     with pytest.raises(ConfigError, match=r"scorer.prefill_queue_size_threshold.*scorer.max_pending_charges"):
-        CacheAffinityFirst(bad, DeploymentConfig())
+        CacheAffinityFirst(bad, DeploymentConfig(), status_horizon_s=0.0)
     with pytest.raises(ConfigError, match="roles"):
-        CacheAffinityFirst(ScorerConfig(), DeploymentConfig(roles=()))
+        CacheAffinityFirst(ScorerConfig(), DeploymentConfig(roles=()), status_horizon_s=0.0)
     assert scorer_problems(ScorerConfig()) == []
 
 
@@ -894,7 +906,11 @@ def test_negative_seq_len_is_rejected() -> None:
 
 
 def test_observe_reuses_the_view_of_an_unchanged_status_and_is_bounded() -> None:
-    scorer = CacheAffinityFirst(replace(ScorerConfig(), max_tracked_workers=2), DeploymentConfig(block_size=BS))
+    scorer = CacheAffinityFirst(
+        replace(ScorerConfig(), max_tracked_workers=2),
+        DeploymentConfig(block_size=BS),
+        status_horizon_s=0.0,
+    )
     a, b, c = addr(1), addr(2), addr(3)
     st_a = status(7000)
     first = scorer.observe(a, st_a, 1.0)

@@ -12,8 +12,9 @@ import trio
 import trio.testing
 
 from actors.scorer import Decided, DecideRequest, Scorer, ScorerUnavailable
-from router.config import DeploymentConfig, ScorerConfig
+from router.config import DeploymentConfig, KvrouteConfig, ScorerConfig
 from router.policy.cache_affinity import CacheAffinityFirst, Selection
+from router.policy.choice import make_policy, status_horizon_s
 from router.policy.plan import Candidate, CandidatePlan, CandidateSource
 from router.types import DropReason, HostMatch, Reason, Role, TaskInfo, WorkerAddr, WorkerStatus
 from tests.test_supervision import run_until_it_crashes
@@ -72,7 +73,7 @@ def request(
 def make_scorer(inbox: int = 8, **scorer_fields: object) -> Scorer:
     config = replace(ScorerConfig(), **scorer_fields)  # type: ignore[arg-type]
     return Scorer(
-        CacheAffinityFirst(config, DeploymentConfig(block_size=BS)),
+        CacheAffinityFirst(config, DeploymentConfig(block_size=BS), status_horizon_s=0.0),
         inbox_size=inbox,
         max_warned_workers=64,
         error_log_interval_s=ERROR_LOG_INTERVAL_S,
@@ -149,6 +150,39 @@ async def test_a_decision_is_charged_when_it_is_made_not_when_it_was_asked_for(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_status_older_than_one_already_scored_with_is_charged_every_dispatch_since_it(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """R3 read A's status taken at t=0 while it was fresh and waited for its other probes; meanwhile R2
+    was scored with a newer status of A (taken at t=0.050), which cleared the charges made before it.
+    R3 then saw A without R1's and R2's dispatches and piled onto it: A holds 1,000 queued and is sent
+    1,000 by each of R1 and R2, 3,000 in all against B's 2,500."""
+    config = KvrouteConfig()
+    policy = make_policy(config.scorer, DeploymentConfig(block_size=BS), status_horizon_s=status_horizon_s(config))
+    scorer = Scorer(
+        policy,
+        inbox_size=8,
+        max_warned_workers=64,
+        error_log_interval_s=ERROR_LOG_INTERVAL_S,
+        retain_settle_s=RETAIN_SETTLE_S,
+    )
+    await nursery.start(scorer.run)
+    a, b = addr(1), addr(2)
+    plan = plan_of((a, None), (b, None))  # neither holds any of the 1,000 tokens
+    a_at_0, b_at_0 = (status(), 0.0), (status(1500), 0.0)
+
+    async def decided_at(now: float, statuses: dict[WorkerAddr, tuple[WorkerStatus, float]]) -> WorkerAddr | None:
+        await trio.sleep_until(now)
+        selection, _ = await scorer.decide(replace(request(plan, {}, now, seq_len=1000), statuses=statuses))
+        return selection.worker
+
+    assert await decided_at(0.010, {a: a_at_0, b: b_at_0}) == a  # idle A: 1,000 against B's 2,500
+    # A probe of A sent at t=0.050 shows R1's 1,000 tokens queued.
+    assert await decided_at(0.060, {a: (status(1000), 0.050), b: b_at_0}) == a  # 2,000 against 2,500
+    # A: its status's 0, R1's and R2's 2,000, and this request's 1,000.
+    assert await decided_at(0.070, {a: a_at_0, b: b_at_0}) == b
+
+
 async def test_record_nowait_charges_a_fallback_dispatch(nursery: trio.Nursery) -> None:
     scorer = make_scorer()
     await nursery.start(scorer.run)
@@ -214,7 +248,7 @@ class _RecordFailsOnce(CacheAffinityFirst):
     """A policy whose first record() raises, as a bug would: the Scorer's run ends there."""
 
     def __init__(self) -> None:
-        super().__init__(ScorerConfig(), DeploymentConfig(block_size=BS))
+        super().__init__(ScorerConfig(), DeploymentConfig(block_size=BS), status_horizon_s=0.0)
         self.failed = False
 
     def record(
@@ -338,7 +372,7 @@ class SlowPolicy(CacheAffinityFirst):
     """Every decision takes ``work_s`` of the mock clock, as CPU work in the Scorer's task would."""
 
     def __init__(self, clock: trio.testing.MockClock, work_s: float) -> None:
-        super().__init__(ScorerConfig(), DeploymentConfig(block_size=BS))
+        super().__init__(ScorerConfig(), DeploymentConfig(block_size=BS), status_horizon_s=0.0)
         self._clock = clock
         self._work_s = work_s
 

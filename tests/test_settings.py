@@ -895,7 +895,7 @@ def test_an_effective_config_never_makes_an_actor_reject_it(values: dict[str, ob
     KvcmBreaker(eff.breaker)
     ShadowIndexActor(eff.shadow)
     ChannelPool(eff.channel_pool, lambda target: _Closable())
-    CacheAffinityFirst(eff.scorer, eff.deployment)
+    CacheAffinityFirst(eff.scorer, eff.deployment, status_horizon_s=0.0)
     assert leader_problems(eff.leader) == []
     assert prober_problems(eff.prober) == []
 

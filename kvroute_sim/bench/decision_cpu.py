@@ -23,8 +23,9 @@ from dataclasses import replace
 from kvroute_sim.bench.profiling import WindowProfile
 from kvroute_sim.bench.results import BenchReport, Figure, Verdict, at_most
 from kvroute_sim.stats import Summary, shown_against
-from router.config import DeploymentConfig, ScorerConfig
+from router.config import DeploymentConfig, KvrouteConfig, ScorerConfig
 from router.policy.cache_affinity import CacheAffinityFirst, Selection
+from router.policy.choice import status_horizon_s
 from router.policy.plan import CandidatePlan, Fleet, plan_candidates
 from router.types import HostMatch, Role, TaskInfo, WorkerAddr, WorkerStatus
 
@@ -68,7 +69,11 @@ class Case:
         self.n_workers, self.candidates = n_workers, min(hot + cold, n_workers)
         self.fleet = Fleet.of(workers)
         self.config = replace(ScorerConfig(), hot_set_size=hot, cold_set_size=cold, seed=seed)
-        self.scorer = CacheAffinityFirst(self.config, replace(DeploymentConfig(), block_size=BLOCK_SIZE))
+        self.scorer = CacheAffinityFirst(
+            self.config,
+            replace(DeploymentConfig(), block_size=BLOCK_SIZE),
+            status_horizon_s=status_horizon_s(KvrouteConfig()),
+        )
         self.cache = {w: make_status(rng) for w in workers}  # the prober's warm cache
         holders = rng.sample(workers, min(hot, n_workers))
         self.hosts = tuple(HostMatch(w.http_target, local=rng.randrange(1, N_KEYS + 1)) for w in holders)

@@ -605,6 +605,7 @@ class LedgerPolicy:
         config: ScorerConfig,
         deployment: DeploymentConfig,
         *,
+        status_horizon_s: float,
         tie_rng: random.Random | None = None,
         ledger: SelectionLedger | None = None,
         plan_config: ScorerConfig | None = None,
@@ -623,7 +624,9 @@ class LedgerPolicy:
         self._respread = respread
         # A replay hands in the recorded ledger view and tie draws instead of fresh ones.
         self.ledger = (
-            SelectionLedger(config.max_tracked_workers, config.max_pending_charges) if ledger is None else ledger
+            SelectionLedger(config.max_tracked_workers, config.max_pending_charges, status_horizon_s=status_horizon_s)
+            if ledger is None
+            else ledger
         )
         self._prefill_roles = tuple(r for r in deployment.roles if r in PREFILL_CAPABLE_ROLES)
         self._group_mode = expected_group_mode(deployment.query_type)

@@ -136,12 +136,14 @@ class CostAware(LedgerPolicy):
         config: ScorerConfig,
         deployment: DeploymentConfig,
         *,
+        status_horizon_s: float,
         tie_rng: random.Random | None = None,
         ledger: SelectionLedger | None = None,
     ) -> None:
         super().__init__(
             config,
             deployment,
+            status_horizon_s=status_horizon_s,
             tie_rng=tie_rng,
             ledger=ledger,
             plan_config=replace(config, cold_set_size=config.cost_aware_cold_set_size),

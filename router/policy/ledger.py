@@ -65,21 +65,26 @@ class SelectionLedger:
     """Per-worker last-selected time and local pre-charge, bounded (LRU over workers).
 
     Pre-charge rule: a charge carries the time it was made; a status taken at ``t`` already
-    reflects the dispatches made before ``t``, so it clears the charges made before ``t``
-    and only charges made at or after ``t`` are added to that status's work. Statuses of a
-    worker only get newer (the prober's cache moves forward); a status older than one already
-    recorded with is charged only what remains (charges made before the newest are gone).
+    reflects the dispatches made before ``t``, so only charges made at or after ``t`` are added
+    to that status's work. Statuses a worker is scored with do not only get newer: a request
+    may hold a cached status while it waits for its other probes, and a decision scored with a
+    newer one is recorded meanwhile. So recording with a status taken at ``t`` forgets only the
+    charges made before ``t - status_horizon_s``: a status up to that much older than the newest
+    is still charged every dispatch made since it was taken.
 
     A worker evicted from the ledger is treated as never selected and uncharged.
     """
 
-    def __init__(self, max_tracked_workers: int, max_pending_charges: int) -> None:
+    def __init__(self, max_tracked_workers: int, max_pending_charges: int, *, status_horizon_s: float) -> None:
         if max_tracked_workers < 1:
             raise ValueError(f"max_tracked_workers: must be >= 1, got {max_tracked_workers}")
         if max_pending_charges < 1:
             raise ValueError(f"max_pending_charges: must be >= 1, got {max_pending_charges}")
+        if not status_horizon_s >= 0.0:
+            raise ValueError(f"status_horizon_s: must be >= 0, got {status_horizon_s}")
         self._max_workers = max_tracked_workers
         self._max_charges = max_pending_charges
+        self._status_horizon_s = status_horizon_s
         self._entries: OrderedDict[str, _LedgerEntry] = OrderedDict()  # by worker http target
         self._pending_charges = 0  # live charges over every entry, kept as entries change
 
@@ -100,7 +105,7 @@ class SelectionLedger:
         selected at ``now``.
 
         ``status_taken_at`` (the status the selection was made with, if any) clears the
-        charges made before it.
+        charges made more than ``status_horizon_s`` before it.
         """
         entry = self._entries.get(worker)
         if entry is None:
@@ -112,7 +117,7 @@ class SelectionLedger:
             self._entries.move_to_end(worker)
         before = entry.live()
         if status_taken_at is not None:
-            entry.clear_before(status_taken_at)
+            entry.clear_before(status_taken_at - self._status_horizon_s)
         entry.charge(now, uncached_tokens if uncached_tokens > 0 else 0, self._max_charges)
         if now > entry.last_selected:
             entry.last_selected = now
@@ -126,5 +131,6 @@ class SelectionLedger:
 
     def pending_charges(self) -> int:
         """Charges kept over every tracked worker: cleared only as their worker is recorded again (or
-        forgotten), so it counts charges a newer status already covers, which scoring ignores."""
+        forgotten), and only those made ``status_horizon_s`` before its status, so it counts charges
+        a newer status already covers, which scoring with that status ignores."""
         return self._pending_charges
