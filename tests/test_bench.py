@@ -122,7 +122,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
         assert 0 <= level["within_deadline_plus_5ms"] <= 1 and 0 <= level["overloaded_share"] <= 1
         assert 0 <= level["kvcm_share"] <= 1
         if os.path.isdir("/proc/self/task"):  # where this process's CPU went, by thread role
-            assert set(level["thread_cpu_us_per_call"]) == {"handlers", "trio loop", "grpcio", "other"}
+            assert set(level["thread_cpu_us_per_call"]) == {"handlers", "trio loop", "grpcio", "other", "ended"}
     rates = by_key["P8"]["data"]["rates"]
     assert [r["rate"] for r in rates] == [50, 100, 200, 400, 500, 800]
     for r in rates:  # every call sent is answered by the sidecar or seen failing by the client
@@ -142,7 +142,7 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
                 assert 0 < relay["p50_ms"] <= relay["p99_ms"]
         if os.path.isdir("/proc/self/task"):  # where this process's CPU went, by thread role
             for run in (r, r["relay"], r["bridged"]):
-                assert set(run["thread_cpu_us_per_call"]) == {"handlers", "trio loop", "grpcio", "other"}
+                assert set(run["thread_cpu_us_per_call"]) == {"handlers", "trio loop", "grpcio", "other", "ended"}
     assert "plain client's KVCM query at this rate" in by_key["P8"]["result"]
     assert "a plain grpcio relay on this core" in by_key["P8"]["result"]
     assert "the same relay through the sidecar's hand-off to its trio thread" in by_key["P8"]["result"]
@@ -852,18 +852,28 @@ def test_thread_cpu_splits_each_threads_time_by_the_first_role_its_name_starts_w
         5: T("Trio thread 3", 0.0625, 40),
     }
     roles = (("handlers", "kvroute-sidecar"), ("trio loop", "MainThread"), ("grpcio", "Thread-"), ("grpcio", "event_"))
-    assert thread_cpu.split(before, after, roles) == {
+    # The process used 1.5 s: what the threads seen at the end account for is 1.1875 s, and the rest
+    # was used by threads that ended in between (grpcio's client spin threads).
+    assert thread_cpu.split(before, after, roles, process_s=1.5) == {
         "handlers": 0.25,
         "trio loop": 0.5,
         "grpcio": 0.375,
         "other": 0.0625,
+        thread_cpu.ENDED: 0.3125,
     }
+    # Per-thread ticks rounding above the process's time: nothing ended, never negative.
+    assert thread_cpu.split(before, after, roles, process_s=1.0)[thread_cpu.ENDED] == 0.0
     # A thread id reused by a new thread (started later) counts from zero, never negative.
-    assert thread_cpu.split({1: T("old", 9.0, 5)}, {1: T("kvroute-sidecar_1", 0.5, 50)}, roles)["handlers"] == 0.5
+    reused = thread_cpu.split({1: T("old", 9.0, 5)}, {1: T("kvroute-sidecar_1", 0.5, 50)}, roles, process_s=0.5)
+    assert reused["handlers"] == 0.5
     # A thread renamed meanwhile (trio's worker threads take each job's name) is the same thread: only
     # what it used in between counts, under the name it has now.
-    renamed = thread_cpu.split({6: T("Trio thread 0", 3.0, 7)}, {6: T("kvroute-sidecar_2", 3.5, 7)}, roles)
+    renamed = thread_cpu.split(
+        {6: T("Trio thread 0", 3.0, 7)}, {6: T("kvroute-sidecar_2", 3.5, 7)}, roles, process_s=0.5
+    )
     assert renamed["handlers"] == 0.5 and renamed["other"] == 0.0
+    # Off Linux no thread is seen: no split at all, not the process's time as "ended".
+    assert thread_cpu.split({}, {}, roles, process_s=2.0) == {}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU is read from Linux's /proc")

@@ -422,14 +422,16 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                     client_gone = after.client_gone - before.client_gone
                     expired = after.expired_at_receipt - before.expired_at_receipt
                     timings = sidecar.take_call_timings()
+                    echo_cpu_before = time.process_time()
                     echo = await trio.to_thread.run_sync(callers_child.run, replace(level, target=echo_target))
+                    echo_cpu_s = time.process_time() - echo_cpu_before
                     echo_threads_after = await trio.to_thread.run_sync(thread_cpu.snapshot)
                     echo_floor = EchoFloor(
                         sum(len(r.replies) + len(r.errors) for r in echo.results),
                         echo.seconds,
                         sum(len(r.errors) for r in echo.results),
                         percentile([ms for r in echo.results for ms in r.client_ms], 99),
-                        thread_cpu.split(threads_after, echo_threads_after, THREAD_ROLES),
+                        thread_cpu.split(threads_after, echo_threads_after, THREAD_ROLES, process_s=echo_cpu_s),
                     )
                     levels.append(
                         _level_result(
@@ -442,7 +444,7 @@ async def _run(view: ClusterView, sizes: LoadSizes, caller_cpus: Set[int] | None
                             echo_floor,
                             pauses.full,
                             waits,
-                            thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
+                            thread_cpu.split(threads_before, threads_after, THREAD_ROLES, process_s=cpu_s),
                             client_gone,
                             run.not_started,
                             expired,
@@ -497,7 +499,7 @@ def _thread_table(levels: Sequence[LevelResult]) -> str | None:
     """µs of CPU per call by thread role, the sidecar's level beside the echo server's (None off Linux)."""
     if not any(lv.thread_cpu_s for lv in levels):
         return None
-    roles = [*dict.fromkeys(role for role, _ in THREAD_ROLES), "other"]
+    roles = [*dict.fromkeys(role for role, _ in THREAD_ROLES), "other", thread_cpu.ENDED]
     lines = [
         "callers | sidecar µs/call: " + " / ".join(roles) + " = total | echo µs/call: " + " / ".join(roles) + " = total"
     ]
@@ -561,4 +563,7 @@ def measure(report: BenchReport, view: ClusterView, sizes: LoadSizes, caller_cpu
     report.tables["P7 late calls: where their time went"] = _late_table(levels)
     threads = _thread_table(levels)
     if threads is not None:
-        report.tables["P7 CPU per call by thread (this process: the sidecar's level, then the echo server's)"] = threads
+        report.tables[
+            "P7 CPU per call by thread (this process: the sidecar's level, then the echo server's; ended: threads"
+            " that ended within the level, grpcio's client spin threads)"
+        ] = threads

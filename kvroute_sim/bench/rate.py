@@ -367,7 +367,7 @@ async def _run(view: ClusterView, raw: RawClient, sizes: RateSizes, caller_cpus:
                         young_collection_s=(pauses.of(0), pauses.of(1)),
                         relay=relay_run,
                         bridged=bridged_run,
-                        thread_cpu_s=thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
+                        thread_cpu_s=thread_cpu.split(threads_before, threads_after, THREAD_ROLES, process_s=cpu_s),
                     )
                 )
     return results
@@ -410,7 +410,7 @@ async def _relay_run(client: CallerProcess, relay: RelayFloor, level: Level) -> 
         elapsed_ms=tuple(relay.take_ms()),
         fallback_share=fallback_share(reply_outcomes(seen.replies), errors),
         cpu_ms_per_call=cpu_s * 1e3 / max(1, len(level.requests) - errors[NOT_SENT]),
-        thread_cpu_s=thread_cpu.split(threads_before, threads_after, THREAD_ROLES),
+        thread_cpu_s=thread_cpu.split(threads_before, threads_after, THREAD_ROLES, process_s=cpu_s),
         not_sent=errors[NOT_SENT],
     )
 
@@ -501,7 +501,7 @@ def _thread_table(results: Sequence[RateResult]) -> str | None:
     bridged relay's (None off Linux)."""
     if not any(r.thread_cpu_s for r in results):
         return None
-    roles = [*dict.fromkeys(role for role, _ in THREAD_ROLES), "other"]
+    roles = [*dict.fromkeys(role for role, _ in THREAD_ROLES), "other", thread_cpu.ENDED]
     names = " / ".join(roles)
     lines = [
         f"rate/s | sidecar µs/call: {names} = total | relay µs/call: {names} = total"
@@ -588,5 +588,6 @@ def measure(
     if threads is not None:
         report.tables[
             "P8 CPU per call by thread (this process: the sidecar's run, then the relay floor's, then the"
-            " bridged relay's; other: the refresh rounds' worker threads, the bench's own waits)"
+            " bridged relay's; other: the refresh rounds' worker threads, the bench's own waits; ended: threads"
+            " that ended within the run, grpcio's client spin threads)"
         ] = threads
