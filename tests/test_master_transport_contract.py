@@ -13,6 +13,7 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 
 import pytest
 import trio
@@ -551,7 +552,7 @@ async def test_http_keeps_as_many_connections_as_calls_at_once_so_a_burst_reuses
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(trio.serve_tcp, keep_alive_server, 0)
+            listeners = await nursery.start(partial(trio.serve_tcp, keep_alive_server, 0, host="127.0.0.1"))
             host = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
             config = MasterConfig(hosts=host, http_max_connections=2)
             async with HttpMasterTransport(config, calls_at_once=8) as http:
