@@ -1389,11 +1389,12 @@ async def test_no_bootstrap_target_falls_through_kvcm_as_no_leader(
         assert d.worker is not None
 
 
-async def test_companions_are_the_least_loaded_and_a_redraw_walks_the_fleet_once(
+async def test_companions_are_the_less_loaded_of_two_drawn_and_a_redraw_walks_the_fleet_once(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The overloaded answers drawn ahead name the least loaded decode worker (exact ties at random
-    among the tied), and their sixteen draws read each worker's status once, not once per draw."""
+    """The overloaded answers drawn ahead name, for the decode role, the less loaded of two decode
+    workers drawn at random: never the most loaded of all, and their sixteen draws read each worker's
+    status once, not once per draw."""
     specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2 + [
         WorkerSpec(role="RoleType.DECODE", block_size=BLOCK, prefill_tokens_per_s=1.0)
     ] * 6
@@ -1426,18 +1427,45 @@ async def test_companions_are_the_least_loaded_and_a_redraw_walks_the_fleet_once
             return None if worker in aged else cached(worker)
 
         monkeypatch.setattr(prober, "cached", counted)
-        await loaded({2: 3, 3: 1, 4: 2, 5: 1})  # 6 and 7 idle: tied
+        await loaded({2: 3, 3: 1, 4: 2, 5: 1})  # 6 and 7 idle
         reads = 0
         answers = router._draw_overload_answers()
         assert len(answers) == router_actor.OVERLOAD_DRAWS
         assert reads <= len(decode) + router_actor.OVERLOAD_DRAWS  # one walk, then one check per pick
-        assert picked(answers) == {fleet[6].http_target, fleet[7].http_target}  # both tied ones drawn
-        await loaded({7: 1})  # a new view: 6 alone is the least loaded
-        assert picked(router._draw_overload_answers()) == {fleet[6].http_target}
-        await loaded({6: 2})  # 3 and 5 (one task each) now
-        assert picked(router._draw_overload_answers()) == {fleet[3].http_target, fleet[5].http_target}
-        aged.add(fleet[3])  # its status aged out, the kept walk still names it: noticed at the pick
-        assert picked(router._draw_overload_answers()) == {fleet[5].http_target}
+        names = picked(answers)
+        assert fleet[2].http_target not in names  # the most loaded loses every pair it is drawn in
+        assert names & {fleet[6].http_target, fleet[7].http_target}  # 16 draws: an idle one was drawn
+        # Not only the idle two: the next refresh of these statuses is a health probe's, and a burst
+        # until then would all go to them.
+        assert names - {fleet[6].http_target, fleet[7].http_target}
+        aged.update(fleet[i] for i in (2, 3, 4, 5, 7))  # aged out since: the kept walk still names them
+        assert picked(router._draw_overload_answers()) == {fleet[6].http_target}  # noticed at the pick
+
+
+async def test_a_decode_worker_with_requests_running_is_not_the_companion_beside_an_idle_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A decode worker's requests are running (decoding) with no uncached tokens left and none waiting:
+    ranked by uncached tokens and waiting tasks alone, one with twenty running tied with an idle one and
+    was named as often."""
+    specs = [WorkerSpec(role="RoleType.PREFILL", block_size=BLOCK)] * 2 + [
+        WorkerSpec(role="RoleType.DECODE", block_size=BLOCK)
+    ] * 2
+    cluster = SimCluster(workers=specs, kvcm_replicas=1, block_size=BLOCK)
+    async with routed(cluster, roles=(Role.PREFILL, Role.DECODE)) as (handle, _, _):
+        busy, idle = cluster.worker_addr(2), cluster.worker_addr(3)
+        for j in range(20):  # long outputs: decoding for the whole test
+            cluster.workers[2].submit(f"busy{j}", 64, 0, trio.current_time(), output_tokens=1_000_000)
+        await trio.sleep(1.0)
+        await handle.prober().probe([busy, idle], trio.current_time() + 0.05).wait_all()
+        running = handle.prober().cached(busy)
+        assert running is not None and len(running.running) == 20
+        assert (running.outstanding_uncached_tokens, running.waiting_count) == (0, 0)
+        seed(cluster, 1, 8)
+        for n in range(10):
+            d = await handle.route(RouteRequest(f"pd{n}", token_ids=PROMPT, budget_ms=50))
+            (decode,) = [a for a in d.role_addrs if a.role is Role.DECODE]
+            assert (decode.ip, decode.http_port) == (idle.ip, idle.http_port), d
 
 
 async def test_prefill_decode_separation_names_a_decode_worker_beside_the_cache_pick(
