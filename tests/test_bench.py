@@ -100,6 +100,11 @@ def test_quick_bench_prints_one_row_per_figure_and_writes_them_all(
     fanout = by_key["P2 cold"]["data"]["raw_fanout"]  # the raw client doing a cold route's RPCs
     assert fanout["probes"] >= 1 and fanout["ms"]["n"] == by_key["P2 cold"]["data"]["route"]["n"]
     assert by_key["P3 gRPC"]["data"]["raw_calls_per_s"] and by_key["P3 gRPC"]["data"]["decisions_per_s"] > 0
+    # The same decisions through the sidecar kvroute serve runs: its process's CPU per decision.
+    through_sidecar = by_key["P3 gRPC"]["data"]["sidecar"]
+    assert 0 < through_sidecar["answered"] <= through_sidecar["calls"]
+    assert through_sidecar["decisions_per_s"] > 0 and through_sidecar["process_cpu_ms_per_decision"] > 0
+    assert "through the sidecar" in by_key["P3 gRPC"]["result"]
     # Whether the breaker opens within the quick run's few routes depends on the machine's load (a
     # query cut short by a busy loop is not judged); the MockClock tests pin that it opens. Here: the
     # row is honest about it.
@@ -603,12 +608,26 @@ def test_p3_gives_the_raw_clients_cpu_per_call_over_its_own_rounds(monkeypatch: 
             cpu[0] += 1.0  # the router's own window
         return throughput._Run(decisions=sizes.rounds * sizes.decisions_per_round, seconds=1.0), None
 
+    async def sidecar_run(view: object, sizes: throughput.ThroughputSizes, cpus: object) -> throughput.SidecarRun:
+        cpu[0] += 5.0  # the sidecar's pass, after the raw rounds
+        return throughput.SidecarRun(calls=12, answered=10, seconds=0.5, cpu_s=0.03, kvcm_share=0.9)
+
     monkeypatch.setattr(throughput, "_router_run", router_rounds)
+    monkeypatch.setattr(throughput, "_sidecar_run", sidecar_run)
     report = BenchReport(meta={})
     sizes = throughput.ThroughputSizes(rounds=3, decisions_per_round=4, concurrency=2, warm_up=5)
-    throughput.measure_grpc(report, cast(Any, None), cast(Any, Raw()), sizes)
+    throughput.measure_grpc(report, cast(Any, None), cast(Any, Raw()), sizes, None)
     (figure,) = report.figures
     assert figure.data["raw_process_cpu_ms_per_call"] == pytest.approx(0.5)
+    # The sidecar's CPU per decision is over the calls it answered.
+    assert figure.data["sidecar"] == {
+        "calls": 12,
+        "answered": 10,
+        "decisions_per_s": pytest.approx(20.0),
+        "process_cpu_ms_per_decision": pytest.approx(3.0),
+        "kvcm_share": 0.9,
+    }
+    assert "through the sidecar 20 decisions/s, sidecar process CPU 3.000 ms/decision" in figure.result
 
 
 def test_p8_floor_queries_go_through_the_seeded_prompts_in_turn() -> None:

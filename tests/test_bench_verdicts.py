@@ -238,10 +238,14 @@ def _p3_grpc(monkeypatch: pytest.MonkeyPatch, router_rate: float, raw_rates: lis
         outcomes = Outcomes(Counter({"kvcm/ok": via_kvcm, "domain/x": n - via_kvcm}))
         return throughput._Run(decisions=n, seconds=n / router_rate, outcomes=outcomes), None
 
+    async def sidecar_run(view: object, sizes: throughput.ThroughputSizes, cpus: object) -> throughput.SidecarRun:
+        return throughput.SidecarRun(calls=10, answered=10, seconds=0.01, cpu_s=0.02, kvcm_share=1.0)
+
     monkeypatch.setattr(throughput, "_router_run", router_run)
+    monkeypatch.setattr(throughput, "_sidecar_run", sidecar_run)
     report = BenchReport(meta={})
     sizes = throughput.ThroughputSizes(rounds=len(raw_rates), decisions_per_round=10, concurrency=4, warm_up=1)
-    throughput.measure_grpc(report, cast(ClusterView, None), cast(Any, _RawRounds(raw_rates)), sizes)
+    throughput.measure_grpc(report, cast(ClusterView, None), cast(Any, _RawRounds(raw_rates)), sizes, None)
     (figure,) = report.figures
     return figure
 

@@ -53,9 +53,11 @@ def _p7(ax: Any, data: Mapping[str, Any]) -> None:
     levels: Sequence[Mapping[str, Any]] = data["levels"]
     callers = [level["callers"] for level in levels]
     for label, field, style in (
-        ("within deadline + 5 ms", "within_deadline_plus_5ms", "o-"),
-        ("answered by KVCM", "kvcm_share", "s-"),
-        ("answered overloaded", "overloaded_share", "^-"),
+        # Each over its own calls: the on-time share over the decisions the sidecar made (the calls with
+        # no answer are in the title), the two sources over the answers the callers received.
+        ("the sidecar's decisions within deadline + 5 ms", "within_deadline_plus_5ms", "o-"),
+        ("answers from KVCM", "kvcm_share", "s-"),
+        ("answers overloaded", "overloaded_share", "^-"),
     ):
         ax.plot(callers, [100 * _number(level[field]) for level in levels], style, label=label)
     ax.axhline(99, color="tab:green", linewidth=0.8, linestyle=":", label="target: 99 % on time")
@@ -64,7 +66,7 @@ def _p7(ax: Any, data: Mapping[str, Any]) -> None:
     ax.set_xticklabels([str(c) for c in callers])
     ax.minorticks_off()
     ax.set_xlabel("callers (closed loop)")
-    ax.set_ylabel("share of calls (%)")
+    ax.set_ylabel("share (%)")
     ax.set_ylim(-5, 105)
     late = ax.twinx()
     late.plot(callers, [_number(level["p99_lateness_ms"]) for level in levels], "d--", color="tab:red")

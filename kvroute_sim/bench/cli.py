@@ -280,7 +280,12 @@ def _measure(
                     if "P2" in selected:
                         timed("P2", lambda: latency.measure(report, sim.view, raw, sizes.latency))
                     if "P3" in selected:
-                        timed("P3 gRPC", lambda: throughput.measure_grpc(report, sim.view, raw, sizes.throughput_grpc))
+                        timed(
+                            "P3 gRPC",
+                            lambda: throughput.measure_grpc(
+                                report, sim.view, raw, sizes.throughput_grpc, placement.child
+                            ),
+                        )
                 finally:
                     raw.close()
             if "P7" in selected:
