@@ -342,6 +342,11 @@ def test_a_closed_loop_past_its_time_says_how_many_calls_it_never_started(monkey
     cut_short = overload._level_result(2, 1.2, seen, [], 0.0, 0.0, echo, [], not_started=not_started)
     assert cut_short.to_json()["not_started"] == 6
     assert overload._curve([cut_short]).splitlines()[1].endswith("| cut short: 6")
+    # Every call it made answered on time: whole, the level is met; cut short, it is not.
+    on_time = [CallTiming(elapsed_s=0.001, allowed_s=0.030) for _ in range(4)]
+    whole = overload._level_result(2, 1.2, seen, on_time, 0.0, 0.0, echo, [])
+    assert whole.met
+    assert not replace(whole, not_started=not_started).met
 
 
 def test_p8_floor_calls_keep_the_open_loop_schedule_and_start_at_once_after_an_overrun() -> None:
