@@ -33,6 +33,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
+from types import FrameType
 
 import trio
 
@@ -128,6 +129,18 @@ def run(args: argparse.Namespace) -> int:
         log_startup_report(loaded, log)
         if serve.processes > 1:
             return _run_processes(args, loaded, say)
+    # Taken before trio runs (it puts its own on SIGINT while it runs); put back once the command has
+    # said how it ended: ``_serve`` leaves the stop signals ignored.
+    stop_handlers = {signum: signal.getsignal(signum) for signum in _stop_signals(supervised)}
+    try:
+        return _serve_and_report(loaded, supervised, say)
+    finally:
+        for signum, previous in stop_handlers.items():
+            if previous is not None:  # None: not set from Python, and it cannot be set back from here
+                signal.signal(signum, previous)
+
+
+def _serve_and_report(loaded: LoadedConfig, supervised: int | None, say: _Say) -> int:
     bind_errors: list[BaseException] = []
     try:
         stats = trio.run(_serve, loaded, supervised)
@@ -334,12 +347,29 @@ async def _first_stop(signals: AsyncIterator[int], supervised: bool) -> str:
     return reason
 
 
+def _stop_signals(supervised: int | None) -> tuple[signal.Signals, ...]:
+    return (*STOP_SIGNALS, STOP_NOW_SIGNAL) if supervised is not None else STOP_SIGNALS
+
+
+def _ignore_stop(signum: int, frame: FrameType | None) -> None:
+    """A stop signal after the stop is under way: ignored (see ``_serve``)."""
+
+
 async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats | str:
     """The calls' counts once drained; or the name of the signal that stopped it during start-up (which
-    can take as long as a peer's discovery timeout: a stop must not wait for it, nor see it serve)."""
-    stop_signals = (*STOP_SIGNALS, STOP_NOW_SIGNAL) if supervised is not None else STOP_SIGNALS
+    can take as long as a peer's discovery timeout: a stop must not wait for it, nor see it serve).
+
+    It leaves the stop signals ignored, for its caller to put their handlers back once it has reported
+    the stop: trio's signal receiver sends a signal that came and was never read again as it closes,
+    to the handler in place when it opened. A third stop, or the drain signal pending beside the
+    stop-now one a supervising parent sends, was such a signal: with the default handler in place, it
+    killed the process with its stop under way, before the drain summary (exit 143)."""
+    stop_signals = _stop_signals(supervised)
     stopped_by: list[str] = []
     stats: SidecarStats | None = None
+    # Replaced by the receiver's own in the same step (no checkpoint between): no stop is lost.
+    for signum in stop_signals:
+        signal.signal(signum, _ignore_stop)
     with trio.open_signal_receiver(*stop_signals) as signals:
         async with trio.open_nursery() as guard:
             starting = trio.CancelScope()

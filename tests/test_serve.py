@@ -270,6 +270,50 @@ async def test_a_supervised_child_stops_at_once_when_the_stop_now_is_the_first_s
     assert _SUMMARY.search(stderr), stderr
 
 
+@pytest.mark.parametrize(
+    "stops",
+    [
+        # A third stop: the first drains, the second stops at once, the third is never read.
+        pytest.param((signal.SIGHUP, signal.SIGINT, signal.SIGTERM), id="three-stops"),
+        # What a supervising parent sends a child on a second stop: both pending, the stop-now read first.
+        pytest.param((signal.SIGTERM, STOP_NOW_SIGNAL), id="drain-and-stop-now"),
+    ],
+)
+async def test_a_stop_signal_never_read_does_not_kill_the_process_as_it_stops(
+    stops: tuple[signal.Signals, ...],
+) -> None:
+    """trio's signal receiver sends a signal it never handed out again as it closes, to the handler in
+    place before it: the default one, which killed the process with its stop under way, before its
+    drain summary (exit 143, or -15 in a supervising parent's count)."""
+    supervised = STOP_NOW_SIGNAL in stops
+    command = [
+        *CLI_SERVE,
+        "--grpc-listen=127.0.0.1:0",
+        "--debug-listen=127.0.0.1:0",
+        "--workers=127.0.0.1:9",
+        "--kvcm-fallback=false",
+        "--drain-lame-duck-s=600",  # a drain outlasts the test's bound: only a stop at once ends in it
+        "--drain-timeout-s=600",
+        *(["--supervised-process=0", "--supervised-processes=1"] if supervised else []),
+    ]
+    with trio.fail_after(60):
+        proc = await trio.lowlevel.open_process(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            assert _ADDRESSES.search(await _read_line(proc.stdout))
+            for stop in stops:
+                proc.send_signal(stop)
+            stderr = await _read_all(proc.stderr)
+            code = await proc.wait()
+        finally:
+            await _stop_process(proc)
+    assert code == 0, stderr
+    assert "stopping now" in stderr, stderr
+    assert _SUMMARY.search(stderr), stderr
+
+
 async def test_fatal_configuration_lists_every_problem_and_exits_2() -> None:
     with trio.fail_after(30):
         code, stdout, stderr = await _run_to_end([*CLI_SERVE, "--grpc-listen=nowhere", "--budget-cap-ms=-5"])
