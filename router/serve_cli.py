@@ -25,13 +25,15 @@ from a service manager signalling the whole group does not).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from types import FrameType
 
@@ -220,7 +222,15 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
     except OSError as error:
         say(str(error), logging.ERROR)
         return EXIT_CANNOT_SERVE
-    with held:
+    # The children read the configuration file as this process read it, at every start and restart:
+    # an edit made while serving would otherwise reach a restarted child alone (a broken one failing
+    # each restart with exit 2, a valid one running that child unlike its siblings).
+    with held, contextlib.ExitStack() as stack:
+        try:
+            config_path = stack.enter_context(_config_snapshot(args.config))
+        except OSError as error:
+            say(f"--config {args.config}: cannot copy it for the child processes: {error}", logging.ERROR)
+            return EXIT_CONFIG
         port = held.getsockname()[1]
         grpc_address = format_target(parse_listen(serve.grpc_listen).host, port)
         debug = parse_listen(serve.debug_listen)
@@ -239,6 +249,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
                 child_log_path(decision_log, index),
                 child_seed(seed, index),
                 origins=loaded.sources,
+                config_path=config_path,
             )
 
         supervisor = ProcessSupervisor(
@@ -263,6 +274,20 @@ def child_seed(seed: int, index: int) -> int:
     return (seed + index) % (SEED_MAX + 1)
 
 
+@contextlib.contextmanager
+def _config_snapshot(path: str | None) -> Iterator[str | None]:
+    """A private copy of the configuration file at ``path`` for the children to read (None: none
+    given), removed on exit. Read right after this process loaded it: what it validated."""
+    if path is None:
+        yield None
+        return
+    with open(path, "rb") as given, tempfile.TemporaryDirectory(prefix="kvroute-serve-") as private:
+        snapshot = os.path.join(private, os.path.basename(path) or "config.toml")
+        with open(snapshot, "wb") as copy:
+            copy.write(given.read())
+        yield snapshot
+
+
 def _child_command(
     args: argparse.Namespace,
     index: int,
@@ -273,13 +298,15 @@ def _child_command(
     seed: int,
     *,
     origins: Mapping[str, Origin],
+    config_path: str | None,
 ) -> list[str]:
-    """``kvroute serve`` for child ``index``: this command's own flags (the environment and the config
-    file reach the child as they reached this process), one process, the resolved addresses, its own
-    decision log and seed, and where those came from to this process (``origins``: its sources), which
-    the child shows as theirs, not as the flags they reach it by."""
+    """``kvroute serve`` for child ``index``: this command's own flags (the environment reaches the child
+    as it reached this process, the configuration file as ``config_path``, the copy of it this process
+    took), one process, the resolved addresses, its own decision log and seed, and where those and the
+    file's settings came from to this process (``origins``: its sources), which the child shows as
+    theirs, not as the flags or the copy they reach it by."""
     given = vars(args)
-    flags: list[str] = [f"--config={args.config}"] if args.config is not None else []
+    flags: list[str] = [f"--config={config_path}"] if config_path is not None else []
     overrides = {
         "processes": "1",
         "grpc_listen": grpc_listen,
@@ -291,7 +318,8 @@ def _child_command(
         value = overrides.get(setting.name, given.get(setting.name))
         if value is not None:
             flags.append(f"{setting.flag}={value}")
-    resolved = json.dumps({name: str(origins[name]) for name in overrides if name in origins})
+    named = [*overrides, *(name for name, origin in origins.items() if origin.kind is SourceKind.FILE)]
+    resolved = json.dumps({name: str(origins[name]) for name in named if name in origins})
     return [
         *CHILD_INTERPRETER,
         "serve",

@@ -328,13 +328,24 @@ def test_the_supervisor_waits_for_a_childs_drain_and_for_discoverys_first_refres
     assert supervisor["startup_timeout_s"] == startup_timeout(3)
 
 
-def test_each_child_reads_the_parents_config_file(tmp_path: Path) -> None:
+def test_each_child_reads_the_copy_of_the_config_file_the_parent_took(tmp_path: Path) -> None:
+    """A child read the operator's file at every start: an edit made while serving reached a restarted
+    child alone, and a broken one failed each of its restarts with exit 2."""
     config = tmp_path / "kvroute.toml"
-    config.write_text("")
+    config.write_text("[serve]\ndrain_timeout_s = 3\n")
     args = build_parser("serve").parse_args(["serve", "--config", str(config), "--processes", "2"])
-    command = serve_cli._child_command(args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 1, origins={})
-    assert f"--config={config}" in command
-    assert command[-3:-1] == ["--supervised-process=1", "--supervised-processes=2"]
+    with serve_cli._config_snapshot(str(config)) as copy:
+        assert copy is not None and copy != str(config)
+        config.write_text("[serve]\ndrain_timeout_s = banana\n")  # edited while serving
+        assert Path(copy).read_text() == "[serve]\ndrain_timeout_s = 3\n"
+        command = serve_cli._child_command(
+            args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 1, origins={}, config_path=copy
+        )
+        assert f"--config={copy}" in command
+        assert command[-3:-1] == ["--supervised-process=1", "--supervised-processes=2"]
+    assert not Path(copy).exists()  # removed with the supervision
+    with serve_cli._config_snapshot(None) as none:
+        assert none is None
 
 
 def test_each_child_draws_from_a_seed_of_its_own() -> None:
@@ -345,7 +356,7 @@ def test_each_child_draws_from_a_seed_of_its_own() -> None:
     assert serve_cli.child_seed(SEED_MAX, 1) == 0  # within the setting's range
     args = build_parser("serve").parse_args(["serve", "--processes", "2", "--scorer-seed", "7"])
     command = serve_cli._child_command(
-        args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", serve_cli.child_seed(7, 1), origins={}
+        args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", serve_cli.child_seed(7, 1), origins={}, config_path=None
     )
     assert [flag for flag in command if flag.startswith("--scorer-seed")] == ["--scorer-seed=8"]
 
@@ -354,19 +365,33 @@ def test_a_childs_config_names_where_the_values_its_parent_resolved_came_from(tm
     """The parent passes a child its listen addresses, decision log and seed as flags: the child's
     /debug/config named each `flag --grpc-listen`, a seed nobody gave among them."""
     config = tmp_path / "kvroute.toml"
-    config.write_text('[serve]\ngrpc_listen = "127.0.0.1:0"\n')
+    config.write_text('[serve]\ngrpc_listen = "127.0.0.1:0"\ndrain_timeout_s = 3\n')
     argv = ["serve", "--config", str(config), "--processes", "2", "--workers=127.0.0.1:9", "--kvcm-fallback=false"]
     parent = load_or_report(build_parser("serve").parse_args(argv), "serve")
     assert parent is not None
-    command = serve_cli._child_command(
-        build_parser("serve").parse_args(argv), 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 8, origins=parent.sources
-    )
-    child_args = build_parser("serve").parse_args(command[command.index("serve") :])
-    child = load_or_report(child_args, "serve")
+    with serve_cli._config_snapshot(str(config)) as copy:
+        command = serve_cli._child_command(
+            build_parser("serve").parse_args(argv),
+            1,
+            2,
+            "127.0.0.1:5000",
+            "127.0.0.1:0",
+            "",
+            8,
+            origins=parent.sources,
+            config_path=copy,
+        )
+        child_args = build_parser("serve").parse_args(command[command.index("serve") :])
+        child = load_or_report(child_args, "serve")
     assert child is not None
     child = serve_cli.with_parent_origins(child, child_args.supervised_origins)
     assert str(child.sources["grpc_listen"]) == (
         f"config file {config} [serve] grpc_listen, as the supervising parent resolved it for this process"
+    )
+    # Read from the parent's copy of the file, named by the operator's.
+    assert child.effective.serve.drain_timeout_s == 3
+    assert str(child.sources["drain_timeout_s"]) == (
+        f"config file {config} [serve] drain_timeout_s, as the supervising parent resolved it for this process"
     )
     assert str(child.sources["scorer_seed"]) == "default, as the supervising parent resolved it for this process"
     assert str(child.sources["workers"]) == "flag --workers"  # given to the parent as it is to the child
