@@ -20,6 +20,7 @@ import trio.testing
 from actors.breaker import Admission, BreakerState
 from actors.inbox import ask
 from actors.leader_resolver import (
+    ANSWERED_WINDOW,
     LeaderResolver,
     LeaderState,
     LeaderUnavailable,
@@ -1120,6 +1121,34 @@ async def test_only_a_deadline_cut_below_slow_query_ms_is_spared_judging(
     await trio.testing.wait_all_tasks_blocked()
     snap = resolver.snapshot()
     assert (snap.breaker.state, snap.queries_cut_short_total) == (BreakerState.OPEN, 0)
+
+
+async def test_a_budget_cut_shorter_than_kvcms_answers_recently_took_is_not_judged(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """KVCM healthy but answering in 30 ms: a request whose budget left its query 15 ms said nothing of
+    KVCM's health, but was judged (over slow_query_ms), and such requests opened the breaker and
+    invalidated the leader over and over for the requests with room for the answer."""
+    network = MemoryNetwork()
+    FakeKvcm(network)
+    resolver = await start_resolver(nursery, network)
+    cut = DeadlineExceeded(NODES[0], "GetHostCacheState did not answer within the request's budget")
+    await trio.sleep(1.0)
+    # Before any answer the floor is slow_query_ms: a 15 ms cut is judged.
+    assert resolver.record_kvcm(cut, trial=False, given_s=0.015, started_at=trio.current_time()) is True
+    assert resolver.snapshot().answered_within_s is None
+    for _ in range(ANSWERED_WINDOW):  # answers that took 30 ms
+        resolver.record_kvcm(None, trial=False, given_s=0.050, started_at=trio.current_time() - 0.030)
+    await trio.testing.wait_all_tasks_blocked()
+    assert resolver.snapshot().answered_within_s == pytest.approx(0.030)
+    for _ in range(2 * BREAKER_CFG.failure_threshold):
+        assert resolver.record_kvcm(cut, trial=False, given_s=0.015, started_at=trio.current_time()) is False
+    await trio.testing.wait_all_tasks_blocked()
+    snap = resolver.snapshot()
+    assert snap.breaker.state is BreakerState.CLOSED and snap.invalidations_total == 0
+    assert snap.queries_cut_short_total == 2 * BREAKER_CFG.failure_threshold
+    # Given longer than its answers take, and not answered: judged.
+    assert resolver.record_kvcm(cut, trial=False, given_s=0.031, started_at=trio.current_time()) is True
 
 
 async def test_the_last_failed_query_shows_in_the_snapshot(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -354,6 +355,34 @@ async def test_queries_cut_short_by_tight_budgets_do_not_open_the_breaker(
         assert snap.queries_cut_short_total == 4 * config.breaker.failure_threshold
         d = await handle.route(RouteRequest("roomy", token_ids=PROMPT, budget_ms=30))
         assert d.route_source is RouteSource.KVCM and d.worker == cluster.worker_addr(1)
+
+
+async def test_requests_whose_budget_is_shorter_than_kvcms_answers_leave_it_to_those_with_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """KVCM healthy but answering in 30 ms, above slow_query_ms; traffic alternates 20 ms budgets (no
+    room for its answer) and 50 ms ones. The tight requests' cut queries were judged: the breaker
+    opened again and again and the leader was invalidated, and the roomy requests got KVCM's answer
+    about one time in ten."""
+    cluster = SimCluster(workers=4, kvcm_replicas=3, block_size=BLOCK)
+    async with routed(cluster, budget_cap_ms=50.0) as (handle, _, _):
+        seed(cluster, 1, 8)
+        slow_queries = KvcmFaults(delay_s=0.030, methods=frozenset({paths.KVCM_GET_HOST_CACHE_STATE}))
+        for node in cluster.kvcm.node_ids:
+            cluster.kvcm.set_faults(node, slow_queries)
+        resolver = handle.leader_resolver()
+        assert resolver is not None
+        roomy: Counter[RouteSource] = Counter()
+        for i in range(200):
+            budget = 50 if i % 2 else 20
+            d = await handle.route(RouteRequest(f"q{i}", token_ids=PROMPT, budget_ms=budget))
+            if budget == 50:
+                roomy[d.route_source] += 1
+            await trio.sleep(0.02)
+        snap = resolver.snapshot()
+        # The first tight one came before any answer taught how long one takes: judged, as any cut is then.
+        assert snap.breaker.opened_total == 0 and snap.invalidations_total <= 1, snap
+        assert roomy[RouteSource.KVCM] >= 90, roomy
 
 
 async def test_queries_cut_by_a_query_timeout_below_slow_query_ms_are_judged(

@@ -171,8 +171,9 @@ class KvcmSource:
             bound = "the request's budget" if by_budget else "kvcm_query_timeout_ms"
             what = "answered, but its reply was not decoded" if answered else "did not answer"
             error = DeadlineExceeded(leader.target, f"GetHostCacheState {what} within {bound}")
-        # Only a window the request's budget cut is spared judging: the configured timeout is the
-        # operator's own bound on a healthy answer, however short. A reply that was in when the time
+        # Only a window the request's budget cut may be spared judging (when shorter than slow_query_ms
+        # or than KVCM's answers recently took: record_kvcm): the configured timeout is the operator's
+        # own bound on a healthy answer, however short. A reply that was in when the time
         # ran out (a large one waiting to be decoded, or this thread stalled) is not judged at all:
         # as a query given no time.
         given_s = query_deadline - t if by_budget else math.inf
