@@ -37,7 +37,13 @@ import math
 from dataclasses import dataclass
 
 from router.config import BreakerConfig
+from router.policy.deadline_split import RecentQuantile
 from router.problems import Problem, range_problems, refuse
+
+# How long a healthy peer takes to answer: this quantile of the last calls it answered. A tail (not
+# the median), so that a request given as long as its slower answers is still not judged for one.
+ANSWERED_WINDOW = 64
+ANSWERED_QUANTILE = 0.9
 
 
 class BreakerState(enum.Enum):
@@ -282,3 +288,30 @@ class KvcmBreaker:
         self._window.clear()
         self._closed_total += 1
         self._changes += 1
+
+
+class AnsweredWithin:
+    """How long the calls a peer answered recently took (``ANSWERED_QUANTILE`` of the last
+    ``ANSWERED_WINDOW``; 0.0 before the first), kept by the task that owns the breaker. A call the
+    request's budget cut in less than that says nothing of the peer's health: judged, requests with
+    budgets shorter than a healthy answer opened the breaker for the requests with room for it."""
+
+    __slots__ = ("_recent", "within_s")
+
+    def __init__(self) -> None:
+        self._recent = RecentQuantile(ANSWERED_WINDOW, ANSWERED_QUANTILE)
+        self.within_s = 0.0  # published: a float, read by callers without a hop
+
+    @property
+    def samples(self) -> int:
+        return self._recent.samples
+
+    def observe(self, took_s: float) -> None:
+        """One answered call's duration (from the owning task)."""
+        self._recent.observe(took_s)
+        self.within_s = self._recent.high
+
+    def spares(self, given_s: float, slow_query_s: float) -> bool:
+        """Whether a call cut by its request's budget after ``given_s`` is spared judging: less than
+        ``slow_query_s`` (the configured floor), or than the peer's answers recently took."""
+        return given_s < max(slow_query_s, self.within_s)

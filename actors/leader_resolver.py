@@ -50,11 +50,10 @@ from types import MappingProxyType
 import tenacity
 import trio
 
-from actors.breaker import Admission, BreakerSnapshot, BreakerView, KvcmBreaker
+from actors.breaker import Admission, AnsweredWithin, BreakerSnapshot, BreakerView, KvcmBreaker
 from actors.inbox import Alarm, Ask, ask
 from actors.metrics_sink import KvcmRequest, LeaderChanged, MetricsSink
 from router.config import BreakerConfig, LeaderConfig
-from router.policy.deadline_split import RecentQuantile
 from router.problems import Problem, range_problems, refuse
 from router.transport.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
 from router.transport.ports import KvcmTransport
@@ -66,11 +65,6 @@ _INVALIDATING_ERRORS = (NotLeader, Unavailable, DeadlineExceeded)
 # Suspect leaders remembered at once: a cluster has a handful of nodes, so more means leadership
 # moving faster than the suspicion lasts; the oldest is forgotten first.
 _SUSPECTS_MAX = 8
-
-# How long a healthy KVCM takes to answer: this quantile of the last queries it answered. A tail (not
-# the median) so that a request given as long as its slower answers is still not judged for one.
-ANSWERED_WINDOW = 64
-ANSWERED_QUANTILE = 0.9
 
 
 class LeaderState(enum.Enum):
@@ -199,8 +193,6 @@ class _View:
     no_leader: bool  # the cluster answered: no leader elected
     last_error: str | None
     next_attempt_at: float | None
-    # ANSWERED_QUANTILE of the last ANSWERED_WINDOW answered queries' durations (0 before the first).
-    answered_within_s: float
 
 
 class _Verdict(enum.Enum):
@@ -321,7 +313,8 @@ class LeaderResolver:
         self._last_found: str | None = None  # the target of the last leader a lookup found
         self._invalidations_total = 0
         self._cut_short_total = 0
-        self._answered = RecentQuantile(ANSWERED_WINDOW, ANSWERED_QUANTILE)
+        # How long KVCM's answered queries took: written here, read by callers (record_kvcm).
+        self._answered = AnsweredWithin()
         self._leader_misses_total = 0
         self._changed = False  # something the view shows changed since it was published
         self._published_breaker_changes = -1
@@ -394,7 +387,7 @@ class LeaderResolver:
         failure, an error code or a deadline expiry (also a call cut off by the request's
         deadline while waiting for KVCM) is the error. ``given_s`` is how long the call was
         allowed, ``started_at`` when it went out. A deadline expiry with less allowed than
-        ``slow_query_ms``, or than KVCM's answered queries recently took (their ANSWERED_QUANTILE),
+        ``slow_query_ms``, or than KVCM's answered queries recently took (``AnsweredWithin``),
         is not judged (a trial slot is released): returns False, and the caller should not blame
         the leader. A request whose budget is shorter than a healthy KVCM's answer says nothing of
         KVCM's health: judged, such requests opened the breaker and invalidated the leader over and
@@ -402,7 +395,7 @@ class LeaderResolver:
         """
         if error is None:
             self._report(_Outcome(_Verdict.SUCCESS, trial, took_s=trio.current_time() - started_at))
-        elif isinstance(error, DeadlineExceeded) and given_s < max(self._slow_query_s, self._view.answered_within_s):
+        elif isinstance(error, DeadlineExceeded) and self._answered.spares(given_s, self._slow_query_s):
             self._report(_Outcome(_Verdict.NOT_JUDGED, trial, cut_short=True))
             return False
         else:
@@ -459,7 +452,7 @@ class LeaderResolver:
             leader_changes_total=self._leader_changes_total,
             invalidations_total=self._invalidations_total,
             queries_cut_short_total=self._cut_short_total,
-            answered_within_s=self._answered.high if self._answered.samples else None,
+            answered_within_s=self._answered.within_s if self._answered.samples else None,
             leader_misses_total=self._leader_misses_total,
             fast_failures_total=self._fast_failures_total,
             reports_dropped_total=self._reports_dropped_total,
@@ -560,10 +553,7 @@ class LeaderResolver:
         if outcome.verdict is _Verdict.SUCCESS:
             self._breaker.record_success(trio.current_time(), outcome.trial)
             if outcome.took_s is not None:
-                answered = self._answered
-                before = answered.high
-                answered.observe(outcome.took_s)
-                self._changed |= answered.high != before
+                self._answered.observe(outcome.took_s)  # published as it changes: a float callers read
         elif outcome.verdict is _Verdict.FAILURE:
             if outcome.leader_miss:
                 self._leader_misses_total += 1
@@ -670,7 +660,6 @@ class LeaderResolver:
             no_leader=self._no_leader,
             last_error=self._last_error,
             next_attempt_at=self._next_attempt_at,
-            answered_within_s=self._answered.high,
         )
 
     # --- lookups (the child task) and state (run only) ---------------------------------------

@@ -17,10 +17,9 @@ import pytest
 import trio
 import trio.testing
 
-from actors.breaker import Admission, BreakerState
+from actors.breaker import ANSWERED_WINDOW, Admission, BreakerState
 from actors.inbox import ask
 from actors.leader_resolver import (
-    ANSWERED_WINDOW,
     LeaderResolver,
     LeaderState,
     LeaderUnavailable,

@@ -253,6 +253,27 @@ async def test_a_queue_timeout_in_a_window_the_requests_budget_cut_short_is_not_
         assert isinstance(health, MasterClientHealth) and health.breaker.state.value == "closed"
 
 
+async def test_requests_whose_budget_is_shorter_than_the_masters_answers_leave_it_to_those_with_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The master healthy but answering in 20 ms; of every four requests three have 35 ms budgets (the
+    master's window 15 ms, past slow_query_ms but short of its answer) and one 50 ms (30 ms). The tight
+    ones' cut attempts were judged and opened the breaker for the requests with room for the answer."""
+    async with rig(replicas=1, later_sources_ms=20) as r:
+        r.master.set_faults(0, MasterFaults(slow_ms=20.0))
+        roomy: list[RouteSource] = []
+        for i in range(40):
+            roomy_one = i % 4 == 0 or i < 2  # two roomy ones first: answers teach how long one takes
+            decision = await r.route(f"m{i}", budget_ms=50 if roomy_one else 35)
+            if roomy_one:
+                roomy.append(decision.route_source)
+            await trio.sleep(0.02)
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth)
+        assert health.breaker.state.value == "closed" and health.breaker.opened_total == 0, health.breaker
+        assert roomy == [RouteSource.MASTER] * len(roomy)
+
+
 async def test_a_slave_cut_at_the_windows_end_after_the_masters_queue_timeout_is_counted_and_named(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import trio
 
-from actors.breaker import Admission, BreakerSnapshot, BreakerState, BreakerView, KvcmBreaker
+from actors.breaker import Admission, AnsweredWithin, BreakerSnapshot, BreakerState, BreakerView, KvcmBreaker
 from actors.inbox import Ask, ask
 from actors.master_discovery import MasterDiscovery, MasterDiscoverySnapshot
 from actors.metrics_sink import MasterRequest, MetricsSink
@@ -120,6 +120,7 @@ class _Attempted:
     called_at: float  # when the schedule call went out (-inf: it did not)
     # A trial granted to a caller already gone, given back: no request of its own (its caller reports).
     released: bool = False
+    took_s: float | None = None  # answered: how long the master took
 
 
 class _AskTrial(Ask[Admission]):
@@ -136,13 +137,14 @@ _TRIAL_ENDED = _TrialEnded()
 class _Outcome:
     """What one attempt found out for the breaker, filled in as it goes (local to the request)."""
 
-    __slots__ = ("called_at", "error", "trial", "verdict")
+    __slots__ = ("called_at", "error", "took_s", "trial", "verdict")
 
     def __init__(self) -> None:
         self.verdict: _Verdict | None = None
         self.trial = False
         self.error: str | None = None
         self.called_at = -math.inf
+        self.took_s: float | None = None  # answered: how long the master took
 
 
 class MasterSource:
@@ -173,6 +175,8 @@ class MasterSource:
         self._metrics = metrics
         # Owned by run():
         self._breaker = KvcmBreaker(config.master_breaker, section="master_breaker")
+        # How long the master's answers took: written here, read by the requests judging a cut attempt.
+        self._answered = AnsweredWithin()
         self._last_error: str | None = None
         self._requests = self._routed = self._fell_through = self._ended = 0
         self._view: BreakerView = self._breaker.view()
@@ -261,6 +265,8 @@ class MasterSource:
         verdict = attempted.verdict
         if verdict is _Verdict.SUCCESS:
             self._breaker.record_success(now, attempted.trial)
+            if attempted.took_s is not None:
+                self._answered.observe(attempted.took_s)
         elif verdict is _Verdict.FAILURE:
             self._breaker.record_failure(now, attempted.trial, started_at=attempted.called_at)
         elif verdict is _Verdict.NOT_JUDGED and attempted.trial:
@@ -330,7 +336,14 @@ class MasterSource:
             self._report(_Attempted(verdict, outcome.trial, None, outcome.error, outcome.called_at))
             raise
         self._report(
-            _Attempted(outcome.verdict or _Verdict.NOT_ASKED, outcome.trial, result, outcome.error, outcome.called_at)
+            _Attempted(
+                outcome.verdict or _Verdict.NOT_ASKED,
+                outcome.trial,
+                result,
+                outcome.error,
+                outcome.called_at,
+                took_s=outcome.took_s,
+            )
         )
         if ctx.record is not None:
             ctx.record.master = recorded_answer(ctx.record, started, trio.current_time(), result)
@@ -403,13 +416,15 @@ class MasterSource:
                 error = DeadlineExceeded(calling, "no schedule reply within the master's window")
                 self._metrics.emit(MasterRequest(error.kind))
             outcome.error = f"{error.target}: {error.kind}: {error.detail}"
-            if (finished >= end or queued) and end == by_budget and end - now < self._slow_s:
-                # The request's own budget cut the attempt short: it says nothing of the master.
+            if (finished >= end or queued) and end == by_budget and self._answered.spares(end - now, self._slow_s):
+                # The request's own budget cut the attempt short of what the master's answers take (or of
+                # slow_query_ms): it says nothing of the master.
                 outcome.verdict = _Verdict.NOT_JUDGED
             else:
                 outcome.verdict = _Verdict.FAILURE
             return FellThrough(Reason.MASTER_UNAVAILABLE)
         outcome.verdict = _Verdict.SUCCESS
+        outcome.took_s = finished - now
         return self._outcome(reply, ctx)
 
     def _outcome(self, reply: MasterReply, ctx: RequestContext) -> SourceResult:
