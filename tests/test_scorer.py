@@ -763,6 +763,24 @@ def test_ledger_merges_old_charges_beyond_the_cap_without_losing_tokens() -> Non
     assert entry_lengths == [3]
 
 
+def test_ledger_keeps_charges_a_horizon_before_a_status_and_drops_covered_ones_at_the_cap() -> None:
+    ledger = SelectionLedger(4, 64, status_horizon_s=2.0)
+    for t in range(1, 6):
+        ledger.record("w:1", 10 * t, now=float(t))  # 10, 20, 30, 40, 50 at t = 1..5
+    ledger.record("w:1", 60, now=6.0, status_taken_at=4.5)  # clears only t=1..2 (before 4.5 - 2.0)
+    # A request still holding a status taken at 3.0 is charged every dispatch since: 30 + 40 + 50 + 60.
+    assert ledger.view("w:1", 3.0)[0] == 180
+    assert ledger.view("w:1", 4.5)[0] == 110
+    # At the cap the oldest kept charge goes; covered by the newest status (4.5), its tokens go with it,
+    # or a status older than every kept charge would be charged every token since the last clear.
+    capped = SelectionLedger(4, 3, status_horizon_s=100.0)
+    capped.record("w:1", 1, now=1.0, status_taken_at=0.0)
+    for t in range(2, 11):
+        capped.record("w:1", 1, now=float(t), status_taken_at=float(t) - 0.5)  # each status covers the last
+    assert capped.view("w:1", 9.5)[0] == 1
+    assert capped.view("w:1", 0.0)[0] == 3  # the kept charges (8, 9, 10), not all ten
+
+
 def test_ledger_is_bounded_lru_over_workers() -> None:
     ledger = SelectionLedger(3, 8, status_horizon_s=0.0)
     for i in range(10):

@@ -24,7 +24,7 @@ class _LedgerEntry:
     (:meth:`SelectionLedger.view`, once per candidate per decision, reads them in place).
     """
 
-    __slots__ = ("base", "cums", "head", "last_selected", "times", "total")
+    __slots__ = ("base", "cums", "head", "last_selected", "newest_status", "times", "total")
 
     def __init__(self) -> None:
         self.last_selected = NEVER
@@ -33,6 +33,7 @@ class _LedgerEntry:
         self.head = 0
         self.base = 0
         self.total = 0
+        self.newest_status = NEVER  # the latest time a status recorded with was taken
 
     def live(self) -> int:
         """Charges whose time is still kept (not cleared by a status nor forgotten)."""
@@ -51,9 +52,13 @@ class _LedgerEntry:
         self.times.append(now)
         self.cums.append(self.total)
         if len(self.times) - self.head > max_charges:
-            # Forget the oldest charge's time but not its tokens (base is unchanged): they
-            # now clear only with the next charge, so they stay counted a little longer —
-            # over-estimating load spreads more; it never piles on.
+            # Forget the oldest charge's time. A status taken after it covers its tokens: they go, as a
+            # clear would take them (a status older than that is then charged less than it should
+            # be, as one older than the horizon is). Else its tokens stay (base is unchanged), counted
+            # for every status older than the charges kept, until one covers them: over-estimating
+            # load spreads more; it never piles on.
+            if self.times[self.head] < self.newest_status:
+                self.base = self.cums[self.head]
             self.head += 1
         if self.head > max_charges:
             del self.times[: self.head]
@@ -117,6 +122,8 @@ class SelectionLedger:
             self._entries.move_to_end(worker)
         before = entry.live()
         if status_taken_at is not None:
+            if status_taken_at > entry.newest_status:
+                entry.newest_status = status_taken_at
             entry.clear_before(status_taken_at - self._status_horizon_s)
         entry.charge(now, uncached_tokens if uncached_tokens > 0 else 0, self._max_charges)
         if now > entry.last_selected:
