@@ -127,14 +127,14 @@ def run(args: argparse.Namespace) -> int:
         "kvroute serve" if supervised is None else f"kvroute serve (process {supervised})",
         as_records=serve.log_format.lower() == "json",
     )
-    if supervised is None:  # a supervising parent reports the settings once; its children, given the same ones, do not
-        log_startup_report(loaded, log)
-        if serve.processes > 1:
-            return _run_processes(args, loaded, say)
     # Taken before trio runs (it puts its own on SIGINT while it runs); put back once the command has
-    # said how it ended: ``_serve`` leaves the stop signals ignored.
+    # said how it ended: ``stop_signal_receiver`` leaves the stop signals held.
     stop_handlers = {signum: signal.getsignal(signum) for signum in _stop_signals(supervised)}
     try:
+        if supervised is None:  # a supervising parent reports the settings once; its children do not
+            log_startup_report(loaded, log)
+            if serve.processes > 1:
+                return _run_processes(args, loaded, say)
         return _serve_and_report(loaded, supervised, say)
     finally:
         for signum, previous in stop_handlers.items():
@@ -215,6 +215,15 @@ async def _stop_on_signal(signals: AsyncIterator[int], serving: trio.CancelScope
 
 def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) -> int:
     serve = loaded.effective.serve
+    # The children read the configuration file as this process read it, at every start and restart:
+    # an edit made while serving would otherwise reach a restarted child alone (a broken one failing
+    # each restart with exit 2, a valid one running that child unlike its siblings). Read now, before
+    # the port's wait.
+    try:
+        config = None if loaded.config_path is None else ConfigCopy.read(loaded.config_path)
+    except OSError as error:
+        say(f"{loaded.config_path}: cannot read the configuration file again for the children: {error}", logging.ERROR)
+        return EXIT_CONFIG
     try:
         held = reserve_port(
             parse_listen(serve.grpc_listen), "--grpc-listen", on_wait=lambda why: say(why, logging.WARNING)
@@ -222,15 +231,9 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
     except OSError as error:
         say(str(error), logging.ERROR)
         return EXIT_CANNOT_SERVE
-    # The children read the configuration file as this process read it, at every start and restart:
-    # an edit made while serving would otherwise reach a restarted child alone (a broken one failing
-    # each restart with exit 2, a valid one running that child unlike its siblings).
     with held, contextlib.ExitStack() as stack:
-        try:
-            config_path = stack.enter_context(_config_snapshot(args.config))
-        except OSError as error:
-            say(f"--config {args.config}: cannot copy it for the child processes: {error}", logging.ERROR)
-            return EXIT_CONFIG
+        if config is not None:
+            stack.enter_context(config)
         port = held.getsockname()[1]
         grpc_address = format_target(parse_listen(serve.grpc_listen).host, port)
         debug = parse_listen(serve.debug_listen)
@@ -249,7 +252,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
                 child_log_path(decision_log, index),
                 child_seed(seed, index),
                 origins=loaded.sources,
-                config_path=config_path,
+                config_path="" if config is None else config.path(),
             )
 
         supervisor = ProcessSupervisor(
@@ -261,7 +264,7 @@ def _run_processes(args: argparse.Namespace, loaded: LoadedConfig, say: _Say) ->
         )
 
         async def supervise() -> int:
-            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            with stop_signal_receiver(STOP_SIGNALS) as signals:
                 return await supervisor.run(signals)
 
         return trio.run(supervise)
@@ -274,18 +277,38 @@ def child_seed(seed: int, index: int) -> int:
     return (seed + index) % (SEED_MAX + 1)
 
 
-@contextlib.contextmanager
-def _config_snapshot(path: str | None) -> Iterator[str | None]:
-    """A private copy of the configuration file at ``path`` for the children to read (None: none
-    given), removed on exit. Read right after this process loaded it: what it validated."""
-    if path is None:
-        yield None
-        return
-    with open(path, "rb") as given, tempfile.TemporaryDirectory(prefix="kvroute-serve-") as private:
-        snapshot = os.path.join(private, os.path.basename(path) or "config.toml")
-        with open(snapshot, "wb") as copy:
-            copy.write(given.read())
-        yield snapshot
+class ConfigCopy:
+    """The configuration file this process read, as its bytes, and a private file holding them for
+    the children (a directory of its own, removed on exit). ``path()`` writes the file again if it
+    is gone (a temporary-files cleaner may take it under a parent running for weeks)."""
+
+    def __init__(self, name: str, data: bytes) -> None:
+        self._name = name
+        self._data = data
+        self._directory: tempfile.TemporaryDirectory[str] | None = None
+
+    @classmethod
+    def read(cls, path: str) -> ConfigCopy:
+        with open(path, "rb") as given:
+            return cls(os.path.basename(path) or "config.toml", given.read())
+
+    def __enter__(self) -> ConfigCopy:
+        self._directory = tempfile.TemporaryDirectory(prefix="kvroute-serve-")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._directory is not None:
+            self._directory.cleanup()
+            self._directory = None
+
+    def path(self) -> str:
+        assert self._directory is not None, "path() outside the with block"
+        os.makedirs(self._directory.name, mode=0o700, exist_ok=True)
+        copy = os.path.join(self._directory.name, self._name)
+        if not os.path.exists(copy):
+            with open(copy, "wb") as written:
+                written.write(self._data)
+        return copy
 
 
 def _child_command(
@@ -298,15 +321,16 @@ def _child_command(
     seed: int,
     *,
     origins: Mapping[str, Origin],
-    config_path: str | None,
+    config_path: str,
 ) -> list[str]:
     """``kvroute serve`` for child ``index``: this command's own flags (the environment reaches the child
     as it reached this process, the configuration file as ``config_path``, the copy of it this process
-    took), one process, the resolved addresses, its own decision log and seed, and where those and the
-    file's settings came from to this process (``origins``: its sources), which the child shows as
-    theirs, not as the flags or the copy they reach it by."""
+    took, "" when it read none), one process, the resolved addresses, its own decision log and seed,
+    and where those and the file's settings came from to this process (``origins``: its sources),
+    which the child shows as theirs, not as the flags or the copy they reach it by."""
     given = vars(args)
-    flags: list[str] = [f"--config={config_path}"] if config_path is not None else []
+    # Always given: "" reads none, as this process read none, whatever KVROUTE_CONFIG says.
+    flags: list[str] = [f"--config={config_path}"]
     overrides = {
         "processes": "1",
         "grpc_listen": grpc_listen,
@@ -379,26 +403,41 @@ def _stop_signals(supervised: int | None) -> tuple[signal.Signals, ...]:
     return (*STOP_SIGNALS, STOP_NOW_SIGNAL) if supervised is not None else STOP_SIGNALS
 
 
-def _ignore_stop(signum: int, frame: FrameType | None) -> None:
-    """A stop signal after the stop is under way: ignored (see ``_serve``)."""
+@contextlib.contextmanager
+def stop_signal_receiver(stop_signals: Sequence[signal.Signals]) -> Iterator[AsyncIterator[int]]:
+    """trio's signal receiver for ``stop_signals`` (call on the trio thread), losing no stop before it
+    opens and killed by none after it closes; the caller puts the signals' earlier handlers back once
+    it has said how it stopped.
+
+    trio's receiver sends a signal it never handed out again as it closes, to the handler in place
+    when it opened: the default one killed the process with its stop under way, before its drain
+    summary (exit 143). A handler of ours is in place from just before it opens: a stop that comes
+    before the receiver's own handler is held and sent again once the receiver is open, and one sent
+    again at its close is held with nobody to read it, the stop being under way."""
+    held: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append(signum)
+
+    for stop in stop_signals:
+        signal.signal(stop, hold)
+    with trio.open_signal_receiver(*stop_signals) as signals:
+        early, held[:] = list(held), []
+        for signum in early:
+            signal.raise_signal(signum)  # to the receiver's handler now
+        yield signals
 
 
 async def _serve(loaded: LoadedConfig, supervised: int | None) -> SidecarStats | str:
     """The calls' counts once drained; or the name of the signal that stopped it during start-up (which
     can take as long as a peer's discovery timeout: a stop must not wait for it, nor see it serve).
 
-    It leaves the stop signals ignored, for its caller to put their handlers back once it has reported
-    the stop: trio's signal receiver sends a signal that came and was never read again as it closes,
-    to the handler in place when it opened. A third stop, or the drain signal pending beside the
-    stop-now one a supervising parent sends, was such a signal: with the default handler in place, it
-    killed the process with its stop under way, before the drain summary (exit 143)."""
-    stop_signals = _stop_signals(supervised)
+    It leaves the stop signals held (``stop_signal_receiver``), for its caller to put their handlers
+    back once it has reported the stop: a third stop, or the drain signal pending beside the stop-now
+    one a supervising parent sends, is never read, and it killed the process as the receiver closed."""
     stopped_by: list[str] = []
     stats: SidecarStats | None = None
-    # Replaced by the receiver's own in the same step (no checkpoint between): no stop is lost.
-    for signum in stop_signals:
-        signal.signal(signum, _ignore_stop)
-    with trio.open_signal_receiver(*stop_signals) as signals:
+    with stop_signal_receiver(_stop_signals(supervised)) as signals:
         async with trio.open_nursery() as guard:
             starting = trio.CancelScope()
             watching = trio.CancelScope()

@@ -21,6 +21,7 @@ import grpc
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from kvroute_sim.sim.cluster import SimCluster, SimClusterAddresses
 from kvroute_sim.sim.kvcm import KvcmFaults
@@ -312,6 +313,30 @@ async def test_a_stop_signal_never_read_does_not_kill_the_process_as_it_stops(
     assert code == 0, stderr
     assert "stopping now" in stderr, stderr
     assert _SUMMARY.search(stderr), stderr
+
+
+async def test_a_stop_signal_before_the_receiver_opens_is_read_by_it_and_one_after_it_closes_is_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop that came between the handlers being set and trio's receiver opening was lost (its
+    handler ignored it), and one sent again as the receiver closed ended the process."""
+    previous = signal.getsignal(signal.SIGUSR2)
+    opened = trio.open_signal_receiver
+
+    def opened_late(*signums: int) -> object:
+        signal.raise_signal(signal.SIGUSR2)  # after the held handler is set, before the receiver's
+        return opened(*signums)
+
+    monkeypatch.setattr(trio, "open_signal_receiver", opened_late)
+    try:
+        with serve_cli.stop_signal_receiver((signal.SIGUSR2,)) as signals, trio.fail_after(5):
+            assert await signals.__anext__() == signal.SIGUSR2
+            signal.raise_signal(signal.SIGUSR2)  # never read: sent again as the receiver closes
+        # trio hands a signal to its receiver from its loop: the one sent again comes now, to the held handler.
+        await trio.testing.wait_all_tasks_blocked()
+        signal.raise_signal(signal.SIGUSR2)  # and one after: held, not the default action (the end)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
 
 
 async def test_fatal_configuration_lists_every_problem_and_exits_2() -> None:

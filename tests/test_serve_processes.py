@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -334,18 +335,22 @@ def test_each_child_reads_the_copy_of_the_config_file_the_parent_took(tmp_path: 
     config = tmp_path / "kvroute.toml"
     config.write_text("[serve]\ndrain_timeout_s = 3\n")
     args = build_parser("serve").parse_args(["serve", "--config", str(config), "--processes", "2"])
-    with serve_cli._config_snapshot(str(config)) as copy:
-        assert copy is not None and copy != str(config)
+    with serve_cli.ConfigCopy.read(str(config)) as copy:
         config.write_text("[serve]\ndrain_timeout_s = banana\n")  # edited while serving
-        assert Path(copy).read_text() == "[serve]\ndrain_timeout_s = 3\n"
+        path = copy.path()
+        assert path != str(config) and Path(path).read_text() == "[serve]\ndrain_timeout_s = 3\n"
         command = serve_cli._child_command(
-            args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 1, origins={}, config_path=copy
+            args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 1, origins={}, config_path=path
         )
-        assert f"--config={copy}" in command
+        assert f"--config={path}" in command
         assert command[-3:-1] == ["--supervised-process=1", "--supervised-processes=2"]
-    assert not Path(copy).exists()  # removed with the supervision
-    with serve_cli._config_snapshot(None) as none:
-        assert none is None
+        # A temporary-files cleaner took it under a long-running parent: the next child's start writes it again.
+        shutil.rmtree(Path(path).parent)
+        assert copy.path() == path and Path(path).read_text() == "[serve]\ndrain_timeout_s = 3\n"
+    assert not Path(path).exists()  # removed with the supervision
+    # No file read (none given, or --config= whatever KVROUTE_CONFIG says): the children read none either.
+    command = serve_cli._child_command(args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", 1, origins={}, config_path="")
+    assert "--config=" in command
 
 
 def test_each_child_draws_from_a_seed_of_its_own() -> None:
@@ -356,7 +361,7 @@ def test_each_child_draws_from_a_seed_of_its_own() -> None:
     assert serve_cli.child_seed(SEED_MAX, 1) == 0  # within the setting's range
     args = build_parser("serve").parse_args(["serve", "--processes", "2", "--scorer-seed", "7"])
     command = serve_cli._child_command(
-        args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", serve_cli.child_seed(7, 1), origins={}, config_path=None
+        args, 1, 2, "127.0.0.1:5000", "127.0.0.1:0", "", serve_cli.child_seed(7, 1), origins={}, config_path=""
     )
     assert [flag for flag in command if flag.startswith("--scorer-seed")] == ["--scorer-seed=8"]
 
@@ -369,7 +374,7 @@ def test_a_childs_config_names_where_the_values_its_parent_resolved_came_from(tm
     argv = ["serve", "--config", str(config), "--processes", "2", "--workers=127.0.0.1:9", "--kvcm-fallback=false"]
     parent = load_or_report(build_parser("serve").parse_args(argv), "serve")
     assert parent is not None
-    with serve_cli._config_snapshot(str(config)) as copy:
+    with serve_cli.ConfigCopy.read(str(config)) as copy:
         command = serve_cli._child_command(
             build_parser("serve").parse_args(argv),
             1,
@@ -379,7 +384,7 @@ def test_a_childs_config_names_where_the_values_its_parent_resolved_came_from(tm
             "",
             8,
             origins=parent.sources,
-            config_path=copy,
+            config_path=copy.path(),
         )
         child_args = build_parser("serve").parse_args(command[command.index("serve") :])
         child = load_or_report(child_args, "serve")
