@@ -311,6 +311,13 @@ class AnsweredWithin:
         self._recent.observe(took_s)
         self.within_s = self._recent.high
 
+    def pass_over(self) -> None:
+        """A call spared judging, with no answer (from the owning task): it takes a place in the window,
+        so a peer that stops answering while only tight budgets reach it has its answers age out, and
+        its cuts are judged again once the window holds none."""
+        self._recent.pass_over()
+        self.within_s = self._recent.high
+
     def spares(self, given_s: float, slow_query_s: float) -> bool:
         """Whether a call cut by its request's budget after ``given_s`` is spared judging: less than
         ``slow_query_s`` (the configured floor), or than the peer's answers recently took."""

@@ -575,6 +575,8 @@ class LeaderResolver:
         else:
             if outcome.cut_short:
                 self._cut_short_total += 1
+                if self._cut_short_total % ANSWERED_SAMPLE_EVERY == 0:  # as the answers are sampled
+                    self._answered.pass_over()
             if outcome.trial:
                 self._breaker.release_trial()
 

@@ -20,6 +20,7 @@ import trio.testing
 from actors.breaker import ANSWERED_WINDOW, Admission, BreakerState
 from actors.inbox import ask
 from actors.leader_resolver import (
+    ANSWERED_SAMPLE_EVERY,
     LeaderResolver,
     LeaderState,
     LeaderUnavailable,
@@ -1148,6 +1149,14 @@ async def test_a_budget_cut_shorter_than_kvcms_answers_recently_took_is_not_judg
     assert snap.queries_cut_short_total == 2 * BREAKER_CFG.failure_threshold
     # Given longer than its answers take, and not answered: judged.
     assert resolver.record_kvcm(cut, trial=False, given_s=0.031, started_at=trio.current_time()) is True
+    # KVCM hangs while only tight budgets reach it: the spared cuts take the answers' places, and once
+    # none is left the cuts are judged again (they were spared for good).
+    spared = 0
+    while resolver.record_kvcm(cut, trial=False, given_s=0.015, started_at=trio.current_time()) is False:
+        spared += 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert spared <= ANSWERED_WINDOW * ANSWERED_SAMPLE_EVERY, "the answers never aged out"
+    assert resolver.snapshot().answered_within_s is None  # no answer left in the window
 
 
 async def test_the_last_failed_query_shows_in_the_snapshot(

@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from actors.breaker import Admission, BreakerState
+from actors.breaker import ANSWERED_WINDOW, Admission, BreakerState
 from actors.sources.master import MasterClientHealth, MasterSource, _AskTrial, _Attempted, _Verdict
 from kvroute_sim.sim.cluster import SimCluster
 from kvroute_sim.sim.master import MasterFaults, SimMaster
@@ -272,6 +272,16 @@ async def test_requests_whose_budget_is_shorter_than_the_masters_answers_leave_i
         assert isinstance(health, MasterClientHealth)
         assert health.breaker.state.value == "closed" and health.breaker.opened_total == 0, health.breaker
         assert roomy == [RouteSource.MASTER] * len(roomy)
+        # Then the master's schedule answers slow to 60 ms (its master/info too, within discovery's
+        # timeout) while only tight budgets reach it: its answers age out as the cuts take their
+        # places, and the cuts are judged again (they were spared for good).
+        r.master.set_faults(0, MasterFaults(slow_ms=60.0))
+        for i in range(ANSWERED_WINDOW + 2 * 3):  # the window, then the breaker's threshold (3) and more
+            await r.route(f"h{i}", budget_ms=35)
+            await trio.sleep(0.02)
+        health = r.handle.actors()["master_client"]["health"]
+        assert isinstance(health, MasterClientHealth)
+        assert health.breaker.opened_total >= 1, health.breaker
 
 
 async def test_a_slave_cut_at_the_windows_end_after_the_masters_queue_timeout_is_counted_and_named(

@@ -121,6 +121,7 @@ class _Attempted:
     # A trial granted to a caller already gone, given back: no request of its own (its caller reports).
     released: bool = False
     took_s: float | None = None  # answered: how long the master took
+    cut_short: bool = False  # not judged: the request's budget cut the call short of an answer
 
 
 class _AskTrial(Ask[Admission]):
@@ -137,7 +138,7 @@ _TRIAL_ENDED = _TrialEnded()
 class _Outcome:
     """What one attempt found out for the breaker, filled in as it goes (local to the request)."""
 
-    __slots__ = ("called_at", "error", "took_s", "trial", "verdict")
+    __slots__ = ("called_at", "cut_short", "error", "took_s", "trial", "verdict")
 
     def __init__(self) -> None:
         self.verdict: _Verdict | None = None
@@ -145,6 +146,7 @@ class _Outcome:
         self.error: str | None = None
         self.called_at = -math.inf
         self.took_s: float | None = None  # answered: how long the master took
+        self.cut_short = False  # not judged: the request's budget cut the call short of an answer
 
 
 class MasterSource:
@@ -271,6 +273,8 @@ class MasterSource:
             self._breaker.record_failure(now, attempted.trial, started_at=attempted.called_at)
         elif verdict is _Verdict.NOT_JUDGED and attempted.trial:
             self._breaker.release_trial()
+        if attempted.cut_short:
+            self._answered.pass_over()
         if attempted.released:
             return
         if attempted.error is not None:
@@ -343,6 +347,7 @@ class MasterSource:
                 outcome.error,
                 outcome.called_at,
                 took_s=outcome.took_s,
+                cut_short=outcome.cut_short,
             )
         )
         if ctx.record is not None:
@@ -420,6 +425,7 @@ class MasterSource:
                 # The request's own budget cut the attempt short of what the master's answers take (or of
                 # slow_query_ms): it says nothing of the master.
                 outcome.verdict = _Verdict.NOT_JUDGED
+                outcome.cut_short = True
             else:
                 outcome.verdict = _Verdict.FAILURE
             return FellThrough(Reason.MASTER_UNAVAILABLE)
