@@ -237,56 +237,9 @@ async def test_a_stop_during_start_up_ends_it_at_once_and_it_never_says_it_serve
     assert "SIGTERM during start-up: stopped before serving" in stderr
 
 
-async def test_a_supervised_child_stops_at_once_when_the_stop_now_is_the_first_signal_it_reads() -> None:
-    """The parent sends a child its drain signal (SIGTERM) and, on a second stop, STOP_NOW_SIGNAL
-    (SIGUSR1) right after it. Pending together, a process handles signals in number order, so the
-    child read SIGUSR1 first: it took it for its drain signal, then ignored the SIGTERM as a second
-    drain signal from a service manager, and drained out its whole lame duck."""
-    command = [
-        *CLI_SERVE,
-        "--grpc-listen=127.0.0.1:0",
-        "--debug-listen=127.0.0.1:0",
-        "--workers=127.0.0.1:9",
-        "--kvcm-fallback=false",
-        "--drain-lame-duck-s=600",  # a drain outlasts the test's bound: only a stop at once ends in it
-        "--drain-timeout-s=600",
-        "--supervised-process=0",
-        "--supervised-processes=1",
-    ]
-    with trio.fail_after(60):
-        proc = await trio.lowlevel.open_process(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        try:
-            assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
-            assert _ADDRESSES.search(await _read_line(proc.stdout))
-            proc.send_signal(STOP_NOW_SIGNAL)
-            stderr = await _read_all(proc.stderr)
-            code = await proc.wait()
-        finally:
-            await _stop_process(proc)
-    assert code == 0, stderr
-    assert "SIGUSR1: stopping now" in stderr, stderr
-    assert "draining" not in stderr.replace("SIGUSR1: stopping now", ""), stderr
-    assert _SUMMARY.search(stderr), stderr
-
-
-@pytest.mark.parametrize(
-    "stops",
-    [
-        # A third stop: the first drains, the second stops at once, the third is never read.
-        pytest.param((signal.SIGHUP, signal.SIGINT, signal.SIGTERM), id="three-stops"),
-        # What a supervising parent sends a child on a second stop: both pending, the stop-now read first.
-        pytest.param((signal.SIGTERM, STOP_NOW_SIGNAL), id="drain-and-stop-now"),
-    ],
-)
-async def test_a_stop_signal_never_read_does_not_kill_the_process_as_it_stops(
-    stops: tuple[signal.Signals, ...],
-) -> None:
-    """trio's signal receiver sends a signal it never handed out again as it closes, to the handler in
-    place before it: the default one, which killed the process with its stop under way, before its
-    drain summary (exit 143, or -15 in a supervising parent's count)."""
-    supervised = STOP_NOW_SIGNAL in stops
+async def _signalled_once_serving(stops: Sequence[signal.Signals], *, supervised: bool) -> tuple[int, str]:
+    """A serve process (a supervised child when ``supervised``) whose drain outlasts the test's bound,
+    sent ``stops`` once it serves: its exit status and stderr."""
     command = [
         *CLI_SERVE,
         "--grpc-listen=127.0.0.1:0",
@@ -310,6 +263,37 @@ async def test_a_stop_signal_never_read_does_not_kill_the_process_as_it_stops(
             code = await proc.wait()
         finally:
             await _stop_process(proc)
+    return code, stderr
+
+
+async def test_a_supervised_child_stops_at_once_when_the_stop_now_is_the_first_signal_it_reads() -> None:
+    """The parent sends a child its drain signal (SIGTERM) and, on a second stop, STOP_NOW_SIGNAL
+    (SIGUSR1) right after it. Pending together, a process handles signals in number order, so the
+    child read SIGUSR1 first: it took it for its drain signal, then ignored the SIGTERM as a second
+    drain signal from a service manager, and drained out its whole lame duck."""
+    code, stderr = await _signalled_once_serving((STOP_NOW_SIGNAL,), supervised=True)
+    assert code == 0, stderr
+    assert "SIGUSR1: stopping now" in stderr, stderr
+    assert "draining" not in stderr.replace("SIGUSR1: stopping now", ""), stderr
+    assert _SUMMARY.search(stderr), stderr
+
+
+@pytest.mark.parametrize(
+    "stops",
+    [
+        # A third stop: the first drains, the second stops at once, the third is never read.
+        pytest.param((signal.SIGHUP, signal.SIGINT, signal.SIGTERM), id="three-stops"),
+        # What a supervising parent sends a child on a second stop: both pending, the stop-now read first.
+        pytest.param((signal.SIGTERM, STOP_NOW_SIGNAL), id="drain-and-stop-now"),
+    ],
+)
+async def test_a_stop_signal_never_read_does_not_kill_the_process_as_it_stops(
+    stops: tuple[signal.Signals, ...],
+) -> None:
+    """trio's signal receiver sends a signal it never handed out again as it closes, to the handler in
+    place before it: the default one, which killed the process with its stop under way, before its
+    drain summary (exit 143, or -15 in a supervising parent's count)."""
+    code, stderr = await _signalled_once_serving(stops, supervised=STOP_NOW_SIGNAL in stops)
     assert code == 0, stderr
     assert "stopping now" in stderr, stderr
     assert _SUMMARY.search(stderr), stderr
