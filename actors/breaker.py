@@ -296,27 +296,28 @@ class AnsweredWithin:
     request's budget cut in less than that says nothing of the peer's health: judged, requests with
     budgets shorter than a healthy answer opened the breaker for the requests with room for it."""
 
-    __slots__ = ("_recent", "within_s")
+    __slots__ = ("_recent",)
 
     def __init__(self) -> None:
         self._recent = RecentQuantile(ANSWERED_WINDOW, ANSWERED_QUANTILE)
-        self.within_s = 0.0  # published: a float, read by callers without a hop
 
     @property
     def samples(self) -> int:
         return self._recent.samples
 
+    @property
+    def within_s(self) -> float:
+        return self._recent.high  # an index into the window's ordered samples: callers read it as they judge
+
     def observe(self, took_s: float) -> None:
         """One answered call's duration (from the owning task)."""
         self._recent.observe(took_s)
-        self.within_s = self._recent.high
 
     def pass_over(self) -> None:
         """A call spared judging, with no answer (from the owning task): it takes a place in the window,
         so a peer that stops answering while only tight budgets reach it has its answers age out, and
         its cuts are judged again once the window holds none."""
         self._recent.pass_over()
-        self.within_s = self._recent.high
 
     def spares(self, given_s: float, slow_query_s: float) -> bool:
         """Whether a call cut by its request's budget after ``given_s`` is spared judging: less than
